@@ -1,0 +1,201 @@
+"""The backend contract shared by every op.
+
+A backend is a small class with pure declarations (name, op, priority, modes, graph modes, numerics,
+requirements) and `check(spec) -> list[str]`: the reasons it can't serve `spec`, empty when it can.
+Nothing here reads global state: `BackendSpec` carries every fact about the machine and the model that
+a check may look at, so tests build one by hand (a capability override is just a field).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import torch
+
+from pieceworks.executor.batch import ForwardMode, GraphMode
+
+OPS = ("attention", "mla", "fp4_gemm", "moe")
+NUMERICS = ("w4a4", "w4a16")
+
+ALL_FORWARD_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED})
+ALL_GRAPH_MODES = frozenset(GraphMode)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What backends may need to know about the model (all sizes are per tensor-parallel rank).
+
+    Attributes:
+        arch: "llama" or "deepseek_v3".
+        dtype: activation dtype.
+        num_heads: query heads.
+        num_kv_heads: KV heads (GQA); 1 for MLA.
+        head_dim: attention head size (GQA).
+        kv_lora_rank: MLA latent size (0 without MLA).
+        qk_rope_head_dim: MLA rope part of the key (0 without MLA).
+        page_size: tokens per KV page.
+        fp4: whether linears are NVFP4.
+        moe_experts: routed experts (0 without MoE).
+        moe_quant: "nvfp4" or "none" for the expert weights.
+    """
+
+    arch: str = "llama"
+    dtype: torch.dtype = torch.float32
+    num_heads: int = 1
+    num_kv_heads: int = 1
+    head_dim: int = 64
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    page_size: int = 16
+    fp4: bool = False
+    moe_experts: int = 0
+    moe_quant: str = "none"
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """The machine and model a backend is asked to serve.
+
+    Attributes:
+        device: "cpu" or "cuda".
+        capability: CUDA compute capability (major, minor), None on CPU.
+        model: model facts.
+        fp4_numerics: "auto", "w4a4" or "w4a16" (quantization.fp4_numerics).
+        modules: importable module names, or None to probe the environment (tests pass a set).
+    """
+
+    device: str = "cpu"
+    capability: tuple[int, int] | None = None
+    model: ModelFacts = field(default_factory=ModelFacts)
+    fp4_numerics: str = "auto"
+    modules: frozenset[str] | None = None
+
+    def importable(self, name: str) -> bool:
+        if self.modules is not None:
+            return name in self.modules
+        return importlib.util.find_spec(name) is not None
+
+    @classmethod
+    def for_device(cls, device: torch.device | str, **kw: Any) -> "BackendSpec":
+        """A spec for a real device, with its capability read from the driver."""
+        device = torch.device(device)
+        cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        return cls(device=device.type, capability=cap, **kw)
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """What a backend needs from the machine.
+
+    Attributes:
+        devices: device kinds it runs on.
+        min_capability: lowest CUDA compute capability, e.g. (8, 0).
+        capability_majors: CUDA architectures it is built for, by major version, e.g. (10,) for
+            sm_100/sm_103; None = any at or above min_capability.
+        modules: modules that must be importable (checked without importing them).
+        install_hint: how to get the modules, shown with the reason.
+    """
+
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    min_capability: tuple[int, int] | None = None
+    capability_majors: tuple[int, ...] | None = None
+    modules: tuple[str, ...] = ()
+    install_hint: str = ""
+
+    def reasons(self, spec: BackendSpec) -> list[str]:
+        out = []
+        if spec.device not in self.devices:
+            out.append(f"needs device {' or '.join(self.devices)} (this run: {spec.device})")
+        elif spec.device == "cuda" and spec.capability is not None:
+            cap = ".".join(map(str, spec.capability))
+            if self.min_capability and spec.capability < self.min_capability:
+                need = ".".join(map(str, self.min_capability))
+                out.append(f"needs compute capability >= {need} (this GPU: {cap})")
+            if self.capability_majors and spec.capability[0] not in self.capability_majors:
+                need = " or ".join(f"{m}.x" for m in self.capability_majors)
+                out.append(f"needs compute capability {need} (this GPU: {cap})")
+        for mod in self.modules:
+            if not spec.importable(mod):
+                hint = f" ({self.install_hint})" if self.install_hint else ""
+                out.append(f"module '{mod}' is not importable{hint}")
+        return out
+
+
+class Backend:
+    """One named implementation of one op.
+
+    Subclasses declare the class attributes below and implement the op's run interface (see the op's
+    `base.py`). They are built by the registry as `cls(spec, options)` for the table entries they win.
+    """
+
+    name: ClassVar[str]
+    """Short registry key, unique within the op (`torch`, `flashinfer`, `triton`, `trtllm`)."""
+    op: ClassVar[str]
+    """One of OPS."""
+    priority: ClassVar[int] = 0
+    """Higher wins under `auto`. The torch references use 0."""
+    requires: ClassVar[Requirements] = Requirements()
+    forward_modes: ClassVar[frozenset[ForwardMode]] = ALL_FORWARD_MODES
+    graph_modes: ClassVar[frozenset[GraphMode]] = ALL_GRAPH_MODES
+    """Graph modes it is safe in: FULL = capturable in a whole-forward CUDA graph; PIECEWISE = safe in
+    piecewise graphs (for splitting ops: runs eagerly between pieces with plan/run as graphs expect; for
+    other ops: capturable inside a piece)."""
+    numerics: ClassVar[tuple[str, ...]] = ()
+    """fp4_gemm and moe: the NVFP4 numerics it implements, its default first (see NUMERICS)."""
+    Options: ClassVar[type | None] = None
+    """A dataclass of the backend's config options (`backends.options.<name>`), or None."""
+    description: ClassVar[str] = ""
+
+    def __init__(self, spec: BackendSpec, options: Any = None) -> None:
+        self.spec = spec
+        self.options = options if options is not None else (self.Options() if self.Options else None)
+
+    @classmethod
+    def check(cls, spec: BackendSpec) -> list[str]:
+        """Reasons this backend can't serve `spec`; empty when it can.
+
+        Subclasses extend this (call super) with model-dependent reasons, e.g. an unsupported page size.
+        """
+        reasons = cls.requires.reasons(spec)
+        if cls.numerics and spec.model.fp4 and spec.fp4_numerics not in ("auto", *cls.numerics):
+            reasons.append(
+                f"implements {'/'.join(cls.numerics)} numerics; quantization.fp4_numerics asks for "
+                f"{spec.fp4_numerics}"
+            )
+        return reasons
+
+    @classmethod
+    def resolved_numerics(cls, spec: BackendSpec) -> str | None:
+        """The numerics this backend runs for `spec` (its default under `auto`)."""
+        if not cls.numerics:
+            return None
+        return cls.numerics[0] if spec.fp4_numerics == "auto" else spec.fp4_numerics
+
+    @classmethod
+    def key(cls) -> str:
+        return f"{cls.op}.{cls.name}"
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.key()}>"
+
+
+def parse_options(backend: type[Backend], raw: dict | None) -> Any:
+    """Turn `backends.options.<name>` into the backend's Options dataclass, naming unknown keys."""
+    raw = dict(raw or {})
+    if backend.Options is None:
+        if raw:
+            raise ValueError(
+                f"backends.options.{backend.name}: backend {backend.key()} takes no options "
+                f"(got {sorted(raw)})"
+            )
+        return None
+    allowed = {f.name for f in fields(backend.Options)}
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise ValueError(
+            f"backends.options.{backend.name}: unknown option(s) {unknown} for {backend.key()}; "
+            f"allowed: {sorted(allowed)}"
+        )
+    return backend.Options(**raw)

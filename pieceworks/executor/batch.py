@@ -1,0 +1,114 @@
+"""Forward modes, graph modes and the per-step batch description that attention backends plan from.
+
+Token layout in every step: the new tokens of sequence 0, then those of sequence 1, ... (contiguous per
+sequence, in batch order). Shapes below use T = number of new tokens in the step, B = number of
+sequences, P = pages per sequence in the page table.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    """What a step does to its sequences."""
+
+    EXTEND = "extend"  # new tokens after an optional cached prefix (prefill, chunked prefill)
+    DECODE = "decode"  # exactly one new token per sequence, every sequence has a cached prefix
+    MIXED = "mixed"  # some sequences extend, some decode, in one batch
+    IDLE = "idle"  # no tokens (a tensor-parallel worker with nothing to do this step)
+
+    @classmethod
+    def classify(cls, extend_lens: list[int], prefix_lens: list[int]) -> "ForwardMode":
+        """The mode of a batch from its per-sequence new-token counts and cached-prefix lengths."""
+        if not extend_lens:
+            return cls.IDLE
+        decoding = [n == 1 and p > 0 for n, p in zip(extend_lens, prefix_lens)]
+        if all(decoding):
+            return cls.DECODE
+        if any(decoding):
+            return cls.MIXED
+        return cls.EXTEND
+
+
+class GraphMode(enum.Enum):
+    """How a step's kernels are launched."""
+
+    EAGER = "eager"  # plain Python dispatch
+    FULL = "full"  # the whole forward replayed from one CUDA graph (decode)
+    PIECEWISE = "piecewise"  # pieces between attention ops replayed from CUDA graphs (extend, mixed)
+
+
+# Forward modes that a kernel table is resolved for (IDLE runs no kernels), and the graph modes each
+# of them can run under.
+TABLE_MODES: dict[ForwardMode, tuple[GraphMode, ...]] = {
+    ForwardMode.EXTEND: (GraphMode.EAGER, GraphMode.PIECEWISE),
+    ForwardMode.MIXED: (GraphMode.EAGER, GraphMode.PIECEWISE),
+    ForwardMode.DECODE: (GraphMode.EAGER, GraphMode.FULL),
+}
+
+
+@dataclass
+class StepMetadata:
+    """Everything attention backends need to plan one step, built by the runner from the batch.
+
+    Host-side lists are the truth; device tensors are copies for kernels. `num_tokens` counts real
+    tokens; `slot_mapping` may be longer (padding to a graph size), its padded entries pointing at the
+    pool's reserved slot so padded tokens write their KV somewhere harmless.
+
+    Attributes:
+        mode: the step's forward mode.
+        graph_mode: how this step is launched (backends size static buffers by it).
+        extend_lens: [B] new tokens per sequence.
+        prefix_lens: [B] tokens already in the KV cache per sequence before this step.
+        page_size: tokens per KV page.
+        page_table: [B, P] int32 on the device: page ids of each sequence, in order; unused entries 0.
+        slot_mapping: [T_padded] int64 on the device: KV slot (page * page_size + offset) of every token.
+        positions: [T_padded] int64 on the device: position of every token in its sequence.
+        graph_batch_size: for FULL decode graphs, the padded batch size of the graph being replayed
+            (sequences past len(extend_lens) are padding with length-1 dummy entries); else None.
+    """
+
+    mode: ForwardMode
+    graph_mode: GraphMode
+    extend_lens: list[int]
+    prefix_lens: list[int]
+    page_size: int
+    page_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    graph_batch_size: int | None = None
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.extend_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """[B] KV length of every sequence after this step (prefix + new tokens)."""
+        return [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
+
+    @property
+    def device(self) -> torch.device:
+        return self.slot_mapping.device
+
+    def qo_indptr(self) -> list[int]:
+        """[B + 1] offsets of each sequence's new tokens in the step's token layout."""
+        out = [0]
+        for n in self.extend_lens:
+            out.append(out[-1] + n)
+        return out
+
+    def seq_lens_tensor(self) -> torch.Tensor:
+        """[B] int32 on the device; cached per step."""
+        if "seq_lens" not in self._cache:
+            self._cache["seq_lens"] = torch.tensor(self.seq_lens, dtype=torch.int32, device=self.device)
+        return self._cache["seq_lens"]
