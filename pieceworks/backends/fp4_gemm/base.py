@@ -1,0 +1,59 @@
+"""The `fp4_gemm` op contract: y = x @ dequant(W).T for an NVFP4 weight.
+
+A backend may keep weights in its own layout: `prepare` converts the checkpoint tensors once at load
+(e.g. 128x4-swizzled scales); `forward` receives what `prepare` returned. All fp4_gemm backends of one
+executor must share a `weight_layout` (the registry enforces it), so one copy of the weights serves
+every forward mode.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, NamedTuple
+
+import torch
+
+from pieceworks.backends.base import Backend
+
+
+class Fp4Weight(NamedTuple):
+    """One NVFP4 linear's tensors.
+
+    Checkpoint (linear) layout: weight uint8 [N, K/2]; weight_scale float8_e4m3fn [N, K/16];
+    weight_scale_2 float32 scalar; input_scale float32 scalar (used by w4a4 numerics).
+    """
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_scale_2: torch.Tensor
+    input_scale: torch.Tensor
+
+
+class Fp4GemmBackend(Backend):
+    op = "fp4_gemm"
+    weight_layout: ClassVar[str] = "linear"
+    """Name of the layout `prepare` produces; "linear" = as stored in the checkpoint."""
+
+    def prepare(self, w: Fp4Weight) -> Fp4Weight:
+        """Convert checkpoint tensors into this backend's layout, once at load (default: as stored)."""
+        return w
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        weight_scale_2: torch.Tensor,
+        input_scale: torch.Tensor,
+        out_features: int,
+    ) -> torch.Tensor:
+        """Compute x @ dequant(W).T.
+
+        Args:
+            x: [M, K] activations (bf16, fp16 or fp32).
+            weight, weight_scale, weight_scale_2, input_scale: as `prepare` returned them.
+            out_features: N.
+
+        Returns:
+            [M, N] in x.dtype.
+        """
+        raise NotImplementedError
