@@ -1,0 +1,97 @@
+"""Reference paged attention in plain torch: gathered pages, softmax in float32.
+
+Extend and mixed steps loop over sequences on the host (fine: under piecewise graphs attention runs
+eagerly between pieces). Decode steps use a masked, batched form with no host syncs, so the reference
+is also capturable in full decode graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pieceworks.backends.attention.base import AttentionBackend
+from pieceworks.executor.batch import ForwardMode, GraphMode
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, prefix: int) -> torch.Tensor:
+    """Causal attention of n new queries over S = prefix + n keys, float32.
+
+    Args:
+        q: [n, Hq, D]; k, v: [S, Hkv, D] (Hq a multiple of Hkv).
+    Returns:
+        [n, Hq, D] float32.
+    """
+    n, hq, d = q.shape
+    s, hkv, _ = k.shape
+    qf = q.float().view(n, hkv, hq // hkv, d)
+    scores = torch.einsum("nhgd,shd->hgns", qf, k.float()) * scale
+    q_pos = torch.arange(n, device=q.device).unsqueeze(1) + prefix
+    allowed = torch.arange(s, device=q.device).unsqueeze(0) <= q_pos
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.einsum("hgns,shd->nhgd", probs, v.float()).reshape(n, hq, v.shape[-1])
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+    priority = 0
+    description = "reference: gathered pages, float32 softmax"
+
+    def __init__(self, spec, options=None) -> None:
+        super().__init__(spec, options)
+        self._meta = None
+        self._static_lens: dict[int, torch.Tensor] = {}
+
+    def plan(self, meta) -> None:
+        self._meta = meta
+        if meta.graph_mode is GraphMode.FULL:
+            self._seq_lens = _static_seq_lens(self._static_lens, meta)
+        elif meta.mode is ForwardMode.DECODE:
+            self._seq_lens = meta.seq_lens_tensor()
+
+    def forward(self, q, k, v, out, layer_id, scale, kv) -> None:
+        meta = self._meta
+        kc, vc = kv.k_cache(layer_id), kv.v_cache(layer_id)
+        slots = meta.slot_mapping[: k.shape[0]]
+        kc.view(-1, *kc.shape[2:]).index_copy_(0, slots, k.to(kc.dtype))
+        vc.view(-1, *vc.shape[2:]).index_copy_(0, slots, v.to(vc.dtype))
+        if meta.mode is ForwardMode.DECODE:
+            self._decode(q, out, kc, vc, scale)
+            return
+        ps = meta.page_size
+        indptr = meta.qo_indptr()
+        for i, (prefix, seq_len) in enumerate(zip(meta.prefix_lens, meta.seq_lens)):
+            pages = meta.page_table[i, : -(-seq_len // ps)]
+            keys = kc[pages].flatten(0, 1)[:seq_len]
+            vals = vc[pages].flatten(0, 1)[:seq_len]
+            lo, hi = indptr[i], indptr[i + 1]
+            out[lo:hi] = attend(q[lo:hi], keys, vals, scale, prefix).to(out.dtype)
+
+    def _decode(self, q, out, kc, vc, scale) -> None:
+        """Batched decode without host syncs: every sequence's pages gathered to the table width."""
+        lens = self._seq_lens
+        b = lens.shape[0]
+        table = self._meta.page_table[:b]
+        keys = kc[table].flatten(1, 2)  # [B, P*ps, Hkv, D]
+        vals = vc[table].flatten(1, 2)
+        _, s, hkv, d = keys.shape
+        hq = q.shape[1]
+        qf = q[:b].float().view(b, hkv, hq // hkv, d)
+        scores = torch.einsum("bhgd,bshd->bhgs", qf, keys.float()) * scale
+        valid = torch.arange(s, device=q.device).unsqueeze(0) < lens.unsqueeze(1)
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1)
+        res = torch.einsum("bhgs,bshd->bhgd", probs, vals.float())
+        out[:b] = res.reshape(b, hq, vals.shape[-1]).to(out.dtype)
+
+
+def _static_seq_lens(cache: dict[int, torch.Tensor], meta) -> torch.Tensor:
+    """The per-graph-size sequence-length buffer, filled for this replay (padding rows: length 1)."""
+    bs = meta.graph_batch_size or meta.num_seqs
+    buf = cache.get(bs)
+    if buf is None:
+        buf = cache[bs] = torch.ones(bs, dtype=torch.int32, device=meta.device)
+    lens = torch.ones(bs, dtype=torch.int32)
+    lens[: meta.num_seqs] = torch.tensor(meta.seq_lens, dtype=torch.int32)
+    buf.copy_(lens, non_blocking=False)
+    return buf

@@ -1,0 +1,28 @@
+"""Reference NVFP4 GEMM in plain torch: dequantize the weight, then one matmul.
+
+w4a16: y = x @ dequant(W).T with the weight dequantized to x.dtype (global scale applied in float32
+first). w4a4: x is first rounded through NVFP4 activation quantization with the layer's input_scale,
+exactly as Blackwell kernels quantize (see quant/nvfp4.quantize_activation).
+"""
+
+from __future__ import annotations
+
+from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend
+from pieceworks.quant import nvfp4
+
+
+class TorchFp4GemmBackend(Fp4GemmBackend):
+    name = "torch"
+    priority = 0
+    numerics = ("w4a16", "w4a4")
+    description = "reference: dequantize then matmul"
+
+    def __init__(self, spec, options=None) -> None:
+        super().__init__(spec, options)
+        self.numerics_used = self.resolved_numerics(spec)
+
+    def forward(self, x, weight, weight_scale, weight_scale_2, input_scale, out_features):
+        w = nvfp4.dequantize(weight, weight_scale, weight_scale_2, dtype=x.dtype)
+        if self.numerics_used == "w4a4":
+            x = nvfp4.fake_quantize_activation(x, input_scale).to(x.dtype)
+        return x @ w.t()

@@ -1,0 +1,78 @@
+"""Reference paged MLA (absorbed form) in plain torch, float32 softmax.
+
+Same structure as the reference attention: a host loop for extend/mixed (eager between pieces), a
+masked batched form for decode that is capturable in full graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pieceworks.backends.attention.torch import _static_seq_lens
+from pieceworks.backends.mla.base import MLABackend
+from pieceworks.executor.batch import ForwardMode, GraphMode
+
+
+def attend_latent(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, scale: float, prefix: int
+) -> torch.Tensor:
+    """Causal latent attention of n queries over S cached entries, float32.
+
+    Args:
+        q_nope: [n, H, L]; q_pe: [n, H, R]; cache: [S, L + R] (latent, then rope key).
+    Returns:
+        [n, H, L] float32.
+    """
+    n, _, rank = q_nope.shape
+    c = cache.float()
+    scores = (torch.einsum("nhl,sl->hns", q_nope.float(), c[:, :rank])
+              + torch.einsum("nhr,sr->hns", q_pe.float(), c[:, rank:])) * scale
+    q_pos = torch.arange(n, device=q_nope.device).unsqueeze(1) + prefix
+    allowed = torch.arange(c.shape[0], device=q_nope.device).unsqueeze(0) <= q_pos
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hns,sl->nhl", probs, c[:, :rank])
+
+
+class TorchMLABackend(MLABackend):
+    name = "torch"
+    priority = 0
+    description = "reference: gathered latent pages, float32 softmax"
+
+    def __init__(self, spec, options=None) -> None:
+        super().__init__(spec, options)
+        self._meta = None
+        self._static_lens: dict[int, torch.Tensor] = {}
+
+    def plan(self, meta) -> None:
+        self._meta = meta
+        if meta.graph_mode is GraphMode.FULL:
+            self._seq_lens = _static_seq_lens(self._static_lens, meta)
+        elif meta.mode is ForwardMode.DECODE:
+            self._seq_lens = meta.seq_lens_tensor()
+
+    def forward(self, q_nope, q_pe, c_kv, k_pe, out, layer_id, scale, kv) -> None:
+        meta = self._meta
+        cache = kv.latent_cache(layer_id)
+        slots = meta.slot_mapping[: c_kv.shape[0]]
+        cache.view(-1, cache.shape[-1]).index_copy_(0, slots, torch.cat([c_kv, k_pe], -1).to(cache.dtype))
+        if meta.mode is ForwardMode.DECODE:
+            self._decode(q_nope, q_pe, out, cache, scale)
+            return
+        ps = meta.page_size
+        indptr = meta.qo_indptr()
+        for i, (prefix, seq_len) in enumerate(zip(meta.prefix_lens, meta.seq_lens)):
+            pages = meta.page_table[i, : -(-seq_len // ps)]
+            entries = cache[pages].flatten(0, 1)[:seq_len]
+            lo, hi = indptr[i], indptr[i + 1]
+            out[lo:hi] = attend_latent(q_nope[lo:hi], q_pe[lo:hi], entries, scale, prefix).to(out.dtype)
+
+    def _decode(self, q_nope, q_pe, out, cache, scale) -> None:
+        lens = self._seq_lens
+        b = lens.shape[0]
+        entries = cache[self._meta.page_table[:b]].flatten(1, 2).float()  # [B, S, L + R]
+        rank = q_nope.shape[-1]
+        scores = (torch.einsum("bhl,bsl->bhs", q_nope[:b].float(), entries[..., :rank])
+                  + torch.einsum("bhr,bsr->bhs", q_pe[:b].float(), entries[..., rank:])) * scale
+        valid = torch.arange(entries.shape[1], device=cache.device).unsqueeze(0) < lens.unsqueeze(1)
+        probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1)
+        out[:b] = torch.einsum("bhs,bsl->bhl", probs, entries[..., :rank]).to(out.dtype)

@@ -1,0 +1,105 @@
+"""torch.library custom ops in namespace `pieceworks`: every kernel entry the models call.
+
+Each op takes tensors and scalars only and dispatches to the backend the kernel table chose for the
+running step (read from the forward context). Each has a fake implementation, so Dynamo traces the
+models with `fullgraph=True` and treats every op as one opaque node. `attention` and `mla` write into
+a caller-allocated `out`: they are the splitting ops of piecewise graphs, and the piece before them
+owns the output buffer, so its address stays fixed across graph replays.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from pieceworks.backends.moe.base import MoEWeights
+from pieceworks.executor.context import get_forward_context
+
+SPLITTING_OPS = ("pieceworks::attention", "pieceworks::mla")
+
+
+@torch.library.custom_op("pieceworks::attention", mutates_args=("out",))
+def attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int, scale: float) -> None:
+    """Paged attention; see backends/attention/base.py for shapes. Writes `out` [T, Hq, D]."""
+    ctx = get_forward_context()
+    ctx.kernels.attention.forward(q, k, v, out, layer_id, scale, ctx.kv)
+
+
+@attention.register_fake
+def _attention_fake(q, k, v, out, layer_id, scale):
+    return None
+
+
+@torch.library.custom_op("pieceworks::mla", mutates_args=("out",))
+def mla(
+    q_nope: Tensor, q_pe: Tensor, c_kv: Tensor, k_pe: Tensor, out: Tensor, layer_id: int, scale: float
+) -> None:
+    """Paged MLA (absorbed); see backends/mla/base.py for shapes. Writes `out` [T, H, kv_lora_rank]."""
+    ctx = get_forward_context()
+    ctx.kernels.mla.forward(q_nope, q_pe, c_kv, k_pe, out, layer_id, scale, ctx.kv)
+
+
+@mla.register_fake
+def _mla_fake(q_nope, q_pe, c_kv, k_pe, out, layer_id, scale):
+    return None
+
+
+@torch.library.custom_op("pieceworks::fp4_gemm", mutates_args=())
+def fp4_gemm(
+    x: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    weight_scale_2: Tensor,
+    input_scale: Tensor,
+    out_features: int,
+) -> Tensor:
+    """x [M, K] @ dequant(W).T -> [M, out_features] in x.dtype; see backends/fp4_gemm/base.py."""
+    backend = get_forward_context().kernels.fp4_gemm
+    return backend.forward(x, weight, weight_scale, weight_scale_2, input_scale, out_features)
+
+
+@fp4_gemm.register_fake
+def _fp4_gemm_fake(x, weight, weight_scale, weight_scale_2, input_scale, out_features):
+    return x.new_empty((x.shape[0], out_features))
+
+
+@torch.library.custom_op("pieceworks::moe", mutates_args=())
+def moe(
+    x: Tensor,
+    router_logits: Tensor,
+    correction_bias: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    w13_scale_2: Tensor,
+    w13_input_scale: Tensor,
+    w2: Tensor,
+    w2_scale: Tensor,
+    w2_scale_2: Tensor,
+    w2_input_scale: Tensor,
+    top_k: int,
+    num_expert_group: int,
+    topk_group: int,
+    renormalize: bool,
+    routed_scaling_factor: float,
+) -> Tensor:
+    """Routed experts: x [T, H] -> [T, H]; see backends/moe/base.py for the weights and routing."""
+    w = MoEWeights(w13, w13_scale, w13_scale_2, w13_input_scale, w2, w2_scale, w2_scale_2, w2_input_scale)
+    backend = get_forward_context().kernels.moe
+    return backend.forward(
+        x, router_logits, correction_bias, w, top_k, num_expert_group, topk_group, renormalize,
+        routed_scaling_factor,
+    )
+
+
+@moe.register_fake
+def _moe_fake(x, router_logits, correction_bias, *rest):
+    return torch.empty_like(x)
+
+
+def is_splitting_node_target(target: object) -> bool:
+    """Whether an FX node target is a splitting op (Dynamo may record the packet or `.default`)."""
+    for name in SPLITTING_OPS:
+        packet = getattr(torch.ops.pieceworks, name.split("::")[1])
+        if target is packet or target is packet.default:
+            return True
+    return False

@@ -1,0 +1,319 @@
+"""The backend registry: pluggy discovery, and selection into a frozen KernelTable.
+
+Selection runs once when an executor is built. For every (op, forward mode, graph mode) it collects
+the registered backends of the op, asks each for its reasons, lets plugins veto or reorder, and picks:
+
+- a backend named in the config is used if it can serve; if it can't, that is an error listing its
+  reasons and the backends that could. The one exception is graph safety: where the named backend
+  is not safe in the entry's graph mode, the best backend that is takes its place, and the fallback
+  is logged with its reason (the TRT-LLM MLA -> FlashInfer MLA case under piecewise graphs).
+- `auto` picks the highest-priority backend with no reasons.
+
+Nothing is looked up here while a model runs: the executor hands `KernelTable.step(...)` to the
+forward context.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from dataclasses import dataclass, field, replace
+from dataclasses import fields as dc_fields
+from typing import Any, Iterable
+
+import pluggy
+
+from pieceworks.backends import hookspecs
+from pieceworks.backends.base import OPS, Backend, BackendSpec, parse_options
+from pieceworks.executor.batch import TABLE_MODES, ForwardMode, GraphMode
+from pieceworks.executor.context import StepKernels
+
+log = logging.getLogger("pieceworks.registry")
+
+
+@dataclass
+class Candidate:
+    """A backend considered for one kernel-table entry, with the reasons it can't serve (if any)."""
+
+    backend: type[Backend]
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.reasons
+
+    def veto(self, reason: str) -> None:
+        """Exclude this candidate (called by plugins from `pieceworks_adjust_candidates`)."""
+        self.reasons.append(f"vetoed by a plugin: {reason}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How one entry was chosen: shown by `pieceworks backends` and logged at build time."""
+
+    op: str
+    forward_mode: ForwardMode
+    graph_mode: GraphMode
+    configured: str
+    chosen: str | None
+    rejected: tuple[tuple[str, tuple[str, ...]], ...]
+    fallback_from: str | None = None
+    note: str = ""
+
+
+class SelectionError(ValueError):
+    """A configured backend can't serve, or no backend can serve an op at all."""
+
+
+@dataclass(frozen=True)
+class KernelTable:
+    """The frozen choice of backend instance per (op, forward mode, graph mode).
+
+    An entry is None where the op is not needed by the model, or where no backend is safe in that
+    graph mode (the executor then runs such steps eagerly; `graph_unavailable` says why).
+    """
+
+    entries: dict[tuple[str, ForwardMode, GraphMode], Backend | None]
+    decisions: tuple[Decision, ...]
+    graph_unavailable: dict[tuple[ForwardMode, GraphMode], str]
+    _steps: dict[tuple[ForwardMode, GraphMode], StepKernels] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        for mode, graphs in TABLE_MODES.items():
+            for graph in graphs:
+                kernels = {op: self.entries.get((op, mode, graph)) for op in OPS}
+                self._steps[(mode, graph)] = StepKernels(**kernels)
+
+    def get(self, op: str, mode: ForwardMode, graph: GraphMode) -> Backend | None:
+        return self.entries.get((op, mode, graph))
+
+    def step(self, mode: ForwardMode, graph: GraphMode) -> StepKernels:
+        """The kernels of one step (IDLE steps get an empty set)."""
+        return self._steps.get((mode, graph), StepKernels())
+
+    def instances(self, op: str) -> list[Backend]:
+        """Distinct backend instances chosen for `op` anywhere in the table."""
+        seen: dict[int, Backend] = {}
+        for (o, _, _), b in self.entries.items():
+            if o == op and b is not None:
+                seen[id(b)] = b
+        return list(seen.values())
+
+    def graph_mode_ok(self, mode: ForwardMode, graph: GraphMode) -> bool:
+        return (mode, graph) not in self.graph_unavailable
+
+
+class Registry:
+    """Backends known to this process: built-ins and entry-point plugins, through pluggy.
+
+    Loading is idempotent (every tensor-parallel worker may call `load()` again). Blocked plugin names
+    (config `plugins.disabled`) are never loaded.
+    """
+
+    def __init__(self, disabled: Iterable[str] = (), autoload: bool = True) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.autoload = autoload
+        for name in disabled:
+            self.pm.set_blocked(name)
+        self._loaded = False
+
+    def load(self) -> "Registry":
+        if self._loaded:
+            return self
+        from pieceworks.backends.builtin import BUILTIN_PLUGINS
+
+        for name, plugin in BUILTIN_PLUGINS.items():
+            if not self.pm.is_blocked(name) and not self.pm.has_plugin(name):
+                self.pm.register(plugin, name=name)
+        if self.autoload:
+            self._load_entrypoints()
+        self._loaded = True
+        return self
+
+    def _load_entrypoints(self) -> None:
+        for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT):
+            if self.pm.is_blocked(ep.name) or self.pm.has_plugin(ep.name):
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:
+                raise SelectionError(
+                    f"plugin {ep.name!r} (entry point {ep.value!r} of group 'pieceworks') failed to "
+                    f"import: {type(exc).__name__}: {exc}. Fix or uninstall it, or block it with "
+                    f"plugins.disabled=[{ep.name}]"
+                ) from exc
+            self.pm.register(plugin, name=ep.name)
+
+    def register_plugin(self, plugin: Any, name: str) -> None:
+        """Register an in-process plugin object or module (tests, embedders)."""
+        if self.pm.is_blocked(name):
+            return
+        if not self.pm.has_plugin(name):
+            self.pm.register(plugin, name=name)
+
+    def plugin_names(self) -> list[str]:
+        return [name for name, _ in self.pm.list_name_plugin()]
+
+    def backends(self, op: str | None = None) -> list[type[Backend]]:
+        """Registered backend classes (of one op), best first."""
+        self.load()
+        found: dict[str, type[Backend]] = {}
+        for group in self.pm.hook.pieceworks_register_backends():
+            for cls in group or []:
+                if cls.op not in OPS:
+                    raise SelectionError(f"backend {cls.__name__} declares unknown op {cls.op!r}")
+                key = cls.key()
+                if key in found and found[key] is not cls:
+                    raise SelectionError(
+                        f"two backends are registered as {key}: {found[key].__module__}."
+                        f"{found[key].__name__} and {cls.__module__}.{cls.__name__}"
+                    )
+                found[key] = cls
+        out = [c for c in found.values() if op is None or c.op == op]
+        return sorted(out, key=lambda c: (-c.priority, c.name))
+
+    def resolve(
+        self, backends_cfg: Any, spec: BackendSpec, ops: Iterable[str] = OPS
+    ) -> KernelTable:
+        """Build the kernel table for `spec`.
+
+        Args:
+            backends_cfg: a `pieceworks.config.BackendsConfig`.
+            spec: the machine and the model.
+            ops: the ops the model calls (others get no entries).
+
+        Raises:
+            SelectionError: a configured backend can't serve (message lists its reasons and the
+                backends that could), or no backend can serve a required op.
+        """
+        ops = [op for op in OPS if op in set(ops)]
+        entries: dict = {}
+        decisions: list[Decision] = []
+        unavailable: dict = {}
+        instances: dict[str, Backend] = {}
+
+        def instance(cls: type[Backend]) -> Backend:
+            if cls.key() not in instances:
+                opts = parse_options(cls, _options_for(backends_cfg, cls, self.backends()))
+                instances[cls.key()] = cls(spec, opts)
+            return instances[cls.key()]
+
+        for op in ops:
+            all_backends = self.backends(op)
+            for mode, graphs in TABLE_MODES.items():
+                configured = backends_cfg.choice(op, "decode" if mode is ForwardMode.DECODE else "extend")
+                eager_choice = None
+                for graph in graphs:
+                    cls, decision = self._choose(op, mode, graph, configured, all_backends, spec)
+                    if graph is GraphMode.EAGER:
+                        eager_choice = cls
+                    elif cls is None:
+                        unavailable[(mode, graph)] = decision.note
+                    elif eager_choice is not None and cls is not eager_choice:
+                        decision = _with_fallback(decision, eager_choice)
+                        log.info(
+                            "%s %s under %s graphs: %s instead of %s (%s)",
+                            op, mode.value, graph.value, cls.name, eager_choice.name, decision.note,
+                        )
+                    entries[(op, mode, graph)] = instance(cls) if cls is not None else None
+                    decisions.append(decision)
+        _check_layouts(entries)
+        for d in decisions:
+            if d.graph_mode is GraphMode.EAGER:
+                log.info("%s %s: %s (configured: %s)", d.op, d.forward_mode.value, d.chosen, d.configured)
+        return KernelTable(entries=entries, decisions=tuple(decisions), graph_unavailable=unavailable)
+
+    def _candidates(self, op, mode, graph, backends, spec) -> list[Candidate]:
+        out = []
+        for cls in backends:
+            reasons = list(cls.check(spec))
+            if mode not in cls.forward_modes:
+                reasons.append(f"does not support {mode.value} steps")
+            if graph not in cls.graph_modes:
+                reasons.append(f"not safe in {graph.value} CUDA graphs")
+            out.append(Candidate(cls, reasons))
+        return out
+
+    def _choose(self, op, mode, graph, configured, backends, spec):
+        cands = self._candidates(op, mode, graph, backends, spec)
+        names = [c.backend.name for c in cands]
+        rejected = lambda: tuple((c.backend.name, tuple(c.reasons)) for c in cands if not c.ok)  # noqa: E731
+        if configured != "auto":
+            if configured not in names:
+                raise SelectionError(
+                    f"backends.{op}: no {op} backend named {configured!r}; registered: "
+                    f"{', '.join(names) or 'none'}"
+                )
+            pinned = cands[names.index(configured)]
+            hard = [r for r in pinned.reasons if not r.startswith("not safe in ")]
+            if hard:
+                could = [c.backend.name for c in cands if c.ok] or ["none"]
+                raise SelectionError(
+                    f"backends.{op}={configured} can't serve {mode.value} steps here: "
+                    f"{'; '.join(hard)}. Backends that could: {', '.join(could)}"
+                )
+            if pinned.ok:
+                return pinned.backend, Decision(op, mode, graph, configured, configured, rejected())
+            # Graph safety is the one thing a pinned backend may be replaced for.
+            safe = [c for c in cands if c.ok]
+            if not safe:
+                note = f"no {op} backend is safe in {graph.value} graphs ({configured}: {pinned.reasons[-1]})"
+                return None, Decision(op, mode, graph, configured, None, rejected(), note=note)
+            note = f"{configured} is {pinned.reasons[-1]}"
+            return safe[0].backend, Decision(op, mode, graph, configured, safe[0].backend.name, rejected(),
+                                             fallback_from=configured, note=note)
+        self.pm.hook.pieceworks_adjust_candidates(
+            op=op, forward_mode=mode, graph_mode=graph, spec=spec, candidates=cands
+        )
+        ok = [c for c in cands if c.ok]
+        if ok:
+            return ok[0].backend, Decision(op, mode, graph, "auto", ok[0].backend.name, rejected())
+        if graph is not GraphMode.EAGER:
+            note = f"no {op} backend is safe in {graph.value} graphs for {mode.value} steps"
+            return None, Decision(op, mode, graph, "auto", None, rejected(), note=note)
+        detail = "; ".join(f"{c.backend.name}: {', '.join(c.reasons)}" for c in cands) or "none registered"
+        raise SelectionError(f"no {op} backend can serve {mode.value} steps here ({detail})")
+
+
+def _with_fallback(decision: Decision, eager_choice: type[Backend]) -> Decision:
+    reasons = dict(decision.rejected).get(eager_choice.name, ())
+    note = decision.note or f"{eager_choice.name}: {'; '.join(reasons) or 'lower ranked here'}"
+    return replace(decision, fallback_from=decision.fallback_from or eager_choice.name, note=note)
+
+
+def _options_for(backends_cfg: Any, cls: type[Backend], all_backends: list[type[Backend]]) -> dict:
+    """`backends.options.<name>` restricted to the keys `cls` knows, after checking that every key is
+    known to some backend of that name (flashinfer attention and MLA share `variant`, say)."""
+    raw = dict(backends_cfg.options.get(cls.name, {}) or {})
+    known = set()
+    for other in all_backends:
+        if other.name == cls.name and other.Options is not None:
+            known |= {f.name for f in dc_fields(other.Options)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise SelectionError(
+            f"backends.options.{cls.name}: unknown option(s) {unknown}; known: {sorted(known) or 'none'}"
+        )
+    mine = {f.name for f in dc_fields(cls.Options)} if cls.Options else set()
+    return {k: v for k, v in raw.items() if k in mine}
+
+
+def _check_layouts(entries: dict) -> None:
+    for op in ("fp4_gemm", "moe"):
+        chosen = {b.key(): b for (o, _, _), b in entries.items() if o == op and b is not None}
+        layouts = {getattr(b, "weight_layout", "linear") for b in chosen.values()}
+        if len(layouts) > 1:
+            raise SelectionError(
+                f"{op}: the backends chosen for different modes ({', '.join(sorted(chosen))}) need "
+                f"different weight layouts ({', '.join(sorted(layouts))}); one copy of the weights "
+                f"must serve every mode: set backends.{op} to one backend for all modes"
+            )
+
+
+def load_registry(plugins_cfg: Any = None) -> Registry:
+    """A loaded registry honouring `plugins.disabled` and `plugins.autoload`."""
+    disabled = list(getattr(plugins_cfg, "disabled", []) or [])
+    autoload = bool(getattr(plugins_cfg, "autoload", True))
+    return Registry(disabled=disabled, autoload=autoload).load()
+

@@ -1,0 +1,355 @@
+"""Configuration: one small dataclass per component, YAML + dotlist overrides merged by OmegaConf.
+
+`load_config(path_or_dict, overrides)` validates everything against these schemas and returns a frozen
+`Config` of plain Python objects; nothing downstream touches OmegaConf (an attribute read there costs
+~20 us). Errors are `ConfigError`s naming the key, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+OPS = ("attention", "mla", "fp4_gemm", "moe")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, of the wrong type or out of range."""
+
+
+def _locate(path: Path, dotted: str) -> str:
+    """`file:line` of `dotted` (or its nearest present parent) in a YAML file, or just the file."""
+    import yaml
+
+    try:
+        node = yaml.compose(path.read_text())
+    except Exception:  # the file was parsed by OmegaConf already; a location is a nicety
+        return str(path)
+    line = None
+    for part in dotted.split("."):
+        if not isinstance(node, yaml.MappingNode):
+            break
+        for k, v in node.value:
+            if k.value == part:
+                line, node = k.start_mark.line + 1, v
+                break
+        else:
+            break
+    return f"{path}:{line}" if line else str(path)
+
+
+class Switch(str, enum.Enum):
+    """auto = on where it helps (CUDA), off elsewhere."""
+
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to build.
+
+    Either `path` (a Hugging Face-format directory: config.json + safetensors, bf16 or ModelOpt NVFP4),
+    or `arch` (+ optional `preset` and `sizes`) for random weights of a given shape.
+    """
+
+    path: Optional[str] = None
+    """Hugging Face-format model directory, or `smollm2-135m` for the bundled demo model."""
+    arch: Optional[str] = None
+    """`llama` or `deepseek_v3`: build with random weights (benchmarks, tests)."""
+    preset: Optional[str] = None
+    """Named sizes for `arch`: tiny, llama-3.1-8b, deepseek-v3 (see models/presets.py)."""
+    sizes: dict[str, Any] = field(default_factory=dict)
+    """Hugging Face config keys overriding the preset, e.g. {num_hidden_layers: 4}."""
+    max_context: Optional[int] = None
+    """Longest sequence (prompt + generated) accepted; default: the model's max_position_embeddings."""
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    format: str = "auto"
+    """auto (from the checkpoint), none, or nvfp4 (random-weight models: random NVFP4 weights)."""
+    fp4_numerics: str = "auto"
+    """auto (follow the selected kernel: w4a4 on Blackwell FP4 kernels, w4a16 on Hopper/CPU), w4a4
+    (activations quantized with input_scale) or w4a16 (weight-only); naming one restricts selection."""
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    page_size: int = 16
+    """Tokens per KV page."""
+    num_tokens: Optional[int] = None
+    """KV pool size in tokens; when unset, `memory_fraction` of the memory left after weights."""
+    memory_fraction: float = 0.85
+    """Fraction of free device memory (CUDA) or of available RAM (CPU, capped at 1M tokens) for KV."""
+
+
+@dataclass(frozen=True)
+class BackendsConfig:
+    """Per-op backend selection: `auto`, a backend name, or {extend: <name>, decode: <name>}."""
+
+    attention: Any = "auto"
+    mla: Any = "auto"
+    fp4_gemm: Any = "auto"
+    moe: Any = "auto"
+    options: dict[str, Any] = field(default_factory=dict)
+    """Per-backend options by backend name, e.g. {flashinfer: {variant: fa2}}."""
+
+    def choice(self, op: str, mode: str) -> str:
+        """The configured name for `op` in forward mode `mode` ('extend' or 'decode')."""
+        sel = getattr(self, op)
+        return sel[mode] if isinstance(sel, dict) else sel
+
+
+@dataclass(frozen=True)
+class PiecewiseConfig:
+    enabled: Switch = Switch.auto
+    """Piecewise CUDA graphs for extend/mixed steps (auto: on with CUDA). On CPU `on` runs the same
+    traced-and-split model without graphs (what CI tests)."""
+    max_tokens: int = 2048
+    """Largest token count run under piecewise graphs; larger steps run eagerly."""
+    sizes: Optional[list[int]] = None
+    """Capture sizes (ascending); default: steps of 4 to 32, 16 to 256, 32 to 512, 64 to 1024, 256
+    beyond, up to max_tokens."""
+
+
+@dataclass(frozen=True)
+class DecodeGraphConfig:
+    enabled: Switch = Switch.auto
+    """Full CUDA graphs for decode steps (auto: on with CUDA; never on CPU)."""
+    batch_sizes: Optional[list[int]] = None
+    """Batch-size buckets (ascending); default 1, 2, 4, 8, 16, 24, 32, ... 256."""
+
+
+@dataclass(frozen=True)
+class CudaGraphConfig:
+    piecewise: PiecewiseConfig = field(default_factory=PiecewiseConfig)
+    decode: DecodeGraphConfig = field(default_factory=DecodeGraphConfig)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    device: str = "auto"
+    """auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
+    dtype: str = "auto"
+    """auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32."""
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class PluginsConfig:
+    disabled: list[str] = field(default_factory=list)
+    """Plugin names to block (entry-point names, or built-in families such as pieceworks.flashinfer)."""
+    autoload: bool = True
+    """Load third-party backends from the `pieceworks` entry-point group."""
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What `pieceworks run` generates (the Python API takes these as arguments instead)."""
+
+    prompts: list[str] = field(default_factory=list)
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    chat_template: bool = True
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    backends: BackendsConfig = field(default_factory=BackendsConfig)
+    cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    plugins: PluginsConfig = field(default_factory=PluginsConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+
+
+def _one_of(key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}: {value!r} is not allowed; use one of {', '.join(map(str, allowed))}")
+
+
+def _positive(key: str, value: Any) -> None:
+    if value is not None and value < 1:
+        raise ConfigError(f"{key}: {value!r} must be >= 1")
+
+
+def _sizes(key: str, value: list[int] | None) -> None:
+    if value is None:
+        return
+    if not value:
+        raise ConfigError(f"{key}: the list is empty; give at least one size, or leave it unset")
+    if any(not isinstance(v, int) or v < 1 for v in value):
+        raise ConfigError(f"{key}: {value} must hold positive integers")
+    if list(value) != sorted(set(value)):
+        raise ConfigError(f"{key}: {value} must be strictly ascending without repeats")
+
+
+def _validate(cfg: Config) -> None:
+    m = cfg.model
+    if m.path is None and m.arch is None:
+        raise ConfigError(
+            "model: set model.path (a Hugging Face-format directory, or smollm2-135m) "
+            "or model.arch (llama or deepseek_v3) for random weights"
+        )
+    if m.path is not None and m.arch is not None:
+        raise ConfigError("model: set model.path or model.arch, not both")
+    if m.arch is not None:
+        _one_of("model.arch", m.arch, ("llama", "deepseek_v3"))
+    _positive("model.max_context", m.max_context)
+    _one_of("quantization.format", cfg.quantization.format, ("auto", "none", "nvfp4"))
+    _one_of("quantization.fp4_numerics", cfg.quantization.fp4_numerics, ("auto", "w4a4", "w4a16"))
+    kv = cfg.kv_cache
+    _positive("kv_cache.page_size", kv.page_size)
+    _positive("kv_cache.num_tokens", kv.num_tokens)
+    if not 0.0 < kv.memory_fraction <= 1.0:
+        raise ConfigError(f"kv_cache.memory_fraction: {kv.memory_fraction!r} must be in (0, 1]")
+    for op in OPS:
+        sel = getattr(cfg.backends, op)
+        if isinstance(sel, str):
+            continue
+        if isinstance(sel, dict) and sel and set(sel) <= {"extend", "decode"}:
+            if all(isinstance(v, str) for v in sel.values()):
+                continue
+        raise ConfigError(
+            f"backends.{op}: {sel!r} is not allowed; use auto, a backend name, or "
+            "{extend: <name>, decode: <name>}"
+        )
+    for name, opts in cfg.backends.options.items():
+        if not isinstance(opts, dict):
+            raise ConfigError(f"backends.options.{name}: {opts!r} must be a mapping of option: value")
+    pw = cfg.cuda_graph.piecewise
+    _positive("cuda_graph.piecewise.max_tokens", pw.max_tokens)
+    _sizes("cuda_graph.piecewise.sizes", pw.sizes)
+    _sizes("cuda_graph.decode.batch_sizes", cfg.cuda_graph.decode.batch_sizes)
+    dev = cfg.runtime.device
+    if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
+        raise ConfigError(f"runtime.device: {dev!r} is not allowed; use auto, cpu, cuda or cuda:N")
+    _one_of("runtime.dtype", cfg.runtime.dtype, ("auto", "bfloat16", "float16", "float32"))
+    g = cfg.generation
+    _positive("generation.max_new_tokens", g.max_new_tokens)
+    if g.temperature < 0:
+        raise ConfigError(f"generation.temperature: {g.temperature!r} must be >= 0")
+    if not 0.0 < g.top_p <= 1.0:
+        raise ConfigError(f"generation.top_p: {g.top_p!r} must be in (0, 1]")
+
+
+def _explain(exc: OmegaConfBaseException, source: str, path: Path | None) -> ConfigError:
+    """Turn an OmegaConf error into one line naming the key, the value and what is allowed."""
+    key = getattr(exc, "full_key", None) or ""
+    msg = str(exc).splitlines()[0]
+    if path is not None and source == str(path):
+        source = _locate(path, key)
+    where = f" (in {source})" if source else ""
+    if type(exc).__name__ == "ConfigKeyError" or "not in struct" in msg:
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        allowed = _allowed_keys(parent)
+        hint = f"; allowed keys{' under ' + parent if parent else ''}: {', '.join(allowed)}" if allowed else ""
+        return ConfigError(f"{key}: unknown key{where}{hint}")
+    return ConfigError(f"{key or 'config'}: {msg}{where}")
+
+
+def _allowed_keys(dotted: str) -> list[str]:
+    node: Any = Config
+    for part in filter(None, dotted.split(".")):
+        match = {f.name: f for f in fields(node)}.get(part) if is_dataclass(node) else None
+        if match is None:
+            return []
+        node = match.default_factory() if callable(match.default_factory) else match.default
+        node = type(node)
+    return [f.name for f in fields(node)] if is_dataclass(node) else []
+
+
+def _to_plain(obj: Any) -> Any:
+    if isinstance(obj, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(obj, resolve=True)
+    return obj
+
+
+def load_config(
+    source: str | os.PathLike | dict | Config | None = None, overrides: list[str] | None = None
+) -> Config:
+    """Build a validated, frozen Config.
+
+    Args:
+        source: a YAML file path, a dict, an existing Config, or None (defaults).
+        overrides: dotlist strings such as ["model.path=/models/x", "backends.mla=flashinfer"].
+
+    Raises:
+        ConfigError: unknown key, wrong type or invalid value (message names the key and the value).
+    """
+    schema = OmegaConf.structured(Config)
+    label = ""
+    path: Path | None = None
+    try:
+        if isinstance(source, Config):
+            layer = OmegaConf.create(_dataclass_dict(source))
+        elif isinstance(source, dict):
+            layer = OmegaConf.create(source)
+        elif source is not None:
+            path = Path(source)
+            if not path.is_file():
+                raise ConfigError(f"config file {str(path)!r} does not exist")
+            label = str(path)
+            layer = OmegaConf.load(path)
+            if not isinstance(layer, DictConfig):
+                raise ConfigError(f"{label}: the top level must be a mapping of sections")
+        else:
+            layer = OmegaConf.create({})
+        merged = OmegaConf.merge(schema, layer)
+        label_o = "command-line overrides"
+        for item in overrides or []:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r}: expected key=value (e.g. model.path=/models/x)")
+            label = label_o
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        obj = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise _explain(exc, label, path) from None
+    cfg = _freeze(obj)
+    try:
+        _validate(cfg)
+    except ConfigError as exc:
+        key = str(exc).split(":", 1)[0]
+        if path is not None and _locate(path, key) != str(path):
+            raise ConfigError(f"{exc} (in {_locate(path, key)})") from None
+        raise
+    return cfg
+
+
+def _dataclass_dict(cfg: Any) -> Any:
+    if is_dataclass(cfg):
+        return {f.name: _dataclass_dict(getattr(cfg, f.name)) for f in fields(cfg)}
+    if isinstance(cfg, enum.Enum):
+        return cfg.value
+    return cfg
+
+
+def _freeze(obj: Any) -> Any:
+    """OmegaConf.to_object gives dataclass instances holding plain containers; re-create them so
+    nested dict/list values are plain Python (the dataclasses themselves are frozen)."""
+    if is_dataclass(obj):
+        return replace(obj, **{f.name: _freeze(getattr(obj, f.name)) for f in fields(obj)})
+    if isinstance(obj, dict):
+        return {k: _freeze(v) for k, v in _to_plain(obj).items()}
+    if isinstance(obj, (list, tuple)):
+        return [_freeze(v) for v in _to_plain(obj)]
+    return _to_plain(obj)
+
+
+def to_yaml(cfg: Config) -> str:
+    """The config as YAML (for logs and `pieceworks run --print-config`)."""
+    return OmegaConf.to_yaml(OmegaConf.create(_dataclass_dict(cfg)))
+
+
+__all__ = ["Config", "ConfigError", "Switch", "load_config", "to_yaml", "asdict"]

@@ -1,0 +1,96 @@
+"""Fp4Linear: an NVFP4 linear layer whose forward is the `pieceworks::fp4_gemm` custom op.
+
+It holds the packed weight, block scales, global scale and input scale as buffers. After loading,
+`prepare(backend)` converts them once into the layout of the fp4_gemm backend the kernel table chose
+(most backends keep the checkpoint layout).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight
+from pieceworks.quant import nvfp4
+
+
+class Fp4Linear(nn.Module):
+    """y = x @ dequant(W).T for an NVFP4 weight W [out_features, in_features] (no bias).
+
+    Buffers (checkpoint layout until `prepare`): weight uint8 [N, K/2]; weight_scale float8_e4m3fn
+    [N, K/16]; weight_scale_2 float32 []; input_scale float32 [].
+    """
+
+    def __init__(self, in_features: int, out_features: int, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if in_features % nvfp4.BLOCK:
+            raise ValueError(
+                f"Fp4Linear: in_features={in_features} is not a multiple of {nvfp4.BLOCK}; NVFP4 "
+                "quantizes blocks of 16 along K (exclude this layer from quantization)"
+            )
+        self.in_features = in_features
+        self.out_features = out_features
+        self.layout = "linear"
+        blocks = in_features // nvfp4.BLOCK
+        self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("weight_scale", torch.zeros(out_features, blocks, dtype=torch.float8_e4m3fn, device=device))
+        self.register_buffer("weight_scale_2", torch.ones((), dtype=torch.float32, device=device))
+        self.register_buffer("input_scale", torch.ones((), dtype=torch.float32, device=device))
+
+    def load(self, w: Fp4Weight) -> None:
+        """Take checkpoint tensors (validated by the reader) for this layer."""
+        expect = {
+            "weight": (torch.uint8, (self.out_features, self.in_features // 2)),
+            "weight_scale": (torch.float8_e4m3fn, (self.out_features, self.in_features // nvfp4.BLOCK)),
+            "weight_scale_2": (torch.float32, ()),
+            "input_scale": (torch.float32, ()),
+        }
+        for name, (dtype, shape) in expect.items():
+            t = getattr(w, name)
+            if t.dtype != dtype or tuple(t.shape) != shape:
+                raise ValueError(
+                    f"Fp4Linear.{name}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}"
+                )
+            getattr(self, name).data = t.to(getattr(self, name).device)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, input_amax: float | None = None) -> "Fp4Linear":
+        """Quantize a float weight [N, K] as ModelOpt does (input_scale from `input_amax`, or 1/(6*448)
+        of the weight's own amax when None: only meaningful for w4a16)."""
+        layer = cls(weight.shape[1], weight.shape[0], device=weight.device)
+        packed, scale, scale_2 = nvfp4.quantize_weight(weight)
+        amax = float(weight.abs().amax()) if input_amax is None else input_amax
+        in_scale = torch.tensor(amax / (nvfp4.E2M1_MAX * nvfp4.E4M3_MAX), dtype=torch.float32)
+        layer.load(Fp4Weight(packed, scale, scale_2.float(), in_scale.to(weight.device)))
+        return layer
+
+    def fp4_weight(self) -> Fp4Weight:
+        return Fp4Weight(self.weight, self.weight_scale, self.weight_scale_2, self.input_scale)
+
+    def prepare(self, backend: Fp4GemmBackend) -> None:
+        """Convert the buffers into `backend`'s weight layout (once, after loading)."""
+        if self.layout == backend.weight_layout:
+            return
+        if self.layout != "linear":
+            raise RuntimeError(f"Fp4Linear already prepared for layout {self.layout!r}")
+        w = backend.prepare(self.fp4_weight())
+        for name, t in zip(Fp4Weight._fields, w):
+            self._buffers[name] = t
+        self.layout = backend.weight_layout
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] float weight (checkpoint layout only)."""
+        if self.layout != "linear":
+            raise RuntimeError("dequantized() needs the checkpoint layout (call before prepare)")
+        return nvfp4.dequantize(self.weight, self.weight_scale, self.weight_scale_2, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.pieceworks.fp4_gemm(
+            x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.weight_scale_2,
+            self.input_scale, self.out_features,
+        )
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, layout={self.layout}"
