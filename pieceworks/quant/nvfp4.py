@@ -178,3 +178,106 @@ def fake_quantize_activation(x: torch.Tensor, input_scale: torch.Tensor) -> torc
     """x rounded through NVFP4 activation quantization (w4a4 numerics), float32, same shape."""
     packed, sf, gs = quantize_activation(x, input_scale)
     return dequantize(packed, sf, 1.0 / gs)
+
+
+# --- Scale layouts -------------------------------------------------------------------------------
+#
+# Checkpoints store block scales "linear": [N, K/16], row-major. Blackwell kernels read them tiled,
+# with rows zero-padded to the tile height and columns (scale columns, i.e. groups of 16 along K)
+# zero-padded to a multiple of 4. The offsets follow TensorRT-LLM's `get_sf_out_offset_128x4` and
+# `get_sf_out_offset_8x4` (FlashInfer csrc/nv_internal/tensorrt_llm/kernels/quantization_utils.cuh):
+#
+#   128x4: [Rp/128, Cp/4, 32, 4, 4]; row m = 128*tile + 32*i + j sits at [tile, k/4, j, i, k%4]
+#          (the 32x4 row block is column-major), i.e. view(Rp//128, 4, 32, Cp//4, 4)
+#          .permute(0, 3, 2, 1, 4) of the padded linear layout.
+#   8x4:   [Rp/8, Cp/4, 8, 4]; row m = 8*tile + i sits at [tile, k/4, i, k%4], i.e.
+#          view(Rp//8, 8, Cp//4, 4).permute(0, 2, 1, 3).
+#
+# Leading dimensions (e.g. experts) are batched: each [R, C] matrix is padded and tiled on its own,
+# one after another, as the batched offset functions do. Pure data movement: any dtype works
+# (float8_e4m3fn, or uint8 views of it), the bytes are preserved, padding is zero.
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _padded(scale: torch.Tensor, row_tile: int) -> torch.Tensor:
+    if scale.dim() < 2:
+        raise ValueError(f"scale layouts need a [..., rows, cols] tensor, got shape {tuple(scale.shape)}")
+    *lead, rows, cols = scale.shape
+    rp, cp = _round_up(rows, row_tile), _round_up(cols, 4)
+    if (rp, cp) == (rows, cols):
+        return scale.contiguous()
+    out = scale.new_zeros((*lead, rp, cp))
+    out[..., :rows, :cols] = scale
+    return out
+
+
+def _lead_of(swizzled: torch.Tensor, rp: int, cp: int, name: str) -> tuple[int, ...]:
+    if swizzled.dim() >= 2 and tuple(swizzled.shape[-2:]) == (rp, cp):
+        return tuple(swizzled.shape[:-2])
+    n = swizzled.numel()
+    if n % (rp * cp) or (swizzled.dim() != 1 and n != rp * cp):
+        raise ValueError(
+            f"{name}: got shape {tuple(swizzled.shape)}, expected [..., {rp}, {cp}] or a flat "
+            f"multiple of {rp * cp} (rows and cols padded to the tile); check rows/cols"
+        )
+    return () if n == rp * cp else (n // (rp * cp),)
+
+
+def swizzle_128x4(scale: torch.Tensor, flatten: bool = False) -> torch.Tensor:
+    """Linear block scales -> the 128x4 tiled layout Blackwell FP4 GEMM/MoE kernels read.
+
+    Args:
+        scale: [..., R, C] block scales (float8_e4m3fn or a uint8 view), C = K/16.
+        flatten: return a 1-D buffer (what FlashInfer's `block_scale_interleave` returns).
+
+    Returns:
+        [..., Rp, Cp] (or [prod(...) * Rp * Cp] with flatten), same dtype; Rp = R rounded up to 128,
+        Cp = C rounded up to 4, padding zero.
+    """
+    p = _padded(scale, 128)
+    *lead, rp, cp = p.shape
+    n = len(lead)
+    t = p.view(*lead, rp // 128, 4, 32, cp // 4, 4)
+    t = t.permute(*range(n), n, n + 3, n + 2, n + 1, n + 4).contiguous()
+    return t.reshape(-1) if flatten else t.reshape(*lead, rp, cp)
+
+
+def unswizzle_128x4(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of `swizzle_128x4`: [..., Rp, Cp] or flat -> [..., rows, cols] linear layout."""
+    rp, cp = _round_up(rows, 128), _round_up(cols, 4)
+    lead = _lead_of(swizzled, rp, cp, "unswizzle_128x4")
+    n = len(lead)
+    t = swizzled.reshape(*lead, rp // 128, cp // 4, 32, 4, 4)
+    t = t.permute(*range(n), n, n + 3, n + 2, n + 1, n + 4).contiguous()
+    return t.reshape(*lead, rp, cp)[..., :rows, :cols].contiguous()
+
+
+def swizzle_8x4(scale: torch.Tensor, flatten: bool = False) -> torch.Tensor:
+    """Linear block scales -> the 8x4 tiled layout (TRT-LLM small-M GEMMs, `SfLayout.layout_8x4`).
+
+    Args:
+        scale: [..., R, C] block scales (float8_e4m3fn or a uint8 view), C = K/16.
+        flatten: return a 1-D buffer.
+
+    Returns:
+        [..., Rp, Cp] (or flat), same dtype; Rp = R rounded up to 8, Cp = C rounded up to 4, zero
+        padding.
+    """
+    p = _padded(scale, 8)
+    *lead, rp, cp = p.shape
+    n = len(lead)
+    t = p.view(*lead, rp // 8, 8, cp // 4, 4).permute(*range(n), n, n + 2, n + 1, n + 3)
+    t = t.contiguous()
+    return t.reshape(-1) if flatten else t.reshape(*lead, rp, cp)
+
+
+def unswizzle_8x4(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of `swizzle_8x4`: [..., Rp, Cp] or flat -> [..., rows, cols] linear layout."""
+    rp, cp = _round_up(rows, 8), _round_up(cols, 4)
+    lead = _lead_of(swizzled, rp, cp, "unswizzle_8x4")
+    n = len(lead)
+    t = swizzled.reshape(*lead, rp // 8, cp // 4, 8, 4).permute(*range(n), n, n + 2, n + 1, n + 3)
+    return t.contiguous().reshape(*lead, rp, cp)[..., :rows, :cols].contiguous()

@@ -1,0 +1,179 @@
+"""Lazy reader for Hugging Face safetensors checkpoints (one file or shards with an index).
+
+No tensor data is loaded up front: opening the reader parses the index and every shard's header
+(memory-mapped through `safetensors.safe_open`), and `get` reads one tensor, so loading a model or
+streaming it through the quantizer needs memory for about one tensor at a time.
+
+Every problem with the files on disk is found when the reader opens, before any tensor is handed
+out, and is a `ValueError` that names the file and says what to do: a missing or unreadable index, an
+index entry whose shard is missing, a truncated or corrupt shard, a tensor the index promises but the
+shard lacks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_REDOWNLOAD = "re-download or re-export the checkpoint"
+
+# safetensors header dtype names -> torch dtypes (the ones torch can hold).
+_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class CheckpointReader:
+    """Read tensors one at a time from `model.safetensors` or a sharded checkpoint.
+
+    Args:
+        model_dir: a directory with `model.safetensors`, or `model.safetensors.index.json` and the
+            shards it names (the index wins when both exist, as in `transformers`).
+
+    Raises:
+        ValueError: no checkpoint in the directory; an unreadable index; an index naming a shard
+            that is not there; a truncated or corrupt single file.
+    """
+
+    def __init__(self, model_dir: str | Path):
+        self.model_dir = Path(model_dir)
+        if not self.model_dir.is_dir():
+            raise ValueError(f"{self.model_dir}: not a directory; pass a checkpoint directory")
+        self._handles: dict[str, object] = {}
+        index = self.model_dir / INDEX_FILE
+        if index.exists():
+            self._weight_map = self._read_index(index)
+            self._check_shards()
+        elif (self.model_dir / SINGLE_FILE).exists():
+            self._weight_map = {name: SINGLE_FILE for name in self._handle(SINGLE_FILE).keys()}
+        else:
+            raise ValueError(
+                f"{self.model_dir}: no {SINGLE_FILE} or {INDEX_FILE}; pieceworks reads Hugging Face "
+                "safetensors checkpoints (save with save_pretrained(..., safe_serialization=True))"
+            )
+
+    def _read_index(self, index: Path) -> dict[str, str]:
+        try:
+            data = json.loads(index.read_text())
+            weight_map = data["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a valid safetensors index ({e}); {_REDOWNLOAD}") from None
+        missing = sorted({f for f in weight_map.values() if not (self.model_dir / f).is_file()})
+        if missing:
+            example = next(n for n, f in weight_map.items() if f == missing[0])
+            raise ValueError(
+                f"{index}: names shard(s) that are not in {self.model_dir}: {', '.join(missing)} "
+                f"(e.g. for tensor {example}); {_REDOWNLOAD} (all shards)"
+            )
+        return dict(weight_map)
+
+    def _check_shards(self) -> None:
+        by_file: dict[str, list[str]] = {}
+        for name, filename in self._weight_map.items():
+            by_file.setdefault(filename, []).append(name)
+        for filename, names in by_file.items():
+            present = set(self._handle(filename).keys())
+            lacking = [n for n in names if n not in present]
+            if lacking:
+                raise ValueError(
+                    f"{self.model_dir / filename}: lacks {len(lacking)} tensor(s) that {INDEX_FILE} "
+                    f"maps to it (e.g. {lacking[0]}); {_REDOWNLOAD}"
+                )
+
+    def _handle(self, filename: str):
+        h = self._handles.get(filename)
+        if h is None:
+            path = self.model_dir / filename
+            try:
+                h = safe_open(str(path), framework="pt", device="cpu")
+            except (SafetensorError, OSError) as e:
+                raise ValueError(
+                    f"{path}: not a readable safetensors file, truncated or corrupt ({e}); "
+                    f"{_REDOWNLOAD}"
+                ) from None
+            self._handles[filename] = h
+        return h
+
+    def _slice(self, name: str):
+        return self._handle(self.file_of(name)).get_slice(name)
+
+    def names(self) -> list[str]:
+        """All tensor names, in the order the index (or the file header) lists them."""
+        return list(self._weight_map)
+
+    def has(self, name: str) -> bool:
+        """Whether the checkpoint holds tensor `name`."""
+        return name in self._weight_map
+
+    def file_of(self, name: str) -> str:
+        """The shard file that holds `name` (relative to the model directory)."""
+        try:
+            return self._weight_map[name]
+        except KeyError:
+            raise KeyError(f"tensor {name} is not in the checkpoint at {self.model_dir}") from None
+
+    def dtype(self, name: str) -> torch.dtype:
+        """dtype of `name` from the file header, without loading it."""
+        code = self._slice(name).get_dtype()
+        if code not in _DTYPES:
+            raise ValueError(f"{name}: safetensors dtype {code} has no torch equivalent here")
+        return _DTYPES[code]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of `name` from the file header, without loading it."""
+        return tuple(self._slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        """Load one tensor (CPU), as stored.
+
+        Raises:
+            KeyError: no such tensor.
+            ValueError: the file changed on disk since the reader opened it.
+        """
+        filename = self.file_of(name)
+        try:
+            return self._handle(filename).get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(
+                f"{self.model_dir / filename}: cannot read tensor {name} ({e}); {_REDOWNLOAD}"
+            ) from None
+
+    def config(self) -> dict:
+        """config.json as a dict.
+
+        Raises:
+            ValueError: config.json is missing or not valid JSON.
+        """
+        path = self.model_dir / "config.json"
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"{path}: missing; a Hugging Face checkpoint needs its config.json") from None
+        except ValueError as e:
+            raise ValueError(f"{path}: not valid JSON ({e}); fix or re-download it") from None
+
+    def __repr__(self) -> str:
+        shards = len(set(self._weight_map.values()))
+        return f"CheckpointReader({str(self.model_dir)!r}, {len(self._weight_map)} tensors, {shards} file(s))"

@@ -1,0 +1,316 @@
+"""Read NVIDIA ModelOpt NVFP4 checkpoints: the quantization config and per-layer tensors.
+
+What ModelOpt 0.47's `export_hf_checkpoint` writes (checked on exports of Llama and DeepSeek-V3):
+
+- `hf_quant_config.json`: `{"producer": {"name": "modelopt", "version": ...}, "quantization":
+  {"quant_algo": "NVFP4", "kv_cache_quant_algo": null, "group_size": 16, "exclude_modules": [...]}}`.
+  exclude_modules lists module names kept in the source dtype (`lm_head`, `model.embed_tokens`, MoE
+  routers `model.layers.N.mlp.gate`), summarized with prefix wildcards where a whole subtree is
+  excluded (`model.layers.61*`).
+- `config.json` `quantization_config`, compressed-tensors style: `{"config_groups": {"group_0":
+  {"weights": {"num_bits": 4, "type": "float", "group_size": 16, ...}, "input_activations": {...},
+  "targets": ["Linear"]}}, "ignore": [...], "quant_algo": "NVFP4", "producer": {...},
+  "quant_method": "modelopt"}` (and `kv_cache_scheme` when the KV cache is quantized).
+- Per quantized linear `P`: `P.weight` uint8 [N, K/2]; `P.weight_scale` float8_e4m3fn [N, K/16];
+  `P.weight_scale_2` and `P.input_scale` float32 0-d tensors. Linears that read the same input (q/k/v;
+  gate/up; DeepSeek's q_a_proj + kv_a_proj_with_mqa; each expert's gate/up) share one weight_scale_2
+  and one input_scale. Experts are stored one set per expert (`...mlp.experts.{e}.gate_proj.*`), and
+  with transformers >= 5 every expert of a layer carries the same input_scale.
+
+This reader accepts both config files (hf_quant_config.json wins) and the older flat
+`quantization_config` (`quant_algo`, `group_size`, `exclude_modules` at the top level), plus `ignore`
+as an alias of `exclude_modules`, as vLLM and SGLang do.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+import torch
+
+from pieceworks.backends.fp4_gemm.base import Fp4Weight
+from pieceworks.backends.moe.base import MoEWeights
+from pieceworks.quant.nvfp4 import BLOCK
+
+HF_QUANT_CONFIG = "hf_quant_config.json"
+SUPPORTED_ALGO = "NVFP4"
+_NO_KV_QUANT = (None, "", "none", "NONE", "None")
+_MODELOPT_METHODS = ("modelopt", "modelopt_fp4")
+
+
+@dataclass(frozen=True)
+class Fp4QuantConfig:
+    """A ModelOpt NVFP4 checkpoint's quantization settings.
+
+    Attributes:
+        exclude_modules: fnmatch patterns of modules left unquantized (`lm_head`,
+            `model.layers.*.mlp.gate`, `model.layers.61*`).
+        group_size: elements per block scale along K (always 16 here).
+        quant_algo: always "NVFP4" here.
+        kv_cache_quant_algo: None (the KV cache stays in the model dtype).
+        producer: e.g. "modelopt 0.47.0", for messages.
+        source: the file the settings came from, for messages.
+    """
+
+    exclude_modules: tuple[str, ...] = ()
+    group_size: int = BLOCK
+    quant_algo: str = SUPPORTED_ALGO
+    kv_cache_quant_algo: str | None = None
+    producer: str = ""
+    source: str = ""
+
+    def is_excluded(self, module_name: str) -> bool:
+        """Whether `module_name` (e.g. `model.layers.3.mlp.gate`) is stored unquantized.
+
+        A pattern matches by `fnmatch` (`*` also crosses dots); a pattern also covers the modules
+        below it (`model.layers.1.mlp.experts` covers `model.layers.1.mlp.experts.0.up_proj`).
+        """
+        return any(
+            fnmatchcase(module_name, p) or fnmatchcase(module_name, p + ".*")
+            for p in self.exclude_modules
+        )
+
+
+def _group_size_of(qc: dict, where: str) -> object:
+    if "group_size" in qc:
+        return qc["group_size"]
+    sizes = set()
+    for gname, group in (qc.get("config_groups") or {}).items():
+        for part in ("weights", "input_activations"):
+            if isinstance(group, dict) and isinstance(group.get(part), dict):
+                if "group_size" in group[part]:
+                    sizes.add((f"{where}.config_groups.{gname}.{part}.group_size", group[part]["group_size"]))
+    values = {v for _, v in sizes}
+    if len(values) > 1:
+        listing = ", ".join(f"{k} = {v}" for k, v in sorted(sizes, key=str))
+        raise ValueError(f"{where}: config groups disagree on group_size ({listing}); expected 16 everywhere")
+    return values.pop() if values else BLOCK
+
+
+def _kv_algo_of(qc: dict) -> tuple[str, object]:
+    if "kv_cache_quant_algo" in qc:
+        return "kv_cache_quant_algo", qc["kv_cache_quant_algo"]
+    scheme = qc.get("kv_cache_scheme")
+    if isinstance(scheme, dict):  # compressed-tensors style, e.g. {"num_bits": 8, "type": "float"}
+        return "kv_cache_scheme", f"{scheme.get('type', '?')}{scheme.get('num_bits', '?')}"
+    return "kv_cache_scheme", scheme
+
+
+def _parse(qc: dict, where: str) -> Fp4QuantConfig:
+    algo = qc.get("quant_algo")
+    if algo != SUPPORTED_ALGO:
+        raise ValueError(
+            f"{where}.quant_algo = {algo!r}: pieceworks serves ModelOpt NVFP4 checkpoints only "
+            f"(quant_algo \"NVFP4\"); re-export the model with ModelOpt's NVFP4 config or `pieceworks quantize`"
+        )
+    group_size = _group_size_of(qc, where)
+    if group_size != BLOCK:
+        raise ValueError(
+            f"{where}.group_size = {group_size!r}: NVFP4 uses one scale per 16 elements; this "
+            "checkpoint was made with another block size, which no pieceworks kernel serves"
+        )
+    kv_key, kv = _kv_algo_of(qc)
+    if kv not in _NO_KV_QUANT:
+        raise ValueError(
+            f"{where}.{kv_key} = {kv!r}: a quantized KV cache is not supported yet; use a checkpoint "
+            f"exported without KV-cache quantization ({kv_key} null)"
+        )
+    excl = qc.get("exclude_modules", qc.get("ignore"))
+    excl = [] if excl is None else excl
+    if not isinstance(excl, list) or not all(isinstance(p, str) for p in excl):
+        raise ValueError(f"{where}.exclude_modules must be a list of module-name patterns, got {excl!r}")
+    return Fp4QuantConfig(exclude_modules=tuple(excl), group_size=BLOCK, kv_cache_quant_algo=None)
+
+
+def _producer(d: dict) -> str:
+    p = d.get("producer") or {}
+    return f"{p.get('name', '')} {p.get('version', '')}".strip() if isinstance(p, dict) else str(p)
+
+
+def detect_quantization(model_dir: str | Path) -> Fp4QuantConfig | None:
+    """The checkpoint's NVFP4 settings, or None for an unquantized checkpoint.
+
+    Reads `hf_quant_config.json` if present, else `config.json`'s `quantization_config`.
+
+    Raises:
+        ValueError: a quantization config pieceworks cannot serve (another quant_algo or
+            quant_method, a group size other than 16, a quantized KV cache), naming the field and
+            its value; or an unreadable config file.
+    """
+    model_dir = Path(model_dir)
+    hf = model_dir / HF_QUANT_CONFIG
+    if hf.exists():
+        data = _load_json(hf)
+        qc = data.get("quantization")
+        if not isinstance(qc, dict):
+            raise ValueError(f"{hf}: has no \"quantization\" object; re-export it with ModelOpt")
+        cfg = _parse(qc, f"{HF_QUANT_CONFIG}: quantization")
+        return _with_origin(cfg, _producer(data), str(hf))
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.exists():
+        return None
+    qc = _load_json(cfg_path).get("quantization_config")
+    if qc is None:
+        return None
+    where = "config.json: quantization_config"
+    if not isinstance(qc, dict):
+        raise ValueError(f"{where} must be an object, got {qc!r}")
+    method = qc.get("quant_method")
+    if method not in _MODELOPT_METHODS:
+        raise ValueError(
+            f"{where}.quant_method = {method!r}: pieceworks reads ModelOpt NVFP4 checkpoints "
+            f"(quant_method \"modelopt\"); convert this model from bf16 with `pieceworks quantize`"
+        )
+    if "quantization" in qc and isinstance(qc["quantization"], dict):  # hf_quant_config inlined
+        return _with_origin(_parse(qc["quantization"], f"{where}.quantization"), _producer(qc), str(cfg_path))
+    return _with_origin(_parse(qc, where), _producer(qc), str(cfg_path))
+
+
+def _with_origin(cfg: Fp4QuantConfig, producer: str, source: str) -> Fp4QuantConfig:
+    return Fp4QuantConfig(cfg.exclude_modules, cfg.group_size, cfg.quant_algo, None, producer, source)
+
+
+def _load_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); fix or re-download it") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object at the top level")
+    return data
+
+
+# --- Tensors -------------------------------------------------------------------------------------
+
+
+def _expect(reader, name: str, dtype: torch.dtype, shape: tuple[int, ...] | None, what: str) -> torch.Tensor:
+    """Load `name` and check dtype and shape (shape None = a scalar: [] or [1])."""
+    if not reader.has(name):
+        raise ValueError(
+            f"{name}: missing from the checkpoint; a ModelOpt NVFP4 linear carries weight, "
+            f"weight_scale, weight_scale_2 and input_scale ({what}). If this layer is meant to stay "
+            "unquantized, its module must be listed in exclude_modules"
+        )
+    got_dtype, got_shape = reader.dtype(name), tuple(reader.shape(name))
+    shape_ok = got_shape in ((), (1,)) if shape is None else got_shape == shape
+    if got_dtype != dtype or not shape_ok:
+        want = "scalar ([] or [1])" if shape is None else list(shape)
+        hint = ""
+        if name.endswith(".weight") and got_dtype != dtype and got_dtype.is_floating_point:
+            hint = " (an unquantized weight: list the module in exclude_modules if that is intended)"
+        raise ValueError(
+            f"{name}: expected {str(dtype).removeprefix('torch.')} {want}, got "
+            f"{str(got_dtype).removeprefix('torch.')} {list(got_shape)}{hint}"
+        )
+    return reader.get(name)
+
+
+def _scalar(reader, name: str, what: str) -> torch.Tensor:
+    t = _expect(reader, name, torch.float32, None, what).reshape(())
+    v = float(t)
+    if not (v > 0 and v != float("inf")):
+        raise ValueError(f"{name}: must be a positive finite float32, got {v}; the export is broken")
+    return t
+
+
+def read_fp4_linear(reader, prefix: str, in_features: int, out_features: int) -> Fp4Weight:
+    """Read and validate one ModelOpt NVFP4 linear.
+
+    Args:
+        reader: a `pieceworks.models.checkpoint.CheckpointReader` (anything with has/dtype/shape/get).
+        prefix: the module name, e.g. `model.layers.3.self_attn.q_proj`.
+        in_features: K (a multiple of 16).
+        out_features: N.
+
+    Returns:
+        Fp4Weight(weight uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16], weight_scale_2 float32
+        [], input_scale float32 []).
+
+    Raises:
+        ValueError: a tensor is missing or has the wrong dtype/shape, or a global scale is not a
+            positive finite number; the message names the tensor (`{prefix}.weight_scale: expected
+            float8_e4m3fn [4096, 256], got ...`). Nothing is returned half-read.
+    """
+    if in_features % BLOCK:
+        raise ValueError(f"{prefix}: in_features = {in_features} is not a multiple of {BLOCK}; NVFP4 cannot hold it")
+    what = f"layer {prefix}: in {in_features}, out {out_features}"
+    weight = _expect(reader, f"{prefix}.weight", torch.uint8, (out_features, in_features // 2), what)
+    scale = _expect(
+        reader, f"{prefix}.weight_scale", torch.float8_e4m3fn, (out_features, in_features // BLOCK), what
+    )
+    ws2 = _scalar(reader, f"{prefix}.weight_scale_2", what)
+    inp = _scalar(reader, f"{prefix}.input_scale", what)
+    return Fp4Weight(weight, scale, ws2, inp)
+
+
+def fuse_fp4(parts: list[Fp4Weight]) -> Fp4Weight | None:
+    """Concatenate linears along N (q/k/v, gate/up) when that is exact, else None.
+
+    Fusion is exact only when every part has the same `weight_scale_2` and `input_scale` (what
+    ModelOpt exports for linears that read one input): the block scales and codes then mean the same
+    thing in the fused weight. Otherwise this returns None and the model keeps the parts as separate
+    linears, which is exact too; re-quantizing block scales to a shared global scale would change
+    weights by one more e4m3 rounding, so pieceworks never does it.
+
+    Args:
+        parts: Fp4Weight each, all with the same K.
+
+    Returns:
+        Fp4Weight with weight [sum N, K/2], weight_scale [sum N, K/16] and the shared scalars, or
+        None when the scalars differ.
+    """
+    if not parts:
+        raise ValueError("fuse_fp4: no parts given")
+    k = {p.weight.shape[-1] for p in parts}
+    if len(k) != 1:
+        raise ValueError(f"fuse_fp4: parts have different K/2 ({sorted(k)}); only linears on one input fuse")
+    first = parts[0]
+    for p in parts[1:]:
+        if not (torch.equal(p.weight_scale_2, first.weight_scale_2) and torch.equal(p.input_scale, first.input_scale)):
+            return None
+    return Fp4Weight(
+        torch.cat([p.weight for p in parts]),
+        torch.cat([p.weight_scale for p in parts]),
+        first.weight_scale_2,
+        first.input_scale,
+    )
+
+
+def read_fp4_experts(reader, prefix_fmt: str, num_experts: int, hidden: int, intermediate: int) -> MoEWeights:
+    """Read per-expert NVFP4 tensors and stack them into `MoEWeights`.
+
+    Args:
+        reader: a CheckpointReader.
+        prefix_fmt: expert module name with `{e}`, e.g. `model.layers.3.mlp.experts.{e}`; under it
+            `gate_proj`, `up_proj` ([I, H]) and `down_proj` ([H, I]).
+        num_experts: E. hidden: H. intermediate: I (the expert's).
+
+    Returns:
+        MoEWeights: w13 uint8 [E, 2I, H/2] (gate rows then up rows), w13_scale e4m3 [E, 2I, H/16],
+        w13_scale_2 float32 [E, 2] (gate, up), w13_input_scale float32 [E] = max(gate, up) input
+        scale, w2 uint8 [E, H, I/2], w2_scale e4m3 [E, H, I/16], w2_scale_2 [E], w2_input_scale [E].
+        Taking the max of gate's and up's input_scale changes nothing for ModelOpt exports (they are
+        equal, both read one input); for other producers it is the choice that never clips.
+
+    Raises:
+        ValueError: as `read_fp4_linear`, naming the expert's tensor.
+    """
+    w13, s13, g13, i13, w2, s2, g2, i2 = ([] for _ in range(8))
+    for e in range(num_experts):
+        p = prefix_fmt.format(e=e)
+        gate = read_fp4_linear(reader, f"{p}.gate_proj", hidden, intermediate)
+        up = read_fp4_linear(reader, f"{p}.up_proj", hidden, intermediate)
+        down = read_fp4_linear(reader, f"{p}.down_proj", intermediate, hidden)
+        w13.append(torch.cat([gate.weight, up.weight]))
+        s13.append(torch.cat([gate.weight_scale, up.weight_scale]))
+        g13.append(torch.stack([gate.weight_scale_2, up.weight_scale_2]))
+        i13.append(torch.maximum(gate.input_scale, up.input_scale))
+        w2.append(down.weight)
+        s2.append(down.weight_scale)
+        g2.append(down.weight_scale_2)
+        i2.append(down.input_scale)
+    st = torch.stack
+    return MoEWeights(st(w13), st(s13), st(g13), st(i13), st(w2), st(s2), st(g2), st(i2))
