@@ -1,0 +1,170 @@
+"""Activation calibration for the quantizer: max |input| of every linear over some text.
+
+This is ModelOpt's "max" calibration: the unquantized model runs forward and every linear's input
+amax is the maximum of |x| over all calibration tokens. The quantizer turns it into
+`input_scale = amax / (6 * 448)`.
+
+Linears are `nn.Linear` modules (forward pre-hooks) plus the fused expert modules of
+`transformers` >= 5 (3-D `gate_up_proj` / `down_proj` parameters, one `F.linear` per expert): their
+per-expert linear calls are seen through a `TorchFunctionMode` while the experts module runs. As in
+ModelOpt 0.47, all experts of a layer share one input amax per projection (gate/up, down): the
+checkpoint keeps one input_scale per expert, all equal.
+
+Needs `transformers` (the `demo` extra), imported only when calibrating.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_F_LINEAR = torch.nn.functional.linear
+
+
+def _is_fused_experts(module: torch.nn.Module) -> bool:
+    gu, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == 3 and down.dim() == 3
+
+
+class _ExpertSpy(TorchFunctionMode):
+    """Records input amax of F.linear calls whose weight is a slice of the experts' 3-D params."""
+
+    def __init__(self, module: torch.nn.Module, record):
+        super().__init__()
+        self.ptrs = {
+            module.gate_up_proj.untyped_storage().data_ptr(): "gate_up",
+            module.down_proj.untyped_storage().data_ptr(): "down",
+        }
+        self.record = record
+        self.calls = 0
+
+    # Hooks return None: a forward pre-hook's return value would replace the module's arguments.
+    def enter_hook(self, module, args) -> None:
+        self.__enter__()
+
+    def exit_hook(self, module, args, output) -> None:
+        self.__exit__(None, None, None)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _F_LINEAR:
+            x = args[0] if args else kwargs["input"]
+            w = args[1] if len(args) > 1 else kwargs["weight"]
+            kind = self.ptrs.get(w.untyped_storage().data_ptr())
+            if kind is not None and x.numel():
+                self.record(kind, x)
+                self.calls += 1
+        return func(*args, **kwargs)
+
+
+def calibrate_input_amax(model: torch.nn.Module, batches: Iterable[torch.Tensor]) -> dict[str, float]:
+    """Run `model(input_ids=batch)` over `batches` and collect every linear's input amax.
+
+    Args:
+        model: a `transformers` causal LM (unquantized; eval mode is set here).
+        batches: int64 token-id tensors [B, T].
+
+    Returns:
+        {checkpoint module name: amax} (e.g. `model.layers.0.self_attn.q_proj`; fused experts
+        appear as `<experts>.{e}.gate_proj` / `.up_proj` / `.down_proj` for every expert e). A linear
+        that never ran is absent.
+
+    Raises:
+        ValueError: a fused experts module ran but none of its expert linears was seen (its
+            implementation is not "eager"; load the model with `experts_implementation="eager"`).
+    """
+    amax: dict[str, torch.Tensor] = {}
+
+    def note(name: str, x: torch.Tensor) -> None:
+        m = x.detach().abs().amax().float().cpu()
+        amax[name] = m if name not in amax else torch.maximum(amax[name], m)
+
+    handles, spies = [], []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            handles.append(module.register_forward_pre_hook(lambda mod, args, n=name: note(n, args[0])))
+        elif _is_fused_experts(module):
+            spy = _ExpertSpy(module, lambda kind, x, n=name: note(f"{n}#{kind}", x))
+            spies.append((name, module, spy))
+            handles.append(module.register_forward_pre_hook(spy.enter_hook))
+            handles.append(module.register_forward_hook(spy.exit_hook, always_call=True))
+    model.eval()
+    device = next(model.parameters()).device
+    try:
+        with torch.no_grad():
+            for ids in batches:
+                model(input_ids=ids.to(device))
+    finally:
+        for h in handles:
+            h.remove()
+    out = {name: float(v) for name, v in amax.items() if "#" not in name}
+    for name, module, spy in spies:
+        if spy.calls == 0:
+            raise ValueError(
+                f"{name}: the experts ran but no per-expert linear was seen; load the model with "
+                "experts_implementation=\"eager\" for calibration"
+            )
+        for e in range(module.gate_up_proj.shape[0]):
+            for proj, kind in (("gate_proj", "gate_up"), ("up_proj", "gate_up"), ("down_proj", "down")):
+                if f"{name}#{kind}" in amax:
+                    out[f"{name}.{e}.{proj}"] = float(amax[f"{name}#{kind}"])
+    return out
+
+
+def text_batches(tokenizer, text: str, seq_len: int) -> list[torch.Tensor]:
+    """Split `text` into [1, <= seq_len] token batches, each starting with BOS when there is one."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    bos = getattr(tokenizer, "bos_token_id", None)
+    step = seq_len - (bos is not None)
+    chunks = [ids[i : i + step] for i in range(0, len(ids), step)]
+    return [torch.tensor([([bos] if bos is not None else []) + c]) for c in chunks if c]
+
+
+def calibrate_from_text(
+    model_dir: str | Path, text_file: str | Path, *, seq_len: int = 512, device: str | None = None
+) -> dict[str, float]:
+    """Load the bf16 model and its tokenizer from `model_dir` and calibrate over `text_file`.
+
+    The whole model is loaded (on `device`: CUDA when available, else CPU); only the forward over
+    the text runs, in chunks of `seq_len` tokens.
+
+    Returns:
+        as `calibrate_input_amax`.
+
+    Raises:
+        ValueError: transformers is missing (`pip install 'pieceworks[demo]'`), the text file is
+            missing or empty, or the model or its tokenizer cannot be loaded.
+    """
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError:
+        raise ValueError(
+            "calibrating over text needs transformers: pip install 'pieceworks[demo]' (or pass a fixed "
+            "--amax instead of --calib-text)"
+        ) from None
+    text_file = Path(text_file)
+    try:
+        text = text_file.read_text()
+    except OSError as e:
+        raise ValueError(f"{text_file}: cannot read the calibration text ({e.strerror})") from None
+    if not text.strip():
+        raise ValueError(f"{text_file}: the calibration text is empty")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:  # transformers raises many kinds here
+        raise ValueError(
+            f"{model_dir}: cannot load a tokenizer for calibration ({type(e).__name__}: {e}); put the "
+            "tokenizer files next to the model, or pass a fixed --amax"
+        ) from None
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype="auto", experts_implementation="eager"
+        ).to(device)
+    except Exception as e:
+        raise ValueError(f"{model_dir}: transformers cannot load the model ({type(e).__name__}: {e})") from None
+    batches = text_batches(tokenizer, text, seq_len)
+    return calibrate_input_amax(model, batches)

@@ -1,0 +1,314 @@
+"""`pieceworks quantize`: a bf16/fp16/fp32 Hugging Face checkpoint -> a ModelOpt-format NVFP4 one.
+
+The output has ModelOpt 0.47's tensor names, dtypes and layout (see `modelopt.py`), its
+`hf_quant_config.json` and config.json `quantization_config`, and bit-identical `weight`,
+`weight_scale` and `weight_scale_2` tensors for the same source weights (tested against ModelOpt on
+tiny Llama and DeepSeek-V3 models).
+
+Which linears: every 2-D floating `*.weight` whose K is a multiple of 16 and whose module matches no
+exclude pattern. `DEFAULT_EXCLUDE` mirrors ModelOpt's NVFP4 config (lm_head, embeddings, MoE routers,
+DeepSeek MTP layers beyond num_hidden_layers); the caller's patterns are added to it. Unquantized
+2-D weights are listed in exclude_modules (summarized as ModelOpt does); norms and biases are 1-D and
+copied as they are.
+
+Linears that read the same input share one `weight_scale_2` (max over the group, as ModelOpt's
+export does) and one `input_scale`: q/k/v, gate/up (dense MLPs, shared experts, each routed
+expert), and DeepSeek's q_a_proj (or q_proj) with kv_a_proj_with_mqa. ModelOpt finds these by tracing
+shared inputs; here they are named, which covers the Llama and DeepSeek-V3 families.
+
+`input_scale = amax / (6 * 448)`, with amax fixed (`amax=`), calibrated by max over a text
+(`calib_text=`, runs the bf16 model with transformers), or given per module (`input_amax=`, e.g. from
+`calibrate.calibrate_input_amax`). A linear the calibration never reached gets amax 6.0, ModelOpt's
+substitute for an empty calibration, and a warning.
+
+Streaming: a first pass reads only the weights of fused groups (for their shared amax), the second
+reads, quantizes (in row chunks) and writes one tensor at a time, so memory stays near the largest
+tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+import torch
+
+from pieceworks.models.checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointReader
+from pieceworks.quant import nvfp4
+from pieceworks.quant.export_config import hf_quant_config, quantization_config, summarize_exclude
+from pieceworks.quant.shard_writer import ShardedWriter, TensorSpec
+
+DEFAULT_EXCLUDE = (
+    "lm_head",
+    "*embed_tokens",
+    "*.mlp.gate",
+    "*router*",
+    "*block_sparse_moe.gate",
+    "*shared_expert_gate",
+)
+FUSED_SIBLINGS = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+    ("q_a_proj", "kv_a_proj_with_mqa"),
+    ("q_proj", "kv_a_proj_with_mqa"),
+)
+UNCALIBRATED_AMAX = 6.0  # ModelOpt's substitute (the quantizer's maxbound) for a zero/missing amax
+_SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_ROW_CHUNK_ELEMS = 1 << 24
+
+
+@dataclass(frozen=True)
+class _Linear:
+    module: str
+    out_features: int
+    in_features: int
+
+
+def _plan(reader: CheckpointReader, patterns: list[str]) -> tuple[dict[str, _Linear], list[str]]:
+    """Quantized linears by weight name, and the unquantized 2-D weights' module names."""
+    quantized, unquantized = {}, []
+    for name in reader.names():
+        if not name.endswith(".weight") or len(reader.shape(name)) != 2:
+            continue
+        module = name[: -len(".weight")]
+        n, k = reader.shape(name)
+        excluded = any(fnmatchcase(module, p) or fnmatchcase(module, p + ".*") for p in patterns)
+        if excluded or k % nvfp4.BLOCK or reader.dtype(name) not in _SOURCE_DTYPES:
+            unquantized.append(module)
+        else:
+            quantized[name] = _Linear(module, n, k)
+    return quantized, unquantized
+
+
+def _groups(linears: list[_Linear]) -> list[tuple[str, ...]]:
+    """Module-name groups that share global scales (siblings of one parent reading one input)."""
+    by_parent: dict[str, set[str]] = {}
+    for lin in linears:
+        parent, _, leaf = lin.module.rpartition(".")
+        by_parent.setdefault(parent, set()).add(leaf)
+    groups = []
+    for parent, leaves in by_parent.items():
+        taken: set[str] = set()
+        for siblings in FUSED_SIBLINGS:
+            members = [s for s in siblings if s in leaves and s not in taken]
+            if len(members) >= 2:
+                taken.update(members)
+                groups.append(tuple(f"{parent}.{m}" if parent else m for m in members))
+    return groups
+
+
+def _mtp_patterns(config: dict, reader: CheckpointReader) -> list[str]:
+    """`model.layers.N*` for DeepSeek MTP layers (N >= num_hidden_layers), which ModelOpt excludes."""
+    n = config.get("num_hidden_layers")
+    if not isinstance(n, int):
+        return []
+    extra = set()
+    for name in reader.names():
+        parts = name.split(".")
+        if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+            if int(parts[2]) >= n:
+                extra.add(f"model.layers.{parts[2]}*")
+    return sorted(extra)
+
+
+def _check_dirs(src: Path, dst: Path, reader: CheckpointReader) -> dict:
+    config = reader.config()
+    qc = config.get("quantization_config")
+    if qc is not None or (src / "hf_quant_config.json").exists():
+        method = qc.get("quant_method") if isinstance(qc, dict) else "modelopt"
+        raise ValueError(
+            f"{src}: already quantized (quant_method {method!r}); quantize needs a bf16, fp16 or fp32 "
+            "checkpoint"
+        )
+    if dst.resolve() == src.resolve():
+        raise ValueError(f"{dst}: the destination is the source; choose a new directory")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ValueError(f"{dst}: exists and is not an empty directory; choose a new one")
+    return config
+
+
+def _input_amax(
+    linears: dict[str, _Linear], groups, amax, calibrated: Mapping[str, float] | None
+) -> dict[str, float]:
+    modules = [lin.module for lin in linears.values()]
+    if calibrated is None:
+        return {m: float(amax) for m in modules}
+    out, missing = {}, []
+    for m in modules:
+        v = calibrated.get(m)
+        if v is None or v == 0.0:
+            missing.append(m)
+            v = UNCALIBRATED_AMAX
+        out[m] = float(v)
+    if missing:
+        warnings.warn(
+            f"{len(missing)} linear(s) got no calibration data (e.g. {missing[0]}); their input_scale "
+            f"uses amax {UNCALIBRATED_AMAX} as ModelOpt does; use more calibration text",
+            stacklevel=3,
+        )
+    for group in groups:  # one input_scale per group: the max, as ModelOpt's export does
+        top = max(out[m] for m in group)
+        out.update({m: top for m in group})
+    return out
+
+
+def _quantize_rows(w: torch.Tensor, ws2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """nvfp4.quantize_weight in row chunks (rows are independent given ws2), to bound memory.
+
+    Returns (weight uint8 [N, K/2], weight_scale e4m3 [N, K/16], weight_scale_2 float32 []).
+    """
+    rows = max(1, _ROW_CHUNK_ELEMS // max(1, w.shape[1]))
+    packed, scales = [], []
+    for i in range(0, w.shape[0], rows):
+        p, s, used = nvfp4.quantize_weight(w[i : i + rows], ws2)
+        packed.append(p)
+        scales.append(s)
+    return torch.cat(packed), torch.cat(scales), used  # `used`: ws2, or its stand-in for all-zero w
+
+
+def _progress(enabled: bool):
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+        disable=not enabled,
+    )
+
+
+def quantize_checkpoint(
+    src_dir: str | Path,
+    dst_dir: str | Path,
+    *,
+    calib_text: Path | None = None,
+    amax: float | None = None,
+    exclude: list[str] | None = None,
+    progress: bool = True,
+    input_amax: Mapping[str, float] | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> Path:
+    """Quantize the checkpoint in `src_dir` to NVFP4 and write it to `dst_dir` (ModelOpt format).
+
+    Args:
+        src_dir: a Hugging Face checkpoint (safetensors, bf16/fp16/fp32) of a Llama or DeepSeek-V3
+            family model.
+        dst_dir: a new or empty directory.
+        calib_text: a text file; activation amax per linear = max |input| over it (needs
+            transformers and the tokenizer files in src_dir).
+        amax: a fixed activation amax for every linear instead.
+        exclude: fnmatch patterns of modules to keep unquantized, added to DEFAULT_EXCLUDE.
+        progress: show a progress bar.
+        input_amax: per-module activation amax instead (as `calibrate_input_amax` returns).
+        max_shard_bytes: shard size cap.
+
+    Returns:
+        dst_dir as a Path.
+
+    Raises:
+        ValueError: not exactly one of calib_text / amax / input_amax; amax not positive; src is
+            already quantized or unreadable; dst not empty; calibration cannot run.
+    """
+    src, dst = Path(src_dir), Path(dst_dir)
+    if sum(x is not None for x in (calib_text, amax, input_amax)) != 1:
+        raise ValueError("give exactly one activation source: --calib-text FILE or --amax X")
+    if amax is not None and not (0 < float(amax) < float("inf")):
+        raise ValueError(f"--amax must be a positive number, got {amax}")
+    reader = CheckpointReader(src)
+    config = _check_dirs(src, dst, reader)
+    patterns = list(DEFAULT_EXCLUDE) + _mtp_patterns(config, reader) + list(exclude or [])
+    linears, unquantized = _plan(reader, patterns)
+    if not linears:
+        raise ValueError(f"{src}: no linear weight to quantize (all excluded, or K not a multiple of 16)")
+    groups = _groups(list(linears.values()))
+    if calib_text is not None:
+        from pieceworks.quant.calibrate import calibrate_from_text
+
+        input_amax = calibrate_from_text(src, calib_text)
+    in_amax = _input_amax(linears, groups, amax, input_amax)
+
+    specs = []
+    for name in reader.names():
+        lin = linears.get(name)
+        if lin is None:
+            specs.append(TensorSpec(name, reader.dtype(name), reader.shape(name)))
+            continue
+        n, k = lin.out_features, lin.in_features
+        specs += [
+            TensorSpec(name, torch.uint8, (n, k // 2)),
+            TensorSpec(f"{lin.module}.weight_scale", torch.float8_e4m3fn, (n, k // nvfp4.BLOCK)),
+            TensorSpec(f"{lin.module}.weight_scale_2", torch.float32, ()),
+            TensorSpec(f"{lin.module}.input_scale", torch.float32, ()),
+        ]
+    dst.mkdir(parents=True, exist_ok=True)
+    writer = ShardedWriter(dst, specs, max_shard_bytes)
+    try:
+        with _progress(progress) as bar:
+            ws2 = _group_scales(reader, groups, bar)
+            task = bar.add_task("quantizing", total=sum(reader_nbytes(reader, n) for n in reader.names()))
+            for name in reader.names():
+                t = reader.get(name)
+                lin = linears.get(name)
+                if lin is None:
+                    writer.write(name, t)
+                else:
+                    scale2 = ws2.get(lin.module, nvfp4.weight_global_scale(t))
+                    packed, scale, scale2 = _quantize_rows(t, scale2)
+                    writer.write(name, packed)
+                    writer.write(f"{lin.module}.weight_scale", scale)
+                    writer.write(f"{lin.module}.weight_scale_2", scale2)
+                    inp = torch.tensor(in_amax[lin.module], dtype=torch.float32) / (nvfp4.E2M1_MAX * nvfp4.E4M3_MAX)
+                    writer.write(f"{lin.module}.input_scale", inp)
+                bar.advance(task, t.numel() * t.element_size())
+                del t
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    _write_configs(src, dst, config, unquantized, [lin.module for lin in linears.values()])
+    return dst
+
+
+def reader_nbytes(reader: CheckpointReader, name: str) -> int:
+    """Bytes of one tensor, from the header."""
+    n = reader.dtype(name).itemsize
+    for d in reader.shape(name):
+        n *= d
+    return n
+
+
+def _group_scales(reader: CheckpointReader, groups, bar) -> dict[str, torch.Tensor]:
+    """Shared weight_scale_2 per grouped module: max of the members' amax / (6 * 448)."""
+    out: dict[str, torch.Tensor] = {}
+    names = [m for g in groups for m in g]
+    task = bar.add_task("measuring fused groups", total=sum(reader_nbytes(reader, f"{m}.weight") for m in names))
+    for group in groups:
+        scales = []
+        for m in group:
+            w = reader.get(f"{m}.weight")
+            scales.append(nvfp4.weight_global_scale(w))
+            bar.advance(task, w.numel() * w.element_size())
+            del w
+        shared = torch.stack(scales).amax()
+        out.update({m: shared for m in group})
+    return out
+
+
+def _write_configs(src: Path, dst: Path, config: dict, unquantized: list[str], quantized: list[str]) -> None:
+    from pieceworks import __version__ as version
+
+    hf = hf_quant_config(summarize_exclude(unquantized, quantized), {"name": "pieceworks", "version": version})
+    (dst / "hf_quant_config.json").write_text(json.dumps(hf, indent=4))
+    config = dict(config)
+    config["quantization_config"] = quantization_config(hf)
+    (dst / "config.json").write_text(json.dumps(config, indent=4))
+    skip = {SINGLE_FILE, INDEX_FILE, "config.json", "hf_quant_config.json"}
+    for f in src.iterdir():
+        if f.is_file() and f.name not in skip and not f.name.endswith(".safetensors"):
+            shutil.copy2(f, dst / f.name)
