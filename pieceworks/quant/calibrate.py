@@ -128,8 +128,8 @@ def calibrate_from_text(
 ) -> dict[str, float]:
     """Load the bf16 model and its tokenizer from `model_dir` and calibrate over `text_file`.
 
-    The whole model is loaded (on `device`: CUDA when available, else CPU); only the forward over
-    the text runs, in chunks of `seq_len` tokens.
+    The whole model is loaded (on `device`: CUDA when available, else CPU) and runs forward over
+    the text in chunks of `seq_len` tokens (at most the model's max_position_embeddings).
 
     Returns:
         as `calibrate_input_amax`.
@@ -166,5 +166,6 @@ def calibrate_from_text(
         ).to(device)
     except Exception as e:
         raise ValueError(f"{model_dir}: transformers cannot load the model ({type(e).__name__}: {e})") from None
+    seq_len = min(seq_len, getattr(model.config, "max_position_embeddings", None) or seq_len)
     batches = text_batches(tokenizer, text, seq_len)
     return calibrate_input_amax(model, batches)

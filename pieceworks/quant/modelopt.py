@@ -147,7 +147,7 @@ def detect_quantization(model_dir: str | Path) -> Fp4QuantConfig | None:
         qc = data.get("quantization")
         if not isinstance(qc, dict):
             raise ValueError(f"{hf}: has no \"quantization\" object; re-export it with ModelOpt")
-        cfg = _parse(qc, f"{HF_QUANT_CONFIG}: quantization")
+        cfg = _parse(qc, f"{hf}: quantization")
         return _with_origin(cfg, _producer(data), str(hf))
     cfg_path = model_dir / "config.json"
     if not cfg_path.exists():
@@ -155,7 +155,7 @@ def detect_quantization(model_dir: str | Path) -> Fp4QuantConfig | None:
     qc = _load_json(cfg_path).get("quantization_config")
     if qc is None:
         return None
-    where = "config.json: quantization_config"
+    where = f"{cfg_path}: quantization_config"
     if not isinstance(qc, dict):
         raise ValueError(f"{where} must be an object, got {qc!r}")
     method = qc.get("quant_method")

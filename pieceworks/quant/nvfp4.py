@@ -246,7 +246,10 @@ def swizzle_128x4(scale: torch.Tensor, flatten: bool = False) -> torch.Tensor:
 
 
 def unswizzle_128x4(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Inverse of `swizzle_128x4`: [..., Rp, Cp] or flat -> [..., rows, cols] linear layout."""
+    """Inverse of `swizzle_128x4`: [..., Rp, Cp] -> [..., rows, cols] linear layout.
+
+    A flat buffer comes back as [rows, cols], or [E, rows, cols] when it holds E > 1 matrices.
+    """
     rp, cp = _round_up(rows, 128), _round_up(cols, 4)
     lead = _lead_of(swizzled, rp, cp, "unswizzle_128x4")
     n = len(lead)
@@ -275,7 +278,7 @@ def swizzle_8x4(scale: torch.Tensor, flatten: bool = False) -> torch.Tensor:
 
 
 def unswizzle_8x4(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Inverse of `swizzle_8x4`: [..., Rp, Cp] or flat -> [..., rows, cols] linear layout."""
+    """Inverse of `swizzle_8x4`: [..., Rp, Cp] -> [..., rows, cols]; a flat buffer as in `unswizzle_128x4`."""
     rp, cp = _round_up(rows, 8), _round_up(cols, 4)
     lead = _lead_of(swizzled, rp, cp, "unswizzle_8x4")
     n = len(lead)

@@ -72,16 +72,21 @@ class ExportedModel:
     bf16_dir: Path
     fp4_dir: Path
     params: dict
+    seed: int
+
+    def calibration_batches(self) -> list[torch.Tensor]:
+        """The token batches ModelOpt calibrated on (int64 [2, 32] each)."""
+        return calibration_batches(self.params["vocab_size"], self.seed)
 
 
 def _versions() -> dict[str, str]:
-    import modelopt
-    import transformers
+    # Package metadata, not imports: importing modelopt takes seconds, and a cache hit needs none.
+    from importlib.metadata import version
 
     return {
         "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "modelopt": modelopt.__version__,
+        "transformers": version("transformers"),
+        "modelopt": version("nvidia-modelopt"),
     }
 
 
@@ -94,19 +99,23 @@ def cache_key(builder: str, params: dict, seed: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _calibrate(model: torch.nn.Module, vocab_size: int, seed: int) -> None:
-    """Forward loop for max calibration: a few random token batches, enough to route every expert."""
+def calibration_batches(vocab_size: int, seed: int) -> list[torch.Tensor]:
+    """A few random token batches: enough to route tokens to every expert of the tiny MoE."""
     gen = torch.Generator().manual_seed(seed + 1)
+    return [torch.randint(0, vocab_size, (2, 32), generator=gen) for _ in range(4)]
+
+
+def _calibrate(model: torch.nn.Module, vocab_size: int, seed: int) -> None:
+    """ModelOpt's forward loop for max calibration (the model is still unquantized here)."""
     with torch.no_grad():
-        for _ in range(4):
-            ids = torch.randint(0, vocab_size, (2, 32), generator=gen)
+        for ids in calibration_batches(vocab_size, seed):
             model(input_ids=ids)
 
 
 def _build(builder: str, make_model, vocab_size: int, params: dict, seed: int, cache_root: Path):
     key = cache_key(builder, params, seed)
     out = Path(cache_root) / f"{builder}-{key}"
-    result = ExportedModel(out / "bf16", out / "fp4", dict(params))
+    result = ExportedModel(out / "bf16", out / "fp4", dict(params), seed)
     if (out / "DONE").exists():
         return result
 
@@ -140,11 +149,11 @@ def _build(builder: str, make_model, vocab_size: int, params: dict, seed: int, c
 
 def build_tiny_llama(cache_root: Path = DEFAULT_CACHE_ROOT, seed: int = 0, **overrides) -> ExportedModel:
     """A random `LlamaForCausalLM` (bf16) and its ModelOpt NVFP4 export."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     params = {**LLAMA_PARAMS, **overrides}
 
     def make():
+        from transformers import LlamaConfig, LlamaForCausalLM
+
         config = LlamaConfig(**params)
         config.architectures = ["LlamaForCausalLM"]
         return LlamaForCausalLM(config).to(torch.bfloat16)
@@ -158,14 +167,15 @@ def build_tiny_deepseek(
     """A random `DeepseekV3ForCausalLM` (bf16, router weights fp32) and its ModelOpt NVFP4 export.
 
     Layer 0 is dense (first_k_dense_replace=1); the others are MoE with grouped routing (n_group=2,
-    2 experts per group) and one shared expert. Random weights make a near-uniform router, so the
-    random calibration batches reach every expert.
+    2 experts per group) and one shared expert. `transformers` >= 5 holds the experts as fused 3-D
+    parameters; ModelOpt calibrates them through one shared input quantizer per projection and
+    exports them per expert under the checkpoint names (`mlp.experts.{e}.gate_proj...`).
     """
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
     params = {**DEEPSEEK_PARAMS, **overrides}
 
     def make():
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
         config = DeepseekV3Config(**params)
         config.architectures = ["DeepseekV3ForCausalLM"]
         model = DeepseekV3ForCausalLM(config)

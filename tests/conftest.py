@@ -1,0 +1,49 @@
+"""Shared pytest fixtures and options. Each section belongs to one area; add yours as a new section."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+# ===== NVFP4 / ModelOpt fixtures (issue 3) ========================================================
+# Tiny random Llama and DeepSeek-V3 models, saved in bf16 and exported to NVFP4 by ModelOpt itself
+# (tests/helpers/modelopt_export.py). Exports are cached on disk, keyed by the torch / transformers /
+# modelopt versions and the builder's parameters; the first run builds them (~10 s each).
+
+try:  # `python -m pytest` puts the repository root on sys.path, plain `pytest` puts tests/
+    from tests.helpers import modelopt_export
+except ImportError:
+    from helpers import modelopt_export
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fixture-cache",
+        default=None,
+        metavar="DIR",
+        help=f"where ModelOpt test exports are cached (default {modelopt_export.DEFAULT_CACHE_ROOT})",
+    )
+
+
+@pytest.fixture(scope="session")
+def fixture_cache(request: pytest.FixtureRequest) -> Path:
+    """Directory holding cached ModelOpt exports (`--fixture-cache`, else the user cache)."""
+    opt = request.config.getoption("--fixture-cache")
+    return Path(opt) if opt else modelopt_export.DEFAULT_CACHE_ROOT
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_modelopt(fixture_cache: Path) -> modelopt_export.ExportedModel:
+    """A tiny random LlamaForCausalLM: `.bf16_dir` (save_pretrained) and `.fp4_dir` (ModelOpt NVFP4)."""
+    return modelopt_export.build_tiny_llama(fixture_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_modelopt(fixture_cache: Path) -> modelopt_export.ExportedModel:
+    """A tiny random DeepseekV3ForCausalLM (MLA, 1 dense + 2 MoE layers, 4 experts in 2 groups,
+    a shared expert): `.bf16_dir` and `.fp4_dir` (ModelOpt NVFP4)."""
+    return modelopt_export.build_tiny_deepseek(fixture_cache)
+
+
+# ===== end of NVFP4 / ModelOpt fixtures ===========================================================

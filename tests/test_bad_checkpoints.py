@@ -1,0 +1,238 @@
+"""Broken or unsupported checkpoints fail with errors that name the file, tensor or field."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pieceworks.models.checkpoint import CheckpointReader
+from pieceworks.quant.modelopt import detect_quantization, read_fp4_linear
+from pieceworks.quant.quantizer import quantize_checkpoint
+
+Q = "model.layers.0.self_attn.q_proj"  # [64 out, 64 in] in the tiny Llama
+
+
+@pytest.fixture
+def ckpt(tiny_llama_modelopt, tmp_path):
+    """A private copy of ModelOpt's tiny Llama export, free to break."""
+    d = tmp_path / "fp4"
+    shutil.copytree(tiny_llama_modelopt.fp4_dir, d)
+    return d
+
+
+def _edit_tensors(d, fn):
+    tensors = load_file(d / "model.safetensors")
+    fn(tensors)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+
+
+def _edit_json(path, fn):
+    data = json.loads(path.read_text())
+    fn(data)
+    path.write_text(json.dumps(data))
+
+
+def _read_q(d):
+    return read_fp4_linear(CheckpointReader(d), Q, in_features=64, out_features=64)
+
+
+# --- files ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.999, 10])
+def test_truncated_safetensors(ckpt, keep):
+    path = ckpt / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)] if keep < 1 else data[:keep])
+    with pytest.raises(ValueError) as e:
+        CheckpointReader(ckpt)
+    assert str(path) in str(e.value) and "truncated or corrupt" in str(e.value)
+    assert "re-download or re-export" in str(e.value)
+
+
+def _shard(d, names_per_shard):
+    """Split the single file into shards with an index."""
+    tensors = load_file(d / "model.safetensors")
+    (d / "model.safetensors").unlink()
+    weight_map = {}
+    for i, names in enumerate(names_per_shard):
+        fname = f"model-{i + 1:05d}-of-{len(names_per_shard):05d}.safetensors"
+        save_file({n: tensors[n] for n in names}, d / fname, metadata={"format": "pt"})
+        weight_map.update({n: fname for n in names})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return sorted(tensors)
+
+
+def test_sharded_checkpoint_reads_like_one_file(ckpt, tiny_llama_modelopt):
+    tensors = load_file(ckpt / "model.safetensors")
+    all_names = sorted(tensors)
+    _shard(ckpt, [all_names[:20], all_names[20:]])
+    reader = CheckpointReader(ckpt)
+    assert sorted(reader.names()) == all_names and reader.has(f"{Q}.weight") and not reader.has("nope")
+    for n in all_names:
+        assert reader.get(n).shape == tensors[n].shape and reader.dtype(n) == tensors[n].dtype
+    assert len({reader.file_of(n) for n in all_names}) == 2
+    with pytest.raises(KeyError, match="nope"):
+        reader.get("nope")
+
+
+def test_index_pointing_to_a_missing_shard(ckpt):
+    names = sorted(load_file(ckpt / "model.safetensors"))
+    _shard(ckpt, [names[:20], names[20:]])
+    (ckpt / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ValueError) as e:
+        CheckpointReader(ckpt)
+    msg = str(e.value)
+    assert "model.safetensors.index.json" in msg and "model-00002-of-00002.safetensors" in msg
+    assert "re-download" in msg
+
+
+def test_index_entry_that_the_shard_lacks(ckpt):
+    names = sorted(load_file(ckpt / "model.safetensors"))
+    _shard(ckpt, [names[:20], names[20:]])
+    _edit_json(ckpt / "model.safetensors.index.json", lambda d: d["weight_map"].update({"ghost.weight": "model-00001-of-00002.safetensors"}))
+    with pytest.raises(ValueError, match=r"model-00001-of-00002.safetensors: lacks 1 tensor.*ghost.weight"):
+        CheckpointReader(ckpt)
+
+
+def test_no_checkpoint_and_bad_config(tmp_path):
+    with pytest.raises(ValueError, match="no model.safetensors or model.safetensors.index.json"):
+        CheckpointReader(tmp_path)
+    save_file({"x": torch.zeros(2)}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="config.json: missing"):
+        CheckpointReader(tmp_path).config()
+
+
+# --- tensors -------------------------------------------------------------------------------------
+
+
+def test_the_intact_copy_reads(ckpt):
+    w = _read_q(ckpt)
+    assert w.weight.shape == (64, 32) and w.weight_scale_2.shape == () and w.input_scale.shape == ()
+
+
+def test_missing_weight_scale(ckpt):
+    _edit_tensors(ckpt, lambda t: t.pop(f"{Q}.weight_scale"))
+    with pytest.raises(ValueError) as e:
+        _read_q(ckpt)
+    assert str(e.value).startswith(f"{Q}.weight_scale: missing from the checkpoint")
+    assert "exclude_modules" in str(e.value)
+
+
+def test_wrong_dtype(ckpt):
+    _edit_tensors(ckpt, lambda t: t.update({f"{Q}.weight_scale": t[f"{Q}.weight_scale"].float()}))
+    with pytest.raises(ValueError) as e:
+        _read_q(ckpt)
+    assert str(e.value) == f"{Q}.weight_scale: expected float8_e4m3fn [64, 4], got float32 [64, 4]"
+
+
+def test_unquantized_weight_where_fp4_is_expected(ckpt):
+    _edit_tensors(ckpt, lambda t: t.update({f"{Q}.weight": torch.zeros(64, 64, dtype=torch.bfloat16)}))
+    with pytest.raises(ValueError, match=rf"{Q}.weight: expected uint8 \[64, 32\], got bfloat16 \[64, 64\].*exclude_modules"):
+        _read_q(ckpt)
+
+
+def test_wrong_shape(ckpt):
+    _edit_tensors(ckpt, lambda t: t.update({f"{Q}.weight": t[f"{Q}.weight"][:, :16].contiguous()}))
+    with pytest.raises(ValueError) as e:
+        _read_q(ckpt)
+    assert str(e.value) == f"{Q}.weight: expected uint8 [64, 32], got uint8 [64, 16]"
+
+
+def test_global_scale_must_be_a_positive_scalar(ckpt):
+    _edit_tensors(ckpt, lambda t: t.update({f"{Q}.weight_scale_2": torch.zeros(2)}))
+    with pytest.raises(ValueError, match=rf"{Q}.weight_scale_2: expected float32 scalar \(\[\] or \[1\]\), got float32 \[2\]"):
+        _read_q(ckpt)
+    _edit_tensors(ckpt, lambda t: t.update({f"{Q}.weight_scale_2": torch.tensor([float("nan")])}))
+    with pytest.raises(ValueError, match=rf"{Q}.weight_scale_2: must be a positive finite float32, got nan"):
+        _read_q(ckpt)
+    _edit_tensors(ckpt, lambda t: t.update({f"{Q}.weight_scale_2": torch.tensor([0.5])}))  # shape [1] is fine
+    assert _read_q(ckpt).weight_scale_2.shape == ()
+
+
+# --- quantization configs ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algo", ["FP8", "NVFP4_AWQ", "W4A8_AWQ", "W4A16_NVFP4", "MIXED_PRECISION", None])
+def test_unknown_quant_algo(ckpt, algo):
+    _edit_json(ckpt / "hf_quant_config.json", lambda d: d["quantization"].update({"quant_algo": algo}))
+    with pytest.raises(ValueError) as e:
+        detect_quantization(ckpt)
+    assert str(e.value).startswith(f"{ckpt / 'hf_quant_config.json'}: quantization.quant_algo = {algo!r}")
+
+
+def test_group_size_32(ckpt):
+    _edit_json(ckpt / "hf_quant_config.json", lambda d: d["quantization"].update({"group_size": 32}))
+    with pytest.raises(ValueError, match=r"hf_quant_config.json: quantization.group_size = 32: NVFP4 uses one scale per 16"):
+        detect_quantization(ckpt)
+
+
+def test_group_size_32_in_config_groups(ckpt):
+    (ckpt / "hf_quant_config.json").unlink()
+    _edit_json(ckpt / "config.json", lambda d: d["quantization_config"]["config_groups"]["group_0"]["weights"].update({"group_size": 32}))
+    with pytest.raises(ValueError, match=r"config groups disagree on group_size.*weights.group_size = 32"):
+        detect_quantization(ckpt)
+
+
+def test_fp8_kv_cache(ckpt):
+    _edit_json(ckpt / "hf_quant_config.json", lambda d: d["quantization"].update({"kv_cache_quant_algo": "FP8"}))
+    with pytest.raises(ValueError, match=r"quantization.kv_cache_quant_algo = 'FP8': a quantized KV cache"):
+        detect_quantization(ckpt)
+    (ckpt / "hf_quant_config.json").unlink()
+    _edit_json(ckpt / "config.json", lambda d: d["quantization_config"].update({"kv_cache_scheme": {"num_bits": 8, "type": "float"}}))
+    with pytest.raises(ValueError, match=r"quantization_config.kv_cache_scheme = 'float8'"):
+        detect_quantization(ckpt)
+
+
+def test_other_quant_method(ckpt):
+    (ckpt / "hf_quant_config.json").unlink()
+    _edit_json(ckpt / "config.json", lambda d: d.update({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}))
+    with pytest.raises(ValueError, match=r"config.json: quantization_config.quant_method = 'fp8'"):
+        detect_quantization(ckpt)
+
+
+def test_config_json_only_and_legacy_forms(ckpt):
+    """Without hf_quant_config.json: config.json's compressed-tensors form, `ignore` or the flat form."""
+    (ckpt / "hf_quant_config.json").unlink()
+    cfg = detect_quantization(ckpt)
+    assert cfg.exclude_modules == ("lm_head", "model.embed_tokens") and cfg.source.endswith("config.json")
+    flat = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
+            "exclude_modules": ["lm_head", "model.layers.*.mlp.gate"]}
+    _edit_json(ckpt / "config.json", lambda d: d.update({"quantization_config": flat}))
+    cfg = detect_quantization(ckpt)
+    assert cfg.is_excluded("model.layers.7.mlp.gate") and not cfg.is_excluded("model.layers.7.mlp.gate_proj")
+    assert cfg.is_excluded("lm_head")
+
+
+def test_invalid_json(ckpt):
+    (ckpt / "hf_quant_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="hf_quant_config.json: not valid JSON"):
+        detect_quantization(ckpt)
+
+
+# --- quantizer inputs ----------------------------------------------------------------------------
+
+
+def test_quantizer_refuses_bad_inputs(tiny_llama_modelopt, ckpt, tmp_path, monkeypatch):
+    bf16 = tiny_llama_modelopt.bf16_dir
+    with pytest.raises(ValueError, match="exactly one activation source"):
+        quantize_checkpoint(bf16, tmp_path / "a", progress=False)
+    with pytest.raises(ValueError, match="exactly one activation source"):
+        quantize_checkpoint(bf16, tmp_path / "a", amax=1.0, calib_text=tmp_path / "t.txt", progress=False)
+    with pytest.raises(ValueError, match="--amax must be a positive number, got -1"):
+        quantize_checkpoint(bf16, tmp_path / "a", amax=-1.0, progress=False)
+    with pytest.raises(ValueError, match="already quantized \\(quant_method 'modelopt'\\)"):
+        quantize_checkpoint(ckpt, tmp_path / "a", amax=1.0, progress=False)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    with pytest.raises(ValueError, match="exists and is not an empty directory"):
+        quantize_checkpoint(bf16, tmp_path / "full", amax=1.0, progress=False)
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)  # import transformers fails
+    (tmp_path / "t.txt").write_text("hello")
+    with pytest.raises(ValueError, match=r"needs transformers: pip install 'pieceworks\[demo\]'"):
+        quantize_checkpoint(bf16, tmp_path / "b", calib_text=tmp_path / "t.txt", progress=False)
+    assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
