@@ -195,9 +195,9 @@ def _sizes(key: str, value: list[int] | None) -> None:
         raise ConfigError(f"{key}: {value} must be strictly ascending without repeats")
 
 
-def _validate(cfg: Config) -> None:
+def _validate(cfg: Config, require_model: bool = True) -> None:
     m = cfg.model
-    if m.path is None and m.arch is None:
+    if require_model and m.path is None and m.arch is None:
         raise ConfigError(
             "model: set model.path (a Hugging Face-format directory, or smollm2-135m) "
             "or model.arch (llama or deepseek_v3) for random weights"
@@ -277,13 +277,17 @@ def _to_plain(obj: Any) -> Any:
 
 
 def load_config(
-    source: str | os.PathLike | dict | Config | None = None, overrides: list[str] | None = None
+    source: str | os.PathLike | dict | Config | None = None,
+    overrides: list[str] | None = None,
+    *,
+    require_model: bool = True,
 ) -> Config:
     """Build a validated, frozen Config.
 
     Args:
         source: a YAML file path, a dict, an existing Config, or None (defaults).
         overrides: dotlist strings such as ["model.path=/models/x", "backends.mla=flashinfer"].
+        require_model: a model (path or arch) must be named (False for `pieceworks backends`).
 
     Raises:
         ConfigError: unknown key, wrong type or invalid value (message names the key and the value).
@@ -318,7 +322,7 @@ def load_config(
         raise _explain(exc, label, path) from None
     cfg = _freeze(obj)
     try:
-        _validate(cfg)
+        _validate(cfg, require_model)
     except ConfigError as exc:
         key = str(exc).split(":", 1)[0]
         if path is not None and _locate(path, key) != str(path):

@@ -153,7 +153,7 @@ class Registry:
             self.pm.register(plugin, name=name)
 
     def plugin_names(self) -> list[str]:
-        return [name for name, _ in self.pm.list_name_plugin()]
+        return [name for name, plugin in self.pm.list_name_plugin() if plugin is not None]
 
     def backends(self, op: str | None = None) -> list[type[Backend]]:
         """Registered backend classes (of one op), best first."""
@@ -221,7 +221,7 @@ class Registry:
         _check_layouts(entries)
         for d in decisions:
             if d.graph_mode is GraphMode.EAGER:
-                log.info("%s %s: %s (configured: %s)", d.op, d.forward_mode.value, d.chosen, d.configured)
+                log.debug("%s %s: %s (configured: %s)", d.op, d.forward_mode.value, d.chosen, d.configured)
         return KernelTable(entries=entries, decisions=tuple(decisions), graph_unavailable=unavailable)
 
     def _candidates(self, op, mode, graph, backends, spec) -> list[Candidate]:

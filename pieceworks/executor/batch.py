@@ -112,3 +112,43 @@ class StepMetadata:
         if "seq_lens" not in self._cache:
             self._cache["seq_lens"] = torch.tensor(self.seq_lens, dtype=torch.int32, device=self.device)
         return self._cache["seq_lens"]
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A caller's handle on one sequence in the KV cache (from `Executor.new_sequence()`).
+
+    Attributes:
+        id: unique per executor.
+        tokens: every token whose KV is in the cache, in order.
+        pages: KV pages holding them, in order.
+        freed: set by `Executor.free`; a freed handle can't be used again.
+    """
+
+    id: int
+    tokens: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    freed: bool = False
+
+    @property
+    def kv_len(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class ForwardBatch:
+    """One step's work: new tokens for each of some sequences.
+
+    Attributes:
+        seqs: the sequences, each at most once.
+        tokens: new token ids per sequence (a list of ints or a 1-D integer tensor each).
+        return_all_logits: return logits for every new token (scoring), not only each sequence's last.
+    """
+
+    seqs: list[Sequence]
+    tokens: list[list[int]]
+    return_all_logits: bool = False
+
+    @property
+    def mode(self) -> ForwardMode:
+        return ForwardMode.classify([len(t) for t in self.tokens], [s.kv_len for s in self.seqs])

@@ -1,0 +1,276 @@
+"""Piecewise CUDA graphs for extend and mixed steps.
+
+The model's forward is traced once by `torch.compile(fullgraph=True)` with the token dimension dynamic
+and handed to `PiecewiseBackend`, which splits the FX graph at the splitting ops (`attention`, `mla`)
+keeping order. Every other piece is wrapped in a `PieceRunner`: on CUDA it holds one CUDA graph per
+capture size (captured largest first, all pieces and sizes in one memory pool); on CPU it runs the
+piece directly, so CI exercises the same split and dispatch. Attention runs eagerly between pieces
+on the real tokens. A step's token count is padded up to the next capture size; padded tokens write
+their KV to the pool's reserved slot and their outputs are dropped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gc
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch.fx.passes.split_module import split_module
+from torch.utils._pytree import tree_map
+
+from pieceworks.backends.ops import is_splitting_node_target
+from pieceworks.executor.batch import ForwardMode, GraphMode
+from pieceworks.executor.context import ForwardContext, forward_context
+
+if TYPE_CHECKING:
+    from pieceworks.config import PiecewiseConfig
+    from pieceworks.executor.runner import Executor
+
+log = logging.getLogger("pieceworks.piecewise")
+
+
+def default_sizes(max_tokens: int) -> list[int]:
+    """Dense at small sizes, sparser above: steps of 4 to 32, 16 to 256, 32 to 512, 64 to 1024,
+    256 beyond; always ending at max_tokens."""
+    sizes, size = [], 0
+    for step, upto in ((4, 32), (16, 256), (32, 512), (64, 1024), (256, 1 << 30)):
+        while size + step <= min(upto, max_tokens):
+            size += step
+            sizes.append(size)
+    if not sizes or sizes[-1] != max_tokens:
+        sizes.append(max_tokens)
+    return sizes
+
+
+def weak_ref(t: Any) -> Any:
+    """A CUDA tensor aliasing `t`'s memory without keeping it allocated (other tensors pass through).
+
+    Graph outputs are kept this way, as vLLM does, so that memory freed during one capture is reused by
+    the next (liveness during replay is the same as during capture, since replay order is capture
+    order). Built on `__cuda_array_interface__`: torch keeps the interface object alive, not the block.
+    """
+    if not isinstance(t, torch.Tensor) or not t.is_cuda or t.numel() == 0:
+        return t
+    size = t.element_size()
+    iface = {
+        "shape": tuple(t.shape),
+        "strides": tuple(s * size for s in t.stride()),
+        "typestr": {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}[size],
+        "data": (t.data_ptr(), False),
+        "version": 2,
+    }
+    holder = type("_CudaArray", (), {"__cuda_array_interface__": iface})()
+    return torch.as_tensor(holder, device=t.device).view(t.dtype)
+
+
+@dataclass
+class _Entry:
+    graph: torch.cuda.CUDAGraph
+    output: Any
+    input_ptrs: list[tuple[int, int]]  # (arg index, data_ptr) of tensor inputs at capture
+    static_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class PieceRunner:
+    """Runs one piece of the split graph: directly, or captured/replayed per capture size."""
+
+    def __init__(self, owner: "PiecewiseRunner", piece: torch.fx.GraphModule, index: int, is_last: bool):
+        self.owner = owner
+        self.piece = piece
+        self.index = index
+        self.is_last = is_last
+        self.entries: dict[int, _Entry] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        phase = self.owner.phase
+        if phase == "direct":
+            return self.piece(*args)
+        size = self.owner.current_size
+        if phase == "capture":
+            return self._capture(size, args)
+        entry = self.entries[size]
+        for i, ptr in entry.input_ptrs:
+            if args[i].data_ptr() != ptr:  # an input that is not where the graph reads it
+                entry.static_inputs[i].copy_(args[i])
+        entry.graph.replay()
+        return entry.output
+
+    def _capture(self, size: int, args: tuple) -> Any:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.owner.pool):
+            out = self.piece(*args)
+            if self.is_last:  # nothing else reads it: free it to the pool right away
+                out = tree_map(weak_ref, out)
+        ptrs = [(i, a.data_ptr()) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        statics = {i: weak_ref(args[i]) for i, _ in ptrs}
+        self.entries[size] = _Entry(graph, tree_map(weak_ref, out), ptrs, statics)
+        self.owner.num_graphs += 1
+        return out
+
+
+class PiecewiseBackend:
+    """The torch.compile backend: split at the splitting ops, wrap the other pieces in PieceRunners."""
+
+    def __init__(self, owner: "PiecewiseRunner") -> None:
+        self.owner = owner
+        self.num_compiles = 0
+        self.split_gm: torch.fx.GraphModule | None = None
+        self.pieces: list[PieceRunner] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        self.num_compiles += 1
+        if self.num_compiles > 1:
+            log.warning("piecewise model traced again (%d times): a Dynamo guard failed", self.num_compiles)
+        part = 0
+        node_part: dict[torch.fx.Node, int] = {}
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and is_splitting_node_target(node.target):
+                part += 1
+                node_part[node] = part
+                part += 1
+            else:
+                node_part[node] = part
+        split_gm = split_module(gm, None, lambda n: node_part[n], keep_original_order=True)
+        names = [n.target for n in split_gm.graph.nodes if n.op == "call_module"]
+        runnable = [n for n in names if not _is_splitting_piece(getattr(split_gm, n))]
+        pieces = []
+        for i, name in enumerate(runnable):
+            runner = PieceRunner(self.owner, getattr(split_gm, name), i, is_last=name == runnable[-1])
+            split_gm.__dict__[name] = runner  # called by the split graph's code; not a submodule
+            pieces.append(runner)
+        self.split_gm, self.pieces = split_gm, pieces
+        self.num_splitting = len(names) - len(runnable)
+        return split_gm
+
+    def unique_pieces(self) -> int:
+        """How many structurally different pieces (identical layers give identical pieces)."""
+        return len({_structure(p.piece.graph) for p in self.pieces})
+
+
+def _is_splitting_piece(gm: torch.fx.GraphModule) -> bool:
+    return any(n.op == "call_function" and is_splitting_node_target(n.target) for n in gm.graph.nodes)
+
+
+def _structure(graph: torch.fx.Graph) -> tuple:
+    """A piece's graph with node names replaced by positions (per-layer parameter names differ)."""
+    index = {n: i for i, n in enumerate(graph.nodes)}
+
+    def norm(a: Any) -> Any:
+        return ("node", index[a]) if isinstance(a, torch.fx.Node) else a
+
+    return tuple(
+        (n.op, "" if n.op == "placeholder" else str(n.target),
+         repr(torch.fx.node.map_aggregate(n.args, norm)), repr(torch.fx.node.map_aggregate(n.kwargs, norm)))
+        for n in graph.nodes
+    )
+
+
+class PiecewiseRunner:
+    """Owns the compiled model, the capture sizes, the static inputs and the graph pool."""
+
+    def __init__(self, ex: "Executor", cfg: "PiecewiseConfig", progress: bool = True) -> None:
+        self.ex = ex
+        self.sizes = list(cfg.sizes) if cfg.sizes else default_sizes(cfg.max_tokens)
+        self.max_tokens = min(cfg.max_tokens, self.sizes[-1])
+        self.sizes = [s for s in self.sizes if s <= self.max_tokens]
+        self.use_graphs = ex.device.type == "cuda"
+        self.phase = "direct"
+        self.current_size = 0
+        self.num_graphs = 0
+        self.backend = PiecewiseBackend(self)
+        self.compiled = torch.compile(ex.model.forward, backend=self.backend, fullgraph=True, dynamic=False)
+        dev = ex.device
+        self.static_ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
+        self.static_pos = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.report: dict[str, float] = {}
+        self._compile_and_capture(progress)
+
+    def covers(self, num_tokens: int) -> bool:
+        return num_tokens <= self.max_tokens
+
+    def padded_size(self, num_tokens: int) -> int:
+        return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Run the padded step (len(input_ids) is a capture size); returns hidden [size, H]."""
+        size = input_ids.shape[0]
+        self.static_ids[:size].copy_(input_ids)
+        self.static_pos[:size].copy_(positions)
+        self.current_size = size
+        self.phase = "replay" if self.use_graphs else "direct"
+        return self._run(size)
+
+    def _run(self, size: int) -> torch.Tensor:
+        ids, pos = self.static_ids[:size], self.static_pos[:size]
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch._dynamo.mark_dynamic(pos, 0)
+        return self.compiled(ids, pos)
+
+    # ------------------------------------------------------------------ build
+    def _compile_and_capture(self, progress: bool) -> None:
+        """Trace once (a dummy step at the smallest size), then on CUDA capture every size, largest
+        first, each after one warm-up run, with the garbage collector paused."""
+        t0 = time.perf_counter()
+        self._dummy_step(self.sizes[0], "direct")
+        self.report["compile_s"] = time.perf_counter() - t0
+        if not self.use_graphs:
+            return
+        free_before = torch.cuda.mem_get_info(self.ex.device)[0]
+        t1 = time.perf_counter()
+        from pieceworks.util import progress_bar
+
+        gc_was_enabled = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            with progress_bar(progress, "capturing piecewise graphs", total=len(self.sizes)) as advance:
+                for size in reversed(self.sizes):
+                    self._dummy_step(size, "direct")  # warm-up
+                    self._dummy_step(size, "capture")
+                    advance()
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        torch.cuda.synchronize(self.ex.device)
+        self.report["capture_s"] = time.perf_counter() - t1
+        self.report["pool_bytes"] = max(0, free_before - torch.cuda.mem_get_info(self.ex.device)[0])
+
+    def _dummy_step(self, size: int, phase: str) -> None:
+        """A one-sequence extend of `size` tokens whose KV all goes to the reserved page."""
+        ex = self.ex
+        ps = ex.page_size
+        reserved = ex.kv.reserved_slot // ps
+        from pieceworks.executor.batch import StepMetadata
+
+        dev = ex.device
+        meta = StepMetadata(
+            mode=ForwardMode.EXTEND, graph_mode=GraphMode.PIECEWISE, extend_lens=[size], prefix_lens=[0],
+            page_size=ps, page_table=torch.full((1, -(-size // ps)), reserved, dtype=torch.int32, device=dev),
+            slot_mapping=torch.full((size,), ex.kv.reserved_slot, dtype=torch.int64, device=dev),
+            positions=torch.arange(size, device=dev),
+        )
+        kernels = ex.table.step(ForwardMode.EXTEND, GraphMode.PIECEWISE)
+        for backend in (kernels.attention, kernels.mla):
+            if backend is not None:
+                backend.plan(meta)
+        self.static_ids[:size].zero_()
+        self.static_pos[:size].copy_(meta.positions)
+        self.current_size = size
+        self.phase = phase
+        with forward_context(ForwardContext(kernels, meta, ex.kv)):
+            self._run(size)
+        self.phase = "direct"
+
+    def describe(self) -> dict[str, Any]:
+        """Numbers for `pieceworks run` / `pieceworks backends` and the capture report."""
+        return {
+            "sizes": self.sizes, "max_tokens": self.max_tokens, "graphs": self.num_graphs,
+            "pieces": len(self.backend.pieces), "splitting_ops": getattr(self.backend, "num_splitting", 0),
+            "unique_pieces": self.backend.unique_pieces(), "compiles": self.backend.num_compiles,
+            **self.report,
+        }

@@ -1,0 +1,340 @@
+"""The Executor: builds model + kernel table + KV pool, and runs one step top to bottom.
+
+A step (`Executor.forward`): validate the batch -> reserve KV pages -> build the step's metadata and
+choose its graph mode -> plan the attention backend -> run the model (eagerly, through piecewise
+graphs, or by replaying a full decode graph) -> logits -> commit the new tokens to their sequences.
+A step that fails gives back the pages it took: the pool and every sequence stay as they were.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pieceworks.backends.base import BackendSpec
+from pieceworks.backends.registry import KernelTable, load_registry
+from pieceworks.config import Config, Switch, load_config
+from pieceworks.executor.batch import ForwardBatch, ForwardMode, GraphMode, Sequence, StepMetadata
+from pieceworks.executor.context import ForwardContext, forward_context
+from pieceworks.executor.kv_cache import KVPool, OutOfPages
+
+log = logging.getLogger("pieceworks.executor")
+
+
+class BatchError(ValueError):
+    """A batch the executor can't run; nothing was changed (pool and sequences are intact)."""
+
+
+class Executor:
+    """Owns the model, its kernel table and the KV cache; the caller owns scheduling.
+
+    Build with `Executor.from_config(...)`. Then either drive steps yourself (`new_sequence`,
+    `forward(ForwardBatch(...))`, `free`) or use the conveniences `generate` and `score`.
+    """
+
+    def __init__(self, cfg: Config, model: Any, table: KernelTable, kv: KVPool, device: torch.device,
+                 model_dir: Path | None = None) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.table = table
+        self.kv = kv
+        self.device = device
+        self.model_dir = model_dir
+        self.page_size = kv.page_size
+        self.vocab_size = model.vocab_size
+        self.max_context = min(cfg.model.max_context or model.max_position_embeddings,
+                               kv.allocator.capacity * kv.page_size)
+        self._ids = itertools.count()
+        self._live: dict[int, Sequence] = {}
+        self._tokenizer = None
+        self.piecewise = None
+        self.decode_graphs = None
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_config(cls, cfg: str | os.PathLike | dict | Config | None = None,
+                    overrides: list[str] | None = None, *, progress: bool = True) -> "Executor":
+        """Build an executor from a YAML path, dict or Config, plus dotlist overrides.
+
+        Raises:
+            ConfigError: bad configuration. SelectionError: a configured backend can't serve.
+            ValueError: a bad checkpoint (nothing half-built is returned).
+        """
+        from pieceworks.models.loader import load_model
+
+        cfg = cfg if isinstance(cfg, Config) and not overrides else load_config(cfg, overrides)
+        device = resolve_device(cfg.runtime.device)
+        dtype = resolve_dtype(cfg.runtime.dtype, device)
+        torch.manual_seed(cfg.runtime.seed)
+        registry = load_registry(cfg.plugins)
+        model_dir = resolve_model_path(cfg.model.path, progress=progress) if cfg.model.path else None
+        model_cfg = replace(cfg.model, path=str(model_dir)) if model_dir else cfg.model
+        model = load_model(model_cfg, cfg.quantization, device, dtype, progress=progress)
+        spec = BackendSpec.for_device(device, model=model.facts(cfg.kv_cache.page_size),
+                                      fp4_numerics=cfg.quantization.fp4_numerics)
+        table = registry.resolve(cfg.backends, spec, model.required_ops())
+        model.prepare(table)
+        kv = KVPool.sized(model.kv_layout(), cfg.kv_cache.page_size, dtype, device,
+                          cfg.kv_cache.num_tokens, cfg.kv_cache.memory_fraction)
+        ex = cls(cfg, model, table, kv, device, model_dir)
+        ex._build_graphs(progress)
+        return ex
+
+    def _build_graphs(self, progress: bool) -> None:
+        on_cuda = self.device.type == "cuda"
+        pw = self.cfg.cuda_graph.piecewise
+        if pw.enabled is Switch.on or (pw.enabled is Switch.auto and on_cuda):
+            from pieceworks.executor.piecewise import PiecewiseRunner
+
+            self.piecewise = PiecewiseRunner(self, pw, progress=progress)
+        dec = self.cfg.cuda_graph.decode
+        if on_cuda and dec.enabled is not Switch.off:
+            from pieceworks.executor.cuda_graph import DecodeGraphRunner
+
+            self.decode_graphs = DecodeGraphRunner(self, dec.batch_sizes, progress=progress)
+        elif dec.enabled is Switch.on:
+            log.info("cuda_graph.decode.enabled=on has no effect on %s: decode graphs need CUDA", self.device)
+
+    # ---------------------------------------------------------------- sequences
+    def new_sequence(self) -> Sequence:
+        """A new, empty sequence handle."""
+        seq = Sequence(id=next(self._ids))
+        self._live[seq.id] = seq
+        return seq
+
+    def free(self, seq: Sequence) -> None:
+        """Give a sequence's KV pages back. Freeing twice is an error."""
+        if seq.freed or self._live.get(seq.id) is not seq:
+            raise BatchError(f"sequence {seq.id} was already freed (or belongs to another executor)")
+        self.kv.allocator.free(seq.pages)
+        seq.pages, seq.freed = [], True
+        del self._live[seq.id]
+
+    @property
+    def num_free_tokens(self) -> int:
+        """Tokens the KV pool can still take (whole free pages)."""
+        return self.kv.allocator.num_free * self.page_size
+
+    # ---------------------------------------------------------------- the step
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run one step.
+
+        Returns:
+            float32 logits: [num_seqs, V] for each sequence's last new token, or
+            [total new tokens, V] with `batch.return_all_logits`.
+
+        Raises:
+            BatchError: invalid batch (bad token ids, freed or repeated sequence, too long, pool full);
+                nothing changed.
+        """
+        tokens = self._validate(batch)
+        mode = ForwardMode.classify([len(t) for t in tokens], [s.kv_len for s in batch.seqs])
+        if mode is ForwardMode.IDLE:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        new_pages = self._reserve_pages(batch.seqs, tokens)
+        try:
+            graph = self._graph_mode(mode, len(tokens), sum(map(len, tokens)))
+            kernels = self.table.step(mode, graph)
+            if graph is GraphMode.FULL:
+                logits = self.decode_graphs.run(batch.seqs, tokens, kernels)
+            else:
+                pad_to = self.piecewise.padded_size(sum(map(len, tokens))) if graph is GraphMode.PIECEWISE else None
+                meta, input_ids = self.prepare_step(mode, graph, batch.seqs, tokens, pad_to)
+                for backend in (kernels.attention, kernels.mla):
+                    if backend is not None:
+                        backend.plan(meta)
+                with forward_context(ForwardContext(kernels, meta, self.kv)):
+                    if graph is GraphMode.PIECEWISE:
+                        hidden = self.piecewise(input_ids, meta.positions)
+                    else:
+                        hidden = self.model(input_ids, meta.positions)
+                rows = self._logit_rows(tokens, batch.return_all_logits)
+                logits = self.model.compute_logits(hidden[rows])
+        except BaseException:
+            self._release(batch.seqs, new_pages)
+            raise
+        for seq, toks in zip(batch.seqs, tokens):
+            seq.tokens.extend(toks)
+        return logits
+
+    def _graph_mode(self, mode: ForwardMode, num_seqs: int, num_tokens: int) -> GraphMode:
+        """DESIGN.md: decode within the graph batch sizes -> FULL; extend/mixed within
+        piecewise.max_tokens -> PIECEWISE; otherwise EAGER."""
+        if mode is ForwardMode.DECODE:
+            if self.decode_graphs is not None and self.decode_graphs.covers(num_seqs):
+                return GraphMode.FULL
+            return GraphMode.EAGER
+        if self.piecewise is not None and self.piecewise.covers(num_tokens):
+            return GraphMode.PIECEWISE
+        return GraphMode.EAGER
+
+    def prepare_step(self, mode: ForwardMode, graph: GraphMode, seqs: list[Sequence],
+                     tokens: list[list[int]], pad_to: int | None = None,
+                     table_width: int | None = None) -> tuple[StepMetadata, torch.Tensor]:
+        """Host-side inputs of one step as device tensors (pages must already be reserved).
+
+        Padded tokens (up to `pad_to`) get token id 0, position 0 and the pool's reserved slot.
+        """
+        ps = self.page_size
+        ids, positions, slots = [], [], []
+        for seq, toks in zip(seqs, tokens):
+            start = seq.kv_len
+            ids.extend(toks)
+            for pos in range(start, start + len(toks)):
+                positions.append(pos)
+                slots.append(seq.pages[pos // ps] * ps + pos % ps)
+        pad = (pad_to or len(ids)) - len(ids)
+        ids += [0] * pad
+        positions += [0] * pad
+        slots += [self.kv.reserved_slot] * pad
+        width = table_width or max(1, max(len(s.pages) for s in seqs))
+        table = torch.zeros(len(seqs), width, dtype=torch.int32)
+        for i, seq in enumerate(seqs):
+            table[i, : len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
+        dev = self.device
+        meta = StepMetadata(
+            mode=mode, graph_mode=graph,
+            extend_lens=[len(t) for t in tokens], prefix_lens=[s.kv_len for s in seqs],
+            page_size=ps, page_table=table.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
+            positions=torch.tensor(positions, dtype=torch.int64).to(dev),
+        )
+        return meta, torch.tensor(ids, dtype=torch.int64).to(dev)
+
+    def _logit_rows(self, tokens: list[list[int]], all_rows: bool) -> torch.Tensor:
+        if all_rows:
+            return torch.arange(sum(map(len, tokens)), device=self.device)
+        ends = list(itertools.accumulate(len(t) for t in tokens))
+        return torch.tensor([e - 1 for e in ends], device=self.device)
+
+    # ---------------------------------------------------------------- validation and pages
+    def _validate(self, batch: ForwardBatch) -> list[list[int]]:
+        if len(batch.seqs) != len(batch.tokens):
+            raise BatchError(f"batch has {len(batch.seqs)} sequences but {len(batch.tokens)} token lists")
+        seen = set()
+        out = []
+        for seq, toks in zip(batch.seqs, batch.tokens):
+            if seq.freed or self._live.get(seq.id) is not seq:
+                raise BatchError(f"sequence {seq.id} was freed (or belongs to another executor)")
+            if seq.id in seen:
+                raise BatchError(f"sequence {seq.id} appears twice in one batch")
+            seen.add(seq.id)
+            toks = _as_token_list(toks, seq.id)
+            if not toks:
+                raise BatchError(f"sequence {seq.id}: no new tokens (an empty prompt can't be run)")
+            bad = [t for t in toks if not 0 <= t < self.vocab_size]
+            if bad:
+                raise BatchError(
+                    f"sequence {seq.id}: token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
+                )
+            if seq.kv_len + len(toks) > self.max_context:
+                raise BatchError(
+                    f"sequence {seq.id}: {seq.kv_len} cached + {len(toks)} new tokens exceed the context "
+                    f"limit of {self.max_context} (model.max_context / KV pool size)"
+                )
+            out.append(toks)
+        return out
+
+    def _reserve_pages(self, seqs: list[Sequence], tokens: list[list[int]]) -> list[list[int]]:
+        need = [max(0, -(-(s.kv_len + len(t)) // self.page_size) - len(s.pages)) for s, t in zip(seqs, tokens)]
+        if sum(need) > self.kv.allocator.num_free:
+            raise BatchError(
+                f"the batch needs {sum(need)} more KV pages ({sum(need) * self.page_size} tokens) but only "
+                f"{self.kv.allocator.num_free} are free: run fewer sequences per step, free finished ones, "
+                "or enlarge kv_cache.num_tokens"
+            )
+        new = []
+        for seq, n in zip(seqs, need):
+            pages = self.kv.allocator.alloc(n) if n else []
+            seq.pages.extend(pages)
+            new.append(pages)
+        return new
+
+    def _release(self, seqs: list[Sequence], new_pages: list[list[int]]) -> None:
+        for seq, pages in zip(seqs, new_pages):
+            if pages:
+                del seq.pages[len(seq.pages) - len(pages):]
+                self.kv.allocator.free(pages)
+
+    # ---------------------------------------------------------------- conveniences
+    def generate(self, prompts: list[list[int]], max_new_tokens: int = 32, **kw: Any) -> list[list[int]]:
+        """Generate for every prompt with continuous batching under the KV budget; see scheduler.generate."""
+        from pieceworks.executor.scheduler import generate
+
+        return generate(self, prompts, max_new_tokens, **kw)
+
+    def score(self, sequences: list[list[int]]) -> list[torch.Tensor]:
+        """Per-position float32 logits [len, V] of each sequence (position i predicts token i+1)."""
+        from pieceworks.executor.scheduler import score
+
+        return score(self, sequences)
+
+    @property
+    def tokenizer(self):
+        """The model directory's Hugging Face tokenizer (needs transformers: pieceworks[demo])."""
+        if self._tokenizer is None:
+            if self.model_dir is None:
+                raise ValueError("this model has no tokenizer (random weights); pass token ids")
+            try:
+                from transformers import AutoTokenizer
+            except ImportError as exc:
+                raise ValueError("tokenizing text needs transformers: pip install 'pieceworks[demo]'") from exc
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        return self._tokenizer
+
+
+def _as_token_list(toks: Any, seq_id: int) -> list[int]:
+    if isinstance(toks, torch.Tensor):
+        if toks.dtype.is_floating_point or toks.dtype == torch.bool or toks.dim() != 1:
+            raise BatchError(
+                f"sequence {seq_id}: token ids must be a 1-D integer tensor or list, got "
+                f"{toks.dtype} with shape {list(toks.shape)}"
+            )
+        return toks.tolist()
+    out = list(toks)
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in out):
+        bad = next(t for t in out if isinstance(t, bool) or not isinstance(t, int))
+        raise BatchError(f"sequence {seq_id}: token ids must be ints, got {type(bad).__name__} {bad!r}")
+    return out
+
+
+DEMO_MODELS = ("smollm2-135m", "smollm2-135m-fp4")
+
+
+def resolve_model_path(path: str, progress: bool = True) -> Path:
+    """A model directory: the path itself, or the cached conversion of a bundled demo model."""
+    if path in DEMO_MODELS:
+        from pieceworks.models import smollm2
+
+        return smollm2.ensure_smollm2_fp4(progress=progress) if path.endswith("fp4") else smollm2.ensure_smollm2(progress=progress)
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ValueError(
+            f"model.path={path!r} is not a directory; give a Hugging Face-format model directory "
+            f"(config.json + *.safetensors) or one of {', '.join(DEMO_MODELS)}"
+        )
+    return p
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"runtime.device={name} but no CUDA device is present; use runtime.device=cpu")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+__all__ = ["Executor", "BatchError", "OutOfPages", "ForwardBatch", "Sequence"]

@@ -1,0 +1,198 @@
+"""What the CLI prints: the backend registry and kernel table, the main job, perplexity."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from pieceworks.backends.base import BackendSpec, ModelFacts
+from pieceworks.backends.registry import KernelTable, SelectionError, load_registry
+from pieceworks.config import Config, Switch
+from pieceworks.executor.batch import TABLE_MODES
+
+console = Console()
+
+
+def _fmt_modes(modes: Any) -> str:
+    names = sorted(m.value for m in modes)
+    return "all" if len(names) >= 3 else ",".join(names)
+
+
+def _model_facts(cfg: Config) -> tuple[ModelFacts, list[str] | None]:
+    """Facts of the configured model without loading weights; generic facts (all ops) otherwise."""
+    if cfg.model.path or cfg.model.arch:
+        from pieceworks.models.loader import model_facts
+
+        facts, ops = model_facts(cfg.model, cfg.quantization, cfg.kv_cache.page_size)
+        return facts, sorted(ops)
+    return ModelFacts(fp4=True, moe_experts=8, moe_quant="nvfp4", kv_lora_rank=512, qk_rope_head_dim=64,
+                      page_size=cfg.kv_cache.page_size), None
+
+
+def print_backends(cfg: Config) -> int:
+    """`pieceworks backends`: every backend and why it can or can't serve here, then the table."""
+    from pieceworks.executor.runner import resolve_device
+
+    registry = load_registry(cfg.plugins)
+    device = resolve_device(cfg.runtime.device)
+    facts, ops = _model_facts(cfg)
+    spec = BackendSpec.for_device(device, model=facts, fp4_numerics=cfg.quantization.fp4_numerics)
+    cap = f" (compute capability {spec.capability[0]}.{spec.capability[1]})" if spec.capability else ""
+    console.print(f"[bold]device[/bold]: {device}{cap}; plugins: {', '.join(registry.plugin_names())}")
+
+    t = Table(title="registered backends", show_lines=False)
+    for col in ("op", "backend", "priority", "modes", "graph modes", "numerics", "serves here"):
+        t.add_column(col)
+    for cls in registry.backends():
+        reasons = cls.check(spec)
+        t.add_row(cls.op, cls.name, str(cls.priority), _fmt_modes(cls.forward_modes),
+                  _fmt_modes(cls.graph_modes), "/".join(cls.numerics) or "-",
+                  "[green]yes[/green]" if not reasons else "[red]no[/red]: " + "; ".join(reasons))
+    console.print(t)
+    try:
+        table = registry.resolve(cfg.backends, spec, ops or ("attention", "mla", "fp4_gemm", "moe"))
+    except SelectionError as exc:
+        console.print(f"[red]kernel table can't be built[/red]: {exc}")
+        return 2
+    print_kernel_table(table)
+    print_graph_config(cfg, device)
+    return 0
+
+
+def print_kernel_table(table: KernelTable) -> None:
+    t = Table(title="kernel table (op x forward mode x graph mode)")
+    for col in ("op", "mode", "graph", "backend", "configured", "note"):
+        t.add_column(col)
+    for d in table.decisions:
+        note = f"fallback from {d.fallback_from}: {d.note}" if d.fallback_from else d.note
+        t.add_row(d.op, d.forward_mode.value, d.graph_mode.value, d.chosen or "-", d.configured, note)
+    console.print(t)
+
+
+def print_graph_config(cfg: Config, device: torch.device, ex: Any = None) -> None:
+    from pieceworks.executor.cuda_graph import default_batch_sizes
+    from pieceworks.executor.piecewise import default_sizes
+
+    pw, dec = cfg.cuda_graph.piecewise, cfg.cuda_graph.decode
+    cuda = device.type == "cuda"
+    pw_on = pw.enabled is Switch.on or (pw.enabled is Switch.auto and cuda)
+    dec_on = cuda and dec.enabled is not Switch.off
+    sizes = pw.sizes or default_sizes(pw.max_tokens)
+    bss = dec.batch_sizes or default_batch_sizes()
+    what = "CUDA graphs" if cuda else "traced and split, run without graphs (CPU)"
+    console.print(
+        f"[bold]piecewise[/bold] (extend/mixed): {'on' if pw_on else 'off'}"
+        + (f", {what}, max_tokens {pw.max_tokens}, {len(sizes)} sizes {_span(sizes)}" if pw_on else "")
+    )
+    console.print(f"[bold]decode graphs[/bold]: {'on' if dec_on else 'off'}"
+                  + (f", {len(bss)} batch sizes {_span(bss)}" if dec_on else " (need CUDA)" if not cuda else ""))
+    if ex is not None:
+        for name, runner in (("piecewise", ex.piecewise), ("decode", ex.decode_graphs)):
+            if runner is not None:
+                d = runner.describe()
+                parts = [f"{k}={_num(v)}" for k, v in d.items() if k not in ("sizes", "batch_sizes")]
+                console.print(f"  {name} capture: " + ", ".join(parts))
+
+
+def _span(xs: list[int]) -> str:
+    return f"[{', '.join(map(str, xs[:4]))}, ..., {xs[-1]}]" if len(xs) > 5 else str(xs)
+
+
+def _num(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.2f}"
+    if isinstance(v, int) and v > 1 << 20:
+        return f"{v / 2**30:.2f} GiB"
+    return str(v)
+
+
+def run_main_job(cfg: Config) -> int:
+    """`pieceworks run`: build, generate for the prompts, print text, speed and the backend table."""
+    from pieceworks.executor.runner import Executor
+    from pieceworks.executor.scheduler import StepStats
+
+    t0 = time.perf_counter()
+    ex = Executor.from_config(cfg)
+    build_s = time.perf_counter() - t0
+    tok = ex.tokenizer
+    texts = list(cfg.generation.prompts) or DEFAULT_PROMPTS
+    prompts = [encode_prompt(tok, p, cfg.generation.chat_template) for p in texts]
+    stats = StepStats()
+    t1 = time.perf_counter()
+    outs = ex.generate(prompts, cfg.generation.max_new_tokens, temperature=cfg.generation.temperature,
+                       top_p=cfg.generation.top_p, stop_token_ids=_stop_ids(tok), stats=stats)
+    gen_s = time.perf_counter() - t1
+    for text, out in zip(texts, outs):
+        console.print(f"[bold cyan]> {text}[/bold cyan]")
+        console.print(tok.decode(out, skip_special_tokens=True).strip())
+    n_new = sum(map(len, outs))
+    console.print(
+        f"\n[bold]{cfg.model.path or cfg.model.arch}[/bold] on {ex.device} ({ex.model.dtype}): built in "
+        f"{build_s:.1f} s; {n_new} tokens in {gen_s:.2f} s = {n_new / gen_s:.1f} tokens/s"
+    )
+    console.print(stats.summary())
+    print_kernel_table_compact(ex.table)
+    print_graph_config(cfg, ex.device, ex)
+    return 0
+
+
+def print_kernel_table_compact(table: KernelTable) -> None:
+    t = Table(title="backends in use")
+    for col in ("op", *(f"{m.value}/{g.value}" for m, gs in TABLE_MODES.items() for g in gs)):
+        t.add_column(col)
+    ops = sorted({op for (op, _, _), b in table.entries.items() if b is not None})
+    for op in ops:
+        cells = []
+        for m, gs in TABLE_MODES.items():
+            for g in gs:
+                b = table.get(op, m, g)
+                cells.append(b.name if b is not None else "-")
+        t.add_row(op, *cells)
+    console.print(t)
+
+
+DEFAULT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence what a GPU is.",
+]
+
+
+def encode_prompt(tok: Any, text: str, chat: bool) -> list[int]:
+    if chat and getattr(tok, "chat_template", None):
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                      tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tok.encode(text)
+
+
+def _stop_ids(tok: Any) -> list[int]:
+    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    for name in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+        i = tok.convert_tokens_to_ids(name)
+        if isinstance(i, int) and i != tok.unk_token_id and i is not None:
+            ids.add(i)
+    return sorted(ids)
+
+
+def eval_perplexity(cfg: Config, text_path: Path, window: int) -> int:
+    """`pieceworks eval-ppl`: perplexity over non-overlapping windows (see models/ppl.py)."""
+    from pieceworks.executor.runner import Executor
+    from pieceworks.models.ppl import windows, perplexity_from_logits
+
+    if not text_path.is_file():
+        raise FileNotFoundError(f"--text {text_path}: no such file")
+    ex = Executor.from_config(cfg)
+    ids = ex.tokenizer.encode(text_path.read_text(encoding="utf-8"))
+    chunks = windows(ids, window)
+    t0 = time.perf_counter()
+    logits = ex.score(chunks)
+    ppl, n = perplexity_from_logits(logits, chunks)
+    console.print(f"perplexity {ppl:.4f} over {n} scored tokens ({len(chunks)} windows of <= {window}); "
+                  f"{time.perf_counter() - t0:.1f} s")
+    return 0

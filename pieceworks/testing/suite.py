@@ -1,0 +1,135 @@
+"""The backend-matrix suite: every registered backend (plugins included) against dense references.
+
+Run it for your own plugin with `pytest --pyargs pieceworks.testing.suite -p pieceworks.testing.plugin`
+(add `--pieceworks-device cuda` on a GPU machine). A backend that can't serve a case is skipped with
+its own reasons. One test per op; the named scenarios and devices are the only parameters.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pieceworks.backends.base import BackendSpec, ModelFacts, parse_options
+from pieceworks.backends.registry import Registry
+from pieceworks.testing import scenarios as S
+
+
+def _backends(op: str) -> list:
+    return [pytest.param(cls, id=cls.name) for cls in Registry().load().backends(op)]
+
+
+def _devices() -> list:
+    return [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+def _dtype(device: str) -> torch.dtype:
+    return torch.float32 if device == "cpu" else torch.bfloat16
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 1e-4 if dtype == torch.float32 else 2e-2
+
+
+def _spec(device: str, facts: ModelFacts, numerics: str = "auto") -> BackendSpec:
+    if device == "cuda":
+        return BackendSpec.for_device("cuda", model=facts, fp4_numerics=numerics)
+    return BackendSpec(device="cpu", model=facts, fp4_numerics=numerics)
+
+
+def _build(cls, spec: BackendSpec, mode=None):
+    reasons = list(cls.check(spec))
+    if mode is not None and mode not in cls.forward_modes:
+        reasons.append(f"does not support {mode.value} steps")
+    if reasons:
+        pytest.skip(f"{cls.key()} can't serve here: {'; '.join(reasons)}")
+    return cls(spec, parse_options(cls, {}))
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("scenario", S.ATTENTION_SCENARIOS, ids=lambda s: s.name)
+@pytest.mark.parametrize("backend", _backends("attention"))
+def test_attention(backend, scenario, device):
+    dtype = _dtype(device)
+    facts = ModelFacts(dtype=dtype, num_heads=8, num_kv_heads=2, head_dim=64, page_size=scenario.page_size)
+    impl = _build(backend, _spec(device, facts), scenario.mode)
+    case = S.attention_case(scenario, 8, 2, 64, dtype, torch.device(device))
+    out = torch.full_like(case.inputs["q"], float("nan"))
+    impl.plan(case.meta)
+    impl.forward(case.inputs["q"], case.inputs["k"], case.inputs["v"], out, 0, 64**-0.5, case.pool)
+    assert torch.isfinite(out).all(), "every row of out must be written"
+    assert _rel_err(out, case.expected) < _tolerance(dtype)
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("scenario", S.ATTENTION_SCENARIOS, ids=lambda s: s.name)
+@pytest.mark.parametrize("backend", _backends("mla"))
+def test_mla(backend, scenario, device):
+    dtype = _dtype(device)
+    rank, rope = (64, 16) if device == "cpu" else (512, 64)
+    facts = ModelFacts(arch="deepseek_v3", dtype=dtype, num_heads=4, num_kv_heads=1, kv_lora_rank=rank,
+                       qk_rope_head_dim=rope, page_size=scenario.page_size)
+    impl = _build(backend, _spec(device, facts), scenario.mode)
+    case = S.mla_case(scenario, 4, rank, rope, dtype, torch.device(device))
+    i = case.inputs
+    out = torch.full_like(i["q_nope"], float("nan"))
+    impl.plan(case.meta)
+    impl.forward(i["q_nope"], i["q_pe"], i["c_kv"], i["k_pe"], out, 0, i["scale"], case.pool)
+    assert torch.isfinite(out).all(), "every row of out must be written"
+    assert _rel_err(out, case.expected) < _tolerance(dtype)
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("numerics", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("shape", list(S.GEMM_SHAPES.values()), ids=list(S.GEMM_SHAPES))
+@pytest.mark.parametrize("backend", _backends("fp4_gemm"))
+def test_fp4_gemm(backend, shape, numerics, device):
+    dtype = _dtype(device)
+    impl = _build(backend, _spec(device, ModelFacts(dtype=dtype, fp4=True), numerics))
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(m * 1000 + k)
+    w = impl.prepare(S.random_fp4_weight(n, k, gen, torch.device(device)))
+    from pieceworks.backends.fp4_gemm.base import Fp4Weight
+
+    w = Fp4Weight(*w) if not isinstance(w, Fp4Weight) else w
+    x = (torch.randn(m, k, generator=gen)).to(dtype).to(device)
+    ref_w = S.random_fp4_weight(n, k, torch.Generator().manual_seed(m * 1000 + k), torch.device("cpu"))
+    y = impl.forward(x, w.weight, w.weight_scale, w.weight_scale_2, w.input_scale, n)
+    assert y.shape == (m, n) and y.dtype == dtype
+    ref = S.dense_fp4_gemm(x, *ref_w, numerics)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert _rel_err(y, ref) < tol
+
+
+MOE_CASES = {"nvfp4": True, "bf16": False}
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("numerics", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("weights", list(MOE_CASES), ids=list(MOE_CASES))
+@pytest.mark.parametrize("backend", _backends("moe"))
+def test_moe(backend, weights, numerics, device):
+    fp4 = MOE_CASES[weights]
+    if not fp4 and numerics == "w4a4":
+        pytest.skip("w4a4 applies to NVFP4 experts only")
+    dtype = _dtype(device)
+    facts = ModelFacts(arch="deepseek_v3", dtype=dtype, fp4=fp4, moe_experts=8,
+                       moe_quant="nvfp4" if fp4 else "none")
+    impl = _build(backend, _spec(device, facts, numerics))
+    gen = torch.Generator().manual_seed(7)
+    dev = torch.device(device)
+    hidden, inter, experts = (64, 32, 8) if device == "cpu" else (256, 128, 8)
+    w = S.random_moe_weights(experts, hidden, inter, fp4, dtype, gen, dev)
+    x = torch.randn(11, hidden, generator=gen).to(dtype).to(dev)
+    logits = torch.randn(11, experts, generator=gen).to(dev)
+    bias = (torch.rand(experts, generator=gen) * 0.1).to(dev)
+    args = (3, 4, 2, True, 2.5)  # top_k, groups, topk_group, renormalize, routed_scaling_factor
+    y = impl.forward(x, logits, bias, impl.prepare(w), *args)
+    ref = S.dense_moe(x, logits, bias, w, *args, numerics=numerics)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert _rel_err(y, ref) < tol

@@ -1,0 +1,86 @@
+"""Config: schema validation, overrides, and error messages that name key, value and what is allowed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pieceworks.config import Config, ConfigError, Switch, load_config
+
+BASE = {"model": {"arch": "llama"}}
+
+
+def err(source, overrides=()):
+    with pytest.raises(ConfigError) as e:
+        load_config(source, list(overrides))
+    return str(e.value)
+
+
+def test_defaults_and_overrides_give_frozen_plain_objects(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  path: /models/x\nbackends:\n  mla: {extend: flashinfer, decode: trtllm}\n")
+    cfg = load_config(path, ["kv_cache.page_size=64", "cuda_graph.piecewise.sizes=[4,8,16]", "model.sizes.num_hidden_layers=2"])
+    assert isinstance(cfg, Config) and cfg.model.path == "/models/x"
+    assert cfg.backends.mla == {"extend": "flashinfer", "decode": "trtllm"}
+    assert cfg.backends.choice("mla", "decode") == "trtllm" and cfg.backends.choice("attention", "extend") == "auto"
+    assert cfg.kv_cache.page_size == 64 and cfg.cuda_graph.piecewise.sizes == [4, 8, 16]
+    assert type(cfg.cuda_graph.piecewise.sizes) is list and type(cfg.model.sizes) is dict
+    assert cfg.cuda_graph.piecewise.enabled is Switch.auto
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.kv_cache.page_size = 1
+    assert load_config(cfg) == cfg
+
+
+def test_unknown_key_names_file_line_and_allowed_keys(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  arch: llama\n  hiden: 3\n")
+    msg = err(path)
+    assert msg.startswith("model.hiden: unknown key") and f"{path}:3" in msg and "allowed keys under model: path, arch" in msg
+    assert "runtime.foo: unknown key (in command-line overrides)" in err(BASE, ["runtime.foo=1"])
+    assert "unknown key" in err({"model": {"arch": "llama"}, "nonsense": {}})
+
+
+def test_wrong_types_name_key_and_value(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  arch: llama\nkv_cache:\n  page_size: sixteen\n")
+    msg = err(path)
+    assert "kv_cache.page_size" in msg and "'sixteen'" in msg and f"{path}:4" in msg
+    assert "cuda_graph.piecewise.enabled" in err(BASE, ["cuda_graph.piecewise.enabled=maybe"])
+    assert "auto, on, off" in err(BASE, ["cuda_graph.piecewise.enabled=maybe"])
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("kv_cache.page_size=0", "kv_cache.page_size: 0 must be >= 1"),
+    ("kv_cache.memory_fraction=1.5", "kv_cache.memory_fraction: 1.5 must be in (0, 1]"),
+    ("quantization.fp4_numerics=w8a8", "quantization.fp4_numerics: 'w8a8' is not allowed; use one of auto, w4a4, w4a16"),
+    ("runtime.dtype=float8", "runtime.dtype: 'float8' is not allowed"),
+    ("runtime.device=tpu", "runtime.device: 'tpu' is not allowed; use auto, cpu, cuda or cuda:N"),
+    ("cuda_graph.piecewise.max_tokens=0", "cuda_graph.piecewise.max_tokens: 0 must be >= 1"),
+    ("cuda_graph.piecewise.sizes=[8,4]", "cuda_graph.piecewise.sizes: [8, 4] must be strictly ascending"),
+    ("cuda_graph.piecewise.sizes=[]", "cuda_graph.piecewise.sizes: the list is empty"),
+    ("cuda_graph.decode.batch_sizes=[1,1]", "cuda_graph.decode.batch_sizes: [1, 1] must be strictly ascending"),
+    ("backends.mla={prefill: x}", "backends.mla: {'prefill': 'x'} is not allowed; use auto, a backend name, or {extend: <name>, decode: <name>}"),
+    ("model.arch=gpt2", "model.arch: 'gpt2' is not allowed; use one of llama, deepseek_v3"),
+    ("generation.top_p=0", "generation.top_p: 0.0 must be in (0, 1]"),
+])
+def test_invalid_values(override, needle):
+    assert needle in err(BASE, [override])
+
+
+def test_model_is_required_unless_told_otherwise():
+    assert "set model.path" in err({})
+    assert load_config({}, require_model=False).model.path is None
+    assert "not both" in err({"model": {"arch": "llama", "path": "/x"}})
+
+
+def test_bad_override_syntax_and_missing_file(tmp_path):
+    assert "expected key=value" in err(BASE, ["model.arch"])
+    assert "does not exist" in err(tmp_path / "missing.yaml")
+
+
+def test_shipped_configs_load():
+    import pathlib
+
+    for path in sorted(pathlib.Path(__file__).parents[1].joinpath("configs").glob("*.yaml")):
+        load_config(path)
