@@ -1,0 +1,241 @@
+"""DeepSeek-V3 family: multi-head latent attention (MLA) with yarn rope, and DeepSeek MoE.
+
+MLA runs in the absorbed form in every mode: W_UK (the key half of kv_b_proj) is folded into the
+query, the op attends over the latent cache [kv_lora_rank + qk_rope_head_dim] per token, and W_UV
+(the value half) is applied to the latent output. kv_b_proj is therefore held as two float tensors;
+an NVFP4 checkpoint's kv_b_proj is dequantized at load (the absorbed products need plain weights).
+
+Shape legend: T tokens, H hidden, Nh heads, L kv_lora_rank, R qk_rope_head_dim, Dn qk_nope_head_dim,
+Dv v_head_dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from pieceworks.backends.base import ModelFacts
+from pieceworks.executor.kv_cache import KVLayout
+from pieceworks.models.base import (
+    CausalLM,
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    WeightSource,
+    apply_rope,
+    apply_rope_interleaved,
+    linear,
+    merged,
+    rope_parameters,
+    yarn_softmax_scale,
+)
+from pieceworks.models.moe import Experts, MoE
+
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use RMSNorm's default eps, not rms_norm_eps
+
+
+@dataclass(frozen=True)
+class DeepseekV3Args:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_layers: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_interleave: bool
+    rope: dict
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "DeepseekV3Args":
+        """Read a DeepseekV3ForCausalLM config.json dict (transformers' defaults for absent keys).
+
+        Raises:
+            ValueError: a variant pieceworks does not implement (biases, softmax routing, ...).
+        """
+        if hf.get("attention_bias", False):
+            raise ValueError("config.json: attention_bias=true is not supported by pieceworks' DeepSeek-V3")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json: hidden_act={hf['hidden_act']!r} is not supported; DeepSeek-V3 uses silu")
+        if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ValueError(f"config.json: scoring_func={hf.get('scoring_func')!r}, topk_method="
+                             f"{hf.get('topk_method')!r}: pieceworks implements DeepSeek-V3 routing only "
+                             "(sigmoid scores, noaux_tc grouped top-k)")
+        experts, groups = hf.get("n_routed_experts") or 0, hf.get("n_group") or 1
+        if experts and experts % groups:
+            raise ValueError(f"config.json: n_routed_experts={experts} is not a multiple of n_group={groups}")
+        q_lora = hf.get("q_lora_rank")
+        return cls(
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            moe_intermediate_size=hf.get("moe_intermediate_size", 0),
+            num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+            q_lora_rank=q_lora or None, kv_lora_rank=hf["kv_lora_rank"],
+            qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+            v_head_dim=hf["v_head_dim"], n_routed_experts=experts,
+            n_shared_experts=hf.get("n_shared_experts") or 0,
+            num_experts_per_tok=hf.get("num_experts_per_tok") or 1, n_group=groups,
+            topk_group=hf.get("topk_group") or 1, norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            first_k_dense_replace=hf.get("first_k_dense_replace") or 0,
+            moe_layer_freq=hf.get("moe_layer_freq") or 1,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            rope_interleave=hf.get("rope_interleave", True),
+            rope=rope_parameters({"max_position_embeddings": 4096, **hf}),
+        )
+
+    def is_moe(self, layer: int) -> bool:
+        """DeepSeek's rule: MoE from first_k_dense_replace on, every moe_layer_freq-th layer."""
+        return bool(self.n_routed_experts) and layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention, absorbed; attention is the `pieceworks::mla` op."""
+
+    def __init__(self, a: DeepseekV3Args, layer_id: int, prefix: str, fp4: Callable[[str], bool]) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.rank = a.num_heads, a.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
+        qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+        self.scale = yarn_softmax_scale(a.rope, qk)
+        self.q_lora = a.q_lora_rank is not None
+        self.rope_interleave = bool(a.rope_interleave)
+        # q_a_proj (or q_proj) and kv_a_proj_with_mqa both read x: one fused linear.
+        q_name, q_out = ("q_a_proj", a.q_lora_rank) if self.q_lora else ("q_proj", a.num_heads * qk)
+        self.qkv_a_proj = merged(a.hidden_size, [q_out, a.kv_lora_rank + a.qk_rope_head_dim],
+                                 [fp4(f"{prefix}.{q_name}"), fp4(f"{prefix}.kv_a_proj_with_mqa")])
+        if self.q_lora:
+            self.q_a_layernorm = RMSNorm(a.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = linear(a.q_lora_rank, a.num_heads * qk, fp4(f"{prefix}.q_b_proj"))
+        self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, LATENT_NORM_EPS)
+        self.register_buffer("w_uk", torch.empty(a.num_heads, a.qk_nope_head_dim, a.kv_lora_rank))
+        self.register_buffer("w_uv_t", torch.empty(a.num_heads, a.kv_lora_rank, a.v_head_dim))
+        self.o_proj = linear(a.num_heads * a.v_head_dim, a.hidden_size, fp4(f"{prefix}.o_proj"))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H], cos/sin [T, R/2] -> [T, H]."""
+        q, kv = self.qkv_a_proj(x)
+        if self.q_lora:  # model-wide: the same branch in every layer
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        q_nope, q_pe = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim).split(
+            [self.nope_dim, self.rope_dim], dim=-1)
+        c_kv, k_pe = kv.split([self.rank, self.rope_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)  # [T, L]
+        rope = apply_rope_interleaved if self.rope_interleave else apply_rope
+        q_pe = rope(q_pe, cos, sin)  # [T, Nh, R]
+        k_pe = rope(k_pe.unsqueeze(1), cos, sin).squeeze(1)  # [T, R]
+        # Absorb W_UK: q_nope [T, Nh, Dn] -> [T, Nh, L], made contiguous for the kernels (Dynamo
+        # can't trace bmm into a transposed out=, which would save the copy).
+        q_abs = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1).contiguous()
+        out = torch.empty_like(q_abs)  # owned by the piece before the op: fixed address under graphs
+        torch.ops.pieceworks.mla(q_abs, q_pe, c_kv, k_pe, out, self.layer_id, self.scale)
+        v = torch.bmm(out.transpose(0, 1), self.w_uv_t)  # [Nh, T, Dv]
+        return self.o_proj(v.transpose(0, 1).reshape(-1, self.num_heads * self.v_dim))
+
+    def load(self, src: WeightSource, prefix: str) -> None:
+        q_name = "q_a_proj" if self.q_lora else "q_proj"
+        self.qkv_a_proj = src.merged(self.qkv_a_proj, [f"{prefix}.{q_name}", f"{prefix}.kv_a_proj_with_mqa"])
+        if self.q_lora:
+            n = self.q_a_layernorm.weight.shape[0]
+            self.q_a_layernorm.weight.copy_(src.tensor(f"{prefix}.q_a_layernorm.weight", (n,)))
+            self.q_b_proj = src.linear(self.q_b_proj, f"{prefix}.q_b_proj")
+        self.kv_a_layernorm.weight.copy_(src.tensor(f"{prefix}.kv_a_layernorm.weight", (self.rank,)))
+        nh, dn, dv = self.num_heads, self.nope_dim, self.v_dim
+        w = src.dense(f"{prefix}.kv_b_proj", self.rank, nh * (dn + dv)).view(nh, dn + dv, self.rank)
+        self.w_uk.copy_(w[:, :dn])
+        self.w_uv_t.copy_(w[:, dn:].transpose(1, 2))
+        self.o_proj = src.linear(self.o_proj, f"{prefix}.o_proj")
+
+
+class DeepseekV3Block(nn.Module):
+    def __init__(self, a: DeepseekV3Args, layer_id: int, fp4: Callable[[str], bool]) -> None:
+        super().__init__()
+        prefix = f"model.layers.{layer_id}"
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = MLAttention(a, layer_id, f"{prefix}.self_attn", fp4)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        if a.is_moe(layer_id):
+            self.mlp = MoE(a.hidden_size, a, f"{prefix}.mlp", fp4)
+        else:
+            self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, f"{prefix}.mlp", fp4)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def load(self, src: WeightSource, prefix: str) -> None:
+        n = self.input_layernorm.weight.shape[0]
+        self.input_layernorm.weight.copy_(src.tensor(f"{prefix}.input_layernorm.weight", (n,)))
+        self.post_attention_layernorm.weight.copy_(src.tensor(f"{prefix}.post_attention_layernorm.weight", (n,)))
+        self.self_attn.load(src, f"{prefix}.self_attn")
+        self.mlp.load(src, f"{prefix}.mlp")
+
+
+class DeepseekV3(CausalLM):
+    """DeepseekV3ForCausalLM (MTP layers of the checkpoint are ignored). Build on the meta device and
+    fill through `load_plan` (see loader.py).
+
+    Args:
+        hf_config: config.json as a dict.
+        dtype: activation and weight dtype (the router stays float32).
+        fp4: whether the linear with this HF module name is NVFP4.
+    """
+
+    arch = "deepseek_v3"
+
+    def __init__(self, hf_config: dict, dtype: torch.dtype, fp4: Callable[[str], bool] = lambda name: False):
+        super().__init__()
+        a = self.args = DeepseekV3Args.from_hf(hf_config)
+        self.hf_config, self.dtype = dict(hf_config), dtype
+        self.vocab_size, self.max_position_embeddings = a.vocab_size, a.max_position_embeddings
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(DeepseekV3Block(a, i, fp4) for i in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.lm_head = self.embed_tokens if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(a.rope, a.qk_rope_head_dim, a.max_position_embeddings)
+
+    def _experts(self) -> list[Experts]:
+        return [m for m in self.modules() if isinstance(m, Experts)]
+
+    def kv_layout(self) -> KVLayout:
+        return KVLayout("mla", self.args.num_layers, latent_dim=self.args.kv_lora_rank + self.args.qk_rope_head_dim)
+
+    def facts(self, page_size: int) -> ModelFacts:
+        a, experts = self.args, self._experts()
+        return ModelFacts(
+            arch="deepseek_v3", dtype=self.dtype, num_heads=a.num_heads, num_kv_heads=1,
+            head_dim=a.qk_nope_head_dim + a.qk_rope_head_dim, kv_lora_rank=a.kv_lora_rank,
+            qk_rope_head_dim=a.qk_rope_head_dim, page_size=page_size, fp4=self.has_fp4(),
+            moe_experts=a.n_routed_experts if experts else 0,
+            moe_quant="nvfp4" if any(e.fp4 for e in experts) else "none",
+        )
+
+    def required_ops(self) -> set[str]:
+        ops = {"mla"}
+        if self._experts():
+            ops.add("moe")
+        if self.has_fp4():
+            ops.add("fp4_gemm")
+        return ops

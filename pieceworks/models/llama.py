@@ -1,0 +1,154 @@
+"""Llama 3.x family (Llama 3/3.1/3.2, SmolLM2): GQA, rope (default or llama3 scaling), SwiGLU.
+
+Weights keep Hugging Face names; q/k/v and gate/up are fused into one linear each at load (bf16:
+concatenated; NVFP4: fused when the parts share their global scales, else kept as separate linears).
+
+Shape legend: T tokens, H hidden, Hq query heads, Hkv KV heads, D head size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from pieceworks.backends.base import ModelFacts
+from pieceworks.executor.kv_cache import KVLayout
+from pieceworks.models.base import (
+    CausalLM,
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    WeightSource,
+    apply_rope,
+    linear,
+    merged,
+    rope_parameters,
+)
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope: dict
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "LlamaArgs":
+        """Read a LlamaForCausalLM config.json dict (transformers' defaults for absent keys).
+
+        Raises:
+            ValueError: a feature pieceworks' Llama does not implement (biases, another activation).
+        """
+        for key in ("attention_bias", "mlp_bias"):
+            if hf.get(key, False):
+                raise ValueError(f"config.json: {key}=true is not supported by pieceworks' Llama (bias-free "
+                                 "projections only)")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json: hidden_act={hf['hidden_act']!r} is not supported; Llama uses silu")
+        heads = hf["num_attention_heads"]
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            rope=rope_parameters({"max_position_embeddings": 2048, **hf}),
+        )
+
+
+class LlamaAttention(nn.Module):
+    """GQA with rope; the attention itself is the `pieceworks::attention` op over the paged cache."""
+
+    def __init__(self, a: LlamaArgs, layer_id: int, prefix: str, fp4: Callable[[str], bool]) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.scale = a.head_dim**-0.5
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        self.qkv_proj = merged(a.hidden_size, [q, kv, kv], [fp4(f"{prefix}.{n}_proj") for n in "qkv"])
+        self.o_proj = linear(q, a.hidden_size, fp4(f"{prefix}.o_proj"))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H], cos/sin [T, D/2] -> [T, H]."""
+        q, k, v = self.qkv_proj(x)
+        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        out = torch.empty_like(q)  # owned by the piece before the op: fixed address under graphs
+        torch.ops.pieceworks.attention(q, k, v, out, self.layer_id, self.scale)
+        return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
+
+    def load(self, src: WeightSource, prefix: str) -> None:
+        self.qkv_proj = src.merged(self.qkv_proj, [f"{prefix}.{n}_proj" for n in "qkv"])
+        self.o_proj = src.linear(self.o_proj, f"{prefix}.o_proj")
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, a: LlamaArgs, layer_id: int, fp4: Callable[[str], bool]) -> None:
+        super().__init__()
+        prefix = f"model.layers.{layer_id}"
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = LlamaAttention(a, layer_id, f"{prefix}.self_attn", fp4)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, f"{prefix}.mlp", fp4)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def load(self, src: WeightSource, prefix: str) -> None:
+        a, n = self.self_attn, self.input_layernorm.weight.shape[0]
+        self.input_layernorm.weight.copy_(src.tensor(f"{prefix}.input_layernorm.weight", (n,)))
+        self.post_attention_layernorm.weight.copy_(src.tensor(f"{prefix}.post_attention_layernorm.weight", (n,)))
+        a.load(src, f"{prefix}.self_attn")
+        self.mlp.load(src, f"{prefix}.mlp")
+
+
+class Llama(CausalLM):
+    """LlamaForCausalLM. Build on the meta device and fill through `load_plan` (see loader.py).
+
+    Args:
+        hf_config: config.json as a dict.
+        dtype: activation and weight dtype.
+        fp4: whether the linear with this HF module name (`model.layers.0.self_attn.q_proj`) is NVFP4.
+    """
+
+    arch = "llama"
+
+    def __init__(self, hf_config: dict, dtype: torch.dtype, fp4: Callable[[str], bool] = lambda name: False):
+        super().__init__()
+        a = self.args = LlamaArgs.from_hf(hf_config)
+        self.hf_config, self.dtype = dict(hf_config), dtype
+        self.vocab_size, self.max_position_embeddings = a.vocab_size, a.max_position_embeddings
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(LlamaBlock(a, i, fp4) for i in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.lm_head = self.embed_tokens if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(a.rope, a.head_dim, a.max_position_embeddings)
+
+    def kv_layout(self) -> KVLayout:
+        return KVLayout("gqa", self.args.num_layers, num_kv_heads=self.args.num_kv_heads, head_dim=self.args.head_dim)
+
+    def facts(self, page_size: int) -> ModelFacts:
+        a = self.args
+        return ModelFacts(arch="llama", dtype=self.dtype, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
+                          head_dim=a.head_dim, page_size=page_size, fp4=self.has_fp4())
+
+    def required_ops(self) -> set[str]:
+        return {"attention", "fp4_gemm"} if self.has_fp4() else {"attention"}

@@ -1,0 +1,73 @@
+"""Named model sizes for random-weight models (`model.arch` + `model.preset`), as config.json dicts.
+
+`model.sizes` overrides any key, e.g. `{num_hidden_layers: 4}` for a DeepSeek-V3-shaped model that
+fits on one GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+LLAMA_TINY = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama",
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+    rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+)
+
+LLAMA_31_8B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama",
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+    rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192),
+    bos_token_id=128000, eos_token_id=128001,
+)
+
+DEEPSEEK_TINY = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+    vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+    num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+    q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+    n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+    norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=512, rms_norm_eps=1e-6,
+    rope_theta=10000.0, tie_word_embeddings=False,
+    rope_scaling=dict(type="yarn", factor=4.0, mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1,
+                      original_max_position_embeddings=128),
+)
+
+DEEPSEEK_V3 = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+    num_hidden_layers=61, first_k_dense_replace=3, moe_layer_freq=1, num_attention_heads=128,
+    num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, n_shared_experts=1,
+    num_experts_per_tok=8, n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5,
+    scoring_func="sigmoid", topk_method="noaux_tc", max_position_embeddings=163840, rms_norm_eps=1e-6,
+    rope_theta=10000.0, tie_word_embeddings=False,
+    rope_scaling=dict(type="yarn", factor=40.0, mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1,
+                      original_max_position_embeddings=4096),
+    bos_token_id=0, eos_token_id=1,
+)
+
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "llama": {"tiny": LLAMA_TINY, "llama-3.1-8b": LLAMA_31_8B},
+    "deepseek_v3": {"tiny": DEEPSEEK_TINY, "deepseek-v3": DEEPSEEK_V3},
+}
+
+
+def preset_config(arch: str, preset: str | None, sizes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config.json dict of `preset` (default: tiny) for `arch`, with `sizes` overriding keys.
+
+    Raises:
+        ValueError: unknown arch or preset (the message lists the known ones).
+    """
+    if arch not in PRESETS:
+        raise ValueError(f"model.arch={arch!r}: unknown; known: {', '.join(PRESETS)}")
+    name = preset or "tiny"
+    if name not in PRESETS[arch]:
+        raise ValueError(f"model.preset={name!r}: unknown for arch {arch}; known: {', '.join(PRESETS[arch])}")
+    cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in PRESETS[arch][name].items()}
+    cfg.update(sizes or {})
+    return cfg
