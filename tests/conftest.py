@@ -40,6 +40,12 @@ def tiny_llama_modelopt(fixture_cache: Path) -> modelopt_export.ExportedModel:
 
 
 @pytest.fixture(scope="session")
+def tiny_tied_llama_modelopt(fixture_cache: Path) -> modelopt_export.ExportedModel:
+    """The tiny Llama with tie_word_embeddings=True (no lm_head tensor; ModelOpt still lists lm_head)."""
+    return modelopt_export.build_tiny_llama(fixture_cache, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_deepseek_modelopt(fixture_cache: Path) -> modelopt_export.ExportedModel:
     """A tiny random DeepseekV3ForCausalLM (MLA, 1 dense + 2 MoE layers, 4 experts in 2 groups,
     a shared expert): `.bf16_dir` and `.fp4_dir` (ModelOpt NVFP4)."""

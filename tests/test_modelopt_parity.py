@@ -23,9 +23,13 @@ from pieceworks.quant.calibrate import calibrate_input_amax, text_batches
 from pieceworks.quant.modelopt import detect_quantization, fuse_fp4, read_fp4_experts, read_fp4_linear
 from pieceworks.quant.quantizer import quantize_checkpoint
 
-pytestmark = pytest.mark.filterwarnings("ignore:transformers .* is not tested:UserWarning")
+# Importing modelopt warns about the transformers version and its use of torch.jit: not ours.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:transformers .* is not tested:UserWarning"),
+    pytest.mark.filterwarnings("ignore:`torch.jit.script:DeprecationWarning"),
+]
 
-MODELS = ["tiny_llama_modelopt", "tiny_deepseek_modelopt"]
+MODELS = ["tiny_llama_modelopt", "tiny_deepseek_modelopt", "tiny_tied_llama_modelopt"]
 
 
 @pytest.fixture(params=MODELS)
@@ -208,3 +212,49 @@ def test_quantizer_calibrates_over_text_and_cli_writes_shards(tiny_llama_modelop
     reader = CheckpointReader(out)
     for m in _quantized_modules(reader):
         assert torch.equal(reader.get(f"{m}.input_scale"), torch.tensor(amax[m]) / (6 * 448)), m
+
+
+def test_exclude_list_is_summarized_as_modelopt_does():
+    from modelopt.torch.export.quant_utils import _prefix_wildcard_summarize_exclude_modules
+
+    from pieceworks.quant.export_config import summarize_exclude
+
+    layers = [f"model.layers.{i}" for i in range(12)]
+    linears = ["self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj", "mlp.gate"]
+    cases = [
+        ({f"{lay}.{x}" for lay in layers for x in linears if x != "mlp.gate"}, {"lm_head", "model.embed_tokens"}),
+        ({f"{lay}.{x}" for lay in layers[2:] for x in linears}, {f"{lay}.{x}" for lay in layers[:2] for x in linears}),
+        ({f"{lay}.{x}" for lay in layers[:11] for x in linears[:4]}, {f"{layers[11]}.{x}" for x in linears} | {"lm_head"}),
+        ({f"{lay}.{x}" for lay in layers for x in linears[:3]}, {f"{lay}.{x}" for lay in layers for x in linears[3:]}),
+    ]
+    for quantized, unquantized in cases:
+        ours = summarize_exclude(sorted(unquantized), sorted(quantized))
+        assert ours == sorted(_prefix_wildcard_summarize_exclude_modules(sorted(unquantized), sorted(quantized)))
+
+
+def test_exclude_patterns_and_mtp_layers(tiny_deepseek_modelopt, tmp_path):
+    """Excluded modules stay in the source dtype and the written exclude list says exactly which."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_deepseek_modelopt.bf16_dir, src)
+    tensors = load_file(src / "model.safetensors")
+    n_layers = tiny_deepseek_modelopt.params["num_hidden_layers"]
+    mtp = f"model.layers.{n_layers}"  # a DeepSeek MTP layer: in the checkpoint, beyond num_hidden_layers
+    tensors[f"{mtp}.eh_proj.weight"] = torch.randn(64, 128).to(torch.bfloat16)
+    tensors[f"{mtp}.enorm.weight"] = torch.ones(64, dtype=torch.bfloat16)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+
+    out = quantize_checkpoint(src, tmp_path / "q", amax=4.0, exclude=["model.layers.1.self_attn.*"], progress=False)
+    cfg = detect_quantization(out)
+    assert f"{mtp}*" in cfg.exclude_modules and "model.layers.1.self_attn*" in cfg.exclude_modules  # summarized
+    reader = CheckpointReader(out)
+    for name in reader.names():
+        if name.endswith(".weight") and len(reader.shape(name)) == 2:
+            module = name[: -len(".weight")]
+            stored_fp4 = reader.dtype(name) == torch.uint8
+            assert stored_fp4 != cfg.is_excluded(module), module
+            if not stored_fp4:
+                assert torch.equal(reader.get(name), tensors[name]), name  # passed through unchanged
+    assert reader.dtype("model.layers.1.self_attn.q_a_proj.weight") == torch.bfloat16
+    assert reader.dtype("model.layers.2.self_attn.q_a_proj.weight") == torch.uint8

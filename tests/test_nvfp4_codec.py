@@ -202,6 +202,8 @@ def _weights():
     return [w.to(torch.bfloat16), (torch.randn(33, 48, generator=gen) * 3).to(torch.bfloat16)]
 
 
+@pytest.mark.filterwarnings("ignore:transformers .* is not tested:UserWarning")  # modelopt's import
+@pytest.mark.filterwarnings("ignore:`torch.jit.script:DeprecationWarning")
 @pytest.mark.parametrize("index", [0, 1])
 def test_weight_quantization_matches_modelopt_bit_exact(index):
     from modelopt.torch.quantization.qtensor import NVFP4QTensor

@@ -8,8 +8,8 @@ tiny Llama and DeepSeek-V3 models).
 Which linears: every 2-D floating `*.weight` whose K is a multiple of 16 and whose module matches no
 exclude pattern. `DEFAULT_EXCLUDE` mirrors ModelOpt's NVFP4 config (lm_head, embeddings, MoE routers,
 DeepSeek MTP layers beyond num_hidden_layers); the caller's patterns are added to it. Unquantized
-2-D weights are listed in exclude_modules (summarized as ModelOpt does); norms and biases are 1-D and
-copied as they are.
+2-D weights are listed in exclude_modules (summarized as ModelOpt does; a tied lm_head is listed too,
+as ModelOpt lists the module); norms and biases are 1-D and copied as they are.
 
 Linears that read the same input share one `weight_scale_2` (max over the group, as ModelOpt's
 export does) and one `input_scale`: q/k/v, gate/up (dense MLPs, shared experts, each routed
@@ -224,6 +224,8 @@ def quantize_checkpoint(
     config = _check_dirs(src, dst, reader)
     patterns = list(DEFAULT_EXCLUDE) + _mtp_patterns(config, reader) + list(exclude or [])
     linears, unquantized = _plan(reader, patterns)
+    if config.get("tie_word_embeddings", True) and not reader.has("lm_head.weight"):
+        unquantized.append("lm_head")  # tied to the embeddings: a module without its own tensor
     if not linears:
         raise ValueError(f"{src}: no linear weight to quantize (all excluded, or K not a multiple of 16)")
     groups = _groups(list(linears.values()))
