@@ -1,0 +1,193 @@
+"""load_model: random-weight presets, checkpoint formats, and the errors bad checkpoints give."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pieceworks import Executor
+from pieceworks.config import ModelConfig, QuantizationConfig
+from pieceworks.models.base import MergedProj
+from pieceworks.models.deepseek_v3 import DeepseekV3
+from pieceworks.models.llama import Llama
+from pieceworks.models.loader import build, load_model
+from pieceworks.models.moe import MoE
+from pieceworks.models.presets import preset_config
+from pieceworks.quant.linear import Fp4Linear
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _load(path, fmt="auto", dtype=torch.float32):
+    return load_model(ModelConfig(path=str(path)), QuantizationConfig(format=fmt), "cpu", dtype, progress=False)
+
+
+# --- random weights ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("fmt", ["none", "nvfp4"])
+def test_random_tiny_presets_run(arch, fmt):
+    ex = Executor.from_config({"model": {"arch": arch, "preset": "tiny"}, "quantization": {"format": fmt},
+                               "runtime": {"device": "cpu", "dtype": "float32"}, "kv_cache": {"num_tokens": 256}},
+                              progress=False)
+    m = ex.model
+    assert m.has_fp4() == (fmt == "nvfp4")
+    assert ("fp4_gemm" in m.required_ops()) == (fmt == "nvfp4")
+    if arch == "deepseek_v3":
+        assert m.required_ops() >= {"mla", "moe"} and m.kv_layout().kind == "mla"
+        assert m.facts(16).moe_quant == ("nvfp4" if fmt == "nvfp4" else "none")
+    else:
+        assert m.required_ops() >= {"attention"} and m.kv_layout().kind == "gqa"
+    logits = ex.score([[1, 2, 3, 4, 5, 6, 7]])[0]
+    assert logits.shape == (7, m.vocab_size) and logits.isfinite().all()
+    assert len(ex.generate([[3, 1, 4]], max_new_tokens=4)[0]) == 4
+
+
+def _numel(model) -> int:
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    return sum(t.numel() for n, t in tensors if not n.startswith("rotary"))
+
+
+def test_full_size_presets_have_the_published_sizes():
+    """Built on the meta device only: Llama-3.1-8B has 8,030,261,248 parameters, DeepSeek-V3 (without
+    its MTP layer) 671.0B."""
+    llama = build(Llama, preset_config("llama", "llama-3.1-8b"), torch.bfloat16, lambda n: False)
+    assert _numel(llama) == 8_030_261_248
+    ds = build(DeepseekV3, preset_config("deepseek_v3", "deepseek-v3"), torch.bfloat16, lambda n: False)
+    assert _numel(ds) == 671_026_419_200
+    fp4 = build(Llama, preset_config("llama", "llama-3.1-8b"), torch.bfloat16, lambda n: True)
+    assert isinstance(fp4.layers[0].self_attn.qkv_proj.proj, Fp4Linear)
+    assert fp4.facts(16).fp4 and fp4.kv_layout().num_kv_heads == 8
+
+
+def test_sizes_override_the_preset():
+    cfg = preset_config("deepseek_v3", "deepseek-v3", {"num_hidden_layers": 4})
+    m = build(DeepseekV3, cfg, torch.bfloat16, lambda n: False)
+    assert len(m.layers) == 4
+    assert [isinstance(layer.mlp, MoE) for layer in m.layers] == [False, False, False, True]
+    assert m.kv_layout().latent_dim == 512 + 64
+    with pytest.raises(ValueError, match="model.preset='huge'.*known: tiny, llama-3.1-8b"):
+        preset_config("llama", "huge")
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A tiny transformers Llama saved in bf16, sharded (index + several files)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    d = tmp_path_factory.mktemp("llama_bf16")
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d, max_shard_size="20KB")
+    return d
+
+
+@pytest.fixture
+def broken(llama_dir, tmp_path):
+    """A private copy of the checkpoint, merged into one safetensors file, free to break."""
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    shutil.copy(llama_dir / "config.json", d)
+    tensors = {}
+    for f in llama_dir.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    return d
+
+
+def _edit_tensors(d, fn):
+    tensors = load_file(d / "model.safetensors")
+    fn(tensors)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+
+
+def _edit_config(d, fn):
+    cfg = json.loads((d / "config.json").read_text())
+    fn(cfg)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def test_sharded_bf16_checkpoint_loads_as_float32(llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    assert (llama_dir / "model.safetensors.index.json").exists()
+    model = _load(llama_dir)
+    assert model.dtype == torch.float32 and model.embed_tokens.weight.dtype == torch.float32
+    assert isinstance(model.layers[0].self_attn.qkv_proj, MergedProj)
+    ref = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    torch.testing.assert_close(model.layers[1].mlp.down_proj.weight, ref.model.layers[1].mlp.down_proj.weight,
+                               rtol=0, atol=0)
+    q, k, v = (getattr(ref.model.layers[0].self_attn, f"{n}_proj").weight for n in "qkv")
+    assert torch.equal(model.layers[0].self_attn.qkv_proj.proj.weight, torch.cat([q, k, v]))
+
+
+def test_not_a_directory(tmp_path):
+    with pytest.raises(ValueError, match="is not a directory"):
+        _load(tmp_path / "nowhere")
+
+
+def test_missing_config_json(broken):
+    (broken / "config.json").unlink()
+    with pytest.raises(ValueError, match=r"config\.json: missing"):
+        _load(broken)
+
+
+def test_unknown_architecture(broken):
+    _edit_config(broken, lambda c: c.update(architectures=["GPT2LMHeadModel"], model_type="gpt2"))
+    with pytest.raises(ValueError) as e:
+        _load(broken)
+    assert "GPT2LMHeadModel" in str(e.value) and "LlamaForCausalLM, DeepseekV3ForCausalLM" in str(e.value)
+
+
+def test_missing_tensor(broken):
+    _edit_tensors(broken, lambda t: t.pop("model.layers.1.mlp.down_proj.weight"))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.weight: missing from the checkpoint"):
+        _load(broken)
+    assert torch.get_default_dtype() == torch.float32  # the meta build's default dtype was restored
+
+
+def test_shape_mismatch(broken):
+    _edit_config(broken, lambda c: c.update(intermediate_size=64))
+    with pytest.raises(ValueError) as e:
+        _load(broken)
+    msg = str(e.value)
+    assert "model.layers.0.mlp.gate_proj.weight" in msg and "expected [64, 32]" in msg and "got [48, 32]" in msg
+
+
+def test_unsupported_llama_variant(broken):
+    _edit_config(broken, lambda c: c.update(attention_bias=True))
+    with pytest.raises(ValueError, match="attention_bias=true is not supported"):
+        _load(broken)
+
+
+def test_nan_weight_is_named(broken):
+    def poison(t):
+        t["model.layers.1.post_attention_layernorm.weight"][3] = float("nan")
+
+    _edit_tensors(broken, poison)
+    with pytest.raises(ValueError, match=r"layer 1: .*post_attention_layernorm.weight hold NaN"):
+        _load(broken)
+
+
+def test_format_must_match_the_checkpoint(broken, tiny_llama_modelopt):
+    with pytest.raises(ValueError, match="quantization.format=nvfp4, but .* is not an NVFP4 checkpoint"):
+        _load(broken, fmt="nvfp4")
+    with pytest.raises(ValueError, match="quantization.format=none, but .* is a ModelOpt NVFP4 checkpoint"):
+        _load(tiny_llama_modelopt.fp4_dir, fmt="none")
+
+
+def test_nvfp4_tensor_errors_propagate(tiny_llama_modelopt, tmp_path):
+    d = tmp_path / "fp4"
+    shutil.copytree(tiny_llama_modelopt.fp4_dir, d)
+    _edit_tensors(d, lambda t: t.pop("model.layers.1.self_attn.o_proj.input_scale"))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.o_proj\.input_scale: missing"):
+        _load(d)
