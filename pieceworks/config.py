@@ -88,7 +88,7 @@ class KVCacheConfig:
     num_tokens: Optional[int] = None
     """KV pool size in tokens; when unset, `memory_fraction` of the memory left after weights."""
     memory_fraction: float = 0.85
-    """Fraction of free device memory (CUDA) or of available RAM (CPU, capped at 1M tokens) for KV."""
+    """Fraction of free device memory (CUDA) or of available RAM (CPU, capped at 16384 tokens) for KV."""
 
 
 @dataclass(frozen=True)

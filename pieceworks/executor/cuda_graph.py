@@ -27,16 +27,21 @@ def default_batch_sizes() -> list[int]:
     return [1, 2, 4, 8, 16] + list(range(24, 257, 8))
 
 
+def check_batch_sizes(batch_sizes: list[int] | None, capacity_pages: int, page_size: int) -> None:
+    """Every decode sequence holds at least one page: a bucket larger than the pool is a config error."""
+    if batch_sizes and batch_sizes[-1] > capacity_pages:
+        raise ConfigError(
+            f"cuda_graph.decode.batch_sizes: {batch_sizes[-1]} sequences can't be in the KV pool at "
+            f"once (it has {capacity_pages} pages of {page_size} tokens); lower the batch sizes or "
+            "enlarge kv_cache.num_tokens"
+        )
+
+
 class DecodeGraphRunner:
     def __init__(self, ex: "Executor", batch_sizes: list[int] | None, progress: bool = True) -> None:
         self.ex = ex
         capacity = ex.kv.allocator.capacity
-        if batch_sizes and batch_sizes[-1] > capacity:
-            raise ConfigError(
-                f"cuda_graph.decode.batch_sizes: {batch_sizes[-1]} sequences can't be in the KV pool at "
-                f"once (it has {capacity} pages of {ex.page_size} tokens); lower the batch sizes or "
-                "enlarge kv_cache.num_tokens"
-            )
+        check_batch_sizes(batch_sizes, capacity, ex.page_size)
         self.sizes = list(batch_sizes) if batch_sizes else [b for b in default_batch_sizes() if b <= capacity]
         max_bs = self.sizes[-1]
         self.width = -(-ex.max_context // ex.page_size)  # pages per sequence in the static table

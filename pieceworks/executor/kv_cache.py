@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 RESERVED_PAGE = 0
+CPU_DEFAULT_MAX_TOKENS = 16384  # without kv_cache.num_tokens, a CPU pool stays this small
 
 
 class OutOfPages(RuntimeError):
@@ -125,7 +126,7 @@ class KVPool:
             free = _free_bytes(torch.device(device))
             num_tokens = int(free * memory_fraction) // per_token
             if torch.device(device).type == "cpu":
-                num_tokens = min(num_tokens, 1 << 20)
+                num_tokens = min(num_tokens, CPU_DEFAULT_MAX_TOKENS)
             if num_tokens < 2 * page_size:
                 raise ValueError(
                     f"kv_cache: only {free / 2**30:.2f} GiB free; {memory_fraction:.0%} of it holds "

@@ -94,6 +94,10 @@ class Executor:
 
             self.piecewise = PiecewiseRunner(self, pw, progress=progress)
         dec = self.cfg.cuda_graph.decode
+        if dec.enabled is not Switch.off:
+            from pieceworks.executor.cuda_graph import check_batch_sizes
+
+            check_batch_sizes(dec.batch_sizes, self.kv.allocator.capacity, self.page_size)
         if on_cuda and dec.enabled is not Switch.off:
             from pieceworks.executor.cuda_graph import DecodeGraphRunner
 

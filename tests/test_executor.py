@@ -1,0 +1,193 @@
+"""The executor: every forward mode agrees with one full prefill, bad input leaves it serving, and a
+soak of random mixed steps gives every KV page back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pieceworks import Executor
+from pieceworks.executor.batch import ForwardBatch, ForwardMode
+from pieceworks.executor.runner import BatchError
+
+TINY = {
+    "llama": {"model": {"arch": "llama", "preset": "tiny"}},
+    "deepseek_v3": {"model": {"arch": "deepseek_v3", "preset": "tiny"}},
+}
+
+
+def make(arch: str, **sections) -> Executor:
+    cfg = {**TINY[arch], "runtime": {"device": "cpu", "dtype": "float32"}, **sections}
+    return Executor.from_config(cfg, progress=False)
+
+
+@pytest.fixture(scope="module", params=["llama", "deepseek_v3"])
+def ex(request):
+    return make(request.param, kv_cache={"num_tokens": 512, "page_size": 4})
+
+
+def tokens(n: int, seed: int, vocab: int = 512) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_chunked_prefill_decode_and_mixed_match_one_prefill(ex):
+    a, b = tokens(23, 1), tokens(14, 2)
+    ref_a, ref_b = ex.score([a, b])
+    # EXTEND with a cached prefix: three chunks of unequal length
+    seq = ex.new_sequence()
+    parts = [ex.forward(ForwardBatch([seq], [a[i:j]], return_all_logits=True)) for i, j in ((0, 9), (9, 16), (16, 23))]
+    close(torch.cat(parts), ref_a)
+    ex.free(seq)
+    # DECODE one token at a time after a short prefill, two sequences of unequal lengths
+    sa, sb = ex.new_sequence(), ex.new_sequence()
+    ex.forward(ForwardBatch([sa, sb], [a[:5], b[:3]]))
+    for step in range(8):
+        batch = ForwardBatch([sa, sb], [[a[5 + step]], [b[3 + step]]])
+        assert batch.mode is ForwardMode.DECODE
+        logits = ex.forward(batch)
+        close(logits[0], ref_a[5 + step])
+        close(logits[1], ref_b[3 + step])
+    # MIXED: sa decodes while a new sequence extends, in one batch
+    sc = ex.new_sequence()
+    batch = ForwardBatch([sa, sc], [[a[13]], b[:7]], return_all_logits=True)
+    assert batch.mode is ForwardMode.MIXED
+    logits = ex.forward(batch)
+    close(logits[0], ref_a[13])
+    close(logits[1:], ref_b[:7])
+    for s in (sa, sb, sc):
+        ex.free(s)
+    assert ex.kv.allocator.num_free == ex.kv.allocator.capacity
+
+
+def test_generate_is_continuous_batching_of_single_runs(ex):
+    prompts = [tokens(n, 10 + n) for n in (3, 11, 6, 17, 5)]
+    together = ex.generate(prompts, 6, max_step_tokens=16)
+    alone = [ex.generate([p], 6)[0] for p in prompts]
+    assert together == alone
+    assert all(len(o) == 6 for o in together)
+    assert ex.kv.allocator.num_free == ex.kv.allocator.capacity
+
+
+def test_generate_queues_prompts_beyond_the_kv_budget():
+    small = make("llama", kv_cache={"num_tokens": 48, "page_size": 4})
+    prompts = [tokens(20, s) for s in range(4)]  # 4 x (20 + 8) tokens > 48: must queue
+    out = small.generate(prompts, 8)
+    assert out == [small.generate([p], 8)[0] for p in prompts]
+    assert small.kv.allocator.num_free == small.kv.allocator.capacity
+
+
+def test_sampling_is_seeded():
+    e = make("llama")
+    p = [tokens(5, 3)]
+    a = e.generate(p, 12, temperature=0.8, top_p=0.9, seed=7)
+    assert a == e.generate(p, 12, temperature=0.8, top_p=0.9, seed=7)
+    assert a != e.generate(p, 12, temperature=0.8, top_p=0.9, seed=8)
+
+
+def _intact(ex, seq, reference_logits):
+    """The pool gave nothing away and a live sequence still decodes to the same logits."""
+    free = ex.kv.allocator.num_free
+    out = ex.forward(ForwardBatch([seq], [[5]]))
+    close(out[0], reference_logits)
+    return free
+
+
+@pytest.mark.parametrize("arch", ["llama"])
+def test_bad_input_is_refused_and_leaves_the_executor_serving(arch):
+    ex = make(arch, kv_cache={"num_tokens": 64, "page_size": 4}, model={**TINY[arch]["model"], "max_context": 40})
+    ref = ex.new_sequence()
+    ex.forward(ForwardBatch([ref], [tokens(6, 0)]))
+    probe = ex.new_sequence()
+    ex.forward(ForwardBatch([probe], [tokens(6, 0)]))
+    expected = ex.forward(ForwardBatch([probe], [[5]]))[0]
+    ex.free(probe)
+    free_before = ex.kv.allocator.num_free
+    victim = ex.new_sequence()
+    cases = [
+        (ForwardBatch([victim], [[1, 2, 512]]), "outside the vocabulary"),
+        (ForwardBatch([victim], [[-1]]), "outside the vocabulary"),
+        (ForwardBatch([victim], [[]]), "empty prompt"),
+        (ForwardBatch([victim], [list(range(41))]), "exceed the context limit of 40"),
+        (ForwardBatch([victim], [torch.tensor([1.0, 2.0])]), "must be a 1-D integer tensor"),
+        (ForwardBatch([victim], [["a"]]), "token ids must be ints"),
+        (ForwardBatch([victim, victim], [[1], [2]]), "appears twice"),
+        (ForwardBatch([victim], [[1], [2]]), "1 sequences but 2 token lists"),
+    ]
+    for batch, needle in cases:
+        with pytest.raises(BatchError, match=needle):
+            ex.forward(batch)
+        assert ex.kv.allocator.num_free == free_before and victim.kv_len == 0
+    # a batch larger than the pool can hold: forward raises, nothing is allocated
+    others = [ex.new_sequence() for _ in range(3)]
+    with pytest.raises(BatchError, match="more KV pages"):
+        ex.forward(ForwardBatch(others, [list(range(1, 30))] * 3))
+    assert ex.kv.allocator.num_free == free_before and all(s.kv_len == 0 for s in others)
+    # freeing twice
+    ex.free(victim)
+    with pytest.raises(BatchError, match="already freed"):
+        ex.free(victim)
+    with pytest.raises(BatchError, match="was freed"):
+        ex.forward(ForwardBatch([victim], [[1]]))
+    # generate validates before doing anything
+    for prompts, needle in (([[]], "empty"), ([[1, 999]], "outside the vocabulary"),
+                            ([list(range(1, 39))], "exceed the context limit")):
+        with pytest.raises(BatchError, match=needle):
+            ex.generate(prompts, 4)
+    # still serving, pool intact: the reference sequence decodes as it would have
+    probe = ex.new_sequence()
+    ex.forward(ForwardBatch([probe], [tokens(6, 0)]))
+    close(ex.forward(ForwardBatch([probe], [[5]]))[0], expected)
+    for s in (probe, ref, *others):
+        ex.free(s)
+    assert ex.kv.allocator.num_free == ex.kv.allocator.capacity
+
+
+def test_a_failing_step_gives_its_pages_back(monkeypatch):
+    ex = make("llama", kv_cache={"num_tokens": 64, "page_size": 4})
+    seq = ex.new_sequence()
+    ex.forward(ForwardBatch([seq], [tokens(5, 0)]))
+    free, pages = ex.kv.allocator.num_free, list(seq.pages)
+
+    def boom(*a, **k):
+        raise RuntimeError("kernel failed")
+
+    monkeypatch.setattr(ex.model, "compute_logits", boom)
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        ex.forward(ForwardBatch([seq], [tokens(9, 1)]))
+    assert ex.kv.allocator.num_free == free and seq.pages == pages and seq.kv_len == 5
+
+
+@pytest.mark.slow
+def test_soak_random_mixed_steps_return_every_page():
+    ex = make("llama", kv_cache={"num_tokens": 256, "page_size": 4}, model={"arch": "llama", "preset": "tiny", "max_context": 96})
+    rng = random.Random(0)
+    live: list = []
+    modes = set()
+    for _ in range(2000):
+        if live and rng.random() < 0.15:
+            ex.free(live.pop(rng.randrange(len(live))))
+            continue
+        if len(live) < 6 and rng.random() < 0.3:
+            live.append(ex.new_sequence())
+        chosen = rng.sample(live, k=rng.randint(1, len(live))) if live else []
+        if not chosen:
+            continue
+        toks = [[rng.randrange(512)] * (1 if s.kv_len and rng.random() < 0.7 else rng.randint(1, 9)) for s in chosen]
+        batch = ForwardBatch(chosen, toks)
+        try:
+            logits = ex.forward(batch)
+        except BatchError:  # full pool or context: refused cleanly, then make room
+            ex.free(live.pop(0))
+            continue
+        modes.add(batch.mode)
+        assert logits.shape == (len(chosen), ex.vocab_size) and torch.isfinite(logits).all()
+    for s in live:
+        ex.free(s)
+    assert ex.kv.allocator.num_free == ex.kv.allocator.capacity
+    assert modes == {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED}

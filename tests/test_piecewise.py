@@ -1,0 +1,132 @@
+"""Piecewise execution on CPU: the model traced once, split at the attention ops, pieces run directly.
+
+Same split and dispatch as on CUDA (where each piece is a CUDA graph per capture size): logits must
+equal eager within fp32 rounding for every mode and many token counts, greedy tokens must be
+identical, the model must trace without graph breaks and exactly once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pieceworks import Executor
+from pieceworks.config import ConfigError, load_config
+from pieceworks.executor.batch import ForwardBatch, GraphMode
+from pieceworks.executor.piecewise import default_sizes
+
+SIZES = [4, 8, 16, 24, 32]
+
+
+def make(arch: str, piecewise: bool, layers: int = 2) -> Executor:
+    cfg = {
+        "model": {"arch": arch, "preset": "tiny", "sizes": {"num_hidden_layers": layers}},
+        "runtime": {"device": "cpu", "dtype": "float32"},
+        "kv_cache": {"num_tokens": 1024, "page_size": 4},
+        "cuda_graph": {"piecewise": {"enabled": "on" if piecewise else "off", "max_tokens": 32, "sizes": SIZES}},
+    }
+    return Executor.from_config(cfg, progress=False)
+
+
+@pytest.fixture(scope="module", params=["llama", "deepseek_v3"])
+def pair(request):
+    torch._dynamo.reset()
+    eager, pw = make(request.param, False), make(request.param, True)
+    assert eager.piecewise is None and pw.piecewise is not None
+    return eager, pw
+
+
+def toks(n, seed):
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run(ex, steps):
+    """Run a script of steps [(seq index, tokens), ...] per step; returns every step's logits."""
+    seqs, out = {}, []
+    for step in steps:
+        for i, _ in step:
+            seqs.setdefault(i, ex.new_sequence())
+        out.append(ex.forward(ForwardBatch([seqs[i] for i, _ in step], [t for _, t in step], return_all_logits=True)))
+    for s in seqs.values():
+        ex.free(s)
+    return out
+
+
+SCRIPTS = {
+    # token counts 1..40 cover exact sizes, padding inside every bucket, and counts above max_tokens
+    "extend_many_counts": [[(i, toks(n, n))] for i, n in enumerate([1, 3, 4, 5, 7, 8, 13, 16, 17, 23, 24, 31, 32, 33, 40])],
+    "extend_with_prefix": [[(0, toks(9, 1))], [(0, toks(6, 2))], [(0, toks(21, 3))], [(0, toks(2, 4))]],
+    "mixed": [[(0, toks(5, 5)), (1, toks(3, 6))], [(0, [7]), (2, toks(10, 7)), (1, [9])], [(2, [3]), (0, toks(4, 8))]],
+    "decode": [[(0, toks(6, 9)), (1, toks(4, 10))]] + [[(0, [k]), (1, [k + 1])] for k in range(5)],
+}
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_piecewise_matches_eager(pair, script):
+    eager, pw = pair
+    for a, b in zip(run(eager, SCRIPTS[script]), run(pw, SCRIPTS[script])):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_steps_take_the_graph_mode_design_md_says(pair):
+    _, pw = pair
+    assert pw._graph_mode(*_args(pw, [toks(13, 0)], [0])) is GraphMode.PIECEWISE
+    assert pw._graph_mode(*_args(pw, [toks(33, 0)], [0])) is GraphMode.EAGER  # above max_tokens
+    assert pw._graph_mode(*_args(pw, [[1], [2]], [3, 4])) is GraphMode.EAGER  # decode: no graphs on CPU
+    assert [pw.piecewise.padded_size(n) for n in (1, 4, 5, 17, 32)] == [4, 4, 8, 24, 32]
+
+
+def _args(ex, tokens, prefixes):
+    from pieceworks.executor.batch import ForwardMode
+
+    return ForwardMode.classify([len(t) for t in tokens], prefixes), len(tokens), sum(map(len, tokens))
+
+
+def test_greedy_tokens_identical(pair):
+    eager, pw = pair
+    prompts = [toks(n, 20 + n) for n in (3, 17, 9, 30)]
+    assert pw.generate(prompts, 12, max_step_tokens=32) == eager.generate(prompts, 12, max_step_tokens=32)
+
+
+def test_traced_once_without_recompiles(pair):
+    _, pw = pair
+    run(pw, SCRIPTS["extend_many_counts"] + SCRIPTS["mixed"])
+    assert pw.piecewise.backend.num_compiles == 1
+
+
+def test_identical_layers_give_identical_pieces():
+    torch._dynamo.reset()
+    for arch, layers in (("llama", 6), ("deepseek_v3", 5)):
+        ex = make(arch, True, layers=layers)
+        d = ex.piecewise.describe()
+        assert d["compiles"] == 1
+        assert d["splitting_ops"] == layers and d["pieces"] == layers + 1
+        # first piece (embedding + first layer's pre-attention), last piece (head), and the
+        # between-layer piece(s); DeepSeek-V3 adds one for the dense->MoE boundary
+        assert d["unique_pieces"] == (3 if arch == "llama" else 4), d
+
+
+def test_default_schedule():
+    sizes = default_sizes(2048)
+    assert sizes[:8] == [4, 8, 12, 16, 20, 24, 28, 32]
+    assert sizes[8:10] == [48, 64] and 256 in sizes and 288 in sizes and 576 in sizes and 1280 in sizes
+    assert sizes[-1] == 2048 and sizes == sorted(set(sizes))
+    assert default_sizes(10) == [4, 8, 10]
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("cuda_graph.piecewise.max_tokens=0", "max_tokens: 0 must be >= 1"),
+    ("cuda_graph.piecewise.sizes=[16,8]", "strictly ascending"),
+    ("cuda_graph.piecewise.sizes=[]", "the list is empty"),
+    ("cuda_graph.decode.batch_sizes=[0,1]", "must hold positive integers"),
+])
+def test_bad_graph_config(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config({"model": {"arch": "llama"}}, [override])
+
+
+def test_decode_batch_sizes_above_the_kv_pool():
+    cfg = {"model": {"arch": "llama", "preset": "tiny"}, "runtime": {"device": "cpu"},
+           "kv_cache": {"num_tokens": 64, "page_size": 16}, "cuda_graph": {"decode": {"batch_sizes": [1, 8]}}}
+    with pytest.raises(ConfigError, match="8 sequences can't be in the KV pool at once .it has 4 pages"):
+        Executor.from_config(cfg, progress=False)
