@@ -1,0 +1,164 @@
+"""Weight-only NVFP4 GEMM in Triton (w4a16), for GPUs without FP4 tensor cores (Hopper, Ampere).
+
+Weights stay 4-bit in memory and are dequantized in registers right before bf16 tensor-core dots,
+so decode reads 0.5625 bytes per weight instead of bf16's 2. At load, `prepare` repacks them into the
+"k32" layout (see `repack_k32` and triton_kernels.py), which lets one 32-bit register op decode two
+values. The tile configuration is picked per call from a table tuned on an H200 (`triton_tiles.py`),
+by row count: split-K decode tiles for small M so every SM streams weights, large tiles for prefill.
+Nothing is autotuned at run time, so the kernels are safe inside CUDA graphs.
+
+This module imports torch only; triton is imported when a kernel is first launched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from pieceworks.backends.base import Requirements
+from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight
+from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES
+from pieceworks.quant import nvfp4
+
+GROUP = 32  # elements per k32 group
+# Bit positions of a code's (sign, E1, E0, m) for slots 0..3 of a 16-bit unit (triton_kernels.py).
+SLOT_BITS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 11, 10, 13))
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One bucket of a tile table (see triton_tiles.py for the meaning of each field)."""
+
+    max_m: int | None = None
+    kind: str = "fused"
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 256
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    w_as_a: bool = True
+    asm: bool = True
+    target_ctas: int = 0
+    max_split: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("fused", "dequant"):
+            raise ValueError(f"tile kind {self.kind!r}: use 'fused' or 'dequant'")
+        if self.block_k % GROUP:
+            raise ValueError(f"block_k={self.block_k} must be a multiple of {GROUP}")
+
+
+def parse_table(rows: list[dict]) -> tuple[TileConfig, ...]:
+    table = tuple(TileConfig(**row) for row in rows)
+    bounds = [t.max_m for t in table]
+    if not table or bounds[-1] is not None or any(b is None for b in bounds[:-1]):
+        raise ValueError("a tile table needs ascending max_m buckets ending with max_m=None")
+    if bounds[:-1] != sorted(bounds[:-1]):
+        raise ValueError(f"tile table buckets out of order: {bounds}")
+    return table
+
+
+def select_tile(table: tuple[TileConfig, ...], m: int) -> TileConfig:
+    """The first bucket whose max_m >= m."""
+    for tile in table:
+        if tile.max_m is None or m <= tile.max_m:
+            return tile
+    raise AssertionError("unreachable: the last bucket is unbounded")
+
+
+def choose_split_k(tile: TileConfig, m: int, n: int, k_padded: int) -> int:
+    """K splits so that at least `target_ctas` programs stream the weight; each split keeps at least
+    two BLOCK_K iterations, and there are no more than `max_split`."""
+    if tile.kind != "fused" or tile.target_ctas <= 0:
+        return 1
+    tiles = -(-m // tile.block_m) * -(-n // tile.block_n)
+    if tiles >= tile.target_ctas:
+        return 1
+    most = max(1, k_padded // (2 * tile.block_k))
+    return max(1, min(-(-tile.target_ctas // tiles), most, tile.max_split))
+
+
+def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int = 4096):
+    """Checkpoint NVFP4 -> k32 layout (see triton_kernels.py).
+
+    Args:
+        weight: uint8 [..., N, K/2], linear layout (element 2j in the low nibble of byte j).
+        weight_scale: float8_e4m3fn [..., N, K/16].
+        chunk_rows: rows converted at a time (bounds the temporary int32 codes).
+
+    Returns:
+        (uint8 [..., N, Kp/2], float8_e4m3fn [..., N, Kp/16]) with Kp = K rounded up to 32; padding is
+        zero codes and zero scales.
+    """
+    *lead, n, half_k = weight.shape
+    k = half_k * 2
+    kp = -(-k // GROUP) * GROUP
+    flat = weight.reshape(-1, half_k)
+    out = torch.empty((flat.shape[0], kp // 2), dtype=torch.uint8, device=weight.device)
+    for r0 in range(0, flat.shape[0], chunk_rows):
+        codes = nvfp4.unpack(flat[r0 : r0 + chunk_rows]).to(torch.int32)
+        if kp != k:
+            codes = torch.nn.functional.pad(codes, (0, kp - k))
+        c = codes.view(codes.shape[0], kp // GROUP, 4, 8)  # [rows, g, slot, unit]
+        units = torch.zeros(c.shape[0], kp // GROUP, 8, dtype=torch.int32, device=weight.device)
+        for slot, bits in enumerate(SLOT_BITS):
+            cs = c[:, :, slot]
+            for bit, pos in zip((3, 2, 1, 0), bits):
+                units |= ((cs >> bit) & 1) << pos
+        out[r0 : r0 + chunk_rows] = torch.stack([units & 0xFF, units >> 8], dim=-1).flatten(1).to(torch.uint8)
+    scale = weight_scale.reshape(-1, k // nvfp4.BLOCK)
+    if kp != k:
+        scale = torch.cat([scale, scale.new_zeros(scale.shape[0], (kp - k) // nvfp4.BLOCK)], dim=1)
+    return out.view(*lead, n, kp // 2), scale.contiguous().view(*lead, n, kp // nvfp4.BLOCK)
+
+
+def unpack_k32(weight: torch.Tensor, k: int) -> torch.Tensor:
+    """k32 layout [..., N, Kp/2] -> e2m1 codes uint8 [..., N, k] (the inverse of `repack_k32`, for tests)."""
+    *lead, n, half_kp = weight.shape
+    w = weight.reshape(-1, half_kp // 2, 2).to(torch.int32)
+    units = (w[..., 0] | (w[..., 1] << 8)).view(w.shape[0], -1, 8)  # [rows, g, unit]
+    slots = []
+    for bits in SLOT_BITS:
+        code = torch.zeros_like(units)
+        for bit, pos in zip((3, 2, 1, 0), bits):
+            code |= ((units >> pos) & 1) << bit
+        slots.append(code)
+    codes = torch.stack(slots, dim=2).flatten(1)  # [rows, g*32] in element order
+    return codes[:, :k].to(torch.uint8).view(*lead, n, k)
+
+
+class TritonFp4GemmBackend(Fp4GemmBackend):
+    name = "triton"
+    priority = 50
+    requires = Requirements(
+        devices=("cuda",), min_capability=(8, 0), modules=("triton",),
+        install_hint="pip install triton",
+    )
+    numerics = ("w4a16",)
+    weight_layout = "k32"
+    description = "Triton w4a16: NVFP4 dequantized in registers, bf16 tensor cores"
+
+    def __init__(self, spec, options=None) -> None:
+        super().__init__(spec, options)
+        self.table = parse_table(FP4_GEMM_TILES)
+        self._plan = lru_cache(maxsize=None)(self._plan_uncached)
+
+    def prepare(self, w: Fp4Weight) -> Fp4Weight:
+        weight, scale = repack_k32(w.weight, w.weight_scale)
+        return Fp4Weight(weight, scale, w.weight_scale_2.float().reshape(()), w.input_scale)
+
+    def _plan_uncached(self, m: int, n: int, k_padded: int) -> tuple[TileConfig, int]:
+        tile = select_tile(self.table, m)
+        return tile, choose_split_k(tile, m, n, k_padded)
+
+    def forward(self, x, weight, weight_scale, weight_scale_2, input_scale, out_features):
+        from pieceworks.backends.fp4_gemm import triton_kernels
+
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        tile, split_k = self._plan(x.shape[0], out_features, weight.shape[1] * 2)
+        return triton_kernels.fp4_gemm(x, weight, weight_scale, weight_scale_2, out_features,
+                                       x.shape[1], tile, split_k)

@@ -1,0 +1,313 @@
+"""Triton kernels for weight-only NVFP4 GEMM (w4a16): y = x @ dequant(W).T, dequantized in registers.
+
+Imported only by the Triton backends' methods (it imports triton at the top). The weight layout these
+kernels read ("k32", produced by `pieceworks.backends.fp4_gemm.triton.repack_k32`):
+
+- K is zero-padded to Kp, a multiple of 32 (zero codes, zero block scales).
+- Each group of 32 consecutive elements of a row is stored as 8 little-endian 16-bit units. Unit u
+  (0..7) of group g holds the four codes of elements 32g + 8j + u, j = 0..3 ("slot j"), at these bits
+  (code bits: s = sign, E1 E0 = exponent, m = mantissa):
+
+      slot 0: s@15 E1@8  E0@7  m@6        slot 2: s@9  E1@2  E0@1  m@0
+      slot 1: s@12 E1@5  E0@4  m@3        slot 3: s@14 E1@11 E0@10 m@13
+
+  so slots 0-2 are `(u << 3j) & 0x81C0` away from a bfloat16 whose bits are the code's: that bfloat16
+  equals e2m1 * 2^-126 (code 1, i.e. 0.5, is a subnormal). Two units decode together (one 32-bit
+  register holds a pair, one op serves both): 12 integer ops and 4 bf16x2 multiplies per 8 values.
+- Block scales stay linear, [N, Kp/16] float8_e4m3fn: slots 0 and 1 of group g use scale 2g, slots 2
+  and 3 use scale 2g + 1.
+
+Decoding multiplies the pattern by bf16(scale * 2^119) (exact: a 4-bit mantissa, at most 448 * 2^119 <
+2^128), giving bf16 e2m1 * scale * 2^-7 exactly (the product has at most 6 significant bits). The
+accumulator (fp32) is multiplied by weight_scale_2 * 2^7 at the end. The K loop therefore runs as four
+dots of BLOCK_K/4 each, one per slot, against the matching columns of x.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Scale bias folded into the block scale (see the module docstring) and undone in the epilogue.
+SCALE_BIAS_EXP = 119
+OUT_BIAS = 2.0**7
+
+_DECODE_ASM = tl.constexpr("""{
+    .reg .b32 t0, t1, t2, t3, t4, t5;
+    and.b32 t0, $4, 0x81C081C0;
+    mul.rn.bf16x2 $0, t0, $5;
+    shl.b32 t1, $4, 3;
+    and.b32 t1, t1, 0x81C081C0;
+    mul.rn.bf16x2 $1, t1, $5;
+    shl.b32 t2, $4, 6;
+    and.b32 t2, t2, 0x81C081C0;
+    mul.rn.bf16x2 $2, t2, $6;
+    shl.b32 t3, $4, 1;
+    and.b32 t3, t3, 0x80008000;
+    shr.b32 t4, $4, 3;
+    and.b32 t4, t4, 0x01800180;
+    or.b32 t3, t3, t4;
+    shr.b32 t5, $4, 7;
+    and.b32 t5, t5, 0x00400040;
+    or.b32 t3, t3, t5;
+    mul.rn.bf16x2 $3, t3, $6;
+}""")
+
+
+@triton.jit
+def _e2m1_arith(sign, em, scale):
+    # em << 9 as an fp16 is e2m1 * 2^-14 (code 1 a subnormal, converted exactly).
+    mag = (em << 9).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+    return tl.where(sign != 0, -mag, mag) * scale
+
+
+@triton.jit
+def decode_k32(w, s_a, s_b, USE_ASM: tl.constexpr):
+    """Decode k32 units into four bf16 tensors (slots 0..3), each e2m1 * scale * 2^-7.
+
+    w: int16 [..., 8] units; s_a, s_b: float32 block scales of slots 0/1 and 2/3, broadcastable to w.
+    """
+    if USE_ASM:
+        sa = (s_a * 6.646139978924579e35).to(tl.bfloat16)  # 2^119
+        sb = (s_b * 6.646139978924579e35).to(tl.bfloat16)
+        sa = tl.broadcast_to(sa, w.shape)
+        sb = tl.broadcast_to(sb, w.shape)
+        v0, v1, v2, v3 = tl.inline_asm_elementwise(
+            asm=_DECODE_ASM,
+            constraints="=r,=r,=r,=r,r,r,r",
+            args=[w, sa, sb],
+            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        u = w.to(tl.int32) & 0xFFFF
+        sa = s_a * 0.0078125  # 2^-7
+        sb = s_b * 0.0078125
+        v0 = _e2m1_arith((u >> 15) & 1, (u >> 6) & 7, sa).to(tl.bfloat16)
+        v1 = _e2m1_arith((u >> 12) & 1, (u >> 3) & 7, sa).to(tl.bfloat16)
+        v2 = _e2m1_arith((u >> 9) & 1, u & 7, sb).to(tl.bfloat16)
+        em3 = (((u >> 10) & 3) << 1) | ((u >> 13) & 1)
+        v3 = _e2m1_arith((u >> 14) & 1, em3, sb).to(tl.bfloat16)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _mma(acc, w, x, W_AS_A: tl.constexpr):
+    # W_AS_A: acc is [BN, BM] (weights are the register operand of wgmma); else [BM, BN].
+    if W_AS_A:
+        acc = tl.dot(w, tl.trans(x), acc)
+    else:
+        acc = tl.dot(x, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
+def _load_w(w_ptrs, s_ptrs, k0, Kp, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            EVEN_K: tl.constexpr):
+    """One [BLOCK_N, BLOCK_K] weight tile: k32 units [BN, BK/4] and its scales broadcast to them."""
+    BG: tl.constexpr = BLOCK_K // 32
+    BQ: tl.constexpr = BLOCK_K // 4
+    if EVEN_K:
+        w = tl.load(w_ptrs)
+        s_a = tl.load(s_ptrs)
+        s_b = tl.load(s_ptrs + 1)
+    else:
+        c = tl.arange(0, BQ)
+        g = tl.arange(0, BG)
+        w = tl.load(w_ptrs, mask=(k0 + 4 * c < Kp)[None, :], other=0)
+        gmask = (k0 + 32 * g < Kp)[None, :]
+        s_a = tl.load(s_ptrs, mask=gmask, other=0.0)
+        s_b = tl.load(s_ptrs + 1, mask=gmask, other=0.0)
+    s_a = tl.broadcast_to(s_a.to(tl.float32)[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
+    s_b = tl.broadcast_to(s_b.to(tl.float32)[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
+    return w, s_a, s_b
+
+
+@triton.jit
+def _dequant_mma(acc, w, s_a, s_b, x0, x1, x2, x3, W_AS_A: tl.constexpr, USE_ASM: tl.constexpr):
+    v0, v1, v2, v3 = decode_k32(w, s_a, s_b, USE_ASM)
+    acc = _mma(acc, v0, x0, W_AS_A)
+    acc = _mma(acc, v1, x1, W_AS_A)
+    acc = _mma(acc, v2, x2, W_AS_A)
+    acc = _mma(acc, v3, x3, W_AS_A)
+    return acc
+
+
+@triton.jit
+def fp4_tile_loop(
+    acc, acc2, x_ptr, x_rows, x_mask, w_ptr, w_rows, w_rows2, s_ptr, s_rows, s_rows2,
+    k_lo, num_iters, K, Kp,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, DUAL: tl.constexpr,
+):
+    """acc += x[rows, k_lo : k_lo + num_iters*BLOCK_K] @ dequant(W[w_rows, same]).T, without the
+    global scale; with DUAL also acc2 for the weight rows w_rows2 (x is loaded once for both).
+
+    x_rows [BM] / w_rows [BN] / s_rows [BN]: int64 offsets of each row's start (x in elements, w in
+    16-bit units, s in scales); x_mask [BM]: rows to read (others load zeros). acc/acc2 are [BN, BM]
+    when W_AS_A, else [BM, BN]."""
+    BG: tl.constexpr = BLOCK_K // 32
+    BQ: tl.constexpr = BLOCK_K // 4
+    c = tl.arange(0, BQ)  # k32 unit within the tile: group c // 8, unit c % 8
+    g = tl.arange(0, BG)
+    xc = (c // 8) * 32 + (c % 8)  # element of slot 0 of unit c
+    w_ptrs = w_ptr + w_rows[:, None] + (k_lo // 4 + c)[None, :]
+    s_ptrs = s_ptr + s_rows[:, None] + (k_lo // 16 + 2 * g)[None, :]
+    if DUAL:
+        w_ptrs2 = w_ptr + w_rows2[:, None] + (k_lo // 4 + c)[None, :]
+        s_ptrs2 = s_ptr + s_rows2[:, None] + (k_lo // 16 + 2 * g)[None, :]
+    x_ptrs = x_ptr + x_rows[:, None] + (k_lo + xc)[None, :]
+    xm = x_mask[:, None]
+    for it in range(num_iters):
+        k0 = k_lo + it * BLOCK_K
+        if EVEN_K:
+            x0 = tl.load(x_ptrs, mask=xm, other=0.0)
+            x1 = tl.load(x_ptrs + 8, mask=xm, other=0.0)
+            x2 = tl.load(x_ptrs + 16, mask=xm, other=0.0)
+            x3 = tl.load(x_ptrs + 24, mask=xm, other=0.0)
+        else:
+            xk = k0 + xc
+            x0 = tl.load(x_ptrs, mask=xm & (xk < K)[None, :], other=0.0)
+            x1 = tl.load(x_ptrs + 8, mask=xm & (xk + 8 < K)[None, :], other=0.0)
+            x2 = tl.load(x_ptrs + 16, mask=xm & (xk + 16 < K)[None, :], other=0.0)
+            x3 = tl.load(x_ptrs + 24, mask=xm & (xk + 24 < K)[None, :], other=0.0)
+        x0 = x0.to(tl.bfloat16)
+        x1 = x1.to(tl.bfloat16)
+        x2 = x2.to(tl.bfloat16)
+        x3 = x3.to(tl.bfloat16)
+        w, s_a, s_b = _load_w(w_ptrs, s_ptrs, k0, Kp, BLOCK_N, BLOCK_K, EVEN_K)
+        acc = _dequant_mma(acc, w, s_a, s_b, x0, x1, x2, x3, W_AS_A, USE_ASM)
+        if DUAL:
+            w2, s_a2, s_b2 = _load_w(w_ptrs2, s_ptrs2, k0, Kp, BLOCK_N, BLOCK_K, EVEN_K)
+            acc2 = _dequant_mma(acc2, w2, s_a2, s_b2, x0, x1, x2, x3, W_AS_A, USE_ASM)
+            w_ptrs2 += BLOCK_K // 4
+            s_ptrs2 += BLOCK_K // 16
+        w_ptrs += BLOCK_K // 4
+        s_ptrs += BLOCK_K // 16
+        x_ptrs += BLOCK_K
+    return acc, acc2
+
+
+@triton.jit
+def _fp4_gemm_kernel(
+    x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr,
+    M, N, K, Kp, stride_xm, stride_wn, stride_sn, stride_om, stride_split, k_per_split, num_iters,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, W_AS_A: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_size
+    pid_n = (pid % width) // group_size
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Weight rows past N re-read row N-1 (valid memory, never stored); x rows past M load zeros.
+    x_rows = rm.to(tl.int64) * stride_xm
+    n_c = tl.where(rn < N, rn, N - 1).to(tl.int64)
+    if W_AS_A:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_lo = pid_k * k_per_split
+    w_rows = n_c * stride_wn
+    s_rows = n_c * stride_sn
+    acc, unused = fp4_tile_loop(
+        acc, acc, x_ptr, x_rows, rm < M, w_ptr, w_rows, w_rows, s_ptr, s_rows, s_rows,
+        k_lo, num_iters, K, Kp,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, USE_ASM, False,
+    )
+    if W_AS_A:
+        acc = tl.trans(acc)
+    acc = acc * (tl.load(gs_ptr) * 128.0)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    offs = rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+    if not SPLIT:
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + pid_k * stride_split + offs, acc, mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out [N, K] = bf16(e2m1 * scale * weight_scale_2), as the torch reference rounds it."""
+    BG: tl.constexpr = BLOCK_K // 32
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = tl.program_id(1) * BG + tl.arange(0, BG)
+    u = tl.arange(0, 8)
+    nmask = rn < N
+    gmask = g * 32 < K
+    m3 = nmask[:, None, None] & gmask[None, :, None]
+    w = tl.load(w_ptr + rn[:, None, None].to(tl.int64) * stride_wn + g[None, :, None] * 8
+                + u[None, None, :], mask=m3, other=0)
+    sp = s_ptr + rn[:, None].to(tl.int64) * stride_sn + 2 * g[None, :]
+    m2 = nmask[:, None] & gmask[None, :]
+    s_a = tl.load(sp, mask=m2, other=0.0).to(tl.float32)
+    s_b = tl.load(sp + 1, mask=m2, other=0.0).to(tl.float32)
+    v0, v1, v2, v3 = decode_k32(w, s_a[:, :, None], s_b[:, :, None], False)
+    gs = tl.load(gs_ptr) * 128.0
+    base = out_ptr + rn[:, None, None].to(tl.int64) * stride_on + g[None, :, None] * 32 + u[None, None, :]
+    k0 = g[None, :, None] * 32 + u[None, None, :]
+    nm = nmask[:, None, None]
+    ty = out_ptr.dtype.element_ty
+    tl.store(base, (v0.to(tl.float32) * gs).to(ty), mask=nm & (k0 < K))
+    tl.store(base + 8, (v1.to(tl.float32) * gs).to(ty), mask=nm & (k0 + 8 < K))
+    tl.store(base + 16, (v2.to(tl.float32) * gs).to(ty), mask=nm & (k0 + 16 < K))
+    tl.store(base + 24, (v3.to(tl.float32) * gs).to(ty), mask=nm & (k0 + 24 < K))
+
+
+def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k):
+    """Launch the GEMM for x [M, K] and a k32-layout weight; returns [M, N] in x.dtype.
+
+    weight: uint8 [N, Kp/2] (k32 layout), weight_scale: float8_e4m3fn [N, Kp/16], weight_scale_2:
+    float32 scalar tensor. cfg: a `TileConfig`; split_k: K splits (1 = no second pass).
+    """
+    M = x.shape[0]
+    Kp = weight.shape[1] * 2
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    if cfg.kind == "dequant":
+        w = torch.empty((N, K), dtype=torch.bfloat16, device=x.device)
+        grid = (triton.cdiv(N, 32), triton.cdiv(K, 256))
+        _dequant_kernel[grid](weight.view(torch.int16), weight_scale, weight_scale_2, w, N, K,
+                              weight.stride(0) // 2, weight_scale.stride(0), w.stride(0),
+                              BLOCK_N=32, BLOCK_K=256, num_warps=4)
+        return torch.matmul(x.to(torch.bfloat16), w.t()).to(x.dtype)
+    k_per_split = triton.cdiv(triton.cdiv(Kp, split_k), cfg.block_k) * cfg.block_k
+    even_k = K == Kp and k_per_split * split_k == Kp
+    if split_k > 1:
+        dest = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
+    else:
+        dest = out
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split_k)
+    _fp4_gemm_kernel[grid](
+        x, weight.view(torch.int16), weight_scale, weight_scale_2, dest,
+        M, N, K, Kp, x.stride(0), weight.stride(0) // 2, weight_scale.stride(0), N, M * N, k_per_split, k_per_split // cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        SPLIT=split_k > 1, EVEN_K=even_k, W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split_k > 1:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](dest, out, M * N, SPLIT_K=split_k,
+                                                            BLOCK=block, num_warps=4)
+    return out

@@ -1,0 +1,36 @@
+"""Tile tables for the Triton NVFP4 kernels, tuned on an H200 (see docs/benchmarks.md).
+
+Plain data, read at plan time (never autotuned at run time). Each table is a list of buckets, smallest
+first; a call takes the first bucket whose `max_m` is at least its row count (None = no upper bound).
+Keys: kind ("fused": dequantize in registers and feed tensor-core dots; "dequant": dequantize the whole
+weight to bf16, then torch.matmul, for compute-bound sizes), block_m/n/k, group_m (tile order: tiles
+of group_m row blocks share a column sweep, for L2 reuse), num_warps, num_stages, w_as_a (weights as
+the register operand: the accumulator is [block_n, block_m]), asm (PTX bit-twiddling decode, else
+plain Triton arithmetic), target_ctas (split K until at least this many programs; 0 = never),
+max_split.
+"""
+
+FP4_GEMM_TILES = [
+    dict(max_m=16, kind="fused", block_m=16, block_n=64, block_k=256, group_m=1, num_warps=4,
+         num_stages=4, w_as_a=True, asm=True, target_ctas=264, max_split=8),
+    dict(max_m=32, kind="fused", block_m=32, block_n=64, block_k=256, group_m=1, num_warps=4,
+         num_stages=4, w_as_a=True, asm=True, target_ctas=264, max_split=8),
+    dict(max_m=64, kind="fused", block_m=64, block_n=64, block_k=128, group_m=1, num_warps=4,
+         num_stages=4, w_as_a=True, asm=True, target_ctas=264, max_split=8),
+    dict(max_m=256, kind="fused", block_m=64, block_n=128, block_k=128, group_m=8, num_warps=8,
+         num_stages=4, w_as_a=True, asm=True, target_ctas=132, max_split=4),
+    dict(max_m=1024, kind="fused", block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8,
+         num_stages=4, w_as_a=True, asm=True, target_ctas=0, max_split=1),
+    dict(max_m=None, kind="fused", block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8,
+         num_stages=3, w_as_a=True, asm=True, target_ctas=0, max_split=1),
+]
+
+# Grouped MoE GEMMs, by the average number of rows per active expert block (T * top_k).
+MOE_TILES = [
+    dict(max_m=64, block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4, w_as_a=True,
+         asm=True),
+    dict(max_m=1024, block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4, w_as_a=True,
+         asm=True),
+    dict(max_m=None, block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=4, w_as_a=True,
+         asm=True),
+]
