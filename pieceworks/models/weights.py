@@ -124,29 +124,30 @@ class RandomSource:
     def has(self, name: str) -> bool:
         return True
 
-    def _randn(self, *shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=self.gen, device=self.device) * self.std
+    def _randn(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        # Drawn in the target dtype: no float32 staging copy of a 128k-row embedding.
+        return torch.randn(shape, generator=self.gen, device=self.device, dtype=dtype).mul_(self.std)
 
     def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.dtype
         if name.endswith("norm.weight"):
-            t = torch.ones(shape, device=self.device)
-        elif name.endswith("e_score_correction_bias"):
-            t = torch.zeros(shape, device=self.device)
-        else:
-            t = self._randn(*shape)
-        return t.to(dtype or self.dtype)
+            return torch.ones(shape, device=self.device, dtype=dtype)
+        if name.endswith("e_score_correction_bias"):
+            return torch.zeros(shape, device=self.device, dtype=dtype)
+        return self._randn(*shape, dtype=dtype)
 
     def dense(self, prefix: str, in_features: int, out_features: int,
               dtype: torch.dtype | None = None) -> torch.Tensor:
-        return self._randn(out_features, in_features).to(dtype or self.dtype)
+        return self._randn(out_features, in_features, dtype=dtype or self.dtype)
 
     def _quantized(self, w: torch.Tensor) -> Fp4Weight:
         packed, scale, scale_2 = nvfp4.quantize_weight(w)
         return Fp4Weight(packed, scale, scale_2.float(), self.input_scale.clone())
 
     def linear(self, module: nn.Module, prefix: str) -> nn.Module:
-        w = self._randn(module.out_features, module.in_features)
-        if isinstance(module, Fp4Linear):
+        fp4 = isinstance(module, Fp4Linear)
+        w = self._randn(module.out_features, module.in_features, dtype=torch.float32 if fp4 else self.dtype)
+        if fp4:
             module.load(self._quantized(w))
         else:
             module.weight.copy_(w)
@@ -163,7 +164,8 @@ class RandomSource:
     def experts(self, module: Experts, prefix: str) -> None:
         e, h, i = module.num_experts, module.hidden, module.intermediate
         for j in range(e):
-            w13, w2 = self._randn(2 * i, h), self._randn(h, i)
+            dt = torch.float32 if module.fp4 else self.dtype
+            w13, w2 = self._randn(2 * i, h, dtype=dt), self._randn(h, i, dtype=dt)
             if not module.fp4:
                 module.w13[j].copy_(w13)
                 module.w2[j].copy_(w2)
