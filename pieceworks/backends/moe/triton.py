@@ -1,0 +1,108 @@
+"""Fused NVFP4 MoE in Triton (w4a16), for GPUs without FP4 tensor cores (Hopper, Ampere).
+
+forward: DeepSeek-V3 routing (`routing.deepseek_route`, torch), then one Triton launch that sorts the
+(token, slot) pairs by expert into blocks of BLOCK_M rows (`moe_align` is its torch twin), a grouped
+gate_up GEMM with SwiGLU fused in its epilogue, a grouped down GEMM that applies the routing weights,
+and a combine over the top-k slots. Every buffer has a size fixed by (T, top_k, E, BLOCK_M), and
+blocks past the routed rows exit on a device-side count: nothing syncs with the host, so the op is
+capturable in FULL and PIECEWISE graphs. Expert weights are repacked once into the k32 layout of
+fp4_gemm/triton_kernels.py.
+
+This module imports torch only; triton is imported when a kernel is first launched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pieceworks.backends.base import Requirements
+from pieceworks.backends.fp4_gemm.triton import TileConfig, parse_table, repack_k32, select_tile
+from pieceworks.backends.fp4_gemm.triton_tiles import MOE_TILES
+from pieceworks.backends.moe.base import MoEBackend, MoEWeights
+from pieceworks.backends.moe.routing import deepseek_route
+
+
+def num_aligned_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Blocks of block_m rows that hold every expert's rows, each expert padded to a whole block.
+
+    At most min(P * BM, P + E * (BM - 1)) rows for P = T * top_k pairs: an expert with c rows needs
+    ceil(c / BM) * BM <= c + BM - 1 <= c * BM of them, and only experts with rows need any.
+    """
+    rows = min(num_pairs * block_m, num_pairs + num_experts * (block_m - 1))
+    return -(-rows // block_m)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Sort (token, slot) pairs by expert into blocks of block_m rows; capturable torch.
+
+    Args:
+        topk_ids: [T, top_k] expert of each pair (any integer dtype).
+
+    Returns:
+        sorted_ids: int32 [num_blocks * block_m], flat pair indices (t * top_k + slot) grouped by
+            expert, each expert's run padded to a multiple of block_m with the sentinel T * top_k;
+            pairs of one expert in their flat order.
+        expert_ids: int32 [num_blocks], the expert of each block (blocks past the end: clamped, unused).
+        num_post: int32 [1], rows in use (a multiple of block_m).
+    """
+    flat = topk_ids.reshape(-1).long()
+    pairs = flat.numel()
+    num_blocks = num_aligned_blocks(pairs, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    by_expert = flat[order]
+    rank = torch.arange(pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[by_expert]
+    sorted_ids = torch.full((num_blocks * block_m,), pairs, dtype=torch.int32, device=flat.device)
+    sorted_ids.scatter_(0, (ends - padded)[by_expert] + rank, order.to(torch.int32))
+    starts = torch.arange(num_blocks, device=flat.device) * block_m
+    expert_ids = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_ids, expert_ids.to(torch.int32), ends[-1:].to(torch.int32)
+
+
+class TritonMoEBackend(MoEBackend):
+    name = "triton"
+    priority = 50
+    requires = Requirements(
+        devices=("cuda",), min_capability=(8, 0), modules=("triton",),
+        install_hint="pip install triton",
+    )
+    numerics = ("w4a16",)
+    weight_formats = ("nvfp4",)
+    weight_layout = "k32"
+    description = "Triton w4a16 fused MoE: expert-sorted blocks, NVFP4 dequantized in registers"
+
+    def __init__(self, spec, options=None) -> None:
+        super().__init__(spec, options)
+        self.table = parse_table(MOE_TILES)
+
+    def prepare(self, w: MoEWeights) -> MoEWeights:
+        if not w.is_fp4:
+            raise ValueError("TritonMoEBackend serves NVFP4 experts only (weight_formats)")
+        w13, w13_scale = repack_k32(w.w13, w.w13_scale)
+        w2, w2_scale = repack_k32(w.w2, w.w2_scale)
+        return MoEWeights(w13, w13_scale, w.w13_scale_2.float().contiguous(), w.w13_input_scale,
+                          w2, w2_scale, w.w2_scale_2.float().contiguous(), w.w2_input_scale)
+
+    def tile(self, num_tokens: int) -> TileConfig:
+        return select_tile(self.table, num_tokens)
+
+    def forward(self, x, router_logits, correction_bias, w, top_k, num_expert_group, topk_group,
+                renormalize, routed_scaling_factor):
+        from pieceworks.backends.moe import triton_kernels
+
+        if x.shape[0] == 0:
+            return torch.empty_like(x)
+        weights, ids = deepseek_route(router_logits, correction_bias, top_k, num_expert_group,
+                                      topk_group, renormalize, routed_scaling_factor)
+        num_experts = w.w13.shape[0]
+        tile = self.tile(x.shape[0])
+        num_blocks = num_aligned_blocks(ids.numel(), num_experts, tile.block_m)
+        sorted_ids, expert_ids, num_post = triton_kernels.align_gpu(ids, num_experts, tile.block_m,
+                                                                    num_blocks)
+        return triton_kernels.fused_moe(
+            x, w.w13, w.w13_scale, w.w13_scale_2, w.w2, w.w2_scale, w.w2_scale_2,
+            weights.contiguous(), sorted_ids, expert_ids, num_post, top_k, tile,
+        )
