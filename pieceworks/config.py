@@ -110,9 +110,9 @@ class BackendsConfig:
 
 @dataclass(frozen=True)
 class PiecewiseConfig:
-    enabled: Switch = Switch.auto
-    """Piecewise CUDA graphs for extend/mixed steps (auto: on with CUDA). On CPU `on` runs the same
-    traced-and-split model without graphs (what CI tests)."""
+    enabled: Any = Switch.auto
+    """auto | on | off (YAML true/false too): piecewise CUDA graphs for extend/mixed steps (auto: on
+    with CUDA). On CPU `on` runs the same traced-and-split model without graphs (what CI tests)."""
     max_tokens: int = 2048
     """Largest token count run under piecewise graphs; larger steps run eagerly."""
     sizes: Optional[list[int]] = None
@@ -122,8 +122,9 @@ class PiecewiseConfig:
 
 @dataclass(frozen=True)
 class DecodeGraphConfig:
-    enabled: Switch = Switch.auto
-    """Full CUDA graphs for decode steps (auto: on with CUDA; never on CPU)."""
+    enabled: Any = Switch.auto
+    """auto | on | off (YAML true/false too): full CUDA graphs for decode steps (auto: on with CUDA;
+    never on CPU)."""
     batch_sizes: Optional[list[int]] = None
     """Batch-size buckets (ascending); default 1, 2, 4, 8, 16, 24, 32, ... 256."""
 
@@ -320,8 +321,8 @@ def load_config(
         obj = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise _explain(exc, label, path) from None
-    cfg = _freeze(obj)
     try:
+        cfg = _normalize(_freeze(obj))
         _validate(cfg, require_model)
     except ConfigError as exc:
         key = str(exc).split(":", 1)[0]
@@ -329,6 +330,23 @@ def load_config(
             raise ConfigError(f"{exc} (in {_locate(path, key)})") from None
         raise
     return cfg
+
+
+def _switch(key: str, value: Any) -> Switch:
+    # YAML 1.1 (and so OmegaConf's dotlist parsing) reads on/off/yes/no as booleans
+    if isinstance(value, bool):
+        return Switch.on if value else Switch.off
+    try:
+        return Switch(value.value if isinstance(value, Switch) else value)
+    except (ValueError, AttributeError):
+        raise ConfigError(f"{key}: {value!r} is not allowed; use auto, on or off") from None
+
+
+def _normalize(cfg: Config) -> Config:
+    g = cfg.cuda_graph
+    pw = replace(g.piecewise, enabled=_switch("cuda_graph.piecewise.enabled", g.piecewise.enabled))
+    dec = replace(g.decode, enabled=_switch("cuda_graph.decode.enabled", g.decode.enabled))
+    return replace(cfg, cuda_graph=replace(g, piecewise=pw, decode=dec))
 
 
 def _dataclass_dict(cfg: Any) -> Any:

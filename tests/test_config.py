@@ -47,7 +47,9 @@ def test_wrong_types_name_key_and_value(tmp_path):
     msg = err(path)
     assert "kv_cache.page_size" in msg and "'sixteen'" in msg and f"{path}:4" in msg
     assert "cuda_graph.piecewise.enabled" in err(BASE, ["cuda_graph.piecewise.enabled=maybe"])
-    assert "auto, on, off" in err(BASE, ["cuda_graph.piecewise.enabled=maybe"])
+    assert "use auto, on or off" in err(BASE, ["cuda_graph.piecewise.enabled=maybe"])
+    assert load_config(BASE, ["cuda_graph.piecewise.enabled=on"]).cuda_graph.piecewise.enabled is Switch.on
+    assert load_config(BASE, ["cuda_graph.decode.enabled=off"]).cuda_graph.decode.enabled is Switch.off
 
 
 @pytest.mark.parametrize("override, needle", [

@@ -22,7 +22,7 @@ import torch
 from torch.fx.passes.split_module import split_module
 from torch.utils._pytree import tree_map
 
-from pieceworks.backends.ops import is_splitting_node_target
+from pieceworks.backends.ops import is_splitting_node_target, splitting_impl
 from pieceworks.executor.batch import ForwardMode, GraphMode
 from pieceworks.executor.context import ForwardContext, forward_context
 
@@ -105,7 +105,9 @@ class PieceRunner:
             out = self.piece(*args)
             if self.is_last:  # nothing else reads it: free it to the pool right away
                 out = tree_map(weak_ref, out)
-        ptrs = [(i, a.data_ptr()) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        fixed = self.owner.fixed_ptrs
+        ptrs = [(i, a.data_ptr()) for i, a in enumerate(args)
+                if isinstance(a, torch.Tensor) and a.data_ptr() not in fixed]
         statics = {i: weak_ref(args[i]) for i, _ in ptrs}
         self.entries[size] = _Entry(graph, tree_map(weak_ref, out), ptrs, statics)
         self.owner.num_graphs += 1
@@ -137,6 +139,11 @@ class PiecewiseBackend:
         split_gm = split_module(gm, None, lambda n: node_part[n], keep_original_order=True)
         names = [n.target for n in split_gm.graph.nodes if n.op == "call_module"]
         runnable = [n for n in names if not _is_splitting_piece(getattr(split_gm, n))]
+        for name in names:
+            if name not in runnable:
+                direct = _direct_call(getattr(split_gm, name))
+                if direct is not None:
+                    split_gm.__dict__[name] = direct
         pieces = []
         for i, name in enumerate(runnable):
             runner = PieceRunner(self.owner, getattr(split_gm, name), i, is_last=name == runnable[-1])
@@ -153,6 +160,25 @@ class PiecewiseBackend:
 
 def _is_splitting_piece(gm: torch.fx.GraphModule) -> bool:
     return any(n.op == "call_function" and is_splitting_node_target(n.target) for n in gm.graph.nodes)
+
+
+def _direct_call(gm: torch.fx.GraphModule) -> Callable | None:
+    """For a piece that is exactly `placeholders -> one splitting op -> output`, a function calling the
+    op's implementation directly with the same arguments (no dispatcher on the per-layer path)."""
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(calls) != 1 or calls[0].kwargs or len(gm.graph.nodes) != len(placeholders) + 2:
+        return None
+    impl = splitting_impl(calls[0].target)
+    if impl is None:
+        return None
+    slots = [placeholders.index(a) if isinstance(a, torch.fx.Node) else None for a in calls[0].args]
+    consts = list(calls[0].args)
+
+    def call(*args: Any) -> None:
+        impl(*[args[i] if i is not None else c for i, c in zip(slots, consts)])
+
+    return call
 
 
 def _structure(graph: torch.fx.Graph) -> tuple:
@@ -187,6 +213,8 @@ class PiecewiseRunner:
         self.static_ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
         self.static_pos = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # weights never move: replays need not check their addresses
+        self.fixed_ptrs = {t.data_ptr() for t in (*ex.model.parameters(), *ex.model.buffers())}
         self.report: dict[str, float] = {}
         self._compile_and_capture(progress)
 

@@ -1,0 +1,217 @@
+"""Step times eager vs piecewise CUDA graphs vs a whole-forward CUDA graph, and decode graphs vs eager.
+
+On one GPU, random weights at Llama-3.1-8B shape (or any preset):
+
+    python benchmarks/graphs.py --out $OUT/graphs.md                # bf16, issue 5's table
+    python benchmarks/graphs.py --quant nvfp4 --extend '' --decode 1  # NVFP4 decode at batch 1
+
+Extend: one sequence extending by T tokens (no prefix). Every method is timed the same way: host-side
+plan + forward + synchronize, wall clock, median of repeats; the step's inputs are prepared once
+outside the timing (identical work for all three). The whole-forward graph is captured per T for
+that exact batch (what a graph can do at best). Decode: `Executor.forward` of a decode batch over
+512-token sequences (logits included), with the full decode graphs and with them switched off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pieceworks import Executor  # noqa: E402
+from pieceworks.executor.batch import ForwardBatch, ForwardMode, GraphMode  # noqa: E402
+from pieceworks.executor.context import ForwardContext, forward_context  # noqa: E402
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    sync()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out) * 1e3
+
+
+def plan(kernels, meta) -> None:
+    for b in (kernels.attention, kernels.mla):
+        if b is not None:
+            b.plan(meta)
+
+
+def extend_row(ex: Executor, T: int, repeats: int) -> dict:
+    toks = torch.randint(0, ex.vocab_size, (T,)).tolist()
+    seq = ex.new_sequence()
+    ex._reserve_pages([seq], [toks])
+    row = {"T": T}
+    try:
+        meta, ids = ex.prepare_step(ForwardMode.EXTEND, GraphMode.EAGER, [seq], [toks])
+        k_eager = ex.table.step(ForwardMode.EXTEND, GraphMode.EAGER)
+
+        def eager():
+            plan(k_eager, meta)
+            with forward_context(ForwardContext(k_eager, meta, ex.kv)):
+                ex.model(ids, meta.positions)
+
+        row["eager_ms"] = timed(eager, repeats)
+        if ex.piecewise is not None and ex.piecewise.covers(T):
+            pad = ex.piecewise.padded_size(T)
+            meta_p, ids_p = ex.prepare_step(ForwardMode.EXTEND, GraphMode.PIECEWISE, [seq], [toks], pad)
+            k_pw = ex.table.step(ForwardMode.EXTEND, GraphMode.PIECEWISE)
+
+            def piecewise():
+                plan(k_pw, meta_p)
+                with forward_context(ForwardContext(k_pw, meta_p, ex.kv)):
+                    ex.piecewise(ids_p, meta_p.positions)
+
+            row["piecewise_ms"] = timed(piecewise, repeats)
+            row["padded_to"] = pad
+        if ex.device.type != "cuda":
+            return row
+        graph = torch.cuda.CUDAGraph()
+        eager()
+        sync()
+        plan(k_eager, meta)
+        with forward_context(ForwardContext(k_eager, meta, ex.kv)):
+            with torch.cuda.graph(graph):
+                ex.model(ids, meta.positions)
+
+        def whole():
+            plan(k_eager, meta)
+            graph.replay()
+
+        row["whole_graph_ms"] = timed(whole, repeats)
+        del graph
+    finally:
+        ex._release([seq], [list(seq.pages)])
+        seq.pages = []
+        ex.free(seq)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if "whole_graph_ms" not in row:
+        return row
+    saving = row["eager_ms"] - row["whole_graph_ms"]
+    if "piecewise_ms" in row:
+        row["kept_of_saving"] = (row["eager_ms"] - row["piecewise_ms"]) / saving if saving > 0 else float("nan")
+        row["piecewise_vs_eager"] = row["piecewise_ms"] / row["eager_ms"]
+    return row
+
+
+def decode_row(ex: Executor, bs: int, repeats: int, context: int = 512) -> dict:
+    seqs = [ex.new_sequence() for _ in range(bs)]
+    try:
+        for s in seqs:
+            ex.forward(ForwardBatch([s], [torch.randint(0, ex.vocab_size, (context,)).tolist()]))
+
+        def step():
+            ex.forward(ForwardBatch(seqs, [[1]] * bs))
+
+        row = {"batch": bs, "graph_ms": timed(step, repeats) if ex.decode_graphs else float("nan")}
+        saved, ex.decode_graphs = ex.decode_graphs, None
+        try:
+            row["eager_ms"] = timed(step, repeats)
+        finally:
+            ex.decode_graphs = saved
+    finally:
+        for s in seqs:
+            ex.free(s)
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", default="llama")
+    p.add_argument("--preset", default="llama-3.1-8b")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--quant", default="none", choices=["none", "nvfp4"])
+    p.add_argument("--attention", default="auto", help="backends.attention (and mla)")
+    p.add_argument("--extend", default="16,64,128,256,512,1024,2048,8192")
+    p.add_argument("--decode", default="1,8,32")
+    p.add_argument("--decode-sizes", default=None, help="decode graph batch sizes (default schedule)")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
+    p.add_argument("--set", action="append", default=[], help="extra config overrides key=value")
+    p.add_argument("--out", default=None, help="markdown + json report path")
+    args = p.parse_args()
+
+    sizes = {"num_hidden_layers": args.layers} if args.layers else {}
+    overrides = [
+        f"model.arch={args.arch}", f"model.preset={args.preset}", "model.max_context=9216",
+        f"quantization.format={args.quant}", f"runtime.device={args.device}", "runtime.dtype=bfloat16",
+        "kv_cache.num_tokens=40960", f"backends.attention={args.attention}", f"backends.mla={args.attention}",
+        *(f"model.sizes.{k}={v}" for k, v in sizes.items()), *args.set,
+    ]
+    if args.decode_sizes:
+        overrides.append(f"cuda_graph.decode.batch_sizes=[{args.decode_sizes}]")
+    t0 = time.perf_counter()
+    ex = Executor.from_config(None, overrides, progress=False)
+    build_s = time.perf_counter() - t0
+    info = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if ex.device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "overrides": overrides, "build_s": build_s,
+        "backends": {op: sorted({b.name for b in ex.table.instances(op)}) for op in ("attention", "mla", "fp4_gemm", "moe")},
+        "piecewise": ex.piecewise.describe() if ex.piecewise else None,
+        "decode_graphs": ex.decode_graphs.describe() if ex.decode_graphs else None,
+    }
+    print(json.dumps({k: v for k, v in info.items() if k not in ("piecewise",)}, default=str), flush=True)
+    print("piecewise:", {k: v for k, v in (info["piecewise"] or {}).items() if k != "sizes"}, flush=True)
+    ext = []
+    for T in [int(x) for x in args.extend.split(",") if x]:
+        ext.append(extend_row(ex, T, args.repeats if T <= 2048 else max(5, args.repeats // 4)))
+        print(ext[-1], flush=True)
+    dec = []
+    for bs in [int(x) for x in args.decode.split(",") if x]:
+        dec.append(decode_row(ex, bs, args.repeats * 5))
+        print(dec[-1], flush=True)
+    md = render(info, ext, dec)
+    print(md)
+    if args.out:
+        Path(args.out).write_text(md)
+        Path(args.out).with_suffix(".json").write_text(json.dumps({"info": info, "extend": ext, "decode": dec}, default=str, indent=1))
+
+
+def render(info: dict, ext: list[dict], dec: list[dict]) -> str:
+    lines = [f"{info['date']} on {info['device']} (torch {info['torch']}); backends {info['backends']}", ""]
+    if info["piecewise"]:
+        pw = info["piecewise"]
+        lines.append(f"piecewise: {len(pw['sizes'])} sizes up to {pw['max_tokens']}, {pw['pieces']} pieces "
+                     f"({pw['unique_pieces']} distinct), {pw['graphs']} graphs; compile {pw['compile_s']:.1f} s, "
+                     f"capture {pw.get('capture_s', float('nan')):.1f} s, pool {pw.get('pool_bytes', 0) / 2**30:.2f} GiB")
+    if info["decode_graphs"]:
+        d = info["decode_graphs"]
+        lines.append(f"decode graphs: {len(d['batch_sizes'])} batch sizes, capture {d['capture_s']:.1f} s, "
+                     f"pool {d['pool_bytes'] / 2**30:.2f} GiB")
+    if ext:
+        lines += ["", "| T | eager ms | piecewise ms (padded to) | whole graph ms | piecewise kept of the graph saving | piecewise / eager |",
+                  "|---|---|---|---|---|---|"]
+        for r in ext:
+            pw = f"{r['piecewise_ms']:.3f} ({r['padded_to']})" if "piecewise_ms" in r else "eager (above max_tokens)"
+            kept = f"{100 * r['kept_of_saving']:.0f}%" if "kept_of_saving" in r else "-"
+            ratio = f"{r['piecewise_vs_eager']:.3f}" if "piecewise_vs_eager" in r else "-"
+            lines.append(f"| {r['T']} | {r['eager_ms']:.3f} | {pw} | {r.get('whole_graph_ms', float('nan')):.3f} | {kept} | {ratio} |")
+    if dec:
+        lines += ["", "| decode batch | full graph ms | eager ms |", "|---|---|---|"]
+        for r in dec:
+            lines.append(f"| {r['batch']} | {r['graph_ms']:.3f} | {r['eager_ms']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
