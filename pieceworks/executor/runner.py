@@ -19,7 +19,7 @@ import torch
 
 from pieceworks.backends.base import BackendSpec
 from pieceworks.backends.registry import KernelTable, load_registry
-from pieceworks.config import Config, Switch, load_config
+from pieceworks.config import Config, ConfigError, Switch, load_config
 from pieceworks.executor.batch import ForwardBatch, ForwardMode, GraphMode, Sequence, StepMetadata
 from pieceworks.executor.context import ForwardContext, forward_context
 from pieceworks.executor.kv_cache import KVPool, OutOfPages
@@ -48,6 +48,11 @@ class Executor:
         self.model_dir = model_dir
         self.page_size = kv.page_size
         self.vocab_size = model.vocab_size
+        if cfg.model.max_context and cfg.model.max_context > model.max_position_embeddings:
+            raise ConfigError(
+                f"model.max_context: {cfg.model.max_context} exceeds the model's "
+                f"max_position_embeddings ({model.max_position_embeddings}); use at most that"
+            )
         self.max_context = min(cfg.model.max_context or model.max_position_embeddings,
                                kv.allocator.capacity * kv.page_size)
         self._ids = itertools.count()
