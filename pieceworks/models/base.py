@@ -226,8 +226,8 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 class WeightSource(Protocol):
-    """Where a model's `load_*` methods get their tensors (a checkpoint, or random weights); names
-    are Hugging Face tensor names. Implemented in `pieceworks.models.loader`."""
+    """Where the models' `load` methods get their tensors (a checkpoint, or random weights); names
+    are Hugging Face tensor names. Implemented in `pieceworks.models.weights`."""
 
     def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         """A float tensor on the target device, cast to `dtype` (default: the model dtype)."""
@@ -235,8 +235,10 @@ class WeightSource(Protocol):
     def has(self, name: str) -> bool:
         """Whether the source holds `name` (random sources hold everything)."""
 
-    def dense(self, prefix: str, in_features: int, out_features: int) -> torch.Tensor:
-        """`{prefix}.weight` [out, in] as a float tensor, dequantized if stored as NVFP4."""
+    def dense(self, prefix: str, in_features: int, out_features: int,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`{prefix}.weight` [out, in] as a float tensor in `dtype` (default: the model dtype),
+        dequantized if the checkpoint stores it as NVFP4."""
 
     def linear(self, module: nn.Module, prefix: str) -> nn.Module:
         """Fill an nn.Linear or Fp4Linear from `{prefix}.*`; returns it."""
@@ -283,12 +285,15 @@ class CausalLM(nn.Module):
         return F.linear(hidden, self.lm_head.weight).float()
 
     def kv_layout(self) -> KVLayout:
+        """Per-token KV shape for the pool: GQA heads or the MLA latent."""
         raise NotImplementedError
 
     def facts(self, page_size: int) -> ModelFacts:
+        """What backends may know about the model (for selection and checks)."""
         raise NotImplementedError
 
     def required_ops(self) -> set[str]:
+        """The `pieceworks` ops forward calls (the kernel table is resolved for these only)."""
         raise NotImplementedError
 
     def load_plan(self) -> list[tuple[str, nn.Module, Callable[[WeightSource], None]]]:
@@ -325,7 +330,7 @@ class CausalLM(nn.Module):
                 if not fp4:
                     raise ValueError(f"{name} is NVFP4 but the kernel table has no fp4_gemm backend")
                 m.prepare(fp4[0])
-            elif hasattr(m, "prepare_experts"):
+            elif hasattr(m, "prepare_experts"):  # models.moe.Experts (which imports this module)
                 if not moe:
                     raise ValueError(f"{name} holds experts but the kernel table has no moe backend")
                 m.prepare_experts(moe[0])
