@@ -15,6 +15,7 @@ Needs `transformers` (the `demo` extra), imported only when calibrating.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -93,10 +94,13 @@ def calibrate_input_amax(model: torch.nn.Module, batches: Iterable[torch.Tensor]
             handles.append(module.register_forward_hook(spy.exit_hook, always_call=True))
     model.eval()
     device = next(model.parameters()).device
+    # Logits for the last position only: lm_head is never quantized, and on a CPU the full-vocabulary
+    # projection of every token is a large share of the forward (lm_head still sees one position).
+    kwargs = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     try:
         with torch.no_grad():
             for ids in batches:
-                model(input_ids=ids.to(device))
+                model(input_ids=ids.to(device), **kwargs)
     finally:
         for h in handles:
             h.remove()
@@ -145,9 +149,14 @@ def calibrate_from_text(
             "calibrating over text needs transformers: pip install 'pieceworks[demo]' (or pass a fixed "
             "--amax instead of --calib-text)"
         ) from None
+    if isinstance(text_file, str) and ("\n" in text_file or len(text_file) > 1024):
+        raise ValueError(
+            f"calib_text must be the path of a text file, got a str of {len(text_file)} characters that "
+            "looks like the text itself; write it to a file and pass its path"
+        )
     text_file = Path(text_file)
     try:
-        text = text_file.read_text()
+        text = text_file.read_text(encoding="utf-8")
     except OSError as e:
         raise ValueError(f"{text_file}: cannot read the calibration text ({e.strerror})") from None
     if not text.strip():
