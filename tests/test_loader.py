@@ -14,7 +14,7 @@ from pieceworks.config import ModelConfig, QuantizationConfig
 from pieceworks.models.base import MergedProj
 from pieceworks.models.deepseek_v3 import DeepseekV3
 from pieceworks.models.llama import Llama
-from pieceworks.models.loader import build, load_model
+from pieceworks.models.loader import build, load_model, model_facts
 from pieceworks.models.moe import MoE
 from pieceworks.models.presets import preset_config
 from pieceworks.quant.linear import Fp4Linear
@@ -63,6 +63,17 @@ def test_full_size_presets_have_the_published_sizes():
     fp4 = build(Llama, preset_config("llama", "llama-3.1-8b"), torch.bfloat16, lambda n: True)
     assert isinstance(fp4.layers[0].self_attn.qkv_proj.proj, Fp4Linear)
     assert fp4.facts(16).fp4 and fp4.kv_layout().num_kv_heads == 8
+
+
+def test_model_facts_without_loading(tiny_deepseek_modelopt):
+    """model_facts (for `pieceworks backends`) agrees with the loaded model, from a preset or a checkpoint."""
+    cases = [(ModelConfig(arch="deepseek_v3", preset="tiny"), QuantizationConfig(format="nvfp4")),
+             (ModelConfig(path=str(tiny_deepseek_modelopt.fp4_dir)), QuantizationConfig())]
+    for model_cfg, quant_cfg in cases:
+        facts, ops = model_facts(model_cfg, quant_cfg, 16, dtype=torch.float32)
+        loaded = load_model(model_cfg, quant_cfg, "cpu", torch.float32, progress=False)
+        assert facts == loaded.facts(16) and ops == loaded.required_ops() == {"mla", "moe", "fp4_gemm"}
+        assert facts.moe_quant == "nvfp4"
 
 
 def test_sizes_override_the_preset():

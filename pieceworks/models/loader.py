@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from pieceworks.backends.base import ModelFacts
 from pieceworks.models.base import CausalLM
 from pieceworks.models.deepseek_v3 import DeepseekV3
 from pieceworks.models.llama import Llama
@@ -45,10 +46,34 @@ def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype
     device = torch.device(device)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"model dtype {dtype}: use bfloat16, float16 or float32")
-    fmt = getattr(quant_cfg, "format", "auto")
+    cls, hf, fp4 = _describe(model_cfg, quant_cfg)
     if model_cfg.path is not None:
         from pieceworks.models.checkpoint import CheckpointReader
         from pieceworks.models.weights import CheckpointSource
+
+        source: Any = CheckpointSource(CheckpointReader(Path(model_cfg.path)), device, dtype)
+    else:
+        from pieceworks.models.weights import RandomSource
+
+        source = RandomSource(device, dtype, seed=seed)
+    model = build(cls, hf, dtype, fp4)
+    materialize(model, source, device, progress)
+    return model
+
+
+def model_facts(model_cfg: Any, quant_cfg: Any, page_size: int,
+                dtype: torch.dtype = torch.bfloat16) -> tuple[ModelFacts, set[str]]:
+    """(ModelFacts, required ops) of the configured model without loading weights (built on the meta
+    device from config.json or the preset). `model_cfg.path` must be a directory."""
+    cls, hf, fp4 = _describe(model_cfg, quant_cfg)
+    model = build(cls, hf, dtype, fp4)
+    return model.facts(page_size), model.required_ops()
+
+
+def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Callable[[str], bool]]:
+    """Model class, config.json dict and which linears are NVFP4, from a checkpoint or a preset."""
+    fmt = getattr(quant_cfg, "format", "auto")
+    if model_cfg.path is not None:
         from pieceworks.quant.modelopt import detect_quantization
 
         path = Path(model_cfg.path)
@@ -61,23 +86,17 @@ def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype
         if fmt == "nvfp4" and quant is None:
             raise ValueError(f"quantization.format=nvfp4, but {path} is not an NVFP4 checkpoint; quantize it "
                              "first (`pieceworks quantize`) or use quantization.format=auto")
-        fp4 = (lambda name: not quant.is_excluded(name)) if quant is not None else (lambda name: False)
-        source = CheckpointSource(CheckpointReader(path), device, dtype)
-    else:
-        from pieceworks.models.presets import preset_config
-        from pieceworks.models.weights import RandomSource
+        if quant is None:
+            return cls, hf, lambda name: False
+        return cls, hf, lambda name: not quant.is_excluded(name)
+    from pieceworks.models.presets import preset_config
 
-        if model_cfg.arch not in ARCHS:
-            raise ValueError(f"model.arch={model_cfg.arch!r}: unknown; known: {', '.join(ARCHS)}")
-        hf = preset_config(model_cfg.arch, model_cfg.preset, model_cfg.sizes)
-        cls = ARCHS[model_cfg.arch]
-        # Every projection NVFP4; the head and the router are never built as NVFP4 (as ModelOpt).
-        random_fp4 = fmt == "nvfp4"
-        fp4 = lambda name: random_fp4  # noqa: E731
-        source = RandomSource(device, dtype, seed=seed)
-    model = build(cls, hf, dtype, fp4)
-    materialize(model, source, device, progress)
-    return model
+    if model_cfg.arch not in ARCHS:
+        raise ValueError(f"model.arch={model_cfg.arch!r}: unknown; known: {', '.join(ARCHS)}")
+    hf = preset_config(model_cfg.arch, model_cfg.preset, model_cfg.sizes)
+    # Random NVFP4: every projection; the head and the router are never built as NVFP4 (as ModelOpt).
+    random_fp4 = fmt == "nvfp4"
+    return ARCHS[model_cfg.arch], hf, lambda name: random_fp4
 
 
 def read_config(path: Path) -> dict:
