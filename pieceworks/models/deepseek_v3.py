@@ -19,20 +19,15 @@ from torch import nn
 
 from pieceworks.backends.base import ModelFacts
 from pieceworks.executor.kv_cache import KVLayout
-from pieceworks.models.base import (
-    CausalLM,
-    GatedMLP,
-    RMSNorm,
+from pieceworks.models.base import CausalLM, GatedMLP, RMSNorm, WeightSource, linear, merged
+from pieceworks.models.moe import Experts, MoE
+from pieceworks.models.rope import (
     RotaryEmbedding,
-    WeightSource,
     apply_rope,
     apply_rope_interleaved,
-    linear,
-    merged,
     rope_parameters,
     yarn_softmax_scale,
 )
-from pieceworks.models.moe import Experts, MoE
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use RMSNorm's default eps, not rms_norm_eps
 
@@ -213,7 +208,8 @@ class DeepseekV3(CausalLM):
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         self.layers = nn.ModuleList(DeepseekV3Block(a, i, fp4) for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.lm_head = self.embed_tokens if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        tied = a.tie_word_embeddings
+        self.lm_head = self.embed_tokens if tied else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(a.rope, a.qk_rope_head_dim, a.max_position_embeddings)
 
     def _experts(self) -> list[Experts]:

@@ -16,17 +16,8 @@ from torch import nn
 
 from pieceworks.backends.base import ModelFacts
 from pieceworks.executor.kv_cache import KVLayout
-from pieceworks.models.base import (
-    CausalLM,
-    GatedMLP,
-    RMSNorm,
-    RotaryEmbedding,
-    WeightSource,
-    apply_rope,
-    linear,
-    merged,
-    rope_parameters,
-)
+from pieceworks.models.base import CausalLM, GatedMLP, RMSNorm, WeightSource, linear, merged
+from pieceworks.models.rope import RotaryEmbedding, apply_rope, rope_parameters
 
 
 @dataclass(frozen=True)
@@ -139,7 +130,8 @@ class Llama(CausalLM):
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         self.layers = nn.ModuleList(LlamaBlock(a, i, fp4) for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.lm_head = self.embed_tokens if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        tied = a.tie_word_embeddings
+        self.lm_head = self.embed_tokens if tied else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(a.rope, a.head_dim, a.max_position_embeddings)
 
     def kv_layout(self) -> KVLayout:
