@@ -94,7 +94,8 @@ def test_index_pointing_to_a_missing_shard(ckpt):
 def test_index_entry_that_the_shard_lacks(ckpt):
     names = sorted(load_file(ckpt / "model.safetensors"))
     _shard(ckpt, [names[:20], names[20:]])
-    _edit_json(ckpt / "model.safetensors.index.json", lambda d: d["weight_map"].update({"ghost.weight": "model-00001-of-00002.safetensors"}))
+    ghost = {"ghost.weight": "model-00001-of-00002.safetensors"}
+    _edit_json(ckpt / "model.safetensors.index.json", lambda d: d["weight_map"].update(ghost))
     with pytest.raises(ValueError, match=r"model-00001-of-00002.safetensors: lacks 1 tensor.*ghost.weight"):
         CheckpointReader(ckpt)
 
@@ -132,7 +133,8 @@ def test_wrong_dtype(ckpt):
 
 def test_unquantized_weight_where_fp4_is_expected(ckpt):
     _edit_tensors(ckpt, lambda t: t.update({f"{Q}.weight": torch.zeros(64, 64, dtype=torch.bfloat16)}))
-    with pytest.raises(ValueError, match=rf"{Q}.weight: expected uint8 \[64, 32\], got bfloat16 \[64, 64\].*exclude_modules"):
+    expected = rf"{Q}.weight: expected uint8 \[64, 32\], got bfloat16 \[64, 64\].*exclude_modules"
+    with pytest.raises(ValueError, match=expected):
         _read_q(ckpt)
 
 
@@ -145,7 +147,8 @@ def test_wrong_shape(ckpt):
 
 def test_global_scale_must_be_a_positive_scalar(ckpt):
     _edit_tensors(ckpt, lambda t: t.update({f"{Q}.weight_scale_2": torch.zeros(2)}))
-    with pytest.raises(ValueError, match=rf"{Q}.weight_scale_2: expected float32 scalar \(\[\] or \[1\]\), got float32 \[2\]"):
+    expected = rf"{Q}.weight_scale_2: expected float32 scalar \(\[\] or \[1\]\), got float32 \[2\]"
+    with pytest.raises(ValueError, match=expected):
         _read_q(ckpt)
     _edit_tensors(ckpt, lambda t: t.update({f"{Q}.weight_scale_2": torch.tensor([float("nan")])}))
     with pytest.raises(ValueError, match=rf"{Q}.weight_scale_2: must be a positive finite float32, got nan"):
@@ -167,13 +170,17 @@ def test_unknown_quant_algo(ckpt, algo):
 
 def test_group_size_32(ckpt):
     _edit_json(ckpt / "hf_quant_config.json", lambda d: d["quantization"].update({"group_size": 32}))
-    with pytest.raises(ValueError, match=r"hf_quant_config.json: quantization.group_size = 32: NVFP4 uses one scale per 16"):
+    expected = r"hf_quant_config.json: quantization.group_size = 32: NVFP4 uses one scale per 16"
+    with pytest.raises(ValueError, match=expected):
         detect_quantization(ckpt)
 
 
 def test_group_size_32_in_config_groups(ckpt):
     (ckpt / "hf_quant_config.json").unlink()
-    _edit_json(ckpt / "config.json", lambda d: d["quantization_config"]["config_groups"]["group_0"]["weights"].update({"group_size": 32}))
+    _edit_json(
+        ckpt / "config.json",
+        lambda d: d["quantization_config"]["config_groups"]["group_0"]["weights"].update({"group_size": 32}),
+    )
     with pytest.raises(ValueError, match=r"config groups disagree on group_size.*weights.group_size = 32"):
         detect_quantization(ckpt)
 
@@ -183,14 +190,16 @@ def test_fp8_kv_cache(ckpt):
     with pytest.raises(ValueError, match=r"quantization.kv_cache_quant_algo = 'FP8': a quantized KV cache"):
         detect_quantization(ckpt)
     (ckpt / "hf_quant_config.json").unlink()
-    _edit_json(ckpt / "config.json", lambda d: d["quantization_config"].update({"kv_cache_scheme": {"num_bits": 8, "type": "float"}}))
+    scheme = {"kv_cache_scheme": {"num_bits": 8, "type": "float"}}
+    _edit_json(ckpt / "config.json", lambda d: d["quantization_config"].update(scheme))
     with pytest.raises(ValueError, match=r"quantization_config.kv_cache_scheme = 'float8'"):
         detect_quantization(ckpt)
 
 
 def test_other_quant_method(ckpt):
     (ckpt / "hf_quant_config.json").unlink()
-    _edit_json(ckpt / "config.json", lambda d: d.update({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}))
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    _edit_json(ckpt / "config.json", lambda d: d.update({"quantization_config": fp8}))
     with pytest.raises(ValueError, match=r"config.json: quantization_config.quant_method = 'fp8'"):
         detect_quantization(ckpt)
 

@@ -109,10 +109,11 @@ def test_fused_groups_share_scales_and_fuse_exactly(tiny_llama_modelopt):
     hd = p["head_dim"]
     shapes = {"q_proj": p["num_attention_heads"] * hd, "k_proj": p["num_key_value_heads"] * hd}
     shapes["v_proj"] = shapes["k_proj"]
+    mlp = dict.fromkeys(["gate_proj", "up_proj"], p["intermediate_size"])
     for layer in range(p["num_hidden_layers"]):
         for names, k, n_of in (
             (["q_proj", "k_proj", "v_proj"], p["hidden_size"], shapes),
-            (["gate_proj", "up_proj"], p["hidden_size"], {"gate_proj": p["intermediate_size"], "up_proj": p["intermediate_size"]}),
+            (["gate_proj", "up_proj"], p["hidden_size"], mlp),
         ):
             kind = "self_attn" if "q_proj" in names else "mlp"
             parts = [read_fp4_linear(reader, f"model.layers.{layer}.{kind}.{x}", k, n_of[x]) for x in names]
@@ -120,10 +121,11 @@ def test_fused_groups_share_scales_and_fuse_exactly(tiny_llama_modelopt):
             assert fused is not None  # ModelOpt exports one weight_scale_2 and input_scale per group
             deq = lambda w: nvfp4.dequantize(w.weight, w.weight_scale, w.weight_scale_2)  # noqa: E731
             assert torch.equal(deq(fused), torch.cat([deq(x) for x in parts]))
-    # Different global scales: no fusion (kept as separate linears).
+    # Different global scales: no fusion (the model keeps separate linears).
     q = read_fp4_linear(reader, "model.layers.0.self_attn.q_proj", p["hidden_size"], shapes["q_proj"])
-    o = read_fp4_linear(reader, "model.layers.0.self_attn.o_proj", p["num_attention_heads"] * hd, p["hidden_size"])
-    assert fuse_fp4([q, o]) is None
+    assert fuse_fp4([q, q._replace(weight_scale_2=q.weight_scale_2 * 2)]) is None
+    assert fuse_fp4([q, q._replace(input_scale=q.input_scale * 2)]) is None
+    assert fuse_fp4([q, q]) is not None
 
 
 def test_experts_stack_as_moe_weights(tiny_deepseek_modelopt):
@@ -200,7 +202,8 @@ def test_quantizer_calibrates_over_text_and_cli_writes_shards(tiny_llama_modelop
     parser = argparse.ArgumentParser()
     cli.register(parser.add_subparsers())
     args = parser.parse_args(
-        ["quantize", str(src), str(tmp_path / "q"), "--calib-text", str(text), "--max-shard-size", "40KB", "--no-progress"]
+        ["quantize", str(src), str(tmp_path / "q"), "--calib-text", str(text)]
+        + ["--max-shard-size", "40KB", "--no-progress"]
     )
     assert args.func(args) == 0
     out = tmp_path / "q"
@@ -221,11 +224,12 @@ def test_exclude_list_is_summarized_as_modelopt_does():
 
     layers = [f"model.layers.{i}" for i in range(12)]
     linears = ["self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj", "mlp.gate"]
-    cases = [
-        ({f"{lay}.{x}" for lay in layers for x in linears if x != "mlp.gate"}, {"lm_head", "model.embed_tokens"}),
-        ({f"{lay}.{x}" for lay in layers[2:] for x in linears}, {f"{lay}.{x}" for lay in layers[:2] for x in linears}),
-        ({f"{lay}.{x}" for lay in layers[:11] for x in linears[:4]}, {f"{layers[11]}.{x}" for x in linears} | {"lm_head"}),
-        ({f"{lay}.{x}" for lay in layers for x in linears[:3]}, {f"{lay}.{x}" for lay in layers for x in linears[3:]}),
+    names = lambda lays, xs: {f"{lay}.{x}" for lay in lays for x in xs}  # noqa: E731
+    cases = [  # (quantized, unquantized)
+        (names(layers, linears[:4]), {"lm_head", "model.embed_tokens"}),  # a dense model
+        (names(layers[2:], linears), names(layers[:2], linears)),  # whole layers excluded
+        (names(layers[:11], linears[:4]), names(layers[11:], linears) | {"lm_head"}),  # an MTP-like last layer
+        (names(layers, linears[:3]), names(layers, linears[3:])),  # some linears in every layer
     ]
     for quantized, unquantized in cases:
         ours = summarize_exclude(sorted(unquantized), sorted(quantized))
@@ -245,7 +249,9 @@ def test_exclude_patterns_and_mtp_layers(tiny_deepseek_modelopt, tmp_path):
     tensors[f"{mtp}.enorm.weight"] = torch.ones(64, dtype=torch.bfloat16)
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
 
-    out = quantize_checkpoint(src, tmp_path / "q", amax=4.0, exclude=["model.layers.1.self_attn.*"], progress=False)
+    out = quantize_checkpoint(
+        src, tmp_path / "q", amax=4.0, exclude=["model.layers.1.self_attn.*"], progress=False
+    )
     cfg = detect_quantization(out)
     assert f"{mtp}*" in cfg.exclude_modules and "model.layers.1.self_attn*" in cfg.exclude_modules  # summarized
     reader = CheckpointReader(out)

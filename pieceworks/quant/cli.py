@@ -34,7 +34,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("dst", type=Path, metavar="DST", help="new or empty output directory")
     act = p.add_mutually_exclusive_group(required=True)
     act.add_argument(
-        "--calib-text", type=Path, metavar="FILE", help="text to calibrate activation amax over (needs transformers)"
+        "--calib-text",
+        type=Path,
+        metavar="FILE",
+        help="text to calibrate activation amax over (needs transformers)",
     )
     act.add_argument("--amax", type=float, metavar="X", help="fixed activation amax for every linear")
     p.add_argument(

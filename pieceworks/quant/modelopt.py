@@ -235,7 +235,9 @@ def read_fp4_linear(reader, prefix: str, in_features: int, out_features: int) ->
             float8_e4m3fn [4096, 256], got ...`). Nothing is returned half-read.
     """
     if in_features % BLOCK:
-        raise ValueError(f"{prefix}: in_features = {in_features} is not a multiple of {BLOCK}; NVFP4 cannot hold it")
+        raise ValueError(
+            f"{prefix}: in_features = {in_features} is not a multiple of {BLOCK}; NVFP4 cannot hold it"
+        )
     what = f"layer {prefix}: in {in_features}, out {out_features}"
     weight = _expect(reader, f"{prefix}.weight", torch.uint8, (out_features, in_features // 2), what)
     scale = _expect(
@@ -269,7 +271,8 @@ def fuse_fp4(parts: list[Fp4Weight]) -> Fp4Weight | None:
         raise ValueError(f"fuse_fp4: parts have different K/2 ({sorted(k)}); only linears on one input fuse")
     first = parts[0]
     for p in parts[1:]:
-        if not (torch.equal(p.weight_scale_2, first.weight_scale_2) and torch.equal(p.input_scale, first.input_scale)):
+        same_ws2 = torch.equal(p.weight_scale_2, first.weight_scale_2)
+        if not (same_ws2 and torch.equal(p.input_scale, first.input_scale)):
             return None
     return Fp4Weight(
         torch.cat([p.weight for p in parts]),

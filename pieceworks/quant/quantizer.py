@@ -265,8 +265,8 @@ def quantize_checkpoint(
                     writer.write(name, packed)
                     writer.write(f"{lin.module}.weight_scale", scale)
                     writer.write(f"{lin.module}.weight_scale_2", scale2)
-                    inp = torch.tensor(in_amax[lin.module], dtype=torch.float32) / (nvfp4.E2M1_MAX * nvfp4.E4M3_MAX)
-                    writer.write(f"{lin.module}.input_scale", inp)
+                    amax_t = torch.tensor(in_amax[lin.module], dtype=torch.float32)
+                    writer.write(f"{lin.module}.input_scale", amax_t / (nvfp4.E2M1_MAX * nvfp4.E4M3_MAX))
                 bar.advance(task, t.numel() * t.element_size())
                 del t
         writer.close()

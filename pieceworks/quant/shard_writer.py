@@ -113,7 +113,11 @@ class ShardedWriter:
         header: dict[str, object] = {"__metadata__": {"format": "pt"}}
         offsets, pos = {}, 0
         for s in order:
-            header[s.name] = {"dtype": _CODES[s.dtype], "shape": list(s.shape), "data_offsets": [pos, pos + s.nbytes]}
+            header[s.name] = {
+                "dtype": _CODES[s.dtype],
+                "shape": list(s.shape),
+                "data_offsets": [pos, pos + s.nbytes],
+            }
             offsets[s.name] = pos
             pos += s.nbytes
         blob = json.dumps(header, separators=(",", ":")).encode()
