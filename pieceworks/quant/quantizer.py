@@ -253,14 +253,14 @@ def quantize_checkpoint(
     try:
         with _progress(progress) as bar:
             ws2 = _group_scales(reader, groups, bar)
-            task = bar.add_task("quantizing", total=sum(reader_nbytes(reader, n) for n in reader.names()))
+            task = bar.add_task("quantizing", total=sum(_nbytes(reader, n) for n in reader.names()))
             for name in reader.names():
                 t = reader.get(name)
                 lin = linears.get(name)
                 if lin is None:
                     writer.write(name, t)
                 else:
-                    scale2 = ws2.get(lin.module, nvfp4.weight_global_scale(t))
+                    scale2 = ws2[lin.module] if lin.module in ws2 else nvfp4.weight_global_scale(t)
                     packed, scale, scale2 = _quantize_rows(t, scale2)
                     writer.write(name, packed)
                     writer.write(f"{lin.module}.weight_scale", scale)
@@ -269,15 +269,15 @@ def quantize_checkpoint(
                     writer.write(f"{lin.module}.input_scale", amax_t / (nvfp4.E2M1_MAX * nvfp4.E4M3_MAX))
                 bar.advance(task, t.numel() * t.element_size())
                 del t
-        writer.close()
+        _write_configs(src, dst, config, unquantized, [lin.module for lin in linears.values()])
+        writer.close()  # publishes the weight files last: a run that stops early leaves none
     except BaseException:
         writer.abort()
         raise
-    _write_configs(src, dst, config, unquantized, [lin.module for lin in linears.values()])
     return dst
 
 
-def reader_nbytes(reader: CheckpointReader, name: str) -> int:
+def _nbytes(reader: CheckpointReader, name: str) -> int:
     """Bytes of one tensor, from the header."""
     n = reader.dtype(name).itemsize
     for d in reader.shape(name):
@@ -289,7 +289,7 @@ def _group_scales(reader: CheckpointReader, groups, bar) -> dict[str, torch.Tens
     """Shared weight_scale_2 per grouped module: max of the members' amax / (6 * 448)."""
     out: dict[str, torch.Tensor] = {}
     names = [m for g in groups for m in g]
-    task = bar.add_task("measuring fused groups", total=sum(reader_nbytes(reader, f"{m}.weight") for m in names))
+    task = bar.add_task("measuring fused groups", total=sum(_nbytes(reader, f"{m}.weight") for m in names))
     for group in groups:
         scales = []
         for m in group:
