@@ -26,9 +26,13 @@ def _fmt_modes(modes: Any) -> str:
 def _model_facts(cfg: Config) -> tuple[ModelFacts, list[str] | None]:
     """Facts of the configured model without loading weights; generic facts (all ops) otherwise."""
     if cfg.model.path or cfg.model.arch:
+        from dataclasses import replace
+
+        from pieceworks.executor.runner import resolve_model_path
         from pieceworks.models.loader import model_facts
 
-        facts, ops = model_facts(cfg.model, cfg.quantization, cfg.kv_cache.page_size)
+        model = replace(cfg.model, path=str(resolve_model_path(cfg.model.path))) if cfg.model.path else cfg.model
+        facts, ops = model_facts(model, cfg.quantization, cfg.kv_cache.page_size)
         return facts, sorted(ops)
     return ModelFacts(fp4=True, moe_experts=8, moe_quant="nvfp4", kv_lora_rank=512, qk_rope_head_dim=64,
                       page_size=cfg.kv_cache.page_size), None
