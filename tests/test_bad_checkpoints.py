@@ -91,6 +91,15 @@ def test_index_pointing_to_a_missing_shard(ckpt):
     assert "re-download" in msg
 
 
+def test_truncated_shard_fails_when_the_reader_opens(ckpt):
+    names = sorted(load_file(ckpt / "model.safetensors"))
+    _shard(ckpt, [names[:20], names[20:]])
+    shard = ckpt / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-64])
+    with pytest.raises(ValueError, match=rf"{shard}: not a readable safetensors file, truncated or corrupt"):
+        CheckpointReader(ckpt)
+
+
 def test_index_entry_that_the_shard_lacks(ckpt):
     names = sorted(load_file(ckpt / "model.safetensors"))
     _shard(ckpt, [names[:20], names[20:]])

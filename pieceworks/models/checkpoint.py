@@ -52,7 +52,8 @@ class CheckpointReader:
 
     Raises:
         ValueError: no checkpoint in the directory; an unreadable index; an index naming a shard
-            that is not there; a truncated or corrupt single file.
+            that is not there, or a tensor its shard lacks; a truncated or corrupt file (every
+            shard's header is read here, so this fails before any tensor is handed out).
     """
 
     def __init__(self, model_dir: str | Path):
