@@ -179,7 +179,7 @@ def build_tiny_deepseek(
         config = DeepseekV3Config(**params)
         config.architectures = ["DeepseekV3ForCausalLM"]
         model = DeepseekV3ForCausalLM(config)
-        # The router stays fp32 as in the released checkpoints (the module creates it so).
+        # The router stays fp32, as transformers creates it (and pieceworks' model keeps it).
         for name, module in model.named_modules():
             if type(module).__name__ == "DeepseekV3TopkRouter":
                 continue
