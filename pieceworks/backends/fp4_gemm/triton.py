@@ -70,15 +70,22 @@ def select_tile(table: tuple[TileConfig, ...], m: int) -> TileConfig:
 
 
 def choose_split_k(tile: TileConfig, m: int, n: int, k_padded: int) -> int:
-    """K splits so that at least `target_ctas` programs stream the weight; each split keeps at least
-    two BLOCK_K iterations, and there are no more than `max_split`."""
+    """K splits so that about `target_ctas` programs stream the weight.
+
+    Each split keeps at least two BLOCK_K iterations and there are at most `max_split`; a split count
+    that divides the iterations evenly (no masked tail, down to half the wanted count) is preferred.
+    """
     if tile.kind != "fused" or tile.target_ctas <= 0:
         return 1
     tiles = -(-m // tile.block_m) * -(-n // tile.block_n)
     if tiles >= tile.target_ctas:
         return 1
-    most = max(1, k_padded // (2 * tile.block_k))
-    return max(1, min(-(-tile.target_ctas // tiles), most, tile.max_split))
+    iters = -(-k_padded // tile.block_k)
+    want = max(1, min(-(-tile.target_ctas // tiles), iters // 2, tile.max_split))
+    for split in range(want, max(1, want // 2) - 1, -1):
+        if iters % split == 0:
+            return split
+    return want
 
 
 def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int = 4096):

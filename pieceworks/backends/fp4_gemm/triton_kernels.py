@@ -190,10 +190,10 @@ def fp4_tile_loop(
     return acc, acc2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "num_iters"])
 def _fp4_gemm_kernel(
     x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr,
-    M, N, K, Kp, stride_xm, stride_wn, stride_sn, stride_om, stride_split, k_per_split, num_iters,
+    M, N, K, Kp, stride_xm, stride_wn, stride_sn, stride_om, stride_split, num_iters,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, W_AS_A: tl.constexpr, USE_ASM: tl.constexpr,
 ):
@@ -216,7 +216,7 @@ def _fp4_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_lo = pid_k * k_per_split
+    k_lo = pid_k * num_iters * BLOCK_K  # a multiple of BLOCK_K: 16-byte aligned weight loads
     w_rows = n_c * stride_wn
     s_rows = n_c * stride_sn
     acc, unused = fp4_tile_loop(
@@ -301,7 +301,7 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k):
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split_k)
     _fp4_gemm_kernel[grid](
         x, weight.view(torch.int16), weight_scale, weight_scale_2, dest,
-        M, N, K, Kp, x.stride(0), weight.stride(0) // 2, weight_scale.stride(0), N, M * N, k_per_split, k_per_split // cfg.block_k,
+        M, N, K, Kp, x.stride(0), weight.stride(0) // 2, weight_scale.stride(0), N, M * N, k_per_split // cfg.block_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         SPLIT=split_k > 1, EVEN_K=even_k, W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -17,7 +17,7 @@ import triton.language as tl
 from pieceworks.backends.fp4_gemm.triton_kernels import fp4_tile_loop
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_valid", "num_iters"])
 def _moe_gemm_kernel(
     a_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, topk_w_ptr,
     N, K, Kp, num_valid, num_iters,
@@ -150,7 +150,7 @@ def _align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, cu
         counts += tl.histogram(ids, E_P2, mask=p < num_pairs)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
-    tl.store(cursor_ptr + e, ends - padded, mask=e < num_experts)
+    tl.atomic_xchg(cursor_ptr + e, ends - padded, mask=e < num_experts)  # at L2, like the adds below
     tl.store(num_post_ptr, tl.sum(padded, 0))
     for r0 in range(0, num_blocks * BLOCK_M, CHUNK):
         r = r0 + tl.arange(0, CHUNK)

@@ -1,0 +1,342 @@
+"""Triton NVFP4 GEMM (w4a16) vs torch bf16 matmul (cuBLAS) on Llama-3.1-8B and DeepSeek-V3 shapes.
+
+    python benchmarks/fp4_gemm.py --out DIR            # the shipped tile table
+    python benchmarks/fp4_gemm.py --sweep --out DIR    # try candidate tiles per M bucket first, then
+                                                       # benchmark the best table (written to DIR)
+
+Times are CUDA-graph replays of back-to-back calls that rotate over enough weight copies (>= 400 MB)
+that L2 (60 MB on the H200) never serves a weight twice; the median of several replays, per call.
+Bandwidth counts packed weights + block scales + activations in + out, against 4.24 TB/s (the
+device-to-device copy rate measured on this H200). Needs a CUDA GPU and triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from pieceworks.backends.base import BackendSpec  # noqa: E402
+from pieceworks.backends.fp4_gemm.triton import (  # noqa: E402
+    TileConfig,
+    TritonFp4GemmBackend,
+    choose_split_k,
+    parse_table,
+)
+from pieceworks.quant import nvfp4  # noqa: E402
+
+HBM = 4.24e12
+ROTATE_BYTES = 400e6
+SHAPES = {  # name: (N, K)
+    "llama.qkv": (6144, 4096),
+    "llama.o": (4096, 4096),
+    "llama.gate_up": (28672, 4096),
+    "llama.down": (4096, 14336),
+    "dsv3.expert.gate_up": (4096, 7168),
+    "dsv3.expert.down": (7168, 2048),
+}
+MS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
+# The M at which each bucket of the table is tuned, and the bucket's upper bound.
+BUCKETS = [(1, 4), (16, 16), (32, 32), (64, 64), (256, 256), (1024, 1024), (4096, 4096), (16384, None)]
+
+
+def random_weights(n: int, k: int, copies: int, gen: torch.Generator):
+    """`copies` independent k32-layout NVFP4 weights (random bytes are random codes in any layout)."""
+    out = []
+    for _ in range(copies):
+        w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
+        s = (torch.rand(n, k // 16, device="cuda", generator=gen) * 2 + 0.05).to(torch.float8_e4m3fn)
+        gs = torch.tensor(0.01, device="cuda")
+        out.append((w, s, gs))
+    return out
+
+
+def copies_for(nbytes: float) -> int:
+    return max(2, math.ceil(ROTATE_BYTES / nbytes))
+
+
+def graph_time(call, n_calls: int, replays: int = 7) -> float:
+    """Seconds per call: median over replays of a CUDA graph holding `n_calls` calls call(i)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(min(n_calls, 2)):
+            call(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n_calls):
+            call(i)
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / n_calls)
+    del graph
+    return statistics.median(times)
+
+
+def fp4_bytes(m: int, n: int, k: int) -> int:
+    return n * k // 2 + n * k // 16 + m * k * 2 + m * n * 2
+
+
+def check_once(backend, x, w, n) -> float:
+    """Relative error of one call against dequantize + bf16 matmul (the torch reference)."""
+    from pieceworks.backends.fp4_gemm.triton import unpack_k32
+
+    weight, scale, gs = w
+    k = x.shape[1]
+    codes = unpack_k32(weight, k)
+    wd = (nvfp4.e2m1_decode(codes) * (scale.float() * gs).repeat_interleave(16, 1)).to(torch.bfloat16)
+    ref = (x @ wd.t()).float()
+    y = backend.forward(x, weight, scale, gs, gs, n).float()
+    return float((y - ref).norm() / ref.norm())
+
+
+_WEIGHTS: dict = {}
+
+
+def weights_for(n: int, k: int, gen):
+    """Rotation copies of a random weight of this shape, made once per run."""
+    if (n, k) not in _WEIGHTS:
+        _WEIGHTS[(n, k)] = random_weights(n, k, copies_for(n * k * 0.5625), gen)
+    return _WEIGHTS[(n, k)]
+
+
+def time_fp4(backend, m: int, n: int, k: int, gen) -> float:
+    ws = weights_for(n, k, gen)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return graph_time(lambda i: backend.forward(x, *ws[i % len(ws)], ws[0][2], n), len(ws))
+
+
+def time_bf16(m: int, n: int, k: int, gen) -> float:
+    copies = copies_for(n * k * 2)
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(copies)]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return graph_time(lambda i: x @ ws[i % copies].t(), copies)
+
+
+def backend_with(table) -> TritonFp4GemmBackend:
+    backend = TritonFp4GemmBackend(BackendSpec.for_device("cuda", fp4_numerics="w4a16"))
+    backend.table = table
+    return backend
+
+
+# --- tile sweep --------------------------------------------------------------------------------------
+
+
+def candidates(m: int) -> list[dict]:
+    out = []
+    if m <= 16:
+        for bk in (256, 512):
+            for ns in (3, 5):
+                for target in (264, 528):
+                    for bn in (64, 128) if bk == 256 else (64,):  # 128x512 spills
+                        out.append(dict(block_m=16, block_n=bn, block_k=bk, num_stages=ns, w_as_a=True,
+                                        target_ctas=target, max_split=16))
+                    for bn in (32, 64):
+                        out.append(dict(block_m=16, block_n=bn, block_k=bk, num_stages=ns, w_as_a=False,
+                                        target_ctas=target, max_split=16))
+    elif m <= 64:
+        for bn in (64, 128):
+            for bk in (128, 256):
+                for ns in (3, 4):
+                    for wa in (True, False):
+                        if m == 64 and bn == 128 and bk == 256 and not wa:
+                            continue  # over the 227 KB of shared memory
+                        out.append(dict(block_m=m, block_n=bn, block_k=bk, num_stages=ns, w_as_a=wa,
+                                        target_ctas=264, max_split=8))
+    elif m <= 256:
+        for bm in (64, 128):
+            for bn in (128, 256):
+                for bk in (64, 128):
+                    for wa in (True, False):
+                        if bn == 256 and (bk == 128 or not wa):
+                            continue
+                        out.append(dict(block_m=bm, block_n=bn, block_k=bk, num_warps=8, num_stages=3,
+                                        w_as_a=wa, group_m=8, target_ctas=132, max_split=4))
+    else:
+        for bn in (128, 256):
+            for ns in (3, 4):
+                for wa in (True, False):
+                    out.append(dict(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=ns,
+                                    w_as_a=wa, group_m=8))
+        out.append(dict(kind="dequant"))
+    return out
+
+
+def _compile_job(job):
+    cfg, n, k, m, split = job
+    from pieceworks.backends.fp4_gemm import triton_kernels
+
+    torch.cuda.set_device(0)
+    gen = torch.Generator("cuda").manual_seed(0)
+    (w, s, gs), = random_weights(n, k, 1, gen)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    try:
+        triton_kernels.fp4_gemm(x, w, s, gs, n, k, TileConfig(**cfg), split)
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:  # reported, the config is then skipped
+        return f"{cfg} n={n} k={k}: {type(e).__name__}: {str(e)[:300]}"
+
+
+def precompile(jobs, workers: int) -> list[str]:
+    """Compile every (config, specialization) in parallel processes; Triton's disk cache keeps them."""
+    import multiprocessing as mp
+
+    seen, unique = set(), []
+    for job in jobs:
+        cfg, n, k, m, split = job
+        tile = TileConfig(**cfg)
+        kp = -(-k // 32) * 32
+        per = -(-(-(-kp // split)) // tile.block_k) * tile.block_k
+        # What Triton specializes on: the constexprs (split or not, even K), not the sizes.
+        key = json.dumps([cfg, split > 1, k == kp and per * split == kp], sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            unique.append(job)
+    with mp.get_context("spawn").Pool(workers) as pool:
+        return [e for e in pool.map(_compile_job, unique, chunksize=1) if e]
+
+
+def sweep_jobs() -> list:
+    jobs = []
+    for m_tune, _ in BUCKETS:
+        for cand in candidates(m_tune):
+            tile = TileConfig(**cand)
+            for n, k in SHAPES.values():
+                if tile.kind == "fused":
+                    jobs.append((cand, n, k, m_tune, choose_split_k(tile, m_tune, n, k)))
+    return jobs
+
+
+def sweep(out_dir: str, gen, workers: int, wait_for: str | None) -> list[dict]:
+    jobs = sweep_jobs()
+    t0 = time.time()
+    errors = precompile(jobs, workers)
+    print(f"precompiled {len(jobs)} jobs in {time.time() - t0:.0f}s; {len(errors)} failed", flush=True)
+    for e in errors[:10]:
+        print("  compile error:", e, flush=True)
+    while wait_for and not os.path.exists(wait_for):  # e.g. the GPU tests, which share the device
+        time.sleep(1)
+
+    rows, table = [], []
+    for m_tune, max_m in BUCKETS:
+        scores = []
+        for cand in candidates(m_tune):
+            tile = TileConfig(max_m=None, **cand)
+            backend = backend_with((tile,))
+            times, ok = {}, True
+            for name, (n, k) in SHAPES.items():
+                try:
+                    ws = weights_for(n, k, gen)[0]
+                    x = torch.randn(m_tune, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+                    err = check_once(backend, x, ws, n)
+                    if not err < 1e-2:
+                        print(f"  WRONG m={m_tune} {name} {cand}: rel err {err:.3g}", flush=True)
+                        ok = False
+                        break
+                    times[name] = time_fp4(backend, m_tune, n, k, gen)
+                except Exception as e:
+                    print(f"  FAILED m={m_tune} {name} {cand}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    ok = False
+                    break
+            if ok:
+                scores.append((cand, times))
+                rows.append(dict(m=m_tune, cfg=cand, times_us={k: v * 1e6 for k, v in times.items()}))
+        best_per_shape = {name: min(t[name] for _, t in scores) for name in SHAPES}
+        ranked = sorted(scores, key=lambda s: sum(math.log(s[1][n] / best_per_shape[n]) for n in SHAPES))
+        best = ranked[0][0]
+        loss = {n: ranked[0][1][n] / best_per_shape[n] for n in SHAPES}
+        print(f"M={m_tune}: best {best} (x of per-shape best: "
+              + ", ".join(f"{n.split('.')[-1]} {v:.2f}" for n, v in loss.items()) + ")", flush=True)
+        table.append(dict(max_m=max_m, **{k: v for k, v in TileConfig(**best).__dict__.items()
+                                          if k != "max_m"}))
+    with open(os.path.join(out_dir, "gemm_sweep.json"), "w") as f:
+        json.dump(dict(rows=rows, table=table), f, indent=1)
+    return table
+
+
+# --- benchmark ---------------------------------------------------------------------------------------
+
+
+def benchmark(table, out_dir: str, gen) -> list[dict]:
+    backend = backend_with(parse_table(table))
+    results = []
+    for name, (n, k) in SHAPES.items():
+        for m in MS:
+            ws = weights_for(n, k, gen)[0]
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            err = check_once(backend, x, ws, n)
+            t_fp4 = time_fp4(backend, m, n, k, gen)
+            t_bf16 = time_bf16(m, n, k, gen)
+            tile, split = backend._plan(m, n, k)
+            row = dict(shape=name, m=m, n=n, k=k, fp4_us=t_fp4 * 1e6, bf16_us=t_bf16 * 1e6,
+                       speedup=t_bf16 / t_fp4, fp4_tbps=fp4_bytes(m, n, k) / t_fp4 / 1e12,
+                       hbm_frac=fp4_bytes(m, n, k) / t_fp4 / HBM,
+                       fp4_tflops=2 * m * n * k / t_fp4 / 1e12, bf16_tflops=2 * m * n * k / t_bf16 / 1e12,
+                       rel_err=err, tile=dataclasses.asdict(tile), split_k=split)
+            results.append(row)
+            print(f"{name:22s} M={m:6d}  fp4 {row['fp4_us']:9.1f} us  bf16 {row['bf16_us']:9.1f} us  "
+                  f"x{row['speedup']:5.2f}  {row['fp4_tbps']:5.2f} TB/s ({100 * row['hbm_frac']:3.0f}%)  "
+                  f"{row['fp4_tflops']:6.1f} TFLOP/s  err {err:.1e}", flush=True)
+    with open(os.path.join(out_dir, "gemm_bench.json"), "w") as f:
+        json.dump(dict(table=table, results=results, device=torch.cuda.get_device_name()), f, indent=1)
+    return results
+
+
+def markdown(results) -> str:
+    lines = ["| shape (N x K) | M | fp4 us | bf16 us | speedup | TB/s | % of 4.24 | fp4 TFLOP/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r['shape']} ({r['n']}x{r['k']}) | {r['m']} | {r['fp4_us']:.1f} | {r['bf16_us']:.1f} | "
+                     f"{r['speedup']:.2f} | {r['fp4_tbps']:.2f} | {100 * r['hbm_frac']:.0f}% | "
+                     f"{r['fp4_tflops']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--sweep", action="store_true", help="tune the tile table first")
+    parser.add_argument("--table", help="a JSON tile table to benchmark (default: the shipped one)")
+    parser.add_argument("--workers", type=int, default=14, help="processes compiling the sweep")
+    parser.add_argument("--wait-for", help="start timing only once this file exists")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    gen = torch.Generator("cuda").manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    if args.sweep:
+        table = sweep(args.out, gen, args.workers, args.wait_for)
+    elif args.table:
+        with open(args.table) as f:
+            table = json.load(f)
+    else:
+        from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES
+
+        table = FP4_GEMM_TILES
+    print("table:", json.dumps(table), flush=True)
+    results = benchmark(table, args.out, gen)
+    md = markdown(results)
+    with open(os.path.join(args.out, "gemm_bench.md"), "w") as f:
+        f.write(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

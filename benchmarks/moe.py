@@ -1,0 +1,238 @@
+"""Triton fused NVFP4 MoE (w4a16) on one DeepSeek-V3 MoE layer: 256 experts, top-8 (8 groups, 4 kept),
+hidden 7168, moe_intermediate 2048.
+
+    python benchmarks/moe.py --out DIR             # the shipped MoE tile table
+    python benchmarks/moe.py --sweep --out DIR     # try candidate tiles per token bucket first
+
+For each token count T: the whole op (routing + align + both grouped GEMMs + combine) and the expert
+part alone (align + GEMMs + combine on routed ids), as CUDA-graph replays that rotate over 8 routing
+draws (fresh router logits, so different experts each call). Decode is reported as bandwidth over the
+expert weights actually touched (unique experts of each draw x 24.8 MB), against 4.24 TB/s; prefill
+as TFLOP/s, next to cuBLAS bf16 doing the same FLOPs as two dense GEMMs (context, not an MoE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from fp4_gemm import HBM, graph_time  # noqa: E402
+
+from pieceworks.backends.base import BackendSpec  # noqa: E402
+from pieceworks.backends.fp4_gemm.triton import TileConfig, parse_table  # noqa: E402
+from pieceworks.backends.moe.base import MoEWeights  # noqa: E402
+from pieceworks.backends.moe.routing import deepseek_route  # noqa: E402
+from pieceworks.backends.moe.triton import TritonMoEBackend, num_aligned_blocks  # noqa: E402
+
+E, H, I, TOPK, GROUPS, TOPK_GROUP, SCALE = 256, 7168, 2048, 8, 8, 4, 2.5
+TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
+BUCKETS = [(1, 4), (16, 16), (64, 64), (256, 256), (1024, 1024), (16384, None)]
+EXPERT_BYTES = (2 * I * H + H * I) * (0.5 + 1 / 16)
+DRAWS = 8
+
+
+def random_moe(gen) -> MoEWeights:
+    """k32-layout random experts (random bytes are random codes in any layout)."""
+    def mat(rows, cols):
+        w = torch.randint(0, 256, (E, rows, cols // 2), dtype=torch.uint8, device="cuda", generator=gen)
+        s = (torch.rand(E, rows, cols // 16, device="cuda", generator=gen) * 2 + 0.05).to(torch.float8_e4m3fn)
+        return w, s
+
+    w13, s13 = mat(2 * I, H)
+    w2, s2 = mat(H, I)
+    ones = torch.ones(E, device="cuda")
+    return MoEWeights(w13, s13, torch.full((E, 2), 0.01, device="cuda"), ones, w2, s2,
+                      torch.full((E,), 0.01, device="cuda"), ones)
+
+
+def draws(t: int, gen, n: int):
+    out = []
+    for _ in range(n):
+        x = torch.randn(t, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+        logits = torch.randn(t, E, device="cuda", generator=gen)
+        out.append((x, logits))
+    return out
+
+
+def candidates(t: int) -> list[dict]:
+    if t <= 16:
+        return ([dict(block_m=16, block_n=bn, block_k=256, num_stages=4, w_as_a=wa)
+                 for bn, wa in ((64, True), (128, True), (32, False), (64, False))]
+                + [dict(block_m=16, block_n=64, block_k=512, num_stages=3, w_as_a=True)])  # 128x512 spills
+    if t <= 256:
+        return [dict(block_m=bm, block_n=64, block_k=bk, num_stages=4, w_as_a=wa)
+                for bm in (16, 32) for wa in (True, False) for bk in (128, 256)]
+    return [dict(block_m=bm, block_n=bn, block_k=64, num_warps=8, num_stages=3, w_as_a=wa)
+            for bm, bn, wa in ((64, 128, True), (64, 128, False), (128, 128, True), (128, 128, False),
+                               (64, 256, True))]  # 128x256 spills with the two SwiGLU accumulators
+
+
+def _compile_job(cand):
+    """Compile both grouped GEMMs of one tile config on a 16-expert copy of the layer's shapes."""
+    from pieceworks.backends.moe import triton_kernels as mk
+
+    torch.cuda.set_device(0)
+    gen = torch.Generator("cuda").manual_seed(0)
+    e = 16
+    w13 = torch.randint(0, 256, (e, 2 * I, H // 2), dtype=torch.uint8, device="cuda", generator=gen)
+    s13 = torch.ones(e, 2 * I, H // 16, device="cuda").to(torch.float8_e4m3fn)
+    w2 = torch.randint(0, 256, (e, H, I // 2), dtype=torch.uint8, device="cuda", generator=gen)
+    s2 = torch.ones(e, H, I // 16, device="cuda").to(torch.float8_e4m3fn)
+    x = torch.randn(4, H, device="cuda", dtype=torch.bfloat16)
+    weights, ids = deepseek_route(torch.randn(4, e, device="cuda"), torch.empty(0, device="cuda"),
+                                  TOPK, GROUPS, TOPK_GROUP, True, SCALE)
+    tile = TileConfig(**cand)
+    try:
+        blocks = num_aligned_blocks(ids.numel(), e, tile.block_m)
+        aligned = mk.align_gpu(ids, e, tile.block_m, blocks)
+        mk.fused_moe(x, w13, s13, torch.full((e, 2), 0.01, device="cuda"), w2, s2,
+                     torch.full((e,), 0.01, device="cuda"), weights.contiguous(), *aligned, TOPK, tile)
+        torch.cuda.synchronize()
+        return None
+    except Exception as exc:
+        return f"{cand}: {type(exc).__name__}: {str(exc)[:300]}"
+
+
+def precompile(workers: int) -> None:
+    import multiprocessing as mp
+
+    cands, seen = [], set()
+    for t, _ in BUCKETS:
+        for c in candidates(t):
+            if json.dumps(c, sort_keys=True) not in seen:
+                seen.add(json.dumps(c, sort_keys=True))
+                cands.append(c)
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(workers) as pool:
+        errors = [e for e in pool.map(_compile_job, cands, chunksize=1) if e]
+    print(f"precompiled {len(cands)} MoE tile configs in {time.time() - t0:.0f}s; {len(errors)} failed", flush=True)
+    for e in errors:
+        print("  compile error:", e, flush=True)
+
+
+class Bench:
+    def __init__(self, gen):
+        self.gen = gen
+        self.w = random_moe(gen)
+        self.bias = torch.randn(E, device="cuda", generator=gen) * 0.01
+        self.backend = TritonMoEBackend(BackendSpec.for_device("cuda", fp4_numerics="w4a16"))
+
+    def full(self, x, logits):
+        return self.backend.forward(x, logits, self.bias, self.w, TOPK, GROUPS, TOPK_GROUP, True, SCALE)
+
+    def experts(self, x, routed, tile):
+        from pieceworks.backends.moe import triton_kernels as mk
+
+        weights, ids = routed
+        blocks = num_aligned_blocks(ids.numel(), E, tile.block_m)
+        sorted_ids, expert_ids, num_post = mk.align_gpu(ids, E, tile.block_m, blocks)
+        w = self.w
+        return mk.fused_moe(x, w.w13, w.w13_scale, w.w13_scale_2, w.w2, w.w2_scale, w.w2_scale_2,
+                            weights, sorted_ids, expert_ids, num_post, TOPK, tile)
+
+    def route(self, logits):
+        w, ids = deepseek_route(logits, self.bias, TOPK, GROUPS, TOPK_GROUP, True, SCALE)
+        return w.contiguous(), ids
+
+    def time_experts(self, t, tile, sets) -> float:
+        routed = [self.route(lg) for _, lg in sets]
+        return graph_time(lambda i: self.experts(sets[i % len(sets)][0], routed[i % len(sets)], tile),
+                          len(sets), replays=5)
+
+    def time_full(self, sets) -> float:
+        return graph_time(lambda i: self.full(*sets[i % len(sets)]), len(sets), replays=5)
+
+
+def sweep(bench: Bench, gen) -> list[dict]:
+    table = []
+    for t, max_m in BUCKETS:
+        sets = draws(t, gen, DRAWS if t <= 256 else 2)
+        best = None
+        for cand in candidates(t):
+            tile = TileConfig(**cand)
+            try:
+                dt = bench.time_experts(t, tile, sets)
+            except Exception as e:
+                print(f"  FAILED T={t} {cand}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            print(f"  T={t} {cand}: {dt * 1e6:.1f} us", flush=True)
+            if best is None or dt < best[1]:
+                best = (cand, dt)
+        print(f"T={t}: best {best[0]} {best[1] * 1e6:.1f} us", flush=True)
+        table.append(dict(max_m=max_m, **best[0]))
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--precompile-only", action="store_true", help="compile the sweep's kernels and exit")
+    parser.add_argument("--workers", type=int, default=8)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.precompile_only:
+        precompile(args.workers)
+        return
+    gen = torch.Generator("cuda").manual_seed(0)
+    t0 = time.time()
+    bench = Bench(gen)
+    print(f"weights ready in {time.time() - t0:.1f}s; {torch.cuda.memory_allocated() / 1e9:.1f} GB", flush=True)
+    if args.sweep:
+        table = sweep(bench, gen)
+    else:
+        from pieceworks.backends.fp4_gemm.triton_tiles import MOE_TILES
+
+        table = MOE_TILES
+    bench.backend.table = parse_table(table)
+    print("table:", json.dumps(table), flush=True)
+    results = []
+    for t in TOKENS:
+        sets = draws(t, gen, DRAWS if t <= 256 else 2)
+        tile = bench.backend.tile(t)
+        touched = []
+        for _, logits in sets:
+            touched.append(int(bench.route(logits)[1].unique().numel()))
+        nbytes = sum(touched) / len(touched) * EXPERT_BYTES + 2 * t * H * 2
+        t_full = bench.time_full(sets)
+        t_exp = bench.time_experts(t, tile, sets)
+        flops = 2 * t * TOPK * 3 * H * I
+        a = torch.randn(t * TOPK, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+        b1 = torch.randn(2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+        a2 = torch.randn(t * TOPK, I, device="cuda", dtype=torch.bfloat16, generator=gen)
+        b2 = torch.randn(H, I, device="cuda", dtype=torch.bfloat16, generator=gen)
+        t_dense = graph_time(lambda i: (a @ b1.t(), a2 @ b2.t()), 2, replays=5) if t >= 64 else float("nan")
+        row = dict(tokens=t, experts_touched=sum(touched) / len(touched), full_us=t_full * 1e6,
+                   experts_us=t_exp * 1e6, touched_gb=nbytes / 1e9,
+                   full_hbm_frac=nbytes / t_full / HBM, experts_hbm_frac=nbytes / t_exp / HBM,
+                   tflops=flops / t_full / 1e12, dense_bf16_us=t_dense * 1e6, tile=dataclasses.asdict(tile))
+        results.append(row)
+        print(f"T={t:6d} experts {row['experts_touched']:6.1f}  full {row['full_us']:9.1f} us "
+              f"({100 * row['full_hbm_frac']:3.0f}% of 4.24 TB/s over touched)  experts-only "
+              f"{row['experts_us']:9.1f} us ({100 * row['experts_hbm_frac']:3.0f}%)  {row['tflops']:6.1f} TFLOP/s"
+              f"  dense-bf16-same-flops {row['dense_bf16_us']:.1f} us", flush=True)
+    with open(os.path.join(args.out, "moe_bench.json"), "w") as f:
+        json.dump(dict(table=table, results=results, device=torch.cuda.get_device_name()), f, indent=1)
+    lines = ["| T | experts touched | full op us | experts-only us | touched GB | % of 4.24 TB/s (full / experts) "
+             "| TFLOP/s | cuBLAS bf16 same FLOPs us |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r['tokens']} | {r['experts_touched']:.1f} | {r['full_us']:.1f} | {r['experts_us']:.1f} | "
+                     f"{r['touched_gb']:.2f} | {100 * r['full_hbm_frac']:.0f}% / {100 * r['experts_hbm_frac']:.0f}% | "
+                     f"{r['tflops']:.0f} | {r['dense_bf16_us']:.1f} |")
+    md = "\n".join(lines)
+    with open(os.path.join(args.out, "moe_bench.md"), "w") as f:
+        f.write(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
