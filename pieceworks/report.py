@@ -192,7 +192,7 @@ def eval_perplexity(cfg: Config, text_path: Path, window: int) -> int:
     if not text_path.is_file():
         raise FileNotFoundError(f"--text {text_path}: no such file")
     ex = Executor.from_config(cfg)
-    ids = ex.tokenizer.encode(text_path.read_text(encoding="utf-8"))
+    ids = ex.tokenizer.encode(text_path.read_text(encoding="utf-8"), add_special_tokens=False)
     chunks = windows(ids, window)
     t0 = time.perf_counter()
     logits = ex.score(chunks)
