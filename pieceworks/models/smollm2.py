@@ -46,7 +46,7 @@ FP4_NAME = "smollm2-135m-instruct-nvfp4"
 MARKER = "pieceworks-cache.json"
 
 # Bump when the conversion's output changes; caches recorded with another number are rebuilt.
-CONVERSION_FORMAT = 1
+CONVERSION_FORMAT = 2  # 2: NVFP4 calibration in float32 on CPU
 
 # Files a checkpoint needs besides its weights; the NVFP4 cache copies them from the bf16 one.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
