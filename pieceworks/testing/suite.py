@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pieceworks.backends.base import BackendSpec, ModelFacts, parse_options
+from pieceworks.backends.fp4_gemm.base import Fp4Weight
 from pieceworks.backends.registry import Registry
 from pieceworks.testing import scenarios as S
 
@@ -93,10 +94,7 @@ def test_fp4_gemm(backend, shape, numerics, device):
     impl = _build(backend, _spec(device, ModelFacts(dtype=dtype, fp4=True), numerics))
     m, k, n = shape
     gen = torch.Generator().manual_seed(m * 1000 + k)
-    w = impl.prepare(S.random_fp4_weight(n, k, gen, torch.device(device)))
-    from pieceworks.backends.fp4_gemm.base import Fp4Weight
-
-    w = Fp4Weight(*w) if not isinstance(w, Fp4Weight) else w
+    w = impl.prepare(Fp4Weight(*S.random_fp4_weight(n, k, gen, torch.device(device))))
     x = (torch.randn(m, k, generator=gen)).to(dtype).to(device)
     ref_w = S.random_fp4_weight(n, k, torch.Generator().manual_seed(m * 1000 + k), torch.device("cpu"))
     y = impl.forward(x, w.weight, w.weight_scale, w.weight_scale_2, w.input_scale, n)
