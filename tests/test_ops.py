@@ -17,7 +17,9 @@ OPS = torch.ops.pieceworks
 
 
 def _kernels(mode=ForwardMode.EXTEND):
-    cfg = load_config({"model": {"arch": "llama"}})
+    # the reference (checkpoint layout); `auto` would pick the CPU dequant backend, whose weights
+    # need prepare() first
+    cfg = load_config({"model": {"arch": "llama"}}, ["backends.fp4_gemm=torch"])
     facts = ModelFacts(fp4=True, moe_experts=8, moe_quant="nvfp4")
     table = Registry(autoload=False).load().resolve(cfg.backends, BackendSpec(model=facts))
     return table.step(mode, GraphMode.EAGER)

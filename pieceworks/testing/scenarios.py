@@ -78,6 +78,7 @@ def attention_case(sc: Scenario, num_heads: int, num_kv_heads: int, head_dim: in
     total = sum(p + n for p, n in sc.seqs)
     num_pages = 1 + sum(-(-(p + n) // sc.page_size) for p, n in sc.seqs) + 2
     pool = KVPool(KVLayout("gqa", 1, num_kv_heads, head_dim), num_pages, sc.page_size, dtype, device)
+    pool.buffer.fill_(float("nan"))  # slots no sequence owns may hold anything: a backend must not read them
     meta, pages = _paged_meta(sc, pool, device, rng)
     t = meta.num_tokens
     rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
@@ -115,6 +116,7 @@ def mla_case(sc: Scenario, num_heads: int, rank: int, rope: int, dtype: torch.dt
     rng = random.Random(seed)
     num_pages = 1 + sum(-(-(p + n) // sc.page_size) for p, n in sc.seqs) + 2
     pool = KVPool(KVLayout("mla", 1, latent_dim=rank + rope), num_pages, sc.page_size, dtype, device)
+    pool.buffer.fill_(float("nan"))
     meta, pages = _paged_meta(sc, pool, device, rng)
     t = meta.num_tokens
     rnd = lambda *s: (torch.randn(*s, generator=gen) * 0.5).to(dtype)  # noqa: E731

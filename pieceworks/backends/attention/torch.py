@@ -55,6 +55,8 @@ class TorchAttentionBackend(AttentionBackend):
         slots = meta.slot_mapping[: k.shape[0]]
         kc.view(-1, *kc.shape[2:]).index_copy_(0, slots, k.to(kc.dtype))
         vc.view(-1, *vc.shape[2:]).index_copy_(0, slots, v.to(vc.dtype))
+        if q.shape[0] > meta.num_tokens:  # padding rows: keep them finite for the next piece
+            out[meta.num_tokens :].zero_()
         if meta.mode is ForwardMode.DECODE:
             self._decode(q, out, kc, vc, scale)
             return
@@ -76,12 +78,17 @@ class TorchAttentionBackend(AttentionBackend):
         vals = vc[table].flatten(1, 2)
         _, s, hkv, d = keys.shape
         hq = q.shape[1]
-        qf = q[:b].float().view(b, hkv, hq // hkv, d)
-        scores = torch.einsum("bhgd,bshd->bhgs", qf, keys.float()) * scale
         valid = torch.arange(s, device=q.device).unsqueeze(0) < lens.unsqueeze(1)
+        # Slots past a sequence's length (other pages, the reserved page) may hold anything, NaN
+        # included: zero them, since a masked score times a NaN value is still NaN.
+        keep = valid[:, :, None, None]
+        keys = torch.where(keep, keys.float(), 0.0)
+        vals = torch.where(keep, vals.float(), 0.0)
+        qf = q[:b].float().view(b, hkv, hq // hkv, d)
+        scores = torch.einsum("bhgd,bshd->bhgs", qf, keys) * scale
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)
-        res = torch.einsum("bhgs,bshd->bhgd", probs, vals.float())
+        res = torch.einsum("bhgs,bshd->bhgd", probs, vals)
         out[:b] = res.reshape(b, hq, vals.shape[-1]).to(out.dtype)
 
 

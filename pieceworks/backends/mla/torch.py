@@ -55,6 +55,8 @@ class TorchMLABackend(MLABackend):
         cache = kv.latent_cache(layer_id)
         slots = meta.slot_mapping[: c_kv.shape[0]]
         cache.view(-1, cache.shape[-1]).index_copy_(0, slots, torch.cat([c_kv, k_pe], -1).to(cache.dtype))
+        if q_nope.shape[0] > meta.num_tokens:  # padding rows: keep them finite for the next piece
+            out[meta.num_tokens :].zero_()
         if meta.mode is ForwardMode.DECODE:
             self._decode(q_nope, q_pe, out, cache, scale)
             return
@@ -70,9 +72,10 @@ class TorchMLABackend(MLABackend):
         lens = self._seq_lens
         b = lens.shape[0]
         entries = cache[self._meta.page_table[:b]].flatten(1, 2).float()  # [B, S, L + R]
+        valid = torch.arange(entries.shape[1], device=cache.device).unsqueeze(0) < lens.unsqueeze(1)
+        entries = torch.where(valid[:, :, None], entries, 0.0)  # slots past the length may hold NaN
         rank = q_nope.shape[-1]
         scores = (torch.einsum("bhl,bsl->bhs", q_nope[:b].float(), entries[..., :rank])
                   + torch.einsum("bhr,bsr->bhs", q_pe[:b].float(), entries[..., rank:])) * scale
-        valid = torch.arange(entries.shape[1], device=cache.device).unsqueeze(0) < lens.unsqueeze(1)
         probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1)
         out[:b] = torch.einsum("bhs,bsl->bhl", probs, entries[..., :rank]).to(out.dtype)
