@@ -143,7 +143,7 @@ def candidates(m: int) -> list[dict]:
     out = []
     if m <= 16:
         for bk in (256, 512):
-            for ns in (3, 5):
+            for ns in (3, 4):
                 for target in (264, 528):
                     for bn in (64, 128) if bk == 256 else (64,):  # 128x512 spills
                         out.append(dict(block_m=16, block_n=bn, block_k=bk, num_stages=ns, w_as_a=True,
@@ -171,9 +171,11 @@ def candidates(m: int) -> list[dict]:
                                         w_as_a=wa, group_m=8, target_ctas=132, max_split=4))
     else:
         for bn in (128, 256):
-            for ns in (3, 4):
+            for bk in (64, 128):
                 for wa in (True, False):
-                    out.append(dict(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=ns,
+                    if bn == 256 and bk == 128 and not wa:
+                        continue
+                    out.append(dict(block_m=128, block_n=bn, block_k=bk, num_warps=8, num_stages=3,
                                     w_as_a=wa, group_m=8))
         out.append(dict(kind="dequant"))
     return out

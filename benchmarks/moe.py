@@ -71,9 +71,10 @@ def candidates(t: int) -> list[dict]:
     if t <= 256:
         return [dict(block_m=bm, block_n=64, block_k=bk, num_stages=4, w_as_a=wa)
                 for bm in (16, 32) for wa in (True, False) for bk in (128, 256)]
-    return [dict(block_m=bm, block_n=bn, block_k=64, num_warps=8, num_stages=3, w_as_a=wa)
+    return [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=8, num_stages=3, w_as_a=wa)
             for bm, bn, wa in ((64, 128, True), (64, 128, False), (128, 128, True), (128, 128, False),
-                               (64, 256, True))]  # 128x256 spills with the two SwiGLU accumulators
+                               (64, 256, True))  # 128x256 spills with the two SwiGLU accumulators
+            for bk in (64, 128)]
 
 
 def _compile_job(cand):

@@ -64,9 +64,11 @@ def test_split_k_choice():
     # Never more than max_split, never below two iterations per split.
     assert choose_split_k(tile, 1, 64, 14336) == 8
     assert choose_split_k(tile, 1, 64, 512) == 1
-    # Prefers a divisor of the iteration count: 14 iterations, want 4 -> 2 (no masked tail)... or 7.
-    split = choose_split_k(tile, 1, 4096, 14 * 256)
-    assert 14 % split == 0
+    # Splits are equal: 14 iterations and 5 wanted -> 2 (the largest divisor up to 5).
+    assert choose_split_k(tile, 1, 4096, 14 * 256) == 2
+    for n, k in [(4096, 4096), (6144, 14336), (100, 512 * 7)]:
+        split = choose_split_k(tile, 1, n, k)
+        assert (k // 256) % split == 0
     assert choose_split_k(TileConfig(kind="dequant"), 1, 64, 4096) == 1
 
 
@@ -77,7 +79,7 @@ def test_split_k_choice():
 def test_repack_roundtrip_and_padding(n, k):
     packed, scale, _ = random_fp4(n, k, seed=n + k)
     w, s = repack_k32(packed, scale, chunk_rows=3)
-    kp = -(-k // 32) * 32
+    kp = -(-k // 512) * 512
     assert w.shape == (n, kp // 2) and w.dtype == torch.uint8
     assert s.shape == (n, kp // 16) and s.dtype == torch.float8_e4m3fn
     assert torch.equal(unpack_k32(w, k), nvfp4.unpack(packed))

@@ -23,6 +23,7 @@ from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES
 from pieceworks.quant import nvfp4
 
 GROUP = 32  # elements per k32 group
+K_ALIGN = 512  # K is padded to this, a multiple of every BLOCK_K: the kernels' weight loads need no mask
 # Bit positions of a code's (sign, E1, E0, m) for slots 0..3 of a 16-bit unit (triton_kernels.py).
 SLOT_BITS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 11, 10, 13))
 
@@ -70,22 +71,17 @@ def select_tile(table: tuple[TileConfig, ...], m: int) -> TileConfig:
 
 
 def choose_split_k(tile: TileConfig, m: int, n: int, k_padded: int) -> int:
-    """K splits so that about `target_ctas` programs stream the weight.
-
-    Each split keeps at least two BLOCK_K iterations and there are at most `max_split`; a split count
-    that divides the iterations evenly (no masked tail, down to half the wanted count) is preferred.
-    """
+    """K splits so that about `target_ctas` programs stream the weight: the largest divisor of the
+    BLOCK_K iterations (splits must be equal) that is at most the wanted count, `max_split`, and half
+    the iterations (each split keeps two or more)."""
     if tile.kind != "fused" or tile.target_ctas <= 0:
         return 1
     tiles = -(-m // tile.block_m) * -(-n // tile.block_n)
     if tiles >= tile.target_ctas:
         return 1
-    iters = -(-k_padded // tile.block_k)
+    iters = k_padded // tile.block_k
     want = max(1, min(-(-tile.target_ctas // tiles), iters // 2, tile.max_split))
-    for split in range(want, max(1, want // 2) - 1, -1):
-        if iters % split == 0:
-            return split
-    return want
+    return max(s for s in range(1, want + 1) if iters % s == 0)
 
 
 def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int = 4096):
@@ -97,12 +93,12 @@ def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int
         chunk_rows: rows converted at a time (bounds the temporary int32 codes).
 
     Returns:
-        (uint8 [..., N, Kp/2], float8_e4m3fn [..., N, Kp/16]) with Kp = K rounded up to 32; padding is
-        zero codes and zero scales.
+        (uint8 [..., N, Kp/2], float8_e4m3fn [..., N, Kp/16]) with Kp = K rounded up to K_ALIGN (512);
+        padding is zero codes and zero scales.
     """
     *lead, n, half_k = weight.shape
     k = half_k * 2
-    kp = -(-k // GROUP) * GROUP
+    kp = -(-k // K_ALIGN) * K_ALIGN
     flat = weight.reshape(-1, half_k)
     out = torch.empty((flat.shape[0], kp // 2), dtype=torch.uint8, device=weight.device)
     for r0 in range(0, flat.shape[0], chunk_rows):

@@ -3,7 +3,8 @@
 Imported only by the Triton backends' methods (it imports triton at the top). The weight layout these
 kernels read ("k32", produced by `pieceworks.backends.fp4_gemm.triton.repack_k32`):
 
-- K is zero-padded to Kp, a multiple of 32 (zero codes, zero block scales).
+- K is zero-padded to Kp, a multiple of 512 (zero codes, zero block scales), so that every BLOCK_K
+  divides it and the weight loads need no masks (masked loads would keep Triton from pipelining them).
 - Each group of 32 consecutive elements of a row is stored as 8 little-endian 16-bit units. Unit u
   (0..7) of group g holds the four codes of elements 32g + 8j + u, j = 0..3 ("slot j"), at these bits
   (code bits: s = sign, E1 E0 = exponent, m = mantissa):
@@ -104,29 +105,13 @@ def _mma(acc, w, x, W_AS_A: tl.constexpr):
 
 
 @triton.jit
-def _load_w(w_ptrs, s_ptrs, k0, Kp, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            EVEN_K: tl.constexpr):
-    """One [BLOCK_N, BLOCK_K] weight tile: k32 units [BN, BK/4] and its scales broadcast to them."""
+def _dequant_mma(acc, w, s, x0, x1, x2, x3, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 W_AS_A: tl.constexpr, USE_ASM: tl.constexpr):
     BG: tl.constexpr = BLOCK_K // 32
     BQ: tl.constexpr = BLOCK_K // 4
-    if EVEN_K:
-        w = tl.load(w_ptrs)
-        s_a = tl.load(s_ptrs)
-        s_b = tl.load(s_ptrs + 1)
-    else:
-        c = tl.arange(0, BQ)
-        g = tl.arange(0, BG)
-        w = tl.load(w_ptrs, mask=(k0 + 4 * c < Kp)[None, :], other=0)
-        gmask = (k0 + 32 * g < Kp)[None, :]
-        s_a = tl.load(s_ptrs, mask=gmask, other=0.0)
-        s_b = tl.load(s_ptrs + 1, mask=gmask, other=0.0)
-    s_a = tl.broadcast_to(s_a.to(tl.float32)[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
-    s_b = tl.broadcast_to(s_b.to(tl.float32)[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
-    return w, s_a, s_b
-
-
-@triton.jit
-def _dequant_mma(acc, w, s_a, s_b, x0, x1, x2, x3, W_AS_A: tl.constexpr, USE_ASM: tl.constexpr):
+    s_a, s_b = tl.split(s.to(tl.float32).reshape(BLOCK_N, BG, 2))  # slots 0/1 and 2/3 of each group
+    s_a = tl.broadcast_to(s_a[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
+    s_b = tl.broadcast_to(s_b[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
     v0, v1, v2, v3 = decode_k32(w, s_a, s_b, USE_ASM)
     acc = _mma(acc, v0, x0, W_AS_A)
     acc = _mma(acc, v1, x1, W_AS_A)
@@ -141,27 +126,32 @@ def fp4_tile_loop(
     k_lo, num_iters, K, Kp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, DUAL: tl.constexpr,
-):
+):  # EVEN_K: K == Kp, x needs no column mask
     """acc += x[rows, k_lo : k_lo + num_iters*BLOCK_K] @ dequant(W[w_rows, same]).T, without the
     global scale; with DUAL also acc2 for the weight rows w_rows2 (x is loaded once for both).
 
     x_rows [BM] / w_rows [BN] / s_rows [BN]: int64 offsets of each row's start (x in elements, w in
     16-bit units, s in scales); x_mask [BM]: rows to read (others load zeros). acc/acc2 are [BN, BM]
-    when W_AS_A, else [BM, BN]."""
-    BG: tl.constexpr = BLOCK_K // 32
+    when W_AS_A, else [BM, BN]. Weights and x go through Triton's cp.async pipeline (num_stages);
+    the small scale loads are prefetched by hand two iterations ahead."""
     BQ: tl.constexpr = BLOCK_K // 4
     c = tl.arange(0, BQ)  # k32 unit within the tile: group c // 8, unit c % 8
-    g = tl.arange(0, BG)
+    t16 = tl.arange(0, BLOCK_K // 16)
     xc = (c // 8) * 32 + (c % 8)  # element of slot 0 of unit c
     w_ptrs = w_ptr + w_rows[:, None] + (k_lo // 4 + c)[None, :]
-    s_ptrs = s_ptr + s_rows[:, None] + (k_lo // 16 + 2 * g)[None, :]
+    s_ptrs = s_ptr + s_rows[:, None] + (k_lo // 16 + t16)[None, :]
     if DUAL:
         w_ptrs2 = w_ptr + w_rows2[:, None] + (k_lo // 4 + c)[None, :]
-        s_ptrs2 = s_ptr + s_rows2[:, None] + (k_lo // 16 + 2 * g)[None, :]
+        s_ptrs2 = s_ptr + s_rows2[:, None] + (k_lo // 16 + t16)[None, :]
     x_ptrs = x_ptr + x_rows[:, None] + (k_lo + xc)[None, :]
     xm = x_mask[:, None]
     for it in range(num_iters):
         k0 = k_lo + it * BLOCK_K
+        # The weights are padded to a multiple of every BLOCK_K and splits divide the iterations, so
+        # weight and scale loads need no mask: Triton's pipeliner streams both with cp.async (scales
+        # from 8 bytes a row, BLOCK_K >= 128; smaller tiles load them synchronously).
+        w = tl.load(w_ptrs)
+        s0 = tl.load(s_ptrs)
         if EVEN_K:
             x0 = tl.load(x_ptrs, mask=xm, other=0.0)
             x1 = tl.load(x_ptrs + 8, mask=xm, other=0.0)
@@ -177,11 +167,11 @@ def fp4_tile_loop(
         x1 = x1.to(tl.bfloat16)
         x2 = x2.to(tl.bfloat16)
         x3 = x3.to(tl.bfloat16)
-        w, s_a, s_b = _load_w(w_ptrs, s_ptrs, k0, Kp, BLOCK_N, BLOCK_K, EVEN_K)
-        acc = _dequant_mma(acc, w, s_a, s_b, x0, x1, x2, x3, W_AS_A, USE_ASM)
+        acc = _dequant_mma(acc, w, s0, x0, x1, x2, x3, BLOCK_N, BLOCK_K, W_AS_A, USE_ASM)
         if DUAL:
-            w2, s_a2, s_b2 = _load_w(w_ptrs2, s_ptrs2, k0, Kp, BLOCK_N, BLOCK_K, EVEN_K)
-            acc2 = _dequant_mma(acc2, w2, s_a2, s_b2, x0, x1, x2, x3, W_AS_A, USE_ASM)
+            w2 = tl.load(w_ptrs2)
+            r0 = tl.load(s_ptrs2)
+            acc2 = _dequant_mma(acc2, w2, r0, x0, x1, x2, x3, BLOCK_N, BLOCK_K, W_AS_A, USE_ASM)
             w_ptrs2 += BLOCK_K // 4
             s_ptrs2 += BLOCK_K // 16
         w_ptrs += BLOCK_K // 4
@@ -247,31 +237,27 @@ def _splitk_reduce_kernel(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK
 
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
     """out [N, K] = bf16(e2m1 * scale * weight_scale_2), as the torch reference rounds it."""
     BG: tl.constexpr = BLOCK_K // 32
+    BQ: tl.constexpr = BLOCK_K // 4
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    g = tl.program_id(1) * BG + tl.arange(0, BG)
-    u = tl.arange(0, 8)
-    nmask = rn < N
-    gmask = g * 32 < K
-    m3 = nmask[:, None, None] & gmask[None, :, None]
-    w = tl.load(w_ptr + rn[:, None, None].to(tl.int64) * stride_wn + g[None, :, None] * 8
-                + u[None, None, :], mask=m3, other=0)
-    sp = s_ptr + rn[:, None].to(tl.int64) * stride_sn + 2 * g[None, :]
-    m2 = nmask[:, None] & gmask[None, :]
-    s_a = tl.load(sp, mask=m2, other=0.0).to(tl.float32)
-    s_b = tl.load(sp + 1, mask=m2, other=0.0).to(tl.float32)
-    v0, v1, v2, v3 = decode_k32(w, s_a[:, :, None], s_b[:, :, None], False)
+    n_c = tl.where(rn < N, rn, N - 1).to(tl.int64)
+    k0 = tl.program_id(1) * BLOCK_K  # within Kp: the weight needs no mask
+    w = tl.load(w_ptr + n_c[:, None] * stride_wn + (k0 // 4 + tl.arange(0, BQ))[None, :])
+    s = tl.load(s_ptr + n_c[:, None] * stride_sn + (k0 // 16 + tl.arange(0, BLOCK_K // 16))[None, :])
+    s_a, s_b = tl.split(s.to(tl.float32).reshape(BLOCK_N, BG, 2))
+    s_a = tl.broadcast_to(s_a[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
+    s_b = tl.broadcast_to(s_b[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
+    v0, v1, v2, v3 = decode_k32(w, s_a, s_b, USE_ASM)
+    # Interleave the slots back into element order: [BN, BG, unit, slot] -> [BN, BG, slot, unit].
+    v = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [BN, BQ, 2 (slot bit 0), 2 (slot bit 1)]
+    v = v.reshape(BLOCK_N, BG, 8, 2, 2).permute(0, 1, 3, 4, 2).reshape(BLOCK_N, BLOCK_K)
     gs = tl.load(gs_ptr) * 128.0
-    base = out_ptr + rn[:, None, None].to(tl.int64) * stride_on + g[None, :, None] * 32 + u[None, None, :]
-    k0 = g[None, :, None] * 32 + u[None, None, :]
-    nm = nmask[:, None, None]
-    ty = out_ptr.dtype.element_ty
-    tl.store(base, (v0.to(tl.float32) * gs).to(ty), mask=nm & (k0 < K))
-    tl.store(base + 8, (v1.to(tl.float32) * gs).to(ty), mask=nm & (k0 + 8 < K))
-    tl.store(base + 16, (v2.to(tl.float32) * gs).to(ty), mask=nm & (k0 + 16 < K))
-    tl.store(base + 24, (v3.to(tl.float32) * gs).to(ty), mask=nm & (k0 + 24 < K))
+    k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + rn[:, None].to(tl.int64) * stride_on + k[None, :],
+             (v.to(tl.float32) * gs).to(out_ptr.dtype.element_ty),
+             mask=(rn < N)[:, None] & (k < K)[None, :])
 
 
 def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k):
@@ -287,13 +273,14 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k):
         return out
     if cfg.kind == "dequant":
         w = torch.empty((N, K), dtype=torch.bfloat16, device=x.device)
-        grid = (triton.cdiv(N, 32), triton.cdiv(K, 256))
+        grid = (triton.cdiv(N, 16), triton.cdiv(K, 512))
         _dequant_kernel[grid](weight.view(torch.int16), weight_scale, weight_scale_2, w, N, K,
                               weight.stride(0) // 2, weight_scale.stride(0), w.stride(0),
-                              BLOCK_N=32, BLOCK_K=256, num_warps=4)
+                              BLOCK_N=16, BLOCK_K=512, USE_ASM=cfg.asm, num_warps=4)
         return torch.matmul(x.to(torch.bfloat16), w.t()).to(x.dtype)
-    k_per_split = triton.cdiv(triton.cdiv(Kp, split_k), cfg.block_k) * cfg.block_k
-    even_k = K == Kp and k_per_split * split_k == Kp
+    iters, rem = divmod(Kp, cfg.block_k)
+    assert rem == 0 and iters % split_k == 0, "weights must come from repack_k32; split_k must divide"
+    num_iters = iters // split_k
     if split_k > 1:
         dest = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
     else:
@@ -301,9 +288,9 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k):
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split_k)
     _fp4_gemm_kernel[grid](
         x, weight.view(torch.int16), weight_scale, weight_scale_2, dest,
-        M, N, K, Kp, x.stride(0), weight.stride(0) // 2, weight_scale.stride(0), N, M * N, k_per_split // cfg.block_k,
+        M, N, K, Kp, x.stride(0), weight.stride(0) // 2, weight_scale.stride(0), N, M * N, num_iters,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        SPLIT=split_k > 1, EVEN_K=even_k, W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm,
+        SPLIT=split_k > 1, EVEN_K=K == Kp, W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split_k > 1:

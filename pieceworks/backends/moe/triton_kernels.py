@@ -80,8 +80,9 @@ def _combine_kernel(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK: tl.constexpr):
 
 
 def _num_iters(kp: int, block_k: int) -> tuple[int, bool]:
-    iters = triton.cdiv(kp, block_k)
-    return iters, iters * block_k == kp
+    iters, rem = divmod(kp, block_k)
+    assert rem == 0, "expert weights must come from repack_k32 (K padded to a multiple of 512)"
+    return iters, True
 
 
 def fused_moe(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights,
