@@ -10,27 +10,29 @@ plain Triton arithmetic), target_ctas (split K until at least this many programs
 max_split.
 """
 
+# Swept on an H200 (2026-12-01, `python benchmarks/fp4_gemm.py --sweep`): each bucket is the config with
+# the lowest geometric-mean time over the Llama-3.1-8B and DeepSeek-V3 expert shapes at the bucket's
+# tuning M (1, 16, 64, 256, 1024, 16384). From M = 1024 up, dequantize + cuBLAS beat the fused kernel.
 FP4_GEMM_TILES = [
-    dict(max_m=16, kind="fused", block_m=16, block_n=64, block_k=256, group_m=1, num_warps=4,
-         num_stages=4, w_as_a=True, asm=True, target_ctas=264, max_split=8),
-    dict(max_m=32, kind="fused", block_m=32, block_n=64, block_k=256, group_m=1, num_warps=4,
-         num_stages=4, w_as_a=True, asm=True, target_ctas=264, max_split=8),
-    dict(max_m=64, kind="fused", block_m=64, block_n=64, block_k=128, group_m=1, num_warps=4,
-         num_stages=4, w_as_a=True, asm=True, target_ctas=264, max_split=8),
-    dict(max_m=256, kind="fused", block_m=64, block_n=128, block_k=128, group_m=8, num_warps=8,
-         num_stages=4, w_as_a=True, asm=True, target_ctas=132, max_split=4),
-    dict(max_m=1024, kind="fused", block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8,
-         num_stages=4, w_as_a=True, asm=True, target_ctas=0, max_split=1),
-    dict(max_m=None, kind="fused", block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8,
-         num_stages=3, w_as_a=True, asm=True, target_ctas=0, max_split=1),
+    dict(max_m=4, kind="fused", block_m=16, block_n=64, block_k=256, group_m=1, num_warps=4,
+         num_stages=3, w_as_a=True, asm=True, target_ctas=264, max_split=16),
+    dict(max_m=16, kind="fused", block_m=16, block_n=128, block_k=256, group_m=1, num_warps=4,
+         num_stages=3, w_as_a=True, asm=True, target_ctas=264, max_split=16),
+    dict(max_m=64, kind="fused", block_m=64, block_n=128, block_k=128, group_m=1, num_warps=4,
+         num_stages=3, w_as_a=True, asm=True, target_ctas=264, max_split=8),
+    dict(max_m=256, kind="fused", block_m=64, block_n=256, block_k=64, group_m=8, num_warps=8,
+         num_stages=3, w_as_a=True, asm=True, target_ctas=132, max_split=4),
+    dict(max_m=1024, kind="dequant"),
+    dict(max_m=None, kind="dequant"),
 ]
 
-# Grouped MoE GEMMs, by the average number of rows per active expert block (T * top_k).
+# Grouped MoE GEMMs, by token count T (swept with `python benchmarks/moe.py --sweep` on the
+# DeepSeek-V3 layer, tuning T = 1, 16, 64, 256, 1024, 16384; same date and machine).
 MOE_TILES = [
-    dict(max_m=64, block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4, w_as_a=True,
-         asm=True),
-    dict(max_m=1024, block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4, w_as_a=True,
-         asm=True),
-    dict(max_m=None, block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=4, w_as_a=True,
-         asm=True),
+    dict(max_m=4, block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=False),
+    dict(max_m=16, block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=True),
+    dict(max_m=64, block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=True),
+    dict(max_m=256, block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=True),
+    dict(max_m=1024, block_m=64, block_n=256, block_k=128, num_warps=8, num_stages=3, w_as_a=True),
+    dict(max_m=None, block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, w_as_a=True),
 ]
