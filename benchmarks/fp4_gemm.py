@@ -46,7 +46,7 @@ SHAPES = {  # name: (N, K)
 }
 MS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
 # The M at which each bucket of the table is tuned, and the bucket's upper bound.
-BUCKETS = [(1, 4), (16, 16), (32, 32), (64, 64), (256, 256), (1024, 1024), (4096, 4096), (16384, None)]
+BUCKETS = [(1, 4), (16, 16), (64, 64), (256, 256), (1024, 1024), (16384, None)]
 
 
 def random_weights(n: int, k: int, copies: int, gen: torch.Generator):
@@ -142,41 +142,26 @@ def backend_with(table) -> TritonFp4GemmBackend:
 def candidates(m: int) -> list[dict]:
     out = []
     if m <= 16:
-        for bk in (256, 512):
-            for ns in (3, 4):
-                for target in (264, 528):
-                    for bn in (64, 128) if bk == 256 else (64,):  # 128x512 spills
-                        out.append(dict(block_m=16, block_n=bn, block_k=bk, num_stages=ns, w_as_a=True,
-                                        target_ctas=target, max_split=16))
-                    for bn in (32, 64):
-                        out.append(dict(block_m=16, block_n=bn, block_k=bk, num_stages=ns, w_as_a=False,
-                                        target_ctas=target, max_split=16))
+        for target in (264, 528):
+            for bn, bk, wa in ((64, 256, True), (128, 256, True), (64, 512, True), (32, 256, False),
+                               (64, 256, False), (32, 512, False), (64, 512, False)):
+                out.append(dict(block_m=16, block_n=bn, block_k=bk, num_stages=3, w_as_a=wa,
+                                target_ctas=target, max_split=16))
     elif m <= 64:
-        for bn in (64, 128):
-            for bk in (128, 256):
-                for ns in (3, 4):
-                    for wa in (True, False):
-                        if m == 64 and bn == 128 and bk == 256 and not wa:
-                            continue  # over the 227 KB of shared memory
-                        out.append(dict(block_m=m, block_n=bn, block_k=bk, num_stages=ns, w_as_a=wa,
-                                        target_ctas=264, max_split=8))
+        for bn, bk, wa in ((64, 128, True), (128, 128, True), (64, 256, True), (64, 128, False),
+                           (128, 128, False), (64, 256, False)):
+            out.append(dict(block_m=m, block_n=bn, block_k=bk, num_stages=3, w_as_a=wa,
+                            target_ctas=264, max_split=8))
     elif m <= 256:
-        for bm in (64, 128):
-            for bn in (128, 256):
-                for bk in (64, 128):
-                    for wa in (True, False):
-                        if bn == 256 and (bk == 128 or not wa):
-                            continue
-                        out.append(dict(block_m=bm, block_n=bn, block_k=bk, num_warps=8, num_stages=3,
-                                        w_as_a=wa, group_m=8, target_ctas=132, max_split=4))
+        for bm, bn, bk, wa in ((64, 128, 128, True), (128, 128, 128, True), (128, 128, 64, True),
+                               (64, 256, 64, True), (128, 128, 128, False), (64, 128, 128, False)):
+            out.append(dict(block_m=bm, block_n=bn, block_k=bk, num_warps=8, num_stages=3,
+                            w_as_a=wa, group_m=8, target_ctas=132, max_split=4))
     else:
-        for bn in (128, 256):
-            for bk in (64, 128):
-                for wa in (True, False):
-                    if bn == 256 and bk == 128 and not wa:
-                        continue
-                    out.append(dict(block_m=128, block_n=bn, block_k=bk, num_warps=8, num_stages=3,
-                                    w_as_a=wa, group_m=8))
+        for bn, bk, wa in ((128, 128, True), (256, 128, True), (256, 64, True), (128, 128, False),
+                           (256, 64, False)):
+            out.append(dict(block_m=128, block_n=bn, block_k=bk, num_warps=8, num_stages=3,
+                            w_as_a=wa, group_m=8))
         out.append(dict(kind="dequant"))
     return out
 

@@ -65,16 +65,13 @@ def draws(t: int, gen, n: int):
 
 def candidates(t: int) -> list[dict]:
     if t <= 16:
-        return ([dict(block_m=16, block_n=bn, block_k=256, num_stages=4, w_as_a=wa)
-                 for bn, wa in ((64, True), (128, True), (32, False), (64, False))]
-                + [dict(block_m=16, block_n=64, block_k=512, num_stages=3, w_as_a=True)])  # 128x512 spills
+        return [dict(block_m=16, block_n=bn, block_k=bk, num_stages=3, w_as_a=wa)
+                for bn, bk, wa in ((64, 256, True), (128, 256, True), (64, 512, True), (64, 256, False))]
     if t <= 256:
-        return [dict(block_m=bm, block_n=64, block_k=bk, num_stages=4, w_as_a=wa)
-                for bm in (16, 32) for wa in (True, False) for bk in (128, 256)]
-    return [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=8, num_stages=3, w_as_a=wa)
-            for bm, bn, wa in ((64, 128, True), (64, 128, False), (128, 128, True), (128, 128, False),
-                               (64, 256, True))  # 128x256 spills with the two SwiGLU accumulators
-            for bk in (64, 128)]
+        return [dict(block_m=bm, block_n=64, block_k=bk, num_stages=3, w_as_a=wa)
+                for bm, bk, wa in ((16, 128, True), (16, 256, True), (32, 128, True), (16, 128, False))]
+    return [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=8, num_stages=3, w_as_a=True)
+            for bm, bn, bk in ((64, 128, 128), (128, 128, 64), (128, 128, 128), (64, 256, 128))]
 
 
 def _compile_job(cand):
