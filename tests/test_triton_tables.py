@@ -92,7 +92,8 @@ def test_repack_keeps_leading_dims():
     packed, scale, _ = random_fp4(6 * 4, 64)
     w, s = repack_k32(packed.view(6, 4, 32), scale.view(6, 4, 4))
     flat_w, flat_s = repack_k32(packed, scale)
-    assert torch.equal(w.view(24, -1), flat_w) and torch.equal(s.view(24, -1).view(torch.uint8), flat_s.view(torch.uint8))
+    assert torch.equal(w.view(24, -1), flat_w)
+    assert torch.equal(s.view(24, -1).view(torch.uint8), flat_s.view(torch.uint8))
 
 
 def test_slot_bits_are_a_permutation():

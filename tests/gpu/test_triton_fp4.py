@@ -95,7 +95,8 @@ def test_kernel_variants(cfg, split_k):
     wk, sk = repack_k32(w.weight, w.weight_scale)
     for m in (1, 37, 300):
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
-        y = gemm_kernels.fp4_gemm(x, wk, sk, w.weight_scale_2, n, k, cfg, split_k if cfg.kind == "fused" else 1)
+        split = split_k if cfg.kind == "fused" else 1
+        y = gemm_kernels.fp4_gemm(x, wk, sk, w.weight_scale_2, n, k, cfg, split)
         assert rel_err(y, reference(x, w)) < TOL, (cfg, m)
 
 
@@ -137,7 +138,7 @@ def random_moe(e: int, h: int, inter: int, gen: torch.Generator) -> MoEWeights:
     def quant(rows, cols):
         ws = [nvfp4.quantize_weight(torch.randn(rows, cols, device=DEV, generator=gen) * 0.05)
               for _ in range(e)]
-        return torch.stack([q[0] for q in ws]), torch.stack([q[1] for q in ws]), torch.stack([q[2] for q in ws])
+        return tuple(torch.stack([q[i] for q in ws]) for i in range(3))
 
     gp, gs, g2 = quant(inter, h)
     up, us, u2 = quant(inter, h)
@@ -207,7 +208,8 @@ def test_gpu_align_matches_torch_align(tokens, block_m):
     valid = rows_got < pairs
     assert torch.equal(rows_got[valid].sort().values, torch.arange(pairs, device=DEV, dtype=torch.int32))
     block_expert = got[1].view(blocks, 1).expand(blocks, block_m)[valid]
-    assert torch.equal(ids.reshape(-1)[rows_got[valid].long()].int(), block_expert), "pair in its expert's block"
+    pair_expert = ids.reshape(-1)[rows_got[valid].long()].int()
+    assert torch.equal(pair_expert, block_expert), "pair in its expert's block"
 
 
 def test_moe_cuda_graph_replay_matches_eager():
