@@ -4,8 +4,10 @@ Weights stay 4-bit in memory and are dequantized in registers right before bf16 
 so decode reads 0.5625 bytes per weight instead of bf16's 2. At load, `prepare` repacks them into the
 "k32" layout (see `repack_k32` and triton_kernels.py), which lets one 32-bit register op decode two
 values. The tile configuration is picked per call from a table tuned on an H200 (`triton_tiles.py`),
-by row count: split-K decode tiles for small M so every SM streams weights, large tiles for prefill.
-Nothing is autotuned at run time, so the kernels are safe inside CUDA graphs.
+by row count: split-K decode tiles for small M so every SM streams weights, larger fused tiles up to
+M = 256, and from M = 1024 a "dequant" entry that writes a transient bf16 copy of the weight
+(N x K x 2 bytes) and calls torch.matmul, which beat every fused tile tried there. Nothing is
+autotuned at run time, so the kernels are safe inside CUDA graphs.
 
 This module imports torch only; triton is imported when a kernel is first launched.
 """
