@@ -47,10 +47,10 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(flat(a), flat(b))
 
 
-def _amax(model_dir, batches) -> dict[str, float]:
+def _amax(model_dir, batches, dtype="auto") -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto", experts_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, experts_implementation="eager")
     return calibrate_input_amax(model, batches)
 
 
@@ -211,7 +211,9 @@ def test_quantizer_calibrates_over_text_and_cli_writes_shards(tiny_llama_modelop
     assert (out / "tokenizer.json").exists()
     _assert_same_checkpoint(out, tiny_llama_modelopt.fp4_dir, skip_suffix=".input_scale")
     seq_len = tiny_llama_modelopt.params["max_position_embeddings"]  # calibration caps chunks at it
-    amax = _amax(src, text_batches(tokenizer, text.read_text(), seq_len))
+    # calibrate_from_text runs float32 on a CPU (bf16 on CUDA)
+    dtype = "auto" if torch.cuda.is_available() else torch.float32
+    amax = _amax(src, text_batches(tokenizer, text.read_text(), seq_len), dtype)
     reader = CheckpointReader(out)
     for m in _quantized_modules(reader):
         assert torch.equal(reader.get(f"{m}.input_scale"), torch.tensor(amax[m]) / (6 * 448)), m
