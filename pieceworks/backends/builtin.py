@@ -22,6 +22,46 @@ class TorchBackends:
         return [TorchAttentionBackend, TorchMLABackend, TorchFp4GemmBackend, TorchMoEBackend]
 
 
+class FlashInferBackends:
+    """FlashInfer paged attention and MLA (fa2/fa3): Ampere and newer, Hopper included."""
+
+    @hookimpl
+    def pieceworks_register_backends(self):
+        from pieceworks.backends.attention.flashinfer import FlashInferAttentionBackend
+        from pieceworks.backends.mla.flashinfer import FlashInferMLABackend
+
+        return [FlashInferAttentionBackend, FlashInferMLABackend]
+
+
+class TrtllmMLABackends:
+    """TRT-LLM MLA through FlashInfer: Blackwell (sm_100/103), eager and full decode graphs."""
+
+    @hookimpl
+    def pieceworks_register_backends(self):
+        from pieceworks.backends.mla.trtllm import TrtllmMLABackend
+
+        return [TrtllmMLABackend]
+
+
+class FlashInferFp4Backends:
+    """FlashInfer's NVFP4 kernels (w4a4, Blackwell): mm_fp4 cutlass/cudnn/trtllm, fused MoE cutlass/trtllm."""
+
+    @hookimpl
+    def pieceworks_register_backends(self):
+        from pieceworks.backends.fp4_gemm.flashinfer import (
+            FlashInferCudnnFp4GemmBackend,
+            FlashInferCutlassFp4GemmBackend,
+            FlashInferTrtllmFp4GemmBackend,
+        )
+        from pieceworks.backends.moe.flashinfer import FlashInferCutlassMoEBackend, FlashInferTrtllmMoEBackend
+
+        return [FlashInferCutlassFp4GemmBackend, FlashInferCudnnFp4GemmBackend, FlashInferTrtllmFp4GemmBackend,
+                FlashInferCutlassMoEBackend, FlashInferTrtllmMoEBackend]
+
+
 BUILTIN_PLUGINS: dict[str, object] = {
     "pieceworks.torch": TorchBackends(),
+    "pieceworks.flashinfer": FlashInferBackends(),
+    "pieceworks.trtllm_mla": TrtllmMLABackends(),
+    "pieceworks.flashinfer_fp4": FlashInferFp4Backends(),
 }

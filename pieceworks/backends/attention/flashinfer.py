@@ -1,0 +1,226 @@
+"""FlashInfer paged GQA attention: the prefill wrapper for extend/mixed steps, the tensor-core decode
+wrapper for decode steps, and one CUDA-graph decode wrapper per graph batch size for FULL graphs.
+
+`plan(meta)` turns the step's page table into FlashInfer's CSR form (`paged_kv_indices`, pure torch)
+and plans on the host once per step, for all layers; `forward` only writes K/V and launches the kernel,
+so it is capturable. The CSR helpers here are shared with the FlashInfer MLA backend.
+
+The softmax scale reaches a backend with every `forward`, but FlashInfer takes it at plan time. It is a
+model constant: the backend plans with the last scale it was given (head_dim^-0.5 before the first
+forward) and re-plans eagerly if a forward brings another one. Graph runners run one eager warm-up
+forward before capturing, so a capture never sees a new scale (if it did, that is an error).
+
+flashinfer is imported inside methods only, so `import pieceworks` never loads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from pieceworks.backends.attention.base import AttentionBackend
+from pieceworks.backends.base import Requirements
+from pieceworks.executor.batch import ForwardMode, GraphMode
+
+WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-KV partial results)
+GPU_INSTALL_HINT = "pip install 'pieceworks[gpu]'"
+
+
+@dataclass(frozen=True)
+class FlashInferOptions:
+    """`backends.options.flashinfer` (shared by the attention and MLA backends)."""
+
+    variant: str = "auto"
+    """FlashInfer kernel generation: fa2, fa3 (Hopper only), or auto (fa3 on sm_90, fa2 elsewhere)."""
+
+    def __post_init__(self) -> None:
+        if self.variant not in ("auto", "fa2", "fa3"):
+            raise ValueError(f"backends.options.flashinfer.variant: {self.variant!r}; use auto, fa2 or fa3")
+
+
+def resolve_variant(variant: str, capability: tuple[int, int] | None) -> str:
+    """The FlashInfer variant to run: `auto` is fa3 on Hopper (sm_90), fa2 elsewhere."""
+    hopper = capability is not None and capability[0] == 9
+    if variant == "auto":
+        return "fa3" if hopper else "fa2"
+    if variant == "fa3" and not hopper:
+        cap = "none" if capability is None else ".".join(map(str, capability))
+        raise ValueError(
+            f"backends.options.flashinfer.variant=fa3 needs a Hopper GPU (sm_90); this GPU: {cap}. "
+            "Use fa2 or auto"
+        )
+    return variant
+
+
+class PagedKV(NamedTuple):
+    """A page table in FlashInfer's CSR form (B planned sequences).
+
+    indptr: [B + 1] int32 (host); indices: [indptr[-1]] int32 (on the page table's device);
+    last_page_len: [B] int32 (host), in 1..page_size; kv_lens: [B] int32 (host).
+    """
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    last_page_len: torch.Tensor
+    kv_lens: torch.Tensor
+
+
+def paged_kv_indices(page_table: torch.Tensor, kv_lens: list[int], page_size: int) -> PagedKV:
+    """Convert a dense page table into FlashInfer's paged-KV CSR arrays, without a device sync.
+
+    Args:
+        page_table: [B, P] int32 page ids per sequence (any device); row i's first
+            ceil(kv_lens[i] / page_size) entries are used.
+        kv_lens: [B] KV length of every sequence after the step (each >= 1).
+        page_size: tokens per page.
+    """
+    if page_table.shape[0] != len(kv_lens):
+        raise ValueError(f"page table has {page_table.shape[0]} rows for {len(kv_lens)} sequences")
+    num_pages = torch.tensor([-(-n // page_size) for n in kv_lens], dtype=torch.int64)
+    width = page_table.shape[1]
+    if len(kv_lens) and int(num_pages.max()) > width:
+        raise ValueError(f"a sequence needs {int(num_pages.max())} pages; the page table holds {width}")
+    indptr = torch.zeros(len(kv_lens) + 1, dtype=torch.int64)
+    torch.cumsum(num_pages, 0, out=indptr[1:])
+    # Gather positions in the flattened table, built on the host: indexing the device table with them
+    # needs no device->host copy (a boolean mask would).
+    rows = torch.repeat_interleave(torch.arange(len(kv_lens)), num_pages)
+    cols = torch.arange(int(indptr[-1])) - torch.repeat_interleave(indptr[:-1], num_pages)
+    flat = (rows * width + cols).to(page_table.device, non_blocking=True)
+    indices = page_table.reshape(-1).index_select(0, flat).to(torch.int32)
+    lens = torch.tensor(kv_lens, dtype=torch.int32)
+    last = (lens - (num_pages.to(torch.int32) - 1) * page_size).to(torch.int32)
+    return PagedKV(indptr.to(torch.int32), indices, last, lens)
+
+
+def step_lengths(meta) -> tuple[list[int], list[int]]:
+    """(new tokens, KV length) of every sequence the kernels are planned for.
+
+    In FULL decode graphs the batch is padded to `meta.graph_batch_size` with length-1 dummy sequences
+    (their page-table rows point at the reserved page), so every replay plans the captured shape.
+    """
+    pad = (meta.graph_batch_size or meta.num_seqs) - meta.num_seqs
+    return list(meta.extend_lens) + [1] * pad, list(meta.seq_lens) + [1] * pad
+
+
+def qo_indptr(qo_lens: list[int]) -> torch.Tensor:
+    """[B + 1] int32 host offsets of every sequence's new tokens."""
+    out = torch.zeros(len(qo_lens) + 1, dtype=torch.int32)
+    torch.cumsum(torch.tensor(qo_lens, dtype=torch.int32), 0, out=out[1:])
+    return out
+
+
+def check_capture_scale(backend, scale: float) -> bool:
+    """Whether `scale` differs from the planned softmax scale; raises if it does while capturing."""
+    if scale == backend._sm_scale:
+        return False
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{backend.key()}: softmax scale {scale} differs from the planned {backend._sm_scale} while a "
+            "CUDA graph is being captured; run one eager forward before capturing"
+        )
+    return True
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    name = "flashinfer"
+    priority = 100
+    requires = Requirements(devices=("cuda",), min_capability=(8, 0), modules=("flashinfer",),
+                            install_hint=GPU_INSTALL_HINT)
+    Options = FlashInferOptions
+    description = "FlashInfer paged prefill + tensor-core decode (fa2/fa3), CUDA-graph decode wrappers"
+
+    @classmethod
+    def check(cls, spec):
+        reasons = super().check(spec)
+        m = spec.model
+        if m.head_dim not in (64, 128, 256):
+            reasons.append(f"FlashInfer kernels are built for head_dim 64, 128 or 256 (model: {m.head_dim})")
+        if m.dtype not in (torch.float16, torch.bfloat16):
+            reasons.append(f"needs bf16 or fp16 activations (model dtype: {m.dtype})")
+        if m.num_heads % m.num_kv_heads:
+            reasons.append(f"num_heads {m.num_heads} is not a multiple of num_kv_heads {m.num_kv_heads}")
+        return reasons
+
+    def __init__(self, spec, options=None) -> None:
+        super().__init__(spec, options)
+        self.variant = resolve_variant(self.options.variant, spec.capability)
+        self._sm_scale = spec.model.head_dim**-0.5
+        self._workspace: torch.Tensor | None = None
+        self._prefill = self._decode = None
+        self._graph_decode: dict[int, object] = {}
+        self._meta = None
+        self._wrapper = None
+        self._rows = 0
+
+    # ------------------------------------------------------------------ plan (host)
+    def plan(self, meta) -> None:
+        self._meta = meta
+        m = self.spec.model
+        qo_lens, kv_lens = step_lengths(meta)
+        kv = paged_kv_indices(meta.page_table[: len(kv_lens)], kv_lens, meta.page_size)
+        self._rows = sum(qo_lens)
+        dims = (m.num_heads, m.num_kv_heads, m.head_dim, meta.page_size)
+        kw = dict(q_data_type=m.dtype, kv_data_type=m.dtype, sm_scale=self._sm_scale)
+        if meta.mode is ForwardMode.DECODE:
+            if meta.graph_mode is GraphMode.FULL:
+                wrapper = self._graph_decode_wrapper(len(kv_lens), meta.page_table.shape[1], meta.device)
+            else:
+                wrapper = self._decode_wrapper(meta.device)
+            wrapper.plan(kv.indptr, kv.indices, kv.last_page_len, *dims, **kw)
+        else:
+            wrapper = self._prefill_wrapper(meta.device)
+            wrapper.plan(qo_indptr(qo_lens), kv.indptr, kv.indices, kv.last_page_len, *dims, causal=True, **kw)
+        self._wrapper = wrapper
+
+    def _ws(self, device) -> torch.Tensor:
+        if self._workspace is None:
+            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        return self._workspace
+
+    def _prefill_wrapper(self, device):
+        if self._prefill is None:
+            import flashinfer
+
+            self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._ws(device), "NHD",
+                                                                           backend=self.variant)
+        return self._prefill
+
+    def _decode_wrapper(self, device):
+        if self._decode is None:
+            import flashinfer
+
+            self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._ws(device), "NHD", use_tensor_cores=True, backend=self.variant)
+        return self._decode
+
+    def _graph_decode_wrapper(self, bs: int, width: int, device):
+        """The decode wrapper captured for graph batch size `bs`; its CSR buffers stay at fixed
+        addresses and are refilled by every plan."""
+        if bs not in self._graph_decode:
+            import flashinfer
+
+            i32 = dict(dtype=torch.int32, device=device)
+            self._graph_decode[bs] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._ws(device), "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                paged_kv_indptr_buffer=torch.zeros(bs + 1, **i32),
+                paged_kv_indices_buffer=torch.zeros(bs * width, **i32),
+                paged_kv_last_page_len_buffer=torch.ones(bs, **i32), backend=self.variant)
+        return self._graph_decode[bs]
+
+    # ------------------------------------------------------------------ run (capturable)
+    def forward(self, q, k, v, out, layer_id, scale, kv) -> None:
+        if check_capture_scale(self, scale):
+            self._sm_scale = scale
+            self.plan(self._meta)
+        meta = self._meta
+        kc, vc = kv.k_cache(layer_id), kv.v_cache(layer_id)
+        slots = meta.slot_mapping[: k.shape[0]]  # padded tokens write to the reserved page
+        kc.view(-1, *kc.shape[2:]).index_copy_(0, slots, k.to(kc.dtype))
+        vc.view(-1, *vc.shape[2:]).index_copy_(0, slots, v.to(vc.dtype))
+        rows = self._rows
+        self._wrapper.run(q[:rows], (kc, vc), out=out[:rows])
+        if out.shape[0] > rows:
+            out[rows:].zero_()

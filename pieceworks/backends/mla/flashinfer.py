@@ -1,0 +1,149 @@
+"""FlashInfer MLA (`flashinfer.mla.BatchMLAPagedAttentionWrapper`, fa2/fa3) over the latent cache.
+
+Absorbed form, one wrapper for decode, extend and mixed steps (causal with the query block aligned to
+the end of each sequence), plus one CUDA-graph wrapper per graph batch size for FULL decode graphs.
+The latent cache [pages, page_size, L + R] is handed over as FlashInfer's "packed" KV cache: the wrapper
+splits it into the ckv [.., :L] and kpe [.., L:] strided views itself (fa2/fa3 read the page and token
+strides of both), so the cache is never copied. Queries go in split, as the model produces them.
+
+Plan/run, the CSR conversion and the softmax-scale handling are those of the FlashInfer attention
+backend (attention/flashinfer.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pieceworks.backends.attention.flashinfer import (
+    GPU_INSTALL_HINT,
+    WORKSPACE_BYTES,
+    FlashInferOptions,
+    check_capture_scale,
+    paged_kv_indices,
+    qo_indptr,
+    resolve_variant,
+    step_lengths,
+)
+from pieceworks.backends.base import Requirements
+from pieceworks.backends.mla.base import MLABackend
+from pieceworks.executor.batch import ForwardMode, GraphMode
+
+FA_TILE_Q = 64  # FlashInfer's MLA query tile (rows = tokens x heads); clusters of 2 tiles above 64 rows
+
+
+def mla_plan_args(meta, sm_scale: float, num_heads: int, kv_lora_rank: int, rope_dim: int,
+                  dtype: torch.dtype) -> dict:
+    """Keyword arguments of `BatchMLAPagedAttentionWrapper.plan` for one step (pure torch; the CSR
+    metadata goes in through `flashinfer.mla.MLAPlanMetadata.csr(**args.pop("csr"))`).
+
+    Decode steps are planned non-causal (one query per sequence sees its whole KV); extend and mixed
+    steps causal, FlashInfer aligning each sequence's queries to the end of its KV.
+    """
+    qo_lens, kv_lens = step_lengths(meta)
+    kv = paged_kv_indices(meta.page_table[: len(kv_lens)], kv_lens, meta.page_size)
+    return dict(
+        csr=dict(qo_indptr=qo_indptr(qo_lens), kv_indptr=kv.indptr, kv_indices=kv.indices,
+                 kv_len_arr=kv.kv_lens),
+        num_heads=num_heads, head_dim_ckv=kv_lora_rank, head_dim_kpe=rope_dim, page_size=meta.page_size,
+        causal=meta.mode is not ForwardMode.DECODE, sm_scale=sm_scale, q_data_type=dtype,
+        kv_data_type=dtype, query_layout="split", kv_cache_layout="packed",
+    )
+
+
+class FlashInferMLABackend(MLABackend):
+    name = "flashinfer"
+    priority = 100
+    requires = Requirements(devices=("cuda",), min_capability=(8, 0), modules=("flashinfer",),
+                            install_hint=GPU_INSTALL_HINT)
+    Options = FlashInferOptions
+    description = "FlashInfer BatchMLAPagedAttentionWrapper (fa2/fa3), absorbed, CUDA-graph wrappers"
+
+    @classmethod
+    def check(cls, spec):
+        reasons = super().check(spec)
+        m = spec.model
+        if not m.kv_lora_rank:
+            return reasons + ["the model has no MLA (kv_lora_rank 0)"]
+        if m.kv_lora_rank % 128 or m.qk_rope_head_dim % 64:
+            reasons.append(f"FlashInfer MLA needs kv_lora_rank % 128 == 0 and qk_rope_head_dim % 64 == 0 "
+                           f"(model: {m.kv_lora_rank}, {m.qk_rope_head_dim})")
+        if m.dtype not in (torch.float16, torch.bfloat16):
+            reasons.append(f"needs bf16 or fp16 activations (model dtype: {m.dtype})")
+        # FlashInfer refuses causal plans whose query tile (64 or 128 rows) splits a token's heads
+        # across tiles at a KV-tile boundary; with these head counts that never happens.
+        if FA_TILE_Q % m.num_heads and m.num_heads != 2 * FA_TILE_Q:
+            reasons.append(f"FlashInfer MLA plans need num_heads dividing 64, or 128 (model: {m.num_heads})")
+        return reasons
+
+    def __init__(self, spec, options=None) -> None:
+        super().__init__(spec, options)
+        self.variant = resolve_variant(self.options.variant, spec.capability)
+        if self.variant == "fa3" and spec.model.kv_lora_rank not in (128, 256, 512):
+            raise ValueError(f"FlashInfer fa3 MLA needs kv_lora_rank 128, 256 or 512 "
+                             f"(model: {spec.model.kv_lora_rank}); set backends.options.flashinfer.variant=fa2")
+        # DeepSeek's scale is (nope + rope)^-0.5 times a yarn factor, unknown here: the first forward
+        # re-plans with the model's own.
+        self._sm_scale = (spec.model.kv_lora_rank // 4 + spec.model.qk_rope_head_dim) ** -0.5
+        self._workspace: torch.Tensor | None = None
+        self._eager = None
+        self._graph: dict[int, object] = {}
+        self._meta = None
+        self._wrapper = None
+        self._rows = 0
+
+    # ------------------------------------------------------------------ plan (host)
+    def plan(self, meta) -> None:
+        from flashinfer.mla import MLAPlanMetadata
+
+        self._meta = meta
+        m = self.spec.model
+        args = mla_plan_args(meta, self._sm_scale, m.num_heads, m.kv_lora_rank, m.qk_rope_head_dim, m.dtype)
+        csr = args.pop("csr")
+        bs = csr["kv_len_arr"].shape[0]
+        if meta.graph_mode is GraphMode.FULL:
+            wrapper = self._graph_wrapper(bs, meta.page_table.shape[1], meta.device)
+        else:
+            wrapper = self._eager_wrapper(meta.device)
+        wrapper.plan(metadata=MLAPlanMetadata.csr(**csr), **args)
+        self._wrapper = wrapper
+        self._rows = int(csr["qo_indptr"][-1])
+
+    def _ws(self, device) -> torch.Tensor:
+        if self._workspace is None:
+            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        return self._workspace
+
+    def _eager_wrapper(self, device):
+        if self._eager is None:
+            from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+            self._eager = BatchMLAPagedAttentionWrapper(self._ws(device), backend=self.variant)
+        return self._eager
+
+    def _graph_wrapper(self, bs: int, width: int, device):
+        """The wrapper captured for graph batch size `bs`, with CSR buffers at fixed addresses."""
+        if bs not in self._graph:
+            from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+            i32 = dict(dtype=torch.int32, device=device)
+            self._graph[bs] = BatchMLAPagedAttentionWrapper(
+                self._ws(device), use_cuda_graph=True, qo_indptr=torch.zeros(bs + 1, **i32),
+                kv_indptr=torch.zeros(bs + 1, **i32), kv_indices=torch.zeros(bs * width, **i32),
+                kv_len_arr=torch.ones(bs, **i32), backend=self.variant)
+        return self._graph[bs]
+
+    # ------------------------------------------------------------------ run (capturable)
+    def forward(self, q_nope, q_pe, c_kv, k_pe, out, layer_id, scale, kv) -> None:
+        if check_capture_scale(self, scale):
+            self._sm_scale = scale
+            self.plan(self._meta)
+        cache = kv.latent_cache(layer_id)
+        rank = q_nope.shape[-1]
+        flat = cache.view(-1, cache.shape[-1])
+        slots = self._meta.slot_mapping[: c_kv.shape[0]]  # padded tokens write to the reserved page
+        flat[:, :rank].index_copy_(0, slots, c_kv.to(cache.dtype))
+        flat[:, rank:].index_copy_(0, slots, k_pe.to(cache.dtype))
+        rows = self._rows
+        self._wrapper.run(query=(q_nope[:rows], q_pe[:rows]), kv_cache=cache, out=out[:rows])
+        if out.shape[0] > rows:
+            out[rows:].zero_()

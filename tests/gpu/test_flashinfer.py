@@ -1,0 +1,263 @@
+"""FlashInfer attention and MLA on a GPU (the H200 through the device tool): every named scenario against
+the dense reference, padded token counts, FULL-graph capture and replay with a re-plan before every
+replay, the executor end to end against the torch backends, and what the Blackwell-only backends say on
+this GPU. Variant fa2 throughout: a fresh machine JIT-compiles each FlashInfer module once (fa2 ~20 s,
+fa3 prefill ~75 s); benchmarks/attention.py exercises fa3.
+
+    pytest tests/gpu/test_flashinfer.py        (skipped without CUDA or flashinfer)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+
+import pytest
+import torch
+
+from pieceworks.backends.attention.flashinfer import FlashInferAttentionBackend, FlashInferOptions
+from pieceworks.backends.base import BackendSpec, ModelFacts
+from pieceworks.backends.mla.flashinfer import FlashInferMLABackend
+from pieceworks.executor.batch import ForwardMode, GraphMode, StepMetadata
+from pieceworks.executor.kv_cache import KVLayout, KVPool
+from pieceworks.testing import scenarios as S
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
+                       reason="flashinfer is not importable (pip install 'pieceworks[gpu]')"),
+]
+FA2 = FlashInferOptions("fa2")
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+TOL = 2e-2  # the suite's bf16 tolerance (relative Frobenius error)
+
+
+def rel_err(out, ref) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return float((out - ref).norm() / ref.norm())
+
+
+def gqa_backend(page_size: int, heads=8, kv_heads=2, head_dim=64):
+    facts = ModelFacts(dtype=BF16, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, page_size=page_size)
+    spec = BackendSpec.for_device(DEV, model=facts)
+    assert FlashInferAttentionBackend.check(spec) == []
+    return FlashInferAttentionBackend(spec, FA2)
+
+
+def mla_backend(page_size: int, heads=4):
+    facts = ModelFacts(arch="deepseek_v3", dtype=BF16, num_heads=heads, kv_lora_rank=512, qk_rope_head_dim=64,
+                       page_size=page_size)
+    spec = BackendSpec.for_device(DEV, model=facts)
+    assert FlashInferMLABackend.check(spec) == []
+    return FlashInferMLABackend(spec, FA2)
+
+
+def padded(meta: StepMetadata, extra: int, graph: GraphMode = GraphMode.PIECEWISE) -> StepMetadata:
+    """The same step padded by `extra` tokens, as a piecewise graph size pads it (KV to the reserved slot)."""
+    pad = torch.zeros(extra, dtype=torch.int64, device=meta.device)
+    return replace(meta, graph_mode=graph, slot_mapping=torch.cat([meta.slot_mapping, pad]),
+                   positions=torch.cat([meta.positions, pad]), _cache={})
+
+
+def pad_rows(t: torch.Tensor, extra: int) -> torch.Tensor:
+    return torch.cat([t, torch.randn(extra, *t.shape[1:], device=t.device).to(t.dtype)])
+
+
+# ---------------------------------------------------------------- scenarios, eager and padded
+@pytest.mark.parametrize("sc", S.ATTENTION_SCENARIOS, ids=lambda s: s.name)
+def test_attention_scenarios(sc):
+    impl = gqa_backend(sc.page_size)
+    case = S.attention_case(sc, 8, 2, 64, BF16, DEV)
+    q, k, v = case.inputs["q"], case.inputs["k"], case.inputs["v"]
+    out = torch.full_like(q, float("nan"))
+    impl.plan(case.meta)
+    impl.forward(q, k, v, out, 0, 64**-0.5, case.pool)
+    assert torch.isfinite(out).all() and rel_err(out, case.expected) < TOL
+    if sc.mode is ForwardMode.DECODE:
+        return
+    # padded to a piecewise capture size: real rows unchanged, padded rows zero
+    case = S.attention_case(sc, 8, 2, 64, BF16, DEV)
+    extra = 5
+    out = torch.full((q.shape[0] + extra, *q.shape[1:]), float("nan"), dtype=BF16, device=DEV)
+    impl.plan(padded(case.meta, extra))
+    impl.forward(pad_rows(q, extra), pad_rows(k, extra), pad_rows(v, extra), out, 0, 64**-0.5, case.pool)
+    assert rel_err(out[: q.shape[0]], case.expected) < TOL and (out[q.shape[0]:] == 0).all()
+
+
+@pytest.mark.parametrize("heads", [4, 128])
+@pytest.mark.parametrize("sc", S.ATTENTION_SCENARIOS, ids=lambda s: s.name)
+def test_mla_scenarios(sc, heads):
+    impl = mla_backend(sc.page_size, heads)
+    case = S.mla_case(sc, heads, 512, 64, BF16, DEV)
+    i = case.inputs
+    out = torch.full_like(i["q_nope"], float("nan"))
+    impl.plan(case.meta)
+    impl.forward(i["q_nope"], i["q_pe"], i["c_kv"], i["k_pe"], out, 0, i["scale"], case.pool)
+    assert torch.isfinite(out).all() and rel_err(out, case.expected) < TOL
+    if sc.mode is ForwardMode.DECODE:
+        return
+    case = S.mla_case(sc, heads, 512, 64, BF16, DEV)
+    i, n, extra = case.inputs, case.inputs["q_nope"].shape[0], 3
+    out = torch.full((n + extra, heads, 512), float("nan"), dtype=BF16, device=DEV)
+    impl.plan(padded(case.meta, extra))
+    impl.forward(pad_rows(i["q_nope"], extra), pad_rows(i["q_pe"], extra), pad_rows(i["c_kv"], extra),
+                 pad_rows(i["k_pe"], extra), out, 0, i["scale"], case.pool)
+    assert rel_err(out[:n], case.expected) < TOL and (out[n:] == 0).all()
+
+
+# ---------------------------------------------------------------- FULL graphs: capture once, replan, replay
+DECODE_STEPS = [
+    S.Scenario("a", ((5, 1), (17, 1), (1, 1), (33, 1)), page_size=16),
+    S.Scenario("b", ((60, 1), (2, 1), (9, 1)), page_size=16),
+    S.Scenario("c", ((3, 1), (40, 1), (21, 1), (7, 1), (1, 1)), page_size=16),
+]
+BS, WIDTH, PAGES = 8, 8, 64
+
+
+class GraphHarness:
+    """What the decode graph runner does, for one backend and one layer: static inputs and page table,
+    plan before capture, one eager warm-up, capture, then plan + copy + replay per step."""
+
+    def __init__(self, impl, pool: KVPool, inputs: dict, op):
+        self.impl, self.pool, self.op = impl, pool, op
+        self.static = {k: torch.zeros(BS, *v.shape[1:], dtype=v.dtype, device=DEV) for k, v in inputs.items()}
+        self.table = torch.zeros(BS, WIDTH, dtype=torch.int32, device=DEV)
+        self.slots = torch.zeros(BS, dtype=torch.int64, device=DEV)
+        self.out = torch.zeros(BS, *self.out_shape(inputs), dtype=BF16, device=DEV)
+        self.graph = None
+
+    def out_shape(self, inputs):
+        q = inputs["q"] if "q" in inputs else inputs["q_nope"]
+        return q.shape[1:]
+
+    def meta(self, sc: S.Scenario) -> StepMetadata:
+        return StepMetadata(
+            mode=ForwardMode.DECODE, graph_mode=GraphMode.FULL, extend_lens=[n for _, n in sc.seqs],
+            prefix_lens=[p for p, _ in sc.seqs], page_size=sc.page_size, page_table=self.table,
+            slot_mapping=self.slots, positions=torch.zeros(BS, dtype=torch.int64, device=DEV), graph_batch_size=BS)
+
+    def step(self, sc: S.Scenario, case: S.AttentionCase) -> torch.Tensor:
+        n = len(sc.seqs)
+        self.pool.buffer.zero_()  # the case's pages (prefix KV) become the first pages of the static pool
+        page_dim = 1 if self.pool.layout.kind == "mla" else 2
+        self.pool.buffer.narrow(page_dim, 0, case.pool.buffer.shape[page_dim]).copy_(case.pool.buffer)
+        self.table.zero_()
+        self.table[:n, : case.meta.page_table.shape[1]].copy_(case.meta.page_table)
+        self.slots.zero_()
+        self.slots[:n].copy_(case.meta.slot_mapping)
+        for k, v in self.static.items():
+            v.zero_()
+            v[:n].copy_(case.inputs[k])
+        meta = self.meta(sc)
+        self.impl.plan(meta)
+        if self.graph is None:
+            self.op(self.impl, self.static, self.out, self.pool, case)  # eager warm-up (learns the scale)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.op(self.impl, self.static, self.out, self.pool, case)
+        self.graph.replay()
+        return self.out[:n].clone()
+
+
+def _gqa_op(impl, s, out, pool, case):
+    impl.forward(s["q"], s["k"], s["v"], out, 0, 64**-0.5, pool)
+
+
+def _mla_op(impl, s, out, pool, case):
+    impl.forward(s["q_nope"], s["q_pe"], s["c_kv"], s["k_pe"], out, 0, case.inputs["scale"], pool)
+
+
+def test_attention_full_graph_replays_with_new_lengths():
+    impl = gqa_backend(16)
+    pool = KVPool(KVLayout("gqa", 1, 2, 64), PAGES, 16, BF16, DEV)
+    harness = None
+    for seed, sc in enumerate(DECODE_STEPS):
+        case = S.attention_case(sc, 8, 2, 64, BF16, DEV, seed=seed)
+        inputs = {k: case.inputs[k] for k in ("q", "k", "v")}
+        harness = harness or GraphHarness(impl, pool, inputs, _gqa_op)
+        got = harness.step(sc, case)
+        assert rel_err(got, case.expected) < TOL, sc.name
+        assert torch.isfinite(harness.out).all()  # padded rows decode the reserved page
+    assert list(impl._graph_decode) == [BS]
+
+
+def test_mla_full_graph_replays_with_new_lengths():
+    impl = mla_backend(16, heads=16)
+    pool = KVPool(KVLayout("mla", 1, latent_dim=576), PAGES, 16, BF16, DEV)
+    harness = None
+    for seed, sc in enumerate(DECODE_STEPS):
+        case = S.mla_case(sc, 16, 512, 64, BF16, DEV, seed=seed)
+        inputs = {k: case.inputs[k] for k in ("q_nope", "q_pe", "c_kv", "k_pe")}
+        harness = harness or GraphHarness(impl, pool, inputs, _mla_op)
+        got = harness.step(sc, case)
+        assert rel_err(got, case.expected) < TOL, sc.name
+        assert torch.isfinite(harness.out).all()
+    assert list(impl._graph) == [BS]
+
+
+# ---------------------------------------------------------------- end to end through the executor
+def _executor(arch: str, attention: str, sizes: dict):
+    from pieceworks import Executor
+
+    backends = {"attention": attention, "mla": attention, "options": {"flashinfer": {"variant": "fa2"}}}
+    cfg = {"model": {"arch": arch, "preset": "tiny", "sizes": sizes}, "runtime": {"device": "cuda", "dtype": "bfloat16"},
+           "kv_cache": {"num_tokens": 2048, "page_size": 16}, "backends": backends,
+           "cuda_graph": {"piecewise": {"enabled": "on", "sizes": [16, 32, 64], "max_tokens": 64},
+                          "decode": {"enabled": "on", "batch_sizes": [1, 2, 4]}}}
+    return Executor.from_config(cfg, progress=False)
+
+
+E2E = {
+    "llama": {"head_dim": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256},
+    "deepseek_v3": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32},
+}
+
+
+@pytest.mark.parametrize("arch", list(E2E))
+def test_executor_matches_the_torch_backends(arch):
+    """Same random weights, FlashInfer vs torch backends: prompt logits (piecewise-graph and eager
+    extends), then teacher-forced decode steps (FULL graphs) fed the reference's greedy tokens."""
+    from pieceworks.executor.batch import ForwardBatch
+
+    fi, ref = _executor(arch, "flashinfer", E2E[arch]), _executor(arch, "torch", E2E[arch])
+    op = "attention" if arch == "llama" else "mla"
+    assert {b.name for b in fi.table.instances(op)} == {"flashinfer"}
+    prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (37, 9, 70)]
+    for a, b in zip(fi.score(prompts), ref.score(prompts)):
+        assert rel_err(a.float(), b.float()) < 3e-2
+    seqs = {e: [e.new_sequence() for _ in prompts] for e in (fi, ref)}
+    logits = {e: e.forward(ForwardBatch(seqs[e], [p[:30] for p in prompts])) for e in (fi, ref)}
+    agree = 0
+    for _ in range(6):
+        assert rel_err(logits[fi].float(), logits[ref].float()) < 3e-2
+        agree += int((logits[fi].argmax(-1) == logits[ref].argmax(-1)).sum())
+        nxt = [[t] for t in logits[ref].argmax(-1).tolist()]
+        batch = {e: ForwardBatch(seqs[e], nxt) for e in (fi, ref)}
+        assert batch[fi].mode is ForwardMode.DECODE
+        logits = {e: e.forward(batch[e]) for e in (fi, ref)}
+    print(f"{arch}: greedy tokens agree on {agree}/{6 * len(prompts)} teacher-forced steps")
+
+
+# ---------------------------------------------------------------- the Blackwell backends on this GPU
+def test_blackwell_backends_refuse_this_gpu_with_reasons():
+    from pieceworks.backends.fp4_gemm.flashinfer import fp4_quantize_activation
+    from pieceworks.backends.registry import Registry
+
+    cap = torch.cuda.get_device_capability()
+    if cap[0] >= 10:
+        pytest.skip(f"this GPU is sm_{cap[0]}{cap[1]}: the Blackwell backends can run here")
+    spec = BackendSpec.for_device(DEV, model=ModelFacts(arch="deepseek_v3", dtype=BF16, num_heads=16, kv_lora_rank=512,
+                                                        qk_rope_head_dim=64, page_size=64, fp4=True, moe_experts=8,
+                                                        moe_quant="nvfp4"))
+    need = f"(this GPU: {cap[0]}.{cap[1]})"
+    registered = Registry(autoload=False).load().backends()
+    mine = [c for c in registered if c.__module__.rsplit(".", 1)[1] in ("flashinfer", "trtllm")]
+    assert len(mine) == 8
+    for cls in mine:
+        if cls.name in ("trtllm", "cutlass", "cudnn"):
+            assert any(r.startswith("needs compute capability 10.x") and need in r for r in cls.check(spec)), cls.key()
+        else:
+            assert cls.check(spec) == [], cls.key()  # FlashInfer attention and MLA serve this GPU
+    with pytest.raises(RuntimeError, match="uninitialised memory"):  # the guard reads the real device
+        fp4_quantize_activation(torch.randn(4, 32, dtype=BF16, device=DEV), torch.ones(1, device=DEV))

@@ -1,0 +1,500 @@
+"""FlashInfer, TRT-LLM and mm_fp4 backends on a machine without a GPU: everything that prepares kernel
+arguments is pure torch and is checked here against the scenarios and the NVFP4 reference codec; the
+backends' reasons and the registry's piecewise fallback use hand-built specs (capability overrides).
+Tests that need FlashInfer's own helpers run only where it is importable."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import logging
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pieceworks.backends.attention.flashinfer import (
+    FlashInferAttentionBackend,
+    FlashInferOptions,
+    paged_kv_indices,
+    qo_indptr,
+    resolve_variant,
+    step_lengths,
+)
+from pieceworks.backends.base import BackendSpec, ModelFacts, parse_options
+from pieceworks.backends.fp4_gemm.base import Fp4Weight
+from pieceworks.backends.fp4_gemm.flashinfer import (
+    FlashInferCudnnFp4GemmBackend,
+    FlashInferCutlassFp4GemmBackend,
+    FlashInferTrtllmFp4GemmBackend,
+    fp4_quantize_activation,
+    mm_fp4_alpha,
+    mm_fp4_layout,
+    require_fp4_quantize,
+)
+from pieceworks.backends.mla.flashinfer import FlashInferMLABackend, mla_plan_args
+from pieceworks.backends.mla.torch import attend_latent
+from pieceworks.backends.mla.trtllm import TrtllmMLABackend, token_rows
+from pieceworks.backends.moe.base import MoEWeights
+from pieceworks.backends.moe.flashinfer import (
+    FlashInferCutlassMoEBackend,
+    FlashInferTrtllmMoEBackend,
+    cutlass_moe_layout,
+    shared_gate_up_scale,
+    trtllm_moe_layout,
+    up_gate,
+)
+from pieceworks.backends.moe.routing import deepseek_route
+from pieceworks.backends.registry import Registry, SelectionError
+from pieceworks.config import load_config
+from pieceworks.executor.batch import ForwardMode, GraphMode, StepMetadata
+from pieceworks.quant import nvfp4
+from pieceworks.testing import scenarios as S
+
+E, D, M = ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED
+EAGER, FULL, PW = GraphMode.EAGER, GraphMode.FULL, GraphMode.PIECEWISE
+HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
+needs_flashinfer = pytest.mark.skipif(not HAS_FLASHINFER, reason="flashinfer is not importable here")
+CPU = torch.device("cpu")
+
+
+def _meta(sc: S.Scenario) -> StepMetadata:
+    return S.attention_case(sc, 4, 2, 16, torch.float32, CPU).meta
+
+
+def _full_meta(seq_lens: list[int], bs: int, page_size: int, width: int, seed: int = 0) -> StepMetadata:
+    """A FULL decode step as the graph runner builds it: static [bs, width] table, padded rows on page 0."""
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.zeros(bs, width, dtype=torch.int32)
+    for i, n in enumerate(seq_lens):
+        table[i] = torch.randperm(200, generator=gen)[:width].to(torch.int32) + 1
+    return StepMetadata(
+        mode=D, graph_mode=FULL, extend_lens=[1] * len(seq_lens), prefix_lens=[n - 1 for n in seq_lens],
+        page_size=page_size, page_table=table, slot_mapping=torch.zeros(bs, dtype=torch.int64),
+        positions=torch.zeros(bs, dtype=torch.int64), graph_batch_size=bs,
+    )
+
+
+# ---------------------------------------------------------------- page table -> FlashInfer CSR
+@pytest.mark.parametrize("sc", S.ATTENTION_SCENARIOS, ids=lambda s: s.name)
+def test_paged_kv_indices_match_the_page_table(sc):
+    meta = _meta(sc)
+    kv = paged_kv_indices(meta.page_table, meta.seq_lens, meta.page_size)
+    ps, pos = meta.page_size, 0
+    assert kv.indptr.dtype == kv.indices.dtype == kv.last_page_len.dtype == torch.int32
+    assert kv.indptr[0] == 0 and len(kv.indptr) == meta.num_seqs + 1
+    for i, n in enumerate(meta.seq_lens):
+        pages = math.ceil(n / ps)
+        assert kv.indptr[i + 1] - kv.indptr[i] == pages
+        assert kv.indices[pos : pos + pages].tolist() == meta.page_table[i, :pages].tolist()
+        assert kv.last_page_len[i] == n - (pages - 1) * ps and 1 <= kv.last_page_len[i] <= ps
+        pos += pages
+    assert kv.kv_lens.tolist() == meta.seq_lens and pos == len(kv.indices)
+
+
+def test_paged_kv_indices_edges():
+    table = torch.arange(12, dtype=torch.int32).view(3, 4)
+    kv = paged_kv_indices(table, [16, 1, 5], 4)  # exactly full rows, one token, one over a page
+    assert kv.indptr.tolist() == [0, 4, 5, 7]
+    assert kv.indices.tolist() == [0, 1, 2, 3, 4, 8, 9]
+    assert kv.last_page_len.tolist() == [4, 1, 1]
+    with pytest.raises(ValueError, match="needs 5 pages"):
+        paged_kv_indices(table, [17, 1, 1], 4)
+    with pytest.raises(ValueError, match="3 rows for 2 sequences"):
+        paged_kv_indices(table, [1, 1], 4)
+
+
+def test_full_graph_steps_are_padded_to_the_graph_batch():
+    meta = _full_meta([9, 3, 17], bs=8, page_size=4, width=6)
+    qo, kv_lens = step_lengths(meta)
+    assert qo == [1] * 8 and kv_lens == [9, 3, 17] + [1] * 5
+    kv = paged_kv_indices(meta.page_table, kv_lens, meta.page_size)
+    assert kv.indptr.tolist() == [0, 3, 4, 9, 10, 11, 12, 13, 14]
+    assert kv.indices[9:].tolist() == [0] * 5  # the padding rows read the reserved page
+    assert qo_indptr(qo).tolist() == list(range(9))
+    eager = replace(meta, graph_mode=EAGER, graph_batch_size=None, _cache={})
+    assert step_lengths(eager) == ([1, 1, 1], [9, 3, 17])
+
+
+# ---------------------------------------------------------------- MLA plan arguments
+@pytest.mark.parametrize("sc", S.ATTENTION_SCENARIOS, ids=lambda s: s.name)
+def test_mla_plan_args(sc):
+    meta = _meta(sc)
+    args = mla_plan_args(meta, 0.125, 16, 512, 64, torch.bfloat16)
+    csr = args.pop("csr")
+    assert csr["qo_indptr"].tolist() == meta.qo_indptr()
+    assert csr["kv_len_arr"].tolist() == meta.seq_lens
+    ref = paged_kv_indices(meta.page_table, meta.seq_lens, meta.page_size)
+    assert torch.equal(csr["kv_indptr"], ref.indptr) and torch.equal(csr["kv_indices"], ref.indices)
+    assert all(t.dtype == torch.int32 for t in csr.values())
+    assert args == dict(num_heads=16, head_dim_ckv=512, head_dim_kpe=64, page_size=sc.page_size,
+                        causal=sc.mode is not D, sm_scale=0.125, q_data_type=torch.bfloat16,
+                        kv_data_type=torch.bfloat16, query_layout="split", kv_cache_layout="packed")
+
+
+def test_mla_plan_args_full_graph():
+    args = mla_plan_args(_full_meta([5, 33], bs=4, page_size=16, width=4), 1.0, 128, 512, 64, torch.bfloat16)
+    assert args["csr"]["qo_indptr"].tolist() == [0, 1, 2, 3, 4]
+    assert args["csr"]["kv_len_arr"].tolist() == [5, 33, 1, 1]
+    assert args["csr"]["kv_indptr"].tolist() == [0, 1, 4, 5, 6] and not args["causal"]
+
+
+# ---------------------------------------------------------------- TRT-LLM MLA: one decode row per token
+def test_token_rows():
+    seq, lens = token_rows([1, 3, 2], [4, 0, 7])
+    assert seq.tolist() == [0, 1, 1, 1, 2, 2]
+    assert lens.tolist() == [5, 1, 2, 3, 8, 9] and lens.dtype == torch.int32
+
+
+@pytest.mark.parametrize("sc", S.ATTENTION_SCENARIOS, ids=lambda s: s.name)
+def test_token_rows_reproduce_causal_attention(sc):
+    """Dense-mask decode over each row's own prefix (what the kernel computes) is causal attention."""
+    case = S.mla_case(sc, 2, 64, 16, torch.float32, CPU)
+    meta, cache, i = case.meta, case.pool.latent_cache(0), case.inputs
+    flat = cache.view(-1, cache.shape[-1])
+    flat.index_copy_(0, meta.slot_mapping, torch.cat([i["c_kv"], i["k_pe"]], -1))  # the backend's KV write
+    seq, lens = token_rows(meta.extend_lens, meta.prefix_lens)
+    tables = meta.page_table.index_select(0, seq)
+    out = []
+    for r, n in enumerate(lens.tolist()):
+        entries = cache[tables[r, : math.ceil(n / meta.page_size)].long()].flatten(0, 1)[:n]
+        out.append(attend_latent(i["q_nope"][r : r + 1], i["q_pe"][r : r + 1], entries, i["scale"], n - 1))
+    torch.testing.assert_close(torch.cat(out).double(), case.expected, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- mm_fp4
+def _fp4_linear(n: int, k: int, seed: int = 0) -> Fp4Weight:
+    return Fp4Weight(*S.random_fp4_weight(n, k, torch.Generator().manual_seed(seed), CPU))
+
+
+def test_mm_fp4_alpha_and_global_scale():
+    w = _fp4_linear(48, 64)
+    prepared = mm_fp4_layout(w)
+    assert prepared.weight_scale_2.shape == (1,) and prepared.weight_scale_2.dtype == torch.float32
+    torch.testing.assert_close(prepared.weight_scale_2, (w.input_scale * w.weight_scale_2).reshape(1))
+    torch.testing.assert_close(prepared.input_scale, (1 / w.input_scale).reshape(1))
+    assert mm_fp4_alpha(torch.tensor(0.5), torch.tensor(3.0)).item() == 1.5
+
+
+@pytest.mark.parametrize("shape", list(S.GEMM_SHAPES.values()), ids=list(S.GEMM_SHAPES))
+def test_mm_fp4_layout_swizzles_scales_128x4(shape):
+    _, k, n = shape
+    w = _fp4_linear(n, k)
+    prepared = mm_fp4_layout(w)
+    assert torch.equal(prepared.weight, w.weight)
+    assert prepared.weight_scale.dtype == torch.float8_e4m3fn
+    assert prepared.weight_scale.shape == (math.ceil(n / 128) * 128, math.ceil(k // 16 / 4) * 4)
+    assert torch.equal(prepared.weight_scale.view(torch.uint8), nvfp4.swizzle_128x4(w.weight_scale).view(torch.uint8))
+    back = nvfp4.unswizzle_128x4(prepared.weight_scale, n, k // 16)
+    assert torch.equal(back.view(torch.uint8), w.weight_scale.view(torch.uint8))
+
+
+@pytest.mark.parametrize("shape", list(S.GEMM_SHAPES.values()), ids=list(S.GEMM_SHAPES))
+def test_mm_fp4_scale_conventions_reproduce_w4a4(shape):
+    """mm_fp4's math on the prepared tensors: alpha * (codes_x * sf_x) @ (codes_w * sf_w).T, with x
+    quantized by the global scale prepare stored, equals the dense w4a4 reference."""
+    m, k, n = shape
+    w = _fp4_linear(n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
+    p = mm_fp4_layout(w)
+    codes, sf, _ = nvfp4.quantize_activation(x, 1 / p.input_scale[0])
+    xq = nvfp4.dequantize(codes, sf, torch.tensor(1.0)).double()
+    wq = nvfp4.dequantize(p.weight, nvfp4.unswizzle_128x4(p.weight_scale, n, k // 16), torch.tensor(1.0)).double()
+    y = p.weight_scale_2.double() * (xq @ wq.t())
+    torch.testing.assert_close(y, S.dense_fp4_gemm(x, *w, "w4a4"), rtol=1e-5, atol=1e-6)
+
+
+def test_mm_fp4_trtllm_layout_permutes_weight_and_scale_rows_together():
+    w = _fp4_linear(256, 64)
+    perm = torch.randperm(256, generator=torch.Generator().manual_seed(3))
+    p = mm_fp4_layout(w, perm)
+    assert torch.equal(p.weight, w.weight[perm])
+    back = nvfp4.unswizzle_128x4(p.weight_scale, 256, 4)
+    assert torch.equal(back.view(torch.uint8), w.weight_scale[perm].view(torch.uint8))
+
+
+@needs_flashinfer
+def test_trtllm_row_permutation_is_flashinfers_shuffle():
+    from flashinfer.utils import get_shuffle_matrix_a_row_indices, get_shuffle_matrix_sf_a_row_indices
+
+    from pieceworks.backends.fp4_gemm.flashinfer import trtllm_row_permutation
+
+    perm = trtllm_row_permutation(256)
+    assert torch.equal(perm, get_shuffle_matrix_a_row_indices(torch.zeros(256, 32, dtype=torch.uint8), 128))
+    assert torch.equal(perm, get_shuffle_matrix_sf_a_row_indices(torch.zeros(256, 4, dtype=torch.uint8), 128))
+
+
+def test_fp4_quantize_guard_refuses_below_sm100():
+    for cap in [(9, 0), (8, 9), (8, 0), None]:
+        with pytest.raises(RuntimeError, match="uninitialised memory"):
+            require_fp4_quantize(cap)
+    for cap in [(10, 0), (10, 3), (12, 0)]:
+        require_fp4_quantize(cap)
+    x, gs = torch.randn(4, 32, dtype=torch.bfloat16), torch.ones(1)
+    with pytest.raises(RuntimeError, match=r"this device: 9\.0"):
+        fp4_quantize_activation(x, gs, capability=(9, 0))
+    with pytest.raises(RuntimeError, match="no GPU"):
+        fp4_quantize_activation(x, gs)  # a CPU tensor has no capability
+
+
+def _callee(call: ast.Call) -> str:
+    return getattr(call.func, "attr", getattr(call.func, "id", ""))
+
+
+def test_fp4_quantize_is_only_called_behind_the_guard():
+    """Structure: the one call of flashinfer's fp4_quantize in the package is in the guarded function,
+    after the guard."""
+    root = Path(__import__("pieceworks").__file__).parent
+    calls = []
+    for path in root.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call) and _callee(node) == "fp4_quantize":
+                    calls.append((path.name, fn.name, node.lineno, fn))
+        imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names]
+        assert "fp4_quantize" not in imported, f"{path} imports fp4_quantize directly"
+    assert [(f, n) for f, n, _, _ in calls] == [("flashinfer.py", "fp4_quantize_activation")]
+    _, _, line, fn = calls[0]
+    guard = [n.lineno for n in ast.walk(fn) if isinstance(n, ast.Call) and _callee(n) == "require_fp4_quantize"]
+    assert guard and min(guard) < line
+
+
+# ---------------------------------------------------------------- fused MoE
+def _moe_weights(experts=4, hidden=64, inter=32, seed=0) -> MoEWeights:
+    """NVFP4 experts as ModelOpt exports them: gate and up share weight_scale_2 and input_scale."""
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.1
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * 0.1
+    q13 = [nvfp4.quantize_weight(w13[e]) for e in range(experts)]
+    q2 = [nvfp4.quantize_weight(w2[e]) for e in range(experts)]
+    return MoEWeights(
+        torch.stack([q[0] for q in q13]), torch.stack([q[1] for q in q13]),
+        torch.stack([torch.stack([q[2], q[2]]) for q in q13]), torch.full((experts,), 2.0 / 2688),
+        torch.stack([q[0] for q in q2]), torch.stack([q[1] for q in q2]), torch.stack([q[2] for q in q2]),
+        torch.full((experts,), 0.5 / 2688),
+    )
+
+
+def test_up_gate_swaps_halves():
+    t = torch.arange(2 * 3 * 4).view(2, 6, 2)  # [E, 2I, .] with I = 3
+    assert torch.equal(up_gate(t)[:, :3], t[:, 3:]) and torch.equal(up_gate(t)[:, 3:], t[:, :3])
+
+
+def test_moe_scales_and_shared_gate_up_scale():
+    w = _moe_weights()
+    p = cutlass_moe_layout(w)
+    in1, in2 = w.w13_input_scale.max(), w.w2_input_scale.max()
+    torch.testing.assert_close(p.w13_scale_2, in1 * w.w13_scale_2[:, 0])
+    torch.testing.assert_close(p.w2_scale_2, in2 * w.w2_scale_2)
+    torch.testing.assert_close(p.w13_input_scale, (1 / in1).reshape(1))
+    torch.testing.assert_close(p.w2_input_scale, (1 / in2).reshape(1))
+    bad = w.w13_scale_2.clone()
+    bad[2, 1] *= 2
+    with pytest.raises(ValueError, match=r"experts \[2\] have different weight_scale_2"):
+        shared_gate_up_scale(bad)
+
+
+def test_cutlass_moe_layout_shapes():
+    w = _moe_weights(experts=3, hidden=64, inter=48)
+    p = cutlass_moe_layout(w)
+    assert torch.equal(p.w13, up_gate(w.w13)) and p.w13.is_contiguous()
+    assert p.w13_scale.shape == (3, 128, 4) and p.w2_scale.shape == (3, 128, 4)
+    for e in range(3):
+        back = nvfp4.unswizzle_128x4(p.w13_scale[e], 96, 4).view(torch.uint8)
+        assert torch.equal(back, up_gate(w.w13_scale)[e].view(torch.uint8))
+        assert torch.equal(nvfp4.unswizzle_128x4(p.w2_scale[e], 64, 3).view(torch.uint8), w.w2_scale[e].view(torch.uint8))
+    assert p.w13.view(torch.long).shape == (3, 96, 4)  # the kernel reads packed int64 weights
+    assert p.w13_scale.view(torch.int32).shape == (3, 128, 1)
+
+
+def _emulate_fused_moe(p: MoEWeights, x, logits, bias, args, hidden, inter):
+    """What FlashInfer's NVFP4 fused MoE computes from the prepared tensors: x quantized once with the
+    shared global scale, GEMM1 = [up; gate] scaled by alpha1, silu(gate) * up, quantized with the second
+    global scale, GEMM2 scaled by alpha2, routing-weighted sum."""
+    weights, ids = deepseek_route(logits, bias, *args)
+    one = torch.tensor(1.0)
+    xc, xs, _ = nvfp4.quantize_activation(x, 1 / p.w13_input_scale[0])
+    xq = nvfp4.dequantize(xc, xs, one).double()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for slot in range(ids.shape[1]):
+            e = int(ids[t, slot])
+            w1 = nvfp4.dequantize(p.w13[e], nvfp4.unswizzle_128x4(p.w13_scale[e], 2 * inter, hidden // 16), one)
+            g1 = p.w13_scale_2[e].double() * (xq[t] @ w1.double().t())
+            h = (F.silu(g1[inter:]) * g1[:inter]).float()
+            hc, hs, _ = nvfp4.quantize_activation(h[None], 1 / p.w2_input_scale[0])
+            w2 = nvfp4.dequantize(p.w2[e], nvfp4.unswizzle_128x4(p.w2_scale[e], hidden, inter // 16), one)
+            y = p.w2_scale_2[e].double() * (nvfp4.dequantize(hc, hs, one).double() @ w2.double().t())
+            out[t] += weights[t, slot].double() * y[0]
+    return out
+
+
+def test_cutlass_moe_layout_reproduces_the_reference():
+    hidden, inter = 64, 32
+    w = _moe_weights(experts=8, hidden=hidden, inter=inter)
+    gen = torch.Generator().manual_seed(5)
+    x, logits = torch.randn(5, hidden, generator=gen), torch.randn(5, 8, generator=gen)
+    bias = torch.rand(8, generator=gen) * 0.1
+    args = (3, 4, 2, True, 2.5)
+    got = _emulate_fused_moe(cutlass_moe_layout(w), x, logits, bias, args, hidden, inter)
+    ref = S.dense_moe(x, logits, bias, w, *args, numerics="w4a4")
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_trtllm_moe_layout_is_the_cutlass_layout_with_rows_permuted():
+    w = _moe_weights(experts=2, hidden=128, inter=64)
+    gen = torch.Generator().manual_seed(9)
+    perm13, perm2 = torch.randperm(128, generator=gen), torch.randperm(128, generator=gen)
+    c, t = cutlass_moe_layout(w), trtllm_moe_layout(w, perm13, perm2)
+    assert torch.equal(t.w13, c.w13[:, perm13]) and torch.equal(t.w2, c.w2[:, perm2])
+    assert t.w13_scale.shape == (2, 128, 8) and t.w2_scale.shape == (2, 128, 4)
+    for e in range(2):
+        back13 = nvfp4.unswizzle_128x4(t.w13_scale[e], 128, 8).view(torch.uint8)
+        assert torch.equal(back13, up_gate(w.w13_scale)[e][perm13].view(torch.uint8))
+        back2 = nvfp4.unswizzle_128x4(t.w2_scale[e], 128, 4).view(torch.uint8)
+        assert torch.equal(back2, w.w2_scale[e][perm2].view(torch.uint8))
+    torch.testing.assert_close(t.w13_scale_2[0], c.w13_scale_2 * c.w2_input_scale)  # output1_scale_scalar
+    torch.testing.assert_close(t.w13_scale_2[1], c.w13_scale_2)  # output1_scale_gate_scalar
+    torch.testing.assert_close(t.w2_scale_2, c.w2_scale_2)  # output2_scale_scalar
+
+
+@needs_flashinfer
+def test_trtllm_moe_permutations_are_flashinfers():
+    from flashinfer.fused_moe.core import _maybe_get_cached_w3_w1_permute_indices, get_w2_permute_indices_with_cache
+
+    from pieceworks.backends.moe.flashinfer import trtllm_moe_permutations
+
+    perm13, perm2 = trtllm_moe_permutations(256, 128)
+    w13, w2 = torch.zeros(256, 64, dtype=torch.uint8), torch.zeros(128, 64, dtype=torch.uint8)
+    assert torch.equal(perm13, _maybe_get_cached_w3_w1_permute_indices({}, w13, 128))
+    assert torch.equal(perm13, _maybe_get_cached_w3_w1_permute_indices({}, w13[:, :8], 128, num_elts_per_sf=16))
+    assert torch.equal(perm2, get_w2_permute_indices_with_cache({}, w2, 128))
+
+
+def test_moe_backends_refuse_unquantized_or_misshaped_experts():
+    spec = BackendSpec(device="cuda", capability=(10, 0), modules=frozenset({"flashinfer"}))
+    with pytest.raises(ValueError, match="serves NVFP4 experts"):
+        FlashInferCutlassMoEBackend(spec).prepare(S.random_moe_weights(4, 64, 32, False, torch.bfloat16,
+                                                                        torch.Generator(), CPU))
+    with pytest.raises(ValueError, match="multiples of 128"):
+        FlashInferTrtllmMoEBackend(spec).prepare(_moe_weights(hidden=64, inter=32))
+
+
+# ---------------------------------------------------------------- declarations and reasons
+ALL = [FlashInferAttentionBackend, FlashInferMLABackend, TrtllmMLABackend, FlashInferCutlassFp4GemmBackend,
+       FlashInferCudnnFp4GemmBackend, FlashInferTrtllmFp4GemmBackend, FlashInferCutlassMoEBackend,
+       FlashInferTrtllmMoEBackend]
+BLACKWELL = {TrtllmMLABackend: "10.x", FlashInferTrtllmFp4GemmBackend: "10.x", FlashInferTrtllmMoEBackend: "10.x",
+             FlashInferCutlassFp4GemmBackend: "10.x or 11.x or 12.x",
+             FlashInferCudnnFp4GemmBackend: "10.x or 11.x or 12.x",
+             FlashInferCutlassMoEBackend: "10.x or 11.x or 12.x"}
+DSV3 = ModelFacts(arch="deepseek_v3", dtype=torch.bfloat16, num_heads=16, kv_lora_rank=512, qk_rope_head_dim=64,
+                  page_size=64, fp4=True, moe_experts=8, moe_quant="nvfp4")
+LLAMA = ModelFacts(dtype=torch.bfloat16, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+
+
+@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.key())
+def test_reasons_without_a_gpu(cls):
+    reasons = cls.check(BackendSpec(device="cpu", model=DSV3, modules=frozenset()))
+    assert "needs device cuda (this run: cpu)" in reasons
+    assert any("module 'flashinfer' is not importable" in r for r in reasons)
+
+
+@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.key())
+def test_reasons_on_hopper(cls):
+    model = LLAMA if cls.op == "attention" else DSV3
+    reasons = cls.check(BackendSpec(device="cuda", capability=(9, 0), model=model, modules=frozenset({"flashinfer"})))
+    if cls in BLACKWELL:
+        assert f"needs compute capability {BLACKWELL[cls]} (this GPU: 9.0)" in reasons
+    elif cls is FlashInferCudnnFp4GemmBackend:
+        pass
+    else:
+        assert reasons == []  # FlashInfer attention and MLA serve the H200
+
+
+def test_model_dependent_reasons():
+    cuda = dict(device="cuda", capability=(10, 0), modules=frozenset({"flashinfer"}))
+    assert TrtllmMLABackend.check(BackendSpec(**cuda, model=DSV3)) == []
+    r = TrtllmMLABackend.check(BackendSpec(**cuda, model=replace(DSV3, page_size=16)))
+    assert r == ["TRT-LLM MLA needs page_size 32 or 64 (kv_cache page size: 16)"]
+
+    def reasons(cls, model, **change):
+        return " ".join(cls.check(BackendSpec(**cuda, model=replace(model, **change))))
+
+    assert "64 < num_heads < 128" in reasons(TrtllmMLABackend, DSV3, num_heads=96)
+    assert "num_heads dividing 64" in reasons(FlashInferMLABackend, DSV3, num_heads=48)
+    assert "head_dim 64, 128 or 256" in reasons(FlashInferAttentionBackend, LLAMA, head_dim=96)
+    w4a16 = BackendSpec(**cuda, model=DSV3, fp4_numerics="w4a16")
+    assert any("implements w4a4 numerics" in x for x in FlashInferCutlassFp4GemmBackend.check(w4a16))
+    assert "float32" in reasons(FlashInferTrtllmFp4GemmBackend, DSV3, dtype=torch.float32)
+
+
+def test_declarations():
+    assert TrtllmMLABackend.graph_modes == {EAGER, FULL}
+    assert FlashInferMLABackend.graph_modes == set(GraphMode) == FlashInferAttentionBackend.graph_modes
+    assert TrtllmMLABackend.forward_modes == {E, D, M}
+    assert {c.numerics for c in ALL if c.op in ("fp4_gemm", "moe")} == {("w4a4",)}
+    assert FlashInferTrtllmFp4GemmBackend.weight_layout != FlashInferCutlassFp4GemmBackend.weight_layout
+    assert [c.name for c in ALL if c.op == "fp4_gemm"] == ["cutlass", "cudnn", "trtllm"]
+
+
+def test_variant_option():
+    assert resolve_variant("auto", (9, 0)) == "fa3" and resolve_variant("auto", (10, 0)) == "fa2"
+    assert resolve_variant("fa2", (9, 0)) == "fa2" and resolve_variant("auto", (8, 0)) == "fa2"
+    with pytest.raises(ValueError, match="fa3 needs a Hopper"):
+        resolve_variant("fa3", (10, 0))
+    with pytest.raises(ValueError, match="use auto, fa2 or fa3"):
+        FlashInferOptions(variant="fa4")
+    assert parse_options(FlashInferMLABackend, {"variant": "fa2"}) == FlashInferOptions("fa2")
+    spec = BackendSpec(device="cuda", capability=(9, 0), model=LLAMA, modules=frozenset({"flashinfer"}))
+    assert FlashInferAttentionBackend(spec).variant == "fa3"  # building a backend touches no GPU
+    assert FlashInferAttentionBackend(spec, FlashInferOptions("fa2")).variant == "fa2"
+
+
+# ---------------------------------------------------------------- registry: the piecewise fallback
+def _resolve(spec, overrides=(), ops=("mla",)):
+    cfg = load_config({"model": {"arch": "deepseek_v3"}}, list(overrides))
+    return Registry(autoload=False).load().resolve(cfg.backends, spec, ops)
+
+
+def test_trtllm_mla_pinned_falls_back_to_flashinfer_mla_under_piecewise_graphs(caplog):
+    spec = BackendSpec(device="cuda", capability=(10, 0), model=DSV3, modules=frozenset({"flashinfer"}))
+    with caplog.at_level(logging.INFO, logger="pieceworks.registry"):
+        table = _resolve(spec, ["backends.mla=trtllm"])
+    assert table.get("mla", E, EAGER).name == "trtllm"
+    assert table.get("mla", D, EAGER).name == "trtllm"
+    assert table.get("mla", D, FULL).name == "trtllm"
+    for mode in (E, M):
+        assert table.get("mla", mode, PW).name == "flashinfer"
+        decision = next(d for d in table.decisions if (d.forward_mode, d.graph_mode) == (mode, PW))
+        assert decision.fallback_from == "trtllm" and decision.chosen == "flashinfer"
+        assert "not safe in piecewise CUDA graphs" in decision.note
+    assert "mla extend under piecewise graphs: flashinfer instead of trtllm" in caplog.text
+    assert table.get("mla", E, EAGER) is table.get("mla", D, FULL)  # one instance serves every entry
+
+
+def test_auto_mla_on_blackwell_and_hopper():
+    blackwell = BackendSpec(device="cuda", capability=(10, 0), model=DSV3, modules=frozenset({"flashinfer"}))
+    table = _resolve(blackwell)
+    assert {table.get("mla", m, g).name for m, g in [(E, EAGER), (E, PW), (D, FULL)]} == {"flashinfer"}
+    table = _resolve(blackwell, ["backends.mla.decode=trtllm", "backends.mla.extend=flashinfer"])
+    assert table.get("mla", D, FULL).name == "trtllm" and table.get("mla", E, PW).name == "flashinfer"
+    hopper = replace(blackwell, capability=(9, 0))
+    with pytest.raises(SelectionError, match=r"needs compute capability 10\.x \(this GPU: 9\.0\)"):
+        _resolve(hopper, ["backends.mla=trtllm"])
+    assert _resolve(hopper).get("mla", D, FULL).name == "flashinfer"
+
+
+def test_auto_fp4_and_moe_choices():
+    ops = ("fp4_gemm", "moe")
+    blackwell = BackendSpec(device="cuda", capability=(10, 0), model=DSV3, modules=frozenset({"flashinfer"}))
+    table = _resolve(blackwell, ops=ops)
+    assert table.get("fp4_gemm", D, FULL).name == "cutlass" and table.get("moe", E, PW).name == "trtllm"
+    hopper = _resolve(replace(blackwell, capability=(9, 0)), ops=ops)
+    assert hopper.get("fp4_gemm", D, FULL).name != "cutlass" and hopper.get("moe", D, FULL).name == "torch"
