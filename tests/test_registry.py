@@ -197,7 +197,8 @@ def test_fp4_numerics_restricts_selection():
 
     spec = lambda n: BackendSpec(model=ModelFacts(fp4=True), fp4_numerics=n)  # noqa: E731
     assert resolve(registry(A4), spec=spec("auto"), ops=("fp4_gemm",)).get("fp4_gemm", E, EAGER).name == "a4only"
-    assert resolve(registry(A4), spec=spec("w4a16"), ops=("fp4_gemm",)).get("fp4_gemm", E, EAGER).name == "torch"
+    # w4a16: the best CPU w4a16 backend (the load-time dequant one, priority 1, above the reference)
+    assert resolve(registry(A4), spec=spec("w4a16"), ops=("fp4_gemm",)).get("fp4_gemm", E, EAGER).name == "dequant"
     t = resolve(registry(A4), spec=spec("w4a4"), ops=("fp4_gemm",))
     assert t.get("fp4_gemm", D, EAGER).name == "a4only"
     with pytest.raises(SelectionError, match="quantization.fp4_numerics asks for w4a16"):

@@ -15,11 +15,12 @@ class TorchBackends:
     @hookimpl
     def pieceworks_register_backends(self):
         from pieceworks.backends.attention.torch import TorchAttentionBackend
-        from pieceworks.backends.fp4_gemm.torch import TorchFp4GemmBackend
+        from pieceworks.backends.fp4_gemm.torch import DequantizedFp4GemmBackend, TorchFp4GemmBackend
         from pieceworks.backends.mla.torch import TorchMLABackend
         from pieceworks.backends.moe.torch import TorchMoEBackend
 
-        return [TorchAttentionBackend, TorchMLABackend, TorchFp4GemmBackend, TorchMoEBackend]
+        return [TorchAttentionBackend, TorchMLABackend, TorchFp4GemmBackend, DequantizedFp4GemmBackend,
+                TorchMoEBackend]
 
 
 class FlashInferBackends:
@@ -59,9 +60,21 @@ class FlashInferFp4Backends:
                 FlashInferCutlassMoEBackend, FlashInferTrtllmMoEBackend]
 
 
+class TritonBackends:
+    """pieceworks' own Triton kernels: NVFP4 weight-only GEMM and fused MoE for Hopper (and Ampere+)."""
+
+    @hookimpl
+    def pieceworks_register_backends(self):
+        from pieceworks.backends.fp4_gemm.triton import TritonFp4GemmBackend
+        from pieceworks.backends.moe.triton import TritonMoEBackend
+
+        return [TritonFp4GemmBackend, TritonMoEBackend]
+
+
 BUILTIN_PLUGINS: dict[str, object] = {
     "pieceworks.torch": TorchBackends(),
     "pieceworks.flashinfer": FlashInferBackends(),
     "pieceworks.trtllm_mla": TrtllmMLABackends(),
     "pieceworks.flashinfer_fp4": FlashInferFp4Backends(),
+    "pieceworks.triton": TritonBackends(),
 }
