@@ -241,7 +241,7 @@ class PiecewiseRunner:
             return self.compiled(ids, pos)
         # Traced once, always called the same way (static buffers, the same weights): only the guards
         # that tell compiled graphs apart need to run, and there is one graph: the weights' guards are
-        # weight's guards on each step.
+        # not evaluated on every step.
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             return self.compiled(ids, pos)
 
