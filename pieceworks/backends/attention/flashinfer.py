@@ -154,10 +154,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._meta = None
         self._wrapper = None
         self._rows = 0
+        self._views: dict[int, tuple] = {}
+        self._fast: FastRun | None = None
 
     # ------------------------------------------------------------------ plan (host)
     def plan(self, meta) -> None:
         self._meta = meta
+        self._fast = None
         m = self.spec.model
         qo_lens, kv_lens = step_lengths(meta)
         kv = paged_kv_indices(meta.page_table[: len(kv_lens)], kv_lens, meta.page_size)
@@ -215,12 +218,69 @@ class FlashInferAttentionBackend(AttentionBackend):
         if check_capture_scale(self, scale):
             self._sm_scale = scale
             self.plan(self._meta)
-        meta = self._meta
-        kc, vc = kv.k_cache(layer_id), kv.v_cache(layer_id)
-        slots = meta.slot_mapping[: k.shape[0]]  # padded tokens write to the reserved page
-        kc.view(-1, *kc.shape[2:]).index_copy_(0, slots, k.to(kc.dtype))
-        vc.view(-1, *vc.shape[2:]).index_copy_(0, slots, v.to(vc.dtype))
+        views = self._views.get(layer_id)
+        if views is None or views[0] is not kv:
+            kc, vc = kv.k_cache(layer_id), kv.v_cache(layer_id)
+            views = self._views[layer_id] = (kv, kc, vc, kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]))
+        _, kc, vc, k_flat, v_flat = views
+        slots = self._meta.slot_mapping
+        if slots.shape[0] != k.shape[0]:
+            slots = slots[: k.shape[0]]
+        # padded tokens write to the reserved page
+        k_flat.index_copy_(0, slots, k if k.dtype == kc.dtype else k.to(kc.dtype))
+        v_flat.index_copy_(0, slots, v if v.dtype == vc.dtype else v.to(vc.dtype))
         rows = self._rows
-        self._wrapper.run(q[:rows], (kc, vc), out=out[:rows])
         if out.shape[0] > rows:
-            out[rows:].zero_()
+            q, padded, out = q[:rows], out[rows:], out[:rows]
+            padded.zero_()
+        if self._fast is not None:
+            self._fast(q, kc, vc, out)
+        elif self._wrapper is self._prefill:
+            self._fast = FastRun.record(self._wrapper, q, kc, vc, out)
+        else:
+            self._wrapper.run(q, (kc, vc), out=out)
+
+
+class FastRun:
+    """FlashInfer's `run()` re-derives some 30 kernel arguments in Python on every call (~25 us a
+    layer on the H200 machine's host); within one planned step they are the same for every layer but
+    q, the K/V caches and out. The first layer of a step goes through `run()` while the module's
+    `paged_run` is watched; later layers call `paged_run` with those four arguments swapped in.
+    Used only when the recorded call holds exactly our four tensors (checked by identity); otherwise
+    `record` returns None and every layer keeps calling `run()`. `plan()` drops the recording.
+    """
+
+    def __init__(self, fn, args: list, slots: tuple[int, int, int, int]) -> None:
+        self.fn, self.args, self.slots = fn, args, slots
+
+    def __call__(self, q, kc, vc, out) -> None:
+        args = self.args
+        iq, ik, iv, io = self.slots
+        args[iq], args[ik], args[iv], args[io] = q, kc, vc, out
+        self.fn(*args)
+
+    @classmethod
+    def record(cls, wrapper, q, kc, vc, out) -> "FastRun | None":
+        module = getattr(wrapper, "_cached_module", None)
+        fn = getattr(module, "paged_run", None)
+        if fn is None:
+            wrapper.run(q, (kc, vc), out=out)
+            return None
+        seen: list = []
+
+        def spy(*args, **kwargs):
+            seen.append((args, kwargs))
+            return fn(*args, **kwargs)
+
+        module.paged_run = spy
+        try:
+            wrapper.run(q, (kc, vc), out=out)
+        finally:
+            module.paged_run = fn
+        if len(seen) != 1 or seen[0][1]:
+            return None
+        args = list(seen[0][0])
+        where = [[i for i, a in enumerate(args) if a is t] for t in (q, kc, vc, out)]
+        if any(len(w) != 1 for w in where):
+            return None
+        return cls(fn, args, tuple(w[0] for w in where))
