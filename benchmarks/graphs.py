@@ -70,6 +70,7 @@ def extend_row(ex: Executor, T: int, repeats: int) -> dict:
                 ex.model(ids, meta.positions)
 
         row["eager_ms"] = timed(eager, repeats)
+        print(f"  T={T} eager {row['eager_ms']:.3f} ms", flush=True)
         if ex.piecewise is not None and ex.piecewise.covers(T):
             pad = ex.piecewise.padded_size(T)
             meta_p, ids_p = ex.prepare_step(ForwardMode.EXTEND, GraphMode.PIECEWISE, [seq], [toks], pad)
@@ -82,6 +83,7 @@ def extend_row(ex: Executor, T: int, repeats: int) -> dict:
 
             row["piecewise_ms"] = timed(piecewise, repeats)
             row["padded_to"] = pad
+            print(f"  T={T} piecewise {row['piecewise_ms']:.3f} ms", flush=True)
         if ex.device.type != "cuda":
             return row
         graph = torch.cuda.CUDAGraph()
@@ -148,7 +150,11 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     p.add_argument("--set", action="append", default=[], help="extra config overrides key=value")
     p.add_argument("--out", default=None, help="markdown + json report path")
+    p.add_argument("--watchdog", type=float, default=90, help="dump stacks if a phase runs this long (s)")
     args = p.parse_args()
+    import faulthandler
+
+    faulthandler.dump_traceback_later(args.watchdog, repeat=True)
 
     sizes = {"num_hidden_layers": args.layers} if args.layers else {}
     overrides = [

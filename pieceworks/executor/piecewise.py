@@ -207,10 +207,13 @@ def _own_code_object(model: torch.nn.Module) -> Callable:
     to Dynamo's limit of 8; and skipping guard evaluation (see `_run`) is only safe when a code object
     has a single graph.
     """
-    src = "def forward(input_ids, positions):\n    return model.forward(input_ids, positions)\n"
-    namespace: dict[str, Any] = {"model": model}
-    exec(compile(src, f"<pieceworks piecewise entry {next(_entries)}>", "exec"), namespace)
-    return namespace["forward"]
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return model.forward(input_ids, positions)
+
+    # A copy of the code object (same file and lines, so Dynamo traces it as it is, without the
+    # shared wrapper frame torch 2.11 puts around functions it has no source file for).
+    forward.__code__ = forward.__code__.replace(co_name=f"piecewise_forward_{next(_entries)}")
+    return forward
 
 
 class PiecewiseRunner:
