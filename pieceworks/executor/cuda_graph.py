@@ -76,7 +76,8 @@ class DecodeGraphRunner:
 
         ex = self.ex
         kernels = ex.table.step(ForwardMode.DECODE, GraphMode.FULL)
-        free_before = torch.cuda.mem_get_info(ex.device)[0]
+        torch.cuda.empty_cache()
+        reserved_before = torch.cuda.memory_reserved(ex.device)
         t0 = time.perf_counter()
         gc.collect()
         was_enabled = gc.isenabled()
@@ -102,8 +103,9 @@ class DecodeGraphRunner:
             if was_enabled:
                 gc.enable()
         torch.cuda.synchronize(ex.device)
+        torch.cuda.empty_cache()  # drop warm-up leftovers; what stays reserved is the graphs' pool
         self.report = {"capture_s": time.perf_counter() - t0,
-                       "pool_bytes": max(0, free_before - torch.cuda.mem_get_info(ex.device)[0])}
+                       "pool_bytes": torch.cuda.memory_reserved(ex.device) - reserved_before}
 
     def run(self, seqs: list[Sequence], tokens: list[list[int]], kernels: StepKernels) -> torch.Tensor:
         """Replay the bucket for this decode batch; returns float32 logits [len(seqs), V]."""

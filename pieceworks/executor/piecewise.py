@@ -276,7 +276,8 @@ class PiecewiseRunner:
         self.report["compile_s"] = time.perf_counter() - t0
         if not self.use_graphs:
             return
-        free_before = torch.cuda.mem_get_info(self.ex.device)[0]
+        torch.cuda.empty_cache()
+        reserved_before = torch.cuda.memory_reserved(self.ex.device)
         t1 = time.perf_counter()
         from pieceworks.util import progress_bar
 
@@ -294,7 +295,8 @@ class PiecewiseRunner:
                 gc.enable()
         torch.cuda.synchronize(self.ex.device)
         self.report["capture_s"] = time.perf_counter() - t1
-        self.report["pool_bytes"] = max(0, free_before - torch.cuda.mem_get_info(self.ex.device)[0])
+        torch.cuda.empty_cache()  # drop warm-up leftovers; what stays reserved is the graphs' pool
+        self.report["pool_bytes"] = torch.cuda.memory_reserved(self.ex.device) - reserved_before
 
     def _dummy_step(self, size: int, phase: str) -> None:
         """A one-sequence extend of `size` tokens whose KV all goes to the reserved page."""
