@@ -13,7 +13,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--device", default="cuda")
 p.add_argument("-n", type=int, default=10)
 a = p.parse_args()
-cfg = {"model": {"arch": "llama", "preset": "tiny"}, "runtime": {"device": a.device},
+cfg = {"model": {"arch": "llama", "preset": "tiny"}, "runtime": {"device": a.device}, "kv_cache": {"num_tokens": 4096},
        "cuda_graph": {"piecewise": {"enabled": "on", "max_tokens": 16}, "decode": {"batch_sizes": [1, 2]}}}
 exs = [Executor.from_config(cfg, progress=False) for _ in range(a.n)]
 outs = [e.generate([[1, 2, 3, 4, 5]], 6) for e in exs]
