@@ -32,10 +32,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pref
     return torch.einsum("hgns,shd->nhgd", probs, v.float()).reshape(n, hq, v.shape[-1])
 
 
-class TorchAttentionBackend(AttentionBackend):
-    name = "torch"
-    priority = 0
-    description = "reference: gathered pages, float32 softmax"
+class ReferencePlan:
+    """plan() of the torch references: keep the step's metadata; for decode, the per-sequence lengths
+    (in FULL graphs a static buffer per graph batch size, refilled for every replay)."""
 
     def __init__(self, spec, options=None) -> None:
         super().__init__(spec, options)
@@ -48,6 +47,12 @@ class TorchAttentionBackend(AttentionBackend):
             self._seq_lens = _static_seq_lens(self._static_lens, meta)
         elif meta.mode is ForwardMode.DECODE:
             self._seq_lens = meta.seq_lens_tensor()
+
+
+class TorchAttentionBackend(ReferencePlan, AttentionBackend):
+    name = "torch"
+    priority = 0
+    description = "reference: gathered pages, float32 softmax"
 
     def forward(self, q, k, v, out, layer_id, scale, kv) -> None:
         meta = self._meta

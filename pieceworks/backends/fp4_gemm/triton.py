@@ -135,13 +135,15 @@ def unpack_k32(weight: torch.Tensor, k: int) -> torch.Tensor:
     return codes[:, :k].to(torch.uint8).view(*lead, n, k)
 
 
+TRITON_REQUIREMENTS = Requirements(
+    devices=("cuda",), min_capability=(8, 0), modules=("triton",), install_hint="pip install triton",
+)
+
+
 class TritonFp4GemmBackend(Fp4GemmBackend):
     name = "triton"
     priority = 50
-    requires = Requirements(
-        devices=("cuda",), min_capability=(8, 0), modules=("triton",),
-        install_hint="pip install triton",
-    )
+    requires = TRITON_REQUIREMENTS
     numerics = ("w4a16",)
     weight_layout = "k32"
     description = "Triton w4a16: NVFP4 dequantized in registers, bf16 tensor cores"

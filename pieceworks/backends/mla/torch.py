@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from pieceworks.backends.attention.torch import _static_seq_lens
+from pieceworks.backends.attention.torch import ReferencePlan
 from pieceworks.backends.mla.base import MLABackend
-from pieceworks.executor.batch import ForwardMode, GraphMode
+from pieceworks.executor.batch import ForwardMode
 
 
 def attend_latent(
@@ -33,22 +33,10 @@ def attend_latent(
     return torch.einsum("hns,sl->nhl", probs, c[:, :rank])
 
 
-class TorchMLABackend(MLABackend):
+class TorchMLABackend(ReferencePlan, MLABackend):
     name = "torch"
     priority = 0
     description = "reference: gathered latent pages, float32 softmax"
-
-    def __init__(self, spec, options=None) -> None:
-        super().__init__(spec, options)
-        self._meta = None
-        self._static_lens: dict[int, torch.Tensor] = {}
-
-    def plan(self, meta) -> None:
-        self._meta = meta
-        if meta.graph_mode is GraphMode.FULL:
-            self._seq_lens = _static_seq_lens(self._static_lens, meta)
-        elif meta.mode is ForwardMode.DECODE:
-            self._seq_lens = meta.seq_lens_tensor()
 
     def forward(self, q_nope, q_pe, c_kv, k_pe, out, layer_id, scale, kv) -> None:
         meta = self._meta

@@ -15,8 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from pieceworks.backends.base import Requirements
-from pieceworks.backends.fp4_gemm.triton import TileConfig, parse_table, repack_k32, select_tile
+from pieceworks.backends.fp4_gemm.triton import (
+    TRITON_REQUIREMENTS,
+    TileConfig,
+    parse_table,
+    repack_k32,
+    select_tile,
+)
 from pieceworks.backends.fp4_gemm.triton_tiles import MOE_TILES
 from pieceworks.backends.moe.base import MoEBackend, MoEWeights
 from pieceworks.backends.moe.routing import deepseek_route
@@ -65,10 +70,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 class TritonMoEBackend(MoEBackend):
     name = "triton"
     priority = 50
-    requires = Requirements(
-        devices=("cuda",), min_capability=(8, 0), modules=("triton",),
-        install_hint="pip install triton",
-    )
+    requires = TRITON_REQUIREMENTS
     numerics = ("w4a16",)
     weight_formats = ("nvfp4",)
     weight_layout = "k32"
