@@ -221,7 +221,11 @@ def random_moe_weights(num_experts: int, hidden: int, inter: int, fp4: bool, dty
     if not fp4:
         empty = torch.empty(0, device=device)
         return MoEWeights(w13.to(dtype).to(device), empty, empty, empty, w2.to(dtype).to(device), empty, empty, empty)
-    q13 = [[nvfp4.quantize_weight(w13[e, :inter]), nvfp4.quantize_weight(w13[e, inter:])] for e in range(num_experts)]
+    # gate and up of an expert share one global scale, as ModelOpt exports them (Blackwell MoE kernels
+    # take one per expert)
+    shared = [nvfp4.weight_global_scale(w13[e]) for e in range(num_experts)]
+    q13 = [[nvfp4.quantize_weight(w13[e, :inter], shared[e]), nvfp4.quantize_weight(w13[e, inter:], shared[e])]
+           for e in range(num_experts)]
     q2 = [nvfp4.quantize_weight(w2[e]) for e in range(num_experts)]
     in13 = torch.full((num_experts,), 2.0 / 2688)
     in2 = torch.full((num_experts,), 0.5 / 2688)
