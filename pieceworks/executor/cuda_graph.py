@@ -18,6 +18,7 @@ import torch
 from pieceworks.config import ConfigError
 from pieceworks.executor.batch import ForwardMode, GraphMode, Sequence, StepMetadata
 from pieceworks.executor.context import ForwardContext, StepKernels, forward_context
+from pieceworks.executor.runner import page_table
 
 if TYPE_CHECKING:
     from pieceworks.executor.runner import Executor
@@ -115,14 +116,14 @@ class DecodeGraphRunner:
         ps = ex.page_size
         positions = [s.kv_len for s in seqs]
         slots = [s.pages[p // ps] * ps + p % ps for s, p in zip(seqs, positions)]
-        table = torch.full((bs, self.width), ex.kv.reserved_slot // ps, dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            table[i, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
+        reserved_page = ex.kv.reserved_slot // ps
+        table = page_table(seqs, self.width, fill=reserved_page)
         pad = bs - n
         self.ids[:bs].copy_(torch.tensor([t[0] for t in tokens] + [0] * pad))
         self.positions[:bs].copy_(torch.tensor(positions + [1] * pad))
         self.slots[:bs].copy_(torch.tensor(slots + [ex.kv.reserved_slot] * pad))
-        self.table[:bs].copy_(table)
+        self.table[:n].copy_(table)
+        self.table[n:bs].fill_(reserved_page)
         self._plan(kernels, self._meta(bs, [p + 1 for p in positions], positions))
         self.graphs[bs].replay()
         return self.logits[bs][:n].clone()

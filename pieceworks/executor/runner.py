@@ -202,10 +202,7 @@ class Executor:
         ids += [0] * pad
         positions += [0] * pad
         slots += [self.kv.reserved_slot] * pad
-        width = table_width or max(1, max(len(s.pages) for s in seqs))
-        table = torch.zeros(len(seqs), width, dtype=torch.int32)
-        for i, seq in enumerate(seqs):
-            table[i, : len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
+        table = page_table(seqs, table_width or max(1, max(len(s.pages) for s in seqs)))
         dev = self.device
         meta = StepMetadata(
             mode=mode, graph_mode=graph,
@@ -296,6 +293,11 @@ class Executor:
                 raise ValueError("tokenizing text needs transformers: pip install 'pieceworks[demo]'") from exc
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         return self._tokenizer
+
+
+def page_table(seqs: list[Sequence], width: int, fill: int = 0) -> torch.Tensor:
+    """[len(seqs), width] int32 host tensor of each sequence's pages, padded with `fill`."""
+    return torch.tensor([s.pages + [fill] * (width - len(s.pages)) for s in seqs], dtype=torch.int32)
 
 
 def _as_token_list(toks: Any, seq_id: int) -> list[int]:
