@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from pieceworks.backends.base import BackendSpec, ModelFacts
@@ -56,12 +57,12 @@ def print_backends(cfg: Config) -> int:
         reasons = cls.check(spec)
         t.add_row(cls.op, cls.name, str(cls.priority), _fmt_modes(cls.forward_modes),
                   _fmt_modes(cls.graph_modes), "/".join(cls.numerics) or "-",
-                  "[green]yes[/green]" if not reasons else "[red]no[/red]: " + "; ".join(reasons))
+                  "[green]yes[/green]" if not reasons else "[red]no[/red]: " + escape("; ".join(reasons)))
     console.print(t)
     try:
         table = registry.resolve(cfg.backends, spec, ops or ("attention", "mla", "fp4_gemm", "moe"))
     except SelectionError as exc:
-        console.print(f"[red]kernel table can't be built[/red]: {exc}")
+        console.print(f"[red]kernel table can't be built[/red]: {escape(str(exc))}")
         return 2
     print_kernel_table(table)
     print_graph_config(cfg, device)
@@ -74,7 +75,7 @@ def print_kernel_table(table: KernelTable) -> None:
         t.add_column(col)
     for d in table.decisions:
         note = f"fallback from {d.fallback_from}: {d.note}" if d.fallback_from else d.note
-        t.add_row(d.op, d.forward_mode.value, d.graph_mode.value, d.chosen or "-", d.configured, note)
+        t.add_row(d.op, d.forward_mode.value, d.graph_mode.value, d.chosen or "-", d.configured, escape(note))
     console.print(t)
 
 
@@ -123,17 +124,24 @@ def run_main_job(cfg: Config) -> int:
     t0 = time.perf_counter()
     ex = Executor.from_config(cfg)
     build_s = time.perf_counter() - t0
-    tok = ex.tokenizer
-    texts = list(cfg.generation.prompts) or DEFAULT_PROMPTS
-    prompts = [encode_prompt(tok, p, cfg.generation.chat_template) for p in texts]
+    tok = ex.tokenizer if ex.model_dir is not None else None
+    if tok is not None:
+        texts = list(cfg.generation.prompts) or DEFAULT_PROMPTS
+        prompts = [encode_prompt(tok, p, cfg.generation.chat_template) for p in texts]
+        stop = _stop_ids(tok)
+    else:  # random weights have no tokenizer: random prompts, token ids out
+        gen = torch.Generator().manual_seed(cfg.runtime.seed)
+        prompts = [torch.randint(0, ex.vocab_size, (n,), generator=gen).tolist() for n in (16, 64, 256)]
+        texts = [f"{len(p)} random token ids" for p in prompts]
+        stop = []
     stats = StepStats()
     t1 = time.perf_counter()
     outs = ex.generate(prompts, cfg.generation.max_new_tokens, temperature=cfg.generation.temperature,
-                       top_p=cfg.generation.top_p, stop_token_ids=_stop_ids(tok), stats=stats)
+                       top_p=cfg.generation.top_p, stop_token_ids=stop, stats=stats)
     gen_s = time.perf_counter() - t1
     for text, out in zip(texts, outs):
-        console.print(f"[bold cyan]> {text}[/bold cyan]")
-        console.print(tok.decode(out, skip_special_tokens=True).strip())
+        console.print(f"[bold cyan]> {escape(text)}[/bold cyan]")
+        console.print(escape(tok.decode(out, skip_special_tokens=True).strip() if tok else str(out)))
     n_new = sum(map(len, outs))
     console.print(
         f"\n[bold]{cfg.model.path or cfg.model.arch}[/bold] on {ex.device} ({ex.model.dtype}): built in "
@@ -146,17 +154,14 @@ def run_main_job(cfg: Config) -> int:
 
 
 def print_kernel_table_compact(table: KernelTable) -> None:
-    t = Table(title="backends in use")
-    for col in ("op", *(f"{m.value}/{g.value}" for m, gs in TABLE_MODES.items() for g in gs)):
-        t.add_column(col)
     ops = sorted({op for (op, _, _), b in table.entries.items() if b is not None})
-    for op in ops:
-        cells = []
-        for m, gs in TABLE_MODES.items():
-            for g in gs:
-                b = table.get(op, m, g)
-                cells.append(b.name if b is not None else "-")
-        t.add_row(op, *cells)
+    t = Table(title="backends in use")
+    for col in ("mode / graph", *ops):
+        t.add_column(col)
+    for m, gs in TABLE_MODES.items():
+        for g in gs:
+            cells = [(table.get(op, m, g).name if table.get(op, m, g) is not None else "-") for op in ops]
+            t.add_row(f"{m.value} / {g.value}", *cells)
     console.print(t)
 
 
