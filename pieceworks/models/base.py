@@ -21,6 +21,7 @@ from torch import nn
 import pieceworks.backends.ops  # noqa: F401  (registers the torch.ops.pieceworks.* the models call)
 from pieceworks.backends.base import ModelFacts
 from pieceworks.executor.kv_cache import KVLayout
+from pieceworks.models.rope import RotaryEmbedding
 from pieceworks.quant.linear import Fp4Linear
 from pieceworks.quant.nvfp4 import BLOCK
 
@@ -142,6 +143,18 @@ class CausalLM(nn.Module):
     max_position_embeddings: int
     dtype: torch.dtype
     hf_config: dict[str, Any]
+
+    def _build_trunk(self, hf_config: dict, dtype: torch.dtype, args, blocks: list[nn.Module],
+                     rope_dim: int) -> None:
+        """Embeddings, blocks, final norm, head (tied or not) and rope tables: the parts every model has."""
+        self.hf_config, self.dtype = dict(hf_config), dtype
+        self.vocab_size, self.max_position_embeddings = args.vocab_size, args.max_position_embeddings
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(blocks)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = (self.embed_tokens if args.tie_word_embeddings
+                        else nn.Linear(args.hidden_size, args.vocab_size, bias=False))
+        self.rotary = RotaryEmbedding(args.rope, rope_dim, args.max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids [T] int64, positions [T] int64 -> hidden [T, H] (final norm applied).

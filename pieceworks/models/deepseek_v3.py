@@ -22,7 +22,6 @@ from pieceworks.executor.kv_cache import KVLayout
 from pieceworks.models.base import CausalLM, GatedMLP, RMSNorm, WeightSource, linear, merged
 from pieceworks.models.moe import Experts, MoE
 from pieceworks.models.rope import (
-    RotaryEmbedding,
     apply_rope,
     apply_rope_interleaved,
     rope_parameters,
@@ -203,14 +202,7 @@ class DeepseekV3(CausalLM):
     def __init__(self, hf_config: dict, dtype: torch.dtype, fp4: Callable[[str], bool] = lambda name: False):
         super().__init__()
         a = self.args = DeepseekV3Args.from_hf(hf_config)
-        self.hf_config, self.dtype = dict(hf_config), dtype
-        self.vocab_size, self.max_position_embeddings = a.vocab_size, a.max_position_embeddings
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(DeepseekV3Block(a, i, fp4) for i in range(a.num_layers))
-        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        tied = a.tie_word_embeddings
-        self.lm_head = self.embed_tokens if tied else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(a.rope, a.qk_rope_head_dim, a.max_position_embeddings)
+        self._build_trunk(hf_config, dtype, a, [DeepseekV3Block(a, i, fp4) for i in range(a.num_layers)], a.qk_rope_head_dim)
 
     def _experts(self) -> list[Experts]:
         return [m for m in self.modules() if isinstance(m, Experts)]

@@ -17,7 +17,7 @@ from torch import nn
 from pieceworks.backends.base import ModelFacts
 from pieceworks.executor.kv_cache import KVLayout
 from pieceworks.models.base import CausalLM, GatedMLP, RMSNorm, WeightSource, linear, merged
-from pieceworks.models.rope import RotaryEmbedding, apply_rope, rope_parameters
+from pieceworks.models.rope import apply_rope, rope_parameters
 
 
 @dataclass(frozen=True)
@@ -125,14 +125,7 @@ class Llama(CausalLM):
     def __init__(self, hf_config: dict, dtype: torch.dtype, fp4: Callable[[str], bool] = lambda name: False):
         super().__init__()
         a = self.args = LlamaArgs.from_hf(hf_config)
-        self.hf_config, self.dtype = dict(hf_config), dtype
-        self.vocab_size, self.max_position_embeddings = a.vocab_size, a.max_position_embeddings
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(LlamaBlock(a, i, fp4) for i in range(a.num_layers))
-        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        tied = a.tie_word_embeddings
-        self.lm_head = self.embed_tokens if tied else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(a.rope, a.head_dim, a.max_position_embeddings)
+        self._build_trunk(hf_config, dtype, a, [LlamaBlock(a, i, fp4) for i in range(a.num_layers)], a.head_dim)
 
     def kv_layout(self) -> KVLayout:
         return KVLayout("gqa", self.args.num_layers, num_kv_heads=self.args.num_kv_heads, head_dim=self.args.head_dim)

@@ -48,6 +48,14 @@ class ReferencePlan:
         elif meta.mode is ForwardMode.DECODE:
             self._seq_lens = meta.seq_lens_tensor()
 
+    def _sequences(self):
+        """Per sequence of the step: (cached prefix, KV length, its pages, rows of its new tokens)."""
+        meta = self._meta
+        indptr = meta.qo_indptr()
+        for i, (prefix, seq_len) in enumerate(zip(meta.prefix_lens, meta.seq_lens)):
+            pages = meta.page_table[i, : -(-seq_len // meta.page_size)]
+            yield prefix, seq_len, pages, slice(indptr[i], indptr[i + 1])
+
 
 class TorchAttentionBackend(ReferencePlan, AttentionBackend):
     name = "torch"
@@ -65,14 +73,10 @@ class TorchAttentionBackend(ReferencePlan, AttentionBackend):
         if meta.mode is ForwardMode.DECODE:
             self._decode(q, out, kc, vc, scale)
             return
-        ps = meta.page_size
-        indptr = meta.qo_indptr()
-        for i, (prefix, seq_len) in enumerate(zip(meta.prefix_lens, meta.seq_lens)):
-            pages = meta.page_table[i, : -(-seq_len // ps)]
+        for prefix, seq_len, pages, rows in self._sequences():
             keys = kc[pages].flatten(0, 1)[:seq_len]
             vals = vc[pages].flatten(0, 1)[:seq_len]
-            lo, hi = indptr[i], indptr[i + 1]
-            out[lo:hi] = attend(q[lo:hi], keys, vals, scale, prefix).to(out.dtype)
+            out[rows] = attend(q[rows], keys, vals, scale, prefix).to(out.dtype)
 
     def _decode(self, q, out, kc, vc, scale) -> None:
         """Batched decode without host syncs: every sequence's pages gathered to the table width."""

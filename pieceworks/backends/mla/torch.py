@@ -48,13 +48,9 @@ class TorchMLABackend(ReferencePlan, MLABackend):
         if meta.mode is ForwardMode.DECODE:
             self._decode(q_nope, q_pe, out, cache, scale)
             return
-        ps = meta.page_size
-        indptr = meta.qo_indptr()
-        for i, (prefix, seq_len) in enumerate(zip(meta.prefix_lens, meta.seq_lens)):
-            pages = meta.page_table[i, : -(-seq_len // ps)]
+        for prefix, seq_len, pages, rows in self._sequences():
             entries = cache[pages].flatten(0, 1)[:seq_len]
-            lo, hi = indptr[i], indptr[i + 1]
-            out[lo:hi] = attend_latent(q_nope[lo:hi], q_pe[lo:hi], entries, scale, prefix).to(out.dtype)
+            out[rows] = attend_latent(q_nope[rows], q_pe[rows], entries, scale, prefix).to(out.dtype)
 
     def _decode(self, q_nope, q_pe, out, cache, scale) -> None:
         lens = self._seq_lens
