@@ -102,7 +102,7 @@ def extend_row(ex: Executor, T: int, repeats: int) -> dict:
             graph.replay()
 
         row["whole_graph_ms"] = timed(whole, repeats)
-        del graph
+        graph = None  # release the captured graph before the next T
     finally:
         ex._release([seq], [list(seq.pages)])
         seq.pages = []

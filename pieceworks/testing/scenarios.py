@@ -75,7 +75,6 @@ def attention_case(sc: Scenario, num_heads: int, num_kv_heads: int, head_dim: in
     """Random GQA scenario: prefix KV written into shuffled pages, new q/k/v, float64 expectation."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    total = sum(p + n for p, n in sc.seqs)
     num_pages = 1 + sum(-(-(p + n) // sc.page_size) for p, n in sc.seqs) + 2
     pool = KVPool(KVLayout("gqa", 1, num_kv_heads, head_dim), num_pages, sc.page_size, dtype, device)
     pool.buffer.fill_(float("nan"))  # slots no sequence owns may hold anything: a backend must not read them
