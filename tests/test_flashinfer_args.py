@@ -498,3 +498,19 @@ def test_auto_fp4_and_moe_choices():
     assert table.get("fp4_gemm", D, FULL).name == "cutlass" and table.get("moe", E, PW).name == "trtllm"
     hopper = _resolve(replace(blackwell, capability=(9, 0)), ops=ops)
     assert hopper.get("fp4_gemm", D, FULL).name != "cutlass" and hopper.get("moe", D, FULL).name == "torch"
+
+
+def test_kv_write_rows_cpu_path_matches_index_copy():
+    from pieceworks.backends.kv_write import write_rows
+
+    g = torch.Generator().manual_seed(0)
+    pool = torch.zeros(2, 32, 12)
+    qkv = torch.randn(5, 36, generator=g)
+    k, v = qkv[:, 12:24], qkv[:, 24:]
+    slots = torch.tensor([4, 0, 31, 7, 9])
+    write_rows(pool[0], k, pool[1], v, slots)
+    assert torch.equal(pool[0, slots], k) and torch.equal(pool[1, slots], v)
+    assert int((pool != 0).any(-1).sum()) == 10
+    lat = torch.zeros(16, 10)
+    write_rows(lat[:, :8], qkv[:3, :8], lat[:, 8:], qkv[:3, 8:10].to(torch.float64), torch.tensor([1, 2, 3]))
+    assert torch.equal(lat[1:4], qkv[:3, :10])

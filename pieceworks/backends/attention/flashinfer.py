@@ -22,6 +22,7 @@ import torch
 
 from pieceworks.backends.attention.base import AttentionBackend
 from pieceworks.backends.base import Requirements
+from pieceworks.backends.kv_write import write_rows
 from pieceworks.executor.batch import ForwardMode, GraphMode
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-KV partial results)
@@ -221,14 +222,14 @@ class FlashInferAttentionBackend(AttentionBackend):
         views = self._views.get(layer_id)
         if views is None or views[0] is not kv:
             kc, vc = kv.k_cache(layer_id), kv.v_cache(layer_id)
-            views = self._views[layer_id] = (kv, kc, vc, kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]))
-        _, kc, vc, k_flat, v_flat = views
+            width = kc.shape[2] * kc.shape[3]
+            views = self._views[layer_id] = (kv, kc, vc, kc.view(-1, width), vc.view(-1, width))
+        _, kc, vc, k_rows, v_rows = views
         slots = self._meta.slot_mapping
         if slots.shape[0] != k.shape[0]:
             slots = slots[: k.shape[0]]
         # padded tokens write to the reserved page
-        k_flat.index_copy_(0, slots, k if k.dtype == kc.dtype else k.to(kc.dtype))
-        v_flat.index_copy_(0, slots, v if v.dtype == vc.dtype else v.to(vc.dtype))
+        write_rows(k_rows, k.reshape(k.shape[0], -1), v_rows, v.reshape(v.shape[0], -1), slots)
         rows = self._rows
         if out.shape[0] > rows:
             q, padded, out = q[:rows], out[rows:], out[:rows]

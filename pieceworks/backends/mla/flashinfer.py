@@ -25,6 +25,7 @@ from pieceworks.backends.attention.flashinfer import (
     step_lengths,
 )
 from pieceworks.backends.base import Requirements
+from pieceworks.backends.kv_write import write_rows
 from pieceworks.backends.mla.base import MLABackend
 from pieceworks.executor.batch import ForwardMode, GraphMode
 
@@ -141,8 +142,7 @@ class FlashInferMLABackend(MLABackend):
         rank = q_nope.shape[-1]
         flat = cache.view(-1, cache.shape[-1])
         slots = self._meta.slot_mapping[: c_kv.shape[0]]  # padded tokens write to the reserved page
-        flat[:, :rank].index_copy_(0, slots, c_kv.to(cache.dtype))
-        flat[:, rank:].index_copy_(0, slots, k_pe.to(cache.dtype))
+        write_rows(flat[:, :rank], c_kv, flat[:, rank:], k_pe, slots)
         rows = self._rows
         self._wrapper.run(query=(q_nope[:rows], q_pe[:rows]), kv_cache=cache, out=out[:rows])
         if out.shape[0] > rows:

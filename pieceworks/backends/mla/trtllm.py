@@ -24,6 +24,7 @@ import torch
 from pieceworks.backends.attention.flashinfer import GPU_INSTALL_HINT
 from pieceworks.backends.attention.torch import _static_seq_lens
 from pieceworks.backends.base import ALL_FORWARD_MODES, Requirements
+from pieceworks.backends.kv_write import write_rows
 from pieceworks.backends.mla.base import MLABackend
 from pieceworks.executor.batch import GraphMode
 
@@ -109,8 +110,7 @@ class TrtllmMLABackend(MLABackend):
         rank = q_nope.shape[-1]
         flat = cache.view(-1, cache.shape[-1])
         slots = self._meta.slot_mapping[: c_kv.shape[0]]
-        flat[:, :rank].index_copy_(0, slots, c_kv.to(cache.dtype))
-        flat[:, rank:].index_copy_(0, slots, k_pe.to(cache.dtype))
+        write_rows(flat[:, :rank], c_kv, flat[:, rank:], k_pe, slots)
         rows = self._lens.shape[0]
         query = torch.cat([q_nope[:rows], q_pe[:rows]], dim=-1).unsqueeze(1)  # [rows, 1, H, L + R]
         trtllm_batch_decode_with_kv_cache_mla(

@@ -1,0 +1,37 @@
+"""The Triton kernel behind `pieceworks.backends.kv_write` (imports triton at the top)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_rows_kernel(
+    dst_a, src_a, dst_b, src_b, slots,
+    stride_da, stride_sa, stride_db, stride_sb,
+    WIDTH_A: tl.constexpr, WIDTH_B: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots + t).to(tl.int64)
+    ca = tl.arange(0, BLOCK_A)
+    a = tl.load(src_a + t * stride_sa + ca, mask=ca < WIDTH_A)
+    tl.store(dst_a + slot * stride_da + ca, a, mask=ca < WIDTH_A)
+    cb = tl.arange(0, BLOCK_B)
+    b = tl.load(src_b + t * stride_sb + cb, mask=cb < WIDTH_B)
+    tl.store(dst_b + slot * stride_db + cb, b, mask=cb < WIDTH_B)
+
+
+def launch(dst_a: torch.Tensor, src_a: torch.Tensor, dst_b: torch.Tensor, src_b: torch.Tensor,
+           slots: torch.Tensor) -> None:
+    """See `kv_write.write_rows`: all four tensors 2-D with unit inner stride, one dtype."""
+    wa, wb = src_a.shape[1], src_b.shape[1]
+    assert dst_a.shape[1] == wa and dst_b.shape[1] == wb, (dst_a.shape, src_a.shape, dst_b.shape, src_b.shape)
+    block_a, block_b = triton.next_power_of_2(wa), triton.next_power_of_2(wb)
+    warps = max(1, min(8, max(block_a, block_b) * dst_a.element_size() // 512))  # 16 B per thread
+    _write_rows_kernel[(slots.shape[0],)](
+        dst_a, src_a, dst_b, src_b, slots,
+        dst_a.stride(0), src_a.stride(0), dst_b.stride(0), src_b.stride(0),
+        WIDTH_A=wa, WIDTH_B=wb, BLOCK_A=block_a, BLOCK_B=block_b, num_warps=warps,
+    )
