@@ -1,6 +1,9 @@
-"""Where the host time of one piecewise extend step goes (cProfile), for tuning graph overheads.
+"""Where the time of one step goes.
 
-    python benchmarks/profile_step.py --tokens 16 --set backends.attention=flashinfer
+    python benchmarks/profile_step.py --tokens 16 --set backends.attention=flashinfer   # piecewise extend:
+                                                                  # host time by function (cProfile)
+    python benchmarks/profile_step.py --decode 1 --set quantization.format=nvfp4 \
+        --set backends.attention=flashinfer       # full-graph decode: GPU time by kernel (torch.profiler)
 """
 
 from __future__ import annotations
@@ -34,7 +37,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--set", action="append", default=[])
+    p.add_argument("--decode", type=int, default=0, help="profile decode graph replays at this batch size")
     args = p.parse_args()
+    if args.decode:
+        profile_decode(args)
+        return
     overrides = [f"model.arch={args.arch}", f"model.preset={args.preset}", "model.max_context=4096",
                  "kv_cache.num_tokens=16384", "cuda_graph.piecewise.max_tokens=256",
                  "cuda_graph.decode.enabled=off", *args.set]
@@ -72,6 +79,57 @@ def main() -> None:
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
     print(out.getvalue())
+
+
+def kernel_family(name: str) -> str:
+    n = name.lower()
+    for key, family in (("fp4_gemm", "fp4 gemm (Triton)"), ("splitk", "fp4 gemm split-K reduce"),
+                        ("gemm", "bf16 gemm (cuBLAS: lm_head)"), ("gemv", "bf16 gemm (cuBLAS: lm_head)"),
+                        ("nvjet", "bf16 gemm (cuBLAS: lm_head)"),
+                        ("prefill", "attention (FlashInfer)"), ("decode", "attention (FlashInfer)"),
+                        ("write_rows", "KV write"), ("rms", "norm"), ("norm", "norm")):
+        if key in n:
+            return family
+    return "other elementwise/reduction"
+
+
+def profile_decode(args) -> None:
+    """GPU time per kernel over full-graph decode steps of `args.decode` sequences of 512 tokens."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pieceworks.executor.batch import ForwardBatch
+
+    overrides = [f"model.arch={args.arch}", f"model.preset={args.preset}", "model.max_context=4096",
+                 "kv_cache.num_tokens=65536", "cuda_graph.piecewise.enabled=off",
+                 f"cuda_graph.decode.batch_sizes=[{args.decode}]", *args.set]
+    ex = Executor.from_config(None, overrides, progress=False)
+    seqs = [ex.new_sequence() for _ in range(args.decode)]
+    for s in seqs:
+        ex.forward(ForwardBatch([s], [torch.randint(0, ex.vocab_size, (512,)).tolist()]))
+    batch = ForwardBatch(seqs, [[1]] * args.decode)
+    for _ in range(5):
+        ex.forward(batch)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            ex.forward(batch)
+        sync()
+    per_kernel: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel.setdefault(ev.name, []).append(ev.device_time)
+    total = sum(sum(v) for v in per_kernel.values()) / args.steps
+    rows = sorted(((sum(v) / args.steps, len(v) / args.steps, k) for k, v in per_kernel.items()), reverse=True)
+    print(f"decode batch {args.decode}: {total / 1e3:.3f} ms of kernel time per step over {args.steps} steps")
+    families: dict[str, float] = {}
+    for us, _, name in rows:
+        families[kernel_family(name)] = families.get(kernel_family(name), 0.0) + us
+    print("| kernel family | us per step | share |\n|---|---:|---:|")
+    for fam, us in sorted(families.items(), key=lambda kv: -kv[1]):
+        print(f"| {fam} | {us:.0f} | {100 * us / total:.0f}% |")
+    print("\n| kernel | us per step | launches per step |\n|---|---:|---:|")
+    for us, count, name in rows[:25]:
+        print(f"| {name[:90]} | {us:.1f} | {count:.0f} |")
 
 
 if __name__ == "__main__":
