@@ -21,6 +21,7 @@ from torch import nn
 import pieceworks.backends.ops  # noqa: F401  (registers the torch.ops.pieceworks.* the models call)
 from pieceworks.backends.base import ModelFacts
 from pieceworks.executor.kv_cache import KVLayout
+from pieceworks.models import fused
 from pieceworks.models.rope import RotaryEmbedding
 from pieceworks.quant.linear import Fp4Linear
 from pieceworks.quant.nvfp4 import BLOCK
@@ -35,9 +36,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return fused.rms_norm(x, self.weight, self.eps)
 
 
 def linear(in_features: int, out_features: int, fp4: bool) -> nn.Module:
@@ -90,7 +89,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_mul(gate, up))
 
     def load(self, src: "WeightSource", prefix: str) -> None:
         self.gate_up_proj = src.merged(self.gate_up_proj, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])

@@ -12,6 +12,8 @@ import math
 import torch
 from torch import nn
 
+from pieceworks.models import fused
+
 
 def rope_parameters(hf: dict) -> dict:
     """The rope settings of a config.json, in transformers 5's `rope_parameters` form.
@@ -121,15 +123,11 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rope (Llama): x [T, heads, D], cos/sin [T, D/2] -> [T, heads, D] in x.dtype."""
-    c, s = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    return fused.rope(x, cos, sin, False)
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """DeepSeek's interleaved rope (pairs (x0, x1), (x2, x3), ...), written out de-interleaved like
     transformers' `apply_rotary_pos_emb_interleave` (q and k agree, so dot products are unchanged).
     x [T, heads, D], cos/sin [T, D/2] -> [T, heads, D]."""
-    c, s = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    return fused.rope(x, cos, sin, True)

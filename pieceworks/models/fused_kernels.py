@@ -1,0 +1,123 @@
+"""Triton kernels behind the CUDA implementations of `pieceworks.models.fused` (imports triton).
+
+Every kernel computes in float32 and rounds to the output dtype exactly where the torch reference
+rounds, so the two agree to the bit up to reduction order (RMSNorm) and exp (SiLU).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # the accurate exp, as torch's SiLU uses, rather than the ex2.approx of tl.exp
+    from triton.language.extra import libdevice
+
+    _exp = libdevice.exp
+except ImportError:  # pragma: no cover - older triton
+    _exp = tl.exp
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _rows_ok(*ts: torch.Tensor) -> bool:
+    return all(t.dim() == 2 and t.stride(1) == 1 and t.dtype in _FLOATS and t.is_cuda for t in ts)
+
+
+# --- RMSNorm ------------------------------------------------------------------------------------------
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, H, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    r = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    y = (xf * r).to(x.dtype).to(tl.float32)  # the reference rounds to x.dtype before the weight
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (_rows_ok(x) and weight.dim() == 1 and weight.is_contiguous() and weight.dtype in _FLOATS
+            and weight.shape[0] == x.shape[1] and x.shape[1] <= 65536)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if x.shape[0]:
+        block = triton.next_power_of_2(x.shape[1])
+        _rms_norm_kernel[(x.shape[0],)](x, weight, out, x.stride(0), out.stride(0), x.shape[1], eps,
+                                        BLOCK=block, num_warps=min(16, max(1, block // 512)))
+    return out
+
+
+# --- rope ---------------------------------------------------------------------------------------------
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ct, stride_st, H,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    j = tl.arange(0, HALF)
+    hm = (h < H)[:, None]
+    src = x_ptr + t * stride_xt + h[:, None].to(tl.int64) * stride_xh
+    if INTERLEAVED:
+        x1 = tl.load(src + (2 * j)[None, :], mask=hm, other=0.0)
+        x2 = tl.load(src + (2 * j + 1)[None, :], mask=hm, other=0.0)
+    else:
+        x1 = tl.load(src + j[None, :], mask=hm, other=0.0)
+        x2 = tl.load(src + (HALF + j)[None, :], mask=hm, other=0.0)
+    dt = out_ptr.dtype.element_ty
+    # cos/sin are rounded to x's dtype first, then every product and sum rounds, as in bf16 torch.
+    c = tl.load(cos_ptr + t * stride_ct + j).to(dt).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + t * stride_st + j).to(dt).to(tl.float32)[None, :]
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    o1 = ((x1 * c).to(dt).to(tl.float32) - (x2 * s).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
+    dst = out_ptr + t * H * (2 * HALF) + h[:, None].to(tl.int64) * (2 * HALF)
+    tl.store(dst + j[None, :], o1, mask=hm)
+    tl.store(dst + (HALF + j)[None, :], o2, mask=hm)
+
+
+def rope_supported(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    half = x.shape[-1] // 2 if x.dim() == 3 else 0
+    return (x.dim() == 3 and x.is_cuda and x.stride(2) == 1 and x.dtype in _FLOATS and half >= 1
+            and half & (half - 1) == 0 and x.shape[-1] == 2 * half and _rows_ok(cos, sin)
+            and cos.shape == sin.shape == (x.shape[0], half))
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.shape[0] and x.shape[1]:
+        block_h = triton.next_power_of_2(x.shape[1])
+        _rope_kernel[(x.shape[0],)](x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
+                                    x.shape[1], HALF=x.shape[2] // 2, BLOCK_H=block_h, INTERLEAVED=interleaved,
+                                    num_warps=4)
+    return out
+
+
+# --- SiLU and multiply --------------------------------------------------------------------------------
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_o, N, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    g = tl.load(g_ptr + t * stride_g + cols, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + _exp(-gf))).to(g.dtype).to(tl.float32)  # F.silu's output, in gate's dtype
+    u = tl.load(u_ptr + t * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + cols, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul_supported(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    return _rows_ok(gate, up) and gate.shape == up.shape
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
+    if gate.numel():
+        block = 1024
+        _silu_mul_kernel[(gate.shape[0], triton.cdiv(gate.shape[1], block))](
+            gate, up, out, gate.stride(0), up.stride(0), out.stride(0), gate.shape[1], BLOCK=block, num_warps=4)
+    return out
