@@ -5,9 +5,9 @@ On one GPU, random weights at Llama-3.1-8B shape (or any preset):
     python benchmarks/graphs.py --out $OUT/graphs.md                # bf16, issue 5's table
     python benchmarks/graphs.py --quant nvfp4 --extend '' --decode 1  # NVFP4 decode at batch 1
 
-Extend: one sequence extending by T tokens (no prefix). Eager and piecewise are timed the same way:
-host-side plan + forward + synchronize, wall clock, median of repeats; the step's inputs are prepared
-once outside the timing (identical work for both). The whole-forward graph is captured per T for that
+Extend: one sequence extending by T tokens (no prefix). Eager and piecewise are timed the same way,
+in alternation: host-side plan + forward + synchronize, wall clock, median of repeats; the step's
+inputs are prepared once outside the timing (identical work for both). The whole-forward graph is captured per T for that
 exact batch and replayed without re-planning (what a graph can do at best). Decode: `Executor.forward` of a decode batch over
 512-token sequences (logits included), with the full decode graphs and with them switched off.
 """
@@ -49,6 +49,23 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(out) * 1e3
 
 
+def timed_interleaved(fns: dict, repeats: int) -> dict:
+    """Median ms of each fn, timed in alternation (a b a b ...) so that drift in clocks or host load
+    hits all of them alike."""
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    sync()
+    out = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            out[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) * 1e3 for name, v in out.items()}
+
+
 def plan(kernels, meta) -> None:
     for b in (kernels.attention, kernels.mla):
         if b is not None:
@@ -69,8 +86,7 @@ def extend_row(ex: Executor, T: int, repeats: int) -> dict:
             with forward_context(ForwardContext(k_eager, meta, ex.kv)):
                 ex.model(ids, meta.positions)
 
-        row["eager_ms"] = timed(eager, repeats)
-        print(f"  T={T} eager {row['eager_ms']:.3f} ms", flush=True)
+        fns = {"eager_ms": eager}
         if ex.piecewise is not None and ex.piecewise.covers(T):
             pad = ex.piecewise.padded_size(T)
             meta_p, ids_p = ex.prepare_step(ForwardMode.EXTEND, GraphMode.PIECEWISE, [seq], [toks], pad)
@@ -81,9 +97,10 @@ def extend_row(ex: Executor, T: int, repeats: int) -> dict:
                 with forward_context(ForwardContext(k_pw, meta_p, ex.kv)):
                     ex.piecewise(ids_p, meta_p.positions)
 
-            row["piecewise_ms"] = timed(piecewise, repeats)
+            fns["piecewise_ms"] = piecewise
             row["padded_to"] = pad
-            print(f"  T={T} piecewise {row['piecewise_ms']:.3f} ms", flush=True)
+        row.update(timed_interleaved(fns, repeats))
+        print(f"  T={T} " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k.endswith("_ms")), flush=True)
         if ex.device.type != "cuda":
             return row
         graph = torch.cuda.CUDAGraph()

@@ -1,7 +1,9 @@
 """Triton kernels behind the CUDA implementations of `pieceworks.models.fused` (imports triton).
 
 Every kernel computes in float32 and rounds to the output dtype exactly where the torch reference
-rounds, so the two agree to the bit up to reduction order (RMSNorm) and exp (SiLU).
+rounds, so the two agree to the bit up to reduction order (RMSNorm) and exp (SiLU). They are compiled
+with `enable_fp_fusion=False`: with fusion on, the compiler turned rope's bf16 `a*c - b*s` into one
+bf16 FMA, dropping a rounding the reference does (1-ulp differences, seen on the H200).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.shape[0]:
         block = triton.next_power_of_2(x.shape[1])
         _rms_norm_kernel[(x.shape[0],)](x, weight, out, x.stride(0), out.stride(0), x.shape[1], eps,
-                                        BLOCK=block, num_warps=min(16, max(1, block // 512)))
+                                        BLOCK=block, num_warps=min(16, max(1, block // 512)),
+                                        enable_fp_fusion=False)
     return out
 
 
@@ -93,7 +96,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
         block_h = triton.next_power_of_2(x.shape[1])
         _rope_kernel[(x.shape[0],)](x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
                                     x.shape[1], HALF=x.shape[2] // 2, BLOCK_H=block_h, INTERLEAVED=interleaved,
-                                    num_warps=4)
+                                    num_warps=4, enable_fp_fusion=False)
     return out
 
 
@@ -119,5 +122,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.numel():
         block = 1024
         _silu_mul_kernel[(gate.shape[0], triton.cdiv(gate.shape[1], block))](
-            gate, up, out, gate.stride(0), up.stride(0), out.stride(0), gate.shape[1], BLOCK=block, num_warps=4)
+            gate, up, out, gate.stride(0), up.stride(0), out.stride(0), gate.shape[1], BLOCK=block, num_warps=4,
+            enable_fp_fusion=False)
     return out
