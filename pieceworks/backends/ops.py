@@ -108,6 +108,7 @@ def _moe_fake(x, router_logits, correction_bias, *rest):
 # What a splitting op does, callable without the dispatcher: the piecewise runner calls these between
 # pieces (same function the op runs; it saves the custom-op dispatch, ~10s of us per layer).
 SPLITTING_IMPLS = {"pieceworks::attention": attention_impl, "pieceworks::mla": mla_impl}
+assert tuple(SPLITTING_IMPLS) == SPLITTING_OPS
 
 
 def splitting_impl(target: object):
@@ -121,8 +122,4 @@ def splitting_impl(target: object):
 
 def is_splitting_node_target(target: object) -> bool:
     """Whether an FX node target is a splitting op (Dynamo may record the packet or `.default`)."""
-    for name in SPLITTING_OPS:
-        packet = getattr(torch.ops.pieceworks, name.split("::")[1])
-        if target is packet or target is packet.default:
-            return True
-    return False
+    return splitting_impl(target) is not None

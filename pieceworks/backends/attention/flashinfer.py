@@ -113,6 +113,13 @@ def qo_indptr(qo_lens: list[int]) -> torch.Tensor:
     return out
 
 
+def workspace(backend, device, nbytes: int = WORKSPACE_BYTES) -> torch.Tensor:
+    """The backend's FlashInfer workspace (`backend._workspace`), zero-filled on first use and kept."""
+    if backend._workspace is None:
+        backend._workspace = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    return backend._workspace
+
+
 def check_capture_scale(backend, scale: float) -> bool:
     """Whether `scale` differs from the planned softmax scale; raises if it does while capturing."""
     if scale == backend._sm_scale:
@@ -180,9 +187,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._wrapper = wrapper
 
     def _ws(self, device) -> torch.Tensor:
-        if self._workspace is None:
-            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        return self._workspace
+        return workspace(self, device)
 
     def _prefill_wrapper(self, device):
         if self._prefill is None:

@@ -16,13 +16,13 @@ import torch
 
 from pieceworks.backends.attention.flashinfer import (
     GPU_INSTALL_HINT,
-    WORKSPACE_BYTES,
     FlashInferOptions,
     check_capture_scale,
     paged_kv_indices,
     qo_indptr,
     resolve_variant,
     step_lengths,
+    workspace,
 )
 from pieceworks.backends.base import Requirements
 from pieceworks.backends.kv_write import write_rows
@@ -110,9 +110,7 @@ class FlashInferMLABackend(MLABackend):
         self._rows = int(csr["qo_indptr"][-1])
 
     def _ws(self, device) -> torch.Tensor:
-        if self._workspace is None:
-            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        return self._workspace
+        return workspace(self, device)
 
     def _eager_wrapper(self, device):
         if self._eager is None:

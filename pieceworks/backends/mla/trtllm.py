@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from pieceworks.backends.attention.flashinfer import GPU_INSTALL_HINT
+from pieceworks.backends.attention.flashinfer import GPU_INSTALL_HINT, workspace
 from pieceworks.backends.attention.torch import _static_seq_lens
 from pieceworks.backends.base import ALL_FORWARD_MODES, Requirements
 from pieceworks.backends.kv_write import write_rows
@@ -96,8 +96,7 @@ class TrtllmMLABackend(MLABackend):
         graph capture to fit `rows` query rows."""
         from flashinfer.utils import get_trtllm_gen_multi_ctas_kv_counter_bytes
 
-        if self._workspace is None:
-            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        workspace(self, device, WORKSPACE_BYTES)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         need = get_trtllm_gen_multi_ctas_kv_counter_bytes(rows, self.spec.model.num_heads, sms)
         if self._counter is None or self._counter.numel() < need:
