@@ -142,21 +142,24 @@ def backend_with(table) -> TritonFp4GemmBackend:
 def candidates(m: int) -> list[dict]:
     out = []
     if m <= 16:
-        for target in (264, 528):
-            for bn, bk, wa in ((64, 256, True), (128, 256, True), (64, 512, True), (32, 256, False),
-                               (64, 256, False), (32, 512, False), (64, 512, False)):
-                out.append(dict(block_m=16, block_n=bn, block_k=bk, num_stages=3, w_as_a=wa,
-                                target_ctas=target, max_split=16))
+        for target in (264, 528, 1056):
+            for bn, bk, one_dot, stages in ((64, 256, False, 3), (128, 256, False, 3), (64, 256, True, 3),
+                                            (64, 256, True, 4), (128, 256, True, 3), (64, 512, True, 3)):
+                out.append(dict(block_m=16, block_n=bn, block_k=bk, num_stages=stages, w_as_a=True,
+                                one_dot=one_dot, target_ctas=target, max_split=16))
     elif m <= 64:
-        for bn, bk, wa in ((64, 128, True), (128, 128, True), (64, 256, True), (64, 128, False),
-                           (128, 128, False), (64, 256, False)):
-            out.append(dict(block_m=m, block_n=bn, block_k=bk, num_stages=3, w_as_a=wa,
-                            target_ctas=264, max_split=8))
+        for bn, bk, one_dot in ((64, 128, False), (128, 128, False), (64, 256, False), (64, 128, True),
+                                (128, 128, True), (64, 256, True)):
+            for target in (264, 528):
+                out.append(dict(block_m=m, block_n=bn, block_k=bk, num_stages=3, w_as_a=True,
+                                one_dot=one_dot, target_ctas=target, max_split=8))
     elif m <= 256:
-        for bm, bn, bk, wa in ((64, 128, 128, True), (128, 128, 128, True), (128, 128, 64, True),
-                               (64, 256, 64, True), (128, 128, 128, False), (64, 128, 128, False)):
+        for bm, bn, bk, wa, od in ((64, 128, 128, True, False), (128, 128, 128, True, False),
+                                   (64, 256, 64, True, False), (64, 128, 128, True, True),
+                                   (128, 128, 128, True, True), (64, 256, 64, True, True),
+                                   (64, 128, 64, True, True)):
             out.append(dict(block_m=bm, block_n=bn, block_k=bk, num_warps=8, num_stages=3,
-                            w_as_a=wa, group_m=8, target_ctas=132, max_split=4))
+                            w_as_a=wa, one_dot=od, group_m=8, target_ctas=132, max_split=4))
     else:
         for bn, bk, wa in ((128, 128, True), (256, 128, True), (256, 64, True), (128, 128, False),
                            (256, 64, False)):
@@ -174,8 +177,9 @@ def _compile_job(job):
     gen = torch.Generator("cuda").manual_seed(0)
     (w, s, gs), = random_weights(n, k, 1, gen)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    counters = torch.zeros(1 << 14, dtype=torch.int32, device="cuda")
     try:
-        triton_kernels.fp4_gemm(x, w, s, gs, n, k, TileConfig(**cfg), split)
+        triton_kernels.fp4_gemm(x, w, s, gs, n, k, TileConfig(**cfg), split, counters)
         torch.cuda.synchronize()
         return None
     except Exception as e:  # reported, the config is then skipped
@@ -189,11 +193,9 @@ def precompile(jobs, workers: int) -> list[str]:
     seen, unique = set(), []
     for job in jobs:
         cfg, n, k, m, split = job
-        tile = TileConfig(**cfg)
-        kp = -(-k // 32) * 32
-        per = -(-(-(-kp // split)) // tile.block_k) * tile.block_k
+        kp = -(-k // 512) * 512
         # What Triton specializes on: the constexprs (split or not, even K), not the sizes.
-        key = json.dumps([cfg, split > 1, k == kp and per * split == kp], sort_keys=True)
+        key = json.dumps([cfg, split > 1, k == kp], sort_keys=True)
         if key not in seen:
             seen.add(key)
             unique.append(job)
@@ -201,9 +203,9 @@ def precompile(jobs, workers: int) -> list[str]:
         return [e for e in pool.map(_compile_job, unique, chunksize=1) if e]
 
 
-def sweep_jobs() -> list:
+def sweep_jobs(buckets) -> list:
     jobs = []
-    for m_tune, _ in BUCKETS:
+    for m_tune, _ in buckets:
         for cand in candidates(m_tune):
             tile = TileConfig(**cand)
             for n, k in SHAPES.values():
@@ -212,8 +214,13 @@ def sweep_jobs() -> list:
     return jobs
 
 
-def sweep(out_dir: str, gen, workers: int, wait_for: str | None) -> list[dict]:
-    jobs = sweep_jobs()
+def sweep(out_dir: str, gen, workers: int, wait_for: str | None, only_m=None) -> list[dict]:
+    """Tune the buckets whose tuning M is in `only_m` (all when None); the others keep the shipped
+    table's entries."""
+    from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES
+
+    buckets = [b for b in BUCKETS if only_m is None or b[0] in only_m]
+    jobs = sweep_jobs(buckets)
     t0 = time.time()
     errors = precompile(jobs, workers)
     print(f"precompiled {len(jobs)} jobs in {time.time() - t0:.0f}s; {len(errors)} failed", flush=True)
@@ -224,6 +231,9 @@ def sweep(out_dir: str, gen, workers: int, wait_for: str | None) -> list[dict]:
 
     rows, table = [], []
     for m_tune, max_m in BUCKETS:
+        if (m_tune, max_m) not in buckets:
+            table.append(next(t for t in FP4_GEMM_TILES if t["max_m"] == max_m))
+            continue
         scores = []
         for cand in candidates(m_tune):
             tile = TileConfig(max_m=None, **cand)
@@ -262,11 +272,11 @@ def sweep(out_dir: str, gen, workers: int, wait_for: str | None) -> list[dict]:
 # --- benchmark ---------------------------------------------------------------------------------------
 
 
-def benchmark(table, out_dir: str, gen) -> list[dict]:
+def benchmark(table, out_dir: str, gen, ms=MS) -> list[dict]:
     backend = backend_with(parse_table(table))
     results = []
     for name, (n, k) in SHAPES.items():
-        for m in MS:
+        for m in ms:
             ws = weights_for(n, k, gen)[0]
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             err = check_once(backend, x, ws, n)
@@ -304,12 +314,15 @@ def main() -> None:
     parser.add_argument("--table", help="a JSON tile table to benchmark (default: the shipped one)")
     parser.add_argument("--workers", type=int, default=14, help="processes compiling the sweep")
     parser.add_argument("--wait-for", help="start timing only once this file exists")
+    parser.add_argument("--sweep-m", help="comma-separated tuning Ms to sweep (default: all buckets)")
+    parser.add_argument("--ms", help="comma-separated Ms to benchmark (default: %s)" % MS)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     gen = torch.Generator("cuda").manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     if args.sweep:
-        table = sweep(args.out, gen, args.workers, args.wait_for)
+        only = [int(v) for v in args.sweep_m.split(",")] if args.sweep_m else None
+        table = sweep(args.out, gen, args.workers, args.wait_for, only)
     elif args.table:
         with open(args.table) as f:
             table = json.load(f)
@@ -318,7 +331,8 @@ def main() -> None:
 
         table = FP4_GEMM_TILES
     print("table:", json.dumps(table), flush=True)
-    results = benchmark(table, args.out, gen)
+    ms = [int(v) for v in args.ms.split(",")] if args.ms else MS
+    results = benchmark(table, args.out, gen, ms)
     md = markdown(results)
     with open(os.path.join(args.out, "gemm_bench.md"), "w") as f:
         f.write(md + "\n")

@@ -65,11 +65,13 @@ def draws(t: int, gen, n: int):
 
 def candidates(t: int) -> list[dict]:
     if t <= 16:
-        return [dict(block_m=16, block_n=bn, block_k=bk, num_stages=3, w_as_a=wa)
-                for bn, bk, wa in ((64, 256, True), (128, 256, True), (64, 512, True), (64, 256, False))]
+        return [dict(block_m=16, block_n=bn, block_k=bk, num_stages=3, w_as_a=wa, one_dot=od)
+                for bn, bk, wa, od in ((64, 256, True, False), (64, 256, True, True), (128, 256, True, True),
+                                       (64, 512, True, True), (64, 256, False, False))]
     if t <= 256:
-        return [dict(block_m=bm, block_n=64, block_k=bk, num_stages=3, w_as_a=wa)
-                for bm, bk, wa in ((16, 128, True), (16, 256, True), (32, 128, True), (16, 128, False))]
+        return [dict(block_m=bm, block_n=64, block_k=bk, num_stages=3, w_as_a=True, one_dot=od)
+                for bm, bk, od in ((16, 128, False), (16, 256, False), (16, 128, True), (16, 256, True),
+                                   (32, 128, True), (64, 128, True))]
     return [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=8, num_stages=3, w_as_a=True)
             for bm, bn, bk in ((64, 128, 128), (128, 128, 64), (128, 128, 128), (64, 256, 128))]
 
@@ -150,9 +152,15 @@ class Bench:
         return graph_time(lambda i: self.full(*sets[i % len(sets)]), len(sets), replays=5)
 
 
-def sweep(bench: Bench, gen) -> list[dict]:
+def sweep(bench: Bench, gen, only_t=None) -> list[dict]:
+    """Tune the buckets whose tuning T is in `only_t` (all when None); the others keep MOE_TILES'."""
+    from pieceworks.backends.fp4_gemm.triton_tiles import MOE_TILES
+
     table = []
     for t, max_m in BUCKETS:
+        if only_t is not None and t not in only_t:
+            table.append(next(row for row in MOE_TILES if row["max_m"] == max_m))
+            continue
         sets = draws(t, gen, DRAWS if t <= 256 else 2)
         best = None
         for cand in candidates(t):
@@ -176,6 +184,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--precompile-only", action="store_true", help="compile the sweep's kernels and exit")
     parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--sweep-t", help="comma-separated tuning Ts to sweep (default: all buckets)")
+    parser.add_argument("--tokens", help="comma-separated Ts to benchmark (default: %s)" % TOKENS)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.precompile_only:
@@ -186,7 +196,7 @@ def main() -> None:
     bench = Bench(gen)
     print(f"weights ready in {time.time() - t0:.1f}s; {torch.cuda.memory_allocated() / 1e9:.1f} GB", flush=True)
     if args.sweep:
-        table = sweep(bench, gen)
+        table = sweep(bench, gen, [int(v) for v in args.sweep_t.split(",")] if args.sweep_t else None)
     else:
         from pieceworks.backends.fp4_gemm.triton_tiles import MOE_TILES
 
@@ -194,7 +204,7 @@ def main() -> None:
     bench.backend.table = parse_table(table)
     print("table:", json.dumps(table), flush=True)
     results = []
-    for t in TOKENS:
+    for t in [int(v) for v in args.tokens.split(",")] if args.tokens else TOKENS:
         sets = draws(t, gen, DRAWS if t <= 256 else 2)
         tile = bench.backend.tile(t)
         touched = []

@@ -57,18 +57,17 @@ def test_bad_tables_are_refused():
 
 def test_split_k_choice():
     tile = TileConfig(block_m=16, block_n=64, block_k=256, target_ctas=264, max_split=8)
-    # 4096 rows -> 64 tiles: split 16 iterations into 4 (divides evenly, ~264 programs).
-    assert choose_split_k(tile, 1, 4096, 4096) == 4
+    # 4096 rows -> 64 tiles: ceil(264 / 64) = 5 splits of 16 iterations (ranges of 3 or 4).
+    assert choose_split_k(tile, 1, 4096, 4096) == 5
     # Enough tiles already: no split.
     assert choose_split_k(tile, 1, 28672, 4096) == 1
     # Never more than max_split, never below two iterations per split.
     assert choose_split_k(tile, 1, 64, 14336) == 8
     assert choose_split_k(tile, 1, 64, 512) == 1
-    # Splits are equal: 14 iterations and 5 wanted -> 2 (the largest divisor up to 5).
-    assert choose_split_k(tile, 1, 4096, 14 * 256) == 2
-    for n, k in [(4096, 4096), (6144, 14336), (100, 512 * 7)]:
+    assert choose_split_k(tile, 1, 4096, 6 * 256) == 3
+    for n, k in [(4096, 4096), (6144, 14336), (100, 512 * 7), (64, 1024)]:
         split = choose_split_k(tile, 1, n, k)
-        assert (k // 256) % split == 0
+        assert 1 <= split <= max(1, (k // 256) // 2) and split <= 8
     assert choose_split_k(TileConfig(kind="dequant"), 1, 64, 4096) == 1
 
 
@@ -86,6 +85,24 @@ def test_repack_roundtrip_and_padding(n, k):
     assert torch.equal(unpack_k32(w, kp)[:, k:], torch.zeros(n, kp - k, dtype=torch.uint8))
     assert torch.equal(s[:, : k // 16].view(torch.uint8), scale.view(torch.uint8))
     assert not s[:, k // 16 :].float().any()
+
+
+def test_repack_zeroes_codes_of_zero_scale_blocks():
+    packed, scale, _ = random_fp4(4, 64, seed=1)
+    scale = scale.clone()
+    scale[1, 2] = 0.0
+    scale[3, 0] = 0.0
+    codes = nvfp4.unpack(packed)
+    assert codes[1, 32:48].any() and codes[3, :16].any(), "the test needs nonzero codes there"
+    w, _ = repack_k32(packed, scale)
+    got = unpack_k32(w, 64)
+    expect = codes.clone()
+    expect[1, 32:48] = 0
+    expect[3, :16] = 0
+    assert torch.equal(got, expect)
+    # Values are unchanged: the zeroed codes sat under a zero scale.
+    values = nvfp4.e2m1_decode(codes) * scale.float().repeat_interleave(16, 1)
+    assert torch.equal(nvfp4.e2m1_decode(got) * scale.float().repeat_interleave(16, 1), values)
 
 
 def test_repack_keeps_leading_dims():
@@ -107,11 +124,39 @@ def _bf16_halves(word: torch.Tensor):
     return lo, hi
 
 
+def scale_multipliers(pairs: torch.Tensor):
+    """The PTX scale conversion of triton_kernels.py in torch: int16 pairs -> (low, high) bf16 values.
+
+    cvt.rn.f16x2.e4m3x2 (exact), shift right by 3, OR 0x7000 in each half."""
+    p = pairs.to(torch.int32) & 0xFFFF
+    out = []
+    for byte in (p & 0xFF, p >> 8):
+        half = byte.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float16).view(torch.int16)
+        bits = ((half.to(torch.int32) & 0xFFFF) >> 3) | 0x7000
+        out.append((bits << 16).view(torch.float32))
+    return out
+
+
+def test_scale_conversion_is_exact_for_every_e4m3():
+    # All 127 finite non-negative e4m3 values (0x7F is NaN), subnormals included.
+    codes = torch.arange(0, 0x7F, dtype=torch.int32)
+    scale = codes.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    lo, hi = scale_multipliers(codes | (codes << 8))
+    nonzero = scale != 0
+    assert torch.equal(lo[nonzero], scale[nonzero] * 2.0**112)
+    assert torch.equal(hi, lo) and torch.isfinite(lo).all()
+    # Zero maps to a finite number; the repack zeroes the codes under it.
+    assert lo[~nonzero].item() == 2.0**97
+
+
 def test_decode_bit_math_matches_reference_dequantize():
     """The PTX decode in triton_kernels.py, step by step in torch on 32-bit words of two units: the
-    patterns times bf16(scale * 2^119) are exactly e2m1 * scale * 2^-7."""
+    patterns times the scale multipliers are exactly e2m1 * scale * 2^-14."""
     n, k = 16, 512
     packed, scale, _ = random_fp4(n, k, seed=3)
+    scale = scale.clone()
+    scale[2, 5] = 0.0  # a zero-scale block
+    scale[4, 7] = 2.0**-9  # the smallest subnormal
     w, s = repack_k32(packed, scale)
     word = w.view(torch.int32).long() & 0xFFFFFFFF  # [n, k/8]: units 2q, 2q+1
     full = 0xFFFFFFFF
@@ -121,24 +166,17 @@ def test_decode_bit_math_matches_reference_dequantize():
         ((word << 6) & full) & 0x81C081C0,
         (((word << 1) & full) & 0x80008000) | ((word >> 3) & 0x01800180) | ((word >> 7) & 0x00400040),
     )
-    big = (s.float() * 2.0**119).bfloat16().float()
-    assert torch.isfinite(big).all()
+    s_a, s_b = scale_multipliers(s.view(torch.int16))  # [n, k/32] each: scales 2g and 2g + 1
     q = torch.arange(k // 8)
     group = (2 * q) // 8
     out = torch.full((n, k), float("nan"))
     for slot, pattern in enumerate(patterns):
+        mult = (s_a if slot < 2 else s_b)[:, group]
         for half, value in enumerate(_bf16_halves(pattern)):
-            prod = (value * big[:, 2 * group + slot // 2]).bfloat16().float()
+            prod = (value * mult).bfloat16().float()
             out[:, group * 32 + 8 * slot + (2 * q + half) % 8] = prod
-    expect = nvfp4.e2m1_decode(nvfp4.unpack(packed)) * scale.float().repeat_interleave(16, 1) * 2.0**-7
+    expect = nvfp4.e2m1_decode(nvfp4.unpack(packed)) * scale.float().repeat_interleave(16, 1) * 2.0**-14
     assert torch.equal(out, expect)
-
-
-def test_extreme_scales_stay_finite_and_exact():
-    # Largest e4m3 scale (448) and the smallest subnormal (2^-9): 2^119 * s fits bf16 exactly.
-    s = torch.tensor([448.0, 2.0**-9, 1.0]).to(torch.float8_e4m3fn).float()
-    big = (s * 2.0**119).bfloat16().float()
-    assert torch.isfinite(big).all() and torch.equal(big, s * 2.0**119)
 
 
 # --- MoE alignment -----------------------------------------------------------------------------------

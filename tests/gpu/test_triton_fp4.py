@@ -77,6 +77,9 @@ def test_backend_matches_reference(m, n, k):
 
 VARIANTS = [
     TileConfig(block_m=16, block_n=64, block_k=256, w_as_a=True, asm=True, num_stages=4),
+    TileConfig(block_m=16, block_n=64, block_k=256, w_as_a=True, asm=True, one_dot=True),
+    TileConfig(block_m=16, block_n=128, block_k=512, w_as_a=True, asm=False, one_dot=True),
+    TileConfig(block_m=64, block_n=128, block_k=128, w_as_a=True, asm=True, one_dot=True),
     TileConfig(block_m=16, block_n=32, block_k=128, w_as_a=False, asm=True, num_stages=3),
     TileConfig(block_m=16, block_n=64, block_k=256, w_as_a=True, asm=False, num_stages=3),
     TileConfig(block_m=64, block_n=128, block_k=128, w_as_a=False, asm=True, num_warps=8),
@@ -86,18 +89,58 @@ VARIANTS = [
 
 
 @pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: f"{c.kind}-{c.block_m}x{c.block_n}x{c.block_k}-"
-                         f"{'A' if c.w_as_a else 'B'}-{'asm' if c.asm else 'arith'}")
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_kernel_variants(cfg, split_k):
+                         f"{'A' if c.w_as_a else 'B'}-{'asm' if c.asm else 'arith'}"
+                         f"{'-onedot' if c.one_dot else ''}")
+@pytest.mark.parametrize("split_k,fused", [(1, False), (2, False), (3, True), (4, True)])
+def test_kernel_variants(cfg, split_k, fused):
     gen = torch.Generator(DEV).manual_seed(split_k)
     n, k = 520, 2064  # K % 32 == 16: a padded half group; N not a multiple of any block_n
     w = random_fp4(n, k, gen)
     wk, sk = repack_k32(w.weight, w.weight_scale)
+    counters = torch.zeros(1024, dtype=torch.int32, device=DEV) if fused else None
     for m in (1, 37, 300):
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
-        split = split_k if cfg.kind == "fused" else 1
-        y = gemm_kernels.fp4_gemm(x, wk, sk, w.weight_scale_2, n, k, cfg, split)
+        iters = -(-k // 512) * 512 // cfg.block_k
+        split = min(split_k, iters) if cfg.kind == "fused" else 1  # 3 and 4 leave uneven ranges
+        y = gemm_kernels.fp4_gemm(x, wk, sk, w.weight_scale_2, n, k, cfg, split, counters)
         assert rel_err(y, reference(x, w)) < TOL, (cfg, m)
+        if counters is not None:
+            assert not counters.any(), "the fused split-K reduction must leave its counters at zero"
+
+
+def test_fused_split_k_matches_two_kernel_split_k_bitwise():
+    """Same partials, same summation order: the in-kernel reduction equals the second-kernel one, and
+    repeated calls are identical (the split that finishes last does not change the result)."""
+    gen = torch.Generator(DEV).manual_seed(5)
+    n, k = 6144, 4096
+    w = random_fp4(n, k, gen)
+    wk, sk = repack_k32(w.weight, w.weight_scale)
+    cfg = TileConfig(block_m=16, block_n=64, block_k=256)
+    counters = torch.zeros(4096, dtype=torch.int32, device=DEV)
+    x = torch.randn(4, k, device=DEV, dtype=torch.bfloat16, generator=gen)
+    two = gemm_kernels.fp4_gemm(x, wk, sk, w.weight_scale_2, n, k, cfg, 5)
+    for _ in range(5):
+        assert torch.equal(gemm_kernels.fp4_gemm(x, wk, sk, w.weight_scale_2, n, k, cfg, 5, counters), two)
+    assert rel_err(two, reference(x, w)) < TOL
+
+
+def test_zero_scale_blocks():
+    """Blocks with a zero scale (their codes are zeroed by the repack) give exact zeros, not the
+    finite stand-in the scale conversion maps zero to."""
+    gen = torch.Generator(DEV).manual_seed(11)
+    n, k = 256, 1024
+    w = random_fp4(n, k, gen)
+    scale = w.weight_scale.clone()
+    scale[:, ::3] = 0.0  # every third block of every row
+    scale[7] = 0.0  # one whole row
+    w = Fp4Weight(w.weight, scale, w.weight_scale_2, w.input_scale)
+    backend = TritonFp4GemmBackend(spec())
+    prepared = backend.prepare(w)
+    for m in (1, 16, 300):
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
+        y = backend.forward(x, *prepared, n)
+        assert rel_err(y, reference(x, w)) < TOL
+        assert not y[:, 7].any()
 
 
 def test_split_k_is_used_for_decode():

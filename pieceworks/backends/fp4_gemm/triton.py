@@ -26,6 +26,7 @@ from pieceworks.quant import nvfp4
 
 GROUP = 32  # elements per k32 group
 K_ALIGN = 512  # K is padded to this, a multiple of every BLOCK_K: the kernels' weight loads need no mask
+COUNTERS = 1 << 14  # split-K arrival counters per backend instance and device (output tiles of one call)
 # Bit positions of a code's (sign, E1, E0, m) for slots 0..3 of a 16-bit unit (triton_kernels.py).
 SLOT_BITS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 11, 10, 13))
 
@@ -44,6 +45,7 @@ class TileConfig:
     num_stages: int = 3
     w_as_a: bool = True
     asm: bool = True
+    one_dot: bool = False
     target_ctas: int = 0
     max_split: int = 1
 
@@ -73,17 +75,16 @@ def select_tile(table: tuple[TileConfig, ...], m: int) -> TileConfig:
 
 
 def choose_split_k(tile: TileConfig, m: int, n: int, k_padded: int) -> int:
-    """K splits so that about `target_ctas` programs stream the weight: the largest divisor of the
-    BLOCK_K iterations (splits must be equal) that is at most the wanted count, `max_split`, and half
-    the iterations (each split keeps two or more)."""
+    """K splits so that about `target_ctas` programs stream the weight: ceil(target / tiles), at most
+    `max_split` and half the BLOCK_K iterations (every split keeps two or more). Splits need not
+    divide the iterations: their ranges differ by at most one iteration."""
     if tile.kind != "fused" or tile.target_ctas <= 0:
         return 1
     tiles = -(-m // tile.block_m) * -(-n // tile.block_n)
     if tiles >= tile.target_ctas:
         return 1
     iters = k_padded // tile.block_k
-    want = max(1, min(-(-tile.target_ctas // tiles), iters // 2, tile.max_split))
-    return max(s for s in range(1, want + 1) if iters % s == 0)
+    return max(1, min(-(-tile.target_ctas // tiles), iters // 2, tile.max_split))
 
 
 def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int = 4096):
@@ -96,15 +97,18 @@ def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int
 
     Returns:
         (uint8 [..., N, Kp/2], float8_e4m3fn [..., N, Kp/16]) with Kp = K rounded up to K_ALIGN (512);
-        padding is zero codes and zero scales.
+        padding is zero codes and zero scales. Codes of blocks whose scale is zero are zeroed (their
+        values are zero either way; the kernels' scale conversion relies on it).
     """
     *lead, n, half_k = weight.shape
     k = half_k * 2
     kp = -(-k // K_ALIGN) * K_ALIGN
     flat = weight.reshape(-1, half_k)
     out = torch.empty((flat.shape[0], kp // 2), dtype=torch.uint8, device=weight.device)
+    zero_block = weight_scale.reshape(-1, k // nvfp4.BLOCK).float() == 0
     for r0 in range(0, flat.shape[0], chunk_rows):
         codes = nvfp4.unpack(flat[r0 : r0 + chunk_rows]).to(torch.int32)
+        codes.masked_fill_(zero_block[r0 : r0 + chunk_rows].repeat_interleave(nvfp4.BLOCK, dim=1), 0)
         if kp != k:
             codes = torch.nn.functional.pad(codes, (0, kp - k))
         c = codes.view(codes.shape[0], kp // GROUP, 4, 8)  # [rows, g, slot, unit]
@@ -152,10 +156,26 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         super().__init__(spec, options)
         self.table = parse_table(FP4_GEMM_TILES)
         self._plan = lru_cache(maxsize=None)(self._plan_uncached)
+        self._counters: dict[torch.device, torch.Tensor] = {}
 
     def prepare(self, w: Fp4Weight) -> Fp4Weight:
         weight, scale = repack_k32(w.weight, w.weight_scale)
+        if weight.is_cuda:
+            self.counters(weight.device)
         return Fp4Weight(weight, scale, w.weight_scale_2.float().reshape(()), w.input_scale)
+
+    def counters(self, device: torch.device) -> torch.Tensor | None:
+        """This instance's split-K arrival counters on `device` (zeros; every call leaves them zero).
+
+        Allocated at `prepare` (or the first call outside a CUDA-graph capture: a zeroing recorded
+        into a graph would not run before the first replay); None while capturing without them, and
+        the call then reduces with a second kernel. One instance serves one executor, whose calls run
+        in order on one stream; concurrent calls must not share the counters.
+        """
+        counters = self._counters.get(device)
+        if counters is None and not torch.cuda.is_current_stream_capturing():
+            counters = self._counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+        return counters
 
     def _plan_uncached(self, m: int, n: int, k_padded: int) -> tuple[TileConfig, int]:
         tile = select_tile(self.table, m)
@@ -167,5 +187,6 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         if x.stride(-1) != 1:
             x = x.contiguous()
         tile, split_k = self._plan(x.shape[0], out_features, weight.shape[1] * 2)
+        counters = self.counters(x.device) if split_k > 1 else None
         return triton_kernels.fp4_gemm(x, weight, weight_scale, weight_scale_2, out_features,
-                                       x.shape[1], tile, split_k)
+                                       x.shape[1], tile, split_k, counters)

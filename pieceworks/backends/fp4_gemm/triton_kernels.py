@@ -15,13 +15,19 @@ kernels read ("k32", produced by `pieceworks.backends.fp4_gemm.triton.repack_k32
   so slots 0-2 are `(u << 3j) & 0x81C0` away from a bfloat16 whose bits are the code's: that bfloat16
   equals e2m1 * 2^-126 (code 1, i.e. 0.5, is a subnormal). Two units decode together (one 32-bit
   register holds a pair, one op serves both): 12 integer ops and 4 bf16x2 multiplies per 8 values.
-- Block scales stay linear, [N, Kp/16] float8_e4m3fn: slots 0 and 1 of group g use scale 2g, slots 2
-  and 3 use scale 2g + 1.
+- Block scales stay linear, [N, Kp/16] float8_e4m3fn, read as int16 pairs: pair g holds scale 2g (low
+  byte; slots 0 and 1 of group g) and scale 2g + 1 (high byte; slots 2 and 3).
+- Codes of blocks whose scale is zero are zeroed by the repack (their values are zero either way), so
+  the scale conversion below may map a zero scale to any finite number.
 
-Decoding multiplies the pattern by bf16(scale * 2^119) (exact: a 4-bit mantissa, at most 448 * 2^119 <
-2^128), giving bf16 e2m1 * scale * 2^-7 exactly (the product has at most 6 significant bits). The
-accumulator (fp32) is multiplied by weight_scale_2 * 2^7 at the end. The K loop therefore runs as four
-dots of BLOCK_K/4 each, one per slot, against the matching columns of x.
+A scale pair converts to two bfloat16 multipliers in three instructions: `cvt.rn.f16x2.e4m3x2` (exact:
+every e4m3 value, subnormals included, is a normal float16 with bits 6..0 zero), a right shift by 3
+(the float16 exponent lands in the low five bits of the bfloat16 exponent, the mantissa under it) and
+an OR of 0x7000 (adds 224 to the exponent), which gives bf16(scale * 2^112) exactly. Multiplying the
+code pattern (e2m1 * 2^-126) by it gives bf16 e2m1 * scale * 2^-14 exactly (at most 6 significant
+bits; the smallest nonzero product, 0.5 * 2^-9 * 2^-14, is a normal bfloat16). The accumulator (fp32)
+is multiplied by weight_scale_2 * 2^14 at the end. The K loop runs as four dots of BLOCK_K/4 each, one
+per slot, against the matching columns of x.
 """
 
 from __future__ import annotations
@@ -30,9 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-# Scale bias folded into the block scale (see the module docstring) and undone in the epilogue.
-SCALE_BIAS_EXP = 119
-OUT_BIAS = 2.0**7
+# Scale bias folded into the decoded weights (see the module docstring), undone in the epilogue.
+OUT_BIAS = tl.constexpr(16384.0)  # 2^14
 
 _DECODE_ASM = tl.constexpr("""{
     .reg .b32 t0, t1, t2, t3, t4, t5;
@@ -63,17 +68,43 @@ def _e2m1_arith(sign, em, scale):
     return tl.where(sign != 0, -mag, mag) * scale
 
 
+_SCALE_ASM = tl.constexpr("""{
+    .reg .b32 h;
+    cvt.rn.f16x2.e4m3x2 h, $2;
+    shr.b32 h, h, 3;
+    or.b32 h, h, 0x70007000;
+    mov.b32 {$0, $1}, h;
+}""")
+
+
+@triton.jit
+def scales_k32(s, USE_ASM: tl.constexpr):
+    """Scale pairs (int16: scale 2g low byte, 2g + 1 high byte) -> (slots 0/1, slots 2/3) multipliers:
+    bf16 scale * 2^112 with USE_ASM, else float32 scale * 2^-14 (the arithmetic decode's)."""
+    if USE_ASM:
+        s_a, s_b = tl.inline_asm_elementwise(
+            asm=_SCALE_ASM, constraints="=h,=h,h", args=[s],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1,
+        )
+    else:
+        u = s.to(tl.int32)
+        s_a = (u & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        s_b = ((u >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        s_a = s_a * 6.103515625e-05  # 2^-14
+        s_b = s_b * 6.103515625e-05
+    return s_a, s_b
+
+
 @triton.jit
 def decode_k32(w, s_a, s_b, USE_ASM: tl.constexpr):
-    """Decode k32 units into four bf16 tensors (slots 0..3), each e2m1 * scale * 2^-7.
+    """Decode k32 units into four bf16 tensors (slots 0..3), each e2m1 * scale * 2^-14.
 
-    w: int16 [..., 8] units; s_a, s_b: float32 block scales of slots 0/1 and 2/3, broadcastable to w.
+    w: int16 [..., 8] units; s_a, s_b: the multipliers of slots 0/1 and 2/3 from `scales_k32`,
+    broadcastable to w.
     """
     if USE_ASM:
-        sa = (s_a * 6.646139978924579e35).to(tl.bfloat16)  # 2^119
-        sb = (s_b * 6.646139978924579e35).to(tl.bfloat16)
-        sa = tl.broadcast_to(sa, w.shape)
-        sb = tl.broadcast_to(sb, w.shape)
+        sa = tl.broadcast_to(s_a, w.shape)
+        sb = tl.broadcast_to(s_b, w.shape)
         v0, v1, v2, v3 = tl.inline_asm_elementwise(
             asm=_DECODE_ASM,
             constraints="=r,=r,=r,=r,r,r,r",
@@ -84,13 +115,11 @@ def decode_k32(w, s_a, s_b, USE_ASM: tl.constexpr):
         )
     else:
         u = w.to(tl.int32) & 0xFFFF
-        sa = s_a * 0.0078125  # 2^-7
-        sb = s_b * 0.0078125
-        v0 = _e2m1_arith((u >> 15) & 1, (u >> 6) & 7, sa).to(tl.bfloat16)
-        v1 = _e2m1_arith((u >> 12) & 1, (u >> 3) & 7, sa).to(tl.bfloat16)
-        v2 = _e2m1_arith((u >> 9) & 1, u & 7, sb).to(tl.bfloat16)
+        v0 = _e2m1_arith((u >> 15) & 1, (u >> 6) & 7, s_a).to(tl.bfloat16)
+        v1 = _e2m1_arith((u >> 12) & 1, (u >> 3) & 7, s_a).to(tl.bfloat16)
+        v2 = _e2m1_arith((u >> 9) & 1, u & 7, s_b).to(tl.bfloat16)
         em3 = (((u >> 10) & 3) << 1) | ((u >> 13) & 1)
-        v3 = _e2m1_arith((u >> 14) & 1, em3, sb).to(tl.bfloat16)
+        v3 = _e2m1_arith((u >> 14) & 1, em3, s_b).to(tl.bfloat16)
     return v0, v1, v2, v3
 
 
@@ -106,17 +135,26 @@ def _mma(acc, w, x, W_AS_A: tl.constexpr):
 
 @triton.jit
 def _dequant_mma(acc, w, s, x0, x1, x2, x3, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 W_AS_A: tl.constexpr, USE_ASM: tl.constexpr):
+                 W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr):
+    """acc += the tile's four slot products. ONE_DOT: x0 is the tile's x in element order [BM, BK]
+    (x1..x3 unused) and the decoded slots, interleaved back into element order, go to one dot of
+    K = BLOCK_K; else four dots of BLOCK_K / 4."""
     BG: tl.constexpr = BLOCK_K // 32
     BQ: tl.constexpr = BLOCK_K // 4
-    s_a, s_b = tl.split(s.to(tl.float32).reshape(BLOCK_N, BG, 2))  # slots 0/1 and 2/3 of each group
+    s_a, s_b = scales_k32(s, USE_ASM)  # [BN, BG]: slots 0/1 and 2/3 of each group
     s_a = tl.broadcast_to(s_a[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
     s_b = tl.broadcast_to(s_b[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
     v0, v1, v2, v3 = decode_k32(w, s_a, s_b, USE_ASM)
-    acc = _mma(acc, v0, x0, W_AS_A)
-    acc = _mma(acc, v1, x1, W_AS_A)
-    acc = _mma(acc, v2, x2, W_AS_A)
-    acc = _mma(acc, v3, x3, W_AS_A)
+    if ONE_DOT:
+        # [BN, BQ, 2 (slot bit 0), 2 (slot bit 1)] -> [BN, group, slot, unit] -> [BN, BK].
+        v = tl.join(tl.join(v0, v1), tl.join(v2, v3)).reshape(BLOCK_N, BG, 8, 2, 2)
+        v = v.permute(0, 1, 4, 3, 2).reshape(BLOCK_N, BLOCK_K)
+        acc = _mma(acc, v, x0, W_AS_A)
+    else:
+        acc = _mma(acc, v0, x0, W_AS_A)
+        acc = _mma(acc, v1, x1, W_AS_A)
+        acc = _mma(acc, v2, x2, W_AS_A)
+        acc = _mma(acc, v3, x3, W_AS_A)
     return acc
 
 
@@ -126,24 +164,27 @@ def fp4_tile_loop(
     k_lo, num_iters, K, Kp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, DUAL: tl.constexpr,
+    ONE_DOT: tl.constexpr = False,
 ):  # EVEN_K: K == Kp, x needs no column mask
     """acc += x[rows, k_lo : k_lo + num_iters*BLOCK_K] @ dequant(W[w_rows, same]).T, without the
     global scale; with DUAL also acc2 for the weight rows w_rows2 (x is loaded once for both).
 
     x_rows [BM] / w_rows [BN] / s_rows [BN]: int64 offsets of each row's start (x in elements, w in
-    16-bit units, s in scales); x_mask [BM]: rows to read (others load zeros). acc/acc2 are [BN, BM]
+    16-bit units, s in int16 scale pairs); x_mask [BM]: rows to read (others load zeros). acc/acc2 are [BN, BM]
     when W_AS_A, else [BM, BN]. Weights and x go through Triton's cp.async pipeline (num_stages);
     the small scale loads are prefetched by hand two iterations ahead."""
     BQ: tl.constexpr = BLOCK_K // 4
     c = tl.arange(0, BQ)  # k32 unit within the tile: group c // 8, unit c % 8
-    t16 = tl.arange(0, BLOCK_K // 16)
+    t32 = tl.arange(0, BLOCK_K // 32)  # scale pair within the tile
     xc = (c // 8) * 32 + (c % 8)  # element of slot 0 of unit c
     w_ptrs = w_ptr + w_rows[:, None] + (k_lo // 4 + c)[None, :]
-    s_ptrs = s_ptr + s_rows[:, None] + (k_lo // 16 + t16)[None, :]
+    s_ptrs = s_ptr + s_rows[:, None] + (k_lo // 32 + t32)[None, :]
     if DUAL:
         w_ptrs2 = w_ptr + w_rows2[:, None] + (k_lo // 4 + c)[None, :]
-        s_ptrs2 = s_ptr + s_rows2[:, None] + (k_lo // 16 + t16)[None, :]
+        s_ptrs2 = s_ptr + s_rows2[:, None] + (k_lo // 32 + t32)[None, :]
     x_ptrs = x_ptr + x_rows[:, None] + (k_lo + xc)[None, :]
+    xs = tl.arange(0, BLOCK_K)  # ONE_DOT: x in element order
+    xs_ptrs = x_ptr + x_rows[:, None] + (k_lo + xs)[None, :]
     xm = x_mask[:, None]
     for it in range(num_iters):
         k0 = k_lo + it * BLOCK_K
@@ -152,7 +193,15 @@ def fp4_tile_loop(
         # from 8 bytes a row, BLOCK_K >= 128; smaller tiles load them synchronously).
         w = tl.load(w_ptrs)
         s0 = tl.load(s_ptrs)
-        if EVEN_K:
+        if ONE_DOT:
+            if EVEN_K:
+                x0 = tl.load(xs_ptrs, mask=xm, other=0.0)
+            else:
+                x0 = tl.load(xs_ptrs, mask=xm & (k0 + xs < K)[None, :], other=0.0)
+            x1 = x0
+            x2 = x0
+            x3 = x0
+        elif EVEN_K:
             x0 = tl.load(x_ptrs, mask=xm, other=0.0)
             x1 = tl.load(x_ptrs + 8, mask=xm, other=0.0)
             x2 = tl.load(x_ptrs + 16, mask=xm, other=0.0)
@@ -167,26 +216,41 @@ def fp4_tile_loop(
         x1 = x1.to(tl.bfloat16)
         x2 = x2.to(tl.bfloat16)
         x3 = x3.to(tl.bfloat16)
-        acc = _dequant_mma(acc, w, s0, x0, x1, x2, x3, BLOCK_N, BLOCK_K, W_AS_A, USE_ASM)
+        acc = _dequant_mma(acc, w, s0, x0, x1, x2, x3, BLOCK_N, BLOCK_K, W_AS_A, USE_ASM, ONE_DOT)
         if DUAL:
             w2 = tl.load(w_ptrs2)
             r0 = tl.load(s_ptrs2)
-            acc2 = _dequant_mma(acc2, w2, r0, x0, x1, x2, x3, BLOCK_N, BLOCK_K, W_AS_A, USE_ASM)
+            acc2 = _dequant_mma(acc2, w2, r0, x0, x1, x2, x3, BLOCK_N, BLOCK_K, W_AS_A, USE_ASM,
+                                 ONE_DOT)
             w_ptrs2 += BLOCK_K // 4
-            s_ptrs2 += BLOCK_K // 16
+            s_ptrs2 += BLOCK_K // 32
         w_ptrs += BLOCK_K // 4
-        s_ptrs += BLOCK_K // 16
+        s_ptrs += BLOCK_K // 32
         x_ptrs += BLOCK_K
+        xs_ptrs += BLOCK_K
     return acc, acc2
 
 
-@triton.jit(do_not_specialize=["M", "num_iters"])
+@triton.jit
+def _fence_acq_rel():
+    # fence.acq_rel.gpu on every thread (Triton has no fence op); the dummy result keeps it in place.
+    return tl.inline_asm_elementwise("fence.acq_rel.gpu;\n mov.u32 $0, 0;", "=r", [],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit(do_not_specialize=["M", "iters", "num_splits"])
 def _fp4_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr,
-    M, N, K, Kp, stride_xm, stride_wn, stride_sn, stride_om, stride_split, num_iters,
+    x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, count_ptr,
+    M, N, K, Kp, stride_xm, stride_wn, stride_sn, stride_om, iters, num_splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, W_AS_A: tl.constexpr, USE_ASM: tl.constexpr,
+    SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, EVEN_K: tl.constexpr, W_AS_A: tl.constexpr,
+    USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr,
 ):
+    """One output tile, or (SPLIT) one of `num_splits` K ranges of it; ranges differ by at most one
+    BLOCK_K iteration. A split writes its float32 partial to part[pid_k] (laid out [splits, M, N]);
+    with FUSED_REDUCE, the split that arrives last at the tile's counter (count_ptr[tile], zero
+    before the call and reset by that split) sums the partials in split order and writes out, so
+    the result does not depend on which split finishes last; otherwise `_splitk_reduce_kernel` does."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -206,23 +270,42 @@ def _fp4_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_lo = pid_k * num_iters * BLOCK_K  # a multiple of BLOCK_K: 16-byte aligned weight loads
+    base = iters // num_splits
+    extra = iters % num_splits
+    it_lo = pid_k * base + tl.minimum(pid_k, extra)
+    num_iters = base + (pid_k < extra).to(tl.int32)
+    k_lo = it_lo * BLOCK_K  # a multiple of BLOCK_K: 16-byte aligned weight loads
     w_rows = n_c * stride_wn
     s_rows = n_c * stride_sn
     acc, unused = fp4_tile_loop(
         acc, acc, x_ptr, x_rows, rm < M, w_ptr, w_rows, w_rows, s_ptr, s_rows, s_rows,
         k_lo, num_iters, K, Kp,
-        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, USE_ASM, False,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, USE_ASM, False, ONE_DOT,
     )
     if W_AS_A:
         acc = tl.trans(acc)
-    acc = acc * (tl.load(gs_ptr) * 128.0)
+    acc = acc * (tl.load(gs_ptr) * OUT_BIAS)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     offs = rm[:, None].to(tl.int64) * stride_om + rn[None, :]
     if not SPLIT:
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(out_ptr + pid_k * stride_split + offs, acc, mask=mask)
+        mn = M.to(tl.int64) * N
+        tl.store(part_ptr + pid_k * mn + offs, acc, mask=mask)
+        if FUSED_REDUCE:
+            # Publish this split's partial (every thread fences its own stores; the barrier orders
+            # them before the counter), then count it; the last split reads all partials from L2.
+            _fence_acq_rel()
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                _fence_acq_rel()
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for k in range(num_splits):
+                    total += tl.load(part_ptr + k * mn + offs, mask=mask, other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.store(count_ptr + pid, 0)
 
 
 @triton.jit
@@ -245,26 +328,29 @@ def _dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, stride_wn, stride_sn, s
     n_c = tl.where(rn < N, rn, N - 1).to(tl.int64)
     k0 = tl.program_id(1) * BLOCK_K  # within Kp: the weight needs no mask
     w = tl.load(w_ptr + n_c[:, None] * stride_wn + (k0 // 4 + tl.arange(0, BQ))[None, :])
-    s = tl.load(s_ptr + n_c[:, None] * stride_sn + (k0 // 16 + tl.arange(0, BLOCK_K // 16))[None, :])
-    s_a, s_b = tl.split(s.to(tl.float32).reshape(BLOCK_N, BG, 2))
+    s = tl.load(s_ptr + n_c[:, None] * stride_sn + (k0 // 32 + tl.arange(0, BG))[None, :])
+    s_a, s_b = scales_k32(s, USE_ASM)
     s_a = tl.broadcast_to(s_a[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
     s_b = tl.broadcast_to(s_b[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
     v0, v1, v2, v3 = decode_k32(w, s_a, s_b, USE_ASM)
     # Interleave the slots back into element order: [BN, BG, unit, slot] -> [BN, BG, slot, unit].
     v = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [BN, BQ, 2 (slot bit 0), 2 (slot bit 1)]
     v = v.reshape(BLOCK_N, BG, 8, 2, 2).permute(0, 1, 3, 4, 2).reshape(BLOCK_N, BLOCK_K)
-    gs = tl.load(gs_ptr) * 128.0
+    gs = tl.load(gs_ptr) * OUT_BIAS
     k = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + rn[:, None].to(tl.int64) * stride_on + k[None, :],
              (v.to(tl.float32) * gs).to(out_ptr.dtype.element_ty),
              mask=(rn < N)[:, None] & (k < K)[None, :])
 
 
-def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k):
+def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counters=None):
     """Launch the GEMM for x [M, K] and a k32-layout weight; returns [M, N] in x.dtype.
 
     weight: uint8 [N, Kp/2] (k32 layout), weight_scale: float8_e4m3fn [N, Kp/16], weight_scale_2:
-    float32 scalar tensor. cfg: a `TileConfig`; split_k: K splits (1 = no second pass).
+    float32 scalar tensor. cfg: a `TileConfig`; split_k: K splits (any count up to the BLOCK_K
+    iterations; 1 = none). counters: int32 tensor of zeros, at least one per output tile, that the
+    call leaves zero again; with it a split-K call reduces in the same kernel, without it a second
+    kernel sums the partials. Calls sharing counters must not run concurrently.
     """
     M = x.shape[0]
     Kp = weight.shape[1] * 2
@@ -274,27 +360,26 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k):
     if cfg.kind == "dequant":
         w = torch.empty((N, K), dtype=torch.bfloat16, device=x.device)
         grid = (triton.cdiv(N, 16), triton.cdiv(K, 512))
-        _dequant_kernel[grid](weight.view(torch.int16), weight_scale, weight_scale_2, w, N, K,
-                              weight.stride(0) // 2, weight_scale.stride(0), w.stride(0),
+        _dequant_kernel[grid](weight.view(torch.int16), weight_scale.view(torch.int16), weight_scale_2,
+                              w, N, K, weight.stride(0) // 2, weight_scale.stride(0) // 2, w.stride(0),
                               BLOCK_N=16, BLOCK_K=512, USE_ASM=cfg.asm, num_warps=4)
         return torch.matmul(x.to(torch.bfloat16), w.t()).to(x.dtype)
     iters, rem = divmod(Kp, cfg.block_k)
-    assert rem == 0 and iters % split_k == 0, "weights must come from repack_k32; split_k must divide"
-    num_iters = iters // split_k
-    if split_k > 1:
-        dest = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
-    else:
-        dest = out
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split_k)
-    _fp4_gemm_kernel[grid](
-        x, weight.view(torch.int16), weight_scale, weight_scale_2, dest,
-        M, N, K, Kp, x.stride(0), weight.stride(0) // 2, weight_scale.stride(0), N, M * N, num_iters,
+    assert rem == 0, "weights must come from repack_k32 (K padded to a multiple of 512)"
+    assert 1 <= split_k <= iters, f"split_k={split_k} must be in [1, {iters}]"
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    fused = split_k > 1 and counters is not None and counters.numel() >= tiles
+    part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    _fp4_gemm_kernel[(tiles, split_k)](
+        x, weight.view(torch.int16), weight_scale.view(torch.int16), weight_scale_2, out, part,
+        counters if fused else out,
+        M, N, K, Kp, x.stride(0), weight.stride(0) // 2, weight_scale.stride(0) // 2, N, iters, split_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        SPLIT=split_k > 1, EVEN_K=K == Kp, W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLIT=split_k > 1, FUSED_REDUCE=fused, EVEN_K=K == Kp, W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm,
+        ONE_DOT=cfg.one_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split_k > 1:
+    if split_k > 1 and not fused:
         block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](dest, out, M * N, SPLIT_K=split_k,
+        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](part, out, M * N, SPLIT_K=split_k,
                                                             BLOCK=block, num_warps=4)
     return out

@@ -6,20 +6,24 @@ Keys: kind ("fused": dequantize in registers and feed tensor-core dots; "dequant
 weight to bf16, then torch.matmul, for compute-bound sizes), block_m/n/k, group_m (tile order: tiles
 of group_m row blocks share a column sweep, for L2 reuse), num_warps, num_stages, w_as_a (weights as
 the register operand: the accumulator is [block_n, block_m]), asm (PTX bit-twiddling decode, else
-plain Triton arithmetic), target_ctas (split K until at least this many programs; 0 = never),
+plain Triton arithmetic), one_dot (the four decoded slots of a K tile feed one dot of K = block_k in
+element order, which lets Triton keep several wgmma groups in flight; else four dots), target_ctas
+(split K until at least this many programs; 0 = never),
 max_split.
 """
 
 # Swept on an H200 (2026-12-01, `python benchmarks/fp4_gemm.py --sweep`): each bucket is the config with
 # the lowest geometric-mean time over the Llama-3.1-8B and DeepSeek-V3 expert shapes at the bucket's
 # tuning M (1, 16, 64, 256, 1024, 16384). From M = 1024 up, dequantize + cuBLAS beat the fused kernel.
+# The decode buckets (M <= 64) were swept again after the one-dot K loop and uneven, in-kernel split-K
+# (`--sweep --sweep-m 1,16,64`, same day); one_dot won all three.
 FP4_GEMM_TILES = [
     dict(max_m=4, kind="fused", block_m=16, block_n=64, block_k=256, group_m=1, num_warps=4,
-         num_stages=3, w_as_a=True, asm=True, target_ctas=264, max_split=16),
-    dict(max_m=16, kind="fused", block_m=16, block_n=128, block_k=256, group_m=1, num_warps=4,
-         num_stages=3, w_as_a=True, asm=True, target_ctas=264, max_split=16),
-    dict(max_m=64, kind="fused", block_m=64, block_n=128, block_k=128, group_m=1, num_warps=4,
-         num_stages=3, w_as_a=True, asm=True, target_ctas=264, max_split=8),
+         num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=264, max_split=16),
+    dict(max_m=16, kind="fused", block_m=16, block_n=64, block_k=256, group_m=1, num_warps=4,
+         num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=264, max_split=16),
+    dict(max_m=64, kind="fused", block_m=64, block_n=64, block_k=128, group_m=1, num_warps=4,
+         num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=264, max_split=8),
     dict(max_m=256, kind="fused", block_m=64, block_n=256, block_k=64, group_m=8, num_warps=8,
          num_stages=3, w_as_a=True, asm=True, target_ctas=132, max_split=4),
     dict(max_m=1024, kind="dequant"),

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pieceworks.backends.fp4_gemm.triton_kernels import fp4_tile_loop
+from pieceworks.backends.fp4_gemm.triton_kernels import OUT_BIAS, fp4_tile_loop
 
 
 @triton.jit(do_not_specialize=["num_valid", "num_iters"])
@@ -24,7 +24,7 @@ def _moe_gemm_kernel(
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_om,
     A_DIV: tl.constexpr, SWIGLU: tl.constexpr, ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, W_AS_A: tl.constexpr, USE_ASM: tl.constexpr,
+    EVEN_K: tl.constexpr, W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr,
 ):
     """SWIGLU: out[id, n] = silu(a @ Wg.T) * (a @ Wu.T) with Wg = rows [0, N), Wu = rows [N, 2N) of the
     expert's w13; else out[id, n] = (a @ W.T)[n] (times topk_w[id] with ROUTED_WEIGHT). a's row for a
@@ -49,17 +49,17 @@ def _moe_gemm_kernel(
     acc, acc2 = fp4_tile_loop(
         acc, acc, a_ptr, a_rows, row_ok, w_e, n_c * stride_wn, (n_c + N) * stride_wn,
         s_e, n_c * stride_sn, (n_c + N) * stride_sn, 0, num_iters, K, Kp,
-        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, USE_ASM, SWIGLU,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, USE_ASM, SWIGLU, ONE_DOT,
     )
     if W_AS_A:
         acc = tl.trans(acc)
         acc2 = tl.trans(acc2)
     if SWIGLU:
-        gate = acc * (tl.load(gs_ptr + e * stride_ge) * 128.0)
-        up = acc2 * (tl.load(gs_ptr + e * stride_ge + 1) * 128.0)
+        gate = acc * (tl.load(gs_ptr + e * stride_ge) * OUT_BIAS)
+        up = acc2 * (tl.load(gs_ptr + e * stride_ge + 1) * OUT_BIAS)
         res = gate / (1.0 + tl.exp(-gate)) * up
     else:
-        res = acc * (tl.load(gs_ptr + e * stride_ge) * 128.0)
+        res = acc * (tl.load(gs_ptr + e * stride_ge) * OUT_BIAS)
         if ROUTED_WEIGHT:
             res = res * tl.load(topk_w_ptr + ids, mask=row_ok, other=0.0)[:, None]
     offs = ids[:, None].to(tl.int64) * stride_om + rn[None, :]
@@ -108,25 +108,25 @@ def fused_moe(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_wei
     if x.stride(-1) != 1:
         x = x.contiguous()
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm, num_warps=cfg.num_warps,
+                  W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm, ONE_DOT=cfg.one_dot, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)
 
     h = torch.empty((num_valid, inter), dtype=torch.bfloat16, device=x.device)
     iters, even = _num_iters(w13.shape[2] * 2, cfg.block_k)
     _moe_gemm_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n))](
-        x, w13.view(torch.int16), w13_scale, w13_scale_2, h, sorted_ids, expert_ids, num_post,
-        topk_weights, inter, H, w13.shape[2] * 2, num_valid, iters,
-        x.stride(0), w13.stride(0) // 2, w13.stride(1) // 2, w13_scale.stride(0),
-        w13_scale.stride(1), w13_scale_2.stride(0), h.stride(0),
+        x, w13.view(torch.int16), w13_scale.view(torch.int16), w13_scale_2, h, sorted_ids, expert_ids,
+        num_post, topk_weights, inter, H, w13.shape[2] * 2, num_valid, iters,
+        x.stride(0), w13.stride(0) // 2, w13.stride(1) // 2, w13_scale.stride(0) // 2,
+        w13_scale.stride(1) // 2, w13_scale_2.stride(0), h.stride(0),
         A_DIV=top_k, SWIGLU=True, ROUTED_WEIGHT=False, EVEN_K=even and H == w13.shape[2] * 2,
         **common,
     )
     y = torch.empty((num_valid, H), dtype=torch.bfloat16, device=x.device)
     iters, even = _num_iters(w2.shape[2] * 2, cfg.block_k)
     _moe_gemm_kernel[(num_blocks, triton.cdiv(H, cfg.block_n))](
-        h, w2.view(torch.int16), w2_scale, w2_scale_2, y, sorted_ids, expert_ids, num_post,
+        h, w2.view(torch.int16), w2_scale.view(torch.int16), w2_scale_2, y, sorted_ids, expert_ids, num_post,
         topk_weights, H, inter, w2.shape[2] * 2, num_valid, iters,
-        h.stride(0), w2.stride(0) // 2, w2.stride(1) // 2, w2_scale.stride(0), w2_scale.stride(1),
+        h.stride(0), w2.stride(0) // 2, w2.stride(1) // 2, w2_scale.stride(0) // 2, w2_scale.stride(1) // 2,
         w2_scale_2.stride(0), y.stride(0),
         A_DIV=1, SWIGLU=False, ROUTED_WEIGHT=True, EVEN_K=even and inter == w2.shape[2] * 2,
         **common,
