@@ -3,7 +3,8 @@
     python benchmarks/profile_step.py --tokens 16 --set backends.attention=flashinfer   # piecewise extend:
                                                                   # host time by function (cProfile)
     python benchmarks/profile_step.py --decode 1 --set quantization.format=nvfp4 \
-        --set backends.attention=flashinfer       # full-graph decode: GPU time by kernel (torch.profiler)
+        --set backends.attention=flashinfer       # full-graph decode: GPU time by kernel (torch.profiler),
+                                                  # then host time by function (cProfile)
 """
 
 from __future__ import annotations
@@ -130,6 +131,22 @@ def profile_decode(args) -> None:
     print("\n| kernel | us per step | launches per step |\n|---|---:|---:|")
     for us, count, name in rows[:25]:
         print(f"| {name[:90]} | {us:.1f} | {count:.0f} |")
+
+    # Host side: Executor.forward under cProfile (each step synchronized, as a caller reading logits).
+    prof_host = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof_host.enable()
+    for _ in range(args.steps):
+        ex.forward(batch)
+        sync()
+    prof_host.disable()
+    wall = (time.perf_counter() - t0) / args.steps
+    out = io.StringIO()
+    stats = pstats.Stats(prof_host, stream=out)
+    stats.sort_stats("tottime").print_stats(30)
+    print(f"\nhost profile: {wall * 1e3:.3f} ms per synchronized step under cProfile (adds overhead); "
+          "top functions by own time:")
+    print(out.getvalue())
 
 
 if __name__ == "__main__":

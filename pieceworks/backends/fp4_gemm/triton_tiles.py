@@ -15,8 +15,8 @@ max_split.
 # Swept on an H200 (2026-12-01, `python benchmarks/fp4_gemm.py --sweep`): each bucket is the config with
 # the lowest geometric-mean time over the Llama-3.1-8B and DeepSeek-V3 expert shapes at the bucket's
 # tuning M (1, 16, 64, 256, 1024, 16384). From M = 1024 up, dequantize + cuBLAS beat the fused kernel.
-# The decode buckets (M <= 64) were swept again after the one-dot K loop and uneven, in-kernel split-K
-# (`--sweep --sweep-m 1,16,64`, same day); one_dot won all three.
+# The buckets up to M = 256 were swept again after the one-dot K loop and uneven, in-kernel split-K
+# (`--sweep --sweep-m 1,16,64`, then `--sweep-m 256`, same day); one_dot won all four.
 FP4_GEMM_TILES = [
     dict(max_m=4, kind="fused", block_m=16, block_n=64, block_k=256, group_m=1, num_warps=4,
          num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=264, max_split=16),
@@ -24,19 +24,20 @@ FP4_GEMM_TILES = [
          num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=264, max_split=16),
     dict(max_m=64, kind="fused", block_m=64, block_n=64, block_k=128, group_m=1, num_warps=4,
          num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=264, max_split=8),
-    dict(max_m=256, kind="fused", block_m=64, block_n=256, block_k=64, group_m=8, num_warps=8,
-         num_stages=3, w_as_a=True, asm=True, target_ctas=132, max_split=4),
+    dict(max_m=256, kind="fused", block_m=64, block_n=128, block_k=128, group_m=8, num_warps=8,
+         num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=132, max_split=4),
     dict(max_m=1024, kind="dequant"),
     dict(max_m=None, kind="dequant"),
 ]
 
 # Grouped MoE GEMMs, by token count T (swept with `python benchmarks/moe.py --sweep` on the
-# DeepSeek-V3 layer, tuning T = 1, 16, 64, 256, 1024, 16384; same date and machine).
+# DeepSeek-V3 layer, tuning T = 1, 16, 64, 256, 1024, 16384; same date and machine; the buckets up to
+# T = 256 again with one_dot candidates, `--sweep --sweep-t 1,16,64,256`).
 MOE_TILES = [
-    dict(max_m=4, block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=False),
-    dict(max_m=16, block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=True),
-    dict(max_m=64, block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=True),
-    dict(max_m=256, block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=True),
+    dict(max_m=4, block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=True, one_dot=True),
+    dict(max_m=16, block_m=16, block_n=128, block_k=256, num_stages=3, w_as_a=True, one_dot=True),
+    dict(max_m=64, block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=True, one_dot=True),
+    dict(max_m=256, block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=True, one_dot=True),
     dict(max_m=1024, block_m=64, block_n=256, block_k=128, num_warps=8, num_stages=3, w_as_a=True),
     dict(max_m=None, block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, w_as_a=True),
 ]
