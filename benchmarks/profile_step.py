@@ -132,6 +132,38 @@ def profile_decode(args) -> None:
     for us, count, name in rows[:25]:
         print(f"| {name[:90]} | {us:.1f} | {count:.0f} |")
 
+    # Host side, phase by phase (no profiler): before the graph launch, the launch call, after it
+    # (logits clone), and the wait for the GPU.
+    import statistics
+
+    marks: list[tuple[float, float]] = []
+    replay = torch.cuda.CUDAGraph.replay
+
+    def timed_replay(graph):
+        t = time.perf_counter()
+        replay(graph)
+        marks.append((t, time.perf_counter()))
+
+    phases: dict[str, list[float]] = {"prepare + plan": [], "graph launch call": [], "after launch": [],
+                                      "wait for GPU": [], "whole step": []}
+    torch.cuda.CUDAGraph.replay = timed_replay
+    try:
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            ex.forward(batch)
+            t1 = time.perf_counter()
+            sync()
+            t2 = time.perf_counter()
+            a, b = marks[-1]
+            for key, v in (("prepare + plan", a - t0), ("graph launch call", b - a), ("after launch", t1 - b),
+                           ("wait for GPU", t2 - t1), ("whole step", t2 - t0)):
+                phases[key].append(v)
+    finally:
+        torch.cuda.CUDAGraph.replay = replay
+    print("\n| host phase of a synchronized Executor.forward | median us |\n|---|---:|")
+    for key, v in phases.items():
+        print(f"| {key} | {statistics.median(v) * 1e6:.0f} |")
+
     # Host side: Executor.forward under cProfile (each step synchronized, as a caller reading logits).
     prof_host = cProfile.Profile()
     t0 = time.perf_counter()

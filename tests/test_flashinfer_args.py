@@ -107,6 +107,18 @@ def test_paged_kv_indices_edges():
         paged_kv_indices(table, [1, 1], 4)
 
 
+@pytest.mark.parametrize("sc", S.ATTENTION_SCENARIOS, ids=lambda s: s.name)
+def test_paged_kv_indices_from_the_host_table_match(sc):
+    """Gathering from the host copy of the table (what FULL decode and prepared steps pass) gives
+    the same CSR arrays as gathering from the device table; the device table is not read."""
+    meta = _meta(sc)
+    ref = paged_kv_indices(meta.page_table, meta.seq_lens, meta.page_size)
+    poisoned = torch.full_like(meta.page_table, -7)  # only the host table may be read
+    kv = paged_kv_indices(poisoned, meta.seq_lens, meta.page_size, host_table=meta.page_table.clone())
+    for name in ("indptr", "indices", "last_page_len", "kv_lens"):
+        assert torch.equal(getattr(kv, name), getattr(ref, name)), name
+
+
 def test_full_graph_steps_are_padded_to_the_graph_batch():
     meta = _full_meta([9, 3, 17], bs=8, page_size=4, width=6)
     qo, kv_lens = step_lengths(meta)
@@ -451,6 +463,9 @@ def test_variant_option():
         resolve_variant("fa3", (10, 0))
     with pytest.raises(ValueError, match="use auto, fa2 or fa3"):
         FlashInferOptions(variant="fa4")
+    with pytest.raises(ValueError, match="decode_tensor_cores"):
+        FlashInferOptions(decode_tensor_cores="no")
+    assert parse_options(FlashInferMLABackend, {"decode_tensor_cores": False}).decode_tensor_cores is False
     assert parse_options(FlashInferMLABackend, {"variant": "fa2"}) == FlashInferOptions("fa2")
     spec = BackendSpec(device="cuda", capability=(9, 0), model=LLAMA, modules=frozenset({"flashinfer"}))
     assert FlashInferAttentionBackend(spec).variant == "fa3"  # building a backend touches no GPU

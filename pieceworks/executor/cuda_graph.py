@@ -4,6 +4,11 @@ The runner owns static inputs (token ids, positions, KV slots, page table) sized
 bucket. A step fills them, pads the batch up to its bucket (padding rows decode a dummy token whose
 KV goes to the reserved slot), lets the attention backend plan on the host, and replays. It knows
 nothing about kernels: the plan/run contract of the attention backends is all it relies on.
+
+Bucket `bs` reads its ids, positions and slots from the first 3 * bs entries of one int64 buffer
+([3, bs] row-major) and its page table from the first bs rows of another, so a step sends its inputs
+with two asynchronous copies from pinned host memory (torch's caching host allocator keeps a
+pinned block until the copy that reads it has run).
 """
 
 from __future__ import annotations
@@ -22,6 +27,15 @@ from pieceworks.executor.runner import page_table
 
 if TYPE_CHECKING:
     from pieceworks.executor.runner import Executor
+
+
+class _PadRow:
+    """A padding row of the page table: no pages (all `fill`)."""
+
+    pages: list[int] = []
+
+
+_PAD = _PadRow()
 
 
 def default_batch_sizes() -> list[int]:
@@ -47,9 +61,7 @@ class DecodeGraphRunner:
         max_bs = self.sizes[-1]
         self.width = -(-ex.max_context // ex.page_size)  # pages per sequence in the static table
         dev = ex.device
-        self.ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.slots = torch.full((max_bs,), ex.kv.reserved_slot, dtype=torch.int64, device=dev)
+        self.inputs = torch.zeros(3 * max_bs, dtype=torch.int64, device=dev)  # bucket bs: [3, bs]
         self.table = torch.zeros(max_bs, self.width, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -60,11 +72,18 @@ class DecodeGraphRunner:
     def covers(self, batch_size: int) -> bool:
         return batch_size <= self.sizes[-1]
 
-    def _meta(self, bs: int, seq_lens: list[int], prefix_lens: list[int]) -> StepMetadata:
+    def views(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids, positions, slots) of bucket `bs`: rows of the first 3 * bs input entries."""
+        ids, positions, slots = self.inputs[: 3 * bs].view(3, bs)
+        return ids, positions, slots
+
+    def _meta(self, bs: int, seq_lens: list[int], prefix_lens: list[int],
+              host_table: torch.Tensor | None = None) -> StepMetadata:
+        _, positions, slots = self.views(bs)
         return StepMetadata(
             mode=ForwardMode.DECODE, graph_mode=GraphMode.FULL, extend_lens=[1] * len(seq_lens),
             prefix_lens=prefix_lens, page_size=self.ex.page_size, page_table=self.table[:bs],
-            slot_mapping=self.slots[:bs], positions=self.positions[:bs], graph_batch_size=bs,
+            slot_mapping=slots, positions=positions, graph_batch_size=bs, page_table_host=host_table,
         )
 
     def _plan(self, kernels: StepKernels, meta: StepMetadata) -> None:
@@ -86,17 +105,18 @@ class DecodeGraphRunner:
         try:
             with progress_bar(progress, "capturing decode graphs", total=len(self.sizes)) as advance:
                 for bs in reversed(self.sizes):
-                    self.ids[:bs].zero_()
-                    self.positions[:bs].fill_(1)  # a dummy second token of each sequence
-                    self.slots[:bs].fill_(ex.kv.reserved_slot)
+                    ids, positions, slots = self.views(bs)
+                    ids.zero_()
+                    positions.fill_(1)  # a dummy second token of each sequence
+                    slots.fill_(ex.kv.reserved_slot)
                     self.table[:bs].fill_(ex.kv.reserved_slot // ex.page_size)
                     meta = self._meta(bs, [1] * bs, [1] * bs)
                     self._plan(kernels, meta)
                     with forward_context(ForwardContext(kernels, meta, ex.kv)):
-                        ex.model.compute_logits(ex.model(self.ids[:bs], self.positions[:bs]))  # warm-up
+                        ex.model.compute_logits(ex.model(ids, positions))  # warm-up
                         graph = torch.cuda.CUDAGraph()
                         with torch.cuda.graph(graph, pool=self.pool):
-                            hidden = ex.model(self.ids[:bs], self.positions[:bs])
+                            hidden = ex.model(ids, positions)
                             self.logits[bs] = ex.model.compute_logits(hidden)
                     self.graphs[bs] = graph
                     advance()
@@ -117,14 +137,13 @@ class DecodeGraphRunner:
         positions = [s.kv_len for s in seqs]
         slots = [s.pages[p // ps] * ps + p % ps for s, p in zip(seqs, positions)]
         reserved_page = ex.kv.reserved_slot // ps
-        table = page_table(seqs, self.width, fill=reserved_page)
         pad = bs - n
-        self.ids[:bs].copy_(torch.tensor([t[0] for t in tokens] + [0] * pad))
-        self.positions[:bs].copy_(torch.tensor(positions + [1] * pad))
-        self.slots[:bs].copy_(torch.tensor(slots + [ex.kv.reserved_slot] * pad))
-        self.table[:n].copy_(table)
-        self.table[n:bs].fill_(reserved_page)
-        self._plan(kernels, self._meta(bs, [p + 1 for p in positions], positions))
+        host = torch.tensor([t[0] for t in tokens] + [0] * pad + positions + [1] * pad
+                            + slots + [ex.kv.reserved_slot] * pad, dtype=torch.int64).pin_memory()
+        table = page_table(seqs + [_PAD] * pad, self.width, fill=reserved_page).pin_memory()
+        self.inputs[: 3 * bs].copy_(host, non_blocking=True)
+        self.table[:bs].copy_(table, non_blocking=True)
+        self._plan(kernels, self._meta(bs, [p + 1 for p in positions], positions, table))
         self.graphs[bs].replay()
         return self.logits[bs][:n].clone()
 

@@ -207,17 +207,18 @@ class Executor:
         meta = StepMetadata(
             mode=mode, graph_mode=graph,
             extend_lens=[len(t) for t in tokens], prefix_lens=[s.kv_len for s in seqs],
-            page_size=ps, page_table=table.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
-            positions=torch.tensor(positions, dtype=torch.int64).to(dev),
+            page_size=ps, page_table=to_device(table, dev),
+            slot_mapping=to_device(torch.tensor(slots, dtype=torch.int64), dev),
+            positions=to_device(torch.tensor(positions, dtype=torch.int64), dev),
+            page_table_host=table,
         )
-        return meta, torch.tensor(ids, dtype=torch.int64).to(dev)
+        return meta, to_device(torch.tensor(ids, dtype=torch.int64), dev)
 
     def _logit_rows(self, tokens: list[list[int]], all_rows: bool) -> torch.Tensor:
         if all_rows:
             return torch.arange(sum(map(len, tokens)), device=self.device)
         ends = list(itertools.accumulate(len(t) for t in tokens))
-        return torch.tensor([e - 1 for e in ends], device=self.device)
+        return to_device(torch.tensor([e - 1 for e in ends]), self.device)
 
     # ---------------------------------------------------------------- validation and pages
     def _validate(self, batch: ForwardBatch) -> list[list[int]]:
@@ -293,6 +294,14 @@ class Executor:
                 raise ValueError("tokenizing text needs transformers: pip install 'pieceworks[demo]'") from exc
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         return self._tokenizer
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU through pinned memory, asynchronously (torch's caching host
+    allocator keeps the pinned block until the copy has run, so the caller may drop `t`)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def page_table(seqs: list[Sequence], width: int, fill: int = 0) -> torch.Tensor:

@@ -36,9 +36,16 @@ class FlashInferOptions:
     variant: str = "auto"
     """FlashInfer kernel generation: fa2, fa3 (Hopper only), or auto (fa3 on sm_90, fa2 elsewhere)."""
 
+    decode_tensor_cores: bool = True
+    """GQA decode through FlashInfer's tensor-core (prefill) kernels of `variant`; False: its CUDA-core
+    decode kernel (no variant). MLA ignores it."""
+
     def __post_init__(self) -> None:
         if self.variant not in ("auto", "fa2", "fa3"):
             raise ValueError(f"backends.options.flashinfer.variant: {self.variant!r}; use auto, fa2 or fa3")
+        if not isinstance(self.decode_tensor_cores, bool):
+            raise ValueError("backends.options.flashinfer.decode_tensor_cores must be true or false, got "
+                             f"{self.decode_tensor_cores!r}")
 
 
 def resolve_variant(variant: str, capability: tuple[int, int] | None) -> str:
@@ -68,7 +75,8 @@ class PagedKV(NamedTuple):
     kv_lens: torch.Tensor
 
 
-def paged_kv_indices(page_table: torch.Tensor, kv_lens: list[int], page_size: int) -> PagedKV:
+def paged_kv_indices(page_table: torch.Tensor, kv_lens: list[int], page_size: int,
+                     host_table: torch.Tensor | None = None) -> PagedKV:
     """Convert a dense page table into FlashInfer's paged-KV CSR arrays, without a device sync.
 
     Args:
@@ -76,6 +84,9 @@ def paged_kv_indices(page_table: torch.Tensor, kv_lens: list[int], page_size: in
             ceil(kv_lens[i] / page_size) entries are used.
         kv_lens: [B] KV length of every sequence after the step (each >= 1).
         page_size: tokens per page.
+        host_table: the same table on the host, when the caller has it: the indices are then
+            gathered on the host and sent with one asynchronous copy from pinned memory, instead
+            of sending gather positions and gathering on the device (two kernels).
     """
     if page_table.shape[0] != len(kv_lens):
         raise ValueError(f"page table has {page_table.shape[0]} rows for {len(kv_lens)} sequences")
@@ -89,8 +100,14 @@ def paged_kv_indices(page_table: torch.Tensor, kv_lens: list[int], page_size: in
     # needs no device->host copy (a boolean mask would).
     rows = torch.repeat_interleave(torch.arange(len(kv_lens)), num_pages)
     cols = torch.arange(int(indptr[-1])) - torch.repeat_interleave(indptr[:-1], num_pages)
-    flat = (rows * width + cols).to(page_table.device, non_blocking=True)
-    indices = page_table.reshape(-1).index_select(0, flat).to(torch.int32)
+    flat = rows * width + cols
+    if host_table is not None:
+        indices = host_table[: len(kv_lens)].reshape(-1).index_select(0, flat).to(torch.int32)
+        if page_table.is_cuda:  # the caching host allocator keeps the pinned block until the copy ran
+            indices = indices.pin_memory().to(page_table.device, non_blocking=True)
+    else:
+        flat = flat.to(page_table.device, non_blocking=True)
+        indices = page_table.reshape(-1).index_select(0, flat).to(torch.int32)
     lens = torch.tensor(kv_lens, dtype=torch.int32)
     last = (lens - (num_pages.to(torch.int32) - 1) * page_size).to(torch.int32)
     return PagedKV(indptr.to(torch.int32), indices, last, lens)
@@ -171,12 +188,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._fast = None
         m = self.spec.model
         qo_lens, kv_lens = step_lengths(meta)
-        kv = paged_kv_indices(meta.page_table[: len(kv_lens)], kv_lens, meta.page_size)
+        graph_decode = meta.mode is ForwardMode.DECODE and meta.graph_mode is GraphMode.FULL
+        kv = paged_kv_indices(meta.page_table[: len(kv_lens)], kv_lens, meta.page_size, meta.page_table_host)
         self._rows = sum(qo_lens)
         dims = (m.num_heads, m.num_kv_heads, m.head_dim, meta.page_size)
         kw = dict(q_data_type=m.dtype, kv_data_type=m.dtype, sm_scale=self._sm_scale)
         if meta.mode is ForwardMode.DECODE:
-            if meta.graph_mode is GraphMode.FULL:
+            if graph_decode:
                 wrapper = self._graph_decode_wrapper(len(kv_lens), meta.page_table.shape[1], meta.device)
             else:
                 wrapper = self._decode_wrapper(meta.device)
@@ -202,7 +220,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             import flashinfer
 
             self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self._ws(device), "NHD", use_tensor_cores=True, backend=self.variant)
+                self._ws(device), "NHD", use_tensor_cores=self.options.decode_tensor_cores,
+                backend=self.variant)
         return self._decode
 
     def _graph_decode_wrapper(self, bs: int, width: int, device):
@@ -213,7 +232,8 @@ class FlashInferAttentionBackend(AttentionBackend):
 
             i32 = dict(dtype=torch.int32, device=device)
             self._graph_decode[bs] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self._ws(device), "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                self._ws(device), "NHD", use_cuda_graph=True,
+                use_tensor_cores=self.options.decode_tensor_cores,
                 paged_kv_indptr_buffer=torch.zeros(bs + 1, **i32),
                 paged_kv_indices_buffer=torch.zeros(bs * width, **i32),
                 paged_kv_last_page_len_buffer=torch.ones(bs, **i32), backend=self.variant)
