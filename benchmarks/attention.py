@@ -174,7 +174,9 @@ def _decode_step_ms(backend, meta, layers: int, call, iters: int = 20) -> float:
 # ---------------------------------------------------------------- GQA decode and extend (Llama-3.1-8B)
 def _gqa_setup(variant, seqs, page_size, graph, layers, heads=32, kv_heads=8, head_dim=128):
     facts = ModelFacts(dtype=BF16, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, page_size=page_size)
-    backend = FlashInferAttentionBackend(BackendSpec.for_device(DEV, model=facts), FlashInferOptions(variant))
+    # Tensor-core decode, as the raw FlashInfer call below (the backend's auto picks CUDA cores for 4 heads/KV).
+    backend = FlashInferAttentionBackend(BackendSpec.for_device(DEV, model=facts),
+                                         FlashInferOptions(variant, decode_tensor_cores=True))
     meta = step_meta(seqs, page_size, graph)
     pool = KVPool(KVLayout("gqa", layers, kv_heads, head_dim), int(meta.page_table.max()) + 1, page_size, BF16, DEV)
     pool.buffer.normal_()

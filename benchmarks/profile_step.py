@@ -164,6 +164,53 @@ def profile_decode(args) -> None:
     for key, v in phases.items():
         print(f"| {key} | {statistics.median(v) * 1e6:.0f} |")
 
+    # Inclusive wall time of selected calls inside those steps (wrapped one by one; nested calls count
+    # in their callers too).
+    import pieceworks.backends.attention.flashinfer as fi_attn
+    import pieceworks.executor.cuda_graph as cg
+    from pieceworks.executor import runner
+
+    targets = [(runner.Executor, "_validate"), (runner.Executor, "_reserve_pages"),
+               (type(ex.table), "step"), (cg.DecodeGraphRunner, "run"), (cg.DecodeGraphRunner, "_plan"),
+               (cg, "page_table"), (fi_attn, "paged_kv_indices"), (torch.Tensor, "pin_memory"),
+               (torch.Tensor, "copy_"), (torch.Tensor, "clone"), (torch.cuda.CUDAGraph, "replay")]
+    for b in (ex.table.step(ForwardMode.DECODE, GraphMode.FULL).attention,):
+        if b is not None:
+            targets.append((type(b), "plan"))
+            wrapper = getattr(b, "_graph_decode", {}).get(args.decode)
+            if wrapper is not None:
+                targets.append((type(wrapper), "plan"))
+    spent: dict[str, float] = {}
+    originals = []
+
+    def wrap(owner, name):
+        fn = getattr(owner, name)
+        label = f"{getattr(owner, '__name__', owner)}.{name}"
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
+        originals.append((owner, name, fn))
+        setattr(owner, name, timed)
+
+    for owner, name in targets:
+        wrap(owner, name)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            ex.forward(batch)
+            sync()
+        total = (time.perf_counter() - t0) / args.steps
+    finally:
+        for owner, name, fn in reversed(originals):
+            setattr(owner, name, fn)
+    print(f"\n| call (inclusive wall time) | us per step |\n|---|---:|\n| synchronized step | {total * 1e6:.0f} |")
+    for label, v in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"| {label} | {v / args.steps * 1e6:.0f} |")
+
     # Host side: Executor.forward under cProfile (each step synchronized, as a caller reading logits).
     prof_host = cProfile.Profile()
     t0 = time.perf_counter()

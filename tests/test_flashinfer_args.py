@@ -21,6 +21,7 @@ from pieceworks.backends.attention.flashinfer import (
     FlashInferOptions,
     paged_kv_indices,
     qo_indptr,
+    resolve_decode_tensor_cores,
     resolve_variant,
     step_lengths,
 )
@@ -108,15 +109,20 @@ def test_paged_kv_indices_edges():
 
 
 @pytest.mark.parametrize("sc", S.ATTENTION_SCENARIOS, ids=lambda s: s.name)
-def test_paged_kv_indices_from_the_host_table_match(sc):
-    """Gathering from the host copy of the table (what FULL decode and prepared steps pass) gives
-    the same CSR arrays as gathering from the device table; the device table is not read."""
+def test_paged_kv_indices_from_page_lists_match(sc):
+    """Building the CSR arrays from the host page lists (what FULL decode and prepared steps pass)
+    gives what gathering from the device table gives; the table itself is not read."""
     meta = _meta(sc)
     ref = paged_kv_indices(meta.page_table, meta.seq_lens, meta.page_size)
-    poisoned = torch.full_like(meta.page_table, -7)  # only the host table may be read
-    kv = paged_kv_indices(poisoned, meta.seq_lens, meta.page_size, host_table=meta.page_table.clone())
+    lists = [row.tolist() for row in meta.page_table]
+    poisoned = torch.full_like(meta.page_table, -7)
+    kv = paged_kv_indices(poisoned, meta.seq_lens, meta.page_size, page_lists=lists)
     for name in ("indptr", "indices", "last_page_len", "kv_lens"):
         assert torch.equal(getattr(kv, name), getattr(ref, name)), name
+    short = [row[:1] for row in lists]
+    if any(-(-n // meta.page_size) > 1 for n in meta.seq_lens):
+        with pytest.raises(ValueError, match="page list holds 1"):
+            paged_kv_indices(poisoned, meta.seq_lens, meta.page_size, page_lists=short)
 
 
 def test_full_graph_steps_are_padded_to_the_graph_batch():
@@ -466,6 +472,11 @@ def test_variant_option():
     with pytest.raises(ValueError, match="decode_tensor_cores"):
         FlashInferOptions(decode_tensor_cores="no")
     assert parse_options(FlashInferMLABackend, {"decode_tensor_cores": False}).decode_tensor_cores is False
+    assert FlashInferOptions().decode_tensor_cores == "auto"
+    gqa4 = replace(LLAMA, num_heads=32, num_kv_heads=8)
+    gqa8 = replace(LLAMA, num_heads=64, num_kv_heads=8)
+    assert resolve_decode_tensor_cores("auto", gqa4) is False and resolve_decode_tensor_cores("auto", gqa8) is True
+    assert resolve_decode_tensor_cores(True, gqa4) is True and resolve_decode_tensor_cores(False, gqa8) is False
     assert parse_options(FlashInferMLABackend, {"variant": "fa2"}) == FlashInferOptions("fa2")
     spec = BackendSpec(device="cuda", capability=(9, 0), model=LLAMA, modules=frozenset({"flashinfer"}))
     assert FlashInferAttentionBackend(spec).variant == "fa3"  # building a backend touches no GPU

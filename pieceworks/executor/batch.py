@@ -70,8 +70,9 @@ class StepMetadata:
         positions: [T_padded] int64 on the device: position of every token in its sequence.
         graph_batch_size: for FULL decode graphs, the padded batch size of the graph being replayed
             (sequences past len(extend_lens) are padding with length-1 dummy entries); else None.
-        page_table_host: the page table's rows on the host (int32), where the runner has them
-            (FULL decode steps); backends may plan from it instead of the device copy. Else None.
+        page_lists: every planned sequence's pages as host lists (FULL decode: padding sequences
+            included, each [reserved page]), where the runner has them; backends may plan from them
+            instead of the device page table. Else None.
     """
 
     mode: ForwardMode
@@ -83,7 +84,7 @@ class StepMetadata:
     slot_mapping: torch.Tensor
     positions: torch.Tensor
     graph_batch_size: int | None = None
-    page_table_host: torch.Tensor | None = None
+    page_lists: list[list[int]] | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property

@@ -78,12 +78,12 @@ class DecodeGraphRunner:
         return ids, positions, slots
 
     def _meta(self, bs: int, seq_lens: list[int], prefix_lens: list[int],
-              host_table: torch.Tensor | None = None) -> StepMetadata:
+              page_lists: list[list[int]] | None = None) -> StepMetadata:
         _, positions, slots = self.views(bs)
         return StepMetadata(
             mode=ForwardMode.DECODE, graph_mode=GraphMode.FULL, extend_lens=[1] * len(seq_lens),
             prefix_lens=prefix_lens, page_size=self.ex.page_size, page_table=self.table[:bs],
-            slot_mapping=slots, positions=positions, graph_batch_size=bs, page_table_host=host_table,
+            slot_mapping=slots, positions=positions, graph_batch_size=bs, page_lists=page_lists,
         )
 
     def _plan(self, kernels: StepKernels, meta: StepMetadata) -> None:
@@ -140,10 +140,11 @@ class DecodeGraphRunner:
         pad = bs - n
         host = torch.tensor([t[0] for t in tokens] + [0] * pad + positions + [1] * pad
                             + slots + [ex.kv.reserved_slot] * pad, dtype=torch.int64).pin_memory()
+        rows = [s.pages for s in seqs] + [[reserved_page]] * pad
         table = page_table(seqs + [_PAD] * pad, self.width, fill=reserved_page).pin_memory()
         self.inputs[: 3 * bs].copy_(host, non_blocking=True)
         self.table[:bs].copy_(table, non_blocking=True)
-        self._plan(kernels, self._meta(bs, [p + 1 for p in positions], positions, table))
+        self._plan(kernels, self._meta(bs, [p + 1 for p in positions], positions, rows))
         self.graphs[bs].replay()
         return self.logits[bs][:n].clone()
 

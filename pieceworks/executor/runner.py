@@ -210,7 +210,7 @@ class Executor:
             page_size=ps, page_table=to_device(table, dev),
             slot_mapping=to_device(torch.tensor(slots, dtype=torch.int64), dev),
             positions=to_device(torch.tensor(positions, dtype=torch.int64), dev),
-            page_table_host=table,
+            page_lists=[s.pages for s in seqs],
         )
         return meta, to_device(torch.tensor(ids, dtype=torch.int64), dev)
 

@@ -36,16 +36,26 @@ class FlashInferOptions:
     variant: str = "auto"
     """FlashInfer kernel generation: fa2, fa3 (Hopper only), or auto (fa3 on sm_90, fa2 elsewhere)."""
 
-    decode_tensor_cores: bool = True
-    """GQA decode through FlashInfer's tensor-core (prefill) kernels of `variant`; False: its CUDA-core
-    decode kernel (no variant). MLA ignores it."""
+    decode_tensor_cores: bool | str = "auto"
+    """GQA decode through FlashInfer's tensor-core (prefill) kernels of `variant` (true) or its
+    CUDA-core decode kernel (false); auto: tensor cores when more than 4 query heads share a KV head.
+    (Llama-3.1-8B, 4 per KV head, 512-token contexts on the H200: the CUDA-core kernel made full-graph
+    NVFP4 decode steps 1%, 7% and 21% faster at batch 1, 8 and 32; docs/benchmarks.md.) MLA ignores
+    it."""
 
     def __post_init__(self) -> None:
         if self.variant not in ("auto", "fa2", "fa3"):
             raise ValueError(f"backends.options.flashinfer.variant: {self.variant!r}; use auto, fa2 or fa3")
-        if not isinstance(self.decode_tensor_cores, bool):
-            raise ValueError("backends.options.flashinfer.decode_tensor_cores must be true or false, got "
-                             f"{self.decode_tensor_cores!r}")
+        if self.decode_tensor_cores not in (True, False, "auto"):
+            raise ValueError("backends.options.flashinfer.decode_tensor_cores must be true, false or auto, "
+                             f"got {self.decode_tensor_cores!r}")
+
+
+def resolve_decode_tensor_cores(option: bool | str, model) -> bool:
+    """`decode_tensor_cores`: auto is tensor cores for more than 4 query heads per KV head."""
+    if option == "auto":
+        return model.num_heads // max(1, model.num_kv_heads) > 4
+    return bool(option)
 
 
 def resolve_variant(variant: str, capability: tuple[int, int] | None) -> str:
@@ -76,7 +86,7 @@ class PagedKV(NamedTuple):
 
 
 def paged_kv_indices(page_table: torch.Tensor, kv_lens: list[int], page_size: int,
-                     host_table: torch.Tensor | None = None) -> PagedKV:
+                     page_lists: list[list[int]] | None = None) -> PagedKV:
     """Convert a dense page table into FlashInfer's paged-KV CSR arrays, without a device sync.
 
     Args:
@@ -84,32 +94,40 @@ def paged_kv_indices(page_table: torch.Tensor, kv_lens: list[int], page_size: in
             ceil(kv_lens[i] / page_size) entries are used.
         kv_lens: [B] KV length of every sequence after the step (each >= 1).
         page_size: tokens per page.
-        host_table: the same table on the host, when the caller has it: the indices are then
-            gathered on the host and sent with one asynchronous copy from pinned memory, instead
-            of sending gather positions and gathering on the device (two kernels).
+        page_lists: the same pages as host lists, when the caller has them: the CSR arrays are then
+            built in Python and the indices sent with one asynchronous copy from pinned memory
+            (a few microseconds per step instead of a dozen small torch ops and two kernels).
     """
     if page_table.shape[0] != len(kv_lens):
         raise ValueError(f"page table has {page_table.shape[0]} rows for {len(kv_lens)} sequences")
-    num_pages = torch.tensor([-(-n // page_size) for n in kv_lens], dtype=torch.int64)
     width = page_table.shape[1]
-    if len(kv_lens) and int(num_pages.max()) > width:
-        raise ValueError(f"a sequence needs {int(num_pages.max())} pages; the page table holds {width}")
+    counts = [-(-n // page_size) for n in kv_lens]
+    if counts and max(counts) > width:
+        raise ValueError(f"a sequence needs {max(counts)} pages; the page table holds {width}")
+    lens = torch.tensor(kv_lens, dtype=torch.int32)
+    last = torch.tensor([n - (c - 1) * page_size for n, c in zip(kv_lens, counts)], dtype=torch.int32)
+    if page_lists is not None:
+        if len(page_lists) != len(kv_lens):
+            raise ValueError(f"{len(page_lists)} page lists for {len(kv_lens)} sequences")
+        ptr, flat_pages = [0], []
+        for pages, c in zip(page_lists, counts):
+            if c > len(pages):
+                raise ValueError(f"a sequence needs {c} pages; its page list holds {len(pages)}")
+            flat_pages.extend(pages[:c])
+            ptr.append(len(flat_pages))
+        indices = torch.tensor(flat_pages, dtype=torch.int32)
+        if page_table.is_cuda:  # the caching host allocator keeps the pinned block until the copy ran
+            indices = indices.pin_memory().to(page_table.device, non_blocking=True)
+        return PagedKV(torch.tensor(ptr, dtype=torch.int32), indices, last, lens)
+    num_pages = torch.tensor(counts, dtype=torch.int64)
     indptr = torch.zeros(len(kv_lens) + 1, dtype=torch.int64)
     torch.cumsum(num_pages, 0, out=indptr[1:])
     # Gather positions in the flattened table, built on the host: indexing the device table with them
     # needs no device->host copy (a boolean mask would).
     rows = torch.repeat_interleave(torch.arange(len(kv_lens)), num_pages)
     cols = torch.arange(int(indptr[-1])) - torch.repeat_interleave(indptr[:-1], num_pages)
-    flat = rows * width + cols
-    if host_table is not None:
-        indices = host_table[: len(kv_lens)].reshape(-1).index_select(0, flat).to(torch.int32)
-        if page_table.is_cuda:  # the caching host allocator keeps the pinned block until the copy ran
-            indices = indices.pin_memory().to(page_table.device, non_blocking=True)
-    else:
-        flat = flat.to(page_table.device, non_blocking=True)
-        indices = page_table.reshape(-1).index_select(0, flat).to(torch.int32)
-    lens = torch.tensor(kv_lens, dtype=torch.int32)
-    last = (lens - (num_pages.to(torch.int32) - 1) * page_size).to(torch.int32)
+    flat = (rows * width + cols).to(page_table.device, non_blocking=True)
+    indices = page_table.reshape(-1).index_select(0, flat).to(torch.int32)
     return PagedKV(indptr.to(torch.int32), indices, last, lens)
 
 
@@ -172,6 +190,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     def __init__(self, spec, options=None) -> None:
         super().__init__(spec, options)
         self.variant = resolve_variant(self.options.variant, spec.capability)
+        self.decode_tensor_cores = resolve_decode_tensor_cores(self.options.decode_tensor_cores, spec.model)
         self._sm_scale = spec.model.head_dim**-0.5
         self._workspace: torch.Tensor | None = None
         self._prefill = self._decode = None
@@ -189,7 +208,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         m = self.spec.model
         qo_lens, kv_lens = step_lengths(meta)
         graph_decode = meta.mode is ForwardMode.DECODE and meta.graph_mode is GraphMode.FULL
-        kv = paged_kv_indices(meta.page_table[: len(kv_lens)], kv_lens, meta.page_size, meta.page_table_host)
+        kv = paged_kv_indices(meta.page_table[: len(kv_lens)], kv_lens, meta.page_size, meta.page_lists)
         self._rows = sum(qo_lens)
         dims = (m.num_heads, m.num_kv_heads, m.head_dim, meta.page_size)
         kw = dict(q_data_type=m.dtype, kv_data_type=m.dtype, sm_scale=self._sm_scale)
@@ -220,7 +239,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             import flashinfer
 
             self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self._ws(device), "NHD", use_tensor_cores=self.options.decode_tensor_cores,
+                self._ws(device), "NHD", use_tensor_cores=self.decode_tensor_cores,
                 backend=self.variant)
         return self._decode
 
@@ -233,7 +252,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             i32 = dict(dtype=torch.int32, device=device)
             self._graph_decode[bs] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self._ws(device), "NHD", use_cuda_graph=True,
-                use_tensor_cores=self.options.decode_tensor_cores,
+                use_tensor_cores=self.decode_tensor_cores,
                 paged_kv_indptr_buffer=torch.zeros(bs + 1, **i32),
                 paged_kv_indices_buffer=torch.zeros(bs * width, **i32),
                 paged_kv_last_page_len_buffer=torch.ones(bs, **i32), backend=self.variant)

@@ -41,7 +41,7 @@ def mla_plan_args(meta, sm_scale: float, num_heads: int, kv_lora_rank: int, rope
     steps causal, FlashInfer aligning each sequence's queries to the end of its KV.
     """
     qo_lens, kv_lens = step_lengths(meta)
-    kv = paged_kv_indices(meta.page_table[: len(kv_lens)], kv_lens, meta.page_size, meta.page_table_host)
+    kv = paged_kv_indices(meta.page_table[: len(kv_lens)], kv_lens, meta.page_size, meta.page_lists)
     return dict(
         csr=dict(qo_indptr=qo_indptr(qo_lens), kv_indptr=kv.indptr, kv_indices=kv.indices,
                  kv_len_arr=kv.kv_lens),
