@@ -472,7 +472,7 @@ def test_variant_option():
     with pytest.raises(ValueError, match="decode_tensor_cores"):
         FlashInferOptions(decode_tensor_cores="no")
     assert parse_options(FlashInferMLABackend, {"decode_tensor_cores": False}).decode_tensor_cores is False
-    assert FlashInferOptions().decode_tensor_cores == "auto"
+    assert FlashInferOptions().decode_tensor_cores is True
     gqa4 = replace(LLAMA, num_heads=32, num_kv_heads=8)
     gqa8 = replace(LLAMA, num_heads=64, num_kv_heads=8)
     assert resolve_decode_tensor_cores("auto", gqa4) is False and resolve_decode_tensor_cores("auto", gqa8) is True
