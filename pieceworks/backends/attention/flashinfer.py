@@ -1,8 +1,10 @@
-"""FlashInfer paged GQA attention: the prefill wrapper for extend/mixed steps, the tensor-core decode
-wrapper for decode steps, and one CUDA-graph decode wrapper per graph batch size for FULL graphs.
+"""FlashInfer paged GQA attention: the prefill wrapper for extend/mixed steps, the decode wrapper for
+decode steps (tensor-core kernels unless `decode_tensor_cores` says otherwise), and one CUDA-graph
+decode wrapper per graph batch size for FULL graphs.
 
-`plan(meta)` turns the step's page table into FlashInfer's CSR form (`paged_kv_indices`, pure torch)
-and plans on the host once per step, for all layers; `forward` only writes K/V and launches the kernel,
+`plan(meta)` turns the step's pages into FlashInfer's CSR form (`paged_kv_indices`: from the host page
+lists when the step carries them, else from the page table) and plans on the host once per step, for
+all layers; `forward` only writes K/V and launches the kernel,
 so it is capturable. The CSR helpers here are shared with the FlashInfer MLA backend.
 
 The softmax scale reaches a backend with every `forward`, but FlashInfer takes it at plan time. It is a
