@@ -26,8 +26,13 @@ every e4m3 value, subnormals included, is a normal float16 with bits 6..0 zero),
 an OR of 0x7000 (adds 224 to the exponent), which gives bf16(scale * 2^112) exactly. Multiplying the
 code pattern (e2m1 * 2^-126) by it gives bf16 e2m1 * scale * 2^-14 exactly (at most 6 significant
 bits; the smallest nonzero product, 0.5 * 2^-9 * 2^-14, is a normal bfloat16). The accumulator (fp32)
-is multiplied by weight_scale_2 * 2^14 at the end. The K loop runs as four dots of BLOCK_K/4 each, one
-per slot, against the matching columns of x.
+is multiplied by weight_scale_2 * 2^14 at the end.
+
+The K loop either runs four dots of BLOCK_K/4 each, one per slot, against the matching columns of x,
+or (ONE_DOT) interleaves the four decoded slots back into element order (a relabeling of registers:
+every thread already holds the same units of every slot) and runs one dot of K = BLOCK_K against x in
+element order. Triton keeps several wgmma groups of the one dot in flight while the next k16 step is
+decoded; the four-dot loop waits for each slot's wgmmas.
 """
 
 from __future__ import annotations
@@ -170,9 +175,9 @@ def fp4_tile_loop(
     global scale; with DUAL also acc2 for the weight rows w_rows2 (x is loaded once for both).
 
     x_rows [BM] / w_rows [BN] / s_rows [BN]: int64 offsets of each row's start (x in elements, w in
-    16-bit units, s in int16 scale pairs); x_mask [BM]: rows to read (others load zeros). acc/acc2 are [BN, BM]
-    when W_AS_A, else [BM, BN]. Weights and x go through Triton's cp.async pipeline (num_stages);
-    the small scale loads are prefetched by hand two iterations ahead."""
+    16-bit units, s in int16 scale pairs); x_mask [BM]: rows to read (others load zeros). acc/acc2
+    are [BN, BM] when W_AS_A, else [BM, BN]. Weights, scales and x go through Triton's cp.async
+    pipeline (num_stages)."""
     BQ: tl.constexpr = BLOCK_K // 4
     c = tl.arange(0, BQ)  # k32 unit within the tile: group c // 8, unit c % 8
     t32 = tl.arange(0, BLOCK_K // 32)  # scale pair within the tile
@@ -188,9 +193,9 @@ def fp4_tile_loop(
     xm = x_mask[:, None]
     for it in range(num_iters):
         k0 = k_lo + it * BLOCK_K
-        # The weights are padded to a multiple of every BLOCK_K and splits divide the iterations, so
-        # weight and scale loads need no mask: Triton's pipeliner streams both with cp.async (scales
-        # from 8 bytes a row, BLOCK_K >= 128; smaller tiles load them synchronously).
+        # The weights are padded to a multiple of every BLOCK_K and splits are whole BLOCK_K
+        # iterations, so weight and scale loads need no mask: Triton's pipeliner streams both with
+        # cp.async (scales from 8 bytes a row, BLOCK_K >= 128; smaller tiles load them synchronously).
         w = tl.load(w_ptrs)
         s0 = tl.load(s_ptrs)
         if ONE_DOT:
