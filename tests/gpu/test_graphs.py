@@ -7,6 +7,7 @@ with its graph runners switched off, so weights and KV pool are shared.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ MODELS = {
 ATTENTION = ["torch", "flashinfer"]
 
 
-def build(name: str, attention: str) -> Executor:
+def build(name: str, attention: str, flashinfer_options: dict | None = None) -> Executor:
     model, fmt = MODELS[name]
     op = "mla" if model["arch"] == "deepseek_v3" else "attention"
     if attention == "flashinfer":
@@ -37,7 +38,7 @@ def build(name: str, attention: str) -> Executor:
         "quantization": {"format": fmt},
         "runtime": {"device": "cuda", "dtype": "bfloat16"},
         "kv_cache": {"num_tokens": 8192, "page_size": 16},
-        "backends": {op: attention, "options": {"flashinfer": {"variant": "fa2"}}},
+        "backends": {op: attention, "options": {"flashinfer": {"variant": "fa2", **(flashinfer_options or {})}}},
         "cuda_graph": {"piecewise": {"enabled": "on", "max_tokens": 128, "sizes": [8, 16, 32, 64, 128]},
                        "decode": {"enabled": "on", "batch_sizes": [1, 2, 4, 8]}},
     }
@@ -89,7 +90,18 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_graphs_match_eager(name, attention):
-    ex = build(name, attention)
+    check_graphs_match_eager(build(name, attention), name)
+
+
+@pytest.mark.skipif(os.environ.get("PIECEWORKS_TEST_CUDA_CORE_DECODE") != "1",
+                    reason="set PIECEWORKS_TEST_CUDA_CORE_DECODE=1: FlashInfer's CUDA-core decode stalled this test "
+                    "on the H200 (2026-12-01), not diagnosed yet")
+def test_graphs_match_eager_cuda_core_decode():
+    pytest.importorskip("flashinfer", reason="flashinfer is not importable here")
+    check_graphs_match_eager(build("llama-bf16", "flashinfer", {"decode_tensor_cores": False}), "llama-bf16")
+
+
+def check_graphs_match_eager(ex: Executor, name: str) -> None:
     try:
         steps = script(ex.vocab_size)
         modes = []
