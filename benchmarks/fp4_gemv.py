@@ -56,7 +56,7 @@ from fp4_gemm import (  # noqa: E402
 )
 
 from pieceworks.backends.fp4_gemm.triton import parse_table, unpack_k32  # noqa: E402
-from pieceworks.backends.fp4_gemm.triton_kernels import decode_k32  # noqa: E402
+from pieceworks.backends.fp4_gemm.triton_kernels import OUT_BIAS, decode_k32, scales_k32  # noqa: E402
 from pieceworks.quant import nvfp4  # noqa: E402
 
 
@@ -86,9 +86,9 @@ def _fp4_gemv_kernel(
     rm = tl.arange(0, BLOCK_M)
     c = tl.arange(0, BQ)
     xc = (c // 8) * 32 + (c % 8)  # element of slot 0 of k32 unit c
-    t16 = tl.arange(0, BLOCK_K // 16)
+    t32 = tl.arange(0, BG)  # scale pair (int16) within the tile
     w_ptrs = w_ptr + (n_c * stride_wn)[:, None] + c[None, :]
-    s_ptrs = s_ptr + (n_c * stride_sn)[:, None] + t16[None, :]
+    s_ptrs = s_ptr + (n_c * stride_sn)[:, None] + t32[None, :]
     x_ptrs = x_ptr + (rm.to(tl.int64) * stride_xm)[:, None] + xc[None, :]
     xm = (rm < M)[:, None]
     shape: tl.constexpr = (BLOCK_M, BLOCK_N, BQ)
@@ -98,7 +98,7 @@ def _fp4_gemv_kernel(
     for it in range(num_iters):
         more = it + 1 < num_iters
         w_next = tl.load(w_ptrs + BQ, mask=more, other=0)
-        s_next = tl.load(s_ptrs + BLOCK_K // 16, mask=more, other=0.0)
+        s_next = tl.load(s_ptrs + BG, mask=more, other=0)
         if EVEN_K:
             x0 = tl.load(x_ptrs, mask=xm, other=0.0)
             x1 = tl.load(x_ptrs + 8, mask=xm, other=0.0)
@@ -111,7 +111,7 @@ def _fp4_gemv_kernel(
             x2 = tl.load(x_ptrs + 16, mask=xm & (xk + 16 < K), other=0.0)
             x3 = tl.load(x_ptrs + 24, mask=xm & (xk + 24 < K), other=0.0)
         x0, x1, x2, x3 = x0.to(tl.bfloat16), x1.to(tl.bfloat16), x2.to(tl.bfloat16), x3.to(tl.bfloat16)
-        s_a, s_b = tl.split(s.to(tl.float32).reshape(BLOCK_N, BG, 2))
+        s_a, s_b = scales_k32(s, USE_ASM)
         s_a = tl.broadcast_to(s_a[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
         s_b = tl.broadcast_to(s_b[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
         v0, v1, v2, v3 = decode_k32(w, s_a, s_b, USE_ASM)
@@ -135,9 +135,9 @@ def _fp4_gemv_kernel(
         w = w_next
         s = s_next
         w_ptrs += BQ
-        s_ptrs += BLOCK_K // 16
+        s_ptrs += BG
         x_ptrs += BLOCK_K
-    y = tl.sum(acc, axis=2) * (tl.load(gs_ptr) * 128.0)  # [BM, BN]; undo the 2^-7 of decode_k32
+    y = tl.sum(acc, axis=2) * (tl.load(gs_ptr) * OUT_BIAS)  # [BM, BN]; undo decode_k32's 2^-14
     offs = rm[:, None].to(tl.int64) * stride_om + rn[None, :]
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -153,8 +153,8 @@ def fp4_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         return out
     assert M <= 8 and Kp % block_k == 0, (M, Kp, block_k)
     _fp4_gemv_kernel[(triton.cdiv(N, block_n),)](
-        x, weight.view(torch.int16), weight_scale, weight_scale_2, out,
-        M, N, K, x.stride(0), weight.stride(0) // 2, weight_scale.stride(0), out.stride(0), Kp // block_k,
+        x, weight.view(torch.int16), weight_scale.view(torch.int16), weight_scale_2, out,
+        M, N, K, x.stride(0), weight.stride(0) // 2, weight_scale.stride(0) // 2, out.stride(0), Kp // block_k,
         BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=K == Kp, BF16_PARTIAL=bf16_partial, USE_ASM=use_asm, num_warps=num_warps, num_stages=1,
     )
