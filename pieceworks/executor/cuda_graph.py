@@ -29,15 +29,6 @@ if TYPE_CHECKING:
     from pieceworks.executor.runner import Executor
 
 
-class _PadRow:
-    """A padding row of the page table: no pages (all `fill`)."""
-
-    pages: list[int] = []
-
-
-_PAD = _PadRow()
-
-
 def default_batch_sizes() -> list[int]:
     return [1, 2, 4, 8, 16] + list(range(24, 257, 8))
 
@@ -141,7 +132,7 @@ class DecodeGraphRunner:
         host = torch.tensor([t[0] for t in tokens] + [0] * pad + positions + [1] * pad
                             + slots + [ex.kv.reserved_slot] * pad, dtype=torch.int64).pin_memory()
         rows = [s.pages for s in seqs] + [[reserved_page]] * pad
-        table = page_table(seqs + [_PAD] * pad, self.width, fill=reserved_page).pin_memory()
+        table = page_table(rows, self.width, fill=reserved_page).pin_memory()
         self.inputs[: 3 * bs].copy_(host, non_blocking=True)
         self.table[:bs].copy_(table, non_blocking=True)
         self._plan(kernels, self._meta(bs, [p + 1 for p in positions], positions, rows))

@@ -202,7 +202,8 @@ class Executor:
         ids += [0] * pad
         positions += [0] * pad
         slots += [self.kv.reserved_slot] * pad
-        table = page_table(seqs, table_width or max(1, max(len(s.pages) for s in seqs)))
+        pages = [s.pages for s in seqs]
+        table = page_table(pages, table_width or max(1, max(map(len, pages))))
         dev = self.device
         meta = StepMetadata(
             mode=mode, graph_mode=graph,
@@ -210,7 +211,7 @@ class Executor:
             page_size=ps, page_table=to_device(table, dev),
             slot_mapping=to_device(torch.tensor(slots, dtype=torch.int64), dev),
             positions=to_device(torch.tensor(positions, dtype=torch.int64), dev),
-            page_lists=[s.pages for s in seqs],
+            page_lists=pages,
         )
         return meta, to_device(torch.tensor(ids, dtype=torch.int64), dev)
 
@@ -304,9 +305,9 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-def page_table(seqs: list[Sequence], width: int, fill: int = 0) -> torch.Tensor:
-    """[len(seqs), width] int32 host tensor of each sequence's pages, padded with `fill`."""
-    return torch.tensor([s.pages + [fill] * (width - len(s.pages)) for s in seqs], dtype=torch.int32)
+def page_table(pages: list[list[int]], width: int, fill: int = 0) -> torch.Tensor:
+    """[len(pages), width] int32 host tensor of each sequence's pages, padded with `fill`."""
+    return torch.tensor([p + [fill] * (width - len(p)) for p in pages], dtype=torch.int32)
 
 
 def _as_token_list(toks: Any, seq_id: int) -> list[int]:
