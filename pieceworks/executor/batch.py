@@ -156,3 +156,11 @@ class ForwardBatch:
     @property
     def mode(self) -> ForwardMode:
         return ForwardMode.classify([len(t) for t in self.tokens], [s.kv_len for s in self.seqs])
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU through pinned memory, asynchronously (torch's caching host
+    allocator keeps the pinned block until the copy has run, so the caller may drop `t`)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

@@ -20,7 +20,7 @@ import torch
 from pieceworks.backends.base import BackendSpec
 from pieceworks.backends.registry import KernelTable, load_registry
 from pieceworks.config import Config, ConfigError, Switch, load_config
-from pieceworks.executor.batch import ForwardBatch, ForwardMode, GraphMode, Sequence, StepMetadata
+from pieceworks.executor.batch import ForwardBatch, ForwardMode, GraphMode, Sequence, StepMetadata, to_device
 from pieceworks.executor.context import ForwardContext, forward_context
 from pieceworks.executor.kv_cache import KVPool, OutOfPages
 
@@ -295,14 +295,6 @@ class Executor:
                 raise ValueError("tokenizing text needs transformers: pip install 'pieceworks[demo]'") from exc
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         return self._tokenizer
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`; to a GPU through pinned memory, asynchronously (torch's caching host
-    allocator keeps the pinned block until the copy has run, so the caller may drop `t`)."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def page_table(pages: list[list[int]], width: int, fill: int = 0) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 from pieceworks.backends.attention.base import AttentionBackend
 from pieceworks.backends.base import Requirements
 from pieceworks.backends.kv_write import write_rows
-from pieceworks.executor.batch import ForwardMode, GraphMode
+from pieceworks.executor.batch import ForwardMode, GraphMode, to_device
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-KV partial results)
 GPU_INSTALL_HINT = "pip install 'pieceworks[gpu]'"
@@ -118,9 +118,7 @@ def paged_kv_indices(page_table: torch.Tensor, kv_lens: list[int], page_size: in
                 raise ValueError(f"a sequence needs {c} pages; its page list holds {len(pages)}")
             flat_pages.extend(pages[:c])
             ptr.append(len(flat_pages))
-        indices = torch.tensor(flat_pages, dtype=torch.int32)
-        if page_table.is_cuda:  # the caching host allocator keeps the pinned block until the copy ran
-            indices = indices.pin_memory().to(page_table.device, non_blocking=True)
+        indices = to_device(torch.tensor(flat_pages, dtype=torch.int32), page_table.device)
         return PagedKV(torch.tensor(ptr, dtype=torch.int32), indices, last, lens)
     num_pages = torch.tensor(counts, dtype=torch.int64)
     indptr = torch.zeros(len(kv_lens) + 1, dtype=torch.int64)
