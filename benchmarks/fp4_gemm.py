@@ -147,8 +147,8 @@ def candidates(m: int) -> list[dict]:
                                             (64, 256, True, 4), (128, 256, True, 3), (64, 512, True, 3)):
                 out.append(dict(block_m=16, block_n=bn, block_k=bk, num_stages=stages, w_as_a=True,
                                 one_dot=one_dot, target_ctas=target, max_split=16))
-        # Fewer SASS instructions per weight (offline count, one_dot: 3.39 and 3.47 against 4.02 for
-        # 64x256 with 4 warps); not timed yet.
+        # Fewer SASS instructions per weight (benchmarks/sass_count.py, one_dot: 3.39 and 3.47 against
+        # 4.02 for 64x256 with 4 warps); not timed yet.
         for target in (264, 528):
             out.append(dict(block_m=16, block_n=256, block_k=128, num_warps=8, num_stages=3, w_as_a=True,
                             one_dot=True, target_ctas=target, max_split=16))
