@@ -66,12 +66,13 @@ def draws(t: int, gen, n: int):
 def candidates(t: int) -> list[dict]:
     if t <= 16:
         return [dict(block_m=16, block_n=bn, block_k=bk, num_stages=3, w_as_a=wa, one_dot=od)
-                for bn, bk, wa, od in ((64, 256, True, False), (64, 256, True, True), (128, 256, True, True),
-                                       (64, 512, True, True), (64, 256, False, False))]
+                for bn, bk, wa, od in ((64, 256, True, True), (128, 256, True, True), (64, 256, False, False),
+                                       (128, 256, False, False), (128, 128, False, False))]
     if t <= 256:
-        return [dict(block_m=bm, block_n=64, block_k=bk, num_stages=3, w_as_a=True, one_dot=od)
-                for bm, bk, od in ((16, 128, False), (16, 256, False), (16, 128, True), (16, 256, True),
-                                   (32, 128, True), (64, 128, True))]
+        return [dict(block_m=bm, block_n=bn, block_k=bk, num_stages=3, w_as_a=wa, one_dot=od)
+                for bm, bn, bk, wa, od in ((16, 64, 128, True, True), (16, 64, 256, True, True),
+                                           (32, 64, 128, True, True), (64, 64, 128, True, True),
+                                           (16, 64, 256, False, False), (16, 128, 256, False, False))]
     return [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=8, num_stages=3, w_as_a=True)
             for bm, bn, bk in ((64, 128, 128), (128, 128, 64), (128, 128, 128), (64, 256, 128))]
 

@@ -472,7 +472,7 @@ def test_variant_option():
     with pytest.raises(ValueError, match="decode_tensor_cores"):
         FlashInferOptions(decode_tensor_cores="no")
     assert parse_options(FlashInferMLABackend, {"decode_tensor_cores": False}).decode_tensor_cores is False
-    assert FlashInferOptions().decode_tensor_cores is True
+    assert FlashInferOptions().decode_tensor_cores == "auto"
     gqa4 = replace(LLAMA, num_heads=32, num_kv_heads=8)
     gqa8 = replace(LLAMA, num_heads=64, num_kv_heads=8)
     assert resolve_decode_tensor_cores("auto", gqa4) is False and resolve_decode_tensor_cores("auto", gqa8) is True
@@ -540,3 +540,37 @@ def test_kv_write_rows_cpu_path_matches_index_copy():
     lat = torch.zeros(16, 10)
     write_rows(lat[:, :8], qkv[:3, :8], lat[:, 8:], qkv[:3, 8:10].to(torch.float64), torch.tensor([1, 2, 3]))
     assert torch.equal(lat[1:4], qkv[:3, :10])
+
+
+def test_plan_copy_guard_waits_for_the_same_wrappers_previous_plan(monkeypatch):
+    """Before a wrapper plans again, the host waits for the event recorded after its previous plan
+    (the pinned schedule buffer's copy); other wrappers' events are not waited on; none in a capture."""
+    from pieceworks.backends.attention.flashinfer import PlanCopyGuard
+
+    log = []
+
+    class FakeEvent:
+        def __init__(self):
+            self.id = len([e for e in log if e[0] == "new"])
+            log.append(("new", self.id))
+
+        def record(self):
+            log.append(("record", self.id))
+
+        def synchronize(self):
+            log.append(("wait", self.id))
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    guard, a, b = PlanCopyGuard(), object(), object()
+    guard.before(a)  # first plan: nothing to wait for
+    guard.after(a, "cuda")
+    guard.before(b)
+    guard.after(b, "cuda")
+    guard.before(a)
+    guard.after(a, "cuda")
+    assert log == [("new", 0), ("record", 0), ("new", 1), ("record", 1), ("wait", 0), ("record", 0)]
+    guard.after(object(), "cpu")  # CPU plans record nothing
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    guard.after(b, "cuda")
+    assert len(log) == 6

@@ -1,4 +1,4 @@
-"""The fused elementwise ops (pieceworks::rms_norm / rope / silu_mul): registration and CPU numerics.
+"""The fused elementwise ops (pieceworks::rms_norm / add_rms_norm / rope / silu_mul): registration and CPU numerics.
 
 On CPU the ops run their torch reference, so they must equal the formulas the models are defined by;
 opcheck verifies schema, fake implementations and that Dynamo can trace them. The Triton (CUDA)
@@ -25,6 +25,50 @@ def test_rms_norm_is_the_transformers_formula(dtype):
     assert torch.equal(fused.rms_norm(x, w, 1e-5), want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype):
+    x, r, w = _x(5, 64, dtype=dtype), _x(5, 64, dtype=dtype, seed=2), _x(64, dtype=dtype, seed=1)
+    out, s = fused.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(s, r + x)
+    assert torch.equal(out, fused.rms_norm(r + x, w, 1e-5))
+
+
+def test_block_forward_matches_the_plain_residual_stream():
+    """block_forward's fused adds give, block after block and to the bit, `h = h + attn(norm(h));
+    h = h + mlp(norm(h))` followed by the final norm."""
+    from torch import nn
+
+    from pieceworks.models.base import RMSNorm, block_forward
+
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.input_layernorm, self.post_attention_layernorm = RMSNorm(32, 1e-6), RMSNorm(32, 1e-6)
+            for n in (self.input_layernorm, self.post_attention_layernorm):
+                n.weight.data.uniform_(0.5, 1.5)
+            self.attn_proj, self.mlp = nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False)
+
+        def self_attn(self, x, cos, sin):
+            return self.attn_proj(x) * cos
+
+    blocks = [Block().to(torch.bfloat16) for _ in range(3)]
+    final = RMSNorm(32, 1e-6).to(torch.bfloat16)
+    h0, cos = _x(4, 32, dtype=torch.bfloat16), _x(4, 1, dtype=torch.bfloat16, seed=3)
+    with torch.no_grad():
+        h = h0
+        for b in blocks:
+            h = h + b.self_attn(b.input_layernorm(h), cos, None)
+            h = h + b.mlp(b.post_attention_layernorm(h))
+        want = final(h)
+        h, residual = h0, None
+        for b in blocks:
+            h, residual = block_forward(b, h, residual, cos, None)
+        got = final(h, residual)[0]
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_rope_rotates_pairs(interleaved):
     x = _x(3, 2, 8, dtype=torch.float64)
@@ -44,6 +88,8 @@ def test_silu_mul():
 
 @pytest.mark.parametrize("op,args", [
     ("rms_norm", lambda: (_x(6, 32, dtype=torch.bfloat16), _x(32, dtype=torch.bfloat16, seed=1), 1e-6)),
+    ("add_rms_norm", lambda: (_x(6, 32, dtype=torch.bfloat16), _x(6, 32, dtype=torch.bfloat16, seed=2),
+                              _x(32, dtype=torch.bfloat16, seed=1), 1e-6)),
     ("rope", lambda: (_x(6, 4, 16)[:, 1:3], _x(6, 8).cos(), _x(6, 8).sin(), False)),
     ("rope", lambda: (_x(6, 1, 16), _x(6, 8).cos(), _x(6, 8).sin(), True)),
     ("silu_mul", lambda: tuple(_x(6, 64).split(32, dim=-1))),

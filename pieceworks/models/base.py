@@ -35,8 +35,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without `residual`: the normalized x. With it: (normalized residual + x, residual + x), one
+        fused op (the decoder blocks' residual add followed by their next norm)."""
+        if residual is None:
+            return fused.rms_norm(x, self.weight, self.eps)
+        return fused.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def block_forward(block: nn.Module, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm decoder block (`input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp`) on
+    the residual stream, whose value entering the block is residual + h (h alone when residual is None:
+    the first block). Returns (the MLP's output, the stream before that output is added): each residual
+    add runs fused with the norm after it (the same roundings as the plain `h = h + attn(norm(h))`)."""
+    if residual is None:
+        x, residual = block.input_layernorm(h), h
+    else:
+        x, residual = block.input_layernorm(h, residual)
+    x, residual = block.post_attention_layernorm(block.self_attn(x, cos, sin), residual)
+    return block.mlp(x), residual
 
 
 def linear(in_features: int, out_features: int, fp4: bool) -> nn.Module:
@@ -129,7 +147,9 @@ class CausalLM(nn.Module):
     """A decoder-only LM over the flat token layout of one step.
 
     Subclasses build `embed_tokens`, `layers`, `norm`, `lm_head` (nn.Linear, or the embedding when
-    tied) and `rotary`; every layer is called as `layer(h, cos, sin)`.
+    tied) and `rotary`; every layer is called as `layer(h, residual, cos, sin)` and returns its output
+    and the residual stream before that output is added (`block_forward`): the add is fused into the
+    next norm.
 
     Attributes:
         vocab_size, max_position_embeddings: from the HF config.
@@ -161,10 +181,10 @@ class CausalLM(nn.Module):
         Runs inside a forward context (the attention ops read the step's metadata and KV pool there).
         """
         cos, sin = self.rotary(positions)
-        h = self.embed_tokens(input_ids)
+        h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            h = layer(h, cos, sin)
-        return self.norm(h)
+            h, residual = layer(h, residual, cos, sin)
+        return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> logits [n, V] float32. Plain torch: callable outside a forward context."""

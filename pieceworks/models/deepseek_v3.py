@@ -19,7 +19,7 @@ from torch import nn
 
 from pieceworks.backends.base import ModelFacts
 from pieceworks.executor.kv_cache import KVLayout
-from pieceworks.models.base import CausalLM, GatedMLP, RMSNorm, WeightSource, linear, merged
+from pieceworks.models.base import CausalLM, GatedMLP, RMSNorm, WeightSource, block_forward, linear, merged
 from pieceworks.models.moe import Experts, MoE
 from pieceworks.models.rope import (
     apply_rope,
@@ -175,9 +175,9 @@ class DeepseekV3Block(nn.Module):
         else:
             self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, f"{prefix}.mlp", fp4)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return block_forward(self, h, residual, cos, sin)
 
     def load(self, src: WeightSource, prefix: str) -> None:
         n = self.input_layernorm.weight.shape[0]

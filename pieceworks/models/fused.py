@@ -1,6 +1,8 @@
-"""Fused elementwise ops of the model bodies: RMSNorm, rope, SiLU-and-multiply.
+"""Fused elementwise ops of the model bodies: RMSNorm (alone or after the residual add), rope,
+SiLU-and-multiply.
 
-Each is a torch custom op (`pieceworks::rms_norm`, `pieceworks::rope`, `pieceworks::silu_mul`) whose
+Each is a torch custom op (`pieceworks::rms_norm`, `pieceworks::add_rms_norm`, `pieceworks::rope`,
+`pieceworks::silu_mul`) whose
 default implementation is the plain torch code the models used before (so CPU numerics, and the
 parity with transformers, are unchanged), with a CUDA implementation that is one Triton kernel
 (`fused_kernels.py`) where the plain code launches several small kernels per call. In an NVFP4
@@ -28,6 +30,11 @@ def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def add_rms_norm_ref(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    s = residual + x
+    return rms_norm_ref(s, weight, eps), s
 
 
 def rope_ref(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
@@ -61,6 +68,27 @@ def _rms_norm_cuda(x, weight, eps):
     if k is None or not k.rms_norm_supported(x, weight):
         return rms_norm_ref(x, weight, eps)
     return k.rms_norm(x, weight, eps)
+
+
+@torch.library.custom_op("pieceworks::add_rms_norm", mutates_args=())
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The residual add and the next RMSNorm of a decoder block in one op: s = residual + x (rounded to
+    their dtype, as the plain add), returns (rms_norm(s, weight, eps), s). x, residual [T, H]."""
+    return add_rms_norm_ref(x, residual, weight, eps)
+
+
+@add_rms_norm.register_fake
+def _add_rms_norm_fake(x, residual, weight, eps):
+    s = x.new_empty(x.shape, dtype=torch.promote_types(residual.dtype, x.dtype))
+    return s.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, s.dtype)), s
+
+
+@add_rms_norm.register_kernel("cuda")
+def _add_rms_norm_cuda(x, residual, weight, eps):
+    k = _kernels()
+    if k is None or not k.add_rms_norm_supported(x, residual, weight):
+        return add_rms_norm_ref(x, residual, weight, eps)
+    return k.add_rms_norm(x, residual, weight, eps)
 
 
 @torch.library.custom_op("pieceworks::rope", mutates_args=())

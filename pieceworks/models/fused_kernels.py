@@ -55,6 +55,40 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o, stride_s, H, eps,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    s = (r + x).to(sum_ptr.dtype.element_ty)  # the plain add: float32 sum, one rounding
+    tl.store(sum_ptr + row * stride_s + cols, s, mask=mask)
+    sf = s.to(tl.float32)
+    rs = tl.math.rsqrt(tl.sum(sf * sf, axis=0) / H + eps)
+    y = (sf * rs).to(s.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm_supported(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (rms_norm_supported(x, weight) and _rows_ok(residual) and residual.shape == x.shape
+            and residual.dtype == x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if x.shape[0]:
+        block = triton.next_power_of_2(x.shape[1])
+        _add_rms_norm_kernel[(x.shape[0],)](x, residual, weight, out, s, x.stride(0), residual.stride(0),
+                                            out.stride(0), s.stride(0), x.shape[1], eps, BLOCK=block,
+                                            num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False)
+    return out, s
+
+
 # --- rope ---------------------------------------------------------------------------------------------
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ct, stride_st, H,

@@ -1,4 +1,4 @@
-"""The Triton implementations of pieceworks::rms_norm / rope / silu_mul against their torch references,
+"""The Triton implementations of pieceworks::rms_norm / add_rms_norm / rope / silu_mul against their torch references,
 on the GPU, at the models' shapes and strides (views of fused projections included)."""
 
 from __future__ import annotations
@@ -73,13 +73,28 @@ def test_silu_mul(tokens, inter):
     assert frac < 0.01 and worst <= 1.0, (frac, worst)
 
 
+@pytest.mark.parametrize("tokens,hidden,dtype", [(1, 4096, BF16), (37, 7168, BF16), (300, 512, BF16),
+                                                 (5, 1536, torch.float32), (0, 4096, BF16)])
+def test_add_rms_norm(tokens, hidden, dtype):
+    x, r = randn(tokens, hidden, dtype=dtype, seed=1), randn(tokens, hidden, dtype=dtype, seed=2)
+    w = randn(hidden, dtype=dtype) * 0.1 + 1
+    (out, s), (want, want_s) = fused.add_rms_norm(x, r, w, 1e-5), fused.add_rms_norm_ref(x, r, w, 1e-5)
+    assert torch.equal(s, want_s)  # the add rounds once, as the plain add
+    assert out.dtype == want.dtype and out.shape == want.shape
+    if dtype == torch.float32:
+        assert torch.allclose(out, want, rtol=1e-5, atol=1e-6)
+    elif tokens:
+        frac, worst = ulp_mismatch(out, want)
+        assert frac < 0.01 and worst <= 1.0, (frac, worst)
+
+
 def test_ops_capture_in_a_cuda_graph():
     x, w = randn(4, 256), randn(256, seed=1)
     angle = torch.rand(4, 32, device="cuda")
     cos, sin = angle.cos(), angle.sin()
 
     def body():
-        h = fused.rms_norm(x, w, 1e-6)
+        h = fused.add_rms_norm(fused.rms_norm(x, w, 1e-6), x, w, 1e-6)[0]
         return fused.silu_mul(fused.rope(h.view(4, 4, 64), cos, sin, False).view(4, 256), h)
 
     body()

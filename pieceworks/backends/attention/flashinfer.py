@@ -1,5 +1,5 @@
 """FlashInfer paged GQA attention: the prefill wrapper for extend/mixed steps, the decode wrapper for
-decode steps (tensor-core kernels unless `decode_tensor_cores` says otherwise), and one CUDA-graph
+decode steps (CUDA-core or tensor-core kernels, `decode_tensor_cores`), and one CUDA-graph
 decode wrapper per graph batch size for FULL graphs.
 
 `plan(meta)` turns the step's pages into FlashInfer's CSR form (`paged_kv_indices`: from the host page
@@ -38,13 +38,12 @@ class FlashInferOptions:
     variant: str = "auto"
     """FlashInfer kernel generation: fa2, fa3 (Hopper only), or auto (fa3 on sm_90, fa2 elsewhere)."""
 
-    decode_tensor_cores: bool | str = True
-    """GQA decode through FlashInfer's tensor-core (prefill) kernels of `variant` (true, the default)
-    or its CUDA-core decode kernel (false); auto: tensor cores when more than 4 query heads share a KV
+    decode_tensor_cores: bool | str = "auto"
+    """GQA decode through FlashInfer's tensor-core (prefill) kernels of `variant` (true) or its CUDA-core
+    decode kernel (false); auto (the default): tensor cores when more than 4 query heads share a KV
     head. Measured on the H200 (Llama-3.1-8B shape, 4 query heads per KV head, 512-token contexts):
-    false made full-graph NVFP4 decode replays 1%, 7% and 21% faster at batch 1, 8 and 32
-    (docs/benchmarks.md), but tests/gpu/test_graphs.py did not finish with it (see the issue-7
-    note), so it is not the default yet. MLA ignores it."""
+    the CUDA-core kernel made full-graph NVFP4 decode replays 1%, 7% and 21% faster at batch 1, 8 and
+    32 (docs/benchmarks.md). MLA ignores it."""
 
     def __post_init__(self) -> None:
         if self.variant not in ("auto", "fa2", "fa3"):
@@ -156,6 +155,35 @@ def workspace(backend, device, nbytes: int = WORKSPACE_BYTES) -> torch.Tensor:
     return backend._workspace
 
 
+class PlanCopyGuard:
+    """Keeps a FlashInfer wrapper's `plan()` from rewriting its pinned host buffer under a pending copy.
+
+    A wrapper's `plan()` writes the schedule into one page-locked host buffer and enqueues an
+    asynchronous copy of it to the device; nothing waits for that copy. When the GPU runs more than a
+    step behind the host (a large lm_head at the end of a step is enough), the next `plan()` of the same
+    wrapper overwrites the host buffer before the previous copy has read it, and the earlier step's
+    kernels run with the later step's schedule. `before(wrapper)` waits for the event recorded after
+    that wrapper's previous plan (normally long complete); `after(wrapper)` records it. Skipped while
+    capturing (plans never run inside a capture: the runner plans before it).
+    """
+
+    def __init__(self) -> None:
+        self._events: dict[int, torch.cuda.Event] = {}
+
+    def before(self, wrapper) -> None:
+        event = self._events.get(id(wrapper))
+        if event is not None:
+            event.synchronize()
+
+    def after(self, wrapper, device) -> None:
+        if torch.device(device).type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return
+        event = self._events.get(id(wrapper))
+        if event is None:
+            event = self._events[id(wrapper)] = torch.cuda.Event()
+        event.record()
+
+
 def check_capture_scale(backend, scale: float) -> bool:
     """Whether `scale` differs from the planned softmax scale; raises if it does while capturing."""
     if scale == backend._sm_scale:
@@ -201,6 +229,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._rows = 0
         self._views: dict[int, tuple] = {}
         self._fast: FastRun | None = None
+        self._plan_guard = PlanCopyGuard()
 
     # ------------------------------------------------------------------ plan (host)
     def plan(self, meta) -> None:
@@ -218,10 +247,13 @@ class FlashInferAttentionBackend(AttentionBackend):
                 wrapper = self._graph_decode_wrapper(len(kv_lens), meta.page_table.shape[1], meta.device)
             else:
                 wrapper = self._decode_wrapper(meta.device)
+            self._plan_guard.before(wrapper)
             wrapper.plan(kv.indptr, kv.indices, kv.last_page_len, *dims, **kw)
         else:
             wrapper = self._prefill_wrapper(meta.device)
+            self._plan_guard.before(wrapper)
             wrapper.plan(qo_indptr(qo_lens), kv.indptr, kv.indices, kv.last_page_len, *dims, causal=True, **kw)
+        self._plan_guard.after(wrapper, meta.device)
         self._wrapper = wrapper
 
     def _ws(self, device) -> torch.Tensor:

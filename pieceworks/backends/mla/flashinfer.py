@@ -17,6 +17,7 @@ import torch
 from pieceworks.backends.attention.flashinfer import (
     GPU_INSTALL_HINT,
     FlashInferOptions,
+    PlanCopyGuard,
     check_capture_scale,
     paged_kv_indices,
     qo_indptr,
@@ -88,6 +89,7 @@ class FlashInferMLABackend(MLABackend):
         self._workspace: torch.Tensor | None = None
         self._eager = None
         self._graph: dict[int, object] = {}
+        self._plan_guard = PlanCopyGuard()
         self._meta = None
         self._wrapper = None
         self._rows = 0
@@ -105,7 +107,9 @@ class FlashInferMLABackend(MLABackend):
             wrapper = self._graph_wrapper(bs, meta.page_table.shape[1], meta.device)
         else:
             wrapper = self._eager_wrapper(meta.device)
+        self._plan_guard.before(wrapper)
         wrapper.plan(metadata=MLAPlanMetadata.csr(**csr), **args)
+        self._plan_guard.after(wrapper, meta.device)
         self._wrapper = wrapper
         self._rows = int(csr["qo_indptr"][-1])
 
