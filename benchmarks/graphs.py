@@ -175,11 +175,14 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     p.add_argument("--set", action="append", default=[], help="extra config overrides key=value")
     p.add_argument("--out", default=None, help="markdown + json report path")
-    p.add_argument("--watchdog", type=float, default=90, help="dump stacks if a phase runs this long (s)")
+    p.add_argument("--watchdog", type=float, default=300,
+                   help="dump stacks if one phase (the build, one extend or decode row) runs this long (s)")
     args = p.parse_args()
     import faulthandler
 
-    faulthandler.dump_traceback_later(args.watchdog, repeat=True)
+    # Armed per phase, once: a repeating timer over the whole run fired in healthy runs, and dumping the
+    # stack of a thread that is running crashed the process once (H200, Python 3.12).
+    faulthandler.dump_traceback_later(args.watchdog)
 
     sizes = {"num_hidden_layers": args.layers} if args.layers else {}
     overrides = [
@@ -205,12 +208,15 @@ def main() -> None:
     print("piecewise:", {k: v for k, v in (info["piecewise"] or {}).items() if k != "sizes"}, flush=True)
     ext = []
     for T in [int(x) for x in args.extend.split(",") if x]:
+        faulthandler.dump_traceback_later(args.watchdog)
         ext.append(extend_row(ex, T, args.repeats if T <= 2048 else max(5, args.repeats // 4)))
         print(ext[-1], flush=True)
     dec = []
     for bs in [int(x) for x in args.decode.split(",") if x]:
+        faulthandler.dump_traceback_later(args.watchdog)
         dec.append(decode_row(ex, bs, args.repeats * 5))
         print(dec[-1], flush=True)
+    faulthandler.cancel_dump_traceback_later()
     md = render(info, ext, dec)
     print(md)
     if args.out:
