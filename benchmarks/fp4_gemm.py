@@ -142,25 +142,17 @@ def backend_with(table) -> TritonFp4GemmBackend:
 def candidates(m: int) -> list[dict]:
     out = []
     if m <= 16:
-        # The shipped one_dot wgmma tile, and its two lower-count variants (benchmarks/sass_count.py:
-        # 4.02, 3.39, 3.47 SASS instructions per weight).
-        for target in (264, 528):
-            out.append(dict(block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=True, one_dot=True,
-                            target_ctas=target, max_split=16))
-        out.append(dict(block_m=16, block_n=256, block_k=128, num_warps=8, num_stages=3, w_as_a=True,
-                        one_dot=True, target_ctas=264, max_split=16))
-        out.append(dict(block_m=16, block_n=128, block_k=128, num_stages=4, w_as_a=True,
-                        one_dot=True, target_ctas=264, max_split=16))
-        # x as the A operand of a 16-row dot: Triton picks mma.sync (m16n8k16) rather than wgmma, loads
-        # the codes with ldmatrix in the MMA's layout and needs no wgmma fences: 2.97-3.24 instructions
-        # per weight (sass_count.py --tile ...,0,0).
-        for bn, bk, nw, stages, targets in ((64, 256, 4, 3, (264, 528)), (128, 256, 4, 3, (264, 528)),
-                                            (128, 128, 4, 3, (264, 528)), (256, 128, 8, 3, (264,)),
-                                            (64, 256, 2, 3, (528, 1056)), (32, 256, 2, 3, (528, 1056)),
-                                            (64, 128, 4, 4, (528,))):
-            for target in targets:
-                out.append(dict(block_m=16, block_n=bn, block_k=bk, num_warps=nw, num_stages=stages,
-                                w_as_a=False, one_dot=False, target_ctas=target, max_split=16))
+        # The shipped one_dot tile, 64x256 at 264 programs, beat (sweep at fe6e154, docs/benchmarks.md)
+        # 128x128 / 256x128 one_dot and every mma.sync tile (w_as_a=False: x in the A operand of a
+        # 16-row dot, 2.97-3.24 SASS instructions per weight against 4.02). 64x128 one_dot needs 74
+        # registers and 21 KB of shared memory (6 programs per SM instead of 4; Nsight Compute showed
+        # the 64x256 gate_up call at 3 warps per scheduler issuing 0.69 instructions per cycle), so it is
+        # tried with more programs.
+        out.append(dict(block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=True, one_dot=True,
+                        target_ctas=264, max_split=16))
+        for target, stages in ((264, 3), (528, 3), (792, 3), (1056, 3), (792, 4)):
+            out.append(dict(block_m=16, block_n=64, block_k=128, num_stages=stages, w_as_a=True,
+                            one_dot=True, target_ctas=target, max_split=16))
     elif m <= 64:
         for bn, bk, one_dot in ((64, 128, False), (128, 128, False), (64, 256, False), (64, 128, True),
                                 (128, 128, True), (64, 256, True)):

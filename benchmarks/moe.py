@@ -66,8 +66,8 @@ def draws(t: int, gen, n: int):
 def candidates(t: int) -> list[dict]:
     if t <= 16:
         return [dict(block_m=16, block_n=bn, block_k=bk, num_stages=3, w_as_a=wa, one_dot=od)
-                for bn, bk, wa, od in ((64, 256, True, True), (128, 256, True, True), (64, 256, False, False),
-                                       (128, 256, False, False), (128, 128, False, False))]
+                for bn, bk, wa, od in ((64, 256, True, True), (128, 256, True, True), (64, 128, True, True),
+                                       (64, 256, False, False), (128, 256, False, False))]
     if t <= 256:
         return [dict(block_m=bm, block_n=bn, block_k=bk, num_stages=3, w_as_a=wa, one_dot=od)
                 for bm, bn, bk, wa, od in ((16, 64, 128, True, True), (16, 64, 256, True, True),

@@ -19,6 +19,7 @@ from pieceworks.backends.fp4_gemm.triton import (
     unpack_k32,
 )
 from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES, MOE_TILES
+from pieceworks.backends.moe.routing import deepseek_route, route, route_supported
 from pieceworks.backends.moe.triton import TritonMoEBackend, moe_align, num_aligned_blocks
 from pieceworks.quant import nvfp4
 
@@ -251,3 +252,27 @@ def test_gemm_backend_prepare_repacks_on_cpu():
     assert torch.equal(unpack_k32(w.weight, 80), nvfp4.unpack(packed))
     tile, split = backend._plan(1, 33, 96)
     assert tile is select_tile(backend.table, 1) and split >= 1
+
+
+def test_route_supported_shapes():
+    """Which routings the Triton kernel takes; the rest go to the torch routing."""
+    x = torch.zeros(3, 256)
+    bias = torch.zeros(256)
+    assert route_supported(x, bias, 8, 8, 4)  # DeepSeek-V3
+    assert route_supported(x, torch.empty(0), 8, 1, 1)  # no groups, no bias
+    assert route_supported(x.bfloat16(), bias, 8, 8, 8)  # every group kept: no grouping step
+    assert not route_supported(torch.zeros(3, 96), torch.zeros(96), 8, 1, 1)  # E not a power of two
+    assert not route_supported(torch.zeros(3, 2048), torch.zeros(2048), 8, 1, 1)  # E above 1024
+    assert route_supported(x, bias, 32, 8, 1)  # one kept group of 32 experts is enough for top 32 ...
+    assert not route_supported(x, bias, 33, 8, 1)  # ... not for 33
+    assert not route_supported(x, bias, 8, 6, 4)  # groups not a power of two
+    assert not route_supported(x, torch.zeros(128), 8, 8, 4)  # bias of the wrong length
+    assert not route_supported(torch.zeros(256, 3).t(), bias[:3], 2, 1, 1)  # strided columns
+    assert not route_supported(x.long(), bias, 8, 8, 4)
+
+
+def test_route_on_cpu_is_the_torch_routing():
+    gen = torch.Generator().manual_seed(0)
+    logits, bias = torch.randn(5, 256, generator=gen), torch.rand(256, generator=gen)
+    for got, want in zip(route(logits, bias, 8, 8, 4, True, 2.5), deepseek_route(logits, bias, 8, 8, 4, True, 2.5)):
+        assert torch.equal(got, want)

@@ -28,7 +28,7 @@ from pieceworks.backends.fp4_gemm.triton import (  # noqa: E402
 )
 from pieceworks.backends.moe import triton_kernels as moe_kernels  # noqa: E402
 from pieceworks.backends.moe.base import MoEWeights  # noqa: E402
-from pieceworks.backends.moe.routing import deepseek_route  # noqa: E402
+from pieceworks.backends.moe.routing import deepseek_route, route, route_supported  # noqa: E402
 from pieceworks.backends.moe.torch import TorchMoEBackend  # noqa: E402
 from pieceworks.backends.moe.triton import TritonMoEBackend, moe_align, num_aligned_blocks  # noqa: E402
 from pieceworks.quant import nvfp4  # noqa: E402
@@ -232,6 +232,39 @@ def test_moe_skewed_routing(top_k):
     y = run_moe(backend, x, logits, torch.empty(0, device=DEV), prepared, routing)
     ref = run_moe(TorchMoEBackend(spec()), x, logits, torch.empty(0, device=DEV), w, routing)
     assert rel_err(y, ref) < TOL
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,groups,topk_group,bias,renorm,dtype", [
+    (1, 256, 8, 8, 4, True, True, torch.float32),      # DeepSeek-V3
+    (7, 256, 8, 8, 4, True, True, torch.float32),
+    (300, 256, 8, 8, 4, False, True, torch.bfloat16),
+    (64, 64, 6, 1, 1, False, False, torch.float32),     # no groups
+    (33, 128, 4, 4, 4, True, False, torch.float32),     # every group kept
+])
+def test_route_kernel_matches_torch_routing(tokens, experts, top_k, groups, topk_group, bias, renorm, dtype):
+    """The Triton routing picks the same experts as `deepseek_route` with the same weights (its experts
+    come sorted by score, torch's in no set order: compared after sorting by expert id)."""
+    gen = torch.Generator(DEV).manual_seed(tokens + experts)
+    logits = (torch.randn(tokens, experts, device=DEV, generator=gen) * 2).to(dtype)
+    b = torch.rand(experts, device=DEV, generator=gen) * 0.3 if bias else torch.empty(0, device=DEV)
+    args = (top_k, groups, topk_group, renorm, 2.5)
+    assert route_supported(logits, b, top_k, groups, topk_group)
+    w, ids = route(logits, b, *args)
+    w_ref, ids_ref = deepseek_route(logits, b, *args)
+    ids_s, order = ids.sort(-1)
+    ids_ref_s, order_ref = ids_ref.sort(-1)
+    assert torch.equal(ids_s, ids_ref_s)
+    torch.testing.assert_close(w.gather(1, order), w_ref.gather(1, order_ref), rtol=1e-6, atol=0)
+    # descending by biased score
+    choice = logits.float().sigmoid() + (b if bias else 0)
+    assert (choice.gather(1, ids).diff(dim=-1) <= 0).all()
+    # inside a CUDA graph, with new logits copied in before the replay
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w_g, ids_g = route(logits, b, *args)
+    logits.copy_((torch.randn(tokens, experts, device=DEV, generator=gen) * 2).to(dtype))
+    graph.replay()
+    assert torch.equal(ids_g, route(logits, b, *args)[1])
 
 
 @pytest.mark.parametrize("tokens,block_m", [(1, 16), (64, 16), (3000, 64)])

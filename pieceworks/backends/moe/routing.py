@@ -1,9 +1,13 @@
-"""DeepSeek-V3 routing in plain torch (capturable: no host syncs, fixed shapes).
+"""DeepSeek-V3 routing (capturable: no host syncs, fixed shapes).
 
-Used by the torch reference MoE backend and by any backend that does not fuse routing itself.
+`deepseek_route` is the plain torch definition, used by the torch reference MoE backend. `route` is
+what the fast backends call: the same routing as one Triton kernel on CUDA where the shapes allow it
+(`routing_kernel.py`), else `deepseek_route`.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -51,3 +55,43 @@ def deepseek_route(
     if renormalize:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
     return topk_weights * routed_scaling_factor, topk_ids
+
+
+def route(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, num_expert_group: int,
+          topk_group: int, renormalize: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`deepseek_route`, as one Triton launch on CUDA when triton is importable and the shapes are
+    supported (`route_supported`); experts then come in descending order of score."""
+    kernel = _kernel() if router_logits.is_cuda else None
+    if kernel is not None and route_supported(router_logits, correction_bias, top_k, num_expert_group, topk_group):
+        return kernel.deepseek_route_triton(router_logits, correction_bias, top_k, num_expert_group,
+                                            topk_group, renormalize, routed_scaling_factor)
+    return deepseek_route(router_logits, correction_bias, top_k, num_expert_group, topk_group, renormalize,
+                          routed_scaling_factor)
+
+
+def route_supported(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
+                    num_expert_group: int, topk_group: int) -> bool:
+    """Shapes the kernel handles: E a power of two up to 1024, groups a power of two dividing E,
+    enough kept experts for top_k, float32/bf16/fp16 logits with unit column stride (any device: the
+    caller checks that the logits are on CUDA)."""
+    if router_logits.dim() != 2 or router_logits.stride(1) != 1:
+        return False
+    num_experts = router_logits.shape[1]
+    pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
+    grouped = num_expert_group > 1 and topk_group < num_expert_group
+    return (router_logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and pow2(num_experts)
+            and num_experts <= 1024 and 1 <= top_k <= num_experts
+            and (correction_bias.numel() == 0 or (correction_bias.shape == (num_experts,)
+                                                  and correction_bias.is_contiguous()))
+            and (not grouped or (pow2(num_expert_group) and num_experts % num_expert_group == 0
+                                 and num_experts // num_expert_group >= 2
+                                 and topk_group * (num_experts // num_expert_group) >= top_k)))
+
+
+@functools.cache
+def _kernel():
+    try:
+        from pieceworks.backends.moe import routing_kernel
+    except ImportError:
+        return None
+    return routing_kernel

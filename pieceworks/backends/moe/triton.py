@@ -1,6 +1,6 @@
 """Fused NVFP4 MoE in Triton (w4a16), for GPUs without FP4 tensor cores (Hopper, Ampere).
 
-forward: DeepSeek-V3 routing (`routing.deepseek_route`, torch), then one Triton launch that sorts the
+forward: DeepSeek-V3 routing (`routing.route`: one Triton kernel), then one Triton launch that sorts the
 (token, slot) pairs by expert into blocks of BLOCK_M rows (`moe_align` is its torch twin), a grouped
 gate_up GEMM with SwiGLU fused in its epilogue, a grouped down GEMM that applies the routing weights,
 and a combine over the top-k slots. Every buffer has a size fixed by (T, top_k, E, BLOCK_M), and
@@ -24,7 +24,7 @@ from pieceworks.backends.fp4_gemm.triton import (
 )
 from pieceworks.backends.fp4_gemm.triton_tiles import MOE_TILES
 from pieceworks.backends.moe.base import MoEBackend, MoEWeights
-from pieceworks.backends.moe.routing import deepseek_route
+from pieceworks.backends.moe.routing import route
 
 
 def num_aligned_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -97,8 +97,8 @@ class TritonMoEBackend(MoEBackend):
 
         if x.shape[0] == 0:
             return torch.empty_like(x)
-        weights, ids = deepseek_route(router_logits, correction_bias, top_k, num_expert_group,
-                                      topk_group, renormalize, routed_scaling_factor)
+        weights, ids = route(router_logits, correction_bias, top_k, num_expert_group, topk_group,
+                             renormalize, routed_scaling_factor)
         num_experts = w.w13.shape[0]
         tile = self.tile(x.shape[0])
         num_blocks = num_aligned_blocks(ids.numel(), num_experts, tile.block_m)
