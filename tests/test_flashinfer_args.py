@@ -574,3 +574,17 @@ def test_plan_copy_guard_waits_for_the_same_wrappers_previous_plan(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     guard.after(b, "cuda")
     assert len(log) == 6
+
+
+def test_triton_decode_attention_splits_and_reasons():
+    from pieceworks.backends.attention.triton import TritonDecodeAttentionBackend, num_splits
+
+    assert num_splits(1, 8) == 16 and num_splits(8, 8) == 5 and num_splits(32, 8) == 2 and num_splits(64, 8) == 1
+    assert ForwardMode.DECODE in TritonDecodeAttentionBackend.forward_modes
+    assert ForwardMode.EXTEND not in TritonDecodeAttentionBackend.forward_modes
+    cuda = dict(device="cuda", capability=(9, 0), modules=frozenset({"triton"}))
+    ok = ModelFacts(dtype=torch.bfloat16, num_heads=32, num_kv_heads=8, head_dim=128)
+    assert TritonDecodeAttentionBackend.check(BackendSpec(**cuda, model=ok)) == []
+    bad = " ".join(TritonDecodeAttentionBackend.check(BackendSpec(**cuda, model=replace(ok, head_dim=96, num_kv_heads=5))))
+    assert "head_dim" in bad and "multiple" in bad
+    assert "device cuda" in " ".join(TritonDecodeAttentionBackend.check(BackendSpec(device="cpu", model=ok)))

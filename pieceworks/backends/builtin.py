@@ -61,14 +61,16 @@ class FlashInferFp4Backends:
 
 
 class TritonBackends:
-    """pieceworks' own Triton kernels: NVFP4 weight-only GEMM and fused MoE for Hopper (and Ampere+)."""
+    """pieceworks' own Triton kernels: NVFP4 weight-only GEMM and fused MoE for Hopper (and Ampere+),
+    split-KV decode attention."""
 
     @hookimpl
     def pieceworks_register_backends(self):
+        from pieceworks.backends.attention.triton import TritonDecodeAttentionBackend
         from pieceworks.backends.fp4_gemm.triton import TritonFp4GemmBackend
         from pieceworks.backends.moe.triton import TritonMoEBackend
 
-        return [TritonFp4GemmBackend, TritonMoEBackend]
+        return [TritonFp4GemmBackend, TritonMoEBackend, TritonDecodeAttentionBackend]
 
 
 BUILTIN_PLUGINS: dict[str, object] = {

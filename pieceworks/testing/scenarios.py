@@ -35,6 +35,8 @@ ATTENTION_SCENARIOS = (
     Scenario("extend_with_prefix", ((6, 5), (13, 9))),
     Scenario("mixed", ((9, 1), (0, 6), (4, 3), (20, 1))),
     Scenario("page_boundary", ((16, 16), (15, 1)), page_size=16),
+    # decode over longer contexts: several KV pages per split in the split-KV kernels
+    Scenario("long_decode", ((700, 1), (1, 1), (129, 1)), page_size=16),
 )
 
 

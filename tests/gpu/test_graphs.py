@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pieceworks import Executor
-from pieceworks.executor.batch import ForwardBatch, GraphMode
+from pieceworks.executor.batch import ForwardBatch, ForwardMode, GraphMode
 
 pytestmark = pytest.mark.gpu
 
@@ -27,7 +27,7 @@ MODELS = {
 ATTENTION = ["torch", "flashinfer"]
 
 
-def build(name: str, attention: str, flashinfer_options: dict | None = None) -> Executor:
+def build(name: str, attention: str | dict, flashinfer_options: dict | None = None) -> Executor:
     model, fmt = MODELS[name]
     op = "mla" if model["arch"] == "deepseek_v3" else "attention"
     if attention == "flashinfer":
@@ -99,6 +99,14 @@ def test_graphs_match_eager_tensor_core_decode():
     under a pending copy."""
     pytest.importorskip("flashinfer", reason="flashinfer is not importable here")
     check_graphs_match_eager(build("llama-bf16", "flashinfer", {"decode_tensor_cores": True}), "llama-bf16")
+
+
+def test_graphs_match_eager_triton_decode_attention():
+    """attention.triton (decode only) in full decode graphs and eagerly, FlashInfer for extend steps."""
+    pytest.importorskip("flashinfer", reason="flashinfer is not importable here")
+    ex = build("llama-bf16", {"decode": "triton", "extend": "flashinfer"})
+    assert type(ex.table.step(ForwardMode.DECODE, GraphMode.FULL).attention).__name__ == "TritonDecodeAttentionBackend"
+    check_graphs_match_eager(ex, "llama-bf16")
 
 
 def check_graphs_match_eager(ex: Executor, name: str) -> None:

@@ -1,0 +1,102 @@
+"""Paged GQA decode attention in Triton: a decode-only backend (`triton_decode_kernel.py`).
+
+At batch 1 on the H200 FlashInfer's decode spends about 13 us per layer on a 512-token context (its
+CUDA-core kernel plus a merge-states kernel, docs/benchmarks.md) to read 2 MB of K/V. This backend runs
+one launch per layer: programs over (sequence, KV head, split of the sequence), with the splits merged
+by the last program to finish. The number of splits depends only on the batch size (so a graph replays
+the launch it captured): enough programs to cover the GPU's SMs about twice, at most 16.
+
+It serves decode steps only (`forward_modes`); select it with
+`backends.attention: {decode: triton, extend: flashinfer}` (or `auto` for extend). Safe in FULL decode
+graphs: plan() refills per-batch-size buffers at fixed addresses (sequence lengths by an asynchronous
+copy from pinned memory) and allocates the split buffers and counters, never inside a capture.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pieceworks.backends.attention.base import AttentionBackend
+from pieceworks.backends.base import Requirements
+from pieceworks.backends.kv_write import write_rows
+from pieceworks.executor.batch import ForwardMode
+
+TARGET_PROGRAMS = 264  # about two per SM on an H200 (132 SMs)
+MAX_SPLITS = 16
+
+
+def num_splits(batch: int, num_kv_heads: int, target: int = TARGET_PROGRAMS, most: int = MAX_SPLITS) -> int:
+    """KV splits per (sequence, head): ceil(target / (batch * heads)), between 1 and `most`."""
+    return max(1, min(most, -(-target // max(1, batch * num_kv_heads))))
+
+
+class TritonDecodeAttentionBackend(AttentionBackend):
+    name = "triton"
+    priority = 50  # below FlashInfer (100): chosen only when named, until it has been measured more
+    forward_modes = frozenset({ForwardMode.DECODE})
+    requires = Requirements(devices=("cuda",), min_capability=(8, 0), modules=("triton",),
+                            install_hint="pip install triton (it comes with CUDA builds of torch)")
+    description = "decode only: split-KV paged GQA attention in Triton, one launch per layer"
+
+    @classmethod
+    def check(cls, spec):
+        reasons = super().check(spec)
+        m = spec.model
+        if m.head_dim not in (64, 128, 256):
+            reasons.append(f"built for head_dim 64, 128 or 256 (model: {m.head_dim})")
+        if m.dtype not in (torch.float16, torch.bfloat16):
+            reasons.append(f"needs bf16 or fp16 activations (model dtype: {m.dtype})")
+        if m.num_heads % m.num_kv_heads:
+            reasons.append(f"num_heads {m.num_heads} is not a multiple of num_kv_heads {m.num_kv_heads}")
+        elif m.num_heads // m.num_kv_heads > 64:
+            reasons.append(f"at most 64 query heads per KV head (model: {m.num_heads // m.num_kv_heads})")
+        return reasons
+
+    def __init__(self, spec, options=None) -> None:
+        super().__init__(spec, options)
+        self._meta = None
+        self._buffers: dict[int, tuple] = {}
+        self._bufs = None
+
+    def plan(self, meta) -> None:
+        if meta.mode is not ForwardMode.DECODE:
+            raise ValueError(f"attention.triton serves decode steps only (got {meta.mode.value}); select "
+                             "it with backends.attention: {decode: triton}")
+        self._meta = meta
+        batch = meta.graph_batch_size or meta.num_seqs
+        m = self.spec.model
+        bufs = self._buffers.get(batch)
+        if bufs is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("attention.triton: plan() for a new batch size inside a CUDA graph capture")
+            splits = num_splits(batch, m.num_kv_heads)
+            group = m.num_heads // m.num_kv_heads
+            gp = max(16, 1 << (group - 1).bit_length())
+            dev = meta.device
+            rows = batch * m.num_kv_heads * splits * gp
+            bufs = self._buffers[batch] = (
+                splits, torch.ones(batch, dtype=torch.int32, device=dev),
+                torch.empty(rows * m.head_dim, dtype=torch.float32, device=dev),
+                torch.empty(rows, dtype=torch.float32, device=dev),
+                torch.zeros(batch * m.num_kv_heads, dtype=torch.int32, device=dev))
+        lens = list(meta.seq_lens) + [1] * (batch - meta.num_seqs)  # graph padding rows: length 1
+        host = torch.tensor(lens, dtype=torch.int32)
+        # pinned + asynchronous: the caching host allocator keeps the block until the copy has run
+        bufs[1].copy_(host.pin_memory() if bufs[1].is_cuda else host, non_blocking=True)
+        self._bufs = bufs
+
+    def forward(self, q, k, v, out, layer_id, scale, kv) -> None:
+        from pieceworks.backends.attention import triton_decode_kernel
+
+        meta = self._meta
+        kc, vc = kv.k_cache(layer_id), kv.v_cache(layer_id)
+        slots = meta.slot_mapping[: k.shape[0]]
+        width = kc.shape[2] * kc.shape[3]
+        write_rows(kc.view(-1, width), k.reshape(k.shape[0], -1), vc.view(-1, width),
+                   v.reshape(v.shape[0], -1), slots)
+        splits, lens, part_o, part_lse, counters = self._bufs
+        batch = lens.shape[0]
+        if out.shape[0] > batch:  # padding rows: keep them finite
+            out[batch:].zero_()
+        triton_decode_kernel.decode(q[:batch], kc, vc, out[:batch], meta.page_table[:batch], lens, scale,
+                                    splits, part_o, part_lse, counters)

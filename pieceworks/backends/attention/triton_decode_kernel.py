@@ -1,0 +1,111 @@
+"""Split-KV paged GQA decode attention in Triton (imports triton); see attention/triton.py.
+
+One program per (sequence, KV head, split): it attends the GQA group's queries (padded to 16 rows for
+the tensor-core dots) over its split's share of the sequence, gathering K/V rows through the page
+table, with an online float32 softmax (P is rounded to the KV dtype for the PV dot, as FlashInfer
+does). With several splits each program stores its normalized partial output and log-sum-exp; the
+program that arrives last at the (sequence, head) counter merges the partials in split order (so the
+result does not depend on arrival order), writes the output and resets the counter to zero.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fence_acq_rel():
+    # fence.acq_rel.gpu on every thread (Triton has no fence op); the dummy result keeps it in place.
+    return tl.inline_asm_elementwise("fence.acq_rel.gpu;\n mov.u32 $0, 0;", "=r", [],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr, count_ptr,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
+                   stride_vp, stride_vs, stride_vh, stride_tb, scale_log2,
+                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, S: tl.constexpr,
+                   BLOCK_N: tl.constexpr, HKV: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, S), BLOCK_N) * BLOCK_N
+    start = s * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    rows = h * G + g
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + rows[:, None] * stride_qh + d[None, :],
+                mask=(g < G)[:, None], other=0.0)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    table = table_ptr + b.to(tl.int64) * stride_tb
+    for n0 in range(start, end, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        valid = offs < end
+        page = tl.load(table + offs // PS, mask=valid, other=0).to(tl.int64)
+        k_rows = page * stride_kp + (offs % PS) * stride_ks + h * stride_kh
+        k = tl.load(k_ptr + k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * scale_log2  # scores in log2 units
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_rows = page * stride_vp + (offs % PS) * stride_vs + h * stride_vh
+        v = tl.load(v_ptr + v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out_rows = out_ptr + b.to(tl.int64) * stride_ot + rows[:, None] * stride_oh + d[None, :]
+    omask = (g < G)[:, None]
+    if S == 1:
+        tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        # partials of (b, h): [S, GP, D] and [S, GP]; an empty split stores lse -inf and zeros
+        base = (b * HKV + h).to(tl.int64) * S
+        lse = tl.where(l_i > 0, m_i + tl.math.log2(l_i), float("-inf"))
+        o = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
+        tl.store(part_o_ptr + ((base + s) * GP + g[:, None]) * D + d[None, :], o)
+        tl.store(part_lse_ptr + (base + s) * GP + g, lse)
+        _fence_acq_rel()
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + b * HKV + h, 1, sem="acq_rel", scope="gpu")
+        if arrived == S - 1:
+            _fence_acq_rel()
+            m = tl.full([GP], float("-inf"), tl.float32)
+            for si in range(S):
+                m = tl.maximum(m, tl.load(part_lse_ptr + (base + si) * GP + g, cache_modifier=".cg"))
+            total = tl.zeros([GP, D], tl.float32)
+            weight = tl.zeros([GP], tl.float32)
+            for si in range(S):
+                w = tl.math.exp2(tl.load(part_lse_ptr + (base + si) * GP + g, cache_modifier=".cg") - m)
+                total += w[:, None] * tl.load(part_o_ptr + ((base + si) * GP + g[:, None]) * D + d[None, :],
+                                              cache_modifier=".cg")
+                weight += w
+            tl.store(out_rows, (total / weight[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
+            tl.store(count_ptr + b * HKV + h, 0)
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+           table: torch.Tensor, lens: torch.Tensor, scale: float, splits: int, part_o: torch.Tensor,
+           part_lse: torch.Tensor, counters: torch.Tensor, block_n: int = 32) -> None:
+    """out[b] = attention of q[b] over the first lens[b] tokens of sequence b's pages.
+
+    q, out: [B, Hq, D] (row stride free, unit stride over D); k_cache, v_cache: [P, PS, Hkv, D];
+    table: [B, >= pages] int32 page ids; lens: [B] int32 (>= 1); part_o: float32 with room for
+    B * Hkv * splits * GP * D, part_lse: B * Hkv * splits * GP (GP = max(16, pow2 >= Hq / Hkv));
+    counters: int32 [>= B * Hkv], zero (left zero)."""
+    b, hq, dim = q.shape
+    _, page_size, hkv, _ = k_cache.shape
+    group = hq // hkv
+    gp = max(16, triton.next_power_of_2(group))
+    _decode_kernel[(b, hkv, splits)](
+        q, k_cache, v_cache, out, table, lens, part_o, part_lse, counters,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
+        scale * 1.4426950408889634, G=group, GP=gp, D=dim, PS=page_size, S=splits, BLOCK_N=block_n, HKV=hkv,
+        num_warps=4, num_stages=2)
