@@ -18,6 +18,19 @@ if TYPE_CHECKING:
     from pieceworks.executor.kv_cache import KVPool
 
 
+def gqa_kernel_reasons(model, kernels: str) -> list[str]:
+    """Reasons a GPU GQA kernel family (`kernels`, e.g. "FlashInfer kernels") can't serve `model`: it
+    is built for head_dim 64/128/256, bf16/fp16 activations, and whole query-head groups."""
+    reasons = []
+    if model.head_dim not in (64, 128, 256):
+        reasons.append(f"{kernels} are built for head_dim 64, 128 or 256 (model: {model.head_dim})")
+    if model.dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"needs bf16 or fp16 activations (model dtype: {model.dtype})")
+    if model.num_heads % model.num_kv_heads:
+        reasons.append(f"num_heads {model.num_heads} is not a multiple of num_kv_heads {model.num_kv_heads}")
+    return reasons
+
+
 class AttentionBackend(Backend):
     op = "attention"
 

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from pieceworks.backends.attention.base import AttentionBackend
+from pieceworks.backends.attention.base import AttentionBackend, gqa_kernel_reasons
 from pieceworks.backends.base import Requirements
 from pieceworks.backends.kv_write import write_rows
 from pieceworks.executor.batch import ForwardMode, GraphMode, to_device
@@ -206,15 +206,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     @classmethod
     def check(cls, spec):
-        reasons = super().check(spec)
-        m = spec.model
-        if m.head_dim not in (64, 128, 256):
-            reasons.append(f"FlashInfer kernels are built for head_dim 64, 128 or 256 (model: {m.head_dim})")
-        if m.dtype not in (torch.float16, torch.bfloat16):
-            reasons.append(f"needs bf16 or fp16 activations (model dtype: {m.dtype})")
-        if m.num_heads % m.num_kv_heads:
-            reasons.append(f"num_heads {m.num_heads} is not a multiple of num_kv_heads {m.num_kv_heads}")
-        return reasons
+        return super().check(spec) + gqa_kernel_reasons(spec.model, "FlashInfer kernels")
 
     def __init__(self, spec, options=None) -> None:
         super().__init__(spec, options)

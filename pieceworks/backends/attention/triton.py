@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from pieceworks.backends.attention.base import AttentionBackend
+from pieceworks.backends.attention.base import AttentionBackend, gqa_kernel_reasons
 from pieceworks.backends.base import Requirements
 from pieceworks.backends.kv_write import write_rows
 from pieceworks.executor.batch import ForwardMode
@@ -40,15 +40,9 @@ class TritonDecodeAttentionBackend(AttentionBackend):
 
     @classmethod
     def check(cls, spec):
-        reasons = super().check(spec)
+        reasons = super().check(spec) + gqa_kernel_reasons(spec.model, "its Triton kernels")
         m = spec.model
-        if m.head_dim not in (64, 128, 256):
-            reasons.append(f"built for head_dim 64, 128 or 256 (model: {m.head_dim})")
-        if m.dtype not in (torch.float16, torch.bfloat16):
-            reasons.append(f"needs bf16 or fp16 activations (model dtype: {m.dtype})")
-        if m.num_heads % m.num_kv_heads:
-            reasons.append(f"num_heads {m.num_heads} is not a multiple of num_kv_heads {m.num_kv_heads}")
-        elif m.num_heads // m.num_kv_heads > 64:
+        if m.num_heads % m.num_kv_heads == 0 and m.num_heads // m.num_kv_heads > 64:
             reasons.append(f"at most 64 query heads per KV head (model: {m.num_heads // m.num_kv_heads})")
         return reasons
 
