@@ -588,3 +588,33 @@ def test_triton_decode_attention_splits_and_reasons():
     bad = " ".join(TritonDecodeAttentionBackend.check(BackendSpec(**cuda, model=replace(ok, head_dim=96, num_kv_heads=5))))
     assert "head_dim" in bad and "multiple" in bad
     assert "device cuda" in " ".join(TritonDecodeAttentionBackend.check(BackendSpec(device="cpu", model=ok)))
+
+
+def test_triton_decode_attention_plan_buffers():
+    """FULL-graph plans keep one buffer set per batch size at fixed addresses; eager plans of any batch
+    size share one set, grown only when a step needs more (and big enough for counters and partials)."""
+    from types import SimpleNamespace
+
+    from pieceworks.backends.attention.triton import TritonDecodeAttentionBackend, num_splits
+
+    facts = ModelFacts(dtype=torch.bfloat16, num_heads=32, num_kv_heads=8, head_dim=128)
+    backend = TritonDecodeAttentionBackend(BackendSpec(device="cpu", model=facts))
+
+    def plan(n, graph=None):
+        backend.plan(SimpleNamespace(mode=D, graph_batch_size=graph, num_seqs=n, seq_lens=list(range(5, 5 + n)),
+                                     device=torch.device("cpu")))
+        return backend._bufs
+
+    first = plan(3, graph=4)
+    assert first[1].tolist() == [5, 6, 7, 1]  # padding row: length 1
+    again = plan(2, graph=4)
+    assert all(a is b for a, b in zip(first[1:], again[1:])) and again[1].tolist() == [5, 6, 1, 1]
+    for n in [1, 8, 10, 64, 3, 200, 7]:
+        splits, lens, part_o, part_lse, counters = plan(n)
+        assert splits == num_splits(n, 8) and lens.tolist() == list(range(5, 5 + n))
+        assert counters.numel() >= n * 8 and int(counters.abs().sum()) == 0
+        assert part_lse.numel() >= n * splits * 8 * 16 and part_o.numel() == part_lse.numel() * 128
+    assert backend._eager_bufs[0] == 200  # grown to the largest batch, never shrunk
+    with pytest.raises(ValueError, match="decode steps only"):
+        backend.plan(SimpleNamespace(mode=E, graph_batch_size=None, num_seqs=1, seq_lens=[3],
+                                     device=torch.device("cpu")))

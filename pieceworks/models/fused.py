@@ -2,12 +2,11 @@
 SiLU-and-multiply.
 
 Each is a torch custom op (`pieceworks::rms_norm`, `pieceworks::add_rms_norm`, `pieceworks::rope`,
-`pieceworks::silu_mul`) whose
-default implementation is the plain torch code the models used before (so CPU numerics, and the
-parity with transformers, are unchanged), with a CUDA implementation that is one Triton kernel
-(`fused_kernels.py`) where the plain code launches several small kernels per call. In an NVFP4
-Llama-3.1-8B-shaped decode step at batch 1 on the H200 those small kernels took 39% of the GPU time
-(benchmarks/profile_step.py --decode 1; docs/benchmarks.md).
+`pieceworks::silu_mul`) whose default implementation is the plain torch code the models used before
+(so CPU numerics, and the parity with transformers, are unchanged), with a CUDA implementation that
+is one Triton kernel (`fused_kernels.py`) where the plain code launches several small kernels per
+call. In an NVFP4 Llama-3.1-8B-shaped decode step at batch 1 on the H200 those small kernels took 39%
+of the GPU time (benchmarks/profile_step.py --decode 1; docs/benchmarks.md).
 
 The Triton kernels round exactly where the torch code rounds (every bf16 product and sum), so they
 agree with it to the bit except where the two reduce in a different order (RMSNorm's mean of squares)

@@ -9,7 +9,9 @@ the launch it captured): enough programs to cover the GPU's SMs about twice, at 
 It serves decode steps only (`forward_modes`); select it with
 `backends.attention: {decode: triton, extend: flashinfer}` (or `auto` for extend). Safe in FULL decode
 graphs: plan() refills per-batch-size buffers at fixed addresses (sequence lengths by an asynchronous
-copy from pinned memory) and allocates the split buffers and counters, never inside a capture.
+copy from pinned memory) and allocates the split buffers and counters, never inside a capture. Eager
+decode steps share one set of split buffers, grown when a larger batch needs more (their size is
+batch x splits, and splits shrink as the batch grows).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from pieceworks.backends.attention.base import AttentionBackend, gqa_kernel_reasons
 from pieceworks.backends.base import Requirements
 from pieceworks.backends.kv_write import write_rows
-from pieceworks.executor.batch import ForwardMode
+from pieceworks.executor.batch import ForwardMode, to_device
 
 TARGET_PROGRAMS = 264  # about two per SM on an H200 (132 SMs)
 MAX_SPLITS = 16
@@ -49,7 +51,8 @@ class TritonDecodeAttentionBackend(AttentionBackend):
     def __init__(self, spec, options=None) -> None:
         super().__init__(spec, options)
         self._meta = None
-        self._buffers: dict[int, tuple] = {}
+        self._graph_bufs: dict[int, tuple] = {}
+        self._eager_bufs: tuple | None = None  # (batch, batch x splits, part_o, part_lse, counters) capacity
         self._bufs = None
 
     def plan(self, meta) -> None:
@@ -57,27 +60,41 @@ class TritonDecodeAttentionBackend(AttentionBackend):
             raise ValueError(f"attention.triton serves decode steps only (got {meta.mode.value}); select "
                              "it with backends.attention: {decode: triton}")
         self._meta = meta
+        graph = meta.graph_batch_size is not None
         batch = meta.graph_batch_size or meta.num_seqs
-        m = self.spec.model
-        bufs = self._buffers.get(batch)
-        if bufs is None:
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("attention.triton: plan() for a new batch size inside a CUDA graph capture")
-            splits = num_splits(batch, m.num_kv_heads)
-            group = m.num_heads // m.num_kv_heads
-            gp = max(16, 1 << (group - 1).bit_length())
-            dev = meta.device
-            rows = batch * m.num_kv_heads * splits * gp
-            bufs = self._buffers[batch] = (
-                splits, torch.ones(batch, dtype=torch.int32, device=dev),
-                torch.empty(rows * m.head_dim, dtype=torch.float32, device=dev),
-                torch.empty(rows, dtype=torch.float32, device=dev),
-                torch.zeros(batch * m.num_kv_heads, dtype=torch.int32, device=dev))
         lens = list(meta.seq_lens) + [1] * (batch - meta.num_seqs)  # graph padding rows: length 1
         host = torch.tensor(lens, dtype=torch.int32)
-        # pinned + asynchronous: the caching host allocator keeps the block until the copy has run
-        bufs[1].copy_(host.pin_memory() if bufs[1].is_cuda else host, non_blocking=True)
+        if graph:
+            # FULL graphs: buffers of this batch size at fixed addresses, refilled for every replay
+            bufs = self._graph_bufs.get(batch)
+            if bufs is None:
+                splits = num_splits(batch, self.spec.model.num_kv_heads)
+                bufs = self._graph_bufs[batch] = (splits, torch.ones(batch, dtype=torch.int32, device=meta.device),
+                                                  *self._alloc(batch, batch * splits, meta.device))
+            # pinned + asynchronous: the caching host allocator keeps the block until the copy has run
+            bufs[1].copy_(host.pin_memory() if bufs[1].is_cuda else host, non_blocking=True)
+        else:
+            # eager steps of any batch size share one set of split buffers, grown when a step needs more
+            splits = num_splits(batch, self.spec.model.num_kv_heads)
+            cap_batch, cap_units = self._eager_bufs[:2] if self._eager_bufs else (0, 0)
+            if cap_batch < batch or cap_units < batch * splits:
+                cap_batch, cap_units = max(cap_batch, batch), max(cap_units, batch * splits)
+                self._eager_bufs = (cap_batch, cap_units, *self._alloc(cap_batch, cap_units, meta.device))
+            part_o, part_lse, counters = self._eager_bufs[2:]
+            bufs = (splits, to_device(host, meta.device), part_o, part_lse, counters)
         self._bufs = bufs
+
+    def _alloc(self, batch: int, units: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split partials for `units` (sequence, split) pairs and zeroed per-(sequence, head) counters
+        for `batch` sequences."""
+        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("attention.triton: plan() needs new buffers inside a CUDA graph capture")
+        m = self.spec.model
+        group = m.num_heads // m.num_kv_heads
+        rows = units * m.num_kv_heads * max(16, 1 << (group - 1).bit_length())
+        return (torch.empty(rows * m.head_dim, dtype=torch.float32, device=device),
+                torch.empty(rows, dtype=torch.float32, device=device),
+                torch.zeros(batch * m.num_kv_heads, dtype=torch.int32, device=device))
 
     def forward(self, q, k, v, out, layer_id, scale, kv) -> None:
         from pieceworks.backends.attention import triton_decode_kernel
