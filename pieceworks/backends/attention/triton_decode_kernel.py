@@ -82,13 +82,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
                 lse_all = tl.load(part_lse_ptr + (base + sp[:, None]) * GP + g[None, :], mask=(sp < S)[:, None],
                                   other=float("-inf"), cache_modifier=".cg")
                 m = tl.max(lse_all, axis=0)
-                w_all = tl.math.exp2(lse_all - m[None, :])
-                weight = tl.sum(w_all, axis=0)
                 total = tl.zeros([GP, D], tl.float32)
+                weight = tl.zeros([GP], tl.float32)
                 for si in tl.static_range(S):
-                    w = tl.sum(tl.where(sp[:, None] == si, w_all, 0.0), axis=0)
+                    w = tl.math.exp2(tl.load(part_lse_ptr + (base + si) * GP + g, cache_modifier=".cg") - m)
                     total += w[:, None] * tl.load(part_o_ptr + ((base + si) * GP + g[:, None]) * D + d[None, :],
                                                   cache_modifier=".cg")
+                    weight += w
             else:
                 m = tl.full([GP], float("-inf"), tl.float32)
                 for si in range(S):
@@ -114,10 +114,12 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     B * Hkv * splits * GP * D, part_lse: B * Hkv * splits * GP (GP = max(16, pow2 >= Hq / Hkv));
     counters: int32 [>= B * Hkv], zero (left zero).
 
-    unroll_merge: the last split issues every load of the merge at once (an unrolled loop) instead of
-    one L2 round trip per split. Written after the only GPU run of this kernel, which took 10 us per call
-    at batch 1 and a 512-token context; checked in Triton's CPU interpreter only, not yet run on a GPU,
-    so off by default (benchmarks/triton_decode_attention.py times both)."""
+    unroll_merge: the last split issues the merge's loads together (an unrolled loop) instead of one L2
+    round trip per split. In the SASS compiled offline for sm_90 (Llama shapes, 16 splits) the looped
+    merge is a loop of 5 loads whose results the same trip consumes, 16 trips; the unrolled one issues
+    its 82 loads within about 220 instructions. Written after the only GPU run of this kernel (10 us
+    per call at batch 1, 512-token context); checked in Triton's CPU interpreter only, not yet run on a
+    GPU, so off by default (benchmarks/triton_decode_attention.py times both)."""
     b, hq, dim = q.shape
     _, page_size, hkv, _ = k_cache.shape
     group = hq // hkv
