@@ -3,7 +3,7 @@
     python benchmarks/triton_decode_attention.py [--batches 1,8,32] [--context 512]
 
 Each time is the median of 7 replays of a CUDA graph of 32 back-to-back calls (one per layer, each on
-its own K/V cache so L2 holds none of them), per call; both merge variants (`unroll_merge`) are timed
+its own K/V cache so L2 holds none of them), per call (`fp4_gemm.graph_time`); both merge variants (`unroll_merge`) are timed
 in the same process. Needs a CUDA GPU and triton. (Written after the 2026-12-01 session's device time
 was spent: not run yet.)
 """
@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from fp4_gemm import graph_time  # noqa: E402
 
 from pieceworks.backends.attention import triton_decode_kernel as tk  # noqa: E402
 from pieceworks.backends.attention.triton import num_splits  # noqa: E402
@@ -39,26 +41,8 @@ def time_calls(batch: int, context: int, unroll: bool) -> float:
     part_o = torch.empty(batch * HKV * splits * 16 * D, device="cuda")
     part_lse = torch.empty(batch * HKV * splits * 16, device="cuda")
     counters = torch.zeros(batch * HKV, dtype=torch.int32, device="cuda")
-
-    def calls():
-        for kc, vc in caches:
-            tk.decode(q, kc, vc, out, table, lens, D**-0.5, splits, part_o, part_lse, counters,
-                      unroll_merge=unroll)
-
-    calls()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / LAYERS)
-    return statistics.median(times)
+    return graph_time(lambda i: tk.decode(q, *caches[i], out, table, lens, D**-0.5, splits, part_o, part_lse,
+                                          counters, unroll_merge=unroll), LAYERS) * 1e6
 
 
 def main() -> None:

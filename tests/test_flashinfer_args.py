@@ -602,7 +602,7 @@ def test_triton_decode_attention_plan_buffers():
 
     def plan(n, graph=None):
         backend.plan(SimpleNamespace(mode=D, graph_batch_size=graph, num_seqs=n, seq_lens=list(range(5, 5 + n)),
-                                     device=torch.device("cpu")))
+                                     extend_lens=[1] * n, device=torch.device("cpu")))
         return backend._bufs
 
     first = plan(3, graph=4)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from pieceworks.backends.attention.base import AttentionBackend, gqa_kernel_reasons
+from pieceworks.backends.attention.flashinfer import step_lengths
 from pieceworks.backends.base import Requirements
 from pieceworks.backends.kv_write import write_rows
 from pieceworks.executor.batch import ForwardMode, to_device
@@ -62,8 +63,7 @@ class TritonDecodeAttentionBackend(AttentionBackend):
         self._meta = meta
         graph = meta.graph_batch_size is not None
         batch = meta.graph_batch_size or meta.num_seqs
-        lens = list(meta.seq_lens) + [1] * (batch - meta.num_seqs)  # graph padding rows: length 1
-        host = torch.tensor(lens, dtype=torch.int32)
+        host = torch.tensor(step_lengths(meta)[1], dtype=torch.int32)  # graph padding rows: length 1
         if graph:
             # FULL graphs: buffers of this batch size at fixed addresses, refilled for every replay
             bufs = self._graph_bufs.get(batch)

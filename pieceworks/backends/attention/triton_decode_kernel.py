@@ -14,12 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _fence_acq_rel():
-    # fence.acq_rel.gpu on every thread (Triton has no fence op); the dummy result keeps it in place.
-    return tl.inline_asm_elementwise("fence.acq_rel.gpu;\n mov.u32 $0, 0;", "=r", [],
-                                     dtype=tl.int32, is_pure=False, pack=1)
+from pieceworks.backends.fp4_gemm.triton_kernels import _fence_acq_rel  # the split-K GEMM's fence
 
 
 @triton.jit
