@@ -3,9 +3,9 @@
     python benchmarks/triton_decode_attention.py [--batches 1,8,32] [--context 512]
 
 Each time is the median of 7 replays of a CUDA graph of 32 back-to-back calls (one per layer, each on
-its own K/V cache so L2 holds none of them), per call (`fp4_gemm.graph_time`); both merge variants (`unroll_merge`) are timed
-in the same process. Needs a CUDA GPU and triton. (Written after the 2026-12-01 session's device time
-was spent: not run yet.)
+its own K/V cache so L2 holds none of them), per call (`fp4_gemm.graph_time`), with and without
+programmatic dependent launch (`PIECEWORKS_PDL`; consecutive calls then overlap only their launch and
+start-up). Needs a CUDA GPU and triton.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from pieceworks.backends.attention.triton import num_splits  # noqa: E402
 HQ, HKV, D, PS, LAYERS = 32, 8, 128, 16, 32
 
 
-def time_calls(batch: int, context: int, unroll: bool) -> float:
+def time_calls(batch: int, context: int, pdl: bool) -> float:
+    os.environ["PIECEWORKS_PDL"] = "1" if pdl else "0"
     gen = torch.Generator("cuda").manual_seed(batch)
     width = -(-context // PS)
     pages = batch * width + 1
@@ -42,7 +43,7 @@ def time_calls(batch: int, context: int, unroll: bool) -> float:
     part_lse = torch.empty(batch * HKV * splits * 16, device="cuda")
     counters = torch.zeros(batch * HKV, dtype=torch.int32, device="cuda")
     return graph_time(lambda i: tk.decode(q, *caches[i], out, table, lens, D**-0.5, splits, part_o, part_lse,
-                                          counters, unroll_merge=unroll), LAYERS) * 1e6
+                                          counters), LAYERS) * 1e6
 
 
 def main() -> None:
@@ -52,10 +53,10 @@ def main() -> None:
     args = p.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; context {args.context}, "
           f"{HQ}/{HKV} heads, head_dim {D}, page size {PS}")
-    print("| batch | splits | us per call, unrolled merge | us per call, looped merge |\n|---:|---:|---:|---:|")
+    print("| batch | splits | us per call, plain launch | us per call, PDL |\n|---:|---:|---:|---:|")
     for b in (int(x) for x in args.batches.split(",")):
-        print(f"| {b} | {num_splits(b, HKV)} | {time_calls(b, args.context, True):.2f} | "
-              f"{time_calls(b, args.context, False):.2f} |", flush=True)
+        print(f"| {b} | {num_splits(b, HKV)} | {time_calls(b, args.context, False):.2f} | "
+              f"{time_calls(b, args.context, True):.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ from pieceworks.backends.attention.triton import num_splits  # noqa: E402
 
 @pytest.mark.parametrize("lens,hq,hkv,d", [([1], 32, 8, 128), ([513], 32, 8, 128), ([4097, 3, 700, 16, 1, 64, 250, 33], 32, 8, 128),
                                            ([90] * 32, 32, 8, 128), ([300, 1200], 64, 8, 64), ([77], 8, 8, 256)])
-@pytest.mark.parametrize("unroll_merge", [False, True])
-def test_decode_kernel_matches_reference(lens, hq, hkv, d, unroll_merge):
+@pytest.mark.parametrize("pdl", ["0", "1"], ids=["plain", "pdl"])
+def test_decode_kernel_matches_reference(lens, hq, hkv, d, pdl, monkeypatch):
+    monkeypatch.setenv("PIECEWORKS_PDL", pdl)  # programmatic dependent launch (sm_90+) or a plain launch
     gen = torch.Generator("cuda").manual_seed(len(lens) * 1000 + hq)
     ps, b = 16, len(lens)
     width = max(-(-n // ps) for n in lens)
@@ -37,8 +38,7 @@ def test_decode_kernel_matches_reference(lens, hq, hkv, d, unroll_merge):
     counters = torch.zeros(b * hkv, dtype=torch.int32, device="cuda")
     lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
     for _ in range(2):  # counters are left at zero: a second call is as good as the first
-        tk.decode(q, kc, vc, out, table, lens_t, d**-0.5, splits, part_o, part_lse, counters,
-                  unroll_merge=unroll_merge)
+        tk.decode(q, kc, vc, out, table, lens_t, d**-0.5, splits, part_o, part_lse, counters)
         assert torch.isfinite(out).all() and int(counters.abs().sum()) == 0
         for i, n in enumerate(lens):
             pg = table[i, : -(-n // ps)].long()

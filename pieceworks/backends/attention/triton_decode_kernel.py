@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pieceworks.backends import pdl, pdl_kernels
 from pieceworks.backends.fp4_gemm.triton_kernels import _fence_acq_rel  # the split-K GEMM's fence
 
 
@@ -22,7 +23,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
                    stride_vp, stride_vs, stride_vh, stride_tb, scale_log2,
                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, S: tl.constexpr,
-                   BLOCK_N: tl.constexpr, HKV: tl.constexpr, SP: tl.constexpr, UNROLL_MERGE: tl.constexpr):
+                   BLOCK_N: tl.constexpr, HKV: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_kernels.start(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -71,50 +73,29 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
         arrived = tl.atomic_add(count_ptr + b * HKV + h, 1, sem="acq_rel", scope="gpu")
         if arrived == S - 1:
             _fence_acq_rel()
-            if UNROLL_MERGE:
-                # every load of the merge issued up front (unrolled), not one L2 round trip per split
-                sp = tl.arange(0, SP)
-                lse_all = tl.load(part_lse_ptr + (base + sp[:, None]) * GP + g[None, :], mask=(sp < S)[:, None],
-                                  other=float("-inf"), cache_modifier=".cg")
-                m = tl.max(lse_all, axis=0)
-                total = tl.zeros([GP, D], tl.float32)
-                weight = tl.zeros([GP], tl.float32)
-                for si in tl.static_range(S):
-                    w = tl.math.exp2(tl.load(part_lse_ptr + (base + si) * GP + g, cache_modifier=".cg") - m)
-                    total += w[:, None] * tl.load(part_o_ptr + ((base + si) * GP + g[:, None]) * D + d[None, :],
-                                                  cache_modifier=".cg")
-                    weight += w
-            else:
-                m = tl.full([GP], float("-inf"), tl.float32)
-                for si in range(S):
-                    m = tl.maximum(m, tl.load(part_lse_ptr + (base + si) * GP + g, cache_modifier=".cg"))
-                total = tl.zeros([GP, D], tl.float32)
-                weight = tl.zeros([GP], tl.float32)
-                for si in range(S):
-                    w = tl.math.exp2(tl.load(part_lse_ptr + (base + si) * GP + g, cache_modifier=".cg") - m)
-                    total += w[:, None] * tl.load(part_o_ptr + ((base + si) * GP + g[:, None]) * D + d[None, :],
-                                                  cache_modifier=".cg")
-                    weight += w
+            m = tl.full([GP], float("-inf"), tl.float32)
+            for si in range(S):
+                m = tl.maximum(m, tl.load(part_lse_ptr + (base + si) * GP + g, cache_modifier=".cg"))
+            total = tl.zeros([GP, D], tl.float32)
+            weight = tl.zeros([GP], tl.float32)
+            for si in range(S):
+                w = tl.math.exp2(tl.load(part_lse_ptr + (base + si) * GP + g, cache_modifier=".cg") - m)
+                total += w[:, None] * tl.load(part_o_ptr + ((base + si) * GP + g[:, None]) * D + d[None, :],
+                                              cache_modifier=".cg")
+                weight += w
             tl.store(out_rows, (total / weight[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
             tl.store(count_ptr + b * HKV + h, 0)
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
            table: torch.Tensor, lens: torch.Tensor, scale: float, splits: int, part_o: torch.Tensor,
-           part_lse: torch.Tensor, counters: torch.Tensor, block_n: int = 32, unroll_merge: bool = False) -> None:
+           part_lse: torch.Tensor, counters: torch.Tensor, block_n: int = 32) -> None:
     """out[b] = attention of q[b] over the first lens[b] tokens of sequence b's pages.
 
     q, out: [B, Hq, D] (row stride free, unit stride over D); k_cache, v_cache: [P, PS, Hkv, D];
     table: [B, >= pages] int32 page ids; lens: [B] int32 (>= 1); part_o: float32 with room for
     B * Hkv * splits * GP * D, part_lse: B * Hkv * splits * GP (GP = max(16, pow2 >= Hq / Hkv));
-    counters: int32 [>= B * Hkv], zero (left zero).
-
-    unroll_merge: the last split issues the merge's loads together (an unrolled loop) instead of one L2
-    round trip per split. In the SASS compiled offline for sm_90 (Llama shapes, 16 splits) the looped
-    merge is a loop of 5 loads whose results the same trip consumes, 16 trips; the unrolled one issues
-    its 82 loads within about 220 instructions. Written after the only GPU run of this kernel (10 us
-    per call at batch 1, 512-token context); checked in Triton's CPU interpreter only, not yet run on a
-    GPU, so off by default (benchmarks/triton_decode_attention.py times both)."""
+    counters: int32 [>= B * Hkv], zero (left zero)."""
     b, hq, dim = q.shape
     _, page_size, hkv, _ = k_cache.shape
     group = hq // hkv
@@ -124,4 +105,4 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
         scale * 1.4426950408889634, G=group, GP=gp, D=dim, PS=page_size, S=splits, BLOCK_N=block_n, HKV=hkv,
-        SP=triton.next_power_of_2(splits), UNROLL_MERGE=unroll_merge, num_warps=4, num_stages=2)
+        num_warps=4, num_stages=2, **pdl.launch_kwargs(q.device))
