@@ -11,13 +11,13 @@ The rules every pieceworks kernel launched with PDL follows (`pdl_kernels`):
 - before its wait it writes nothing and reads nothing in registers: the GEMMs only issue L2 prefetch
   hints for their first weight tiles (weights are never written by a decode step, and a hint cannot
   return stale data: L2 is the GPU's point of coherence);
-- small kernels (norms, rope, SiLU, K/V write, decode attention) signal their dependents at their
-  start, so the next kernel (typically a GEMM) starts prefetching its weights while they run; the
-  GEMMs signal after their K loop, so the kernel after them cannot take SM room from their programs.
+- small kernels (norms, rope, SiLU, K/V write, decode attention) signal their dependents right after
+  their own wait, so the next kernel (typically a GEMM) starts prefetching its weights while they run;
+  the GEMMs signal after their K loop, so the kernel after them cannot take SM room from their programs.
 
 Kernels that are not ours (torch, cuBLAS, FlashInfer) neither signal nor wait: next to them a PDL
-launch behaves like a plain one. `PIECEWORKS_PDL=0` in the environment turns PDL off (read once per
-process); it is on where the GPU (compute capability >= 9.0) and the installed Triton support it.
+launch behaves like a plain one. `PIECEWORKS_PDL=0` in the environment turns PDL off (read at each
+launch; a captured graph keeps what it was captured with); it is on where the GPU (compute capability >= 9.0) and the installed Triton support it.
 """
 
 from __future__ import annotations

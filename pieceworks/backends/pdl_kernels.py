@@ -28,9 +28,11 @@ def launch_dependents(PDL: tl.constexpr):
 
 @triton.jit
 def start(PDL: tl.constexpr):
-    """The opening of a small kernel: signal dependents, then wait for the kernel before."""
-    launch_dependents(PDL)
+    """The opening of a small kernel: wait for the kernel before, then let the next one start. (In the
+    other order a chain of small kernels would all become resident at once, each waiting on the one
+    before it, and take SM room from the one that can run: measured slower on the H200.)"""
     wait(PDL)
+    launch_dependents(PDL)
 
 
 @triton.jit
