@@ -3,9 +3,8 @@
     python benchmarks/triton_decode_attention.py [--batches 1,8,32] [--context 512]
 
 Each time is the median of 7 replays of a CUDA graph of 32 back-to-back calls (one per layer, each on
-its own K/V cache so L2 holds none of them), per call (`fp4_gemm.graph_time`), with and without
-programmatic dependent launch (`PIECEWORKS_PDL`; consecutive calls then overlap only their launch and
-start-up). Needs a CUDA GPU and triton.
+its own K/V cache so L2 holds none of them), per call (`fp4_gemm.graph_time`). Needs a CUDA GPU and
+triton.
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ from pieceworks.backends.attention.triton import num_splits  # noqa: E402
 HQ, HKV, D, PS, LAYERS = 32, 8, 128, 16, 32
 
 
-def time_calls(batch: int, context: int, pdl: bool) -> float:
-    os.environ["PIECEWORKS_PDL"] = "1" if pdl else "0"
+def time_calls(batch: int, context: int) -> float:
     gen = torch.Generator("cuda").manual_seed(batch)
     width = -(-context // PS)
     pages = batch * width + 1
@@ -53,10 +51,9 @@ def main() -> None:
     args = p.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; context {args.context}, "
           f"{HQ}/{HKV} heads, head_dim {D}, page size {PS}")
-    print("| batch | splits | us per call, plain launch | us per call, PDL |\n|---:|---:|---:|---:|")
+    print("| batch | splits | us per call |\n|---:|---:|---:|")
     for b in (int(x) for x in args.batches.split(",")):
-        print(f"| {b} | {num_splits(b, HKV)} | {time_calls(b, args.context, False):.2f} | "
-              f"{time_calls(b, args.context, True):.2f} |", flush=True)
+        print(f"| {b} | {num_splits(b, HKV)} | {time_calls(b, args.context):.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,17 +6,13 @@ import torch
 import triton
 import triton.language as tl
 
-from pieceworks.backends import pdl, pdl_kernels
-
 
 @triton.jit
 def _write_rows_kernel(
     dst_a, src_a, dst_b, src_b, slots,
     stride_da, stride_sa, stride_db, stride_sb,
     WIDTH_A: tl.constexpr, WIDTH_B: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    pdl_kernels.start(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots + t).to(tl.int64)
     ca = tl.arange(0, BLOCK_A)
@@ -38,5 +34,4 @@ def launch(dst_a: torch.Tensor, src_a: torch.Tensor, dst_b: torch.Tensor, src_b:
         dst_a, src_a, dst_b, src_b, slots,
         dst_a.stride(0), src_a.stride(0), dst_b.stride(0), src_b.stride(0),
         WIDTH_A=wa, WIDTH_B=wb, BLOCK_A=block_a, BLOCK_B=block_b, num_warps=warps,
-        **pdl.launch_kwargs(slots.device),
     )

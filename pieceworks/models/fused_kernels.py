@@ -12,8 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pieceworks.backends import pdl, pdl_kernels
-
 try:  # the accurate exp, as torch's SiLU uses, rather than the ex2.approx of tl.exp
     from triton.language.extra import libdevice
 
@@ -30,9 +28,7 @@ def _rows_ok(*ts: torch.Tensor) -> bool:
 
 # --- RMSNorm ------------------------------------------------------------------------------------------
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, H, eps, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr = False):
-    pdl_kernels.start(PDL)
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, H, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -55,14 +51,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         block = triton.next_power_of_2(x.shape[1])
         _rms_norm_kernel[(x.shape[0],)](x, weight, out, x.stride(0), out.stride(0), x.shape[1], eps,
                                         BLOCK=block, num_warps=min(16, max(1, block // 512)),
-                                        enable_fp_fusion=False, **pdl.launch_kwargs(x.device))
+                                        enable_fp_fusion=False)
     return out
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o, stride_s, H, eps,
-                         BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_kernels.start(PDL)
+                         BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -90,17 +85,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         block = triton.next_power_of_2(x.shape[1])
         _add_rms_norm_kernel[(x.shape[0],)](x, residual, weight, out, s, x.stride(0), residual.stride(0),
                                             out.stride(0), s.stride(0), x.shape[1], eps, BLOCK=block,
-                                            num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False,
-                                            **pdl.launch_kwargs(x.device))
+                                            num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False)
     return out, s
 
 
 # --- rope ---------------------------------------------------------------------------------------------
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ct, stride_st, H,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
-                 PDL: tl.constexpr = False):
-    pdl_kernels.start(PDL)
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     j = tl.arange(0, HALF)
@@ -138,15 +130,13 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
         block_h = triton.next_power_of_2(x.shape[1])
         _rope_kernel[(x.shape[0],)](x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
                                     x.shape[1], HALF=x.shape[2] // 2, BLOCK_H=block_h, INTERLEAVED=interleaved,
-                                    num_warps=4, enable_fp_fusion=False, **pdl.launch_kwargs(x.device))
+                                    num_warps=4, enable_fp_fusion=False)
     return out
 
 
 # --- SiLU and multiply --------------------------------------------------------------------------------
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_o, N, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr = False):
-    pdl_kernels.start(PDL)
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_o, N, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -167,5 +157,5 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         block = 1024
         _silu_mul_kernel[(gate.shape[0], triton.cdiv(gate.shape[1], block))](
             gate, up, out, gate.stride(0), up.stride(0), out.stride(0), gate.shape[1], BLOCK=block, num_warps=4,
-            enable_fp_fusion=False, **pdl.launch_kwargs(gate.device))
+            enable_fp_fusion=False)
     return out

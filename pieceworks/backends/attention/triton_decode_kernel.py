@@ -14,7 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pieceworks.backends import pdl, pdl_kernels
 from pieceworks.backends.fp4_gemm.triton_kernels import _fence_acq_rel  # the split-K GEMM's fence
 
 
@@ -23,8 +22,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
                    stride_vp, stride_vs, stride_vh, stride_tb, scale_log2,
                    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, S: tl.constexpr,
-                   BLOCK_N: tl.constexpr, HKV: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_kernels.start(PDL)
+                   BLOCK_N: tl.constexpr, HKV: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -105,4 +103,4 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
         scale * 1.4426950408889634, G=group, GP=gp, D=dim, PS=page_size, S=splits, BLOCK_N=block_n, HKV=hkv,
-        num_warps=4, num_stages=2, **pdl.launch_kwargs(q.device))
+        num_warps=4, num_stages=2)

@@ -87,20 +87,6 @@ def choose_split_k(tile: TileConfig, m: int, n: int, k_padded: int) -> int:
     return max(1, min(-(-tile.target_ctas // tiles), iters // 2, tile.max_split))
 
 
-# L2 budget for the PDL prefetch hints of one GEMM call (H200: 50 MB of L2).
-PREFETCH_BYTES = 24 << 20
-
-
-def prefetch_steps(programs: int, block_n: int, block_k: int, steps_per_program: int) -> int:
-    """K steps each program hints into L2 before its PDL wait: a power of two (tl.arange) up to 8, at
-    most the budget's worth of weight bytes in all; the kernel clamps steps past a program's range."""
-    budget = PREFETCH_BYTES // max(1, programs * block_n * block_k // 2)
-    if budget < 1:
-        return 0
-    down = 1 << (min(budget, 8).bit_length() - 1)
-    return min(down, 1 << (max(1, steps_per_program) - 1).bit_length())
-
-
 def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int = 4096):
     """Checkpoint NVFP4 -> k32 layout (see triton_kernels.py).
 
@@ -196,7 +182,6 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         return tile, choose_split_k(tile, m, n, k_padded)
 
     def forward(self, x, weight, weight_scale, weight_scale_2, input_scale, out_features):
-        from pieceworks.backends import pdl
         from pieceworks.backends.fp4_gemm import triton_kernels
 
         if x.stride(-1) != 1:
@@ -204,4 +189,4 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         tile, split_k = self._plan(x.shape[0], out_features, weight.shape[1] * 2)
         counters = self.counters(x.device) if split_k > 1 else None
         return triton_kernels.fp4_gemm(x, weight, weight_scale, weight_scale_2, out_features,
-                                       x.shape[1], tile, split_k, counters, pdl=pdl.enabled(x.device))
+                                       x.shape[1], tile, split_k, counters)

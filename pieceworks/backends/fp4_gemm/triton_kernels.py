@@ -41,9 +41,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pieceworks.backends import pdl_kernels
-from pieceworks.backends.fp4_gemm.triton import prefetch_steps
-
 # Scale bias folded into the decoded weights (see the module docstring), undone in the epilogue.
 OUT_BIAS = tl.constexpr(16384.0)  # 2^14
 
@@ -252,12 +249,10 @@ def _fp4_gemm_kernel(
     M, N, K, Kp, stride_xm, stride_wn, stride_sn, stride_om, iters, num_splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, EVEN_K: tl.constexpr, W_AS_A: tl.constexpr,
-    USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr,
 ):
     """One output tile, or (SPLIT) one of `num_splits` K ranges of it; ranges differ by at most one
-    BLOCK_K iteration. PDL (launched with programmatic dependent launch, see `pieceworks.backends.pdl`):
-    before waiting for the kernel before it, the program hints its first PREFETCH K steps of weight
-    rows (and their scales) into L2; it lets the next kernel start after its K loop. A split writes its float32 partial to part[pid_k] (laid out [splits, M, N]);
+    BLOCK_K iteration. A split writes its float32 partial to part[pid_k] (laid out [splits, M, N]);
     with FUSED_REDUCE, the split that arrives last at the tile's counter (count_ptr[tile], zero
     before the call and reset by that split) sums the partials in split order and writes out, so
     the result does not depend on which split finishes last; otherwise `_splitk_reduce_kernel` does."""
@@ -287,20 +282,11 @@ def _fp4_gemm_kernel(
     k_lo = it_lo * BLOCK_K  # a multiple of BLOCK_K: 16-byte aligned weight loads
     w_rows = n_c * stride_wn
     s_rows = n_c * stride_sn
-    if PDL:
-        if PREFETCH > 0:
-            # One hint per row and K step (BLOCK_K // 2 bytes: one 128-byte line at BLOCK_K = 256),
-            # steps past this program's range clamped to its last; one for the rows' first scales.
-            step = tl.minimum(tl.arange(0, PREFETCH), num_iters - 1)
-            pdl_kernels.prefetch_l2(w_ptr + w_rows[:, None] + (k_lo // 4 + step * (BLOCK_K // 4))[None, :])
-            pdl_kernels.prefetch_l2(s_ptr + s_rows + k_lo // 32)
-        pdl_kernels.wait(PDL)
     acc, unused = fp4_tile_loop(
         acc, acc, x_ptr, x_rows, rm < M, w_ptr, w_rows, w_rows, s_ptr, s_rows, s_rows,
         k_lo, num_iters, K, Kp,
         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, USE_ASM, False, ONE_DOT,
     )
-    pdl_kernels.launch_dependents(PDL)
     if W_AS_A:
         acc = tl.trans(acc)
     acc = acc * (tl.load(gs_ptr) * OUT_BIAS)
@@ -362,15 +348,14 @@ def _dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, stride_wn, stride_sn, s
              mask=(rn < N)[:, None] & (k < K)[None, :])
 
 
-def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counters=None, pdl=False):
+def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counters=None):
     """Launch the GEMM for x [M, K] and a k32-layout weight; returns [M, N] in x.dtype.
 
     weight: uint8 [N, Kp/2] (k32 layout), weight_scale: float8_e4m3fn [N, Kp/16], weight_scale_2:
     float32 scalar tensor. cfg: a `TileConfig`; split_k: K splits (any count up to the BLOCK_K
     iterations; 1 = none). counters: int32 tensor of zeros, at least one per output tile, that the
     call leaves zero again; with it a split-K call reduces in the same kernel, without it a second
-    kernel sums the partials. Calls sharing counters must not run concurrently. pdl: launch with
-    programmatic dependent launch (`pieceworks.backends.pdl`; CUDA, compute capability >= 9.0).
+    kernel sums the partials. Calls sharing counters must not run concurrently.
     """
     M = x.shape[0]
     Kp = weight.shape[1] * 2
@@ -390,17 +375,13 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     fused = split_k > 1 and counters is not None and counters.numel() >= tiles
     part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
-    extra = {}
-    if pdl:
-        steps = prefetch_steps(tiles * split_k, cfg.block_n, cfg.block_k, triton.cdiv(iters, split_k))
-        extra = dict(PDL=True, PREFETCH=steps, launch_pdl=True)
     _fp4_gemm_kernel[(tiles, split_k)](
         x, weight.view(torch.int16), weight_scale.view(torch.int16), weight_scale_2, out, part,
         counters if fused else out,
         M, N, K, Kp, x.stride(0), weight.stride(0) // 2, weight_scale.stride(0) // 2, N, iters, split_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         SPLIT=split_k > 1, FUSED_REDUCE=fused, EVEN_K=K == Kp, W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm,
-        ONE_DOT=cfg.one_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+        ONE_DOT=cfg.one_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split_k > 1 and not fused:
         block = 1024
