@@ -9,7 +9,7 @@ Extend: one sequence extending by T tokens (no prefix). Eager and piecewise are 
 in alternation: host-side plan + forward + synchronize, wall clock, median of repeats; the step's
 inputs are prepared once outside the timing (identical work for both). The whole-forward graph is captured per T for that
 exact batch and replayed without re-planning (what a graph can do at best). Decode: `Executor.forward` of a decode batch over
-512-token sequences (logits included), with the full decode graphs and with them switched off.
+512-token sequences (`--context`; logits included), with the full decode graphs and with them switched off.
 """
 
 from __future__ import annotations
@@ -170,6 +170,7 @@ def main() -> None:
     p.add_argument("--attention", default="auto", help="backends.attention (and mla)")
     p.add_argument("--extend", default="16,64,128,256,512,1024,2048,8192")
     p.add_argument("--decode", default="1,8,32")
+    p.add_argument("--context", type=int, default=512, help="tokens per sequence before the decode steps")
     p.add_argument("--decode-sizes", default=None, help="decode graph batch sizes (default schedule)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
@@ -185,10 +186,14 @@ def main() -> None:
     faulthandler.dump_traceback_later(args.watchdog)
 
     sizes = {"num_hidden_layers": args.layers} if args.layers else {}
+    decode_batches = [int(x) for x in args.decode.split(",") if x]
+    # each sequence grows by one token per decode step: about 10 * repeats steps per batch size
+    kv_tokens = max(40960, max(decode_batches, default=0) * (args.context + 12 * args.repeats + 64))
+    max_context = max(9216, args.context + 64)
     overrides = [
-        f"model.arch={args.arch}", f"model.preset={args.preset}", "model.max_context=9216",
+        f"model.arch={args.arch}", f"model.preset={args.preset}", f"model.max_context={max_context}",
         f"quantization.format={args.quant}", f"runtime.device={args.device}", "runtime.dtype=bfloat16",
-        "kv_cache.num_tokens=40960", f"backends.attention={args.attention}", f"backends.mla={args.attention}",
+        f"kv_cache.num_tokens={kv_tokens}", f"backends.attention={args.attention}", f"backends.mla={args.attention}",
         *(f"model.sizes.{k}={v}" for k, v in sizes.items()), *args.set,
     ]
     if args.decode_sizes:
@@ -199,7 +204,7 @@ def main() -> None:
     info = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if ex.device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "overrides": overrides, "build_s": build_s,
+        "torch": torch.__version__, "overrides": overrides, "build_s": build_s, "context": args.context,
         "backends": {op: sorted({b.name for b in ex.table.instances(op)}) for op in ("attention", "mla", "fp4_gemm", "moe")},
         "piecewise": ex.piecewise.describe() if ex.piecewise else None,
         "decode_graphs": ex.decode_graphs.describe() if ex.decode_graphs else None,
@@ -212,9 +217,9 @@ def main() -> None:
         ext.append(extend_row(ex, T, args.repeats if T <= 2048 else max(5, args.repeats // 4)))
         print(ext[-1], flush=True)
     dec = []
-    for bs in [int(x) for x in args.decode.split(",") if x]:
+    for bs in decode_batches:
         faulthandler.dump_traceback_later(args.watchdog)
-        dec.append(decode_row(ex, bs, args.repeats * 5))
+        dec.append(decode_row(ex, bs, args.repeats * 5, args.context))
         print(dec[-1], flush=True)
     faulthandler.cancel_dump_traceback_later()
     md = render(info, ext, dec)
@@ -244,7 +249,7 @@ def render(info: dict, ext: list[dict], dec: list[dict]) -> str:
             ratio = f"{r['piecewise_vs_eager']:.3f}" if "piecewise_vs_eager" in r else "-"
             lines.append(f"| {r['T']} | {r['eager_ms']:.3f} | {pw} | {r.get('whole_graph_ms', float('nan')):.3f} | {kept} | {ratio} |")
     if dec:
-        lines += ["", "| decode batch | full graph ms (Executor.forward) | graph replay alone ms | eager ms |",
+        lines += ["", f"decode over {info['context']}-token sequences", "", "| decode batch | full graph ms (Executor.forward) | graph replay alone ms | eager ms |",
                   "|---|---|---|---|"]
         for r in dec:
             lines.append(f"| {r['batch']} | {r['graph_ms']:.3f} | {r.get('replay_ms', float('nan')):.3f} | {r['eager_ms']:.3f} |")

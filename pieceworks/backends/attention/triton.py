@@ -6,8 +6,10 @@ one launch per layer: programs over (sequence, KV head, split of the sequence), 
 by the last program to finish. The number of splits depends only on the batch size (so a graph replays
 the launch it captured): enough programs to cover the GPU's SMs about twice, at most 16.
 
-It serves decode steps only (`forward_modes`); select it with
-`backends.attention: {decode: triton, extend: flashinfer}` (or `auto` for extend). Safe in FULL decode
+It serves decode steps only (`forward_modes`) and is `auto`'s choice for them where it can serve (priority
+above FlashInfer's: on the H200 the Llama-3.1-8B NVFP4 decode step was faster with it at every batch size
+measured, docs/benchmarks.md); extend steps go to the next backend (FlashInfer, else torch). Pin
+`backends.attention: flashinfer` to keep FlashInfer for decode too. Safe in FULL decode
 graphs: plan() refills per-batch-size buffers at fixed addresses (sequence lengths by an asynchronous
 copy from pinned memory) and allocates the split buffers and counters, never inside a capture. Eager
 decode steps share one set of split buffers, grown when a larger batch needs more (their size is
@@ -35,7 +37,7 @@ def num_splits(batch: int, num_kv_heads: int, target: int = TARGET_PROGRAMS, mos
 
 class TritonDecodeAttentionBackend(AttentionBackend):
     name = "triton"
-    priority = 50  # below FlashInfer (100): chosen only when named, until it has been measured more
+    priority = 110  # above FlashInfer (100): `auto` takes it for decode steps, FlashInfer for the rest
     forward_modes = frozenset({ForwardMode.DECODE})
     requires = Requirements(devices=("cuda",), min_capability=(8, 0), modules=("triton",),
                             install_hint="pip install triton (it comes with CUDA builds of torch)")
