@@ -65,9 +65,13 @@ def draws(t: int, gen, n: int):
 
 def candidates(t: int) -> list[dict]:
     if t <= 16:
-        return [dict(block_m=16, block_n=bn, block_k=bk, num_stages=3, w_as_a=wa, one_dot=od)
-                for bn, bk, wa, od in ((64, 256, True, True), (128, 256, True, True), (64, 128, True, True),
-                                       (64, 256, False, False), (128, 256, False, False))]
+        # (block_n, block_k, w_as_a, one_dot, stages); block_n 32 puts 64 weight rows (gate + up) in a
+        # program, as the dense GEMM's decode tile does (Triton then uses mma.sync, not wgmma)
+        return [dict(block_m=16, block_n=bn, block_k=bk, num_stages=st, w_as_a=wa, one_dot=od)
+                for bn, bk, wa, od, st in ((64, 256, True, True, 3), (128, 256, True, True, 3),
+                                           (64, 128, True, True, 3), (64, 256, False, False, 3),
+                                           (128, 256, False, False, 3), (32, 256, True, True, 3),
+                                           (64, 256, True, True, 4))]
     if t <= 256:
         return [dict(block_m=bm, block_n=bn, block_k=bk, num_stages=3, w_as_a=wa, one_dot=od)
                 for bm, bn, bk, wa, od in ((16, 64, 128, True, True), (16, 64, 256, True, True),

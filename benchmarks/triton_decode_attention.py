@@ -1,6 +1,11 @@
 """attention.triton's decode kernel alone: microseconds per call at Llama-3.1-8B head shapes.
 
     python benchmarks/triton_decode_attention.py [--batches 1,8,32] [--context 512]
+    python benchmarks/triton_decode_attention.py --sweep --shapes 1x512,32x4096   # launch variants
+
+--sweep times, per batch x context, the kernel with other split counts, keys per loop step (block_n)
+and pipeline stages than the backend uses (same kernel, same results), to tune `num_splits` and the
+launch.
 
 Each time is the median of 7 replays of a CUDA graph of 32 back-to-back calls (one per layer, each on
 its own K/V cache so L2 holds none of them), per call (`fp4_gemm.graph_time`). Needs a CUDA GPU and
@@ -26,7 +31,7 @@ from pieceworks.backends.attention.triton import num_splits  # noqa: E402
 HQ, HKV, D, PS, LAYERS = 32, 8, 128, 16, 32
 
 
-def time_calls(batch: int, context: int) -> float:
+def setup(batch: int, context: int, max_splits: int):
     gen = torch.Generator("cuda").manual_seed(batch)
     width = -(-context // PS)
     pages = batch * width + 1
@@ -36,19 +41,53 @@ def time_calls(batch: int, context: int) -> float:
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, HQ, D, device="cuda", generator=gen).bfloat16()
     out = torch.empty_like(q)
-    splits = num_splits(batch, HKV)
-    part_o = torch.empty(batch * HKV * splits * 16 * D, device="cuda")
-    part_lse = torch.empty(batch * HKV * splits * 16, device="cuda")
+    part_o = torch.empty(batch * HKV * max_splits * 16 * D, device="cuda")
+    part_lse = torch.empty(batch * HKV * max_splits * 16, device="cuda")
     counters = torch.zeros(batch * HKV, dtype=torch.int32, device="cuda")
-    return graph_time(lambda i: tk.decode(q, *caches[i], out, table, lens, D**-0.5, splits, part_o, part_lse,
-                                          counters), LAYERS) * 1e6
+    return caches, (out, table, lens, D**-0.5), (part_o, part_lse, counters), q
+
+
+def time_variant(state, splits: int, **launch) -> float:
+    caches, (out, table, lens, scale), parts, q = state
+    return graph_time(lambda i: tk.decode(q, *caches[i], out, table, lens, scale, splits, *parts, **launch),
+                      LAYERS) * 1e6
+
+
+def time_calls(batch: int, context: int) -> float:
+    splits = num_splits(batch, HKV)
+    return time_variant(setup(batch, context, splits), splits)
+
+
+def sweep(shapes: list[tuple[int, int]]) -> None:
+    print("| batch x context | splits | block_n | stages | us per call |\n|---|---:|---:|---:|---:|")
+    for batch, context in shapes:
+        policy = num_splits(batch, HKV)
+        state = setup(batch, context, 32)
+        best = None
+        for splits in sorted({policy, 2, 4, 8, 16, 32} - ({32} if batch > 1 else set())):
+            for block_n in (16, 32, 64):
+                for stages in (1, 2):
+                    us = time_variant(state, splits, block_n=block_n, num_stages=stages)
+                    mark = " (backend)" if (splits, block_n, stages) == (policy, 32, 2) else ""
+                    print(f"| {batch} x {context} | {splits} | {block_n} | {stages} | {us:.2f}{mark} |", flush=True)
+                    if best is None or us < best[0]:
+                        best = (us, splits, block_n, stages)
+        print(f"best for {batch} x {context}: {best[0]:.2f} us with splits {best[1]}, block_n {best[2]}, "
+              f"stages {best[3]} (backend: splits {policy})", flush=True)
+        del state
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--context", type=int, default=512)
+    p.add_argument("--sweep", action="store_true", help="time launch variants (--shapes)")
+    p.add_argument("--shapes", default="1x512,8x512,32x512,32x4096", help="batch x context, for --sweep")
     args = p.parse_args()
+    if args.sweep:
+        sweep([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")])
+        return
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; context {args.context}, "
           f"{HQ}/{HKV} heads, head_dim {D}, page size {PS}")
     print("| batch | splits | us per call |\n|---:|---:|---:|")

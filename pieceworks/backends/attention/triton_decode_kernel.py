@@ -87,13 +87,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
            table: torch.Tensor, lens: torch.Tensor, scale: float, splits: int, part_o: torch.Tensor,
-           part_lse: torch.Tensor, counters: torch.Tensor, block_n: int = 32) -> None:
+           part_lse: torch.Tensor, counters: torch.Tensor, block_n: int = 32, num_warps: int = 4,
+           num_stages: int = 2) -> None:
     """out[b] = attention of q[b] over the first lens[b] tokens of sequence b's pages.
 
     q, out: [B, Hq, D] (row stride free, unit stride over D); k_cache, v_cache: [P, PS, Hkv, D];
     table: [B, >= pages] int32 page ids; lens: [B] int32 (>= 1); part_o: float32 with room for
     B * Hkv * splits * GP * D, part_lse: B * Hkv * splits * GP (GP = max(16, pow2 >= Hq / Hkv));
-    counters: int32 [>= B * Hkv], zero (left zero)."""
+    counters: int32 [>= B * Hkv], zero (left zero). block_n: keys per loop step (a split covers a whole
+    number of them); num_warps, num_stages: Triton's launch options."""
     b, hq, dim = q.shape
     _, page_size, hkv, _ = k_cache.shape
     group = hq // hkv
@@ -103,4 +105,4 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
         scale * 1.4426950408889634, G=group, GP=gp, D=dim, PS=page_size, S=splits, BLOCK_N=block_n, HKV=hkv,
-        num_warps=4, num_stages=2)
+        num_warps=num_warps, num_stages=num_stages)
