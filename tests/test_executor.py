@@ -191,3 +191,17 @@ def test_soak_random_mixed_steps_return_every_page():
         ex.free(s)
     assert ex.kv.allocator.num_free == ex.kv.allocator.capacity
     assert modes == {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED}
+
+
+def test_page_table_pads_each_row():
+    from pieceworks.executor.runner import page_table
+
+    rng = random.Random(3)
+    for n, width in ((0, 5), (1, 1), (3, 7), (32, 576)):
+        pages = [[rng.randrange(10_000) for _ in range(rng.randrange(width + 1))] for _ in range(n)]
+        want = torch.tensor([p + [9] * (width - len(p)) for p in pages], dtype=torch.int32).reshape(n, width)
+        got = page_table(pages, width, fill=9)
+        assert got.dtype == torch.int32 and torch.equal(got, want)
+    assert torch.equal(page_table([[], [4]], 2), torch.tensor([[0, 0], [4, 0]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="3 pages, more than the table's width 2"):
+        page_table([[1], [1, 2, 3]], 2)
