@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -205,3 +206,25 @@ def test_page_table_pads_each_row():
     assert torch.equal(page_table([[], [4]], 2), torch.tensor([[0, 0], [4, 0]], dtype=torch.int32))
     with pytest.raises(ValueError, match="3 pages, more than the table's width 2"):
         page_table([[1], [1, 2, 3]], 2)
+
+
+def test_token_rows_match_the_per_token_rule():
+    from pieceworks.executor.runner import token_rows
+
+    rng = random.Random(5)
+    for case in range(30):
+        ps = rng.choice([1, 4, 16])
+        b = rng.randrange(1, 6)
+        kv_lens = [rng.randrange(0, 40) for _ in range(b)]
+        tokens = [[rng.randrange(1000) for _ in range(rng.randrange(1, 9))] for _ in range(b)]
+        pages = [rng.sample(range(500), -(-(k + len(t)) // ps) + rng.randrange(2)) for k, t in zip(kv_lens, tokens)]
+        n = sum(map(len, tokens))
+        pad_to = rng.choice([None, n, n + 5])
+        ids, positions, slots = token_rows(tokens, kv_lens, pages, ps, pad_to, pad_slot=-7)
+        want_pos = [p for k, t in zip(kv_lens, tokens) for p in range(k, k + len(t))]
+        want_slots = [pg[p // ps] * ps + p % ps for k, t, pg in zip(kv_lens, tokens, pages) for p in range(k, k + len(t))]
+        pad = (pad_to or n) - n
+        assert ids.tolist() == [x for t in tokens for x in t] + [0] * pad, case
+        assert positions.tolist() == want_pos + [0] * pad, case
+        assert slots.tolist() == want_slots + [-7] * pad, case
+        assert ids.dtype == positions.dtype == slots.dtype == np.int64

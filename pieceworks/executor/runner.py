@@ -192,29 +192,20 @@ class Executor:
         Padded tokens (up to `pad_to`) get token id 0, position 0 and the pool's reserved slot.
         """
         ps = self.page_size
-        ids, positions, slots = [], [], []
-        for seq, toks in zip(seqs, tokens):
-            start = seq.kv_len
-            ids.extend(toks)
-            for pos in range(start, start + len(toks)):
-                positions.append(pos)
-                slots.append(seq.pages[pos // ps] * ps + pos % ps)
-        pad = (pad_to or len(ids)) - len(ids)
-        ids += [0] * pad
-        positions += [0] * pad
-        slots += [self.kv.reserved_slot] * pad
         pages = [s.pages for s in seqs]
+        ids, positions, slots = token_rows(tokens, [s.kv_len for s in seqs], pages, ps, pad_to,
+                                           self.kv.reserved_slot)
         table = page_table(pages, table_width or max(1, max(map(len, pages))))
         dev = self.device
         meta = StepMetadata(
             mode=mode, graph_mode=graph,
             extend_lens=[len(t) for t in tokens], prefix_lens=[s.kv_len for s in seqs],
             page_size=ps, page_table=to_device(table, dev),
-            slot_mapping=to_device(torch.tensor(slots, dtype=torch.int64), dev),
-            positions=to_device(torch.tensor(positions, dtype=torch.int64), dev),
+            slot_mapping=to_device(torch.from_numpy(slots), dev),
+            positions=to_device(torch.from_numpy(positions), dev),
             page_lists=pages,
         )
-        return meta, to_device(torch.tensor(ids, dtype=torch.int64), dev)
+        return meta, to_device(torch.from_numpy(ids), dev)
 
     def _logit_rows(self, tokens: list[list[int]], all_rows: bool) -> torch.Tensor:
         if all_rows:
@@ -296,6 +287,36 @@ class Executor:
                 raise ValueError("tokenizing text needs transformers: pip install 'pieceworks[demo]'") from exc
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         return self._tokenizer
+
+
+def token_rows(tokens: list[list[int]], kv_lens: list[int], pages: list[list[int]], page_size: int,
+               pad_to: int | None, pad_slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """int64 (token ids, positions, KV slots) of a step's new tokens, sequence after sequence, padded
+    to `pad_to` rows with id 0, position 0 and `pad_slot`.
+
+    Sequence i's tokens sit at positions kv_lens[i], kv_lens[i] + 1, ... and their K/V go to slot
+    page * page_size + position % page_size of the page that holds the position. Vectorized in numpy
+    (a fixed number of array ops per step): on the CPU machine an 8192-token prefill's rows took 4.5 ms
+    with per-token Python and tensors built from lists, 0.3 ms this way; an eager 32-sequence decode step
+    pays about 16 us more (decode graphs do not use this).
+    """
+    counts = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
+    n = int(counts.sum())
+    total = pad_to or n
+    ids = np.zeros(total, dtype=np.int64)
+    positions = np.zeros(total, dtype=np.int64)
+    slots = np.full(total, pad_slot, dtype=np.int64)
+    if n:
+        seq = np.repeat(np.arange(len(tokens)), counts)
+        first = np.cumsum(counts) - counts  # row of each sequence's first new token
+        pos = np.asarray(kv_lens, dtype=np.int64)[seq] + np.arange(n) - first[seq]
+        num_pages = np.fromiter(map(len, pages), dtype=np.int64, count=len(pages))
+        flat = np.fromiter(itertools.chain.from_iterable(pages), dtype=np.int64, count=int(num_pages.sum()))
+        page_start = np.cumsum(num_pages) - num_pages
+        ids[:n] = np.fromiter(itertools.chain.from_iterable(tokens), dtype=np.int64, count=n)
+        positions[:n] = pos
+        slots[:n] = flat[page_start[seq] + pos // page_size] * page_size + pos % page_size
+    return ids, positions, slots
 
 
 def page_table(pages: list[list[int]], width: int, fill: int = 0) -> torch.Tensor:
