@@ -209,7 +209,7 @@ def test_page_table_pads_each_row():
 
 
 def test_token_rows_match_the_per_token_rule():
-    from pieceworks.executor.runner import token_rows
+    from pieceworks.executor.runner import page_table, token_rows
 
     rng = random.Random(5)
     for case in range(30):
@@ -220,7 +220,8 @@ def test_token_rows_match_the_per_token_rule():
         pages = [rng.sample(range(500), -(-(k + len(t)) // ps) + rng.randrange(2)) for k, t in zip(kv_lens, tokens)]
         n = sum(map(len, tokens))
         pad_to = rng.choice([None, n, n + 5])
-        ids, positions, slots = token_rows(tokens, kv_lens, pages, ps, pad_to, pad_slot=-7)
+        table = page_table(pages, max(map(len, pages))).numpy()
+        ids, positions, slots = token_rows(tokens, kv_lens, table, ps, pad_to, pad_slot=-7)
         want_pos = [p for k, t in zip(kv_lens, tokens) for p in range(k, k + len(t))]
         want_slots = [pg[p // ps] * ps + p % ps for k, t, pg in zip(kv_lens, tokens, pages) for p in range(k, k + len(t))]
         pad = (pad_to or n) - n

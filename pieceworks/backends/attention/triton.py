@@ -6,14 +6,14 @@ one launch per layer: programs over (sequence, KV head, split of the sequence), 
 by the last program to finish. The number of splits depends only on the batch size (so a graph replays
 the launch it captured): enough programs to cover the GPU's SMs about twice, at most 16.
 
-It serves decode steps only (`forward_modes`) and is `auto`'s choice for them where it can serve (priority
-above FlashInfer's: on the H200 the Llama-3.1-8B NVFP4 decode step, Executor.forward, was faster with it
-at every batch size and context measured, docs/benchmarks.md); extend steps go to the next backend (FlashInfer, else torch). Pin
-`backends.attention: flashinfer` to keep FlashInfer for decode too. Safe in FULL decode
-graphs: plan() refills per-batch-size buffers at fixed addresses (sequence lengths by an asynchronous
-copy from pinned memory) and allocates the split buffers and counters, never inside a capture. Eager
-decode steps share one set of split buffers, grown when a larger batch needs more (their size is
-batch x splits, and splits shrink as the batch grows).
+It serves decode steps only (`forward_modes`) and is `auto`'s choice for them where it can serve
+(priority above FlashInfer's: on the H200 the Llama-3.1-8B NVFP4 decode step, Executor.forward, was
+faster with it at every batch size and context measured, docs/benchmarks.md); extend steps go to the
+next backend (FlashInfer, else torch). Pin `backends.attention: flashinfer` to keep FlashInfer for
+decode too. Safe in FULL decode graphs: plan() refills per-batch-size buffers at fixed addresses
+(sequence lengths by an asynchronous copy from pinned memory) and allocates the split buffers and
+counters, never inside a capture. Eager decode steps share one set of split buffers, grown when a
+larger batch needs more (their size is batch x splits, and splits shrink as the batch grows).
 """
 
 from __future__ import annotations
