@@ -3,9 +3,10 @@
 One program per (sequence, KV head, split): it attends the GQA group's queries (padded to 16 rows for
 the tensor-core dots) over its split's share of the sequence, gathering K/V rows through the page
 table, with an online float32 softmax (P is rounded to the KV dtype for the PV dot, as FlashInfer
-does). With several splits each program stores its normalized partial output and log-sum-exp; the
-program that arrives last at the (sequence, head) counter merges the partials in split order (so the
-result does not depend on arrival order), writes the output and resets the counter to zero.
+does). With several splits each program that has keys stores its normalized partial output and
+log-sum-exp (a short sequence leaves the last splits empty: splits cover whole BLOCK_N steps); the
+program that arrives last at the (sequence, head) counter merges the stored partials in split order (so
+the result does not depend on arrival order), writes the output and resets the counter to zero.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
     s = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
     chunk = tl.cdiv(tl.cdiv(seq_len, S), BLOCK_N) * BLOCK_N
+    active = tl.cdiv(seq_len, chunk)  # splits with keys; the others only count themselves in
     start = s * chunk
     end = tl.minimum(start + chunk, seq_len)
     g = tl.arange(0, GP)
@@ -60,23 +62,23 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
     if S == 1:
         tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
     else:
-        # partials of (b, h): [S, GP, D] and [S, GP]; an empty split stores lse -inf and zeros
+        # partials of (b, h): [S, GP, D] and [S, GP], written by the `active` splits that have keys
         base = (b * HKV + h).to(tl.int64) * S
-        lse = tl.where(l_i > 0, m_i + tl.math.log2(l_i), float("-inf"))
-        o = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
-        tl.store(part_o_ptr + ((base + s) * GP + g[:, None]) * D + d[None, :], o)
-        tl.store(part_lse_ptr + (base + s) * GP + g, lse)
+        if s < active:
+            lse = m_i + tl.math.log2(l_i)
+            tl.store(part_o_ptr + ((base + s) * GP + g[:, None]) * D + d[None, :], acc / l_i[:, None])
+            tl.store(part_lse_ptr + (base + s) * GP + g, lse)
         _fence_acq_rel()
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + b * HKV + h, 1, sem="acq_rel", scope="gpu")
         if arrived == S - 1:
             _fence_acq_rel()
             m = tl.full([GP], float("-inf"), tl.float32)
-            for si in range(S):
+            for si in range(active):
                 m = tl.maximum(m, tl.load(part_lse_ptr + (base + si) * GP + g, cache_modifier=".cg"))
             total = tl.zeros([GP, D], tl.float32)
             weight = tl.zeros([GP], tl.float32)
-            for si in range(S):
+            for si in range(active):
                 w = tl.math.exp2(tl.load(part_lse_ptr + (base + si) * GP + g, cache_modifier=".cg") - m)
                 total += w[:, None] * tl.load(part_o_ptr + ((base + si) * GP + g[:, None]) * D + d[None, :],
                                               cache_modifier=".cg")
@@ -87,7 +89,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
            table: torch.Tensor, lens: torch.Tensor, scale: float, splits: int, part_o: torch.Tensor,
-           part_lse: torch.Tensor, counters: torch.Tensor, block_n: int = 32, num_warps: int = 4,
+           part_lse: torch.Tensor, counters: torch.Tensor, block_n: int = 64, num_warps: int = 4,
            num_stages: int = 2) -> None:
     """out[b] = attention of q[b] over the first lens[b] tokens of sequence b's pages.
 
