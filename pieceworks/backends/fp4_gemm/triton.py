@@ -139,6 +139,30 @@ def unpack_k32(weight: torch.Tensor, k: int) -> torch.Tensor:
     return codes[:, :k].to(torch.uint8).view(*lead, n, k)
 
 
+class SplitCounters:
+    """Per-device int32 arrival counters for the kernels' in-kernel split-K reduction (zeros; every
+    call leaves them zero).
+
+    Allocated on first use outside a CUDA-graph capture (a backend's `prepare` asks for them, so
+    graphs find them ready: a zeroing recorded into a graph would not run before the first replay);
+    `get` returns None while capturing without them, and callers then do not split (or reduce with a
+    second kernel). One backend instance serves one executor, whose calls run in order on one stream;
+    concurrent calls must not share the counters.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device) -> torch.Tensor | None:
+        device = torch.device(device)
+        counters = self._by_device.get(device)
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if counters is None and not capturing:
+            counters = self._by_device[device] = torch.zeros(self.size, dtype=torch.int32, device=device)
+        return counters
+
+
 TRITON_REQUIREMENTS = Requirements(
     devices=("cuda",), min_capability=(8, 0), modules=("triton",), install_hint="pip install triton",
 )
@@ -156,7 +180,7 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         super().__init__(spec, options)
         self.table = parse_table(FP4_GEMM_TILES)
         self._plan = lru_cache(maxsize=None)(self._plan_uncached)
-        self._counters: dict[torch.device, torch.Tensor] = {}
+        self._counters = SplitCounters(COUNTERS)
 
     def prepare(self, w: Fp4Weight) -> Fp4Weight:
         weight, scale = repack_k32(w.weight, w.weight_scale)
@@ -165,17 +189,8 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         return Fp4Weight(weight, scale, w.weight_scale_2.float().reshape(()), w.input_scale)
 
     def counters(self, device: torch.device) -> torch.Tensor | None:
-        """This instance's split-K arrival counters on `device` (zeros; every call leaves them zero).
-
-        Allocated at `prepare` (or the first call outside a CUDA-graph capture: a zeroing recorded
-        into a graph would not run before the first replay); None while capturing without them, and
-        the call then reduces with a second kernel. One instance serves one executor, whose calls run
-        in order on one stream; concurrent calls must not share the counters.
-        """
-        counters = self._counters.get(device)
-        if counters is None and not torch.cuda.is_current_stream_capturing():
-            counters = self._counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-        return counters
+        """This instance's split-K arrival counters on `device` (see `SplitCounters`)."""
+        return self._counters.get(device)
 
     def _plan_uncached(self, m: int, n: int, k_padded: int) -> tuple[TileConfig, int]:
         tile = select_tile(self.table, m)
