@@ -16,6 +16,7 @@ from pieceworks.backends.fp4_gemm.triton import (
     parse_table,
     repack_k32,
     select_tile,
+    streamk_layout,
     unpack_k32,
 )
 from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES, MOE_TILES
@@ -93,6 +94,14 @@ def test_split_counters_on_cpu():
     t = c.get(torch.device("cpu"))
     assert t.shape == (64,) and t.dtype == torch.int32 and int(t.abs().sum()) == 0
     assert c.get("cpu") is t  # one set per device
+
+
+def test_stream_k_layout():
+    tiles, iters = 448, 16  # gate_up at M <= 16
+    programs, slots = streamk_layout(tiles, iters, 528)
+    assert programs == 528 and slots == 3  # 13 or 14 iterations per program: a tile spans at most 3
+    assert streamk_layout(2, 4, 100) == (8, 5)
+    assert streamk_layout(64, 16, 64) == (64, 2)
 
 
 # --- k32 repack --------------------------------------------------------------------------------------

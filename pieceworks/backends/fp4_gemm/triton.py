@@ -48,6 +48,8 @@ class TileConfig:
     one_dot: bool = False
     target_ctas: int = 0
     max_split: int = 1
+    stream_k: bool = False
+    maxnreg: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("fused", "dequant"):
@@ -78,13 +80,22 @@ def choose_split_k(tile: TileConfig, m: int, n: int, k_padded: int) -> int:
     """K splits so that about `target_ctas` programs stream the weight: ceil(target / tiles), at most
     `max_split` and half the BLOCK_K iterations (every split keeps two or more). Splits need not
     divide the iterations: their ranges differ by at most one iteration."""
-    if tile.kind != "fused" or tile.target_ctas <= 0:
+    if tile.kind != "fused" or tile.target_ctas <= 0 or tile.stream_k:
         return 1
     tiles = -(-m // tile.block_m) * -(-n // tile.block_n)
     if tiles >= tile.target_ctas:
         return 1
     iters = k_padded // tile.block_k
     return max(1, min(-(-tile.target_ctas // tiles), iters // 2, tile.max_split))
+
+
+def streamk_layout(tiles: int, iters: int, programs: int) -> tuple[int, int]:
+    """(programs, partial slots) of a stream-K launch: at most one program per iteration (so every
+    range is non-empty) and as many slots as the most programs any tile can be shared by."""
+    work = tiles * iters
+    programs = max(1, min(programs, work))
+    least = work // programs  # iterations of the shortest range
+    return programs, min(programs, -(-iters // least) + 1)
 
 
 def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int = 4096):
@@ -202,6 +213,6 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         if x.stride(-1) != 1:
             x = x.contiguous()
         tile, split_k = self._plan(x.shape[0], out_features, weight.shape[1] * 2)
-        counters = self.counters(x.device) if split_k > 1 else None
+        counters = self.counters(x.device) if split_k > 1 or tile.stream_k else None
         return triton_kernels.fp4_gemm(x, weight, weight_scale, weight_scale_2, out_features,
                                        x.shape[1], tile, split_k, counters)
