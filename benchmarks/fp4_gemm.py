@@ -142,16 +142,17 @@ def backend_with(table) -> TritonFp4GemmBackend:
 def candidates(m: int) -> list[dict]:
     out = []
     if m <= 16:
-        # The split-K one_dot tile, 64x256 at 264 programs, beat (sweeps at fe6e154 and 53ee4f7,
-        # docs/benchmarks.md) 128x128 / 256x128 / 64x128 one_dot and every mma.sync tile. Stream-K
-        # gives every program the same number of K iterations (Nsight Compute showed SMs idle for a
-        # fifth of the gate_up call: 448 tiles on 132 SMs at 4 per SM); maxnreg 128 keeps its
-        # registers at 124 (161 without: 3 programs per SM instead of 4).
+        # The shipped one_dot tile, 64x256 at 264 programs, beat (sweep at fe6e154, docs/benchmarks.md)
+        # 128x128 / 256x128 one_dot and every mma.sync tile (w_as_a=False: x in the A operand of a
+        # 16-row dot, 2.97-3.24 SASS instructions per weight against 4.02). 64x128 one_dot needs 74
+        # registers and 21 KB of shared memory (6 programs per SM instead of 4; Nsight Compute showed
+        # the 64x256 gate_up call at 3 warps per scheduler issuing 0.69 instructions per cycle), so it is
+        # tried with more programs.
         out.append(dict(block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=True, one_dot=True,
                         target_ctas=264, max_split=16))
-        for target, maxnreg in ((396, 128), (528, 128), (660, 128), (792, 128), (528, 0)):
-            out.append(dict(block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=True, one_dot=True,
-                            stream_k=True, target_ctas=target, maxnreg=maxnreg))
+        for target, stages in ((264, 3), (528, 3), (792, 3), (1056, 3), (792, 4)):
+            out.append(dict(block_m=16, block_n=64, block_k=128, num_stages=stages, w_as_a=True,
+                            one_dot=True, target_ctas=target, max_split=16))
     elif m <= 64:
         for bn, bk, one_dot in ((64, 128, False), (128, 128, False), (64, 256, False), (64, 128, True),
                                 (128, 128, True), (64, 256, True)):

@@ -65,14 +65,13 @@ def draws(t: int, gen, n: int):
 
 def candidates(t: int) -> list[dict]:
     if t <= 16:
-        # (block_n, block_k, stages, target_ctas): target_ctas > 0 splits K until about that many
-        # programs run over the blocks that can hold rows (the split-K partials are reduced in the
-        # kernel by the last split of each tile, before SwiGLU)
-        return [dict(block_m=16, block_n=bn, block_k=bk, num_stages=st, w_as_a=True, one_dot=True,
-                     target_ctas=tc, max_split=8)
-                for bn, bk, st, tc in ((64, 256, 3, 0), (64, 256, 3, 396), (64, 256, 3, 528),
-                                       (64, 256, 3, 1056), (64, 256, 4, 528), (128, 256, 3, 0),
-                                       (128, 256, 3, 528), (64, 128, 3, 1056))]
+        # (block_n, block_k, w_as_a, one_dot, stages); block_n 32 puts 64 weight rows (gate + up) in a
+        # program, as the dense GEMM's decode tile does (Triton then uses mma.sync, not wgmma)
+        return [dict(block_m=16, block_n=bn, block_k=bk, num_stages=st, w_as_a=wa, one_dot=od)
+                for bn, bk, wa, od, st in ((64, 256, True, True, 3), (128, 256, True, True, 3),
+                                           (64, 128, True, True, 3), (64, 256, False, False, 3),
+                                           (128, 256, False, False, 3), (32, 256, True, True, 3),
+                                           (64, 256, True, True, 4))]
     if t <= 256:
         return [dict(block_m=bm, block_n=bn, block_k=bk, num_stages=3, w_as_a=wa, one_dot=od)
                 for bm, bn, bk, wa, od in ((16, 64, 128, True, True), (16, 64, 256, True, True),
@@ -93,29 +92,26 @@ def _compile_job(cand):
     s13 = torch.ones(e, 2 * I, H // 16, device="cuda").to(torch.float8_e4m3fn)
     w2 = torch.randint(0, 256, (e, H, I // 2), dtype=torch.uint8, device="cuda", generator=gen)
     s2 = torch.ones(e, H, I // 16, device="cuda").to(torch.float8_e4m3fn)
-    x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)  # one token: split-K tiles do split
-    weights, ids = deepseek_route(torch.randn(1, e, device="cuda"), torch.empty(0, device="cuda"),
+    x = torch.randn(4, H, device="cuda", dtype=torch.bfloat16)
+    weights, ids = deepseek_route(torch.randn(4, e, device="cuda"), torch.empty(0, device="cuda"),
                                   TOPK, GROUPS, TOPK_GROUP, True, SCALE)
     tile = TileConfig(**cand)
     try:
         blocks = num_aligned_blocks(ids.numel(), e, tile.block_m)
         aligned = mk.align_gpu(ids, e, tile.block_m, blocks)
         mk.fused_moe(x, w13, s13, torch.full((e, 2), 0.01, device="cuda"), w2, s2,
-                     torch.full((e,), 0.01, device="cuda"), weights.contiguous(), *aligned, TOPK, tile,
-                     torch.zeros(1 << 14, dtype=torch.int32, device="cuda"))
+                     torch.full((e,), 0.01, device="cuda"), weights.contiguous(), *aligned, TOPK, tile)
         torch.cuda.synchronize()
         return None
     except Exception as exc:
         return f"{cand}: {type(exc).__name__}: {str(exc)[:300]}"
 
 
-def precompile(workers: int, only_t=None) -> None:
+def precompile(workers: int) -> None:
     import multiprocessing as mp
 
     cands, seen = [], set()
     for t, _ in BUCKETS:
-        if only_t is not None and t not in only_t:
-            continue
         for c in candidates(t):
             if json.dumps(c, sort_keys=True) not in seen:
                 seen.add(json.dumps(c, sort_keys=True))
@@ -146,8 +142,7 @@ class Bench:
         sorted_ids, expert_ids, num_post = mk.align_gpu(ids, E, tile.block_m, blocks)
         w = self.w
         return mk.fused_moe(x, w.w13, w.w13_scale, w.w13_scale_2, w.w2, w.w2_scale, w.w2_scale_2,
-                            weights, sorted_ids, expert_ids, num_post, TOPK, tile,
-                            self.backend.counters(x.device))
+                            weights, sorted_ids, expert_ids, num_post, TOPK, tile)
 
     def route(self, logits):
         w, ids = deepseek_route(logits, self.bias, TOPK, GROUPS, TOPK_GROUP, True, SCALE)
@@ -199,7 +194,7 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.precompile_only:
-        precompile(args.workers, [int(v) for v in args.sweep_t.split(",")] if args.sweep_t else None)
+        precompile(args.workers)
         return
     gen = torch.Generator("cuda").manual_seed(0)
     t0 = time.time()

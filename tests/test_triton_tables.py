@@ -16,12 +16,11 @@ from pieceworks.backends.fp4_gemm.triton import (
     parse_table,
     repack_k32,
     select_tile,
-    streamk_layout,
     unpack_k32,
 )
 from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES, MOE_TILES
 from pieceworks.backends.moe.routing import deepseek_route, route, route_supported
-from pieceworks.backends.moe.triton import TritonMoEBackend, moe_align, moe_split_k, num_aligned_blocks
+from pieceworks.backends.moe.triton import TritonMoEBackend, moe_align, num_aligned_blocks
 from pieceworks.quant import nvfp4
 
 
@@ -71,37 +70,6 @@ def test_split_k_choice():
         split = choose_split_k(tile, 1, n, k)
         assert 1 <= split <= max(1, (k // 256) // 2) and split <= 8
     assert choose_split_k(TileConfig(kind="dequant"), 1, 64, 4096) == 1
-
-
-def test_moe_split_k_choice():
-    tile = TileConfig(block_m=16, block_n=64, block_k=256, target_ctas=528, max_split=8)
-    # DeepSeek-V3 gate_up at one token: 8 blocks x 32 column tiles = 256 programs -> 3 splits of 28 iterations.
-    assert moe_split_k(tile, 8, 2048 // 64, 7168 // 256) == 3
-    # down at one token: 8 x 112 programs already reach the target.
-    assert moe_split_k(tile, 8, 7168 // 64, 2048 // 256) == 1
-    # capped by max_split and by two iterations per split; no target, no split
-    assert moe_split_k(tile, 1, 2, 7168 // 256) == 8
-    assert moe_split_k(tile, 1, 2, 3) == 1
-    assert moe_split_k(TileConfig(block_k=256), 1, 1, 64) == 1
-    # no routed blocks still counts as one (the grid is never empty)
-    assert moe_split_k(tile, 0, 32, 28) == moe_split_k(tile, 1, 32, 28)
-
-
-def test_split_counters_on_cpu():
-    from pieceworks.backends.fp4_gemm.triton import SplitCounters
-
-    c = SplitCounters(64)
-    t = c.get(torch.device("cpu"))
-    assert t.shape == (64,) and t.dtype == torch.int32 and int(t.abs().sum()) == 0
-    assert c.get("cpu") is t  # one set per device
-
-
-def test_stream_k_layout():
-    tiles, iters = 448, 16  # gate_up at M <= 16
-    programs, slots = streamk_layout(tiles, iters, 528)
-    assert programs == 528 and slots == 3  # 13 or 14 iterations per program: a tile spans at most 3
-    assert streamk_layout(2, 4, 100) == (8, 5)
-    assert streamk_layout(64, 16, 64) == (64, 2)
 
 
 # --- k32 repack --------------------------------------------------------------------------------------

@@ -7,8 +7,6 @@ backends; outputs are poisoned first so an unwritten element shows up as NaN.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -32,12 +30,7 @@ from pieceworks.backends.moe import triton_kernels as moe_kernels  # noqa: E402
 from pieceworks.backends.moe.base import MoEWeights  # noqa: E402
 from pieceworks.backends.moe.routing import deepseek_route, route, route_supported  # noqa: E402
 from pieceworks.backends.moe.torch import TorchMoEBackend  # noqa: E402
-from pieceworks.backends.moe.triton import (  # noqa: E402
-    TritonMoEBackend,
-    moe_align,
-    moe_split_k,
-    num_aligned_blocks,
-)
+from pieceworks.backends.moe.triton import TritonMoEBackend, moe_align, num_aligned_blocks  # noqa: E402
 from pieceworks.quant import nvfp4  # noqa: E402
 
 DEV = "cuda"
@@ -129,30 +122,6 @@ def test_fused_split_k_matches_two_kernel_split_k_bitwise():
     for _ in range(5):
         assert torch.equal(gemm_kernels.fp4_gemm(x, wk, sk, w.weight_scale_2, n, k, cfg, 5, counters), two)
     assert rel_err(two, reference(x, w)) < TOL
-
-
-@pytest.mark.parametrize("programs", [1, 7, 64, 131, 528, 100000])
-@pytest.mark.parametrize("m,n,k", [(1, 520, 2064), (16, 4096, 4096), (5, 7168, 4096), (3, 4096, 14336),
-                                   (37, 1000, 4112)])
-def test_stream_k_matches_unsplit(programs, m, n, k):
-    """Stream-K (each program a contiguous run of the GEMM's K iterations, tiles shared by several
-    programs reduced by the last to arrive) against the same tile unsplit and the torch reference;
-    repeated calls are identical and leave the counters at zero. 100000 programs: capped at one per
-    iteration."""
-    gen = torch.Generator(DEV).manual_seed(programs + m)
-    w = random_fp4(n, k, gen)
-    wk, sk = repack_k32(w.weight, w.weight_scale)
-    cfg = TileConfig(block_m=16, block_n=64, block_k=256, one_dot=True, stream_k=True, target_ctas=programs,
-                     maxnreg=128)
-    counters = torch.zeros(4096, dtype=torch.int32, device=DEV)
-    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
-    plain = gemm_kernels.fp4_gemm(x, wk, sk, w.weight_scale_2, n, k, dataclasses.replace(cfg, stream_k=False), 1)
-    y = gemm_kernels.fp4_gemm(x, wk, sk, w.weight_scale_2, n, k, cfg, 1, counters)
-    assert rel_err(y, plain) < 2e-3  # float32 sums in another order, then bf16
-    assert rel_err(y, reference(x, w)) < TOL
-    for _ in range(3):
-        assert torch.equal(gemm_kernels.fp4_gemm(x, wk, sk, w.weight_scale_2, n, k, cfg, 1, counters), y)
-    assert not counters.any(), "stream-K must leave its counters at zero"
 
 
 def test_zero_scale_blocks():
@@ -263,56 +232,6 @@ def test_moe_skewed_routing(top_k):
     y = run_moe(backend, x, logits, torch.empty(0, device=DEV), prepared, routing)
     ref = run_moe(TorchMoEBackend(spec()), x, logits, torch.empty(0, device=DEV), w, routing)
     assert rel_err(y, ref) < TOL
-
-
-@pytest.mark.parametrize("tokens,skew", [(1, False), (3, True), (16, False)])
-def test_moe_split_k_matches_unsplit(tokens, skew):
-    """Grouped GEMMs split over K (partials summed by each tile's last split, before SwiGLU) against the
-    same tile unsplit and the torch reference; the counters come back zero; a CUDA-graph replay with
-    new inputs matches an eager call on them. skew: every token routes to the same top experts."""
-    gen = torch.Generator(DEV).manual_seed(100 + tokens)
-    e, h, inter = 32, 2048, 1024
-    w = random_moe(e, h, inter, gen)
-    backend = TritonMoEBackend(spec())
-    prepared = backend.prepare(w)
-    x = torch.randn(tokens, h, device=DEV, dtype=torch.bfloat16, generator=gen)
-    logits = torch.randn(tokens, e, device=DEV, generator=gen)
-    if skew:
-        logits[:, :4] += 20.0
-    bias = torch.empty(0, device=DEV)
-    base = backend.tile(tokens)
-    plain = dataclasses.replace(base, target_ctas=0)
-    split = dataclasses.replace(base, target_ctas=1 << 20, max_split=4)
-    counters = backend.counters(torch.device(DEV))
-    pairs = tokens * ROUTING["top_k"]
-    blocks = num_aligned_blocks(pairs, e, base.block_m)
-    assert moe_split_k(split, min(blocks, pairs), inter // split.block_n, h // split.block_k) == 4
-    assert moe_split_k(split, min(blocks, pairs), h // split.block_n, inter // split.block_k) == 2
-
-    def experts(tile):
-        weights, ids = route(logits, bias, *ROUTING.values())
-        aligned = moe_kernels.align_gpu(ids, e, tile.block_m, num_aligned_blocks(ids.numel(), e, tile.block_m))
-        p = prepared
-        return moe_kernels.fused_moe(x, p.w13, p.w13_scale, p.w13_scale_2, p.w2, p.w2_scale, p.w2_scale_2,
-                                     weights.contiguous(), *aligned, ROUTING["top_k"], tile, counters)
-
-    y_plain = experts(plain)
-    y_split = experts(split)
-    torch.cuda.synchronize()
-    assert int(counters.abs().sum()) == 0, "split-K counters left nonzero"
-    assert rel_err(y_split, y_plain) < 2e-3  # fp32 sums in another order, then bf16 h and output
-    ref = run_moe(TorchMoEBackend(spec()), x, logits, bias, w, ROUTING)
-    assert rel_err(y_split, ref) < TOL
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_graph = experts(split)
-    x.copy_(torch.randn(tokens, h, device=DEV, dtype=torch.bfloat16, generator=gen))
-    logits.copy_(torch.randn(tokens, e, device=DEV, generator=gen) + (20.0 * (torch.arange(e, device=DEV) < 4)
-                                                                       if skew else 0.0))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert rel_err(y_graph, experts(split)) < 1e-6
-    assert int(counters.abs().sum()) == 0
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,groups,topk_group,bias,renorm,dtype", [

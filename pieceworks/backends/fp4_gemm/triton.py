@@ -48,8 +48,6 @@ class TileConfig:
     one_dot: bool = False
     target_ctas: int = 0
     max_split: int = 1
-    stream_k: bool = False
-    maxnreg: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("fused", "dequant"):
@@ -80,22 +78,13 @@ def choose_split_k(tile: TileConfig, m: int, n: int, k_padded: int) -> int:
     """K splits so that about `target_ctas` programs stream the weight: ceil(target / tiles), at most
     `max_split` and half the BLOCK_K iterations (every split keeps two or more). Splits need not
     divide the iterations: their ranges differ by at most one iteration."""
-    if tile.kind != "fused" or tile.target_ctas <= 0 or tile.stream_k:
+    if tile.kind != "fused" or tile.target_ctas <= 0:
         return 1
     tiles = -(-m // tile.block_m) * -(-n // tile.block_n)
     if tiles >= tile.target_ctas:
         return 1
     iters = k_padded // tile.block_k
     return max(1, min(-(-tile.target_ctas // tiles), iters // 2, tile.max_split))
-
-
-def streamk_layout(tiles: int, iters: int, programs: int) -> tuple[int, int]:
-    """(programs, partial slots) of a stream-K launch: at most one program per iteration (so every
-    range is non-empty) and as many slots as the most programs any tile can be shared by."""
-    work = tiles * iters
-    programs = max(1, min(programs, work))
-    least = work // programs  # iterations of the shortest range
-    return programs, min(programs, -(-iters // least) + 1)
 
 
 def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int = 4096):
@@ -150,30 +139,6 @@ def unpack_k32(weight: torch.Tensor, k: int) -> torch.Tensor:
     return codes[:, :k].to(torch.uint8).view(*lead, n, k)
 
 
-class SplitCounters:
-    """Per-device int32 arrival counters for the kernels' in-kernel split-K reduction (zeros; every
-    call leaves them zero).
-
-    Allocated on first use outside a CUDA-graph capture (a backend's `prepare` asks for them, so
-    graphs find them ready: a zeroing recorded into a graph would not run before the first replay);
-    `get` returns None while capturing without them, and callers then do not split (or reduce with a
-    second kernel). One backend instance serves one executor, whose calls run in order on one stream;
-    concurrent calls must not share the counters.
-    """
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._by_device: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device) -> torch.Tensor | None:
-        device = torch.device(device)
-        counters = self._by_device.get(device)
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if counters is None and not capturing:
-            counters = self._by_device[device] = torch.zeros(self.size, dtype=torch.int32, device=device)
-        return counters
-
-
 TRITON_REQUIREMENTS = Requirements(
     devices=("cuda",), min_capability=(8, 0), modules=("triton",), install_hint="pip install triton",
 )
@@ -191,7 +156,7 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         super().__init__(spec, options)
         self.table = parse_table(FP4_GEMM_TILES)
         self._plan = lru_cache(maxsize=None)(self._plan_uncached)
-        self._counters = SplitCounters(COUNTERS)
+        self._counters: dict[torch.device, torch.Tensor] = {}
 
     def prepare(self, w: Fp4Weight) -> Fp4Weight:
         weight, scale = repack_k32(w.weight, w.weight_scale)
@@ -200,8 +165,17 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         return Fp4Weight(weight, scale, w.weight_scale_2.float().reshape(()), w.input_scale)
 
     def counters(self, device: torch.device) -> torch.Tensor | None:
-        """This instance's split-K arrival counters on `device` (see `SplitCounters`)."""
-        return self._counters.get(device)
+        """This instance's split-K arrival counters on `device` (zeros; every call leaves them zero).
+
+        Allocated at `prepare` (or the first call outside a CUDA-graph capture: a zeroing recorded
+        into a graph would not run before the first replay); None while capturing without them, and
+        the call then reduces with a second kernel. One instance serves one executor, whose calls run
+        in order on one stream; concurrent calls must not share the counters.
+        """
+        counters = self._counters.get(device)
+        if counters is None and not torch.cuda.is_current_stream_capturing():
+            counters = self._counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+        return counters
 
     def _plan_uncached(self, m: int, n: int, k_padded: int) -> tuple[TileConfig, int]:
         tile = select_tile(self.table, m)
@@ -213,6 +187,6 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         if x.stride(-1) != 1:
             x = x.contiguous()
         tile, split_k = self._plan(x.shape[0], out_features, weight.shape[1] * 2)
-        counters = self.counters(x.device) if split_k > 1 or tile.stream_k else None
+        counters = self.counters(x.device) if split_k > 1 else None
         return triton_kernels.fp4_gemm(x, weight, weight_scale, weight_scale_2, out_features,
                                        x.shape[1], tile, split_k, counters)

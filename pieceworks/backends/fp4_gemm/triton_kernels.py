@@ -41,8 +41,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pieceworks.backends.fp4_gemm.triton import streamk_layout
-
 # Scale bias folded into the decoded weights (see the module docstring), undone in the epilogue.
 OUT_BIAS = tl.constexpr(16384.0)  # 2^14
 
@@ -315,74 +313,6 @@ def _fp4_gemm_kernel(
                 tl.store(count_ptr + pid, 0)
 
 
-@triton.jit(do_not_specialize=["M", "iters", "work"])
-def _fp4_gemm_streamk_kernel(
-    x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, count_ptr,
-    M, N, K, Kp, stride_xm, stride_wn, stride_sn, stride_om, iters, work,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr,
-):
-    """Stream-K: the `work` = tiles x `iters` BLOCK_K iterations of the whole GEMM are cut into one
-    contiguous range per program (program p: [p * work // P, (p + 1) * work // P), P programs, every
-    range non-empty), so each program streams the same number of weight bytes whatever the tile count.
-    A program walks its range tile by tile. A tile done by one program is stored at once; a tile shared
-    by several stores each program's float32 partial in slot (program - first program of the tile)
-    of part ([slots, M, N]) and the program that arrives last at the tile's counter (count_ptr[tile],
-    zero before the call and reset by it) sums the slots in order: the result does not depend on
-    which program finishes last."""
-    pid = tl.program_id(0)
-    num_prog = tl.num_programs(0)
-    # int32 index math: the host keeps num_prog * work below 2^31
-    it = pid * work // num_prog
-    end = (pid + 1) * work // num_prog
-    num_n = tl.cdiv(N, BLOCK_N)
-    gs = tl.load(gs_ptr) * OUT_BIAS
-    mn = M.to(tl.int64) * N
-    while it < end:
-        tile = it // iters
-        seg_end = tl.minimum(end, (tile + 1) * iters)
-        pid_m = tile // num_n
-        pid_n = tile % num_n
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        x_rows = rm.to(tl.int64) * stride_xm
-        n_c = tl.where(rn < N, rn, N - 1).to(tl.int64)
-        if W_AS_A:
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc, unused = fp4_tile_loop(
-            acc, acc, x_ptr, x_rows, rm < M, w_ptr, n_c * stride_wn, n_c * stride_wn, s_ptr,
-            n_c * stride_sn, n_c * stride_sn, (it - tile * iters) * BLOCK_K, seg_end - it,
-            K, Kp, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, USE_ASM, False, ONE_DOT,
-        )
-        if W_AS_A:
-            acc = tl.trans(acc)
-        acc = acc * gs
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        offs = rm[:, None].to(tl.int64) * stride_om + rn[None, :]
-        # programs holding the tile's first and last iterations: the largest q with q * work // P <= i
-        # is ceil((i + 1) * P / work) - 1
-        first = ((tile * iters + 1) * num_prog + work - 1) // work - 1
-        last = ((tile + 1) * iters * num_prog + work - 1) // work - 1
-        sharers = last - first + 1
-        if sharers == 1:
-            tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.store(part_ptr + (pid - first).to(tl.int64) * mn + offs, acc, mask=mask)
-            _fence_acq_rel()
-            tl.debug_barrier()
-            arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == sharers - 1:
-                _fence_acq_rel()
-                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for k in range(sharers):
-                    total += tl.load(part_ptr + k * mn + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
-                tl.store(count_ptr + tile, 0)
-        it = seg_end
-
-
 @triton.jit
 def _splitk_reduce_kernel(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -441,19 +371,8 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
         return torch.matmul(x.to(torch.bfloat16), w.t()).to(x.dtype)
     iters, rem = divmod(Kp, cfg.block_k)
     assert rem == 0, "weights must come from repack_k32 (K padded to a multiple of 512)"
-    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    if cfg.stream_k and counters is not None and counters.numel() >= tiles:
-        programs, slots = streamk_layout(tiles, iters, cfg.target_ctas)
-        part = torch.empty((slots, M, N), dtype=torch.float32, device=x.device) if programs != tiles else out
-        _fp4_gemm_streamk_kernel[(programs,)](
-            x, weight.view(torch.int16), weight_scale.view(torch.int16), weight_scale_2, out, part, counters,
-            M, N, K, Kp, x.stride(0), weight.stride(0) // 2, weight_scale.stride(0) // 2, N, iters,
-            tiles * iters, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K == Kp,
-            W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm, ONE_DOT=cfg.one_dot, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
-        )
-        return out
     assert 1 <= split_k <= iters, f"split_k={split_k} must be in [1, {iters}]"
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     fused = split_k > 1 and counters is not None and counters.numel() >= tiles
     part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     _fp4_gemm_kernel[(tiles, split_k)](

@@ -16,9 +16,7 @@ from __future__ import annotations
 import torch
 
 from pieceworks.backends.fp4_gemm.triton import (
-    COUNTERS,
     TRITON_REQUIREMENTS,
-    SplitCounters,
     TileConfig,
     parse_table,
     repack_k32,
@@ -69,18 +67,6 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_ids, expert_ids.to(torch.int32), ends[-1:].to(torch.int32)
 
 
-def moe_split_k(cfg, active_blocks: int, n_tiles: int, iters: int) -> int:
-    """K splits of one grouped GEMM: enough for about `cfg.target_ctas` programs over the blocks that
-    can hold rows (`active_blocks`, at most the routed pairs), at most `cfg.max_split` and half the
-    BLOCK_K iterations; 1 when the tile does not split (target_ctas 0) or there are programs enough."""
-    if cfg.target_ctas <= 0:
-        return 1
-    programs = max(1, active_blocks) * n_tiles
-    if programs >= cfg.target_ctas:
-        return 1
-    return max(1, min(-(-cfg.target_ctas // programs), iters // 2, cfg.max_split))
-
-
 class TritonMoEBackend(MoEBackend):
     name = "triton"
     priority = 50
@@ -93,21 +79,14 @@ class TritonMoEBackend(MoEBackend):
     def __init__(self, spec, options=None) -> None:
         super().__init__(spec, options)
         self.table = parse_table(MOE_TILES)
-        self._counters = SplitCounters(COUNTERS)
 
     def prepare(self, w: MoEWeights) -> MoEWeights:
         if not w.is_fp4:
             raise ValueError("TritonMoEBackend serves NVFP4 experts only (weight_formats)")
         w13, w13_scale = repack_k32(w.w13, w.w13_scale)
         w2, w2_scale = repack_k32(w.w2, w.w2_scale)
-        if w2.is_cuda:
-            self._counters.get(w2.device)
         return MoEWeights(w13, w13_scale, w.w13_scale_2.float().contiguous(), w.w13_input_scale,
                           w2, w2_scale, w.w2_scale_2.float().contiguous(), w.w2_input_scale)
-
-    def counters(self, device: torch.device) -> torch.Tensor | None:
-        """This instance's split-K arrival counters on `device` (see `SplitCounters`)."""
-        return self._counters.get(device)
 
     def tile(self, num_tokens: int) -> TileConfig:
         return select_tile(self.table, num_tokens)
@@ -128,5 +107,4 @@ class TritonMoEBackend(MoEBackend):
         return triton_kernels.fused_moe(
             x, w.w13, w.w13_scale, w.w13_scale_2, w.w2, w.w2_scale, w.w2_scale_2,
             weights.contiguous(), sorted_ids, expert_ids, num_post, top_k, tile,
-            self.counters(x.device),
         )

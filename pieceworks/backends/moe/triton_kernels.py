@@ -14,48 +14,21 @@ import torch
 import triton
 import triton.language as tl
 
-from pieceworks.backends.fp4_gemm.triton_kernels import OUT_BIAS, _fence_acq_rel, fp4_tile_loop
-from pieceworks.backends.moe.triton import moe_split_k
+from pieceworks.backends.fp4_gemm.triton_kernels import OUT_BIAS, fp4_tile_loop
 
 
-@triton.jit
-def _moe_epilogue(acc, acc2, out_ptr, gs_ptr, topk_w_ptr, e, ids, row_ok, rn, N, stride_ge, stride_om,
-                  SWIGLU: tl.constexpr, ROUTED_WEIGHT: tl.constexpr):
-    """Scale the [BM, BN] sums, apply SwiGLU or the routing weight, store the valid rows."""
-    if SWIGLU:
-        gate = acc * (tl.load(gs_ptr + e * stride_ge) * OUT_BIAS)
-        up = acc2 * (tl.load(gs_ptr + e * stride_ge + 1) * OUT_BIAS)
-        res = gate / (1.0 + tl.exp(-gate)) * up
-    else:
-        res = acc * (tl.load(gs_ptr + e * stride_ge) * OUT_BIAS)
-        if ROUTED_WEIGHT:
-            res = res * tl.load(topk_w_ptr + ids, mask=row_ok, other=0.0)[:, None]
-    offs = ids[:, None].to(tl.int64) * stride_om + rn[None, :]
-    tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (rn[None, :] < N))
-
-
-@triton.jit(do_not_specialize=["num_valid", "num_iters", "num_splits", "num_rows"])
+@triton.jit(do_not_specialize=["num_valid", "num_iters"])
 def _moe_gemm_kernel(
     a_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, topk_w_ptr,
-    part_ptr, count_ptr,
-    N, K, Kp, num_valid, num_iters, num_splits, num_rows,
+    N, K, Kp, num_valid, num_iters,
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_om,
     A_DIV: tl.constexpr, SWIGLU: tl.constexpr, ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr,
-    SPLIT: tl.constexpr,
 ):
     """SWIGLU: out[id, n] = silu(a @ Wg.T) * (a @ Wu.T) with Wg = rows [0, N), Wu = rows [N, 2N) of the
     expert's w13; else out[id, n] = (a @ W.T)[n] (times topk_w[id] with ROUTED_WEIGHT). a's row for a
-    flat id is id // A_DIV (A_DIV = top_k when a is the token activations).
-
-    SPLIT: program (m, n, k) sums the k-th of `num_splits` K ranges (ranges differ by at most one
-    BLOCK_K iteration) and stores its float32 partial of the valid rows to part[k] (laid out [splits,
-    num_rows, N] or, with SWIGLU, [splits, num_rows, 2N]: gate, then up); the split that arrives last at
-    the tile's counter (count_ptr[m * n_tiles + n], zero before the call and reset by that split) sums
-    the partials in split order, so SwiGLU sees whole sums and the result does not depend on arrival
-    order."""
+    flat id is id // A_DIV (A_DIV = top_k when a is the token activations)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
@@ -73,52 +46,25 @@ def _moe_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if SPLIT:
-        pid_k = tl.program_id(2)
-        base = num_iters // num_splits
-        extra = num_iters % num_splits
-        it_lo = pid_k * base + tl.minimum(pid_k, extra)
-        my_iters = base + (pid_k < extra).to(tl.int32)
-    else:
-        it_lo = 0
-        my_iters = num_iters
     acc, acc2 = fp4_tile_loop(
         acc, acc, a_ptr, a_rows, row_ok, w_e, n_c * stride_wn, (n_c + N) * stride_wn,
-        s_e, n_c * stride_sn, (n_c + N) * stride_sn, it_lo * BLOCK_K, my_iters, K, Kp,
+        s_e, n_c * stride_sn, (n_c + N) * stride_sn, 0, num_iters, K, Kp,
         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, USE_ASM, SWIGLU, ONE_DOT,
     )
     if W_AS_A:
         acc = tl.trans(acc)
         acc2 = tl.trans(acc2)
-    if SPLIT:
-        width = 2 * N if SWIGLU else N
-        plane = num_rows.to(tl.int64) * width
-        pmask = row_ok[:, None] & (rn[None, :] < N)
-        poffs = rm[:, None].to(tl.int64) * width + rn[None, :]
-        tl.store(part_ptr + pid_k * plane + poffs, acc, mask=pmask)
-        if SWIGLU:
-            tl.store(part_ptr + pid_k * plane + poffs + N, acc2, mask=pmask)
-        # Publish the partial (each thread fences its own stores, the barrier orders them before the
-        # counter), then count it; the last split reads every partial from L2.
-        _fence_acq_rel()
-        tl.debug_barrier()
-        counter = count_ptr + pid_m * tl.num_programs(1) + pid_n
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:
-            _fence_acq_rel()
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            total2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k in range(num_splits):
-                total += tl.load(part_ptr + k * plane + poffs, mask=pmask, other=0.0, cache_modifier=".cg")
-                if SWIGLU:
-                    total2 += tl.load(part_ptr + k * plane + poffs + N, mask=pmask, other=0.0,
-                                      cache_modifier=".cg")
-            _moe_epilogue(total, total2, out_ptr, gs_ptr, topk_w_ptr, e, ids, row_ok, rn, N, stride_ge,
-                          stride_om, SWIGLU, ROUTED_WEIGHT)
-            tl.store(counter, 0)
+    if SWIGLU:
+        gate = acc * (tl.load(gs_ptr + e * stride_ge) * OUT_BIAS)
+        up = acc2 * (tl.load(gs_ptr + e * stride_ge + 1) * OUT_BIAS)
+        res = gate / (1.0 + tl.exp(-gate)) * up
     else:
-        _moe_epilogue(acc, acc2, out_ptr, gs_ptr, topk_w_ptr, e, ids, row_ok, rn, N, stride_ge, stride_om,
-                      SWIGLU, ROUTED_WEIGHT)
+        res = acc * (tl.load(gs_ptr + e * stride_ge) * OUT_BIAS)
+        if ROUTED_WEIGHT:
+            res = res * tl.load(topk_w_ptr + ids, mask=row_ok, other=0.0)[:, None]
+    offs = ids[:, None].to(tl.int64) * stride_om + rn[None, :]
+    tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (rn[None, :] < N))
 
 
 @triton.jit
@@ -139,33 +85,8 @@ def _num_iters(kp: int, block_k: int) -> tuple[int, bool]:
     return iters, True
 
 
-def _grouped_gemm(a, w, ws, ws2, out, sorted_ids, expert_ids, num_post, topk_w, n, k, num_valid,
-                  a_div, swiglu, cfg, counters):
-    """One grouped GEMM launch (split over K when `moe_split_k` says so and `counters` has room)."""
-    kp = w.shape[2] * 2
-    iters, even = _num_iters(kp, cfg.block_k)
-    num_blocks = expert_ids.shape[0]
-    n_tiles = triton.cdiv(n, cfg.block_n)
-    split = moe_split_k(cfg, min(num_blocks, num_valid), n_tiles, iters)
-    if counters is None or counters.numel() < num_blocks * n_tiles:
-        split = 1
-    rows = num_blocks * cfg.block_m
-    part = (torch.empty((split, rows, 2 * n if swiglu else n), dtype=torch.float32, device=a.device)
-            if split > 1 else out)
-    _moe_gemm_kernel[(num_blocks, n_tiles, split)](
-        a, w.view(torch.int16), ws.view(torch.int16), ws2, out, sorted_ids, expert_ids, num_post, topk_w,
-        part, counters if split > 1 else num_post,
-        n, k, kp, num_valid, iters, split, rows,
-        a.stride(0), w.stride(0) // 2, w.stride(1) // 2, ws.stride(0) // 2, ws.stride(1) // 2,
-        ws2.stride(0), out.stride(0),
-        A_DIV=a_div, SWIGLU=swiglu, ROUTED_WEIGHT=not swiglu, EVEN_K=even and k == kp,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm,
-        ONE_DOT=cfg.one_dot, SPLIT=split > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-
-
 def fused_moe(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights,
-              sorted_ids, expert_ids, num_post, top_k, cfg, counters=None):
+              sorted_ids, expert_ids, num_post, top_k, cfg):
     """Experts for routed, block-aligned tokens.
 
     Args:
@@ -175,9 +96,7 @@ def fused_moe(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_wei
         topk_weights: float32 [T, top_k].
         sorted_ids: int32 [num_blocks * BLOCK_M]; expert_ids: int32 [num_blocks]; num_post: int32 [1]
             (from `moe_align` with cfg.block_m).
-        cfg: a fp4_gemm `TileConfig` (target_ctas / max_split: split-K, see `moe_split_k`).
-        counters: int32 zeros, one per (block, column tile) of a GEMM, left zero; without them (or
-            with too few) the GEMMs do not split K. Calls sharing counters must not run concurrently.
+        cfg: a fp4_gemm `TileConfig`.
 
     Returns:
         [T, H] in x.dtype.
@@ -185,14 +104,33 @@ def fused_moe(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_wei
     T, H = x.shape
     inter = w13.shape[1] // 2
     num_valid = T * top_k
+    num_blocks = expert_ids.shape[0]
     if x.stride(-1) != 1:
         x = x.contiguous()
+    common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm, ONE_DOT=cfg.one_dot, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
+
     h = torch.empty((num_valid, inter), dtype=torch.bfloat16, device=x.device)
-    _grouped_gemm(x, w13, w13_scale, w13_scale_2, h, sorted_ids, expert_ids, num_post, topk_weights,
-                  inter, H, num_valid, top_k, True, cfg, counters)
+    iters, even = _num_iters(w13.shape[2] * 2, cfg.block_k)
+    _moe_gemm_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n))](
+        x, w13.view(torch.int16), w13_scale.view(torch.int16), w13_scale_2, h, sorted_ids, expert_ids,
+        num_post, topk_weights, inter, H, w13.shape[2] * 2, num_valid, iters,
+        x.stride(0), w13.stride(0) // 2, w13.stride(1) // 2, w13_scale.stride(0) // 2,
+        w13_scale.stride(1) // 2, w13_scale_2.stride(0), h.stride(0),
+        A_DIV=top_k, SWIGLU=True, ROUTED_WEIGHT=False, EVEN_K=even and H == w13.shape[2] * 2,
+        **common,
+    )
     y = torch.empty((num_valid, H), dtype=torch.bfloat16, device=x.device)
-    _grouped_gemm(h, w2, w2_scale, w2_scale_2, y, sorted_ids, expert_ids, num_post, topk_weights,
-                  H, inter, num_valid, 1, False, cfg, counters)
+    iters, even = _num_iters(w2.shape[2] * 2, cfg.block_k)
+    _moe_gemm_kernel[(num_blocks, triton.cdiv(H, cfg.block_n))](
+        h, w2.view(torch.int16), w2_scale.view(torch.int16), w2_scale_2, y, sorted_ids, expert_ids, num_post,
+        topk_weights, H, inter, w2.shape[2] * 2, num_valid, iters,
+        h.stride(0), w2.stride(0) // 2, w2.stride(1) // 2, w2_scale.stride(0) // 2, w2_scale.stride(1) // 2,
+        w2_scale_2.stride(0), y.stride(0),
+        A_DIV=1, SWIGLU=False, ROUTED_WEIGHT=True, EVEN_K=even and inter == w2.shape[2] * 2,
+        **common,
+    )
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     block = 1024
     _combine_kernel[(T, triton.cdiv(H, block))](y, out, H, TOPK=top_k, BLOCK=block, num_warps=4)
