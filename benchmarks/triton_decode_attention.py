@@ -68,7 +68,7 @@ def sweep(shapes: list[tuple[int, int]]) -> None:
             for block_n in (16, 32, 64):
                 for stages in (1, 2):
                     us = time_variant(state, splits, block_n=block_n, num_stages=stages)
-                    mark = " (backend)" if (splits, block_n, stages) == (policy, 32, 2) else ""
+                    mark = " (backend)" if (splits, block_n, stages) == (policy, 64, 2) else ""
                     print(f"| {batch} x {context} | {splits} | {block_n} | {stages} | {us:.2f}{mark} |", flush=True)
                     if best is None or us < best[0]:
                         best = (us, splits, block_n, stages)
