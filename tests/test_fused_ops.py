@@ -93,9 +93,21 @@ def test_silu_mul():
     ("rope", lambda: (_x(6, 4, 16)[:, 1:3], _x(6, 8).cos(), _x(6, 8).sin(), False)),
     ("rope", lambda: (_x(6, 1, 16), _x(6, 8).cos(), _x(6, 8).sin(), True)),
     ("silu_mul", lambda: tuple(_x(6, 64).split(32, dim=-1))),
+    ("rope_qk", lambda: (_x(6, 7, 16)[:, :4], _x(6, 7, 16)[:, 4:6], _x(6, 8).cos(), _x(6, 8).sin(), False)),
 ])
 def test_opcheck(op, args):
     torch.library.opcheck(getattr(torch.ops.pieceworks, op).default, args())
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_qk_is_rope_of_each(interleaved):
+    qkv = _x(5, (4 + 2 + 2) * 16)
+    q, k, _ = qkv.split([64, 32, 32], dim=-1)
+    q, k = q.view(5, 4, 16), k.view(5, 2, 16)
+    angle = _x(5, 8, seed=3) * 10
+    got_q, got_k = fused.rope_qk(q, k, angle.cos(), angle.sin(), interleaved)
+    assert torch.equal(got_q, fused.rope(q, angle.cos(), angle.sin(), interleaved))
+    assert torch.equal(got_k, fused.rope(k, angle.cos(), angle.sin(), interleaved))
 
 
 def test_traced_without_graph_breaks():
@@ -104,7 +116,8 @@ def test_traced_without_graph_breaks():
     def f(x, cos, sin):
         h = fused.rms_norm(x, w, 1e-6)
         q = fused.rope(h.view(-1, 2, 8), cos, sin, False)
-        return fused.silu_mul(q.flatten(1), h)
+        q2, k2 = fused.rope_qk(q, h.view(-1, 2, 8), cos, sin, False)
+        return fused.silu_mul(q.flatten(1), h) + q2.flatten(1) * k2.flatten(1)
 
     args = (_x(5, 16), _x(5, 4).cos(), _x(5, 4).sin())
     compiled = torch.compile(f, fullgraph=True, backend="eager", dynamic=True)

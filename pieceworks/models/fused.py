@@ -2,7 +2,7 @@
 SiLU-and-multiply.
 
 Each is a torch custom op (`pieceworks::rms_norm`, `pieceworks::add_rms_norm`, `pieceworks::rope`,
-`pieceworks::silu_mul`) whose default implementation is the plain torch code the models used before
+`pieceworks::rope_qk` (queries and keys in one launch), `pieceworks::silu_mul`) whose default implementation is the plain torch code the models used before
 (so CPU numerics, and the parity with transformers, are unchanged), with a CUDA implementation that
 is one Triton kernel (`fused_kernels.py`) where the plain code launches several small kernels per
 call. In an NVFP4 Llama-3.1-8B-shaped decode step at batch 1 on the H200 those small kernels took 39%
@@ -111,6 +111,27 @@ def _rope_cuda(x, cos, sin, interleaved):
     if k is None or not k.rope_supported(x, cos, sin):
         return rope_ref(x, cos, sin, interleaved)
     return k.rope(x, cos, sin, interleaved)
+
+
+@torch.library.custom_op("pieceworks::rope_qk", mutates_args=())
+def rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
+    """`rope` of the queries q [T, Hq, D] and the keys k [T, Hk, D] at the same positions: one launch on
+    CUDA where two `rope` calls take two (same numerics)."""
+    return rope_ref(q, cos, sin, interleaved), rope_ref(k, cos, sin, interleaved)
+
+
+@rope_qk.register_fake
+def _rope_qk_fake(q, k, cos, sin, interleaved):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+@rope_qk.register_kernel("cuda")
+def _rope_qk_cuda(q, k, cos, sin, interleaved):
+    kn = _kernels()
+    if (kn is None or q.dtype != k.dtype or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]
+            or not (kn.rope_supported(q, cos, sin) and kn.rope_supported(k, cos, sin))):
+        return _rope_cuda(q, cos, sin, interleaved), _rope_cuda(k, cos, sin, interleaved)
+    return kn.rope_qk(q, k, cos, sin, interleaved)
 
 
 @torch.library.custom_op("pieceworks::silu_mul", mutates_args=())

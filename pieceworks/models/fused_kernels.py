@@ -91,9 +91,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 # --- rope ---------------------------------------------------------------------------------------------
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ct, stride_st, H,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _rope_rows(x_ptr, cos_ptr, sin_ptr, out_ptr, t, stride_xt, stride_xh, stride_ct, stride_st, H,
+               HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Rope of token t's H heads of x into out (contiguous [T, H, 2 * HALF])."""
     h = tl.arange(0, BLOCK_H)
     j = tl.arange(0, HALF)
     hm = (h < H)[:, None]
@@ -117,6 +117,27 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_
     tl.store(dst + (HALF + j)[None, :], o2, mask=hm)
 
 
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ct, stride_st, H,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr):
+    _rope_rows(x_ptr, cos_ptr, sin_ptr, out_ptr, tl.program_id(0).to(tl.int64), stride_xt, stride_xh,
+               stride_ct, stride_st, H, HALF, BLOCK_H, INTERLEAVED)
+
+
+@triton.jit
+def _rope_qk_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+                    stride_ct, stride_st, HQ, HK, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                    BLOCK_HK: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Program (t, 0) ropes token t's query heads, (t, 1) its key heads."""
+    t = tl.program_id(0).to(tl.int64)
+    if tl.program_id(1) == 0:
+        _rope_rows(q_ptr, cos_ptr, sin_ptr, qo_ptr, t, stride_qt, stride_qh, stride_ct, stride_st, HQ,
+                   HALF, BLOCK_HQ, INTERLEAVED)
+    else:
+        _rope_rows(k_ptr, cos_ptr, sin_ptr, ko_ptr, t, stride_kt, stride_kh, stride_ct, stride_st, HK,
+                   HALF, BLOCK_HK, INTERLEAVED)
+
+
 def rope_supported(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     half = x.shape[-1] // 2 if x.dim() == 3 else 0
     return (x.dim() == 3 and x.is_cuda and x.stride(2) == 1 and x.dtype in _FLOATS and half >= 1
@@ -132,6 +153,20 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
                                     x.shape[1], HALF=x.shape[2] // 2, BLOCK_H=block_h, INTERLEAVED=interleaved,
                                     num_warps=4, enable_fp_fusion=False)
     return out
+
+
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope` of q and k (both `rope_supported`, one dtype) in one launch."""
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if q.shape[0] and (q.shape[1] or k.shape[1]):
+        _rope_qk_kernel[(q.shape[0], 2)](
+            q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+            sin.stride(0), q.shape[1], k.shape[1], HALF=q.shape[2] // 2,
+            BLOCK_HQ=triton.next_power_of_2(max(1, q.shape[1])), BLOCK_HK=triton.next_power_of_2(max(1, k.shape[1])),
+            INTERLEAVED=interleaved, num_warps=4, enable_fp_fusion=False)
+    return q_out, k_out
 
 
 # --- SiLU and multiply --------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from torch import nn
 from pieceworks.backends.base import ModelFacts
 from pieceworks.executor.kv_cache import KVLayout
 from pieceworks.models.base import CausalLM, GatedMLP, RMSNorm, WeightSource, block_forward, linear, merged
-from pieceworks.models.rope import apply_rope, rope_parameters
+from pieceworks.models.rope import apply_rope_qk, rope_parameters
 
 
 @dataclass(frozen=True)
@@ -78,8 +78,8 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H], cos/sin [T, D/2] -> [T, H]."""
         q, k, v = self.qkv_proj(x)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = apply_rope_qk(q.view(-1, self.num_heads, self.head_dim),
+                             k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = torch.empty_like(q)  # owned by the piece before the op: fixed address under graphs
         torch.ops.pieceworks.attention(q, k, v, out, self.layer_id, self.scale)

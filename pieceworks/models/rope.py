@@ -126,6 +126,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return fused.rope(x, cos, sin, False)
 
 
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rope` of queries [T, Hq, D] and keys [T, Hk, D] at the same positions (one launch on CUDA)."""
+    return fused.rope_qk(q, k, cos, sin, False)
+
+
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """DeepSeek's interleaved rope (pairs (x0, x1), (x2, x3), ...), written out de-interleaved like
     transformers' `apply_rotary_pos_emb_interleave` (q and k agree, so dot products are unchanged).

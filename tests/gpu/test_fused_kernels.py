@@ -56,6 +56,18 @@ def test_rope_bit_exact(tokens, heads, dim, interleaved):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("tokens,hq,hk,dim", [(1, 32, 8, 128), (200, 32, 8, 128), (9, 128, 128, 64), (3, 4, 1, 64)])
+def test_rope_qk_bit_exact(tokens, hq, hk, dim, interleaved):
+    qkv = randn(tokens, (hq + 2 * hk) * dim)
+    q, k, _ = qkv.split([hq * dim, hk * dim, hk * dim], dim=-1)  # strided views, as the model passes them
+    q, k = q.view(tokens, hq, dim), k.view(tokens, hk, dim)
+    angle = torch.rand(tokens, dim // 2, device="cuda") * 100
+    got_q, got_k = fused.rope_qk(q, k, angle.cos(), angle.sin(), interleaved)
+    assert torch.equal(got_q, fused.rope_ref(q, angle.cos(), angle.sin(), interleaved))
+    assert torch.equal(got_k, fused.rope_ref(k, angle.cos(), angle.sin(), interleaved))
+
+
 def test_rope_head_view_of_a_wider_row():
     q = randn(7, 16, 128 + 64)
     q_pe = q[..., 128:]  # DeepSeek: the rope part of every head
