@@ -103,13 +103,18 @@ class TritonDecodeAttentionBackend(AttentionBackend):
 
         meta = self._meta
         kc, vc = kv.k_cache(layer_id), kv.v_cache(layer_id)
-        slots = meta.slot_mapping[: k.shape[0]]
-        width = kc.shape[2] * kc.shape[3]
-        write_rows(kc.view(-1, width), k.reshape(k.shape[0], -1), vc.view(-1, width),
-                   v.reshape(v.shape[0], -1), slots)
         splits, lens, part_o, part_lse, counters = self._bufs
         batch = lens.shape[0]
+        # The decode kernel writes the step's K/V rows itself (one launch less per layer) where they
+        # are one row per sequence in the caches' dtype; else the separate write first.
+        fuse = (k.shape[0] == batch and k.dtype == v.dtype == kc.dtype == vc.dtype
+                and k.stride(-1) == 1 and v.stride(-1) == 1)
+        if not fuse:
+            width = kc.shape[2] * kc.shape[3]
+            write_rows(kc.view(-1, width), k.reshape(k.shape[0], -1), vc.view(-1, width),
+                       v.reshape(v.shape[0], -1), meta.slot_mapping[: k.shape[0]])
         if out.shape[0] > batch:  # padding rows: keep them finite
             out[batch:].zero_()
         triton_decode_kernel.decode(q[:batch], kc, vc, out[:batch], meta.page_table[:batch], lens, scale,
-                                    splits, part_o, part_lse, counters)
+                                    splits, part_o, part_lse, counters,
+                                    k_new=k if fuse else None, v_new=v if fuse else None)

@@ -1,8 +1,9 @@
 """Split-KV paged GQA decode attention in Triton (imports triton); see attention/triton.py.
 
-One program per (sequence, KV head, split): it attends the GQA group's queries (padded to 16 rows for
-the tensor-core dots) over its split's share of the sequence, gathering K/V rows through the page
-table, with an online float32 softmax (P is rounded to the KV dtype for the PV dot, as FlashInfer
+One program per (sequence, KV head, split): with the step's new K/V rows passed in, the split whose
+range ends at the new token first writes them into the caches; then it attends the GQA group's
+queries (padded to 16 rows for the tensor-core dots) over its split's share of the sequence,
+gathering K/V rows through the page table, with an online float32 softmax (P is rounded to the KV dtype for the PV dot, as FlashInfer
 does). With several splits each program that has keys stores its normalized partial output and
 log-sum-exp (a short sequence leaves the last splits empty: splits cover whole BLOCK_N steps); the
 program that arrives last at the (sequence, head) counter merges the stored partials in split order (so
@@ -20,10 +21,10 @@ from pieceworks.backends.fp4_gemm.triton_kernels import _fence_acq_rel  # the sp
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr, count_ptr,
-                   stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
-                   stride_vp, stride_vs, stride_vh, stride_tb, scale_log2,
-                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, S: tl.constexpr,
-                   BLOCK_N: tl.constexpr, HKV: tl.constexpr):
+                   kn_ptr, vn_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
+                   stride_vp, stride_vs, stride_vh, stride_tb, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                   scale_log2, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
+                   S: tl.constexpr, BLOCK_N: tl.constexpr, HKV: tl.constexpr, WRITE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -41,6 +42,18 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
     table = table_ptr + b.to(tl.int64) * stride_tb
+    if WRITE:
+        # The step's new K/V row (position seq_len - 1) goes into the cache here, by the split whose
+        # range ends with it (no other program reads that row); the barrier makes the row this
+        # program's threads stored visible to all of them before the loop loads it.
+        if s == active - 1:
+            pos = seq_len - 1
+            page_new = tl.load(table + pos // PS).to(tl.int64)
+            kn = tl.load(kn_ptr + b.to(tl.int64) * stride_knt + h * stride_knh + d)
+            vn = tl.load(vn_ptr + b.to(tl.int64) * stride_vnt + h * stride_vnh + d)
+            tl.store(k_ptr + page_new * stride_kp + (pos % PS) * stride_ks + h * stride_kh + d, kn)
+            tl.store(v_ptr + page_new * stride_vp + (pos % PS) * stride_vs + h * stride_vh + d, vn)
+        tl.debug_barrier()
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         valid = offs < end
@@ -99,8 +112,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
            table: torch.Tensor, lens: torch.Tensor, scale: float, splits: int, part_o: torch.Tensor,
            part_lse: torch.Tensor, counters: torch.Tensor, block_n: int = 64, num_warps: int = 4,
-           num_stages: int = 2) -> None:
+           num_stages: int = 2, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> None:
     """out[b] = attention of q[b] over the first lens[b] tokens of sequence b's pages.
+
+    k_new, v_new: [B, Hkv, D] (unit stride over D, the caches' dtype), or None: the step's new rows,
+    written to the caches at position lens[b] - 1 by the kernel before it reads them (saves the
+    separate K/V write launch of a decode step). Without them the caches must already hold them.
 
     q, out: [B, Hq, D] (row stride free, unit stride over D); k_cache, v_cache: [P, PS, Hkv, D];
     table: [B, >= pages] int32 page ids; lens: [B] int32 (>= 1); part_o: float32 with room for
@@ -111,9 +128,12 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     _, page_size, hkv, _ = k_cache.shape
     group = hq // hkv
     gp = max(16, triton.next_power_of_2(group))
+    write = k_new is not None
+    kn, vn = (k_new, v_new) if write else (q, q)  # placeholders, never read
     _decode_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, out, table, lens, part_o, part_lse, counters,
+        q, k_cache, v_cache, out, table, lens, part_o, part_lse, counters, kn, vn,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
+        kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         scale * 1.4426950408889634, G=group, GP=gp, D=dim, PS=page_size, S=splits, BLOCK_N=block_n, HKV=hkv,
-        num_warps=num_warps, num_stages=num_stages)
+        WRITE=write, num_warps=num_warps, num_stages=num_stages)
