@@ -87,6 +87,7 @@ def kernel_family(name: str) -> str:
     for key, family in (("fp4_gemm", "fp4 gemm (Triton)"), ("splitk", "fp4 gemm split-K reduce"),
                         ("gemm", "bf16 gemm (cuBLAS: lm_head)"), ("gemv", "bf16 gemm (cuBLAS: lm_head)"),
                         ("nvjet", "bf16 gemm (cuBLAS: lm_head)"),
+                        ("_decode_kernel", "attention (attention.triton)"),
                         ("prefill", "attention (FlashInfer)"), ("decode", "attention (FlashInfer)"),
                         ("write_rows", "KV write"), ("rms", "norm"), ("norm", "norm")):
         if key in n:

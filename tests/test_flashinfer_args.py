@@ -579,7 +579,7 @@ def test_plan_copy_guard_waits_for_the_same_wrappers_previous_plan(monkeypatch):
 def test_triton_decode_attention_splits_and_reasons():
     from pieceworks.backends.attention.triton import TritonDecodeAttentionBackend, num_splits
 
-    assert num_splits(1, 8) == 16 and num_splits(8, 8) == 5 and num_splits(32, 8) == 2 and num_splits(64, 8) == 1
+    assert num_splits(1, 8) == 16 and num_splits(8, 8) == 8 and num_splits(32, 8) == 2 and num_splits(64, 8) == 1
     assert ForwardMode.DECODE in TritonDecodeAttentionBackend.forward_modes
     assert ForwardMode.EXTEND not in TritonDecodeAttentionBackend.forward_modes
     cuda = dict(device="cuda", capability=(9, 0), modules=frozenset({"triton"}))

@@ -4,7 +4,7 @@ At batch 1 on the H200 FlashInfer's decode spends about 13 us per layer on a 512
 CUDA-core kernel plus a merge-states kernel, docs/benchmarks.md) to read 2 MB of K/V. This backend runs
 one launch per layer: programs over (sequence, KV head, split of the sequence), with the splits merged
 by the last program to finish. The number of splits depends only on the batch size (so a graph replays
-the launch it captured): enough programs to cover the GPU's SMs about twice, at most 16.
+the launch it captured): enough programs to cover the GPU's SMs about four times, at most 16.
 
 It serves decode steps only (`forward_modes`) and is `auto`'s choice for them where it can serve
 (priority above FlashInfer's: on the H200 the Llama-3.1-8B NVFP4 decode step, Executor.forward, was
@@ -26,7 +26,7 @@ from pieceworks.backends.base import Requirements
 from pieceworks.backends.kv_write import write_rows
 from pieceworks.executor.batch import ForwardMode, to_device
 
-TARGET_PROGRAMS = 264  # about two per SM on an H200 (132 SMs)
+TARGET_PROGRAMS = 512  # about four per SM on an H200 (132 SMs): the 11:25 launch sweep (docs/benchmarks.md)
 MAX_SPLITS = 16
 
 
