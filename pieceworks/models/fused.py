@@ -2,8 +2,9 @@
 SiLU-and-multiply.
 
 Each is a torch custom op (`pieceworks::rms_norm`, `pieceworks::add_rms_norm`, `pieceworks::rope`,
-`pieceworks::rope_qk` (queries and keys in one launch), `pieceworks::silu_mul`) whose default implementation is the plain torch code the models used before
-(so CPU numerics, and the parity with transformers, are unchanged), with a CUDA implementation that
+`pieceworks::rope_qk` (queries and keys in one launch), `pieceworks::silu_mul`) whose default
+implementation is the plain torch code the models used before (so CPU numerics, and the parity with
+transformers, are unchanged), with a CUDA implementation that
 is one Triton kernel (`fused_kernels.py`) where the plain code launches several small kernels per
 call. In an NVFP4 Llama-3.1-8B-shaped decode step at batch 1 on the H200 those small kernels took 39%
 of the GPU time (benchmarks/profile_step.py --decode 1; docs/benchmarks.md).

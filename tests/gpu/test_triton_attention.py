@@ -17,17 +17,25 @@ from pieceworks.backends.attention.torch import attend  # noqa: E402
 from pieceworks.backends.attention.triton import num_splits  # noqa: E402
 
 
-@pytest.mark.parametrize("lens,hq,hkv,d", [([1], 32, 8, 128), ([513], 32, 8, 128), ([4097, 3, 700, 16, 1, 64, 250, 33], 32, 8, 128),
-                                           ([90] * 32, 32, 8, 128), ([300, 1200], 64, 8, 64), ([77], 8, 8, 256)])
-def test_decode_kernel_matches_reference(lens, hq, hkv, d):
-    gen = torch.Generator("cuda").manual_seed(len(lens) * 1000 + hq)
-    ps, b = 16, len(lens)
+def paged_case(lens: list[int], hq: int, hkv: int, d: int, gen: torch.Generator, ps: int = 16):
+    """Random bf16 K/V caches of pages of `ps` slots, each sequence's pages at random (page 0 unused),
+    and random queries: (k_cache, v_cache, table [B, width] int32, q [B, hq, d])."""
+    b = len(lens)
     width = max(-(-n // ps) for n in lens)
     pages = 1 + b * width
     kc = torch.randn(pages, ps, hkv, d, device="cuda", generator=gen).bfloat16()
     vc = torch.randn(pages, ps, hkv, d, device="cuda", generator=gen).bfloat16()
     table = (torch.randperm(pages - 1, device="cuda", generator=gen)[: b * width] + 1).view(b, width).int()
     q = torch.randn(b, hq, d, device="cuda", generator=gen).bfloat16()
+    return kc, vc, table, q
+
+
+@pytest.mark.parametrize("lens,hq,hkv,d", [([1], 32, 8, 128), ([513], 32, 8, 128), ([4097, 3, 700, 16, 1, 64, 250, 33], 32, 8, 128),
+                                           ([90] * 32, 32, 8, 128), ([300, 1200], 64, 8, 64), ([77], 8, 8, 256)])
+def test_decode_kernel_matches_reference(lens, hq, hkv, d):
+    gen = torch.Generator("cuda").manual_seed(len(lens) * 1000 + hq)
+    ps, b = 16, len(lens)
+    kc, vc, table, q = paged_case(lens, hq, hkv, d, gen, ps)
     out = torch.full_like(q, float("nan"))
     splits = num_splits(b, hkv)
     gp = max(16, 1 << (hq // hkv - 1).bit_length())
@@ -52,12 +60,7 @@ def test_fused_kv_write_matches_write_then_decode(lens):
     the rows written first and the kernel run without them."""
     gen = torch.Generator("cuda").manual_seed(sum(lens))
     hq, hkv, d, ps, b = 32, 8, 128, 16, len(lens)
-    width = max(-(-n // ps) for n in lens)
-    pages = 1 + b * width
-    kc0 = torch.randn(pages, ps, hkv, d, device="cuda", generator=gen).bfloat16()
-    vc0 = torch.randn(pages, ps, hkv, d, device="cuda", generator=gen).bfloat16()
-    table = (torch.randperm(pages - 1, device="cuda", generator=gen)[: b * width] + 1).view(b, width).int()
-    q = torch.randn(b, hq, d, device="cuda", generator=gen).bfloat16()
+    kc0, vc0, table, q = paged_case(lens, hq, hkv, d, gen, ps)
     qkv = torch.randn(b, (hq + 2 * hkv) * d, device="cuda", generator=gen).bfloat16()
     k_new = qkv[:, hq * d:(hq + hkv) * d].view(b, hkv, d)  # strided views, as the model passes them
     v_new = qkv[:, (hq + hkv) * d:].view(b, hkv, d)

@@ -106,7 +106,9 @@ class TritonDecodeAttentionBackend(AttentionBackend):
         splits, lens, part_o, part_lse, counters = self._bufs
         batch = lens.shape[0]
         # The decode kernel writes the step's K/V rows itself (one launch less per layer) where they
-        # are one row per sequence in the caches' dtype; else the separate write first.
+        # are one row per sequence in the caches' dtype, at the slot the page table gives position
+        # lens - 1: meta.slot_mapping's slot (graph padding rows: the reserved page, as there). Else
+        # the separate write first.
         fuse = (k.shape[0] == batch and k.dtype == v.dtype == kc.dtype == vc.dtype
                 and k.stride(-1) == 1 and v.stride(-1) == 1)
         if not fuse:

@@ -3,11 +3,12 @@
 One program per (sequence, KV head, split): with the step's new K/V rows passed in, the split whose
 range ends at the new token first writes them into the caches; then it attends the GQA group's
 queries (padded to 16 rows for the tensor-core dots) over its split's share of the sequence,
-gathering K/V rows through the page table, with an online float32 softmax (P is rounded to the KV dtype for the PV dot, as FlashInfer
-does). With several splits each program that has keys stores its normalized partial output and
-log-sum-exp (a short sequence leaves the last splits empty: splits cover whole BLOCK_N steps); the
-program that arrives last at the (sequence, head) counter merges the stored partials in split order (so
-the result does not depend on arrival order), writes the output and resets the counter to zero.
+gathering K/V rows through the page table, with an online float32 softmax (P is rounded to the KV
+dtype for the PV dot, as FlashInfer does). With several splits each program that has keys stores its
+normalized partial output and log-sum-exp (a short sequence leaves the last splits empty: splits
+cover whole BLOCK_N steps); the program that arrives last at the (sequence, head) counter merges the
+stored partials in split order (so the result does not depend on arrival order), writes the output
+and resets the counter to zero.
 """
 
 from __future__ import annotations
