@@ -57,7 +57,8 @@ def test_decode_kernel_matches_reference(lens, hq, hkv, d):
 def test_fused_kv_write_matches_write_then_decode(lens):
     """With the step's new K/V rows passed in, the kernel writes them into the caches (the split that
     ends at the new token, before reading it): the caches and the output equal, bit for bit, those of
-    the rows written first and the kernel run without them."""
+    the rows written first and the kernel run without them. Also with the lengths given as the new
+    tokens' positions (`lens_are_positions`, as the backend passes them)."""
     gen = torch.Generator("cuda").manual_seed(sum(lens))
     hq, hkv, d, ps, b = 32, 8, 128, 16, len(lens)
     kc0, vc0, table, q = paged_case(lens, hq, hkv, d, gen, ps)
@@ -70,7 +71,7 @@ def test_fused_kv_write_matches_write_then_decode(lens):
     for splits in sorted({1, 4, num_splits(b, hkv)}):
         gp = max(16, 1 << (hq // hkv - 1).bit_length())
         results = []
-        for fused_write in (False, True):
+        for fused_write, from_positions in ((False, False), (True, False), (True, True)):
             kc, vc = kc0.clone(), vc0.clone()
             if not fused_write:
                 kc.view(-1, hkv, d)[slots] = k_new
@@ -79,10 +80,12 @@ def test_fused_kv_write_matches_write_then_decode(lens):
             part_o = torch.full((b * hkv * splits * gp * d,), float("nan"), device="cuda")
             part_lse = torch.full((b * hkv * splits * gp,), float("nan"), device="cuda")
             counters = torch.zeros(b * hkv, dtype=torch.int32, device="cuda")
-            tk.decode(q, kc, vc, out, table, lens_t, d**-0.5, splits, part_o, part_lse, counters,
-                      k_new=k_new if fused_write else None, v_new=v_new if fused_write else None)
+            tk.decode(q, kc, vc, out, table, pos if from_positions else lens_t, d**-0.5, splits, part_o,
+                      part_lse, counters, k_new=k_new if fused_write else None,
+                      v_new=v_new if fused_write else None, lens_are_positions=from_positions)
             assert torch.isfinite(out).all() and int(counters.abs().sum()) == 0
             results.append((out, kc, vc))
-        (o0, k0, v0), (o1, k1, v1) = results
-        assert torch.equal(k1, k0) and torch.equal(v1, v0), splits
-        assert torch.equal(o1, o0), splits
+        o0, k0, v0 = results[0]
+        for o1, k1, v1 in results[1:]:  # fused write; fused write with lengths from int64 positions
+            assert torch.equal(k1, k0) and torch.equal(v1, v0), splits
+            assert torch.equal(o1, o0), splits

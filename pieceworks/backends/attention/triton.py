@@ -10,9 +10,9 @@ It serves decode steps only (`forward_modes`) and is `auto`'s choice for them wh
 (priority above FlashInfer's: on the H200 the Llama-3.1-8B NVFP4 decode step, Executor.forward, was
 faster with it at every batch size and context measured, docs/benchmarks.md); extend steps go to the
 next backend (FlashInfer, else torch). Pin `backends.attention: flashinfer` to keep FlashInfer for
-decode too. Safe in FULL decode graphs: plan() refills per-batch-size buffers at fixed addresses
-(sequence lengths by an asynchronous copy from pinned memory) and allocates the split buffers and
-counters, never inside a capture. Eager decode steps share one set of split buffers, grown when a
+decode too. Safe in FULL decode graphs: plan() picks per-batch-size buffers at fixed addresses and
+allocates the split buffers and counters, never inside a capture; sequence lengths come from the
+step's token positions on the device (length = position + 1), so a step copies nothing for them. Eager decode steps share one set of split buffers, grown when a
 larger batch needs more (their size is batch x splits, and splits shrink as the batch grows).
 """
 
@@ -21,10 +21,9 @@ from __future__ import annotations
 import torch
 
 from pieceworks.backends.attention.base import AttentionBackend, gqa_kernel_reasons
-from pieceworks.backends.attention.flashinfer import step_lengths
 from pieceworks.backends.base import Requirements
 from pieceworks.backends.kv_write import write_rows
-from pieceworks.executor.batch import ForwardMode, to_device
+from pieceworks.executor.batch import ForwardMode
 
 TARGET_PROGRAMS = 512  # about four per SM on an H200 (132 SMs): the 11:25 launch sweep (docs/benchmarks.md)
 MAX_SPLITS = 16
@@ -65,16 +64,16 @@ class TritonDecodeAttentionBackend(AttentionBackend):
         self._meta = meta
         graph = meta.graph_batch_size is not None
         batch = meta.graph_batch_size or meta.num_seqs
-        host = torch.tensor(step_lengths(meta)[1], dtype=torch.int32)  # graph padding rows: length 1
+        # Sequence lengths need no copy: a decode step's token positions are already on the device
+        # (meta.positions, at fixed addresses under FULL graphs) and each sequence's length is its new
+        # token's position + 1, which the kernel computes (graph padding rows: position 1, harmless
+        # reads of the reserved page).
         if graph:
-            # FULL graphs: buffers of this batch size at fixed addresses, refilled for every replay
+            # FULL graphs: buffers of this batch size at fixed addresses
             bufs = self._graph_bufs.get(batch)
             if bufs is None:
                 splits = num_splits(batch, self.spec.model.num_kv_heads)
-                bufs = self._graph_bufs[batch] = (splits, torch.ones(batch, dtype=torch.int32, device=meta.device),
-                                                  *self._alloc(batch, batch * splits, meta.device))
-            # pinned + asynchronous: the caching host allocator keeps the block until the copy has run
-            bufs[1].copy_(host.pin_memory() if bufs[1].is_cuda else host, non_blocking=True)
+                bufs = self._graph_bufs[batch] = (splits, batch, *self._alloc(batch, batch * splits, meta.device))
         else:
             # eager steps of any batch size share one set of split buffers, grown when a step needs more
             splits = num_splits(batch, self.spec.model.num_kv_heads)
@@ -83,7 +82,7 @@ class TritonDecodeAttentionBackend(AttentionBackend):
                 cap_batch, cap_units = max(cap_batch, batch), max(cap_units, batch * splits)
                 self._eager_bufs = (cap_batch, cap_units, *self._alloc(cap_batch, cap_units, meta.device))
             part_o, part_lse, counters = self._eager_bufs[2:]
-            bufs = (splits, to_device(host, meta.device), part_o, part_lse, counters)
+            bufs = (splits, batch, part_o, part_lse, counters)
         self._bufs = bufs
 
     def _alloc(self, batch: int, units: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -103,8 +102,7 @@ class TritonDecodeAttentionBackend(AttentionBackend):
 
         meta = self._meta
         kc, vc = kv.k_cache(layer_id), kv.v_cache(layer_id)
-        splits, lens, part_o, part_lse, counters = self._bufs
-        batch = lens.shape[0]
+        splits, batch, part_o, part_lse, counters = self._bufs
         # The decode kernel writes the step's K/V rows itself (one launch less per layer) where they
         # are one row per sequence in the caches' dtype, at the slot the page table gives position
         # lens - 1: meta.slot_mapping's slot (graph padding rows: the reserved page, as there). Else
@@ -117,6 +115,7 @@ class TritonDecodeAttentionBackend(AttentionBackend):
                        v.reshape(v.shape[0], -1), meta.slot_mapping[: k.shape[0]])
         if out.shape[0] > batch:  # padding rows: keep them finite
             out[batch:].zero_()
-        triton_decode_kernel.decode(q[:batch], kc, vc, out[:batch], meta.page_table[:batch], lens, scale,
-                                    splits, part_o, part_lse, counters,
-                                    k_new=k if fuse else None, v_new=v if fuse else None)
+        triton_decode_kernel.decode(q[:batch], kc, vc, out[:batch], meta.page_table[:batch],
+                                    meta.positions[:batch], scale, splits, part_o, part_lse, counters,
+                                    k_new=k if fuse else None, v_new=v if fuse else None,
+                                    lens_are_positions=True)

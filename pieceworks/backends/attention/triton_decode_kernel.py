@@ -25,11 +25,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
                    kn_ptr, vn_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
                    stride_vp, stride_vs, stride_vh, stride_tb, stride_knt, stride_knh, stride_vnt, stride_vnh,
                    scale_log2, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
-                   S: tl.constexpr, BLOCK_N: tl.constexpr, HKV: tl.constexpr, WRITE: tl.constexpr):
+                   S: tl.constexpr, BLOCK_N: tl.constexpr, HKV: tl.constexpr, WRITE: tl.constexpr,
+                   LENS_ARE_POSITIONS: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    seq_len = tl.load(lens_ptr + b)
+    if LENS_ARE_POSITIONS:
+        seq_len = (tl.load(lens_ptr + b) + 1).to(tl.int32)  # the new token's position + 1
+    else:
+        seq_len = tl.load(lens_ptr + b).to(tl.int32)
     chunk = tl.cdiv(tl.cdiv(seq_len, S), BLOCK_N) * BLOCK_N
     active = tl.cdiv(seq_len, chunk)  # splits with keys; the others only count themselves in
     start = s * chunk
@@ -113,12 +117,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
            table: torch.Tensor, lens: torch.Tensor, scale: float, splits: int, part_o: torch.Tensor,
            part_lse: torch.Tensor, counters: torch.Tensor, block_n: int = 64, num_warps: int = 4,
-           num_stages: int = 2, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> None:
+           num_stages: int = 2, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
+           lens_are_positions: bool = False) -> None:
     """out[b] = attention of q[b] over the first lens[b] tokens of sequence b's pages.
 
     k_new, v_new: [B, Hkv, D] (unit stride over D, the caches' dtype), or None: the step's new rows,
     written to the caches at position lens[b] - 1 by the kernel before it reads them (saves the
     separate K/V write launch of a decode step). Without them the caches must already hold them.
+    lens_are_positions: `lens` holds each sequence's new-token position instead (any integer dtype;
+    length = position + 1), as a decode step's positions tensor does.
 
     q, out: [B, Hq, D] (row stride free, unit stride over D); k_cache, v_cache: [P, PS, Hkv, D];
     table: [B, >= pages] int32 page ids; lens: [B] int32 (>= 1); part_o: float32 with room for
@@ -137,4 +144,4 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         scale * 1.4426950408889634, G=group, GP=gp, D=dim, PS=page_size, S=splits, BLOCK_N=block_n, HKV=hkv,
-        WRITE=write, num_warps=num_warps, num_stages=num_stages)
+        WRITE=write, LENS_ARE_POSITIONS=lens_are_positions, num_warps=num_warps, num_stages=num_stages)
