@@ -12,8 +12,10 @@ faster with it at every batch size and context measured, docs/benchmarks.md); ex
 next backend (FlashInfer, else torch). Pin `backends.attention: flashinfer` to keep FlashInfer for
 decode too. Safe in FULL decode graphs: plan() picks per-batch-size buffers at fixed addresses and
 allocates the split buffers and counters, never inside a capture; sequence lengths come from the
-step's token positions on the device (length = position + 1), so a step copies nothing for them. Eager decode steps share one set of split buffers, grown when a
-larger batch needs more (their size is batch x splits, and splits shrink as the batch grows).
+step's token positions on the device (length = position + 1), so a step copies nothing for them.
+Eager decode steps share one set of split buffers, grown when a larger batch needs more (their size
+is batch x splits, and splits shrink as the batch grows). The kernel also writes the step's K/V rows
+into the cache (no separate write launch) where they come one row per sequence in the cache dtype.
 """
 
 from __future__ import annotations
