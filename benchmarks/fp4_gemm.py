@@ -322,7 +322,13 @@ def main() -> None:
     parser.add_argument("--wait-for", help="start timing only once this file exists")
     parser.add_argument("--sweep-m", help="comma-separated tuning Ms to sweep (default: all buckets)")
     parser.add_argument("--ms", help="comma-separated Ms to benchmark (default: %s)" % MS)
+    parser.add_argument("--pdl", default="off", choices=("auto", "on", "off"),
+                        help="programmatic dependent launch of the Triton kernels (runtime.pdl; default off: "
+                             "each call timed on its own, as the bf16 baseline)")
     args = parser.parse_args()
+    from pieceworks.backends import pdl
+
+    print("pdl:", pdl.configure(args.pdl, "cuda"), flush=True)
     os.makedirs(args.out, exist_ok=True)
     gen = torch.Generator("cuda").manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)

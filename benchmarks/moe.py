@@ -191,7 +191,13 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--sweep-t", help="comma-separated tuning Ts to sweep (default: all buckets)")
     parser.add_argument("--tokens", help="comma-separated Ts to benchmark (default: %s)" % TOKENS)
+    parser.add_argument("--pdl", default="off", choices=("auto", "on", "off"),
+                        help="programmatic dependent launch of the Triton kernels (runtime.pdl; default off: "
+                             "each call timed on its own, as the bf16 baseline)")
     args = parser.parse_args()
+    from pieceworks.backends import pdl
+
+    print("pdl:", pdl.configure(args.pdl, "cuda"), flush=True)
     os.makedirs(args.out, exist_ok=True)
     if args.precompile_only:
         precompile(args.workers)

@@ -39,19 +39,21 @@ SIGNATURE = dict(
     stride_sn="i32", stride_om="i32", iters="i32", num_splits="i32",
     BLOCK_M="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr", GROUP_M="constexpr", SPLIT="constexpr",
     FUSED_REDUCE="constexpr", EVEN_K="constexpr", W_AS_A="constexpr", USE_ASM="constexpr", ONE_DOT="constexpr",
+    PDL="constexpr",
 )
 DIVISIBLE = ("x_ptr", "w_ptr", "s_ptr", "gs_ptr", "out_ptr", "part_ptr", "count_ptr", "N", "K", "Kp",
              "stride_xm", "stride_wn", "stride_sn", "stride_om")
 
 
-def compile_decode_kernel(block_m, block_n, block_k, num_warps, num_stages, one_dot, w_as_a=1):
+def compile_decode_kernel(block_m, block_n, block_k, num_warps, num_stages, one_dot, w_as_a=1, pdl=False):
     names = list(SIGNATURE)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1, SPLIT=True,
-                      FUSED_REDUCE=True, EVEN_K=True, W_AS_A=bool(w_as_a), USE_ASM=True, ONE_DOT=bool(one_dot))
+                      FUSED_REDUCE=True, EVEN_K=True, W_AS_A=bool(w_as_a), USE_ASM=True, ONE_DOT=bool(one_dot),
+                      PDL=bool(pdl))
     src = ASTSource(triton_kernels._fp4_gemm_kernel, SIGNATURE, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl)))
 
 
 def hottest_loop(sass: str) -> list[str]:

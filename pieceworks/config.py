@@ -142,6 +142,11 @@ class RuntimeConfig:
     dtype: str = "auto"
     """auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32."""
     seed: int = 0
+    pdl: Any = Switch.auto
+    """auto | on | off: programmatic dependent launch of pieceworks' Triton kernels, so each is
+    launched while the kernel before it finishes (and waits for it on the GPU). auto: on
+    where supported (CUDA compute capability >= 9.0 and a triton with grid dependency control); on:
+    the same, an error elsewhere. Process-wide: the last executor built decides (backends/pdl.py)."""
 
 
 @dataclass(frozen=True)
@@ -346,7 +351,8 @@ def _normalize(cfg: Config) -> Config:
     g = cfg.cuda_graph
     pw = replace(g.piecewise, enabled=_switch("cuda_graph.piecewise.enabled", g.piecewise.enabled))
     dec = replace(g.decode, enabled=_switch("cuda_graph.decode.enabled", g.decode.enabled))
-    return replace(cfg, cuda_graph=replace(g, piecewise=pw, decode=dec))
+    runtime = replace(cfg.runtime, pdl=_switch("runtime.pdl", cfg.runtime.pdl))
+    return replace(cfg, cuda_graph=replace(g, piecewise=pw, decode=dec), runtime=runtime)
 
 
 def _dataclass_dict(cfg: Any) -> Any:

@@ -6,13 +6,17 @@ import torch
 import triton
 import triton.language as tl
 
+from pieceworks.backends import pdl, pdl_kernels
+
 
 @triton.jit
 def _write_rows_kernel(
     dst_a, src_a, dst_b, src_b, slots,
     stride_da, stride_sa, stride_db, stride_sb,
     WIDTH_A: tl.constexpr, WIDTH_B: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_kernels.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots + t).to(tl.int64)
     ca = tl.arange(0, BLOCK_A)
@@ -30,8 +34,9 @@ def launch(dst_a: torch.Tensor, src_a: torch.Tensor, dst_b: torch.Tensor, src_b:
     assert dst_a.shape[1] == wa and dst_b.shape[1] == wb, (dst_a.shape, src_a.shape, dst_b.shape, src_b.shape)
     block_a, block_b = triton.next_power_of_2(wa), triton.next_power_of_2(wb)
     warps = max(1, min(8, max(block_a, block_b) * dst_a.element_size() // 512))  # 16 B per thread
+    use_pdl, launch = pdl.launch_options(dst_a.device)
     _write_rows_kernel[(slots.shape[0],)](
         dst_a, src_a, dst_b, src_b, slots,
         dst_a.stride(0), src_a.stride(0), dst_b.stride(0), src_b.stride(0),
-        WIDTH_A=wa, WIDTH_B=wb, BLOCK_A=block_a, BLOCK_B=block_b, num_warps=warps,
+        WIDTH_A=wa, WIDTH_B=wb, BLOCK_A=block_a, BLOCK_B=block_b, PDL=use_pdl, num_warps=warps, **launch,
     )

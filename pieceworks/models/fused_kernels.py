@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pieceworks.backends import pdl, pdl_kernels
+
 try:  # the accurate exp, as torch's SiLU uses, rather than the ex2.approx of tl.exp
     from triton.language.extra import libdevice
 
@@ -28,7 +30,9 @@ def _rows_ok(*ts: torch.Tensor) -> bool:
 
 # --- RMSNorm ------------------------------------------------------------------------------------------
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, H, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, H, eps, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    pdl_kernels.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -49,15 +53,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if x.shape[0]:
         block = triton.next_power_of_2(x.shape[1])
+        use_pdl, launch = pdl.launch_options(x.device)
         _rms_norm_kernel[(x.shape[0],)](x, weight, out, x.stride(0), out.stride(0), x.shape[1], eps,
-                                        BLOCK=block, num_warps=min(16, max(1, block // 512)),
-                                        enable_fp_fusion=False)
+                                        BLOCK=block, PDL=use_pdl, num_warps=min(16, max(1, block // 512)),
+                                        enable_fp_fusion=False, **launch)
     return out
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o, stride_s, H, eps,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_kernels.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -83,9 +89,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if x.shape[0]:
         block = triton.next_power_of_2(x.shape[1])
+        use_pdl, launch = pdl.launch_options(x.device)
         _add_rms_norm_kernel[(x.shape[0],)](x, residual, weight, out, s, x.stride(0), residual.stride(0),
-                                            out.stride(0), s.stride(0), x.shape[1], eps, BLOCK=block,
-                                            num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False)
+                                            out.stride(0), s.stride(0), x.shape[1], eps, BLOCK=block, PDL=use_pdl,
+                                            num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False,
+                                            **launch)
     return out, s
 
 
@@ -119,7 +127,8 @@ def _rope_rows(x_ptr, cos_ptr, sin_ptr, out_ptr, t, stride_xt, stride_xh, stride
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ct, stride_st, H,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_kernels.enter(PDL)
     _rope_rows(x_ptr, cos_ptr, sin_ptr, out_ptr, tl.program_id(0).to(tl.int64), stride_xt, stride_xh,
                stride_ct, stride_st, H, HALF, BLOCK_H, INTERLEAVED)
 
@@ -127,8 +136,9 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_
 @triton.jit
 def _rope_qk_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
                     stride_ct, stride_st, HQ, HK, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                    BLOCK_HK: tl.constexpr, INTERLEAVED: tl.constexpr):
+                    BLOCK_HK: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr = False):
     """Program (t, 0) ropes token t's query heads, (t, 1) its key heads."""
+    pdl_kernels.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     if tl.program_id(1) == 0:
         _rope_rows(q_ptr, cos_ptr, sin_ptr, qo_ptr, t, stride_qt, stride_qh, stride_ct, stride_st, HQ,
@@ -149,9 +159,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.shape[0] and x.shape[1]:
         block_h = triton.next_power_of_2(x.shape[1])
+        use_pdl, launch = pdl.launch_options(x.device)
         _rope_kernel[(x.shape[0],)](x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
                                     x.shape[1], HALF=x.shape[2] // 2, BLOCK_H=block_h, INTERLEAVED=interleaved,
-                                    num_warps=4, enable_fp_fusion=False)
+                                    PDL=use_pdl, num_warps=4, enable_fp_fusion=False, **launch)
     return out
 
 
@@ -161,17 +172,20 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if q.shape[0] and (q.shape[1] or k.shape[1]):
+        use_pdl, launch = pdl.launch_options(q.device)
         _rope_qk_kernel[(q.shape[0], 2)](
             q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
             sin.stride(0), q.shape[1], k.shape[1], HALF=q.shape[2] // 2,
             BLOCK_HQ=triton.next_power_of_2(max(1, q.shape[1])), BLOCK_HK=triton.next_power_of_2(max(1, k.shape[1])),
-            INTERLEAVED=interleaved, num_warps=4, enable_fp_fusion=False)
+            INTERLEAVED=interleaved, PDL=use_pdl, num_warps=4, enable_fp_fusion=False, **launch)
     return q_out, k_out
 
 
 # --- SiLU and multiply --------------------------------------------------------------------------------
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_o, N, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_o, N, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_kernels.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -190,7 +204,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
     if gate.numel():
         block = 1024
+        use_pdl, launch = pdl.launch_options(gate.device)
         _silu_mul_kernel[(gate.shape[0], triton.cdiv(gate.shape[1], block))](
-            gate, up, out, gate.stride(0), up.stride(0), out.stride(0), gate.shape[1], BLOCK=block, num_warps=4,
-            enable_fp_fusion=False)
+            gate, up, out, gate.stride(0), up.stride(0), out.stride(0), gate.shape[1], BLOCK=block, PDL=use_pdl,
+            num_warps=4, enable_fp_fusion=False, **launch)
     return out

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pieceworks.backends import pdl, pdl_kernels
 from pieceworks.backends.fp4_gemm.triton_kernels import _fence_acq_rel  # the split-K GEMM's fence
 
 
@@ -26,7 +27,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
                    stride_vp, stride_vs, stride_vh, stride_tb, stride_knt, stride_knh, stride_vnt, stride_vnh,
                    scale_log2, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
                    S: tl.constexpr, BLOCK_N: tl.constexpr, HKV: tl.constexpr, WRITE: tl.constexpr,
-                   LENS_ARE_POSITIONS: tl.constexpr):
+                   LENS_ARE_POSITIONS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_kernels.wait(PDL)  # q and the new K/V rows come from the kernels before (pdl.py)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -75,6 +77,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
         v = tl.load(v_ptr + v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    pdl_kernels.launch_dependents(PDL)  # the next kernel's launch overlaps the merge
     out_rows = out_ptr + b.to(tl.int64) * stride_ot + rows[:, None] * stride_oh + d[None, :]
     omask = (g < G)[:, None]
     if S == 1:
@@ -138,10 +141,12 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     gp = max(16, triton.next_power_of_2(group))
     write = k_new is not None
     kn, vn = (k_new, v_new) if write else (q, q)  # placeholders, never read
+    use_pdl, launch = pdl.launch_options(q.device)
     _decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, out, table, lens, part_o, part_lse, counters, kn, vn,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         scale * 1.4426950408889634, G=group, GP=gp, D=dim, PS=page_size, S=splits, BLOCK_N=block_n, HKV=hkv,
-        WRITE=write, LENS_ARE_POSITIONS=lens_are_positions, num_warps=num_warps, num_stages=num_stages)
+        WRITE=write, LENS_ARE_POSITIONS=lens_are_positions, PDL=use_pdl, num_warps=num_warps,
+        num_stages=num_stages, **launch)

@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pieceworks.backends import pdl_kernels
+
 # Scale bias folded into the decoded weights (see the module docstring), undone in the epilogue.
 OUT_BIAS = tl.constexpr(16384.0)  # 2^14
 
@@ -249,13 +251,15 @@ def _fp4_gemm_kernel(
     M, N, K, Kp, stride_xm, stride_wn, stride_sn, stride_om, iters, num_splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, EVEN_K: tl.constexpr, W_AS_A: tl.constexpr,
-    USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr,
+    USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One output tile, or (SPLIT) one of `num_splits` K ranges of it; ranges differ by at most one
     BLOCK_K iteration. A split writes its float32 partial to part[pid_k] (laid out [splits, M, N]);
     with FUSED_REDUCE, the split that arrives last at the tile's counter (count_ptr[tile], zero
     before the call and reset by that split) sums the partials in split order and writes out, so
-    the result does not depend on which split finishes last; otherwise `_splitk_reduce_kernel` does."""
+    the result does not depend on which split finishes last; otherwise `_splitk_reduce_kernel` does.
+    With PDL (pdl.py) a program waits for the kernel before it first and lets the next one start
+    once its K loop is done, so that kernel's launch overlaps this one's epilogue."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -282,11 +286,13 @@ def _fp4_gemm_kernel(
     k_lo = it_lo * BLOCK_K  # a multiple of BLOCK_K: 16-byte aligned weight loads
     w_rows = n_c * stride_wn
     s_rows = n_c * stride_sn
+    pdl_kernels.wait(PDL)
     acc, unused = fp4_tile_loop(
         acc, acc, x_ptr, x_rows, rm < M, w_ptr, w_rows, w_rows, s_ptr, s_rows, s_rows,
         k_lo, num_iters, K, Kp,
         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, USE_ASM, False, ONE_DOT,
     )
+    pdl_kernels.launch_dependents(PDL)
     if W_AS_A:
         acc = tl.trans(acc)
     acc = acc * (tl.load(gs_ptr) * OUT_BIAS)
@@ -314,7 +320,9 @@ def _fp4_gemm_kernel(
 
 
 @triton.jit
-def _splitk_reduce_kernel(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _splitk_reduce_kernel(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    pdl_kernels.enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
@@ -355,8 +363,11 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
     float32 scalar tensor. cfg: a `TileConfig`; split_k: K splits (any count up to the BLOCK_K
     iterations; 1 = none). counters: int32 tensor of zeros, at least one per output tile, that the
     call leaves zero again; with it a split-K call reduces in the same kernel, without it a second
-    kernel sums the partials. Calls sharing counters must not run concurrently.
+    kernel sums the partials. Calls sharing counters must not run concurrently (under PDL they do
+    not: a kernel touches them only after waiting for the one before it).
     """
+    from pieceworks.backends import pdl
+
     M = x.shape[0]
     Kp = weight.shape[1] * 2
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -375,16 +386,17 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     fused = split_k > 1 and counters is not None and counters.numel() >= tiles
     part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    use_pdl, launch = pdl.launch_options(x.device)
     _fp4_gemm_kernel[(tiles, split_k)](
         x, weight.view(torch.int16), weight_scale.view(torch.int16), weight_scale_2, out, part,
         counters if fused else out,
         M, N, K, Kp, x.stride(0), weight.stride(0) // 2, weight_scale.stride(0) // 2, N, iters, split_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         SPLIT=split_k > 1, FUSED_REDUCE=fused, EVEN_K=K == Kp, W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm,
-        ONE_DOT=cfg.one_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ONE_DOT=cfg.one_dot, PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     if split_k > 1 and not fused:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](part, out, M * N, SPLIT_K=split_k,
-                                                            BLOCK=block, num_warps=4)
+                                                            BLOCK=block, PDL=use_pdl, num_warps=4, **launch)
     return out

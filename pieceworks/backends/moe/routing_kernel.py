@@ -21,12 +21,15 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from pieceworks.backends import pdl, pdl_kernels
+
 
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, w_ptr, id_ptr, stride_l, scale,
                   E: tl.constexpr, G: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
                   TOPK_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
-                  RENORM: tl.constexpr):
+                  RENORM: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_kernels.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E)
     x = tl.load(logits_ptr + t * stride_l + e).to(tl.float32)
@@ -78,10 +81,11 @@ def deepseek_route_triton(router_logits: torch.Tensor, correction_bias: torch.Te
     if num_tokens:
         has_bias = correction_bias.numel() > 0
         grouped = num_expert_group > 1 and topk_group < num_expert_group
+        use_pdl, launch = pdl.launch_options(router_logits.device)
         _route_kernel[(num_tokens,)](
             router_logits, correction_bias if has_bias else router_logits, weights, ids,
             router_logits.stride(0), float(routed_scaling_factor), E=num_experts,
             G=num_expert_group if grouped else 1, TOPK=top_k, TOPK_P2=triton.next_power_of_2(top_k),
             TOPK_GROUP=topk_group, HAS_BIAS=has_bias, GROUPED=grouped, RENORM=bool(renormalize),
-            num_warps=4 if num_experts >= 256 else 1)
+            PDL=use_pdl, num_warps=4 if num_experts >= 256 else 1, **launch)
     return weights, ids

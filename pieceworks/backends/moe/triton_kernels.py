@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pieceworks.backends import pdl, pdl_kernels
 from pieceworks.backends.fp4_gemm.triton_kernels import OUT_BIAS, fp4_tile_loop
 
 
@@ -25,10 +26,12 @@ def _moe_gemm_kernel(
     A_DIV: tl.constexpr, SWIGLU: tl.constexpr, ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """SWIGLU: out[id, n] = silu(a @ Wg.T) * (a @ Wu.T) with Wg = rows [0, N), Wu = rows [N, 2N) of the
     expert's w13; else out[id, n] = (a @ W.T)[n] (times topk_w[id] with ROUTED_WEIGHT). a's row for a
     flat id is id // A_DIV (A_DIV = top_k when a is the token activations)."""
+    pdl_kernels.wait(PDL)  # the routing (which experts) comes from the kernels before
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
@@ -51,6 +54,7 @@ def _moe_gemm_kernel(
         s_e, n_c * stride_sn, (n_c + N) * stride_sn, 0, num_iters, K, Kp,
         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, USE_ASM, SWIGLU, ONE_DOT,
     )
+    pdl_kernels.launch_dependents(PDL)
     if W_AS_A:
         acc = tl.trans(acc)
         acc2 = tl.trans(acc2)
@@ -68,8 +72,9 @@ def _moe_gemm_kernel(
 
 
 @triton.jit
-def _combine_kernel(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_kernel(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out[t] = sum over slots of y[t * TOPK + slot] (float32 sum, fixed order)."""
+    pdl_kernels.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = h < H
@@ -107,9 +112,10 @@ def fused_moe(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_wei
     num_blocks = expert_ids.shape[0]
     if x.stride(-1) != 1:
         x = x.contiguous()
+    use_pdl, launch = pdl.launch_options(x.device)
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm, ONE_DOT=cfg.one_dot, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages)
+                  num_stages=cfg.num_stages, PDL=use_pdl, **launch)
 
     h = torch.empty((num_valid, inter), dtype=torch.bfloat16, device=x.device)
     iters, even = _num_iters(w13.shape[2] * 2, cfg.block_k)
@@ -133,7 +139,8 @@ def fused_moe(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_wei
     )
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     block = 1024
-    _combine_kernel[(T, triton.cdiv(H, block))](y, out, H, TOPK=top_k, BLOCK=block, num_warps=4)
+    _combine_kernel[(T, triton.cdiv(H, block))](y, out, H, TOPK=top_k, BLOCK=block, PDL=use_pdl, num_warps=4,
+                                                **launch)
     return out
 
 
@@ -141,8 +148,9 @@ def fused_moe(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_wei
 def _align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, cursor_ptr,
                   num_pairs, num_blocks, num_experts,
                   E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                  BLOCK_CHUNK: tl.constexpr):
+                  BLOCK_CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """One program: the GPU twin of `moe_align` (rows within an expert in atomic order, not stable)."""
+    pdl_kernels.enter(PDL)
     e = tl.arange(0, E_P2)
     counts = tl.zeros((E_P2,), dtype=tl.int32)
     for p0 in range(0, num_pairs, CHUNK):
@@ -179,9 +187,10 @@ def align_gpu(topk_ids, num_experts, block_m, num_blocks):
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     num_post = torch.empty(1, dtype=torch.int32, device=dev)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    use_pdl, launch = pdl.launch_options(dev)
     _align_kernel[(1,)](
         topk_ids.reshape(-1), sorted_ids, expert_ids, num_post, cursor, topk_ids.numel(), num_blocks,
         num_experts, E_P2=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=1024,
-        BLOCK_CHUNK=32, num_warps=8,
+        BLOCK_CHUNK=32, PDL=use_pdl, num_warps=8, **launch,
     )
     return sorted_ids, expert_ids, num_post
