@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from pieceworks.backends import pdl, pdl_kernels
-from pieceworks.backends.fp4_gemm.triton_kernels import _fence_acq_rel  # the split-K GEMM's fence
+from pieceworks.backends.fp4_gemm.triton_kernels import publish_and_count  # the split-K handshake
 
 
 @triton.jit
@@ -89,11 +89,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
             lse = m_i + tl.math.log2(l_i)
             tl.store(part_o_ptr + ((base + s) * GP + g[:, None]) * D + d[None, :], acc / l_i[:, None])
             tl.store(part_lse_ptr + (base + s) * GP + g, lse)
-        _fence_acq_rel()
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + b * HKV + h, 1, sem="acq_rel", scope="gpu")
+        arrived = publish_and_count(count_ptr + b * HKV + h)
         if arrived == S - 1:
-            _fence_acq_rel()
             # unrolled over the constexpr S, splits without keys masked out: with the run-time bound
             # `active` as the loop's end the batch-1 call was much slower on the H200 (16 splits of 32
             # keys, 512 tokens: 15.6 us in the 11:10 sweep against 8.8 us with the bound S at 10:34)
