@@ -13,6 +13,7 @@ from pieceworks.backends.fp4_gemm.triton import (
     TileConfig,
     TritonFp4GemmBackend,
     choose_split_k,
+    interleave_gate_up,
     parse_table,
     repack_k32,
     select_tile,
@@ -252,6 +253,55 @@ def test_gemm_backend_prepare_repacks_on_cpu():
     assert torch.equal(unpack_k32(w.weight, 80), nvfp4.unpack(packed))
     tile, split = backend._plan(1, 33, 96)
     assert tile is select_tile(backend.table, 1) and split >= 1
+
+
+def test_interleave_gate_up():
+    rows = interleave_gate_up(8)
+    assert rows.tolist() == [0, 4, 1, 5, 2, 6, 3, 7]  # gate j, up j side by side
+    with pytest.raises(ValueError, match="even row count"):
+        interleave_gate_up(7)
+
+
+def test_gemm_backend_prepare_gate_up_interleaves_rows_on_cpu():
+    from pieceworks.backends.fp4_gemm.base import Fp4Weight
+
+    packed, scale, scale_2 = random_fp4(2 * 24, 64, seed=3)
+    backend = TritonFp4GemmBackend(BackendSpec())
+    w = backend.prepare_gate_up(Fp4Weight(packed, scale, scale_2, torch.ones(())))
+    codes = unpack_k32(w.weight, 64)
+    ref = nvfp4.unpack(packed)
+    assert torch.equal(codes[0::2], ref[:24]) and torch.equal(codes[1::2], ref[24:])
+    assert torch.equal(w.weight_scale[0::2, :4], scale[:24]) and torch.equal(w.weight_scale[1::2, :4], scale[24:])
+
+
+def test_gated_mlp_runs_nvfp4_gate_up_as_one_swiglu_op():
+    from pieceworks.backends.fp4_gemm.torch import TorchFp4GemmBackend
+    from pieceworks.executor.context import ForwardContext, forward_context
+    from pieceworks.models import fused
+    from pieceworks.models.base import GatedMLP
+    from pieceworks.quant.linear import Fp4Linear
+
+    mlp = GatedMLP(64, 48, "mlp", lambda name: True)
+    proj = mlp.gate_up_proj.proj
+    assert isinstance(proj, Fp4Linear) and proj.gate_up
+    gen = torch.Generator().manual_seed(0)
+    gate_up = Fp4Linear.from_float(torch.randn(96, 64, generator=gen))
+    proj.load(gate_up.fp4_weight())
+    mlp.down_proj.load(Fp4Linear.from_float(torch.randn(64, 48, generator=gen)).fp4_weight())
+    x = torch.randn(5, 64, generator=gen)
+    backend = TorchFp4GemmBackend(BackendSpec())
+    proj.prepare(backend)
+    mlp.down_proj.prepare(backend)
+    kernels = type("Kernels", (), {"fp4_gemm": backend})()
+    with forward_context(ForwardContext(kernels, None, None)):
+        got = mlp(x)
+        y = gate_up(x)  # the same weights, never prepared: the plain GEMM
+        ref = mlp.down_proj(fused.silu_mul(y[:, :48], y[:, 48:]))
+        with pytest.raises(RuntimeError, match="call forward_swiglu"):
+            proj(x)
+        with pytest.raises(RuntimeError, match="needs a gate/up projection"):
+            mlp.down_proj.forward_swiglu(x)
+    assert torch.equal(got, ref)
 
 
 def test_route_supported_shapes():

@@ -72,6 +72,26 @@ def _fp4_gemm_fake(x, weight, weight_scale, weight_scale_2, input_scale, out_fea
     return x.new_empty((x.shape[0], out_features))
 
 
+@torch.library.custom_op("pieceworks::fp4_gemm_swiglu", mutates_args=())
+def fp4_gemm_swiglu(
+    x: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    weight_scale_2: Tensor,
+    input_scale: Tensor,
+    intermediate: int,
+) -> Tensor:
+    """silu(x @ gate.T) * (x @ up.T) -> [M, intermediate] for a SwiGLU MLP's gate/up weight as
+    `Fp4GemmBackend.prepare_gate_up` returned it; see backends/fp4_gemm/base.py."""
+    backend = get_forward_context().kernels.fp4_gemm
+    return backend.forward_swiglu(x, weight, weight_scale, weight_scale_2, input_scale, intermediate)
+
+
+@fp4_gemm_swiglu.register_fake
+def _fp4_gemm_swiglu_fake(x, weight, weight_scale, weight_scale_2, input_scale, intermediate):
+    return x.new_empty((x.shape[0], intermediate))
+
+
 @torch.library.custom_op("pieceworks::moe", mutates_args=())
 def moe(
     x: Tensor,

@@ -104,14 +104,25 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = merged(hidden, [intermediate, intermediate],
                                    [fp4(f"{prefix}.gate_proj"), fp4(f"{prefix}.up_proj")])
         self.down_proj = linear(intermediate, hidden, fp4(f"{prefix}.down_proj"))
+        self._mark_gate_up()
+
+    def _mark_gate_up(self) -> None:
+        # One NVFP4 linear for gate and up: it runs as the fused fp4_gemm_swiglu op (Fp4Linear.gate_up).
+        proj = getattr(self.gate_up_proj, "proj", None)
+        if isinstance(proj, Fp4Linear):
+            proj.gate_up = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        proj = getattr(self.gate_up_proj, "proj", None)
+        if isinstance(proj, Fp4Linear) and proj.gate_up:
+            return self.down_proj(proj.forward_swiglu(x))
         gate, up = self.gate_up_proj(x)
         return self.down_proj(fused.silu_mul(gate, up))
 
     def load(self, src: "WeightSource", prefix: str) -> None:
         self.gate_up_proj = src.merged(self.gate_up_proj, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
         self.down_proj = src.linear(self.down_proj, f"{prefix}.down_proj")
+        self._mark_gate_up()
 
 
 # --- Loading --------------------------------------------------------------------------------------

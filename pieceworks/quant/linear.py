@@ -19,6 +19,10 @@ class Fp4Linear(nn.Module):
 
     Buffers (checkpoint layout until `prepare`): weight uint8 [N, K/2]; weight_scale float8_e4m3fn
     [N, K/16]; weight_scale_2 float32 []; input_scale float32 [].
+
+    `gate_up`: the layer is a SwiGLU MLP's fused gate/up projection (rows [gate; up]), set by its
+    `GatedMLP` before `prepare`; it is then prepared with the backend's `prepare_gate_up` and run with
+    `forward_swiglu` (the `pieceworks::fp4_gemm_swiglu` op), whose backend may fuse the SiLU-and-multiply.
     """
 
     def __init__(self, in_features: int, out_features: int, device: torch.device | str | None = None) -> None:
@@ -31,6 +35,8 @@ class Fp4Linear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.layout = "linear"
+        self.gate_up = False
+        self.prepared = False
         blocks = in_features // nvfp4.BLOCK
         self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
         self.register_buffer("weight_scale", torch.zeros(out_features, blocks, dtype=torch.float8_e4m3fn, device=device))
@@ -69,14 +75,16 @@ class Fp4Linear(nn.Module):
 
     def prepare(self, backend: Fp4GemmBackend) -> None:
         """Convert the buffers into `backend`'s weight layout (once, after loading)."""
-        if self.layout == backend.weight_layout:
+        if self.prepared:
+            if self.layout != backend.weight_layout:
+                raise RuntimeError(f"Fp4Linear already prepared for layout {self.layout!r}")
             return
-        if self.layout != "linear":
-            raise RuntimeError(f"Fp4Linear already prepared for layout {self.layout!r}")
-        w = backend.prepare(self.fp4_weight())
+        w = self.fp4_weight()
+        w = backend.prepare_gate_up(w) if self.gate_up else backend.prepare(w)
         for name, t in zip(Fp4Weight._fields, w):
             self._buffers[name] = t
         self.layout = backend.weight_layout
+        self.prepared = True
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, K] float weight (checkpoint layout only)."""
@@ -85,6 +93,9 @@ class Fp4Linear(nn.Module):
         return nvfp4.dequantize(self.weight, self.weight_scale, self.weight_scale_2, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up and self.prepared:
+            raise RuntimeError("Fp4Linear: this gate/up projection was prepared for the fused SwiGLU "
+                               "(its backend may reorder the rows); call forward_swiglu")
         lead = x.shape[:-1]
         y = torch.ops.pieceworks.fp4_gemm(
             x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.weight_scale_2,
@@ -92,5 +103,17 @@ class Fp4Linear(nn.Module):
         )
         return y.reshape(*lead, self.out_features)
 
+    def forward_swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate(x)) * up(x) [..., out_features / 2] for a `gate_up` layer."""
+        if not self.gate_up:
+            raise RuntimeError("Fp4Linear.forward_swiglu needs a gate/up projection (gate_up=True)")
+        lead = x.shape[:-1]
+        y = torch.ops.pieceworks.fp4_gemm_swiglu(
+            x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.weight_scale_2,
+            self.input_scale, self.out_features // 2,
+        )
+        return y.reshape(*lead, self.out_features // 2)
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, layout={self.layout}"
+        gate_up = ", gate_up" if self.gate_up else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, layout={self.layout}{gate_up}"

@@ -174,6 +174,52 @@ def test_gemm_cuda_graph_replay_matches_eager(m):
     assert not torch.equal(out, eager)  # the replay read the new input
 
 
+@pytest.mark.parametrize("m", [1, 7, 16, 64, 256, 1024])
+@pytest.mark.parametrize("inter", [1536, 5632])
+def test_gemm_swiglu_same_bits_as_gemm_then_silu_mul(m, inter):
+    """forward_swiglu on the interleaved weight == forward on the plain one, then the silu_mul op: every
+    M bucket (split-K with the in-kernel and the separate reduction, plain tiles, dequant + cuBLAS)."""
+    from pieceworks.models import fused
+
+    gen = torch.Generator(DEV).manual_seed(1000 * m + inter)
+    k = 2048 + 512  # not a multiple of every block_k's split
+    w = random_fp4(2 * inter, k, gen)
+    backend = TritonFp4GemmBackend(spec())
+    plain, inter_w = backend.prepare(w), backend.prepare_gate_up(w)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
+    y = backend.forward(x, *plain, 2 * inter)
+    ref = fused.silu_mul(y[:, :inter], y[:, inter:])
+    got = backend.forward_swiglu(x, *inter_w, inter)
+    assert got.shape == (m, inter) and torch.isfinite(ref).all()
+    assert torch.equal(got, ref)
+    tile, split = backend._plan(m, 2 * inter, inter_w.weight.shape[1] * 2)
+    if split > 1:  # the separate reduction kernel (no counters) gives the same bits too
+        alone = gemm_kernels.fp4_gemm(x, inter_w.weight, inter_w.weight_scale, inter_w.weight_scale_2,
+                                      2 * inter, k, tile, split, None, swiglu=True)
+        assert torch.equal(alone, ref)
+
+
+def test_gemm_swiglu_cuda_graph_replay():
+    gen = torch.Generator(DEV).manual_seed(77)
+    inter, k, m = 1536, 4096, 4
+    backend = TritonFp4GemmBackend(spec())
+    w = backend.prepare_gate_up(random_fp4(2 * inter, k, gen))
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.forward_swiglu(x, *w, inter)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward_swiglu(x, *w, inter)
+    for _ in range(3):
+        x.copy_(torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, backend.forward_swiglu(x, *w, inter))
+
+
 # --- MoE -------------------------------------------------------------------------------------------
 
 

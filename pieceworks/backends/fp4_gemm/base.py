@@ -37,6 +37,28 @@ class Fp4GemmBackend(Backend):
         """Convert checkpoint tensors into this backend's layout, once at load (default: as stored)."""
         return w
 
+    def prepare_gate_up(self, w: Fp4Weight) -> Fp4Weight:
+        """`prepare` for a SwiGLU MLP's fused gate/up weight (rows [gate; up], one global scale),
+        which `forward_swiglu` then serves. Default: `prepare` (rows in checkpoint order)."""
+        return self.prepare(w)
+
+    def forward_swiglu(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        weight_scale_2: torch.Tensor,
+        input_scale: torch.Tensor,
+        intermediate: int,
+    ) -> torch.Tensor:
+        """silu(x @ gate.T) * (x @ up.T) -> [M, intermediate] in x.dtype, for a weight from
+        `prepare_gate_up` (2 * intermediate rows). Default: `forward`, then the `silu_mul` op on
+        the two halves; a backend that fuses it must round as that does."""
+        from pieceworks.models import fused
+
+        y = self.forward(x, weight, weight_scale, weight_scale_2, input_scale, 2 * intermediate)
+        return fused.silu_mul(y[:, :intermediate], y[:, intermediate:])
+
     def forward(
         self,
         x: torch.Tensor,

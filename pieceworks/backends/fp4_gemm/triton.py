@@ -87,6 +87,15 @@ def choose_split_k(tile: TileConfig, m: int, n: int, k_padded: int) -> int:
     return max(1, min(-(-tile.target_ctas // tiles), iters // 2, tile.max_split))
 
 
+def interleave_gate_up(n: int) -> torch.Tensor:
+    """Row order of a gate/up weight [gate; up] (n rows) for the fused SwiGLU epilogue: gate row j
+    and up row j next to each other (rows 2j, 2j + 1), so every even-width tile holds both halves of
+    its output columns."""
+    if n % 2:
+        raise ValueError(f"a gate/up weight has an even row count, not {n}")
+    return torch.arange(n).view(2, n // 2).t().reshape(-1)
+
+
 def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int = 4096):
     """Checkpoint NVFP4 -> k32 layout (see triton_kernels.py).
 
@@ -164,6 +173,11 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
             self.counters(weight.device)
         return Fp4Weight(weight, scale, w.weight_scale_2.float().reshape(()), w.input_scale)
 
+    def prepare_gate_up(self, w: Fp4Weight) -> Fp4Weight:
+        """`prepare` with the rows interleaved (`interleave_gate_up`) for `forward_swiglu`."""
+        rows = interleave_gate_up(w.weight.shape[0]).to(w.weight.device)
+        return self.prepare(Fp4Weight(w.weight[rows], w.weight_scale[rows], w.weight_scale_2, w.input_scale))
+
     def counters(self, device: torch.device) -> torch.Tensor | None:
         """This instance's split-K arrival counters on `device` (zeros; every call leaves them zero).
 
@@ -190,3 +204,18 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         counters = self.counters(x.device) if split_k > 1 else None
         return triton_kernels.fp4_gemm(x, weight, weight_scale, weight_scale_2, out_features,
                                        x.shape[1], tile, split_k, counters)
+
+    def forward_swiglu(self, x, weight, weight_scale, weight_scale_2, input_scale, intermediate):
+        """The GEMM with silu(gate) * up in its epilogue (split-K: in the reduction), the gate/up
+        pairs of a tile side by side; the dequant path (M >= 1024) restores the checkpoint row order
+        as it dequantizes and runs the silu_mul kernel after the matmul. Same bits as `forward`
+        followed by the silu_mul op."""
+        from pieceworks.backends.fp4_gemm import triton_kernels
+
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        n = 2 * intermediate
+        tile, split_k = self._plan(x.shape[0], n, weight.shape[1] * 2)
+        counters = self.counters(x.device) if split_k > 1 else None
+        return triton_kernels.fp4_gemm(x, weight, weight_scale, weight_scale_2, n, x.shape[1], tile,
+                                       split_k, counters, swiglu=True)

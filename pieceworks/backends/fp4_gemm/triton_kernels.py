@@ -43,6 +43,13 @@ import triton.language as tl
 
 from pieceworks.backends import pdl_kernels
 
+try:  # the accurate exp of the silu_mul kernel (models/fused_kernels.py), for the same bits
+    from triton.language.extra import libdevice
+
+    _exp = libdevice.exp
+except ImportError:  # pragma: no cover - older triton
+    _exp = tl.exp
+
 # Scale bias folded into the decoded weights (see the module docstring), undone in the epilogue.
 OUT_BIAS = tl.constexpr(16384.0)  # 2^14
 
@@ -252,13 +259,42 @@ def publish_and_count(counter_ptr):
     return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
 
 
+@triton.jit
+def _swiglu(g, u, dtype: tl.constexpr):
+    """silu(g) * u from the GEMM's float32 gate and up values, rounded as the unfused path rounds:
+    the GEMM's output to `dtype`, then silu_mul (models/fused_kernels.py) on those."""
+    g = g.to(dtype).to(tl.float32)
+    u = u.to(dtype).to(tl.float32)
+    act = (g / (1.0 + _exp(-g))).to(dtype).to(tl.float32)
+    return (act * u).to(dtype)
+
+
+@triton.jit
+def _store_out(out_ptr, y, rm, col0, M, N, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               SWIGLU: tl.constexpr):
+    """Store the tile y [BM, BN] (float32, columns col0..) of x @ W.T, or with SWIGLU its
+    silu(gate) * up: weight rows 2j and 2j + 1 are gate and up of output column j (the
+    `interleave_gate_up` order), so the tile gives output columns col0/2 .. col0/2 + BN/2."""
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    if SWIGLU:
+        g, u = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
+        cols = col0 // 2 + tl.arange(0, BLOCK_N // 2)
+        mask = (rm[:, None] < M) & (cols[None, :] < N // 2)
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + cols[None, :], _swiglu(g, u, dtype),
+                 mask=mask)
+    else:
+        cols = col0 + tl.arange(0, BLOCK_N)
+        mask = (rm[:, None] < M) & (cols[None, :] < N)
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + cols[None, :], y.to(dtype), mask=mask)
+
+
 @triton.jit(do_not_specialize=["M", "iters", "num_splits"])
 def _fp4_gemm_kernel(
     x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, Kp, stride_xm, stride_wn, stride_sn, stride_om, iters, num_splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, EVEN_K: tl.constexpr, W_AS_A: tl.constexpr,
-    USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr, PDL: tl.constexpr = False,
+    USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr, PDL: tl.constexpr = False, SWIGLU: tl.constexpr = False,
 ):
     """One output tile, or (SPLIT) one of `num_splits` K ranges of it; ranges differ by at most one
     BLOCK_K iteration. A split writes its float32 partial to part[pid_k] (laid out [splits, M, N]);
@@ -266,7 +302,9 @@ def _fp4_gemm_kernel(
     before the call and reset by that split) sums the partials in split order and writes out, so
     the result does not depend on which split finishes last; otherwise `_splitk_reduce_kernel` does.
     With PDL (pdl.py) a program waits for the kernel before it first and lets the next one start
-    once its K loop is done, so that kernel's launch overlaps this one's epilogue."""
+    once its K loop is done, so that kernel's launch overlaps this one's epilogue. With SWIGLU the
+    weight is a gate/up pair interleaved by rows and out [M, N/2] gets silu(gate) * up (`_store_out`);
+    partials stay [splits, M, N]."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -303,11 +341,11 @@ def _fp4_gemm_kernel(
     if W_AS_A:
         acc = tl.trans(acc)
     acc = acc * (tl.load(gs_ptr) * OUT_BIAS)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    offs = rm[:, None].to(tl.int64) * stride_om + rn[None, :]
     if not SPLIT:
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        _store_out(out_ptr, acc, rm, pid_n * BLOCK_N, M, N, stride_om, BLOCK_M, BLOCK_N, SWIGLU)
     else:
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        offs = rm[:, None].to(tl.int64) * N + rn[None, :]
         mn = M.to(tl.int64) * N
         tl.store(part_ptr + pid_k * mn + offs, acc, mask=mask)
         if FUSED_REDUCE:
@@ -319,26 +357,42 @@ def _fp4_gemm_kernel(
                 for k in range(num_splits):
                     total += tl.load(part_ptr + k * mn + offs, mask=mask, other=0.0,
                                      cache_modifier=".cg")
-                tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                _store_out(out_ptr, total, rm, pid_n * BLOCK_N, M, N, stride_om, BLOCK_M, BLOCK_N, SWIGLU)
                 tl.store(count_ptr + pid, 0)
 
 
 @triton.jit
-def _splitk_reduce_kernel(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
-                          PDL: tl.constexpr = False):
+def _splitk_reduce_kernel(part_ptr, out_ptr, numel, N, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr = False, SWIGLU: tl.constexpr = False):
+    """out = the partials [SPLIT_K, M, N] (numel = M * N) summed in split order; with SWIGLU,
+    out [M, N/2] = silu(gate) * up of each interleaved column pair (see `_store_out`)."""
     pdl_kernels.enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if SWIGLU:
+        half = N // 2
+        mask = offs < numel // 2
+        src = (offs // half) * N + 2 * (offs % half)
+        g = tl.load(part_ptr + src, mask=mask, other=0.0)
+        u = tl.load(part_ptr + src + 1, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLIT_K):
+            g += tl.load(part_ptr + s * numel + src, mask=mask, other=0.0)
+            u += tl.load(part_ptr + s * numel + src + 1, mask=mask, other=0.0)
+        tl.store(out_ptr + offs, _swiglu(g, u, out_ptr.dtype.element_ty), mask=mask)
+    else:
+        mask = offs < numel
+        acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLIT_K):
+            acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
-    """out [N, K] = bf16(e2m1 * scale * weight_scale_2), as the torch reference rounds it."""
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr,
+                    SWIGLU: tl.constexpr = False):
+    """out [N, K] = bf16(e2m1 * scale * weight_scale_2), as the torch reference rounds it. With
+    SWIGLU (rows interleaved gate/up, `interleave_gate_up`) row 2j goes to out row j and row 2j + 1
+    to out row N/2 + j: the gate/up weight in its checkpoint order."""
     BG: tl.constexpr = BLOCK_K // 32
     BQ: tl.constexpr = BLOCK_K // 4
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -355,13 +409,19 @@ def _dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, stride_wn, stride_sn, s
     v = v.reshape(BLOCK_N, BG, 8, 2, 2).permute(0, 1, 3, 4, 2).reshape(BLOCK_N, BLOCK_K)
     gs = tl.load(gs_ptr) * OUT_BIAS
     k = k0 + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + rn[:, None].to(tl.int64) * stride_on + k[None, :],
+    if SWIGLU:
+        dst = (rn % 2) * (N // 2) + rn // 2
+    else:
+        dst = rn
+    tl.store(out_ptr + dst[:, None].to(tl.int64) * stride_on + k[None, :],
              (v.to(tl.float32) * gs).to(out_ptr.dtype.element_ty),
              mask=(rn < N)[:, None] & (k < K)[None, :])
 
 
-def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counters=None):
-    """Launch the GEMM for x [M, K] and a k32-layout weight; returns [M, N] in x.dtype.
+def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counters=None, swiglu=False):
+    """Launch the GEMM for x [M, K] and a k32-layout weight; returns [M, N] in x.dtype, or with
+    `swiglu` (a gate/up weight of N rows interleaved by `interleave_gate_up`) [M, N/2] =
+    silu(x @ gate.T) * (x @ up.T), rounded as the GEMM followed by the silu_mul op.
 
     weight: uint8 [N, Kp/2] (k32 layout), weight_scale: float8_e4m3fn [N, Kp/16], weight_scale_2:
     float32 scalar tensor. cfg: a `TileConfig`; split_k: K splits (any count up to the BLOCK_K
@@ -374,7 +434,8 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
 
     M = x.shape[0]
     Kp = weight.shape[1] * 2
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    assert not swiglu or N % 2 == 0, f"a gate/up weight has an even row count, not {N}"
+    out = torch.empty((M, N // 2 if swiglu else N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out
     if cfg.kind == "dequant":
@@ -382,8 +443,13 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
         grid = (triton.cdiv(N, 16), triton.cdiv(K, 512))
         _dequant_kernel[grid](weight.view(torch.int16), weight_scale.view(torch.int16), weight_scale_2,
                               w, N, K, weight.stride(0) // 2, weight_scale.stride(0) // 2, w.stride(0),
-                              BLOCK_N=16, BLOCK_K=512, USE_ASM=cfg.asm, num_warps=4)
-        return torch.matmul(x.to(torch.bfloat16), w.t()).to(x.dtype)
+                              BLOCK_N=16, BLOCK_K=512, USE_ASM=cfg.asm, SWIGLU=swiglu, num_warps=4)
+        y = torch.matmul(x.to(torch.bfloat16), w.t()).to(x.dtype)
+        if swiglu:
+            from pieceworks.models import fused_kernels
+
+            return fused_kernels.silu_mul(y[:, : N // 2], y[:, N // 2 :])
+        return y
     iters, rem = divmod(Kp, cfg.block_k)
     assert rem == 0, "weights must come from repack_k32 (K padded to a multiple of 512)"
     assert 1 <= split_k <= iters, f"split_k={split_k} must be in [1, {iters}]"
@@ -394,13 +460,14 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
     _fp4_gemm_kernel[(tiles, split_k)](
         x, weight.view(torch.int16), weight_scale.view(torch.int16), weight_scale_2, out, part,
         counters if fused else out,
-        M, N, K, Kp, x.stride(0), weight.stride(0) // 2, weight_scale.stride(0) // 2, N, iters, split_k,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        M, N, K, Kp, x.stride(0), weight.stride(0) // 2, weight_scale.stride(0) // 2, out.stride(0), iters,
+        split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         SPLIT=split_k > 1, FUSED_REDUCE=fused, EVEN_K=K == Kp, W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm,
-        ONE_DOT=cfg.one_dot, PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+        ONE_DOT=cfg.one_dot, PDL=use_pdl, SWIGLU=swiglu, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **launch,
     )
     if split_k > 1 and not fused:
         block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](part, out, M * N, SPLIT_K=split_k,
-                                                            BLOCK=block, PDL=use_pdl, num_warps=4, **launch)
+        _splitk_reduce_kernel[(triton.cdiv(out.numel(), block),)](
+            part, out, M * N, N, SPLIT_K=split_k, BLOCK=block, PDL=use_pdl, SWIGLU=swiglu, num_warps=4, **launch)
     return out
