@@ -5,6 +5,10 @@
     python benchmarks/profile_step.py --decode 1 --set quantization.format=nvfp4 \
         --set backends.attention=flashinfer       # full-graph decode: GPU time by kernel (torch.profiler),
                                                   # then host time by function (cProfile)
+
+With programmatic dependent launch (runtime.pdl, on by default on sm_90) a kernel starts before the one
+before it ends and waits on the GPU, so per-kernel times overlap and their sum exceeds the step; add
+`--set runtime.pdl=off` for a breakdown whose sum is the GPU time of the step.
 """
 
 from __future__ import annotations
@@ -123,6 +127,10 @@ def profile_decode(args) -> None:
     total = sum(sum(v) for v in per_kernel.values()) / args.steps
     rows = sorted(((sum(v) / args.steps, len(v) / args.steps, k) for k, v in per_kernel.items()), reverse=True)
     print(f"decode batch {args.decode}: {total / 1e3:.3f} ms of kernel time per step over {args.steps} steps")
+    from pieceworks.backends import pdl
+
+    if pdl.enabled(ex.device):
+        print("(PDL on: kernels overlap, so this sum exceeds the step; --set runtime.pdl=off for a breakdown)")
     families: dict[str, float] = {}
     for us, _, name in rows:
         families[kernel_family(name)] = families.get(kernel_family(name), 0.0) + us

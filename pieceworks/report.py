@@ -96,6 +96,12 @@ def print_graph_config(cfg: Config, device: torch.device, ex: Any = None) -> Non
     )
     console.print(f"[bold]decode graphs[/bold]: {'on' if dec_on else 'off'}"
                   + (f", {len(bss)} batch sizes {_span(bss)}" if dec_on else " (need CUDA)" if not cuda else ""))
+    from pieceworks.backends import pdl
+
+    mode = str(getattr(cfg.runtime.pdl, "value", cfg.runtime.pdl))
+    why = pdl.unsupported_reason(device) if mode != "off" else None
+    console.print(f"[bold]programmatic dependent launch[/bold] (runtime.pdl={mode}): "
+                  + ("on" if mode != "off" and why is None else "off" + (f" ({why})" if why else "")))
     if ex is not None:
         for name, runner in (("piecewise", ex.piecewise), ("decode", ex.decode_graphs)):
             if runner is not None:

@@ -78,7 +78,8 @@ class Executor:
         cfg = cfg if isinstance(cfg, Config) and not overrides else load_config(cfg, overrides)
         device = resolve_device(cfg.runtime.device)
         dtype = resolve_dtype(cfg.runtime.dtype, device)
-        if cfg.runtime.pdl is Switch.on and (reason := pdl.unsupported_reason(device)) is not None:
+        pdl_mode = str(getattr(cfg.runtime.pdl, "value", cfg.runtime.pdl))
+        if pdl_mode == "on" and (reason := pdl.unsupported_reason(device)) is not None:
             raise ConfigError(f"runtime.pdl: on, but {reason}; use runtime.pdl=auto or off")
         torch.manual_seed(cfg.runtime.seed)
         registry = load_registry(cfg.plugins)
@@ -92,7 +93,7 @@ class Executor:
         kv = KVPool.sized(model.kv_layout(), cfg.kv_cache.page_size, dtype, device,
                           cfg.kv_cache.num_tokens, cfg.kv_cache.memory_fraction)
         ex = cls(cfg, model, table, kv, device, model_dir)
-        pdl.configure(cfg.runtime.pdl.value, device)  # before the graphs capture the kernels
+        pdl.configure(pdl_mode, device)  # before the graphs capture the kernels
         ex._build_graphs(progress)
         return ex
 
