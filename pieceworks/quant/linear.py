@@ -58,6 +58,7 @@ class Fp4Linear(nn.Module):
                     f"Fp4Linear.{name}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}"
                 )
             getattr(self, name).data = t.to(getattr(self, name).device)
+        self.layout, self.prepared = "linear", False  # checkpoint layout again: prepare() converts
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, input_amax: float | None = None) -> "Fp4Linear":

@@ -2,8 +2,8 @@
 gives the same bits with PDL as without, eagerly and replayed from a CUDA graph with fresh inputs.
 
 Run on the H200: `python -m pytest tests/gpu/test_pdl.py -m gpu -q`. A kernel that read its input
-before the kernel producing it had finished would show up as a mismatch (or NaN: outputs of the
-PDL-off run are poisoned first); each replay gets new inputs so stale data can't pass.
+before the kernel producing it had finished would show up as a mismatch; each replay gets new inputs
+(and the eager runs fresh ones per round) so stale data can't pass.
 """
 
 from __future__ import annotations
