@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Every measurement of issue 7 on the H200 in one device call (about 3 minutes with warm caches):
+#   bash benchmarks/issue7.sh OUTDIR        (on the device: source .gpu/setup.sh first; OUTDIR=$OUT)
+# Writes OUTDIR/{gemm_off,gemm_on}/gemm_bench.md, {moe_off,moe_on}/moe_bench.md, decode512.md,
+# decode4096.md, profile_b1.txt; prints each table as it goes. Each step has its own time limit, and a
+# failing step does not stop the others.
+set -u
+out=${1:?usage: bash benchmarks/issue7.sh OUTDIR}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+step() { echo "== $(date -u +%H:%M:%S) $*"; }
+step "GEMM, PDL off and on"
+timeout 150 python benchmarks/fp4_gemm.py --ms 1,4,16 --out "$out/gemm_off" | tail -20
+timeout 150 python benchmarks/fp4_gemm.py --ms 1,4,16 --pdl on --out "$out/gemm_on" | tail -20
+step "MoE, PDL off and on"
+timeout 200 python benchmarks/moe.py --tokens 1,4,16,64 --out "$out/moe_off" | tail -6
+timeout 200 python benchmarks/moe.py --tokens 1,4,16,64 --pdl on --out "$out/moe_on" | tail -6
+B=(--quant nvfp4 --set cuda_graph.piecewise.enabled=off --extend '' --set backends.options.flashinfer.variant=fa2
+   --decode 1,8,32 --decode-sizes 1,8,32)
+for ctx in 512 4096; do
+    step "decode end to end, $ctx-token context"
+    timeout 200 python benchmarks/graphs.py "${B[@]}" --context "$ctx" --out "$out/decode$ctx.md" | tail -5
+done
+step "kernel time of a batch-1 step (PDL off: per-kernel times that add up)"
+timeout 150 python benchmarks/profile_step.py --decode 1 --set quantization.format=nvfp4 \
+    --set backends.options.flashinfer.variant=fa2 --set runtime.pdl=off --steps 30 > "$out/profile_b1.txt" 2>&1
+grep -v Warn "$out/profile_b1.txt" | head -30
+step done
