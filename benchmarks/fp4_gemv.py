@@ -15,7 +15,7 @@ The kernel:
     At M <= 4 the wgmma path of `triton_kernels` pads the rows to 16 and spends more issue slots on MMA
     bookkeeping and operand shuffles than on decoding; here every program streams BLOCK_N weight rows
     over the whole of K with plain FMAs, so there is no split-K and no second kernel. The weight layout
-    is the same k32 layout (see triton_kernels.py), decoded by the same `decode_k32`.
+    is the same k32 layout (see fp4_gemm/triton_k32.py), decoded by the same `decode_k32`.
 
     Two accumulation schemes (constexpr BF16_PARTIAL):
     - False: every product in fp32 (exact w4a16 numerics up to fp32 summation order);
@@ -56,7 +56,7 @@ from fp4_gemm import (  # noqa: E402
 )
 
 from pieceworks.backends.fp4_gemm.triton import parse_table, unpack_k32  # noqa: E402
-from pieceworks.backends.fp4_gemm.triton_kernels import OUT_BIAS, decode_k32, scales_k32  # noqa: E402
+from pieceworks.backends.fp4_gemm.triton_k32 import OUT_BIAS, decode_k32, scales_k32  # noqa: E402
 from pieceworks.quant import nvfp4  # noqa: E402
 
 

@@ -127,7 +127,7 @@ def _bf16_halves(word: torch.Tensor):
 
 
 def scale_multipliers(pairs: torch.Tensor):
-    """The PTX scale conversion of triton_kernels.py in torch: int16 pairs -> (low, high) bf16 values.
+    """The PTX scale conversion of triton_k32.py in torch: int16 pairs -> (low, high) bf16 values.
 
     cvt.rn.f16x2.e4m3x2 (exact), shift right by 3, OR 0x7000 in each half."""
     p = pairs.to(torch.int32) & 0xFFFF
@@ -152,7 +152,7 @@ def test_scale_conversion_is_exact_for_every_e4m3():
 
 
 def test_decode_bit_math_matches_reference_dequantize():
-    """The PTX decode in triton_kernels.py, step by step in torch on 32-bit words of two units: the
+    """The PTX decode in triton_k32.py, step by step in torch on 32-bit words of two units: the
     patterns times the scale multipliers are exactly e2m1 * scale * 2^-14."""
     n, k = 16, 512
     packed, scale, _ = random_fp4(n, k, seed=3)

@@ -2,7 +2,7 @@
 
 Weights stay 4-bit in memory and are dequantized in registers right before bf16 tensor-core dots,
 so decode reads 0.5625 bytes per weight instead of bf16's 2. At load, `prepare` repacks them into the
-"k32" layout (see `repack_k32` and triton_kernels.py), which lets one 32-bit register op decode two
+"k32" layout (see `repack_k32` and triton_k32.py), which lets one 32-bit register op decode two
 values. The tile configuration is picked per call from a table tuned on an H200 (`triton_tiles.py`),
 by row count: split-K decode tiles for small M so every SM streams weights, larger fused tiles up to
 M = 256, and from M = 1024 a "dequant" entry that writes a transient bf16 copy of the weight
@@ -27,7 +27,7 @@ from pieceworks.quant import nvfp4
 GROUP = 32  # elements per k32 group
 K_ALIGN = 512  # K is padded to this, a multiple of every BLOCK_K: the kernels' weight loads need no mask
 COUNTERS = 1 << 14  # split-K arrival counters per backend instance and device (output tiles of one call)
-# Bit positions of a code's (sign, E1, E0, m) for slots 0..3 of a 16-bit unit (triton_kernels.py).
+# Bit positions of a code's (sign, E1, E0, m) for slots 0..3 of a 16-bit unit (triton_k32.py).
 SLOT_BITS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 11, 10, 13))
 
 
@@ -97,7 +97,7 @@ def interleave_gate_up(n: int) -> torch.Tensor:
 
 
 def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int = 4096):
-    """Checkpoint NVFP4 -> k32 layout (see triton_kernels.py).
+    """Checkpoint NVFP4 -> k32 layout (see triton_k32.py).
 
     Args:
         weight: uint8 [..., N, K/2], linear layout (element 2j in the low nibble of byte j).

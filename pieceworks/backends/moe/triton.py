@@ -6,7 +6,7 @@ gate_up GEMM with SwiGLU fused in its epilogue, a grouped down GEMM that applies
 and a combine over the top-k slots. Every buffer has a size fixed by (T, top_k, E, BLOCK_M), and
 blocks past the routed rows exit on a device-side count: nothing syncs with the host, so the op is
 capturable in FULL and PIECEWISE graphs. Expert weights are repacked once into the k32 layout of
-fp4_gemm/triton_kernels.py.
+fp4_gemm/triton_k32.py.
 
 This module imports torch only; triton is imported when a kernel is first launched.
 """

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from pieceworks.backends import pdl, pdl_kernels
-from pieceworks.backends.fp4_gemm.triton_kernels import OUT_BIAS, fp4_tile_loop
+from pieceworks.backends.fp4_gemm.triton_k32 import OUT_BIAS, fp4_tile_loop
 
 
 @triton.jit(do_not_specialize=["num_valid", "num_iters"])

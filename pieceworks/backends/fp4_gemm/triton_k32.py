@@ -1,0 +1,236 @@
+"""The "k32" NVFP4 weight layout in Triton: decoding it in registers, and the K loop that feeds the decoded
+tiles to bf16 tensor-core dots. Shared by the NVFP4 GEMM (triton_kernels.py) and the fused MoE
+(backends/moe/triton_kernels.py); imports triton at the top.
+
+The layout (produced by `pieceworks.backends.fp4_gemm.triton.repack_k32`):
+
+- K is zero-padded to Kp, a multiple of 512 (zero codes, zero block scales), so that every BLOCK_K
+  divides it and the weight loads need no masks (masked loads would keep Triton from pipelining them).
+- Each group of 32 consecutive elements of a row is stored as 8 little-endian 16-bit units. Unit u
+  (0..7) of group g holds the four codes of elements 32g + 8j + u, j = 0..3 ("slot j"), at these bits
+  (code bits: s = sign, E1 E0 = exponent, m = mantissa):
+
+      slot 0: s@15 E1@8  E0@7  m@6        slot 2: s@9  E1@2  E0@1  m@0
+      slot 1: s@12 E1@5  E0@4  m@3        slot 3: s@14 E1@11 E0@10 m@13
+
+  so slots 0-2 are `(u << 3j) & 0x81C0` away from a bfloat16 whose bits are the code's: that bfloat16
+  equals e2m1 * 2^-126 (code 1, i.e. 0.5, is a subnormal). Two units decode together (one 32-bit
+  register holds a pair, one op serves both): 12 integer ops and 4 bf16x2 multiplies per 8 values.
+- Block scales stay linear, [N, Kp/16] float8_e4m3fn, read as int16 pairs: pair g holds scale 2g (low
+  byte; slots 0 and 1 of group g) and scale 2g + 1 (high byte; slots 2 and 3).
+- Codes of blocks whose scale is zero are zeroed by the repack (their values are zero either way), so
+  the scale conversion below may map a zero scale to any finite number.
+
+A scale pair converts to two bfloat16 multipliers in three instructions: `cvt.rn.f16x2.e4m3x2` (exact:
+every e4m3 value, subnormals included, is a normal float16 with bits 6..0 zero), a right shift by 3
+(the float16 exponent lands in the low five bits of the bfloat16 exponent, the mantissa under it) and
+an OR of 0x7000 (adds 224 to the exponent), which gives bf16(scale * 2^112) exactly. Multiplying the
+code pattern (e2m1 * 2^-126) by it gives bf16 e2m1 * scale * 2^-14 exactly (at most 6 significant
+bits; the smallest nonzero product, 0.5 * 2^-9 * 2^-14, is a normal bfloat16). The accumulator (fp32)
+is multiplied by weight_scale_2 * 2^14 at the end.
+
+The K loop either runs four dots of BLOCK_K/4 each, one per slot, against the matching columns of x,
+or (ONE_DOT) interleaves the four decoded slots back into element order (a relabeling of registers:
+every thread already holds the same units of every slot) and runs one dot of K = BLOCK_K against x in
+element order. Triton keeps several wgmma groups of the one dot in flight while the next k16 step is
+decoded; the four-dot loop waits for each slot's wgmmas.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Scale bias folded into the decoded weights (see the module docstring), undone in the epilogue.
+OUT_BIAS = tl.constexpr(16384.0)  # 2^14
+
+_DECODE_ASM = tl.constexpr("""{
+    .reg .b32 t0, t1, t2, t3, t4, t5;
+    and.b32 t0, $4, 0x81C081C0;
+    mul.rn.bf16x2 $0, t0, $5;
+    shl.b32 t1, $4, 3;
+    and.b32 t1, t1, 0x81C081C0;
+    mul.rn.bf16x2 $1, t1, $5;
+    shl.b32 t2, $4, 6;
+    and.b32 t2, t2, 0x81C081C0;
+    mul.rn.bf16x2 $2, t2, $6;
+    shl.b32 t3, $4, 1;
+    and.b32 t3, t3, 0x80008000;
+    shr.b32 t4, $4, 3;
+    and.b32 t4, t4, 0x01800180;
+    or.b32 t3, t3, t4;
+    shr.b32 t5, $4, 7;
+    and.b32 t5, t5, 0x00400040;
+    or.b32 t3, t3, t5;
+    mul.rn.bf16x2 $3, t3, $6;
+}""")
+
+
+@triton.jit
+def _e2m1_arith(sign, em, scale):
+    # em << 9 as an fp16 is e2m1 * 2^-14 (code 1 a subnormal, converted exactly).
+    mag = (em << 9).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+    return tl.where(sign != 0, -mag, mag) * scale
+
+
+_SCALE_ASM = tl.constexpr("""{
+    .reg .b32 h;
+    cvt.rn.f16x2.e4m3x2 h, $2;
+    shr.b32 h, h, 3;
+    or.b32 h, h, 0x70007000;
+    mov.b32 {$0, $1}, h;
+}""")
+
+
+@triton.jit
+def scales_k32(s, USE_ASM: tl.constexpr):
+    """Scale pairs (int16: scale 2g low byte, 2g + 1 high byte) -> (slots 0/1, slots 2/3) multipliers:
+    bf16 scale * 2^112 with USE_ASM, else float32 scale * 2^-14 (the arithmetic decode's)."""
+    if USE_ASM:
+        s_a, s_b = tl.inline_asm_elementwise(
+            asm=_SCALE_ASM, constraints="=h,=h,h", args=[s],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1,
+        )
+    else:
+        u = s.to(tl.int32)
+        s_a = (u & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        s_b = ((u >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        s_a = s_a * 6.103515625e-05  # 2^-14
+        s_b = s_b * 6.103515625e-05
+    return s_a, s_b
+
+
+@triton.jit
+def decode_k32(w, s_a, s_b, USE_ASM: tl.constexpr):
+    """Decode k32 units into four bf16 tensors (slots 0..3), each e2m1 * scale * 2^-14.
+
+    w: int16 [..., 8] units; s_a, s_b: the multipliers of slots 0/1 and 2/3 from `scales_k32`,
+    broadcastable to w.
+    """
+    if USE_ASM:
+        sa = tl.broadcast_to(s_a, w.shape)
+        sb = tl.broadcast_to(s_b, w.shape)
+        v0, v1, v2, v3 = tl.inline_asm_elementwise(
+            asm=_DECODE_ASM,
+            constraints="=r,=r,=r,=r,r,r,r",
+            args=[w, sa, sb],
+            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        u = w.to(tl.int32) & 0xFFFF
+        v0 = _e2m1_arith((u >> 15) & 1, (u >> 6) & 7, s_a).to(tl.bfloat16)
+        v1 = _e2m1_arith((u >> 12) & 1, (u >> 3) & 7, s_a).to(tl.bfloat16)
+        v2 = _e2m1_arith((u >> 9) & 1, u & 7, s_b).to(tl.bfloat16)
+        em3 = (((u >> 10) & 3) << 1) | ((u >> 13) & 1)
+        v3 = _e2m1_arith((u >> 14) & 1, em3, s_b).to(tl.bfloat16)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _mma(acc, w, x, W_AS_A: tl.constexpr):
+    # W_AS_A: acc is [BN, BM] (weights are the register operand of wgmma); else [BM, BN].
+    if W_AS_A:
+        acc = tl.dot(w, tl.trans(x), acc)
+    else:
+        acc = tl.dot(x, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
+def _dequant_mma(acc, w, s, x0, x1, x2, x3, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr):
+    """acc += the tile's four slot products. ONE_DOT: x0 is the tile's x in element order [BM, BK]
+    (x1..x3 unused) and the decoded slots, interleaved back into element order, go to one dot of
+    K = BLOCK_K; else four dots of BLOCK_K / 4."""
+    BG: tl.constexpr = BLOCK_K // 32
+    BQ: tl.constexpr = BLOCK_K // 4
+    s_a, s_b = scales_k32(s, USE_ASM)  # [BN, BG]: slots 0/1 and 2/3 of each group
+    s_a = tl.broadcast_to(s_a[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
+    s_b = tl.broadcast_to(s_b[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
+    v0, v1, v2, v3 = decode_k32(w, s_a, s_b, USE_ASM)
+    if ONE_DOT:
+        # [BN, BQ, 2 (slot bit 0), 2 (slot bit 1)] -> [BN, group, slot, unit] -> [BN, BK].
+        v = tl.join(tl.join(v0, v1), tl.join(v2, v3)).reshape(BLOCK_N, BG, 8, 2, 2)
+        v = v.permute(0, 1, 4, 3, 2).reshape(BLOCK_N, BLOCK_K)
+        acc = _mma(acc, v, x0, W_AS_A)
+    else:
+        acc = _mma(acc, v0, x0, W_AS_A)
+        acc = _mma(acc, v1, x1, W_AS_A)
+        acc = _mma(acc, v2, x2, W_AS_A)
+        acc = _mma(acc, v3, x3, W_AS_A)
+    return acc
+
+
+@triton.jit
+def fp4_tile_loop(
+    acc, acc2, x_ptr, x_rows, x_mask, w_ptr, w_rows, w_rows2, s_ptr, s_rows, s_rows2,
+    k_lo, num_iters, K, Kp,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, DUAL: tl.constexpr,
+    ONE_DOT: tl.constexpr = False,
+):  # EVEN_K: K == Kp, x needs no column mask
+    """acc += x[rows, k_lo : k_lo + num_iters*BLOCK_K] @ dequant(W[w_rows, same]).T, without the
+    global scale; with DUAL also acc2 for the weight rows w_rows2 (x is loaded once for both).
+
+    x_rows [BM] / w_rows [BN] / s_rows [BN]: int64 offsets of each row's start (x in elements, w in
+    16-bit units, s in int16 scale pairs); x_mask [BM]: rows to read (others load zeros). acc/acc2
+    are [BN, BM] when W_AS_A, else [BM, BN]. Weights, scales and x go through Triton's cp.async
+    pipeline (num_stages)."""
+    BQ: tl.constexpr = BLOCK_K // 4
+    c = tl.arange(0, BQ)  # k32 unit within the tile: group c // 8, unit c % 8
+    t32 = tl.arange(0, BLOCK_K // 32)  # scale pair within the tile
+    xc = (c // 8) * 32 + (c % 8)  # element of slot 0 of unit c
+    w_ptrs = w_ptr + w_rows[:, None] + (k_lo // 4 + c)[None, :]
+    s_ptrs = s_ptr + s_rows[:, None] + (k_lo // 32 + t32)[None, :]
+    if DUAL:
+        w_ptrs2 = w_ptr + w_rows2[:, None] + (k_lo // 4 + c)[None, :]
+        s_ptrs2 = s_ptr + s_rows2[:, None] + (k_lo // 32 + t32)[None, :]
+    x_ptrs = x_ptr + x_rows[:, None] + (k_lo + xc)[None, :]
+    xs = tl.arange(0, BLOCK_K)  # ONE_DOT: x in element order
+    xs_ptrs = x_ptr + x_rows[:, None] + (k_lo + xs)[None, :]
+    xm = x_mask[:, None]
+    for it in range(num_iters):
+        k0 = k_lo + it * BLOCK_K
+        # The weights are padded to a multiple of every BLOCK_K and splits are whole BLOCK_K
+        # iterations, so weight and scale loads need no mask: Triton's pipeliner streams both with
+        # cp.async (scales from 8 bytes a row, BLOCK_K >= 128; smaller tiles load them synchronously).
+        w = tl.load(w_ptrs)
+        s0 = tl.load(s_ptrs)
+        if ONE_DOT:
+            if EVEN_K:
+                x0 = tl.load(xs_ptrs, mask=xm, other=0.0)
+            else:
+                x0 = tl.load(xs_ptrs, mask=xm & (k0 + xs < K)[None, :], other=0.0)
+            x1 = x0
+            x2 = x0
+            x3 = x0
+        elif EVEN_K:
+            x0 = tl.load(x_ptrs, mask=xm, other=0.0)
+            x1 = tl.load(x_ptrs + 8, mask=xm, other=0.0)
+            x2 = tl.load(x_ptrs + 16, mask=xm, other=0.0)
+            x3 = tl.load(x_ptrs + 24, mask=xm, other=0.0)
+        else:
+            xk = k0 + xc
+            x0 = tl.load(x_ptrs, mask=xm & (xk < K)[None, :], other=0.0)
+            x1 = tl.load(x_ptrs + 8, mask=xm & (xk + 8 < K)[None, :], other=0.0)
+            x2 = tl.load(x_ptrs + 16, mask=xm & (xk + 16 < K)[None, :], other=0.0)
+            x3 = tl.load(x_ptrs + 24, mask=xm & (xk + 24 < K)[None, :], other=0.0)
+        x0 = x0.to(tl.bfloat16)
+        x1 = x1.to(tl.bfloat16)
+        x2 = x2.to(tl.bfloat16)
+        x3 = x3.to(tl.bfloat16)
+        acc = _dequant_mma(acc, w, s0, x0, x1, x2, x3, BLOCK_N, BLOCK_K, W_AS_A, USE_ASM, ONE_DOT)
+        if DUAL:
+            w2 = tl.load(w_ptrs2)
+            r0 = tl.load(s_ptrs2)
+            acc2 = _dequant_mma(acc2, w2, r0, x0, x1, x2, x3, BLOCK_N, BLOCK_K, W_AS_A, USE_ASM,
+                                 ONE_DOT)
+            w_ptrs2 += BLOCK_K // 4
+            s_ptrs2 += BLOCK_K // 32
+        w_ptrs += BLOCK_K // 4
+        s_ptrs += BLOCK_K // 32
+        x_ptrs += BLOCK_K
+        xs_ptrs += BLOCK_K
+    return acc, acc2
