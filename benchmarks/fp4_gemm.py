@@ -46,7 +46,7 @@ SHAPES = {  # name: (N, K)
 }
 MS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
 # The M at which each bucket of the table is tuned, and the bucket's upper bound.
-BUCKETS = [(1, 4), (16, 16), (64, 64), (256, 256), (1024, 1024), (16384, None)]
+BUCKETS = [(1, 8), (16, 16), (64, 64), (256, 256), (1024, 1024), (16384, None)]
 
 
 def random_weights(n: int, k: int, copies: int, gen: torch.Generator):
@@ -153,6 +153,16 @@ def candidates(m: int) -> list[dict]:
         for target, stages in ((264, 3), (528, 3), (792, 3), (1056, 3), (792, 4)):
             out.append(dict(block_m=16, block_n=64, block_k=128, num_stages=stages, w_as_a=True,
                             one_dot=True, target_ctas=target, max_split=16))
+        if m <= 8:
+            # 8-row tiles: Triton runs the dot as mma.sync m16n8k16 with the decoded weights as the
+            # register A operand and x as an n8 B operand (half the MMA work of the 16-column wgmma;
+            # 2.98 SASS instructions per weight at 8x64x256 four-dot against 3.94, 93 registers).
+            for bn, bk, warps, stages, target, two in (
+                    (64, 256, 4, 3, 264, False), (64, 256, 4, 3, 264, True), (64, 256, 4, 2, 264, False),
+                    (64, 256, 4, 2, 528, False), (64, 512, 4, 3, 264, False), (64, 256, 4, 3, 396, False),
+                    (128, 256, 4, 3, 264, True), (32, 256, 2, 3, 528, False), (32, 256, 2, 3, 792, False)):
+                out.append(dict(block_m=8, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
+                                w_as_a=True, one_dot=False, target_ctas=target, max_split=16, two_acc=two))
     elif m <= 64:
         for bn, bk, one_dot in ((64, 128, False), (128, 128, False), (64, 256, False), (64, 128, True),
                                 (128, 128, True), (64, 256, True)):

@@ -64,6 +64,11 @@ def draws(t: int, gen, n: int):
 
 
 def candidates(t: int) -> list[dict]:
+    if t <= 4:
+        # 8-row tiles (mma.sync m16n8k16, weights as the A operand, four dots), then the t <= 16 list
+        eight = [dict(block_m=8, block_n=bn, block_k=256, num_warps=w, num_stages=3, w_as_a=True, one_dot=False)
+                 for bn, w in ((64, 4), (128, 4), (32, 2), (128, 8))]
+        return eight + candidates(16)
     if t <= 16:
         # (block_n, block_k, w_as_a, one_dot, stages); block_n 32 puts 64 weight rows (gate + up) in a
         # program, as the dense GEMM's decode tile does (Triton then uses mma.sync, not wgmma)

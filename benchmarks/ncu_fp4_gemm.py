@@ -4,7 +4,7 @@
         --section Occupancy --section WarpStateStats --section SchedulerStats \
         --section MemoryWorkloadAnalysis python benchmarks/ncu_fp4_gemm.py llama.gate_up 1
 
-Arguments: comma-separated shape names of benchmarks/fp4_gemm.py and M. Each shape is called once on
+Arguments: comma-separated shape names of benchmarks/fp4_gemm.py, M, optionally a JSON tile table. Each shape is called once on
 each of 6 random weight copies (ncu locks the SM clock to base, 1.34 GHz on the H200, so its durations
 run longer than benchmarks/fp4_gemm.py's). Needs a CUDA GPU and triton.
 """
@@ -28,7 +28,13 @@ from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES  # noqa: E4
 def main() -> None:
     names, m = sys.argv[1].split(","), int(sys.argv[2])
     gen = torch.Generator("cuda").manual_seed(0)
-    backend = fb.backend_with(parse_table(FP4_GEMM_TILES))
+    rows = FP4_GEMM_TILES
+    if len(sys.argv) > 3:  # a JSON tile table (as benchmarks/fp4_gemm.py --table takes)
+        import json
+
+        with open(sys.argv[3]) as f:
+            rows = json.load(f)
+    backend = fb.backend_with(parse_table(rows))
     for name in names:
         n, k = fb.SHAPES[name]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)

@@ -4,6 +4,8 @@
     python benchmarks/sass_count.py --tile 16,256,128,8,3,1  # block_m,block_n,block_k,warps,stages,one_dot
     python benchmarks/sass_count.py --tile 16,128,256,4,3,0,0  # optional 7th field w_as_a (default 1); 0 puts
                                                              # x in the A operand: mma.sync, not wgmma
+    python benchmarks/sass_count.py --tile 8,64,256,4,3,0,1,1  # optional 8th field two_acc (default 0); 8 x
+                                                             # rows: mma.sync with the weights as A
     python benchmarks/sass_count.py --tile 16,64,256,4,3,1 --show   # also print the loop's SASS
     python benchmarks/sass_count.py --layouts   # search k32-style bit layouts (pure Python, no compile)
 
@@ -39,18 +41,19 @@ SIGNATURE = dict(
     stride_sn="i32", stride_om="i32", iters="i32", num_splits="i32",
     BLOCK_M="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr", GROUP_M="constexpr", SPLIT="constexpr",
     FUSED_REDUCE="constexpr", EVEN_K="constexpr", W_AS_A="constexpr", USE_ASM="constexpr", ONE_DOT="constexpr",
-    PDL="constexpr",
+    PDL="constexpr", SWIGLU="constexpr", TWO_ACC="constexpr",
 )
 DIVISIBLE = ("x_ptr", "w_ptr", "s_ptr", "gs_ptr", "out_ptr", "part_ptr", "count_ptr", "N", "K", "Kp",
              "stride_xm", "stride_wn", "stride_sn", "stride_om")
 
 
-def compile_decode_kernel(block_m, block_n, block_k, num_warps, num_stages, one_dot, w_as_a=1, pdl=False):
+def compile_decode_kernel(block_m, block_n, block_k, num_warps, num_stages, one_dot, w_as_a=1, pdl=False,
+                          two_acc=False):
     names = list(SIGNATURE)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1, SPLIT=True,
                       FUSED_REDUCE=True, EVEN_K=True, W_AS_A=bool(w_as_a), USE_ASM=True, ONE_DOT=bool(one_dot),
-                      PDL=bool(pdl))
+                      PDL=bool(pdl), SWIGLU=False, TWO_ACC=bool(two_acc))
     src = ASTSource(triton_kernels._fp4_gemm_kernel, SIGNATURE, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl)))
@@ -109,7 +112,7 @@ def shift_mask_layouts() -> tuple[list, list]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tile", action="append", default=[],
-                   help="block_m,block_n,block_k,num_warps,num_stages,one_dot[,w_as_a] (repeatable)")
+                   help="block_m,block_n,block_k,num_warps,num_stages,one_dot[,w_as_a[,two_acc]] (repeatable)")
     p.add_argument("--show", action="store_true", help="print the loop's instructions")
     p.add_argument("--layouts", action="store_true", help="search one-shift-one-mask decode layouts and exit")
     args = p.parse_args()
@@ -119,19 +122,19 @@ def main() -> None:
         return
     tiles = [tuple(int(v) for v in t.split(",")) for t in args.tile] or [
         (t["block_m"], t["block_n"], t["block_k"], t.get("num_warps", 4), t.get("num_stages", 3),
-         int(t.get("one_dot", False)), int(t.get("w_as_a", True)))
-        for t in FP4_GEMM_TILES if t.get("kind") == "fused" and t["block_m"] == 16]
-    print("| block_m x block_n x block_k, warps, stages, one_dot, w_as_a | mma | loop instructions | weights per thread "
+         int(t.get("one_dot", False)), int(t.get("w_as_a", True)), int(t.get("two_acc", False)))
+        for t in FP4_GEMM_TILES if t.get("kind") == "fused" and t["block_m"] <= 16]
+    print("| block_m x block_n x block_k, warps, stages, one_dot, w_as_a, two_acc | mma | loop instructions | weights per thread "
           "| per weight | registers | top ops |\n|---|---|---:|---:|---:|---:|---|")
     for tile in dict.fromkeys(tiles):
-        bm, bn, bk, nw, ns, od, wa = (tile + (1,))[:7]
-        kernel = compile_decode_kernel(bm, bn, bk, nw, ns, od, wa)
+        bm, bn, bk, nw, ns, od, wa, ta = (tile + (1, 0)[len(tile) - 6:])[:8]
+        kernel = compile_decode_kernel(bm, bn, bk, nw, ns, od, wa, two_acc=ta)
         loop = hottest_loop(kernel.asm["sass"])
         per_thread = bn * bk / (32 * nw)
         ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0] for i in loop)
         top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
         mma = "wgmma" if "HGMMA" in kernel.asm["sass"] else "mma.sync"
-        print(f"| {bm}x{bn}x{bk}, {nw}, {ns}, {od}, {wa} | {mma} | {len(loop)} | {per_thread:.0f} | {len(loop) / per_thread:.2f} "
+        print(f"| {bm}x{bn}x{bk}, {nw}, {ns}, {od}, {wa}, {ta} | {mma} | {len(loop)} | {per_thread:.0f} | {len(loop) / per_thread:.2f} "
               f"| {registers(kernel)} | {top} |")
         if args.show:
             print("\n".join(loop))

@@ -60,7 +60,7 @@ def reference(x: torch.Tensor, w: Fp4Weight) -> torch.Tensor:
 # --- GEMM ------------------------------------------------------------------------------------------
 
 # One M per tile bucket (and past the last), with N and K that are not multiples of the tiles.
-GEMM_CASES = [(m, n, k) for m in (1, 4, 16, 32, 64, 200, 1024, 5000) for n, k in ((1000, 4112), (4096, 1024))]
+GEMM_CASES = [(m, n, k) for m in (1, 4, 8, 16, 32, 64, 200, 1024, 5000) for n, k in ((1000, 4112), (4096, 1024))]
 
 
 @pytest.mark.parametrize("m,n,k", GEMM_CASES)
@@ -76,6 +76,9 @@ def test_backend_matches_reference(m, n, k):
 
 
 VARIANTS = [
+    TileConfig(block_m=8, block_n=64, block_k=256, w_as_a=True, asm=True, two_acc=True),
+    TileConfig(block_m=8, block_n=64, block_k=256, w_as_a=True, asm=False),
+    TileConfig(block_m=8, block_n=128, block_k=128, w_as_a=True, asm=True, num_warps=8, two_acc=True),
     TileConfig(block_m=16, block_n=64, block_k=256, w_as_a=True, asm=True, num_stages=4),
     TileConfig(block_m=16, block_n=64, block_k=256, w_as_a=True, asm=True, one_dot=True),
     TileConfig(block_m=16, block_n=128, block_k=512, w_as_a=True, asm=False, one_dot=True),
@@ -90,7 +93,7 @@ VARIANTS = [
 
 @pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: f"{c.kind}-{c.block_m}x{c.block_n}x{c.block_k}-"
                          f"{'A' if c.w_as_a else 'B'}-{'asm' if c.asm else 'arith'}"
-                         f"{'-onedot' if c.one_dot else ''}")
+                         f"{'-onedot' if c.one_dot else ''}{'-twoacc' if c.two_acc else ''}")
 @pytest.mark.parametrize("split_k,fused", [(1, False), (2, False), (3, True), (4, True)])
 def test_kernel_variants(cfg, split_k, fused):
     gen = torch.Generator(DEV).manual_seed(split_k)
@@ -245,7 +248,7 @@ def run_moe(backend, x, logits, bias, w, routing):
                            routing["topk_group"], routing["renormalize"], routing["routed_scaling_factor"])
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 64, 300, 2000])
+@pytest.mark.parametrize("tokens", [1, 4, 7, 64, 300, 2000])
 def test_moe_matches_reference(tokens):
     gen = torch.Generator(DEV).manual_seed(tokens)
     e, h, inter = 32, 1024, 384
@@ -260,11 +263,12 @@ def test_moe_matches_reference(tokens):
     assert rel_err(y, ref) < TOL
 
 
+@pytest.mark.parametrize("tokens", [3, 333])  # 3: the 8-row decode tile
 @pytest.mark.parametrize("top_k", [1, 4])
-def test_moe_skewed_routing(top_k):
+def test_moe_skewed_routing(top_k, tokens):
     """Every token picks the same experts (one expert holds all rows with top_k=1); the rest get none."""
     gen = torch.Generator(DEV).manual_seed(top_k)
-    e, h, inter, tokens = 16, 512, 256, 333
+    e, h, inter = 16, 512, 256
     w = random_moe(e, h, inter, gen)
     backend = TritonMoEBackend(spec())
     prepared = backend.prepare(w)
@@ -313,7 +317,7 @@ def test_route_kernel_matches_torch_routing(tokens, experts, top_k, groups, topk
     assert torch.equal(ids_g, route(logits, b, *args)[1])
 
 
-@pytest.mark.parametrize("tokens,block_m", [(1, 16), (64, 16), (3000, 64)])
+@pytest.mark.parametrize("tokens,block_m", [(1, 8), (4, 8), (1, 16), (64, 16), (3000, 64)])
 def test_gpu_align_matches_torch_align(tokens, block_m):
     gen = torch.Generator(DEV).manual_seed(tokens)
     e, k = 256, 8

@@ -48,10 +48,13 @@ class TileConfig:
     one_dot: bool = False
     target_ctas: int = 0
     max_split: int = 1
+    two_acc: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("fused", "dequant"):
             raise ValueError(f"tile kind {self.kind!r}: use 'fused' or 'dequant'")
+        if self.two_acc and self.one_dot:
+            raise ValueError("two_acc splits the four-dot K loop; it cannot be combined with one_dot")
         if self.block_k % GROUP:
             raise ValueError(f"block_k={self.block_k} must be a multiple of {GROUP}")
 

@@ -164,13 +164,31 @@ def _dequant_mma(acc, w, s, x0, x1, x2, x3, BLOCK_N: tl.constexpr, BLOCK_K: tl.c
 
 
 @triton.jit
+def _dequant_mma_two(acc, acc_b, w, s, x0, x1, x2, x3, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     W_AS_A: tl.constexpr, USE_ASM: tl.constexpr):
+    """The four-dot tile product with slots 0 and 2 into acc and slots 1 and 3 into acc_b: two
+    independent accumulator chains (mma.sync dots wait on their accumulator)."""
+    BG: tl.constexpr = BLOCK_K // 32
+    BQ: tl.constexpr = BLOCK_K // 4
+    s_a, s_b = scales_k32(s, USE_ASM)
+    s_a = tl.broadcast_to(s_a[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
+    s_b = tl.broadcast_to(s_b[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
+    v0, v1, v2, v3 = decode_k32(w, s_a, s_b, USE_ASM)
+    acc = _mma(acc, v0, x0, W_AS_A)
+    acc_b = _mma(acc_b, v1, x1, W_AS_A)
+    acc = _mma(acc, v2, x2, W_AS_A)
+    acc_b = _mma(acc_b, v3, x3, W_AS_A)
+    return acc, acc_b
+
+
+@triton.jit
 def fp4_tile_loop(
     acc, acc2, x_ptr, x_rows, x_mask, w_ptr, w_rows, w_rows2, s_ptr, s_rows, s_rows2,
     k_lo, num_iters, K, Kp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, DUAL: tl.constexpr,
-    ONE_DOT: tl.constexpr = False,
-):  # EVEN_K: K == Kp, x needs no column mask
+    ONE_DOT: tl.constexpr = False, TWO_ACC: tl.constexpr = False,
+):  # EVEN_K: K == Kp, x needs no column mask; TWO_ACC (four dots, not DUAL): acc2 is a second chain
     """acc += x[rows, k_lo : k_lo + num_iters*BLOCK_K] @ dequant(W[w_rows, same]).T, without the
     global scale; with DUAL also acc2 for the weight rows w_rows2 (x is loaded once for both).
 
@@ -221,7 +239,11 @@ def fp4_tile_loop(
         x1 = x1.to(tl.bfloat16)
         x2 = x2.to(tl.bfloat16)
         x3 = x3.to(tl.bfloat16)
-        acc = _dequant_mma(acc, w, s0, x0, x1, x2, x3, BLOCK_N, BLOCK_K, W_AS_A, USE_ASM, ONE_DOT)
+        if TWO_ACC:
+            acc, acc2 = _dequant_mma_two(acc, acc2, w, s0, x0, x1, x2, x3, BLOCK_N, BLOCK_K, W_AS_A,
+                                         USE_ASM)
+        else:
+            acc = _dequant_mma(acc, w, s0, x0, x1, x2, x3, BLOCK_N, BLOCK_K, W_AS_A, USE_ASM, ONE_DOT)
         if DUAL:
             w2 = tl.load(w_ptrs2)
             r0 = tl.load(s_ptrs2)

@@ -73,6 +73,7 @@ def _fp4_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, EVEN_K: tl.constexpr, W_AS_A: tl.constexpr,
     USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr, PDL: tl.constexpr = False, SWIGLU: tl.constexpr = False,
+    TWO_ACC: tl.constexpr = False,
 ):
     """One output tile, or (SPLIT) one of `num_splits` K ranges of it; ranges differ by at most one
     BLOCK_K iteration. A split writes its float32 partial to part[pid_k] (laid out [splits, M, N]);
@@ -110,12 +111,14 @@ def _fp4_gemm_kernel(
     w_rows = n_c * stride_wn
     s_rows = n_c * stride_sn
     pdl_kernels.wait(PDL)
-    acc, unused = fp4_tile_loop(
+    acc, acc_b = fp4_tile_loop(
         acc, acc, x_ptr, x_rows, rm < M, w_ptr, w_rows, w_rows, s_ptr, s_rows, s_rows,
         k_lo, num_iters, K, Kp,
-        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, USE_ASM, False, ONE_DOT,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, USE_ASM, False, ONE_DOT, TWO_ACC,
     )
     pdl_kernels.launch_dependents(PDL)
+    if TWO_ACC:
+        acc = acc + acc_b
     if W_AS_A:
         acc = tl.trans(acc)
     acc = acc * (tl.load(gs_ptr) * OUT_BIAS)
@@ -239,8 +242,8 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
         M, N, K, Kp, x.stride(0), weight.stride(0) // 2, weight_scale.stride(0) // 2, out.stride(0), iters,
         split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         SPLIT=split_k > 1, FUSED_REDUCE=fused, EVEN_K=K == Kp, W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm,
-        ONE_DOT=cfg.one_dot, PDL=use_pdl, SWIGLU=swiglu, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **launch,
+        ONE_DOT=cfg.one_dot, PDL=use_pdl, SWIGLU=swiglu, TWO_ACC=cfg.two_acc, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **launch,
     )
     if split_k > 1 and not fused:
         block = 1024

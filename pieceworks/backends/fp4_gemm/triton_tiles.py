@@ -7,8 +7,9 @@ weight to bf16, then torch.matmul, for compute-bound sizes), block_m/n/k, group_
 of group_m row blocks share a column sweep, for L2 reuse), num_warps, num_stages, w_as_a (weights as
 the register operand: the accumulator is [block_n, block_m]), asm (PTX bit-twiddling decode, else
 plain Triton arithmetic), one_dot (the four decoded slots of a K tile feed one dot of K = block_k in
-element order, which lets Triton keep several wgmma groups in flight; else four dots), target_ctas
-(split K until at least this many programs; 0 = never),
+element order, which lets Triton keep several wgmma groups in flight; else four dots), two_acc (four
+dots into two accumulators, slots 0/2 and 1/3, summed after the K loop: two independent mma.sync
+chains; not with one_dot), target_ctas (split K until at least this many programs; 0 = never),
 max_split.
 """
 
@@ -17,9 +18,13 @@ max_split.
 # tuning M (1, 16, 64, 256, 1024, 16384). From M = 1024 up, dequantize + cuBLAS beat the fused kernel.
 # The buckets up to M = 256 were swept again after the one-dot K loop and uneven, in-kernel split-K
 # (`--sweep --sweep-m 1,16,64`, then `--sweep-m 256`, same day); one_dot won all four.
+# The first bucket (8-row tiles, M <= 8) was swept on 2026-12-01 (eighth session, `--sweep --sweep-m 1`):
+# with 8 x rows Triton runs the dot as mma.sync m16n8k16, the decoded weights the register A operand
+# and x an n8 B operand (half the tensor work of the 16-column wgmma, 2.98 SASS instructions per
+# weight against 3.94), four dots per K tile into two accumulators (`two_acc`).
 FP4_GEMM_TILES = [
-    dict(max_m=4, kind="fused", block_m=16, block_n=64, block_k=256, group_m=1, num_warps=4,
-         num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=264, max_split=16),
+    dict(max_m=8, kind="fused", block_m=8, block_n=64, block_k=256, group_m=1, num_warps=4,
+         num_stages=3, w_as_a=True, asm=True, one_dot=False, target_ctas=264, max_split=16, two_acc=True),
     dict(max_m=16, kind="fused", block_m=16, block_n=64, block_k=256, group_m=1, num_warps=4,
          num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=264, max_split=16),
     dict(max_m=64, kind="fused", block_m=64, block_n=64, block_k=128, group_m=1, num_warps=4,
@@ -33,8 +38,10 @@ FP4_GEMM_TILES = [
 # Grouped MoE GEMMs, by token count T (swept with `python benchmarks/moe.py --sweep` on the
 # DeepSeek-V3 layer, tuning T = 1, 16, 64, 256, 1024, 16384; same date and machine; the buckets up to
 # T = 256 again with one_dot candidates, `--sweep --sweep-t 1,16,64,256`).
+# The T <= 4 bucket became an 8-row four-dot tile (mma.sync, as the dense GEMM's first bucket) in the
+# eighth session (`--sweep --sweep-t 1`: 76.5 against 85.9 us experts-only at T = 1).
 MOE_TILES = [
-    dict(max_m=4, block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=True, one_dot=True),
+    dict(max_m=4, block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=3, w_as_a=True, one_dot=False),
     dict(max_m=16, block_m=16, block_n=128, block_k=256, num_stages=3, w_as_a=True, one_dot=True),
     dict(max_m=64, block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=True, one_dot=True),
     dict(max_m=256, block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=True, one_dot=True),
