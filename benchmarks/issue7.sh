@@ -10,8 +10,8 @@ mkdir -p "$out"
 cd "$(dirname "$0")/.."
 step() { echo "== $(date -u +%H:%M:%S) $*"; }
 step "GEMM, PDL off and on"
-timeout 150 python benchmarks/fp4_gemm.py --ms 1,4,16 --out "$out/gemm_off" | tail -20
-timeout 150 python benchmarks/fp4_gemm.py --ms 1,4,16 --pdl on --out "$out/gemm_on" | tail -20
+timeout 150 python benchmarks/fp4_gemm.py --ms 1,4,8,16 --out "$out/gemm_off" | tail -20
+timeout 150 python benchmarks/fp4_gemm.py --ms 1,4,8,16 --pdl on --out "$out/gemm_on" | tail -20
 step "MoE, PDL off and on"
 timeout 200 python benchmarks/moe.py --tokens 1,4,16,64 --out "$out/moe_off" | tail -6
 timeout 200 python benchmarks/moe.py --tokens 1,4,16,64 --pdl on --out "$out/moe_on" | tail -6
