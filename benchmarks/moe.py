@@ -64,19 +64,21 @@ def draws(t: int, gen, n: int):
 
 
 def candidates(t: int) -> list[dict]:
+    # 8-row tiles (mma.sync m16n8k16, weights as the A operand, four dots) for decode-sized T
+    eight = [dict(block_m=8, block_n=bn, block_k=256, num_warps=w, num_stages=3, w_as_a=True, one_dot=False)
+             for bn, w in ((64, 4), (128, 4), (32, 2), (128, 8))]
     if t <= 4:
-        # 8-row tiles (mma.sync m16n8k16, weights as the A operand, four dots), then the t <= 16 list
-        eight = [dict(block_m=8, block_n=bn, block_k=256, num_warps=w, num_stages=3, w_as_a=True, one_dot=False)
-                 for bn, w in ((64, 4), (128, 4), (32, 2), (128, 8))]
-        return eight + candidates(16)
+        return eight[2:] + candidates(16)
+    if 16 < t <= 64:
+        return eight[:2] + candidates(256)
     if t <= 16:
         # (block_n, block_k, w_as_a, one_dot, stages); block_n 32 puts 64 weight rows (gate + up) in a
         # program, as the dense GEMM's decode tile does (Triton then uses mma.sync, not wgmma)
-        return [dict(block_m=16, block_n=bn, block_k=bk, num_stages=st, w_as_a=wa, one_dot=od)
-                for bn, bk, wa, od, st in ((64, 256, True, True, 3), (128, 256, True, True, 3),
-                                           (64, 128, True, True, 3), (64, 256, False, False, 3),
-                                           (128, 256, False, False, 3), (32, 256, True, True, 3),
-                                           (64, 256, True, True, 4))]
+        return eight[:2] + [dict(block_m=16, block_n=bn, block_k=bk, num_stages=st, w_as_a=wa, one_dot=od)
+                            for bn, bk, wa, od, st in ((64, 256, True, True, 3), (128, 256, True, True, 3),
+                                                       (64, 128, True, True, 3), (64, 256, False, False, 3),
+                                                       (128, 256, False, False, 3), (32, 256, True, True, 3),
+                                                       (64, 256, True, True, 4))]
     if t <= 256:
         return [dict(block_m=bm, block_n=bn, block_k=bk, num_stages=3, w_as_a=wa, one_dot=od)
                 for bm, bn, bk, wa, od in ((16, 64, 128, True, True), (16, 64, 256, True, True),

@@ -38,12 +38,13 @@ FP4_GEMM_TILES = [
 # Grouped MoE GEMMs, by token count T (swept with `python benchmarks/moe.py --sweep` on the
 # DeepSeek-V3 layer, tuning T = 1, 16, 64, 256, 1024, 16384; same date and machine; the buckets up to
 # T = 256 again with one_dot candidates, `--sweep --sweep-t 1,16,64,256`).
-# The T <= 4 bucket became an 8-row four-dot tile (mma.sync, as the dense GEMM's first bucket) in the
-# eighth session (`--sweep --sweep-t 1`: 76.5 against 85.9 us experts-only at T = 1).
+# The buckets up to T = 64 became 8-row four-dot tiles (mma.sync, as the dense GEMM's first bucket) in
+# the eighth session (`--sweep --sweep-t 1`, then `--sweep-t 16,64`; experts-only us, 8-row against the
+# best 16-row tile: 76.5 / 85.9 at T = 1, 698 / 792 at T = 16, 1530 / 1771 at T = 64).
 MOE_TILES = [
     dict(max_m=4, block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=3, w_as_a=True, one_dot=False),
-    dict(max_m=16, block_m=16, block_n=128, block_k=256, num_stages=3, w_as_a=True, one_dot=True),
-    dict(max_m=64, block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=True, one_dot=True),
+    dict(max_m=16, block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=3, w_as_a=True, one_dot=False),
+    dict(max_m=64, block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=3, w_as_a=True, one_dot=False),
     dict(max_m=256, block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=True, one_dot=True),
     dict(max_m=1024, block_m=64, block_n=256, block_k=128, num_warps=8, num_stages=3, w_as_a=True),
     dict(max_m=None, block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, w_as_a=True),
