@@ -7,8 +7,9 @@ nothing about kernels: the plan/run contract of the attention backends is all it
 
 Bucket `bs` reads its ids, positions and slots from the first 3 * bs entries of one int64 buffer
 ([3, bs] row-major) and its page table from the first bs rows of another, so a step sends its inputs
-with two asynchronous copies from pinned host memory (torch's caching host allocator keeps a
-pinned block until the copy that reads it has run).
+with at most two asynchronous copies from pinned staging buffers that live as long as the runner
+(`HostStaging`; a step waits for the previous step's copies before refilling them). The page table is
+copied only when a row changed: in decode a sequence gains a page once every page_size tokens.
 """
 
 from __future__ import annotations
@@ -43,6 +44,49 @@ def check_batch_sizes(batch_sizes: list[int] | None, capacity_pages: int, page_s
         )
 
 
+class HostStaging:
+    """Host side of a decode step's inputs: pinned buffers the size of the largest bucket, filled in
+    place, and the page-table rows the device table last received.
+
+    `fill(bs, ids, positions, slots, pad_slot)` writes the [3, bs] int64 inputs of bucket `bs`
+    (padding rows: id 0, position 1, `pad_slot`) and returns the host slice to copy. `table_rows(rows,
+    fill)` returns the host slice of the page table for `rows` (one page list per bucket row), or
+    None when the device table's first len(rows) rows already hold them. The caller must not refill
+    the buffers before the copies that read them have run (`DecodeGraphRunner.run` waits on an event).
+    """
+
+    def __init__(self, max_bs: int, width: int, pin: bool) -> None:
+        self.inputs = torch.zeros(3 * max_bs, dtype=torch.int64, pin_memory=pin)
+        self.table = torch.zeros(max_bs, width, dtype=torch.int32, pin_memory=pin)
+        self.width = width
+        self._inputs_np = self.inputs.numpy()
+        self._table_np = self.table.numpy()
+        self._rows: list[list[int]] = []  # what the device table's leading rows hold
+
+    def fill(self, bs: int, ids: list[int], positions: list[int], slots: list[int], pad_slot: int) -> torch.Tensor:
+        n = len(ids)
+        view = self._inputs_np[: 3 * bs].reshape(3, bs)
+        view[0, :n] = ids
+        view[0, n:] = 0
+        view[1, :n] = positions
+        view[1, n:] = 1
+        view[2, :n] = slots
+        view[2, n:] = pad_slot
+        return self.inputs[: 3 * bs]
+
+    def table_rows(self, rows: list[list[int]], fill: int) -> torch.Tensor | None:
+        bs = len(rows)
+        if len(self._rows) >= bs and all(a == b for a, b in zip(rows, self._rows)):
+            return None
+        self._table_np[:bs] = page_table(rows, self.width, fill=fill).numpy()
+        self._rows[:bs] = [list(r) for r in rows]
+        return self.table[:bs]
+
+    def forget_table(self) -> None:
+        """The device table was written behind this object's back (graph capture)."""
+        self._rows = []
+
+
 class DecodeGraphRunner:
     def __init__(self, ex: "Executor", batch_sizes: list[int] | None, progress: bool = True) -> None:
         self.ex = ex
@@ -54,6 +98,8 @@ class DecodeGraphRunner:
         dev = ex.device
         self.inputs = torch.zeros(3 * max_bs, dtype=torch.int64, device=dev)  # bucket bs: [3, bs]
         self.table = torch.zeros(max_bs, self.width, dtype=torch.int32, device=dev)
+        self.staging = HostStaging(max_bs, self.width, pin=True)
+        self._copied: torch.cuda.Event | None = None  # recorded after a step's input copies
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -115,6 +161,7 @@ class DecodeGraphRunner:
             if was_enabled:
                 gc.enable()
         torch.cuda.synchronize(ex.device)
+        self.staging.forget_table()
         torch.cuda.empty_cache()  # drop warm-up leftovers; what stays reserved is the graphs' pool
         self.report = {"capture_s": time.perf_counter() - t0,
                        "pool_bytes": torch.cuda.memory_reserved(ex.device) - reserved_before}
@@ -128,13 +175,17 @@ class DecodeGraphRunner:
         positions = [s.kv_len for s in seqs]
         slots = [s.pages[p // ps] * ps + p % ps for s, p in zip(seqs, positions)]
         reserved_page = ex.kv.reserved_slot // ps
-        pad = bs - n
-        host = torch.tensor([t[0] for t in tokens] + [0] * pad + positions + [1] * pad
-                            + slots + [ex.kv.reserved_slot] * pad, dtype=torch.int64).pin_memory()
-        rows = [s.pages for s in seqs] + [[reserved_page]] * pad
-        table = page_table(rows, self.width, fill=reserved_page).pin_memory()
+        rows = [s.pages for s in seqs] + [[reserved_page]] * (bs - n)
+        if self._copied is not None:
+            self._copied.synchronize()  # the staging buffers are free once the last step's copies ran
+        host = self.staging.fill(bs, [t[0] for t in tokens], positions, slots, ex.kv.reserved_slot)
         self.inputs[: 3 * bs].copy_(host, non_blocking=True)
-        self.table[:bs].copy_(table, non_blocking=True)
+        table = self.staging.table_rows(rows, reserved_page)
+        if table is not None:
+            self.table[:bs].copy_(table, non_blocking=True)
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
+        self._copied.record()
         self._plan(kernels, self._meta(bs, [p + 1 for p in positions], positions, rows))
         self.graphs[bs].replay()
         return self.logits[bs][:n].clone()
