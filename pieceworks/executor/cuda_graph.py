@@ -63,7 +63,8 @@ class HostStaging:
         self._table_np = self.table.numpy()
         self._rows: list[list[int]] = []  # what the device table's leading rows hold
 
-    def fill(self, bs: int, ids: list[int], positions: list[int], slots: list[int], pad_slot: int) -> torch.Tensor:
+    def fill(self, bs: int, ids: list[int], positions: list[int], slots: list[int],
+             pad_slot: int) -> torch.Tensor:
         n = len(ids)
         view = self._inputs_np[: 3 * bs].reshape(3, bs)
         view[0, :n] = ids

@@ -31,9 +31,10 @@ is multiplied by weight_scale_2 * 2^14 at the end.
 
 The K loop either runs four dots of BLOCK_K/4 each, one per slot, against the matching columns of x
 (TWO_ACC: slots 0/2 into one accumulator and 1/3 into another, two independent chains of mma.sync, as
-the 8-row decode tiles run them with the weights as the A operand of m16n8k16), or (ONE_DOT) interleaves the four decoded slots back into element order (a relabeling of registers:
-every thread already holds the same units of every slot) and runs one dot of K = BLOCK_K against x in
-element order. Triton keeps several wgmma groups of the one dot in flight while the next k16 step is
+the 8-row decode tiles run them with the weights as the A operand of m16n8k16), or (ONE_DOT)
+interleaves the four decoded slots back into element order (a relabeling of registers: every thread
+already holds the same units of every slot) and runs one dot of K = BLOCK_K against x in element
+order. Triton keeps several wgmma groups of the one dot in flight while the next k16 step is
 decoded; the four-dot loop waits for each slot's wgmmas.
 """
 

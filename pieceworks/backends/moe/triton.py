@@ -79,6 +79,8 @@ class TritonMoEBackend(MoEBackend):
     def __init__(self, spec, options=None) -> None:
         super().__init__(spec, options)
         self.table = parse_table(MOE_TILES)
+        if any(t.two_acc for t in self.table):  # the grouped gate_up GEMM uses its second accumulator
+            raise ValueError("MOE_TILES: two_acc is a dense-GEMM option; the fused MoE does not take it")
 
     def prepare(self, w: MoEWeights) -> MoEWeights:
         if not w.is_fp4:
