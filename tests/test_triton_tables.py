@@ -48,6 +48,17 @@ def test_shipped_tables_parse_and_cover_every_m(rows):
             assert tile.block_m >= 16 or (tile.block_m == 8 and tile.w_as_a and not tile.one_dot)
 
 
+def test_moe_table_refuses_two_acc(monkeypatch):
+    import pieceworks.backends.moe.triton as moe_triton
+
+    rows = [dict(max_m=4, block_m=8, w_as_a=True, two_acc=True), dict(max_m=None)]
+    monkeypatch.setattr(moe_triton, "MOE_TILES", rows)
+    with pytest.raises(ValueError, match="two_acc is a dense-GEMM option"):
+        TritonMoEBackend(BackendSpec())
+    monkeypatch.setattr(moe_triton, "MOE_TILES", [dict(rows[0], two_acc=False), dict(max_m=None)])
+    assert TritonMoEBackend(BackendSpec()).tile(3).block_m == 8
+
+
 def test_bad_tables_are_refused():
     with pytest.raises(ValueError, match="ending with max_m=None"):
         parse_table([dict(max_m=16)])
