@@ -12,8 +12,9 @@ DIR/gemv_sweep.json and prints the best configuration per shape and M.
 The kernel:
     A GEMV-style Triton kernel for weight-only NVFP4 at a handful of rows (decode): no tensor cores.
 
-    At M <= 4 the wgmma path of `triton_kernels` pads the rows to 16 and spends more issue slots on MMA
-    bookkeeping and operand shuffles than on decoding; here every program streams BLOCK_N weight rows
+    When it was written, the wgmma path of `triton_kernels` padded M <= 4 to 16 rows and spent more issue
+    slots on MMA bookkeeping than on decoding (since the eighth session M <= 8 runs an 8-row mma.sync
+    tile, not compared with this kernel); here every program streams BLOCK_N weight rows
     over the whole of K with plain FMAs, so there is no split-K and no second kernel. The weight layout
     is the same k32 layout (see fp4_gemm/triton_k32.py), decoded by the same `decode_k32`.
 
