@@ -16,7 +16,7 @@ The kernel:
     slots on MMA bookkeeping than on decoding (since the eighth session M <= 8 runs an 8-row mma.sync
     tile, not compared with this kernel); here every program streams BLOCK_N weight rows
     over the whole of K with plain FMAs, so there is no split-K and no second kernel. The weight layout
-    is the same k32 layout (see fp4_gemm/triton_k32.py), decoded by the same `decode_k32`.
+    is the same k32 layout (see fp4_gemm/triton_k32.py), decoded by the same `decode_tile`.
 
     Two accumulation schemes (constexpr BF16_PARTIAL):
     - False: every product in fp32 (exact w4a16 numerics up to fp32 summation order);
@@ -57,7 +57,7 @@ from fp4_gemm import (  # noqa: E402
 )
 
 from pieceworks.backends.fp4_gemm.triton import parse_table, unpack_k32  # noqa: E402
-from pieceworks.backends.fp4_gemm.triton_k32 import OUT_BIAS, decode_k32, scales_k32  # noqa: E402
+from pieceworks.backends.fp4_gemm.triton_k32 import OUT_BIAS, decode_tile  # noqa: E402
 from pieceworks.quant import nvfp4  # noqa: E402
 
 
@@ -112,10 +112,7 @@ def _fp4_gemv_kernel(
             x2 = tl.load(x_ptrs + 16, mask=xm & (xk + 16 < K), other=0.0)
             x3 = tl.load(x_ptrs + 24, mask=xm & (xk + 24 < K), other=0.0)
         x0, x1, x2, x3 = x0.to(tl.bfloat16), x1.to(tl.bfloat16), x2.to(tl.bfloat16), x3.to(tl.bfloat16)
-        s_a, s_b = scales_k32(s, USE_ASM)
-        s_a = tl.broadcast_to(s_a[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
-        s_b = tl.broadcast_to(s_b[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
-        v0, v1, v2, v3 = decode_k32(w, s_a, s_b, USE_ASM)
+        v0, v1, v2, v3 = decode_tile(w, s, BLOCK_N, BLOCK_K, USE_ASM)
         if BF16_PARTIAL and USE_ASM:
             p = _mul_bf16x2(tl.broadcast_to(v0[None, :, :], shape), tl.broadcast_to(x0[:, None, :], shape))
             p = _fma_bf16x2(tl.broadcast_to(v1[None, :, :], shape), tl.broadcast_to(x1[:, None, :], shape), p)

@@ -98,7 +98,7 @@ def print_graph_config(cfg: Config, device: torch.device, ex: Any = None) -> Non
                   + (f", {len(bss)} batch sizes {_span(bss)}" if dec_on else " (need CUDA)" if not cuda else ""))
     from pieceworks.backends import pdl
 
-    mode = str(getattr(cfg.runtime.pdl, "value", cfg.runtime.pdl))
+    mode = pdl.mode_name(cfg.runtime.pdl)
     why = pdl.unsupported_reason(device) if mode != "off" else None
     console.print(f"[bold]programmatic dependent launch[/bold] (runtime.pdl={mode}): "
                   + ("on" if mode != "off" and why is None else "off" + (f" ({why})" if why else "")))

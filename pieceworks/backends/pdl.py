@@ -67,11 +67,16 @@ def unsupported_reason(device: torch.device | str) -> str | None:
     return None
 
 
+def mode_name(mode) -> str:
+    """`runtime.pdl` as a string ('auto', 'on' or 'off' when valid), from a config Switch or a str."""
+    return str(getattr(mode, "value", mode))
+
+
 def configure(mode: str, device: torch.device | str) -> bool:
     """Set the process-wide switch from `runtime.pdl` ('auto', 'on' or 'off'); returns whether PDL is
     now used on `device`. 'on' raises ValueError where it is unsupported."""
     global _enabled
-    mode = str(getattr(mode, "value", mode))
+    mode = mode_name(mode)
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"runtime.pdl={mode!r}: use auto, on or off")
     reason = unsupported_reason(device)

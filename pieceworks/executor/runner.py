@@ -78,7 +78,7 @@ class Executor:
         cfg = cfg if isinstance(cfg, Config) and not overrides else load_config(cfg, overrides)
         device = resolve_device(cfg.runtime.device)
         dtype = resolve_dtype(cfg.runtime.dtype, device)
-        pdl_mode = str(getattr(cfg.runtime.pdl, "value", cfg.runtime.pdl))
+        pdl_mode = pdl.mode_name(cfg.runtime.pdl)
         if pdl_mode == "on" and (reason := pdl.unsupported_reason(device)) is not None:
             raise ConfigError(f"runtime.pdl: on, but {reason}; use runtime.pdl=auto or off")
         torch.manual_seed(cfg.runtime.seed)

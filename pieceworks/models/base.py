@@ -109,13 +109,13 @@ class GatedMLP(nn.Module):
     def _mark_gate_up(self) -> None:
         # One NVFP4 linear for gate and up: it runs as the fused fp4_gemm_swiglu op (Fp4Linear.gate_up).
         proj = getattr(self.gate_up_proj, "proj", None)
-        if isinstance(proj, Fp4Linear):
+        self._swiglu = isinstance(proj, Fp4Linear)  # decided here, not per forward
+        if self._swiglu:
             proj.gate_up = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        proj = getattr(self.gate_up_proj, "proj", None)
-        if isinstance(proj, Fp4Linear) and proj.gate_up:
-            return self.down_proj(proj.forward_swiglu(x))
+        if self._swiglu:
+            return self.down_proj(self.gate_up_proj.proj.forward_swiglu(x))
         gate, up = self.gate_up_proj(x)
         return self.down_proj(fused.silu_mul(gate, up))
 

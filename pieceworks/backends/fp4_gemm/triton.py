@@ -199,26 +199,21 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         return tile, choose_split_k(tile, m, n, k_padded)
 
     def forward(self, x, weight, weight_scale, weight_scale_2, input_scale, out_features):
-        from pieceworks.backends.fp4_gemm import triton_kernels
-
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        tile, split_k = self._plan(x.shape[0], out_features, weight.shape[1] * 2)
-        counters = self.counters(x.device) if split_k > 1 else None
-        return triton_kernels.fp4_gemm(x, weight, weight_scale, weight_scale_2, out_features,
-                                       x.shape[1], tile, split_k, counters)
+        return self._gemm(x, weight, weight_scale, weight_scale_2, out_features, swiglu=False)
 
     def forward_swiglu(self, x, weight, weight_scale, weight_scale_2, input_scale, intermediate):
         """The GEMM with silu(gate) * up in its epilogue (split-K: in the reduction), the gate/up
         pairs of a tile side by side; the dequant path (M >= 1024) restores the checkpoint row order
         as it dequantizes and runs the silu_mul kernel after the matmul. Same bits as `forward`
         followed by the silu_mul op."""
+        return self._gemm(x, weight, weight_scale, weight_scale_2, 2 * intermediate, swiglu=True)
+
+    def _gemm(self, x, weight, weight_scale, weight_scale_2, n: int, swiglu: bool):
         from pieceworks.backends.fp4_gemm import triton_kernels
 
         if x.stride(-1) != 1:
             x = x.contiguous()
-        n = 2 * intermediate
         tile, split_k = self._plan(x.shape[0], n, weight.shape[1] * 2)
         counters = self.counters(x.device) if split_k > 1 else None
         return triton_kernels.fp4_gemm(x, weight, weight_scale, weight_scale_2, n, x.shape[1], tile,
-                                       split_k, counters, swiglu=True)
+                                       split_k, counters, swiglu=swiglu)

@@ -131,6 +131,18 @@ def decode_k32(w, s_a, s_b, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def decode_tile(w, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+    """A K tile's four decoded slots [BN, BLOCK_K // 4] each (`decode_k32`) from its units w and its
+    scale pairs s [BN, BLOCK_K // 32]: slots 0/1 take scale 2g of their group g, slots 2/3 scale 2g + 1."""
+    BG: tl.constexpr = BLOCK_K // 32
+    BQ: tl.constexpr = BLOCK_K // 4
+    s_a, s_b = scales_k32(s, USE_ASM)  # [BN, BG]: slots 0/1 and 2/3 of each group
+    s_a = tl.broadcast_to(s_a[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
+    s_b = tl.broadcast_to(s_b[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
+    return decode_k32(w, s_a, s_b, USE_ASM)
+
+
+@triton.jit
 def _mma(acc, w, x, W_AS_A: tl.constexpr):
     # W_AS_A: acc is [BN, BM] (weights are the register operand of wgmma); else [BM, BN].
     if W_AS_A:
@@ -147,11 +159,7 @@ def _dequant_mma(acc, w, s, x0, x1, x2, x3, BLOCK_N: tl.constexpr, BLOCK_K: tl.c
     (x1..x3 unused) and the decoded slots, interleaved back into element order, go to one dot of
     K = BLOCK_K; else four dots of BLOCK_K / 4."""
     BG: tl.constexpr = BLOCK_K // 32
-    BQ: tl.constexpr = BLOCK_K // 4
-    s_a, s_b = scales_k32(s, USE_ASM)  # [BN, BG]: slots 0/1 and 2/3 of each group
-    s_a = tl.broadcast_to(s_a[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
-    s_b = tl.broadcast_to(s_b[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
-    v0, v1, v2, v3 = decode_k32(w, s_a, s_b, USE_ASM)
+    v0, v1, v2, v3 = decode_tile(w, s, BLOCK_N, BLOCK_K, USE_ASM)
     if ONE_DOT:
         # [BN, BQ, 2 (slot bit 0), 2 (slot bit 1)] -> [BN, group, slot, unit] -> [BN, BK].
         v = tl.join(tl.join(v0, v1), tl.join(v2, v3)).reshape(BLOCK_N, BG, 8, 2, 2)
@@ -170,12 +178,7 @@ def _dequant_mma_two(acc, acc_b, w, s, x0, x1, x2, x3, BLOCK_N: tl.constexpr, BL
                      W_AS_A: tl.constexpr, USE_ASM: tl.constexpr):
     """The four-dot tile product with slots 0 and 2 into acc and slots 1 and 3 into acc_b: two
     independent accumulator chains (mma.sync dots wait on their accumulator)."""
-    BG: tl.constexpr = BLOCK_K // 32
-    BQ: tl.constexpr = BLOCK_K // 4
-    s_a, s_b = scales_k32(s, USE_ASM)
-    s_a = tl.broadcast_to(s_a[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
-    s_b = tl.broadcast_to(s_b[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
-    v0, v1, v2, v3 = decode_k32(w, s_a, s_b, USE_ASM)
+    v0, v1, v2, v3 = decode_tile(w, s, BLOCK_N, BLOCK_K, USE_ASM)
     acc = _mma(acc, v0, x0, W_AS_A)
     acc_b = _mma(acc_b, v1, x1, W_AS_A)
     acc = _mma(acc, v2, x2, W_AS_A)

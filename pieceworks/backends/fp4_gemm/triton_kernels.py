@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from pieceworks.backends import pdl, pdl_kernels
-from pieceworks.backends.fp4_gemm.triton_k32 import OUT_BIAS, decode_k32, fp4_tile_loop, scales_k32
+from pieceworks.backends.fp4_gemm.triton_k32 import OUT_BIAS, decode_tile, fp4_tile_loop
 
 try:  # the accurate exp of the silu_mul kernel (models/fused_kernels.py), for the same bits
     from triton.language.extra import libdevice
@@ -181,10 +181,7 @@ def _dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, stride_wn, stride_sn, s
     k0 = tl.program_id(1) * BLOCK_K  # within Kp: the weight needs no mask
     w = tl.load(w_ptr + n_c[:, None] * stride_wn + (k0 // 4 + tl.arange(0, BQ))[None, :])
     s = tl.load(s_ptr + n_c[:, None] * stride_sn + (k0 // 32 + tl.arange(0, BG))[None, :])
-    s_a, s_b = scales_k32(s, USE_ASM)
-    s_a = tl.broadcast_to(s_a[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
-    s_b = tl.broadcast_to(s_b[:, :, None], (BLOCK_N, BG, 8)).reshape(BLOCK_N, BQ)
-    v0, v1, v2, v3 = decode_k32(w, s_a, s_b, USE_ASM)
+    v0, v1, v2, v3 = decode_tile(w, s, BLOCK_N, BLOCK_K, USE_ASM)
     # Interleave the slots back into element order: [BN, BG, unit, slot] -> [BN, BG, slot, unit].
     v = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [BN, BQ, 2 (slot bit 0), 2 (slot bit 1)]
     v = v.reshape(BLOCK_N, BG, 8, 2, 2).permute(0, 1, 3, 4, 2).reshape(BLOCK_N, BLOCK_K)
