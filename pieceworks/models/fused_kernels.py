@@ -99,16 +99,18 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 # --- rope ---------------------------------------------------------------------------------------------
 @triton.jit
-def _rope_rows(x_ptr, cos_ptr, sin_ptr, out_ptr, t, stride_xt, stride_xh, stride_ct, stride_st, H,
-               HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """Rope of token t's H heads of x into out (contiguous [T, H, 2 * HALF])."""
+def _rope_rows(x_ptr, cos_ptr, sin_ptr, out_ptr, t, stride_xt, stride_xh, stride_ct, stride_st, stride_ot,
+               stride_oh, H, HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
+               IN_PLACE: tl.constexpr = False):
+    """Rope of token t's H heads of x into out (unit stride over the head dim); IN_PLACE: out is x, and
+    every load of the program precedes its stores."""
     h = tl.arange(0, BLOCK_H)
     j = tl.arange(0, HALF)
     hm = (h < H)[:, None]
     src = x_ptr + t * stride_xt + h[:, None].to(tl.int64) * stride_xh
-    if INTERLEAVED:
-        x1 = tl.load(src + (2 * j)[None, :], mask=hm, other=0.0)
-        x2 = tl.load(src + (2 * j + 1)[None, :], mask=hm, other=0.0)
+    if INTERLEAVED:  # one contiguous load, split into the pairs' halves (two stride-2 loads were slower)
+        x = tl.load(src + tl.arange(0, 2 * HALF)[None, :], mask=hm, other=0.0)
+        x1, x2 = tl.split(tl.reshape(x, (BLOCK_H, HALF, 2)))
     else:
         x1 = tl.load(src + j[None, :], mask=hm, other=0.0)
         x2 = tl.load(src + (HALF + j)[None, :], mask=hm, other=0.0)
@@ -120,7 +122,9 @@ def _rope_rows(x_ptr, cos_ptr, sin_ptr, out_ptr, t, stride_xt, stride_xh, stride
     x2 = x2.to(tl.float32)
     o1 = ((x1 * c).to(dt).to(tl.float32) - (x2 * s).to(dt).to(tl.float32)).to(dt)
     o2 = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
-    dst = out_ptr + t * H * (2 * HALF) + h[:, None].to(tl.int64) * (2 * HALF)
+    dst = out_ptr + t * stride_ot + h[:, None].to(tl.int64) * stride_oh
+    if IN_PLACE:
+        tl.debug_barrier()  # every thread's loads before any store (interleaved pairs move)
     tl.store(dst + j[None, :], o1, mask=hm)
     tl.store(dst + (HALF + j)[None, :], o2, mask=hm)
 
@@ -130,22 +134,24 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_
                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr = False):
     pdl_kernels.enter(PDL)
     _rope_rows(x_ptr, cos_ptr, sin_ptr, out_ptr, tl.program_id(0).to(tl.int64), stride_xt, stride_xh,
-               stride_ct, stride_st, H, HALF, BLOCK_H, INTERLEAVED)
+               stride_ct, stride_st, H * (2 * HALF), 2 * HALF, H, HALF, BLOCK_H, INTERLEAVED)
 
 
 @triton.jit
 def _rope_qk_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-                    stride_ct, stride_st, HQ, HK, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                    BLOCK_HK: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (t, 0) ropes token t's query heads, (t, 1) its key heads."""
+                    stride_ct, stride_st, stride_qot, stride_qoh, stride_kot, stride_koh, HQ, HK,
+                    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                    BLOCK_HK: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr = False,
+                    IN_PLACE: tl.constexpr = False):
+    """Program (t, 0) ropes token t's query heads, (t, 1) its key heads (IN_PLACE: into q and k)."""
     pdl_kernels.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     if tl.program_id(1) == 0:
-        _rope_rows(q_ptr, cos_ptr, sin_ptr, qo_ptr, t, stride_qt, stride_qh, stride_ct, stride_st, HQ,
-                   HALF, BLOCK_HQ, INTERLEAVED)
+        _rope_rows(q_ptr, cos_ptr, sin_ptr, qo_ptr, t, stride_qt, stride_qh, stride_ct, stride_st, stride_qot,
+                   stride_qoh, HQ, HALF, BLOCK_HQ, INTERLEAVED, IN_PLACE)
     else:
-        _rope_rows(k_ptr, cos_ptr, sin_ptr, ko_ptr, t, stride_kt, stride_kh, stride_ct, stride_st, HK,
-                   HALF, BLOCK_HK, INTERLEAVED)
+        _rope_rows(k_ptr, cos_ptr, sin_ptr, ko_ptr, t, stride_kt, stride_kh, stride_ct, stride_st, stride_kot,
+                   stride_koh, HK, HALF, BLOCK_HK, INTERLEAVED, IN_PLACE)
 
 
 def rope_supported(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -167,17 +173,19 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
 
 
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rope` of q and k (both `rope_supported`, one dtype) in one launch."""
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+            interleaved: bool, in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope` of q and k (both `rope_supported`, one dtype) in one launch; with `in_place` into q and k
+    themselves (same values; with `interleaved` the pairs are written de-interleaved, as `rope` does)."""
+    q_out = q if in_place else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = k if in_place else torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if q.shape[0] and (q.shape[1] or k.shape[1]):
         use_pdl, launch = pdl.launch_options(q.device)
         _rope_qk_kernel[(q.shape[0], 2)](
             q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-            sin.stride(0), q.shape[1], k.shape[1], HALF=q.shape[2] // 2,
+            sin.stride(0), q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), q.shape[1],
+            k.shape[1], HALF=q.shape[2] // 2,
             BLOCK_HQ=triton.next_power_of_2(max(1, q.shape[1])), BLOCK_HK=triton.next_power_of_2(max(1, k.shape[1])),
-            INTERLEAVED=interleaved, PDL=use_pdl, num_warps=4, enable_fp_fusion=False, **launch)
+            INTERLEAVED=interleaved, PDL=use_pdl, IN_PLACE=in_place, num_warps=4, enable_fp_fusion=False, **launch)
     return q_out, k_out
 
 
