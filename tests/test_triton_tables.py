@@ -14,6 +14,7 @@ from pieceworks.backends.fp4_gemm.triton import (
     TritonFp4GemmBackend,
     choose_split_k,
     interleave_gate_up,
+    interleave_rope_rows,
     parse_table,
     repack_k32,
     select_tile,
@@ -339,3 +340,85 @@ def test_route_on_cpu_is_the_torch_routing():
     logits, bias = torch.randn(5, 256, generator=gen), torch.rand(256, generator=gen)
     for got, want in zip(route(logits, bias, 8, 8, 4, True, 2.5), deepseek_route(logits, bias, 8, 8, 4, True, 2.5)):
         assert torch.equal(got, want)
+
+
+def test_interleave_rope_rows():
+    rows = interleave_rope_rows(2, 1, 4)  # q heads 0-1, k head 2 (rope pairs j, j + 2), v head 3
+    assert rows.tolist() == [0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 13, 14, 15]
+    with pytest.raises(ValueError, match="even head_dim"):
+        interleave_rope_rows(2, 1, 5)
+
+
+def test_gemm_backend_prepare_qkv_rope_interleaves_rows_on_cpu():
+    from pieceworks.backends.fp4_gemm.base import Fp4Weight
+
+    packed, scale, scale_2 = random_fp4(4 * 8, 64, seed=4)  # 2 q heads, 1 kv head, head_dim 8
+    backend = TritonFp4GemmBackend(BackendSpec())
+    assert backend.fuses_qkv_rope
+    w = backend.prepare_qkv_rope(Fp4Weight(packed, scale, scale_2, torch.ones(())), 2, 1, 8)
+    rows = interleave_rope_rows(2, 1, 8)
+    assert torch.equal(unpack_k32(w.weight, 64), nvfp4.unpack(packed)[rows])
+    assert torch.equal(w.weight_scale[:, :4], scale[rows])
+
+
+class _RopeFusingTorchBackend:
+    """The torch reference GEMM declared as fusing the rope: it runs the base class's default
+    `forward_qkv_rope` (GEMM, then the rope op), so the model takes its fused path on the CPU."""
+
+    def __new__(cls, spec):
+        from pieceworks.backends.fp4_gemm.torch import TorchFp4GemmBackend
+
+        sub = type("RopeFusingTorch", (TorchFp4GemmBackend,), {"fuses_qkv_rope": True})
+        return sub(spec)
+
+
+def _qkv_seen(attn, x, cos, sin, fp4_backend):
+    """q, k, v as the attention op receives them from `attn` (a LlamaAttention)."""
+    from pieceworks.executor.context import ForwardContext, forward_context
+
+    seen = {}
+
+    class Attention:
+        def forward(self, q, k, v, out, layer_id, scale, kv):
+            seen.update(q=q.clone(), k=k.clone(), v=v.clone())
+            out.zero_()
+
+    kernels = type("Kernels", (), {"fp4_gemm": fp4_backend, "attention": Attention()})()
+    with forward_context(ForwardContext(kernels, None, None)):
+        attn(x, cos, sin)
+    return seen
+
+
+def test_llama_attention_runs_nvfp4_qkv_with_the_fused_rope_op():
+    from pieceworks.backends.fp4_gemm.torch import TorchFp4GemmBackend
+    from pieceworks.models.llama import LlamaArgs, LlamaAttention
+    from pieceworks.quant.linear import Fp4Linear
+
+    a = LlamaArgs.from_hf(dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                               num_hidden_layers=1, intermediate_size=96, vocab_size=32))
+    gen = torch.Generator().manual_seed(1)
+    qkv = Fp4Linear.from_float(torch.randn(128, 64, generator=gen))  # (4 + 2 * 2) heads of 16
+    o = Fp4Linear.from_float(torch.randn(64, 64, generator=gen))
+    x = torch.randn(3, 64, generator=gen)
+    ang = torch.rand(3, 8, generator=gen) * 30
+    cos, sin = ang.cos(), ang.sin()
+    seen = {}
+    for name, backend in (("plain", TorchFp4GemmBackend(BackendSpec())),
+                          ("fused", _RopeFusingTorchBackend(BackendSpec()))):
+        attn = LlamaAttention(a, 0, "model.layers.0.self_attn", lambda n: True)
+        proj = attn.qkv_proj.proj
+        assert proj.qkv_heads == (4, 2, 16)
+        proj.load(qkv.fp4_weight())
+        attn.o_proj.load(o.fp4_weight())
+        proj.prepare(backend)
+        attn.o_proj.prepare(backend)
+        assert proj.rope_fused == (name == "fused")
+        seen[name] = _qkv_seen(attn, x, cos, sin, backend)
+        if name == "fused":
+            with pytest.raises(RuntimeError, match="call forward_qkv_rope"):
+                proj(x)
+    for key in "qkv":
+        assert seen["fused"][key].shape == seen["plain"][key].shape
+        assert torch.equal(seen["fused"][key], seen["plain"][key]), key
+    with pytest.raises(RuntimeError, match="needs a q/k/v projection"):
+        attn.o_proj.forward_qkv_rope(x, cos, sin)

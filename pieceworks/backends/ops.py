@@ -92,6 +92,33 @@ def _fp4_gemm_swiglu_fake(x, weight, weight_scale, weight_scale_2, input_scale, 
     return x.new_empty((x.shape[0], intermediate))
 
 
+@torch.library.custom_op("pieceworks::fp4_gemm_qkv_rope", mutates_args=())
+def fp4_gemm_qkv_rope(
+    x: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    weight_scale_2: Tensor,
+    input_scale: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> Tensor:
+    """x @ [q; k; v].T with q and k roped (rotate-half) -> [M, (num_heads + 2 * num_kv_heads) *
+    head_dim], for a weight as `Fp4GemmBackend.prepare_qkv_rope` returned it; see
+    backends/fp4_gemm/base.py."""
+    backend = get_forward_context().kernels.fp4_gemm
+    return backend.forward_qkv_rope(x, weight, weight_scale, weight_scale_2, input_scale, cos, sin, num_heads,
+                                    num_kv_heads, head_dim)
+
+
+@fp4_gemm_qkv_rope.register_fake
+def _fp4_gemm_qkv_rope_fake(x, weight, weight_scale, weight_scale_2, input_scale, cos, sin, num_heads,
+                            num_kv_heads, head_dim):
+    return x.new_empty((x.shape[0], (num_heads + 2 * num_kv_heads) * head_dim))
+
+
 @torch.library.custom_op("pieceworks::moe", mutates_args=())
 def moe(
     x: Tensor,

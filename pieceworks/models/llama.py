@@ -18,6 +18,7 @@ from pieceworks.backends.base import ModelFacts
 from pieceworks.executor.kv_cache import KVLayout
 from pieceworks.models.base import CausalLM, GatedMLP, RMSNorm, WeightSource, block_forward, linear, merged
 from pieceworks.models.rope import apply_rope_qk, rope_parameters
+from pieceworks.quant.linear import Fp4Linear
 
 
 @dataclass(frozen=True)
@@ -74,12 +75,26 @@ class LlamaAttention(nn.Module):
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         self.qkv_proj = merged(a.hidden_size, [q, kv, kv], [fp4(f"{prefix}.{n}_proj") for n in "qkv"])
         self.o_proj = linear(q, a.hidden_size, fp4(f"{prefix}.o_proj"))
+        self._mark_qkv()
+
+    def _mark_qkv(self) -> None:
+        # One NVFP4 linear for q, k and v: its backend may fuse the rope (Fp4Linear.qkv_heads).
+        proj = getattr(self.qkv_proj, "proj", None)
+        if isinstance(proj, Fp4Linear):
+            proj.qkv_heads = (self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H], cos/sin [T, D/2] -> [T, H]."""
-        q, k, v = self.qkv_proj(x)
-        q, k = apply_rope_qk(q.view(-1, self.num_heads, self.head_dim),
-                             k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        proj = getattr(self.qkv_proj, "proj", None)
+        if getattr(proj, "rope_fused", False):  # set when the prepared weight is the fused op's
+            q_cols, kv_cols = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = proj.forward_qkv_rope(x, cos, sin).split([q_cols, kv_cols, kv_cols], dim=-1)
+            q = q.view(-1, self.num_heads, self.head_dim)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)
+        else:
+            q, k, v = self.qkv_proj(x)
+            q, k = apply_rope_qk(q.view(-1, self.num_heads, self.head_dim),
+                                 k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = torch.empty_like(q)  # owned by the piece before the op: fixed address under graphs
         torch.ops.pieceworks.attention(q, k, v, out, self.layer_id, self.scale)
@@ -88,6 +103,7 @@ class LlamaAttention(nn.Module):
     def load(self, src: WeightSource, prefix: str) -> None:
         self.qkv_proj = src.merged(self.qkv_proj, [f"{prefix}.{n}_proj" for n in "qkv"])
         self.o_proj = src.linear(self.o_proj, f"{prefix}.o_proj")
+        self._mark_qkv()
 
 
 class LlamaBlock(nn.Module):

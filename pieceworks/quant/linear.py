@@ -23,6 +23,11 @@ class Fp4Linear(nn.Module):
     `gate_up`: the layer is a SwiGLU MLP's fused gate/up projection (rows [gate; up]), set by its
     `GatedMLP` before `prepare`; it is then prepared with the backend's `prepare_gate_up` and run with
     `forward_swiglu` (the `pieceworks::fp4_gemm_swiglu` op), whose backend may fuse the SiLU-and-multiply.
+
+    `qkv_heads`: (num_heads, num_kv_heads, head_dim) of an attention's fused q/k/v projection (rows
+    [q; k; v]), set by its attention module before `prepare`. Where the backend fuses the rope into the
+    GEMM (`fuses_qkv_rope`), `prepare` takes its `prepare_qkv_rope` and sets `rope_fused`: the layer then
+    runs as `forward_qkv_rope` (the `pieceworks::fp4_gemm_qkv_rope` op) only.
     """
 
     def __init__(self, in_features: int, out_features: int, device: torch.device | str | None = None) -> None:
@@ -36,6 +41,8 @@ class Fp4Linear(nn.Module):
         self.out_features = out_features
         self.layout = "linear"
         self.gate_up = False
+        self.qkv_heads: tuple[int, int, int] | None = None
+        self.rope_fused = False
         self.prepared = False
         blocks = in_features // nvfp4.BLOCK
         self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
@@ -58,7 +65,7 @@ class Fp4Linear(nn.Module):
                     f"Fp4Linear.{name}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}"
                 )
             getattr(self, name).data = t.to(getattr(self, name).device)
-        self.layout, self.prepared = "linear", False  # checkpoint layout again: prepare() converts
+        self.layout, self.prepared, self.rope_fused = "linear", False, False  # checkpoint layout again
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, input_amax: float | None = None) -> "Fp4Linear":
@@ -81,11 +88,19 @@ class Fp4Linear(nn.Module):
                 raise RuntimeError(f"Fp4Linear already prepared for layout {self.layout!r}")
             return
         w = self.fp4_weight()
-        w = backend.prepare_gate_up(w) if self.gate_up else backend.prepare(w)
+        rope = self.qkv_heads is not None and backend.fuses_qkv_rope
+        if self.gate_up:
+            w = backend.prepare_gate_up(w)
+        elif rope:
+            if self.out_features != (self.qkv_heads[0] + 2 * self.qkv_heads[1]) * self.qkv_heads[2]:
+                raise ValueError(f"Fp4Linear: qkv_heads {self.qkv_heads} do not give {self.out_features} rows")
+            w = backend.prepare_qkv_rope(w, *self.qkv_heads)
+        else:
+            w = backend.prepare(w)
         for name, t in zip(Fp4Weight._fields, w):
             self._buffers[name] = t
         self.layout = backend.weight_layout
-        self.prepared = True
+        self.prepared, self.rope_fused = True, rope
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, K] float weight (checkpoint layout only)."""
@@ -97,6 +112,9 @@ class Fp4Linear(nn.Module):
         if self.gate_up and self.prepared:
             raise RuntimeError("Fp4Linear: this gate/up projection was prepared for the fused SwiGLU "
                                "(its backend may reorder the rows); call forward_swiglu")
+        if self.rope_fused:
+            raise RuntimeError("Fp4Linear: this q/k/v projection was prepared for the fused rope (its "
+                               "backend reorders the rows); call forward_qkv_rope")
         lead = x.shape[:-1]
         y = torch.ops.pieceworks.fp4_gemm(
             x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.weight_scale_2,
@@ -115,6 +133,17 @@ class Fp4Linear(nn.Module):
         )
         return y.reshape(*lead, self.out_features // 2)
 
+    def forward_qkv_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """[T, (Hq + 2 Hkv) * D] = x @ [q; k; v].T with q and k roped, for a `rope_fused` layer; x [T, K],
+        cos/sin [T, D/2]."""
+        if not self.rope_fused:
+            raise RuntimeError("Fp4Linear.forward_qkv_rope needs a q/k/v projection prepared with "
+                               "qkv_heads set by a backend that fuses the rope (rope_fused)")
+        return torch.ops.pieceworks.fp4_gemm_qkv_rope(
+            x, self.weight, self.weight_scale, self.weight_scale_2, self.input_scale, cos, sin, *self.qkv_heads)
+
     def extra_repr(self) -> str:
         gate_up = ", gate_up" if self.gate_up else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, layout={self.layout}{gate_up}"
+        rope = ", rope_fused" if self.rope_fused else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, layout={self.layout}"
+                f"{gate_up}{rope}")

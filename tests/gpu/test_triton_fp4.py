@@ -202,6 +202,69 @@ def test_gemm_swiglu_same_bits_as_gemm_then_silu_mul(m, inter):
         assert torch.equal(alone, ref)
 
 
+def _rope_angles(m, half, gen):
+    pos = torch.randint(0, 8192, (m, 1), device=DEV, generator=gen).float()
+    ang = pos / (500000.0 ** (torch.arange(half, device=DEV).float() / half))
+    return ang.cos(), ang.sin()
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 64, 256, 1024])
+@pytest.mark.parametrize("heads", [(32, 8, 128), (6, 2, 64)])
+def test_gemm_qkv_rope_same_bits_as_gemm_then_rope_qk(m, heads):
+    """forward_qkv_rope on the pair-interleaved weight == forward on the plain one, then the rope_qk op
+    on the q and k columns: every M bucket (split-K with the in-kernel and the separate reduction,
+    plain tiles, dequant + cuBLAS)."""
+    from pieceworks.models import fused
+
+    hq, hk, d = heads
+    n = (hq + 2 * hk) * d
+    gen = torch.Generator(DEV).manual_seed(100 * m + n)
+    k = 2048 + 512 + 16  # K % 32 == 16: a padded half group
+    w = random_fp4(n, k, gen)
+    backend = TritonFp4GemmBackend(spec())
+    plain, roped = backend.prepare(w), backend.prepare_qkv_rope(w, hq, hk, d)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
+    cos, sin = _rope_angles(m, d // 2, gen)
+    y = backend.forward(x, *plain, n)
+    q, kk = fused.rope_qk(y[:, : hq * d].view(m, hq, d), y[:, hq * d : (hq + hk) * d].view(m, hk, d), cos, sin, False)
+    ref = torch.cat([q.view(m, -1), kk.view(m, -1), y[:, (hq + hk) * d :]], dim=1)
+    got = backend.forward_qkv_rope(x, *roped, cos, sin, hq, hk, d)
+    assert got.shape == (m, n) and torch.isfinite(ref).all()
+    assert not torch.equal(ref, y)  # the rope moved something
+    assert torch.equal(got, ref)
+    tile, split = backend._plan(m, n, roped.weight.shape[1] * 2)
+    if split > 1:  # the separate reduction kernel (no counters) gives the same bits too
+        alone = gemm_kernels.fp4_gemm(x, roped.weight, roped.weight_scale, roped.weight_scale_2, n, k, tile, split,
+                                      None, rope=(cos, sin, (hq + hk) * d, d))
+        assert torch.equal(alone, ref)
+
+
+def test_gemm_qkv_rope_cuda_graph_replay():
+    gen = torch.Generator(DEV).manual_seed(78)
+    hq, hk, d, k, m = 32, 8, 128, 4096, 2
+    n = (hq + 2 * hk) * d
+    backend = TritonFp4GemmBackend(spec())
+    w = backend.prepare_qkv_rope(random_fp4(n, k, gen), hq, hk, d)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
+    cos, sin = _rope_angles(m, d // 2, gen)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.forward_qkv_rope(x, *w, cos, sin, hq, hk, d)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward_qkv_rope(x, *w, cos, sin, hq, hk, d)
+    for _ in range(3):
+        x.copy_(torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen))
+        c, s = _rope_angles(m, d // 2, gen)
+        cos.copy_(c)
+        sin.copy_(s)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, backend.forward_qkv_rope(x, *w, cos, sin, hq, hk, d))
+
+
 def test_gemm_swiglu_cuda_graph_replay():
     gen = torch.Generator(DEV).manual_seed(77)
     inter, k, m = 1536, 4096, 4

@@ -42,6 +42,42 @@ class Fp4GemmBackend(Backend):
         which `forward_swiglu` then serves. Default: `prepare` (rows in checkpoint order)."""
         return self.prepare(w)
 
+    fuses_qkv_rope: ClassVar[bool] = False
+    """Whether `forward_qkv_rope` fuses the rope into the GEMM (models then call it instead of the
+    GEMM followed by the rope op, with the weight from `prepare_qkv_rope`)."""
+
+    def prepare_qkv_rope(self, w: Fp4Weight, num_heads: int, num_kv_heads: int, head_dim: int) -> Fp4Weight:
+        """`prepare` for an attention's fused q/k/v weight (rows [q; k; v], heads of `head_dim`),
+        which `forward_qkv_rope` then serves. Default: `prepare` (rows in checkpoint order)."""
+        return self.prepare(w)
+
+    def forward_qkv_rope(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        weight_scale_2: torch.Tensor,
+        input_scale: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+    ) -> torch.Tensor:
+        """x @ [q; k; v].T -> [M, (num_heads + 2 * num_kv_heads) * head_dim] in x.dtype with the q
+        and k columns rotated by the rotate-half rope (cos/sin [M, head_dim / 2] of each row's
+        position), for a weight from `prepare_qkv_rope`. Default: `forward`, then the `rope_qk` op on
+        the q and k columns; a backend that fuses it must round as that does."""
+        from pieceworks.models import fused
+
+        q_cols, k_cols = num_heads * head_dim, num_kv_heads * head_dim
+        y = self.forward(x, weight, weight_scale, weight_scale_2, input_scale, q_cols + 2 * k_cols)
+        q, k = fused.rope_qk(y[:, :q_cols].view(-1, num_heads, head_dim),
+                             y[:, q_cols : q_cols + k_cols].view(-1, num_kv_heads, head_dim), cos, sin, False)
+        y[:, :q_cols] = q.view(-1, q_cols)
+        y[:, q_cols : q_cols + k_cols] = k.view(-1, k_cols)
+        return y
+
     def forward_swiglu(
         self,
         x: torch.Tensor,

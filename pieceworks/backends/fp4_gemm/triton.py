@@ -99,6 +99,19 @@ def interleave_gate_up(n: int) -> torch.Tensor:
     return torch.arange(n).view(2, n // 2).t().reshape(-1)
 
 
+def interleave_rope_rows(num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Row order of a q/k/v weight [q; k; v] for the fused rope epilogue: in every q and k head, dims j
+    and j + head_dim/2 (a rotate-half pair) next to each other (rows 2j, 2j + 1 of the head); the v
+    rows keep their order. Every even-width tile then holds both halves of its pairs."""
+    if head_dim % 2:
+        raise ValueError(f"the rotate-half rope needs an even head_dim, not {head_dim}")
+    half = head_dim // 2
+    within = torch.arange(head_dim).view(2, half).t().reshape(-1)  # 0, half, 1, half + 1, ...
+    heads = num_heads + num_kv_heads
+    roped = (torch.arange(heads)[:, None] * head_dim + within[None, :]).reshape(-1)
+    return torch.cat([roped, heads * head_dim + torch.arange(num_kv_heads * head_dim)])
+
+
 def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int = 4096):
     """Checkpoint NVFP4 -> k32 layout (see triton_k32.py).
 
@@ -181,6 +194,14 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         rows = interleave_gate_up(w.weight.shape[0]).to(w.weight.device)
         return self.prepare(Fp4Weight(w.weight[rows], w.weight_scale[rows], w.weight_scale_2, w.input_scale))
 
+    fuses_qkv_rope = True
+
+    def prepare_qkv_rope(self, w: Fp4Weight, num_heads: int, num_kv_heads: int, head_dim: int) -> Fp4Weight:
+        """`prepare` with each q/k head's rope pairs side by side (`interleave_rope_rows`) for
+        `forward_qkv_rope`."""
+        rows = interleave_rope_rows(num_heads, num_kv_heads, head_dim).to(w.weight.device)
+        return self.prepare(Fp4Weight(w.weight[rows], w.weight_scale[rows], w.weight_scale_2, w.input_scale))
+
     def counters(self, device: torch.device) -> torch.Tensor | None:
         """This instance's split-K arrival counters on `device` (zeros; every call leaves them zero).
 
@@ -201,6 +222,17 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
     def forward(self, x, weight, weight_scale, weight_scale_2, input_scale, out_features):
         return self._gemm(x, weight, weight_scale, weight_scale_2, out_features, swiglu=False)
 
+    def forward_qkv_rope(self, x, weight, weight_scale, weight_scale_2, input_scale, cos, sin, num_heads,
+                         num_kv_heads, head_dim):
+        """The GEMM with the rope of the q and k columns in its epilogue (split-K: in the reduction),
+        each pair's two columns side by side in the tile, for the 8-row decode tiles; larger tiles and
+        the dequant path run the GEMM and then the rope kernel in place (its interleaved mode reads the
+        pairs side by side and writes them back in checkpoint order). Same bits as `forward` followed
+        by the rope_qk op."""
+        n = (num_heads + 2 * num_kv_heads) * head_dim
+        rope = (cos, sin, (num_heads + num_kv_heads) * head_dim, head_dim)
+        return self._gemm(x, weight, weight_scale, weight_scale_2, n, swiglu=False, rope=rope)
+
     def forward_swiglu(self, x, weight, weight_scale, weight_scale_2, input_scale, intermediate):
         """The GEMM with silu(gate) * up in its epilogue (split-K: in the reduction), the gate/up
         pairs of a tile side by side; the dequant path (M >= 1024) restores the checkpoint row order
@@ -208,7 +240,7 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         followed by the silu_mul op."""
         return self._gemm(x, weight, weight_scale, weight_scale_2, 2 * intermediate, swiglu=True)
 
-    def _gemm(self, x, weight, weight_scale, weight_scale_2, n: int, swiglu: bool):
+    def _gemm(self, x, weight, weight_scale, weight_scale_2, n: int, swiglu: bool, rope=None):
         from pieceworks.backends.fp4_gemm import triton_kernels
 
         if x.stride(-1) != 1:
@@ -216,4 +248,4 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         tile, split_k = self._plan(x.shape[0], n, weight.shape[1] * 2)
         counters = self.counters(x.device) if split_k > 1 else None
         return triton_kernels.fp4_gemm(x, weight, weight_scale, weight_scale_2, n, x.shape[1], tile,
-                                       split_k, counters, swiglu=swiglu)
+                                       split_k, counters, swiglu=swiglu, rope=rope)

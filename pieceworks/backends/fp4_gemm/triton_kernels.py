@@ -47,14 +47,66 @@ def _swiglu(g, u, dtype: tl.constexpr):
     return (act * u).to(dtype)
 
 
+# Tiles of at most this many rows rope in the GEMM's epilogue (`_rope_pair`); on the H200 the 16- and
+# 64-row tiles were slower with it than the GEMM followed by the rope kernel (docs/benchmarks.md).
+ROPE_EPILOGUE_BLOCK_M = 8
+
+
+@triton.jit
+def _rope_cs(cos_ptr, sin_ptr, stride_cos, stride_sin, rows, row_mask, p, rope_cols, HALF: tl.constexpr):
+    """cos and sin [rows, pairs] float32 of output column pairs p (`_rope_pair`); 1 and 0 where a pair
+    is not roped."""
+    cmask = row_mask[:, None] & (2 * p < rope_cols)[None, :]
+    j = p % HALF
+    c = tl.load(cos_ptr + rows[:, None].to(tl.int64) * stride_cos + j[None, :], mask=cmask, other=1.0)
+    s = tl.load(sin_ptr + rows[:, None].to(tl.int64) * stride_sin + j[None, :], mask=cmask, other=0.0)
+    return c, s
+
+
+@triton.jit
+def _rope_pair(y1, y2, p, c, s, rope_cols, HALF: tl.constexpr, dtype: tl.constexpr):
+    """The fused rope epilogue for output column pairs p (weight rows 2p, 2p + 1 in the
+    `interleave_rope_rows` order): y1, y2 [rows, pairs] float32 are the GEMM's values of both rows,
+    c, s their cos and sin (`_rope_cs`). Pairs below rope_cols / 2 are dims j and j + HALF of a q or
+    k head, rotated as the rope kernel rounds (models/fused_kernels.py `_rope_rows`: the GEMM's output
+    rounded to `dtype`, cos/sin rounded to `dtype`, every product and sum rounded; `mul_rn` keeps the
+    products from being contracted into FMAs, which that kernel avoids with enable_fp_fusion=False);
+    the others are two v columns. Returns the two values in `dtype` and their output columns."""
+    roped = 2 * p < rope_cols
+    head = p // HALF
+    j = p % HALF
+    d1 = tl.where(roped, head * (2 * HALF) + j, 2 * p)
+    d2 = tl.where(roped, head * (2 * HALF) + HALF + j, 2 * p + 1)
+    x1 = y1.to(dtype).to(tl.float32)
+    x2 = y2.to(dtype).to(tl.float32)
+    c = c.to(dtype).to(tl.float32)
+    s = s.to(dtype).to(tl.float32)
+    o1 = (libdevice.mul_rn(x1, c).to(dtype).to(tl.float32) - libdevice.mul_rn(x2, s).to(dtype).to(tl.float32))
+    o2 = (libdevice.mul_rn(x2, c).to(dtype).to(tl.float32) + libdevice.mul_rn(x1, s).to(dtype).to(tl.float32))
+    o1 = tl.where(roped[None, :], o1.to(dtype), x1.to(dtype))
+    o2 = tl.where(roped[None, :], o2.to(dtype), x2.to(dtype))
+    return o1, o2, d1, d2
+
+
 @triton.jit
 def _store_out(out_ptr, y, rm, col0, M, N, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               SWIGLU: tl.constexpr):
+               SWIGLU: tl.constexpr, ROPE: tl.constexpr = False, rope_c=None, rope_s=None, rope_cols=0,
+               ROPE_HALF: tl.constexpr = 1):
     """Store the tile y [BM, BN] (float32, columns col0..) of x @ W.T, or with SWIGLU its
     silu(gate) * up: weight rows 2j and 2j + 1 are gate and up of output column j (the
-    `interleave_gate_up` order), so the tile gives output columns col0/2 .. col0/2 + BN/2."""
+    `interleave_gate_up` order), so the tile gives output columns col0/2 .. col0/2 + BN/2. With ROPE
+    the weight is a q/k/v weight in the `interleave_rope_rows` order (`_rope_pair`; rope_c / rope_s
+    from `_rope_cs`)."""
     dtype: tl.constexpr = out_ptr.dtype.element_ty
-    if SWIGLU:
+    if ROPE:
+        y1, y2 = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
+        p = col0 // 2 + tl.arange(0, BLOCK_N // 2)
+        o1, o2, d1, d2 = _rope_pair(y1, y2, p, rope_c, rope_s, rope_cols, ROPE_HALF, dtype)
+        mask = (rm[:, None] < M) & (2 * p < N)[None, :]
+        rows = out_ptr + rm[:, None].to(tl.int64) * stride_om
+        tl.store(rows + d1[None, :], o1, mask=mask)
+        tl.store(rows + d2[None, :], o2, mask=mask)
+    elif SWIGLU:
         g, u = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
         cols = col0 // 2 + tl.arange(0, BLOCK_N // 2)
         mask = (rm[:, None] < M) & (cols[None, :] < N // 2)
@@ -73,7 +125,8 @@ def _fp4_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, EVEN_K: tl.constexpr, W_AS_A: tl.constexpr,
     USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr, PDL: tl.constexpr = False, SWIGLU: tl.constexpr = False,
-    TWO_ACC: tl.constexpr = False,
+    TWO_ACC: tl.constexpr = False, ROPE: tl.constexpr = False, cos_ptr=None, sin_ptr=None, stride_cos=0,
+    stride_sin=0, rope_cols=0, ROPE_HALF: tl.constexpr = 1,
 ):
     """One output tile, or (SPLIT) one of `num_splits` K ranges of it; ranges differ by at most one
     BLOCK_K iteration. A split writes its float32 partial to part[pid_k] (laid out [splits, M, N]);
@@ -83,7 +136,8 @@ def _fp4_gemm_kernel(
     With PDL (pdl.py) a program waits for the kernel before it first and lets the next one start
     once its K loop is done, so that kernel's launch overlaps this one's epilogue. With SWIGLU the
     weight is a gate/up pair interleaved by rows and out [M, N/2] gets silu(gate) * up (`_store_out`);
-    partials stay [splits, M, N]."""
+    partials stay [splits, M, N]. With ROPE (a q/k/v weight in the `interleave_rope_rows` order) out
+    gets the columns in checkpoint order, the first rope_cols roped with cos/sin [M, ROPE_HALF]."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -111,6 +165,12 @@ def _fp4_gemm_kernel(
     w_rows = n_c * stride_wn
     s_rows = n_c * stride_sn
     pdl_kernels.wait(PDL)
+    if ROPE:  # loaded before the K loop (a few registers at 8 rows): the epilogue does not wait
+        rope_c, rope_s = _rope_cs(cos_ptr, sin_ptr, stride_cos, stride_sin, rm, rm < M,
+                                  pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2), rope_cols, ROPE_HALF)
+    else:
+        rope_c = None
+        rope_s = None
     acc, acc_b = fp4_tile_loop(
         acc, acc, x_ptr, x_rows, rm < M, w_ptr, w_rows, w_rows, s_ptr, s_rows, s_rows,
         k_lo, num_iters, K, Kp,
@@ -123,7 +183,8 @@ def _fp4_gemm_kernel(
         acc = tl.trans(acc)
     acc = acc * (tl.load(gs_ptr) * OUT_BIAS)
     if not SPLIT:
-        _store_out(out_ptr, acc, rm, pid_n * BLOCK_N, M, N, stride_om, BLOCK_M, BLOCK_N, SWIGLU)
+        _store_out(out_ptr, acc, rm, pid_n * BLOCK_N, M, N, stride_om, BLOCK_M, BLOCK_N, SWIGLU, ROPE, rope_c,
+                   rope_s, rope_cols, ROPE_HALF)
     else:
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         offs = rm[:, None].to(tl.int64) * N + rn[None, :]
@@ -138,18 +199,39 @@ def _fp4_gemm_kernel(
                 for k in range(num_splits):
                     total += tl.load(part_ptr + k * mn + offs, mask=mask, other=0.0,
                                      cache_modifier=".cg")
-                _store_out(out_ptr, total, rm, pid_n * BLOCK_N, M, N, stride_om, BLOCK_M, BLOCK_N, SWIGLU)
+                _store_out(out_ptr, total, rm, pid_n * BLOCK_N, M, N, stride_om, BLOCK_M, BLOCK_N, SWIGLU,
+                           ROPE, rope_c, rope_s, rope_cols, ROPE_HALF)
                 tl.store(count_ptr + pid, 0)
 
 
 @triton.jit
 def _splitk_reduce_kernel(part_ptr, out_ptr, numel, N, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
-                          PDL: tl.constexpr = False, SWIGLU: tl.constexpr = False):
+                          PDL: tl.constexpr = False, SWIGLU: tl.constexpr = False, ROPE: tl.constexpr = False,
+                          cos_ptr=None, sin_ptr=None, stride_cos=0, stride_sin=0, rope_cols=0,
+                          ROPE_HALF: tl.constexpr = 1):
     """out = the partials [SPLIT_K, M, N] (numel = M * N) summed in split order; with SWIGLU,
-    out [M, N/2] = silu(gate) * up of each interleaved column pair (see `_store_out`)."""
+    out [M, N/2] = silu(gate) * up of each interleaved column pair (see `_store_out`); with ROPE, out
+    [M, N] in checkpoint column order with the rope pairs rotated (`_rope_pair`)."""
     pdl_kernels.enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    if SWIGLU:
+    if ROPE:  # one row per program, BLOCK >= N / 2 column pairs
+        row = tl.program_id(0)
+        p = tl.arange(0, BLOCK)
+        pmask = 2 * p < N
+        src = row.to(tl.int64) * N + 2 * p
+        y1 = tl.load(part_ptr + src, mask=pmask, other=0.0)
+        y2 = tl.load(part_ptr + src + 1, mask=pmask, other=0.0)
+        for s in tl.static_range(1, SPLIT_K):
+            y1 += tl.load(part_ptr + s * numel + src, mask=pmask, other=0.0)
+            y2 += tl.load(part_ptr + s * numel + src + 1, mask=pmask, other=0.0)
+        rows = row + tl.arange(0, 1)
+        rc, rs = _rope_cs(cos_ptr, sin_ptr, stride_cos, stride_sin, rows, rows >= 0, p, rope_cols, ROPE_HALF)
+        o1, o2, d1, d2 = _rope_pair(y1[None, :], y2[None, :], p, rc, rs, rope_cols, ROPE_HALF,
+                                    out_ptr.dtype.element_ty)
+        dst = out_ptr + row.to(tl.int64) * N
+        tl.store(dst + d1[None, :], o1, mask=pmask[None, :])
+        tl.store(dst + d2[None, :], o2, mask=pmask[None, :])
+    elif SWIGLU:
         half = N // 2
         mask = offs < numel // 2
         src = (offs // half) * N + 2 * (offs % half)
@@ -196,10 +278,16 @@ def _dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, stride_wn, stride_sn, s
              mask=(rn < N)[:, None] & (k < K)[None, :])
 
 
-def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counters=None, swiglu=False):
+def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counters=None, swiglu=False,
+             rope=None):
     """Launch the GEMM for x [M, K] and a k32-layout weight; returns [M, N] in x.dtype, or with
     `swiglu` (a gate/up weight of N rows interleaved by `interleave_gate_up`) [M, N/2] =
-    silu(x @ gate.T) * (x @ up.T), rounded as the GEMM followed by the silu_mul op.
+    silu(x @ gate.T) * (x @ up.T), rounded as the GEMM followed by the silu_mul op. With `rope` =
+    (cos, sin, rope_cols, head_dim) (a q/k/v weight in the `interleave_rope_rows` order; cos/sin
+    [M, head_dim/2] with unit column stride), [M, N] in checkpoint column order whose first rope_cols
+    columns (the q and k heads) are roped, rounded as the GEMM followed by the rope_qk op: in the
+    epilogue for tiles of at most ROPE_EPILOGUE_BLOCK_M rows, else by the rope kernel after the GEMM
+    (in place, in its interleaved mode, which also puts the columns back in checkpoint order).
 
     weight: uint8 [N, Kp/2] (k32 layout), weight_scale: float8_e4m3fn [N, Kp/16], weight_scale_2:
     float32 scalar tensor. cfg: a `TileConfig`; split_k: K splits (any count up to the BLOCK_K
@@ -211,6 +299,26 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
     M = x.shape[0]
     Kp = weight.shape[1] * 2
     assert not swiglu or N % 2 == 0, f"a gate/up weight has an even row count, not {N}"
+    assert not (swiglu and rope), "swiglu and rope are epilogues of different weights"
+    if rope is not None:
+        cos, sin, rope_cols, head_dim = rope
+        assert N % 2 == 0 and rope_cols % head_dim == 0 and head_dim % 2 == 0 and cos.stride(-1) == 1 \
+            and sin.stride(-1) == 1 and cos.shape == sin.shape == (M, head_dim // 2), "rope arguments"
+        rope_args = dict(ROPE=True, cos_ptr=cos, sin_ptr=sin, stride_cos=cos.stride(0), stride_sin=sin.stride(0),
+                         rope_cols=rope_cols, ROPE_HALF=head_dim // 2)
+        if not (cfg.kind == "fused" and cfg.block_m <= ROPE_EPILOGUE_BLOCK_M):
+            # the GEMM (q/k columns in pair order), then the rope kernel in place: its interleaved mode
+            # reads each pair side by side and writes the halves back in checkpoint order
+            from pieceworks.models import fused_kernels
+
+            y = fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counters)
+            q_cols = rope_cols - (N - rope_cols) // 2
+            q = y[:, :q_cols].view(M, q_cols // head_dim, head_dim)
+            fused_kernels.rope_qk(q, y[:, q_cols:rope_cols].view(M, (rope_cols - q_cols) // head_dim, head_dim),
+                                  cos, sin, True, in_place=True)
+            return y
+    else:
+        rope_args = {}
     out = torch.empty((M, N // 2 if swiglu else N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out
@@ -240,10 +348,15 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
         split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         SPLIT=split_k > 1, FUSED_REDUCE=fused, EVEN_K=K == Kp, W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm,
         ONE_DOT=cfg.one_dot, PDL=use_pdl, SWIGLU=swiglu, TWO_ACC=cfg.two_acc, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **launch,
+        num_stages=cfg.num_stages, **rope_args, **launch,
     )
     if split_k > 1 and not fused:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(out.numel(), block),)](
-            part, out, M * N, N, SPLIT_K=split_k, BLOCK=block, PDL=use_pdl, SWIGLU=swiglu, num_warps=4, **launch)
+        if rope is not None:
+            _splitk_reduce_kernel[(M,)](part, out, M * N, N, SPLIT_K=split_k, BLOCK=triton.next_power_of_2(N // 2),
+                                        PDL=use_pdl, **rope_args, num_warps=4, **launch)
+        else:
+            block = 1024
+            _splitk_reduce_kernel[(triton.cdiv(out.numel(), block),)](
+                part, out, M * N, N, SPLIT_K=split_k, BLOCK=block, PDL=use_pdl, SWIGLU=swiglu, num_warps=4,
+                **launch)
     return out
