@@ -354,7 +354,8 @@ def test_gemm_backend_prepare_qkv_rope_interleaves_rows_on_cpu():
 
     packed, scale, scale_2 = random_fp4(4 * 8, 64, seed=4)  # 2 q heads, 1 kv head, head_dim 8
     backend = TritonFp4GemmBackend(BackendSpec())
-    assert backend.fuses_qkv_rope
+    assert backend.fuses_qkv_rope and backend.qkv_rope_supported(2, 1, 8)
+    assert not backend.qkv_rope_supported(2, 1, 96) and not backend.qkv_rope_supported(2, 1, 7)
     w = backend.prepare_qkv_rope(Fp4Weight(packed, scale, scale_2, torch.ones(())), 2, 1, 8)
     rows = interleave_rope_rows(2, 1, 8)
     assert torch.equal(unpack_k32(w.weight, 64), nvfp4.unpack(packed)[rows])
@@ -422,3 +423,19 @@ def test_llama_attention_runs_nvfp4_qkv_with_the_fused_rope_op():
         assert torch.equal(seen["fused"][key], seen["plain"][key]), key
     with pytest.raises(RuntimeError, match="needs a q/k/v projection"):
         attn.o_proj.forward_qkv_rope(x, cos, sin)
+
+
+def test_fp4_linear_fuses_the_rope_only_for_supported_heads():
+    from pieceworks.quant.linear import Fp4Linear
+
+    backend = TritonFp4GemmBackend(BackendSpec())
+    gen = torch.Generator().manual_seed(2)
+    for head_dim, fused in ((96, False), (64, True)):
+        layer = Fp4Linear.from_float(torch.randn(4 * head_dim, 64, generator=gen))
+        layer.qkv_heads = (2, 1, head_dim)
+        layer.prepare(backend)
+        assert layer.prepared and layer.layout == "k32" and layer.rope_fused == fused
+    bad = Fp4Linear.from_float(torch.randn(4 * 64, 64, generator=gen))
+    bad.qkv_heads = (3, 1, 64)
+    with pytest.raises(ValueError, match="do not give 256 rows"):
+        bad.prepare(backend)

@@ -26,8 +26,9 @@ class Fp4Linear(nn.Module):
 
     `qkv_heads`: (num_heads, num_kv_heads, head_dim) of an attention's fused q/k/v projection (rows
     [q; k; v]), set by its attention module before `prepare`. Where the backend fuses the rope into the
-    GEMM (`fuses_qkv_rope`), `prepare` takes its `prepare_qkv_rope` and sets `rope_fused`: the layer then
-    runs as `forward_qkv_rope` (the `pieceworks::fp4_gemm_qkv_rope` op) only.
+    GEMM for these heads (`fuses_qkv_rope`, `qkv_rope_supported`), `prepare` takes its `prepare_qkv_rope`
+    and sets `rope_fused`: the layer then runs as `forward_qkv_rope` (the `pieceworks::fp4_gemm_qkv_rope`
+    op) only.
     """
 
     def __init__(self, in_features: int, out_features: int, device: torch.device | str | None = None) -> None:
@@ -88,7 +89,8 @@ class Fp4Linear(nn.Module):
                 raise RuntimeError(f"Fp4Linear already prepared for layout {self.layout!r}")
             return
         w = self.fp4_weight()
-        rope = self.qkv_heads is not None and backend.fuses_qkv_rope
+        rope = (self.qkv_heads is not None and backend.fuses_qkv_rope
+                and backend.qkv_rope_supported(*self.qkv_heads))
         if self.gate_up:
             w = backend.prepare_gate_up(w)
         elif rope:

@@ -44,7 +44,12 @@ class Fp4GemmBackend(Backend):
 
     fuses_qkv_rope: ClassVar[bool] = False
     """Whether `forward_qkv_rope` fuses the rope into the GEMM (models then call it instead of the
-    GEMM followed by the rope op, with the weight from `prepare_qkv_rope`)."""
+    GEMM followed by the rope op, with the weight from `prepare_qkv_rope`), for the head shapes
+    `qkv_rope_supported` accepts."""
+
+    def qkv_rope_supported(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        """Whether `forward_qkv_rope` serves these heads (default: any)."""
+        return True
 
     def prepare_qkv_rope(self, w: Fp4Weight, num_heads: int, num_kv_heads: int, head_dim: int) -> Fp4Weight:
         """`prepare` for an attention's fused q/k/v weight (rows [q; k; v], heads of `head_dim`),

@@ -196,6 +196,11 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
 
     fuses_qkv_rope = True
 
+    def qkv_rope_supported(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        """Head dims of 2 x a power of two: the rope kernel that follows the larger tiles needs it."""
+        half = head_dim // 2
+        return head_dim % 2 == 0 and half >= 1 and half & (half - 1) == 0
+
     def prepare_qkv_rope(self, w: Fp4Weight, num_heads: int, num_kv_heads: int, head_dim: int) -> Fp4Weight:
         """`prepare` with each q/k head's rope pairs side by side (`interleave_rope_rows`) for
         `forward_qkv_rope`."""
