@@ -175,6 +175,7 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
     requires = TRITON_REQUIREMENTS
     numerics = ("w4a16",)
     weight_layout = "k32"
+    fuses_qkv_rope = True
     description = "Triton w4a16: NVFP4 dequantized in registers, bf16 tensor cores"
 
     def __init__(self, spec, options=None) -> None:
@@ -193,8 +194,6 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         """`prepare` with the rows interleaved (`interleave_gate_up`) for `forward_swiglu`."""
         rows = interleave_gate_up(w.weight.shape[0]).to(w.weight.device)
         return self.prepare(Fp4Weight(w.weight[rows], w.weight_scale[rows], w.weight_scale_2, w.input_scale))
-
-    fuses_qkv_rope = True
 
     def qkv_rope_supported(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         """Head dims of 2 x a power of two: the rope kernel that follows the larger tiles needs it."""
