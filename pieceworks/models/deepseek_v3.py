@@ -22,8 +22,7 @@ from pieceworks.executor.kv_cache import KVLayout
 from pieceworks.models.base import CausalLM, GatedMLP, RMSNorm, WeightSource, block_forward, linear, merged
 from pieceworks.models.moe import Experts, MoE
 from pieceworks.models.rope import (
-    apply_rope,
-    apply_rope_interleaved,
+    apply_rope_qk,
     rope_parameters,
     yarn_softmax_scale,
 )
@@ -137,9 +136,9 @@ class MLAttention(nn.Module):
             [self.nope_dim, self.rope_dim], dim=-1)
         c_kv, k_pe = kv.split([self.rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)  # [T, L]
-        rope = apply_rope_interleaved if self.rope_interleave else apply_rope
-        q_pe = rope(q_pe, cos, sin)  # [T, Nh, R]
-        k_pe = rope(k_pe.unsqueeze(1), cos, sin).squeeze(1)  # [T, R]
+        # q_pe [T, Nh, R] and k_pe [T, R] roped in one launch
+        q_pe, k_pe = apply_rope_qk(q_pe, k_pe.unsqueeze(1), cos, sin, self.rope_interleave)
+        k_pe = k_pe.squeeze(1)
         # Absorb W_UK: q_nope [T, Nh, Dn] -> [T, Nh, L], made contiguous for the kernels (Dynamo
         # can't trace bmm into a transposed out=, which would save the copy).
         q_abs = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1).contiguous()

@@ -126,10 +126,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return fused.rope(x, cos, sin, False)
 
 
-def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`apply_rope` of queries [T, Hq, D] and keys [T, Hk, D] at the same positions (one launch on CUDA)."""
-    return fused.rope_qk(q, k, cos, sin, False)
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rope` (or with `interleaved`, `apply_rope_interleaved`) of queries [T, Hq, D] and keys
+    [T, Hk, D] at the same positions (one launch on CUDA)."""
+    return fused.rope_qk(q, k, cos, sin, interleaved)
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
