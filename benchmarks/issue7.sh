@@ -2,7 +2,7 @@
 # Every measurement of issue 7 on the H200 in one device call (about 3 minutes with warm caches):
 #   bash benchmarks/issue7.sh OUTDIR        (on the device: source .gpu/setup.sh first; OUTDIR=$OUT)
 # Writes OUTDIR/{gemm_off,gemm_on}/gemm_bench.md, {moe_off,moe_on}/moe_bench.md, decode512.md,
-# decode4096.md, profile_b1.txt; prints each table as it goes. Each step has its own time limit, and a
+# decode4096.md, profile_b1.txt, qkv_rope.md; prints each table as it goes. Each step has its own time limit, and a
 # failing step does not stop the others.
 set -u
 out=${1:?usage: bash benchmarks/issue7.sh OUTDIR}
@@ -25,4 +25,7 @@ step "kernel time of a batch-1 step (PDL off: per-kernel times that add up)"
 timeout 150 python benchmarks/profile_step.py --decode 1 --set quantization.format=nvfp4 \
     --set backends.options.flashinfer.variant=fa2 --set runtime.pdl=off --steps 30 > "$out/profile_b1.txt" 2>&1
 grep -v Warn "$out/profile_b1.txt" | head -30
+step "q/k/v GEMM with the rope fused, against GEMM + rope kernel"
+timeout 120 python benchmarks/qkv_rope.py > "$out/qkv_rope.md" 2>&1
+cat "$out/qkv_rope.md"
 step done
