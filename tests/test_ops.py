@@ -42,12 +42,27 @@ def _gemm_args():
     return (torch.randn(5, 64), *w, 24)
 
 
+def _gemm_swiglu_args():
+    w = S.random_fp4_weight(24, 64, torch.Generator().manual_seed(1), torch.device("cpu"))
+    return (torch.randn(5, 64), *w, 12)
+
+
+def _gemm_qkv_rope_args():
+    # 2 query heads and 1 KV head of 8: rows [q (16); k (8); v (8)]
+    w = S.random_fp4_weight(32, 64, torch.Generator().manual_seed(2), torch.device("cpu"))
+    ang = torch.rand(5, 4, generator=torch.Generator().manual_seed(3)) * 20
+    return (torch.randn(5, 64), *w, ang.cos(), ang.sin(), 2, 1, 8)
+
+
+ARGS = {"fp4_gemm": _gemm_args, "fp4_gemm_swiglu": _gemm_swiglu_args, "fp4_gemm_qkv_rope": _gemm_qkv_rope_args}
+
+
 def _moe_args():
     w = S.random_moe_weights(8, 32, 16, True, torch.float32, torch.Generator().manual_seed(0), torch.device("cpu"))
     return (torch.randn(6, 32), torch.randn(6, 8), torch.rand(8) * 0.1, *w, 2, 4, 2, True, 1.5)
 
 
-@pytest.mark.parametrize("name", ["attention", "mla", "fp4_gemm", "moe"])
+@pytest.mark.parametrize("name", ["attention", "mla", "fp4_gemm", "fp4_gemm_swiglu", "fp4_gemm_qkv_rope", "moe"])
 def test_opcheck(name):
     kernels = _kernels()
     if name == "attention":
@@ -55,7 +70,7 @@ def test_opcheck(name):
     elif name == "mla":
         case, args = _mla_args()
     else:
-        case, args = None, _gemm_args() if name == "fp4_gemm" else _moe_args()
+        case, args = None, ARGS.get(name, _moe_args)()
     if case is not None:
         getattr(kernels, name).plan(case.meta)
     has_fp8 = any(isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn for a in args)
@@ -74,7 +89,7 @@ def test_opcheck(name):
             assert all(torch.equal(b, a) for b, a in zip(before, after)), "an input was mutated"
 
 
-@pytest.mark.parametrize("name", ["attention", "mla", "fp4_gemm", "moe"])
+@pytest.mark.parametrize("name", ["attention", "mla", "fp4_gemm", "fp4_gemm_swiglu", "fp4_gemm_qkv_rope", "moe"])
 def test_fullgraph_compile_matches_eager(name):
     torch._dynamo.reset()
     kernels = _kernels()
@@ -91,7 +106,7 @@ def test_fullgraph_compile_matches_eager(name):
             return out * 2
         ctx = ForwardContext(kernels, case.meta, case.pool)
     else:
-        args = _gemm_args() if name == "fp4_gemm" else _moe_args()
+        args = ARGS.get(name, _moe_args)()
         op = getattr(OPS, name)
 
         def fn(*a):
