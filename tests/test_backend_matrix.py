@@ -1,6 +1,12 @@
 """Every registered backend x op x named scenario against dense references (pieceworks.testing.suite)."""
 
-from pieceworks.testing.suite import test_attention, test_fp4_gemm, test_mla, test_moe  # noqa: F401
+from pieceworks.testing.suite import (  # noqa: F401
+    test_attention,
+    test_fp4_gemm,
+    test_fp4_gemm_fused_epilogues,
+    test_mla,
+    test_moe,
+)
 
 
 def test_torch_moe_with_distinct_gate_and_up_global_scales():

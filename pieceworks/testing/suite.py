@@ -2,7 +2,8 @@
 
 Run it for your own plugin with `pytest --pyargs pieceworks.testing.suite -p pieceworks.testing.plugin`
 (add `--pieceworks-device cuda` on a GPU machine). A backend that can't serve a case is skipped with
-its own reasons. One test per op; the named scenarios and devices are the only parameters.
+its own reasons. One test per op (plus one for the fp4_gemm backends' SwiGLU and rope entry points);
+the named scenarios and devices are the only parameters.
 """
 
 from __future__ import annotations
@@ -102,6 +103,41 @@ def test_fp4_gemm(backend, shape, numerics, device):
     ref = S.dense_fp4_gemm(x, *ref_w, numerics)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert _rel_err(y, ref) < tol
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("backend", _backends("fp4_gemm"))
+def test_fp4_gemm_fused_epilogues(backend, device):
+    """`forward_swiglu` and `forward_qkv_rope` (the fp4_gemm_swiglu / fp4_gemm_qkv_rope ops) give the
+    same bits as the backend's own `forward` followed by the silu_mul / rope_qk op, whether the backend
+    fuses them or runs the defaults."""
+    from pieceworks.models import fused
+
+    dtype = _dtype(device)
+    impl = _build(backend, _spec(device, ModelFacts(dtype=dtype, fp4=True)))
+    dev = torch.device(device)
+    heads, kv_heads, head_dim, inter, k = 4, 2, 64, 96, 256
+    n = (heads + 2 * kv_heads) * head_dim
+    gen = torch.Generator().manual_seed(11)
+    w_qkv = Fp4Weight(*S.random_fp4_weight(n, k, gen, dev))
+    w_gate_up = Fp4Weight(*S.random_fp4_weight(2 * inter, k, gen, dev))
+    plain_qkv, plain_gate_up = impl.prepare(w_qkv), impl.prepare(w_gate_up)
+    roped = impl.prepare_qkv_rope(w_qkv, heads, kv_heads, head_dim)
+    gate_up = impl.prepare_gate_up(w_gate_up)
+    for m in (1, 5):
+        x = torch.randn(m, k, generator=gen).to(dtype).to(dev)
+        ang = (torch.rand(m, head_dim // 2, generator=gen) * 50).to(dev)
+        cos, sin = ang.cos(), ang.sin()
+        y = impl.forward(x, *plain_gate_up, 2 * inter)
+        ref = fused.silu_mul(y[:, :inter], y[:, inter:])
+        assert torch.equal(impl.forward_swiglu(x, *gate_up, inter), ref), (m, "swiglu")
+        y = impl.forward(x, *plain_qkv, n)
+        q_cols, kv_cols = heads * head_dim, kv_heads * head_dim
+        q, kr = fused.rope_qk(y[:, :q_cols].view(m, heads, head_dim),
+                              y[:, q_cols : q_cols + kv_cols].view(m, kv_heads, head_dim), cos, sin, False)
+        ref = torch.cat([q.reshape(m, -1), kr.reshape(m, -1), y[:, q_cols + kv_cols :]], dim=1)
+        got = impl.forward_qkv_rope(x, *roped, cos, sin, heads, kv_heads, head_dim)
+        assert got.shape == (m, n) and torch.equal(got, ref), (m, "qkv rope")
 
 
 MOE_CASES = {"nvfp4": True, "bf16": False}
