@@ -7,6 +7,7 @@
     python benchmarks/sass_count.py --tile 8,64,256,4,3,0,1,1  # optional 8th field two_acc (default 0); 8 x
                                                              # rows: mma.sync with the weights as A
     python benchmarks/sass_count.py --tile 16,64,256,4,3,1 --show   # also print the loop's SASS
+    python benchmarks/sass_count.py --rope    # with the q/k/v rope epilogue (registers, loop length)
     python benchmarks/sass_count.py --layouts   # search k32-style bit layouts (pure Python, no compile)
 
 Needs no GPU: Triton compiles for an sm_90 target with its bundled ptxas and disassembles the cubin.
@@ -47,14 +48,22 @@ DIVISIBLE = ("x_ptr", "w_ptr", "s_ptr", "gs_ptr", "out_ptr", "part_ptr", "count_
              "stride_xm", "stride_wn", "stride_sn", "stride_om")
 
 
+# With rope: the q/k/v rope epilogue's arguments (Llama's head_dim 128).
+ROPE_SIGNATURE = dict(ROPE="constexpr", cos_ptr="*fp32", sin_ptr="*fp32", stride_cos="i32", stride_sin="i32",
+                      rope_cols="i32", ROPE_HALF="constexpr")
+
+
 def compile_decode_kernel(block_m, block_n, block_k, num_warps, num_stages, one_dot, w_as_a=1, pdl=False,
-                          two_acc=False):
-    names = list(SIGNATURE)
+                          two_acc=False, rope=False):
+    signature = {**SIGNATURE, **ROPE_SIGNATURE} if rope else SIGNATURE
+    names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1, SPLIT=True,
                       FUSED_REDUCE=True, EVEN_K=True, W_AS_A=bool(w_as_a), USE_ASM=True, ONE_DOT=bool(one_dot),
                       PDL=bool(pdl), SWIGLU=False, TWO_ACC=bool(two_acc))
-    src = ASTSource(triton_kernels._fp4_gemm_kernel, SIGNATURE, constexprs, attrs)
+    if rope:
+        constexprs.update(ROPE=True, ROPE_HALF=64)
+    src = ASTSource(triton_kernels._fp4_gemm_kernel, signature, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(pdl)))
 
@@ -114,6 +123,7 @@ def main() -> None:
     p.add_argument("--tile", action="append", default=[],
                    help="block_m,block_n,block_k,num_warps,num_stages,one_dot[,w_as_a[,two_acc]] (repeatable)")
     p.add_argument("--show", action="store_true", help="print the loop's instructions")
+    p.add_argument("--rope", action="store_true", help="compile with the q/k/v rope epilogue (ROPE)")
     p.add_argument("--layouts", action="store_true", help="search one-shift-one-mask decode layouts and exit")
     args = p.parse_args()
     if args.layouts:
@@ -128,7 +138,7 @@ def main() -> None:
           "| per weight | registers | top ops |\n|---|---|---:|---:|---:|---:|---|")
     for tile in dict.fromkeys(tiles):
         bm, bn, bk, nw, ns, od, wa, ta = (tile + (1, 0)[len(tile) - 6:])[:8]
-        kernel = compile_decode_kernel(bm, bn, bk, nw, ns, od, wa, two_acc=ta)
+        kernel = compile_decode_kernel(bm, bn, bk, nw, ns, od, wa, two_acc=ta, rope=args.rope)
         loop = hottest_loop(kernel.asm["sass"])
         per_thread = bn * bk / (32 * nw)
         ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0] for i in loop)

@@ -20,6 +20,7 @@ from pieceworks.backends.fp4_gemm.triton import (
     select_tile,
     unpack_k32,
 )
+from pieceworks.backends.fp4_gemm.torch import TorchFp4GemmBackend
 from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES, MOE_TILES
 from pieceworks.backends.moe.routing import deepseek_route, route, route_supported
 from pieceworks.backends.moe.triton import TritonMoEBackend, moe_align, num_aligned_blocks
@@ -289,7 +290,6 @@ def test_gemm_backend_prepare_gate_up_interleaves_rows_on_cpu():
 
 
 def test_gated_mlp_runs_nvfp4_gate_up_as_one_swiglu_op():
-    from pieceworks.backends.fp4_gemm.torch import TorchFp4GemmBackend
     from pieceworks.executor.context import ForwardContext, forward_context
     from pieceworks.models import fused
     from pieceworks.models.base import GatedMLP
@@ -362,15 +362,11 @@ def test_gemm_backend_prepare_qkv_rope_interleaves_rows_on_cpu():
     assert torch.equal(w.weight_scale[:, :4], scale[rows])
 
 
-class _RopeFusingTorchBackend:
+class _RopeFusingTorchBackend(TorchFp4GemmBackend):
     """The torch reference GEMM declared as fusing the rope: it runs the base class's default
     `forward_qkv_rope` (GEMM, then the rope op), so the model takes its fused path on the CPU."""
 
-    def __new__(cls, spec):
-        from pieceworks.backends.fp4_gemm.torch import TorchFp4GemmBackend
-
-        sub = type("RopeFusingTorch", (TorchFp4GemmBackend,), {"fuses_qkv_rope": True})
-        return sub(spec)
+    fuses_qkv_rope = True
 
 
 def _qkv_seen(attn, x, cos, sin, fp4_backend):
@@ -391,7 +387,6 @@ def _qkv_seen(attn, x, cos, sin, fp4_backend):
 
 
 def test_llama_attention_runs_nvfp4_qkv_with_the_fused_rope_op():
-    from pieceworks.backends.fp4_gemm.torch import TorchFp4GemmBackend
     from pieceworks.models.llama import LlamaArgs, LlamaAttention
     from pieceworks.quant.linear import Fp4Linear
 

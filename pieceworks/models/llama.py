@@ -80,15 +80,15 @@ class LlamaAttention(nn.Module):
     def _mark_qkv(self) -> None:
         # One NVFP4 linear for q, k and v: its backend may fuse the rope (Fp4Linear.qkv_heads).
         proj = getattr(self.qkv_proj, "proj", None)
-        if isinstance(proj, Fp4Linear):
+        self._qkv_fp4 = isinstance(proj, Fp4Linear)  # decided here; `rope_fused` comes with prepare()
+        if self._qkv_fp4:
             proj.qkv_heads = (self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H], cos/sin [T, D/2] -> [T, H]."""
-        proj = getattr(self.qkv_proj, "proj", None)
-        if getattr(proj, "rope_fused", False):  # set when the prepared weight is the fused op's
+        if self._qkv_fp4 and self.qkv_proj.proj.rope_fused:  # the prepared weight is the fused op's
             q_cols, kv_cols = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = proj.forward_qkv_rope(x, cos, sin).split([q_cols, kv_cols, kv_cols], dim=-1)
+            q, k, v = self.qkv_proj.proj.forward_qkv_rope(x, cos, sin).split([q_cols, kv_cols, kv_cols], dim=-1)
             q = q.view(-1, self.num_heads, self.head_dim)
             k = k.view(-1, self.num_kv_heads, self.head_dim)
         else:

@@ -190,10 +190,14 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
             self.counters(weight.device)
         return Fp4Weight(weight, scale, w.weight_scale_2.float().reshape(()), w.input_scale)
 
+    def _prepare_rows(self, w: Fp4Weight, rows: torch.Tensor) -> Fp4Weight:
+        """`prepare` of the weight with its rows (and their scales) taken in the order `rows`."""
+        rows = rows.to(w.weight.device)
+        return self.prepare(Fp4Weight(w.weight[rows], w.weight_scale[rows], w.weight_scale_2, w.input_scale))
+
     def prepare_gate_up(self, w: Fp4Weight) -> Fp4Weight:
         """`prepare` with the rows interleaved (`interleave_gate_up`) for `forward_swiglu`."""
-        rows = interleave_gate_up(w.weight.shape[0]).to(w.weight.device)
-        return self.prepare(Fp4Weight(w.weight[rows], w.weight_scale[rows], w.weight_scale_2, w.input_scale))
+        return self._prepare_rows(w, interleave_gate_up(w.weight.shape[0]))
 
     def qkv_rope_supported(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         """Head dims of 2 x a power of two: the rope kernel that follows the larger tiles needs it."""
@@ -203,8 +207,7 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
     def prepare_qkv_rope(self, w: Fp4Weight, num_heads: int, num_kv_heads: int, head_dim: int) -> Fp4Weight:
         """`prepare` with each q/k head's rope pairs side by side (`interleave_rope_rows`) for
         `forward_qkv_rope`."""
-        rows = interleave_rope_rows(num_heads, num_kv_heads, head_dim).to(w.weight.device)
-        return self.prepare(Fp4Weight(w.weight[rows], w.weight_scale[rows], w.weight_scale_2, w.input_scale))
+        return self._prepare_rows(w, interleave_rope_rows(num_heads, num_kv_heads, head_dim))
 
     def counters(self, device: torch.device) -> torch.Tensor | None:
         """This instance's split-K arrival counters on `device` (zeros; every call leaves them zero).
