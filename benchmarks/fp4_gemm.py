@@ -157,12 +157,17 @@ def candidates(m: int) -> list[dict]:
             # 8-row tiles: Triton runs the dot as mma.sync m16n8k16 with the decoded weights as the
             # register A operand and x as an n8 B operand (half the MMA work of the 16-column wgmma;
             # 2.98 SASS instructions per weight at 8x64x256 four-dot against 3.94, 93 registers).
-            for bn, bk, warps, stages, target, two in (
-                    (64, 256, 4, 3, 264, False), (64, 256, 4, 3, 264, True), (64, 256, 4, 2, 264, False),
-                    (64, 256, 4, 2, 528, False), (64, 512, 4, 3, 264, False), (64, 256, 4, 3, 396, False),
-                    (128, 256, 4, 3, 264, True), (32, 256, 2, 3, 528, False), (32, 256, 2, 3, 792, False)):
+            # perm_k (tenth session): each thread of an MMA quad holds whole groups and converts a
+            # quarter of the scales (367 instructions per 128 weights against 381, 79 registers).
+            for bn, bk, warps, stages, target, two, perm in (
+                    (64, 256, 4, 3, 264, True, False), (64, 256, 4, 3, 264, True, True),
+                    (64, 256, 4, 3, 396, True, True), (64, 256, 4, 3, 528, True, True),
+                    (64, 256, 4, 3, 264, False, True), (64, 512, 4, 3, 264, True, True),
+                    (128, 256, 4, 3, 264, True, True), (64, 256, 4, 4, 264, True, True),
+                    (64, 256, 4, 3, 396, False, False), (64, 256, 4, 2, 528, False, False)):
                 out.append(dict(block_m=8, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
-                                w_as_a=True, one_dot=False, target_ctas=target, max_split=16, two_acc=two))
+                                w_as_a=True, one_dot=False, target_ctas=target, max_split=16, two_acc=two,
+                                perm_k=perm))
     elif m <= 64:
         for bn, bk, one_dot in ((64, 128, False), (128, 128, False), (64, 256, False), (64, 128, True),
                                 (128, 128, True), (64, 256, True)):

@@ -65,16 +65,18 @@ def draws(t: int, gen, n: int):
 
 def candidates(t: int) -> list[dict]:
     # 8-row tiles (mma.sync m16n8k16, weights as the A operand, four dots) for decode-sized T
-    eight = [dict(block_m=8, block_n=bn, block_k=256, num_warps=w, num_stages=3, w_as_a=True, one_dot=False)
-             for bn, w in ((64, 4), (128, 4), (32, 2), (128, 8))]
+    # (perm_k: each thread of an MMA quad holds whole groups, so it converts a quarter of the scales)
+    eight = [dict(block_m=8, block_n=bn, block_k=256, num_warps=w, num_stages=3, w_as_a=True, one_dot=False,
+                  perm_k=p) for bn, w, p in ((64, 4, True), (128, 4, True), (64, 4, False), (128, 4, False),
+                                             (32, 2, False), (128, 8, False))]
     if t <= 4:
-        return eight[2:] + candidates(16)
+        return eight[4:] + candidates(16)
     if 16 < t <= 64:
-        return eight[:2] + candidates(256)
+        return eight[:4] + candidates(256)
     if t <= 16:
         # (block_n, block_k, w_as_a, one_dot, stages); block_n 32 puts 64 weight rows (gate + up) in a
         # program, as the dense GEMM's decode tile does (Triton then uses mma.sync, not wgmma)
-        return eight[:2] + [dict(block_m=16, block_n=bn, block_k=bk, num_stages=st, w_as_a=wa, one_dot=od)
+        return eight[:4] + [dict(block_m=16, block_n=bn, block_k=bk, num_stages=st, w_as_a=wa, one_dot=od)
                             for bn, bk, wa, od, st in ((64, 256, True, True, 3), (128, 256, True, True, 3),
                                                        (64, 128, True, True, 3), (64, 256, False, False, 3),
                                                        (128, 256, False, False, 3), (32, 256, True, True, 3),

@@ -42,7 +42,7 @@ SIGNATURE = dict(
     stride_sn="i32", stride_om="i32", iters="i32", num_splits="i32",
     BLOCK_M="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr", GROUP_M="constexpr", SPLIT="constexpr",
     FUSED_REDUCE="constexpr", EVEN_K="constexpr", W_AS_A="constexpr", USE_ASM="constexpr", ONE_DOT="constexpr",
-    PDL="constexpr", SWIGLU="constexpr", TWO_ACC="constexpr",
+    PDL="constexpr", SWIGLU="constexpr", TWO_ACC="constexpr", PERM_K="constexpr",
 )
 DIVISIBLE = ("x_ptr", "w_ptr", "s_ptr", "gs_ptr", "out_ptr", "part_ptr", "count_ptr", "N", "K", "Kp",
              "stride_xm", "stride_wn", "stride_sn", "stride_om")
@@ -54,13 +54,14 @@ ROPE_SIGNATURE = dict(ROPE="constexpr", cos_ptr="*fp32", sin_ptr="*fp32", stride
 
 
 def compile_decode_kernel(block_m, block_n, block_k, num_warps, num_stages, one_dot, w_as_a=1, pdl=False,
-                          two_acc=False, rope=False):
+                          two_acc=False, rope=False, perm_k=False):
     signature = {**SIGNATURE, **ROPE_SIGNATURE} if rope else SIGNATURE
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1, SPLIT=True,
                       FUSED_REDUCE=True, EVEN_K=True, W_AS_A=bool(w_as_a), USE_ASM=True, ONE_DOT=bool(one_dot),
-                      PDL=bool(pdl), SWIGLU=False, TWO_ACC=bool(two_acc))
+                      PDL=bool(pdl), SWIGLU=False, TWO_ACC=bool(two_acc),
+                      PERM_K=bool(perm_k))
     if rope:
         constexprs.update(ROPE=True, ROPE_HALF=64)
     src = ASTSource(triton_kernels._fp4_gemm_kernel, signature, constexprs, attrs)
@@ -137,8 +138,8 @@ def main() -> None:
     print("| block_m x block_n x block_k, warps, stages, one_dot, w_as_a, two_acc | mma | loop instructions | weights per thread "
           "| per weight | registers | top ops |\n|---|---|---:|---:|---:|---:|---|")
     for tile in dict.fromkeys(tiles):
-        bm, bn, bk, nw, ns, od, wa, ta = (tile + (1, 0)[len(tile) - 6:])[:8]
-        kernel = compile_decode_kernel(bm, bn, bk, nw, ns, od, wa, two_acc=ta, rope=args.rope)
+        bm, bn, bk, nw, ns, od, wa, ta, pk = (tile + (1, 0, 0)[len(tile) - 6:])[:9]
+        kernel = compile_decode_kernel(bm, bn, bk, nw, ns, od, wa, two_acc=ta, rope=args.rope, perm_k=pk)
         loop = hottest_loop(kernel.asm["sass"])
         per_thread = bn * bk / (32 * nw)
         ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0] for i in loop)

@@ -24,6 +24,7 @@ from pieceworks.backends.fp4_gemm.triton import (  # noqa: E402
     TileConfig,
     TritonFp4GemmBackend,
     choose_split_k,
+    parse_table,
     repack_k32,
 )
 from pieceworks.backends.moe import triton_kernels as moe_kernels  # noqa: E402
@@ -77,6 +78,8 @@ def test_backend_matches_reference(m, n, k):
 
 VARIANTS = [
     TileConfig(block_m=8, block_n=64, block_k=256, w_as_a=True, asm=True, two_acc=True),
+    TileConfig(block_m=8, block_n=64, block_k=256, w_as_a=True, asm=True, two_acc=True, perm_k=True),
+    TileConfig(block_m=8, block_n=128, block_k=512, w_as_a=True, asm=False, perm_k=True),
     TileConfig(block_m=8, block_n=64, block_k=256, w_as_a=True, asm=False),
     TileConfig(block_m=8, block_n=128, block_k=128, w_as_a=True, asm=True, num_warps=8, two_acc=True),
     TileConfig(block_m=16, block_n=64, block_k=256, w_as_a=True, asm=True, num_stages=4),
@@ -93,7 +96,8 @@ VARIANTS = [
 
 @pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: f"{c.kind}-{c.block_m}x{c.block_n}x{c.block_k}-"
                          f"{'A' if c.w_as_a else 'B'}-{'asm' if c.asm else 'arith'}"
-                         f"{'-onedot' if c.one_dot else ''}{'-twoacc' if c.two_acc else ''}")
+                         f"{'-onedot' if c.one_dot else ''}{'-twoacc' if c.two_acc else ''}"
+                         f"{'-permk' if c.perm_k else ''}")
 @pytest.mark.parametrize("split_k,fused", [(1, False), (2, False), (3, True), (4, True)])
 def test_kernel_variants(cfg, split_k, fused):
     gen = torch.Generator(DEV).manual_seed(split_k)
@@ -317,6 +321,25 @@ def test_moe_matches_reference(tokens):
     e, h, inter = 32, 1024, 384
     w = random_moe(e, h, inter, gen)
     backend = TritonMoEBackend(spec())
+    prepared = backend.prepare(w)
+    x = torch.randn(tokens, h, device=DEV, dtype=torch.bfloat16, generator=gen)
+    logits = torch.randn(tokens, e, device=DEV, generator=gen)
+    bias = torch.randn(e, device=DEV, generator=gen) * 0.1
+    y = run_moe(backend, x, logits, bias, prepared, ROUTING)
+    ref = run_moe(TorchMoEBackend(spec()), x, logits, bias, w, ROUTING)
+    assert rel_err(y, ref) < TOL
+
+
+@pytest.mark.parametrize("perm_k", [False, True])
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_moe_eight_row_tiles(tokens, perm_k):
+    """The 8-row decode tile of the grouped GEMMs with and without perm_k, whatever MOE_TILES ships."""
+    gen = torch.Generator(DEV).manual_seed(tokens)
+    e, h, inter = 16, 1024, 384
+    w = random_moe(e, h, inter, gen)
+    backend = TritonMoEBackend(spec())
+    backend.table = parse_table([dict(max_m=None, block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=3,
+                                      w_as_a=True, one_dot=False, perm_k=perm_k)])
     prepared = backend.prepare(w)
     x = torch.randn(tokens, h, device=DEV, dtype=torch.bfloat16, generator=gen)
     logits = torch.randn(tokens, e, device=DEV, generator=gen)

@@ -49,12 +49,17 @@ class TileConfig:
     target_ctas: int = 0
     max_split: int = 1
     two_acc: bool = False
+    perm_k: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("fused", "dequant"):
             raise ValueError(f"tile kind {self.kind!r}: use 'fused' or 'dequant'")
         if self.two_acc and self.one_dot:
             raise ValueError("two_acc splits the four-dot K loop; it cannot be combined with one_dot")
+        if self.perm_k and (self.one_dot or self.block_k % 256):
+            raise ValueError("perm_k reorders the four-dot K loop's slots in runs of 64 units: it needs "
+                             f"one_dot=False and block_k a multiple of 256 (got one_dot={self.one_dot}, "
+                             f"block_k={self.block_k})")
         if self.block_k % GROUP:
             raise ValueError(f"block_k={self.block_k} must be a multiple of {GROUP}")
 

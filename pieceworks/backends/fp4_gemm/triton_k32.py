@@ -154,7 +154,7 @@ def _mma(acc, w, x, W_AS_A: tl.constexpr):
 
 @triton.jit
 def _dequant_mma(acc, w, s, x0, x1, x2, x3, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr):
+                 W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr, PERM_K: tl.constexpr = False):
     """acc += the tile's four slot products. ONE_DOT: x0 is the tile's x in element order [BM, BK]
     (x1..x3 unused) and the decoded slots, interleaved back into element order, go to one dot of
     K = BLOCK_K; else four dots of BLOCK_K / 4."""
@@ -166,6 +166,11 @@ def _dequant_mma(acc, w, s, x0, x1, x2, x3, BLOCK_N: tl.constexpr, BLOCK_K: tl.c
         v = v.permute(0, 1, 4, 3, 2).reshape(BLOCK_N, BLOCK_K)
         acc = _mma(acc, v, x0, W_AS_A)
     else:
+        if PERM_K:
+            v0 = quad_k(v0, BLOCK_N, BLOCK_K // 4)
+            v1 = quad_k(v1, BLOCK_N, BLOCK_K // 4)
+            v2 = quad_k(v2, BLOCK_N, BLOCK_K // 4)
+            v3 = quad_k(v3, BLOCK_N, BLOCK_K // 4)
         acc = _mma(acc, v0, x0, W_AS_A)
         acc = _mma(acc, v1, x1, W_AS_A)
         acc = _mma(acc, v2, x2, W_AS_A)
@@ -174,11 +179,29 @@ def _dequant_mma(acc, w, s, x0, x1, x2, x3, BLOCK_N: tl.constexpr, BLOCK_K: tl.c
 
 
 @triton.jit
+def quad_k(v, R: tl.constexpr, BQ: tl.constexpr):
+    """Reorder the K axis of a [R, BQ] slot tensor (BQ a multiple of 64) from unit order to the order
+    in which each thread of a 16x16 MMA operand quad holds whole groups: dot position
+    (a, b, e, t, h) [BQ // 64, 4, 2, 4, 2] takes unit (t, a, e, b, h). A thread t holds K positions
+    16b + 8e + 2t + h (the A fragment of m16n8k16 and of wgmma, and the B fragment), i.e. units
+    8 g + 2b + h of its 2 * BQ / 64 groups g = t * BQ / 32 + 2a + e: it converts those groups' scales
+    only, where in unit order every thread of the quad needs every group's."""
+    A: tl.constexpr = BQ // 64
+    return v.reshape(R, 4, A, 2, 4, 2).permute(0, 2, 4, 3, 1, 5).reshape(R, BQ)
+
+
+@triton.jit
 def _dequant_mma_two(acc, acc_b, w, s, x0, x1, x2, x3, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     W_AS_A: tl.constexpr, USE_ASM: tl.constexpr):
+                     W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, PERM_K: tl.constexpr = False):
     """The four-dot tile product with slots 0 and 2 into acc and slots 1 and 3 into acc_b: two
     independent accumulator chains (mma.sync dots wait on their accumulator)."""
     v0, v1, v2, v3 = decode_tile(w, s, BLOCK_N, BLOCK_K, USE_ASM)
+    if PERM_K:
+        BQ: tl.constexpr = BLOCK_K // 4
+        v0 = quad_k(v0, BLOCK_N, BQ)
+        v1 = quad_k(v1, BLOCK_N, BQ)
+        v2 = quad_k(v2, BLOCK_N, BQ)
+        v3 = quad_k(v3, BLOCK_N, BQ)
     acc = _mma(acc, v0, x0, W_AS_A)
     acc_b = _mma(acc_b, v1, x1, W_AS_A)
     acc = _mma(acc, v2, x2, W_AS_A)
@@ -192,7 +215,7 @@ def fp4_tile_loop(
     k_lo, num_iters, K, Kp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, DUAL: tl.constexpr,
-    ONE_DOT: tl.constexpr = False, TWO_ACC: tl.constexpr = False,
+    ONE_DOT: tl.constexpr = False, TWO_ACC: tl.constexpr = False, PERM_K: tl.constexpr = False,
 ):  # EVEN_K: K == Kp, x needs no column mask; TWO_ACC (four dots, not DUAL): acc2 is a second chain
     """acc += x[rows, k_lo : k_lo + num_iters*BLOCK_K] @ dequant(W[w_rows, same]).T, without the
     global scale; with DUAL also acc2 for the weight rows w_rows2 (x is loaded once for both).
@@ -204,7 +227,13 @@ def fp4_tile_loop(
     BQ: tl.constexpr = BLOCK_K // 4
     c = tl.arange(0, BQ)  # k32 unit within the tile: group c // 8, unit c % 8
     t32 = tl.arange(0, BLOCK_K // 32)  # scale pair within the tile
-    xc = (c // 8) * 32 + (c % 8)  # element of slot 0 of unit c
+    if PERM_K:  # x loaded in quad_k's order (its columns gathered), the decoded weights reordered
+        cu = (((c // 2) % 4 * (BQ // 64) + c // 64) * 2 + (c // 8) % 2) * 8 + (c // 16) % 4 * 2 + c % 2
+    else:
+        cu = c
+    xc = (cu // 8) * 32 + (cu % 8)  # element of slot 0 of unit cu
+    if PERM_K:
+        xc = tl.max_contiguous(tl.multiple_of(xc, 2), 2)
     w_ptrs = w_ptr + w_rows[:, None] + (k_lo // 4 + c)[None, :]
     s_ptrs = s_ptr + s_rows[:, None] + (k_lo // 32 + t32)[None, :]
     if DUAL:
@@ -246,14 +275,14 @@ def fp4_tile_loop(
         x3 = x3.to(tl.bfloat16)
         if TWO_ACC:
             acc, acc2 = _dequant_mma_two(acc, acc2, w, s0, x0, x1, x2, x3, BLOCK_N, BLOCK_K, W_AS_A,
-                                         USE_ASM)
+                                         USE_ASM, PERM_K)
         else:
-            acc = _dequant_mma(acc, w, s0, x0, x1, x2, x3, BLOCK_N, BLOCK_K, W_AS_A, USE_ASM, ONE_DOT)
+            acc = _dequant_mma(acc, w, s0, x0, x1, x2, x3, BLOCK_N, BLOCK_K, W_AS_A, USE_ASM, ONE_DOT, PERM_K)
         if DUAL:
             w2 = tl.load(w_ptrs2)
             r0 = tl.load(s_ptrs2)
             acc2 = _dequant_mma(acc2, w2, r0, x0, x1, x2, x3, BLOCK_N, BLOCK_K, W_AS_A, USE_ASM,
-                                 ONE_DOT)
+                                 ONE_DOT, PERM_K)
             w_ptrs2 += BLOCK_K // 4
             s_ptrs2 += BLOCK_K // 32
         w_ptrs += BLOCK_K // 4

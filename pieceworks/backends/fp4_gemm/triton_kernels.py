@@ -125,7 +125,7 @@ def _fp4_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, EVEN_K: tl.constexpr, W_AS_A: tl.constexpr,
     USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr, PDL: tl.constexpr = False, SWIGLU: tl.constexpr = False,
-    TWO_ACC: tl.constexpr = False, ROPE: tl.constexpr = False, cos_ptr=None, sin_ptr=None, stride_cos=0,
+    TWO_ACC: tl.constexpr = False, PERM_K: tl.constexpr = False, ROPE: tl.constexpr = False, cos_ptr=None, sin_ptr=None, stride_cos=0,
     stride_sin=0, rope_cols=0, ROPE_HALF: tl.constexpr = 1,
 ):
     """One output tile, or (SPLIT) one of `num_splits` K ranges of it; ranges differ by at most one
@@ -174,7 +174,7 @@ def _fp4_gemm_kernel(
     acc, acc_b = fp4_tile_loop(
         acc, acc, x_ptr, x_rows, rm < M, w_ptr, w_rows, w_rows, s_ptr, s_rows, s_rows,
         k_lo, num_iters, K, Kp,
-        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, USE_ASM, False, ONE_DOT, TWO_ACC,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, USE_ASM, False, ONE_DOT, TWO_ACC, PERM_K,
     )
     pdl_kernels.launch_dependents(PDL)
     if TWO_ACC:
@@ -347,7 +347,8 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
         M, N, K, Kp, x.stride(0), weight.stride(0) // 2, weight_scale.stride(0) // 2, out.stride(0), iters,
         split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         SPLIT=split_k > 1, FUSED_REDUCE=fused, EVEN_K=K == Kp, W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm,
-        ONE_DOT=cfg.one_dot, PDL=use_pdl, SWIGLU=swiglu, TWO_ACC=cfg.two_acc, num_warps=cfg.num_warps,
+        ONE_DOT=cfg.one_dot, PDL=use_pdl, SWIGLU=swiglu, TWO_ACC=cfg.two_acc, PERM_K=cfg.perm_k,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **rope_args, **launch,
     )
     if split_k > 1 and not fused:

@@ -26,7 +26,7 @@ def _moe_gemm_kernel(
     A_DIV: tl.constexpr, SWIGLU: tl.constexpr, ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, PERM_K: tl.constexpr = False,
 ):
     """SWIGLU: out[id, n] = silu(a @ Wg.T) * (a @ Wu.T) with Wg = rows [0, N), Wu = rows [N, 2N) of the
     expert's w13; else out[id, n] = (a @ W.T)[n] (times topk_w[id] with ROUTED_WEIGHT). a's row for a
@@ -52,7 +52,7 @@ def _moe_gemm_kernel(
     acc, acc2 = fp4_tile_loop(
         acc, acc, a_ptr, a_rows, row_ok, w_e, n_c * stride_wn, (n_c + N) * stride_wn,
         s_e, n_c * stride_sn, (n_c + N) * stride_sn, 0, num_iters, K, Kp,
-        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, USE_ASM, SWIGLU, ONE_DOT,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, USE_ASM, SWIGLU, ONE_DOT, PERM_K=PERM_K,
     )
     pdl_kernels.launch_dependents(PDL)
     if W_AS_A:
@@ -114,7 +114,7 @@ def fused_moe(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_wei
         x = x.contiguous()
     use_pdl, launch = pdl.launch_options(x.device)
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm, ONE_DOT=cfg.one_dot, num_warps=cfg.num_warps,
+                  W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm, ONE_DOT=cfg.one_dot, PERM_K=cfg.perm_k, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages, PDL=use_pdl, **launch)
 
     h = torch.empty((num_valid, inter), dtype=torch.bfloat16, device=x.device)
