@@ -150,6 +150,9 @@ def candidates(m: int) -> list[dict]:
         # tried with more programs.
         out.append(dict(block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=True, one_dot=True,
                         target_ctas=264, max_split=16))
+        for target, min_iters in ((264, 2), (396, 2), (396, 4)):  # the same, wave-balanced splits
+            out.append(dict(block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=True, one_dot=True,
+                            target_ctas=target, max_split=16, balance_waves=True, min_split_iters=min_iters))
         for target, stages in ((264, 3), (528, 3), (792, 3), (1056, 3), (792, 4)):
             out.append(dict(block_m=16, block_n=64, block_k=128, num_stages=stages, w_as_a=True,
                             one_dot=True, target_ctas=target, max_split=16))
@@ -159,21 +162,29 @@ def candidates(m: int) -> list[dict]:
             # 2.98 SASS instructions per weight at 8x64x256 four-dot against 3.94, 93 registers).
             # perm_k (tenth session): each thread of an MMA quad holds whole groups and converts a
             # quarter of the scales (367 instructions per 128 weights against 381, 79 registers).
-            for bn, bk, warps, stages, target, two, perm in (
-                    (64, 256, 4, 3, 264, True, False), (64, 256, 4, 3, 264, True, True),
-                    (64, 256, 4, 3, 396, True, True), (64, 256, 4, 3, 528, True, True),
-                    (64, 256, 4, 3, 264, False, True), (64, 512, 4, 3, 264, True, True),
-                    (128, 256, 4, 3, 264, True, True), (64, 256, 4, 4, 264, True, True),
-                    (64, 256, 4, 3, 396, False, False), (64, 256, 4, 2, 528, False, False)):
+            # balance_waves (tenth session): the split that spreads the programs most evenly over the SMs.
+            for bn, bk, warps, stages, target, two, perm, bal in (
+                    (64, 256, 4, 3, 264, True, False, False), (64, 256, 4, 3, 264, True, True, False),
+                    (64, 256, 4, 3, 264, True, False, True), (64, 256, 4, 3, 264, True, True, True),
+                    (64, 256, 4, 3, 396, True, False, True), (64, 256, 4, 3, 396, True, True, True),
+                    (64, 256, 4, 3, 396, False, False, False), (64, 256, 4, 3, 396, True, False, False),
+                    (64, 256, 4, 3, 528, True, False, True)):
                 out.append(dict(block_m=8, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
                                 w_as_a=True, one_dot=False, target_ctas=target, max_split=16, two_acc=two,
-                                perm_k=perm))
+                                perm_k=perm, balance_waves=bal))
+            for target, min_iters in ((396, 3), (396, 4), (528, 4), (264, 4)):
+                out.append(dict(block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=3, w_as_a=True,
+                                one_dot=False, target_ctas=target, max_split=16, two_acc=True,
+                                balance_waves=True, min_split_iters=min_iters))
     elif m <= 64:
         for bn, bk, one_dot in ((64, 128, False), (128, 128, False), (64, 256, False), (64, 128, True),
                                 (128, 128, True), (64, 256, True)):
             for target in (264, 528):
                 out.append(dict(block_m=m, block_n=bn, block_k=bk, num_stages=3, w_as_a=True,
                                 one_dot=one_dot, target_ctas=target, max_split=8))
+        for target, min_iters in ((264, 2), (396, 2), (396, 4)):  # the shipped tile, wave-balanced splits
+            out.append(dict(block_m=m, block_n=64, block_k=128, num_stages=3, w_as_a=True, one_dot=True,
+                            target_ctas=target, max_split=8, balance_waves=True, min_split_iters=min_iters))
     elif m <= 256:
         for bm, bn, bk, wa, od in ((64, 128, 128, True, False), (128, 128, 128, True, False),
                                    (64, 256, 64, True, False), (64, 128, 128, True, True),

@@ -88,6 +88,26 @@ def test_split_k_choice():
     assert choose_split_k(TileConfig(kind="dequant"), 1, 64, 4096) == 1
 
 
+def test_split_k_balanced_over_multiprocessors():
+    tile = TileConfig(block_m=8, block_n=64, block_k=256, target_ctas=396, max_split=16, balance_waves=True,
+                      min_split_iters=4)
+    # Llama-3.1-8B qkv, 96 tiles: 4 splits (384 programs, 2.9 per SM of 132) rather than the plain 5
+    # (480: 3.6 per SM, so 4 on some and 3 on others).
+    assert choose_split_k(tile, 1, 6144, 4096) == 4
+    plain = TileConfig(**{**tile.__dict__, "balance_waves": False, "min_split_iters": 2})
+    assert choose_split_k(plain, 1, 6144, 4096) == 5
+    # down, 64 tiles of 56 iterations: 6 splits (384) over the plain 7 (448) and over 8 (512, as even).
+    assert choose_split_k(tile, 1, 4096, 14336) == 6
+    # o, 64 tiles of 16 iterations: no split count of at least 3/4 of the target keeps 4 iterations;
+    # the plain choice, capped at 16 // 4 splits.
+    assert choose_split_k(tile, 1, 4096, 4096) == 4
+    # On a device with another SM count the evenness follows it: 96 tiles over 80 SMs.
+    assert choose_split_k(tile, 1, 6144, 4096, sms=80) == 4  # 384 / 80 = 4.8 per SM (the most even)
+    assert choose_split_k(tile, 1, 6144, 4096, sms=64) == 4  # 6 per SM exactly
+    # Enough tiles: never split, balanced or not.
+    assert choose_split_k(tile, 1, 28672, 4096) == 1
+
+
 # --- k32 repack --------------------------------------------------------------------------------------
 
 
