@@ -10,7 +10,10 @@ plain Triton arithmetic), one_dot (the four decoded slots of a K tile feed one d
 element order, which lets Triton keep several wgmma groups in flight; else four dots), two_acc (four
 dots into two accumulators, slots 0/2 and 1/3, summed after the K loop: two independent mma.sync
 chains; not with one_dot), target_ctas (split K until at least this many programs; 0 = never),
-max_split.
+max_split, min_split_iters (BLOCK_K iterations a split keeps at least), balance_waves (among the split
+counts giving at least 3/4 of target_ctas programs, the one that spreads them most evenly over the
+SMs: `choose_split_k`), perm_k (four-dot tiles: the K order in which each thread of an MMA quad holds
+whole groups, so it converts a quarter of the scales; see `triton_k32.quad_k`).
 """
 
 # Swept on an H200 (2026-12-01, `python benchmarks/fp4_gemm.py --sweep`): each bucket is the config with
@@ -22,13 +25,19 @@ max_split.
 # with 8 x rows Triton runs the dot as mma.sync m16n8k16, the decoded weights the register A operand
 # and x an n8 B operand (half the tensor work of the 16-column wgmma, 2.98 SASS instructions per
 # weight against 3.94), four dots per K tile into two accumulators (`two_acc`).
+# The split-K buckets take wave-balanced split counts (tenth session, `--sweep --sweep-m 1,16,64`):
+# geometric mean over the six shapes 12.02 -> 11.12 us at M = 1, 13.60 -> 12.58 at M = 16; at M = 64
+# each shape's split count is the faster of the plain and the balanced choice measured there.
 FP4_GEMM_TILES = [
     dict(max_m=8, kind="fused", block_m=8, block_n=64, block_k=256, group_m=1, num_warps=4,
-         num_stages=3, w_as_a=True, asm=True, one_dot=False, target_ctas=264, max_split=16, two_acc=True),
+         num_stages=3, w_as_a=True, asm=True, one_dot=False, target_ctas=396, max_split=16, two_acc=True,
+         balance_waves=True, min_split_iters=4),
     dict(max_m=16, kind="fused", block_m=16, block_n=64, block_k=256, group_m=1, num_warps=4,
-         num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=264, max_split=16),
+         num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=396, max_split=16,
+         balance_waves=True, min_split_iters=4),
     dict(max_m=64, kind="fused", block_m=64, block_n=64, block_k=128, group_m=1, num_warps=4,
-         num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=264, max_split=8),
+         num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=264, max_split=8,
+         balance_waves=True, min_split_iters=4),
     dict(max_m=256, kind="fused", block_m=64, block_n=128, block_k=128, group_m=8, num_warps=8,
          num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=132, max_split=4),
     dict(max_m=1024, kind="dequant"),
@@ -41,10 +50,14 @@ FP4_GEMM_TILES = [
 # The buckets up to T = 64 became 8-row four-dot tiles (mma.sync, as the dense GEMM's first bucket) in
 # the eighth session (`--sweep --sweep-t 1`, then `--sweep-t 16,64`; experts-only us, 8-row against the
 # best 16-row tile: 76.5 / 85.9 at T = 1, 698 / 792 at T = 16, 1530 / 1771 at T = 64).
+# The T = 16 and 64 buckets take perm_k (tenth session, two sweeps: experts-only 680-711 us against
+# 704-723 at T = 16, 1559 against 1610 at T = 64; at T = 1 within 1%).
 MOE_TILES = [
     dict(max_m=4, block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=3, w_as_a=True, one_dot=False),
-    dict(max_m=16, block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=3, w_as_a=True, one_dot=False),
-    dict(max_m=64, block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=3, w_as_a=True, one_dot=False),
+    dict(max_m=16, block_m=8, block_n=128, block_k=256, num_warps=4, num_stages=3, w_as_a=True, one_dot=False,
+         perm_k=True),
+    dict(max_m=64, block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=3, w_as_a=True, one_dot=False,
+         perm_k=True),
     dict(max_m=256, block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=True, one_dot=True),
     dict(max_m=1024, block_m=64, block_n=256, block_k=128, num_warps=8, num_stages=3, w_as_a=True),
     dict(max_m=None, block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, w_as_a=True),
