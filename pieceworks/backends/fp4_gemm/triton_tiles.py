@@ -25,9 +25,10 @@ whole groups, so it converts a quarter of the scales; see `triton_k32.quad_k`).
 # with 8 x rows Triton runs the dot as mma.sync m16n8k16, the decoded weights the register A operand
 # and x an n8 B operand (half the tensor work of the 16-column wgmma, 2.98 SASS instructions per
 # weight against 3.94), four dots per K tile into two accumulators (`two_acc`).
-# The split-K buckets take wave-balanced split counts (tenth session, `--sweep --sweep-m 1,16,64`):
-# geometric mean over the six shapes 12.02 -> 11.12 us at M = 1, 13.60 -> 12.58 at M = 16; at M = 64
-# each shape's split count is the faster of the plain and the balanced choice measured there.
+# The 8- and 16-row buckets take wave-balanced split counts (tenth session, `--sweep --sweep-m 1,16,64`):
+# geometric mean over the six shapes 12.02 -> 11.12 us at M = 1, 13.60 -> 12.58 at M = 16. The 64-row
+# bucket keeps the plain count: balanced, its GEMMs were faster alone (M = 32: qkv 14.3 against 16.5 us)
+# but the batch-32 decode step slower (replay 5.32 / 5.34 ms against 5.20, same session).
 FP4_GEMM_TILES = [
     dict(max_m=8, kind="fused", block_m=8, block_n=64, block_k=256, group_m=1, num_warps=4,
          num_stages=3, w_as_a=True, asm=True, one_dot=False, target_ctas=396, max_split=16, two_acc=True,
@@ -36,8 +37,7 @@ FP4_GEMM_TILES = [
          num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=396, max_split=16,
          balance_waves=True, min_split_iters=4),
     dict(max_m=64, kind="fused", block_m=64, block_n=64, block_k=128, group_m=1, num_warps=4,
-         num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=264, max_split=8,
-         balance_waves=True, min_split_iters=4),
+         num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=264, max_split=8),
     dict(max_m=256, kind="fused", block_m=64, block_n=128, block_k=128, group_m=8, num_warps=8,
          num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=132, max_split=4),
     dict(max_m=1024, kind="dequant"),
