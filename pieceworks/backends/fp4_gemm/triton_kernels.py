@@ -312,7 +312,7 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
             from pieceworks.models import fused_kernels
 
             y = fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counters)
-            q_cols = rope_cols - (N - rope_cols) // 2
+            q_cols = rope_cols - (N - rope_cols)  # the k heads are as many as the v heads (N - rope_cols)
             q = y[:, :q_cols].view(M, q_cols // head_dim, head_dim)
             fused_kernels.rope_qk(q, y[:, q_cols:rope_cols].view(M, (rope_cols - q_cols) // head_dim, head_dim),
                                   cos, sin, True, in_place=True)
