@@ -16,6 +16,7 @@ from pieceworks.backends.fp4_gemm.triton import (
     interleave_gate_up,
     interleave_rope_rows,
     parse_table,
+    quad_k_units,
     repack_k32,
     select_tile,
     unpack_k32,
@@ -86,6 +87,31 @@ def test_split_k_choice():
         split = choose_split_k(tile, 1, n, k)
         assert 1 <= split <= max(1, (k // 256) // 2) and split <= 8
     assert choose_split_k(TileConfig(kind="dequant"), 1, 64, 4096) == 1
+
+
+@pytest.mark.parametrize("bq", [64, 128, 256])
+def test_perm_k_gives_each_quad_thread_whole_groups(bq):
+    units = quad_k_units(bq)
+    assert sorted(units.tolist()) == list(range(bq))
+    # the kernel's reshape/permute of the decoded slots (triton_k32.quad_k) applied to unit indices
+    a = bq // 64
+    assert torch.equal(torch.arange(bq).reshape(4, a, 2, 4, 2).permute(1, 3, 2, 0, 4).reshape(bq), units)
+    pos = torch.arange(bq)
+    for t in range(4):  # K positions of MMA fragment thread t: 16b + 8e + 2t + h
+        mine = units[(pos // 2) % 4 == t]
+        groups = mine // 8
+        assert groups.unique().numel() == 2 * a  # whole groups: 8 units each
+        assert all(int((groups == g).sum()) == 8 for g in groups.unique())
+    with pytest.raises(ValueError, match="runs of 64"):
+        quad_k_units(32)
+
+
+def test_perm_k_tiles_are_validated():
+    TileConfig(block_m=8, block_k=256, perm_k=True)
+    with pytest.raises(ValueError, match="perm_k"):
+        TileConfig(block_m=8, block_k=128, perm_k=True)
+    with pytest.raises(ValueError, match="perm_k"):
+        TileConfig(block_m=16, block_k=256, one_dot=True, perm_k=True)
 
 
 def test_split_k_balanced_over_multiprocessors():

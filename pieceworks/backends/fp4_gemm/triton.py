@@ -84,6 +84,17 @@ def select_tile(table: tuple[TileConfig, ...], m: int) -> TileConfig:
     raise AssertionError("unreachable: the last bucket is unbounded")
 
 
+def quad_k_units(bq: int) -> torch.Tensor:
+    """The k32 unit at each K position of a `perm_k` slot dot of BQ = block_k / 4 units (a multiple of
+    64): `triton_k32.quad_k`'s reordering, written as the x-column index `fp4_tile_loop` gathers with.
+    Position 16b + 8e + 2t + h of each 64 (a thread t of an MMA quad holds those for all b, e, h) takes
+    unit 8g + 2b + h of group g = t * BQ / 32 + 2a + e."""
+    if bq % 64:
+        raise ValueError(f"perm_k reorders runs of 64 units; BQ={bq}")
+    c = torch.arange(bq)
+    return (((c // 2) % 4 * (bq // 64) + c // 64) * 2 + (c // 8) % 2) * 8 + (c // 16) % 4 * 2 + c % 2
+
+
 @lru_cache(maxsize=None)
 def multiprocessors(device: torch.device) -> int:
     """The SM count of a CUDA device (132 elsewhere: the H200 the tables were tuned on)."""

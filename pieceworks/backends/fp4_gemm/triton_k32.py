@@ -35,7 +35,9 @@ the 8-row decode tiles run them with the weights as the A operand of m16n8k16), 
 interleaves the four decoded slots back into element order (a relabeling of registers: every thread
 already holds the same units of every slot) and runs one dot of K = BLOCK_K against x in element
 order. Triton keeps several wgmma groups of the one dot in flight while the next k16 step is
-decoded; the four-dot loop waits for each slot's wgmmas.
+decoded; the four-dot loop waits for each slot's wgmmas. With PERM_K (four dots only) each slot's K
+axis is reordered (`quad_k`; x gathered to match) so that every thread of an MMA quad holds whole
+groups and converts only those groups' scales.
 """
 
 from __future__ import annotations
@@ -227,7 +229,7 @@ def fp4_tile_loop(
     BQ: tl.constexpr = BLOCK_K // 4
     c = tl.arange(0, BQ)  # k32 unit within the tile: group c // 8, unit c % 8
     t32 = tl.arange(0, BLOCK_K // 32)  # scale pair within the tile
-    if PERM_K:  # x loaded in quad_k's order (its columns gathered), the decoded weights reordered
+    if PERM_K:  # x loaded in quad_k's order (its columns gathered; triton.quad_k_units), the weights reordered
         cu = (((c // 2) % 4 * (BQ // 64) + c // 64) * 2 + (c // 8) % 2) * 8 + (c // 16) % 4 * 2 + c % 2
     else:
         cu = c
