@@ -315,38 +315,35 @@ def run_moe(backend, x, logits, bias, w, routing):
                            routing["topk_group"], routing["renormalize"], routing["routed_scaling_factor"])
 
 
-@pytest.mark.parametrize("tokens", [1, 4, 7, 64, 300, 2000])
-def test_moe_matches_reference(tokens):
+def moe_error(tokens: int, experts: int, table=None) -> float:
+    """Relative error of the Triton MoE (its shipped table, or `table`) against the torch reference on
+    random experts, tokens and routing."""
     gen = torch.Generator(DEV).manual_seed(tokens)
-    e, h, inter = 32, 1024, 384
-    w = random_moe(e, h, inter, gen)
+    h, inter = 1024, 384
+    w = random_moe(experts, h, inter, gen)
     backend = TritonMoEBackend(spec())
+    if table is not None:
+        backend.table = parse_table(table)
     prepared = backend.prepare(w)
     x = torch.randn(tokens, h, device=DEV, dtype=torch.bfloat16, generator=gen)
-    logits = torch.randn(tokens, e, device=DEV, generator=gen)
-    bias = torch.randn(e, device=DEV, generator=gen) * 0.1
+    logits = torch.randn(tokens, experts, device=DEV, generator=gen)
+    bias = torch.randn(experts, device=DEV, generator=gen) * 0.1
     y = run_moe(backend, x, logits, bias, prepared, ROUTING)
-    ref = run_moe(TorchMoEBackend(spec()), x, logits, bias, w, ROUTING)
-    assert rel_err(y, ref) < TOL
+    return rel_err(y, run_moe(TorchMoEBackend(spec()), x, logits, bias, w, ROUTING))
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 7, 64, 300, 2000])
+def test_moe_matches_reference(tokens):
+    assert moe_error(tokens, 32) < TOL
 
 
 @pytest.mark.parametrize("perm_k", [False, True])
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 def test_moe_eight_row_tiles(tokens, perm_k):
     """The 8-row decode tile of the grouped GEMMs with and without perm_k, whatever MOE_TILES ships."""
-    gen = torch.Generator(DEV).manual_seed(tokens)
-    e, h, inter = 16, 1024, 384
-    w = random_moe(e, h, inter, gen)
-    backend = TritonMoEBackend(spec())
-    backend.table = parse_table([dict(max_m=None, block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=3,
-                                      w_as_a=True, one_dot=False, perm_k=perm_k)])
-    prepared = backend.prepare(w)
-    x = torch.randn(tokens, h, device=DEV, dtype=torch.bfloat16, generator=gen)
-    logits = torch.randn(tokens, e, device=DEV, generator=gen)
-    bias = torch.randn(e, device=DEV, generator=gen) * 0.1
-    y = run_moe(backend, x, logits, bias, prepared, ROUTING)
-    ref = run_moe(TorchMoEBackend(spec()), x, logits, bias, w, ROUTING)
-    assert rel_err(y, ref) < TOL
+    table = [dict(max_m=None, block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=3, w_as_a=True,
+                  one_dot=False, perm_k=perm_k)]
+    assert moe_error(tokens, 16, table) < TOL
 
 
 @pytest.mark.parametrize("tokens", [3, 333])  # 3: the 8-row decode tile
