@@ -6,6 +6,7 @@
                                                              # x in the A operand: mma.sync, not wgmma
     python benchmarks/sass_count.py --tile 8,64,256,4,3,0,1,1  # optional 8th field two_acc (default 0); 8 x
                                                              # rows: mma.sync with the weights as A
+    python benchmarks/sass_count.py --tile 8,64,256,4,3,0,1,1,1  # optional 9th field perm_k (default 0)
     python benchmarks/sass_count.py --tile 16,64,256,4,3,1 --show   # also print the loop's SASS
     python benchmarks/sass_count.py --rope    # with the q/k/v rope epilogue (registers, loop length)
     python benchmarks/sass_count.py --layouts   # search k32-style bit layouts (pure Python, no compile)
@@ -122,7 +123,8 @@ def shift_mask_layouts() -> tuple[list, list]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tile", action="append", default=[],
-                   help="block_m,block_n,block_k,num_warps,num_stages,one_dot[,w_as_a[,two_acc]] (repeatable)")
+                   help="block_m,block_n,block_k,num_warps,num_stages,one_dot[,w_as_a[,two_acc[,perm_k]]] "
+                        "(repeatable)")
     p.add_argument("--show", action="store_true", help="print the loop's instructions")
     p.add_argument("--rope", action="store_true", help="compile with the q/k/v rope epilogue (ROPE)")
     p.add_argument("--layouts", action="store_true", help="search one-shift-one-mask decode layouts and exit")

@@ -156,7 +156,8 @@ def _mma(acc, w, x, W_AS_A: tl.constexpr):
 
 @triton.jit
 def _dequant_mma(acc, w, s, x0, x1, x2, x3, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr, PERM_K: tl.constexpr = False):
+                 W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr,
+                 PERM_K: tl.constexpr = False):
     """acc += the tile's four slot products. ONE_DOT: x0 is the tile's x in element order [BM, BK]
     (x1..x3 unused) and the decoded slots, interleaved back into element order, go to one dot of
     K = BLOCK_K; else four dots of BLOCK_K / 4."""
@@ -169,10 +170,7 @@ def _dequant_mma(acc, w, s, x0, x1, x2, x3, BLOCK_N: tl.constexpr, BLOCK_K: tl.c
         acc = _mma(acc, v, x0, W_AS_A)
     else:
         if PERM_K:
-            v0 = quad_k(v0, BLOCK_N, BLOCK_K // 4)
-            v1 = quad_k(v1, BLOCK_N, BLOCK_K // 4)
-            v2 = quad_k(v2, BLOCK_N, BLOCK_K // 4)
-            v3 = quad_k(v3, BLOCK_N, BLOCK_K // 4)
+            v0, v1, v2, v3 = _quad_k_slots(v0, v1, v2, v3, BLOCK_N, BLOCK_K // 4)
         acc = _mma(acc, v0, x0, W_AS_A)
         acc = _mma(acc, v1, x1, W_AS_A)
         acc = _mma(acc, v2, x2, W_AS_A)
@@ -193,17 +191,18 @@ def quad_k(v, R: tl.constexpr, BQ: tl.constexpr):
 
 
 @triton.jit
+def _quad_k_slots(v0, v1, v2, v3, R: tl.constexpr, BQ: tl.constexpr):
+    return quad_k(v0, R, BQ), quad_k(v1, R, BQ), quad_k(v2, R, BQ), quad_k(v3, R, BQ)
+
+
+@triton.jit
 def _dequant_mma_two(acc, acc_b, w, s, x0, x1, x2, x3, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, PERM_K: tl.constexpr = False):
     """The four-dot tile product with slots 0 and 2 into acc and slots 1 and 3 into acc_b: two
     independent accumulator chains (mma.sync dots wait on their accumulator)."""
     v0, v1, v2, v3 = decode_tile(w, s, BLOCK_N, BLOCK_K, USE_ASM)
     if PERM_K:
-        BQ: tl.constexpr = BLOCK_K // 4
-        v0 = quad_k(v0, BLOCK_N, BQ)
-        v1 = quad_k(v1, BLOCK_N, BQ)
-        v2 = quad_k(v2, BLOCK_N, BQ)
-        v3 = quad_k(v3, BLOCK_N, BQ)
+        v0, v1, v2, v3 = _quad_k_slots(v0, v1, v2, v3, BLOCK_N, BLOCK_K // 4)
     acc = _mma(acc, v0, x0, W_AS_A)
     acc_b = _mma(acc_b, v1, x1, W_AS_A)
     acc = _mma(acc, v2, x2, W_AS_A)
