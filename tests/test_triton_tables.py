@@ -4,14 +4,17 @@ choice, and the MoE block alignment. No triton needed: the kernels themselves ar
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from pieceworks.backends.base import BackendSpec
+from pieceworks.backends.base import BackendSpec, parse_options
 from pieceworks.backends.fp4_gemm.triton import (
     SLOT_BITS,
     TileConfig,
     TritonFp4GemmBackend,
+    TritonTileOptions,
     choose_split_k,
     interleave_gate_up,
     interleave_rope_rows,
@@ -25,6 +28,7 @@ from pieceworks.backends.fp4_gemm.torch import TorchFp4GemmBackend
 from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES, MOE_TILES
 from pieceworks.backends.moe.routing import deepseek_route, route, route_supported
 from pieceworks.backends.moe.triton import TritonMoEBackend, moe_align, num_aligned_blocks
+from pieceworks.config import load_config
 from pieceworks.quant import nvfp4
 
 
@@ -60,6 +64,64 @@ def test_moe_table_refuses_two_acc(monkeypatch):
         TritonMoEBackend(BackendSpec())
     monkeypatch.setattr(moe_triton, "MOE_TILES", [dict(rows[0], two_acc=False), dict(max_m=None)])
     assert TritonMoEBackend(BackendSpec()).tile(3).block_m == 8
+
+
+def test_tile_tables_from_options(tmp_path):
+    gemm = [dict(FP4_GEMM_TILES[0], block_n=128), dict(max_m=None, kind="dequant")]
+    (tmp_path / "gemm.json").write_text(json.dumps(gemm))
+    backend = TritonFp4GemmBackend(BackendSpec(), TritonTileOptions(gemm_tiles=str(tmp_path / "gemm.json")))
+    assert [t.block_n for t in backend.table[:1]] == [128] and backend.table[1].kind == "dequant"
+    assert backend._plan(1, 4096, 4096)[0].block_n == 128
+    # a benchmark's output (an object with a "table" list), as `fp4_gemm.py --sweep` writes it
+    (tmp_path / "sweep.json").write_text(json.dumps(dict(rows=[], table=gemm)))
+    assert TritonFp4GemmBackend(BackendSpec(), TritonTileOptions(gemm_tiles=str(tmp_path / "sweep.json"))).table \
+        == backend.table
+    moe = [dict(MOE_TILES[0], block_n=32, num_warps=2), dict(max_m=None, block_m=64, block_n=128, block_k=128)]
+    (tmp_path / "moe.json").write_text(json.dumps(dict(table=moe)))
+    moe_backend = TritonMoEBackend(BackendSpec(), TritonTileOptions(moe_tiles=str(tmp_path / "moe.json")))
+    assert moe_backend.tile(1).block_n == 32 and moe_backend.tile(500).block_m == 64
+    # the shipped tables when the options are unset; each backend reads only its own option
+    assert TritonFp4GemmBackend(BackendSpec(), TritonTileOptions(moe_tiles=str(tmp_path / "moe.json"))).table \
+        == parse_table(FP4_GEMM_TILES)
+    assert TritonMoEBackend(BackendSpec()).table == parse_table(MOE_TILES)
+
+
+def test_tile_table_options_reach_the_backends_through_the_config(tmp_path):
+    (tmp_path / "gemm.json").write_text(json.dumps([dict(FP4_GEMM_TILES[0], block_n=128), dict(max_m=None)]))
+    cfg = load_config({"model": {"arch": "llama"}}, [f"backends.options.triton.gemm_tiles={tmp_path / 'gemm.json'}"])
+    raw = dict(cfg.backends.options["triton"])
+    assert parse_options(TritonFp4GemmBackend, raw).gemm_tiles == str(tmp_path / "gemm.json")
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['gemm_tile'\]"):
+        parse_options(TritonFp4GemmBackend, {"gemm_tile": "x.json"})
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "cannot read"),
+    ("{not json", "is not JSON"),
+    ('{"rows": []}', "holds no tile table"),
+    ("[]", "holds no tile table"),
+    ('[{"max_m": null, "tile_m": 8}]', "unexpected keyword argument 'tile_m'"),
+    ('[{"max_m": 64}, {"max_m": 16}, {"max_m": null}]', "out of order"),
+    ('[{"max_m": 16}]', "ending with max_m=None"),
+    ('[{"max_m": null, "block_k": 100}]', "multiple of 32"),
+])
+def test_tile_table_option_errors_name_the_option_and_file(tmp_path, content, message):
+    path = tmp_path / "tiles.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=message) as err:
+        TritonFp4GemmBackend(BackendSpec(), TritonTileOptions(gemm_tiles=str(path)))
+    assert "backends.options.triton.gemm_tiles" in str(err.value) and str(path) in str(err.value)
+
+
+def test_moe_tile_table_option_refuses_dense_only_buckets(tmp_path):
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps([dict(max_m=4, block_m=8, two_acc=True), dict(max_m=None)]))
+    with pytest.raises(ValueError, match=r"backends.options.triton.moe_tiles .*two_acc is a dense-GEMM option"):
+        TritonMoEBackend(BackendSpec(), TritonTileOptions(moe_tiles=str(path)))
+    path.write_text(json.dumps([dict(max_m=4, block_m=8), dict(max_m=None, kind="dequant")]))
+    with pytest.raises(ValueError, match="no dequant path"):
+        TritonMoEBackend(BackendSpec(), TritonTileOptions(moe_tiles=str(path)))
 
 
 def test_bad_tables_are_refused():

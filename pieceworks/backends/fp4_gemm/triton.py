@@ -14,8 +14,10 @@ This module imports torch only; triton is imported when a kernel is first launch
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 
@@ -74,6 +76,41 @@ def parse_table(rows: list[dict]) -> tuple[TileConfig, ...]:
     if bounds[:-1] != sorted(bounds[:-1]):
         raise ValueError(f"tile table buckets out of order: {bounds}")
     return table
+
+
+@dataclass(frozen=True)
+class TritonTileOptions:
+    """`backends.options.triton` (the Triton NVFP4 GEMM and MoE backends): tile tables to use instead of
+    the shipped ones, which were tuned on an H200 (triton_tiles.py), e.g. after a sweep on another GPU.
+    Each is the path of a JSON file holding a table (a list of buckets with the keys of triton_tiles.py)
+    or an object with a "table" list: what `python benchmarks/fp4_gemm.py --sweep --out DIR` writes to
+    DIR/gemm_sweep.json and `python benchmarks/moe.py --sweep --out DIR` to DIR/moe_bench.json."""
+
+    gemm_tiles: str | None = None
+    """The dense GEMM's table (fp4_gemm.triton), in place of FP4_GEMM_TILES."""
+
+    moe_tiles: str | None = None
+    """The fused MoE's grouped GEMMs' table (moe.triton), in place of MOE_TILES."""
+
+
+def load_tile_table(path: str, option: str) -> tuple[TileConfig, ...]:
+    """The tile table in the JSON file `path` (`TritonTileOptions`); ValueError naming the option, the
+    file and what is wrong with it."""
+    where = f"backends.options.triton.{option}"
+    try:
+        raw = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"{where}: cannot read {path!r} ({e.strerror or e})") from None
+    except ValueError as e:
+        raise ValueError(f"{where}: {path!r} is not JSON ({e})") from None
+    rows = raw.get("table") if isinstance(raw, dict) else raw
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{where}: {path!r} holds no tile table: give a list of buckets (objects with the "
+                         "keys of triton_tiles.py, the last with max_m null) or an object with a 'table' list")
+    try:
+        return parse_table(rows)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {path!r}: {e}") from None
 
 
 def select_tile(table: tuple[TileConfig, ...], m: int) -> TileConfig:
@@ -218,11 +255,13 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
     numerics = ("w4a16",)
     weight_layout = "k32"
     fuses_qkv_rope = True
+    Options = TritonTileOptions
     description = "Triton w4a16: NVFP4 dequantized in registers, bf16 tensor cores"
 
     def __init__(self, spec, options=None) -> None:
         super().__init__(spec, options)
-        self.table = parse_table(FP4_GEMM_TILES)
+        path = self.options.gemm_tiles
+        self.table = load_tile_table(path, "gemm_tiles") if path else parse_table(FP4_GEMM_TILES)
         self._plan = lru_cache(maxsize=None)(self._plan_uncached)
         self._counters: dict[torch.device, torch.Tensor] = {}
 

@@ -18,6 +18,8 @@ import torch
 from pieceworks.backends.fp4_gemm.triton import (
     TRITON_REQUIREMENTS,
     TileConfig,
+    TritonTileOptions,
+    load_tile_table,
     parse_table,
     repack_k32,
     select_tile,
@@ -74,13 +76,19 @@ class TritonMoEBackend(MoEBackend):
     numerics = ("w4a16",)
     weight_formats = ("nvfp4",)
     weight_layout = "k32"
+    Options = TritonTileOptions
     description = "Triton w4a16 fused MoE: expert-sorted blocks, NVFP4 dequantized in registers"
 
     def __init__(self, spec, options=None) -> None:
         super().__init__(spec, options)
-        self.table = parse_table(MOE_TILES)
+        path = self.options.moe_tiles
+        self.table = load_tile_table(path, "moe_tiles") if path else parse_table(MOE_TILES)
         if any(t.two_acc for t in self.table):  # the grouped gate_up GEMM uses its second accumulator
-            raise ValueError("MOE_TILES: two_acc is a dense-GEMM option; the fused MoE does not take it")
+            where = f"backends.options.triton.moe_tiles ({path!r})" if path else "MOE_TILES"
+            raise ValueError(f"{where}: two_acc is a dense-GEMM option; the fused MoE does not take it")
+        if any(t.kind != "fused" for t in self.table):
+            where = f"backends.options.triton.moe_tiles ({path!r})" if path else "MOE_TILES"
+            raise ValueError(f"{where}: the fused MoE has no dequant path; every bucket must be kind 'fused'")
 
     def prepare(self, w: MoEWeights) -> MoEWeights:
         if not w.is_fp4:
