@@ -189,6 +189,17 @@ def test_backend_options_are_validated():
         resolve(Registry(autoload=False).load(), ["backends.options.torch.path=fast"], ops=("moe",))
 
 
+def test_options_of_backends_not_chosen_here_are_checked_too(caplog):
+    # the Triton backends can't serve on a CPU machine; a typo in their options still fails there
+    with pytest.raises(SelectionError, match=r"backends.options.triton: unknown option\(s\) \['gemm_tile'\]"):
+        resolve(Registry().load(), ["backends.options.triton.gemm_tile=x.json"], ops=("fp4_gemm",))
+    table = resolve(Registry().load(), ["backends.options.triton.gemm_tiles=x.json"], ops=("fp4_gemm",))
+    assert {b.name for b in table.instances("fp4_gemm")} != {"triton"}  # not built here: the file is not read
+    with caplog.at_level(logging.WARNING, logger="pieceworks.registry"):
+        resolve(Registry().load(), ["backends.options.notinstalled.x=1"], ops=("fp4_gemm",))
+    assert "backends.options.notinstalled: no registered backend is named notinstalled" in caplog.text
+
+
 def test_fp4_numerics_restricts_selection():
     class A4(TorchFp4GemmBackend):
         name = "a4only"

@@ -188,6 +188,7 @@ class Registry:
                 backends that could), or no backend can serve a required op.
         """
         ops = [op for op in OPS if op in set(ops)]
+        _check_options(backends_cfg, self.backends())
         entries: dict = {}
         decisions: list[Decision] = []
         unavailable: dict = {}
@@ -195,7 +196,7 @@ class Registry:
 
         def instance(cls: type[Backend]) -> Backend:
             if cls.key() not in instances:
-                opts = parse_options(cls, _options_for(backends_cfg, cls, self.backends()))
+                opts = parse_options(cls, _options_for(backends_cfg, cls))
                 instances[cls.key()] = cls(spec, opts)
             return instances[cls.key()]
 
@@ -282,19 +283,37 @@ def _with_fallback(decision: Decision, eager_choice: type[Backend]) -> Decision:
     return replace(decision, fallback_from=decision.fallback_from or eager_choice.name, note=note)
 
 
-def _options_for(backends_cfg: Any, cls: type[Backend], all_backends: list[type[Backend]]) -> dict:
-    """`backends.options.<name>` restricted to the keys `cls` knows, after checking that every key is
-    known to some backend of that name (flashinfer attention and MLA share `variant`, say)."""
-    raw = dict(backends_cfg.options.get(cls.name, {}) or {})
-    known = set()
+def _known_options(name: str, all_backends: list[type[Backend]]) -> set[str]:
+    known: set[str] = set()
     for other in all_backends:
-        if other.name == cls.name and other.Options is not None:
+        if other.name == name and other.Options is not None:
             known |= {f.name for f in dc_fields(other.Options)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise SelectionError(
-            f"backends.options.{cls.name}: unknown option(s) {unknown}; known: {sorted(known) or 'none'}"
-        )
+    return known
+
+
+def _check_options(backends_cfg: Any, all_backends: list[type[Backend]]) -> None:
+    """Every `backends.options.<name>` key must be an option of some registered backend of that name,
+    whether or not that backend is chosen here (a typo fails on a CPU machine too); options for a name
+    no registered backend has (a plugin not installed here, say) are ignored with a warning."""
+    names = sorted({c.name for c in all_backends})
+    for name, raw in (backends_cfg.options or {}).items():
+        if name not in names:
+            log.warning("backends.options.%s: no registered backend is named %s (registered: %s); ignored",
+                        name, name, ", ".join(names))
+            continue
+        known = _known_options(name, all_backends)
+        unknown = sorted(set(dict(raw or {})) - known)
+        if unknown:
+            raise SelectionError(
+                f"backends.options.{name}: unknown option(s) {unknown}; known: {sorted(known) or 'none'}"
+            )
+
+
+def _options_for(backends_cfg: Any, cls: type[Backend]) -> dict:
+    """`backends.options.<name>` restricted to the keys `cls` knows (backends of one name share the
+    options: flashinfer attention and MLA share `variant`, say; `_check_options` has refused keys that
+    no backend of that name knows)."""
+    raw = dict(backends_cfg.options.get(cls.name, {}) or {})
     mine = {f.name for f in dc_fields(cls.Options)} if cls.Options else set()
     return {k: v for k, v in raw.items() if k in mine}
 
