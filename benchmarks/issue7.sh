@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Every measurement of issue 7 on the H200 in one device call (about 3 minutes with warm caches):
 #   bash benchmarks/issue7.sh OUTDIR        (on the device: source .gpu/setup.sh first; OUTDIR=$OUT)
-# Writes OUTDIR/{gemm_off,gemm_on}/gemm_bench.md, {moe_off,moe_on}/moe_bench.md, decode512.md,
-# decode4096.md, profile_b1.txt, qkv_rope.md; prints each table as it goes. Each step has its own time limit, and a
-# failing step does not stop the others.
+# Writes OUTDIR/issue7.tar.gz (one file: the device tool returns a handful of files per call) holding
+# {gemm_off,gemm_on}/gemm_bench.{md,json}, {moe_off,moe_on}/moe_bench.{md,json}, decode{512,4096}.{md,json},
+# profile_b1.txt, qkv_rope.md, and OUTDIR/issue7.log, the printed tables. Each step has its own time
+# limit, and a failing step does not stop the others.
 set -u
-out=${1:?usage: bash benchmarks/issue7.sh OUTDIR}
-mkdir -p "$out"
+dest=${1:?usage: bash benchmarks/issue7.sh OUTDIR}
+mkdir -p "$dest"
+dest=$(cd "$dest" && pwd)
+out=$(mktemp -d)
 cd "$(dirname "$0")/.."
+exec > >(tee "$dest/issue7.log") 2>&1
+trap 'tar -czf "$dest/issue7.tar.gz" -C "$out" . && rm -rf "$out"' EXIT
 step() { echo "== $(date -u +%H:%M:%S) $*"; }
 step "GEMM, PDL off and on"
 timeout 150 python benchmarks/fp4_gemm.py --ms 1,4,8,16 --out "$out/gemm_off" | tail -20
