@@ -83,11 +83,10 @@ class TritonMoEBackend(MoEBackend):
         super().__init__(spec, options)
         path = self.options.moe_tiles
         self.table = load_tile_table(path, "moe_tiles") if path else parse_table(MOE_TILES)
+        where = f"backends.options.triton.moe_tiles ({path!r})" if path else "MOE_TILES"
         if any(t.two_acc for t in self.table):  # the grouped gate_up GEMM uses its second accumulator
-            where = f"backends.options.triton.moe_tiles ({path!r})" if path else "MOE_TILES"
             raise ValueError(f"{where}: two_acc is a dense-GEMM option; the fused MoE does not take it")
         if any(t.kind != "fused" for t in self.table):
-            where = f"backends.options.triton.moe_tiles ({path!r})" if path else "MOE_TILES"
             raise ValueError(f"{where}: the fused MoE has no dequant path; every bucket must be kind 'fused'")
 
     def prepare(self, w: MoEWeights) -> MoEWeights:

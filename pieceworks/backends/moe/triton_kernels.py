@@ -114,8 +114,8 @@ def fused_moe(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_wei
         x = x.contiguous()
     use_pdl, launch = pdl.launch_options(x.device)
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm, ONE_DOT=cfg.one_dot, PERM_K=cfg.perm_k, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages, PDL=use_pdl, **launch)
+                  W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm, ONE_DOT=cfg.one_dot, PERM_K=cfg.perm_k,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=use_pdl, **launch)
 
     h = torch.empty((num_valid, inter), dtype=torch.bfloat16, device=x.device)
     iters, even = _num_iters(w13.shape[2] * 2, cfg.block_k)
