@@ -105,7 +105,7 @@ def shift_mask_layouts() -> tuple[list, list]:
     """32-bit words of 8 e2m1 codes (two 16-bit halves) where each of the four bf16x2 outputs is the
     word shifted (or rotated) by one amount and masked with 0x81C081C0: the sets of shift amounts whose
     source bits tile the word exactly. Both lists come out empty: no layout decodes every slot with one
-    shift and one mask (k32 needs 12 integer ops per 8 values instead of 7)."""
+    shift and one mask (k32 needs 9 integer ops per 8 values instead of 7; see triton_k32.py)."""
     import itertools
 
     targets = [15, 8, 7, 6, 31, 24, 23, 22]  # sign, E1, E0, m of both bf16 halves

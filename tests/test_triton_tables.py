@@ -289,7 +289,7 @@ def test_decode_bit_math_matches_reference_dequantize():
         word & 0x81C081C0,
         ((word << 3) & full) & 0x81C081C0,
         ((word << 6) & full) & 0x81C081C0,
-        (((word << 1) & full) & 0x80008000) | ((word >> 3) & 0x01800180) | ((word >> 7) & 0x00400040),
+        ((((word & 0x6C006C00) >> 7) * 2081) & full) & 0x81C081C0,
     )
     s_a, s_b = scale_multipliers(s.view(torch.int16))  # [n, k/32] each: scales 2g and 2g + 1
     q = torch.arange(k // 8)

@@ -30,7 +30,7 @@ GROUP = 32  # elements per k32 group
 K_ALIGN = 512  # K is padded to this, a multiple of every BLOCK_K: the kernels' weight loads need no mask
 COUNTERS = 1 << 14  # split-K arrival counters per backend instance and device (output tiles of one call)
 # Bit positions of a code's (sign, E1, E0, m) for slots 0..3 of a 16-bit unit (triton_k32.py).
-SLOT_BITS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 11, 10, 13))
+SLOT_BITS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (11, 10, 14, 13))
 
 
 @dataclass(frozen=True)

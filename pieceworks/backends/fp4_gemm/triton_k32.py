@@ -11,11 +11,18 @@ The layout (produced by `pieceworks.backends.fp4_gemm.triton.repack_k32`):
   (code bits: s = sign, E1 E0 = exponent, m = mantissa):
 
       slot 0: s@15 E1@8  E0@7  m@6        slot 2: s@9  E1@2  E0@1  m@0
-      slot 1: s@12 E1@5  E0@4  m@3        slot 3: s@14 E1@11 E0@10 m@13
+      slot 1: s@12 E1@5  E0@4  m@3        slot 3: s@11 E1@10 E0@14 m@13
 
   so slots 0-2 are `(u << 3j) & 0x81C0` away from a bfloat16 whose bits are the code's: that bfloat16
-  equals e2m1 * 2^-126 (code 1, i.e. 0.5, is a subnormal). Two units decode together (one 32-bit
-  register holds a pair, one op serves both): 12 integer ops and 4 bf16x2 multiplies per 8 values.
+  equals e2m1 * 2^-126 (code 1, i.e. 0.5, is a subnormal). No layout lets the fourth slot decode with
+  one shift and one mask too (`python benchmarks/sass_count.py --layouts`); slot 3 sits in the four
+  bits left so that one multiply moves all its bits at once: `((u & 0x6C00) >> 7) * 2081` adds the
+  masked bits shifted by 0, 5 and 11 (2081 = 1 + 2^5 + 2^11; the twelve copies of the four bits of
+  both units of a 32-bit pair never overlap, so there are no carries), which puts E0 and m at 7 and 6,
+  E1 at 8 and s at 15, and `& 0x81C0` keeps those. Two units decode together (one 32-bit register
+  holds a pair, one op serves both): 9 integer ops (one of them an integer multiply, on the FMA pipe)
+  and 4 bf16x2 multiplies per 8 values (the layout before 2026-12-01's eleventh session, s@14 E1@11
+  E0@10 m@13 for slot 3, took three shifts and three masks: 11 integer ops).
 - Block scales stay linear, [N, Kp/16] float8_e4m3fn, read as int16 pairs: pair g holds scale 2g (low
   byte; slots 0 and 1 of group g) and scale 2g + 1 (high byte; slots 2 and 3).
 - Codes of blocks whose scale is zero are zeroed by the repack (their values are zero either way), so
@@ -49,7 +56,7 @@ import triton.language as tl
 OUT_BIAS = tl.constexpr(16384.0)  # 2^14
 
 _DECODE_ASM = tl.constexpr("""{
-    .reg .b32 t0, t1, t2, t3, t4, t5;
+    .reg .b32 t0, t1, t2, t3;
     and.b32 t0, $4, 0x81C081C0;
     mul.rn.bf16x2 $0, t0, $5;
     shl.b32 t1, $4, 3;
@@ -58,14 +65,10 @@ _DECODE_ASM = tl.constexpr("""{
     shl.b32 t2, $4, 6;
     and.b32 t2, t2, 0x81C081C0;
     mul.rn.bf16x2 $2, t2, $6;
-    shl.b32 t3, $4, 1;
-    and.b32 t3, t3, 0x80008000;
-    shr.b32 t4, $4, 3;
-    and.b32 t4, t4, 0x01800180;
-    or.b32 t3, t3, t4;
-    shr.b32 t5, $4, 7;
-    and.b32 t5, t5, 0x00400040;
-    or.b32 t3, t3, t5;
+    and.b32 t3, $4, 0x6C006C00;
+    shr.b32 t3, t3, 7;
+    mul.lo.u32 t3, t3, 2081;
+    and.b32 t3, t3, 0x81C081C0;
     mul.rn.bf16x2 $3, t3, $6;
 }""")
 
@@ -127,8 +130,8 @@ def decode_k32(w, s_a, s_b, USE_ASM: tl.constexpr):
         v0 = _e2m1_arith((u >> 15) & 1, (u >> 6) & 7, s_a).to(tl.bfloat16)
         v1 = _e2m1_arith((u >> 12) & 1, (u >> 3) & 7, s_a).to(tl.bfloat16)
         v2 = _e2m1_arith((u >> 9) & 1, u & 7, s_b).to(tl.bfloat16)
-        em3 = (((u >> 10) & 3) << 1) | ((u >> 13) & 1)
-        v3 = _e2m1_arith((u >> 14) & 1, em3, s_b).to(tl.bfloat16)
+        em3 = (((u >> 10) & 1) << 2) | (((u >> 14) & 1) << 1) | ((u >> 13) & 1)
+        v3 = _e2m1_arith((u >> 11) & 1, em3, s_b).to(tl.bfloat16)
     return v0, v1, v2, v3
 
 
