@@ -252,14 +252,13 @@ def _bf16_halves(word: torch.Tensor):
 def scale_multipliers(pairs: torch.Tensor):
     """The PTX scale conversion of triton_k32.py in torch: int16 pairs -> (low, high) bf16 values.
 
-    cvt.rn.f16x2.e4m3x2 (exact), shift right by 3, OR 0x7000 in each half."""
+    cvt.rn.f16x2.e4m3x2 (exact), then on the 32-bit pair a right shift by 3 and an OR of 0x70007000."""
     p = pairs.to(torch.int32) & 0xFFFF
-    out = []
-    for byte in (p & 0xFF, p >> 8):
-        half = byte.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float16).view(torch.int16)
-        bits = ((half.to(torch.int32) & 0xFFFF) >> 3) | 0x7000
-        out.append((bits << 16).view(torch.float32))
-    return out
+    halves = [byte.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float16).view(torch.int16).to(torch.int64)
+              & 0xFFFF for byte in (p & 0xFF, p >> 8)]
+    h = halves[0] | (halves[1] << 16)
+    d = (h >> 3) | 0x70007000
+    return [(((d >> (16 * i)) & 0xFFFF) << 16).to(torch.int32).view(torch.float32) for i in (0, 1)]
 
 
 def test_scale_conversion_is_exact_for_every_e4m3():
@@ -274,6 +273,40 @@ def test_scale_conversion_is_exact_for_every_e4m3():
     assert lo[~nonzero].item() == 2.0**97
 
 
+def test_scale_conversion_keeps_the_halves_of_a_pair_apart():
+    # The shift works on the whole 32-bit pair: every (low, high) combination of finite non-negative e4m3.
+    codes = torch.arange(0, 0x7F, dtype=torch.int32)
+    lo_c, hi_c = (c.flatten() for c in torch.meshgrid(codes, codes, indexing="ij"))
+    lo, hi = scale_multipliers(lo_c | (hi_c << 8))
+    for c, mult in ((lo_c, lo), (hi_c, hi)):
+        scale = c.to(torch.uint8).view(torch.float8_e4m3fn).float()
+        nonzero = scale != 0
+        assert torch.equal(mult[nonzero], scale[nonzero] * 2.0**112)
+        assert (mult[~nonzero] == 2.0**97).all()
+
+
+def test_repack_moves_negative_scale_signs_into_the_codes():
+    n, k = 8, 512
+    packed, scale, _ = random_fp4(n, k, seed=5)
+    scale = scale.clone()
+    scale[1, 3] = -scale[1, 3].float()
+    scale[2, :4] = -scale[2, :4].float()
+    scale[3, 0] = -0.0
+    w, s = repack_k32(packed, scale)
+    assert not (s.view(torch.uint8) & 0x80).any()
+    got = nvfp4.e2m1_decode(unpack_k32(w, k)) * s[:, : k // 16].float().repeat_interleave(16, 1)
+    expect = nvfp4.e2m1_decode(nvfp4.unpack(packed)) * scale.float().repeat_interleave(16, 1)
+    assert torch.equal(got, expect)
+
+
+def test_repack_refuses_nan_scales():
+    packed, scale, _ = random_fp4(4, 512, seed=6)
+    scale = scale.clone()
+    scale[2, 9] = float("nan")
+    with pytest.raises(ValueError, match=r"1 of 128 are NaN \(the first at flattened row 2, block 9"):
+        repack_k32(packed, scale)
+
+
 def test_decode_bit_math_matches_reference_dequantize():
     """The PTX decode in triton_k32.py, step by step in torch on 32-bit words of two units: the
     patterns times the scale multipliers are exactly e2m1 * scale * 2^-14."""
@@ -282,6 +315,8 @@ def test_decode_bit_math_matches_reference_dequantize():
     scale = scale.clone()
     scale[2, 5] = 0.0  # a zero-scale block
     scale[4, 7] = 2.0**-9  # the smallest subnormal
+    scale[6, 3] = -scale[6, 3].float()  # a negative scale: the repack moves its sign into the codes
+    scale[7, 1] = -0.0
     w, s = repack_k32(packed, scale)
     word = w.view(torch.int32).long() & 0xFFFFFFFF  # [n, k/8]: units 2q, 2q+1
     full = 0xFFFFFFFF

@@ -202,17 +202,37 @@ def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int
     Returns:
         (uint8 [..., N, Kp/2], float8_e4m3fn [..., N, Kp/16]) with Kp = K rounded up to K_ALIGN (512);
         padding is zero codes and zero scales. Codes of blocks whose scale is zero are zeroed (their
-        values are zero either way; the kernels' scale conversion relies on it).
+        values are zero either way; the kernels' scale conversion relies on it). A negative block
+        scale (ModelOpt writes amax / 6, never negative, but e4m3 has a sign) has its sign moved into
+        the block's codes (every code's sign bit flipped, the scale made positive: the same values),
+        since the kernels' scale conversion reads scales as non-negative.
+
+    Raises:
+        ValueError: a block scale is NaN (e4m3 0x7F / 0xFF), which no quantizer writes.
     """
     *lead, n, half_k = weight.shape
     k = half_k * 2
     kp = -(-k // K_ALIGN) * K_ALIGN
     flat = weight.reshape(-1, half_k)
     out = torch.empty((flat.shape[0], kp // 2), dtype=torch.uint8, device=weight.device)
-    zero_block = weight_scale.reshape(-1, k // nvfp4.BLOCK).float() == 0
+    scale_bits = weight_scale.reshape(-1, k // nvfp4.BLOCK).view(torch.uint8)
+    nan = (scale_bits & 0x7F) == 0x7F
+    if bool(nan.any()):
+        row, block = (int(i) for i in nan.nonzero()[0])
+        raise ValueError(f"NVFP4 block scales: {int(nan.sum())} of {nan.numel()} are NaN (the first at flattened row "
+                         f"{row}, block {block} of the [..., N, K/16] scale tensor {tuple(weight_scale.shape)}); "
+                         "the checkpoint is corrupt: re-export it")
+    zero_block = (scale_bits & 0x7F) == 0
+    negative = (scale_bits & 0x80) != 0
+    flip = negative & ~zero_block
+    any_flip = bool(flip.any())
+    if bool(negative.any()):
+        scale_bits = scale_bits & 0x7F
     for r0 in range(0, flat.shape[0], chunk_rows):
         codes = nvfp4.unpack(flat[r0 : r0 + chunk_rows]).to(torch.int32)
         codes.masked_fill_(zero_block[r0 : r0 + chunk_rows].repeat_interleave(nvfp4.BLOCK, dim=1), 0)
+        if any_flip:
+            codes ^= flip[r0 : r0 + chunk_rows].repeat_interleave(nvfp4.BLOCK, dim=1).to(torch.int32) << 3
         if kp != k:
             codes = torch.nn.functional.pad(codes, (0, kp - k))
         c = codes.view(codes.shape[0], kp // GROUP, 4, 8)  # [rows, g, slot, unit]
@@ -222,7 +242,7 @@ def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int
             for bit, pos in zip((3, 2, 1, 0), bits):
                 units |= ((cs >> bit) & 1) << pos
         out[r0 : r0 + chunk_rows] = torch.stack([units & 0xFF, units >> 8], dim=-1).flatten(1).to(torch.uint8)
-    scale = weight_scale.reshape(-1, k // nvfp4.BLOCK)
+    scale = scale_bits.view(torch.float8_e4m3fn)
     if kp != k:
         scale = torch.cat([scale, scale.new_zeros(scale.shape[0], (kp - k) // nvfp4.BLOCK)], dim=1)
     return out.view(*lead, n, kp // 2), scale.contiguous().view(*lead, n, kp // nvfp4.BLOCK)

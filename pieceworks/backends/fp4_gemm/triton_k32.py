@@ -26,13 +26,18 @@ The layout (produced by `pieceworks.backends.fp4_gemm.triton.repack_k32`):
 - Block scales stay linear, [N, Kp/16] float8_e4m3fn, read as int16 pairs: pair g holds scale 2g (low
   byte; slots 0 and 1 of group g) and scale 2g + 1 (high byte; slots 2 and 3).
 - Codes of blocks whose scale is zero are zeroed by the repack (their values are zero either way), so
-  the scale conversion below may map a zero scale to any finite number.
+  the scale conversion below may map a zero scale to any finite number. Scales are non-negative: the
+  repack moves a negative scale's sign into its block's codes (and refuses NaN scales).
 
 A scale pair converts to two bfloat16 multipliers in three instructions: `cvt.rn.f16x2.e4m3x2` (exact:
 every e4m3 value, subnormals included, is a normal float16 with bits 6..0 zero), a right shift by 3
-(the float16 exponent lands in the low five bits of the bfloat16 exponent, the mantissa under it) and
-an OR of 0x7000 (adds 224 to the exponent), which gives bf16(scale * 2^112) exactly. Multiplying the
-code pattern (e2m1 * 2^-126) by it gives bf16 e2m1 * scale * 2^-14 exactly (at most 6 significant
+of the 32-bit pair (the float16 exponent lands in the low five bits of the bfloat16 exponent, the
+mantissa under it; the high half's low bits, zero, shift into the low half's top) and an OR of 0x7000
+per half (adds 224 to the exponent: bit 12, where the float16 sign lands, is zero for the non-negative
+scales the repack leaves), which gives bf16(scale * 2^112) exactly. (One `mad.hi.u32 h, h, 2^29,
+0x70007000` does the shift and the add in one instruction, 16 fewer per 128 weights in the 8-row loop;
+ptxas makes it an LEA.HI on the same integer pipe, and on the H200 it was no faster: docs/benchmarks.md.)
+Multiplying the code pattern (e2m1 * 2^-126) by it gives bf16 e2m1 * scale * 2^-14 exactly (at most 6 significant
 bits; the smallest nonzero product, 0.5 * 2^-9 * 2^-14, is a normal bfloat16). The accumulator (fp32)
 is multiplied by weight_scale_2 * 2^14 at the end.
 
