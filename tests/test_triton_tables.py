@@ -577,3 +577,28 @@ def test_fp4_linear_fuses_the_rope_only_for_supported_heads():
     bad.qkv_heads = (3, 1, 64)
     with pytest.raises(ValueError, match="do not give 256 rows"):
         bad.prepare(backend)
+
+
+def test_model_prepare_names_the_layer_whose_block_scales_are_nan():
+    from collections import OrderedDict
+
+    from torch import nn
+
+    from pieceworks.backends.fp4_gemm.base import Fp4Weight
+    from pieceworks.models.base import CausalLM
+    from pieceworks.quant.linear import Fp4Linear
+
+    packed, scale, scale_2 = random_fp4(8, 512, seed=7)
+    scale = scale.clone()
+    scale[1, 2] = float("nan")
+    layer = Fp4Linear(512, 8)
+    layer.load(Fp4Weight(packed, scale, scale_2.float(), torch.tensor(1.0)))
+    model = nn.Sequential(OrderedDict(down_proj=layer))
+
+    class Table:
+        def instances(self, op):
+            return [TritonFp4GemmBackend(BackendSpec())] if op == "fp4_gemm" else []
+
+    with pytest.raises(ValueError, match=r"^down_proj: NVFP4 block scales: 1 of 256 are NaN"):
+        CausalLM.prepare(model, Table())
+    assert not layer.prepared and layer.layout == "linear" and torch.equal(layer.weight, packed)

@@ -239,15 +239,22 @@ class CausalLM(nn.Module):
 
     def prepare(self, table: Any) -> None:
         """Convert every Fp4Linear and expert block to the layouts of the backends `table` chose
-        (`KernelTable`); once, after loading. The registry guarantees one layout per op."""
+        (`KernelTable`); once, after loading. The registry guarantees one layout per op. A layer whose
+        weights a backend refuses (ValueError, e.g. NaN block scales) is named in the error."""
         fp4 = table.instances("fp4_gemm")
         moe = table.instances("moe")
         for name, m in self.named_modules():
             if isinstance(m, Fp4Linear):
                 if not fp4:
                     raise ValueError(f"{name} is NVFP4 but the kernel table has no fp4_gemm backend")
-                m.prepare(fp4[0])
+                try:
+                    m.prepare(fp4[0])
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from None
             elif hasattr(m, "prepare_experts"):  # models.moe.Experts (which imports this module)
                 if not moe:
                     raise ValueError(f"{name} holds experts but the kernel table has no moe backend")
-                m.prepare_experts(moe[0])
+                try:
+                    m.prepare_experts(moe[0])
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from None
