@@ -22,7 +22,7 @@ The layout (produced by `pieceworks.backends.fp4_gemm.triton.repack_k32`):
   E1 at 8 and s at 15, and `& 0x81C0` keeps those. Two units decode together (one 32-bit register
   holds a pair, one op serves both): 9 integer ops (one of them an integer multiply, on the FMA pipe)
   and 4 bf16x2 multiplies per 8 values (the layout before 2026-12-01's eleventh session, s@14 E1@11
-  E0@10 m@13 for slot 3, took three shifts and three masks: 11 integer ops).
+  E0@10 m@13 for slot 3, took three shifts, three masks and two ORs there: 11 ops after ptxas).
 - Block scales stay linear, [N, Kp/16] float8_e4m3fn, read as int16 pairs: pair g holds scale 2g (low
   byte; slots 0 and 1 of group g) and scale 2g + 1 (high byte; slots 2 and 3).
 - Codes of blocks whose scale is zero are zeroed by the repack (their values are zero either way), so
@@ -34,12 +34,12 @@ every e4m3 value, subnormals included, is a normal float16 with bits 6..0 zero),
 of the 32-bit pair (the float16 exponent lands in the low five bits of the bfloat16 exponent, the
 mantissa under it; the high half's low bits, zero, shift into the low half's top) and an OR of 0x7000
 per half (adds 224 to the exponent: bit 12, where the float16 sign lands, is zero for the non-negative
-scales the repack leaves), which gives bf16(scale * 2^112) exactly. (One `mad.hi.u32 h, h, 2^29,
-0x70007000` does the shift and the add in one instruction, 16 fewer per 128 weights in the 8-row loop;
-ptxas makes it an LEA.HI on the same integer pipe, and on the H200 it was no faster: docs/benchmarks.md.)
-Multiplying the code pattern (e2m1 * 2^-126) by it gives bf16 e2m1 * scale * 2^-14 exactly (at most 6 significant
-bits; the smallest nonzero product, 0.5 * 2^-9 * 2^-14, is a normal bfloat16). The accumulator (fp32)
-is multiplied by weight_scale_2 * 2^14 at the end.
+scales the repack leaves), which gives bf16(scale * 2^112) exactly. Multiplying the code pattern
+(e2m1 * 2^-126) by it gives bf16 e2m1 * scale * 2^-14 exactly (at most 6 significant bits; the
+smallest nonzero product, 0.5 * 2^-9 * 2^-14, is a normal bfloat16). The accumulator (fp32) is
+multiplied by weight_scale_2 * 2^14 at the end. (One `mad.hi.u32 h, h, 2^29, 0x70007000` would do the
+shift and the add in one instruction, 16 fewer per 128 weights in the 8-row loop; ptxas makes it an
+LEA.HI on the same integer pipe, and on the H200 it was no faster: docs/benchmarks.md.)
 
 The K loop either runs four dots of BLOCK_K/4 each, one per slot, against the matching columns of x
 (TWO_ACC: slots 0/2 into one accumulator and 1/3 into another, two independent chains of mma.sync, as
