@@ -19,13 +19,16 @@ cd "$(dirname "$0")/.."
 exec > >(tee "$dest/sweep_all.log") 2>&1
 trap 'tar -czf "$dest/sweep_all.tar.gz" -C "$out" . && rm -rf "$out"' EXIT
 step() { echo "== $(date -u +%H:%M:%S) $*"; }
+failed() { echo "   (exit $1; the end of $2:)"; tail -5 "$2" | sed 's/^/   /'; }
 step "Triton GPU tests"
 timeout 150 python -m pytest tests/gpu/test_triton_fp4.py -m gpu -q -x 2>&1 | tail -3
 step "GEMM sweep, tuning M = $ms"
-timeout 120 python benchmarks/fp4_gemm.py --sweep --sweep-m "$ms" --ms "$ms" --out "$out/g" > "$out/gemm.log" 2>&1
+timeout 120 python benchmarks/fp4_gemm.py --sweep --sweep-m "$ms" --ms "$ms" --out "$out/g" > "$out/gemm.log" 2>&1 \
+    || failed $? "$out/gemm.log"
 grep -E "best|fp4 |FAILED|WRONG" "$out/gemm.log"
 step "MoE sweep, tuning T = $ts"
-timeout 150 python benchmarks/moe.py --sweep --sweep-t "$ts" --tokens 1,4,16,64 --out "$out/m" > "$out/moe.log" 2>&1
+timeout 150 python benchmarks/moe.py --sweep --sweep-t "$ts" --tokens 1,4,16,64 --out "$out/m" > "$out/moe.log" 2>&1 \
+    || failed $? "$out/moe.log"
 grep -E "best|^T=|FAILED|WRONG" "$out/moe.log"
 B=(--quant nvfp4 --set cuda_graph.piecewise.enabled=off --extend '' --set backends.options.flashinfer.variant=fa2
    --decode 1,8,32 --decode-sizes 1,8,32 --context 512)
@@ -33,6 +36,8 @@ for run in shipped swept shipped swept; do
     step "decode step, $run GEMM table (Executor.forward / replay ms)"
     extra=()
     [ "$run" = swept ] && extra=(--set "backends.options.triton.gemm_tiles=$out/g/gemm_sweep.json")
-    timeout 60 python benchmarks/graphs.py "${B[@]}" "${extra[@]}" 2>&1 | grep -E "^\| [0-9]" | tee -a "$out/decode_$run.md"
+    timeout 60 python benchmarks/graphs.py "${B[@]}" "${extra[@]}" > "$out/decode_$run.log" 2>&1 \
+        || failed $? "$out/decode_$run.log"
+    grep -E "^\| [0-9]" "$out/decode_$run.log"
 done
 step done
