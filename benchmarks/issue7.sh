@@ -7,13 +7,9 @@
 # limit, and a failing step does not stop the others.
 set -u
 dest=${1:?usage: bash benchmarks/issue7.sh OUTDIR}
-mkdir -p "$dest"
-dest=$(cd "$dest" && pwd)
-out=$(mktemp -d)
+source "$(dirname "$0")/device_out.sh"
+device_outputs issue7 "$dest"
 cd "$(dirname "$0")/.."
-exec > >(tee "$dest/issue7.log") 2>&1
-trap 'tar -czf "$dest/issue7.tar.gz" -C "$out" . && rm -rf "$out"' EXIT
-step() { echo "== $(date -u +%H:%M:%S) $*"; }
 step "GEMM, PDL off and on"
 timeout 150 python benchmarks/fp4_gemm.py --ms 1,4,8,16 --out "$out/gemm_off" | tail -20
 timeout 150 python benchmarks/fp4_gemm.py --ms 1,4,8,16 --pdl on --out "$out/gemm_on" | tail -20

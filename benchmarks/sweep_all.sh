@@ -12,13 +12,9 @@ set -u
 dest=${1:?usage: bash benchmarks/sweep_all.sh OUTDIR [GEMM_MS] [MOE_TS]}
 ms=${2:-1,16,32}
 ts=${3:-1,16}
-mkdir -p "$dest"
-dest=$(cd "$dest" && pwd)
-out=$(mktemp -d)
+source "$(dirname "$0")/device_out.sh"
+device_outputs sweep_all "$dest"
 cd "$(dirname "$0")/.."
-exec > >(tee "$dest/sweep_all.log") 2>&1
-trap 'tar -czf "$dest/sweep_all.tar.gz" -C "$out" . && rm -rf "$out"' EXIT
-step() { echo "== $(date -u +%H:%M:%S) $*"; }
 failed() { echo "   (exit $1; the end of $2:)"; tail -5 "$2" | sed 's/^/   /'; }
 step "Triton GPU tests"
 timeout 150 python -m pytest tests/gpu/test_triton_fp4.py -m gpu -q -x 2>&1 | tail -3
