@@ -216,18 +216,16 @@ def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int
     flat = weight.reshape(-1, half_k)
     out = torch.empty((flat.shape[0], kp // 2), dtype=torch.uint8, device=weight.device)
     scale_bits = weight_scale.reshape(-1, k // nvfp4.BLOCK).view(torch.uint8)
-    nan = (scale_bits & 0x7F) == 0x7F
+    magnitude = scale_bits & 0x7F  # the e4m3 scale without its sign: what the kernels get
+    nan = magnitude == 0x7F
     if bool(nan.any()):
         row, block = (int(i) for i in nan.nonzero()[0])
         raise ValueError(f"NVFP4 block scales: {int(nan.sum())} of {nan.numel()} are NaN (the first at flattened row "
                          f"{row}, block {block} of the [..., N, K/16] scale tensor {tuple(weight_scale.shape)}); "
                          "the checkpoint is corrupt: re-export it")
-    zero_block = (scale_bits & 0x7F) == 0
-    negative = (scale_bits & 0x80) != 0
-    flip = negative & ~zero_block
+    zero_block = magnitude == 0
+    flip = ((scale_bits & 0x80) != 0) & ~zero_block  # negative blocks: their codes change sign instead
     any_flip = bool(flip.any())
-    if bool(negative.any()):
-        scale_bits = scale_bits & 0x7F
     for r0 in range(0, flat.shape[0], chunk_rows):
         codes = nvfp4.unpack(flat[r0 : r0 + chunk_rows]).to(torch.int32)
         codes.masked_fill_(zero_block[r0 : r0 + chunk_rows].repeat_interleave(nvfp4.BLOCK, dim=1), 0)
@@ -242,7 +240,7 @@ def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int
             for bit, pos in zip((3, 2, 1, 0), bits):
                 units |= ((cs >> bit) & 1) << pos
         out[r0 : r0 + chunk_rows] = torch.stack([units & 0xFF, units >> 8], dim=-1).flatten(1).to(torch.uint8)
-    scale = scale_bits.view(torch.float8_e4m3fn)
+    scale = magnitude.view(torch.float8_e4m3fn)
     if kp != k:
         scale = torch.cat([scale, scale.new_zeros(scale.shape[0], (kp - k) // nvfp4.BLOCK)], dim=1)
     return out.view(*lead, n, kp // 2), scale.contiguous().view(*lead, n, kp // nvfp4.BLOCK)
