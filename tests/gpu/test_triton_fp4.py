@@ -61,7 +61,7 @@ def reference(x: torch.Tensor, w: Fp4Weight) -> torch.Tensor:
 # --- GEMM ------------------------------------------------------------------------------------------
 
 # One M per tile bucket (and past the last), with N and K that are not multiples of the tiles.
-GEMM_CASES = [(m, n, k) for m in (1, 4, 8, 16, 32, 64, 200, 1024, 5000) for n, k in ((1000, 4112), (4096, 1024))]
+GEMM_CASES = [(m, n, k) for m in (1, 4, 8, 16, 24, 32, 64, 200, 1024, 5000) for n, k in ((1000, 4112), (4096, 1024))]
 
 
 @pytest.mark.parametrize("m,n,k", GEMM_CASES)
@@ -85,6 +85,7 @@ VARIANTS = [
     TileConfig(block_m=16, block_n=64, block_k=256, w_as_a=True, asm=True, num_stages=4),
     TileConfig(block_m=16, block_n=64, block_k=256, w_as_a=True, asm=True, one_dot=True),
     TileConfig(block_m=16, block_n=128, block_k=512, w_as_a=True, asm=False, one_dot=True),
+    TileConfig(block_m=32, block_n=64, block_k=256, w_as_a=True, asm=True, one_dot=True),
     TileConfig(block_m=64, block_n=128, block_k=128, w_as_a=True, asm=True, one_dot=True),
     TileConfig(block_m=16, block_n=32, block_k=128, w_as_a=False, asm=True, num_stages=3),
     TileConfig(block_m=16, block_n=64, block_k=256, w_as_a=True, asm=False, num_stages=3),

@@ -29,6 +29,11 @@ whole groups, so it converts a quarter of the scales; see `triton_k32.quad_k`).
 # geometric mean over the six shapes 12.02 -> 11.12 us at M = 1, 13.60 -> 12.58 at M = 16. The 64-row
 # bucket keeps the plain count: balanced, its GEMMs were faster alone (M = 32: qkv 14.3 against 16.5 us)
 # but the batch-32 decode step slower (replay 5.32 / 5.34 ms against 5.20, same session).
+# The 32-row bucket (M = 17..32) was added in the twelfth session (`--sweep --sweep-m 1,16,32`, branch
+# exp/s11-combined): a 32-row one_dot tile with block_k 256 against the 64-row tile that those Ms took
+# before (half its rows were padding). Batch-32 decode replay 5.188 -> 3.941 ms and 5.188 -> 3.958
+# (interleaved in one call, 512 tokens); M = 32 gate_up 36.5 us. The wave-balanced variants that sweep
+# tried (block_k 128) were slower (gate_up 44 us).
 FP4_GEMM_TILES = [
     dict(max_m=8, kind="fused", block_m=8, block_n=64, block_k=256, group_m=1, num_warps=4,
          num_stages=3, w_as_a=True, asm=True, one_dot=False, target_ctas=396, max_split=16, two_acc=True,
@@ -36,6 +41,8 @@ FP4_GEMM_TILES = [
     dict(max_m=16, kind="fused", block_m=16, block_n=64, block_k=256, group_m=1, num_warps=4,
          num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=396, max_split=16,
          balance_waves=True, min_split_iters=4),
+    dict(max_m=32, kind="fused", block_m=32, block_n=64, block_k=256, group_m=1, num_warps=4,
+         num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=264, max_split=8),
     dict(max_m=64, kind="fused", block_m=64, block_n=64, block_k=128, group_m=1, num_warps=4,
          num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=264, max_split=8),
     dict(max_m=256, kind="fused", block_m=64, block_n=128, block_k=128, group_m=8, num_warps=8,
