@@ -46,7 +46,7 @@ SHAPES = {  # name: (N, K)
 }
 MS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
 # The M at which each bucket of the table is tuned, and the bucket's upper bound.
-BUCKETS = [(1, 8), (16, 16), (64, 64), (256, 256), (1024, 1024), (16384, None)]
+BUCKETS = [(1, 8), (16, 16), (32, 32), (64, 64), (256, 256), (1024, 1024), (16384, None)]
 
 
 def random_weights(n: int, k: int, copies: int, gen: torch.Generator):
@@ -185,6 +185,15 @@ def candidates(m: int) -> list[dict]:
         for target, min_iters in ((264, 2), (396, 2), (396, 4)):  # the shipped tile, wave-balanced splits
             out.append(dict(block_m=m, block_n=64, block_k=128, num_stages=3, w_as_a=True, one_dot=True,
                             target_ctas=target, max_split=8, balance_waves=True, min_split_iters=min_iters))
+        # twelfth session: wave-balanced splits of the block_k 256 tile (the 32-row bucket's winner), and
+        # at M = 64 two 32-row tiles (the weights read twice, half the rows of work per program)
+        for target, min_iters in ((264, 2), (396, 4)):
+            out.append(dict(block_m=m, block_n=64, block_k=256, num_stages=3, w_as_a=True, one_dot=True,
+                            target_ctas=target, max_split=8, balance_waves=True, min_split_iters=min_iters))
+        if m > 32:
+            for target in (264, 528):
+                out.append(dict(block_m=32, block_n=64, block_k=256, num_stages=3, w_as_a=True, one_dot=True,
+                                target_ctas=target, max_split=8))
     elif m <= 256:
         for bm, bn, bk, wa, od in ((64, 128, 128, True, False), (128, 128, 128, True, False),
                                    (64, 256, 64, True, False), (64, 128, 128, True, True),
