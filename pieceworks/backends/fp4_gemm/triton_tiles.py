@@ -27,13 +27,16 @@ whole groups, so it converts a quarter of the scales; see `triton_k32.quad_k`).
 # weight against 3.94), four dots per K tile into two accumulators (`two_acc`).
 # The 8- and 16-row buckets take wave-balanced split counts (tenth session, `--sweep --sweep-m 1,16,64`):
 # geometric mean over the six shapes 12.02 -> 11.12 us at M = 1, 13.60 -> 12.58 at M = 16. The 64-row
-# bucket keeps the plain count: balanced, its GEMMs were faster alone (M = 32: qkv 14.3 against 16.5 us)
-# but the batch-32 decode step slower (replay 5.32 / 5.34 ms against 5.20, same session).
+# bucket kept the plain count then: balanced, its GEMMs were faster alone (M = 32: qkv 14.3 against 16.5
+# us) but the batch-32 decode step slower (replay 5.32 / 5.34 ms against 5.20, same session).
 # The 32-row bucket (M = 17..32) was added in the twelfth session (`--sweep --sweep-m 1,16,32`, branch
 # exp/s11-combined): a 32-row one_dot tile with block_k 256 against the 64-row tile that those Ms took
 # before (half its rows were padding). Batch-32 decode replay 5.188 -> 3.941 ms and 5.188 -> 3.958
-# (interleaved in one call, 512 tokens); M = 32 gate_up 36.5 us. The wave-balanced variants that sweep
-# tried (block_k 128) were slower (gate_up 44 us).
+# (interleaved in one call, 512 tokens); M = 32 gate_up 36.5 us. A second sweep the same session
+# (`--sweep --sweep-m 32,64`) gave both buckets wave-balanced splits (block_k 256 for 32 rows; the
+# 64-row bucket, now M = 33..64 only, at 396 programs): geometric mean 16.86 -> 15.70 us at M = 32 and
+# 24.02 -> 23.43 at M = 64; decode replay, interleaved: batch 32 3.948 / 3.937 -> 3.844 / 3.853 ms, batch
+# 64 5.892 / 5.896 -> 5.758 / 5.794. Two 32-row tiles at M = 64 (weights read twice): 23.69.
 FP4_GEMM_TILES = [
     dict(max_m=8, kind="fused", block_m=8, block_n=64, block_k=256, group_m=1, num_warps=4,
          num_stages=3, w_as_a=True, asm=True, one_dot=False, target_ctas=396, max_split=16, two_acc=True,
@@ -42,9 +45,11 @@ FP4_GEMM_TILES = [
          num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=396, max_split=16,
          balance_waves=True, min_split_iters=4),
     dict(max_m=32, kind="fused", block_m=32, block_n=64, block_k=256, group_m=1, num_warps=4,
-         num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=264, max_split=8),
+         num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=264, max_split=8,
+         balance_waves=True, min_split_iters=2),
     dict(max_m=64, kind="fused", block_m=64, block_n=64, block_k=128, group_m=1, num_warps=4,
-         num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=264, max_split=8),
+         num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=396, max_split=8,
+         balance_waves=True, min_split_iters=4),
     dict(max_m=256, kind="fused", block_m=64, block_n=128, block_k=128, group_m=8, num_warps=8,
          num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=132, max_split=4),
     dict(max_m=1024, kind="dequant"),
