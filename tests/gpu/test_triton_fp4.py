@@ -182,7 +182,7 @@ def test_gemm_cuda_graph_replay_matches_eager(m):
     assert not torch.equal(out, eager)  # the replay read the new input
 
 
-@pytest.mark.parametrize("m", [1, 7, 16, 64, 256, 1024])
+@pytest.mark.parametrize("m", [1, 7, 16, 24, 64, 256, 1024])
 @pytest.mark.parametrize("inter", [1536, 5632])
 def test_gemm_swiglu_same_bits_as_gemm_then_silu_mul(m, inter):
     """forward_swiglu on the interleaved weight == forward on the plain one, then the silu_mul op: every
@@ -213,7 +213,7 @@ def _rope_angles(m, half, gen):
     return ang.cos(), ang.sin()
 
 
-@pytest.mark.parametrize("m", [1, 7, 16, 64, 256, 1024])
+@pytest.mark.parametrize("m", [1, 7, 16, 24, 64, 256, 1024])
 @pytest.mark.parametrize("heads", [(32, 8, 128), (6, 2, 64)])
 def test_gemm_qkv_rope_same_bits_as_gemm_then_rope_qk(m, heads):
     """forward_qkv_rope on the pair-interleaved weight == forward on the plain one, then the rope_qk op
