@@ -33,50 +33,12 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-_DECODE_ASM = gl.constexpr("""{
-    .reg .b32 t0, t1, t2, t3;
-    and.b32 t0, $4, 0x81C081C0;
-    mul.rn.bf16x2 $0, t0, $5;
-    shl.b32 t1, $4, 3;
-    and.b32 t1, t1, 0x81C081C0;
-    mul.rn.bf16x2 $1, t1, $5;
-    shl.b32 t2, $4, 6;
-    and.b32 t2, t2, 0x81C081C0;
-    mul.rn.bf16x2 $2, t2, $6;
-    and.b32 t3, $4, 0x6C006C00;
-    shr.b32 t3, t3, 7;
-    mul.lo.u32 t3, t3, 2081;
-    and.b32 t3, t3, 0x81C081C0;
-    mul.rn.bf16x2 $3, t3, $6;
-}""")
+from pieceworks.backends.fp4_gemm import triton_k32  # noqa: E402
 
-_SCALE_ASM = gl.constexpr("""{
-    .reg .b32 h;
-    cvt.rn.f16x2.e4m3x2 h, $2;
-    shr.b32 h, h, 3;
-    or.b32 h, h, 0x70007000;
-    mov.b32 {$0, $1}, h;
-}""")
+# the k32 decode (triton_k32.py): the same PTX serves a pair of int16 units (pack=2) and an int32 word
+_DECODE_ASM = gl.constexpr(triton_k32._DECODE_ASM.value)
+_SCALE_ASM = gl.constexpr(triton_k32._SCALE_ASM.value)
 
-
-_DECODE32_ASM = gl.constexpr("""{
-    .reg .b32 t0, t1, t2, t3;
-    and.b32 t0, $4, 0x81C081C0;
-    mul.rn.bf16x2 $0, t0, $5;
-    shl.b32 t1, $4, 3;
-    and.b32 t1, t1, 0x81C081C0;
-    mul.rn.bf16x2 $1, t1, $5;
-    shl.b32 t2, $4, 6;
-    and.b32 t2, t2, 0x81C081C0;
-    mul.rn.bf16x2 $2, t2, $6;
-    and.b32 t3, $4, 0x6C006C00;
-    shr.b32 t3, t3, 7;
-    mul.lo.u32 t3, t3, 2081;
-    and.b32 t3, t3, 0x81C081C0;
-    mul.rn.bf16x2 $3, t3, $6;
-}""")
-
-# scale pair (int16 as the low half of an int32 element) -> two bf16x2 multipliers [s_a, s_a], [s_b, s_b]
 _SCALE32_ASM = gl.constexpr("""{
     .reg .b32 h, lo, hi;
     .reg .b16 l16, h16;
@@ -87,6 +49,19 @@ _SCALE32_ASM = gl.constexpr("""{
     mov.b32 $0, {l16, l16};
     mov.b32 $1, {h16, h16};
 }""")
+
+
+# Layouts (64 weight rows x 4 warps, 8 x rows): the mma.sync m16n8k16 accumulator and operands; LW the
+# weights' memory order p = 16t + 4b + 2e + h as int16 units, L32 the same as int32 words (q = p >> 1).
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8]))
+LA = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
+LB = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))
+LW = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]], lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64]))
+L32 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]], lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 32]))
 
 _SPLIT_ASM = gl.constexpr("mov.b32 {$0, $1}, $2;")
 
@@ -111,13 +86,6 @@ def _relabel(v, LA: gl.constexpr):
 @gluon.jit
 def probe_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, stride_x, stride_w, stride_s, stride_y, num_iters,
                  DEPTH: gl.constexpr, XPF: gl.constexpr):
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
-    LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    LW: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
-        lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64])
     LS: gl.constexpr = gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
         lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
@@ -206,17 +174,6 @@ def probe_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, stride_x, stride_w, stri
 def probe32_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, stride_x, stride_w, stride_s, stride_y, num_iters,
                    DEPTH: gl.constexpr, XPF: gl.constexpr):
     """As probe_kernel, with the weights loaded and carried as int32 words (two units each)."""
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
-    LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    LW: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
-        lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64])
-    L32: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
-        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 32])
 
     n0 = gl.program_id(0) * 64
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, L32))
@@ -249,7 +206,7 @@ def probe32_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, stride_x, stride_w, st
         s_a, s_b = gl.inline_asm_elementwise(asm=_SCALE32_ASM, constraints="=r,=r,h", args=[s],
                                              dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
         v0, v1, v2, v3 = gl.inline_asm_elementwise(
-            asm=_DECODE32_ASM, constraints="=r,=r,=r,=r,r,r,r", args=[w, s_a, s_b],
+            asm=_DECODE_ASM, constraints="=r,=r,=r,=r,r,r,r", args=[w, s_a, s_b],
             dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
         acc_a = mma_v2(_relabel(_halves(v0, LW), LA), x0, acc_a)
         acc_b = mma_v2(_relabel(_halves(v1, LW), LA), x1, acc_b)
@@ -283,7 +240,7 @@ def _body(acc_a, acc_b, w, s, x_ptrs, xo, LA: gl.constexpr, LW: gl.constexpr):
     s_a, s_b = gl.inline_asm_elementwise(asm=_SCALE32_ASM, constraints="=r,=r,h", args=[s],
                                          dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
     v0, v1, v2, v3 = gl.inline_asm_elementwise(
-        asm=_DECODE32_ASM, constraints="=r,=r,=r,=r,r,r,r", args=[w, s_a, s_b],
+        asm=_DECODE_ASM, constraints="=r,=r,=r,=r,r,r,r", args=[w, s_a, s_b],
         dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
     acc_a = mma_v2(_relabel(_halves(v0, LW), LA), x0, acc_a)
     acc_b = mma_v2(_relabel(_halves(v1, LW), LA), x1, acc_b)
@@ -298,17 +255,6 @@ def probe3_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, stride_x, stride_w, str
     """probe32 with the K loop unrolled by 3 over three weight buffers (no register moves): each buffer is
     reloaded right after its tile is used, for the tile three iterations later. num_iters % 3 == 0 is not
     required: a remainder loop runs the last iterations one at a time."""
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
-    LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    LW: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
-        lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64])
-    L32: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
-        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 32])
 
     n0 = gl.program_id(0) * 64
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, L32))
@@ -374,7 +320,7 @@ def _body4(acc_a, acc_b, w, s, x_ptrs, xo, LA: gl.constexpr, LB: gl.constexpr, L
     s_a = gl.convert_layout(gl.reshape(gl.join(s_a, s_a), [64, 32]), L32)
     s_b = gl.convert_layout(gl.reshape(gl.join(s_b, s_b), [64, 32]), L32)
     v0, v1, v2, v3 = gl.inline_asm_elementwise(
-        asm=_DECODE32_ASM, constraints="=r,=r,=r,=r,r,r,r", args=[w, s_a, s_b],
+        asm=_DECODE_ASM, constraints="=r,=r,=r,=r,r,r,r", args=[w, s_a, s_b],
         dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
     acc_a = mma_v2(_relabel(_halves(v0, LW), LA), x0, acc_a)
     acc_b = mma_v2(_relabel(_halves(v1, LW), LA), x1, acc_b)
@@ -389,17 +335,6 @@ def probe4_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, stride_x, stride_w, str
     """Unit order v2 (permute_units_v2): thread t of a quad holds units 4 (t & 1) .. + 3 of groups
     4 (t >> 1) + b, so x comes in 8-byte loads and each thread converts 4 scales per row, not 8. The
     K loop unrolled by 2 over two weight buffers, each reloaded right after its tile is used."""
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
-    LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    LW: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
-        lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64])
-    L32: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
-        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 32])
     LS: gl.constexpr = gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [8, 0]],
         lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
