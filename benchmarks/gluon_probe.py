@@ -492,7 +492,11 @@ def sass_report(which: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] not in ("sass", "run"):
+        sys.exit(__doc__)
     if sys.argv[1] == "sass":
         sass_report(sys.argv[2] if len(sys.argv) > 2 else "4")
+    elif not torch.cuda.is_available():
+        sys.exit("gluon_probe.py run needs a CUDA GPU (sm_80 or newer); `sass` compiles without one")
     else:
         run("--all" in sys.argv)
