@@ -67,6 +67,34 @@ _SPLIT_ASM = gl.constexpr("mov.b32 {$0, $1}, $2;")
 
 
 @gluon.jit
+def _x_ptrs(x_ptr, M, stride_x):
+    # x for slot j at + 8 j: x[m, 32 (c // 8) + 8 j + c % 8], c the MMA K index (unit order v1); rows
+    # past M read row M - 1 (no masks: their outputs are not stored)
+    cb = gl.arange(0, 64, layout=gl.SliceLayout(1, LB))
+    mb = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))
+    return x_ptr + gl.minimum(mb, M - 1)[None, :] * stride_x + (32 * (cb // 8) + cb % 8)[:, None]
+
+
+@gluon.jit
+def _ws_ptrs32(w_ptr, s_ptr, n0, stride_w, stride_s):
+    # int32 weight words [64, 32] (q = p >> 1 = 8t + g) and the int16 scale pair of each word's group
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, L32))
+    q = gl.arange(0, 32, layout=gl.SliceLayout(0, L32))
+    w_ptrs = w_ptr + (n0 + r).to(gl.int64)[:, None] * stride_w + q[None, :]
+    s_ptrs = s_ptr + (n0 + r).to(gl.int64)[:, None] * stride_s + (q % 8)[None, :]
+    return w_ptrs, s_ptrs
+
+
+@gluon.jit
+def _store(acc_a, acc_b, gs_ptr, y_ptr, n0, M, stride_y):
+    acc = (acc_a + acc_b) * (gl.load(gs_ptr) * 16384.0)
+    rn = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    mo = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    y_ptrs = y_ptr + mo[None, :] * stride_y + (n0 + rn)[:, None]
+    gl.store(y_ptrs, acc.to(gl.bfloat16), mask=(mo < M)[None, :])
+
+
+@gluon.jit
 def _halves(v, LW: gl.constexpr):
     # int32 [64, 32] of bf16 pairs -> bf16 [64, 64] in memory order (p = 2q + h)
     lo, hi = gl.inline_asm_elementwise(asm=_SPLIT_ASM, constraints="=h,=h,r", args=[v],
@@ -98,11 +126,7 @@ def probe_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, stride_x, stride_w, stri
     rs = gl.arange(0, 64, layout=gl.SliceLayout(1, LS))
     qs = gl.arange(0, 32, layout=gl.SliceLayout(0, LS))
     s_ptrs = s_ptr + (n0 + rs).to(gl.int64)[:, None] * stride_s + (qs % 8)[None, :]
-    # x for slot j: x[m, 32 (c // 8) + 8 j + c % 8], c the MMA K index
-    cb = gl.arange(0, 64, layout=gl.SliceLayout(1, LB))
-    mb = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))
-    # rows past M read row M - 1 (no masks: their outputs are not stored)
-    x_ptrs = x_ptr + gl.minimum(mb, M - 1)[None, :] * stride_x + (32 * (cb // 8) + cb % 8)[:, None]
+    x_ptrs = _x_ptrs(x_ptr, M, stride_x)
 
     acc_a = gl.zeros([64, 8], gl.float32, MMA)
     acc_b = gl.zeros([64, 8], gl.float32, MMA)
@@ -163,11 +187,7 @@ def probe_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, stride_x, stride_w, stri
             x1 = y1
             x2 = y2
             x3 = y3
-    acc = (acc_a + acc_b) * (gl.load(gs_ptr) * 16384.0)
-    rn = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-    mo = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    y_ptrs = y_ptr + mo[None, :] * stride_y + (n0 + rn)[:, None]
-    gl.store(y_ptrs, acc.to(gl.bfloat16), mask=(mo < M)[None, :])
+    _store(acc_a, acc_b, gs_ptr, y_ptr, n0, M, stride_y)
 
 
 @gluon.jit
@@ -176,13 +196,8 @@ def probe32_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, stride_x, stride_w, st
     """As probe_kernel, with the weights loaded and carried as int32 words (two units each)."""
 
     n0 = gl.program_id(0) * 64
-    r = gl.arange(0, 64, layout=gl.SliceLayout(1, L32))
-    q = gl.arange(0, 32, layout=gl.SliceLayout(0, L32))
-    w_ptrs = w_ptr + (n0 + r).to(gl.int64)[:, None] * stride_w + q[None, :]
-    s_ptrs = s_ptr + (n0 + r).to(gl.int64)[:, None] * stride_s + (q % 8)[None, :]
-    cb = gl.arange(0, 64, layout=gl.SliceLayout(1, LB))
-    mb = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))
-    x_ptrs = x_ptr + gl.minimum(mb, M - 1)[None, :] * stride_x + (32 * (cb // 8) + cb % 8)[:, None]
+    w_ptrs, s_ptrs = _ws_ptrs32(w_ptr, s_ptr, n0, stride_w, stride_s)
+    x_ptrs = _x_ptrs(x_ptr, M, stride_x)
 
     acc_a = gl.zeros([64, 8], gl.float32, MMA)
     acc_b = gl.zeros([64, 8], gl.float32, MMA)
@@ -224,11 +239,7 @@ def probe32_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, stride_x, stride_w, st
             s = s1
             w1 = w_next
             s1 = s_next
-    acc = (acc_a + acc_b) * (gl.load(gs_ptr) * 16384.0)
-    rn = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-    mo = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    y_ptrs = y_ptr + mo[None, :] * stride_y + (n0 + rn)[:, None]
-    gl.store(y_ptrs, acc.to(gl.bfloat16), mask=(mo < M)[None, :])
+    _store(acc_a, acc_b, gs_ptr, y_ptr, n0, M, stride_y)
 
 
 @gluon.jit
@@ -257,13 +268,8 @@ def probe3_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, stride_x, stride_w, str
     required: a remainder loop runs the last iterations one at a time."""
 
     n0 = gl.program_id(0) * 64
-    r = gl.arange(0, 64, layout=gl.SliceLayout(1, L32))
-    q = gl.arange(0, 32, layout=gl.SliceLayout(0, L32))
-    w_ptrs = w_ptr + (n0 + r).to(gl.int64)[:, None] * stride_w + q[None, :]
-    s_ptrs = s_ptr + (n0 + r).to(gl.int64)[:, None] * stride_s + (q % 8)[None, :]
-    cb = gl.arange(0, 64, layout=gl.SliceLayout(1, LB))
-    mb = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))
-    x_ptrs = x_ptr + gl.minimum(mb, M - 1)[None, :] * stride_x + (32 * (cb // 8) + cb % 8)[:, None]
+    w_ptrs, s_ptrs = _ws_ptrs32(w_ptr, s_ptr, n0, stride_w, stride_s)
+    x_ptrs = _x_ptrs(x_ptr, M, stride_x)
 
     acc_a = gl.zeros([64, 8], gl.float32, MMA)
     acc_b = gl.zeros([64, 8], gl.float32, MMA)
@@ -292,11 +298,7 @@ def probe3_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, stride_x, stride_w, str
         acc_a, acc_b = _body(acc_a, acc_b, w0, s0, x_ptrs, 256 * main_iters, LA, LW)
     if main_iters + 1 < num_iters:
         acc_a, acc_b = _body(acc_a, acc_b, w1, s1, x_ptrs, 256 * (main_iters + 1), LA, LW)
-    acc = (acc_a + acc_b) * (gl.load(gs_ptr) * 16384.0)
-    rn = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-    mo = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    y_ptrs = y_ptr + mo[None, :] * stride_y + (n0 + rn)[:, None]
-    gl.store(y_ptrs, acc.to(gl.bfloat16), mask=(mo < M)[None, :])
+    _store(acc_a, acc_b, gs_ptr, y_ptr, n0, M, stride_y)
 
 
 @gluon.jit
@@ -376,11 +378,7 @@ def probe4_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, stride_x, stride_w, str
         s1 = gl.load(s_ptrs + 8 * a3)
     if main_iters < num_iters:
         acc_a, acc_b = _body4(acc_a, acc_b, w0, s0, x_ptrs, 256 * main_iters, LA, LB, LW, L32)
-    acc = (acc_a + acc_b) * (gl.load(gs_ptr) * 16384.0)
-    rn = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-    mo = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    y_ptrs = y_ptr + mo[None, :] * stride_y + (n0 + rn)[:, None]
-    gl.store(y_ptrs, acc.to(gl.bfloat16), mask=(mo < M)[None, :])
+    _store(acc_a, acc_b, gs_ptr, y_ptr, n0, M, stride_y)
 
 
 def permute_units_v2(w_units: torch.Tensor) -> torch.Tensor:
