@@ -360,7 +360,6 @@ def markdown(results) -> str:
 
 
 def main() -> None:
-    global SCALES
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=".")
     parser.add_argument("--sweep", action="store_true", help="tune the tile table first")
@@ -376,6 +375,7 @@ def main() -> None:
                         help="block scales as the kernels read them (backends.options.triton.scales; default "
                              "%(default)s); bandwidth is counted over NVFP4's bytes either way")
     args = parser.parse_args()
+    global SCALES
     SCALES = args.scales
     from pieceworks.backends import pdl
 

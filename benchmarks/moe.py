@@ -203,7 +203,6 @@ def sweep(bench: Bench, gen, only_t=None) -> list[dict]:
 
 
 def main() -> None:
-    global SCALES
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=".")
     parser.add_argument("--sweep", action="store_true")
@@ -218,6 +217,7 @@ def main() -> None:
                         help="block scales as the kernels read them (backends.options.triton.scales; default "
                              "%(default)s); bandwidth is counted over NVFP4's bytes either way")
     args = parser.parse_args()
+    global SCALES
     SCALES = args.scales
     from pieceworks.backends import pdl
 
