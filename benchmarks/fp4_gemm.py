@@ -28,11 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from pieceworks.backends.base import BackendSpec  # noqa: E402
 from pieceworks.backends.fp4_gemm.triton import (  # noqa: E402
     TileConfig,
-    MULTIPLIER_BIAS,
     TritonFp4GemmBackend,
-    TritonTileOptions,
     choose_split_k,
-    multipliers_bf16,
     parse_table,
 )
 from pieceworks.quant import nvfp4  # noqa: E402
@@ -50,18 +47,14 @@ SHAPES = {  # name: (N, K)
 MS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
 # The M at which each bucket of the table is tuned, and the bucket's upper bound.
 BUCKETS = [(1, 8), (16, 16), (32, 32), (64, 64), (256, 256), (1024, 1024), (16384, None)]
-SCALES = TritonTileOptions.scales  # the scale format of the weights timed (--scales; the library's default)
 
 
-def random_weights(n: int, k: int, copies: int, gen: torch.Generator, scales: str | None = None):
-    """`copies` independent k32-layout NVFP4 weights (random bytes are random codes in any layout), their
-    block scales in the format `scales` (default SCALES; "e4m3" is also the checkpoint's)."""
+def random_weights(n: int, k: int, copies: int, gen: torch.Generator):
+    """`copies` independent k32-layout NVFP4 weights (random bytes are random codes in any layout)."""
     out = []
     for _ in range(copies):
         w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
         s = (torch.rand(n, k // 16, device="cuda", generator=gen) * 2 + 0.05).to(torch.float8_e4m3fn)
-        if (scales or SCALES) == "bf16":
-            s = multipliers_bf16(s)
         gs = torch.tensor(0.01, device="cuda")
         out.append((w, s, gs))
     return out
@@ -98,7 +91,6 @@ def graph_time(call, n_calls: int, replays: int = 7) -> float:
 
 
 def fp4_bytes(m: int, n: int, k: int) -> int:
-    """The call's bytes in NVFP4 (the checkpoint's 1-byte scales, whatever --scales keeps in memory)."""
     return n * k // 2 + n * k // 16 + m * k * 2 + m * n * 2
 
 
@@ -109,8 +101,7 @@ def check_once(backend, x, w, n) -> float:
     weight, scale, gs = w
     k = x.shape[1]
     codes = unpack_k32(weight, k)
-    s = scale.float() / MULTIPLIER_BIAS if scale.dtype == torch.bfloat16 else scale.float()
-    wd = (nvfp4.e2m1_decode(codes) * (s * gs).repeat_interleave(16, 1)).to(torch.bfloat16)
+    wd = (nvfp4.e2m1_decode(codes) * (scale.float() * gs).repeat_interleave(16, 1)).to(torch.bfloat16)
     ref = (x @ wd.t()).float()
     y = backend.forward(x, weight, scale, gs, gs, n).float()
     return float((y - ref).norm() / ref.norm())
@@ -220,11 +211,9 @@ def candidates(m: int) -> list[dict]:
 
 
 def _compile_job(job):
-    cfg, n, k, m, split, scales = job
+    cfg, n, k, m, split = job
     from pieceworks.backends.fp4_gemm import triton_kernels
 
-    global SCALES
-    SCALES = scales  # a spawned worker: the parent's --scales
     torch.cuda.set_device(0)
     gen = torch.Generator("cuda").manual_seed(0)
     (w, s, gs), = random_weights(n, k, 1, gen)
@@ -244,7 +233,7 @@ def precompile(jobs, workers: int) -> list[str]:
 
     seen, unique = set(), []
     for job in jobs:
-        cfg, n, k, m, split, _ = job
+        cfg, n, k, m, split = job
         kp = -(-k // 512) * 512
         # What Triton specializes on: the constexprs (split or not, even K), not the sizes.
         key = json.dumps([cfg, split > 1, k == kp], sort_keys=True)
@@ -262,7 +251,7 @@ def sweep_jobs(buckets) -> list:
             tile = TileConfig(**cand)
             for n, k in SHAPES.values():
                 if tile.kind == "fused":
-                    jobs.append((cand, n, k, m_tune, choose_split_k(tile, m_tune, n, k), SCALES))
+                    jobs.append((cand, n, k, m_tune, choose_split_k(tile, m_tune, n, k)))
     return jobs
 
 
@@ -371,12 +360,7 @@ def main() -> None:
     parser.add_argument("--pdl", default="off", choices=("auto", "on", "off"),
                         help="programmatic dependent launch of the Triton kernels (runtime.pdl; default off: "
                              "each call timed on its own, as the bf16 baseline)")
-    parser.add_argument("--scales", default=SCALES, choices=("bf16", "e4m3"),
-                        help="block scales as the kernels read them (backends.options.triton.scales; default "
-                             "%(default)s); bandwidth is counted over NVFP4's bytes either way")
     args = parser.parse_args()
-    global SCALES
-    SCALES = args.scales
     from pieceworks.backends import pdl
 
     print("pdl:", pdl.configure(args.pdl, "cuda"), flush=True)

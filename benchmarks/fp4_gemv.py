@@ -56,7 +56,7 @@ from fp4_gemm import (  # noqa: E402
     weights_for,
 )
 
-from pieceworks.backends.fp4_gemm.triton import parse_table, scale_pairs, unpack_k32  # noqa: E402
+from pieceworks.backends.fp4_gemm.triton import parse_table, unpack_k32  # noqa: E402
 from pieceworks.backends.fp4_gemm.triton_k32 import OUT_BIAS, decode_tile  # noqa: E402
 from pieceworks.quant import nvfp4  # noqa: E402
 
@@ -151,7 +151,7 @@ def fp4_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         return out
     assert M <= 8 and Kp % block_k == 0, (M, Kp, block_k)
     _fp4_gemv_kernel[(triton.cdiv(N, block_n),)](
-        x, weight.view(torch.int16), scale_pairs(weight_scale), weight_scale_2, out,
+        x, weight.view(torch.int16), weight_scale.view(torch.int16), weight_scale_2, out,
         M, N, K, x.stride(0), weight.stride(0) // 2, weight_scale.stride(0) // 2, out.stride(0), Kp // block_k,
         BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=K == Kp, BF16_PARTIAL=bf16_partial, USE_ASM=use_asm, num_warps=num_warps, num_stages=1,

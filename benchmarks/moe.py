@@ -28,12 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fp4_gemm import HBM, graph_time  # noqa: E402
 
 from pieceworks.backends.base import BackendSpec  # noqa: E402
-from pieceworks.backends.fp4_gemm.triton import (  # noqa: E402
-    TileConfig,
-    TritonTileOptions,
-    multipliers_bf16,
-    parse_table,
-)
+from pieceworks.backends.fp4_gemm.triton import TileConfig, parse_table  # noqa: E402
 from pieceworks.backends.moe.base import MoEWeights  # noqa: E402
 from pieceworks.backends.moe.routing import deepseek_route  # noqa: E402
 from pieceworks.backends.moe.triton import TritonMoEBackend, num_aligned_blocks  # noqa: E402
@@ -41,9 +36,8 @@ from pieceworks.backends.moe.triton import TritonMoEBackend, num_aligned_blocks 
 E, H, I, TOPK, GROUPS, TOPK_GROUP, SCALE = 256, 7168, 2048, 8, 8, 4, 2.5
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
 BUCKETS = [(1, 4), (16, 16), (64, 64), (256, 256), (1024, 1024), (16384, None)]
-EXPERT_BYTES = (2 * I * H + H * I) * (0.5 + 1 / 16)  # in NVFP4 (1-byte scales), whatever --scales keeps
+EXPERT_BYTES = (2 * I * H + H * I) * (0.5 + 1 / 16)
 DRAWS = 8
-SCALES = TritonTileOptions.scales  # the scale format of the experts timed (--scales; the library's default)
 
 
 def random_moe(gen) -> MoEWeights:
@@ -51,7 +45,7 @@ def random_moe(gen) -> MoEWeights:
     def mat(rows, cols):
         w = torch.randint(0, 256, (E, rows, cols // 2), dtype=torch.uint8, device="cuda", generator=gen)
         s = (torch.rand(E, rows, cols // 16, device="cuda", generator=gen) * 2 + 0.05).to(torch.float8_e4m3fn)
-        return w, multipliers_bf16(s) if SCALES == "bf16" else s
+        return w, s
 
     w13, s13 = mat(2 * I, H)
     w2, s2 = mat(H, I)
@@ -96,10 +90,8 @@ def candidates(t: int) -> list[dict]:
             for bm, bn, bk in ((64, 128, 128), (128, 128, 64), (128, 128, 128), (64, 256, 128))]
 
 
-def _compile_job(job):
-    """Compile both grouped GEMMs of one tile config on a 16-expert copy of the layer's shapes, with
-    block scales of the format `scales` (the parent's --scales)."""
-    cand, scales = job
+def _compile_job(cand):
+    """Compile both grouped GEMMs of one tile config on a 16-expert copy of the layer's shapes."""
     from pieceworks.backends.moe import triton_kernels as mk
 
     torch.cuda.set_device(0)
@@ -109,8 +101,6 @@ def _compile_job(job):
     s13 = torch.ones(e, 2 * I, H // 16, device="cuda").to(torch.float8_e4m3fn)
     w2 = torch.randint(0, 256, (e, H, I // 2), dtype=torch.uint8, device="cuda", generator=gen)
     s2 = torch.ones(e, H, I // 16, device="cuda").to(torch.float8_e4m3fn)
-    if scales == "bf16":
-        s13, s2 = multipliers_bf16(s13), multipliers_bf16(s2)
     x = torch.randn(4, H, device="cuda", dtype=torch.bfloat16)
     weights, ids = deepseek_route(torch.randn(4, e, device="cuda"), torch.empty(0, device="cuda"),
                                   TOPK, GROUPS, TOPK_GROUP, True, SCALE)
@@ -137,7 +127,7 @@ def precompile(workers: int) -> None:
                 cands.append(c)
     t0 = time.time()
     with mp.get_context("spawn").Pool(workers) as pool:
-        errors = [e for e in pool.map(_compile_job, [(c, SCALES) for c in cands], chunksize=1) if e]
+        errors = [e for e in pool.map(_compile_job, cands, chunksize=1) if e]
     print(f"precompiled {len(cands)} MoE tile configs in {time.time() - t0:.0f}s; {len(errors)} failed", flush=True)
     for e in errors:
         print("  compile error:", e, flush=True)
@@ -213,12 +203,7 @@ def main() -> None:
     parser.add_argument("--pdl", default="off", choices=("auto", "on", "off"),
                         help="programmatic dependent launch of the Triton kernels (runtime.pdl; default off: "
                              "each call timed on its own, as the bf16 baseline)")
-    parser.add_argument("--scales", default=SCALES, choices=("bf16", "e4m3"),
-                        help="block scales as the kernels read them (backends.options.triton.scales; default "
-                             "%(default)s); bandwidth is counted over NVFP4's bytes either way")
     args = parser.parse_args()
-    global SCALES
-    SCALES = args.scales
     from pieceworks.backends import pdl
 
     print("pdl:", pdl.configure(args.pdl, "cuda"), flush=True)

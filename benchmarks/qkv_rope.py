@@ -34,8 +34,7 @@ N = (HQ + 2 * HKV) * D
 def main() -> None:
     gen = torch.Generator("cuda").manual_seed(0)
     backend = TritonFp4GemmBackend(BackendSpec.for_device("cuda", fp4_numerics="w4a16"))
-    ckpt = random_weights(N, K, 24, gen, "e4m3")  # random codes with checkpoint-format scales, repacked below
-    ws = [backend.prepare_qkv_rope(Fp4Weight(w, s, g, g), HQ, HKV, D) for w, s, g in ckpt]
+    ws = [backend.prepare_qkv_rope(Fp4Weight(w, s, g, g), HQ, HKV, D) for w, s, g in random_weights(N, K, 24, gen)]
     print("| M | GEMM + rope_qk us | GEMM only us | forward_qkv_rope us |\n|---:|---:|---:|---:|")
     for m in (1, 8, 16, 32, 64):
         x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16, generator=gen)

@@ -58,8 +58,6 @@ def compile_decode_kernel(block_m, block_n, block_k, num_warps, num_stages, one_
                           two_acc=False, rope=False, perm_k=False):
     signature = {**SIGNATURE, **ROPE_SIGNATURE} if rope else SIGNATURE
     names = list(signature)
-    if os.environ.get("SCALES") == "bf16":
-        signature = {**signature, "s_ptr": "*i32"}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1, SPLIT=True,
                       FUSED_REDUCE=True, EVEN_K=True, W_AS_A=bool(w_as_a), USE_ASM=True, ONE_DOT=bool(one_dot),

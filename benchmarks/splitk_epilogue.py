@@ -25,7 +25,7 @@ from fp4_gemm import SHAPES, graph_time, weights_for  # noqa: E402
 
 from pieceworks.backends import pdl  # noqa: E402
 from pieceworks.backends.fp4_gemm import triton_kernels as tk  # noqa: E402
-from pieceworks.backends.fp4_gemm.triton import choose_split_k, parse_table, scale_pairs, select_tile  # noqa: E402
+from pieceworks.backends.fp4_gemm.triton import choose_split_k, parse_table, select_tile  # noqa: E402
 from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def partials_only(x, w, s, gs, n, k, cfg, split):
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     use_pdl, launch = pdl.launch_options(x.device)
     tk._fp4_gemm_kernel[(tiles, split)](
-        x, w.view(torch.int16), scale_pairs(s), gs, part, part, part,
+        x, w.view(torch.int16), s.view(torch.int16), gs, part, part, part,
         m, n, k, kp, x.stride(0), w.stride(0) // 2, s.stride(0) // 2, n, kp // cfg.block_k, split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT=True,
         FUSED_REDUCE=False, EVEN_K=k == kp, W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm, ONE_DOT=cfg.one_dot,

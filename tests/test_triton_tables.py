@@ -18,11 +18,9 @@ from pieceworks.backends.fp4_gemm.triton import (
     choose_split_k,
     interleave_gate_up,
     interleave_rope_rows,
-    multipliers_bf16,
     parse_table,
     quad_k_units,
     repack_k32,
-    scale_pairs,
     select_tile,
     unpack_k32,
 )
@@ -287,48 +285,6 @@ def test_scale_conversion_keeps_the_halves_of_a_pair_apart():
         assert (mult[~nonzero] == 2.0**97).all()
 
 
-def test_bf16_multipliers_are_the_loop_conversion_of_every_e4m3():
-    """`repack_k32(..., scales="bf16")` stores what the K loop computes from an e4m3 scale (exactly
-    scale * 2^112), zero as zero (the conversion's stand-in for zero is 2^97; the codes are zeroed)."""
-    codes = torch.arange(0, 0x7F, dtype=torch.int32)
-    scale = codes.to(torch.uint8).view(torch.float8_e4m3fn)
-    mult = multipliers_bf16(scale)
-    assert mult.dtype == torch.bfloat16
-    loop, _ = scale_multipliers(codes | (codes << 8))
-    nonzero = scale.float() != 0
-    assert torch.equal(mult.float()[nonzero], loop[nonzero])
-    assert not mult.float()[~nonzero].any()
-
-
-@pytest.mark.parametrize("n,k", [(3, 32), (7, 4112)])
-def test_repack_bf16_scales(n, k):
-    packed, scale, _ = random_fp4(n, k, seed=n + 2 * k)
-    scale = scale.clone()
-    scale[1, 0] = -scale[1, 0].float()  # a negative scale: its sign goes into the codes, as for e4m3
-    w8, s8 = repack_k32(packed, scale)
-    w, s = repack_k32(packed, scale, scales="bf16")
-    kp = -(-k // 512) * 512
-    assert torch.equal(w, w8)
-    assert s.shape == (n, kp // 16) and s.dtype == torch.bfloat16
-    assert torch.equal(s, multipliers_bf16(s8)) and not s[:, k // 16 :].float().any()
-    assert torch.equal(s.float() / 2.0**112, s8.float())
-    # one element per k32 group as the kernels read it: scales 2g (low half) and 2g + 1
-    pairs = scale_pairs(s)
-    assert pairs.dtype == torch.int32 and pairs.shape == (n, kp // 32)
-    assert torch.equal((pairs << 16).view(torch.float32), s[:, 0::2].float())
-    assert scale_pairs(s8).dtype == torch.int16 and scale_pairs(s8).shape == (n, kp // 32)
-    with pytest.raises(ValueError, match="scales='fp8'"):
-        repack_k32(packed, scale, scales="fp8")
-
-
-def test_scales_option():
-    assert TritonTileOptions().scales == "bf16"
-    with pytest.raises(ValueError, match=r"backends.options.triton.scales: 'fp8'; use bf16 or e4m3"):
-        TritonTileOptions(scales="fp8")
-    cfg = load_config({"model": {"arch": "llama"}}, ["backends.options.triton.scales=e4m3"])
-    assert parse_options(TritonFp4GemmBackend, cfg.backends.options["triton"]).scales == "e4m3"
-
-
 def test_repack_moves_negative_scale_signs_into_the_codes():
     n, k = 8, 512
     packed, scale, _ = random_fp4(n, k, seed=5)
@@ -351,11 +307,9 @@ def test_repack_refuses_nan_scales():
         repack_k32(packed, scale)
 
 
-@pytest.mark.parametrize("scales", ["e4m3", "bf16"])
-def test_decode_bit_math_matches_reference_dequantize(scales):
+def test_decode_bit_math_matches_reference_dequantize():
     """The PTX decode in triton_k32.py, step by step in torch on 32-bit words of two units: the
-    patterns times the scale multipliers (converted in the loop, or stored as bf16) are exactly
-    e2m1 * scale * 2^-14."""
+    patterns times the scale multipliers are exactly e2m1 * scale * 2^-14."""
     n, k = 16, 512
     packed, scale, _ = random_fp4(n, k, seed=3)
     scale = scale.clone()
@@ -363,7 +317,7 @@ def test_decode_bit_math_matches_reference_dequantize(scales):
     scale[4, 7] = 2.0**-9  # the smallest subnormal
     scale[6, 3] = -scale[6, 3].float()  # a negative scale: the repack moves its sign into the codes
     scale[7, 1] = -0.0
-    w, s = repack_k32(packed, scale, scales=scales)
+    w, s = repack_k32(packed, scale)
     word = w.view(torch.int32).long() & 0xFFFFFFFF  # [n, k/8]: units 2q, 2q+1
     full = 0xFFFFFFFF
     patterns = (
@@ -372,10 +326,7 @@ def test_decode_bit_math_matches_reference_dequantize(scales):
         ((word << 6) & full) & 0x81C081C0,
         ((((word & 0x6C006C00) >> 7) * 2081) & full) & 0x81C081C0,
     )
-    if scales == "e4m3":
-        s_a, s_b = scale_multipliers(scale_pairs(s))  # [n, k/32] each: scales 2g and 2g + 1
-    else:  # the halves of each int32 pair, as `mov.b32 {lo, hi}` splits it
-        s_a, s_b = _bf16_halves(scale_pairs(s).long() & 0xFFFFFFFF)
+    s_a, s_b = scale_multipliers(s.view(torch.int16))  # [n, k/32] each: scales 2g and 2g + 1
     q = torch.arange(k // 8)
     group = (2 * q) // 8
     out = torch.full((n, k), float("nan"))
@@ -478,8 +429,7 @@ def test_gemm_backend_prepare_gate_up_interleaves_rows_on_cpu():
     codes = unpack_k32(w.weight, 64)
     ref = nvfp4.unpack(packed)
     assert torch.equal(codes[0::2], ref[:24]) and torch.equal(codes[1::2], ref[24:])
-    mult = multipliers_bf16(scale)  # the default scales option keeps the loop's bf16 multipliers
-    assert torch.equal(w.weight_scale[0::2, :4], mult[:24]) and torch.equal(w.weight_scale[1::2, :4], mult[24:])
+    assert torch.equal(w.weight_scale[0::2, :4], scale[:24]) and torch.equal(w.weight_scale[1::2, :4], scale[24:])
 
 
 def test_gated_mlp_runs_nvfp4_gate_up_as_one_swiglu_op():
@@ -552,7 +502,7 @@ def test_gemm_backend_prepare_qkv_rope_interleaves_rows_on_cpu():
     w = backend.prepare_qkv_rope(Fp4Weight(packed, scale, scale_2, torch.ones(())), 2, 1, 8)
     rows = interleave_rope_rows(2, 1, 8)
     assert torch.equal(unpack_k32(w.weight, 64), nvfp4.unpack(packed)[rows])
-    assert torch.equal(w.weight_scale[:, :4], multipliers_bf16(scale[rows]))  # the default scales option
+    assert torch.equal(w.weight_scale[:, :4], scale[rows])
 
 
 class _RopeFusingTorchBackend(TorchFp4GemmBackend):

@@ -31,8 +31,6 @@ K_ALIGN = 512  # K is padded to this, a multiple of every BLOCK_K: the kernels' 
 COUNTERS = 1 << 14  # split-K arrival counters per backend instance and device (output tiles of one call)
 # Bit positions of a code's (sign, E1, E0, m) for slots 0..3 of a 16-bit unit (triton_k32.py).
 SLOT_BITS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (11, 10, 14, 13))
-SCALE_FORMATS = ("bf16", "e4m3")  # how `repack_k32` stores the block scales (see there)
-MULTIPLIER_BIAS = 2.0**112  # bf16 scale multipliers are scale * 2^112 (triton_k32.py)
 
 
 @dataclass(frozen=True)
@@ -93,16 +91,6 @@ class TritonTileOptions:
 
     moe_tiles: str | None = None
     """The fused MoE's grouped GEMMs' table (moe.triton), in place of MOE_TILES."""
-
-    scales: str = "bf16"
-    """How the block scales are kept after the repack (`repack_k32`): `bf16`, as the kernels' bf16
-    multipliers (2 bytes per 16 weights; no conversion in the K loop), or `e4m3`, the checkpoint's
-    bytes (1 per 16 weights, converted in the K loop: 48 more instructions per 128 weights in the 8-row
-    decode loop, 349 against 301)."""
-
-    def __post_init__(self) -> None:
-        if self.scales not in SCALE_FORMATS:
-            raise ValueError(f"backends.options.triton.scales: {self.scales!r}; use bf16 or e4m3")
 
 
 def load_tile_table(path: str, option: str) -> tuple[TileConfig, ...]:
@@ -203,20 +191,17 @@ def interleave_rope_rows(num_heads: int, num_kv_heads: int, head_dim: int) -> to
     return torch.cat([roped, heads * head_dim + torch.arange(num_kv_heads * head_dim)])
 
 
-def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int = 4096, scales: str = "e4m3"):
+def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int = 4096):
     """Checkpoint NVFP4 -> k32 layout (see triton_k32.py).
 
     Args:
         weight: uint8 [..., N, K/2], linear layout (element 2j in the low nibble of byte j).
         weight_scale: float8_e4m3fn [..., N, K/16].
         chunk_rows: rows converted at a time (bounds the temporary int32 codes).
-        scales: "e4m3" keeps the block scales' bytes; "bf16" stores the kernels' multipliers instead,
-            bf16 scale * 2^112 (exact; what the K loop would convert each e4m3 scale to), so the loop
-            reads them as they are, twice the scale bytes (0.625 instead of 0.5625 bytes per weight).
 
     Returns:
-        (uint8 [..., N, Kp/2], float8_e4m3fn or bfloat16 [..., N, Kp/16]) with Kp = K rounded up to
-        K_ALIGN (512); padding is zero codes and zero scales. Codes of blocks whose scale is zero are zeroed (their
+        (uint8 [..., N, Kp/2], float8_e4m3fn [..., N, Kp/16]) with Kp = K rounded up to K_ALIGN (512);
+        padding is zero codes and zero scales. Codes of blocks whose scale is zero are zeroed (their
         values are zero either way; the kernels' scale conversion relies on it). A negative block
         scale (ModelOpt writes amax / 6, never negative, but e4m3 has a sign) has its sign moved into
         the block's codes (every code's sign bit flipped, the scale made positive: the same values),
@@ -225,8 +210,6 @@ def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int
     Raises:
         ValueError: a block scale is NaN (e4m3 0x7F / 0xFF), which no quantizer writes.
     """
-    if scales not in SCALE_FORMATS:
-        raise ValueError(f"scales={scales!r}: use one of {SCALE_FORMATS}")
     *lead, n, half_k = weight.shape
     k = half_k * 2
     kp = -(-k // K_ALIGN) * K_ALIGN
@@ -258,24 +241,9 @@ def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int
                 units |= ((cs >> bit) & 1) << pos
         out[r0 : r0 + chunk_rows] = torch.stack([units & 0xFF, units >> 8], dim=-1).flatten(1).to(torch.uint8)
     scale = magnitude.view(torch.float8_e4m3fn)
-    if scales == "bf16":
-        scale = multipliers_bf16(scale)
     if kp != k:
         scale = torch.cat([scale, scale.new_zeros(scale.shape[0], (kp - k) // nvfp4.BLOCK)], dim=1)
     return out.view(*lead, n, kp // 2), scale.contiguous().view(*lead, n, kp // nvfp4.BLOCK)
-
-
-def multipliers_bf16(weight_scale: torch.Tensor) -> torch.Tensor:
-    """Non-negative e4m3 block scales -> the K loop's bf16 multipliers, scale * 2^112 (exact: an e4m3
-    value has 4 significant bits, and 2^112 keeps the smallest, 2^-9, normal in bf16)."""
-    return (weight_scale.float() * MULTIPLIER_BIAS).to(torch.bfloat16)
-
-
-def scale_pairs(weight_scale: torch.Tensor) -> torch.Tensor:
-    """The repacked block scales as the kernels read them, one element per k32 group (scales 2g and
-    2g + 1): int16 for e4m3 scales, int32 for bf16 multipliers. Strides in pairs are the scale
-    tensor's strides halved either way."""
-    return weight_scale.view(torch.int16 if weight_scale.element_size() == 1 else torch.int32)
 
 
 def unpack_k32(weight: torch.Tensor, k: int) -> torch.Tensor:
@@ -316,7 +284,7 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         self._counters: dict[torch.device, torch.Tensor] = {}
 
     def prepare(self, w: Fp4Weight) -> Fp4Weight:
-        weight, scale = repack_k32(w.weight, w.weight_scale, scales=self.options.scales)
+        weight, scale = repack_k32(w.weight, w.weight_scale)
         if weight.is_cuda:
             self.counters(weight.device)
         return Fp4Weight(weight, scale, w.weight_scale_2.float().reshape(()), w.input_scale)

@@ -94,26 +94,11 @@ _SCALE_ASM = tl.constexpr("""{
 }""")
 
 
-_SPLIT_ASM = tl.constexpr("mov.b32 {$0, $1}, $2;")
-
-
 @triton.jit
 def scales_k32(s, USE_ASM: tl.constexpr):
     """Scale pairs (int16: scale 2g low byte, 2g + 1 high byte) -> (slots 0/1, slots 2/3) multipliers:
-    bf16 scale * 2^112 with USE_ASM, else float32 scale * 2^-14 (the arithmetic decode's).
-
-    With s int32, the pairs are already multipliers (`repack_k32(..., scales="bf16")`: bf16 scale * 2^112,
-    scale 2g in the low half): no conversion, the halves are the two operands."""
-    if s.dtype == tl.int32:
-        if USE_ASM:
-            s_a, s_b = tl.inline_asm_elementwise(
-                asm=_SPLIT_ASM, constraints="=h,=h,r", args=[s],
-                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1,
-            )
-        else:
-            s_a = (s << 16).to(tl.float32, bitcast=True) * 1.1754943508222875e-38  # 2^-126
-            s_b = (s & -65536).to(tl.float32, bitcast=True) * 1.1754943508222875e-38
-    elif USE_ASM:
+    bf16 scale * 2^112 with USE_ASM, else float32 scale * 2^-14 (the arithmetic decode's)."""
+    if USE_ASM:
         s_a, s_b = tl.inline_asm_elementwise(
             asm=_SCALE_ASM, constraints="=h,=h,h", args=[s],
             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1,

@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 from pieceworks.backends import pdl, pdl_kernels
-from pieceworks.backends.fp4_gemm.triton import scale_pairs
 from pieceworks.backends.fp4_gemm.triton_k32 import OUT_BIAS, decode_tile, fp4_tile_loop
 
 try:  # the accurate exp of the silu_mul kernel (models/fused_kernels.py), for the same bits
@@ -290,8 +289,7 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
     epilogue for tiles of at most ROPE_EPILOGUE_BLOCK_M rows, else by the rope kernel after the GEMM
     (in place, in its interleaved mode, which also puts the columns back in checkpoint order).
 
-    weight: uint8 [N, Kp/2] (k32 layout), weight_scale: float8_e4m3fn or bf16 multipliers [N, Kp/16]
-    (`repack_k32`), weight_scale_2:
+    weight: uint8 [N, Kp/2] (k32 layout), weight_scale: float8_e4m3fn [N, Kp/16], weight_scale_2:
     float32 scalar tensor. cfg: a `TileConfig`; split_k: K splits (any count up to the BLOCK_K
     iterations; 1 = none). counters: int32 tensor of zeros, at least one per output tile, that the
     call leaves zero again; with it a split-K call reduces in the same kernel, without it a second
@@ -327,7 +325,7 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
     if cfg.kind == "dequant":
         w = torch.empty((N, K), dtype=torch.bfloat16, device=x.device)
         grid = (triton.cdiv(N, 16), triton.cdiv(K, 512))
-        _dequant_kernel[grid](weight.view(torch.int16), scale_pairs(weight_scale), weight_scale_2,
+        _dequant_kernel[grid](weight.view(torch.int16), weight_scale.view(torch.int16), weight_scale_2,
                               w, N, K, weight.stride(0) // 2, weight_scale.stride(0) // 2, w.stride(0),
                               BLOCK_N=16, BLOCK_K=512, USE_ASM=cfg.asm, SWIGLU=swiglu, num_warps=4)
         y = torch.matmul(x.to(torch.bfloat16), w.t()).to(x.dtype)
@@ -344,7 +342,7 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
     part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     use_pdl, launch = pdl.launch_options(x.device)
     _fp4_gemm_kernel[(tiles, split_k)](
-        x, weight.view(torch.int16), scale_pairs(weight_scale), weight_scale_2, out, part,
+        x, weight.view(torch.int16), weight_scale.view(torch.int16), weight_scale_2, out, part,
         counters if fused else out,
         M, N, K, Kp, x.stride(0), weight.stride(0) // 2, weight_scale.stride(0) // 2, out.stride(0), iters,
         split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,

@@ -92,8 +92,8 @@ class TritonMoEBackend(MoEBackend):
     def prepare(self, w: MoEWeights) -> MoEWeights:
         if not w.is_fp4:
             raise ValueError("TritonMoEBackend serves NVFP4 experts only (weight_formats)")
-        w13, w13_scale = repack_k32(w.w13, w.w13_scale, scales=self.options.scales)
-        w2, w2_scale = repack_k32(w.w2, w.w2_scale, scales=self.options.scales)
+        w13, w13_scale = repack_k32(w.w13, w.w13_scale)
+        w2, w2_scale = repack_k32(w.w2, w.w2_scale)
         return MoEWeights(w13, w13_scale, w.w13_scale_2.float().contiguous(), w.w13_input_scale,
                           w2, w2_scale, w.w2_scale_2.float().contiguous(), w.w2_input_scale)
 

@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from pieceworks.backends import pdl, pdl_kernels
-from pieceworks.backends.fp4_gemm.triton import scale_pairs
 from pieceworks.backends.fp4_gemm.triton_k32 import OUT_BIAS, fp4_tile_loop
 
 
@@ -97,9 +96,8 @@ def fused_moe(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_wei
 
     Args:
         x: [T, H] activations.
-        w13: uint8 [E, 2I, Hp/2] (k32), w13_scale [E, 2I, Hp/16] (e4m3, or bf16 multipliers: `repack_k32`),
-            w13_scale_2 float32 [E, 2].
-        w2: uint8 [E, H, Ip/2] (k32), w2_scale [E, H, Ip/16] (as w13_scale), w2_scale_2 float32 [E].
+        w13: uint8 [E, 2I, Hp/2] (k32), w13_scale e4m3 [E, 2I, Hp/16], w13_scale_2 float32 [E, 2].
+        w2: uint8 [E, H, Ip/2] (k32), w2_scale e4m3 [E, H, Ip/16], w2_scale_2 float32 [E].
         topk_weights: float32 [T, top_k].
         sorted_ids: int32 [num_blocks * BLOCK_M]; expert_ids: int32 [num_blocks]; num_post: int32 [1]
             (from `moe_align` with cfg.block_m).
@@ -122,7 +120,7 @@ def fused_moe(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_wei
     h = torch.empty((num_valid, inter), dtype=torch.bfloat16, device=x.device)
     iters, even = _num_iters(w13.shape[2] * 2, cfg.block_k)
     _moe_gemm_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n))](
-        x, w13.view(torch.int16), scale_pairs(w13_scale), w13_scale_2, h, sorted_ids, expert_ids,
+        x, w13.view(torch.int16), w13_scale.view(torch.int16), w13_scale_2, h, sorted_ids, expert_ids,
         num_post, topk_weights, inter, H, w13.shape[2] * 2, num_valid, iters,
         x.stride(0), w13.stride(0) // 2, w13.stride(1) // 2, w13_scale.stride(0) // 2,
         w13_scale.stride(1) // 2, w13_scale_2.stride(0), h.stride(0),
@@ -132,7 +130,7 @@ def fused_moe(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_wei
     y = torch.empty((num_valid, H), dtype=torch.bfloat16, device=x.device)
     iters, even = _num_iters(w2.shape[2] * 2, cfg.block_k)
     _moe_gemm_kernel[(num_blocks, triton.cdiv(H, cfg.block_n))](
-        h, w2.view(torch.int16), scale_pairs(w2_scale), w2_scale_2, y, sorted_ids, expert_ids, num_post,
+        h, w2.view(torch.int16), w2_scale.view(torch.int16), w2_scale_2, y, sorted_ids, expert_ids, num_post,
         topk_weights, H, inter, w2.shape[2] * 2, num_valid, iters,
         h.stride(0), w2.stride(0) // 2, w2.stride(1) // 2, w2_scale.stride(0) // 2, w2_scale.stride(1) // 2,
         w2_scale_2.stride(0), y.stride(0),
