@@ -225,6 +225,7 @@ def fp4_tile_loop(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, DUAL: tl.constexpr,
     ONE_DOT: tl.constexpr = False, TWO_ACC: tl.constexpr = False, PERM_K: tl.constexpr = False,
+    TILED: tl.constexpr = False,
 ):  # EVEN_K: K == Kp, x needs no column mask; TWO_ACC (four dots, not DUAL): acc2 is a second chain
     """acc += x[rows, k_lo : k_lo + num_iters*BLOCK_K] @ dequant(W[w_rows, same]).T, without the
     global scale; with DUAL also acc2 for the weight rows w_rows2 (x is loaded once for both).
@@ -243,8 +244,16 @@ def fp4_tile_loop(
     xc = (cu // 8) * 32 + (cu % 8)  # element of slot 0 of unit cu
     if PERM_K:
         xc = tl.max_contiguous(tl.multiple_of(xc, 2), 2)
-    w_ptrs = w_ptr + w_rows[:, None] + (k_lo // 4 + c)[None, :]
-    s_ptrs = s_ptr + s_rows[:, None] + (k_lo // 32 + t32)[None, :]
+    if TILED:  # EXPERIMENT: each (BLOCK_N rows, BLOCK_K) tile contiguous; w_rows / s_rows point into the first
+        W_STEP: tl.constexpr = BLOCK_N * BQ
+        S_STEP: tl.constexpr = BLOCK_N * (BLOCK_K // 32)
+        w_ptrs = w_ptr + w_rows[:, None] + ((k_lo // BLOCK_K) * W_STEP + c)[None, :]
+        s_ptrs = s_ptr + s_rows[:, None] + ((k_lo // BLOCK_K) * S_STEP + t32)[None, :]
+    else:
+        W_STEP: tl.constexpr = BLOCK_K // 4
+        S_STEP: tl.constexpr = BLOCK_K // 32
+        w_ptrs = w_ptr + w_rows[:, None] + (k_lo // 4 + c)[None, :]
+        s_ptrs = s_ptr + s_rows[:, None] + (k_lo // 32 + t32)[None, :]
     if DUAL:
         w_ptrs2 = w_ptr + w_rows2[:, None] + (k_lo // 4 + c)[None, :]
         s_ptrs2 = s_ptr + s_rows2[:, None] + (k_lo // 32 + t32)[None, :]
@@ -294,8 +303,8 @@ def fp4_tile_loop(
                                  ONE_DOT, PERM_K)
             w_ptrs2 += BLOCK_K // 4
             s_ptrs2 += BLOCK_K // 32
-        w_ptrs += BLOCK_K // 4
-        s_ptrs += BLOCK_K // 32
+        w_ptrs += W_STEP
+        s_ptrs += S_STEP
         x_ptrs += BLOCK_K
         xs_ptrs += BLOCK_K
     return acc, acc2

@@ -126,7 +126,7 @@ def _fp4_gemm_kernel(
     SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, EVEN_K: tl.constexpr, W_AS_A: tl.constexpr,
     USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr, PDL: tl.constexpr = False, SWIGLU: tl.constexpr = False,
     TWO_ACC: tl.constexpr = False, PERM_K: tl.constexpr = False, ROPE: tl.constexpr = False, cos_ptr=None,
-    sin_ptr=None, stride_cos=0, stride_sin=0, rope_cols=0, ROPE_HALF: tl.constexpr = 1,
+    sin_ptr=None, stride_cos=0, stride_sin=0, rope_cols=0, ROPE_HALF: tl.constexpr = 1, TILED: tl.constexpr = False,
 ):
     """One output tile, or (SPLIT) one of `num_splits` K ranges of it; ranges differ by at most one
     BLOCK_K iteration. A split writes its float32 partial to part[pid_k] (laid out [splits, M, N]);
@@ -162,8 +162,12 @@ def _fp4_gemm_kernel(
     it_lo = pid_k * base + tl.minimum(pid_k, extra)
     num_iters = base + (pid_k < extra).to(tl.int32)
     k_lo = it_lo * BLOCK_K  # a multiple of BLOCK_K: 16-byte aligned weight loads
-    w_rows = n_c * stride_wn
-    s_rows = n_c * stride_sn
+    if TILED:  # EXPERIMENT (see fp4_tile_loop): N a multiple of BLOCK_N
+        w_rows = (pid_n * (Kp // BLOCK_K) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64) * (BLOCK_K // 4)
+        s_rows = (pid_n * (Kp // BLOCK_K) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64) * (BLOCK_K // 32)
+    else:
+        w_rows = n_c * stride_wn
+        s_rows = n_c * stride_sn
     pdl_kernels.wait(PDL)
     if ROPE:  # loaded before the K loop (a few registers at 8 rows): the epilogue does not wait
         rope_c, rope_s = _rope_cs(cos_ptr, sin_ptr, stride_cos, stride_sin, rm, rm < M,
@@ -174,7 +178,7 @@ def _fp4_gemm_kernel(
     acc, acc_b = fp4_tile_loop(
         acc, acc, x_ptr, x_rows, rm < M, w_ptr, w_rows, w_rows, s_ptr, s_rows, s_rows,
         k_lo, num_iters, K, Kp,
-        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, USE_ASM, False, ONE_DOT, TWO_ACC, PERM_K,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, USE_ASM, False, ONE_DOT, TWO_ACC, PERM_K, TILED,
     )
     pdl_kernels.launch_dependents(PDL)
     if TWO_ACC:
@@ -279,7 +283,7 @@ def _dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, stride_wn, stride_sn, s
 
 
 def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counters=None, swiglu=False,
-             rope=None):
+             rope=None, tiled=False):
     """Launch the GEMM for x [M, K] and a k32-layout weight; returns [M, N] in x.dtype, or with
     `swiglu` (a gate/up weight of N rows interleaved by `interleave_gate_up`) [M, N/2] =
     silu(x @ gate.T) * (x @ up.T), rounded as the GEMM followed by the silu_mul op. With `rope` =
@@ -348,7 +352,7 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
         split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         SPLIT=split_k > 1, FUSED_REDUCE=fused, EVEN_K=K == Kp, W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm,
         ONE_DOT=cfg.one_dot, PDL=use_pdl, SWIGLU=swiglu, TWO_ACC=cfg.two_acc, PERM_K=cfg.perm_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **rope_args, **launch,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, TILED=tiled, **rope_args, **launch,
     )
     if split_k > 1 and not fused:
         if rope is not None:
