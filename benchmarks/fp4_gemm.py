@@ -96,12 +96,13 @@ def fp4_bytes(m: int, n: int, k: int) -> int:
 
 def check_once(backend, x, w, n) -> float:
     """Relative error of one call against dequantize + bf16 matmul (the torch reference)."""
-    from pieceworks.backends.fp4_gemm.triton import unpack_k32
+    from pieceworks.backends.fp4_gemm.triton import unpack_k32, untile_k32
 
     weight, scale, gs = w
     k = x.shape[1]
-    codes = unpack_k32(weight, k)
-    wd = (nvfp4.e2m1_decode(codes) * (scale.float() * gs).repeat_interleave(16, 1)).to(torch.bfloat16)
+    codes = unpack_k32(weight, k, n)
+    s = untile_k32(scale)[:n, : k // 16].float()
+    wd = (nvfp4.e2m1_decode(codes) * (s * gs).repeat_interleave(16, 1)).to(torch.bfloat16)
     ref = (x @ wd.t()).float()
     y = backend.forward(x, weight, scale, gs, gs, n).float()
     return float((y - ref).norm() / ref.norm())
@@ -202,8 +203,7 @@ def candidates(m: int) -> list[dict]:
             out.append(dict(block_m=bm, block_n=bn, block_k=bk, num_warps=8, num_stages=3,
                             w_as_a=wa, one_dot=od, group_m=8, target_ctas=132, max_split=4))
     else:
-        for bn, bk, wa in ((128, 128, True), (256, 128, True), (256, 64, True), (128, 128, False),
-                           (256, 64, False)):
+        for bn, bk, wa in ((128, 128, True), (256, 128, True), (128, 128, False)):  # block_k: whole 128-wide tiles
             out.append(dict(block_m=128, block_n=bn, block_k=bk, num_warps=8, num_stages=3,
                             w_as_a=wa, group_m=8))
         out.append(dict(kind="dequant"))

@@ -56,7 +56,7 @@ from fp4_gemm import (  # noqa: E402
     weights_for,
 )
 
-from pieceworks.backends.fp4_gemm.triton import parse_table, unpack_k32  # noqa: E402
+from pieceworks.backends.fp4_gemm.triton import parse_table, tile_k32, unpack_k32  # noqa: E402
 from pieceworks.backends.fp4_gemm.triton_k32 import OUT_BIAS, decode_tile  # noqa: E402
 from pieceworks.quant import nvfp4  # noqa: E402
 
@@ -180,7 +180,8 @@ def _compile(job):
 def rel_err(cfg, x, w, n) -> float:
     weight, scale, gs = w
     k = x.shape[1]
-    wd = (nvfp4.e2m1_decode(unpack_k32(weight, k)) * (scale.float() * gs).repeat_interleave(16, 1))
+    # this kernel reads the units row-major (the layout before the tiled storage): decode them so
+    wd = (nvfp4.e2m1_decode(unpack_k32(tile_k32(weight), k)) * (scale.float() * gs).repeat_interleave(16, 1))
     ref = (x @ wd.to(torch.bfloat16).t()).float()
     y = fp4_gemv(x, weight, scale, gs, n, k, **cfg).float()
     return float((y - ref).norm() / ref.norm())

@@ -436,7 +436,7 @@ def run(all_variants: bool):
     import fp4_gemm as fb
 
     from pieceworks.backends.base import BackendSpec
-    from pieceworks.backends.fp4_gemm.triton import TritonFp4GemmBackend, repack_k32
+    from pieceworks.backends.fp4_gemm.triton import TritonFp4GemmBackend, repack_k32, untile_k32
     from pieceworks.quant import nvfp4
 
     gen = torch.Generator("cuda").manual_seed(0)
@@ -445,14 +445,15 @@ def run(all_variants: bool):
         wf = torch.randn(n, k, device="cuda", generator=gen)
         packed, scale, gs = nvfp4.quantize_weight(wf)
         gs = gs.float().reshape(())
-        wk, sk = repack_k32(packed, scale)
-        units = permute_units(wk.view(torch.int16))
-        units2 = permute_units_v2(wk.view(torch.int16))
+        wk, sk = repack_k32(packed, scale)  # tiled storage (the shipped kernel's); the probes read row-major
+        units = permute_units(untile_k32(wk).view(torch.int16))
+        units2 = permute_units_v2(untile_k32(wk).view(torch.int16))
+        sk_rows = untile_k32(sk)
         for m in (1, 3, 8):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             ref = backend.forward(x, wk, sk, gs, gs, n).float()
             for words in (1, 4):
-                y = probe_gemm(x, units2 if words == 4 else units, sk.view(torch.int16), gs, n, words=words).float()
+                y = probe_gemm(x, units2 if words == 4 else units, sk_rows.view(torch.int16), gs, n, words=words).float()
                 print(f"check words={words} n={n} k={k} m={m}: rel err vs shipped "
                       f"{float((y - ref).norm() / ref.norm()):.2e}", flush=True)
     for name in ("llama.gate_up", "llama.down", "dsv3.expert.gate_up"):

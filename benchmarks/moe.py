@@ -87,7 +87,7 @@ def candidates(t: int) -> list[dict]:
                                            (32, 64, 128, True, True), (64, 64, 128, True, True),
                                            (16, 64, 256, False, False), (16, 128, 256, False, False))]
     return [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=8, num_stages=3, w_as_a=True)
-            for bm, bn, bk in ((64, 128, 128), (128, 128, 64), (128, 128, 128), (64, 256, 128))]
+            for bm, bn, bk in ((64, 128, 128), (128, 128, 128), (64, 256, 128))]  # block_k: whole 128-wide tiles
 
 
 def _compile_job(cand):

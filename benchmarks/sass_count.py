@@ -39,14 +39,14 @@ from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES  # noqa: E4
 
 SIGNATURE = dict(
     x_ptr="*bf16", w_ptr="*i16", s_ptr="*i16", gs_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32",
-    count_ptr="*i32", M="i32", N="i32", K="i32", Kp="i32", stride_xm="i32", stride_wn="i32",
-    stride_sn="i32", stride_om="i32", iters="i32", num_splits="i32",
+    count_ptr="*i32", M="i32", N="i32", K="i32", Kp="i32", stride_xm="i32",
+    stride_om="i32", iters="i32", num_splits="i32",
     BLOCK_M="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr", GROUP_M="constexpr", SPLIT="constexpr",
     FUSED_REDUCE="constexpr", EVEN_K="constexpr", W_AS_A="constexpr", USE_ASM="constexpr", ONE_DOT="constexpr",
     PDL="constexpr", SWIGLU="constexpr", TWO_ACC="constexpr", PERM_K="constexpr",
 )
 DIVISIBLE = ("x_ptr", "w_ptr", "s_ptr", "gs_ptr", "out_ptr", "part_ptr", "count_ptr", "N", "K", "Kp",
-             "stride_xm", "stride_wn", "stride_sn", "stride_om")
+             "stride_xm", "stride_om")
 
 
 # With rope: the q/k/v rope epilogue's arguments (Llama's head_dim 128).

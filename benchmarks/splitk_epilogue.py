@@ -36,7 +36,7 @@ def partials_only(x, w, s, gs, n, k, cfg, split):
     use_pdl, launch = pdl.launch_options(x.device)
     tk._fp4_gemm_kernel[(tiles, split)](
         x, w.view(torch.int16), s.view(torch.int16), gs, part, part, part,
-        m, n, k, kp, x.stride(0), w.stride(0) // 2, s.stride(0) // 2, n, kp // cfg.block_k, split,
+        m, n, k, kp, x.stride(0), n, kp // cfg.block_k, split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT=True,
         FUSED_REDUCE=False, EVEN_K=k == kp, W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm, ONE_DOT=cfg.one_dot,
         PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)

@@ -22,7 +22,9 @@ from pieceworks.backends.fp4_gemm.triton import (
     quad_k_units,
     repack_k32,
     select_tile,
+    tile_k32,
     unpack_k32,
+    untile_k32,
 )
 from pieceworks.backends.fp4_gemm.torch import TorchFp4GemmBackend
 from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES, MOE_TILES
@@ -103,7 +105,7 @@ def test_tile_table_options_reach_the_backends_through_the_config(tmp_path):
     ('[{"max_m": null, "tile_m": 8}]', "unexpected keyword argument 'tile_m'"),
     ('[{"max_m": 64}, {"max_m": 16}, {"max_m": null}]', "out of order"),
     ('[{"max_m": 16}]', "ending with max_m=None"),
-    ('[{"max_m": null, "block_k": 100}]', "multiple of 32"),
+    ('[{"max_m": null, "block_k": 100}]', "multiple of 128"),
 ])
 def test_tile_table_option_errors_name_the_option_and_file(tmp_path, content, message):
     path = tmp_path / "tiles.json"
@@ -129,7 +131,7 @@ def test_bad_tables_are_refused():
         parse_table([dict(max_m=16)])
     with pytest.raises(ValueError, match="out of order"):
         parse_table([dict(max_m=64), dict(max_m=16), dict(max_m=None)])
-    with pytest.raises(ValueError, match="multiple of 32"):
+    with pytest.raises(ValueError, match="multiple of 128"):
         TileConfig(block_k=48)
     with pytest.raises(ValueError, match="kind"):
         TileConfig(kind="autotune")
@@ -199,17 +201,48 @@ def test_split_k_balanced_over_multiprocessors():
 # --- k32 repack --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n,k", [(1, 16), (3, 32), (5, 48), (8, 4096), (7, 4112)])
+def scale_rows(s: torch.Tensor, n: int) -> torch.Tensor:
+    """Repacked scales in row-major order, the padding rows dropped."""
+    return untile_k32(s)[..., :n, :]
+
+
+@pytest.mark.parametrize("n,k", [(1, 16), (3, 32), (5, 48), (8, 4096), (7, 4112), (64, 512), (130, 1008)])
 def test_repack_roundtrip_and_padding(n, k):
     packed, scale, _ = random_fp4(n, k, seed=n + k)
     w, s = repack_k32(packed, scale, chunk_rows=3)
     kp = -(-k // 512) * 512
-    assert w.shape == (n, kp // 2) and w.dtype == torch.uint8
-    assert s.shape == (n, kp // 16) and s.dtype == torch.float8_e4m3fn
-    assert torch.equal(unpack_k32(w, k), nvfp4.unpack(packed))
-    assert torch.equal(unpack_k32(w, kp)[:, k:], torch.zeros(n, kp - k, dtype=torch.uint8))
-    assert torch.equal(s[:, : k // 16].view(torch.uint8), scale.view(torch.uint8))
-    assert not s[:, k // 16 :].float().any()
+    np_ = -(-n // 64) * 64
+    assert w.shape == (np_, kp // 2) and w.dtype == torch.uint8
+    assert s.shape == (np_, kp // 16) and s.dtype == torch.float8_e4m3fn
+    assert torch.equal(unpack_k32(w, k, n), nvfp4.unpack(packed))
+    codes = unpack_k32(w, kp)
+    assert not codes[:n, k:].any() and not codes[n:].any()  # K and row padding: zero codes
+    s_rows = untile_k32(s)
+    assert torch.equal(s_rows[:n, : k // 16].view(torch.uint8), scale.view(torch.uint8))
+    assert not s_rows[:n, k // 16 :].float().any() and not s_rows[n:].float().any()
+
+
+def test_tiled_storage_order():
+    """Each 64-row x 128-element tile is contiguous (64 bytes of units, 8 of scales per row), tiles in
+    (row block, K block) order: the offsets `triton_k32.tile_row_bases` and the K loop compute."""
+    n, kp = 192, 1024
+    rows_bytes = torch.arange(n * kp // 2, dtype=torch.int64).remainder(256).to(torch.uint8).view(n, kp // 2)
+    assert tile_k32(rows_bytes).shape == (n, kp // 2)
+    flat = tile_k32(rows_bytes).flatten()
+    for r, u in ((0, 0), (5, 31), (5, 32), (63, 100), (64, 0), (130, 255), (191, 200)):
+        base_units = ((r // 64) * (kp // 128) * 64 + r % 64) * 32  # tile_row_bases
+        offset = base_units + (u // 32) * 64 * 32 + u % 32  # the K loop: unit u of the row
+        byte = 2 * offset
+        assert int(flat[byte]) == int(rows_bytes[r, 2 * u]) and int(flat[byte + 1]) == int(rows_bytes[r, 2 * u + 1])
+    scales = torch.arange(n * kp // 16, dtype=torch.int64).remainder(251).to(torch.uint8).view(n, kp // 16)
+    flat_s = tile_k32(scales.view(torch.float8_e4m3fn)).view(torch.uint8).flatten()
+    for r, g in ((0, 0), (7, 3), (7, 4), (100, 31), (191, 17)):  # scale pair g of row r
+        base_pairs = ((r // 64) * (kp // 128) * 64 + r % 64) * 4
+        offset = base_pairs + (g // 4) * 64 * 4 + g % 4
+        assert int(flat_s[2 * offset]) == int(scales[r, 2 * g]) and int(flat_s[2 * offset + 1]) == int(scales[r, 2 * g + 1])
+    assert torch.equal(untile_k32(tile_k32(rows_bytes)), rows_bytes)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        tile_k32(rows_bytes[:100])
 
 
 def test_repack_zeroes_codes_of_zero_scale_blocks():
@@ -220,7 +253,7 @@ def test_repack_zeroes_codes_of_zero_scale_blocks():
     codes = nvfp4.unpack(packed)
     assert codes[1, 32:48].any() and codes[3, :16].any(), "the test needs nonzero codes there"
     w, _ = repack_k32(packed, scale)
-    got = unpack_k32(w, 64)
+    got = unpack_k32(w, 64, 4)
     expect = codes.clone()
     expect[1, 32:48] = 0
     expect[3, :16] = 0
@@ -234,8 +267,10 @@ def test_repack_keeps_leading_dims():
     packed, scale, _ = random_fp4(6 * 4, 64)
     w, s = repack_k32(packed.view(6, 4, 32), scale.view(6, 4, 4))
     flat_w, flat_s = repack_k32(packed, scale)
-    assert torch.equal(w.view(24, -1), flat_w)
-    assert torch.equal(s.view(24, -1).view(torch.uint8), flat_s.view(torch.uint8))
+    assert w.shape == (6, 64, 256) and s.shape == (6, 64, 32)  # each matrix's rows padded to 64
+    for e in range(6):
+        assert torch.equal(unpack_k32(w[e], 64, 4), unpack_k32(flat_w, 64, 24)[4 * e : 4 * e + 4])
+        assert torch.equal(scale_rows(s[e], 4).view(torch.uint8), scale_rows(flat_s, 24)[4 * e : 4 * e + 4].view(torch.uint8))
 
 
 def test_slot_bits_are_a_permutation():
@@ -294,7 +329,7 @@ def test_repack_moves_negative_scale_signs_into_the_codes():
     scale[3, 0] = -0.0
     w, s = repack_k32(packed, scale)
     assert not (s.view(torch.uint8) & 0x80).any()
-    got = nvfp4.e2m1_decode(unpack_k32(w, k)) * s[:, : k // 16].float().repeat_interleave(16, 1)
+    got = nvfp4.e2m1_decode(unpack_k32(w, k, n)) * scale_rows(s, n)[:, : k // 16].float().repeat_interleave(16, 1)
     expect = nvfp4.e2m1_decode(nvfp4.unpack(packed)) * scale.float().repeat_interleave(16, 1)
     assert torch.equal(got, expect)
 
@@ -318,7 +353,8 @@ def test_decode_bit_math_matches_reference_dequantize():
     scale[6, 3] = -scale[6, 3].float()  # a negative scale: the repack moves its sign into the codes
     scale[7, 1] = -0.0
     w, s = repack_k32(packed, scale)
-    word = w.view(torch.int32).long() & 0xFFFFFFFF  # [n, k/8]: units 2q, 2q+1
+    w, s = untile_k32(w)[:n], scale_rows(s, n)  # row-major: the decode does not depend on the storage order
+    word = w.contiguous().view(torch.int32).long() & 0xFFFFFFFF  # [n, k/8]: units 2q, 2q+1
     full = 0xFFFFFFFF
     patterns = (
         word & 0x81C081C0,
@@ -326,7 +362,7 @@ def test_decode_bit_math_matches_reference_dequantize():
         ((word << 6) & full) & 0x81C081C0,
         ((((word & 0x6C006C00) >> 7) * 2081) & full) & 0x81C081C0,
     )
-    s_a, s_b = scale_multipliers(s.view(torch.int16))  # [n, k/32] each: scales 2g and 2g + 1
+    s_a, s_b = scale_multipliers(s.contiguous().view(torch.int16))  # [n, k/32] each: scales 2g and 2g + 1
     q = torch.arange(k // 8)
     group = (2 * q) // 8
     out = torch.full((n, k), float("nan"))
@@ -408,7 +444,7 @@ def test_gemm_backend_prepare_repacks_on_cpu():
     backend = TritonFp4GemmBackend(BackendSpec())
     w = backend.prepare(Fp4Weight(packed, scale, scale_2, torch.ones(())))
     assert backend.weight_layout == "k32"
-    assert torch.equal(unpack_k32(w.weight, 80), nvfp4.unpack(packed))
+    assert torch.equal(unpack_k32(w.weight, 80, 33), nvfp4.unpack(packed))
     tile, split = backend._plan(1, 33, 96)
     assert tile is select_tile(backend.table, 1) and split >= 1
 
@@ -426,10 +462,11 @@ def test_gemm_backend_prepare_gate_up_interleaves_rows_on_cpu():
     packed, scale, scale_2 = random_fp4(2 * 24, 64, seed=3)
     backend = TritonFp4GemmBackend(BackendSpec())
     w = backend.prepare_gate_up(Fp4Weight(packed, scale, scale_2, torch.ones(())))
-    codes = unpack_k32(w.weight, 64)
+    codes = unpack_k32(w.weight, 64, 48)
     ref = nvfp4.unpack(packed)
     assert torch.equal(codes[0::2], ref[:24]) and torch.equal(codes[1::2], ref[24:])
-    assert torch.equal(w.weight_scale[0::2, :4], scale[:24]) and torch.equal(w.weight_scale[1::2, :4], scale[24:])
+    s = scale_rows(w.weight_scale, 48)
+    assert torch.equal(s[0::2, :4], scale[:24]) and torch.equal(s[1::2, :4], scale[24:])
 
 
 def test_gated_mlp_runs_nvfp4_gate_up_as_one_swiglu_op():
@@ -501,8 +538,8 @@ def test_gemm_backend_prepare_qkv_rope_interleaves_rows_on_cpu():
     assert not backend.qkv_rope_supported(2, 1, 96) and not backend.qkv_rope_supported(2, 1, 7)
     w = backend.prepare_qkv_rope(Fp4Weight(packed, scale, scale_2, torch.ones(())), 2, 1, 8)
     rows = interleave_rope_rows(2, 1, 8)
-    assert torch.equal(unpack_k32(w.weight, 64), nvfp4.unpack(packed)[rows])
-    assert torch.equal(w.weight_scale[:, :4], scale[rows])
+    assert torch.equal(unpack_k32(w.weight, 64, 32), nvfp4.unpack(packed)[rows])
+    assert torch.equal(scale_rows(w.weight_scale, 32)[:, :4], scale[rows])
 
 
 class _RopeFusingTorchBackend(TorchFp4GemmBackend):
@@ -602,3 +639,27 @@ def test_model_prepare_names_the_layer_whose_block_scales_are_nan():
     with pytest.raises(ValueError, match=r"^down_proj: NVFP4 block scales: 1 of 256 are NaN"):
         CausalLM.prepare(model, Table())
     assert not layer.prepared and layer.layout == "linear" and torch.equal(layer.weight, packed)
+
+
+def test_moe_prepare_pads_gate_and_up_halves_to_whole_tiles():
+    """An intermediate size that is not a multiple of 64: gate rows [0, I), up rows [Ip, Ip + I) of the
+    repacked w13 (Ip = I rounded up to 64), zero rows between, so the kernel finds up row j at Ip + j."""
+    from pieceworks.backends.moe.base import MoEWeights
+
+    e, h, inter = 2, 128, 48
+    quant = [[random_fp4(rows, cols, seed=10 * i + j) for i in range(e)]
+             for j, (rows, cols) in enumerate(((inter, h), (inter, h), (h, inter)))]
+    stack = [tuple(torch.stack([q[i] for q in mats]) for i in range(3)) for mats in quant]
+    (gp, gs, g2), (up, us, u2), (dp, ds, d2) = stack
+    ones = torch.ones(e)
+    w = MoEWeights(torch.cat([gp, up], 1), torch.cat([gs, us], 1), torch.stack([g2, u2], 1), ones, dp, ds, d2, ones)
+    p = TritonMoEBackend(BackendSpec()).prepare(w)
+    assert p.w13.shape == (e, 128, 256) and p.w13_scale.shape == (e, 128, 32)
+    assert p.w2.shape == (e, 128, 256)  # H = 128 rows; K = I padded to 512
+    for i in range(e):
+        codes = unpack_k32(p.w13[i], h)
+        assert torch.equal(codes[:inter], nvfp4.unpack(gp[i])) and torch.equal(codes[64 : 64 + inter], nvfp4.unpack(up[i]))
+        assert not codes[inter:64].any() and not codes[64 + inter :].any()
+        s = scale_rows(p.w13_scale[i], 128)
+        assert torch.equal(s[64 : 64 + inter, : h // 16].view(torch.uint8), us[i].view(torch.uint8))
+        assert not s[inter:64].float().any()

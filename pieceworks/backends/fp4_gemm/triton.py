@@ -31,6 +31,10 @@ K_ALIGN = 512  # K is padded to this, a multiple of every BLOCK_K: the kernels' 
 COUNTERS = 1 << 14  # split-K arrival counters per backend instance and device (output tiles of one call)
 # Bit positions of a code's (sign, E1, E0, m) for slots 0..3 of a 16-bit unit (triton_k32.py).
 SLOT_BITS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (11, 10, 14, 13))
+# Storage tiles of the repacked weights (triton_k32.py): TILE_ROWS rows x TILE_K elements, each tile
+# contiguous, tiles in (row block, K block) order. Per tile row: 64 bytes of units, 8 of scales.
+TILE_ROWS = 64
+TILE_K = 128
 
 
 @dataclass(frozen=True)
@@ -64,8 +68,8 @@ class TileConfig:
             raise ValueError("perm_k reorders the four-dot K loop's slots in runs of 64 units: it needs "
                              f"one_dot=False and block_k a multiple of 256 (got one_dot={self.one_dot}, "
                              f"block_k={self.block_k})")
-        if self.block_k % GROUP:
-            raise ValueError(f"block_k={self.block_k} must be a multiple of {GROUP}")
+        if self.block_k % TILE_K:
+            raise ValueError(f"block_k={self.block_k} must be a multiple of {TILE_K} (the weights' storage tiles)")
 
 
 def parse_table(rows: list[dict]) -> tuple[TileConfig, ...]:
@@ -191,6 +195,32 @@ def interleave_rope_rows(num_heads: int, num_kv_heads: int, head_dim: int) -> to
     return torch.cat([roped, heads * head_dim + torch.arange(num_kv_heads * head_dim)])
 
 
+def tile_k32(t: torch.Tensor) -> torch.Tensor:
+    """Row-major [..., Np, C] (Np a multiple of TILE_ROWS; C bytes per row: Kp/2 of units or Kp/16 of
+    scales) -> the storage order of `repack_k32`: each TILE_ROWS x TILE_K tile contiguous, tiles in
+    (row block, K block) order. Same shape and dtype; `untile_k32` inverts it."""
+    *lead, n, c = t.shape
+    blocks = t.shape[-1] // _tile_cols(t)
+    tiled = t.reshape(-1, n // TILE_ROWS, TILE_ROWS, blocks, c // blocks).transpose(2, 3)
+    return tiled.contiguous().view(t.shape)
+
+
+def untile_k32(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of `tile_k32`: repacked units or scales [..., Np, C] in row-major order."""
+    *lead, n, c = t.shape
+    blocks = t.shape[-1] // _tile_cols(t)
+    rows = t.reshape(-1, n // TILE_ROWS, blocks, TILE_ROWS, c // blocks).transpose(2, 3)
+    return rows.contiguous().view(t.shape)
+
+
+def _tile_cols(t: torch.Tensor) -> int:
+    """Bytes of one tile row of `t`: units (uint8, TILE_K / 2) or scales (1-byte, TILE_K / 16)."""
+    if t.element_size() != 1 or t.shape[-2] % TILE_ROWS:
+        raise ValueError(f"expected repacked k32 bytes or scales [..., N, C] with N a multiple of {TILE_ROWS}, "
+                         f"got {t.dtype} {tuple(t.shape)}")
+    return TILE_K // 2 if t.dtype == torch.uint8 else TILE_K // nvfp4.BLOCK
+
+
 def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int = 4096):
     """Checkpoint NVFP4 -> k32 layout (see triton_k32.py).
 
@@ -200,8 +230,12 @@ def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int
         chunk_rows: rows converted at a time (bounds the temporary int32 codes).
 
     Returns:
-        (uint8 [..., N, Kp/2], float8_e4m3fn [..., N, Kp/16]) with Kp = K rounded up to K_ALIGN (512);
-        padding is zero codes and zero scales. Codes of blocks whose scale is zero are zeroed (their
+        (uint8 [..., Np, Kp/2], float8_e4m3fn [..., Np, Kp/16]) with Kp = K rounded up to K_ALIGN (512)
+        and Np = N rounded up to TILE_ROWS (64), stored tile by tile (`tile_k32`: each 64-row x
+        128-element tile contiguous, 4 KB of units and 512 bytes of scales, K blocks of a row block
+        next to each other, so a 64-row program of the decode GEMM reads one 8 KB run of weights and
+        one 1 KB run of scales per 256-element K step; `untile_k32` gives the row-major view).
+        Padding is zero codes and zero scales. Codes of blocks whose scale is zero are zeroed (their
         values are zero either way; the kernels' scale conversion relies on it). A negative block
         scale (ModelOpt writes amax / 6, never negative, but e4m3 has a sign) has its sign moved into
         the block's codes (every code's sign bit flipped, the scale made positive: the same values),
@@ -243,12 +277,22 @@ def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int
     scale = magnitude.view(torch.float8_e4m3fn)
     if kp != k:
         scale = torch.cat([scale, scale.new_zeros(scale.shape[0], (kp - k) // nvfp4.BLOCK)], dim=1)
-    return out.view(*lead, n, kp // 2), scale.contiguous().view(*lead, n, kp // nvfp4.BLOCK)
+    n_pad = -(-n // TILE_ROWS) * TILE_ROWS
+    out, scale = out.view(-1, n, kp // 2), scale.reshape(-1, n, kp // nvfp4.BLOCK)
+    if n_pad != n:
+        out = torch.nn.functional.pad(out, (0, 0, 0, n_pad - n))
+        scale = torch.cat([scale, scale.new_zeros(scale.shape[0], n_pad - n, scale.shape[2])], dim=1)
+    return (tile_k32(out).view(*lead, n_pad, kp // 2),
+            tile_k32(scale.contiguous()).view(*lead, n_pad, kp // nvfp4.BLOCK))
 
 
-def unpack_k32(weight: torch.Tensor, k: int) -> torch.Tensor:
-    """k32 layout [..., N, Kp/2] -> e2m1 codes uint8 [..., N, k] (the inverse of `repack_k32`, for tests)."""
-    *lead, n, half_kp = weight.shape
+def unpack_k32(weight: torch.Tensor, k: int, n: int | None = None) -> torch.Tensor:
+    """k32 layout [..., Np, Kp/2] -> e2m1 codes uint8 [..., n, k] (the inverse of `repack_k32`, for
+    tests; n defaults to Np, padding rows included)."""
+    weight = untile_k32(weight)
+    *lead, n_pad, half_kp = weight.shape
+    n = n_pad if n is None else n
+    weight = weight[..., :n, :]
     w = weight.reshape(-1, half_kp // 2, 2).to(torch.int32)
     units = (w[..., 0] | (w[..., 1] << 8)).view(w.shape[0], -1, 8)  # [rows, g, unit]
     slots = []

@@ -23,8 +23,13 @@ The layout (produced by `pieceworks.backends.fp4_gemm.triton.repack_k32`):
   holds a pair, one op serves both): 9 integer ops (one of them an integer multiply, on the FMA pipe)
   and 4 bf16x2 multiplies per 8 values (the layout before 2026-12-01's eleventh session, s@14 E1@11
   E0@10 m@13 for slot 3, took three shifts, three masks and two ORs there: 11 ops after ptxas).
-- Block scales stay linear, [N, Kp/16] float8_e4m3fn, read as int16 pairs: pair g holds scale 2g (low
-  byte; slots 0 and 1 of group g) and scale 2g + 1 (high byte; slots 2 and 3).
+- Block scales stay e4m3, [N, Kp/16], read as int16 pairs: pair g holds scale 2g (low byte; slots 0
+  and 1 of group g) and scale 2g + 1 (high byte; slots 2 and 3).
+- Storage order (units and scales alike): rows are padded to a multiple of 64 and each tile of 64 rows
+  x 128 elements (32 units, 4 scale pairs per row) is contiguous, row-major inside, tiles in (row block,
+  K block) order (`triton.tile_k32`). A 64-row program's K step of 256 elements is then one 8 KB run of
+  units and one 1 KB run of scales, where row-major rows lie 2-7 KB apart (docs/benchmarks.md: the
+  decode GEMMs 2-6% faster on the H200). `tile_row_bases` and the K loop's offsets address it.
 - Codes of blocks whose scale is zero are zeroed by the repack (their values are zero either way), so
   the scale conversion below may map a zero scale to any finite number. Scales are non-negative: the
   repack moves a negative scale's sign into its block's codes (and refuses NaN scales).
@@ -152,6 +157,20 @@ def decode_tile(w, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.
     return decode_k32(w, s_a, s_b, USE_ASM)
 
 
+TILE_UNITS = tl.constexpr(32)  # units per row of a storage tile (128 elements)
+TILE_PAIRS = tl.constexpr(4)  # scale pairs per row of a storage tile
+
+
+@triton.jit
+def tile_row_bases(n, Kp):
+    """Offsets of row n's first unit (16-bit units) and first scale pair (int16) in the tiled storage
+    of a [Np, Kp] weight (n int64): the tiles of the row blocks before it, then its row in the first
+    tile. The K step at element k (a multiple of 128) adds k * 16 units and k * 2 pairs
+    (`fp4_tile_loop`)."""
+    row = (n // 64) * (Kp // 128) * 64 + n % 64  # in tile rows
+    return row * TILE_UNITS, row * TILE_PAIRS
+
+
 @triton.jit
 def _mma(acc, w, x, W_AS_A: tl.constexpr):
     # W_AS_A: acc is [BN, BM] (weights are the register operand of wgmma); else [BM, BN].
@@ -225,13 +244,13 @@ def fp4_tile_loop(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, DUAL: tl.constexpr,
     ONE_DOT: tl.constexpr = False, TWO_ACC: tl.constexpr = False, PERM_K: tl.constexpr = False,
-    TILED: tl.constexpr = False,
 ):  # EVEN_K: K == Kp, x needs no column mask; TWO_ACC (four dots, not DUAL): acc2 is a second chain
     """acc += x[rows, k_lo : k_lo + num_iters*BLOCK_K] @ dequant(W[w_rows, same]).T, without the
     global scale; with DUAL also acc2 for the weight rows w_rows2 (x is loaded once for both).
 
-    x_rows [BM] / w_rows [BN] / s_rows [BN]: int64 offsets of each row's start (x in elements, w in
-    16-bit units, s in int16 scale pairs); x_mask [BM]: rows to read (others load zeros). acc/acc2
+    x_rows [BM]: int64 offsets of x's rows (elements); w_rows / s_rows [BN]: the weight rows' bases in
+    the tiled storage (`tile_row_bases`: 16-bit units, int16 scale pairs; BLOCK_K a multiple of 128,
+    so a K step covers whole storage tiles); x_mask [BM]: rows to read (others load zeros). acc/acc2
     are [BN, BM] when W_AS_A, else [BM, BN]. Weights, scales and x go through Triton's cp.async
     pipeline (num_stages)."""
     BQ: tl.constexpr = BLOCK_K // 4
@@ -244,19 +263,17 @@ def fp4_tile_loop(
     xc = (cu // 8) * 32 + (cu % 8)  # element of slot 0 of unit cu
     if PERM_K:
         xc = tl.max_contiguous(tl.multiple_of(xc, 2), 2)
-    if TILED:  # EXPERIMENT: each (BLOCK_N rows, BLOCK_K) tile contiguous; w_rows / s_rows point into the first
-        W_STEP: tl.constexpr = BLOCK_N * BQ
-        S_STEP: tl.constexpr = BLOCK_N * (BLOCK_K // 32)
-        w_ptrs = w_ptr + w_rows[:, None] + ((k_lo // BLOCK_K) * W_STEP + c)[None, :]
-        s_ptrs = s_ptr + s_rows[:, None] + ((k_lo // BLOCK_K) * S_STEP + t32)[None, :]
-    else:
-        W_STEP: tl.constexpr = BLOCK_K // 4
-        S_STEP: tl.constexpr = BLOCK_K // 32
-        w_ptrs = w_ptr + w_rows[:, None] + (k_lo // 4 + c)[None, :]
-        s_ptrs = s_ptr + s_rows[:, None] + (k_lo // 32 + t32)[None, :]
+    # In the tiled storage unit c of a K step sits in the step's storage tile c // 32 (each tile 64
+    # rows of 32 units), scale pair t in tile t // 4; a step moves BQ // 32 tiles on.
+    cw = (c // TILE_UNITS) * (64 * TILE_UNITS) + c % TILE_UNITS
+    ts = (t32 // TILE_PAIRS) * (64 * TILE_PAIRS) + t32 % TILE_PAIRS
+    W_STEP: tl.constexpr = BQ * 64
+    S_STEP: tl.constexpr = (BLOCK_K // 32) * 64
+    w_ptrs = w_ptr + w_rows[:, None] + ((k_lo // 4) * 64 + cw)[None, :]
+    s_ptrs = s_ptr + s_rows[:, None] + ((k_lo // 32) * 64 + ts)[None, :]
     if DUAL:
-        w_ptrs2 = w_ptr + w_rows2[:, None] + (k_lo // 4 + c)[None, :]
-        s_ptrs2 = s_ptr + s_rows2[:, None] + (k_lo // 32 + t32)[None, :]
+        w_ptrs2 = w_ptr + w_rows2[:, None] + ((k_lo // 4) * 64 + cw)[None, :]
+        s_ptrs2 = s_ptr + s_rows2[:, None] + ((k_lo // 32) * 64 + ts)[None, :]
     x_ptrs = x_ptr + x_rows[:, None] + (k_lo + xc)[None, :]
     xs = tl.arange(0, BLOCK_K)  # ONE_DOT: x in element order
     xs_ptrs = x_ptr + x_rows[:, None] + (k_lo + xs)[None, :]
@@ -301,8 +318,8 @@ def fp4_tile_loop(
             r0 = tl.load(s_ptrs2)
             acc2 = _dequant_mma(acc2, w2, r0, x0, x1, x2, x3, BLOCK_N, BLOCK_K, W_AS_A, USE_ASM,
                                  ONE_DOT, PERM_K)
-            w_ptrs2 += BLOCK_K // 4
-            s_ptrs2 += BLOCK_K // 32
+            w_ptrs2 += W_STEP
+            s_ptrs2 += S_STEP
         w_ptrs += W_STEP
         s_ptrs += S_STEP
         x_ptrs += BLOCK_K

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from pieceworks.backends import pdl, pdl_kernels
-from pieceworks.backends.fp4_gemm.triton_k32 import OUT_BIAS, decode_tile, fp4_tile_loop
+from pieceworks.backends.fp4_gemm.triton_k32 import OUT_BIAS, decode_tile, fp4_tile_loop, tile_row_bases
 
 try:  # the accurate exp of the silu_mul kernel (models/fused_kernels.py), for the same bits
     from triton.language.extra import libdevice
@@ -121,12 +121,12 @@ def _store_out(out_ptr, y, rm, col0, M, N, stride_om, BLOCK_M: tl.constexpr, BLO
 @triton.jit(do_not_specialize=["M", "iters", "num_splits"])
 def _fp4_gemm_kernel(
     x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, count_ptr,
-    M, N, K, Kp, stride_xm, stride_wn, stride_sn, stride_om, iters, num_splits,
+    M, N, K, Kp, stride_xm, stride_om, iters, num_splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, EVEN_K: tl.constexpr, W_AS_A: tl.constexpr,
     USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr, PDL: tl.constexpr = False, SWIGLU: tl.constexpr = False,
     TWO_ACC: tl.constexpr = False, PERM_K: tl.constexpr = False, ROPE: tl.constexpr = False, cos_ptr=None,
-    sin_ptr=None, stride_cos=0, stride_sin=0, rope_cols=0, ROPE_HALF: tl.constexpr = 1, TILED: tl.constexpr = False,
+    sin_ptr=None, stride_cos=0, stride_sin=0, rope_cols=0, ROPE_HALF: tl.constexpr = 1,
 ):
     """One output tile, or (SPLIT) one of `num_splits` K ranges of it; ranges differ by at most one
     BLOCK_K iteration. A split writes its float32 partial to part[pid_k] (laid out [splits, M, N]);
@@ -162,12 +162,7 @@ def _fp4_gemm_kernel(
     it_lo = pid_k * base + tl.minimum(pid_k, extra)
     num_iters = base + (pid_k < extra).to(tl.int32)
     k_lo = it_lo * BLOCK_K  # a multiple of BLOCK_K: 16-byte aligned weight loads
-    if TILED:  # EXPERIMENT (see fp4_tile_loop): N a multiple of BLOCK_N
-        w_rows = (pid_n * (Kp // BLOCK_K) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64) * (BLOCK_K // 4)
-        s_rows = (pid_n * (Kp // BLOCK_K) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64) * (BLOCK_K // 32)
-    else:
-        w_rows = n_c * stride_wn
-        s_rows = n_c * stride_sn
+    w_rows, s_rows = tile_row_bases(n_c, Kp)
     pdl_kernels.wait(PDL)
     if ROPE:  # loaded before the K loop (a few registers at 8 rows): the epilogue does not wait
         rope_c, rope_s = _rope_cs(cos_ptr, sin_ptr, stride_cos, stride_sin, rm, rm < M,
@@ -178,7 +173,7 @@ def _fp4_gemm_kernel(
     acc, acc_b = fp4_tile_loop(
         acc, acc, x_ptr, x_rows, rm < M, w_ptr, w_rows, w_rows, s_ptr, s_rows, s_rows,
         k_lo, num_iters, K, Kp,
-        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, USE_ASM, False, ONE_DOT, TWO_ACC, PERM_K, TILED,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, USE_ASM, False, ONE_DOT, TWO_ACC, PERM_K,
     )
     pdl_kernels.launch_dependents(PDL)
     if TWO_ACC:
@@ -254,7 +249,7 @@ def _splitk_reduce_kernel(part_ptr, out_ptr, numel, N, SPLIT_K: tl.constexpr, BL
 
 
 @triton.jit
-def _dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
+def _dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, Kp, stride_on,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr,
                     SWIGLU: tl.constexpr = False):
     """out [N, K] = bf16(e2m1 * scale * weight_scale_2), as the torch reference rounds it. With
@@ -265,8 +260,11 @@ def _dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, stride_wn, stride_sn, s
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_c = tl.where(rn < N, rn, N - 1).to(tl.int64)
     k0 = tl.program_id(1) * BLOCK_K  # within Kp: the weight needs no mask
-    w = tl.load(w_ptr + n_c[:, None] * stride_wn + (k0 // 4 + tl.arange(0, BQ))[None, :])
-    s = tl.load(s_ptr + n_c[:, None] * stride_sn + (k0 // 32 + tl.arange(0, BG))[None, :])
+    w_rows, s_rows = tile_row_bases(n_c, Kp)  # the tiled storage (triton_k32.py); BLOCK_K a multiple of 128
+    c = tl.arange(0, BQ)
+    t = tl.arange(0, BG)
+    w = tl.load(w_ptr + w_rows[:, None] + ((k0 // 4) * 64 + (c // 32) * 2048 + c % 32)[None, :])
+    s = tl.load(s_ptr + s_rows[:, None] + ((k0 // 32) * 64 + (t // 4) * 256 + t % 4)[None, :])
     v0, v1, v2, v3 = decode_tile(w, s, BLOCK_N, BLOCK_K, USE_ASM)
     # Interleave the slots back into element order: [BN, BG, unit, slot] -> [BN, BG, slot, unit].
     v = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [BN, BQ, 2 (slot bit 0), 2 (slot bit 1)]
@@ -283,7 +281,7 @@ def _dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, stride_wn, stride_sn, s
 
 
 def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counters=None, swiglu=False,
-             rope=None, tiled=False):
+             rope=None):
     """Launch the GEMM for x [M, K] and a k32-layout weight; returns [M, N] in x.dtype, or with
     `swiglu` (a gate/up weight of N rows interleaved by `interleave_gate_up`) [M, N/2] =
     silu(x @ gate.T) * (x @ up.T), rounded as the GEMM followed by the silu_mul op. With `rope` =
@@ -330,7 +328,7 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
         w = torch.empty((N, K), dtype=torch.bfloat16, device=x.device)
         grid = (triton.cdiv(N, 16), triton.cdiv(K, 512))
         _dequant_kernel[grid](weight.view(torch.int16), weight_scale.view(torch.int16), weight_scale_2,
-                              w, N, K, weight.stride(0) // 2, weight_scale.stride(0) // 2, w.stride(0),
+                              w, N, K, Kp, w.stride(0),
                               BLOCK_N=16, BLOCK_K=512, USE_ASM=cfg.asm, SWIGLU=swiglu, num_warps=4)
         y = torch.matmul(x.to(torch.bfloat16), w.t()).to(x.dtype)
         if swiglu:
@@ -348,11 +346,11 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
     _fp4_gemm_kernel[(tiles, split_k)](
         x, weight.view(torch.int16), weight_scale.view(torch.int16), weight_scale_2, out, part,
         counters if fused else out,
-        M, N, K, Kp, x.stride(0), weight.stride(0) // 2, weight_scale.stride(0) // 2, out.stride(0), iters,
+        M, N, K, Kp, x.stride(0), out.stride(0), iters,
         split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         SPLIT=split_k > 1, FUSED_REDUCE=fused, EVEN_K=K == Kp, W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm,
         ONE_DOT=cfg.one_dot, PDL=use_pdl, SWIGLU=swiglu, TWO_ACC=cfg.two_acc, PERM_K=cfg.perm_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, TILED=tiled, **rope_args, **launch,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **rope_args, **launch,
     )
     if split_k > 1 and not fused:
         if rope is not None:

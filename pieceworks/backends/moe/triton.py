@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from pieceworks.backends.fp4_gemm.triton import (
+    TILE_ROWS,
     TRITON_REQUIREMENTS,
     TileConfig,
     TritonTileOptions,
@@ -69,6 +70,17 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_ids, expert_ids.to(torch.int32), ends[-1:].to(torch.int32)
 
 
+def _pad_halves(t: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, C] -> [E, 2Ip, C]: each half (gate, up) padded with zero rows to Ip = I rounded up to
+    TILE_ROWS."""
+    pad = -(t.shape[1] // 2) % TILE_ROWS
+    if not pad:
+        return t
+    zeros = torch.zeros(t.shape[0], pad, t.shape[2], dtype=t.dtype, device=t.device)
+    gate, up = t.chunk(2, dim=1)
+    return torch.cat([gate, zeros, up, zeros], dim=1)
+
+
 class TritonMoEBackend(MoEBackend):
     name = "triton"
     priority = 50
@@ -92,7 +104,10 @@ class TritonMoEBackend(MoEBackend):
     def prepare(self, w: MoEWeights) -> MoEWeights:
         if not w.is_fp4:
             raise ValueError("TritonMoEBackend serves NVFP4 experts only (weight_formats)")
-        w13, w13_scale = repack_k32(w.w13, w.w13_scale)
+        # The gate and up halves each fill whole storage tiles (rows [0, Ip) gate, [Ip, 2Ip) up; Ip = I
+        # rounded up to 64), so the kernel finds up row j at Ip + j; the extra rows are zero, their
+        # SwiGLU outputs zero, and w2's K (I, padded to 512 by the repack) covers Ip.
+        w13, w13_scale = repack_k32(_pad_halves(w.w13), _pad_halves(w.w13_scale))
         w2, w2_scale = repack_k32(w.w2, w.w2_scale)
         return MoEWeights(w13, w13_scale, w.w13_scale_2.float().contiguous(), w.w13_input_scale,
                           w2, w2_scale, w.w2_scale_2.float().contiguous(), w.w2_input_scale)

@@ -15,14 +15,14 @@ import triton
 import triton.language as tl
 
 from pieceworks.backends import pdl, pdl_kernels
-from pieceworks.backends.fp4_gemm.triton_k32 import OUT_BIAS, fp4_tile_loop
+from pieceworks.backends.fp4_gemm.triton_k32 import OUT_BIAS, fp4_tile_loop, tile_row_bases
 
 
 @triton.jit(do_not_specialize=["num_valid", "num_iters"])
 def _moe_gemm_kernel(
     a_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, topk_w_ptr,
     N, K, Kp, num_valid, num_iters,
-    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_om,
+    stride_am, stride_we, stride_se, stride_ge, stride_om,
     A_DIV: tl.constexpr, SWIGLU: tl.constexpr, ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr,
@@ -49,9 +49,11 @@ def _moe_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_rows, s_rows = tile_row_bases(n_c, Kp)
+    w_rows2, s_rows2 = tile_row_bases(n_c + N, Kp)  # SWIGLU: the up rows
     acc, acc2 = fp4_tile_loop(
-        acc, acc, a_ptr, a_rows, row_ok, w_e, n_c * stride_wn, (n_c + N) * stride_wn,
-        s_e, n_c * stride_sn, (n_c + N) * stride_sn, 0, num_iters, K, Kp,
+        acc, acc, a_ptr, a_rows, row_ok, w_e, w_rows, w_rows2,
+        s_e, s_rows, s_rows2, 0, num_iters, K, Kp,
         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, USE_ASM, SWIGLU, ONE_DOT, PERM_K=PERM_K,
     )
     pdl_kernels.launch_dependents(PDL)
@@ -122,8 +124,7 @@ def fused_moe(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_wei
     _moe_gemm_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n))](
         x, w13.view(torch.int16), w13_scale.view(torch.int16), w13_scale_2, h, sorted_ids, expert_ids,
         num_post, topk_weights, inter, H, w13.shape[2] * 2, num_valid, iters,
-        x.stride(0), w13.stride(0) // 2, w13.stride(1) // 2, w13_scale.stride(0) // 2,
-        w13_scale.stride(1) // 2, w13_scale_2.stride(0), h.stride(0),
+        x.stride(0), w13.stride(0) // 2, w13_scale.stride(0) // 2, w13_scale_2.stride(0), h.stride(0),
         A_DIV=top_k, SWIGLU=True, ROUTED_WEIGHT=False, EVEN_K=even and H == w13.shape[2] * 2,
         **common,
     )
@@ -132,8 +133,7 @@ def fused_moe(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_wei
     _moe_gemm_kernel[(num_blocks, triton.cdiv(H, cfg.block_n))](
         h, w2.view(torch.int16), w2_scale.view(torch.int16), w2_scale_2, y, sorted_ids, expert_ids, num_post,
         topk_weights, H, inter, w2.shape[2] * 2, num_valid, iters,
-        h.stride(0), w2.stride(0) // 2, w2.stride(1) // 2, w2_scale.stride(0) // 2, w2_scale.stride(1) // 2,
-        w2_scale_2.stride(0), y.stride(0),
+        h.stride(0), w2.stride(0) // 2, w2_scale.stride(0) // 2, w2_scale_2.stride(0), y.stride(0),
         A_DIV=1, SWIGLU=False, ROUTED_WEIGHT=True, EVEN_K=even and inter == w2.shape[2] * 2,
         **common,
     )
