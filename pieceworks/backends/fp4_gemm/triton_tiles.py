@@ -37,6 +37,10 @@ whole groups, so it converts a quarter of the scales; see `triton_k32.quad_k`).
 # 64-row bucket, now M = 33..64 only, at 396 programs): geometric mean 16.86 -> 15.70 us at M = 32 and
 # 24.02 -> 23.43 at M = 64; decode replay, interleaved: batch 32 3.948 / 3.937 -> 3.844 / 3.853 ms, batch
 # 64 5.892 / 5.896 -> 5.758 / 5.794. Two 32-row tiles at M = 64 (weights read twice): 23.69.
+# On the tiled weight storage (thirteenth session) a re-sweep of the 32-row bucket (`--sweep --sweep-m
+# 32`) preferred block_k 128 at 396 programs (gate_up 33.8 us against 38.0 for this tile), but the
+# batch-32 decode step was slower with it (replay 3.931 / 3.961 / 3.937 ms against 3.898 / 3.878 /
+# 3.907, interleaved in one call): this tile stays. The other buckets' sweep (M = 1, 16, 64) kept theirs.
 FP4_GEMM_TILES = [
     dict(max_m=8, kind="fused", block_m=8, block_n=64, block_k=256, group_m=1, num_warps=4,
          num_stages=3, w_as_a=True, asm=True, one_dot=False, target_ctas=396, max_split=16, two_acc=True,
