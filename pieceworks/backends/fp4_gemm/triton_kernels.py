@@ -291,7 +291,8 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
     epilogue for tiles of at most ROPE_EPILOGUE_BLOCK_M rows, else by the rope kernel after the GEMM
     (in place, in its interleaved mode, which also puts the columns back in checkpoint order).
 
-    weight: uint8 [N, Kp/2] (k32 layout), weight_scale: float8_e4m3fn [N, Kp/16], weight_scale_2:
+    weight: uint8 [Np, Kp/2] (k32 layout, tiled storage: `repack_k32`), weight_scale: float8_e4m3fn
+    [Np, Kp/16] (the same storage), weight_scale_2:
     float32 scalar tensor. cfg: a `TileConfig`; split_k: K splits (any count up to the BLOCK_K
     iterations; 1 = none). counters: int32 tensor of zeros, at least one per output tile, that the
     call leaves zero again; with it a split-K call reduces in the same kernel, without it a second

@@ -1,6 +1,7 @@
 """Triton kernels for the fused NVFP4 MoE (w4a16): grouped gate_up GEMM with SwiGLU, grouped down GEMM
 with the routing weight, and the top-k combine. Weights are in the k32 layout of
-`pieceworks.backends.fp4_gemm.triton_kernels` (one [rows, Kp/2] matrix per expert).
+`pieceworks.backends.fp4_gemm.triton_kernels` (one [rows, Kp/2] matrix per expert, in the tiled storage of
+`repack_k32`; w13's gate and up halves each padded to whole 64-row tiles by the backend's `prepare`).
 
 Rows are processed in expert-sorted blocks of BLOCK_M (see `moe_align` in triton.py): block b holds
 `sorted_ids[b*BM : (b+1)*BM]`, flat (token * top_k + slot) indices of one expert `expert_ids[b]`, padded
@@ -98,8 +99,10 @@ def fused_moe(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_wei
 
     Args:
         x: [T, H] activations.
-        w13: uint8 [E, 2I, Hp/2] (k32), w13_scale e4m3 [E, 2I, Hp/16], w13_scale_2 float32 [E, 2].
-        w2: uint8 [E, H, Ip/2] (k32), w2_scale e4m3 [E, H, Ip/16], w2_scale_2 float32 [E].
+        w13: uint8 [E, 2I, Hp/2] (k32, tiled; I a multiple of 64: gate rows [0, I), up rows [I, 2I)),
+            w13_scale e4m3 [E, 2I, Hp/16], w13_scale_2 float32 [E, 2].
+        w2: uint8 [E, Hr, Ip/2] (k32, tiled; Hr = H rounded up to 64), w2_scale e4m3 [E, Hr, Ip/16],
+            w2_scale_2 float32 [E].
         topk_weights: float32 [T, top_k].
         sorted_ids: int32 [num_blocks * BLOCK_M]; expert_ids: int32 [num_blocks]; num_post: int32 [1]
             (from `moe_align` with cfg.block_m).
@@ -110,6 +113,7 @@ def fused_moe(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_wei
     """
     T, H = x.shape
     inter = w13.shape[1] // 2
+    assert inter % 64 == 0, "w13's gate and up halves must each fill whole 64-row tiles (TritonMoEBackend.prepare)"
     num_valid = T * top_k
     num_blocks = expert_ids.shape[0]
     if x.stride(-1) != 1:
