@@ -282,8 +282,11 @@ def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int
     if n_pad != n:
         out = torch.nn.functional.pad(out, (0, 0, 0, n_pad - n))
         scale = torch.cat([scale, scale.new_zeros(scale.shape[0], n_pad - n, scale.shape[2])], dim=1)
-    return (tile_k32(out).view(*lead, n_pad, kp // 2),
-            tile_k32(scale.contiguous()).view(*lead, n_pad, kp // nvfp4.BLOCK))
+    scale = scale.contiguous()
+    for i in range(out.shape[0]):  # one matrix (expert) at a time: the copy stays one matrix's size
+        out[i] = tile_k32(out[i])
+        scale[i] = tile_k32(scale[i])
+    return out.view(*lead, n_pad, kp // 2), scale.view(*lead, n_pad, kp // nvfp4.BLOCK)
 
 
 def unpack_k32(weight: torch.Tensor, k: int, n: int | None = None) -> torch.Tensor:

@@ -301,6 +301,7 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
     """
     M = x.shape[0]
     Kp = weight.shape[1] * 2
+    assert weight.shape[0] % 64 == 0 and weight.shape[0] >= N, "weights must come from repack_k32 (rows padded to 64)"
     assert not swiglu or N % 2 == 0, f"a gate/up weight has an even row count, not {N}"
     assert not (swiglu and rope), "swiglu and rope are epilogues of different weights"
     if rope is not None:
