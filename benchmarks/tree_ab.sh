@@ -24,12 +24,17 @@ for what in $whats; do
         for tree in other this; do
             dir=.; [ $tree = other ] && dir=$other
             step "$what, $tree tree, round $round"
+            log="$out/${what}_${tree}_$round.log"
             case $what in
-                gemm) timeout 150 python "$dir/benchmarks/fp4_gemm.py" --ms "$ms" --out "$out/g_${tree}_$round" 2>&1 | grep " fp4 " ;;
-                moe) timeout 150 python "$dir/benchmarks/moe.py" --tokens "$ts" --out "$out/m_${tree}_$round" 2>&1 | grep "^T=" ;;
-                decode) timeout 150 python "$dir/benchmarks/graphs.py" "${B[@]}" --out "$out/d_${tree}_$round.md" 2>&1 | grep -E "^\| [0-9]" ;;
-                *) echo "unknown: $what (use gemm, moe or decode)" ;;
+                gemm) timeout 150 python "$dir/benchmarks/fp4_gemm.py" --ms "$ms" --out "$out/g_${tree}_$round" > "$log" 2>&1
+                      rc=$?; grep " fp4 " "$log" ;;
+                moe) timeout 150 python "$dir/benchmarks/moe.py" --tokens "$ts" --out "$out/m_${tree}_$round" > "$log" 2>&1
+                     rc=$?; grep "^T=" "$log" ;;
+                decode) timeout 150 python "$dir/benchmarks/graphs.py" "${B[@]}" --out "$out/d_${tree}_$round.md" > "$log" 2>&1
+                        rc=$?; grep -E "^\| [0-9]" "$log" ;;
+                *) echo "unknown: $what (use gemm, moe or decode)"; rc=0 ;;
             esac
+            [ "$rc" = 0 ] || { echo "   (exit $rc; the end of its output:)"; tail -3 "$log" | sed 's/^/   /'; }
         done
     done
 done
