@@ -180,7 +180,7 @@ def _compile(job):
 def rel_err(cfg, x, w, n) -> float:
     weight, scale, gs = w
     k = x.shape[1]
-    # this kernel reads the units row-major (the layout before the tiled storage): decode them so
+    # this kernel reads the units row-major (the layout before the tiled storage); the reference decodes them that way
     wd = (nvfp4.e2m1_decode(unpack_k32(tile_k32(weight), k)) * (scale.float() * gs).repeat_interleave(16, 1))
     ref = (x @ wd.to(torch.bfloat16).t()).float()
     y = fp4_gemv(x, weight, scale, gs, n, k, **cfg).float()

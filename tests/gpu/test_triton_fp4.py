@@ -340,7 +340,7 @@ def test_moe_matches_reference(tokens):
 
 @pytest.mark.parametrize("tokens", [1, 40, 300])
 def test_moe_intermediate_not_a_multiple_of_64(tokens):
-    """I = 208: the repack pads the gate and up halves to 256 rows each (zero rows between them)."""
+    """I = 208: the backend's prepare pads the gate and up halves to 256 rows each (zero rows between them)."""
     assert moe_error(tokens, 16, inter=208) < TOL
 
 
