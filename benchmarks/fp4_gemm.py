@@ -96,7 +96,7 @@ def fp4_bytes(m: int, n: int, k: int) -> int:
 
 def check_once(backend, x, w, n) -> float:
     """Relative error of one call against dequantize + bf16 matmul (the torch reference)."""
-    from pieceworks.backends.fp4_gemm.triton import unpack_k32, untile_k32
+    from pieceworks.backends.fp4_gemm.k32 import unpack_k32, untile_k32
 
     weight, scale, gs = w
     k = x.shape[1]

@@ -56,7 +56,8 @@ from fp4_gemm import (  # noqa: E402
     weights_for,
 )
 
-from pieceworks.backends.fp4_gemm.triton import parse_table, tile_k32, unpack_k32  # noqa: E402
+from pieceworks.backends.fp4_gemm.k32 import tile_k32, unpack_k32  # noqa: E402
+from pieceworks.backends.fp4_gemm.triton import parse_table  # noqa: E402
 from pieceworks.backends.fp4_gemm.triton_k32 import OUT_BIAS, decode_tile  # noqa: E402
 from pieceworks.quant import nvfp4  # noqa: E402
 

@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 import torch
 import fp4_gemm as fb
-from pieceworks.backends.fp4_gemm.triton import repack_k32  # noqa
+from pieceworks.backends.fp4_gemm.k32 import repack_k32  # noqa
 
 gen = torch.Generator(device="cuda"); gen.manual_seed(0)
 backend = fb.TritonFp4GemmBackend(fb.BackendSpec.for_device("cuda", fp4_numerics="w4a16"))

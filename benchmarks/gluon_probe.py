@@ -436,7 +436,8 @@ def run(all_variants: bool):
     import fp4_gemm as fb
 
     from pieceworks.backends.base import BackendSpec
-    from pieceworks.backends.fp4_gemm.triton import TritonFp4GemmBackend, repack_k32, untile_k32
+    from pieceworks.backends.fp4_gemm.k32 import repack_k32, untile_k32
+    from pieceworks.backends.fp4_gemm.triton import TritonFp4GemmBackend
     from pieceworks.quant import nvfp4
 
     gen = torch.Generator("cuda").manual_seed(0)

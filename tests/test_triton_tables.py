@@ -10,8 +10,15 @@ import pytest
 import torch
 
 from pieceworks.backends.base import BackendSpec, parse_options
-from pieceworks.backends.fp4_gemm.triton import (
+from pieceworks.backends.fp4_gemm.k32 import (
     SLOT_BITS,
+    quad_k_units,
+    repack_k32,
+    tile_k32,
+    unpack_k32,
+    untile_k32,
+)
+from pieceworks.backends.fp4_gemm.triton import (
     TileConfig,
     TritonFp4GemmBackend,
     TritonTileOptions,
@@ -19,12 +26,7 @@ from pieceworks.backends.fp4_gemm.triton import (
     interleave_gate_up,
     interleave_rope_rows,
     parse_table,
-    quad_k_units,
-    repack_k32,
     select_tile,
-    tile_k32,
-    unpack_k32,
-    untile_k32,
 )
 from pieceworks.backends.fp4_gemm.torch import TorchFp4GemmBackend
 from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES, MOE_TILES
@@ -239,7 +241,8 @@ def test_tiled_storage_order():
     for r, g in ((0, 0), (7, 3), (7, 4), (100, 31), (191, 17)):  # scale pair g of row r
         base_pairs = ((r // 64) * (kp // 128) * 64 + r % 64) * 4
         offset = base_pairs + (g // 4) * 64 * 4 + g % 4
-        assert int(flat_s[2 * offset]) == int(scales[r, 2 * g]) and int(flat_s[2 * offset + 1]) == int(scales[r, 2 * g + 1])
+        assert int(flat_s[2 * offset]) == int(scales[r, 2 * g])
+        assert int(flat_s[2 * offset + 1]) == int(scales[r, 2 * g + 1])
     assert torch.equal(untile_k32(tile_k32(rows_bytes)), rows_bytes)
     with pytest.raises(ValueError, match="multiple of 64"):
         tile_k32(rows_bytes[:100])
@@ -270,7 +273,8 @@ def test_repack_keeps_leading_dims():
     assert w.shape == (6, 64, 256) and s.shape == (6, 64, 32)  # each matrix's rows padded to 64
     for e in range(6):
         assert torch.equal(unpack_k32(w[e], 64, 4), unpack_k32(flat_w, 64, 24)[4 * e : 4 * e + 4])
-        assert torch.equal(scale_rows(s[e], 4).view(torch.uint8), scale_rows(flat_s, 24)[4 * e : 4 * e + 4].view(torch.uint8))
+        flat_rows = scale_rows(flat_s, 24)[4 * e : 4 * e + 4]
+        assert torch.equal(scale_rows(s[e], 4).view(torch.uint8), flat_rows.view(torch.uint8))
 
 
 def test_slot_bits_are_a_permutation():
@@ -658,7 +662,8 @@ def test_moe_prepare_pads_gate_and_up_halves_to_whole_tiles():
     assert p.w2.shape == (e, 128, 256)  # H = 128 rows; K = I padded to 512
     for i in range(e):
         codes = unpack_k32(p.w13[i], h)
-        assert torch.equal(codes[:inter], nvfp4.unpack(gp[i])) and torch.equal(codes[64 : 64 + inter], nvfp4.unpack(up[i]))
+        assert torch.equal(codes[:inter], nvfp4.unpack(gp[i]))
+        assert torch.equal(codes[64 : 64 + inter], nvfp4.unpack(up[i]))
         assert not codes[inter:64].any() and not codes[64 + inter :].any()
         s = scale_rows(p.w13_scale[i], 128)
         assert torch.equal(s[64 : 64 + inter, : h // 16].view(torch.uint8), us[i].view(torch.uint8))

@@ -20,12 +20,12 @@ from pieceworks.backends.base import BackendSpec  # noqa: E402
 from pieceworks.backends.fp4_gemm import triton_kernels as gemm_kernels  # noqa: E402
 from pieceworks.backends.fp4_gemm.base import Fp4Weight  # noqa: E402
 from pieceworks.backends.fp4_gemm.torch import TorchFp4GemmBackend  # noqa: E402
+from pieceworks.backends.fp4_gemm.k32 import repack_k32  # noqa: E402
 from pieceworks.backends.fp4_gemm.triton import (  # noqa: E402
     TileConfig,
     TritonFp4GemmBackend,
     choose_split_k,
     parse_table,
-    repack_k32,
 )
 from pieceworks.backends.moe import triton_kernels as moe_kernels  # noqa: E402
 from pieceworks.backends.moe.base import MoEWeights  # noqa: E402

@@ -2,7 +2,7 @@
 tiles to bf16 tensor-core dots. Shared by the NVFP4 GEMM (triton_kernels.py) and the fused MoE
 (backends/moe/triton_kernels.py); imports triton at the top.
 
-The layout (produced by `pieceworks.backends.fp4_gemm.triton.repack_k32`):
+The layout (produced by `pieceworks.backends.fp4_gemm.k32.repack_k32`):
 
 - K is zero-padded to Kp, a multiple of 512 (zero codes, zero block scales), so that every BLOCK_K
   divides it and the weight loads need no masks (masked loads would keep Triton from pipelining them).
@@ -27,7 +27,7 @@ The layout (produced by `pieceworks.backends.fp4_gemm.triton.repack_k32`):
   and 1 of group g) and scale 2g + 1 (high byte; slots 2 and 3).
 - Storage order (units and scales alike): rows are padded to a multiple of 64 and each tile of 64 rows
   x 128 elements (32 units, 4 scale pairs per row) is contiguous, row-major inside, tiles in (row block,
-  K block) order (`triton.tile_k32`). A 64-row program's K step of 256 elements is then one 8 KB run of
+  K block) order (`k32.tile_k32`). A 64-row program's K step of 256 elements is then one 8 KB run of
   units and one 1 KB run of scales, where row-major rows lie 2-7 KB apart (docs/benchmarks.md: the
   decode GEMMs 2-6% faster on the H200). `tile_row_bases` and the K loop's offsets address it.
 - Codes of blocks whose scale is zero are zeroed by the repack (their values are zero either way), so
@@ -256,7 +256,7 @@ def fp4_tile_loop(
     BQ: tl.constexpr = BLOCK_K // 4
     c = tl.arange(0, BQ)  # k32 unit within the tile: group c // 8, unit c % 8
     t32 = tl.arange(0, BLOCK_K // 32)  # scale pair within the tile
-    if PERM_K:  # x loaded in quad_k's order (its columns gathered; triton.quad_k_units), the weights reordered
+    if PERM_K:  # x loaded in quad_k's order (its columns gathered; k32.quad_k_units), the weights reordered
         cu = (((c // 2) % 4 * (BQ // 64) + c // 64) * 2 + (c // 8) % 2) * 8 + (c // 16) % 4 * 2 + c % 2
     else:
         cu = c

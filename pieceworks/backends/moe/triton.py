@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import torch
 
+from pieceworks.backends.fp4_gemm.k32 import TILE_ROWS, repack_k32
 from pieceworks.backends.fp4_gemm.triton import (
-    TILE_ROWS,
     TRITON_REQUIREMENTS,
     TileConfig,
     TritonTileOptions,
     load_tile_table,
     parse_table,
-    repack_k32,
     select_tile,
 )
 from pieceworks.backends.fp4_gemm.triton_tiles import MOE_TILES
