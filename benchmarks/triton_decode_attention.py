@@ -2,6 +2,8 @@
 
     python benchmarks/triton_decode_attention.py [--batches 1,8,32] [--context 512]
     python benchmarks/triton_decode_attention.py --sweep --shapes 1x512,32x4096   # launch variants
+    python benchmarks/triton_decode_attention.py --write   # as the backend calls it: the kernel writes
+                                                           # the step's K/V rows (positions as lengths)
 
 --sweep times, per batch x context, the kernel with other split counts, keys per loop step (block_n)
 and pipeline stages than the backend uses (same kernel, same results), to tune `num_splits` and the
@@ -41,21 +43,26 @@ def setup(batch: int, context: int, max_splits: int):
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, HQ, D, device="cuda", generator=gen).bfloat16()
     out = torch.empty_like(q)
+    kv_new = torch.randn(2, batch, HKV, D, device="cuda", generator=gen).bfloat16()
+    positions = lens.long() - 1
     part_o = torch.empty(batch * HKV * max_splits * 16 * D, device="cuda")
     part_lse = torch.empty(batch * HKV * max_splits * 16, device="cuda")
     counters = torch.zeros(batch * HKV, dtype=torch.int32, device="cuda")
-    return caches, (out, table, lens, D**-0.5), (part_o, part_lse, counters), q
+    return caches, (out, table, lens, D**-0.5), (part_o, part_lse, counters), q, (kv_new, positions)
 
 
-def time_variant(state, splits: int, **launch) -> float:
-    caches, (out, table, lens, scale), parts, q = state
+def time_variant(state, splits: int, write: bool = False, **launch) -> float:
+    caches, (out, table, lens, scale), parts, q, (kv_new, positions) = state
+    if write:  # the backend's call: new K/V rows passed in, lengths as the new tokens' positions
+        launch = dict(launch, k_new=kv_new[0], v_new=kv_new[1], lens_are_positions=True)
+        lens = positions
     return graph_time(lambda i: tk.decode(q, *caches[i], out, table, lens, scale, splits, *parts, **launch),
                       LAYERS) * 1e6
 
 
-def time_calls(batch: int, context: int) -> float:
+def time_calls(batch: int, context: int, write: bool = False) -> float:
     splits = num_splits(batch, HKV)
-    return time_variant(setup(batch, context, splits), splits)
+    return time_variant(setup(batch, context, splits), splits, write)
 
 
 def sweep(shapes: list[tuple[int, int]]) -> None:
@@ -83,16 +90,18 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--sweep", action="store_true", help="time launch variants (--shapes)")
+    p.add_argument("--write", action="store_true", help="the kernel also writes the step's K/V rows (as the "
+                   "backend calls it)")
     p.add_argument("--shapes", default="1x512,8x512,32x512,32x4096", help="batch x context, for --sweep")
     args = p.parse_args()
     if args.sweep:
         sweep([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")])
         return
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; context {args.context}, "
-          f"{HQ}/{HKV} heads, head_dim {D}, page size {PS}")
+          f"{HQ}/{HKV} heads, head_dim {D}, page size {PS}{', K/V write fused' if args.write else ''}")
     print("| batch | splits | us per call |\n|---:|---:|---:|")
     for b in (int(x) for x in args.batches.split(",")):
-        print(f"| {b} | {num_splits(b, HKV)} | {time_calls(b, args.context):.2f} |", flush=True)
+        print(f"| {b} | {num_splits(b, HKV)} | {time_calls(b, args.context, args.write):.2f} |", flush=True)
 
 
 if __name__ == "__main__":
