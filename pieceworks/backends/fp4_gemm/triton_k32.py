@@ -172,6 +172,18 @@ def tile_row_bases(n, Kp):
 
 
 @triton.jit
+def tile_step_offsets(BQ: tl.constexpr, BG: tl.constexpr):
+    """Offsets, from a row's `tile_row_bases`, of the BQ units and BG scale pairs of a K step that
+    starts at element 0 (a step at element k adds k * 16 units and k * 2 pairs): unit c sits in the
+    step's storage tile c // 32 (each tile 64 rows of 32 units), scale pair t in tile t // 4."""
+    c = tl.arange(0, BQ)
+    t = tl.arange(0, BG)
+    cw = (c // TILE_UNITS) * (64 * TILE_UNITS) + c % TILE_UNITS
+    ts = (t // TILE_PAIRS) * (64 * TILE_PAIRS) + t % TILE_PAIRS
+    return cw, ts
+
+
+@triton.jit
 def _mma(acc, w, x, W_AS_A: tl.constexpr):
     # W_AS_A: acc is [BN, BM] (weights are the register operand of wgmma); else [BM, BN].
     if W_AS_A:
@@ -255,7 +267,6 @@ def fp4_tile_loop(
     pipeline (num_stages)."""
     BQ: tl.constexpr = BLOCK_K // 4
     c = tl.arange(0, BQ)  # k32 unit within the tile: group c // 8, unit c % 8
-    t32 = tl.arange(0, BLOCK_K // 32)  # scale pair within the tile
     if PERM_K:  # x loaded in quad_k's order (its columns gathered; k32.quad_k_units), the weights reordered
         cu = (((c // 2) % 4 * (BQ // 64) + c // 64) * 2 + (c // 8) % 2) * 8 + (c // 16) % 4 * 2 + c % 2
     else:
@@ -263,10 +274,7 @@ def fp4_tile_loop(
     xc = (cu // 8) * 32 + (cu % 8)  # element of slot 0 of unit cu
     if PERM_K:
         xc = tl.max_contiguous(tl.multiple_of(xc, 2), 2)
-    # In the tiled storage unit c of a K step sits in the step's storage tile c // 32 (each tile 64
-    # rows of 32 units), scale pair t in tile t // 4; a step moves BQ // 32 tiles on.
-    cw = (c // TILE_UNITS) * (64 * TILE_UNITS) + c % TILE_UNITS
-    ts = (t32 // TILE_PAIRS) * (64 * TILE_PAIRS) + t32 % TILE_PAIRS
+    cw, ts = tile_step_offsets(BQ, BLOCK_K // 32)  # the tiled storage; a step moves BQ // 32 tiles on
     W_STEP: tl.constexpr = BQ * 64
     S_STEP: tl.constexpr = (BLOCK_K // 32) * 64
     w_ptrs = w_ptr + w_rows[:, None] + ((k_lo // 4) * 64 + cw)[None, :]

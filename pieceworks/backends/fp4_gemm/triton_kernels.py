@@ -13,7 +13,14 @@ import triton
 import triton.language as tl
 
 from pieceworks.backends import pdl, pdl_kernels
-from pieceworks.backends.fp4_gemm.triton_k32 import OUT_BIAS, decode_tile, fp4_tile_loop, tile_row_bases
+from pieceworks.backends.fp4_gemm.k32 import TILE_ROWS
+from pieceworks.backends.fp4_gemm.triton_k32 import (
+    OUT_BIAS,
+    decode_tile,
+    fp4_tile_loop,
+    tile_row_bases,
+    tile_step_offsets,
+)
 
 try:  # the accurate exp of the silu_mul kernel (models/fused_kernels.py), for the same bits
     from triton.language.extra import libdevice
@@ -261,10 +268,9 @@ def _dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, Kp, stride_on,
     n_c = tl.where(rn < N, rn, N - 1).to(tl.int64)
     k0 = tl.program_id(1) * BLOCK_K  # within Kp: the weight needs no mask
     w_rows, s_rows = tile_row_bases(n_c, Kp)  # the tiled storage (triton_k32.py); BLOCK_K a multiple of 128
-    c = tl.arange(0, BQ)
-    t = tl.arange(0, BG)
-    w = tl.load(w_ptr + w_rows[:, None] + ((k0 // 4) * 64 + (c // 32) * 2048 + c % 32)[None, :])
-    s = tl.load(s_ptr + s_rows[:, None] + ((k0 // 32) * 64 + (t // 4) * 256 + t % 4)[None, :])
+    cw, ts = tile_step_offsets(BQ, BG)
+    w = tl.load(w_ptr + w_rows[:, None] + ((k0 // 4) * 64 + cw)[None, :])
+    s = tl.load(s_ptr + s_rows[:, None] + ((k0 // 32) * 64 + ts)[None, :])
     v0, v1, v2, v3 = decode_tile(w, s, BLOCK_N, BLOCK_K, USE_ASM)
     # Interleave the slots back into element order: [BN, BG, unit, slot] -> [BN, BG, slot, unit].
     v = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [BN, BQ, 2 (slot bit 0), 2 (slot bit 1)]
@@ -301,7 +307,8 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
     """
     M = x.shape[0]
     Kp = weight.shape[1] * 2
-    assert weight.shape[0] % 64 == 0 and weight.shape[0] >= N, "weights must come from repack_k32 (rows padded to 64)"
+    assert weight.shape[0] % TILE_ROWS == 0 and weight.shape[0] >= N, \
+        f"weights must come from repack_k32 (rows padded to {TILE_ROWS})"
     assert not swiglu or N % 2 == 0, f"a gate/up weight has an even row count, not {N}"
     assert not (swiglu and rope), "swiglu and rope are epilogues of different weights"
     if rope is not None:
