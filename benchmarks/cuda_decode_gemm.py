@@ -1,0 +1,99 @@
+"""The CUDA decode GEMM (backends/fp4_gemm/cuda_decode.py) against the shipped Triton backend and bf16.
+
+    python benchmarks/cuda_decode_gemm.py --out DIR [--ms 1,4,8] [--variants 8x4,4x4,...]
+
+Same method as fp4_gemm.py: CUDA-graph replays of back-to-back calls rotating over >= 400 MB of weight
+copies, median of 7 replays, per call; both layouts made from the same random NVFP4 weights; each
+configuration is checked against dequantize + bf16 matmul first. Variants are WxD: warps per CTA x
+chunks in flight per lane. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from fp4_gemm import HBM, SHAPES, copies_for, fp4_bytes, graph_time  # noqa: E402
+from pieceworks.backends.base import BackendSpec  # noqa: E402
+from pieceworks.backends.fp4_gemm import cuda_decode  # noqa: E402
+from pieceworks.backends.fp4_gemm.base import Fp4Weight  # noqa: E402
+from pieceworks.backends.fp4_gemm.triton import TritonFp4GemmBackend  # noqa: E402
+from pieceworks.quant import nvfp4  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ms", default="1,4,8")
+    ap.add_argument("--variants", default="8x4,8x3,4x4,16x2,8x2")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    ms = [int(m) for m in args.ms.split(",")]
+    variants = [tuple(int(v) for v in s.split("x")) for s in args.variants.split(",")]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    triton = TritonFp4GemmBackend(BackendSpec.for_device("cuda", fp4_numerics="w4a16"))
+    for n, k in [(40, 208), (48, 4160), (16, 64), (4096, 4096)]:  # odd shapes: padded rows and K
+        w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
+        s = (torch.rand(n, k // 16, device="cuda", generator=gen) * 2 + 0.05).to(torch.float8_e4m3fn)
+        gs = torch.tensor(0.01, device="cuda")
+        c, sc = cuda_decode.repack_decode(w, s)
+        wd = (nvfp4.e2m1_decode(nvfp4.unpack(w)) * (s.float() * gs).repeat_interleave(16, 1)).to(torch.bfloat16)
+        for m in range(1, 9):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            ref = (x @ wd.t()).float()
+            errs = []
+            for wv, d in variants:
+                y = cuda_decode.decode_gemm(x, c, sc, gs, n, warps=wv, depth=d).float()
+                errs.append(float((y - ref).norm() / ref.norm()))
+            print(f"check N={n} K={k} M={m}: max relative error {max(errs):.2e}", flush=True)
+    rows = []
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        copies = copies_for(n * k * 0.5625)
+        raw, tri, cud = [], [], []
+        for _ in range(copies):
+            w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
+            s = (torch.rand(n, k // 16, device="cuda", generator=gen) * 2 + 0.05).to(torch.float8_e4m3fn)
+            gs = torch.tensor(0.01, device="cuda")
+            if not raw:
+                raw.append((w, s, gs))
+            p = triton.prepare(Fp4Weight(w, s, gs, gs))
+            tri.append((p.weight, p.weight_scale, p.weight_scale_2))
+            cud.append((*cuda_decode.repack_decode(w, s), gs.float()))
+        w, s, gs = raw[0]
+        wd = (nvfp4.e2m1_decode(nvfp4.unpack(w)) * (s.float() * gs).repeat_interleave(16, 1)).to(torch.bfloat16)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            ref = (x @ wd.t()).float()
+            row = {"shape": name, "m": m, "n": n, "k": k, "bytes": fp4_bytes(m, n, k)}
+            y = triton.forward(x, tri[0][0], tri[0][1], tri[0][2], gs, n).float()
+            row["triton_err"] = float((y - ref).norm() / ref.norm())
+            row["triton_us"] = graph_time(lambda i: triton.forward(x, *tri[i % copies], gs, n), copies) * 1e6
+            for wv, d in variants:
+                key = f"cuda_{wv}x{d}"
+                y = cuda_decode.decode_gemm(x, *cud[0], n, warps=wv, depth=d).float()
+                row[key + "_err"] = float((y - ref).norm() / ref.norm())
+                if not row[key + "_err"] < 1e-2:
+                    print(f"{name} M={m} {key}: relative error {row[key + '_err']:.3g}", flush=True)
+                    continue
+                row[key + "_us"] = graph_time(
+                    lambda i: cuda_decode.decode_gemm(x, *cud[i % copies], n, warps=wv, depth=d), copies) * 1e6
+            best = min((v, kk) for kk, v in row.items() if kk.endswith("_us"))
+            cells = " ".join(f"{kk[:-3]}={v:.1f}" for kk, v in row.items() if kk.endswith("_us"))
+            print(f"{name} M={m}: {cells}  best {best[1][:-3]} {best[0]:.1f} us "
+                  f"({row['bytes'] / (best[0] * 1e-6) / HBM:.0%} of copy)", flush=True)
+            rows.append(row)
+    with open(os.path.join(args.out, "cuda_decode_gemm.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
