@@ -31,8 +31,8 @@ from pieceworks.quant import nvfp4  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--ms", default="1,4,8")
-    ap.add_argument("--variants", default="8x4,8x3,4x4,16x2,8x2")
+    ap.add_argument("--ms", default="1,8,16")
+    ap.add_argument("--variants", default="2x2,4x2,8x2,16x2,32x2,8x1,16x1,8x3")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -46,7 +46,7 @@ def main() -> None:
         gs = torch.tensor(0.01, device="cuda")
         c, sc = cuda_decode.repack_decode(w, s)
         wd = (nvfp4.e2m1_decode(nvfp4.unpack(w)) * (s.float() * gs).repeat_interleave(16, 1)).to(torch.bfloat16)
-        for m in range(1, 9):
+        for m in range(1, 17):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             ref = (x @ wd.t()).float()
             errs = []

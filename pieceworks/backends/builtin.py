@@ -73,10 +73,21 @@ class TritonBackends:
         return [TritonFp4GemmBackend, TritonMoEBackend, TritonDecodeAttentionBackend]
 
 
+class CudaBackends:
+    """pieceworks' own CUDA kernels, compiled at run time by NVRTC: the NVFP4 weight-only decode GEMM."""
+
+    @hookimpl
+    def pieceworks_register_backends(self):
+        from pieceworks.backends.fp4_gemm.cuda import CudaFp4GemmBackend
+
+        return [CudaFp4GemmBackend]
+
+
 BUILTIN_PLUGINS: dict[str, object] = {
     "pieceworks.torch": TorchBackends(),
     "pieceworks.flashinfer": FlashInferBackends(),
     "pieceworks.trtllm_mla": TrtllmMLABackends(),
     "pieceworks.flashinfer_fp4": FlashInferFp4Backends(),
     "pieceworks.triton": TritonBackends(),
+    "pieceworks.cuda": CudaBackends(),
 }

@@ -24,6 +24,7 @@ This module imports torch only; the kernel is compiled on first use through torc
 
 from __future__ import annotations
 
+import ctypes
 from functools import lru_cache
 
 import torch
@@ -88,15 +89,36 @@ template <int J> __device__ __forceinline__ void mma_slot(float* c, const U4& w,
     mma(c, bmul(slot<J>(w.x), sg), bmul(slot<J>(w.z), sh), bmul(slot<J>(w.y), sg), bmul(slot<J>(w.w), sh), b0, b1);
 }
 
-struct Chunk { U4 w; U4 x0, x1; u32 s; };
+__device__ __forceinline__ float bf16_round(float v) {  // v rounded to bf16, as float
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    return __uint_as_float((u32)h << 16);
+}
+__device__ __forceinline__ u16 to_bf16(float v) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    return h;
+}
+// silu(g) * u rounded as the unfused path rounds (Triton's `_swiglu`: div.full, libdevice exp).
+__device__ __forceinline__ u16 swiglu(float g, float u) {
+    g = bf16_round(g);
+    u = bf16_round(u);
+    float d;
+    asm("div.full.f32 %0, %1, %2;" : "=f"(d) : "f"(g), "f"(1.0f + expf(-g)));
+    return to_bf16(bf16_round(d) * u);
+}
 
-template <int W, int D>
+template <int NT> struct Chunk { U4 w; u32 s; U4 x[NT][2]; };
+
+// EPI 0: out[token, n] = y; EPI 1 (SwiGLU, rows 2j / 2j + 1 = gate / up of column j, interleave_gate_up):
+// out[token, n / 2] = silu(gate) * up.
+template <int W, int D, int NT, int EPI>
 __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     const U4* __restrict__ codes, const u16* __restrict__ scales, const u16* __restrict__ x,
     u16* __restrict__ out, const float* __restrict__ gscale,
     int M, int N, int nchunks, int ldx, int ldo)
 {
-    __shared__ float red[W * 128];
+    __shared__ float red[W * NT * 128];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int c_begin = (nchunks * warp) / W;
@@ -104,64 +126,152 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     const size_t chunk0 = (size_t)blockIdx.x * nchunks + c_begin;
     const U4* cp = codes + chunk0 * 32 + lane;
     const u16* sp = scales + chunk0 * 32 + lane;
-    // tokens g >= M read token M - 1's row (their results are not stored); K is a multiple of 64
-    const u16* xp = x + (size_t)min(g, M - 1) * ldx + c_begin * 64 + 16 * t;
+    // n-tile i serves tokens 8 i + g; tokens >= M read token M - 1's row (their results are not stored)
+    const u16* xp[NT];
+#pragma unroll
+    for (int i = 0; i < NT; ++i) xp[i] = x + (size_t)min(8 * i + g, M - 1) * ldx + c_begin * 64 + 16 * t;
 
-    Chunk buf[D];
-    float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
-    // Chunk C (0-based in this warp's run) of the ring, loaded if P; addresses from the running pointers.
-#define LOAD(B, C, P) do { \
+    Chunk<NT> buf[D];
+    float acc[NT][2][4];
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][0][e] = acc[i][1][e] = 0.f;
+#define LOAD_W(B, C, P) do { \
         ld_stream(buf[B].w, cp + (C) * 32, P); \
         ld_scale(buf[B].s, sp + (C) * 32, P); \
-        ld_x(buf[B].x0, (const U4*)(xp + (C) * 64), P); \
-        ld_x(buf[B].x1, (const U4*)(xp + (C) * 64 + 8), P); \
+    } while (0)
+#define LOAD_X(B, C, P) do { \
+        _Pragma("unroll") for (int i = 0; i < NT; ++i) { \
+            ld_x(buf[B].x[i][0], (const U4*)(xp[i] + (C) * 64), P); \
+            ld_x(buf[B].x[i][1], (const U4*)(xp[i] + (C) * 64 + 8), P); \
+        } \
     } while (0)
 #define COMPUTE(B) do { \
-        const Chunk& k = buf[B]; \
+        const Chunk<NT>& k = buf[B]; \
         const u32 h = scale_pair(k.s); \
         const u32 sg = prmt(h, 0x1010u), sh = prmt(h, 0x3232u); \
-        mma_slot<0>(acc0, k.w, sg, sh, k.x0.x, k.x0.y); \
-        mma_slot<1>(acc1, k.w, sg, sh, k.x0.z, k.x0.w); \
-        mma_slot<2>(acc0, k.w, sg, sh, k.x1.x, k.x1.y); \
-        mma_slot<3>(acc1, k.w, sg, sh, k.x1.z, k.x1.w); \
+        const u32 a00 = bmul(slot<0>(k.w.x), sg), a01 = bmul(slot<0>(k.w.z), sh), \
+                  a02 = bmul(slot<0>(k.w.y), sg), a03 = bmul(slot<0>(k.w.w), sh); \
+        _Pragma("unroll") for (int i = 0; i < NT; ++i) \
+            mma(acc[i][0], a00, a01, a02, a03, k.x[i][0].x, k.x[i][0].y); \
+        const u32 a10 = bmul(slot<1>(k.w.x), sg), a11 = bmul(slot<1>(k.w.z), sh), \
+                  a12 = bmul(slot<1>(k.w.y), sg), a13 = bmul(slot<1>(k.w.w), sh); \
+        _Pragma("unroll") for (int i = 0; i < NT; ++i) \
+            mma(acc[i][1], a10, a11, a12, a13, k.x[i][0].z, k.x[i][0].w); \
+        const u32 a20 = bmul(slot<2>(k.w.x), sg), a21 = bmul(slot<2>(k.w.z), sh), \
+                  a22 = bmul(slot<2>(k.w.y), sg), a23 = bmul(slot<2>(k.w.w), sh); \
+        _Pragma("unroll") for (int i = 0; i < NT; ++i) \
+            mma(acc[i][0], a20, a21, a22, a23, k.x[i][1].x, k.x[i][1].y); \
+        const u32 a30 = bmul(slot<3>(k.w.x), sg), a31 = bmul(slot<3>(k.w.z), sh), \
+                  a32 = bmul(slot<3>(k.w.y), sg), a33 = bmul(slot<3>(k.w.w), sh); \
+        _Pragma("unroll") for (int i = 0; i < NT; ++i) \
+            mma(acc[i][1], a30, a31, a32, a33, k.x[i][1].z, k.x[i][1].w); \
     } while (0)
+    // The weights are never written by an earlier kernel: their first loads go before the PDL wait.
 #pragma unroll
-    for (int b = 0; b < D - 1; ++b) LOAD(b, b, b < nc);
+    for (int b = 0; b < D - 1; ++b) LOAD_W(b, b, b < nc);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#pragma unroll
+    for (int b = 0; b < D - 1; ++b) LOAD_X(b, b, b < nc);
     int c = 0;
     for (; c + D <= nc; c += D) {
 #pragma unroll
         for (int b = 0; b < D; ++b) {
-            LOAD((b + D - 1) % D, b + D - 1, c + b + D - 1 < nc);
+            LOAD_W((b + D - 1) % D, b + D - 1, c + b + D - 1 < nc);
+            LOAD_X((b + D - 1) % D, b + D - 1, c + b + D - 1 < nc);
             COMPUTE(b);
         }
         cp += D * 32;
         sp += D * 32;
-        xp += D * 64;
+#pragma unroll
+        for (int i = 0; i < NT; ++i) xp[i] += D * 64;
     }
     // the last nc % D chunks are in buffers 0 .. nc % D - 1 already
 #pragma unroll
     for (int b = 0; b < D - 1; ++b) {
         if (c + b < nc) COMPUTE(b);
     }
+#undef LOAD_W
+#undef LOAD_X
 #undef COMPUTE
-#undef LOAD
-    // acc: (row g, token 2t), (row g, 2t + 1), (row g + 8, 2t), (row g + 8, 2t + 1)
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    // acc[i]: (row g, token 8i + 2t), (row g, 8i + 2t + 1), (row g + 8, 8i + 2t), (row g + 8, 8i + 2t + 1)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) red[warp * 128 + lane * 4 + e] = acc0[e] + acc1[e];
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) red[(warp * NT + i) * 128 + lane * 4 + e] = acc[i][0][e] + acc[i][1][e];
     __syncthreads();
     const float gs = *gscale * 16384.0f;
-    for (int i = threadIdx.x; i < 128; i += W * 32) {
-        float v = 0.f;
+    if (EPI == 0) {
+        for (int idx = threadIdx.x; idx < NT * 128; idx += W * 32) {
+            const int i = idx >> 7, r = idx & 127;
+            float v = 0.f;
 #pragma unroll
-        for (int w = 0; w < W; ++w) v += red[w * 128 + i];
-        const int l = i >> 2, e = i & 3;
-        const int row = (l >> 2) + 8 * (e >> 1), token = 2 * (l & 3) + (e & 1);
-        const int n = blockIdx.x * 16 + row;
-        if (token < M && n < N) {
-            u16 o;
-            asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(o) : "f"(v * gs));
-            out[(size_t)token * ldo + n] = o;
+            for (int w = 0; w < W; ++w) v += red[(w * NT + i) * 128 + r];
+            const int l = r >> 2, e = r & 3;
+            const int row = (l >> 2) + 8 * (e >> 1), token = 8 * i + 2 * (l & 3) + (e & 1);
+            const int n = blockIdx.x * 16 + row;
+            if (token < M && n < N) out[(size_t)token * ldo + n] = to_bf16(v * gs);
         }
+    } else {
+        for (int idx = threadIdx.x; idx < NT * 64; idx += W * 32) {
+            const int token = idx >> 3, j = idx & 7;  // output column blockIdx.x * 8 + j
+            const int i = token >> 3, tk = token & 7;
+            // rows 2j (gate) and 2j + 1 (up) of the CTA, token tk of n-tile i, in the `red` order
+            const int rg = 2 * j, ru = 2 * j + 1;
+            const int ig = (4 * (rg & 7) + (tk >> 1)) * 4 + 2 * (rg >> 3) + (tk & 1);
+            const int iu = (4 * (ru & 7) + (tk >> 1)) * 4 + 2 * (ru >> 3) + (tk & 1);
+            float vg = 0.f, vu = 0.f;
+#pragma unroll
+            for (int w = 0; w < W; ++w) {
+                vg += red[(w * NT + i) * 128 + ig];
+                vu += red[(w * NT + i) * 128 + iu];
+            }
+            const int n = blockIdx.x * 8 + j;
+            if (token < M && 2 * n < N) out[(size_t)token * ldo + n] = swiglu(vg * gs, vu * gs);
+        }
+    }
+}
+
+// Dequantize to bf16 [N, K] (row stride ldo; EPI 1: row 2j -> j, 2j + 1 -> N / 2 + j, the checkpoint
+// order of an interleaved gate/up weight): bf16(e2m1 * scale * weight_scale_2), as the torch reference.
+template <int EPI>
+__global__ void __launch_bounds__(256) nvfp4_decode_dequant(
+    const U4* __restrict__ codes, const u16* __restrict__ scales, u16* __restrict__ out,
+    const float* __restrict__ gscale, int N, int K, int nchunks, int ldo)
+{
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // `out` may be memory an earlier kernel reads
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int chunk = blockIdx.y * 8 + (threadIdx.x >> 5);
+    if (chunk >= nchunks) return;
+    const size_t ci = (size_t)blockIdx.x * nchunks + chunk;
+    U4 w = ((const U4*)codes)[ci * 32 + lane];
+    const u32 h = scale_pair(scales[ci * 32 + lane]);
+    const u32 sg = prmt(h, 0x1010u), sh = prmt(h, 0x3232u);
+    const float gs = *gscale * 16384.0f;
+    const int k = chunk * 64 + 16 * t;
+    if (k >= K) return;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int r = blockIdx.x * 16 + g + 8 * hh;
+        if (r >= N) continue;
+        const int dst = EPI ? (r & 1) * (N / 2) + (r >> 1) : r;
+        const u32 w0 = hh ? w.z : w.x, w1 = hh ? w.w : w.y, s = hh ? sh : sg;
+        u32 v[8];  // element pairs 16t + 2q, q = 0..7: slot j, word p -> pair 2j + p
+        v[0] = bmul(slot<0>(w0), s); v[1] = bmul(slot<0>(w1), s);
+        v[2] = bmul(slot<1>(w0), s); v[3] = bmul(slot<1>(w1), s);
+        v[4] = bmul(slot<2>(w0), s); v[5] = bmul(slot<2>(w1), s);
+        v[6] = bmul(slot<3>(w0), s); v[7] = bmul(slot<3>(w1), s);
+        u32 o[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+            const float lo = __uint_as_float(v[q] << 16), hi = __uint_as_float(v[q] & 0xFFFF0000u);
+            o[q] = (u32)to_bf16(lo * gs) | ((u32)to_bf16(hi * gs) << 16);
+        }
+        U4* dp = (U4*)(out + (size_t)dst * ldo + k);
+        dp[0] = U4{o[0], o[1], o[2], o[3]};
+        dp[1] = U4{o[4], o[5], o[6], o[7]};
     }
 }
 """
@@ -205,26 +315,105 @@ def repack_decode(weight: torch.Tensor, weight_scale: torch.Tensor):
     return out, s
 
 
+def unpack_decode(codes: torch.Tensor, scales: torch.Tensor, n: int, k: int):
+    """The inverse of `repack_decode` (for tests): (e2m1 codes uint8 [n, k], e4m3 scales [n, k / 16])."""
+    rg, ch, _ = codes.shape
+    b = codes.view(rg, ch, 8, 4, 2, 2, 2, 2).to(torch.int32)  # r c g t h p u byte
+    units = b[..., 0] | (b[..., 1] << 8)
+    out = torch.zeros(rg, 2, 8, ch, 4, 4, 2, 2, dtype=torch.int32, device=codes.device)  # r h g c t j p u
+    for j, bits in enumerate(SLOT_BITS):
+        code = torch.zeros_like(units)
+        for bit, pos in zip((3, 2, 1, 0), bits):
+            code |= ((units >> pos) & 1) << bit
+        out[:, :, :, :, :, j] = code.permute(0, 4, 2, 1, 3, 5, 6)
+    out = out.view(rg * ROWS, ch * CHUNK)[:n, :k].to(torch.uint8)
+    s = scales.view(rg, ch, 8, 4, 2).permute(0, 4, 2, 1, 3).reshape(rg * ROWS, ch * 4)
+    return out, s[:n, : k // nvfp4.BLOCK].contiguous().view(torch.float8_e4m3fn)
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class Kernel:
+    """One compiled kernel of SOURCE (NVRTC, for the current device), launched on the current stream
+    with or without programmatic dependent launch (the kernels wait with griddepcontrol before reading
+    anything an earlier kernel writes; without PDL the wait returns at once)."""
+
+    def __init__(self, name: str) -> None:
+        from torch.cuda._utils import _cuda_load_module, _nvrtc_compile
+
+        cubin, mangled = _nvrtc_compile(SOURCE, name, nvcc_options=["-std=c++17"])
+        self.name = name
+        self._kernel = _cuda_load_module(cubin, [mangled])[mangled]
+        self._libcuda = ctypes.CDLL("libcuda.so.1")
+        attr = _LaunchAttribute()
+        attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value = (1).to_bytes(4, "little") + bytes(60)
+        self._pdl_attr = attr
+
+    def __call__(self, grid, block, args, pdl: bool) -> None:
+        params = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                params.append(ctypes.c_void_p(a.data_ptr()))
+            elif isinstance(a, int):
+                params.append(ctypes.c_int(a))
+            else:
+                raise TypeError(f"kernel argument of type {type(a).__name__}")
+        ptrs = (ctypes.c_void_p * len(params))(*[ctypes.cast(ctypes.byref(p), ctypes.c_void_p) for p in params])
+        cfg = _LaunchConfig()
+        cfg.grid[:] = grid
+        cfg.block[:] = block
+        cfg.shared = 0
+        cfg.stream = torch.cuda.current_stream().cuda_stream
+        if pdl:
+            cfg.attrs = ctypes.pointer(self._pdl_attr)
+            cfg.num_attrs = 1
+        err = self._libcuda.cuLaunchKernelEx(ctypes.byref(cfg), self._kernel.func, ptrs, None)
+        if err:
+            raise RuntimeError(f"cuLaunchKernelEx({self.name}) failed with CUDA error {err}")
+
+
 @lru_cache(maxsize=None)
-def kernel(warps: int, depth: int):
-    """The compiled kernel for W = warps, D = depth (NVRTC, sm of the current device)."""
-    return torch.cuda._compile_kernel(SOURCE, f"nvfp4_decode_gemm<{warps}, {depth}>")
+def kernel(name: str) -> Kernel:
+    return Kernel(name)
 
 
-def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 4, out=None):
-    """y[M, N] = x @ dequant(W).T for M <= 8 (bf16 x with unit stride in K, 16-byte aligned rows)."""
+def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2, swiglu: bool = False,
+                pdl: bool = False, out=None):
+    """y = x @ dequant(W).T for M <= 16 (bf16 x with unit stride in K, 16-byte aligned rows); with
+    swiglu (rows interleaved gate / up) y = silu(gate) * up [M, n / 2]."""
     m, k = x.shape
+    if m > 16:
+        raise ValueError(f"decode_gemm serves M <= 16, got {m}")
     if k % CHUNK:  # the kernel reads x in whole chunks
         x = torch.nn.functional.pad(x, (0, CHUNK - k % CHUNK))
-    if m > 8:
-        raise ValueError(f"decode_gemm serves M <= 8, got {m}")
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        raise ValueError("decode_gemm needs x with unit stride in K and 16-byte aligned rows")
+        x = x.contiguous()
     rg, ch, _ = codes.shape
     if out is None:
-        out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    kernel(warps, depth)(
-        grid=(rg, 1, 1), block=(warps * 32, 1, 1),
-        args=[codes, scales, x, out, gscale, m, n, ch, x.stride(0), out.stride(0)],
-    )
+        out = torch.empty(m, n // 2 if swiglu else n, dtype=torch.bfloat16, device=x.device)
+    nt = 1 if m <= 8 else 2
+    kernel(f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {int(swiglu)}>")(
+        (rg, 1, 1), (warps * 32, 1, 1), [codes, scales, x, out, gscale, m, n, ch, x.stride(0), out.stride(0)], pdl)
+    return out
+
+
+def dequant(codes, scales, gscale, n: int, k: int, swiglu: bool = False, pdl: bool = False):
+    """bf16 [n, k] = e2m1 * scale * weight_scale_2 (swiglu: the interleaved gate/up rows put back in
+    checkpoint order [gate; up])."""
+    rg, ch, _ = codes.shape
+    out = torch.empty(n, k, dtype=torch.bfloat16, device=codes.device)
+    kernel(f"nvfp4_decode_dequant<{int(swiglu)}>")(
+        (rg, -(-ch // 8), 1), (256, 1, 1), [codes, scales, out, gscale, n, k, ch, out.stride(0)], pdl)
     return out

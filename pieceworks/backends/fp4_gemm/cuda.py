@@ -1,0 +1,127 @@
+"""Weight-only NVFP4 GEMM with a hand-written CUDA decode kernel (w4a16), compiled at run time by NVRTC.
+
+Decode (M <= 16) runs `cuda_decode.nvfp4_decode_gemm`: one CTA per 16 weight rows over all of K, the
+weights loaded straight into registers in MMA fragment order (a ring of `depth` 64-element chunks per
+lane), decoded with integer ops and bf16 multiplies, bf16 mma.sync with the weights as the A operand,
+the warps' sums added in shared memory (cuda_decode.py describes the layout). Larger M dequantizes the
+weight to a transient bf16 copy and calls torch.matmul, as the Triton backend does from M = 1024.
+SwiGLU is fused into the decode kernel's epilogue; the q/k/v rope is not (the rope op follows).
+
+The layout ("r16c64") differs from the Triton backend's k32, so one executor uses one of them for
+every mode (the registry refuses a mix). This module imports torch only; NVRTC compiles a kernel on
+its first launch (a second or two each).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from pieceworks.backends import pdl
+from pieceworks.backends.base import Requirements
+from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight
+from pieceworks.backends.fp4_gemm.triton import interleave_gate_up
+
+
+@dataclass
+class CudaDecodeOptions:
+    """decode_max_m: largest M served by the decode kernel (8 or 16); above it, dequantize + matmul."""
+
+    decode_max_m: int = 16
+
+    def __post_init__(self) -> None:
+        if self.decode_max_m not in (0, 8, 16):
+            raise ValueError(f"decode_max_m={self.decode_max_m}: use 0 (never), 8 or 16")
+
+
+@lru_cache(maxsize=None)
+def nvrtc_unavailable_reason() -> str | None:
+    """Why NVRTC can't compile the kernels here, or None."""
+    from torch.cuda import _utils
+
+    if not hasattr(_utils, "_nvrtc_compile") or not hasattr(_utils, "_cuda_load_module"):
+        return f"torch {torch.__version__} has no NVRTC wrapper (torch.cuda._utils._nvrtc_compile)"
+    if torch.version.cuda is None:
+        return "this torch build has no CUDA"
+    try:
+        _utils._get_gpu_rtc_library()
+    except OSError as e:
+        return f"NVRTC library not found ({e}): install the nvidia-cuda-nvrtc wheel matching torch's CUDA"
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        return f"CUDA driver library not found ({e})"
+    return None
+
+
+def plan(m: int, n_rows: int, sms: int) -> tuple[int, int]:
+    """(warps per CTA, chunks in flight per lane) for M rows and n_rows weight rows: as many warps per
+    CTA as keep every CTA of the grid resident at once (about 32 warps per SM), 4 to 16."""
+    ctas = -(-n_rows // 16)
+    warps = 16
+    while warps > 4 and ctas * warps > sms * 32:
+        warps //= 2
+    return warps, 2
+
+
+class CudaFp4GemmBackend(Fp4GemmBackend):
+    name = "cuda"
+    priority = 40
+    requires = Requirements(devices=("cuda",), min_capability=(8, 9))
+    numerics = ("w4a16",)
+    weight_layout = "r16c64"
+    Options = CudaDecodeOptions
+    description = "CUDA w4a16 decode GEMM (NVRTC): NVFP4 decoded in registers, bf16 mma.sync"
+
+    @classmethod
+    def check(cls, spec):
+        reasons = super().check(spec)
+        if not reasons:
+            reason = nvrtc_unavailable_reason()
+            if reason:
+                reasons.append(reason)
+        return reasons
+
+    def prepare(self, w: Fp4Weight) -> Fp4Weight:
+        from pieceworks.backends.fp4_gemm.cuda_decode import repack_decode
+
+        codes, scales = repack_decode(w.weight, w.weight_scale)
+        return Fp4Weight(codes, scales, w.weight_scale_2.float().reshape(()), w.input_scale)
+
+    def prepare_gate_up(self, w: Fp4Weight) -> Fp4Weight:
+        """`prepare` with gate row j and up row j side by side (`interleave_gate_up`) for `forward_swiglu`."""
+        rows = interleave_gate_up(w.weight.shape[0]).to(w.weight.device)
+        return self.prepare(Fp4Weight(w.weight[rows], w.weight_scale[rows], w.weight_scale_2, w.input_scale))
+
+    def forward(self, x, weight, weight_scale, weight_scale_2, input_scale, out_features):
+        return self._gemm(x, weight, weight_scale, weight_scale_2, out_features, swiglu=False)
+
+    def forward_swiglu(self, x, weight, weight_scale, weight_scale_2, input_scale, intermediate):
+        """silu(gate) * up in the decode kernel's epilogue (rounded as the silu_mul op rounds); larger M:
+        dequantize in checkpoint row order, matmul, then the silu_mul op."""
+        return self._gemm(x, weight, weight_scale, weight_scale_2, 2 * intermediate, swiglu=True)
+
+    def _gemm(self, x, weight, weight_scale, weight_scale_2, n: int, swiglu: bool):
+        from pieceworks.backends.fp4_gemm import cuda_decode
+        from pieceworks.models import fused
+
+        m, k = x.shape
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"the cuda fp4_gemm backend takes bf16 activations, got {x.dtype}")
+        if m <= self.options.decode_max_m:
+            warps, depth = plan(m, weight.shape[0] * 16, _multiprocessors(x.device))
+            return cuda_decode.decode_gemm(x, weight, weight_scale, weight_scale_2, n, warps, depth, swiglu,
+                                           pdl=pdl.enabled(x.device))
+        w = cuda_decode.dequant(weight, weight_scale, weight_scale_2, n, k, swiglu)
+        y = x @ w.t()
+        if swiglu:
+            return fused.silu_mul(y[:, : n // 2], y[:, n // 2 :])
+        return y
+
+
+@lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -1,0 +1,77 @@
+"""The CUDA decode GEMM's weight layout and plan, on the CPU (the kernel itself: tests/gpu/test_cuda_fp4.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pieceworks.backends.base import BackendSpec
+from pieceworks.backends.fp4_gemm import cuda_decode
+from pieceworks.backends.fp4_gemm.cuda import CudaDecodeOptions, CudaFp4GemmBackend, plan
+from pieceworks.quant import nvfp4
+
+
+def random_weight(n, k, gen):
+    w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    s = (torch.rand(n, k // 16, generator=gen) * 4 + 0.01).to(torch.float8_e4m3fn)
+    return w, s
+
+
+@pytest.mark.parametrize("n,k", [(16, 64), (48, 256), (40, 208), (24, 4160)])
+def test_repack_round_trip(n, k):
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    w, s = random_weight(n, k, gen)
+    codes, scales = cuda_decode.repack_decode(w, s)
+    assert codes.shape == (-(-n // 16), -(-k // 64), 512) and scales.shape == (-(-n // 16), -(-k // 64), 64)
+    c, sc = cuda_decode.unpack_decode(codes, scales, n, k)
+    assert torch.equal(c, nvfp4.unpack(w))
+    assert torch.equal(sc.view(torch.uint8), s.view(torch.uint8))
+    # padding rows and K are zero codes and zero scales
+    full_c, full_s = cuda_decode.unpack_decode(codes, scales, codes.shape[0] * 16, codes.shape[1] * 64)
+    assert int(full_c[n:].sum()) == 0 and int(full_c[:, k:].sum()) == 0
+    assert int(full_s.view(torch.uint8)[n:].sum()) == 0 and int(full_s.view(torch.uint8)[:, k // 16 :].sum()) == 0
+
+
+def test_repack_values_match_dequant():
+    """Zero-scale blocks lose their codes, negative scales move their sign into the codes: the values
+    e2m1 * scale are unchanged."""
+    gen = torch.Generator().manual_seed(1)
+    w, s = random_weight(32, 128, gen)
+    sf = s.float()
+    sf[0, 1] = 0.0
+    sf[3, 2] = -1.5
+    s = sf.to(torch.float8_e4m3fn)
+    codes, scales = cuda_decode.repack_decode(w, s)
+    c, sc = cuda_decode.unpack_decode(codes, scales, 32, 128)
+    got = nvfp4.e2m1_decode(c) * sc.float().repeat_interleave(16, 1)
+    ref = nvfp4.e2m1_decode(nvfp4.unpack(w)) * sf.repeat_interleave(16, 1)
+    assert torch.equal(got, ref)
+    assert int(sc.view(torch.uint8)[3, 2]) & 0x80 == 0  # the kernel reads scales as non-negative
+    assert int(c[0, 16:32].sum()) == 0
+
+
+def test_repack_refuses_nan_scale():
+    gen = torch.Generator().manual_seed(2)
+    w, s = random_weight(16, 64, gen)
+    s.view(torch.uint8)[2, 1] = 0x7F
+    with pytest.raises(ValueError, match="NaN"):
+        cuda_decode.repack_decode(w, s)
+
+
+def test_plan_keeps_the_grid_resident():
+    # 132 SMs: 256 CTAs (4096 rows) take 16 warps each, 384 (6144 rows) 8, 1792 (28672 rows) 4
+    assert plan(1, 4096, 132) == (16, 2)
+    assert plan(1, 6144, 132) == (8, 2)
+    assert plan(1, 28672, 132) == (4, 2)
+    assert plan(1, 16, 132) == (16, 2)
+
+
+def test_unavailable_on_cpu_with_reason():
+    reasons = CudaFp4GemmBackend.check(BackendSpec.for_device("cpu", fp4_numerics="w4a16"))
+    assert reasons and "cuda" in reasons[0]
+
+
+def test_options_validated():
+    assert CudaDecodeOptions().decode_max_m == 16
+    with pytest.raises(ValueError, match="decode_max_m"):
+        CudaDecodeOptions(decode_max_m=12)
