@@ -59,11 +59,14 @@ def test_repack_refuses_nan_scale():
 
 
 def test_plan_keeps_the_grid_resident():
-    # 132 SMs: 256 CTAs (4096 rows) take 16 warps each, 384 (6144 rows) 8, 1792 (28672 rows) 4
+    # 132 SMs, M <= 8: 256 CTAs (4096 rows) take 16 warps each, 384 (6144 rows) 8, 1792 (28672 rows) 2
     assert plan(1, 4096, 132) == (16, 2)
-    assert plan(1, 6144, 132) == (8, 2)
-    assert plan(1, 28672, 132) == (4, 2)
+    assert plan(8, 6144, 132) == (8, 2)
+    assert plan(1, 28672, 132) == (2, 2)
     assert plan(1, 16, 132) == (16, 2)
+    # M 9..16 counts half the warps per SM, at least 4
+    assert plan(16, 4096, 132) == (8, 2)
+    assert plan(9, 28672, 132) == (4, 2)
 
 
 def test_unavailable_on_cpu_with_reason():

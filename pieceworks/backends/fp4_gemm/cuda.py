@@ -58,11 +58,15 @@ def nvrtc_unavailable_reason() -> str | None:
 
 
 def plan(m: int, n_rows: int, sms: int) -> tuple[int, int]:
-    """(warps per CTA, chunks in flight per lane) for M rows and n_rows weight rows: as many warps per
-    CTA as keep every CTA of the grid resident at once (about 32 warps per SM), 4 to 16."""
+    """(warps per CTA, chunks in flight per lane) for M rows and n_rows weight rows: the most warps per
+    CTA (a power of two, 16 at most) that keep every CTA of the grid resident at once, counting about 32
+    warps per SM at M <= 8 and 16 at M <= 16 (two token tiles take more registers); at least 2 / 4.
+    Measured on the H200 (docs/benchmarks.md): this picks the fastest or within 10% of it on the
+    Llama-3.1-8B and DeepSeek-V3 expert shapes."""
     ctas = -(-n_rows // 16)
+    budget, least = (sms * 32, 2) if m <= 8 else (sms * 16, 4)
     warps = 16
-    while warps > 4 and ctas * warps > sms * 32:
+    while warps > least and ctas * warps > budget:
         warps //= 2
     return warps, 2
 
