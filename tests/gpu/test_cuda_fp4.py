@@ -110,3 +110,29 @@ def test_non_bf16_activations_refused():
     p = backend.prepare(random_fp4(32, 64, gen))
     with pytest.raises(ValueError, match="bf16"):
         backend.forward(torch.randn(1, 64, device=DEV), *p, 32)
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 33])
+def test_qkv_rope_matches_gemm_then_rope(m):
+    gen = torch.Generator(device=DEV).manual_seed(100 + m)
+    nh, nkv, hd = 8, 2, 128
+    n, k = (nh + 2 * nkv) * hd, 1024
+    w = random_fp4(n, k, gen)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
+    pos = torch.randint(0, 4096, (m,), device=DEV, generator=gen).float()
+    freqs = pos[:, None] / (10000 ** (torch.arange(hd // 2, device=DEV) / (hd // 2)))
+    cos, sin = freqs.cos(), freqs.sin()
+    backend = CudaFp4GemmBackend(SPEC)
+    assert backend.fuses_qkv_rope and backend.qkv_rope_supported(nh, nkv, hd)
+    y = backend.forward_qkv_rope(x, *backend.prepare_qkv_rope(w, nh, nkv, hd), cos, sin, nh, nkv, hd)
+    assert y.shape == (m, n)
+
+    def roped(plain):
+        q, kk = fused.rope_qk(plain[:, : nh * hd].reshape(-1, nh, hd).clone(),
+                              plain[:, nh * hd : (nh + nkv) * hd].reshape(-1, nkv, hd).clone(), cos, sin, False)
+        return torch.cat([q.reshape(m, -1), kk.reshape(m, -1), plain[:, (nh + nkv) * hd :]], dim=1)
+
+    assert rel_err(y, roped(reference(x, w))) < TOL
+    if m <= 16:  # same bits as the kernel's own GEMM output followed by the rope op
+        p = backend.prepare(w)
+        assert torch.equal(y, roped(backend.forward(x, *p, n)))

@@ -5,7 +5,7 @@ weights loaded straight into registers in MMA fragment order (a ring of `depth` 
 lane), decoded with integer ops and bf16 multiplies, bf16 mma.sync with the weights as the A operand,
 the warps' sums added in shared memory (cuda_decode.py describes the layout). Larger M dequantizes the
 weight to a transient bf16 copy and calls torch.matmul, as the Triton backend does from M = 1024.
-SwiGLU is fused into the decode kernel's epilogue; the q/k/v rope is not (the rope op follows).
+SwiGLU and the q/k/v rope are fused into the decode kernel's epilogue (rounded as the unfused ops round).
 
 The layout ("r16c64") differs from the Triton backend's k32, so one executor uses one of them for
 every mode (the registry refuses a mix). This module imports torch only; NVRTC compiles a kernel on
@@ -23,7 +23,7 @@ import torch
 from pieceworks.backends import pdl
 from pieceworks.backends.base import Requirements
 from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight
-from pieceworks.backends.fp4_gemm.triton import interleave_gate_up
+from pieceworks.backends.fp4_gemm.triton import interleave_gate_up, interleave_rope_rows
 
 
 @dataclass
@@ -77,6 +77,7 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
     requires = Requirements(devices=("cuda",), min_capability=(8, 9))
     numerics = ("w4a16",)
     weight_layout = "r16c64"
+    fuses_qkv_rope = True
     Options = CudaDecodeOptions
     description = "CUDA w4a16 decode GEMM (NVRTC): NVFP4 decoded in registers, bf16 mma.sync"
 
@@ -100,6 +101,45 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         rows = interleave_gate_up(w.weight.shape[0]).to(w.weight.device)
         return self.prepare(Fp4Weight(w.weight[rows], w.weight_scale[rows], w.weight_scale_2, w.input_scale))
 
+    def qkv_rope_supported(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        return head_dim % 2 == 0
+
+    def prepare_qkv_rope(self, w: Fp4Weight, num_heads: int, num_kv_heads: int, head_dim: int) -> Fp4Weight:
+        """`prepare` with each q/k head's rope pairs side by side (`interleave_rope_rows`) for
+        `forward_qkv_rope`."""
+        rows = interleave_rope_rows(num_heads, num_kv_heads, head_dim).to(w.weight.device)
+        return self.prepare(Fp4Weight(w.weight[rows], w.weight_scale[rows], w.weight_scale_2, w.input_scale))
+
+    def forward_qkv_rope(self, x, weight, weight_scale, weight_scale_2, input_scale, cos, sin, num_heads,
+                         num_kv_heads, head_dim):
+        """The rope in the decode kernel's epilogue (same bits as the GEMM followed by the rope_qk op);
+        larger M: dequantize, matmul, columns back in checkpoint order, then the rope_qk op."""
+        from pieceworks.backends.fp4_gemm import cuda_decode
+        from pieceworks.models import fused
+
+        n = (num_heads + 2 * num_kv_heads) * head_dim
+        m = x.shape[0]
+        self._check_x(x)
+        if m <= self.options.decode_max_m:
+            warps, depth = plan(m, weight.shape[0] * 16, _multiprocessors(x.device))
+            rope = (cos, sin, (num_heads + num_kv_heads) * head_dim, head_dim)
+            return cuda_decode.decode_gemm(x, weight, weight_scale, weight_scale_2, n, warps, depth,
+                                           pdl=pdl.enabled(x.device), rope=rope)
+        w = cuda_decode.dequant(weight, weight_scale, weight_scale_2, n, x.shape[1])
+        order = _checkpoint_order(num_heads, num_kv_heads, head_dim, x.device)
+        y = (x @ w.t())[:, order]
+        q_cols, k_cols = num_heads * head_dim, num_kv_heads * head_dim
+        q, k = fused.rope_qk(y[:, :q_cols].view(-1, num_heads, head_dim),
+                             y[:, q_cols : q_cols + k_cols].view(-1, num_kv_heads, head_dim), cos, sin, False)
+        y[:, :q_cols] = q.view(-1, q_cols)
+        y[:, q_cols : q_cols + k_cols] = k.view(-1, k_cols)
+        return y
+
+    @staticmethod
+    def _check_x(x) -> None:
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"the cuda fp4_gemm backend takes bf16 activations, got {x.dtype}")
+
     def forward(self, x, weight, weight_scale, weight_scale_2, input_scale, out_features):
         return self._gemm(x, weight, weight_scale, weight_scale_2, out_features, swiglu=False)
 
@@ -113,8 +153,7 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         from pieceworks.models import fused
 
         m, k = x.shape
-        if x.dtype != torch.bfloat16:
-            raise ValueError(f"the cuda fp4_gemm backend takes bf16 activations, got {x.dtype}")
+        self._check_x(x)
         if m <= self.options.decode_max_m:
             warps, depth = plan(m, weight.shape[0] * 16, _multiprocessors(x.device))
             return cuda_decode.decode_gemm(x, weight, weight_scale, weight_scale_2, n, warps, depth, swiglu,
@@ -124,6 +163,12 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         if swiglu:
             return fused.silu_mul(y[:, : n // 2], y[:, n // 2 :])
         return y
+
+
+@lru_cache(maxsize=None)
+def _checkpoint_order(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
+    """Column j of the checkpoint order sits at this column of an `interleave_rope_rows` GEMM output."""
+    return torch.argsort(interleave_rope_rows(num_heads, num_kv_heads, head_dim)).to(device)
 
 
 @lru_cache(maxsize=None)

@@ -108,15 +108,28 @@ __device__ __forceinline__ u16 swiglu(float g, float u) {
     return to_bf16(bf16_round(d) * u);
 }
 
+// The rope of one q/k pair as the rope kernel rounds (Triton's `_rope_pair`): values, cos and sin rounded
+// to bf16, every product (no FMA contraction) and sum rounded.
+__device__ __forceinline__ void rope_pair(float y1, float y2, float c, float s, u16& o1, u16& o2) {
+    const float x1 = bf16_round(y1), x2 = bf16_round(y2);
+    c = bf16_round(c);
+    s = bf16_round(s);
+    o1 = to_bf16(bf16_round(__fmul_rn(x1, c)) - bf16_round(__fmul_rn(x2, s)));
+    o2 = to_bf16(bf16_round(__fmul_rn(x2, c)) + bf16_round(__fmul_rn(x1, s)));
+}
+
 template <int NT> struct Chunk { U4 w; u32 s; U4 x[NT][2]; };
 
 // EPI 0: out[token, n] = y; EPI 1 (SwiGLU, rows 2j / 2j + 1 = gate / up of column j, interleave_gate_up):
-// out[token, n / 2] = silu(gate) * up.
+// out[token, n / 2] = silu(gate) * up. EPI 2 (q/k/v rope, rows in the interleave_rope_rows order: rows 2j and
+// 2j + 1 are dims d and d + half of a q or k head, columns below rope_cols; v rows in order): the pair
+// rotated by cos / sin [M, half] (float32, row strides ldc / lds) and stored in checkpoint column order.
 template <int W, int D, int NT, int EPI>
 __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     const U4* __restrict__ codes, const u16* __restrict__ scales, const u16* __restrict__ x,
     u16* __restrict__ out, const float* __restrict__ gscale,
-    int M, int N, int nchunks, int ldx, int ldo)
+    int M, int N, int nchunks, int ldx, int ldo,
+    const float* __restrict__ cosp, const float* __restrict__ sinp, int ldc, int lds, int rope_cols, int half)
 {
     __shared__ float red[W * NT * 128];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -229,7 +242,19 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
                 vu += red[(w * NT + i) * 128 + iu];
             }
             const int n = blockIdx.x * 8 + j;
-            if (token < M && 2 * n < N) out[(size_t)token * ldo + n] = swiglu(vg * gs, vu * gs);
+            if (token >= M || 2 * n >= N) continue;
+            if (EPI == 1) {
+                out[(size_t)token * ldo + n] = swiglu(vg * gs, vu * gs);
+            } else if (2 * n < rope_cols) {
+                const int head = n / half, d = n % half;
+                u16 o1, o2;
+                rope_pair(vg * gs, vu * gs, cosp[(size_t)token * ldc + d], sinp[(size_t)token * lds + d], o1, o2);
+                out[(size_t)token * ldo + head * 2 * half + d] = o1;
+                out[(size_t)token * ldo + head * 2 * half + half + d] = o2;
+            } else {
+                out[(size_t)token * ldo + 2 * n] = to_bf16(vg * gs);
+                out[(size_t)token * ldo + 2 * n + 1] = to_bf16(vu * gs);
+            }
         }
     }
 }
@@ -390,9 +415,11 @@ def kernel(name: str) -> Kernel:
 
 
 def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2, swiglu: bool = False,
-                pdl: bool = False, out=None):
+                pdl: bool = False, out=None, rope=None):
     """y = x @ dequant(W).T for M <= 16 (bf16 x with unit stride in K, 16-byte aligned rows); with
-    swiglu (rows interleaved gate / up) y = silu(gate) * up [M, n / 2]."""
+    swiglu (rows interleaved gate / up) y = silu(gate) * up [M, n / 2]; with rope = (cos, sin,
+    rope_cols, head_dim) (rows in the interleave_rope_rows order) the q/k columns below rope_cols
+    rotated, every column in checkpoint order."""
     m, k = x.shape
     if m > 16:
         raise ValueError(f"decode_gemm serves M <= 16, got {m}")
@@ -404,8 +431,17 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
     if out is None:
         out = torch.empty(m, n // 2 if swiglu else n, dtype=torch.bfloat16, device=x.device)
     nt = 1 if m <= 8 else 2
-    kernel(f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {int(swiglu)}>")(
-        (rg, 1, 1), (warps * 32, 1, 1), [codes, scales, x, out, gscale, m, n, ch, x.stride(0), out.stride(0)], pdl)
+    if rope is None:
+        epi, rope_args = int(swiglu), [gscale, gscale, 0, 0, 0, 1]
+    else:
+        cos, sin, rope_cols, head_dim = rope
+        cos, sin = cos.float(), sin.float()
+        if cos.stride(-1) != 1 or sin.stride(-1) != 1:
+            cos, sin = cos.contiguous(), sin.contiguous()
+        epi, rope_args = 2, [cos, sin, cos.stride(0), sin.stride(0), rope_cols, head_dim // 2]
+    kernel(f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {epi}>")(
+        (rg, 1, 1), (warps * 32, 1, 1),
+        [codes, scales, x, out, gscale, m, n, ch, x.stride(0), out.stride(0), *rope_args], pdl)
     return out
 
 
