@@ -118,62 +118,6 @@ __device__ __forceinline__ void rope_pair(float y1, float y2, float c, float s, 
     o2 = to_bf16(bf16_round(__fmul_rn(x2, c)) + bf16_round(__fmul_rn(x1, s)));
 }
 
-// The end of both GEMM kernels: the warps' accumulators added in shared memory, scaled, stored (EPI above).
-template <int W, int NT, int EPI>
-__device__ __forceinline__ void epilogue(float (&acc)[NT][2][4], float* red, int warp, int lane, u16* __restrict__ out,
-    const float* __restrict__ gscale, int M, int N, int ldo, const float* __restrict__ cosp,
-    const float* __restrict__ sinp, int ldc, int lds, int rope_cols, int half)
-{
-    /* acc[i]: (row g, token 8i + 2t), (row g, 8i + 2t + 1), (row g + 8, 8i + 2t), (row g + 8, 8i + 2t + 1) */
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) red[(warp * NT + i) * 128 + lane * 4 + e] = acc[i][0][e] + acc[i][1][e];
-    __syncthreads();
-    const float gs = *gscale * 16384.0f;
-    if (EPI == 0) {
-        for (int idx = threadIdx.x; idx < NT * 128; idx += W * 32) {
-            const int i = idx >> 7, r = idx & 127;
-            float v = 0.f;
-#pragma unroll
-            for (int w = 0; w < W; ++w) v += red[(w * NT + i) * 128 + r];
-            const int l = r >> 2, e = r & 3;
-            const int row = (l >> 2) + 8 * (e >> 1), token = 8 * i + 2 * (l & 3) + (e & 1);
-            const int n = blockIdx.x * 16 + row;
-            if (token < M && n < N) out[(size_t)token * ldo + n] = to_bf16(v * gs);
-        }
-    } else {
-        for (int idx = threadIdx.x; idx < NT * 64; idx += W * 32) {
-            const int token = idx >> 3, j = idx & 7;  /* output column blockIdx.x * 8 + j */
-            const int i = token >> 3, tk = token & 7;
-            /* rows 2j (gate) and 2j + 1 (up) of the CTA, token tk of n-tile i, in the `red` order */
-            const int rg = 2 * j, ru = 2 * j + 1;
-            const int ig = (4 * (rg & 7) + (tk >> 1)) * 4 + 2 * (rg >> 3) + (tk & 1);
-            const int iu = (4 * (ru & 7) + (tk >> 1)) * 4 + 2 * (ru >> 3) + (tk & 1);
-            float vg = 0.f, vu = 0.f;
-#pragma unroll
-            for (int w = 0; w < W; ++w) {
-                vg += red[(w * NT + i) * 128 + ig];
-                vu += red[(w * NT + i) * 128 + iu];
-            }
-            const int n = blockIdx.x * 8 + j;
-            if (token >= M || 2 * n >= N) continue;
-            if (EPI == 1) {
-                out[(size_t)token * ldo + n] = swiglu(vg * gs, vu * gs);
-            } else if (2 * n < rope_cols) {
-                const int head = n / half, d = n % half;
-                u16 o1, o2;
-                rope_pair(vg * gs, vu * gs, cosp[(size_t)token * ldc + d], sinp[(size_t)token * lds + d], o1, o2);
-                out[(size_t)token * ldo + head * 2 * half + d] = o1;
-                out[(size_t)token * ldo + head * 2 * half + half + d] = o2;
-            } else {
-                out[(size_t)token * ldo + 2 * n] = to_bf16(vg * gs);
-                out[(size_t)token * ldo + 2 * n + 1] = to_bf16(vu * gs);
-            }
-        }
-    }
-}
-
 template <int NT> struct Chunk { U4 w; u32 s; U4 x[NT][2]; };
 
 // EPI 0: out[token, n] = y; EPI 1 (SwiGLU, rows 2j / 2j + 1 = gate / up of column j, interleave_gate_up):
@@ -265,150 +209,54 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
 #undef LOAD_X
 #undef COMPUTE
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    epilogue<W, NT, EPI>(acc, red, warp, lane, out, gscale, M, N, ldo, cosp, sinp, ldc, lds, rope_cols, half);
-}
-
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{\n .reg .u64 t;\n cvta.to.shared.u64 t, %1;\n cvt.u32.u64 %0, t;\n}" : "=r"(a) : "l"(p));
-    return a;
-}
-__device__ __forceinline__ void cp16(u32 dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp4(u32 dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ U4 lds16(u32 a) {
-    U4 r;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(a));
-    return r;
-}
-__device__ __forceinline__ u32 lds4(u32 a) {
-    u32 r;
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(a));
-    return r;
-}
-
-// The same GEMM with each warp's chunks streamed into shared memory by cp.async, S stages deep (per-thread
-// copy groups: a lane reads back only what it copied). No register ring, so more warps fit and more bytes
-// are in flight. Scales in pairs of chunks (`repack_decode(scale_pairs=True)`: lane L's 4 bytes of pair q are
-// its two scales of chunks 2q and 2q + 1), copied with the even chunk; warps split K at even chunks.
-// Dynamic shared memory: W * S * (640 + NT * 1024) bytes.
-template <int W, int S, int NT, int EPI>
-__global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm_async(
-    const U4* __restrict__ codes, const u16* __restrict__ scales, const u16* __restrict__ x,
-    u16* __restrict__ out, const float* __restrict__ gscale,
-    int M, int N, int nchunks, int ldx, int ldo,
-    const float* __restrict__ cosp, const float* __restrict__ sinp, int ldc, int lds, int rope_cols, int half)
-{
-    constexpr int STAGE = 640 + NT * 1024;
-    extern __shared__ __align__(16) unsigned char dsm[];
-    __shared__ float red[W * NT * 128];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int g = lane >> 2, t = lane & 3;
-    const int npairs = (nchunks + 1) >> 1;
-    const int c_begin = 2 * ((npairs * warp) / W);
-    const int nc = min(nchunks, 2 * ((npairs * (warp + 1)) / W)) - c_begin;
-    const size_t chunk0 = (size_t)blockIdx.x * nchunks + c_begin;
-    const U4* cp = codes + chunk0 * 32 + lane;
-    const u32* sp = (const u32*)scales + ((size_t)blockIdx.x * npairs + c_begin / 2) * 32 + lane;
-    const u16* xp[NT];
-    bool xok[NT];
-#pragma unroll
-    for (int i = 0; i < NT; ++i) {
-        xok[i] = 8 * i + g < M;  // lanes of tokens >= M copy nothing: their columns are never stored
-        xp[i] = x + (size_t)min(8 * i + g, M - 1) * ldx + c_begin * 64 + 16 * t;
-    }
-    const u32 base = smem_addr(dsm) + warp * S * STAGE;
-    // stage layout: codes [32 lanes][16 B], scale words (even chunks) [32 lanes][4 B], x [NT][8 tokens][64 el.]
-    const u32 o_code = 16 * lane, o_scale = 512 + 4 * lane, o_x = 640 + g * 128 + 32 * t;
-    float acc[NT][2][4];
+    // acc[i]: (row g, token 8i + 2t), (row g, 8i + 2t + 1), (row g + 8, 8i + 2t), (row g + 8, 8i + 2t + 1)
 #pragma unroll
     for (int i = 0; i < NT; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][0][e] = acc[i][1][e] = 0.f;
-    // Running source pointers and stage addresses of the next copy (chunk cl) and the next read (chunk c).
-    const U4* cpn = cp;
-    const u32* spn = sp;
-    const u16* xpn[NT];
+        for (int e = 0; e < 4; ++e) red[(warp * NT + i) * 128 + lane * 4 + e] = acc[i][0][e] + acc[i][1][e];
+    __syncthreads();
+    const float gs = *gscale * 16384.0f;
+    if (EPI == 0) {
+        for (int idx = threadIdx.x; idx < NT * 128; idx += W * 32) {
+            const int i = idx >> 7, r = idx & 127;
+            float v = 0.f;
 #pragma unroll
-    for (int i = 0; i < NT; ++i) xpn[i] = xp[i];
-    const u32 stages_end = base + S * STAGE;
-    u32 st_w = base, st_r = base;
-    auto copy_w = [&](int cl) {  // codes of chunk cl, and the scale word with an even chunk
-        cp16(st_w + o_code, cpn);
-        cpn += 32;
-        if (!(cl & 1)) {
-            cp4(st_w + o_scale, spn);
-            spn += 32;
+            for (int w = 0; w < W; ++w) v += red[(w * NT + i) * 128 + r];
+            const int l = r >> 2, e = r & 3;
+            const int row = (l >> 2) + 8 * (e >> 1), token = 8 * i + 2 * (l & 3) + (e & 1);
+            const int n = blockIdx.x * 16 + row;
+            if (token < M && n < N) out[(size_t)token * ldo + n] = to_bf16(v * gs);
         }
-    };
-    auto copy_x = [&]() {
+    } else {
+        for (int idx = threadIdx.x; idx < NT * 64; idx += W * 32) {
+            const int token = idx >> 3, j = idx & 7;  // output column blockIdx.x * 8 + j
+            const int i = token >> 3, tk = token & 7;
+            // rows 2j (gate) and 2j + 1 (up) of the CTA, token tk of n-tile i, in the `red` order
+            const int rg = 2 * j, ru = 2 * j + 1;
+            const int ig = (4 * (rg & 7) + (tk >> 1)) * 4 + 2 * (rg >> 3) + (tk & 1);
+            const int iu = (4 * (ru & 7) + (tk >> 1)) * 4 + 2 * (ru >> 3) + (tk & 1);
+            float vg = 0.f, vu = 0.f;
 #pragma unroll
-        for (int i = 0; i < NT; ++i) {
-            if (xok[i]) {
-                cp16(st_w + o_x + i * 1024, xpn[i]);
-                cp16(st_w + o_x + i * 1024 + 16, xpn[i] + 8);
+            for (int w = 0; w < W; ++w) {
+                vg += red[(w * NT + i) * 128 + ig];
+                vu += red[(w * NT + i) * 128 + iu];
             }
-            xpn[i] += 64;
+            const int n = blockIdx.x * 8 + j;
+            if (token >= M || 2 * n >= N) continue;
+            if (EPI == 1) {
+                out[(size_t)token * ldo + n] = swiglu(vg * gs, vu * gs);
+            } else if (2 * n < rope_cols) {
+                const int head = n / half, d = n % half;
+                u16 o1, o2;
+                rope_pair(vg * gs, vu * gs, cosp[(size_t)token * ldc + d], sinp[(size_t)token * lds + d], o1, o2);
+                out[(size_t)token * ldo + head * 2 * half + d] = o1;
+                out[(size_t)token * ldo + head * 2 * half + half + d] = o2;
+            } else {
+                out[(size_t)token * ldo + 2 * n] = to_bf16(vg * gs);
+                out[(size_t)token * ldo + 2 * n + 1] = to_bf16(vu * gs);
+            }
         }
-    };
-    // The weights are never written by an earlier kernel: their first copies go before the PDL wait.
-#pragma unroll
-    for (int c = 0; c < S - 1; ++c) {
-        if (c < nc) copy_w(c);
-        st_w += STAGE;
     }
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    st_w = base;
-#pragma unroll
-    for (int c = 0; c < S - 1; ++c) {
-        if (c < nc) copy_x();
-        asm volatile("cp.async.commit_group;" ::: "memory");
-        st_w += STAGE;
-    }
-    u32 sword = 0;
-    for (int c = 0; c < nc; ++c) {
-        asm volatile("cp.async.wait_group %0;" :: "n"(S - 2) : "memory");  // chunk c has landed
-        const U4 w = lds16(st_r + o_code);
-        if (!(c & 1)) sword = lds4(st_r + o_scale);
-        U4 xv[NT][2];
-#pragma unroll
-        for (int i = 0; i < NT; ++i) {
-            xv[i][0] = lds16(st_r + o_x + i * 1024);
-            xv[i][1] = lds16(st_r + o_x + i * 1024 + 16);
-        }
-        st_r = st_r + STAGE == stages_end ? base : st_r + STAGE;
-        // chunk c + S - 1 goes to the stage of chunk c - 1, whose data this lane has read (in registers)
-        if (c + S - 1 < nc) {
-            copy_w(c + S - 1);
-            copy_x();
-        }
-        asm volatile("cp.async.commit_group;" ::: "memory");
-        st_w = st_w + STAGE == stages_end ? base : st_w + STAGE;
-        const u32 h = scale_pair((c & 1) ? (sword >> 16) : (sword & 0xFFFFu));
-        const u32 sg = prmt(h, 0x1010u), sh = prmt(h, 0x3232u);
-        const u32 a00 = bmul(slot<0>(w.x), sg), a01 = bmul(slot<0>(w.z), sh),
-                  a02 = bmul(slot<0>(w.y), sg), a03 = bmul(slot<0>(w.w), sh);
-#pragma unroll
-        for (int i = 0; i < NT; ++i) mma(acc[i][0], a00, a01, a02, a03, xv[i][0].x, xv[i][0].y);
-        const u32 a10 = bmul(slot<1>(w.x), sg), a11 = bmul(slot<1>(w.z), sh),
-                  a12 = bmul(slot<1>(w.y), sg), a13 = bmul(slot<1>(w.w), sh);
-#pragma unroll
-        for (int i = 0; i < NT; ++i) mma(acc[i][1], a10, a11, a12, a13, xv[i][0].z, xv[i][0].w);
-        const u32 a20 = bmul(slot<2>(w.x), sg), a21 = bmul(slot<2>(w.z), sh),
-                  a22 = bmul(slot<2>(w.y), sg), a23 = bmul(slot<2>(w.w), sh);
-#pragma unroll
-        for (int i = 0; i < NT; ++i) mma(acc[i][0], a20, a21, a22, a23, xv[i][1].x, xv[i][1].y);
-        const u32 a30 = bmul(slot<3>(w.x), sg), a31 = bmul(slot<3>(w.z), sh),
-                  a32 = bmul(slot<3>(w.y), sg), a33 = bmul(slot<3>(w.w), sh);
-#pragma unroll
-        for (int i = 0; i < NT; ++i) mma(acc[i][1], a30, a31, a32, a33, xv[i][1].z, xv[i][1].w);
-    }
-    asm volatile("cp.async.wait_all;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    epilogue<W, NT, EPI>(acc, red, warp, lane, out, gscale, M, N, ldo, cosp, sinp, ldc, lds, rope_cols, half);
 }
 
 // Dequantize to bf16 [N, K] (row stride ldo; EPI 1: row 2j -> j, 2j + 1 -> N / 2 + j, the checkpoint
@@ -454,7 +302,7 @@ __global__ void __launch_bounds__(256) nvfp4_decode_dequant(
 """
 
 
-def repack_decode(weight: torch.Tensor, weight_scale: torch.Tensor, scale_pairs: bool = False):
+def repack_decode(weight: torch.Tensor, weight_scale: torch.Tensor):
     """Checkpoint NVFP4 [N, K/2] uint8 + [N, K/16] e4m3 -> this kernel's layout (module docstring).
 
     Returns (codes uint8 [R, C, 512], scales uint8 [R, C, 64]) with R = ceil(N / 16) row groups and
@@ -489,9 +337,6 @@ def repack_decode(weight: torch.Tensor, weight_scale: torch.Tensor, scale_pairs:
     out = out.contiguous().view(rg, ch, 512)
     # scales[r, c, lane = 4 g + t, h] = scale of row 16 r + 8 h + g, block 4 c + t
     s = mag.view(rg, 2, 8, ch, 4).permute(0, 3, 2, 4, 1).contiguous().view(rg, ch, 64)
-    if scale_pairs:  # [r, pair q, lane, chunk 2q + e, h]: a lane's scales of two chunks in one 4-byte word
-        s = torch.nn.functional.pad(s, (0, 0, 0, ch % 2))
-        s = s.view(rg, -1, 2, 32, 2).permute(0, 1, 3, 2, 4).contiguous().view(rg, -1, 128)
     return out, s
 
 
@@ -540,9 +385,8 @@ class Kernel:
         attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
         attr.value = (1).to_bytes(4, "little") + bytes(60)
         self._pdl_attr = attr
-        self._shared = 0
 
-    def __call__(self, grid, block, args, pdl: bool, shared: int = 0) -> None:
+    def __call__(self, grid, block, args, pdl: bool) -> None:
         params = []
         for a in args:
             if isinstance(a, torch.Tensor):
@@ -555,10 +399,7 @@ class Kernel:
         cfg = _LaunchConfig()
         cfg.grid[:] = grid
         cfg.block[:] = block
-        if shared > self._shared:
-            self._kernel.set_shared_memory_config(shared)
-            self._shared = shared
-        cfg.shared = shared
+        cfg.shared = 0
         cfg.stream = torch.cuda.current_stream().cuda_stream
         if pdl:
             cfg.attrs = ctypes.pointer(self._pdl_attr)
@@ -574,7 +415,7 @@ def kernel(name: str) -> Kernel:
 
 
 def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2, swiglu: bool = False,
-                pdl: bool = False, out=None, rope=None, stages: int = 0):
+                pdl: bool = False, out=None, rope=None):
     """y = x @ dequant(W).T for M <= 16 (bf16 x with unit stride in K, 16-byte aligned rows); with
     swiglu (rows interleaved gate / up) y = silu(gate) * up [M, n / 2]; with rope = (cos, sin,
     rope_cols, head_dim) (rows in the interleave_rope_rows order) the q/k columns below rope_cols
@@ -598,12 +439,9 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
         if cos.stride(-1) != 1 or sin.stride(-1) != 1:
             cos, sin = cos.contiguous(), sin.contiguous()
         epi, rope_args = 2, [cos, sin, cos.stride(0), sin.stride(0), rope_cols, head_dim // 2]
-    args = [codes, scales, x, out, gscale, m, n, ch, x.stride(0), out.stride(0), *rope_args]
-    if stages:  # the cp.async kernel (scales from repack_decode(scale_pairs=True))
-        kernel(f"nvfp4_decode_gemm_async<{warps}, {stages}, {nt}, {epi}>")(
-            (rg, 1, 1), (warps * 32, 1, 1), args, pdl, shared=warps * stages * (640 + nt * 1024))
-    else:
-        kernel(f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {epi}>")((rg, 1, 1), (warps * 32, 1, 1), args, pdl)
+    kernel(f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {epi}>")(
+        (rg, 1, 1), (warps * 32, 1, 1),
+        [codes, scales, x, out, gscale, m, n, ch, x.stride(0), out.stride(0), *rope_args], pdl)
     return out
 
 
