@@ -75,6 +75,8 @@ def test_unavailable_on_cpu_with_reason():
 
 
 def test_options_validated():
-    assert CudaDecodeOptions().decode_max_m == 16
-    with pytest.raises(ValueError, match="decode_max_m"):
-        CudaDecodeOptions(decode_max_m=12)
+    assert CudaDecodeOptions().decode_max_m == 64
+    assert CudaDecodeOptions(decode_max_m=12).decode_max_m == 12
+    for bad in (-1, 300):
+        with pytest.raises(ValueError, match="decode_max_m"):
+            CudaDecodeOptions(decode_max_m=bad)

@@ -45,7 +45,7 @@ def reference(x, w: Fp4Weight):
 
 
 @pytest.mark.parametrize("n,k", [(16, 64), (40, 208), (4096, 4096), (6144, 4096), (28672, 512), (4096, 14336)])
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 100])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 40, 100])  # 17, 40: 16-row slices; 100: dequant
 def test_forward_matches_reference(n, k, m):
     gen = torch.Generator(device=DEV).manual_seed(n + 7 * k + 31 * m)
     w = random_fp4(n, k, gen)

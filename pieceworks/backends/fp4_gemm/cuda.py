@@ -26,15 +26,19 @@ from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight
 from pieceworks.backends.fp4_gemm.triton import interleave_gate_up, interleave_rope_rows
 
 
+SLICE = 16  # rows of x per decode-kernel launch
+
+
 @dataclass
 class CudaDecodeOptions:
-    """decode_max_m: largest M served by the decode kernel (8 or 16); above it, dequantize + matmul."""
+    """decode_max_m: largest M served by the decode kernel (0 = never); above 16 rows it runs once per
+    16-row slice of x, reading the weights again each time; above decode_max_m, dequantize + matmul."""
 
-    decode_max_m: int = 16
+    decode_max_m: int = 64
 
     def __post_init__(self) -> None:
-        if self.decode_max_m not in (0, 8, 16):
-            raise ValueError(f"decode_max_m={self.decode_max_m}: use 0 (never), 8 or 16")
+        if not 0 <= self.decode_max_m <= 256:
+            raise ValueError(f"decode_max_m={self.decode_max_m}: use 0 (never) to 256")
 
 
 @lru_cache(maxsize=None)
@@ -121,10 +125,8 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         m = x.shape[0]
         self._check_x(x)
         if m <= self.options.decode_max_m:
-            warps, depth = plan(m, weight.shape[0] * 16, _multiprocessors(x.device))
             rope = (cos, sin, (num_heads + num_kv_heads) * head_dim, head_dim)
-            return cuda_decode.decode_gemm(x, weight, weight_scale, weight_scale_2, n, warps, depth,
-                                           pdl=pdl.enabled(x.device), rope=rope)
+            return self._decode(x, weight, weight_scale, weight_scale_2, n, False, rope)
         w = cuda_decode.dequant(weight, weight_scale, weight_scale_2, n, x.shape[1])
         order = _checkpoint_order(num_heads, num_kv_heads, head_dim, x.device)
         y = (x @ w.t())[:, order]
@@ -139,6 +141,26 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
     def _check_x(x) -> None:
         if x.dtype != torch.bfloat16:
             raise ValueError(f"the cuda fp4_gemm backend takes bf16 activations, got {x.dtype}")
+
+    def _decode(self, x, weight, weight_scale, weight_scale_2, n: int, swiglu: bool, rope=None):
+        """The decode kernel, once per 16-row slice of x."""
+        from pieceworks.backends.fp4_gemm import cuda_decode
+
+        m = x.shape[0]
+        on = pdl.enabled(x.device)
+        sms = _multiprocessors(x.device)
+        if m <= SLICE:
+            warps, depth = plan(m, weight.shape[0] * 16, sms)
+            return cuda_decode.decode_gemm(x, weight, weight_scale, weight_scale_2, n, warps, depth, swiglu, on,
+                                           rope=rope)
+        out = torch.empty(m, n // 2 if swiglu else n, dtype=torch.bfloat16, device=x.device)
+        for r0 in range(0, m, SLICE):
+            r1 = min(m, r0 + SLICE)
+            warps, depth = plan(r1 - r0, weight.shape[0] * 16, sms)
+            part_rope = None if rope is None else (rope[0][r0:r1], rope[1][r0:r1], *rope[2:])
+            cuda_decode.decode_gemm(x[r0:r1], weight, weight_scale, weight_scale_2, n, warps, depth, swiglu, on,
+                                    out=out[r0:r1], rope=part_rope)
+        return out
 
     def forward(self, x, weight, weight_scale, weight_scale_2, input_scale, out_features):
         return self._gemm(x, weight, weight_scale, weight_scale_2, out_features, swiglu=False)
@@ -155,9 +177,7 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         m, k = x.shape
         self._check_x(x)
         if m <= self.options.decode_max_m:
-            warps, depth = plan(m, weight.shape[0] * 16, _multiprocessors(x.device))
-            return cuda_decode.decode_gemm(x, weight, weight_scale, weight_scale_2, n, warps, depth, swiglu,
-                                           pdl=pdl.enabled(x.device))
+            return self._decode(x, weight, weight_scale, weight_scale_2, n, swiglu)
         w = cuda_decode.dequant(weight, weight_scale, weight_scale_2, n, k, swiglu)
         y = x @ w.t()
         if swiglu:
