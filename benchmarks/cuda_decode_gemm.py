@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from fp4_gemm import HBM, SHAPES, copies_for, fp4_bytes, graph_time  # noqa: E402
+from fp4_gemm import HBM, SHAPES, copies_for, fp4_bytes, graph_time, time_bf16  # noqa: E402
 from pieceworks.backends.base import BackendSpec  # noqa: E402
 from pieceworks.backends.fp4_gemm import cuda_decode  # noqa: E402
 from pieceworks.backends.fp4_gemm.base import Fp4Weight  # noqa: E402
@@ -77,6 +77,7 @@ def main() -> None:
             y = triton.forward(x, tri[0][0], tri[0][1], tri[0][2], gs, n).float()
             row["triton_err"] = float((y - ref).norm() / ref.norm())
             row["triton_us"] = graph_time(lambda i: triton.forward(x, *tri[i % copies], gs, n), copies) * 1e6
+            row["bf16_ref_us"] = time_bf16(m, n, k, gen) * 1e6  # cuBLAS x @ W.t() (not an fp4 candidate)
             for wv, d in variants:
                 key = f"cuda_{wv}x{d}"
                 y = cuda_decode.decode_gemm(x, *cud[0], n, warps=wv, depth=d).float()
@@ -86,10 +87,11 @@ def main() -> None:
                     continue
                 row[key + "_us"] = graph_time(
                     lambda i: cuda_decode.decode_gemm(x, *cud[i % copies], n, warps=wv, depth=d), copies) * 1e6
-            best = min((v, kk) for kk, v in row.items() if kk.endswith("_us"))
+            best = min((v, kk) for kk, v in row.items() if kk.endswith("_us") and kk != "bf16_ref_us")
             cells = " ".join(f"{kk[:-3]}={v:.1f}" for kk, v in row.items() if kk.endswith("_us"))
             print(f"{name} M={m}: {cells}  best {best[1][:-3]} {best[0]:.1f} us "
-                  f"({row['bytes'] / (best[0] * 1e-6) / HBM:.0%} of copy)", flush=True)
+                  f"({row['bytes'] / (best[0] * 1e-6) / HBM:.0%} of copy, {row['bf16_ref_us'] / best[0]:.2f}x bf16)",
+                  flush=True)
             rows.append(row)
     with open(os.path.join(args.out, "cuda_decode_gemm.json"), "w") as f:
         json.dump(rows, f, indent=1)
