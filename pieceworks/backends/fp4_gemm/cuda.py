@@ -1,15 +1,18 @@
 """Weight-only NVFP4 GEMM with a hand-written CUDA decode kernel (w4a16), compiled at run time by NVRTC.
 
-Decode (M <= 16) runs `cuda_decode.nvfp4_decode_gemm`: one CTA per 16 weight rows over all of K, the
-weights loaded straight into registers in MMA fragment order (a ring of `depth` 64-element chunks per
-lane), decoded with integer ops and bf16 multiplies, bf16 mma.sync with the weights as the A operand,
-the warps' sums added in shared memory (cuda_decode.py describes the layout). Larger M dequantizes the
-weight to a transient bf16 copy and calls torch.matmul, as the Triton backend does from M = 1024.
-SwiGLU and the q/k/v rope are fused into the decode kernel's epilogue (rounded as the unfused ops round).
+Up to 16 rows of x run `cuda_decode.nvfp4_decode_gemm` in one launch: one CTA per 16 weight rows over
+all of K, the weights loaded straight into registers in MMA fragment order (a ring of 2 64-element
+chunks per lane), decoded with integer ops and bf16 multiplies, bf16 mma.sync with the weights as the A
+operand, the warps' sums added in shared memory (cuda_decode.py describes the layout); 17 up to
+`decode_max_m` (64) rows run it once per 16-row slice (the weights read once per slice); more rows
+dequantize the weight to a transient bf16 copy and call torch.matmul, as the Triton backend does from
+M = 1024. SwiGLU and the q/k/v rope are fused into the decode kernel's epilogue (rounded as the unfused
+ops round). Faster than the Triton backend up to 16 rows on the H200, slower beyond (docs/benchmarks.md),
+so it has the lower priority: `backends.fp4_gemm: cuda` selects it.
 
 The layout ("r16c64") differs from the Triton backend's k32, so one executor uses one of them for
 every mode (the registry refuses a mix). This module imports torch only; NVRTC compiles a kernel on
-its first launch (a second or two each).
+its first launch (about a second each).
 """
 
 from __future__ import annotations
@@ -44,16 +47,14 @@ class CudaDecodeOptions:
 @lru_cache(maxsize=None)
 def nvrtc_unavailable_reason() -> str | None:
     """Why NVRTC can't compile the kernels here, or None."""
-    from torch.cuda import _utils
+    from pieceworks.backends.fp4_gemm.cuda_decode import nvrtc_library
 
-    if not hasattr(_utils, "_nvrtc_compile") or not hasattr(_utils, "_cuda_load_module"):
-        return f"torch {torch.__version__} has no NVRTC wrapper (torch.cuda._utils._nvrtc_compile)"
     if torch.version.cuda is None:
         return "this torch build has no CUDA"
     try:
-        _utils._get_gpu_rtc_library()
+        nvrtc_library()
     except OSError as e:
-        return f"NVRTC library not found ({e}): install the nvidia-cuda-nvrtc wheel matching torch's CUDA"
+        return str(e)
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError as e:
@@ -78,7 +79,7 @@ def plan(m: int, n_rows: int, sms: int) -> tuple[int, int]:
 class CudaFp4GemmBackend(Fp4GemmBackend):
     name = "cuda"
     priority = 40
-    requires = Requirements(devices=("cuda",), min_capability=(8, 9))
+    requires = Requirements(devices=("cuda",), min_capability=(9, 0))  # mul.bf16x2, griddepcontrol
     numerics = ("w4a16",)
     weight_layout = "r16c64"
     fuses_qkv_rope = True

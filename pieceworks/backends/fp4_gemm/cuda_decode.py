@@ -1,12 +1,13 @@
-"""A hand-written CUDA decode GEMM for NVFP4 weights (w4a16, M <= 8), compiled at run time with NVRTC.
+"""The CUDA decode GEMM of the `cuda` fp4_gemm backend (w4a16, M <= 16 per launch): kernel source, the
+load-time repack into its layout, and the NVRTC / driver glue that compiles and launches it.
 
-Experiment (issue 7): the Triton decode tiles reach 26-66% of the copy rate at M = 1. This kernel
-does the same arithmetic (e2m1 codes decoded to bf16 with integer ops, multiplied by the block scale,
-bf16 mma.sync with the weights as the A operand) with a layout made for it:
+The Triton decode tiles reached 26-66% of the copy rate at M = 1 on the H200 (docs/benchmarks.md). This
+kernel does the same arithmetic (e2m1 codes decoded to bf16 with integer ops, multiplied by the block
+scale, bf16 mma.sync with the weights as the A operand) in a layout made for it ("r16c64"):
 
 - One CTA owns 16 weight rows and all of K; its W warps split K into contiguous runs of 64-element
   chunks, and a shared-memory sum of the warps' accumulators ends it (no split-K across CTAs, no
-  counters, nothing to zero).
+  counters, nothing to zero). The epilogue stores y, or silu(gate) * up, or the roped q/k/v columns.
 - Chunk layout: lane L = 4g + t of a warp reads one 16-byte vector per chunk, the codes of rows g
   and g + 8 for elements 16t .. 16t + 15 of the chunk: one NVFP4 block per row, so a lane needs two
   block scales per chunk (one 2-byte load) and converts them once for its 32 weights. The MMA's K
@@ -16,10 +17,16 @@ bf16 mma.sync with the weights as the A operand) with a layout made for it:
 - Inside the vector, 32-bit word (h, p) (h = row g / g + 8, p = 0, 1) holds two k32 units (the bit
   layout of triton_k32.py, SLOT_BITS): its low unit the codes of elements 16t + 4j + 2p, its high unit
   those of 16t + 4j + 2p + 1, slot j = 0..3; slot j of the word decodes to one bf16x2 A register of
-  mma j.
-- Every lane keeps D chunks of codes, scales and x in flight in registers (a ring, no shared memory).
+  mma j. The scale conversion and its 2^112 / 2^-14 bias are triton_k32.py's.
+- Every lane keeps D chunks of codes, scales and x in flight in registers (a ring, no shared memory;
+  a cp.async version with shared-memory stages was slower: docs/benchmarks.md).
+- Up to 8 tokens per mma (the B operand's 8 columns); 9..16 tokens run two n-tiles on the same decoded
+  A registers. Lanes of tokens >= M read another token's row; those columns are never stored.
 
-This module imports torch only; the kernel is compiled on first use through torch's NVRTC wrapper.
+This module imports torch only. NVRTC (the nvidia-cuda-nvrtc library torch's CUDA wheels bring)
+compiles each template instance on first use for the device's sm (the source includes no headers, so
+no CUDA toolkit is needed); the driver API loads and launches it (`cuLaunchKernelEx`, with the PDL
+launch attribute when asked).
 """
 
 from __future__ import annotations
@@ -38,6 +45,10 @@ ROWS = 16  # weight rows per CTA
 SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
+// Programmatic dependent launch: wait for the kernel before / let the next one start early (returns at
+// once when not launched with PDL). Like mul.bf16x2, needs sm_90.
+#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
 struct __align__(16) U4 { u32 x, y, z, w; };
 
 __device__ __forceinline__ void ld_stream(U4& r, const U4* p, bool pred) {
@@ -184,7 +195,7 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     // The weights are never written by an earlier kernel: their first loads go before the PDL wait.
 #pragma unroll
     for (int b = 0; b < D - 1; ++b) LOAD_W(b, b, b < nc);
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    PDL_WAIT();
 #pragma unroll
     for (int b = 0; b < D - 1; ++b) LOAD_X(b, b, b < nc);
     int c = 0;
@@ -208,7 +219,7 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
 #undef LOAD_W
 #undef LOAD_X
 #undef COMPUTE
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    PDL_TRIGGER();
     // acc[i]: (row g, token 8i + 2t), (row g, 8i + 2t + 1), (row g + 8, 8i + 2t), (row g + 8, 8i + 2t + 1)
 #pragma unroll
     for (int i = 0; i < NT; ++i)
@@ -266,7 +277,7 @@ __global__ void __launch_bounds__(256) nvfp4_decode_dequant(
     const U4* __restrict__ codes, const u16* __restrict__ scales, u16* __restrict__ out,
     const float* __restrict__ gscale, int N, int K, int nchunks, int ldo)
 {
-    asm volatile("griddepcontrol.wait;" ::: "memory");  // `out` may be memory an earlier kernel reads
+    PDL_WAIT();  // `out` may be memory an earlier kernel reads
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int chunk = blockIdx.y * 8 + (threadIdx.x >> 5);
     if (chunk >= nchunks) return;
@@ -369,18 +380,80 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
+def nvrtc_library() -> ctypes.CDLL:
+    """NVRTC of torch's CUDA major version (the nvidia-cuda-nvrtc wheel torch depends on, or the system's)."""
+    major = int((torch.version.cuda or "0").split(".")[0])
+    try:
+        from torch.cuda._utils import _get_gpu_rtc_library  # finds the wheel's copy; private, hence the fallback
+
+        return _get_gpu_rtc_library()
+    except (ImportError, OSError, AttributeError):
+        pass
+    for name in (f"libnvrtc.so.{major}", "libnvrtc.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise OSError(f"libnvrtc.so.{major} not found: install the nvidia-cuda-nvrtc wheel matching torch's CUDA {major}")
+
+
+def _check(lib, err: int, what: str) -> None:
+    if err:
+        msg = ctypes.c_char_p()
+        lib.cuGetErrorString(err, ctypes.byref(msg))
+        raise RuntimeError(f"{what} failed: CUDA error {err} ({(msg.value or b'?').decode()})")
+
+
+def compile_cubin(name: str, arch: str) -> tuple[bytes, str]:
+    """SOURCE compiled by NVRTC for `arch` (e.g. "sm_90"): (cubin, the lowered name of `name`, a template
+    instance). The source includes no headers, so no CUDA toolkit is needed."""
+    lib = nvrtc_library()
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    prog = ctypes.c_void_p()
+
+    def check(err: int, what: str) -> None:
+        if err:
+            raise RuntimeError(f"NVRTC {what} of {name}: {lib.nvrtcGetErrorString(err).decode()}")
+
+    check(lib.nvrtcCreateProgram(ctypes.byref(prog), SOURCE.encode(), b"cuda_decode.cu", 0, None, None), "create")
+    try:
+        check(lib.nvrtcAddNameExpression(prog, name.encode()), "name")
+        opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
+        err = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        if err:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC could not compile {name} for {arch}:\n{log.value.decode()}")
+        size = ctypes.c_size_t()
+        check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
+        cubin = ctypes.create_string_buffer(size.value)
+        check(lib.nvrtcGetCUBIN(prog, cubin), "cubin")
+        lowered = ctypes.c_char_p()
+        check(lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(lowered)), "lowered name")
+        return cubin.raw, lowered.value.decode()
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
 class Kernel:
-    """One compiled kernel of SOURCE (NVRTC, for the current device), launched on the current stream
-    with or without programmatic dependent launch (the kernels wait with griddepcontrol before reading
-    anything an earlier kernel writes; without PDL the wait returns at once)."""
+    """One compiled kernel of SOURCE for one device, launched on the current stream with or without
+    programmatic dependent launch (the kernels wait with griddepcontrol before reading anything an
+    earlier kernel writes; without PDL the wait returns at once)."""
 
-    def __init__(self, name: str) -> None:
-        from torch.cuda._utils import _cuda_load_module, _nvrtc_compile
-
-        cubin, mangled = _nvrtc_compile(SOURCE, name, nvcc_options=["-std=c++17"])
+    def __init__(self, name: str, device: int) -> None:
+        major, minor = torch.cuda.get_device_capability(device)
+        cubin, lowered = compile_cubin(name, f"sm_{major}{minor}")
         self.name = name
-        self._kernel = _cuda_load_module(cubin, [mangled])[mangled]
-        self._libcuda = ctypes.CDLL("libcuda.so.1")
+        self._libcuda = lib = ctypes.CDLL("libcuda.so.1")
+        with torch.cuda.device(device):
+            torch.cuda.current_stream()  # torch's context for the device (its primary one) is current here
+            self._module = ctypes.c_void_p()
+            _check(lib, lib.cuModuleLoadData(ctypes.byref(self._module), cubin), "cuModuleLoadData")
+            self._func = ctypes.c_void_p()
+            _check(lib, lib.cuModuleGetFunction(ctypes.byref(self._func), self._module, lowered.encode()),
+                   "cuModuleGetFunction")
         attr = _LaunchAttribute()
         attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
         attr.value = (1).to_bytes(4, "little") + bytes(60)
@@ -404,14 +477,19 @@ class Kernel:
         if pdl:
             cfg.attrs = ctypes.pointer(self._pdl_attr)
             cfg.num_attrs = 1
-        err = self._libcuda.cuLaunchKernelEx(ctypes.byref(cfg), self._kernel.func, ptrs, None)
-        if err:
-            raise RuntimeError(f"cuLaunchKernelEx({self.name}) failed with CUDA error {err}")
+        _check(self._libcuda, self._libcuda.cuLaunchKernelEx(ctypes.byref(cfg), self._func, ptrs, None),
+               f"cuLaunchKernelEx({self.name})")
 
 
 @lru_cache(maxsize=None)
-def kernel(name: str) -> Kernel:
-    return Kernel(name)
+def _kernel(name: str, device: int) -> Kernel:
+    return Kernel(name, device)
+
+
+def kernel(name: str, device: torch.device) -> Kernel:
+    """The kernel `name` (a template instance of SOURCE) for `device`, compiled on first use (about a
+    second)."""
+    return _kernel(name, device.index if device.index is not None else torch.cuda.current_device())
 
 
 def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2, swiglu: bool = False,
@@ -439,7 +517,7 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
         if cos.stride(-1) != 1 or sin.stride(-1) != 1:
             cos, sin = cos.contiguous(), sin.contiguous()
         epi, rope_args = 2, [cos, sin, cos.stride(0), sin.stride(0), rope_cols, head_dim // 2]
-    kernel(f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {epi}>")(
+    kernel(f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {epi}>", x.device)(
         (rg, 1, 1), (warps * 32, 1, 1),
         [codes, scales, x, out, gscale, m, n, ch, x.stride(0), out.stride(0), *rope_args], pdl)
     return out
@@ -450,6 +528,6 @@ def dequant(codes, scales, gscale, n: int, k: int, swiglu: bool = False, pdl: bo
     checkpoint order [gate; up])."""
     rg, ch, _ = codes.shape
     out = torch.empty(n, k, dtype=torch.bfloat16, device=codes.device)
-    kernel(f"nvfp4_decode_dequant<{int(swiglu)}>")(
+    kernel(f"nvfp4_decode_dequant<{int(swiglu)}>", codes.device)(
         (rg, -(-ch // 8), 1), (256, 1, 1), [codes, scales, out, gscale, n, k, ch, out.stride(0)], pdl)
     return out
