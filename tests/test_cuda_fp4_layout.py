@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pieceworks.backends.base import BackendSpec
+from pieceworks.backends.base import BackendSpec, ModelFacts
 from pieceworks.backends.fp4_gemm import cuda_decode
 from pieceworks.backends.fp4_gemm.cuda import CudaDecodeOptions, CudaFp4GemmBackend, plan
 from pieceworks.quant import nvfp4
@@ -72,6 +72,15 @@ def test_plan_keeps_the_grid_resident():
 def test_unavailable_on_cpu_with_reason():
     reasons = CudaFp4GemmBackend.check(BackendSpec.for_device("cpu", fp4_numerics="w4a16"))
     assert reasons and "cuda" in reasons[0]
+
+
+def test_refuses_non_bf16_models_and_pre_hopper_gpus():
+    facts = ModelFacts(dtype=torch.float16, fp4=True)
+    reasons = CudaFp4GemmBackend.check(BackendSpec(device="cuda", capability=(9, 0), model=facts))
+    assert any("bf16" in r for r in reasons)
+    reasons = CudaFp4GemmBackend.check(BackendSpec(device="cuda", capability=(8, 9),
+                                                   model=ModelFacts(dtype=torch.bfloat16, fp4=True)))
+    assert any("compute capability >= 9.0" in r for r in reasons)
 
 
 def test_options_validated():

@@ -89,6 +89,8 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
     @classmethod
     def check(cls, spec):
         reasons = super().check(spec)
+        if spec.model.fp4 and spec.model.dtype != torch.bfloat16:
+            reasons.append(f"takes bf16 activations (model dtype: {spec.model.dtype})")
         if not reasons:
             reason = nvrtc_unavailable_reason()
             if reason:
@@ -141,7 +143,8 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
     @staticmethod
     def _check_x(x) -> None:
         if x.dtype != torch.bfloat16:
-            raise ValueError(f"the cuda fp4_gemm backend takes bf16 activations, got {x.dtype}")
+            raise ValueError(f"the cuda fp4_gemm backend takes bf16 activations, got {x.dtype}: cast them, or "
+                             "use another fp4_gemm backend (backends.fp4_gemm: triton)")
 
     def _decode(self, x, weight, weight_scale, weight_scale_2, n: int, swiglu: bool, rope=None):
         """The decode kernel, once per 16-row slice of x."""

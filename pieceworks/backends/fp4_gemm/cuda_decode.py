@@ -504,7 +504,7 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
     if k % CHUNK:  # the kernel reads x in whole chunks
         x = torch.nn.functional.pad(x, (0, CHUNK - k % CHUNK))
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        x = x.contiguous()
+        x = x.clone(memory_format=torch.contiguous_format)  # a fresh, aligned copy
     rg, ch, _ = codes.shape
     if out is None:
         out = torch.empty(m, n // 2 if swiglu else n, dtype=torch.bfloat16, device=x.device)
