@@ -89,3 +89,21 @@ def test_options_validated():
     for bad in (-1, 300):
         with pytest.raises(ValueError, match="decode_max_m"):
             CudaDecodeOptions(decode_max_m=bad)
+
+
+def test_mismatched_shapes_refused_before_any_launch():
+    """Runs on the CPU: the checks come before the kernel is compiled or launched."""
+    gen = torch.Generator().manual_seed(4)
+    w, s = random_weight(48, 256, gen)
+    codes, scales = cuda_decode.repack_decode(w, s)
+    backend = CudaFp4GemmBackend(BackendSpec(device="cuda", capability=(9, 0)))
+    gs = torch.tensor(1.0)
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="do not match the prepared weight"):
+        backend.forward(torch.randn(2, 320).to(torch.bfloat16), codes, scales, gs, gs, 48)  # K too large
+    with pytest.raises(ValueError, match="do not match the prepared weight"):
+        backend.forward(x, codes, scales, gs, gs, 64)  # N beyond the 48 rows
+    with pytest.raises(ValueError, match="do not match the prepared weight"):
+        backend.forward(x, codes, scales, gs, gs, 16)  # N of another weight
+    with pytest.raises(ValueError, match="bf16"):
+        backend.forward(x.float(), codes, scales, gs, gs, 48)

@@ -126,7 +126,7 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
 
         n = (num_heads + 2 * num_kv_heads) * head_dim
         m = x.shape[0]
-        self._check_x(x)
+        self._check_x(x, weight, n)
         if m <= self.options.decode_max_m:
             rope = (cos, sin, (num_heads + num_kv_heads) * head_dim, head_dim)
             return self._decode(x, weight, weight_scale, weight_scale_2, n, False, rope)
@@ -141,10 +141,18 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         return y
 
     @staticmethod
-    def _check_x(x) -> None:
+    def _check_x(x, weight, n: int) -> None:
+        """Refuse activations and sizes that don't fit the prepared weight (the kernels would read or
+        write past it without a fault)."""
         if x.dtype != torch.bfloat16:
             raise ValueError(f"the cuda fp4_gemm backend takes bf16 activations, got {x.dtype}: cast them, or "
                              "use another fp4_gemm backend (backends.fp4_gemm: triton)")
+        if x.dim() != 2:
+            raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
+        rows, chunks = weight.shape[0] * 16, weight.shape[1] * 64
+        if not rows - 16 < n <= rows or not chunks - 64 < x.shape[1] <= chunks:
+            raise ValueError(f"x [M, {x.shape[1]}] and N = {n} do not match the prepared weight (about {rows} "
+                             f"rows x {chunks} columns, padded to 16 x 64): was it prepared for another layer?")
 
     def _decode(self, x, weight, weight_scale, weight_scale_2, n: int, swiglu: bool, rope=None):
         """The decode kernel, once per 16-row slice of x."""
@@ -178,8 +186,8 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         from pieceworks.backends.fp4_gemm import cuda_decode
         from pieceworks.models import fused
 
+        self._check_x(x, weight, n)
         m, k = x.shape
-        self._check_x(x)
         if m <= self.options.decode_max_m:
             return self._decode(x, weight, weight_scale, weight_scale_2, n, swiglu)
         w = cuda_decode.dequant(weight, weight_scale, weight_scale_2, n, k, swiglu)
