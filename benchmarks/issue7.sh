@@ -3,7 +3,8 @@
 #   bash benchmarks/issue7.sh OUTDIR        (on the device: source .gpu/setup.sh first; OUTDIR=$OUT)
 # Writes OUTDIR/issue7.tar.gz (one file: the device tool returns a handful of files per call) holding
 # {gemm_off,gemm_on}/gemm_bench.{md,json}, {moe_off,moe_on}/moe_bench.{md,json}, decode{512,4096}.{md,json},
-# profile_b1.txt, qkv_rope.md, and OUTDIR/issue7.log, the printed tables. Each step has its own time
+# profile_b1.txt, qkv_rope.md, cuda_gemm/cuda_decode_gemm.json, decode512_cuda.{md,json}, and
+# OUTDIR/issue7.log, the printed tables. Each step has its own time
 # limit, and a failing step does not stop the others.
 set -u
 dest=${1:?usage: bash benchmarks/issue7.sh OUTDIR}
@@ -29,4 +30,10 @@ grep -v Warn "$out/profile_b1.txt" | head -30
 step "q/k/v GEMM with the rope fused, against GEMM + rope kernel"
 timeout 120 python benchmarks/qkv_rope.py > "$out/qkv_rope.md" 2>&1
 cat "$out/qkv_rope.md"
+step "CUDA decode GEMM (fp4_gemm.cuda) against the Triton backend and bf16"
+timeout 150 python benchmarks/cuda_decode_gemm.py --ms 1,8,16 --variants 2x2,4x2,8x2,16x2,8x1 \
+    --out "$out/cuda_gemm" | grep -v "^check.*e-03$" | tail -20
+step "decode end to end with fp4_gemm: cuda, 512-token context"
+timeout 200 python benchmarks/graphs.py "${B[@]}" --context 512 --set backends.fp4_gemm=cuda \
+    --out "$out/decode512_cuda.md" | tail -5
 step done
