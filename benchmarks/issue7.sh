@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every measurement of issue 7 on the H200 in one device call (about 3 minutes with warm caches):
+# Every measurement of issue 7 on the H200 in one device call (about 3 minutes with warm caches before
+# the two fp4_gemm.cuda steps at the end, added in the fifteenth session and not yet run in this script):
 #   bash benchmarks/issue7.sh OUTDIR        (on the device: source .gpu/setup.sh first; OUTDIR=$OUT)
 # Writes OUTDIR/issue7.tar.gz (one file: the device tool returns a handful of files per call) holding
 # {gemm_off,gemm_on}/gemm_bench.{md,json}, {moe_off,moe_on}/moe_bench.{md,json}, decode{512,4096}.{md,json},
