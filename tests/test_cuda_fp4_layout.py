@@ -107,3 +107,11 @@ def test_mismatched_shapes_refused_before_any_launch():
         backend.forward(x, codes, scales, gs, gs, 16)  # N of another weight
     with pytest.raises(ValueError, match="bf16"):
         backend.forward(x.float(), codes, scales, gs, gs, 48)
+
+
+def test_no_rows_no_launch():
+    """M = 0 returns an empty output without compiling or launching anything (the kernel would read row -1)."""
+    codes = torch.zeros(1, 1, 512, dtype=torch.uint8)
+    scales = torch.zeros(1, 1, 64, dtype=torch.uint8)
+    y = cuda_decode.decode_gemm(torch.zeros(0, 64, dtype=torch.bfloat16), codes, scales, torch.tensor(1.0), 16)
+    assert y.shape == (0, 16) and y.dtype == torch.bfloat16

@@ -96,9 +96,6 @@ __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u3
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-template <int J> __device__ __forceinline__ void mma_slot(float* c, const U4& w, u32 sg, u32 sh, u32 b0, u32 b1) {
-    mma(c, bmul(slot<J>(w.x), sg), bmul(slot<J>(w.z), sh), bmul(slot<J>(w.y), sg), bmul(slot<J>(w.w), sh), b0, b1);
-}
 
 __device__ __forceinline__ float bf16_round(float v) {  // v rounded to bf16, as float
     u16 h;
@@ -508,6 +505,8 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
     rg, ch, _ = codes.shape
     if out is None:
         out = torch.empty(m, n // 2 if swiglu else n, dtype=torch.bfloat16, device=x.device)
+    if m == 0:  # nothing to compute (the kernel would read row M - 1 = -1)
+        return out
     nt = 1 if m <= 8 else 2
     if rope is None:
         epi, rope_args = int(swiglu), [gscale, gscale, 0, 0, 0, 1]
