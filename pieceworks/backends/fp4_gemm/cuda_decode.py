@@ -443,6 +443,7 @@ class Kernel:
         major, minor = torch.cuda.get_device_capability(device)
         cubin, lowered = compile_cubin(name, f"sm_{major}{minor}")
         self.name = name
+        self.device = device
         self._libcuda = lib = ctypes.CDLL("libcuda.so.1")
         with torch.cuda.device(device):
             torch.cuda.current_stream()  # torch's context for the device (its primary one) is current here
@@ -457,6 +458,9 @@ class Kernel:
         self._pdl_attr = attr
 
     def __call__(self, grid, block, args, pdl: bool) -> None:
+        if torch.cuda.current_device() != self.device:  # launch in the device's context, on its stream
+            with torch.cuda.device(self.device):
+                return self(grid, block, args, pdl)
         params = []
         for a in args:
             if isinstance(a, torch.Tensor):
