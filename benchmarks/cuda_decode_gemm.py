@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from fp4_gemm import HBM, SHAPES, copies_for, fp4_bytes, graph_time, time_bf16  # noqa: E402
 from pieceworks.backends.base import BackendSpec  # noqa: E402
-from pieceworks.backends.fp4_gemm import cuda_decode  # noqa: E402
+from pieceworks.backends.fp4_gemm import cuda_decode, r16c64  # noqa: E402
 from pieceworks.backends.fp4_gemm.base import Fp4Weight  # noqa: E402
 from pieceworks.backends.fp4_gemm.triton import TritonFp4GemmBackend  # noqa: E402
 from pieceworks.quant import nvfp4  # noqa: E402
@@ -44,7 +44,7 @@ def main() -> None:
         w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
         s = (torch.rand(n, k // 16, device="cuda", generator=gen) * 2 + 0.05).to(torch.float8_e4m3fn)
         gs = torch.tensor(0.01, device="cuda")
-        c, sc = cuda_decode.repack_decode(w, s)
+        c, sc = r16c64.repack_decode(w, s)
         wd = (nvfp4.e2m1_decode(nvfp4.unpack(w)) * (s.float() * gs).repeat_interleave(16, 1)).to(torch.bfloat16)
         for m in range(1, 17):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -67,7 +67,7 @@ def main() -> None:
                 raw.append((w, s, gs))
             p = triton.prepare(Fp4Weight(w, s, gs, gs))
             tri.append((p.weight, p.weight_scale, p.weight_scale_2))
-            cud.append((*cuda_decode.repack_decode(w, s), gs.float()))
+            cud.append((*r16c64.repack_decode(w, s), gs.float()))
         w, s, gs = raw[0]
         wd = (nvfp4.e2m1_decode(nvfp4.unpack(w)) * (s.float() * gs).repeat_interleave(16, 1)).to(torch.bfloat16)
         for m in ms:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pieceworks.backends.base import BackendSpec, ModelFacts
-from pieceworks.backends.fp4_gemm import cuda_decode
+from pieceworks.backends.fp4_gemm import cuda_decode, r16c64
 from pieceworks.backends.fp4_gemm.cuda import CudaDecodeOptions, CudaFp4GemmBackend, plan
 from pieceworks.quant import nvfp4
 
@@ -21,13 +21,13 @@ def random_weight(n, k, gen):
 def test_repack_round_trip(n, k):
     gen = torch.Generator().manual_seed(n * 1000 + k)
     w, s = random_weight(n, k, gen)
-    codes, scales = cuda_decode.repack_decode(w, s)
+    codes, scales = r16c64.repack_decode(w, s)
     assert codes.shape == (-(-n // 16), -(-k // 64), 512) and scales.shape == (-(-n // 16), -(-k // 64), 64)
-    c, sc = cuda_decode.unpack_decode(codes, scales, n, k)
+    c, sc = r16c64.unpack_decode(codes, scales, n, k)
     assert torch.equal(c, nvfp4.unpack(w))
     assert torch.equal(sc.view(torch.uint8), s.view(torch.uint8))
     # padding rows and K are zero codes and zero scales
-    full_c, full_s = cuda_decode.unpack_decode(codes, scales, codes.shape[0] * 16, codes.shape[1] * 64)
+    full_c, full_s = r16c64.unpack_decode(codes, scales, codes.shape[0] * 16, codes.shape[1] * 64)
     assert int(full_c[n:].sum()) == 0 and int(full_c[:, k:].sum()) == 0
     assert int(full_s.view(torch.uint8)[n:].sum()) == 0 and int(full_s.view(torch.uint8)[:, k // 16 :].sum()) == 0
 
@@ -41,8 +41,8 @@ def test_repack_values_match_dequant():
     sf[0, 1] = 0.0
     sf[3, 2] = -1.5
     s = sf.to(torch.float8_e4m3fn)
-    codes, scales = cuda_decode.repack_decode(w, s)
-    c, sc = cuda_decode.unpack_decode(codes, scales, 32, 128)
+    codes, scales = r16c64.repack_decode(w, s)
+    c, sc = r16c64.unpack_decode(codes, scales, 32, 128)
     got = nvfp4.e2m1_decode(c) * sc.float().repeat_interleave(16, 1)
     ref = nvfp4.e2m1_decode(nvfp4.unpack(w)) * sf.repeat_interleave(16, 1)
     assert torch.equal(got, ref)
@@ -55,7 +55,7 @@ def test_repack_refuses_nan_scale():
     w, s = random_weight(16, 64, gen)
     s.view(torch.uint8)[2, 1] = 0x7F
     with pytest.raises(ValueError, match="NaN"):
-        cuda_decode.repack_decode(w, s)
+        r16c64.repack_decode(w, s)
 
 
 def test_plan_keeps_the_grid_resident():
@@ -95,7 +95,7 @@ def test_mismatched_shapes_refused_before_any_launch():
     """Runs on the CPU: the checks come before the kernel is compiled or launched."""
     gen = torch.Generator().manual_seed(4)
     w, s = random_weight(48, 256, gen)
-    codes, scales = cuda_decode.repack_decode(w, s)
+    codes, scales = r16c64.repack_decode(w, s)
     backend = CudaFp4GemmBackend(BackendSpec(device="cuda", capability=(9, 0)))
     gs = torch.tensor(1.0)
     x = torch.randn(2, 256).to(torch.bfloat16)

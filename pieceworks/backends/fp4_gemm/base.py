@@ -37,6 +37,11 @@ class Fp4GemmBackend(Backend):
         """Convert checkpoint tensors into this backend's layout, once at load (default: as stored)."""
         return w
 
+    def _prepare_rows(self, w: Fp4Weight, rows: torch.Tensor) -> Fp4Weight:
+        """`prepare` of the weight with its rows (and their scales) taken in the order `rows`."""
+        rows = rows.to(w.weight.device)
+        return self.prepare(Fp4Weight(w.weight[rows], w.weight_scale[rows], w.weight_scale_2, w.input_scale))
+
     def prepare_gate_up(self, w: Fp4Weight) -> Fp4Weight:
         """`prepare` for a SwiGLU MLP's fused gate/up weight (rows [gate; up], one global scale),
         which `forward_swiglu` then serves. Default: `prepare` (rows in checkpoint order)."""
@@ -73,15 +78,9 @@ class Fp4GemmBackend(Backend):
         and k columns rotated by the rotate-half rope (cos/sin [M, head_dim / 2] of each row's
         position), for a weight from `prepare_qkv_rope`. Default: `forward`, then the `rope_qk` op on
         the q and k columns; a backend that fuses it must round as that does."""
-        from pieceworks.models import fused
-
-        q_cols, k_cols = num_heads * head_dim, num_kv_heads * head_dim
-        y = self.forward(x, weight, weight_scale, weight_scale_2, input_scale, q_cols + 2 * k_cols)
-        q, k = fused.rope_qk(y[:, :q_cols].view(-1, num_heads, head_dim),
-                             y[:, q_cols : q_cols + k_cols].view(-1, num_kv_heads, head_dim), cos, sin, False)
-        y[:, :q_cols] = q.view(-1, q_cols)
-        y[:, q_cols : q_cols + k_cols] = k.view(-1, k_cols)
-        return y
+        y = self.forward(x, weight, weight_scale, weight_scale_2, input_scale,
+                         (num_heads + 2 * num_kv_heads) * head_dim)
+        return rope_qk_columns(y, cos, sin, num_heads, num_kv_heads, head_dim)
 
     def forward_swiglu(
         self,
@@ -120,3 +119,17 @@ class Fp4GemmBackend(Backend):
             [M, N] in x.dtype.
         """
         raise NotImplementedError
+
+
+def rope_qk_columns(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                    head_dim: int) -> torch.Tensor:
+    """y [M, (num_heads + 2 * num_kv_heads) * head_dim] (q, k, v columns in checkpoint order) with its q
+    and k columns rotated in place by the rope_qk op; returns y."""
+    from pieceworks.models import fused
+
+    q_cols, k_cols = num_heads * head_dim, num_kv_heads * head_dim
+    q, k = fused.rope_qk(y[:, :q_cols].view(-1, num_heads, head_dim),
+                         y[:, q_cols : q_cols + k_cols].view(-1, num_kv_heads, head_dim), cos, sin, False)
+    y[:, :q_cols] = q.view(-1, q_cols)
+    y[:, q_cols : q_cols + k_cols] = k.view(-1, k_cols)
+    return y

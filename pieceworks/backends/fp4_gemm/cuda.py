@@ -3,7 +3,7 @@
 Up to 16 rows of x run `cuda_decode.nvfp4_decode_gemm` in one launch: one CTA per 16 weight rows over
 all of K, the weights loaded straight into registers in MMA fragment order (a ring of 2 64-element
 chunks per lane), decoded with integer ops and bf16 multiplies, bf16 mma.sync with the weights as the A
-operand, the warps' sums added in shared memory (cuda_decode.py describes the layout); 17 up to
+operand, the warps' sums added in shared memory (r16c64.py describes the layout); 17 up to
 `decode_max_m` (64) rows run it once per 16-row slice (the weights read once per slice); more rows
 dequantize the weight to a transient bf16 copy and call torch.matmul, as the Triton backend does from
 M = 1024. SwiGLU and the q/k/v rope are fused into the decode kernel's epilogue (rounded as the unfused
@@ -25,7 +25,7 @@ import torch
 
 from pieceworks.backends import pdl
 from pieceworks.backends.base import Requirements
-from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight
+from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight, rope_qk_columns
 from pieceworks.backends.fp4_gemm.triton import interleave_gate_up, interleave_rope_rows
 
 
@@ -47,7 +47,7 @@ class CudaDecodeOptions:
 @lru_cache(maxsize=None)
 def nvrtc_unavailable_reason() -> str | None:
     """Why NVRTC can't compile the kernels here, or None."""
-    from pieceworks.backends.fp4_gemm.cuda_decode import nvrtc_library
+    from pieceworks.backends.nvrtc import nvrtc_library
 
     if torch.version.cuda is None:
         return "this torch build has no CUDA"
@@ -98,15 +98,14 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         return reasons
 
     def prepare(self, w: Fp4Weight) -> Fp4Weight:
-        from pieceworks.backends.fp4_gemm.cuda_decode import repack_decode
+        from pieceworks.backends.fp4_gemm.r16c64 import repack_decode
 
         codes, scales = repack_decode(w.weight, w.weight_scale)
         return Fp4Weight(codes, scales, w.weight_scale_2.float().reshape(()), w.input_scale)
 
     def prepare_gate_up(self, w: Fp4Weight) -> Fp4Weight:
         """`prepare` with gate row j and up row j side by side (`interleave_gate_up`) for `forward_swiglu`."""
-        rows = interleave_gate_up(w.weight.shape[0]).to(w.weight.device)
-        return self.prepare(Fp4Weight(w.weight[rows], w.weight_scale[rows], w.weight_scale_2, w.input_scale))
+        return self._prepare_rows(w, interleave_gate_up(w.weight.shape[0]))
 
     def qkv_rope_supported(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         return head_dim % 2 == 0
@@ -114,15 +113,13 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
     def prepare_qkv_rope(self, w: Fp4Weight, num_heads: int, num_kv_heads: int, head_dim: int) -> Fp4Weight:
         """`prepare` with each q/k head's rope pairs side by side (`interleave_rope_rows`) for
         `forward_qkv_rope`."""
-        rows = interleave_rope_rows(num_heads, num_kv_heads, head_dim).to(w.weight.device)
-        return self.prepare(Fp4Weight(w.weight[rows], w.weight_scale[rows], w.weight_scale_2, w.input_scale))
+        return self._prepare_rows(w, interleave_rope_rows(num_heads, num_kv_heads, head_dim))
 
     def forward_qkv_rope(self, x, weight, weight_scale, weight_scale_2, input_scale, cos, sin, num_heads,
                          num_kv_heads, head_dim):
         """The rope in the decode kernel's epilogue (same bits as the GEMM followed by the rope_qk op);
         larger M: dequantize, matmul, columns back in checkpoint order, then the rope_qk op."""
         from pieceworks.backends.fp4_gemm import cuda_decode
-        from pieceworks.models import fused
 
         n = (num_heads + 2 * num_kv_heads) * head_dim
         m = x.shape[0]
@@ -132,13 +129,7 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
             return self._decode(x, weight, weight_scale, weight_scale_2, n, False, rope)
         w = cuda_decode.dequant(weight, weight_scale, weight_scale_2, n, x.shape[1])
         order = _checkpoint_order(num_heads, num_kv_heads, head_dim, x.device)
-        y = (x @ w.t())[:, order]
-        q_cols, k_cols = num_heads * head_dim, num_kv_heads * head_dim
-        q, k = fused.rope_qk(y[:, :q_cols].view(-1, num_heads, head_dim),
-                             y[:, q_cols : q_cols + k_cols].view(-1, num_kv_heads, head_dim), cos, sin, False)
-        y[:, :q_cols] = q.view(-1, q_cols)
-        y[:, q_cols : q_cols + k_cols] = k.view(-1, k_cols)
-        return y
+        return rope_qk_columns((x @ w.t())[:, order], cos, sin, num_heads, num_kv_heads, head_dim)
 
     @staticmethod
     def _check_x(x, weight, n: int) -> None:

@@ -1,46 +1,34 @@
-"""The CUDA decode GEMM of the `cuda` fp4_gemm backend (w4a16, M <= 16 per launch): kernel source, the
-load-time repack into its layout, and the NVRTC / driver glue that compiles and launches it.
+"""The CUDA decode GEMM of the `cuda` fp4_gemm backend (w4a16, M <= 16 per launch): the kernel source
+and its launch wrappers. The weight layout ("r16c64") and its repack are in r16c64.py; compiling and
+launching are backends/nvrtc.py's.
 
 The Triton decode tiles reached 26-66% of the copy rate at M = 1 on the H200 (docs/benchmarks.md). This
 kernel does the same arithmetic (e2m1 codes decoded to bf16 with integer ops, multiplied by the block
-scale, bf16 mma.sync with the weights as the A operand) in a layout made for it ("r16c64"):
+scale, bf16 mma.sync with the weights as the A operand) on a layout made for it:
 
 - One CTA owns 16 weight rows and all of K; its W warps split K into contiguous runs of 64-element
   chunks, and a shared-memory sum of the warps' accumulators ends it (no split-K across CTAs, no
   counters, nothing to zero). The epilogue stores y, or silu(gate) * up, or the roped q/k/v columns.
-- Chunk layout: lane L = 4g + t of a warp reads one 16-byte vector per chunk, the codes of rows g
-  and g + 8 for elements 16t .. 16t + 15 of the chunk: one NVFP4 block per row, so a lane needs two
-  block scales per chunk (one 2-byte load) and converts them once for its 32 weights. The MMA's K
-  order is permuted to match: mma j of a chunk, k slots (2t, 2t + 1, 2t + 8, 2t + 9), are elements
-  16t + 4j + (0, 1, 2, 3) of the chunk, for the weights and x alike, so x needs no reordering (each
-  lane reads 32 contiguous bytes of its token's row).
-- Inside the vector, 32-bit word (h, p) (h = row g / g + 8, p = 0, 1) holds two k32 units (the bit
-  layout of triton_k32.py, SLOT_BITS): its low unit the codes of elements 16t + 4j + 2p, its high unit
-  those of 16t + 4j + 2p + 1, slot j = 0..3; slot j of the word decodes to one bf16x2 A register of
-  mma j. The scale conversion and its 2^112 / 2^-14 bias are triton_k32.py's.
+- A lane reads one 16-byte vector of codes per chunk (rows g and g + 8, elements 16t .. 16t + 15: one
+  NVFP4 block per row), so it converts two block scales per chunk (one 2-byte load) for its 32
+  weights. The MMA's K order is permuted to match: mma j of a chunk, k slots (2t, 2t + 1, 2t + 8,
+  2t + 9), are elements 16t + 4j + (0, 1, 2, 3), for the weights and x alike, so x needs no
+  reordering (each lane reads 32 contiguous bytes of its token's row). The scale conversion and its
+  2^112 / 2^-14 bias are triton_k32.py's.
 - Every lane keeps D chunks of codes, scales and x in flight in registers (a ring, no shared memory;
   a cp.async version with shared-memory stages was slower: docs/benchmarks.md).
 - Up to 8 tokens per mma (the B operand's 8 columns); 9..16 tokens run two n-tiles on the same decoded
   A registers. Lanes of tokens >= M read another token's row; those columns are never stored.
 
-This module imports torch only. NVRTC (the nvidia-cuda-nvrtc library torch's CUDA wheels bring)
-compiles each template instance on first use for the device's sm (the source includes no headers, so
-no CUDA toolkit is needed); the driver API loads and launches it (`cuLaunchKernelEx`, with the PDL
-launch attribute when asked).
+Imports torch only; each template instance is compiled on its first launch.
 """
 
 from __future__ import annotations
 
-import ctypes
-from functools import lru_cache
-
 import torch
 
-from pieceworks.backends.fp4_gemm.k32 import SLOT_BITS
-from pieceworks.quant import nvfp4
-
-CHUNK = 64  # elements of K per chunk
-ROWS = 16  # weight rows per CTA
+from pieceworks.backends.fp4_gemm.r16c64 import CHUNK
+from pieceworks.backends.nvrtc import kernel
 
 SOURCE = r"""
 typedef unsigned int u32;
@@ -128,6 +116,19 @@ __device__ __forceinline__ void rope_pair(float y1, float y2, float c, float s, 
 
 template <int NT> struct Chunk { U4 w; u32 s; U4 x[NT][2]; };
 
+// mma j = J of a chunk for every n-tile: slot J of the four code words, scaled (row g: sg, row g + 8: sh),
+// against x elements 16t + 4J .. 16t + 4J + 3 (B registers); accumulator chain J % 2.
+template <int J, int NT>
+__device__ __forceinline__ void slot_mmas(float (&acc)[NT][2][4], const Chunk<NT>& k, u32 sg, u32 sh) {
+    const u32 a0 = bmul(slot<J>(k.w.x), sg), a1 = bmul(slot<J>(k.w.z), sh),
+              a2 = bmul(slot<J>(k.w.y), sg), a3 = bmul(slot<J>(k.w.w), sh);
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+        const U4& xv = k.x[i][J >> 1];
+        mma(acc[i][J & 1], a0, a1, a2, a3, (J & 1) ? xv.z : xv.x, (J & 1) ? xv.w : xv.y);
+    }
+}
+
 // EPI 0: out[token, n] = y; EPI 1 (SwiGLU, rows 2j / 2j + 1 = gate / up of column j, interleave_gate_up):
 // out[token, n / 2] = silu(gate) * up. EPI 2 (q/k/v rope, rows in the interleave_rope_rows order: rows 2j and
 // 2j + 1 are dims d and d + half of a q or k head, columns below rope_cols; v rows in order): the pair
@@ -169,25 +170,12 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
         } \
     } while (0)
 #define COMPUTE(B) do { \
-        const Chunk<NT>& k = buf[B]; \
-        const u32 h = scale_pair(k.s); \
+        const u32 h = scale_pair(buf[B].s); \
         const u32 sg = prmt(h, 0x1010u), sh = prmt(h, 0x3232u); \
-        const u32 a00 = bmul(slot<0>(k.w.x), sg), a01 = bmul(slot<0>(k.w.z), sh), \
-                  a02 = bmul(slot<0>(k.w.y), sg), a03 = bmul(slot<0>(k.w.w), sh); \
-        _Pragma("unroll") for (int i = 0; i < NT; ++i) \
-            mma(acc[i][0], a00, a01, a02, a03, k.x[i][0].x, k.x[i][0].y); \
-        const u32 a10 = bmul(slot<1>(k.w.x), sg), a11 = bmul(slot<1>(k.w.z), sh), \
-                  a12 = bmul(slot<1>(k.w.y), sg), a13 = bmul(slot<1>(k.w.w), sh); \
-        _Pragma("unroll") for (int i = 0; i < NT; ++i) \
-            mma(acc[i][1], a10, a11, a12, a13, k.x[i][0].z, k.x[i][0].w); \
-        const u32 a20 = bmul(slot<2>(k.w.x), sg), a21 = bmul(slot<2>(k.w.z), sh), \
-                  a22 = bmul(slot<2>(k.w.y), sg), a23 = bmul(slot<2>(k.w.w), sh); \
-        _Pragma("unroll") for (int i = 0; i < NT; ++i) \
-            mma(acc[i][0], a20, a21, a22, a23, k.x[i][1].x, k.x[i][1].y); \
-        const u32 a30 = bmul(slot<3>(k.w.x), sg), a31 = bmul(slot<3>(k.w.z), sh), \
-                  a32 = bmul(slot<3>(k.w.y), sg), a33 = bmul(slot<3>(k.w.w), sh); \
-        _Pragma("unroll") for (int i = 0; i < NT; ++i) \
-            mma(acc[i][1], a30, a31, a32, a33, k.x[i][1].z, k.x[i][1].w); \
+        slot_mmas<0>(acc, buf[B], sg, sh); \
+        slot_mmas<1>(acc, buf[B], sg, sh); \
+        slot_mmas<2>(acc, buf[B], sg, sh); \
+        slot_mmas<3>(acc, buf[B], sg, sh); \
     } while (0)
     // The weights are never written by an earlier kernel: their first loads go before the PDL wait.
 #pragma unroll
@@ -310,189 +298,6 @@ __global__ void __launch_bounds__(256) nvfp4_decode_dequant(
 """
 
 
-def repack_decode(weight: torch.Tensor, weight_scale: torch.Tensor):
-    """Checkpoint NVFP4 [N, K/2] uint8 + [N, K/16] e4m3 -> this kernel's layout (module docstring).
-
-    Returns (codes uint8 [R, C, 512], scales uint8 [R, C, 64]) with R = ceil(N / 16) row groups and
-    C = ceil(K / 64) chunks; padding is zero codes and zero scales. Codes of zero-scale blocks are
-    zeroed and negative scales' signs moved into their codes, as `k32.repack_k32` does.
-    """
-    n, half_k = weight.shape
-    k = half_k * 2
-    if k % nvfp4.BLOCK:
-        raise ValueError(f"NVFP4 K must be a multiple of {nvfp4.BLOCK}, got {k}")
-    scale_bits = weight_scale.reshape(n, k // nvfp4.BLOCK).view(torch.uint8)
-    magnitude = scale_bits & 0x7F
-    if bool((magnitude == 0x7F).any()):
-        raise ValueError("NVFP4 block scales contain NaN: the checkpoint is corrupt: re-export it")
-    zero_block = magnitude == 0
-    flip = ((scale_bits & 0x80) != 0) & ~zero_block
-    codes = nvfp4.unpack(weight).to(torch.int32)
-    codes.masked_fill_(zero_block.repeat_interleave(nvfp4.BLOCK, dim=1), 0)
-    codes ^= flip.repeat_interleave(nvfp4.BLOCK, dim=1).to(torch.int32) << 3
-    rg, ch = -(-n // ROWS), -(-k // CHUNK)
-    codes = torch.nn.functional.pad(codes, (0, ch * CHUNK - k, 0, rg * ROWS - n))
-    mag = torch.nn.functional.pad(magnitude, (0, ch * 4 - k // nvfp4.BLOCK, 0, rg * ROWS - n))
-    # codes[row, k]: row = 16 r + 8 h + g, k = 64 c + 16 t + 4 j + 2 p + u (u: low / high unit of a word)
-    c = codes.view(rg, 2, 8, ch, 4, 4, 2, 2)  # r h g c t j p u
-    units = torch.zeros(rg, 2, 8, ch, 4, 2, 2, dtype=torch.int32, device=weight.device)
-    for j, bits in enumerate(SLOT_BITS):
-        cj = c[:, :, :, :, :, j]
-        for bit, pos in zip((3, 2, 1, 0), bits):
-            units |= ((cj >> bit) & 1) << pos
-    units = units.permute(0, 3, 2, 4, 1, 5, 6)  # r c g t h p u
-    out = torch.stack([units & 0xFF, units >> 8], dim=-1).to(torch.uint8)
-    out = out.contiguous().view(rg, ch, 512)
-    # scales[r, c, lane = 4 g + t, h] = scale of row 16 r + 8 h + g, block 4 c + t
-    s = mag.view(rg, 2, 8, ch, 4).permute(0, 3, 2, 4, 1).contiguous().view(rg, ch, 64)
-    return out, s
-
-
-def unpack_decode(codes: torch.Tensor, scales: torch.Tensor, n: int, k: int):
-    """The inverse of `repack_decode` (for tests): (e2m1 codes uint8 [n, k], e4m3 scales [n, k / 16])."""
-    rg, ch, _ = codes.shape
-    b = codes.view(rg, ch, 8, 4, 2, 2, 2, 2).to(torch.int32)  # r c g t h p u byte
-    units = b[..., 0] | (b[..., 1] << 8)
-    out = torch.zeros(rg, 2, 8, ch, 4, 4, 2, 2, dtype=torch.int32, device=codes.device)  # r h g c t j p u
-    for j, bits in enumerate(SLOT_BITS):
-        code = torch.zeros_like(units)
-        for bit, pos in zip((3, 2, 1, 0), bits):
-            code |= ((units >> pos) & 1) << bit
-        out[:, :, :, :, :, j] = code.permute(0, 4, 2, 1, 3, 5, 6)
-    out = out.view(rg * ROWS, ch * CHUNK)[:n, :k].to(torch.uint8)
-    s = scales.view(rg, ch, 8, 4, 2).permute(0, 4, 2, 1, 3).reshape(rg * ROWS, ch * 4)
-    return out, s[:n, : k // nvfp4.BLOCK].contiguous().view(torch.float8_e4m3fn)
-
-
-class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
-    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
-
-
-class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
-                ("num_attrs", ctypes.c_uint)]
-
-
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-
-
-def nvrtc_library() -> ctypes.CDLL:
-    """NVRTC of torch's CUDA major version (the nvidia-cuda-nvrtc wheel torch depends on, or the system's)."""
-    major = int((torch.version.cuda or "0").split(".")[0])
-    try:
-        from torch.cuda._utils import _get_gpu_rtc_library  # finds the wheel's copy; private, hence the fallback
-
-        return _get_gpu_rtc_library()
-    except (ImportError, OSError, AttributeError):
-        pass
-    for name in (f"libnvrtc.so.{major}", "libnvrtc.so"):
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    raise OSError(f"libnvrtc.so.{major} not found: install the nvidia-cuda-nvrtc wheel matching torch's CUDA {major}")
-
-
-def _check(lib, err: int, what: str) -> None:
-    if err:
-        msg = ctypes.c_char_p()
-        lib.cuGetErrorString(err, ctypes.byref(msg))
-        raise RuntimeError(f"{what} failed: CUDA error {err} ({(msg.value or b'?').decode()})")
-
-
-def compile_cubin(name: str, arch: str) -> tuple[bytes, str]:
-    """SOURCE compiled by NVRTC for `arch` (e.g. "sm_90"): (cubin, the lowered name of `name`, a template
-    instance). The source includes no headers, so no CUDA toolkit is needed."""
-    lib = nvrtc_library()
-    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-    prog = ctypes.c_void_p()
-
-    def check(err: int, what: str) -> None:
-        if err:
-            raise RuntimeError(f"NVRTC {what} of {name}: {lib.nvrtcGetErrorString(err).decode()}")
-
-    check(lib.nvrtcCreateProgram(ctypes.byref(prog), SOURCE.encode(), b"cuda_decode.cu", 0, None, None), "create")
-    try:
-        check(lib.nvrtcAddNameExpression(prog, name.encode()), "name")
-        opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
-        err = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-        if err:
-            size = ctypes.c_size_t()
-            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value)
-            lib.nvrtcGetProgramLog(prog, log)
-            raise RuntimeError(f"NVRTC could not compile {name} for {arch}:\n{log.value.decode()}")
-        size = ctypes.c_size_t()
-        check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
-        cubin = ctypes.create_string_buffer(size.value)
-        check(lib.nvrtcGetCUBIN(prog, cubin), "cubin")
-        lowered = ctypes.c_char_p()
-        check(lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(lowered)), "lowered name")
-        return cubin.raw, lowered.value.decode()
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
-
-
-class Kernel:
-    """One compiled kernel of SOURCE for one device, launched on the current stream with or without
-    programmatic dependent launch (the kernels wait with griddepcontrol before reading anything an
-    earlier kernel writes; without PDL the wait returns at once)."""
-
-    def __init__(self, name: str, device: int) -> None:
-        major, minor = torch.cuda.get_device_capability(device)
-        cubin, lowered = compile_cubin(name, f"sm_{major}{minor}")
-        self.name = name
-        self.device = device
-        self._libcuda = lib = ctypes.CDLL("libcuda.so.1")
-        with torch.cuda.device(device):
-            torch.cuda.current_stream()  # torch's context for the device (its primary one) is current here
-            self._module = ctypes.c_void_p()
-            _check(lib, lib.cuModuleLoadData(ctypes.byref(self._module), cubin), "cuModuleLoadData")
-            self._func = ctypes.c_void_p()
-            _check(lib, lib.cuModuleGetFunction(ctypes.byref(self._func), self._module, lowered.encode()),
-                   "cuModuleGetFunction")
-        attr = _LaunchAttribute()
-        attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value = (1).to_bytes(4, "little") + bytes(60)
-        self._pdl_attr = attr
-
-    def __call__(self, grid, block, args, pdl: bool) -> None:
-        if torch.cuda.current_device() != self.device:  # launch in the device's context, on its stream
-            with torch.cuda.device(self.device):
-                return self(grid, block, args, pdl)
-        params = []
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                params.append(ctypes.c_void_p(a.data_ptr()))
-            elif isinstance(a, int):
-                params.append(ctypes.c_int(a))
-            else:
-                raise TypeError(f"kernel argument of type {type(a).__name__}")
-        ptrs = (ctypes.c_void_p * len(params))(*[ctypes.cast(ctypes.byref(p), ctypes.c_void_p) for p in params])
-        cfg = _LaunchConfig()
-        cfg.grid[:] = grid
-        cfg.block[:] = block
-        cfg.shared = 0
-        cfg.stream = torch.cuda.current_stream().cuda_stream
-        if pdl:
-            cfg.attrs = ctypes.pointer(self._pdl_attr)
-            cfg.num_attrs = 1
-        _check(self._libcuda, self._libcuda.cuLaunchKernelEx(ctypes.byref(cfg), self._func, ptrs, None),
-               f"cuLaunchKernelEx({self.name})")
-
-
-@lru_cache(maxsize=None)
-def _kernel(name: str, device: int) -> Kernel:
-    return Kernel(name, device)
-
-
-def kernel(name: str, device: torch.device) -> Kernel:
-    """The kernel `name` (a template instance of SOURCE) for `device`, compiled on first use (about a
-    second)."""
-    return _kernel(name, device.index if device.index is not None else torch.cuda.current_device())
-
-
 def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2, swiglu: bool = False,
                 pdl: bool = False, out=None, rope=None):
     """y = x @ dequant(W).T for M <= 16 (bf16 x with unit stride in K, 16-byte aligned rows); with
@@ -520,7 +325,7 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
         if cos.stride(-1) != 1 or sin.stride(-1) != 1:
             cos, sin = cos.contiguous(), sin.contiguous()
         epi, rope_args = 2, [cos, sin, cos.stride(0), sin.stride(0), rope_cols, head_dim // 2]
-    kernel(f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {epi}>", x.device)(
+    kernel(SOURCE, f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {epi}>", x.device)(
         (rg, 1, 1), (warps * 32, 1, 1),
         [codes, scales, x, out, gscale, m, n, ch, x.stride(0), out.stride(0), *rope_args], pdl)
     return out
@@ -531,6 +336,6 @@ def dequant(codes, scales, gscale, n: int, k: int, swiglu: bool = False, pdl: bo
     checkpoint order [gate; up])."""
     rg, ch, _ = codes.shape
     out = torch.empty(n, k, dtype=torch.bfloat16, device=codes.device)
-    kernel(f"nvfp4_decode_dequant<{int(swiglu)}>", codes.device)(
+    kernel(SOURCE, f"nvfp4_decode_dequant<{int(swiglu)}>", codes.device)(
         (rg, -(-ch // 8), 1), (256, 1, 1), [codes, scales, out, gscale, n, k, ch, out.stride(0)], pdl)
     return out

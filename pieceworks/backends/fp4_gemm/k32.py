@@ -18,6 +18,56 @@ SLOT_BITS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (11, 10, 14, 13))
 TILE_ROWS = 64
 TILE_K = 128
 
+def checked_block_scales(weight_scale: torch.Tensor, k: int):
+    """NVFP4 block scales [..., N, K/16] -> (magnitude uint8 [rows, K/16], zero_block, flip) for a repack:
+    the e4m3 bits without their sign (what the kernels read: they take scales as non-negative), the
+    blocks whose scale is zero (their codes are zeroed: the kernels' scale conversion may map a zero
+    scale to any finite number) and the negative blocks (their codes change sign instead).
+
+    Raises:
+        ValueError: a block scale is NaN (e4m3 0x7F / 0xFF), which no quantizer writes.
+    """
+    scale_bits = weight_scale.reshape(-1, k // nvfp4.BLOCK).view(torch.uint8)
+    magnitude = scale_bits & 0x7F
+    nan = magnitude == 0x7F
+    if bool(nan.any()):
+        row, block = (int(i) for i in nan.nonzero()[0])
+        raise ValueError(f"NVFP4 block scales: {int(nan.sum())} of {nan.numel()} are NaN (the first at flattened row "
+                         f"{row}, block {block} of the [..., N, K/16] scale tensor {tuple(weight_scale.shape)}); "
+                         "the checkpoint is corrupt: re-export it")
+    zero_block = magnitude == 0
+    flip = ((scale_bits & 0x80) != 0) & ~zero_block
+    return magnitude, zero_block, flip
+
+
+def fix_block_codes(codes: torch.Tensor, zero_block: torch.Tensor, flip: torch.Tensor | None) -> None:
+    """In place on int32 codes [rows, K]: zero the codes of zero-scale blocks, flip the sign of those
+    of negative blocks (`checked_block_scales`; flip None = none)."""
+    codes.masked_fill_(zero_block.repeat_interleave(nvfp4.BLOCK, dim=1), 0)
+    if flip is not None:
+        codes ^= flip.repeat_interleave(nvfp4.BLOCK, dim=1).to(torch.int32) << 3
+
+
+def encode_slots(slot_codes: list[torch.Tensor]) -> torch.Tensor:
+    """Four int32 code tensors (slots 0..3, same shape) -> the 16-bit units holding them (SLOT_BITS)."""
+    units = torch.zeros_like(slot_codes[0])
+    for cs, bits in zip(slot_codes, SLOT_BITS):
+        for bit, pos in zip((3, 2, 1, 0), bits):
+            units |= ((cs >> bit) & 1) << pos
+    return units
+
+
+def decode_slots(units: torch.Tensor) -> list[torch.Tensor]:
+    """The inverse of `encode_slots`: int32 units -> the codes of slots 0..3."""
+    slots = []
+    for bits in SLOT_BITS:
+        code = torch.zeros_like(units)
+        for bit, pos in zip((3, 2, 1, 0), bits):
+            code |= ((units >> pos) & 1) << bit
+        slots.append(code)
+    return slots
+
+
 def tile_k32(t: torch.Tensor) -> torch.Tensor:
     """Row-major [..., Np, C] (Np a multiple of TILE_ROWS; C bytes per row: Kp/2 of units or Kp/16 of
     scales) -> the storage order of `repack_k32`: each TILE_ROWS x TILE_K tile contiguous, tiles in
@@ -72,30 +122,16 @@ def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int
     kp = -(-k // K_ALIGN) * K_ALIGN
     flat = weight.reshape(-1, half_k)
     out = torch.empty((flat.shape[0], kp // 2), dtype=torch.uint8, device=weight.device)
-    scale_bits = weight_scale.reshape(-1, k // nvfp4.BLOCK).view(torch.uint8)
-    magnitude = scale_bits & 0x7F  # the e4m3 scale without its sign: what the kernels get
-    nan = magnitude == 0x7F
-    if bool(nan.any()):
-        row, block = (int(i) for i in nan.nonzero()[0])
-        raise ValueError(f"NVFP4 block scales: {int(nan.sum())} of {nan.numel()} are NaN (the first at flattened row "
-                         f"{row}, block {block} of the [..., N, K/16] scale tensor {tuple(weight_scale.shape)}); "
-                         "the checkpoint is corrupt: re-export it")
-    zero_block = magnitude == 0
-    flip = ((scale_bits & 0x80) != 0) & ~zero_block  # negative blocks: their codes change sign instead
-    any_flip = bool(flip.any())
+    magnitude, zero_block, flip = checked_block_scales(weight_scale, k)
+    if not bool(flip.any()):
+        flip = None
     for r0 in range(0, flat.shape[0], chunk_rows):
         codes = nvfp4.unpack(flat[r0 : r0 + chunk_rows]).to(torch.int32)
-        codes.masked_fill_(zero_block[r0 : r0 + chunk_rows].repeat_interleave(nvfp4.BLOCK, dim=1), 0)
-        if any_flip:
-            codes ^= flip[r0 : r0 + chunk_rows].repeat_interleave(nvfp4.BLOCK, dim=1).to(torch.int32) << 3
+        fix_block_codes(codes, zero_block[r0 : r0 + chunk_rows], None if flip is None else flip[r0 : r0 + chunk_rows])
         if kp != k:
             codes = torch.nn.functional.pad(codes, (0, kp - k))
         c = codes.view(codes.shape[0], kp // GROUP, 4, 8)  # [rows, g, slot, unit]
-        units = torch.zeros(c.shape[0], kp // GROUP, 8, dtype=torch.int32, device=weight.device)
-        for slot, bits in enumerate(SLOT_BITS):
-            cs = c[:, :, slot]
-            for bit, pos in zip((3, 2, 1, 0), bits):
-                units |= ((cs >> bit) & 1) << pos
+        units = encode_slots([c[:, :, slot] for slot in range(4)])
         out[r0 : r0 + chunk_rows] = torch.stack([units & 0xFF, units >> 8], dim=-1).flatten(1).to(torch.uint8)
     scale = magnitude.view(torch.float8_e4m3fn)
     if kp != k:
@@ -121,13 +157,7 @@ def unpack_k32(weight: torch.Tensor, k: int, n: int | None = None) -> torch.Tens
     weight = weight[..., :n, :]
     w = weight.reshape(-1, half_kp // 2, 2).to(torch.int32)
     units = (w[..., 0] | (w[..., 1] << 8)).view(w.shape[0], -1, 8)  # [rows, g, unit]
-    slots = []
-    for bits in SLOT_BITS:
-        code = torch.zeros_like(units)
-        for bit, pos in zip((3, 2, 1, 0), bits):
-            code |= ((units >> pos) & 1) << bit
-        slots.append(code)
-    codes = torch.stack(slots, dim=2).flatten(1)  # [rows, g*32] in element order
+    codes = torch.stack(decode_slots(units), dim=2).flatten(1)  # [rows, g*32] in element order
     return codes[:, :k].to(torch.uint8).view(*lead, n, k)
 
 

@@ -206,11 +206,6 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
             self.counters(weight.device)
         return Fp4Weight(weight, scale, w.weight_scale_2.float().reshape(()), w.input_scale)
 
-    def _prepare_rows(self, w: Fp4Weight, rows: torch.Tensor) -> Fp4Weight:
-        """`prepare` of the weight with its rows (and their scales) taken in the order `rows`."""
-        rows = rows.to(w.weight.device)
-        return self.prepare(Fp4Weight(w.weight[rows], w.weight_scale[rows], w.weight_scale_2, w.input_scale))
-
     def prepare_gate_up(self, w: Fp4Weight) -> Fp4Weight:
         """`prepare` with the rows interleaved (`interleave_gate_up`) for `forward_swiglu`."""
         return self._prepare_rows(w, interleave_gate_up(w.weight.shape[0]))

@@ -1,0 +1,140 @@
+"""Run-time compiled CUDA kernels: NVRTC compiles a source string for the device's sm, the driver API
+loads the cubin and launches it (`cuLaunchKernelEx`, with the programmatic-stream-serialization
+attribute for PDL when asked). ctypes only: no CUDA toolkit, no compiled extension; NVRTC comes with
+torch's CUDA wheels (nvidia-cuda-nvrtc). Imports torch only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+import torch
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def nvrtc_library() -> ctypes.CDLL:
+    """NVRTC of torch's CUDA major version (the nvidia-cuda-nvrtc wheel torch depends on, or the system's)."""
+    major = int((torch.version.cuda or "0").split(".")[0])
+    try:
+        from torch.cuda._utils import _get_gpu_rtc_library  # finds the wheel's copy; private, hence the fallback
+
+        return _get_gpu_rtc_library()
+    except (ImportError, OSError, AttributeError):
+        pass
+    for name in (f"libnvrtc.so.{major}", "libnvrtc.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise OSError(f"libnvrtc.so.{major} not found: install the nvidia-cuda-nvrtc wheel matching torch's CUDA {major}")
+
+
+def _check(lib, err: int, what: str) -> None:
+    if err:
+        msg = ctypes.c_char_p()
+        lib.cuGetErrorString(err, ctypes.byref(msg))
+        raise RuntimeError(f"{what} failed: CUDA error {err} ({(msg.value or b'?').decode()})")
+
+
+def compile_cubin(source: str, name: str, arch: str) -> tuple[bytes, str]:
+    """`source` compiled by NVRTC for `arch` (e.g. "sm_90"): (cubin, the lowered name of `name`, e.g. a
+    template instance). Without #include lines in the source no CUDA toolkit is needed."""
+    lib = nvrtc_library()
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    prog = ctypes.c_void_p()
+
+    def check(err: int, what: str) -> None:
+        if err:
+            raise RuntimeError(f"NVRTC {what} of {name}: {lib.nvrtcGetErrorString(err).decode()}")
+
+    check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None), "create")
+    try:
+        check(lib.nvrtcAddNameExpression(prog, name.encode()), "name")
+        opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
+        err = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        if err:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC could not compile {name} for {arch}:\n{log.value.decode()}")
+        size = ctypes.c_size_t()
+        check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
+        cubin = ctypes.create_string_buffer(size.value)
+        check(lib.nvrtcGetCUBIN(prog, cubin), "cubin")
+        lowered = ctypes.c_char_p()
+        check(lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(lowered)), "lowered name")
+        return cubin.raw, lowered.value.decode()
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+class Kernel:
+    """One compiled kernel for one device, launched on its current stream with or without programmatic
+    dependent launch (a kernel launched with PDL must `griddepcontrol.wait` before reading anything an
+    earlier kernel writes; without PDL the wait returns at once)."""
+
+    def __init__(self, source: str, name: str, device: int) -> None:
+        major, minor = torch.cuda.get_device_capability(device)
+        cubin, lowered = compile_cubin(source, name, f"sm_{major}{minor}")
+        self.name = name
+        self.device = device
+        self._libcuda = lib = ctypes.CDLL("libcuda.so.1")
+        with torch.cuda.device(device):
+            torch.cuda.current_stream()  # torch's context for the device (its primary one) is current here
+            self._module = ctypes.c_void_p()
+            _check(lib, lib.cuModuleLoadData(ctypes.byref(self._module), cubin), "cuModuleLoadData")
+            self._func = ctypes.c_void_p()
+            _check(lib, lib.cuModuleGetFunction(ctypes.byref(self._func), self._module, lowered.encode()),
+                   "cuModuleGetFunction")
+        attr = _LaunchAttribute()
+        attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value = (1).to_bytes(4, "little") + bytes(60)
+        self._pdl_attr = attr
+
+    def __call__(self, grid, block, args, pdl: bool) -> None:
+        if torch.cuda.current_device() != self.device:  # launch in the device's context, on its stream
+            with torch.cuda.device(self.device):
+                return self(grid, block, args, pdl)
+        params = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                params.append(ctypes.c_void_p(a.data_ptr()))
+            elif isinstance(a, int):
+                params.append(ctypes.c_int(a))
+            else:
+                raise TypeError(f"kernel argument of type {type(a).__name__}")
+        ptrs = (ctypes.c_void_p * len(params))(*[ctypes.cast(ctypes.byref(p), ctypes.c_void_p) for p in params])
+        cfg = _LaunchConfig()
+        cfg.grid[:] = grid
+        cfg.block[:] = block
+        cfg.shared = 0
+        cfg.stream = torch.cuda.current_stream().cuda_stream
+        if pdl:
+            cfg.attrs = ctypes.pointer(self._pdl_attr)
+            cfg.num_attrs = 1
+        _check(self._libcuda, self._libcuda.cuLaunchKernelEx(ctypes.byref(cfg), self._func, ptrs, None),
+               f"cuLaunchKernelEx({self.name})")
+
+
+@lru_cache(maxsize=None)
+def _kernel(source: str, name: str, device: int) -> Kernel:
+    return Kernel(source, name, device)
+
+
+def kernel(source: str, name: str, device: torch.device) -> Kernel:
+    """The kernel `name` of `source` for `device`, compiled on first use (about a second) and cached."""
+    return _kernel(source, name, device.index if device.index is not None else torch.cuda.current_device())
