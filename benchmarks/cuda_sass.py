@@ -1,0 +1,83 @@
+"""SASS of the CUDA decode GEMM (backends/fp4_gemm/cuda_decode.py), compiled offline by NVRTC for sm_90.
+
+    python benchmarks/cuda_sass.py --nvrtc /path/to/libnvrtc.so.13 "nvfp4_decode_gemm<16, 2, 1, 0>" ...
+    python benchmarks/cuda_sass.py --source-file old_cuda_decode.py "nvfp4_decode_gemm_async<16, 4, 1, 0>"
+
+Needs no GPU: NVRTC (on a CPU machine: `pip download --no-deps nvidia-cuda-nvrtc==13.0.*` and unzip;
+--nvrtc names its libnvrtc.so.13, whose libnvrtc-builtins must be on LD_LIBRARY_PATH) and Triton's
+bundled cuobjdump. Prints each instance's registers and its main loop (the longest backward branch):
+instructions, and per 64-element chunk with --chunks-per-iteration (the register ring's loop holds
+`depth` chunks, the default 2). --source-file takes SOURCE from another copy of cuda_decode.py (an
+older commit's, say: `git show REV:pieceworks/backends/fp4_gemm/cuda_decode.py > old.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from pieceworks.backends import nvrtc  # noqa: E402
+from pieceworks.backends.fp4_gemm import cuda_decode  # noqa: E402
+
+
+def cuobjdump(args: list[str], cubin: bytes) -> str:
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, *args, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def main_loop(sass: str) -> list[str]:
+    """Instructions of the longest backward branch's span in a cuobjdump -sass listing."""
+    seq = {}
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if m:
+            seq[int(m.group(1), 16)] = m.group(2)
+    loops = []
+    for addr, ins in seq.items():
+        target = re.search(r"BRA (0x[0-9a-f]+)$", ins)
+        if target and int(target.group(1), 16) < addr:
+            loops.append((int(target.group(1), 16), addr))
+    if not loops:
+        raise RuntimeError("no loop found in the SASS")
+    a, b = max(loops, key=lambda p: p[1] - p[0])
+    return [ins for addr, ins in sorted(seq.items()) if a <= addr <= b]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("names", nargs="+", help='template instances, e.g. "nvfp4_decode_gemm<16, 2, 1, 0>"')
+    ap.add_argument("--nvrtc", help="path of libnvrtc.so.<major> (default: the one torch finds)")
+    ap.add_argument("--source-file", help="take SOURCE from this copy of cuda_decode.py")
+    ap.add_argument("--chunks-per-iteration", type=int, default=2)
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--show", action="store_true", help="print the loop")
+    args = ap.parse_args()
+    if args.nvrtc:
+        nvrtc.nvrtc_library = lambda: ctypes.CDLL(args.nvrtc)
+    source = cuda_decode.SOURCE
+    if args.source_file:
+        source = re.search(r'SOURCE = r"""(.*?)"""', open(args.source_file).read(), re.S).group(1)
+    for name in args.names:
+        cubin, _ = nvrtc.compile_cubin(source, name, args.arch)
+        regs = re.search(r"REG:(\d+)", cuobjdump(["--dump-resource-usage"], cubin))
+        loop = main_loop(cuobjdump(["-sass"], cubin))
+        print(f"{name}: {regs.group(1) if regs else '?'} registers, main loop {len(loop)} instructions, "
+              f"{len(loop) / args.chunks_per_iteration:.1f} per chunk ({args.chunks_per_iteration} per iteration)")
+        if args.show:
+            print("\n".join("    " + ins for ins in loop))
+
+
+if __name__ == "__main__":
+    main()
