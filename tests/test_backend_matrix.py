@@ -4,6 +4,7 @@ from pieceworks.testing.suite import (  # noqa: F401
     test_attention,
     test_fp4_gemm,
     test_fp4_gemm_fused_epilogues,
+    test_fp4_gemm_fused_norm_and_residual,
     test_mla,
     test_moe,
 )

@@ -115,6 +115,8 @@ class Kernel:
                 params.append(ctypes.c_void_p(a.data_ptr()))
             elif isinstance(a, int):
                 params.append(ctypes.c_int(a))
+            elif isinstance(a, float):
+                params.append(ctypes.c_float(a))
             else:
                 raise TypeError(f"kernel argument of type {type(a).__name__}")
         ptrs = (ctypes.c_void_p * len(params))(*[ctypes.cast(ctypes.byref(p), ctypes.c_void_p) for p in params])

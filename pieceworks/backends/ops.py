@@ -119,6 +119,76 @@ def _fp4_gemm_qkv_rope_fake(x, weight, weight_scale, weight_scale_2, input_scale
     return x.new_empty((x.shape[0], (num_heads + 2 * num_kv_heads) * head_dim))
 
 
+@torch.library.custom_op("pieceworks::fp4_gemm_add", mutates_args=())
+def fp4_gemm_add(
+    x: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    weight_scale_2: Tensor,
+    input_scale: Tensor,
+    out_features: int,
+    residual: Tensor,
+) -> Tensor:
+    """residual + x @ dequant(W).T -> [M, out_features]; see `Fp4GemmBackend.forward_add`."""
+    backend = get_forward_context().kernels.fp4_gemm
+    return backend.forward_add(x, weight, weight_scale, weight_scale_2, input_scale, out_features, residual)
+
+
+@fp4_gemm_add.register_fake
+def _fp4_gemm_add_fake(x, weight, weight_scale, weight_scale_2, input_scale, out_features, residual):
+    return residual.new_empty((x.shape[0], out_features))
+
+
+@torch.library.custom_op("pieceworks::fp4_gemm_norm_swiglu", mutates_args=())
+def fp4_gemm_norm_swiglu(
+    s: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    weight: Tensor,
+    weight_scale: Tensor,
+    weight_scale_2: Tensor,
+    input_scale: Tensor,
+    intermediate: int,
+) -> Tensor:
+    """`fp4_gemm_swiglu` of RMSNorm(s); see `Fp4GemmBackend.forward_norm_swiglu`."""
+    backend = get_forward_context().kernels.fp4_gemm
+    return backend.forward_norm_swiglu(s, norm_weight, eps, weight, weight_scale, weight_scale_2, input_scale,
+                                       intermediate)
+
+
+@fp4_gemm_norm_swiglu.register_fake
+def _fp4_gemm_norm_swiglu_fake(s, norm_weight, eps, weight, weight_scale, weight_scale_2, input_scale,
+                               intermediate):
+    return s.new_empty((s.shape[0], intermediate))
+
+
+@torch.library.custom_op("pieceworks::fp4_gemm_norm_qkv_rope", mutates_args=())
+def fp4_gemm_norm_qkv_rope(
+    s: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    weight: Tensor,
+    weight_scale: Tensor,
+    weight_scale_2: Tensor,
+    input_scale: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> Tensor:
+    """`fp4_gemm_qkv_rope` of RMSNorm(s); see `Fp4GemmBackend.forward_norm_qkv_rope`."""
+    backend = get_forward_context().kernels.fp4_gemm
+    return backend.forward_norm_qkv_rope(s, norm_weight, eps, weight, weight_scale, weight_scale_2, input_scale,
+                                         cos, sin, num_heads, num_kv_heads, head_dim)
+
+
+@fp4_gemm_norm_qkv_rope.register_fake
+def _fp4_gemm_norm_qkv_rope_fake(s, norm_weight, eps, weight, weight_scale, weight_scale_2, input_scale, cos,
+                                 sin, num_heads, num_kv_heads, head_dim):
+    return s.new_empty((s.shape[0], (num_heads + 2 * num_kv_heads) * head_dim))
+
+
 @torch.library.custom_op("pieceworks::moe", mutates_args=())
 def moe(
     x: Tensor,

@@ -160,7 +160,8 @@ class CausalLM(nn.Module):
     Subclasses build `embed_tokens`, `layers`, `norm`, `lm_head` (nn.Linear, or the embedding when
     tied) and `rotary`; every layer is called as `layer(h, residual, cos, sin)` and returns its output
     and the residual stream before that output is added (`block_forward`): the add is fused into the
-    next norm.
+    next norm. A block whose GEMMs add their outputs to the stream themselves returns (the stream, None)
+    (`LlamaBlock._forward_fused_norms`); a None residual means h is the whole stream.
 
     Attributes:
         vocab_size, max_position_embeddings: from the HF config.

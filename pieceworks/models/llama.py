@@ -87,18 +87,25 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H], cos/sin [T, D/2] -> [T, H]."""
         if self._qkv_fp4 and self.qkv_proj.proj.rope_fused:  # the prepared weight is the fused op's
-            q_cols, kv_cols = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = self.qkv_proj.proj.forward_qkv_rope(x, cos, sin).split([q_cols, kv_cols, kv_cols], dim=-1)
-            q = q.view(-1, self.num_heads, self.head_dim)
-            k = k.view(-1, self.num_kv_heads, self.head_dim)
+            out = self.attend_roped(self.qkv_proj.proj.forward_qkv_rope(x, cos, sin))
         else:
             q, k, v = self.qkv_proj(x)
             q, k = apply_rope_qk(q.view(-1, self.num_heads, self.head_dim),
                                  k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+            out = self._attend(q, k, v)
+        return self.o_proj(out)
+
+    def attend_roped(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The attention of roped q/k/v columns [T, (Hq + 2 Hkv) D] -> [T, Hq D] (before o_proj)."""
+        q_cols, kv_cols = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_cols, kv_cols, kv_cols], dim=-1)
+        return self._attend(q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim), v)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = torch.empty_like(q)  # owned by the piece before the op: fixed address under graphs
         torch.ops.pieceworks.attention(q, k, v, out, self.layer_id, self.scale)
-        return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
+        return out.view(-1, self.num_heads * self.head_dim)
 
     def load(self, src: WeightSource, prefix: str) -> None:
         self.qkv_proj = src.merged(self.qkv_proj, [f"{prefix}.{n}_proj" for n in "qkv"])
@@ -116,8 +123,32 @@ class LlamaBlock(nn.Module):
         self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, f"{prefix}.mlp", fp4)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.norms_fused():
+            return self._forward_fused_norms(h, residual, cos, sin)
         return block_forward(self, h, residual, cos, sin)
+
+    def norms_fused(self) -> bool:
+        """Whether this block's NVFP4 projections were prepared by an fp4_gemm backend that fuses the
+        RMSNorms and residual adds into them (`Fp4GemmBackend.fuses_norm`; the q/k/v one with the rope
+        fused, gate/up with the SwiGLU): the block then runs `_forward_fused_norms`."""
+        a, m = self.self_attn, self.mlp
+        return (a._qkv_fp4 and a.qkv_proj.proj.rope_fused and a.qkv_proj.proj.fuses_norm
+                and m._swiglu and m.gate_up_proj.proj.fuses_norm
+                and isinstance(a.o_proj, Fp4Linear) and a.o_proj.fuses_norm
+                and isinstance(m.down_proj, Fp4Linear) and m.down_proj.fuses_norm)
+
+    def _forward_fused_norms(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                             sin: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The block on the residual stream s = residual + h with four fp4_gemm ops and no norm kernels:
+        q/k/v of RMSNorm(s), s += o_proj(attention), s += down(SwiGLU of RMSNorm(s)). Returns (s, None):
+        the whole stream, nothing left to add (`CausalLM.forward` and the next block take it as such)."""
+        a, m = self.self_attn, self.mlp
+        s = h if residual is None else residual + h
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        attn = a.attend_roped(a.qkv_proj.proj.forward_norm_qkv_rope(s, n1.weight, n1.eps, cos, sin))
+        s = a.o_proj.forward_add(attn, s)
+        return m.down_proj.forward_add(m.gate_up_proj.proj.forward_norm_swiglu(s, n2.weight, n2.eps), s), None
 
     def load(self, src: WeightSource, prefix: str) -> None:
         a, n = self.self_attn, self.input_layernorm.weight.shape[0]

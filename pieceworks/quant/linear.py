@@ -29,6 +29,10 @@ class Fp4Linear(nn.Module):
     GEMM for these heads (`fuses_qkv_rope`, `qkv_rope_supported`), `prepare` takes its `prepare_qkv_rope`
     and sets `rope_fused`: the layer then runs as `forward_qkv_rope` (the `pieceworks::fp4_gemm_qkv_rope`
     op) only.
+
+    `fuses_norm`: the backend it was prepared for fuses RMSNorms and residual adds into its GEMMs
+    (`Fp4GemmBackend.fuses_norm`); a decoder block whose projections all have it runs them as
+    `forward_norm_qkv_rope`, `forward_add` and `forward_norm_swiglu` on the residual stream.
     """
 
     def __init__(self, in_features: int, out_features: int, device: torch.device | str | None = None) -> None:
@@ -44,6 +48,7 @@ class Fp4Linear(nn.Module):
         self.gate_up = False
         self.qkv_heads: tuple[int, int, int] | None = None
         self.rope_fused = False
+        self.fuses_norm = False
         self.prepared = False
         blocks = in_features // nvfp4.BLOCK
         self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
@@ -67,6 +72,7 @@ class Fp4Linear(nn.Module):
                 )
             getattr(self, name).data = t.to(getattr(self, name).device)
         self.layout, self.prepared, self.rope_fused = "linear", False, False  # checkpoint layout again
+        self.fuses_norm = False
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, input_amax: float | None = None) -> "Fp4Linear":
@@ -103,6 +109,7 @@ class Fp4Linear(nn.Module):
             self._buffers[name] = t
         self.layout = backend.weight_layout
         self.prepared, self.rope_fused = True, rope
+        self.fuses_norm = bool(backend.fuses_norm)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, K] float weight (checkpoint layout only)."""
@@ -144,8 +151,34 @@ class Fp4Linear(nn.Module):
         return torch.ops.pieceworks.fp4_gemm_qkv_rope(
             x, self.weight, self.weight_scale, self.weight_scale_2, self.input_scale, cos, sin, *self.qkv_heads)
 
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + self(x) [T, out_features] (the `pieceworks::fp4_gemm_add` op); x [T, K]."""
+        if self.gate_up or self.rope_fused:
+            raise RuntimeError("Fp4Linear.forward_add needs a plain projection (not a gate/up or roped q/k/v one)")
+        return torch.ops.pieceworks.fp4_gemm_add(
+            x, self.weight, self.weight_scale, self.weight_scale_2, self.input_scale, self.out_features, residual)
+
+    def forward_norm_swiglu(self, s: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """`forward_swiglu` of rms_norm(s, norm_weight, eps) (the `pieceworks::fp4_gemm_norm_swiglu` op)."""
+        if not self.gate_up:
+            raise RuntimeError("Fp4Linear.forward_norm_swiglu needs a gate/up projection (gate_up=True)")
+        return torch.ops.pieceworks.fp4_gemm_norm_swiglu(
+            s, norm_weight, eps, self.weight, self.weight_scale, self.weight_scale_2, self.input_scale,
+            self.out_features // 2)
+
+    def forward_norm_qkv_rope(self, s: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                              sin: torch.Tensor) -> torch.Tensor:
+        """`forward_qkv_rope` of rms_norm(s, norm_weight, eps) (the `pieceworks::fp4_gemm_norm_qkv_rope` op)."""
+        if not self.rope_fused:
+            raise RuntimeError("Fp4Linear.forward_norm_qkv_rope needs a q/k/v projection prepared with "
+                               "qkv_heads set by a backend that fuses the rope (rope_fused)")
+        return torch.ops.pieceworks.fp4_gemm_norm_qkv_rope(
+            s, norm_weight, eps, self.weight, self.weight_scale, self.weight_scale_2, self.input_scale, cos, sin,
+            *self.qkv_heads)
+
     def extra_repr(self) -> str:
         gate_up = ", gate_up" if self.gate_up else ""
         rope = ", rope_fused" if self.rope_fused else ""
+        norm = ", fuses_norm" if self.fuses_norm else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, layout={self.layout}"
-                f"{gate_up}{rope}")
+                f"{gate_up}{rope}{norm}")

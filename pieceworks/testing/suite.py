@@ -140,6 +140,45 @@ def test_fp4_gemm_fused_epilogues(backend, device):
         assert got.shape == (m, n) and torch.equal(got, ref), (m, "qkv rope")
 
 
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("backend", _backends("fp4_gemm"))
+def test_fp4_gemm_fused_norm_and_residual(backend, device):
+    """`forward_add` gives the bits of `forward` followed by the residual add; `forward_norm_swiglu` and
+    `forward_norm_qkv_rope` those of the rms_norm op followed by `forward_swiglu` / `forward_qkv_rope`
+    where the backend does not fuse the norm (`fuses_norm`), and within the GEMM tolerance where it does
+    (it may apply 1 / rms after the GEMM)."""
+    from pieceworks.models import fused
+
+    dtype = _dtype(device)
+    impl = _build(backend, _spec(device, ModelFacts(dtype=dtype, fp4=True)))
+    dev = torch.device(device)
+    heads, kv_heads, head_dim, inter, k, eps = 4, 2, 64, 96, 256, 1e-5
+    n = (heads + 2 * kv_heads) * head_dim
+    gen = torch.Generator().manual_seed(13)
+    w_qkv = Fp4Weight(*S.random_fp4_weight(n, k, gen, dev))
+    w_gate_up = Fp4Weight(*S.random_fp4_weight(2 * inter, k, gen, dev))
+    w_o = Fp4Weight(*S.random_fp4_weight(k, k, gen, dev))
+    roped, gate_up = impl.prepare_qkv_rope(w_qkv, heads, kv_heads, head_dim), impl.prepare_gate_up(w_gate_up)
+    o = impl.prepare(w_o)
+    tol = 0.0 if not impl.fuses_norm else _tolerance(dtype) / 2
+    for m in (1, 5):
+        s = (torch.randn(m, k, generator=gen) * 3).to(dtype).to(dev)
+        nw = (1 + 0.5 * torch.randn(k, generator=gen)).to(dtype).to(dev)
+        res = torch.randn(m, k, generator=gen).to(dtype).to(dev)
+        ang = (torch.rand(m, head_dim // 2, generator=gen) * 50).to(dev)
+        cos, sin = ang.cos(), ang.sin()
+        x = fused.rms_norm(s, nw, eps)
+        got = impl.forward_add(s, *o, k, res)
+        assert got.shape == (m, k) and torch.equal(got, res + impl.forward(s, *o, k)), (m, "add")
+        got = impl.forward_norm_swiglu(s, nw, eps, *gate_up, inter)
+        ref = impl.forward_swiglu(x, *gate_up, inter)
+        assert got.shape == ref.shape and _rel_err(got, ref) <= tol, (m, "norm swiglu", _rel_err(got, ref))
+        got = impl.forward_norm_qkv_rope(s, nw, eps, *roped, cos, sin, heads, kv_heads, head_dim)
+        ref = impl.forward_qkv_rope(x, *roped, cos, sin, heads, kv_heads, head_dim)
+        assert got.shape == ref.shape and _rel_err(got, ref) <= tol, (m, "norm qkv rope", _rel_err(got, ref))
+
+
 MOE_CASES = {"nvfp4": True, "bf16": False}
 
 

@@ -136,3 +136,126 @@ def test_qkv_rope_matches_gemm_then_rope(m):
     if m <= 16:  # same bits as the kernel's own GEMM output followed by the rope op
         p = backend.prepare(w)
         assert torch.equal(y, roped(backend.forward(x, *p, n)))
+
+
+def _stream(m, k, gen):
+    """A residual-stream-like s (rows of different scales) and an RMSNorm weight around 1."""
+    s = torch.randn(m, k, device=DEV, generator=gen) * (0.1 + 4 * torch.rand(m, 1, device=DEV, generator=gen))
+    nw = 1 + 0.5 * torch.randn(k, device=DEV, generator=gen)
+    return s.to(torch.bfloat16), nw.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (40, 208), (28672, 512)])
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 16, 40, 100])  # 40: 16-row slices; 100: the unfused default
+def test_fused_norm_matches_norm_then_gemm(n, k, m):
+    """forward_norm_swiglu / forward_norm_qkv_rope against the rms_norm op followed by the unfused op (the
+    fused kernel normalizes in another order: a tolerance; M = 100 runs the default, the same bits)."""
+    gen = torch.Generator(device=DEV).manual_seed(n + 3 * k + 17 * m)
+    w = random_fp4(n, k, gen)
+    s, nw = _stream(m, k, gen)
+    eps = 1e-5
+    backend = CudaFp4GemmBackend(SPEC)
+    assert backend.fuses_norm
+    x = fused.rms_norm(s, nw, eps)
+    gu = backend.prepare_gate_up(w)
+    got = backend.forward_norm_swiglu(s, nw, eps, *gu, n // 2)
+    ref = backend.forward_swiglu(x, *gu, n // 2)
+    assert got.shape == ref.shape == (m, n // 2)
+    err = rel_err(got, ref)
+    print(f"norm+swiglu n={n} k={k} m={m}: rel err {err:.2e}")
+    assert err == 0 if m > 64 else err < TOL, err
+    if n % 128 == 0:  # as q/k/v: 8 kv heads of 128 (n / 128 - 16 q heads), rope on q and k
+        hd, nkv = 128, 8
+        nh = n // hd - 2 * nkv
+        pos = torch.randint(0, 4096, (m,), device=DEV, generator=gen).float()
+        freqs = pos[:, None] / (10000 ** (torch.arange(hd // 2, device=DEV) / (hd // 2)))
+        cos, sin = freqs.cos(), freqs.sin()
+        p = backend.prepare_qkv_rope(w, nh, nkv, hd)
+        got = backend.forward_norm_qkv_rope(s, nw, eps, *p, cos, sin, nh, nkv, hd)
+        ref = backend.forward_qkv_rope(x, *p, cos, sin, nh, nkv, hd)
+        err = rel_err(got, ref)
+        print(f"norm+qkv rope n={n} k={k} m={m}: rel err {err:.2e}")
+        assert err == 0 if m > 64 else err < TOL, err
+
+
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_fused_norm_plain_epilogue(m):
+    """The norm with the plain epilogue (decode_gemm directly): against the reference GEMM of the rms_norm
+    op's output; a zero row (sum of squares 0) gives zeros, not NaN."""
+    from pieceworks.backends.fp4_gemm import cuda_decode
+
+    gen = torch.Generator(device=DEV).manual_seed(500 + m)
+    n, k = 4096, 4096
+    w = random_fp4(n, k, gen)
+    s, nw = _stream(m, k, gen)
+    s[0] = 0
+    backend = CudaFp4GemmBackend(SPEC)
+    p = backend.prepare(w)
+    got = cuda_decode.decode_gemm(s, *p[:3], n, 8, 2, norm=(nw, 1e-6))
+    ref = reference(fused.rms_norm(s, nw, 1e-6), w)
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
+    assert rel_err(got, ref) < TOL
+
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (40, 208), (4096, 14336)])
+@pytest.mark.parametrize("m", [1, 9, 40, 100])
+def test_residual_add_same_bits_as_gemm_then_add(n, k, m):
+    gen = torch.Generator(device=DEV).manual_seed(900 + n + m)
+    w = random_fp4(n, k, gen)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
+    res = (torch.randn(m, n, device=DEV, generator=gen) * 3).to(torch.bfloat16)
+    backend = CudaFp4GemmBackend(SPEC)
+    p = backend.prepare(w)
+    got = backend.forward_add(x, *p, n, res)
+    assert torch.equal(got, res + backend.forward(x, *p, n))
+    assert rel_err(got, res + reference(x, w)) < TOL
+
+
+def test_fuse_norm_off():
+    backend = CudaFp4GemmBackend(SPEC, CudaDecodeOptions(fuse_norm=False))
+    assert not backend.fuses_norm
+    gen = torch.Generator(device=DEV).manual_seed(77)
+    w = random_fp4(64, 256, gen)
+    s, nw = _stream(3, 256, gen)
+    gu = backend.prepare_gate_up(w)
+    got = backend.forward_norm_swiglu(s, nw, 1e-6, *gu, 32)
+    assert torch.equal(got, backend.forward_swiglu(fused.rms_norm(s, nw, 1e-6), *gu, 32))
+
+
+@pytest.mark.parametrize("use_pdl", [False, True])
+def test_fused_norm_graph_replay_matches_eager(use_pdl):
+    """A q/k/v (norm + rope) -> o (add) -> gate/up (norm + SwiGLU) -> down (add) chain captured in one CUDA
+    graph replays what eager gives on the new inputs, PDL on and off."""
+    if use_pdl and pdl.unsupported_reason(DEV):
+        pytest.skip(pdl.unsupported_reason(DEV))
+    gen = torch.Generator(device=DEV).manual_seed(12)
+    backend = CudaFp4GemmBackend(SPEC)
+    hd, nh, nkv, hidden, inter = 128, 8, 2, 1024, 1536
+    qkv = backend.prepare_qkv_rope(random_fp4((nh + 2 * nkv) * hd, hidden, gen), nh, nkv, hd)
+    o = backend.prepare(random_fp4(hidden, nh * hd, gen))
+    gu = backend.prepare_gate_up(random_fp4(2 * inter, hidden, gen))
+    down = backend.prepare(random_fp4(hidden, inter, gen))
+    s, n1 = _stream(4, hidden, gen)
+    n2 = (1 + 0.5 * torch.randn(hidden, device=DEV, generator=gen)).to(torch.bfloat16)
+    ang = torch.rand(4, hd // 2, device=DEV, generator=gen) * 30
+    cos, sin = ang.cos(), ang.sin()
+
+    def step():
+        y = backend.forward_norm_qkv_rope(s, n1, 1e-5, *qkv, cos, sin, nh, nkv, hd)
+        s1 = backend.forward_add(y[:, : nh * hd].contiguous(), *o, hidden, s)
+        return backend.forward_add(backend.forward_norm_swiglu(s1, n2, 1e-5, *gu, inter), *down, hidden, s1)
+
+    old = pdl._enabled
+    pdl._enabled = use_pdl
+    try:
+        eager = step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        s.copy_(_stream(4, hidden, gen)[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, step())
+        assert not torch.equal(out, eager)
+    finally:
+        pdl._enabled = old

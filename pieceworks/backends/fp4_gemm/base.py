@@ -82,6 +82,68 @@ class Fp4GemmBackend(Backend):
                          (num_heads + 2 * num_kv_heads) * head_dim)
         return rope_qk_columns(y, cos, sin, num_heads, num_kv_heads, head_dim)
 
+    fuses_norm: ClassVar[bool] = False
+    """Whether the backend fuses a decoder block's RMSNorms into the GEMMs after them and the residual
+    adds into the GEMMs before them (`forward_norm_qkv_rope`, `forward_norm_swiglu`, `forward_add`).
+    Models then run such a block on the residual stream s: q/k/v = GEMM(RMSNorm(s)), s += o_proj(attn),
+    SwiGLU GEMM of RMSNorm(s), s += down_proj(...), where the unfused block launches two add+RMSNorm
+    kernels. The defaults below run the unfused ops (same results as the unfused block), so a backend of
+    the same layout that does not fuse serves these ops too."""
+
+    def forward_add(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        weight_scale_2: torch.Tensor,
+        input_scale: torch.Tensor,
+        out_features: int,
+        residual: torch.Tensor,
+    ) -> torch.Tensor:
+        """residual + x @ dequant(W).T -> [M, out_features] (the GEMM output rounded to x.dtype, then the
+        add, as the residual add of the unfused block rounds); residual [M, out_features]."""
+        return residual + self.forward(x, weight, weight_scale, weight_scale_2, input_scale, out_features)
+
+    def forward_norm_swiglu(
+        self,
+        s: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        weight_scale_2: torch.Tensor,
+        input_scale: torch.Tensor,
+        intermediate: int,
+    ) -> torch.Tensor:
+        """`forward_swiglu` of RMSNorm(s) (the `rms_norm` op's definition: weight norm_weight [K], eps).
+        Default: the rms_norm op, then `forward_swiglu`; a fused version matches it to the GEMM's tolerance
+        (it may normalize in another order: the 1 / rms in float after the GEMM)."""
+        from pieceworks.models import fused
+
+        return self.forward_swiglu(fused.rms_norm(s, norm_weight, eps), weight, weight_scale, weight_scale_2,
+                                   input_scale, intermediate)
+
+    def forward_norm_qkv_rope(
+        self,
+        s: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        weight_scale_2: torch.Tensor,
+        input_scale: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+    ) -> torch.Tensor:
+        """`forward_qkv_rope` of RMSNorm(s), as `forward_norm_swiglu` (same default and tolerance)."""
+        from pieceworks.models import fused
+
+        return self.forward_qkv_rope(fused.rms_norm(s, norm_weight, eps), weight, weight_scale, weight_scale_2,
+                                     input_scale, cos, sin, num_heads, num_kv_heads, head_dim)
+
     def forward_swiglu(
         self,
         x: torch.Tensor,

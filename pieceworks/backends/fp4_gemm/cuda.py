@@ -7,7 +7,9 @@ operand, the warps' sums added in shared memory (r16c64.py describes the layout)
 `decode_max_m` (64) rows run it once per 16-row slice (the weights read once per slice); more rows
 dequantize the weight to a transient bf16 copy and call torch.matmul, as the Triton backend does from
 M = 1024. SwiGLU and the q/k/v rope are fused into the decode kernel's epilogue (rounded as the unfused
-ops round). Faster than the Triton backend up to 16 rows on the H200, slower beyond (docs/benchmarks.md),
+ops round), and so are a decoder block's RMSNorms and residual adds (`fuses_norm`, option `fuse_norm`): the
+q/k/v and gate/up kernels read the residual stream s, square-sum it on the tensor cores alongside the GEMM
+and scale by 1 / rms(s) in the epilogue; the o and down kernels add their output to s. Faster than the Triton backend up to 16 rows on the H200, slower beyond (docs/benchmarks.md),
 so it has the lower priority: `backends.fp4_gemm: cuda` selects it.
 
 The layout ("r16c64") differs from the Triton backend's k32, so one executor uses one of them for
@@ -35,11 +37,16 @@ SLICE = 16  # rows of x per decode-kernel launch
 @dataclass
 class CudaDecodeOptions:
     """decode_max_m: largest M served by the decode kernel (0 = never); above 16 rows it runs once per
-    16-row slice of x, reading the weights again each time; above decode_max_m, dequantize + matmul."""
+    16-row slice of x, reading the weights again each time; above decode_max_m, dequantize + matmul.
+    fuse_norm: fuse decoder blocks' RMSNorms and residual adds into the decode kernel (`fuses_norm`);
+    false keeps the separate add+RMSNorm kernels."""
 
     decode_max_m: int = 64
+    fuse_norm: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.fuse_norm, bool):
+            raise ValueError(f"fuse_norm={self.fuse_norm!r}: use true or false")
         if not 0 <= self.decode_max_m <= 256:
             raise ValueError(f"decode_max_m={self.decode_max_m}: use 0 (never) to 256")
 
@@ -97,6 +104,10 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
                 reasons.append(reason)
         return reasons
 
+    @property
+    def fuses_norm(self) -> bool:
+        return self.options.fuse_norm
+
     def prepare(self, w: Fp4Weight) -> Fp4Weight:
         from pieceworks.backends.fp4_gemm.r16c64 import repack_decode
 
@@ -116,7 +127,7 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         return self._prepare_rows(w, interleave_rope_rows(num_heads, num_kv_heads, head_dim))
 
     def forward_qkv_rope(self, x, weight, weight_scale, weight_scale_2, input_scale, cos, sin, num_heads,
-                         num_kv_heads, head_dim):
+                         num_kv_heads, head_dim, norm=None):
         """The rope in the decode kernel's epilogue (same bits as the GEMM followed by the rope_qk op);
         larger M: dequantize, matmul, columns back in checkpoint order, then the rope_qk op."""
         from pieceworks.backends.fp4_gemm import cuda_decode
@@ -126,7 +137,7 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         self._check_x(x, weight, n)
         if m <= self.options.decode_max_m:
             rope = (cos, sin, (num_heads + num_kv_heads) * head_dim, head_dim)
-            return self._decode(x, weight, weight_scale, weight_scale_2, n, False, rope)
+            return self._decode(x, weight, weight_scale, weight_scale_2, n, False, rope, norm=norm)
         w = cuda_decode.dequant(weight, weight_scale, weight_scale_2, n, x.shape[1])
         order = _checkpoint_order(num_heads, num_kv_heads, head_dim, x.device)
         return rope_qk_columns((x @ w.t())[:, order], cos, sin, num_heads, num_kv_heads, head_dim)
@@ -145,7 +156,8 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
             raise ValueError(f"x [M, {x.shape[1]}] and N = {n} do not match the prepared weight (about {rows} "
                              f"rows x {chunks} columns, padded to 16 x 64): was it prepared for another layer?")
 
-    def _decode(self, x, weight, weight_scale, weight_scale_2, n: int, swiglu: bool, rope=None):
+    def _decode(self, x, weight, weight_scale, weight_scale_2, n: int, swiglu: bool, rope=None, norm=None,
+                residual=None):
         """The decode kernel, once per 16-row slice of x."""
         from pieceworks.backends.fp4_gemm import cuda_decode
 
@@ -155,18 +167,58 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         if m <= SLICE:
             warps, depth = plan(m, weight.shape[0] * 16, sms)
             return cuda_decode.decode_gemm(x, weight, weight_scale, weight_scale_2, n, warps, depth, swiglu, on,
-                                           rope=rope)
+                                           rope=rope, norm=norm, residual=residual)
         out = torch.empty(m, n // 2 if swiglu else n, dtype=torch.bfloat16, device=x.device)
         for r0 in range(0, m, SLICE):
             r1 = min(m, r0 + SLICE)
             warps, depth = plan(r1 - r0, weight.shape[0] * 16, sms)
             part_rope = None if rope is None else (rope[0][r0:r1], rope[1][r0:r1], *rope[2:])
             cuda_decode.decode_gemm(x[r0:r1], weight, weight_scale, weight_scale_2, n, warps, depth, swiglu, on,
-                                    out=out[r0:r1], rope=part_rope)
+                                    out=out[r0:r1], rope=part_rope, norm=norm,
+                                    residual=None if residual is None else residual[r0:r1])
         return out
 
     def forward(self, x, weight, weight_scale, weight_scale_2, input_scale, out_features):
         return self._gemm(x, weight, weight_scale, weight_scale_2, out_features, swiglu=False)
+
+    def _fusable(self, s, norm_weight=None, residual=None) -> bool:
+        """Whether the decode kernel takes this norm / residual (else the unfused default runs)."""
+        if not self.options.fuse_norm or s.dim() != 2 or s.shape[0] > self.options.decode_max_m:
+            return False
+        if norm_weight is not None and (norm_weight.dtype != torch.bfloat16 or norm_weight.shape != (s.shape[1],)):
+            return False
+        return residual is None or (residual.dtype == torch.bfloat16 and residual.dim() == 2
+                                    and residual.stride(1) == 1)
+
+    def forward_add(self, x, weight, weight_scale, weight_scale_2, input_scale, out_features, residual):
+        """The residual add in the decode kernel's epilogue (same bits as the GEMM followed by the add)."""
+        if not self._fusable(x, residual=residual):
+            return super().forward_add(x, weight, weight_scale, weight_scale_2, input_scale, out_features, residual)
+        self._check_x(x, weight, out_features)
+        if residual.shape != (x.shape[0], out_features):
+            raise ValueError(f"residual {tuple(residual.shape)} does not match the output [{x.shape[0]}, "
+                             f"{out_features}]")
+        return self._decode(x, weight, weight_scale, weight_scale_2, out_features, False, residual=residual)
+
+    def forward_norm_swiglu(self, s, norm_weight, eps, weight, weight_scale, weight_scale_2, input_scale,
+                            intermediate):
+        """RMSNorm in the decode kernel (sum of squares on the tensor cores, s * weight into the mma, 1 / rms
+        in the epilogue); larger M or other dtypes: the rms_norm op, then `forward_swiglu`."""
+        if not self._fusable(s, norm_weight):
+            return super().forward_norm_swiglu(s, norm_weight, eps, weight, weight_scale, weight_scale_2,
+                                               input_scale, intermediate)
+        self._check_x(s, weight, 2 * intermediate)
+        return self._decode(s, weight, weight_scale, weight_scale_2, 2 * intermediate, True,
+                            norm=(norm_weight, eps))
+
+    def forward_norm_qkv_rope(self, s, norm_weight, eps, weight, weight_scale, weight_scale_2, input_scale, cos,
+                              sin, num_heads, num_kv_heads, head_dim):
+        """As `forward_norm_swiglu`, with the rope epilogue of `forward_qkv_rope`."""
+        if not self._fusable(s, norm_weight):
+            return super().forward_norm_qkv_rope(s, norm_weight, eps, weight, weight_scale, weight_scale_2,
+                                                 input_scale, cos, sin, num_heads, num_kv_heads, head_dim)
+        return self.forward_qkv_rope(s, weight, weight_scale, weight_scale_2, input_scale, cos, sin, num_heads,
+                                     num_kv_heads, head_dim, norm=(norm_weight, eps))
 
     def forward_swiglu(self, x, weight, weight_scale, weight_scale_2, input_scale, intermediate):
         """silu(gate) * up in the decode kernel's epilogue (rounded as the silu_mul op rounds); larger M:

@@ -1,0 +1,106 @@
+"""The Llama block with its RMSNorms and residual adds fused into the NVFP4 GEMMs (`Fp4GemmBackend.fuses_norm`).
+
+On the CPU the torch reference backend, declared as fusing, runs the base class's default fused ops (the
+rms_norm op then the GEMM; the GEMM then the add): the fused block must give the same bits as the plain
+one, which checks the block's data flow (which stream value meets which norm and which add). The CUDA
+kernel's own fusion is checked against these defaults in tests/gpu/test_cuda_fp4.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pieceworks.backends.base import BackendSpec
+from pieceworks.backends.fp4_gemm.torch import TorchFp4GemmBackend
+from pieceworks.executor.context import ForwardContext, forward_context
+from pieceworks.models.llama import LlamaArgs, LlamaBlock
+from pieceworks.quant.linear import Fp4Linear
+
+
+class _FusingTorchBackend(TorchFp4GemmBackend):
+    """The torch reference GEMM declared as fusing the rope and the norms: the model takes its fused
+    paths and the base class's defaults run them."""
+
+    fuses_qkv_rope = True
+    fuses_norm = True
+
+
+class _Attention:
+    """Stands in for the paged attention: out depends on q, k and v of the same token."""
+
+    def forward(self, q, k, v, out, layer_id, scale, kv):
+        rep = q.shape[1] // k.shape[1]
+        out.copy_(q * 0.5 + (k * v).repeat_interleave(rep, dim=1))
+
+
+ARGS = LlamaArgs.from_hf(dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                              intermediate_size=96, vocab_size=32))
+
+
+def _blocks(backend, seed: int = 3) -> list[LlamaBlock]:
+    gen = torch.Generator().manual_seed(seed)
+    blocks = []
+    for i in range(2):
+        b = LlamaBlock(ARGS, i, lambda name: True)
+        a, m = b.self_attn, b.mlp
+        for layer in (a.qkv_proj.proj, a.o_proj, m.gate_up_proj.proj, m.down_proj):
+            w = torch.randn(layer.out_features, layer.in_features, generator=gen) * 0.2
+            layer.load(Fp4Linear.from_float(w).fp4_weight())
+            layer.prepare(backend)
+        with torch.no_grad():
+            b.input_layernorm.weight.copy_(1 + 0.3 * torch.randn(64, generator=gen))
+            b.post_attention_layernorm.weight.copy_(1 + 0.3 * torch.randn(64, generator=gen))
+        blocks.append(b.to(torch.bfloat16))
+    return blocks
+
+
+def _run(blocks, backend, h, cos, sin):
+    """The stream after the blocks (as CausalLM.forward chains them), and each block's `norms_fused`."""
+    kernels = type("Kernels", (), {"fp4_gemm": backend, "attention": _Attention()})()
+    residual = None
+    with forward_context(ForwardContext(kernels, None, None)):
+        for b in blocks:
+            h, residual = b(h, residual, cos, sin)
+    return (h if residual is None else residual + h), [b.norms_fused() for b in blocks]
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_fused_norm_block_gives_the_plain_blocks_bits(tokens):
+    gen = torch.Generator().manual_seed(tokens)
+    h = torch.randn(tokens, 64, generator=gen).to(torch.bfloat16)
+    ang = torch.rand(tokens, 8, generator=gen) * 30
+    cos, sin = ang.cos(), ang.sin()
+    plain_backend, fusing_backend = TorchFp4GemmBackend(BackendSpec()), _FusingTorchBackend(BackendSpec())
+    plain, plain_flags = _run(_blocks(plain_backend), plain_backend, h, cos, sin)
+    fused, fused_flags = _run(_blocks(fusing_backend), fusing_backend, h, cos, sin)
+    assert plain_flags == [False, False] and fused_flags == [True, True]
+    assert plain.shape == fused.shape == (tokens, 64)
+    assert plain.abs().max() > 0.1  # the blocks did something
+    assert torch.equal(fused, plain)
+
+
+def test_fused_norm_block_takes_an_unfused_blocks_output():
+    """A fused block after a plain one adds the pending residual first (mixed formats or backends)."""
+    gen = torch.Generator().manual_seed(9)
+    h = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    ang = torch.rand(3, 8, generator=gen) * 30
+    cos, sin = ang.cos(), ang.sin()
+    plain_backend, fusing_backend = TorchFp4GemmBackend(BackendSpec()), _FusingTorchBackend(BackendSpec())
+    mixed = [_blocks(plain_backend)[0], _blocks(fusing_backend)[1]]
+    got, flags = _run(mixed, fusing_backend, h, cos, sin)
+    ref, _ = _run(_blocks(plain_backend), plain_backend, h, cos, sin)
+    assert flags == [False, True]
+    assert torch.equal(got, ref)
+
+
+def test_fused_ops_refuse_the_wrong_projection():
+    layer = Fp4Linear.from_float(torch.randn(32, 64))
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="needs a gate/up projection"):
+        layer.forward_norm_swiglu(x, torch.ones(64), 1e-6)
+    with pytest.raises(RuntimeError, match="needs a q/k/v projection"):
+        layer.forward_norm_qkv_rope(x, torch.ones(64), 1e-6, torch.ones(2, 4), torch.zeros(2, 4))
+    layer.gate_up = True
+    with pytest.raises(RuntimeError, match="needs a plain projection"):
+        layer.forward_add(x, torch.zeros(2, 32))
