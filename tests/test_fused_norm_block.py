@@ -14,7 +14,7 @@ import torch
 from pieceworks.backends.base import BackendSpec
 from pieceworks.backends.fp4_gemm.torch import TorchFp4GemmBackend
 from pieceworks.executor.context import ForwardContext, forward_context
-from pieceworks.models.llama import LlamaArgs, LlamaBlock
+from pieceworks.models.llama import Llama, LlamaArgs, LlamaBlock
 from pieceworks.quant.linear import Fp4Linear
 
 
@@ -48,10 +48,9 @@ def _blocks(backend, seed: int = 3) -> list[LlamaBlock]:
             w = torch.randn(layer.out_features, layer.in_features, generator=gen) * 0.2
             layer.load(Fp4Linear.from_float(w).fp4_weight())
             layer.prepare(backend)
-        with torch.no_grad():
-            b.input_layernorm.weight.copy_(1 + 0.3 * torch.randn(64, generator=gen))
-            b.post_attention_layernorm.weight.copy_(1 + 0.3 * torch.randn(64, generator=gen))
-        blocks.append(b.to(torch.bfloat16))
+        for norm in (b.input_layernorm, b.post_attention_layernorm):  # bf16 norms; the NVFP4 buffers as they are
+            norm.weight.data = (1 + 0.3 * torch.randn(64, generator=gen)).to(torch.bfloat16)
+        blocks.append(b)
     return blocks
 
 
@@ -92,6 +91,32 @@ def test_fused_norm_block_takes_an_unfused_blocks_output():
     ref, _ = _run(_blocks(plain_backend), plain_backend, h, cos, sin)
     assert flags == [False, True]
     assert torch.equal(got, ref)
+
+
+def _llama(backend) -> Llama:
+    hf = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+              intermediate_size=96, vocab_size=32)
+    model = Llama(hf, torch.bfloat16, fp4=lambda name: True)
+    model.layers = torch.nn.ModuleList(_blocks(backend))
+    gen = torch.Generator().manual_seed(5)
+    model.embed_tokens.weight.data = torch.randn(32, 64, generator=gen).to(torch.bfloat16)
+    model.lm_head.weight.data = torch.randn(32, 64, generator=gen).to(torch.bfloat16)
+    model.norm.weight.data = (1 + 0.3 * torch.randn(64, generator=gen)).to(torch.bfloat16)
+    return model
+
+
+def test_llama_forward_with_fused_norm_blocks_gives_the_plain_bits():
+    """Through `CausalLM.forward`: the last fused block hands over (stream, None), the final norm takes it."""
+    ids, pos = torch.tensor([3, 1, 4, 1, 5]), torch.tensor([0, 1, 2, 3, 4])
+    out = {}
+    for name, backend in (("plain", TorchFp4GemmBackend(BackendSpec())), ("fused", _FusingTorchBackend(BackendSpec()))):
+        model = _llama(backend)
+        kernels = type("Kernels", (), {"fp4_gemm": backend, "attention": _Attention()})()
+        with forward_context(ForwardContext(kernels, None, None)):
+            out[name] = model(ids, pos)
+        assert [b.norms_fused() for b in model.layers] == [name == "fused"] * 2
+    assert out["plain"].shape == (5, 64) and out["plain"].abs().max() > 0.1
+    assert torch.equal(out["fused"], out["plain"])
 
 
 def test_fused_ops_refuse_the_wrong_projection():

@@ -196,7 +196,7 @@ class CausalLM(nn.Module):
         h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             h, residual = layer(h, residual, cos, sin)
-        return self.norm(h, residual)[0]
+        return self.norm(h) if residual is None else self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> logits [n, V] float32. Plain torch: callable outside a forward context."""
