@@ -14,6 +14,7 @@ import torch
 from pieceworks.backends.base import BackendSpec
 from pieceworks.backends.fp4_gemm.torch import TorchFp4GemmBackend
 from pieceworks.executor.context import ForwardContext, forward_context
+from pieceworks.models.base import Prenormed
 from pieceworks.models.llama import Llama, LlamaArgs, LlamaBlock
 from pieceworks.quant.linear import Fp4Linear
 
@@ -51,6 +52,7 @@ def _blocks(backend, seed: int = 3) -> list[LlamaBlock]:
         for norm in (b.input_layernorm, b.post_attention_layernorm):  # bf16 norms; the NVFP4 buffers as they are
             norm.weight.data = (1 + 0.3 * torch.randn(64, generator=gen)).to(torch.bfloat16)
         blocks.append(b)
+    blocks[0].next_norm = (blocks[1].input_layernorm,)  # as Llama links its blocks
     return blocks
 
 
@@ -61,6 +63,7 @@ def _run(blocks, backend, h, cos, sin):
     with forward_context(ForwardContext(kernels, None, None)):
         for b in blocks:
             h, residual = b(h, residual, cos, sin)
+    assert not isinstance(residual, Prenormed)  # the last block hands over no norm inputs
     return (h if residual is None else residual + h), [b.norms_fused() for b in blocks]
 
 
@@ -121,11 +124,25 @@ def test_llama_forward_with_fused_norm_blocks_gives_the_plain_bits():
 
 def test_fused_ops_refuse_the_wrong_projection():
     layer = Fp4Linear.from_float(torch.randn(32, 64))
-    x = torch.randn(2, 64)
+    x, parts = torch.randn(2, 64), torch.ones(2, 4)
     with pytest.raises(RuntimeError, match="needs a gate/up projection"):
-        layer.forward_norm_swiglu(x, torch.ones(64), 1e-6)
+        layer.forward_norm_swiglu(x, x, parts, torch.ones(64), 1e-6)
     with pytest.raises(RuntimeError, match="needs a q/k/v projection"):
-        layer.forward_norm_qkv_rope(x, torch.ones(64), 1e-6, torch.ones(2, 4), torch.zeros(2, 4))
+        layer.forward_norm_qkv_rope(x, x, parts, torch.ones(64), 1e-6, torch.ones(2, 4), torch.zeros(2, 4))
     layer.gate_up = True
     with pytest.raises(RuntimeError, match="needs a plain projection"):
         layer.forward_add(x, torch.zeros(2, 32))
+    with pytest.raises(RuntimeError, match="needs a plain projection"):
+        layer.forward_add_norm(x, torch.zeros(2, 32), torch.ones(32))
+
+
+def test_norm_inputs_partials_sum_to_the_rows_sum_of_squares():
+    from pieceworks.backends.fp4_gemm.base import norm_inputs, norm_parts
+
+    s = torch.randn(3, 40).to(torch.bfloat16)
+    w = torch.randn(40).to(torch.bfloat16)
+    t, parts = norm_inputs(s, w)
+    assert norm_parts(40) == 3 and parts.shape == (3, 3) and parts.dtype == torch.float32
+    assert torch.equal(t, (s.float() * w.float()).to(torch.bfloat16))
+    torch.testing.assert_close(parts.sum(1), s.float().square().sum(1))
+    torch.testing.assert_close(parts[:, 2], s[:, 32:].float().square().sum(1))

@@ -139,9 +139,38 @@ def _fp4_gemm_add_fake(x, weight, weight_scale, weight_scale_2, input_scale, out
     return residual.new_empty((x.shape[0], out_features))
 
 
+@torch.library.custom_op("pieceworks::fp4_gemm_add_norm", mutates_args=())
+def fp4_gemm_add_norm(
+    x: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    weight_scale_2: Tensor,
+    input_scale: Tensor,
+    out_features: int,
+    residual: Tensor,
+    norm_weight: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(s = residual + x @ dequant(W).T, t = s * norm_weight, partial sums of s^2 [M, ceil(N / 16)]); see
+    `Fp4GemmBackend.forward_add_norm`."""
+    backend = get_forward_context().kernels.fp4_gemm
+    return backend.forward_add_norm(x, weight, weight_scale, weight_scale_2, input_scale, out_features, residual,
+                                    norm_weight)
+
+
+@fp4_gemm_add_norm.register_fake
+def _fp4_gemm_add_norm_fake(x, weight, weight_scale, weight_scale_2, input_scale, out_features, residual,
+                            norm_weight):
+    from pieceworks.backends.fp4_gemm.base import norm_parts
+
+    s = residual.new_empty((x.shape[0], out_features))
+    return s, s.new_empty(s.shape), s.new_empty((x.shape[0], norm_parts(out_features)), dtype=torch.float32)
+
+
 @torch.library.custom_op("pieceworks::fp4_gemm_norm_swiglu", mutates_args=())
 def fp4_gemm_norm_swiglu(
     s: Tensor,
+    t: Tensor,
+    partials: Tensor,
     norm_weight: Tensor,
     eps: float,
     weight: Tensor,
@@ -152,19 +181,21 @@ def fp4_gemm_norm_swiglu(
 ) -> Tensor:
     """`fp4_gemm_swiglu` of RMSNorm(s); see `Fp4GemmBackend.forward_norm_swiglu`."""
     backend = get_forward_context().kernels.fp4_gemm
-    return backend.forward_norm_swiglu(s, norm_weight, eps, weight, weight_scale, weight_scale_2, input_scale,
-                                       intermediate)
+    return backend.forward_norm_swiglu(s, t, partials, norm_weight, eps, weight, weight_scale, weight_scale_2,
+                                       input_scale, intermediate)
 
 
 @fp4_gemm_norm_swiglu.register_fake
-def _fp4_gemm_norm_swiglu_fake(s, norm_weight, eps, weight, weight_scale, weight_scale_2, input_scale,
-                               intermediate):
+def _fp4_gemm_norm_swiglu_fake(s, t, partials, norm_weight, eps, weight, weight_scale, weight_scale_2,
+                               input_scale, intermediate):
     return s.new_empty((s.shape[0], intermediate))
 
 
 @torch.library.custom_op("pieceworks::fp4_gemm_norm_qkv_rope", mutates_args=())
 def fp4_gemm_norm_qkv_rope(
     s: Tensor,
+    t: Tensor,
+    partials: Tensor,
     norm_weight: Tensor,
     eps: float,
     weight: Tensor,
@@ -179,13 +210,13 @@ def fp4_gemm_norm_qkv_rope(
 ) -> Tensor:
     """`fp4_gemm_qkv_rope` of RMSNorm(s); see `Fp4GemmBackend.forward_norm_qkv_rope`."""
     backend = get_forward_context().kernels.fp4_gemm
-    return backend.forward_norm_qkv_rope(s, norm_weight, eps, weight, weight_scale, weight_scale_2, input_scale,
-                                         cos, sin, num_heads, num_kv_heads, head_dim)
+    return backend.forward_norm_qkv_rope(s, t, partials, norm_weight, eps, weight, weight_scale, weight_scale_2,
+                                         input_scale, cos, sin, num_heads, num_kv_heads, head_dim)
 
 
 @fp4_gemm_norm_qkv_rope.register_fake
-def _fp4_gemm_norm_qkv_rope_fake(s, norm_weight, eps, weight, weight_scale, weight_scale_2, input_scale, cos,
-                                 sin, num_heads, num_kv_heads, head_dim):
+def _fp4_gemm_norm_qkv_rope_fake(s, t, partials, norm_weight, eps, weight, weight_scale, weight_scale_2,
+                                 input_scale, cos, sin, num_heads, num_kv_heads, head_dim):
     return s.new_empty((s.shape[0], (num_heads + 2 * num_kv_heads) * head_dim))
 
 

@@ -12,7 +12,7 @@ Shape legend: T tokens in the step, H hidden size, V vocabulary. Rope lives in r
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -43,13 +43,23 @@ class RMSNorm(nn.Module):
         return fused.add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def block_forward(block: nn.Module, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+class Prenormed(NamedTuple):
+    """Handed from a block whose last GEMM prepared the next block's input RMSNorm (`fp4_gemm_add_norm`)
+    in place of a residual: h is then the whole stream, and t / partials are that norm's inputs
+    (`fp4_gemm.base.norm_inputs`). Blocks that do not use them take h as the stream."""
+
+    t: torch.Tensor
+    partials: torch.Tensor
+
+
+def block_forward(block: nn.Module, h: torch.Tensor, residual: torch.Tensor | Prenormed | None, cos: torch.Tensor,
                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A pre-norm decoder block (`input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp`) on
-    the residual stream, whose value entering the block is residual + h (h alone when residual is None:
-    the first block). Returns (the MLP's output, the stream before that output is added): each residual
-    add runs fused with the norm after it (the same roundings as the plain `h = h + attn(norm(h))`)."""
-    if residual is None:
+    the residual stream, whose value entering the block is residual + h (h alone when residual is None or
+    `Prenormed`: the first block, or after a block that added its outputs itself). Returns (the MLP's
+    output, the stream before that output is added): each residual add runs fused with the norm after it
+    (the same roundings as the plain `h = h + attn(norm(h))`)."""
+    if residual is None or isinstance(residual, Prenormed):
         x, residual = block.input_layernorm(h), h
     else:
         x, residual = block.input_layernorm(h, residual)
@@ -160,8 +170,8 @@ class CausalLM(nn.Module):
     Subclasses build `embed_tokens`, `layers`, `norm`, `lm_head` (nn.Linear, or the embedding when
     tied) and `rotary`; every layer is called as `layer(h, residual, cos, sin)` and returns its output
     and the residual stream before that output is added (`block_forward`): the add is fused into the
-    next norm. A block whose GEMMs add their outputs to the stream themselves returns (the stream, None)
-    (`LlamaBlock._forward_fused_norms`); a None residual means h is the whole stream.
+    next norm. A block whose GEMMs add their outputs to the stream themselves returns (the stream, None
+    or `Prenormed`) (`LlamaBlock._forward_fused_norms`): h is then the whole stream.
 
     Attributes:
         vocab_size, max_position_embeddings: from the HF config.
@@ -196,7 +206,9 @@ class CausalLM(nn.Module):
         h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             h, residual = layer(h, residual, cos, sin)
-        return self.norm(h) if residual is None else self.norm(h, residual)[0]
+        if residual is None or isinstance(residual, Prenormed):
+            return self.norm(h)
+        return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> logits [n, V] float32. Plain torch: callable outside a forward context."""

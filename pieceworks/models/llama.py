@@ -16,7 +16,8 @@ from torch import nn
 
 from pieceworks.backends.base import ModelFacts
 from pieceworks.executor.kv_cache import KVLayout
-from pieceworks.models.base import CausalLM, GatedMLP, RMSNorm, WeightSource, block_forward, linear, merged
+from pieceworks.models.base import (CausalLM, GatedMLP, Prenormed, RMSNorm, WeightSource, block_forward, linear,
+                                    merged)
 from pieceworks.models.rope import apply_rope_qk, rope_parameters
 from pieceworks.quant.linear import Fp4Linear
 
@@ -121,6 +122,9 @@ class LlamaBlock(nn.Module):
         self.self_attn = LlamaAttention(a, layer_id, f"{prefix}.self_attn", fp4)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, f"{prefix}.mlp", fp4)
+        # the next block's input_layernorm, set by the model (a tuple: not a submodule of this block); with
+        # the norms fused, the down projection prepares that norm's inputs
+        self.next_norm: tuple[RMSNorm] | None = None
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -138,17 +142,28 @@ class LlamaBlock(nn.Module):
                 and isinstance(a.o_proj, Fp4Linear) and a.o_proj.fuses_norm
                 and isinstance(m.down_proj, Fp4Linear) and m.down_proj.fuses_norm)
 
-    def _forward_fused_norms(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                             sin: torch.Tensor) -> tuple[torch.Tensor, None]:
-        """The block on the residual stream s = residual + h with four fp4_gemm ops and no norm kernels:
-        q/k/v of RMSNorm(s), s += o_proj(attention), s += down(SwiGLU of RMSNorm(s)). Returns (s, None):
-        the whole stream, nothing left to add (`CausalLM.forward` and the next block take it as such)."""
+    def _forward_fused_norms(self, h: torch.Tensor, residual: torch.Tensor | Prenormed | None, cos: torch.Tensor,
+                             sin: torch.Tensor) -> tuple[torch.Tensor, Prenormed | None]:
+        """The block on the residual stream s with no norm kernels (but in the first block): q/k/v of
+        RMSNorm(s), s += o_proj(attention) with the post-attention norm's inputs prepared in the same GEMM,
+        SwiGLU of RMSNorm(s), s += down(...) with the next block's input norm prepared (`fp4_gemm_add_norm`).
+        Returns (s, `Prenormed`), or (s, None) from the last block: h is the whole stream
+        (`CausalLM.forward` and the next block take it as such)."""
         a, m = self.self_attn, self.mlp
-        s = h if residual is None else residual + h
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
-        attn = a.attend_roped(a.qkv_proj.proj.forward_norm_qkv_rope(s, n1.weight, n1.eps, cos, sin))
-        s = a.o_proj.forward_add(attn, s)
-        return m.down_proj.forward_add(m.gate_up_proj.proj.forward_norm_swiglu(s, n2.weight, n2.eps), s), None
+        qkv = a.qkv_proj.proj
+        if isinstance(residual, Prenormed):
+            s = h
+            y = qkv.forward_norm_qkv_rope(s, residual.t, residual.partials, n1.weight, n1.eps, cos, sin)
+        else:  # first block (or after an unfused one): the norm op
+            x, s = (n1(h), h) if residual is None else n1(h, residual)
+            y = qkv.forward_qkv_rope(x, cos, sin)
+        s, t, partials = a.o_proj.forward_add_norm(a.attend_roped(y), s, n2.weight)
+        y = m.gate_up_proj.proj.forward_norm_swiglu(s, t, partials, n2.weight, n2.eps)
+        if self.next_norm is None:
+            return m.down_proj.forward_add(y, s), None
+        s, t, partials = m.down_proj.forward_add_norm(y, s, self.next_norm[0].weight)
+        return s, Prenormed(t, partials)
 
     def load(self, src: WeightSource, prefix: str) -> None:
         a, n = self.self_attn, self.input_layernorm.weight.shape[0]
@@ -173,6 +188,8 @@ class Llama(CausalLM):
         super().__init__()
         a = self.args = LlamaArgs.from_hf(hf_config)
         self._build_trunk(hf_config, dtype, a, [LlamaBlock(a, i, fp4) for i in range(a.num_layers)], a.head_dim)
+        for block, nxt in zip(self.layers, list(self.layers)[1:]):
+            block.next_norm = (nxt.input_layernorm,)
 
     def kv_layout(self) -> KVLayout:
         return KVLayout("gqa", self.args.num_layers, num_kv_heads=self.args.num_kv_heads, head_dim=self.args.head_dim)

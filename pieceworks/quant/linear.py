@@ -32,7 +32,8 @@ class Fp4Linear(nn.Module):
 
     `fuses_norm`: the backend it was prepared for fuses RMSNorms and residual adds into its GEMMs
     (`Fp4GemmBackend.fuses_norm`); a decoder block whose projections all have it runs them as
-    `forward_norm_qkv_rope`, `forward_add` and `forward_norm_swiglu` on the residual stream.
+    `forward_norm_qkv_rope`, `forward_add_norm` / `forward_add` and `forward_norm_swiglu` on the residual
+    stream.
     """
 
     def __init__(self, in_features: int, out_features: int, device: torch.device | str | None = None) -> None:
@@ -158,23 +159,38 @@ class Fp4Linear(nn.Module):
         return torch.ops.pieceworks.fp4_gemm_add(
             x, self.weight, self.weight_scale, self.weight_scale_2, self.input_scale, self.out_features, residual)
 
-    def forward_norm_swiglu(self, s: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """`forward_swiglu` of rms_norm(s, norm_weight, eps) (the `pieceworks::fp4_gemm_norm_swiglu` op)."""
+    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                         norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(s = residual + self(x), t, partials): s and the inputs of the RMSNorm with `norm_weight` after it
+        (the `pieceworks::fp4_gemm_add_norm` op; `fp4_gemm.base.norm_inputs`)."""
+        if self.gate_up or self.rope_fused:
+            raise RuntimeError("Fp4Linear.forward_add_norm needs a plain projection (not a gate/up or roped q/k/v "
+                               "one)")
+        return torch.ops.pieceworks.fp4_gemm_add_norm(
+            x, self.weight, self.weight_scale, self.weight_scale_2, self.input_scale, self.out_features, residual,
+            norm_weight)
+
+    def forward_norm_swiglu(self, s: torch.Tensor, t: torch.Tensor, partials: torch.Tensor,
+                            norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """`forward_swiglu` of rms_norm(s, norm_weight, eps), given `forward_add_norm`'s t and partials (the
+        `pieceworks::fp4_gemm_norm_swiglu` op)."""
         if not self.gate_up:
             raise RuntimeError("Fp4Linear.forward_norm_swiglu needs a gate/up projection (gate_up=True)")
         return torch.ops.pieceworks.fp4_gemm_norm_swiglu(
-            s, norm_weight, eps, self.weight, self.weight_scale, self.weight_scale_2, self.input_scale,
+            s, t, partials, norm_weight, eps, self.weight, self.weight_scale, self.weight_scale_2, self.input_scale,
             self.out_features // 2)
 
-    def forward_norm_qkv_rope(self, s: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+    def forward_norm_qkv_rope(self, s: torch.Tensor, t: torch.Tensor, partials: torch.Tensor,
+                              norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
                               sin: torch.Tensor) -> torch.Tensor:
-        """`forward_qkv_rope` of rms_norm(s, norm_weight, eps) (the `pieceworks::fp4_gemm_norm_qkv_rope` op)."""
+        """`forward_qkv_rope` of rms_norm(s, norm_weight, eps), as `forward_norm_swiglu` (the
+        `pieceworks::fp4_gemm_norm_qkv_rope` op)."""
         if not self.rope_fused:
             raise RuntimeError("Fp4Linear.forward_norm_qkv_rope needs a q/k/v projection prepared with "
                                "qkv_heads set by a backend that fuses the rope (rope_fused)")
         return torch.ops.pieceworks.fp4_gemm_norm_qkv_rope(
-            s, norm_weight, eps, self.weight, self.weight_scale, self.weight_scale_2, self.input_scale, cos, sin,
-            *self.qkv_heads)
+            s, t, partials, norm_weight, eps, self.weight, self.weight_scale, self.weight_scale_2, self.input_scale,
+            cos, sin, *self.qkv_heads)
 
     def extra_repr(self) -> str:
         gate_up = ", gate_up" if self.gate_up else ""

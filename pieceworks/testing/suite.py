@@ -144,10 +144,12 @@ def test_fp4_gemm_fused_epilogues(backend, device):
 @pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("backend", _backends("fp4_gemm"))
 def test_fp4_gemm_fused_norm_and_residual(backend, device):
-    """`forward_add` gives the bits of `forward` followed by the residual add; `forward_norm_swiglu` and
-    `forward_norm_qkv_rope` those of the rms_norm op followed by `forward_swiglu` / `forward_qkv_rope`
-    where the backend does not fuse the norm (`fuses_norm`), and within the GEMM tolerance where it does
-    (it may apply 1 / rms after the GEMM)."""
+    """`forward_add` gives the bits of `forward` followed by the residual add, and `forward_add_norm` those
+    and `norm_inputs` of the sum (the partial sums of squares to float rounding); `forward_norm_swiglu` and
+    `forward_norm_qkv_rope` (on those inputs) give the bits of the rms_norm op followed by `forward_swiglu`
+    / `forward_qkv_rope` where the backend does not fuse the norm (`fuses_norm`), and are within the GEMM
+    tolerance where it does (it may apply 1 / rms after the GEMM)."""
+    from pieceworks.backends.fp4_gemm.base import norm_inputs
     from pieceworks.models import fused
 
     dtype = _dtype(device)
@@ -168,13 +170,17 @@ def test_fp4_gemm_fused_norm_and_residual(backend, device):
         res = torch.randn(m, k, generator=gen).to(dtype).to(dev)
         ang = (torch.rand(m, head_dim // 2, generator=gen) * 50).to(dev)
         cos, sin = ang.cos(), ang.sin()
-        x = fused.rms_norm(s, nw, eps)
         got = impl.forward_add(s, *o, k, res)
         assert got.shape == (m, k) and torch.equal(got, res + impl.forward(s, *o, k)), (m, "add")
-        got = impl.forward_norm_swiglu(s, nw, eps, *gate_up, inter)
+        s2, t, parts = impl.forward_add_norm(s, *o, k, res, nw)
+        ref_t, ref_parts = norm_inputs(got, nw)
+        assert torch.equal(s2, got) and torch.equal(t, ref_t), (m, "add norm")
+        assert parts.shape == ref_parts.shape and _rel_err(parts, ref_parts) < 1e-5, (m, "add norm partials")
+        s, x = s2, fused.rms_norm(s2, nw, eps)
+        got = impl.forward_norm_swiglu(s, t, parts, nw, eps, *gate_up, inter)
         ref = impl.forward_swiglu(x, *gate_up, inter)
         assert got.shape == ref.shape and _rel_err(got, ref) <= tol, (m, "norm swiglu", _rel_err(got, ref))
-        got = impl.forward_norm_qkv_rope(s, nw, eps, *roped, cos, sin, heads, kv_heads, head_dim)
+        got = impl.forward_norm_qkv_rope(s, t, parts, nw, eps, *roped, cos, sin, heads, kv_heads, head_dim)
         ref = impl.forward_qkv_rope(x, *roped, cos, sin, heads, kv_heads, head_dim)
         assert got.shape == ref.shape and _rel_err(got, ref) <= tol, (m, "norm qkv rope", _rel_err(got, ref))
 

@@ -145,20 +145,28 @@ def _stream(m, k, gen):
     return s.to(torch.bfloat16), nw.to(torch.bfloat16)
 
 
+def _prenormed(s, nw):
+    from pieceworks.backends.fp4_gemm.base import norm_inputs
+
+    return norm_inputs(s, nw)
+
+
 @pytest.mark.parametrize("n,k", [(6144, 4096), (40, 208), (28672, 512)])
 @pytest.mark.parametrize("m", [1, 5, 8, 9, 16, 40, 100])  # 40: 16-row slices; 100: the unfused default
 def test_fused_norm_matches_norm_then_gemm(n, k, m):
-    """forward_norm_swiglu / forward_norm_qkv_rope against the rms_norm op followed by the unfused op (the
-    fused kernel normalizes in another order: a tolerance; M = 100 runs the default, the same bits)."""
+    """forward_norm_swiglu / forward_norm_qkv_rope (t = s * norm weight and the partial sums of squares
+    given) against the rms_norm op followed by the unfused op: the fused kernel applies 1 / rms after the
+    GEMM (a tolerance); M = 100 runs the default, the same bits."""
     gen = torch.Generator(device=DEV).manual_seed(n + 3 * k + 17 * m)
     w = random_fp4(n, k, gen)
     s, nw = _stream(m, k, gen)
+    t, parts = _prenormed(s, nw)
     eps = 1e-5
     backend = CudaFp4GemmBackend(SPEC)
     assert backend.fuses_norm
     x = fused.rms_norm(s, nw, eps)
     gu = backend.prepare_gate_up(w)
-    got = backend.forward_norm_swiglu(s, nw, eps, *gu, n // 2)
+    got = backend.forward_norm_swiglu(s, t, parts, nw, eps, *gu, n // 2)
     ref = backend.forward_swiglu(x, *gu, n // 2)
     assert got.shape == ref.shape == (m, n // 2)
     err = rel_err(got, ref)
@@ -171,7 +179,7 @@ def test_fused_norm_matches_norm_then_gemm(n, k, m):
         freqs = pos[:, None] / (10000 ** (torch.arange(hd // 2, device=DEV) / (hd // 2)))
         cos, sin = freqs.cos(), freqs.sin()
         p = backend.prepare_qkv_rope(w, nh, nkv, hd)
-        got = backend.forward_norm_qkv_rope(s, nw, eps, *p, cos, sin, nh, nkv, hd)
+        got = backend.forward_norm_qkv_rope(s, t, parts, nw, eps, *p, cos, sin, nh, nkv, hd)
         ref = backend.forward_qkv_rope(x, *p, cos, sin, nh, nkv, hd)
         err = rel_err(got, ref)
         print(f"norm+qkv rope n={n} k={k} m={m}: rel err {err:.2e}")
@@ -189,12 +197,32 @@ def test_fused_norm_plain_epilogue(m):
     w = random_fp4(n, k, gen)
     s, nw = _stream(m, k, gen)
     s[-1] = 0 if m > 1 else s[-1]
+    t, parts = _prenormed(s, nw)
     backend = CudaFp4GemmBackend(SPEC)
     p = backend.prepare(w)
-    got = cuda_decode.decode_gemm(s, *p[:3], n, 8, 2, norm=(nw, 1e-6))
+    got = cuda_decode.decode_gemm(t, *p[:3], n, 8, 2, prenormed=(parts, 1e-6))
     ref = reference(fused.rms_norm(s, nw, 1e-6), w)
     assert m == 1 or torch.equal(got[-1], torch.zeros_like(got[-1]))
     assert rel_err(got, ref) < TOL
+
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (40, 208), (4096, 14336)])
+@pytest.mark.parametrize("m", [1, 9, 40, 100])
+def test_add_norm_writes_the_next_norms_inputs(n, k, m):
+    """forward_add_norm: s with the bits of forward + add, t with those of norm_inputs(s), the partial sums
+    of squares within float rounding of norm_inputs' (another summation order)."""
+    gen = torch.Generator(device=DEV).manual_seed(700 + n + m)
+    w = random_fp4(n, k, gen)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
+    res, nw = _stream(m, n, gen)
+    backend = CudaFp4GemmBackend(SPEC)
+    p = backend.prepare(w)
+    s, t, parts = backend.forward_add_norm(x, *p, n, res, nw)
+    assert torch.equal(s, res + backend.forward(x, *p, n))
+    ref_t, ref_parts = _prenormed(s, nw)
+    assert torch.equal(t, ref_t)
+    assert parts.shape == ref_parts.shape == (m, -(-n // 16))
+    assert rel_err(parts, ref_parts) < 1e-6
 
 
 @pytest.mark.parametrize("n,k", [(4096, 4096), (40, 208), (4096, 14336)])
@@ -218,14 +246,14 @@ def test_fuse_norm_off():
     w = random_fp4(64, 256, gen)
     s, nw = _stream(3, 256, gen)
     gu = backend.prepare_gate_up(w)
-    got = backend.forward_norm_swiglu(s, nw, 1e-6, *gu, 32)
+    got = backend.forward_norm_swiglu(s, *_prenormed(s, nw), nw, 1e-6, *gu, 32)
     assert torch.equal(got, backend.forward_swiglu(fused.rms_norm(s, nw, 1e-6), *gu, 32))
 
 
 @pytest.mark.parametrize("use_pdl", [False, True])
 def test_fused_norm_graph_replay_matches_eager(use_pdl):
-    """A q/k/v (norm + rope) -> o (add) -> gate/up (norm + SwiGLU) -> down (add) chain captured in one CUDA
-    graph replays what eager gives on the new inputs, PDL on and off."""
+    """o (add + norm inputs) -> gate/up (norm + SwiGLU) -> down (add + norm inputs) -> q/k/v (norm + rope)
+    captured in one CUDA graph replays what eager gives on the new inputs, PDL on and off."""
     if use_pdl and pdl.unsupported_reason(DEV):
         pytest.skip(pdl.unsupported_reason(DEV))
     gen = torch.Generator(device=DEV).manual_seed(12)
@@ -235,15 +263,17 @@ def test_fused_norm_graph_replay_matches_eager(use_pdl):
     o = backend.prepare(random_fp4(hidden, nh * hd, gen))
     gu = backend.prepare_gate_up(random_fp4(2 * inter, hidden, gen))
     down = backend.prepare(random_fp4(hidden, inter, gen))
-    s, n1 = _stream(4, hidden, gen)
+    s0, n1 = _stream(4, hidden, gen)
     n2 = (1 + 0.5 * torch.randn(hidden, device=DEV, generator=gen)).to(torch.bfloat16)
+    attn = torch.randn(4, nh * hd, device=DEV, generator=gen).to(torch.bfloat16)
     ang = torch.rand(4, hd // 2, device=DEV, generator=gen) * 30
     cos, sin = ang.cos(), ang.sin()
 
     def step():
-        y = backend.forward_norm_qkv_rope(s, n1, 1e-5, *qkv, cos, sin, nh, nkv, hd)
-        s1 = backend.forward_add(y[:, : nh * hd].contiguous(), *o, hidden, s)
-        return backend.forward_add(backend.forward_norm_swiglu(s1, n2, 1e-5, *gu, inter), *down, hidden, s1)
+        s, t, parts = backend.forward_add_norm(attn, *o, hidden, s0, n2)
+        y = backend.forward_norm_swiglu(s, t, parts, n2, 1e-5, *gu, inter)
+        s, t, parts = backend.forward_add_norm(y, *down, hidden, s, n1)
+        return backend.forward_norm_qkv_rope(s, t, parts, n1, 1e-5, *qkv, cos, sin, nh, nkv, hd)
 
     old = pdl._enabled
     pdl._enabled = use_pdl
@@ -252,7 +282,7 @@ def test_fused_norm_graph_replay_matches_eager(use_pdl):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = step()
-        s.copy_(_stream(4, hidden, gen)[0])
+        attn.copy_(torch.randn(4, nh * hd, device=DEV, generator=gen).to(torch.bfloat16))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, step())

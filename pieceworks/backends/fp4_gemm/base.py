@@ -83,12 +83,12 @@ class Fp4GemmBackend(Backend):
         return rope_qk_columns(y, cos, sin, num_heads, num_kv_heads, head_dim)
 
     fuses_norm: ClassVar[bool] = False
-    """Whether the backend fuses a decoder block's RMSNorms into the GEMMs after them and the residual
-    adds into the GEMMs before them (`forward_norm_qkv_rope`, `forward_norm_swiglu`, `forward_add`).
-    Models then run such a block on the residual stream s: q/k/v = GEMM(RMSNorm(s)), s += o_proj(attn),
-    SwiGLU GEMM of RMSNorm(s), s += down_proj(...), where the unfused block launches two add+RMSNorm
-    kernels. The defaults below run the unfused ops (same results as the unfused block), so a backend of
-    the same layout that does not fuse serves these ops too."""
+    """Whether the backend fuses a decoder block's RMSNorms and residual adds into its GEMMs. Models then
+    run the block on the residual stream s with `forward_add_norm` (the GEMM before a norm: s + y, and the
+    norm's inputs t = s * weight and partial sums of s^2, see `norm_inputs`), `forward_norm_qkv_rope` /
+    `forward_norm_swiglu` (the GEMM after it, of RMSNorm(s)) and `forward_add`, where the unfused block
+    launches an add+RMSNorm kernel between them. The defaults below run the unfused ops (the same results
+    as the unfused block), so a backend of the same layout that does not fuse serves these ops too."""
 
     def forward_add(
         self,
@@ -104,9 +104,26 @@ class Fp4GemmBackend(Backend):
         add, as the residual add of the unfused block rounds); residual [M, out_features]."""
         return residual + self.forward(x, weight, weight_scale, weight_scale_2, input_scale, out_features)
 
+    def forward_add_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        weight_scale_2: torch.Tensor,
+        input_scale: torch.Tensor,
+        out_features: int,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`forward_add`'s s and the next RMSNorm's inputs (t, partials) = `norm_inputs(s, norm_weight)`."""
+        s = self.forward_add(x, weight, weight_scale, weight_scale_2, input_scale, out_features, residual)
+        return (s, *norm_inputs(s, norm_weight))
+
     def forward_norm_swiglu(
         self,
         s: torch.Tensor,
+        t: torch.Tensor,
+        partials: torch.Tensor,
         norm_weight: torch.Tensor,
         eps: float,
         weight: torch.Tensor,
@@ -115,9 +132,10 @@ class Fp4GemmBackend(Backend):
         input_scale: torch.Tensor,
         intermediate: int,
     ) -> torch.Tensor:
-        """`forward_swiglu` of RMSNorm(s) (the `rms_norm` op's definition: weight norm_weight [K], eps).
-        Default: the rms_norm op, then `forward_swiglu`; a fused version matches it to the GEMM's tolerance
-        (it may normalize in another order: the 1 / rms in float after the GEMM)."""
+        """`forward_swiglu` of RMSNorm(s) (the `rms_norm` op's definition: weight norm_weight [K], eps), with
+        (t, partials) = `norm_inputs(s, norm_weight)` from `forward_add_norm`. Default: the rms_norm op, then
+        `forward_swiglu` (t and partials unused); a fused version may compute (W @ t) / rms(s) instead,
+        within the GEMM's tolerance of it."""
         from pieceworks.models import fused
 
         return self.forward_swiglu(fused.rms_norm(s, norm_weight, eps), weight, weight_scale, weight_scale_2,
@@ -126,6 +144,8 @@ class Fp4GemmBackend(Backend):
     def forward_norm_qkv_rope(
         self,
         s: torch.Tensor,
+        t: torch.Tensor,
+        partials: torch.Tensor,
         norm_weight: torch.Tensor,
         eps: float,
         weight: torch.Tensor,
@@ -195,3 +215,18 @@ def rope_qk_columns(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_h
     y[:, :q_cols] = q.view(-1, q_cols)
     y[:, q_cols : q_cols + k_cols] = k.view(-1, k_cols)
     return y
+
+
+def norm_parts(n: int) -> int:
+    """Partial sums of squares per row for a hidden size n: one per 16 columns."""
+    return -(-n // 16)
+
+
+def norm_inputs(s: torch.Tensor, norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a fused RMSNorm after a GEMM takes: t = s * norm_weight (rounded to s.dtype) [M, n] and the
+    sums of s^2 over each 16 columns, float32 [M, norm_parts(n)] (their sum: the row's sum of squares)."""
+    m, n = s.shape
+    t = (s.float() * norm_weight.float()).to(s.dtype)
+    sq = torch.nn.functional.pad(s.float().square(), (0, 16 * norm_parts(n) - n))
+    return t, sq.view(m, norm_parts(n), 16).sum(-1)
+

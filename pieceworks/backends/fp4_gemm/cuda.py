@@ -8,8 +8,9 @@ operand, the warps' sums added in shared memory (r16c64.py describes the layout)
 dequantize the weight to a transient bf16 copy and call torch.matmul, as the Triton backend does from
 M = 1024. SwiGLU and the q/k/v rope are fused into the decode kernel's epilogue (rounded as the unfused
 ops round), and so are a decoder block's RMSNorms and residual adds (`fuses_norm`, option `fuse_norm`): the
-q/k/v and gate/up kernels read the residual stream s, square-sum it on the tensor cores alongside the GEMM
-and scale by 1 / rms(s) in the epilogue; the o and down kernels add their output to s. Faster than the Triton backend up to 16 rows on the H200, slower beyond (docs/benchmarks.md),
+o and down kernels add their output to the stream s and write the next norm's inputs (s * norm weight and
+per-CTA sums of s^2), the q/k/v and gate/up kernels after them read s * norm weight as x and scale by
+1 / rms(s) in the epilogue (their main loop unchanged). Faster than the Triton backend up to 16 rows on the H200, slower beyond (docs/benchmarks.md),
 so it has the lower priority: `backends.fp4_gemm: cuda` selects it.
 
 The layout ("r16c64") differs from the Triton backend's k32, so one executor uses one of them for
@@ -27,7 +28,7 @@ import torch
 
 from pieceworks.backends import pdl
 from pieceworks.backends.base import Requirements
-from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight, rope_qk_columns
+from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight, norm_parts, rope_qk_columns
 from pieceworks.backends.fp4_gemm.triton import interleave_gate_up, interleave_rope_rows
 
 
@@ -127,7 +128,7 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         return self._prepare_rows(w, interleave_rope_rows(num_heads, num_kv_heads, head_dim))
 
     def forward_qkv_rope(self, x, weight, weight_scale, weight_scale_2, input_scale, cos, sin, num_heads,
-                         num_kv_heads, head_dim, norm=None):
+                         num_kv_heads, head_dim, prenormed=None):
         """The rope in the decode kernel's epilogue (same bits as the GEMM followed by the rope_qk op);
         larger M: dequantize, matmul, columns back in checkpoint order, then the rope_qk op."""
         from pieceworks.backends.fp4_gemm import cuda_decode
@@ -137,7 +138,7 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         self._check_x(x, weight, n)
         if m <= self.options.decode_max_m:
             rope = (cos, sin, (num_heads + num_kv_heads) * head_dim, head_dim)
-            return self._decode(x, weight, weight_scale, weight_scale_2, n, False, rope, norm=norm)
+            return self._decode(x, weight, weight_scale, weight_scale_2, n, False, rope, prenormed=prenormed)
         w = cuda_decode.dequant(weight, weight_scale, weight_scale_2, n, x.shape[1])
         order = _checkpoint_order(num_heads, num_kv_heads, head_dim, x.device)
         return rope_qk_columns((x @ w.t())[:, order], cos, sin, num_heads, num_kv_heads, head_dim)
@@ -156,9 +157,9 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
             raise ValueError(f"x [M, {x.shape[1]}] and N = {n} do not match the prepared weight (about {rows} "
                              f"rows x {chunks} columns, padded to 16 x 64): was it prepared for another layer?")
 
-    def _decode(self, x, weight, weight_scale, weight_scale_2, n: int, swiglu: bool, rope=None, norm=None,
-                residual=None):
-        """The decode kernel, once per 16-row slice of x."""
+    def _decode(self, x, weight, weight_scale, weight_scale_2, n: int, swiglu: bool, rope=None, prenormed=None,
+                residual=None, norm_out=None):
+        """The decode kernel, once per 16-row slice of x (`cuda_decode.decode_gemm`'s arguments)."""
         from pieceworks.backends.fp4_gemm import cuda_decode
 
         m = x.shape[0]
@@ -167,15 +168,18 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         if m <= SLICE:
             warps, depth = plan(m, weight.shape[0] * 16, sms)
             return cuda_decode.decode_gemm(x, weight, weight_scale, weight_scale_2, n, warps, depth, swiglu, on,
-                                           rope=rope, norm=norm, residual=residual)
+                                           rope=rope, prenormed=prenormed, residual=residual, norm_out=norm_out)
         out = torch.empty(m, n // 2 if swiglu else n, dtype=torch.bfloat16, device=x.device)
         for r0 in range(0, m, SLICE):
             r1 = min(m, r0 + SLICE)
             warps, depth = plan(r1 - r0, weight.shape[0] * 16, sms)
             part_rope = None if rope is None else (rope[0][r0:r1], rope[1][r0:r1], *rope[2:])
-            cuda_decode.decode_gemm(x[r0:r1], weight, weight_scale, weight_scale_2, n, warps, depth, swiglu, on,
-                                    out=out[r0:r1], rope=part_rope, norm=norm,
-                                    residual=None if residual is None else residual[r0:r1])
+            rows = slice(r0, r1)
+            cuda_decode.decode_gemm(
+                x[rows], weight, weight_scale, weight_scale_2, n, warps, depth, swiglu, on, out=out[rows],
+                rope=part_rope, prenormed=None if prenormed is None else (prenormed[0][rows], prenormed[1]),
+                residual=None if residual is None else residual[rows],
+                norm_out=None if norm_out is None else (norm_out[0], norm_out[1][rows], norm_out[2][rows]))
         return out
 
     def forward(self, x, weight, weight_scale, weight_scale_2, input_scale, out_features):
@@ -185,7 +189,7 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         """Whether the decode kernel takes this norm / residual (else the unfused default runs)."""
         if not self.options.fuse_norm or s.dim() != 2 or s.shape[0] > self.options.decode_max_m:
             return False
-        if norm_weight is not None and (norm_weight.dtype != torch.bfloat16 or norm_weight.shape != (s.shape[1],)):
+        if norm_weight is not None and (norm_weight.dtype != torch.bfloat16 or norm_weight.dim() != 1):
             return False
         return residual is None or (residual.dtype == torch.bfloat16 and residual.dim() == 2
                                     and residual.stride(1) == 1)
@@ -194,50 +198,58 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         """The residual add in the decode kernel's epilogue (same bits as the GEMM followed by the add)."""
         if not self._fusable(x, residual=residual):
             return super().forward_add(x, weight, weight_scale, weight_scale_2, input_scale, out_features, residual)
-        self._check_x(x, weight, out_features)
-        if residual.shape != (x.shape[0], out_features):
-            raise ValueError(f"residual {tuple(residual.shape)} does not match the output [{x.shape[0]}, "
-                             f"{out_features}]")
+        self._check_residual(x, weight, out_features, residual)
         return self._decode(x, weight, weight_scale, weight_scale_2, out_features, False, residual=residual)
 
-    def forward_norm_swiglu(self, s, norm_weight, eps, weight, weight_scale, weight_scale_2, input_scale,
-                            intermediate):
-        """RMSNorm in the decode kernel (sum of squares on the tensor cores, s * weight into the mma, 1 / rms
-        in the epilogue); larger M or other dtypes: the rms_norm op, then `forward_swiglu`."""
-        if not self._fusable(s, norm_weight):
-            return super().forward_norm_swiglu(s, norm_weight, eps, weight, weight_scale, weight_scale_2,
-                                               input_scale, intermediate)
-        self._check_x(s, weight, 2 * intermediate)
-        return self._decode(s, weight, weight_scale, weight_scale_2, 2 * intermediate, True,
-                            norm=(norm_weight, eps))
+    def forward_add_norm(self, x, weight, weight_scale, weight_scale_2, input_scale, out_features, residual,
+                         norm_weight):
+        """`forward_add` whose epilogue also writes the next norm's inputs (t = s * norm_weight, and the sums
+        of s^2 over each CTA's 16 columns: the partials of `norm_inputs`, summed in a fixed order)."""
+        if not self._fusable(x, norm_weight, residual) or norm_weight.shape != (out_features,):
+            return super().forward_add_norm(x, weight, weight_scale, weight_scale_2, input_scale, out_features,
+                                            residual, norm_weight)
+        self._check_residual(x, weight, out_features, residual)
+        m = x.shape[0]
+        t = torch.empty(m, out_features, dtype=torch.bfloat16, device=x.device)
+        partials = torch.empty(m, norm_parts(out_features), dtype=torch.float32, device=x.device)
+        s = self._decode(x, weight, weight_scale, weight_scale_2, out_features, False, residual=residual,
+                         norm_out=(norm_weight.contiguous(), t, partials))
+        return s, t, partials
 
-    def forward_norm_qkv_rope(self, s, norm_weight, eps, weight, weight_scale, weight_scale_2, input_scale, cos,
-                              sin, num_heads, num_kv_heads, head_dim):
-        """As `forward_norm_swiglu`, with the rope epilogue of `forward_qkv_rope`."""
-        if not self._fusable(s, norm_weight):
-            return super().forward_norm_qkv_rope(s, norm_weight, eps, weight, weight_scale, weight_scale_2,
-                                                 input_scale, cos, sin, num_heads, num_kv_heads, head_dim)
-        return self.forward_qkv_rope(s, weight, weight_scale, weight_scale_2, input_scale, cos, sin, num_heads,
-                                     num_kv_heads, head_dim, norm=(norm_weight, eps))
-
-    def forward_swiglu(self, x, weight, weight_scale, weight_scale_2, input_scale, intermediate):
-        """silu(gate) * up in the decode kernel's epilogue (rounded as the silu_mul op rounds); larger M:
-        dequantize in checkpoint row order, matmul, then the silu_mul op."""
-        return self._gemm(x, weight, weight_scale, weight_scale_2, 2 * intermediate, swiglu=True)
-
-    def _gemm(self, x, weight, weight_scale, weight_scale_2, n: int, swiglu: bool):
-        from pieceworks.backends.fp4_gemm import cuda_decode
-        from pieceworks.models import fused
-
+    def _check_residual(self, x, weight, n: int, residual) -> None:
         self._check_x(x, weight, n)
-        m, k = x.shape
-        if m <= self.options.decode_max_m:
-            return self._decode(x, weight, weight_scale, weight_scale_2, n, swiglu)
-        w = cuda_decode.dequant(weight, weight_scale, weight_scale_2, n, k, swiglu)
-        y = x @ w.t()
-        if swiglu:
-            return fused.silu_mul(y[:, : n // 2], y[:, n // 2 :])
-        return y
+        if residual.shape != (x.shape[0], n):
+            raise ValueError(f"residual {tuple(residual.shape)} does not match the output [{x.shape[0]}, {n}]")
+
+    def _prenormed(self, s, t, partials, norm_weight, eps):
+        """(partials, eps) for the decode kernel's NORM input, or None where the unfused default runs."""
+        if not self._fusable(s, norm_weight) or t.shape != s.shape or t.dtype != torch.bfloat16:
+            return None
+        if partials.dim() != 2 or partials.shape[0] != s.shape[0] or partials.dtype != torch.float32:
+            return None
+        return partials.contiguous(), float(eps)
+
+    def forward_norm_swiglu(self, s, t, partials, norm_weight, eps, weight, weight_scale, weight_scale_2,
+                            input_scale, intermediate):
+        """The decode kernel on t = s * norm weight, scaled by 1 / rms(s) (from the partials) in the epilogue;
+        larger M or other dtypes: the rms_norm op, then `forward_swiglu`."""
+        prenormed = self._prenormed(s, t, partials, norm_weight, eps)
+        if prenormed is None:
+            return super().forward_norm_swiglu(s, t, partials, norm_weight, eps, weight, weight_scale,
+                                               weight_scale_2, input_scale, intermediate)
+        self._check_x(t, weight, 2 * intermediate)
+        return self._decode(t, weight, weight_scale, weight_scale_2, 2 * intermediate, True, prenormed=prenormed)
+
+    def forward_norm_qkv_rope(self, s, t, partials, norm_weight, eps, weight, weight_scale, weight_scale_2,
+                              input_scale, cos, sin, num_heads, num_kv_heads, head_dim):
+        """As `forward_norm_swiglu`, with the rope epilogue of `forward_qkv_rope`."""
+        prenormed = self._prenormed(s, t, partials, norm_weight, eps)
+        if prenormed is None:
+            return super().forward_norm_qkv_rope(s, t, partials, norm_weight, eps, weight, weight_scale,
+                                                 weight_scale_2, input_scale, cos, sin, num_heads, num_kv_heads,
+                                                 head_dim)
+        return self.forward_qkv_rope(t, weight, weight_scale, weight_scale_2, input_scale, cos, sin, num_heads,
+                                     num_kv_heads, head_dim, prenormed=prenormed)
 
 
 @lru_cache(maxsize=None)

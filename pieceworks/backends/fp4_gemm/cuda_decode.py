@@ -84,14 +84,6 @@ __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u3
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-// m16n8k8 with A = (p0, p1), B = b: D[g][g] gains p0 . b and D[g + 8][g] p1 . b summed over the lane's
-// token-g pairs (the lanes t of a group g hold token g's elements 2t, 2t + 1 of A row g, A row g + 8 and B).
-__device__ __forceinline__ void mma_k8(float* c, u32 p0, u32 p1, u32 b) {
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 "
-                 "{%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(p0), "r"(p1), "r"(b));
-}
-
 __device__ __forceinline__ float bf16_round(float v) {  // v rounded to bf16, as float
     u16 h;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
@@ -121,54 +113,42 @@ __device__ __forceinline__ void rope_pair(float y1, float y2, float c, float s, 
     o2 = to_bf16(bf16_round(__fmul_rn(x2, c)) + bf16_round(__fmul_rn(x1, s)));
 }
 
-// A chunk in flight: codes, block scales, x (per n-tile) and, with NORM, the RMSNorm weight of the same
-// 16 elements as x.
-template <int NT> struct Chunk { U4 w; u32 s; U4 x[NT][2]; U4 nw[2]; };
+template <int NT> struct Chunk { U4 w; u32 s; U4 x[NT][2]; };
 
 // mma j = J of a chunk for every n-tile: slot J of the four code words, scaled (row g: sg, row g + 8: sh),
-// against x elements 16t + 4J .. 16t + 4J + 3 (B registers); accumulator chain J % 2. With NORM, x is the
-// un-normalized row s: two m16n8k8 mmas of the B pair (b0, b1) as A against b0 and against b1 add b0 . b0
-// to gram[i][0]'s D[g][g] and b1 . b1 to gram[i][1]'s D[g + 8][g] (every element of s squared once: the
-// token's sum of squares, exact products, float sums; the other entries are not used), and the weights
-// meet s * norm weight (bf16 multiply); the epilogue scales by 1 / rms(s). The operands are the B pair's
-// registers as they are: no moves (an m16n8k16 Gram of (b0, 0, b1, 0) took 4 register moves per mma).
-template <int J, int NT, int NORM>
-__device__ __forceinline__ void slot_mmas(float (&acc)[NT][2][4], float (&gram)[NT][2][4], const Chunk<NT>& k,
-                                          u32 sg, u32 sh) {
+// against x elements 16t + 4J .. 16t + 4J + 3 (B registers); accumulator chain J % 2.
+template <int J, int NT>
+__device__ __forceinline__ void slot_mmas(float (&acc)[NT][2][4], const Chunk<NT>& k, u32 sg, u32 sh) {
     const u32 a0 = bmul(slot<J>(k.w.x), sg), a1 = bmul(slot<J>(k.w.z), sh),
               a2 = bmul(slot<J>(k.w.y), sg), a3 = bmul(slot<J>(k.w.w), sh);
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
         const U4& xv = k.x[i][J >> 1];
-        u32 b0 = (J & 1) ? xv.z : xv.x, b1 = (J & 1) ? xv.w : xv.y;
-        if (NORM) {
-            mma_k8(gram[i][0], b0, b1, b0);
-            mma_k8(gram[i][1], b0, b1, b1);
-            const U4& nv = k.nw[J >> 1];
-            b0 = bmul(b0, (J & 1) ? nv.z : nv.x);
-            b1 = bmul(b1, (J & 1) ? nv.w : nv.y);
-        }
-        mma(acc[i][J & 1], a0, a1, a2, a3, b0, b1);
+        mma(acc[i][J & 1], a0, a1, a2, a3, (J & 1) ? xv.z : xv.x, (J & 1) ? xv.w : xv.y);
     }
 }
 
-// EPI 0: out[token, n] = y; EPI 3: out[token, n] = y + res[token, n] (rounded as the residual add: y to bf16
-// first); EPI 1 (SwiGLU, rows 2j / 2j + 1 = gate / up of column j, interleave_gate_up):
+// EPI 0: out[token, n] = y; EPI 3: out[token, n] = s = y + res[token, n] (rounded as the residual add: y to
+// bf16 first); EPI 4: EPI 3 and the next RMSNorm's inputs: tout[token, n] = s * nw[n] (bf16) and, per token,
+// the sum of s^2 over the CTA's 16 columns in pout[token, blockIdx.x] (float; a fixed order); EPI 1 (SwiGLU, rows 2j / 2j + 1 = gate / up of column j, interleave_gate_up):
 // out[token, n / 2] = silu(gate) * up. EPI 2 (q/k/v rope, rows in the interleave_rope_rows order: rows 2j and
 // 2j + 1 are dims d and d + half of a q or k head, columns below rope_cols; v rows in order): the pair
 // rotated by cos / sin [M, half] (float32, row strides ldc / lds) and stored in checkpoint column order.
-// NORM 1: x is the residual stream s and the GEMM's input is RMSNorm(s) with weight nw [nchunks * 64] (bf16,
-// zero-padded) and eps over kdim elements: y = (W @ (s * nw)) / rms(s), the 1 / rms(s) applied in float32.
+// NORM 1: the GEMM's input is RMSNorm(s) with s the residual stream: x is an EPI 4 kernel's s * norm weight,
+// pin [M, nparts] its partial sums of s^2; y = (W @ x) / rms(s), rms(s) = sqrt(sum / kdim + eps), the
+// 1 / rms applied in float32 in the epilogue (the unfused path rounds s / rms(s) to bf16 before the weight).
 template <int W, int D, int NT, int EPI, int NORM>
 __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     const U4* __restrict__ codes, const u16* __restrict__ scales, const u16* __restrict__ x,
     u16* __restrict__ out, const float* __restrict__ gscale,
     int M, int N, int nchunks, int ldx, int ldo,
     const float* __restrict__ cosp, const float* __restrict__ sinp, int ldc, int lds, int rope_cols, int half,
-    const u16* __restrict__ nw, float eps, int kdim, const u16* __restrict__ res, int ldr)
+    const float* __restrict__ pin, int nparts, float eps, int kdim, const u16* __restrict__ res, int ldr,
+    const u16* __restrict__ nw, u16* __restrict__ tout, int ldt, float* __restrict__ pout)
 {
     __shared__ float red[W * NT * 128];
     __shared__ float ssq[NORM ? W * 16 : 1];
+    __shared__ float sq[EPI == 4 ? 256 : 1];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int c_begin = (nchunks * warp) / W;
@@ -181,21 +161,16 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
 #pragma unroll
     for (int i = 0; i < NT; ++i) xp[i] = x + (size_t)min(8 * i + g, M - 1) * ldx + c_begin * 64 + 16 * t;
 
-    const u16* np = nw + c_begin * 64 + 16 * t;
 
     Chunk<NT> buf[D];
-    float acc[NT][2][4], gram[NT][2][4];
+    float acc[NT][2][4];
 #pragma unroll
     for (int i = 0; i < NT; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][0][e] = acc[i][1][e] = gram[i][0][e] = gram[i][1][e] = 0.f;
+        for (int e = 0; e < 4; ++e) acc[i][0][e] = acc[i][1][e] = 0.f;
 #define LOAD_W(B, C, P) do { \
         ld_stream(buf[B].w, cp + (C) * 32, P); \
         ld_scale(buf[B].s, sp + (C) * 32, P); \
-        if (NORM) { \
-            ld_x(buf[B].nw[0], (const U4*)(np + (C) * 64), P); \
-            ld_x(buf[B].nw[1], (const U4*)(np + (C) * 64 + 8), P); \
-        } \
     } while (0)
 #define LOAD_X(B, C, P) do { \
         _Pragma("unroll") for (int i = 0; i < NT; ++i) { \
@@ -206,18 +181,30 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
 #define COMPUTE(B) do { \
         const u32 h = scale_pair(buf[B].s); \
         const u32 sg = prmt(h, 0x1010u), sh = prmt(h, 0x3232u); \
-        slot_mmas<0, NT, NORM>(acc, gram, buf[B], sg, sh); \
-        slot_mmas<1, NT, NORM>(acc, gram, buf[B], sg, sh); \
-        slot_mmas<2, NT, NORM>(acc, gram, buf[B], sg, sh); \
-        slot_mmas<3, NT, NORM>(acc, gram, buf[B], sg, sh); \
+        slot_mmas<0>(acc, buf[B], sg, sh); \
+        slot_mmas<1>(acc, buf[B], sg, sh); \
+        slot_mmas<2>(acc, buf[B], sg, sh); \
+        slot_mmas<3>(acc, buf[B], sg, sh); \
     } while (0)
-    // The weights (and the norm weight) are never written by an earlier kernel: their first loads go
-    // before the PDL wait.
+    // The weights are never written by an earlier kernel: their first loads go before the PDL wait.
 #pragma unroll
     for (int b = 0; b < D - 1; ++b) LOAD_W(b, b, b < nc);
     PDL_WAIT();
 #pragma unroll
     for (int b = 0; b < D - 1; ++b) LOAD_X(b, b, b < nc);
+    if (NORM) {  // each token's sum of squares from the partials, while the first chunks load: per warp
+#pragma unroll
+        for (int i = 0; i < NT * 8; ++i) {
+            float v = 0.f;
+            if (i < M) {
+#pragma unroll 4
+                for (int p = threadIdx.x; p < nparts; p += W * 32) v += pin[(size_t)i * nparts + p];
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0) ssq[warp * 16 + i] = v;
+        }
+    }
     int c = 0;
     for (; c + D <= nc; c += D) {
 #pragma unroll
@@ -228,7 +215,6 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
         }
         cp += D * 32;
         sp += D * 32;
-        np += D * 64;
 #pragma unroll
         for (int i = 0; i < NT; ++i) xp[i] += D * 64;
     }
@@ -246,21 +232,17 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     for (int i = 0; i < NT; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) red[(warp * NT + i) * 128 + lane * 4 + e] = acc[i][0][e] + acc[i][1][e];
-    if (NORM && (g >> 1) == t) {  // token 8i + g's sum of squares: D[g][g] + D[g + 8][g], column 2t + (g & 1)
-#pragma unroll
-        for (int i = 0; i < NT; ++i) ssq[warp * 16 + 8 * i + g] = gram[i][0][g & 1] + gram[i][1][2 + (g & 1)];
-    }
     __syncthreads();
     const float gs0 = *gscale * 16384.0f;
-    // 1 / rms of a token's s (NORM), from the warps' partial sums of squares
+    // 1 / rms of a token's s (NORM), from the warps' sums of the partials
     auto scale_of = [&](int token) {
         if (!NORM) return gs0;
         float ss = 0.f;
 #pragma unroll
         for (int w = 0; w < W; ++w) ss += ssq[w * 16 + token];
-        return gs0 * rsqrtf(ss / (float)kdim + eps);
+        return gs0 * rsqrtf(ss * __frcp_rn((float)kdim) + eps);
     };
-    if (EPI == 0 || EPI == 3) {
+    if (EPI == 0 || EPI == 3 || EPI == 4) {
         for (int idx = threadIdx.x; idx < NT * 128; idx += W * 32) {
             const int i = idx >> 7, r = idx & 127;
             float v = 0.f;
@@ -269,10 +251,28 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
             const int l = r >> 2, e = r & 3;
             const int row = (l >> 2) + 8 * (e >> 1), token = 8 * i + 2 * (l & 3) + (e & 1);
             const int n = blockIdx.x * 16 + row;
-            if (token >= M || n >= N) continue;
-            float y = v * scale_of(token);
-            if (EPI == 3) y = bf16_round(y) + __uint_as_float((u32)res[(size_t)token * ldr + n] << 16);
-            out[(size_t)token * ldo + n] = to_bf16(y);
+            float sumsq = 0.f;
+            if (token < M && n < N) {
+                float y = v * scale_of(token);
+                if (EPI >= 3) y = bf16_round(y) + __uint_as_float((u32)res[(size_t)token * ldr + n] << 16);
+                const u16 o = to_bf16(y);
+                out[(size_t)token * ldo + n] = o;
+                if (EPI == 4) {
+                    const float sv = __uint_as_float((u32)o << 16);
+                    tout[(size_t)token * ldt + n] = to_bf16(sv * __uint_as_float((u32)nw[n] << 16));
+                    sumsq = sv * sv;
+                }
+            }
+            if (EPI == 4) sq[token * 16 + row] = sumsq;
+        }
+        if (EPI == 4) {
+            __syncthreads();
+            if (threadIdx.x < M) {
+                float a = 0.f;
+#pragma unroll
+                for (int r = 0; r < 16; ++r) a += sq[threadIdx.x * 16 + r];
+                pout[(size_t)threadIdx.x * gridDim.x + blockIdx.x] = a;
+            }
         }
     } else {
         for (int idx = threadIdx.x; idx < NT * 64; idx += W * 32) {
@@ -351,18 +351,25 @@ __global__ void __launch_bounds__(256) nvfp4_decode_dequant(
 
 
 def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2, swiglu: bool = False,
-                pdl: bool = False, out=None, rope=None, norm=None, residual=None):
+                pdl: bool = False, out=None, rope=None, prenormed=None, residual=None, norm_out=None):
     """y = x @ dequant(W).T for M <= 16 (bf16 x with unit stride in K, 16-byte aligned rows); with
     swiglu (rows interleaved gate / up) y = silu(gate) * up [M, n / 2]; with rope = (cos, sin,
     rope_cols, head_dim) (rows in the interleave_rope_rows order) the q/k columns below rope_cols
-    rotated, every column in checkpoint order. norm = (weight [K] bf16, eps): x is the residual stream
-    and the GEMM's input its RMSNorm (any epilogue). residual [M, n] bf16 (plain epilogue only): y +
-    residual, rounded as the add after the GEMM."""
+    rotated, every column in checkpoint order.
+
+    prenormed = (partials [M, P] float32, eps) (any epilogue): x is s * norm weight and the partials sum
+    to each row's sum of s^2 (as `norm_out` writes them); y is the GEMM of RMSNorm(s).
+    residual [M, n] bf16 (plain epilogue only): y + residual, rounded as the add after the GEMM. With
+    norm_out = (norm weight [n] bf16, t [M, n] bf16, partials [M, ceil(n / 16)] float32) as well, the
+    kernel also writes the next RMSNorm's inputs: t = (y + residual) * weight and the partial sums of
+    squares of y + residual."""
     m, k = x.shape
     if m > 16:
         raise ValueError(f"decode_gemm serves M <= 16, got {m}")
     if residual is not None and (swiglu or rope is not None):
         raise ValueError("decode_gemm: the residual add goes with the plain epilogue only")
+    if norm_out is not None and residual is None:
+        raise ValueError("decode_gemm: norm_out needs the residual add")
     if k % CHUNK:  # the kernel reads x in whole chunks
         x = torch.nn.functional.pad(x, (0, CHUNK - k % CHUNK))
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
@@ -381,23 +388,34 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
         if cos.stride(-1) != 1 or sin.stride(-1) != 1:
             cos, sin = cos.contiguous(), sin.contiguous()
         epi, rope_args = 2, [cos, sin, cos.stride(0), sin.stride(0), rope_cols, head_dim // 2]
-    norm_args = [gscale, 0.0, k]
-    if norm is not None:
-        nw, eps = norm
-        if nw.shape != (k,) or nw.dtype != torch.bfloat16:
-            raise ValueError(f"decode_gemm: the norm weight must be bf16 [{k}], got {nw.dtype} {tuple(nw.shape)}")
-        nw = torch.nn.functional.pad(nw, (0, x.shape[1] - k)) if x.shape[1] != k else nw.contiguous()
-        norm_args = [nw, float(eps), k]
+    norm_args = [gscale, 0, 0.0, k]
+    if prenormed is not None:
+        parts, eps = prenormed
+        if parts.dim() != 2 or parts.shape[0] != m or parts.dtype != torch.float32 or not parts.is_contiguous():
+            raise ValueError(f"decode_gemm: the partial sums must be contiguous float32 [{m}, P], got "
+                             f"{parts.dtype} {tuple(parts.shape)}")
+        norm_args = [parts, parts.shape[1], float(eps), k]
     res_args = [gscale, 0]
     if residual is not None:
         if residual.shape != (m, n) or residual.dtype != torch.bfloat16 or residual.stride(1) != 1:
             raise ValueError(f"decode_gemm: the residual must be bf16 [{m}, {n}] with unit column stride, got "
                              f"{residual.dtype} {tuple(residual.shape)}")
         epi, res_args = 3, [residual, residual.stride(0)]
-    kernel(SOURCE, f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {epi}, {int(norm is not None)}>", x.device)(
+    out_args = [gscale, gscale, 0, gscale]
+    if norm_out is not None:
+        nw, t, parts = norm_out
+        if nw.shape != (n,) or nw.dtype != torch.bfloat16 or not nw.is_contiguous():
+            raise ValueError(f"decode_gemm: the norm weight must be contiguous bf16 [{n}], got {nw.dtype} "
+                             f"{tuple(nw.shape)}")
+        if t.shape != (m, n) or t.dtype != torch.bfloat16 or t.stride(1) != 1:
+            raise ValueError(f"decode_gemm: t must be bf16 [{m}, {n}] with unit column stride")
+        if parts.shape != (m, rg) or parts.dtype != torch.float32 or not parts.is_contiguous():
+            raise ValueError(f"decode_gemm: the partials must be contiguous float32 [{m}, {rg}]")
+        epi, out_args = 4, [nw, t, t.stride(0), parts]
+    kernel(SOURCE, f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {epi}, {int(prenormed is not None)}>", x.device)(
         (rg, 1, 1), (warps * 32, 1, 1),
-        [codes, scales, x, out, gscale, m, n, ch, x.stride(0), out.stride(0), *rope_args, *norm_args, *res_args],
-        pdl)
+        [codes, scales, x, out, gscale, m, n, ch, x.stride(0), out.stride(0), *rope_args, *norm_args, *res_args,
+         *out_args], pdl)
     return out
 
 
