@@ -252,6 +252,26 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
                                      num_kv_heads, head_dim, prenormed=prenormed)
 
 
+    def forward_swiglu(self, x, weight, weight_scale, weight_scale_2, input_scale, intermediate):
+        """silu(gate) * up in the decode kernel's epilogue (rounded as the silu_mul op rounds); larger M:
+        dequantize in checkpoint row order, matmul, then the silu_mul op."""
+        return self._gemm(x, weight, weight_scale, weight_scale_2, 2 * intermediate, swiglu=True)
+
+    def _gemm(self, x, weight, weight_scale, weight_scale_2, n: int, swiglu: bool):
+        from pieceworks.backends.fp4_gemm import cuda_decode
+        from pieceworks.models import fused
+
+        self._check_x(x, weight, n)
+        m, k = x.shape
+        if m <= self.options.decode_max_m:
+            return self._decode(x, weight, weight_scale, weight_scale_2, n, swiglu)
+        w = cuda_decode.dequant(weight, weight_scale, weight_scale_2, n, k, swiglu)
+        y = x @ w.t()
+        if swiglu:
+            return fused.silu_mul(y[:, : n // 2], y[:, n // 2 :])
+        return y
+
+
 @lru_cache(maxsize=None)
 def _checkpoint_order(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
     """Column j of the checkpoint order sits at this column of an `interleave_rope_rows` GEMM output."""
