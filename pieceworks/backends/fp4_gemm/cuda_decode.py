@@ -186,23 +186,49 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
         slot_mmas<2>(acc, buf[B], sg, sh); \
         slot_mmas<3>(acc, buf[B], sg, sh); \
     } while (0)
+    // The epilogue's elements of this thread (plain epilogues): index idx = threadIdx.x + j W 32 of the
+    // `red` order -> (token, column n). Their norm weights (EPI 4) load before the PDL wait, their residual
+    // values after it, both long before the epilogue needs them.
+    constexpr int EPI_ITERS = (NT * 128 + W * 32 - 1) / (W * 32);
+    u16 res_pf[EPI_ITERS], nw_pf[EPI_ITERS];
+#pragma unroll
+    for (int j = 0; j < EPI_ITERS; ++j) {
+        res_pf[j] = nw_pf[j] = 0;
+        const int idx = threadIdx.x + j * W * 32, r = idx & 127, l = r >> 2, e = r & 3;
+        const int token = 8 * (idx >> 7) + 2 * (l & 3) + (e & 1), n = blockIdx.x * 16 + (l >> 2) + 8 * (e >> 1);
+        if (EPI == 4 && idx < NT * 128 && token < M && n < N) nw_pf[j] = nw[n];
+    }
     // The weights are never written by an earlier kernel: their first loads go before the PDL wait.
 #pragma unroll
     for (int b = 0; b < D - 1; ++b) LOAD_W(b, b, b < nc);
     PDL_WAIT();
 #pragma unroll
     for (int b = 0; b < D - 1; ++b) LOAD_X(b, b, b < nc);
+    if (EPI >= 3) {
+#pragma unroll
+        for (int j = 0; j < EPI_ITERS; ++j) {
+            const int idx = threadIdx.x + j * W * 32, r = idx & 127, l = r >> 2, e = r & 3;
+            const int token = 8 * (idx >> 7) + 2 * (l & 3) + (e & 1), n = blockIdx.x * 16 + (l >> 2) + 8 * (e >> 1);
+            if (idx < NT * 128 && token < M && n < N) res_pf[j] = res[(size_t)token * ldr + n];
+        }
+    }
     if (NORM) {  // each token's sum of squares from the partials, while the first chunks load: per warp
+        // (every token's loads in flight together, the butterflies interleaved: no per-token latency chain)
+        float v[NT * 8];
 #pragma unroll
-        for (int i = 0; i < NT * 8; ++i) {
-            float v = 0.f;
-            if (i < M) {
-#pragma unroll 4
-                for (int p = threadIdx.x; p < nparts; p += W * 32) v += pin[(size_t)i * nparts + p];
-            }
+        for (int i = 0; i < NT * 8; ++i) v[i] = 0.f;
+        for (int p = threadIdx.x; p < nparts; p += W * 32) {
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            if (lane == 0) ssq[warp * 16 + i] = v;
+            for (int i = 0; i < NT * 8; ++i) v[i] += i < M ? pin[(size_t)i * nparts + p] : 0.f;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+            for (int i = 0; i < NT * 8; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int i = 0; i < NT * 8; ++i) ssq[warp * 16 + i] = v[i];
         }
     }
     int c = 0;
@@ -243,7 +269,10 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
         return gs0 * rsqrtf(ss * __frcp_rn((float)kdim) + eps);
     };
     if (EPI == 0 || EPI == 3 || EPI == 4) {
-        for (int idx = threadIdx.x; idx < NT * 128; idx += W * 32) {
+#pragma unroll
+        for (int j = 0; j < EPI_ITERS; ++j) {
+            const int idx = threadIdx.x + j * W * 32;
+            if (idx >= NT * 128) break;
             const int i = idx >> 7, r = idx & 127;
             float v = 0.f;
 #pragma unroll
@@ -254,12 +283,12 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
             float sumsq = 0.f;
             if (token < M && n < N) {
                 float y = v * scale_of(token);
-                if (EPI >= 3) y = bf16_round(y) + __uint_as_float((u32)res[(size_t)token * ldr + n] << 16);
+                if (EPI >= 3) y = bf16_round(y) + __uint_as_float((u32)res_pf[j] << 16);
                 const u16 o = to_bf16(y);
                 out[(size_t)token * ldo + n] = o;
                 if (EPI == 4) {
                     const float sv = __uint_as_float((u32)o << 16);
-                    tout[(size_t)token * ldt + n] = to_bf16(sv * __uint_as_float((u32)nw[n] << 16));
+                    tout[(size_t)token * ldt + n] = to_bf16(sv * __uint_as_float((u32)nw_pf[j] << 16));
                     sumsq = sv * sv;
                 }
             }
