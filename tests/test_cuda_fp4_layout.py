@@ -89,6 +89,44 @@ def test_options_validated():
     for bad in (-1, 300):
         with pytest.raises(ValueError, match="decode_max_m"):
             CudaDecodeOptions(decode_max_m=bad)
+    assert CudaDecodeOptions().fuse_norm is False
+    with pytest.raises(ValueError, match="fuse_norm"):
+        CudaDecodeOptions(fuse_norm="yes")
+    spec = BackendSpec(device="cuda", capability=(9, 0))
+    assert not CudaFp4GemmBackend(spec).fuses_norm
+    assert CudaFp4GemmBackend(spec, CudaDecodeOptions(fuse_norm=True)).fuses_norm
+
+
+def test_fused_norm_falls_back_to_the_unfused_ops_where_the_kernel_does_not_serve():
+    """Runs on the CPU: with fuse_norm off, or M above decode_max_m, the norm / add ops run the base class's
+    defaults (the rms_norm op, then the GEMM path) before any kernel; a mismatched residual is refused."""
+    from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend
+
+    spec = BackendSpec(device="cuda", capability=(9, 0))
+    calls = []
+
+    class Probe(CudaFp4GemmBackend):
+        def forward_swiglu(self, x, *args):
+            calls.append(("swiglu", tuple(x.shape)))
+            return x
+
+    s = torch.randn(3, 64).to(torch.bfloat16)
+    nw = torch.ones(64, dtype=torch.bfloat16)
+    t, parts = s.clone(), torch.ones(3, 4)
+    off = Probe(spec)
+    off.forward_norm_swiglu(s, t, parts, nw, 1e-6, None, None, None, None, 16)
+    big = Probe(spec, CudaDecodeOptions(fuse_norm=True, decode_max_m=2))
+    big.forward_norm_swiglu(s, t, parts, nw, 1e-6, None, None, None, None, 16)
+    assert calls == [("swiglu", (3, 64))] * 2
+    assert Fp4GemmBackend.forward_norm_swiglu is not CudaFp4GemmBackend.forward_norm_swiglu
+    on = CudaFp4GemmBackend(spec, CudaDecodeOptions(fuse_norm=True))
+    gen = torch.Generator().manual_seed(6)
+    w, sc = random_weight(48, 256, gen)
+    codes, scales = r16c64.repack_decode(w, sc)
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="does not match the output"):
+        on.forward_add(x, codes, scales, torch.tensor(1.0), torch.tensor(1.0), 48,
+                       torch.zeros(2, 40).to(torch.bfloat16))
 
 
 def test_mismatched_shapes_refused_before_any_launch():

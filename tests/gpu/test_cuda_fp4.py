@@ -145,6 +145,9 @@ def _stream(m, k, gen):
     return s.to(torch.bfloat16), nw.to(torch.bfloat16)
 
 
+FUSING = CudaDecodeOptions(fuse_norm=True)  # the fused norm / residual kernels (off by default)
+
+
 def _prenormed(s, nw):
     from pieceworks.backends.fp4_gemm.base import norm_inputs
 
@@ -162,7 +165,7 @@ def test_fused_norm_matches_norm_then_gemm(n, k, m):
     s, nw = _stream(m, k, gen)
     t, parts = _prenormed(s, nw)
     eps = 1e-5
-    backend = CudaFp4GemmBackend(SPEC)
+    backend = CudaFp4GemmBackend(SPEC, FUSING)
     assert backend.fuses_norm
     x = fused.rms_norm(s, nw, eps)
     gu = backend.prepare_gate_up(w)
@@ -215,7 +218,7 @@ def test_add_norm_writes_the_next_norms_inputs(n, k, m):
     w = random_fp4(n, k, gen)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
     res, nw = _stream(m, n, gen)
-    backend = CudaFp4GemmBackend(SPEC)
+    backend = CudaFp4GemmBackend(SPEC, FUSING)
     p = backend.prepare(w)
     s, t, parts = backend.forward_add_norm(x, *p, n, res, nw)
     assert torch.equal(s, res + backend.forward(x, *p, n))
@@ -232,7 +235,7 @@ def test_residual_add_same_bits_as_gemm_then_add(n, k, m):
     w = random_fp4(n, k, gen)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
     res = (torch.randn(m, n, device=DEV, generator=gen) * 3).to(torch.bfloat16)
-    backend = CudaFp4GemmBackend(SPEC)
+    backend = CudaFp4GemmBackend(SPEC, FUSING)
     p = backend.prepare(w)
     got = backend.forward_add(x, *p, n, res)
     assert torch.equal(got, res + backend.forward(x, *p, n))
@@ -240,8 +243,8 @@ def test_residual_add_same_bits_as_gemm_then_add(n, k, m):
 
 
 def test_fuse_norm_off():
-    backend = CudaFp4GemmBackend(SPEC, CudaDecodeOptions(fuse_norm=False))
-    assert not backend.fuses_norm
+    backend = CudaFp4GemmBackend(SPEC)
+    assert not backend.fuses_norm and CudaDecodeOptions().fuse_norm is False  # the default
     gen = torch.Generator(device=DEV).manual_seed(77)
     w = random_fp4(64, 256, gen)
     s, nw = _stream(3, 256, gen)
@@ -257,7 +260,7 @@ def test_fused_norm_graph_replay_matches_eager(use_pdl):
     if use_pdl and pdl.unsupported_reason(DEV):
         pytest.skip(pdl.unsupported_reason(DEV))
     gen = torch.Generator(device=DEV).manual_seed(12)
-    backend = CudaFp4GemmBackend(SPEC)
+    backend = CudaFp4GemmBackend(SPEC, FUSING)
     hd, nh, nkv, hidden, inter = 128, 8, 2, 1024, 1536
     qkv = backend.prepare_qkv_rope(random_fp4((nh + 2 * nkv) * hd, hidden, gen), nh, nkv, hd)
     o = backend.prepare(random_fp4(hidden, nh * hd, gen))

@@ -7,11 +7,13 @@ operand, the warps' sums added in shared memory (r16c64.py describes the layout)
 `decode_max_m` (64) rows run it once per 16-row slice (the weights read once per slice); more rows
 dequantize the weight to a transient bf16 copy and call torch.matmul, as the Triton backend does from
 M = 1024. SwiGLU and the q/k/v rope are fused into the decode kernel's epilogue (rounded as the unfused
-ops round), and so are a decoder block's RMSNorms and residual adds (`fuses_norm`, option `fuse_norm`): the
-o and down kernels add their output to the stream s and write the next norm's inputs (s * norm weight and
-per-CTA sums of s^2), the q/k/v and gate/up kernels after them read s * norm weight as x and scale by
-1 / rms(s) in the epilogue (their main loop unchanged). Faster than the Triton backend up to 16 rows on the H200, slower beyond (docs/benchmarks.md),
+ops round). Faster than the Triton backend up to 16 rows on the H200, slower beyond (docs/benchmarks.md),
 so it has the lower priority: `backends.fp4_gemm: cuda` selects it.
+
+Option `fuse_norm` (off by default; `fuses_norm`) also fuses a Llama block's RMSNorms and residual adds:
+the o and down kernels add their output to the residual stream s and write the next norm's inputs
+(t = s * norm weight, per-CTA sums of s^2), and the q/k/v and gate/up kernels after them read t as x and
+scale by 1 / rms(s) in the epilogue, their main loop unchanged.
 
 The layout ("r16c64") differs from the Triton backend's k32, so one executor uses one of them for
 every mode (the registry refuses a mix). This module imports torch only; NVRTC compiles a kernel on
@@ -39,11 +41,13 @@ SLICE = 16  # rows of x per decode-kernel launch
 class CudaDecodeOptions:
     """decode_max_m: largest M served by the decode kernel (0 = never); above 16 rows it runs once per
     16-row slice of x, reading the weights again each time; above decode_max_m, dequantize + matmul.
-    fuse_norm: fuse decoder blocks' RMSNorms and residual adds into the decode kernel (`fuses_norm`);
-    false keeps the separate add+RMSNorm kernels."""
+    fuse_norm: fuse decoder blocks' RMSNorms and residual adds into the decode kernel (`fuses_norm`).
+    Off by default: on the H200 it removes 62 of a Llama-3.1-8B-shaped decode step's 65 norm kernels and
+    57 us of kernel time, but the graph replay with PDL was slower with it (1.96-1.98 ms against
+    1.85 at batch 1; docs/benchmarks.md)."""
 
     decode_max_m: int = 64
-    fuse_norm: bool = True
+    fuse_norm: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.fuse_norm, bool):

@@ -130,7 +130,8 @@ __device__ __forceinline__ void slot_mmas(float (&acc)[NT][2][4], const Chunk<NT
 
 // EPI 0: out[token, n] = y; EPI 3: out[token, n] = s = y + res[token, n] (rounded as the residual add: y to
 // bf16 first); EPI 4: EPI 3 and the next RMSNorm's inputs: tout[token, n] = s * nw[n] (bf16) and, per token,
-// the sum of s^2 over the CTA's 16 columns in pout[token, blockIdx.x] (float; a fixed order); EPI 1 (SwiGLU, rows 2j / 2j + 1 = gate / up of column j, interleave_gate_up):
+// the sum of s^2 over the CTA's 16 columns in pout[token, blockIdx.x] (float; a fixed order); EPI 1
+// (SwiGLU, rows 2j / 2j + 1 = gate / up of column j, interleave_gate_up):
 // out[token, n / 2] = silu(gate) * up. EPI 2 (q/k/v rope, rows in the interleave_rope_rows order: rows 2j and
 // 2j + 1 are dims d and d + half of a q or k head, columns below rope_cols; v rows in order): the pair
 // rotated by cos / sin [M, half] (float32, row strides ldc / lds) and stored in checkpoint column order.
