@@ -146,3 +146,56 @@ def test_norm_inputs_partials_sum_to_the_rows_sum_of_squares():
     assert torch.equal(t, (s.float() * w.float()).to(torch.bfloat16))
     torch.testing.assert_close(parts.sum(1), s.float().square().sum(1))
     torch.testing.assert_close(parts[:, 2], s[:, 32:].float().square().sum(1))
+
+
+def _executor(piecewise: bool):
+    from pieceworks import Executor
+
+    cfg = {
+        "model": {"arch": "llama", "preset": "tiny", "sizes": {"num_hidden_layers": 3}},
+        "quantization": {"format": "nvfp4"},
+        "runtime": {"device": "cpu", "dtype": "float32"},
+        "kv_cache": {"num_tokens": 1024, "page_size": 4},
+        "backends": {"fp4_gemm": "torch"},
+        "cuda_graph": {"piecewise": {"enabled": "on" if piecewise else "off", "max_tokens": 32,
+                                     "sizes": [4, 8, 16, 32]}},
+    }
+    return Executor.from_config(cfg, progress=False)
+
+
+def test_fused_norm_blocks_under_piecewise_graphs(monkeypatch):
+    """The executor path with a backend that fuses the norms (the torch reference declared so: its default
+    fused ops): Dynamo traces the Prenormed hand-over once, and the pieces give the eager logits."""
+    from pieceworks.executor.batch import ForwardBatch
+
+    monkeypatch.setattr(TorchFp4GemmBackend, "fuses_qkv_rope", True)
+    monkeypatch.setattr(TorchFp4GemmBackend, "fuses_norm", True)
+    calls = []
+    add_norm = TorchFp4GemmBackend.forward_add_norm
+
+    def counted(self, *args):
+        calls.append(args[0].shape[0])
+        return add_norm(self, *args)
+
+    monkeypatch.setattr(TorchFp4GemmBackend, "forward_add_norm", counted)
+    torch._dynamo.reset()
+    eager, pw = _executor(False), _executor(True)
+    assert all(b.norms_fused() for b in eager.model.layers) and pw.piecewise is not None
+    gen = torch.Generator().manual_seed(3)
+    steps = [[(0, 5), (1, 12)], [(0, 1), (1, 1)], [(2, 40)], [(0, 1), (2, 1)]]
+    out = {}
+    calls.clear()  # the piecewise executor's warm-up (tracing) step ran them too
+    for name, ex in (("eager", eager), ("pw", pw)):
+        seqs, logits = {}, []
+        gen.manual_seed(3)
+        for step in steps:
+            for i, _ in step:
+                seqs.setdefault(i, ex.new_sequence())
+            toks = [torch.randint(0, 200, (n,), generator=gen).tolist() for _, n in step]
+            logits.append(ex.forward(ForwardBatch([seqs[i] for i, _ in step], toks, return_all_logits=True)))
+        out[name] = logits
+        assert len(calls) == 4 * 5, name  # o and down of 3 blocks but the last down, 4 steps
+        calls.clear()
+    assert pw.piecewise.backend.num_compiles == 1
+    for a, b in zip(out["eager"], out["pw"]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)

@@ -255,7 +255,6 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         return self.forward_qkv_rope(t, weight, weight_scale, weight_scale_2, input_scale, cos, sin, num_heads,
                                      num_kv_heads, head_dim, prenormed=prenormed)
 
-
     def forward_swiglu(self, x, weight, weight_scale, weight_scale_2, input_scale, intermediate):
         """silu(gate) * up in the decode kernel's epilogue (rounded as the silu_mul op rounds); larger M:
         dequantize in checkpoint row order, matmul, then the silu_mul op."""

@@ -84,6 +84,7 @@ __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u3
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+
 __device__ __forceinline__ float bf16_round(float v) {  // v rounded to bf16, as float
     u16 h;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
@@ -161,7 +162,6 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     const u16* xp[NT];
 #pragma unroll
     for (int i = 0; i < NT; ++i) xp[i] = x + (size_t)min(8 * i + g, M - 1) * ldx + c_begin * 64 + 16 * t;
-
 
     Chunk<NT> buf[D];
     float acc[NT][2][4];
