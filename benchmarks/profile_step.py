@@ -88,7 +88,8 @@ def main() -> None:
 
 def kernel_family(name: str) -> str:
     n = name.lower()
-    for key, family in (("fp4_gemm", "fp4 gemm (Triton)"), ("splitk", "fp4 gemm split-K reduce"),
+    for key, family in (("nvfp4_decode_gemm", "fp4 gemm (cuda)"), ("nvfp4_decode_dequant", "fp4 dequant (cuda)"),
+                        ("fp4_gemm", "fp4 gemm (Triton)"), ("splitk", "fp4 gemm split-K reduce"),
                         ("gemm", "bf16 gemm (cuBLAS: lm_head)"), ("gemv", "bf16 gemm (cuBLAS: lm_head)"),
                         ("nvjet", "bf16 gemm (cuBLAS: lm_head)"),
                         ("_decode_kernel", "attention (attention.triton)"),
