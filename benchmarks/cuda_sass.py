@@ -8,7 +8,8 @@ Needs no GPU: NVRTC (on a CPU machine: `pip download --no-deps nvidia-cuda-nvrtc
 bundled cuobjdump. Prints each instance's registers and its main loop (the longest backward branch holding an mma):
 instructions, and per 64-element chunk with --chunks-per-iteration (the register ring's loop holds
 `depth` chunks, the default 2). --source-file takes SOURCE from another copy of cuda_decode.py (an
-older commit's, say: `git show REV:pieceworks/backends/fp4_gemm/cuda_decode.py > old.py`).
+older commit's, say: `git show REV:pieceworks/backends/fp4_gemm/cuda_decode.py > old.py`; a copy that
+prepends DEVICE_HELPERS gets today's cuda_device.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from pieceworks.backends import nvrtc  # noqa: E402
-from pieceworks.backends.fp4_gemm import cuda_decode  # noqa: E402
+from pieceworks.backends.fp4_gemm import cuda_decode, cuda_device  # noqa: E402
 
 
 def cuobjdump(args: list[str], cubin: bytes) -> str:
@@ -70,7 +71,9 @@ def main() -> None:
         nvrtc.nvrtc_library = lambda: ctypes.CDLL(args.nvrtc)
     source = cuda_decode.SOURCE
     if args.source_file:
-        source = re.search(r'SOURCE = r"""(.*?)"""', open(args.source_file).read(), re.S).group(1)
+        found = re.search(r'SOURCE = (DEVICE_HELPERS \+ )?r"""(.*?)"""', open(args.source_file).read(), re.S)
+        # since the sixteenth session the device helpers live in cuda_device.py (today's copy is used)
+        source = (cuda_device.DEVICE_HELPERS if found.group(1) else "") + found.group(2)
     for name in args.names:
         cubin, _ = nvrtc.compile_cubin(source, name, args.arch)
         regs = re.search(r"REG:(\d+)", cuobjdump(["--dump-resource-usage"], cubin))
