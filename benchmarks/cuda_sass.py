@@ -1,6 +1,6 @@
 """SASS of the CUDA decode GEMM (backends/fp4_gemm/cuda_decode.py), compiled offline by NVRTC for sm_90.
 
-    python benchmarks/cuda_sass.py --nvrtc /path/to/libnvrtc.so.13 "nvfp4_decode_gemm<16, 2, 1, 0, 0>" ...
+    python benchmarks/cuda_sass.py --nvrtc /path/to/libnvrtc.so.13 "nvfp4_decode_gemm<16, 2, 1, 0, 0, 0>" ...
     python benchmarks/cuda_sass.py --source-file old_cuda_decode.py "nvfp4_decode_gemm_async<16, 4, 1, 0>"
 
 Needs no GPU: NVRTC (on a CPU machine: `pip download --no-deps nvidia-cuda-nvrtc==13.0.*` and unzip;
@@ -40,7 +40,8 @@ def cuobjdump(args: list[str], cubin: bytes) -> str:
 
 def main_loop(sass: str) -> list[str]:
     """Instructions of the longest backward branch's span that holds an mma (HMMA) in a cuobjdump -sass
-    listing (the epilogue's loops hold none; the rope epilogue's is longer than the main loop)."""
+    listing (the epilogue's loops hold none; the rope epilogue's is longer than the main loop), leaving out
+    spans that hold an mbarrier wait."""
     seq = {}
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
@@ -51,7 +52,10 @@ def main_loop(sass: str) -> list[str]:
         target = re.search(r"BRA (0x[0-9a-f]+)$", ins)
         if target and int(target.group(1), 16) < addr:
             loops.append((int(target.group(1), 16), addr))
-    loops = [(a, b) for a, b in loops if any(ins.startswith("HMMA") for addr, ins in seq.items() if a <= addr <= b)]
+    body = lambda a, b: [ins for addr, ins in seq.items() if a <= addr <= b]  # noqa: E731
+    # the preload's mbarrier wait loop (SYNCS) is laid out after the epilogue, its span covering the kernel
+    loops = [(a, b) for a, b in loops if any(i.startswith("HMMA") for i in body(a, b))
+             and not any(i.startswith("SYNCS") for i in body(a, b))]
     if not loops:
         raise RuntimeError("no loop with an mma found in the SASS")
     a, b = max(loops, key=lambda p: p[1] - p[0])
@@ -60,7 +64,7 @@ def main_loop(sass: str) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("names", nargs="+", help='template instances, e.g. "nvfp4_decode_gemm<16, 2, 1, 0, 0>"')
+    ap.add_argument("names", nargs="+", help='template instances, e.g. "nvfp4_decode_gemm<16, 2, 1, 0, 0, 0>"')
     ap.add_argument("--nvrtc", help="path of libnvrtc.so.<major> (default: the one torch finds)")
     ap.add_argument("--source-file", help="take SOURCE from this copy of cuda_decode.py")
     ap.add_argument("--chunks-per-iteration", type=int, default=2)

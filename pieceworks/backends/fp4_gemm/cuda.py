@@ -48,12 +48,15 @@ class CudaDecodeOptions:
 
     l2_prefetch_mb: every decode kernel prefetches into L2 up to this many MB (from the start) of the weights
     of the GEMM the model runs after it (`link_weights`; 0 = never). l2_prefetch_at: where in the kernel
-    its CTAs issue the prefetch: "start" (before their own loads) or "end" (after their main loop)."""
+    its CTAs issue the prefetch: "start" (before their own loads) or "end" (after their main loop).
+    preload: decode kernels whose CTAs all fit on the GPU at once and whose K <= 4096 copy their whole
+    weight slab into shared memory before the PDL wait (`preloads`)."""
 
     decode_max_m: int = 64
     fuse_norm: bool = False
     l2_prefetch_mb: float = 0.0
     l2_prefetch_at: str = "end"
+    preload: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.fuse_norm, bool):
@@ -61,6 +64,8 @@ class CudaDecodeOptions:
         if isinstance(self.l2_prefetch_mb, bool) or not isinstance(self.l2_prefetch_mb, (int, float)) \
                 or not 0 <= self.l2_prefetch_mb <= 1024:
             raise ValueError(f"l2_prefetch_mb={self.l2_prefetch_mb!r}: use a number of MB from 0 (off) to 1024")
+        if not isinstance(self.preload, bool):
+            raise ValueError(f"preload={self.preload!r}: use true or false")
         if self.l2_prefetch_at not in ("start", "end"):
             raise ValueError(f"l2_prefetch_at={self.l2_prefetch_at!r}: use start or end")
         if not 0 <= self.decode_max_m <= 256:
@@ -97,6 +102,16 @@ def plan(m: int, n_rows: int, sms: int) -> tuple[int, int]:
     while warps > least and ctas * warps > budget:
         warps //= 2
     return warps, 2
+
+
+def preloads(m: int, row_groups: int, chunks: int, warps: int, sms: int) -> bool:
+    """Whether a decode launch preloads its weight slab into shared memory: K <= 4096 (64 chunks: 36 KB of
+    codes and scales per CTA), at most 16 warps x token tiles (the `red` buffer; static shared memory
+    stays under 48 KB) and every CTA resident at once (at most 4 per SM: 5 fit beside each other)."""
+    from pieceworks.backends.fp4_gemm.cuda_decode import PRELOAD_CHUNKS
+
+    nt = 1 if m <= 8 else 2
+    return chunks <= PRELOAD_CHUNKS and warps * nt <= 16 and row_groups <= 4 * sms
 
 
 class CudaFp4GemmBackend(Fp4GemmBackend):
@@ -199,9 +214,10 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         pf_at = 0 if self.options.l2_prefetch_at == "start" else 1
         if m <= SLICE:
             warps, depth = plan(m, weight.shape[0] * 16, sms)
+            pre = self.options.preload and preloads(m, weight.shape[0], weight.shape[1], warps, sms)
             return cuda_decode.decode_gemm(x, weight, weight_scale, weight_scale_2, n, warps, depth, swiglu, on,
                                            rope=rope, prenormed=prenormed, residual=residual, norm_out=norm_out,
-                                           prefetch=pf, prefetch_at=pf_at)
+                                           prefetch=pf, prefetch_at=pf_at, preload=pre)
         out = torch.empty(m, n // 2 if swiglu else n, dtype=torch.bfloat16, device=x.device)
         for r0 in range(0, m, SLICE):
             r1 = min(m, r0 + SLICE)

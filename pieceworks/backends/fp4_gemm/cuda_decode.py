@@ -58,7 +58,7 @@ __device__ __forceinline__ void slot_mmas(float (&acc)[NT][2][4], const Chunk<NT
 // NORM 1: the GEMM's input is RMSNorm(s) with s the residual stream: x is an EPI 4 kernel's s * norm weight,
 // pin [M, nparts] its partial sums of s^2; y = (W @ x) / rms(s), rms(s) = sqrt(sum / kdim + eps), the
 // 1 / rms applied in float32 in the epilogue (the unfused path rounds s / rms(s) to bf16 before the weight).
-template <int W, int D, int NT, int EPI, int NORM>
+template <int W, int D, int NT, int EPI, int NORM, int PRE>
 __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     const U4* __restrict__ codes, const u16* __restrict__ scales, const u16* __restrict__ x,
     u16* __restrict__ out, const float* __restrict__ gscale,
@@ -71,6 +71,12 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     __shared__ float red[W * NT * 128];
     __shared__ float ssq[NORM ? W * 16 : 1];
     __shared__ float sq[EPI == 4 ? 256 : 1];
+    // PRE: the CTA's whole weight slab (nchunks <= PRE_CHUNKS) copied to shared memory by two bulk copies
+    // issued before the PDL wait, so that its DRAM read overlaps the kernels before this one
+    constexpr int PRE_CHUNKS = 64;
+    __shared__ U4 wsm[PRE ? PRE_CHUNKS * 32 : 1];
+    __shared__ u16 ssm[PRE ? PRE_CHUNKS * 32 : 1];
+    __shared__ __align__(8) unsigned long long bar;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int c_begin = (nchunks * warp) / W;
@@ -89,9 +95,15 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     for (int i = 0; i < NT; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[i][0][e] = acc[i][1][e] = 0.f;
+    const U4* cps = wsm + c_begin * 32 + lane;
+    const u16* sps = ssm + c_begin * 32 + lane;
 #define LOAD_W(B, C, P) do { \
-        ld_stream(buf[B].w, cp + (C) * 32, P); \
-        ld_scale(buf[B].s, sp + (C) * 32, P); \
+        if (PRE) { \
+            if (P) { buf[B].w = cps[(C) * 32]; buf[B].s = sps[(C) * 32]; } \
+        } else { \
+            ld_stream(buf[B].w, cp + (C) * 32, P); \
+            ld_scale(buf[B].s, sp + (C) * 32, P); \
+        } \
     } while (0)
 #define LOAD_X(B, C, P) do { \
         _Pragma("unroll") for (int i = 0; i < NT; ++i) { \
@@ -123,10 +135,26 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
         prefetch_l2_share(pfc, pfc_bytes);
         prefetch_l2_share(pfs, pfs_bytes);
     }
-    // The weights are never written by an earlier kernel: their first loads go before the PDL wait.
+    // The weights are never written by an earlier kernel: their first loads (PRE: all) go before the PDL wait.
+    if (PRE) {
+        const u32 b = smem_addr(&bar);
+        if (threadIdx.x == 0) mbar_init(b);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            mbar_expect(b, nchunks * 576);
+            bulk_to_smem(smem_addr(wsm), codes + (size_t)blockIdx.x * nchunks * 32, nchunks * 512, b);
+            bulk_to_smem(smem_addr(ssm), scales + (size_t)blockIdx.x * nchunks * 32, nchunks * 64, b);
+        }
+    } else {
 #pragma unroll
-    for (int b = 0; b < D - 1; ++b) LOAD_W(b, b, b < nc);
+        for (int b = 0; b < D - 1; ++b) LOAD_W(b, b, b < nc);
+    }
     PDL_WAIT();
+    if (PRE) {
+        mbar_wait(smem_addr(&bar));
+#pragma unroll
+        for (int b = 0; b < D - 1; ++b) LOAD_W(b, b, b < nc);
+    }
 #pragma unroll
     for (int b = 0; b < D - 1; ++b) LOAD_X(b, b, b < nc);
     if (EPI >= 3) {
@@ -166,6 +194,8 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
         }
         cp += D * 32;
         sp += D * 32;
+        cps += D * 32;
+        sps += D * 32;
 #pragma unroll
         for (int i = 0; i < NT; ++i) xp[i] += D * 64;
     }
@@ -308,9 +338,12 @@ __global__ void __launch_bounds__(256) nvfp4_decode_dequant(
 """
 
 
+PRELOAD_CHUNKS = 64  # the kernel's PRE_CHUNKS: slabs of K <= 4096 fit its shared memory
+
+
 def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2, swiglu: bool = False,
                 pdl: bool = False, out=None, rope=None, prenormed=None, residual=None, norm_out=None,
-                prefetch=None, prefetch_at: int = 1):
+                prefetch=None, prefetch_at: int = 1, preload: bool = False):
     """y = x @ dequant(W).T for M <= 16 (bf16 x with unit stride in K, 16-byte aligned rows); with
     swiglu (rows interleaved gate / up) y = silu(gate) * up [M, n / 2]; with rope = (cos, sin,
     rope_cols, head_dim) (rows in the interleave_rope_rows order) the q/k columns below rope_cols
@@ -325,7 +358,11 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
 
     prefetch = (codes, codes_bytes, scales, scales_bytes): the first bytes of another weight's codes and
     scales (the next GEMM of the step) fetched into L2 by the CTAs, each its share, before their first
-    loads (prefetch_at 0) or after their main loop (1); byte counts multiples of 16."""
+    loads (prefetch_at 0) or after their main loop (1); byte counts multiples of 16.
+
+    preload (K <= 4096 only, else ignored): each CTA copies its whole weight slab into shared memory by
+    bulk copies issued before the PDL wait (the read overlaps the kernels before it) and runs its loop from
+    there."""
     m, k = x.shape
     if m > 16:
         raise ValueError(f"decode_gemm serves M <= 16, got {m}")
@@ -383,7 +420,9 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
         if not (0 <= pc_bytes <= pc.nbytes and 0 <= ps_bytes <= ps.nbytes):
             raise ValueError("decode_gemm: a prefetch region is larger than its tensor")
         pf_args = [pc, pc_bytes, ps, ps_bytes, int(prefetch_at)]
-    kernel(SOURCE, f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {epi}, {int(prenormed is not None)}>", x.device)(
+    pre = int(preload and ch <= PRELOAD_CHUNKS)
+    name = f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {epi}, {int(prenormed is not None)}, {pre}>"
+    kernel(SOURCE, name, x.device)(
         (rg, 1, 1), (warps * 32, 1, 1),
         [codes, scales, x, out, gscale, m, n, ch, x.stride(0), out.stride(0), *rope_args, *norm_args, *res_args,
          *out_args, *pf_args], pdl)
