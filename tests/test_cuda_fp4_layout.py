@@ -155,54 +155,20 @@ def test_no_rows_no_launch():
     assert y.shape == (0, 16) and y.dtype == torch.bfloat16
 
 
-def test_l2_prefetch_links_each_weight_to_the_next_gemm_of_the_forward(monkeypatch):
-    """Runs on the CPU: `CausalLM.prepare` hands the backend its linears in forward order (per block q/k/v,
-    o, gate/up, down); with l2_prefetch_mb each decode launch prefetches the next weight's first 16-row
-    blocks within the budget, and nothing without it."""
-    from pieceworks.backends.fp4_gemm import cuda as cuda_mod
-    from pieceworks.models.llama import Llama
 
-    with pytest.raises(ValueError, match="l2_prefetch_mb"):
-        CudaDecodeOptions(l2_prefetch_mb=-1)
-    with pytest.raises(ValueError, match="l2_prefetch_at"):
-        CudaDecodeOptions(l2_prefetch_at="middle")
-    hf = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-              intermediate_size=192, vocab_size=32)
-    spec = BackendSpec(device="cuda", capability=(9, 0))
-    for mb in (0.0, 0.01):
-        backend = CudaFp4GemmBackend(spec, CudaDecodeOptions(l2_prefetch_mb=mb))
-        model = Llama(hf, torch.bfloat16, fp4=lambda name: True)
-        table = type("Table", (), {"instances": lambda self, op: [backend] if op == "fp4_gemm" else []})()
-        model.prepare(table)
-        order = [(f"layers.{i}.{n}", getattr(b.self_attn if n in ("qkv", "o") else b.mlp, p))
-                 for i, b in enumerate(model.layers) for n, p in (("qkv", "qkv_proj"), ("o", "o_proj"),
-                                                                   ("gate_up", "gate_up_proj"), ("down", "down_proj"))]
-        order = [(name, getattr(m, "proj", m)) for name, m in order]
-        if mb == 0:
-            assert backend._prefetch == {}
-            continue
-        assert len(backend._prefetch) == len(order) - 1  # the last down prefetches nothing
-        budget = mb * 2**20
-        for (name, lin), (_, nxt) in zip(order, order[1:]):
-            codes, cb, scales, sb = backend._prefetch[lin.weight.data_ptr()]
-            assert codes is nxt.weight and scales is nxt.weight_scale, name
-            per_block = nxt.weight[0].nbytes + nxt.weight_scale[0].nbytes
-            blocks = cb // nxt.weight[0].nbytes
-            assert sb == blocks * nxt.weight_scale[0].nbytes and cb % 16 == 0 and sb % 16 == 0
-            assert blocks == min(nxt.weight.shape[0], max(1, int(budget // per_block))), name
-        assert any(cb < c.nbytes for c, cb, _, _ in backend._prefetch.values())  # the budget cut some
-        assert any(cb == c.nbytes for c, cb, _, _ in backend._prefetch.values())  # and kept others whole
+def test_preload_rule():
+    """Runs on the CPU: the launches that preload their weight slab (K <= 4096, the grid resident, the
+    kernel's static shared memory under 48 KB), on the H200's 132 SMs with the plan's warps."""
+    from pieceworks.backends.fp4_gemm.cuda import preloads
 
-        launches = []
-        monkeypatch.setattr(cuda_decode, "decode_gemm", lambda *a, **k: launches.append(k) or
-                            torch.zeros(a[0].shape[0], a[4], dtype=torch.bfloat16))
-        monkeypatch.setattr(cuda_mod, "_multiprocessors", lambda device: 132)
-        o = dict(order)["layers.0.o"]
-        x = torch.randn(3, o.in_features).to(torch.bfloat16)
-        backend.forward(x, o.weight, o.weight_scale, o.weight_scale_2, o.input_scale, o.out_features)
-        assert launches[-1]["prefetch"][0] is dict(order)["layers.0.gate_up"].weight
-        assert launches[-1]["prefetch_at"] == 1
-        last = dict(order)["layers.1.down"]
-        backend.forward(torch.randn(3, last.in_features).to(torch.bfloat16), last.weight, last.weight_scale,
-                        last.weight_scale_2, last.input_scale, last.out_features)
-        assert launches[-1]["prefetch"] is None
+    def rule(m, n, k):
+        return preloads(m, -(-n // 16), -(-k // 64), plan(m, n, 132)[0], 132)
+
+    assert rule(1, 6144, 4096) and rule(1, 4096, 4096) and rule(16, 4096, 4096)  # q/k/v, o
+    assert not rule(1, 4096, 14336)  # down: K = 14336, 112 chunks
+    assert not rule(1, 28672, 4096)  # gate_up: 1792 CTAs, more than 4 per SM
+    assert rule(1, 7168, 2048)  # DeepSeek-V3 expert down
+    assert not preloads(9, 256, 64, 16, 132)  # 16 warps x 2 token tiles: `red` too large
+    assert CudaDecodeOptions().preload is False
+    with pytest.raises(ValueError, match="preload"):
+        CudaDecodeOptions(preload="on")

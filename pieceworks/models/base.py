@@ -271,6 +271,3 @@ class CausalLM(nn.Module):
                     m.prepare_experts(moe[0])
                 except ValueError as e:
                     raise ValueError(f"{name}: {e}") from None
-        linears = [m.fp4_weight() for m in self.modules() if isinstance(m, Fp4Linear)]
-        for backend in fp4:  # module order is the order a forward runs them (registration order)
-            backend.link_weights(linears)

@@ -96,31 +96,6 @@ def test_graph_replay_matches_eager(use_pdl):
         pdl._enabled = old
 
 
-@pytest.mark.parametrize("at", ["start", "end"])
-@pytest.mark.parametrize("m", [1, 16, 40])
-def test_l2_prefetch_of_the_next_weight_changes_no_bits(m, at):
-    """With l2_prefetch_mb the kernels prefetch the next linked weight (whole, and cut by the budget) into
-    L2; the outputs are the same bits, eager and in a graph."""
-    gen = torch.Generator(device=DEV).manual_seed(11 + m)
-    plain = CudaFp4GemmBackend(SPEC)
-    w1, w2 = plain.prepare(random_fp4(4096, 4096, gen)), plain.prepare(random_fp4(6144 + 16, 4096, gen))
-    x = torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16, generator=gen)
-    ref = plain.forward(plain.forward(x, *w1, 4096), *w2, 6144 + 16)
-    for mb in (1024.0, 1.0):
-        backend = CudaFp4GemmBackend(SPEC, CudaDecodeOptions(l2_prefetch_mb=mb, l2_prefetch_at=at))
-        backend.link_weights([w1, w2])
-        block = w2.weight[0].nbytes + w2.weight_scale[0].nbytes  # one 16-row block: 36 KiB
-        want = w2.weight.nbytes if mb > 1 else int(2**20 // block) * w2.weight[0].nbytes
-        assert backend._prefetch[w1.weight.data_ptr()][1] == want and (mb > 1 or want < w2.weight.nbytes)
-        assert torch.equal(backend.forward(backend.forward(x, *w1, 4096), *w2, 6144 + 16), ref)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = backend.forward(backend.forward(x, *w1, 4096), *w2, 6144 + 16)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, ref)
-
-
 @pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (40, 208), (2048, 3072), (4096, 14336)])
 @pytest.mark.parametrize("m", [1, 5, 9, 16])
 def test_preload_gives_the_same_bits(n, k, m):

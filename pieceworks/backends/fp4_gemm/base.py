@@ -47,11 +47,6 @@ class Fp4GemmBackend(Backend):
         which `forward_swiglu` then serves. Default: `prepare` (rows in checkpoint order)."""
         return self.prepare(w)
 
-    def link_weights(self, order: list[Fp4Weight]) -> None:
-        """The prepared weights of a model's NVFP4 linears in the order a forward runs them, given once
-        after `prepare`: a backend may use it to fetch the next GEMM's weights early (cuda:
-        `l2_prefetch_mb`). Default: ignored."""
-
     fuses_qkv_rope: ClassVar[bool] = False
     """Whether `forward_qkv_rope` fuses the rope into the GEMM (models then call it instead of the
     GEMM followed by the rope op, with the weight from `prepare_qkv_rope`), for the head shapes

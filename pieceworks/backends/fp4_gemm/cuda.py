@@ -46,28 +46,18 @@ class CudaDecodeOptions:
     57 us of kernel time, but the graph replay with PDL was slower with it (1.96-1.98 ms against
     1.85 at batch 1; docs/benchmarks.md).
 
-    l2_prefetch_mb: every decode kernel prefetches into L2 up to this many MB (from the start) of the weights
-    of the GEMM the model runs after it (`link_weights`; 0 = never). l2_prefetch_at: where in the kernel
-    its CTAs issue the prefetch: "start" (before their own loads) or "end" (after their main loop).
     preload: decode kernels whose CTAs all fit on the GPU at once and whose K <= 4096 copy their whole
     weight slab into shared memory before the PDL wait (`preloads`)."""
 
     decode_max_m: int = 64
     fuse_norm: bool = False
-    l2_prefetch_mb: float = 0.0
-    l2_prefetch_at: str = "end"
     preload: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.fuse_norm, bool):
             raise ValueError(f"fuse_norm={self.fuse_norm!r}: use true or false")
-        if isinstance(self.l2_prefetch_mb, bool) or not isinstance(self.l2_prefetch_mb, (int, float)) \
-                or not 0 <= self.l2_prefetch_mb <= 1024:
-            raise ValueError(f"l2_prefetch_mb={self.l2_prefetch_mb!r}: use a number of MB from 0 (off) to 1024")
         if not isinstance(self.preload, bool):
             raise ValueError(f"preload={self.preload!r}: use true or false")
-        if self.l2_prefetch_at not in ("start", "end"):
-            raise ValueError(f"l2_prefetch_at={self.l2_prefetch_at!r}: use start or end")
         if not 0 <= self.decode_max_m <= 256:
             raise ValueError(f"decode_max_m={self.decode_max_m}: use 0 (never) to 256")
 
@@ -135,24 +125,9 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
                 reasons.append(reason)
         return reasons
 
-    def __init__(self, spec, options=None) -> None:
-        super().__init__(spec, options)
-        self._prefetch: dict[int, tuple] = {}  # codes.data_ptr() -> decode_gemm's prefetch of the next weight
-
     @property
     def fuses_norm(self) -> bool:
         return self.options.fuse_norm
-
-    def link_weights(self, order: list[Fp4Weight]) -> None:
-        """With `l2_prefetch_mb`, each weight's kernels prefetch the first l2_prefetch_mb MB of the next
-        weight in `order` (whole 16-row blocks, codes and their scales alike); the last weight prefetches
-        nothing."""
-        self._prefetch = {}
-        budget = self.options.l2_prefetch_mb * 2**20
-        if budget <= 0:
-            return
-        for w, nxt in zip(order, order[1:]):
-            self._prefetch[w.weight.data_ptr()] = prefetch_region(nxt.weight, nxt.weight_scale, budget)
 
     def prepare(self, w: Fp4Weight) -> Fp4Weight:
         from pieceworks.backends.fp4_gemm.r16c64 import repack_decode
@@ -210,14 +185,12 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         m = x.shape[0]
         on = pdl.enabled(x.device)
         sms = _multiprocessors(x.device)
-        pf = self._prefetch.get(weight.data_ptr()) if self._prefetch else None
-        pf_at = 0 if self.options.l2_prefetch_at == "start" else 1
         if m <= SLICE:
             warps, depth = plan(m, weight.shape[0] * 16, sms)
             pre = self.options.preload and preloads(m, weight.shape[0], weight.shape[1], warps, sms)
             return cuda_decode.decode_gemm(x, weight, weight_scale, weight_scale_2, n, warps, depth, swiglu, on,
                                            rope=rope, prenormed=prenormed, residual=residual, norm_out=norm_out,
-                                           prefetch=pf, prefetch_at=pf_at, preload=pre)
+                                           preload=pre)
         out = torch.empty(m, n // 2 if swiglu else n, dtype=torch.bfloat16, device=x.device)
         for r0 in range(0, m, SLICE):
             r1 = min(m, r0 + SLICE)
@@ -228,8 +201,7 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
                 x[rows], weight, weight_scale, weight_scale_2, n, warps, depth, swiglu, on, out=out[rows],
                 rope=part_rope, prenormed=None if prenormed is None else (prenormed[0][rows], prenormed[1]),
                 residual=None if residual is None else residual[rows],
-                norm_out=None if norm_out is None else (norm_out[0], norm_out[1][rows], norm_out[2][rows]),
-                prefetch=pf if r1 == m else None, prefetch_at=pf_at)  # the last slice's kernel prefetches
+                norm_out=None if norm_out is None else (norm_out[0], norm_out[1][rows], norm_out[2][rows]))
         return out
 
     def forward(self, x, weight, weight_scale, weight_scale_2, input_scale, out_features):
@@ -319,14 +291,6 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         if swiglu:
             return fused.silu_mul(y[:, : n // 2], y[:, n // 2 :])
         return y
-
-
-def prefetch_region(codes: torch.Tensor, scales: torch.Tensor, budget: float) -> tuple:
-    """decode_gemm's `prefetch` for the first 16-row blocks of an r16c64 weight (codes [R, C, 512] uint8,
-    scales [R, C, 64] uint8) that fit `budget` bytes together (at least one block)."""
-    per_block = codes[0].nbytes + scales[0].nbytes
-    blocks = max(1, min(codes.shape[0], int(budget // per_block)))
-    return codes, blocks * codes[0].nbytes, scales, blocks * scales[0].nbytes
 
 
 @lru_cache(maxsize=None)

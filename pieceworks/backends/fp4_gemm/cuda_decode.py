@@ -65,8 +65,7 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     int M, int N, int nchunks, int ldx, int ldo,
     const float* __restrict__ cosp, const float* __restrict__ sinp, int ldc, int lds, int rope_cols, int half,
     const float* __restrict__ pin, int nparts, float eps, int kdim, const u16* __restrict__ res, int ldr,
-    const u16* __restrict__ nw, u16* __restrict__ tout, int ldt, float* __restrict__ pout,
-    const char* __restrict__ pfc, int pfc_bytes, const char* __restrict__ pfs, int pfs_bytes, int pf_at)
+    const u16* __restrict__ nw, u16* __restrict__ tout, int ldt, float* __restrict__ pout)
 {
     __shared__ float red[W * NT * 128];
     __shared__ float ssq[NORM ? W * 16 : 1];
@@ -130,10 +129,6 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
         const int idx = threadIdx.x + j * W * 32, r = idx & 127, l = r >> 2, e = r & 3;
         const int token = 8 * (idx >> 7) + 2 * (l & 3) + (e & 1), n = blockIdx.x * 16 + (l >> 2) + 8 * (e >> 1);
         if (EPI == 4 && idx < NT * 128 && token < M && n < N) nw_pf[j] = nw[n];
-    }
-    if (pf_at == 0 && threadIdx.x == 0) {  // the next kernel's weights into L2 (before this one's loads)
-        prefetch_l2_share(pfc, pfc_bytes);
-        prefetch_l2_share(pfs, pfs_bytes);
     }
     // The weights are never written by an earlier kernel: their first loads (PRE: all) go before the PDL wait.
     if (PRE) {
@@ -207,10 +202,6 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
 #undef LOAD_W
 #undef LOAD_X
 #undef COMPUTE
-    if (pf_at == 1 && threadIdx.x == 0) {  // the next kernel's weights into L2 (after the main loop)
-        prefetch_l2_share(pfc, pfc_bytes);
-        prefetch_l2_share(pfs, pfs_bytes);
-    }
     PDL_TRIGGER();
     // acc[i]: (row g, token 8i + 2t), (row g, 8i + 2t + 1), (row g + 8, 8i + 2t), (row g + 8, 8i + 2t + 1)
 #pragma unroll
@@ -343,7 +334,7 @@ PRELOAD_CHUNKS = 64  # the kernel's PRE_CHUNKS: slabs of K <= 4096 fit its share
 
 def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2, swiglu: bool = False,
                 pdl: bool = False, out=None, rope=None, prenormed=None, residual=None, norm_out=None,
-                prefetch=None, prefetch_at: int = 1, preload: bool = False):
+                preload: bool = False):
     """y = x @ dequant(W).T for M <= 16 (bf16 x with unit stride in K, 16-byte aligned rows); with
     swiglu (rows interleaved gate / up) y = silu(gate) * up [M, n / 2]; with rope = (cos, sin,
     rope_cols, head_dim) (rows in the interleave_rope_rows order) the q/k columns below rope_cols
@@ -355,10 +346,6 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
     norm_out = (norm weight [n] bf16, t [M, n] bf16, partials [M, ceil(n / 16)] float32) as well, the
     kernel also writes the next RMSNorm's inputs: t = (y + residual) * weight and the partial sums of
     squares of y + residual.
-
-    prefetch = (codes, codes_bytes, scales, scales_bytes): the first bytes of another weight's codes and
-    scales (the next GEMM of the step) fetched into L2 by the CTAs, each its share, before their first
-    loads (prefetch_at 0) or after their main loop (1); byte counts multiples of 16.
 
     preload (K <= 4096 only, else ignored): each CTA copies its whole weight slab into shared memory by
     bulk copies issued before the PDL wait (the read overlaps the kernels before it) and runs its loop from
@@ -412,20 +399,12 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
         if parts.shape != (m, rg) or parts.dtype != torch.float32 or not parts.is_contiguous():
             raise ValueError(f"decode_gemm: the partials must be contiguous float32 [{m}, {rg}]")
         epi, out_args = 4, [nw, t, t.stride(0), parts]
-    pf_args = [gscale, 0, gscale, 0, 0]
-    if prefetch is not None:
-        pc, pc_bytes, ps, ps_bytes = prefetch
-        if pc_bytes % 16 or ps_bytes % 16 or pc.data_ptr() % 16 or ps.data_ptr() % 16:
-            raise ValueError("decode_gemm: prefetch regions must be 16-byte aligned multiples of 16 bytes")
-        if not (0 <= pc_bytes <= pc.nbytes and 0 <= ps_bytes <= ps.nbytes):
-            raise ValueError("decode_gemm: a prefetch region is larger than its tensor")
-        pf_args = [pc, pc_bytes, ps, ps_bytes, int(prefetch_at)]
     pre = int(preload and ch <= PRELOAD_CHUNKS)
     name = f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {epi}, {int(prenormed is not None)}, {pre}>"
     kernel(SOURCE, name, x.device)(
         (rg, 1, 1), (warps * 32, 1, 1),
         [codes, scales, x, out, gscale, m, n, ch, x.stride(0), out.stride(0), *rope_args, *norm_args, *res_args,
-         *out_args, *pf_args], pdl)
+         *out_args], pdl)
     return out
 
 

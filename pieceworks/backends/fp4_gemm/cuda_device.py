@@ -40,16 +40,6 @@ __device__ __forceinline__ void mbar_wait(u32 bar) {
                      " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(bar) : "memory");
     } while (!done);
 }
-// L2 prefetch of this CTA's share of [p, p + bytes) (bytes a multiple of 16, p 16-byte aligned): memory the
-// next kernel of the step reads (its weights), fetched while this one ends. One bulk request per CTA.
-__device__ __forceinline__ void prefetch_l2_share(const char* p, int bytes) {
-    if (bytes <= 0) return;
-    const int per = ((bytes + (int)gridDim.x - 1) / (int)gridDim.x + 15) & ~15;
-    const int begin = per * (int)blockIdx.x;
-    if (begin >= bytes) return;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p + begin), "r"(min(per, bytes - begin))
-                 : "memory");
-}
 
 __device__ __forceinline__ void ld_stream(U4& r, const U4* p, bool pred) {
     asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n"
