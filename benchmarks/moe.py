@@ -3,6 +3,7 @@ hidden 7168, moe_intermediate 2048.
 
     python benchmarks/moe.py --out DIR             # the shipped MoE tile table
     python benchmarks/moe.py --sweep --out DIR     # try candidate tiles per token bucket first
+    python benchmarks/moe.py --backend cuda --out DIR   # the CUDA MoE (moe.cuda) instead
 
 For each token count T: the whole op (routing + align + both grouped GEMMs + combine) and the expert
 part alone (align + GEMMs + combine on routed ids), as CUDA-graph replays that rotate over 8 routing
@@ -134,11 +135,18 @@ def precompile(workers: int) -> None:
 
 
 class Bench:
-    def __init__(self, gen):
+    def __init__(self, gen, backend: str = "triton"):
         self.gen = gen
-        self.w = random_moe(gen)
         self.bias = torch.randn(E, device="cuda", generator=gen) * 0.01
-        self.backend = TritonMoEBackend(BackendSpec.for_device("cuda", fp4_numerics="w4a16"))
+        spec = BackendSpec.for_device("cuda", fp4_numerics="w4a16")
+        if backend == "cuda":
+            from pieceworks.backends.moe.cuda import CudaMoEBackend
+
+            self.backend = CudaMoEBackend(spec)
+            self.w = self.backend.prepare(random_moe(gen))  # r16c64 per expert
+        else:
+            self.backend = TritonMoEBackend(spec)
+            self.w = random_moe(gen)
 
     def full(self, x, logits):
         return self.backend.forward(x, logits, self.bias, self.w, TOPK, GROUPS, TOPK_GROUP, True, SCALE)
@@ -147,6 +155,8 @@ class Bench:
         from pieceworks.backends.moe import triton_kernels as mk
 
         weights, ids = routed
+        if self.backend.name == "cuda":
+            return self.backend.experts(x, weights, ids, self.w)
         blocks = num_aligned_blocks(ids.numel(), E, tile.block_m)
         sorted_ids, expert_ids, num_post = mk.align_gpu(ids, E, tile.block_m, blocks)
         w = self.w
@@ -200,6 +210,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--sweep-t", help="comma-separated tuning Ts to sweep (default: all buckets)")
     parser.add_argument("--tokens", help="comma-separated Ts to benchmark (default: %s)" % TOKENS)
+    parser.add_argument("--backend", default="triton", choices=("triton", "cuda"))
     parser.add_argument("--pdl", default="off", choices=("auto", "on", "off"),
                         help="programmatic dependent launch of the Triton kernels (runtime.pdl; default off: "
                              "each call timed on its own, as the bf16 baseline)")
@@ -213,20 +224,23 @@ def main() -> None:
         return
     gen = torch.Generator("cuda").manual_seed(0)
     t0 = time.time()
-    bench = Bench(gen)
+    bench = Bench(gen, args.backend)
     print(f"weights ready in {time.time() - t0:.1f}s; {torch.cuda.memory_allocated() / 1e9:.1f} GB", flush=True)
+    if args.sweep and args.backend == "cuda":
+        raise SystemExit("--sweep tunes the Triton MoE's tiles; the cuda backend has none")
     if args.sweep:
         table = sweep(bench, gen, [int(v) for v in args.sweep_t.split(",")] if args.sweep_t else None)
     else:
         from pieceworks.backends.fp4_gemm.triton_tiles import MOE_TILES
 
         table = MOE_TILES
-    bench.backend.table = parse_table(table)
-    print("table:", json.dumps(table), flush=True)
+    if args.backend == "triton":
+        bench.backend.table = parse_table(table)
+        print("table:", json.dumps(table), flush=True)
     results = []
     for t in [int(v) for v in args.tokens.split(",")] if args.tokens else TOKENS:
         sets = draws(t, gen, DRAWS if t <= 256 else 2)
-        tile = bench.backend.tile(t)
+        tile = bench.backend.tile(t) if args.backend == "triton" else TileConfig()
         touched = []
         for _, logits in sets:
             touched.append(int(bench.route(logits)[1].unique().numel()))
@@ -242,7 +256,8 @@ def main() -> None:
         row = dict(tokens=t, experts_touched=sum(touched) / len(touched), full_us=t_full * 1e6,
                    experts_us=t_exp * 1e6, touched_gb=nbytes / 1e9,
                    full_hbm_frac=nbytes / t_full / HBM, experts_hbm_frac=nbytes / t_exp / HBM,
-                   tflops=flops / t_full / 1e12, dense_bf16_us=t_dense * 1e6, tile=dataclasses.asdict(tile))
+                   tflops=flops / t_full / 1e12, dense_bf16_us=t_dense * 1e6, backend=args.backend,
+                   tile=dataclasses.asdict(tile) if args.backend == "triton" else None)
         results.append(row)
         print(f"T={t:6d} experts {row['experts_touched']:6.1f}  full {row['full_us']:9.1f} us "
               f"({100 * row['full_hbm_frac']:3.0f}% of 4.24 TB/s over touched)  experts-only "

@@ -74,13 +74,15 @@ class TritonBackends:
 
 
 class CudaBackends:
-    """pieceworks' own CUDA kernels, compiled at run time by NVRTC: the NVFP4 weight-only decode GEMM."""
+    """pieceworks' own CUDA kernels, compiled at run time by NVRTC: the NVFP4 weight-only decode GEMM and the
+    fused MoE built on it."""
 
     @hookimpl
     def pieceworks_register_backends(self):
         from pieceworks.backends.fp4_gemm.cuda import CudaFp4GemmBackend
+        from pieceworks.backends.moe.cuda import CudaMoEBackend
 
-        return [CudaFp4GemmBackend]
+        return [CudaFp4GemmBackend, CudaMoEBackend]
 
 
 BUILTIN_PLUGINS: dict[str, object] = {

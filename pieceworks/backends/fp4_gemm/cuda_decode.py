@@ -58,14 +58,16 @@ __device__ __forceinline__ void slot_mmas(float (&acc)[NT][2][4], const Chunk<NT
 // NORM 1: the GEMM's input is RMSNorm(s) with s the residual stream: x is an EPI 4 kernel's s * norm weight,
 // pin [M, nparts] its partial sums of s^2; y = (W @ x) / rms(s), rms(s) = sqrt(sum / kdim + eps), the
 // 1 / rms applied in float32 in the epilogue (the unfused path rounds s / rms(s) to bf16 before the weight).
-template <int W, int D, int NT, int EPI, int NORM, int PRE>
+template <int W, int D, int NT, int EPI, int NORM, int PRE, int MOE>
 __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     const U4* __restrict__ codes, const u16* __restrict__ scales, const u16* __restrict__ x,
     u16* __restrict__ out, const float* __restrict__ gscale,
     int M, int N, int nchunks, int ldx, int ldo,
     const float* __restrict__ cosp, const float* __restrict__ sinp, int ldc, int lds, int rope_cols, int half,
     const float* __restrict__ pin, int nparts, float eps, int kdim, const u16* __restrict__ res, int ldr,
-    const u16* __restrict__ nw, u16* __restrict__ tout, int ldt, float* __restrict__ pout)
+    const u16* __restrict__ nw, u16* __restrict__ tout, int ldt, float* __restrict__ pout,
+    const int* __restrict__ sids, const int* __restrict__ eids, const int* __restrict__ npost,
+    const float* __restrict__ tw, int a_div, int gs_stride)
 {
     __shared__ float red[W * NT * 128];
     __shared__ float ssq[NORM ? W * 16 : 1];
@@ -78,15 +80,36 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     __shared__ __align__(8) unsigned long long bar;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
+    // MOE: the CTA serves block blockIdx.y of the expert-sorted pairs (`moe_align`: 8 NT flat pair ids of one
+    // expert, padded with ids >= M, M = the number of pairs); codes, scales, gscale are that expert's
+    const int* bids = sids + (size_t)blockIdx.y * NT * 8;
+    if (MOE) {
+        PDL_WAIT();  // which expert comes from the kernels before
+        if ((int)blockIdx.y * NT * 8 >= *npost) return;
+        const size_t e = eids[blockIdx.y];
+        codes += e * gridDim.x * nchunks * 32;
+        scales += e * gridDim.x * nchunks * 32;
+        gscale += e * gs_stride;
+    }
+    auto ok = [&](int token) { return MOE ? bids[token] < M : token < M; };  // a row to store
+    auto orow = [&](int token) { return (size_t)(MOE ? bids[token] : token); };  // its output row
     const int c_begin = (nchunks * warp) / W;
     const int nc = (nchunks * (warp + 1)) / W - c_begin;
     const size_t chunk0 = (size_t)blockIdx.x * nchunks + c_begin;
     const U4* cp = codes + chunk0 * 32 + lane;
     const u16* sp = scales + chunk0 * 32 + lane;
-    // n-tile i serves tokens 8 i + g; tokens >= M read token M - 1's row (their results are not stored)
+    // n-tile i serves tokens 8 i + g; tokens >= M read token M - 1's row (their results are not stored);
+    // MOE: x row id / a_div of the token's pair id, padding rows the block's first pair's
     const u16* xp[NT];
 #pragma unroll
-    for (int i = 0; i < NT; ++i) xp[i] = x + (size_t)min(8 * i + g, M - 1) * ldx + c_begin * 64 + 16 * t;
+    for (int i = 0; i < NT; ++i) {
+        int row = min(8 * i + g, M - 1);
+        if (MOE) {
+            const int id = bids[8 * i + g];
+            row = (id < M ? id : bids[0]) / a_div;
+        }
+        xp[i] = x + (size_t)row * ldx + c_begin * 64 + 16 * t;
+    }
 
     Chunk<NT> buf[D];
     float acc[NT][2][4];
@@ -210,6 +233,7 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
         for (int e = 0; e < 4; ++e) red[(warp * NT + i) * 128 + lane * 4 + e] = acc[i][0][e] + acc[i][1][e];
     __syncthreads();
     const float gs0 = *gscale * 16384.0f;
+    const float gs_up = MOE && EPI == 1 ? gscale[1] * 16384.0f : gs0;  // MOE SwiGLU: the up half's global scale
     // 1 / rms of a token's s (NORM), from the warps' sums of the partials
     auto scale_of = [&](int token) {
         if (!NORM) return gs0;
@@ -231,11 +255,12 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
             const int row = (l >> 2) + 8 * (e >> 1), token = 8 * i + 2 * (l & 3) + (e & 1);
             const int n = blockIdx.x * 16 + row;
             float sumsq = 0.f;
-            if (token < M && n < N) {
+            if (ok(token) && n < N) {
                 float y = v * scale_of(token);
+                if (MOE) y *= tw[bids[token]];  // the pair's routing weight (the down GEMM)
                 if (EPI >= 3) y = bf16_round(y) + __uint_as_float((u32)res_pf[j] << 16);
                 const u16 o = to_bf16(y);
-                out[(size_t)token * ldo + n] = o;
+                out[orow(token) * ldo + n] = o;
                 if (EPI == 4) {
                     const float sv = __uint_as_float((u32)o << 16);
                     tout[(size_t)token * ldt + n] = to_bf16(sv * __uint_as_float((u32)nw_pf[j] << 16));
@@ -268,10 +293,10 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
                 vu += red[(w * NT + i) * 128 + iu];
             }
             const int n = blockIdx.x * 8 + j;
-            if (token >= M || 2 * n >= N) continue;
+            if (!ok(token) || 2 * n >= N) continue;
             const float gs = scale_of(token);
             if (EPI == 1) {
-                out[(size_t)token * ldo + n] = swiglu(vg * gs, vu * gs);
+                out[orow(token) * ldo + n] = swiglu(vg * gs, vu * (MOE ? gs_up : gs));
             } else if (2 * n < rope_cols) {
                 const int head = n / half, d = n % half;
                 u16 o1, o2;
@@ -400,11 +425,43 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
             raise ValueError(f"decode_gemm: the partials must be contiguous float32 [{m}, {rg}]")
         epi, out_args = 4, [nw, t, t.stride(0), parts]
     pre = int(preload and ch <= PRELOAD_CHUNKS)
-    name = f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {epi}, {int(prenormed is not None)}, {pre}>"
+    name = f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {epi}, {int(prenormed is not None)}, {pre}, 0>"
     kernel(SOURCE, name, x.device)(
         (rg, 1, 1), (warps * 32, 1, 1),
         [codes, scales, x, out, gscale, m, n, ch, x.stride(0), out.stride(0), *rope_args, *norm_args, *res_args,
-         *out_args], pdl)
+         *out_args, gscale, gscale, gscale, gscale, 1, 0], pdl)
+    return out
+
+
+def moe_gemm(x, codes, scales, gscale, n: int, sorted_ids, expert_ids, num_post, num_pairs: int, a_div: int,
+             out, topk_weights=None, warps: int = 2, depth: int = 2, pdl: bool = False):
+    """The grouped decode GEMM of the fused MoE over expert-sorted blocks of 8 pairs (`moe_align`'s
+    sorted_ids / expert_ids / num_post, block_m 8): for every pair id p < num_pairs in block b (expert
+    e = expert_ids[b]), out[p] = x[p // a_div] @ dequant(W_e).T, times topk_weights[p] when given (the
+    down GEMM), else (gate/up rows interleaved) silu(gate) * up with gate / up global scales gscale[e, 0 / 1].
+
+    x bf16 [rows, K] (unit stride in K, 16-byte aligned rows, K a multiple of 64); codes [E, R, C, 512],
+    scales [E, R, C, 64] (r16c64 per expert); gscale float32 [E] or [E, 2]; out bf16 [num_pairs, n or
+    n / 2]. Blocks at or past num_post[0] exit at once: the grid is sized for the worst case."""
+    e, rg, ch, _ = codes.shape
+    k = x.shape[1]
+    if k != ch * CHUNK or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        raise ValueError(f"moe_gemm: x must be bf16 [rows, {ch * CHUNK}] with unit stride in K and aligned rows")
+    swiglu = topk_weights is None
+    if gscale.shape[0] != e or (swiglu and (gscale.dim() != 2 or gscale.shape[1] != 2)):
+        raise ValueError(f"moe_gemm: gscale must be float32 [{e}]{' x 2' if swiglu else ''}, got "
+                         f"{tuple(gscale.shape)}")
+    gscale = gscale.contiguous()
+    blocks = expert_ids.shape[0]
+    if sorted_ids.shape[0] != blocks * 8:
+        raise ValueError("moe_gemm: sorted_ids must hold 8 pair ids per block")
+    name = f"nvfp4_decode_gemm<{warps}, {depth}, 1, {int(swiglu)}, 0, 0, 1>"
+    tw = gscale if swiglu else topk_weights
+    kernel(SOURCE, name, x.device)(
+        (rg, blocks, 1), (warps * 32, 1, 1),
+        [codes, scales, x, out, gscale, num_pairs, n, ch, x.stride(0), out.stride(0), gscale, gscale, 0, 0, 0, 1,
+         gscale, 0, 0.0, k, gscale, 0, gscale, gscale, 0, gscale, sorted_ids, expert_ids, num_post, tw, a_div,
+         gscale.stride(0)], pdl)
     return out
 
 

@@ -141,10 +141,18 @@ def fused_moe(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_wei
         A_DIV=1, SWIGLU=False, ROUTED_WEIGHT=True, EVEN_K=even and inter == w2.shape[2] * 2,
         **common,
     )
-    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    return combine(y, T, top_k, x.dtype)
+
+
+def combine(y: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, H] in dtype: out[t] = sum over slots of y[t * top_k + slot] (y [T * top_k, H], float32 sums in a
+    fixed order); one launch."""
+    H = y.shape[1]
+    out = torch.empty((num_tokens, H), dtype=dtype, device=y.device)
+    use_pdl, launch = pdl.launch_options(y.device)
     block = 1024
-    _combine_kernel[(T, triton.cdiv(H, block))](y, out, H, TOPK=top_k, BLOCK=block, PDL=use_pdl, num_warps=4,
-                                                **launch)
+    _combine_kernel[(num_tokens, triton.cdiv(H, block))](y, out, H, TOPK=top_k, BLOCK=block, PDL=use_pdl,
+                                                         num_warps=4, **launch)
     return out
 
 

@@ -1,0 +1,124 @@
+"""Fused NVFP4 MoE with the CUDA decode kernel of `fp4_gemm.cuda` (w4a16), grouped over experts.
+
+forward: the Triton MoE's routing (`routing.route`) and expert sort (`triton_kernels.align_gpu`, blocks of 8
+(token, slot) pairs of one expert), then two launches of `cuda_decode.moe_gemm`, one CTA per (16 weight
+rows, block): gate/up with SwiGLU in the epilogue (each expert's gate and up global scales), down with the
+routing weight, and the Triton top-k combine. The kernel is the dense decode GEMM's (integer decode of the
+codes, bf16 mma.sync with the weights as A, a 2-chunk register ring) on each expert's r16c64 weights; a
+CTA finds its expert and pair rows after the PDL wait (they come from the align kernel). Every buffer has
+a size fixed by (T, top_k, E), blocks past the routed rows exit on a device-side count: capturable in FULL
+and PIECEWISE graphs.
+
+Each block of 8 pairs reads its expert's weights once, so an expert with c pairs is read ceil(c / 8) times:
+made for decode batches (docs/benchmarks.md has the measured range); the Triton MoE (priority 50) stays
+`auto`'s pick, `backends.moe: cuda` selects this one. Hidden and expert intermediate sizes must be
+multiples of 64 (DeepSeek-V3: 7168, 2048).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pieceworks.backends.base import Requirements
+from pieceworks.backends.fp4_gemm.r16c64 import CHUNK, repack_decode
+from pieceworks.backends.fp4_gemm.triton import interleave_gate_up
+from pieceworks.backends.moe.base import MoEBackend, MoEWeights
+from pieceworks.backends.moe.routing import route
+
+BLOCK_M = 8  # pairs per block: one n-tile of the kernel's mma
+
+
+def repack_experts(w: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor | None = None):
+    """Stacked checkpoint experts [E, N, K/2] + [E, N, K/16] -> r16c64 per expert: codes uint8 [E, R, C, 512],
+    scales uint8 [E, R, C, 64] (`repack_decode`), rows taken in the order `rows` when given; filled expert by
+    expert into preallocated tensors (no stacked copy)."""
+    codes = scales = None
+    for e in range(w.shape[0]):
+        we, se = (w[e], scale[e]) if rows is None else (w[e][rows], scale[e][rows])
+        c, s = repack_decode(we, se)
+        if codes is None:
+            codes = torch.empty((w.shape[0], *c.shape), dtype=c.dtype, device=c.device)
+            scales = torch.empty((w.shape[0], *s.shape), dtype=s.dtype, device=s.device)
+        codes[e], scales[e] = c, s
+    return codes, scales
+
+
+class CudaMoEBackend(MoEBackend):
+    name = "cuda"
+    priority = 40
+    requires = Requirements(devices=("cuda",), min_capability=(9, 0), modules=("triton",),
+                            install_hint="pip install triton (routing, sort and combine are Triton kernels)")
+    numerics = ("w4a16",)
+    weight_formats = ("nvfp4",)
+    weight_layout = "r16c64"
+    description = "CUDA w4a16 fused MoE (NVRTC): the decode GEMM grouped over expert-sorted blocks of 8 pairs"
+
+    @classmethod
+    def check(cls, spec):
+        from pieceworks.backends.fp4_gemm.cuda import nvrtc_unavailable_reason
+
+        reasons = super().check(spec)
+        if spec.model.moe_experts and spec.model.dtype != torch.bfloat16:
+            reasons.append(f"takes bf16 activations (model dtype: {spec.model.dtype})")
+        if not reasons:
+            reason = nvrtc_unavailable_reason()
+            if reason:
+                reasons.append(reason)
+        return reasons
+
+    def prepare(self, w: MoEWeights) -> MoEWeights:
+        """Gate row j and up row j side by side (`interleave_gate_up`), then r16c64 per expert."""
+        if not w.is_fp4:
+            raise ValueError("CudaMoEBackend serves NVFP4 experts only (weight_formats)")
+        num_experts, two_i, half_h = w.w13.shape
+        hidden, inter = half_h * 2, two_i // 2
+        if hidden % CHUNK or inter % CHUNK:
+            raise ValueError(f"the cuda MoE needs hidden and expert intermediate sizes that are multiples of "
+                             f"{CHUNK}, got {hidden} and {inter}: use backends.moe: triton")
+        w13, w13_scale = repack_experts(w.w13, w.w13_scale, interleave_gate_up(two_i).to(w.w13.device))
+        w2, w2_scale = repack_experts(w.w2, w.w2_scale)
+        return MoEWeights(w13, w13_scale, w.w13_scale_2.float().contiguous(), w.w13_input_scale,
+                          w2, w2_scale, w.w2_scale_2.float().reshape(num_experts).contiguous(), w.w2_input_scale)
+
+    def forward(self, x, router_logits, correction_bias, w, top_k, num_expert_group, topk_group,
+                renormalize, routed_scaling_factor):
+        if x.shape[0] == 0:
+            return torch.empty_like(x)
+        weights, ids = route(router_logits, correction_bias, top_k, num_expert_group, topk_group,
+                             renormalize, routed_scaling_factor)
+        return self.experts(x, weights.contiguous(), ids, w)
+
+    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                w: MoEWeights) -> torch.Tensor:
+        """Sort, both grouped GEMMs and the combine for routed pairs (topk_weights float32 [T, top_k])."""
+        from pieceworks.backends import pdl
+        from pieceworks.backends.fp4_gemm import cuda_decode
+        from pieceworks.backends.fp4_gemm.cuda import _multiprocessors, plan
+        from pieceworks.backends.moe import triton_kernels
+        from pieceworks.backends.moe.triton import num_aligned_blocks
+
+        tokens, hidden = x.shape
+        num_experts, rg13, ch13, _ = w.w13.shape
+        _, rg2, ch2, _ = w.w2.shape
+        inter = ch2 * CHUNK
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"the cuda MoE takes bf16 activations, got {x.dtype}: use backends.moe: triton")
+        if hidden != ch13 * CHUNK:
+            raise ValueError(f"x [T, {hidden}] does not match the experts' hidden size {ch13 * CHUNK}")
+        top_k = topk_ids.shape[1]
+        pairs = tokens * top_k
+        blocks = num_aligned_blocks(pairs, num_experts, BLOCK_M)
+        sorted_ids, expert_ids, num_post = triton_kernels.align_gpu(topk_ids, num_experts, BLOCK_M, blocks)
+        if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+            x = x.contiguous()
+        on = pdl.enabled(x.device)
+        sms = _multiprocessors(x.device)
+        h = torch.empty(pairs, inter, dtype=torch.bfloat16, device=x.device)
+        warps, depth = plan(BLOCK_M, rg13 * 16 * min(blocks, num_experts), sms)
+        cuda_decode.moe_gemm(x, w.w13, w.w13_scale, w.w13_scale_2, 2 * inter, sorted_ids, expert_ids, num_post,
+                             pairs, top_k, h, None, warps, depth, on)
+        y = torch.empty(pairs, hidden, dtype=torch.bfloat16, device=x.device)
+        warps, depth = plan(BLOCK_M, rg2 * 16 * min(blocks, num_experts), sms)
+        cuda_decode.moe_gemm(h, w.w2, w.w2_scale, w.w2_scale_2, hidden, sorted_ids, expert_ids, num_post,
+                             pairs, 1, y, topk_weights.reshape(-1).float().contiguous(), warps, depth, on)
+        return triton_kernels.combine(y, tokens, top_k, x.dtype)

@@ -1,0 +1,62 @@
+"""The CUDA fused MoE's preparation on the CPU: expert repacking, refusals, registration (its kernels run in
+tests/gpu/test_cuda_moe.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pieceworks.backends.base import BackendSpec, ModelFacts
+from pieceworks.backends.fp4_gemm import r16c64
+from pieceworks.backends.fp4_gemm.triton import interleave_gate_up
+from pieceworks.backends.moe.cuda import CudaMoEBackend, repack_experts
+from pieceworks.quant import nvfp4
+from pieceworks.testing import scenarios as S
+
+
+def _weights(experts=3, hidden=128, inter=64, seed=0):
+    return S.random_moe_weights(experts, hidden, inter, True, torch.bfloat16, torch.Generator().manual_seed(seed),
+                                torch.device("cpu"))
+
+
+def test_prepare_repacks_each_expert_with_gate_and_up_interleaved():
+    w = _weights()
+    p = CudaMoEBackend(BackendSpec(device="cuda", capability=(9, 0))).prepare(w)
+    rows = interleave_gate_up(w.w13.shape[1])
+    for e in range(w.w13.shape[0]):
+        codes, scales = r16c64.repack_decode(w.w13[e][rows], w.w13_scale[e][rows])
+        assert torch.equal(p.w13[e], codes) and torch.equal(p.w13_scale[e], scales)
+        codes, scales = r16c64.repack_decode(w.w2[e], w.w2_scale[e])
+        assert torch.equal(p.w2[e], codes) and torch.equal(p.w2_scale[e], scales)
+    assert p.w13.shape == (3, 128 // 16, 128 // 64, 512) and p.w2.shape == (3, 128 // 16, 64 // 64, 512)
+    assert p.w13_scale_2.shape == (3, 2) and p.w2_scale_2.shape == (3,)
+    # the kernel's gate / up global scales: unchanged per expert
+    assert torch.equal(p.w13_scale_2, w.w13_scale_2.float())
+    codes, _ = r16c64.unpack_decode(p.w13[1], p.w13_scale[1], 128, 128)
+    plain = nvfp4.unpack(w.w13[1])
+    assert torch.equal(codes[0::2], plain[:64]) and torch.equal(codes[1::2], plain[64:])  # gate j, up j
+
+
+def test_repack_experts_without_rows_is_the_per_expert_repack():
+    w = _weights(experts=2, hidden=64, inter=64, seed=2)
+    codes, scales = repack_experts(w.w2, w.w2_scale)
+    for e in range(2):
+        c, s = r16c64.repack_decode(w.w2[e], w.w2_scale[e])
+        assert torch.equal(codes[e], c) and torch.equal(scales[e], s)
+
+
+def test_refusals_and_requirements():
+    backend = CudaMoEBackend(BackendSpec(device="cuda", capability=(9, 0)))
+    with pytest.raises(ValueError, match="multiples of 64"):
+        backend.prepare(_weights(hidden=128, inter=48))
+    with pytest.raises(ValueError, match="multiples of 64"):
+        backend.prepare(_weights(hidden=96, inter=64))
+    bf16 = S.random_moe_weights(2, 64, 64, False, torch.bfloat16, torch.Generator().manual_seed(1),
+                                torch.device("cpu"))
+    with pytest.raises(ValueError, match="NVFP4"):
+        backend.prepare(bf16)
+    facts = ModelFacts(arch="deepseek_v3", dtype=torch.bfloat16, fp4=True, moe_experts=8, moe_quant="nvfp4")
+    assert any("cuda" in r for r in CudaMoEBackend.check(BackendSpec(device="cpu", model=facts)))
+    old = ModelFacts(arch="deepseek_v3", dtype=torch.float16, fp4=True, moe_experts=8, moe_quant="nvfp4")
+    reasons = CudaMoEBackend.check(BackendSpec(device="cuda", capability=(8, 0), model=old))
+    assert any("9.0" in r for r in reasons) and any("bf16" in r for r in reasons)
