@@ -60,3 +60,11 @@ def test_refusals_and_requirements():
     old = ModelFacts(arch="deepseek_v3", dtype=torch.float16, fp4=True, moe_experts=8, moe_quant="nvfp4")
     reasons = CudaMoEBackend.check(BackendSpec(device="cuda", capability=(8, 0), model=old))
     assert any("9.0" in r for r in reasons) and any("bf16" in r for r in reasons)
+
+
+def test_selected_by_config_beside_the_cuda_gemm_and_sharing_its_options():
+    """`backends.moe: cuda` with `backends.options.cuda` set for fp4_gemm.cuda: the shared options parse."""
+    from pieceworks.backends.base import parse_options
+
+    opts = parse_options(CudaMoEBackend, {"fuse_norm": True, "preload": True})
+    assert CudaMoEBackend(BackendSpec(device="cuda", capability=(9, 0)), opts).options.preload is True

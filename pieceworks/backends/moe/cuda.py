@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from pieceworks.backends.base import Requirements
+from pieceworks.backends.fp4_gemm.cuda import CudaDecodeOptions
 from pieceworks.backends.fp4_gemm.r16c64 import CHUNK, repack_decode
 from pieceworks.backends.fp4_gemm.triton import interleave_gate_up
 from pieceworks.backends.moe.base import MoEBackend, MoEWeights
@@ -51,6 +52,7 @@ class CudaMoEBackend(MoEBackend):
     numerics = ("w4a16",)
     weight_formats = ("nvfp4",)
     weight_layout = "r16c64"
+    Options = CudaDecodeOptions  # backends.options.cuda is shared with fp4_gemm.cuda; none of them applies here
     description = "CUDA w4a16 fused MoE (NVRTC): the decode GEMM grouped over expert-sorted blocks of 8 pairs"
 
     @classmethod
