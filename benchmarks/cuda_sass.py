@@ -53,7 +53,7 @@ def main_loop(sass: str) -> list[str]:
         if target and int(target.group(1), 16) < addr:
             loops.append((int(target.group(1), 16), addr))
     body = lambda a, b: [ins for addr, ins in seq.items() if a <= addr <= b]  # noqa: E731
-    # the preload's mbarrier wait loop (SYNCS) is laid out after the epilogue, its span covering the kernel
+    # an mbarrier wait loop (SYNCS) laid out after the epilogue spans the whole kernel (exp/preload's)
     loops = [(a, b) for a, b in loops if any(i.startswith("HMMA") for i in body(a, b))
              and not any(i.startswith("SYNCS") for i in body(a, b))]
     if not loops:

@@ -153,22 +153,3 @@ def test_no_rows_no_launch():
     scales = torch.zeros(1, 1, 64, dtype=torch.uint8)
     y = cuda_decode.decode_gemm(torch.zeros(0, 64, dtype=torch.bfloat16), codes, scales, torch.tensor(1.0), 16)
     assert y.shape == (0, 16) and y.dtype == torch.bfloat16
-
-
-
-def test_preload_rule():
-    """Runs on the CPU: the launches that preload their weight slab (K <= 4096, the grid resident, the
-    kernel's static shared memory under 48 KB), on the H200's 132 SMs with the plan's warps."""
-    from pieceworks.backends.fp4_gemm.cuda import preloads
-
-    def rule(m, n, k):
-        return preloads(m, -(-n // 16), -(-k // 64), plan(m, n, 132)[0], 132)
-
-    assert rule(1, 6144, 4096) and rule(1, 4096, 4096) and rule(16, 4096, 4096)  # q/k/v, o
-    assert not rule(1, 4096, 14336)  # down: K = 14336, 112 chunks
-    assert not rule(1, 28672, 4096)  # gate_up: 1792 CTAs, more than 4 per SM
-    assert rule(1, 7168, 2048)  # DeepSeek-V3 expert down
-    assert not preloads(9, 256, 64, 16, 132)  # 16 warps x 2 token tiles: `red` too large
-    assert CudaDecodeOptions().preload is False
-    with pytest.raises(ValueError, match="preload"):
-        CudaDecodeOptions(preload="on")

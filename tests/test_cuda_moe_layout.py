@@ -66,5 +66,5 @@ def test_selected_by_config_beside_the_cuda_gemm_and_sharing_its_options():
     """`backends.moe: cuda` with `backends.options.cuda` set for fp4_gemm.cuda: the shared options parse."""
     from pieceworks.backends.base import parse_options
 
-    opts = parse_options(CudaMoEBackend, {"fuse_norm": True, "preload": True})
-    assert CudaMoEBackend(BackendSpec(device="cuda", capability=(9, 0)), opts).options.preload is True
+    opts = parse_options(CudaMoEBackend, {"fuse_norm": True, "decode_max_m": 32})
+    assert CudaMoEBackend(BackendSpec(device="cuda", capability=(9, 0)), opts).options.decode_max_m == 32

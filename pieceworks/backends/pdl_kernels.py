@@ -29,16 +29,8 @@ def launch_dependents(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-EARLY_ENTER = tl.constexpr(False)
-"""Experiment knob (benchmarks/preload_ab.py): `enter` lets the next grid launch before it waits."""
-
-
 @triton.jit
 def enter(PDL: tl.constexpr):
     """`wait`, then `launch_dependents`: for short kernels, whose successor may as well start now."""
-    if EARLY_ENTER:
-        launch_dependents(PDL)
-        wait(PDL)
-    else:
-        wait(PDL)
-        launch_dependents(PDL)
+    wait(PDL)
+    launch_dependents(PDL)

@@ -96,60 +96,6 @@ def test_graph_replay_matches_eager(use_pdl):
         pdl._enabled = old
 
 
-@pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (40, 208), (2048, 3072), (4096, 14336)])
-@pytest.mark.parametrize("m", [1, 5, 9, 16])
-def test_preload_gives_the_same_bits(n, k, m):
-    """preload (the weight slab copied to shared memory before the PDL wait): the plain and SwiGLU epilogues
-    give the bits of the kernel without it, eager and replayed with PDL; K > 4096 runs without it."""
-    from pieceworks.backends.fp4_gemm.cuda import _multiprocessors, plan, preloads
-
-    gen = torch.Generator(device=DEV).manual_seed(n + k + m)
-    plain = CudaFp4GemmBackend(SPEC)
-    pre = CudaFp4GemmBackend(SPEC, CudaDecodeOptions(preload=True))
-    w = random_fp4(n, k, gen)
-    p, pg = plain.prepare(w), plain.prepare_gate_up(w)
-    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
-    sms = _multiprocessors(torch.device(DEV))
-    assert preloads(m, p[0].shape[0], p[0].shape[1], plan(m, n, sms)[0], sms) == (k <= 4096)
-    assert torch.equal(pre.forward(x, *p, n), plain.forward(x, *p, n))
-    assert torch.equal(pre.forward_swiglu(x, *pg, n // 2), plain.forward_swiglu(x, *pg, n // 2))
-    old = pdl._enabled
-    pdl._enabled = not pdl.unsupported_reason(DEV)
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = (pre.forward(x, *p, n), pre.forward_swiglu(x, *pg, n // 2))
-        x.copy_(torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out[0], plain.forward(x, *p, n))
-        assert torch.equal(out[1], plain.forward_swiglu(x, *pg, n // 2))
-    finally:
-        pdl._enabled = old
-
-
-@pytest.mark.parametrize("m", [1, 9])
-def test_preload_qkv_rope_and_fused_norm_same_bits(m):
-    """The rope epilogue and the fused-norm kernels (EPI 3 / 4, NORM) with preload: the bits without it."""
-    gen = torch.Generator(device=DEV).manual_seed(50 + m)
-    heads, kv, hd = 32, 8, 128
-    n, k = (heads + 2 * kv) * hd, 4096
-    cos, sin = torch.rand(m, hd // 2, device=DEV, generator=gen), torch.rand(m, hd // 2, device=DEV, generator=gen)
-    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
-    res = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
-    nw = (1 + 0.2 * torch.randn(k, device=DEV, generator=gen)).to(torch.bfloat16)
-    outs = []
-    for opts in (FUSING, CudaDecodeOptions(fuse_norm=True, preload=True)):
-        b = CudaFp4GemmBackend(SPEC, opts)
-        gen.manual_seed(7)
-        wq, wo = b.prepare_qkv_rope(random_fp4(n, k, gen), heads, kv, hd), b.prepare(random_fp4(k, k, gen))
-        s, t, parts = b.forward_add_norm(x, *wo, k, res, nw)
-        q = b.forward_norm_qkv_rope(s, t, parts, nw, 1e-5, *wq, cos, sin, heads, kv, hd)
-        outs.append((s, t, parts, q, b.forward_qkv_rope(x, *wq, cos, sin, heads, kv, hd)))
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
-
-
 def test_decode_max_m_zero_uses_dequant_path():
     gen = torch.Generator(device=DEV).manual_seed(9)
     w = random_fp4(256, 512, gen)

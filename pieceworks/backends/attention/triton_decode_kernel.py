@@ -21,10 +21,6 @@ from pieceworks.backends import pdl, pdl_kernels
 from pieceworks.backends.fp4_gemm.triton_kernels import publish_and_count  # the split-K handshake
 
 
-EARLY_TRIGGER = tl.constexpr(False)
-"""Experiment knob (benchmarks/preload_ab.py): the next grid may launch as soon as every program runs."""
-
-
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr, count_ptr,
                    kn_ptr, vn_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
@@ -32,8 +28,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
                    scale_log2, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
                    S: tl.constexpr, BLOCK_N: tl.constexpr, HKV: tl.constexpr, WRITE: tl.constexpr,
                    LENS_ARE_POSITIONS: tl.constexpr, PDL: tl.constexpr = False):
-    if EARLY_TRIGGER:
-        pdl_kernels.launch_dependents(PDL)
     pdl_kernels.wait(PDL)  # q and the new K/V rows come from the kernels before (pdl.py)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -83,8 +77,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
         v = tl.load(v_ptr + v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    if not EARLY_TRIGGER:
-        pdl_kernels.launch_dependents(PDL)  # the next kernel's launch overlaps the merge
+    pdl_kernels.launch_dependents(PDL)  # the next kernel's launch overlaps the merge
     out_rows = out_ptr + b.to(tl.int64) * stride_ot + rows[:, None] * stride_oh + d[None, :]
     omask = (g < G)[:, None]
     if S == 1:

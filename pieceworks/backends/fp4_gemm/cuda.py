@@ -44,20 +44,14 @@ class CudaDecodeOptions:
     fuse_norm: fuse decoder blocks' RMSNorms and residual adds into the decode kernel (`fuses_norm`).
     Off by default: on the H200 it removes 62 of a Llama-3.1-8B-shaped decode step's 65 norm kernels and
     57 us of kernel time, but the graph replay with PDL was slower with it (1.96-1.98 ms against
-    1.85 at batch 1; docs/benchmarks.md).
-
-    preload: decode kernels whose CTAs all fit on the GPU at once and whose K <= 4096 copy their whole
-    weight slab into shared memory before the PDL wait (`preloads`)."""
+    1.85 at batch 1; docs/benchmarks.md)."""
 
     decode_max_m: int = 64
     fuse_norm: bool = False
-    preload: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.fuse_norm, bool):
             raise ValueError(f"fuse_norm={self.fuse_norm!r}: use true or false")
-        if not isinstance(self.preload, bool):
-            raise ValueError(f"preload={self.preload!r}: use true or false")
         if not 0 <= self.decode_max_m <= 256:
             raise ValueError(f"decode_max_m={self.decode_max_m}: use 0 (never) to 256")
 
@@ -92,16 +86,6 @@ def plan(m: int, n_rows: int, sms: int) -> tuple[int, int]:
     while warps > least and ctas * warps > budget:
         warps //= 2
     return warps, 2
-
-
-def preloads(m: int, row_groups: int, chunks: int, warps: int, sms: int) -> bool:
-    """Whether a decode launch preloads its weight slab into shared memory: K <= 4096 (64 chunks: 36 KB of
-    codes and scales per CTA), at most 16 warps x token tiles (the `red` buffer; static shared memory
-    stays under 48 KB) and every CTA resident at once (at most 4 per SM: 5 fit beside each other)."""
-    from pieceworks.backends.fp4_gemm.cuda_decode import PRELOAD_CHUNKS
-
-    nt = 1 if m <= 8 else 2
-    return chunks <= PRELOAD_CHUNKS and warps * nt <= 16 and row_groups <= 4 * sms
 
 
 class CudaFp4GemmBackend(Fp4GemmBackend):
@@ -187,10 +171,8 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         sms = _multiprocessors(x.device)
         if m <= SLICE:
             warps, depth = plan(m, weight.shape[0] * 16, sms)
-            pre = self.options.preload and preloads(m, weight.shape[0], weight.shape[1], warps, sms)
             return cuda_decode.decode_gemm(x, weight, weight_scale, weight_scale_2, n, warps, depth, swiglu, on,
-                                           rope=rope, prenormed=prenormed, residual=residual, norm_out=norm_out,
-                                           preload=pre)
+                                           rope=rope, prenormed=prenormed, residual=residual, norm_out=norm_out)
         out = torch.empty(m, n // 2 if swiglu else n, dtype=torch.bfloat16, device=x.device)
         for r0 in range(0, m, SLICE):
             r1 = min(m, r0 + SLICE)

@@ -58,7 +58,7 @@ __device__ __forceinline__ void slot_mmas(float (&acc)[NT][2][4], const Chunk<NT
 // NORM 1: the GEMM's input is RMSNorm(s) with s the residual stream: x is an EPI 4 kernel's s * norm weight,
 // pin [M, nparts] its partial sums of s^2; y = (W @ x) / rms(s), rms(s) = sqrt(sum / kdim + eps), the
 // 1 / rms applied in float32 in the epilogue (the unfused path rounds s / rms(s) to bf16 before the weight).
-template <int W, int D, int NT, int EPI, int NORM, int PRE, int MOE>
+template <int W, int D, int NT, int EPI, int NORM, int MOE>
 __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     const U4* __restrict__ codes, const u16* __restrict__ scales, const u16* __restrict__ x,
     u16* __restrict__ out, const float* __restrict__ gscale,
@@ -72,12 +72,6 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     __shared__ float red[W * NT * 128];
     __shared__ float ssq[NORM ? W * 16 : 1];
     __shared__ float sq[EPI == 4 ? 256 : 1];
-    // PRE: the CTA's whole weight slab (nchunks <= PRE_CHUNKS) copied to shared memory by two bulk copies
-    // issued before the PDL wait, so that its DRAM read overlaps the kernels before this one
-    constexpr int PRE_CHUNKS = 64;
-    __shared__ U4 wsm[PRE ? PRE_CHUNKS * 32 : 1];
-    __shared__ u16 ssm[PRE ? PRE_CHUNKS * 32 : 1];
-    __shared__ __align__(8) unsigned long long bar;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     // MOE: the CTA serves block blockIdx.y of the expert-sorted pairs (`moe_align`: 8 NT flat pair ids of one
@@ -117,15 +111,9 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     for (int i = 0; i < NT; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[i][0][e] = acc[i][1][e] = 0.f;
-    const U4* cps = wsm + c_begin * 32 + lane;
-    const u16* sps = ssm + c_begin * 32 + lane;
 #define LOAD_W(B, C, P) do { \
-        if (PRE) { \
-            if (P) { buf[B].w = cps[(C) * 32]; buf[B].s = sps[(C) * 32]; } \
-        } else { \
-            ld_stream(buf[B].w, cp + (C) * 32, P); \
-            ld_scale(buf[B].s, sp + (C) * 32, P); \
-        } \
+        ld_stream(buf[B].w, cp + (C) * 32, P); \
+        ld_scale(buf[B].s, sp + (C) * 32, P); \
     } while (0)
 #define LOAD_X(B, C, P) do { \
         _Pragma("unroll") for (int i = 0; i < NT; ++i) { \
@@ -153,26 +141,11 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
         const int token = 8 * (idx >> 7) + 2 * (l & 3) + (e & 1), n = blockIdx.x * 16 + (l >> 2) + 8 * (e >> 1);
         if (EPI == 4 && idx < NT * 128 && token < M && n < N) nw_pf[j] = nw[n];
     }
-    // The weights are never written by an earlier kernel: their first loads (PRE: all) go before the PDL wait.
-    if (PRE) {
-        const u32 b = smem_addr(&bar);
-        if (threadIdx.x == 0) mbar_init(b);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            mbar_expect(b, nchunks * 576);
-            bulk_to_smem(smem_addr(wsm), codes + (size_t)blockIdx.x * nchunks * 32, nchunks * 512, b);
-            bulk_to_smem(smem_addr(ssm), scales + (size_t)blockIdx.x * nchunks * 32, nchunks * 64, b);
-        }
-    } else {
+    // The weights are never written by an earlier kernel: their first loads go before the PDL wait (MOE:
+    // after it, the expert comes from the kernels before).
 #pragma unroll
-        for (int b = 0; b < D - 1; ++b) LOAD_W(b, b, b < nc);
-    }
+    for (int b = 0; b < D - 1; ++b) LOAD_W(b, b, b < nc);
     PDL_WAIT();
-    if (PRE) {
-        mbar_wait(smem_addr(&bar));
-#pragma unroll
-        for (int b = 0; b < D - 1; ++b) LOAD_W(b, b, b < nc);
-    }
 #pragma unroll
     for (int b = 0; b < D - 1; ++b) LOAD_X(b, b, b < nc);
     if (EPI >= 3) {
@@ -212,8 +185,6 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
         }
         cp += D * 32;
         sp += D * 32;
-        cps += D * 32;
-        sps += D * 32;
 #pragma unroll
         for (int i = 0; i < NT; ++i) xp[i] += D * 64;
     }
@@ -354,12 +325,9 @@ __global__ void __launch_bounds__(256) nvfp4_decode_dequant(
 """
 
 
-PRELOAD_CHUNKS = 64  # the kernel's PRE_CHUNKS: slabs of K <= 4096 fit its shared memory
-
-
 def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2, swiglu: bool = False,
                 pdl: bool = False, out=None, rope=None, prenormed=None, residual=None, norm_out=None,
-                preload: bool = False):
+):
     """y = x @ dequant(W).T for M <= 16 (bf16 x with unit stride in K, 16-byte aligned rows); with
     swiglu (rows interleaved gate / up) y = silu(gate) * up [M, n / 2]; with rope = (cos, sin,
     rope_cols, head_dim) (rows in the interleave_rope_rows order) the q/k columns below rope_cols
@@ -370,11 +338,7 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
     residual [M, n] bf16 (plain epilogue only): y + residual, rounded as the add after the GEMM. With
     norm_out = (norm weight [n] bf16, t [M, n] bf16, partials [M, ceil(n / 16)] float32) as well, the
     kernel also writes the next RMSNorm's inputs: t = (y + residual) * weight and the partial sums of
-    squares of y + residual.
-
-    preload (K <= 4096 only, else ignored): each CTA copies its whole weight slab into shared memory by
-    bulk copies issued before the PDL wait (the read overlaps the kernels before it) and runs its loop from
-    there."""
+    squares of y + residual."""
     m, k = x.shape
     if m > 16:
         raise ValueError(f"decode_gemm serves M <= 16, got {m}")
@@ -424,8 +388,7 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
         if parts.shape != (m, rg) or parts.dtype != torch.float32 or not parts.is_contiguous():
             raise ValueError(f"decode_gemm: the partials must be contiguous float32 [{m}, {rg}]")
         epi, out_args = 4, [nw, t, t.stride(0), parts]
-    pre = int(preload and ch <= PRELOAD_CHUNKS)
-    name = f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {epi}, {int(prenormed is not None)}, {pre}, 0>"
+    name = f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {epi}, {int(prenormed is not None)}, 0>"
     kernel(SOURCE, name, x.device)(
         (rg, 1, 1), (warps * 32, 1, 1),
         [codes, scales, x, out, gscale, m, n, ch, x.stride(0), out.stride(0), *rope_args, *norm_args, *res_args,
@@ -455,7 +418,7 @@ def moe_gemm(x, codes, scales, gscale, n: int, sorted_ids, expert_ids, num_post,
     blocks = expert_ids.shape[0]
     if sorted_ids.shape[0] != blocks * 8:
         raise ValueError("moe_gemm: sorted_ids must hold 8 pair ids per block")
-    name = f"nvfp4_decode_gemm<{warps}, {depth}, 1, {int(swiglu)}, 0, 0, 1>"
+    name = f"nvfp4_decode_gemm<{warps}, {depth}, 1, {int(swiglu)}, 0, 1>"
     tw = gscale if swiglu else topk_weights
     kernel(SOURCE, name, x.device)(
         (rg, blocks, 1), (warps * 32, 1, 1),

@@ -14,32 +14,6 @@ typedef unsigned short u16;
 #define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
 #define PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
 struct __align__(16) U4 { u32 x, y, z, w; };
-// Shared-memory address of a generic pointer into shared memory.
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{\n .reg .u64 t;\n cvta.to.shared.u64 t, %1;\n cvt.u32.u64 %0, t;\n}" : "=r"(a) : "l"(p));
-    return a;
-}
-// One-shot mbarrier for bulk copies (TMA) into shared memory: init (one arrival), the copies' byte count,
-// the copies, then every thread waits for phase 0.
-__device__ __forceinline__ void mbar_init(u32 bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n fence.mbarrier_init.release.cluster;"
-                 :: "r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_expect(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_to_smem(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u32 bar) {
-    u32 done;
-    do {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n"
-                     " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(bar) : "memory");
-    } while (!done);
-}
 
 __device__ __forceinline__ void ld_stream(U4& r, const U4* p, bool pred) {
     asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n"
