@@ -27,7 +27,8 @@ MODELS = {
 ATTENTION = ["torch", "flashinfer"]
 
 
-def build(name: str, attention: str | dict, flashinfer_options: dict | None = None) -> Executor:
+def build(name: str, attention: str | dict, flashinfer_options: dict | None = None,
+          backends: dict | None = None) -> Executor:
     model, fmt = MODELS[name]
     op = "mla" if model["arch"] == "deepseek_v3" else "attention"
     if attention == "flashinfer":
@@ -37,7 +38,8 @@ def build(name: str, attention: str | dict, flashinfer_options: dict | None = No
         "quantization": {"format": fmt},
         "runtime": {"device": "cuda", "dtype": "bfloat16"},
         "kv_cache": {"num_tokens": 8192, "page_size": 16},
-        "backends": {op: attention, "options": {"flashinfer": {"variant": "fa2", **(flashinfer_options or {})}}},
+        "backends": {op: attention, "options": {"flashinfer": {"variant": "fa2", **(flashinfer_options or {})}},
+                     **(backends or {})},
         "cuda_graph": {"piecewise": {"enabled": "on", "max_tokens": 128, "sizes": [8, 16, 32, 64, 128]},
                        "decode": {"enabled": "on", "batch_sizes": [1, 2, 4, 8]}},
     }
@@ -107,6 +109,16 @@ def test_graphs_match_eager_triton_decode_attention():
     ex = build("llama-bf16", {"decode": "triton", "extend": "flashinfer"})
     assert type(ex.table.step(ForwardMode.DECODE, GraphMode.FULL).attention).__name__ == "TritonDecodeAttentionBackend"
     check_graphs_match_eager(ex, "llama-bf16")
+
+
+def test_graphs_match_eager_cuda_moe_and_gemm():
+    """DeepSeek-V3-shaped NVFP4 layers on pieceworks' CUDA kernels (moe.cuda, fp4_gemm.cuda) in piecewise
+    and full graphs and eagerly."""
+    pytest.importorskip("flashinfer", reason="flashinfer is not importable here")
+    ex = build("deepseek-nvfp4", "flashinfer", backends={"moe": "cuda", "fp4_gemm": "cuda"})
+    step = ex.table.step(ForwardMode.DECODE, GraphMode.FULL)
+    assert type(step.moe).__name__ == "CudaMoEBackend" and type(step.fp4_gemm).__name__ == "CudaFp4GemmBackend"
+    check_graphs_match_eager(ex, "deepseek-nvfp4")
 
 
 def check_graphs_match_eager(ex: Executor, name: str) -> None:

@@ -87,5 +87,5 @@ def deepseek_route_triton(router_logits: torch.Tensor, correction_bias: torch.Te
             router_logits.stride(0), float(routed_scaling_factor), E=num_experts,
             G=num_expert_group if grouped else 1, TOPK=top_k, TOPK_P2=triton.next_power_of_2(top_k),
             TOPK_GROUP=topk_group, HAS_BIAS=has_bias, GROUPED=grouped, RENORM=bool(renormalize),
-            PDL=use_pdl, num_warps=4 if num_experts >= 256 else 1, **launch)
+            PDL=use_pdl, num_warps=1, **launch)  # 1 warp: 3.2-3.3 us at E = 256 on the H200, 4 warps 4.1-4.2
     return weights, ids
