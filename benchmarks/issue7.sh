@@ -20,6 +20,7 @@ timeout 150 python benchmarks/fp4_gemm.py --ms 1,4,8,16 --pdl on --out "$out/gem
 step "MoE, PDL off and on"
 timeout 200 python benchmarks/moe.py --tokens 1,4,16,64 --out "$out/moe_off" | tail -6
 timeout 200 python benchmarks/moe.py --tokens 1,4,16,64 --pdl on --out "$out/moe_on" | tail -6
+timeout 200 python benchmarks/moe.py --backend cuda --tokens 1,4,16,64 --pdl on --out "$out/moe_cuda_on" | tail -6
 B=(--quant nvfp4 --set cuda_graph.piecewise.enabled=off --extend '' --set backends.options.flashinfer.variant=fa2
    --decode 1,8,32 --decode-sizes 1,8,32)
 for ctx in 512 4096; do
