@@ -68,3 +68,12 @@ def test_selected_by_config_beside_the_cuda_gemm_and_sharing_its_options():
 
     opts = parse_options(CudaMoEBackend, {"fuse_norm": True, "decode_max_m": 32})
     assert CudaMoEBackend(BackendSpec(device="cuda", capability=(9, 0)), opts).options.decode_max_m == 32
+
+
+def test_one_token_blocks():
+    """A one-token step's blocks: pair b alone in block b (padding id top_k), num_post covering them all."""
+    backend = CudaMoEBackend(BackendSpec(device="cuda", capability=(9, 0)))
+    sorted_ids, num_post = backend._one_token_blocks(3, torch.device("cpu"))
+    assert sorted_ids.tolist() == [0] + [3] * 7 + [1] + [3] * 7 + [2] + [3] * 7
+    assert sorted_ids.dtype == torch.int32 and num_post.tolist() == [24]
+    assert backend._one_token_blocks(3, torch.device("cpu"))[0] is sorted_ids  # built once: fixed addresses

@@ -96,12 +96,13 @@ def test_skewed_routing(top_k, tokens):
     assert rel_err(y, run(TorchMoEBackend(spec(e)), x, logits, none, w, **args)) < TOL
 
 
+@pytest.mark.parametrize("tokens", [1, 16])  # 1: a block per pair, no sort launch
 @pytest.mark.parametrize("use_pdl", [False, True])
-def test_graph_replay_matches_eager(use_pdl):
+def test_graph_replay_matches_eager(use_pdl, tokens):
     if use_pdl and pdl.unsupported_reason(DEV):
         pytest.skip(pdl.unsupported_reason(DEV))
     gen = torch.Generator(DEV).manual_seed(5)
-    e, h, inter, tokens = 32, 1024, 384, 16
+    e, h, inter = 32, 1024, 384
     backend = CudaMoEBackend(spec(e))
     w = backend.prepare(random_moe(e, h, inter, gen))
     x = torch.randn(tokens, h, device=DEV, dtype=torch.bfloat16, generator=gen)

@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     const float* __restrict__ pin, int nparts, float eps, int kdim, const u16* __restrict__ res, int ldr,
     const u16* __restrict__ nw, u16* __restrict__ tout, int ldt, float* __restrict__ pout,
     const int* __restrict__ sids, const int* __restrict__ eids, const int* __restrict__ npost,
-    const float* __restrict__ tw, int a_div, int gs_stride)
+    const float* __restrict__ tw, int a_div, int gs_stride, int e_stride)
 {
     __shared__ float red[W * NT * 128];
     __shared__ float ssq[NORM ? W * 16 : 1];
@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     if (MOE) {
         PDL_WAIT();  // which expert comes from the kernels before
         if ((int)blockIdx.y * NT * 8 >= *npost) return;
-        const size_t e = eids[blockIdx.y];
+        const size_t e = eids[(size_t)blockIdx.y * e_stride];  // e_stride 2: the low words of int64 ids
         codes += e * gridDim.x * nchunks * 32;
         scales += e * gridDim.x * nchunks * 32;
         gscale += e * gs_stride;
@@ -392,15 +392,15 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
     kernel(SOURCE, name, x.device)(
         (rg, 1, 1), (warps * 32, 1, 1),
         [codes, scales, x, out, gscale, m, n, ch, x.stride(0), out.stride(0), *rope_args, *norm_args, *res_args,
-         *out_args, gscale, gscale, gscale, gscale, 1, 0], pdl)
+         *out_args, gscale, gscale, gscale, gscale, 1, 0, 1], pdl)
     return out
 
 
 def moe_gemm(x, codes, scales, gscale, n: int, sorted_ids, expert_ids, num_post, num_pairs: int, a_div: int,
              out, topk_weights=None, warps: int = 2, depth: int = 2, pdl: bool = False):
     """The grouped decode GEMM of the fused MoE over expert-sorted blocks of 8 pairs (`moe_align`'s
-    sorted_ids / expert_ids / num_post, block_m 8): for every pair id p < num_pairs in block b (expert
-    e = expert_ids[b]), out[p] = x[p // a_div] @ dequant(W_e).T, times topk_weights[p] when given (the
+    sorted_ids / expert_ids / num_post, block_m 8; expert_ids int32 or int64): for every pair id
+    p < num_pairs in block b (expert e = expert_ids[b]), out[p] = x[p // a_div] @ dequant(W_e).T, times topk_weights[p] when given (the
     down GEMM), else (gate/up rows interleaved) silu(gate) * up with gate / up global scales gscale[e, 0 / 1].
 
     x bf16 [rows, K] (unit stride in K, 16-byte aligned rows, K a multiple of 64); codes [E, R, C, 512],
@@ -418,13 +418,18 @@ def moe_gemm(x, codes, scales, gscale, n: int, sorted_ids, expert_ids, num_post,
     blocks = expert_ids.shape[0]
     if sorted_ids.shape[0] != blocks * 8:
         raise ValueError("moe_gemm: sorted_ids must hold 8 pair ids per block")
+    if expert_ids.dtype not in (torch.int32, torch.int64) or not expert_ids.is_contiguous():
+        raise ValueError(f"moe_gemm: expert_ids must be contiguous int32 or int64, got {expert_ids.dtype}")
+    e_stride = 1
+    if expert_ids.dtype == torch.int64:  # read as the low int32 word of each id (little-endian, ids < 2^31)
+        expert_ids, e_stride = expert_ids.view(torch.int32), 2
     name = f"nvfp4_decode_gemm<{warps}, {depth}, 1, {int(swiglu)}, 0, 1>"
     tw = gscale if swiglu else topk_weights
     kernel(SOURCE, name, x.device)(
         (rg, blocks, 1), (warps * 32, 1, 1),
         [codes, scales, x, out, gscale, num_pairs, n, ch, x.stride(0), out.stride(0), gscale, gscale, 0, 0, 0, 1,
          gscale, 0, 0.0, k, gscale, 0, gscale, gscale, 0, gscale, sorted_ids, expert_ids, num_post, tw, a_div,
-         gscale.stride(0)], pdl)
+         gscale.stride(0), e_stride], pdl)
     return out
 
 

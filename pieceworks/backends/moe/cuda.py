@@ -1,7 +1,7 @@
 """Fused NVFP4 MoE with the CUDA decode kernel of `fp4_gemm.cuda` (w4a16), grouped over experts.
 
 forward: the Triton MoE's routing (`routing.route`) and expert sort (`triton_kernels.align_gpu`, blocks of 8
-(token, slot) pairs of one expert), then two launches of `cuda_decode.moe_gemm`, one CTA per (16 weight
+(token, slot) pairs of one expert; a one-token step skips it: a block per pair), then two launches of `cuda_decode.moe_gemm`, one CTA per (16 weight
 rows, block): gate/up with SwiGLU in the epilogue (each expert's gate and up global scales), down with the
 routing weight, and the Triton top-k combine. The kernel is the dense decode GEMM's (integer decode of the
 codes, bf16 mma.sync with the weights as A, a 2-chunk register ring) on each expert's r16c64 weights; a
@@ -82,6 +82,10 @@ class CudaMoEBackend(MoEBackend):
         return MoEWeights(w13, w13_scale, w.w13_scale_2.float().contiguous(), w.w13_input_scale,
                           w2, w2_scale, w.w2_scale_2.float().reshape(num_experts).contiguous(), w.w2_input_scale)
 
+    def __init__(self, spec, options=None) -> None:
+        super().__init__(spec, options)
+        self._one_token: dict = {}  # (top_k, device) -> (sorted_ids, num_post) of a one-token step
+
     def forward(self, x, router_logits, correction_bias, w, top_k, num_expert_group, topk_group,
                 renormalize, routed_scaling_factor):
         if x.shape[0] == 0:
@@ -109,8 +113,12 @@ class CudaMoEBackend(MoEBackend):
             raise ValueError(f"x [T, {hidden}] does not match the experts' hidden size {ch13 * CHUNK}")
         top_k = topk_ids.shape[1]
         pairs = tokens * top_k
-        blocks = num_aligned_blocks(pairs, num_experts, BLOCK_M)
-        sorted_ids, expert_ids, num_post = triton_kernels.align_gpu(topk_ids, num_experts, BLOCK_M, blocks)
+        if tokens == 1:  # a block per pair, the routing's ids as the blocks' experts: no sort launch
+            sorted_ids, num_post = self._one_token_blocks(top_k, x.device)
+            expert_ids, blocks = topk_ids.reshape(-1).contiguous(), top_k
+        else:
+            blocks = num_aligned_blocks(pairs, num_experts, BLOCK_M)
+            sorted_ids, expert_ids, num_post = triton_kernels.align_gpu(topk_ids, num_experts, BLOCK_M, blocks)
         if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
             x = x.contiguous()
         on = pdl.enabled(x.device)
@@ -124,3 +132,15 @@ class CudaMoEBackend(MoEBackend):
         cuda_decode.moe_gemm(h, w.w2, w.w2_scale, w.w2_scale_2, hidden, sorted_ids, expert_ids, num_post,
                              pairs, 1, y, topk_weights.reshape(-1).float().contiguous(), warps, depth, on)
         return triton_kernels.combine(y, tokens, top_k, x.dtype)
+
+    def _one_token_blocks(self, top_k: int, device: torch.device):
+        """(sorted_ids, num_post) of one token's top_k pairs, a block each: block b = [b, then the padding id
+        top_k]; built once per (top_k, device), at fixed addresses (graph-safe). A token's top-k experts are
+        distinct, so no expert is read twice."""
+        key = (top_k, str(device))
+        if key not in self._one_token:
+            ids = torch.full((top_k, BLOCK_M), top_k, dtype=torch.int32)
+            ids[:, 0] = torch.arange(top_k, dtype=torch.int32)
+            self._one_token[key] = (ids.reshape(-1).to(device),
+                                    torch.tensor([top_k * BLOCK_M], dtype=torch.int32, device=device))
+        return self._one_token[key]
