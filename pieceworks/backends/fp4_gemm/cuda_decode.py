@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     const float* __restrict__ pin, int nparts, float eps, int kdim, const u16* __restrict__ res, int ldr,
     const u16* __restrict__ nw, u16* __restrict__ tout, int ldt, float* __restrict__ pout,
     const int* __restrict__ sids, const int* __restrict__ eids, const int* __restrict__ npost,
-    const float* __restrict__ tw, int a_div, int gs_stride, int e_stride)
+    const float* __restrict__ tw, int a_div, int gs_stride)
 {
     __shared__ float red[W * NT * 128];
     __shared__ float ssq[NORM ? W * 16 : 1];
@@ -75,12 +75,13 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     // MOE: the CTA serves block blockIdx.y of the expert-sorted pairs (`moe_align`: 8 NT flat pair ids of one
-    // expert, padded with ids >= M, M = the number of pairs); codes, scales, gscale are that expert's
+    // expert, padded with ids >= M, M = the number of pairs); codes, scales, gscale are that expert's. MOE
+    // takes the expert ids' stride in ldc (no rope there; a new parameter changed the other kernels' SASS)
     const int* bids = sids + (size_t)blockIdx.y * NT * 8;
     if (MOE) {
         PDL_WAIT();  // which expert comes from the kernels before
         if ((int)blockIdx.y * NT * 8 >= *npost) return;
-        const size_t e = eids[(size_t)blockIdx.y * e_stride];  // e_stride 2: the low words of int64 ids
+        const size_t e = eids[(size_t)blockIdx.y * ldc];  // MOE passes the ids' stride as ldc (2: int64 ids)
         codes += e * gridDim.x * nchunks * 32;
         scales += e * gridDim.x * nchunks * 32;
         gscale += e * gs_stride;
@@ -392,7 +393,7 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
     kernel(SOURCE, name, x.device)(
         (rg, 1, 1), (warps * 32, 1, 1),
         [codes, scales, x, out, gscale, m, n, ch, x.stride(0), out.stride(0), *rope_args, *norm_args, *res_args,
-         *out_args, gscale, gscale, gscale, gscale, 1, 0, 1], pdl)
+         *out_args, gscale, gscale, gscale, gscale, 1, 0], pdl)
     return out
 
 
@@ -427,9 +428,9 @@ def moe_gemm(x, codes, scales, gscale, n: int, sorted_ids, expert_ids, num_post,
     tw = gscale if swiglu else topk_weights
     kernel(SOURCE, name, x.device)(
         (rg, blocks, 1), (warps * 32, 1, 1),
-        [codes, scales, x, out, gscale, num_pairs, n, ch, x.stride(0), out.stride(0), gscale, gscale, 0, 0, 0, 1,
+        [codes, scales, x, out, gscale, num_pairs, n, ch, x.stride(0), out.stride(0), gscale, gscale, e_stride, 0, 0, 1,
          gscale, 0, 0.0, k, gscale, 0, gscale, gscale, 0, gscale, sorted_ids, expert_ids, num_post, tw, a_div,
-         gscale.stride(0), e_stride], pdl)
+         gscale.stride(0)], pdl)
     return out
 
 
