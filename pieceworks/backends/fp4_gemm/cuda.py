@@ -74,6 +74,18 @@ def nvrtc_unavailable_reason() -> str | None:
     return None
 
 
+def kernel_reasons(reasons: list[str], used: bool, dtype: torch.dtype) -> list[str]:
+    """A CUDA-kernel backend's `check`: `reasons` (the base checks), plus bf16 activations where the model
+    uses the backend's op (`used`), plus NVRTC's reason when nothing else stands in the way."""
+    if used and dtype != torch.bfloat16:
+        reasons.append(f"takes bf16 activations (model dtype: {dtype})")
+    if not reasons:
+        reason = nvrtc_unavailable_reason()
+        if reason:
+            reasons.append(reason)
+    return reasons
+
+
 def plan(m: int, n_rows: int, sms: int) -> tuple[int, int]:
     """(warps per CTA, chunks in flight per lane) for M rows and n_rows weight rows: the most warps per
     CTA (a power of two, 16 at most) that keep every CTA of the grid resident at once, counting about 32
@@ -100,14 +112,7 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
 
     @classmethod
     def check(cls, spec):
-        reasons = super().check(spec)
-        if spec.model.fp4 and spec.model.dtype != torch.bfloat16:
-            reasons.append(f"takes bf16 activations (model dtype: {spec.model.dtype})")
-        if not reasons:
-            reason = nvrtc_unavailable_reason()
-            if reason:
-                reasons.append(reason)
-        return reasons
+        return kernel_reasons(super().check(spec), spec.model.fp4, spec.model.dtype)
 
     @property
     def fuses_norm(self) -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from pieceworks.backends.base import Requirements
-from pieceworks.backends.fp4_gemm.cuda import CudaDecodeOptions
+from pieceworks.backends.fp4_gemm.cuda import CudaDecodeOptions, kernel_reasons
 from pieceworks.backends.fp4_gemm.r16c64 import CHUNK, repack_decode
 from pieceworks.backends.fp4_gemm.triton import interleave_gate_up
 from pieceworks.backends.moe.base import MoEBackend, MoEWeights
@@ -57,16 +57,7 @@ class CudaMoEBackend(MoEBackend):
 
     @classmethod
     def check(cls, spec):
-        from pieceworks.backends.fp4_gemm.cuda import nvrtc_unavailable_reason
-
-        reasons = super().check(spec)
-        if spec.model.moe_experts and spec.model.dtype != torch.bfloat16:
-            reasons.append(f"takes bf16 activations (model dtype: {spec.model.dtype})")
-        if not reasons:
-            reason = nvrtc_unavailable_reason()
-            if reason:
-                reasons.append(reason)
-        return reasons
+        return kernel_reasons(super().check(spec), bool(spec.model.moe_experts), spec.model.dtype)
 
     def prepare(self, w: MoEWeights) -> MoEWeights:
         """Gate row j and up row j side by side (`interleave_gate_up`), then r16c64 per expert."""
