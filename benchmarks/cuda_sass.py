@@ -1,6 +1,6 @@
 """SASS of the CUDA decode GEMM (backends/fp4_gemm/cuda_decode.py), compiled offline by NVRTC for sm_90.
 
-    python benchmarks/cuda_sass.py --nvrtc /path/to/libnvrtc.so.13 "nvfp4_decode_gemm<16, 2, 1, 0, 0, 0, 0>" ...
+    python benchmarks/cuda_sass.py --nvrtc /path/to/libnvrtc.so.13 "nvfp4_decode_gemm<16, 2, 1, 0, 0, 0>" ...
     python benchmarks/cuda_sass.py --source-file old_cuda_decode.py "nvfp4_decode_gemm_async<16, 4, 1, 0>"
 
 Needs no GPU: NVRTC (on a CPU machine: `pip download --no-deps nvidia-cuda-nvrtc==13.0.*` and unzip;
@@ -64,7 +64,7 @@ def main_loop(sass: str) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("names", nargs="+", help='template instances, e.g. "nvfp4_decode_gemm<16, 2, 1, 0, 0, 0, 0>"')
+    ap.add_argument("names", nargs="+", help='template instances, e.g. "nvfp4_decode_gemm<16, 2, 1, 0, 0, 0>"')
     ap.add_argument("--nvrtc", help="path of libnvrtc.so.<major> (default: the one torch finds)")
     ap.add_argument("--source-file", help="take SOURCE from this copy of cuda_decode.py")
     ap.add_argument("--chunks-per-iteration", type=int, default=2)

@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
         for (int e = 0; e < 4; ++e) red[(warp * NT + i) * 128 + lane * 4 + e] = acc[i][0][e] + acc[i][1][e];
     __syncthreads();
     const float gs0 = *gscale * 16384.0f;
-    const float gs_up = MOE && EPI == 1 ? gscale[1] * 16384.0f : gs0;  // MOE SwiGLU: the up half's global scale
+    const float gs_up = MOE && EPI == 1 ? gscale[1] * 16384.0f : gs0;  // MOE SwiGLU: up's global scale
     // 1 / rms of a token's s (NORM), from the warps' sums of the partials
     auto scale_of = [&](int token) {
         if (!NORM) return gs0;
@@ -327,8 +327,7 @@ __global__ void __launch_bounds__(256) nvfp4_decode_dequant(
 
 
 def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2, swiglu: bool = False,
-                pdl: bool = False, out=None, rope=None, prenormed=None, residual=None, norm_out=None,
-):
+                pdl: bool = False, out=None, rope=None, prenormed=None, residual=None, norm_out=None):
     """y = x @ dequant(W).T for M <= 16 (bf16 x with unit stride in K, 16-byte aligned rows); with
     swiglu (rows interleaved gate / up) y = silu(gate) * up [M, n / 2]; with rope = (cos, sin,
     rope_cols, head_dim) (rows in the interleave_rope_rows order) the q/k columns below rope_cols
@@ -401,8 +400,9 @@ def moe_gemm(x, codes, scales, gscale, n: int, sorted_ids, expert_ids, num_post,
              out, topk_weights=None, warps: int = 2, depth: int = 2, pdl: bool = False):
     """The grouped decode GEMM of the fused MoE over expert-sorted blocks of 8 pairs (`moe_align`'s
     sorted_ids / expert_ids / num_post, block_m 8; expert_ids int32 or int64): for every pair id
-    p < num_pairs in block b (expert e = expert_ids[b]), out[p] = x[p // a_div] @ dequant(W_e).T, times topk_weights[p] when given (the
-    down GEMM), else (gate/up rows interleaved) silu(gate) * up with gate / up global scales gscale[e, 0 / 1].
+    p < num_pairs in block b (expert e = expert_ids[b]), out[p] = x[p // a_div] @ dequant(W_e).T, times
+    topk_weights[p] when given (the down GEMM), else (gate/up rows interleaved) silu(gate) * up with gate /
+    up global scales gscale[e, 0 / 1].
 
     x bf16 [rows, K] (unit stride in K, 16-byte aligned rows, K a multiple of 64); codes [E, R, C, 512],
     scales [E, R, C, 64] (r16c64 per expert); gscale float32 [E] or [E, 2]; out bf16 [num_pairs, n or
@@ -428,7 +428,8 @@ def moe_gemm(x, codes, scales, gscale, n: int, sorted_ids, expert_ids, num_post,
     tw = gscale if swiglu else topk_weights
     kernel(SOURCE, name, x.device)(
         (rg, blocks, 1), (warps * 32, 1, 1),
-        [codes, scales, x, out, gscale, num_pairs, n, ch, x.stride(0), out.stride(0), gscale, gscale, e_stride, 0, 0, 1,
+        [codes, scales, x, out, gscale, num_pairs, n, ch, x.stride(0), out.stride(0), gscale, gscale,
+         e_stride, 0, 0, 1,  # ldc = the expert ids' stride (MOE has no rope)
          gscale, 0, 0.0, k, gscale, 0, gscale, gscale, 0, gscale, sorted_ids, expert_ids, num_post, tw, a_div,
          gscale.stride(0)], pdl)
     return out

@@ -1,11 +1,12 @@
 """Fused NVFP4 MoE with the CUDA decode kernel of `fp4_gemm.cuda` (w4a16), grouped over experts.
 
 forward: the Triton MoE's routing (`routing.route`) and expert sort (`triton_kernels.align_gpu`, blocks of 8
-(token, slot) pairs of one expert; a one-token step skips it: a block per pair), then two launches of `cuda_decode.moe_gemm`, one CTA per (16 weight
-rows, block): gate/up with SwiGLU in the epilogue (each expert's gate and up global scales), down with the
-routing weight, and the Triton top-k combine. The kernel is the dense decode GEMM's (integer decode of the
-codes, bf16 mma.sync with the weights as A, a 2-chunk register ring) on each expert's r16c64 weights; a
-CTA finds its expert and pair rows after the PDL wait (they come from the align kernel). Every buffer has
+(token, slot) pairs of one expert; a one-token step skips it: a block per pair), then two launches of
+`cuda_decode.moe_gemm`, one CTA per (16 weight rows, block): gate/up with SwiGLU in the epilogue (each
+expert's gate and up global scales), down with the routing weight, and the Triton top-k combine. The
+kernel is the dense decode GEMM's (integer decode of the codes, bf16 mma.sync with the weights as A, a
+2-chunk register ring) on each expert's r16c64 weights; a CTA finds its expert and pair rows after the PDL
+wait (they come from the kernels before). Every buffer has
 a size fixed by (T, top_k, E), blocks past the routed rows exit on a device-side count: capturable in FULL
 and PIECEWISE graphs.
 
