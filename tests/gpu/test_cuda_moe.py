@@ -135,3 +135,19 @@ def test_refuses_sizes_it_does_not_serve():
     with pytest.raises(ValueError, match="hidden size"):
         run(backend, torch.randn(2, 320, device=DEV, dtype=torch.bfloat16), torch.randn(2, 4, device=DEV),
             torch.empty(0, device=DEV), w, top_k=2, groups=1, topk_group=1)
+
+
+@pytest.mark.parametrize("top_k", [1, 3, 8])
+def test_one_token_down_and_combine_in_one_launch(top_k):
+    """One token: the down GEMM and the top-k combine run as one launch (warps split the slots' experts),
+    for top-k counts that do and do not divide the plan's warps."""
+    gen = torch.Generator(DEV).manual_seed(40 + top_k)
+    e, h, inter = 16, 512, 256
+    w = random_moe(e, h, inter, gen)
+    backend = CudaMoEBackend(spec(e))
+    x = torch.randn(1, h, device=DEV, dtype=torch.bfloat16, generator=gen)
+    logits = torch.randn(1, e, device=DEV, generator=gen)
+    none = torch.empty(0, device=DEV)
+    args = dict(top_k=top_k, groups=1, topk_group=1, renorm=True, scale=2.5)
+    y = run(backend, x, logits, none, backend.prepare(w), **args)
+    assert rel_err(y, run(TorchMoEBackend(spec(e)), x, logits, none, w, **args)) < TOL

@@ -77,19 +77,28 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     // MOE: the CTA serves block blockIdx.y of the expert-sorted pairs (`moe_align`: 8 NT flat pair ids of one
     // expert, padded with ids >= M, M = the number of pairs); codes, scales, gscale are that expert's. MOE
     // takes the expert ids' stride in ldc (no rope there; a new parameter changed the other kernels' SASS)
+    // MOE 2 (one token's down GEMM and top-k combine in one): the CTA's warps split the token's M pairs, W / M
+    // warps over each pair's expert, x row p = pair p's SwiGLU output; each warp scales its sums by its pair's
+    // routing weight and expert's global scale, so the CTA's sum over warps is the combined output (row 0)
+    const int wps = MOE == 2 ? W / M : W;  // warps per K range
+    const int wk = MOE == 2 ? warp % wps : warp;  // this warp's place in its range
+    const int seg = MOE == 2 ? warp / wps : 0;  // MOE 2: its pair
+    float pair_scale = 1.f;
     const int* bids = sids + (size_t)blockIdx.y * NT * 8;
     if (MOE) {
         PDL_WAIT();  // which expert comes from the kernels before
-        if ((int)blockIdx.y * NT * 8 >= *npost) return;
-        const size_t e = eids[(size_t)blockIdx.y * ldc];  // MOE passes the ids' stride as ldc (2: int64 ids)
+        if (MOE == 1 && (int)blockIdx.y * NT * 8 >= *npost) return;
+        // MOE passes the ids' stride as ldc (2: int64 ids)
+        const size_t e = eids[(size_t)(MOE == 2 ? seg : blockIdx.y) * ldc];
         codes += e * gridDim.x * nchunks * 32;
         scales += e * gridDim.x * nchunks * 32;
         gscale += e * gs_stride;
+        if (MOE == 2) pair_scale = tw[seg] * *gscale * 16384.0f;
     }
-    auto ok = [&](int token) { return MOE ? bids[token] < M : token < M; };  // a row to store
-    auto orow = [&](int token) { return (size_t)(MOE ? bids[token] : token); };  // its output row
-    const int c_begin = (nchunks * warp) / W;
-    const int nc = (nchunks * (warp + 1)) / W - c_begin;
+    auto ok = [&](int token) { return MOE == 1 ? bids[token] < M : token < (MOE == 2 ? 1 : M); };  // to store
+    auto orow = [&](int token) { return (size_t)(MOE == 1 ? bids[token] : token); };  // its output row
+    const int c_begin = MOE == 2 ? (nchunks * wk) / wps : (nchunks * warp) / W;
+    const int nc = (MOE == 2 ? (nchunks * (wk + 1)) / wps : (nchunks * (warp + 1)) / W) - c_begin;
     const size_t chunk0 = (size_t)blockIdx.x * nchunks + c_begin;
     const U4* cp = codes + chunk0 * 32 + lane;
     const u16* sp = scales + chunk0 * 32 + lane;
@@ -98,8 +107,8 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     const u16* xp[NT];
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
-        int row = min(8 * i + g, M - 1);
-        if (MOE) {
+        int row = MOE == 2 ? seg : min(8 * i + g, M - 1);
+        if (MOE == 1) {
             const int id = bids[8 * i + g];
             row = (id < M ? id : bids[0]) / a_div;
         }
@@ -197,6 +206,10 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
 #undef LOAD_W
 #undef LOAD_X
 #undef COMPUTE
+    if (MOE == 2) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[0][0][e] *= pair_scale, acc[0][1][e] *= pair_scale;
+    }
     PDL_TRIGGER();
     // acc[i]: (row g, token 8i + 2t), (row g, 8i + 2t + 1), (row g + 8, 8i + 2t), (row g + 8, 8i + 2t + 1)
 #pragma unroll
@@ -204,8 +217,8 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
 #pragma unroll
         for (int e = 0; e < 4; ++e) red[(warp * NT + i) * 128 + lane * 4 + e] = acc[i][0][e] + acc[i][1][e];
     __syncthreads();
-    const float gs0 = *gscale * 16384.0f;
-    const float gs_up = MOE && EPI == 1 ? gscale[1] * 16384.0f : gs0;  // MOE SwiGLU: up's global scale
+    const float gs0 = MOE == 2 ? 1.f : *gscale * 16384.0f;  // MOE 2: scaled per warp above
+    const float gs_up = MOE == 1 && EPI == 1 ? gscale[1] * 16384.0f : gs0;  // MOE SwiGLU: up's global scale
     // 1 / rms of a token's s (NORM), from the warps' sums of the partials
     auto scale_of = [&](int token) {
         if (!NORM) return gs0;
@@ -229,7 +242,7 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
             float sumsq = 0.f;
             if (ok(token) && n < N) {
                 float y = v * scale_of(token);
-                if (MOE) y *= tw[bids[token]];  // the pair's routing weight (the down GEMM)
+                if (MOE == 1) y *= tw[bids[token]];  // the pair's routing weight (the down GEMM)
                 if (EPI >= 3) y = bf16_round(y) + __uint_as_float((u32)res_pf[j] << 16);
                 const u16 o = to_bf16(y);
                 out[orow(token) * ldo + n] = o;
@@ -268,7 +281,7 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
             if (!ok(token) || 2 * n >= N) continue;
             const float gs = scale_of(token);
             if (EPI == 1) {
-                out[orow(token) * ldo + n] = swiglu(vg * gs, vu * (MOE ? gs_up : gs));
+                out[orow(token) * ldo + n] = swiglu(vg * gs, vu * (MOE == 1 ? gs_up : gs));
             } else if (2 * n < rope_cols) {
                 const int head = n / half, d = n % half;
                 u16 o1, o2;
@@ -431,6 +444,39 @@ def moe_gemm(x, codes, scales, gscale, n: int, sorted_ids, expert_ids, num_post,
         [codes, scales, x, out, gscale, num_pairs, n, ch, x.stride(0), out.stride(0), gscale, gscale,
          e_stride, 0, 0, 1,  # ldc = the expert ids' stride (MOE has no rope)
          gscale, 0, 0.0, k, gscale, 0, gscale, gscale, 0, gscale, sorted_ids, expert_ids, num_post, tw, a_div,
+         gscale.stride(0)], pdl)
+    return out
+
+
+def moe_down_one_token(h, codes, scales, gscale, n: int, topk_ids, topk_weights, out, warps: int,
+                       depth: int = 2, pdl: bool = False):
+    """One token's down GEMM and top-k combine in one launch (the kernel's MOE 2 mode): out[0] = sum over
+    slots p of topk_weights[p] * h[p] @ dequant(W_{topk_ids[p]}).T, float32 sums rounded once to bf16.
+
+    h bf16 [top_k, I] (the slots' SwiGLU outputs; I a multiple of 64, unit stride, aligned rows); codes /
+    scales r16c64 per expert [E, R, C, 512] / [E, R, C, 64]; gscale float32 [E]; topk_ids int32 or int64
+    [top_k] contiguous; topk_weights float32 [top_k]; out bf16 [1, n]. warps: a multiple of top_k (each
+    slot's expert gets warps / top_k of them), 32 at most."""
+    e, rg, ch, _ = codes.shape
+    top_k, k = h.shape
+    if k != ch * CHUNK or h.stride(1) != 1 or h.stride(0) % 8 or h.data_ptr() % 16:
+        raise ValueError(f"moe_down_one_token: h must be bf16 [top_k, {ch * CHUNK}] with aligned rows")
+    if warps % top_k or not top_k <= warps <= 32:
+        raise ValueError(f"moe_down_one_token: warps ({warps}) must be a multiple of top_k ({top_k}), at most 32")
+    if topk_ids.shape != (top_k,) or not topk_ids.is_contiguous() or topk_ids.dtype not in (torch.int32,
+                                                                                           torch.int64):
+        raise ValueError("moe_down_one_token: topk_ids must be contiguous int32 / int64 [top_k]")
+    if topk_weights.shape != (top_k,) or topk_weights.dtype != torch.float32 or gscale.shape != (e,):
+        raise ValueError("moe_down_one_token: topk_weights float32 [top_k] and gscale float32 [E] expected")
+    e_stride = 1
+    if topk_ids.dtype == torch.int64:  # the low int32 word of each id
+        topk_ids, e_stride = topk_ids.view(torch.int32), 2
+    gscale = gscale.contiguous()
+    kernel(SOURCE, f"nvfp4_decode_gemm<{warps}, {depth}, 1, 0, 0, 2>", h.device)(
+        (rg, 1, 1), (warps * 32, 1, 1),
+        [codes, scales, h, out, gscale, top_k, n, ch, h.stride(0), out.stride(0), gscale, gscale,
+         e_stride, 0, 0, 1,  # ldc = the expert ids' stride
+         gscale, 0, 0.0, k, gscale, 0, gscale, gscale, 0, gscale, topk_ids, topk_ids, topk_ids, topk_weights, 1,
          gscale.stride(0)], pdl)
     return out
 

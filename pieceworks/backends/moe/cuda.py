@@ -119,6 +119,12 @@ class CudaMoEBackend(MoEBackend):
         warps, depth = plan(BLOCK_M, rg13 * 16 * min(blocks, num_experts), sms)
         cuda_decode.moe_gemm(x, w.w13, w.w13_scale, w.w13_scale_2, 2 * inter, sorted_ids, expert_ids, num_post,
                              pairs, top_k, h, None, warps, depth, on)
+        if tokens == 1 and top_k <= 32:  # the down GEMM and the combine in one launch
+            warps = top_k * max(1, min(32 // top_k, plan(1, rg2 * 16, sms)[0] // top_k))
+            out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
+            return cuda_decode.moe_down_one_token(h, w.w2, w.w2_scale, w.w2_scale_2, hidden, expert_ids,
+                                                  topk_weights.reshape(-1).float().contiguous(), out, warps,
+                                                  pdl=on)
         y = torch.empty(pairs, hidden, dtype=torch.bfloat16, device=x.device)
         warps, depth = plan(BLOCK_M, rg2 * 16 * min(blocks, num_experts), sms)
         cuda_decode.moe_gemm(h, w.w2, w.w2_scale, w.w2_scale_2, hidden, sorted_ids, expert_ids, num_post,
