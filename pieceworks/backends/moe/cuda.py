@@ -6,7 +6,9 @@ forward: the Triton MoE's routing (`routing.route`) and expert sort (`triton_ker
 expert's gate and up global scales), down with the routing weight, and the Triton top-k combine. The
 kernel is the dense decode GEMM's (integer decode of the codes, bf16 mma.sync with the weights as A, a
 2-chunk register ring) on each expert's r16c64 weights; a CTA finds its expert and pair rows after the PDL
-wait (they come from the kernels before). Every buffer has
+wait (they come from the kernels before). A one-token step runs the down GEMM and the combine as one
+launch (`moe_down_one_token`: the CTA's warps split the token's top-k experts, each scaling its sums by the
+slot's routing weight and the expert's global scale). Every buffer has
 a size fixed by (T, top_k, E), blocks past the routed rows exit on a device-side count: capturable in FULL
 and PIECEWISE graphs.
 
