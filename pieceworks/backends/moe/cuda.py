@@ -58,6 +58,10 @@ class CudaMoEBackend(MoEBackend):
     Options = CudaDecodeOptions  # backends.options.cuda is shared with fp4_gemm.cuda; none of them applies here
     description = "CUDA w4a16 fused MoE (NVRTC): the decode GEMM grouped over expert-sorted blocks of 8 pairs"
 
+    def __init__(self, spec, options=None) -> None:
+        super().__init__(spec, options)
+        self._one_token: dict = {}  # (top_k, device) -> (sorted_ids, num_post) of a one-token step
+
     @classmethod
     def check(cls, spec):
         return kernel_reasons(super().check(spec), bool(spec.model.moe_experts), spec.model.dtype)
@@ -75,10 +79,6 @@ class CudaMoEBackend(MoEBackend):
         w2, w2_scale = repack_experts(w.w2, w.w2_scale)
         return MoEWeights(w13, w13_scale, w.w13_scale_2.float().contiguous(), w.w13_input_scale,
                           w2, w2_scale, w.w2_scale_2.float().reshape(num_experts).contiguous(), w.w2_input_scale)
-
-    def __init__(self, spec, options=None) -> None:
-        super().__init__(spec, options)
-        self._one_token: dict = {}  # (top_k, device) -> (sorted_ids, num_post) of a one-token step
 
     def forward(self, x, router_logits, correction_bias, w, top_k, num_expert_group, topk_group,
                 renormalize, routed_scaling_factor):
