@@ -81,7 +81,7 @@ def test_one_token_blocks():
 
 def test_kernel_wrappers_refuse_bad_arguments_before_any_launch():
     """Runs on the CPU: the grouped GEMM and the one-token down launch check their arguments first."""
-    from pieceworks.backends.fp4_gemm import cuda_decode
+    from pieceworks.backends.moe import cuda_kernels
 
     codes = torch.zeros(4, 2, 2, 512, dtype=torch.uint8)  # 4 experts, 32 rows, K 128
     scales = torch.zeros(4, 2, 2, 64, dtype=torch.uint8)
@@ -90,19 +90,19 @@ def test_kernel_wrappers_refuse_bad_arguments_before_any_launch():
     eids = torch.zeros(2, dtype=torch.int32)
     out = torch.zeros(6, 16, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="x must be"):
-        cuda_decode.moe_gemm(torch.zeros(3, 96, dtype=torch.bfloat16), codes, scales, torch.ones(4, 2), 32, ids,
+        cuda_kernels.moe_gemm(torch.zeros(3, 96, dtype=torch.bfloat16), codes, scales, torch.ones(4, 2), 32, ids,
                              eids, post, 6, 2, out)
     with pytest.raises(ValueError, match="gscale"):
-        cuda_decode.moe_gemm(x, codes, scales, torch.ones(4), 32, ids, eids, post, 6, 2, out)  # SwiGLU: [E, 2]
+        cuda_kernels.moe_gemm(x, codes, scales, torch.ones(4), 32, ids, eids, post, 6, 2, out)  # SwiGLU: [E, 2]
     with pytest.raises(ValueError, match="8 pair ids per block"):
-        cuda_decode.moe_gemm(x, codes, scales, torch.ones(4, 2), 32, ids[:12], eids, post, 6, 2, out)
+        cuda_kernels.moe_gemm(x, codes, scales, torch.ones(4, 2), 32, ids[:12], eids, post, 6, 2, out)
     with pytest.raises(ValueError, match="int32 or int64"):
-        cuda_decode.moe_gemm(x, codes, scales, torch.ones(4, 2), 32, ids, eids.float(), post, 6, 2, out)
+        cuda_kernels.moe_gemm(x, codes, scales, torch.ones(4, 2), 32, ids, eids.float(), post, 6, 2, out)
     h, w = torch.zeros(2, 128, dtype=torch.bfloat16), torch.ones(2)
     one = torch.zeros(1, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="multiple of top_k"):
-        cuda_decode.moe_down_one_token(h, codes, scales, torch.ones(4), 32, eids, w, one, warps=3)
+        cuda_kernels.moe_down_one_token(h, codes, scales, torch.ones(4), 32, eids, w, one, warps=3)
     with pytest.raises(ValueError, match="topk_ids"):
-        cuda_decode.moe_down_one_token(h, codes, scales, torch.ones(4), 32, eids[:1], w, one, warps=2)
+        cuda_kernels.moe_down_one_token(h, codes, scales, torch.ones(4), 32, eids[:1], w, one, warps=2)
     with pytest.raises(ValueError, match="topk_weights"):
-        cuda_decode.moe_down_one_token(h, codes, scales, torch.ones(4, 2), 32, eids, w, one, warps=2)
+        cuda_kernels.moe_down_one_token(h, codes, scales, torch.ones(4, 2), 32, eids, w, one, warps=2)

@@ -2,7 +2,7 @@
 
 forward: the Triton MoE's routing (`routing.route`) and expert sort (`triton_kernels.align_gpu`, blocks of 8
 (token, slot) pairs of one expert; a one-token step skips it: a block per pair), then two launches of
-`cuda_decode.moe_gemm`, one CTA per (16 weight rows, block): gate/up with SwiGLU in the epilogue (each
+`cuda_kernels.moe_gemm`, one CTA per (16 weight rows, block): gate/up with SwiGLU in the epilogue (each
 expert's gate and up global scales), down with the routing weight, and the Triton top-k combine. The
 kernel is the dense decode GEMM's (integer decode of the codes, bf16 mma.sync with the weights as A, a
 2-chunk register ring) on each expert's r16c64 weights; a CTA finds its expert and pair rows after the PDL
@@ -92,7 +92,7 @@ class CudaMoEBackend(MoEBackend):
                 w: MoEWeights) -> torch.Tensor:
         """Sort, both grouped GEMMs and the combine for routed pairs (topk_weights float32 [T, top_k])."""
         from pieceworks.backends import pdl
-        from pieceworks.backends.fp4_gemm import cuda_decode
+        from pieceworks.backends.moe import cuda_kernels
         from pieceworks.backends.fp4_gemm.cuda import _multiprocessors, plan
         from pieceworks.backends.moe import triton_kernels
         from pieceworks.backends.moe.triton import num_aligned_blocks
@@ -119,17 +119,17 @@ class CudaMoEBackend(MoEBackend):
         sms = _multiprocessors(x.device)
         h = torch.empty(pairs, inter, dtype=torch.bfloat16, device=x.device)
         warps, depth = plan(BLOCK_M, rg13 * 16 * min(blocks, num_experts), sms)
-        cuda_decode.moe_gemm(x, w.w13, w.w13_scale, w.w13_scale_2, 2 * inter, sorted_ids, expert_ids, num_post,
+        cuda_kernels.moe_gemm(x, w.w13, w.w13_scale, w.w13_scale_2, 2 * inter, sorted_ids, expert_ids, num_post,
                              pairs, top_k, h, None, warps, depth, on)
         if tokens == 1 and top_k <= 32:  # the down GEMM and the combine in one launch
             warps = top_k * max(1, min(32 // top_k, plan(1, rg2 * 16, sms)[0] // top_k))
             out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
-            return cuda_decode.moe_down_one_token(h, w.w2, w.w2_scale, w.w2_scale_2, hidden, expert_ids,
+            return cuda_kernels.moe_down_one_token(h, w.w2, w.w2_scale, w.w2_scale_2, hidden, expert_ids,
                                                   topk_weights.reshape(-1).float().contiguous(), out, warps,
                                                   pdl=on)
         y = torch.empty(pairs, hidden, dtype=torch.bfloat16, device=x.device)
         warps, depth = plan(BLOCK_M, rg2 * 16 * min(blocks, num_experts), sms)
-        cuda_decode.moe_gemm(h, w.w2, w.w2_scale, w.w2_scale_2, hidden, sorted_ids, expert_ids, num_post,
+        cuda_kernels.moe_gemm(h, w.w2, w.w2_scale, w.w2_scale_2, hidden, sorted_ids, expert_ids, num_post,
                              pairs, 1, y, topk_weights.reshape(-1).float().contiguous(), warps, depth, on)
         return triton_kernels.combine(y, tokens, top_k, x.dtype)
 
