@@ -140,7 +140,7 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
                          num_kv_heads, head_dim, prenormed=None):
         """The rope in the decode kernel's epilogue (same bits as the GEMM followed by the rope_qk op);
         larger M: dequantize, matmul, columns back in checkpoint order, then the rope_qk op."""
-        from pieceworks.backends.fp4_gemm import cuda_decode
+        from pieceworks.backends.fp4_gemm import cuda_dequant
 
         n = (num_heads + 2 * num_kv_heads) * head_dim
         m = x.shape[0]
@@ -148,7 +148,7 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         if m <= self.options.decode_max_m:
             rope = (cos, sin, (num_heads + num_kv_heads) * head_dim, head_dim)
             return self._decode(x, weight, weight_scale, weight_scale_2, n, False, rope, prenormed=prenormed)
-        w = cuda_decode.dequant(weight, weight_scale, weight_scale_2, n, x.shape[1])
+        w = cuda_dequant.dequant(weight, weight_scale, weight_scale_2, n, x.shape[1])
         order = _checkpoint_order(num_heads, num_kv_heads, head_dim, x.device)
         return rope_qk_columns((x @ w.t())[:, order], cos, sin, num_heads, num_kv_heads, head_dim)
 
@@ -266,14 +266,14 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         return self._gemm(x, weight, weight_scale, weight_scale_2, 2 * intermediate, swiglu=True)
 
     def _gemm(self, x, weight, weight_scale, weight_scale_2, n: int, swiglu: bool):
-        from pieceworks.backends.fp4_gemm import cuda_decode
+        from pieceworks.backends.fp4_gemm import cuda_dequant
         from pieceworks.models import fused
 
         self._check_x(x, weight, n)
         m, k = x.shape
         if m <= self.options.decode_max_m:
             return self._decode(x, weight, weight_scale, weight_scale_2, n, swiglu)
-        w = cuda_decode.dequant(weight, weight_scale, weight_scale_2, n, k, swiglu)
+        w = cuda_dequant.dequant(weight, weight_scale, weight_scale_2, n, k, swiglu)
         y = x @ w.t()
         if swiglu:
             return fused.silu_mul(y[:, : n // 2], y[:, n // 2 :])
