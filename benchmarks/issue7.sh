@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Every measurement of issue 7 on the H200 in one device call (about 3 minutes with warm caches before
-# the five fp4_gemm.cuda steps at the end, added in the fifteenth and sixteenth sessions and not yet run
-# in this script; the first three ran on their own, the norm_pdl_ab.py ones never ran on a GPU):
+# the fp4_gemm.cuda and moe.cuda steps, added in the fifteenth to seventeenth sessions and not yet run
+# in this script, each run on its own; the norm_pdl_ab.py experiments ran in the seventeenth session
+# and are not repeated here):
 #   bash benchmarks/issue7.sh OUTDIR        (on the device: source .gpu/setup.sh first; OUTDIR=$OUT)
 # Writes OUTDIR/issue7.tar.gz (one file: the device tool returns a handful of files per call) holding
-# {gemm_off,gemm_on}/gemm_bench.{md,json}, {moe_off,moe_on}/moe_bench.{md,json}, decode{512,4096}.{md,json},
-# profile_b1.txt, qkv_rope.md, cuda_gemm/cuda_decode_gemm.json, decode512_cuda{,_fused_norm}.{md,json},
-# decode512_cuda_fused_norm--{late-trigger,consumers-without-pdl}.{md,json}, and
+# {gemm_off,gemm_on}/gemm_bench.{md,json}, {moe_off,moe_on,moe_cuda_on}/moe_bench.{md,json},
+# decode{512,4096}.{md,json}, profile_b1.txt, qkv_rope.md, cuda_gemm/cuda_decode_gemm.json,
+# decode512_cuda{,_fused_norm}.{md,json}, and
 # OUTDIR/issue7.log, the printed tables. Each step has its own time
 # limit, and a failing step does not stop the others.
 set -u
@@ -43,9 +44,4 @@ timeout 200 python benchmarks/graphs.py "${B[@]}" --context 512 --set backends.f
 step "the same with the block's norms fused into the cuda GEMMs (fuse_norm, off by default)"
 timeout 200 python benchmarks/graphs.py "${B[@]}" --context 512 --set backends.fp4_gemm=cuda \
     --set backends.options.cuda.fuse_norm=true --out "$out/decode512_cuda_fused_norm.md" | tail -5
-for flag in --late-trigger --consumers-without-pdl; do
-    step "the same, norm_pdl_ab.py $flag (the PDL suspects of the fused norms)"
-    timeout 200 python benchmarks/norm_pdl_ab.py "$flag" "${B[@]}" --context 512 --set backends.fp4_gemm=cuda \
-        --set backends.options.cuda.fuse_norm=true --out "$out/decode512_cuda_fused_norm${flag}.md" | tail -6
-done
 step done
