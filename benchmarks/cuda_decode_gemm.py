@@ -1,11 +1,14 @@
 """The CUDA decode GEMM (backends/fp4_gemm/cuda_decode.py) against the shipped Triton backend and bf16.
 
-    python benchmarks/cuda_decode_gemm.py --out DIR [--ms 1,4,8] [--variants 8x4,4x4,...]
+    python benchmarks/cuda_decode_gemm.py --out DIR [--ms 1,4,8] [--variants 8x4,4x4,8x2b2x4,...] [--pdl]
 
 Same method as fp4_gemm.py: CUDA-graph replays of back-to-back calls rotating over >= 400 MB of weight
 copies, median of 7 replays, per call; both layouts made from the same random NVFP4 weights; each
 configuration is checked against dequantize + bf16 matmul first. Variants are WxD: warps per CTA x
-chunks in flight per lane. Needs a CUDA GPU.
+chunks in flight per lane, or WxDbSxG: the bulk mode, S shared-memory stages of G chunks per warp filled
+by bulk copies, computed D chunks at a time. --pdl launches every call with programmatic dependent launch
+(as the decode step does), so a call's first weight loads may start while the call before it ends. Needs
+a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 import torch
@@ -34,10 +38,17 @@ def main() -> None:
     ap.add_argument("--ms", default="1,8,16")
     ap.add_argument("--variants", default="2x2,4x2,8x2,16x2,32x2,8x1,16x1,8x3")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--pdl", action="store_true", help="launch the CUDA calls with PDL")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     ms = [int(m) for m in args.ms.split(",")]
-    variants = [tuple(int(v) for v in s.split("x")) for s in args.variants.split(",")]
+    variants = []
+    for v in args.variants.split(","):
+        found = re.fullmatch(r"(\d+)x(\d+)(?:b(\d+)x(\d+))?", v)
+        if not found:
+            raise SystemExit(f"variant {v!r}: expected WxD or WxDbSxG")
+        variants.append((v, {"warps": int(found[1]), "depth": int(found[2]), "stages": int(found[3] or 0),
+                             "stage_chunks": int(found[4] or 0), "pdl": args.pdl}))
     gen = torch.Generator(device="cuda").manual_seed(0)
     triton = TritonFp4GemmBackend(BackendSpec.for_device("cuda", fp4_numerics="w4a16"))
     for n, k in [(40, 208), (48, 4160), (16, 64), (4096, 4096)]:  # odd shapes: padded rows and K
@@ -50,8 +61,8 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             ref = (x @ wd.t()).float()
             errs = []
-            for wv, d in variants:
-                y = cuda_decode.decode_gemm(x, c, sc, gs, n, warps=wv, depth=d).float()
+            for _, kw in variants:
+                y = cuda_decode.decode_gemm(x, c, sc, gs, n, **kw).float()
                 errs.append(float((y - ref).norm() / ref.norm()))
             print(f"check N={n} K={k} M={m}: max relative error {max(errs):.2e}", flush=True)
     rows = []
@@ -78,15 +89,15 @@ def main() -> None:
             row["triton_err"] = float((y - ref).norm() / ref.norm())
             row["triton_us"] = graph_time(lambda i: triton.forward(x, *tri[i % copies], gs, n), copies) * 1e6
             row["bf16_ref_us"] = time_bf16(m, n, k, gen) * 1e6  # cuBLAS x @ W.t() (not an fp4 candidate)
-            for wv, d in variants:
-                key = f"cuda_{wv}x{d}"
-                y = cuda_decode.decode_gemm(x, *cud[0], n, warps=wv, depth=d).float()
+            for v, kw in variants:
+                key = f"cuda_{v}"
+                y = cuda_decode.decode_gemm(x, *cud[0], n, **kw).float()
                 row[key + "_err"] = float((y - ref).norm() / ref.norm())
                 if not row[key + "_err"] < 1e-2:
                     print(f"{name} M={m} {key}: relative error {row[key + '_err']:.3g}", flush=True)
                     continue
                 row[key + "_us"] = graph_time(
-                    lambda i: cuda_decode.decode_gemm(x, *cud[i % copies], n, warps=wv, depth=d), copies) * 1e6
+                    lambda i: cuda_decode.decode_gemm(x, *cud[i % copies], n, **kw), copies) * 1e6
             best = min((v, kk) for kk, v in row.items() if kk.endswith("_us") and kk != "bf16_ref_us")
             cells = " ".join(f"{kk[:-3]}={v:.1f}" for kk, v in row.items() if kk.endswith("_us"))
             print(f"{name} M={m}: {cells}  best {best[1][:-3]} {best[0]:.1f} us "

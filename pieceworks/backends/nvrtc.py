@@ -23,6 +23,7 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
 def nvrtc_library() -> ctypes.CDLL:
@@ -104,11 +105,18 @@ class Kernel:
         attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
         attr.value = (1).to_bytes(4, "little") + bytes(60)
         self._pdl_attr = attr
+        self._max_shared = 48 * 1024  # dynamic shared memory allowed without raising the limit
 
-    def __call__(self, grid, block, args, pdl: bool) -> None:
+    def __call__(self, grid, block, args, pdl: bool, shared: int = 0) -> None:
+        """Launch on the current stream; `shared`: bytes of dynamic shared memory (above 48 KB the kernel's
+        limit is raised first)."""
         if torch.cuda.current_device() != self.device:  # launch in the device's context, on its stream
             with torch.cuda.device(self.device):
-                return self(grid, block, args, pdl)
+                return self(grid, block, args, pdl, shared)
+        if shared > self._max_shared:
+            _check(self._libcuda, self._libcuda.cuFuncSetAttribute(
+                self._func, _MAX_DYNAMIC_SHARED_SIZE_BYTES, ctypes.c_int(shared)), f"cuFuncSetAttribute({self.name})")
+            self._max_shared = shared
         params = []
         for a in args:
             if isinstance(a, torch.Tensor):
@@ -123,7 +131,7 @@ class Kernel:
         cfg = _LaunchConfig()
         cfg.grid[:] = grid
         cfg.block[:] = block
-        cfg.shared = 0
+        cfg.shared = shared
         cfg.stream = torch.cuda.current_stream().cuda_stream
         if pdl:
             cfg.attrs = ctypes.pointer(self._pdl_attr)
