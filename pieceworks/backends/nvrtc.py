@@ -105,11 +105,11 @@ class Kernel:
         attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
         attr.value = (1).to_bytes(4, "little") + bytes(60)
         self._pdl_attr = attr
-        self._max_shared = 48 * 1024  # dynamic shared memory allowed without raising the limit
+        self._max_shared = 0  # the dynamic shared memory this kernel's limit was raised to
 
     def __call__(self, grid, block, args, pdl: bool, shared: int = 0) -> None:
-        """Launch on the current stream; `shared`: bytes of dynamic shared memory (above 48 KB the kernel's
-        limit is raised first)."""
+        """Launch on the current stream; `shared`: bytes of dynamic shared memory (the kernel's limit is
+        raised to it first, as static + dynamic above 48 KB needs)."""
         if torch.cuda.current_device() != self.device:  # launch in the device's context, on its stream
             with torch.cuda.device(self.device):
                 return self(grid, block, args, pdl, shared)
