@@ -1,12 +1,12 @@
 """The CUDA decode GEMM (backends/fp4_gemm/cuda_decode.py) against the shipped Triton backend and bf16.
 
-    python benchmarks/cuda_decode_gemm.py --out DIR [--ms 1,4,8] [--variants 8x4,4x4,8x2b2x4,...] [--pdl]
+    python benchmarks/cuda_decode_gemm.py --out DIR [--ms 1,4,8] [--variants 8x4,4x4,...] [--pdl]
 
 Same method as fp4_gemm.py: CUDA-graph replays of back-to-back calls rotating over >= 400 MB of weight
 copies, median of 7 replays, per call; both layouts made from the same random NVFP4 weights; each
 configuration is checked against dequantize + bf16 matmul first. Variants are WxD: warps per CTA x
-chunks in flight per lane, or WxDbSxG: the bulk mode, S shared-memory stages of G chunks per warp filled
-by bulk copies, computed D chunks at a time. --pdl launches every call with programmatic dependent launch
+chunks in flight per lane (the shared-memory "bulk mode" variants WxDbSxG of the 2026-12-02 sweep live on
+branch exp/bulk-stages). --pdl launches every call with programmatic dependent launch
 (as the decode step does), so a call's first weight loads may start while the call before it ends. Needs
 a CUDA GPU.
 """
@@ -44,11 +44,10 @@ def main() -> None:
     ms = [int(m) for m in args.ms.split(",")]
     variants = []
     for v in args.variants.split(","):
-        found = re.fullmatch(r"(\d+)x(\d+)(?:b(\d+)x(\d+))?", v)
+        found = re.fullmatch(r"(\d+)x(\d+)", v)
         if not found:
-            raise SystemExit(f"variant {v!r}: expected WxD or WxDbSxG")
-        variants.append((v, {"warps": int(found[1]), "depth": int(found[2]), "stages": int(found[3] or 0),
-                             "stage_chunks": int(found[4] or 0), "pdl": args.pdl}))
+            raise SystemExit(f"variant {v!r}: expected WxD")
+        variants.append((v, {"warps": int(found[1]), "depth": int(found[2]), "pdl": args.pdl}))
     gen = torch.Generator(device="cuda").manual_seed(0)
     triton = TritonFp4GemmBackend(BackendSpec.for_device("cuda", fp4_numerics="w4a16"))
     for n, k in [(40, 208), (48, 4160), (16, 64), (4096, 4096)]:  # odd shapes: padded rows and K

@@ -27,6 +27,27 @@ from pieceworks.backends.fp4_gemm.cuda_device import DEVICE_HELPERS  # noqa: E40
 from pieceworks.backends.nvrtc import kernel  # noqa: E402
 
 SOURCE = DEVICE_HELPERS + r"""
+// Bulk copies (cp.async.bulk) into shared memory, completed on an mbarrier (one arrival: the expect_tx).
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(u32 bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n fence.mbarrier_init.release.cluster;"
+                 :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_expect(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_to_smem(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+
 // CTA blockIdx.x reads chunks [blockIdx.x * nchunks, + nchunks) of 576 bytes (codes 512 + scales 64, as
 // one run here); warp w its share, lane l the 16-byte words l, l + 32, ... of each chunk (36 per chunk).
 template <int W, int D>

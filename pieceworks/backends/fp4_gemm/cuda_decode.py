@@ -60,11 +60,7 @@ __device__ __forceinline__ void slot_mmas(float (&acc)[NT][2][4], const Chunk<NT
 // NORM 1: the GEMM's input is RMSNorm(s) with s the residual stream: x is an EPI 4 kernel's s * norm weight,
 // pin [M, nparts] its partial sums of s^2; y = (W @ x) / rms(s), rms(s) = sqrt(sum / kdim + eps), the
 // 1 / rms applied in float32 in the epilogue (the unfused path rounds s / rms(s) to bf16 before the weight).
-// S > 0 (the bulk mode; MOE 0): each warp streams its run of chunks through S shared-memory stages of G
-// chunks each (codes, then scales; dynamic shared memory, W * S * G * 576 bytes), filled by its lane 0's
-// bulk copies (cp.async.bulk, one mbarrier per stage; the first S before the PDL wait) and refilled once
-// the warp has used the stage; it computes D chunks at a time (G a multiple of D), x read from global memory.
-template <int W, int D, int NT, int EPI, int NORM, int MOE, int S, int G>
+template <int W, int D, int NT, int EPI, int NORM, int MOE>
 __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     const U4* __restrict__ codes, const u16* __restrict__ scales, const u16* __restrict__ x,
     u16* __restrict__ out, const float* __restrict__ gscale,
@@ -78,8 +74,6 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     __shared__ float red[W * NT * 128];
     __shared__ float ssq[NORM ? W * 16 : 1];
     __shared__ float sq[EPI == 4 ? 256 : 1];
-    __shared__ __align__(8) unsigned long long bars[S ? W * S : 1];
-    extern __shared__ __align__(128) unsigned char ring[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     // MOE: the CTA serves block blockIdx.y of the expert-sorted pairs (`moe_align`: 8 NT flat pair ids of one
@@ -129,12 +123,6 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     for (int i = 0; i < NT; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[i][0][e] = acc[i][1][e] = 0.f;
-    // S: stage st of this warp (codes, scales) <- chunks j D .. of its run, by lane 0 (macros, so that the
-    // register-ring instances compile as they did without the bulk mode)
-#define RING_W(st) ((const U4*)ring + (warp * S + (st)) * G * 32)
-#define RING_S(st) ((const u16*)((const U4*)ring + W * S * G * 32) + (warp * S + (st)) * G * 32)
-#define ISSUE(st, j) bulk_stage(smem_addr(&bars[warp * S + (st)]), RING_W(st), RING_S(st), \
-        codes + (chunk0 + (j) * G) * 32, scales + (chunk0 + (j) * G) * 32, min(G, nc - (j) * G))
 #define LOAD_W(B, C, P) do { \
         ld_stream(buf[B].w, cp + (C) * 32, P); \
         ld_scale(buf[B].s, sp + (C) * 32, P); \
@@ -167,25 +155,11 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     }
     // The weights are never written by an earlier kernel: their first loads go before the PDL wait (MOE:
     // after it, the expert comes from the kernels before).
-    if constexpr (S > 0) {
-        if (lane == 0) {
 #pragma unroll
-            for (int st = 0; st < S; ++st) mbar_init(smem_addr(&bars[warp * S + st]));
-#pragma unroll
-            for (int st = 0; st < S; ++st) {
-                if (st * G < nc) ISSUE(st, st);
-            }
-        }
-        __syncwarp();
-    } else {
-#pragma unroll
-        for (int b = 0; b < D - 1; ++b) LOAD_W(b, b, b < nc);
-    }
+    for (int b = 0; b < D - 1; ++b) LOAD_W(b, b, b < nc);
     PDL_WAIT();
-    if constexpr (S == 0) {
 #pragma unroll
-        for (int b = 0; b < D - 1; ++b) LOAD_X(b, b, b < nc);
-    }
+    for (int b = 0; b < D - 1; ++b) LOAD_X(b, b, b < nc);
     if (EPI >= 3) {
 #pragma unroll
         for (int j = 0; j < EPI_ITERS; ++j) {
@@ -213,40 +187,8 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
             for (int i = 0; i < NT * 8; ++i) ssq[warp * 16 + i] = v[i];
         }
     }
-    if constexpr (S > 0) {
-        const int full = nc / G;  // whole stages; then nc % G chunks in stage full % S
-        for (int j = 0; j < full; ++j) {
-            const int st = j % S;
-            mbar_wait(smem_addr(&bars[warp * S + st]), (j / S) & 1);
-#pragma unroll
-            for (int q = 0; q < G; q += D) {
-#pragma unroll
-                for (int b = 0; b < D; ++b) {
-                    buf[b].w = RING_W(st)[(q + b) * 32 + lane];
-                    buf[b].s = RING_S(st)[(q + b) * 32 + lane];
-                    LOAD_X(b, q + b, true);
-                }
-#pragma unroll
-                for (int b = 0; b < D; ++b) COMPUTE(b);
-            }
-#pragma unroll
-            for (int i = 0; i < NT; ++i) xp[i] += G * 64;
-            __syncwarp();  // every lane's reads of the stage are done: refill it
-            if (lane == 0 && (j + S) * G < nc) ISSUE(st, j + S);
-        }
-        if (nc % G) {
-            const int st = full % S;
-            mbar_wait(smem_addr(&bars[warp * S + st]), (full / S) & 1);
-            for (int q = 0; q < nc % G; ++q) {
-                buf[0].w = RING_W(st)[q * 32 + lane];
-                buf[0].s = RING_S(st)[q * 32 + lane];
-                LOAD_X(0, q, true);
-                COMPUTE(0);
-            }
-        }
-    }
     int c = 0;
-    for (; !S && c + D <= nc; c += D) {
+    for (; c + D <= nc; c += D) {
 #pragma unroll
         for (int b = 0; b < D; ++b) {
             LOAD_W((b + D - 1) % D, b + D - 1, c + b + D - 1 < nc);
@@ -261,14 +203,11 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     // the last nc % D chunks are in buffers 0 .. nc % D - 1 already
 #pragma unroll
     for (int b = 0; b < D - 1; ++b) {
-        if (!S && c + b < nc) COMPUTE(b);
+        if (c + b < nc) COMPUTE(b);
     }
 #undef LOAD_W
 #undef LOAD_X
 #undef COMPUTE
-#undef RING_W
-#undef RING_S
-#undef ISSUE
     if (MOE == 2) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[0][0][e] *= pair_scale, acc[0][1][e] *= pair_scale;
@@ -362,8 +301,7 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
 
 
 def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2, swiglu: bool = False,
-                pdl: bool = False, out=None, rope=None, prenormed=None, residual=None, norm_out=None,
-                stages: int = 0, stage_chunks: int = 0):
+                pdl: bool = False, out=None, rope=None, prenormed=None, residual=None, norm_out=None):
     """y = x @ dequant(W).T for M <= 16 (bf16 x with unit stride in K, 16-byte aligned rows); with
     swiglu (rows interleaved gate / up) y = silu(gate) * up [M, n / 2]; with rope = (cos, sin,
     rope_cols, head_dim) (rows in the interleave_rope_rows order) the q/k columns below rope_cols
@@ -374,11 +312,7 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
     residual [M, n] bf16 (plain epilogue only): y + residual, rounded as the add after the GEMM. With
     norm_out = (norm weight [n] bf16, t [M, n] bf16, partials [M, ceil(n / 16)] float32) as well, the
     kernel also writes the next RMSNorm's inputs: t = (y + residual) * weight and the partial sums of
-    squares of y + residual.
-
-    stages > 0: the bulk mode (each warp's weights through `stages` shared-memory stages of `stage_chunks`
-    64-element chunks, filled by bulk copies, computed `depth` chunks at a time) instead of the register
-    ring of `depth` chunks."""
+    squares of y + residual."""
     m, k = x.shape
     if m > 16:
         raise ValueError(f"decode_gemm serves M <= 16, got {m}")
@@ -396,9 +330,6 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
     if m == 0:  # nothing to compute (the kernel would read row M - 1 = -1)
         return out
     nt = 1 if m <= 8 else 2
-    if stages and (stage_chunks <= 0 or stage_chunks % depth):
-        raise ValueError(f"decode_gemm: the bulk mode's stages hold a positive multiple of depth ({depth}) chunks, "
-                         f"got {stage_chunks}")
     if rope is None:
         epi, rope_args = int(swiglu), [gscale, gscale, 0, 0, 0, 1]
     else:
@@ -431,9 +362,9 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
         if parts.shape != (m, rg) or parts.dtype != torch.float32 or not parts.is_contiguous():
             raise ValueError(f"decode_gemm: the partials must be contiguous float32 [{m}, {rg}]")
         epi, out_args = 4, [nw, t, t.stride(0), parts]
-    name = f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {epi}, {int(prenormed is not None)}, 0, {stages}, {stage_chunks}>"
+    name = f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {epi}, {int(prenormed is not None)}, 0>"
     kernel(SOURCE, name, x.device)(
         (rg, 1, 1), (warps * 32, 1, 1),
         [codes, scales, x, out, gscale, m, n, ch, x.stride(0), out.stride(0), *rope_args, *norm_args, *res_args,
-         *out_args, gscale, gscale, gscale, gscale, 1, 0], pdl, shared=warps * stages * stage_chunks * 576)
+         *out_args, gscale, gscale, gscale, gscale, 1, 0], pdl)
     return out

@@ -31,36 +31,6 @@ __device__ __forceinline__ void ld_scale(u32& r, const u16* p, bool pred) {
                  " @q ld.global.nc.L1::no_allocate.u16 %0, [%1];\n}" : "+h"(v) : "l"(p), "r"((int)pred));
     r = v;
 }
-// Bulk copies (cp.async.bulk) into shared memory, completed on an mbarrier: init (one arrival: the
-// expect_tx), the byte count, the copies; waiters poll the barrier's phase parity.
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    return (u32)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void mbar_init(u32 bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n fence.mbarrier_init.release.cluster;"
-                 :: "r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_expect(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_to_smem(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-// One stage of `cnt` 64-element chunks (codes 512 bytes, scales 64 bytes each) into shared memory.
-__device__ __forceinline__ void bulk_stage(u32 bar, const void* wdst, const void* sdst, const void* codes,
-                                           const void* scales, int cnt) {
-    mbar_expect(bar, cnt * 576);
-    bulk_to_smem(smem_addr(wdst), codes, cnt * 512, bar);
-    bulk_to_smem(smem_addr(sdst), scales, cnt * 64, bar);
-}
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
 // Two e4m3 scales (low byte row g, high byte row g + 8) -> bf16x2 (scale * 2^112) each (triton_k32.py).
 __device__ __forceinline__ u32 scale_pair(u32 s) {
     u32 h;

@@ -40,7 +40,7 @@ def moe_gemm(x, codes, scales, gscale, n: int, sorted_ids, expert_ids, num_post,
     e_stride = 1
     if expert_ids.dtype == torch.int64:  # read as the low int32 word of each id (little-endian, ids < 2^31)
         expert_ids, e_stride = expert_ids.view(torch.int32), 2
-    name = f"nvfp4_decode_gemm<{warps}, {depth}, 1, {int(swiglu)}, 0, 1, 0, 0>"
+    name = f"nvfp4_decode_gemm<{warps}, {depth}, 1, {int(swiglu)}, 0, 1>"
     tw = gscale if swiglu else topk_weights
     kernel(SOURCE, name, x.device)(
         (rg, blocks, 1), (warps * 32, 1, 1),
@@ -75,7 +75,7 @@ def moe_down_one_token(h, codes, scales, gscale, n: int, topk_ids, topk_weights,
     if topk_ids.dtype == torch.int64:  # the low int32 word of each id
         topk_ids, e_stride = topk_ids.view(torch.int32), 2
     gscale = gscale.contiguous()
-    kernel(SOURCE, f"nvfp4_decode_gemm<{warps}, {depth}, 1, 0, 0, 2, 0, 0>", h.device)(
+    kernel(SOURCE, f"nvfp4_decode_gemm<{warps}, {depth}, 1, 0, 0, 2>", h.device)(
         (rg, 1, 1), (warps * 32, 1, 1),
         [codes, scales, h, out, gscale, top_k, n, ch, h.stride(0), out.stride(0), gscale, gscale,
          e_stride, 0, 0, 1,  # ldc = the expert ids' stride
