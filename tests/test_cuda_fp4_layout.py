@@ -69,25 +69,6 @@ def test_plan_keeps_the_grid_resident():
     assert plan(9, 28672, 132) == (4, 2)
 
 
-def test_plan_deepens_the_ring_where_it_measured_faster():
-    # M <= 8: q/k/v (384 CTAs of 8 warps, 8 chunks each) and gate/up (1792 of 2) fit at 28 warps per SM
-    assert plan(1, 6144, 132, 4096) == (8, 3)
-    assert plan(8, 28672, 132, 4096) == (2, 3)
-    # too few chunks per warp (o: 4; the DeepSeek expert down, 448 CTAs: 4), or 16 warps per CTA
-    assert plan(1, 4096, 132, 4096) == (16, 2)
-    assert plan(1, 7168, 132, 2048) == (8, 2)
-    assert plan(1, 4096, 132, 14336) == (16, 2)
-    # 448 CTAs of 8 warps would not all fit with the deeper ring (3 per SM)
-    assert plan(1, 7168, 132, 8192) == (8, 2)
-    # M 9..16: only 8-warp CTAs, two per SM (o, down, the expert gate/up); q/k/v takes 4 warps: stays at 2
-    assert plan(16, 4096, 132, 4096) == (8, 3)
-    assert plan(16, 4096, 132, 14336) == (8, 3)
-    assert plan(16, 6144, 132, 4096) == (4, 2)
-    assert plan(16, 28672, 132, 4096) == (4, 2)
-    # without K (callers that do not pass it) the ring stays at 2
-    assert plan(1, 6144, 132) == (8, 2)
-
-
 def test_unavailable_on_cpu_with_reason():
     reasons = CudaFp4GemmBackend.check(BackendSpec.for_device("cpu", fp4_numerics="w4a16"))
     assert reasons and "cuda" in reasons[0]

@@ -86,25 +86,18 @@ def kernel_reasons(reasons: list[str], used: bool, dtype: torch.dtype) -> list[s
     return reasons
 
 
-def plan(m: int, n_rows: int, sms: int, k: int = 0) -> tuple[int, int]:
-    """(warps per CTA, chunks in flight per lane) for M rows, n_rows weight rows and K: the most warps per
+def plan(m: int, n_rows: int, sms: int) -> tuple[int, int]:
+    """(warps per CTA, chunks in flight per lane) for M rows and n_rows weight rows: the most warps per
     CTA (a power of two, 16 at most) that keep every CTA of the grid resident at once, counting about 32
     warps per SM at M <= 8 and 16 at M <= 16 (two token tiles take more registers); at least 2 / 4.
-    Three chunks in flight instead of two where each warp has at least 8 chunks of K and the grid stays
-    resident with the deeper ring's registers (64-72 per thread at M <= 8: 28 warps per SM; 108-117 with
-    two token tiles: 16, and only with 8 warps per CTA). Measured on the H200 (docs/benchmarks.md):
-    this picks the fastest or within 10% of it on the Llama-3.1-8B and DeepSeek-V3 expert shapes."""
+    Measured on the H200 (docs/benchmarks.md): this picks the fastest or within 10% of it on the
+    Llama-3.1-8B and DeepSeek-V3 expert shapes."""
     ctas = -(-n_rows // 16)
     budget, least = (sms * 32, 2) if m <= 8 else (sms * 16, 4)
     warps = 16
     while warps > least and ctas * warps > budget:
         warps //= 2
-    per_warp = -(-k // 64) // warps
-    if m <= 8:
-        deeper = ctas <= sms * (28 // warps)
-    else:
-        deeper = warps == 8 and ctas <= sms * (16 // warps)
-    return warps, 3 if per_warp >= 8 and deeper else 2
+    return warps, 2
 
 
 class CudaFp4GemmBackend(Fp4GemmBackend):
@@ -182,13 +175,13 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         on = pdl.enabled(x.device)
         sms = _multiprocessors(x.device)
         if m <= SLICE:
-            warps, depth = plan(m, weight.shape[0] * 16, sms, weight.shape[1] * 64)
+            warps, depth = plan(m, weight.shape[0] * 16, sms)
             return cuda_decode.decode_gemm(x, weight, weight_scale, weight_scale_2, n, warps, depth, swiglu, on,
                                            rope=rope, prenormed=prenormed, residual=residual, norm_out=norm_out)
         out = torch.empty(m, n // 2 if swiglu else n, dtype=torch.bfloat16, device=x.device)
         for r0 in range(0, m, SLICE):
             r1 = min(m, r0 + SLICE)
-            warps, depth = plan(r1 - r0, weight.shape[0] * 16, sms, weight.shape[1] * 64)
+            warps, depth = plan(r1 - r0, weight.shape[0] * 16, sms)
             part_rope = None if rope is None else (rope[0][r0:r1], rope[1][r0:r1], *rope[2:])
             rows = slice(r0, r1)
             cuda_decode.decode_gemm(
