@@ -27,7 +27,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
                    stride_vp, stride_vs, stride_vh, stride_tb, stride_knt, stride_knh, stride_vnt, stride_vnh,
                    scale_log2, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
                    S: tl.constexpr, BLOCK_N: tl.constexpr, HKV: tl.constexpr, WRITE: tl.constexpr,
-                   LENS_ARE_POSITIONS: tl.constexpr, PDL: tl.constexpr = False):
+                   LENS_ARE_POSITIONS: tl.constexpr, PDL: tl.constexpr = False, TRIGGER: tl.constexpr = True):
     pdl_kernels.wait(PDL)  # q and the new K/V rows come from the kernels before (pdl.py)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -77,7 +77,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
         v = tl.load(v_ptr + v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    pdl_kernels.launch_dependents(PDL)  # the next kernel's launch overlaps the merge
+    if TRIGGER:  # (else the next kernel launches when this grid exits)
+        pdl_kernels.launch_dependents(PDL)  # the next kernel's launch overlaps the merge
     out_rows = out_ptr + b.to(tl.int64) * stride_ot + rows[:, None] * stride_oh + d[None, :]
     omask = (g < G)[:, None]
     if S == 1:
@@ -114,6 +115,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
             tl.store(count_ptr + b * HKV + h, 0)
 
 
+EARLY_TRIGGER = True  # let the next kernel launch before the merge (benchmarks/attention_pdl_ab.py: False)
+
+
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
            table: torch.Tensor, lens: torch.Tensor, scale: float, splits: int, part_o: torch.Tensor,
            part_lse: torch.Tensor, counters: torch.Tensor, block_n: int = 64, num_warps: int = 4,
@@ -145,5 +149,5 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         scale * 1.4426950408889634, G=group, GP=gp, D=dim, PS=page_size, S=splits, BLOCK_N=block_n, HKV=hkv,
-        WRITE=write, LENS_ARE_POSITIONS=lens_are_positions, PDL=use_pdl, num_warps=num_warps,
-        num_stages=num_stages, **launch)
+        WRITE=write, LENS_ARE_POSITIONS=lens_are_positions, PDL=use_pdl, TRIGGER=EARLY_TRIGGER,
+        num_warps=num_warps, num_stages=num_stages, **launch)
