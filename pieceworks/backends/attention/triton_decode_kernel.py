@@ -115,7 +115,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
             tl.store(count_ptr + b * HKV + h, 0)
 
 
-EARLY_TRIGGER = True  # let the next kernel launch before the merge (benchmarks/attention_pdl_ab.py: False)
+EARLY_TRIGGER = True  # let the next kernel launch before the merge (benchmarks/pdl_ab.py: False)
+# Launched in stream order, not early behind the q/k/v GEMM: every input but the page table comes from
+# that GEMM, and the early launch made the kernel finish later (the eighteenth session's timeline, batch
+# 1: 8.3 us after the GEMM's end per layer against 6.5; benchmarks/pdl_ab.py --attention-pdl-launch).
+# Its PDL wait then returns at once, and its trigger still lets the o GEMM launch before the merge.
+PDL_LAUNCH = False
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
@@ -143,6 +148,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     write = k_new is not None
     kn, vn = (k_new, v_new) if write else (q, q)  # placeholders, never read
     use_pdl, launch = pdl.launch_options(q.device)
+    if not PDL_LAUNCH:
+        launch = {}
     _decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, out, table, lens, part_o, part_lse, counters, kn, vn,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),

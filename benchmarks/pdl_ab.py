@@ -1,0 +1,50 @@
+"""A benchmark script (graphs.py, timeline.py, ...) with kernels launched differently under PDL (the eighteenth
+session's experiments):
+
+  --attention-pdl-launch    attention.triton's decode kernel launched with PDL, early behind the q/k/v GEMM
+                            (the shipped kernel is launched in stream order since then; its trigger still lets
+                            the o GEMM launch before its merge). The timeline (benchmarks/timeline.py, batch 1)
+                            had the early-launched kernel ending 8.3 us after the GEMM per layer against 6.5;
+  --attention-no-pdl        attention.triton launched in stream order and without its trigger;
+  --attention-late-trigger  attention.triton launched with PDL but without its early trigger (the o GEMM
+                            launches when it exits);
+  --norm-weight-after-wait  the RMSNorm kernels load their weight after the PDL wait (as before the
+                            eighteenth session), not before it.
+
+Example:
+
+    python benchmarks/pdl_ab.py --attention-pdl-launch benchmarks/graphs.py --quant nvfp4 \\
+        --set cuda_graph.piecewise.enabled=off --extend '' --set backends.options.flashinfer.variant=fa2 \\
+        --decode 1,8 --decode-sizes 1,8 --context 512 --set backends.fp4_gemm=cuda --out $OUT/pdl.md
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+import types
+
+from pieceworks.backends import pdl
+from pieceworks.backends.attention import triton_decode_kernel as tdk
+from pieceworks.models import fused_kernels
+
+args = sys.argv[1:]
+if "--attention-pdl-launch" in args:
+    args.remove("--attention-pdl-launch")
+    tdk.PDL_LAUNCH = True
+    print("attention.triton: launched with PDL", flush=True)
+if "--attention-no-pdl" in args:
+    args.remove("--attention-no-pdl")
+    tdk.pdl = types.SimpleNamespace(launch_options=lambda device: (False, {}))
+    print("attention.triton: launched without PDL, no trigger", flush=True)
+if "--attention-late-trigger" in args:
+    args.remove("--attention-late-trigger")
+    tdk.PDL_LAUNCH, tdk.EARLY_TRIGGER = True, False
+    print("attention.triton: launched with PDL, no early trigger", flush=True)
+if "--norm-weight-after-wait" in args:
+    args.remove("--norm-weight-after-wait")
+    fused_kernels.NORM_WEIGHT_EARLY = False
+    print("norm kernels: weight loaded after the PDL wait", flush=True)
+assert pdl.launch_options  # every other kernel launches as shipped
+sys.argv = args
+runpy.run_path(args[0], run_name="__main__")
