@@ -35,7 +35,7 @@ if "--attention-pdl-launch" in args:
     print("attention.triton: launched with PDL", flush=True)
 if "--attention-no-pdl" in args:
     args.remove("--attention-no-pdl")
-    tdk.pdl = types.SimpleNamespace(launch_options=lambda device: (False, {}))
+    tdk.pdl = types.SimpleNamespace(launch_options=lambda device, early=True: (False, {}))
     print("attention.triton: launched without PDL, no trigger", flush=True)
 if "--attention-late-trigger" in args:
     args.remove("--attention-late-trigger")

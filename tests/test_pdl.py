@@ -38,3 +38,53 @@ def test_executor_refuses_pdl_on_where_unsupported_before_loading():
     with pytest.raises(ConfigError, match="runtime.pdl: on, but PDL needs a CUDA device"):
         Executor.from_config({"model": {"arch": "llama", "preset": "tiny"}, "runtime": {"device": "cpu"}},
                              ["runtime.pdl=on"], progress=False)
+
+
+def test_stream_order_launch_keeps_the_flag_without_the_launch_attribute(monkeypatch):
+    monkeypatch.setattr(pdl, "enabled", lambda device: True)
+    assert pdl.launch_options("cuda") == (True, {"launch_pdl": True})
+    assert pdl.launch_options("cuda", early=False) == (True, {})
+    monkeypatch.setattr(pdl, "enabled", lambda device: False)
+    assert pdl.launch_options("cuda", early=False) == (False, {})
+
+
+class _Recorder:
+    """Stands in for a Triton kernel: `kernel[grid](*args, **kwargs)` records the launch."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, kwargs))
+
+
+def test_attention_decode_launches_in_stream_order_with_its_trigger(monkeypatch):
+    """attention.triton's decode kernel: PDL compiled in (its trigger lets the o projection launch early)
+    but launched without the PDL attribute (docs/benchmarks.md, eighteenth session); the norm kernels
+    keep the early launch and load their weight before the wait."""
+    pytest.importorskip("triton")
+    import torch
+
+    from pieceworks.backends.attention import triton_decode_kernel as tdk
+    from pieceworks.models import fused_kernels
+
+    monkeypatch.setattr(pdl, "enabled", lambda device: True)
+    rec = _Recorder()
+    monkeypatch.setattr(tdk, "_decode_kernel", rec)
+    q = torch.zeros(1, 8, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)
+    table, lens = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    part = torch.zeros(1 << 16)
+    tdk.decode(q, cache, cache, q, table, lens, 0.125, 4, part, part, torch.zeros(2, dtype=torch.int32))
+    (_, kw), = rec.launches
+    assert kw["PDL"] is True and kw["TRIGGER"] is True and "launch_pdl" not in kw
+    monkeypatch.setattr(tdk, "PDL_LAUNCH", True)  # benchmarks/pdl_ab.py --attention-pdl-launch
+    tdk.decode(q, cache, cache, q, table, lens, 0.125, 4, part, part, torch.zeros(2, dtype=torch.int32))
+    assert rec.launches[-1][1]["launch_pdl"] is True
+
+    norm = _Recorder()
+    monkeypatch.setattr(fused_kernels, "_add_rms_norm_kernel", norm)
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    fused_kernels.add_rms_norm(x, x, torch.ones(64, dtype=torch.bfloat16), 1e-5)
+    (_, kw), = norm.launches
+    assert kw["PDL"] is True and kw["launch_pdl"] is True and kw["W_EARLY"] is True

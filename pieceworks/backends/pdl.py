@@ -91,8 +91,12 @@ def enabled(device: torch.device | str) -> bool:
     return _enabled and unsupported_reason(device) is None
 
 
-def launch_options(device: torch.device | str) -> tuple[bool, dict]:
+def launch_options(device: torch.device | str, early: bool = True) -> tuple[bool, dict]:
     """(flag, launch kwargs) for a Triton kernel following the protocol above: pass the flag as the
-    kernel's `PDL` constexpr and the kwargs to the launch (`launch_pdl=True`, or nothing)."""
+    kernel's `PDL` constexpr and the kwargs to the launch (`launch_pdl=True`, or nothing).
+
+    early=False: the kernel is launched in stream order (no `launch_pdl`; it starts when the kernel before
+    it has finished, and its wait returns at once) but keeps its trigger, so the kernel after it can still
+    launch early. For kernels with nothing to do before their wait (attention.triton's decode)."""
     on = enabled(device)
-    return on, ({"launch_pdl": True} if on else {})
+    return on, ({"launch_pdl": True} if on and early else {})

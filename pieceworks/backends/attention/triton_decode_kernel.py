@@ -147,9 +147,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     gp = max(16, triton.next_power_of_2(group))
     write = k_new is not None
     kn, vn = (k_new, v_new) if write else (q, q)  # placeholders, never read
-    use_pdl, launch = pdl.launch_options(q.device)
-    if not PDL_LAUNCH:
-        launch = {}
+    use_pdl, launch = pdl.launch_options(q.device, early=PDL_LAUNCH)
     _decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, out, table, lens, part_o, part_lse, counters, kn, vn,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
