@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Every measurement of issue 7 on the H200 in one device call (about 3 minutes with warm caches before
-# the fp4_gemm.cuda and moe.cuda steps, added in the fifteenth to seventeenth sessions and not yet run
-# in this script, each run on its own; the norm_pdl_ab.py experiments ran in the seventeenth session
-# and are not repeated here):
+# the fp4_gemm.cuda, moe.cuda, read-ceiling and timeline steps, added in the fifteenth to eighteenth
+# sessions and not yet run in this script, each run on its own; the norm_pdl_ab.py and pdl_ab.py
+# experiments ran in the seventeenth and eighteenth sessions and are not repeated here):
 #   bash benchmarks/issue7.sh OUTDIR        (on the device: source .gpu/setup.sh first; OUTDIR=$OUT)
 # Writes OUTDIR/issue7.tar.gz (one file: the device tool returns a handful of files per call) holding
 # {gemm_off,gemm_on}/gemm_bench.{md,json}, {moe_off,moe_on,moe_cuda_on}/moe_bench.{md,json},
 # decode{512,4096}.{md,json}, profile_b1.txt, qkv_rope.md, cuda_gemm/cuda_decode_gemm.json,
-# decode512_cuda{,_fused_norm}.{md,json}, and
+# decode512_cuda{,_fused_norm}.{md,json}, cuda_gemm_pdl/cuda_decode_gemm.json, read_ceiling{,_pdl}.txt,
+# timeline_b1.txt, and
 # OUTDIR/issue7.log, the printed tables. Each step has its own time
 # limit, and a failing step does not stop the others.
 set -u
@@ -38,10 +39,19 @@ cat "$out/qkv_rope.md"
 step "CUDA decode GEMM (fp4_gemm.cuda) against the Triton backend and bf16"
 timeout 150 python benchmarks/cuda_decode_gemm.py --ms 1,8,16 --variants 2x2,4x2,8x2,16x2,8x1 \
     --out "$out/cuda_gemm" | grep -v "^check.*e-03$" | tail -20
+timeout 150 python benchmarks/cuda_decode_gemm.py --ms 1,8,16 --variants 2x2,4x2,8x2,16x2,8x1 --pdl \
+    --out "$out/cuda_gemm_pdl" | grep -v "^check.*e-03$" | tail -20
+step "how fast a kernel that only reads each shape's bytes is (the per-call ceiling), PDL off and on"
+timeout 120 python benchmarks/read_ceiling.py > "$out/read_ceiling.txt" 2>&1; cat "$out/read_ceiling.txt"
+timeout 120 python benchmarks/read_ceiling.py --pdl > "$out/read_ceiling_pdl.txt" 2>&1; cat "$out/read_ceiling_pdl.txt"
 step "decode end to end with fp4_gemm: cuda, 512-token context"
 timeout 200 python benchmarks/graphs.py "${B[@]}" --context 512 --set backends.fp4_gemm=cuda \
     --out "$out/decode512_cuda.md" | tail -5
 step "the same with the block's norms fused into the cuda GEMMs (fuse_norm, off by default)"
 timeout 200 python benchmarks/graphs.py "${B[@]}" --context 512 --set backends.fp4_gemm=cuda \
     --set backends.options.cuda.fuse_norm=true --out "$out/decode512_cuda_fused_norm.md" | tail -5
+step "kernel timeline of the batch-1 step with fp4_gemm: cuda (what each kernel adds under PDL)"
+timeout 150 python benchmarks/timeline.py --decode 1 --set quantization.format=nvfp4 --set backends.fp4_gemm=cuda \
+    --set backends.options.flashinfer.variant=fa2 --steps 20 > "$out/timeline_b1.txt" 2>&1
+grep -v "INFO\|arn" "$out/timeline_b1.txt" | head -16
 step done
