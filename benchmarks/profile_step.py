@@ -100,10 +100,10 @@ def kernel_family(name: str) -> str:
     return "other elementwise/reduction"
 
 
-def profile_decode(args) -> None:
-    """GPU time per kernel over full-graph decode steps of `args.decode` sequences of 512 tokens."""
-    from torch.profiler import ProfilerActivity, profile
-
+def decode_setup(args, context: int = 512):
+    """An executor for `args` (preset, arch, --set overrides) with full decode graphs at batch
+    `args.decode`, that many sequences of `context` tokens prefilled, and the next decode batch, after 5
+    warm-up steps: (executor, batch). benchmarks/timeline.py uses it too."""
     from pieceworks.executor.batch import ForwardBatch
 
     overrides = [f"model.arch={args.arch}", f"model.preset={args.preset}", "model.max_context=4096",
@@ -112,11 +112,19 @@ def profile_decode(args) -> None:
     ex = Executor.from_config(None, overrides, progress=False)
     seqs = [ex.new_sequence() for _ in range(args.decode)]
     for s in seqs:
-        ex.forward(ForwardBatch([s], [torch.randint(0, ex.vocab_size, (512,)).tolist()]))
+        ex.forward(ForwardBatch([s], [torch.randint(0, ex.vocab_size, (context,)).tolist()]))
     batch = ForwardBatch(seqs, [[1]] * args.decode)
     for _ in range(5):
         ex.forward(batch)
     sync()
+    return ex, batch
+
+
+def profile_decode(args) -> None:
+    """GPU time per kernel over full-graph decode steps of `args.decode` sequences of 512 tokens."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ex, batch = decode_setup(args)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             ex.forward(batch)

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pieceworks import Executor  # noqa: E402
-from pieceworks.executor.batch import ForwardBatch  # noqa: E402
+from profile_step import decode_setup  # noqa: E402
 
 
 def role(name: str, previous: str) -> str:
@@ -57,17 +57,7 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--trace", help="also write the chrome trace here")
     args = p.parse_args()
-    overrides = [f"model.arch={args.arch}", f"model.preset={args.preset}", "model.max_context=4096",
-                 "kv_cache.num_tokens=65536", "cuda_graph.piecewise.enabled=off",
-                 f"cuda_graph.decode.batch_sizes=[{args.decode}]", *args.set]
-    ex = Executor.from_config(None, overrides, progress=False)
-    seqs = [ex.new_sequence() for _ in range(args.decode)]
-    for s in seqs:
-        ex.forward(ForwardBatch([s], [torch.randint(0, ex.vocab_size, (args.context,)).tolist()]))
-    batch = ForwardBatch(seqs, [[1]] * args.decode)
-    for _ in range(5):
-        ex.forward(batch)
-    torch.cuda.synchronize()
+    ex, batch = decode_setup(args, args.context)
     walls = []
     for _ in range(args.steps):
         t = time.perf_counter()
