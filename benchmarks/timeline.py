@@ -47,6 +47,41 @@ def role(name: str, previous: str) -> str:
     return "other: " + name[:60]
 
 
+def split_steps(events: list[dict], gap_us: float = 20.0, least: int = 10) -> list[list[dict]]:
+    """Kernel records (chrome-trace "X" events: ts, dur in us) in start order -> steps: split where the
+    GPU was idle for more than `gap_us` (the host work between synchronized steps); steps of fewer than
+    `least` kernels dropped."""
+    steps, cur, last_end = [], [], None
+    for e in events:
+        if last_end is not None and e["ts"] - last_end > gap_us:
+            steps.append(cur)
+            cur = []
+        cur.append(e)
+        last_end = max(last_end if last_end is not None else e["ts"], e["ts"] + e["dur"])
+    steps.append(cur)
+    return [s for s in steps if len(s) >= least]
+
+
+def walk(step: list[dict]) -> tuple[float, dict[str, list[float]]]:
+    """One step's kernels in start order -> (span, {role: [kernel us, exposed us, lead us, launches]}):
+    exposed = the part of a kernel after the latest end of the kernels before it, lead = its start minus
+    that end (negative: it overlapped them). The exposed times add up to the span."""
+    end_so_far, prev_gemm = step[0]["ts"], ""
+    acc: dict[str, list[float]] = {}
+    for e in step:
+        r = role(e["name"], prev_gemm)
+        if "gemm" in r:
+            prev_gemm = r
+        start, end = e["ts"], e["ts"] + e["dur"]
+        a = acc.setdefault(r, [0.0, 0.0, 0.0, 0])
+        a[0] += e["dur"]
+        a[1] += max(0.0, end - max(start, end_so_far))
+        a[2] += start - end_so_far
+        a[3] += 1
+        end_so_far = max(end_so_far, end)
+    return end_so_far - step[0]["ts"], acc
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="llama-3.1-8b")
@@ -75,33 +110,12 @@ def main() -> None:
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel" and e.get("ph") == "X"]
     events.sort(key=lambda e: e["ts"])
-    # steps: split where the GPU was idle for more than 20 us (the host syncs between steps)
-    steps, cur, last_end = [], [], None
-    for e in events:
-        if last_end is not None and e["ts"] - last_end > 20:
-            steps.append(cur)
-            cur = []
-        cur.append(e)
-        last_end = max(last_end or 0, e["ts"] + e["dur"])
-    steps.append(cur)
-    steps = [s for s in steps if len(s) > 10]
-    per_role: dict[str, list[float]] = {}
+    steps = split_steps(events)
+    per_role: dict[str, list[list[float]]] = {}
     spans = []
     for s in steps:
-        end_so_far, prev_gemm = s[0]["ts"], ""
-        acc: dict[str, list[float]] = {}
-        for e in s:
-            r = role(e["name"], prev_gemm)
-            if "gemm" in r:
-                prev_gemm = r
-            start, end = e["ts"], e["ts"] + e["dur"]
-            a = acc.setdefault(r, [0.0, 0.0, 0.0, 0])
-            a[0] += e["dur"]
-            a[1] += max(0.0, end - max(start, end_so_far))
-            a[2] += start - end_so_far
-            a[3] += 1
-            end_so_far = max(end_so_far, end)
-        spans.append(end_so_far - s[0]["ts"])
+        span, acc = walk(s)
+        spans.append(span)
         for r, a in acc.items():
             per_role.setdefault(r, []).append(a)
     n = len(steps)
