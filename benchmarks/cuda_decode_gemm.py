@@ -5,8 +5,8 @@
 Same method as fp4_gemm.py: CUDA-graph replays of back-to-back calls rotating over >= 400 MB of weight
 copies, median of 7 replays, per call; both layouts made from the same random NVFP4 weights; each
 configuration is checked against dequantize + bf16 matmul first. Variants are WxD: warps per CTA x
-chunks in flight per lane (the shared-memory "bulk mode" variants WxDbSxG of the 2026-12-02 sweep live on
-branch exp/bulk-stages). --pdl launches every call with programmatic dependent launch
+chunks in flight per lane (the shared-memory "bulk mode" variants WxDbSxG of the 2026-12-02 sweep ran at
+869c56a / bc05528; the mode was removed in 6fbabc8). --pdl launches every call with programmatic dependent launch
 (as the decode step does), so a call's first weight loads may start while the call before it ends. Needs
 a CUDA GPU.
 """

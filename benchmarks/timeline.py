@@ -9,7 +9,8 @@ kernel records, graph kernels included), then walks each step's kernels in start
 to the step's span), its *lead* is start minus that latest end (negative: it started while the one
 before still ran, as PDL allows; positive: an idle gap). Prints per role (the q/k/v GEMM, attention, o,
 the norms, gate/up, down, lm_head, ...) the kernel time, exposed time and lead per step, and the step's
-span against the graph replay timed without the profiler. Needs a CUDA GPU.
+span next to a synchronized Executor.forward timed without the profiler (host work included). Needs a
+CUDA GPU.
 """
 
 from __future__ import annotations
