@@ -8,6 +8,7 @@ import torch
 from pieceworks.backends.base import BackendSpec, ModelFacts
 from pieceworks.backends.fp4_gemm import cuda_decode, r16c64
 from pieceworks.backends.fp4_gemm.cuda import CudaDecodeOptions, CudaFp4GemmBackend, plan
+from pieceworks.backends.fp4_gemm.cuda_decode import resident_cap
 from pieceworks.quant import nvfp4
 
 
@@ -59,14 +60,38 @@ def test_repack_refuses_nan_scale():
 
 
 def test_plan_keeps_the_grid_resident():
-    # 132 SMs, M <= 8: 256 CTAs (4096 rows) take 16 warps each, 384 (6144 rows) 8, 1792 (28672 rows) 2
-    assert plan(1, 4096, 132) == (16, 2)
-    assert plan(8, 6144, 132) == (8, 2)
-    assert plan(1, 28672, 132) == (2, 2)
-    assert plan(1, 16, 132) == (16, 2)
-    # M 9..16 counts half the warps per SM, at least 4
-    assert plan(16, 4096, 132) == (8, 2)
-    assert plan(9, 28672, 132) == (4, 2)
+    # 132 SMs, 32 warps each: 256 CTAs (4096 rows) take 16 warps each, 384 (6144 rows) 8, 1792 (28672 rows) 2
+    assert plan(4096, 132) == (16, 2)
+    assert plan(6144, 132) == (8, 2)
+    assert plan(28672, 132) == (2, 2)
+    assert plan(16, 132) == (16, 2)
+    assert plan(7168, 132) == (8, 2)  # 448 CTAs
+    assert plan(16 * 132 * 64, 132) == (2, 2)  # more than fit: the fewest warps
+
+
+class _Occupancy:
+    """Stands in for an nvrtc.Kernel: CTAs per SM from a register count, as the occupancy calculator counts
+    (registers allocated per warp in units of 8 per thread, 64 Ki per SM, 64 warps)."""
+
+    def __init__(self, registers: int) -> None:
+        self.registers = registers
+
+    def resident_blocks(self, threads: int) -> int:
+        warps = threads // 32
+        return min(65536 // (warps * 32 * -(-self.registers // 8) * 8), 64 // warps)
+
+
+def test_register_cap_only_where_the_grid_would_not_stay_resident():
+    # q/k/v (384 CTAs of 8 warps) at 68 registers: 3 CTAs per SM, 396 >= 384: no cap
+    assert resident_cap(_Occupancy(68), 8, 384, 132) == 0
+    # the DeepSeek expert down (448 CTAs of 8 warps): 396 < 448, so 4 CTAs per SM (64 registers)
+    assert resident_cap(_Occupancy(68), 8, 448, 132) == 4
+    # o (256 CTAs of 16 warps) at 64 registers: 2 per SM, resident
+    assert resident_cap(_Occupancy(64), 16, 256, 132) == 0
+    # 91 registers (96 allocated), 1792 CTAs of 2 warps: 10 per SM, 1320 < 1792: capped at 14 per SM (73 registers)
+    assert resident_cap(_Occupancy(91), 2, 1792, 132) == 14
+    # never below 64 registers (32 / warps CTAs per SM), even where the grid still would not fit
+    assert resident_cap(_Occupancy(91), 8, 2000, 132) == 4
 
 
 def test_unavailable_on_cpu_with_reason():

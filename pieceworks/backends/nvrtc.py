@@ -107,6 +107,15 @@ class Kernel:
         self._pdl_attr = attr
         self._max_shared = 0  # the dynamic shared memory this kernel's limit was raised to
 
+    def resident_blocks(self, threads: int, shared: int = 0) -> int:
+        """How many CTAs of `threads` threads (and `shared` bytes of dynamic shared memory) one SM holds at
+        once (the driver's occupancy calculator: registers, shared memory, warps)."""
+        n = ctypes.c_int()
+        _check(self._libcuda, self._libcuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(n), self._func, ctypes.c_int(threads), ctypes.c_size_t(shared)),
+            f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.name})")
+        return n.value
+
     def __call__(self, grid, block, args, pdl: bool, shared: int = 0) -> None:
         """Launch on the current stream; `shared`: bytes of dynamic shared memory (the kernel's limit is
         raised to it first, as static + dynamic above 48 KB needs)."""

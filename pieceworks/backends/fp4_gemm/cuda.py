@@ -86,16 +86,15 @@ def kernel_reasons(reasons: list[str], used: bool, dtype: torch.dtype) -> list[s
     return reasons
 
 
-def plan(m: int, n_rows: int, sms: int) -> tuple[int, int]:
-    """(warps per CTA, chunks in flight per lane) for M rows and n_rows weight rows: the most warps per
-    CTA (a power of two, 16 at most) that keep every CTA of the grid resident at once, counting about 32
-    warps per SM at M <= 8 and 16 at M <= 16 (two token tiles take more registers); at least 2 / 4.
-    Measured on the H200 (docs/benchmarks.md): this picks the fastest or within 10% of it on the
-    Llama-3.1-8B and DeepSeek-V3 expert shapes."""
+def plan(n_rows: int, sms: int) -> tuple[int, int]:
+    """(warps per CTA, chunks in flight per lane) for a decode GEMM with n_rows weight rows: the most warps
+    per CTA (a power of two, 2 to 16) that keep every CTA of the grid resident at once, counting 32 warps
+    per SM (one token tile fits them at 54-60 registers; two are compiled with a register cap where they
+    would not: `cuda_decode.resident_cap`). Measured on the H200 (docs/benchmarks.md): this picks the
+    fastest or within 10% of it on the Llama-3.1-8B and DeepSeek-V3 expert shapes."""
     ctas = -(-n_rows // 16)
-    budget, least = (sms * 32, 2) if m <= 8 else (sms * 16, 4)
     warps = 16
-    while warps > least and ctas * warps > budget:
+    while warps > 2 and ctas * warps > sms * 32:
         warps //= 2
     return warps, 2
 
@@ -175,13 +174,13 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         on = pdl.enabled(x.device)
         sms = _multiprocessors(x.device)
         if m <= SLICE:
-            warps, depth = plan(m, weight.shape[0] * 16, sms)
+            warps, depth = plan(weight.shape[0] * 16, sms)
             return cuda_decode.decode_gemm(x, weight, weight_scale, weight_scale_2, n, warps, depth, swiglu, on,
                                            rope=rope, prenormed=prenormed, residual=residual, norm_out=norm_out)
         out = torch.empty(m, n // 2 if swiglu else n, dtype=torch.bfloat16, device=x.device)
         for r0 in range(0, m, SLICE):
             r1 = min(m, r0 + SLICE)
-            warps, depth = plan(r1 - r0, weight.shape[0] * 16, sms)
+            warps, depth = plan(weight.shape[0] * 16, sms)
             part_rope = None if rope is None else (rope[0][r0:r1], rope[1][r0:r1], *rope[2:])
             rows = slice(r0, r1)
             cuda_decode.decode_gemm(

@@ -19,7 +19,10 @@ scale, bf16 mma.sync with the weights as the A operand) on a layout made for it:
 - Every lane keeps D chunks of codes, scales and x in flight in registers (a ring, no shared memory;
   a cp.async version with shared-memory stages was slower: docs/benchmarks.md).
 - Up to 8 tokens per mma (the B operand's 8 columns); 9..16 tokens run two n-tiles on the same decoded
-  A registers. Lanes of tokens >= M read another token's row; those columns are never stored.
+  A registers. Lanes of tokens >= M read another token's row; those columns are never stored. With two
+  n-tiles x stays out of the ring (loaded just before its chunk's mmas, from L1 / L2), and where the
+  grid would not stay resident at the registers ptxas picks, the kernel is compiled with a cap of 64
+  (`__launch_bounds__` with 32 / W CTAs per SM; `decode_gemm` asks the driver's occupancy calculator).
 
 The kernel's MoE modes (MOE 1: grouped over expert-sorted blocks of pairs; MOE 2: one token's down GEMM
 and top-k combine) are launched by backends/moe/cuda_kernels.py. Imports torch only; each template
@@ -27,6 +30,8 @@ instance is compiled on its first launch.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 
@@ -60,8 +65,10 @@ __device__ __forceinline__ void slot_mmas(float (&acc)[NT][2][4], const Chunk<NT
 // NORM 1: the GEMM's input is RMSNorm(s) with s the residual stream: x is an EPI 4 kernel's s * norm weight,
 // pin [M, nparts] its partial sums of s^2; y = (W @ x) / rms(s), rms(s) = sqrt(sum / kdim + eps), the
 // 1 / rms applied in float32 in the epilogue (the unfused path rounds s / rms(s) to bf16 before the weight).
-template <int W, int D, int NT, int EPI, int NORM, int MOE>
-__global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
+// MINB (0: none): __launch_bounds__' minimum CTAs per SM, which caps the registers (two token tiles: 32 / W, 64
+// registers, so that the grid stays resident; decode_gemm asks for it only where it must).
+template <int W, int D, int NT, int EPI, int NORM, int MOE, int MINB = 0>
+__global__ void __launch_bounds__(W * 32, MINB) nvfp4_decode_gemm(
     const U4* __restrict__ codes, const u16* __restrict__ scales, const u16* __restrict__ x,
     u16* __restrict__ out, const float* __restrict__ gscale,
     int M, int N, int nchunks, int ldx, int ldo,
@@ -154,12 +161,16 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
         if (EPI == 4 && idx < NT * 128 && token < M && n < N) nw_pf[j] = nw[n];
     }
     // The weights are never written by an earlier kernel: their first loads go before the PDL wait (MOE:
-    // after it, the expert comes from the kernels before).
+    // after it, the expert comes from the kernels before). One token tile: x rides in the ring with the
+    // weights; two: x is loaded just before its chunk's mmas (it is in L1 or L2, and a ring of it takes 32
+    // registers more: 91 against 68, fewer resident CTAs, slower on every shape).
 #pragma unroll
     for (int b = 0; b < D - 1; ++b) LOAD_W(b, b, b < nc);
     PDL_WAIT();
+    if constexpr (NT == 1) {
 #pragma unroll
-    for (int b = 0; b < D - 1; ++b) LOAD_X(b, b, b < nc);
+        for (int b = 0; b < D - 1; ++b) LOAD_X(b, b, b < nc);
+    }
     if (EPI >= 3) {
 #pragma unroll
         for (int j = 0; j < EPI_ITERS; ++j) {
@@ -192,7 +203,8 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
 #pragma unroll
         for (int b = 0; b < D; ++b) {
             LOAD_W((b + D - 1) % D, b + D - 1, c + b + D - 1 < nc);
-            LOAD_X((b + D - 1) % D, b + D - 1, c + b + D - 1 < nc);
+            if constexpr (NT == 1) LOAD_X((b + D - 1) % D, b + D - 1, c + b + D - 1 < nc);
+            else LOAD_X(b, b, true);
             COMPUTE(b);
         }
         cp += D * 32;
@@ -203,7 +215,10 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
     // the last nc % D chunks are in buffers 0 .. nc % D - 1 already
 #pragma unroll
     for (int b = 0; b < D - 1; ++b) {
-        if (c + b < nc) COMPUTE(b);
+        if (c + b < nc) {
+            if constexpr (NT != 1) LOAD_X(b, b, true);
+            COMPUTE(b);
+        }
     }
 #undef LOAD_W
 #undef LOAD_X
@@ -300,6 +315,21 @@ __global__ void __launch_bounds__(W * 32) nvfp4_decode_gemm(
 """
 
 
+@lru_cache(maxsize=None)
+def resident_cap(run, warps: int, ctas: int, sms: int) -> int:
+    """0 where the whole grid of `ctas` CTAs of `warps` warps of kernel `run` (an nvrtc.Kernel) is resident on
+    `sms` SMs at once, else the MINB to compile it with: the CTAs per SM that would hold the grid, at most
+    32 / warps (a cap of 64 registers; below that ptxas spills)."""
+    if run.resident_blocks(warps * 32) * sms >= ctas:
+        return 0
+    return min(-(-ctas // sms), max(1, 32 // warps))
+
+
+@lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2, swiglu: bool = False,
                 pdl: bool = False, out=None, rope=None, prenormed=None, residual=None, norm_out=None):
     """y = x @ dequant(W).T for M <= 16 (bf16 x with unit stride in K, 16-byte aligned rows); with
@@ -362,8 +392,13 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
         if parts.shape != (m, rg) or parts.dtype != torch.float32 or not parts.is_contiguous():
             raise ValueError(f"decode_gemm: the partials must be contiguous float32 [{m}, {rg}]")
         epi, out_args = 4, [nw, t, t.stride(0), parts]
-    name = f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {epi}, {int(prenormed is not None)}, 0>"
-    kernel(SOURCE, name, x.device)(
+    name = f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {epi}, {int(prenormed is not None)}, 0"
+    run = kernel(SOURCE, name + ">", x.device)
+    if nt == 2:  # two token tiles: cap the registers where the grid would not stay resident
+        cap = resident_cap(run, warps, rg, _multiprocessors(x.device))
+        if cap:
+            run = kernel(SOURCE, f"{name}, {cap}>", x.device)
+    run(
         (rg, 1, 1), (warps * 32, 1, 1),
         [codes, scales, x, out, gscale, m, n, ch, x.stride(0), out.stride(0), *rope_args, *norm_args, *res_args,
          *out_args, gscale, gscale, gscale, gscale, 1, 0], pdl)

@@ -118,17 +118,17 @@ class CudaMoEBackend(MoEBackend):
         on = pdl.enabled(x.device)
         sms = _multiprocessors(x.device)
         h = torch.empty(pairs, inter, dtype=torch.bfloat16, device=x.device)
-        warps, depth = plan(BLOCK_M, rg13 * 16 * min(blocks, num_experts), sms)
+        warps, depth = plan(rg13 * 16 * min(blocks, num_experts), sms)
         cuda_kernels.moe_gemm(x, w.w13, w.w13_scale, w.w13_scale_2, 2 * inter, sorted_ids, expert_ids, num_post,
                              pairs, top_k, h, None, warps, depth, on)
         if tokens == 1 and top_k <= 32:  # the down GEMM and the combine in one launch
-            warps = top_k * max(1, min(32 // top_k, plan(1, rg2 * 16, sms)[0] // top_k))
+            warps = top_k * max(1, min(32 // top_k, plan(rg2 * 16, sms)[0] // top_k))
             out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
             return cuda_kernels.moe_down_one_token(h, w.w2, w.w2_scale, w.w2_scale_2, hidden, expert_ids,
                                                   topk_weights.reshape(-1).float().contiguous(), out, warps,
                                                   pdl=on)
         y = torch.empty(pairs, hidden, dtype=torch.bfloat16, device=x.device)
-        warps, depth = plan(BLOCK_M, rg2 * 16 * min(blocks, num_experts), sms)
+        warps, depth = plan(rg2 * 16 * min(blocks, num_experts), sms)
         cuda_kernels.moe_gemm(h, w.w2, w.w2_scale, w.w2_scale_2, hidden, sorted_ids, expert_ids, num_post,
                              pairs, 1, y, topk_weights.reshape(-1).float().contiguous(), warps, depth, on)
         return triton_kernels.combine(y, tokens, top_k, x.dtype)
