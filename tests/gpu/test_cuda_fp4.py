@@ -45,7 +45,7 @@ def reference(x, w: Fp4Weight):
 
 
 @pytest.mark.parametrize("n,k", [(16, 64), (40, 208), (4096, 4096), (6144, 4096), (28672, 512), (4096, 14336)])
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 40, 100])  # 17, 40: 16-row slices; 100: dequant
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 24, 32, 33, 70, 100])  # 33, 70: 32-row slices; 100: dequant
 def test_forward_matches_reference(n, k, m):
     gen = torch.Generator(device=DEV).manual_seed(n + 7 * k + 31 * m)
     w = random_fp4(n, k, gen)
@@ -56,7 +56,29 @@ def test_forward_matches_reference(n, k, m):
     assert rel_err(y, reference(x, w)) < TOL
 
 
-@pytest.mark.parametrize("m", [1, 5, 16, 40])
+@pytest.mark.parametrize("m", [9, 16])
+@pytest.mark.parametrize("epilogue", ["plain", "swiglu", "residual"])
+def test_register_cap_same_bits(m, epilogue):
+    """Two token tiles compiled with and without the register cap (`min_blocks`) give the same bits, and
+    the automatic choice is one of them. 7168 rows at 8 warps (448 CTAs) is where the H200's plan caps."""
+    from pieceworks.backends.fp4_gemm import cuda_decode
+
+    n, k = 7168, 320
+    gen = torch.Generator(device=DEV).manual_seed(m + len(epilogue))
+    w = random_fp4(n, k, gen)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
+    codes, scales = CudaFp4GemmBackend(SPEC).prepare(w)[:2]
+    gs = w.weight_scale_2.float().reshape(())
+    kw = {"swiglu": epilogue == "swiglu"}
+    if epilogue == "residual":
+        kw["residual"] = torch.randn(m, n, device=DEV, dtype=torch.bfloat16, generator=gen)
+    ys = [cuda_decode.decode_gemm(x, codes, scales, gs, n, 8, 2, min_blocks=cap, **kw) for cap in (0, 4, None)]
+    assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2])
+    if epilogue == "plain":
+        assert rel_err(ys[0], reference(x, w)) < TOL
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 27, 40])
 def test_swiglu_same_bits_as_gemm_then_silu_mul(m):
     gen = torch.Generator(device=DEV).manual_seed(m)
     inter, k = 1024 + 8, 2048
@@ -112,7 +134,7 @@ def test_non_bf16_activations_refused():
         backend.forward(torch.randn(1, 64, device=DEV), *p, 32)
 
 
-@pytest.mark.parametrize("m", [1, 7, 16, 33])
+@pytest.mark.parametrize("m", [1, 7, 16, 25, 33, 40])
 def test_qkv_rope_matches_gemm_then_rope(m):
     gen = torch.Generator(device=DEV).manual_seed(100 + m)
     nh, nkv, hd = 8, 2, 128
@@ -155,7 +177,7 @@ def _prenormed(s, nw):
 
 
 @pytest.mark.parametrize("n,k", [(6144, 4096), (40, 208), (28672, 512)])
-@pytest.mark.parametrize("m", [1, 5, 8, 9, 16, 40, 100])  # 40: 16-row slices; 100: the unfused default
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 16, 20, 32, 40, 100])  # 40: 32-row slices; 100: the unfused default
 def test_fused_norm_matches_norm_then_gemm(n, k, m):
     """forward_norm_swiglu / forward_norm_qkv_rope (t = s * norm weight and the partial sums of squares
     given) against the rms_norm op followed by the unfused op: the fused kernel applies 1 / rms after the
@@ -210,7 +232,7 @@ def test_fused_norm_plain_epilogue(m):
 
 
 @pytest.mark.parametrize("n,k", [(4096, 4096), (40, 208), (4096, 14336)])
-@pytest.mark.parametrize("m", [1, 9, 40, 100])
+@pytest.mark.parametrize("m", [1, 9, 24, 40, 100])
 def test_add_norm_writes_the_next_norms_inputs(n, k, m):
     """forward_add_norm: s with the bits of forward + add, t with those of norm_inputs(s), the partial sums
     of squares within float rounding of norm_inputs' (another summation order)."""
@@ -229,7 +251,7 @@ def test_add_norm_writes_the_next_norms_inputs(n, k, m):
 
 
 @pytest.mark.parametrize("n,k", [(4096, 4096), (40, 208), (4096, 14336)])
-@pytest.mark.parametrize("m", [1, 9, 40, 100])
+@pytest.mark.parametrize("m", [1, 9, 24, 40, 100])
 def test_residual_add_same_bits_as_gemm_then_add(n, k, m):
     gen = torch.Generator(device=DEV).manual_seed(900 + n + m)
     w = random_fp4(n, k, gen)
