@@ -45,7 +45,7 @@ def reference(x, w: Fp4Weight):
 
 
 @pytest.mark.parametrize("n,k", [(16, 64), (40, 208), (4096, 4096), (6144, 4096), (28672, 512), (4096, 14336)])
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 24, 32, 33, 70, 100])  # 33, 70: 32-row slices; 100: dequant
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 24, 32, 33, 70, 100])  # 17..70: 16-row slices; 100: dequant
 def test_forward_matches_reference(n, k, m):
     gen = torch.Generator(device=DEV).manual_seed(n + 7 * k + 31 * m)
     w = random_fp4(n, k, gen)
@@ -177,7 +177,7 @@ def _prenormed(s, nw):
 
 
 @pytest.mark.parametrize("n,k", [(6144, 4096), (40, 208), (28672, 512)])
-@pytest.mark.parametrize("m", [1, 5, 8, 9, 16, 20, 32, 40, 100])  # 40: 32-row slices; 100: the unfused default
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 16, 20, 32, 40, 100])  # 20..40: 16-row slices; 100: the unfused default
 def test_fused_norm_matches_norm_then_gemm(n, k, m):
     """forward_norm_swiglu / forward_norm_qkv_rope (t = s * norm weight and the partial sums of squares
     given) against the rms_norm op followed by the unfused op: the fused kernel applies 1 / rms after the

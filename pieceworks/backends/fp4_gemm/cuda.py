@@ -1,14 +1,14 @@
 """Weight-only NVFP4 GEMM with a hand-written CUDA decode kernel (w4a16), compiled at run time by NVRTC.
 
-Up to 32 rows of x run `cuda_decode.nvfp4_decode_gemm` in one launch: one CTA per 16 weight rows over
+Up to 16 rows of x run `cuda_decode.nvfp4_decode_gemm` in one launch: one CTA per 16 weight rows over
 all of K, the weights loaded straight into registers in MMA fragment order (a ring of 2 64-element
 chunks per lane), decoded with integer ops and bf16 multiplies, bf16 mma.sync with the weights as the A
-operand (up to 4 token tiles of 8 as B), the warps' sums added in shared memory (r16c64.py describes the
-layout); 33 up to `decode_max_m` (64) rows run it once per 32-row slice (the weights read once per slice); more rows
+operand, the warps' sums added in shared memory (r16c64.py describes the layout); 17 up to
+`decode_max_m` (64) rows run it once per 16-row slice (the weights read once per slice); more rows
 dequantize the weight to a transient bf16 copy and call torch.matmul, as the Triton backend does from
 M = 1024. SwiGLU and the q/k/v rope are fused into the decode kernel's epilogue (rounded as the unfused
-ops round). Faster than the Triton backend for small-batch decode on the H200, slower for prefill-sized M
-(docs/benchmarks.md), so it has the lower priority: `backends.fp4_gemm: cuda` selects it.
+ops round). Faster than the Triton backend up to 16 rows on the H200, slower beyond (docs/benchmarks.md),
+so it has the lower priority: `backends.fp4_gemm: cuda` selects it.
 
 Option `fuse_norm` (off by default; `fuses_norm`) also fuses a Llama block's RMSNorms and residual adds:
 the o and down kernels add their output to the residual stream s and write the next norm's inputs
@@ -34,13 +34,13 @@ from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight, norm_pa
 from pieceworks.backends.fp4_gemm.triton import interleave_gate_up, interleave_rope_rows
 
 
-SLICE = 32  # rows of x per decode-kernel launch (cuda_decode.MAX_M)
+SLICE = 16  # rows of x per decode-kernel launch
 
 
 @dataclass
 class CudaDecodeOptions:
-    """decode_max_m: largest M served by the decode kernel (0 = never); above 32 rows it runs once per
-    32-row slice of x, reading the weights again each time; above decode_max_m, dequantize + matmul.
+    """decode_max_m: largest M served by the decode kernel (0 = never); above 16 rows it runs once per
+    16-row slice of x, reading the weights again each time; above decode_max_m, dequantize + matmul.
     fuse_norm: fuse decoder blocks' RMSNorms and residual adds into the decode kernel (`fuses_norm`).
     Off by default: on the H200 it removes 62 of a Llama-3.1-8B-shaped decode step's 65 norm kernels and
     57 us of kernel time, but the graph replay with PDL was slower with it (1.96-1.98 ms against
@@ -167,7 +167,7 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
 
     def _decode(self, x, weight, weight_scale, weight_scale_2, n: int, swiglu: bool, rope=None, prenormed=None,
                 residual=None, norm_out=None):
-        """The decode kernel, once per 32-row slice of x (`cuda_decode.decode_gemm`'s arguments)."""
+        """The decode kernel, once per 16-row slice of x (`cuda_decode.decode_gemm`'s arguments)."""
         from pieceworks.backends.fp4_gemm import cuda_decode
 
         m = x.shape[0]

@@ -1,4 +1,4 @@
-"""The CUDA decode GEMM of the `cuda` fp4_gemm backend (w4a16, M <= 32 per launch): the kernel source
+"""The CUDA decode GEMM of the `cuda` fp4_gemm backend (w4a16, M <= 16 per launch): the kernel source
 and its launch wrappers. The device helpers it builds on (loads, decode, mma, epilogue roundings) are in
 cuda_device.py; the weight layout ("r16c64") and its repack in r16c64.py; compiling and launching are
 backends/nvrtc.py's.
@@ -18,11 +18,10 @@ scale, bf16 mma.sync with the weights as the A operand) on a layout made for it:
   2^112 / 2^-14 bias are triton_k32.py's.
 - Every lane keeps D chunks of codes, scales and x in flight in registers (a ring, no shared memory;
   a cp.async version with shared-memory stages was slower: docs/benchmarks.md).
-- Up to 8 tokens per mma (the B operand's 8 columns); 9..32 tokens run 2-4 n-tiles on the same decoded
+- Up to 8 tokens per mma (the B operand's 8 columns); 9..16 tokens run two n-tiles on the same decoded
   A registers. Lanes of tokens >= M read another token's row; those columns are never stored. With two
-  or more n-tiles x stays out of the ring (loaded just before its chunk's mmas, from L1 / L2; from three
-  tiles on half a chunk at a time, and one accumulator chain per tile). With two, where the grid would
-  not stay resident at the registers ptxas picks, the kernel is compiled with a cap of 64
+  n-tiles x stays out of the ring (loaded just before its chunk's mmas, from L1 / L2), and where the
+  grid would not stay resident at the registers ptxas picks, the kernel is compiled with a cap of 64
   (`__launch_bounds__` with 32 / W CTAs per SM; `decode_gemm` asks the driver's occupancy calculator).
 
 The kernel's MoE modes (MOE 1: grouped over expert-sorted blocks of pairs; MOE 2: one token's down GEMM
@@ -52,7 +51,7 @@ __device__ __forceinline__ void slot_mmas(float (&acc)[NT][2][4], const Chunk<NT
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
         const U4& xv = k.x[i][J >> 1];
-        mma(acc[i][NT > 2 ? 0 : (J & 1)], a0, a1, a2, a3, (J & 1) ? xv.z : xv.x, (J & 1) ? xv.w : xv.y);
+        mma(acc[i][J & 1], a0, a1, a2, a3, (J & 1) ? xv.z : xv.x, (J & 1) ? xv.w : xv.y);
     }
 }
 
@@ -80,9 +79,8 @@ __global__ void __launch_bounds__(W * 32, MINB) nvfp4_decode_gemm(
     const float* __restrict__ tw, int a_div, int gs_stride)
 {
     __shared__ float red[W * NT * 128];
-    constexpr int SSQ = NT > 2 ? NT * 8 : 16;  // tokens per warp in ssq
-    __shared__ float ssq[NORM ? W * SSQ : 1];
-    __shared__ float sq[EPI == 4 ? SSQ * 16 : 1];
+    __shared__ float ssq[NORM ? W * 16 : 1];
+    __shared__ float sq[EPI == 4 ? 256 : 1];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     // MOE: the CTA serves block blockIdx.y of the expert-sorted pairs (`moe_align`: 8 NT flat pair ids of one
@@ -150,25 +148,6 @@ __global__ void __launch_bounds__(W * 32, MINB) nvfp4_decode_gemm(
         slot_mmas<2>(acc, buf[B], sg, sh); \
         slot_mmas<3>(acc, buf[B], sg, sh); \
     } while (0)
-    // chunk B (of the ring's place) with x loaded just before (two or more token tiles); from three tiles
-    // on each half of x just before the two mmas that read it (the asm loads and mmas keep their order)
-#define COMPUTE_JIT(B) do { \
-        if constexpr (NT <= 2) { \
-            LOAD_X(B, B, true); \
-            COMPUTE(B); \
-        } else { \
-            const u32 h = scale_pair(buf[B].s); \
-            const u32 sg = prmt(h, 0x1010u), sh = prmt(h, 0x3232u); \
-            _Pragma("unroll") for (int i = 0; i < NT; ++i) \
-                ld_x(buf[B].x[i][0], (const U4*)(xp[i] + (B) * 64), true); \
-            slot_mmas<0>(acc, buf[B], sg, sh); \
-            slot_mmas<1>(acc, buf[B], sg, sh); \
-            _Pragma("unroll") for (int i = 0; i < NT; ++i) \
-                ld_x(buf[B].x[i][1], (const U4*)(xp[i] + (B) * 64 + 8), true); \
-            slot_mmas<2>(acc, buf[B], sg, sh); \
-            slot_mmas<3>(acc, buf[B], sg, sh); \
-        } \
-    } while (0)
     // The epilogue's elements of this thread (plain epilogues): index idx = threadIdx.x + j W 32 of the
     // `red` order -> (token, column n). Their norm weights (EPI 4) load before the PDL wait, their residual
     // values after it, both long before the epilogue needs them.
@@ -216,7 +195,7 @@ __global__ void __launch_bounds__(W * 32, MINB) nvfp4_decode_gemm(
         }
         if (lane == 0) {
 #pragma unroll
-            for (int i = 0; i < NT * 8; ++i) ssq[warp * SSQ + i] = v[i];
+            for (int i = 0; i < NT * 8; ++i) ssq[warp * 16 + i] = v[i];
         }
     }
     int c = 0;
@@ -224,12 +203,9 @@ __global__ void __launch_bounds__(W * 32, MINB) nvfp4_decode_gemm(
 #pragma unroll
         for (int b = 0; b < D; ++b) {
             LOAD_W((b + D - 1) % D, b + D - 1, c + b + D - 1 < nc);
-            if constexpr (NT == 1) {
-                LOAD_X((b + D - 1) % D, b + D - 1, c + b + D - 1 < nc);
-                COMPUTE(b);
-            } else {
-                COMPUTE_JIT(b);
-            }
+            if constexpr (NT == 1) LOAD_X((b + D - 1) % D, b + D - 1, c + b + D - 1 < nc);
+            else LOAD_X(b, b, true);
+            COMPUTE(b);
         }
         cp += D * 32;
         sp += D * 32;
@@ -240,14 +216,13 @@ __global__ void __launch_bounds__(W * 32, MINB) nvfp4_decode_gemm(
 #pragma unroll
     for (int b = 0; b < D - 1; ++b) {
         if (c + b < nc) {
-            if constexpr (NT == 1) COMPUTE(b);
-            else COMPUTE_JIT(b);
+            if constexpr (NT != 1) LOAD_X(b, b, true);
+            COMPUTE(b);
         }
     }
 #undef LOAD_W
 #undef LOAD_X
 #undef COMPUTE
-#undef COMPUTE_JIT
     if (MOE == 2) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[0][0][e] *= pair_scale, acc[0][1][e] *= pair_scale;
@@ -266,7 +241,7 @@ __global__ void __launch_bounds__(W * 32, MINB) nvfp4_decode_gemm(
         if (!NORM) return gs0;
         float ss = 0.f;
 #pragma unroll
-        for (int w = 0; w < W; ++w) ss += ssq[w * SSQ + token];
+        for (int w = 0; w < W; ++w) ss += ssq[w * 16 + token];
         return gs0 * rsqrtf(ss * __frcp_rn((float)kdim) + eps);
     };
     if (EPI == 0 || EPI == 3 || EPI == 4) {
@@ -355,13 +330,10 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-MAX_M = 32  # rows of x per launch (4 token tiles)
-
-
 def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2, swiglu: bool = False,
                 pdl: bool = False, out=None, rope=None, prenormed=None, residual=None, norm_out=None,
                 min_blocks: int | None = None):
-    """y = x @ dequant(W).T for M <= MAX_M (bf16 x with unit stride in K, 16-byte aligned rows); with
+    """y = x @ dequant(W).T for M <= 16 (bf16 x with unit stride in K, 16-byte aligned rows); with
     swiglu (rows interleaved gate / up) y = silu(gate) * up [M, n / 2]; with rope = (cos, sin,
     rope_cols, head_dim) (rows in the interleave_rope_rows order) the q/k columns below rope_cols
     rotated, every column in checkpoint order.
@@ -376,8 +348,8 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
     min_blocks (two token tiles, M 9..16): the register cap (`__launch_bounds__`' CTAs per SM; 0: none);
     None: `resident_cap`'s choice. The same bits either way."""
     m, k = x.shape
-    if m > MAX_M:
-        raise ValueError(f"decode_gemm serves M <= {MAX_M}, got {m}")
+    if m > 16:
+        raise ValueError(f"decode_gemm serves M <= 16, got {m}")
     if residual is not None and (swiglu or rope is not None):
         raise ValueError("decode_gemm: the residual add goes with the plain epilogue only")
     if norm_out is not None and residual is None:
@@ -391,7 +363,7 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
         out = torch.empty(m, n // 2 if swiglu else n, dtype=torch.bfloat16, device=x.device)
     if m == 0:  # nothing to compute (the kernel would read row M - 1 = -1)
         return out
-    nt = -(-m // 8)  # token tiles of 8
+    nt = 1 if m <= 8 else 2
     if rope is None:
         epi, rope_args = int(swiglu), [gscale, gscale, 0, 0, 0, 1]
     else:
@@ -426,8 +398,7 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
         epi, out_args = 4, [nw, t, t.stride(0), parts]
     name = f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {epi}, {int(prenormed is not None)}, 0"
     run = kernel(SOURCE, name + ">", x.device)
-    if nt == 2:  # two token tiles: cap the registers where the grid would not stay resident (three or four:
-        # capped at 64 they spill in the main loop)
+    if nt == 2:  # two token tiles: cap the registers where the grid would not stay resident
         cap = resident_cap(run, warps, rg, _multiprocessors(x.device)) if min_blocks is None else min_blocks
         if cap:
             run = kernel(SOURCE, f"{name}, {cap}>", x.device)
