@@ -2,6 +2,7 @@
 
     python benchmarks/cuda_sass.py --nvrtc /path/to/libnvrtc.so.13 "nvfp4_decode_gemm<16, 2, 1, 0, 0, 0>" ...
     python benchmarks/cuda_sass.py --source-file old_cuda_decode.py "nvfp4_decode_gemm_async<16, 4, 1, 0>"
+    python benchmarks/cuda_sass.py --compare-to old_cuda_decode.py "nvfp4_decode_gemm<8, 2, 1, 0, 0, 0>" ...
 
 Needs no GPU: NVRTC (on a CPU machine: `pip download --no-deps nvidia-cuda-nvrtc==13.0.*` and unzip;
 --nvrtc names its libnvrtc.so.13, whose libnvrtc-builtins must be on LD_LIBRARY_PATH) and Triton's
@@ -9,7 +10,9 @@ bundled cuobjdump. Prints each instance's registers and its main loop (the longe
 instructions, and per 64-element chunk with --chunks-per-iteration (the register ring's loop holds
 `depth` chunks, the default 2). --source-file takes SOURCE from another copy of cuda_decode.py (an
 older commit's, say: `git show REV:pieceworks/backends/fp4_gemm/cuda_decode.py > old.py`; a copy that
-prepends DEVICE_HELPERS gets today's cuda_device.py).
+prepends DEVICE_HELPERS gets today's cuda_device.py). --compare-to FILE also compiles each instance from
+FILE's SOURCE and says whether the two instruction streams are the same (addresses and the kernel's
+mangled name left out, so an added defaulted template argument does not count as a difference).
 """
 
 from __future__ import annotations
@@ -62,6 +65,20 @@ def main_loop(sass: str) -> list[str]:
     return [ins for addr, ins in sorted(seq.items()) if a <= addr <= b]
 
 
+def source_of(path: str) -> str:
+    """SOURCE of a copy of cuda_decode.py (see --source-file)."""
+    found = re.search(r'SOURCE = (DEVICE_HELPERS \+ )?r"""(.*?)"""', open(path).read(), re.S)
+    if not found:
+        raise SystemExit(f"{path}: no SOURCE = r\"\"\"...\"\"\" found")
+    # since the sixteenth session the device helpers live in cuda_device.py (today's copy is used)
+    return (cuda_device.DEVICE_HELPERS if found.group(1) else "") + found.group(2)
+
+
+def instructions(sass: str) -> list[str]:
+    """The instructions of a cuobjdump -sass listing, without their addresses."""
+    return [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", sass)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("names", nargs="+", help='template instances, e.g. "nvfp4_decode_gemm<16, 2, 1, 0, 0, 0>"')
@@ -70,14 +87,13 @@ def main() -> None:
     ap.add_argument("--chunks-per-iteration", type=int, default=2)
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--show", action="store_true", help="print the loop")
+    ap.add_argument("--compare-to", help="also compile from this copy's SOURCE and compare the instructions")
     args = ap.parse_args()
     if args.nvrtc:
         nvrtc.nvrtc_library = lambda: ctypes.CDLL(args.nvrtc)
-    source = cuda_decode.SOURCE
-    if args.source_file:
-        found = re.search(r'SOURCE = (DEVICE_HELPERS \+ )?r"""(.*?)"""', open(args.source_file).read(), re.S)
-        # since the sixteenth session the device helpers live in cuda_device.py (today's copy is used)
-        source = (cuda_device.DEVICE_HELPERS if found.group(1) else "") + found.group(2)
+    source = source_of(args.source_file) if args.source_file else cuda_decode.SOURCE
+    other = source_of(args.compare_to) if args.compare_to else None
+    same = 0
     for name in args.names:
         cubin, _ = nvrtc.compile_cubin(source, name, args.arch)
         regs = re.search(r"REG:(\d+)", cuobjdump(["--dump-resource-usage"], cubin))
@@ -86,6 +102,14 @@ def main() -> None:
               f"{len(loop) / args.chunks_per_iteration:.1f} per chunk ({args.chunks_per_iteration} per iteration)")
         if args.show:
             print("\n".join("    " + ins for ins in loop))
+        if other is not None:
+            theirs = instructions(cuobjdump(["-sass"], nvrtc.compile_cubin(other, name, args.arch)[0]))
+            ours = instructions(cuobjdump(["-sass"], cubin))
+            same += ours == theirs
+            print(f"    {'the same instructions as' if ours == theirs else 'DIFFERENT from'} {args.compare_to} "
+                  f"({len(ours)} / {len(theirs)} instructions)")
+    if other is not None:
+        print(f"{same} of {len(args.names)} instances: the same instructions")
 
 
 if __name__ == "__main__":
