@@ -1,4 +1,4 @@
-"""SASS of the CUDA decode GEMM (backends/fp4_gemm/cuda_decode.py), compiled offline by NVRTC for sm_90.
+"""SASS of the CUDA decode GEMM (backends/fp4_gemm/cuda_decode_kernel.py), compiled offline by NVRTC for sm_90.
 
     python benchmarks/cuda_sass.py --nvrtc /path/to/libnvrtc.so.13 "nvfp4_decode_gemm<16, 2, 1, 0, 0, 0>" ...
     python benchmarks/cuda_sass.py --source-file old_cuda_decode.py "nvfp4_decode_gemm_async<16, 4, 1, 0>"
@@ -8,8 +8,9 @@ Needs no GPU: NVRTC (on a CPU machine: `pip download --no-deps nvidia-cuda-nvrtc
 --nvrtc names its libnvrtc.so.13, whose libnvrtc-builtins must be on LD_LIBRARY_PATH) and Triton's
 bundled cuobjdump. Prints each instance's registers and its main loop (the longest backward branch holding an mma):
 instructions, and per 64-element chunk with --chunks-per-iteration (the register ring's loop holds
-`depth` chunks, the default 2). --source-file takes SOURCE from another copy of cuda_decode.py (an
-older commit's, say: `git show REV:pieceworks/backends/fp4_gemm/cuda_decode.py > old.py`; a copy that
+`depth` chunks, the default 2). --source-file takes SOURCE from another copy of cuda_decode_kernel.py (an
+older commit's, say: `git show REV:pieceworks/backends/fp4_gemm/cuda_decode_kernel.py > old.py`; before
+the nineteenth session's split the kernel was in cuda_decode.py, which works the same way; a copy that
 prepends DEVICE_HELPERS gets today's cuda_device.py). --compare-to FILE also compiles each instance from
 FILE's SOURCE and says whether the two instruction streams are the same (addresses and the kernel's
 mangled name left out, so an added defaulted template argument does not count as a difference).
@@ -66,7 +67,7 @@ def main_loop(sass: str) -> list[str]:
 
 
 def source_of(path: str) -> str:
-    """SOURCE of a copy of cuda_decode.py (see --source-file)."""
+    """SOURCE of a copy of cuda_decode_kernel.py (see --source-file)."""
     found = re.search(r'SOURCE = (DEVICE_HELPERS \+ )?r"""(.*?)"""', open(path).read(), re.S)
     if not found:
         raise SystemExit(f"{path}: no SOURCE = r\"\"\"...\"\"\" found")
@@ -83,7 +84,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("names", nargs="+", help='template instances, e.g. "nvfp4_decode_gemm<16, 2, 1, 0, 0, 0>"')
     ap.add_argument("--nvrtc", help="path of libnvrtc.so.<major> (default: the one torch finds)")
-    ap.add_argument("--source-file", help="take SOURCE from this copy of cuda_decode.py")
+    ap.add_argument("--source-file", help="take SOURCE from this copy of cuda_decode_kernel.py")
     ap.add_argument("--chunks-per-iteration", type=int, default=2)
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--show", action="store_true", help="print the loop")

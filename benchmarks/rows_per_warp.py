@@ -5,7 +5,7 @@ registers, so that x is read once per 16 RG rows instead of once per 16 (plain e
     python benchmarks/rows_per_warp.py --sass LIBNVRTC      # offline: registers and loop length, no GPU
 
 Variants WxRG: warps per CTA x row groups per warp (RG 1 is the shipped kernel's schedule in this probe's
-code). The probe's kernel is the shipped one cut down (cuda_decode.py: the same loads, decode and mma
+code). The probe's kernel is the shipped one cut down (cuda_decode_kernel.py: the same loads, decode and mma
 helpers, 2 chunks of weights in flight per lane, x loaded just before its chunk's mmas; one CTA per RG
 row groups, every warp a contiguous run of K); it is checked against dequantize + bf16 matmul and timed
 like cuda_decode_gemm.py (CUDA-graph replays over >= 400 MB of weights, median of 7, PDL on), next to the

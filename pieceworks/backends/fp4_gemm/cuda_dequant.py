@@ -1,6 +1,6 @@
 """The dequantizing kernel of the `cuda` fp4_gemm backend: an r16c64 weight (r16c64.py) back to bf16 [N, K] for
 the rows above `decode_max_m`, where the backend runs dequantize + torch.matmul. The device helpers (scale
-pair, slot decode, bf16 multiply) are cuda_device.py's, shared with the decode GEMM (cuda_decode.py). Imports
+pair, slot decode, bf16 multiply) are cuda_device.py's, shared with the decode GEMM (cuda_decode_kernel.py). Imports
 torch only; each template instance is compiled on its first launch.
 """
 

@@ -1,4 +1,4 @@
-"""Device helpers of the CUDA decode kernels (cuda_decode.py prepends them to its SOURCE): PDL, predicated
+"""Device helpers of the CUDA decode kernels (cuda_decode_kernel.py prepends them to its SOURCE): PDL, predicated
 streaming loads, the e4m3 scale-pair conversion, the e2m1 slot decode, bf16x2 multiply, the bf16 mma.sync,
 and the bf16 roundings of the fused epilogues (SwiGLU and rope as the unfused Triton ops round).
 

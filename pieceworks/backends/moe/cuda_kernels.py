@@ -1,13 +1,14 @@
-"""Launch wrappers of the CUDA decode kernel's MoE modes (`cuda_decode.SOURCE`, `nvfp4_decode_gemm<..., MOE>`)
-for `moe.cuda`: MOE 1, the grouped GEMM over expert-sorted blocks of 8 pairs; MOE 2, one token's down GEMM
-and top-k combine in one launch. Imports torch only; NVRTC compiles an instance on its first launch.
+"""Launch wrappers of the CUDA decode kernel's MoE modes (`cuda_decode_kernel.SOURCE`,
+`nvfp4_decode_gemm<..., MOE>`) for `moe.cuda`: MOE 1, the grouped GEMM over expert-sorted blocks of 8
+pairs; MOE 2, one token's down GEMM and top-k combine in one launch. Imports torch only; NVRTC compiles an
+instance on its first launch.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pieceworks.backends.fp4_gemm.cuda_decode import SOURCE
+from pieceworks.backends.fp4_gemm.cuda_decode_kernel import SOURCE
 from pieceworks.backends.fp4_gemm.r16c64 import CHUNK
 from pieceworks.backends.nvrtc import kernel
 

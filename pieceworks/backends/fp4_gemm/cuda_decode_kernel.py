@@ -1,0 +1,309 @@
+"""The CUDA decode GEMM of the `cuda` fp4_gemm backend (w4a16, M <= 16 per launch): the kernel source,
+`SOURCE` (cuda_decode.py launches it). The device helpers it builds on (loads, decode, mma, epilogue
+roundings) are in cuda_device.py; the weight layout ("r16c64") and its repack in r16c64.py; compiling
+is backends/nvrtc.py's.
+
+The Triton decode tiles reached 26-66% of the copy rate at M = 1 on the H200 (docs/benchmarks.md). This
+kernel does the same arithmetic (e2m1 codes decoded to bf16 with integer ops, multiplied by the block
+scale, bf16 mma.sync with the weights as the A operand) on a layout made for it:
+
+- One CTA owns 16 weight rows and all of K; its W warps split K into contiguous runs of 64-element
+  chunks, and a shared-memory sum of the warps' accumulators ends it (no split-K across CTAs, no
+  counters, nothing to zero). The epilogue stores y, or silu(gate) * up, or the roped q/k/v columns.
+- A lane reads one 16-byte vector of codes per chunk (rows g and g + 8, elements 16t .. 16t + 15: one
+  NVFP4 block per row), so it converts two block scales per chunk (one 2-byte load) for its 32
+  weights. The MMA's K order is permuted to match: mma j of a chunk, k slots (2t, 2t + 1, 2t + 8,
+  2t + 9), are elements 16t + 4j + (0, 1, 2, 3), for the weights and x alike, so x needs no
+  reordering (each lane reads 32 contiguous bytes of its token's row). The scale conversion and its
+  2^112 / 2^-14 bias are triton_k32.py's.
+- Every lane keeps D chunks of codes, scales and x in flight in registers (a ring, no shared memory;
+  a cp.async version with shared-memory stages was slower: docs/benchmarks.md).
+- Up to 8 tokens per mma (the B operand's 8 columns); 9..16 tokens run two n-tiles on the same decoded
+  A registers. Lanes of tokens >= M read another token's row; those columns are never stored. With two
+  n-tiles x stays out of the ring (loaded just before its chunk's mmas, from L1 / L2), and where the
+  grid would not stay resident at the registers ptxas picks, the kernel is compiled with a cap of 64
+  (`__launch_bounds__` with 32 / W CTAs per SM; `decode_gemm` asks the driver's occupancy calculator).
+
+The kernel's MoE modes (MOE 1: grouped over expert-sorted blocks of pairs; MOE 2: one token's down GEMM
+and top-k combine) are launched by backends/moe/cuda_kernels.py. Each template instance is compiled on
+its first launch.
+"""
+
+from __future__ import annotations
+
+from pieceworks.backends.fp4_gemm.cuda_device import DEVICE_HELPERS
+
+SOURCE = DEVICE_HELPERS + r"""
+template <int NT> struct Chunk { U4 w; u32 s; U4 x[NT][2]; };
+
+// mma j = J of a chunk for every n-tile: slot J of the four code words, scaled (row g: sg, row g + 8: sh),
+// against x elements 16t + 4J .. 16t + 4J + 3 (B registers); accumulator chain J % 2.
+template <int J, int NT>
+__device__ __forceinline__ void slot_mmas(float (&acc)[NT][2][4], const Chunk<NT>& k, u32 sg, u32 sh) {
+    const u32 a0 = bmul(slot<J>(k.w.x), sg), a1 = bmul(slot<J>(k.w.z), sh),
+              a2 = bmul(slot<J>(k.w.y), sg), a3 = bmul(slot<J>(k.w.w), sh);
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+        const U4& xv = k.x[i][J >> 1];
+        mma(acc[i][J & 1], a0, a1, a2, a3, (J & 1) ? xv.z : xv.x, (J & 1) ? xv.w : xv.y);
+    }
+}
+
+// EPI 0: out[token, n] = y; EPI 3: out[token, n] = s = y + res[token, n] (rounded as the residual add: y to
+// bf16 first); EPI 4: EPI 3 and the next RMSNorm's inputs: tout[token, n] = s * nw[n] (bf16) and, per token,
+// the sum of s^2 over the CTA's 16 columns in pout[token, blockIdx.x] (float; a fixed order); EPI 1
+// (SwiGLU, rows 2j / 2j + 1 = gate / up of column j, interleave_gate_up):
+// out[token, n / 2] = silu(gate) * up. EPI 2 (q/k/v rope, rows in the interleave_rope_rows order: rows 2j and
+// 2j + 1 are dims d and d + half of a q or k head, columns below rope_cols; v rows in order): the pair
+// rotated by cos / sin [M, half] (float32, row strides ldc / lds) and stored in checkpoint column order.
+// NORM 1: the GEMM's input is RMSNorm(s) with s the residual stream: x is an EPI 4 kernel's s * norm weight,
+// pin [M, nparts] its partial sums of s^2; y = (W @ x) / rms(s), rms(s) = sqrt(sum / kdim + eps), the
+// 1 / rms applied in float32 in the epilogue (the unfused path rounds s / rms(s) to bf16 before the weight).
+// MINB (0: none): __launch_bounds__' minimum CTAs per SM, which caps the registers (two token tiles: 32 / W, 64
+// registers, so that the grid stays resident; decode_gemm asks for it only where it must).
+template <int W, int D, int NT, int EPI, int NORM, int MOE, int MINB = 0>
+__global__ void __launch_bounds__(W * 32, MINB) nvfp4_decode_gemm(
+    const U4* __restrict__ codes, const u16* __restrict__ scales, const u16* __restrict__ x,
+    u16* __restrict__ out, const float* __restrict__ gscale,
+    int M, int N, int nchunks, int ldx, int ldo,
+    const float* __restrict__ cosp, const float* __restrict__ sinp, int ldc, int lds, int rope_cols, int half,
+    const float* __restrict__ pin, int nparts, float eps, int kdim, const u16* __restrict__ res, int ldr,
+    const u16* __restrict__ nw, u16* __restrict__ tout, int ldt, float* __restrict__ pout,
+    const int* __restrict__ sids, const int* __restrict__ eids, const int* __restrict__ npost,
+    const float* __restrict__ tw, int a_div, int gs_stride)
+{
+    __shared__ float red[W * NT * 128];
+    __shared__ float ssq[NORM ? W * 16 : 1];
+    __shared__ float sq[EPI == 4 ? 256 : 1];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    // MOE: the CTA serves block blockIdx.y of the expert-sorted pairs (`moe_align`: 8 NT flat pair ids of one
+    // expert, padded with ids >= M, M = the number of pairs); codes, scales, gscale are that expert's. MOE
+    // takes the expert ids' stride in ldc (no rope there; a new parameter changed the other kernels' SASS)
+    // MOE 2 (one token's down GEMM and top-k combine in one): the CTA's warps split the token's M pairs, W / M
+    // warps over each pair's expert, x row p = pair p's SwiGLU output; each warp scales its sums by its pair's
+    // routing weight and expert's global scale, so the CTA's sum over warps is the combined output (row 0)
+    const int wps = MOE == 2 ? W / M : W;  // warps per K range
+    const int wk = MOE == 2 ? warp % wps : warp;  // this warp's place in its range
+    const int seg = MOE == 2 ? warp / wps : 0;  // MOE 2: its pair
+    float pair_scale = 1.f;
+    const int* bids = sids + (size_t)blockIdx.y * NT * 8;
+    if (MOE) {
+        PDL_WAIT();  // which expert comes from the kernels before
+        if (MOE == 1 && (int)blockIdx.y * NT * 8 >= *npost) return;
+        // MOE passes the ids' stride as ldc (2: int64 ids)
+        const size_t e = eids[(size_t)(MOE == 2 ? seg : blockIdx.y) * ldc];
+        codes += e * gridDim.x * nchunks * 32;
+        scales += e * gridDim.x * nchunks * 32;
+        gscale += e * gs_stride;
+        if (MOE == 2) pair_scale = tw[seg] * *gscale * 16384.0f;
+    }
+    auto ok = [&](int token) { return MOE == 1 ? bids[token] < M : token < (MOE == 2 ? 1 : M); };  // to store
+    auto orow = [&](int token) { return (size_t)(MOE == 1 ? bids[token] : token); };  // its output row
+    const int c_begin = MOE == 2 ? (nchunks * wk) / wps : (nchunks * warp) / W;
+    const int nc = (MOE == 2 ? (nchunks * (wk + 1)) / wps : (nchunks * (warp + 1)) / W) - c_begin;
+    const size_t chunk0 = (size_t)blockIdx.x * nchunks + c_begin;
+    const U4* cp = codes + chunk0 * 32 + lane;
+    const u16* sp = scales + chunk0 * 32 + lane;
+    // n-tile i serves tokens 8 i + g; tokens >= M read token M - 1's row (their results are not stored);
+    // MOE: x row id / a_div of the token's pair id, padding rows the block's first pair's
+    const u16* xp[NT];
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+        int row = MOE == 2 ? seg : min(8 * i + g, M - 1);
+        if (MOE == 1) {
+            const int id = bids[8 * i + g];
+            row = (id < M ? id : bids[0]) / a_div;
+        }
+        xp[i] = x + (size_t)row * ldx + c_begin * 64 + 16 * t;
+    }
+
+    Chunk<NT> buf[D];
+    float acc[NT][2][4];
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][0][e] = acc[i][1][e] = 0.f;
+#define LOAD_W(B, C, P) do { \
+        ld_stream(buf[B].w, cp + (C) * 32, P); \
+        ld_scale(buf[B].s, sp + (C) * 32, P); \
+    } while (0)
+#define LOAD_X(B, C, P) do { \
+        _Pragma("unroll") for (int i = 0; i < NT; ++i) { \
+            ld_x(buf[B].x[i][0], (const U4*)(xp[i] + (C) * 64), P); \
+            ld_x(buf[B].x[i][1], (const U4*)(xp[i] + (C) * 64 + 8), P); \
+        } \
+    } while (0)
+#define COMPUTE(B) do { \
+        const u32 h = scale_pair(buf[B].s); \
+        const u32 sg = prmt(h, 0x1010u), sh = prmt(h, 0x3232u); \
+        slot_mmas<0>(acc, buf[B], sg, sh); \
+        slot_mmas<1>(acc, buf[B], sg, sh); \
+        slot_mmas<2>(acc, buf[B], sg, sh); \
+        slot_mmas<3>(acc, buf[B], sg, sh); \
+    } while (0)
+    // The epilogue's elements of this thread (plain epilogues): index idx = threadIdx.x + j W 32 of the
+    // `red` order -> (token, column n). Their norm weights (EPI 4) load before the PDL wait, their residual
+    // values after it, both long before the epilogue needs them.
+    constexpr int EPI_ITERS = (NT * 128 + W * 32 - 1) / (W * 32);
+    u16 res_pf[EPI_ITERS], nw_pf[EPI_ITERS];
+#pragma unroll
+    for (int j = 0; j < EPI_ITERS; ++j) {
+        res_pf[j] = nw_pf[j] = 0;
+        const int idx = threadIdx.x + j * W * 32, r = idx & 127, l = r >> 2, e = r & 3;
+        const int token = 8 * (idx >> 7) + 2 * (l & 3) + (e & 1), n = blockIdx.x * 16 + (l >> 2) + 8 * (e >> 1);
+        if (EPI == 4 && idx < NT * 128 && token < M && n < N) nw_pf[j] = nw[n];
+    }
+    // The weights are never written by an earlier kernel: their first loads go before the PDL wait (MOE:
+    // after it, the expert comes from the kernels before). One token tile: x rides in the ring with the
+    // weights; two: x is loaded just before its chunk's mmas (it is in L1 or L2, and a ring of it takes 32
+    // registers more: 91 against 68, fewer resident CTAs, slower on every shape).
+#pragma unroll
+    for (int b = 0; b < D - 1; ++b) LOAD_W(b, b, b < nc);
+    PDL_WAIT();
+    if constexpr (NT == 1) {
+#pragma unroll
+        for (int b = 0; b < D - 1; ++b) LOAD_X(b, b, b < nc);
+    }
+    if (EPI >= 3) {
+#pragma unroll
+        for (int j = 0; j < EPI_ITERS; ++j) {
+            const int idx = threadIdx.x + j * W * 32, r = idx & 127, l = r >> 2, e = r & 3;
+            const int token = 8 * (idx >> 7) + 2 * (l & 3) + (e & 1), n = blockIdx.x * 16 + (l >> 2) + 8 * (e >> 1);
+            if (idx < NT * 128 && token < M && n < N) res_pf[j] = res[(size_t)token * ldr + n];
+        }
+    }
+    if (NORM) {  // each token's sum of squares from the partials, while the first chunks load: per warp
+        // (every token's loads in flight together, the butterflies interleaved: no per-token latency chain)
+        float v[NT * 8];
+#pragma unroll
+        for (int i = 0; i < NT * 8; ++i) v[i] = 0.f;
+        for (int p = threadIdx.x; p < nparts; p += W * 32) {
+#pragma unroll
+            for (int i = 0; i < NT * 8; ++i) v[i] += i < M ? pin[(size_t)i * nparts + p] : 0.f;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+            for (int i = 0; i < NT * 8; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int i = 0; i < NT * 8; ++i) ssq[warp * 16 + i] = v[i];
+        }
+    }
+    int c = 0;
+    for (; c + D <= nc; c += D) {
+#pragma unroll
+        for (int b = 0; b < D; ++b) {
+            LOAD_W((b + D - 1) % D, b + D - 1, c + b + D - 1 < nc);
+            if constexpr (NT == 1) LOAD_X((b + D - 1) % D, b + D - 1, c + b + D - 1 < nc);
+            else LOAD_X(b, b, true);
+            COMPUTE(b);
+        }
+        cp += D * 32;
+        sp += D * 32;
+#pragma unroll
+        for (int i = 0; i < NT; ++i) xp[i] += D * 64;
+    }
+    // the last nc % D chunks are in buffers 0 .. nc % D - 1 already
+#pragma unroll
+    for (int b = 0; b < D - 1; ++b) {
+        if (c + b < nc) {
+            if constexpr (NT != 1) LOAD_X(b, b, true);
+            COMPUTE(b);
+        }
+    }
+#undef LOAD_W
+#undef LOAD_X
+#undef COMPUTE
+    if (MOE == 2) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[0][0][e] *= pair_scale, acc[0][1][e] *= pair_scale;
+    }
+    PDL_TRIGGER();
+    // acc[i]: (row g, token 8i + 2t), (row g, 8i + 2t + 1), (row g + 8, 8i + 2t), (row g + 8, 8i + 2t + 1)
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) red[(warp * NT + i) * 128 + lane * 4 + e] = acc[i][0][e] + acc[i][1][e];
+    __syncthreads();
+    const float gs0 = MOE == 2 ? 1.f : *gscale * 16384.0f;  // MOE 2: scaled per warp above
+    const float gs_up = MOE == 1 && EPI == 1 ? gscale[1] * 16384.0f : gs0;  // MOE SwiGLU: up's global scale
+    // 1 / rms of a token's s (NORM), from the warps' sums of the partials
+    auto scale_of = [&](int token) {
+        if (!NORM) return gs0;
+        float ss = 0.f;
+#pragma unroll
+        for (int w = 0; w < W; ++w) ss += ssq[w * 16 + token];
+        return gs0 * rsqrtf(ss * __frcp_rn((float)kdim) + eps);
+    };
+    if (EPI == 0 || EPI == 3 || EPI == 4) {
+#pragma unroll
+        for (int j = 0; j < EPI_ITERS; ++j) {
+            const int idx = threadIdx.x + j * W * 32;
+            if (idx >= NT * 128) break;
+            const int i = idx >> 7, r = idx & 127;
+            float v = 0.f;
+#pragma unroll
+            for (int w = 0; w < W; ++w) v += red[(w * NT + i) * 128 + r];
+            const int l = r >> 2, e = r & 3;
+            const int row = (l >> 2) + 8 * (e >> 1), token = 8 * i + 2 * (l & 3) + (e & 1);
+            const int n = blockIdx.x * 16 + row;
+            float sumsq = 0.f;
+            if (ok(token) && n < N) {
+                float y = v * scale_of(token);
+                if (MOE == 1) y *= tw[bids[token]];  // the pair's routing weight (the down GEMM)
+                if (EPI >= 3) y = bf16_round(y) + __uint_as_float((u32)res_pf[j] << 16);
+                const u16 o = to_bf16(y);
+                out[orow(token) * ldo + n] = o;
+                if (EPI == 4) {
+                    const float sv = __uint_as_float((u32)o << 16);
+                    tout[(size_t)token * ldt + n] = to_bf16(sv * __uint_as_float((u32)nw_pf[j] << 16));
+                    sumsq = sv * sv;
+                }
+            }
+            if (EPI == 4) sq[token * 16 + row] = sumsq;
+        }
+        if (EPI == 4) {
+            __syncthreads();
+            if (threadIdx.x < M) {
+                float a = 0.f;
+#pragma unroll
+                for (int r = 0; r < 16; ++r) a += sq[threadIdx.x * 16 + r];
+                pout[(size_t)threadIdx.x * gridDim.x + blockIdx.x] = a;
+            }
+        }
+    } else {
+        for (int idx = threadIdx.x; idx < NT * 64; idx += W * 32) {
+            const int token = idx >> 3, j = idx & 7;  // output column blockIdx.x * 8 + j
+            const int i = token >> 3, tk = token & 7;
+            // rows 2j (gate) and 2j + 1 (up) of the CTA, token tk of n-tile i, in the `red` order
+            const int rg = 2 * j, ru = 2 * j + 1;
+            const int ig = (4 * (rg & 7) + (tk >> 1)) * 4 + 2 * (rg >> 3) + (tk & 1);
+            const int iu = (4 * (ru & 7) + (tk >> 1)) * 4 + 2 * (ru >> 3) + (tk & 1);
+            float vg = 0.f, vu = 0.f;
+#pragma unroll
+            for (int w = 0; w < W; ++w) {
+                vg += red[(w * NT + i) * 128 + ig];
+                vu += red[(w * NT + i) * 128 + iu];
+            }
+            const int n = blockIdx.x * 8 + j;
+            if (!ok(token) || 2 * n >= N) continue;
+            const float gs = scale_of(token);
+            if (EPI == 1) {
+                out[orow(token) * ldo + n] = swiglu(vg * gs, vu * (MOE == 1 ? gs_up : gs));
+            } else if (2 * n < rope_cols) {
+                const int head = n / half, d = n % half;
+                u16 o1, o2;
+                rope_pair(vg * gs, vu * gs, cosp[(size_t)token * ldc + d], sinp[(size_t)token * lds + d], o1, o2);
+                out[(size_t)token * ldo + head * 2 * half + d] = o1;
+                out[(size_t)token * ldo + head * 2 * half + half + d] = o2;
+            } else {
+                out[(size_t)token * ldo + 2 * n] = to_bf16(vg * gs);
+                out[(size_t)token * ldo + 2 * n + 1] = to_bf16(vu * gs);
+            }
+        }
+    }
+}
+"""
