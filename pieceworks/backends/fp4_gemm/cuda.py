@@ -31,7 +31,7 @@ import torch
 from pieceworks.backends import pdl
 from pieceworks.backends.base import Requirements
 from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight, norm_parts, rope_qk_columns
-from pieceworks.backends.fp4_gemm.triton import interleave_gate_up, interleave_rope_rows
+from pieceworks.backends.fp4_gemm.triton import interleave_gate_up, interleave_rope_rows, multiprocessors
 
 
 SLICE = 16  # rows of x per decode-kernel launch
@@ -172,7 +172,7 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
 
         m = x.shape[0]
         on = pdl.enabled(x.device)
-        sms = _multiprocessors(x.device)
+        sms = multiprocessors(x.device)
         if m <= SLICE:
             warps, depth = plan(weight.shape[0] * 16, sms)
             return cuda_decode.decode_gemm(x, weight, weight_scale, weight_scale_2, n, warps, depth, swiglu, on,
@@ -284,7 +284,3 @@ def _checkpoint_order(num_heads: int, num_kv_heads: int, head_dim: int, device: 
     """Column j of the checkpoint order sits at this column of an `interleave_rope_rows` GEMM output."""
     return torch.argsort(interleave_rope_rows(num_heads, num_kv_heads, head_dim)).to(device)
 
-
-@lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count

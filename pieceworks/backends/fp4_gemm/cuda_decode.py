@@ -1,6 +1,6 @@
 """Launching the CUDA decode GEMM (the kernel source and its design: cuda_decode_kernel.py): `decode_gemm`
 for M <= 16 rows of x, and `resident_cap`, the register cap that keeps a two-token-tile grid resident.
-The MoE modes' launches are in backends/moe/cuda_kernels.py. Imports torch only.
+The MoE modes' launches are in backends/moe/cuda_kernels.py. Imports torch only (not triton).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 
 from pieceworks.backends.fp4_gemm.cuda_decode_kernel import SOURCE
 from pieceworks.backends.fp4_gemm.r16c64 import CHUNK
+from pieceworks.backends.fp4_gemm.triton import multiprocessors
 from pieceworks.backends.nvrtc import kernel
 
 
@@ -22,11 +23,6 @@ def resident_cap(run, warps: int, ctas: int, sms: int) -> int:
     if run.resident_blocks(warps * 32) * sms >= ctas:
         return 0
     return min(-(-ctas // sms), max(1, 32 // warps))
-
-
-@lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2, swiglu: bool = False,
@@ -98,7 +94,7 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
     name = f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {epi}, {int(prenormed is not None)}, 0"
     run = kernel(SOURCE, name + ">", x.device)
     if nt == 2:  # two token tiles: cap the registers where the grid would not stay resident
-        cap = resident_cap(run, warps, rg, _multiprocessors(x.device)) if min_blocks is None else min_blocks
+        cap = resident_cap(run, warps, rg, multiprocessors(x.device)) if min_blocks is None else min_blocks
         if cap:
             run = kernel(SOURCE, f"{name}, {cap}>", x.device)
     run(

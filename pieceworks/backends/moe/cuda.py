@@ -93,7 +93,8 @@ class CudaMoEBackend(MoEBackend):
         """Sort, both grouped GEMMs and the combine for routed pairs (topk_weights float32 [T, top_k])."""
         from pieceworks.backends import pdl
         from pieceworks.backends.moe import cuda_kernels
-        from pieceworks.backends.fp4_gemm.cuda import _multiprocessors, plan
+        from pieceworks.backends.fp4_gemm.cuda import plan
+        from pieceworks.backends.fp4_gemm.triton import multiprocessors
         from pieceworks.backends.moe import triton_kernels
         from pieceworks.backends.moe.triton import num_aligned_blocks
 
@@ -116,7 +117,7 @@ class CudaMoEBackend(MoEBackend):
         if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
             x = x.contiguous()
         on = pdl.enabled(x.device)
-        sms = _multiprocessors(x.device)
+        sms = multiprocessors(x.device)
         h = torch.empty(pairs, inter, dtype=torch.bfloat16, device=x.device)
         warps, depth = plan(rg13 * 16 * min(blocks, num_experts), sms)
         cuda_kernels.moe_gemm(x, w.w13, w.w13_scale, w.w13_scale_2, 2 * inter, sorted_ids, expert_ids, num_post,
