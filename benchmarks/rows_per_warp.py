@@ -133,8 +133,8 @@ def probe_gemm(x, codes, scales, gscale, n: int, warps: int, rg: int, pdl: bool 
     nrg, nch, _ = codes.shape
     nt = -(-m // 8)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    nrvtc_kernel = nvrtc.kernel(SOURCE, f"rows_probe<{warps}, {nt}, {rg}>", x.device)
-    nrvtc_kernel((-(-nrg // rg), 1, 1), (warps * 32, 1, 1),
+    run = nvrtc.kernel(SOURCE, f"rows_probe<{warps}, {nt}, {rg}>", x.device)
+    run((-(-nrg // rg), 1, 1), (warps * 32, 1, 1),
                  [codes, scales, x, out, gscale, m, n, nch, x.stride(0), out.stride(0), nrg], pdl)
     return out
 
