@@ -8,7 +8,6 @@ import torch
 from pieceworks.backends.base import BackendSpec, ModelFacts
 from pieceworks.backends.fp4_gemm import cuda_decode, r16c64
 from pieceworks.backends.fp4_gemm.cuda import CudaDecodeOptions, CudaFp4GemmBackend, plan
-from pieceworks.backends.fp4_gemm.triton import TritonFp4GemmBackend
 from pieceworks.backends.fp4_gemm.cuda_decode import resident_cap
 from pieceworks.quant import nvfp4
 
@@ -110,14 +109,11 @@ def test_refuses_non_bf16_models_and_pre_hopper_gpus():
 
 
 def test_options_validated():
-    assert CudaDecodeOptions().decode_max_m == 16
+    assert CudaDecodeOptions().decode_max_m == 64
     assert CudaDecodeOptions(decode_max_m=12).decode_max_m == 12
     for bad in (-1, 300):
         with pytest.raises(ValueError, match="decode_max_m"):
             CudaDecodeOptions(decode_max_m=bad)
-    assert CudaDecodeOptions().larger_m == "triton"
-    with pytest.raises(ValueError, match="larger_m"):
-        CudaDecodeOptions(larger_m="slices")
     assert CudaDecodeOptions().fuse_norm is False
     with pytest.raises(ValueError, match="fuse_norm"):
         CudaDecodeOptions(fuse_norm="yes")
@@ -182,18 +178,3 @@ def test_no_rows_no_launch():
     scales = torch.zeros(1, 1, 64, dtype=torch.uint8)
     y = cuda_decode.decode_gemm(torch.zeros(0, 64, dtype=torch.bfloat16), codes, scales, torch.tensor(1.0), 16)
     assert y.shape == (0, 16) and y.dtype == torch.bfloat16
-
-
-def test_larger_m_plan():
-    """Above decode_max_m: the Triton backend's tile table on the r16c64 weights where it has a fused tile
-    and triton is importable; otherwise None (dequantize + matmul)."""
-    spec = BackendSpec(device="cuda", capability=(9, 0), modules=frozenset({"triton"}))
-    backend = CudaFp4GemmBackend(spec)
-    for m in (17, 32, 64, 100, 256):
-        tile, split_k = backend._larger_plan(m, 4096, 4096, 132)
-        assert tile.kind == "fused" and tile.block_m >= min(m, 64) and 1 <= split_k <= 4096 // tile.block_k
-        assert (tile, split_k) == TritonFp4GemmBackend(spec)._plan(m, 4096, 4096, 132)
-    assert backend._larger_plan(257, 4096, 4096, 132) is None  # the table's dequant bucket
-    assert CudaFp4GemmBackend(spec, CudaDecodeOptions(larger_m="dequant"))._larger_plan(32, 4096, 4096, 132) is None
-    no_triton = BackendSpec(device="cuda", capability=(9, 0), modules=frozenset())
-    assert CudaFp4GemmBackend(no_triton)._larger_plan(32, 4096, 4096, 132) is None

@@ -1,12 +1,13 @@
-"""Run by tests/test_triton_r16c64.py in a subprocess with TRITON_INTERPRET=1 (Triton's CPU interpreter
+"""Run by tests/test_triton_k32_interp.py in a subprocess with TRITON_INTERPRET=1 (Triton's CPU interpreter
 fixes its mode when a kernel is decorated, so it gets a fresh process): the NVFP4 GEMM K loop
-(`triton_k32.fp4_tile_loop`) on the r16c64 and the k32 layouts of the same random weights, on the CPU.
+(`triton_k32.fp4_tile_loop`) on k32 weights, on the CPU.
 
 The interpreter has no bfloat16 dot and no float8 bitcast (its results are garbage), so three device
 functions are swapped for float32 equivalents of the same values: the block-scale conversion, the
-arithmetic e2m1 decode (USE_ASM off) and the dot. What this checks is the layouts' index arithmetic:
-which unit, scale byte and x column meet where. Prints one JSON line per case:
-the relative errors of both layouts against x @ dequantize(W).T in float64.
+arithmetic e2m1 decode (USE_ASM off) and the dot. What this checks is the layout's index arithmetic:
+which unit, scale and x column meet where (the tiled storage, the slots, the four-dot and one-dot
+orders, two accumulator chains, x masked past K). Prints one JSON line per case: the relative error
+against x @ dequantize(W).T in float64.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import triton.language as tl  # noqa: E402
 
 from pieceworks.backends.fp4_gemm import triton_k32  # noqa: E402
 from pieceworks.backends.fp4_gemm.k32 import repack_k32  # noqa: E402
-from pieceworks.backends.fp4_gemm.r16c64 import repack_decode  # noqa: E402
 from pieceworks.quant import nvfp4  # noqa: E402
 
 
@@ -66,33 +66,22 @@ triton_k32._mma = _mma_f32
 @triton.jit
 def _loop_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, Kp, NUM_ITERS: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_DOT: tl.constexpr, TWO_ACC: tl.constexpr,
-                 W_AS_A: tl.constexpr, EVEN_K: tl.constexpr, R16C64: tl.constexpr):
+                 W_AS_A: tl.constexpr, EVEN_K: tl.constexpr):
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if R16C64:  # as _fp4_gemm_kernel: rows g of the row groups, the loop adds rows g + 8
-        i = tl.arange(0, BLOCK_N // 2)
-        n_g = tl.minimum(tl.program_id(0) * BLOCK_N + (i // 8) * 16 + i % 8, N - 1).to(tl.int64)
-        w_rows, s_rows = triton_k32.r16c64_row_bases(n_g - (n_g // 8) % 2 * 8, Kp)
-        acc = tl.zeros((BLOCK_N // 2, BLOCK_M), dtype=tl.float32)
-        acc, acc2 = triton_k32.fp4_tile_loop(
-            acc, acc, x_ptr, rm.to(tl.int64) * K, rm < M, w_ptr, w_rows, w_rows + 4, s_ptr, s_rows, s_rows, 0,
-            NUM_ITERS, K, Kp, BLOCK_M, BLOCK_N // 2, BLOCK_K, EVEN_K, True, False, True, ONE_DOT, False, False, True)
-        acc = tl.join(acc, acc2).reshape(BLOCK_N // 16, 8, BLOCK_M, 2).permute(0, 3, 1, 2).reshape(BLOCK_N, BLOCK_M)
-        acc = tl.trans(acc)
+    n_c = tl.where(rn < N, rn, N - 1).to(tl.int64)
+    w_rows, s_rows = triton_k32.tile_row_bases(n_c, Kp)
+    if W_AS_A:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
-        n_c = tl.where(rn < N, rn, N - 1).to(tl.int64)
-        w_rows, s_rows = triton_k32.tile_row_bases(n_c, Kp)
-        if W_AS_A:
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc, acc2 = triton_k32.fp4_tile_loop(
-            acc, acc, x_ptr, rm.to(tl.int64) * K, rm < M, w_ptr, w_rows, w_rows, s_ptr, s_rows, s_rows, 0,
-            NUM_ITERS, K, Kp, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, False, False, ONE_DOT, TWO_ACC, False)
-        if TWO_ACC:
-            acc = acc + acc2
-        if W_AS_A:
-            acc = tl.trans(acc)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc, acc2 = triton_k32.fp4_tile_loop(
+        acc, acc, x_ptr, rm.to(tl.int64) * K, rm < M, w_ptr, w_rows, w_rows, s_ptr, s_rows, s_rows, 0,
+        NUM_ITERS, K, Kp, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, False, False, ONE_DOT, TWO_ACC, False)
+    if TWO_ACC:
+        acc = acc + acc2
+    if W_AS_A:
+        acc = tl.trans(acc)
     tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc * triton_k32.OUT_BIAS,
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -103,19 +92,12 @@ def run(m: int, n: int, k: int, block_k: int, one_dot: bool, two_acc: bool, w_as
     packed, scale, _ = nvfp4.quantize_weight(w)
     x = torch.randn(m, k, generator=gen).bfloat16()
     ref = x.double() @ nvfp4.dequantize(packed, scale, torch.ones(())).double().t()
-    errors = {}
-    for layout in ("r16c64", "k32") if block_k % 128 == 0 else ("r16c64",):  # k32 steps whole 128-wide tiles
-        if layout == "r16c64":
-            codes, scales = repack_decode(packed, scale)
-            kp, scales = codes.shape[1] * 64, scales.view(torch.int16)
-        else:
-            codes, scales = repack_k32(packed, scale)
-            kp, scales = codes.shape[1] * 2, scales.view(torch.int16)
-        out = torch.zeros(m, n)
-        _loop_kernel[(triton.cdiv(n, 32),)](x, codes.view(torch.int16), scales, out, m, n, k, kp, kp // block_k, 16,
-                                            32, block_k, one_dot, two_acc, w_as_a, k == kp, layout == "r16c64")
-        errors[layout] = float((out.double() - ref).norm() / ref.norm())
-    return errors
+    codes, scales = repack_k32(packed, scale)
+    kp = codes.shape[1] * 2
+    out = torch.zeros(m, n)
+    _loop_kernel[(triton.cdiv(n, 32),)](x, codes.view(torch.int16), scales.view(torch.int16), out, m, n, k, kp,
+                                        kp // block_k, 16, 32, block_k, one_dot, two_acc, w_as_a, k == kp)
+    return {"k32": float((out.double() - ref).norm() / ref.norm())}
 
 
 if __name__ == "__main__":

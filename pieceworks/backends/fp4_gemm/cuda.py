@@ -3,15 +3,12 @@
 Up to 16 rows of x run `cuda_decode.nvfp4_decode_gemm` in one launch: one CTA per 16 weight rows over
 all of K, the weights loaded straight into registers in MMA fragment order (a ring of 2 64-element
 chunks per lane), decoded with integer ops and bf16 multiplies, bf16 mma.sync with the weights as the A
-operand, the warps' sums added in shared memory (r16c64.py describes the layout). Option `decode_max_m`
-(16 by default, up to 256) lets more rows run it once per 16-row slice (the weights read once per slice).
-Above that, with `larger_m: triton` (the default, where triton is importable) the Triton backend's GEMM
-kernel runs on the same r16c64 weights (its `R16C64` mode: the same units and decode, other addresses)
-with the Triton backend's tile table, split-K and epilogues, up to the table's last fused bucket (M = 256
-in the shipped table); more rows, or `larger_m: dequant`, dequantize the weight to a transient bf16 copy
-and call torch.matmul, as the Triton backend does from M = 1024. SwiGLU and the q/k/v rope are fused
-(rounded as the unfused ops round). On the H200 (docs/benchmarks.md) the decode kernel is faster than the
-Triton backend up to 16 rows.
+operand, the warps' sums added in shared memory (r16c64.py describes the layout); 17 up to
+`decode_max_m` (64) rows run it once per 16-row slice (the weights read once per slice); more rows
+dequantize the weight to a transient bf16 copy and call torch.matmul, as the Triton backend does from
+M = 1024. SwiGLU and the q/k/v rope are fused into the decode kernel's epilogue (rounded as the unfused
+ops round). Faster than the Triton backend up to 16 rows on the H200, slower beyond (docs/benchmarks.md),
+so it has the lower priority: `backends.fp4_gemm: cuda` selects it.
 
 Option `fuse_norm` (off by default; `fuses_norm`) also fuses a Llama block's RMSNorms and residual adds:
 the o and down kernels add their output to the residual stream s and write the next norm's inputs
@@ -34,18 +31,7 @@ import torch
 from pieceworks.backends import pdl
 from pieceworks.backends.base import Requirements
 from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight, norm_parts, rope_qk_columns
-from pieceworks.backends.fp4_gemm.triton import (
-    SplitKCounters,
-    TileConfig,
-    choose_split_k,
-    interleave_gate_up,
-    interleave_rope_rows,
-    load_tile_table,
-    multiprocessors,
-    parse_table,
-    select_tile,
-)
-from pieceworks.backends.fp4_gemm.triton_tiles import R16C64_TILES
+from pieceworks.backends.fp4_gemm.triton import interleave_gate_up, interleave_rope_rows, multiprocessors
 
 
 SLICE = 16  # rows of x per decode-kernel launch
@@ -54,25 +40,16 @@ SLICE = 16  # rows of x per decode-kernel launch
 @dataclass
 class CudaDecodeOptions:
     """decode_max_m: largest M served by the decode kernel (0 = never); above 16 rows it runs once per
-    16-row slice of x, reading the weights again each time.
-    larger_m: what runs above decode_max_m: "triton" (the Triton GEMM kernel on the same weights, where
-    triton is importable and the tile table has a fused tile for M; else dequantize + matmul) or
-    "dequant" (dequantize + matmul).
-    larger_tiles: the path of a JSON tile table for that Triton GEMM (the format of
-    `backends.options.triton.gemm_tiles`), in place of triton_tiles.R16C64_TILES.
+    16-row slice of x, reading the weights again each time; above decode_max_m, dequantize + matmul.
     fuse_norm: fuse decoder blocks' RMSNorms and residual adds into the decode kernel (`fuses_norm`).
     Off by default: on the H200 it removes 62 of a Llama-3.1-8B-shaped decode step's 65 norm kernels and
     57 us of kernel time, but the graph replay with PDL was slower with it (1.96-1.98 ms against
     1.85 at batch 1; docs/benchmarks.md)."""
 
-    decode_max_m: int = 16
-    larger_m: str = "triton"
-    larger_tiles: str | None = None
+    decode_max_m: int = 64
     fuse_norm: bool = False
 
     def __post_init__(self) -> None:
-        if self.larger_m not in ("triton", "dequant"):
-            raise ValueError(f"larger_m={self.larger_m!r}: use triton or dequant")
         if not isinstance(self.fuse_norm, bool):
             raise ValueError(f"fuse_norm={self.fuse_norm!r}: use true or false")
         if not 0 <= self.decode_max_m <= 256:
@@ -136,45 +113,14 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
     def check(cls, spec):
         return kernel_reasons(super().check(spec), spec.model.fp4, spec.model.dtype)
 
-    def __init__(self, spec, options=None) -> None:
-        super().__init__(spec, options)
-        self._larger = self.options.larger_m == "triton" and spec.importable("triton")
-        path = self.options.larger_tiles
-        self._table = load_tile_table(path, "larger_tiles", "cuda") if path else parse_table(R16C64_TILES)
-        self._larger_plan = lru_cache(maxsize=None)(self._larger_plan_uncached)
-        self._counters = SplitKCounters()
-
     @property
     def fuses_norm(self) -> bool:
         return self.options.fuse_norm
-
-    def _larger_plan_uncached(self, m: int, n: int, k_padded: int, sms: int) -> tuple[TileConfig, int] | None:
-        """(tile, split_k) of the Triton GEMM for m rows above decode_max_m, or None: dequantize + matmul."""
-        if not self._larger:
-            return None
-        tile = select_tile(self._table, m)
-        if tile.kind != "fused":
-            return None
-        return tile, choose_split_k(tile, m, n, k_padded, sms)
-
-    def _triton(self, x, weight, weight_scale, weight_scale_2, n: int, swiglu: bool = False, rope=None):
-        """The Triton GEMM on the r16c64 weight (`triton_kernels.fp4_gemm`), or None where it doesn't run."""
-        plan = self._larger_plan(x.shape[0], n, weight.shape[1] * 64, multiprocessors(x.device))
-        if plan is None:
-            return None
-        from pieceworks.backends.fp4_gemm import triton_kernels
-
-        tile, split_k = plan
-        counters = self._counters.get(x.device) if split_k > 1 else None
-        return triton_kernels.fp4_gemm(x.contiguous(), weight, weight_scale, weight_scale_2, n, x.shape[1], tile,
-                                       split_k, counters, swiglu=swiglu, rope=rope, layout="r16c64")
 
     def prepare(self, w: Fp4Weight) -> Fp4Weight:
         from pieceworks.backends.fp4_gemm.r16c64 import repack_decode
 
         codes, scales = repack_decode(w.weight, w.weight_scale)
-        if self._larger:
-            self._counters.allocate(codes)
         return Fp4Weight(codes, scales, w.weight_scale_2.float().reshape(()), w.input_scale)
 
     def prepare_gate_up(self, w: Fp4Weight) -> Fp4Weight:
@@ -192,21 +138,15 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
     def forward_qkv_rope(self, x, weight, weight_scale, weight_scale_2, input_scale, cos, sin, num_heads,
                          num_kv_heads, head_dim, prenormed=None):
         """The rope in the decode kernel's epilogue (same bits as the GEMM followed by the rope_qk op);
-        larger M: the Triton GEMM with its rope (head dims of 2 x a power of two), else dequantize, matmul,
-        columns back in checkpoint order, then the rope_qk op."""
+        larger M: dequantize, matmul, columns back in checkpoint order, then the rope_qk op."""
         from pieceworks.backends.fp4_gemm import cuda_dequant
 
         n = (num_heads + 2 * num_kv_heads) * head_dim
         m = x.shape[0]
         self._check_x(x, weight, n)
-        rope = (cos, sin, (num_heads + num_kv_heads) * head_dim, head_dim)
         if m <= self.options.decode_max_m:
+            rope = (cos, sin, (num_heads + num_kv_heads) * head_dim, head_dim)
             return self._decode(x, weight, weight_scale, weight_scale_2, n, False, rope, prenormed=prenormed)
-        half = head_dim // 2
-        if half & (half - 1) == 0:  # the rope kernel after the Triton GEMM's larger tiles needs it
-            y = self._triton(x, weight, weight_scale, weight_scale_2, n, rope=rope)
-            if y is not None:
-                return y
         w = cuda_dequant.dequant(weight, weight_scale, weight_scale_2, n, x.shape[1])
         order = _checkpoint_order(num_heads, num_kv_heads, head_dim, x.device)
         return rope_qk_columns((x @ w.t())[:, order], cos, sin, num_heads, num_kv_heads, head_dim)
@@ -332,9 +272,6 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         m, k = x.shape
         if m <= self.options.decode_max_m:
             return self._decode(x, weight, weight_scale, weight_scale_2, n, swiglu)
-        y = self._triton(x, weight, weight_scale, weight_scale_2, n, swiglu=swiglu)
-        if y is not None:
-            return y
         w = cuda_dequant.dequant(weight, weight_scale, weight_scale_2, n, k, swiglu)
         y = x @ w.t()
         if swiglu:

@@ -89,10 +89,10 @@ class TritonTileOptions:
     """The fused MoE's grouped GEMMs' table (moe.triton), in place of MOE_TILES."""
 
 
-def load_tile_table(path: str, option: str, backend: str = "triton") -> tuple[TileConfig, ...]:
+def load_tile_table(path: str, option: str) -> tuple[TileConfig, ...]:
     """The tile table in the JSON file `path` (`TritonTileOptions`); ValueError naming the option, the
     file and what is wrong with it."""
-    where = f"backends.options.{backend}.{option}"
+    where = f"backends.options.triton.{option}"
     try:
         raw = json.loads(Path(path).read_text())
     except OSError as e:
@@ -178,29 +178,6 @@ def interleave_rope_rows(num_heads: int, num_kv_heads: int, head_dim: int) -> to
 
 
 
-class SplitKCounters:
-    """Split-K arrival counters, one int32 tensor of zeros per device (every call leaves them zero).
-
-    Allocated by `allocate` (at weight preparation) or on the first `get` outside a CUDA-graph capture
-    (a zeroing recorded into a graph would not run before the first replay); `get` returns None while
-    capturing without them, and the call then reduces with a second kernel. One owner serves one
-    executor, whose calls run in order on one stream; concurrent calls must not share the counters."""
-
-    def __init__(self) -> None:
-        self._by_device: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device) -> torch.Tensor | None:
-        counters = self._by_device.get(device)
-        if counters is None and not torch.cuda.is_current_stream_capturing():
-            counters = self._by_device[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-        return counters
-
-    def allocate(self, tensor: torch.Tensor) -> None:
-        """Allocate the counters of `tensor`'s device if it is a CUDA tensor."""
-        if tensor.is_cuda:
-            self.get(tensor.device)
-
-
 TRITON_REQUIREMENTS = Requirements(
     devices=("cuda",), min_capability=(8, 0), modules=("triton",), install_hint="pip install triton",
 )
@@ -221,11 +198,12 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         path = self.options.gemm_tiles
         self.table = load_tile_table(path, "gemm_tiles") if path else parse_table(FP4_GEMM_TILES)
         self._plan = lru_cache(maxsize=None)(self._plan_uncached)
-        self._counters = SplitKCounters()
+        self._counters: dict[torch.device, torch.Tensor] = {}
 
     def prepare(self, w: Fp4Weight) -> Fp4Weight:
         weight, scale = repack_k32(w.weight, w.weight_scale)
-        self._counters.allocate(weight)
+        if weight.is_cuda:
+            self.counters(weight.device)
         return Fp4Weight(weight, scale, w.weight_scale_2.float().reshape(()), w.input_scale)
 
     def prepare_gate_up(self, w: Fp4Weight) -> Fp4Weight:
@@ -243,8 +221,17 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         return self._prepare_rows(w, interleave_rope_rows(num_heads, num_kv_heads, head_dim))
 
     def counters(self, device: torch.device) -> torch.Tensor | None:
-        """This instance's split-K arrival counters on `device` (`SplitKCounters.get`)."""
-        return self._counters.get(device)
+        """This instance's split-K arrival counters on `device` (zeros; every call leaves them zero).
+
+        Allocated at `prepare` (or the first call outside a CUDA-graph capture: a zeroing recorded
+        into a graph would not run before the first replay); None while capturing without them, and
+        the call then reduces with a second kernel. One instance serves one executor, whose calls run
+        in order on one stream; concurrent calls must not share the counters.
+        """
+        counters = self._counters.get(device)
+        if counters is None and not torch.cuda.is_current_stream_capturing():
+            counters = self._counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+        return counters
 
     def _plan_uncached(self, m: int, n: int, k_padded: int, sms: int = 132) -> tuple[TileConfig, int]:
         tile = select_tile(self.table, m)

@@ -184,80 +184,6 @@ def tile_step_offsets(BQ: tl.constexpr, BG: tl.constexpr):
 
 
 @triton.jit
-def r16c64_row_bases(n, Kp):
-    """Offsets of row n's first unit and first scale pair (16-bit units both) in an r16c64 weight
-    (r16c64.py: row n = 16 r + 8 h + g sits in row group r, whose Kp / 64 chunks of 256 units and 32
-    scale pairs are contiguous; lane 4 g + t's vector holds rows g and g + 8, and so does scale pair
-    4 g + t of a chunk: block t's scale of row g in its low byte, of row g + 8 in its high byte). The K
-    step at element k (a multiple of 64) adds k * 4 units and k / 2 pairs (`fp4_tile_loop`)."""
-    chunks = Kp // 64
-    g = n % 8
-    h = (n // 8) % 2
-    r = n // 16
-    return tl.multiple_of(r * chunks * 256 + g * 32 + h * 4, 4), r * chunks * 32 + g * 4
-
-
-@triton.jit
-def r16c64_step_offsets(BQ: tl.constexpr, BB: tl.constexpr):
-    """Offsets, from a row's `r16c64_row_bases`, of the BQ units and BB scale pairs of a K step that
-    starts at element 0: unit q holds elements 64 c + 16 t + 4 j + p (slot j = 0..3) with c = q // 16,
-    t = q // 4 % 4, p = q % 4, and sits at 256 c + 8 t + p (four units of a row are contiguous, the
-    row g + 8 follows them); block b = 4 c + t (16 elements, 4 units) has its pair at 32 c + t."""
-    q = tl.arange(0, BQ)
-    b = tl.arange(0, BB)
-    cw = (q // 16) * 256 + ((q // 4) % 4) * 8 + q % 4
-    ts = (b // 4) * 32 + b % 4
-    return tl.max_contiguous(tl.multiple_of(cw, 4), 4), tl.max_contiguous(tl.multiple_of(ts, 4), 4)
-
-
-@triton.jit
-def r16c64_k_order(kappa):
-    """The element of x at position kappa of the r16c64 one-dot K order: per 64-element chunk, kappa =
-    32 w + 16 j1 + 8 j0 + 4 tl + 2 p + u holds element 16 t + 4 j + 2 p + u with t = 2 w + tl, slot
-    j = 2 j1 + j0. A thread of an MMA quad holds kappa 2 q + {0, 1} and 2 q + 8 + {0, 1} of each 16-wide
-    K step, q = 2 tl + p: so units (t, p, u = 0, 1) of a row, decoded, are its A fragment for both K
-    steps of window w, every slot in its place (as k32's groups are), and the decoded tile goes to the
-    MMA without a trip through shared memory. x is gathered in runs of 4 elements."""
-    c = kappa // 64
-    w = (kappa // 32) % 2
-    j1 = (kappa // 16) % 2
-    j0 = (kappa // 8) % 2
-    tl_ = (kappa // 4) % 2
-    pu = kappa % 4
-    e = c * 64 + (2 * w + tl_) * 16 + (2 * j1 + j0) * 4 + pu
-    return tl.max_contiguous(tl.multiple_of(e, 4), 4)
-
-
-@triton.jit
-def decode_tile_r16c64(w, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr,
-                       HIGH: tl.constexpr):
-    """`decode_tile` for an r16c64 K tile of rows all g or all g + 8 (HIGH) of their row groups: units
-    w [BN, BLOCK_K // 4] and scale pairs s [BN, BLOCK_K // 16] (int16), whose low byte (high with HIGH)
-    is the scale of all four slots of the block's four units. (One byte for every row: a byte chosen
-    per row, by a shift that depends on the row, keeps Triton from decoding in the MMA operand's
-    register layout, and the decoded tile then goes through shared memory.)"""
-    BB: tl.constexpr = BLOCK_K // 16
-    BQ: tl.constexpr = BLOCK_K // 4
-    if HIGH:
-        byte = (s.to(tl.int32) >> 8) & 0xFF
-    else:
-        byte = s.to(tl.int32) & 0xFF
-    pair = (byte * 257).to(tl.int16)  # the byte in both halves: the k32 pair conversion serves
-    s_a, _ = scales_k32(pair, USE_ASM)
-    s_a = tl.broadcast_to(s_a[:, :, None], (BLOCK_N, BB, 4)).reshape(BLOCK_N, BQ)
-    return decode_k32(w, s_a, s_a, USE_ASM)
-
-
-@triton.jit
-def _decode(w, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr, R16C64: tl.constexpr):
-    # R16C64: 0 = k32, 1 = r16c64 rows g (the low scale byte), 2 = rows g + 8 (the high byte)
-    if R16C64:
-        return decode_tile_r16c64(w, s, BLOCK_N, BLOCK_K, USE_ASM, R16C64 == 2)
-    else:
-        return decode_tile(w, s, BLOCK_N, BLOCK_K, USE_ASM)
-
-
-@triton.jit
 def _mma(acc, w, x, W_AS_A: tl.constexpr):
     # W_AS_A: acc is [BN, BM] (weights are the register operand of wgmma); else [BM, BN].
     if W_AS_A:
@@ -270,19 +196,16 @@ def _mma(acc, w, x, W_AS_A: tl.constexpr):
 @triton.jit
 def _dequant_mma(acc, w, s, x0, x1, x2, x3, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr,
-                 PERM_K: tl.constexpr = False, R16C64: tl.constexpr = False):
+                 PERM_K: tl.constexpr = False):
     """acc += the tile's four slot products. ONE_DOT: x0 is the tile's x in element order [BM, BK]
     (x1..x3 unused) and the decoded slots, interleaved back into element order, go to one dot of
-    K = BLOCK_K; else four dots of BLOCK_K / 4. R16C64: the tile is in the r16c64 layout."""
+    K = BLOCK_K; else four dots of BLOCK_K / 4."""
     BG: tl.constexpr = BLOCK_K // 32
-    v0, v1, v2, v3 = _decode(w, s, BLOCK_N, BLOCK_K, USE_ASM, R16C64)
+    v0, v1, v2, v3 = decode_tile(w, s, BLOCK_N, BLOCK_K, USE_ASM)
     if ONE_DOT:
-        v = tl.join(tl.join(v0, v1), tl.join(v2, v3))  # [BN, BQ, 2 (slot bit 0), 2 (slot bit 1)]
-        if R16C64:  # [BN, chunk, t // 2, t % 2, p, u, slot bit 0, slot bit 1] -> `r16c64_k_order`
-            v = v.reshape(BLOCK_N, BLOCK_K // 64, 2, 2, 2, 2, 2, 2).permute(0, 1, 2, 7, 6, 3, 4, 5)
-            v = v.reshape(BLOCK_N, BLOCK_K)
-        else:  # -> [BN, group, unit, slot bit 0, slot bit 1] -> [BN, group, slot, unit]
-            v = v.reshape(BLOCK_N, BG, 8, 2, 2).permute(0, 1, 4, 3, 2).reshape(BLOCK_N, BLOCK_K)
+        # [BN, BQ, 2 (slot bit 0), 2 (slot bit 1)] -> [BN, group, slot, unit] -> [BN, BK].
+        v = tl.join(tl.join(v0, v1), tl.join(v2, v3)).reshape(BLOCK_N, BG, 8, 2, 2)
+        v = v.permute(0, 1, 4, 3, 2).reshape(BLOCK_N, BLOCK_K)
         acc = _mma(acc, v, x0, W_AS_A)
     else:
         if PERM_K:
@@ -313,11 +236,10 @@ def _quad_k_slots(v0, v1, v2, v3, R: tl.constexpr, BQ: tl.constexpr):
 
 @triton.jit
 def _dequant_mma_two(acc, acc_b, w, s, x0, x1, x2, x3, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, PERM_K: tl.constexpr = False,
-                     R16C64: tl.constexpr = False):
+                     W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, PERM_K: tl.constexpr = False):
     """The four-dot tile product with slots 0 and 2 into acc and slots 1 and 3 into acc_b: two
     independent accumulator chains (mma.sync dots wait on their accumulator)."""
-    v0, v1, v2, v3 = _decode(w, s, BLOCK_N, BLOCK_K, USE_ASM, R16C64)
+    v0, v1, v2, v3 = decode_tile(w, s, BLOCK_N, BLOCK_K, USE_ASM)
     if PERM_K:
         v0, v1, v2, v3 = _quad_k_slots(v0, v1, v2, v3, BLOCK_N, BLOCK_K // 4)
     acc = _mma(acc, v0, x0, W_AS_A)
@@ -334,7 +256,6 @@ def fp4_tile_loop(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, W_AS_A: tl.constexpr, USE_ASM: tl.constexpr, DUAL: tl.constexpr,
     ONE_DOT: tl.constexpr = False, TWO_ACC: tl.constexpr = False, PERM_K: tl.constexpr = False,
-    R16C64: tl.constexpr = False,
 ):  # EVEN_K: K == Kp, x needs no column mask; TWO_ACC (four dots, not DUAL): acc2 is a second chain
     """acc += x[rows, k_lo : k_lo + num_iters*BLOCK_K] @ dequant(W[w_rows, same]).T, without the
     global scale; with DUAL also acc2 for the weight rows w_rows2 (x is loaded once for both).
@@ -343,51 +264,26 @@ def fp4_tile_loop(
     the tiled storage (`tile_row_bases`: 16-bit units, int16 scale pairs; BLOCK_K a multiple of 128,
     so a K step covers whole storage tiles); x_mask [BM]: rows to read (others load zeros). acc/acc2
     are [BN, BM] when W_AS_A, else [BM, BN]. Weights, scales and x go through Triton's cp.async
-    pipeline (num_stages).
-
-    R16C64 (with DUAL, W_AS_A and the four-dot loop only): the weight is in the r16c64 layout of the
-    CUDA decode GEMM (r16c64.py; BLOCK_K a multiple of 64 dividing Kp): the same units, whose slot j
-    holds element 4 j of a 16-element block instead of 8 j of a 32-element group. w_rows are rows g of
-    their row groups and w_rows2 = w_rows + 4 the rows g + 8 (`r16c64_row_bases`), s_rows = s_rows2 their
-    scale pairs (int16: row g's scale in the low byte, g + 8's in the high one; loaded once for both).
-    In the four-dot loop a thread's units are its own MMA A fragment; the one-dot reorder would take
-    the decoded weights through shared memory."""
-    tl.static_assert(not R16C64 or (DUAL and W_AS_A and not (PERM_K or TWO_ACC)),
-                     "r16c64 runs on row pairs (DUAL, W_AS_A)")
-    R2: tl.constexpr = R16C64 * 2  # the second accumulator's rows: g + 8
+    pipeline (num_stages)."""
     BQ: tl.constexpr = BLOCK_K // 4
     c = tl.arange(0, BQ)  # k32 unit within the tile: group c // 8, unit c % 8
     if PERM_K:  # x loaded in quad_k's order (its columns gathered; k32.quad_k_units), the weights reordered
         cu = (((c // 2) % 4 * (BQ // 64) + c // 64) * 2 + (c // 8) % 2) * 8 + (c // 16) % 4 * 2 + c % 2
     else:
         cu = c
-    if R16C64:  # element of slot 0 of unit c (r16c64_step_offsets); slot j is 4 j further
-        X_SLOT: tl.constexpr = 4
-        xc = tl.max_contiguous(tl.multiple_of((c // 16) * 64 + ((c // 4) % 4) * 16 + c % 4, 4), 4)
-        cw, ts = r16c64_step_offsets(BQ, BLOCK_K // 16)
-        W_STEP: tl.constexpr = BLOCK_K * 4
-        S_STEP: tl.constexpr = BLOCK_K // 2
-        w_k = (k_lo // 64) * 256
-        s_k = k_lo // 2
-    else:
-        X_SLOT: tl.constexpr = 8
-        xc = (cu // 8) * 32 + (cu % 8)  # element of slot 0 of unit cu
-        if PERM_K:
-            xc = tl.max_contiguous(tl.multiple_of(xc, 2), 2)
-        cw, ts = tile_step_offsets(BQ, BLOCK_K // 32)  # the tiled storage; a step moves BQ // 32 tiles on
-        W_STEP: tl.constexpr = BQ * 64
-        S_STEP: tl.constexpr = (BLOCK_K // 32) * 64
-        w_k = (k_lo // 4) * 64
-        s_k = (k_lo // 32) * 64
-    w_ptrs = w_ptr + w_rows[:, None] + (w_k + cw)[None, :]
-    s_ptrs = s_ptr + s_rows[:, None] + (s_k + ts)[None, :]
+    xc = (cu // 8) * 32 + (cu % 8)  # element of slot 0 of unit cu
+    if PERM_K:
+        xc = tl.max_contiguous(tl.multiple_of(xc, 2), 2)
+    cw, ts = tile_step_offsets(BQ, BLOCK_K // 32)  # the tiled storage; a step moves BQ // 32 tiles on
+    W_STEP: tl.constexpr = BQ * 64
+    S_STEP: tl.constexpr = (BLOCK_K // 32) * 64
+    w_ptrs = w_ptr + w_rows[:, None] + ((k_lo // 4) * 64 + cw)[None, :]
+    s_ptrs = s_ptr + s_rows[:, None] + ((k_lo // 32) * 64 + ts)[None, :]
     if DUAL:
-        w_ptrs2 = w_ptr + w_rows2[:, None] + (w_k + cw)[None, :]
-        s_ptrs2 = s_ptr + s_rows2[:, None] + (s_k + ts)[None, :]
+        w_ptrs2 = w_ptr + w_rows2[:, None] + ((k_lo // 4) * 64 + cw)[None, :]
+        s_ptrs2 = s_ptr + s_rows2[:, None] + ((k_lo // 32) * 64 + ts)[None, :]
     x_ptrs = x_ptr + x_rows[:, None] + (k_lo + xc)[None, :]
-    xs = tl.arange(0, BLOCK_K)  # ONE_DOT: x in element order (k32), in `r16c64_k_order` (r16c64)
-    if R16C64:
-        xs = r16c64_k_order(xs)
+    xs = tl.arange(0, BLOCK_K)  # ONE_DOT: x in element order
     xs_ptrs = x_ptr + x_rows[:, None] + (k_lo + xs)[None, :]
     xm = x_mask[:, None]
     for it in range(num_iters):
@@ -407,33 +303,29 @@ def fp4_tile_loop(
             x3 = x0
         elif EVEN_K:
             x0 = tl.load(x_ptrs, mask=xm, other=0.0)
-            x1 = tl.load(x_ptrs + X_SLOT, mask=xm, other=0.0)
-            x2 = tl.load(x_ptrs + 2 * X_SLOT, mask=xm, other=0.0)
-            x3 = tl.load(x_ptrs + 3 * X_SLOT, mask=xm, other=0.0)
+            x1 = tl.load(x_ptrs + 8, mask=xm, other=0.0)
+            x2 = tl.load(x_ptrs + 16, mask=xm, other=0.0)
+            x3 = tl.load(x_ptrs + 24, mask=xm, other=0.0)
         else:
             xk = k0 + xc
             x0 = tl.load(x_ptrs, mask=xm & (xk < K)[None, :], other=0.0)
-            x1 = tl.load(x_ptrs + X_SLOT, mask=xm & (xk + X_SLOT < K)[None, :], other=0.0)
-            x2 = tl.load(x_ptrs + 2 * X_SLOT, mask=xm & (xk + 2 * X_SLOT < K)[None, :], other=0.0)
-            x3 = tl.load(x_ptrs + 3 * X_SLOT, mask=xm & (xk + 3 * X_SLOT < K)[None, :], other=0.0)
+            x1 = tl.load(x_ptrs + 8, mask=xm & (xk + 8 < K)[None, :], other=0.0)
+            x2 = tl.load(x_ptrs + 16, mask=xm & (xk + 16 < K)[None, :], other=0.0)
+            x3 = tl.load(x_ptrs + 24, mask=xm & (xk + 24 < K)[None, :], other=0.0)
         x0 = x0.to(tl.bfloat16)
         x1 = x1.to(tl.bfloat16)
         x2 = x2.to(tl.bfloat16)
         x3 = x3.to(tl.bfloat16)
         if TWO_ACC:
             acc, acc2 = _dequant_mma_two(acc, acc2, w, s0, x0, x1, x2, x3, BLOCK_N, BLOCK_K, W_AS_A,
-                                         USE_ASM, PERM_K, R16C64)
+                                         USE_ASM, PERM_K)
         else:
-            acc = _dequant_mma(acc, w, s0, x0, x1, x2, x3, BLOCK_N, BLOCK_K, W_AS_A, USE_ASM, ONE_DOT, PERM_K,
-                               R16C64)
+            acc = _dequant_mma(acc, w, s0, x0, x1, x2, x3, BLOCK_N, BLOCK_K, W_AS_A, USE_ASM, ONE_DOT, PERM_K)
         if DUAL:
             w2 = tl.load(w_ptrs2)
-            if R16C64:
-                r0 = s0
-            else:
-                r0 = tl.load(s_ptrs2)
+            r0 = tl.load(s_ptrs2)
             acc2 = _dequant_mma(acc2, w2, r0, x0, x1, x2, x3, BLOCK_N, BLOCK_K, W_AS_A, USE_ASM,
-                                 ONE_DOT, PERM_K, R2)
+                                 ONE_DOT, PERM_K)
             w_ptrs2 += W_STEP
             s_ptrs2 += S_STEP
         w_ptrs += W_STEP

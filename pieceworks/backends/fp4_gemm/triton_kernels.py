@@ -18,7 +18,6 @@ from pieceworks.backends.fp4_gemm.triton_k32 import (
     OUT_BIAS,
     decode_tile,
     fp4_tile_loop,
-    r16c64_row_bases,
     tile_row_bases,
     tile_step_offsets,
 )
@@ -135,7 +134,6 @@ def _fp4_gemm_kernel(
     USE_ASM: tl.constexpr, ONE_DOT: tl.constexpr, PDL: tl.constexpr = False, SWIGLU: tl.constexpr = False,
     TWO_ACC: tl.constexpr = False, PERM_K: tl.constexpr = False, ROPE: tl.constexpr = False, cos_ptr=None,
     sin_ptr=None, stride_cos=0, stride_sin=0, rope_cols=0, ROPE_HALF: tl.constexpr = 1,
-    R16C64: tl.constexpr = False,
 ):
     """One output tile, or (SPLIT) one of `num_splits` K ranges of it; ranges differ by at most one
     BLOCK_K iteration. A split writes its float32 partial to part[pid_k] (laid out [splits, M, N]);
@@ -146,8 +144,7 @@ def _fp4_gemm_kernel(
     once its K loop is done, so that kernel's launch overlaps this one's epilogue. With SWIGLU the
     weight is a gate/up pair interleaved by rows and out [M, N/2] gets silu(gate) * up (`_store_out`);
     partials stay [splits, M, N]. With ROPE (a q/k/v weight in the `interleave_rope_rows` order) out
-    gets the columns in checkpoint order, the first rope_cols roped with cos/sin [M, ROPE_HALF]. With
-    R16C64 the weight is in the CUDA decode GEMM's r16c64 layout (s_ptr: its scale bytes)."""
+    gets the columns in checkpoint order, the first rope_cols roped with cos/sin [M, ROPE_HALF]."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -172,13 +169,7 @@ def _fp4_gemm_kernel(
     it_lo = pid_k * base + tl.minimum(pid_k, extra)
     num_iters = base + (pid_k < extra).to(tl.int32)
     k_lo = it_lo * BLOCK_K  # a multiple of BLOCK_K: 16-byte aligned weight loads
-    if R16C64:  # rows g of the tile's row groups (the loop adds rows g + 8); past N, row N - 1's group
-        i = tl.arange(0, BLOCK_N // 2)
-        n_g = tl.minimum(pid_n * BLOCK_N + (i // 8) * 16 + i % 8, N - 1).to(tl.int64)
-        w_rows, s_rows = r16c64_row_bases(n_g - (n_g // 8) % 2 * 8, Kp)
-        acc = tl.zeros((BLOCK_N // 2, BLOCK_M), dtype=tl.float32)
-    else:
-        w_rows, s_rows = tile_row_bases(n_c, Kp)
+    w_rows, s_rows = tile_row_bases(n_c, Kp)
     pdl_kernels.wait(PDL)
     if ROPE:  # loaded before the K loop (a few registers at 8 rows): the epilogue does not wait
         rope_c, rope_s = _rope_cs(cos_ptr, sin_ptr, stride_cos, stride_sin, rm, rm < M,
@@ -186,20 +177,11 @@ def _fp4_gemm_kernel(
     else:
         rope_c = None
         rope_s = None
-    if R16C64:
-        acc, acc_b = fp4_tile_loop(
-            acc, acc, x_ptr, x_rows, rm < M, w_ptr, w_rows, w_rows + 4, s_ptr, s_rows, s_rows,
-            k_lo, num_iters, K, Kp,
-            BLOCK_M, BLOCK_N // 2, BLOCK_K, EVEN_K, True, USE_ASM, True, ONE_DOT, False, False, True,
-        )
-        # rows (row group, g) and (row group, g + 8) -> [BN, BM] in row order
-        acc = tl.join(acc, acc_b).reshape(BLOCK_N // 16, 8, BLOCK_M, 2).permute(0, 3, 1, 2).reshape(BLOCK_N, BLOCK_M)
-    else:
-        acc, acc_b = fp4_tile_loop(
-            acc, acc, x_ptr, x_rows, rm < M, w_ptr, w_rows, w_rows, s_ptr, s_rows, s_rows,
-            k_lo, num_iters, K, Kp,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, USE_ASM, False, ONE_DOT, TWO_ACC, PERM_K,
-        )
+    acc, acc_b = fp4_tile_loop(
+        acc, acc, x_ptr, x_rows, rm < M, w_ptr, w_rows, w_rows, s_ptr, s_rows, s_rows,
+        k_lo, num_iters, K, Kp,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, USE_ASM, False, ONE_DOT, TWO_ACC, PERM_K,
+    )
     pdl_kernels.launch_dependents(PDL)
     if TWO_ACC:
         acc = acc + acc_b
@@ -305,7 +287,7 @@ def _dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, Kp, stride_on,
 
 
 def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counters=None, swiglu=False,
-             rope=None, layout="k32"):
+             rope=None):
     """Launch the GEMM for x [M, K] and a k32-layout weight; returns [M, N] in x.dtype, or with
     `swiglu` (a gate/up weight of N rows interleaved by `interleave_gate_up`) [M, N/2] =
     silu(x @ gate.T) * (x @ up.T), rounded as the GEMM followed by the silu_mul op. With `rope` =
@@ -322,26 +304,11 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
     call leaves zero again; with it a split-K call reduces in the same kernel, without it a second
     kernel sums the partials. Calls sharing counters must not run concurrently (under PDL they do
     not: a kernel touches them only after waiting for the one before it).
-
-    layout "r16c64": weight and weight_scale are the CUDA decode GEMM's (`r16c64.repack_decode`: uint8
-    [N/16, Kp/64, 512] and [N/16, Kp/64, 64], K padded to a multiple of 64); cfg a "fused" tile without
-    perm_k, whose block_k is halved (down to 64) until it divides Kp. It runs the four-dot K loop whatever
-    cfg.one_dot says: there a thread's r16c64 units are its own MMA A fragment, where the one-dot reorder
-    into element order would take the decoded weights through shared memory (docs/benchmarks.md).
     """
     M = x.shape[0]
-    r16c64 = layout == "r16c64"
-    if r16c64:
-        assert weight.dim() == 3 and weight.shape[2] == 512 and weight.shape[0] * 16 >= N, \
-            "weights must come from r16c64.repack_decode"
-        assert cfg.kind == "fused" and not cfg.perm_k and cfg.w_as_a and cfg.block_n % 16 == 0, \
-            "r16c64 runs fused tiles with w_as_a, block_n a multiple of 16, without perm_k"
-        Kp = weight.shape[1] * 64
-    else:
-        assert layout == "k32", f"layout {layout!r}: k32 or r16c64"
-        Kp = weight.shape[1] * 2
-        assert weight.shape[0] % TILE_ROWS == 0 and weight.shape[0] >= N, \
-            f"weights must come from repack_k32 (rows padded to {TILE_ROWS})"
+    Kp = weight.shape[1] * 2
+    assert weight.shape[0] % TILE_ROWS == 0 and weight.shape[0] >= N, \
+        f"weights must come from repack_k32 (rows padded to {TILE_ROWS})"
     assert not swiglu or N % 2 == 0, f"a gate/up weight has an even row count, not {N}"
     assert not (swiglu and rope), "swiglu and rope are epilogues of different weights"
     if rope is not None:
@@ -355,7 +322,7 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
             # reads each pair side by side and writes the halves back in checkpoint order
             from pieceworks.models import fused_kernels
 
-            y = fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counters, layout=layout)
+            y = fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counters)
             q_cols = rope_cols - (N - rope_cols)  # the k heads are as many as the v heads (N - rope_cols)
             q = y[:, :q_cols].view(M, q_cols // head_dim, head_dim)
             fused_kernels.rope_qk(q, y[:, q_cols:rope_cols].view(M, (rope_cols - q_cols) // head_dim, head_dim),
@@ -378,25 +345,20 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
 
             return fused_kernels.silu_mul(y[:, : N // 2], y[:, N // 2 :])
         return y
-    block_k = cfg.block_k
-    while r16c64 and Kp % block_k:
-        block_k //= 2
-    iters, rem = divmod(Kp, block_k)
-    assert rem == 0, f"block_k {block_k} does not divide the padded K {Kp}"
+    iters, rem = divmod(Kp, cfg.block_k)
+    assert rem == 0, "weights must come from repack_k32 (K padded to a multiple of 512)"
     assert 1 <= split_k <= iters, f"split_k={split_k} must be in [1, {iters}]"
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     fused = split_k > 1 and counters is not None and counters.numel() >= tiles
     part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     use_pdl, launch = pdl.launch_options(x.device)
     _fp4_gemm_kernel[(tiles, split_k)](
-        x, weight.view(torch.int16), weight_scale.view(torch.int16), weight_scale_2, out,
-        part,
+        x, weight.view(torch.int16), weight_scale.view(torch.int16), weight_scale_2, out, part,
         counters if fused else out,
         M, N, K, Kp, x.stride(0), out.stride(0), iters,
-        split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
+        split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         SPLIT=split_k > 1, FUSED_REDUCE=fused, EVEN_K=K == Kp, W_AS_A=cfg.w_as_a, USE_ASM=cfg.asm,
-        ONE_DOT=cfg.one_dot, PDL=use_pdl, SWIGLU=swiglu,
-        TWO_ACC=cfg.two_acc and not r16c64, PERM_K=cfg.perm_k, R16C64=r16c64,
+        ONE_DOT=cfg.one_dot, PDL=use_pdl, SWIGLU=swiglu, TWO_ACC=cfg.two_acc, PERM_K=cfg.perm_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **rope_args, **launch,
     )
     if split_k > 1 and not fused:

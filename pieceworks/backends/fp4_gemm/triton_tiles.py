@@ -60,12 +60,6 @@ FP4_GEMM_TILES = [
     dict(max_m=None, kind="dequant"),
 ]
 
-# The Triton GEMM on the CUDA backend's r16c64 weights, above its decode rows (fp4_gemm.cuda's
-# `larger_m: triton`): the four-dot loop on row pairs (triton_k32.fp4_tile_loop's R16C64 mode), so
-# one_dot and two_acc are ignored there. Not yet tuned: the dense table's buckets (the M <= 16 ones
-# serve only with decode_max_m below 16).
-R16C64_TILES = [dict(row) for row in FP4_GEMM_TILES]
-
 # Grouped MoE GEMMs, by token count T (swept with `python benchmarks/moe.py --sweep` on the
 # DeepSeek-V3 layer, tuning T = 1, 16, 64, 256, 1024, 16384; same date and machine; the buckets up to
 # T = 256 again with one_dot candidates, `--sweep --sweep-t 1,16,64,256`).
