@@ -42,10 +42,10 @@ def cuobjdump(args: list[str], cubin: bytes) -> str:
         return subprocess.run([tool, *args, f.name], capture_output=True, text=True, check=True).stdout
 
 
-def main_loop(sass: str) -> list[str]:
-    """Instructions of the longest backward branch's span that holds an mma (HMMA) in a cuobjdump -sass
-    listing (the epilogue's loops hold none; the rope epilogue's is longer than the main loop), leaving out
-    spans that hold an mbarrier wait."""
+def main_loop(sass: str, mma: str = "HMMA") -> list[str]:
+    """Instructions of the longest backward branch's span that holds an mma (`mma`: HMMA, or HGMMA for
+    wgmma) in a cuobjdump -sass listing (the epilogue's loops hold none; the rope epilogue's is longer than
+    the main loop), leaving out spans that hold an mbarrier wait."""
     seq = {}
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
@@ -58,7 +58,7 @@ def main_loop(sass: str) -> list[str]:
             loops.append((int(target.group(1), 16), addr))
     body = lambda a, b: [ins for addr, ins in seq.items() if a <= addr <= b]  # noqa: E731
     # an mbarrier wait loop (SYNCS) laid out after the epilogue spans the whole kernel (exp/preload's)
-    loops = [(a, b) for a, b in loops if any(i.startswith("HMMA") for i in body(a, b))
+    loops = [(a, b) for a, b in loops if any(i.startswith(mma) for i in body(a, b))
              and not any(i.startswith("SYNCS") for i in body(a, b))]
     if not loops:
         raise RuntimeError("no loop with an mma found in the SASS")

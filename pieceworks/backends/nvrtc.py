@@ -88,9 +88,9 @@ class Kernel:
     dependent launch (a kernel launched with PDL must `griddepcontrol.wait` before reading anything an
     earlier kernel writes; without PDL the wait returns at once)."""
 
-    def __init__(self, source: str, name: str, device: int) -> None:
+    def __init__(self, source: str, name: str, device: int, suffix: str = "") -> None:
         major, minor = torch.cuda.get_device_capability(device)
-        cubin, lowered = compile_cubin(source, name, f"sm_{major}{minor}")
+        cubin, lowered = compile_cubin(source, name, f"sm_{major}{minor}{suffix}")
         self.name = name
         self.device = device
         self._libcuda = lib = ctypes.CDLL("libcuda.so.1")
@@ -150,10 +150,11 @@ class Kernel:
 
 
 @lru_cache(maxsize=None)
-def _kernel(source: str, name: str, device: int) -> Kernel:
-    return Kernel(source, name, device)
+def _kernel(source: str, name: str, device: int, suffix: str) -> Kernel:
+    return Kernel(source, name, device, suffix)
 
 
-def kernel(source: str, name: str, device: torch.device) -> Kernel:
-    """The kernel `name` of `source` for `device`, compiled on first use (about a second) and cached."""
-    return _kernel(source, name, device.index if device.index is not None else torch.cuda.current_device())
+def kernel(source: str, name: str, device: torch.device, suffix: str = "") -> Kernel:
+    """The kernel `name` of `source` for `device`, compiled on first use (about a second) and cached.
+    suffix "a": for the device's arch-specific target (sm_90a: wgmma), which runs on that arch only."""
+    return _kernel(source, name, device.index if device.index is not None else torch.cuda.current_device(), suffix)
