@@ -83,49 +83,6 @@ template <> __device__ __forceinline__ void wgmma<8>(float* d, const u32* a, u64
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
-// The A fragments of a chunk's four k16 steps (the shipped kernel's decode, `slot_mmas`): row g scaled by sg,
-// row g + 8 by sh.
-__device__ __forceinline__ void decode_chunk(u32 (&a)[4][4], const U4& w, u32 s) {
-    const u32 h = scale_pair(s);
-    const u32 sg = prmt(h, 0x1010u), sh = prmt(h, 0x3232u);
-    a[0][0] = bmul(slot<0>(w.x), sg); a[0][1] = bmul(slot<0>(w.z), sh);
-    a[0][2] = bmul(slot<0>(w.y), sg); a[0][3] = bmul(slot<0>(w.w), sh);
-    a[1][0] = bmul(slot<1>(w.x), sg); a[1][1] = bmul(slot<1>(w.z), sh);
-    a[1][2] = bmul(slot<1>(w.y), sg); a[1][3] = bmul(slot<1>(w.w), sh);
-    a[2][0] = bmul(slot<2>(w.x), sg); a[2][1] = bmul(slot<2>(w.z), sh);
-    a[2][2] = bmul(slot<2>(w.y), sg); a[2][3] = bmul(slot<2>(w.w), sh);
-    a[3][0] = bmul(slot<3>(w.x), sg); a[3][1] = bmul(slot<3>(w.z), sh);
-    a[3][2] = bmul(slot<3>(w.y), sg); a[3][3] = bmul(slot<3>(w.w), sh);
-}
-
-// x's 16-byte piece q of token n (chunk elements 8 q .. 8 q + 7 = 16 t + 8 h + 0..7, t = q >> 1, h = q & 1)
-// into a chunk's stage of wgmma core matrices [step j][kc][token block][8 rows x 16 B]: its 4-byte piece e
-// (elements 16 t + 8 h + 2 e, + 1) is k16 step j = 2 h + (e >> 1), core matrix kc = e & 1, bytes 4 t of the row.
-template <int NT> __device__ __forceinline__ void store_x(unsigned char* stage, int n, int q, const U4& v) {
-    const u32 vv[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        const int j = 2 * (q & 1) + (e >> 1), kc = e & 1;
-        *(u32*)(stage + ((j * 2 + kc) * NT + (n >> 3)) * 128 + (n & 7) * 16 + 4 * (q >> 1)) = vv[e];
-    }
-}
-
-// This warp's accumulators added to out (float32 atomics): acc[4 i + e] is row 16 warp + g + 8 (e >> 1) of the
-// CTA's 64, token 8 i + 2 t + (e & 1); row groups past the last (clamped reads) are not stored.
-template <int NT> __device__ __forceinline__ void add_partials(float* out, const float* acc, const float* gscale,
-                                                               int M, int N, int ldo, int nrg) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const float gs = *gscale * 16384.0f;
-    if ((int)blockIdx.x * 4 + warp >= nrg) return;
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int token = 8 * i + 2 * t + (e & 1), n = (int)blockIdx.x * 64 + warp * 16 + g + 8 * (e >> 1);
-            if (token < M && n < N) atomicAdd(out + (size_t)token * ldo + n, acc[4 * i + e] * gs);
-        }
-}
-
 // y[M, N] += x[M, K] @ dequant(W).T over this CTA's K split; M <= 8 NT. CTA blockIdx.x: row groups 4 b .. 4 b + 3
 // (warp w the (4 b + w)-th, clamped to the last: read, never stored); blockIdx.y: a contiguous run of chunks.
 // LBO_K: 1 = the leading byte offset is the K step between core matrices (the PTX ISA's wording), 0 = swapped.
@@ -137,7 +94,7 @@ __global__ void __launch_bounds__(128) wgmma_probe(
     constexpr int STAGE = 4 * 2 * NT * 128;  // a chunk's x: [step j][core matrix kc][token block][8 x 16 B]
     constexpr int PX = (64 * NT + 127) / 128;  // 16-byte pieces of a chunk's x per thread
     __shared__ __align__(128) unsigned char xs[2 * STAGE];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int split = blockIdx.y, S = gridDim.y;
     const int c_begin = (nchunks * split) / S, nc = (nchunks * (split + 1)) / S - c_begin;
     const int rg = min((int)blockIdx.x * 4 + warp, nrg - 1);
@@ -177,12 +134,29 @@ __global__ void __launch_bounds__(128) wgmma_probe(
 #define COMPUTE(B, C) do { \
         _Pragma("unroll") for (int i = 0; i < PX; ++i) { \
             const int p = threadIdx.x + 128 * i; \
-            if (p < 64 * NT) store_x<NT>(xs + ((C) & 1) * STAGE, p >> 3, p & 7, xr[B][i]); \
+            if (p < 64 * NT) { \
+                const int n = p >> 3, q = p & 7, tt = q >> 1, h = q & 1; \
+                const u32 v[4] = {xr[B][i].x, xr[B][i].y, xr[B][i].z, xr[B][i].w}; \
+                _Pragma("unroll") for (int e = 0; e < 4; ++e) { \
+                    const int j = 2 * h + (e >> 1), kc = e & 1; \
+                    *(u32*)(xs + ((C) & 1) * STAGE + ((j * 2 + kc) * NT + (n >> 3)) * 128 + (n & 7) * 16 + 4 * tt) \
+                        = v[e]; \
+                } \
+            } \
         } \
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); \
         __syncthreads(); \
+        const u32 hh = scale_pair(s[B]); \
+        const u32 sg = prmt(hh, 0x1010u), sh = prmt(hh, 0x3232u); \
         u32 a[4][4]; \
-        decode_chunk(a, w[B], s[B]); \
+        a[0][0] = bmul(slot<0>(w[B].x), sg); a[0][1] = bmul(slot<0>(w[B].z), sh); \
+        a[0][2] = bmul(slot<0>(w[B].y), sg); a[0][3] = bmul(slot<0>(w[B].w), sh); \
+        a[1][0] = bmul(slot<1>(w[B].x), sg); a[1][1] = bmul(slot<1>(w[B].z), sh); \
+        a[1][2] = bmul(slot<1>(w[B].y), sg); a[1][3] = bmul(slot<1>(w[B].w), sh); \
+        a[2][0] = bmul(slot<2>(w[B].x), sg); a[2][1] = bmul(slot<2>(w[B].z), sh); \
+        a[2][2] = bmul(slot<2>(w[B].y), sg); a[2][3] = bmul(slot<2>(w[B].w), sh); \
+        a[3][0] = bmul(slot<3>(w[B].x), sg); a[3][1] = bmul(slot<3>(w[B].z), sh); \
+        a[3][2] = bmul(slot<3>(w[B].y), sg); a[3][3] = bmul(slot<3>(w[B].w), sh); \
         asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); \
         _Pragma("unroll") for (int j = 0; j < 4; ++j) \
             wgmma<NT>(acc, a[j], bdesc(xs0 + ((C) & 1) * STAGE + j * 2 * NT * 128, lbo, sbo)); \
@@ -212,7 +186,16 @@ __global__ void __launch_bounds__(128) wgmma_probe(
     }
 #undef COMPUTE
     PDL_TRIGGER();
-    add_partials<NT>(out, acc, gscale, M, N, ldo, nrg);
+    // acc[4 i + e]: row 16 warp + g + 8 (e >> 1) of the CTA's 64, token 8 i + 2 t + (e & 1)
+    const float gs = *gscale * 16384.0f;
+    const bool mine = (int)blockIdx.x * 4 + warp < nrg;
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int token = 8 * i + 2 * t + (e & 1), n = (int)blockIdx.x * 64 + warp * 16 + g + 8 * (e >> 1);
+            if (mine && token < M && n < N) atomicAdd(out + (size_t)token * ldo + n, acc[4 * i + e] * gs);
+        }
 }
 
 // The same with all of this CTA's x staged in shared memory once (dynamic, nc chunks of STAGE bytes) before
@@ -227,7 +210,7 @@ __global__ void __launch_bounds__(128) wgmma_probe_whole(
     static_assert(D % 2 == 0, "the A fragments alternate between two register sets");
     constexpr int STAGE = 4 * 2 * NT * 128;
     extern __shared__ __align__(128) unsigned char xs[];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int split = blockIdx.y, S = gridDim.y;
     const int c_begin = (nchunks * split) / S, nc = (nchunks * (split + 1)) / S - c_begin;
     const int rg = min((int)blockIdx.x * 4 + warp, nrg - 1);
@@ -257,15 +240,34 @@ __global__ void __launch_bounds__(128) wgmma_probe_whole(
         }
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
-            const int p = base + 128 * u, r = p % (64 * NT);
-            if (p < total) store_x<NT>(xs + p / (64 * NT) * STAGE, r >> 3, r & 7, v[u]);
+            const int p = base + 128 * u, c = p / (64 * NT), r = p % (64 * NT), n = r >> 3, q = r & 7;
+            if (p < total) {
+                const u32 vv[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int j = 2 * (q & 1) + (e >> 1), kc = e & 1;
+                    *(u32*)(xs + c * STAGE + ((j * 2 + kc) * NT + (n >> 3)) * 128 + (n & 7) * 16 + 4 * (q >> 1))
+                        = vv[e];
+                }
+            }
         }
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncthreads();
     const u32 xs0 = (u32)__cvta_generic_to_shared(xs);
     u32 a[2][4][4];
-#define DECODE(B, A) decode_chunk(a[A], w[B], s[B])
+#define DECODE(B, A) do { \
+        const u32 hh = scale_pair(s[B]); \
+        const u32 sg = prmt(hh, 0x1010u), sh = prmt(hh, 0x3232u); \
+        a[A][0][0] = bmul(slot<0>(w[B].x), sg); a[A][0][1] = bmul(slot<0>(w[B].z), sh); \
+        a[A][0][2] = bmul(slot<0>(w[B].y), sg); a[A][0][3] = bmul(slot<0>(w[B].w), sh); \
+        a[A][1][0] = bmul(slot<1>(w[B].x), sg); a[A][1][1] = bmul(slot<1>(w[B].z), sh); \
+        a[A][1][2] = bmul(slot<1>(w[B].y), sg); a[A][1][3] = bmul(slot<1>(w[B].w), sh); \
+        a[A][2][0] = bmul(slot<2>(w[B].x), sg); a[A][2][1] = bmul(slot<2>(w[B].z), sh); \
+        a[A][2][2] = bmul(slot<2>(w[B].y), sg); a[A][2][3] = bmul(slot<2>(w[B].w), sh); \
+        a[A][3][0] = bmul(slot<3>(w[B].x), sg); a[A][3][1] = bmul(slot<3>(w[B].z), sh); \
+        a[A][3][2] = bmul(slot<3>(w[B].y), sg); a[A][3][3] = bmul(slot<3>(w[B].w), sh); \
+    } while (0)
     // STEP(B, C, LOAD): chunk C (ring slot B, A set B & 1): its wgmmas, chunk C + D's loads into slot B (decoded
     // already), chunk C + 1 decoded, then the wait; C's A fragments stay live up to it
 #define STEP(B, C, LOAD) do { \
@@ -298,7 +300,15 @@ __global__ void __launch_bounds__(128) wgmma_probe_whole(
 #undef STEP
 #undef DECODE
     PDL_TRIGGER();
-    add_partials<NT>(out, acc, gscale, M, N, ldo, nrg);
+    const float gs = *gscale * 16384.0f;
+    const bool mine = (int)blockIdx.x * 4 + warp < nrg;
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int token = 8 * i + 2 * t + (e & 1), n = (int)blockIdx.x * 64 + warp * 16 + g + 8 * (e >> 1);
+            if (mine && token < M && n < N) atomicAdd(out + (size_t)token * ldo + n, acc[4 * i + e] * gs);
+        }
 }
 
 // The 2-stage ring's kernel with the decode of chunk c + 1 overlapping chunk c's wgmmas: 3 x stages (stage
@@ -314,7 +324,7 @@ __global__ void __launch_bounds__(128) wgmma_probe_ov(
     constexpr int STAGE = 4 * 2 * NT * 128;
     constexpr int PX = (64 * NT + 127) / 128;
     __shared__ __align__(128) unsigned char xs[3 * STAGE];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int split = blockIdx.y, S = gridDim.y;
     const int c_begin = (nchunks * split) / S, nc = (nchunks * (split + 1)) / S - c_begin;
     const int rg = min((int)blockIdx.x * 4 + warp, nrg - 1);
@@ -350,10 +360,29 @@ __global__ void __launch_bounds__(128) wgmma_probe_ov(
 #define STORE_X(B, C) do { \
         _Pragma("unroll") for (int i = 0; i < PX; ++i) { \
             const int p = threadIdx.x + 128 * i; \
-            if (p < 64 * NT) store_x<NT>(xs + ((C) % 3) * STAGE, p >> 3, p & 7, xr[B][i]); \
+            if (p < 64 * NT) { \
+                const int n = p >> 3, q = p & 7; \
+                const u32 v[4] = {xr[B][i].x, xr[B][i].y, xr[B][i].z, xr[B][i].w}; \
+                _Pragma("unroll") for (int e = 0; e < 4; ++e) { \
+                    const int j = 2 * (q & 1) + (e >> 1), kc = e & 1; \
+                    *(u32*)(xs + ((C) % 3) * STAGE + ((j * 2 + kc) * NT + (n >> 3)) * 128 + (n & 7) * 16 \
+                            + 4 * (q >> 1)) = v[e]; \
+                } \
+            } \
         } \
     } while (0)
-#define DECODE(B, A) decode_chunk(a[A], w[B], s[B])
+#define DECODE(B, A) do { \
+        const u32 hh = scale_pair(s[B]); \
+        const u32 sg = prmt(hh, 0x1010u), sh = prmt(hh, 0x3232u); \
+        a[A][0][0] = bmul(slot<0>(w[B].x), sg); a[A][0][1] = bmul(slot<0>(w[B].z), sh); \
+        a[A][0][2] = bmul(slot<0>(w[B].y), sg); a[A][0][3] = bmul(slot<0>(w[B].w), sh); \
+        a[A][1][0] = bmul(slot<1>(w[B].x), sg); a[A][1][1] = bmul(slot<1>(w[B].z), sh); \
+        a[A][1][2] = bmul(slot<1>(w[B].y), sg); a[A][1][3] = bmul(slot<1>(w[B].w), sh); \
+        a[A][2][0] = bmul(slot<2>(w[B].x), sg); a[A][2][1] = bmul(slot<2>(w[B].z), sh); \
+        a[A][2][2] = bmul(slot<2>(w[B].y), sg); a[A][2][3] = bmul(slot<2>(w[B].w), sh); \
+        a[A][3][0] = bmul(slot<3>(w[B].x), sg); a[A][3][1] = bmul(slot<3>(w[B].z), sh); \
+        a[A][3][2] = bmul(slot<3>(w[B].y), sg); a[A][3][3] = bmul(slot<3>(w[B].w), sh); \
+    } while (0)
 #define STEP(B, C, LOAD) do { \
         if ((C) + 1 < nc) STORE_X(((B) + 1) % D, (C) + 1); \
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); \
@@ -395,7 +424,15 @@ __global__ void __launch_bounds__(128) wgmma_probe_ov(
 #undef DECODE
 #undef STORE_X
     PDL_TRIGGER();
-    add_partials<NT>(out, acc, gscale, M, N, ldo, nrg);
+    const float gs = *gscale * 16384.0f;
+    const bool mine = (int)blockIdx.x * 4 + warp < nrg;
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int token = 8 * i + 2 * t + (e & 1), n = (int)blockIdx.x * 64 + warp * 16 + g + 8 * (e >> 1);
+            if (mine && token < M && n < N) atomicAdd(out + (size_t)token * ldo + n, acc[4 * i + e] * gs);
+        }
 }
 """
 
