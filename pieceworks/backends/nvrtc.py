@@ -23,6 +23,7 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
@@ -83,6 +84,15 @@ def compile_cubin(source: str, name: str, arch: str) -> tuple[bytes, str]:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+def _attribute(ident: int, value: bytes) -> _LaunchAttribute:
+    """A CUlaunchAttribute with `value`'s bytes at the start of its value union (copied byte for byte:
+    assigning bytes to a c_char array field would stop at the first zero byte)."""
+    attr = _LaunchAttribute()
+    attr.id = ident
+    ctypes.memmove(ctypes.addressof(attr) + _LaunchAttribute.value.offset, value, len(value))
+    return attr
+
+
 class Kernel:
     """One compiled kernel for one device, launched on its current stream with or without programmatic
     dependent launch (a kernel launched with PDL must `griddepcontrol.wait` before reading anything an
@@ -101,10 +111,7 @@ class Kernel:
             self._func = ctypes.c_void_p()
             _check(lib, lib.cuModuleGetFunction(ctypes.byref(self._func), self._module, lowered.encode()),
                    "cuModuleGetFunction")
-        attr = _LaunchAttribute()
-        attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value = (1).to_bytes(4, "little") + bytes(60)
-        self._pdl_attr = attr
+        self._pdl_attr = _attribute(_PROGRAMMATIC_STREAM_SERIALIZATION, (1).to_bytes(4, "little"))
         self._max_shared = 0  # the dynamic shared memory this kernel's limit was raised to
 
     def resident_blocks(self, threads: int, shared: int = 0) -> int:
@@ -116,12 +123,13 @@ class Kernel:
             f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.name})")
         return n.value
 
-    def __call__(self, grid, block, args, pdl: bool, shared: int = 0) -> None:
+    def __call__(self, grid, block, args, pdl: bool, shared: int = 0, cluster=None) -> None:
         """Launch on the current stream; `shared`: bytes of dynamic shared memory (the kernel's limit is
-        raised to it first, as static + dynamic above 48 KB needs)."""
+        raised to it first, as static + dynamic above 48 KB needs); `cluster`: thread-block cluster
+        dimensions (x, y, z) dividing the grid (sm_90+)."""
         if torch.cuda.current_device() != self.device:  # launch in the device's context, on its stream
             with torch.cuda.device(self.device):
-                return self(grid, block, args, pdl, shared)
+                return self(grid, block, args, pdl, shared, cluster)
         if shared > self._max_shared:
             _check(self._libcuda, self._libcuda.cuFuncSetAttribute(
                 self._func, _MAX_DYNAMIC_SHARED_SIZE_BYTES, ctypes.c_int(shared)), f"cuFuncSetAttribute({self.name})")
@@ -142,9 +150,13 @@ class Kernel:
         cfg.block[:] = block
         cfg.shared = shared
         cfg.stream = torch.cuda.current_stream().cuda_stream
-        if pdl:
-            cfg.attrs = ctypes.pointer(self._pdl_attr)
-            cfg.num_attrs = 1
+        attrs = [self._pdl_attr] if pdl else []
+        if cluster is not None:
+            attrs.append(_attribute(_CLUSTER_DIMENSION, b"".join(int(d).to_bytes(4, "little") for d in cluster)))
+        if attrs:
+            array = (_LaunchAttribute * len(attrs))(*attrs)
+            cfg.attrs = ctypes.cast(array, ctypes.POINTER(_LaunchAttribute))
+            cfg.num_attrs = len(attrs)
         _check(self._libcuda, self._libcuda.cuLaunchKernelEx(ctypes.byref(cfg), self._func, ptrs, None),
                f"cuLaunchKernelEx({self.name})")
 
