@@ -63,20 +63,23 @@ def test_backend_path_matches_reference(n, k, m):
 
 
 @pytest.mark.parametrize("m", [1, 8, 9, 16, 20, 40, 64])
-@pytest.mark.parametrize("cluster", [1, 2, 4, 8])
-def test_kernel_every_token_tile_and_cluster_size(m, cluster):
-    """Every instance (1, 2, 4, 8 token tiles) and cluster size, K split unevenly (83 chunks)."""
-    gen = torch.Generator(device=DEV).manual_seed(100 * m + cluster)
+@pytest.mark.parametrize("split", [1, 2, 4, 8])
+def test_kernel_every_token_tile_and_split(m, split):
+    """Every instance (1, 2, 4, 8 token tiles) and K split, K split unevenly (83 chunks); the counters are left
+    zero."""
+    gen = torch.Generator(device=DEV).manual_seed(100 * m + split)
     n, k = 200, 83 * 64
     w = random_fp4(n, k, gen)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
     p = CudaFp4GemmBackend(SPEC).prepare(w)
-    y = cuda_wgmma.wgmma_gemm(x, p.weight, p.weight_scale, p.weight_scale_2, n, cluster=cluster)
+    counters = torch.zeros(8, dtype=torch.int32, device=DEV)
+    y = cuda_wgmma.wgmma_gemm(x, p.weight, p.weight_scale, p.weight_scale_2, n, counters, split=split)
     assert rel_err(y, reference(x, w)) < TOL
+    assert not counters.any()
 
 
 def test_deterministic_and_close_to_the_slices():
-    """The cluster adds its partials in rank order: two calls give the same bits; the 16-row slices of the
+    """The last CTA adds the partials in split order: two calls give the same bits; the 16-row slices of the
     decode kernel (another summation order) agree to rounding."""
     gen = torch.Generator(device=DEV).manual_seed(7)
     n, k, m = 4096, 14336, 40
@@ -152,12 +155,15 @@ def test_graph_replay_matches_eager(use_pdl):
         pdl._enabled = old
 
 
-def test_bad_cluster_refused():
+def test_bad_arguments_refused():
     gen = torch.Generator(device=DEV).manual_seed(3)
     p = CudaFp4GemmBackend(SPEC).prepare(random_fp4(64, 512, gen))
     x = torch.randn(20, 512, device=DEV, dtype=torch.bfloat16, generator=gen)
-    with pytest.raises(ValueError, match="cluster"):
-        cuda_wgmma.wgmma_gemm(x, p.weight, p.weight_scale, p.weight_scale_2, 64, cluster=3)
+    counters = torch.zeros(4, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="split"):
+        cuda_wgmma.wgmma_gemm(x, p.weight, p.weight_scale, p.weight_scale_2, 64, counters, split=3)
+    with pytest.raises(ValueError, match="counters"):
+        cuda_wgmma.wgmma_gemm(x, p.weight, p.weight_scale, p.weight_scale_2, 64, counters.float())
     with pytest.raises(ValueError, match="M <= 64"):
         cuda_wgmma.wgmma_gemm(torch.randn(65, 512, device=DEV, dtype=torch.bfloat16), p.weight, p.weight_scale,
-                              p.weight_scale_2, 64)
+                              p.weight_scale_2, 64, counters)

@@ -5,8 +5,8 @@ all of K, the weights loaded straight into registers in MMA fragment order (a ri
 chunks per lane), decoded with integer ops and bf16 multiplies, bf16 mma.sync with the weights as the A
 operand, the warps' sums added in shared memory (r16c64.py describes the layout). 17 up to
 `decode_max_m` (64) rows run, on compute capability 9.0, the same decode feeding warpgroup MMAs
-(cuda_wgmma.py: x read from shared memory once per 64 weight rows, K split over a thread-block cluster
-that sums its partials in a fixed order), elsewhere (or with option `wgmma: false`, or the fused norm's
+(cuda_wgmma.py: x read from shared memory once per 64 weight rows, K split over CTAs whose partials the
+last to finish sums in a fixed order), elsewhere (or with option `wgmma: false`, or the fused norm's
 inputs) the decode kernel once per 16-row slice (the weights read once per slice); more rows dequantize
 the weight to a transient bf16 copy and call torch.matmul, as the Triton backend does from M = 1024.
 SwiGLU and the q/k/v rope are fused into the kernels' epilogues (rounded as the unfused ops round).
@@ -122,14 +122,32 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
     def check(cls, spec):
         return kernel_reasons(super().check(spec), spec.model.fp4, spec.model.dtype)
 
+    def __init__(self, spec, options=None) -> None:
+        super().__init__(spec, options)
+        self._counters: dict[torch.device, torch.Tensor] = {}
+
     @property
     def fuses_norm(self) -> bool:
         return self.options.fuse_norm
+
+    def counters(self, device: torch.device) -> torch.Tensor | None:
+        """The wgmma kernel's split-K arrival counters on `device` (zeros; every call leaves them zero):
+        allocated at `prepare` or the first call outside a CUDA-graph capture (a zeroing recorded into a graph
+        would not run before the first replay); None while capturing without them (16-row slices then). One
+        instance serves one executor, whose calls run in order on one stream."""
+        from pieceworks.backends.fp4_gemm import cuda_wgmma
+
+        counters = self._counters.get(device)
+        if counters is None and not torch.cuda.is_current_stream_capturing():
+            counters = self._counters[device] = torch.zeros(cuda_wgmma.COUNTERS, dtype=torch.int32, device=device)
+        return counters
 
     def prepare(self, w: Fp4Weight) -> Fp4Weight:
         from pieceworks.backends.fp4_gemm.r16c64 import repack_decode
 
         codes, scales = repack_decode(w.weight, w.weight_scale)
+        if codes.is_cuda and self.options.wgmma:
+            self.counters(codes.device)
         return Fp4Weight(codes, scales, w.weight_scale_2.float().reshape(()), w.input_scale)
 
     def prepare_gate_up(self, w: Fp4Weight) -> Fp4Weight:
@@ -189,7 +207,8 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
         if self._wgmma_serves(x, prenormed, residual, norm_out):
             from pieceworks.backends.fp4_gemm import cuda_wgmma
 
-            return cuda_wgmma.wgmma_gemm(x, weight, weight_scale, weight_scale_2, n, swiglu, on, rope=rope)
+            return cuda_wgmma.wgmma_gemm(x, weight, weight_scale, weight_scale_2, n, self.counters(x.device), swiglu,
+                                         on, rope=rope)
         out = torch.empty(m, n // 2 if swiglu else n, dtype=torch.bfloat16, device=x.device)
         for r0 in range(0, m, SLICE):
             r1 = min(m, r0 + SLICE)
@@ -212,7 +231,7 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
             return False
         if prenormed is not None or residual is not None or norm_out is not None:
             return False
-        return cuda_wgmma.supported(x.device)
+        return cuda_wgmma.supported(x.device) and self.counters(x.device) is not None
 
     def forward(self, x, weight, weight_scale, weight_scale_2, input_scale, out_features):
         return self._gemm(x, weight, weight_scale, weight_scale_2, out_features, swiglu=False)

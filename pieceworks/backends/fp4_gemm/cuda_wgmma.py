@@ -8,16 +8,18 @@ own B fragments of x, 4 M / 16 bytes of x per byte of weights, so the decode ker
 A from the registers of a warpgroup's four warps, each warp's 16 rows in mma.sync's A fragment layout
 (the r16c64 decode as it is), and B (x, N = 8 NT tokens) from shared memory.
 
-The kernel: a CTA is one warpgroup, 4 row groups (64 weight rows); the S CTAs of a thread-block cluster
-(blockIdx.y) split K into contiguous runs of 64-element chunks. Per lane a register ring of D chunks of
+The kernel: a CTA is one warpgroup, 4 row groups (64 weight rows); S CTAs (blockIdx.y) split K into
+contiguous runs of 64-element chunks. Per lane a register ring of D chunks of
 codes and scales (as the decode kernel's); each chunk's x (N tokens x 64 elements, in the A fragments' K
 order: k16 step j of a chunk takes elements 16 t + 4 j + 0..3) is loaded one 16-byte piece per thread D - 1
 chunks ahead and stored into a two-stage shared-memory ring of wgmma core matrices (no swizzle: 8 tokens x
 16 bytes each; the leading byte offset steps K, the stride byte offset steps 8 tokens); per chunk a CTA
-barrier, the decode, four wgmmas, commit, wait. The cluster then sums its CTAs' float32 partials through
-distributed shared memory in rank order (deterministic: the same bits whatever the timing), each CTA for
-64 / S of the rows, and stores them with the plain, SwiGLU or rope epilogue (rounded as the decode
-kernel's: cuda_device.py).
+barrier, the decode, four wgmmas, commit, wait. Each CTA then writes its float32 partials to a workspace
+and counts itself in at its row block's counter; the last of the S to arrive sums the partials in split
+order (deterministic: the same bits whatever the timing) and stores the 64 rows with the plain, SwiGLU or
+rope epilogue (rounded as the decode kernel's: cuda_device.py), then zeroes the counter. (A thread-block
+cluster summing through distributed shared memory instead was correct and slower: its CTAs wait for each
+other; docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pieceworks.backends.fp4_gemm.r16c64 import CHUNK
 from pieceworks.backends.nvrtc import kernel
 
 MAX_M = 64  # 8 token tiles: wgmma m64n64k16
+COUNTERS = 1024  # row blocks of 64 rows a counter tensor serves (N up to 65536)
 
 SOURCE = DEVICE_HELPERS + r"""
 typedef unsigned long long u64;
@@ -77,26 +80,11 @@ template <> __device__ __forceinline__ void wgmma<8>(float* d, const u32* a, u64
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ u32 cluster_rank() {
-    u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-// the float at p in the shared memory of the cluster's CTA `rank`
-__device__ __forceinline__ float ld_cluster(const float* p, u32 rank) {
-    u32 a;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
-    return v;
-}
-
 // y = x @ dequant(W).T for M <= 8 NT rows of x. CTA (blockIdx.x, blockIdx.y): row groups 4 blockIdx.x .. + 3
 // (warp w the (4 blockIdx.x + w)-th, clamped to the last: read, never stored) over chunk run blockIdx.y of
-// gridDim.y, the cluster's size. EPI 0: out[token, n] = y; EPI 1 (rows 2j / 2j + 1 gate / up,
+// S = gridDim.y; its partial sums go to part[blockIdx.x][blockIdx.y] ([64 rows][8 NT tokens] float32) and the
+// last CTA of a row block to arrive at counters[blockIdx.x] (zero before the call, zero again after it) sums
+// them in split order and stores the rows. EPI 0: out[token, n] = y; EPI 1 (rows 2j / 2j + 1 gate / up,
 // interleave_gate_up): out[token, n / 2] = silu(gate) * up; EPI 2 (q/k/v rope, rows in the interleave_rope_rows
 // order): the q/k pairs below rope_cols rotated by cos / sin [M, half] (float32, row strides ldc / lds), every
 // column stored in checkpoint order.
@@ -104,13 +92,14 @@ template <int NT, int D, int EPI>
 __global__ void __launch_bounds__(128) nvfp4_wgmma_gemm(
     const U4* __restrict__ codes, const u16* __restrict__ scales, const u16* __restrict__ x,
     u16* __restrict__ out, const float* __restrict__ gscale, int M, int N, int nchunks, int ldx, int ldo, int nrg,
-    const float* __restrict__ cosp, const float* __restrict__ sinp, int ldc, int lds, int rope_cols, int half)
+    const float* __restrict__ cosp, const float* __restrict__ sinp, int ldc, int lds, int rope_cols, int half,
+    float* __restrict__ part, int* __restrict__ counters)
 {
     constexpr int STAGE = 4 * 2 * NT * 128;  // a chunk's x: [k16 step j][core matrix kc][token block][8 x 16 B]
     constexpr int PX = (64 * NT + 127) / 128;  // 16-byte pieces of a chunk's x per thread
     constexpr int T = 8 * NT;  // tokens
     __shared__ __align__(128) unsigned char xs[2 * STAGE];
-    __shared__ float red[64 * T];  // this CTA's partial sums [row][token]
+    __shared__ int last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int S = gridDim.y;
     const int c_begin = (nchunks * (int)blockIdx.y) / S, nc = (nchunks * ((int)blockIdx.y + 1)) / S - c_begin;
@@ -208,29 +197,34 @@ __global__ void __launch_bounds__(128) nvfp4_wgmma_gemm(
 #undef COMPUTE
     PDL_TRIGGER();
     // acc[4 i + e]: row 16 warp + g + 8 (e >> 1) of the CTA's 64, token 8 i + 2 t + (e & 1)
+    float* mine = part + ((size_t)blockIdx.x * S + blockIdx.y) * 64 * T;
 #pragma unroll
     for (int i = 0; i < NT; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) red[(warp * 16 + g + 8 * (e >> 1)) * T + 8 * i + 2 * t + (e & 1)] = acc[4 * i + e];
-    cluster_sync();  // every CTA's partials are in its shared memory
-    // this CTA sums and stores rows r0 .. r0 + 64 / S - 1 of the 64 (S divides 64), adding the S partials in
-    // rank order
-    const int rows = 64 / S, r0 = (int)cluster_rank() * rows;
+        for (int e = 0; e < 4; ++e) mine[(warp * 16 + g + 8 * (e >> 1)) * T + 8 * i + 2 * t + (e & 1)] = acc[4 * i + e];
+    // publish the partials, count this CTA; the last of the row block's S reads them all (from L2) in order
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counters + blockIdx.x, 1) == S - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const float* ps = part + (size_t)blockIdx.x * S * 64 * T;
     const float gs = *gscale * 16384.0f;
     if (EPI == 0) {
-        for (int idx = threadIdx.x; idx < rows * T; idx += 128) {
-            const int r = r0 + idx / T, token = idx % T, n = (int)blockIdx.x * 64 + r;
+        for (int idx = threadIdx.x; idx < 64 * T; idx += 128) {
+            const int r = idx / T, token = idx % T, n = (int)blockIdx.x * 64 + r;
             float v = 0.f;
-            for (int q = 0; q < S; ++q) v += ld_cluster(&red[r * T + token], q);
+            for (int q = 0; q < S; ++q) v += __ldcg(ps + (size_t)q * 64 * T + idx);
             if (token < M && n < N) out[(size_t)token * ldo + n] = to_bf16(v * gs);
         }
     } else {
-        for (int idx = threadIdx.x; idx < rows / 2 * T; idx += 128) {
-            const int r = r0 + 2 * (idx / T), token = idx % T;  // rows r (gate, or rope dim d) and r + 1
+        for (int idx = threadIdx.x; idx < 32 * T; idx += 128) {
+            const int r = 2 * (idx / T), token = idx % T;  // rows r (gate, or rope dim d) and r + 1
             float vg = 0.f, vu = 0.f;
             for (int q = 0; q < S; ++q) {
-                vg += ld_cluster(&red[r * T + token], q);
-                vu += ld_cluster(&red[(r + 1) * T + token], q);
+                vg += __ldcg(ps + (size_t)q * 64 * T + r * T + token);
+                vu += __ldcg(ps + (size_t)q * 64 * T + (r + 1) * T + token);
             }
             const int n = (int)blockIdx.x * 32 + r / 2;  // the pair's output column
             if (token >= M || 2 * n >= N) continue;
@@ -248,13 +242,13 @@ __global__ void __launch_bounds__(128) nvfp4_wgmma_gemm(
             }
         }
     }
-    cluster_sync();  // the partials stay readable until every CTA of the cluster has summed its rows
+    if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // for the next call
 }
 """
 
 
 def splits(nchunks: int, row_blocks: int) -> int:
-    """The cluster size S (a power of two up to 8, so that it divides the 64 rows): doubled while every CTA
+    """The K split S (a power of two up to 8): doubled while every CTA
     keeps at least 8 chunks of K and the grid holds fewer than 1024 CTAs. On the H200 this picks each
     Llama-3.1-8B and DeepSeek-V3 expert shape's fastest split in wgmma_probe.py's sweep at M = 32 (8 for
     q/k/v, o, down and the expert gate/up, 4 for gate/up and the expert down)."""
@@ -270,10 +264,12 @@ def supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def wgmma_gemm(x, codes, scales, gscale, n: int, swiglu: bool = False, pdl: bool = False, out=None, rope=None,
-               depth: int = 2, cluster: int | None = None):
+def wgmma_gemm(x, codes, scales, gscale, n: int, counters, swiglu: bool = False, pdl: bool = False, out=None,
+               rope=None, depth: int = 2, split: int | None = None):
     """y = x @ dequant(W).T for M <= 64 (the arguments and epilogues of `cuda_decode.decode_gemm`, without its
-    fused norm and residual); cluster: the K split S (1, 2, 4 or 8; None: `splits`)."""
+    fused norm and residual). counters: int32 zeros, at least one per 64 weight rows, that the call leaves
+    zero again (calls sharing them must run in order on one stream: under PDL a kernel touches them only
+    after its wait). split: the K split S (1, 2, 4 or 8; None: `splits`)."""
     m, k = x.shape
     if m > MAX_M:
         raise ValueError(f"wgmma_gemm serves M <= {MAX_M}, got {m}")
@@ -296,10 +292,13 @@ def wgmma_gemm(x, codes, scales, gscale, n: int, swiglu: bool = False, pdl: bool
             cos, sin = cos.contiguous(), sin.contiguous()
         epi, rope_args = 2, [cos, sin, cos.stride(0), sin.stride(0), rope_cols, head_dim // 2]
     row_blocks = -(-rg // 4)
-    s = splits(ch, row_blocks) if cluster is None else cluster
+    s = splits(ch, row_blocks) if split is None else split
     if s not in (1, 2, 4, 8):
-        raise ValueError(f"wgmma_gemm: cluster={s}: use 1, 2, 4 or 8")
+        raise ValueError(f"wgmma_gemm: split={s}: use 1, 2, 4 or 8")
+    if counters.dtype != torch.int32 or counters.numel() < row_blocks:
+        raise ValueError(f"wgmma_gemm: counters must be int32 zeros, at least {row_blocks}")
+    part = torch.empty(row_blocks * s * 64 * 8 * nt, dtype=torch.float32, device=x.device)
     run = kernel(SOURCE, f"nvfp4_wgmma_gemm<{nt}, {depth}, {epi}>", x.device, suffix="a")
     run((row_blocks, s, 1), (128, 1, 1),
-        [codes, scales, x, out, gscale, m, n, ch, x.stride(0), out.stride(0), rg, *rope_args], pdl, cluster=(1, s, 1))
+        [codes, scales, x, out, gscale, m, n, ch, x.stride(0), out.stride(0), rg, *rope_args, part, counters], pdl)
     return out
