@@ -117,9 +117,6 @@ def test_options_validated():
     assert CudaDecodeOptions().fuse_norm is False
     with pytest.raises(ValueError, match="fuse_norm"):
         CudaDecodeOptions(fuse_norm="yes")
-    assert CudaDecodeOptions().wgmma is True
-    with pytest.raises(ValueError, match="wgmma"):
-        CudaDecodeOptions(wgmma="no")
     spec = BackendSpec(device="cuda", capability=(9, 0))
     assert not CudaFp4GemmBackend(spec).fuses_norm
     assert CudaFp4GemmBackend(spec, CudaDecodeOptions(fuse_norm=True)).fuses_norm
@@ -183,27 +180,9 @@ def test_no_rows_no_launch():
     assert y.shape == (0, 16) and y.dtype == torch.bfloat16
 
 
-def test_wgmma_cluster_splits():
-    """The K split of the wgmma kernel (cuda_wgmma.splits): a power of two up to 8, at least 8 chunks per CTA,
-    doubled while the grid holds fewer than 1024 CTAs; the picks for the Llama-3.1-8B and DeepSeek-V3 expert
-    shapes that the probe's sweep found fastest at M = 32 (docs/benchmarks.md)."""
-    from pieceworks.backends.fp4_gemm.cuda_wgmma import splits
-
-    def pick(n, k):  # (N, K) -> S: 64-row blocks, 64-element chunks
-        return splits(k // 64, -(-n // 64))
-
-    assert [pick(6144, 4096), pick(4096, 4096), pick(28672, 4096), pick(4096, 14336)] == [8, 8, 4, 8]
-    assert [pick(4096, 7168), pick(7168, 2048)] == [8, 4]
-    assert splits(7, 1) == 1 and splits(16, 1) == 2 and splits(10**6, 1) == 8
-    for chunks in range(1, 300, 7):
-        for blocks in (1, 64, 448, 2000):
-            s = splits(chunks, blocks)
-            assert s in (1, 2, 4, 8) and (s == 1 or (chunks >= 8 * s and blocks * s // 2 < 1024))
-
-
 def test_launch_attribute_values_keep_their_zero_bytes():
-    """nvrtc's launch attributes (PDL, cluster dimensions) hold every byte of their value: a cluster of
-    (1, 2, 1) is not cut at the first zero byte into (1, 0, 0) (the driver refused that launch)."""
+    """nvrtc's launch attributes hold every byte of their value: a cluster dimension (1, 2, 1) is not cut at
+    the first zero byte into (1, 0, 0) (the driver refused that launch); the PDL attribute is 1."""
     import ctypes
 
     from pieceworks.backends import nvrtc
@@ -212,3 +191,5 @@ def test_launch_attribute_values_keep_their_zero_bytes():
     raw = ctypes.string_at(ctypes.addressof(attr), ctypes.sizeof(attr))
     assert raw[:4] == (4).to_bytes(4, "little")
     assert raw[8:20] == bytes([1, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0]) and raw[20:] == bytes(len(raw) - 20)
+    pdl = nvrtc._attribute(nvrtc._PROGRAMMATIC_STREAM_SERIALIZATION, (1).to_bytes(4, "little"))
+    assert ctypes.string_at(ctypes.addressof(pdl), 12) == bytes([6, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0])

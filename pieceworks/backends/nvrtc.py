@@ -23,7 +23,6 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
@@ -86,7 +85,8 @@ def compile_cubin(source: str, name: str, arch: str) -> tuple[bytes, str]:
 
 def _attribute(ident: int, value: bytes) -> _LaunchAttribute:
     """A CUlaunchAttribute with `value`'s bytes at the start of its value union (copied byte for byte:
-    assigning bytes to a c_char array field would stop at the first zero byte)."""
+    assigning bytes to a c_char array field stops at the first zero byte, which cut a cluster dimension
+    (1, 2, 1) to (1, 0, 0) in the twentieth session's wgmma kernel)."""
     attr = _LaunchAttribute()
     attr.id = ident
     ctypes.memmove(ctypes.addressof(attr) + _LaunchAttribute.value.offset, value, len(value))
@@ -123,13 +123,12 @@ class Kernel:
             f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.name})")
         return n.value
 
-    def __call__(self, grid, block, args, pdl: bool, shared: int = 0, cluster=None) -> None:
+    def __call__(self, grid, block, args, pdl: bool, shared: int = 0) -> None:
         """Launch on the current stream; `shared`: bytes of dynamic shared memory (the kernel's limit is
-        raised to it first, as static + dynamic above 48 KB needs); `cluster`: thread-block cluster
-        dimensions (x, y, z) dividing the grid (sm_90+)."""
+        raised to it first, as static + dynamic above 48 KB needs)."""
         if torch.cuda.current_device() != self.device:  # launch in the device's context, on its stream
             with torch.cuda.device(self.device):
-                return self(grid, block, args, pdl, shared, cluster)
+                return self(grid, block, args, pdl, shared)
         if shared > self._max_shared:
             _check(self._libcuda, self._libcuda.cuFuncSetAttribute(
                 self._func, _MAX_DYNAMIC_SHARED_SIZE_BYTES, ctypes.c_int(shared)), f"cuFuncSetAttribute({self.name})")
@@ -150,13 +149,9 @@ class Kernel:
         cfg.block[:] = block
         cfg.shared = shared
         cfg.stream = torch.cuda.current_stream().cuda_stream
-        attrs = [self._pdl_attr] if pdl else []
-        if cluster is not None:
-            attrs.append(_attribute(_CLUSTER_DIMENSION, b"".join(int(d).to_bytes(4, "little") for d in cluster)))
-        if attrs:
-            array = (_LaunchAttribute * len(attrs))(*attrs)
-            cfg.attrs = ctypes.cast(array, ctypes.POINTER(_LaunchAttribute))
-            cfg.num_attrs = len(attrs)
+        if pdl:
+            cfg.attrs = ctypes.pointer(self._pdl_attr)
+            cfg.num_attrs = 1
         _check(self._libcuda, self._libcuda.cuLaunchKernelEx(ctypes.byref(cfg), self._func, ptrs, None),
                f"cuLaunchKernelEx({self.name})")
 

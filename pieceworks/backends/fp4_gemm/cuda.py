@@ -3,15 +3,12 @@
 Up to 16 rows of x run `cuda_decode.nvfp4_decode_gemm` in one launch: one CTA per 16 weight rows over
 all of K, the weights loaded straight into registers in MMA fragment order (a ring of 2 64-element
 chunks per lane), decoded with integer ops and bf16 multiplies, bf16 mma.sync with the weights as the A
-operand, the warps' sums added in shared memory (r16c64.py describes the layout). 17 up to
-`decode_max_m` (64) rows run, on compute capability 9.0, the same decode feeding warpgroup MMAs
-(cuda_wgmma.py: x read from shared memory once per 64 weight rows, K split over CTAs whose partials the
-last to finish sums in a fixed order), elsewhere (or with option `wgmma: false`, or the fused norm's
-inputs) the decode kernel once per 16-row slice (the weights read once per slice); more rows dequantize
-the weight to a transient bf16 copy and call torch.matmul, as the Triton backend does from M = 1024.
-SwiGLU and the q/k/v rope are fused into the kernels' epilogues (rounded as the unfused ops round).
-Faster than the Triton backend up to 16 rows on the H200 (docs/benchmarks.md); it has the lower
-priority: `backends.fp4_gemm: cuda` selects it.
+operand, the warps' sums added in shared memory (r16c64.py describes the layout); 17 up to
+`decode_max_m` (64) rows run it once per 16-row slice (the weights read once per slice); more rows
+dequantize the weight to a transient bf16 copy and call torch.matmul, as the Triton backend does from
+M = 1024. SwiGLU and the q/k/v rope are fused into the decode kernel's epilogue (rounded as the unfused
+ops round). Faster than the Triton backend up to 16 rows on the H200, slower beyond (docs/benchmarks.md),
+so it has the lower priority: `backends.fp4_gemm: cuda` selects it.
 
 Option `fuse_norm` (off by default; `fuses_norm`) also fuses a Llama block's RMSNorms and residual adds:
 the o and down kernels add their output to the residual stream s and write the next norm's inputs
@@ -42,23 +39,17 @@ SLICE = 16  # rows of x per decode-kernel launch
 
 @dataclass
 class CudaDecodeOptions:
-    """decode_max_m: largest M served by the decode kernels (0 = never); above decode_max_m, dequantize +
-    matmul. 17..64 rows: see `wgmma`.
-    wgmma: 17..64 rows with the wgmma kernel (cuda_wgmma.py) where it runs (compute capability 9.0; not with
-    `fuse_norm`'s fused inputs); off, or elsewhere, the decode kernel once per 16-row slice of x, reading the
-    weights again each time.
+    """decode_max_m: largest M served by the decode kernel (0 = never); above 16 rows it runs once per
+    16-row slice of x, reading the weights again each time; above decode_max_m, dequantize + matmul.
     fuse_norm: fuse decoder blocks' RMSNorms and residual adds into the decode kernel (`fuses_norm`).
     Off by default: on the H200 it removes 62 of a Llama-3.1-8B-shaped decode step's 65 norm kernels and
     57 us of kernel time, but the graph replay with PDL was slower with it (1.96-1.98 ms against
     1.85 at batch 1; docs/benchmarks.md)."""
 
     decode_max_m: int = 64
-    wgmma: bool = True
     fuse_norm: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.wgmma, bool):
-            raise ValueError(f"wgmma={self.wgmma!r}: use true or false")
         if not isinstance(self.fuse_norm, bool):
             raise ValueError(f"fuse_norm={self.fuse_norm!r}: use true or false")
         if not 0 <= self.decode_max_m <= 256:
@@ -122,32 +113,14 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
     def check(cls, spec):
         return kernel_reasons(super().check(spec), spec.model.fp4, spec.model.dtype)
 
-    def __init__(self, spec, options=None) -> None:
-        super().__init__(spec, options)
-        self._counters: dict[torch.device, torch.Tensor] = {}
-
     @property
     def fuses_norm(self) -> bool:
         return self.options.fuse_norm
-
-    def counters(self, device: torch.device) -> torch.Tensor | None:
-        """The wgmma kernel's split-K arrival counters on `device` (zeros; every call leaves them zero):
-        allocated at `prepare` or the first call outside a CUDA-graph capture (a zeroing recorded into a graph
-        would not run before the first replay); None while capturing without them (16-row slices then). One
-        instance serves one executor, whose calls run in order on one stream."""
-        from pieceworks.backends.fp4_gemm import cuda_wgmma
-
-        counters = self._counters.get(device)
-        if counters is None and not torch.cuda.is_current_stream_capturing():
-            counters = self._counters[device] = torch.zeros(cuda_wgmma.COUNTERS, dtype=torch.int32, device=device)
-        return counters
 
     def prepare(self, w: Fp4Weight) -> Fp4Weight:
         from pieceworks.backends.fp4_gemm.r16c64 import repack_decode
 
         codes, scales = repack_decode(w.weight, w.weight_scale)
-        if codes.is_cuda and self.options.wgmma:
-            self.counters(codes.device)
         return Fp4Weight(codes, scales, w.weight_scale_2.float().reshape(()), w.input_scale)
 
     def prepare_gate_up(self, w: Fp4Weight) -> Fp4Weight:
@@ -204,11 +177,6 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
             warps, depth = plan(weight.shape[0] * 16, sms)
             return cuda_decode.decode_gemm(x, weight, weight_scale, weight_scale_2, n, warps, depth, swiglu, on,
                                            rope=rope, prenormed=prenormed, residual=residual, norm_out=norm_out)
-        if self._wgmma_serves(x, prenormed, residual, norm_out):
-            from pieceworks.backends.fp4_gemm import cuda_wgmma
-
-            return cuda_wgmma.wgmma_gemm(x, weight, weight_scale, weight_scale_2, n, self.counters(x.device), swiglu,
-                                         on, rope=rope)
         out = torch.empty(m, n // 2 if swiglu else n, dtype=torch.bfloat16, device=x.device)
         for r0 in range(0, m, SLICE):
             r1 = min(m, r0 + SLICE)
@@ -221,17 +189,6 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
                 residual=None if residual is None else residual[rows],
                 norm_out=None if norm_out is None else (norm_out[0], norm_out[1][rows], norm_out[2][rows]))
         return out
-
-    def _wgmma_serves(self, x, prenormed, residual, norm_out) -> bool:
-        """Whether 17..64 rows go to cuda_wgmma (else 16-row slices): option `wgmma`, compute capability 9.0,
-        no fused norm inputs or outputs."""
-        from pieceworks.backends.fp4_gemm import cuda_wgmma
-
-        if not self.options.wgmma or x.shape[0] > cuda_wgmma.MAX_M:
-            return False
-        if prenormed is not None or residual is not None or norm_out is not None:
-            return False
-        return cuda_wgmma.supported(x.device) and self.counters(x.device) is not None
 
     def forward(self, x, weight, weight_scale, weight_scale_2, input_scale, out_features):
         return self._gemm(x, weight, weight_scale, weight_scale_2, out_features, swiglu=False)
