@@ -17,9 +17,15 @@ elements, in the K order of the A fragments: mma j of a chunk takes elements 16t
 16-byte piece per thread D - 1 chunks ahead and stored into a 2-stage shared-memory ring of wgmma core
 matrices (no swizzle); per chunk: decode, wgmma.fence, four m64nNk16, commit, wait. The K splits add their
 float32 partials with atomicAdd into a zeroed float32 output (not deterministic: a probe, not a backend;
-the timing leaves out the zeroing). Variants SxD. Checked against dequantize + bf16 matmul, timed like
-rows_per_warp.py (CUDA-graph replays over >= 400 MB of weights, median of 7, PDL on) next to the shipped
-kernel (cuda.plan's configuration; 16-row slices above 16 rows) and the Triton backend.
+the timing leaves out the zeroing). Variants SxD (K splits x ring depth); SxDw stages all of a CTA's x once
+before a barrier-free loop (`wgmma_probe_whole`), SxDo overlaps the next chunk's decode with the wgmmas
+over three x stages (`wgmma_probe_ov`); both measured slower (docs/benchmarks.md, twentieth session).
+Checked against dequantize + bf16 matmul, timed like rows_per_warp.py (CUDA-graph replays over >= 400 MB of
+weights, median of 7, PDL on) next to the shipped kernel (cuda.plan's configuration; 16-row slices above 16
+rows) and the Triton backend. The first (shape, M) also checks which reading of the descriptor's two
+offsets is right; at M <= 8 (one 8-token block) both are the same, and the M >= 9 cases' checks decide.
+Its three kernels repeat their decode, x store and epilogue on purpose: sharing them changed the compiled
+code and the one-token-tile timings (docs/benchmarks.md).
 """
 
 from __future__ import annotations
