@@ -22,8 +22,9 @@ before a barrier-free loop (`wgmma_probe_whole`), SxDo overlaps the next chunk's
 over three x stages (`wgmma_probe_ov`); both measured slower (docs/benchmarks.md, twentieth session).
 Checked against dequantize + bf16 matmul, timed like rows_per_warp.py (CUDA-graph replays over >= 400 MB of
 weights, median of 7, PDL on) next to the shipped kernel (cuda.plan's configuration; 16-row slices above 16
-rows) and the Triton backend. The first (shape, M) also checks which reading of the descriptor's two
-offsets is right; at M <= 8 (one 8-token block) both are the same, and the M >= 9 cases' checks decide.
+rows) and the Triton backend. The first (shape, M) also tries both readings of the descriptor's two
+offsets and keeps the first that is right; with one 8-token block (M <= 8) both give the same result, so the
+M >= 9 variants' own checks (with the K-step reading, as the PTX ISA words it) are what confirm it.
 Its three kernels repeat their decode, x store and epilogue on purpose: sharing them changed the compiled
 code and the one-token-tile timings (docs/benchmarks.md).
 """
