@@ -162,7 +162,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.sass:
         return sass(args.sass)
-    from fp4_gemm import SHAPES, copies_for, graph_time
+    from fp4_gemm import SHAPES, copies_for, graph_time, random_weights
     from pieceworks.backends.fp4_gemm import cuda, cuda_decode, r16c64
     from pieceworks.quant import nvfp4
 
@@ -172,15 +172,9 @@ def main() -> None:
     for name in (args.shapes.split(",") if args.shapes else SHAPES):
         n, k = SHAPES[name]
         copies = copies_for(n * k * 0.5625)
-        weights, raw = [], None
-        for _ in range(copies):
-            w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
-            s = (torch.rand(n, k // 16, device="cuda", generator=gen) * 2 + 0.05).to(torch.float8_e4m3fn)
-            gs = torch.tensor(0.01, device="cuda")
-            raw = raw or (w, s, gs)
-            weights.append((*r16c64.repack_decode(w, s), gs))
-        w, s, gs = raw
-        wd = (nvfp4.e2m1_decode(nvfp4.unpack(w)) * (s.float() * gs).repeat_interleave(16, 1)).to(torch.bfloat16)
+        raw = random_weights(n, k, copies, gen)
+        weights = [(*r16c64.repack_decode(w, s), gs) for w, s, gs in raw]
+        wd = nvfp4.dequantize(*raw[0], torch.bfloat16)
         for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             ref = (x @ wd.t()).float()

@@ -494,7 +494,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.sass:
         return sass(args.sass)
-    from fp4_gemm import SHAPES, copies_for, graph_time
+    from fp4_gemm import SHAPES, copies_for, graph_time, random_weights
     from pieceworks.backends.base import BackendSpec
     from pieceworks.backends.fp4_gemm import r16c64
     from pieceworks.backends.fp4_gemm.base import Fp4Weight
@@ -515,17 +515,11 @@ def main() -> None:
     for name in (args.shapes.split(",") if args.shapes else SHAPES):
         n, k = SHAPES[name]
         copies = copies_for(n * k * 0.5625)
-        raw = []
-        for _ in range(copies):
-            w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
-            s = (torch.rand(n, k // 16, device="cuda", generator=gen) * 2 + 0.05).to(torch.float8_e4m3fn)
-            raw.append(Fp4Weight(w, s, torch.tensor(0.01, device="cuda"), torch.ones((), device="cuda")))
+        raw = [Fp4Weight(w, s, gs, torch.ones((), device="cuda")) for w, s, gs in random_weights(n, k, copies, gen)]
         r16 = [(*r16c64.repack_decode(w.weight, w.weight_scale), w.weight_scale_2) for w in raw]
         cu = [shipped.prepare(w) for w in raw]
         tr = [triton.prepare(w) for w in raw]
-        w0 = raw[0]
-        wd = (nvfp4.e2m1_decode(nvfp4.unpack(w0.weight)) * (w0.weight_scale.float() * 0.01).repeat_interleave(16, 1))
-        wd = wd.to(torch.bfloat16)
+        wd = nvfp4.dequantize(raw[0].weight, raw[0].weight_scale, raw[0].weight_scale_2, torch.bfloat16)
         for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             ref = (x @ wd.t()).float()

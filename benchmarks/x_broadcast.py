@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from fp4_gemm import SHAPES, copies_for, graph_time  # noqa: E402
+from fp4_gemm import SHAPES, copies_for, graph_time, random_weights  # noqa: E402
 from pieceworks.backends.fp4_gemm import cuda, cuda_decode, r16c64  # noqa: E402
 
 
@@ -33,11 +33,7 @@ def main() -> None:
     for name in shapes:
         n, k = SHAPES[name]
         copies = 2 if ncu else copies_for(n * k * 0.5625)
-        weights = []
-        for _ in range(copies):
-            w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
-            s = (torch.rand(n, k // 16, device="cuda", generator=gen) * 2 + 0.05).to(torch.float8_e4m3fn)
-            weights.append((*r16c64.repack_decode(w, s), torch.tensor(0.01, device="cuda")))
+        weights = [(*r16c64.repack_decode(w, s), gs) for w, s, gs in random_weights(n, k, copies, gen)]
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             xs = {"x": x, "broadcast": x[:1].expand(m, k)}
