@@ -85,8 +85,8 @@ def compile_cubin(source: str, name: str, arch: str) -> tuple[bytes, str]:
 
 def _attribute(ident: int, value: bytes) -> _LaunchAttribute:
     """A CUlaunchAttribute with `value`'s bytes at the start of its value union (copied byte for byte:
-    assigning bytes to a c_char array field stops at the first zero byte, which cut a cluster dimension
-    (1, 2, 1) to (1, 0, 0) in the twentieth session's wgmma kernel)."""
+    assigning bytes to a c_char array field stops at the first zero byte, so a cluster dimension (1, 2, 1)
+    would arrive as (1, 0, 0))."""
     attr = _LaunchAttribute()
     attr.id = ident
     ctypes.memmove(ctypes.addressof(attr) + _LaunchAttribute.value.offset, value, len(value))
