@@ -58,7 +58,6 @@ def _mma_f32(acc, w, x, W_AS_A: tl.constexpr):
 
 
 triton_k32._e2m1_arith = _e2m1_f32
-triton_k32._e4m3_f32 = _e4m3_f32
 triton_k32.scales_k32 = _scales_f32
 triton_k32._mma = _mma_f32
 

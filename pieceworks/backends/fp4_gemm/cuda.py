@@ -172,15 +172,13 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
 
         m = x.shape[0]
         on = pdl.enabled(x.device)
-        sms = multiprocessors(x.device)
+        warps, depth = plan(weight.shape[0] * 16, multiprocessors(x.device))
         if m <= SLICE:
-            warps, depth = plan(weight.shape[0] * 16, sms)
             return cuda_decode.decode_gemm(x, weight, weight_scale, weight_scale_2, n, warps, depth, swiglu, on,
                                            rope=rope, prenormed=prenormed, residual=residual, norm_out=norm_out)
         out = torch.empty(m, n // 2 if swiglu else n, dtype=torch.bfloat16, device=x.device)
         for r0 in range(0, m, SLICE):
             r1 = min(m, r0 + SLICE)
-            warps, depth = plan(weight.shape[0] * 16, sms)
             part_rope = None if rope is None else (rope[0][r0:r1], rope[1][r0:r1], *rope[2:])
             rows = slice(r0, r1)
             cuda_decode.decode_gemm(
