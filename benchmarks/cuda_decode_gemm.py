@@ -5,7 +5,8 @@
 Same method as fp4_gemm.py: CUDA-graph replays of back-to-back calls rotating over >= 400 MB of weight
 copies, median of 7 replays, per call; both layouts made from the same random NVFP4 weights; each
 configuration is checked against dequantize + bf16 matmul first. Variants are WxD: warps per CTA x
-chunks in flight per lane (the shared-memory "bulk mode" variants WxDbSxG of the 2026-12-02 sweep ran at
+chunks in flight per lane on the r16c64 weights; WxDk the same kernel on the Triton backend's k32 weights
+(`layout="k32"`: chunks of 128 elements, x loaded just before its chunk) (the shared-memory "bulk mode" variants WxDbSxG of the 2026-12-02 sweep ran at
 869c56a / bc05528; the mode was removed in 6fbabc8). --pdl launches every call with programmatic dependent launch
 (as the decode step does), so a call's first weight loads may start while the call before it ends. Needs
 a CUDA GPU.
@@ -44,10 +45,11 @@ def main() -> None:
     ms = [int(m) for m in args.ms.split(",")]
     variants = []
     for v in args.variants.split(","):
-        found = re.fullmatch(r"(\d+)x(\d+)", v)
+        found = re.fullmatch(r"(\d+)x(\d+)(k?)", v)
         if not found:
-            raise SystemExit(f"variant {v!r}: expected WxD")
-        variants.append((v, {"warps": int(found[1]), "depth": int(found[2]), "pdl": args.pdl}))
+            raise SystemExit(f"variant {v!r}: expected WxD or WxDk")
+        layout = "k32" if found[3] else "r16c64"
+        variants.append((v, {"warps": int(found[1]), "depth": int(found[2]), "pdl": args.pdl, "layout": layout}))
     gen = torch.Generator(device="cuda").manual_seed(0)
     triton = TritonFp4GemmBackend(BackendSpec.for_device("cuda", fp4_numerics="w4a16"))
     for n, k in [(40, 208), (48, 4160), (16, 64), (4096, 4096)]:  # odd shapes: padded rows and K
@@ -55,13 +57,15 @@ def main() -> None:
         s = (torch.rand(n, k // 16, device="cuda", generator=gen) * 2 + 0.05).to(torch.float8_e4m3fn)
         gs = torch.tensor(0.01, device="cuda")
         c, sc = r16c64.repack_decode(w, s)
+        pk = triton.prepare(Fp4Weight(w, s, gs, gs))
         wd = (nvfp4.e2m1_decode(nvfp4.unpack(w)) * (s.float() * gs).repeat_interleave(16, 1)).to(torch.bfloat16)
         for m in range(1, 17):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             ref = (x @ wd.t()).float()
             errs = []
             for _, kw in variants:
-                y = cuda_decode.decode_gemm(x, c, sc, gs, n, **kw).float()
+                wts = (c, sc) if kw["layout"] == "r16c64" else (pk.weight, pk.weight_scale)
+                y = cuda_decode.decode_gemm(x, *wts, gs, n, **kw).float()
                 errs.append(float((y - ref).norm() / ref.norm()))
             print(f"check N={n} K={k} M={m}: max relative error {max(errs):.2e}", flush=True)
     rows = []
@@ -90,13 +94,14 @@ def main() -> None:
             row["bf16_ref_us"] = time_bf16(m, n, k, gen) * 1e6  # cuBLAS x @ W.t() (not an fp4 candidate)
             for v, kw in variants:
                 key = f"cuda_{v}"
-                y = cuda_decode.decode_gemm(x, *cud[0], n, **kw).float()
+                ws = cud if kw["layout"] == "r16c64" else tri
+                y = cuda_decode.decode_gemm(x, *ws[0], n, **kw).float()
                 row[key + "_err"] = float((y - ref).norm() / ref.norm())
                 if not row[key + "_err"] < 1e-2:
                     print(f"{name} M={m} {key}: relative error {row[key + '_err']:.3g}", flush=True)
                     continue
                 row[key + "_us"] = graph_time(
-                    lambda i: cuda_decode.decode_gemm(x, *cud[i % copies], n, **kw), copies) * 1e6
+                    lambda i: cuda_decode.decode_gemm(x, *ws[i % copies], n, **kw), copies) * 1e6
             best = min((v, kk) for kk, v in row.items() if kk.endswith("_us") and kk != "bf16_ref_us")
             cells = " ".join(f"{kk[:-3]}={v:.1f}" for kk, v in row.items() if kk.endswith("_us"))
             print(f"{name} M={m}: {cells}  best {best[1][:-3]} {best[0]:.1f} us "

@@ -24,7 +24,9 @@ from pieceworks.backends.fp4_gemm.k32 import repack_k32  # noqa: E402
 from pieceworks.backends.fp4_gemm.triton import (  # noqa: E402
     TileConfig,
     TritonFp4GemmBackend,
+    TritonTileOptions,
     choose_split_k,
+    cuda_decode_reason,
     parse_table,
 )
 from pieceworks.backends.moe import triton_kernels as moe_kernels  # noqa: E402
@@ -53,6 +55,20 @@ def random_fp4(n: int, k: int, gen: torch.Generator) -> Fp4Weight:
     return Fp4Weight(packed, scale, scale_2, torch.ones((), device=DEV))
 
 
+def gemm_backend(decode: str = "cuda", max_m: int = 8) -> TritonFp4GemmBackend:
+    """The Triton GEMM backend; decode "cuda": up to max_m rows on the CUDA decode kernel (k32 weights, the
+    default 8), "triton": every M on the Triton kernels (cuda_decode_max_m 0)."""
+    reason = cuda_decode_reason(torch.empty(1, device=DEV, dtype=torch.bfloat16))
+    if decode == "cuda" and reason:
+        pytest.skip(f"the CUDA decode kernel does not run here: {reason}")
+    return TritonFp4GemmBackend(spec(), TritonTileOptions(cuda_decode_max_m=max_m if decode == "cuda" else 0))
+
+
+def with_decode(ms, limit: int = 8):
+    """(m, decode) cases: both decode paths where m <= limit (the CUDA kernel serves it), else triton only."""
+    return [(m, d) for m in ms for d in (("cuda", "triton") if m <= limit else ("triton",))]
+
+
 def reference(x: torch.Tensor, w: Fp4Weight) -> torch.Tensor:
     ref = TorchFp4GemmBackend(spec())
     return ref.forward(x, *w, w.weight.shape[0])
@@ -61,14 +77,16 @@ def reference(x: torch.Tensor, w: Fp4Weight) -> torch.Tensor:
 # --- GEMM ------------------------------------------------------------------------------------------
 
 # One M per tile bucket (and past the last), with N and K that are not multiples of the tiles.
-GEMM_CASES = [(m, n, k) for m in (1, 4, 8, 16, 24, 32, 64, 200, 1024, 5000) for n, k in ((1000, 4112), (4096, 1024))]
+# M <= 8 through both decode paths (the CUDA decode kernel on k32 and the Triton 8-row tiles).
+GEMM_CASES = [(m, n, k, d) for m, d in with_decode((1, 4, 8, 16, 24, 32, 64, 200, 1024, 5000))
+              for n, k in ((1000, 4112), (4096, 1024))]
 
 
-@pytest.mark.parametrize("m,n,k", GEMM_CASES)
-def test_backend_matches_reference(m, n, k):
+@pytest.mark.parametrize("m,n,k,decode", GEMM_CASES)
+def test_backend_matches_reference(m, n, k, decode):
     gen = torch.Generator(DEV).manual_seed(m * 7919 + n + k)
     w = random_fp4(n, k, gen)
-    backend = TritonFp4GemmBackend(spec())
+    backend = gemm_backend(decode)
     prepared = backend.prepare(w)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
     y = backend.forward(x, *prepared, n)
@@ -158,12 +176,23 @@ def test_split_k_is_used_for_decode():
     assert split == choose_split_k(tile, 1, 4096, 4096)
 
 
-@pytest.mark.parametrize("m", [1, 16, 256])
-def test_gemm_cuda_graph_replay_matches_eager(m):
+@pytest.mark.parametrize("m", range(9, 17))
+@pytest.mark.parametrize("n,k", [(1000, 4112), (64, 512), (4096, 1024)])
+def test_cuda_decode_kernel_up_to_16_rows(m, n, k):
+    """cuda_decode_max_m 16 (not the default): the CUDA kernel's two token tiles on k32 weights."""
+    gen = torch.Generator(DEV).manual_seed(m * 31 + n + k)
+    w = random_fp4(n, k, gen)
+    backend = gemm_backend("cuda", 16)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
+    assert rel_err(backend.forward(x, *backend.prepare(w), n), reference(x, w)) < TOL
+
+
+@pytest.mark.parametrize("m,decode", with_decode([1, 16, 256]))
+def test_gemm_cuda_graph_replay_matches_eager(m, decode):
     gen = torch.Generator(DEV).manual_seed(m)
     n, k = 3072, 4096
     w = random_fp4(n, k, gen)
-    backend = TritonFp4GemmBackend(spec())
+    backend = gemm_backend(decode)
     prepared = backend.prepare(w)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
     eager = backend.forward(x, *prepared, n)
@@ -182,9 +211,9 @@ def test_gemm_cuda_graph_replay_matches_eager(m):
     assert not torch.equal(out, eager)  # the replay read the new input
 
 
-@pytest.mark.parametrize("m", [1, 7, 16, 24, 64, 256, 1024])
+@pytest.mark.parametrize("m,decode", with_decode([1, 7, 16, 24, 64, 256, 1024]))
 @pytest.mark.parametrize("inter", [1536, 5632])
-def test_gemm_swiglu_same_bits_as_gemm_then_silu_mul(m, inter):
+def test_gemm_swiglu_same_bits_as_gemm_then_silu_mul(m, decode, inter):
     """forward_swiglu on the interleaved weight == forward on the plain one, then the silu_mul op: every
     M bucket (split-K with the in-kernel and the separate reduction, plain tiles, dequant + cuBLAS)."""
     from pieceworks.models import fused
@@ -192,7 +221,7 @@ def test_gemm_swiglu_same_bits_as_gemm_then_silu_mul(m, inter):
     gen = torch.Generator(DEV).manual_seed(1000 * m + inter)
     k = 2048 + 512  # not a multiple of every block_k's split
     w = random_fp4(2 * inter, k, gen)
-    backend = TritonFp4GemmBackend(spec())
+    backend = gemm_backend(decode)
     plain, inter_w = backend.prepare(w), backend.prepare_gate_up(w)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
     y = backend.forward(x, *plain, 2 * inter)
@@ -201,7 +230,7 @@ def test_gemm_swiglu_same_bits_as_gemm_then_silu_mul(m, inter):
     assert got.shape == (m, inter) and torch.isfinite(ref).all()
     assert torch.equal(got, ref)
     tile, split = backend._plan(m, 2 * inter, inter_w.weight.shape[1] * 2)
-    if split > 1:  # the separate reduction kernel (no counters) gives the same bits too
+    if split > 1 and decode == "triton":  # the separate reduction kernel (no counters) gives the same bits too
         alone = gemm_kernels.fp4_gemm(x, inter_w.weight, inter_w.weight_scale, inter_w.weight_scale_2,
                                       2 * inter, k, tile, split, None, swiglu=True)
         assert torch.equal(alone, ref)
@@ -213,9 +242,9 @@ def _rope_angles(m, half, gen):
     return ang.cos(), ang.sin()
 
 
-@pytest.mark.parametrize("m", [1, 7, 16, 24, 64, 256, 1024])
+@pytest.mark.parametrize("m,decode", with_decode([1, 7, 16, 24, 64, 256, 1024]))
 @pytest.mark.parametrize("heads", [(32, 8, 128), (6, 2, 64)])
-def test_gemm_qkv_rope_same_bits_as_gemm_then_rope_qk(m, heads):
+def test_gemm_qkv_rope_same_bits_as_gemm_then_rope_qk(m, decode, heads):
     """forward_qkv_rope on the pair-interleaved weight == forward on the plain one, then the rope_qk op
     on the q and k columns: every M bucket (split-K with the in-kernel and the separate reduction,
     plain tiles, dequant + cuBLAS)."""
@@ -226,7 +255,7 @@ def test_gemm_qkv_rope_same_bits_as_gemm_then_rope_qk(m, heads):
     gen = torch.Generator(DEV).manual_seed(100 * m + n)
     k = 2048 + 512 + 16  # K % 32 == 16: a padded half group
     w = random_fp4(n, k, gen)
-    backend = TritonFp4GemmBackend(spec())
+    backend = gemm_backend(decode)
     plain, roped = backend.prepare(w), backend.prepare_qkv_rope(w, hq, hk, d)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
     cos, sin = _rope_angles(m, d // 2, gen)
@@ -238,17 +267,18 @@ def test_gemm_qkv_rope_same_bits_as_gemm_then_rope_qk(m, heads):
     assert not torch.equal(ref, y)  # the rope moved something
     assert torch.equal(got, ref)
     tile, split = backend._plan(m, n, roped.weight.shape[1] * 2)
-    if split > 1:  # the separate reduction kernel (no counters) gives the same bits too
+    if split > 1 and decode == "triton":  # the separate reduction kernel (no counters) gives the same bits too
         alone = gemm_kernels.fp4_gemm(x, roped.weight, roped.weight_scale, roped.weight_scale_2, n, k, tile, split,
                                       None, rope=(cos, sin, (hq + hk) * d, d))
         assert torch.equal(alone, ref)
 
 
-def test_gemm_qkv_rope_cuda_graph_replay():
+@pytest.mark.parametrize("decode", ["cuda", "triton"])
+def test_gemm_qkv_rope_cuda_graph_replay(decode):
     gen = torch.Generator(DEV).manual_seed(78)
     hq, hk, d, k, m = 32, 8, 128, 4096, 2
     n = (hq + 2 * hk) * d
-    backend = TritonFp4GemmBackend(spec())
+    backend = gemm_backend(decode)
     w = backend.prepare_qkv_rope(random_fp4(n, k, gen), hq, hk, d)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
     cos, sin = _rope_angles(m, d // 2, gen)
@@ -270,10 +300,11 @@ def test_gemm_qkv_rope_cuda_graph_replay():
         assert torch.equal(out, backend.forward_qkv_rope(x, *w, cos, sin, hq, hk, d))
 
 
-def test_gemm_swiglu_cuda_graph_replay():
+@pytest.mark.parametrize("decode", ["cuda", "triton"])
+def test_gemm_swiglu_cuda_graph_replay(decode):
     gen = torch.Generator(DEV).manual_seed(77)
     inter, k, m = 1536, 4096, 4
-    backend = TritonFp4GemmBackend(spec())
+    backend = gemm_backend(decode)
     w = backend.prepare_gate_up(random_fp4(2 * inter, k, gen))
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
     stream = torch.cuda.Stream()

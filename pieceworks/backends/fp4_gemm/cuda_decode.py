@@ -27,7 +27,7 @@ def resident_cap(run, warps: int, ctas: int, sms: int) -> int:
 
 def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2, swiglu: bool = False,
                 pdl: bool = False, out=None, rope=None, prenormed=None, residual=None, norm_out=None,
-                min_blocks: int | None = None):
+                min_blocks: int | None = None, layout: str = "r16c64"):
     """y = x @ dequant(W).T for M <= 16 (bf16 x with unit stride in K, 16-byte aligned rows); with
     swiglu (rows interleaved gate / up) y = silu(gate) * up [M, n / 2]; with rope = (cos, sin,
     rope_cols, head_dim) (rows in the interleave_rope_rows order) the q/k columns below rope_cols
@@ -41,7 +41,11 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
     squares of y + residual.
 
     min_blocks (two token tiles, M 9..16): the register cap (`__launch_bounds__`' CTAs per SM; 0: none);
-    None: `resident_cap`'s choice. The same bits either way."""
+    None: `resident_cap`'s choice. The same bits either way.
+
+    layout: "r16c64" (codes [R, C, 512] and scales [R, C, 64] from `r16c64.repack_decode`) or "k32" (the Triton
+    backend's weights from `k32.repack_k32`: codes uint8 [Np, Kp / 2], scales [Np, Kp / 16], Np a multiple of
+    64 and Kp of 512; x is zero-padded to Kp where K is shorter)."""
     m, k = x.shape
     if m > 16:
         raise ValueError(f"decode_gemm serves M <= 16, got {m}")
@@ -49,11 +53,21 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
         raise ValueError("decode_gemm: the residual add goes with the plain epilogue only")
     if norm_out is not None and residual is None:
         raise ValueError("decode_gemm: norm_out needs the residual add")
-    if k % CHUNK:  # the kernel reads x in whole chunks
-        x = torch.nn.functional.pad(x, (0, CHUNK - k % CHUNK))
+    lcode = {"r16c64": 0, "k32": 1}.get(layout)
+    if lcode:
+        if codes.dim() != 2 or codes.shape[0] % 64 or codes.shape[1] % 256:
+            raise ValueError(f"decode_gemm: k32 codes must be uint8 [Np, Kp / 2] with Np a multiple of 64 and Kp of "
+                             f"512 (k32.repack_k32), got {tuple(codes.shape)}")
+        rg, ch, kp = codes.shape[0] // 16, codes.shape[1] // 64, codes.shape[1] * 2
+    elif lcode == 0:
+        rg, ch, _ = codes.shape
+        kp = -(-k // CHUNK) * CHUNK
+    else:
+        raise ValueError(f"decode_gemm: layout={layout!r}: use 'r16c64' or 'k32'")
+    if k != kp:  # the kernel reads x in whole chunks
+        x = torch.nn.functional.pad(x, (0, kp - k))
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.clone(memory_format=torch.contiguous_format)  # a fresh, aligned copy
-    rg, ch, _ = codes.shape
     if out is None:
         out = torch.empty(m, n // 2 if swiglu else n, dtype=torch.bfloat16, device=x.device)
     if m == 0:  # nothing to compute (the kernel would read row M - 1 = -1)
@@ -92,11 +106,12 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
             raise ValueError(f"decode_gemm: the partials must be contiguous float32 [{m}, {rg}]")
         epi, out_args = 4, [nw, t, t.stride(0), parts]
     name = f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {epi}, {int(prenormed is not None)}, 0"
-    run = kernel(SOURCE, name + ">", x.device)
+    tail = f", 0, {lcode}>" if lcode else ">"
+    run = kernel(SOURCE, name + tail, x.device)
     if nt == 2:  # two token tiles: cap the registers where the grid would not stay resident
         cap = resident_cap(run, warps, rg, multiprocessors(x.device)) if min_blocks is None else min_blocks
         if cap:
-            run = kernel(SOURCE, f"{name}, {cap}>", x.device)
+            run = kernel(SOURCE, f"{name}, {cap}" + (f", {lcode}>" if lcode else ">"), x.device)
     run(
         (rg, 1, 1), (warps * 32, 1, 1),
         [codes, scales, x, out, gscale, m, n, ch, x.stride(0), out.stride(0), *rope_args, *norm_args, *res_args,

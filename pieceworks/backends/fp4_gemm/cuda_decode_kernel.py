@@ -34,18 +34,38 @@ from __future__ import annotations
 from pieceworks.backends.fp4_gemm.cuda_device import DEVICE_HELPERS
 
 SOURCE = DEVICE_HELPERS + r"""
-template <int NT> struct Chunk { U4 w; u32 s; U4 x[NT][2]; };
+// A chunk in flight: L 0 (r16c64): 64 elements of K, one code vector and one scale pair per lane; L 1 (k32): 128
+// elements, rows g and g + 8 one code vector and one scale pair each.
+template <int NT, int L> struct Chunk { U4 w[L + 1]; u32 s[L + 1]; U4 x[NT][2 * (L + 1)]; };
 
 // mma j = J of a chunk for every n-tile: slot J of the four code words, scaled (row g: sg, row g + 8: sh),
 // against x elements 16t + 4J .. 16t + 4J + 3 (B registers); accumulator chain J % 2.
 template <int J, int NT>
-__device__ __forceinline__ void slot_mmas(float (&acc)[NT][2][4], const Chunk<NT>& k, u32 sg, u32 sh) {
-    const u32 a0 = bmul(slot<J>(k.w.x), sg), a1 = bmul(slot<J>(k.w.z), sh),
-              a2 = bmul(slot<J>(k.w.y), sg), a3 = bmul(slot<J>(k.w.w), sh);
+__device__ __forceinline__ void slot_mmas(float (&acc)[NT][2][4], const Chunk<NT, 0>& k, u32 sg, u32 sh) {
+    const u32 a0 = bmul(slot<J>(k.w[0].x), sg), a1 = bmul(slot<J>(k.w[0].z), sh),
+              a2 = bmul(slot<J>(k.w[0].y), sg), a3 = bmul(slot<J>(k.w[0].w), sh);
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
         const U4& xv = k.x[i][J >> 1];
         mma(acc[i][J & 1], a0, a1, a2, a3, (J & 1) ? xv.z : xv.x, (J & 1) ? xv.w : xv.y);
+    }
+}
+
+// k32 (L 1): slot J of the words of rows g (w[0]) and g + 8 (w[1]) of group t, scaled (sg, sh: the slot's block),
+// as two mmas: words 0 / 1 (elements 32t + 8J + 0..3) and words 2 / 3 (+ 4..7), against x elements
+// 32t + 8J .. 32t + 8J + 7 (x[i][J]); accumulator chains 0 and 1.
+template <int J, int NT>
+__device__ __forceinline__ void slot_mmas_k32(float (&acc)[NT][2][4], const Chunk<NT, 1>& k, u32 sg, u32 sh) {
+    const U4 &wg = k.w[0], &wh = k.w[1];
+    const u32 a0 = bmul(slot<J>(wg.x), sg), a1 = bmul(slot<J>(wh.x), sh),
+              a2 = bmul(slot<J>(wg.y), sg), a3 = bmul(slot<J>(wh.y), sh);
+    const u32 b0 = bmul(slot<J>(wg.z), sg), b1 = bmul(slot<J>(wh.z), sh),
+              b2 = bmul(slot<J>(wg.w), sg), b3 = bmul(slot<J>(wh.w), sh);
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+        const U4& xv = k.x[i][J];
+        mma(acc[i][0], a0, a1, a2, a3, xv.x, xv.y);
+        mma(acc[i][1], b0, b1, b2, b3, xv.z, xv.w);
     }
 }
 
@@ -61,7 +81,13 @@ __device__ __forceinline__ void slot_mmas(float (&acc)[NT][2][4], const Chunk<NT
 // 1 / rms applied in float32 in the epilogue (the unfused path rounds s / rms(s) to bf16 before the weight).
 // MINB (0: none): __launch_bounds__' minimum CTAs per SM, which caps the registers (two token tiles: 32 / W, 64
 // registers, so that the grid stays resident; decode_gemm asks for it only where it must).
-template <int W, int D, int NT, int EPI, int NORM, int MOE, int MINB = 0>
+// L 0: the r16c64 layout (r16c64.py), chunks of 64 elements, nchunks per row group; L 1 (MOE 0 only): the k32
+// layout (k32.py: 64-row x 128-element tiles, 4 KB of codes and 512 bytes of scales each, in (row block, K
+// block) order), chunks of 128 elements = one tile's K, nchunks = Kp / 128; CTA b's rows are rows 16 (b & 3) ..
+// + 15 of row block b >> 2; lane (g, t) reads group t (16 bytes of codes, a 2-byte scale pair) of rows g and
+// g + 8, and 32 contiguous elements of x, loaded just before the chunk's mmas (a ring of x took 91 registers
+// against 63; slower where it left fewer warps resident).
+template <int W, int D, int NT, int EPI, int NORM, int MOE, int MINB = 0, int L = 0>
 __global__ void __launch_bounds__(W * 32, MINB) nvfp4_decode_gemm(
     const U4* __restrict__ codes, const u16* __restrict__ scales, const u16* __restrict__ x,
     u16* __restrict__ out, const float* __restrict__ gscale,
@@ -72,6 +98,11 @@ __global__ void __launch_bounds__(W * 32, MINB) nvfp4_decode_gemm(
     const int* __restrict__ sids, const int* __restrict__ eids, const int* __restrict__ npost,
     const float* __restrict__ tw, int a_div, int gs_stride)
 {
+    static_assert(L == 0 || MOE == 0, "the MoE modes read r16c64 weights");
+    constexpr int K32 = L;
+    constexpr bool XRING = NT == 1 && L == 0;  // x rides in the ring (k32: loaded just before its chunk)
+    constexpr int CK = K32 ? 128 : 64;  // elements of K per chunk
+    constexpr int CS = K32 ? 256 : 32;  // U4 of codes (and u16 of scales) from one chunk to the next
     __shared__ float red[W * NT * 128];
     __shared__ float ssq[NORM ? W * 16 : 1];
     __shared__ float sq[EPI == 4 ? 256 : 1];
@@ -102,9 +133,10 @@ __global__ void __launch_bounds__(W * 32, MINB) nvfp4_decode_gemm(
     auto orow = [&](int token) { return (size_t)(MOE == 1 ? bids[token] : token); };  // its output row
     const int c_begin = MOE == 2 ? (nchunks * wk) / wps : (nchunks * warp) / W;
     const int nc = (MOE == 2 ? (nchunks * (wk + 1)) / wps : (nchunks * (warp + 1)) / W) - c_begin;
-    const size_t chunk0 = (size_t)blockIdx.x * nchunks + c_begin;
-    const U4* cp = codes + chunk0 * 32 + lane;
-    const u16* sp = scales + chunk0 * 32 + lane;
+    const size_t chunk0 = K32 ? ((size_t)(blockIdx.x >> 2) * nchunks + c_begin) * 256 + (16 * (blockIdx.x & 3) + g) * 4 + t
+                            : ((size_t)blockIdx.x * nchunks + c_begin) * 32 + lane;
+    const U4* cp = codes + chunk0;
+    const u16* sp = scales + chunk0;
     // n-tile i serves tokens 8 i + g; tokens >= M read token M - 1's row (their results are not stored);
     // MOE: x row id / a_div of the token's pair id, padding rows the block's first pair's
     const u16* xp[NT];
@@ -115,32 +147,43 @@ __global__ void __launch_bounds__(W * 32, MINB) nvfp4_decode_gemm(
             const int id = bids[8 * i + g];
             row = (id < M ? id : bids[0]) / a_div;
         }
-        xp[i] = x + (size_t)row * ldx + c_begin * 64 + 16 * t;
+        xp[i] = x + (size_t)row * ldx + c_begin * CK + (CK / 4) * t;
     }
 
-    Chunk<NT> buf[D];
+    Chunk<NT, K32> buf[D];
     float acc[NT][2][4];
 #pragma unroll
     for (int i = 0; i < NT; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[i][0][e] = acc[i][1][e] = 0.f;
 #define LOAD_W(B, C, P) do { \
-        ld_stream(buf[B].w, cp + (C) * 32, P); \
-        ld_scale(buf[B].s, sp + (C) * 32, P); \
-    } while (0)
-#define LOAD_X(B, C, P) do { \
-        _Pragma("unroll") for (int i = 0; i < NT; ++i) { \
-            ld_x(buf[B].x[i][0], (const U4*)(xp[i] + (C) * 64), P); \
-            ld_x(buf[B].x[i][1], (const U4*)(xp[i] + (C) * 64 + 8), P); \
+        _Pragma("unroll") for (int r = 0; r <= K32; ++r) { \
+            ld_stream(buf[B].w[r], cp + (C) * CS + 32 * r, P); \
+            ld_scale(buf[B].s[r], sp + (C) * CS + 32 * r, P); \
         } \
     } while (0)
+#define LOAD_X(B, C, P) do { \
+        _Pragma("unroll") for (int i = 0; i < NT; ++i) \
+            _Pragma("unroll") for (int q = 0; q < 2 * (K32 + 1); ++q) \
+                ld_x(buf[B].x[i][q], (const U4*)(xp[i] + (C) * CK + 8 * q), P); \
+    } while (0)
 #define COMPUTE(B) do { \
-        const u32 h = scale_pair(buf[B].s); \
-        const u32 sg = prmt(h, 0x1010u), sh = prmt(h, 0x3232u); \
-        slot_mmas<0>(acc, buf[B], sg, sh); \
-        slot_mmas<1>(acc, buf[B], sg, sh); \
-        slot_mmas<2>(acc, buf[B], sg, sh); \
-        slot_mmas<3>(acc, buf[B], sg, sh); \
+        if constexpr (K32 == 0) { \
+            const u32 h = scale_pair(buf[B].s[0]); \
+            const u32 sg = prmt(h, 0x1010u), sh = prmt(h, 0x3232u); \
+            slot_mmas<0>(acc, buf[B], sg, sh); \
+            slot_mmas<1>(acc, buf[B], sg, sh); \
+            slot_mmas<2>(acc, buf[B], sg, sh); \
+            slot_mmas<3>(acc, buf[B], sg, sh); \
+        } else { /* a scale pair per row: blocks 2t (slots 0, 1) and 2t + 1 (slots 2, 3) */ \
+            const u32 hg = scale_pair(buf[B].s[0]), hh = scale_pair(buf[B].s[1]); \
+            const u32 g0 = prmt(hg, 0x1010u), h0 = prmt(hh, 0x1010u); \
+            slot_mmas_k32<0>(acc, buf[B], g0, h0); \
+            slot_mmas_k32<1>(acc, buf[B], g0, h0); \
+            const u32 g1 = prmt(hg, 0x3232u), h1 = prmt(hh, 0x3232u); \
+            slot_mmas_k32<2>(acc, buf[B], g1, h1); \
+            slot_mmas_k32<3>(acc, buf[B], g1, h1); \
+        } \
     } while (0)
     // The epilogue's elements of this thread (plain epilogues): index idx = threadIdx.x + j W 32 of the
     // `red` order -> (token, column n). Their norm weights (EPI 4) load before the PDL wait, their residual
@@ -161,7 +204,7 @@ __global__ void __launch_bounds__(W * 32, MINB) nvfp4_decode_gemm(
 #pragma unroll
     for (int b = 0; b < D - 1; ++b) LOAD_W(b, b, b < nc);
     PDL_WAIT();
-    if constexpr (NT == 1) {
+    if constexpr (XRING) {
 #pragma unroll
         for (int b = 0; b < D - 1; ++b) LOAD_X(b, b, b < nc);
     }
@@ -197,20 +240,20 @@ __global__ void __launch_bounds__(W * 32, MINB) nvfp4_decode_gemm(
 #pragma unroll
         for (int b = 0; b < D; ++b) {
             LOAD_W((b + D - 1) % D, b + D - 1, c + b + D - 1 < nc);
-            if constexpr (NT == 1) LOAD_X((b + D - 1) % D, b + D - 1, c + b + D - 1 < nc);
+            if constexpr (XRING) LOAD_X((b + D - 1) % D, b + D - 1, c + b + D - 1 < nc);
             else LOAD_X(b, b, true);
             COMPUTE(b);
         }
-        cp += D * 32;
-        sp += D * 32;
+        cp += D * CS;
+        sp += D * CS;
 #pragma unroll
-        for (int i = 0; i < NT; ++i) xp[i] += D * 64;
+        for (int i = 0; i < NT; ++i) xp[i] += D * CK;
     }
     // the last nc % D chunks are in buffers 0 .. nc % D - 1 already
 #pragma unroll
     for (int b = 0; b < D - 1; ++b) {
         if (c + b < nc) {
-            if constexpr (NT != 1) LOAD_X(b, b, true);
+            if constexpr (!XRING) LOAD_X(b, b, true);
             COMPUTE(b);
         }
     }

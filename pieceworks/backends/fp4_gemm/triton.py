@@ -88,6 +88,19 @@ class TritonTileOptions:
     moe_tiles: str | None = None
     """The fused MoE's grouped GEMMs' table (moe.triton), in place of MOE_TILES."""
 
+    cuda_decode_max_m: int = 8
+    """The dense GEMM (fp4_gemm.triton) runs up to this many rows of x with the CUDA decode kernel on the same
+    k32 weights (cuda_decode.py, `layout="k32"`) where it runs: compute capability >= 9.0, NVRTC loadable,
+    bf16 x; elsewhere, and above it, the Triton kernels. 0: never. On the H200 it is faster than the Triton
+    decode tiles at M <= 8 on every Llama-3.1-8B and DeepSeek-V3 expert shape and not at M = 9..16 on all
+    of them (docs/benchmarks.md, twenty-first session)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cuda_decode_max_m, bool) or not isinstance(self.cuda_decode_max_m, int) \
+                or not 0 <= self.cuda_decode_max_m <= 16:
+            raise ValueError(f"backends.options.triton.cuda_decode_max_m={self.cuda_decode_max_m!r}: use 0 (never) "
+                             "to 16 (the CUDA decode kernel's rows per launch)")
+
 
 def load_tile_table(path: str, option: str) -> tuple[TileConfig, ...]:
     """The tile table in the JSON file `path` (`TritonTileOptions`); ValueError naming the option, the
@@ -153,6 +166,25 @@ def choose_split_k(tile: TileConfig, m: int, n: int, k_padded: int, sms: int = 1
 
     splits = [s for s in range(1, cap + 1) if 4 * tiles * s >= 3 * tile.target_ctas] or [plain]
     return max(splits, key=lambda s: (evenness(s), s == plain, -s))
+
+
+def cuda_decode_reason(x: torch.Tensor) -> str | None:
+    """Why the CUDA decode kernel can't take x (`TritonTileOptions.cuda_decode_max_m`), or None."""
+    if x.dtype != torch.bfloat16:
+        return f"the CUDA decode kernel takes bf16 x, not {x.dtype}"
+    return _cuda_decode_device_reason(x.device)
+
+
+@lru_cache(maxsize=None)
+def _cuda_decode_device_reason(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"the CUDA decode kernel runs on CUDA devices, not {device.type}"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (9, 0):
+        return f"the CUDA decode kernel needs compute capability >= 9.0 (mul.bf16x2), this GPU has {cap[0]}.{cap[1]}"
+    from pieceworks.backends.fp4_gemm.cuda import nvrtc_unavailable_reason
+
+    return nvrtc_unavailable_reason()
 
 
 def interleave_gate_up(n: int) -> torch.Tensor:
@@ -261,6 +293,14 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
     def _gemm(self, x, weight, weight_scale, weight_scale_2, n: int, swiglu: bool, rope=None):
         from pieceworks.backends.fp4_gemm import triton_kernels
 
+        if x.shape[0] <= self.options.cuda_decode_max_m and cuda_decode_reason(x) is None:
+            from pieceworks.backends import pdl
+            from pieceworks.backends.fp4_gemm import cuda_decode
+            from pieceworks.backends.fp4_gemm.cuda import plan
+
+            warps, depth = plan(weight.shape[0], multiprocessors(x.device))
+            return cuda_decode.decode_gemm(x, weight, weight_scale, weight_scale_2, n, warps, depth, swiglu,
+                                           pdl.enabled(x.device), rope=rope, layout="k32")
         if x.stride(-1) != 1:
             x = x.contiguous()
         tile, split_k = self._plan(x.shape[0], n, weight.shape[1] * 2, multiprocessors(x.device))
