@@ -7,6 +7,7 @@ import torch
 
 from pieceworks.backends.base import BackendSpec, ModelFacts
 from pieceworks.backends.fp4_gemm import cuda_decode, r16c64
+from pieceworks.backends.fp4_gemm.base import Fp4Weight
 from pieceworks.backends.fp4_gemm.cuda import CudaDecodeOptions, CudaFp4GemmBackend, plan
 from pieceworks.backends.fp4_gemm.cuda_decode import resident_cap
 from pieceworks.quant import nvfp4
@@ -193,3 +194,95 @@ def test_launch_attribute_values_keep_their_zero_bytes():
     assert raw[8:20] == bytes([1, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0]) and raw[20:] == bytes(len(raw) - 20)
     pdl = nvrtc._attribute(nvrtc._PROGRAMMATIC_STREAM_SERIALIZATION, (1).to_bytes(4, "little"))
     assert ctypes.string_at(ctypes.addressof(pdl), 12) == bytes([6, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0])
+
+
+# --- the decode kernel on the Triton backend's k32 weights (layout="k32") ------------------------------------
+
+
+def test_k32_lane_addresses_give_the_fragments_the_kernel_multiplies():
+    """The k32 mode's addressing (cuda_decode_kernel.py, L 1), followed in torch on `repack_k32`'s bytes: lane
+    (g, t) of CTA b reads, for K block kb, the 16-byte vector at U4 index ((b >> 2) * nchunks + kb) * 256 +
+    (16 (b & 3) + g) * 4 + t (+ 32 for row g + 8) and the 2-byte scale pair at the same u16 index; slot J of its
+    word p must be the codes of that row's elements 128 kb + 32 t + 8 J + 2 p and + 1 (low and high unit), and
+    the pair's low / high byte the scales of blocks 8 kb + 2 t / + 1 (slots 0, 1 / 2, 3). Together with x
+    elements 32 t + 8 J + 2 p, + 1 as the B halves, every mma k slot pairs a weight with its own x element."""
+    from pieceworks.backends.fp4_gemm.k32 import decode_slots, repack_k32
+
+    gen = torch.Generator().manual_seed(21)
+    n, k = 128, 384  # two row blocks, three K blocks (Kp = 512: a fourth, all padding)
+    w, s = random_weight(n, k, gen)
+    codes, scales = repack_k32(w, s)
+    ref = torch.nn.functional.pad(nvfp4.unpack(w), (0, 512 - k))
+    ref_s = torch.nn.functional.pad(s.view(torch.uint8), (0, 512 // 16 - k // 16))
+    nchunks = codes.shape[1] // 64
+    flat = codes.reshape(-1)
+    sflat = scales.view(torch.uint8).reshape(-1)
+    checked = 0
+    for b in range(n // 16):
+        for kb in range(nchunks):
+            for g in range(8):
+                for t in range(4):
+                    for half in (0, 1):
+                        idx = ((b >> 2) * nchunks + kb) * 256 + (16 * (b & 3) + g) * 4 + t + 32 * half
+                        row = 64 * (b >> 2) + 16 * (b & 3) + g + 8 * half
+                        vec = flat[16 * idx : 16 * idx + 16].to(torch.int32)
+                        units = vec[0::2] | (vec[1::2] << 8)  # 8 units: word p = units 2p (low), 2p + 1 (high)
+                        slots = decode_slots(units)
+                        for j in range(4):
+                            for p in range(4):
+                                e = 128 * kb + 32 * t + 8 * j + 2 * p
+                                assert int(slots[j][2 * p]) == int(ref[row, e])
+                                assert int(slots[j][2 * p + 1]) == int(ref[row, e + 1])
+                        pair = sflat[2 * idx : 2 * idx + 2]
+                        assert int(pair[0]) == int(ref_s[row, 8 * kb + 2 * t])
+                        assert int(pair[1]) == int(ref_s[row, 8 * kb + 2 * t + 1])
+                        checked += 1
+    assert checked == (n // 16) * nchunks * 64
+
+
+def test_k32_decode_gemm_arguments_checked_before_any_launch():
+    """Runs on the CPU: the checks come before the kernel is compiled or launched."""
+    from pieceworks.backends.fp4_gemm.k32 import repack_k32
+
+    gen = torch.Generator().manual_seed(5)
+    w, s = random_weight(64, 512, gen)
+    codes, scales = repack_k32(w, s)
+    gs = torch.tensor(1.0)
+    x = torch.randn(2, 512).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="layout"):
+        cuda_decode.decode_gemm(x, codes, scales, gs, 64, layout="k64")
+    with pytest.raises(ValueError, match="do not fit the k32 weight"):
+        cuda_decode.decode_gemm(torch.randn(2, 640).to(torch.bfloat16), codes, scales, gs, 64, layout="k32")
+    with pytest.raises(ValueError, match="do not fit the k32 weight"):
+        cuda_decode.decode_gemm(x, codes, scales, gs, 80, layout="k32")
+    rc, rs = r16c64.repack_decode(w, s)
+    with pytest.raises(ValueError, match="k32 codes must be"):
+        cuda_decode.decode_gemm(x, rc, rs, gs, 64, layout="k32")
+
+
+def test_triton_backend_cuda_decode_option_and_reasons():
+    from pieceworks.backends.base import parse_options
+    from pieceworks.backends.fp4_gemm.triton import TritonFp4GemmBackend, TritonTileOptions, cuda_decode_reason
+
+    assert TritonTileOptions().cuda_decode_max_m == 8
+    assert parse_options(TritonFp4GemmBackend, {"cuda_decode_max_m": 0}).cuda_decode_max_m == 0
+    for bad in (-1, 17, True, 4.0, "8"):
+        with pytest.raises(ValueError, match="cuda_decode_max_m"):
+            TritonTileOptions(cuda_decode_max_m=bad)
+    assert "CUDA devices" in cuda_decode_reason(torch.zeros(1, 8, dtype=torch.bfloat16))
+    assert "bf16" in cuda_decode_reason(torch.zeros(1, 8))
+
+
+def test_triton_backend_refuses_a_weight_of_another_shape():
+    """Before either path (the CUDA decode kernel or the Triton kernels) would read past the weight."""
+    from pieceworks.backends.fp4_gemm.triton import TritonFp4GemmBackend
+
+    gen = torch.Generator().manual_seed(6)
+    w, s = random_weight(64, 512, gen)
+    backend = TritonFp4GemmBackend(BackendSpec(device="cuda", capability=(9, 0)))
+    gs = torch.tensor(1.0)
+    p = backend.prepare(Fp4Weight(w, s, gs, gs))
+    with pytest.raises(ValueError, match="do not match the prepared weight"):
+        backend.forward(torch.randn(1, 1024).to(torch.bfloat16), *p, 64)
+    with pytest.raises(ValueError, match="do not match the prepared weight"):
+        backend.forward(torch.randn(1, 512).to(torch.bfloat16), *p, 128)

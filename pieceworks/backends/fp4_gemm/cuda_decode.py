@@ -59,6 +59,9 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
             raise ValueError(f"decode_gemm: k32 codes must be uint8 [Np, Kp / 2] with Np a multiple of 64 and Kp of "
                              f"512 (k32.repack_k32), got {tuple(codes.shape)}")
         rg, ch, kp = codes.shape[0] // 16, codes.shape[1] // 64, codes.shape[1] * 2
+        if k > kp or n > codes.shape[0]:
+            raise ValueError(f"decode_gemm: x [M, {k}] and N = {n} do not fit the k32 weight ({codes.shape[0]} rows x "
+                             f"{kp} columns)")
     elif lcode == 0:
         rg, ch, _ = codes.shape
         kp = -(-k // CHUNK) * CHUNK

@@ -293,6 +293,9 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
     def _gemm(self, x, weight, weight_scale, weight_scale_2, n: int, swiglu: bool, rope=None):
         from pieceworks.backends.fp4_gemm import triton_kernels
 
+        if x.dim() != 2 or x.shape[1] > weight.shape[-1] * 2 or n > weight.shape[-2]:
+            raise ValueError(f"x {tuple(x.shape)} and N = {n} do not match the prepared weight ({weight.shape[-2]} rows "
+                             f"x {weight.shape[-1] * 2} columns, padded to 64 x 512): was it prepared for another layer?")
         if x.shape[0] <= self.options.cuda_decode_max_m and cuda_decode_reason(x) is None:
             from pieceworks.backends import pdl
             from pieceworks.backends.fp4_gemm import cuda_decode
