@@ -7,8 +7,10 @@ operand, the warps' sums added in shared memory (r16c64.py describes the layout)
 `decode_max_m` (64) rows run it once per 16-row slice (the weights read once per slice); more rows
 dequantize the weight to a transient bf16 copy and call torch.matmul, as the Triton backend does from
 M = 1024. SwiGLU and the q/k/v rope are fused into the decode kernel's epilogue (rounded as the unfused
-ops round). Faster than the Triton backend up to 16 rows on the H200, slower beyond (docs/benchmarks.md),
-so it has the lower priority: `backends.fp4_gemm: cuda` selects it.
+ops round). Faster than the Triton backend's own kernels up to 16 rows on the H200, slower beyond
+(docs/benchmarks.md), so it has the lower priority: `backends.fp4_gemm: cuda` selects it. (The Triton
+backend runs this kernel too, on its k32 weights, for M <= 8: at M = 1 about as fast, at M = 8 16-26%
+slower than here.)
 
 Option `fuse_norm` (off by default; `fuses_norm`) also fuses a Llama block's RMSNorms and residual adds:
 the o and down kernels add their output to the residual stream s and write the next norm's inputs

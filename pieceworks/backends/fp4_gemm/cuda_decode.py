@@ -1,5 +1,6 @@
 """Launching the CUDA decode GEMM (the kernel source and its design: cuda_decode_kernel.py): `decode_gemm`
-for M <= 16 rows of x, and `resident_cap`, the register cap that keeps a two-token-tile grid resident.
+for M <= 16 rows of x on the r16c64 weights of `fp4_gemm.cuda` or the k32 weights of `fp4_gemm.triton`, and
+`resident_cap`, the register cap that keeps a two-token-tile grid resident.
 The MoE modes' launches are in backends/moe/cuda_kernels.py. Imports torch only (not triton).
 """
 

@@ -27,6 +27,18 @@ scale, bf16 mma.sync with the weights as the A operand) on a layout made for it:
 The kernel's MoE modes (MOE 1: grouped over expert-sorted blocks of pairs; MOE 2: one token's down GEMM
 and top-k combine) are launched by backends/moe/cuda_kernels.py. Each template instance is compiled on
 its first launch.
+
+Template argument L 1 reads the Triton backend's k32 weights instead (k32.py: 64-row x 128-element
+tiles; the `fp4_gemm.triton` backend runs its M <= 8 calls this way, `cuda_decode_max_m`): a chunk is one
+tile's 128 elements of K, and lane (g, t) reads group t of rows g and g + 8 (two 16-byte vectors, two
+scale pairs) and 32 contiguous elements of x. A k32 unit holds elements 8j + u of its group (slot j), so
+slot j of a lane's code word p is elements 32t + 8j + 2p, + 1: mma (j, h) takes words 2h and 2h + 1
+against x elements 32t + 8j + 4h .. + 3, the same instructions per weight as r16c64 (70.5 SASS per 64
+elements against 73.5). x is loaded just before its chunk (63 registers; a ring of it took 91, a
+per-slot prefetch 70, both slower where they left fewer warps resident: docs/benchmarks.md, twenty-first
+session). On the H200 it takes 0.97-1.10x the r16c64 kernel's time at M = 1 and 1.16-1.26x at M = 8,
+likely (not profiled) because each x load's four pieces per token lie 64 bytes apart: two cache lines
+per token and instruction where r16c64 touches one.
 """
 
 from __future__ import annotations

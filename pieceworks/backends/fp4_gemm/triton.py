@@ -9,6 +9,11 @@ M = 256, and from M = 1024 a "dequant" entry that writes a transient bf16 copy o
 (N x K x 2 bytes) and calls torch.matmul, which beat every fused tile tried there. Nothing is
 autotuned at run time, so the kernels are safe inside CUDA graphs.
 
+Up to `cuda_decode_max_m` rows (default 8), on compute capability >= 9.0 with NVRTC loadable, the same
+k32 weights go to the CUDA decode kernel instead (cuda_decode.py, `layout="k32"`; the SwiGLU and rope
+epilogues included): on the H200 it took the batch-1 Llama-3.1-8B-shaped decode step from 2.15 to
+1.73-1.79 ms (docs/benchmarks.md, twenty-first session).
+
 This module imports torch only; triton is imported when a kernel is first launched.
 """
 
