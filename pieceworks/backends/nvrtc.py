@@ -2,14 +2,27 @@
 loads the cubin and launches it (`cuLaunchKernelEx`, with the programmatic-stream-serialization
 attribute for PDL when asked). ctypes only: no CUDA toolkit, no compiled extension; NVRTC comes with
 torch's CUDA wheels (nvidia-cuda-nvrtc). Imports torch only.
+
+Compiled cubins are kept on disk (about a second of NVRTC per kernel instance otherwise, at every process
+start): in `$PIECEWORKS_NVRTC_CACHE` when set (`off` turns the cache off), else
+`$XDG_CACHE_HOME/pieceworks/nvrtc` or `~/.cache/pieceworks/nvrtc`, one file per (source, name, arch,
+NVRTC version), written atomically. A file that cannot be read back as a cubin is compiled again and
+replaced; a directory that cannot be written leaves the cache out.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import logging
+import os
+import tempfile
 from functools import lru_cache
+from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
@@ -50,9 +63,66 @@ def _check(lib, err: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: CUDA error {err} ({(msg.value or b'?').decode()})")
 
 
+def cache_dir() -> Path | None:
+    """Where compiled cubins are kept (module docstring), or None when the cache is off."""
+    env = os.environ.get("PIECEWORKS_NVRTC_CACHE", "")
+    if env.lower() == "off":
+        return None
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "pieceworks" / "nvrtc"
+
+
+def nvrtc_version() -> tuple[int, int]:
+    lib = nvrtc_library()
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return major.value, minor.value
+
+
+_ELF = b"\x7fELF"
+
+
 def compile_cubin(source: str, name: str, arch: str) -> tuple[bytes, str]:
     """`source` compiled by NVRTC for `arch` (e.g. "sm_90"): (cubin, the lowered name of `name`, e.g. a
-    template instance). Without #include lines in the source no CUDA toolkit is needed."""
+    template instance), from the disk cache when it holds them (module docstring). Without #include lines
+    in the source no CUDA toolkit is needed."""
+    where = cache_dir()
+    if where is None:
+        return _compile(source, name, arch)
+    key = hashlib.sha256("\0".join([source, name, arch, "%d.%d" % nvrtc_version(), *_OPTIONS]).encode()).hexdigest()
+    path = where / f"{key}.cubin"
+    try:
+        data = path.read_bytes()
+        lowered, _, cubin = data.partition(b"\n")
+        if lowered and cubin.startswith(_ELF):
+            return cubin, lowered.decode()
+        log.warning("NVRTC cache: %s is not a cubin file; compiling %s again", path, name)
+    except FileNotFoundError:
+        pass
+    except (OSError, UnicodeDecodeError) as e:
+        log.warning("NVRTC cache: cannot read %s (%s); compiling %s again", path, e, name)
+    cubin, lowered = _compile(source, name, arch)
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=where, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(lowered.encode() + b"\n" + cubin)
+            os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the whole new one
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError as e:
+        log.debug("NVRTC cache: cannot write %s (%s); the kernel stays compiled in memory only", path, e)
+    return cubin, lowered
+
+
+_OPTIONS = ("-std=c++17",)  # NVRTC options besides the architecture (part of the cache key)
+
+
+def _compile(source: str, name: str, arch: str) -> tuple[bytes, str]:
     lib = nvrtc_library()
     lib.nvrtcGetErrorString.restype = ctypes.c_char_p
     prog = ctypes.c_void_p()
@@ -64,7 +134,7 @@ def compile_cubin(source: str, name: str, arch: str) -> tuple[bytes, str]:
     check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None), "create")
     try:
         check(lib.nvrtcAddNameExpression(prog, name.encode()), "name")
-        opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
+        opts = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in _OPTIONS)]
         err = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
         if err:
             size = ctypes.c_size_t()
@@ -162,6 +232,7 @@ def _kernel(source: str, name: str, device: int, suffix: str) -> Kernel:
 
 
 def kernel(source: str, name: str, device: torch.device, suffix: str = "") -> Kernel:
-    """The kernel `name` of `source` for `device`, compiled on first use (about a second) and cached.
+    """The kernel `name` of `source` for `device`, compiled on first use (about a second; from the disk
+    cache when an earlier process compiled it) and kept.
     suffix "a": for the device's arch-specific target (sm_90a: wgmma), which runs on that arch only."""
     return _kernel(source, name, device.index if device.index is not None else torch.cuda.current_device(), suffix)
