@@ -1,0 +1,49 @@
+"""Time to get the CUDA decode GEMM's kernels of a Llama-3.1-8B-shaped decode step ready, NVRTC against the
+on-disk cubin cache (backends/nvrtc.py).
+
+    PIECEWORKS_NVRTC_CACHE=DIR python benchmarks/nvrtc_cache.py     # run it twice: compile, then load
+
+Gets the three k32 instances `fp4_gemm.triton` launches at M <= 8 (q/k/v with rope, o and down, gate/up
+with SwiGLU, at `cuda.plan`'s warps for the H200) and prints the seconds each took and whether the cache
+held it before. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from pieceworks.backends import nvrtc  # noqa: E402
+from pieceworks.backends.fp4_gemm.cuda_decode_kernel import SOURCE  # noqa: E402
+
+INSTANCES = {  # name: template instance (W, D, NT, EPI, NORM, MOE, MINB, L)
+    "qkv + rope": "nvfp4_decode_gemm<8, 2, 1, 2, 0, 0, 0, 1>",
+    "o, down": "nvfp4_decode_gemm<16, 2, 1, 0, 0, 0, 0, 1>",
+    "gate_up + swiglu": "nvfp4_decode_gemm<2, 2, 1, 1, 0, 0, 0, 1>",
+}
+
+
+def main() -> None:
+    where = nvrtc.cache_dir()
+    print(f"cache: {where}", flush=True)
+    before = set(os.listdir(where)) if where and where.is_dir() else set()
+    device = torch.device("cuda")
+    torch.cuda.init()
+    total = 0.0
+    for what, name in INSTANCES.items():
+        t0 = time.perf_counter()
+        nvrtc.kernel(SOURCE, name, device)
+        dt = time.perf_counter() - t0
+        total += dt
+        print(f"{what:18s} {name}: {dt:.3f} s", flush=True)
+    after = set(os.listdir(where)) if where and where.is_dir() else set()
+    print(f"total {total:.3f} s; cache files before {len(before)}, added {len(after - before)}")
+
+
+if __name__ == "__main__":
+    main()
