@@ -3,8 +3,9 @@ loads the cubin and launches it (`cuLaunchKernelEx`, with the programmatic-strea
 attribute for PDL when asked). ctypes only: no CUDA toolkit, no compiled extension; NVRTC comes with
 torch's CUDA wheels (nvidia-cuda-nvrtc). Imports torch only.
 
-Compiled cubins are kept on disk (about a second of NVRTC per kernel instance otherwise, at every process
-start): in `$PIECEWORKS_NVRTC_CACHE` when set (`off` turns the cache off), else
+Compiled cubins are kept on disk (NVRTC takes 0.2-0.4 s per decode-GEMM instance on the H200 machine,
+at every process start otherwise; tests/gpu/test_cuda_fp4.py ran in 24 s compiling and 11 s from the
+cache: docs/benchmarks.md): in `$PIECEWORKS_NVRTC_CACHE` when set (`off` turns the cache off), else
 `$XDG_CACHE_HOME/pieceworks/nvrtc` or `~/.cache/pieceworks/nvrtc`, one file per (source, name, arch,
 NVRTC version), written atomically. A file that cannot be read back as a cubin is compiled again and
 replaced; a directory that cannot be written leaves the cache out.
@@ -232,7 +233,7 @@ def _kernel(source: str, name: str, device: int, suffix: str) -> Kernel:
 
 
 def kernel(source: str, name: str, device: torch.device, suffix: str = "") -> Kernel:
-    """The kernel `name` of `source` for `device`, compiled on first use (about a second; from the disk
-    cache when an earlier process compiled it) and kept.
+    """The kernel `name` of `source` for `device`, compiled on first use (0.2-0.4 s for the decode GEMM's
+    instances on the H200 machine; from the disk cache when an earlier process compiled it) and kept.
     suffix "a": for the device's arch-specific target (sm_90a: wgmma), which runs on that arch only."""
     return _kernel(source, name, device.index if device.index is not None else torch.cuda.current_device(), suffix)
