@@ -296,8 +296,6 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         return self._gemm(x, weight, weight_scale, weight_scale_2, 2 * intermediate, swiglu=True)
 
     def _gemm(self, x, weight, weight_scale, weight_scale_2, n: int, swiglu: bool, rope=None):
-        from pieceworks.backends.fp4_gemm import triton_kernels
-
         if x.dim() != 2 or x.shape[1] > weight.shape[-1] * 2 or n > weight.shape[-2]:
             raise ValueError(f"x {tuple(x.shape)} and N = {n} do not match the prepared weight ({weight.shape[-2]} rows "
                              f"x {weight.shape[-1] * 2} columns, padded to 64 x 512): was it prepared for another layer?")
@@ -309,6 +307,8 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
             warps, depth = plan(weight.shape[0], multiprocessors(x.device))
             return cuda_decode.decode_gemm(x, weight, weight_scale, weight_scale_2, n, warps, depth, swiglu,
                                            pdl.enabled(x.device), rope=rope, layout="k32")
+        from pieceworks.backends.fp4_gemm import triton_kernels
+
         if x.stride(-1) != 1:
             x = x.contiguous()
         tile, split_k = self._plan(x.shape[0], n, weight.shape[1] * 2, multiprocessors(x.device))
