@@ -228,7 +228,8 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
     weight_layout = "k32"
     fuses_qkv_rope = True
     Options = TritonTileOptions
-    description = "Triton w4a16: NVFP4 dequantized in registers, bf16 tensor cores"
+    description = ("Triton w4a16: NVFP4 dequantized in registers, bf16 tensor cores (M <= cuda_decode_max_m on "
+                   "sm_90+: the CUDA decode kernel on the same weights)")
 
     def __init__(self, spec, options=None) -> None:
         super().__init__(spec, options)
