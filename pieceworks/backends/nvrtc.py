@@ -76,6 +76,7 @@ def cache_dir() -> Path | None:
 
 
 def nvrtc_version() -> tuple[int, int]:
+    """The NVRTC library's (major, minor) version (part of the cache key)."""
     lib = nvrtc_library()
     major, minor = ctypes.c_int(), ctypes.c_int()
     lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
@@ -83,6 +84,7 @@ def nvrtc_version() -> tuple[int, int]:
 
 
 _ELF = b"\x7fELF"
+_OPTIONS = ("-std=c++17",)  # NVRTC options besides the architecture (part of the cache key)
 
 
 def compile_cubin(source: str, name: str, arch: str) -> tuple[bytes, str]:
@@ -118,9 +120,6 @@ def compile_cubin(source: str, name: str, arch: str) -> tuple[bytes, str]:
     except OSError as e:
         log.debug("NVRTC cache: cannot write %s (%s); the kernel stays compiled in memory only", path, e)
     return cubin, lowered
-
-
-_OPTIONS = ("-std=c++17",)  # NVRTC options besides the architecture (part of the cache key)
 
 
 def _compile(source: str, name: str, arch: str) -> tuple[bytes, str]:
