@@ -1,7 +1,7 @@
 """Time to get the CUDA decode GEMM's kernels of a Llama-3.1-8B-shaped decode step ready, NVRTC against the
 on-disk cubin cache (backends/nvrtc.py).
 
-    PIECEWORKS_NVRTC_CACHE=DIR python benchmarks/nvrtc_cache.py     # run it twice: compile, then load
+    python benchmarks/nvrtc_cache.py --cache-dir DIR     # run it twice: compile, then load
 
 Gets the three k32 instances `fp4_gemm.triton` launches at M <= 8 (q/k/v with rope, o and down, gate/up
 with SwiGLU, at `cuda.plan`'s warps for the H200) and prints the seconds each took and whether the cache
@@ -10,6 +10,7 @@ held it before. Needs a CUDA GPU.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -29,6 +30,12 @@ INSTANCES = {  # name: template instance (W, D, NT, EPI, NORM, MOE, MINB, L)
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cache-dir", help="the kernel cache directory (as <runtime.cache_dir>/nvrtc; default: "
+                    "the default cache_dir's)")
+    args = ap.parse_args()
+    if args.cache_dir:
+        nvrtc.configure_cache(args.cache_dir)
     where = nvrtc.cache_dir()
     print(f"cache: {where}", flush=True)
     before = set(os.listdir(where)) if where and where.is_dir() else set()

@@ -147,6 +147,23 @@ class RuntimeConfig:
     launched while the kernel before it finishes (and waits for it on the GPU). auto: on
     where supported (CUDA compute capability >= 9.0 and a triton with grid dependency control); on:
     the same, an error elsewhere. Process-wide: the last executor built decides (backends/pdl.py)."""
+    cache_dir: Optional[str] = None
+    """Where pieceworks keeps what it builds once: the converted demo models (<cache_dir>/models) and
+    compiled CUDA kernels (<cache_dir>/nvrtc). null: `cache_root()`'s default,
+    $XDG_CACHE_HOME/pieceworks (when absolute) or ~/.cache/pieceworks."""
+    kernel_cache: bool = True
+    """Keep NVRTC-compiled CUDA kernels in <cache_dir>/nvrtc for the next process (backends/nvrtc.py);
+    false: compile them in every process. Process-wide: the last executor built decides."""
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    """`runtime.cache_dir`, or where it defaults to: $XDG_CACHE_HOME/pieceworks when XDG_CACHE_HOME is an
+    absolute path (the XDG spec ignores relative ones), else ~/.cache/pieceworks. The one place pieceworks
+    reads the environment; modules take the directory from here or from their caller."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "pieceworks"
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ def compiles(monkeypatch, tmp_path):
 
     monkeypatch.setattr(nvrtc, "_compile", fake_compile)
     monkeypatch.setattr(nvrtc, "nvrtc_version", lambda: (13, 0))
-    monkeypatch.setenv("PIECEWORKS_NVRTC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(nvrtc, "_cache_dir", nvrtc._cache_dir)  # restored after the test
+    nvrtc.configure_cache(tmp_path / "cache")
     return calls
 
 
@@ -59,21 +60,35 @@ def test_a_damaged_file_is_compiled_again_and_replaced(compiles, tmp_path, caplo
 
 
 def test_off_and_unwritable_directories_compile_every_time(compiles, monkeypatch, tmp_path):
-    monkeypatch.setenv("PIECEWORKS_NVRTC_CACHE", "off")
+    nvrtc.configure_cache(None)
     assert nvrtc.cache_dir() is None
     nvrtc.compile_cubin("src", "k<1>", "sm_90")
     nvrtc.compile_cubin("src", "k<1>", "sm_90")
     assert len(compiles) == 2
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    monkeypatch.setenv("PIECEWORKS_NVRTC_CACHE", str(blocker / "cache"))
+    nvrtc.configure_cache(blocker / "cache")
     assert nvrtc.compile_cubin("src", "k<1>", "sm_90")[1] == "_Z4k<1>"
     assert len(compiles) == 3
 
 
 def test_default_directory_follows_xdg_cache_home(monkeypatch, tmp_path):
-    monkeypatch.delenv("PIECEWORKS_NVRTC_CACHE", raising=False)
+    monkeypatch.setattr(nvrtc, "_cache_dir", nvrtc._DEFAULT)  # no executor configured it
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert nvrtc.cache_dir() == tmp_path / "pieceworks" / "nvrtc"
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/path")  # not absolute: ignored, as the XDG spec says
     assert nvrtc.cache_dir().parts[-3:] == (".cache", "pieceworks", "nvrtc")
+
+
+def test_runtime_config_sets_the_cache(monkeypatch, tmp_path):
+    """`runtime.cache_dir` / `runtime.kernel_cache` reach nvrtc through Executor.from_config."""
+    from pieceworks.config import load_config
+    from pieceworks.executor.runner import Executor
+
+    monkeypatch.setattr(nvrtc, "_cache_dir", nvrtc._DEFAULT)
+    overrides = ["model.arch=llama", "model.preset=tiny", "runtime.device=cpu", f"runtime.cache_dir={tmp_path}",
+                 "cuda_graph.piecewise.enabled=off"]
+    Executor.from_config(load_config(None, overrides), progress=False)
+    assert nvrtc.cache_dir() == tmp_path / "nvrtc"
+    Executor.from_config(load_config(None, [*overrides, "runtime.kernel_cache=false"]), progress=False)
+    assert nvrtc.cache_dir() is None

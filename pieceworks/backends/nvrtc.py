@@ -5,9 +5,9 @@ torch's CUDA wheels (nvidia-cuda-nvrtc). Imports torch only.
 
 Compiled cubins are kept on disk (NVRTC takes 0.2-0.4 s per decode-GEMM instance on the H200 machine,
 at every process start otherwise; tests/gpu/test_cuda_fp4.py ran in 24 s compiling and 11 s from the
-cache: docs/benchmarks.md): in `$PIECEWORKS_NVRTC_CACHE` when set (`off` turns the cache off), else
-`$XDG_CACHE_HOME/pieceworks/nvrtc` or `~/.cache/pieceworks/nvrtc`, one file per (source, name, arch,
-NVRTC version), written atomically. A file that cannot be read back as a cubin is compiled again and
+cache: docs/benchmarks.md): in `<runtime.cache_dir>/nvrtc` (`runtime.kernel_cache: false` turns it off;
+`Executor.from_config` calls `configure_cache`; before any executor, `config.cache_root()`'s default), one
+file per (source, name, arch, NVRTC version), written atomically. A file that cannot be read back as a cubin is compiled again and
 replaced; a directory that cannot be written leaves the cache out.
 """
 
@@ -20,6 +20,7 @@ import os
 import tempfile
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -64,15 +65,24 @@ def _check(lib, err: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: CUDA error {err} ({(msg.value or b'?').decode()})")
 
 
+_DEFAULT = object()
+_cache_dir: Any = _DEFAULT  # `configure_cache`'s setting
+
+
+def configure_cache(directory: str | Path | None) -> None:
+    """Keep compiled cubins in `directory` from now on (None: no disk cache). Process-wide, like
+    `runtime.pdl`: the last executor built decides (from `runtime.cache_dir` and `runtime.kernel_cache`)."""
+    global _cache_dir
+    _cache_dir = None if directory is None else Path(directory)
+
+
 def cache_dir() -> Path | None:
     """Where compiled cubins are kept (module docstring), or None when the cache is off."""
-    env = os.environ.get("PIECEWORKS_NVRTC_CACHE", "")
-    if env.lower() == "off":
-        return None
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "pieceworks" / "nvrtc"
+    if _cache_dir is _DEFAULT:
+        from pieceworks.config import cache_root
+
+        return cache_root() / "nvrtc"
+    return _cache_dir
 
 
 def nvrtc_version() -> tuple[int, int]:

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from pieceworks.backends import pdl
+from pieceworks.backends import nvrtc, pdl
 from pieceworks.backends.base import BackendSpec
 from pieceworks.backends.registry import KernelTable, load_registry
-from pieceworks.config import Config, ConfigError, Switch, load_config
+from pieceworks.config import Config, ConfigError, Switch, cache_root, load_config
 from pieceworks.executor.batch import ForwardBatch, ForwardMode, GraphMode, Sequence, StepMetadata, to_device
 from pieceworks.executor.context import ForwardContext, forward_context
 from pieceworks.executor.kv_cache import KVPool, OutOfPages
@@ -83,7 +83,10 @@ class Executor:
             raise ConfigError(f"runtime.pdl: on, but {reason}; use runtime.pdl=auto or off")
         torch.manual_seed(cfg.runtime.seed)
         registry = load_registry(cfg.plugins)
-        model_dir = resolve_model_path(cfg.model.path, progress=progress) if cfg.model.path else None
+        root = cache_root(cfg.runtime.cache_dir)
+        nvrtc.configure_cache(root / "nvrtc" if cfg.runtime.kernel_cache else None)
+        model_dir = resolve_model_path(cfg.model.path, progress=progress, cache_dir=root / "models") \
+            if cfg.model.path else None
         model_cfg = replace(cfg.model, path=str(model_dir)) if model_dir else cfg.model
         model = load_model(model_cfg, cfg.quantization, device, dtype, progress=progress)
         spec = BackendSpec.for_device(device, model=model.facts(cfg.kv_cache.page_size),
@@ -355,12 +358,14 @@ def _as_token_list(toks: Any, seq_id: int) -> list[int]:
 DEMO_MODELS = ("smollm2-135m", "smollm2-135m-fp4")
 
 
-def resolve_model_path(path: str, progress: bool = True) -> Path:
-    """A model directory: the path itself, or the cached conversion of a bundled demo model."""
+def resolve_model_path(path: str, progress: bool = True, cache_dir: Path | None = None) -> Path:
+    """A model directory: the path itself, or the cached conversion of a bundled demo model (in cache_dir;
+    None: `smollm2.default_cache_dir()`)."""
     if path in DEMO_MODELS:
         from pieceworks.models import smollm2
 
-        return smollm2.ensure_smollm2_fp4(progress=progress) if path.endswith("fp4") else smollm2.ensure_smollm2(progress=progress)
+        ensure = smollm2.ensure_smollm2_fp4 if path.endswith("fp4") else smollm2.ensure_smollm2
+        return ensure(cache_dir, progress=progress)
     p = Path(path).expanduser()
     if not p.is_dir():
         raise ValueError(

@@ -31,7 +31,6 @@ import fcntl
 import hashlib
 import importlib.metadata
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -81,10 +80,11 @@ class SmolLM2NotInstalled(RuntimeError):
 
 
 def default_cache_dir() -> Path:
-    """`$XDG_CACHE_HOME/pieceworks/models` when XDG_CACHE_HOME is an absolute path, else `~/.cache/...`."""
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
-    return base / "pieceworks" / "models"
+    """`models` under `config.cache_root()`'s default (`$XDG_CACHE_HOME/pieceworks/models` when XDG_CACHE_HOME
+    is an absolute path, else `~/.cache/...`); `runtime.cache_dir` moves it (the executor passes it)."""
+    from pieceworks.config import cache_root
+
+    return cache_root() / "models"
 
 
 def find_gguf(distribution: str = GGUF_DISTRIBUTION) -> Path:
