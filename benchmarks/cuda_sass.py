@@ -42,6 +42,18 @@ def cuobjdump(args: list[str], cubin: bytes) -> str:
         return subprocess.run([tool, *args, f.name], capture_output=True, text=True, check=True).stdout
 
 
+def use_nvrtc(lib: str) -> None:
+    """Compile with the libnvrtc.so at `lib` (e.g. an unzipped nvidia-cuda-nvrtc wheel on a CPU machine)."""
+    nvrtc.nvrtc_library = lambda: ctypes.CDLL(lib)
+
+
+def compiled(source: str, name: str, arch: str) -> tuple[str, str]:
+    """(registers, cuobjdump -sass listing) of template instance `name` of `source` for `arch`."""
+    cubin, _ = nvrtc.compile_cubin(source, name, arch)
+    regs = re.search(r"REG:(\d+)", cuobjdump(["--dump-resource-usage"], cubin))
+    return (regs.group(1) if regs else "?"), cuobjdump(["-sass"], cubin)
+
+
 def main_loop(sass: str, mma: str = "HMMA") -> list[str]:
     """Instructions of the longest backward branch's span that holds an mma (`mma`: HMMA, or HGMMA for
     wgmma) in a cuobjdump -sass listing (the epilogue's loops hold none; the rope epilogue's is longer than
@@ -91,21 +103,20 @@ def main() -> None:
     ap.add_argument("--compare-to", help="also compile from this copy's SOURCE and compare the instructions")
     args = ap.parse_args()
     if args.nvrtc:
-        nvrtc.nvrtc_library = lambda: ctypes.CDLL(args.nvrtc)
+        use_nvrtc(args.nvrtc)
     source = source_of(args.source_file) if args.source_file else cuda_decode.SOURCE
     other = source_of(args.compare_to) if args.compare_to else None
     same = 0
     for name in args.names:
-        cubin, _ = nvrtc.compile_cubin(source, name, args.arch)
-        regs = re.search(r"REG:(\d+)", cuobjdump(["--dump-resource-usage"], cubin))
-        loop = main_loop(cuobjdump(["-sass"], cubin))
-        print(f"{name}: {regs.group(1) if regs else '?'} registers, main loop {len(loop)} instructions, "
+        regs, listing = compiled(source, name, args.arch)
+        loop = main_loop(listing)
+        print(f"{name}: {regs} registers, main loop {len(loop)} instructions, "
               f"{len(loop) / args.chunks_per_iteration:.1f} per chunk ({args.chunks_per_iteration} per iteration)")
         if args.show:
             print("\n".join("    " + ins for ins in loop))
         if other is not None:
-            theirs = instructions(cuobjdump(["-sass"], nvrtc.compile_cubin(other, name, args.arch)[0]))
-            ours = instructions(cuobjdump(["-sass"], cubin))
+            theirs = instructions(compiled(other, name, args.arch)[1])
+            ours = instructions(listing)
             same += ours == theirs
             print(f"    {'the same instructions as' if ours == theirs else 'DIFFERENT from'} {args.compare_to} "
                   f"({len(ours)} / {len(theirs)} instructions)")

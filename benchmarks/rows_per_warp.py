@@ -16,9 +16,7 @@ what halving x's reads buys (docs/benchmarks.md).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
-import re
 import sys
 
 import torch
@@ -140,15 +138,14 @@ def probe_gemm(x, codes, scales, gscale, n: int, warps: int, rg: int, pdl: bool 
 
 
 def sass(lib: str) -> None:
-    from cuda_sass import cuobjdump, main_loop
+    from cuda_sass import compiled, main_loop, use_nvrtc
 
-    nvrtc.nvrtc_library = lambda: ctypes.CDLL(lib)
+    use_nvrtc(lib)
     for nt in (1, 2):
         for w in (2, 4, 8, 16):
             for rg in (1, 2):
-                cubin, _ = nvrtc.compile_cubin(SOURCE, f"rows_probe<{w}, {nt}, {rg}>", "sm_90")
-                regs = re.search(r"REG:(\d+)", cuobjdump(["--dump-resource-usage"], cubin)).group(1)
-                loop = main_loop(cuobjdump(["-sass"], cubin))
+                regs, listing = compiled(SOURCE, f"rows_probe<{w}, {nt}, {rg}>", "sm_90")
+                loop = main_loop(listing)
                 print(f"rows_probe<{w}, {nt}, {rg}>: {regs} registers, main loop {len(loop)} instructions "
                       f"per 2 chunks ({16 * rg} rows)")
 

@@ -32,7 +32,6 @@ code and the one-token-tile timings (docs/benchmarks.md).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import re
 import sys
@@ -470,16 +469,14 @@ def probe_gemm(x, codes, scales, gscale, n: int, splits: int, depth: int, out=No
 
 
 def sass(lib: str) -> None:
-    from cuda_sass import cuobjdump, main_loop
+    from cuda_sass import compiled, main_loop, use_nvrtc
 
-    nvrtc.nvrtc_library = lambda: ctypes.CDLL(lib)
+    use_nvrtc(lib)
     for nt in (1, 2, 4, 8):
         for name in ([f"wgmma_probe<{nt}, {d}, 1>" for d in (2, 4)] + [f"wgmma_probe_whole<{nt}, {d}>" for d in (2, 4)]
                      + [f"wgmma_probe_ov<{nt}, {d}>" for d in (2, 4)]):
             d = int(name.split(", ")[1].rstrip(">"))
-            cubin, _ = nvrtc.compile_cubin(SOURCE, name, "sm_90a")
-            regs = re.search(r"REG:(\d+)", cuobjdump(["--dump-resource-usage"], cubin)).group(1)
-            listing = cuobjdump(["-sass"], cubin)
+            regs, listing = compiled(SOURCE, name, "sm_90a")
             loop = main_loop(listing, "HGMMA")
             wg = sum("HGMMA" in line for line in listing.splitlines())
             print(f"{name}: {regs} registers, main loop {len(loop)} instructions per {d} chunks, {wg} HGMMA in all")
