@@ -4,6 +4,7 @@ hidden 7168, moe_intermediate 2048.
     python benchmarks/moe.py --out DIR             # the shipped MoE tile table
     python benchmarks/moe.py --sweep --out DIR     # try candidate tiles per token bucket first
     python benchmarks/moe.py --backend cuda --out DIR   # the CUDA MoE (moe.cuda) instead
+    python benchmarks/moe.py --cuda-moe-max-t 0 --out DIR   # moe.triton without its CUDA decode path
 
 For each token count T: the whole op (routing + align + both grouped GEMMs + combine) and the expert
 part alone (align + GEMMs + combine on routed ids), as CUDA-graph replays that rotate over 8 routing
@@ -135,7 +136,7 @@ def precompile(workers: int) -> None:
 
 
 class Bench:
-    def __init__(self, gen, backend: str = "triton"):
+    def __init__(self, gen, backend: str = "triton", cuda_moe_max_t: int | None = None):
         self.gen = gen
         self.bias = torch.randn(E, device="cuda", generator=gen) * 0.01
         spec = BackendSpec.for_device("cuda", fp4_numerics="w4a16")
@@ -145,23 +146,21 @@ class Bench:
             self.backend = CudaMoEBackend(spec)
             self.w = self.backend.prepare(random_moe(gen))  # r16c64 per expert
         else:
-            self.backend = TritonMoEBackend(spec)
-            self.w = random_moe(gen)
+            from pieceworks.backends.fp4_gemm.triton import TritonTileOptions
+
+            opts = TritonTileOptions() if cuda_moe_max_t is None else TritonTileOptions(cuda_moe_max_t=cuda_moe_max_t)
+            self.backend = TritonMoEBackend(spec, opts)
+            self.w = random_moe(gen)  # already the prepared shapes (I a multiple of 64, H of 512)
 
     def full(self, x, logits):
         return self.backend.forward(x, logits, self.bias, self.w, TOPK, GROUPS, TOPK_GROUP, True, SCALE)
 
     def experts(self, x, routed, tile):
-        from pieceworks.backends.moe import triton_kernels as mk
-
+        """The expert part as the backend runs it; a `tile` (sweeps): the Triton grouped GEMMs with it."""
         weights, ids = routed
         if self.backend.name == "cuda":
             return self.backend.experts(x, weights, ids, self.w)
-        blocks = num_aligned_blocks(ids.numel(), E, tile.block_m)
-        sorted_ids, expert_ids, num_post = mk.align_gpu(ids, E, tile.block_m, blocks)
-        w = self.w
-        return mk.fused_moe(x, w.w13, w.w13_scale, w.w13_scale_2, w.w2, w.w2_scale, w.w2_scale_2,
-                            weights, sorted_ids, expert_ids, num_post, TOPK, tile)
+        return self.backend.experts(x, weights, ids, self.w, tile)
 
     def route(self, logits):
         w, ids = deepseek_route(logits, self.bias, TOPK, GROUPS, TOPK_GROUP, True, SCALE)
@@ -211,6 +210,8 @@ def main() -> None:
     parser.add_argument("--sweep-t", help="comma-separated tuning Ts to sweep (default: all buckets)")
     parser.add_argument("--tokens", help="comma-separated Ts to benchmark (default: %s)" % TOKENS)
     parser.add_argument("--backend", default="triton", choices=("triton", "cuda"))
+    parser.add_argument("--cuda-moe-max-t", type=int, default=None,
+                        help="moe.triton's backends.options.triton.cuda_moe_max_t (default: the option's default)")
     parser.add_argument("--pdl", default="off", choices=("auto", "on", "off"),
                         help="programmatic dependent launch of the Triton kernels (runtime.pdl; default off: "
                              "each call timed on its own, as the bf16 baseline)")
@@ -224,7 +225,7 @@ def main() -> None:
         return
     gen = torch.Generator("cuda").manual_seed(0)
     t0 = time.time()
-    bench = Bench(gen, args.backend)
+    bench = Bench(gen, args.backend, args.cuda_moe_max_t)
     print(f"weights ready in {time.time() - t0:.1f}s; {torch.cuda.memory_allocated() / 1e9:.1f} GB", flush=True)
     if args.sweep and args.backend == "cuda":
         raise SystemExit("--sweep tunes the Triton MoE's tiles; the cuda backend has none")
@@ -240,13 +241,14 @@ def main() -> None:
     results = []
     for t in [int(v) for v in args.tokens.split(",")] if args.tokens else TOKENS:
         sets = draws(t, gen, DRAWS if t <= 256 else 2)
-        tile = bench.backend.tile(t) if args.backend == "triton" else TileConfig()
+        cuda_path = args.backend == "cuda" or t <= bench.backend.options.cuda_moe_max_t
+        tile = bench.backend.tile(t) if not cuda_path else None
         touched = []
         for _, logits in sets:
             touched.append(int(bench.route(logits)[1].unique().numel()))
         nbytes = sum(touched) / len(touched) * EXPERT_BYTES + 2 * t * H * 2
         t_full = bench.time_full(sets)
-        t_exp = bench.time_experts(t, tile, sets)
+        t_exp = bench.time_experts(t, None, sets)
         flops = 2 * t * TOPK * 3 * H * I
         a = torch.randn(t * TOPK, H, device="cuda", dtype=torch.bfloat16, generator=gen)
         b1 = torch.randn(2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -257,7 +259,7 @@ def main() -> None:
                    experts_us=t_exp * 1e6, touched_gb=nbytes / 1e9,
                    full_hbm_frac=nbytes / t_full / HBM, experts_hbm_frac=nbytes / t_exp / HBM,
                    tflops=flops / t_full / 1e12, dense_bf16_us=t_dense * 1e6, backend=args.backend,
-                   tile=dataclasses.asdict(tile) if args.backend == "triton" else None)
+                   path="cuda" if cuda_path else "triton", tile=dataclasses.asdict(tile) if tile else None)
         results.append(row)
         print(f"T={t:6d} experts {row['experts_touched']:6.1f}  full {row['full_us']:9.1f} us "
               f"({100 * row['full_hbm_frac']:3.0f}% of 4.24 TB/s over touched)  experts-only "

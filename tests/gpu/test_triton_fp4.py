@@ -347,13 +347,26 @@ def run_moe(backend, x, logits, bias, w, routing):
                            routing["topk_group"], routing["renormalize"], routing["routed_scaling_factor"])
 
 
-def moe_error(tokens: int, experts: int, table=None, inter: int = 384) -> float:
-    """Relative error of the Triton MoE (its shipped table, or `table`) against the torch reference on
-    random experts, tokens and routing."""
+def moe_backend(path: str = "cuda") -> TritonMoEBackend:
+    """The Triton MoE; path "cuda": up to 64 tokens (the default) with the CUDA decode kernel's MoE modes on its k32
+    experts, "triton": every T on the Triton grouped GEMMs (cuda_moe_max_t 0)."""
+    reason = cuda_decode_reason(torch.empty(1, device=DEV, dtype=torch.bfloat16))
+    if path == "cuda" and reason:
+        pytest.skip(f"the CUDA decode kernel does not run here: {reason}")
+    return TritonMoEBackend(spec(), TritonTileOptions(cuda_moe_max_t=64 if path == "cuda" else 0))
+
+
+def with_moe_path(ts, limit: int = 64):
+    """(tokens, path) cases: both paths where T <= limit, else triton only."""
+    return [(t, p) for t in ts for p in (("cuda", "triton") if t <= limit else ("triton",))]
+
+
+def moe_error(tokens: int, experts: int, table=None, inter: int = 384, path: str = "triton", h: int = 1024) -> float:
+    """Relative error of the Triton MoE (its shipped table, or `table`; `path` as in `moe_backend`) against the
+    torch reference on random experts, tokens and routing."""
     gen = torch.Generator(DEV).manual_seed(tokens)
-    h = 1024
     w = random_moe(experts, h, inter, gen)
-    backend = TritonMoEBackend(spec())
+    backend = moe_backend(path)
     if table is not None:
         backend.table = parse_table(table)
     prepared = backend.prepare(w)
@@ -364,15 +377,22 @@ def moe_error(tokens: int, experts: int, table=None, inter: int = 384) -> float:
     return rel_err(y, run_moe(TorchMoEBackend(spec()), x, logits, bias, w, ROUTING))
 
 
-@pytest.mark.parametrize("tokens", [1, 4, 7, 64, 300, 2000])
-def test_moe_matches_reference(tokens):
-    assert moe_error(tokens, 32) < TOL
+@pytest.mark.parametrize("tokens,path", with_moe_path([1, 4, 7, 64, 65, 300, 2000]))
+def test_moe_matches_reference(tokens, path):
+    assert moe_error(tokens, 32, path=path) < TOL
 
 
-@pytest.mark.parametrize("tokens", [1, 40, 300])
-def test_moe_intermediate_not_a_multiple_of_64(tokens):
-    """I = 208: the backend's prepare pads the gate and up halves to 256 rows each (zero rows between them)."""
-    assert moe_error(tokens, 16, inter=208) < TOL
+@pytest.mark.parametrize("tokens,path", with_moe_path([1, 40, 300]))
+def test_moe_intermediate_not_a_multiple_of_64(tokens, path):
+    """I = 208: the backend's prepare pads the gate and up halves to 256 rows each (zero rows between them);
+    the CUDA path's down GEMM reads h up to w2's padded K (512), zero past 256."""
+    assert moe_error(tokens, 16, inter=208, path=path) < TOL
+
+
+@pytest.mark.parametrize("tokens,path", with_moe_path([1, 9]))
+def test_moe_hidden_not_a_multiple_of_512(tokens, path):
+    """H = 576: the experts' K is padded to 1024 (the CUDA path pads x to it) and w2's rows to 640."""
+    assert moe_error(tokens, 16, inter=128, path=path, h=576) < TOL
 
 
 @pytest.mark.parametrize("perm_k", [False, True])
@@ -381,17 +401,18 @@ def test_moe_eight_row_tiles(tokens, perm_k):
     """The 8-row decode tile of the grouped GEMMs with and without perm_k, whatever MOE_TILES ships."""
     table = [dict(max_m=None, block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=3, w_as_a=True,
                   one_dot=False, perm_k=perm_k)]
-    assert moe_error(tokens, 16, table) < TOL
+    assert moe_error(tokens, 16, table) < TOL  # path "triton": the table's tiles at every T
 
 
-@pytest.mark.parametrize("tokens", [3, 333])  # 3: the 8-row decode tile
+@pytest.mark.parametrize("tokens,path", with_moe_path([3, 20, 333]))  # 3: the 8-row decode tile
 @pytest.mark.parametrize("top_k", [1, 4])
-def test_moe_skewed_routing(top_k, tokens):
-    """Every token picks the same experts (one expert holds all rows with top_k=1); the rest get none."""
+def test_moe_skewed_routing(top_k, tokens, path):
+    """Every token picks the same experts (one expert holds all rows with top_k=1; at 20 tokens the CUDA path
+    reads it in three blocks of 8 pairs); the rest get none."""
     gen = torch.Generator(DEV).manual_seed(top_k)
     e, h, inter = 16, 512, 256
     w = random_moe(e, h, inter, gen)
-    backend = TritonMoEBackend(spec())
+    backend = moe_backend(path)
     prepared = backend.prepare(w)
     x = torch.randn(tokens, h, device=DEV, dtype=torch.bfloat16, generator=gen)
     logits = torch.randn(tokens, e, device=DEV, generator=gen) * 0.1
@@ -459,11 +480,31 @@ def test_gpu_align_matches_torch_align(tokens, block_m):
     assert torch.equal(pair_expert, block_expert), "pair in its expert's block"
 
 
-def test_moe_cuda_graph_replay_matches_eager():
+@pytest.fixture
+def pdl_switch():
+    """Sets the process-wide PDL switch for one test (True / False) and restores it after."""
+    from pieceworks.backends import pdl
+
+    old = pdl._enabled
+
+    def set_to(on: bool) -> None:
+        if on and pdl.unsupported_reason(DEV):
+            pytest.skip(pdl.unsupported_reason(DEV))
+        pdl._enabled = on
+
+    yield set_to
+    pdl._enabled = old
+
+
+@pytest.mark.parametrize("use_pdl", [False, True])
+@pytest.mark.parametrize("tokens,path", [(1, "cuda"), (16, "cuda"), (16, "triton")])
+def test_moe_cuda_graph_replay_matches_eager(tokens, path, use_pdl, pdl_switch):
+    """New inputs and routing copied in before the replay; the CUDA path's kernels with and without PDL."""
     gen = torch.Generator(DEV).manual_seed(5)
-    e, h, inter, tokens = 32, 1024, 384, 16
-    w = TritonMoEBackend(spec()).prepare(random_moe(e, h, inter, gen))
-    backend = TritonMoEBackend(spec())
+    e, h, inter = 32, 1024, 384
+    backend = moe_backend(path)
+    w = backend.prepare(random_moe(e, h, inter, gen))
+    pdl_switch(use_pdl)
     x = torch.randn(tokens, h, device=DEV, dtype=torch.bfloat16, generator=gen)
     logits = torch.randn(tokens, e, device=DEV, generator=gen)
     bias = torch.randn(e, device=DEV, generator=gen) * 0.1

@@ -93,7 +93,7 @@ __device__ __forceinline__ void slot_mmas_k32(float (&acc)[NT][2][4], const Chun
 // 1 / rms applied in float32 in the epilogue (the unfused path rounds s / rms(s) to bf16 before the weight).
 // MINB (0: none): __launch_bounds__' minimum CTAs per SM, which caps the registers (two token tiles: 32 / W, 64
 // registers, so that the grid stays resident; decode_gemm asks for it only where it must).
-// L 0: the r16c64 layout (r16c64.py), chunks of 64 elements, nchunks per row group; L 1 (MOE 0 only): the k32
+// L 0: the r16c64 layout (r16c64.py), chunks of 64 elements, nchunks per row group; L 1: the k32
 // layout (k32.py: 64-row x 128-element tiles, 4 KB of codes and 512 bytes of scales each, in (row block, K
 // block) order), chunks of 128 elements = one tile's K, nchunks = Kp / 128; CTA b's rows are rows 16 (b & 3) ..
 // + 15 of row block b >> 2; lane (g, t) reads group t (16 bytes of codes, a 2-byte scale pair) of rows g and
@@ -110,8 +110,10 @@ __global__ void __launch_bounds__(W * 32, MINB) nvfp4_decode_gemm(
     const int* __restrict__ sids, const int* __restrict__ eids, const int* __restrict__ npost,
     const float* __restrict__ tw, int a_div, int gs_stride)
 {
-    static_assert(L == 0 || MOE == 0, "the MoE modes read r16c64 weights");
     constexpr int K32 = L;
+    // k32 MoE gate/up (the Triton MoE's layout, moe/triton.py): gate rows [0, Ip), up rows [Ip, 2Ip) of each
+    // expert; CTA b reads gate rows 8b .. 8b + 7 as its rows g and up rows Ip + 8b .. as its rows g + 8
+    constexpr bool HALVES = K32 && MOE == 1 && EPI == 1;
     constexpr bool XRING = NT == 1 && L == 0;  // x rides in the ring (k32: loaded just before its chunk)
     constexpr int CK = K32 ? 128 : 64;  // elements of K per chunk
     constexpr int CS = K32 ? 256 : 32;  // U4 of codes (and u16 of scales) from one chunk to the next
@@ -136,8 +138,8 @@ __global__ void __launch_bounds__(W * 32, MINB) nvfp4_decode_gemm(
         if (MOE == 1 && (int)blockIdx.y * NT * 8 >= *npost) return;
         // MOE passes the ids' stride as ldc (2: int64 ids)
         const size_t e = eids[(size_t)(MOE == 2 ? seg : blockIdx.y) * ldc];
-        codes += e * gridDim.x * nchunks * 32;
-        scales += e * gridDim.x * nchunks * 32;
+        codes += e * gridDim.x * nchunks * 32 * (K32 + 1);  // an expert: 16 gridDim.x rows x all of K
+        scales += e * gridDim.x * nchunks * 32 * (K32 + 1);
         gscale += e * gs_stride;
         if (MOE == 2) pair_scale = tw[seg] * *gscale * 16384.0f;
     }
@@ -145,8 +147,11 @@ __global__ void __launch_bounds__(W * 32, MINB) nvfp4_decode_gemm(
     auto orow = [&](int token) { return (size_t)(MOE == 1 ? bids[token] : token); };  // its output row
     const int c_begin = MOE == 2 ? (nchunks * wk) / wps : (nchunks * warp) / W;
     const int nc = (MOE == 2 ? (nchunks * (wk + 1)) / wps : (nchunks * (warp + 1)) / W) - c_begin;
-    const size_t chunk0 = K32 ? ((size_t)(blockIdx.x >> 2) * nchunks + c_begin) * 256 + (16 * (blockIdx.x & 3) + g) * 4 + t
+    const size_t chunk0 = HALVES ? ((size_t)(blockIdx.x >> 3) * nchunks + c_begin) * 256 + (8 * (blockIdx.x & 7) + g) * 4 + t
+                        : K32 ? ((size_t)(blockIdx.x >> 2) * nchunks + c_begin) * 256 + (16 * (blockIdx.x & 3) + g) * 4 + t
                             : ((size_t)blockIdx.x * nchunks + c_begin) * 32 + lane;
+    // from a lane's row g to its row g + 8 (U4 of codes, u16 of scales): 8 tile rows; HALVES: Ip / 64 row blocks
+    const size_t roff = HALVES ? (size_t)(gridDim.x >> 3) * nchunks * 256 : 32;
     const U4* cp = codes + chunk0;
     const u16* sp = scales + chunk0;
     // n-tile i serves tokens 8 i + g; tokens >= M read token M - 1's row (their results are not stored);
@@ -170,8 +175,8 @@ __global__ void __launch_bounds__(W * 32, MINB) nvfp4_decode_gemm(
         for (int e = 0; e < 4; ++e) acc[i][0][e] = acc[i][1][e] = 0.f;
 #define LOAD_W(B, C, P) do { \
         _Pragma("unroll") for (int r = 0; r <= K32; ++r) { \
-            ld_stream(buf[B].w[r], cp + (C) * CS + 32 * r, P); \
-            ld_scale(buf[B].s[r], sp + (C) * CS + 32 * r, P); \
+            ld_stream(buf[B].w[r], cp + (C) * CS + roff * r, P); \
+            ld_scale(buf[B].s[r], sp + (C) * CS + roff * r, P); \
         } \
     } while (0)
 #define LOAD_X(B, C, P) do { \
@@ -334,7 +339,7 @@ __global__ void __launch_bounds__(W * 32, MINB) nvfp4_decode_gemm(
             const int token = idx >> 3, j = idx & 7;  // output column blockIdx.x * 8 + j
             const int i = token >> 3, tk = token & 7;
             // rows 2j (gate) and 2j + 1 (up) of the CTA, token tk of n-tile i, in the `red` order
-            const int rg = 2 * j, ru = 2 * j + 1;
+            const int rg = HALVES ? j : 2 * j, ru = HALVES ? j + 8 : 2 * j + 1;
             const int ig = (4 * (rg & 7) + (tk >> 1)) * 4 + 2 * (rg >> 3) + (tk & 1);
             const int iu = (4 * (ru & 7) + (tk >> 1)) * 4 + 2 * (ru >> 3) + (tk & 1);
             float vg = 0.f, vu = 0.f;

@@ -100,11 +100,21 @@ class TritonTileOptions:
     decode tiles at M <= 8 on every Llama-3.1-8B and DeepSeek-V3 expert shape and not at M = 9..16 on all
     of them (docs/benchmarks.md, twenty-first session)."""
 
+    cuda_moe_max_t: int = 64
+    """The fused MoE (moe.triton) runs its experts for up to this many tokens with the CUDA decode kernel's
+    MoE modes on the same k32 experts (`moe.cuda.grouped_experts`) where it runs (as above); above it, the
+    Triton grouped GEMMs. 0: never. Each block of 8 (token, slot) pairs reads its expert once, so the CUDA
+    path suits decode batches (docs/benchmarks.md, twenty-second session)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.cuda_decode_max_m, bool) or not isinstance(self.cuda_decode_max_m, int) \
                 or not 0 <= self.cuda_decode_max_m <= 16:
             raise ValueError(f"backends.options.triton.cuda_decode_max_m={self.cuda_decode_max_m!r}: use 0 (never) "
                              "to 16 (the CUDA decode kernel's rows per launch)")
+        if isinstance(self.cuda_moe_max_t, bool) or not isinstance(self.cuda_moe_max_t, int) \
+                or not 0 <= self.cuda_moe_max_t <= 1024:
+            raise ValueError(f"backends.options.triton.cuda_moe_max_t={self.cuda_moe_max_t!r}: use 0 (never) to "
+                             "1024 tokens")
 
 
 def load_tile_table(path: str, option: str) -> tuple[TileConfig, ...]:

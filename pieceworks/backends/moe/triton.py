@@ -8,6 +8,11 @@ blocks past the routed rows exit on a device-side count: nothing syncs with the 
 capturable in FULL and PIECEWISE graphs. Expert weights are repacked once into the k32 layout of
 fp4_gemm/triton_k32.py.
 
+Decode steps of up to `backends.options.triton.cuda_moe_max_t` tokens (default 64) run the expert part with the
+CUDA decode kernel on the same k32 experts instead (`moe.cuda.grouped_experts`: gate/up with SwiGLU over
+expert-sorted blocks of 8 pairs, the down GEMM, the combine; one token's down GEMM and combine in one
+launch) where it runs: compute capability >= 9.0, NVRTC loadable, bf16 activations.
+
 This module imports torch only; triton is imported when a kernel is first launched.
 """
 
@@ -20,6 +25,7 @@ from pieceworks.backends.fp4_gemm.triton import (
     TRITON_REQUIREMENTS,
     TileConfig,
     TritonTileOptions,
+    cuda_decode_reason,
     load_tile_table,
     parse_table,
     select_tile,
@@ -116,18 +122,29 @@ class TritonMoEBackend(MoEBackend):
 
     def forward(self, x, router_logits, correction_bias, w, top_k, num_expert_group, topk_group,
                 renormalize, routed_scaling_factor):
-        from pieceworks.backends.moe import triton_kernels
-
         if x.shape[0] == 0:
             return torch.empty_like(x)
         weights, ids = route(router_logits, correction_bias, top_k, num_expert_group, topk_group,
                              renormalize, routed_scaling_factor)
+        return self.experts(x, weights.contiguous(), ids, w)
+
+    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w: MoEWeights,
+                tile: TileConfig | None = None) -> torch.Tensor:
+        """Sort, both grouped GEMMs and the combine for routed pairs (topk_weights float32 [T, top_k]): up to
+        `cuda_moe_max_t` tokens with the CUDA decode kernel on these k32 experts where it runs
+        (`moe.cuda.grouped_experts`), else the Triton kernels with `tile` (None: the table's for T)."""
+        from pieceworks.backends.moe import triton_kernels
+
+        if tile is None and x.shape[0] <= self.options.cuda_moe_max_t and cuda_decode_reason(x) is None:
+            from pieceworks.backends.moe.cuda import grouped_experts
+
+            return grouped_experts(x, topk_weights, topk_ids, w, "k32")
         num_experts = w.w13.shape[0]
-        tile = self.tile(x.shape[0])
-        num_blocks = num_aligned_blocks(ids.numel(), num_experts, tile.block_m)
-        sorted_ids, expert_ids, num_post = triton_kernels.align_gpu(ids, num_experts, tile.block_m,
+        tile = tile or self.tile(x.shape[0])
+        num_blocks = num_aligned_blocks(topk_ids.numel(), num_experts, tile.block_m)
+        sorted_ids, expert_ids, num_post = triton_kernels.align_gpu(topk_ids, num_experts, tile.block_m,
                                                                     num_blocks)
         return triton_kernels.fused_moe(
             x, w.w13, w.w13_scale, w.w13_scale_2, w.w2, w.w2_scale, w.w2_scale_2,
-            weights.contiguous(), sorted_ids, expert_ids, num_post, top_k, tile,
+            topk_weights, sorted_ids, expert_ids, num_post, topk_ids.shape[1], tile,
         )
