@@ -209,7 +209,7 @@ def test_k32_wrappers_and_triton_moe_option():
     with pytest.raises(ValueError, match=r"h must be bf16 \[top_k, 512\]"):
         cuda_kernels.moe_down_one_token(torch.zeros(2, 64, dtype=torch.bfloat16), p.w2, p.w2_scale,
                                         p.w2_scale_2, 128, eids, torch.ones(2), out[:1], 2, layout="k32")
-    assert TritonTileOptions().cuda_moe_max_t == 64
+    assert TritonTileOptions().cuda_moe_max_t == 128
     assert parse_options(TritonMoEBackend, {"cuda_moe_max_t": 0}).cuda_moe_max_t == 0
     for bad in (-1, 1025, True, 2.0, "8"):
         with pytest.raises(ValueError, match="cuda_moe_max_t"):

@@ -348,8 +348,8 @@ def run_moe(backend, x, logits, bias, w, routing):
 
 
 def moe_backend(path: str = "cuda") -> TritonMoEBackend:
-    """The Triton MoE; path "cuda": up to 64 tokens (the default) with the CUDA decode kernel's MoE modes on its k32
-    experts, "triton": every T on the Triton grouped GEMMs (cuda_moe_max_t 0)."""
+    """The Triton MoE; path "cuda": up to 64 tokens with the CUDA decode kernel's MoE modes on its k32 experts (the
+    default: 128), "triton": every T on the Triton grouped GEMMs (cuda_moe_max_t 0)."""
     reason = cuda_decode_reason(torch.empty(1, device=DEV, dtype=torch.bfloat16))
     if path == "cuda" and reason:
         pytest.skip(f"the CUDA decode kernel does not run here: {reason}")

@@ -39,6 +39,12 @@ per-slot prefetch 70, both slower where they left fewer warps resident: docs/ben
 session). On the H200 it takes 0.97-1.10x the r16c64 kernel's time at M = 1 and 1.16-1.26x at M = 8,
 where each x load's four pieces per token lie 64 bytes apart (two cache lines per token and instruction
 where r16c64 touches one): Nsight Compute shows its L1 74% busy against 53% on q/k/v at M = 8.
+
+The MoE modes take L 1 too (`moe.triton`'s decode steps, `cuda_moe_max_t`): an expert is 16 gridDim.x rows of
+k32 tiles, and the gate/up GEMM (HALVES) reads the Triton MoE's layout, gate rows [0, Ip) and up rows
+[Ip, 2Ip): CTA b's rows g are gate rows 8b + g and its rows g + 8 the up rows Ip + 8b + g, Ip / 64 row blocks
+further on, so the SwiGLU epilogue pairs rows j and j + 8 (r16c64: 2j and 2j + 1). 72 registers:
+`moe.cuda_kernels.resident_cap_moe` caps it at 64 where that keeps more CTAs resident.
 """
 
 from __future__ import annotations

@@ -100,11 +100,12 @@ class TritonTileOptions:
     decode tiles at M <= 8 on every Llama-3.1-8B and DeepSeek-V3 expert shape and not at M = 9..16 on all
     of them (docs/benchmarks.md, twenty-first session)."""
 
-    cuda_moe_max_t: int = 64
+    cuda_moe_max_t: int = 128
     """The fused MoE (moe.triton) runs its experts for up to this many tokens with the CUDA decode kernel's
     MoE modes on the same k32 experts (`moe.cuda.grouped_experts`) where it runs (as above); above it, the
     Triton grouped GEMMs. 0: never. Each block of 8 (token, slot) pairs reads its expert once, so the CUDA
-    path suits decode batches (docs/benchmarks.md, twenty-second session)."""
+    path suits decode batches: on the H200, one DeepSeek-V3 layer was faster with it from 1 to 128 tokens,
+    even at 192 and slower at 256 (docs/benchmarks.md, twenty-second session)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_decode_max_m, bool) or not isinstance(self.cuda_decode_max_m, int) \

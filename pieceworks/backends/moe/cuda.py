@@ -14,8 +14,9 @@ and PIECEWISE graphs.
 
 Each block of 8 pairs reads its expert's weights once, so an expert with c pairs is read ceil(c / 8) times:
 made for decode batches (docs/benchmarks.md has the measured range); the Triton MoE (priority 50) stays
-`auto`'s pick, `backends.moe: cuda` selects this one. Hidden and expert intermediate sizes must be
-multiples of 64 (DeepSeek-V3: 7168, 2048).
+`auto`'s pick, and runs its decode steps through the same code on its own k32 experts (`grouped_experts`
+with layout "k32", `backends.options.triton.cuda_moe_max_t`); `backends.moe: cuda` selects this one.
+Hidden and expert intermediate sizes must be multiples of 64 (DeepSeek-V3: 7168, 2048).
 """
 
 from __future__ import annotations

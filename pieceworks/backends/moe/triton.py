@@ -8,7 +8,7 @@ blocks past the routed rows exit on a device-side count: nothing syncs with the 
 capturable in FULL and PIECEWISE graphs. Expert weights are repacked once into the k32 layout of
 fp4_gemm/triton_k32.py.
 
-Decode steps of up to `backends.options.triton.cuda_moe_max_t` tokens (default 64) run the expert part with the
+Decode steps of up to `backends.options.triton.cuda_moe_max_t` tokens (default 128) run the expert part with the
 CUDA decode kernel on the same k32 experts instead (`moe.cuda.grouped_experts`: gate/up with SwiGLU over
 expert-sorted blocks of 8 pairs, the down GEMM, the combine; one token's down GEMM and combine in one
 launch) where it runs: compute capability >= 9.0, NVRTC loadable, bf16 activations.
