@@ -105,7 +105,7 @@ class TritonTileOptions:
     MoE modes on the same k32 experts (`moe.cuda.grouped_experts`) where it runs (as above); above it, the
     Triton grouped GEMMs. 0: never. Each block of 8 (token, slot) pairs reads its expert once, so the CUDA
     path suits decode batches: on the H200, one DeepSeek-V3 layer was faster with it from 1 to 128 tokens,
-    even at 192 and slower at 256 (docs/benchmarks.md, twenty-second session)."""
+    1-4% slower at 192 and 24-28% slower at 256 (docs/benchmarks.md, twenty-second session)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_decode_max_m, bool) or not isinstance(self.cuda_decode_max_m, int) \
