@@ -94,7 +94,8 @@ class TritonMoEBackend(MoEBackend):
     weight_formats = ("nvfp4",)
     weight_layout = "k32"
     Options = TritonTileOptions
-    description = "Triton w4a16 fused MoE: expert-sorted blocks, NVFP4 dequantized in registers"
+    description = ("Triton w4a16 fused MoE: expert-sorted blocks, NVFP4 dequantized in registers (T <= cuda_moe_max_t "
+                   "on sm_90+: the CUDA decode kernel's MoE modes on the same experts)")
 
     def __init__(self, spec, options=None) -> None:
         super().__init__(spec, options)
