@@ -234,3 +234,39 @@ def test_moe_register_cap_only_where_it_adds_resident_ctas():
     assert resident_cap_moe(Run(16), 2, 8192, 132) == 0  # 63 registers: the cap would add none
     assert resident_cap_moe(Run(14), 2, 1000, 132) == 0  # 8 per SM needed, 14 held
     assert resident_cap_moe(Run(3), 8, 448, 132) == 4  # 8-warp CTAs: at most 4 per SM under the cap
+
+
+def test_triton_moe_sends_decode_steps_to_the_cuda_path(monkeypatch):
+    """moe.triton's `experts`: T <= cuda_moe_max_t goes to `grouped_experts(..., "k32")` where the CUDA decode
+    kernel runs; larger T, an explicit tile (sweeps), option 0, or a reason (here: the CPU) go to the Triton
+    kernels. Both paths stubbed: this checks the choice, the GPU tests check the kernels."""
+    import sys
+    import types
+
+    from pieceworks.backends import moe as moe_pkg
+    from pieceworks.backends.fp4_gemm.triton import TritonTileOptions
+    from pieceworks.backends.moe import cuda as moe_cuda, triton as moe_triton
+
+    calls = []
+    monkeypatch.setattr(moe_cuda, "grouped_experts", lambda x, tw, ids, w, layout: calls.append(("cuda", layout)))
+    fake = types.SimpleNamespace(align_gpu=lambda ids, e, bm, nb: (None, None, None),
+                                 fused_moe=lambda *a: calls.append(("triton", a[-1].block_m)))
+    monkeypatch.setitem(sys.modules, "pieceworks.backends.moe.triton_kernels", fake)  # no triton needed
+    monkeypatch.setattr(moe_pkg, "triton_kernels", fake, raising=False)
+    _, p = _triton_prepared(4, 128, 64, 7)
+    spec = BackendSpec(device="cuda", capability=(9, 0))
+
+    def run(tokens, max_t, reason=None, tile=None):
+        monkeypatch.setattr(moe_triton, "cuda_decode_reason", lambda x: reason)
+        backend = moe_triton.TritonMoEBackend(spec, TritonTileOptions(cuda_moe_max_t=max_t))
+        calls.clear()
+        x = torch.zeros(tokens, 128, dtype=torch.bfloat16)
+        backend.experts(x, torch.ones(tokens, 2), torch.zeros(tokens, 2, dtype=torch.int32), p, tile)
+        return calls[0][0]
+
+    assert run(4, 4) == "cuda" and calls[0][1] == "k32"
+    assert run(5, 4) == "triton"
+    assert run(1, 0) == "triton"
+    assert run(1, 128, reason="the CUDA decode kernel runs on CUDA devices, not cpu") == "triton"
+    tile = moe_triton.TritonMoEBackend(spec).tile(1)
+    assert run(1, 128, tile=tile) == "triton" and calls[0][1] == tile.block_m
