@@ -270,3 +270,13 @@ def test_triton_moe_sends_decode_steps_to_the_cuda_path(monkeypatch):
     assert run(1, 128, reason="the CUDA decode kernel runs on CUDA devices, not cpu") == "triton"
     tile = moe_triton.TritonMoEBackend(spec).tile(1)
     assert run(1, 128, tile=tile) == "triton" and calls[0][1] == tile.block_m
+
+
+def test_grouped_experts_without_tokens_launches_nothing():
+    """Zero tokens: an empty result before any import of the kernels or launch (a grid with no blocks fails)."""
+    from pieceworks.backends.moe.cuda import grouped_experts
+
+    _, p = _triton_prepared(2, 128, 64, 8)
+    x = torch.zeros(0, 128, dtype=torch.bfloat16)
+    y = grouped_experts(x, torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.int32), p, "k32")
+    assert y.shape == (0, 128) and y.dtype == torch.bfloat16

@@ -114,6 +114,8 @@ def grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     the combine (one token: the down GEMM and the combine in one launch). `layout`: "r16c64" (`moe.cuda`'s
     prepared experts: gate/up rows interleaved) or "k32" (`moe.triton`'s: gate and up halves, K padded to
     512 and rows to 64 by `repack_k32`)."""
+    if x.shape[0] == 0:  # no launch: a grid with no blocks is a launch error
+        return torch.empty_like(x)
     from pieceworks.backends import pdl
     from pieceworks.backends.fp4_gemm.cuda import plan
     from pieceworks.backends.fp4_gemm.triton import multiprocessors
