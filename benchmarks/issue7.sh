@@ -5,7 +5,7 @@
 # experiments ran in the seventeenth and eighteenth sessions and are not repeated here):
 #   bash benchmarks/issue7.sh OUTDIR        (on the device: source .gpu/setup.sh first; OUTDIR=$OUT)
 # Writes OUTDIR/issue7.tar.gz (one file: the device tool returns a handful of files per call) holding
-# {gemm_off,gemm_on}/gemm_bench.{md,json}, {moe_off,moe_on,moe_cuda_on}/moe_bench.{md,json},
+# {gemm_off,gemm_on}/gemm_bench.{md,json}, {moe_off,moe_on,moe_cuda_on,moe_triton_on}/moe_bench.{md,json},
 # decode{512,4096}.{md,json}, profile_b1.txt, qkv_rope.md, cuda_gemm/cuda_decode_gemm.json,
 # decode512_cuda{,_fused_norm}.{md,json}, cuda_gemm_pdl/cuda_decode_gemm.json, read_ceiling{,_pdl}.txt,
 # timeline_b1.txt, and
@@ -23,6 +23,8 @@ step "MoE, PDL off and on"
 timeout 200 python benchmarks/moe.py --tokens 1,4,16,64 --out "$out/moe_off" | tail -6
 timeout 200 python benchmarks/moe.py --tokens 1,4,16,64 --pdl on --out "$out/moe_on" | tail -6
 timeout 200 python benchmarks/moe.py --backend cuda --tokens 1,4,16,64 --pdl on --out "$out/moe_cuda_on" | tail -6
+# the default moe.triton runs T <= cuda_moe_max_t (128) on the CUDA decode kernel: its Triton kernels alone
+timeout 200 python benchmarks/moe.py --cuda-moe-max-t 0 --tokens 1,4,16,64 --pdl on --out "$out/moe_triton_on" | tail -6
 B=(--quant nvfp4 --set cuda_graph.piecewise.enabled=off --extend '' --set backends.options.flashinfer.variant=fa2
    --decode 1,8,32 --decode-sizes 1,8,32)
 for ctx in 512 4096; do

@@ -2,7 +2,8 @@
 hidden 7168, moe_intermediate 2048.
 
     python benchmarks/moe.py --out DIR             # the shipped MoE tile table
-    python benchmarks/moe.py --sweep --out DIR     # try candidate tiles per token bucket first
+    python benchmarks/moe.py --sweep --out DIR     # try candidate tiles per token bucket first (add
+                                                   # --cuda-moe-max-t 0 to benchmark them at decode sizes too)
     python benchmarks/moe.py --backend cuda --out DIR   # the CUDA MoE (moe.cuda) instead
     python benchmarks/moe.py --cuda-moe-max-t 0 --out DIR   # moe.triton without its CUDA decode path
 

@@ -26,7 +26,8 @@ timeout 120 python benchmarks/fp4_gemm.py --sweep --sweep-m "$ms" --ms "$ms" --o
 grep -E "best|fp4 |FAILED|WRONG" "$out/gemm.log"
 if [ "$ts" != - ]; then
     step "MoE sweep, tuning T = $ts"
-    timeout 150 python benchmarks/moe.py --sweep --sweep-t "$ts" --tokens 1,4,16,64 --out "$out/m" \
+    # --cuda-moe-max-t 0: benchmark the swept Triton tiles (by default T <= 128 runs the CUDA decode path)
+    timeout 150 python benchmarks/moe.py --sweep --sweep-t "$ts" --tokens 1,4,16,64 --cuda-moe-max-t 0 --out "$out/m" \
         > "$out/moe.log" 2>&1 || failed $? "$out/moe.log"
     grep -E "best|^T=|FAILED|WRONG" "$out/moe.log"
 fi
