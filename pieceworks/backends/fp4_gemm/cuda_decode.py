@@ -10,7 +10,7 @@ from functools import lru_cache
 
 import torch
 
-from pieceworks.backends.fp4_gemm.cuda_decode_kernel import SOURCE
+from pieceworks.backends.fp4_gemm.cuda_decode_kernel import SOURCE, instance
 from pieceworks.backends.fp4_gemm.r16c64 import CHUNK
 from pieceworks.backends.fp4_gemm.triton import multiprocessors
 from pieceworks.backends.nvrtc import kernel
@@ -109,13 +109,12 @@ def decode_gemm(x, codes, scales, gscale, n: int, warps: int = 8, depth: int = 2
         if parts.shape != (m, rg) or parts.dtype != torch.float32 or not parts.is_contiguous():
             raise ValueError(f"decode_gemm: the partials must be contiguous float32 [{m}, {rg}]")
         epi, out_args = 4, [nw, t, t.stride(0), parts]
-    name = f"nvfp4_decode_gemm<{warps}, {depth}, {nt}, {epi}, {int(prenormed is not None)}, 0"
-    tail = f", 0, {lcode}>" if lcode else ">"
-    run = kernel(SOURCE, name + tail, x.device)
+    args = (warps, depth, nt, epi, int(prenormed is not None), 0)
+    run = kernel(SOURCE, instance(*args, layout=lcode), x.device)
     if nt == 2:  # two token tiles: cap the registers where the grid would not stay resident
         cap = resident_cap(run, warps, rg, multiprocessors(x.device)) if min_blocks is None else min_blocks
         if cap:
-            run = kernel(SOURCE, f"{name}, {cap}" + (f", {lcode}>" if lcode else ">"), x.device)
+            run = kernel(SOURCE, instance(*args, minb=cap, layout=lcode), x.device)
     run(
         (rg, 1, 1), (warps * 32, 1, 1),
         [codes, scales, x, out, gscale, m, n, ch, x.stride(0), out.stride(0), *rope_args, *norm_args, *res_args,

@@ -51,6 +51,14 @@ from __future__ import annotations
 
 from pieceworks.backends.fp4_gemm.cuda_device import DEVICE_HELPERS
 
+
+def instance(warps: int, depth: int, nt: int, epi: int, norm: int, moe: int, minb: int = 0, layout: int = 0) -> str:
+    """The name NVRTC compiles for template arguments (W, D, NT, EPI, NORM, MOE, MINB, L), the defaulted
+    trailing ones left out where zero (so each instance has one name, and one disk-cache entry)."""
+    args = [warps, depth, nt, epi, norm, moe] + ([minb] if minb or layout else []) + ([layout] if layout else [])
+    return f"nvfp4_decode_gemm<{', '.join(str(a) for a in args)}>"
+
+
 SOURCE = DEVICE_HELPERS + r"""
 // A chunk in flight: L 0 (r16c64): 64 elements of K, one code vector and one scale pair per lane; L 1 (k32): 128
 // elements, rows g and g + 8 one code vector and one scale pair each.

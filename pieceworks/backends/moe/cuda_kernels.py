@@ -6,9 +6,12 @@ top-k combine in one launch. Imports torch only; NVRTC compiles an instance on i
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
-from pieceworks.backends.fp4_gemm.cuda_decode_kernel import SOURCE
+from pieceworks.backends.fp4_gemm.cuda_decode import resident_cap
+from pieceworks.backends.fp4_gemm.cuda_decode_kernel import SOURCE, instance
 from pieceworks.backends.fp4_gemm.r16c64 import CHUNK
 from pieceworks.backends.fp4_gemm.triton import multiprocessors
 from pieceworks.backends.nvrtc import kernel
@@ -31,15 +34,16 @@ def expert_geometry(codes: torch.Tensor, layout: str) -> tuple[int, int, int]:
     raise ValueError(f"layout={layout!r}: use one of {sorted(LAYOUTS)}")
 
 
+@lru_cache(maxsize=None)
 def resident_cap_moe(run, warps: int, ctas: int, sms: int) -> int:
-    """The MINB (`__launch_bounds__`' CTAs per SM) to compile a grouped GEMM of `ctas` CTAs of `warps` warps
-    with: 0 (none) where the registers ptxas picks already let an SM hold as many CTAs as the grid needs per
-    SM or as a 64-register cap would (32 / warps), else that many. On the H200 the k32 gate/up instance takes
+    """`cuda_decode.resident_cap`'s MINB (`__launch_bounds__`' CTAs per SM) for a grouped GEMM of `ctas` CTAs,
+    but 0 (none) also where the registers ptxas picks already let an SM hold that many CTAs (a large grid
+    is never all resident; a cap there would only recompile it). On the H200 the k32 gate/up instance takes
     72 registers (14 two-warp CTAs per SM); capped at 64 (16 per SM, no spills) a one-token step's 2048 CTAs
     are all resident, and the whole one-token MoE layer took 58.8-60.2 us instead of 70.8 (docs/benchmarks.md,
     twenty-second session). The r16c64 and k32 down instances (55-63 registers) are left as compiled."""
-    want = min(-(-ctas // sms), max(1, 32 // warps))
-    return 0 if run.resident_blocks(warps * 32) >= want else want
+    cap = resident_cap(run, warps, ctas, sms)
+    return 0 if run.resident_blocks(warps * 32) >= cap else cap
 
 
 def _ids_as_int32(ids: torch.Tensor, what: str, shape=None) -> tuple[torch.Tensor, int]:
@@ -81,12 +85,11 @@ def moe_gemm(x, codes, scales, gscale, n: int, sorted_ids, expert_ids, num_post,
     if sorted_ids.shape[0] != blocks * 8:
         raise ValueError("moe_gemm: sorted_ids must hold 8 pair ids per block")
     expert_ids, e_stride = _ids_as_int32(expert_ids, "moe_gemm: expert_ids")
-    name = f"nvfp4_decode_gemm<{warps}, {depth}, 1, {int(swiglu)}, 0, 1"
-    tail = f", {LAYOUTS[layout]}>" if LAYOUTS[layout] else ">"
-    run = kernel(SOURCE, name + (", 0" + tail if LAYOUTS[layout] else tail), x.device)
+    args = (warps, depth, 1, int(swiglu), 0, 1)
+    run = kernel(SOURCE, instance(*args, layout=LAYOUTS[layout]), x.device)
     cap = resident_cap_moe(run, warps, rg * blocks, multiprocessors(x.device))
     if cap:
-        run = kernel(SOURCE, f"{name}, {cap}{tail}", x.device)
+        run = kernel(SOURCE, instance(*args, minb=cap, layout=LAYOUTS[layout]), x.device)
     tw = gscale if swiglu else topk_weights
     run(
         (rg, blocks, 1), (warps * 32, 1, 1),
@@ -117,9 +120,7 @@ def moe_down_one_token(h, codes, scales, gscale, n: int, topk_ids, topk_weights,
     if topk_weights.shape != (top_k,) or topk_weights.dtype != torch.float32 or gscale.shape != (e,):
         raise ValueError("moe_down_one_token: topk_weights float32 [top_k] and gscale float32 [E] expected")
     gscale = gscale.contiguous()
-    name = f"nvfp4_decode_gemm<{warps}, {depth}, 1, 0, 0, 2"
-    name += f", 0, {LAYOUTS[layout]}>" if LAYOUTS[layout] else ">"
-    kernel(SOURCE, name, h.device)(
+    kernel(SOURCE, instance(warps, depth, 1, 0, 0, 2, layout=LAYOUTS[layout]), h.device)(
         (rg, 1, 1), (warps * 32, 1, 1),
         [codes, scales, h, out, gscale, top_k, n, ch, h.stride(0), out.stride(0), gscale, gscale,
          e_stride, 0, 0, 1,  # ldc = the expert ids' stride
