@@ -68,6 +68,10 @@ def test_plan_keeps_the_grid_resident():
     assert plan(16, 132) == (16, 2)
     assert plan(7168, 132) == (8, 2)  # 448 CTAs
     assert plan(16 * 132 * 64, 132) == (2, 2)  # more than fit: the fewest warps
+    # the k32 reading's two token tiles count 24 warps per SM: q/k/v, o, down and the expert gate_up 8 warps,
+    # the expert down 4, gate_up 2 (the fastest of 2 / 4 / 8 / 16 at M = 16 on the H200)
+    from pieceworks.backends.fp4_gemm.cuda import K32_TWO_TILE_WARPS_PER_SM as k32
+    assert [plan(n, 132, k32)[0] for n in (6144, 4096, 28672, 7168)] == [8, 8, 2, 4]
 
 
 class _Occupancy:
@@ -203,10 +207,11 @@ def test_k32_lane_addresses_give_the_fragments_the_kernel_multiplies():
     """The k32 mode's addressing (cuda_decode_kernel.py, L 1), followed in torch on `repack_k32`'s bytes: lane
     (g, t) of CTA b reads, for K block kb, the 16-byte vector at U4 index ((b >> 2) * nchunks + kb) * 256 +
     (16 (b & 3) + g) * 4 + t (+ 32 for row g + 8) and the 2-byte scale pair at the same u16 index; slot J of its
-    word p must be the codes of that row's elements 128 kb + 32 t + 8 J + 2 p and + 1 (low and high unit), and
-    the pair's low / high byte the scales of blocks 8 kb + 2 t / + 1 (slots 0, 1 / 2, 3). Together with x
-    elements 32 t + 8 J + 2 p, + 1 as the B halves, every mma k slot pairs a weight with its own x element."""
-    from pieceworks.backends.fp4_gemm.k32 import decode_slots, repack_k32
+    word p must be the codes of that row's elements 128 kb + e and e + 1 (low and high unit), e = 64 (J >> 1) +
+    16 t + 8 (J & 1) + 2 p, and the pair's low / high byte the scales of blocks 8 kb + t / + t + 4 (slots 0, 1 /
+    2, 3). The kernel reads x for slot J at 16 t + 64 (J >> 1) + 8 (J & 1) (its xp and LOAD_X offsets), whose
+    elements 2 p, 2 p + 1 are the B halves: every mma k slot pairs a weight with its own x element."""
+    from pieceworks.backends.fp4_gemm.k32 import decode_slots, element_of, repack_k32
 
     gen = torch.Generator().manual_seed(21)
     n, k = 128, 384  # two row blocks, three K blocks (Kp = 512: a fourth, all padding)
@@ -230,12 +235,13 @@ def test_k32_lane_addresses_give_the_fragments_the_kernel_multiplies():
                         slots = decode_slots(units)
                         for j in range(4):
                             for p in range(4):
-                                e = 128 * kb + 32 * t + 8 * j + 2 * p
+                                e = 128 * kb + 16 * t + 64 * (j >> 1) + 8 * (j & 1) + 2 * p  # the kernel's x
+                                assert e == 128 * kb + element_of(t, j, 2 * p)
                                 assert int(slots[j][2 * p]) == int(ref[row, e])
                                 assert int(slots[j][2 * p + 1]) == int(ref[row, e + 1])
                         pair = sflat[2 * idx : 2 * idx + 2]
-                        assert int(pair[0]) == int(ref_s[row, 8 * kb + 2 * t])
-                        assert int(pair[1]) == int(ref_s[row, 8 * kb + 2 * t + 1])
+                        assert int(pair[0]) == int(ref_s[row, 8 * kb + t])
+                        assert int(pair[1]) == int(ref_s[row, 8 * kb + t + 4])
                         checked += 1
     assert checked == (n // 16) * nchunks * 64
 
@@ -264,7 +270,7 @@ def test_triton_backend_cuda_decode_option_and_reasons():
     from pieceworks.backends.base import parse_options
     from pieceworks.backends.fp4_gemm.triton import TritonFp4GemmBackend, TritonTileOptions, cuda_decode_reason
 
-    assert TritonTileOptions().cuda_decode_max_m == 8
+    assert TritonTileOptions().cuda_decode_max_m == 16
     assert parse_options(TritonFp4GemmBackend, {"cuda_decode_max_m": 0}).cuda_decode_max_m == 0
     for bad in (-1, 17, True, 4.0, "8"):
         with pytest.raises(ValueError, match="cuda_decode_max_m"):

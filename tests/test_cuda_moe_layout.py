@@ -122,12 +122,21 @@ def _triton_prepared(experts, hidden, inter, seed):
 
 
 def _lane_rows(flat, sflat, idx):
-    """The codes (32 elements, k32 group order undone) and scale pair a lane reads at U4 / u16 index idx."""
+    """The codes (32, slot-major: slot j of unit u at 8 j + u) and scale pair a lane reads at U4 / u16 index idx."""
     from pieceworks.backends.fp4_gemm.k32 import decode_slots
 
     vec = flat[16 * idx : 16 * idx + 16].to(torch.int32)
-    slots = decode_slots(vec[0::2] | (vec[1::2] << 8))  # unit u holds elements 8 j + u of slot j
+    slots = decode_slots(vec[0::2] | (vec[1::2] << 8))
     return torch.stack(slots).flatten(), sflat[2 * idx : 2 * idx + 2]
+
+
+def _group_elements(kb, t):
+    """The elements of K that `_lane_rows`' 32 codes are, for group t of K block kb (`k32.element_of`), and its
+    two blocks (scale pair: block t, block t + 4)."""
+    from pieceworks.backends.fp4_gemm.k32 import element_of
+
+    elements = torch.tensor([128 * kb + element_of(t, j, u) for j in range(4) for u in range(8)])
+    return elements, torch.tensor([8 * kb + t, 8 * kb + t + 4])
 
 
 @pytest.mark.parametrize("inter", [64, 80])  # 80: each half padded to 128 rows
@@ -156,11 +165,10 @@ def test_k32_gate_up_halves_addressing(inter):
                         col = 8 * b + g
                         for half, row in ((0, col), (1, inter + col)):
                             codes, pair = _lane_rows(flat, sflat, idx + half * (rg >> 3) * nchunks * 256)
-                            want = ref[e, row, 128 * kb + 32 * t : 128 * kb + 32 * t + 32] if col < inter \
-                                else torch.zeros(32, dtype=torch.uint8)
+                            elements, blocks = _group_elements(kb, t)
+                            want = ref[e, row, elements] if col < inter else torch.zeros(32, dtype=torch.uint8)
                             assert torch.equal(codes.to(torch.uint8), want), (e, b, kb, g, t, half)
-                            want_s = ref_s[e, row, 8 * kb + 2 * t : 8 * kb + 2 * t + 2] if col < inter \
-                                else torch.zeros(2, dtype=torch.uint8)
+                            want_s = ref_s[e, row, blocks] if col < inter else torch.zeros(2, dtype=torch.uint8)
                             assert torch.equal(pair, want_s)
 
 
@@ -183,7 +191,7 @@ def test_k32_down_expert_offsets():
                         for half in (0, 1):
                             codes, _ = _lane_rows(flat, sflat, idx + 32 * half)
                             row = 64 * (b >> 2) + 16 * (b & 3) + g + 8 * half
-                            assert torch.equal(codes.to(torch.uint8), ref[e, row, 128 * kb + 32 * t : 128 * kb + 32 * t + 32])
+                            assert torch.equal(codes.to(torch.uint8), ref[e, row, _group_elements(kb, t)[0]])
 
 
 def test_k32_wrappers_and_triton_moe_option():

@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason="triton is not installed (the CI test extra
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# (M, N, K, BLOCK_K, ONE_DOT, TWO_ACC, W_AS_A, seed): N never a multiple of the 32-row tile; K = 336 and
+# (M, N, K, BLOCK_K, ONE_DOT, TWO_ACC, W_AS_A, seed[, PERM_K]): N never a multiple of the 32-row tile; K = 336 and
 # 4112 leave x masked past K (EVEN_K off); BLOCK_K 128 and 256 step one and two storage tiles.
 CASES = [
     (5, 48, 192, 128, False, False, True, 1),
@@ -26,6 +26,8 @@ CASES = [
     (16, 40, 512, 256, True, False, True, 4),
     (11, 56, 512, 256, False, False, False, 5),
     (7, 72, 4112, 256, False, True, True, 6),
+    (6, 40, 768, 256, False, False, True, 7, True),  # perm_k: x gathered in quad_k's order
+    (8, 64, 4112, 256, False, True, True, 8, True),
 ]
 
 

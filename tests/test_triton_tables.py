@@ -12,11 +12,16 @@ import torch
 from pieceworks.backends.base import BackendSpec, parse_options
 from pieceworks.backends.fp4_gemm.k32 import (
     SLOT_BITS,
+    element_of,
+    group_slots,
+    pair_scales,
     quad_k_units,
     repack_k32,
     tile_k32,
     unpack_k32,
+    unpair_scales,
     untile_k32,
+    ungroup_slots,
 )
 from pieceworks.backends.fp4_gemm.triton import (
     TileConfig,
@@ -204,8 +209,9 @@ def test_split_k_balanced_over_multiprocessors():
 
 
 def scale_rows(s: torch.Tensor, n: int) -> torch.Tensor:
-    """Repacked scales in row-major order, the padding rows dropped."""
-    return untile_k32(s)[..., :n, :]
+    """Repacked scales in row-major block order, the padding rows dropped."""
+    rows = untile_k32(s)
+    return unpair_scales(rows.reshape(-1, rows.shape[-1])).view(rows.shape)[..., :n, :]
 
 
 @pytest.mark.parametrize("n,k", [(1, 16), (3, 32), (5, 48), (8, 4096), (7, 4112), (64, 512), (130, 1008)])
@@ -219,9 +225,35 @@ def test_repack_roundtrip_and_padding(n, k):
     assert torch.equal(unpack_k32(w, k, n), nvfp4.unpack(packed))
     codes = unpack_k32(w, kp)
     assert not codes[:n, k:].any() and not codes[n:].any()  # K and row padding: zero codes
-    s_rows = untile_k32(s)
+    s_rows = scale_rows(s, np_)
     assert torch.equal(s_rows[:n, : k // 16].view(torch.uint8), scale.view(torch.uint8))
     assert not s_rows[:n, k // 16 :].float().any() and not s_rows[n:].float().any()
+
+
+def test_k32_groups_hold_blocks_t_and_t_plus_4():
+    """Group t of a 128-element tile: slots 0 / 1 are block t (elements 16 t + 8 j + u), slots 2 / 3 block
+    t + 4 (64 + 16 t + 8 (j - 2) + u), so that an x load for one slot, across a quad's four groups (the CUDA
+    decode kernel's lanes t = 0..3), stays in one 128-byte line of x; scale pair t is (block t, block t + 4)."""
+    seen = set()
+    for t in range(4):
+        for j in range(4):
+            run = [element_of(t, j, u) for u in range(8)]
+            assert run == list(range(run[0], run[0] + 8))  # 8 contiguous elements per slot
+            assert run[0] // 16 == (t if j < 2 else t + 4)  # one block: the pair's low / high byte
+            seen.update(run)
+    for j in range(4):
+        starts = [element_of(t, j, 0) for t in range(4)]
+        assert starts[0] // 64 == (max(starts) + 7) // 64  # the same 64 elements (128 bytes) of x
+    assert seen == set(range(128))
+    codes = torch.arange(3 * 256, dtype=torch.int32).view(3, 256)
+    slots = group_slots(codes)
+    assert [int(slots[j][1, 5, u]) for j in range(4) for u in (0, 7)] == [
+        256 + 128 + element_of(1, j, u) for j in range(4) for u in (0, 7)]
+    assert torch.equal(ungroup_slots(torch.stack(slots, dim=2)), codes)
+    blocks = torch.arange(2 * 16, dtype=torch.uint8).view(2, 16)
+    paired = pair_scales(blocks)
+    assert paired[1].tolist() == [16, 20, 17, 21, 18, 22, 19, 23, 24, 28, 25, 29, 26, 30, 27, 31]
+    assert torch.equal(unpair_scales(paired), blocks)
 
 
 def test_tiled_storage_order():
@@ -357,7 +389,7 @@ def test_decode_bit_math_matches_reference_dequantize():
     scale[6, 3] = -scale[6, 3].float()  # a negative scale: the repack moves its sign into the codes
     scale[7, 1] = -0.0
     w, s = repack_k32(packed, scale)
-    w, s = untile_k32(w)[:n], scale_rows(s, n)  # row-major: the decode does not depend on the storage order
+    w, s = untile_k32(w)[:n], untile_k32(s)[:n]  # row-major: the decode does not depend on the storage order
     word = w.contiguous().view(torch.int32).long() & 0xFFFFFFFF  # [n, k/8]: units 2q, 2q+1
     full = 0xFFFFFFFF
     patterns = (
@@ -366,7 +398,7 @@ def test_decode_bit_math_matches_reference_dequantize():
         ((word << 6) & full) & 0x81C081C0,
         ((((word & 0x6C006C00) >> 7) * 2081) & full) & 0x81C081C0,
     )
-    s_a, s_b = scale_multipliers(s.contiguous().view(torch.int16))  # [n, k/32] each: scales 2g and 2g + 1
+    s_a, s_b = scale_multipliers(s.contiguous().view(torch.int16))  # [n, k/32] each: pair g, slots 0/1 and 2/3
     q = torch.arange(k // 8)
     group = (2 * q) // 8
     out = torch.full((n, k), float("nan"))
@@ -374,7 +406,9 @@ def test_decode_bit_math_matches_reference_dequantize():
         mult = (s_a if slot < 2 else s_b)[:, group]
         for half, value in enumerate(_bf16_halves(pattern)):
             prod = (value * mult).bfloat16().float()
-            out[:, group * 32 + 8 * slot + (2 * q + half) % 8] = prod
+            unit = (2 * q + half) % 8
+            element = torch.tensor([128 * (int(g) // 4) + element_of(int(g) % 4, slot, int(u)) for g, u in zip(group, unit)])
+            out[:, element] = prod
     expect = nvfp4.e2m1_decode(nvfp4.unpack(packed)) * scale.float().repeat_interleave(16, 1) * 2.0**-14
     assert torch.equal(out, expect)
 

@@ -55,16 +55,16 @@ def random_fp4(n: int, k: int, gen: torch.Generator) -> Fp4Weight:
     return Fp4Weight(packed, scale, scale_2, torch.ones((), device=DEV))
 
 
-def gemm_backend(decode: str = "cuda", max_m: int = 8) -> TritonFp4GemmBackend:
+def gemm_backend(decode: str = "cuda", max_m: int = 16) -> TritonFp4GemmBackend:
     """The Triton GEMM backend; decode "cuda": up to max_m rows on the CUDA decode kernel (k32 weights, the
-    default 8), "triton": every M on the Triton kernels (cuda_decode_max_m 0)."""
+    default 16), "triton": every M on the Triton kernels (cuda_decode_max_m 0)."""
     reason = cuda_decode_reason(torch.empty(1, device=DEV, dtype=torch.bfloat16))
     if decode == "cuda" and reason:
         pytest.skip(f"the CUDA decode kernel does not run here: {reason}")
     return TritonFp4GemmBackend(spec(), TritonTileOptions(cuda_decode_max_m=max_m if decode == "cuda" else 0))
 
 
-def with_decode(ms, limit: int = 8):
+def with_decode(ms, limit: int = 16):
     """(m, decode) cases: both decode paths where m <= limit (the CUDA kernel serves it), else triton only."""
     return [(m, d) for m in ms for d in (("cuda", "triton") if m <= limit else ("triton",))]
 
@@ -179,7 +179,7 @@ def test_split_k_is_used_for_decode():
 @pytest.mark.parametrize("m", range(9, 17))
 @pytest.mark.parametrize("n,k", [(1000, 4112), (64, 512), (4096, 1024)])
 def test_cuda_decode_kernel_up_to_16_rows(m, n, k):
-    """cuda_decode_max_m 16 (not the default): the CUDA kernel's two token tiles on k32 weights."""
+    """cuda_decode_max_m 16 (the default): the CUDA kernel's two token tiles on k32 weights."""
     gen = torch.Generator(DEV).manual_seed(m * 31 + n + k)
     w = random_fp4(n, k, gen)
     backend = gemm_backend("cuda", 16)

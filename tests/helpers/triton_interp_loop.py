@@ -6,7 +6,7 @@ The interpreter has no bfloat16 dot and no float8 bitcast (its results are garba
 functions are swapped for float32 equivalents of the same values: the block-scale conversion, the
 arithmetic e2m1 decode (USE_ASM off) and the dot. What this checks is the layout's index arithmetic:
 which unit, scale and x column meet where (the tiled storage, the slots, the four-dot and one-dot
-orders, two accumulator chains, x masked past K). Prints one JSON line per case: the relative error
+orders, perm_k's gathered x, two accumulator chains, x masked past K). Prints one JSON line per case: the relative error
 against x @ dequantize(W).T in float64.
 """
 
@@ -65,7 +65,7 @@ triton_k32._mma = _mma_f32
 @triton.jit
 def _loop_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, Kp, NUM_ITERS: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_DOT: tl.constexpr, TWO_ACC: tl.constexpr,
-                 W_AS_A: tl.constexpr, EVEN_K: tl.constexpr):
+                 W_AS_A: tl.constexpr, EVEN_K: tl.constexpr, PERM_K: tl.constexpr):
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_c = tl.where(rn < N, rn, N - 1).to(tl.int64)
@@ -76,7 +76,7 @@ def _loop_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, Kp, NUM_ITERS: tl.conste
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc, acc2 = triton_k32.fp4_tile_loop(
         acc, acc, x_ptr, rm.to(tl.int64) * K, rm < M, w_ptr, w_rows, w_rows, s_ptr, s_rows, s_rows, 0,
-        NUM_ITERS, K, Kp, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, False, False, ONE_DOT, TWO_ACC, False)
+        NUM_ITERS, K, Kp, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_AS_A, False, False, ONE_DOT, TWO_ACC, PERM_K)
     if TWO_ACC:
         acc = acc + acc2
     if W_AS_A:
@@ -85,7 +85,8 @@ def _loop_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, Kp, NUM_ITERS: tl.conste
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def run(m: int, n: int, k: int, block_k: int, one_dot: bool, two_acc: bool, w_as_a: bool, seed: int) -> dict:
+def run(m: int, n: int, k: int, block_k: int, one_dot: bool, two_acc: bool, w_as_a: bool, seed: int,
+        perm_k: bool = False) -> dict:
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)
     packed, scale, _ = nvfp4.quantize_weight(w)
@@ -95,7 +96,7 @@ def run(m: int, n: int, k: int, block_k: int, one_dot: bool, two_acc: bool, w_as
     kp = codes.shape[1] * 2
     out = torch.zeros(m, n)
     _loop_kernel[(triton.cdiv(n, 32),)](x, codes.view(torch.int16), scales.view(torch.int16), out, m, n, k, kp,
-                                        kp // block_k, 16, 32, block_k, one_dot, two_acc, w_as_a, k == kp)
+                                        kp // block_k, 16, 32, block_k, one_dot, two_acc, w_as_a, k == kp, perm_k)
     return {"k32": float((out.double() - ref).norm() / ref.norm())}
 
 

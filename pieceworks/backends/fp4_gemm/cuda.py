@@ -88,17 +88,26 @@ def kernel_reasons(reasons: list[str], used: bool, dtype: torch.dtype) -> list[s
     return reasons
 
 
-def plan(n_rows: int, sms: int) -> tuple[int, int]:
+def plan(n_rows: int, sms: int, warps_per_sm: int = 32) -> tuple[int, int]:
     """(warps per CTA, chunks in flight per lane) for a decode GEMM with n_rows weight rows: the most warps
-    per CTA (a power of two, 2 to 16) that keep every CTA of the grid resident at once, counting 32 warps
-    per SM (one token tile fits them at 54-60 registers; two are compiled with a register cap where they
-    would not: `cuda_decode.resident_cap`). Measured on the H200 (docs/benchmarks.md): this picks the
-    fastest or within 10% of it on the Llama-3.1-8B and DeepSeek-V3 expert shapes."""
+    per CTA (a power of two, 2 to 16) that keep every CTA of the grid resident at once, counting
+    `warps_per_sm` warps per SM (32 for the r16c64 kernel: one token tile fits them at 54-60 registers; two
+    are compiled with a register cap where they would not: `cuda_decode.resident_cap`). Measured on the
+    H200 (docs/benchmarks.md): this picks the fastest or within 10% of it on the Llama-3.1-8B and
+    DeepSeek-V3 expert shapes. The k32 reading's two token tiles count 24 (`K32_TWO_TILE_WARPS_PER_SM`)."""
     ctas = -(-n_rows // 16)
     warps = 16
-    while warps > 2 and ctas * warps > sms * 32:
+    while warps > 2 and ctas * warps > sms * warps_per_sm:
         warps //= 2
     return warps, 2
+
+
+# The k32 reading with two token tiles (M 9..16) compiles to about 82 registers (offline NVRTC 13.0), so an
+# SM holds about 23 of its warps without a cap, and a cap of 64 (what 32 warps per SM would need) spills. At
+# 24 warps per SM `plan` picked the fastest of 2 / 4 / 8 / 16 warps at M = 16 on all six Llama-3.1-8B and
+# DeepSeek-V3 expert shapes on the H200 (docs/benchmarks.md, twenty-third session), where 32 picked 16
+# warps for o, down and the expert gate_up and 8 for the expert down, 1.4-1.6x slower.
+K32_TWO_TILE_WARPS_PER_SM = 24
 
 
 class CudaFp4GemmBackend(Fp4GemmBackend):

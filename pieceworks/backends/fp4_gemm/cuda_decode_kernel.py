@@ -29,16 +29,19 @@ and top-k combine) are launched by backends/moe/cuda_kernels.py. Each template i
 its first launch.
 
 Template argument L 1 reads the Triton backend's k32 weights instead (k32.py: 64-row x 128-element
-tiles; the `fp4_gemm.triton` backend runs its M <= 8 calls this way, `cuda_decode_max_m`): a chunk is one
+tiles; the `fp4_gemm.triton` backend runs its M <= 16 calls this way, `cuda_decode_max_m`): a chunk is one
 tile's 128 elements of K, and lane (g, t) reads group t of rows g and g + 8 (two 16-byte vectors, two
-scale pairs) and 32 contiguous elements of x. A k32 unit holds elements 8j + u of its group (slot j), so
-slot j of a lane's code word p is elements 32t + 8j + 2p, + 1: mma (j, h) takes words 2h and 2h + 1
-against x elements 32t + 8j + 4h .. + 3, the same instructions per weight as r16c64 (70.5 SASS per 64
-elements against 73.5). x is loaded just before its chunk (63 registers; a ring of it took 91, a
+scale pairs: blocks t and t + 4 of the tile) and the matching 32 elements of x. Slot j of a k32 unit u of
+group t is element 16t + 64 (j >> 1) + 8 (j & 1) + u (`k32.element_of`), so slot j of a lane's code word
+p is elements 16t + 64 (j >> 1) + 8 (j & 1) + 2p, + 1: mma (j, h) takes words 2h and 2h + 1 against x
+elements 16t + 64 (j >> 1) + 8 (j & 1) + 4h .. + 3 (x[i][j], one 16-byte load; a quad's four loads for a
+slot lie in one 128-byte line of x, as r16c64's do), the same instructions per weight as r16c64 (70.5 SASS
+per 64 elements against 73.5). x is loaded just before its chunk (63 registers; a ring of it took 91, a
 per-slot prefetch 70, both slower where they left fewer warps resident: docs/benchmarks.md, twenty-first
-session). On the H200 it takes 0.97-1.10x the r16c64 kernel's time at M = 1 and 1.16-1.26x at M = 8,
-where each x load's four pieces per token lie 64 bytes apart (two cache lines per token and instruction
-where r16c64 touches one): Nsight Compute shows its L1 74% busy against 53% on q/k/v at M = 8.
+session). Until the twenty-third session a k32 group held 32 consecutive elements, a quad's x pieces lay 64
+bytes apart (two lines per token and load) and M = 8 took 1.16-1.26x the r16c64 kernel's time (L1 74% busy
+against 53%, Nsight Compute); with the groups' blocks t and t + 4 it takes about the same. Two token tiles
+take 82 registers: `cuda.plan` counts 24 warps per SM for them (`K32_TWO_TILE_WARPS_PER_SM`).
 
 The MoE modes take L 1 too (`moe.triton`'s decode steps, `cuda_moe_max_t`): an expert is 16 gridDim.x rows of
 k32 tiles, and the gate/up GEMM (HALVES) reads the Triton MoE's layout, gate rows [0, Ip) and up rows
@@ -78,8 +81,8 @@ __device__ __forceinline__ void slot_mmas(float (&acc)[NT][2][4], const Chunk<NT
 }
 
 // k32 (L 1): slot J of the words of rows g (w[0]) and g + 8 (w[1]) of group t, scaled (sg, sh: the slot's block),
-// as two mmas: words 0 / 1 (elements 32t + 8J + 0..3) and words 2 / 3 (+ 4..7), against x elements
-// 32t + 8J .. 32t + 8J + 7 (x[i][J]); accumulator chains 0 and 1.
+// as two mmas: words 0 / 1 (elements e + 0..3, e = 16t + 64 (J >> 1) + 8 (J & 1)) and words 2 / 3 (e + 4..7),
+// against x elements e .. e + 7 (x[i][J]); accumulator chains 0 and 1.
 template <int J, int NT>
 __device__ __forceinline__ void slot_mmas_k32(float (&acc)[NT][2][4], const Chunk<NT, 1>& k, u32 sg, u32 sh) {
     const U4 &wg = k.w[0], &wh = k.w[1];
@@ -110,9 +113,9 @@ __device__ __forceinline__ void slot_mmas_k32(float (&acc)[NT][2][4], const Chun
 // L 0: the r16c64 layout (r16c64.py), chunks of 64 elements, nchunks per row group; L 1: the k32
 // layout (k32.py: 64-row x 128-element tiles, 4 KB of codes and 512 bytes of scales each, in (row block, K
 // block) order), chunks of 128 elements = one tile's K, nchunks = Kp / 128; CTA b's rows are rows 16 (b & 3) ..
-// + 15 of row block b >> 2; lane (g, t) reads group t (16 bytes of codes, a 2-byte scale pair) of rows g and
-// g + 8, and 32 contiguous elements of x, loaded just before the chunk's mmas (a ring of x took 91 registers
-// against 63; slower where it left fewer warps resident).
+// + 15 of row block b >> 2; lane (g, t) reads group t (16 bytes of codes, a 2-byte scale pair: blocks t, t + 4)
+// of rows g and g + 8, and x elements 16t + 0..15 and 64 + 16t + 0..15 of the chunk, loaded just before the
+// chunk's mmas (a ring of x took 91 registers against 63; slower where it left fewer warps resident).
 template <int W, int D, int NT, int EPI, int NORM, int MOE, int MINB = 0, int L = 0>
 __global__ void __launch_bounds__(W * 32, MINB) nvfp4_decode_gemm(
     const U4* __restrict__ codes, const u16* __restrict__ scales, const u16* __restrict__ x,
@@ -178,7 +181,7 @@ __global__ void __launch_bounds__(W * 32, MINB) nvfp4_decode_gemm(
             const int id = bids[8 * i + g];
             row = (id < M ? id : bids[0]) / a_div;
         }
-        xp[i] = x + (size_t)row * ldx + c_begin * CK + (CK / 4) * t;
+        xp[i] = x + (size_t)row * ldx + c_begin * CK + 16 * t;  // L 1: group t's blocks t and t + 4
     }
 
     Chunk<NT, K32> buf[D];
@@ -196,7 +199,7 @@ __global__ void __launch_bounds__(W * 32, MINB) nvfp4_decode_gemm(
 #define LOAD_X(B, C, P) do { \
         _Pragma("unroll") for (int i = 0; i < NT; ++i) \
             _Pragma("unroll") for (int q = 0; q < 2 * (K32 + 1); ++q) \
-                ld_x(buf[B].x[i][q], (const U4*)(xp[i] + (C) * CK + 8 * q), P); \
+                ld_x(buf[B].x[i][q], (const U4*)(xp[i] + (C) * CK + (K32 ? 64 * (q >> 1) : 0) + 8 * (q & 1)), P); \
     } while (0)
 #define COMPUTE(B) do { \
         if constexpr (K32 == 0) { \

@@ -130,12 +130,12 @@ def repack_k32(weight: torch.Tensor, weight_scale: torch.Tensor, chunk_rows: int
         fix_block_codes(codes, zero_block[r0 : r0 + chunk_rows], None if flip is None else flip[r0 : r0 + chunk_rows])
         if kp != k:
             codes = torch.nn.functional.pad(codes, (0, kp - k))
-        c = codes.view(codes.shape[0], kp // GROUP, 4, 8)  # [rows, g, slot, unit]
-        units = encode_slots([c[:, :, slot] for slot in range(4)])
+        units = encode_slots(list(group_slots(codes)))
         out[r0 : r0 + chunk_rows] = torch.stack([units & 0xFF, units >> 8], dim=-1).flatten(1).to(torch.uint8)
     scale = magnitude.view(torch.float8_e4m3fn)
     if kp != k:
         scale = torch.cat([scale, scale.new_zeros(scale.shape[0], (kp - k) // nvfp4.BLOCK)], dim=1)
+    scale = pair_scales(scale)
     n_pad = -(-n // TILE_ROWS) * TILE_ROWS
     out, scale = out.view(-1, n, kp // 2), scale.reshape(-1, n, kp // nvfp4.BLOCK)
     if n_pad != n:
@@ -156,9 +156,45 @@ def unpack_k32(weight: torch.Tensor, k: int, n: int | None = None) -> torch.Tens
     n = n_pad if n is None else n
     weight = weight[..., :n, :]
     w = weight.reshape(-1, half_kp // 2, 2).to(torch.int32)
-    units = (w[..., 0] | (w[..., 1] << 8)).view(w.shape[0], -1, 8)  # [rows, g, unit]
-    codes = torch.stack(decode_slots(units), dim=2).flatten(1)  # [rows, g*32] in element order
+    units = (w[..., 0] | (w[..., 1] << 8)).view(w.shape[0], -1, 8)  # [rows, group, unit]
+    codes = ungroup_slots(torch.stack(decode_slots(units), dim=2))  # [rows, Kp] in element order
     return codes[:, :k].to(torch.uint8).view(*lead, n, k)
+
+
+def group_slots(codes: torch.Tensor):
+    """Codes [rows, Kp] in element order (Kp a multiple of TILE_K) -> the four slots' codes [rows, Kp/32, 8]
+    (group, unit): group t of each 128-element tile holds blocks t and t + 4 of the tile, slot j of unit u
+    element 64 (j >> 1) + 16 t + 8 (j & 1) + u (`element_of`)."""
+    rows, kp = codes.shape
+    c = codes.view(rows, kp // TILE_K, 2, 4, 2, 8)  # [rows, tile, j >> 1, t, j & 1, u]
+    c = c.permute(0, 1, 3, 2, 4, 5).reshape(rows, kp // GROUP, 4, 8)  # [rows, group, slot, u]
+    return c.unbind(2)
+
+
+def ungroup_slots(slots: torch.Tensor) -> torch.Tensor:
+    """The inverse of `group_slots`: [rows, Kp/32, 4 (slot), 8 (unit)] -> codes [rows, Kp] in element order."""
+    rows, groups = slots.shape[:2]
+    c = slots.reshape(rows, groups // 4, 4, 2, 2, 8).permute(0, 1, 3, 2, 4, 5)
+    return c.reshape(rows, groups * GROUP)
+
+
+def element_of(group: int, slot: int, unit: int) -> int:
+    """The element of K (from the start of its 128-element tile, group 0..3 of the tile) that slot `slot`
+    of unit `unit` of a k32 group holds: the layout's one definition, as `group_slots` applies it."""
+    return 64 * (slot >> 1) + 16 * group + 8 * (slot & 1) + unit
+
+
+def pair_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Block scales [rows, Kp/16] in block order -> k32's order: per 128-element tile the pairs (block t,
+    block t + 4), t = 0..3 (group t's two blocks: slots 0 / 1, then 2 / 3). Same shape and dtype."""
+    rows, nb = scale.shape
+    return scale.view(rows, nb // 8, 2, 4).transpose(2, 3).reshape(rows, nb)
+
+
+def unpair_scales(scale: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pair_scales`: k32-ordered scales [rows, Kp/16] -> block order."""
+    rows, nb = scale.shape
+    return scale.view(rows, nb // 8, 4, 2).transpose(2, 3).reshape(rows, nb)
 
 
 def quad_k_units(bq: int) -> torch.Tensor:

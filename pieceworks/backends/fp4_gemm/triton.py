@@ -9,10 +9,11 @@ M = 256, and from M = 1024 a "dequant" entry that writes a transient bf16 copy o
 (N x K x 2 bytes) and calls torch.matmul, which beat every fused tile tried there. Nothing is
 autotuned at run time, so the kernels are safe inside CUDA graphs.
 
-Up to `cuda_decode_max_m` rows (default 8), on compute capability >= 9.0 with NVRTC loadable, the same
+Up to `cuda_decode_max_m` rows (default 16), on compute capability >= 9.0 with NVRTC loadable, the same
 k32 weights go to the CUDA decode kernel instead (cuda_decode.py, `layout="k32"`; the SwiGLU and rope
 epilogues included): on the H200 it took the batch-1 Llama-3.1-8B-shaped decode step from 2.15 to
-1.73-1.79 ms (docs/benchmarks.md, twenty-first session).
+1.73-1.79 ms (docs/benchmarks.md, twenty-first session), and since the k32 groups hold blocks t and t + 4
+(twenty-third session) it beats the Triton tiles at 9..16 rows too.
 
 This module imports torch only; triton is imported when a kernel is first launched.
 """
@@ -93,12 +94,12 @@ class TritonTileOptions:
     moe_tiles: str | None = None
     """The fused MoE's grouped GEMMs' table (moe.triton), in place of MOE_TILES."""
 
-    cuda_decode_max_m: int = 8
+    cuda_decode_max_m: int = 16
     """The dense GEMM (fp4_gemm.triton) runs up to this many rows of x with the CUDA decode kernel on the same
     k32 weights (cuda_decode.py, `layout="k32"`) where it runs: compute capability >= 9.0, NVRTC loadable,
     bf16 x; elsewhere, and above it, the Triton kernels. 0: never. On the H200 it is faster than the Triton
-    decode tiles at M <= 8 on every Llama-3.1-8B and DeepSeek-V3 expert shape and not at M = 9..16 on all
-    of them (docs/benchmarks.md, twenty-first session)."""
+    decode tiles at M <= 16 on every Llama-3.1-8B and DeepSeek-V3 expert shape (docs/benchmarks.md,
+    twenty-first and twenty-third sessions; at 9..16 since the k32 group order of the twenty-third)."""
 
     cuda_moe_max_t: int = 128
     """The fused MoE (moe.triton) runs its experts for up to this many tokens with the CUDA decode kernel's
@@ -314,9 +315,10 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         if x.shape[0] <= self.options.cuda_decode_max_m and cuda_decode_reason(x) is None:
             from pieceworks.backends import pdl
             from pieceworks.backends.fp4_gemm import cuda_decode
-            from pieceworks.backends.fp4_gemm.cuda import plan
+            from pieceworks.backends.fp4_gemm.cuda import K32_TWO_TILE_WARPS_PER_SM, plan
 
-            warps, depth = plan(weight.shape[0], multiprocessors(x.device))
+            per_sm = K32_TWO_TILE_WARPS_PER_SM if x.shape[0] > 8 else 32
+            warps, depth = plan(weight.shape[0], multiprocessors(x.device), per_sm)
             return cuda_decode.decode_gemm(x, weight, weight_scale, weight_scale_2, n, warps, depth, swiglu,
                                            pdl.enabled(x.device), rope=rope, layout="k32")
         from pieceworks.backends.fp4_gemm import triton_kernels

@@ -6,9 +6,11 @@ The layout (produced by `pieceworks.backends.fp4_gemm.k32.repack_k32`):
 
 - K is zero-padded to Kp, a multiple of 512 (zero codes, zero block scales), so that every BLOCK_K
   divides it and the weight loads need no masks (masked loads would keep Triton from pipelining them).
-- Each group of 32 consecutive elements of a row is stored as 8 little-endian 16-bit units. Unit u
-  (0..7) of group g holds the four codes of elements 32g + 8j + u, j = 0..3 ("slot j"), at these bits
-  (code bits: s = sign, E1 E0 = exponent, m = mantissa):
+- Each 128 elements of a row (a storage tile's row, below) are 4 groups of 8 little-endian 16-bit units
+  (16 bytes each). Group t (0..3) holds the tile's NVFP4 blocks t and t + 4: unit u (0..7) holds the four
+  codes of elements 16t + 8j + u (slots j = 0, 1: block t) and 64 + 16t + 8(j - 2) + u (slots 2, 3: block
+  t + 4) of the tile (`k32.element_of`), at these bits (code bits: s = sign, E1 E0 = exponent, m =
+  mantissa):
 
       slot 0: s@15 E1@8  E0@7  m@6        slot 2: s@9  E1@2  E0@1  m@0
       slot 1: s@12 E1@5  E0@4  m@3        slot 3: s@11 E1@10 E0@14 m@13
@@ -23,8 +25,15 @@ The layout (produced by `pieceworks.backends.fp4_gemm.k32.repack_k32`):
   holds a pair, one op serves both): 9 integer ops (one of them an integer multiply, on the FMA pipe)
   and 4 bf16x2 multiplies per 8 values (the layout before 2026-12-01's eleventh session, s@14 E1@11
   E0@10 m@13 for slot 3, took three shifts, three masks and two ORs there: 11 ops after ptxas).
-- Block scales stay e4m3, [N, Kp/16], read as int16 pairs: pair g holds scale 2g (low byte; slots 0
-  and 1 of group g) and scale 2g + 1 (high byte; slots 2 and 3).
+- Block scales stay e4m3, [N, Kp/16], read as int16 pairs: pair g holds group g's two blocks' scales,
+  block t of its tile in the low byte (slots 0 and 1), block t + 4 in the high byte (slots 2 and 3)
+  (`k32.pair_scales`).
+- Why those blocks (twenty-third session; before, group g held the 32 consecutive elements 32g + 8j + u
+  and pair g blocks 2g, 2g + 1): the CUDA decode kernel's lane (g, t) reads group t and needs x at each
+  slot's elements. With consecutive groups the four lanes of a quad read a token's x in four pieces 64
+  bytes apart, two 128-byte lines per token and load; now one slot's pieces lie 32 bytes apart in one
+  line, as on the r16c64 layout (at M = 8 the kernel took 0.78-0.86x the time, docs/benchmarks.md).
+  The Triton kernels only gather x at other columns (`fp4_tile_loop`'s xc and slot offsets 0, 8, 64, 72).
 - Storage order (units and scales alike): rows are padded to a multiple of 64 and each tile of 64 rows
   x 128 elements (32 units, 4 scale pairs per row) is contiguous, row-major inside, tiles in (row block,
   K block) order (`k32.tile_k32`). A 64-row program's K step of 256 elements is then one 8 KB run of
@@ -203,9 +212,10 @@ def _dequant_mma(acc, w, s, x0, x1, x2, x3, BLOCK_N: tl.constexpr, BLOCK_K: tl.c
     BG: tl.constexpr = BLOCK_K // 32
     v0, v1, v2, v3 = decode_tile(w, s, BLOCK_N, BLOCK_K, USE_ASM)
     if ONE_DOT:
-        # [BN, BQ, 2 (slot bit 0), 2 (slot bit 1)] -> [BN, group, slot, unit] -> [BN, BK].
-        v = tl.join(tl.join(v0, v1), tl.join(v2, v3)).reshape(BLOCK_N, BG, 8, 2, 2)
-        v = v.permute(0, 1, 4, 3, 2).reshape(BLOCK_N, BLOCK_K)
+        # [BN, BQ, 2 (slot bit 0), 2 (slot bit 1)] -> [BN, tile, group, unit, j & 1, j >> 1]
+        # -> [BN, tile, j >> 1, group, j & 1, unit] (element order, `k32.element_of`) -> [BN, BK].
+        v = tl.join(tl.join(v0, v1), tl.join(v2, v3)).reshape(BLOCK_N, BG // 4, 4, 8, 2, 2)
+        v = v.permute(0, 1, 5, 2, 4, 3).reshape(BLOCK_N, BLOCK_K)
         acc = _mma(acc, v, x0, W_AS_A)
     else:
         if PERM_K:
@@ -271,7 +281,7 @@ def fp4_tile_loop(
         cu = (((c // 2) % 4 * (BQ // 64) + c // 64) * 2 + (c // 8) % 2) * 8 + (c // 16) % 4 * 2 + c % 2
     else:
         cu = c
-    xc = (cu // 8) * 32 + (cu % 8)  # element of slot 0 of unit cu
+    xc = (cu // 32) * 128 + (cu // 8) % 4 * 16 + cu % 8  # element of slot 0 of unit cu; slot j: + XJ
     if PERM_K:
         xc = tl.max_contiguous(tl.multiple_of(xc, 2), 2)
     cw, ts = tile_step_offsets(BQ, BLOCK_K // 32)  # the tiled storage; a step moves BQ // 32 tiles on
@@ -304,14 +314,14 @@ def fp4_tile_loop(
         elif EVEN_K:
             x0 = tl.load(x_ptrs, mask=xm, other=0.0)
             x1 = tl.load(x_ptrs + 8, mask=xm, other=0.0)
-            x2 = tl.load(x_ptrs + 16, mask=xm, other=0.0)
-            x3 = tl.load(x_ptrs + 24, mask=xm, other=0.0)
+            x2 = tl.load(x_ptrs + 64, mask=xm, other=0.0)
+            x3 = tl.load(x_ptrs + 72, mask=xm, other=0.0)
         else:
             xk = k0 + xc
             x0 = tl.load(x_ptrs, mask=xm & (xk < K)[None, :], other=0.0)
             x1 = tl.load(x_ptrs + 8, mask=xm & (xk + 8 < K)[None, :], other=0.0)
-            x2 = tl.load(x_ptrs + 16, mask=xm & (xk + 16 < K)[None, :], other=0.0)
-            x3 = tl.load(x_ptrs + 24, mask=xm & (xk + 24 < K)[None, :], other=0.0)
+            x2 = tl.load(x_ptrs + 64, mask=xm & (xk + 64 < K)[None, :], other=0.0)
+            x3 = tl.load(x_ptrs + 72, mask=xm & (xk + 72 < K)[None, :], other=0.0)
         x0 = x0.to(tl.bfloat16)
         x1 = x1.to(tl.bfloat16)
         x2 = x2.to(tl.bfloat16)

@@ -272,9 +272,10 @@ def _dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, Kp, stride_on,
     w = tl.load(w_ptr + w_rows[:, None] + ((k0 // 4) * 64 + cw)[None, :])
     s = tl.load(s_ptr + s_rows[:, None] + ((k0 // 32) * 64 + ts)[None, :])
     v0, v1, v2, v3 = decode_tile(w, s, BLOCK_N, BLOCK_K, USE_ASM)
-    # Interleave the slots back into element order: [BN, BG, unit, slot] -> [BN, BG, slot, unit].
-    v = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [BN, BQ, 2 (slot bit 0), 2 (slot bit 1)]
-    v = v.reshape(BLOCK_N, BG, 8, 2, 2).permute(0, 1, 3, 4, 2).reshape(BLOCK_N, BLOCK_K)
+    # Interleave the slots back into element order (`k32.element_of`): [BN, tile, group, unit, j >> 1, j & 1]
+    # -> [BN, tile, j >> 1, group, j & 1, unit].
+    v = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [BN, BQ, 2 (slot bit 1), 2 (slot bit 0)]
+    v = v.reshape(BLOCK_N, BG // 4, 4, 8, 2, 2).permute(0, 1, 4, 2, 5, 3).reshape(BLOCK_N, BLOCK_K)
     gs = tl.load(gs_ptr) * OUT_BIAS
     k = k0 + tl.arange(0, BLOCK_K)
     if SWIGLU:
