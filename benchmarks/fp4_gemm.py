@@ -96,12 +96,12 @@ def fp4_bytes(m: int, n: int, k: int) -> int:
 
 def check_once(backend, x, w, n) -> float:
     """Relative error of one call against dequantize + bf16 matmul (the torch reference)."""
-    from pieceworks.backends.fp4_gemm.k32 import unpack_k32, untile_k32
+    from pieceworks.backends.fp4_gemm.k32 import unpack_k32, unpack_scales_k32
 
     weight, scale, gs = w
     k = x.shape[1]
     codes = unpack_k32(weight, k, n)
-    s = untile_k32(scale)[:n, : k // 16].float()
+    s = unpack_scales_k32(scale, n)[:, : k // 16].float()
     wd = (nvfp4.e2m1_decode(codes) * (s * gs).repeat_interleave(16, 1)).to(torch.bfloat16)
     ref = (x @ wd.t()).float()
     y = backend.forward(x, weight, scale, gs, gs, n).float()

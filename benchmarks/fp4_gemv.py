@@ -56,7 +56,7 @@ from fp4_gemm import (  # noqa: E402
     weights_for,
 )
 
-from pieceworks.backends.fp4_gemm.k32 import tile_k32, unpack_k32  # noqa: E402
+from pieceworks.backends.fp4_gemm.k32 import tile_k32, unpack_k32, unpair_scales  # noqa: E402
 from pieceworks.backends.fp4_gemm.triton import parse_table  # noqa: E402
 from pieceworks.backends.fp4_gemm.triton_k32 import OUT_BIAS, decode_tile  # noqa: E402
 from pieceworks.quant import nvfp4  # noqa: E402
@@ -87,7 +87,7 @@ def _fp4_gemv_kernel(
     n_c = tl.where(rn < N, rn, N - 1).to(tl.int64)  # rows past N re-read row N-1, never stored
     rm = tl.arange(0, BLOCK_M)
     c = tl.arange(0, BQ)
-    xc = (c // 8) * 32 + (c % 8)  # element of slot 0 of k32 unit c
+    xc = (c // 32) * 128 + (c // 8) % 4 * 16 + c % 8  # element of slot 0 of k32 unit c (k32.element_of)
     t32 = tl.arange(0, BG)  # scale pair (int16) within the tile
     w_ptrs = w_ptr + (n_c * stride_wn)[:, None] + c[None, :]
     s_ptrs = s_ptr + (n_c * stride_sn)[:, None] + t32[None, :]
@@ -104,14 +104,14 @@ def _fp4_gemv_kernel(
         if EVEN_K:
             x0 = tl.load(x_ptrs, mask=xm, other=0.0)
             x1 = tl.load(x_ptrs + 8, mask=xm, other=0.0)
-            x2 = tl.load(x_ptrs + 16, mask=xm, other=0.0)
-            x3 = tl.load(x_ptrs + 24, mask=xm, other=0.0)
+            x2 = tl.load(x_ptrs + 64, mask=xm, other=0.0)
+            x3 = tl.load(x_ptrs + 72, mask=xm, other=0.0)
         else:
             xk = (it * BLOCK_K + xc)[None, :]
             x0 = tl.load(x_ptrs, mask=xm & (xk < K), other=0.0)
             x1 = tl.load(x_ptrs + 8, mask=xm & (xk + 8 < K), other=0.0)
-            x2 = tl.load(x_ptrs + 16, mask=xm & (xk + 16 < K), other=0.0)
-            x3 = tl.load(x_ptrs + 24, mask=xm & (xk + 24 < K), other=0.0)
+            x2 = tl.load(x_ptrs + 64, mask=xm & (xk + 64 < K), other=0.0)
+            x3 = tl.load(x_ptrs + 72, mask=xm & (xk + 72 < K), other=0.0)
         x0, x1, x2, x3 = x0.to(tl.bfloat16), x1.to(tl.bfloat16), x2.to(tl.bfloat16), x3.to(tl.bfloat16)
         v0, v1, v2, v3 = decode_tile(w, s, BLOCK_N, BLOCK_K, USE_ASM)
         if BF16_PARTIAL and USE_ASM:
@@ -182,7 +182,8 @@ def rel_err(cfg, x, w, n) -> float:
     weight, scale, gs = w
     k = x.shape[1]
     # this kernel reads the units row-major (the layout before the tiled storage); the reference decodes them that way
-    wd = (nvfp4.e2m1_decode(unpack_k32(tile_k32(weight), k)) * (scale.float() * gs).repeat_interleave(16, 1))
+    blocks = unpair_scales(scale)[:, : k // 16]  # this kernel's row-major scale pairs -> block order
+    wd = (nvfp4.e2m1_decode(unpack_k32(tile_k32(weight), k)) * (blocks.float() * gs).repeat_interleave(16, 1))
     ref = (x @ wd.to(torch.bfloat16).t()).float()
     y = fp4_gemv(x, weight, scale, gs, n, k, **cfg).float()
     return float((y - ref).norm() / ref.norm())

@@ -3,7 +3,9 @@ layouts, so that the weights go from global memory straight into the registers o
 operand (no shared memory, no barrier, prefetched by hand), against the shipped Triton kernel. Not
 used by the library; results and conclusions in docs/benchmarks.md ("Twelfth session").
 
-Weight layout: the k32 units (triton_k32.py) with each 64-unit block (BLOCK_K = 256) permuted so that
+Weight layout: the k32 units (triton_k32.py) in their group order before the twenty-third session (group g
+= elements 32g .. 32g + 31; `run` repacks a column-permuted weight, `v1_order`, to get it from today's
+repack) with each 64-unit block (BLOCK_K = 256) permuted so that
 the units a thread holds in the m16n8k16 A fragment are contiguous (two 16-byte loads per row):
   - `permute_units` (probe_kernel, probe32_kernel, probe3_kernel): old unit c = 16b + 8e + 2t + h at
     p = 16t + 4b + 2e + h (t: the thread in its MMA quad, b: the k16 step, e / h: fragment halves).
@@ -432,6 +434,25 @@ def probe_gemm(x, w_units_perm, s_pairs, gs, n, depth=2, xpf=False, words=0):
     return y
 
 
+def v1_order(packed: torch.Tensor, scale: torch.Tensor):
+    """(packed [N, K/2], scales [N, K/16], K a multiple of 128) -> the column-permuted weight whose `repack_k32`
+    (group t of a tile: blocks t and t + 4, `k32.element_of`) holds the original's elements in the order the
+    probes decode (group t: elements 32t .. 32t + 31, slot j of unit u = 32t + 8j + u; pair t: blocks 2t, 2t + 1)."""
+    from pieceworks.backends.fp4_gemm.k32 import element_of
+    from pieceworks.quant import nvfp4
+
+    n, k = packed.shape[0], packed.shape[1] * 2
+    src = torch.empty(128, dtype=torch.long)  # new position p takes old element src[p] of each 128
+    for t in range(4):
+        for j in range(4):
+            for u in range(8):
+                src[element_of(t, j, u)] = 32 * t + 8 * j + u
+    codes = nvfp4.unpack(packed).view(n, k // 128, 128)[:, :, src.to(packed.device)].reshape(n, k)
+    blocks = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7], device=packed.device)  # new block b takes old block blocks[b]
+    s = scale.view(torch.uint8).view(n, k // 128, 8)[:, :, blocks].reshape(n, k // 16).view(scale.dtype)
+    return nvfp4.pack(codes), s
+
+
 def run(all_variants: bool):
     import fp4_gemm as fb
 
@@ -447,9 +468,13 @@ def run(all_variants: bool):
         packed, scale, gs = nvfp4.quantize_weight(wf)
         gs = gs.float().reshape(())
         wk, sk = repack_k32(packed, scale)  # tiled storage (the shipped kernel's); the probes read row-major
-        units = permute_units(untile_k32(wk).view(torch.int16))
-        units2 = permute_units_v2(untile_k32(wk).view(torch.int16))
-        sk_rows = untile_k32(sk)
+        # the probes were written for the k32 group order before the twenty-third session (group g = elements
+        # 32g .. 32g + 31, pair g = blocks 2g, 2g + 1): repack a column-permuted copy so that its units hold
+        # this weight in that order
+        wo, so = repack_k32(*v1_order(packed, scale))
+        units = permute_units(untile_k32(wo).view(torch.int16))
+        units2 = permute_units_v2(untile_k32(wo).view(torch.int16))
+        sk_rows = untile_k32(so)
         for m in (1, 3, 8):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             ref = backend.forward(x, wk, sk, gs, gs, n).float()

@@ -19,6 +19,7 @@ from pieceworks.backends.fp4_gemm.k32 import (
     repack_k32,
     tile_k32,
     unpack_k32,
+    unpack_scales_k32,
     unpair_scales,
     untile_k32,
     ungroup_slots,
@@ -210,8 +211,7 @@ def test_split_k_balanced_over_multiprocessors():
 
 def scale_rows(s: torch.Tensor, n: int) -> torch.Tensor:
     """Repacked scales in row-major block order, the padding rows dropped."""
-    rows = untile_k32(s)
-    return unpair_scales(rows.reshape(-1, rows.shape[-1])).view(rows.shape)[..., :n, :]
+    return unpack_scales_k32(s, n)
 
 
 @pytest.mark.parametrize("n,k", [(1, 16), (3, 32), (5, 48), (8, 4096), (7, 4112), (64, 512), (130, 1008)])

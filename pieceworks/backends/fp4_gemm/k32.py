@@ -161,6 +161,15 @@ def unpack_k32(weight: torch.Tensor, k: int, n: int | None = None) -> torch.Tens
     return codes[:, :k].to(torch.uint8).view(*lead, n, k)
 
 
+def unpack_scales_k32(scale: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """k32 scales [..., Np, Kp/16] (tiled storage, `pair_scales` order) -> block scales [..., n, Kp/16] in
+    row-major block order (the inverse of `repack_k32`'s scale side, for tests and references; n defaults
+    to Np)."""
+    rows = untile_k32(scale)
+    rows = unpair_scales(rows.reshape(-1, rows.shape[-1])).view(rows.shape)
+    return rows[..., : rows.shape[-2] if n is None else n, :]
+
+
 def group_slots(codes: torch.Tensor):
     """Codes [rows, Kp] in element order (Kp a multiple of TILE_K) -> the four slots' codes [rows, Kp/32, 8]
     (group, unit): group t of each 128-element tile holds blocks t and t + 4 of the tile, slot j of unit u
