@@ -106,7 +106,7 @@ def plan(n_rows: int, sms: int, warps_per_sm: int = 32) -> tuple[int, int]:
 # SM holds about 23 of its warps without a cap, and a cap of 64 (what 32 warps per SM would need) spills. At
 # 24 warps per SM `plan` picked the fastest of 2 / 4 / 8 / 16 warps at M = 16 on all six Llama-3.1-8B and
 # DeepSeek-V3 expert shapes on the H200 (docs/benchmarks.md, twenty-third session), where 32 picked 16
-# warps for o, down and the expert gate_up and 8 for the expert down, 1.4-1.6x slower.
+# warps for o, down and the expert gate_up and 8 for the expert down, 1.5-1.6x slower.
 K32_TWO_TILE_WARPS_PER_SM = 24
 
 
