@@ -9,7 +9,7 @@ import torch
 
 from pieceworks.quant import nvfp4
 
-GROUP = 32  # elements per k32 group
+GROUP = 32  # elements per k32 group (16 bytes: blocks t and t + 4 of its 128-element tile, `element_of`)
 K_ALIGN = 512  # K is padded to this, a multiple of every BLOCK_K: the kernels' weight loads need no mask
 # Bit positions of a code's (sign, E1, E0, m) for slots 0..3 of a 16-bit unit (triton_k32.py).
 SLOT_BITS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (11, 10, 14, 13))
