@@ -134,12 +134,12 @@ class TritonMoEBackend(MoEBackend):
         """Sort, both grouped GEMMs and the combine for routed pairs (topk_weights float32 [T, top_k]): up to
         `cuda_moe_max_t` tokens with the CUDA decode kernel on these k32 experts where it runs
         (`moe.cuda.grouped_experts`), else the Triton kernels with `tile` (None: the table's for T)."""
-        from pieceworks.backends.moe import triton_kernels
-
         if tile is None and x.shape[0] <= self.options.cuda_moe_max_t and cuda_decode_reason(x) is None:
             from pieceworks.backends.moe.cuda import grouped_experts
 
             return grouped_experts(x, topk_weights, topk_ids, w, "k32")
+        from pieceworks.backends.moe import triton_kernels
+
         num_experts = w.w13.shape[0]
         tile = tile or self.tile(x.shape[0])
         num_blocks = num_aligned_blocks(topk_ids.numel(), num_experts, tile.block_m)
