@@ -25,7 +25,7 @@ import torch
 from pieceworks.backends.attention.flashinfer import FlashInferAttentionBackend, FlashInferOptions, paged_kv_indices
 from pieceworks.backends.base import BackendSpec, ModelFacts
 from pieceworks.backends.mla.flashinfer import FlashInferMLABackend, mla_plan_args
-from pieceworks.executor.batch import ForwardMode, GraphMode, StepMetadata
+from pieceworks.core.batch import ForwardMode, GraphMode, StepMetadata
 from pieceworks.executor.kv_cache import KVLayout, KVPool
 
 DEV = torch.device("cuda")

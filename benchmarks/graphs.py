@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pieceworks import Executor  # noqa: E402
-from pieceworks.executor.batch import ForwardBatch, ForwardMode, GraphMode  # noqa: E402
-from pieceworks.executor.context import ForwardContext, forward_context  # noqa: E402
+from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode  # noqa: E402
+from pieceworks.core.context import ForwardContext, forward_context  # noqa: E402
 
 
 def sync() -> None:

@@ -26,8 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pieceworks import Executor  # noqa: E402
-from pieceworks.executor.batch import ForwardMode, GraphMode  # noqa: E402
-from pieceworks.executor.context import ForwardContext, forward_context  # noqa: E402
+from pieceworks.core.batch import ForwardMode, GraphMode  # noqa: E402
+from pieceworks.core.context import ForwardContext, forward_context  # noqa: E402
 
 
 def sync() -> None:
@@ -104,7 +104,7 @@ def decode_setup(args, context: int = 512):
     """An executor for `args` (preset, arch, --set overrides) with full decode graphs at batch
     `args.decode`, that many sequences of `context` tokens prefilled, and the next decode batch, after 5
     warm-up steps: (executor, batch). benchmarks/timeline.py uses it too."""
-    from pieceworks.executor.batch import ForwardBatch
+    from pieceworks.core.batch import ForwardBatch
 
     overrides = [f"model.arch={args.arch}", f"model.preset={args.preset}", "model.max_context=4096",
                  "kv_cache.num_tokens=65536", "cuda_graph.piecewise.enabled=off",

@@ -16,11 +16,9 @@ from typing import Any, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from pieceworks.errors import ConfigError  # re-exported here for callers of load_config
+
 OPS = ("attention", "mla", "fp4_gemm", "moe")
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown, of the wrong type or out of range."""
 
 
 def _locate(path: Path, dotted: str) -> str:

@@ -14,7 +14,7 @@ from rich.table import Table
 from pieceworks.backends.base import BackendSpec, ModelFacts
 from pieceworks.backends.registry import KernelTable, SelectionError, load_registry
 from pieceworks.config import Config, Switch
-from pieceworks.executor.batch import TABLE_MODES
+from pieceworks.core.batch import TABLE_MODES
 
 console = Console()
 

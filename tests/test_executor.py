@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pieceworks import Executor
-from pieceworks.executor.batch import ForwardBatch, ForwardMode
-from pieceworks.executor.runner import BatchError
+from pieceworks.core.batch import ForwardBatch, ForwardMode
+from pieceworks.errors import BatchError
 
 TINY = {
     "llama": {"model": {"arch": "llama", "preset": "tiny"}},
@@ -195,7 +195,7 @@ def test_soak_random_mixed_steps_return_every_page():
 
 
 def test_page_table_pads_each_row():
-    from pieceworks.executor.runner import page_table
+    from pieceworks.executor.inputs import page_table
 
     rng = random.Random(3)
     for n, width in ((0, 5), (1, 1), (3, 7), (32, 576)):
@@ -209,7 +209,7 @@ def test_page_table_pads_each_row():
 
 
 def test_token_rows_match_the_per_token_rule():
-    from pieceworks.executor.runner import page_table, token_rows
+    from pieceworks.executor.inputs import page_table, token_rows
 
     rng = random.Random(5)
     for case in range(30):

@@ -51,7 +51,7 @@ from pieceworks.backends.moe.flashinfer import (
 from pieceworks.backends.moe.routing import deepseek_route
 from pieceworks.backends.registry import Registry, SelectionError
 from pieceworks.config import load_config
-from pieceworks.executor.batch import ForwardMode, GraphMode, StepMetadata
+from pieceworks.core.batch import ForwardMode, GraphMode, StepMetadata
 from pieceworks.quant import nvfp4
 from pieceworks.testing import scenarios as S
 

@@ -13,7 +13,7 @@ import torch
 
 from pieceworks.backends.base import BackendSpec
 from pieceworks.backends.fp4_gemm.torch import TorchFp4GemmBackend
-from pieceworks.executor.context import ForwardContext, forward_context
+from pieceworks.core.context import ForwardContext, forward_context
 from pieceworks.models.base import Prenormed
 from pieceworks.models.llama import Llama, LlamaArgs, LlamaBlock
 from pieceworks.quant.linear import Fp4Linear
@@ -166,7 +166,7 @@ def _executor(piecewise: bool):
 def test_fused_norm_blocks_under_piecewise_graphs(monkeypatch):
     """The executor path with a backend that fuses the norms (the torch reference declared so: its default
     fused ops): Dynamo traces the Prenormed hand-over once, and the pieces give the eager logits."""
-    from pieceworks.executor.batch import ForwardBatch
+    from pieceworks.core.batch import ForwardBatch
 
     monkeypatch.setattr(TorchFp4GemmBackend, "fuses_qkv_rope", True)
     monkeypatch.setattr(TorchFp4GemmBackend, "fuses_norm", True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pieceworks.executor.cuda_graph import HostStaging
-from pieceworks.executor.runner import page_table
+from pieceworks.executor.inputs import page_table
 
 
 def test_fill_lays_out_ids_positions_slots_and_pads():

@@ -9,8 +9,8 @@ import pieceworks.backends.ops  # noqa: F401  (registers the ops)
 from pieceworks.backends.base import BackendSpec, ModelFacts
 from pieceworks.backends.registry import Registry
 from pieceworks.config import load_config
-from pieceworks.executor.batch import ForwardMode, GraphMode
-from pieceworks.executor.context import ForwardContext, forward_context, get_forward_context
+from pieceworks.core.batch import ForwardMode, GraphMode
+from pieceworks.core.context import ForwardContext, forward_context, get_forward_context
 from pieceworks.testing import scenarios as S
 
 OPS = torch.ops.pieceworks

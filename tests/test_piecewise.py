@@ -12,7 +12,7 @@ import torch
 
 from pieceworks import Executor
 from pieceworks.config import ConfigError, load_config
-from pieceworks.executor.batch import ForwardBatch, GraphMode
+from pieceworks.core.batch import ForwardBatch, GraphMode
 from pieceworks.executor.piecewise import default_sizes
 
 SIZES = [4, 8, 16, 24, 32]
@@ -77,7 +77,7 @@ def test_steps_take_the_graph_mode_design_md_says(pair):
 
 
 def _args(ex, tokens, prefixes):
-    from pieceworks.executor.batch import ForwardMode
+    from pieceworks.core.batch import ForwardMode
 
     return ForwardMode.classify([len(t) for t in tokens], prefixes), len(tokens), sum(map(len, tokens))
 

@@ -14,7 +14,7 @@ from pieceworks.backends.fp4_gemm.torch import TorchFp4GemmBackend
 from pieceworks.backends.hookspecs import hookimpl
 from pieceworks.backends.registry import Registry, SelectionError
 from pieceworks.config import load_config
-from pieceworks.executor.batch import ForwardMode, GraphMode
+from pieceworks.core.batch import ForwardMode, GraphMode
 
 E, D, M = ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED
 EAGER, FULL, PW = GraphMode.EAGER, GraphMode.FULL, GraphMode.PIECEWISE

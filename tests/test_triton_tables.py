@@ -508,7 +508,7 @@ def test_gemm_backend_prepare_gate_up_interleaves_rows_on_cpu():
 
 
 def test_gated_mlp_runs_nvfp4_gate_up_as_one_swiglu_op():
-    from pieceworks.executor.context import ForwardContext, forward_context
+    from pieceworks.core.context import ForwardContext, forward_context
     from pieceworks.models import fused
     from pieceworks.models.base import GatedMLP
     from pieceworks.quant.linear import Fp4Linear
@@ -589,7 +589,7 @@ class _RopeFusingTorchBackend(TorchFp4GemmBackend):
 
 def _qkv_seen(attn, x, cos, sin, fp4_backend):
     """q, k, v as the attention op receives them from `attn` (a LlamaAttention)."""
-    from pieceworks.executor.context import ForwardContext, forward_context
+    from pieceworks.core.context import ForwardContext, forward_context
 
     seen = {}
 

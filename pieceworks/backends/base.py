@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from pieceworks.executor.batch import ForwardMode, GraphMode
+from pieceworks.core.batch import ForwardMode, GraphMode
 
 OPS = ("attention", "mla", "fp4_gemm", "moe")
 NUMERICS = ("w4a4", "w4a16")

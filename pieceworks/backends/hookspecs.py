@@ -19,7 +19,7 @@ import pluggy
 if TYPE_CHECKING:
     from pieceworks.backends.base import Backend, BackendSpec
     from pieceworks.backends.registry import Candidate
-    from pieceworks.executor.batch import ForwardMode, GraphMode
+    from pieceworks.core.batch import ForwardMode, GraphMode
 
 PROJECT = "pieceworks"
 hookspec = pluggy.HookspecMarker(PROJECT)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from pieceworks.backends.moe.base import MoEWeights
-from pieceworks.executor.context import get_forward_context
+from pieceworks.core.context import get_forward_context
 
 SPLITTING_OPS = ("pieceworks::attention", "pieceworks::mla")
 

@@ -25,8 +25,8 @@ import pluggy
 
 from pieceworks.backends import hookspecs
 from pieceworks.backends.base import OPS, Backend, BackendSpec, parse_options
-from pieceworks.executor.batch import TABLE_MODES, ForwardMode, GraphMode
-from pieceworks.executor.context import StepKernels
+from pieceworks.core.batch import TABLE_MODES, ForwardMode, GraphMode
+from pieceworks.core.context import StepKernels
 
 log = logging.getLogger("pieceworks.registry")
 

@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from pieceworks.config import ConfigError
-from pieceworks.executor.batch import ForwardMode, GraphMode, Sequence, StepMetadata
-from pieceworks.executor.context import ForwardContext, StepKernels, forward_context
-from pieceworks.executor.runner import page_table
+from pieceworks.core.batch import ForwardMode, GraphMode, Sequence, StepMetadata
+from pieceworks.core.context import ForwardContext, StepKernels, forward_context
+from pieceworks.executor.inputs import page_table
 
 if TYPE_CHECKING:
-    from pieceworks.executor.runner import Executor
+    from pieceworks.backends.registry import KernelTable
+    from pieceworks.executor.kv_cache import KVPool
 
 
 def default_batch_sizes() -> list[int]:
@@ -89,14 +90,16 @@ class HostStaging:
 
 
 class DecodeGraphRunner:
-    def __init__(self, ex: "Executor", batch_sizes: list[int] | None, progress: bool = True) -> None:
-        self.ex = ex
-        capacity = ex.kv.allocator.capacity
-        check_batch_sizes(batch_sizes, capacity, ex.page_size)
+    def __init__(self, model: torch.nn.Module, table: "KernelTable", kv: "KVPool", max_context: int,
+                 batch_sizes: list[int] | None, progress: bool = True) -> None:
+        self.model, self.kernel_table, self.kv = model, table, kv
+        self.page_size = kv.page_size
+        capacity = kv.allocator.capacity
+        check_batch_sizes(batch_sizes, capacity, kv.page_size)
         self.sizes = list(batch_sizes) if batch_sizes else [b for b in default_batch_sizes() if b <= capacity]
         max_bs = self.sizes[-1]
-        self.width = -(-ex.max_context // ex.page_size)  # pages per sequence in the static table
-        dev = ex.device
+        self.width = -(-max_context // kv.page_size)  # pages per sequence in the static table
+        dev = kv.device
         self.inputs = torch.zeros(3 * max_bs, dtype=torch.int64, device=dev)  # bucket bs: [3, bs]
         self.table = torch.zeros(max_bs, self.width, dtype=torch.int32, device=dev)
         self.staging = HostStaging(max_bs, self.width, pin=True)
@@ -120,7 +123,7 @@ class DecodeGraphRunner:
         _, positions, slots = self.views(bs)
         return StepMetadata(
             mode=ForwardMode.DECODE, graph_mode=GraphMode.FULL, extend_lens=[1] * len(seq_lens),
-            prefix_lens=prefix_lens, page_size=self.ex.page_size, page_table=self.table[:bs],
+            prefix_lens=prefix_lens, page_size=self.page_size, page_table=self.table[:bs],
             slot_mapping=slots, positions=positions, graph_batch_size=bs, page_lists=page_lists,
         )
 
@@ -132,10 +135,10 @@ class DecodeGraphRunner:
     def _capture_all(self, progress: bool) -> None:
         from pieceworks.util import progress_bar
 
-        ex = self.ex
-        kernels = ex.table.step(ForwardMode.DECODE, GraphMode.FULL)
+        model, kv = self.model, self.kv
+        kernels = self.kernel_table.step(ForwardMode.DECODE, GraphMode.FULL)
         torch.cuda.empty_cache()
-        reserved_before = torch.cuda.memory_reserved(ex.device)
+        reserved_before = torch.cuda.memory_reserved(kv.device)
         t0 = time.perf_counter()
         gc.collect()
         was_enabled = gc.isenabled()
@@ -146,40 +149,40 @@ class DecodeGraphRunner:
                     ids, positions, slots = self.views(bs)
                     ids.zero_()
                     positions.fill_(1)  # a dummy second token of each sequence
-                    slots.fill_(ex.kv.reserved_slot)
-                    self.table[:bs].fill_(ex.kv.reserved_slot // ex.page_size)
+                    slots.fill_(kv.reserved_slot)
+                    self.table[:bs].fill_(kv.reserved_slot // kv.page_size)
                     meta = self._meta(bs, [1] * bs, [1] * bs)
                     self._plan(kernels, meta)
-                    with forward_context(ForwardContext(kernels, meta, ex.kv)):
-                        ex.model.compute_logits(ex.model(ids, positions))  # warm-up
+                    with forward_context(ForwardContext(kernels, meta, kv)):
+                        model.compute_logits(model(ids, positions))  # warm-up
                         graph = torch.cuda.CUDAGraph()
                         with torch.cuda.graph(graph, pool=self.pool):
-                            hidden = ex.model(ids, positions)
-                            self.logits[bs] = ex.model.compute_logits(hidden)
+                            hidden = model(ids, positions)
+                            self.logits[bs] = model.compute_logits(hidden)
                     self.graphs[bs] = graph
                     advance()
         finally:
             if was_enabled:
                 gc.enable()
-        torch.cuda.synchronize(ex.device)
+        torch.cuda.synchronize(kv.device)
         self.staging.forget_table()
         torch.cuda.empty_cache()  # drop warm-up leftovers; what stays reserved is the graphs' pool
         self.report = {"capture_s": time.perf_counter() - t0,
-                       "pool_bytes": torch.cuda.memory_reserved(ex.device) - reserved_before}
+                       "pool_bytes": torch.cuda.memory_reserved(kv.device) - reserved_before}
 
     def run(self, seqs: list[Sequence], tokens: list[list[int]], kernels: StepKernels) -> torch.Tensor:
         """Replay the bucket for this decode batch; returns float32 logits [len(seqs), V]."""
-        ex = self.ex
         n = len(seqs)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
-        ps = ex.page_size
+        ps = self.page_size
+        reserved_slot = self.kv.reserved_slot
         positions = [s.kv_len for s in seqs]
         slots = [s.pages[p // ps] * ps + p % ps for s, p in zip(seqs, positions)]
-        reserved_page = ex.kv.reserved_slot // ps
+        reserved_page = reserved_slot // ps
         rows = [s.pages for s in seqs] + [[reserved_page]] * (bs - n)
         if self._copied is not None:
             self._copied.synchronize()  # the staging buffers are free once the last step's copies ran
-        host = self.staging.fill(bs, [t[0] for t in tokens], positions, slots, ex.kv.reserved_slot)
+        host = self.staging.fill(bs, [t[0] for t in tokens], positions, slots, reserved_slot)
         self.inputs[: 3 * bs].copy_(host, non_blocking=True)
         table = self.staging.table_rows(rows, reserved_page)
         if table is not None:

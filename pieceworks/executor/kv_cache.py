@@ -10,12 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from pieceworks.errors import OutOfPages
+
 RESERVED_PAGE = 0
 CPU_DEFAULT_MAX_TOKENS = 16384  # without kv_cache.num_tokens, a CPU pool stays this small
-
-
-class OutOfPages(RuntimeError):
-    """The pool has fewer free pages than a request needs (nothing was allocated)."""
 
 
 class PageAllocator:

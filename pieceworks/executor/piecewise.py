@@ -24,12 +24,13 @@ from torch.fx.passes.split_module import split_module
 from torch.utils._pytree import tree_map
 
 from pieceworks.backends.ops import is_splitting_node_target, splitting_impl
-from pieceworks.executor.batch import ForwardMode, GraphMode
-from pieceworks.executor.context import ForwardContext, forward_context
+from pieceworks.core.batch import ForwardMode, GraphMode, StepMetadata
+from pieceworks.core.context import ForwardContext, forward_context
 
 if TYPE_CHECKING:
+    from pieceworks.backends.registry import KernelTable
     from pieceworks.config import PiecewiseConfig
-    from pieceworks.executor.runner import Executor
+    from pieceworks.executor.kv_cache import KVPool
 
 log = logging.getLogger("pieceworks.piecewise")
 
@@ -219,24 +220,25 @@ def _own_code_object(model: torch.nn.Module) -> Callable:
 class PiecewiseRunner:
     """Owns the compiled model, the capture sizes, the static inputs and the graph pool."""
 
-    def __init__(self, ex: "Executor", cfg: "PiecewiseConfig", progress: bool = True) -> None:
-        self.ex = ex
+    def __init__(self, model: torch.nn.Module, table: "KernelTable", kv: "KVPool", cfg: "PiecewiseConfig",
+                 progress: bool = True) -> None:
+        self.model, self.table, self.kv = model, table, kv
+        dev = kv.device
         self.sizes = list(cfg.sizes) if cfg.sizes else default_sizes(cfg.max_tokens)
         self.max_tokens = min(cfg.max_tokens, self.sizes[-1])
         self.sizes = [s for s in self.sizes if s <= self.max_tokens]
-        self.use_graphs = ex.device.type == "cuda"
+        self.use_graphs = dev.type == "cuda"
         self.phase = "direct"
         self.current_size = 0
         self.num_graphs = 0
         self.backend = PiecewiseBackend(self)
-        self.compiled = torch.compile(_own_code_object(ex.model), backend=self.backend, fullgraph=True,
+        self.compiled = torch.compile(_own_code_object(model), backend=self.backend, fullgraph=True,
                                       dynamic=False)
-        dev = ex.device
         self.static_ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
         self.static_pos = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # weights never move: replays need not check their addresses
-        self.fixed_ptrs = {t.data_ptr() for t in (*ex.model.parameters(), *ex.model.buffers())}
+        self.fixed_ptrs = {t.data_ptr() for t in (*model.parameters(), *model.buffers())}
         self.report: dict[str, float] = {}
         self._compile_and_capture(progress)
 
@@ -277,7 +279,7 @@ class PiecewiseRunner:
         if not self.use_graphs:
             return
         torch.cuda.empty_cache()
-        reserved_before = torch.cuda.memory_reserved(self.ex.device)
+        reserved_before = torch.cuda.memory_reserved(self.kv.device)
         t1 = time.perf_counter()
         from pieceworks.util import progress_bar
 
@@ -293,26 +295,24 @@ class PiecewiseRunner:
         finally:
             if gc_was_enabled:
                 gc.enable()
-        torch.cuda.synchronize(self.ex.device)
+        torch.cuda.synchronize(self.kv.device)
         self.report["capture_s"] = time.perf_counter() - t1
         torch.cuda.empty_cache()  # drop warm-up leftovers; what stays reserved is the graphs' pool
-        self.report["pool_bytes"] = torch.cuda.memory_reserved(self.ex.device) - reserved_before
+        self.report["pool_bytes"] = torch.cuda.memory_reserved(self.kv.device) - reserved_before
 
     def _dummy_step(self, size: int, phase: str) -> None:
         """A one-sequence extend of `size` tokens whose KV all goes to the reserved page."""
-        ex = self.ex
-        ps = ex.page_size
-        reserved = ex.kv.reserved_slot // ps
-        from pieceworks.executor.batch import StepMetadata
-
-        dev = ex.device
+        kv = self.kv
+        ps = kv.page_size
+        reserved = kv.reserved_slot // ps
+        dev = kv.device
         meta = StepMetadata(
             mode=ForwardMode.EXTEND, graph_mode=GraphMode.PIECEWISE, extend_lens=[size], prefix_lens=[0],
             page_size=ps, page_table=torch.full((1, -(-size // ps)), reserved, dtype=torch.int32, device=dev),
-            slot_mapping=torch.full((size,), ex.kv.reserved_slot, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((size,), kv.reserved_slot, dtype=torch.int64, device=dev),
             positions=torch.arange(size, device=dev),
         )
-        kernels = ex.table.step(ForwardMode.EXTEND, GraphMode.PIECEWISE)
+        kernels = self.table.step(ForwardMode.EXTEND, GraphMode.PIECEWISE)
         for backend in (kernels.attention, kernels.mla):
             if backend is not None:
                 backend.plan(meta)
@@ -320,7 +320,7 @@ class PiecewiseRunner:
         self.static_pos[:size].copy_(meta.positions)
         self.current_size = size
         self.phase = phase
-        with forward_context(ForwardContext(kernels, meta, ex.kv)):
+        with forward_context(ForwardContext(kernels, meta, kv)):
             self._run(size)
         self.phase = "direct"
 

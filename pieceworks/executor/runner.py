@@ -15,22 +15,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from pieceworks.backends import nvrtc, pdl
 from pieceworks.backends.base import BackendSpec
 from pieceworks.backends.registry import KernelTable, load_registry
 from pieceworks.config import Config, ConfigError, Switch, cache_root, load_config
-from pieceworks.executor.batch import ForwardBatch, ForwardMode, GraphMode, Sequence, StepMetadata, to_device
-from pieceworks.executor.context import ForwardContext, forward_context
-from pieceworks.executor.kv_cache import KVPool, OutOfPages
+from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode, Sequence, StepMetadata, to_device
+from pieceworks.core.context import ForwardContext, forward_context
+from pieceworks.errors import BatchError, OutOfPages
+from pieceworks.executor.inputs import page_table, token_rows
+from pieceworks.executor.kv_cache import KVPool
 
 log = logging.getLogger("pieceworks.executor")
-
-
-class BatchError(ValueError):
-    """A batch the executor can't run; nothing was changed (pool and sequences are intact)."""
 
 
 class Executor:
@@ -106,7 +103,7 @@ class Executor:
         if pw.enabled is Switch.on or (pw.enabled is Switch.auto and on_cuda):
             from pieceworks.executor.piecewise import PiecewiseRunner
 
-            self.piecewise = PiecewiseRunner(self, pw, progress=progress)
+            self.piecewise = PiecewiseRunner(self.model, self.table, self.kv, pw, progress=progress)
         dec = self.cfg.cuda_graph.decode
         if dec.enabled is not Switch.off:
             from pieceworks.executor.cuda_graph import check_batch_sizes
@@ -115,7 +112,8 @@ class Executor:
         if on_cuda and dec.enabled is not Switch.off:
             from pieceworks.executor.cuda_graph import DecodeGraphRunner
 
-            self.decode_graphs = DecodeGraphRunner(self, dec.batch_sizes, progress=progress)
+            self.decode_graphs = DecodeGraphRunner(self.model, self.table, self.kv, self.max_context,
+                                                   dec.batch_sizes, progress=progress)
         elif dec.enabled is Switch.on:
             log.info("cuda_graph.decode.enabled=on has no effect on %s: decode graphs need CUDA", self.device)
 
@@ -295,49 +293,6 @@ class Executor:
                 raise ValueError("tokenizing text needs transformers: pip install 'pieceworks[demo]'") from exc
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         return self._tokenizer
-
-
-def token_rows(tokens: list[list[int]], kv_lens: list[int], table: np.ndarray, page_size: int,
-               pad_to: int | None, pad_slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """int64 (token ids, positions, KV slots) of a step's new tokens, sequence after sequence, padded
-    to `pad_to` rows with id 0, position 0 and `pad_slot`.
-
-    Sequence i's tokens sit at positions kv_lens[i], kv_lens[i] + 1, ... and their K/V go to slot
-    page * page_size + position % page_size of the page that holds the position, read from row i of
-    `table` (`page_table`'s array). Vectorized in numpy (a fixed number of array ops per step): on the
-    CPU machine an 8192-token prefill's rows took 4.5 ms with per-token Python and tensors built from
-    lists, 0.3 ms this way (an eager 32-sequence decode step: 35 -> 25 us).
-    """
-    counts = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
-    n = int(counts.sum())
-    total = pad_to or n
-    ids = np.zeros(total, dtype=np.int64)
-    positions = np.zeros(total, dtype=np.int64)
-    slots = np.full(total, pad_slot, dtype=np.int64)
-    if n:
-        seq = np.repeat(np.arange(len(tokens)), counts)
-        first = np.cumsum(counts) - counts  # row of each sequence's first new token
-        pos = np.asarray(kv_lens, dtype=np.int64)[seq] + np.arange(n) - first[seq]
-        ids[:n] = np.fromiter(itertools.chain.from_iterable(tokens), dtype=np.int64, count=n)
-        positions[:n] = pos
-        slots[:n] = table[seq, pos // page_size].astype(np.int64) * page_size + pos % page_size
-    return ids, positions, slots
-
-
-def page_table(pages: list[list[int]], width: int, fill: int = 0) -> torch.Tensor:
-    """[len(pages), width] int32 host tensor of each sequence's pages, padded with `fill`.
-
-    Built in numpy, one flat copy of the page ids and a masked store: every decode-graph replay builds
-    one as wide as the longest sequence allowed (576 pages for 9216 tokens in pages of 16), where a
-    nested Python list took 1.4 ms at 32 sequences on the CPU machine (now about 0.06 ms).
-    """
-    lens = np.fromiter(map(len, pages), dtype=np.int64, count=len(pages))
-    if lens.size and int(lens.max()) > width:
-        raise ValueError(f"a sequence has {int(lens.max())} pages, more than the table's width {width}")
-    out = np.full((len(pages), width), fill, dtype=np.int32)
-    out[np.arange(width)[None, :] < lens[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(pages), dtype=np.int32, count=int(lens.sum()))
-    return torch.from_numpy(out)
 
 
 def _as_token_list(toks: Any, seq_id: int) -> list[int]:

@@ -9,16 +9,30 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
-
 import time
+from typing import Any, Iterable, Protocol
 
 import torch
 
-from pieceworks.executor.batch import ForwardBatch, ForwardMode, Sequence
+from pieceworks.core.batch import ForwardBatch, ForwardMode, Sequence
+from pieceworks.errors import BatchError
+from pieceworks.executor.kv_cache import KVPool
 
-if TYPE_CHECKING:
-    from pieceworks.executor.runner import Executor
+
+class StepRunner(Protocol):
+    """What these conveniences use of `pieceworks.executor.runner.Executor` (typed structurally, so this
+    module sits below the runner that calls it)."""
+
+    cfg: Any
+    kv: KVPool
+    piecewise: Any
+    page_size: int
+    vocab_size: int
+    max_context: int
+
+    def new_sequence(self) -> Sequence: ...
+    def free(self, seq: Sequence) -> None: ...
+    def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
 
 
 @dataclass
@@ -54,13 +68,13 @@ class StepStats:
                           line("decode", (ForwardMode.DECODE,))])
 
 
-def _step_budget(ex: "Executor") -> int:
+def _step_budget(ex: StepRunner) -> int:
     pw = ex.piecewise
     return pw.max_tokens if pw is not None else ex.cfg.cuda_graph.piecewise.max_tokens
 
 
 def generate(
-    ex: "Executor",
+    ex: StepRunner,
     prompts: list[list[int]],
     max_new_tokens: int = 32,
     *,
@@ -81,8 +95,6 @@ def generate(
         BatchError: an empty prompt, a bad token id, or a prompt that can never fit the context or the
             KV pool; raised before any work, so nothing changes.
     """
-    from pieceworks.executor.runner import BatchError
-
     if max_new_tokens < 1:
         raise BatchError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     ps = ex.page_size
@@ -160,7 +172,7 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Ge
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
-def score(ex: "Executor", sequences: list[list[int]], max_step_tokens: int | None = None) -> list[torch.Tensor]:
+def score(ex: StepRunner, sequences: list[list[int]], max_step_tokens: int | None = None) -> list[torch.Tensor]:
     """Per-position logits [len, V] (float32) of each sequence, prefilling in chunks."""
     budget = max_step_tokens or _step_budget(ex)
     out = []

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pieceworks.executor.batch import ForwardMode, GraphMode, StepMetadata
+from pieceworks.core.batch import ForwardMode, GraphMode, StepMetadata
 from pieceworks.executor.kv_cache import KVLayout, KVPool
 from pieceworks.quant import nvfp4
 

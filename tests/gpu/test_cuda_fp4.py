@@ -333,7 +333,7 @@ def _executor(fuse_norm: bool):
 def test_llama_with_fused_norms_matches_unfused():
     """A 3-layer Llama-3.1-8B-shaped NVFP4 model (the same random weights) with fuse_norm on and off: prefill
     and graphed decode steps give logits within 2e-2 of each other, and the fused executor's blocks run fused."""
-    from pieceworks.executor.batch import ForwardBatch
+    from pieceworks.core.batch import ForwardBatch
 
     logits = {}
     for on in (True, False):

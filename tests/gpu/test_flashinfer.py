@@ -18,7 +18,7 @@ import torch
 from pieceworks.backends.attention.flashinfer import FlashInferAttentionBackend, FlashInferOptions
 from pieceworks.backends.base import BackendSpec, ModelFacts
 from pieceworks.backends.mla.flashinfer import FlashInferMLABackend
-from pieceworks.executor.batch import ForwardMode, GraphMode, StepMetadata
+from pieceworks.core.batch import ForwardMode, GraphMode, StepMetadata
 from pieceworks.executor.kv_cache import KVLayout, KVPool
 from pieceworks.testing import scenarios as S
 
@@ -218,7 +218,7 @@ E2E = {
 def test_executor_matches_the_torch_backends(arch):
     """Same random weights, FlashInfer vs torch backends: prompt logits (piecewise-graph and eager
     extends), then teacher-forced decode steps (FULL graphs) fed the reference's greedy tokens."""
-    from pieceworks.executor.batch import ForwardBatch
+    from pieceworks.core.batch import ForwardBatch
 
     fi, ref = _executor(arch, "flashinfer", E2E[arch]), _executor(arch, "torch", E2E[arch])
     op = "attention" if arch == "llama" else "mla"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pieceworks import Executor
-from pieceworks.executor.batch import ForwardBatch, ForwardMode, GraphMode
+from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode
 
 pytestmark = pytest.mark.gpu
 

@@ -14,7 +14,7 @@ import torch
 from pieceworks.backends.base import Backend
 
 if TYPE_CHECKING:
-    from pieceworks.executor.batch import StepMetadata
+    from pieceworks.core.batch import StepMetadata
     from pieceworks.executor.kv_cache import KVPool
 
 

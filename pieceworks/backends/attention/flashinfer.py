@@ -26,7 +26,7 @@ import torch
 from pieceworks.backends.attention.base import AttentionBackend, gqa_kernel_reasons
 from pieceworks.backends.base import Requirements
 from pieceworks.backends.kv_write import write_rows
-from pieceworks.executor.batch import ForwardMode, GraphMode, to_device
+from pieceworks.core.batch import ForwardMode, GraphMode, to_device
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-KV partial results)
 GPU_INSTALL_HINT = "pip install 'pieceworks[gpu]'"

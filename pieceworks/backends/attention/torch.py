@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from pieceworks.backends.attention.base import AttentionBackend
-from pieceworks.executor.batch import ForwardMode, GraphMode
+from pieceworks.core.batch import ForwardMode, GraphMode
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, prefix: int) -> torch.Tensor:

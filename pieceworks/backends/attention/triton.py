@@ -25,7 +25,7 @@ import torch
 from pieceworks.backends.attention.base import AttentionBackend, gqa_kernel_reasons
 from pieceworks.backends.base import Requirements
 from pieceworks.backends.kv_write import write_rows
-from pieceworks.executor.batch import ForwardMode
+from pieceworks.core.batch import ForwardMode
 
 TARGET_PROGRAMS = 512  # about four per SM on an H200 (132 SMs): the 11:25 launch sweep (docs/benchmarks.md)
 MAX_SPLITS = 16

@@ -28,7 +28,7 @@ from pieceworks.backends.attention.flashinfer import (
 from pieceworks.backends.base import Requirements
 from pieceworks.backends.kv_write import write_rows
 from pieceworks.backends.mla.base import MLABackend
-from pieceworks.executor.batch import ForwardMode, GraphMode
+from pieceworks.core.batch import ForwardMode, GraphMode
 
 FA_TILE_Q = 64  # FlashInfer's MLA query tile (rows = tokens x heads); clusters of 2 tiles above 64 rows
 

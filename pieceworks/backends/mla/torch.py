@@ -10,7 +10,7 @@ import torch
 
 from pieceworks.backends.attention.torch import ReferencePlan
 from pieceworks.backends.mla.base import MLABackend
-from pieceworks.executor.batch import ForwardMode
+from pieceworks.core.batch import ForwardMode
 
 
 def attend_latent(

@@ -26,7 +26,7 @@ from pieceworks.backends.attention.torch import _static_seq_lens
 from pieceworks.backends.base import ALL_FORWARD_MODES, Requirements
 from pieceworks.backends.kv_write import write_rows
 from pieceworks.backends.mla.base import MLABackend
-from pieceworks.executor.batch import GraphMode
+from pieceworks.core.batch import GraphMode
 
 WORKSPACE_BYTES = 150 << 20  # SGLang's size; zero-initialised once (the kernels keep semaphores there)
 # (kv_lora_rank, qk_rope_head_dim) -> qk_nope_head_dim, the MLA shapes TRT-LLM's kernels are built for

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
 if TYPE_CHECKING:
-    from pieceworks.executor.batch import StepMetadata
+    from pieceworks.core.batch import StepMetadata
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def get_forward_context() -> ForwardContext:
         raise RuntimeError(
             "pieceworks ops read the kernel choice from the forward context, and none is active: "
             "run the model through Executor.forward, or wrap the call in "
-            "pieceworks.executor.context.forward_context(...)"
+            "pieceworks.core.context.forward_context(...)"
         )
     return ctx
 
