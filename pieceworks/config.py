@@ -165,6 +165,22 @@ def cache_root(cache_dir: str | None = None) -> Path:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Several processes, one shard of the model each (torch.distributed: NCCL on CUDA, gloo on CPU)."""
+
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (attention heads, MLP columns, vocabulary). 1: one process, no
+    collectives. N > 1: under `torchrun --nproc-per-node N` every rank builds its shard; otherwise
+    `Executor.from_config` starts N - 1 worker processes itself. On CUDA rank r uses GPU r."""
+    expert_parallel: bool = False
+    """MoE models: give each rank whole routed experts (n_routed_experts / N of them) instead of a 1/N
+    slice of every expert; the ranks' outputs are summed by the same all-reduce."""
+    timeout_s: float = 300.0
+    """How long a rank waits in a collective or for the leader's next step message before it gives up;
+    a worker that dies is reported at the next step (or when a collective fails) with its exit code."""
+
+
+@dataclass(frozen=True)
 class PluginsConfig:
     disabled: list[str] = field(default_factory=list)
     """Plugin names to block (entry-point names, or built-in families such as pieceworks.flashinfer)."""
@@ -191,6 +207,7 @@ class Config:
     backends: BackendsConfig = field(default_factory=BackendsConfig)
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
@@ -257,6 +274,13 @@ def _validate(cfg: Config, require_model: bool = True) -> None:
     if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
         raise ConfigError(f"runtime.device: {dev!r} is not allowed; use auto, cpu, cuda or cuda:N")
     _one_of("runtime.dtype", cfg.runtime.dtype, ("auto", "bfloat16", "float16", "float32"))
+    par = cfg.parallel
+    _positive("parallel.tensor_parallel_size", par.tensor_parallel_size)
+    if par.tensor_parallel_size > 1 and dev.startswith("cuda:"):
+        raise ConfigError(f"runtime.device: {dev!r} names one GPU, but parallel.tensor_parallel_size is "
+                          f"{par.tensor_parallel_size}; use runtime.device=cuda (rank r runs on GPU r)")
+    if not par.timeout_s > 0:
+        raise ConfigError(f"parallel.timeout_s: {par.timeout_s!r} must be > 0")
     g = cfg.generation
     _positive("generation.max_new_tokens", g.max_new_tokens)
     if g.temperature < 0:

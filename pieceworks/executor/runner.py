@@ -59,6 +59,9 @@ class Executor:
         self._tokenizer = None
         self.piecewise = None
         self.decode_graphs = None
+        self.groups = None  # parallel.group.ProcessGroups of a tensor-parallel rank
+        self.workers = None  # parallel.workers.WorkerGroup of an in-process launch's leader
+        self._closed = False  # a closed rank of a tensor-parallel run holds a shard it can't run alone
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -66,33 +69,66 @@ class Executor:
                     overrides: list[str] | None = None, *, progress: bool = True) -> "Executor":
         """Build an executor from a YAML path, dict or Config, plus dotlist overrides.
 
-        Raises:
-            ConfigError: bad configuration. SelectionError: a configured backend can't serve.
-            ValueError: a bad checkpoint (nothing half-built is returned).
-        """
-        from pieceworks.models.loader import load_model
+        With `parallel.tensor_parallel_size` N > 1 the executor is the leader (rank 0) of N ranks, each
+        holding a shard of the model: started here as N - 1 worker processes, or, under `torchrun
+        --nproc-per-node N`, the other torchrun processes (on those, this call serves the leader's steps
+        and exits the process when the leader closes). Close it (`close()`, or use it as a context
+        manager) to stop the workers; they are stopped at interpreter exit too.
 
+        Raises:
+            ConfigError: bad configuration (including a parallel layout the model or the machine can't
+                take), before anything is allocated. SelectionError: a configured backend can't serve.
+            ValueError: a bad checkpoint (nothing half-built is returned).
+            WorkerDied: a worker process failed while building its shard (its error is in the message).
+        """
         cfg = cfg if isinstance(cfg, Config) and not overrides else load_config(cfg, overrides)
-        device = resolve_device(cfg.runtime.device)
+        if cfg.parallel.tensor_parallel_size > 1:
+            from pieceworks.executor.distributed import launch
+
+            return launch(cls, cfg, progress)
+        return cls.build(cfg, progress, resolve_device(cfg.runtime.device), cls.resolve_model_dir(cfg, progress))
+
+    @staticmethod
+    def resolve_model_dir(cfg: Config, progress: bool) -> Path | None:
+        """The model directory of model.path (a bundled demo model is converted into the cache first)."""
+        if not cfg.model.path:
+            return None
+        root = cache_root(cfg.runtime.cache_dir)
+        return resolve_model_path(cfg.model.path, progress=progress, cache_dir=root / "models")
+
+    @classmethod
+    def build(cls, cfg: Config, progress: bool, device: torch.device, model_dir: Path | None,
+              groups: Any = None) -> "Executor":
+        """One rank's executor on `device`, of the model in `model_dir` (or model.arch's): the whole
+        model, or with `groups` (`parallel.group.ProcessGroups`) that rank's shard."""
+        from pieceworks.models.loader import load_model
+        from pieceworks.parallel.layout import TPLayout
+
         dtype = resolve_dtype(cfg.runtime.dtype, device)
         pdl_mode = pdl.mode_name(cfg.runtime.pdl)
         if pdl_mode == "on" and (reason := pdl.unsupported_reason(device)) is not None:
             raise ConfigError(f"runtime.pdl: on, but {reason}; use runtime.pdl=auto or off")
         torch.manual_seed(cfg.runtime.seed)
         registry = load_registry(cfg.plugins)
-        root = cache_root(cfg.runtime.cache_dir)
-        nvrtc.configure_cache(root / "nvrtc" if cfg.runtime.kernel_cache else None)
-        model_dir = resolve_model_path(cfg.model.path, progress=progress, cache_dir=root / "models") \
-            if cfg.model.path else None
+        nvrtc.configure_cache(cache_root(cfg.runtime.cache_dir) / "nvrtc" if cfg.runtime.kernel_cache else None)
         model_cfg = replace(cfg.model, path=str(model_dir)) if model_dir else cfg.model
-        model = load_model(model_cfg, cfg.quantization, device, dtype, progress=progress)
+        tp = TPLayout()
+        if groups is not None:
+            tp = TPLayout(groups.rank, groups.size, groups.device_group, cfg.parallel.expert_parallel)
+        model = load_model(model_cfg, cfg.quantization, device, dtype, progress=progress, tp=tp)
         spec = BackendSpec.for_device(device, model=model.facts(cfg.kv_cache.page_size),
                                       fp4_numerics=cfg.quantization.fp4_numerics)
         table = registry.resolve(cfg.backends, spec, model.required_ops())
         model.prepare(table)
         kv = KVPool.sized(model.kv_layout(), cfg.kv_cache.page_size, dtype, device,
                           cfg.kv_cache.num_tokens, cfg.kv_cache.memory_fraction)
+        if groups is not None:  # every rank's pool has the leader's page ids: the smallest pool wins
+            num_pages = groups.min_int(kv.allocator.num_pages)
+            if num_pages < kv.allocator.num_pages:
+                kv = None
+                kv = KVPool(model.kv_layout(), num_pages, cfg.kv_cache.page_size, dtype, device)
         ex = cls(cfg, model, table, kv, device, model_dir)
+        ex.groups = groups
         pdl.configure(pdl_mode, device)  # before the graphs capture the kernels
         ex._build_graphs(progress)
         return ex
@@ -149,35 +185,79 @@ class Executor:
             BatchError: invalid batch (bad token ids, freed or repeated sequence, too long, pool full);
                 nothing changed.
         """
+        if self._closed:
+            raise RuntimeError("this executor's tensor-parallel run is closed (close() was called, or a worker "
+                               "failed); build a new executor")
         tokens = self._validate(batch)
         mode = ForwardMode.classify([len(t) for t in tokens], [s.kv_len for s in batch.seqs])
         if mode is ForwardMode.IDLE:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         new_pages = self._reserve_pages(batch.seqs, tokens)
         try:
-            graph = self._graph_mode(mode, len(tokens), sum(map(len, tokens)))
-            kernels = self.table.step(mode, graph)
-            if graph is GraphMode.FULL:
-                logits = self.decode_graphs.run(batch.seqs, tokens, kernels)
+            if self.groups is not None:
+                logits = self._forward_leader(mode, batch.seqs, tokens, batch.return_all_logits)
             else:
-                pad_to = self.piecewise.padded_size(sum(map(len, tokens))) if graph is GraphMode.PIECEWISE else None
-                meta, input_ids = self.prepare_step(mode, graph, batch.seqs, tokens, pad_to)
-                for backend in (kernels.attention, kernels.mla):
-                    if backend is not None:
-                        backend.plan(meta)
-                with forward_context(ForwardContext(kernels, meta, self.kv)):
-                    if graph is GraphMode.PIECEWISE:
-                        hidden = self.piecewise(input_ids, meta.positions)
-                    else:
-                        hidden = self.model(input_ids, meta.positions)
-                rows = self._logit_rows(tokens, batch.return_all_logits)
-                logits = self.model.compute_logits(hidden[rows])
+                logits = self.run_step(mode, batch.seqs, tokens, batch.return_all_logits)
         except BaseException:
             self._release(batch.seqs, new_pages)
             raise
         for seq, toks in zip(batch.seqs, tokens):
             seq.tokens.extend(toks)
         return logits
+
+    def run_step(self, mode: ForwardMode, seqs: list[Any], tokens: list[list[int]], all_logits: bool) -> torch.Tensor:
+        """The step itself, pages already reserved (every rank of a tensor-parallel run calls it with the
+        same arguments): graph mode, kernels, inputs, the model, logits. `seqs` need `pages` and `kv_len`."""
+        graph = self._graph_mode(mode, len(tokens), sum(map(len, tokens)))
+        kernels = self.table.step(mode, graph)
+        if graph is GraphMode.FULL:
+            return self.decode_graphs.run(seqs, tokens, kernels)
+        pad_to = self.piecewise.padded_size(sum(map(len, tokens))) if graph is GraphMode.PIECEWISE else None
+        meta, input_ids = self.prepare_step(mode, graph, seqs, tokens, pad_to)
+        for backend in (kernels.attention, kernels.mla):
+            if backend is not None:
+                backend.plan(meta)
+        with forward_context(ForwardContext(kernels, meta, self.kv)):
+            if graph is GraphMode.PIECEWISE:
+                hidden = self.piecewise(input_ids, meta.positions)
+            else:
+                hidden = self.model(input_ids, meta.positions)
+        rows = self._logit_rows(tokens, all_logits)
+        return self.model.compute_logits(hidden[rows])
+
+    def _forward_leader(self, mode: ForwardMode, seqs: list[Sequence], tokens: list[list[int]],
+                        all_logits: bool) -> torch.Tensor:
+        """`run_step` on every rank: the step's inputs go to the followers first. A worker that is gone,
+        or a step that fails on any rank, closes the executor (the ranks' states may differ now)."""
+        from pieceworks.executor.distributed import send_step
+        from pieceworks.parallel.workers import WorkerDied
+
+        try:
+            if self.workers is not None:
+                self.workers.check()
+            send_step(self, seqs, tokens, all_logits)
+            return self.run_step(mode, seqs, tokens, all_logits)
+        except BaseException as exc:
+            failure = self.workers.failure() if self.workers is not None else None
+            self.close()
+            if failure is not None and not isinstance(exc, WorkerDied):
+                raise WorkerDied(f"{failure}; the executor is closed, build a new one") from exc
+            raise
+
+    def close(self) -> None:
+        """Stop a tensor-parallel run's followers and leave its process group (nothing to do for one
+        process). Idempotent; the executor can't run steps afterwards."""
+        if self.groups is not None:
+            from pieceworks.executor.distributed import shutdown
+
+            shutdown(self)
+            self._closed = True
+
+    def __enter__(self) -> "Executor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def _graph_mode(self, mode: ForwardMode, num_seqs: int, num_tokens: int) -> GraphMode:
         """DESIGN.md: decode within the graph batch sizes -> FULL; extend/mixed within

@@ -23,6 +23,8 @@ from pieceworks.backends.base import ModelFacts
 from pieceworks.executor.kv_cache import KVLayout
 from pieceworks.models import fused
 from pieceworks.models.rope import RotaryEmbedding
+from pieceworks.parallel.comm import gather, reduce
+from pieceworks.parallel.layout import Part, TPLayout
 from pieceworks.quant.linear import Fp4Linear
 from pieceworks.quant.nvfp4 import BLOCK
 
@@ -41,6 +43,25 @@ class RMSNorm(nn.Module):
         if residual is None:
             return fused.rms_norm(x, self.weight, self.eps)
         return fused.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows [V / N, H] of the embedding table: ids outside them give zeros, and the sum
+    over the ranks (exactly one rank holds each id) is the embedding."""
+
+    def __init__(self, num_embeddings: int, dim: int, tp: TPLayout) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_local = num_embeddings // tp.size
+        self.start = tp.rank * self.num_local
+        self.weight = nn.Parameter(torch.empty(self.num_local, dim))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] int64 -> [T, H]."""
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.num_local)
+        h = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0)
+        return reduce(h, self.tp)
 
 
 class Prenormed(NamedTuple):
@@ -67,20 +88,30 @@ def block_forward(block: nn.Module, h: torch.Tensor, residual: torch.Tensor | Pr
     return block.mlp(x), residual
 
 
-def linear(in_features: int, out_features: int, fp4: bool) -> nn.Module:
+def linear(in_features: int, out_features: int, fp4: bool, part: Part | None = None) -> nn.Module:
     """A bias-free projection: `Fp4Linear` (NVFP4 weights, the fp4_gemm op) or `nn.Linear` (also where
-    in_features is not a multiple of the NVFP4 block, which no NVFP4 export quantizes)."""
+    in_features is not a multiple of the NVFP4 block, which no NVFP4 export quantizes).
+
+    Under tensor parallelism the sizes are this rank's and `part` says which slice of the checkpoint's
+    weight it holds (dim 0: column-parallel, dim 1: row-parallel); the weight sources read `tp_part`."""
     if fp4 and in_features % BLOCK == 0:
-        return Fp4Linear(in_features, out_features)
-    return nn.Linear(in_features, out_features, bias=False)
+        module: nn.Module = Fp4Linear(in_features, out_features)
+    else:
+        module = nn.Linear(in_features, out_features, bias=False)
+    module.tp_part = part
+    return module
 
 
 class MergedProj(nn.Module):
-    """Several projections of one input computed by one linear: x [T, K] -> parts [T, N_i]."""
+    """Several projections of one input computed by one linear: x [T, K] -> parts [T, N_i].
 
-    def __init__(self, in_features: int, sizes: list[int], fp4: bool) -> None:
+    `tp_parts`: per projection, which rows of its checkpoint weight this rank holds (None: all)."""
+
+    def __init__(self, in_features: int, sizes: list[int], fp4: bool,
+                 parts: list[Part | None] | None = None) -> None:
         super().__init__()
         self.sizes = list(sizes)
+        self.tp_parts = list(parts) if parts else [None] * len(sizes)
         self.proj = linear(in_features, sum(sizes), fp4)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -99,21 +130,29 @@ class SplitProj(nn.Module):
         return tuple(p(x) for p in self.parts)
 
 
-def merged(in_features: int, sizes: list[int], fp4: list[bool]) -> nn.Module:
-    """MergedProj when every part has the same format, else SplitProj."""
+def merged(in_features: int, sizes: list[int], fp4: list[bool], parts: list[Part | None] | None = None) -> nn.Module:
+    """MergedProj when every part has the same format, else SplitProj (sizes and parts as MergedProj's)."""
     if len(set(fp4)) == 1:
-        return MergedProj(in_features, sizes, fp4[0])
-    return SplitProj([linear(in_features, n, f) for n, f in zip(sizes, fp4)])
+        return MergedProj(in_features, sizes, fp4[0], parts)
+    parts = parts or [None] * len(sizes)
+    return SplitProj([linear(in_features, n, f, p) for n, f, p in zip(sizes, fp4, parts)])
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP, gate and up fused: x [T, H] -> down(silu(gate(x)) * up(x)) [T, H]."""
+    """SwiGLU MLP, gate and up fused: x [T, H] -> down(silu(gate(x)) * up(x)) [T, H].
 
-    def __init__(self, hidden: int, intermediate: int, prefix: str, fp4: Callable[[str], bool]) -> None:
+    Tensor parallel: gate/up column-parallel, down row-parallel over intermediate / N columns; the
+    output is summed over the ranks unless `reduce_output` is False (the caller sums it with other
+    partial results: a MoE layer's shared experts)."""
+
+    def __init__(self, hidden: int, intermediate: int, prefix: str, fp4: Callable[[str], bool],
+                 tp: TPLayout = TPLayout(), reduce_output: bool = True) -> None:
         super().__init__()
-        self.gate_up_proj = merged(hidden, [intermediate, intermediate],
-                                   [fp4(f"{prefix}.gate_proj"), fp4(f"{prefix}.up_proj")])
-        self.down_proj = linear(intermediate, hidden, fp4(f"{prefix}.down_proj"))
+        self.tp = tp if reduce_output else TPLayout(tp.rank, tp.size, None, tp.expert_parallel)
+        inter = intermediate // tp.size
+        self.gate_up_proj = merged(hidden, [inter, inter], [fp4(f"{prefix}.gate_proj"), fp4(f"{prefix}.up_proj")],
+                                   [tp.split(0), tp.split(0)])
+        self.down_proj = linear(inter, hidden, fp4(f"{prefix}.down_proj"), tp.split(1))
         self._mark_gate_up()
 
     def _mark_gate_up(self) -> None:
@@ -125,9 +164,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._swiglu:
-            return self.down_proj(self.gate_up_proj.proj.forward_swiglu(x))
+            return reduce(self.down_proj(self.gate_up_proj.proj.forward_swiglu(x)), self.tp)
         gate, up = self.gate_up_proj(x)
-        return self.down_proj(fused.silu_mul(gate, up))
+        return reduce(self.down_proj(fused.silu_mul(gate, up)), self.tp)
 
     def load(self, src: "WeightSource", prefix: str) -> None:
         self.gate_up_proj = src.merged(self.gate_up_proj, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
@@ -142,26 +181,29 @@ class WeightSource(Protocol):
     """Where the models' `load` methods get their tensors (a checkpoint, or random weights); names
     are Hugging Face tensor names. Implemented in `pieceworks.models.weights`."""
 
-    def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A float tensor on the target device, cast to `dtype` (default: the model dtype)."""
+    def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None,
+               part: Part | None = None) -> torch.Tensor:
+        """A float tensor on the target device, cast to `dtype` (default: the model dtype); with `part`,
+        that slice of the stored tensor (`shape` is the slice's)."""
 
     def has(self, name: str) -> bool:
         """Whether the source holds `name` (random sources hold everything)."""
 
     def dense(self, prefix: str, in_features: int, out_features: int,
-              dtype: torch.dtype | None = None) -> torch.Tensor:
+              dtype: torch.dtype | None = None, part: Part | None = None) -> torch.Tensor:
         """`{prefix}.weight` [out, in] as a float tensor in `dtype` (default: the model dtype),
-        dequantized if the checkpoint stores it as NVFP4."""
+        dequantized if the checkpoint stores it as NVFP4; with `part`, that slice ([out, in] are the
+        slice's sizes)."""
 
     def linear(self, module: nn.Module, prefix: str) -> nn.Module:
-        """Fill an nn.Linear or Fp4Linear from `{prefix}.*`; returns it."""
+        """Fill an nn.Linear or Fp4Linear from `{prefix}.*` (the slice its `tp_part` names); returns it."""
 
     def merged(self, module: nn.Module, prefixes: list[str]) -> nn.Module:
-        """Fill a MergedProj/SplitProj from several linears; returns it, or a SplitProj that replaces
-        it where NVFP4 parts can't be fused exactly."""
+        """Fill a MergedProj/SplitProj from several linears (the slices its `tp_parts` name); returns it,
+        or a SplitProj that replaces it where NVFP4 parts can't be fused exactly."""
 
     def experts(self, module: nn.Module, prefix: str) -> None:
-        """Fill an `Experts` module from `{prefix}.{e}.{gate,up,down}_proj.*`."""
+        """Fill an `Experts` module from `{prefix}.{e}.{gate,up,down}_proj.*` (its experts and slices)."""
 
 
 class CausalLM(nn.Module):
@@ -177,24 +219,30 @@ class CausalLM(nn.Module):
         vocab_size, max_position_embeddings: from the HF config.
         dtype: activation dtype.
         hf_config: the config.json dict the model was built from.
+        tp: this rank's place in the tensor-parallel group (`TPLayout()`: the whole model).
     """
 
     arch: str = ""
+    tp: TPLayout = TPLayout()
     vocab_size: int
     max_position_embeddings: int
     dtype: torch.dtype
     hf_config: dict[str, Any]
 
     def _build_trunk(self, hf_config: dict, dtype: torch.dtype, args, blocks: list[nn.Module],
-                     rope_dim: int) -> None:
-        """Embeddings, blocks, final norm, head (tied or not) and rope tables: the parts every model has."""
-        self.hf_config, self.dtype = dict(hf_config), dtype
+                     rope_dim: int, tp: TPLayout = TPLayout()) -> None:
+        """Embeddings, blocks, final norm, head (tied or not) and rope tables: the parts every model has.
+        Tensor parallel: the embedding and the head hold V / N rows each (vocab-parallel)."""
+        self.hf_config, self.dtype, self.tp = dict(hf_config), dtype, tp
         self.vocab_size, self.max_position_embeddings = args.vocab_size, args.max_position_embeddings
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        if tp.sharded:
+            self.embed_tokens: nn.Module = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp)
+        else:
+            self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(blocks)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = (self.embed_tokens if args.tie_word_embeddings
-                        else nn.Linear(args.hidden_size, args.vocab_size, bias=False))
+                        else nn.Linear(args.hidden_size, args.vocab_size // tp.size, bias=False))
         self.rotary = RotaryEmbedding(args.rope, rope_dim, args.max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -211,8 +259,9 @@ class CausalLM(nn.Module):
         return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, H] -> logits [n, V] float32. Plain torch: callable outside a forward context."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        """hidden [n, H] -> logits [n, V] float32. Plain torch (and, tensor parallel, the all-gather of
+        the ranks' V / N columns): callable outside a forward context."""
+        return gather(F.linear(hidden, self.lm_head.weight).float(), self.tp)
 
     def kv_layout(self) -> KVLayout:
         """Per-token KV shape for the pool: GQA heads or the MLA latent."""
@@ -230,15 +279,17 @@ class CausalLM(nn.Module):
         """(label, module, fill) in load order: the loader materializes `module` from the meta device,
         then calls `fill(source)`. Together they cover every parameter and buffer."""
         hidden = self.norm.weight.shape[0]
+        rows = self.tp.split(0)  # vocab-parallel embedding and head
 
         # Parameters are looked up when filled: to_empty replaces the meta ones.
-        def fill(module: nn.Module, name: str, src: WeightSource) -> None:
-            module.weight.copy_(src.tensor(name, tuple(module.weight.shape)))
+        def fill(module: nn.Module, name: str, src: WeightSource, part: Part | None = None) -> None:
+            module.weight.copy_(src.tensor(name, tuple(module.weight.shape), part=part))
 
         def head(src: WeightSource) -> None:
-            self.lm_head.weight.copy_(src.dense("lm_head", hidden, self.vocab_size))
+            self.lm_head.weight.copy_(src.dense("lm_head", hidden, self.vocab_size // self.tp.size, part=rows))
 
-        plan = [("embed_tokens", self.embed_tokens, partial(fill, self.embed_tokens, "model.embed_tokens.weight"))]
+        plan = [("embed_tokens", self.embed_tokens,
+                 partial(fill, self.embed_tokens, "model.embed_tokens.weight", part=rows))]
         for i, layer in enumerate(self.layers):
             plan.append((f"layer {i}", layer, partial(layer.load, prefix=f"model.layers.{i}")))
         plan.append(("norm", self.norm, partial(fill, self.norm, "model.norm.weight")))

@@ -161,6 +161,23 @@ class CheckpointReader:
                 f"{self.model_dir / filename}: cannot read tensor {name} ({e}); {_REDOWNLOAD}"
             ) from None
 
+    def get_part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Load rows (or columns, ...) [start, stop) of dimension `dim` of one tensor (CPU): only that
+        slice is read from the file (`safe_open(...).get_slice`), as a tensor-parallel rank reads its shard.
+
+        Raises:
+            KeyError, ValueError: as `get`.
+        """
+        filename = self.file_of(name)
+        try:
+            sl = self._handle(filename).get_slice(name)
+            index = tuple(slice(start, stop) if d == dim else slice(None) for d in range(len(sl.get_shape())))
+            return sl[index]
+        except SafetensorError as e:
+            raise ValueError(
+                f"{self.model_dir / filename}: cannot read tensor {name} ({e}); {_REDOWNLOAD}"
+            ) from None
+
     def config(self) -> dict:
         """config.json as a dict.
 

@@ -26,6 +26,8 @@ from pieceworks.models.rope import (
     rope_parameters,
     yarn_softmax_scale,
 )
+from pieceworks.parallel.comm import reduce
+from pieceworks.parallel.layout import TPLayout, require_divisible, require_fp4_block
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use RMSNorm's default eps, not rms_norm_eps
 
@@ -98,34 +100,71 @@ class DeepseekV3Args:
             rope=rope_parameters({"max_position_embeddings": 4096, **hf}),
         )
 
+    def check_parallel(self, tp: TPLayout, fp4: Callable[[str], bool]) -> None:
+        """ConfigError unless `tp.size` ranks split this model: heads, vocabulary, dense and shared MLPs,
+        and the routed experts (their intermediate columns, or whole experts under expert parallel)."""
+        n = tp.size
+        require_divisible("num_attention_heads", self.num_heads, n, "MLA heads split over the ranks")
+        require_divisible("vocab_size", self.vocab_size, n, "vocab-parallel embedding and head")
+        moe = [i for i in range(self.num_layers) if self.is_moe(i)]
+        if len(moe) < self.num_layers:
+            require_divisible("intermediate_size", self.intermediate_size, n, "dense MLP columns split over the ranks")
+        if moe and self.n_shared_experts:
+            require_divisible("moe_intermediate_size * n_shared_experts",
+                              self.moe_intermediate_size * self.n_shared_experts, n, "shared experts' columns")
+        if moe and tp.expert_parallel:
+            require_divisible("n_routed_experts", self.n_routed_experts, n, "whole experts per rank")
+        elif moe:
+            require_divisible("moe_intermediate_size", self.moe_intermediate_size, n,
+                              "each routed expert's columns split over the ranks")
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}"
+            if fp4(f"{p}.self_attn.o_proj"):
+                require_fp4_block(f"{p}.self_attn.o_proj", self.num_heads * self.v_head_dim // n, n)
+            if i in moe:
+                if fp4(f"{p}.mlp.experts.0.down_proj") and not tp.expert_parallel:
+                    require_fp4_block(f"{p}.mlp.experts.*.down_proj", self.moe_intermediate_size // n, n)
+                if self.n_shared_experts and fp4(f"{p}.mlp.shared_experts.down_proj"):
+                    require_fp4_block(f"{p}.mlp.shared_experts.down_proj",
+                                      self.moe_intermediate_size * self.n_shared_experts // n, n)
+            elif fp4(f"{p}.mlp.down_proj"):
+                require_fp4_block(f"{p}.mlp.down_proj", self.intermediate_size // n, n)
+
     def is_moe(self, layer: int) -> bool:
         """DeepSeek's rule: MoE from first_k_dense_replace on, every moe_layer_freq-th layer."""
         return bool(self.n_routed_experts) and layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
 
 
 class MLAttention(nn.Module):
-    """Multi-head latent attention, absorbed; attention is the `pieceworks::mla` op."""
+    """Multi-head latent attention, absorbed; attention is the `pieceworks::mla` op.
 
-    def __init__(self, a: DeepseekV3Args, layer_id: int, prefix: str, fp4: Callable[[str], bool]) -> None:
+    Tensor parallel: this rank's Nh / N heads (q_b_proj or q_proj column-parallel, their slices of
+    kv_b_proj, o_proj row-parallel with the output summed over the ranks); the low-rank q_a and kv_a
+    projections and the latent KV cache are whole on every rank."""
+
+    def __init__(self, a: DeepseekV3Args, layer_id: int, prefix: str, fp4: Callable[[str], bool],
+                 tp: TPLayout = TPLayout()) -> None:
         super().__init__()
-        self.layer_id = layer_id
-        self.num_heads, self.rank = a.num_heads, a.kv_lora_rank
+        self.layer_id, self.tp = layer_id, tp
+        self.num_heads, self.rank = a.num_heads // tp.size, a.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim
         self.scale = yarn_softmax_scale(a.rope, qk)
         self.q_lora = a.q_lora_rank is not None
         self.rope_interleave = bool(a.rope_interleave)
         # q_a_proj (or q_proj) and kv_a_proj_with_mqa both read x: one fused linear.
-        q_name, q_out = ("q_a_proj", a.q_lora_rank) if self.q_lora else ("q_proj", a.num_heads * qk)
+        nh = self.num_heads
+        q_name, q_out, q_part = (("q_a_proj", a.q_lora_rank, None) if self.q_lora
+                                 else ("q_proj", nh * qk, tp.split(0)))
         self.qkv_a_proj = merged(a.hidden_size, [q_out, a.kv_lora_rank + a.qk_rope_head_dim],
-                                 [fp4(f"{prefix}.{q_name}"), fp4(f"{prefix}.kv_a_proj_with_mqa")])
+                                 [fp4(f"{prefix}.{q_name}"), fp4(f"{prefix}.kv_a_proj_with_mqa")], [q_part, None])
         if self.q_lora:
             self.q_a_layernorm = RMSNorm(a.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = linear(a.q_lora_rank, a.num_heads * qk, fp4(f"{prefix}.q_b_proj"))
+            self.q_b_proj = linear(a.q_lora_rank, nh * qk, fp4(f"{prefix}.q_b_proj"), tp.split(0))
         self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, LATENT_NORM_EPS)
-        self.register_buffer("w_uk", torch.empty(a.num_heads, a.qk_nope_head_dim, a.kv_lora_rank))
-        self.register_buffer("w_uv_t", torch.empty(a.num_heads, a.kv_lora_rank, a.v_head_dim))
-        self.o_proj = linear(a.num_heads * a.v_head_dim, a.hidden_size, fp4(f"{prefix}.o_proj"))
+        self.register_buffer("w_uk", torch.empty(nh, a.qk_nope_head_dim, a.kv_lora_rank))
+        self.register_buffer("w_uv_t", torch.empty(nh, a.kv_lora_rank, a.v_head_dim))
+        self.o_proj = linear(nh * a.v_head_dim, a.hidden_size, fp4(f"{prefix}.o_proj"), tp.split(1))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H], cos/sin [T, R/2] -> [T, H]."""
@@ -145,7 +184,7 @@ class MLAttention(nn.Module):
         out = torch.empty_like(q_abs)  # owned by the piece before the op: fixed address under graphs
         torch.ops.pieceworks.mla(q_abs, q_pe, c_kv, k_pe, out, self.layer_id, self.scale)
         v = torch.bmm(out.transpose(0, 1), self.w_uv_t)  # [Nh, T, Dv]
-        return self.o_proj(v.transpose(0, 1).reshape(-1, self.num_heads * self.v_dim))
+        return reduce(self.o_proj(v.transpose(0, 1).reshape(-1, self.num_heads * self.v_dim)), self.tp)
 
     def load(self, src: WeightSource, prefix: str) -> None:
         q_name = "q_a_proj" if self.q_lora else "q_proj"
@@ -156,23 +195,24 @@ class MLAttention(nn.Module):
             self.q_b_proj = src.linear(self.q_b_proj, f"{prefix}.q_b_proj")
         self.kv_a_layernorm.weight.copy_(src.tensor(f"{prefix}.kv_a_layernorm.weight", (self.rank,)))
         nh, dn, dv = self.num_heads, self.nope_dim, self.v_dim
-        w = src.dense(f"{prefix}.kv_b_proj", self.rank, nh * (dn + dv)).view(nh, dn + dv, self.rank)
+        w = src.dense(f"{prefix}.kv_b_proj", self.rank, nh * (dn + dv), part=self.tp.split(0))
+        w = w.view(nh, dn + dv, self.rank)
         self.w_uk.copy_(w[:, :dn])
         self.w_uv_t.copy_(w[:, dn:].transpose(1, 2))
         self.o_proj = src.linear(self.o_proj, f"{prefix}.o_proj")
 
 
 class DeepseekV3Block(nn.Module):
-    def __init__(self, a: DeepseekV3Args, layer_id: int, fp4: Callable[[str], bool]) -> None:
+    def __init__(self, a: DeepseekV3Args, layer_id: int, fp4: Callable[[str], bool], tp: TPLayout = TPLayout()) -> None:
         super().__init__()
         prefix = f"model.layers.{layer_id}"
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.self_attn = MLAttention(a, layer_id, f"{prefix}.self_attn", fp4)
+        self.self_attn = MLAttention(a, layer_id, f"{prefix}.self_attn", fp4, tp)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         if a.is_moe(layer_id):
-            self.mlp = MoE(a.hidden_size, a, f"{prefix}.mlp", fp4)
+            self.mlp: nn.Module = MoE(a.hidden_size, a, f"{prefix}.mlp", fp4, tp)
         else:
-            self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, f"{prefix}.mlp", fp4)
+            self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, f"{prefix}.mlp", fp4, tp)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,14 +234,22 @@ class DeepseekV3(CausalLM):
         hf_config: config.json as a dict.
         dtype: activation and weight dtype (the router stays float32).
         fp4: whether the linear with this HF module name is NVFP4.
+        tp: the rank's shard (default: the whole model).
+
+    Raises:
+        ConfigError: `tp.size` ranks can't split the model (`DeepseekV3Args.check_parallel`).
     """
 
     arch = "deepseek_v3"
 
-    def __init__(self, hf_config: dict, dtype: torch.dtype, fp4: Callable[[str], bool] = lambda name: False):
+    def __init__(self, hf_config: dict, dtype: torch.dtype, fp4: Callable[[str], bool] = lambda name: False,
+                 tp: TPLayout = TPLayout()):
         super().__init__()
         a = self.args = DeepseekV3Args.from_hf(hf_config)
-        self._build_trunk(hf_config, dtype, a, [DeepseekV3Block(a, i, fp4) for i in range(a.num_layers)], a.qk_rope_head_dim)
+        if tp.sharded:
+            a.check_parallel(tp, fp4)
+        self._build_trunk(hf_config, dtype, a, [DeepseekV3Block(a, i, fp4, tp) for i in range(a.num_layers)],
+                          a.qk_rope_head_dim, tp)
 
     def _experts(self) -> list[Experts]:
         return [m for m in self.modules() if isinstance(m, Experts)]
@@ -212,10 +260,10 @@ class DeepseekV3(CausalLM):
     def facts(self, page_size: int) -> ModelFacts:
         a, experts = self.args, self._experts()
         return ModelFacts(
-            arch="deepseek_v3", dtype=self.dtype, num_heads=a.num_heads, num_kv_heads=1,
+            arch="deepseek_v3", dtype=self.dtype, num_heads=a.num_heads // self.tp.size, num_kv_heads=1,
             head_dim=a.qk_nope_head_dim + a.qk_rope_head_dim, kv_lora_rank=a.kv_lora_rank,
             qk_rope_head_dim=a.qk_rope_head_dim, page_size=page_size, fp4=self.has_fp4(),
-            moe_experts=a.n_routed_experts if experts else 0,
+            moe_experts=experts[0].num_experts if experts else 0,
             moe_quant="nvfp4" if any(e.fp4 for e in experts) else "none",
         )
 

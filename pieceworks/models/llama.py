@@ -19,6 +19,8 @@ from pieceworks.executor.kv_cache import KVLayout
 from pieceworks.models.base import (CausalLM, GatedMLP, Prenormed, RMSNorm, WeightSource, block_forward, linear,
                                     merged)
 from pieceworks.models.rope import apply_rope_qk, rope_parameters
+from pieceworks.parallel.comm import reduce
+from pieceworks.parallel.layout import (TPLayout, require_divisible, require_fp4_block, require_kv_heads)
 from pieceworks.quant.linear import Fp4Linear
 
 
@@ -64,18 +66,39 @@ class LlamaArgs:
             rope=rope_parameters({"max_position_embeddings": 2048, **hf}),
         )
 
+    def check_parallel(self, tp: TPLayout, fp4: Callable[[str], bool]) -> None:
+        """ConfigError unless `tp.size` ranks split this model (heads, KV heads, MLP, vocabulary)."""
+        n = tp.size
+        require_divisible("num_attention_heads", self.num_heads, n, "query heads split over the ranks")
+        require_kv_heads(self.num_kv_heads, n)
+        require_divisible("intermediate_size", self.intermediate_size, n, "MLP columns split over the ranks")
+        require_divisible("vocab_size", self.vocab_size, n, "vocab-parallel embedding and head")
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}"
+            if fp4(f"{p}.self_attn.o_proj"):
+                require_fp4_block(f"{p}.self_attn.o_proj", self.num_heads * self.head_dim // n, n)
+            if fp4(f"{p}.mlp.down_proj"):
+                require_fp4_block(f"{p}.mlp.down_proj", self.intermediate_size // n, n)
+
 
 class LlamaAttention(nn.Module):
-    """GQA with rope; the attention itself is the `pieceworks::attention` op over the paged cache."""
+    """GQA with rope; the attention itself is the `pieceworks::attention` op over the paged cache.
 
-    def __init__(self, a: LlamaArgs, layer_id: int, prefix: str, fp4: Callable[[str], bool]) -> None:
+    Tensor parallel: this rank's Hq / N query heads and the KV heads they read (Hkv / N, or one shared
+    head when Hkv < N) in q/k/v (column-parallel); o_proj row-parallel, its output summed over the ranks."""
+
+    def __init__(self, a: LlamaArgs, layer_id: int, prefix: str, fp4: Callable[[str], bool],
+                 tp: TPLayout = TPLayout()) -> None:
         super().__init__()
-        self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.layer_id, self.tp = layer_id, tp
+        self.num_heads, self.head_dim = a.num_heads // tp.size, a.head_dim
+        self.num_kv_heads = tp.local_kv_heads(a.num_kv_heads)
         self.scale = a.head_dim**-0.5
-        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        self.qkv_proj = merged(a.hidden_size, [q, kv, kv], [fp4(f"{prefix}.{n}_proj") for n in "qkv"])
-        self.o_proj = linear(q, a.hidden_size, fp4(f"{prefix}.o_proj"))
+        q, kv = self.num_heads * a.head_dim, self.num_kv_heads * a.head_dim
+        kv_part = tp.kv_split(a.num_kv_heads)
+        self.qkv_proj = merged(a.hidden_size, [q, kv, kv], [fp4(f"{prefix}.{n}_proj") for n in "qkv"],
+                               [tp.split(0), kv_part, kv_part])
+        self.o_proj = linear(q, a.hidden_size, fp4(f"{prefix}.o_proj"), tp.split(1))
         self._mark_qkv()
 
     def _mark_qkv(self) -> None:
@@ -94,7 +117,7 @@ class LlamaAttention(nn.Module):
             q, k = apply_rope_qk(q.view(-1, self.num_heads, self.head_dim),
                                  k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
             out = self._attend(q, k, v)
-        return self.o_proj(out)
+        return reduce(self.o_proj(out), self.tp)
 
     def attend_roped(self, qkv: torch.Tensor) -> torch.Tensor:
         """The attention of roped q/k/v columns [T, (Hq + 2 Hkv) D] -> [T, Hq D] (before o_proj)."""
@@ -115,13 +138,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, a: LlamaArgs, layer_id: int, fp4: Callable[[str], bool]) -> None:
+    def __init__(self, a: LlamaArgs, layer_id: int, fp4: Callable[[str], bool], tp: TPLayout = TPLayout()) -> None:
         super().__init__()
         prefix = f"model.layers.{layer_id}"
+        self.sharded = tp.sharded
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.self_attn = LlamaAttention(a, layer_id, f"{prefix}.self_attn", fp4)
+        self.self_attn = LlamaAttention(a, layer_id, f"{prefix}.self_attn", fp4, tp)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, f"{prefix}.mlp", fp4)
+        self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, f"{prefix}.mlp", fp4, tp)
         # the next block's input_layernorm, set by the model (a tuple: not a submodule of this block); with
         # the norms fused, the down projection prepares that norm's inputs
         self.next_norm: tuple[RMSNorm] | None = None
@@ -180,23 +204,35 @@ class Llama(CausalLM):
         hf_config: config.json as a dict.
         dtype: activation and weight dtype.
         fp4: whether the linear with this HF module name (`model.layers.0.self_attn.q_proj`) is NVFP4.
+        tp: the rank's shard (default: the whole model).
+
+    Raises:
+        ConfigError: `tp.size` ranks can't split the model (`LlamaArgs.check_parallel`).
     """
 
     arch = "llama"
 
-    def __init__(self, hf_config: dict, dtype: torch.dtype, fp4: Callable[[str], bool] = lambda name: False):
+    def __init__(self, hf_config: dict, dtype: torch.dtype, fp4: Callable[[str], bool] = lambda name: False,
+                 tp: TPLayout = TPLayout()):
         super().__init__()
         a = self.args = LlamaArgs.from_hf(hf_config)
-        self._build_trunk(hf_config, dtype, a, [LlamaBlock(a, i, fp4) for i in range(a.num_layers)], a.head_dim)
+        if tp.sharded:
+            a.check_parallel(tp, fp4)
+        self._build_trunk(hf_config, dtype, a, [LlamaBlock(a, i, fp4, tp) for i in range(a.num_layers)],
+                          a.head_dim, tp)
         for block, nxt in zip(self.layers, list(self.layers)[1:]):
             block.next_norm = (nxt.input_layernorm,)
 
     def kv_layout(self) -> KVLayout:
-        return KVLayout("gqa", self.args.num_layers, num_kv_heads=self.args.num_kv_heads, head_dim=self.args.head_dim)
+        """This rank's KV heads (all of them at tensor-parallel size 1)."""
+        return KVLayout("gqa", self.args.num_layers, num_kv_heads=self.tp.local_kv_heads(self.args.num_kv_heads),
+                        head_dim=self.args.head_dim)
 
     def facts(self, page_size: int) -> ModelFacts:
-        a = self.args
-        return ModelFacts(arch="llama", dtype=self.dtype, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
+        """The rank's shard as the backends see it (its heads)."""
+        a, tp = self.args, self.tp
+        return ModelFacts(arch="llama", dtype=self.dtype, num_heads=a.num_heads // tp.size,
+                          num_kv_heads=tp.local_kv_heads(a.num_kv_heads),
                           head_dim=a.head_dim, page_size=page_size, fp4=self.has_fp4())
 
     def required_ops(self) -> set[str]:

@@ -20,6 +20,7 @@ from pieceworks.backends.base import ModelFacts
 from pieceworks.models.base import CausalLM
 from pieceworks.models.deepseek_v3 import DeepseekV3
 from pieceworks.models.llama import Llama
+from pieceworks.parallel.layout import TPLayout
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": Llama,
@@ -28,7 +29,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
 ARCHS: dict[str, type[CausalLM]] = {"llama": Llama, "deepseek_v3": DeepseekV3}
 
 def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype: torch.dtype,
-               progress: bool = True, seed: int = 0) -> CausalLM:
+               progress: bool = True, seed: int = 0, tp: TPLayout = TPLayout()) -> CausalLM:
     """Build the model `model_cfg` describes.
 
     Args:
@@ -38,6 +39,7 @@ def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype
             or nvfp4 (a checkpoint must be NVFP4; random models get random NVFP4 weights).
         device: target device; dtype: bfloat16, float16 or float32 (checkpoint floats are cast to it).
         progress: show a progress bar while loading. seed: for random weights.
+        tp: the rank's shard: its slices are all that is read (or kept, for random weights).
 
     Raises:
         ValueError: missing config.json, unsupported architecture, missing tensor, shape mismatch,
@@ -56,17 +58,23 @@ def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype
         from pieceworks.models.weights import RandomSource
 
         source = RandomSource(device, dtype, seed=seed)
-    model = build(cls, hf, dtype, fp4)
+    model = build(cls, hf, dtype, fp4, tp)
     materialize(model, source, device, progress)
     return model
 
 
 def model_facts(model_cfg: Any, quant_cfg: Any, page_size: int,
-                dtype: torch.dtype = torch.bfloat16) -> tuple[ModelFacts, set[str]]:
-    """(ModelFacts, required ops) of the configured model without loading weights (built on the meta
-    device from config.json or the preset). `model_cfg.path` must be a directory."""
+                dtype: torch.dtype = torch.bfloat16, tp: TPLayout = TPLayout()) -> tuple[ModelFacts, set[str]]:
+    """(ModelFacts, required ops) of the configured model (of one rank's shard with `tp`) without
+    loading weights (built on the meta device from config.json or the preset). `model_cfg.path` must
+    be a directory.
+
+    Raises:
+        ConfigError: `tp` can't split the model (also how a launch checks the parallel layout before it
+            allocates anything or starts a process).
+    """
     cls, hf, fp4 = _describe(model_cfg, quant_cfg)
-    model = build(cls, hf, dtype, fp4)
+    model = build(cls, hf, dtype, fp4, tp)
     return model.facts(page_size), model.required_ops()
 
 
@@ -138,11 +146,12 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def build(cls: type[CausalLM], hf: dict, dtype: torch.dtype, fp4: Callable[[str], bool]) -> CausalLM:
-    """The model skeleton on the meta device; float parameters default to `dtype` (modules that must
-    stay float32, the MoE router and rope tables, say so themselves)."""
+def build(cls: type[CausalLM], hf: dict, dtype: torch.dtype, fp4: Callable[[str], bool],
+          tp: TPLayout = TPLayout()) -> CausalLM:
+    """The model skeleton (of one rank's shard with `tp`) on the meta device; float parameters default to
+    `dtype` (modules that must stay float32, the MoE router and rope tables, say so themselves)."""
     with torch.device("meta"), _default_dtype(dtype):
-        return cls(hf, dtype, fp4)
+        return cls(hf, dtype, fp4, tp) if tp.sharded else cls(hf, dtype, fp4)
 
 
 def materialize(model: CausalLM, source: Any, device: torch.device, progress: bool) -> None:

@@ -1,6 +1,15 @@
 """DeepSeek-V3 mixture of experts: the fp32 router and shared experts in the model, routing and the
 routed experts in the `pieceworks::moe` op.
 
+Tensor parallel, two ways. Default: every rank holds all experts, each with I / N of its intermediate
+columns (gate/up rows, down columns), and routes every token itself: its output is a partial sum.
+Expert parallel (`parallel.expert_parallel`): rank r holds experts [r E/N, (r+1) E/N) whole; the
+model routes on the full router logits (`deepseek_route`) and hands the op a local routing problem
+whose answer is the same experts and weights (logits = logit(weight / scaling) for the token's chosen
+local experts, -inf for the others, no groups, no bias, no renormalization), so every moe backend
+serves it unchanged; weights agree to float32 rounding. Both ways sum the ranks' routed outputs and
+the shared experts' partial outputs in one all-reduce per layer.
+
 Shape legend: T tokens, H hidden, E routed experts, I expert intermediate size.
 """
 
@@ -13,7 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pieceworks.backends.moe.base import MoEBackend, MoEWeights
+from pieceworks.backends.moe.routing import deepseek_route
 from pieceworks.models.base import GatedMLP
+from pieceworks.parallel.comm import reduce
+from pieceworks.parallel.layout import Part, TPLayout
 from pieceworks.quant.nvfp4 import BLOCK
 
 
@@ -23,11 +35,18 @@ class Experts(nn.Module):
     NVFP4: w13 uint8 [E, 2I, H/2], w13_scale e4m3 [E, 2I, H/16], w13_scale_2 f32 [E, 2],
     w13_input_scale f32 [E], w2 uint8 [E, H, I/2], w2_scale e4m3 [E, H, I/16], w2_scale_2 f32 [E],
     w2_input_scale f32 [E]. Unquantized: w13 [E, 2I, H], w2 [E, H, I] in the model dtype, scales empty.
+
+    E and I are this rank's: experts [first_expert, first_expert + E) of `total_experts`, and, where
+    `inter_part` is set, that chunk of each expert's intermediate columns (of `total_intermediate`).
     """
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, fp4: bool) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, fp4: bool, first_expert: int = 0,
+                 total_experts: int | None = None, inter_part: Part | None = None) -> None:
         super().__init__()
         self.num_experts, self.hidden, self.intermediate, self.fp4 = num_experts, hidden, intermediate, fp4
+        self.first_expert, self.total_experts = first_expert, total_experts or num_experts
+        self.inter_part = inter_part
+        self.total_intermediate = intermediate * (inter_part.count if inter_part else 1)
         self.layout = "linear"
         self.weight_dtype = torch.get_default_dtype()  # the model dtype while the model is built
         for name, (shape, dtype) in self.expected().items():
@@ -76,8 +95,9 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """Routed experts (sigmoid scores + e_score_correction_bias, grouped top-k) plus shared experts."""
 
-    def __init__(self, hidden: int, a, prefix: str, fp4: Callable[[str], bool]) -> None:
+    def __init__(self, hidden: int, a, prefix: str, fp4: Callable[[str], bool], tp: TPLayout = TPLayout()) -> None:
         super().__init__()
+        self.tp, self.expert_parallel = tp, tp.sharded and tp.expert_parallel
         self.top_k, self.num_groups, self.topk_group = a.num_experts_per_tok, a.n_group, a.topk_group
         self.renormalize, self.scaling = a.norm_topk_prob, float(a.routed_scaling_factor)
         e, i = a.n_routed_experts, a.moe_intermediate_size
@@ -85,22 +105,47 @@ class MoE(nn.Module):
         self.gate = nn.Linear(hidden, e, bias=False, dtype=torch.float32)
         self.register_buffer("e_score_correction_bias", torch.zeros(e, dtype=torch.float32))
         expert_fp4 = all(fp4(f"{prefix}.experts.0.{p}") for p in ("gate_proj", "up_proj", "down_proj"))
-        self.experts = Experts(e, hidden, i, expert_fp4 and hidden % BLOCK == 0 and i % BLOCK == 0)
+        first, stop = tp.expert_range(e)
+        inter_part = None if self.expert_parallel else tp.split(0)
+        i_local = i // (inter_part.count if inter_part else 1)
+        self.experts = Experts(stop - first, hidden, i_local,
+                               expert_fp4 and hidden % BLOCK == 0 and i_local % BLOCK == 0, first, e, inter_part)
+        self.local_top_k = min(self.top_k, stop - first)
         n_shared = a.n_shared_experts or 0
-        self.shared_experts = GatedMLP(hidden, i * n_shared, f"{prefix}.shared_experts", fp4) if n_shared else None
+        self.shared_experts = (GatedMLP(hidden, i * n_shared, f"{prefix}.shared_experts", fp4, tp, reduce_output=False)
+                               if n_shared else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         logits = F.linear(x.float(), self.gate.weight)  # [T, E] float32
         w = self.experts
-        y = torch.ops.pieceworks.moe(
-            x, logits, self.e_score_correction_bias,
-            w.w13, w.w13_scale, w.w13_scale_2, w.w13_input_scale, w.w2, w.w2_scale, w.w2_scale_2, w.w2_input_scale,
-            self.top_k, self.num_groups, self.topk_group, self.renormalize, self.scaling,
-        )
+        if self.expert_parallel:  # model-wide: the same branch in every MoE layer
+            y = torch.ops.pieceworks.moe(
+                x, self._local_logits(logits), logits.new_empty(0),
+                w.w13, w.w13_scale, w.w13_scale_2, w.w13_input_scale, w.w2, w.w2_scale, w.w2_scale_2,
+                w.w2_input_scale, self.local_top_k, 1, 1, False, self.scaling,
+            )
+        else:
+            y = torch.ops.pieceworks.moe(
+                x, logits, self.e_score_correction_bias,
+                w.w13, w.w13_scale, w.w13_scale_2, w.w13_input_scale, w.w2, w.w2_scale, w.w2_scale_2,
+                w.w2_input_scale, self.top_k, self.num_groups, self.topk_group, self.renormalize, self.scaling,
+            )
         if self.shared_experts is not None:  # model-wide: the same branch in every MoE layer
             y = y + self.shared_experts(x)
-        return y
+        return reduce(y, self.tp)
+
+    def _local_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[T, E] router logits -> [T, E / N] logits of this rank's experts whose sigmoid, times the
+        scaling, is the full routing's weight of each chosen expert, and 0 (logit -inf) elsewhere."""
+        weights, ids = deepseek_route(logits, self.e_score_correction_bias, self.top_k, self.num_groups,
+                                      self.topk_group, self.renormalize, self.scaling)
+        first, n = self.experts.first_expert, self.experts.num_experts
+        local = ids - first
+        mine = (local >= 0) & (local < n)
+        probs = logits.new_zeros(logits.shape[0], n + 1)  # column n: a sink for other ranks' experts
+        probs.scatter_(1, torch.where(mine, local, n), torch.where(mine, weights / self.scaling, 0.0))
+        return torch.logit(probs[:, :n].clamp(max=1.0))
 
     def load(self, src, prefix: str) -> None:
         e, h = self.gate.weight.shape

@@ -282,7 +282,8 @@ def fuse_fp4(parts: list[Fp4Weight]) -> Fp4Weight | None:
     )
 
 
-def read_fp4_experts(reader, prefix_fmt: str, num_experts: int, hidden: int, intermediate: int) -> MoEWeights:
+def read_fp4_experts(reader, prefix_fmt: str, num_experts: int, hidden: int, intermediate: int,
+                     first: int = 0) -> MoEWeights:
     """Read per-expert NVFP4 tensors and stack them into `MoEWeights`.
 
     Args:
@@ -290,6 +291,8 @@ def read_fp4_experts(reader, prefix_fmt: str, num_experts: int, hidden: int, int
         prefix_fmt: expert module name with `{e}`, e.g. `model.layers.3.mlp.experts.{e}`; under it
             `gate_proj`, `up_proj` ([I, H]) and `down_proj` ([H, I]).
         num_experts: E. hidden: H. intermediate: I (the expert's).
+        first: the checkpoint index of the first expert read (experts first .. first + E - 1; an
+            expert-parallel rank reads its own).
 
     Returns:
         MoEWeights: w13 uint8 [E, 2I, H/2] (gate rows then up rows), w13_scale e4m3 [E, 2I, H/16],
@@ -302,7 +305,7 @@ def read_fp4_experts(reader, prefix_fmt: str, num_experts: int, hidden: int, int
         ValueError: as `read_fp4_linear`, naming the expert's tensor.
     """
     w13, s13, g13, i13, w2, s2, g2, i2 = ([] for _ in range(8))
-    for e in range(num_experts):
+    for e in range(first, first + num_experts):
         p = prefix_fmt.format(e=e)
         gate = read_fp4_linear(reader, f"{p}.gate_proj", hidden, intermediate)
         up = read_fp4_linear(reader, f"{p}.up_proj", hidden, intermediate)

@@ -1,0 +1,173 @@
+"""Launching an Executor over several ranks, and the followers' step loop.
+
+`launch` (called by `Executor.from_config` when `parallel.tensor_parallel_size` N > 1) checks the
+parallel layout on the meta device (a `ConfigError` before any process starts or any memory is
+taken), then either joins the torchrun run this process belongs to, or starts ranks 1..N-1 itself as
+worker processes (`parallel.workers`). Every rank builds its own shard with the same code as a single
+process. Rank 0, the leader, returns its Executor; each of its steps is broadcast to the other ranks
+(new tokens, cached lengths and page lists per sequence: all a rank needs to run the same step on its
+shard, `follow`), and the leader alone keeps the page allocator and the sequences.
+"""
+
+from __future__ import annotations
+
+import atexit
+import tempfile
+import traceback
+import weakref
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pieceworks.config import Config, ConfigError
+from pieceworks.core.batch import ForwardMode
+from pieceworks.parallel.group import ProcessGroups, init_groups, torchrun_rank
+from pieceworks.parallel.layout import TPLayout
+from pieceworks.parallel.workers import WorkerDied, WorkerGroup
+
+
+@dataclass
+class StepSeq:
+    """A follower's view of one sequence of a step: its pages and cached length (the leader owns the
+    real `Sequence`)."""
+
+    pages: list[int]
+    kv_len: int
+    tokens: list[int] = field(default_factory=list)
+
+
+def rank_device(cfg: Config, local_rank: int) -> torch.device:
+    """GPU `local_rank` on CUDA, else the CPU."""
+    from pieceworks.executor.runner import resolve_device
+
+    device = resolve_device(cfg.runtime.device)
+    return torch.device("cuda", local_rank) if device.type == "cuda" else device
+
+
+def check_layout(cfg: Config, device: torch.device, model_dir: Path | None = None) -> None:
+    """ConfigError unless N ranks fit: GPUs for every rank, and a model N splits as its sharding needs
+    (`check_parallel` of the model's args, run on the meta device)."""
+    from pieceworks.models.loader import model_facts
+
+    n = cfg.parallel.tensor_parallel_size
+    if device.type == "cuda" and n > torch.cuda.device_count():
+        raise ConfigError(f"parallel.tensor_parallel_size: {n} ranks need {n} GPUs, but {torch.cuda.device_count()} "
+                          "are visible; lower tensor_parallel_size or make more GPUs visible")
+    tp = TPLayout(0, n, None, cfg.parallel.expert_parallel)
+    model_cfg = replace(cfg.model, path=str(model_dir)) if model_dir else cfg.model
+    model_facts(model_cfg, cfg.quantization, cfg.kv_cache.page_size, tp=tp)
+
+
+def launch(cls: type, cfg: Config, progress: bool) -> Any:
+    """Build the leader's Executor of an N-rank run (see the module docstring). On a follower rank of a
+    torchrun launch this serves the leader's steps and exits the process when the leader closes."""
+    n = cfg.parallel.tensor_parallel_size
+    under_torchrun = torchrun_rank(n)
+    if under_torchrun is not None:
+        rank, local_rank = under_torchrun
+        device = rank_device(cfg, local_rank)
+        check_layout(cfg, device, Path(cfg.model.path) if cfg.model.path and Path(cfg.model.path).is_dir() else None)
+        groups = init_groups(rank, n, device, "env://", cfg.parallel.timeout_s)
+        if rank != 0:  # a demo model is converted once, by the leader, before the others read it
+            groups.barrier()
+        model_dir = cls.resolve_model_dir(cfg, progress and rank == 0)
+        if rank == 0:
+            groups.barrier()
+        ex = cls.build(cfg, progress and rank == 0, device, model_dir, groups)
+        if rank == 0:
+            _close_at_exit(ex)
+            return ex
+        follow(ex)
+        groups.close()
+        raise SystemExit(0)
+    device = rank_device(cfg, 0)
+    model_dir = cls.resolve_model_dir(cfg, progress)
+    check_layout(cfg, device, model_dir)
+    rendezvous = tempfile.mkdtemp(prefix="pieceworks-tp-")
+    init_method = (Path(rendezvous) / "store").as_uri()
+    workers = WorkerGroup(worker_main, n, (cls, cfg, model_dir, init_method))
+    groups = None
+    try:
+        groups = init_groups(0, n, device, init_method, cfg.parallel.timeout_s)
+        ex = cls.build(cfg, progress, device, model_dir, groups)
+        workers.wait_ready(cfg.parallel.timeout_s)
+    except BaseException as exc:
+        failure = workers.failure()
+        workers.stop(timeout_s=1.0)
+        if groups is not None:
+            groups.close()
+        if failure is not None and not isinstance(exc, WorkerDied):
+            raise WorkerDied(failure) from exc
+        raise
+    ex.workers = workers
+    _close_at_exit(ex)
+    return ex
+
+
+def worker_main(rank: int, cls: type, cfg: Config, model_dir: Path | None, init_method: str, status: Any) -> None:
+    """A worker process: build rank `rank`'s shard, report it on `status`, follow the leader's steps."""
+    groups = None
+    try:
+        device = rank_device(cfg, rank)
+        groups = init_groups(rank, cfg.parallel.tensor_parallel_size, device, init_method, cfg.parallel.timeout_s)
+        ex = cls.build(cfg, False, device, model_dir, groups)
+        status.send(("ready",))
+        follow(ex)
+    except BaseException:
+        try:
+            status.send(("error", traceback.format_exc()))
+        except OSError:  # the leader is gone
+            pass
+        raise SystemExit(1)
+    finally:
+        if groups is not None:
+            groups.close()
+
+
+def follow(ex: Any) -> None:
+    """Run the leader's steps on this rank's shard until it sends stop (None)."""
+    while True:
+        msg = ex.groups.broadcast()
+        if msg is None:
+            return
+        tokens, prefix_lens, pages, all_logits = msg
+        seqs = [StepSeq(p, k) for p, k in zip(pages, prefix_lens)]
+        mode = ForwardMode.classify([len(t) for t in tokens], prefix_lens)
+        ex.run_step(mode, seqs, tokens, all_logits)
+
+
+def send_step(ex: Any, seqs: list, tokens: list[list[int]], all_logits: bool) -> None:
+    """The leader's half of `follow`: broadcast one step (after its pages are reserved)."""
+    ex.groups.broadcast((tokens, [s.kv_len for s in seqs], [s.pages for s in seqs], all_logits))
+
+
+def shutdown(ex: Any) -> None:
+    """Stop the followers and leave the process group (the leader's `Executor.close`)."""
+    groups, workers = ex.groups, ex.workers
+    ex.groups = ex.workers = None
+    try:
+        if groups is not None and (workers is None or workers.failure() is None):
+            groups.broadcast(None)
+    except RuntimeError:  # a follower is gone: nothing to tell it
+        pass
+    finally:
+        if workers is not None:
+            workers.stop()
+        if groups is not None:
+            groups.close()
+
+
+def _close_at_exit(ex: Any) -> None:
+    ref = weakref.ref(ex)
+
+    def close() -> None:
+        obj = ref()
+        if obj is not None:
+            obj.close()
+
+    atexit.register(close)
+
+
+__all__ = ["launch", "worker_main", "follow", "send_step", "shutdown", "WorkerDied", "StepSeq"]

@@ -1,0 +1,97 @@
+"""Worker processes of an in-process launch: started with torch.multiprocessing (spawn), watched,
+and stopped without leaving a process behind.
+
+Each worker runs `target(rank, *args, status)`; it sends ("ready",) on `status` once built, or
+("error", text) when it fails, then keeps serving steps until the leader says stop. The leader checks
+before every step that all are alive (`check`), so a dead worker is reported at the next step with
+its exit code; a worker that dies inside a step fails that step's collectives (gloo reports the
+closed connection, NCCL after `parallel.timeout_s`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+class WorkerDied(RuntimeError):
+    """A tensor-parallel worker process exited or failed; the executor is closed (build a new one)."""
+
+
+class WorkerGroup:
+    """Ranks 1..N-1 as child processes of the leader (rank 0)."""
+
+    def __init__(self, target: Callable, size: int, args: tuple) -> None:
+        ctx = mp.get_context("spawn")
+        self.procs: list[Any] = []
+        self.status: list[Any] = []
+        for rank in range(1, size):
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=target, args=(rank, *args, send), daemon=True, name=f"pieceworks-tp{rank}")
+            p.start()
+            send.close()  # the child holds the write end: EOF here once it exits
+            self.procs.append(p)
+            self.status.append(recv)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until every worker reported itself built.
+
+        Raises:
+            WorkerDied: a worker failed (its error text), exited, or took longer than `timeout_s`.
+        """
+        deadline = time.monotonic() + timeout_s
+        for rank, conn in enumerate(self.status, start=1):
+            left = deadline - time.monotonic()
+            if not conn.poll(max(left, 0)):
+                raise WorkerDied(f"tensor-parallel worker rank {rank} did not report ready within {timeout_s:.0f} s "
+                                 "(parallel.timeout_s)")
+            try:
+                msg = conn.recv()
+            except EOFError:
+                raise WorkerDied(self._describe(rank, "exited while building its shard")) from None
+            if msg[0] != "ready":
+                raise WorkerDied(f"tensor-parallel worker rank {rank} failed while building its shard:\n{msg[1]}")
+
+    def failure(self) -> str | None:
+        """What went wrong with the workers, or None when all are alive: an error a worker reported,
+        else the first one that exited and its exit code."""
+        for rank, conn in enumerate(self.status, start=1):
+            try:
+                if conn.poll(0):
+                    msg = conn.recv()
+                    if msg[0] == "error":
+                        return f"tensor-parallel worker rank {rank} failed:\n{msg[1]}"
+            except (EOFError, OSError):
+                pass
+        for rank, p in enumerate(self.procs, start=1):
+            if not p.is_alive():
+                return self._describe(rank, "exited")
+        return None
+
+    def check(self) -> None:
+        """Raises WorkerDied when a worker is gone."""
+        for p in self.procs:
+            if not p.is_alive():
+                raise WorkerDied(self.failure() or "a tensor-parallel worker exited")
+
+    def _describe(self, rank: int, what: str) -> str:
+        p = self.procs[rank - 1]
+        p.join(0.5)
+        code = p.exitcode
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        return f"tensor-parallel worker rank {rank} (pid {p.pid}) {what} ({how})"
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Wait for the workers to exit (after the leader told them to stop), then kill what is left."""
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            p.join(max(deadline - time.monotonic(), 0))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for conn in self.status:
+            conn.close()
+        self.procs, self.status = [], []
