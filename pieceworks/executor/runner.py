@@ -238,7 +238,7 @@ class Executor:
             send_step(self, seqs, tokens, all_logits)
             return self.run_step(mode, seqs, tokens, all_logits)
         except BaseException as exc:
-            failure = self.workers.failure() if self.workers is not None else None
+            failure = self.workers.failure(wait_s=2.0) if self.workers is not None else None
             self.close()
             if failure is not None and not isinstance(exc, WorkerDied):
                 raise WorkerDied(f"{failure}; the executor is closed, build a new one") from exc

@@ -54,9 +54,13 @@ class WorkerGroup:
             if msg[0] != "ready":
                 raise WorkerDied(f"tensor-parallel worker rank {rank} failed while building its shard:\n{msg[1]}")
 
-    def failure(self) -> str | None:
-        """What went wrong with the workers, or None when all are alive: an error a worker reported,
-        else the first one that exited and its exit code."""
+    def failure(self, wait_s: float = 0.0) -> str | None:
+        """What went wrong with the workers, or None when all are alive (after waiting up to `wait_s` for
+        one to exit: a killed process is gone a moment after its connections): an error a worker
+        reported, else the first one that exited and its exit code."""
+        deadline = time.monotonic() + wait_s
+        while all(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
         for rank, conn in enumerate(self.status, start=1):
             try:
                 if conn.poll(0):

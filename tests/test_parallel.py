@@ -1,0 +1,201 @@
+"""Tensor and expert parallelism on CPU (gloo): N ranks equal one process.
+
+The multi-process tests start real worker processes (`Executor.from_config` with
+parallel.tensor_parallel_size=2) and compare every step's float32 logits with a single-process executor
+of the same random weights, on extend, decode and mixed steps, with and without piecewise graphs (on
+CPU: the traced model split at the attention ops, run directly). The loading tests build one rank's
+shard in this process (no process group) and check what it reads from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from pieceworks import ConfigError, Executor
+from pieceworks.config import load_config
+from pieceworks.core.batch import ForwardBatch
+from pieceworks.models.checkpoint import CheckpointReader
+from pieceworks.models.loader import load_model
+from pieceworks.parallel.layout import Part, TPLayout
+from pieceworks.parallel.workers import WorkerDied
+
+BASE = ["runtime.device=cpu", "runtime.dtype=float32", "kv_cache.num_tokens=256", "kv_cache.page_size=4"]
+LLAMA = ["model.arch=llama", "model.preset=tiny", *BASE]
+DEEPSEEK = ["model.arch=deepseek_v3", "model.preset=tiny", *BASE]
+TP2 = ["parallel.tensor_parallel_size=2"]
+PIECEWISE = ["cuda_graph.piecewise.enabled=on", "cuda_graph.piecewise.sizes=[8,16]"]
+
+
+def steps(ex: Executor) -> list[torch.Tensor]:
+    """Logits of an extend (every row), a decode and a mixed step, then greedy tokens of generate."""
+    a, b, c = ex.new_sequence(), ex.new_sequence(), ex.new_sequence()
+    out = [ex.forward(ForwardBatch([a, b], [[1, 2, 3, 4, 5, 6], [7, 8, 9]], return_all_logits=True)),
+           ex.forward(ForwardBatch([a, b], [[10], [11]])),
+           ex.forward(ForwardBatch([a, c], [[12], [3, 1, 4, 1, 5]]))]
+    for s in (a, b, c):
+        ex.free(s)
+    out.append(torch.tensor(ex.generate([[5, 6, 7], [9, 10]], max_new_tokens=4)))
+    return out
+
+
+def assert_same(ref: list[torch.Tensor], got: list[torch.Tensor]) -> None:
+    for i, (r, g) in enumerate(zip(ref, got)):
+        if r.dtype.is_floating_point:
+            torch.testing.assert_close(g, r, rtol=0, atol=1e-5, msg=f"step {i}")
+            assert torch.equal(g.argmax(-1), r.argmax(-1)), f"step {i}: greedy tokens differ"
+        else:
+            assert torch.equal(g, r), f"generated tokens differ: {g.tolist()} vs {r.tolist()}"
+
+
+def no_children_left() -> bool:
+    deadline = time.monotonic() + 10
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not multiprocessing.active_children()
+
+
+# ----------------------------------------------------------------------------- configuration errors
+@pytest.mark.parametrize("overrides, match", [
+    (LLAMA + ["parallel.tensor_parallel_size=3"], "num_attention_heads=4"),
+    (LLAMA + ["parallel.tensor_parallel_size=2", "model.sizes.vocab_size=511"], "vocab_size=511"),
+    (LLAMA + ["parallel.tensor_parallel_size=0"], "must be >= 1"),
+    (LLAMA + ["parallel.tensor_parallel_size=2", "runtime.device=cuda:0"], "names one GPU"),
+    (DEEPSEEK + ["parallel.tensor_parallel_size=4", "parallel.expert_parallel=true", "model.sizes.n_routed_experts=6"],
+     "n_routed_experts=6"),
+    (DEEPSEEK + ["parallel.tensor_parallel_size=4", "quantization.format=nvfp4"], "NVFP4 block"),
+], ids=["heads", "vocab", "zero", "one-gpu", "experts", "fp4-block"])
+def test_bad_parallel_config_is_a_config_error_before_any_process(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        Executor.from_config(None, overrides, progress=False)
+    assert not multiprocessing.active_children()
+
+
+def test_more_ranks_than_gpus_is_a_config_error(monkeypatch):
+    from pieceworks.executor.distributed import check_layout
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cfg = load_config(None, LLAMA + TP2)
+    with pytest.raises(ConfigError, match="need 2 GPUs, but 1 are visible"):
+        check_layout(cfg, torch.device("cuda"))
+
+
+def test_torchrun_world_size_must_match(monkeypatch):
+    for k, v in {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError, match="torchrun started 4 processes"):
+        Executor.from_config(None, LLAMA + TP2, progress=False)
+
+
+# ----------------------------------------------------------------------------- sharded loading
+def test_random_shards_are_slices_of_the_single_process_weights():
+    cfg = load_config(None, LLAMA + ["quantization.format=nvfp4"])
+    full = load_model(cfg.model, cfg.quantization, "cpu", torch.float32, progress=False)
+    for rank in range(2):
+        shard = load_model(cfg.model, cfg.quantization, "cpu", torch.float32, progress=False, tp=TPLayout(rank, 2))
+        assert torch.equal(shard.embed_tokens.weight, Part(0, rank, 2).take(full.embed_tokens.weight))
+        assert torch.equal(shard.lm_head.weight, Part(0, rank, 2).take(full.lm_head.weight))
+        for name in ("weight", "weight_scale"):  # NVFP4 codes and block scales of a row-parallel linear
+            got = getattr(shard.layers[1].self_attn.o_proj, name)
+            want = Part(1, rank, 2).take(getattr(full.layers[1].self_attn.o_proj, name))
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(shard.layers[1].mlp.down_proj.weight_scale_2, full.layers[1].mlp.down_proj.weight_scale_2)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp4"])
+def test_sharded_loading_reads_only_the_ranks_slices(tiny_llama_modelopt, monkeypatch, fmt):
+    path = tiny_llama_modelopt.bf16_dir if fmt == "bf16" else tiny_llama_modelopt.fp4_dir
+    reads: list[tuple[str, int, bool]] = []  # (name, bytes, whole tensor)
+    get, get_part = CheckpointReader.get, CheckpointReader.get_part
+
+    def whole(self, name):
+        t = get(self, name)
+        reads.append((name, t.numel() * t.element_size(), True))
+        return t
+
+    def part(self, name, dim, start, stop):
+        t = get_part(self, name, dim, start, stop)
+        reads.append((name, t.numel() * t.element_size(), False))
+        return t
+
+    monkeypatch.setattr(CheckpointReader, "get", whole)
+    monkeypatch.setattr(CheckpointReader, "get_part", part)
+    cfg = load_config(None, [f"model.path={path}", *BASE])
+    full = load_model(cfg.model, cfg.quantization, "cpu", torch.float32, progress=False)
+    full_bytes = sum(n for _, n, _ in reads)
+    sharded = ("_proj.weight", "_proj.weight_scale", "embed_tokens.weight", "lm_head.weight")
+    for rank in range(2):
+        reads.clear()
+        shard = load_model(cfg.model, cfg.quantization, "cpu", torch.float32, progress=False, tp=TPLayout(rank, 2))
+        read_whole = [n for n, _, w in reads if w and n.endswith(sharded)]
+        assert not read_whole, f"rank {rank} read whole tensors it holds a slice of: {read_whole[:4]}"
+        rank_bytes = sum(n for _, n, _ in reads)
+        assert rank_bytes < 0.55 * full_bytes, (rank, rank_bytes, full_bytes)
+        want = Part(1, rank, 2).take(full.layers[0].mlp.down_proj.weight)
+        assert torch.equal(shard.layers[0].mlp.down_proj.weight.view(torch.uint8), want.contiguous().view(torch.uint8))
+
+
+# ----------------------------------------------------------------------------- N ranks == 1 process
+@pytest.fixture(scope="module")
+def reference():
+    """Single-process results per configuration, built once."""
+    cache: dict[tuple, list[torch.Tensor]] = {}
+
+    def get(overrides: list[str]) -> list[torch.Tensor]:
+        key = tuple(overrides)
+        if key not in cache:
+            cache[key] = steps(Executor.from_config(None, overrides, progress=False))
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("extra", [
+    ["model.sizes.num_key_value_heads=1", *PIECEWISE],  # fewer KV heads than ranks: each rank reads the one
+    ["model.sizes.num_key_value_heads=4"],  # more: two each
+], ids=["kv1-piecewise", "kv4-eager"])
+def test_llama_tp2_equals_one_process(reference, extra):
+    with Executor.from_config(None, LLAMA + extra + TP2, progress=False) as ex:
+        assert ex.kv.layout.num_kv_heads == max(1, int(extra[0][-1]) // 2)
+        got = steps(ex)
+    assert_same(reference(LLAMA + extra), got)
+    assert no_children_left()
+
+
+@pytest.mark.parametrize("extra", [[*PIECEWISE], ["parallel.expert_parallel=true"]], ids=["tp-piecewise", "ep"])
+def test_deepseek_tp2_equals_one_process(reference, extra):
+    with Executor.from_config(None, DEEPSEEK + extra + TP2, progress=False) as ex:
+        got = steps(ex)
+    single = [e for e in extra if not e.startswith("parallel.")]
+    assert_same(reference(DEEPSEEK + single), got)
+    assert no_children_left()
+
+
+@pytest.fixture(scope="module")
+def fp4_tp2():
+    ex = Executor.from_config(None, LLAMA + ["quantization.format=nvfp4"] + TP2, progress=False)
+    yield ex
+    ex.close()
+
+
+def test_nvfp4_llama_tp2_equals_one_process(reference, fp4_tp2):
+    assert_same(reference(LLAMA + ["quantization.format=nvfp4"]), steps(fp4_tp2))
+
+
+def test_killed_worker_is_reported_and_nothing_hangs(fp4_tp2):
+    seq = fp4_tp2.new_sequence()
+    fp4_tp2.forward(ForwardBatch([seq], [[1, 2, 3]]))
+    os.kill(fp4_tp2.workers.procs[0].pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDied, match=r"worker rank 1 .*signal 9"):
+        fp4_tp2.forward(ForwardBatch([seq], [[4]]))
+    assert time.monotonic() - t0 < 30
+    assert seq.kv_len == 3 and len(seq.pages) == 1  # the failed step took nothing
+    with pytest.raises(RuntimeError, match="closed"):
+        fp4_tp2.forward(ForwardBatch([seq], [[4]]))
+    assert no_children_left()
