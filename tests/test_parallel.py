@@ -176,6 +176,19 @@ def test_deepseek_tp2_equals_one_process(reference, extra):
     assert no_children_left()
 
 
+def test_one_rank_through_the_distributed_path_equals_one_process(reference):
+    """World size 1 with a process group: the collectives (of one rank) and the step broadcast run, and
+    change nothing."""
+    from pieceworks.executor.distributed import one_rank
+
+    cfg = load_config(None, LLAMA + ["quantization.format=nvfp4"])
+    with one_rank(Executor, cfg, progress=False) as ex:
+        assert ex.model.tp.group is not None
+        got = steps(ex)
+    for r, g in zip(reference(LLAMA + ["quantization.format=nvfp4"]), got):
+        assert torch.equal(r, g)
+
+
 @pytest.fixture(scope="module")
 def fp4_tp2():
     ex = Executor.from_config(None, LLAMA + ["quantization.format=nvfp4"] + TP2, progress=False)

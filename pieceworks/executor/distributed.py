@@ -106,6 +106,26 @@ def launch(cls: type, cfg: Config, progress: bool) -> Any:
     return ex
 
 
+def one_rank(cls: type, cfg: Config, progress: bool = True) -> Any:
+    """An executor of the whole model on one rank that still takes the distributed path: a process group
+    of one, the models' collectives (each a copy) and the step broadcast, as the leader of N ranks runs
+    them. For measuring what that path costs against a plain single-process executor
+    (benchmarks/tp_overhead.py); `parallel.tensor_parallel_size` must be 1."""
+    if cfg.parallel.tensor_parallel_size != 1:
+        raise ConfigError("one_rank: parallel.tensor_parallel_size must be 1")
+    device = rank_device(cfg, 0)
+    model_dir = cls.resolve_model_dir(cfg, progress)
+    init_method = (Path(tempfile.mkdtemp(prefix="pieceworks-tp-")) / "store").as_uri()
+    groups = init_groups(0, 1, device, init_method, cfg.parallel.timeout_s)
+    try:
+        ex = cls.build(cfg, progress, device, model_dir, groups)
+    except BaseException:
+        groups.close()
+        raise
+    _close_at_exit(ex)
+    return ex
+
+
 def worker_main(rank: int, cls: type, cfg: Config, model_dir: Path | None, init_method: str, status: Any) -> None:
     """A worker process: build rank `rank`'s shard, report it on `status`, follow the leader's steps."""
     groups = None
@@ -170,4 +190,4 @@ def _close_at_exit(ex: Any) -> None:
     atexit.register(close)
 
 
-__all__ = ["launch", "worker_main", "follow", "send_step", "shutdown", "WorkerDied", "StepSeq"]
+__all__ = ["launch", "one_rank", "worker_main", "follow", "send_step", "shutdown", "WorkerDied", "StepSeq"]

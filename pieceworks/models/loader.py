@@ -151,7 +151,7 @@ def build(cls: type[CausalLM], hf: dict, dtype: torch.dtype, fp4: Callable[[str]
     """The model skeleton (of one rank's shard with `tp`) on the meta device; float parameters default to
     `dtype` (modules that must stay float32, the MoE router and rope tables, say so themselves)."""
     with torch.device("meta"), _default_dtype(dtype):
-        return cls(hf, dtype, fp4, tp) if tp.sharded else cls(hf, dtype, fp4)
+        return cls(hf, dtype, fp4, tp)
 
 
 def materialize(model: CausalLM, source: Any, device: torch.device, progress: bool) -> None:
