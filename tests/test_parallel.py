@@ -200,6 +200,23 @@ def test_nvfp4_llama_tp2_equals_one_process(reference, fp4_tp2):
     assert_same(reference(LLAMA + ["quantization.format=nvfp4"]), steps(fp4_tp2))
 
 
+def test_torchrun_launch_equals_one_process(reference):
+    """`torchrun --nproc-per-node 2`: rank 0's from_config returns the leader, rank 1 follows and exits 0."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "helpers" / "tp_torchrun.py"
+    overrides = LLAMA + ["quantization.format=nvfp4"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script),
+                          *overrides, *TP2], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = next(l for l in run.stdout.splitlines() if l.startswith("TOKENS "))
+    assert json.loads(line[7:]) == reference(overrides)[3].tolist()
+
+
 def test_killed_worker_is_reported_and_nothing_hangs(fp4_tp2):
     seq = fp4_tp2.new_sequence()
     fp4_tp2.forward(ForwardBatch([seq], [[1, 2, 3]]))
