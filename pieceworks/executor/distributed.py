@@ -163,18 +163,20 @@ def send_step(ex: Any, seqs: list, tokens: list[list[int]], all_logits: bool) ->
     ex.groups.broadcast((tokens, [s.kv_len for s in seqs], [s.pages for s in seqs], all_logits))
 
 
-def shutdown(ex: Any) -> None:
-    """Stop the followers and leave the process group (the leader's `Executor.close`)."""
+def shutdown(ex: Any, graceful: bool = True) -> None:
+    """Stop the followers and leave the process group (the leader's `Executor.close`). Not graceful
+    (after a failed step, when followers may wait in a collective that will not come): the workers are
+    killed at once instead of being told to stop."""
     groups, workers = ex.groups, ex.workers
     ex.groups = ex.workers = None
     try:
-        if groups is not None and (workers is None or workers.failure() is None):
+        if graceful and groups is not None and (workers is None or workers.failure() is None):
             groups.broadcast(None)
     except RuntimeError:  # a follower is gone: nothing to tell it
         pass
     finally:
         if workers is not None:
-            workers.stop()
+            workers.stop(timeout_s=10.0 if graceful else 0.0)
         if groups is not None:
             groups.close()
 

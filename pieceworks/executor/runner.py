@@ -239,18 +239,19 @@ class Executor:
             return self.run_step(mode, seqs, tokens, all_logits)
         except BaseException as exc:
             failure = self.workers.failure(wait_s=2.0) if self.workers is not None else None
-            self.close()
+            self.close(graceful=False)
             if failure is not None and not isinstance(exc, WorkerDied):
                 raise WorkerDied(f"{failure}; the executor is closed, build a new one") from exc
             raise
 
-    def close(self) -> None:
+    def close(self, graceful: bool = True) -> None:
         """Stop a tensor-parallel run's followers and leave its process group (nothing to do for one
-        process). Idempotent; the executor can't run steps afterwards."""
+        process). Idempotent; the executor can't run steps afterwards. `graceful=False` (after a failed
+        step) kills in-process workers instead of asking them to stop."""
         if self.groups is not None:
             from pieceworks.executor.distributed import shutdown
 
-            shutdown(self)
+            shutdown(self, graceful)
             self._closed = True
 
     def __enter__(self) -> "Executor":

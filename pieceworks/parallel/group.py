@@ -82,6 +82,9 @@ def init_groups(rank: int, size: int, device: torch.device, init_method: str, ti
         dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=size, timeout=timeout,
                                 device_id=device)
     else:
+        # N ranks share the cores: each takes its share of threads (a collective waits for the slowest
+        # rank, and oversubscribed OpenMP threads spin against each other)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return ProcessGroups(rank, size, dist.group.WORLD.group_name, control)
