@@ -12,6 +12,7 @@ shard, `follow`), and the leader alone keeps the page allocator and the sequence
 from __future__ import annotations
 
 import atexit
+import shutil
 import tempfile
 import traceback
 import weakref
@@ -68,13 +69,17 @@ def launch(cls: type, cfg: Config, progress: bool) -> Any:
     if under_torchrun is not None:
         rank, local_rank = under_torchrun
         device = rank_device(cfg, local_rank)
-        check_layout(cfg, device, Path(cfg.model.path) if cfg.model.path and Path(cfg.model.path).is_dir() else None)
         groups = init_groups(rank, n, device, "env://", cfg.parallel.timeout_s)
         if rank != 0:  # a demo model is converted once, by the leader, before the others read it
             groups.barrier()
         model_dir = cls.resolve_model_dir(cfg, progress and rank == 0)
         if rank == 0:
             groups.barrier()
+        try:
+            check_layout(cfg, device, model_dir)  # every rank raises the same ConfigError
+        except BaseException:
+            groups.close()
+            raise
         ex = cls.build(cfg, progress and rank == 0, device, model_dir, groups)
         if rank == 0:
             _close_at_exit(ex)
@@ -98,10 +103,12 @@ def launch(cls: type, cfg: Config, progress: bool) -> Any:
         workers.stop(timeout_s=1.0)
         if groups is not None:
             groups.close()
+        shutil.rmtree(rendezvous, ignore_errors=True)
         if failure is not None and not isinstance(exc, WorkerDied):
             raise WorkerDied(failure) from exc
         raise
     ex.workers = workers
+    ex.rendezvous = rendezvous
     _close_at_exit(ex)
     return ex
 
@@ -179,6 +186,8 @@ def shutdown(ex: Any, graceful: bool = True) -> None:
             workers.stop(timeout_s=10.0 if graceful else 0.0)
         if groups is not None:
             groups.close()
+        if ex.rendezvous is not None:
+            shutil.rmtree(ex.rendezvous, ignore_errors=True)
 
 
 def _close_at_exit(ex: Any) -> None:

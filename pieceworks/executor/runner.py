@@ -61,6 +61,7 @@ class Executor:
         self.decode_graphs = None
         self.groups = None  # parallel.group.ProcessGroups of a tensor-parallel rank
         self.workers = None  # parallel.workers.WorkerGroup of an in-process launch's leader
+        self.rendezvous: str | None = None  # that launch's torch.distributed file-store directory
         self._closed = False  # a closed rank of a tensor-parallel run holds a shard it can't run alone
 
     # ---------------------------------------------------------------- construction
