@@ -167,6 +167,16 @@ def test_llama_tp2_equals_one_process(reference, extra):
     assert no_children_left()
 
 
+@pytest.mark.slow
+def test_llama_tp4_equals_one_process(reference):
+    """Four ranks, two KV heads: each KV head is read by two ranks."""
+    with Executor.from_config(None, LLAMA + ["parallel.tensor_parallel_size=4"], progress=False) as ex:
+        assert ex.kv.layout.num_kv_heads == 1 and ex.model.layers[0].self_attn.num_heads == 1
+        got = steps(ex)
+    assert_same(reference(LLAMA), got)
+    assert no_children_left()
+
+
 @pytest.mark.parametrize("extra", [[*PIECEWISE], ["parallel.expert_parallel=true"]], ids=["tp-piecewise", "ep"])
 def test_deepseek_tp2_equals_one_process(reference, extra):
     with Executor.from_config(None, DEEPSEEK + extra + TP2, progress=False) as ex:
