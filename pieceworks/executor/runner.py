@@ -126,7 +126,7 @@ class Executor:
         if groups is not None:  # every rank's pool has the leader's page ids: the smallest pool wins
             num_pages = groups.min_int(kv.allocator.num_pages)
             if num_pages < kv.allocator.num_pages:
-                kv = None
+                kv = None  # the larger pool goes before the smaller one is allocated
                 kv = KVPool(model.kv_layout(), num_pages, cfg.kv_cache.page_size, dtype, device)
         ex = cls(cfg, model, table, kv, device, model_dir)
         ex.groups = groups
