@@ -24,7 +24,7 @@ import torch
 
 from pieceworks.config import Config, ConfigError
 from pieceworks.core.batch import ForwardMode
-from pieceworks.parallel.group import ProcessGroups, init_groups, torchrun_rank
+from pieceworks.parallel.group import init_groups, torchrun_rank
 from pieceworks.parallel.layout import TPLayout
 from pieceworks.parallel.workers import WorkerDied, WorkerGroup
 
