@@ -163,6 +163,7 @@ def test_llama_tp2_equals_one_process(reference, extra):
     with Executor.from_config(None, LLAMA + extra + TP2, progress=False) as ex:
         assert ex.kv.layout.num_kv_heads == max(1, int(extra[0][-1]) // 2)
         got = steps(ex)
+        assert ex.piecewise is None or ex.piecewise.backend.num_compiles == 1  # the collectives add no retrace
     assert_same(reference(LLAMA + extra), got)
     assert no_children_left()
 
@@ -181,6 +182,7 @@ def test_llama_tp4_equals_one_process(reference):
 def test_deepseek_tp2_equals_one_process(reference, extra):
     with Executor.from_config(None, DEEPSEEK + extra + TP2, progress=False) as ex:
         got = steps(ex)
+        assert ex.piecewise is None or ex.piecewise.backend.num_compiles == 1
     single = [e for e in extra if not e.startswith("parallel.")]
     assert_same(reference(DEEPSEEK + single), got)
     assert no_children_left()
