@@ -1,21 +1,14 @@
 """SASS instructions per weight in the decode loop of the Triton NVFP4 GEMM, compiled offline for sm_90.
 
-    python benchmarks/sass_count.py                         # the decode tiles of the shipped table
-    python benchmarks/sass_count.py --tile 16,256,128,8,3,1  # block_m,block_n,block_k,warps,stages,one_dot
-    python benchmarks/sass_count.py --tile 16,128,256,4,3,0,0  # optional 7th field w_as_a (default 1); 0 puts
-                                                             # x in the A operand: mma.sync, not wgmma
-    python benchmarks/sass_count.py --tile 8,64,256,4,3,0,1,1  # optional 8th field two_acc (default 0); 8 x
-                                                             # rows: mma.sync with the weights as A
-    python benchmarks/sass_count.py --tile 8,64,256,4,3,0,1,1,1  # optional 9th field perm_k (default 0)
-    python benchmarks/sass_count.py --tile 16,64,256,4,3,1 --show   # also print the loop's SASS
-    python benchmarks/sass_count.py --rope    # with the q/k/v rope epilogue (registers, loop length)
+    python benchmarks/sass_count.py                         # the shipped table's tiles up to 16 rows
+    python benchmarks/sass_count.py --tile 8,64,256,4,3,0,1,1 --show   # one tile, with its loop's SASS
     python benchmarks/sass_count.py --layouts   # search k32-style bit layouts (pure Python, no compile)
 
-Needs no GPU: Triton compiles for an sm_90 target with its bundled ptxas and disassembles the cubin.
-The kernel is specialized as the backend launches it for a split-K decode call (16-byte divisible
-pointers and strides, in-kernel reduction, K a multiple of 512, weights as the wgmma register operand,
-PTX decode). The loop is the longest backward branch of the SASS; "per weight" divides its length by
-the weights each thread decodes per iteration (block_n * block_k / threads).
+--tile is block_m,block_n,block_k,warps,stages,one_dot[,w_as_a[,two_acc[,perm_k]]] (w_as_a 0: x is the A
+operand); --rope adds the q/k/v rope epilogue. Needs no GPU: Triton compiles for an sm_90 target with its
+bundled ptxas, specialized as the backend launches a split-K decode call (16-byte divisible pointers
+and strides, in-kernel reduction, K a multiple of 512, PTX decode). The loop is the longest backward
+branch of the SASS; "per weight" divides its length by the weights a thread decodes per iteration.
 """
 
 from __future__ import annotations
@@ -25,17 +18,11 @@ import collections
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import common  # noqa: F401  (puts the repository root on sys.path)
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from pieceworks.backends.fp4_gemm import triton_kernels  # noqa: E402
-from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES  # noqa: E402
+from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES
 
 SIGNATURE = dict(
     x_ptr="*bf16", w_ptr="*i16", s_ptr="*i16", gs_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32",
@@ -56,6 +43,12 @@ ROPE_SIGNATURE = dict(ROPE="constexpr", cos_ptr="*fp32", sin_ptr="*fp32", stride
 
 def compile_decode_kernel(block_m, block_n, block_k, num_warps, num_stages, one_dot, w_as_a=1, pdl=False,
                           two_acc=False, rope=False, perm_k=False):
+    import triton  # imported here so that --help and --layouts need no triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pieceworks.backends.fp4_gemm import triton_kernels
+
     signature = {**SIGNATURE, **ROPE_SIGNATURE} if rope else SIGNATURE
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
@@ -92,6 +85,8 @@ def hottest_loop(sass: str) -> list[str]:
 
 
 def registers(kernel) -> str:
+    import triton
+
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
