@@ -22,10 +22,16 @@ import runpy
 import sys
 import types
 
-from pieceworks.backends.attention import triton_decode_kernel as tdk
-from pieceworks.models import fused_kernels
+import common  # noqa: F401  (puts the repository root on sys.path)
 
 args = sys.argv[1:]
+if not args or args[0] in ("-h", "--help"):
+    print(__doc__)
+    sys.exit(0 if args else 2)
+
+from pieceworks.backends.attention import triton_decode_kernel as tdk  # noqa: E402  (imports triton)
+from pieceworks.models import fused_kernels  # noqa: E402
+
 if "--attention-pdl-launch" in args:
     args.remove("--attention-pdl-launch")
     tdk.PDL_LAUNCH = True
