@@ -4,43 +4,35 @@ each a copy of one rank, inside the full decode graphs, and the leader's step br
 
     python benchmarks/tp_overhead.py --preset llama-3.1-8b --format nvfp4 --batch 1 8 32
 
-Per batch size: median wall time of one `Executor.forward` decode step (synchronized), plain and
-distributed, and their ratio. The two executors are built one after the other in one process.
+Per batch size: median wall time of one `Executor.forward` decode step (synchronized; `common.wall_ms`),
+plain and distributed, and their ratio. The two executors are built one after the other in one process.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import statistics
-import time
 
 import torch
+from common import md_table, wall_ms
 
 from pieceworks import Executor
 from pieceworks.config import load_config
 from pieceworks.core.batch import ForwardBatch
 
 
-def decode_ms(ex: Executor, batch: int, context: int, steps: int, warmup: int = 20) -> float:
+def decode_ms(ex: Executor, batch: int, context: int, steps: int) -> float:
     """Median ms of a decode step of `batch` sequences after a `context`-token prefill each."""
     vocab = ex.vocab_size
     gen = torch.Generator().manual_seed(0)
     seqs = [ex.new_sequence() for _ in range(batch)]
     for s in seqs:
         ex.forward(ForwardBatch([s], [torch.randint(0, vocab, (context,), generator=gen).tolist()]))
-    times = []
-    for i in range(warmup + steps):
-        toks = [[int(t)] for t in torch.randint(0, vocab, (batch,), generator=gen)]
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        ex.forward(ForwardBatch(seqs, toks))
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+    toks = [[int(t)] for t in torch.randint(0, vocab, (batch,), generator=gen)]
+    ms = wall_ms(lambda: ex.forward(ForwardBatch(seqs, toks)), steps)
     for s in seqs:
         ex.free(s)
-    return statistics.median(times) * 1e3
+    return ms
 
 
 def main() -> None:
@@ -73,10 +65,9 @@ def main() -> None:
         torch.cuda.empty_cache()
     print(f"{args.arch} {args.preset} {args.format} layers={args.layers or 'all'} context={args.context} "
           f"on {torch.cuda.get_device_name()}")
-    print(f"{'batch':>5} {'plain ms':>9} {'distributed ms':>15} {'ratio':>6}")
-    for b in args.batch:
-        p, d = results["plain"][b], results["distributed"][b]
-        print(f"{b:>5} {p:>9.3f} {d:>15.3f} {d / p:>6.3f}")
+    rows = [[b, f"{results['plain'][b]:.3f}", f"{results['distributed'][b]:.3f}",
+             f"{results['distributed'][b] / results['plain'][b]:.3f}"] for b in args.batch]
+    print(md_table(["batch", "plain ms", "distributed ms", "ratio"], rows))
 
 
 if __name__ == "__main__":
