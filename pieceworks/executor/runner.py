@@ -23,7 +23,7 @@ from pieceworks.backends.registry import KernelTable, load_registry
 from pieceworks.config import Config, ConfigError, Switch, cache_root, load_config
 from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode, Sequence, StepMetadata, to_device
 from pieceworks.core.context import ForwardContext, forward_context
-from pieceworks.errors import BatchError, OutOfPages
+from pieceworks.errors import BatchError, CheckpointError, OutOfPages
 from pieceworks.executor.inputs import as_token_ids, page_table, token_rows
 from pieceworks.executor.kv_cache import KVPool
 
@@ -303,15 +303,26 @@ class Executor:
 
     @property
     def tokenizer(self):
-        """The model directory's Hugging Face tokenizer (needs transformers: pieceworks[demo])."""
+        """The model directory's Hugging Face tokenizer (needs transformers: pieceworks[demo]).
+
+        Raises:
+            CheckpointError: the model has none (random weights, or no tokenizer files in its directory).
+            ValueError: transformers is not installed.
+        """
         if self._tokenizer is None:
             if self.model_dir is None:
-                raise ValueError("this model has no tokenizer (random weights); pass token ids")
+                raise CheckpointError("the model has no tokenizer (random weights: model.arch); pass token ids, "
+                                      "or load a model directory (model.path) that has one")
             try:
                 from transformers import AutoTokenizer
             except ImportError as exc:
                 raise ValueError("tokenizing text needs transformers: pip install 'pieceworks[demo]'") from exc
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            except (OSError, ValueError, TypeError):  # transformers' own message spans several lines
+                raise CheckpointError(f"{self.model_dir}: the model has no tokenizer that transformers can load "
+                                      "(tokenizer.json / tokenizer_config.json); pass token ids, or add the "
+                                      "model's tokenizer files") from None
         return self._tokenizer
 
 
