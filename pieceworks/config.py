@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
@@ -264,8 +265,8 @@ def _validate(cfg: Config, require_model: bool = True) -> None:
     _one_of("runtime.dtype", cfg.runtime.dtype, ("auto", "bfloat16", "float16", "float32"))
     g = cfg.generation
     _positive("generation.max_new_tokens", g.max_new_tokens)
-    if g.temperature < 0:
-        raise ConfigError(f"generation.temperature: {g.temperature!r} must be >= 0")
+    if not (math.isfinite(g.temperature) and g.temperature >= 0):
+        raise ConfigError(f"generation.temperature: {g.temperature!r} must be a finite number >= 0")
     if not 0.0 < g.top_p <= 1.0:
         raise ConfigError(f"generation.top_p: {g.top_p!r} must be in (0, 1]")
 
@@ -320,8 +321,9 @@ def _read_yaml(path: Path) -> DictConfig:
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"{where}: not valid YAML: {problem}") from None
-    if not isinstance(layer, DictConfig):
-        kind = "a list" if isinstance(layer, ListConfig) else f"{type(layer).__name__}"
+    top = yaml.compose(text)  # OmegaConf reads a bare scalar `x` as {x: None}
+    if not isinstance(layer, DictConfig) or not (top is None or isinstance(top, yaml.MappingNode)):
+        kind = "a list" if isinstance(top, yaml.SequenceNode) else "a single value"
         raise ConfigError(f"{path}: the top level is {kind}; it must be a mapping of sections "
                           f"(model:, kv_cache:, ...)")
     return layer
