@@ -32,8 +32,9 @@ def as_token_ids(toks: Any, what: str) -> list[int]:
     if not isinstance(toks, (list, tuple, range)):
         raise BatchError(f"{what}: token ids must be a list of ints or a 1-D integer tensor, got "
                          f"{type(toks).__name__} {_short(toks)}")
-    bad = next((t for t in toks if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral)), None)
-    if bad is not None:
+    bad = [t for t in toks if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral)][:1]
+    if bad:
+        bad = bad[0]
         raise BatchError(f"{what}: token ids must be ints, got {type(bad).__name__} {_short(bad)}")
     return [int(t) for t in toks]
 
