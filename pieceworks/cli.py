@@ -71,22 +71,35 @@ def _config(args: argparse.Namespace, default_model: bool) -> Any:
 
 def cmd_backends(args: argparse.Namespace) -> int:
     from pieceworks.config import load_config
-    from pieceworks.report import print_backends
 
     config, overrides = _split_config_args(args.config)
-    return print_backends(load_config(config, overrides, require_model=False))
+    cfg = load_config(config, overrides, require_model=False)
+    from pieceworks.report import print_backends  # torch: after the config is known to be good
+
+    return print_backends(cfg)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from pieceworks.report import run_main_job
+    cfg = _config(args, default_model=True)
+    from pieceworks.report import run_main_job  # torch: after the config is known to be good
 
-    return run_main_job(_config(args, default_model=True))
+    return run_main_job(cfg)
 
 
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
-    from pieceworks.report import eval_perplexity
+    text = Path(args.text)
+    if text.is_dir():
+        raise FileNotFoundError(f"--text {text}: is a directory; give a UTF-8 text file")
+    if not text.is_file():
+        raise FileNotFoundError(f"--text {text}: no such file")
+    try:
+        text.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--text {text}: not UTF-8 text (byte {e.start}: {e.reason}); convert it to UTF-8") from None
+    cfg = _config(args, default_model=True)
+    from pieceworks.report import eval_perplexity  # torch: after the inputs are known to be good
 
-    return eval_perplexity(_config(args, default_model=True), Path(args.text), args.window)
+    return eval_perplexity(cfg, text, args.window)
 
 
 class _Parser(argparse.ArgumentParser):

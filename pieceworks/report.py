@@ -216,14 +216,7 @@ def eval_perplexity(cfg: Config, text_path: Path, window: int) -> int:
     from pieceworks.executor.runner import Executor
     from pieceworks.models.ppl import windows, perplexity_from_logits
 
-    if text_path.is_dir():
-        raise FileNotFoundError(f"--text {text_path}: is a directory; give a UTF-8 text file")
-    if not text_path.is_file():
-        raise FileNotFoundError(f"--text {text_path}: no such file")
-    try:
-        text = text_path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--text {text_path}: not UTF-8 text (byte {e.start}: {e.reason}); convert it to UTF-8") from None
+    text = text_path.read_text(encoding="utf-8")  # the CLI has checked the file
     ex = Executor.from_config(cfg)
     ids = ex.tokenizer.encode(text, add_special_tokens=False)
     chunks = windows(ids, window)
