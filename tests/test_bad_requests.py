@@ -273,3 +273,24 @@ def test_soak_refused_and_accepted_requests_on_a_small_pool(ex):
             accepted += 1
         intact(ex)
     assert refused >= 5 and accepted >= 3, (refused, accepted)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_non_finite_guard_on_cuda_with_graphs(temperature):
+    """The guard under piecewise and full decode graphs, bf16 on the GPU: NonFiniteLogits naming the prompt
+    whose logits are not finite, every page back, and then exactly the fresh executor's output."""
+    ex = Executor.from_config({"model": {"arch": "llama", "preset": "tiny"}, "runtime": {"device": "cuda"},
+                               "kv_cache": {"num_tokens": 1024, "page_size": 16}}, progress=False)
+    assert ex.decode_graphs is not None and ex.piecewise is not None
+    prompts = [PROMPT, [1, 2, 3], list(range(20, 60))]
+    fresh = ex.generate(prompts, 8, temperature=temperature, seed=3)
+    with torch.no_grad():
+        row = ex.model.embed_tokens.weight[300].clone()
+        ex.model.embed_tokens.weight[300] = float("inf")
+    with pytest.raises(NonFiniteLogits, match=r"prompt\(s\) \[2\]"):
+        ex.generate([PROMPT, [1, 2, 3], [20, 300, 40]], 8, temperature=temperature, seed=3)
+    intact(ex)
+    with torch.no_grad():
+        ex.model.embed_tokens.weight[300] = row
+    assert ex.generate(prompts, 8, temperature=temperature, seed=3) == fresh

@@ -210,7 +210,8 @@ def generate(
                     r.done_prompt += len(toks)
             sampled = [i for i, (r, _) in enumerate(step) if r.done_prompt == len(r.prompt)]
             if sampled:  # middle prefill chunks' logits predict prompt tokens: nothing to sample
-                ids = sample_rows(logits[sampled], temperature, top_p, gen)
+                rows = logits if len(sampled) == len(step) else logits[sampled]
+                ids = sample_rows(rows, temperature, top_p, gen)
                 bad = [step[i][0].index for i, tok in zip(sampled, ids) if tok is None]
                 if bad:
                     raise NonFiniteLogits(

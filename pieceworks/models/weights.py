@@ -35,7 +35,13 @@ MAX_ABS = torch.finfo(torch.float32).max / 2**20
 
 
 def check_values(name: str, t: torch.Tensor, where: object) -> torch.Tensor:
-    """`t` (a float weight in the model dtype) if every value is finite and |value| <= MAX_ABS."""
+    """`t` (a float weight in the model dtype) if every value is finite and |value| <= MAX_ABS.
+
+    One reduction without a temporary of t's size (the max |value|, NaN if any is NaN) and one sync per
+    tensor; the details of a bad tensor are computed only when it is bad.
+    """
+    if t.numel() == 0 or float(torch.linalg.vector_norm(t, float("inf"))) <= MAX_ABS:
+        return t
     bad = ~torch.isfinite(t) | (t.abs() > MAX_ABS)
     if bool(bad.any()):
         vals = t[bad]
@@ -45,7 +51,8 @@ def check_values(name: str, t: torch.Tensor, where: object) -> torch.Tensor:
         if big:
             what = ", ".join(filter(None, [what, f"{big} beyond +-{MAX_ABS:.1e} (max |value| "
                                                  f"{float(vals[vals.isfinite()].abs().max()):.3g})"]))
-        raise CheckpointError(f"{name}: {what} of {t.numel()} values in {str(t.dtype).removeprefix("torch.")} (in the checkpoint at {where}, "
+        dtype_name = str(t.dtype).removeprefix("torch.")
+        raise CheckpointError(f"{name}: {what} of {t.numel()} values in {dtype_name} (in the checkpoint at {where}, "
                               "or out of range after casting to the model dtype); the checkpoint is broken: "
                               "re-export or re-download it")
     return t
