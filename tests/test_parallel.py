@@ -140,6 +140,20 @@ def test_sharded_loading_reads_only_the_ranks_slices(tiny_llama_modelopt, monkey
         assert torch.equal(shard.layers[0].mlp.down_proj.weight.view(torch.uint8), want.contiguous().view(torch.uint8))
 
 
+def test_expert_parallel_rank_reads_its_own_experts(tiny_deepseek_modelopt, monkeypatch):
+    read: list[str] = []
+    get = CheckpointReader.get
+    monkeypatch.setattr(CheckpointReader, "get", lambda self, name: read.append(name) or get(self, name))
+    cfg = load_config(None, [f"model.path={tiny_deepseek_modelopt.fp4_dir}", *BASE])
+    shard = load_model(cfg.model, cfg.quantization, "cpu", torch.float32, progress=False,
+                       tp=TPLayout(1, 2, None, expert_parallel=True))
+    experts = [m for m in shard.modules() if hasattr(m, "first_expert")]
+    first, n = experts[0].first_expert, experts[0].num_experts
+    assert first == n and n == experts[0].total_experts // 2
+    ids = {int(name.split(".")[5]) for name in read if ".mlp.experts." in name}
+    assert ids == set(range(first, first + n))
+
+
 # ----------------------------------------------------------------------------- N ranks == 1 process
 @pytest.fixture(scope="module")
 def reference():
