@@ -181,6 +181,22 @@ class Backend:
         return f"<{type(self).__name__} {self.key()}>"
 
 
+@dataclass
+class Candidate:
+    """A backend considered for one kernel-table entry, with the reasons it can't serve (if any)."""
+
+    backend: type[Backend]
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.reasons
+
+    def veto(self, reason: str) -> None:
+        """Exclude this candidate (called by plugins from `pieceworks_adjust_candidates`)."""
+        self.reasons.append(f"vetoed by a plugin: {reason}")
+
+
 def parse_options(backend: type[Backend], raw: dict | None) -> Any:
     """Turn `backends.options.<name>` into the backend's Options dataclass, naming unknown keys."""
     raw = dict(raw or {})

@@ -24,27 +24,11 @@ from typing import Any, Iterable
 import pluggy
 
 from pieceworks.backends import hookspecs
-from pieceworks.backends.base import OPS, Backend, BackendSpec, parse_options
+from pieceworks.backends.base import OPS, Backend, BackendSpec, Candidate, parse_options
 from pieceworks.core.batch import TABLE_MODES, ForwardMode, GraphMode
 from pieceworks.core.context import StepKernels
 
 log = logging.getLogger("pieceworks.registry")
-
-
-@dataclass
-class Candidate:
-    """A backend considered for one kernel-table entry, with the reasons it can't serve (if any)."""
-
-    backend: type[Backend]
-    reasons: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.reasons
-
-    def veto(self, reason: str) -> None:
-        """Exclude this candidate (called by plugins from `pieceworks_adjust_candidates`)."""
-        self.reasons.append(f"vetoed by a plugin: {reason}")
 
 
 @dataclass(frozen=True)
