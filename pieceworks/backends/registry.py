@@ -108,18 +108,23 @@ class Registry:
     def load(self) -> "Registry":
         if self._loaded:
             return self
-        for name, plugin in BUILTIN_PLUGINS.items():
-            self.plugins.add(name, plugin, BUILTIN_ORIGIN)
+        self._load_builtins()
         if self.autoload:
             self.plugins.add_entry_points()
         self._loaded = True
         return self
+
+    def _load_builtins(self) -> None:
+        # first, so that a plugin re-registering a built-in key is the one left out
+        for name, plugin in BUILTIN_PLUGINS.items():
+            self.plugins.add(name, plugin, BUILTIN_ORIGIN)
 
     def _load_entrypoints(self) -> None:
         self.plugins.add_entry_points()
 
     def register_plugin(self, plugin: Any, name: str) -> None:
         """Register an in-process plugin object or module (tests, embedders)."""
+        self._load_builtins()
         self.plugins.add(name, plugin, IN_PROCESS_ORIGIN)
 
     def plugin_names(self) -> list[str]:
