@@ -21,17 +21,60 @@ import torch
 from pieceworks.testing.contract import ContractError, PoolRun
 
 
+# what a graph-safe forward must not contain: host syncs and values that depend on tensor contents
+SYNC_METHODS = {"item", "tolist", "nonzero", "cpu", "numpy", "__bool__", "__int__", "__float__", "any", "all"}
+
+
+def _sync_ops() -> set:
+    aten = torch.ops.aten
+    return {torch.nonzero, torch.Tensor.item, torch.Tensor.tolist, torch.tensor, aten._local_scalar_dense.default,
+            aten.nonzero.default, aten._assert_scalar.default}
+
+
+def _host_syncs(gm: torch.fx.GraphModule) -> list[str]:
+    found = []
+    for node in gm.graph.nodes:
+        sync = (node.op == "call_method" and node.target in SYNC_METHODS and node.target not in ("any", "all")) \
+            or (node.op == "call_function" and node.target in _sync_ops())
+        if sync:
+            name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+            if name.startswith("_assert_scalar"):  # Dynamo's guard on a value read from a tensor
+                name = "a value read from a tensor"
+            code = [ln.strip() for ln in (node.meta.get("stack_trace") or "").splitlines()
+                    if ln.strip() and set(ln.strip()) - set("^~ ")]
+            found.append(f"{name}" + (f" at `{code[-1]}`" if code else ""))
+    return found
+
+
 def traced(fn: Callable, what: str) -> Callable:
-    """`fn` traced whole by Dynamo; a graph break raises ContractError naming `what` and the cause."""
+    """`fn` traced whole by Dynamo and run from the traced graph; a graph break, a host sync (`.item()`,
+    `.tolist()`, `nonzero`) or a tensor built from host data in it raises ContractError naming `what`."""
     import torch._dynamo
 
-    compiled = torch.compile(fn, fullgraph=True, backend="eager", dynamic=False)
+    def inspect(gm: torch.fx.GraphModule, example_inputs):
+        syncs = _host_syncs(gm)
+        if syncs:
+            raise ContractError(f"{what} syncs with the host or reads tensor values on the host: "
+                                f"{'; '.join(dict.fromkeys(syncs))}")
+        return gm.forward
+
+    compiled = torch.compile(fn, fullgraph=True, backend=inspect, dynamic=False)
 
     def run(*args, **kwargs):
         try:
             return compiled(*args, **kwargs)
-        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        except ContractError as exc:
+            raise ContractError(f"{exc}. A backend declaring FULL must not do that in forward: move it to "
+                                "plan()") from None
+        except Exception as exc:
+            inner = exc
+            while inner.__cause__ is not None and not isinstance(inner, ContractError):
+                inner = inner.__cause__
+            if isinstance(inner, ContractError):
+                raise ContractError(f"{inner}. A backend declaring FULL must not do that in forward: move "
+                                    "it to plan()") from None
+            text = str(exc).strip()
+            first = text.splitlines()[0] if text else type(exc).__name__
             raise ContractError(
                 f"{what} is not traceable as one graph (torch.compile fullgraph=True): {first}. A backend "
                 "declaring FULL must not sync with the host (.item(), .tolist(), nonzero, printing a "

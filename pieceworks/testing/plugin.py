@@ -93,6 +93,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped with a reason when none is present)")
     config.addinivalue_line("markers", "slow: takes more than a few seconds on a CPU")
     config.pluginmanager.register(Recorder(config), "pieceworks-suite-recorder")
+    if config.getoption("--pieceworks-backend", None):
+        _state(config)  # an unknown OP.NAME is a usage error before anything is collected
 
 
 def _state(config: pytest.Config) -> SuiteState:

@@ -120,12 +120,12 @@ def _contract_modes(backend, graph: GraphMode) -> list[ForwardMode]:
 
 
 @pytest.mark.parametrize("graph", list(GRAPHS), ids=list(GRAPHS))
-@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @for_op("attention", "mla")
-def test_contract(backend, graph, dtype, device):
+def test_contract(backend, graph, device):
     """Step chains over one two-layer pool in every forward mode the graph mode runs (see
-    pieceworks.testing.contract); PIECEWISE steps padded, FULL steps with graph-batch padding."""
-    graph, dtype = GRAPHS[graph], DTYPES[dtype]
+    pieceworks.testing.contract); PIECEWISE steps padded, FULL steps with graph-batch padding. float32 on
+    the CPU, bf16 on CUDA (test_shapes runs both dtypes on both)."""
+    graph, dtype = GRAPHS[graph], _dtype(device)
     modes = _contract_modes(backend, graph)
     shape = CONTRACT_SHAPE[backend.op]
     for mode in modes:
@@ -137,29 +137,31 @@ def test_contract(backend, graph, dtype, device):
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @for_op("attention", "mla")
 def test_shapes(backend, dtype, device):
-    """Every head shape x page size `check()` accepts gives right results (eager, one extend or mixed and
-    one decode step over an empty-cache 1-token sequence, a 1-token prefix and a 70-token one)."""
+    """Every head shape and page size `check()` accepts gives right results (eager; one mixed step over
+    an empty-cache 1-token sequence, a 1-token prefix and a 40-token one, or the step kinds the backend
+    serves)."""
     dtype = DTYPES[dtype]
     refused, errors, ran = [], [], 0
-    for shape in SHAPES[backend.op]:
-        for ps in C.PAGE_SIZES:
-            reasons = list(backend.check(_spec(device, shape.facts(dtype, ps))))
-            if reasons:
-                refused.append(f"{shape} page {ps}: {'; '.join(reasons)}")
-                continue
-            impl = backend(_spec(device, shape.facts(dtype, ps)), parse_options(backend, {}))
-            run = C.PoolRun(shape, impl, dtype, device, ps, GraphMode.EAGER, num_layers=1,
-                            name=f"{backend.key()} {shape} page {ps}")
-            for name, prefix in C.SWEEP_SEQS.items():
-                run.add(name, prefix)
-            try:
-                for mode in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE):
-                    if mode in backend.forward_modes:
-                        for step in C.SWEEP_STEPS[mode]:
-                            run.step(step)
-            except Exception as exc:  # noqa: BLE001 (a kernel that raises for an accepted shape fails too)
-                errors.append(f"{type(exc).__name__}: {exc}" if not isinstance(exc, C.ContractError) else str(exc))
-            ran += 1
+    shapes = SHAPES[backend.op]
+    # every shape once, page sizes taking turns, and the first shape at every page size
+    combos = [(shape, C.PAGE_SIZES[i % len(C.PAGE_SIZES)]) for i, shape in enumerate(shapes)]
+    combos += [(shapes[0], ps) for ps in C.PAGE_SIZES if (shapes[0], ps) not in combos]
+    for shape, ps in combos:
+        reasons = list(backend.check(_spec(device, shape.facts(dtype, ps))))
+        if reasons:
+            refused.append(f"{shape} page {ps}: {'; '.join(reasons)}")
+            continue
+        impl = backend(_spec(device, shape.facts(dtype, ps)), parse_options(backend, {}))
+        run = C.PoolRun(shape, impl, dtype, device, ps, GraphMode.EAGER, num_layers=1,
+                        name=f"{backend.key()} {shape} page {ps}")
+        for name, prefix in C.SWEEP_SEQS.items():
+            run.add(name, prefix)
+        try:
+            for step in C.sweep_steps(backend.forward_modes):
+                run.step(step)
+        except Exception as exc:  # noqa: BLE001 (a kernel that raises for an accepted shape fails too)
+            errors.append(f"{type(exc).__name__}: {exc}" if not isinstance(exc, C.ContractError) else str(exc))
+        ran += 1
     if not ran:
         pytest.skip(f"{backend.key()} accepts none of the swept shapes: {' | '.join(refused)}")
     assert not errors, (f"{len(errors)} of {ran} shapes that check() accepts fail:\n" + "\n".join(errors))
@@ -179,14 +181,14 @@ def test_graph_trace(backend, device):
         pytest.skip("traced on the CPU; on CUDA test_cuda_graph captures the real graph")
     shape = CONTRACT_SHAPE[backend.op]
     impl = _build(backend, _spec(device, shape.facts(torch.float32, 4)))
-    run = C.PoolRun(shape, impl, torch.float32, device, 4, GraphMode.FULL, name=f"{backend.key()} traced")
+    run = C.PoolRun(shape, impl, torch.float32, device, 4, GraphMode.FULL, num_layers=1,
+                    name=f"{backend.key()} traced")
     seqs, steps = C.chain(ForwardMode.DECODE)
     for name, prefix in seqs.items():
         run.add(name, prefix)
     run.step(steps[0])  # eager, as the runner's warm-up before capture
     run.call = traced(shape.call, f"{backend.key()}.forward")
-    for step in steps[1:]:
-        run.step(step)
+    run.step(steps[1])
 
 
 @pytest.mark.gpu
