@@ -260,3 +260,16 @@ def test_entry_point_plugin_from_an_installed_distribution(tmp_path, monkeypatch
 
 def test_all_forward_modes_constant():
     assert ALL_FORWARD_MODES == {E, D, M}
+
+
+def test_graph_modes_default_to_eager_only():
+    """A backend that declares nothing claims no CUDA-graph safety."""
+    from pieceworks.backends.attention.base import AttentionBackend
+
+    class Plain(AttentionBackend):
+        name = "plain"
+
+    assert Plain.graph_modes == {EAGER}
+    table = resolve(registry(Plain), ["backends.attention=plain"])
+    assert table.get("attention", E, EAGER).name == "plain"
+    assert table.get("attention", E, PW).name == "torch"  # the graph-safe fallback, logged
