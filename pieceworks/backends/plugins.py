@@ -113,8 +113,9 @@ class PluginSet:
         reported and none of them is loaded (which one wins would depend on sys.path order)."""
         by_name: dict[str, list[importlib.metadata.EntryPoint]] = defaultdict(list)
         for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT):
-            if not any(e.value == ep.value and entry_point_origin(e) == entry_point_origin(ep) for e in by_name[ep.name]):
-                by_name[ep.name].append(ep)
+            seen = by_name[ep.name]
+            if not any(e.value == ep.value and entry_point_origin(e) == entry_point_origin(ep) for e in seen):
+                seen.append(ep)
         for name, eps in by_name.items():
             if self.pm.is_blocked(name) or self.known(name):
                 continue

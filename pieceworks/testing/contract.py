@@ -144,7 +144,8 @@ class MlaShape:
     def reference(self, x: dict, rows: slice, entries: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:
         qn, qp = x["q_nope"][rows].double(), x["q_pe"][rows].double()
         n, s, l = qn.shape[0], entries.shape[0], self.kv_lora_rank
-        scores = (torch.einsum("nhl,sl->nhs", qn, entries[:, :l]) + torch.einsum("nhr,sr->nhs", qp, entries[:, l:])) * scale
+        scores = (torch.einsum("nhl,sl->nhs", qn, entries[:, :l])
+                  + torch.einsum("nhr,sr->nhs", qp, entries[:, l:])) * scale
         causal = torch.arange(s)[None, :] <= (torch.arange(n) + prefix)[:, None]
         scores = scores.masked_fill(~causal[:, None, :], float("-inf"))
         return torch.einsum("nhs,sl->nhl", scores.softmax(-1), entries[:, :l])
@@ -259,11 +260,12 @@ class PoolRun:
         table = torch.zeros(len(pages), width, dtype=torch.int32)
         for i, p in enumerate(pages):
             table[i, : len(p)] = torch.tensor(p, dtype=torch.int32)
+        # padded rows as the runner pads them: position 0, the reserved slot
         pad_slots = torch.full((step.pad,), self.pool.reserved_slot, dtype=torch.int64, device=self.device)
+        pad_pos = torch.zeros(step.pad, dtype=torch.int64, device=self.device)
         return StepMetadata(mode=mode, graph_mode=self.graph, extend_lens=extend, prefix_lens=prefix,
                             page_size=self.page_size, page_table=table.to(self.device),
-                            slot_mapping=torch.cat([slots, pad_slots]),
-                            positions=torch.cat([positions, torch.zeros(step.pad, dtype=torch.int64, device=self.device)]),
+                            slot_mapping=torch.cat([slots, pad_slots]), positions=torch.cat([positions, pad_pos]),
                             page_lists=pages)
 
     def step(self, step: Step) -> None:
@@ -319,7 +321,6 @@ class PoolRun:
                 self.truth[s][layer] = torch.cat([self.truth[s][layer],
                                                   entries[indptr[i] : indptr[i + 1]].to(self.dtype).double()])
         self.steps_run += 1
-
 
     def forward_all(self, xs: list[dict]) -> list[torch.Tensor]:
         """Every layer's forward on the planned step, eagerly (`call` may be a traced wrapper)."""

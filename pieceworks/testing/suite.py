@@ -227,7 +227,8 @@ def test_cuda_graph(backend, device):
 @for_op("fp4_gemm", "moe")
 def test_cuda_graph_capture(backend, device):
     """fp4_gemm and moe backends declaring FULL or PIECEWISE: forward captured on static inputs and
-    replayed on new ones gives what an eager call gives."""
+    replayed on new ones gives what an eager call gives (within the bf16 tolerance: a backend may take
+    another path while capturing, as the torch MoE does)."""
     from pieceworks.testing.graphs import capture_replay
 
     if not {GraphMode.FULL, GraphMode.PIECEWISE} & backend.graph_modes:
@@ -242,7 +243,7 @@ def test_cuda_graph_capture(backend, device):
         w = impl.prepare(Fp4Weight(*S.random_fp4_weight(n, k, gen, dev)))
         xs = [torch.randn(m, k, generator=gen).to(dtype).to(dev) for _ in range(2)]
         capture_replay(lambda x: impl.forward(x, w.weight, w.weight_scale, w.weight_scale_2, w.input_scale, n),
-                       lambda i: (xs[i].clone(),), backend.key(), 1e-3)
+                       lambda i: (xs[i].clone(),), backend.key(), 1e-2)
         return
     facts = ModelFacts(arch="deepseek_v3", dtype=dtype, fp4=True, moe_experts=8, moe_quant="nvfp4")
     impl = _build(backend, _spec(device, facts))
@@ -251,7 +252,7 @@ def test_cuda_graph_capture(backend, device):
     logits = [torch.randn(11, 8, generator=gen).to(dev) for _ in range(2)]
     bias = (torch.rand(8, generator=gen) * 0.1).to(dev)
     capture_replay(lambda x, lg: impl.forward(x, lg, bias, w, 3, 4, 2, True, 2.5),
-                   lambda i: (xs[i].clone(), logits[i].clone()), backend.key(), 1e-3)
+                   lambda i: (xs[i].clone(), logits[i].clone()), backend.key(), 1e-2)
 
 
 # ---------------------------------------------------------------------------- fp4_gemm and moe
