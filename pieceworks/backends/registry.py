@@ -15,6 +15,7 @@ forward context.
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 from dataclasses import dataclass, field, replace
 from dataclasses import fields as dc_fields
@@ -47,8 +48,9 @@ class Decision:
     note: str = ""
 
 
-class SelectionError(ValueError):
-    """A configured backend can't serve, or no backend can serve an op at all."""
+class SelectionError(ConfigError):
+    """A configured backend can't serve, or no backend can serve an op at all (a `backends.*` value
+    that this machine or model can't honour, hence a ConfigError)."""
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,7 @@ class Registry:
                 backends that could), or no backend can serve a required op.
         """
         ops = [op for op in OPS if op in set(ops)]
-        _check_names(backends_cfg, self.backends())
+        _check_names(backends_cfg, self.backends(), self.plugins.broken)
         _check_options(backends_cfg, self.backends())
         entries: dict = {}
         decisions: list[Decision] = []
@@ -290,16 +292,18 @@ def _known_options(name: str, all_backends: list[type[Backend]]) -> set[str]:
     return known
 
 
-def _check_names(backends_cfg: Any, all_backends: list[type[Backend]]) -> None:
+def _check_names(backends_cfg: Any, all_backends: list[type[Backend]], broken: list[BrokenPlugin]) -> None:
     """Every backend named in `backends.<op>` must be registered for that op, also for ops this model
-    does not call (`backends.mla=nosuch` on a Llama is a typo, not a no-op)."""
+    does not call (`backends.mla=nosuch` on a Llama is a typo, not a no-op). Broken plugins are named
+    too: the backend may be one that a broken plugin would have registered."""
     for op in OPS:
         names = list(dict.fromkeys(c.name for c in all_backends if c.op == op))  # best first
         for mode in ("extend", "decode"):
             name = backends_cfg.choice(op, mode)
             if name != "auto" and name not in names:
-                raise ConfigError(f"backends.{op}: no {op} backend named {name!r}; registered: "
-                                  f"{', '.join(names) or 'none'} (or auto)")
+                raise SelectionError(f"backends.{op}: no {op} backend named {name!r}; registered: "
+                                     f"{', '.join(names) or 'none'} (or auto)"
+                                     + "".join(f"; {b}" for b in broken))
 
 
 def _check_options(backends_cfg: Any, all_backends: list[type[Backend]]) -> None:
@@ -349,8 +353,6 @@ def load_registry(plugins_cfg: Any = None) -> Registry:
     """
     disabled = list(getattr(plugins_cfg, "disabled", []) or [])
     if disabled:
-        from pieceworks.backends.builtin import BUILTIN_PLUGINS
-
         known = [*BUILTIN_PLUGINS, *sorted(ep.name for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT))]
         unknown = [n for n in disabled if n not in known]
         if unknown:
