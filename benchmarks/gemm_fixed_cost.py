@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch, triton, triton.language as tl
 import fp4_gemm as fb
 from pieceworks.backends.fp4_gemm import triton_kernels
-from pieceworks.backends.fp4_gemm.triton import multiprocessors
+from pieceworks.backends.fp4_gemm.cuda_launch import multiprocessors
 
 @triton.jit
 def _empty(p, n):

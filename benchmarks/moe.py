@@ -32,9 +32,10 @@ from fp4_gemm import HBM, graph_time  # noqa: E402
 
 from pieceworks.backends.base import BackendSpec  # noqa: E402
 from pieceworks.backends.fp4_gemm.triton import TileConfig, parse_table  # noqa: E402
+from pieceworks.backends.moe.align import num_aligned_blocks  # noqa: E402
 from pieceworks.backends.moe.base import MoEWeights  # noqa: E402
 from pieceworks.backends.moe.routing import deepseek_route  # noqa: E402
-from pieceworks.backends.moe.triton import TritonMoEBackend, num_aligned_blocks  # noqa: E402
+from pieceworks.backends.moe.triton import TritonMoEBackend  # noqa: E402
 
 E, H, I, TOPK, GROUPS, TOPK_GROUP, SCALE = 256, 7168, 2048, 8, 8, 4, 2.5
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 16384]

@@ -21,8 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from fp4_gemm import SHAPES  # noqa: E402
 from pieceworks.backends.fp4_gemm import cuda_decode, k32, r16c64  # noqa: E402
-from pieceworks.backends.fp4_gemm.cuda import plan  # noqa: E402
-from pieceworks.backends.fp4_gemm.triton import multiprocessors  # noqa: E402
+from pieceworks.backends.fp4_gemm.cuda_launch import multiprocessors, plan  # noqa: E402
 
 
 def main() -> None:

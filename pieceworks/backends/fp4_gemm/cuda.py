@@ -25,7 +25,6 @@ its first launch (0.2-0.4 s each on the H200 machine) or loads it from nvrtc's d
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -34,7 +33,8 @@ import torch
 from pieceworks.backends import pdl
 from pieceworks.backends.base import Requirements
 from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight, norm_parts, rope_qk_columns
-from pieceworks.backends.fp4_gemm.triton import interleave_gate_up, interleave_rope_rows, multiprocessors
+from pieceworks.backends.fp4_gemm.cuda_launch import kernel_reasons, multiprocessors, plan
+from pieceworks.backends.fp4_gemm.interleave import interleave_gate_up, interleave_rope_rows
 
 
 SLICE = 16  # rows of x per decode-kernel launch
@@ -57,58 +57,6 @@ class CudaDecodeOptions:
             raise ValueError(f"fuse_norm={self.fuse_norm!r}: use true or false")
         if not 0 <= self.decode_max_m <= 256:
             raise ValueError(f"decode_max_m={self.decode_max_m}: use 0 (never) to 256")
-
-
-@lru_cache(maxsize=None)
-def nvrtc_unavailable_reason() -> str | None:
-    """Why NVRTC can't compile the kernels here, or None."""
-    from pieceworks.backends.nvrtc import nvrtc_library
-
-    if torch.version.cuda is None:
-        return "this torch build has no CUDA"
-    try:
-        nvrtc_library()
-    except OSError as e:
-        return str(e)
-    try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError as e:
-        return f"CUDA driver library not found ({e})"
-    return None
-
-
-def kernel_reasons(reasons: list[str], used: bool, dtype: torch.dtype) -> list[str]:
-    """A CUDA-kernel backend's `check`: `reasons` (the base checks), plus bf16 activations where the model
-    uses the backend's op (`used`), plus NVRTC's reason when nothing else stands in the way."""
-    if used and dtype != torch.bfloat16:
-        reasons.append(f"takes bf16 activations (model dtype: {dtype})")
-    if not reasons:
-        reason = nvrtc_unavailable_reason()
-        if reason:
-            reasons.append(reason)
-    return reasons
-
-
-def plan(n_rows: int, sms: int, warps_per_sm: int = 32) -> tuple[int, int]:
-    """(warps per CTA, chunks in flight per lane) for a decode GEMM with n_rows weight rows: the most warps
-    per CTA (a power of two, 2 to 16) that keep every CTA of the grid resident at once, counting
-    `warps_per_sm` warps per SM (32 for the r16c64 kernel: one token tile fits them at 54-60 registers; two
-    are compiled with a register cap where they would not: `cuda_decode.resident_cap`). Measured on the
-    H200 (docs/benchmarks.md): this picks the fastest or within 10% of it on the Llama-3.1-8B and
-    DeepSeek-V3 expert shapes. The k32 reading's two token tiles count 24 (`K32_TWO_TILE_WARPS_PER_SM`)."""
-    ctas = -(-n_rows // 16)
-    warps = 16
-    while warps > 2 and ctas * warps > sms * warps_per_sm:
-        warps //= 2
-    return warps, 2
-
-
-# The k32 reading with two token tiles (M 9..16) compiles to about 82 registers (offline NVRTC 13.0), so an
-# SM holds about 23 of its warps without a cap, and a cap of 64 (what 32 warps per SM would need) spills. At
-# 24 warps per SM `plan` picked the fastest of 2 / 4 / 8 / 16 warps at M = 16 on all six Llama-3.1-8B and
-# DeepSeek-V3 expert shapes on the H200 (docs/benchmarks.md, twenty-third session), where 32 picked 16
-# warps for o, down and the expert gate_up and 8 for the expert down, 1.5-1.6x slower.
-K32_TWO_TILE_WARPS_PER_SM = 24
 
 
 class CudaFp4GemmBackend(Fp4GemmBackend):

@@ -41,7 +41,7 @@ per-slot prefetch 70, both slower where they left fewer warps resident: docs/ben
 session). Until the twenty-third session a k32 group held 32 consecutive elements, a quad's x pieces lay 64
 bytes apart (two lines per token and load) and M = 8 took 1.16-1.26x the r16c64 kernel's time (L1 74% busy
 against 53%, Nsight Compute); with the groups' blocks t and t + 4 it takes about the same. Two token tiles
-take 82 registers: `cuda.plan` counts 24 warps per SM for them (`K32_TWO_TILE_WARPS_PER_SM`).
+take 82 registers: `cuda_launch.plan` counts 24 warps per SM for them (`K32_TWO_TILE_WARPS_PER_SM`).
 
 The MoE modes take L 1 too (`moe.triton`'s decode steps, `cuda_moe_max_t`): an expert is 16 gridDim.x rows of
 k32 tiles, and the gate/up GEMM (HALVES) reads the Triton MoE's layout, gate rows [0, Ip) and up rows

@@ -29,6 +29,13 @@ import torch
 
 from pieceworks.backends.base import Requirements
 from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight
+from pieceworks.backends.fp4_gemm.cuda_launch import (
+    K32_TWO_TILE_WARPS_PER_SM,
+    cuda_decode_reason,
+    multiprocessors,
+    plan,
+)
+from pieceworks.backends.fp4_gemm.interleave import interleave_gate_up, interleave_rope_rows
 from pieceworks.backends.fp4_gemm.k32 import TILE_K, repack_k32
 from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES
 
@@ -103,7 +110,7 @@ class TritonTileOptions:
 
     cuda_moe_max_t: int = 128
     """The fused MoE (moe.triton) runs its experts for up to this many tokens with the CUDA decode kernel's
-    MoE modes on the same k32 experts (`moe.cuda.grouped_experts`) where it runs (as above); above it, the
+    MoE modes on the same k32 experts (`moe.cuda_experts.grouped_experts`) where it runs (as above); above it, the
     Triton grouped GEMMs. 0: never. Each block of 8 (token, slot) pairs reads its expert once, so the CUDA
     path suits decode batches: on the H200, one DeepSeek-V3 layer was faster with it from 1 to 128 tokens,
     1-4% slower at 192 and 24-28% slower at 256 (docs/benchmarks.md, twenty-second session)."""
@@ -147,15 +154,6 @@ def select_tile(table: tuple[TileConfig, ...], m: int) -> TileConfig:
     raise AssertionError("unreachable: the last bucket is unbounded")
 
 
-
-@lru_cache(maxsize=None)
-def multiprocessors(device: torch.device) -> int:
-    """The SM count of a CUDA device (132 elsewhere: the H200 the tables were tuned on)."""
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def choose_split_k(tile: TileConfig, m: int, n: int, k_padded: int, sms: int = 132) -> int:
     """K splits so that about `target_ctas` programs stream the weight: ceil(target / tiles), at most
     `max_split` and the BLOCK_K iterations over `min_split_iters` (every split keeps that many or
@@ -183,48 +181,6 @@ def choose_split_k(tile: TileConfig, m: int, n: int, k_padded: int, sms: int = 1
 
     splits = [s for s in range(1, cap + 1) if 4 * tiles * s >= 3 * tile.target_ctas] or [plain]
     return max(splits, key=lambda s: (evenness(s), s == plain, -s))
-
-
-def cuda_decode_reason(x: torch.Tensor) -> str | None:
-    """Why the CUDA decode kernel can't take x (`TritonTileOptions.cuda_decode_max_m`), or None."""
-    if x.dtype != torch.bfloat16:
-        return f"the CUDA decode kernel takes bf16 x, not {x.dtype}"
-    return _cuda_decode_device_reason(x.device)
-
-
-@lru_cache(maxsize=None)
-def _cuda_decode_device_reason(device: torch.device) -> str | None:
-    if device.type != "cuda":
-        return f"the CUDA decode kernel runs on CUDA devices, not {device.type}"
-    cap = torch.cuda.get_device_capability(device)
-    if cap < (9, 0):
-        return f"the CUDA decode kernel needs compute capability >= 9.0 (mul.bf16x2), this GPU has {cap[0]}.{cap[1]}"
-    from pieceworks.backends.fp4_gemm.cuda import nvrtc_unavailable_reason
-
-    return nvrtc_unavailable_reason()
-
-
-def interleave_gate_up(n: int) -> torch.Tensor:
-    """Row order of a gate/up weight [gate; up] (n rows) for the fused SwiGLU epilogue: gate row j
-    and up row j next to each other (rows 2j, 2j + 1), so every even-width tile holds both halves of
-    its output columns."""
-    if n % 2:
-        raise ValueError(f"a gate/up weight has an even row count, not {n}")
-    return torch.arange(n).view(2, n // 2).t().reshape(-1)
-
-
-def interleave_rope_rows(num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """Row order of a q/k/v weight [q; k; v] for the fused rope epilogue: in every q and k head, dims j
-    and j + head_dim/2 (a rotate-half pair) next to each other (rows 2j, 2j + 1 of the head); the v
-    rows keep their order. Every even-width tile then holds both halves of its pairs."""
-    if head_dim % 2:
-        raise ValueError(f"the rotate-half rope needs an even head_dim, not {head_dim}")
-    half = head_dim // 2
-    within = torch.arange(head_dim).view(2, half).t().reshape(-1)  # 0, half, 1, half + 1, ...
-    heads = num_heads + num_kv_heads
-    roped = (torch.arange(heads)[:, None] * head_dim + within[None, :]).reshape(-1)
-    return torch.cat([roped, heads * head_dim + torch.arange(num_kv_heads * head_dim)])
-
 
 
 TRITON_REQUIREMENTS = Requirements(
@@ -315,7 +271,6 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         if x.shape[0] <= self.options.cuda_decode_max_m and cuda_decode_reason(x) is None:
             from pieceworks.backends import pdl
             from pieceworks.backends.fp4_gemm import cuda_decode
-            from pieceworks.backends.fp4_gemm.cuda import K32_TWO_TILE_WARPS_PER_SM, plan
 
             per_sm = K32_TWO_TILE_WARPS_PER_SM if x.shape[0] > 8 else 32
             warps, depth = plan(weight.shape[0], multiprocessors(x.device), per_sm)

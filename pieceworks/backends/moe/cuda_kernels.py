@@ -12,8 +12,8 @@ import torch
 
 from pieceworks.backends.fp4_gemm.cuda_decode import resident_cap
 from pieceworks.backends.fp4_gemm.cuda_decode_kernel import SOURCE, instance
+from pieceworks.backends.fp4_gemm.cuda_launch import multiprocessors
 from pieceworks.backends.fp4_gemm.r16c64 import CHUNK
-from pieceworks.backends.fp4_gemm.triton import multiprocessors
 from pieceworks.backends.nvrtc import kernel
 
 LAYOUTS = {"r16c64": 0, "k32": 1}  # the kernel's template argument L
