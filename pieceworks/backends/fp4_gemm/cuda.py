@@ -1,6 +1,6 @@
 """Weight-only NVFP4 GEMM with a hand-written CUDA decode kernel (w4a16), compiled at run time by NVRTC.
 
-Up to 16 rows of x run `cuda_decode.nvfp4_decode_gemm` in one launch: one CTA per 16 weight rows over
+Up to 16 rows of x run the decode kernel (`cuda_decode.decode_gemm`) in one launch: one CTA per 16 weight rows over
 all of K, the weights loaded straight into registers in MMA fragment order (a ring of 2 64-element
 chunks per lane), decoded with integer ops and bf16 multiplies, bf16 mma.sync with the weights as the A
 operand, the warps' sums added in shared memory (r16c64.py describes the layout); 17 up to
@@ -10,8 +10,7 @@ M = 1024. SwiGLU and the q/k/v rope are fused into the decode kernel's epilogue 
 ops round). Faster than the Triton backend's own kernels up to 16 rows on the H200, slower beyond
 (docs/benchmarks.md), so it has the lower priority: `backends.fp4_gemm: cuda` selects it. (The Triton
 backend runs this kernel too, on its k32 weights, for M <= 16: at M = 1 and 8 within 0.4 us of it
-here, at M = 16 1-13% slower on five of the six shapes: docs/benchmarks.md, twenty-third
-session.)
+here, at M = 16 1-13% slower on five of the six shapes: docs/benchmarks.md.)
 
 Option `fuse_norm` (off by default; `fuses_norm`) also fuses a Llama block's RMSNorms and residual adds:
 the o and down kernels add their output to the residual stream s and write the next norm's inputs

@@ -11,9 +11,9 @@ autotuned at run time, so the kernels are safe inside CUDA graphs.
 
 Up to `cuda_decode_max_m` rows (default 16), on compute capability >= 9.0 with NVRTC loadable, the same
 k32 weights go to the CUDA decode kernel instead (cuda_decode.py, `layout="k32"`; the SwiGLU and rope
-epilogues included): on the H200 it took the batch-1 Llama-3.1-8B-shaped decode step from 2.15 to
-1.73-1.79 ms (docs/benchmarks.md, twenty-first session), and since the k32 groups hold blocks t and t + 4
-(twenty-third session) it beats the Triton tiles at 9..16 rows too.
+epilogues included): on the H200 it takes the batch-1 Llama-3.1-8B-shaped decode step from 2.15 ms (the
+Triton tiles) to 1.73-1.79 ms (docs/benchmarks.md), and, because the k32 groups hold blocks t and t + 4
+(triton_k32.py), it beats the Triton tiles at 9..16 rows too.
 
 This module imports torch only; triton is imported when a kernel is first launched.
 """
@@ -105,15 +105,14 @@ class TritonTileOptions:
     """The dense GEMM (fp4_gemm.triton) runs up to this many rows of x with the CUDA decode kernel on the same
     k32 weights (cuda_decode.py, `layout="k32"`) where it runs: compute capability >= 9.0, NVRTC loadable,
     bf16 x; elsewhere, and above it, the Triton kernels. 0: never. On the H200 it is faster than the Triton
-    decode tiles at M <= 16 on every Llama-3.1-8B and DeepSeek-V3 expert shape (docs/benchmarks.md,
-    twenty-first and twenty-third sessions; at 9..16 since the k32 group order of the twenty-third)."""
+    decode tiles at M <= 16 on every Llama-3.1-8B and DeepSeek-V3 expert shape (docs/benchmarks.md)."""
 
     cuda_moe_max_t: int = 128
     """The fused MoE (moe.triton) runs its experts for up to this many tokens with the CUDA decode kernel's
-    MoE modes on the same k32 experts (`moe.cuda_experts.grouped_experts`) where it runs (as above); above it, the
-    Triton grouped GEMMs. 0: never. Each block of 8 (token, slot) pairs reads its expert once, so the CUDA
-    path suits decode batches: on the H200, one DeepSeek-V3 layer was faster with it from 1 to 128 tokens,
-    1-4% slower at 192 and 24-28% slower at 256 (docs/benchmarks.md, twenty-second session)."""
+    MoE modes on the same k32 experts (`moe.cuda_experts.grouped_experts`) where it runs (as above); above
+    it, the Triton grouped GEMMs. 0: never. Each block of 8 (token, slot) pairs reads its expert once, so the CUDA
+    path suits decode batches: on the H200, one DeepSeek-V3 layer is faster with it from 1 to 128 tokens,
+    1-4% slower at 192 and 24-28% slower at 256 (docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_decode_max_m, bool) or not isinstance(self.cuda_decode_max_m, int) \
