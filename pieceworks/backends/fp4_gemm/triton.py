@@ -258,9 +258,9 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
 
     def forward_swiglu(self, x, weight, weight_scale, weight_scale_2, input_scale, intermediate):
         """The GEMM with silu(gate) * up in its epilogue (split-K: in the reduction), the gate/up
-        pairs of a tile side by side; the dequant path (M > 256 in the shipped table) restores the checkpoint row order
-        as it dequantizes and runs the silu_mul kernel after the matmul. Same bits as `forward`
-        followed by the silu_mul op."""
+        pairs of a tile side by side; the dequant path (M > 256 in the shipped table) restores the
+        checkpoint row order as it dequantizes and runs the silu_mul kernel after the matmul. Same bits
+        as `forward` followed by the silu_mul op."""
         return self._gemm(x, weight, weight_scale, weight_scale_2, 2 * intermediate, swiglu=True)
 
     def _gemm(self, x, weight, weight_scale, weight_scale_2, n: int, swiglu: bool, rope=None):
