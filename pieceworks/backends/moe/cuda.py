@@ -27,8 +27,8 @@ import torch
 from pieceworks.backends.base import Requirements
 from pieceworks.backends.fp4_gemm.cuda import CudaDecodeOptions
 from pieceworks.backends.fp4_gemm.cuda_launch import kernel_reasons
-from pieceworks.backends.fp4_gemm.r16c64 import CHUNK, repack_decode
 from pieceworks.backends.fp4_gemm.interleave import interleave_gate_up
+from pieceworks.backends.fp4_gemm.r16c64 import CHUNK, repack_decode
 from pieceworks.backends.moe.base import MoEBackend, MoEWeights
 from pieceworks.backends.moe.cuda_experts import grouped_experts
 from pieceworks.backends.moe.routing import route

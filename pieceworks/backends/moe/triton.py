@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from pieceworks.backends.fp4_gemm.k32 import TILE_ROWS, repack_k32
 from pieceworks.backends.fp4_gemm.cuda_launch import cuda_decode_reason
+from pieceworks.backends.fp4_gemm.k32 import TILE_ROWS, repack_k32
 from pieceworks.backends.fp4_gemm.triton import (
     TRITON_REQUIREMENTS,
     TileConfig,
