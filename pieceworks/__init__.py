@@ -1,27 +1,39 @@
 """pieceworks: a model executor for FP4 models with pluggable kernel backends and piecewise CUDA graphs.
 
-Public API: `Executor`, `load_config`, `hookimpl` (for plugins). `import pieceworks` stays light: kernel
-libraries (flashinfer, triton) and reference libraries (transformers) load only when a backend or
-test needs them.
+Public API: `Executor`, `load_config`, `Config`, `hookimpl` (for plugins), and the typed errors of
+`pieceworks.errors` (`ConfigError`, `CheckpointError`, `RequestError`, `BatchError`, `OutOfPages`,
+`NonFiniteLogits`). `import pieceworks` loads nothing but the errors: everything else is imported on
+first use, so the CLI handles Ctrl-C from its first instant, and kernel libraries (flashinfer,
+triton) and reference libraries (transformers) load only when a backend or test needs them.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pieceworks.backends.hookspecs import hookimpl
-from pieceworks.config import Config, ConfigError, load_config
+from pieceworks.errors import (BatchError, CheckpointError, ConfigError, NonFiniteLogits, OutOfPages,
+                               RequestError)
 
 if TYPE_CHECKING:
+    from pieceworks.backends.hookspecs import hookimpl
+    from pieceworks.config import Config, load_config
     from pieceworks.executor.runner import Executor
 
 __version__ = "0.1.0"
-__all__ = ["Executor", "Config", "ConfigError", "load_config", "hookimpl", "__version__"]
+__all__ = ["Executor", "Config", "load_config", "hookimpl", "ConfigError", "CheckpointError", "RequestError",
+           "BatchError", "OutOfPages", "NonFiniteLogits", "__version__"]
+
+_LAZY = {
+    "Executor": "pieceworks.executor.runner",
+    "Config": "pieceworks.config",
+    "load_config": "pieceworks.config",
+    "hookimpl": "pieceworks.backends.hookspecs",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Executor":
-        from pieceworks.executor.runner import Executor
+    if name in _LAZY:
+        import importlib
 
-        return Executor
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'pieceworks' has no attribute {name!r}")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from pieceworks.backends.base import Requirements
+from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
 from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight
 from pieceworks.backends.fp4_gemm.cuda_launch import (
     K32_TWO_TILE_WARPS_PER_SM,
@@ -190,6 +190,7 @@ TRITON_REQUIREMENTS = Requirements(
 class TritonFp4GemmBackend(Fp4GemmBackend):
     name = "triton"
     priority = 50
+    graph_modes = ALL_GRAPH_MODES
     requires = TRITON_REQUIREMENTS
     numerics = ("w4a16",)
     weight_layout = "k32"
