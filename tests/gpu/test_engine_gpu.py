@@ -1,6 +1,8 @@
 """The Engine on the GPU, under piecewise and full decode graphs: greedy tokens equal Executor.generate's,
 with and without prefix caching (shared pages read by extend steps with a cached prefix and by decode
-graph replays), and under preemption.
+graph replays), and under preemption. float32 weights, so that a different batch composition (another
+GEMM tiling) can't flip a near-tie argmax of the random model: the test is about the engine's pages,
+not about bf16 batch invariance.
 
 Run on the H200: `python -m pytest tests/gpu/test_engine_gpu.py -m gpu -q`.
 """
@@ -15,14 +17,13 @@ from pieceworks import Engine, SamplingParams
 pytestmark = pytest.mark.gpu
 
 
-def make(prefix_caching: bool, num_tokens: int = 8192, attention: str = "auto") -> Engine:
+def make(prefix_caching: bool, num_tokens: int = 8192) -> Engine:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     cfg = {"model": {"arch": "llama", "preset": "llama-3.1-8b", "sizes": {"num_hidden_layers": 4},
                      "max_context": 1024},
-           "quantization": {"format": "nvfp4"}, "runtime": {"device": "cuda", "dtype": "bfloat16"},
-           "kv_cache": {"num_tokens": num_tokens, "page_size": 16, "prefix_caching": prefix_caching},
-           "backends": {"attention": attention}}
+           "quantization": {"format": "none"}, "runtime": {"device": "cuda", "dtype": "float32"},
+           "kv_cache": {"num_tokens": num_tokens, "page_size": 16, "prefix_caching": prefix_caching}}
     return Engine.from_config(cfg, progress=False)
 
 
@@ -32,15 +33,14 @@ def prompts(seed: int) -> list[list[int]]:
     return [system + torch.randint(0, 128000, (n,), generator=g).tolist() for n in (7, 40, 129, 3, 60, 18)]
 
 
-@pytest.mark.parametrize("attention", ["auto", "torch"])
-def test_engine_greedy_with_and_without_prefix_cache(attention):
+def test_engine_greedy_with_and_without_prefix_cache():
     ps = prompts(0)
     params = SamplingParams(temperature=0, max_tokens=24)
-    off = make(False, attention=attention)
+    off = make(False)
     want = off.executor.generate(ps, 24)
     assert [o.token_ids for o in off.generate(ps, params)] == want
     del off
-    on = make(True, attention=attention)
+    on = make(True)
     on.generate(ps[:1], params)  # caches the shared 100-token prefix
     outs = on.generate(ps, params)
     assert on.stats()["prefix_cache_hit_tokens"] > 0 and all(o.num_cached_tokens >= 96 for o in outs)
