@@ -369,3 +369,35 @@ def test_async_engine_errors_reach_every_waiter(engine, monkeypatch):
         asyncio.run(again())
     aeng.shutdown()
     drained(engine)
+
+
+def test_from_config_leaves_the_global_rng_alone_and_weights_follow_the_seed():
+    torch.manual_seed(123)
+    want = torch.rand(4)
+    torch.manual_seed(123)
+    a = make()
+    assert torch.equal(torch.rand(4), want)  # building did not reseed the process-wide RNG
+    b, c = make(), make(runtime={"device": "cpu", "dtype": "float32", "seed": 1})
+    pa, pb, pc = (dict(e.executor.model.named_parameters()) for e in (a, b, c))
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)  # same seed, same weights
+    assert not torch.equal(pa["embed_tokens.weight"], pc["embed_tokens.weight"])
+
+
+def test_free_never_leaves_a_handle_live(engine, monkeypatch):
+    ex = engine.executor
+    seq = ex.new_sequence()
+    ex.forward(ForwardBatch([seq], [PROMPTS[0]]))
+    pages = list(seq.pages)
+
+    def broken(pages):
+        raise ValueError("allocator failed")
+
+    monkeypatch.setattr(ex.kv.allocator, "free", broken)
+    with pytest.raises(ValueError, match="allocator failed"):
+        ex.free(seq)
+    monkeypatch.undo()
+    assert seq.freed and seq.pages == [] and seq.id not in ex._live
+    with pytest.raises(Exception, match="already freed"):
+        ex.free(seq)
+    ex.kv.allocator.free(pages)  # what the failed call could not give back
+    drained(engine)
