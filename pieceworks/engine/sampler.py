@@ -152,7 +152,7 @@ class Sampler:
         finite = torch.isfinite(logits).all(dim=-1)
         mask_idx = _min_tokens_mask(states, V)
         pen_rows = [i for i, p in enumerate(params) if p.uses_penalties]
-        if not mask_idx and not pen_rows and all(p.greedy for p in params):
+        if not mask_idx and not pen_rows and all([p.greedy for p in params]):
             ids = logits.argmax(dim=-1)  # plain greedy batch: nothing to upload, nothing to process
         else:
             ids = self._sample(logits, states, params, mask_idx, pen_rows)
@@ -171,10 +171,8 @@ class Sampler:
         plan = self._penalty_plan(states, pen_rows) if pen_rows else None
         sections = [rows, mask_idx] + (list(plan[:4]) if plan else [])
         dev = self._upload(sections)
-        prm = dev[0].view(B, _NUM_ROW_PARAMS)
-        temperature, top_p, min_p, presence, frequency, repetition = (
-            prm[:, c].float() for c in (0, 2, 3, 4, 5, 6)
-        )
+        prm = dev[0].view(B, _NUM_ROW_PARAMS).float()  # float32 as vLLM's; top_k is exact (< 2**24)
+        temperature, top_p, min_p, presence, frequency, repetition = (prm[:, c] for c in (0, 2, 3, 4, 5, 6))
         x = logits
         if mask_idx:
             x = x.clone()
@@ -352,15 +350,16 @@ def _to_host(
     """Pack ids [B], finite [B] and the requested logprobs into one float64 [B, C] tensor (exact for
     ids < 2**53 and float32 logprobs) and bring it over in the step's one device-to-host copy."""
     asked = [p.logprobs for p in params]
+    if all([a is None for a in asked]):  # ids >= 0; a non-finite row's id comes back as ~id < 0
+        packed = torch.where(finite, ids, ~ids).tolist()  # the one device-to-host copy of the step
+        return SampleResult([t if t >= 0 else ~t for t in packed], [t >= 0 for t in packed], asked)
     cols = [ids.unsqueeze(1).double(), finite.unsqueeze(1).double()]
-    k = 0
-    if any(a is not None for a in asked):
-        k = min(max(a for a in asked if a is not None), logits.shape[1])
-        lp = logits.log_softmax(dim=-1)
-        cols.append(lp.gather(1, ids.unsqueeze(1)).double())
-        if k:
-            top_lp, top_ids = lp.topk(k, dim=-1)
-            cols += [top_ids.double(), top_lp.double()]
+    k = min(max(a for a in asked if a is not None), logits.shape[1])
+    lp = logits.log_softmax(dim=-1)
+    cols.append(lp.gather(1, ids.unsqueeze(1)).double())
+    if k:
+        top_lp, top_ids = lp.topk(k, dim=-1)
+        cols += [top_ids.double(), top_lp.double()]
     host = torch.cat(cols, dim=1).tolist()  # the one device-to-host copy of the step
     token_ids = [int(r[0]) for r in host]
     logprobs: list[dict[int, float] | None] = []
