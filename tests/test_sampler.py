@@ -158,6 +158,17 @@ def test_rows_with_different_params_in_one_batch():
         assert_matches(torch.bincount(half, minlength=V).double() / n, ref, n)
 
 
+def test_top_k_rows_next_to_rows_without_truncation():
+    """The top-k selection path (no top_p in the batch) leaves rows without top_k whole."""
+    sampler = Sampler(V, CPU, seed=20)
+    a, b = SamplingParams(top_k=3, temperature=0.7), SamplingParams(temperature=1.2)
+    n = N // 2
+    res = sampler.sample(BASE.expand(2 * n, -1).contiguous(), [state(a) if i % 2 else state(b) for i in range(2 * n)])
+    ids = torch.tensor(res.token_ids)
+    for half, ref in ((ids[1::2], ref_probs(BASE, 0.7, top_k=3)), (ids[0::2], ref_probs(BASE, 1.2))):
+        assert_matches(torch.bincount(half, minlength=V).double() / n, ref, n)
+
+
 def test_seeded_rows_follow_the_distribution():
     sampler = Sampler(V, CPU, seed=17)
     n = 4000  # a generator each
@@ -404,10 +415,14 @@ def test_finite_flags():
     clean = logits.clone()
     logits[1, 3] = math.nan
     logits[2, 0] = math.inf
-    for params in (SamplingParams(temperature=0), SamplingParams(top_p=0.9, repetition_penalty=1.2, seed=3)):
+    for params in (SamplingParams(temperature=0), SamplingParams(top_p=0.9, repetition_penalty=1.2, seed=3),
+                   SamplingParams(logprobs=2, top_k=4)):
         sampler = Sampler(W, CPU)
         res = sampler.sample(logits, [state(params) for _ in range(4)])
         assert res.finite == [True, False, False, True]
+        assert res.token_ids[1] == res.token_ids[2] == -1  # never a token the model could be fed
+        if params.logprobs is not None:
+            assert res.logprobs[1] == res.logprobs[2] == {} and len(res.logprobs[0]) >= 2
         ref = Sampler(W, CPU).sample(clean[[0, 3]], [state(params) for _ in range(2)])
         if params.greedy or params.seed is not None:  # other rows are unaffected by the bad ones
             assert [res.token_ids[0], res.token_ids[3]] == ref.token_ids

@@ -11,7 +11,7 @@ sampler's generator.
 
 Host traffic per step: at most one host-to-device copy (the rows' parameters and the token ids the
 penalties and min_tokens need, packed in one pinned buffer) and exactly one device-to-host copy (the
-B token ids, the rows' finite flags and the requested logprobs, packed in one tensor). Nothing syncs
+B token ids with the rows' finite flags and the requested logprobs, packed in one tensor). Nothing syncs
 per row and no [B, V] tensor leaves the device. CPU runs the same code.
 
 Logprobs are those of the model's raw distribution, log_softmax of the logits before any penalty,
@@ -79,10 +79,11 @@ class SamplingState:
 class SampleResult:
     """One step's samples, on the host.
 
-    token_ids[i]: row i's token. finite[i]: whether row i's raw logits were all finite (when False,
-    the token is meaningless and the request should fail with NonFiniteLogits). logprobs[i]: None
-    unless row i asked for logprobs; else {token id: logprob} of the sampled token and the row's top
-    `logprobs` tokens (raw distribution, see the module docstring).
+    token_ids[i]: row i's token, or -1 when its raw logits were not all finite. finite[i]: whether
+    they were (when False the request should fail with NonFiniteLogits; a -1 that reached the model
+    would be refused as a bad token id). logprobs[i]: None unless row i asked for logprobs; else
+    {token id: logprob} of the sampled token and the row's top `logprobs` tokens (raw distribution,
+    see the module docstring), empty for a non-finite row.
     """
 
     token_ids: list[int]
@@ -201,10 +202,12 @@ class Sampler:
         x = x / temperature.unsqueeze(1)
         if any(p.min_p > 0 for p in sampled):
             x = apply_min_p(x, min_p)
-        use_k = any(1 < p.top_k < V for p in sampled)
+        k_max = max([p.top_k for p in sampled if 1 < p.top_k < V], default=0)
         use_p = any(p.top_p < 1 for p in sampled)
-        if use_k or use_p:
-            x = apply_top_k_top_p(x, prm[:, 1].long() if use_k else None, top_p if use_p else None)
+        if use_p:
+            x = apply_top_k_top_p(x, dev[0].view(B, _NUM_ROW_PARAMS)[:, 1].long() if k_max else None, top_p)
+        elif k_max:
+            x = apply_top_k(x, dev[0].view(B, _NUM_ROW_PARAMS)[:, 1].long(), k_max)
         probs = x.softmax(dim=-1)
         ids = probs.div_(self._exponentials(probs, states, greedy)).argmax(dim=-1)
         if greedy_ids is not None:
@@ -329,6 +332,15 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def apply_top_k(logits: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
+    """Keep each row's k [B] (int64, 1..V; V = off) largest logits, the rest -inf, with a top-k_max
+    selection instead of a sort (k_max: the largest k below V). Ties at the k-th value all stay."""
+    top = logits.topk(k_max, dim=-1).values  # [B, k_max], descending
+    kth = top.gather(1, (k - 1).clamp(max=k_max - 1).unsqueeze(1))
+    kth = kth.masked_fill((k >= logits.shape[1]).unsqueeze(1), float("-inf"))  # rows without top_k
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
 def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
     """Keep each row's k [B] (int64, 1..V; V = off) largest logits, then the smallest set of top
     tokens whose renormalized probability reaches p [B] (float32, (0, 1]; 1 = off); the rest -inf.
@@ -347,13 +359,15 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
 def _to_host(
     logits: torch.Tensor, ids: torch.Tensor, finite: torch.Tensor, params: list[SamplingParams]
 ) -> SampleResult:
-    """Pack ids [B], finite [B] and the requested logprobs into one float64 [B, C] tensor (exact for
-    ids < 2**53 and float32 logprobs) and bring it over in the step's one device-to-host copy."""
+    """Bring ids [B] (-1 where `finite` [B] is False) and the requested logprobs over in the step's one
+    device-to-host copy: an int64 [B] tensor, or with logprobs one float64 [B, C] tensor (exact for
+    ids < 2**53 and float32 logprobs)."""
     asked = [p.logprobs for p in params]
-    if all([a is None for a in asked]):  # ids >= 0; a non-finite row's id comes back as ~id < 0
-        packed = torch.where(finite, ids, ~ids).tolist()  # the one device-to-host copy of the step
-        return SampleResult([t if t >= 0 else ~t for t in packed], [t >= 0 for t in packed], asked)
-    cols = [ids.unsqueeze(1).double(), finite.unsqueeze(1).double()]
+    checked = torch.where(finite, ids, -1)  # the finite flag rides on the id's sign
+    if all([a is None for a in asked]):
+        token_ids = checked.tolist()  # the one device-to-host copy of the step
+        return SampleResult(token_ids, [t >= 0 for t in token_ids], asked)
+    cols = [checked.unsqueeze(1).double()]
     k = min(max(a for a in asked if a is not None), logits.shape[1])
     lp = logits.log_softmax(dim=-1)
     cols.append(lp.gather(1, ids.unsqueeze(1)).double())
@@ -364,11 +378,11 @@ def _to_host(
     token_ids = [int(r[0]) for r in host]
     logprobs: list[dict[int, float] | None] = []
     for r, tok, a in zip(host, token_ids, asked):
-        if a is None:
-            logprobs.append(None)
+        if a is None or tok < 0:
+            logprobs.append(None if a is None else {})
             continue
-        d = {tok: r[2]}
+        d = {tok: r[1]}
         for j in range(min(a, k)):
-            d.setdefault(int(r[3 + j]), r[3 + k + j])
+            d.setdefault(int(r[2 + j]), r[2 + k + j])
         logprobs.append(d)
-    return SampleResult(token_ids, [r[1] != 0 for r in host], logprobs)
+    return SampleResult(token_ids, [t >= 0 for t in token_ids], logprobs)
