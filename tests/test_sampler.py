@@ -279,6 +279,25 @@ def test_penalty_slots_return_when_states_die():
         assert sampler._table.counts[s._penalty[1]].tolist() == [0, 0, 0, 0, 1, 0, 0, 0, 0, 0]
 
 
+def test_release_frees_the_slot_now():
+    W = 10
+    sampler = Sampler(W, CPU)
+    s = state(SamplingParams(repetition_penalty=1.5), out=[1])
+    sampler.sample(torch.zeros(1, W), [s])
+    slot = s._penalty[1]
+    sampler.release(s)
+    assert slot in sampler._table.free and s._penalty is None
+    sampler.release(s)  # twice is harmless
+    assert sampler._table.free.count(slot) == 1
+    del s
+    gc.collect()
+    assert sampler._table.free.count(slot) == 1  # the finalizer doesn't free it a second time
+    other = state(SamplingParams(presence_penalty=1.0), out=[2, 2])
+    sampler.sample(torch.zeros(1, W), [other])
+    assert other._penalty[1] == slot
+    assert sampler._table.counts[slot].tolist() == [0, 0, 2, 0, 0, 0, 0, 0, 0, 0]
+
+
 def test_frequency_penalty_distribution():
     sampler = Sampler(V, CPU, seed=18)
     p = SamplingParams(frequency_penalty=0.7, presence_penalty=0.2, repetition_penalty=1.5, temperature=0.9)
@@ -502,28 +521,33 @@ def test_bad_arguments():
 # ----- GPU ------------------------------------------------------------------------------------------
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 def test_gpu_one_sync_and_seed_determinism():
-    """On the GPU: the step syncs once (torch's sync debug mode counts it), and a seeded request's
-    tokens are the same alone and in a batch."""
+    """On the GPU (python -m pytest tests/test_sampler.py -m gpu): a steady-state step syncs once
+    (torch's sync debug mode counts it), and a seeded request's tokens are the same alone and at
+    another row of a batch with every other kind of row."""
     dev = torch.device("cuda")
-    W = 128_256
+    W, B, row = 128_256, 32, 5
     g = torch.Generator(device=dev).manual_seed(0)
-    logits = torch.randn(32, W, device=dev, generator=g) * 3
-    params = [SamplingParams(seed=5, top_p=0.9, temperature=0.8)] + [
-        SamplingParams(temperature=0), SamplingParams(top_k=50, logprobs=5),
-        SamplingParams(repetition_penalty=1.2, min_p=0.05, min_tokens=3), SamplingParams(seed=i),
-    ] * 7 + [SamplingParams(presence_penalty=0.3, frequency_penalty=0.3, top_p=0.7, top_k=100, logprobs=0)] * 3
-    states = [SamplingState.create(p, [1, 2, 3], [2], dev, 0) for p in params]
-    sampler = Sampler(W, dev)
-    alone = SamplingState.create(params[0], [1, 2, 3], [2], dev, 0)
-    solo = Sampler(W, dev, seed=9)
+    logits = torch.randn(B, W, device=dev, generator=g) * 3
+    kinds = [lambda i: SamplingParams(temperature=0), lambda i: SamplingParams(top_k=50, logprobs=5),
+             lambda i: SamplingParams(repetition_penalty=1.2, min_p=0.05, min_tokens=3),
+             lambda i: SamplingParams(seed=i), lambda i: SamplingParams(presence_penalty=0.3, frequency_penalty=0.3,
+                                                                          top_p=0.7, top_k=100, logprobs=0)]
+    params = [kinds[i % len(kinds)](i) for i in range(B)]
+    params[row] = SamplingParams(seed=5, top_p=0.9, temperature=0.8)
+    states = [SamplingState.create(p, [1, 2, 3], [2], dev) for p in params]
+    alone = SamplingState.create(params[row], [1, 2, 3], [2], dev)
+    sampler, solo = Sampler(W, dev), Sampler(W, dev, seed=9)
     for _ in range(4):
         res = sampler.sample(logits, states)
-        one = solo.sample(logits[:1], [alone])
-        assert res.token_ids[0] == one.token_ids[0]
-        assert res.token_ids[1] == int(logits[1].argmax())
+        one = solo.sample(logits[row:row + 1].clone(), [alone])
+        assert res.token_ids[row] == one.token_ids[0]
+        assert res.token_ids[0] == int(logits[0].argmax())
         for s, t in zip(states, res.token_ids):
             s.append(t)
         alone.append(one.token_ids[0])
@@ -540,3 +564,14 @@ def test_gpu_one_sync_and_seed_determinism():
         assert len(syncs) == 1, syncs
         for s, t in zip(states, res.token_ids):
             s.append(t)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_distribution():
+    dev = torch.device("cuda")
+    p = SamplingParams(temperature=0.9, top_k=6, top_p=0.85, min_p=0.05)
+    logits = BASE.to(dev).expand(N, -1).contiguous()
+    res = Sampler(V, dev, seed=21).sample(logits, [SamplingState.create(p, [1], [EOS], dev) for _ in range(N)])
+    freq = torch.bincount(torch.tensor(res.token_ids), minlength=V).double() / N
+    assert_matches(freq, ref_probs(BASE, 0.9, top_k=6, top_p=0.85, min_p=0.05))

@@ -52,6 +52,7 @@ class SamplingState:
     """The request's own generator on the logits' device (seeded requests that sample), else None."""
     _row: tuple[float, ...] | None = field(default=None, init=False, repr=False)
     _penalty: tuple[_PenaltyTable, int, int] | None = field(default=None, init=False, repr=False)
+    _release: weakref.finalize | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def create(
@@ -94,8 +95,8 @@ class SampleResult:
 class _PenaltyTable:
     """On-device penalty bookkeeping of the states that use penalties, one slot (row) each:
     counts [S, V] int32 (times each token was generated) and prompt [S, V] bool (token in the prompt).
-    Slot 0 stays zero and serves the rows without penalties. A slot returns to the free list when its
-    state is garbage-collected."""
+    Slot 0 stays zero and serves the rows without penalties. A slot returns to the free list by
+    `Sampler.release(state)` or when its state is garbage-collected."""
 
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
@@ -113,8 +114,10 @@ class _PenaltyTable:
             prompt[:old] = self.prompt
             self.counts, self.prompt = counts, prompt
             self.free.extend(range(new - 1, old - 1, -1))
+        if state._release is not None:  # a slot in another sampler's table
+            state._release()
         slot = self.free.pop()
-        weakref.finalize(state, self.free.append, slot)
+        state._release = weakref.finalize(state, self.free.append, slot)
         return slot
 
 
@@ -158,6 +161,14 @@ class Sampler:
         else:
             ids = self._sample(logits, states, params, mask_idx, pen_rows)
         return _to_host(logits, ids, finite, params)
+
+    def release(self, state: SamplingState) -> None:
+        """Free `state`'s penalty bookkeeping now (a finished or aborted completion); without this
+        call it is freed when the state is garbage-collected."""
+        if state._release is not None:
+            state._release()
+            state._release = None
+        state._penalty = None
 
     def _sample(
         self,
@@ -238,11 +249,11 @@ class Sampler:
         for i in pen_rows:
             s = states[i]
             out = s.output_token_ids
-            if s._penalty is not None and s._penalty[0] is t and len(out) >= s._penalty[2]:
-                _, slot, counted = s._penalty
-                new = out[counted:]
-            else:
-                slot = s._penalty[1] if s._penalty is not None and s._penalty[0] is t else t.acquire(s)
+            mine = s._penalty if s._penalty is not None and s._penalty[0] is t else None
+            if mine is not None and len(out) >= mine[2]:
+                slot, new = mine[1], out[mine[2]:]
+            else:  # first step here, or the output shrank: clear the slot and count everything
+                slot = mine[1] if mine is not None else t.acquire(s)
                 zero_slots.append(slot)
                 _check_ids(s.prompt_token_ids, V, "prompt")
                 prompt_idx.extend(slot * V + tok for tok in s.prompt_token_ids)
