@@ -332,6 +332,21 @@ def test_min_tokens_masks_eos_and_stop_ids():
     assert sampler.sample(logits, [s]).token_ids == [EOS]  # ignore_eos: EOS isn't a stop id to hold back
 
 
+def test_non_contiguous_logits():
+    """A view of wider or transposed logits samples as its contiguous copy."""
+    W = 12
+    g = torch.Generator().manual_seed(8)
+    wide = torch.randn(3, W + 5, generator=g)
+    wide[:, EOS] = 50.0
+    params = [SamplingParams(temperature=0, min_tokens=2), SamplingParams(temperature=0, presence_penalty=1.0),
+              SamplingParams(seed=4, top_k=3)]
+    for view in (wide[:, :W], wide[:, :W].t().contiguous().t()):
+        assert not view.is_contiguous()
+        got = Sampler(W, CPU).sample(view, [state(p, out=[0]) for p in params]).token_ids
+        want = Sampler(W, CPU).sample(view.contiguous(), [state(p, out=[0]) for p in params]).token_ids
+        assert got == want and got[0] != EOS and got[1] == EOS
+
+
 def test_min_tokens_sampled_distribution_excludes_only_stop_ids():
     sampler = Sampler(V, CPU, seed=19)
     p = SamplingParams(min_tokens=1, stop_token_ids=[0])

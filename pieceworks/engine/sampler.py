@@ -187,7 +187,7 @@ class Sampler:
         temperature, top_p, min_p, presence, frequency, repetition = (prm[:, c] for c in (0, 2, 3, 4, 5, 6))
         x = logits
         if mask_idx:
-            x = x.clone()
+            x = x.clone(memory_format=torch.contiguous_format)  # flat indices are row-major
             x.view(-1).index_fill_(0, dev[1].long(), float("-inf"))
         if plan:
             row_slots, zero_slots, count_idx, prompt_idx = (t.long() for t in dev[2:6])
