@@ -215,17 +215,35 @@ def test_apply_penalties_is_the_formula_exactly():
         want = ref_penalties(logits[i], p, o, pres[i].item(), freq[i].item(), rep[i].item())
         assert torch.equal(got[i], want), i
     assert torch.equal(got[2], logits[2])  # neutral penalties: bit-identical
+    # a penalty no row uses may be left out: the same as passing its neutral value
+    neutral = {"presence": torch.zeros(B), "frequency": torch.zeros(B), "repetition": torch.ones(B)}
+    for left_out in neutral:
+        args = {"presence": pres, "frequency": freq, "repetition": rep}
+        full = apply_penalties(logits, prompt_mask, counts, **{**args, left_out: neutral[left_out]})
+        short = apply_penalties(logits, None if left_out == "repetition" else prompt_mask, counts,
+                                **{**args, left_out: None})
+        assert torch.equal(full, short), left_out
 
 
-def test_penalties_end_to_end_greedy_tracks_appended_tokens():
+PENALTY_MIXES = {
+    "presence+frequency / repetition": [dict(presence_penalty=0.8, frequency_penalty=0.3), dict(repetition_penalty=1.8)],
+    "presence / repetition": [dict(presence_penalty=0.8), dict(repetition_penalty=1.8)],
+    "frequency / presence": [dict(frequency_penalty=0.4), dict(presence_penalty=1.1)],
+    "repetition only": [dict(repetition_penalty=1.6), dict(repetition_penalty=1.8)],
+}
+
+
+@pytest.mark.parametrize("mix", list(PENALTY_MIXES))
+def test_penalties_end_to_end_greedy_tracks_appended_tokens(mix):
     """Greedy with penalties picks the argmax of the penalized logits, step after step, with the
     sampler adding only newly appended tokens to its device counts."""
     g = torch.Generator().manual_seed(3)
     W = 50
     logits = torch.randn(3, W, generator=g)
+    a, b = PENALTY_MIXES[mix]
     params = [
-        SamplingParams(temperature=0, presence_penalty=0.8, frequency_penalty=0.3),
-        SamplingParams(temperature=0, repetition_penalty=1.8),
+        SamplingParams(temperature=0, **a),
+        SamplingParams(temperature=0, **b),
         SamplingParams(temperature=0),  # no penalty: plain argmax every step
     ]
     prompts = [[4, 5], [int(logits[1].argmax()), 9], [1]]
@@ -240,7 +258,8 @@ def test_penalties_end_to_end_greedy_tracks_appended_tokens():
         for s, t in zip(states, res.token_ids):
             s.append(t)
     assert len(set(states[0].output_token_ids)) > 1  # the penalties did move the argmax
-    assert states[1].output_token_ids[0] != prompts[1][0]  # repetition counts the prompt
+    if params[1].repetition_penalty != 1:
+        assert states[1].output_token_ids[0] != prompts[1][0]  # repetition counts the prompt
     assert set(states[2].output_token_ids) == {int(logits[2].argmax())}
 
 

@@ -181,16 +181,15 @@ class Sampler:
         B, V = logits.shape
         rows = [x for s in states for x in self._row_params(s)]
         plan = self._penalty_plan(states, pen_rows) if pen_rows else None
-        sections = [rows, mask_idx] + (list(plan[:4]) if plan else [])
-        dev = self._upload(sections)
-        prm = dev[0].view(B, _NUM_ROW_PARAMS).float()  # float32 as vLLM's; top_k is exact (< 2**24)
+        prm64, (mask_t, *plan_t) = self._upload(rows, [mask_idx] + (list(plan[:4]) if plan else []))
+        prm = prm64.view(B, _NUM_ROW_PARAMS).float()  # float32 as vLLM's
         temperature, top_p, min_p, presence, frequency, repetition = (prm[:, c] for c in (0, 2, 3, 4, 5, 6))
         x = logits
         if mask_idx:
             x = x.clone(memory_format=torch.contiguous_format)  # flat indices are row-major
-            x.view(-1).index_fill_(0, dev[1].long(), float("-inf"))
+            x.view(-1).index_fill_(0, mask_t, float("-inf"))
         if plan:
-            row_slots, zero_slots, count_idx, prompt_idx = (t.long() for t in dev[2:6])
+            row_slots, zero_slots, count_idx, prompt_idx = plan_t
             t = self._table
             if zero_slots.numel():
                 t.counts.index_fill_(0, zero_slots, 0)
@@ -201,9 +200,13 @@ class Sampler:
                 t.counts.view(-1).scatter_add_(0, count_idx, torch.ones_like(count_idx, dtype=torch.int32))
             for i, slot in zip(pen_rows, plan[4]):
                 states[i]._penalty = (t, slot, len(states[i].output_token_ids))
+            pen = [params[i] for i in pen_rows]
+            use_rep = any(p.repetition_penalty != 1 for p in pen)
             x = apply_penalties(
-                x, t.prompt.index_select(0, row_slots), t.counts.index_select(0, row_slots),
-                presence, frequency, repetition,
+                x, t.prompt.index_select(0, row_slots) if use_rep else None, t.counts.index_select(0, row_slots),
+                presence if any(p.presence_penalty for p in pen) else None,
+                frequency if any(p.frequency_penalty for p in pen) else None,
+                repetition if use_rep else None,
             )
         greedy = [p.greedy for p in params]
         greedy_ids = x.argmax(dim=-1) if any(greedy) else None
@@ -216,9 +219,9 @@ class Sampler:
         k_max = max([p.top_k for p in sampled if 1 < p.top_k < V], default=0)
         use_p = any(p.top_p < 1 for p in sampled)
         if use_p:
-            x = apply_top_k_top_p(x, dev[0].view(B, _NUM_ROW_PARAMS)[:, 1].long() if k_max else None, top_p)
+            x = apply_top_k_top_p(x, prm64.view(B, _NUM_ROW_PARAMS)[:, 1].long() if k_max else None, top_p)
         elif k_max:
-            x = apply_top_k(x, dev[0].view(B, _NUM_ROW_PARAMS)[:, 1].long(), k_max)
+            x = apply_top_k(x, prm64.view(B, _NUM_ROW_PARAMS)[:, 1].long(), k_max)
         probs = x.softmax(dim=-1)
         ids = probs.div_(self._exponentials(probs, states, greedy)).argmax(dim=-1)
         if greedy_ids is not None:
@@ -264,16 +267,19 @@ class Sampler:
             slots.append(slot)
         return row_slots, zero_slots, count_idx, prompt_idx, slots
 
-    def _upload(self, sections: list[list[float]]) -> list[torch.Tensor]:
-        """The step's one host-to-device copy: `sections` packed as float64 (exact for ids < 2**53)."""
-        host = torch.tensor([v for sec in sections for v in sec], dtype=torch.float64)
+    def _upload(self, floats: list[float], ints: list[list[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The step's one host-to-device copy: `floats` as float64 [n] and each list of `ints` as an
+        int64 tensor, packed in one int64 buffer (the floats by their bits), so nothing needs a cast."""
+        n = len(floats)
+        host = torch.empty(n + sum(len(i) for i in ints), dtype=torch.int64)
+        host[:n] = torch.tensor(floats, dtype=torch.float64).view(torch.int64)
+        host[n:] = torch.tensor([v for sec in ints for v in sec], dtype=torch.int64)
         if self.device.type == "cuda":
-            n = host.numel()
             if self._pinned_done is not None and not self._pinned_done.query():
                 self._pinned_done.synchronize()  # only after a failed step: the last copy may still read it
-            if self._pinned is None or self._pinned.numel() < n:
-                self._pinned = torch.empty(max(n, 4096), dtype=torch.float64, pin_memory=True)
-            buf = self._pinned[:n]
+            if self._pinned is None or self._pinned.numel() < host.numel():
+                self._pinned = torch.empty(max(host.numel(), 4096), dtype=torch.int64, pin_memory=True)
+            buf = self._pinned[: host.numel()]
             buf.copy_(host)
             dev = buf.to(self.device, non_blocking=True)
             self._pinned_done = torch.cuda.Event()
@@ -282,7 +288,7 @@ class Sampler:
             dev = host
         else:
             dev = host.to(self.device)
-        return list(dev.split([len(sec) for sec in sections]))
+        return dev[:n].view(torch.float64), list(dev[n:].split([len(i) for i in ints]))
 
     def _exponentials(self, probs: torch.Tensor, states: list[SamplingState], greedy: list[bool]) -> torch.Tensor:
         """Exp(1) draws [B, V]: a seeded row's from its own generator (V numbers per step whatever the
@@ -316,24 +322,30 @@ def _min_tokens_mask(states: list[SamplingState], V: int) -> list[int]:
 
 def apply_penalties(
     logits: torch.Tensor,
-    prompt_mask: torch.Tensor,
+    prompt_mask: torch.Tensor | None,
     output_counts: torch.Tensor,
-    presence: torch.Tensor,
-    frequency: torch.Tensor,
-    repetition: torch.Tensor,
+    presence: torch.Tensor | None,
+    frequency: torch.Tensor | None,
+    repetition: torch.Tensor | None,
 ) -> torch.Tensor:
     """vLLM's penalties. logits [B, V] float32; prompt_mask [B, V] bool (token in the prompt);
-    output_counts [B, V] int (times generated); presence, frequency, repetition [B] float32.
+    output_counts [B, V] int (times generated); presence, frequency, repetition [B] float32. A penalty
+    no row uses may be None (and prompt_mask with repetition).
 
     A token seen in the prompt or output has its logit divided by the repetition penalty when positive
     and multiplied by it otherwise; then frequency * count and presence * (count > 0) are subtracted.
     Rows with neutral penalties (1, 0, 0) come back bit-identical.
     """
     generated = output_counts > 0
-    rep = torch.where(prompt_mask | generated, repetition.unsqueeze(1), 1.0)
-    logits = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = logits - frequency.unsqueeze(1) * output_counts
-    return logits - presence.unsqueeze(1) * generated
+    if repetition is not None:
+        assert prompt_mask is not None
+        rep = torch.where(prompt_mask | generated, repetition.unsqueeze(1), 1.0)
+        logits = torch.where(logits > 0, logits / rep, logits * rep)
+    if frequency is not None:
+        logits = logits - frequency.unsqueeze(1) * output_counts
+    if presence is not None:
+        logits = logits - presence.unsqueeze(1) * generated
+    return logits
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
