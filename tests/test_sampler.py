@@ -226,7 +226,8 @@ def test_apply_penalties_is_the_formula_exactly():
 
 
 PENALTY_MIXES = {
-    "presence+frequency / repetition": [dict(presence_penalty=0.8, frequency_penalty=0.3), dict(repetition_penalty=1.8)],
+    "presence+frequency / repetition": [dict(presence_penalty=0.8, frequency_penalty=0.3),
+                                         dict(repetition_penalty=1.8)],
     "presence / repetition": [dict(presence_penalty=0.8), dict(repetition_penalty=1.8)],
     "frequency / presence": [dict(frequency_penalty=0.4), dict(presence_penalty=1.1)],
     "repetition only": [dict(repetition_penalty=1.6), dict(repetition_penalty=1.8)],

@@ -11,8 +11,9 @@ sampler's generator.
 
 Host traffic per step: at most one host-to-device copy (the rows' parameters and the token ids the
 penalties and min_tokens need, packed in one pinned buffer) and exactly one device-to-host copy (the
-B token ids with the rows' finite flags and the requested logprobs, packed in one tensor). Nothing syncs
-per row and no [B, V] tensor leaves the device. CPU runs the same code.
+B token ids with the rows' finite flags and the requested logprobs, packed in one tensor). Nothing
+syncs per row and no [B, V] tensor leaves the device. CPU runs the same code. A seeded row costs one
+kernel of its own per step (its generator's draw); everything else is batched.
 
 Logprobs are those of the model's raw distribution, log_softmax of the logits before any penalty,
 temperature or truncation: what vLLM v1 reports by default (`logprobs_mode="raw_logprobs"`), and
