@@ -545,6 +545,8 @@ def test_bad_arguments():
         sampler.sample(torch.zeros(1, 10, dtype=torch.float16), [s])
     with pytest.raises(ValueError, match=r"\[B, 10\]"):
         sampler.sample(torch.zeros(1, 11), [s])
+    with pytest.raises(ValueError, match="logits on meta; this sampler works on cpu"):
+        sampler.sample(torch.zeros(1, 10, device="meta"), [s])
     with pytest.raises(ValueError, match="2 logits rows for 1 states"):
         sampler.sample(torch.zeros(2, 10), [s])
     assert sampler.sample(torch.zeros(0, 10), []).token_ids == []

@@ -148,6 +148,8 @@ class Sampler:
             raise ValueError(
                 f"Sampler.sample takes [B, {self.vocab_size}] float32 logits, got {tuple(logits.shape)} {logits.dtype}"
             )
+        if logits.device.type != self.device.type:
+            raise ValueError(f"Sampler.sample got logits on {logits.device}; this sampler works on {self.device}")
         if logits.shape[0] != len(states):
             raise ValueError(f"Sampler.sample got {logits.shape[0]} logits rows for {len(states)} states")
         if not states:
