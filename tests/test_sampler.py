@@ -16,11 +16,8 @@ import pytest
 import torch
 
 from pieceworks.engine.params import SamplingParams
-from pieceworks.engine.sampler import (
-    SamplingState,
-    Sampler,
-    apply_penalties,
-)
+from pieceworks.engine.processors import apply_penalties
+from pieceworks.engine.sampler import SamplingState, Sampler
 from pieceworks.errors import RequestError
 
 CPU = torch.device("cpu")
