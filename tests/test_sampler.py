@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pieceworks.engine.params import SamplingParams
-from pieceworks.engine.processors import apply_penalties
+from pieceworks.engine.processors import apply_min_p, apply_penalties, apply_top_k, apply_top_k_top_p
 from pieceworks.engine.sampler import SamplingState, Sampler
 from pieceworks.errors import RequestError
 
@@ -133,6 +133,28 @@ def test_min_p(min_p):
     p = SamplingParams(min_p=min_p, temperature=1.3)
     freq = frequencies(sampler, BASE, lambda: state(p))
     assert_matches(freq, ref_probs(BASE, 1.3, min_p=min_p))
+
+
+def test_truncations_keep_exactly_the_reference_set():
+    """On processed logits: per-row top_k, top_p and min_p keep exactly the reference's tokens
+    (the kept ones unchanged, the rest -inf), over 16 rows of a 1000-token vocabulary."""
+    g = torch.Generator().manual_seed(22)
+    B, W = 16, 1000
+    logits = torch.randn(B, W, generator=g) * 2
+    k = torch.tensor([1, 2, 5, 17, 100, 999, W, W] * 2)
+    p = torch.tensor([0.05, 0.3, 0.5, 0.77, 0.9, 0.99, 1.0, 0.6] * 2)
+    m = torch.tensor([0.0, 0.01, 0.1, 0.5, 0.9, 1.0, 0.2, 0.0] * 2)
+    for i in range(B):
+        ref_k = torch.isfinite(ref_probs(logits[i], top_k=int(k[i]) % W).log())
+        ref_p = ref_probs(logits[i], top_p=float(p[i])) > 0
+        ref_m = ref_probs(logits[i], min_p=float(m[i])) > 0
+        ref_kp = ref_probs(logits[i], top_k=int(k[i]) % W, top_p=float(p[i])) > 0
+        for got, ref in ((apply_top_k(logits, k, 999)[i], ref_k), (apply_top_k_top_p(logits, None, p)[i], ref_p),
+                         (apply_min_p(logits, m)[i], ref_m), (apply_top_k_top_p(logits, k, p)[i], ref_kp)):
+            kept = torch.isfinite(got)
+            assert torch.equal(kept, ref), (i, int(kept.sum()), int(ref.sum()))
+            assert torch.equal(got[kept], logits[i][kept])
+    assert int(torch.isfinite(apply_top_k(logits, k, 999)[2]).sum()) == 5
 
 
 def test_all_truncations_together_in_vllm_order():
