@@ -16,11 +16,8 @@ import pytest
 import torch
 
 from pieceworks.engine.params import SamplingParams
-from pieceworks.engine.sampler import (
-    SamplingState,
-    Sampler,
-    apply_penalties,
-)
+from pieceworks.engine.processors import apply_min_p, apply_penalties, apply_top_k, apply_top_k_top_p
+from pieceworks.engine.sampler import SamplingState, Sampler
 from pieceworks.errors import RequestError
 
 CPU = torch.device("cpu")
@@ -138,6 +135,28 @@ def test_min_p(min_p):
     assert_matches(freq, ref_probs(BASE, 1.3, min_p=min_p))
 
 
+def test_truncations_keep_exactly_the_reference_set():
+    """On processed logits: per-row top_k, top_p and min_p keep exactly the reference's tokens
+    (the kept ones unchanged, the rest -inf), over 16 rows of a 1000-token vocabulary."""
+    g = torch.Generator().manual_seed(22)
+    B, W = 16, 1000
+    logits = torch.randn(B, W, generator=g) * 2
+    k = torch.tensor([1, 2, 5, 17, 100, 999, W, W] * 2)
+    p = torch.tensor([0.05, 0.3, 0.5, 0.77, 0.9, 0.99, 1.0, 0.6] * 2)
+    m = torch.tensor([0.0, 0.01, 0.1, 0.5, 0.9, 1.0, 0.2, 0.0] * 2)
+    for i in range(B):
+        ref_k = torch.isfinite(ref_probs(logits[i], top_k=int(k[i]) % W).log())
+        ref_p = ref_probs(logits[i], top_p=float(p[i])) > 0
+        ref_m = ref_probs(logits[i], min_p=float(m[i])) > 0
+        ref_kp = ref_probs(logits[i], top_k=int(k[i]) % W, top_p=float(p[i])) > 0
+        for got, ref in ((apply_top_k(logits, k, 999)[i], ref_k), (apply_top_k_top_p(logits, None, p)[i], ref_p),
+                         (apply_min_p(logits, m)[i], ref_m), (apply_top_k_top_p(logits, k, p)[i], ref_kp)):
+            kept = torch.isfinite(got)
+            assert torch.equal(kept, ref), (i, int(kept.sum()), int(ref.sum()))
+            assert torch.equal(got[kept], logits[i][kept])
+    assert int(torch.isfinite(apply_top_k(logits, k, 999)[2]).sum()) == 5
+
+
 def test_all_truncations_together_in_vllm_order():
     sampler = Sampler(V, CPU, seed=15)
     p = SamplingParams(temperature=1.7, min_p=0.12, top_k=5, top_p=0.8)
@@ -155,6 +174,17 @@ def test_rows_with_different_params_in_one_batch():
     res = sampler.sample(logits, [state(a) if i % 2 == 0 else state(b) for i in range(2 * n)])
     ids = torch.tensor(res.token_ids)
     for half, ref in ((ids[0::2], ref_probs(BASE, 0.6, top_k=3)), (ids[1::2], ref_probs(BASE, 2.0, top_p=0.9))):
+        assert_matches(torch.bincount(half, minlength=V).double() / n, ref, n)
+
+
+def test_top_k_rows_next_to_rows_without_truncation():
+    """The top-k selection path (no top_p in the batch) leaves rows without top_k whole."""
+    sampler = Sampler(V, CPU, seed=20)
+    a, b = SamplingParams(top_k=3, temperature=0.7), SamplingParams(temperature=1.2)
+    n = N // 2
+    res = sampler.sample(BASE.expand(2 * n, -1).contiguous(), [state(a) if i % 2 else state(b) for i in range(2 * n)])
+    ids = torch.tensor(res.token_ids)
+    for half, ref in ((ids[1::2], ref_probs(BASE, 0.7, top_k=3)), (ids[0::2], ref_probs(BASE, 1.2))):
         assert_matches(torch.bincount(half, minlength=V).double() / n, ref, n)
 
 
@@ -204,17 +234,36 @@ def test_apply_penalties_is_the_formula_exactly():
         want = ref_penalties(logits[i], p, o, pres[i].item(), freq[i].item(), rep[i].item())
         assert torch.equal(got[i], want), i
     assert torch.equal(got[2], logits[2])  # neutral penalties: bit-identical
+    # a penalty no row uses may be left out: the same as passing its neutral value
+    neutral = {"presence": torch.zeros(B), "frequency": torch.zeros(B), "repetition": torch.ones(B)}
+    for left_out in neutral:
+        args = {"presence": pres, "frequency": freq, "repetition": rep}
+        full = apply_penalties(logits, prompt_mask, counts, **{**args, left_out: neutral[left_out]})
+        short = apply_penalties(logits, None if left_out == "repetition" else prompt_mask, counts,
+                                **{**args, left_out: None})
+        assert torch.equal(full, short), left_out
 
 
-def test_penalties_end_to_end_greedy_tracks_appended_tokens():
+PENALTY_MIXES = {
+    "presence+frequency / repetition": [dict(presence_penalty=0.8, frequency_penalty=0.3),
+                                         dict(repetition_penalty=1.8)],
+    "presence / repetition": [dict(presence_penalty=0.8), dict(repetition_penalty=1.8)],
+    "frequency / presence": [dict(frequency_penalty=0.4), dict(presence_penalty=1.1)],
+    "repetition only": [dict(repetition_penalty=1.6), dict(repetition_penalty=1.8)],
+}
+
+
+@pytest.mark.parametrize("mix", list(PENALTY_MIXES))
+def test_penalties_end_to_end_greedy_tracks_appended_tokens(mix):
     """Greedy with penalties picks the argmax of the penalized logits, step after step, with the
     sampler adding only newly appended tokens to its device counts."""
     g = torch.Generator().manual_seed(3)
     W = 50
     logits = torch.randn(3, W, generator=g)
+    a, b = PENALTY_MIXES[mix]
     params = [
-        SamplingParams(temperature=0, presence_penalty=0.8, frequency_penalty=0.3),
-        SamplingParams(temperature=0, repetition_penalty=1.8),
+        SamplingParams(temperature=0, **a),
+        SamplingParams(temperature=0, **b),
         SamplingParams(temperature=0),  # no penalty: plain argmax every step
     ]
     prompts = [[4, 5], [int(logits[1].argmax()), 9], [1]]
@@ -229,7 +278,8 @@ def test_penalties_end_to_end_greedy_tracks_appended_tokens():
         for s, t in zip(states, res.token_ids):
             s.append(t)
     assert len(set(states[0].output_token_ids)) > 1  # the penalties did move the argmax
-    assert states[1].output_token_ids[0] != prompts[1][0]  # repetition counts the prompt
+    if params[1].repetition_penalty != 1:
+        assert states[1].output_token_ids[0] != prompts[1][0]  # repetition counts the prompt
     assert set(states[2].output_token_ids) == {int(logits[2].argmax())}
 
 
@@ -268,6 +318,25 @@ def test_penalty_slots_return_when_states_die():
         assert sampler._table.counts[s._penalty[1]].tolist() == [0, 0, 0, 0, 1, 0, 0, 0, 0, 0]
 
 
+def test_release_frees_the_slot_now():
+    W = 10
+    sampler = Sampler(W, CPU)
+    s = state(SamplingParams(repetition_penalty=1.5), out=[1])
+    sampler.sample(torch.zeros(1, W), [s])
+    slot = s._penalty[1]
+    sampler.release(s)
+    assert slot in sampler._table.free and s._penalty is None
+    sampler.release(s)  # twice is harmless
+    assert sampler._table.free.count(slot) == 1
+    del s
+    gc.collect()
+    assert sampler._table.free.count(slot) == 1  # the finalizer doesn't free it a second time
+    other = state(SamplingParams(presence_penalty=1.0), out=[2, 2])
+    sampler.sample(torch.zeros(1, W), [other])
+    assert other._penalty[1] == slot
+    assert sampler._table.counts[slot].tolist() == [0, 0, 2, 0, 0, 0, 0, 0, 0, 0]
+
+
 def test_frequency_penalty_distribution():
     sampler = Sampler(V, CPU, seed=18)
     p = SamplingParams(frequency_penalty=0.7, presence_penalty=0.2, repetition_penalty=1.5, temperature=0.9)
@@ -300,6 +369,21 @@ def test_min_tokens_masks_eos_and_stop_ids():
             assert got == [5, 5, 5, EOS]
     s = state(SamplingParams(temperature=0, min_tokens=2, ignore_eos=True, stop_token_ids=[3]))
     assert sampler.sample(logits, [s]).token_ids == [EOS]  # ignore_eos: EOS isn't a stop id to hold back
+
+
+def test_non_contiguous_logits():
+    """A view of wider or transposed logits samples as its contiguous copy."""
+    W = 12
+    g = torch.Generator().manual_seed(8)
+    wide = torch.randn(3, W + 5, generator=g)
+    wide[:, EOS] = 50.0
+    params = [SamplingParams(temperature=0, min_tokens=2), SamplingParams(temperature=0, presence_penalty=1.0),
+              SamplingParams(seed=4, top_k=3)]
+    for view in (wide[:, :W], wide[:, :W].t().contiguous().t()):
+        assert not view.is_contiguous()
+        got = Sampler(W, CPU).sample(view, [state(p, out=[0]) for p in params]).token_ids
+        want = Sampler(W, CPU).sample(view.contiguous(), [state(p, out=[0]) for p in params]).token_ids
+        assert got == want and got[0] != EOS and got[1] == EOS
 
 
 def test_min_tokens_sampled_distribution_excludes_only_stop_ids():
@@ -404,10 +488,14 @@ def test_finite_flags():
     clean = logits.clone()
     logits[1, 3] = math.nan
     logits[2, 0] = math.inf
-    for params in (SamplingParams(temperature=0), SamplingParams(top_p=0.9, repetition_penalty=1.2, seed=3)):
+    for params in (SamplingParams(temperature=0), SamplingParams(top_p=0.9, repetition_penalty=1.2, seed=3),
+                   SamplingParams(logprobs=2, top_k=4)):
         sampler = Sampler(W, CPU)
         res = sampler.sample(logits, [state(params) for _ in range(4)])
         assert res.finite == [True, False, False, True]
+        assert res.token_ids[1] == res.token_ids[2] == -1  # never a token the model could be fed
+        if params.logprobs is not None:
+            assert res.logprobs[1] == res.logprobs[2] == {} and len(res.logprobs[0]) >= 2
         ref = Sampler(W, CPU).sample(clean[[0, 3]], [state(params) for _ in range(2)])
         if params.greedy or params.seed is not None:  # other rows are unaffected by the bad ones
             assert [res.token_ids[0], res.token_ids[3]] == ref.token_ids
@@ -476,6 +564,8 @@ def test_bad_arguments():
         sampler.sample(torch.zeros(1, 10, dtype=torch.float16), [s])
     with pytest.raises(ValueError, match=r"\[B, 10\]"):
         sampler.sample(torch.zeros(1, 11), [s])
+    with pytest.raises(ValueError, match="logits on meta; this sampler works on cpu"):
+        sampler.sample(torch.zeros(1, 10, device="meta"), [s])
     with pytest.raises(ValueError, match="2 logits rows for 1 states"):
         sampler.sample(torch.zeros(2, 10), [s])
     assert sampler.sample(torch.zeros(0, 10), []).token_ids == []
@@ -487,28 +577,33 @@ def test_bad_arguments():
 # ----- GPU ------------------------------------------------------------------------------------------
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 def test_gpu_one_sync_and_seed_determinism():
-    """On the GPU: the step syncs once (torch's sync debug mode counts it), and a seeded request's
-    tokens are the same alone and in a batch."""
+    """On the GPU (python -m pytest tests/test_sampler.py -m gpu): a steady-state step syncs once
+    (torch's sync debug mode counts it), and a seeded request's tokens are the same alone and at
+    another row of a batch with every other kind of row."""
     dev = torch.device("cuda")
-    W = 128_256
+    W, B, row = 128_256, 32, 5
     g = torch.Generator(device=dev).manual_seed(0)
-    logits = torch.randn(32, W, device=dev, generator=g) * 3
-    params = [SamplingParams(seed=5, top_p=0.9, temperature=0.8)] + [
-        SamplingParams(temperature=0), SamplingParams(top_k=50, logprobs=5),
-        SamplingParams(repetition_penalty=1.2, min_p=0.05, min_tokens=3), SamplingParams(seed=i),
-    ] * 7 + [SamplingParams(presence_penalty=0.3, frequency_penalty=0.3, top_p=0.7, top_k=100, logprobs=0)] * 3
-    states = [SamplingState.create(p, [1, 2, 3], [2], dev, 0) for p in params]
-    sampler = Sampler(W, dev)
-    alone = SamplingState.create(params[0], [1, 2, 3], [2], dev, 0)
-    solo = Sampler(W, dev, seed=9)
+    logits = torch.randn(B, W, device=dev, generator=g) * 3
+    kinds = [lambda i: SamplingParams(temperature=0), lambda i: SamplingParams(top_k=50, logprobs=5),
+             lambda i: SamplingParams(repetition_penalty=1.2, min_p=0.05, min_tokens=3),
+             lambda i: SamplingParams(seed=i), lambda i: SamplingParams(presence_penalty=0.3, frequency_penalty=0.3,
+                                                                          top_p=0.7, top_k=100, logprobs=0)]
+    params = [kinds[i % len(kinds)](i) for i in range(B)]
+    params[row] = SamplingParams(seed=5, top_p=0.9, temperature=0.8)
+    states = [SamplingState.create(p, [1, 2, 3], [2], dev) for p in params]
+    alone = SamplingState.create(params[row], [1, 2, 3], [2], dev)
+    sampler, solo = Sampler(W, dev), Sampler(W, dev, seed=9)
     for _ in range(4):
         res = sampler.sample(logits, states)
-        one = solo.sample(logits[:1], [alone])
-        assert res.token_ids[0] == one.token_ids[0]
-        assert res.token_ids[1] == int(logits[1].argmax())
+        one = solo.sample(logits[row:row + 1].clone(), [alone])
+        assert res.token_ids[row] == one.token_ids[0]
+        assert res.token_ids[0] == int(logits[0].argmax())
         for s, t in zip(states, res.token_ids):
             s.append(t)
         alone.append(one.token_ids[0])
@@ -525,3 +620,14 @@ def test_gpu_one_sync_and_seed_determinism():
         assert len(syncs) == 1, syncs
         for s, t in zip(states, res.token_ids):
             s.append(t)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_distribution():
+    dev = torch.device("cuda")
+    p = SamplingParams(temperature=0.9, top_k=6, top_p=0.85, min_p=0.05)
+    logits = BASE.to(dev).expand(N, -1).contiguous()
+    res = Sampler(V, dev, seed=21).sample(logits, [SamplingState.create(p, [1], [EOS], dev) for _ in range(N)])
+    freq = torch.bincount(torch.tensor(res.token_ids), minlength=V).double() / N
+    assert_matches(freq, ref_probs(BASE, 0.9, top_k=6, top_p=0.85, min_p=0.05))

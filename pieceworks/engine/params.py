@@ -29,12 +29,16 @@ def _scalar(value: Any) -> Any:
     return value
 
 
+def _shown(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
 def _int(name: str, value: Any, allowed: str) -> int:
     if type(value) is int:  # the common case, without the slower abstract-class checks
         return value
     value = _scalar(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise RequestError(f"SamplingParams.{name} must be an int ({allowed}), got {value!r} ({type(value).__name__})")
+        raise RequestError(f"SamplingParams.{name} must be an int ({allowed}), got {_shown(value)}")
     return int(value)
 
 
@@ -46,7 +50,7 @@ def _float(name: str, value: Any, allowed: str) -> float:
         return value
     value = _scalar(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise RequestError(f"SamplingParams.{name} must be a number ({allowed}), got {value!r} ({type(value).__name__})")
+        raise RequestError(f"SamplingParams.{name} must be a number ({allowed}), got {_shown(value)}")
     value = float(value)
     if not math.isfinite(value):
         raise RequestError(f"SamplingParams.{name} must be finite ({allowed}), got {value!r}")
@@ -119,7 +123,7 @@ class SamplingParams:
         put(self, "stop_token_ids", self._stop_ids(self.stop_token_ids))
         ignore_eos = _scalar(self.ignore_eos)
         if type(ignore_eos).__name__ not in ("bool", "bool_"):
-            raise RequestError(f"SamplingParams.ignore_eos must be a bool, got {ignore_eos!r} ({type(ignore_eos).__name__})")
+            raise RequestError(f"SamplingParams.ignore_eos must be a bool, got {_shown(ignore_eos)}")
         put(self, "ignore_eos", bool(ignore_eos))
         put(self, "min_tokens", _int("min_tokens", self.min_tokens, ">= 0"))
         _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")
@@ -144,7 +148,7 @@ class SamplingParams:
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, (list, tuple)):
-            raise RequestError(f"SamplingParams.stop must be a str, a list of str or None, got {stop!r} ({type(stop).__name__})")
+            raise RequestError(f"SamplingParams.stop must be a str, a list of str or None, got {_shown(stop)}")
         for s in stop:
             if not isinstance(s, str) or not s:
                 raise RequestError(f"SamplingParams.stop holds {s!r}: every stop string must be a non-empty str")
@@ -157,7 +161,7 @@ class SamplingParams:
         if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):  # numpy array or 1-dim tensor
             ids = ids.tolist()
         if not isinstance(ids, (list, tuple)):
-            raise RequestError(f"SamplingParams.stop_token_ids must be a list of ints >= 0 or None, got {ids!r} ({type(ids).__name__})")
+            raise RequestError(f"SamplingParams.stop_token_ids must be a list of ints >= 0 or None, got {_shown(ids)}")
         out = [_int("stop_token_ids", i, "a list of ints >= 0") for i in ids]
         for i in out:
             _check(i >= 0, "stop_token_ids", ids, "a list of ints >= 0")

@@ -11,8 +11,9 @@ sampler's generator.
 
 Host traffic per step: at most one host-to-device copy (the rows' parameters and the token ids the
 penalties and min_tokens need, packed in one pinned buffer) and exactly one device-to-host copy (the
-B token ids, the rows' finite flags and the requested logprobs, packed in one tensor). Nothing syncs
-per row and no [B, V] tensor leaves the device. CPU runs the same code.
+B token ids with the rows' finite flags and the requested logprobs, packed in one tensor). Nothing
+syncs per row and no [B, V] tensor leaves the device. CPU runs the same code. A seeded row costs one
+kernel of its own per step (its generator's draw); everything else is batched.
 
 Logprobs are those of the model's raw distribution, log_softmax of the logits before any penalty,
 temperature or truncation: what vLLM v1 reports by default (`logprobs_mode="raw_logprobs"`), and
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pieceworks.engine.params import SamplingParams
+from pieceworks.engine.processors import apply_min_p, apply_penalties, apply_top_k, apply_top_k_top_p
 from pieceworks.errors import RequestError
 
 _NUM_ROW_PARAMS = 8  # temperature, top_k, top_p, min_p, presence, frequency, repetition, greedy
@@ -52,6 +54,7 @@ class SamplingState:
     """The request's own generator on the logits' device (seeded requests that sample), else None."""
     _row: tuple[float, ...] | None = field(default=None, init=False, repr=False)
     _penalty: tuple[_PenaltyTable, int, int] | None = field(default=None, init=False, repr=False)
+    _release: weakref.finalize | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def create(
@@ -79,10 +82,11 @@ class SamplingState:
 class SampleResult:
     """One step's samples, on the host.
 
-    token_ids[i]: row i's token. finite[i]: whether row i's raw logits were all finite (when False,
-    the token is meaningless and the request should fail with NonFiniteLogits). logprobs[i]: None
-    unless row i asked for logprobs; else {token id: logprob} of the sampled token and the row's top
-    `logprobs` tokens (raw distribution, see the module docstring).
+    token_ids[i]: row i's token, or -1 when its raw logits were not all finite. finite[i]: whether
+    they were (when False the request should fail with NonFiniteLogits; a -1 that reached the model
+    would be refused as a bad token id). logprobs[i]: None unless row i asked for logprobs; else
+    {token id: logprob} of the sampled token and the row's top `logprobs` tokens (raw distribution,
+    see the module docstring), empty for a non-finite row.
     """
 
     token_ids: list[int]
@@ -93,8 +97,8 @@ class SampleResult:
 class _PenaltyTable:
     """On-device penalty bookkeeping of the states that use penalties, one slot (row) each:
     counts [S, V] int32 (times each token was generated) and prompt [S, V] bool (token in the prompt).
-    Slot 0 stays zero and serves the rows without penalties. A slot returns to the free list when its
-    state is garbage-collected."""
+    Slot 0 stays zero and serves the rows without penalties. A slot returns to the free list by
+    `Sampler.release(state)` or when its state is garbage-collected."""
 
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
@@ -112,8 +116,10 @@ class _PenaltyTable:
             prompt[:old] = self.prompt
             self.counts, self.prompt = counts, prompt
             self.free.extend(range(new - 1, old - 1, -1))
+        if state._release is not None:  # a slot in another sampler's table
+            state._release()
         slot = self.free.pop()
-        weakref.finalize(state, self.free.append, slot)
+        state._release = weakref.finalize(state, self.free.append, slot)
         return slot
 
 
@@ -143,6 +149,8 @@ class Sampler:
             raise ValueError(
                 f"Sampler.sample takes [B, {self.vocab_size}] float32 logits, got {tuple(logits.shape)} {logits.dtype}"
             )
+        if logits.device.type != self.device.type:
+            raise ValueError(f"Sampler.sample got logits on {logits.device}; this sampler works on {self.device}")
         if logits.shape[0] != len(states):
             raise ValueError(f"Sampler.sample got {logits.shape[0]} logits rows for {len(states)} states")
         if not states:
@@ -152,11 +160,19 @@ class Sampler:
         finite = torch.isfinite(logits).all(dim=-1)
         mask_idx = _min_tokens_mask(states, V)
         pen_rows = [i for i, p in enumerate(params) if p.uses_penalties]
-        if not mask_idx and not pen_rows and all(p.greedy for p in params):
+        if not mask_idx and not pen_rows and all([p.greedy for p in params]):
             ids = logits.argmax(dim=-1)  # plain greedy batch: nothing to upload, nothing to process
         else:
             ids = self._sample(logits, states, params, mask_idx, pen_rows)
         return _to_host(logits, ids, finite, params)
+
+    def release(self, state: SamplingState) -> None:
+        """Free `state`'s penalty bookkeeping now (a finished or aborted completion); without this
+        call it is freed when the state is garbage-collected."""
+        if state._release is not None:
+            state._release()
+            state._release = None
+        state._penalty = None
 
     def _sample(
         self,
@@ -169,18 +185,15 @@ class Sampler:
         B, V = logits.shape
         rows = [x for s in states for x in self._row_params(s)]
         plan = self._penalty_plan(states, pen_rows) if pen_rows else None
-        sections = [rows, mask_idx] + (list(plan[:4]) if plan else [])
-        dev = self._upload(sections)
-        prm = dev[0].view(B, _NUM_ROW_PARAMS)
-        temperature, top_p, min_p, presence, frequency, repetition = (
-            prm[:, c].float() for c in (0, 2, 3, 4, 5, 6)
-        )
+        prm64, (mask_t, *plan_t) = self._upload(rows, [mask_idx] + (list(plan[:4]) if plan else []))
+        prm = prm64.view(B, _NUM_ROW_PARAMS).float()  # float32 as vLLM's
+        temperature, top_p, min_p, presence, frequency, repetition = (prm[:, c] for c in (0, 2, 3, 4, 5, 6))
         x = logits
         if mask_idx:
-            x = x.clone()
-            x.view(-1).index_fill_(0, dev[1].long(), float("-inf"))
+            x = x.clone(memory_format=torch.contiguous_format)  # flat indices are row-major
+            x.view(-1).index_fill_(0, mask_t, float("-inf"))
         if plan:
-            row_slots, zero_slots, count_idx, prompt_idx = (t.long() for t in dev[2:6])
+            row_slots, zero_slots, count_idx, prompt_idx = plan_t
             t = self._table
             if zero_slots.numel():
                 t.counts.index_fill_(0, zero_slots, 0)
@@ -191,9 +204,13 @@ class Sampler:
                 t.counts.view(-1).scatter_add_(0, count_idx, torch.ones_like(count_idx, dtype=torch.int32))
             for i, slot in zip(pen_rows, plan[4]):
                 states[i]._penalty = (t, slot, len(states[i].output_token_ids))
+            pen = [params[i] for i in pen_rows]
+            use_rep = any(p.repetition_penalty != 1 for p in pen)
             x = apply_penalties(
-                x, t.prompt.index_select(0, row_slots), t.counts.index_select(0, row_slots),
-                presence, frequency, repetition,
+                x, t.prompt.index_select(0, row_slots) if use_rep else None, t.counts.index_select(0, row_slots),
+                presence if any(p.presence_penalty for p in pen) else None,
+                frequency if any(p.frequency_penalty for p in pen) else None,
+                repetition if use_rep else None,
             )
         greedy = [p.greedy for p in params]
         greedy_ids = x.argmax(dim=-1) if any(greedy) else None
@@ -203,10 +220,12 @@ class Sampler:
         x = x / temperature.unsqueeze(1)
         if any(p.min_p > 0 for p in sampled):
             x = apply_min_p(x, min_p)
-        use_k = any(1 < p.top_k < V for p in sampled)
+        k_max = max([p.top_k for p in sampled if 1 < p.top_k < V], default=0)
         use_p = any(p.top_p < 1 for p in sampled)
-        if use_k or use_p:
-            x = apply_top_k_top_p(x, prm[:, 1].long() if use_k else None, top_p if use_p else None)
+        if use_p:
+            x = apply_top_k_top_p(x, prm64.view(B, _NUM_ROW_PARAMS)[:, 1].long() if k_max else None, top_p)
+        elif k_max:
+            x = apply_top_k(x, prm64.view(B, _NUM_ROW_PARAMS)[:, 1].long(), k_max)
         probs = x.softmax(dim=-1)
         ids = probs.div_(self._exponentials(probs, states, greedy)).argmax(dim=-1)
         if greedy_ids is not None:
@@ -237,11 +256,11 @@ class Sampler:
         for i in pen_rows:
             s = states[i]
             out = s.output_token_ids
-            if s._penalty is not None and s._penalty[0] is t and len(out) >= s._penalty[2]:
-                _, slot, counted = s._penalty
-                new = out[counted:]
-            else:
-                slot = s._penalty[1] if s._penalty is not None and s._penalty[0] is t else t.acquire(s)
+            mine = s._penalty if s._penalty is not None and s._penalty[0] is t else None
+            if mine is not None and len(out) >= mine[2]:
+                slot, new = mine[1], out[mine[2]:]
+            else:  # first step here, or the output shrank: clear the slot and count everything
+                slot = mine[1] if mine is not None else t.acquire(s)
                 zero_slots.append(slot)
                 _check_ids(s.prompt_token_ids, V, "prompt")
                 prompt_idx.extend(slot * V + tok for tok in s.prompt_token_ids)
@@ -252,16 +271,19 @@ class Sampler:
             slots.append(slot)
         return row_slots, zero_slots, count_idx, prompt_idx, slots
 
-    def _upload(self, sections: list[list[float]]) -> list[torch.Tensor]:
-        """The step's one host-to-device copy: `sections` packed as float64 (exact for ids < 2**53)."""
-        host = torch.tensor([v for sec in sections for v in sec], dtype=torch.float64)
+    def _upload(self, floats: list[float], ints: list[list[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The step's one host-to-device copy: `floats` as float64 [n] and each list of `ints` as an
+        int64 tensor, packed in one int64 buffer (the floats by their bits), so nothing needs a cast."""
+        n = len(floats)
+        host = torch.empty(n + sum(len(i) for i in ints), dtype=torch.int64)
+        host[:n] = torch.tensor(floats, dtype=torch.float64).view(torch.int64)
+        host[n:] = torch.tensor([v for sec in ints for v in sec], dtype=torch.int64)
         if self.device.type == "cuda":
-            n = host.numel()
             if self._pinned_done is not None and not self._pinned_done.query():
                 self._pinned_done.synchronize()  # only after a failed step: the last copy may still read it
-            if self._pinned is None or self._pinned.numel() < n:
-                self._pinned = torch.empty(max(n, 4096), dtype=torch.float64, pin_memory=True)
-            buf = self._pinned[:n]
+            if self._pinned is None or self._pinned.numel() < host.numel():
+                self._pinned = torch.empty(max(host.numel(), 4096), dtype=torch.int64, pin_memory=True)
+            buf = self._pinned[: host.numel()]
             buf.copy_(host)
             dev = buf.to(self.device, non_blocking=True)
             self._pinned_done = torch.cuda.Event()
@@ -270,7 +292,7 @@ class Sampler:
             dev = host
         else:
             dev = host.to(self.device)
-        return list(dev.split([len(sec) for sec in sections]))
+        return dev[:n].view(torch.float64), list(dev[n:].split([len(i) for i in ints]))
 
     def _exponentials(self, probs: torch.Tensor, states: list[SamplingState], greedy: list[bool]) -> torch.Tensor:
         """Exp(1) draws [B, V]: a seeded row's from its own generator (V numbers per step whatever the
@@ -302,74 +324,33 @@ def _min_tokens_mask(states: list[SamplingState], V: int) -> list[int]:
     return idx
 
 
-def apply_penalties(
-    logits: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    output_counts: torch.Tensor,
-    presence: torch.Tensor,
-    frequency: torch.Tensor,
-    repetition: torch.Tensor,
-) -> torch.Tensor:
-    """vLLM's penalties. logits [B, V] float32; prompt_mask [B, V] bool (token in the prompt);
-    output_counts [B, V] int (times generated); presence, frequency, repetition [B] float32.
-
-    A token seen in the prompt or output has its logit divided by the repetition penalty when positive
-    and multiplied by it otherwise; then frequency * count and presence * (count > 0) are subtracted.
-    Rows with neutral penalties (1, 0, 0) come back bit-identical.
-    """
-    generated = output_counts > 0
-    rep = torch.where(prompt_mask | generated, repetition.unsqueeze(1), 1.0)
-    logits = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = logits - frequency.unsqueeze(1) * output_counts
-    return logits - presence.unsqueeze(1) * generated
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens whose probability is below min_p [B] times the row's top probability."""
-    probs = logits.softmax(dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
-    """Keep each row's k [B] (int64, 1..V; V = off) largest logits, then the smallest set of top
-    tokens whose renormalized probability reaches p [B] (float32, (0, 1]; 1 = off); the rest -inf.
-    Ties at the k-th value are all kept (as vLLM). One sort of [B, V]."""
-    x, order = logits.sort(dim=-1)  # ascending, as vLLM's: the kept tokens are a suffix
-    if k is not None:
-        kth = x.gather(1, (x.shape[1] - k).unsqueeze(1))
-        x = x.masked_fill(x < kth, float("-inf"))
-    if p is not None:
-        below = x.softmax(dim=-1).cumsum(dim=-1) <= (1 - p).unsqueeze(1)
-        below[:, -1] = False  # the top token always stays
-        x = x.masked_fill(below, float("-inf"))
-    return torch.empty_like(x).scatter_(1, order, x)
-
-
 def _to_host(
     logits: torch.Tensor, ids: torch.Tensor, finite: torch.Tensor, params: list[SamplingParams]
 ) -> SampleResult:
-    """Pack ids [B], finite [B] and the requested logprobs into one float64 [B, C] tensor (exact for
-    ids < 2**53 and float32 logprobs) and bring it over in the step's one device-to-host copy."""
+    """Bring ids [B] (-1 where `finite` [B] is False) and the requested logprobs over in the step's one
+    device-to-host copy: an int64 [B] tensor, or with logprobs one float64 [B, C] tensor (exact for
+    ids < 2**53 and float32 logprobs)."""
     asked = [p.logprobs for p in params]
-    cols = [ids.unsqueeze(1).double(), finite.unsqueeze(1).double()]
-    k = 0
-    if any(a is not None for a in asked):
-        k = min(max(a for a in asked if a is not None), logits.shape[1])
-        lp = logits.log_softmax(dim=-1)
-        cols.append(lp.gather(1, ids.unsqueeze(1)).double())
-        if k:
-            top_lp, top_ids = lp.topk(k, dim=-1)
-            cols += [top_ids.double(), top_lp.double()]
+    checked = torch.where(finite, ids, -1)  # the finite flag rides on the id's sign
+    if all([a is None for a in asked]):
+        token_ids = checked.tolist()  # the one device-to-host copy of the step
+        return SampleResult(token_ids, [t >= 0 for t in token_ids], asked)
+    cols = [checked.unsqueeze(1).double()]
+    k = min(max(a for a in asked if a is not None), logits.shape[1])
+    lp = logits.log_softmax(dim=-1)
+    cols.append(lp.gather(1, ids.unsqueeze(1)).double())
+    if k:
+        top_lp, top_ids = lp.topk(k, dim=-1)
+        cols += [top_ids.double(), top_lp.double()]
     host = torch.cat(cols, dim=1).tolist()  # the one device-to-host copy of the step
     token_ids = [int(r[0]) for r in host]
     logprobs: list[dict[int, float] | None] = []
     for r, tok, a in zip(host, token_ids, asked):
-        if a is None:
-            logprobs.append(None)
+        if a is None or tok < 0:
+            logprobs.append(None if a is None else {})
             continue
-        d = {tok: r[2]}
+        d = {tok: r[1]}
         for j in range(min(a, k)):
-            d.setdefault(int(r[3 + j]), r[3 + k + j])
+            d.setdefault(int(r[2 + j]), r[2 + k + j])
         logprobs.append(d)
-    return SampleResult(token_ids, [r[1] != 0 for r in host], logprobs)
+    return SampleResult(token_ids, [t >= 0 for t in token_ids], logprobs)
