@@ -1,19 +1,23 @@
 """pieceworks: a model executor for FP4 models with pluggable kernel backends and piecewise CUDA graphs.
 
 Public API: `Executor`, `Engine`, `AsyncEngine`, `SamplingParams`, `RequestOutput`, `load_config`,
-`hookimpl` (for plugins). `import pieceworks` stays light: kernel
-libraries (flashinfer, triton) and reference libraries (transformers) load only when a backend or
-test needs them.
+`Config`, `hookimpl` (for plugins), and the typed errors of
+`pieceworks.errors` (`ConfigError`, `CheckpointError`, `RequestError`, `BatchError`, `OutOfPages`,
+`NonFiniteLogits`). `import pieceworks` loads nothing but the errors: everything else is imported on
+first use, so the CLI handles Ctrl-C from its first instant, and kernel libraries (flashinfer,
+triton) and reference libraries (transformers) load only when a backend or test needs them.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pieceworks.backends.hookspecs import hookimpl
-from pieceworks.config import Config, ConfigError, load_config
+from pieceworks.errors import (BatchError, CheckpointError, ConfigError, NonFiniteLogits, OutOfPages,
+                               RequestError)
 
 if TYPE_CHECKING:
+    from pieceworks.backends.hookspecs import hookimpl
+    from pieceworks.config import Config, load_config
     from pieceworks.engine.async_engine import AsyncEngine
     from pieceworks.engine.engine import Engine
     from pieceworks.engine.params import SamplingParams
@@ -21,16 +25,25 @@ if TYPE_CHECKING:
     from pieceworks.executor.runner import Executor
 
 __version__ = "0.1.0"
-__all__ = ["Executor", "Engine", "AsyncEngine", "SamplingParams", "RequestOutput", "Config", "ConfigError", "load_config", "hookimpl", "__version__"]
+__all__ = ["Executor", "Engine", "AsyncEngine", "SamplingParams", "RequestOutput", "Config", "load_config",
+           "hookimpl", "ConfigError", "CheckpointError", "RequestError", "BatchError", "OutOfPages",
+           "NonFiniteLogits", "__version__"]
+
+_LAZY = {
+    "Executor": "pieceworks.executor.runner",
+    "Config": "pieceworks.config",
+    "load_config": "pieceworks.config",
+    "hookimpl": "pieceworks.backends.hookspecs",
+    "Engine": "pieceworks.engine.engine",
+    "AsyncEngine": "pieceworks.engine.async_engine",
+    "SamplingParams": "pieceworks.engine.params",
+    "RequestOutput": "pieceworks.engine.request",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Executor":
-        from pieceworks.executor.runner import Executor
+    if name in _LAZY:
+        import importlib
 
-        return Executor
-    if name in ("Engine", "AsyncEngine", "SamplingParams", "RequestOutput"):
-        import pieceworks.engine
-
-        return getattr(pieceworks.engine, name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'pieceworks' has no attribute {name!r}")

@@ -1,17 +1,41 @@
 """`pieceworks run | backends | quantize | eval-ppl`.
 
-Every subcommand takes an optional YAML config and `key.sub=value` overrides. User mistakes (bad
-config, a backend that can't serve, a bad checkpoint) print one clear message and exit 2; no traceback.
+Every subcommand takes an optional YAML config and `key.sub=value` overrides. A user mistake (bad
+config, checkpoint or request, a backend that can't serve, a missing file) prints one line on stderr,
+`pieceworks <command>: error: <what is wrong>`, and exits 2; a failure of a well-formed run (out of KV
+pages, non-finite logits) exits 1 the same way; `--debug` (anywhere on the line) shows the traceback
+instead. Ctrl-C at any moment, also while torch imports, exits 130 with "interrupted".
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
+import signal
 import sys
-from pathlib import Path
+import threading
 
-from pieceworks.config import Config, ConfigError, load_config
+# Nothing heavy is imported above this line (`import pieceworks` loads only the errors): the SIGINT
+# handler is in place before torch, omegaconf or any backend loads, so an early Ctrl-C is reported like
+# a late one.
+_interrupted = False
+
+
+def _on_sigint(signum: int, frame: object) -> None:
+    # Remembered as well as raised: a library's bare `except:` may swallow the KeyboardInterrupt (some
+    # import-time probes do), and main() still exits 130 then.
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+if threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGINT, _on_sigint)
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from pieceworks.errors import ConfigError  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m-fp4"
 DEFAULT_PROMPTS = [
@@ -19,6 +43,7 @@ DEFAULT_PROMPTS = [
     "Write a haiku about the sea.",
     "Explain in one sentence what a GPU is.",
 ]
+USER_ERROR, RUN_ERROR, INTERRUPTED = 2, 1, 130
 
 
 def _split_config_args(items: list[str]) -> tuple[str | None, list[str]]:
@@ -33,49 +58,64 @@ def _split_config_args(items: list[str]) -> tuple[str | None, list[str]]:
     return config, overrides
 
 
-def _config(args: argparse.Namespace, default_model: bool) -> Config:
+def _config(args: argparse.Namespace, default_model: bool) -> Any:
     """The config from the command line; with `default_model`, the demo model when none is named."""
+    from pieceworks.config import load_config
+
     config, overrides = _split_config_args(args.config)
-    if default_model and not _has_model(config, overrides):
-        overrides = [f"model.path={DEFAULT_MODEL}", *overrides]
-    return load_config(config, overrides)
-
-
-def _has_model(config: str | None, overrides: list[str]) -> bool:
-    if any(o.startswith(("model.path=", "model.arch=")) for o in overrides):
-        return True
-    if config is None:
-        return False
-    from omegaconf import OmegaConf
-
-    raw = OmegaConf.load(config) if Path(config).is_file() else {}
-    model = raw.get("model", {}) if hasattr(raw, "get") else {}
-    return bool(model and (model.get("path") or model.get("arch")))
+    cfg = load_config(config, overrides, require_model=not default_model)
+    if default_model and cfg.model.path is None and cfg.model.arch is None:
+        cfg = load_config(config, [f"model.path={DEFAULT_MODEL}", *overrides])
+    return cfg
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
-    from pieceworks.report import print_backends
+    from pieceworks.config import load_config
 
     config, overrides = _split_config_args(args.config)
-    return print_backends(load_config(config, overrides, require_model=False))
+    cfg = load_config(config, overrides, require_model=False)
+    from pieceworks.report import print_backends  # torch: after the config is known to be good
+
+    return print_backends(cfg)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from pieceworks.report import run_main_job
+    cfg = _config(args, default_model=True)
+    from pieceworks.report import run_main_job  # torch: after the config is known to be good
 
-    return run_main_job(_config(args, default_model=True))
+    return run_main_job(cfg)
 
 
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
-    from pieceworks.report import eval_perplexity
+    text = Path(args.text)
+    if text.is_dir():
+        raise FileNotFoundError(f"--text {text}: is a directory; give a UTF-8 text file")
+    if not text.is_file():
+        raise FileNotFoundError(f"--text {text}: no such file")
+    try:
+        text.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--text {text}: not UTF-8 text (byte {e.start}: {e.reason}); convert it to UTF-8") from None
+    cfg = _config(args, default_model=True)
+    from pieceworks.report import eval_perplexity  # torch: after the inputs are known to be good
 
-    return eval_perplexity(_config(args, default_model=True), Path(args.text), args.window)
+    return eval_perplexity(cfg, text, args.window)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors as one line (argparse prints the usage block first)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(USER_ERROR)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pieceworks", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="pieceworks", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error (accepted anywhere on the line)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     cfg_help = "optional YAML config, then key.sub=value overrides"
 
     p = sub.add_parser("run", help="load a model, generate for sample prompts, print speed and backends")
@@ -101,22 +141,62 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    from pieceworks.backends.registry import SelectionError
-    from pieceworks.util import setup_logging
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean the input or the environment is wrong, not pieceworks: one line, exit 2."""
+    return (ValueError, OSError)
 
-    args = build_parser().parse_args(argv)
-    setup_logging(logging.DEBUG if args.verbose else logging.INFO)
+
+def _run_errors() -> tuple[type[BaseException], ...]:
+    """A well-formed run that can't finish (capacity, numerics, a missing optional package): exit 1."""
+    from pieceworks.errors import NonFiniteLogits, OutOfPages
+
+    errors: list[type[BaseException]] = [OutOfPages, NonFiniteLogits, ImportError, MemoryError]
+    if "torch" in sys.modules:
+        errors.append(sys.modules["torch"].OutOfMemoryError)
+    if "pieceworks.models.smollm2" in sys.modules:
+        errors.append(sys.modules["pieceworks.models.smollm2"].SmolLM2NotInstalled)
+    return tuple(errors)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return text or type(exc).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    global _interrupted
+    _interrupted = False
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    command = "pieceworks"
     try:
-        return args.func(args) or 0
-    except (ConfigError, SelectionError, ValueError, FileNotFoundError) as exc:
-        if args.verbose:
-            raise
-        print(f"pieceworks {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        from pieceworks.util import setup_logging
+
+        args = build_parser().parse_args(argv)
+        command = f"pieceworks {args.command}"
+        setup_logging(logging.DEBUG if args.verbose else logging.INFO)
+        code = args.func(args) or 0
     except KeyboardInterrupt:
+        if debug:
+            raise
         print("interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
+    except Exception as exc:
+        if debug:
+            raise
+        if isinstance(exc, _run_errors()):
+            code = RUN_ERROR
+        elif isinstance(exc, _user_errors()):
+            code = USER_ERROR
+        else:  # a bug in pieceworks or a plugin, not a user error: keep the traceback
+            raise
+        print(f"{command}: error: {_one_line(exc)}", file=sys.stderr)
+        return code
+    if _interrupted:  # the KeyboardInterrupt was swallowed on the way (see _on_sigint)
+        print("interrupted", file=sys.stderr)
+        return INTERRUPTED
+    return code
 
 
 if __name__ == "__main__":

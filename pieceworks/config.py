@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
@@ -68,6 +69,10 @@ class ModelConfig:
     """Hugging Face config keys overriding the preset, e.g. {num_hidden_layers: 4}."""
     max_context: Optional[int] = None
     """Longest sequence (prompt + generated) accepted; default: the model's max_position_embeddings."""
+    allow_extra_tensors: bool = False
+    """Load a checkpoint that holds tensors the model does not read (ignoring them). Off: such tensors
+    (a bias config.json says is absent, layers beyond num_hidden_layers, an lm_head of a tied model)
+    mean the checkpoint does not match its config.json, and loading fails naming them."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,8 @@ class KVCacheConfig:
 
 @dataclass(frozen=True)
 class BackendsConfig:
-    """Per-op backend selection: `auto`, a backend name, or {extend: <name>, decode: <name>}."""
+    """Per-op backend selection: `auto`, a backend name, or {extend: <name>, decode: <name>}; a mode
+    left out of the mapping is `auto` (`{extend: torch}` pins extend and lets decode choose)."""
 
     attention: Any = "auto"
     mla: Any = "auto"
@@ -107,7 +113,7 @@ class BackendsConfig:
     def choice(self, op: str, mode: str) -> str:
         """The configured name for `op` in forward mode `mode` ('extend' or 'decode')."""
         sel = getattr(self, op)
-        return sel[mode] if isinstance(sel, dict) else sel
+        return sel.get(mode, "auto") if isinstance(sel, dict) else sel
 
 
 @dataclass(frozen=True)
@@ -263,7 +269,7 @@ def _validate(cfg: Config, require_model: bool = True) -> None:
                 continue
         raise ConfigError(
             f"backends.{op}: {sel!r} is not allowed; use auto, a backend name, or "
-            "{extend: <name>, decode: <name>}"
+            "{extend: <name>, decode: <name>} (a mode left out is auto)"
         )
     for name, opts in cfg.backends.options.items():
         if not isinstance(opts, dict):
@@ -282,8 +288,8 @@ def _validate(cfg: Config, require_model: bool = True) -> None:
     _one_of("runtime.dtype", cfg.runtime.dtype, ("auto", "bfloat16", "float16", "float32"))
     g = cfg.generation
     _positive("generation.max_new_tokens", g.max_new_tokens)
-    if g.temperature < 0:
-        raise ConfigError(f"generation.temperature: {g.temperature!r} must be >= 0")
+    if not (math.isfinite(g.temperature) and g.temperature >= 0):
+        raise ConfigError(f"generation.temperature: {g.temperature!r} must be a finite number >= 0")
     if not 0.0 < g.top_p <= 1.0:
         raise ConfigError(f"generation.top_p: {g.top_p!r} must be in (0, 1]")
 
@@ -312,6 +318,38 @@ def _allowed_keys(dotted: str) -> list[str]:
         node = match.default_factory() if callable(match.default_factory) else match.default
         node = type(node)
     return [f.name for f in fields(node)] if is_dataclass(node) else []
+
+
+def _read_yaml(path: Path) -> DictConfig:
+    """A YAML config file as OmegaConf nodes; every problem with the file is a ConfigError naming it
+    (and the line, for YAML syntax: tabs, duplicate keys, unclosed brackets)."""
+    import io
+
+    import yaml
+
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a directory; give a YAML file")
+    if not path.exists():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(path)!r} can't be read: {e.strerror}") from None
+    try:
+        layer = OmegaConf.load(io.StringIO(text))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}: not valid YAML: {problem}") from None
+    top = yaml.compose(text)  # OmegaConf reads a bare scalar `x` as {x: None}
+    if not isinstance(layer, DictConfig) or not (top is None or isinstance(top, yaml.MappingNode)):
+        kind = "a list" if isinstance(top, yaml.SequenceNode) else "a single value"
+        raise ConfigError(f"{path}: the top level is {kind}; it must be a mapping of sections "
+                          f"(model:, kv_cache:, ...)")
+    return layer
 
 
 def _to_plain(obj: Any) -> Any:
@@ -346,12 +384,8 @@ def load_config(
             layer = OmegaConf.create(source)
         elif source is not None:
             path = Path(source)
-            if not path.is_file():
-                raise ConfigError(f"config file {str(path)!r} does not exist")
             label = str(path)
-            layer = OmegaConf.load(path)
-            if not isinstance(layer, DictConfig):
-                raise ConfigError(f"{label}: the top level must be a mapping of sections")
+            layer = _read_yaml(path)
         else:
             layer = OmegaConf.create({})
         merged = OmegaConf.merge(schema, layer)

@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from pieceworks.backends.base import BackendSpec, ModelFacts
-from pieceworks.backends.registry import KernelTable, SelectionError, load_registry
+from pieceworks.backends.registry import KernelTable, load_registry
 from pieceworks.config import Config, Switch
 from pieceworks.core.batch import TABLE_MODES
 
@@ -59,11 +59,8 @@ def print_backends(cfg: Config) -> int:
                   _fmt_modes(cls.graph_modes), "/".join(cls.numerics) or "-",
                   "[green]yes[/green]" if not reasons else "[red]no[/red]: " + escape("; ".join(reasons)))
     console.print(t)
-    try:
-        table = registry.resolve(cfg.backends, spec, ops or ("attention", "mla", "fp4_gemm", "moe"))
-    except SelectionError as exc:
-        console.print(f"[red]kernel table can't be built[/red]: {escape(str(exc))}")
-        return 2
+    # A SelectionError propagates: the CLI prints it on stderr as one line and exits 2.
+    table = registry.resolve(cfg.backends, spec, ops or ("attention", "mla", "fp4_gemm", "moe"))
     print_kernel_table(table)
     print_graph_config(cfg, device)
     return 0
@@ -130,14 +127,16 @@ def run_main_job(cfg: Config) -> int:
     t0 = time.perf_counter()
     ex = Executor.from_config(cfg)
     build_s = time.perf_counter() - t0
-    tok = ex.tokenizer if ex.model_dir is not None else None
+    tok = _tokenizer_for(ex, cfg)
     if tok is not None:
         texts = list(cfg.generation.prompts) or DEFAULT_PROMPTS
         prompts = [encode_prompt(tok, p, cfg.generation.chat_template) for p in texts]
         stop = _stop_ids(tok)
     else:  # random weights have no tokenizer: random prompts, token ids out
         gen = torch.Generator().manual_seed(cfg.runtime.seed)
-        prompts = [torch.randint(0, ex.vocab_size, (n,), generator=gen).tolist() for n in (16, 64, 256)]
+        room = ex.max_context - cfg.generation.max_new_tokens  # prompts that fit a small model's context
+        lengths = sorted({max(1, min(n, room)) for n in (16, 64, 256)})
+        prompts = [torch.randint(0, ex.vocab_size, (n,), generator=gen).tolist() for n in lengths]
         texts = [f"{len(p)} random token ids" for p in prompts]
         stop = []
     stats = StepStats()
@@ -157,6 +156,23 @@ def run_main_job(cfg: Config) -> int:
     print_kernel_table_compact(ex.table)
     print_graph_config(cfg, ex.device, ex)
     return 0
+
+
+def _tokenizer_for(ex: Any, cfg: Config) -> Any:
+    """The model's tokenizer, or None when it has none (random weights, a directory without tokenizer
+    files) and no prompts are given: `run` then generates from random token ids.
+
+    Raises:
+        ConfigError: generation.prompts are given for a model without a tokenizer.
+    """
+    from pieceworks.errors import CheckpointError, ConfigError
+
+    try:
+        return ex.tokenizer
+    except CheckpointError as e:
+        if cfg.generation.prompts:
+            raise ConfigError(f"generation.prompts: given, but {e}") from None
+        return None
 
 
 def print_kernel_table_compact(table: KernelTable) -> None:
@@ -200,10 +216,9 @@ def eval_perplexity(cfg: Config, text_path: Path, window: int) -> int:
     from pieceworks.executor.runner import Executor
     from pieceworks.models.ppl import windows, perplexity_from_logits
 
-    if not text_path.is_file():
-        raise FileNotFoundError(f"--text {text_path}: no such file")
+    text = text_path.read_text(encoding="utf-8")  # the CLI has checked the file
     ex = Executor.from_config(cfg)
-    ids = ex.tokenizer.encode(text_path.read_text(encoding="utf-8"), add_special_tokens=False)
+    ids = ex.tokenizer.encode(text, add_special_tokens=False)
     chunks = windows(ids, window)
     t0 = time.perf_counter()
     logits = ex.score(chunks)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pieceworks.errors import CheckpointError
 from pieceworks.models.checkpoint import CheckpointReader
 from pieceworks.quant.modelopt import detect_quantization, read_fp4_linear
 from pieceworks.quant.quantizer import quantize_checkpoint
@@ -254,3 +255,187 @@ def test_quantizer_refuses_bad_inputs(tiny_llama_modelopt, ckpt, tmp_path, monke
     with pytest.raises(ValueError, match=r"needs transformers: pip install 'pieceworks\[demo\]'"):
         quantize_checkpoint(bf16, tmp_path / "b", calib_text=tmp_path / "t.txt", progress=False)
     assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
+
+
+# --- whole-model loads: config.json fields, unexpected and non-finite tensors ----------------------
+# Each case breaks a private copy of the tiny bf16 (or NVFP4) Llama in one way; loading must fail with a
+# CheckpointError that names the file, the field or the tensor. Nothing half-loaded is returned: the
+# loader raises before returning a model.
+
+
+def _load(d, allow_extra=False):
+    from pieceworks.config import ModelConfig, QuantizationConfig
+    from pieceworks.models.loader import load_model
+
+    return load_model(ModelConfig(path=str(d), allow_extra_tensors=allow_extra), QuantizationConfig(), "cpu",
+                      torch.float32, progress=False)
+
+
+@pytest.fixture
+def bf16(tiny_llama_modelopt, tmp_path):
+    """A private copy of the tiny bf16 Llama (2 layers, hidden 64, vocab 256), free to break."""
+    d = tmp_path / "bf16"
+    shutil.copytree(tiny_llama_modelopt.bf16_dir, d)
+    return d
+
+
+def _drop(key):
+    return lambda c: c.pop(key)
+
+
+def _set(**kv):
+    return lambda c: c.update(kv)
+
+
+CONFIG_CASES = {
+    "no vocab_size": (_drop("vocab_size"), "vocab_size: missing; a llama config.json needs it"),
+    "no hidden_size": (_drop("hidden_size"), "hidden_size: missing"),
+    "no num_hidden_layers": (_drop("num_hidden_layers"), "num_hidden_layers: missing"),
+    "hidden_size as a string": (_set(hidden_size="64"), "hidden_size: '64' (str) must be an integer"),
+    "num_hidden_layers 2.5": (_set(num_hidden_layers=2.5), "num_hidden_layers: 2.5 (float) must be an integer"),
+    "max_position_embeddings -5": (_set(max_position_embeddings=-5), "max_position_embeddings: -5 must be >= 1"),
+    "max_position_embeddings 0": (_set(max_position_embeddings=0), "max_position_embeddings: 0 must be >= 1"),
+    "rope_theta abc": (_set(rope_parameters={"rope_theta": "abc", "rope_type": "default"}),
+                       "rope_parameters.rope_theta: 'abc' must be a finite number > 0"),
+    "top-level rope_theta abc": (_set(rope_theta="abc"), "rope_theta: 'abc' (str) must be a number"),
+    "rms_norm_eps -1": (_set(rms_norm_eps=-1), "rms_norm_eps: -1 must be a finite number > 0"),
+    "3 heads": (_set(num_attention_heads=3, head_dim=None), "num_attention_heads: 3 does not divide hidden_size=64"),
+    "vocab_size -1": (_set(vocab_size=-1), "vocab_size: -1 must be >= 1"),
+    "tie_word_embeddings as a string": (_set(tie_word_embeddings="yes"), "tie_word_embeddings: 'yes' (str) must be true"),
+    "architectures as a string": (_set(architectures="LlamaForCausalLM"), "must be a list of class names"),
+    "unknown architecture": (_set(architectures=["GPT2LMHeadModel"]), "is not supported; pieceworks supports"),
+}
+
+
+@pytest.mark.parametrize("name", CONFIG_CASES)
+def test_bad_config_json_fields(bf16, name):
+    edit, needle = CONFIG_CASES[name]
+    _edit_json(bf16 / "config.json", edit)
+    with pytest.raises(CheckpointError) as e:
+        _load(bf16)
+    assert needle in str(e.value) and str(bf16 / "config.json") in str(e.value), str(e.value)
+
+
+def test_unreadable_config_json(bf16):
+    (bf16 / "config.json").write_bytes(b'{"vocab_size": "caf\xe9"}')
+    with pytest.raises(CheckpointError, match=r"config.json: not UTF-8 text \(byte 19"):
+        _load(bf16)
+    (bf16 / "config.json").unlink()
+    (bf16 / "config.json").mkdir()
+    with pytest.raises(CheckpointError, match=r"config.json: is a directory"):
+        _load(bf16)
+
+
+def test_a_directory_where_the_weights_file_should_be(bf16):
+    (bf16 / "model.safetensors").unlink()
+    (bf16 / "model.safetensors").mkdir()
+    with pytest.raises(CheckpointError, match=r"model.safetensors: not a readable safetensors file"):
+        _load(bf16)
+
+
+def _poison(name, fn):
+    def edit(t):
+        t[name] = fn(t[name].clone())
+    return edit
+
+
+def _at(index, value):
+    def fn(x):
+        x.view(-1)[index] = value
+        return x
+    return fn
+
+
+TENSOR_CASES = {
+    "one inf weight": (_poison("model.layers.0.self_attn.q_proj.weight", _at(5, float("inf"))),
+                       "model.layers.0.self_attn.q_proj.weight: 1 inf of 4096 values"),
+    "a -inf embedding": (_poison("model.embed_tokens.weight", _at(70, float("-inf"))),
+                         "model.embed_tokens.weight: 1 inf of 16384 values"),
+    "a NaN norm": (_poison("model.norm.weight", _at(0, float("nan"))), "model.norm.weight: 1 NaN of 64 values"),
+    "weights of 3e38": (_poison("model.layers.1.mlp.down_proj.weight", lambda x: x.float().fill_(3e38)),
+                        "model.layers.1.mlp.down_proj.weight: 10240 beyond"),
+    "an int weight": (_poison("model.norm.weight", lambda x: x.to(torch.int32)), "model.norm.weight: stored as torch.int32"),
+    "a missing tensor": (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
+                         "model.layers.1.mlp.up_proj.weight: missing from the checkpoint"),
+    "a misshapen tensor": (_poison("model.norm.weight", lambda x: x[:32].clone()),
+                           "model.norm.weight: shape mismatch: expected [64] from config.json, got [32]"),
+}
+
+
+@pytest.mark.parametrize("name", TENSOR_CASES)
+def test_bad_tensors_are_named(bf16, name):
+    edit, needle = TENSOR_CASES[name]
+    _edit_tensors(bf16, edit)
+    with pytest.raises(CheckpointError) as e:
+        _load(bf16)
+    assert needle in str(e.value), str(e.value)
+
+
+def _extra_layer(t):
+    for n in [n for n in t if n.startswith("model.layers.1.")]:
+        t[n.replace("model.layers.1.", "model.layers.2.")] = t[n].clone()
+
+
+EXTRA_CASES = {
+    "a bias config.json says is absent": (lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}),
+                                          None, "model.layers.0.self_attn.q_proj.bias"),
+    "an extra layer": (_extra_layer, None, "(layers 2..2: config.json says num_hidden_layers=2)"),
+    "foo.bar": (lambda t: t.update({"foo.bar": torch.zeros(3)}), None, "1 tensor(s) the model does not use: foo.bar"),
+    "num_hidden_layers 1 on 2 layers": (None, _set(num_hidden_layers=1),
+                                        "(layers 1..1: config.json says num_hidden_layers=1)"),
+    "a tied model with an lm_head": (None, _set(tie_word_embeddings=True),
+                                     "tie_word_embeddings=true (the head reuses the embedding) but the checkpoint "
+                                     "holds its own lm_head.weight"),
+}
+
+
+@pytest.mark.parametrize("name", EXTRA_CASES)
+def test_unexpected_tensors_are_an_error_unless_allowed(bf16, name):
+    tensors, config, needle = EXTRA_CASES[name]
+    if tensors:
+        _edit_tensors(bf16, tensors)
+    if config:
+        _edit_json(bf16 / "config.json", config)
+    with pytest.raises(CheckpointError) as e:
+        _load(bf16)
+    assert needle in str(e.value) and "model.allow_extra_tensors=true" in str(e.value), str(e.value)
+    model = _load(bf16, allow_extra=True)  # the explicit switch loads it, ignoring the extra tensors
+    assert torch.isfinite(model.embed_tokens.weight).all()
+
+
+def test_deepseek_mtp_layers_are_expected(tiny_deepseek_modelopt, tmp_path):
+    """DeepSeek-V3's multi-token-prediction layers (num_nextn_predict_layers after the last layer) are
+    not run and not an error; one layer further is."""
+    d = tmp_path / "ds"
+    shutil.copytree(tiny_deepseek_modelopt.bf16_dir, d)
+    n = json.loads((d / "config.json").read_text())["num_hidden_layers"]
+
+    def mtp(t, index):
+        t[f"model.layers.{index}.enorm.weight"] = torch.ones(64, dtype=torch.bfloat16)
+
+    _edit_tensors(d, lambda t: mtp(t, n))
+    _edit_json(d / "config.json", _set(num_nextn_predict_layers=1))
+    assert len(_load(d).layers) == n
+    _edit_tensors(d, lambda t: mtp(t, n + 1))
+    with pytest.raises(CheckpointError, match=rf"model.layers.{n + 1}.enorm.weight"):
+        _load(d)
+
+
+def _scale(fn):
+    return _poison(f"{Q}.weight_scale", lambda s: fn(s.float()).to(torch.float8_e4m3fn))
+
+
+@pytest.mark.parametrize("name, edit, needle", [
+    ("a NaN e4m3 block scale", _scale(lambda s: s.view(-1).index_fill_(0, torch.tensor([3]), float("nan")).view(s.shape)),
+     f"{Q}.weight_scale: 1 of 256 NVFP4 block scales are negative or NaN (e.g. nan)"),
+    ("negative FP4 scales", _scale(lambda s: -s - 1), f"{Q}.weight_scale: 256 of 256 NVFP4 block scales are negative"),
+])
+def test_bad_nvfp4_scales_are_named(ckpt, name, edit, needle):
+    _edit_tensors(ckpt, edit)
+    with pytest.raises(CheckpointError) as e:
+        _load(ckpt)
+    assert needle in str(e.value), str(e.value)
+
+
+def test_the_intact_copies_load(bf16, ckpt):
+    assert len(_load(bf16).layers) == 2 and len(_load(ckpt).layers) == 2

@@ -27,6 +27,7 @@ from pieceworks.backends import hookspecs
 from pieceworks.backends.base import OPS, Backend, BackendSpec, parse_options
 from pieceworks.core.batch import TABLE_MODES, ForwardMode, GraphMode
 from pieceworks.core.context import StepKernels
+from pieceworks.errors import ConfigError
 
 log = logging.getLogger("pieceworks.registry")
 
@@ -188,6 +189,7 @@ class Registry:
                 backends that could), or no backend can serve a required op.
         """
         ops = [op for op in OPS if op in set(ops)]
+        _check_names(backends_cfg, self.backends())
         _check_options(backends_cfg, self.backends())
         entries: dict = {}
         decisions: list[Decision] = []
@@ -291,16 +293,28 @@ def _known_options(name: str, all_backends: list[type[Backend]]) -> set[str]:
     return known
 
 
+def _check_names(backends_cfg: Any, all_backends: list[type[Backend]]) -> None:
+    """Every backend named in `backends.<op>` must be registered for that op, also for ops this model
+    does not call (`backends.mla=nosuch` on a Llama is a typo, not a no-op)."""
+    for op in OPS:
+        names = list(dict.fromkeys(c.name for c in all_backends if c.op == op))  # best first
+        for mode in ("extend", "decode"):
+            name = backends_cfg.choice(op, mode)
+            if name != "auto" and name not in names:
+                raise ConfigError(f"backends.{op}: no {op} backend named {name!r}; registered: "
+                                  f"{', '.join(names) or 'none'} (or auto)")
+
+
 def _check_options(backends_cfg: Any, all_backends: list[type[Backend]]) -> None:
     """Every `backends.options.<name>` key must be an option of some registered backend of that name,
     whether or not that backend is chosen here (a typo fails on a CPU machine too); options for a name
-    no registered backend has (a plugin not installed here, say) are ignored with a warning."""
+    no registered backend has are an error too (a typo, or a plugin that is not installed here)."""
     names = sorted({c.name for c in all_backends})
     for name, raw in (backends_cfg.options or {}).items():
         if name not in names:
-            log.warning("backends.options.%s: no registered backend is named %s (registered: %s); ignored",
-                        name, name, ", ".join(names))
-            continue
+            raise ConfigError(f"backends.options.{name}: no registered backend is named {name!r} (registered: "
+                              f"{', '.join(names)}); fix the name, install the plugin that provides it, or "
+                              "remove the entry")
         known = _known_options(name, all_backends)
         unknown = sorted(set(dict(raw or {})) - known)
         if unknown:
@@ -331,8 +345,19 @@ def _check_layouts(entries: dict) -> None:
 
 
 def load_registry(plugins_cfg: Any = None) -> Registry:
-    """A loaded registry honouring `plugins.disabled` and `plugins.autoload`."""
+    """A loaded registry honouring `plugins.disabled` and `plugins.autoload`.
+
+    Raises:
+        ConfigError: `plugins.disabled` names neither a built-in family nor an installed entry point.
+    """
     disabled = list(getattr(plugins_cfg, "disabled", []) or [])
+    if disabled:
+        from pieceworks.backends.builtin import BUILTIN_PLUGINS
+
+        known = [*BUILTIN_PLUGINS, *sorted(ep.name for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT))]
+        unknown = [n for n in disabled if n not in known]
+        if unknown:
+            raise ConfigError(f"plugins.disabled: {unknown[0]!r} is no plugin here; known: {', '.join(known)}")
     autoload = bool(getattr(plugins_cfg, "autoload", True))
     return Registry(disabled=disabled, autoload=autoload).load()
 

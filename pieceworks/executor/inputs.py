@@ -5,9 +5,43 @@ decode-graph replay) builds them on the host before its kernels can run."""
 from __future__ import annotations
 
 import itertools
+import numbers
+from typing import Any
 
 import numpy as np
 import torch
+
+from pieceworks.errors import BatchError
+
+
+def as_token_ids(toks: Any, what: str) -> list[int]:
+    """Token ids as a list of Python ints: from a list or tuple of integers (Python or numpy), or a 1-D
+    integer numpy array or torch tensor. `what` names the owner in messages ("sequence 3", "prompt 0").
+
+    Raises:
+        BatchError: None, a string, floats, bools, a tensor or array of another dtype or rank.
+    """
+    if isinstance(toks, (torch.Tensor, np.ndarray)):
+        dtype = toks.dtype
+        integer = (not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+                   if isinstance(toks, torch.Tensor) else dtype.kind in "iu")
+        if not integer or toks.ndim != 1:
+            raise BatchError(f"{what}: token ids must be a 1-D integer tensor or list, got {type(toks).__name__} "
+                             f"of {dtype} with shape {list(toks.shape)}")
+        return [int(t) for t in toks.tolist()]
+    if not isinstance(toks, (list, tuple, range)):
+        raise BatchError(f"{what}: token ids must be a list of ints or a 1-D integer tensor, got "
+                         f"{type(toks).__name__} {_short(toks)}")
+    bad = [t for t in toks if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral)][:1]
+    if bad:
+        bad = bad[0]
+        raise BatchError(f"{what}: token ids must be ints, got {type(bad).__name__} {_short(bad)}")
+    return [int(t) for t in toks]
+
+
+def _short(x: Any) -> str:
+    r = repr(x)
+    return r if len(r) <= 40 else r[:37] + "..."
 
 
 def token_rows(tokens: list[list[int]], kv_lens: list[int], table: np.ndarray, page_size: int,

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pieceworks.errors import OutOfPages
+from pieceworks.errors import ConfigError, OutOfPages
 
 RESERVED_PAGE = 0
+DEFAULT_PAGE_SIZE = 16  # kv_cache.page_size's default, named in messages
 CPU_DEFAULT_MAX_TOKENS = 16384  # without kv_cache.num_tokens, a CPU pool stays this small
 
 
@@ -221,12 +222,21 @@ class KVPool:
         prefix_caching: bool = False,
     ) -> "KVPool":
         """A pool of `num_tokens` tokens, or of `memory_fraction` of the free memory when None."""
+        if num_tokens is not None and page_size > num_tokens:
+            raise ConfigError(f"kv_cache.page_size: {page_size} exceeds kv_cache.num_tokens={num_tokens}; use a "
+                              "page size of a few tokens (16 is the default)")
         if num_tokens is None:
             per_token = layout.bytes_per_token(dtype)
             free = _free_bytes(torch.device(device))
             num_tokens = int(free * memory_fraction) // per_token
             if torch.device(device).type == "cpu":
                 num_tokens = min(num_tokens, CPU_DEFAULT_MAX_TOKENS)
+            if num_tokens < 2 * page_size and num_tokens >= 2 * DEFAULT_PAGE_SIZE:
+                raise ConfigError(
+                    f"kv_cache.page_size: {page_size} is too large: a pool needs 2 pages (one is reserved), "
+                    f"{2 * page_size} tokens, but it holds {num_tokens} here; use a page size of a few tokens "
+                    f"({DEFAULT_PAGE_SIZE} is the default)"
+                )
             if num_tokens < 2 * page_size:
                 raise ValueError(
                     f"kv_cache: only {free / 2**30:.2f} GiB free; {memory_fraction:.0%} of it holds "

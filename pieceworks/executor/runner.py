@@ -31,8 +31,8 @@ from pieceworks.backends.registry import KernelTable, load_registry
 from pieceworks.config import Config, ConfigError, Switch, cache_root, load_config
 from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode, Sequence, StepMetadata, to_device
 from pieceworks.core.context import ForwardContext, forward_context
-from pieceworks.errors import BatchError, OutOfPages
-from pieceworks.executor.inputs import page_table, token_rows
+from pieceworks.errors import BatchError, CheckpointError, OutOfPages
+from pieceworks.executor.inputs import as_token_ids, page_table, token_rows
 from pieceworks.executor.kv_cache import KVPool, block_keys
 
 log = logging.getLogger("pieceworks.executor")
@@ -156,7 +156,7 @@ class Executor:
             seq = Sequence(id=next(self._ids))
             alloc = self.kv.allocator
             if prompt is not None and alloc.prefix_caching:
-                prompt = _as_token_list(prompt, seq.id)
+                prompt = as_token_ids(prompt, f"sequence {seq.id}")
                 usable = (len(prompt) - 1) // self.page_size  # never the whole prompt
                 keys = block_keys(prompt[: usable * self.page_size], self.page_size)
                 pages = alloc.lookup(keys)
@@ -199,8 +199,10 @@ class Executor:
             [total new tokens, V] with `batch.return_all_logits`.
 
         Raises:
-            BatchError: invalid batch (bad token ids, freed or repeated sequence, too long); nothing
-                changed.
+            BatchError: invalid batch (token ids that are not integers or lie outside the vocabulary,
+                a freed, foreign or repeated sequence, too long); checked before anything changes.
+                Whatever fails later (an interrupt included) gives back the pages the step took: the
+                pool and every sequence stay as they were.
             OutOfPages: the KV pool lacks the pages the batch needs (`pages_needed`); nothing changed.
             RuntimeError: another thread is inside this executor.
         """
@@ -212,8 +214,9 @@ class Executor:
         mode = ForwardMode.classify([len(t) for t in tokens], [s.kv_len for s in batch.seqs])
         if mode is ForwardMode.IDLE:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
-        new_pages = self._reserve_pages(batch.seqs, tokens)
+        new_pages: list[list[int]] = []
         try:
+            new_pages = self._reserve_pages(batch.seqs, tokens)
             graph = self._graph_mode(mode, len(tokens), sum(map(len, tokens)))
             kernels = self.table.step(mode, graph)
             if graph is GraphMode.FULL:
@@ -293,6 +296,18 @@ class Executor:
 
     # ---------------------------------------------------------------- validation and pages
     def _validate(self, batch: ForwardBatch) -> list[list[int]]:
+        """The batch's new tokens as int lists, or a BatchError; reads the batch, changes nothing."""
+        if not isinstance(batch, ForwardBatch):
+            raise BatchError(f"forward takes a ForwardBatch, got {type(batch).__name__}")
+        for name in ("seqs", "tokens"):
+            if not isinstance(getattr(batch, name), (list, tuple)):
+                raise BatchError(f"ForwardBatch.{name} must be a list, got {type(getattr(batch, name)).__name__}")
+        if not isinstance(batch.return_all_logits, bool):
+            raise BatchError(f"ForwardBatch.return_all_logits must be True or False, got {batch.return_all_logits!r}")
+        bad_seq = next((s for s in batch.seqs if not isinstance(s, Sequence)), None)
+        if bad_seq is not None:
+            raise BatchError(f"ForwardBatch.seqs holds {type(bad_seq).__name__} {bad_seq!r}; give the Sequence "
+                             "handles of Executor.new_sequence()")
         if len(batch.seqs) != len(batch.tokens):
             raise BatchError(f"batch has {len(batch.seqs)} sequences but {len(batch.tokens)} token lists")
         seen = set()
@@ -303,7 +318,7 @@ class Executor:
             if seq.id in seen:
                 raise BatchError(f"sequence {seq.id} appears twice in one batch")
             seen.add(seq.id)
-            toks = _as_token_list(toks, seq.id)
+            toks = as_token_ids(toks, f"sequence {seq.id}")
             if not toks:
                 raise BatchError(f"sequence {seq.id}: no new tokens (an empty prompt can't be run)")
             bad = [t for t in toks if not 0 <= t < self.vocab_size]
@@ -327,17 +342,22 @@ class Executor:
                 f"{self.kv.allocator.num_free} are free: run fewer sequences per step, free finished ones, "
                 "or enlarge kv_cache.num_tokens"
             )
-        new = []
-        for seq, n in zip(seqs, need):
-            pages = self.kv.allocator.alloc(n) if n else []
-            seq.pages.extend(pages)
-            new.append(pages)
+        new: list[list[int]] = [[] for _ in seqs]
+        try:  # an interrupt between two allocations gives back what the earlier ones took
+            for i, (seq, n) in enumerate(zip(seqs, need)):
+                if n:
+                    new[i] = self.kv.allocator.alloc(n)
+                    seq.pages.extend(new[i])
+        except BaseException:
+            self._release(seqs, new)
+            raise
         return new
 
     def _release(self, seqs: list[Sequence], new_pages: list[list[int]]) -> None:
         for seq, pages in zip(seqs, new_pages):
             if pages:
-                del seq.pages[len(seq.pages) - len(pages):]
+                if seq.pages[len(seq.pages) - len(pages):] == pages:
+                    del seq.pages[len(seq.pages) - len(pages):]
                 self.kv.allocator.free(pages)
 
     # ---------------------------------------------------------------- conveniences
@@ -355,31 +375,27 @@ class Executor:
 
     @property
     def tokenizer(self):
-        """The model directory's Hugging Face tokenizer (needs transformers: pieceworks[demo])."""
+        """The model directory's Hugging Face tokenizer (needs transformers: pieceworks[demo]).
+
+        Raises:
+            CheckpointError: the model has none (random weights, or no tokenizer files in its directory).
+            ValueError: transformers is not installed.
+        """
         if self._tokenizer is None:
             if self.model_dir is None:
-                raise ValueError("this model has no tokenizer (random weights); pass token ids")
+                raise CheckpointError("the model has no tokenizer (random weights: model.arch); pass token ids, "
+                                      "or load a model directory (model.path) that has one")
             try:
                 from transformers import AutoTokenizer
             except ImportError as exc:
                 raise ValueError("tokenizing text needs transformers: pip install 'pieceworks[demo]'") from exc
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            except (OSError, ValueError, TypeError):  # transformers' own message spans several lines
+                raise CheckpointError(f"{self.model_dir}: the model has no tokenizer that transformers can load "
+                                      "(tokenizer.json / tokenizer_config.json); pass token ids, or add the "
+                                      "model's tokenizer files") from None
         return self._tokenizer
-
-
-def _as_token_list(toks: Any, seq_id: int) -> list[int]:
-    if isinstance(toks, torch.Tensor):
-        if toks.dtype.is_floating_point or toks.dtype == torch.bool or toks.dim() != 1:
-            raise BatchError(
-                f"sequence {seq_id}: token ids must be a 1-D integer tensor or list, got "
-                f"{toks.dtype} with shape {list(toks.shape)}"
-            )
-        return toks.tolist()
-    out = list(toks)
-    if any(isinstance(t, bool) or not isinstance(t, int) for t in out):
-        bad = next(t for t in out if isinstance(t, bool) or not isinstance(t, int))
-        raise BatchError(f"sequence {seq_id}: token ids must be ints, got {type(bad).__name__} {bad!r}")
-    return out
 
 
 DEMO_MODELS = ("smollm2-135m", "smollm2-135m-fp4")

@@ -7,15 +7,19 @@ running sequence never runs out of pages and nothing needs preempting.
 
 from __future__ import annotations
 
+import math
+import numbers
+import time
 from collections import deque
 from dataclasses import dataclass, field
-import time
 from typing import Any, Iterable, Protocol
 
+import numpy as np
 import torch
 
 from pieceworks.core.batch import ForwardBatch, ForwardMode, Sequence
-from pieceworks.errors import BatchError
+from pieceworks.errors import BatchError, NonFiniteLogits, RequestError
+from pieceworks.executor.inputs import as_token_ids
 from pieceworks.executor.kv_cache import KVPool
 
 
@@ -73,6 +77,52 @@ def _step_budget(ex: StepRunner) -> int:
     return pw.max_tokens if pw is not None else ex.cfg.cuda_graph.piecewise.max_tokens
 
 
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise RequestError(f"{name}: {value!r} must be a finite number")
+    return float(value)
+
+
+def _count(name: str, value: Any, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise RequestError(f"{name}: {value!r} must be an integer >= 1" + (" or None" if allow_none else ""))
+    return int(value)
+
+
+def _stop_ids(stop_token_ids: Any) -> set[int]:
+    if stop_token_ids is None:
+        return set()
+    if isinstance(stop_token_ids, (set, frozenset)):
+        stop_token_ids = sorted(stop_token_ids, key=repr)
+    return set(as_token_ids(stop_token_ids, "stop_token_ids"))
+
+
+def check_prompts(ex: StepRunner, prompts: Any, what: str = "prompts") -> list[list[int]]:
+    """The prompts as lists of ints, each non-empty with ids in the vocabulary.
+
+    Raises:
+        RequestError: `prompts` is not a list of prompts (None, a string, one flat list of ints).
+        BatchError: a prompt is empty, or holds something other than integer ids in [0, V).
+    """
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+        raise RequestError(f"{what}: expected a list of prompts (each a list of token ids), got "
+                           f"{type(prompts).__name__}")
+    if prompts and all(isinstance(p, numbers.Integral) for p in prompts):
+        raise RequestError(f"{what}: got one flat list of ints; pass a list of prompts, e.g. [[1, 2, 3]]")
+    out = []
+    for i, p in enumerate(prompts):
+        toks = as_token_ids(p, f"prompt {i}")
+        if not toks:
+            raise BatchError(f"prompt {i} is empty")
+        bad = [t for t in toks if not 0 <= t < ex.vocab_size]
+        if bad:
+            raise BatchError(f"prompt {i}: token id(s) {bad[:5]} outside the vocabulary [0, {ex.vocab_size})")
+        out.append(toks)
+    return out
+
+
 def generate(
     ex: StepRunner,
     prompts: list[list[int]],
@@ -81,7 +131,7 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int | None = None,
-    stop_token_ids: Iterable[int] = (),
+    stop_token_ids: Iterable[int] | None = (),
     max_step_tokens: int | None = None,
     stats: StepStats | None = None,
 ) -> list[list[int]]:
@@ -91,20 +141,36 @@ def generate(
     `seed` (default: runtime.seed). Prompts are admitted as KV pages allow and prefilled in chunks
     of at most `max_step_tokens` tokens per step, mixed with the decodes of running prompts.
 
+    Args:
+        prompts: token ids per prompt (lists of ints, or 1-D integer numpy arrays / torch tensors).
+        max_new_tokens: integer >= 1. temperature: finite, >= 0. top_p: in (0, 1].
+        seed: integer or None. stop_token_ids: ids in the vocabulary (None: none).
+        max_step_tokens: integer >= 1 or None (piecewise.max_tokens).
+
     Raises:
-        BatchError: an empty prompt, a bad token id, or a prompt that can never fit the context or the
-            KV pool; raised before any work, so nothing changes.
+        RequestError: an argument of the wrong type or out of range (the same rules as the config's
+            generation section); BatchError (a RequestError): an empty prompt, a bad token id, or a
+            prompt that can never fit the context or the KV pool. Both before any work: nothing changes.
+        NonFiniteLogits: a step produced NaN or inf logits for a prompt (broken weights, overflow);
+            the message names the prompt, and every page is given back.
     """
-    if max_new_tokens < 1:
-        raise BatchError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    max_new_tokens = _count("max_new_tokens", max_new_tokens)
+    if _number("temperature", temperature) < 0:
+        raise RequestError(f"temperature: {temperature!r} must be >= 0 (0 = greedy)")
+    if not 0.0 < _number("top_p", top_p) <= 1.0:
+        raise RequestError(f"top_p: {top_p!r} must be in (0, 1]")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+        raise RequestError(f"seed: {seed!r} must be an integer or None")
+    budget = _count("max_step_tokens", max_step_tokens, allow_none=True) or _step_budget(ex)
+    if stats is not None and not isinstance(stats, StepStats):
+        raise RequestError(f"stats: {type(stats).__name__} must be a StepStats or None")
+    stop = _stop_ids(stop_token_ids)
+    outside = sorted(t for t in stop if not 0 <= t < ex.vocab_size)
+    if outside:
+        raise RequestError(f"stop_token_ids: {outside[:5]} outside the vocabulary [0, {ex.vocab_size})")
     ps = ex.page_size
-    reqs = [_Request(i, list(p)) for i, p in enumerate(prompts)]
+    reqs = [_Request(i, p) for i, p in enumerate(check_prompts(ex, prompts))]
     for r in reqs:
-        if not r.prompt:
-            raise BatchError(f"prompt {r.index} is empty")
-        bad = [t for t in r.prompt if not (isinstance(t, int) and 0 <= t < ex.vocab_size)]
-        if bad:
-            raise BatchError(f"prompt {r.index}: token id(s) {bad[:5]} outside the vocabulary [0, {ex.vocab_size})")
         if len(r.prompt) + max_new_tokens > ex.max_context:
             raise BatchError(
                 f"prompt {r.index}: {len(r.prompt)} tokens + max_new_tokens={max_new_tokens} exceed the "
@@ -112,9 +178,7 @@ def generate(
             )
         if r.pages_needed(max_new_tokens, ps) > ex.kv.allocator.capacity:
             raise BatchError(f"prompt {r.index} can never fit the KV pool ({ex.kv.num_tokens} tokens)")
-    gen = torch.Generator().manual_seed(ex.cfg.runtime.seed if seed is None else seed)
-    stop = set(stop_token_ids)
-    budget = max_step_tokens or _step_budget(ex)
+    gen = torch.Generator().manual_seed(ex.cfg.runtime.seed if seed is None else int(seed))
     pending, active = deque(reqs), []
     try:
         while pending or active:
@@ -141,12 +205,21 @@ def generate(
             batch = ForwardBatch([r.seq for r, _ in step], [t for _, t in step])
             mode = batch.mode
             logits = ex.forward(batch)
-            for (r, toks), row in zip(step, logits):
+            for (r, toks) in step:
                 if r.done_prompt < len(r.prompt):
                     r.done_prompt += len(toks)
-                    if r.done_prompt < len(r.prompt):
-                        continue  # a middle chunk: its logits predict prompt tokens
-                r.out.append(sample(row, temperature, top_p, gen))
+            sampled = [i for i, (r, _) in enumerate(step) if r.done_prompt == len(r.prompt)]
+            if sampled:  # middle prefill chunks' logits predict prompt tokens: nothing to sample
+                rows = logits if len(sampled) == len(step) else logits[sampled]
+                ids = sample_rows(rows, temperature, top_p, gen)
+                bad = [step[i][0].index for i, tok in zip(sampled, ids) if tok is None]
+                if bad:
+                    raise NonFiniteLogits(
+                        f"prompt(s) {bad[:8]}: the step's logits hold NaN or inf (non-finite weights or an "
+                        "overflow in the model); nothing was generated from them"
+                    )
+                for i, tok in zip(sampled, ids):
+                    step[i][0].out.append(tok)
             if stats is not None:
                 stats.add(mode, sum(map(len, batch.tokens)), time.perf_counter() - t0)
             finished = [r for r in active if r.out and (len(r.out) >= max_new_tokens or r.out[-1] in stop)]
@@ -158,6 +231,20 @@ def generate(
             if r.seq is not None and not r.seq.freed:
                 ex.free(r.seq)
     return [r.out for r in reqs]
+
+
+def sample_rows(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> list[int | None]:
+    """One token per row of [n, V] float32 logits; None for a row holding NaN or inf.
+
+    Greedy: argmax and the finiteness of each row are computed on the device and read back in one
+    transfer. Sampling moves the rows to the host once and samples there (`sample`, seeded by `gen`).
+    """
+    finite = torch.isfinite(logits).all(dim=-1)
+    if temperature <= 0:
+        ids, ok = torch.stack([logits.argmax(dim=-1), finite.long()]).tolist()
+        return [t if f else None for t, f in zip(ids, ok)]
+    host, ok = logits.cpu(), finite.cpu().tolist()
+    return [sample(row, temperature, top_p, gen) if f else None for row, f in zip(host, ok)]
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
@@ -173,15 +260,18 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Ge
 
 
 def score(ex: StepRunner, sequences: list[list[int]], max_step_tokens: int | None = None) -> list[torch.Tensor]:
-    """Per-position logits [len, V] (float32) of each sequence, prefilling in chunks."""
-    budget = max_step_tokens or _step_budget(ex)
+    """Per-position logits [len, V] (float32) of each sequence, prefilling in chunks.
+
+    Raises:
+        RequestError / BatchError: as `generate`'s prompts and `max_step_tokens`; before any work.
+    """
+    budget = _count("max_step_tokens", max_step_tokens, allow_none=True) or _step_budget(ex)
     out = []
-    for toks in sequences:
-        toks = list(toks)
+    for toks in check_prompts(ex, sequences, "sequences"):
         seq = ex.new_sequence()
         try:
             parts = [ex.forward(ForwardBatch([seq], [toks[i : i + budget]], return_all_logits=True))
-                     for i in range(0, max(len(toks), 1), budget)]
+                     for i in range(0, len(toks), budget)]
         finally:
             ex.free(seq)
         out.append(torch.cat(parts))

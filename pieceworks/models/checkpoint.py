@@ -5,7 +5,7 @@ No tensor data is loaded up front: opening the reader parses the index and every
 streaming it through the quantizer needs memory for about one tensor at a time.
 
 Every problem with the files on disk is found when the reader opens, before any tensor is handed
-out, and is a `ValueError` that names the file and says what to do: a missing or unreadable index, an
+out, and is a `CheckpointError` (a `ValueError`) that names the file and says what to do: a missing or unreadable index, an
 index entry whose shard is missing, a truncated or corrupt shard, a tensor the index promises but the
 shard lacks.
 """
@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+
+from pieceworks.errors import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -51,7 +53,7 @@ class CheckpointReader:
             shards it names (the index wins when both exist, as in `transformers`).
 
     Raises:
-        ValueError: no checkpoint in the directory; an unreadable index; an index naming a shard
+        CheckpointError: no checkpoint in the directory; an unreadable index; an index naming a shard
             that is not there, or a tensor its shard lacks; a truncated or corrupt file (every
             shard's header is read here, so this fails before any tensor is handed out).
     """
@@ -59,8 +61,9 @@ class CheckpointReader:
     def __init__(self, model_dir: str | Path):
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
-            raise ValueError(f"{self.model_dir}: not a directory; pass a checkpoint directory")
+            raise CheckpointError(f"{self.model_dir}: not a directory; pass a checkpoint directory")
         self._handles: dict[str, object] = {}
+        self.read: set[str] = set()  # names `get` handed out: the loader refuses checkpoints with others
         index = self.model_dir / INDEX_FILE
         if index.exists():
             self._weight_map = self._read_index(index)
@@ -68,7 +71,7 @@ class CheckpointReader:
         elif (self.model_dir / SINGLE_FILE).exists():
             self._weight_map = {name: SINGLE_FILE for name in self._handle(SINGLE_FILE).keys()}
         else:
-            raise ValueError(
+            raise CheckpointError(
                 f"{self.model_dir}: no {SINGLE_FILE} or {INDEX_FILE}; pieceworks reads Hugging Face "
                 "safetensors checkpoints (save with save_pretrained(..., safe_serialization=True))"
             )
@@ -80,11 +83,11 @@ class CheckpointReader:
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not an object")
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{index}: not a valid safetensors index ({e}); {_REDOWNLOAD}") from None
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e}); {_REDOWNLOAD}") from None
         missing = sorted({f for f in weight_map.values() if not (self.model_dir / f).is_file()})
         if missing:
             example = next(n for n, f in weight_map.items() if f == missing[0])
-            raise ValueError(
+            raise CheckpointError(
                 f"{index}: names shard(s) that are not in {self.model_dir}: {', '.join(missing)} "
                 f"(e.g. for tensor {example}); {_REDOWNLOAD} (all shards)"
             )
@@ -98,7 +101,7 @@ class CheckpointReader:
             present = set(self._handle(filename).keys())
             lacking = [n for n in names if n not in present]
             if lacking:
-                raise ValueError(
+                raise CheckpointError(
                     f"{self.model_dir / filename}: lacks {len(lacking)} tensor(s) that {INDEX_FILE} "
                     f"maps to it (e.g. {lacking[0]}); {_REDOWNLOAD}"
                 )
@@ -110,7 +113,7 @@ class CheckpointReader:
             try:
                 h = safe_open(str(path), framework="pt", device="cpu")
             except (SafetensorError, OSError) as e:
-                raise ValueError(
+                raise CheckpointError(
                     f"{path}: not a readable safetensors file, truncated or corrupt ({e}); "
                     f"{_REDOWNLOAD}"
                 ) from None
@@ -139,7 +142,7 @@ class CheckpointReader:
         """dtype of `name` from the file header, without loading it."""
         code = self._slice(name).get_dtype()
         if code not in _DTYPES:
-            raise ValueError(f"{name}: safetensors dtype {code} has no torch equivalent here")
+            raise CheckpointError(f"{name}: safetensors dtype {code} has no torch equivalent here")
         return _DTYPES[code]
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -151,13 +154,15 @@ class CheckpointReader:
 
         Raises:
             KeyError: no such tensor.
-            ValueError: the file changed on disk since the reader opened it.
+            CheckpointError: the file changed on disk since the reader opened it.
         """
         filename = self.file_of(name)
         try:
-            return self._handle(filename).get_tensor(name)
+            t = self._handle(filename).get_tensor(name)
+            self.read.add(name)
+            return t
         except SafetensorError as e:
-            raise ValueError(
+            raise CheckpointError(
                 f"{self.model_dir / filename}: cannot read tensor {name} ({e}); {_REDOWNLOAD}"
             ) from None
 
@@ -165,15 +170,15 @@ class CheckpointReader:
         """config.json as a dict.
 
         Raises:
-            ValueError: config.json is missing or not valid JSON.
+            CheckpointError: config.json is missing or not valid JSON.
         """
         path = self.model_dir / "config.json"
         try:
             return json.loads(path.read_text())
         except FileNotFoundError:
-            raise ValueError(f"{path}: missing; a Hugging Face checkpoint needs its config.json") from None
+            raise CheckpointError(f"{path}: missing; a Hugging Face checkpoint needs its config.json") from None
         except ValueError as e:
-            raise ValueError(f"{path}: not valid JSON ({e}); fix or re-download it") from None
+            raise CheckpointError(f"{path}: not valid JSON ({e}); fix or re-download it") from None
 
     def __repr__(self) -> str:
         shards = len(set(self._weight_map.values()))

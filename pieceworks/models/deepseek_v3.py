@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from pieceworks.backends.base import ModelFacts
+from pieceworks.errors import CheckpointError
 from pieceworks.executor.kv_cache import KVLayout
+from pieceworks.models import hf_config as hf_fields
 from pieceworks.models.base import CausalLM, GatedMLP, RMSNorm, WeightSource, block_forward, linear, merged
 from pieceworks.models.moe import Experts, MoE
 from pieceworks.models.rope import (
@@ -63,19 +65,21 @@ class DeepseekV3Args:
         """Read a DeepseekV3ForCausalLM config.json dict (transformers' defaults for absent keys).
 
         Raises:
-            ValueError: a variant pieceworks does not implement (biases, softmax routing, ...).
+            CheckpointError: a missing, mistyped or inconsistent field (`hf_config.FieldError`, naming
+                it), or a variant pieceworks does not implement (biases, softmax routing, ...).
         """
+        hf_fields.check(hf, "deepseek_v3")
         if hf.get("attention_bias", False):
-            raise ValueError("config.json: attention_bias=true is not supported by pieceworks' DeepSeek-V3")
+            raise CheckpointError("config.json: attention_bias=true is not supported by pieceworks' DeepSeek-V3")
         if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json: hidden_act={hf['hidden_act']!r} is not supported; DeepSeek-V3 uses silu")
+            raise CheckpointError(f"config.json: hidden_act={hf['hidden_act']!r} is not supported; DeepSeek-V3 uses silu")
         if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
-            raise ValueError(f"config.json: scoring_func={hf.get('scoring_func')!r}, topk_method="
+            raise CheckpointError(f"config.json: scoring_func={hf.get('scoring_func')!r}, topk_method="
                              f"{hf.get('topk_method')!r}: pieceworks implements DeepSeek-V3 routing only "
                              "(sigmoid scores, noaux_tc grouped top-k)")
         experts, groups = hf.get("n_routed_experts") or 0, hf.get("n_group") or 1
         if experts and experts % groups:
-            raise ValueError(f"config.json: n_routed_experts={experts} is not a multiple of n_group={groups}")
+            raise CheckpointError(f"config.json: n_routed_experts={experts} is not a multiple of n_group={groups}")
         q_lora = hf.get("q_lora_rank")
         return cls(
             vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],

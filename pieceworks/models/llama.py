@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from pieceworks.backends.base import ModelFacts
+from pieceworks.errors import CheckpointError
 from pieceworks.executor.kv_cache import KVLayout
+from pieceworks.models import hf_config as hf_fields
 from pieceworks.models.base import (CausalLM, GatedMLP, Prenormed, RMSNorm, WeightSource, block_forward, linear,
                                     merged)
 from pieceworks.models.rope import apply_rope_qk, rope_parameters
@@ -41,14 +43,16 @@ class LlamaArgs:
         """Read a LlamaForCausalLM config.json dict (transformers' defaults for absent keys).
 
         Raises:
-            ValueError: a feature pieceworks' Llama does not implement (biases, another activation).
+            CheckpointError: a missing, mistyped or inconsistent field (`hf_config.FieldError`, naming
+                it), or a feature pieceworks' Llama does not implement (biases, another activation).
         """
+        hf_fields.check(hf, "llama")
         for key in ("attention_bias", "mlp_bias"):
             if hf.get(key, False):
-                raise ValueError(f"config.json: {key}=true is not supported by pieceworks' Llama (bias-free "
+                raise CheckpointError(f"config.json: {key}=true is not supported by pieceworks' Llama (bias-free "
                                  "projections only)")
         if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json: hidden_act={hf['hidden_act']!r} is not supported; Llama uses silu")
+            raise CheckpointError(f"config.json: hidden_act={hf['hidden_act']!r} is not supported; Llama uses silu")
         heads = hf["num_attention_heads"]
         return cls(
             vocab_size=hf["vocab_size"],

@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from pieceworks.backends.base import ModelFacts
+from pieceworks.errors import CheckpointError, ConfigError
+from pieceworks.models import hf_config as hf_fields
 from pieceworks.models.base import CausalLM
 from pieceworks.models.deepseek_v3 import DeepseekV3
 from pieceworks.models.llama import Llama
@@ -33,31 +35,40 @@ def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype
 
     Args:
         model_cfg: `pieceworks.config.ModelConfig`: `path` (a Hugging Face-format directory) or `arch`
-            + `preset` + `sizes` (random weights).
+            + `preset` + `sizes` (random weights); `allow_extra_tensors` to load a checkpoint that holds
+            tensors the model does not use.
         quant_cfg: `pieceworks.config.QuantizationConfig`: `format` auto (follow the checkpoint), none,
             or nvfp4 (a checkpoint must be NVFP4; random models get random NVFP4 weights).
         device: target device; dtype: bfloat16, float16 or float32 (checkpoint floats are cast to it).
         progress: show a progress bar while loading. seed: for random weights.
 
     Raises:
-        ValueError: missing config.json, unsupported architecture, missing tensor, shape mismatch,
-            a quantization format the checkpoint doesn't have; the message names what and where.
+        CheckpointError: no or unreadable config.json; a missing, mistyped or inconsistent field in it;
+            an unsupported architecture; a missing, misshapen, non-finite or unexpected tensor; a
+            quantization format the checkpoint doesn't have. The message names the file, field or tensor.
+        ConfigError: `model.sizes` names an unknown key or a value that makes no model.
     """
     device = torch.device(device)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"model dtype {dtype}: use bfloat16, float16 or float32")
     cls, hf, fp4 = _describe(model_cfg, quant_cfg)
+    allow_extra = bool(getattr(model_cfg, "allow_extra_tensors", False))
+    reader = None
     if model_cfg.path is not None:
         from pieceworks.models.checkpoint import CheckpointReader
         from pieceworks.models.weights import CheckpointSource
 
-        source: Any = CheckpointSource(CheckpointReader(Path(model_cfg.path)), device, dtype)
+        reader = CheckpointReader(Path(model_cfg.path))
+        _check_tied_head(reader, hf, allow_extra)
+        source: Any = CheckpointSource(reader, device, dtype)
     else:
         from pieceworks.models.weights import RandomSource
 
         source = RandomSource(device, dtype, seed=seed)
     model = build(cls, hf, dtype, fp4)
     materialize(model, source, device, progress)
+    if reader is not None and not allow_extra:
+        check_unused(reader, model)
     return model
 
 
@@ -71,7 +82,8 @@ def model_facts(model_cfg: Any, quant_cfg: Any, page_size: int,
 
 
 def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Callable[[str], bool]]:
-    """Model class, config.json dict and which linears are NVFP4, from a checkpoint or a preset."""
+    """Model class, config.json dict (checked: `hf_config.check`) and which linears are NVFP4, from a
+    checkpoint or a preset."""
     fmt = getattr(quant_cfg, "format", "auto")
     if model_cfg.path is not None:
         from pieceworks.quant.modelopt import detect_quantization
@@ -79,53 +91,121 @@ def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Cal
         path = Path(model_cfg.path)
         hf = read_config(path)
         cls = architecture(hf, path / "config.json")
+        try:
+            hf_fields.check(hf, cls.arch)
+        except hf_fields.FieldError as e:
+            raise CheckpointError(f"{path / 'config.json'}: {e}; fix the file or re-download the model") from None
         quant = detect_quantization(path)
         if fmt == "none" and quant is not None:
-            raise ValueError(f"quantization.format=none, but {path} is a ModelOpt NVFP4 checkpoint "
-                             f"({quant.source}); use quantization.format=auto")
+            raise CheckpointError(f"quantization.format=none, but {path} is a ModelOpt NVFP4 checkpoint "
+                                  f"({quant.source}); use quantization.format=auto")
         if fmt == "nvfp4" and quant is None:
-            raise ValueError(f"quantization.format=nvfp4, but {path} is not an NVFP4 checkpoint; quantize it "
-                             "first (`pieceworks quantize`) or use quantization.format=auto")
+            raise CheckpointError(f"quantization.format=nvfp4, but {path} is not an NVFP4 checkpoint; quantize "
+                                  "it first (`pieceworks quantize`) or use quantization.format=auto")
         if quant is None:
             return cls, hf, lambda name: False
         return cls, hf, lambda name: not quant.is_excluded(name)
     from pieceworks.models.presets import preset_config
 
     if model_cfg.arch not in ARCHS:
-        raise ValueError(f"model.arch={model_cfg.arch!r}: unknown; known: {', '.join(ARCHS)}")
-    hf = preset_config(model_cfg.arch, model_cfg.preset, model_cfg.sizes)
+        raise ConfigError(f"model.arch={model_cfg.arch!r}: unknown; known: {', '.join(ARCHS)}")
+    sizes = dict(model_cfg.sizes or {})
+    known = hf_fields.known_keys(model_cfg.arch)
+    unknown = sorted(set(sizes) - set(known))
+    if unknown:
+        raise ConfigError(f"model.sizes.{unknown[0]}: unknown key for model.arch={model_cfg.arch}; known: "
+                          f"{', '.join(known)}")
+    try:
+        hf = preset_config(model_cfg.arch, model_cfg.preset, sizes)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        hf_fields.check(hf, model_cfg.arch)
+    except hf_fields.FieldError as e:
+        where = f"model.sizes.{e.key}" if e.key.split(".")[0] in sizes else f"model.sizes: {e.key}"
+        raise ConfigError(f"{where}: {e.detail} (model.arch={model_cfg.arch}, preset "
+                          f"{model_cfg.preset or 'tiny'})") from None
     # Random NVFP4: every projection; the head and the router are never built as NVFP4 (as ModelOpt).
     random_fp4 = fmt == "nvfp4"
     return ARCHS[model_cfg.arch], hf, lambda name: random_fp4
 
 
 def read_config(path: Path) -> dict:
-    """config.json of a model directory, with the errors a user can act on."""
+    """config.json of a model directory, with the errors a user can act on (`CheckpointError`)."""
     if not path.is_dir():
-        raise ValueError(f"model.path={str(path)!r} is not a directory; give a Hugging Face-format model "
-                         "directory (config.json + *.safetensors)")
+        raise CheckpointError(f"model.path={str(path)!r} is not a directory; give a Hugging Face-format model "
+                              "directory (config.json + *.safetensors)")
     cfg = path / "config.json"
+    if cfg.is_dir():
+        raise CheckpointError(f"{cfg}: is a directory; a model directory needs config.json as a file")
     if not cfg.is_file():
-        raise ValueError(f"{cfg}: missing; a Hugging Face-format model directory needs its config.json")
+        raise CheckpointError(f"{cfg}: missing; a Hugging Face-format model directory needs its config.json")
     try:
-        hf = json.loads(cfg.read_text())
+        hf = json.loads(cfg.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{cfg}: not UTF-8 text (byte {e.start}: {e.reason}); fix or re-download it") from None
     except ValueError as e:
-        raise ValueError(f"{cfg}: not valid JSON ({e})") from None
+        raise CheckpointError(f"{cfg}: not valid JSON ({e})") from None
     if not isinstance(hf, dict):
-        raise ValueError(f"{cfg}: expected a JSON object")
+        raise CheckpointError(f"{cfg}: expected a JSON object")
     return hf
 
 
 def architecture(hf: dict, where: Any) -> type[CausalLM]:
     """The model class for a config.json's `architectures` (or `model_type` when that is absent)."""
     archs = hf.get("architectures") or []
+    if not isinstance(archs, list):
+        raise CheckpointError(f"{where}: architectures={archs!r} must be a list of class names")
     for name in archs:
-        if name in ARCHITECTURES:
+        if isinstance(name, str) and name in ARCHITECTURES:
             return ARCHITECTURES[name]
     if not archs and hf.get("model_type") in ARCHS:
         return ARCHS[hf["model_type"]]
-    raise ValueError(f"{where}: architectures={archs!r} (model_type={hf.get('model_type')!r}) is not "
-                     f"supported; pieceworks supports {', '.join(ARCHITECTURES)}")
+    raise CheckpointError(f"{where}: architectures={archs!r} (model_type={hf.get('model_type')!r}) is not "
+                          f"supported; pieceworks supports {', '.join(ARCHITECTURES)}")
+
+
+def _check_tied_head(reader: Any, hf: dict, allow_extra: bool) -> None:
+    """A tied model reads no lm_head: a checkpoint that has one contradicts its config.json."""
+    if hf.get("tie_word_embeddings") and reader.has("lm_head.weight") and not allow_extra:
+        raise CheckpointError(
+            f"{reader.model_dir}: config.json has tie_word_embeddings=true (the head reuses the embedding) "
+            "but the checkpoint holds its own lm_head.weight; set tie_word_embeddings to false to use it, "
+            "or model.allow_extra_tensors=true to ignore it"
+        )
+
+
+def check_unused(reader: Any, model: CausalLM) -> None:
+    """Refuse a checkpoint holding tensors the model did not read: a bias the config says is absent,
+    layers beyond num_hidden_layers, tensors of another model. Rope tables some exports save
+    (`rotary_emb.inv_freq`) and DeepSeek-V3's multi-token-prediction layers (which pieceworks does not
+    run) are expected and skipped.
+
+    Raises:
+        CheckpointError: naming the unused tensors (the first few, grouped by layer).
+    """
+    num_layers = len(model.layers)
+    mtp = int(model.hf_config.get("num_nextn_predict_layers") or 0) if model.arch == "deepseek_v3" else 0
+    extra = []
+    for name in reader.names():
+        if name in reader.read or name.endswith("rotary_emb.inv_freq"):
+            continue
+        parts = name.split(".")
+        if name.startswith("model.layers.") and parts[2].isdigit() and \
+                num_layers <= int(parts[2]) < num_layers + mtp:
+            continue
+        extra.append(name)
+    if not extra:
+        return
+    layers = sorted({int(n.split(".")[2]) for n in extra if n.startswith("model.layers.") and
+                     n.split(".")[2].isdigit() and int(n.split(".")[2]) >= num_layers})
+    hint = (f" (layers {layers[0]}..{layers[-1]}: config.json says num_hidden_layers={num_layers})"
+            if layers else "")
+    raise CheckpointError(
+        f"{reader.model_dir}: {len(extra)} tensor(s) the model does not use{hint}: {', '.join(extra[:4])}"
+        f"{', ...' if len(extra) > 4 else ''}; the checkpoint does not match its config.json. Fix the config "
+        "or re-export; model.allow_extra_tensors=true loads it anyway, ignoring them"
+    )
 
 
 @contextlib.contextmanager
@@ -156,7 +236,7 @@ def materialize(model: CausalLM, source: Any, device: torch.device, progress: bo
             fill(source)
             bad = [n for n, t in _floats(module, named=True) if t.isnan().any()]
             if bad:
-                raise ValueError(f"{label}: {', '.join(bad[:4])} hold NaN after loading (NaN in the checkpoint, "
+                raise CheckpointError(f"{label}: {', '.join(bad[:4])} hold NaN after loading (NaN in the checkpoint, "
                                  "or a tensor the model's load_plan does not fill)")
             advance(label)
     missing = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]

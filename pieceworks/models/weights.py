@@ -3,6 +3,11 @@
 Both implement `pieceworks.models.base.WeightSource`: models ask for tensors by their Hugging Face
 names and hand over the modules to fill; the source checks names, shapes and formats, casts to the
 model dtype and moves to the target device one tensor at a time.
+
+A checkpoint's values are checked as they stream in, on the target device: float weights must be finite
+in the model dtype and below `MAX_ABS` (a larger weight overflows the first sum it enters), NVFP4 block
+scales finite and non-negative (ModelOpt's are amax / 6, never negative). A bad tensor is a
+`CheckpointError` naming it, so a broken export fails at load instead of generating from NaN logits.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import torch
 from torch import nn
 
 from pieceworks.backends.fp4_gemm.base import Fp4Weight
+from pieceworks.errors import CheckpointError
 from pieceworks.models.base import MergedProj, SplitProj
 from pieceworks.models.checkpoint import CheckpointReader
 from pieceworks.models.moe import Experts
@@ -23,6 +29,44 @@ from pieceworks.quant.modelopt import fuse_fp4, read_fp4_experts, read_fp4_linea
 log = logging.getLogger("pieceworks.loader")
 
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
+# float32/bfloat16's max / 2^20: a dot product of 2^20 unit activations with such weights stays finite;
+# trained weights sit many orders of magnitude below it.
+MAX_ABS = torch.finfo(torch.float32).max / 2**20
+
+
+def check_values(name: str, t: torch.Tensor, where: object) -> torch.Tensor:
+    """`t` (a float weight in the model dtype) if every value is finite and |value| <= MAX_ABS.
+
+    One reduction without a temporary of t's size (the max |value|, NaN if any is NaN) and one sync per
+    tensor; the details of a bad tensor are computed only when it is bad.
+    """
+    if t.numel() == 0 or float(torch.linalg.vector_norm(t, float("inf"))) <= MAX_ABS:
+        return t
+    bad = ~torch.isfinite(t) | (t.abs() > MAX_ABS)
+    if bool(bad.any()):
+        vals = t[bad]
+        n_nan, n_inf = int(vals.isnan().sum()), int(vals.isinf().sum())
+        what = ", ".join(f"{n} {k}" for n, k in ((n_nan, "NaN"), (n_inf, "inf")) if n)
+        big = len(vals) - n_nan - n_inf
+        if big:
+            what = ", ".join(filter(None, [what, f"{big} beyond +-{MAX_ABS:.1e} (max |value| "
+                                                 f"{float(vals[vals.isfinite()].abs().max()):.3g})"]))
+        dtype_name = str(t.dtype).removeprefix("torch.")
+        raise CheckpointError(f"{name}: {what} of {t.numel()} values in {dtype_name} (in the checkpoint at {where}, "
+                              "or out of range after casting to the model dtype); the checkpoint is broken: "
+                              "re-export or re-download it")
+    return t
+
+
+def check_scales(name: str, scale: torch.Tensor) -> None:
+    """NVFP4 block scales (float8_e4m3fn, any shape) must be finite and >= 0."""
+    s = scale.float()
+    bad = ~torch.isfinite(s) | (s < 0)
+    if bool(bad.any()):
+        first = s[bad][0].item()
+        raise CheckpointError(f"{name}: {int(bad.sum())} of {s.numel()} NVFP4 block scales are negative or "
+                              f"NaN (e.g. {first}); block scales are amax / 6 >= 0: the export is broken, "
+                              "re-export it")
 
 
 class CheckpointSource:
@@ -37,29 +81,31 @@ class CheckpointSource:
     def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         r = self.reader
         if not r.has(name):
-            raise ValueError(f"{name}: missing from the checkpoint at {r.model_dir}; the checkpoint does not "
+            raise CheckpointError(f"{name}: missing from the checkpoint at {r.model_dir}; the checkpoint does not "
                              "match its config.json (re-export or re-download it)")
         got_shape, got_dtype = tuple(r.shape(name)), r.dtype(name)
         if got_shape != tuple(shape):
-            raise ValueError(f"{name}: shape mismatch: expected {list(shape)} from config.json, got "
+            raise CheckpointError(f"{name}: shape mismatch: expected {list(shape)} from config.json, got "
                              f"{list(got_shape)} in the checkpoint at {r.model_dir}")
         if got_dtype not in _FLOAT:
-            raise ValueError(f"{name}: stored as {got_dtype}; expected bf16, fp16 or fp32 (an NVFP4 weight "
+            raise CheckpointError(f"{name}: stored as {got_dtype}; expected bf16, fp16 or fp32 (an NVFP4 weight "
                              "where the model expects an unquantized one?)")
-        return r.get(name).to(device=self.device, dtype=dtype or self.dtype)
+        return check_values(name, r.get(name).to(device=self.device, dtype=dtype or self.dtype), r.model_dir)
 
     def _is_fp4(self, prefix: str) -> bool:
         return self.reader.has(f"{prefix}.weight_scale")
 
     def _fp4(self, prefix: str, in_features: int, out_features: int) -> Fp4Weight:
-        w = read_fp4_linear(self.reader, prefix, in_features, out_features)
-        return Fp4Weight(*(t.to(self.device) for t in w))
+        w = Fp4Weight(*(t.to(self.device) for t in read_fp4_linear(self.reader, prefix, in_features, out_features)))
+        check_scales(f"{prefix}.weight_scale", w.weight_scale)
+        return w
 
     def dense(self, prefix: str, in_features: int, out_features: int,
               dtype: torch.dtype | None = None) -> torch.Tensor:
         if self._is_fp4(prefix):  # e.g. kv_b_proj, which MLA absorption needs as plain weights
             w = self._fp4(prefix, in_features, out_features)
-            return nvfp4.dequantize(w.weight, w.weight_scale, w.weight_scale_2, dtype=dtype or self.dtype)
+            deq = nvfp4.dequantize(w.weight, w.weight_scale, w.weight_scale_2, dtype=dtype or self.dtype)
+            return check_values(f"{prefix}.weight", deq, self.reader.model_dir)
         return self.tensor(f"{prefix}.weight", (out_features, in_features), dtype)
 
     def linear(self, module: nn.Module, prefix: str) -> nn.Module:
@@ -96,7 +142,13 @@ class CheckpointSource:
     def experts(self, module: Experts, prefix: str) -> None:
         e, h, i = module.num_experts, module.hidden, module.intermediate
         if module.fp4:
-            module.load(read_fp4_experts(self.reader, f"{prefix}.{{e}}", e, h, i), prefix)
+            w = read_fp4_experts(self.reader, f"{prefix}.{{e}}", e, h, i)
+            for field, proj in (("w13_scale", "gate_proj or up_proj"), ("w2_scale", "down_proj")):
+                stacked = getattr(w, field).float()
+                if not bool((torch.isfinite(stacked) & (stacked >= 0)).all()):  # one check; then find the expert
+                    for j in range(e):
+                        check_scales(f"{prefix}.{j}.{proj}.weight_scale", stacked[j])
+            module.load(w, prefix)
             return
         for j in range(e):
             p = f"{prefix}.{j}"

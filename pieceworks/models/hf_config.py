@@ -1,0 +1,152 @@
+"""The config.json fields the models read, with their types and the arithmetic they must satisfy.
+
+`check(hf, arch)` runs before a model is built (from a checkpoint's config.json or from a preset plus
+`model.sizes`), so a value that makes no model is refused with the key, the bad value and what is
+allowed instead of failing later as a KeyError, a division by zero or a shape error inside torch.
+It raises `FieldError` (a `CheckpointError` carrying the key); the loader names the file, or turns it
+into a `ConfigError` naming `model.sizes.<key>` when the value came from there.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pieceworks.errors import CheckpointError
+
+
+class FieldError(CheckpointError):
+    """A config.json field is missing, of the wrong type or out of range. `key` names it."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+        self.detail = message
+
+
+# (type, rule) per field; rule: "pos" >= 1, "nonneg" >= 0, "posf" a finite float > 0. Required
+# fields have no default in the models; the others fall back to transformers' defaults.
+_COMMON = {
+    "vocab_size": ("int", "pos", True),
+    "hidden_size": ("int", "pos", True),
+    "intermediate_size": ("int", "pos", True),
+    "num_hidden_layers": ("int", "pos", True),
+    "num_attention_heads": ("int", "pos", True),
+    "max_position_embeddings": ("int", "pos", False),
+    "rms_norm_eps": ("float", "posf", False),
+    "rope_theta": ("float", "posf", False),
+    "tie_word_embeddings": ("bool", None, False),
+    "rope_scaling": ("dict", None, False),
+    "rope_parameters": ("dict", None, False),
+    "attention_bias": ("bool", None, False),
+    "hidden_act": ("str", None, False),
+}
+FIELDS: dict[str, dict[str, tuple[str, str | None, bool]]] = {
+    "llama": {
+        **_COMMON,
+        "num_key_value_heads": ("int", "pos", False),
+        "head_dim": ("int", "pos", False),
+        "mlp_bias": ("bool", None, False),
+    },
+    "deepseek_v3": {
+        **_COMMON,
+        "num_key_value_heads": ("int", "pos", False),
+        "moe_intermediate_size": ("int", "pos", False),
+        "q_lora_rank": ("int", "nonneg", False),
+        "kv_lora_rank": ("int", "pos", True),
+        "qk_nope_head_dim": ("int", "pos", True),
+        "qk_rope_head_dim": ("int", "pos", True),
+        "v_head_dim": ("int", "pos", True),
+        "n_routed_experts": ("int", "nonneg", False),
+        "n_shared_experts": ("int", "nonneg", False),
+        "num_experts_per_tok": ("int", "pos", False),
+        "n_group": ("int", "pos", False),
+        "topk_group": ("int", "pos", False),
+        "norm_topk_prob": ("bool", None, False),
+        "routed_scaling_factor": ("float", "posf", False),
+        "first_k_dense_replace": ("int", "nonneg", False),
+        "moe_layer_freq": ("int", "pos", False),
+        "rope_interleave": ("bool", None, False),
+        "num_nextn_predict_layers": ("int", "nonneg", False),
+        "scoring_func": ("str", None, False),
+        "topk_method": ("str", None, False),
+    },
+}
+# Keys a config.json carries that change nothing in pieceworks' models; `model.sizes` may set them.
+METADATA = ("architectures", "model_type", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype",
+            "dtype", "initializer_range", "use_cache", "attention_dropout", "transformers_version",
+            "pretraining_tp", "quantization_config")
+
+
+def known_keys(arch: str) -> list[str]:
+    """Every key `model.sizes` may set for `arch`."""
+    return sorted([*FIELDS[arch], *METADATA])
+
+
+def _type_ok(kind: str, v: Any) -> bool:
+    if kind == "int":
+        return isinstance(v, int) and not isinstance(v, bool)
+    if kind == "float":
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if kind == "bool":
+        return isinstance(v, bool)
+    if kind == "dict":
+        return isinstance(v, dict)
+    return isinstance(v, str)
+
+
+_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "dict": "a mapping",
+          "str": "a string"}
+
+
+def check(hf: dict, arch: str) -> None:
+    """Raise `FieldError` for the first field of `hf` (a config.json dict) that makes no `arch` model.
+
+    Checks presence of the required fields, types (an integer where a count is expected: not "64" or
+    2.5), ranges (positive counts, a finite positive rms_norm_eps and rope_theta) and the shapes'
+    arithmetic (heads divide the hidden size without head_dim, KV heads divide heads, rope head size
+    even, top-k within the experts).
+    """
+    for key, (kind, rule, required) in FIELDS[arch].items():
+        if key not in hf or (hf[key] is None and not required):
+            if required:
+                raise FieldError(key, f"missing; a {arch} config.json needs it ({_WORDS[kind]})")
+            continue
+        v = hf[key]
+        if not _type_ok(kind, v):
+            raise FieldError(key, f"{v!r} ({type(v).__name__}) must be {_WORDS[kind]}")
+        if rule == "pos" and v < 1:
+            raise FieldError(key, f"{v!r} must be >= 1")
+        if rule == "nonneg" and v < 0:
+            raise FieldError(key, f"{v!r} must be >= 0")
+        if rule == "posf" and not (math.isfinite(v) and v > 0):
+            raise FieldError(key, f"{v!r} must be a finite number > 0")
+    heads = hf["num_attention_heads"]
+    if arch == "llama":
+        if hf.get("head_dim") is None and hf["hidden_size"] % heads:
+            raise FieldError("num_attention_heads", f"{heads} does not divide hidden_size={hf['hidden_size']} "
+                                                    "(set head_dim, or use a divisor)")
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        if head_dim % 2:
+            raise FieldError("head_dim", f"{head_dim} must be even (rope rotates pairs)")
+        kv = hf.get("num_key_value_heads") or heads
+        if heads % kv:
+            raise FieldError("num_key_value_heads", f"{kv} must divide num_attention_heads={heads}")
+    else:
+        if hf["qk_rope_head_dim"] % 2:
+            raise FieldError("qk_rope_head_dim", f"{hf['qk_rope_head_dim']} must be even (rope rotates pairs)")
+        experts = hf.get("n_routed_experts") or 0
+        if experts:
+            if hf.get("moe_intermediate_size") is None:
+                raise FieldError("moe_intermediate_size", "missing; needed with n_routed_experts > 0")
+            k, groups = hf.get("num_experts_per_tok") or 1, hf.get("n_group") or 1
+            if k > experts:
+                raise FieldError("num_experts_per_tok", f"{k} exceeds n_routed_experts={experts}")
+            if (hf.get("topk_group") or 1) > groups:
+                raise FieldError("topk_group", f"{hf.get('topk_group')} exceeds n_group={groups}")
+    for key in ("rope_scaling", "rope_parameters"):
+        params = hf.get(key) or {}
+        for name in ("factor", "rope_theta"):
+            if name in params and not (_type_ok("float", params[name]) and math.isfinite(params[name])
+                                       and params[name] > 0):
+                raise FieldError(f"{key}.{name}", f"{params[name]!r} must be a finite number > 0")

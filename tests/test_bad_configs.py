@@ -1,0 +1,154 @@
+"""The config boundary's catalog of bad input: each case is refused with a ConfigError naming the file
+(and line) or key, the bad value and what is allowed, before a model is built or weights allocated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pieceworks.backends.base import BackendSpec
+from pieceworks.backends.registry import load_registry
+from pieceworks.config import ConfigError, load_config
+from pieceworks.executor.kv_cache import KVLayout, KVPool
+from pieceworks.models.loader import model_facts
+
+LLAMA = ["model.arch=llama", "model.preset=tiny", "runtime.device=cpu"]
+DEEPSEEK = ["model.arch=deepseek_v3", "model.preset=tiny", "runtime.device=cpu"]
+
+# (file text, needle): the message must hold the needle and the file's name.
+YAML_CASES = {
+    "tab": ("model:\n  arch: llama\n\tpreset: tiny\n", ":3: not valid YAML: found a tab character"),
+    "duplicate key": ("model:\n  arch: llama\n  arch: deepseek_v3\n", ":3: not valid YAML: found duplicate key arch"),
+    "unclosed bracket": ("model:\n  arch: [llama\n", ": not valid YAML: did not find expected ',' or ']'"),
+    "top-level list": ("- model\n- kv_cache\n", ": the top level is a list; it must be a mapping of sections"),
+    "top-level scalar": ("llama\n", ": the top level is a single value; it must be a mapping"),
+    "unknown key with line": ("model:\n  arch: llama\n  hiden: 3\n", "model.hiden: unknown key"),
+    "wrong type with line": ("model:\n  arch: llama\nkv_cache:\n  page_size: sixteen\n", ":4)"),
+}
+
+
+@pytest.mark.parametrize("name", YAML_CASES)
+def test_bad_yaml_files(tmp_path, name):
+    text, needle = YAML_CASES[name]
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert needle in str(e.value) and str(path) in str(e.value), str(e.value)
+
+
+def test_unreadable_config_files(tmp_path):
+    with pytest.raises(ConfigError, match=r"is a directory; give a YAML file"):
+        load_config(tmp_path)
+    with pytest.raises(ConfigError, match=r"does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    (tmp_path / "latin1.yaml").write_bytes("model:\n  arch: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1.yaml: not UTF-8 text \(byte 18"):
+        load_config(tmp_path / "latin1.yaml")
+    (tmp_path / "empty.yaml").write_text("")
+    assert load_config(tmp_path / "empty.yaml", require_model=False).model.arch is None
+
+
+# (overrides, needle): values the schema refuses as soon as the config loads.
+VALUE_CASES = [
+    (["generation.temperature=-1"], "generation.temperature: -1.0 must be a finite number >= 0"),
+    (["generation.temperature=nan"], "generation.temperature: nan must be a finite number >= 0"),
+    (["generation.top_p=0"], "generation.top_p: 0.0 must be in (0, 1]"),
+    (["generation.top_p=5"], "generation.top_p: 5.0 must be in (0, 1]"),
+    (["generation.max_new_tokens=2.5"], "generation.max_new_tokens"),
+    (["kv_cache.page_size=0"], "kv_cache.page_size: 0 must be >= 1"),
+    (["backends.attention={extend: torch, prefill: torch}"], "backends.attention: "),
+    (["backends.attention={extend: 3}"], "backends.attention: "),
+    (["model.max_context=0"], "model.max_context: 0 must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("overrides, needle", VALUE_CASES, ids=[c[0][0] for c in VALUE_CASES])
+def test_bad_values(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, LLAMA + overrides)
+    assert needle in str(e.value), str(e.value)
+
+
+def _facts(overrides):
+    cfg = load_config(None, overrides)
+    return model_facts(cfg.model, cfg.quantization, cfg.kv_cache.page_size)
+
+
+# (base, overrides, needle): model.sizes checked against the model's fields and arithmetic, on the meta
+# device (no weights allocated).
+SIZES_CASES = [
+    (LLAMA, ["model.sizes.num_hidden_layers=0"], "model.sizes.num_hidden_layers: 0 must be >= 1"),
+    (LLAMA, ["model.sizes.num_attention_heads=3", "model.sizes.num_key_value_heads=3", "model.sizes.head_dim=null"],
+     "model.sizes.num_attention_heads: 3 does not divide hidden_size=64"),
+    (LLAMA, ["model.sizes.num_attention_heads=3"], "num_key_value_heads: 2 must divide num_attention_heads=3"),
+    (LLAMA, ["model.sizes.vocab_size=-1"], "model.sizes.vocab_size: -1 must be >= 1"),
+    (LLAMA, ["model.sizes.vocab_size=0"], "model.sizes.vocab_size: 0 must be >= 1"),
+    (LLAMA, ["model.sizes.hidden_size=abc"], "model.sizes.hidden_size: 'abc' (str) must be an integer"),
+    (LLAMA, ["model.sizes.hidden_size=[64]"], "model.sizes.hidden_size: [64] (list) must be an integer"),
+    (LLAMA, ["model.sizes.num_hidden_layers=2.5"], "model.sizes.num_hidden_layers: 2.5 (float) must be an integer"),
+    (LLAMA, ["model.sizes.rope_theta=abc"], "model.sizes.rope_theta: 'abc' (str) must be a number"),
+    (LLAMA, ["model.sizes.rms_norm_eps=-1"], "model.sizes.rms_norm_eps: -1 must be a finite number > 0"),
+    (LLAMA, ["model.sizes.max_position_embeddings=0"], "model.sizes.max_position_embeddings: 0 must be >= 1"),
+    (LLAMA, ["model.sizes.head_dim=15"], "model.sizes.head_dim: 15 must be even"),
+    (LLAMA, ["model.sizes.tie_word_embeddings=3"], "model.sizes.tie_word_embeddings: 3 (int) must be true or false"),
+    (LLAMA, ["model.sizes.num_hiden_layers=2"], "model.sizes.num_hiden_layers: unknown key for model.arch=llama"),
+    (LLAMA, ["model.sizes.kv_lora_rank=8"], "model.sizes.kv_lora_rank: unknown key for model.arch=llama"),
+    (DEEPSEEK, ["model.sizes.num_experts_per_tok=9"], "model.sizes.num_experts_per_tok: 9 exceeds n_routed_experts=8"),
+    (DEEPSEEK, ["model.sizes.qk_rope_head_dim=15"], "model.sizes.qk_rope_head_dim: 15 must be even"),
+    (DEEPSEEK, ["model.sizes.kv_lora_rank=0"], "model.sizes.kv_lora_rank: 0 must be >= 1"),
+    (DEEPSEEK, ["model.sizes.topk_group=3"], "model.sizes.topk_group: 3 exceeds n_group=2"),
+    (LLAMA, ["model.preset=huge"], "model.preset='huge': unknown for arch llama"),
+]
+
+
+@pytest.mark.parametrize("base, overrides, needle", SIZES_CASES, ids=[c[1][0] for c in SIZES_CASES])
+def test_bad_model_sizes(base, overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        _facts(base + overrides)
+    assert needle in str(e.value), str(e.value)
+
+
+def test_good_sizes_still_build():
+    facts, ops = _facts(LLAMA + ["model.sizes.num_hidden_layers=1", "model.sizes.bos_token_id=1"])
+    assert facts.num_heads == 4 and ops == {"attention"}
+
+
+def _resolve(overrides):
+    cfg = load_config(None, overrides)
+    facts, ops = model_facts(cfg.model, cfg.quantization, cfg.kv_cache.page_size)
+    spec = BackendSpec.for_device(torch.device("cpu"), model=facts)
+    return load_registry(cfg.plugins).resolve(cfg.backends, spec, ops)
+
+
+REGISTRY_CASES = [
+    (["backends.mla=nosuch"], "backends.mla: no mla backend named 'nosuch'; registered: "),
+    (["backends.attention={extend: torch, decode: nosuch}"], "backends.attention: no attention backend named 'nosuch'"),
+    (["backends.options.nosuch.x=1"], "backends.options.nosuch: no registered backend is named 'nosuch'"),
+    (["plugins.disabled=[pieceworks.nosuch]"], "plugins.disabled: 'pieceworks.nosuch' is no plugin here; known: "),
+]
+
+
+@pytest.mark.parametrize("overrides, needle", REGISTRY_CASES, ids=[c[0][0] for c in REGISTRY_CASES])
+def test_typos_in_backend_and_plugin_names(overrides, needle):
+    """Names are checked for every op, also those a Llama never calls (mla)."""
+    with pytest.raises(ConfigError) as e:
+        _resolve(LLAMA + overrides)
+    assert needle in str(e.value), str(e.value)
+
+
+def test_a_partial_per_mode_mapping_means_auto_for_the_missing_mode():
+    cfg = load_config(None, LLAMA + ["backends.attention={extend: torch}"])
+    assert cfg.backends.choice("attention", "decode") == "auto"
+    table = _resolve(LLAMA + ["backends.attention={extend: torch}"])
+    configured = {(d.op, d.forward_mode.value): d.configured for d in table.decisions}
+    assert configured[("attention", "extend")] == "torch" and configured[("attention", "decode")] == "auto"
+    assert {d.chosen for d in table.decisions if d.op == "attention" and d.chosen} == {"torch"}  # CPU: only torch
+
+
+def test_a_huge_page_size_is_blamed_on_the_page_size():
+    layout = KVLayout("gqa", 2, num_kv_heads=2, head_dim=16)
+    with pytest.raises(ConfigError, match=r"kv_cache.page_size: 1000000000 is too large: a pool needs 2 pages"):
+        KVPool.sized(layout, 10**9, torch.float32, torch.device("cpu"), None, 0.85)
+    with pytest.raises(ConfigError, match=r"kv_cache.page_size: 4096 exceeds kv_cache.num_tokens=512"):
+        KVPool.sized(layout, 4096, torch.float32, torch.device("cpu"), 512, 0.85)

@@ -1,0 +1,147 @@
+"""The CLI boundary: every user error is one line on stderr with a non-zero exit and no traceback
+(`--debug` shows it), and Ctrl-C at any moment, also while torch imports, exits 130 with "interrupted".
+
+Where the process matters (stderr, exit codes, signals) the cases run the real `python -m pieceworks.cli`
+in subprocesses, all started at once, each with a timeout so nothing hangs; errors found after torch
+has loaded are also checked in process through `cli.main`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 240  # s; a case is a few seconds on an idle machine
+LLAMA = ["model.arch=llama", "model.preset=tiny", "runtime.device=cpu", "kv_cache.num_tokens=256"]
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pieceworks.cli", *args], cwd=cwd, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+# name -> (arguments, exit code, the one stderr line must contain)
+CASES = {
+    "malformed yaml": (["run", "tab.yaml"], 2, "pieceworks run: error: tab.yaml:3: not valid YAML: found a tab"),
+    "top-level list": (["backends", "list.yaml"], 2, "list.yaml: the top level is a list"),
+    "yaml is a directory": (["run", "."], 2, "config file '.' is a directory; give a YAML file"),
+    "unknown key": (["run", "model.arch=llama", "runtime.foo=1"], 2, "runtime.foo: unknown key"),
+    "bad override syntax": (["run", "model.arch=llama", "nonsense"], 2, "argument 'nonsense': expected key=value"),
+    "unknown command": (["frobnicate"], 2, "pieceworks: error: argument command: invalid choice: 'frobnicate'"),
+    "unknown flag": (["run", "--nope"], 2, "pieceworks: error: unrecognized arguments: --nope"),
+    "prompts without a tokenizer": (["run", *LLAMA, "generation.prompts=[hello]"], 2,
+                                    "generation.prompts: given, but the model has no tokenizer"),
+    "text is a directory": (["eval-ppl", *LLAMA, "--text", "."], 2, "--text .: is a directory"),
+    "debug shows the traceback": (["run", "tab.yaml", "--debug"], 1, "Traceback (most recent call last)"),
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Every case's (exit code, stdout, stderr), run concurrently."""
+    cwd = tmp_path_factory.mktemp("cli")
+    (cwd / "tab.yaml").write_text("model:\n  arch: llama\n\tpreset: tiny\n")
+    (cwd / "list.yaml").write_text("- model\n- kv_cache\n")
+    procs = {name: _start(args, cwd) for name, (args, _, _) in CASES.items()}
+    out = {}
+    try:
+        for name, p in procs.items():
+            stdout, stderr = p.communicate(timeout=TIMEOUT)
+            out[name] = (p.returncode, stdout, stderr)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    return out
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_user_errors_are_one_line_on_stderr(results, name):
+    _, code, needle = CASES[name]
+    rc, stdout, stderr = results[name]
+    assert rc == code, (rc, stderr[-2000:])
+    assert needle in stderr, stderr[-2000:]
+    if name != "debug shows the traceback":
+        lines = [ln for ln in stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and "Traceback" not in stderr, stderr[-2000:]
+        assert "error" not in stdout.lower(), stdout[-2000:]
+
+
+IN_PROCESS = {
+    "model.sizes arithmetic": (["run", *LLAMA, "model.sizes.num_hidden_layers=0"], 2,
+                               "pieceworks run: error: model.sizes.num_hidden_layers: 0 must be >= 1"),
+    "backend typo": (["backends", "model.arch=llama", "backends.mla=nosuch"], 2,
+                     "pieceworks backends: error: backends.mla: no mla backend named 'nosuch'"),
+    "options of no backend": (["backends", "backends.options.nosuch.x=1"], 2,
+                              "backends.options.nosuch: no registered backend is named 'nosuch'"),
+    "config.json missing": (["run", "model.path=.", "runtime.device=cpu"], 2, "config.json: missing"),
+}
+
+
+@pytest.mark.parametrize("name", IN_PROCESS)
+def test_user_errors_in_process(name, capsys, monkeypatch, tmp_path):
+    from pieceworks import cli
+
+    monkeypatch.chdir(tmp_path)
+    args, code, needle = IN_PROCESS[name]
+    assert cli.main(args) == code
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], err[-2000:]
+
+
+def _torch_mapped(pid: int) -> bool:
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc to see when torch starts loading")
+def test_ctrl_c_while_torch_imports_exits_130(tmp_path):
+    p = _start(["run", *LLAMA], tmp_path)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not _torch_mapped(p.pid) and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert p.poll() is None, "the process ended before torch loaded"
+        p.send_signal(signal.SIGINT)
+        stdout, stderr = p.communicate(timeout=TIMEOUT)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, (p.returncode, stderr[-2000:])
+    assert stderr.strip().splitlines()[-1] == "interrupted" and "Traceback" not in stderr, stderr[-2000:]
+
+
+def test_ctrl_c_later_and_a_swallowed_interrupt_exit_130(monkeypatch, capsys):
+    """In process: an interrupt inside a command, and one that a library's bare `except:` swallows."""
+    from pieceworks import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    def swallowed(args):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs here
+        except BaseException:  # noqa: BLE001  (what a careless library does)
+            pass
+        return 0
+
+    for command in (interrupted, swallowed):
+        monkeypatch.setattr(cli, "cmd_backends", command)
+        assert cli.main(["backends"]) == 130
+        assert capsys.readouterr().err.strip() == "interrupted"
