@@ -54,11 +54,14 @@ def print_backends(cfg: Config) -> int:
     for col in ("op", "backend", "priority", "modes", "graph modes", "numerics", "serves here"):
         t.add_column(col)
     for cls in registry.backends():
-        reasons = cls.check(spec)
+        reasons = registry.reasons(cls, spec)
         t.add_row(cls.op, cls.name, str(cls.priority), _fmt_modes(cls.forward_modes),
                   _fmt_modes(cls.graph_modes), "/".join(cls.numerics) or "-",
                   "[green]yes[/green]" if not reasons else "[red]no[/red]: " + escape("; ".join(reasons)))
     console.print(t)
+    for broken in registry.broken:
+        console.print("[red]broken plugin[/red] " + escape(f"{broken.name} ({broken.origin}): {broken.reason}; "
+                                                           f"block it with plugins.disabled=[{broken.name}]"))
     # A SelectionError propagates: the CLI prints it on stderr as one line and exits 2.
     table = registry.resolve(cfg.backends, spec, ops or ("attention", "mla", "fp4_gemm", "moe"))
     print_kernel_table(table)

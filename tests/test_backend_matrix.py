@@ -2,11 +2,16 @@
 
 from pieceworks.testing.suite import (  # noqa: F401
     test_attention,
+    test_contract,
+    test_cuda_graph,
+    test_cuda_graph_capture,
     test_fp4_gemm,
     test_fp4_gemm_fused_epilogues,
     test_fp4_gemm_fused_norm_and_residual,
+    test_graph_trace,
     test_mla,
     test_moe,
+    test_shapes,
 )
 
 

@@ -135,13 +135,19 @@ class Backend:
     op: ClassVar[str]
     """One of OPS."""
     priority: ClassVar[int] = 0
-    """Higher wins under `auto`. The torch references use 0."""
+    """Higher wins under `auto`; equal priorities go by name (alphabetical). Conventions: torch
+    references 0-1, portable GPU kernels 40-50, vendor libraries 70-100, a specialised kernel that should
+    win where it serves (e.g. decode only) just above the general one it beats."""
     requires: ClassVar[Requirements] = Requirements()
     forward_modes: ClassVar[frozenset[ForwardMode]] = ALL_FORWARD_MODES
-    graph_modes: ClassVar[frozenset[GraphMode]] = ALL_GRAPH_MODES
-    """Graph modes it is safe in: FULL = capturable in a whole-forward CUDA graph; PIECEWISE = safe in
-    piecewise graphs (for splitting ops: runs eagerly between pieces with plan/run as graphs expect; for
-    other ops: capturable inside a piece)."""
+    """Forward modes it serves (EXTEND, DECODE, MIXED); all by default."""
+    graph_modes: ClassVar[frozenset[GraphMode]] = frozenset({GraphMode.EAGER})
+    """Graph modes it is safe in; EAGER only unless declared, so that graph safety is never claimed by
+    omission. FULL = `forward` is capturable in a whole-forward CUDA decode graph (no host sync, no
+    tensor built from host data, buffers that `plan` refills at fixed addresses per graph batch size);
+    PIECEWISE = safe in piecewise graphs (attention and mla run eagerly between pieces with plan/run
+    as graphs expect and padded rows as the op's contract says; other ops are captured inside a piece).
+    The conformance suite (`pieceworks.testing`) checks every declared mode."""
     numerics: ClassVar[tuple[str, ...]] = ()
     """fp4_gemm and moe: the NVFP4 numerics it implements, its default first (see NUMERICS)."""
     Options: ClassVar[type | None] = None
@@ -179,6 +185,22 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.key()}>"
+
+
+@dataclass
+class Candidate:
+    """A backend considered for one kernel-table entry, with the reasons it can't serve (if any)."""
+
+    backend: type[Backend]
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.reasons
+
+    def veto(self, reason: str) -> None:
+        """Exclude this candidate (called by plugins from `pieceworks_adjust_candidates`)."""
+        self.reasons.append(f"vetoed by a plugin: {reason}")
 
 
 def parse_options(backend: type[Backend], raw: dict | None) -> Any:

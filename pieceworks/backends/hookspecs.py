@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from pieceworks.backends.base import Backend, BackendSpec
-    from pieceworks.backends.registry import Candidate
+    from pieceworks.backends.base import Backend, BackendSpec, Candidate
     from pieceworks.core.batch import ForwardMode, GraphMode
 
 PROJECT = "pieceworks"

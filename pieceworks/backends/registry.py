@@ -24,28 +24,14 @@ from typing import Any, Iterable
 import pluggy
 
 from pieceworks.backends import hookspecs
-from pieceworks.backends.base import OPS, Backend, BackendSpec, parse_options
+from pieceworks.backends.base import OPS, Backend, BackendSpec, Candidate, parse_options
+from pieceworks.backends.builtin import BUILTIN_PLUGINS
+from pieceworks.backends.plugins import BUILTIN_ORIGIN, IN_PROCESS_ORIGIN, BrokenPlugin, PluginSet
 from pieceworks.core.batch import TABLE_MODES, ForwardMode, GraphMode
 from pieceworks.core.context import StepKernels
 from pieceworks.errors import ConfigError
 
 log = logging.getLogger("pieceworks.registry")
-
-
-@dataclass
-class Candidate:
-    """A backend considered for one kernel-table entry, with the reasons it can't serve (if any)."""
-
-    backend: type[Backend]
-    reasons: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.reasons
-
-    def veto(self, reason: str) -> None:
-        """Exclude this candidate (called by plugins from `pieceworks_adjust_candidates`)."""
-        self.reasons.append(f"vetoed by a plugin: {reason}")
 
 
 @dataclass(frozen=True)
@@ -62,8 +48,9 @@ class Decision:
     note: str = ""
 
 
-class SelectionError(ValueError):
-    """A configured backend can't serve, or no backend can serve an op at all."""
+class SelectionError(ConfigError):
+    """A configured backend can't serve, or no backend can serve an op at all (a `backends.*` value
+    that this machine or model can't honour, hence a ConfigError)."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +95,8 @@ class Registry:
     """Backends known to this process: built-ins and entry-point plugins, through pluggy.
 
     Loading is idempotent (every tensor-parallel worker may call `load()` again). Blocked plugin names
-    (config `plugins.disabled`) are never loaded.
+    (config `plugins.disabled`) are never loaded. A broken plugin is left out and listed in `broken`
+    (`pieceworks.backends.plugins`); it stops only a selection that names one of its backends.
     """
 
     def __init__(self, disabled: Iterable[str] = (), autoload: bool = True) -> None:
@@ -117,62 +105,62 @@ class Registry:
         self.autoload = autoload
         for name in disabled:
             self.pm.set_blocked(name)
+        self.plugins = PluginSet(self.pm)
         self._loaded = False
 
     def load(self) -> "Registry":
         if self._loaded:
             return self
-        from pieceworks.backends.builtin import BUILTIN_PLUGINS
-
-        for name, plugin in BUILTIN_PLUGINS.items():
-            if not self.pm.is_blocked(name) and not self.pm.has_plugin(name):
-                self.pm.register(plugin, name=name)
+        self._load_builtins()
         if self.autoload:
-            self._load_entrypoints()
+            self.plugins.add_entry_points()
         self._loaded = True
         return self
 
+    def _load_builtins(self) -> None:
+        # first, so that a plugin re-registering a built-in key is the one left out
+        for name, plugin in BUILTIN_PLUGINS.items():
+            self.plugins.add(name, plugin, BUILTIN_ORIGIN)
+
     def _load_entrypoints(self) -> None:
-        for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT):
-            if self.pm.is_blocked(ep.name) or self.pm.has_plugin(ep.name):
-                continue
-            try:
-                plugin = ep.load()
-            except Exception as exc:
-                raise SelectionError(
-                    f"plugin {ep.name!r} (entry point {ep.value!r} of group 'pieceworks') failed to "
-                    f"import: {type(exc).__name__}: {exc}. Fix or uninstall it, or block it with "
-                    f"plugins.disabled=[{ep.name}]"
-                ) from exc
-            self.pm.register(plugin, name=ep.name)
+        self.plugins.add_entry_points()
 
     def register_plugin(self, plugin: Any, name: str) -> None:
         """Register an in-process plugin object or module (tests, embedders)."""
-        if self.pm.is_blocked(name):
-            return
-        if not self.pm.has_plugin(name):
-            self.pm.register(plugin, name=name)
+        self._load_builtins()
+        self.plugins.add(name, plugin, IN_PROCESS_ORIGIN)
 
     def plugin_names(self) -> list[str]:
+        """Plugins in use (broken and blocked ones excluded)."""
         return [name for name, plugin in self.pm.list_name_plugin() if plugin is not None]
 
-    def backends(self, op: str | None = None) -> list[type[Backend]]:
-        """Registered backend classes (of one op), best first."""
+    @property
+    def broken(self) -> list[BrokenPlugin]:
+        """Plugins left out because they can't be used, with the reasons (see `pieceworks.backends.plugins`)."""
         self.load()
-        found: dict[str, type[Backend]] = {}
-        for group in self.pm.hook.pieceworks_register_backends():
-            for cls in group or []:
-                if cls.op not in OPS:
-                    raise SelectionError(f"backend {cls.__name__} declares unknown op {cls.op!r}")
-                key = cls.key()
-                if key in found and found[key] is not cls:
-                    raise SelectionError(
-                        f"two backends are registered as {key}: {found[key].__module__}."
-                        f"{found[key].__name__} and {cls.__module__}.{cls.__name__}"
-                    )
-                found[key] = cls
-        out = [c for c in found.values() if op is None or c.op == op]
+        return list(self.plugins.broken)
+
+    def origin(self, cls: type[Backend]) -> str:
+        """`plugin NAME (origin)` of the plugin that registered `cls`."""
+        name = self.plugins.owner.get(cls.key(), "?")
+        return f"plugin {name!r} ({self.plugins.origins.get(name, 'unknown origin')})"
+
+    def backends(self, op: str | None = None) -> list[type[Backend]]:
+        """Registered backend classes (of one op), best first: higher priority, then name."""
+        self.load()
+        found = [cls for classes in self.plugins.provided.values() for cls in classes]
+        out = [c for c in found if op is None or c.op == op]
         return sorted(out, key=lambda c: (-c.priority, c.name))
+
+    def reasons(self, cls: type[Backend], spec: BackendSpec) -> list[str]:
+        """`cls.check(spec)`, with a raising check turned into a reason that names its plugin (a bug in
+        one plugin must not stop executors that would not have chosen it)."""
+        try:
+            return list(cls.check(spec))
+        except Exception as exc:
+            name = self.plugins.owner.get(cls.key(), "?")
+            return [f"check() raised {type(exc).__name__}: {exc} (a bug in {self.origin(cls)}; block it with "
+                    f"plugins.disabled=[{name}])"]
 
     def resolve(
         self, backends_cfg: Any, spec: BackendSpec, ops: Iterable[str] = OPS
@@ -189,7 +177,7 @@ class Registry:
                 backends that could), or no backend can serve a required op.
         """
         ops = [op for op in OPS if op in set(ops)]
-        _check_names(backends_cfg, self.backends())
+        _check_names(backends_cfg, self.backends(), self.plugins.broken)
         _check_options(backends_cfg, self.backends())
         entries: dict = {}
         decisions: list[Decision] = []
@@ -230,7 +218,7 @@ class Registry:
     def _candidates(self, op, mode, graph, backends, spec) -> list[Candidate]:
         out = []
         for cls in backends:
-            reasons = list(cls.check(spec))
+            reasons = self.reasons(cls, spec)
             if mode not in cls.forward_modes:
                 reasons.append(f"does not support {mode.value} steps")
             if graph not in cls.graph_modes:
@@ -244,9 +232,10 @@ class Registry:
         rejected = lambda: tuple((c.backend.name, tuple(c.reasons)) for c in cands if not c.ok)  # noqa: E731
         if configured != "auto":
             if configured not in names:
+                broken = "".join(f"; {b}" for b in self.plugins.broken)
                 raise SelectionError(
                     f"backends.{op}: no {op} backend named {configured!r}; registered: "
-                    f"{', '.join(names) or 'none'}"
+                    f"{', '.join(names) or 'none'}{broken}"
                 )
             pinned = cands[names.index(configured)]
             hard = [r for r in pinned.reasons if not r.startswith("not safe in ")]
@@ -266,9 +255,7 @@ class Registry:
             note = f"{configured} is {pinned.reasons[-1]}"
             return safe[0].backend, Decision(op, mode, graph, configured, safe[0].backend.name, rejected(),
                                              fallback_from=configured, note=note)
-        self.pm.hook.pieceworks_adjust_candidates(
-            op=op, forward_mode=mode, graph_mode=graph, spec=spec, candidates=cands
-        )
+        self._adjust(op=op, forward_mode=mode, graph_mode=graph, spec=spec, candidates=cands)
         ok = [c for c in cands if c.ok]
         if ok:
             return ok[0].backend, Decision(op, mode, graph, "auto", ok[0].backend.name, rejected())
@@ -277,6 +264,18 @@ class Registry:
             return None, Decision(op, mode, graph, "auto", None, rejected(), note=note)
         detail = "; ".join(f"{c.backend.name}: {', '.join(c.reasons)}" for c in cands) or "none registered"
         raise SelectionError(f"no {op} backend can serve {mode.value} steps here ({detail})")
+
+
+    def _adjust(self, **kwargs: Any) -> None:
+        """Every plugin's `pieceworks_adjust_candidates`, one at a time in pluggy's call order (last
+        registered first); a raising plugin is marked broken and the others still run."""
+        for impl in reversed(self.pm.hook.pieceworks_adjust_candidates.get_hookimpls()):
+            try:
+                impl.function(*[kwargs[a] for a in impl.argnames])
+            except Exception as exc:
+                name = impl.plugin_name
+                self.plugins.mark_broken(name, self.plugins.origins.get(name, "unknown origin"),
+                                         f"pieceworks_adjust_candidates raised {type(exc).__name__}: {exc}")
 
 
 def _with_fallback(decision: Decision, eager_choice: type[Backend]) -> Decision:
@@ -293,16 +292,18 @@ def _known_options(name: str, all_backends: list[type[Backend]]) -> set[str]:
     return known
 
 
-def _check_names(backends_cfg: Any, all_backends: list[type[Backend]]) -> None:
+def _check_names(backends_cfg: Any, all_backends: list[type[Backend]], broken: list[BrokenPlugin]) -> None:
     """Every backend named in `backends.<op>` must be registered for that op, also for ops this model
-    does not call (`backends.mla=nosuch` on a Llama is a typo, not a no-op)."""
+    does not call (`backends.mla=nosuch` on a Llama is a typo, not a no-op). Broken plugins are named
+    too: the backend may be one that a broken plugin would have registered."""
     for op in OPS:
         names = list(dict.fromkeys(c.name for c in all_backends if c.op == op))  # best first
         for mode in ("extend", "decode"):
             name = backends_cfg.choice(op, mode)
             if name != "auto" and name not in names:
-                raise ConfigError(f"backends.{op}: no {op} backend named {name!r}; registered: "
-                                  f"{', '.join(names) or 'none'} (or auto)")
+                raise SelectionError(f"backends.{op}: no {op} backend named {name!r}; registered: "
+                                     f"{', '.join(names) or 'none'} (or auto)"
+                                     + "".join(f"; {b}" for b in broken))
 
 
 def _check_options(backends_cfg: Any, all_backends: list[type[Backend]]) -> None:
@@ -352,8 +353,6 @@ def load_registry(plugins_cfg: Any = None) -> Registry:
     """
     disabled = list(getattr(plugins_cfg, "disabled", []) or [])
     if disabled:
-        from pieceworks.backends.builtin import BUILTIN_PLUGINS
-
         known = [*BUILTIN_PLUGINS, *sorted(ep.name for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT))]
         unknown = [n for n in disabled if n not in known]
         if unknown:

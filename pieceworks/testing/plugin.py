@@ -1,37 +1,211 @@
-"""pytest plugin for pieceworks and for backend authors (`-p pieceworks.testing.plugin`).
+"""pytest plugin for pieceworks and for backend authors, registered by the `pytest11` entry point
+`pieceworks.testing.plugin` (so installing pieceworks is enough; `-p pieceworks.testing.plugin` names
+the same plugin where the entry point is not installed).
 
 - `@pytest.mark.gpu` tests skip, with the reason, where no CUDA device is present.
-- `--pieceworks-device` picks the devices the backend-matrix suite runs on (default: cpu, plus cuda
-  when present).
+- The conformance suite (`pytest --pyargs pieceworks.testing.suite`) is parametrized here:
+  `--pieceworks-backend OP.NAME` (repeatable) picks the backends under test (default: every registered
+  backend, and the ones from plugins are under test); `--pieceworks-device cpu|cuda` (repeatable) the
+  devices (default: both, the CUDA cases skipping where there is no GPU).
+- A skip is not a pass: a backend under test none of whose cases passed or failed (each skipped, or none
+  collected) makes the run fail, unless `--pieceworks-allow-skip`; the summary names every backend that
+  was not (fully) tested and why.
 """
 
 from __future__ import annotations
 
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
 import pytest
 import torch
 
+SUITE_OP = "_pieceworks_ops"  # the ops of a suite test function (`pieceworks.testing.suite.for_op`)
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass
+class Tally:
+    """Outcomes of one backend's suite cases."""
+
+    passed: int = 0
+    failed: int = 0
+    skipped: Counter = field(default_factory=Counter)  # reason -> count
+    collected: int = 0
+
+    @property
+    def tested(self) -> bool:
+        return bool(self.passed or self.failed)
+
+
+class SuiteState:
+    """The backends a run selects and what happened to their cases."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        from pieceworks.backends.plugins import BUILTIN_ORIGIN
+        from pieceworks.backends.registry import Registry
+
+        self.config = config
+        self.registry = Registry().load()
+        self.allow_skip = config.getoption("--pieceworks-allow-skip")
+        chosen = config.getoption("--pieceworks-backend") or []
+        known = {cls.key(): cls for cls in self.registry.backends()}
+        unknown = [k for k in chosen if k not in known]
+        if unknown:
+            broken = "".join(f"\n  {b}" for b in self.registry.broken)
+            raise pytest.UsageError(
+                f"--pieceworks-backend: no backend {', '.join(unknown)} is registered (OP.NAME, e.g. "
+                f"attention.torch); registered: {', '.join(sorted(known))}"
+                + (f"\nbroken plugins:{broken}" if broken else ""))
+        self.explicit = bool(chosen)
+        if chosen:
+            self.selected = [known[k] for k in dict.fromkeys(chosen)]
+            self.under_test = set(dict.fromkeys(chosen))
+        else:
+            self.selected = list(known.values())
+            self.under_test = {k for k in known if self.registry.plugins.origins.get(
+                self.registry.plugins.owner.get(k)) != BUILTIN_ORIGIN}
+        self.devices = list(dict.fromkeys(config.getoption("--pieceworks-device") or DEVICES))
+        self.tallies: dict[str, Tally] = defaultdict(Tally)
+        self.node_backend: dict[str, str] = {}
+        self.suite_collected = False
+
+    def backends(self, ops: tuple[str, ...]) -> list[type]:
+        return [cls for cls in self.selected if cls.op in ops]
+
+
+_STATE = pytest.StashKey[SuiteState]()
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--pieceworks-device", action="append", default=None,
-                     help="device(s) for the backend-matrix suite (default: cpu and, if present, cuda)")
+    group = parser.getgroup("pieceworks", "pieceworks backend conformance suite")
+    group.addoption("--pieceworks-backend", action="append", default=None, metavar="OP.NAME",
+                    help="run the suite for this backend only (repeatable), e.g. attention.mine")
+    group.addoption("--pieceworks-device", action="append", default=None, choices=DEVICES,
+                    help="device(s) for the suite (repeatable; default: cpu and cuda, cuda cases skip "
+                         "without a GPU)")
+    group.addoption("--pieceworks-allow-skip", action="store_true", default=False,
+                    help="let a backend under test whose every case skipped pass the run (a skip is "
+                         "otherwise not a pass)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped with a reason when none is present)")
     config.addinivalue_line("markers", "slow: takes more than a few seconds on a CPU")
+    config.pluginmanager.register(Recorder(config), "pieceworks-suite-recorder")
+    if config.getoption("--pieceworks-backend", None):
+        _state(config)  # an unknown OP.NAME is a usage error before anything is collected
+
+
+def _state(config: pytest.Config) -> SuiteState:
+    if _STATE not in config.stash:
+        config.stash[_STATE] = SuiteState(config)
+    return config.stash[_STATE]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    ops = getattr(metafunc.function, SUITE_OP, None)
+    if ops is None:
+        return
+    state = _state(metafunc.config)
+    if "backend" in metafunc.fixturenames:
+        metafunc.parametrize("backend", [pytest.param(c, id=c.key()) for c in state.backends(ops)])
+    if "device" in metafunc.fixturenames:
+        metafunc.parametrize("device", [pytest.param(d, id=d, marks=[pytest.mark.gpu] if d == "cuda" else [])
+                                        for d in state.devices])
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device; none is present (run it on the GPU machine)")
+    keep, dropped = [], []
+    state = None
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        fn = getattr(item, "function", None)
+        if getattr(fn, SUITE_OP, None) is not None:
+            state = state or _state(config)
+            state.suite_collected = True
+            backend = getattr(item, "callspec", None) and item.callspec.params.get("backend")
+            if not isinstance(backend, type):  # no selected backend of this op: nothing to run
+                dropped.append(item)
+                continue
+            state.node_backend[item.nodeid] = backend.key()
+            state.tallies[backend.key()].collected += 1
+        keep.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device; none is present (run it on the GPU machine)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
 
 
-def matrix_devices(config: pytest.Config) -> list[str]:
-    chosen = config.getoption("--pieceworks-device", default=None)
-    if chosen:
-        return list(chosen)
-    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+class Recorder:
+    """Counts each suite case's outcome against its backend (a plugin object: a report carries no config)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        state = self.config.stash.get(_STATE, None)
+        key = state.node_backend.get(report.nodeid) if state is not None else None
+        if key is None:
+            return
+        tally = state.tallies[key]
+        if report.failed:
+            tally.failed += 1
+        elif report.skipped:
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            tally.skipped[reason.removeprefix("Skipped: ")] += 1
+        elif report.when == "call" and report.passed:
+            tally.passed += 1
+
+
+def untested(state: SuiteState) -> dict[str, Tally]:
+    """Backends under test that no case tested (every case skipped, or none collected)."""
+    if not (state.suite_collected or state.explicit):
+        return {}
+    return {k: state.tallies[k] for k in sorted(state.under_test) if not state.tallies[k].tested}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    state = session.config.stash.get(_STATE, None)
+    if state is None or state.allow_skip or not untested(state):
+        return
+    if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _reasons(tally: Tally, most: int = 4) -> str:
+    shown = [f"{reason} ({n}x)" if n > 1 else reason for reason, n in tally.skipped.most_common(most)]
+    more = len(tally.skipped) - most
+    return "; ".join(shown) + (f"; and {more} more reasons" if more > 0 else "")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    state = config.stash.get(_STATE, None)
+    if state is None or not (state.suite_collected or state.explicit):
+        return
+    tr = terminalreporter
+    tr.section("pieceworks conformance suite")
+    for key, tally in sorted(state.tallies.items()):
+        if key not in state.under_test and not tally.tested:
+            continue
+        mark = "under test" if key in state.under_test else "built-in"
+        line = f"{key} ({mark}): {tally.passed} passed, {tally.failed} failed, {sum(tally.skipped.values())} skipped"
+        tr.write_line(line + (f" -- skipped: {_reasons(tally)}" if tally.skipped else ""))
+    missing = untested(state)
+    for key, tally in missing.items():
+        why = _reasons(tally) if tally.skipped else "no case of it was collected"
+        tr.write_line(f"NOT TESTED: {key}: every case skipped: {why}" if tally.skipped
+                      else f"NOT TESTED: {key}: {why}", red=True, bold=True)
+    for broken in state.registry.broken:
+        tr.write_line(f"BROKEN PLUGIN: {broken}", red=True)
+    if missing:
+        if state.allow_skip:
+            tr.write_line("--pieceworks-allow-skip: the backends above count as passing although untested",
+                          yellow=True)
+        else:
+            tr.write_line("the run fails: a skip is not a pass (run where the backend can serve, or pass "
+                          "--pieceworks-allow-skip to accept an untested backend)", red=True, bold=True)

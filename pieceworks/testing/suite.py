@@ -1,9 +1,20 @@
-"""The backend-matrix suite: every registered backend (plugins included) against dense references.
+"""The backend conformance suite: every selected backend against dense references and the op contracts.
 
-Run it for your own plugin with `pytest --pyargs pieceworks.testing.suite -p pieceworks.testing.plugin`
-(add `--pieceworks-device cuda` on a GPU machine). A backend that can't serve a case is skipped with
-its own reasons. One test per op (plus one for the fp4_gemm backends' SwiGLU and rope entry points);
-the named scenarios and devices are the only parameters.
+Run it for one backend (pieceworks registers the pytest plugin `pieceworks.testing.plugin` by entry point):
+
+    pytest --pyargs pieceworks.testing.suite --pieceworks-backend attention.mine
+    pytest --pyargs pieceworks.testing.suite --pieceworks-backend attention.mine --pieceworks-device cuda
+
+What runs, per backend and device (the plugin parametrizes `backend` and `device`):
+- attention / mla: the named scenarios; `contract` runs step chains over one multi-layer pool for every
+  graph mode the backend declares (`pieceworks.testing.contract`: layer_id, a non-default scale, K/V
+  written by one step read by the next, re-plans with new lengths, PIECEWISE padding, FULL metadata with
+  graph-batch padding); `shapes` sweeps head shapes and page sizes through `check()` (what it accepts must
+  be right); `graph_trace` traces forward whole for backends declaring FULL; on CUDA `cuda_graph` captures,
+  re-plans and replays.
+- fp4_gemm / moe: shapes and numerics against dense references, the fused entry points, CUDA-graph capture.
+A case the backend can't serve is skipped with the backend's own reasons; a backend under test none of
+whose cases ran fails the run (see the plugin).
 """
 
 from __future__ import annotations
@@ -13,24 +24,36 @@ import torch
 
 from pieceworks.backends.base import BackendSpec, ModelFacts, parse_options
 from pieceworks.backends.fp4_gemm.base import Fp4Weight
-from pieceworks.backends.registry import Registry
+from pieceworks.core.batch import ForwardMode, GraphMode
+from pieceworks.testing import contract as C
 from pieceworks.testing import scenarios as S
+from pieceworks.testing.plugin import SUITE_OP
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+GRAPHS = {g.value: g for g in GraphMode}
+# the forward modes a graph mode runs (FULL graphs are decode graphs; attention runs eagerly between
+# piecewise pieces, which pad extend and mixed steps)
+GRAPH_FORWARD_MODES = {GraphMode.EAGER: (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE),
+                       GraphMode.PIECEWISE: (ForwardMode.EXTEND, ForwardMode.MIXED),
+                       GraphMode.FULL: (ForwardMode.DECODE,)}
+SHAPES = {"attention": C.ATTENTION_SHAPES, "mla": C.MLA_SHAPES}
+# the contract runs' shapes and page size: small on the CPU; on CUDA the shapes of real models, in pages
+# of 32 (a size every built-in GPU attention kernel serves)
+CONTRACT = {"cpu": ({"attention": C.GqaShape(8, 2, 64), "mla": C.MlaShape(4, 128, 64)}, 4),
+            "cuda": ({"attention": C.GqaShape(8, 2, 128), "mla": C.MlaShape(16, 512, 64)}, 32)}
 
 
-def _backends(op: str) -> list:
-    return [pytest.param(cls, id=cls.name) for cls in Registry().load().backends(op)]
-
-
-def _devices() -> list:
-    return [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+def for_op(*ops: str):
+    """Mark a suite test: the plugin parametrizes its `backend` (the selected backends of `ops`) and
+    `device`."""
+    def mark(fn):
+        setattr(fn, SUITE_OP, ops)
+        return fn
+    return mark
 
 
 def _dtype(device: str) -> torch.dtype:
     return torch.float32 if device == "cpu" else torch.bfloat16
-
-
-def _tolerance(dtype: torch.dtype) -> float:
-    return 1e-4 if dtype == torch.float32 else 2e-2
 
 
 def _spec(device: str, facts: ModelFacts, numerics: str = "auto") -> BackendSpec:
@@ -49,13 +72,18 @@ def _build(cls, spec: BackendSpec, mode=None):
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double().cpu(), ref.double().cpu()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+    return C.rel_err(out, ref)
 
 
-@pytest.mark.parametrize("device", _devices())
+def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
+    err = _rel_err(out, ref)
+    assert err <= tol, f"{what}: relative error {err:.2e} > tolerance {tol:.0e}"
+
+
+# ---------------------------------------------------------------------------- attention and mla
 @pytest.mark.parametrize("scenario", S.ATTENTION_SCENARIOS, ids=lambda s: s.name)
-@pytest.mark.parametrize("backend", _backends("attention"))
+@for_op("attention")
 def test_attention(backend, scenario, device):
     dtype = _dtype(device)
     facts = ModelFacts(dtype=dtype, num_heads=8, num_kv_heads=2, head_dim=64, page_size=scenario.page_size)
@@ -65,12 +93,11 @@ def test_attention(backend, scenario, device):
     impl.plan(case.meta)
     impl.forward(case.inputs["q"], case.inputs["k"], case.inputs["v"], out, 0, 64**-0.5, case.pool)
     assert torch.isfinite(out).all(), "every row of out must be written"
-    assert _rel_err(out, case.expected) < _tolerance(dtype)
+    assert_close(out, case.expected, C.TOLERANCE[dtype], f"{backend.key()} {scenario.name} ({dtype})")
 
 
-@pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("scenario", S.ATTENTION_SCENARIOS, ids=lambda s: s.name)
-@pytest.mark.parametrize("backend", _backends("mla"))
+@for_op("mla")
 def test_mla(backend, scenario, device):
     dtype = _dtype(device)
     rank, rope = (64, 16) if device == "cpu" else (512, 64)
@@ -83,13 +110,155 @@ def test_mla(backend, scenario, device):
     impl.plan(case.meta)
     impl.forward(i["q_nope"], i["q_pe"], i["c_kv"], i["k_pe"], out, 0, i["scale"], case.pool)
     assert torch.isfinite(out).all(), "every row of out must be written"
-    assert _rel_err(out, case.expected) < _tolerance(dtype)
+    assert_close(out, case.expected, C.TOLERANCE[dtype], f"{backend.key()} {scenario.name} ({dtype})")
 
 
-@pytest.mark.parametrize("device", _devices())
+def _contract_modes(backend, graph: GraphMode) -> list[ForwardMode]:
+    if graph not in backend.graph_modes:
+        pytest.skip(f"{backend.key()} does not declare {graph.value} graphs: nothing to check")
+    modes = [m for m in GRAPH_FORWARD_MODES[graph] if m in backend.forward_modes]
+    if not modes:
+        pytest.skip(f"{backend.key()} serves no {'/'.join(m.value for m in GRAPH_FORWARD_MODES[graph])} steps")
+    return modes
+
+
+@pytest.mark.parametrize("graph", list(GRAPHS), ids=list(GRAPHS))
+@for_op("attention", "mla")
+def test_contract(backend, graph, device):
+    """Step chains over one two-layer pool in every forward mode the graph mode runs (see
+    pieceworks.testing.contract); PIECEWISE steps padded, FULL steps with graph-batch padding. float32 on
+    the CPU, bf16 on CUDA (test_shapes runs both dtypes on both)."""
+    graph, dtype = GRAPHS[graph], _dtype(device)
+    modes = _contract_modes(backend, graph)
+    shapes, ps = CONTRACT[device]
+    shape = shapes[backend.op]
+    for mode in modes:
+        impl = _build(backend, _spec(device, shape.facts(dtype, ps)))
+        run = C.PoolRun(shape, impl, dtype, device, ps, graph, name=f"{backend.key()} {shape} {mode.value}")
+        C.run_chain(run, mode, pad=3 if graph is GraphMode.PIECEWISE else 0)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+@for_op("attention", "mla")
+def test_shapes(backend, dtype, device):
+    """Every head shape and page size `check()` accepts gives right results (eager; one mixed step over
+    an empty-cache 1-token sequence, a 1-token prefix and a 40-token one, or the step kinds the backend
+    serves)."""
+    dtype = DTYPES[dtype]
+    refused: dict[str, list[str]] = {}
+    errors, ran = [], 0
+    shapes = SHAPES[backend.op]
+    # every shape once, page sizes taking turns, and the first shape at every page size
+    combos = [(shape, C.PAGE_SIZES[i % len(C.PAGE_SIZES)]) for i, shape in enumerate(shapes)]
+    combos += [(shapes[0], ps) for ps in C.PAGE_SIZES if (shapes[0], ps) not in combos]
+    for shape, ps in combos:
+        reasons = list(backend.check(_spec(device, shape.facts(dtype, ps))))
+        if reasons:
+            refused[f"{shape} page {ps}"] = reasons
+            continue
+        impl = backend(_spec(device, shape.facts(dtype, ps)), parse_options(backend, {}))
+        run = C.PoolRun(shape, impl, dtype, device, ps, GraphMode.EAGER, num_layers=1,
+                        name=f"{backend.key()} {shape} page {ps}")
+        for name, prefix in C.SWEEP_SEQS.items():
+            run.add(name, prefix)
+        try:
+            for step in C.sweep_steps(backend.forward_modes):
+                run.step(step)
+        except Exception as exc:  # noqa: BLE001 (a kernel that raises for an accepted shape fails too)
+            errors.append(f"{type(exc).__name__}: {exc}" if not isinstance(exc, C.ContractError) else str(exc))
+        ran += 1
+    if not ran:
+        common = [r for r in next(iter(refused.values())) if all(r in rs for rs in refused.values())]
+        own = {k: [r for r in rs if r not in common] for k, rs in refused.items()}
+        own_text = "; ".join(f"{k}: {', '.join(rs)}" for k, rs in own.items() if rs)
+        pytest.skip(f"{backend.key()} can't serve here: {'; '.join(common)}"
+                    + (f" (and per shape: {own_text})" if own_text else ""))
+    assert not errors, (f"{len(errors)} of {ran} shapes that check() accepts fail:\n" + "\n".join(errors))
+
+
+@for_op("attention", "mla")
+def test_graph_trace(backend, device):
+    """A backend declaring FULL: its decode forward is traced whole (torch.compile fullgraph=True, no
+    compilation), so a host sync or data-dependent Python in forward fails without a GPU."""
+    from pieceworks.testing.graphs import traced
+
+    if GraphMode.FULL not in backend.graph_modes:
+        pytest.skip(f"{backend.key()} does not declare FULL graphs")
+    if ForwardMode.DECODE not in backend.forward_modes:
+        pytest.skip(f"{backend.key()} serves no decode steps")
+    if device == "cuda":
+        pytest.skip("traced on the CPU; on CUDA test_cuda_graph captures the real graph")
+    shape = CONTRACT["cpu"][0][backend.op]
+    impl = _build(backend, _spec(device, shape.facts(torch.float32, 4)))
+    run = C.PoolRun(shape, impl, torch.float32, device, 4, GraphMode.FULL, num_layers=1,
+                    name=f"{backend.key()} traced")
+    seqs, steps = C.chain(ForwardMode.DECODE)
+    for name, prefix in seqs.items():
+        run.add(name, prefix)
+    run.step(steps[0])  # eager, as the runner's warm-up before capture
+    run.call = traced(shape.call, f"{backend.key()}.forward")
+    run.step(steps[1])
+
+
+@pytest.mark.gpu
+@for_op("attention", "mla")
+def test_cuda_graph(backend, device):
+    """A backend declaring FULL: one CUDA graph of every layer's decode forward, captured once, replayed
+    after re-plans with new lengths (batches of 4, 2 and 3 sequences padded to 8)."""
+    from pieceworks.testing.graphs import CaptureRun
+
+    if GraphMode.FULL not in backend.graph_modes or ForwardMode.DECODE not in backend.forward_modes:
+        pytest.skip(f"{backend.key()} does not declare FULL decode graphs")
+    if device != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    dtype = torch.bfloat16
+    shapes, ps = CONTRACT["cuda"]
+    shape = shapes[backend.op]
+    impl = _build(backend, _spec(device, shape.facts(dtype, ps)))
+    run = CaptureRun(shape, impl, dtype, device, ps, GraphMode.FULL, name=f"{backend.key()} cuda graph")
+    seqs, steps = C.chain(ForwardMode.DECODE)
+    for name, prefix in seqs.items():
+        run.add(name, prefix)
+    for step in steps:
+        run.step(step)
+
+
+@pytest.mark.gpu
+@for_op("fp4_gemm", "moe")
+def test_cuda_graph_capture(backend, device):
+    """fp4_gemm and moe backends declaring FULL or PIECEWISE: forward captured on static inputs and
+    replayed on new ones gives what an eager call gives (within the bf16 tolerance: a backend may take
+    another path while capturing, as the torch MoE does)."""
+    from pieceworks.testing.graphs import capture_replay
+
+    if not {GraphMode.FULL, GraphMode.PIECEWISE} & backend.graph_modes:
+        pytest.skip(f"{backend.key()} declares no CUDA-graph mode")
+    if device != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    dtype, dev = torch.bfloat16, torch.device("cuda")
+    gen = torch.Generator().manual_seed(5)
+    if backend.op == "fp4_gemm":
+        impl = _build(backend, _spec(device, ModelFacts(dtype=dtype, fp4=True)))
+        m, k, n = 8, 256, 128
+        w = impl.prepare(Fp4Weight(*S.random_fp4_weight(n, k, gen, dev)))
+        xs = [torch.randn(m, k, generator=gen).to(dtype).to(dev) for _ in range(2)]
+        capture_replay(lambda x: impl.forward(x, w.weight, w.weight_scale, w.weight_scale_2, w.input_scale, n),
+                       lambda i: (xs[i].clone(),), backend.key(), 1e-2)
+        return
+    facts = ModelFacts(arch="deepseek_v3", dtype=dtype, fp4=True, moe_experts=8, moe_quant="nvfp4")
+    impl = _build(backend, _spec(device, facts))
+    w = impl.prepare(S.random_moe_weights(8, 256, 128, True, dtype, gen, dev))
+    xs = [torch.randn(11, 256, generator=gen).to(dtype).to(dev) for _ in range(2)]
+    logits = [torch.randn(11, 8, generator=gen).to(dev) for _ in range(2)]
+    bias = (torch.rand(8, generator=gen) * 0.1).to(dev)
+    capture_replay(lambda x, lg: impl.forward(x, lg, bias, w, 3, 4, 2, True, 2.5),
+                   lambda i: (xs[i].clone(), logits[i].clone()), backend.key(), 1e-2)
+
+
+# ---------------------------------------------------------------------------- fp4_gemm and moe
 @pytest.mark.parametrize("numerics", ["w4a16", "w4a4"])
 @pytest.mark.parametrize("shape", list(S.GEMM_SHAPES.values()), ids=list(S.GEMM_SHAPES))
-@pytest.mark.parametrize("backend", _backends("fp4_gemm"))
+@for_op("fp4_gemm")
 def test_fp4_gemm(backend, shape, numerics, device):
     dtype = _dtype(device)
     impl = _build(backend, _spec(device, ModelFacts(dtype=dtype, fp4=True), numerics))
@@ -102,11 +271,10 @@ def test_fp4_gemm(backend, shape, numerics, device):
     assert y.shape == (m, n) and y.dtype == dtype
     ref = S.dense_fp4_gemm(x, *ref_w, numerics)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    assert _rel_err(y, ref) < tol
+    assert_close(y, ref, tol, f"{backend.key()} {numerics} m={m} k={k} n={n}")
 
 
-@pytest.mark.parametrize("device", _devices())
-@pytest.mark.parametrize("backend", _backends("fp4_gemm"))
+@for_op("fp4_gemm")
 def test_fp4_gemm_fused_epilogues(backend, device):
     """`forward_swiglu` and `forward_qkv_rope` (the fp4_gemm_swiglu / fp4_gemm_qkv_rope ops) give the
     same bits as the backend's own `forward` followed by the silu_mul / rope_qk op, whether the backend
@@ -141,8 +309,7 @@ def test_fp4_gemm_fused_epilogues(backend, device):
 
 
 
-@pytest.mark.parametrize("device", _devices())
-@pytest.mark.parametrize("backend", _backends("fp4_gemm"))
+@for_op("fp4_gemm")
 def test_fp4_gemm_fused_norm_and_residual(backend, device):
     """`forward_add` gives the bits of `forward` followed by the residual add, and `forward_add_norm` those
     and `norm_inputs` of the sum (the partial sums of squares to float rounding); `forward_norm_swiglu` and
@@ -163,7 +330,8 @@ def test_fp4_gemm_fused_norm_and_residual(backend, device):
     w_o = Fp4Weight(*S.random_fp4_weight(k, k, gen, dev))
     roped, gate_up = impl.prepare_qkv_rope(w_qkv, heads, kv_heads, head_dim), impl.prepare_gate_up(w_gate_up)
     o = impl.prepare(w_o)
-    tol = 0.0 if not impl.fuses_norm else _tolerance(dtype) / 2
+    # where the norm is fused, half the GEMM tolerance of the references' float rounding (fp32 1e-4, bf16 2e-2)
+    tol = 0.0 if not impl.fuses_norm else (1e-4 if dtype == torch.float32 else 2e-2) / 2
     for m in (1, 5):
         s = (torch.randn(m, k, generator=gen) * 3).to(dtype).to(dev)
         nw = (1 + 0.5 * torch.randn(k, generator=gen)).to(dtype).to(dev)
@@ -188,10 +356,9 @@ def test_fp4_gemm_fused_norm_and_residual(backend, device):
 MOE_CASES = {"nvfp4": True, "bf16": False}
 
 
-@pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("numerics", ["w4a16", "w4a4"])
 @pytest.mark.parametrize("weights", list(MOE_CASES), ids=list(MOE_CASES))
-@pytest.mark.parametrize("backend", _backends("moe"))
+@for_op("moe")
 def test_moe(backend, weights, numerics, device):
     fp4 = MOE_CASES[weights]
     if not fp4 and numerics == "w4a4":
@@ -217,4 +384,4 @@ def test_moe(backend, weights, numerics, device):
         # float64 reference's, which moves about 2% of h's FP4 codes across a rounding boundary: 2.6e-2 at
         # the output for the torch backend in bf16 on the CPU (w4a16: 5.5e-3; test_backend_matrix.py)
         tol = 5e-2
-    assert _rel_err(y, ref) < tol
+    assert_close(y, ref, tol, f"{backend.key()} {weights} {numerics}")

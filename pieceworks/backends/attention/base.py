@@ -3,6 +3,15 @@
 Plan outside the graph, run inside it: `plan(meta)` is called on the host once per step (and before
 every graph replay) with the step's metadata; it fills whatever static buffers `forward` reads.
 `forward` must then be free of host syncs in the graph modes the backend declares.
+
+Padded rows. A step may hand `forward` more rows than `meta.num_tokens`: PIECEWISE steps are padded to a
+captured size, FULL decode graphs to their batch size (`meta.graph_batch_size`; each padding sequence has
+position 1 and a page-table row of the reserved page). For every row, padded ones included, `forward`
+writes the row's K/V at `meta.slot_mapping[row]` (padded rows map to the pool's reserved page, so the
+write is harmless and the row count needs no host knowledge), and leaves row `row` of `out` finite: the
+real rows hold the attention result, padded rows any finite value (zero is simplest), because the next
+piece or the rest of the graph computes on them. The reserved page holds only finite values.
+`pieceworks.testing` checks all of this for every graph mode a backend declares.
 """
 
 from __future__ import annotations
@@ -53,8 +62,9 @@ class AttentionBackend(Backend):
 
         Args:
             q: [T, Hq, D] queries (T may exceed meta.num_tokens: rows past it are padding).
-            k: [T, Hkv, D] new keys; v: [T, Hkv, D] new values (written at meta.slot_mapping).
-            out: [T, Hq, D] written in place (rows of padded tokens may hold anything).
+            k: [T, Hkv, D] new keys; v: [T, Hkv, D] new values, every row written at
+                meta.slot_mapping[row] (padded rows too: they map to the reserved page).
+            out: [T, Hq, D] written in place; padded rows must end finite (see the module docstring).
             layer_id: index of the layer's KV buffers in `kv`.
             scale: softmax scale.
             kv: the KV pool (`kv.k_cache(layer_id)`, `kv.v_cache(layer_id)`: [pages, page_size, Hkv, D]).

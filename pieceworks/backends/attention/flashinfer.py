@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from pieceworks.backends.attention.base import AttentionBackend, gqa_kernel_reasons
-from pieceworks.backends.base import Requirements
+from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
 from pieceworks.backends.kv_write import write_rows
 from pieceworks.core.batch import ForwardMode, GraphMode, to_device
 
@@ -202,6 +202,7 @@ def check_capture_scale(backend, scale: float) -> bool:
 class FlashInferAttentionBackend(AttentionBackend):
     name = "flashinfer"
     priority = 100
+    graph_modes = ALL_GRAPH_MODES
     requires = Requirements(devices=("cuda",), min_capability=(8, 0), modules=("flashinfer",),
                             install_hint=GPU_INSTALL_HINT)
     Options = FlashInferOptions

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from pieceworks.backends.attention.base import AttentionBackend
+from pieceworks.backends.base import ALL_GRAPH_MODES
 from pieceworks.core.batch import ForwardMode, GraphMode
 
 
@@ -60,6 +61,7 @@ class ReferencePlan:
 class TorchAttentionBackend(ReferencePlan, AttentionBackend):
     name = "torch"
     priority = 0
+    graph_modes = ALL_GRAPH_MODES
     description = "reference: gathered pages, float32 softmax"
 
     def forward(self, q, k, v, out, layer_id, scale, kv) -> None:

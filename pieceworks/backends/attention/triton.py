@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from pieceworks.backends.attention.base import AttentionBackend, gqa_kernel_reasons
-from pieceworks.backends.base import Requirements
+from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
 from pieceworks.backends.kv_write import write_rows
 from pieceworks.core.batch import ForwardMode
 
@@ -39,6 +39,7 @@ def num_splits(batch: int, num_kv_heads: int, target: int = TARGET_PROGRAMS, mos
 class TritonDecodeAttentionBackend(AttentionBackend):
     name = "triton"
     priority = 110  # above FlashInfer (100): `auto` takes it for decode steps, FlashInfer for the rest
+    graph_modes = ALL_GRAPH_MODES
     forward_modes = frozenset({ForwardMode.DECODE})
     requires = Requirements(devices=("cuda",), min_capability=(8, 0), modules=("triton",),
                             install_hint="pip install triton (it comes with CUDA builds of torch)")

@@ -32,7 +32,7 @@ from functools import lru_cache
 import torch
 
 from pieceworks.backends import pdl
-from pieceworks.backends.base import Requirements
+from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
 from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight, norm_parts, rope_qk_columns
 from pieceworks.backends.fp4_gemm.triton import interleave_gate_up, interleave_rope_rows, multiprocessors
 
@@ -114,6 +114,7 @@ K32_TWO_TILE_WARPS_PER_SM = 24
 class CudaFp4GemmBackend(Fp4GemmBackend):
     name = "cuda"
     priority = 40
+    graph_modes = ALL_GRAPH_MODES
     requires = Requirements(devices=("cuda",), min_capability=(9, 0))  # mul.bf16x2, griddepcontrol
     numerics = ("w4a16",)
     weight_layout = "r16c64"

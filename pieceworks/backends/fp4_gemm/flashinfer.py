@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 
 from pieceworks.backends.attention.flashinfer import GPU_INSTALL_HINT
-from pieceworks.backends.base import Requirements
+from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
 from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight
 from pieceworks.quant import nvfp4
 
@@ -121,6 +121,7 @@ class FlashInferCutlassFp4GemmBackend(_MmFp4Backend):
     name = "cutlass"
     kernel = "cutlass"
     priority = 80
+    graph_modes = ALL_GRAPH_MODES
     requires = Requirements(devices=("cuda",), capability_majors=(10, 11, 12), modules=("flashinfer",),
                             install_hint=GPU_INSTALL_HINT)
     description = "FlashInfer mm_fp4, CUTLASS kernels (w4a4, Blackwell)"
@@ -130,6 +131,7 @@ class FlashInferCudnnFp4GemmBackend(_MmFp4Backend):
     name = "cudnn"
     kernel = "cudnn"
     priority = 70
+    graph_modes = ALL_GRAPH_MODES
     requires = Requirements(devices=("cuda",), capability_majors=(10, 11, 12), modules=("flashinfer", "cudnn"),
                             install_hint="pip install flashinfer-python nvidia-cudnn-frontend")
     description = "FlashInfer mm_fp4, cuDNN graphs (w4a4, Blackwell)"
@@ -139,6 +141,7 @@ class FlashInferTrtllmFp4GemmBackend(_MmFp4Backend):
     name = "trtllm"
     kernel = "trtllm"
     priority = 75
+    graph_modes = ALL_GRAPH_MODES
     requires = Requirements(devices=("cuda",), capability_majors=(10,), modules=("flashinfer",),
                             install_hint=GPU_INSTALL_HINT)
     out_dtypes = (torch.bfloat16,)

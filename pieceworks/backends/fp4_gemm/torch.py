@@ -7,7 +7,7 @@ exactly as Blackwell kernels quantize (see quant/nvfp4.quantize_activation).
 
 from __future__ import annotations
 
-from pieceworks.backends.base import Requirements
+from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
 from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight
 from pieceworks.quant import nvfp4
 
@@ -15,6 +15,7 @@ from pieceworks.quant import nvfp4
 class TorchFp4GemmBackend(Fp4GemmBackend):
     name = "torch"
     priority = 0
+    graph_modes = ALL_GRAPH_MODES
     numerics = ("w4a16", "w4a4")
     description = "reference: dequantize then matmul"
 
@@ -39,6 +40,7 @@ class DequantizedFp4GemmBackend(Fp4GemmBackend):
 
     name = "dequant"
     priority = 1
+    graph_modes = ALL_GRAPH_MODES
     numerics = ("w4a16",)
     weight_layout = "dequantized"
     description = "CPU: weights dequantized once at load (w4a16 numerics, float memory)"

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from pieceworks.backends.base import Requirements
+from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
 from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight
 from pieceworks.backends.fp4_gemm.k32 import TILE_K, repack_k32
 from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES
@@ -235,6 +235,7 @@ TRITON_REQUIREMENTS = Requirements(
 class TritonFp4GemmBackend(Fp4GemmBackend):
     name = "triton"
     priority = 50
+    graph_modes = ALL_GRAPH_MODES
     requires = TRITON_REQUIREMENTS
     numerics = ("w4a16",)
     weight_layout = "k32"

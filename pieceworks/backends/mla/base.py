@@ -2,8 +2,9 @@
 
 Each token's cache entry is one vector [kv_lora_rank + rope_dim]: the normalized latent c_kv followed
 by the roped key k_pe. With W_UK absorbed into the query, scores are q_nope . c_kv + q_pe . k_pe; the
-output is the attention-weighted latent (W_UV is applied by the model afterwards). Plan/run as for
-`attention` (see attention/base.py).
+output is the attention-weighted latent (W_UV is applied by the model afterwards). Plan/run and the
+padded-row rule as for `attention` (see attention/base.py): every row's [c_kv | k_pe] is written at
+`meta.slot_mapping[row]`, and padded rows of `out` end finite.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ class MLABackend(Backend):
         Args:
             q_nope: [T, H, L] absorbed queries (L = kv_lora_rank).
             q_pe: [T, H, R] roped query part (R = qk_rope_head_dim).
-            c_kv: [T, L] new normalized latents; k_pe: [T, R] new roped keys.
-            out: [T, H, L] written in place (rows of padded tokens may hold anything).
+            c_kv: [T, L] new normalized latents; k_pe: [T, R] new roped keys (every row written at
+                meta.slot_mapping[row], padded rows too).
+            out: [T, H, L] written in place; padded rows must end finite.
             layer_id: index of the layer's latent buffer in `kv` (`kv.latent_cache(layer_id)`:
                 [pages, page_size, L + R]).
             scale: softmax scale (includes yarn's mscale correction).

@@ -25,7 +25,7 @@ from pieceworks.backends.attention.flashinfer import (
     step_lengths,
     workspace,
 )
-from pieceworks.backends.base import Requirements
+from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
 from pieceworks.backends.kv_write import write_rows
 from pieceworks.backends.mla.base import MLABackend
 from pieceworks.core.batch import ForwardMode, GraphMode
@@ -55,6 +55,7 @@ def mla_plan_args(meta, sm_scale: float, num_heads: int, kv_lora_rank: int, rope
 class FlashInferMLABackend(MLABackend):
     name = "flashinfer"
     priority = 100
+    graph_modes = ALL_GRAPH_MODES
     requires = Requirements(devices=("cuda",), min_capability=(8, 0), modules=("flashinfer",),
                             install_hint=GPU_INSTALL_HINT)
     Options = FlashInferOptions

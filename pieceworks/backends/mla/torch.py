@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from pieceworks.backends.attention.torch import ReferencePlan
+from pieceworks.backends.base import ALL_GRAPH_MODES
 from pieceworks.backends.mla.base import MLABackend
 from pieceworks.core.batch import ForwardMode
 
@@ -36,6 +37,7 @@ def attend_latent(
 class TorchMLABackend(ReferencePlan, MLABackend):
     name = "torch"
     priority = 0
+    graph_modes = ALL_GRAPH_MODES
     description = "reference: gathered latent pages, float32 softmax"
 
     def forward(self, q_nope, q_pe, c_kv, k_pe, out, layer_id, scale, kv) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from pieceworks.backends.base import Requirements
+from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
 from pieceworks.backends.fp4_gemm.cuda import CudaDecodeOptions, kernel_reasons
 from pieceworks.backends.fp4_gemm.r16c64 import CHUNK, repack_decode
 from pieceworks.backends.fp4_gemm.triton import interleave_gate_up
@@ -51,6 +51,7 @@ def repack_experts(w: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor | No
 class CudaMoEBackend(MoEBackend):
     name = "cuda"
     priority = 40
+    graph_modes = ALL_GRAPH_MODES
     requires = Requirements(devices=("cuda",), min_capability=(9, 0), modules=("triton",),
                             install_hint="pip install triton (routing, sort and combine are Triton kernels)")
     numerics = ("w4a16",)

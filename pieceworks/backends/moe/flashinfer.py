@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from pieceworks.backends.attention.flashinfer import GPU_INSTALL_HINT
-from pieceworks.backends.base import Requirements
+from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
 from pieceworks.backends.fp4_gemm.flashinfer import TRTLLM_EPILOGUE_TILE_M, fp4_quantize_activation
 from pieceworks.backends.moe.base import MoEBackend, MoEWeights
 from pieceworks.backends.moe.routing import deepseek_route
@@ -110,6 +110,7 @@ class _FlashInferMoE(MoEBackend):
 class FlashInferCutlassMoEBackend(_FlashInferMoE):
     name = "cutlass"
     priority = 80
+    graph_modes = ALL_GRAPH_MODES
     requires = Requirements(devices=("cuda",), capability_majors=(10, 11, 12), modules=("flashinfer",),
                             install_hint=GPU_INSTALL_HINT)
     weight_layout = "flashinfer_cutlass_moe"
@@ -134,6 +135,7 @@ class FlashInferCutlassMoEBackend(_FlashInferMoE):
 class FlashInferTrtllmMoEBackend(_FlashInferMoE):
     name = "trtllm"
     priority = 85
+    graph_modes = ALL_GRAPH_MODES
     requires = Requirements(devices=("cuda",), capability_majors=(10,), modules=("flashinfer",),
                             install_hint=GPU_INSTALL_HINT)
     weight_layout = "flashinfer_trtllm_moe"

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pieceworks.backends.base import ALL_GRAPH_MODES
 from pieceworks.backends.moe.base import MoEBackend, MoEWeights
 from pieceworks.backends.moe.routing import deepseek_route
 from pieceworks.quant import nvfp4
@@ -30,6 +31,7 @@ class TorchMoEOptions:
 class TorchMoEBackend(MoEBackend):
     name = "torch"
     priority = 0
+    graph_modes = ALL_GRAPH_MODES
     numerics = ("w4a16", "w4a4")
     Options = TorchMoEOptions
     description = "reference: per-expert loop"

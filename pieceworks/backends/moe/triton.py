@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from pieceworks.backends.base import ALL_GRAPH_MODES
 from pieceworks.backends.fp4_gemm.k32 import TILE_ROWS, repack_k32
 from pieceworks.backends.fp4_gemm.triton import (
     TRITON_REQUIREMENTS,
@@ -89,6 +90,7 @@ def _pad_halves(t: torch.Tensor) -> torch.Tensor:
 class TritonMoEBackend(MoEBackend):
     name = "triton"
     priority = 50
+    graph_modes = ALL_GRAPH_MODES
     requires = TRITON_REQUIREMENTS
     numerics = ("w4a16",)
     weight_formats = ("nvfp4",)

@@ -1,0 +1,179 @@
+"""Plugin discovery with isolation: built-in families, entry points of group `pieceworks`, in-process plugins.
+
+A plugin that can't be used is left out and recorded as a `BrokenPlugin` with its distribution, its
+entry-point name and the reason: its import fails, its `pieceworks_register_backends` raises or returns
+something that is not a backend class (an instance, a class without `name`, an unknown op), it registers
+an (op, name) key another plugin already has, a `pieceworks_*` function of it matches no hook (a misspelt
+hook would otherwise never be called), or two distributions install the same entry-point name. Only
+executors that select one of its backends notice it (their selection names the broken plugin); every
+other executor runs, and `pieceworks backends` lists it with the reason.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+from pieceworks.backends import hookspecs
+from pieceworks.backends.base import OPS, Backend
+
+log = logging.getLogger("pieceworks.registry")
+
+HOOK_NAMES = tuple(sorted(n for n in dir(hookspecs) if n.startswith("pieceworks_")))
+BUILTIN_ORIGIN = "built into pieceworks"
+IN_PROCESS_ORIGIN = "registered in-process"
+
+
+@dataclass(frozen=True)
+class BrokenPlugin:
+    """A plugin left out of the registry.
+
+    Attributes:
+        name: its plugin name (the entry-point name; what `plugins.disabled` takes).
+        origin: where it comes from: distribution and version, entry point.
+        reason: what is wrong with it.
+    """
+
+    name: str
+    origin: str
+    reason: str
+
+    def __str__(self) -> str:
+        return (f"plugin {self.name!r} ({self.origin}) is broken and left out: {self.reason}. Fix or "
+                f"uninstall it, or block it with plugins.disabled=[{self.name}]")
+
+
+def entry_point_origin(ep: importlib.metadata.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    where = f"distribution {dist.name} {dist.version}" if dist is not None else "unknown distribution"
+    return f"{where}, entry point {ep.name} = {ep.value}"
+
+
+class PluginSet:
+    """The plugins of one registry, each admitted only once its backends have been validated.
+
+    Attributes:
+        provided: plugin name -> the backend classes it registered, in load order.
+        origins: plugin name -> where it comes from.
+        owner: backend key (`op.name`) -> the plugin that registered it.
+        broken: the plugins left out, in the order they were found.
+    """
+
+    def __init__(self, pm: pluggy.PluginManager) -> None:
+        self.pm = pm
+        self.provided: dict[str, list[type[Backend]]] = {}
+        self.origins: dict[str, str] = {}
+        self.owner: dict[str, str] = {}
+        self.broken: list[BrokenPlugin] = []
+
+    def known(self, name: str) -> bool:
+        return name in self.provided or any(b.name == name for b in self.broken)
+
+    def mark_broken(self, name: str, origin: str, reason: str) -> None:
+        if self.pm.has_plugin(name):
+            self.pm.unregister(name=name)
+        self.provided.pop(name, None)
+        for key in [k for k, owner in self.owner.items() if owner == name]:
+            del self.owner[key]
+        broken = BrokenPlugin(name, origin, reason)
+        self.broken.append(broken)
+        log.warning("%s", broken)
+
+    def add(self, name: str, plugin: Any, origin: str) -> None:
+        """Register `plugin` under `name` unless it is blocked, already known, or broken."""
+        if self.pm.is_blocked(name) or self.known(name):
+            return
+        problem = hook_name_problem(self.pm, plugin)
+        if problem:
+            return self.mark_broken(name, origin, problem)
+        try:
+            self.pm.register(plugin, name=name)
+        except Exception as exc:  # pluggy's validation: a hook with arguments its spec does not have
+            return self.mark_broken(name, origin, f"{type(exc).__name__}: {exc}")
+        try:
+            classes = self._call_register(name)
+        except Exception as exc:
+            return self.mark_broken(name, origin, f"pieceworks_register_backends raised {type(exc).__name__}: {exc}")
+        problem = self._class_problem(classes, name)
+        if problem:
+            return self.mark_broken(name, origin, problem)
+        self.provided[name] = classes
+        self.origins[name] = origin
+        for cls in classes:
+            self.owner[cls.key()] = name
+
+    def add_entry_points(self) -> None:
+        """Every entry point of group `pieceworks`; one name installed by several distributions is
+        reported and none of them is loaded (which one wins would depend on sys.path order)."""
+        by_name: dict[str, list[importlib.metadata.EntryPoint]] = defaultdict(list)
+        for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT):
+            seen = by_name[ep.name]
+            if not any(e.value == ep.value and entry_point_origin(e) == entry_point_origin(ep) for e in seen):
+                seen.append(ep)
+        for name, eps in by_name.items():
+            if self.pm.is_blocked(name) or self.known(name):
+                continue
+            if len(eps) > 1:
+                origins = "; ".join(entry_point_origin(ep) for ep in eps)
+                self.mark_broken(name, origins, f"{len(eps)} distributions install the entry-point name "
+                                 f"{name!r}, so none of them is loaded; uninstall all but one")
+                continue
+            ep = eps[0]
+            try:
+                plugin = ep.load()
+            except Exception as exc:
+                self.mark_broken(name, entry_point_origin(ep), f"import failed: {type(exc).__name__}: {exc}")
+                continue
+            self.add(name, plugin, entry_point_origin(ep))
+
+    def _call_register(self, name: str) -> list:
+        """This plugin's own `pieceworks_register_backends` results (one plugin at a time, so a raising
+        plugin takes no other down)."""
+        out: list = []
+        for impl in self.pm.hook.pieceworks_register_backends.get_hookimpls():
+            if impl.plugin_name == name:
+                out.extend(impl.function() or [])
+        return out
+
+    def _class_problem(self, classes: list, name: str) -> str | None:
+        mine: dict[str, type] = {}
+        for cls in classes:
+            if not isinstance(cls, type):
+                return (f"pieceworks_register_backends returned {cls!r}, an instance of {type(cls).__name__}, "
+                        "not a backend class: return the class itself")
+            what = f"{cls.__module__}.{cls.__qualname__}"
+            if not issubclass(cls, Backend):
+                return (f"{what} is not a pieceworks backend: subclass the op's base class (e.g. "
+                        "pieceworks.backends.attention.base.AttentionBackend)")
+            if not isinstance(getattr(cls, "name", None), str) or not cls.name:
+                return f"{what} has no `name` (set a short registry key as a class attribute: name = \"mine\")"
+            if getattr(cls, "op", None) not in OPS:
+                return f"{what} declares op {getattr(cls, 'op', None)!r}; ops are {', '.join(OPS)}"
+            key = cls.key()
+            other = mine.get(key)
+            if other is not None and other is not cls:
+                return f"it registers two classes as {key}: {other.__qualname__} and {cls.__qualname__}"
+            if key in self.owner:
+                return f"{what} is registered as {key}, which plugin {self.owner[key]!r} already registers"
+            mine[key] = cls
+        return None
+
+
+def hook_name_problem(pm: pluggy.PluginManager, plugin: Any) -> str | None:
+    """Why `plugin`'s `pieceworks_*` functions would not be called as it expects, if they would not."""
+    for attr in dir(plugin):
+        if not attr.startswith("pieceworks_") or not callable(getattr(plugin, attr, None)):
+            continue
+        if attr not in HOOK_NAMES:
+            close = difflib.get_close_matches(attr, HOOK_NAMES, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            return f"it defines {attr}, which is no pieceworks hook ({hint}hooks: {', '.join(HOOK_NAMES)})"
+        if pm.parse_hookimpl_opts(plugin, attr) is None:
+            return f"its {attr} is not marked with @pieceworks.hookimpl, so it would never be called"
+    return None

@@ -1,0 +1,394 @@
+"""Step-by-step runs of the attention and mla contracts over one KV pool, as the executor drives them.
+
+A `PoolRun` owns a pool of several layers (pages handed out in shuffled order, every slot no sequence
+owns filled with NaN, the reserved page with finite values) and the truth of every layer's cache as
+float64 host tensors. Each `step` builds the metadata the runner would (EAGER; PIECEWISE with padded
+rows at position 0 and the reserved slot; FULL decode with static page table, slots and positions
+refilled in place and graph-batch padding rows at position 1 over the reserved page), calls `plan`
+once, then `forward` once per layer with fresh random inputs, a non-default scale and an output
+buffer filled with NaN. It then checks, per layer: the real rows of `out` against a float64 dense
+reference over the truth; that padded rows of `out` are finite; that every new token's K/V (latent) sits
+at its slot of that layer; that the reserved slot holds one of the padded rows' K/V. The next step
+reads what this one wrote, so a backend that does not write the pool, writes another layer's cache,
+keeps stale plan state or ignores the scale fails with the measured error and the tolerance.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+
+import torch
+
+from pieceworks.backends.base import ModelFacts
+from pieceworks.core.batch import ForwardMode, GraphMode, StepMetadata
+from pieceworks.executor.kv_cache import RESERVED_PAGE, KVLayout, KVPool
+
+# relative Frobenius error of the real rows against the float64 reference
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 5e-3, torch.float16: 2e-3}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+@dataclass(frozen=True)
+class GqaShape:
+    """Paged GQA/MHA attention: Hq query heads over Hkv KV heads of size D."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    op = "attention"
+
+    def __str__(self) -> str:
+        return f"Hq={self.num_heads} Hkv={self.num_kv_heads} D={self.head_dim}"
+
+    def facts(self, dtype: torch.dtype, page_size: int) -> ModelFacts:
+        return ModelFacts(dtype=dtype, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                          head_dim=self.head_dim, page_size=page_size)
+
+    def layout(self, num_layers: int) -> KVLayout:
+        return KVLayout("gqa", num_layers, self.num_kv_heads, self.head_dim)
+
+    def default_scale(self) -> float:
+        return self.head_dim**-0.5
+
+    def inputs(self, n: int, gen: torch.Generator, dtype: torch.dtype) -> tuple[dict, torch.Tensor]:
+        """Random q/k/v of n tokens (in `dtype`) and their cache entries [n, 2 Hkv D]."""
+        q = torch.randn(n, self.num_heads, self.head_dim, generator=gen).to(dtype)
+        k = torch.randn(n, self.num_kv_heads, self.head_dim, generator=gen).to(dtype)
+        v = torch.randn(n, self.num_kv_heads, self.head_dim, generator=gen).to(dtype)
+        return {"q": q, "k": k, "v": v}, torch.cat([k.flatten(1), v.flatten(1)], 1)
+
+    def out_shape(self, n: int) -> tuple[int, ...]:
+        return (n, self.num_heads, self.head_dim)
+
+    def width(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim
+
+    def pool_rows(self, pool: KVPool, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """[len(slots), 2 Hkv D]: the cache entries of one layer at `slots`, on the host."""
+        kc, vc = pool.k_cache(layer), pool.v_cache(layer)
+        k = kc.reshape(-1, kc.shape[2] * kc.shape[3])[slots]
+        return torch.cat([k, vc.reshape(-1, vc.shape[2] * vc.shape[3])[slots]], 1).cpu()
+
+    def write(self, pool: KVPool, layer: int, slots: torch.Tensor, entries: torch.Tensor) -> None:
+        width = self.num_kv_heads * self.head_dim
+        kc, vc = pool.k_cache(layer), pool.v_cache(layer)
+        kc.view(-1, width)[slots] = entries[:, :width].to(pool.device)
+        vc.view(-1, width)[slots] = entries[:, width:].to(pool.device)
+
+    def call(self, impl, x: dict, out: torch.Tensor, layer: int, scale: float, pool: KVPool) -> None:
+        impl.forward(x["q"], x["k"], x["v"], out, layer, scale, pool)
+
+    def reference(self, x: dict, rows: slice, entries: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:
+        """float64 causal attention of the new tokens `rows` over `entries` [prefix + n, 2 Hkv D]."""
+        q = x["q"][rows].double()
+        n, s, hkv, d = q.shape[0], entries.shape[0], self.num_kv_heads, self.head_dim
+        keys = entries[:, : hkv * d].view(s, hkv, d)
+        vals = entries[:, hkv * d :].view(s, hkv, d)
+        group = self.num_heads // hkv
+        scores = torch.einsum("nhgd,shd->nhgs", q.view(n, hkv, group, d), keys) * scale
+        causal = torch.arange(s)[None, :] <= (torch.arange(n) + prefix)[:, None]
+        scores = scores.masked_fill(~causal[:, None, None, :], float("-inf"))
+        return torch.einsum("nhgs,shd->nhgd", scores.softmax(-1), vals).reshape(n, self.num_heads, d)
+
+
+@dataclass(frozen=True)
+class MlaShape:
+    """Absorbed MLA: H heads over a latent of L (kv_lora_rank) plus a rope key of R."""
+
+    num_heads: int
+    kv_lora_rank: int
+    rope_dim: int
+    op = "mla"
+
+    def __str__(self) -> str:
+        return f"H={self.num_heads} L={self.kv_lora_rank} R={self.rope_dim}"
+
+    def facts(self, dtype: torch.dtype, page_size: int) -> ModelFacts:
+        return ModelFacts(arch="deepseek_v3", dtype=dtype, num_heads=self.num_heads, num_kv_heads=1,
+                          kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.rope_dim, page_size=page_size)
+
+    def layout(self, num_layers: int) -> KVLayout:
+        return KVLayout("mla", num_layers, latent_dim=self.kv_lora_rank + self.rope_dim)
+
+    def default_scale(self) -> float:
+        return (self.kv_lora_rank // 4 + self.rope_dim) ** -0.5
+
+    def inputs(self, n: int, gen: torch.Generator, dtype: torch.dtype) -> tuple[dict, torch.Tensor]:
+        r = lambda *s: (torch.randn(*s, generator=gen) * 0.5).to(dtype)  # noqa: E731
+        h, l, rd = self.num_heads, self.kv_lora_rank, self.rope_dim
+        x = {"q_nope": r(n, h, l), "q_pe": r(n, h, rd), "c_kv": r(n, l), "k_pe": r(n, rd)}
+        return x, torch.cat([x["c_kv"], x["k_pe"]], 1)
+
+    def out_shape(self, n: int) -> tuple[int, ...]:
+        return (n, self.num_heads, self.kv_lora_rank)
+
+    def width(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    def pool_rows(self, pool: KVPool, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        c = pool.latent_cache(layer)
+        return c.reshape(-1, c.shape[-1])[slots].cpu()
+
+    def write(self, pool: KVPool, layer: int, slots: torch.Tensor, entries: torch.Tensor) -> None:
+        c = pool.latent_cache(layer)
+        c.view(-1, c.shape[-1])[slots] = entries.to(pool.device)
+
+    def call(self, impl, x: dict, out: torch.Tensor, layer: int, scale: float, pool: KVPool) -> None:
+        impl.forward(x["q_nope"], x["q_pe"], x["c_kv"], x["k_pe"], out, layer, scale, pool)
+
+    def reference(self, x: dict, rows: slice, entries: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:
+        qn, qp = x["q_nope"][rows].double(), x["q_pe"][rows].double()
+        n, s, l = qn.shape[0], entries.shape[0], self.kv_lora_rank
+        scores = (torch.einsum("nhl,sl->nhs", qn, entries[:, :l])
+                  + torch.einsum("nhr,sr->nhs", qp, entries[:, l:])) * scale
+        causal = torch.arange(s)[None, :] <= (torch.arange(n) + prefix)[:, None]
+        scores = scores.masked_fill(~causal[:, None, :], float("-inf"))
+        return torch.einsum("nhs,sl->nhl", scores.softmax(-1), entries[:, :l])
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step: (sequence name, new tokens) per sequence, in batch order."""
+
+    work: tuple[tuple[str, int], ...]
+    pad: int = 0  # PIECEWISE: padded rows past the real tokens
+
+
+class ContractError(AssertionError):
+    pass
+
+
+class PoolRun:
+    """Drive one backend instance through steps over one pool (see the module docstring).
+
+    Args:
+        shape: a GqaShape or MlaShape.
+        impl: the backend instance (built for `shape.facts(dtype, page_size)`).
+        graph: the graph mode of every step (FULL: decode steps only).
+        scale_factor: the scale passed to forward is this times the shape's default scale.
+    """
+
+    GRAPH_BATCH = 8  # FULL: the padded batch of the graph being replayed
+    TABLE_WIDTH = 16  # FULL: pages per sequence in the static page table
+
+    def __init__(self, shape, impl, dtype: torch.dtype, device: str, page_size: int, graph: GraphMode,
+                 num_layers: int = 2, num_tokens: int = 128, seed: int = 0, scale_factor: float = 1.37,
+                 name: str = "") -> None:
+        self.shape, self.impl, self.dtype, self.graph = shape, impl, dtype, graph
+        self.device = torch.device(device)
+        self.page_size, self.num_layers, self.name = page_size, num_layers, name
+        self.gen = torch.Generator().manual_seed(seed)
+        self.rng = random.Random(seed)
+        # room for `num_tokens` tokens of sequences that each waste up to a page, plus the reserved page
+        num_pages = 1 + -(-num_tokens // page_size) + 8
+        self.pool = KVPool(shape.layout(num_layers), num_pages, page_size, dtype, self.device)
+        self.pool.buffer.fill_(float("nan"))  # slots no sequence owns may hold anything: never read them
+        reserved = torch.arange(RESERVED_PAGE * page_size, (RESERVED_PAGE + 1) * page_size, device=self.device)
+        for layer in range(num_layers):  # ... except the reserved page, which holds finite values
+            shape.write(self.pool, layer, reserved, torch.zeros(page_size, shape.width(), dtype=dtype))
+        self.free = list(range(1, num_pages))
+        self.rng.shuffle(self.free)
+        self.scale = scale_factor * shape.default_scale()
+        self.pages: dict[str, list[int]] = {}
+        self.truth: dict[str, list[torch.Tensor]] = {}  # per sequence: [layer] -> [len, W] float64
+        self.tol = TOLERANCE[dtype]
+        self.steps_run = 0
+        if graph is GraphMode.FULL:
+            b, w = self.GRAPH_BATCH, self.TABLE_WIDTH
+            self.static_table = torch.zeros(b, w, dtype=torch.int32, device=self.device)
+            self.static_slots = torch.zeros(b, dtype=torch.int64, device=self.device)
+            self.static_pos = torch.zeros(b, dtype=torch.int64, device=self.device)
+
+    # ------------------------------------------------------------------ sequences
+    def add(self, name: str, prefix: int) -> None:
+        """A sequence whose first `prefix` tokens' K/V are written straight into the pool (not by the
+        backend: its reads are checked independently of its writes)."""
+        self.pages[name], self.truth[name] = [], []
+        self._grow(name, prefix)
+        slots = self._slots(name, 0, prefix)
+        for layer in range(self.num_layers):
+            _, entries = self.shape.inputs(prefix, self.gen, self.dtype)
+            if prefix:
+                self.shape.write(self.pool, layer, slots, entries)
+            self.truth[name].append(entries.double())
+
+    def _grow(self, name: str, length: int) -> None:
+        need = -(-length // self.page_size) - len(self.pages[name])
+        if need > len(self.free):
+            raise ContractError(f"{self.name}: the test pool is too small ({need} pages needed)")
+        self.pages[name] += [self.free.pop() for _ in range(max(0, need))]
+
+    def _slots(self, name: str, start: int, n: int) -> torch.Tensor:
+        ps, pages = self.page_size, self.pages[name]
+        return torch.tensor([pages[p // ps] * ps + p % ps for p in range(start, start + n)], dtype=torch.int64,
+                            device=self.device)
+
+    def length(self, name: str) -> int:
+        return self.truth[name][0].shape[0]
+
+    # ------------------------------------------------------------------ one step
+    def meta(self, step: Step) -> StepMetadata:
+        names = [s for s, _ in step.work]
+        extend = [n for _, n in step.work]
+        prefix = [self.length(s) for s in names]
+        for s, n in step.work:
+            self._grow(s, self.length(s) + n)
+        mode = ForwardMode.classify(extend, prefix)
+        slots = torch.cat([self._slots(s, p, n) for (s, n), p in zip(step.work, prefix)])
+        positions = torch.cat([torch.arange(p, p + n) for (_, n), p in zip(step.work, prefix)]).to(self.device)
+        pages = [list(self.pages[s]) for s in names]
+        if self.graph is GraphMode.FULL:
+            assert mode is ForwardMode.DECODE, "FULL graphs run decode steps"
+            b, pad = self.GRAPH_BATCH, self.GRAPH_BATCH - len(names)
+            table = torch.full((b, self.TABLE_WIDTH), RESERVED_PAGE, dtype=torch.int32)
+            for i, p in enumerate(pages):
+                table[i, : len(p)] = torch.tensor(p, dtype=torch.int32)
+            # refilled in place: the graph being replayed reads these addresses
+            self.static_table.copy_(table)
+            self.static_slots.fill_(self.pool.reserved_slot)[: len(names)].copy_(slots)
+            self.static_pos.fill_(1)[: len(names)].copy_(positions)
+            return StepMetadata(mode=mode, graph_mode=GraphMode.FULL, extend_lens=extend, prefix_lens=prefix,
+                                page_size=self.page_size, page_table=self.static_table, slot_mapping=self.static_slots,
+                                positions=self.static_pos, graph_batch_size=b,
+                                page_lists=pages + [[RESERVED_PAGE]] * pad)
+        width = max(1, max(len(p) for p in pages))
+        table = torch.zeros(len(pages), width, dtype=torch.int32)
+        for i, p in enumerate(pages):
+            table[i, : len(p)] = torch.tensor(p, dtype=torch.int32)
+        # padded rows as the runner pads them: position 0, the reserved slot
+        pad_slots = torch.full((step.pad,), self.pool.reserved_slot, dtype=torch.int64, device=self.device)
+        pad_pos = torch.zeros(step.pad, dtype=torch.int64, device=self.device)
+        return StepMetadata(mode=mode, graph_mode=self.graph, extend_lens=extend, prefix_lens=prefix,
+                            page_size=self.page_size, page_table=table.to(self.device),
+                            slot_mapping=torch.cat([slots, pad_slots]), positions=torch.cat([positions, pad_pos]),
+                            page_lists=pages)
+
+    def step(self, step: Step) -> None:
+        """Run one step over every layer and check it; raises ContractError naming what is wrong."""
+        where = f"{self.name} step {self.steps_run + 1} ({self.graph.value}, {describe(step)})"
+        meta = self.meta(step)
+        real = meta.num_tokens
+        rows = meta.slot_mapping.shape[0]
+        self.impl.plan(meta)
+        inputs = [self.shape.inputs(rows, self.gen, self.dtype) for _ in range(self.num_layers)]
+        try:
+            outs = [out.cpu() for out in self.forward_all([x for x, _ in inputs])]
+        except ContractError as exc:
+            raise ContractError(f"{where}: {exc}") from exc
+        except Exception as exc:  # a kernel that crashes on a step it accepted fails the contract too
+            raise ContractError(f"{where}: forward raised {type(exc).__name__}: {exc}") from exc
+        indptr = meta.qo_indptr()
+        errors = []
+        for layer, ((x, entries), out) in enumerate(zip(inputs, outs)):
+            ref = []
+            for i, (s, n) in enumerate(step.work):
+                keys = torch.cat([self.truth[s][layer], entries[indptr[i] : indptr[i + 1]].double()])
+                ref.append(self.shape.reference(x, slice(indptr[i], indptr[i + 1]), keys, meta.prefix_lens[i],
+                                                self.scale))
+            ref = torch.cat(ref)
+            got = out[:real]
+            if not torch.isfinite(got).all():
+                errors.append(f"layer {layer}: non-finite values in the real rows of out")
+            else:
+                err = rel_err(got, ref)
+                if not err <= self.tol:
+                    errors.append(f"layer {layer}: relative error {err:.2e} > tolerance {self.tol:.0e} "
+                                  f"({self.dtype}, scale {self.scale:.4g})")
+            if rows > real and not torch.isfinite(out[real:]).all():
+                errors.append(f"layer {layer}: padded rows {real}..{rows - 1} of out are not finite (the next "
+                              "piece computes on them: write finite values, e.g. zero)")
+            want = entries[:real].to(self.dtype)
+            have = self.shape.pool_rows(self.pool, layer, meta.slot_mapping[:real])
+            if not torch.equal(have.nan_to_num(1e30), want.nan_to_num(1e30)):
+                bad = int((have != want).any(1).sum())
+                errors.append(f"layer {layer}: {bad} of {real} new tokens' K/V are not at their slots in this "
+                              "layer's cache (forward writes every row at meta.slot_mapping[row] of "
+                              "kv's layer_id buffers)")
+            if rows > real:
+                reserved = self.shape.pool_rows(self.pool, layer, meta.slot_mapping[real:real + 1])[0]
+                if not any(torch.equal(reserved, e) for e in entries[real:].to(self.dtype)):
+                    errors.append(f"layer {layer}: the reserved slot does not hold a padded row's K/V (padded "
+                                  "rows are written too, at their slot_mapping entry: the reserved slot)")
+        if errors:
+            raise ContractError(f"{where}:\n  " + "\n  ".join(errors))
+        for i, (s, n) in enumerate(step.work):
+            for layer, (_, entries) in enumerate(inputs):
+                self.truth[s][layer] = torch.cat([self.truth[s][layer],
+                                                  entries[indptr[i] : indptr[i + 1]].to(self.dtype).double()])
+        self.steps_run += 1
+
+    def forward_all(self, xs: list[dict]) -> list[torch.Tensor]:
+        """Every layer's forward on the planned step, eagerly (`call` may be a traced wrapper)."""
+        outs = []
+        for layer, x in enumerate(xs):
+            x_dev = {k: v.to(self.device) for k, v in x.items()}
+            out = torch.full(self.shape.out_shape(x_dev[next(iter(x_dev))].shape[0]), float("nan"),
+                             dtype=self.dtype, device=self.device)
+            self.call(self.impl, x_dev, out, layer, self.scale, self.pool)
+            outs.append(out)
+        return outs
+
+    def call(self, impl, x: dict, out: torch.Tensor, layer: int, scale: float, pool: KVPool) -> None:
+        self.shape.call(impl, x, out, layer, scale, pool)
+
+
+def describe(step: Step) -> str:
+    body = ", ".join(f"{s}+{n}" for s, n in step.work)
+    return body + (f", {step.pad} padded rows" if step.pad else "")
+
+
+# ---------------------------------------------------------------------------- the step chains
+# (sequence, cached prefix written straight into the pool) and the steps over them: every step re-plans
+# with new lengths and reads what the steps before it wrote.
+CHAINS: dict[ForwardMode, tuple[dict[str, int], tuple[Step, ...]]] = {
+    ForwardMode.EXTEND: ({"a": 6, "b": 0, "c": 13},
+                         (Step((("a", 5), ("b", 7))), Step((("b", 3), ("c", 9), ("a", 2))))),
+    ForwardMode.MIXED: ({"a": 9, "b": 0, "c": 4, "d": 20},
+                        (Step((("a", 1), ("b", 6), ("c", 3), ("d", 1))), Step((("b", 1), ("a", 3), ("d", 1))))),
+    ForwardMode.DECODE: ({"a": 5, "b": 17, "c": 1, "d": 33},
+                         (Step((("a", 1), ("b", 1), ("c", 1), ("d", 1))), Step((("d", 1), ("a", 1))),
+                          Step((("c", 1), ("a", 1), ("b", 1))))),
+}
+
+
+def chain(mode: ForwardMode, pad: int = 0) -> tuple[dict[str, int], tuple[Step, ...]]:
+    """The step chain of `mode`; PIECEWISE runs pass `pad` > 0 (each step gets pad + its index rows)."""
+    seqs, steps = CHAINS[mode]
+    if pad:
+        steps = tuple(replace(s, pad=pad + i) for i, s in enumerate(steps))
+    return seqs, steps
+
+
+def run_chain(run: PoolRun, mode: ForwardMode, pad: int = 0) -> None:
+    seqs, steps = chain(mode, pad)
+    for name, prefix in seqs.items():
+        run.add(name, prefix)
+    for step in steps:
+        run.step(step)
+
+
+# ---------------------------------------------------------------------------- shape sweeps
+ATTENTION_SHAPES = (GqaShape(4, 4, 64), GqaShape(8, 2, 128), GqaShape(8, 1, 64), GqaShape(6, 3, 96),
+                    GqaShape(4, 2, 256), GqaShape(16, 2, 80))
+MLA_SHAPES = (MlaShape(4, 512, 64), MlaShape(16, 128, 64), MlaShape(8, 192, 64), MlaShape(2, 64, 64),
+              MlaShape(128, 512, 64))
+PAGE_SIZES = (1, 16, 64)
+# the sweep's step per shape: an empty-cache 1-token sequence, a 1-token prefix (a decode row), a longer
+# prefix over pages; as one mixed step, or as the step kinds the backend serves
+SWEEP_SEQS = {"one": 0, "short": 1, "long": 40}
+SWEEP_STEPS = {
+    ForwardMode.MIXED: (Step((("one", 1), ("short", 1), ("long", 3))),),
+    ForwardMode.EXTEND: (Step((("one", 1), ("short", 2), ("long", 5))),),
+    ForwardMode.DECODE: (Step((("long", 1), ("short", 1))),),
+}
+
+
+def sweep_steps(forward_modes) -> tuple[Step, ...]:
+    if ForwardMode.MIXED in forward_modes:
+        return SWEEP_STEPS[ForwardMode.MIXED]
+    return tuple(s for m in (ForwardMode.EXTEND, ForwardMode.DECODE) if m in forward_modes for s in SWEEP_STEPS[m])

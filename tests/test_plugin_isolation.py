@@ -1,0 +1,225 @@
+"""A broken plugin is reported with its distribution, entry-point name and the `plugins.disabled` hint, and
+stops only executors that select it: import errors, raising hooks, bad classes, raising checks, misspelt
+hooks, duplicate keys and entry-point names installed by two distributions."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from pieceworks.backends.base import BackendSpec
+from pieceworks.backends.registry import Registry, SelectionError
+from pieceworks.config import load_config
+from pieceworks.core.batch import ForwardMode, GraphMode
+
+GOOD = '''
+from pieceworks import hookimpl
+from pieceworks.backends.attention.torch import TorchAttentionBackend
+
+class GoodAttention(TorchAttentionBackend):
+    name = "good"
+    priority = 5
+
+@hookimpl
+def pieceworks_register_backends():
+    return [GoodAttention]
+'''
+
+BROKEN = {
+    "import": "raise ImportError('missing kernel library')\n",
+    "raising_hook": '''
+from pieceworks import hookimpl
+
+@hookimpl
+def pieceworks_register_backends():
+    raise RuntimeError("kernels not built")
+''',
+    "no_name": '''
+from pieceworks import hookimpl
+from pieceworks.backends.attention.base import AttentionBackend
+
+class Nameless(AttentionBackend):
+    priority = 1
+
+@hookimpl
+def pieceworks_register_backends():
+    return [Nameless]
+''',
+    "instance": '''
+from pieceworks import hookimpl
+from pieceworks.backends.attention.torch import TorchAttentionBackend
+from pieceworks.backends.base import BackendSpec
+
+class Inst(TorchAttentionBackend):
+    name = "inst"
+
+@hookimpl
+def pieceworks_register_backends():
+    return [Inst(BackendSpec())]
+''',
+    "misspelt": '''
+from pieceworks import hookimpl
+from pieceworks.backends.attention.torch import TorchAttentionBackend
+
+class Typo(TorchAttentionBackend):
+    name = "typo"
+
+@hookimpl
+def pieceworks_register_backend():
+    return [Typo]
+''',
+    "unmarked": '''
+from pieceworks.backends.attention.torch import TorchAttentionBackend
+
+class Unmarked(TorchAttentionBackend):
+    name = "unmarked"
+
+def pieceworks_register_backends():
+    return [Unmarked]
+''',
+    "dup_key": '''
+from pieceworks import hookimpl
+from pieceworks.backends.attention.torch import TorchAttentionBackend
+
+class Again(TorchAttentionBackend):
+    name = "torch"
+
+@hookimpl
+def pieceworks_register_backends():
+    return [Again]
+''',
+}
+
+EXPECTED = {
+    "import": "import failed: ImportError: missing kernel library",
+    "raising_hook": "pieceworks_register_backends raised RuntimeError: kernels not built",
+    "no_name": "has no `name`",
+    "instance": "an instance of Inst, not a backend class",
+    "misspelt": "defines pieceworks_register_backend, which is no pieceworks hook",
+    "unmarked": "is not marked with @pieceworks.hookimpl",
+    "dup_key": "registered as attention.torch, which plugin 'pieceworks.torch' already registers",
+}
+
+
+def install(tmp_path, monkeypatch, dist: str, modules: dict[str, str], eps: dict[str, str]) -> None:
+    """A distribution `dist` on sys.path with `modules` and entry points `eps` of group pieceworks."""
+    root = tmp_path / dist
+    root.mkdir()
+    for mod, src in modules.items():
+        (root / f"{mod}.py").write_text(textwrap.dedent(src))
+    info = root / f"{dist.replace('-', '_')}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[pieceworks]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()))
+    monkeypatch.syspath_prepend(str(root))
+    for mod in modules:
+        monkeypatch.delitem(sys.modules, mod, raising=False)
+
+
+def resolve(reg, overrides=()):
+    cfg = load_config({"model": {"arch": "llama"}}, list(overrides))
+    return reg.resolve(cfg.backends, BackendSpec(), ("attention",))
+
+
+@pytest.fixture
+def installed(tmp_path, monkeypatch):
+    mods = {f"pwb_{k}": v for k, v in BROKEN.items()} | {"pwb_good": GOOD}
+    install(tmp_path, monkeypatch, "pw-broken-kernels", mods, {k: f"pwb_{k}" for k in [*BROKEN, "good"]})
+    yield
+    for mod in mods:
+        sys.modules.pop(mod, None)
+
+
+def test_each_broken_plugin_is_reported_and_the_rest_still_runs(installed):
+    reg = Registry().load()
+    broken = {b.name: b for b in reg.broken}
+    assert set(broken) == set(BROKEN)
+    for name, want in EXPECTED.items():
+        b = broken[name]
+        assert want in b.reason, (name, b.reason)
+        assert b.origin == f"distribution pw-broken-kernels 0.1, entry point {name} = pwb_{name}"
+        assert f"block it with plugins.disabled=[{name}]" in str(b)
+    assert "good" in reg.plugin_names() and not set(BROKEN) & set(reg.plugin_names())
+    table = resolve(reg)  # an executor that selects none of them is built as usual
+    assert table.get("attention", ForwardMode.EXTEND, GraphMode.EAGER).name == "good"
+    assert resolve(reg, ["backends.attention=torch"]).get("attention", ForwardMode.DECODE, GraphMode.EAGER).name == "torch"
+
+
+def test_selecting_a_broken_plugins_backend_names_the_plugin(installed):
+    with pytest.raises(SelectionError, match=r"no attention backend named 'typo'.*plugin 'misspelt' \(distribution "
+                       r"pw-broken-kernels 0.1.*pieceworks_register_backend, which is no pieceworks hook"):
+        resolve(Registry().load(), ["backends.attention=typo"])
+
+
+def test_blocked_broken_plugin_is_neither_loaded_nor_reported(installed):
+    reg = Registry(disabled=list(BROKEN)).load()
+    assert reg.broken == [] and "good" in reg.plugin_names()
+
+
+def test_raising_check_is_a_reason_naming_the_plugin(tmp_path, monkeypatch):
+    install(tmp_path, monkeypatch, "pw-checky", {"pw_checky": '''
+        from pieceworks import hookimpl
+        from pieceworks.backends.attention.torch import TorchAttentionBackend
+
+        class Checky(TorchAttentionBackend):
+            name = "checky"
+            priority = 50
+
+            @classmethod
+            def check(cls, spec):
+                raise KeyError("head_dim")
+
+        @hookimpl
+        def pieceworks_register_backends():
+            return [Checky]
+    '''}, {"checky": "pw_checky"})
+    reg = Registry().load()
+    table = resolve(reg)
+    assert table.get("attention", ForwardMode.EXTEND, GraphMode.EAGER).name != "checky"
+    rejected = dict(next(d for d in table.decisions if d.graph_mode is GraphMode.EAGER).rejected)
+    (reason,) = rejected["checky"]
+    assert reason.startswith("check() raised KeyError: 'head_dim' (a bug in plugin 'checky' (distribution pw-checky 0.1")
+    assert "plugins.disabled=[checky]" in reason
+    with pytest.raises(SelectionError, match=r"backends.attention=checky can't serve.*check\(\) raised KeyError"):
+        resolve(reg, ["backends.attention=checky"])
+
+
+def test_one_entry_point_name_from_two_distributions_is_reported(tmp_path, monkeypatch):
+    install(tmp_path, monkeypatch, "pw-one", {"pw_one": GOOD}, {"kernels": "pw_one"})
+    install(tmp_path, monkeypatch, "pw-two", {"pw_two": GOOD.replace('"good"', '"other"')}, {"kernels": "pw_two"})
+    reg = Registry().load()
+    (broken,) = reg.broken
+    assert broken.name == "kernels" and "2 distributions install the entry-point name 'kernels'" in broken.reason
+    assert "distribution pw-one 0.1" in broken.origin and "distribution pw-two 0.1" in broken.origin
+    assert "kernels" not in reg.plugin_names()
+    assert not {"good", "other"} & {c.name for c in reg.backends("attention")}
+
+
+def test_raising_adjust_hook_is_reported_and_selection_goes_on():
+    from pieceworks import hookimpl
+
+    class Bad:
+        @hookimpl
+        def pieceworks_adjust_candidates(self, op, forward_mode, graph_mode, spec, candidates):
+            raise ValueError("oops")
+
+    reg = Registry(autoload=False)
+    reg.register_plugin(Bad(), "bad")
+    table = resolve(reg.load())
+    assert table.get("attention", ForwardMode.EXTEND, GraphMode.EAGER).name == "torch"
+    (broken,) = reg.broken
+    assert broken.name == "bad" and broken.reason == "pieceworks_adjust_candidates raised ValueError: oops"
+    assert broken.origin == "registered in-process"
+
+
+def test_pieceworks_backends_lists_broken_plugins(installed, capsys):
+    from pieceworks.report import print_backends
+
+    cfg = load_config({"model": {"arch": "llama", "preset": "tiny"}, "runtime": {"device": "cpu"}})
+    assert print_backends(cfg) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "broken plugin import (distribution pw-broken-kernels 0.1, entry point import = pwb_import): import " \
+           "failed: ImportError: missing kernel library; block it with plugins.disabled=[import]" in out
+    assert "broken plugin no_name" in out
