@@ -120,3 +120,66 @@ def test_run_workload_bounds_concurrency():
     items = bench.random_workload(12, 4, 3, 0.0, 10)
     records, _ = asyncio.run(bench.run_workload(items, driver, math.inf, 3, progress=False))
     assert peak == 3 and len(records) == 12 and all(r.ok and r.output_tokens == 3 for r in records)
+
+
+# ---- request -> SamplingParams ---------------------------------------------------------------------
+
+
+def _bad(fn, *args, param=None, match=None):
+    from pieceworks.serve.protocol import BadRequest
+
+    with pytest.raises(BadRequest, match=match) as exc:
+        fn(*args)
+    assert exc.value.param == param
+    return exc.value
+
+
+def test_sampling_params_from_requests():
+    from pieceworks.serve import mapping
+
+    req = CompletionRequest.model_validate_json(
+        '{"model": "m", "prompt": [1], "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.1, "seed": 3, '
+        '"stop": "END", "stop_token_ids": [7], "n": 2, "logprobs": 4, "presence_penalty": 0.5, '
+        '"frequency_penalty": -0.5, "repetition_penalty": 1.1, "ignore_eos": true, "min_tokens": 2}')
+    p = mapping.sampling_params(req, 9)
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (9, 0.5, 0.9, 40, 0.1, 3)
+    assert (p.stop, p.stop_token_ids, p.n, p.logprobs, p.ignore_eos, p.min_tokens) == (["END"], [7], 2, 4, True, 2)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.1)
+    d = mapping.sampling_params(CompletionRequest(model="m", prompt=[1]), 16)
+    assert (d.temperature, d.top_p, d.n, d.logprobs, d.stop) == (1.0, 1.0, 1, None, None)  # OpenAI's defaults
+    chat = ChatCompletionRequest.model_validate_json(
+        '{"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 5}')
+    assert mapping.sampling_params(chat, 4).logprobs == 5
+    plain = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], logprobs=True)
+    assert mapping.sampling_params(plain, 4).logprobs == 0
+    _bad(mapping.sampling_params, CompletionRequest(model="m", prompt=[1], top_p=2.0), 4, param="top_p")
+    _bad(mapping.sampling_params, CompletionRequest(model="m", prompt=[1], n=0), 4, param="n")
+    _bad(mapping.sampling_params, CompletionRequest(model="m", prompt=[1], logprobs=21), 4, param="logprobs")
+    _bad(mapping.sampling_params, ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                                        top_logprobs=2), 4, param="top_logprobs")
+
+
+def test_lengths_prompts_and_unsupported_fields():
+    from pieceworks.serve import mapping
+
+    req = CompletionRequest(model="m", prompt=[1, 2, 3])
+    assert mapping.max_tokens_for(req, 3, 100) == 16  # OpenAI's completions default
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}])
+    assert mapping.max_tokens_for(chat, 30, 100) == 70  # chat: the rest of the context
+    assert mapping.max_tokens_for(chat.model_copy(update={"max_completion_tokens": 5}), 30, 100) == 5
+    e = _bad(mapping.max_tokens_for, req.model_copy(update={"max_tokens": 98}), 3, 100, param="max_tokens")
+    assert e.code == "context_length_exceeded" and "at most 97" in str(e)
+    _bad(mapping.max_tokens_for, req, 100, 100, param="prompt", match="shorten the prompt")
+    _bad(mapping.max_tokens_for, req.model_copy(update={"max_tokens": 0}), 3, 100, param="max_tokens")
+    assert mapping.completion_prompts(CompletionRequest(model="m", prompt=[[1, 2], [3]]), None, 10) == [[1, 2], [3]]
+    _bad(mapping.completion_prompts, CompletionRequest(model="m", prompt=[1, 10]), None, 10, param="prompt",
+         match="outside the vocabulary")
+    _bad(mapping.completion_prompts, CompletionRequest(model="m", prompt="hi"), None, 10, param="prompt",
+         match="no tokenizer")
+    _bad(mapping.completion_prompts, CompletionRequest(model="m", prompt=[]), None, 10, param="prompt")
+    _bad(mapping.chat_prompt, ChatCompletionRequest(model="m", messages=[]), None, param="messages")
+    _bad(mapping.check_model, req, "other", param="model")
+    for field, value in (("echo", True), ("suffix", "x"), ("logit_bias", {"1": 2.0}), ("best_of", 3)):
+        _bad(mapping.refuse_unsupported, req.model_copy(update={field: value}), param=field)
+    _bad(mapping.refuse_unsupported, chat.model_copy(update={"tools": [{"type": "function"}]}), param="tools")
+    mapping.refuse_unsupported(chat.model_copy(update={"response_format": {"type": "text"}}))

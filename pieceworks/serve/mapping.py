@@ -7,6 +7,7 @@ refused request holds no KV page. `SamplingParams` validates the ranges of its o
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pieceworks.engine import SamplingParams
@@ -138,7 +139,7 @@ def sampling_params(req: SamplingFields, max_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
     except RequestError as exc:
-        param = next((k for k in fields if k in str(exc).split(":")[0]), None)
-        raise BadRequest(str(exc), param=param) from exc
+        named = re.match(r"SamplingParams\.(\w+)", str(exc))
+        raise BadRequest(str(exc), param=named.group(1) if named else None) from exc
     except TypeError as exc:  # a field SamplingParams lacks
         raise BadRequest(str(exc)) from exc
