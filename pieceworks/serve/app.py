@@ -118,6 +118,9 @@ class Server:
     # ---- requests to the engine -------------------------------------------------------------------
 
     def admit(self, num_prompts: int) -> None:
+        if num_prompts > self.max_queue:
+            raise BadRequest(f"{num_prompts} prompts in one request exceed the server's queue of {self.max_queue}: "
+                             "send them in several requests", param="prompt")
         if self.num_queued + num_prompts > self.max_queue:
             self.metrics.rejected += 1
             raise Overloaded(f"the server is at its limit of {self.max_queue} requests waiting for a first "
