@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import subprocess
 import sys
 import time
@@ -219,6 +220,20 @@ def test_bench_against_the_server(tiny_url, tmp_path):
     assert 12 * 4 <= res["total_output_tokens"] <= 12 * 12  # ignore_eos: the lengths asked for
     assert 0 < res["ttft_ms"]["p50"] <= res["ttft_ms"]["p99"] and res["itl_ms"]["p50"] > 0
     wait_idle(tiny_url)
+
+
+def test_bench_in_process(tiny_engine):
+    import argparse
+
+    from pieceworks.engine import AsyncEngine
+    from pieceworks.serve import bench
+
+    args = argparse.Namespace(dataset=None, num_prompts=6, input_len=16, output_len=5, range_ratio=0.0,
+                              request_rate=math.inf, max_concurrency=3, seed=0, no_progress=True)
+    with AsyncEngine(tiny_engine) as engine:
+        res = asyncio.run(bench._bench_engine(engine, args))
+    assert (res["completed"], res["failed"], res["total_output_tokens"]) == (6, 0, 30)
+    assert res["total_input_tokens"] == 6 * 16 and res["tpot_ms"]["p50"] > 0
 
 
 # ---- SmolLM2: text, chat template, stop strings, logprobs ----------------------------------------
