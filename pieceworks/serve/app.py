@@ -109,7 +109,7 @@ class Server:
         self.name = served_model_name or engine.model_name
         self.tokenizer = engine.tokenizer
         self.max_context = engine.max_context
-        self.vocab_size = int(engine.engine.executor.model.vocab_size)
+        self.vocab_size = int(engine.engine.executor.vocab_size)
         self.max_queue = max_queue
         self.num_queued = 0
         self.metrics = ServerMetrics()
@@ -188,7 +188,10 @@ class Server:
                 await asyncio.gather(*tasks, return_exceptions=True)
                 for rid in ids:
                     if rid not in finished_ids:
-                        await self.engine.abort(rid)
+                        try:
+                            await self.engine.abort(rid)
+                        except RuntimeError:  # the engine is shut down or dead: nothing left to free
+                            pass
 
     def _record_finish(self, c: Choice, now: float, prompt_tokens: int) -> None:
         m = self.metrics
@@ -295,6 +298,11 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
     @app.exception_handler(EngineFailure)
     async def engine_failure(_: Request, exc: EngineFailure) -> JSONResponse:
         return error_response(500, str(exc), "server_error", code="engine_error")
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return error_response(500, f"{type(exc).__name__}: {exc}", "server_error")
 
     @app.exception_handler(_Disconnected)
     async def disconnected(_: Request, exc: _Disconnected) -> Response:

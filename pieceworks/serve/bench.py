@@ -218,7 +218,7 @@ async def _bench_http(args: Any) -> dict:
 
 
 async def _bench_engine(engine: Any, args: Any) -> dict:
-    vocab = int(engine.engine.executor.model.vocab_size)
+    vocab = int(engine.engine.executor.vocab_size)
     items = _workload(args, vocab, engine.max_context)
     records, duration = await run_workload(items, engine_driver(engine), args.request_rate, args.max_concurrency,
                                            args.seed, not args.no_progress)

@@ -80,6 +80,8 @@ class ServerMetrics:
         one("num_requests_waiting", "gauge", "Requests waiting for admission.", stats.get("waiting", 0))
         one("kv_pages_used", "gauge", "KV-cache pages held by requests.", used)
         one("kv_pages_total", "gauge", "KV-cache pages in the pool.", total)
+        one("kv_pages_cached", "gauge", "Pages no request holds, kept for prefix-cache hits (evicted on demand).",
+            stats.get("kv_pages_cached", 0))
         one("kv_cache_usage_ratio", "gauge", "Fraction of the KV pool's pages in use.", used / total if total else 0.0)
         one("prefix_cache_hit_rate", "gauge", "Prompt tokens served from the prefix cache / prompt tokens queried.",
             hit / queried if queried else 0.0)
