@@ -30,6 +30,8 @@ def _scalar(value: Any) -> Any:
 
 
 def _int(name: str, value: Any, allowed: str) -> int:
+    if type(value) is int:  # the common case, without the slower abstract-class checks
+        return value
     value = _scalar(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise RequestError(f"SamplingParams.{name} must be an int ({allowed}), got {value!r} ({type(value).__name__})")
@@ -37,6 +39,11 @@ def _int(name: str, value: Any, allowed: str) -> int:
 
 
 def _float(name: str, value: Any, allowed: str) -> float:
+    if type(value) in (float, int):
+        value = float(value)
+        if not math.isfinite(value):
+            raise RequestError(f"SamplingParams.{name} must be finite ({allowed}), got {value!r}")
+        return value
     value = _scalar(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise RequestError(f"SamplingParams.{name} must be a number ({allowed}), got {value!r} ({type(value).__name__})")

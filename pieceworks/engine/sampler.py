@@ -266,6 +266,8 @@ class Sampler:
             dev = buf.to(self.device, non_blocking=True)
             self._pinned_done = torch.cuda.Event()
             self._pinned_done.record()
+        elif self.device.type == "cpu":
+            dev = host
         else:
             dev = host.to(self.device)
         return list(dev.split([len(sec) for sec in sections]))
