@@ -22,40 +22,54 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextmanager
-def serve(args: list[str], startup_timeout: float = 180.0):
-    """Start `pieceworks serve ARGS --port P`; yield its base URL; terminate it on exit."""
-    import httpx
+class ServerProcess:
+    """`pieceworks serve ARGS` on a free port of 127.0.0.1. `start()` returns at once, so the caller can
+    load its own reference model while the server boots; `wait()` blocks until /health answers."""
 
-    port = free_port()
-    log = tempfile.NamedTemporaryFile("w+", prefix="pieceworks-serve-", suffix=".log", delete=False)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "pieceworks.cli", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_timeout
+    def __init__(self, args: list[str]):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="pieceworks-serve-", suffix=".log", delete=False)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        cmd = [sys.executable, "-m", "pieceworks.cli", "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+
+    def log_tail(self) -> str:
+        return Path(self.log.name).read_text()[-4000:]
+
+    def wait(self, timeout: float = 180.0) -> str:
+        import httpx
+
+        deadline = time.monotonic() + timeout
         while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{Path(log.name).read_text()[-4000:]}")
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                    break
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return self.url
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"server not up after {startup_timeout} s:\n{Path(log.name).read_text()[-4000:]}")
+                raise RuntimeError(f"server not up after {timeout} s:\n{self.log_tail()}")
             time.sleep(0.25)
-        yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
             try:
-                proc.wait(timeout=15)
+                self.proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=15)
-        log.close()
-        os.unlink(log.name)
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+        self.log.close()
+        os.unlink(self.log.name)
 
 
+@contextmanager
+def serve(args: list[str]):
+    """A started `ServerProcess`, stopped (SIGINT, then SIGKILL after 15 s) on exit."""
+    server = ServerProcess(args)
+    try:
+        yield server
+    finally:
+        server.stop()
