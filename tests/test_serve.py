@@ -265,7 +265,7 @@ def _demo_missing() -> str | None:
     return None
 
 
-SMOL = ["model.path=smollm2-135m-instruct", "model.max_context=512", "cuda_graph.piecewise.enabled=off"]  # bf16
+SMOL = ["model.path=smollm2-135m", "model.max_context=256", "cuda_graph.piecewise.enabled=off"]  # bf16
 SMOL_NAME = "smollm2"
 
 
@@ -300,13 +300,13 @@ def test_chat_greedy_equals_engine_streamed_and_not(smol_url, smol_engine):
 
     tok = smol_engine.tokenizer
     ids = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False)
-    want = smol_engine.generate([list(ids)], SamplingParams(max_tokens=24, temperature=0.0))[0]
+    want = smol_engine.generate([list(ids)], SamplingParams(max_tokens=12, temperature=0.0))[0]
     c = client(smol_url)
-    r = c.chat.completions.create(model=SMOL_NAME, messages=QUESTION, max_tokens=24, temperature=0)
+    r = c.chat.completions.create(model=SMOL_NAME, messages=QUESTION, max_tokens=12, temperature=0)
     assert r.choices[0].message.content == want.text and "Paris" in want.text
     assert r.choices[0].finish_reason == want.finish_reason
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(want.token_ids)
-    chunks = list(c.chat.completions.create(model=SMOL_NAME, messages=QUESTION, max_tokens=24, temperature=0,
+    chunks = list(c.chat.completions.create(model=SMOL_NAME, messages=QUESTION, max_tokens=12, temperature=0,
                                             stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want.text
@@ -319,8 +319,8 @@ def test_completion_text_stop_logprobs_and_n(smol_url, smol_engine):
 
     c = client(smol_url)
     prompt = "The capital of France is"
-    want = smol_engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0))[0].text
-    r = c.completions.create(model=SMOL_NAME, prompt=prompt, max_tokens=16, temperature=0, logprobs=3)
+    want = smol_engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0].text
+    r = c.completions.create(model=SMOL_NAME, prompt=prompt, max_tokens=8, temperature=0, logprobs=3)
     ch = r.choices[0]
     assert ch.text == want
     lp = ch.logprobs
@@ -330,10 +330,10 @@ def test_completion_text_stop_logprobs_and_n(smol_url, smol_engine):
     assert "".join(lp.tokens) == ch.text
     # A stop string ends the text before it (and is not included).
     word = want.split()[1] if len(want.split()) > 1 else want.strip()
-    r = c.completions.create(model=SMOL_NAME, prompt=prompt, max_tokens=16, temperature=0, stop=[word])
+    r = c.completions.create(model=SMOL_NAME, prompt=prompt, max_tokens=8, temperature=0, stop=[word])
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == want[: want.index(word)]
     # n sampled completions with a seed: two choices, the same for the same seed.
-    kw = dict(model=SMOL_NAME, prompt=prompt, max_tokens=8, temperature=1.0, n=2, seed=7)
+    kw = dict(model=SMOL_NAME, prompt=prompt, max_tokens=4, temperature=1.0, n=2, seed=7)
     a, b = c.completions.create(**kw), c.completions.create(**kw)
     assert [x.index for x in a.choices] == [0, 1] and [x.text for x in a.choices] == [x.text for x in b.choices]
     m = wait_idle(smol_url)
