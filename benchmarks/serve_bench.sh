@@ -18,7 +18,9 @@ for fmt in nvfp4 none; do
     pid=$!
     up=0
     for _ in $(seq 480); do
-        if curl -sf "http://127.0.0.1:$port/health" > /dev/null; then up=1; break; fi
+        if python -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2> /dev/null; then
+            up=1; break
+        fi
         kill -0 $pid 2> /dev/null || break
         sleep 0.5
     done
@@ -30,7 +32,8 @@ for fmt in nvfp4 none; do
             --input-len 512 --output-len 128 --range-ratio 0.5 --max-concurrency $c --seed 0 --no-progress \
             --result-json "$out/${fmt}_c$c.json"
     done
-    curl -s "http://127.0.0.1:$port/metrics" | grep -v '^#' | grep -v _bucket > "$out/metrics_$fmt.txt"
+    python -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$port/metrics').read().decode())" \
+        | grep -v '^#' | grep -v _bucket > "$out/metrics_$fmt.txt"
     kill -INT $pid
     wait $pid
     tail -5 "$out/serve_$fmt.log"

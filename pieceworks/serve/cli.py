@@ -63,6 +63,7 @@ def run_serve(args: argparse.Namespace, cfg: Any) -> int:
         name = app.state.server.name
         log.info("serving %s at http://%s:%d (OpenAI API under /v1)", name, args.host, args.port)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    log.info("stopped: the engine is shut down")
     return 0
 
 
