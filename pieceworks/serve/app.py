@@ -463,7 +463,8 @@ class _ChatWriter(_Writer):
     def start(self, rid: str) -> list[ChatCompletionChunk]:
         n = self.req.n or 1
         return [ChatCompletionChunk(id=rid, model=self.srv.name,
-                                    choices=[ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+                                    choices=[ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
+                                                                                          content=""))])
                 for i in range(n)]
 
     def chunks(self, rid: str, step: Step) -> list[ChatCompletionChunk]:

@@ -38,7 +38,8 @@ def refuse_unsupported(req: SamplingFields) -> None:
                         "best_of": req.best_of if req.best_of not in (None, req.n or 1) else None}
     if isinstance(req, ChatCompletionRequest):
         fmt = req.response_format
-        unsupported |= {"tools": req.tools or None, "tool_choice": req.tool_choice if req.tool_choice != "none" else None,
+        unsupported |= {"tools": req.tools or None,
+                        "tool_choice": req.tool_choice if req.tool_choice != "none" else None,
                         "response_format": fmt if fmt and fmt.get("type") != "text" else None}
     for name, value in unsupported.items():
         if value is not None:
