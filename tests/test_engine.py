@@ -401,3 +401,19 @@ def test_free_never_leaves_a_handle_live(engine, monkeypatch):
         ex.free(seq)
     ex.kv.allocator.free(pages)  # what the failed call could not give back
     drained(engine)
+
+
+def test_max_num_seqs_and_batched_tokens_bound_every_step(reference):
+    eng = make(scheduler={"max_num_seqs": 2, "max_num_batched_tokens": 8})
+    seen = []
+    real = eng.executor.forward
+
+    def spy(batch):
+        seen.append((len(batch.seqs), sum(map(len, batch.tokens))))
+        return real(batch)
+
+    eng.executor.forward = spy
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert max(n for n, _ in seen) == 2 and max(t for _, t in seen) == 8
+    drained(eng)
