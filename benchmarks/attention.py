@@ -21,6 +21,7 @@ import time
 from dataclasses import replace
 
 import torch
+from common import md_table
 
 from pieceworks.backends.attention.flashinfer import FlashInferAttentionBackend, FlashInferOptions, paged_kv_indices
 from pieceworks.backends.base import BackendSpec, ModelFacts
@@ -262,15 +263,15 @@ def compile_only() -> None:
 
 
 def table(rows: list[dict], layers: int) -> str:
-    lines = ["| case | batch | raw FlashInfer ms/layer | pieceworks ms/layer | ratio | plan ms/step (pieceworks / raw wrapper.plan) "
-             f"| decode step ms, 1 / {layers} layers | rel. err vs raw / vs torch reference |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    cells = []
     for r in rows:
         step = " / ".join(f"{r['step_ms'][n]:.3f}" for n in sorted(r["step_ms"])) or "n/a (extend: eager)"
         vs_torch = f"{r['err_vs_torch']:.1e}" if "err_vs_torch" in r else "n/a"
-        lines.append(f"| {r['case']} | {r['shape']} | {r['raw_ms']:.4f} | {r['pw_ms']:.4f} | {r['pw_ms'] / r['raw_ms']:.3f} "
-                     f"| {r['plan_ms']:.3f} / {r['raw_plan_ms']:.3f} | {step} | {r['err_vs_raw']:.1e} / {vs_torch} |")
-    return "\n".join(lines)
+        cells.append([r["case"], r["shape"], f"{r['raw_ms']:.4f}", f"{r['pw_ms']:.4f}", f"{r['pw_ms'] / r['raw_ms']:.3f}",
+                      f"{r['plan_ms']:.3f} / {r['raw_plan_ms']:.3f}", step, f"{r['err_vs_raw']:.1e} / {vs_torch}"])
+    return md_table(["case", "batch", "raw FlashInfer ms/layer", "pieceworks ms/layer", "ratio",
+                     "plan ms/step (pieceworks / raw wrapper.plan)", f"decode step ms, 1 / {layers} layers",
+                     "rel. err vs raw / vs torch reference"], cells, "l" * 8)
 
 
 def main() -> None:

@@ -1,15 +1,18 @@
-"""The CUDA decode GEMM (backends/fp4_gemm/cuda_decode.py) against the shipped Triton backend and bf16.
+"""The CUDA decode GEMM (backends/fp4_gemm/cuda_decode.py) per configuration, against the default
+`fp4_gemm.triton` backend and bf16.
 
-    python benchmarks/cuda_decode_gemm.py --out DIR [--ms 1,4,8] [--variants 8x4,4x4,...] [--pdl]
+    python benchmarks/cuda_decode_gemm.py --out DIR --pdl --ms 1,8,16 --variants 8x2,16x2,2x2k,4x2k,8x2k,16x2k
 
 Same method as fp4_gemm.py: CUDA-graph replays of back-to-back calls rotating over >= 400 MB of weight
-copies, median of 7 replays, per call; both layouts made from the same random NVFP4 weights; each
-configuration is checked against dequantize + bf16 matmul first. Variants are WxD: warps per CTA x
-chunks in flight per lane on the r16c64 weights; WxDk the same kernel on the Triton backend's k32 weights
-(`layout="k32"`: chunks of 128 elements, x loaded just before its chunk) (the shared-memory "bulk mode" variants WxDbSxG of the 2026-12-02 sweep ran at
-869c56a / bc05528; the mode was removed in 6fbabc8). --pdl launches every call with programmatic dependent launch
-(as the decode step does), so a call's first weight loads may start while the call before it ends. Needs
-a CUDA GPU.
+copies, median of 7 replays, per call; both layouts made from the same random NVFP4 weights; every
+configuration is checked against dequantize + bf16 matmul first (ragged shapes at M = 1..16, then each
+timed shape). Variants are WxD: warps per CTA x chunks in flight per lane on the r16c64 weights
+(`fp4_gemm.cuda`); WxDk the same kernel on the Triton backend's k32 weights (`layout="k32"`: chunks of
+128 elements, x loaded just before its chunk), which is what `fp4_gemm.triton` runs at M <= 16. --pdl
+launches every call with programmatic dependent launch (as the decode step does), so a call's first
+weight loads may start while the call before it ends. Prints one line per shape and M (every variant's
+us, the best, its share of the copy rate and its speed-up over bf16) and writes DIR/cuda_decode_gemm.json.
+Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -18,19 +21,15 @@ import argparse
 import json
 import os
 import re
-import sys
 
 import torch
+from common import HBM, SHAPES, copies_for, fp4_bytes, graph_time, random_nvfp4, time_bf16
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from fp4_gemm import HBM, SHAPES, copies_for, fp4_bytes, graph_time, time_bf16  # noqa: E402
-from pieceworks.backends.base import BackendSpec  # noqa: E402
-from pieceworks.backends.fp4_gemm import cuda_decode, r16c64  # noqa: E402
-from pieceworks.backends.fp4_gemm.base import Fp4Weight  # noqa: E402
-from pieceworks.backends.fp4_gemm.triton import TritonFp4GemmBackend  # noqa: E402
-from pieceworks.quant import nvfp4  # noqa: E402
+from pieceworks.backends.base import BackendSpec
+from pieceworks.backends.fp4_gemm import cuda_decode, r16c64
+from pieceworks.backends.fp4_gemm.base import Fp4Weight
+from pieceworks.backends.fp4_gemm.triton import TritonFp4GemmBackend
+from pieceworks.quant import nvfp4
 
 
 def main() -> None:
@@ -53,9 +52,7 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     triton = TritonFp4GemmBackend(BackendSpec.for_device("cuda", fp4_numerics="w4a16"))
     for n, k in [(40, 208), (48, 4160), (16, 64), (4096, 4096)]:  # odd shapes: padded rows and K
-        w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
-        s = (torch.rand(n, k // 16, device="cuda", generator=gen) * 2 + 0.05).to(torch.float8_e4m3fn)
-        gs = torch.tensor(0.01, device="cuda")
+        w, s, gs = random_nvfp4(n, k, gen)
         c, sc = r16c64.repack_decode(w, s)
         pk = triton.prepare(Fp4Weight(w, s, gs, gs))
         wd = (nvfp4.e2m1_decode(nvfp4.unpack(w)) * (s.float() * gs).repeat_interleave(16, 1)).to(torch.bfloat16)
@@ -74,9 +71,7 @@ def main() -> None:
         copies = copies_for(n * k * 0.5625)
         raw, tri, cud = [], [], []
         for _ in range(copies):
-            w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
-            s = (torch.rand(n, k // 16, device="cuda", generator=gen) * 2 + 0.05).to(torch.float8_e4m3fn)
-            gs = torch.tensor(0.01, device="cuda")
+            w, s, gs = random_nvfp4(n, k, gen)
             if not raw:
                 raw.append((w, s, gs))
             p = triton.prepare(Fp4Weight(w, s, gs, gs))

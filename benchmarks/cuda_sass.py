@@ -9,9 +9,9 @@ Needs no GPU: NVRTC (on a CPU machine: `pip download --no-deps nvidia-cuda-nvrtc
 bundled cuobjdump. Prints each instance's registers and its main loop (the longest backward branch holding an mma):
 instructions, and per 64-element chunk with --chunks-per-iteration (the register ring's loop holds
 `depth` chunks, the default 2). --source-file takes SOURCE from another copy of cuda_decode_kernel.py (an
-older commit's, say: `git show REV:pieceworks/backends/fp4_gemm/cuda_decode_kernel.py > old.py`; before
-the nineteenth session's split the kernel was in cuda_decode.py, which works the same way; a copy that
-prepends DEVICE_HELPERS gets today's cuda_device.py). --compare-to FILE also compiles each instance from
+older commit's, say: `git show REV:pieceworks/backends/fp4_gemm/cuda_decode_kernel.py > old.py`; any file
+that assigns SOURCE a raw string works, and one whose SOURCE prepends DEVICE_HELPERS gets this checkout's
+cuda_device.py). --compare-to FILE also compiles each instance from
 FILE's SOURCE and says whether the two instruction streams are the same (addresses and the kernel's
 mangled name left out, so an added defaulted template argument does not count as a difference).
 """
@@ -83,7 +83,7 @@ def source_of(path: str) -> str:
     found = re.search(r'SOURCE = (DEVICE_HELPERS \+ )?r"""(.*?)"""', open(path).read(), re.S)
     if not found:
         raise SystemExit(f"{path}: no SOURCE = r\"\"\"...\"\"\" found")
-    # since the sixteenth session the device helpers live in cuda_device.py (today's copy is used)
+    # the device helpers are this checkout's cuda_device.py
     return (cuda_device.DEVICE_HELPERS if found.group(1) else "") + found.group(2)
 
 

@@ -1,13 +1,16 @@
-"""Triton NVFP4 GEMM (w4a16) vs torch bf16 matmul (cuBLAS) on Llama-3.1-8B and DeepSeek-V3 shapes.
+"""The default NVFP4 GEMM backend (`fp4_gemm.triton`: M <= 16 on its CUDA decode kernel, larger M on the
+Triton tiles, dequantize + cuBLAS from M = 1024) vs torch bf16 matmul (cuBLAS) on Llama-3.1-8B and
+DeepSeek-V3 expert shapes.
 
-    python benchmarks/fp4_gemm.py --out DIR            # the shipped tile table
-    python benchmarks/fp4_gemm.py --sweep --out DIR    # try candidate tiles per M bucket first, then
-                                                       # benchmark the best table (written to DIR)
+    python benchmarks/fp4_gemm.py --ms 1,4,8,16 --pdl on --out DIR   # the shipped tile table
+    python benchmarks/fp4_gemm.py --table T.json --out DIR           # another tile table
+    python benchmarks/fp4_gemm.py --sweep [--sweep-m 32] --out DIR   # try candidate tiles per M bucket
+                                             # first, then benchmark the best table (DIR/gemm_sweep.json)
 
 Times are CUDA-graph replays of back-to-back calls that rotate over enough weight copies (>= 400 MB)
-that L2 (60 MB on the H200) never serves a weight twice; the median of several replays, per call.
-Bandwidth counts packed weights + block scales + activations in + out, against 4.24 TB/s (the
-device-to-device copy rate measured on this H200). Needs a CUDA GPU and triton.
+that L2 (60 MB on the H200) never serves a weight twice; the median of 7 replays, per call. Bandwidth
+counts packed weights + block scales + activations in + out, against 4.24 TB/s. Each line's relative
+error is one call against dequantize + bf16 matmul. Needs a CUDA GPU and triton.
 """
 
 from __future__ import annotations
@@ -17,33 +20,16 @@ import dataclasses
 import json
 import math
 import os
-import statistics
-import sys
 import time
 
 import torch
+from common import (HBM, SHAPES, add_pdl_option, configure_pdl, copies_for, fp4_bytes, graph_time, md_table,
+                    random_nvfp4, time_bf16)
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from pieceworks.backends.base import BackendSpec
+from pieceworks.backends.fp4_gemm.triton import TileConfig, TritonFp4GemmBackend, choose_split_k, parse_table
+from pieceworks.quant import nvfp4
 
-from pieceworks.backends.base import BackendSpec  # noqa: E402
-from pieceworks.backends.fp4_gemm.triton import (  # noqa: E402
-    TileConfig,
-    TritonFp4GemmBackend,
-    choose_split_k,
-    parse_table,
-)
-from pieceworks.quant import nvfp4  # noqa: E402
-
-HBM = 4.24e12
-ROTATE_BYTES = 400e6
-SHAPES = {  # name: (N, K)
-    "llama.qkv": (6144, 4096),
-    "llama.o": (4096, 4096),
-    "llama.gate_up": (28672, 4096),
-    "llama.down": (4096, 14336),
-    "dsv3.expert.gate_up": (4096, 7168),
-    "dsv3.expert.down": (7168, 2048),
-}
 MS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
 # The M at which each bucket of the table is tuned, and the bucket's upper bound.
 BUCKETS = [(1, 8), (16, 16), (32, 32), (64, 64), (256, 256), (1024, 1024), (16384, None)]
@@ -51,47 +37,7 @@ BUCKETS = [(1, 8), (16, 16), (32, 32), (64, 64), (256, 256), (1024, 1024), (1638
 
 def random_weights(n: int, k: int, copies: int, gen: torch.Generator):
     """`copies` independent k32-layout NVFP4 weights (random bytes are random codes in any layout)."""
-    out = []
-    for _ in range(copies):
-        w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
-        s = (torch.rand(n, k // 16, device="cuda", generator=gen) * 2 + 0.05).to(torch.float8_e4m3fn)
-        gs = torch.tensor(0.01, device="cuda")
-        out.append((w, s, gs))
-    return out
-
-
-def copies_for(nbytes: float) -> int:
-    return max(2, math.ceil(ROTATE_BYTES / nbytes))
-
-
-def graph_time(call, n_calls: int, replays: int = 7) -> float:
-    """Seconds per call: median over replays of a CUDA graph holding `n_calls` calls call(i)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(min(n_calls, 2)):
-            call(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(n_calls):
-            call(i)
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / n_calls)
-    del graph
-    return statistics.median(times)
-
-
-def fp4_bytes(m: int, n: int, k: int) -> int:
-    return n * k // 2 + n * k // 16 + m * k * 2 + m * n * 2
+    return [random_nvfp4(n, k, gen) for _ in range(copies)]
 
 
 def check_once(backend, x, w, n) -> float:
@@ -124,13 +70,6 @@ def time_fp4(backend, m: int, n: int, k: int, gen) -> float:
     return graph_time(lambda i: backend.forward(x, *ws[i % len(ws)], ws[0][2], n), len(ws))
 
 
-def time_bf16(m: int, n: int, k: int, gen) -> float:
-    copies = copies_for(n * k * 2)
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(copies)]
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-    return graph_time(lambda i: x @ ws[i % copies].t(), copies)
-
-
 def backend_with(table) -> TritonFp4GemmBackend:
     backend = TritonFp4GemmBackend(BackendSpec.for_device("cuda", fp4_numerics="w4a16"))
     backend.table = table
@@ -143,12 +82,9 @@ def backend_with(table) -> TritonFp4GemmBackend:
 def candidates(m: int) -> list[dict]:
     out = []
     if m <= 16:
-        # The shipped one_dot tile, 64x256 at 264 programs, beat (sweep at fe6e154, docs/benchmarks.md)
-        # 128x128 / 256x128 one_dot and every mma.sync tile (w_as_a=False: x in the A operand of a
-        # 16-row dot, 2.97-3.24 SASS instructions per weight against 4.02). 64x128 one_dot needs 74
-        # registers and 21 KB of shared memory (6 programs per SM instead of 4; Nsight Compute showed
-        # the 64x256 gate_up call at 3 warps per scheduler issuing 0.69 instructions per cycle), so it is
-        # tried with more programs.
+        # The 64x256 one_dot tile beats 128x128 / 256x128 one_dot and every mma.sync tile (x in the A
+        # operand: fewer instructions per weight, slower; docs/benchmarks.md). 64x128 one_dot fits 6
+        # programs per SM instead of 4, so it is tried with more programs.
         out.append(dict(block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=True, one_dot=True,
                         target_ctas=264, max_split=16))
         for target, min_iters in ((264, 2), (396, 2), (396, 4)):  # the same, wave-balanced splits
@@ -159,11 +95,9 @@ def candidates(m: int) -> list[dict]:
                             one_dot=True, target_ctas=target, max_split=16))
         if m <= 8:
             # 8-row tiles: Triton runs the dot as mma.sync m16n8k16 with the decoded weights as the
-            # register A operand and x as an n8 B operand (half the MMA work of the 16-column wgmma;
-            # 2.98 SASS instructions per weight at 8x64x256 four-dot against 3.94, 93 registers).
-            # perm_k (tenth session): each thread of an MMA quad holds whole groups and converts a
-            # quarter of the scales (367 instructions per 128 weights against 381, 79 registers).
-            # balance_waves (tenth session): the split that spreads the programs most evenly over the SMs.
+            # register A operand and x as an n8 B operand (half the MMA work of the 16-column wgmma).
+            # perm_k: each thread of an MMA quad holds whole groups and converts a quarter of the scales.
+            # balance_waves: the split that spreads the programs most evenly over the SMs.
             for bn, bk, warps, stages, target, two, perm, bal in (
                     (64, 256, 4, 3, 264, True, False, False), (64, 256, 4, 3, 264, True, True, False),
                     (64, 256, 4, 3, 264, True, False, True), (64, 256, 4, 3, 264, True, True, True),
@@ -186,7 +120,7 @@ def candidates(m: int) -> list[dict]:
         for target, min_iters in ((264, 2), (396, 2), (396, 4)):  # the shipped tile, wave-balanced splits
             out.append(dict(block_m=m, block_n=64, block_k=128, num_stages=3, w_as_a=True, one_dot=True,
                             target_ctas=target, max_split=8, balance_waves=True, min_split_iters=min_iters))
-        # twelfth session: wave-balanced splits of the block_k 256 tile (the 32-row bucket's winner), and
+        # wave-balanced splits of the block_k 256 tile (the 32-row bucket's winner), and
         # at M = 64 two 32-row tiles (the weights read twice, half the rows of work per program)
         for target, min_iters in ((264, 2), (396, 4)):
             out.append(dict(block_m=m, block_n=64, block_k=256, num_stages=3, w_as_a=True, one_dot=True,
@@ -339,13 +273,10 @@ def benchmark(table, out_dir: str, gen, ms=MS) -> list[dict]:
 
 
 def markdown(results) -> str:
-    lines = ["| shape (N x K) | M | fp4 us | bf16 us | speedup | TB/s | % of 4.24 | fp4 TFLOP/s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in results:
-        lines.append(f"| {r['shape']} ({r['n']}x{r['k']}) | {r['m']} | {r['fp4_us']:.1f} | {r['bf16_us']:.1f} | "
-                     f"{r['speedup']:.2f} | {r['fp4_tbps']:.2f} | {100 * r['hbm_frac']:.0f}% | "
-                     f"{r['fp4_tflops']:.0f} |")
-    return "\n".join(lines)
+    return md_table(["shape (N x K)", "M", "fp4 us", "bf16 us", "speedup", "TB/s", "% of 4.24", "fp4 TFLOP/s"],
+                    [[f"{r['shape']} ({r['n']}x{r['k']})", r["m"], f"{r['fp4_us']:.1f}", f"{r['bf16_us']:.1f}",
+                      f"{r['speedup']:.2f}", f"{r['fp4_tbps']:.2f}", f"{100 * r['hbm_frac']:.0f}%",
+                      f"{r['fp4_tflops']:.0f}"] for r in results])
 
 
 def main() -> None:
@@ -357,13 +288,9 @@ def main() -> None:
     parser.add_argument("--wait-for", help="start timing only once this file exists")
     parser.add_argument("--sweep-m", help="comma-separated tuning Ms to sweep (default: all buckets)")
     parser.add_argument("--ms", help="comma-separated Ms to benchmark (default: %s)" % MS)
-    parser.add_argument("--pdl", default="off", choices=("auto", "on", "off"),
-                        help="programmatic dependent launch of the Triton kernels (runtime.pdl; default off: "
-                             "each call timed on its own, as the bf16 baseline)")
+    add_pdl_option(parser)
     args = parser.parse_args()
-    from pieceworks.backends import pdl
-
-    print("pdl:", pdl.configure(args.pdl, "cuda"), flush=True)
+    configure_pdl(args)
     os.makedirs(args.out, exist_ok=True)
     gen = torch.Generator("cuda").manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)

@@ -2,7 +2,7 @@
 
 On one GPU, random weights at Llama-3.1-8B shape (or any preset):
 
-    python benchmarks/graphs.py --out $OUT/graphs.md                # bf16, issue 5's table
+    python benchmarks/graphs.py --out $OUT/graphs.md                # bf16: the extend and decode tables
     python benchmarks/graphs.py --quant nvfp4 --extend '' --decode 1  # NVFP4 decode at batch 1
 
 Extend: one sequence extending by T tokens (no prefix). Eager and piecewise are timed the same way,
@@ -18,35 +18,15 @@ import argparse
 import datetime
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+from common import md_table, sync, wall_ms
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pieceworks import Executor  # noqa: E402
-from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode  # noqa: E402
-from pieceworks.core.context import ForwardContext, forward_context  # noqa: E402
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    sync()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out) * 1e3
+from pieceworks import Executor
+from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode
+from pieceworks.core.context import ForwardContext, forward_context
 
 
 def timed_interleaved(fns: dict, repeats: int) -> dict:
@@ -118,7 +98,7 @@ def extend_row(ex: Executor, T: int, repeats: int) -> dict:
             # planning, a best case that makes the piecewise "kept of the saving" conservative.
             graph.replay()
 
-        row["whole_graph_ms"] = timed(whole, repeats)
+        row["whole_graph_ms"] = wall_ms(whole, repeats)
         graph = None  # release the captured graph before the next T
     finally:
         ex._release([seq], [list(seq.pages)])
@@ -144,15 +124,15 @@ def decode_row(ex: Executor, bs: int, repeats: int, context: int = 512) -> dict:
         def step():
             ex.forward(ForwardBatch(seqs, [[1]] * bs))
 
-        row = {"batch": bs, "graph_ms": timed(step, repeats) if ex.decode_graphs else float("nan")}
+        row = {"batch": bs, "graph_ms": wall_ms(step, repeats) if ex.decode_graphs else float("nan")}
         if ex.decode_graphs and ex.device.type == "cuda":
             # The replay alone (the graph as the last step planned it): GPU time without the host
             # work of Executor.forward (batch preparation, plan, sampling-side copies).
             graph = ex.decode_graphs.graphs[min(b for b in ex.decode_graphs.graphs if b >= bs)]
-            row["replay_ms"] = timed(graph.replay, repeats)
+            row["replay_ms"] = wall_ms(graph.replay, repeats)
         saved, ex.decode_graphs = ex.decode_graphs, None
         try:
-            row["eager_ms"] = timed(step, repeats)
+            row["eager_ms"] = wall_ms(step, repeats)
         finally:
             ex.decode_graphs = saved
     finally:
@@ -241,18 +221,19 @@ def render(info: dict, ext: list[dict], dec: list[dict]) -> str:
         lines.append(f"decode graphs: {len(d['batch_sizes'])} batch sizes, capture {d['capture_s']:.1f} s, "
                      f"pool {d['pool_bytes'] / 2**30:.2f} GiB")
     if ext:
-        lines += ["", "| T | eager ms | piecewise ms (padded to) | whole graph ms | piecewise kept of the graph saving | piecewise / eager |",
-                  "|---|---|---|---|---|---|"]
+        rows = []
         for r in ext:
             pw = f"{r['piecewise_ms']:.3f} ({r['padded_to']})" if "piecewise_ms" in r else "eager (above max_tokens)"
             kept = f"{100 * r['kept_of_saving']:.0f}%" if "kept_of_saving" in r else "-"
             ratio = f"{r['piecewise_vs_eager']:.3f}" if "piecewise_vs_eager" in r else "-"
-            lines.append(f"| {r['T']} | {r['eager_ms']:.3f} | {pw} | {r.get('whole_graph_ms', float('nan')):.3f} | {kept} | {ratio} |")
+            rows.append([r["T"], f"{r['eager_ms']:.3f}", pw, f"{r.get('whole_graph_ms', float('nan')):.3f}", kept, ratio])
+        lines += ["", md_table(["T", "eager ms", "piecewise ms (padded to)", "whole graph ms",
+                                "piecewise kept of the graph saving", "piecewise / eager"], rows, "l" * 6)]
     if dec:
-        lines += ["", f"decode over {info['context']}-token sequences", "", "| decode batch | full graph ms (Executor.forward) | graph replay alone ms | eager ms |",
-                  "|---|---|---|---|"]
-        for r in dec:
-            lines.append(f"| {r['batch']} | {r['graph_ms']:.3f} | {r.get('replay_ms', float('nan')):.3f} | {r['eager_ms']:.3f} |")
+        lines += ["", f"decode over {info['context']}-token sequences", "",
+                  md_table(["decode batch", "full graph ms (Executor.forward)", "graph replay alone ms", "eager ms"],
+                           [[r["batch"], f"{r['graph_ms']:.3f}", f"{r.get('replay_ms', float('nan')):.3f}",
+                             f"{r['eager_ms']:.3f}"] for r in dec], "llll")]
     return "\n".join(lines) + "\n"
 
 

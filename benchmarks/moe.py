@@ -1,5 +1,6 @@
-"""Triton fused NVFP4 MoE (w4a16) on one DeepSeek-V3 MoE layer: 256 experts, top-8 (8 groups, 4 kept),
-hidden 7168, moe_intermediate 2048.
+"""The fused NVFP4 MoE (w4a16) on one DeepSeek-V3 MoE layer: 256 experts, top-8 (8 groups, 4 kept), hidden
+7168, moe_intermediate 2048. `moe.triton` (the default) runs up to `cuda_moe_max_t` tokens on the CUDA
+decode kernel's MoE modes and larger batches on its Triton grouped GEMMs.
 
     python benchmarks/moe.py --out DIR             # the shipped MoE tile table
     python benchmarks/moe.py --sweep --out DIR     # try candidate tiles per token bucket first (add
@@ -20,21 +21,16 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 
 import torch
+from common import HBM, add_pdl_option, configure_pdl, graph_time, md_table
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from fp4_gemm import HBM, graph_time  # noqa: E402
-
-from pieceworks.backends.base import BackendSpec  # noqa: E402
-from pieceworks.backends.fp4_gemm.triton import TileConfig, parse_table  # noqa: E402
-from pieceworks.backends.moe.base import MoEWeights  # noqa: E402
-from pieceworks.backends.moe.routing import deepseek_route  # noqa: E402
-from pieceworks.backends.moe.triton import TritonMoEBackend, num_aligned_blocks  # noqa: E402
+from pieceworks.backends.base import BackendSpec
+from pieceworks.backends.fp4_gemm.triton import TileConfig, parse_table
+from pieceworks.backends.moe.base import MoEWeights
+from pieceworks.backends.moe.routing import deepseek_route
+from pieceworks.backends.moe.triton import TritonMoEBackend, num_aligned_blocks
 
 E, H, I, TOPK, GROUPS, TOPK_GROUP, SCALE = 256, 7168, 2048, 8, 8, 4, 2.5
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
@@ -213,13 +209,9 @@ def main() -> None:
     parser.add_argument("--backend", default="triton", choices=("triton", "cuda"))
     parser.add_argument("--cuda-moe-max-t", type=int, default=None,
                         help="moe.triton's backends.options.triton.cuda_moe_max_t (default: the option's default)")
-    parser.add_argument("--pdl", default="off", choices=("auto", "on", "off"),
-                        help="programmatic dependent launch of the Triton kernels (runtime.pdl; default off: "
-                             "each call timed on its own, as the bf16 baseline)")
+    add_pdl_option(parser)
     args = parser.parse_args()
-    from pieceworks.backends import pdl
-
-    print("pdl:", pdl.configure(args.pdl, "cuda"), flush=True)
+    configure_pdl(args)
     os.makedirs(args.out, exist_ok=True)
     if args.precompile_only:
         precompile(args.workers)
@@ -268,13 +260,11 @@ def main() -> None:
               f"  dense-bf16-same-flops {row['dense_bf16_us']:.1f} us", flush=True)
     with open(os.path.join(args.out, "moe_bench.json"), "w") as f:
         json.dump(dict(table=table, results=results, device=torch.cuda.get_device_name()), f, indent=1)
-    lines = ["| T | experts touched | full op us | experts-only us | touched GB | % of 4.24 TB/s (full / experts) "
-             "| TFLOP/s | cuBLAS bf16 same FLOPs us |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in results:
-        lines.append(f"| {r['tokens']} | {r['experts_touched']:.1f} | {r['full_us']:.1f} | {r['experts_us']:.1f} | "
-                     f"{r['touched_gb']:.2f} | {100 * r['full_hbm_frac']:.0f}% / {100 * r['experts_hbm_frac']:.0f}% | "
-                     f"{r['tflops']:.0f} | {r['dense_bf16_us']:.1f} |")
-    md = "\n".join(lines)
+    md = md_table(["T", "experts touched", "full op us", "experts-only us", "touched GB",
+                   "% of 4.24 TB/s (full / experts)", "TFLOP/s", "cuBLAS bf16 same FLOPs us"],
+                  [[r["tokens"], f"{r['experts_touched']:.1f}", f"{r['full_us']:.1f}", f"{r['experts_us']:.1f}",
+                    f"{r['touched_gb']:.2f}", f"{100 * r['full_hbm_frac']:.0f}% / {100 * r['experts_hbm_frac']:.0f}%",
+                    f"{r['tflops']:.0f}", f"{r['dense_bf16_us']:.1f}"] for r in results], "r" * 8)
     with open(os.path.join(args.out, "moe_bench.md"), "w") as f:
         f.write(md + "\n")
     print(md)

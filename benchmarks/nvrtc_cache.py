@@ -3,7 +3,7 @@ on-disk cubin cache (backends/nvrtc.py).
 
     python benchmarks/nvrtc_cache.py --cache-dir DIR     # run it twice: compile, then load
 
-Gets the three k32 instances `fp4_gemm.triton` launches at M <= 8 (q/k/v with rope, o and down, gate/up
+Gets the three k32 instances `fp4_gemm.triton` launches at batch 1 (q/k/v with rope, o and down, gate/up
 with SwiGLU, at `cuda.plan`'s warps for the H200) and prints the seconds each took and whether the cache
 held it before. Needs a CUDA GPU.
 """
@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
+import common  # noqa: F401  (puts the repository root on sys.path)
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from pieceworks.backends import nvrtc  # noqa: E402
-from pieceworks.backends.fp4_gemm.cuda_decode_kernel import SOURCE  # noqa: E402
+from pieceworks.backends import nvrtc
+from pieceworks.backends.fp4_gemm.cuda_decode_kernel import SOURCE
 
 INSTANCES = {  # name: template instance (W, D, NT, EPI, NORM, MOE, MINB, L)
     "qkv + rope": "nvfp4_decode_gemm<8, 2, 1, 2, 0, 0, 0, 1>",

@@ -17,22 +17,14 @@ import argparse
 import cProfile
 import io
 import pstats
-import sys
 import time
-from pathlib import Path
 
 import torch
+from common import sync
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pieceworks import Executor  # noqa: E402
-from pieceworks.core.batch import ForwardMode, GraphMode  # noqa: E402
-from pieceworks.core.context import ForwardContext, forward_context  # noqa: E402
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+from pieceworks import Executor
+from pieceworks.core.batch import ForwardMode, GraphMode
+from pieceworks.core.context import ForwardContext, forward_context
 
 
 def main() -> None:

@@ -10,25 +10,16 @@ and pipeline stages than the backend uses (same kernel, same results), to tune `
 launch.
 
 Each time is the median of 7 replays of a CUDA graph of 32 back-to-back calls (one per layer, each on
-its own K/V cache so L2 holds none of them), per call (`fp4_gemm.graph_time`). Needs a CUDA GPU and
+its own K/V cache so L2 holds none of them), per call (`common.graph_time`). Needs a CUDA GPU and
 triton.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from fp4_gemm import graph_time  # noqa: E402
-
-from pieceworks.backends.attention import triton_decode_kernel as tk  # noqa: E402
-from pieceworks.backends.attention.triton import num_splits  # noqa: E402
+from common import graph_time
 
 HQ, HKV, D, PS, LAYERS = 32, 8, 128, 16, 32
 
@@ -94,6 +85,10 @@ def main() -> None:
                    "backend calls it)")
     p.add_argument("--shapes", default="1x512,8x512,32x512,32x4096", help="batch x context, for --sweep")
     args = p.parse_args()
+    global tk, num_splits  # triton is imported once the arguments are read: --help needs none
+    from pieceworks.backends.attention import triton_decode_kernel as tk
+    from pieceworks.backends.attention.triton import num_splits
+
     if args.sweep:
         sweep([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")])
         return

@@ -39,7 +39,7 @@ def test_main_loop_is_the_backward_branch_holding_an_mma():
     assert loop[0].startswith("LDG") and loop[-1].endswith("BRA 0x20") and len(loop) == 4
     with pytest.raises(RuntimeError, match="no loop"):
         cuda_sass.main_loop(LISTING.replace("HMMA", "FFMA"))
-    # wgmma kernels (benchmarks/wgmma_probe.py): the loop holding an HGMMA, which the default does not count
+    # wgmma kernels: the loop holding an HGMMA, which the default does not count
     wg = LISTING.replace("HMMA.16816.F32.BF16 R8, R4, R6, R8", "HGMMA.64x16x16.F32.BF16 R24, R32, gdesc[UR8], R24")
     assert cuda_sass.main_loop(wg, "HGMMA")[1].startswith("HGMMA")
     with pytest.raises(RuntimeError, match="no loop"):
