@@ -51,8 +51,19 @@ def check_bench_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--url drives a running server: CONFIG arguments {args.config} belong to the server")
 
 
+def _need_serve_extra(*modules: str) -> None:
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ImportError(f"{name} is missing: install the serve extra (pip install 'pieceworks[serve]')") from exc
+
+
 def run_serve(args: argparse.Namespace, cfg: Any) -> int:
     """Build the engine, then serve it until interrupted (the engine shuts down on the way out)."""
+    _need_serve_extra("fastapi", "uvicorn")
     import uvicorn
 
     from pieceworks.engine import AsyncEngine
@@ -70,4 +81,6 @@ def run_serve(args: argparse.Namespace, cfg: Any) -> int:
 def run_bench(args: argparse.Namespace, cfg: Any) -> int:
     from pieceworks.serve.bench import run_bench as run
 
+    if args.url is not None:
+        _need_serve_extra("httpx")
     return run(args, cfg)
