@@ -417,3 +417,13 @@ def test_max_num_seqs_and_batched_tokens_bound_every_step(reference):
     assert [o.token_ids for o in outs] == reference
     assert max(n for n, _ in seen) == 2 and max(t for _, t in seen) == 8
     drained(eng)
+
+
+def test_prompts_as_tensors_and_numpy_ints(engine, reference):
+    import numpy as np
+
+    assert engine.generate(torch.tensor(PROMPTS[0]), GREEDY)[0].token_ids == reference[0]
+    assert engine.generate([np.array(PROMPTS[1])], GREEDY)[0].token_ids == reference[1]
+    with pytest.raises(RequestError, match="1-D integer"):
+        engine.add_request(torch.tensor([1.0, 2.0]), GREEDY)
+    drained(engine)

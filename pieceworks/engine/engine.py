@@ -135,11 +135,13 @@ class Engine:
             try:
                 ids = [int(t) if _is_int(t) else t for t in prompt]
             except TypeError:
-                raise RequestError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}") from None
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.executor.vocab_size]
+                raise RequestError(
+                    f"prompt must be a str or a list of token ids, got {type(prompt).__name__}") from None
+        vocab = self.executor.vocab_size
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token id(s) {bad[:5]} are not ints in the vocabulary "
-                               f"[0, {self.executor.vocab_size})")
+                               f"[0, {vocab})")
         if not ids:
             raise RequestError("the prompt is empty; give at least one token")
         if len(ids) > self.max_context:
@@ -233,13 +235,15 @@ class Engine:
             del self._requests[req.request_id]
 
     # ---------------------------------------------------------------- conveniences
-    def generate(self, prompts: list[list[int] | str] | str, params: SamplingParams | None = None) -> list[RequestOutput]:
+    def generate(self, prompts: list[list[int] | str] | str,
+                 params: SamplingParams | None = None) -> list[RequestOutput]:
         """Run prompts to completion; returns the final output of every (prompt, index), in order.
 
-        A str or a flat list of token ids is one prompt. Raises what `add_request` raises (before any
+        A str, a flat list of token ids or a 1-D tensor is one prompt. Raises what `add_request` raises (before any
         prompt runs) and what `step` raises (then every request of this call is aborted).
         """
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and all(_is_int(t) for t in prompts)):
+        one = isinstance(prompts, str) or (isinstance(prompts, torch.Tensor) and prompts.dim() == 1)
+        if one or (isinstance(prompts, (list, tuple)) and prompts and all(_is_int(t) for t in prompts)):
             prompts = [prompts]
         params = SamplingParams() if params is None else params
         ids = []
