@@ -14,6 +14,9 @@ and the prefix cache's hit tokens (vLLM's benchmark_serving.py reports the same 
     # the same behind a 2,000-token shared system prompt, one request at a time (TTFT first vs later)
     python benchmarks/serving.py configs/llama-3.1-8b-random-fp4.yaml --num-requests 16 \\
         --input-len 256 768 --output-len 128 --shared-prefix 2000 --max-concurrency 1
+    # the same 64 requests through Executor.generate (all at once, one fixed output length): the baseline
+    python benchmarks/serving.py configs/llama-3.1-8b-random-fp4.yaml --num-requests 64 \
+        --input-len 256 768 --output-len 128 --executor-generate
     # host time around the decode graph replay at batch 1 and 32 (Engine.step vs replay alone)
     python benchmarks/serving.py configs/llama-3.1-8b-random-fp4.yaml --host-overhead 1 32
 
@@ -168,6 +171,8 @@ def main() -> None:
                    help="measure Engine.step vs decode graph replay at these batch sizes instead")
     p.add_argument("--context", type=int, default=512, help="--host-overhead: prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=50, help="--host-overhead: timed steps per batch size")
+    p.add_argument("--executor-generate", action="store_true",
+                   help="run the same prompts through Executor.generate instead (output tok/s only)")
     p.add_argument("--out", type=Path, help="write the results as JSON")
     args = p.parse_args()
     config = args.config[0] if args.config and "=" not in args.config[0] else None
@@ -175,6 +180,17 @@ def main() -> None:
     engine = Engine.from_config(config, overrides)
     if args.host_overhead:
         result = {"host_overhead": host_overhead(engine, args.host_overhead, args.context, args.steps)}
+    elif args.executor_generate:
+        reqs = make_requests(args, engine.executor.vocab_size)
+        n_new = max(n for _, n in reqs)
+        engine.executor.generate([p for p, _ in reqs[: args.warmup]], 4)
+        t0 = time.perf_counter()
+        outs = engine.executor.generate([p for p, _ in reqs], n_new)
+        duration = time.perf_counter() - t0
+        n_out = sum(map(len, outs))
+        print(f"Executor.generate: {len(reqs)} prompts, {n_out} tokens in {duration:.2f} s = "
+              f"{n_out / duration:.1f} output tok/s")
+        result = {"executor_generate": {"duration_s": duration, "output_tok_s": n_out / duration}}
     else:
         reqs = make_requests(args, engine.executor.vocab_size)
         rng = random.Random(args.seed + 2)  # warm-up prompts share nothing with the timed ones

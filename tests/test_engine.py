@@ -427,3 +427,19 @@ def test_prompts_as_tensors_and_numpy_ints(engine, reference):
     with pytest.raises(RequestError, match="1-D integer"):
         engine.add_request(torch.tensor([1.0, 2.0]), GREEDY)
     drained(engine)
+
+
+def test_pages_held_outside_the_engine_raise_out_of_pages():
+    from pieceworks.errors import OutOfPages
+
+    eng = make(num_tokens=32)
+    outside = eng.executor.new_sequence()
+    eng.executor.forward(ForwardBatch([outside], [prompt(29, 1)]))  # 8 of 8 pages
+    eng.add_request(prompt(5, 2), GREEDY)
+    with pytest.raises(OutOfPages, match="outside this engine"):
+        eng.step()
+    eng.executor.free(outside)
+    assert len(eng.generate([prompt(5, 3)], GREEDY)[0].token_ids) == 8
+    while eng.has_unfinished():
+        eng.step()
+    drained(eng)

@@ -21,6 +21,11 @@ from pieceworks.engine.request import RequestOutput
 from pieceworks.errors import RequestError
 
 
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
+
+
 class EngineDeadError(RuntimeError):
     """The AsyncEngine's step loop stopped (an error in a step, or shutdown)."""
 
@@ -144,8 +149,7 @@ class AsyncEngine:
                     else:
                         engine.abort(cmd[1])
                 if engine.has_unfinished():
-                    for out in engine.step():
-                        self._deliver(out.request_id, out)
+                    self._deliver_step(engine.step())
         except BaseException as exc:
             with self._cond:
                 self._error = exc
@@ -163,6 +167,21 @@ class AsyncEngine:
             loop.call_soon_threadsafe(queue.put_nowait, item)
         except RuntimeError:
             pass  # the caller's event loop is closed
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """One wake-up per event loop per step, not one per output: each `call_soon_threadsafe` writes
+        to the loop's self-pipe, and at 32+ requests per step those writes cost more than the puts."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._cond:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    batches.setdefault(stream[0], []).append((stream[1], out))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:
+                pass  # the caller's event loop is closed
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cond:

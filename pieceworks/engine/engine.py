@@ -29,7 +29,7 @@ from pieceworks.engine.params import SamplingParams
 from pieceworks.engine.request import Request, RequestOutput
 from pieceworks.engine.sampler import Sampler, SamplingState
 from pieceworks.engine.scheduler import Scheduler
-from pieceworks.errors import NonFiniteLogits, RequestError
+from pieceworks.errors import NonFiniteLogits, OutOfPages, RequestError
 from pieceworks.executor.runner import Executor
 
 
@@ -176,13 +176,19 @@ class Engine:
 
         Raises:
             RuntimeError: another thread is inside this engine. Errors of `Executor.forward` propagate
-                (the step changed nothing).
+                (the step changed nothing). OutOfPages: sequences created on the executor outside this
+                engine hold the pages the next request needs.
         """
         with self._exclusive("step"):
             outputs, self._ready = self._ready, []
             scheduled = self.scheduler.schedule()
             if not scheduled:
-                assert not self._requests, "requests are queued but none could be scheduled"
+                if self._requests and not self.scheduler.running:
+                    # nothing of this engine holds pages, so sequences created on the executor directly do
+                    raise OutOfPages(
+                        f"no queued request fits the KV pool: {self.executor.kv.allocator.num_used} pages are "
+                        "held by sequences created outside this engine; free them (Executor.free)"
+                    )
                 return outputs
             logits = self.executor.forward(ForwardBatch([r.seq for r, _ in scheduled], [t for _, t in scheduled]))
             self.num_steps += 1
