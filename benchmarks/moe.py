@@ -28,9 +28,10 @@ from common import HBM, add_pdl_option, configure_pdl, graph_time, md_table
 
 from pieceworks.backends.base import BackendSpec
 from pieceworks.backends.fp4_gemm.triton import TileConfig, parse_table
+from pieceworks.backends.moe.align import num_aligned_blocks
 from pieceworks.backends.moe.base import MoEWeights
 from pieceworks.backends.moe.routing import deepseek_route
-from pieceworks.backends.moe.triton import TritonMoEBackend, num_aligned_blocks
+from pieceworks.backends.moe.triton import TritonMoEBackend
 
 E, H, I, TOPK, GROUPS, TOPK_GROUP, SCALE = 256, 7168, 2048, 8, 8, 4, 2.5
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 16384]

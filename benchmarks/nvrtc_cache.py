@@ -4,7 +4,7 @@ on-disk cubin cache (backends/nvrtc.py).
     python benchmarks/nvrtc_cache.py --cache-dir DIR     # run it twice: compile, then load
 
 Gets the three k32 instances `fp4_gemm.triton` launches at batch 1 (q/k/v with rope, o and down, gate/up
-with SwiGLU, at `cuda.plan`'s warps for the H200) and prints the seconds each took and whether the cache
+with SwiGLU, at `cuda_launch.plan`'s warps for the H200) and prints the seconds each took and whether the cache
 held it before. Needs a CUDA GPU.
 """
 

@@ -1,6 +1,7 @@
 """pieceworks: a model executor for FP4 models with pluggable kernel backends and piecewise CUDA graphs.
 
-Public API: `Executor`, `load_config`, `Config`, `hookimpl` (for plugins), and the typed errors of
+Public API: `Executor`, `Engine`, `AsyncEngine`, `SamplingParams`, `RequestOutput`, `load_config`,
+`Config`, `hookimpl` (for plugins), and the typed errors of
 `pieceworks.errors` (`ConfigError`, `CheckpointError`, `RequestError`, `BatchError`, `OutOfPages`,
 `NonFiniteLogits`). `import pieceworks` loads nothing but the errors: everything else is imported on
 first use, so the CLI handles Ctrl-C from its first instant, and kernel libraries (flashinfer,
@@ -17,17 +18,26 @@ from pieceworks.errors import (BatchError, CheckpointError, ConfigError, NonFini
 if TYPE_CHECKING:
     from pieceworks.backends.hookspecs import hookimpl
     from pieceworks.config import Config, load_config
+    from pieceworks.engine.async_engine import AsyncEngine
+    from pieceworks.engine.engine import Engine
+    from pieceworks.engine.params import SamplingParams
+    from pieceworks.engine.request import RequestOutput
     from pieceworks.executor.runner import Executor
 
 __version__ = "0.1.0"
-__all__ = ["Executor", "Config", "load_config", "hookimpl", "ConfigError", "CheckpointError", "RequestError",
-           "BatchError", "OutOfPages", "NonFiniteLogits", "__version__"]
+__all__ = ["Executor", "Engine", "AsyncEngine", "SamplingParams", "RequestOutput", "Config", "load_config",
+           "hookimpl", "ConfigError", "CheckpointError", "RequestError", "BatchError", "OutOfPages",
+           "NonFiniteLogits", "__version__"]
 
 _LAZY = {
     "Executor": "pieceworks.executor.runner",
     "Config": "pieceworks.config",
     "load_config": "pieceworks.config",
     "hookimpl": "pieceworks.backends.hookspecs",
+    "Engine": "pieceworks.engine.engine",
+    "AsyncEngine": "pieceworks.engine.async_engine",
+    "SamplingParams": "pieceworks.engine.params",
+    "RequestOutput": "pieceworks.engine.request",
 }
 
 

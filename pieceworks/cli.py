@@ -1,4 +1,4 @@
-"""`pieceworks run | backends | quantize | eval-ppl`.
+"""`pieceworks run | backends | quantize | eval-ppl | serve | bench`.
 
 Every subcommand takes an optional YAML config and `key.sub=value` overrides. A user mistake (bad
 config, checkpoint or request, a backend that can't serve, a missing file) prints one line on stderr,
@@ -110,6 +110,19 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(USER_ERROR)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pieceworks.serve.cli import run_serve
+
+    return run_serve(args, _config(args, default_model=True))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pieceworks.serve.cli import check_bench_arguments, run_bench
+
+    check_bench_arguments(args)
+    return run_bench(args, None if args.url else _config(args, default_model=True))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pieceworks", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -131,6 +144,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", required=True, help="UTF-8 text file")
     p.add_argument("--window", type=int, default=512, help="tokens per scored window")
     p.set_defaults(func=cmd_eval_ppl)
+
+    from pieceworks.serve.cli import add_bench_arguments, add_serve_arguments
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs pieceworks[serve])")
+    p.add_argument("config", nargs="*", help=cfg_help)
+    add_serve_arguments(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("bench", help="serving benchmark: TTFT/TPOT/ITL and throughput, over HTTP or in-process")
+    p.add_argument("config", nargs="*", help=cfg_help + " (in-process only)")
+    add_bench_arguments(p)
+    p.set_defaults(func=cmd_bench)
 
     try:
         from pieceworks.quant.cli import register

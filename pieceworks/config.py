@@ -92,6 +92,10 @@ class KVCacheConfig:
     """KV pool size in tokens; when unset, `memory_fraction` of the memory left after weights."""
     memory_fraction: float = 0.85
     """Fraction of free device memory (CUDA) or of available RAM (CPU, capped at 16384 tokens) for KV."""
+    prefix_caching: bool = True
+    """Keep full KV pages keyed by their token prefix, so a request that starts with tokens another one
+    computed (a shared system prompt, the n completions of one prompt) takes those pages instead of
+    recomputing them; unreferenced cached pages are evicted least recently used when the pool is full."""
 
 
 @dataclass(frozen=True)
@@ -195,6 +199,20 @@ class PluginsConfig:
 
 
 @dataclass(frozen=True)
+class SchedulerConfig:
+    """How the Engine (pieceworks.engine) batches requests into steps."""
+
+    max_num_seqs: int = 256
+    """Most sequences in one step (running decodes plus prefill chunks)."""
+    max_num_batched_tokens: int = 2048
+    """Most new tokens in one step; longer prompts are prefilled in chunks alongside running decodes.
+    The default matches cuda_graph.piecewise.max_tokens, above which a step runs eagerly."""
+    watermark: float = 0.01
+    """Fraction of the KV pool kept free when admitting a new request, so running requests can grow a
+    while before one has to be preempted (ignored when nothing runs)."""
+
+
+@dataclass(frozen=True)
 class GenerationConfig:
     """What `pieceworks run` generates (the Python API takes these as arguments instead)."""
 
@@ -215,6 +233,7 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
 
@@ -272,6 +291,10 @@ def _validate(cfg: Config, require_model: bool = True) -> None:
     for name, opts in cfg.backends.options.items():
         if not isinstance(opts, dict):
             raise ConfigError(f"backends.options.{name}: {opts!r} must be a mapping of option: value")
+    _positive("scheduler.max_num_seqs", cfg.scheduler.max_num_seqs)
+    _positive("scheduler.max_num_batched_tokens", cfg.scheduler.max_num_batched_tokens)
+    if not 0.0 <= cfg.scheduler.watermark < 1.0:
+        raise ConfigError(f"scheduler.watermark: {cfg.scheduler.watermark!r} must be in [0, 1)")
     pw = cfg.cuda_graph.piecewise
     _positive("cuda_graph.piecewise.max_tokens", pw.max_tokens)
     _sizes("cuda_graph.piecewise.sizes", pw.sizes)

@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from pieceworks.backends.base import BackendSpec, ModelFacts
-from pieceworks.backends.registry import KernelTable, load_registry
+from pieceworks.backends.registry import KernelTable, Registry, load_registry
 from pieceworks.config import Config, Switch
 from pieceworks.core.batch import TABLE_MODES
 
@@ -50,15 +50,7 @@ def print_backends(cfg: Config) -> int:
     cap = f" (compute capability {spec.capability[0]}.{spec.capability[1]})" if spec.capability else ""
     console.print(f"[bold]device[/bold]: {device}{cap}; plugins: {', '.join(registry.plugin_names())}")
 
-    t = Table(title="registered backends", show_lines=False)
-    for col in ("op", "backend", "priority", "modes", "graph modes", "numerics", "serves here"):
-        t.add_column(col)
-    for cls in registry.backends():
-        reasons = registry.reasons(cls, spec)
-        t.add_row(cls.op, cls.name, str(cls.priority), _fmt_modes(cls.forward_modes),
-                  _fmt_modes(cls.graph_modes), "/".join(cls.numerics) or "-",
-                  "[green]yes[/green]" if not reasons else "[red]no[/red]: " + escape("; ".join(reasons)))
-    console.print(t)
+    print_registered(registry, spec)
     for broken in registry.broken:
         console.print("[red]broken plugin[/red] " + escape(f"{broken.name} ({broken.origin}): {broken.reason}; "
                                                            f"block it with plugins.disabled=[{broken.name}]"))
@@ -69,10 +61,36 @@ def print_backends(cfg: Config) -> int:
     return 0
 
 
+def print_registered(registry: Registry, spec: BackendSpec) -> None:
+    """The registered backends, one row each, then why each one that can't serve here can't. The reasons
+    sit below the table, one per line, wrapped under the backend's name: a column of them would leave
+    them a few characters wide in an 80-column terminal."""
+    t = Table(title="registered backends")
+    for col in ("op", "backend", "prio", "modes", "graphs", "numerics", "serves here"):
+        t.add_column(col, overflow="fold")
+    refused = []
+    for cls in registry.backends():
+        reasons = registry.reasons(cls, spec)
+        t.add_row(cls.op, cls.name, str(cls.priority), _fmt_modes(cls.forward_modes),
+                  _fmt_modes(cls.graph_modes), "/".join(cls.numerics) or "-",
+                  "[green]yes[/green]" if not reasons else "[red]no[/red]")
+        if reasons:
+            refused.append((f"{cls.op}.{cls.name}", reasons))
+    console.print(t)
+    if refused:
+        why = Table.grid(padding=(0, 2))
+        why.add_column(no_wrap=True)
+        why.add_column(overflow="fold")
+        for name, reasons in refused:
+            why.add_row(f"[red]{escape(name)}[/red]", "\n".join(escape(r) for r in reasons))
+        console.print("[bold]why not here[/bold]:")
+        console.print(why)
+
+
 def print_kernel_table(table: KernelTable) -> None:
     t = Table(title="kernel table (op x forward mode x graph mode)")
     for col in ("op", "mode", "graph", "backend", "configured", "note"):
-        t.add_column(col)
+        t.add_column(col, overflow="fold")
     for d in table.decisions:
         note = f"fallback from {d.fallback_from}: {d.note}" if d.fallback_from else d.note
         t.add_row(d.op, d.forward_mode.value, d.graph_mode.value, d.chosen or "-", d.configured, escape(note))

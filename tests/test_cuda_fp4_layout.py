@@ -8,8 +8,9 @@ import torch
 from pieceworks.backends.base import BackendSpec, ModelFacts
 from pieceworks.backends.fp4_gemm import cuda_decode, r16c64
 from pieceworks.backends.fp4_gemm.base import Fp4Weight
-from pieceworks.backends.fp4_gemm.cuda import CudaDecodeOptions, CudaFp4GemmBackend, plan
+from pieceworks.backends.fp4_gemm.cuda import CudaDecodeOptions, CudaFp4GemmBackend
 from pieceworks.backends.fp4_gemm.cuda_decode import resident_cap
+from pieceworks.backends.fp4_gemm.cuda_launch import plan
 from pieceworks.quant import nvfp4
 
 
@@ -70,7 +71,7 @@ def test_plan_keeps_the_grid_resident():
     assert plan(16 * 132 * 64, 132) == (2, 2)  # more than fit: the fewest warps
     # the k32 reading's two token tiles count 24 warps per SM: q/k/v, o, down and the expert gate_up 8 warps,
     # the expert down 4, gate_up 2 (the fastest of 2 / 4 / 8 / 16 at M = 16 on the H200)
-    from pieceworks.backends.fp4_gemm.cuda import K32_TWO_TILE_WARPS_PER_SM as k32
+    from pieceworks.backends.fp4_gemm.cuda_launch import K32_TWO_TILE_WARPS_PER_SM as k32
     assert [plan(n, 132, k32)[0] for n in (6144, 4096, 28672, 7168)] == [8, 8, 2, 4]
 
 
@@ -268,7 +269,8 @@ def test_k32_decode_gemm_arguments_checked_before_any_launch():
 
 def test_triton_backend_cuda_decode_option_and_reasons():
     from pieceworks.backends.base import parse_options
-    from pieceworks.backends.fp4_gemm.triton import TritonFp4GemmBackend, TritonTileOptions, cuda_decode_reason
+    from pieceworks.backends.fp4_gemm.cuda_launch import cuda_decode_reason
+    from pieceworks.backends.fp4_gemm.triton import TritonFp4GemmBackend, TritonTileOptions
 
     assert TritonTileOptions().cuda_decode_max_m == 16
     assert parse_options(TritonFp4GemmBackend, {"cuda_decode_max_m": 0}).cuda_decode_max_m == 0

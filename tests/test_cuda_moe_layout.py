@@ -8,7 +8,7 @@ import torch
 
 from pieceworks.backends.base import BackendSpec, ModelFacts
 from pieceworks.backends.fp4_gemm import r16c64
-from pieceworks.backends.fp4_gemm.triton import interleave_gate_up
+from pieceworks.backends.fp4_gemm.interleave import interleave_gate_up
 from pieceworks.backends.moe.cuda import CudaMoEBackend, repack_experts
 from pieceworks.quant import nvfp4
 from pieceworks.testing import scenarios as S
@@ -72,7 +72,7 @@ def test_selected_by_config_beside_the_cuda_gemm_and_sharing_its_options():
 
 def test_one_token_blocks():
     """A one-token step's blocks: pair b alone in block b (padding id top_k), num_post covering them all."""
-    from pieceworks.backends.moe.cuda import one_token_blocks
+    from pieceworks.backends.moe.cuda_experts import one_token_blocks
 
     sorted_ids, num_post = one_token_blocks(3, torch.device("cpu"))
     assert sorted_ids.tolist() == [0] + [3] * 7 + [1] + [3] * 7 + [2] + [3] * 7
@@ -253,10 +253,10 @@ def test_triton_moe_sends_decode_steps_to_the_cuda_path(monkeypatch):
 
     from pieceworks.backends import moe as moe_pkg
     from pieceworks.backends.fp4_gemm.triton import TritonTileOptions
-    from pieceworks.backends.moe import cuda as moe_cuda, triton as moe_triton
+    from pieceworks.backends.moe import cuda_experts, triton as moe_triton
 
     calls = []
-    monkeypatch.setattr(moe_cuda, "grouped_experts", lambda x, tw, ids, w, layout: calls.append(("cuda", layout)))
+    monkeypatch.setattr(cuda_experts, "grouped_experts", lambda x, tw, ids, w, layout: calls.append(("cuda", layout)))
     fake = types.SimpleNamespace(align_gpu=lambda ids, e, bm, nb: (None, None, None),
                                  fused_moe=lambda *a: calls.append(("triton", a[-1].block_m)))
     monkeypatch.setitem(sys.modules, "pieceworks.backends.moe.triton_kernels", fake)  # no triton needed
@@ -282,7 +282,7 @@ def test_triton_moe_sends_decode_steps_to_the_cuda_path(monkeypatch):
 
 def test_grouped_experts_without_tokens_launches_nothing():
     """Zero tokens: an empty result before any import of the kernels or launch (a grid with no blocks fails)."""
-    from pieceworks.backends.moe.cuda import grouped_experts
+    from pieceworks.backends.moe.cuda_experts import grouped_experts
 
     _, p = _triton_prepared(2, 128, 64, 8)
     x = torch.zeros(0, 128, dtype=torch.bfloat16)

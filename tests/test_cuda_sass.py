@@ -50,7 +50,7 @@ def test_source_of_a_copy(tmp_path):
     copy = tmp_path / "old.py"
     copy.write_text('SOURCE = DEVICE_HELPERS + r"""\n__global__ void k() {}\n"""\n')
     src = cuda_sass.source_of(str(copy))
-    assert src.endswith("__global__ void k() {}\n") and "griddepcontrol" in src  # today's helpers prepended
+    assert src.endswith("__global__ void k() {}\n") and "griddepcontrol" in src  # the current DEVICE_HELPERS prepended
     copy.write_text("nothing here\n")
     with pytest.raises(SystemExit, match="no SOURCE"):
         cuda_sass.source_of(str(copy))

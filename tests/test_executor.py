@@ -11,7 +11,7 @@ import torch
 
 from pieceworks import Executor
 from pieceworks.core.batch import ForwardBatch, ForwardMode
-from pieceworks.errors import BatchError
+from pieceworks.errors import BatchError, OutOfPages
 
 TINY = {
     "llama": {"model": {"arch": "llama", "preset": "tiny"}},
@@ -124,9 +124,10 @@ def test_bad_input_is_refused_and_leaves_the_executor_serving(arch):
         with pytest.raises(BatchError, match=needle):
             ex.forward(batch)
         assert ex.kv.allocator.num_free == free_before and victim.kv_len == 0
-    # a batch larger than the pool can hold: forward raises, nothing is allocated
+    # a batch larger than the pool can hold: forward raises the typed OutOfPages, nothing is allocated
     others = [ex.new_sequence() for _ in range(3)]
-    with pytest.raises(BatchError, match="more KV pages"):
+    assert ex.pages_needed(others, [29] * 3) > ex.kv.allocator.num_free
+    with pytest.raises(OutOfPages, match="more KV pages"):
         ex.forward(ForwardBatch(others, [list(range(1, 30))] * 3))
     assert ex.kv.allocator.num_free == free_before and all(s.kv_len == 0 for s in others)
     # freeing twice
@@ -183,7 +184,7 @@ def test_soak_random_mixed_steps_return_every_page():
         batch = ForwardBatch(chosen, toks)
         try:
             logits = ex.forward(batch)
-        except BatchError:  # full pool or context: refused cleanly, then make room
+        except (BatchError, OutOfPages):  # full pool or context: refused cleanly, then make room
             ex.free(live.pop(0))
             continue
         modes.add(batch.mode)

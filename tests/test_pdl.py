@@ -60,7 +60,7 @@ class _Recorder:
 
 def test_attention_decode_launches_in_stream_order_with_its_trigger(monkeypatch):
     """attention.triton's decode kernel: PDL compiled in (its trigger lets the o projection launch early)
-    but launched without the PDL attribute (docs/benchmarks.md, eighteenth session); the norm kernels
+    but launched without the PDL attribute (it finishes later launched early: docs/benchmarks.md); the norm kernels
     keep the early launch and load their weight before the wait."""
     pytest.importorskip("triton")
     import torch

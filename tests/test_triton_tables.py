@@ -29,15 +29,15 @@ from pieceworks.backends.fp4_gemm.triton import (
     TritonFp4GemmBackend,
     TritonTileOptions,
     choose_split_k,
-    interleave_gate_up,
-    interleave_rope_rows,
     parse_table,
     select_tile,
 )
+from pieceworks.backends.fp4_gemm.interleave import interleave_gate_up, interleave_rope_rows
 from pieceworks.backends.fp4_gemm.torch import TorchFp4GemmBackend
 from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES, MOE_TILES
+from pieceworks.backends.moe.align import moe_align, num_aligned_blocks
 from pieceworks.backends.moe.routing import deepseek_route, route, route_supported
-from pieceworks.backends.moe.triton import TritonMoEBackend, moe_align, num_aligned_blocks
+from pieceworks.backends.moe.triton import TritonMoEBackend
 from pieceworks.config import load_config
 from pieceworks.quant import nvfp4
 

@@ -2,7 +2,7 @@
 
 Every attention/MLA backend stores two row blocks per new token (K and V, or c_kv and k_pe) at the
 token's slot. Two `index_copy_` calls cost two kernels of PyTorch's generic indexing path per layer; on
-the H200 that was most of the gap between a pieceworks extend call and a bare FlashInfer kernel. The
+the H200 they make most of the gap between an extend call that uses them and a bare FlashInfer kernel. The
 Triton kernel here writes both blocks of a token in one program, with 16-byte vector accesses.
 
 triton is imported on first CUDA use only, so `import pieceworks` never loads it.

@@ -127,12 +127,17 @@ class Sequence:
         tokens: every token whose KV is in the cache, in order.
         pages: KV pages holding them, in order.
         freed: set by `Executor.free`; a freed handle can't be used again.
+        block_keys: prefix-cache keys of the leading full pages (`pages[:len(block_keys)]`), chained
+            page after page; the executor extends it as pages fill.
+        num_cached_tokens: tokens the sequence started with from the prefix cache (shared pages).
     """
 
     id: int
     tokens: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     freed: bool = False
+    block_keys: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int = 0
 
     @property
     def kv_len(self) -> int:

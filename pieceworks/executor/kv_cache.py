@@ -1,11 +1,15 @@
 """Paged KV pools (GQA pages and MLA latent pages) and their page allocator.
 
 A slot is `page * page_size + offset`. Page 0 is reserved: padded tokens of a graph-sized step write
-their KV there, so it is never handed to a sequence.
+their KV there, so it is never handed to a sequence. Pages are refcounted: with prefix caching, a full
+page may be held read-only by several sequences that share its prefix.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -18,37 +22,133 @@ CPU_DEFAULT_MAX_TOKENS = 16384  # without kv_cache.num_tokens, a CPU pool stays 
 
 
 class PageAllocator:
-    """Free-list allocator over pages 1..num_pages-1; all-or-nothing allocation."""
+    """Refcounted pages 1..num_pages-1 with an optional prefix cache; all-or-nothing allocation.
 
-    def __init__(self, num_pages: int) -> None:
+    A page is free, held (refcount >= 1), or cached and unreferenced. Full pages can be registered
+    under a block key (`block_key`: a hash chained over the page's tokens and its parent page's key,
+    as vLLM keys its blocks), so a later sequence with the same prefix takes them read-only instead of
+    recomputing them. A cached page whose refcount drops to 0 keeps its KV and its key until `alloc`
+    needs the page: such pages are evicted least recently used first, and only when the free list is
+    empty. `num_free` counts them, since they can be handed out.
+    """
+
+    def __init__(self, num_pages: int, prefix_caching: bool = False) -> None:
         if num_pages < 2:
             raise ValueError(f"a KV pool needs at least 2 pages (1 reserved), got {num_pages}")
         self.num_pages = num_pages
+        self.prefix_caching = prefix_caching
         self._free = list(range(num_pages - 1, RESERVED_PAGE, -1))  # pop() hands out low ids first
-        self._used: set[int] = set()
+        self._ref = [0] * num_pages
+        self._key_of: dict[int, bytes] = {}  # cached page -> its block key
+        self._page_of: dict[bytes, int] = {}  # block key -> cached page
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, refcount 0, LRU first
+        self.num_evicted = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages `alloc` can hand out: free ones plus unreferenced cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used(self) -> int:
+        """Pages held by at least one sequence."""
+        return self.capacity - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Pages registered in the prefix cache (held or not)."""
+        return len(self._key_of)
 
     @property
     def capacity(self) -> int:
         """Pages a sequence may ever hold (all but the reserved one)."""
         return self.num_pages - 1
 
+    def refcount(self, page: int) -> int:
+        return self._ref[page]
+
     def alloc(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfPages(f"need {n} KV pages, {len(self._free)} free of {self.capacity}")
-        pages = [self._free.pop() for _ in range(n)]
-        self._used.update(pages)
+        """`n` pages with refcount 1, from the free list, then by evicting cached pages (LRU).
+
+        Raises:
+            OutOfPages: fewer than `n` pages can be handed out; nothing was taken.
+        """
+        if n > self.num_free:
+            raise OutOfPages(f"need {n} KV pages, {self.num_free} free of {self.capacity}")
+        pages = []
+        for _ in range(n):
+            if self._free:
+                page = self._free.pop()
+            else:
+                page, _ = self._evictable.popitem(last=False)
+                del self._page_of[self._key_of.pop(page)]
+                self.num_evicted += 1
+            self._ref[page] = 1
+            pages.append(page)
         return pages
 
     def free(self, pages: list[int]) -> None:
-        bad = [p for p in pages if p not in self._used]
-        if bad:
-            raise ValueError(f"pages {bad} are not allocated (freed twice?)")
-        self._used.difference_update(pages)
-        self._free.extend(reversed(pages))
+        """Drop one reference to each page; a page nobody holds becomes free, or evictable when cached.
+
+        Raises:
+            ValueError: a page is not held (freed twice?); nothing was changed.
+        """
+        bad = [p for p in pages if not 0 < p < self.num_pages or self._ref[p] < 1]
+        if bad or len(set(pages)) != len(pages):
+            raise ValueError(f"pages {bad or pages} are not allocated (freed twice?)")
+        for page in reversed(pages):  # a sequence's last pages are the least likely to be shared
+            self._ref[page] -= 1
+            if self._ref[page] == 0:
+                if page in self._key_of:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
+
+    # ------------------------------------------------------------------ prefix cache
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """The cached pages of the longest prefix of `keys` (not taken: see `share`)."""
+        pages = []
+        for key in keys:
+            page = self._page_of.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        """Take one more reference to each cached page (found by `lookup`)."""
+        for page in pages:
+            assert page in self._key_of, f"page {page} is not in the prefix cache"
+            if self._ref[page] == 0:
+                del self._evictable[page]
+            self._ref[page] += 1
+
+    def register(self, page: int, key: bytes) -> None:
+        """Record a held, full page under its block key. A key already cached keeps its page (the new
+        page stays private and is freed normally)."""
+        assert self._ref[page] >= 1, f"page {page} is not held"
+        if self.prefix_caching and key not in self._page_of and page not in self._key_of:
+            self._page_of[key] = page
+            self._key_of[page] = key
+
+
+def block_key(parent: bytes | None, tokens: list[int]) -> bytes:
+    """The prefix-cache key of a full page: a 128-bit hash of the parent page's key and the page's
+    token ids, so equal keys mean equal whole prefixes (up to hash collisions at 2**-128)."""
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+def block_keys(tokens: list[int], page_size: int, parent: bytes | None = None,
+               start_page: int = 0) -> list[bytes]:
+    """Keys of the full pages of `tokens` from page `start_page` on, chained from `parent` (the key
+    of page start_page - 1)."""
+    keys = []
+    for i in range(start_page, len(tokens) // page_size):
+        parent = block_key(parent, tokens[i * page_size : (i + 1) * page_size])
+        keys.append(parent)
+    return keys
 
 
 @dataclass(frozen=True)
@@ -75,14 +175,15 @@ class KVPool:
     """
 
     def __init__(
-        self, layout: KVLayout, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device
+        self, layout: KVLayout, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device,
+        prefix_caching: bool = False,
     ) -> None:
         self.layout = layout
         self.page_size = page_size
         self.num_pages = num_pages
         self.dtype = dtype
         self.device = torch.device(device)
-        self.allocator = PageAllocator(num_pages)
+        self.allocator = PageAllocator(num_pages, prefix_caching)
         if layout.kind == "gqa":
             shape = (layout.num_layers, 2, num_pages, page_size, layout.num_kv_heads, layout.head_dim)
         elif layout.kind == "mla":
@@ -118,6 +219,7 @@ class KVPool:
         device: torch.device,
         num_tokens: int | None,
         memory_fraction: float,
+        prefix_caching: bool = False,
     ) -> "KVPool":
         """A pool of `num_tokens` tokens, or of `memory_fraction` of the free memory when None."""
         if num_tokens is not None and page_size > num_tokens:
@@ -142,7 +244,7 @@ class KVPool:
                     "kv_cache.num_tokens"
                 )
         num_pages = -(-num_tokens // page_size) + 1  # + the reserved page
-        return cls(layout, num_pages, page_size, dtype, device)
+        return cls(layout, num_pages, page_size, dtype, device, prefix_caching)
 
 
 def _free_bytes(device: torch.device) -> int:

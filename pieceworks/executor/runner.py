@@ -4,6 +4,12 @@ A step (`Executor.forward`): validate the batch -> reserve KV pages -> build the
 choose its graph mode -> plan the attention backend -> run the model (eagerly, through piecewise
 graphs, or by replaying a full decode graph) -> logits -> commit the new tokens to their sequences.
 A step that fails gives back the pages it took: the pool and every sequence stay as they were.
+
+One thread at a time: the backends' plan state and the KV pool are shared by every step, so a call
+into `forward`, `new_sequence` or `free` while another thread is inside one of them raises
+RuntimeError instead of waiting (a silent interleaving would give wrong tokens). Serving stacks that
+share one model between threads or coroutines use `pieceworks.AsyncEngine`, whose single loop thread
+runs every step.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,7 +33,7 @@ from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode, Sequence
 from pieceworks.core.context import ForwardContext, forward_context
 from pieceworks.errors import BatchError, CheckpointError, OutOfPages
 from pieceworks.executor.inputs import as_token_ids, page_table, token_rows
-from pieceworks.executor.kv_cache import KVPool
+from pieceworks.executor.kv_cache import KVPool, block_keys
 
 log = logging.getLogger("pieceworks.executor")
 
@@ -34,7 +42,8 @@ class Executor:
     """Owns the model, its kernel table and the KV cache; the caller owns scheduling.
 
     Build with `Executor.from_config(...)`. Then either drive steps yourself (`new_sequence`,
-    `forward(ForwardBatch(...))`, `free`) or use the conveniences `generate` and `score`.
+    `forward(ForwardBatch(...))`, `free`) or use the conveniences `generate` and `score`. Calls from a
+    second thread while one runs are refused (RuntimeError); see the module docstring.
     """
 
     def __init__(self, cfg: Config, model: Any, table: KernelTable, kv: KVPool, device: torch.device,
@@ -56,6 +65,7 @@ class Executor:
                                kv.allocator.capacity * kv.page_size)
         self._ids = itertools.count()
         self._live: dict[int, Sequence] = {}
+        self._busy = threading.Lock()
         self._tokenizer = None
         self.piecewise = None
         self.decode_graphs = None
@@ -109,25 +119,28 @@ class Executor:
         pdl_mode = pdl.mode_name(cfg.runtime.pdl)
         if pdl_mode == "on" and (reason := pdl.unsupported_reason(device)) is not None:
             raise ConfigError(f"runtime.pdl: on, but {reason}; use runtime.pdl=auto or off")
-        torch.manual_seed(cfg.runtime.seed)
         registry = load_registry(cfg.plugins)
         nvrtc.configure_cache(cache_root(cfg.runtime.cache_dir) / "nvrtc" if cfg.runtime.kernel_cache else None)
         model_cfg = replace(cfg.model, path=str(model_dir)) if model_dir else cfg.model
         tp = TPLayout()
         if groups is not None:
             tp = TPLayout(groups.rank, groups.size, groups.device_group, cfg.parallel.expert_parallel)
-        model = load_model(model_cfg, cfg.quantization, device, dtype, progress=progress, tp=tp)
+        # random weights come from a private generator seeded with runtime.seed: the process-wide
+        # torch RNG is the caller's
+        model = load_model(model_cfg, cfg.quantization, device, dtype, progress=progress,
+                           seed=cfg.runtime.seed, tp=tp)
         spec = BackendSpec.for_device(device, model=model.facts(cfg.kv_cache.page_size),
                                       fp4_numerics=cfg.quantization.fp4_numerics)
         table = registry.resolve(cfg.backends, spec, model.required_ops())
         model.prepare(table)
         kv = KVPool.sized(model.kv_layout(), cfg.kv_cache.page_size, dtype, device,
-                          cfg.kv_cache.num_tokens, cfg.kv_cache.memory_fraction)
+                          cfg.kv_cache.num_tokens, cfg.kv_cache.memory_fraction, cfg.kv_cache.prefix_caching)
         if groups is not None:  # every rank's pool has the leader's page ids: the smallest pool wins
             num_pages = groups.min_int(kv.allocator.num_pages)
             if num_pages < kv.allocator.num_pages:
                 kv = None  # the larger pool goes before the smaller one is allocated
-                kv = KVPool(model.kv_layout(), num_pages, cfg.kv_cache.page_size, dtype, device)
+                kv = KVPool(model.kv_layout(), num_pages, cfg.kv_cache.page_size, dtype, device,
+                            cfg.kv_cache.prefix_caching)
         ex = cls(cfg, model, table, kv, device, model_dir)
         ex.groups = groups
         pdl.configure(pdl_mode, device)  # before the graphs capture the kernels
@@ -155,19 +168,60 @@ class Executor:
             log.info("cuda_graph.decode.enabled=on has no effect on %s: decode graphs need CUDA", self.device)
 
     # ---------------------------------------------------------------- sequences
-    def new_sequence(self) -> Sequence:
-        """A new, empty sequence handle."""
-        seq = Sequence(id=next(self._ids))
-        self._live[seq.id] = seq
-        return seq
+    @contextmanager
+    def _exclusive(self, what: str):
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                f"Executor.{what} called while another thread is running a step on this executor; an "
+                "Executor (and an Engine) serves one thread at a time. Share one model between threads "
+                "or coroutines through pieceworks.AsyncEngine, or give each thread its own executor"
+            )
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    def new_sequence(self, prompt: list[int] | None = None) -> Sequence:
+        """A new sequence handle; empty, or holding the longest cached prefix of `prompt`.
+
+        With `kv_cache.prefix_caching` and a `prompt` (token ids), the sequence starts holding the
+        cached full pages that match the prompt's leading tokens, shared read-only with whoever else
+        holds them: `seq.tokens` is that prefix (a multiple of the page size, and always shorter than
+        the prompt, so the step that feeds the rest yields the last token's logits), and
+        `seq.num_cached_tokens` its length. The caller then feeds `prompt[seq.kv_len:]`.
+        """
+        with self._exclusive("new_sequence"):
+            seq = Sequence(id=next(self._ids))
+            alloc = self.kv.allocator
+            if prompt is not None and alloc.prefix_caching:
+                prompt = as_token_ids(prompt, f"sequence {seq.id}")
+                usable = (len(prompt) - 1) // self.page_size  # never the whole prompt
+                keys = block_keys(prompt[: usable * self.page_size], self.page_size)
+                pages = alloc.lookup(keys)
+                alloc.share(pages)
+                n = len(pages) * self.page_size
+                seq.pages, seq.block_keys = pages, keys[: len(pages)]
+                seq.tokens, seq.num_cached_tokens = prompt[:n], n
+            self._live[seq.id] = seq
+            return seq
 
     def free(self, seq: Sequence) -> None:
-        """Give a sequence's KV pages back. Freeing twice is an error."""
-        if seq.freed or self._live.get(seq.id) is not seq:
-            raise BatchError(f"sequence {seq.id} was already freed (or belongs to another executor)")
-        self.kv.allocator.free(seq.pages)
-        seq.pages, seq.freed = [], True
-        del self._live[seq.id]
+        """Drop a sequence's hold on its KV pages (pages shared with other sequences stay with them;
+        cached ones stay in the prefix cache until the pool needs them). Freeing twice is an error; the
+        handle is dead after this call whatever happens."""
+        with self._exclusive("free"):
+            if seq.freed or self._live.get(seq.id) is not seq:
+                raise BatchError(f"sequence {seq.id} was already freed (or belongs to another executor)")
+            pages = seq.pages
+            seq.pages, seq.block_keys, seq.freed = [], [], True
+            del self._live[seq.id]
+            self.kv.allocator.free(pages)
+
+    def pages_needed(self, seqs: list[Sequence], num_new_tokens: list[int]) -> int:
+        """KV pages a step feeding `num_new_tokens[i]` tokens to `seqs[i]` would allocate (compare with
+        `kv.allocator.num_free`, which counts evictable cached pages too)."""
+        ps = self.page_size
+        return sum(max(0, -(-(s.kv_len + n) // ps) - len(s.pages)) for s, n in zip(seqs, num_new_tokens))
 
     @property
     def num_free_tokens(self) -> int:
@@ -184,10 +238,16 @@ class Executor:
 
         Raises:
             BatchError: invalid batch (token ids that are not integers or lie outside the vocabulary,
-                a freed, foreign or repeated sequence, too long, pool full); checked before anything
-                changes. Whatever fails later (an interrupt included) gives back the pages the step
-                took: the pool and every sequence stay as they were.
+                a freed, foreign or repeated sequence, too long); checked before anything changes.
+                Whatever fails later (an interrupt included) gives back the pages the step took: the
+                pool and every sequence stay as they were.
+            OutOfPages: the KV pool lacks the pages the batch needs (`pages_needed`); nothing changed.
+            RuntimeError: another thread is inside this executor.
         """
+        with self._exclusive("forward"):
+            return self._forward(batch)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self._closed:
             raise RuntimeError("this executor's tensor-parallel run is closed (close() was called, or a worker "
                                "failed); build a new executor")
@@ -207,7 +267,20 @@ class Executor:
             raise
         for seq, toks in zip(batch.seqs, tokens):
             seq.tokens.extend(toks)
+            if self.kv.allocator.prefix_caching:
+                self._register_full_pages(seq)
         return logits
+
+    def _register_full_pages(self, seq: Sequence) -> None:
+        """Offer the sequence's newly filled pages to the prefix cache."""
+        done = len(seq.block_keys)
+        if seq.kv_len // self.page_size <= done:
+            return
+        parent = seq.block_keys[-1] if done else None
+        new = block_keys(seq.tokens, self.page_size, parent, start_page=done)
+        for i, key in enumerate(new, start=done):
+            self.kv.allocator.register(seq.pages[i], key)
+        seq.block_keys.extend(new)
 
     def run_step(self, mode: ForwardMode, seqs: list[Any], tokens: list[list[int]], all_logits: bool) -> torch.Tensor:
         """The step itself, pages already reserved (every rank of a tensor-parallel run calls it with the
@@ -347,7 +420,7 @@ class Executor:
     def _reserve_pages(self, seqs: list[Sequence], tokens: list[list[int]]) -> list[list[int]]:
         need = [max(0, -(-(s.kv_len + len(t)) // self.page_size) - len(s.pages)) for s, t in zip(seqs, tokens)]
         if sum(need) > self.kv.allocator.num_free:
-            raise BatchError(
+            raise OutOfPages(
                 f"the batch needs {sum(need)} more KV pages ({sum(need) * self.page_size} tokens) but only "
                 f"{self.kv.allocator.num_free} are free: run fewer sequences per step, free finished ones, "
                 "or enlarge kv_cache.num_tokens"

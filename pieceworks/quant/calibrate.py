@@ -147,7 +147,7 @@ def calibrate_from_text(
     except ImportError:
         raise ValueError(
             "calibrating over text needs transformers: pip install 'pieceworks[demo]' (or pass a fixed "
-            "--amax instead of --calib-text)"
+            "--amax: no calibration)"
         ) from None
     if isinstance(text_file, str) and ("\n" in text_file or len(text_file) > 1024):
         raise ValueError(

@@ -27,19 +27,24 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
             "Quantize the linear weights of a bf16/fp16/fp32 Hugging Face checkpoint (Llama or "
             "DeepSeek-V3 family) to NVFP4, writing ModelOpt's checkpoint format (tensor names, "
             "hf_quant_config.json). Streams tensor by tensor. input_scale comes from a calibration "
-            "text (max |activation| per linear, runs the model with transformers) or a fixed amax."
+            "text (max |activation| per linear, runs the model with transformers and the tokenizer "
+            "files in SRC): by default the bundled English text pieceworks/data/calibration.txt; or "
+            "from a fixed amax."
         ),
     )
     p.add_argument("src", type=Path, metavar="SRC", help="source checkpoint directory")
     p.add_argument("dst", type=Path, metavar="DST", help="new or empty output directory")
-    act = p.add_mutually_exclusive_group(required=True)
+    act = p.add_mutually_exclusive_group()
     act.add_argument(
         "--calib-text",
         type=Path,
         metavar="FILE",
-        help="text to calibrate activation amax over (needs transformers)",
+        help="text to calibrate activation amax over (needs transformers; default: the bundled "
+        "pieceworks/data/calibration.txt, 23 KB of English)",
     )
-    act.add_argument("--amax", type=float, metavar="X", help="fixed activation amax for every linear")
+    act.add_argument(
+        "--amax", type=float, metavar="X", help="fixed activation amax for every linear (no calibration)"
+    )
     p.add_argument(
         "--exclude",
         nargs="+",
@@ -56,12 +61,20 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run `quantize` from parsed arguments; user errors are raised as ValueError."""
+    from pieceworks.data import CALIBRATION_TXT
     from pieceworks.quant.quantizer import quantize_checkpoint
 
+    calib_text = args.calib_text
+    if calib_text is None and args.amax is None:
+        calib_text = CALIBRATION_TXT
+        print(f"calibrating activation amax over the bundled text {CALIBRATION_TXT} "
+              "(--calib-text FILE for another text, --amax X for a fixed amax)")
+    elif calib_text is not None:
+        print(f"calibrating activation amax over {calib_text}")
     out = quantize_checkpoint(
         args.src,
         args.dst,
-        calib_text=args.calib_text,
+        calib_text=calib_text,
         amax=args.amax,
         exclude=args.exclude,
         progress=not args.no_progress,

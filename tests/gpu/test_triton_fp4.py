@@ -20,20 +20,21 @@ from pieceworks.backends.base import BackendSpec  # noqa: E402
 from pieceworks.backends.fp4_gemm import triton_kernels as gemm_kernels  # noqa: E402
 from pieceworks.backends.fp4_gemm.base import Fp4Weight  # noqa: E402
 from pieceworks.backends.fp4_gemm.torch import TorchFp4GemmBackend  # noqa: E402
+from pieceworks.backends.fp4_gemm.cuda_launch import cuda_decode_reason  # noqa: E402
 from pieceworks.backends.fp4_gemm.k32 import repack_k32  # noqa: E402
 from pieceworks.backends.fp4_gemm.triton import (  # noqa: E402
     TileConfig,
     TritonFp4GemmBackend,
     TritonTileOptions,
     choose_split_k,
-    cuda_decode_reason,
     parse_table,
 )
 from pieceworks.backends.moe import triton_kernels as moe_kernels  # noqa: E402
+from pieceworks.backends.moe.align import moe_align, num_aligned_blocks  # noqa: E402
 from pieceworks.backends.moe.base import MoEWeights  # noqa: E402
 from pieceworks.backends.moe.routing import deepseek_route, route, route_supported  # noqa: E402
 from pieceworks.backends.moe.torch import TorchMoEBackend  # noqa: E402
-from pieceworks.backends.moe.triton import TritonMoEBackend, moe_align, num_aligned_blocks  # noqa: E402
+from pieceworks.backends.moe.triton import TritonMoEBackend  # noqa: E402
 from pieceworks.quant import nvfp4  # noqa: E402
 
 DEV = "cuda"

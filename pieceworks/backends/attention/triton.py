@@ -7,7 +7,7 @@ by the last program to finish. The number of splits depends only on the batch si
 the launch it captured): enough programs to cover the GPU's SMs about four times, at most 16.
 
 It serves decode steps only (`forward_modes`) and is `auto`'s choice for them where it can serve
-(priority above FlashInfer's: on the H200 the Llama-3.1-8B NVFP4 decode step, Executor.forward, was
+(priority above FlashInfer's: on the H200 the Llama-3.1-8B NVFP4 decode step, Executor.forward, is
 faster with it at every batch size and context measured, docs/benchmarks.md); extend steps go to the
 next backend (FlashInfer, else torch). Pin `backends.attention: flashinfer` to keep FlashInfer for
 decode too. Safe in FULL decode graphs: plan() picks per-batch-size buffers at fixed addresses and

@@ -117,8 +117,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
 
 EARLY_TRIGGER = True  # let the next kernel launch before the merge (benchmarks/pdl_ab.py: False)
 # Launched in stream order, not early behind the q/k/v GEMM: every input but the page table comes from
-# that GEMM, and the early launch made the kernel finish later (the eighteenth session's timeline, batch
-# 1: 8.3 us after the GEMM's end per layer against 6.5; benchmarks/pdl_ab.py --attention-pdl-launch).
+# that GEMM, and the early launch makes the kernel finish later (an Nsight Systems timeline of the batch-1
+# step on the H200: 8.3 us after the GEMM's end per layer against 6.5; benchmarks/pdl_ab.py
+# --attention-pdl-launch; docs/benchmarks.md).
 # Its PDL wait then returns at once, and its trigger still lets the o GEMM launch before the merge.
 PDL_LAUNCH = False
 

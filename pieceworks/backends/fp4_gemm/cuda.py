@@ -1,17 +1,16 @@
 """Weight-only NVFP4 GEMM with a hand-written CUDA decode kernel (w4a16), compiled at run time by NVRTC.
 
-Up to 16 rows of x run `cuda_decode.nvfp4_decode_gemm` in one launch: one CTA per 16 weight rows over
+Up to 16 rows of x run the decode kernel (`cuda_decode.decode_gemm`) in one launch: one CTA per 16 weight rows over
 all of K, the weights loaded straight into registers in MMA fragment order (a ring of 2 64-element
 chunks per lane), decoded with integer ops and bf16 multiplies, bf16 mma.sync with the weights as the A
 operand, the warps' sums added in shared memory (r16c64.py describes the layout); 17 up to
 `decode_max_m` (64) rows run it once per 16-row slice (the weights read once per slice); more rows
-dequantize the weight to a transient bf16 copy and call torch.matmul, as the Triton backend does from
-M = 1024. SwiGLU and the q/k/v rope are fused into the decode kernel's epilogue (rounded as the unfused
+dequantize the weight to a transient bf16 copy and call torch.matmul, as the Triton backend does above
+M = 256. SwiGLU and the q/k/v rope are fused into the decode kernel's epilogue (rounded as the unfused
 ops round). Faster than the Triton backend's own kernels up to 16 rows on the H200, slower beyond
 (docs/benchmarks.md), so it has the lower priority: `backends.fp4_gemm: cuda` selects it. (The Triton
 backend runs this kernel too, on its k32 weights, for M <= 16: at M = 1 and 8 within 0.4 us of it
-here, at M = 16 1-13% slower on five of the six shapes: docs/benchmarks.md, twenty-third
-session.)
+here, at M = 16 1-13% slower on five of the six shapes: docs/benchmarks.md.)
 
 Option `fuse_norm` (off by default; `fuses_norm`) also fuses a Llama block's RMSNorms and residual adds:
 the o and down kernels add their output to the residual stream s and write the next norm's inputs
@@ -25,7 +24,6 @@ its first launch (0.2-0.4 s each on the H200 machine) or loads it from nvrtc's d
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -34,7 +32,8 @@ import torch
 from pieceworks.backends import pdl
 from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
 from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight, norm_parts, rope_qk_columns
-from pieceworks.backends.fp4_gemm.triton import interleave_gate_up, interleave_rope_rows, multiprocessors
+from pieceworks.backends.fp4_gemm.cuda_launch import kernel_reasons, multiprocessors, plan
+from pieceworks.backends.fp4_gemm.interleave import interleave_gate_up, interleave_rope_rows
 
 
 SLICE = 16  # rows of x per decode-kernel launch
@@ -57,58 +56,6 @@ class CudaDecodeOptions:
             raise ValueError(f"fuse_norm={self.fuse_norm!r}: use true or false")
         if not 0 <= self.decode_max_m <= 256:
             raise ValueError(f"decode_max_m={self.decode_max_m}: use 0 (never) to 256")
-
-
-@lru_cache(maxsize=None)
-def nvrtc_unavailable_reason() -> str | None:
-    """Why NVRTC can't compile the kernels here, or None."""
-    from pieceworks.backends.nvrtc import nvrtc_library
-
-    if torch.version.cuda is None:
-        return "this torch build has no CUDA"
-    try:
-        nvrtc_library()
-    except OSError as e:
-        return str(e)
-    try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError as e:
-        return f"CUDA driver library not found ({e})"
-    return None
-
-
-def kernel_reasons(reasons: list[str], used: bool, dtype: torch.dtype) -> list[str]:
-    """A CUDA-kernel backend's `check`: `reasons` (the base checks), plus bf16 activations where the model
-    uses the backend's op (`used`), plus NVRTC's reason when nothing else stands in the way."""
-    if used and dtype != torch.bfloat16:
-        reasons.append(f"takes bf16 activations (model dtype: {dtype})")
-    if not reasons:
-        reason = nvrtc_unavailable_reason()
-        if reason:
-            reasons.append(reason)
-    return reasons
-
-
-def plan(n_rows: int, sms: int, warps_per_sm: int = 32) -> tuple[int, int]:
-    """(warps per CTA, chunks in flight per lane) for a decode GEMM with n_rows weight rows: the most warps
-    per CTA (a power of two, 2 to 16) that keep every CTA of the grid resident at once, counting
-    `warps_per_sm` warps per SM (32 for the r16c64 kernel: one token tile fits them at 54-60 registers; two
-    are compiled with a register cap where they would not: `cuda_decode.resident_cap`). Measured on the
-    H200 (docs/benchmarks.md): this picks the fastest or within 10% of it on the Llama-3.1-8B and
-    DeepSeek-V3 expert shapes. The k32 reading's two token tiles count 24 (`K32_TWO_TILE_WARPS_PER_SM`)."""
-    ctas = -(-n_rows // 16)
-    warps = 16
-    while warps > 2 and ctas * warps > sms * warps_per_sm:
-        warps //= 2
-    return warps, 2
-
-
-# The k32 reading with two token tiles (M 9..16) compiles to about 82 registers (offline NVRTC 13.0), so an
-# SM holds about 23 of its warps without a cap, and a cap of 64 (what 32 warps per SM would need) spills. At
-# 24 warps per SM `plan` picked the fastest of 2 / 4 / 8 / 16 warps at M = 16 on all six Llama-3.1-8B and
-# DeepSeek-V3 expert shapes on the H200 (docs/benchmarks.md, twenty-third session), where 32 picked 16
-# warps for o, down and the expert gate_up and 8 for the expert down, 1.5-1.6x slower.
-K32_TWO_TILE_WARPS_PER_SM = 24
 
 
 class CudaFp4GemmBackend(Fp4GemmBackend):

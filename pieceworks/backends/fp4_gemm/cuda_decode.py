@@ -11,8 +11,8 @@ from functools import lru_cache
 import torch
 
 from pieceworks.backends.fp4_gemm.cuda_decode_kernel import SOURCE, instance
+from pieceworks.backends.fp4_gemm.cuda_launch import multiprocessors
 from pieceworks.backends.fp4_gemm.r16c64 import CHUNK
-from pieceworks.backends.fp4_gemm.triton import multiprocessors
 from pieceworks.backends.nvrtc import kernel
 
 

@@ -37,11 +37,11 @@ p is elements 16t + 64 (j >> 1) + 8 (j & 1) + 2p, + 1: mma (j, h) takes words 2h
 elements 16t + 64 (j >> 1) + 8 (j & 1) + 4h .. + 3 (x[i][j], one 16-byte load; a quad's four loads for a
 slot lie in one 128-byte line of x, as r16c64's do), the same instructions per weight as r16c64 (70.5 SASS
 per 64 elements against 73.5). x is loaded just before its chunk (63 registers; a ring of it took 91, a
-per-slot prefetch 70, both slower where they left fewer warps resident: docs/benchmarks.md, twenty-first
-session). Until the twenty-third session a k32 group held 32 consecutive elements, a quad's x pieces lay 64
-bytes apart (two lines per token and load) and M = 8 took 1.16-1.26x the r16c64 kernel's time (L1 74% busy
-against 53%, Nsight Compute); with the groups' blocks t and t + 4 it takes about the same. Two token tiles
-take 82 registers: `cuda.plan` counts 24 warps per SM for them (`K32_TWO_TILE_WARPS_PER_SM`).
+per-slot prefetch 70, both slower where they left fewer warps resident: docs/benchmarks.md). The groups
+hold blocks t and t + 4 for this reading: with 32 consecutive elements per group a quad's x pieces lie 64
+bytes apart (two lines per token and load) and M = 8 takes 1.16-1.26x the r16c64 kernel's time (L1 74% busy
+against 53%, Nsight Compute); with blocks t and t + 4 it takes about the same. Two token tiles
+take 82 registers: `cuda_launch.plan` counts 24 warps per SM for them (`K32_TWO_TILE_WARPS_PER_SM`).
 
 The MoE modes take L 1 too (`moe.triton`'s decode steps, `cuda_moe_max_t`): an expert is 16 gridDim.x rows of
 k32 tiles, and the gate/up GEMM (HALVES) reads the Triton MoE's layout, gate rows [0, Ip) and up rows

@@ -5,15 +5,15 @@ so decode reads 0.5625 bytes per weight instead of bf16's 2. At load, `prepare` 
 "k32" layout (k32.py; decoded by triton_k32.py), which lets one 32-bit register op decode two
 values. The tile configuration is picked per call from a table tuned on an H200 (`triton_tiles.py`),
 by row count: split-K decode tiles for small M so every SM streams weights, larger fused tiles up to
-M = 256, and from M = 1024 a "dequant" entry that writes a transient bf16 copy of the weight
-(N x K x 2 bytes) and calls torch.matmul, which beat every fused tile tried there. Nothing is
+M = 256, and above that a "dequant" entry that writes a transient bf16 copy of the weight
+(N x K x 2 bytes) and calls torch.matmul, which beat every fused tile tried at M = 1024. Nothing is
 autotuned at run time, so the kernels are safe inside CUDA graphs.
 
 Up to `cuda_decode_max_m` rows (default 16), on compute capability >= 9.0 with NVRTC loadable, the same
 k32 weights go to the CUDA decode kernel instead (cuda_decode.py, `layout="k32"`; the SwiGLU and rope
-epilogues included): on the H200 it took the batch-1 Llama-3.1-8B-shaped decode step from 2.15 to
-1.73-1.79 ms (docs/benchmarks.md, twenty-first session), and since the k32 groups hold blocks t and t + 4
-(twenty-third session) it beats the Triton tiles at 9..16 rows too.
+epilogues included): on the H200 it takes the batch-1 Llama-3.1-8B-shaped decode step from 2.15 ms (the
+Triton tiles) to 1.73-1.79 ms (docs/benchmarks.md), and, because the k32 groups hold blocks t and t + 4
+(triton_k32.py), it beats the Triton tiles at 9..16 rows too.
 
 This module imports torch only; triton is imported when a kernel is first launched.
 """
@@ -29,6 +29,13 @@ import torch
 
 from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
 from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight
+from pieceworks.backends.fp4_gemm.cuda_launch import (
+    K32_TWO_TILE_WARPS_PER_SM,
+    cuda_decode_reason,
+    multiprocessors,
+    plan,
+)
+from pieceworks.backends.fp4_gemm.interleave import interleave_gate_up, interleave_rope_rows
 from pieceworks.backends.fp4_gemm.k32 import TILE_K, repack_k32
 from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES
 
@@ -98,15 +105,14 @@ class TritonTileOptions:
     """The dense GEMM (fp4_gemm.triton) runs up to this many rows of x with the CUDA decode kernel on the same
     k32 weights (cuda_decode.py, `layout="k32"`) where it runs: compute capability >= 9.0, NVRTC loadable,
     bf16 x; elsewhere, and above it, the Triton kernels. 0: never. On the H200 it is faster than the Triton
-    decode tiles at M <= 16 on every Llama-3.1-8B and DeepSeek-V3 expert shape (docs/benchmarks.md,
-    twenty-first and twenty-third sessions; at 9..16 since the k32 group order of the twenty-third)."""
+    decode tiles at M <= 16 on every Llama-3.1-8B and DeepSeek-V3 expert shape (docs/benchmarks.md)."""
 
     cuda_moe_max_t: int = 128
     """The fused MoE (moe.triton) runs its experts for up to this many tokens with the CUDA decode kernel's
-    MoE modes on the same k32 experts (`moe.cuda.grouped_experts`) where it runs (as above); above it, the
-    Triton grouped GEMMs. 0: never. Each block of 8 (token, slot) pairs reads its expert once, so the CUDA
-    path suits decode batches: on the H200, one DeepSeek-V3 layer was faster with it from 1 to 128 tokens,
-    1-4% slower at 192 and 24-28% slower at 256 (docs/benchmarks.md, twenty-second session)."""
+    MoE modes on the same k32 experts (`moe.cuda_experts.grouped_experts`) where it runs (as above); above
+    it, the Triton grouped GEMMs. 0: never. Each block of 8 (token, slot) pairs reads its expert once, so the CUDA
+    path suits decode batches: on the H200, one DeepSeek-V3 layer is faster with it from 1 to 128 tokens,
+    1-4% slower at 192 and 24-28% slower at 256 (docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_decode_max_m, bool) or not isinstance(self.cuda_decode_max_m, int) \
@@ -147,15 +153,6 @@ def select_tile(table: tuple[TileConfig, ...], m: int) -> TileConfig:
     raise AssertionError("unreachable: the last bucket is unbounded")
 
 
-
-@lru_cache(maxsize=None)
-def multiprocessors(device: torch.device) -> int:
-    """The SM count of a CUDA device (132 elsewhere: the H200 the tables were tuned on)."""
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def choose_split_k(tile: TileConfig, m: int, n: int, k_padded: int, sms: int = 132) -> int:
     """K splits so that about `target_ctas` programs stream the weight: ceil(target / tiles), at most
     `max_split` and the BLOCK_K iterations over `min_split_iters` (every split keeps that many or
@@ -183,48 +180,6 @@ def choose_split_k(tile: TileConfig, m: int, n: int, k_padded: int, sms: int = 1
 
     splits = [s for s in range(1, cap + 1) if 4 * tiles * s >= 3 * tile.target_ctas] or [plain]
     return max(splits, key=lambda s: (evenness(s), s == plain, -s))
-
-
-def cuda_decode_reason(x: torch.Tensor) -> str | None:
-    """Why the CUDA decode kernel can't take x (`TritonTileOptions.cuda_decode_max_m`), or None."""
-    if x.dtype != torch.bfloat16:
-        return f"the CUDA decode kernel takes bf16 x, not {x.dtype}"
-    return _cuda_decode_device_reason(x.device)
-
-
-@lru_cache(maxsize=None)
-def _cuda_decode_device_reason(device: torch.device) -> str | None:
-    if device.type != "cuda":
-        return f"the CUDA decode kernel runs on CUDA devices, not {device.type}"
-    cap = torch.cuda.get_device_capability(device)
-    if cap < (9, 0):
-        return f"the CUDA decode kernel needs compute capability >= 9.0 (mul.bf16x2), this GPU has {cap[0]}.{cap[1]}"
-    from pieceworks.backends.fp4_gemm.cuda import nvrtc_unavailable_reason
-
-    return nvrtc_unavailable_reason()
-
-
-def interleave_gate_up(n: int) -> torch.Tensor:
-    """Row order of a gate/up weight [gate; up] (n rows) for the fused SwiGLU epilogue: gate row j
-    and up row j next to each other (rows 2j, 2j + 1), so every even-width tile holds both halves of
-    its output columns."""
-    if n % 2:
-        raise ValueError(f"a gate/up weight has an even row count, not {n}")
-    return torch.arange(n).view(2, n // 2).t().reshape(-1)
-
-
-def interleave_rope_rows(num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """Row order of a q/k/v weight [q; k; v] for the fused rope epilogue: in every q and k head, dims j
-    and j + head_dim/2 (a rotate-half pair) next to each other (rows 2j, 2j + 1 of the head); the v
-    rows keep their order. Every even-width tile then holds both halves of its pairs."""
-    if head_dim % 2:
-        raise ValueError(f"the rotate-half rope needs an even head_dim, not {head_dim}")
-    half = head_dim // 2
-    within = torch.arange(head_dim).view(2, half).t().reshape(-1)  # 0, half, 1, half + 1, ...
-    heads = num_heads + num_kv_heads
-    roped = (torch.arange(heads)[:, None] * head_dim + within[None, :]).reshape(-1)
-    return torch.cat([roped, heads * head_dim + torch.arange(num_kv_heads * head_dim)])
-
 
 
 TRITON_REQUIREMENTS = Requirements(
@@ -304,9 +259,9 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
 
     def forward_swiglu(self, x, weight, weight_scale, weight_scale_2, input_scale, intermediate):
         """The GEMM with silu(gate) * up in its epilogue (split-K: in the reduction), the gate/up
-        pairs of a tile side by side; the dequant path (M >= 1024) restores the checkpoint row order
-        as it dequantizes and runs the silu_mul kernel after the matmul. Same bits as `forward`
-        followed by the silu_mul op."""
+        pairs of a tile side by side; the dequant path (M > 256 in the shipped table) restores the
+        checkpoint row order as it dequantizes and runs the silu_mul kernel after the matmul. Same bits
+        as `forward` followed by the silu_mul op."""
         return self._gemm(x, weight, weight_scale, weight_scale_2, 2 * intermediate, swiglu=True)
 
     def _gemm(self, x, weight, weight_scale, weight_scale_2, n: int, swiglu: bool, rope=None):
@@ -316,7 +271,6 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         if x.shape[0] <= self.options.cuda_decode_max_m and cuda_decode_reason(x) is None:
             from pieceworks.backends import pdl
             from pieceworks.backends.fp4_gemm import cuda_decode
-            from pieceworks.backends.fp4_gemm.cuda import K32_TWO_TILE_WARPS_PER_SM, plan
 
             per_sm = K32_TWO_TILE_WARPS_PER_SM if x.shape[0] > 8 else 32
             warps, depth = plan(weight.shape[0], multiprocessors(x.device), per_sm)

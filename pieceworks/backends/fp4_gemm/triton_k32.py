@@ -23,16 +23,17 @@ The layout (produced by `pieceworks.backends.fp4_gemm.k32.repack_k32`):
   both units of a 32-bit pair never overlap, so there are no carries), which puts E0 and m at 7 and 6,
   E1 at 8 and s at 15, and `& 0x81C0` keeps those. Two units decode together (one 32-bit register
   holds a pair, one op serves both): 9 integer ops (one of them an integer multiply, on the FMA pipe)
-  and 4 bf16x2 multiplies per 8 values (the layout before 2026-12-01's eleventh session, s@14 E1@11
-  E0@10 m@13 for slot 3, took three shifts, three masks and two ORs there: 11 ops after ptxas).
+  and 4 bf16x2 multiplies per 8 values (slot 3 at s@14 E1@11 E0@10 m@13 takes three shifts, three
+  masks and two ORs instead: 11 ops after ptxas, measured 2026-12-01).
 - Block scales stay e4m3, [N, Kp/16], read as int16 pairs: pair g holds group g's two blocks' scales,
   block t of its tile in the low byte (slots 0 and 1), block t + 4 in the high byte (slots 2 and 3)
   (`k32.pair_scales`).
-- Why those blocks (twenty-third session; before, group g held the 32 consecutive elements 32g + 8j + u
-  and pair g blocks 2g, 2g + 1): the CUDA decode kernel's lane (g, t) reads group t and needs x at each
-  slot's elements. With consecutive groups the four lanes of a quad read a token's x in four pieces 64
-  bytes apart, two 128-byte lines per token and load; now one slot's pieces lie 32 bytes apart in one
-  line, as on the r16c64 layout (at M = 8 the kernel took 0.78-0.86x the time, docs/benchmarks.md).
+- Why those blocks (rather than the 32 consecutive elements 32g + 8j + u per group g and blocks 2g,
+  2g + 1 per pair g): the CUDA decode kernel's lane (g, t) reads group t and needs x at each slot's
+  elements. With consecutive groups the four lanes of a quad read a token's x in four pieces 64 bytes
+  apart, two 128-byte lines per token and load; with blocks t and t + 4 one slot's pieces lie 32 bytes
+  apart in one line, as on the r16c64 layout (at M = 8 the kernel takes 0.78-0.86x the time of the
+  consecutive grouping, docs/benchmarks.md).
   The Triton kernels only gather x at other columns (`fp4_tile_loop`'s xc and slot offsets 0, 8, 64, 72).
 - Storage order (units and scales alike): rows are padded to a multiple of 64 and each tile of 64 rows
   x 128 elements (32 units, 4 scale pairs per row) is contiguous, row-major inside, tiles in (row block,

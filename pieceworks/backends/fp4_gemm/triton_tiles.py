@@ -18,29 +18,26 @@ whole groups, so it converts a quarter of the scales; see `triton_k32.quad_k`).
 
 # Swept on an H200 (2026-12-01, `python benchmarks/fp4_gemm.py --sweep`): each bucket is the config with
 # the lowest geometric-mean time over the Llama-3.1-8B and DeepSeek-V3 expert shapes at the bucket's
-# tuning M (1, 16, 64, 256, 1024, 16384). From M = 1024 up, dequantize + cuBLAS beat the fused kernel.
-# The buckets up to M = 256 were swept again after the one-dot K loop and uneven, in-kernel split-K
-# (`--sweep --sweep-m 1,16,64`, then `--sweep-m 256`, same day); one_dot won all four.
-# The first bucket (8-row tiles, M <= 8) was swept on 2026-12-01 (eighth session, `--sweep --sweep-m 1`):
-# with 8 x rows Triton runs the dot as mma.sync m16n8k16, the decoded weights the register A operand
-# and x an n8 B operand (half the tensor work of the 16-column wgmma, 2.98 SASS instructions per
-# weight against 3.94), four dots per K tile into two accumulators (`two_acc`).
-# The 8- and 16-row buckets take wave-balanced split counts (tenth session, `--sweep --sweep-m 1,16,64`):
-# geometric mean over the six shapes 12.02 -> 11.12 us at M = 1, 13.60 -> 12.58 at M = 16. The 64-row
-# bucket kept the plain count then: balanced, its GEMMs were faster alone (M = 32: qkv 14.3 against 16.5
-# us) but the batch-32 decode step slower (replay 5.32 / 5.34 ms against 5.20, same session).
-# The 32-row bucket (M = 17..32) was added in the twelfth session (`--sweep --sweep-m 1,16,32`, branch
-# exp/s11-combined): a 32-row one_dot tile with block_k 256 against the 64-row tile that those Ms took
-# before (half its rows were padding). Batch-32 decode replay 5.188 -> 3.941 ms and 5.188 -> 3.958
-# (interleaved in one call, 512 tokens); M = 32 gate_up 36.5 us. A second sweep the same session
-# (`--sweep --sweep-m 32,64`) gave both buckets wave-balanced splits (block_k 256 for 32 rows; the
-# 64-row bucket, now M = 33..64 only, at 396 programs): geometric mean 16.86 -> 15.70 us at M = 32 and
-# 24.02 -> 23.43 at M = 64; decode replay, interleaved: batch 32 3.948 / 3.937 -> 3.844 / 3.853 ms, batch
-# 64 5.892 / 5.896 -> 5.758 / 5.794. Two 32-row tiles at M = 64 (weights read twice): 23.69.
-# On the tiled weight storage (thirteenth session) a re-sweep of the 32-row bucket (`--sweep --sweep-m
-# 32`) preferred block_k 128 at 396 programs (gate_up 33.8 us against 38.0 for this tile), but the
-# batch-32 decode step was slower with it (replay 3.931 / 3.961 / 3.937 ms against 3.898 / 3.878 /
-# 3.907, interleaved in one call): this tile stays. The other buckets' sweep (M = 1, 16, 64) kept theirs.
+# tuning M (1, 16, 64, 256, 1024, 16384), with one-dot K loops and uneven, in-kernel split-K among the
+# candidates (`--sweep-m 1,16,64`, `--sweep-m 256`); one_dot wins every fused bucket but the first.
+# From M = 1024 up, dequantize + cuBLAS beat the fused kernel. Why the buckets are as they are (same
+# machine and date, `--sweep --sweep-m ...`; times interleaved in one call):
+# - M <= 8, 8-row tiles (`--sweep-m 1`): with 8 x rows Triton runs the dot as mma.sync m16n8k16, the
+#   decoded weights the register A operand and x an n8 B operand (half the tensor work of the 16-column
+#   wgmma, 2.98 SASS instructions per weight against 3.94), four dots per K tile into two accumulators
+#   (`two_acc`).
+# - The 8- and 16-row buckets take wave-balanced split counts (`--sweep-m 1,16,64`): geometric mean over
+#   the six shapes 12.02 -> 11.12 us at M = 1, 13.60 -> 12.58 at M = 16.
+# - M = 17..32 has its own 32-row one_dot tile (`--sweep-m 1,16,32`) rather than the 64-row tile (half of
+#   whose rows would be padding): batch-32 decode replay 3.941 / 3.958 ms against 5.188 (512 tokens);
+#   M = 32 gate_up 36.5 us. Wave-balanced splits for the 32- and 64-row buckets (`--sweep-m 32,64`;
+#   block_k 256 for 32 rows, 396 programs for 64): geometric mean 15.70 us against 16.86 at M = 32 and
+#   23.43 against 24.02 at M = 64; decode replay batch 32 3.844 / 3.853 ms against 3.948 / 3.937, batch
+#   64 5.758 / 5.794 against 5.892 / 5.896. Two 32-row tiles at M = 64 (weights read twice): 23.69.
+# - On the tiled weight storage, block_k 128 at 396 programs is faster for the 32-row bucket alone
+#   (`--sweep-m 32`: gate_up 33.8 us against 38.0) but the batch-32 decode step is slower with it (replay
+#   3.931 / 3.961 / 3.937 ms against 3.898 / 3.878 / 3.907): this tile stays. The sweep at M = 1, 16 and
+#   64 on that storage keeps the other buckets.
 FP4_GEMM_TILES = [
     dict(max_m=8, kind="fused", block_m=8, block_n=64, block_k=256, group_m=1, num_warps=4,
          num_stages=3, w_as_a=True, asm=True, one_dot=False, target_ctas=396, max_split=16, two_acc=True,
@@ -62,12 +59,12 @@ FP4_GEMM_TILES = [
 
 # Grouped MoE GEMMs, by token count T (swept with `python benchmarks/moe.py --sweep` on the
 # DeepSeek-V3 layer, tuning T = 1, 16, 64, 256, 1024, 16384; same date and machine; the buckets up to
-# T = 256 again with one_dot candidates, `--sweep --sweep-t 1,16,64,256`).
-# The buckets up to T = 64 became 8-row four-dot tiles (mma.sync, as the dense GEMM's first bucket) in
-# the eighth session (`--sweep --sweep-t 1`, then `--sweep-t 16,64`; experts-only us, 8-row against the
-# best 16-row tile: 76.5 / 85.9 at T = 1, 698 / 792 at T = 16, 1530 / 1771 at T = 64).
-# The T = 16 and 64 buckets take perm_k (tenth session, two sweeps: experts-only 680-711 us against
-# 704-723 at T = 16, 1559 against 1610 at T = 64; at T = 1 within 1%).
+# T = 256 with one_dot candidates too, `--sweep --sweep-t 1,16,64,256`).
+# The buckets up to T = 64 are 8-row four-dot tiles (mma.sync, as the dense GEMM's first bucket;
+# `--sweep --sweep-t 1`, then `--sweep-t 16,64`; experts-only us, 8-row against the best 16-row tile:
+# 76.5 / 85.9 at T = 1, 698 / 792 at T = 16, 1530 / 1771 at T = 64).
+# The T = 16 and 64 buckets take perm_k (two sweeps: experts-only 680-711 us against 704-723 without it
+# at T = 16, 1559 against 1610 at T = 64; at T = 1 within 1%).
 MOE_TILES = [
     dict(max_m=4, block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=3, w_as_a=True, one_dot=False),
     dict(max_m=16, block_m=8, block_n=128, block_k=256, num_warps=4, num_stages=3, w_as_a=True, one_dot=False,

@@ -12,8 +12,8 @@ import torch
 
 from pieceworks.backends.fp4_gemm.cuda_decode import resident_cap
 from pieceworks.backends.fp4_gemm.cuda_decode_kernel import SOURCE, instance
+from pieceworks.backends.fp4_gemm.cuda_launch import multiprocessors
 from pieceworks.backends.fp4_gemm.r16c64 import CHUNK
-from pieceworks.backends.fp4_gemm.triton import multiprocessors
 from pieceworks.backends.nvrtc import kernel
 
 LAYOUTS = {"r16c64": 0, "k32": 1}  # the kernel's template argument L
@@ -40,8 +40,7 @@ def resident_cap_moe(run, warps: int, ctas: int, sms: int) -> int:
     but 0 (none) also where the registers ptxas picks already let an SM hold that many CTAs (a large grid
     is never all resident; a cap there would only recompile it). On the H200 the k32 gate/up instance takes
     72 registers (14 two-warp CTAs per SM); capped at 64 (16 per SM, no spills) a one-token step's 2048 CTAs
-    are all resident, and the whole one-token MoE layer took 58.8-60.2 us instead of 70.8 (docs/benchmarks.md,
-    twenty-second session). The r16c64 and k32 down instances (55-63 registers) are left as compiled."""
+    are all resident, and the whole one-token MoE layer takes 58.8-60.2 us instead of 70.8 (docs/benchmarks.md). The r16c64 and k32 down instances (55-63 registers) are left as compiled."""
     cap = resident_cap(run, warps, ctas, sms)
     return 0 if run.resident_blocks(warps * 32) >= cap else cap
 

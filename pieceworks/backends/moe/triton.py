@@ -1,7 +1,7 @@
 """Fused NVFP4 MoE in Triton (w4a16), for GPUs without FP4 tensor cores (Hopper, Ampere).
 
 forward: DeepSeek-V3 routing (`routing.route`: one Triton kernel), then one Triton launch that sorts the
-(token, slot) pairs by expert into blocks of BLOCK_M rows (`moe_align` is its torch twin), a grouped
+(token, slot) pairs by expert into blocks of BLOCK_M rows (`align.moe_align` is its torch twin), a grouped
 gate_up GEMM with SwiGLU fused in its epilogue, a grouped down GEMM that applies the routing weights,
 and a combine over the top-k slots. Every buffer has a size fixed by (T, top_k, E, BLOCK_M), and
 blocks past the routed rows exit on a device-side count: nothing syncs with the host, so the op is
@@ -9,7 +9,7 @@ capturable in FULL and PIECEWISE graphs. Expert weights are repacked once into t
 fp4_gemm/triton_k32.py.
 
 Decode steps of up to `backends.options.triton.cuda_moe_max_t` tokens (default 128) run the expert part with the
-CUDA decode kernel on the same k32 experts instead (`moe.cuda.grouped_experts`: gate/up with SwiGLU over
+CUDA decode kernel on the same k32 experts instead (`moe.cuda_experts.grouped_experts`: gate/up with SwiGLU over
 expert-sorted blocks of 8 pairs, the down GEMM, the combine; one token's down GEMM and combine in one
 launch) where it runs: compute capability >= 9.0, NVRTC loadable, bf16 activations.
 
@@ -21,59 +21,20 @@ from __future__ import annotations
 import torch
 
 from pieceworks.backends.base import ALL_GRAPH_MODES
+from pieceworks.backends.fp4_gemm.cuda_launch import cuda_decode_reason
 from pieceworks.backends.fp4_gemm.k32 import TILE_ROWS, repack_k32
 from pieceworks.backends.fp4_gemm.triton import (
     TRITON_REQUIREMENTS,
     TileConfig,
     TritonTileOptions,
-    cuda_decode_reason,
     load_tile_table,
     parse_table,
     select_tile,
 )
 from pieceworks.backends.fp4_gemm.triton_tiles import MOE_TILES
+from pieceworks.backends.moe.align import num_aligned_blocks
 from pieceworks.backends.moe.base import MoEBackend, MoEWeights
 from pieceworks.backends.moe.routing import route
-
-
-def num_aligned_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Blocks of block_m rows that hold every expert's rows, each expert padded to a whole block.
-
-    At most min(P * BM, P + E * (BM - 1)) rows for P = T * top_k pairs: an expert with c rows needs
-    ceil(c / BM) * BM <= c + BM - 1 <= c * BM of them, and only experts with rows need any.
-    """
-    rows = min(num_pairs * block_m, num_pairs + num_experts * (block_m - 1))
-    return -(-rows // block_m)
-
-
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """Sort (token, slot) pairs by expert into blocks of block_m rows; capturable torch.
-
-    Args:
-        topk_ids: [T, top_k] expert of each pair (any integer dtype).
-
-    Returns:
-        sorted_ids: int32 [num_blocks * block_m], flat pair indices (t * top_k + slot) grouped by
-            expert, each expert's run padded to a multiple of block_m with the sentinel T * top_k;
-            pairs of one expert in their flat order.
-        expert_ids: int32 [num_blocks], the expert of each block (blocks past the end: clamped, unused).
-        num_post: int32 [1], rows in use (a multiple of block_m).
-    """
-    flat = topk_ids.reshape(-1).long()
-    pairs = flat.numel()
-    num_blocks = num_aligned_blocks(pairs, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(padded, 0)
-    order = torch.argsort(flat, stable=True)
-    by_expert = flat[order]
-    rank = torch.arange(pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[by_expert]
-    sorted_ids = torch.full((num_blocks * block_m,), pairs, dtype=torch.int32, device=flat.device)
-    sorted_ids.scatter_(0, (ends - padded)[by_expert] + rank, order.to(torch.int32))
-    starts = torch.arange(num_blocks, device=flat.device) * block_m
-    expert_ids = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1)
-    return sorted_ids, expert_ids.to(torch.int32), ends[-1:].to(torch.int32)
 
 
 def _pad_halves(t: torch.Tensor) -> torch.Tensor:
@@ -135,9 +96,9 @@ class TritonMoEBackend(MoEBackend):
                 tile: TileConfig | None = None) -> torch.Tensor:
         """Sort, both grouped GEMMs and the combine for routed pairs (topk_weights float32 [T, top_k]): up to
         `cuda_moe_max_t` tokens with the CUDA decode kernel on these k32 experts where it runs
-        (`moe.cuda.grouped_experts`), else the Triton kernels with `tile` (None: the table's for T)."""
+        (`moe.cuda_experts.grouped_experts`), else the Triton kernels with `tile` (None: the table's for T)."""
         if tile is None and x.shape[0] <= self.options.cuda_moe_max_t and cuda_decode_reason(x) is None:
-            from pieceworks.backends.moe.cuda import grouped_experts
+            from pieceworks.backends.moe.cuda_experts import grouped_experts
 
             return grouped_experts(x, topk_weights, topk_ids, w, "k32")
         from pieceworks.backends.moe import triton_kernels

@@ -3,7 +3,7 @@ with the routing weight, and the top-k combine. Weights are in the k32 layout of
 `pieceworks.backends.fp4_gemm.triton_kernels` (one [rows, Kp/2] matrix per expert, in the tiled storage of
 `repack_k32`; w13's gate and up halves each padded to whole 64-row tiles by the backend's `prepare`).
 
-Rows are processed in expert-sorted blocks of BLOCK_M (see `moe_align` in triton.py): block b holds
+Rows are processed in expert-sorted blocks of BLOCK_M (see `moe_align` in align.py): block b holds
 `sorted_ids[b*BM : (b+1)*BM]`, flat (token * top_k + slot) indices of one expert `expert_ids[b]`, padded
 with the sentinel T * top_k. Blocks at or past `num_post[0]` exit at once, so the grid is sized for the
 worst case and nothing is read back to the host. Imported only by the backend's methods.

@@ -1,0 +1,190 @@
+"""AsyncEngine: one Engine shared by many coroutines, its step loop on one background thread.
+
+Coroutines never touch the Engine: `generate` posts an add command and reads its outputs from an
+asyncio queue that the loop thread fills (`call_soon_threadsafe`); cancelling or closing the iterator
+posts an abort. The loop thread alone calls `add_request`, `abort` and `step`, between steps, so
+nothing is refused and nothing interleaves. An exception in the loop fails every waiting coroutine
+with it (and every later call): the engine's state is not trusted after an unexpected error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections import deque
+from typing import Any, AsyncIterator
+
+from pieceworks.engine.engine import Engine
+from pieceworks.engine.params import SamplingParams
+from pieceworks.engine.request import RequestOutput
+from pieceworks.errors import RequestError
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
+
+
+class EngineDeadError(RuntimeError):
+    """The AsyncEngine's step loop stopped (an error in a step, or shutdown)."""
+
+
+class AsyncEngine:
+    """Serve an Engine to asyncio code: `async for out in engine.generate(prompt, params)`.
+
+    Attributes: engine (the wrapped Engine), tokenizer, max_context, model_name (the Engine's).
+    Use as a context manager, or call `shutdown()` to stop and join the loop thread.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_context = engine.max_context
+        self.model_name = engine.model_name
+        self._cond = threading.Condition()
+        self._commands: deque[tuple] = deque()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="pieceworks-engine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, cfg: Any = None, overrides: list[str] | None = None, *,
+                    progress: bool = True) -> "AsyncEngine":
+        """An AsyncEngine over `Engine.from_config(cfg, overrides)`."""
+        return cls(Engine.from_config(cfg, overrides, progress=progress))
+
+    # ---------------------------------------------------------------- the caller's side
+    async def generate(self, prompt: list[int] | str, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs (one per generated token, per completion) until every one of
+        its n completions has finished. Cancelling (or closing) the iterator aborts the request.
+
+        Raises:
+            RequestError: what `Engine.add_request` refuses (a duplicate id included).
+            EngineDeadError: the loop failed (the cause is chained) or the engine was shut down.
+        """
+        params = SamplingParams() if params is None else params
+        request_id = uuid.uuid4().hex if request_id is None else request_id
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._cond:
+            self._check_alive()
+            if request_id in self._streams:
+                raise RequestError(f"request_id {request_id!r} is already running; use a new id")
+            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+            self._commands.append(("add", request_id, prompt, params))
+            self._cond.notify()
+        left = params.n if isinstance(params, SamplingParams) else 1
+        try:
+            while left:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    left = 0
+                    raise item
+                if item.finished:
+                    left -= 1
+                yield item
+        finally:
+            with self._cond:
+                self._streams.pop(request_id, None)
+                if left and not self._stopping:
+                    self._commands.append(("abort", request_id))
+                    self._cond.notify()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its iterator ends with a finish_reason "abort" output."""
+        with self._cond:
+            self._check_alive()
+            self._commands.append(("abort", request_id))
+            self._cond.notify()
+
+    def stats(self) -> dict[str, int]:
+        """The Engine's counters (a snapshot)."""
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        """Stop the loop thread and join it; waiting coroutines get EngineDeadError, unfinished
+        requests are aborted (their pages returned)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join()
+        for rid in list(self.engine._requests):
+            self.engine.abort(rid)
+        self.engine.step()  # returns the aborts' outputs, nobody reads them
+        self._fail_all(EngineDeadError("the AsyncEngine was shut down"))
+
+    def __enter__(self) -> "AsyncEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the AsyncEngine's step loop failed: {self._error!r}") from self._error
+        if self._stopping:
+            raise EngineDeadError("the AsyncEngine was shut down")
+
+    # ---------------------------------------------------------------- the loop thread
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cond:
+                    while not (self._commands or self._stopping or engine.has_unfinished()):
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                    commands, self._commands = self._commands, deque()
+                for cmd in commands:
+                    if cmd[0] == "add":
+                        _, rid, prompt, params = cmd
+                        try:
+                            engine.add_request(prompt, params, rid)
+                        except RequestError as exc:
+                            self._deliver(rid, exc)
+                    else:
+                        engine.abort(cmd[1])
+                if engine.has_unfinished():
+                    self._deliver_step(engine.step())
+        except BaseException as exc:
+            with self._cond:
+                self._error = exc
+            dead = EngineDeadError(f"the AsyncEngine's step loop failed: {exc!r}")
+            dead.__cause__ = exc
+            self._fail_all(dead)
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        with self._cond:
+            stream = self._streams.get(request_id)
+        if stream is None:
+            return  # the caller stopped listening
+        loop, queue = stream
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the caller's event loop is closed
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """One wake-up per event loop per step, not one per output: each `call_soon_threadsafe` writes
+        to the loop's self-pipe, and at 32+ requests per step those writes cost more than the puts."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._cond:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    batches.setdefault(stream[0], []).append((stream[1], out))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:
+                pass  # the caller's event loop is closed
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cond:
+            streams = list(self._streams)
+        for rid in streams:
+            self._deliver(rid, exc)

@@ -1,0 +1,70 @@
+"""Incremental detokenization with stop strings.
+
+Decoding a whole output at every step costs O(length) per token; decoding only the tail is wrong
+wherever a character spans several tokens (byte-level BPE) or a tokenizer merges spaces. So each step
+decodes a short window twice, the tokens already read and the same plus the new ones, and keeps the
+difference once it no longer ends in a partial character (TGI's and vLLM's method).
+
+Stop strings end the text before they start. Text that might still turn into a stop string (the last
+len(longest stop) - 1 characters) is held back from `delta` until the next token settles it, so the
+deltas of a request always add up to its final text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PROMPT_CONTEXT = 5  # prompt tokens decoded with the first output tokens, for their leading spaces
+
+
+class Detokenizer:
+    """One completion's text, token by token.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (`decode(ids, skip_special_tokens=True)`).
+        prompt_ids: the prompt's token ids (its last few give the first output token its context).
+        stop: stop strings; the text ends before the first one that appears.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: list[str] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop or [] if s]
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self._ids = list(prompt_ids[-PROMPT_CONTEXT:])
+        self._prefix = 0  # window start
+        self._read = len(self._ids)  # tokens whose text is already in self.text
+        self.text = ""
+        self._emitted = 0  # characters of self.text already returned as deltas
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> None:
+        """Append one generated token; sets `stopped` when a stop string appeared (then text is cut)."""
+        if self.stopped:
+            return
+        self._ids.append(token_id)
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return  # an incomplete character: wait for the next token
+        start = max(0, len(self.text) - self.holdback)
+        self.text += after[len(before) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+
+    @property
+    def emitted(self) -> str:
+        """The text returned by `delta` so far."""
+        return self.text[: self._emitted]
+
+    def delta(self, final: bool) -> str:
+        """Text not returned yet; without `final`, short of what a stop string might still claim."""
+        end = len(self.text) if final or self.stopped else max(self._emitted, len(self.text) - self.holdback)
+        out = self.text[self._emitted : end]
+        self._emitted = end
+        return out

@@ -1,0 +1,319 @@
+"""The Engine: requests in, streamed outputs out, over one Executor.
+
+A step reads top to bottom: schedule (admission, chunked prefill, preemption: engine/scheduler.py) ->
+`Executor.forward` -> sample the rows whose requests computed all their tokens (engine/sampler.py, one
+device-to-host copy) -> append, detokenize, check stop conditions -> outputs. Finished requests give
+their pages back at once; their full pages stay in the prefix cache for later requests.
+
+One thread at a time (as the Executor): `add_request`, `abort` and `step` refuse with RuntimeError
+while another thread is inside one of them. `AsyncEngine` shares one Engine between coroutines.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pieceworks.config import Config, load_config
+from pieceworks.core.batch import ForwardBatch
+from pieceworks.engine.detokenize import Detokenizer
+from pieceworks.engine.params import SamplingParams
+from pieceworks.engine.request import Request, RequestOutput
+from pieceworks.engine.sampler import Sampler, SamplingState
+from pieceworks.engine.scheduler import Scheduler
+from pieceworks.errors import NonFiniteLogits, OutOfPages, RequestError
+from pieceworks.executor.runner import Executor
+
+
+class Engine:
+    """Continuous batching of requests over an Executor, with prefix caching and preemption.
+
+    Build with `Engine.from_config(cfg, overrides)` or `Engine(executor)`. Drive it with
+    `add_request` + `step` until `has_unfinished()` is False, or call the blocking `generate`.
+
+    Attributes:
+        executor: the Executor it runs steps on. tokenizer: the model's Hugging Face tokenizer, or
+        None (random weights, or no transformers). max_context: longest prompt + output. model_name:
+        the model path or arch/preset. eos_token_ids: from generation_config.json / config.json.
+    """
+
+    def __init__(self, executor: Executor, tokenizer: Any = "auto") -> None:
+        self.executor = executor
+        cfg = executor.cfg
+        self.tokenizer = _load_tokenizer(executor) if tokenizer == "auto" else tokenizer
+        self.max_context = executor.max_context
+        self.model_name = cfg.model.path or f"{cfg.model.arch}-{cfg.model.preset or 'custom'}"
+        self.eos_token_ids = eos_token_ids(executor.model_dir)
+        self.scheduler = Scheduler(executor, cfg.scheduler)
+        self.sampler = Sampler(executor.vocab_size, executor.device, cfg.runtime.seed)
+        self._requests: dict[str, list[Request]] = {}
+        self._arrivals = itertools.count()
+        self._ready: list[RequestOutput] = []  # outputs of aborts, returned by the next step
+        self._busy = threading.Lock()
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+
+    @classmethod
+    def from_config(cls, cfg: str | os.PathLike | dict | Config | None = None,
+                    overrides: list[str] | None = None, *, progress: bool = True) -> "Engine":
+        """An Engine over `Executor.from_config(cfg, overrides)` (same arguments and errors)."""
+        cfg = cfg if isinstance(cfg, Config) and not overrides else load_config(cfg, overrides)
+        return cls(Executor.from_config(cfg, progress=progress))
+
+    @contextmanager
+    def _exclusive(self, what: str):
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                f"Engine.{what} called while another thread is inside this engine; an Engine serves one "
+                "thread at a time: share it through pieceworks.AsyncEngine"
+            )
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, prompt: list[int] | str, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a prompt (token ids, or text when the model has a tokenizer); returns its request id.
+
+        With `params.n` > 1 the request has n completions (RequestOutput.index 0..n-1), each sampling
+        on its own stream (seeded ones from seed + index).
+
+        Raises:
+            RequestError: a bad prompt, params or id, a prompt + max_tokens over the context limit, or
+                stop strings without a tokenizer; nothing was queued.
+        """
+        with self._exclusive("add_request"):
+            params = SamplingParams() if params is None else params
+            if not isinstance(params, SamplingParams):
+                raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+            ids = self._prompt_ids(prompt)
+            self._check_fits(ids, params)
+            if params.stop and self.tokenizer is None:
+                raise RequestError(f"SamplingParams.stop={params.stop!r} needs a tokenizer; this model has "
+                                   "none: use stop_token_ids")
+            request_id = uuid.uuid4().hex if request_id is None else request_id
+            if not isinstance(request_id, str) or not request_id:
+                raise RequestError(f"request_id must be a non-empty str, got {request_id!r}")
+            if request_id in self._requests:
+                raise RequestError(f"request_id {request_id!r} is already running; use a new id")
+            group: list[Request] = []
+            arrival = next(self._arrivals)
+            for index in range(params.n):
+                state = SamplingState.create(params, ids, self.eos_token_ids, self.executor.device,
+                                             seed_offset=index)
+                detok = Detokenizer(self.tokenizer, ids, params.stop) if self.tokenizer is not None else None
+                req = Request(request_id, index, ids, params, state, arrival, detok,
+                              logprobs=[] if params.logprobs is not None else None, group=group)
+                group.append(req)
+            for req in group:
+                self.scheduler.add(req)
+            self._requests[request_id] = group
+            return request_id
+
+    def _prompt_ids(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("a text prompt needs a tokenizer; this model has none (random weights): "
+                                   "pass token ids")
+            ids = list(self.tokenizer(prompt)["input_ids"])
+        elif isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
+                raise RequestError(f"prompt tensor must be 1-D integer token ids, got {prompt.dtype} "
+                                   f"{list(prompt.shape)}")
+            ids = prompt.tolist()
+        else:
+            try:
+                ids = [int(t) if _is_int(t) else t for t in prompt]
+            except TypeError:
+                raise RequestError(
+                    f"prompt must be a str or a list of token ids, got {type(prompt).__name__}") from None
+        vocab = self.executor.vocab_size
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token id(s) {bad[:5]} are not ints in the vocabulary "
+                               f"[0, {vocab})")
+        if not ids:
+            raise RequestError("the prompt is empty; give at least one token")
+        if len(ids) > self.max_context:
+            raise RequestError(f"the prompt has {len(ids)} tokens, more than the context limit of "
+                               f"{self.max_context} (model.max_context / KV pool size)")
+        return ids
+
+    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_context:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceed the context limit "
+                f"of {self.max_context}; lower max_tokens or shorten the prompt"
+            )
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (all its completions) and give its pages back; the next `step` returns its
+        final outputs with finish_reason "abort". Unknown or finished ids are ignored."""
+        with self._exclusive("abort"):
+            for req in self._requests.pop(request_id, []):
+                if req.finish_reason is None:
+                    self.scheduler.remove(req)
+                    req.finish_reason = "abort"
+                    self._ready.append(req.make_output([]))
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is queued or running (or an abort's output is still to be returned)."""
+        return bool(self._requests or self._ready)
+
+    # ---------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns one output per completion that generated a token or finished.
+
+        Raises:
+            RuntimeError: another thread is inside this engine. Errors of `Executor.forward` propagate
+                (the step changed nothing). OutOfPages: sequences created on the executor outside this
+                engine hold the pages the next request needs.
+        """
+        with self._exclusive("step"):
+            outputs, self._ready = self._ready, []
+            scheduled = self.scheduler.schedule()
+            if not scheduled:
+                if self._requests and not self.scheduler.running:
+                    # nothing of this engine holds pages, so sequences created on the executor directly do
+                    raise OutOfPages(
+                        f"no queued request fits the KV pool: {self.executor.kv.allocator.num_used} pages are "
+                        "held by sequences created outside this engine; free them (Executor.free)"
+                    )
+                return outputs
+            logits = self.executor.forward(ForwardBatch([r.seq for r, _ in scheduled], [t for _, t in scheduled]))
+            self.num_steps += 1
+            rows = [i for i, (r, _) in enumerate(scheduled) if r.seq.kv_len == r.num_tokens]
+            if not rows:
+                return outputs  # only middle chunks of prompts ran
+            reqs = [scheduled[i][0] for i in rows]
+            if len(rows) < len(scheduled):
+                logits = logits[torch.tensor(rows, device=logits.device)]
+            result = self.sampler.sample(logits, [r.state for r in reqs])
+            for req, tok, finite, lp in zip(reqs, result.token_ids, result.finite, result.logprobs):
+                outputs.append(self._accept(req, tok, finite, lp))
+            return outputs
+
+    def _accept(self, req: Request, tok: int, finite: bool, logprobs: dict[int, float] | None) -> RequestOutput:
+        if not finite:
+            err = NonFiniteLogits(f"request {req.request_id!r} (completion {req.index}): the model produced "
+                                  f"NaN or inf logits after {len(req.output)} generated tokens")
+            req.error = f"NonFiniteLogits: {err}"
+            self._finish(req, "error")
+            return req.make_output([])
+        req.output.append(tok)
+        req.state.append(tok)
+        self.num_generated_tokens += 1
+        if req.logprobs is not None:
+            req.logprobs.append(logprobs or {})
+        if req.detok is not None:
+            req.detok.add(tok)
+        reason = self._stop_reason(req, tok)
+        if reason is not None:
+            self._finish(req, reason)
+        return req.make_output([tok])
+
+    def _stop_reason(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        if len(req.output) >= p.min_tokens:
+            if (not p.ignore_eos and tok in self.eos_token_ids) or (p.stop_token_ids and tok in p.stop_token_ids):
+                return "stop"
+        if req.detok is not None and req.detok.stopped:
+            return "stop"
+        if (p.max_tokens is not None and len(req.output) >= p.max_tokens) or req.num_tokens >= self.max_context:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        self.scheduler.remove(req)
+        group = self._requests.get(req.request_id)
+        if group is not None and all(r.finish_reason is not None for r in group):
+            del self._requests[req.request_id]
+
+    # ---------------------------------------------------------------- conveniences
+    def generate(self, prompts: list[list[int] | str] | str,
+                 params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Run prompts to completion; returns the final output of every (prompt, index), in order.
+
+        A str, a flat list of token ids or a 1-D tensor is one prompt. Raises what `add_request` raises (before any
+        prompt runs) and what `step` raises (then every request of this call is aborted).
+        """
+        one = isinstance(prompts, str) or (isinstance(prompts, torch.Tensor) and prompts.dim() == 1)
+        if one or (isinstance(prompts, (list, tuple)) and prompts and all(_is_int(t) for t in prompts)):
+            prompts = [prompts]
+        params = SamplingParams() if params is None else params
+        ids = []
+        try:
+            for prompt in prompts:
+                ids.append(self.add_request(prompt, params))
+            final: dict[tuple[str, int], RequestOutput] = {}
+            while len(final) < len(ids) * params.n:
+                for out in self.step():
+                    if out.finished:
+                        final[(out.request_id, out.index)] = out
+        except BaseException:
+            for rid in ids:
+                self.abort(rid)
+            self._ready = [o for o in self._ready if o.request_id not in ids]
+            raise
+        return [final[(rid, i)] for rid in ids for i in range(params.n)]
+
+    def stats(self) -> dict[str, int]:
+        """Counters: running, waiting (completions), kv_pages_used, kv_pages_total, kv_pages_cached,
+        prefix_cache_hit_tokens, prefix_cache_queried_tokens, num_preemptions, num_steps,
+        num_generated_tokens. Safe to read from another thread (plain ints; a snapshot)."""
+        s, alloc = self.scheduler, self.executor.kv.allocator
+        return {
+            "running": len(s.running), "waiting": len(s.waiting),
+            "kv_pages_used": alloc.num_used, "kv_pages_total": alloc.capacity,
+            "kv_pages_cached": alloc.num_cached,
+            "prefix_cache_hit_tokens": s.prefix_hit_tokens,
+            "prefix_cache_queried_tokens": s.prefix_queried_tokens,
+            "num_preemptions": s.num_preemptions, "num_steps": self.num_steps,
+            "num_generated_tokens": self.num_generated_tokens,
+        }
+
+
+def _is_int(t: Any) -> bool:
+    """An int, numpy integer or 0-dim integer tensor (not a bool)."""
+    if isinstance(t, bool):
+        return False
+    if isinstance(t, int):
+        return True
+    if isinstance(t, torch.Tensor):
+        return t.dim() == 0 and not t.dtype.is_floating_point and t.dtype != torch.bool
+    return type(t).__module__ == "numpy" and "int" in type(t).__name__
+
+
+def eos_token_ids(model_dir: Path | None) -> frozenset[int]:
+    """EOS ids of a checkpoint: generation_config.json's eos_token_id (an int or a list), else
+    config.json's; empty for random weights."""
+    if model_dir is None:
+        return frozenset()
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return frozenset(eos if isinstance(eos, list) else [eos])
+    return frozenset()
+
+
+def _load_tokenizer(executor: Executor) -> Any:
+    """The model directory's tokenizer, or None (random weights, no tokenizer files, no transformers)."""
+    if executor.model_dir is None:
+        return None
+    try:
+        return executor.tokenizer
+    except (ValueError, OSError):
+        return None

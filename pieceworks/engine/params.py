@@ -1,0 +1,181 @@
+"""SamplingParams: what a request asks of the sampler, with vLLM's names and defaults.
+
+Every field is checked once, in `__post_init__`, so a bad request is refused with a `RequestError`
+that names the field, the value and the allowed range before it reaches the scheduler. numpy and
+0-dim torch scalars are accepted and stored as plain Python numbers (the sampler reads these fields
+every step and must not touch a tensor to do so); `bool` is never taken for a number.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+from pieceworks.errors import RequestError
+
+#: Temperatures below this are greedy, as in vLLM: dividing logits by ~0 overflows float32.
+GREEDY_TEMPERATURE = 1e-5
+#: Most top logprobs a request may ask for per generated token (vLLM's default cap).
+MAX_LOGPROBS = 20
+_SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
+def _scalar(value: Any) -> Any:
+    """A 0-dim torch tensor as its Python number; anything else unchanged (torch stays optional here)."""
+    if type(value).__module__ == "torch" and getattr(value, "ndim", None) == 0:
+        return value.item()
+    return value
+
+
+def _shown(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _int(name: str, value: Any, allowed: str) -> int:
+    if type(value) is int:  # the common case, without the slower abstract-class checks
+        return value
+    value = _scalar(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise RequestError(f"SamplingParams.{name} must be an int ({allowed}), got {_shown(value)}")
+    return int(value)
+
+
+def _float(name: str, value: Any, allowed: str) -> float:
+    if type(value) in (float, int):
+        value = float(value)
+        if not math.isfinite(value):
+            raise RequestError(f"SamplingParams.{name} must be finite ({allowed}), got {value!r}")
+        return value
+    value = _scalar(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise RequestError(f"SamplingParams.{name} must be a number ({allowed}), got {_shown(value)}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise RequestError(f"SamplingParams.{name} must be finite ({allowed}), got {value!r}")
+    return value
+
+
+def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise RequestError(f"SamplingParams.{name}={value!r} is out of range: allowed {allowed}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples; names and defaults as vLLM's `SamplingParams`.
+
+    Processing order per step (vLLM v1's): min_tokens masks EOS/stop ids, then the penalties, then
+    greedy rows take the argmax; sampled rows apply temperature, min_p, top_k, top_p and draw.
+    """
+
+    max_tokens: int | None = 16
+    """Most tokens to generate; None: up to the context limit."""
+    temperature: float = 1.0
+    """Softmax temperature, >= 0; below 1e-5 (0 included) the request is greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of top tokens whose probability reaches top_p, (0, 1]."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 or -1: off."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top token's, [0, 1]; 0: off."""
+    seed: int | None = None
+    """Seed of the request's own generator: the same prompt and seed give the same tokens whatever else
+    is in the batch. None: the engine's shared generator."""
+    stop: list[str] | None = None
+    """Stop strings (need a tokenizer); the text ends before them. A single str is taken as [str]."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that end the request besides EOS (the stop token is included in the output ids)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (stop_token_ids still stop)."""
+    min_tokens: int = 0
+    """EOS and stop_token_ids can't be sampled before this many tokens are generated."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already generated, [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was generated, [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """Divides positive (multiplies negative) logits of tokens in the prompt or output; > 0, 1: off."""
+    logprobs: int | None = None
+    """Return this many top logprobs per generated token plus the sampled token's, 0..20; None: off."""
+    n: int = 1
+    """Completions per prompt (they share the prompt's KV pages; seeded ones use seed + index)."""
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__  # frozen: normalized values are written once here
+        if self.max_tokens is not None:
+            put(self, "max_tokens", _int("max_tokens", self.max_tokens, ">= 1 or None"))
+            _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1 or None")
+        put(self, "temperature", _float("temperature", self.temperature, ">= 0"))
+        _check(self.temperature >= 0, "temperature", self.temperature, ">= 0 (0 = greedy)")
+        put(self, "top_p", _float("top_p", self.top_p, "0 < top_p <= 1"))
+        _check(0 < self.top_p <= 1, "top_p", self.top_p, "0 < top_p <= 1 (1 = off)")
+        put(self, "top_k", _int("top_k", self.top_k, "-1 or >= 0"))
+        _check(self.top_k >= -1, "top_k", self.top_k, "-1 or >= 0 (0 and -1 = off)")
+        put(self, "min_p", _float("min_p", self.min_p, "0 <= min_p <= 1"))
+        _check(0 <= self.min_p <= 1, "min_p", self.min_p, "0 <= min_p <= 1 (0 = off)")
+        if self.seed is not None:
+            put(self, "seed", _int("seed", self.seed, "an int or None"))
+            lo, hi = _SEED_RANGE
+            _check(lo <= self.seed <= hi, "seed", self.seed, f"{lo} <= seed <= {hi} or None")
+        put(self, "stop", self._stop_strings(self.stop))
+        put(self, "stop_token_ids", self._stop_ids(self.stop_token_ids))
+        ignore_eos = _scalar(self.ignore_eos)
+        if type(ignore_eos).__name__ not in ("bool", "bool_"):
+            raise RequestError(f"SamplingParams.ignore_eos must be a bool, got {_shown(ignore_eos)}")
+        put(self, "ignore_eos", bool(ignore_eos))
+        put(self, "min_tokens", _int("min_tokens", self.min_tokens, ">= 0"))
+        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                   f"<= max_tokens ({self.max_tokens})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            put(self, name, _float(name, getattr(self, name), "-2 <= value <= 2"))
+            _check(-2 <= getattr(self, name) <= 2, name, getattr(self, name), "-2 <= value <= 2 (0 = off)")
+        put(self, "repetition_penalty", _float("repetition_penalty", self.repetition_penalty, "> 0"))
+        _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "> 0 (1 = off)")
+        if self.logprobs is not None:
+            put(self, "logprobs", _int("logprobs", self.logprobs, f"0..{MAX_LOGPROBS} or None"))
+            _check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs, f"0..{MAX_LOGPROBS} or None")
+        put(self, "n", _int("n", self.n, ">= 1"))
+        _check(self.n >= 1, "n", self.n, ">= 1")
+
+    @staticmethod
+    def _stop_strings(stop: Any) -> list[str] | None:
+        if stop is None:
+            return None
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)):
+            raise RequestError(f"SamplingParams.stop must be a str, a list of str or None, got {_shown(stop)}")
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise RequestError(f"SamplingParams.stop holds {s!r}: every stop string must be a non-empty str")
+        return list(stop)
+
+    @staticmethod
+    def _stop_ids(ids: Any) -> list[int] | None:
+        if ids is None:
+            return None
+        if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):  # numpy array or 1-dim tensor
+            ids = ids.tolist()
+        if not isinstance(ids, (list, tuple)):
+            raise RequestError(f"SamplingParams.stop_token_ids must be a list of ints >= 0 or None, got {_shown(ids)}")
+        out = [_int("stop_token_ids", i, "a list of ints >= 0") for i in ids]
+        for i in out:
+            _check(i >= 0, "stop_token_ids", ids, "a list of ints >= 0")
+        return out
+
+    @property
+    def greedy(self) -> bool:
+        """Argmax instead of sampling: temperature below 1e-5 (0 included) or top_k == 1."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether any of presence, frequency or repetition penalty changes the logits."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+__all__ = ["SamplingParams", "GREEDY_TEMPERATURE", "MAX_LOGPROBS"]

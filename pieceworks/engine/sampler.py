@@ -1,0 +1,356 @@
+"""The batched device sampler: one pass over a step's [B, V] logits with per-row SamplingParams.
+
+Per row, in vLLM v1's order: min_tokens masks EOS and stop ids to -inf; the repetition penalty (over
+prompt + output tokens) and the presence and frequency penalties (over output tokens) change the
+logits; greedy rows take the argmax; sampled rows divide by their temperature, drop tokens below
+min_p times the top probability, keep their top_k, keep their top_p nucleus, and draw by an
+exponential race (argmax of probs / Exp(1)), which is a draw from probs with one random number per
+token. A row whose request has a seed draws its Exp(1) numbers from its own generator, so the same
+prompt and seed give the same tokens whatever else is in the batch; rows without a seed share the
+sampler's generator.
+
+Host traffic per step: at most one host-to-device copy (the rows' parameters and the token ids the
+penalties and min_tokens need, packed in one pinned buffer) and exactly one device-to-host copy (the
+B token ids with the rows' finite flags and the requested logprobs, packed in one tensor). Nothing
+syncs per row and no [B, V] tensor leaves the device. CPU runs the same code. A seeded row costs one
+kernel of its own per step (its generator's draw); everything else is batched.
+
+Logprobs are those of the model's raw distribution, log_softmax of the logits before any penalty,
+temperature or truncation: what vLLM v1 reports by default (`logprobs_mode="raw_logprobs"`), and
+independent of how the request samples.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from pieceworks.engine.params import SamplingParams
+from pieceworks.engine.processors import apply_min_p, apply_penalties, apply_top_k, apply_top_k_top_p
+from pieceworks.errors import RequestError
+
+_NUM_ROW_PARAMS = 8  # temperature, top_k, top_p, min_p, presence, frequency, repetition, greedy
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass(eq=False)
+class SamplingState:
+    """What the sampler needs of one running completion; the engine creates one per (request, index)
+    and keeps it for the completion's lifetime (preemption included: the penalties count its output).
+
+    `output_token_ids` only grows, through `append`, after the engine has accepted a sampled token
+    (the sampler never appends). The sampler keeps the penalty counts of a state on the device and
+    adds only the tokens appended since the previous step; a list that shrank is recounted.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator | None
+    """The request's own generator on the logits' device (seeded requests that sample), else None."""
+    _row: tuple[float, ...] | None = field(default=None, init=False, repr=False)
+    _penalty: tuple[_PenaltyTable, int, int] | None = field(default=None, init=False, repr=False)
+    _release: weakref.finalize | None = field(default=None, init=False, repr=False)
+
+    @classmethod
+    def create(
+        cls,
+        params: SamplingParams,
+        prompt_token_ids: Iterable[int],
+        eos_token_ids: Iterable[int],
+        device: torch.device | str,
+        seed_offset: int = 0,
+    ) -> SamplingState:
+        """A state for one completion. `seed_offset` is the completion's index for n > 1: a seeded
+        request's completions draw from seed + index (vLLM's rule), so they differ from each other."""
+        gen = None
+        if params.seed is not None and not params.greedy:
+            gen = torch.Generator(device=device)
+            gen.manual_seed((params.seed + seed_offset) % 2**64)
+        return cls(params, list(prompt_token_ids), [], frozenset(eos_token_ids), gen)
+
+    def append(self, token_id: int) -> None:
+        """Record a generated token (after the engine accepted it)."""
+        self.output_token_ids.append(token_id)
+
+
+@dataclass
+class SampleResult:
+    """One step's samples, on the host.
+
+    token_ids[i]: row i's token, or -1 when its raw logits were not all finite. finite[i]: whether
+    they were (when False the request should fail with NonFiniteLogits; a -1 that reached the model
+    would be refused as a bad token id). logprobs[i]: None unless row i asked for logprobs; else
+    {token id: logprob} of the sampled token and the row's top `logprobs` tokens (raw distribution,
+    see the module docstring), empty for a non-finite row.
+    """
+
+    token_ids: list[int]
+    finite: list[bool]
+    logprobs: list[dict[int, float] | None]
+
+
+class _PenaltyTable:
+    """On-device penalty bookkeeping of the states that use penalties, one slot (row) each:
+    counts [S, V] int32 (times each token was generated) and prompt [S, V] bool (token in the prompt).
+    Slot 0 stays zero and serves the rows without penalties. A slot returns to the free list by
+    `Sampler.release(state)` or when its state is garbage-collected."""
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.counts = torch.zeros(1, vocab_size, dtype=torch.int32, device=device)
+        self.prompt = torch.zeros(1, vocab_size, dtype=torch.bool, device=device)
+        self.free: list[int] = []
+
+    def acquire(self, state: SamplingState) -> int:
+        if not self.free:
+            old = self.counts.shape[0]
+            new = 2 * old
+            counts = self.counts.new_zeros(new, self.vocab_size)
+            prompt = self.prompt.new_zeros(new, self.vocab_size)
+            counts[:old] = self.counts
+            prompt[:old] = self.prompt
+            self.counts, self.prompt = counts, prompt
+            self.free.extend(range(new - 1, old - 1, -1))
+        if state._release is not None:  # a slot in another sampler's table
+            state._release()
+        slot = self.free.pop()
+        state._release = weakref.finalize(state, self.free.append, slot)
+        return slot
+
+
+class Sampler:
+    """Samples one token per row of a step's logits, on the logits' device.
+
+    vocab_size: the logits' width V. device: where the logits live (the shared generator and the
+    penalty tables live there too). seed: the shared generator's seed (rows without a seed).
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device | str, seed: int = 0):
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed % 2**64)
+        self._table = _PenaltyTable(vocab_size, self.device)
+        self._pinned: torch.Tensor | None = None  # host staging buffer of the one host-to-device copy
+        self._pinned_done: torch.cuda.Event | None = None
+
+    def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SampleResult:
+        """Sample row i of `logits` ([B, V] float32 on the sampler's device) for `states[i]`.
+
+        The penalty bookkeeping of `states` advances to their current output; the states' lists are
+        not changed (the engine appends the accepted tokens).
+        """
+        if logits.dim() != 2 or logits.dtype != torch.float32 or logits.shape[1] != self.vocab_size:
+            raise ValueError(
+                f"Sampler.sample takes [B, {self.vocab_size}] float32 logits, got {tuple(logits.shape)} {logits.dtype}"
+            )
+        if logits.device.type != self.device.type:
+            raise ValueError(f"Sampler.sample got logits on {logits.device}; this sampler works on {self.device}")
+        if logits.shape[0] != len(states):
+            raise ValueError(f"Sampler.sample got {logits.shape[0]} logits rows for {len(states)} states")
+        if not states:
+            return SampleResult([], [], [])
+        V = self.vocab_size
+        params = [s.params for s in states]
+        finite = torch.isfinite(logits).all(dim=-1)
+        mask_idx = _min_tokens_mask(states, V)
+        pen_rows = [i for i, p in enumerate(params) if p.uses_penalties]
+        if not mask_idx and not pen_rows and all([p.greedy for p in params]):
+            ids = logits.argmax(dim=-1)  # plain greedy batch: nothing to upload, nothing to process
+        else:
+            ids = self._sample(logits, states, params, mask_idx, pen_rows)
+        return _to_host(logits, ids, finite, params)
+
+    def release(self, state: SamplingState) -> None:
+        """Free `state`'s penalty bookkeeping now (a finished or aborted completion); without this
+        call it is freed when the state is garbage-collected."""
+        if state._release is not None:
+            state._release()
+            state._release = None
+        state._penalty = None
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        states: list[SamplingState],
+        params: list[SamplingParams],
+        mask_idx: list[int],
+        pen_rows: list[int],
+    ) -> torch.Tensor:
+        B, V = logits.shape
+        rows = [x for s in states for x in self._row_params(s)]
+        plan = self._penalty_plan(states, pen_rows) if pen_rows else None
+        prm64, (mask_t, *plan_t) = self._upload(rows, [mask_idx] + (list(plan[:4]) if plan else []))
+        prm = prm64.view(B, _NUM_ROW_PARAMS).float()  # float32 as vLLM's
+        temperature, top_p, min_p, presence, frequency, repetition = (prm[:, c] for c in (0, 2, 3, 4, 5, 6))
+        x = logits
+        if mask_idx:
+            x = x.clone(memory_format=torch.contiguous_format)  # flat indices are row-major
+            x.view(-1).index_fill_(0, mask_t, float("-inf"))
+        if plan:
+            row_slots, zero_slots, count_idx, prompt_idx = plan_t
+            t = self._table
+            if zero_slots.numel():
+                t.counts.index_fill_(0, zero_slots, 0)
+                t.prompt.index_fill_(0, zero_slots, False)
+            if prompt_idx.numel():
+                t.prompt.view(-1).index_fill_(0, prompt_idx, True)
+            if count_idx.numel():
+                t.counts.view(-1).scatter_add_(0, count_idx, torch.ones_like(count_idx, dtype=torch.int32))
+            for i, slot in zip(pen_rows, plan[4]):
+                states[i]._penalty = (t, slot, len(states[i].output_token_ids))
+            pen = [params[i] for i in pen_rows]
+            use_rep = any(p.repetition_penalty != 1 for p in pen)
+            x = apply_penalties(
+                x, t.prompt.index_select(0, row_slots) if use_rep else None, t.counts.index_select(0, row_slots),
+                presence if any(p.presence_penalty for p in pen) else None,
+                frequency if any(p.frequency_penalty for p in pen) else None,
+                repetition if use_rep else None,
+            )
+        greedy = [p.greedy for p in params]
+        greedy_ids = x.argmax(dim=-1) if any(greedy) else None
+        if all(greedy):
+            return greedy_ids
+        sampled = [p for p, g in zip(params, greedy) if not g]
+        x = x / temperature.unsqueeze(1)
+        if any(p.min_p > 0 for p in sampled):
+            x = apply_min_p(x, min_p)
+        k_max = max([p.top_k for p in sampled if 1 < p.top_k < V], default=0)
+        use_p = any(p.top_p < 1 for p in sampled)
+        if use_p:
+            x = apply_top_k_top_p(x, prm64.view(B, _NUM_ROW_PARAMS)[:, 1].long() if k_max else None, top_p)
+        elif k_max:
+            x = apply_top_k(x, prm64.view(B, _NUM_ROW_PARAMS)[:, 1].long(), k_max)
+        probs = x.softmax(dim=-1)
+        ids = probs.div_(self._exponentials(probs, states, greedy)).argmax(dim=-1)
+        if greedy_ids is not None:
+            ids = torch.where(prm[:, 7] != 0, greedy_ids, ids)
+        return ids
+
+    def _row_params(self, s: SamplingState) -> tuple[float, ...]:
+        if s._row is None:
+            p, V = s.params, self.vocab_size
+            if p.greedy:  # the greedy argmax is taken before temperature and truncation
+                s._row = (1.0, V, 1.0, 0.0, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, 1.0)
+            else:
+                k = V if p.top_k <= 0 else min(p.top_k, V)
+                s._row = (p.temperature, k, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
+                          p.repetition_penalty, 0.0)
+        return s._row
+
+    def _penalty_plan(self, states: list[SamplingState], pen_rows: list[int]):
+        """Host side of the penalty bookkeeping: each row's slot (0 for rows without penalties), the
+        slots to clear, and the flat [S * V] indices of the output tokens to count and the prompt
+        tokens to mark since each state's previous step."""
+        V, t = self.vocab_size, self._table
+        row_slots = [0] * len(states)
+        zero_slots: list[int] = []
+        count_idx: list[int] = []
+        prompt_idx: list[int] = []
+        slots = []
+        for i in pen_rows:
+            s = states[i]
+            out = s.output_token_ids
+            mine = s._penalty if s._penalty is not None and s._penalty[0] is t else None
+            if mine is not None and len(out) >= mine[2]:
+                slot, new = mine[1], out[mine[2]:]
+            else:  # first step here, or the output shrank: clear the slot and count everything
+                slot = mine[1] if mine is not None else t.acquire(s)
+                zero_slots.append(slot)
+                _check_ids(s.prompt_token_ids, V, "prompt")
+                prompt_idx.extend(slot * V + tok for tok in s.prompt_token_ids)
+                new = out
+            _check_ids(new, V, "output")
+            count_idx.extend(slot * V + tok for tok in new)
+            row_slots[i] = slot
+            slots.append(slot)
+        return row_slots, zero_slots, count_idx, prompt_idx, slots
+
+    def _upload(self, floats: list[float], ints: list[list[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The step's one host-to-device copy: `floats` as float64 [n] and each list of `ints` as an
+        int64 tensor, packed in one int64 buffer (the floats by their bits), so nothing needs a cast."""
+        n = len(floats)
+        host = torch.empty(n + sum(len(i) for i in ints), dtype=torch.int64)
+        host[:n] = torch.tensor(floats, dtype=torch.float64).view(torch.int64)
+        host[n:] = torch.tensor([v for sec in ints for v in sec], dtype=torch.int64)
+        if self.device.type == "cuda":
+            if self._pinned_done is not None and not self._pinned_done.query():
+                self._pinned_done.synchronize()  # only after a failed step: the last copy may still read it
+            if self._pinned is None or self._pinned.numel() < host.numel():
+                self._pinned = torch.empty(max(host.numel(), 4096), dtype=torch.int64, pin_memory=True)
+            buf = self._pinned[: host.numel()]
+            buf.copy_(host)
+            dev = buf.to(self.device, non_blocking=True)
+            self._pinned_done = torch.cuda.Event()
+            self._pinned_done.record()
+        elif self.device.type == "cpu":
+            dev = host
+        else:
+            dev = host.to(self.device)
+        return dev[:n].view(torch.float64), list(dev[n:].split([len(i) for i in ints]))
+
+    def _exponentials(self, probs: torch.Tensor, states: list[SamplingState], greedy: list[bool]) -> torch.Tensor:
+        """Exp(1) draws [B, V]: a seeded row's from its own generator (V numbers per step whatever the
+        batch), the other sampled rows' from the shared one. Greedy rows' values are unused."""
+        q = torch.empty_like(probs)
+        if any(not g and s.generator is None for s, g in zip(states, greedy)):
+            q.exponential_(generator=self.generator)
+        for i, (s, g) in enumerate(zip(states, greedy)):
+            if s.generator is not None and not g:
+                q[i].exponential_(generator=s.generator)
+        return q.clamp_min_(_TINY)  # an exact 0 would divide a masked (0) probability into NaN
+
+
+def _check_ids(ids: list[int], V: int, what: str) -> None:
+    if ids and (min(ids) < 0 or max(ids) >= V):
+        raise RequestError(f"{what} token ids must lie in [0, {V}) for the penalties, got {min(ids)}..{max(ids)}")
+
+
+def _min_tokens_mask(states: list[SamplingState], V: int) -> list[int]:
+    """Flat [B * V] indices of the EOS and stop ids of rows that haven't generated min_tokens yet."""
+    idx: list[int] = []
+    for i, s in enumerate(states):
+        p = s.params
+        if p.min_tokens and len(s.output_token_ids) < p.min_tokens:
+            stop = set(p.stop_token_ids or ())
+            if not p.ignore_eos:
+                stop |= s.eos_token_ids
+            idx.extend(i * V + t for t in sorted(stop) if t < V)
+    return idx
+
+
+def _to_host(
+    logits: torch.Tensor, ids: torch.Tensor, finite: torch.Tensor, params: list[SamplingParams]
+) -> SampleResult:
+    """Bring ids [B] (-1 where `finite` [B] is False) and the requested logprobs over in the step's one
+    device-to-host copy: an int64 [B] tensor, or with logprobs one float64 [B, C] tensor (exact for
+    ids < 2**53 and float32 logprobs)."""
+    asked = [p.logprobs for p in params]
+    checked = torch.where(finite, ids, -1)  # the finite flag rides on the id's sign
+    if all([a is None for a in asked]):
+        token_ids = checked.tolist()  # the one device-to-host copy of the step
+        return SampleResult(token_ids, [t >= 0 for t in token_ids], asked)
+    cols = [checked.unsqueeze(1).double()]
+    k = min(max(a for a in asked if a is not None), logits.shape[1])
+    lp = logits.log_softmax(dim=-1)
+    cols.append(lp.gather(1, ids.unsqueeze(1)).double())
+    if k:
+        top_lp, top_ids = lp.topk(k, dim=-1)
+        cols += [top_ids.double(), top_lp.double()]
+    host = torch.cat(cols, dim=1).tolist()  # the one device-to-host copy of the step
+    token_ids = [int(r[0]) for r in host]
+    logprobs: list[dict[int, float] | None] = []
+    for r, tok, a in zip(host, token_ids, asked):
+        if a is None or tok < 0:
+            logprobs.append(None if a is None else {})
+            continue
+        d = {tok: r[1]}
+        for j in range(min(a, k)):
+            d.setdefault(int(r[2 + j]), r[2 + k + j])
+        logprobs.append(d)
+    return SampleResult(token_ids, [t >= 0 for t in token_ids], logprobs)

@@ -1,0 +1,113 @@
+"""Which requests run in the next step, and with how many tokens.
+
+Each step (vLLM v1's rules, in nano-vllm's few lines):
+1. Running requests, oldest first, each with its next tokens: one for a decode, the rest of its
+   prompt for a chunked prefill, within `max_num_batched_tokens` and `max_num_seqs`. When the KV
+   pool can't give a request the pages it needs, the most recently admitted running request is
+   preempted by recompute (its pages are freed and it goes back to the front of the queue, to be
+   prefilled again with prompt + generated tokens; its sampling state is kept), until the request
+   fits or is itself the one preempted.
+2. Then, unless step 1 preempted, waiting requests in arrival order: each starts from the longest
+   cached prefix of its tokens (prefix caching) and is admitted when the pages its first chunk needs
+   now, plus a watermark, are free; not its whole prompt + max_tokens. The first that doesn't fit
+   stops admission (no overtaking, so a long prompt can't starve).
+The n completions of one request are admitted once the first has computed the prompt, so the others
+find its full pages in the prefix cache instead of prefilling the prompt n times.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pieceworks.config import SchedulerConfig
+from pieceworks.engine.request import Request
+
+
+class Scheduler:
+    """Queues and admission over one executor's KV pool (`executor`: new_sequence, free,
+    pages_needed, kv.allocator)."""
+
+    def __init__(self, executor, cfg: SchedulerConfig) -> None:
+        self.ex = executor
+        self.cfg = cfg
+        self.alloc = executor.kv.allocator
+        self.watermark_pages = int(cfg.watermark * self.alloc.capacity)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.num_preemptions = 0
+        self.prefix_hit_tokens = 0
+        self.prefix_queried_tokens = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of the queues and give its pages back (finished or aborted)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        if req.seq is not None:
+            self.ex.free(req.seq)
+            req.seq = None
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def schedule(self) -> list[tuple[Request, list[int]]]:
+        """The next step's (request, new tokens) pairs; empty when nothing can run."""
+        tokens_left, seqs_left = self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs
+        out: list[tuple[Request, list[int]]] = []
+        promised = 0  # pages the scheduled requests will allocate in the step
+        preempted = False
+        i = 0
+        while i < len(self.running) and tokens_left > 0 and seqs_left > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.seq.kv_len, tokens_left)
+            need = self.ex.pages_needed([req.seq], [n])
+            while need > self.alloc.num_free - promised:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                out.append((req, req.tokens(req.seq.kv_len, req.seq.kv_len + n)))
+                promised += need
+                tokens_left -= n
+                seqs_left -= 1
+                i += 1
+                continue
+            break  # req itself was preempted: nothing after it runs either
+        if preempted:
+            return out
+        for req in list(self.waiting):
+            if tokens_left <= 0 or seqs_left <= 0:
+                break
+            if self.alloc.prefix_caching and req.index > 0 and not req.group[0].prompt_done:
+                continue  # wait for the first completion's prompt pages, then share them
+            seq = self.ex.new_sequence(req.tokens(0))
+            n = min(req.num_tokens - seq.kv_len, tokens_left)
+            need = self.ex.pages_needed([seq], [n])
+            watermark = self.watermark_pages if self.running else 0
+            if need + watermark > self.alloc.num_free - promised:
+                self.ex.free(seq)
+                break
+            self.waiting.remove(req)
+            req.seq = seq
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = min(seq.num_cached_tokens, len(req.prompt))
+            self.prefix_hit_tokens += seq.num_cached_tokens
+            self.prefix_queried_tokens += req.num_tokens
+            self.running.append(req)
+            out.append((req, req.tokens(seq.kv_len, seq.kv_len + n)))
+            promised += need
+            tokens_left -= n
+            seqs_left -= 1
+        return out

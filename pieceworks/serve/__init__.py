@@ -1,0 +1,19 @@
+"""`pieceworks serve` (an OpenAI-compatible HTTP server over `AsyncEngine`) and `pieceworks bench`.
+
+Needs the `serve` extra (`pip install 'pieceworks[serve]'`: fastapi, uvicorn, httpx). `build_app` is
+the reference for embedding pieceworks in a server of one's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["build_app"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "build_app":
+        from pieceworks.serve.app import build_app
+
+        return build_app
+    raise AttributeError(f"module 'pieceworks.serve' has no attribute {name!r}")

@@ -1,0 +1,249 @@
+"""`pieceworks bench`: a serving benchmark against a running server (HTTP, streamed) or an in-process
+`AsyncEngine`.
+
+A workload is N requests, each a prompt (random token ids of random length, or text from a file) and an
+output length (fixed by `ignore_eos`, so every run generates the same number of tokens). Requests are
+sent at Poisson arrivals of a given rate (exponential gaps; `inf` sends all at once) and/or with at most
+C in flight. The result is `stats.summarize`'s table and JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pieceworks.serve.stats import RequestRecord, format_table, summarize
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One request of a workload: a prompt (token ids, or text the server tokenizes) and its output length."""
+
+    prompt: list[int] | str
+    prompt_tokens: int  # for text prompts: counted by the server (0 until then)
+    output_len: int
+
+
+def _length(rng: random.Random, mean: int, range_ratio: float) -> int:
+    lo, hi = max(1, round(mean * (1 - range_ratio))), max(1, round(mean * (1 + range_ratio)))
+    return rng.randint(lo, hi)
+
+
+def random_workload(num: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
+                    seed: int = 0) -> list[WorkItem]:
+    """`num` prompts of random token ids; lengths uniform in mean * [1 - range_ratio, 1 + range_ratio]."""
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"--range-ratio {range_ratio}: must be in [0, 1)")
+    rng = random.Random(seed)
+    items = []
+    for _ in range(num):
+        n = _length(rng, input_len, range_ratio)
+        items.append(WorkItem([rng.randrange(vocab_size) for _ in range(n)], n, _length(rng, output_len, range_ratio)))
+    return items
+
+
+def text_workload(path: Path, num: int, output_len: int, range_ratio: float, seed: int = 0) -> list[WorkItem]:
+    """`num` prompts drawn (with replacement, seeded) from the non-empty lines of a UTF-8 text file."""
+    lines = [ln.strip() for ln in Path(path).read_text(encoding="utf-8").splitlines() if ln.strip()]
+    if not lines:
+        raise ValueError(f"--dataset {path}: no non-empty line to use as a prompt")
+    rng = random.Random(seed)
+    return [WorkItem(rng.choice(lines), 0, _length(rng, output_len, range_ratio)) for _ in range(num)]
+
+
+def arrival_gaps(num: int, rate: float, seed: int = 0) -> list[float]:
+    """Seconds to wait before each request: a Poisson process of `rate` requests/s (0 for inf)."""
+    if rate <= 0:
+        raise ValueError(f"--request-rate {rate}: must be positive (inf: all at once)")
+    rng = random.Random(seed + 1)
+    return [0.0 if math.isinf(rate) else rng.expovariate(rate) for _ in range(num)]
+
+
+# A driver sends one item and fills in its record; it must not raise.
+Driver = Callable[[WorkItem, RequestRecord], Any]
+
+
+async def run_workload(items: list[WorkItem], driver: Driver, rate: float, max_concurrency: int | None,
+                       seed: int = 0, progress: bool = True) -> tuple[list[RequestRecord], float]:
+    """Send every item through `driver` at the arrivals and concurrency asked; (records, seconds)."""
+    gaps = arrival_gaps(len(items), rate, seed)
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    records: list[RequestRecord] = []
+    bar = _Progress(len(items), progress)
+
+    async def one(item: WorkItem) -> None:
+        if sem is not None:
+            async with sem:
+                await send(item)
+        else:
+            await send(item)
+
+    async def send(item: WorkItem) -> None:
+        rec = RequestRecord(prompt_tokens=item.prompt_tokens, start=time.perf_counter())
+        records.append(rec)
+        try:
+            await driver(item, rec)
+        except Exception as exc:  # a failed request is counted, not fatal to the run
+            rec.error = f"{type(exc).__name__}: {exc}"
+        bar.advance()
+
+    start = time.perf_counter()
+    tasks = []
+    with bar:
+        for item, gap in zip(items, gaps):
+            if gap:
+                await asyncio.sleep(gap)
+            tasks.append(asyncio.ensure_future(one(item)))
+        await asyncio.gather(*tasks)
+    return records, time.perf_counter() - start
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled, self._p, self._task = total, enabled, None, None
+
+    def __enter__(self) -> _Progress:
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+            self._p = Progress("requests", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=False)
+            self._p.__enter__()
+            self._task = self._p.add_task("bench", total=self.total)
+        return self
+
+    def advance(self) -> None:
+        if self._p is not None:
+            self._p.advance(self._task)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._p is not None:
+            self._p.__exit__(*exc)
+
+
+# ---- drivers -------------------------------------------------------------------------------------
+
+
+async def _sse_events(response: Any) -> AsyncIterator[dict]:
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def http_driver(client: Any, url: str, model: str) -> Driver:
+    """Streams /v1/completions of the server at `url` (greedy, ignore_eos, token ids returned)."""
+
+    async def drive(item: WorkItem, rec: RequestRecord) -> None:
+        body = {"model": model, "prompt": item.prompt, "max_tokens": item.output_len, "temperature": 0.0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                "return_token_ids": True}
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+                return
+            async for ev in _sse_events(resp):
+                if "error" in ev:
+                    rec.error = ev["error"].get("message", "error event")
+                    return
+                t = time.perf_counter()
+                for ch in ev.get("choices", []):
+                    rec.add_chunk(t, len(ch.get("token_ids") or []))
+                if ev.get("usage"):
+                    rec.prompt_tokens = ev["usage"]["prompt_tokens"]
+        rec.end = time.perf_counter()
+
+    return drive
+
+
+def engine_driver(engine: Any) -> Driver:
+    """Runs each item through an in-process `AsyncEngine` (greedy, ignore_eos)."""
+    from pieceworks.engine import SamplingParams
+
+    async def drive(item: WorkItem, rec: RequestRecord) -> None:
+        prompt = item.prompt
+        if isinstance(prompt, str):
+            prompt = engine.tokenizer.encode(prompt)
+            rec.prompt_tokens = len(prompt)
+        params = SamplingParams(max_tokens=item.output_len, temperature=0.0, ignore_eos=True)
+        async for out in engine.generate(prompt, params):
+            rec.add_chunk(time.perf_counter(), len(out.new_token_ids))
+            if out.finished and out.finish_reason == "error":
+                rec.error = out.error or "engine error"
+        rec.end = time.perf_counter()
+
+    return drive
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+
+def _workload(args: Any, vocab_size: int, max_context: int) -> list[WorkItem]:
+    if args.dataset is not None:
+        return text_workload(args.dataset, args.num_prompts, args.output_len, args.range_ratio, args.seed)
+    items = random_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab_size,
+                            args.seed)
+    longest = max(len(i.prompt) + i.output_len for i in items)
+    if longest > max_context:
+        raise ValueError(f"--input-len {args.input_len} + --output-len {args.output_len} (range ratio "
+                         f"{args.range_ratio}) reaches {longest} tokens, beyond the model's context of "
+                         f"{max_context}: shorten them")
+    return items
+
+
+async def _bench_http(args: Any) -> dict:
+    import httpx
+
+    url = args.url.rstrip("/")
+    timeout = httpx.Timeout(args.timeout, connect=10.0)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        models = (await client.get(f"{url}/v1/models")).json()["data"]
+        card = models[0] if args.model is None else next((m for m in models if m["id"] == args.model), None)
+        if card is None:
+            raise ValueError(f"--model {args.model!r}: the server serves {[m['id'] for m in models]}")
+        items = _workload(args, card["vocab_size"], card["max_model_len"])
+        records, duration = await run_workload(items, http_driver(client, url, card["id"]), args.request_rate,
+                                               args.max_concurrency, args.seed, not args.no_progress)
+    return {"backend": "http", "url": url, "model": card["id"], **summarize(records, duration)}
+
+
+async def _bench_engine(engine: Any, args: Any) -> dict:
+    vocab = int(engine.engine.executor.vocab_size)
+    items = _workload(args, vocab, engine.max_context)
+    records, duration = await run_workload(items, engine_driver(engine), args.request_rate, args.max_concurrency,
+                                           args.seed, not args.no_progress)
+    return {"backend": "engine", "model": engine.model_name, **summarize(records, duration)}
+
+
+def run_bench(args: Any, cfg: Any = None) -> int:
+    """Run the benchmark from parsed arguments (`cfg` for the in-process engine); print and write JSON."""
+    if args.url is not None:
+        result = asyncio.run(_bench_http(args))
+    else:
+        from pieceworks.engine import AsyncEngine
+
+        with AsyncEngine.from_config(cfg, progress=not args.no_progress) as engine:
+            result = asyncio.run(_bench_engine(engine, args))
+    result["workload"] = {
+        "num_prompts": args.num_prompts, "input_len": None if args.dataset else args.input_len,
+        "dataset": str(args.dataset) if args.dataset else None, "output_len": args.output_len,
+        "range_ratio": args.range_ratio, "request_rate": args.request_rate,
+        "max_concurrency": args.max_concurrency, "seed": args.seed,
+    }
+    title = f"{result['model']} ({result['backend']}, concurrency {args.max_concurrency or 'unbounded'}, " \
+            f"rate {args.request_rate})"
+    print(format_table(result, title))
+    if args.result_json is not None:
+        Path(args.result_json).write_text(json.dumps(result, indent=2, allow_nan=True) + "\n")
+        print(f"wrote {args.result_json}")
+    return 0 if result["failed"] == 0 else 1

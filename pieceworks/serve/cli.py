@@ -1,0 +1,86 @@
+"""The arguments and entry points of `pieceworks serve` and `pieceworks bench` (registered by
+`pieceworks.cli`, which turns the CONFIG and key=value arguments into a `Config`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("pieceworks.serve")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name clients pass (default: the model's path or preset)")
+    p.add_argument("--max-queue", type=int, default=256, metavar="N",
+                   help="requests waiting for their first token before new ones get 503 (default 256)")
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=None, help="a running server (http://HOST:PORT); without it the engine "
+                                               "runs in this process from CONFIG")
+    p.add_argument("--model", default=None, help="model name on the server (default: the first it lists)")
+    p.add_argument("--num-prompts", type=int, default=64, metavar="N", help="requests to send (default 64)")
+    p.add_argument("--input-len", type=int, default=256, metavar="T", help="mean random prompt length (tokens)")
+    p.add_argument("--output-len", type=int, default=128, metavar="T", help="mean output length (tokens)")
+    p.add_argument("--range-ratio", type=float, default=0.0, metavar="R",
+                   help="lengths uniform in mean * [1 - R, 1 + R] (default 0: fixed)")
+    p.add_argument("--dataset", type=Path, default=None, metavar="FILE",
+                   help="prompts from the lines of a text file instead of random token ids")
+    p.add_argument("--request-rate", type=float, default=math.inf, metavar="RPS",
+                   help="Poisson arrivals at this many requests/s (default inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None, metavar="C", help="at most C requests in flight")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per HTTP request (default 600)")
+    p.add_argument("--result-json", type=Path, default=None, metavar="PATH", help="write the result here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def check_bench_arguments(args: argparse.Namespace) -> None:
+    for name in ("num_prompts", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency {args.max_concurrency}: must be at least 1")
+    if args.url is not None and args.config:
+        raise ValueError(f"--url drives a running server: CONFIG arguments {args.config} belong to the server")
+
+
+def _need_serve_extra(*modules: str) -> None:
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ImportError(f"{name} is missing: install the serve extra (pip install 'pieceworks[serve]')") from exc
+
+
+def run_serve(args: argparse.Namespace, cfg: Any) -> int:
+    """Build the engine, then serve it until interrupted (the engine shuts down on the way out)."""
+    _need_serve_extra("fastapi", "uvicorn")
+    import uvicorn
+
+    from pieceworks.engine import AsyncEngine
+    from pieceworks.serve.app import build_app
+
+    with AsyncEngine.from_config(cfg) as engine:
+        app = build_app(engine, args.served_model_name, args.max_queue)
+        name = app.state.server.name
+        log.info("serving %s at http://%s:%d (OpenAI API under /v1)", name, args.host, args.port)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    log.info("stopped: the engine is shut down")
+    return 0
+
+
+def run_bench(args: argparse.Namespace, cfg: Any) -> int:
+    from pieceworks.serve.bench import run_bench as run
+
+    if args.url is not None:
+        _need_serve_extra("httpx")
+    return run(args, cfg)

@@ -1,0 +1,146 @@
+"""From an OpenAI request to what the engine takes: prompts as token ids and `SamplingParams`.
+
+Every check here raises `BadRequest` (a `RequestError`) before anything reaches the engine, so a
+refused request holds no KV page. `SamplingParams` validates the ranges of its own fields; its
+`RequestError` becomes a 400 too.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pieceworks.engine import SamplingParams
+from pieceworks.errors import RequestError
+from pieceworks.serve.protocol import (
+    MAX_LOGPROBS,
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
+
+# OpenAI's default for /v1/completions; chat completions default to the rest of the context.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def check_model(req: SamplingFields, served: str) -> None:
+    if req.model != served:
+        raise BadRequest(f"the model {req.model!r} does not exist; this server serves {served!r}",
+                         param="model", code="model_not_found")
+
+
+def refuse_unsupported(req: SamplingFields) -> None:
+    """OpenAI fields whose behaviour pieceworks lacks: refused by name rather than ignored."""
+    unsupported: dict[str, Any] = {"logit_bias": req.logit_bias or None}
+    if isinstance(req, CompletionRequest):
+        unsupported |= {"echo": req.echo or None, "suffix": req.suffix,
+                        "best_of": req.best_of if req.best_of not in (None, req.n or 1) else None}
+    if isinstance(req, ChatCompletionRequest):
+        fmt = req.response_format
+        unsupported |= {"tools": req.tools or None,
+                        "tool_choice": req.tool_choice if req.tool_choice != "none" else None,
+                        "response_format": fmt if fmt and fmt.get("type") != "text" else None}
+    for name, value in unsupported.items():
+        if value is not None:
+            raise BadRequest(f"{name}={value!r} is not supported by this server; leave it out", param=name)
+
+
+def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int) -> list[list[int]]:
+    """The request's prompts as token-id lists (text needs the model's tokenizer)."""
+    p = req.prompt
+    prompts: list[str | list[int]]
+    if isinstance(p, str):
+        prompts = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        prompts = [p]
+    else:
+        prompts = list(p)
+    if not prompts:
+        raise BadRequest("prompt is empty: give a string, a list of token ids, or a list of either", param="prompt")
+    out = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise BadRequest("this model has no tokenizer (random weights): give the prompt as token ids",
+                                 param="prompt")
+            ids = tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise BadRequest(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
+                                 param="prompt")
+        if not ids:
+            raise BadRequest("a prompt is empty (no tokens)", param="prompt")
+        out.append(ids)
+    return out
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
+    """The messages rendered by the tokenizer's chat template, with the assistant turn opened."""
+    if not req.messages:
+        raise BadRequest("messages is empty: give at least one message", param="messages")
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise BadRequest("this model has no chat template: use /v1/completions", param="messages")
+    for i, m in enumerate(req.messages):
+        if m.tool_calls or m.tool_call_id:
+            raise BadRequest(f"messages[{i}]: tool calls are not supported by this server", param="messages")
+    msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+    try:
+        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    except Exception as exc:  # a template can refuse a conversation (e.g. roles out of order)
+        raise BadRequest(f"the chat template refused the messages: {exc}", param="messages") from exc
+    return list(ids)
+
+
+def max_tokens_for(req: SamplingFields, prompt_len: int, max_context: int) -> int:
+    """The request's max_tokens, checked against the context left after the prompt."""
+    if prompt_len >= max_context:
+        raise BadRequest(f"this model's maximum context length is {max_context} tokens, and the prompt has "
+                         f"{prompt_len}: shorten the prompt", param="prompt" if isinstance(req, CompletionRequest)
+                         else "messages", code="context_length_exceeded")
+    asked = req.max_tokens
+    name = "max_tokens"
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        asked, name = req.max_completion_tokens, "max_completion_tokens"
+    if asked is None:
+        if isinstance(req, CompletionRequest):
+            return min(COMPLETIONS_DEFAULT_MAX_TOKENS, max_context - prompt_len)
+        return max_context - prompt_len
+    if asked < 1:
+        raise BadRequest(f"{name} = {asked}: must be at least 1", param=name)
+    if prompt_len + asked > max_context:
+        raise BadRequest(f"this model's maximum context length is {max_context} tokens; {name} = {asked} with "
+                         f"a {prompt_len}-token prompt needs {prompt_len + asked}: ask for at most "
+                         f"{max_context - prompt_len}", param=name, code="context_length_exceeded")
+    return asked
+
+
+def sampling_params(req: SamplingFields, max_tokens: int) -> SamplingParams:
+    """The request's sampling fields as `SamplingParams` (OpenAI's defaults where a field is absent)."""
+    if isinstance(req, CompletionRequest):
+        logprobs = req.logprobs
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise BadRequest(f"logprobs = {logprobs}: must be in [0, {MAX_LOGPROBS}]", param="logprobs")
+    else:
+        top = req.top_logprobs
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise BadRequest(f"top_logprobs = {top}: must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
+        if top is not None and not req.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs = (top or 0) if req.logprobs else None
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop
+    fields = dict(
+        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+        seed=req.seed, stop=stop or None, stop_token_ids=req.stop_token_ids or None, ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty, logprobs=logprobs, n=req.n,
+    )
+    try:
+        return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+    except RequestError as exc:
+        named = re.match(r"SamplingParams\.(\w+)", str(exc))
+        raise BadRequest(str(exc), param=named.group(1) if named else None) from exc
+    except TypeError as exc:  # a field SamplingParams lacks
+        raise BadRequest(str(exc)) from exc

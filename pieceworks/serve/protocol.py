@@ -1,0 +1,261 @@
+"""OpenAI's HTTP API as pydantic models, and the mapping of a request onto `SamplingParams`.
+
+The request models mirror OpenAI's `/v1/completions` and `/v1/chat/completions` bodies (names, types,
+defaults), plus the extensions vLLM's server accepts (`top_k`, `min_p`, `repetition_penalty`,
+`stop_token_ids`, `ignore_eos`, `min_tokens`, `return_token_ids`), so clients written for either work
+unchanged. Requests are strict: a field of the wrong type or a field the API does not have is a 400,
+and an OpenAI field whose behaviour pieceworks does not implement (`echo`, `suffix`, `logit_bias`,
+`tools`, a JSON `response_format`) is refused by name instead of being ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pieceworks.errors import RequestError
+
+# OpenAI caps top logprobs at 20 in both APIs.
+MAX_LOGPROBS = 20
+
+
+class BadRequest(RequestError):
+    """A request the server answers with 400; `param` names the offending field (None: the body)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ResponseModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- requests ------------------------------------------------------------------------------------
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class SamplingFields(OpenAIModel):
+    """The fields both endpoints share; None means the API's default."""
+
+    model: str
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    n: Optional[int] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    # vLLM's extensions
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    return_token_ids: bool = False
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions. `prompt`: text, token ids, or a list of either (one choice set each)."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: Optional[int] = None
+    echo: Optional[bool] = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[TextPart]]] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions: the messages go through the tokenizer's chat template."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    response_format: Optional[dict[str, Any]] = None
+
+
+# ---- responses -----------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class UsageInfo(ResponseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(ResponseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+    token_ids: Optional[list[int]] = Field(default=None, exclude_if=lambda v: v is None)
+
+
+class CompletionResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = None
+    system_fingerprint: Optional[str] = None
+
+
+class TopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatLogprobToken(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(ResponseModel):
+    content: Optional[list[ChatLogprobToken]] = None
+
+
+class ChatMessageOut(ResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+
+
+class ChatChoice(ResponseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+    token_ids: Optional[list[int]] = Field(default=None, exclude_if=lambda v: v is None)
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Optional[UsageInfo] = None
+    system_fingerprint: Optional[str] = None
+
+
+class DeltaMessage(ResponseModel):
+    role: Optional[Literal["assistant"]] = Field(default=None, exclude_if=lambda v: v is None)
+    content: Optional[str] = None
+
+
+class ChatStreamChoice(ResponseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+    token_ids: Optional[list[int]] = Field(default=None, exclude_if=lambda v: v is None)
+
+
+class ChatCompletionChunk(ResponseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Optional[UsageInfo] = Field(default=None, exclude_if=lambda v: v is None)
+
+
+class CompletionChunk(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = Field(default=None, exclude_if=lambda v: v is None)
+
+
+class ModelCard(ResponseModel):
+    """One served model; `max_model_len` as vLLM's, `vocab_size` so clients can build token-id prompts."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "pieceworks"
+    max_model_len: int
+    vocab_size: int
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(ResponseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(ResponseModel):
+    error: ErrorInfo
+
+
+def sse(payload: BaseModel | dict | str) -> str:
+    """One server-sent event: `data: <json>` and a blank line (`data: [DONE]` for the string)."""
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump_json()
+    elif isinstance(payload, dict):
+        import json
+
+        payload = json.dumps(payload)
+    return f"data: {payload}\n\n"

@@ -1,0 +1,445 @@
+"""The Engine on the tiny Llama preset (CPU): greedy output equals Executor.generate, streaming, abort,
+per-request seeds, prefix caching, preemption under a small pool, n > 1, stop ids, non-finite logits,
+the thread guard, and AsyncEngine with many coroutines."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from pieceworks import AsyncEngine, Engine, SamplingParams
+from pieceworks.core.batch import ForwardBatch
+from pieceworks.errors import RequestError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+def make(num_tokens: int = 512, page_size: int = 4, **sections) -> Engine:
+    cfg = {"model": {"arch": "llama", "preset": "tiny"}, "runtime": {"device": "cpu", "dtype": "float32"},
+           "kv_cache": {"num_tokens": num_tokens, "page_size": page_size}, **sections}
+    return Engine.from_config(cfg, progress=False)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PROMPTS = [prompt(n, i) for i, n in enumerate((5, 17, 9, 30, 3, 12))]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return make(scheduler={"max_num_batched_tokens": 16})  # prompts prefill in chunks
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    return engine.executor.generate(PROMPTS, 8)
+
+
+def drained(engine: Engine) -> None:
+    assert not engine.has_unfinished()
+    s = engine.stats()
+    assert (s["running"], s["waiting"], s["kv_pages_used"]) == (0, 0, 0)
+    assert not engine.executor._live  # no sequence handle left
+
+
+def test_greedy_matches_executor_generate(engine, reference):
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.finished and o.finish_reason == "length" and o.text is None for o in outs)
+    drained(engine)
+
+
+def test_streaming_one_output_per_token(engine, reference):
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    seen: dict[str, list] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    for rid, ref in zip(ids, reference):
+        outs = seen[rid]
+        assert [o.new_token_ids for o in outs] == [[t] for t in ref]
+        assert [o.token_ids for o in outs] == [ref[: i + 1] for i in range(len(ref))]
+        assert [o.finished for o in outs] == [False] * (len(ref) - 1) + [True]
+    drained(engine)
+
+
+def test_abort_mid_flight_returns_every_page(engine):
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=50)) for p in PROMPTS]
+    for _ in range(4):
+        engine.step()
+    assert engine.stats()["kv_pages_used"] > 0
+    for rid in ids:
+        engine.abort(rid)
+    outs = engine.step()
+    assert sorted(o.request_id for o in outs) == sorted(ids)
+    assert all(o.finished and o.finish_reason == "abort" and o.new_token_ids == [] for o in outs)
+    drained(engine)
+
+
+def test_seeded_request_same_tokens_alone_and_batched(engine):
+    p = SamplingParams(temperature=1.0, top_k=50, seed=1234, max_tokens=10)
+    alone = engine.generate([PROMPTS[1]], p)[0].token_ids
+    others = [engine.add_request(q, SamplingParams(temperature=0.8, max_tokens=12)) for q in PROMPTS]
+    batched = engine.generate([PROMPTS[1]], p)[0].token_ids  # runs while the others run too
+    for rid in others:
+        engine.abort(rid)
+    engine.step()
+    assert alone == batched
+    assert engine.generate([PROMPTS[1]], SamplingParams(temperature=1.0, top_k=50, seed=99, max_tokens=10))[0].token_ids != alone
+    drained(engine)
+
+
+def test_prefix_cache_same_logits_and_hits_counted():
+    on, off = make(), make(kv_cache={"num_tokens": 512, "page_size": 4, "prefix_caching": False})
+    system = prompt(22, 7)
+    users = [system + prompt(5, 8), system + prompt(9, 9)]
+    ex_on, ex_off = on.executor, off.executor
+    first = ex_on.new_sequence(users[0])
+    assert first.kv_len == 0  # nothing cached yet
+    ex_on.forward(ForwardBatch([first], [users[0]]))
+    seq = ex_on.new_sequence(users[1])
+    assert seq.num_cached_tokens == 20 and seq.pages == first.pages[:5]  # 5 full pages of the system prompt
+    assert all(ex_on.kv.allocator.refcount(p) == 2 for p in seq.pages)
+    got = ex_on.forward(ForwardBatch([seq], [users[1][20:]], return_all_logits=True))
+    ref_seq = ex_off.new_sequence(users[1])
+    assert ref_seq.kv_len == 0  # prefix caching off: no sharing
+    want = ex_off.forward(ForwardBatch([ref_seq], [users[1]], return_all_logits=True))[20:]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for s in (first, seq):
+        ex_on.free(s)
+    ex_off.free(ref_seq)
+    # through the engine: the same greedy tokens, and the hits counted
+    outs_on = on.generate(users, GREEDY)
+    outs_off = off.generate(users, GREEDY)
+    assert [o.token_ids for o in outs_on] == [o.token_ids for o in outs_off]
+    # both prompts were computed above: every full page short of the last token is a hit
+    assert [o.num_cached_tokens for o in outs_on] == [24, 28]
+    assert [o.num_cached_tokens for o in outs_off] == [0, 0]
+    s = on.stats()
+    assert s["prefix_cache_hit_tokens"] == 52 and s["prefix_cache_queried_tokens"] == 27 + 31
+    assert off.stats()["prefix_cache_hit_tokens"] == 0
+    drained(on)
+
+
+def test_prefix_cache_evicts_lru_under_pressure():
+    eng = make(num_tokens=64)  # 16 pages of 4
+    alloc = eng.executor.kv.allocator
+    a, b = prompt(21, 1), prompt(21, 2)
+    eng.generate([a], GREEDY)
+    eng.generate([b], GREEDY)
+    cached = alloc.num_cached
+    assert cached >= 10 and alloc.num_used == 0 and alloc.num_free == alloc.capacity
+    ref = make(num_tokens=64, kv_cache={"num_tokens": 64, "page_size": 4, "prefix_caching": False})
+    c = prompt(40, 3)
+    assert eng.generate([c], GREEDY)[0].token_ids == ref.generate([c], GREEDY)[0].token_ids
+    assert alloc.num_evicted > 0
+    # least recently used first: a's pages went, b's first pages stayed
+    assert eng.executor.new_sequence(a).num_cached_tokens == 0
+    assert eng.executor.new_sequence(b).num_cached_tokens > 0
+    for s in list(eng.executor._live.values()):
+        eng.executor.free(s)
+
+
+def test_preemption_gives_the_same_greedy_tokens():
+    prompts = [prompt(7, 20 + i) for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=9)
+    big = make(num_tokens=256)
+    small = make(num_tokens=32)  # 8 pages; the batch needs 8 x 4 = 32 at once: 4x too small
+    want = [o.token_ids for o in big.generate(prompts, params)]
+    got = small.generate(prompts, params)
+    assert [o.token_ids for o in got] == want
+    assert small.stats()["num_preemptions"] > 0
+    drained(small)
+
+
+def test_n_completions_share_the_prompt_pages(engine):
+    p = prompt(13, 5)
+    hits = engine.stats()["prefix_cache_hit_tokens"]
+    outs = engine.generate([p], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6))
+    assert [o.index for o in outs] == [0, 1, 2] and len({o.request_id for o in outs}) == 1
+    assert len({tuple(o.token_ids) for o in outs}) == 3  # each its own stream
+    assert [o.num_cached_tokens for o in outs][1:] == [12, 12]
+    assert engine.stats()["prefix_cache_hit_tokens"] - hits >= 24
+    one = engine.generate([p], SamplingParams(n=1, temperature=1.0, seed=6, max_tokens=6))[0]
+    assert one.token_ids == outs[1].token_ids  # completion 1 draws from seed + 1
+    drained(engine)
+
+
+def test_stop_ids_eos_and_length(engine, reference):
+    first, second = reference[0][:2]
+    out = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[second]))[0]
+    assert out.token_ids == [first, second] and out.finish_reason == "stop"
+    engine.eos_token_ids = frozenset([first])
+    try:
+        assert engine.generate([PROMPTS[0]], GREEDY)[0].token_ids == [first]
+        assert engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids == reference[0]
+        assert engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, min_tokens=3))[0].token_ids[:1] != [first]
+    finally:
+        engine.eos_token_ids = frozenset()
+    short = make(model={"arch": "llama", "preset": "tiny", "max_context": 12})
+    out = short.generate([PROMPTS[1][:9]], SamplingParams(temperature=0, max_tokens=None))[0]
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"
+
+
+def test_logprobs_passed_through(engine, reference):
+    out = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=3, logprobs=2))[0]
+    assert out.token_ids == reference[0][:3] and len(out.logprobs) == 3
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert tok in lp and max(lp.values()) == lp[tok] and 2 <= len(lp) <= 3
+
+
+def test_non_finite_logits_fail_only_their_request(engine, monkeypatch, reference):
+    ex = engine.executor
+    real = ex.model.compute_logits
+    bad_row = {"i": 0}
+
+    def poisoned(hidden):
+        logits = real(hidden)
+        logits[bad_row["i"]] = float("nan")
+        return logits
+
+    monkeypatch.setattr(ex.model, "compute_logits", poisoned)
+    a = engine.add_request(PROMPTS[0], GREEDY)
+    b = engine.add_request(PROMPTS[2], GREEDY)
+    outs = engine.step()  # both prompts fit one 16-token step; row 0 is a's
+    monkeypatch.setattr(ex.model, "compute_logits", real)
+    by_id = {o.request_id: o for o in outs}
+    assert by_id[a].finish_reason == "error" and "NonFiniteLogits" in by_id[a].error and by_id[a].token_ids == []
+    assert not by_id[b].finished
+    rest = []
+    while engine.has_unfinished():
+        rest += engine.step()
+    assert rest[-1].request_id == b and rest[-1].token_ids == reference[2]
+    drained(engine)
+
+
+def test_bad_requests_refused(engine):
+    for kwargs, needle in [
+        ({"prompt": []}, "empty"),
+        ({"prompt": [1, 600]}, "vocabulary"),
+        ({"prompt": "hello"}, "needs a tokenizer"),
+        ({"prompt": [1], "params": SamplingParams(stop=["x"])}, "needs a tokenizer"),
+        ({"prompt": [1] * 510, "params": GREEDY}, "context limit"),
+        ({"prompt": [1], "params": {"temperature": 0}}, "SamplingParams"),
+    ]:
+        with pytest.raises(RequestError, match=needle):
+            engine.add_request(**kwargs)
+    engine.add_request([1, 2], GREEDY, request_id="dup")
+    with pytest.raises(RequestError, match="already running"):
+        engine.add_request([1, 2], GREEDY, request_id="dup")
+    engine.abort("dup")
+    engine.step()
+    drained(engine)
+
+
+def test_second_thread_is_refused_never_wrong(engine, monkeypatch, reference):
+    ex = engine.executor
+    real = ex.model.compute_logits
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(hidden):
+        inside.set()
+        release.wait(30)
+        return real(hidden)
+
+    monkeypatch.setattr(ex.model, "compute_logits", slow)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(outs=engine.generate(PROMPTS[:2], GREEDY)))
+    worker.start()
+    assert inside.wait(30)
+    for call in (lambda: engine.step(), lambda: engine.add_request([1], GREEDY), lambda: ex.new_sequence(),
+                 lambda: ex.forward(ForwardBatch([], []))):
+        with pytest.raises(RuntimeError, match="another thread"):
+            call()
+    release.set()
+    worker.join(60)
+    monkeypatch.setattr(ex.model, "compute_logits", real)
+    assert [o.token_ids for o in result["outs"]] == reference[:2]
+    drained(engine)
+
+
+def test_threads_racing_on_forward_get_refusals_or_right_logits(engine):
+    ex = engine.executor
+    toks = [PROMPTS[3], PROMPTS[1]]
+    want = []
+    for t in toks:
+        s = ex.new_sequence()
+        want.append(ex.forward(ForwardBatch([s], [t])))
+        ex.free(s)
+    counts = {"ok": 0, "refused": 0}
+    errors = []
+
+    def hammer(t, w):
+        for _ in range(15):
+            s = None
+            try:
+                s = ex.new_sequence()
+                got = ex.forward(ForwardBatch([s], [t]))
+                torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5)
+                counts["ok"] += 1
+            except RuntimeError as exc:
+                assert "another thread" in str(exc)
+                counts["refused"] += 1
+            except AssertionError as exc:
+                errors.append(exc)
+            finally:
+                while s is not None:
+                    try:
+                        ex.free(s)
+                        s = None
+                    except RuntimeError:
+                        pass
+    threads = [threading.Thread(target=hammer, args=(t, w)) for t, w in zip(toks, want)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not errors and counts["ok"] > 0
+    drained(engine)
+
+
+def test_async_engine_32_coroutines_and_cancellation(engine):
+    prompts = [prompt(3 + i % 11, 100 + i) for i in range(32)]
+    want = [o.token_ids for o in engine.generate(prompts, SamplingParams(temperature=0, max_tokens=6))]
+
+    async def one(aeng, p):
+        outs = [o async for o in aeng.generate(p, SamplingParams(temperature=0, max_tokens=6))]
+        assert len(outs) == 6 and outs[-1].finished
+        return outs[-1].token_ids
+
+    async def cancelled(aeng):
+        got = []
+
+        async def consume():
+            async for o in aeng.generate(prompts[0], SamplingParams(temperature=0, max_tokens=400), "long"):
+                got.append(o)
+                if len(got) == 2:
+                    started.set()
+        started = asyncio.Event()
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return got
+
+    async def main(aeng):
+        results = await asyncio.gather(*(one(aeng, p) for p in prompts))
+        got = await cancelled(aeng)
+        for _ in range(200):  # the loop thread processes the abort between steps
+            if not aeng.engine.has_unfinished():
+                break
+            await asyncio.sleep(0.01)
+        return results, got
+
+    with AsyncEngine(engine) as aeng:
+        results, got = asyncio.run(main(aeng))
+        assert results == want
+        assert 2 <= len(got) < 400
+        s = aeng.stats()
+        assert (s["running"], s["waiting"], s["kv_pages_used"]) == (0, 0, 0)
+    drained(engine)
+
+
+def test_async_engine_errors_reach_every_waiter(engine, monkeypatch):
+    ex = engine.executor
+
+    def broken(hidden):
+        raise RuntimeError("kernel exploded")
+
+    async def main(aeng):
+        async def one(p):
+            return [o async for o in aeng.generate(p, GREEDY)]
+        return await asyncio.gather(*(one(p) for p in PROMPTS[:4]), return_exceptions=True)
+
+    monkeypatch.setattr(ex.model, "compute_logits", broken)
+    aeng = AsyncEngine(engine)
+    results = asyncio.run(main(aeng))
+    monkeypatch.undo()
+    assert all(isinstance(r, RuntimeError) and "kernel exploded" in str(r) for r in results)
+    async def again():
+        return [o async for o in aeng.generate(PROMPTS[0], GREEDY)]
+
+    with pytest.raises(RuntimeError, match="step loop failed"):
+        asyncio.run(again())
+    aeng.shutdown()
+    drained(engine)
+
+
+def test_from_config_leaves_the_global_rng_alone_and_weights_follow_the_seed():
+    torch.manual_seed(123)
+    want = torch.rand(4)
+    torch.manual_seed(123)
+    a = make()
+    assert torch.equal(torch.rand(4), want)  # building did not reseed the process-wide RNG
+    b, c = make(), make(runtime={"device": "cpu", "dtype": "float32", "seed": 1})
+    pa, pb, pc = (dict(e.executor.model.named_parameters()) for e in (a, b, c))
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)  # same seed, same weights
+    assert not torch.equal(pa["embed_tokens.weight"], pc["embed_tokens.weight"])
+
+
+def test_free_never_leaves_a_handle_live(engine, monkeypatch):
+    ex = engine.executor
+    seq = ex.new_sequence()
+    ex.forward(ForwardBatch([seq], [PROMPTS[0]]))
+    pages = list(seq.pages)
+
+    def broken(pages):
+        raise ValueError("allocator failed")
+
+    monkeypatch.setattr(ex.kv.allocator, "free", broken)
+    with pytest.raises(ValueError, match="allocator failed"):
+        ex.free(seq)
+    monkeypatch.undo()
+    assert seq.freed and seq.pages == [] and seq.id not in ex._live
+    with pytest.raises(Exception, match="already freed"):
+        ex.free(seq)
+    ex.kv.allocator.free(pages)  # what the failed call could not give back
+    drained(engine)
+
+
+def test_max_num_seqs_and_batched_tokens_bound_every_step(reference):
+    eng = make(scheduler={"max_num_seqs": 2, "max_num_batched_tokens": 8})
+    seen = []
+    real = eng.executor.forward
+
+    def spy(batch):
+        seen.append((len(batch.seqs), sum(map(len, batch.tokens))))
+        return real(batch)
+
+    eng.executor.forward = spy
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert max(n for n, _ in seen) == 2 and max(t for _, t in seen) == 8
+    drained(eng)
+
+
+def test_prompts_as_tensors_and_numpy_ints(engine, reference):
+    import numpy as np
+
+    assert engine.generate(torch.tensor(PROMPTS[0]), GREEDY)[0].token_ids == reference[0]
+    assert engine.generate([np.array(PROMPTS[1])], GREEDY)[0].token_ids == reference[1]
+    with pytest.raises(RequestError, match="1-D integer"):
+        engine.add_request(torch.tensor([1.0, 2.0]), GREEDY)
+    drained(engine)
+
+
+def test_pages_held_outside_the_engine_raise_out_of_pages():
+    from pieceworks.errors import OutOfPages
+
+    eng = make(num_tokens=32)
+    outside = eng.executor.new_sequence()
+    eng.executor.forward(ForwardBatch([outside], [prompt(29, 1)]))  # 8 of 8 pages
+    eng.add_request(prompt(5, 2), GREEDY)
+    with pytest.raises(OutOfPages, match="outside this engine"):
+        eng.step()
+    eng.executor.free(outside)
+    assert len(eng.generate([prompt(5, 3)], GREEDY)[0].token_ids) == 8
+    while eng.has_unfinished():
+        eng.step()
+    drained(eng)

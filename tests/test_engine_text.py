@@ -1,0 +1,92 @@
+"""The Engine with a tokenizer (the SmolLM2 demo model, see test_smollm2.py): text prompts, incremental
+detokenization, stop strings, and EOS ids read from the checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pieceworks import Engine, SamplingParams
+from pieceworks.engine.detokenize import Detokenizer
+from pieceworks.engine.engine import eos_token_ids
+
+PROMPT = "The three primary colors are"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    smollm2 = pytest.importorskip("pieceworks.models.smollm2")
+    pytest.importorskip("transformers")
+    try:
+        path = smollm2.ensure_smollm2(progress=False)
+    except smollm2.SmolLM2NotInstalled as exc:
+        pytest.skip(str(exc))
+    cfg = {"model": {"path": str(path)}, "runtime": {"device": "cpu", "dtype": "float32"},
+           "kv_cache": {"num_tokens": 1024}}
+    return Engine.from_config(cfg, progress=False)
+
+
+def test_eos_ids_from_the_checkpoint(engine, tmp_path):
+    assert engine.eos_token_ids == {2}  # generation_config.json
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+    assert eos_token_ids(tmp_path) == {5, 7}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
+    assert eos_token_ids(tmp_path) == {9}
+    assert eos_token_ids(None) == frozenset()
+
+
+def stream(engine: Engine, prompt, params: SamplingParams):
+    rid = engine.add_request(prompt, params)
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    return outs
+
+
+@pytest.fixture(scope="module")
+def greedy(engine):
+    return stream(engine, PROMPT, SamplingParams(temperature=0, max_tokens=N))
+
+
+N = 12
+
+
+def test_text_streams_and_matches_decode(engine, greedy):
+    tok = engine.tokenizer
+    outs = greedy
+    final = outs[-1]
+    assert len(outs) == N and final.finish_reason == "length"
+    assert final.text == tok.decode(final.token_ids, skip_special_tokens=True) and final.text.strip()
+    assert "".join(o.text_delta for o in outs) == final.text
+    assert all(outs[i].text == "".join(o.text_delta for o in outs[: i + 1]) for i in range(len(outs)))
+    ids = tok(PROMPT)["input_ids"]
+    assert final.prompt_token_ids == ids
+    assert engine.executor.generate([ids], N)[0] == final.token_ids  # same greedy tokens
+
+
+def test_stop_string_ends_the_text_before_it(engine, greedy):
+    full = greedy[-1]
+    words = full.text.split()
+    stop = next(w for w in words[1:] if len(w) >= 3 and full.text.find(w) > 4)
+    outs = stream(engine, PROMPT, SamplingParams(temperature=0, max_tokens=N, stop=[stop, "zzzz-never"]))
+    final = outs[-1]
+    assert final.finish_reason == "stop"
+    assert final.text == full.text[: full.text.find(stop)]
+    assert "".join(o.text_delta for o in outs) == final.text
+    assert final.token_ids == full.token_ids[: len(final.token_ids)] and len(final.token_ids) < N
+
+
+def test_detokenizer_holds_back_a_possible_stop_string(engine):
+    tok = engine.tokenizer
+    ids = tok(" alpha beta gamma delta", add_special_tokens=False)["input_ids"]
+    d = Detokenizer(tok, [1], stop=["gamma"])
+    deltas = []
+    for t in ids:
+        d.add(t)
+        deltas.append(d.delta(final=False))
+        if d.stopped:
+            break
+    deltas.append(d.delta(final=True))
+    assert d.stopped and d.text == " alpha beta "
+    assert "".join(deltas) == d.text

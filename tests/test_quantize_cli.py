@@ -1,0 +1,77 @@
+"""`pieceworks quantize SRC DST` with neither --calib-text nor --amax calibrates over the bundled text."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from pieceworks.models.checkpoint import CheckpointReader  # noqa: E402
+from pieceworks.cli import main  # noqa: E402
+from pieceworks.data import CALIBRATION_TXT, calibration_text  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory):
+    """A tiny random bf16 Llama with a word-level tokenizer over the calibration text's words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = sorted(set(re.findall(r"\w+", calibration_text())))[:250]
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>"] + words)}
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    d = tmp_path_factory.mktemp("tiny_bf16")
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>").save_pretrained(d)
+    return d
+
+
+def _input_scales(d) -> dict[str, torch.Tensor]:
+    reader = CheckpointReader(d)
+    return {n: reader.get(n) for n in reader.names() if n.endswith(".input_scale")}
+
+
+def test_quantize_without_an_activation_source_calibrates_on_the_bundled_text(tiny_bf16, tmp_path, capsys,
+                                                                             monkeypatch):
+    from pieceworks.quant import calibrate
+
+    texts, amaxes = [], []
+
+    def spy(model_dir, text_file, **kw):
+        texts.append(text_file)
+        amaxes.append(real(model_dir, text_file, **kw))
+        return amaxes[-1]
+
+    real = calibrate.calibrate_from_text
+    monkeypatch.setattr(calibrate, "calibrate_from_text", spy)
+    assert main(["quantize", str(tiny_bf16), str(tmp_path / "q"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert f"calibrating activation amax over the bundled text {CALIBRATION_TXT}" in out
+    assert "wrote NVFP4 checkpoint" in out
+    assert texts == [CALIBRATION_TXT]
+
+    got = _input_scales(tmp_path / "q")
+    assert len(got) == 14  # q, k, v, o, gate, up, down of 2 layers
+    for name, v in got.items():  # input_scale = the calibrated amax / (6 * 448)
+        want = torch.tensor(amaxes[0][name.removesuffix(".input_scale")]) / (6 * 448)
+        assert torch.equal(v, want), name
+
+
+def test_quantize_help_names_the_default_text(capsys):
+    with pytest.raises(SystemExit):
+        main(["quantize", "--help"])
+    assert "pieceworks/data/calibration.txt" in " ".join(capsys.readouterr().out.split())
+
+
+def test_fixed_amax_skips_calibration(tiny_bf16, tmp_path, capsys):
+    assert main(["quantize", str(tiny_bf16), str(tmp_path / "q"), "--amax", "8", "--no-progress"]) == 0
+    assert "calibrating" not in capsys.readouterr().out
+    for name, v in _input_scales(tmp_path / "q").items():
+        assert torch.equal(v, torch.tensor(8.0) / (6 * 448)), name

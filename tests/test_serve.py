@@ -1,0 +1,339 @@
+"""`pieceworks serve` as a real process on 127.0.0.1, called with the official `openai` client (and
+raw httpx where the client can't express the request): a tiny random Llama (token ids in and out)
+and the SmolLM2 demo model (text, chat template). Greedy outputs are checked against
+`Engine.generate` in this process; KV pages are checked through /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("fastapi", reason="needs the serve extra: pip install 'pieceworks[serve]'")
+pytest.importorskip("openai", reason="needs the openai client: pip install 'pieceworks[test]'")
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+try:
+    from tests.helpers.server_process import REPO, serve
+except ImportError:
+    from helpers.server_process import REPO, serve
+
+# Piecewise graphs off: on CPU they only cost compile time here (tests/test_piecewise.py covers them).
+TINY = ["model.arch=llama", "model.preset=tiny", "model.max_context=256", "cuda_graph.piecewise.enabled=off"]
+TINY_NAME = "llama-tiny"
+MAX_QUEUE = 16
+
+
+def metrics(url: str) -> dict[str, float]:
+    """/metrics parsed by prometheus_client (a malformed line raises); unlabelled samples by name."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        assert fam.type != "unknown", fam.name  # every sample sits under its own HELP/TYPE
+        for s in fam.samples:
+            key = s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items()))
+            out[key] = s.value
+    return out
+
+
+def wait_idle(url: str, timeout: float = 20.0) -> dict[str, float]:
+    """The metrics once no request runs or waits and no KV page is held (fails after `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        if (m["pieceworks_num_requests_running"], m["pieceworks_num_requests_waiting"],
+                m["pieceworks_kv_pages_used"]) == (0, 0, 0):
+            return m
+        assert time.monotonic() < deadline, f"not idle after {timeout} s: {m}"
+        time.sleep(0.1)
+
+
+# ---- the tiny model: token ids ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(server URL, the same model's Engine in this process), loaded side by side."""
+    from pieceworks.engine import Engine
+
+    with serve([*TINY, "--served-model-name", TINY_NAME, "--max-queue", str(MAX_QUEUE)]) as server:
+        engine = Engine.from_config(None, TINY, progress=False)
+        yield server.wait(), engine
+
+
+@pytest.fixture(scope="module")
+def tiny_url(tiny):
+    return tiny[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny):
+    return tiny[1]
+
+
+def greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from pieceworks.engine import SamplingParams
+
+    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(5 + i)] for i in range(16)]
+
+
+def client(url: str, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60, **kw)
+
+
+def test_models_health_and_metrics_text(tiny_url):
+    assert httpx.get(f"{tiny_url}/health", timeout=5).status_code == 200
+    models = client(tiny_url).models.list().data
+    assert [m.id for m in models] == [TINY_NAME]
+    assert models[0].model_extra["max_model_len"] == 256
+    m = metrics(tiny_url)
+    assert m["pieceworks_kv_pages_total"] > 0 and "pieceworks_time_to_first_token_seconds_count" in m
+
+
+def test_completions_greedy_equals_engine(tiny_url, tiny_engine):
+    want = greedy(tiny_engine, PROMPTS[:2], 12)
+    c = client(tiny_url)
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    r = c.completions.create(model=TINY_NAME, prompt=PROMPTS[:2], max_tokens=12, temperature=0, extra_body=extra)
+    assert [ch.index for ch in r.choices] == [0, 1]
+    assert [ch.model_extra["token_ids"] for ch in r.choices] == want
+    assert all(ch.finish_reason == "length" for ch in r.choices)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(PROMPTS[0]) + len(PROMPTS[1]), 24)
+    stream = c.completions.create(model=TINY_NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True,
+                                  stream_options={"include_usage": True}, extra_body=extra)
+    chunks = list(stream)
+    ids = [t for ch in chunks for choice in ch.choices for t in choice.model_extra["token_ids"]]
+    assert ids == want[0]
+    assert sum(1 for ch in chunks if ch.choices) == 12  # one chunk per generated token
+    assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 12
+    wait_idle(tiny_url)
+
+
+def test_sixteen_concurrent_streams(tiny_url, tiny_engine):
+    want = greedy(tiny_engine, PROMPTS, 10)
+    c = openai.AsyncOpenAI(base_url=f"{tiny_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    async def one(prompt):
+        stream = await c.completions.create(model=TINY_NAME, prompt=prompt, max_tokens=10, temperature=0,
+                                            stream=True, extra_body={"return_token_ids": True, "ignore_eos": True})
+        return [t async for ch in stream for choice in ch.choices for t in choice.model_extra["token_ids"]]
+
+    async def all_():
+        try:
+            return await asyncio.gather(*(one(p) for p in PROMPTS))
+        finally:
+            await c.close()
+
+    assert asyncio.run(all_()) == want
+    wait_idle(tiny_url)
+
+
+def test_disconnect_aborts_and_returns_pages(tiny_url):
+    body = {"model": TINY_NAME, "prompt": PROMPTS[3], "max_tokens": 240, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
+    generated = lambda: wait_idle(tiny_url)["pieceworks_engine_generated_tokens_total"]  # noqa: E731
+    before = generated()
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", f"{tiny_url}/v1/completions", json=body) as resp:
+            seen = 0
+            for ln in resp.iter_lines():
+                seen += ln.startswith("data:")
+                if seen == 3:
+                    break
+    assert seen == 3
+    # Closed after 3 tokens: the request is aborted long before its 240 (wait_idle: pages back, nothing runs).
+    after = generated()
+    assert 3 <= after - before < 240
+    # A non-streamed request whose client gives up is aborted too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{tiny_url}/v1/completions", json={**body, "stream": False}, timeout=0.5)
+    assert generated() - after < 240
+
+
+BAD = {
+    "unknown model": {"model": "gpt-4", "prompt": [1, 2]},
+    "bad type": {"model": TINY_NAME, "prompt": [1, 2], "temperature": "hot"},
+    "string max_tokens": {"model": TINY_NAME, "prompt": [1, 2], "max_tokens": "5"},
+    "max_tokens beyond context": {"model": TINY_NAME, "prompt": [1, 2], "max_tokens": 255},
+    "prompt too long": {"model": TINY_NAME, "prompt": [1] * 256},
+    "empty prompt": {"model": TINY_NAME, "prompt": []},
+    "token outside vocabulary": {"model": TINY_NAME, "prompt": [1, 10**6]},
+    "text without tokenizer": {"model": TINY_NAME, "prompt": "hello"},
+    "top_p out of range": {"model": TINY_NAME, "prompt": [1, 2], "top_p": 2.0},
+    "logprobs out of range": {"model": TINY_NAME, "prompt": [1, 2], "logprobs": 50},
+    "unknown field": {"model": TINY_NAME, "prompt": [1, 2], "temprature": 0.5},
+    "unsupported field": {"model": TINY_NAME, "prompt": [1, 2], "echo": True},
+    "n zero": {"model": TINY_NAME, "prompt": [1, 2], "n": 0},
+}
+
+
+def test_bad_requests_get_400_and_the_server_keeps_serving(tiny_url):
+    for name, body in BAD.items():
+        r = httpx.post(f"{tiny_url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 400, (name, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error", name
+        assert err["message"], name
+    assert httpx.post(f"{tiny_url}/v1/completions", content=b'{"model": ', timeout=30,
+                      headers={"content-type": "application/json"}).status_code == 400
+    r = httpx.post(f"{tiny_url}/v1/chat/completions", json={"model": TINY_NAME, "messages": []}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert httpx.post(f"{tiny_url}/v1/completions", json=BAD["unknown model"], timeout=30).json()["error"][
+        "code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError):  # the client sees OpenAI's error type too
+        client(tiny_url).completions.create(model=TINY_NAME, prompt=[1] * 256)
+    m = wait_idle(tiny_url)
+    assert m["pieceworks_requests_bad_total"] >= len(BAD) + 3
+    r = client(tiny_url).completions.create(model=TINY_NAME, prompt=[1, 2, 3], max_tokens=4, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 4
+
+
+def test_overload_answers_503_with_retry_after(tiny_url):
+    body = {"model": TINY_NAME, "prompt": [5] * 60, "max_tokens": 2, "ignore_eos": True}
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=None)) as h:
+            return await asyncio.gather(*(h.post(f"{tiny_url}/v1/completions", json=body) for _ in range(48)))
+
+    rs = asyncio.run(burst())
+    codes = [r.status_code for r in rs]
+    assert set(codes) <= {200, 503} and codes.count(503) >= 1 and codes.count(200) >= MAX_QUEUE, codes
+    over = next(r for r in rs if r.status_code == 503)
+    assert over.headers["retry-after"] == "1" and over.json()["error"]["code"] == "overloaded"
+    m = wait_idle(tiny_url)
+    assert m["pieceworks_requests_rejected_total"] == codes.count(503)
+
+
+def test_bench_against_the_server(tiny_url, tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "pieceworks.cli", "bench", "--url", tiny_url, "--num-prompts", "12",
+           "--input-len", "24", "--output-len", "8", "--range-ratio", "0.5", "--request-rate", "40",
+           "--max-concurrency", "4", "--result-json", str(out), "--no-progress"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert p.returncode == 0, p.stdout + p.stderr
+    for row in ("TTFT", "TPOT", "ITL", "Request throughput", "Output token throughput"):
+        assert row in p.stdout, p.stdout
+    res = json.loads(out.read_text())
+    assert (res["completed"], res["failed"]) == (12, 0)
+    assert 12 * 4 <= res["total_output_tokens"] <= 12 * 12  # ignore_eos: the lengths asked for
+    assert 0 < res["ttft_ms"]["p50"] <= res["ttft_ms"]["p99"] and res["itl_ms"]["p50"] > 0
+    wait_idle(tiny_url)
+
+
+def test_bench_in_process(tiny_engine):
+    import argparse
+
+    from pieceworks.engine import AsyncEngine
+    from pieceworks.serve import bench
+
+    args = argparse.Namespace(dataset=None, num_prompts=6, input_len=16, output_len=5, range_ratio=0.0,
+                              request_rate=math.inf, max_concurrency=3, seed=0, no_progress=True)
+    with AsyncEngine(tiny_engine) as engine:
+        res = asyncio.run(bench._bench_engine(engine, args))
+    assert (res["completed"], res["failed"], res["total_output_tokens"]) == (6, 0, 30)
+    assert res["total_input_tokens"] == 6 * 16 and res["tpot_ms"]["p50"] > 0
+
+
+# ---- SmolLM2: text, chat template, stop strings, logprobs ----------------------------------------
+
+
+def _demo_missing() -> str | None:
+    import importlib.util
+
+    from pieceworks.models.smollm2 import SmolLM2NotInstalled, find_gguf
+
+    for mod in ("transformers", "gguf"):
+        if importlib.util.find_spec(mod) is None:
+            return f"{mod} missing: pip install 'pieceworks[demo]'"
+    try:
+        find_gguf()
+    except SmolLM2NotInstalled as e:
+        return str(e)
+    return None
+
+
+SMOL = ["model.path=smollm2-135m", "model.max_context=256", "cuda_graph.piecewise.enabled=off"]  # bf16
+SMOL_NAME = "smollm2"
+
+
+@pytest.fixture(scope="module")
+def smol():
+    reason = _demo_missing()
+    if reason:
+        pytest.skip(reason)
+    from pieceworks.engine import Engine
+
+    with serve([*SMOL, "--served-model-name", SMOL_NAME]) as server:
+        engine = Engine.from_config(None, SMOL, progress=False)
+        yield server.wait(), engine
+
+
+@pytest.fixture(scope="module")
+def smol_url(smol):
+    return smol[0]
+
+
+@pytest.fixture(scope="module")
+def smol_engine(smol):
+    return smol[1]
+
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.mark.slow
+def test_chat_greedy_equals_engine_streamed_and_not(smol_url, smol_engine):
+    from pieceworks.engine import SamplingParams
+
+    tok = smol_engine.tokenizer
+    ids = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False)
+    want = smol_engine.generate([list(ids)], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    c = client(smol_url)
+    r = c.chat.completions.create(model=SMOL_NAME, messages=QUESTION, max_tokens=8, temperature=0)
+    assert r.choices[0].message.content == want.text and "Paris" in want.text
+    assert r.choices[0].finish_reason == want.finish_reason
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(want.token_ids)
+    chunks = list(c.chat.completions.create(model=SMOL_NAME, messages=QUESTION, max_tokens=8, temperature=0,
+                                            stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == want.finish_reason
+
+
+@pytest.mark.slow
+def test_completion_text_stop_logprobs_and_n(smol_url):
+    c = client(smol_url)
+    prompt = "The capital of France is"
+    r = c.completions.create(model=SMOL_NAME, prompt=prompt, max_tokens=8, temperature=0, logprobs=3)
+    ch = r.choices[0]
+    want = ch.text  # greedy; the chat test checks greedy text against Engine.generate
+    assert "Paris" in want
+    lp = ch.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
+    for sampled, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 3 and sampled == pytest.approx(max(top.values()))  # greedy took the best
+    assert "".join(lp.tokens) == ch.text
+    # A stop string ends the text before it (and is not included).
+    word = want.split()[1] if len(want.split()) > 1 else want.strip()
+    r = c.completions.create(model=SMOL_NAME, prompt=prompt, max_tokens=8, temperature=0, stop=[word])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == want[: want.index(word)]
+    # n sampled completions with a seed: two choices, the same for the same seed.
+    kw = dict(model=SMOL_NAME, prompt=prompt, max_tokens=4, temperature=1.0, n=2, seed=7)
+    a, b = c.completions.create(**kw), c.completions.create(**kw)
+    assert [x.index for x in a.choices] == [0, 1] and [x.text for x in a.choices] == [x.text for x in b.choices]
+    m = wait_idle(smol_url)
+    assert m["pieceworks_prefix_cache_queried_tokens_total"] > 0
+    assert m["pieceworks_time_to_first_token_seconds_count"] >= 5

@@ -1,0 +1,185 @@
+"""The server's pure parts without a model: protocol parsing, SSE framing, the Prometheus text, the
+benchmark's statistics, workloads and arrival process."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+pytest.importorskip("fastapi", reason="needs the serve extra: pip install 'pieceworks[serve]'")
+
+from pieceworks.serve import bench, stats  # noqa: E402
+from pieceworks.serve.metrics import ServerMetrics  # noqa: E402
+from pieceworks.serve.protocol import ChatCompletionRequest, CompletionChunk, CompletionChoice, CompletionRequest, sse  # noqa: E402
+
+
+def test_request_models_are_strict():
+    ok = CompletionRequest.model_validate_json('{"model": "m", "prompt": [1, 2], "temperature": 0}')
+    assert ok.prompt == [1, 2] and ok.temperature == 0.0
+    for body in ('{"model": "m", "prompt": "x", "temperature": "hot"}',
+                 '{"model": "m", "prompt": "x", "max_tokens": "10"}',
+                 '{"model": "m", "prompt": "x", "max_tokens": 1.5}',
+                 '{"model": "m", "prompt": "x", "nonsense": 1}',
+                 '{"model": "m"}',
+                 '{"model": "m", "messages": [{"role": "wizard", "content": "hi"}]}'):
+        with pytest.raises(Exception) as exc:
+            model = ChatCompletionRequest if "messages" in body else CompletionRequest
+            model.model_validate_json(body)
+        assert type(exc.value).__name__ == "ValidationError", body
+    chat = ChatCompletionRequest.model_validate_json(
+        '{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, '
+        '{"type": "text", "text": "b"}]}], "stop": "x"}')
+    assert chat.messages[0].text() == "ab" and chat.stop == "x"
+
+
+def test_sse_framing_and_optional_token_ids():
+    chunk = CompletionChunk(id="c", created=1, model="m", choices=[CompletionChoice(index=0, text="hi")])
+    assert sse(chunk) == ('data: {"id":"c","object":"text_completion","created":1,"model":"m","choices":'
+                          '[{"index":0,"text":"hi","logprobs":null,"finish_reason":null}]}\n\n')
+    with_ids = CompletionChoice(index=0, text="", token_ids=[5]).model_dump()
+    assert with_ids["token_ids"] == [5]
+    assert sse("[DONE]") == "data: [DONE]\n\n"
+
+
+def test_metrics_text_parses_and_counts():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    m = ServerMetrics()
+    for x in (0.003, 0.05, 0.05, 3.0):
+        m.ttft.observe(x)
+    m.tpot.observe(0.02)
+    m.finished["stop"] += 2
+    m.finished["length"] += 1
+    text = m.render({"running": 3, "waiting": 2, "kv_pages_used": 10, "kv_pages_total": 40,
+                     "prefix_cache_hit_tokens": 30, "prefix_cache_queried_tokens": 120})
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    value = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
+    assert value[("pieceworks_num_requests_running", ())] == 3
+    assert value[("pieceworks_num_requests_waiting", ())] == 2
+    assert value[("pieceworks_kv_pages_used", ())] == 10
+    assert value[("pieceworks_kv_cache_usage_ratio", ())] == 0.25
+    assert value[("pieceworks_prefix_cache_hit_rate", ())] == 0.25
+    assert value[("pieceworks_request_success_total", (("finished_reason", "length"),))] == 1
+    assert fams["pieceworks_time_to_first_token_seconds"].type == "histogram"
+    assert fams["pieceworks_request_success"].type == "counter"
+    assert fams["pieceworks_prefix_cache_hit_tokens"].type == "counter"
+    assert not [f.name for f in fams.values() if f.type == "unknown"]  # every sample under its HELP/TYPE
+    ttft = lambda le: value[("pieceworks_time_to_first_token_seconds_bucket", (("le", le),))]  # noqa: E731
+    assert (ttft("0.001"), ttft("0.005"), ttft("0.06"), ttft("2.5"), ttft("5.0"), ttft("+Inf")) == (0, 1, 3, 3, 4, 4)
+    assert value[("pieceworks_time_to_first_token_seconds_count", ())] == 4
+    assert value[("pieceworks_time_to_first_token_seconds_sum", ())] == pytest.approx(3.103)
+
+
+def test_request_statistics():
+    r = stats.RequestRecord(prompt_tokens=10, start=1.0)
+    for t, k in ((1.5, 1), (1.6, 1), (1.8, 2), (2.1, 1)):
+        r.add_chunk(t, k)
+    r.end = 2.1
+    assert r.ttft == pytest.approx(0.5) and r.e2e == pytest.approx(1.1)
+    assert r.tpot == pytest.approx(0.6 / 4)  # (last - first) / (5 tokens - 1)
+    assert r.itls == pytest.approx([0.1, 0.2, 0.3])
+    failed = stats.RequestRecord(prompt_tokens=4, start=0.0, error="HTTP 503")
+    s = stats.summarize([r, failed], duration_s=2.0)
+    assert (s["completed"], s["failed"], s["total_output_tokens"]) == (1, 1, 5)
+    assert s["output_throughput"] == 2.5 and s["total_token_throughput"] == 7.5
+    assert s["itl_ms"]["p50"] == pytest.approx(200.0) and s["itl_ms"]["p90"] == pytest.approx(280.0)
+    table = stats.format_table(s)
+    assert "TTFT" in table and "500.00" in table and "error: HTTP 503" in table
+    assert math.isnan(stats.distribution([])["p99"])
+
+
+def test_workloads_and_arrivals(tmp_path):
+    items = bench.random_workload(200, 100, 20, 0.5, vocab_size=50, seed=1)
+    assert all(50 <= len(i.prompt) <= 150 and 10 <= i.output_len <= 30 for i in items)
+    assert all(0 <= t < 50 for i in items for t in i.prompt)
+    assert items == bench.random_workload(200, 100, 20, 0.5, vocab_size=50, seed=1)
+    f = tmp_path / "p.txt"
+    f.write_text("first prompt\n\n  second prompt \n")
+    assert {i.prompt for i in bench.text_workload(f, 30, 8, 0.0)} == {"first prompt", "second prompt"}
+    gaps = bench.arrival_gaps(4000, rate=20.0, seed=3)
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 20, rel=0.05)
+    assert bench.arrival_gaps(3, math.inf) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="range-ratio"):
+        bench.random_workload(1, 10, 10, 1.0, 50)
+
+
+def test_run_workload_bounds_concurrency():
+    in_flight, peak = 0, 0
+
+    async def driver(item, rec):  # a stand-in that only sleeps: this tests the scheduling of sends
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(0.01)
+        rec.add_chunk(rec.start + 0.01, item.output_len)
+        rec.end = rec.start + 0.01
+        in_flight -= 1
+
+    items = bench.random_workload(12, 4, 3, 0.0, 10)
+    records, _ = asyncio.run(bench.run_workload(items, driver, math.inf, 3, progress=False))
+    assert peak == 3 and len(records) == 12 and all(r.ok and r.output_tokens == 3 for r in records)
+
+
+# ---- request -> SamplingParams ---------------------------------------------------------------------
+
+
+def _bad(fn, *args, param=None, match=None):
+    from pieceworks.serve.protocol import BadRequest
+
+    with pytest.raises(BadRequest, match=match) as exc:
+        fn(*args)
+    assert exc.value.param == param
+    return exc.value
+
+
+def test_sampling_params_from_requests():
+    from pieceworks.serve import mapping
+
+    req = CompletionRequest.model_validate_json(
+        '{"model": "m", "prompt": [1], "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.1, "seed": 3, '
+        '"stop": "END", "stop_token_ids": [7], "n": 2, "logprobs": 4, "presence_penalty": 0.5, '
+        '"frequency_penalty": -0.5, "repetition_penalty": 1.1, "ignore_eos": true, "min_tokens": 2}')
+    p = mapping.sampling_params(req, 9)
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (9, 0.5, 0.9, 40, 0.1, 3)
+    assert (p.stop, p.stop_token_ids, p.n, p.logprobs, p.ignore_eos, p.min_tokens) == (["END"], [7], 2, 4, True, 2)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.1)
+    d = mapping.sampling_params(CompletionRequest(model="m", prompt=[1]), 16)
+    assert (d.temperature, d.top_p, d.n, d.logprobs, d.stop) == (1.0, 1.0, 1, None, None)  # OpenAI's defaults
+    chat = ChatCompletionRequest.model_validate_json(
+        '{"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 5}')
+    assert mapping.sampling_params(chat, 4).logprobs == 5
+    plain = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], logprobs=True)
+    assert mapping.sampling_params(plain, 4).logprobs == 0
+    _bad(mapping.sampling_params, CompletionRequest(model="m", prompt=[1], top_p=2.0), 4, param="top_p")
+    _bad(mapping.sampling_params, CompletionRequest(model="m", prompt=[1], n=0), 4, param="n")
+    _bad(mapping.sampling_params, CompletionRequest(model="m", prompt=[1], logprobs=21), 4, param="logprobs")
+    _bad(mapping.sampling_params, ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                                        top_logprobs=2), 4, param="top_logprobs")
+
+
+def test_lengths_prompts_and_unsupported_fields():
+    from pieceworks.serve import mapping
+
+    req = CompletionRequest(model="m", prompt=[1, 2, 3])
+    assert mapping.max_tokens_for(req, 3, 100) == 16  # OpenAI's completions default
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}])
+    assert mapping.max_tokens_for(chat, 30, 100) == 70  # chat: the rest of the context
+    assert mapping.max_tokens_for(chat.model_copy(update={"max_completion_tokens": 5}), 30, 100) == 5
+    e = _bad(mapping.max_tokens_for, req.model_copy(update={"max_tokens": 98}), 3, 100, param="max_tokens")
+    assert e.code == "context_length_exceeded" and "at most 97" in str(e)
+    _bad(mapping.max_tokens_for, req, 100, 100, param="prompt", match="shorten the prompt")
+    _bad(mapping.max_tokens_for, req.model_copy(update={"max_tokens": 0}), 3, 100, param="max_tokens")
+    assert mapping.completion_prompts(CompletionRequest(model="m", prompt=[[1, 2], [3]]), None, 10) == [[1, 2], [3]]
+    _bad(mapping.completion_prompts, CompletionRequest(model="m", prompt=[1, 10]), None, 10, param="prompt",
+         match="outside the vocabulary")
+    _bad(mapping.completion_prompts, CompletionRequest(model="m", prompt="hi"), None, 10, param="prompt",
+         match="no tokenizer")
+    _bad(mapping.completion_prompts, CompletionRequest(model="m", prompt=[]), None, 10, param="prompt")
+    _bad(mapping.chat_prompt, ChatCompletionRequest(model="m", messages=[]), None, param="messages")
+    _bad(mapping.check_model, req, "other", param="model")
+    for field, value in (("echo", True), ("suffix", "x"), ("logit_bias", {"1": 2.0}), ("best_of", 3)):
+        _bad(mapping.refuse_unsupported, req.model_copy(update={field: value}), param=field)
+    _bad(mapping.refuse_unsupported, chat.model_copy(update={"tools": [{"type": "function"}]}), param="tools")
+    mapping.refuse_unsupported(chat.model_copy(update={"response_format": {"type": "text"}}))
