@@ -41,7 +41,7 @@ def _model_facts(cfg: Config) -> tuple[ModelFacts, list[str] | None]:
 
 def print_backends(cfg: Config) -> int:
     """`pieceworks backends`: every backend and why it can or can't serve here, then the table."""
-    from pieceworks.executor.runner import resolve_device
+    from pieceworks.core.devices import resolve_device
 
     registry = load_registry(cfg.plugins)
     device = resolve_device(cfg.runtime.device)

@@ -11,7 +11,7 @@ from pieceworks import report
 from pieceworks.backends.base import BackendSpec
 from pieceworks.backends.registry import load_registry
 from pieceworks.config import load_config
-from pieceworks.executor.runner import resolve_device
+from pieceworks.core.devices import resolve_device
 
 
 def test_backends_fit_80_columns_with_every_reason(monkeypatch):

@@ -41,7 +41,7 @@ class StepSeq:
 
 def rank_device(cfg: Config, local_rank: int) -> torch.device:
     """GPU `local_rank` on CUDA, else the CPU."""
-    from pieceworks.executor.runner import resolve_device
+    from pieceworks.core.devices import resolve_device
 
     device = resolve_device(cfg.runtime.device)
     return torch.device("cuda", local_rank) if device.type == "cuda" else device

@@ -32,6 +32,7 @@ from pieceworks.config import Config, ConfigError, Switch, cache_root, load_conf
 from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode, Sequence, StepMetadata, to_device
 from pieceworks.core.context import ForwardContext, forward_context
 from pieceworks.errors import BatchError, CheckpointError, OutOfPages
+from pieceworks.core.devices import resolve_device, resolve_dtype
 from pieceworks.executor.inputs import as_token_ids, page_table, token_rows
 from pieceworks.executor.kv_cache import KVPool, block_keys
 
@@ -499,21 +500,6 @@ def resolve_model_path(path: str, progress: bool = True, cache_dir: Path | None 
             f"(config.json + *.safetensors) or one of {', '.join(DEMO_MODELS)}"
         )
     return p
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"runtime.device={name} but no CUDA device is present; use runtime.device=cpu")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
 
 
 __all__ = ["Executor", "BatchError", "OutOfPages", "ForwardBatch", "Sequence"]

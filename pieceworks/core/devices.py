@@ -1,0 +1,23 @@
+"""`runtime.device` and `runtime.dtype` resolved to torch objects, shared by the executor, its
+tensor-parallel launcher and the reports (each builds on the same device the same way)."""
+
+from __future__ import annotations
+
+import torch
+
+from pieceworks.errors import ConfigError
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"runtime.device={name} but no CUDA device is present; use runtime.device=cpu")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
