@@ -1,9 +1,8 @@
 """Serving benchmark through AsyncEngine: N requests arriving as a Poisson process (or all at once,
 under a concurrency cap), random prompt and output lengths, an optional shared system prompt.
 
-Reports TTFT (time to first token), TPOT (time per output token after the first, per request), ITL
-(gaps between consecutive tokens) at p50/p90/p99, output and total (prompt + output) tokens per second,
-and the prefix cache's hit tokens (vLLM's benchmark_serving.py reports the same columns).
+Prints `pieceworks bench`'s table (pieceworks.serve.stats: TTFT, TPOT, ITL, E2E mean/p50/p90/p99, request
+and token throughput), the first request's TTFT against the later ones' and the prefix cache's hit tokens.
 
     # CPU, tiny preset (seconds)
     python benchmarks/serving.py model.arch=llama model.preset=tiny runtime.device=cpu \\
@@ -14,14 +13,9 @@ and the prefix cache's hit tokens (vLLM's benchmark_serving.py reports the same 
     # the same behind a 2,000-token shared system prompt, one request at a time (TTFT first vs later)
     python benchmarks/serving.py configs/llama-3.1-8b-random-fp4.yaml --num-requests 16 \\
         --input-len 256 768 --output-len 128 --shared-prefix 2000 --max-concurrency 1
-    # the same 64 requests through Executor.generate (all at once, one fixed output length): the baseline
-    python benchmarks/serving.py configs/llama-3.1-8b-random-fp4.yaml --num-requests 64 \
-        --input-len 256 768 --output-len 128 --executor-generate
-    # host time around the decode graph replay at batch 1 and 32 (Engine.step vs replay alone)
-    python benchmarks/serving.py configs/llama-3.1-8b-random-fp4.yaml --host-overhead 1 32
-
-Prompts are random token ids (random-weight models have no text); every request generates exactly its
-output length (ignore_eos), greedy unless --temperature.
+    # --executor-generate: the same prompts through Executor.generate (the baseline); --host-overhead 1 32:
+    # Engine.step against the decode graph's replay alone at batch 1 and 32
+Prompts are random token ids; every request generates its output length (ignore_eos), greedy by default.
 """
 
 from __future__ import annotations
@@ -29,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import statistics
 import sys
@@ -40,13 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pieceworks import AsyncEngine, Engine, SamplingParams  # noqa: E402
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+from pieceworks.serve.stats import RequestRecord, format_table, summarize  # noqa: E402
 
 
 def make_requests(args, vocab: int) -> list[tuple[list[int], int]]:
@@ -60,15 +49,14 @@ def make_requests(args, vocab: int) -> list[tuple[list[int], int]]:
     return out
 
 
-async def run_one(aeng: AsyncEngine, prompt: list[int], n_out: int, delay: float, sem, params: dict) -> dict:
+async def run_one(aeng: AsyncEngine, prompt: list[int], n_out: int, delay: float, sem, params: dict):
     await asyncio.sleep(delay)
     async with sem:
-        sent = time.perf_counter()
-        times, cached = [], 0
+        rec = RequestRecord(prompt_tokens=len(prompt), start=time.perf_counter())
         async for out in aeng.generate(prompt, SamplingParams(max_tokens=n_out, ignore_eos=True, **params)):
-            times.append(time.perf_counter())
-            cached = out.num_cached_tokens
-        return {"sent": sent, "times": times, "prompt": len(prompt), "cached": cached}
+            rec.add_chunk(time.perf_counter(), len(out.new_token_ids))
+        rec.end = time.perf_counter()
+        return rec
 
 
 async def serve(aeng: AsyncEngine, reqs, args) -> tuple[list[dict], float]:
@@ -85,32 +73,16 @@ async def serve(aeng: AsyncEngine, reqs, args) -> tuple[list[dict], float]:
     return results, time.perf_counter() - t0
 
 
-def report(results: list[dict], duration: float, stats: dict, args) -> dict:
-    ttft = [(r["times"][0] - r["sent"]) * 1e3 for r in results]
-    tpot = [(r["times"][-1] - r["times"][0]) * 1e3 / (len(r["times"]) - 1) for r in results if len(r["times"]) > 1]
-    itl = [(b - a) * 1e3 for r in results for a, b in zip(r["times"], r["times"][1:])]
-    n_out = sum(len(r["times"]) for r in results)
-    n_in = sum(r["prompt"] for r in results)
-    row = {
-        "requests": len(results), "duration_s": duration,
-        "output_tok_s": n_out / duration, "total_tok_s": (n_in + n_out) / duration,
-        "ttft_first_ms": ttft[0], "ttft_later_median_ms": statistics.median(ttft[1:]) if len(ttft) > 1 else None,
-        "prefix_cache_hit_tokens": stats["prefix_cache_hit_tokens"],
-        "prefix_cache_queried_tokens": stats["prefix_cache_queried_tokens"],
-        "num_preemptions": stats["num_preemptions"],
-    }
-    for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
-        for q in (50, 90, 99):
-            row[f"{name}_p{q}_ms"] = pct(xs, q)
-    print(f"{len(results)} requests in {duration:.2f} s: {row['output_tok_s']:.1f} output tok/s, "
-          f"{row['total_tok_s']:.1f} total tok/s")
-    for name in ("ttft", "tpot", "itl"):
-        print(f"  {name.upper():5s} ms  p50 {row[name + '_p50_ms']:9.2f}  p90 {row[name + '_p90_ms']:9.2f}  "
-              f"p99 {row[name + '_p99_ms']:9.2f}")
-    later = row["ttft_later_median_ms"]
-    print(f"  TTFT first request {ttft[0]:.2f} ms, later requests median {later if later is None else round(later, 2)} ms")
-    print(f"  prefix cache: {stats['prefix_cache_hit_tokens']} of {stats['prefix_cache_queried_tokens']} "
-          f"prompt tokens hit; {stats['num_preemptions']} preemptions")
+def report(records: list[RequestRecord], duration: float, stats: dict) -> dict:
+    """`pieceworks bench`'s table and numbers, plus first-vs-later TTFT and the prefix cache's hits."""
+    row = {**summarize(records, duration), **stats}
+    print(format_table(row, "AsyncEngine serving benchmark"))
+    ttft = [1e3 * r.ttft for r in records]
+    row["ttft_first_ms"] = ttft[0]
+    row["ttft_later_median_ms"] = statistics.median(ttft[1:]) if len(ttft) > 1 else math.nan
+    print(f"TTFT first request {ttft[0]:.2f} ms, later requests median {row['ttft_later_median_ms']:.2f} ms; prefix "
+          f"cache: {stats['prefix_cache_hit_tokens']} of {stats['prefix_cache_queried_tokens']} prompt tokens hit; "
+          f"{stats['num_preemptions']} preemptions")
     return row
 
 
@@ -202,7 +174,7 @@ def main() -> None:
             after = aeng.stats()
         stats = {k: after[k] - before[k] for k in ("prefix_cache_hit_tokens", "prefix_cache_queried_tokens",
                                                    "num_preemptions")}
-        result = {"serving": report(results, duration, stats, args), "args": {k: str(v) for k, v in vars(args).items()}}
+        result = {"serving": report(results, duration, stats), "args": {k: str(v) for k, v in vars(args).items()}}
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
 
