@@ -1,5 +1,5 @@
 """The CPU side of programmatic dependent launch (backends/pdl.py): the switch and its config key. The
-launches themselves are tested on the H200 (tests/gpu/test_pdl.py)."""
+launches themselves are tested on the H200 (tests/gpu/test_pdl_gpu.py)."""
 
 from __future__ import annotations
 

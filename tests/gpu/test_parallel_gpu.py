@@ -1,6 +1,6 @@
 """Tensor parallel on CUDA (NCCL): the distributed path at world size 1, and N ranks on N GPUs.
 
-Run on the H200: `python -m pytest tests/gpu/test_parallel.py -m gpu -q`. The world-size-1 tests run
+Run on the H200: `python -m pytest tests/gpu/test_parallel_gpu.py -m gpu -q`. The world-size-1 tests run
 on one GPU; the N-rank tests skip with their reason where fewer GPUs are visible (issue 39's machines).
 Decode runs in full CUDA graphs and extend in piecewise graphs, with the collectives captured inside.
 """

@@ -1,7 +1,7 @@
 """Programmatic dependent launch (backends/pdl.py) on the GPU: a chain of dependent pieceworks kernels
 gives the same bits with PDL as without, eagerly and replayed from a CUDA graph with fresh inputs.
 
-Run on the H200: `python -m pytest tests/gpu/test_pdl.py -m gpu -q`. A kernel that read its input
+Run on the H200: `python -m pytest tests/gpu/test_pdl_gpu.py -m gpu -q`. A kernel that read its input
 before the kernel producing it had finished would show up as a mismatch; each replay gets new inputs
 (and the eager runs fresh ones per round) so stale data can't pass.
 """
