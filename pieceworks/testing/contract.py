@@ -310,8 +310,10 @@ class PoolRun:
                               "layer's cache (forward writes every row at meta.slot_mapping[row] of "
                               "kv's layer_id buffers)")
             if rows > real:
+                # Several padded rows write the one reserved slot in one kernel; on a GPU their writes race
+                # element by element, so each element must come from some padded row, not all from one.
                 reserved = self.shape.pool_rows(self.pool, layer, meta.slot_mapping[real:real + 1])[0]
-                if not any(torch.equal(reserved, e) for e in entries[real:].to(self.dtype)):
+                if not (entries[real:].to(self.dtype) == reserved).any(0).all():
                     errors.append(f"layer {layer}: the reserved slot does not hold a padded row's K/V (padded "
                                   "rows are written too, at their slot_mapping entry: the reserved slot)")
         if errors:
