@@ -10,10 +10,10 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 
+from pieceworks.core.kv import KVLayout
 from pieceworks.errors import ConfigError, OutOfPages
 
 RESERVED_PAGE = 0
@@ -149,22 +149,6 @@ def block_keys(tokens: list[int], page_size: int, parent: bytes | None = None,
         parent = block_key(parent, tokens[i * page_size : (i + 1) * page_size])
         keys.append(parent)
     return keys
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """Per-token KV shape: GQA (num_kv_heads, head_dim) for K and V, or MLA (latent_dim,) once."""
-
-    kind: str  # "gqa" or "mla"
-    num_layers: int
-    num_kv_heads: int = 0
-    head_dim: int = 0
-    latent_dim: int = 0  # kv_lora_rank + qk_rope_head_dim
-
-    def bytes_per_token(self, dtype: torch.dtype) -> int:
-        size = torch.empty((), dtype=dtype).element_size()
-        per_layer = 2 * self.num_kv_heads * self.head_dim if self.kind == "gqa" else self.latent_dim
-        return per_layer * self.num_layers * size
 
 
 class KVPool:

@@ -20,7 +20,7 @@ from torch import nn
 
 import pieceworks.backends.ops  # noqa: F401  (registers the torch.ops.pieceworks.* the models call)
 from pieceworks.backends.base import ModelFacts
-from pieceworks.executor.kv_cache import KVLayout
+from pieceworks.core.kv import KVLayout
 from pieceworks.models import fused
 from pieceworks.models.rope import RotaryEmbedding
 from pieceworks.parallel.comm import gather, reduce

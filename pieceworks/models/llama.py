@@ -16,7 +16,7 @@ from torch import nn
 
 from pieceworks.backends.base import ModelFacts
 from pieceworks.errors import CheckpointError
-from pieceworks.executor.kv_cache import KVLayout
+from pieceworks.core.kv import KVLayout
 from pieceworks.models import hf_config as hf_fields
 from pieceworks.models.base import (CausalLM, GatedMLP, Prenormed, RMSNorm, WeightSource, block_forward, linear,
                                     merged)
