@@ -183,3 +183,17 @@ def test_lengths_prompts_and_unsupported_fields():
         _bad(mapping.refuse_unsupported, req.model_copy(update={field: value}), param=field)
     _bad(mapping.refuse_unsupported, chat.model_copy(update={"tools": [{"type": "function"}]}), param="tools")
     mapping.refuse_unsupported(chat.model_copy(update={"response_format": {"type": "text"}}))
+
+
+def test_chat_logprobs_list_the_top_tokens_best_first():
+    from types import SimpleNamespace
+
+    from pieceworks.serve.writers import ChatWriter
+
+    srv = SimpleNamespace(token_str=lambda t: f"<{t}>")
+    req = SimpleNamespace(logprobs=True, top_logprobs=2)
+    lp = ChatWriter(srv, req)._logprobs([7, 3], [{7: -0.1, 3: -2.5, 9: -1.0}, {3: -0.2, 4: -0.3}])
+    assert [c.token for c in lp.content] == ["<7>", "<3>"]
+    assert lp.content[0].logprob == -0.1
+    assert [(t.token, t.logprob) for t in lp.content[0].top_logprobs] == [("<7>", -0.1), ("<9>", -1.0)]
+    assert [t.token for t in lp.content[1].top_logprobs] == ["<3>", "<4>"]

@@ -128,10 +128,10 @@ class ChatWriter(Writer):
         content = []
         for tid, d in zip(token_ids, lps):
             s = self.srv.token_str(tid)
-            top = [TopLogprob(token=self.srv.token_str(t), logprob=v, bytes=list(self.srv.token_str(t).encode()))
-                   for t, v in top(d, k)]
+            tops = [TopLogprob(token=self.srv.token_str(t), logprob=v, bytes=list(self.srv.token_str(t).encode()))
+                    for t, v in top(d, k)]
             content.append(ChatLogprobToken(token=s, logprob=d.get(tid, float("nan")), bytes=list(s.encode()),
-                                            top_logprobs=top))
+                                            top_logprobs=tops))
         return ChatLogprobs(content=content)
 
     def start(self, rid: str) -> list[ChatCompletionChunk]:
