@@ -14,7 +14,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Protocol
 
-import numpy as np
 import torch
 
 from pieceworks.core.batch import ForwardBatch, ForwardMode, Sequence
