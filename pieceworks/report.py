@@ -29,7 +29,7 @@ def _model_facts(cfg: Config) -> tuple[ModelFacts, list[str] | None]:
     if cfg.model.path or cfg.model.arch:
         from dataclasses import replace
 
-        from pieceworks.executor.runner import resolve_model_path
+        from pieceworks.models.loader import resolve_model_path
         from pieceworks.models.loader import model_facts
 
         model = replace(cfg.model, path=str(resolve_model_path(cfg.model.path))) if cfg.model.path else cfg.model

@@ -28,10 +28,10 @@ import torch
 from pieceworks.backends import nvrtc, pdl
 from pieceworks.backends.base import BackendSpec
 from pieceworks.backends.registry import KernelTable, load_registry
-from pieceworks.config import Config, ConfigError, Switch, cache_root, load_config
+from pieceworks.config import Config, ConfigError, cache_root, load_config
 from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode, Sequence, StepMetadata, to_device
 from pieceworks.core.context import ForwardContext, forward_context
-from pieceworks.errors import BatchError, CheckpointError, OutOfPages
+from pieceworks.errors import BatchError, OutOfPages
 from pieceworks.core.devices import resolve_device, resolve_dtype
 from pieceworks.executor.inputs import as_token_ids, page_table, token_rows
 from pieceworks.executor.kv_cache import KVPool, block_keys
@@ -106,6 +106,8 @@ class Executor:
         if not cfg.model.path:
             return None
         root = cache_root(cfg.runtime.cache_dir)
+        from pieceworks.models.loader import resolve_model_path
+
         return resolve_model_path(cfg.model.path, progress=progress, cache_dir=root / "models")
 
     @classmethod
@@ -149,24 +151,10 @@ class Executor:
         return ex
 
     def _build_graphs(self, progress: bool) -> None:
-        on_cuda = self.device.type == "cuda"
-        pw = self.cfg.cuda_graph.piecewise
-        if pw.enabled is Switch.on or (pw.enabled is Switch.auto and on_cuda):
-            from pieceworks.executor.piecewise import PiecewiseRunner
+        from pieceworks.executor.graph_setup import build_graph_runners
 
-            self.piecewise = PiecewiseRunner(self.model, self.table, self.kv, pw, progress=progress)
-        dec = self.cfg.cuda_graph.decode
-        if dec.enabled is not Switch.off:
-            from pieceworks.executor.cuda_graph import check_batch_sizes
-
-            check_batch_sizes(dec.batch_sizes, self.kv.allocator.capacity, self.page_size)
-        if on_cuda and dec.enabled is not Switch.off:
-            from pieceworks.executor.cuda_graph import DecodeGraphRunner
-
-            self.decode_graphs = DecodeGraphRunner(self.model, self.table, self.kv, self.max_context,
-                                                   dec.batch_sizes, progress=progress)
-        elif dec.enabled is Switch.on:
-            log.info("cuda_graph.decode.enabled=on has no effect on %s: decode graphs need CUDA", self.device)
+        self.piecewise, self.decode_graphs = build_graph_runners(self.cfg.cuda_graph, self.model, self.table,
+                                                                 self.kv, self.max_context, progress)
 
     # ---------------------------------------------------------------- sequences
     @contextmanager
@@ -466,40 +454,10 @@ class Executor:
             ValueError: transformers is not installed.
         """
         if self._tokenizer is None:
-            if self.model_dir is None:
-                raise CheckpointError("the model has no tokenizer (random weights: model.arch); pass token ids, "
-                                      "or load a model directory (model.path) that has one")
-            try:
-                from transformers import AutoTokenizer
-            except ImportError as exc:
-                raise ValueError("tokenizing text needs transformers: pip install 'pieceworks[demo]'") from exc
-            try:
-                self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-            except (OSError, ValueError, TypeError):  # transformers' own message spans several lines
-                raise CheckpointError(f"{self.model_dir}: the model has no tokenizer that transformers can load "
-                                      "(tokenizer.json / tokenizer_config.json); pass token ids, or add the "
-                                      "model's tokenizer files") from None
+            from pieceworks.models.loader import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.model_dir)
         return self._tokenizer
-
-
-DEMO_MODELS = ("smollm2-135m", "smollm2-135m-fp4")
-
-
-def resolve_model_path(path: str, progress: bool = True, cache_dir: Path | None = None) -> Path:
-    """A model directory: the path itself, or the cached conversion of a bundled demo model (in cache_dir;
-    None: `smollm2.default_cache_dir()`)."""
-    if path in DEMO_MODELS:
-        from pieceworks.models import smollm2
-
-        ensure = smollm2.ensure_smollm2_fp4 if path.endswith("fp4") else smollm2.ensure_smollm2
-        return ensure(cache_dir, progress=progress)
-    p = Path(path).expanduser()
-    if not p.is_dir():
-        raise ValueError(
-            f"model.path={path!r} is not a directory; give a Hugging Face-format model directory "
-            f"(config.json + *.safetensors) or one of {', '.join(DEMO_MODELS)}"
-        )
-    return p
 
 
 __all__ = ["Executor", "BatchError", "OutOfPages", "ForwardBatch", "Sequence"]

@@ -278,3 +278,45 @@ def _progress_bar(enabled: bool, total: int) -> Iterator[Callable[[str], None]]:
                   TimeElapsedColumn(), transient=True) as bar:
         task = bar.add_task("", total=total)
         yield lambda label: bar.update(task, advance=1, description=label)
+
+
+DEMO_MODELS = ("smollm2-135m", "smollm2-135m-fp4")
+
+
+def resolve_model_path(path: str, progress: bool = True, cache_dir: Path | None = None) -> Path:
+    """A model directory: the path itself, or the cached conversion of a bundled demo model (in cache_dir;
+    None: `smollm2.default_cache_dir()`)."""
+    if path in DEMO_MODELS:
+        from pieceworks.models import smollm2
+
+        ensure = smollm2.ensure_smollm2_fp4 if path.endswith("fp4") else smollm2.ensure_smollm2
+        return ensure(cache_dir, progress=progress)
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ValueError(
+            f"model.path={path!r} is not a directory; give a Hugging Face-format model directory "
+            f"(config.json + *.safetensors) or one of {', '.join(DEMO_MODELS)}"
+        )
+    return p
+
+
+def load_tokenizer(model_dir: Path | None):
+    """The model directory's Hugging Face tokenizer.
+
+    Raises:
+        CheckpointError: the model has none (random weights, or no tokenizer files in its directory).
+        ValueError: transformers is not installed.
+    """
+    if model_dir is None:
+        raise CheckpointError("the model has no tokenizer (random weights: model.arch); pass token ids, "
+                              "or load a model directory (model.path) that has one")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:
+        raise ValueError("tokenizing text needs transformers: pip install 'pieceworks[demo]'") from exc
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, TypeError):  # transformers' own message spans several lines
+        raise CheckpointError(f"{model_dir}: the model has no tokenizer that transformers can load "
+                              "(tokenizer.json / tokenizer_config.json); pass token ids, or add the "
+                              "model's tokenizer files") from None
