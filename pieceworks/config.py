@@ -1,8 +1,10 @@
-"""Configuration: one small dataclass per component, YAML + dotlist overrides merged by OmegaConf.
+"""Configuration: one small dataclass per component, the schema of the YAML files, and the checks of
+every value.
 
-`load_config(path_or_dict, overrides)` validates everything against these schemas and returns a frozen
-`Config` of plain Python objects; nothing downstream touches OmegaConf (an attribute read there costs
-~20 us). Errors are `ConfigError`s naming the key, the bad value and what is allowed.
+`load_config(path_or_dict, overrides)` merges YAML and dotlist overrides onto these schemas (OmegaConf;
+the reading, merging and error locating live in `pieceworks.config_yaml`), checks every value and
+returns a frozen `Config` of plain Python objects; nothing downstream touches OmegaConf (an attribute
+read there costs ~20 us). Errors are `ConfigError`s naming the key, the bad value and what is allowed.
 """
 
 from __future__ import annotations
@@ -10,37 +12,15 @@ from __future__ import annotations
 import enum
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
+from pieceworks.config_yaml import as_dict, merge, plain, to_yaml, with_location
+from pieceworks.environment import user_cache_home
 from pieceworks.errors import ConfigError  # re-exported here for callers of load_config
 
 OPS = ("attention", "mla", "fp4_gemm", "moe")
-
-
-def _locate(path: Path, dotted: str) -> str:
-    """`file:line` of `dotted` (or its nearest present parent) in a YAML file, or just the file."""
-    import yaml
-
-    try:
-        node = yaml.compose(path.read_text())
-    except Exception:  # the file was parsed by OmegaConf already; a location is a nicety
-        return str(path)
-    line = None
-    for part in dotted.split("."):
-        if not isinstance(node, yaml.MappingNode):
-            break
-        for k, v in node.value:
-            if k.value == part:
-                line, node = k.start_mark.line + 1, v
-                break
-        else:
-            break
-    return f"{path}:{line}" if line else str(path)
 
 
 class Switch(str, enum.Enum):
@@ -165,13 +145,12 @@ class RuntimeConfig:
 
 
 def cache_root(cache_dir: str | None = None) -> Path:
-    """`runtime.cache_dir`, or where it defaults to: $XDG_CACHE_HOME/pieceworks when XDG_CACHE_HOME is an
-    absolute path (the XDG spec ignores relative ones), else ~/.cache/pieceworks. The one place pieceworks
-    reads the environment; modules take the directory from here or from their caller."""
+    """`runtime.cache_dir`, or where it defaults to: `pieceworks` under the user's cache directory
+    ($XDG_CACHE_HOME when it is an absolute path, else ~/.cache; `pieceworks.environment`). Modules
+    take the directory from here or from their caller."""
     if cache_dir:
         return Path(cache_dir).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "pieceworks"
+    return user_cache_home() / "pieceworks"
 
 
 @dataclass(frozen=True)
@@ -318,70 +297,6 @@ def _validate(cfg: Config, require_model: bool = True) -> None:
         raise ConfigError(f"generation.top_p: {g.top_p!r} must be in (0, 1]")
 
 
-def _explain(exc: OmegaConfBaseException, source: str, path: Path | None) -> ConfigError:
-    """Turn an OmegaConf error into one line naming the key, the value and what is allowed."""
-    key = getattr(exc, "full_key", None) or ""
-    msg = str(exc).splitlines()[0]
-    if path is not None and source == str(path):
-        source = _locate(path, key)
-    where = f" (in {source})" if source else ""
-    if type(exc).__name__ == "ConfigKeyError" or "not in struct" in msg:
-        parent = key.rsplit(".", 1)[0] if "." in key else ""
-        allowed = _allowed_keys(parent)
-        hint = f"; allowed keys{' under ' + parent if parent else ''}: {', '.join(allowed)}" if allowed else ""
-        return ConfigError(f"{key}: unknown key{where}{hint}")
-    return ConfigError(f"{key or 'config'}: {msg}{where}")
-
-
-def _allowed_keys(dotted: str) -> list[str]:
-    node: Any = Config
-    for part in filter(None, dotted.split(".")):
-        match = {f.name: f for f in fields(node)}.get(part) if is_dataclass(node) else None
-        if match is None:
-            return []
-        node = match.default_factory() if callable(match.default_factory) else match.default
-        node = type(node)
-    return [f.name for f in fields(node)] if is_dataclass(node) else []
-
-
-def _read_yaml(path: Path) -> DictConfig:
-    """A YAML config file as OmegaConf nodes; every problem with the file is a ConfigError naming it
-    (and the line, for YAML syntax: tabs, duplicate keys, unclosed brackets)."""
-    import io
-
-    import yaml
-
-    if path.is_dir():
-        raise ConfigError(f"config file {str(path)!r} is a directory; give a YAML file")
-    if not path.exists():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
-    except OSError as e:
-        raise ConfigError(f"config file {str(path)!r} can't be read: {e.strerror}") from None
-    try:
-        layer = OmegaConf.load(io.StringIO(text))
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{where}: not valid YAML: {problem}") from None
-    top = yaml.compose(text)  # OmegaConf reads a bare scalar `x` as {x: None}
-    if not isinstance(layer, DictConfig) or not (top is None or isinstance(top, yaml.MappingNode)):
-        kind = "a list" if isinstance(top, yaml.SequenceNode) else "a single value"
-        raise ConfigError(f"{path}: the top level is {kind}; it must be a mapping of sections "
-                          f"(model:, kv_cache:, ...)")
-    return layer
-
-
-def _to_plain(obj: Any) -> Any:
-    if isinstance(obj, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(obj, resolve=True)
-    return obj
-
-
 def load_config(
     source: str | os.PathLike | dict | Config | None = None,
     overrides: list[str] | None = None,
@@ -398,38 +313,16 @@ def load_config(
     Raises:
         ConfigError: unknown key, wrong type or invalid value (message names the key and the value).
     """
-    schema = OmegaConf.structured(Config)
-    label = ""
-    path: Path | None = None
+    if isinstance(source, Config):
+        source = as_dict(source)
+    elif source is not None and not isinstance(source, dict):
+        source = Path(source)
+    obj = merge(Config, source, overrides)
     try:
-        if isinstance(source, Config):
-            layer = OmegaConf.create(_dataclass_dict(source))
-        elif isinstance(source, dict):
-            layer = OmegaConf.create(source)
-        elif source is not None:
-            path = Path(source)
-            label = str(path)
-            layer = _read_yaml(path)
-        else:
-            layer = OmegaConf.create({})
-        merged = OmegaConf.merge(schema, layer)
-        label_o = "command-line overrides"
-        for item in overrides or []:
-            if "=" not in item:
-                raise ConfigError(f"override {item!r}: expected key=value (e.g. model.path=/models/x)")
-            label = label_o
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
-        obj = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as exc:
-        raise _explain(exc, label, path) from None
-    try:
-        cfg = _normalize(_freeze(obj))
+        cfg = _normalize(plain(obj))
         _validate(cfg, require_model)
     except ConfigError as exc:
-        key = str(exc).split(":", 1)[0]
-        if path is not None and _locate(path, key) != str(path):
-            raise ConfigError(f"{exc} (in {_locate(path, key)})") from None
-        raise
+        raise with_location(exc, source if isinstance(source, Path) else None) from None
     return cfg
 
 
@@ -449,31 +342,6 @@ def _normalize(cfg: Config) -> Config:
     dec = replace(g.decode, enabled=_switch("cuda_graph.decode.enabled", g.decode.enabled))
     runtime = replace(cfg.runtime, pdl=_switch("runtime.pdl", cfg.runtime.pdl))
     return replace(cfg, cuda_graph=replace(g, piecewise=pw, decode=dec), runtime=runtime)
-
-
-def _dataclass_dict(cfg: Any) -> Any:
-    if is_dataclass(cfg):
-        return {f.name: _dataclass_dict(getattr(cfg, f.name)) for f in fields(cfg)}
-    if isinstance(cfg, enum.Enum):
-        return cfg.value
-    return cfg
-
-
-def _freeze(obj: Any) -> Any:
-    """OmegaConf.to_object gives dataclass instances holding plain containers; re-create them so
-    nested dict/list values are plain Python (the dataclasses themselves are frozen)."""
-    if is_dataclass(obj):
-        return replace(obj, **{f.name: _freeze(getattr(obj, f.name)) for f in fields(obj)})
-    if isinstance(obj, dict):
-        return {k: _freeze(v) for k, v in _to_plain(obj).items()}
-    if isinstance(obj, (list, tuple)):
-        return [_freeze(v) for v in _to_plain(obj)]
-    return _to_plain(obj)
-
-
-def to_yaml(cfg: Config) -> str:
-    """The config as YAML (for logs and `pieceworks run --print-config`)."""
-    return OmegaConf.to_yaml(OmegaConf.create(_dataclass_dict(cfg)))
 
 
 __all__ = ["Config", "ConfigError", "Switch", "load_config", "to_yaml", "asdict"]

@@ -86,3 +86,23 @@ def test_shipped_configs_load():
 
     for path in sorted(pathlib.Path(__file__).parents[1].joinpath("configs").glob("*.yaml")):
         load_config(path)
+
+
+def test_to_yaml_reads_back_as_the_same_config(tmp_path):
+    from pieceworks.config import to_yaml
+
+    cfg = load_config(None, ["model.arch=llama", "backends.attention={extend: torch}", "runtime.pdl=off",
+                             "model.sizes={num_hidden_layers: 3}", "cuda_graph.decode.batch_sizes=[1,2]"])
+    path = tmp_path / "round.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(path) == cfg
+
+
+def test_default_cache_root_follows_xdg_cache_home(monkeypatch, tmp_path):
+    from pieceworks.config import cache_root
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache_root() == tmp_path / "pieceworks"
+    assert cache_root(str(tmp_path / "mine")) == tmp_path / "mine"  # runtime.cache_dir wins
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # the XDG spec says to ignore it
+    assert cache_root().parts[-2:] == (".cache", "pieceworks")

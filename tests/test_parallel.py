@@ -92,6 +92,13 @@ def test_torchrun_world_size_must_match(monkeypatch):
         Executor.from_config(None, LLAMA + TP2, progress=False)
 
 
+def test_torchrun_variables_must_be_integers(monkeypatch):
+    for k, v in {"RANK": "0", "WORLD_SIZE": "two", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError, match="WORLD_SIZE='two'"):
+        Executor.from_config(None, LLAMA + TP2, progress=False)
+
+
 # ----------------------------------------------------------------------------- sharded loading
 def test_random_shards_are_slices_of_the_single_process_weights():
     cfg = load_config(None, LLAMA + ["quantization.format=nvfp4"])

@@ -6,7 +6,7 @@ inputs never make a round trip through GPU memory. The control group has a timeo
 a follower waits for the next step as long as the leader idles.
 
 Under `torchrun`, the rank and world size come from torchrun's rendezvous variables (RANK, WORLD_SIZE,
-LOCAL_RANK; `torchrun_rank`), the one place pieceworks reads them; everywhere else the launcher passes
+LOCAL_RANK), read by `pieceworks.environment` for `torchrun_rank`; everywhere else the launcher passes
 them explicitly.
 """
 
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pieceworks.environment import torchrun_variables
 from pieceworks.errors import ConfigError
 
 # Followers wait for the leader's next step as long as the leader idles (a server between requests):
@@ -31,17 +32,18 @@ def torchrun_rank(tensor_parallel_size: int) -> tuple[int, int] | None:
     """(rank, local rank) when this process was started by torchrun, else None.
 
     Raises:
-        ConfigError: torchrun's world size is not `parallel.tensor_parallel_size`.
+        ConfigError: torchrun's world size is not `parallel.tensor_parallel_size`, or its variables
+            are not integers.
     """
-    env = os.environ
-    if not all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+    found = torchrun_variables()
+    if found is None:
         return None
-    world = int(env["WORLD_SIZE"])
+    rank, world, local_rank = found
     if world != tensor_parallel_size:
         raise ConfigError(f"parallel.tensor_parallel_size: {tensor_parallel_size}, but torchrun started {world} "
                           f"processes; run torchrun --nproc-per-node {tensor_parallel_size}, or set "
                           f"parallel.tensor_parallel_size={world}")
-    return int(env["RANK"]), int(env["LOCAL_RANK"])
+    return rank, local_rank
 
 
 @dataclass

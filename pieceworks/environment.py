@@ -1,0 +1,54 @@
+"""Every process-environment variable pieceworks reads, read here and nowhere else.
+
+None of them is a switch: behaviour is configured in YAML (`pieceworks.config`). These variables carry
+facts about the process that no config file can know:
+
+- `XDG_CACHE_HOME`: where per-user caches go (the XDG Base Directory spec). `config.cache_root()`
+  puts the default `runtime.cache_dir` under it (converted demo models, compiled CUDA kernels); a
+  relative value is ignored, as the spec says.
+- `HOME`: through `Path.home()` and `expanduser()`, the `~/.cache` fallback and a `~` in
+  `runtime.cache_dir`.
+- `RANK`, `WORLD_SIZE`, `LOCAL_RANK`: set by torchrun in each process it starts; they tell a
+  tensor-parallel launch that it runs under torchrun and which rank (and GPU) it is
+  (`parallel.group.torchrun_rank`). Outside torchrun the launcher passes the rank explicitly.
+
+Libraries underneath read variables of their own (torch.distributed's `env://` rendezvous reads
+MASTER_ADDR and MASTER_PORT, CUDA reads CUDA_VISIBLE_DEVICES, Triton and FlashInfer their cache
+directories); pieceworks neither reads nor sets those.
+
+Each reader looks at `os.environ` when called, never at import, so a test that sets a variable sees
+its effect.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pieceworks.errors import ConfigError
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def user_cache_home() -> Path:
+    """The per-user cache directory: $XDG_CACHE_HOME when it is an absolute path, else ~/.cache."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+
+
+def torchrun_variables() -> tuple[int, int, int] | None:
+    """(RANK, WORLD_SIZE, LOCAL_RANK) as ints when torchrun set all three, else None.
+
+    Raises:
+        ConfigError: one of them is not an integer.
+    """
+    env = os.environ
+    if not all(k in env for k in TORCHRUN_VARIABLES):
+        return None
+    try:
+        rank, world, local_rank = (int(env[k]) for k in TORCHRUN_VARIABLES)
+    except ValueError:
+        found = ", ".join(f"{k}={env[k]!r}" for k in TORCHRUN_VARIABLES)
+        raise ConfigError(f"torchrun's variables must be integers, got {found}; launch with torchrun, or "
+                          "unset them to run without it") from None
+    return rank, world, local_rank
