@@ -1,6 +1,7 @@
-"""A step's host-side inputs as arrays: token ids, positions and KV slots of the new tokens, and the
-page table. Vectorized in numpy, a fixed number of array ops per step, because every step (and every
-decode-graph replay) builds them on the host before its kernels can run."""
+"""A step's inputs: the checks of a batch before anything changes (`check_batch`, `as_token_ids`), and
+its host-side arrays: token ids, positions and KV slots of the new tokens, and the page table.
+Vectorized in numpy, a fixed number of array ops per step, because every step (and every decode-graph
+replay) builds them on the host before its kernels can run."""
 
 from __future__ import annotations
 
@@ -11,7 +12,54 @@ from typing import Any
 import numpy as np
 import torch
 
+from pieceworks.core.batch import ForwardBatch, Sequence
 from pieceworks.errors import BatchError
+
+
+def check_batch(batch: ForwardBatch, live: dict[int, Sequence], vocab_size: int,
+                max_context: int) -> list[list[int]]:
+    """The batch's new tokens as int lists; reads the batch, changes nothing. `live` maps the ids of
+    the executor's sequences to their handles.
+
+    Raises:
+        BatchError: not a ForwardBatch of lists; a handle that is not a live Sequence of this executor,
+            or one that appears twice; token ids that are not integers, none, or outside [0,
+            vocab_size); more cached + new tokens than `max_context`.
+    """
+    if not isinstance(batch, ForwardBatch):
+        raise BatchError(f"forward takes a ForwardBatch, got {type(batch).__name__}")
+    for name in ("seqs", "tokens"):
+        if not isinstance(getattr(batch, name), (list, tuple)):
+            raise BatchError(f"ForwardBatch.{name} must be a list, got {type(getattr(batch, name)).__name__}")
+    if not isinstance(batch.return_all_logits, bool):
+        raise BatchError(f"ForwardBatch.return_all_logits must be True or False, got {batch.return_all_logits!r}")
+    bad_seq = next((s for s in batch.seqs if not isinstance(s, Sequence)), None)
+    if bad_seq is not None:
+        raise BatchError(f"ForwardBatch.seqs holds {type(bad_seq).__name__} {bad_seq!r}; give the Sequence "
+                         "handles of Executor.new_sequence()")
+    if len(batch.seqs) != len(batch.tokens):
+        raise BatchError(f"batch has {len(batch.seqs)} sequences but {len(batch.tokens)} token lists")
+    seen = set()
+    out = []
+    for seq, toks in zip(batch.seqs, batch.tokens):
+        if seq.freed or live.get(seq.id) is not seq:
+            raise BatchError(f"sequence {seq.id} was freed (or belongs to another executor)")
+        if seq.id in seen:
+            raise BatchError(f"sequence {seq.id} appears twice in one batch")
+        seen.add(seq.id)
+        toks = as_token_ids(toks, f"sequence {seq.id}")
+        if not toks:
+            raise BatchError(f"sequence {seq.id}: no new tokens (an empty prompt can't be run)")
+        bad = [t for t in toks if not 0 <= t < vocab_size]
+        if bad:
+            raise BatchError(f"sequence {seq.id}: token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        if seq.kv_len + len(toks) > max_context:
+            raise BatchError(
+                f"sequence {seq.id}: {seq.kv_len} cached + {len(toks)} new tokens exceed the context "
+                f"limit of {max_context} (model.max_context / KV pool size)"
+            )
+        out.append(toks)
+    return out
 
 
 def as_token_ids(toks: Any, what: str) -> list[int]:

@@ -19,21 +19,18 @@ import logging
 import os
 import threading
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pieceworks.backends import nvrtc, pdl
-from pieceworks.backends.base import BackendSpec
-from pieceworks.backends.registry import KernelTable, load_registry
-from pieceworks.config import Config, ConfigError, cache_root, load_config
+from pieceworks.backends.registry import KernelTable
+from pieceworks.config import Config, ConfigError
 from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode, Sequence, StepMetadata, to_device
 from pieceworks.core.context import ForwardContext, forward_context
 from pieceworks.errors import BatchError, OutOfPages
-from pieceworks.core.devices import resolve_device, resolve_dtype
-from pieceworks.executor.inputs import as_token_ids, page_table, token_rows
+from pieceworks.executor.build import build_executor, executor_from_config, model_dir_of
+from pieceworks.executor.inputs import as_token_ids, check_batch, page_table, token_rows
 from pieceworks.executor.kv_cache import KVPool, block_keys
 
 log = logging.getLogger("pieceworks.executor")
@@ -93,68 +90,19 @@ class Executor:
             ValueError: a bad checkpoint (nothing half-built is returned).
             WorkerDied: a worker process failed while building its shard (its error is in the message).
         """
-        cfg = cfg if isinstance(cfg, Config) and not overrides else load_config(cfg, overrides)
-        if cfg.parallel.tensor_parallel_size > 1:
-            from pieceworks.executor.distributed import launch
-
-            return launch(cls, cfg, progress)
-        return cls.build(cfg, progress, resolve_device(cfg.runtime.device), cls.resolve_model_dir(cfg, progress))
+        return executor_from_config(cls, cfg, overrides, progress)
 
     @staticmethod
     def resolve_model_dir(cfg: Config, progress: bool) -> Path | None:
         """The model directory of model.path (a bundled demo model is converted into the cache first)."""
-        if not cfg.model.path:
-            return None
-        root = cache_root(cfg.runtime.cache_dir)
-        from pieceworks.models.loader import resolve_model_path
-
-        return resolve_model_path(cfg.model.path, progress=progress, cache_dir=root / "models")
+        return model_dir_of(cfg, progress)
 
     @classmethod
     def build(cls, cfg: Config, progress: bool, device: torch.device, model_dir: Path | None,
               groups: Any = None) -> "Executor":
         """One rank's executor on `device`, of the model in `model_dir` (or model.arch's): the whole
         model, or with `groups` (`parallel.group.ProcessGroups`) that rank's shard."""
-        from pieceworks.models.loader import load_model
-        from pieceworks.parallel.layout import TPLayout
-
-        dtype = resolve_dtype(cfg.runtime.dtype, device)
-        pdl_mode = pdl.mode_name(cfg.runtime.pdl)
-        if pdl_mode == "on" and (reason := pdl.unsupported_reason(device)) is not None:
-            raise ConfigError(f"runtime.pdl: on, but {reason}; use runtime.pdl=auto or off")
-        registry = load_registry(cfg.plugins)
-        nvrtc.configure_cache(cache_root(cfg.runtime.cache_dir) / "nvrtc" if cfg.runtime.kernel_cache else None)
-        model_cfg = replace(cfg.model, path=str(model_dir)) if model_dir else cfg.model
-        tp = TPLayout()
-        if groups is not None:
-            tp = TPLayout(groups.rank, groups.size, groups.device_group, cfg.parallel.expert_parallel)
-        # random weights come from a private generator seeded with runtime.seed: the process-wide
-        # torch RNG is the caller's
-        model = load_model(model_cfg, cfg.quantization, device, dtype, progress=progress,
-                           seed=cfg.runtime.seed, tp=tp)
-        spec = BackendSpec.for_device(device, model=model.facts(cfg.kv_cache.page_size),
-                                      fp4_numerics=cfg.quantization.fp4_numerics)
-        table = registry.resolve(cfg.backends, spec, model.required_ops())
-        model.prepare(table)
-        kv = KVPool.sized(model.kv_layout(), cfg.kv_cache.page_size, dtype, device,
-                          cfg.kv_cache.num_tokens, cfg.kv_cache.memory_fraction, cfg.kv_cache.prefix_caching)
-        if groups is not None:  # every rank's pool has the leader's page ids: the smallest pool wins
-            num_pages = groups.min_int(kv.allocator.num_pages)
-            if num_pages < kv.allocator.num_pages:
-                kv = None  # the larger pool goes before the smaller one is allocated
-                kv = KVPool(model.kv_layout(), num_pages, cfg.kv_cache.page_size, dtype, device,
-                            cfg.kv_cache.prefix_caching)
-        ex = cls(cfg, model, table, kv, device, model_dir)
-        ex.groups = groups
-        pdl.configure(pdl_mode, device)  # before the graphs capture the kernels
-        ex._build_graphs(progress)
-        return ex
-
-    def _build_graphs(self, progress: bool) -> None:
-        from pieceworks.executor.graph_setup import build_graph_runners
-
-        self.piecewise, self.decode_graphs = build_graph_runners(self.cfg.cuda_graph, self.model, self.table,
-                                                                 self.kv, self.max_context, progress)
+        return build_executor(cls, cfg, progress, device, model_dir, groups)
 
     # ---------------------------------------------------------------- sequences
     @contextmanager
@@ -369,42 +317,7 @@ class Executor:
     # ---------------------------------------------------------------- validation and pages
     def _validate(self, batch: ForwardBatch) -> list[list[int]]:
         """The batch's new tokens as int lists, or a BatchError; reads the batch, changes nothing."""
-        if not isinstance(batch, ForwardBatch):
-            raise BatchError(f"forward takes a ForwardBatch, got {type(batch).__name__}")
-        for name in ("seqs", "tokens"):
-            if not isinstance(getattr(batch, name), (list, tuple)):
-                raise BatchError(f"ForwardBatch.{name} must be a list, got {type(getattr(batch, name)).__name__}")
-        if not isinstance(batch.return_all_logits, bool):
-            raise BatchError(f"ForwardBatch.return_all_logits must be True or False, got {batch.return_all_logits!r}")
-        bad_seq = next((s for s in batch.seqs if not isinstance(s, Sequence)), None)
-        if bad_seq is not None:
-            raise BatchError(f"ForwardBatch.seqs holds {type(bad_seq).__name__} {bad_seq!r}; give the Sequence "
-                             "handles of Executor.new_sequence()")
-        if len(batch.seqs) != len(batch.tokens):
-            raise BatchError(f"batch has {len(batch.seqs)} sequences but {len(batch.tokens)} token lists")
-        seen = set()
-        out = []
-        for seq, toks in zip(batch.seqs, batch.tokens):
-            if seq.freed or self._live.get(seq.id) is not seq:
-                raise BatchError(f"sequence {seq.id} was freed (or belongs to another executor)")
-            if seq.id in seen:
-                raise BatchError(f"sequence {seq.id} appears twice in one batch")
-            seen.add(seq.id)
-            toks = as_token_ids(toks, f"sequence {seq.id}")
-            if not toks:
-                raise BatchError(f"sequence {seq.id}: no new tokens (an empty prompt can't be run)")
-            bad = [t for t in toks if not 0 <= t < self.vocab_size]
-            if bad:
-                raise BatchError(
-                    f"sequence {seq.id}: token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
-                )
-            if seq.kv_len + len(toks) > self.max_context:
-                raise BatchError(
-                    f"sequence {seq.id}: {seq.kv_len} cached + {len(toks)} new tokens exceed the context "
-                    f"limit of {self.max_context} (model.max_context / KV pool size)"
-                )
-            out.append(toks)
-        return out
+        return check_batch(batch, self._live, self.vocab_size, self.max_context)
 
     def _reserve_pages(self, seqs: list[Sequence], tokens: list[list[int]]) -> list[list[int]]:
         need = [max(0, -(-(s.kv_len + len(t)) // self.page_size) - len(s.pages)) for s, t in zip(seqs, tokens)]

@@ -1,0 +1,110 @@
+"""Building an Executor: the model, its kernel table, the KV pool and the graph runners, in that order.
+
+`Executor.from_config`, `Executor.resolve_model_dir` and `Executor.build` call `executor_from_config`,
+`model_dir_of` and `build_executor`. The executor class comes in as an argument (`cls`), so this
+module stands below `runner.py`, where the step reads alone. The configuration is checked (`load_config`,
+`runtime.pdl`) before any weight is read; an error at a later stage raises before the executor exists,
+so no half-built one is returned."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pieceworks.backends import nvrtc, pdl
+from pieceworks.backends.base import BackendSpec
+from pieceworks.backends.registry import load_registry
+from pieceworks.config import Config, ConfigError, Switch, cache_root, load_config
+from pieceworks.core.devices import resolve_device, resolve_dtype
+from pieceworks.executor.kv_cache import KVPool
+
+log = logging.getLogger("pieceworks.executor")
+
+
+def executor_from_config(cls: type, cfg: Any, overrides: list[str] | None, progress: bool) -> Any:
+    """`Executor.from_config`: one process's executor, or the leader of a tensor-parallel run."""
+    cfg = cfg if isinstance(cfg, Config) and not overrides else load_config(cfg, overrides)
+    if cfg.parallel.tensor_parallel_size > 1:
+        from pieceworks.executor.distributed import launch
+
+        return launch(cls, cfg, progress)
+    return cls.build(cfg, progress, resolve_device(cfg.runtime.device), cls.resolve_model_dir(cfg, progress))
+
+
+def model_dir_of(cfg: Config, progress: bool) -> Path | None:
+    """The model directory of model.path (a bundled demo model is converted into the cache first)."""
+    if not cfg.model.path:
+        return None
+    from pieceworks.models.loader import resolve_model_path
+
+    return resolve_model_path(cfg.model.path, progress=progress, cache_dir=cache_root(cfg.runtime.cache_dir) / "models")
+
+
+def build_executor(cls: type, cfg: Config, progress: bool, device: torch.device, model_dir: Path | None,
+          groups: Any = None) -> Any:
+    """`Executor.build`: one rank's executor (`cls`) on `device`, of the model in `model_dir` (or
+    model.arch's): the whole model, or with `groups` (`parallel.group.ProcessGroups`) that rank's shard."""
+    from pieceworks.models.loader import load_model
+    from pieceworks.parallel.layout import TPLayout
+
+    dtype = resolve_dtype(cfg.runtime.dtype, device)
+    pdl_mode = pdl.mode_name(cfg.runtime.pdl)
+    if pdl_mode == "on" and (reason := pdl.unsupported_reason(device)) is not None:
+        raise ConfigError(f"runtime.pdl: on, but {reason}; use runtime.pdl=auto or off")
+    registry = load_registry(cfg.plugins)
+    nvrtc.configure_cache(cache_root(cfg.runtime.cache_dir) / "nvrtc" if cfg.runtime.kernel_cache else None)
+    model_cfg = replace(cfg.model, path=str(model_dir)) if model_dir else cfg.model
+    tp = TPLayout()
+    if groups is not None:
+        tp = TPLayout(groups.rank, groups.size, groups.device_group, cfg.parallel.expert_parallel)
+    # random weights come from a private generator seeded with runtime.seed: the process-wide
+    # torch RNG is the caller's
+    model = load_model(model_cfg, cfg.quantization, device, dtype, progress=progress,
+                       seed=cfg.runtime.seed, tp=tp)
+    spec = BackendSpec.for_device(device, model=model.facts(cfg.kv_cache.page_size),
+                                  fp4_numerics=cfg.quantization.fp4_numerics)
+    table = registry.resolve(cfg.backends, spec, model.required_ops())
+    model.prepare(table)
+    kv = KVPool.sized(model.kv_layout(), cfg.kv_cache.page_size, dtype, device,
+                      cfg.kv_cache.num_tokens, cfg.kv_cache.memory_fraction, cfg.kv_cache.prefix_caching)
+    if groups is not None:  # every rank's pool has the leader's page ids: the smallest pool wins
+        num_pages = groups.min_int(kv.allocator.num_pages)
+        if num_pages < kv.allocator.num_pages:
+            kv = None  # the larger pool goes before the smaller one is allocated
+            kv = KVPool(model.kv_layout(), num_pages, cfg.kv_cache.page_size, dtype, device,
+                        cfg.kv_cache.prefix_caching)
+    ex = cls(cfg, model, table, kv, device, model_dir)
+    ex.groups = groups
+    pdl.configure(pdl_mode, device)  # before the graphs capture the kernels
+    ex.piecewise, ex.decode_graphs = graph_runners(cfg.cuda_graph, model, table, kv, ex.max_context, progress)
+    return ex
+
+
+def graph_runners(graphs_cfg: Any, model: torch.nn.Module, table: Any, kv: KVPool, max_context: int,
+                  progress: bool) -> tuple[Any, Any]:
+    """(PiecewiseRunner or None, DecodeGraphRunner or None) for `graphs_cfg` (a CudaGraphConfig) and the
+    pool's device: piecewise graphs for extend and mixed steps (on CUDA by default; on the CPU the same
+    split runs directly when switched on) and full decode graphs (CUDA only)."""
+    on_cuda = kv.device.type == "cuda"
+    piecewise = decode_graphs = None
+    pw = graphs_cfg.piecewise
+    if pw.enabled is Switch.on or (pw.enabled is Switch.auto and on_cuda):
+        from pieceworks.executor.piecewise import PiecewiseRunner
+
+        piecewise = PiecewiseRunner(model, table, kv, pw, progress=progress)
+    dec = graphs_cfg.decode
+    if dec.enabled is not Switch.off:
+        from pieceworks.executor.cuda_graph import check_batch_sizes
+
+        check_batch_sizes(dec.batch_sizes, kv.allocator.capacity, kv.page_size)
+    if on_cuda and dec.enabled is not Switch.off:
+        from pieceworks.executor.cuda_graph import DecodeGraphRunner
+
+        decode_graphs = DecodeGraphRunner(model, table, kv, max_context, dec.batch_sizes, progress=progress)
+    elif dec.enabled is Switch.on:
+        log.info("cuda_graph.decode.enabled=on has no effect on %s: decode graphs need CUDA", kv.device)
+    return piecewise, decode_graphs
