@@ -1,4 +1,5 @@
-"""The Executor: builds model + kernel table + KV pool, and runs one step top to bottom.
+"""The Executor: owns model + kernel table + KV pool (built by `executor/build.py`), and runs one step
+top to bottom.
 
 A step (`Executor.forward`): validate the batch -> reserve KV pages -> build the step's metadata and
 choose its graph mode -> plan the attention backend -> run the model (eagerly, through piecewise
