@@ -1,4 +1,5 @@
-"""Every process-environment variable pieceworks reads, read here and nowhere else.
+"""Every process-environment variable pieceworks reads, each read here (only the `~` of a path the
+user wrote is expanded where the path is used; see HOME below).
 
 None of them is a switch: behaviour is configured in YAML (`pieceworks.config`). These variables carry
 facts about the process that no config file can know:
@@ -6,8 +7,9 @@ facts about the process that no config file can know:
 - `XDG_CACHE_HOME`: where per-user caches go (the XDG Base Directory spec). `config.cache_root()`
   puts the default `runtime.cache_dir` under it (converted demo models, compiled CUDA kernels); a
   relative value is ignored, as the spec says.
-- `HOME`: through `Path.home()` and `expanduser()`, the `~/.cache` fallback and a `~` in
-  `runtime.cache_dir`.
+- `HOME`: through `Path.home()`, the `~/.cache` fallback here; and through `Path.expanduser()` where
+  a path the user wrote may start with `~` (`runtime.cache_dir` in `config.cache_root`, `model.path`
+  in `models.loader`): expanding a path is Python's, not a setting, so it stays with the path.
 - `RANK`, `WORLD_SIZE`, `LOCAL_RANK`: set by torchrun in each process it starts; they tell a
   tensor-parallel launch that it runs under torchrun and which rank (and GPU) it is
   (`parallel.group.torchrun_rank`). Outside torchrun the launcher passes the rank explicitly.
