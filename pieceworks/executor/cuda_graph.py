@@ -102,11 +102,10 @@ class DecodeGraphRunner:
         dev = kv.device
         self.inputs = torch.zeros(3 * max_bs, dtype=torch.int64, device=dev)  # bucket bs: [3, bs]
         self.table = torch.zeros(max_bs, self.width, dtype=torch.int32, device=dev)
-        self.staging = HostStaging(max_bs, self.width, pin=True)
+        self.staging = HostStaging(max_bs, self.width, pin=dev.type == "cuda")
         self._copied: torch.cuda.Event | None = None  # recorded after a step's input copies
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self.pool = torch.cuda.graph_pool_handle()
         self.report: dict[str, float] = {}
         self._capture_all(progress)
 
@@ -137,6 +136,7 @@ class DecodeGraphRunner:
 
         model, kv = self.model, self.kv
         kernels = self.kernel_table.step(ForwardMode.DECODE, GraphMode.FULL)
+        self.pool = torch.cuda.graph_pool_handle()
         torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(kv.device)
         t0 = time.perf_counter()
@@ -187,12 +187,33 @@ class DecodeGraphRunner:
         table = self.staging.table_rows(rows, reserved_page)
         if table is not None:
             self.table[:bs].copy_(table, non_blocking=True)
-        if self._copied is None:
+        if self._copied is None and self.kv.device.type == "cuda":
             self._copied = torch.cuda.Event()
-        self._copied.record()
-        self._plan(kernels, self._meta(bs, [p + 1 for p in positions], positions, rows))
-        self.graphs[bs].replay()
+        if self._copied is not None:
+            self._copied.record()
+        meta = self._meta(bs, [p + 1 for p in positions], positions, rows)
+        self._plan(kernels, meta)
+        self.replay(bs, kernels, meta)
         return self.logits[bs][:n].clone()
+
+    def replay(self, bs: int, kernels: StepKernels, meta: StepMetadata) -> None:
+        """Run bucket `bs` on the static inputs (planned with `meta`), leaving its logits in `self.logits[bs]`."""
+        self.graphs[bs].replay()
 
     def describe(self) -> dict:
         return {"batch_sizes": self.sizes, "graphs": len(self.graphs), **self.report}
+
+
+class EagerDecodeRunner(DecodeGraphRunner):
+    """The decode-graph runner's host path with an eager forward in place of each replay: the same
+    buckets, static inputs, staging, padding and plans, on any device (CPU included), nothing captured.
+    It lets CPU tests check that host path against plain eager steps, and `benchmarks/serving.py
+    --host-overhead` measure the host time around a replay on a machine without CUDA."""
+
+    def _capture_all(self, progress: bool) -> None:
+        self.report = {"capture_s": 0.0, "pool_bytes": 0}
+
+    def replay(self, bs: int, kernels: StepKernels, meta: StepMetadata) -> None:
+        ids, positions, _ = self.views(bs)
+        with forward_context(ForwardContext(kernels, meta, self.kv)):
+            self.logits[bs] = self.model.compute_logits(self.model(ids, positions))
