@@ -22,17 +22,21 @@ def test_fill_lays_out_ids_positions_slots_and_pads():
 def test_table_rows_copied_only_when_a_row_changes():
     st = HostStaging(max_bs=4, width=3, pin=False)
     seq_a, seq_b = [4, 7], [9]
-    first = st.table_rows([seq_a, seq_b], fill=0)
-    assert first is not None and torch.equal(first, page_table([[4, 7], [9]], 3, fill=0))
+    start, rows = st.table_rows([seq_a, seq_b], fill=0)
+    assert start == 0 and torch.equal(rows, page_table([[4, 7], [9]], 3, fill=0))
     assert st.table_rows([seq_a, seq_b], fill=0) is None  # unchanged: no copy
     assert st.table_rows([seq_a], fill=0) is None  # a smaller bucket: its rows are already there
     seq_b.append(2)  # the sequence gained a page (the runner passes the live page lists)
-    changed = st.table_rows([seq_a, seq_b], fill=0)
-    assert changed is not None and changed.tolist() == [[4, 7, 0], [9, 2, 0]]
-    assert st.table_rows([seq_a, seq_b, [1]], fill=0) is not None  # a row the device never got
-    assert st.table_rows([[5, 7], seq_b], fill=0) is not None  # same length, different page
+    start, rows = st.table_rows([seq_a, seq_b], fill=0)
+    assert start == 1 and rows.tolist() == [[9, 2, 0]]  # only the changed row is copied
+    start, rows = st.table_rows([seq_a, seq_b, [1]], fill=0)  # a row the device never got
+    assert start == 2 and rows.tolist() == [[1, 0, 0]]
+    start, rows = st.table_rows([[5], seq_b, [6, 8, 3]], fill=0)  # rows 0 and 2: the span between
+    assert start == 0 and rows.tolist() == [[5, 0, 0], [9, 2, 0], [6, 8, 3]]  # shorter row: old pages cleared
     st.forget_table()
-    assert st.table_rows([[5, 7], seq_b], fill=0) is not None  # capture overwrote the device table
+    start, rows = st.table_rows([[5], seq_b], fill=0)  # capture overwrote the device table
+    assert start == 0 and rows.tolist() == [[5, 0, 0], [9, 2, 0]]
+    assert st.table.tolist()[:3] == [[5, 0, 0], [9, 2, 0], [6, 8, 3]]  # the host mirrors the device
 
 
 def _tiny(**kv):

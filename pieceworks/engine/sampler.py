@@ -52,9 +52,15 @@ class SamplingState:
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None
     """The request's own generator on the logits' device (seeded requests that sample), else None."""
+    plain: bool = field(default=False, init=False, repr=False)
+    """Greedy without penalties, min_tokens or logprobs: the row needs its argmax only."""
     _row: tuple[float, ...] | None = field(default=None, init=False, repr=False)
     _penalty: tuple[_PenaltyTable, int, int] | None = field(default=None, init=False, repr=False)
     _release: weakref.finalize | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.plain = p.greedy and not p.uses_penalties and not p.min_tokens and p.logprobs is None
 
     @classmethod
     def create(
@@ -155,6 +161,10 @@ class Sampler:
             raise ValueError(f"Sampler.sample got {logits.shape[0]} logits rows for {len(states)} states")
         if not states:
             return SampleResult([], [], [])
+        if all([s.plain for s in states]):  # the common case, with the least host work per step
+            checked = torch.where(torch.isfinite(logits).all(dim=-1), logits.argmax(dim=-1), -1)
+            token_ids = checked.tolist()  # the one device-to-host copy of the step
+            return SampleResult(token_ids, [t >= 0 for t in token_ids], [None] * len(token_ids))
         V = self.vocab_size
         params = [s.params for s in states]
         finite = torch.isfinite(logits).all(dim=-1)

@@ -51,9 +51,12 @@ class HostStaging:
 
     `fill(bs, ids, positions, slots, pad_slot)` writes the [3, bs] int64 inputs of bucket `bs`
     (padding rows: id 0, position 1, `pad_slot`) and returns the host slice to copy. `table_rows(rows,
-    fill)` returns the host slice of the page table for `rows` (one page list per bucket row), or
-    None when the device table's first len(rows) rows already hold them. The caller must not refill
-    the buffers before the copies that read them have run (`DecodeGraphRunner.run` waits on an event).
+    fill)` brings the host table's first len(rows) rows to `rows` (one page list per bucket row) and
+    returns `(start, host rows)`, the span of rows to copy to the device table's rows from `start` on,
+    or None when the device table already holds them. Only the rows that changed are rewritten: in
+    decode a sequence gains a page once every page_size tokens, so most steps change no row, and a
+    step changes the few sequences that crossed a page boundary. The caller must not refill the
+    buffers before the copies that read them have run (`DecodeGraphRunner.run` waits on an event).
     """
 
     def __init__(self, max_bs: int, width: int, pin: bool) -> None:
@@ -62,27 +65,38 @@ class HostStaging:
         self.width = width
         self._inputs_np = self.inputs.numpy()
         self._table_np = self.table.numpy()
-        self._rows: list[list[int]] = []  # what the device table's leading rows hold
+        self._rows: list[list[int]] = []  # what the device table's leading rows hold (and the host's)
+        self._dirty = [width] * max_bs  # per host row: entries past it hold the fill value
 
     def fill(self, bs: int, ids: list[int], positions: list[int], slots: list[int],
              pad_slot: int) -> torch.Tensor:
-        n = len(ids)
-        view = self._inputs_np[: 3 * bs].reshape(3, bs)
-        view[0, :n] = ids
-        view[0, n:] = 0
-        view[1, :n] = positions
-        view[1, n:] = 1
-        view[2, :n] = slots
-        view[2, n:] = pad_slot
+        pad = bs - len(ids)
+        # one list -> array conversion: cheaper than six slice stores at every batch size
+        flat = ids + [0] * pad + positions + [1] * pad + slots + [pad_slot] * pad if pad else ids + positions + slots
+        self._inputs_np[: 3 * bs] = flat
         return self.inputs[: 3 * bs]
 
-    def table_rows(self, rows: list[list[int]], fill: int) -> torch.Tensor | None:
-        bs = len(rows)
-        if len(self._rows) >= bs and all(a == b for a, b in zip(rows, self._rows)):
+    def table_rows(self, rows: list[list[int]], fill: int) -> tuple[int, torch.Tensor] | None:
+        held = self._rows
+        changed = [i for i, r in enumerate(rows) if i >= len(held) or r != held[i]]
+        if not changed:
             return None
-        self._table_np[:bs] = page_table(rows, self.width, fill=fill).numpy()
-        self._rows[:bs] = [list(r) for r in rows]
-        return self.table[:bs]
+        table, dirty = self._table_np, self._dirty
+        for i in changed:
+            row = rows[i]
+            n = len(row)
+            if n > self.width:
+                raise ValueError(f"a sequence has {n} pages, more than the table's width {self.width}")
+            table[i, :n] = row
+            if dirty[i] > n:
+                table[i, n : dirty[i]] = fill
+            dirty[i] = n
+            if i < len(held):
+                held[i] = list(row)
+            else:
+                held.append(list(row))  # rows are visited in order: i == len(held)
+        start, stop = changed[0], changed[-1] + 1
+        return start, self.table[start:stop]
 
     def forget_table(self) -> None:
         """The device table was written behind this object's back (graph capture)."""
@@ -103,6 +117,7 @@ class DecodeGraphRunner:
         self.inputs = torch.zeros(3 * max_bs, dtype=torch.int64, device=dev)  # bucket bs: [3, bs]
         self.table = torch.zeros(max_bs, self.width, dtype=torch.int32, device=dev)
         self.staging = HostStaging(max_bs, self.width, pin=dev.type == "cuda")
+        self._padding_row = [kv.reserved_slot // kv.page_size]  # padding sequences hold the reserved page
         self._copied: torch.cuda.Event | None = None  # recorded after a step's input copies
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -177,16 +192,18 @@ class DecodeGraphRunner:
         ps = self.page_size
         reserved_slot = self.kv.reserved_slot
         positions = [s.kv_len for s in seqs]
-        slots = [s.pages[p // ps] * ps + p % ps for s, p in zip(seqs, positions)]
-        reserved_page = reserved_slot // ps
-        rows = [s.pages for s in seqs] + [[reserved_page]] * (bs - n)
+        rows = [s.pages for s in seqs]
+        slots = [pages[p // ps] * ps + p % ps for pages, p in zip(rows, positions)]
+        if bs > n:
+            rows += [self._padding_row] * (bs - n)
         if self._copied is not None:
             self._copied.synchronize()  # the staging buffers are free once the last step's copies ran
         host = self.staging.fill(bs, [t[0] for t in tokens], positions, slots, reserved_slot)
         self.inputs[: 3 * bs].copy_(host, non_blocking=True)
-        table = self.staging.table_rows(rows, reserved_page)
+        table = self.staging.table_rows(rows, reserved_slot // ps)
         if table is not None:
-            self.table[:bs].copy_(table, non_blocking=True)
+            start, host_rows = table
+            self.table[start : start + host_rows.shape[0]].copy_(host_rows, non_blocking=True)
         if self._copied is None and self.kv.device.type == "cuda":
             self._copied = torch.cuda.Event()
         if self._copied is not None:
