@@ -70,15 +70,20 @@ class Engine:
 
     @contextmanager
     def _exclusive(self, what: str):
+        self._claim(what)
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    def _claim(self, what: str) -> None:
+        """Take the one-thread lock or refuse; the caller releases `self._busy` (`step` does it
+        directly: a generator context manager costs a couple of us on every step)."""
         if not self._busy.acquire(blocking=False):
             raise RuntimeError(
                 f"Engine.{what} called while another thread is inside this engine; an Engine serves one "
                 "thread at a time: share it through pieceworks.AsyncEngine"
             )
-        try:
-            yield
-        finally:
-            self._busy.release()
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: list[int] | str, params: SamplingParams | None = None,
@@ -179,8 +184,11 @@ class Engine:
                 (the step changed nothing). OutOfPages: sequences created on the executor outside this
                 engine hold the pages the next request needs.
         """
-        with self._exclusive("step"):
+        self._claim("step")
+        try:
             return self._step(stream=True)
+        finally:
+            self._busy.release()
 
     def _step(self, stream: bool) -> list[RequestOutput]:
         """`step`; without `stream` only the outputs of completions that finished (`generate`, which

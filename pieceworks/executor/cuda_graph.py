@@ -118,6 +118,8 @@ class DecodeGraphRunner:
         self.table = torch.zeros(max_bs, self.width, dtype=torch.int32, device=dev)
         self.staging = HostStaging(max_bs, self.width, pin=dev.type == "cuda")
         self._padding_row = [kv.reserved_slot // kv.page_size]  # padding sequences hold the reserved page
+        # every step reads its bucket's views: made once (slicing and unbinding cost a few us a step)
+        self._views = {bs: (*self.inputs[: 3 * bs].view(3, bs).unbind(), self.table[:bs]) for bs in self.sizes}
         self._copied: torch.cuda.Event | None = None  # recorded after a step's input copies
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -129,15 +131,14 @@ class DecodeGraphRunner:
 
     def views(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ids, positions, slots) of bucket `bs`: rows of the first 3 * bs input entries."""
-        ids, positions, slots = self.inputs[: 3 * bs].view(3, bs)
-        return ids, positions, slots
+        return self._views[bs][:3]
 
     def _meta(self, bs: int, seq_lens: list[int], prefix_lens: list[int],
               page_lists: list[list[int]] | None = None) -> StepMetadata:
-        _, positions, slots = self.views(bs)
+        _, positions, slots, table = self._views[bs]
         return StepMetadata(
             mode=ForwardMode.DECODE, graph_mode=GraphMode.FULL, extend_lens=[1] * len(seq_lens),
-            prefix_lens=prefix_lens, page_size=self.page_size, page_table=self.table[:bs],
+            prefix_lens=prefix_lens, page_size=self.page_size, page_table=table,
             slot_mapping=slots, positions=positions, graph_batch_size=bs, page_lists=page_lists,
         )
 
