@@ -262,9 +262,10 @@ class Executor:
         except BaseException:
             self._release(batch.seqs, new_pages)
             raise
+        caching, ps = self.kv.allocator.prefix_caching, self.page_size
         for seq, toks in zip(batch.seqs, tokens):
             seq.tokens.extend(toks)
-            if self.kv.allocator.prefix_caching:
+            if caching and len(seq.tokens) // ps > len(seq.block_keys):  # a page filled up
                 self._register_full_pages(seq)
         return logits
 
