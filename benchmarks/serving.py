@@ -256,9 +256,10 @@ def host_overhead(engine: Engine, batch_sizes: list[int], context: int, steps: i
               f"host outside the replay {1e3 * (step - replay):.0f} us = {100 * row['host_fraction']:.1f}% of the step")
         if timed_graph is not None:
             row["replay_in_step_ms"] = in_step = timed_graph.median_ms()
-            print(f"  the same graph's replay inside the timed steps: {in_step:.3f} ms on the GPU (back to back: "
-                  f"{replay:.3f}); the rest of the timed step, {1e3 * (timed_step * 1e3 - in_step):.0f} us, is "
-                  "host work before the replay, the launch, the sampler's kernels and the copy back")
+            print(f"  inside the timed steps the replay took {in_step:.3f} ms on the GPU, from an event recorded just "
+                  f"before the launch call to one after it (back to back: {replay:.3f}); the rest of the timed step, "
+                  f"{1e3 * (timed_step * 1e3 - in_step):.0f} us, is host work before the replay, the sampler's kernels "
+                  "and the copy back")
         print(_parts_table(per, 1e6 * timed_step, cuda))
         rows.append(row)
     return rows
