@@ -273,7 +273,8 @@ def _parts_table(per: dict[str, float], timed_step_us: float, cuda: bool) -> str
     lines = ["| part of Engine.step (own host time) | us per step |", "|---|---:|"]
     for label in ["step"] + labels:
         depth = 0 if label == "step" else label.count("/") + 1
-        children = [k for k in labels if k.count("/") + 1 == depth + 1 and (label == "step" or k.startswith(label + "/"))]
+        children = [k for k in labels
+                    if k.count("/") + 1 == depth + 1 and (label == "step" or k.startswith(label + "/"))]
         own = per.get(label, 0.0) - sum(per.get(k, 0.0) for k in children)
         name = "rest of the step" if label == "step" else label
         if label.endswith("replay"):
@@ -300,7 +301,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=512, help="--host-overhead: prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=50, help="--host-overhead: timed steps per batch size")
     p.add_argument("--stub-forward", action="store_true",
-                   help="--host-overhead without CUDA: no forward in place of the replay, fixed logits (host path only)")
+                   help="--host-overhead without CUDA: no forward in place of the replay, fixed logits "
+                        "(the host path only)")
     p.add_argument("--executor-generate", action="store_true",
                    help="run the same prompts through Executor.generate instead (output tok/s only)")
     p.add_argument("--out", type=Path, help="write the results as JSON")

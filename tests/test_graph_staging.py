@@ -42,8 +42,8 @@ def test_table_rows_copied_only_when_a_row_changes():
 def _tiny(**kv):
     from pieceworks import Executor
 
-    cfg = {"model": {"arch": "llama", "preset": "tiny", "max_context": 64}, "runtime": {"device": "cpu", "dtype": "float32"},
-           "kv_cache": {"num_tokens": 512, "page_size": 4, **kv}}
+    cfg = {"model": {"arch": "llama", "preset": "tiny", "max_context": 64},
+           "runtime": {"device": "cpu", "dtype": "float32"}, "kv_cache": {"num_tokens": 512, "page_size": 4, **kv}}
     return Executor.from_config(cfg, progress=False)
 
 

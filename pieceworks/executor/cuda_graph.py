@@ -8,8 +8,10 @@ nothing about kernels: the plan/run contract of the attention backends is all it
 Bucket `bs` reads its ids, positions and slots from the first 3 * bs entries of one int64 buffer
 ([3, bs] row-major) and its page table from the first bs rows of another, so a step sends its inputs
 with at most two asynchronous copies from pinned staging buffers that live as long as the runner
-(`HostStaging`; a step waits for the previous step's copies before refilling them). The page table is
-copied only when a row changed: in decode a sequence gains a page once every page_size tokens.
+(`HostStaging`; a step waits for the previous step's copies before refilling them). Only the page-table
+rows that changed are rewritten and copied: in decode a sequence gains a page once every page_size tokens.
+`EagerDecodeRunner` runs the same host path with an eager forward in place of each replay (CPU tests,
+host-time measurements without CUDA).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import torch
 from pieceworks.config import ConfigError
 from pieceworks.core.batch import ForwardMode, GraphMode, Sequence, StepMetadata
 from pieceworks.core.context import ForwardContext, StepKernels, forward_context
-from pieceworks.executor.inputs import page_table
 
 if TYPE_CHECKING:
     from pieceworks.backends.registry import KernelTable
