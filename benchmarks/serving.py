@@ -13,8 +13,13 @@ and token throughput), the first request's TTFT against the later ones' and the 
     # the same behind a 2,000-token shared system prompt, one request at a time (TTFT first vs later)
     python benchmarks/serving.py configs/llama-3.1-8b-random-fp4.yaml --num-requests 16 \\
         --input-len 256 768 --output-len 128 --shared-prefix 2000 --max-concurrency 1
-    # --executor-generate: the same prompts through Executor.generate (the baseline); --host-overhead 1 32:
-    # Engine.step against the decode graph's replay alone at batch 1 and 32
+    # host time of a decode step outside the graph replay, at batch 1 and 32, as a share of the step
+    python benchmarks/serving.py configs/llama-3.1-8b-random-fp4.yaml --host-overhead 1 32
+    # the same host path on a CPU (the tiny model, 32 layers; an eager forward stands in for the replay)
+    python benchmarks/serving.py model.arch=llama model.preset=tiny runtime.device=cpu \
+        "model.sizes={num_hidden_layers: 32, max_position_embeddings: 1024}" kv_cache.num_tokens=65536 \
+        --host-overhead 1 32
+    # --executor-generate: the same prompts through Executor.generate (the baseline)
 Prompts are random token ids; every request generates its output length (ignore_eos), greedy by default.
 """
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import math
 import random
@@ -86,16 +92,118 @@ def report(records: list[RequestRecord], duration: float, stats: dict) -> dict:
     return row
 
 
-def host_overhead(engine: Engine, batch_sizes: list[int], context: int, steps: int) -> list[dict]:
-    """Engine.step wall time of a decode batch against the replay of its decode graph alone."""
+# Host calls timed one by one in --host-overhead (inclusive wall time, so a part's time holds its
+# sub-parts' (a/b in a/b/c); the table prints each part's own time).
+PARTS = (("schedule", "pieceworks.engine.scheduler:Scheduler.schedule"),
+         ("forward", "pieceworks.executor.runner:Executor.forward"),
+         ("forward/validate", "pieceworks.executor.runner:Executor._validate"),
+         ("forward/reserve pages", "pieceworks.executor.runner:Executor._reserve_pages"),
+         ("forward/decode runner", "pieceworks.executor.cuda_graph:DecodeGraphRunner.run"),
+         ("forward/decode runner/plan", "pieceworks.executor.cuda_graph:DecodeGraphRunner._plan"),
+         ("forward/decode runner/replay", "pieceworks.executor.cuda_graph:DecodeGraphRunner.replay"),
+         ("sample", "pieceworks.engine.sampler:Sampler.sample"),
+         ("sample/wait for the GPU (tolist)", "torch:Tensor.tolist"),
+         ("outputs", "pieceworks.engine.engine:Engine._accept"))
+
+
+class TimedGraph:
+    """A CUDA graph whose replays are bracketed by CUDA events: its GPU time inside real steps."""
+
+    def __init__(self, graph) -> None:
+        self.graph, self.events = graph, []
+
+    def replay(self) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.graph.replay()
+        end.record()
+        self.events.append((start, end))
+
+    def median_ms(self) -> float:
+        torch.cuda.synchronize()
+        return statistics.median(a.elapsed_time(b) for a, b in self.events)
+
+
+class PartTimer:
+    """Wraps the PARTS' methods with perf_counter accumulators while active; `runner_cls` (the decode
+    runner's class, a subclass maybe) stands in for DecodeGraphRunner."""
+
+    def __init__(self, runner_cls: type) -> None:
+        self.runner_cls = runner_cls
+        self.spent: dict[str, float] = {}
+        self._saved: list[tuple[type, str, object]] = []
+
+    def __enter__(self) -> "PartTimer":
+        import importlib
+
+        for label, target in PARTS:
+            module, qual = target.split(":")
+            owner_name, name = qual.split(".")
+            owner = getattr(importlib.import_module(module), owner_name)
+            if owner_name == "DecodeGraphRunner":
+                owner = self.runner_cls
+            self._saved.append((owner, name, owner.__dict__.get(name)))
+            setattr(owner, name, self._timed(label, getattr(owner, name)))
+        return self
+
+    def _timed(self, label: str, fn):
+        spent = self.spent
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
+        return timed
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, own in reversed(self._saved):
+            if own is None:
+                delattr(owner, name)  # the method was inherited
+            else:
+                setattr(owner, name, own)
+        self._saved = []
+
+
+def _eager_decode_runner(engine: Engine, batch_sizes: list[int], stub: bool) -> None:
+    """Without CUDA: the decode-graph runner's host path with eager forwards in place of replays, or
+    with `stub` no forward at all (every step's logits are one fixed random [bs, V] tensor: only the
+    host path runs)."""
+    from pieceworks.executor.cuda_graph import EagerDecodeRunner
+
+    class StubReplay(EagerDecodeRunner):
+        def replay(self, bs, kernels, meta):
+            if bs not in self.logits:
+                self.logits[bs] = torch.randn(bs, self.model.vocab_size, generator=torch.Generator().manual_seed(bs))
+
     ex = engine.executor
+    cls = StubReplay if stub else EagerDecodeRunner
+    ex.decode_graphs = cls(ex.model, ex.table, ex.kv, ex.max_context, sorted(set(batch_sizes)))
+
+
+def host_overhead(engine: Engine, batch_sizes: list[int], context: int, steps: int,
+                  stub: bool = False) -> list[dict]:
+    """Engine.step of a decode batch against its decode graph's replay: the step's wall time (median,
+    ending with the sampled tokens on the host), the replay's time (CUDA: back-to-back replays timed by
+    events; without CUDA: the eager forward that stands in for it), the host time outside the replay
+    as a share of the step, and the host time of each part (PARTS) per step, from a second series of
+    steps with those calls timed (medians over the steps)."""
+    ex = engine.executor
+    cuda = ex.device.type == "cuda"
     if ex.decode_graphs is None:
-        raise SystemExit("--host-overhead needs CUDA decode graphs (a CUDA device)")
+        if cuda:
+            raise SystemExit("--host-overhead needs decode graphs: leave cuda_graph.decode enabled")
+        _eager_decode_runner(engine, batch_sizes, stub)
+        torch.set_num_threads(1)  # the stand-in forward is not what is measured; spare the shared cores
+    runner = ex.decode_graphs
     rows = []
     rng = random.Random(0)
     for bs in batch_sizes:
+        if not runner.covers(bs):
+            raise SystemExit(f"--host-overhead {bs}: above the largest decode graph ({runner.sizes[-1]})")
         ids = [engine.add_request([rng.randrange(ex.vocab_size) for _ in range(context)],
-                                  SamplingParams(temperature=0, max_tokens=steps + 20, ignore_eos=True))
+                                  SamplingParams(temperature=0, max_tokens=2 * steps + 10, ignore_eos=True))
                for _ in range(bs)]
         while engine.scheduler.waiting or any(r.seq.kv_len < len(r.prompt) for r in engine.scheduler.running):
             engine.step()
@@ -106,25 +214,74 @@ def host_overhead(engine: Engine, batch_sizes: list[int], context: int, steps: i
             t0 = time.perf_counter()
             engine.step()  # ends with the sampled tokens' device-to-host copy
             walls.append(time.perf_counter() - t0)
-        graph = ex.decode_graphs.graphs[ex.decode_graphs.sizes[next(i for i, s in enumerate(ex.decode_graphs.sizes) if s >= bs)]]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(steps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        replay = start.elapsed_time(end) / steps
+        samples: list[dict[str, float]] = []
+        bucket = runner.sizes[bisect.bisect_left(runner.sizes, bs)]
+        timed_graph = None
+        if cuda:
+            timed_graph = runner.graphs[bucket] = TimedGraph(runner.graphs[bucket])
+        try:
+            with PartTimer(type(runner)) as parts:
+                for _ in range(steps):
+                    parts.spent.clear()
+                    t0 = time.perf_counter()
+                    engine.step()
+                    parts.spent["step"] = time.perf_counter() - t0
+                    samples.append(dict(parts.spent))
+        finally:
+            if timed_graph is not None:
+                runner.graphs[bucket] = timed_graph.graph
+        per = {k: 1e6 * statistics.median(x.get(k, 0.0) for x in samples) for k in samples[0]}
+        timed_step = per.pop("step") / 1e6
+        if cuda:
+            graph = runner.graphs[bucket]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(steps):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            replay = start.elapsed_time(end) / steps
+        else:
+            replay = per.get("forward/decode runner/replay", 0.0) / 1e3  # the stand-in's compute
         step = statistics.median(walls) * 1e3
         for rid in ids:
             engine.abort(rid)
         engine.step()
-        row = {"batch": bs, "context": context, "step_ms": step, "replay_ms": replay,
-               "host_fraction": (step - replay) / step}
-        print(f"decode batch {bs:3d} at context {context}: Engine.step {step:.3f} ms, graph replay {replay:.3f} ms, "
-              f"host outside the replay {100 * row['host_fraction']:.1f}%")
+        row = {"batch": bs, "context": context, "device": str(ex.device), "step_ms": step, "replay_ms": replay,
+               "host_us": 1e3 * (step - replay), "host_fraction": (step - replay) / step,
+               "parts_us": per, "timed_step_us": 1e6 * timed_step}
+        what = "graph replay" if cuda else ("stub replay" if stub else "eager forward standing in for the replay")
+        print(f"decode batch {bs:3d} at context {context}: Engine.step {step:.3f} ms, {what} {replay:.3f} ms, "
+              f"host outside the replay {1e3 * (step - replay):.0f} us = {100 * row['host_fraction']:.1f}% of the step")
+        if timed_graph is not None:
+            row["replay_in_step_ms"] = in_step = timed_graph.median_ms()
+            print(f"  inside the timed steps the replay took {in_step:.3f} ms on the GPU, from an event recorded just "
+                  f"before the launch call to one after it (back to back: {replay:.3f}); the rest of the timed step, "
+                  f"{1e3 * (timed_step * 1e3 - in_step):.0f} us, is host work before the replay, the sampler's kernels "
+                  "and the copy back")
+        print(_parts_table(per, 1e6 * timed_step, cuda))
         rows.append(row)
     return rows
+
+
+def _parts_table(per: dict[str, float], timed_step_us: float, cuda: bool) -> str:
+    """Markdown table of each part's own host us per step (its median time less its timed sub-parts'
+    medians)."""
+    labels = [label for label, _ in PARTS]
+    per = {**per, "step": timed_step_us}
+    lines = ["| part of Engine.step (own host time) | us per step |", "|---|---:|"]
+    for label in ["step"] + labels:
+        depth = 0 if label == "step" else label.count("/") + 1
+        children = [k for k in labels
+                    if k.count("/") + 1 == depth + 1 and (label == "step" or k.startswith(label + "/"))]
+        own = per.get(label, 0.0) - sum(per.get(k, 0.0) for k in children)
+        name = "rest of the step" if label == "step" else label
+        if label.endswith("replay"):
+            name += " (launch)" if cuda else " (what stands in for it: not host time)"
+        lines.append(f"| {name} | {own:.1f} |")
+    lines.append(f"| whole step, timed | {timed_step_us:.1f} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -143,6 +300,9 @@ def main() -> None:
                    help="measure Engine.step vs decode graph replay at these batch sizes instead")
     p.add_argument("--context", type=int, default=512, help="--host-overhead: prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=50, help="--host-overhead: timed steps per batch size")
+    p.add_argument("--stub-forward", action="store_true",
+                   help="--host-overhead without CUDA: no forward in place of the replay, fixed logits "
+                        "(the host path only)")
     p.add_argument("--executor-generate", action="store_true",
                    help="run the same prompts through Executor.generate instead (output tok/s only)")
     p.add_argument("--out", type=Path, help="write the results as JSON")
@@ -151,7 +311,8 @@ def main() -> None:
     overrides = [c for c in args.config if "=" in c]
     engine = Engine.from_config(config, overrides)
     if args.host_overhead:
-        result = {"host_overhead": host_overhead(engine, args.host_overhead, args.context, args.steps)}
+        result = {"host_overhead": host_overhead(engine, args.host_overhead, args.context, args.steps,
+                                                        args.stub_forward)}
     elif args.executor_generate:
         reqs = make_requests(args, engine.executor.vocab_size)
         n_new = max(n for _, n in reqs)

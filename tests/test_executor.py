@@ -83,6 +83,28 @@ def test_generate_queues_prompts_beyond_the_kv_budget():
     assert small.kv.allocator.num_free == small.kv.allocator.capacity
 
 
+def test_generate_takes_pages_as_it_grows_and_preempts_by_recompute():
+    """Admission by the pages a prompt needs now, not prompt + max_new_tokens: in a pool of 12 pages
+    that holds one 20 + 8-token request's worst case (7 pages) but two prompts (5 pages each), two run
+    at once; when they can't both grow, the later one is preempted and recomputed. Outputs equal
+    single runs and every page comes back."""
+    small = make("llama", kv_cache={"num_tokens": 48, "page_size": 4})
+    prompts = [tokens(20, s) for s in range(4)]
+    alone = [small.generate([p], 8)[0] for p in prompts]
+    widths, starts = [], []
+    forward, new_sequence = small.forward, small.new_sequence
+    small.forward = lambda batch: (widths.append(len(batch.seqs)), forward(batch))[1]
+    small.new_sequence = lambda *a: (starts.append(1), new_sequence(*a))[1]
+    try:
+        out = small.generate(prompts, 8)
+    finally:
+        del small.forward, small.new_sequence
+    assert out == alone
+    assert max(widths) == 2  # two sequences in one step: not admitted by their worst case
+    assert len(starts) > len(prompts)  # some prompt was preempted and started again
+    assert small.kv.allocator.num_free == small.kv.allocator.capacity
+
+
 def test_sampling_is_seeded():
     e = make("llama")
     p = [tokens(5, 3)]

@@ -22,14 +22,60 @@ def test_fill_lays_out_ids_positions_slots_and_pads():
 def test_table_rows_copied_only_when_a_row_changes():
     st = HostStaging(max_bs=4, width=3, pin=False)
     seq_a, seq_b = [4, 7], [9]
-    first = st.table_rows([seq_a, seq_b], fill=0)
-    assert first is not None and torch.equal(first, page_table([[4, 7], [9]], 3, fill=0))
+    start, rows = st.table_rows([seq_a, seq_b], fill=0)
+    assert start == 0 and torch.equal(rows, page_table([[4, 7], [9]], 3, fill=0))
     assert st.table_rows([seq_a, seq_b], fill=0) is None  # unchanged: no copy
     assert st.table_rows([seq_a], fill=0) is None  # a smaller bucket: its rows are already there
     seq_b.append(2)  # the sequence gained a page (the runner passes the live page lists)
-    changed = st.table_rows([seq_a, seq_b], fill=0)
-    assert changed is not None and changed.tolist() == [[4, 7, 0], [9, 2, 0]]
-    assert st.table_rows([seq_a, seq_b, [1]], fill=0) is not None  # a row the device never got
-    assert st.table_rows([[5, 7], seq_b], fill=0) is not None  # same length, different page
+    start, rows = st.table_rows([seq_a, seq_b], fill=0)
+    assert start == 1 and rows.tolist() == [[9, 2, 0]]  # only the changed row is copied
+    start, rows = st.table_rows([seq_a, seq_b, [1]], fill=0)  # a row the device never got
+    assert start == 2 and rows.tolist() == [[1, 0, 0]]
+    start, rows = st.table_rows([[5], seq_b, [6, 8, 3]], fill=0)  # rows 0 and 2: the span between
+    assert start == 0 and rows.tolist() == [[5, 0, 0], [9, 2, 0], [6, 8, 3]]  # shorter row: old pages cleared
     st.forget_table()
-    assert st.table_rows([[5, 7], seq_b], fill=0) is not None  # capture overwrote the device table
+    start, rows = st.table_rows([[5], seq_b], fill=0)  # capture overwrote the device table
+    assert start == 0 and rows.tolist() == [[5, 0, 0], [9, 2, 0]]
+    assert st.table.tolist()[:3] == [[5, 0, 0], [9, 2, 0], [6, 8, 3]]  # the host mirrors the device
+
+
+def _tiny(**kv):
+    from pieceworks import Executor
+
+    cfg = {"model": {"arch": "llama", "preset": "tiny", "max_context": 64},
+           "runtime": {"device": "cpu", "dtype": "float32"}, "kv_cache": {"num_tokens": 512, "page_size": 4, **kv}}
+    return Executor.from_config(cfg, progress=False)
+
+
+def test_decode_runner_host_path_matches_eager_steps():
+    """EagerDecodeRunner runs DecodeGraphRunner.run's host path (buckets, padding, static inputs, staged
+    page table) with an eager forward in place of the replay: its decode logits match plain eager
+    steps, as sequences gain pages, finish, and change rows between steps."""
+    from pieceworks.core.batch import ForwardBatch
+    from pieceworks.executor.cuda_graph import EagerDecodeRunner
+
+    graph, eager = _tiny(), _tiny()
+    graph.decode_graphs = EagerDecodeRunner(graph.model, graph.table, graph.kv, graph.max_context, [1, 2, 4, 8])
+    rng = torch.Generator().manual_seed(0)
+    lens = [3, 9, 4, 14, 6]
+    prompts = [torch.randint(0, 512, (n,), generator=rng).tolist() for n in lens]
+    seqs = {}
+    for ex in (graph, eager):
+        seqs[ex] = [ex.new_sequence() for _ in prompts]
+        for s, p in zip(seqs[ex], prompts):
+            ex.forward(ForwardBatch([s], [p]))
+    live = list(range(len(prompts)))
+    for step in range(12):
+        if step == 4:
+            live.remove(1)  # a sequence leaves: rows shift
+        if step == 8:
+            live = live[::-1]  # another order: every row changes
+        toks = [[int(x)] for x in torch.randint(0, 512, (len(live),), generator=rng)]
+        got = graph.forward(ForwardBatch([seqs[graph][i] for i in live], toks))
+        want = eager.forward(ForwardBatch([seqs[eager][i] for i in live], toks))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert graph.decode_graphs.staging._rows  # the FULL path ran (the table was staged)
+    for ex in (graph, eager):
+        for s in seqs[ex]:
+            ex.free(s)
+        assert ex.kv.allocator.num_free == ex.kv.allocator.capacity

@@ -70,15 +70,20 @@ class Engine:
 
     @contextmanager
     def _exclusive(self, what: str):
+        self._claim(what)
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    def _claim(self, what: str) -> None:
+        """Take the one-thread lock or refuse; the caller releases `self._busy` (`step` does it
+        directly: a generator context manager costs a couple of us on every step)."""
         if not self._busy.acquire(blocking=False):
             raise RuntimeError(
                 f"Engine.{what} called while another thread is inside this engine; an Engine serves one "
                 "thread at a time: share it through pieceworks.AsyncEngine"
             )
-        try:
-            yield
-        finally:
-            self._busy.release()
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: list[int] | str, params: SamplingParams | None = None,
@@ -179,37 +184,49 @@ class Engine:
                 (the step changed nothing). OutOfPages: sequences created on the executor outside this
                 engine hold the pages the next request needs.
         """
-        with self._exclusive("step"):
-            outputs, self._ready = self._ready, []
-            scheduled = self.scheduler.schedule()
-            if not scheduled:
-                if self._requests and not self.scheduler.running:
-                    # nothing of this engine holds pages, so sequences created on the executor directly do
-                    raise OutOfPages(
-                        f"no queued request fits the KV pool: {self.executor.kv.allocator.num_used} pages are "
-                        "held by sequences created outside this engine; free them (Executor.free)"
-                    )
-                return outputs
-            logits = self.executor.forward(ForwardBatch([r.seq for r, _ in scheduled], [t for _, t in scheduled]))
-            self.num_steps += 1
-            rows = [i for i, (r, _) in enumerate(scheduled) if r.seq.kv_len == r.num_tokens]
-            if not rows:
-                return outputs  # only middle chunks of prompts ran
-            reqs = [scheduled[i][0] for i in rows]
-            if len(rows) < len(scheduled):
-                logits = logits[torch.tensor(rows, device=logits.device)]
-            result = self.sampler.sample(logits, [r.state for r in reqs])
-            for req, tok, finite, lp in zip(reqs, result.token_ids, result.finite, result.logprobs):
-                outputs.append(self._accept(req, tok, finite, lp))
-            return outputs
+        self._claim("step")
+        try:
+            return self._step(stream=True)
+        finally:
+            self._busy.release()
 
-    def _accept(self, req: Request, tok: int, finite: bool, logprobs: dict[int, float] | None) -> RequestOutput:
+    def _step(self, stream: bool) -> list[RequestOutput]:
+        """`step`; without `stream` only the outputs of completions that finished (`generate`, which
+        returns nothing else, skips building the others)."""
+        outputs, self._ready = self._ready, []
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            if self._requests and not self.scheduler.running:
+                # nothing of this engine holds pages, so sequences created on the executor directly do
+                raise OutOfPages(
+                    f"no queued request fits the KV pool: {self.executor.kv.allocator.num_used} pages are "
+                    "held by sequences created outside this engine; free them (Executor.free)"
+                )
+            return outputs
+        logits = self.executor.forward(ForwardBatch([r.seq for r, _ in scheduled], [t for _, t in scheduled]))
+        self.num_steps += 1
+        rows = [i for i, (r, _) in enumerate(scheduled) if r.seq.kv_len == r.num_tokens]
+        if not rows:
+            return outputs  # only middle chunks of prompts ran
+        reqs = [scheduled[i][0] for i in rows]
+        if len(rows) < len(scheduled):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        result = self.sampler.sample(logits, [r.state for r in reqs])
+        for req, tok, finite, lp in zip(reqs, result.token_ids, result.finite, result.logprobs):
+            self._accept(req, tok, finite, lp)
+            if stream or req.finish_reason is not None:
+                outputs.append(req.make_output([tok] if finite else []))
+        return outputs
+
+    def _accept(self, req: Request, tok: int, finite: bool, logprobs: dict[int, float] | None) -> None:
+        """Append a sampled token to its completion (or fail it on non-finite logits), and finish it
+        when a stop condition holds."""
         if not finite:
             err = NonFiniteLogits(f"request {req.request_id!r} (completion {req.index}): the model produced "
                                   f"NaN or inf logits after {len(req.output)} generated tokens")
             req.error = f"NonFiniteLogits: {err}"
             self._finish(req, "error")
-            return req.make_output([])
+            return
         req.output.append(tok)
         req.state.append(tok)
         self.num_generated_tokens += 1
@@ -220,7 +237,6 @@ class Engine:
         reason = self._stop_reason(req, tok)
         if reason is not None:
             self._finish(req, reason)
-        return req.make_output([tok])
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         p = req.params
@@ -245,8 +261,9 @@ class Engine:
                  params: SamplingParams | None = None) -> list[RequestOutput]:
         """Run prompts to completion; returns the final output of every (prompt, index), in order.
 
-        A str, a flat list of token ids or a 1-D tensor is one prompt. Raises what `add_request` raises (before any
-        prompt runs) and what `step` raises (then every request of this call is aborted).
+        A str, a flat list of token ids or a 1-D tensor is one prompt. Nothing is streamed, so a final
+        output's text_delta is its whole text. Raises what `add_request` raises (before any prompt runs)
+        and what `step` raises (then every request of this call is aborted).
         """
         one = isinstance(prompts, str) or (isinstance(prompts, torch.Tensor) and prompts.dim() == 1)
         if one or (isinstance(prompts, (list, tuple)) and prompts and all(_is_int(t) for t in prompts)):
@@ -258,7 +275,9 @@ class Engine:
                 ids.append(self.add_request(prompt, params))
             final: dict[tuple[str, int], RequestOutput] = {}
             while len(final) < len(ids) * params.n:
-                for out in self.step():
+                with self._exclusive("generate"):
+                    outs = self._step(stream=False)
+                for out in outs:
                     if out.finished:
                         final[(out.request_id, out.index)] = out
         except BaseException:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from pieceworks.core.batch import Sequence
 from pieceworks.engine.detokenize import Detokenizer
@@ -90,16 +89,16 @@ class Request:
         """The prompt's KV is computed (or the completion ended)."""
         return self.finish_reason is not None or (self.seq is not None and self.seq.kv_len >= len(self.prompt))
 
-    def make_output(self, new: list[int], **extra: Any) -> RequestOutput:
+    def make_output(self, new: list[int]) -> RequestOutput:
         finished = self.finish_reason is not None
         text = delta = None
         if self.detok is not None:
             delta = self.detok.delta(final=finished)
             text = self.detok.emitted
+        # positional, in RequestOutput's field order: a third of the keyword call's cost, once per
+        # completion per step
         return RequestOutput(
-            request_id=self.request_id, index=self.index, prompt_token_ids=self.prompt,
-            new_token_ids=new, token_ids=list(self.output), text=text, text_delta=delta,
-            finished=finished, finish_reason=self.finish_reason,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
-            num_cached_tokens=self.num_cached_tokens or 0, error=self.error, **extra,
+            self.request_id, self.index, self.prompt, new, list(self.output), text, delta, finished,
+            self.finish_reason, list(self.logprobs) if self.logprobs is not None else None,
+            self.num_cached_tokens or 0, self.error,
         )

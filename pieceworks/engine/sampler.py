@@ -26,6 +26,7 @@ import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pieceworks.engine.params import SamplingParams
@@ -52,9 +53,15 @@ class SamplingState:
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None
     """The request's own generator on the logits' device (seeded requests that sample), else None."""
+    plain: bool = field(default=False, init=False, repr=False)
+    """Greedy without penalties, min_tokens or logprobs: the row needs its argmax only."""
     _row: tuple[float, ...] | None = field(default=None, init=False, repr=False)
     _penalty: tuple[_PenaltyTable, int, int] | None = field(default=None, init=False, repr=False)
     _release: weakref.finalize | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.plain = p.greedy and not p.uses_penalties and not p.min_tokens and p.logprobs is None
 
     @classmethod
     def create(
@@ -155,6 +162,10 @@ class Sampler:
             raise ValueError(f"Sampler.sample got {logits.shape[0]} logits rows for {len(states)} states")
         if not states:
             return SampleResult([], [], [])
+        if all([s.plain for s in states]):  # the common case, with the least host work per step
+            checked = torch.where(torch.isfinite(logits).all(dim=-1), logits.argmax(dim=-1), -1)
+            token_ids = checked.tolist()  # the one device-to-host copy of the step
+            return SampleResult(token_ids, [t >= 0 for t in token_ids], [None] * len(token_ids))
         V = self.vocab_size
         params = [s.params for s in states]
         finite = torch.isfinite(logits).all(dim=-1)
@@ -275,9 +286,10 @@ class Sampler:
         """The step's one host-to-device copy: `floats` as float64 [n] and each list of `ints` as an
         int64 tensor, packed in one int64 buffer (the floats by their bits), so nothing needs a cast."""
         n = len(floats)
-        host = torch.empty(n + sum(len(i) for i in ints), dtype=torch.int64)
-        host[:n] = torch.tensor(floats, dtype=torch.float64).view(torch.int64)
-        host[n:] = torch.tensor([v for sec in ints for v in sec], dtype=torch.int64)
+        packed = np.empty(n + sum(len(i) for i in ints), dtype=np.int64)  # numpy converts lists faster
+        packed[:n] = np.array(floats, dtype=np.float64).view(np.int64)
+        packed[n:] = [v for sec in ints for v in sec]
+        host = torch.from_numpy(packed)
         if self.device.type == "cuda":
             if self._pinned_done is not None and not self._pinned_done.query():
                 self._pinned_done.synchronize()  # only after a failed step: the last copy may still read it

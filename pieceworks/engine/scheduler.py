@@ -66,19 +66,25 @@ class Scheduler:
         out: list[tuple[Request, list[int]]] = []
         promised = 0  # pages the scheduled requests will allocate in the step
         preempted = False
+        # runs for every running request every step: pages counted inline (Executor.pages_needed's
+        # rule), the free count read once and again only after a preemption
+        ps, free, running = self.ex.page_size, self.alloc.num_free, self.running
         i = 0
-        while i < len(self.running) and tokens_left > 0 and seqs_left > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.seq.kv_len, tokens_left)
-            need = self.ex.pages_needed([req.seq], [n])
-            while need > self.alloc.num_free - promised:
-                victim = self.running[-1]
+        while i < len(running) and tokens_left > 0 and seqs_left > 0:
+            req = running[i]
+            seq = req.seq
+            kv_len = seq.kv_len
+            n = min(req.num_tokens - kv_len, tokens_left)
+            need = max(0, -(-(kv_len + n) // ps) - len(seq.pages))
+            while need > free - promised:
+                victim = running[-1]
                 self._preempt(victim)
+                free = self.alloc.num_free
                 preempted = True
                 if victim is req:
                     break
             else:
-                out.append((req, req.tokens(req.seq.kv_len, req.seq.kv_len + n)))
+                out.append((req, req.tokens(kv_len, kv_len + n)))
                 promised += need
                 tokens_left -= n
                 seqs_left -= 1

@@ -8,8 +8,10 @@ nothing about kernels: the plan/run contract of the attention backends is all it
 Bucket `bs` reads its ids, positions and slots from the first 3 * bs entries of one int64 buffer
 ([3, bs] row-major) and its page table from the first bs rows of another, so a step sends its inputs
 with at most two asynchronous copies from pinned staging buffers that live as long as the runner
-(`HostStaging`; a step waits for the previous step's copies before refilling them). The page table is
-copied only when a row changed: in decode a sequence gains a page once every page_size tokens.
+(`HostStaging`; a step waits for the previous step's copies before refilling them). Only the page-table
+rows that changed are rewritten and copied: in decode a sequence gains a page once every page_size tokens.
+`EagerDecodeRunner` runs the same host path with an eager forward in place of each replay (CPU tests,
+host-time measurements without CUDA).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import torch
 from pieceworks.config import ConfigError
 from pieceworks.core.batch import ForwardMode, GraphMode, Sequence, StepMetadata
 from pieceworks.core.context import ForwardContext, StepKernels, forward_context
-from pieceworks.executor.inputs import page_table
 
 if TYPE_CHECKING:
     from pieceworks.backends.registry import KernelTable
@@ -51,9 +52,12 @@ class HostStaging:
 
     `fill(bs, ids, positions, slots, pad_slot)` writes the [3, bs] int64 inputs of bucket `bs`
     (padding rows: id 0, position 1, `pad_slot`) and returns the host slice to copy. `table_rows(rows,
-    fill)` returns the host slice of the page table for `rows` (one page list per bucket row), or
-    None when the device table's first len(rows) rows already hold them. The caller must not refill
-    the buffers before the copies that read them have run (`DecodeGraphRunner.run` waits on an event).
+    fill)` brings the host table's first len(rows) rows to `rows` (one page list per bucket row) and
+    returns `(start, host rows)`, the span of rows to copy to the device table's rows from `start` on,
+    or None when the device table already holds them. Only the rows that changed are rewritten: in
+    decode a sequence gains a page once every page_size tokens, so most steps change no row, and a
+    step changes the few sequences that crossed a page boundary. The caller must not refill the
+    buffers before the copies that read them have run (`DecodeGraphRunner.run` waits on an event).
     """
 
     def __init__(self, max_bs: int, width: int, pin: bool) -> None:
@@ -62,27 +66,38 @@ class HostStaging:
         self.width = width
         self._inputs_np = self.inputs.numpy()
         self._table_np = self.table.numpy()
-        self._rows: list[list[int]] = []  # what the device table's leading rows hold
+        self._rows: list[list[int]] = []  # what the device table's leading rows hold (and the host's)
+        self._dirty = [width] * max_bs  # per host row: entries past it hold the fill value
 
     def fill(self, bs: int, ids: list[int], positions: list[int], slots: list[int],
              pad_slot: int) -> torch.Tensor:
-        n = len(ids)
-        view = self._inputs_np[: 3 * bs].reshape(3, bs)
-        view[0, :n] = ids
-        view[0, n:] = 0
-        view[1, :n] = positions
-        view[1, n:] = 1
-        view[2, :n] = slots
-        view[2, n:] = pad_slot
+        pad = bs - len(ids)
+        # one list -> array conversion: cheaper than six slice stores at every batch size
+        flat = ids + [0] * pad + positions + [1] * pad + slots + [pad_slot] * pad if pad else ids + positions + slots
+        self._inputs_np[: 3 * bs] = flat
         return self.inputs[: 3 * bs]
 
-    def table_rows(self, rows: list[list[int]], fill: int) -> torch.Tensor | None:
-        bs = len(rows)
-        if len(self._rows) >= bs and all(a == b for a, b in zip(rows, self._rows)):
+    def table_rows(self, rows: list[list[int]], fill: int) -> tuple[int, torch.Tensor] | None:
+        held = self._rows
+        changed = [i for i, r in enumerate(rows) if i >= len(held) or r != held[i]]
+        if not changed:
             return None
-        self._table_np[:bs] = page_table(rows, self.width, fill=fill).numpy()
-        self._rows[:bs] = [list(r) for r in rows]
-        return self.table[:bs]
+        table, dirty = self._table_np, self._dirty
+        for i in changed:
+            row = rows[i]
+            n = len(row)
+            if n > self.width:
+                raise ValueError(f"a sequence has {n} pages, more than the table's width {self.width}")
+            table[i, :n] = row
+            if dirty[i] > n:
+                table[i, n : dirty[i]] = fill
+            dirty[i] = n
+            if i < len(held):
+                held[i] = list(row)
+            else:
+                held.append(list(row))  # rows are visited in order: i == len(held)
+        start, stop = changed[0], changed[-1] + 1
+        return start, self.table[start:stop]
 
     def forget_table(self) -> None:
         """The device table was written behind this object's back (graph capture)."""
@@ -102,11 +117,13 @@ class DecodeGraphRunner:
         dev = kv.device
         self.inputs = torch.zeros(3 * max_bs, dtype=torch.int64, device=dev)  # bucket bs: [3, bs]
         self.table = torch.zeros(max_bs, self.width, dtype=torch.int32, device=dev)
-        self.staging = HostStaging(max_bs, self.width, pin=True)
+        self.staging = HostStaging(max_bs, self.width, pin=dev.type == "cuda")
+        self._padding_row = [kv.reserved_slot // kv.page_size]  # padding sequences hold the reserved page
+        # every step reads its bucket's views: made once (slicing and unbinding cost a few us a step)
+        self._views = {bs: (*self.inputs[: 3 * bs].view(3, bs).unbind(), self.table[:bs]) for bs in self.sizes}
         self._copied: torch.cuda.Event | None = None  # recorded after a step's input copies
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self.pool = torch.cuda.graph_pool_handle()
         self.report: dict[str, float] = {}
         self._capture_all(progress)
 
@@ -115,15 +132,14 @@ class DecodeGraphRunner:
 
     def views(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ids, positions, slots) of bucket `bs`: rows of the first 3 * bs input entries."""
-        ids, positions, slots = self.inputs[: 3 * bs].view(3, bs)
-        return ids, positions, slots
+        return self._views[bs][:3]
 
     def _meta(self, bs: int, seq_lens: list[int], prefix_lens: list[int],
               page_lists: list[list[int]] | None = None) -> StepMetadata:
-        _, positions, slots = self.views(bs)
+        _, positions, slots, table = self._views[bs]
         return StepMetadata(
             mode=ForwardMode.DECODE, graph_mode=GraphMode.FULL, extend_lens=[1] * len(seq_lens),
-            prefix_lens=prefix_lens, page_size=self.page_size, page_table=self.table[:bs],
+            prefix_lens=prefix_lens, page_size=self.page_size, page_table=table,
             slot_mapping=slots, positions=positions, graph_batch_size=bs, page_lists=page_lists,
         )
 
@@ -137,6 +153,7 @@ class DecodeGraphRunner:
 
         model, kv = self.model, self.kv
         kernels = self.kernel_table.step(ForwardMode.DECODE, GraphMode.FULL)
+        self.pool = torch.cuda.graph_pool_handle()
         torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(kv.device)
         t0 = time.perf_counter()
@@ -177,22 +194,45 @@ class DecodeGraphRunner:
         ps = self.page_size
         reserved_slot = self.kv.reserved_slot
         positions = [s.kv_len for s in seqs]
-        slots = [s.pages[p // ps] * ps + p % ps for s, p in zip(seqs, positions)]
-        reserved_page = reserved_slot // ps
-        rows = [s.pages for s in seqs] + [[reserved_page]] * (bs - n)
+        rows = [s.pages for s in seqs]
+        slots = [pages[p // ps] * ps + p % ps for pages, p in zip(rows, positions)]
+        if bs > n:
+            rows += [self._padding_row] * (bs - n)
         if self._copied is not None:
             self._copied.synchronize()  # the staging buffers are free once the last step's copies ran
         host = self.staging.fill(bs, [t[0] for t in tokens], positions, slots, reserved_slot)
         self.inputs[: 3 * bs].copy_(host, non_blocking=True)
-        table = self.staging.table_rows(rows, reserved_page)
+        table = self.staging.table_rows(rows, reserved_slot // ps)
         if table is not None:
-            self.table[:bs].copy_(table, non_blocking=True)
-        if self._copied is None:
+            start, host_rows = table
+            self.table[start : start + host_rows.shape[0]].copy_(host_rows, non_blocking=True)
+        if self._copied is None and self.kv.device.type == "cuda":
             self._copied = torch.cuda.Event()
-        self._copied.record()
-        self._plan(kernels, self._meta(bs, [p + 1 for p in positions], positions, rows))
-        self.graphs[bs].replay()
+        if self._copied is not None:
+            self._copied.record()
+        meta = self._meta(bs, [p + 1 for p in positions], positions, rows)
+        self._plan(kernels, meta)
+        self.replay(bs, kernels, meta)
         return self.logits[bs][:n].clone()
+
+    def replay(self, bs: int, kernels: StepKernels, meta: StepMetadata) -> None:
+        """Run bucket `bs` on the static inputs (planned with `meta`), leaving its logits in `self.logits[bs]`."""
+        self.graphs[bs].replay()
 
     def describe(self) -> dict:
         return {"batch_sizes": self.sizes, "graphs": len(self.graphs), **self.report}
+
+
+class EagerDecodeRunner(DecodeGraphRunner):
+    """The decode-graph runner's host path with an eager forward in place of each replay: the same
+    buckets, static inputs, staging, padding and plans, on any device (CPU included), nothing captured.
+    It lets CPU tests check that host path against plain eager steps, and `benchmarks/serving.py
+    --host-overhead` measure the host time around a replay on a machine without CUDA."""
+
+    def _capture_all(self, progress: bool) -> None:
+        self.report = {"capture_s": 0.0, "pool_bytes": 0}
+
+    def replay(self, bs: int, kernels: StepKernels, meta: StepMetadata) -> None:
+        ids, positions, _ = self.views(bs)
+        with forward_context(ForwardContext(kernels, meta, self.kv)):
+            self.logits[bs] = self.model.compute_logits(self.model(ids, positions))

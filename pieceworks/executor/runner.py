@@ -108,16 +108,21 @@ class Executor:
     # ---------------------------------------------------------------- sequences
     @contextmanager
     def _exclusive(self, what: str):
+        self._claim(what)
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    def _claim(self, what: str) -> None:
+        """Take the one-thread lock or refuse; the caller releases `self._busy`. (`forward` takes it
+        directly: a generator context manager costs a couple of us on every step.)"""
         if not self._busy.acquire(blocking=False):
             raise RuntimeError(
                 f"Executor.{what} called while another thread is running a step on this executor; an "
                 "Executor (and an Engine) serves one thread at a time. Share one model between threads "
                 "or coroutines through pieceworks.AsyncEngine, or give each thread its own executor"
             )
-        try:
-            yield
-        finally:
-            self._busy.release()
 
     def new_sequence(self, prompt: list[int] | None = None) -> Sequence:
         """A new sequence handle; empty, or holding the longest cached prefix of `prompt`.
@@ -182,8 +187,11 @@ class Executor:
             OutOfPages: the KV pool lacks the pages the batch needs (`pages_needed`); nothing changed.
             RuntimeError: another thread is inside this executor.
         """
-        with self._exclusive("forward"):
+        self._claim("forward")
+        try:
             return self._forward(batch)
+        finally:
+            self._busy.release()
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self._closed:
@@ -203,9 +211,10 @@ class Executor:
         except BaseException:
             self._release(batch.seqs, new_pages)
             raise
+        caching, ps = self.kv.allocator.prefix_caching, self.page_size
         for seq, toks in zip(batch.seqs, tokens):
             seq.tokens.extend(toks)
-            if self.kv.allocator.prefix_caching:
+            if caching and len(seq.tokens) // ps > len(seq.block_keys):  # a page filled up
                 self._register_full_pages(seq)
         return logits
 

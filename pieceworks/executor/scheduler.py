@@ -1,8 +1,12 @@
 """Conveniences on top of `Executor.forward`: continuous-batching `generate` and `score`.
 
 Serving stacks bring their own scheduler; these exist for the CLI, tests and simple embedders.
-Admission reserves each prompt's worst case (prompt + max_new_tokens) against the free KV pages, so a
-running sequence never runs out of pages and nothing needs preempting.
+`generate` follows the Engine's rules (engine/scheduler.py) in a few lines: a prompt is admitted when
+the pages its first chunk needs now (plus `scheduler.watermark` of the pool while others run) are free,
+not its whole prompt + max_new_tokens, and sequences take pages as they grow. When a decoding sequence
+can't get its next page, the most recently admitted one is preempted by recompute: its pages are freed
+and it is queued first again, to prefill its prompt and the tokens it generated so far, then continue.
+(The executor layer can't use the Engine itself: it sits below it.)
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any, Iterable, Protocol
 import torch
 
 from pieceworks.core.batch import ForwardBatch, ForwardMode, Sequence
-from pieceworks.errors import BatchError, NonFiniteLogits, RequestError
+from pieceworks.errors import BatchError, NonFiniteLogits, OutOfPages, RequestError
 from pieceworks.executor.inputs import as_token_ids
 from pieceworks.executor.kv_cache import KVPool
 
@@ -35,6 +39,7 @@ class StepRunner(Protocol):
 
     def new_sequence(self) -> Sequence: ...
     def free(self, seq: Sequence) -> None: ...
+    def pages_needed(self, seqs: list[Sequence], num_new_tokens: list[int]) -> int: ...
     def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
 
 
@@ -43,11 +48,17 @@ class _Request:
     index: int
     prompt: list[int]
     seq: Sequence | None = None
-    done_prompt: int = 0
+    feed: list[int] = field(default_factory=list)  # what to prefill: the prompt (+ out, after a preemption)
+    done: int = 0  # tokens of feed in the KV cache
     out: list[int] = field(default_factory=list)
 
-    def pages_needed(self, max_new: int, page_size: int) -> int:
-        return -(-(len(self.prompt) + max_new) // page_size)
+    def __post_init__(self) -> None:
+        self.feed = self.prompt
+
+    @property
+    def decoding(self) -> bool:
+        """Prefilled: the KV holds prompt + out[:-1], and each step feeds out[-1]."""
+        return self.done == len(self.feed)
 
 
 @dataclass
@@ -138,7 +149,8 @@ def generate(
 
     Greedy when temperature == 0, else sampling (temperature, top_p) from a generator seeded with
     `seed` (default: runtime.seed). Prompts are admitted as KV pages allow and prefilled in chunks
-    of at most `max_step_tokens` tokens per step, mixed with the decodes of running prompts.
+    of at most `max_step_tokens` tokens per step, mixed with the decodes of running prompts; a full
+    pool preempts the latest admitted prompt by recompute (see the module docstring).
 
     Args:
         prompts: token ids per prompt (lists of ints, or 1-D integer numpy arrays / torch tensors).
@@ -152,6 +164,8 @@ def generate(
             prompt that can never fit the context or the KV pool. Both before any work: nothing changes.
         NonFiniteLogits: a step produced NaN or inf logits for a prompt (broken weights, overflow);
             the message names the prompt, and every page is given back.
+        OutOfPages: sequences created on the executor outside this call hold the pages the next
+            prompt needs (every page this call took is given back).
     """
     max_new_tokens = _count("max_new_tokens", max_new_tokens)
     if _number("temperature", temperature) < 0:
@@ -175,39 +189,21 @@ def generate(
                 f"prompt {r.index}: {len(r.prompt)} tokens + max_new_tokens={max_new_tokens} exceed the "
                 f"context limit of {ex.max_context}"
             )
-        if r.pages_needed(max_new_tokens, ps) > ex.kv.allocator.capacity:
+        if -(-(len(r.prompt) + max_new_tokens) // ps) > ex.kv.allocator.capacity:
             raise BatchError(f"prompt {r.index} can never fit the KV pool ({ex.kv.num_tokens} tokens)")
     gen = torch.Generator().manual_seed(ex.cfg.runtime.seed if seed is None else int(seed))
     pending, active = deque(reqs), []
     try:
         while pending or active:
-            outstanding = sum(r.pages_needed(max_new_tokens, ps) - len(r.seq.pages) for r in active)
-            while pending and pending[0].pages_needed(max_new_tokens, ps) + outstanding <= ex.kv.allocator.num_free:
-                r = pending.popleft()
-                r.seq = ex.new_sequence()
-                outstanding += r.pages_needed(max_new_tokens, ps)
-                active.append(r)
-            if not active:
-                raise BatchError("the KV pool is too small for the next prompt")  # guarded above
-            step: list[tuple[_Request, list[int]]] = []
-            left = budget
-            for r in active:  # running sequences decode their last token
-                if r.done_prompt == len(r.prompt):
-                    step.append((r, [r.out[-1]]))
-                    left -= 1
-            for r in active:  # prompts prefill in chunks within the step's token budget
-                if r.done_prompt < len(r.prompt) and left > 0:
-                    chunk = r.prompt[r.done_prompt : r.done_prompt + left]
-                    step.append((r, chunk))
-                    left -= len(chunk)
+            step = _schedule(ex, pending, active, budget)
             t0 = time.perf_counter()
             batch = ForwardBatch([r.seq for r, _ in step], [t for _, t in step])
             mode = batch.mode
             logits = ex.forward(batch)
-            for (r, toks) in step:
-                if r.done_prompt < len(r.prompt):
-                    r.done_prompt += len(toks)
-            sampled = [i for i, (r, _) in enumerate(step) if r.done_prompt == len(r.prompt)]
+            for r, toks in step:
+                if not r.decoding:
+                    r.done += len(toks)
+            sampled = [i for i, (r, _) in enumerate(step) if r.decoding]
             if sampled:  # middle prefill chunks' logits predict prompt tokens: nothing to sample
                 rows = logits if len(sampled) == len(step) else logits[sampled]
                 ids = sample_rows(rows, temperature, top_p, gen)
@@ -232,6 +228,68 @@ def generate(
     return [r.out for r in reqs]
 
 
+def _schedule(ex: StepRunner, pending: deque[_Request], active: list[_Request],
+              budget: int) -> list[tuple[_Request, list[int]]]:
+    """The next step of `generate`: (request, new tokens) pairs. Running sequences decode their last
+    token, then prompts prefill in chunks within the step's token budget (as far as free pages go),
+    then queued prompts are admitted with their first chunk while its pages and the watermark fit.
+    A decode that can't get its page preempts the most recently admitted request (requeued first;
+    it may be the decoding one itself). Updates `pending` and `active`."""
+    alloc, ps = ex.kv.allocator, ex.page_size
+    free, promised, left = alloc.num_free, 0, budget
+    step: list[tuple[_Request, list[int]]] = []
+
+    def preempt() -> None:
+        victim = active.pop()
+        ex.free(victim.seq)
+        victim.seq, victim.feed, victim.done = None, victim.prompt + victim.out, 0
+        pending.appendleft(victim)
+
+    for r in list(active):  # decodes, in admission order; a preempted one is gone from `active`
+        if r.decoding and r.seq is not None:
+            need = ex.pages_needed([r.seq], [1])
+            while need > free - promised and r.seq is not None:
+                preempt()  # the latest admitted, never one scheduled before r (those were admitted earlier)
+                free = alloc.num_free
+            if r.seq is not None:
+                step.append((r, [r.out[-1]]))
+                promised += need
+                left -= 1
+    while True:
+        for r in active:  # prompt chunks, as large as the budget and the free pages allow
+            if not r.decoding and left > 0:
+                room = (len(r.seq.pages) + free - promised) * ps - r.seq.kv_len  # tokens the free pages hold
+                n = min(len(r.feed) - r.done, left, room)
+                if n > 0:
+                    step.append((r, r.feed[r.done : r.done + n]))
+                    promised += ex.pages_needed([r.seq], [n])
+                    left -= n
+        if step or not active:
+            break
+        preempt()  # every running sequence is prefilling and none can grow: make room
+        free = alloc.num_free
+    watermark = int(ex.cfg.scheduler.watermark * alloc.capacity)
+    while pending and left > 0:
+        r = pending[0]
+        n = min(len(r.feed), left)
+        need = -(-n // ps)
+        if need + (watermark if active else 0) > free - promised:
+            break
+        pending.popleft()
+        r.seq = ex.new_sequence()
+        active.append(r)
+        step.append((r, r.feed[:n]))
+        promised += need
+        left -= n
+    if not step:
+        raise OutOfPages(
+            f"the next prompt needs {-(-min(len(pending[0].feed), budget) // ps)} KV pages and only "
+            f"{alloc.num_free} are free: sequences created on this executor outside generate() hold the rest; "
+            "free them (Executor.free)"
+        )
+    return step
+
+
 def sample_rows(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> list[int | None]:
     """One token per row of [n, V] float32 logits; None for a row holding NaN or inf.
 
@@ -240,8 +298,8 @@ def sample_rows(logits: torch.Tensor, temperature: float, top_p: float, gen: tor
     """
     finite = torch.isfinite(logits).all(dim=-1)
     if temperature <= 0:
-        ids, ok = torch.stack([logits.argmax(dim=-1), finite.long()]).tolist()
-        return [t if f else None for t, f in zip(ids, ok)]
+        ids = torch.where(finite, logits.argmax(dim=-1), -1).tolist()
+        return [t if t >= 0 else None for t in ids]
     host, ok = logits.cpu(), finite.cpu().tolist()
     return [sample(row, temperature, top_p, gen) if f else None for row, f in zip(host, ok)]
 
