@@ -40,6 +40,4 @@ def direct(op: Callable, impl: Callable, cuda: Callable | None = None) -> Callab
             if _compiling():
                 return op(*args, **kwargs)
             return (cuda if args[0].is_cuda else impl)(*args, **kwargs)
-    functools.update_wrapper(call, impl)
-    call.op = op
-    return call
+    return functools.update_wrapper(call, impl)

@@ -57,10 +57,11 @@ class ReferencePlan:
 
     @staticmethod
     def _sequences(meta):
-        """Per sequence of the step: (cached prefix, KV length, its pages, rows of its new tokens)."""
+        """Per sequence of the step: (cached prefix, KV length, its pages (int64: an int32 index is
+        converted by every gather), rows of its new tokens)."""
         indptr = meta.qo_indptr()
         for i, (prefix, seq_len) in enumerate(zip(meta.prefix_lens, meta.seq_lens)):
-            pages = meta.page_table[i, : -(-seq_len // meta.page_size)]
+            pages = meta.page_table[i, : -(-seq_len // meta.page_size)].long()
             yield prefix, seq_len, pages, slice(indptr[i], indptr[i + 1])
 
     def _slots(self, rows: int) -> torch.Tensor:
