@@ -1,11 +1,13 @@
 """What the distributed path costs at world size 1: decode steps of a plain executor against the same
-model built through a process group of one (`executor.distributed.one_rank`: the models' collectives,
-each a copy of one rank, inside the full decode graphs, and the leader's step broadcast on the host).
+model built through a process group of one (`executor.distributed.one_rank`): "distributed" as a run of
+one rank takes it (rank 0 of 1's layout and the leader's step broadcast on the host; a group of one
+skips the collectives), and "+ collectives" with the models' NCCL collectives kept (each a copy of one
+rank, inside the full decode graphs), which shows what they cost per step.
 
     python benchmarks/tp_overhead.py --preset llama-3.1-8b --format nvfp4 --batch 1 8 32
 
-Per batch size: median wall time of one `Executor.forward` decode step (synchronized; `common.wall_ms`),
-plain and distributed, and their ratio. The two executors are built one after the other in one process.
+Per batch size: median wall time of one `Executor.forward` decode step (synchronized; `common.wall_ms`)
+of each and the ratios to plain. The executors are built one after the other in one process.
 """
 
 from __future__ import annotations
@@ -56,8 +58,11 @@ def main() -> None:
         "cuda_graph": {"decode": {"batch_sizes": sorted(set(args.batch))}, "piecewise": {"enabled": "off"}},
     })
     results: dict[str, dict[int, float]] = {}
-    for label in ("plain", "distributed"):
-        ex = Executor.from_config(cfg, progress=False) if label == "plain" else one_rank(Executor, cfg, progress=False)
+    for label in ("plain", "distributed", "collectives"):
+        if label == "plain":
+            ex = Executor.from_config(cfg, progress=False)
+        else:
+            ex = one_rank(Executor, cfg, progress=False, collectives=label == "collectives")
         results[label] = {b: decode_ms(ex, b, args.context, args.steps) for b in args.batch}
         ex.close()
         del ex
@@ -65,9 +70,10 @@ def main() -> None:
         torch.cuda.empty_cache()
     print(f"{args.arch} {args.preset} {args.format} layers={args.layers or 'all'} context={args.context} "
           f"on {torch.cuda.get_device_name()}")
-    rows = [[b, f"{results['plain'][b]:.3f}", f"{results['distributed'][b]:.3f}",
-             f"{results['distributed'][b] / results['plain'][b]:.3f}"] for b in args.batch]
-    print(md_table(["batch", "plain ms", "distributed ms", "ratio"], rows))
+    plain, dist, coll = (results[k] for k in ("plain", "distributed", "collectives"))
+    rows = [[b, f"{plain[b]:.3f}", f"{dist[b]:.3f}", f"{dist[b] / plain[b]:.3f}", f"{coll[b]:.3f}",
+             f"{coll[b] / plain[b]:.3f}"] for b in args.batch]
+    print(md_table(["batch", "plain ms", "distributed ms", "ratio", "+ collectives ms", "ratio"], rows))
 
 
 if __name__ == "__main__":

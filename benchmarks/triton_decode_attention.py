@@ -36,16 +36,17 @@ def setup(batch: int, context: int, max_splits: int):
     out = torch.empty_like(q)
     kv_new = torch.randn(2, batch, HKV, D, device="cuda", generator=gen).bfloat16()
     positions = lens.long() - 1
+    slots = table.long().gather(1, (positions // PS)[:, None])[:, 0] * PS + positions % PS
     part_o = torch.empty(batch * HKV * max_splits * 16 * D, device="cuda")
     part_lse = torch.empty(batch * HKV * max_splits * 16, device="cuda")
     counters = torch.zeros(batch * HKV, dtype=torch.int32, device="cuda")
-    return caches, (out, table, lens, D**-0.5), (part_o, part_lse, counters), q, (kv_new, positions)
+    return caches, (out, table, lens, D**-0.5), (part_o, part_lse, counters), q, (kv_new, positions, slots)
 
 
 def time_variant(state, splits: int, write: bool = False, **launch) -> float:
-    caches, (out, table, lens, scale), parts, q, (kv_new, positions) = state
+    caches, (out, table, lens, scale), parts, q, (kv_new, positions, slots) = state
     if write:  # the backend's call: new K/V rows passed in, lengths as the new tokens' positions
-        launch = dict(launch, k_new=kv_new[0], v_new=kv_new[1], lens_are_positions=True)
+        launch = dict(launch, k_new=kv_new[0], v_new=kv_new[1], lens_are_positions=True, slots=slots)
         lens = positions
     return graph_time(lambda i: tk.decode(q, *caches[i], out, table, lens, scale, splits, *parts, **launch),
                       LAYERS) * 1e6

@@ -202,14 +202,15 @@ def test_deepseek_tp2_equals_one_process(reference, extra):
     assert no_children_left()
 
 
-def test_one_rank_through_the_distributed_path_equals_one_process(reference):
-    """World size 1 with a process group: the collectives (of one rank) and the step broadcast run, and
-    change nothing."""
+@pytest.mark.parametrize("collectives", [False, True])
+def test_one_rank_through_the_distributed_path_equals_one_process(reference, collectives):
+    """World size 1 with a process group: the step broadcast runs, and the collectives (each a copy of
+    one rank) run when asked; neither changes anything. Without `collectives` the models skip them."""
     from pieceworks.executor.distributed import one_rank
 
     cfg = load_config(None, LLAMA + ["quantization.format=nvfp4"])
-    with one_rank(Executor, cfg, progress=False) as ex:
-        assert ex.model.tp.group is not None
+    with one_rank(Executor, cfg, progress=False, collectives=collectives) as ex:
+        assert (ex.model.tp.group is not None) == collectives
         got = steps(ex)
     for r, g in zip(reference(LLAMA + ["quantization.format=nvfp4"]), got):
         assert torch.equal(r, g)

@@ -113,17 +113,22 @@ def launch(cls: type, cfg: Config, progress: bool) -> Any:
     return ex
 
 
-def one_rank(cls: type, cfg: Config, progress: bool = True) -> Any:
+def one_rank(cls: type, cfg: Config, progress: bool = True, collectives: bool = False) -> Any:
     """An executor of the whole model on one rank that still takes the distributed path: a process group
-    of one, the models' collectives (each a copy) and the step broadcast, as the leader of N ranks runs
-    them. For measuring what that path costs against a plain single-process executor
-    (benchmarks/tp_overhead.py); `parallel.tensor_parallel_size` must be 1."""
+    of one, the TP layout of rank 0 of 1 and the leader's step broadcast, as the leader of N ranks runs
+    them. A group of one skips the models' collectives (each would be a copy); `collectives=True` keeps
+    them, so the collectives' capture into the CUDA graphs runs on one GPU (tests/gpu/test_parallel_gpu.py)
+    and their cost shows (benchmarks/tp_overhead.py). `parallel.tensor_parallel_size` must be 1."""
     if cfg.parallel.tensor_parallel_size != 1:
         raise ConfigError("one_rank: parallel.tensor_parallel_size must be 1")
+    import torch.distributed as dist
+
     device = rank_device(cfg, 0)
     model_dir = cls.resolve_model_dir(cfg, progress)
     init_method = (Path(tempfile.mkdtemp(prefix="pieceworks-tp-")) / "store").as_uri()
     groups = init_groups(0, 1, device, init_method, cfg.parallel.timeout_s)
+    if collectives:
+        groups = replace(groups, device_group=dist.group.WORLD.group_name)
     try:
         ex = cls.build(cfg, progress, device, model_dir, groups)
     except BaseException:
@@ -166,8 +171,9 @@ def follow(ex: Any) -> None:
 
 
 def send_step(ex: Any, seqs: list, tokens: list[list[int]], all_logits: bool) -> None:
-    """The leader's half of `follow`: broadcast one step (after its pages are reserved)."""
-    ex.groups.broadcast((tokens, [s.kv_len for s in seqs], [s.pages for s in seqs], all_logits))
+    """The leader's half of `follow`: broadcast one step (after its pages are reserved). The leader does
+    not wait for the message to leave: it goes out while the leader runs the same step."""
+    ex.groups.broadcast((tokens, [s.kv_len for s in seqs], [s.pages for s in seqs], all_logits), wait=False)
 
 
 def shutdown(ex: Any, graceful: bool = True) -> None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+import pickle
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,6 +26,9 @@ from pieceworks.errors import ConfigError
 # Followers wait for the leader's next step as long as the leader idles (a server between requests):
 # the control group's timeout bounds only a step message already under way, not the wait for one.
 CONTROL_TIMEOUT = datetime.timedelta(days=7)
+# A step message (pickled tokens, cached lengths, page lists) up to this size goes in one broadcast of a
+# buffer allocated once; a longer one sends its tail in a second broadcast.
+MESSAGE_BYTES = 16384
 
 
 def torchrun_rank(tensor_parallel_size: int) -> tuple[int, int] | None:
@@ -46,18 +50,52 @@ def torchrun_rank(tensor_parallel_size: int) -> tuple[int, int] | None:
 
 @dataclass
 class ProcessGroups:
-    """This rank's groups. `device_group` is the name the models' collectives take."""
+    """This rank's groups. `device_group` is the name the models' collectives take; None in a group of
+    one, where every collective is the identity and the models skip it (as vLLM's do)."""
 
     rank: int
     size: int
-    device_group: str
+    device_group: str | None
     control: Any  # torch.distributed.ProcessGroup
 
-    def broadcast(self, obj: Any = None) -> Any:
-        """The leader's `obj` on every rank (the leader passes it, the others get it)."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        return box[0]
+    _buf: torch.Tensor = field(default_factory=lambda: torch.zeros(MESSAGE_BYTES, dtype=torch.uint8), repr=False)
+    _pending: list = field(default_factory=list, repr=False)
+
+    def broadcast(self, obj: Any = None, wait: bool = True) -> Any:
+        """The leader's `obj` on every rank (the leader passes it, the others get it).
+
+        With `wait=False` the leader returns once the message is queued: gloo sends it on its own thread
+        while the leader launches its step, and the next message (or `flush`) waits for it. One gloo
+        broadcast of a preallocated buffer carries [length: int64][pickle]; `broadcast_object_list`
+        takes two broadcasts and fresh tensors per call."""
+        buf = self._buf
+        if self.rank == 0:
+            self.flush()
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            head = min(len(data), MESSAGE_BYTES - 8)
+            buf[:8].view(torch.int64)[0] = len(data)
+            buf[8:8 + head] = torch.frombuffer(bytearray(data[:head]), dtype=torch.uint8)
+            self._pending.append(dist.broadcast(buf, src=0, group=self.control, async_op=True))
+            if head < len(data):
+                tail = torch.frombuffer(bytearray(data[head:]), dtype=torch.uint8)
+                self._pending.append((dist.broadcast(tail, src=0, group=self.control, async_op=True), tail))
+            if wait:
+                self.flush()
+            return obj
+        dist.broadcast(buf, src=0, group=self.control)
+        size = int(buf[:8].view(torch.int64)[0])
+        data = bytes(buf[8:8 + min(size, MESSAGE_BYTES - 8)].numpy())
+        if size > MESSAGE_BYTES - 8:
+            tail = torch.empty(size - (MESSAGE_BYTES - 8), dtype=torch.uint8)
+            dist.broadcast(tail, src=0, group=self.control)
+            data += bytes(tail.numpy())
+        return pickle.loads(data)
+
+    def flush(self) -> None:
+        """Wait until the leader's queued messages are sent (their buffers are free again)."""
+        pending, self._pending = self._pending, []
+        for work in pending:
+            (work[0] if isinstance(work, tuple) else work).wait()
 
     def min_int(self, value: int) -> int:
         """The smallest of the ranks' `value`s, on every rank."""
@@ -69,6 +107,7 @@ class ProcessGroups:
         dist.barrier(group=self.control)
 
     def close(self) -> None:
+        self._pending.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -87,4 +126,4 @@ def init_groups(rank: int, size: int, device: torch.device, init_method: str, ti
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return ProcessGroups(rank, size, dist.group.WORLD.group_name, control)
+    return ProcessGroups(rank, size, dist.group.WORLD.group_name if size > 1 else None, control)

@@ -50,7 +50,7 @@ def test_world_size_one_through_nccl_equals_plain(model):
     needs_gpus(1)
     overrides = MODELS[model] + CUDA
     ref = steps(Executor.from_config(None, overrides, progress=False))
-    with one_rank(Executor, load_config(None, overrides), progress=False) as ex:
+    with one_rank(Executor, load_config(None, overrides), progress=False, collectives=True) as ex:
         assert ex.decode_graphs is not None and ex.piecewise is not None
         got = steps(ex)
     for i, (r, g) in enumerate(zip(ref, got)):

@@ -82,7 +82,8 @@ def test_fused_kv_write_matches_write_then_decode(lens):
             counters = torch.zeros(b * hkv, dtype=torch.int32, device="cuda")
             tk.decode(q, kc, vc, out, table, pos if from_positions else lens_t, d**-0.5, splits, part_o,
                       part_lse, counters, k_new=k_new if fused_write else None,
-                      v_new=v_new if fused_write else None, lens_are_positions=from_positions)
+                      v_new=v_new if fused_write else None, lens_are_positions=from_positions,
+                      slots=slots if fused_write else None)
             assert torch.isfinite(out).all() and int(counters.abs().sum()) == 0
             results.append((out, kc, vc))
         o0, k0, v0 = results[0]

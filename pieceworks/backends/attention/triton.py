@@ -107,9 +107,8 @@ class TritonDecodeAttentionBackend(AttentionBackend):
         kc, vc = kv.k_cache(layer_id), kv.v_cache(layer_id)
         splits, batch, part_o, part_lse, counters = self._bufs
         # The decode kernel writes the step's K/V rows itself (one launch less per layer) where they
-        # are one row per sequence in the caches' dtype, at the slot the page table gives position
-        # lens - 1: meta.slot_mapping's slot (graph padding rows: the reserved page, as there). Else
-        # the separate write first.
+        # are one row per sequence in the caches' dtype, at meta.slot_mapping's slot (graph padding
+        # rows: the reserved slot, as the contract says). Else the separate write first.
         fuse = (k.shape[0] == batch and k.dtype == v.dtype == kc.dtype == vc.dtype
                 and k.stride(-1) == 1 and v.stride(-1) == 1)
         if not fuse:
@@ -121,4 +120,4 @@ class TritonDecodeAttentionBackend(AttentionBackend):
         triton_decode_kernel.decode(q[:batch], kc, vc, out[:batch], meta.page_table[:batch],
                                     meta.positions[:batch], scale, splits, part_o, part_lse, counters,
                                     k_new=k if fuse else None, v_new=v if fuse else None,
-                                    lens_are_positions=True)
+                                    lens_are_positions=True, slots=meta.slot_mapping[:batch] if fuse else None)

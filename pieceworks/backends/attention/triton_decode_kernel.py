@@ -23,7 +23,7 @@ from pieceworks.backends.fp4_gemm.triton_kernels import publish_and_count  # the
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr, count_ptr,
-                   kn_ptr, vn_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
+                   kn_ptr, vn_ptr, slot_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
                    stride_vp, stride_vs, stride_vh, stride_tb, stride_knt, stride_knh, stride_vnt, stride_vnh,
                    scale_log2, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
                    S: tl.constexpr, BLOCK_N: tl.constexpr, HKV: tl.constexpr, WRITE: tl.constexpr,
@@ -50,16 +50,17 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
     acc = tl.zeros([GP, D], tl.float32)
     table = table_ptr + b.to(tl.int64) * stride_tb
     if WRITE:
-        # The step's new K/V row (position seq_len - 1) goes into the cache here, by the split whose
-        # range ends with it (no other program reads that row); the barrier makes the row this
-        # program's threads stored visible to all of them before the loop loads it.
+        # The step's new K/V row goes into the cache here, at its slot (for a real row the slot of
+        # position seq_len - 1; a graph padding row's is the reserved slot), by the split whose range
+        # ends with it (no other program reads that row); the barrier makes the row this program's
+        # threads stored visible to all of them before the loop loads it.
         if s == active - 1:
-            pos = seq_len - 1
-            page_new = tl.load(table + pos // PS).to(tl.int64)
+            slot = tl.load(slot_ptr + b).to(tl.int64)
+            page_new = slot // PS
             kn = tl.load(kn_ptr + b.to(tl.int64) * stride_knt + h * stride_knh + d)
             vn = tl.load(vn_ptr + b.to(tl.int64) * stride_vnt + h * stride_vnh + d)
-            tl.store(k_ptr + page_new * stride_kp + (pos % PS) * stride_ks + h * stride_kh + d, kn)
-            tl.store(v_ptr + page_new * stride_vp + (pos % PS) * stride_vs + h * stride_vh + d, vn)
+            tl.store(k_ptr + page_new * stride_kp + (slot % PS) * stride_ks + h * stride_kh + d, kn)
+            tl.store(v_ptr + page_new * stride_vp + (slot % PS) * stride_vs + h * stride_vh + d, vn)
         tl.debug_barrier()
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
@@ -128,12 +129,13 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
            table: torch.Tensor, lens: torch.Tensor, scale: float, splits: int, part_o: torch.Tensor,
            part_lse: torch.Tensor, counters: torch.Tensor, block_n: int = 64, num_warps: int = 4,
            num_stages: int = 2, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-           lens_are_positions: bool = False) -> None:
+           lens_are_positions: bool = False, slots: torch.Tensor | None = None) -> None:
     """out[b] = attention of q[b] over the first lens[b] tokens of sequence b's pages.
 
     k_new, v_new: [B, Hkv, D] (unit stride over D, the caches' dtype), or None: the step's new rows,
-    written to the caches at position lens[b] - 1 by the kernel before it reads them (saves the
-    separate K/V write launch of a decode step). Without them the caches must already hold them.
+    written to the caches at slots[b] (int64 [B]: page * PS + offset; for a real row the slot of
+    position lens[b] - 1) by the kernel before it reads them (saves the separate K/V write launch of
+    a decode step). Without them the caches must already hold them.
     lens_are_positions: `lens` holds each sequence's new-token position instead (any integer dtype;
     length = position + 1), as a decode step's positions tensor does.
 
@@ -147,10 +149,13 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     group = hq // hkv
     gp = max(16, triton.next_power_of_2(group))
     write = k_new is not None
+    if write and slots is None:
+        raise ValueError("decode: k_new/v_new need slots (the slot of each new row)")
     kn, vn = (k_new, v_new) if write else (q, q)  # placeholders, never read
+    slots = slots if write else lens  # placeholder, never read
     use_pdl, launch = pdl.launch_options(q.device, early=PDL_LAUNCH)
     _decode_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, out, table, lens, part_o, part_lse, counters, kn, vn,
+        q, k_cache, v_cache, out, table, lens, part_o, part_lse, counters, kn, vn, slots,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
