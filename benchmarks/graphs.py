@@ -8,7 +8,9 @@ On one GPU, random weights at Llama-3.1-8B shape (or any preset):
 On the CPU, a narrow 32-layer model shows the host cost of the eager path against the plain forward:
 
     python benchmarks/graphs.py --device cpu --threads 1 --set runtime.dtype=float32 --extend 16 --decode '' \
-        --set cuda_graph.piecewise.enabled=off --set model.sizes.hidden_size=256 ...
+        --set cuda_graph.piecewise.enabled=off --set model.max_context=4096 --set model.sizes.hidden_size=256 \
+        --set model.sizes.intermediate_size=512 --set model.sizes.num_attention_heads=8 \
+        --set model.sizes.num_key_value_heads=2 --set model.sizes.head_dim=32 --set model.sizes.vocab_size=1024
 
 Extend: one sequence extending by T tokens (no prefix). Eager, piecewise and a plain-torch forward of
 the same weights through the same kernels (plain_llama.py; bf16 Llama) are timed the same way, in

@@ -6,6 +6,7 @@ microseconds per call) and the op itself while Dynamo traces, so piecewise graph
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -21,14 +22,19 @@ def _dispatched_ops(fn) -> set[str]:
     return {e.name for e in prof.events() if e.name.startswith("pieceworks::")}
 
 
-def test_eager_forward_runs_no_custom_op_dispatch():
+def test_a_dispatched_op_is_seen():
+    # the profiler sees an op that goes through the dispatcher (else the checks below prove nothing)
     x, w = torch.randn(4, 16), torch.ones(16)
-    # the profiler sees an op that goes through the dispatcher (else the check below proves nothing)
     assert "pieceworks::rms_norm" in _dispatched_ops(lambda: torch.ops.pieceworks.rms_norm(x, w, 1e-5))
     assert _dispatched_ops(lambda: fused.rms_norm(x, w, 1e-5)) == set()
 
-    ex = Executor.from_config(None, ["model.arch=llama", "model.preset=tiny", "runtime.device=cpu",
-                                     "cuda_graph.piecewise.enabled=off", "kv_cache.num_tokens=256"], progress=False)
+
+@pytest.mark.parametrize("arch,quant", [("llama", "none"), ("llama", "nvfp4"), ("deepseek_v3", "none")])
+def test_eager_forward_runs_no_custom_op_dispatch(arch, quant):
+    ex = Executor.from_config(None, [f"model.arch={arch}", "model.preset=tiny", "runtime.device=cpu",
+                                     f"quantization.format={quant}", "cuda_graph.piecewise.enabled=off",
+                                     "kv_cache.num_tokens=256"], progress=False)
+    assert ex.model.has_fp4() == (quant == "nvfp4")
     seq = ex.new_sequence()
     assert _dispatched_ops(lambda: ex.forward(ForwardBatch([seq], [[1, 2, 3, 4, 5]]))) == set()
     assert _dispatched_ops(lambda: ex.forward(ForwardBatch([seq], [[6]]))) == set()

@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from pieceworks.core.context import get_forward_context
+
 _compiling = torch.compiler.is_compiling
 
 
@@ -41,3 +43,11 @@ def direct(op: Callable, impl: Callable, cuda: Callable | None = None) -> Callab
                 return op(*args, **kwargs)
             return (cuda if args[0].is_cuda else impl)(*args, **kwargs)
     return functools.update_wrapper(call, impl)
+
+
+def backend_method(op: str, method: str) -> Callable:
+    """The implementation of an op that hands its arguments on to the step's backend: calls `method` of
+    the backend the forward context holds for `op` (e.g. ("fp4_gemm", "forward_swiglu"))."""
+    def call(*args):
+        return getattr(getattr(get_forward_context().kernels, op), method)(*args)
+    return call
