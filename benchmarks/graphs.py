@@ -15,8 +15,8 @@ On the CPU, a narrow 32-layer model shows the host cost of the eager path agains
 Extend: one sequence extending by T tokens (no prefix). Eager, piecewise and a plain-torch forward of
 the same weights through the same kernels (plain_llama.py; bf16 Llama) are timed the same way, in
 alternation: host-side plan + forward + synchronize, wall clock, median of repeats; the step's inputs
-are prepared once outside the timing (identical work for all). The whole-forward graph is captured per T for that
-exact batch and replayed without re-planning (what a graph can do at best). Decode: `Executor.forward` of a decode batch over
+are prepared once outside the timing (identical work for all). The whole-forward graph is captured per T
+for that exact batch and replayed without re-planning (what a graph can do at best). Decode: `Executor.forward` of a decode batch over
 512-token sequences (`--context`; logits included), with the full decode graphs and with them switched off.
 """
 

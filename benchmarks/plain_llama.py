@@ -62,8 +62,9 @@ class PlainLlama:
             ws = torch.zeros(128 << 20, dtype=torch.uint8, device=self.embed.device)
             self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=flashinfer_variant)
         else:
-            self.rms_norm, self.add_rms_norm, self.silu_mul = fused.rms_norm_ref, fused.add_rms_norm_ref, fused.silu_mul_ref
-            self.rope_qk = lambda q, k, cos, sin: (fused.rope_ref(q, cos, sin, False), fused.rope_ref(k, cos, sin, False))
+            self.rms_norm, self.add_rms_norm = fused.rms_norm_ref, fused.add_rms_norm_ref
+            self.silu_mul = fused.silu_mul_ref
+            self.rope_qk = lambda q, k, cos, sin: fused.rope_qk_ref(q, k, cos, sin, False)
 
     def plan(self, pages: list[list[int]], prefix_lens: list[int], extend_lens: list[int],
              slots: torch.Tensor) -> None:
@@ -110,7 +111,10 @@ class PlainLlama:
         h, residual = F.embedding(ids, self.embed), None
         t = ids.shape[0]
         for n1, n2, eps, w_qkv, w_o, w_gate_up, w_down, kc, vc, k_rows, v_rows in self.layers:
-            x, residual = (self.rms_norm(h, n1, eps), h) if residual is None else self.add_rms_norm(h, residual, n1, eps)
+            if residual is None:
+                x, residual = self.rms_norm(h, n1, eps), h
+            else:
+                x, residual = self.add_rms_norm(h, residual, n1, eps)
             q, k, v = F.linear(x, w_qkv).split(self.qkv_sizes, dim=-1)
             q, k = self.rope_qk(q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), cos, sin)
             o = self.attention(q, k, v.view(t, self.hkv, self.d), kc, vc, k_rows, v_rows)

@@ -1,9 +1,10 @@
 """torch.library custom ops in namespace `pieceworks`: every kernel entry the models call.
 
 Each op takes tensors and scalars only and dispatches to the backend the kernel table chose for the
-running step (read from the forward context). The models call `attention`, `mla` and `moe` here: the op
-while Dynamo traces, its implementation without the dispatcher in eager code (`core/direct.py`). Each has a fake implementation, so Dynamo traces the
-models with `fullgraph=True` and treats every op as one opaque node. `attention` and `mla` write into
+running step (read from the forward context). Each has a fake implementation, so Dynamo traces the
+models with `fullgraph=True` and treats every op as one opaque node. The models call `attention`, `mla`
+and `moe` here: the op while Dynamo traces, its implementation without the dispatcher in eager code
+(`core/direct.py`). `attention` and `mla` write into
 a caller-allocated `out`: they are the splitting ops of piecewise graphs, and the piece before them
 owns the output buffer, so its address stays fixed across graph replays.
 """

@@ -5,8 +5,9 @@ Each is a torch custom op (`pieceworks::rms_norm`, `pieceworks::add_rms_norm`, `
 `pieceworks::rope_qk` (queries and keys in one launch), `pieceworks::silu_mul`) whose default
 implementation is the plain torch code of `*_ref` (the numerics the models define: the CPU parity with
 transformers), with a CUDA implementation that is one Triton kernel (`fused_kernels.py`) where the
-plain code launches several small kernels per call. In an NVFP4 Llama-3.1-8B-shaped decode step at batch 1 on the H200 those small kernels took 39%
-of the GPU time (benchmarks/profile_step.py --decode 1; docs/benchmarks.md).
+plain code launches several small kernels per call. In an NVFP4 Llama-3.1-8B-shaped decode step at
+batch 1 on the H200 those small kernels took 39% of the GPU time (benchmarks/profile_step.py --decode 1;
+docs/benchmarks.md).
 
 The Triton kernels round exactly where the torch code rounds (every bf16 product and sum), so they
 agree with it to the bit except where the two reduce in a different order (RMSNorm's mean of squares)
@@ -14,7 +15,8 @@ or compute exp differently (SiLU): at most one unit in the last place, and rarel
 
 The models call `rms_norm`, `add_rms_norm`, `rope`, `rope_qk` and `silu_mul`: the op while Dynamo
 traces (inside piecewise graphs the ops are opaque nodes like the kernel ops, captured into the pieces'
-CUDA graphs), its implementation straight in eager code, without the dispatcher (`core/direct.py`). triton is imported on first CUDA use only; without it the CUDA path runs the torch code.
+CUDA graphs), its implementation straight in eager code, without the dispatcher (`core/direct.py`).
+triton is imported on first CUDA use only; without it the CUDA path runs the torch code.
 """
 
 from __future__ import annotations
