@@ -5,10 +5,18 @@ On one GPU, random weights at Llama-3.1-8B shape (or any preset):
     python benchmarks/graphs.py --out $OUT/graphs.md                # bf16: the extend and decode tables
     python benchmarks/graphs.py --quant nvfp4 --extend '' --decode 1  # NVFP4 decode at batch 1
 
-Extend: one sequence extending by T tokens (no prefix). Eager and piecewise are timed the same way,
-in alternation: host-side plan + forward + synchronize, wall clock, median of repeats; the step's
-inputs are prepared once outside the timing (identical work for both). The whole-forward graph is captured per T for that
-exact batch and replayed without re-planning (what a graph can do at best). Decode: `Executor.forward` of a decode batch over
+On the CPU, a narrow 32-layer model shows the host cost of the eager path against the plain forward:
+
+    python benchmarks/graphs.py --device cpu --threads 1 --set runtime.dtype=float32 --extend 16 --decode '' \
+        --set cuda_graph.piecewise.enabled=off --set model.max_context=4096 --set model.sizes.hidden_size=256 \
+        --set model.sizes.intermediate_size=512 --set model.sizes.num_attention_heads=8 \
+        --set model.sizes.num_key_value_heads=2 --set model.sizes.head_dim=32 --set model.sizes.vocab_size=1024
+
+Extend: one sequence extending by T tokens (no prefix). Eager, piecewise and a plain-torch forward of
+the same weights through the same kernels (plain_llama.py; bf16 Llama) are timed the same way, in
+alternation: host-side plan + forward + synchronize, wall clock, median of repeats; the step's inputs
+are prepared once outside the timing (identical work for all). The whole-forward graph is captured per T
+for that exact batch and replayed without re-planning (what a graph can do at best). Decode: `Executor.forward` of a decode batch over
 512-token sequences (`--context`; logits included), with the full decode graphs and with them switched off.
 """
 
@@ -23,6 +31,7 @@ from pathlib import Path
 
 import torch
 from common import md_table, sync, wall_ms
+from plain_llama import PlainLlama
 
 from pieceworks import Executor
 from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode
@@ -52,7 +61,14 @@ def plan(kernels, meta) -> None:
             b.plan(meta)
 
 
-def extend_row(ex: Executor, T: int, repeats: int) -> dict:
+def plain_diff(eager, plain_fw) -> float:
+    """Largest |eager - plain| over the step's hidden states (0.0: bit-identical)."""
+    a, b = eager(), plain_fw()
+    sync()
+    return float((a.float() - b.float()).abs().max())
+
+
+def extend_row(ex: Executor, T: int, repeats: int, plain: PlainLlama | None = None) -> dict:
     toks = torch.randint(0, ex.vocab_size, (T,)).tolist()
     seq = ex.new_sequence()
     ex._reserve_pages([seq], [toks])
@@ -64,9 +80,18 @@ def extend_row(ex: Executor, T: int, repeats: int) -> dict:
         def eager():
             plan(k_eager, meta)
             with forward_context(ForwardContext(k_eager, meta, ex.kv)):
-                ex.model(ids, meta.positions)
+                return ex.model(ids, meta.positions)
 
         fns = {"eager_ms": eager}
+        if plain is not None:
+            plain_args = (meta.page_lists, meta.prefix_lens, meta.extend_lens, meta.slot_mapping)
+
+            def plain_fw():
+                plain.plan(*plain_args)
+                return plain.forward(ids, meta.positions)
+
+            fns["plain_ms"] = plain_fw
+            row["plain_diff"] = plain_diff(eager, plain_fw)
         if ex.piecewise is not None and ex.piecewise.covers(T):
             pad = ex.piecewise.padded_size(T)
             meta_p, ids_p = ex.prepare_step(ForwardMode.EXTEND, GraphMode.PIECEWISE, [seq], [toks], pad)
@@ -154,11 +179,16 @@ def main() -> None:
     p.add_argument("--decode-sizes", default=None, help="decode graph batch sizes (default schedule)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 keeps CPU timings steady)")
+    p.add_argument("--plain", default="on", choices=("on", "off"),
+                   help="time a plain-torch forward of the same weights next to eager (llama, quant none)")
     p.add_argument("--set", action="append", default=[], help="extra config overrides key=value")
     p.add_argument("--out", default=None, help="markdown + json report path")
     p.add_argument("--watchdog", type=float, default=300,
                    help="dump stacks if one phase (the build, one extend or decode row) runs this long (s)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     import faulthandler
 
     # Armed per phase, once: a repeating timer over the whole run fired in healthy runs, and dumping the
@@ -191,10 +221,14 @@ def main() -> None:
     }
     print(json.dumps({k: v for k, v in info.items() if k not in ("piecewise",)}, default=str), flush=True)
     print("piecewise:", {k: v for k, v in (info["piecewise"] or {}).items() if k != "sizes"}, flush=True)
+    plain = None
+    if args.plain == "on" and args.arch == "llama" and args.quant == "none":
+        k_eager = ex.table.step(ForwardMode.EXTEND, GraphMode.EAGER)
+        plain = PlainLlama(ex.model, ex.kv, getattr(k_eager.attention, "variant", "fa2"))
     ext = []
     for T in [int(x) for x in args.extend.split(",") if x]:
         faulthandler.dump_traceback_later(args.watchdog)
-        ext.append(extend_row(ex, T, args.repeats if T <= 2048 else max(5, args.repeats // 4)))
+        ext.append(extend_row(ex, T, args.repeats if T <= 2048 else max(5, args.repeats // 4), plain))
         print(ext[-1], flush=True)
     dec = []
     for bs in decode_batches:
@@ -226,9 +260,13 @@ def render(info: dict, ext: list[dict], dec: list[dict]) -> str:
             pw = f"{r['piecewise_ms']:.3f} ({r['padded_to']})" if "piecewise_ms" in r else "eager (above max_tokens)"
             kept = f"{100 * r['kept_of_saving']:.0f}%" if "kept_of_saving" in r else "-"
             ratio = f"{r['piecewise_vs_eager']:.3f}" if "piecewise_vs_eager" in r else "-"
-            rows.append([r["T"], f"{r['eager_ms']:.3f}", pw, f"{r.get('whole_graph_ms', float('nan')):.3f}", kept, ratio])
-        lines += ["", md_table(["T", "eager ms", "piecewise ms (padded to)", "whole graph ms",
-                                "piecewise kept of the graph saving", "piecewise / eager"], rows, "l" * 6)]
+            plain = (f"{r['plain_ms']:.3f} ({r['eager_ms'] / r['plain_ms']:.2f}x; max diff {r['plain_diff']:.2g})"
+                     if "plain_ms" in r else "-")
+            rows.append([r["T"], f"{r['eager_ms']:.3f}", plain, pw, f"{r.get('whole_graph_ms', float('nan')):.3f}",
+                         kept, ratio])
+        lines += ["", md_table(["T", "eager ms", "plain-torch ms (eager / plain; max diff)", "piecewise ms (padded to)",
+                                "whole graph ms", "piecewise kept of the graph saving", "piecewise / eager"], rows,
+                               "l" * 7)]
     if dec:
         lines += ["", f"decode over {info['context']}-token sequences", "",
                   md_table(["decode batch", "full graph ms (Executor.forward)", "graph replay alone ms", "eager ms"],

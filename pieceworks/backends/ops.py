@@ -2,7 +2,9 @@
 
 Each op takes tensors and scalars only and dispatches to the backend the kernel table chose for the
 running step (read from the forward context). Each has a fake implementation, so Dynamo traces the
-models with `fullgraph=True` and treats every op as one opaque node. `attention` and `mla` write into
+models with `fullgraph=True` and treats every op as one opaque node. The models call `attention`, `mla`
+and `moe` here: the op while Dynamo traces, its implementation without the dispatcher in eager code
+(`core/direct.py`). `attention` and `mla` write into
 a caller-allocated `out`: they are the splitting ops of piecewise graphs, and the piece before them
 owns the output buffer, so its address stays fixed across graph replays.
 """
@@ -14,6 +16,7 @@ from torch import Tensor
 
 from pieceworks.backends.moe.base import MoEWeights
 from pieceworks.core.context import get_forward_context
+from pieceworks.core.direct import direct
 
 SPLITTING_OPS = ("pieceworks::attention", "pieceworks::mla")
 
@@ -30,25 +33,25 @@ def mla_impl(q_nope: Tensor, q_pe: Tensor, c_kv: Tensor, k_pe: Tensor, out: Tens
 
 
 @torch.library.custom_op("pieceworks::attention", mutates_args=("out",))
-def attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int, scale: float) -> None:
+def attention_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int, scale: float) -> None:
     """Paged attention; see backends/attention/base.py for shapes. Writes `out` [T, Hq, D]."""
     attention_impl(q, k, v, out, layer_id, scale)
 
 
-@attention.register_fake
+@attention_op.register_fake
 def _attention_fake(q, k, v, out, layer_id, scale):
     return None
 
 
 @torch.library.custom_op("pieceworks::mla", mutates_args=("out",))
-def mla(
+def mla_op(
     q_nope: Tensor, q_pe: Tensor, c_kv: Tensor, k_pe: Tensor, out: Tensor, layer_id: int, scale: float
 ) -> None:
     """Paged MLA (absorbed); see backends/mla/base.py for shapes. Writes `out` [T, H, kv_lora_rank]."""
     mla_impl(q_nope, q_pe, c_kv, k_pe, out, layer_id, scale)
 
 
-@mla.register_fake
+@mla_op.register_fake
 def _mla_fake(q_nope, q_pe, c_kv, k_pe, out, layer_id, scale):
     return None
 
@@ -220,8 +223,7 @@ def _fp4_gemm_norm_qkv_rope_fake(s, t, partials, norm_weight, eps, weight, weigh
     return s.new_empty((s.shape[0], (num_heads + 2 * num_kv_heads) * head_dim))
 
 
-@torch.library.custom_op("pieceworks::moe", mutates_args=())
-def moe(
+def moe_impl(
     x: Tensor,
     router_logits: Tensor,
     correction_bias: Tensor,
@@ -248,9 +250,19 @@ def moe(
     )
 
 
-@moe.register_fake
+moe_op = torch.library.custom_op("pieceworks::moe", moe_impl, mutates_args=())
+
+
+@moe_op.register_fake
 def _moe_fake(x, router_logits, correction_bias, *rest):
     return torch.empty_like(x)
+
+
+# What the models call (core/direct.py): the op while Dynamo traces, its implementation straight in eager
+# code (the dispatcher costs tens of microseconds per call; a step makes several per layer).
+attention = direct(attention_op, attention_impl)
+mla = direct(mla_op, mla_impl)
+moe = direct(moe_op, moe_impl)
 
 
 # What a splitting op does, callable without the dispatcher: the piecewise runner calls these between

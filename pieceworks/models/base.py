@@ -2,8 +2,9 @@
 
 A model is a `CausalLM`: `forward(input_ids [T], positions [T]) -> hidden [T, H]` over the flat token
 layout of one step (every per-step fact, the KV cache included, comes from the forward context through
-the attention ops). Model code calls kernels only through `torch.ops.pieceworks.*`, keeps per-layer
-Python state to ints, and has no per-layer branches, so Dynamo traces it with `fullgraph=True` and
+the attention ops). Model code calls kernels only through the `pieceworks` custom ops (the wrappers in
+`backends/ops.py` and `models/fused.py`, which leave out the dispatcher in eager code: core/direct.py),
+keeps per-layer Python state to ints, and has no per-layer branches, so Dynamo traces it with `fullgraph=True` and
 identical layers give identical pieces.
 
 Shape legend: T tokens in the step, H hidden size, V vocabulary. Rope lives in rope.py.
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import pieceworks.backends.ops  # noqa: F401  (registers the torch.ops.pieceworks.* the models call)
+import pieceworks.backends.ops  # noqa: F401  (registers the pieceworks custom ops the models call)
 from pieceworks.backends.base import ModelFacts
 from pieceworks.core.kv import KVLayout
 from pieceworks.models import fused

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from pieceworks.backends import ops
 from pieceworks.backends.base import ModelFacts
 from pieceworks.errors import CheckpointError
 from pieceworks.core.kv import KVLayout
@@ -186,7 +187,7 @@ class MLAttention(nn.Module):
         # can't trace bmm into a transposed out=, which would save the copy).
         q_abs = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1).contiguous()
         out = torch.empty_like(q_abs)  # owned by the piece before the op: fixed address under graphs
-        torch.ops.pieceworks.mla(q_abs, q_pe, c_kv, k_pe, out, self.layer_id, self.scale)
+        ops.mla(q_abs, q_pe, c_kv, k_pe, out, self.layer_id, self.scale)
         v = torch.bmm(out.transpose(0, 1), self.w_uv_t)  # [Nh, T, Dv]
         return reduce(self.o_proj(v.transpose(0, 1).reshape(-1, self.num_heads * self.v_dim)), self.tp)
 
@@ -272,9 +273,9 @@ class DeepseekV3(CausalLM):
         )
 
     def required_ops(self) -> set[str]:
-        ops = {"mla"}
+        needed = {"mla"}
         if self._experts():
-            ops.add("moe")
+            needed.add("moe")
         if self.has_fp4():
-            ops.add("fp4_gemm")
-        return ops
+            needed.add("fp4_gemm")
+        return needed

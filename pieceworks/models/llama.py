@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from pieceworks.backends import ops
 from pieceworks.backends.base import ModelFacts
 from pieceworks.errors import CheckpointError
 from pieceworks.core.kv import KVLayout
@@ -132,7 +133,7 @@ class LlamaAttention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = torch.empty_like(q)  # owned by the piece before the op: fixed address under graphs
-        torch.ops.pieceworks.attention(q, k, v, out, self.layer_id, self.scale)
+        ops.attention(q, k, v, out, self.layer_id, self.scale)
         return out.view(-1, self.num_heads * self.head_dim)
 
     def load(self, src: WeightSource, prefix: str) -> None:

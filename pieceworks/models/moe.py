@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pieceworks.backends import ops
 from pieceworks.backends.moe.base import MoEBackend, MoEWeights
 from pieceworks.backends.moe.routing import deepseek_route
 from pieceworks.models.base import GatedMLP
@@ -120,13 +121,13 @@ class MoE(nn.Module):
         logits = F.linear(x.float(), self.gate.weight)  # [T, E] float32
         w = self.experts
         if self.expert_parallel:  # model-wide: the same branch in every MoE layer
-            y = torch.ops.pieceworks.moe(
+            y = ops.moe(
                 x, self._local_logits(logits), logits.new_empty(0),
                 w.w13, w.w13_scale, w.w13_scale_2, w.w13_input_scale, w.w2, w.w2_scale, w.w2_scale_2,
                 w.w2_input_scale, self.local_top_k, 1, 1, False, self.scaling,
             )
         else:
-            y = torch.ops.pieceworks.moe(
+            y = ops.moe(
                 x, logits, self.e_score_correction_bias,
                 w.w13, w.w13_scale, w.w13_scale_2, w.w13_input_scale, w.w2, w.w2_scale, w.w2_scale_2,
                 w.w2_input_scale, self.top_k, self.num_groups, self.topk_group, self.renormalize, self.scaling,

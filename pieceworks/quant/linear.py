@@ -1,4 +1,5 @@
-"""Fp4Linear: an NVFP4 linear layer whose forward is the `pieceworks::fp4_gemm` custom op.
+"""Fp4Linear: an NVFP4 linear layer whose forward is the `pieceworks::fp4_gemm` custom op (called without
+the dispatcher in eager code, as the models' other ops: core/direct.py).
 
 It holds the packed weight, block scales, global scale and input scale as buffers. After loading,
 `prepare(backend)` converts them once into the layout of the fp4_gemm backend the kernel table chose
@@ -11,7 +12,23 @@ import torch
 from torch import nn
 
 from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight
+from pieceworks.core.direct import backend_method, direct
 from pieceworks.quant import nvfp4
+
+
+def _fp4_op(name: str, method: str):
+    """`torch.ops.pieceworks.<name>` under Dynamo; in eager code the fp4_gemm backend's `method`, which is
+    what the op (registered in backends/ops.py) runs, called without the dispatcher (core/direct.py)."""
+    return direct(lambda *args: getattr(torch.ops.pieceworks, name)(*args), backend_method("fp4_gemm", method))
+
+
+_GEMM = _fp4_op("fp4_gemm", "forward")
+_GEMM_SWIGLU = _fp4_op("fp4_gemm_swiglu", "forward_swiglu")
+_GEMM_QKV_ROPE = _fp4_op("fp4_gemm_qkv_rope", "forward_qkv_rope")
+_GEMM_ADD = _fp4_op("fp4_gemm_add", "forward_add")
+_GEMM_ADD_NORM = _fp4_op("fp4_gemm_add_norm", "forward_add_norm")
+_GEMM_NORM_SWIGLU = _fp4_op("fp4_gemm_norm_swiglu", "forward_norm_swiglu")
+_GEMM_NORM_QKV_ROPE = _fp4_op("fp4_gemm_norm_qkv_rope", "forward_norm_qkv_rope")
 
 
 class Fp4Linear(nn.Module):
@@ -126,7 +143,7 @@ class Fp4Linear(nn.Module):
             raise RuntimeError("Fp4Linear: this q/k/v projection was prepared for the fused rope (its "
                                "backend reorders the rows); call forward_qkv_rope")
         lead = x.shape[:-1]
-        y = torch.ops.pieceworks.fp4_gemm(
+        y = _GEMM(
             x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.weight_scale_2,
             self.input_scale, self.out_features,
         )
@@ -137,7 +154,7 @@ class Fp4Linear(nn.Module):
         if not self.gate_up:
             raise RuntimeError("Fp4Linear.forward_swiglu needs a gate/up projection (gate_up=True)")
         lead = x.shape[:-1]
-        y = torch.ops.pieceworks.fp4_gemm_swiglu(
+        y = _GEMM_SWIGLU(
             x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.weight_scale_2,
             self.input_scale, self.out_features // 2,
         )
@@ -149,14 +166,14 @@ class Fp4Linear(nn.Module):
         if not self.rope_fused:
             raise RuntimeError("Fp4Linear.forward_qkv_rope needs a q/k/v projection prepared with "
                                "qkv_heads set by a backend that fuses the rope (rope_fused)")
-        return torch.ops.pieceworks.fp4_gemm_qkv_rope(
+        return _GEMM_QKV_ROPE(
             x, self.weight, self.weight_scale, self.weight_scale_2, self.input_scale, cos, sin, *self.qkv_heads)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + self(x) [T, out_features] (the `pieceworks::fp4_gemm_add` op); x [T, K]."""
         if self.gate_up or self.rope_fused:
             raise RuntimeError("Fp4Linear.forward_add needs a plain projection (not a gate/up or roped q/k/v one)")
-        return torch.ops.pieceworks.fp4_gemm_add(
+        return _GEMM_ADD(
             x, self.weight, self.weight_scale, self.weight_scale_2, self.input_scale, self.out_features, residual)
 
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor,
@@ -166,7 +183,7 @@ class Fp4Linear(nn.Module):
         if self.gate_up or self.rope_fused:
             raise RuntimeError("Fp4Linear.forward_add_norm needs a plain projection (not a gate/up or roped q/k/v "
                                "one)")
-        return torch.ops.pieceworks.fp4_gemm_add_norm(
+        return _GEMM_ADD_NORM(
             x, self.weight, self.weight_scale, self.weight_scale_2, self.input_scale, self.out_features, residual,
             norm_weight)
 
@@ -176,7 +193,7 @@ class Fp4Linear(nn.Module):
         `pieceworks::fp4_gemm_norm_swiglu` op)."""
         if not self.gate_up:
             raise RuntimeError("Fp4Linear.forward_norm_swiglu needs a gate/up projection (gate_up=True)")
-        return torch.ops.pieceworks.fp4_gemm_norm_swiglu(
+        return _GEMM_NORM_SWIGLU(
             s, t, partials, norm_weight, eps, self.weight, self.weight_scale, self.weight_scale_2, self.input_scale,
             self.out_features // 2)
 
@@ -188,7 +205,7 @@ class Fp4Linear(nn.Module):
         if not self.rope_fused:
             raise RuntimeError("Fp4Linear.forward_norm_qkv_rope needs a q/k/v projection prepared with "
                                "qkv_heads set by a backend that fuses the rope (rope_fused)")
-        return torch.ops.pieceworks.fp4_gemm_norm_qkv_rope(
+        return _GEMM_NORM_QKV_ROPE(
             s, t, partials, norm_weight, eps, self.weight, self.weight_scale, self.weight_scale_2, self.input_scale,
             cos, sin, *self.qkv_heads)
 

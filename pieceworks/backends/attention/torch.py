@@ -34,28 +34,40 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pref
 
 
 class ReferencePlan:
-    """plan() of the torch references: keep the step's metadata; for decode, the per-sequence lengths
-    (in FULL graphs a static buffer per graph batch size, refilled for every replay)."""
+    """plan() of the torch references: keep the step's metadata and, once per step rather than per layer,
+    its real-token count and (extend, mixed) its sequences; for decode, the per-sequence lengths (in FULL
+    graphs a static buffer per graph batch size, refilled for every replay)."""
 
     def __init__(self, spec, options=None) -> None:
         super().__init__(spec, options)
         self._meta = None
         self._static_lens: dict[int, torch.Tensor] = {}
+        self._seqs: list[tuple[int, int, torch.Tensor, slice]] = []
+        self._num_tokens = 0
 
     def plan(self, meta) -> None:
         self._meta = meta
+        self._num_tokens = meta.num_tokens
         if meta.graph_mode is GraphMode.FULL:
             self._seq_lens = _static_seq_lens(self._static_lens, meta)
         elif meta.mode is ForwardMode.DECODE:
             self._seq_lens = meta.seq_lens_tensor()
+        else:
+            self._seqs = list(self._sequences(meta))
 
-    def _sequences(self):
-        """Per sequence of the step: (cached prefix, KV length, its pages, rows of its new tokens)."""
-        meta = self._meta
+    @staticmethod
+    def _sequences(meta):
+        """Per sequence of the step: (cached prefix, KV length, its pages (int64: an int32 index is
+        converted by every gather), rows of its new tokens)."""
         indptr = meta.qo_indptr()
         for i, (prefix, seq_len) in enumerate(zip(meta.prefix_lens, meta.seq_lens)):
-            pages = meta.page_table[i, : -(-seq_len // meta.page_size)]
+            pages = meta.page_table[i, : -(-seq_len // meta.page_size)].long()
             yield prefix, seq_len, pages, slice(indptr[i], indptr[i + 1])
+
+    def _slots(self, rows: int) -> torch.Tensor:
+        """The step's slot mapping for `rows` new K/V rows."""
+        slots = self._meta.slot_mapping
+        return slots if slots.shape[0] == rows else slots[:rows]
 
 
 class TorchAttentionBackend(ReferencePlan, AttentionBackend):
@@ -64,18 +76,25 @@ class TorchAttentionBackend(ReferencePlan, AttentionBackend):
     graph_modes = ALL_GRAPH_MODES
     description = "reference: gathered pages, float32 softmax"
 
+    def __init__(self, spec, options=None) -> None:
+        super().__init__(spec, options)
+        self._views: dict[int, tuple] = {}
+
     def forward(self, q, k, v, out, layer_id, scale, kv) -> None:
-        meta = self._meta
-        kc, vc = kv.k_cache(layer_id), kv.v_cache(layer_id)
-        slots = meta.slot_mapping[: k.shape[0]]
-        kc.view(-1, *kc.shape[2:]).index_copy_(0, slots, k.to(kc.dtype))
-        vc.view(-1, *vc.shape[2:]).index_copy_(0, slots, v.to(vc.dtype))
-        if q.shape[0] > meta.num_tokens:  # padding rows: keep them finite for the next piece
-            out[meta.num_tokens :].zero_()
-        if meta.mode is ForwardMode.DECODE:
+        views = self._views.get(layer_id)
+        if views is None or views[0] is not kv:  # per layer, once: the pool's views never change
+            kc, vc = kv.k_cache(layer_id), kv.v_cache(layer_id)
+            views = self._views[layer_id] = (kv, kc, vc, kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]))
+        _, kc, vc, k_rows, v_rows = views
+        slots = self._slots(k.shape[0])
+        k_rows.index_copy_(0, slots, k.to(kc.dtype))
+        v_rows.index_copy_(0, slots, v.to(vc.dtype))
+        if q.shape[0] > self._num_tokens:  # padding rows: keep them finite for the next piece
+            out[self._num_tokens :].zero_()
+        if self._meta.mode is ForwardMode.DECODE:
             self._decode(q, out, kc, vc, scale)
             return
-        for prefix, seq_len, pages, rows in self._sequences():
+        for prefix, seq_len, pages, rows in self._seqs:
             keys = kc[pages].flatten(0, 1)[:seq_len]
             vals = vc[pages].flatten(0, 1)[:seq_len]
             out[rows] = attend(q[rows], keys, vals, scale, prefix).to(out.dtype)

@@ -43,14 +43,14 @@ class TorchMLABackend(ReferencePlan, MLABackend):
     def forward(self, q_nope, q_pe, c_kv, k_pe, out, layer_id, scale, kv) -> None:
         meta = self._meta
         cache = kv.latent_cache(layer_id)
-        slots = meta.slot_mapping[: c_kv.shape[0]]
+        slots = self._slots(c_kv.shape[0])
         cache.view(-1, cache.shape[-1]).index_copy_(0, slots, torch.cat([c_kv, k_pe], -1).to(cache.dtype))
-        if q_nope.shape[0] > meta.num_tokens:  # padding rows: keep them finite for the next piece
-            out[meta.num_tokens :].zero_()
+        if q_nope.shape[0] > self._num_tokens:  # padding rows: keep them finite for the next piece
+            out[self._num_tokens :].zero_()
         if meta.mode is ForwardMode.DECODE:
             self._decode(q_nope, q_pe, out, cache, scale)
             return
-        for prefix, seq_len, pages, rows in self._sequences():
+        for prefix, seq_len, pages, rows in self._seqs:
             entries = cache[pages].flatten(0, 1)[:seq_len]
             out[rows] = attend_latent(q_nope[rows], q_pe[rows], entries, scale, prefix).to(out.dtype)
 
