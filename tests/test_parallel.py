@@ -22,6 +22,7 @@ from pieceworks.config import load_config
 from pieceworks.core.batch import ForwardBatch
 from pieceworks.models.checkpoint import CheckpointReader
 from pieceworks.models.loader import load_model
+from pieceworks.parallel import message_queue
 from pieceworks.parallel.layout import Part, TPLayout
 from pieceworks.parallel.workers import WorkerDied
 
@@ -51,6 +52,11 @@ def assert_same(ref: list[torch.Tensor], got: list[torch.Tensor]) -> None:
             assert torch.equal(g.argmax(-1), r.argmax(-1)), f"step {i}: greedy tokens differ"
         else:
             assert torch.equal(g, r), f"generated tokens differ: {g.tolist()} vs {r.tolist()}"
+
+
+def shm_segments() -> set[str]:
+    """The step-message queues' shared memory segments that exist now."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith("pieceworks-mq-")} if os.path.isdir("/dev/shm") else set()
 
 
 def no_children_left() -> bool:
@@ -176,10 +182,14 @@ def reference():
 def test_llama_tp2_equals_one_process(reference, extra):
     with Executor.from_config(None, LLAMA + extra + TP2, progress=False) as ex:
         assert ex.kv.layout.num_kv_heads == max(1, int(extra[0][-1]) // 2)
+        queue = ex.groups.queue  # the workers share this host: the steps go through shared memory
+        assert (queue is not None) == message_queue.usable()
         got = steps(ex)
         assert ex.piecewise is None or ex.piecewise.backend.num_compiles == 1  # the collectives add no retrace
+        assert queue is None or queue.name in shm_segments()
     assert_same(reference(LLAMA + extra), got)
     assert no_children_left()
+    assert queue is None or queue.name not in shm_segments()
 
 
 @pytest.mark.slow
@@ -211,7 +221,11 @@ def test_one_rank_through_the_distributed_path_equals_one_process(reference, col
     cfg = load_config(None, LLAMA + ["quantization.format=nvfp4"])
     with one_rank(Executor, cfg, progress=False, collectives=collectives) as ex:
         assert (ex.model.tp.group is not None) == collectives
+        queue = ex.groups.queue  # with no reader, as the leader of N ranks: each step is pickled into a slot
+        assert (queue is not None) == message_queue.usable()
         got = steps(ex)
+        assert queue is None or queue.count >= 7  # 3 forward steps, 4 generate steps
+    assert queue is None or queue.name not in shm_segments()
     for r, g in zip(reference(LLAMA + ["quantization.format=nvfp4"]), got):
         assert torch.equal(r, g)
 
@@ -245,6 +259,7 @@ def test_torchrun_launch_equals_one_process(reference):
 
 
 def test_killed_worker_is_reported_and_nothing_hangs(fp4_tp2):
+    queue = fp4_tp2.groups.queue
     seq = fp4_tp2.new_sequence()
     fp4_tp2.forward(ForwardBatch([seq], [[1, 2, 3]]))
     os.kill(fp4_tp2.workers.procs[0].pid, signal.SIGKILL)
@@ -256,3 +271,4 @@ def test_killed_worker_is_reported_and_nothing_hangs(fp4_tp2):
     with pytest.raises(RuntimeError, match="closed"):
         fp4_tp2.forward(ForwardBatch([seq], [[4]]))
     assert no_children_left()
+    assert queue is None or queue.name not in shm_segments()

@@ -115,8 +115,8 @@ def launch(cls: type, cfg: Config, progress: bool) -> Any:
 
 def one_rank(cls: type, cfg: Config, progress: bool = True, collectives: bool = False) -> Any:
     """An executor of the whole model on one rank that still takes the distributed path: a process group
-    of one, the TP layout of rank 0 of 1 and the leader's step broadcast, as the leader of N ranks runs
-    them. A group of one skips the models' collectives (each would be a copy); `collectives=True` keeps
+    of one, the TP layout of rank 0 of 1 and the leader's step broadcast (the shared-memory queue with
+    no reader: each step is pickled into a slot), as the leader of N ranks on one host runs them. A group of one skips the models' collectives (each would be a copy); `collectives=True` keeps
     them, so the collectives' capture into the CUDA graphs runs on one GPU (tests/gpu/test_parallel_gpu.py)
     and their cost shows (benchmarks/tp_overhead.py). `parallel.tensor_parallel_size` must be 1."""
     if cfg.parallel.tensor_parallel_size != 1:
@@ -172,7 +172,8 @@ def follow(ex: Any) -> None:
 
 def send_step(ex: Any, seqs: list, tokens: list[list[int]], all_logits: bool) -> None:
     """The leader's half of `follow`: broadcast one step (after its pages are reserved). The leader does
-    not wait for the message to leave: it goes out while the leader runs the same step."""
+    not wait for the followers: the message is in the shared-memory ring when this returns, or (through
+    gloo, across hosts) goes out while the leader runs the same step."""
     ex.groups.broadcast((tokens, [s.kv_len for s in seqs], [s.pages for s in seqs], all_logits), wait=False)
 
 
