@@ -6,8 +6,9 @@ broadcast, at world size 1 and 2 (a follower process that receives every message
 
 The message is a decode step's: one token, a cached length and `--pages` page ids per sequence. The
 two transports alternate in rounds in one run (a loaded machine's noise falls on both); between two
-messages the leader spins `--gap-us` (the step it runs meanwhile). Per world size and batch: the median
-and p90 microseconds of one send call on the leader, and the pickle's size.
+messages the leader spins `--gap-us` (the step it runs meanwhile), and the previous gloo message has
+left before the next send is timed (as after a step, which takes longer than a send). Per world size and
+batch: the median and p90 microseconds of one send call on the leader, and the pickle's size.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def measure(world: int, batches: list[int], pages: int, messages: int, rounds: i
         for _ in range(rounds):
             for name in ("queue", "gloo"):
                 for _ in range(messages // rounds):
+                    groups.flush()  # gloo: the previous message is out, as after a step (longer than a send)
                     t0 = time.perf_counter_ns()
                     groups.broadcast(msg, wait=False)
                     times[name].append((time.perf_counter_ns() - t0) / 1e3)

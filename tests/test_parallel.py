@@ -256,6 +256,9 @@ def test_torchrun_launch_equals_one_process(reference):
     assert run.returncode == 0, run.stderr[-3000:]
     line = next(l for l in run.stdout.splitlines() if l.startswith("TOKENS "))
     assert json.loads(line[7:]) == reference(overrides)[3].tolist()
+    line = next(l for l in run.stdout.splitlines() if l.startswith("QUEUE "))
+    sent = json.loads(line[6:])  # both ranks on this host: the step messages went through shared memory
+    assert sent is None if not message_queue.usable() else sent >= 4
 
 
 def test_killed_worker_is_reported_and_nothing_hangs(fp4_tp2):
