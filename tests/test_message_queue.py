@@ -174,3 +174,53 @@ def test_attach_checks_its_reader_index():
     with pytest.raises(ValueError, match="reader 2 of a queue with 2 readers"):
         MessageQueue.attach(q.name, 2)
     q.close()
+
+
+FOLLOWER = """
+import hashlib, pickle, sys
+import torch
+from pieceworks.parallel.group import init_groups
+groups = init_groups(1, 2, torch.device("cpu"), sys.argv[1], 30.0)
+print("QUEUE", groups.queue is not None, flush=True)
+while (msg := groups.broadcast()) is not None:
+    print("GOT", hashlib.sha1(pickle.dumps(msg)).hexdigest(), flush=True)
+groups.close()
+"""
+
+
+@pytest.mark.parametrize("transport", ["queue", "gloo"])
+def test_process_groups_broadcast(transport, tmp_path, monkeypatch):
+    """`ProcessGroups.broadcast` between two processes through either transport (gloo: the leader's
+    host facts say the queue can't run, as ranks on two hosts would), messages longer than a slot and
+    than gloo's preallocated buffer included; nothing is left in /dev/shm."""
+    import hashlib
+    import pickle
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from pieceworks.parallel.group import init_groups
+
+    if transport == "gloo":
+        monkeypatch.setattr(message_queue, "usable", lambda: False)
+    init_method = (tmp_path / "store").as_uri()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    follower = subprocess.Popen([sys.executable, "-c", FOLLOWER, init_method], stdout=subprocess.PIPE, text=True,
+                                env=env)
+    groups = init_groups(0, 2, torch.device("cpu"), init_method, 30.0)
+    try:
+        assert (groups.queue is not None) == (transport == "queue")
+        name = groups.queue.name if groups.queue is not None else None
+        sent = [("step", [[1]], [4], [[0, 1]], False), {"pages": list(range(40_000))}, os.urandom(100_000), "end"]
+        for i, msg in enumerate(sent):
+            groups.broadcast(msg, wait=i % 2 == 0)
+        groups.broadcast(None)
+        out, _ = follower.communicate(timeout=60)
+    finally:
+        groups.close()
+        follower.kill()
+    assert out.splitlines() == [f"QUEUE {transport == 'queue'}"] + [
+        f"GOT {hashlib.sha1(pickle.dumps(m)).hexdigest()}" for m in sent]
+    assert name not in segments()

@@ -16,6 +16,7 @@ them explicitly.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import pickle
 import socket
@@ -28,6 +29,8 @@ import torch.distributed as dist
 from pieceworks.errors import ConfigError
 from pieceworks.parallel import message_queue
 from pieceworks.parallel.message_queue import MessageQueue
+
+log = logging.getLogger("pieceworks.parallel")
 
 # Followers wait for the leader's next step as long as the leader idles (a server between requests):
 # the control group's timeout bounds only a step message already under way, not the wait for one.
@@ -159,13 +162,24 @@ def _open_queue(groups: ProcessGroups, timeout_s: float) -> MessageQueue | None:
     facts: list[Any] = [None] * groups.size
     dist.all_gather_object(facts, (socket.gethostname(), message_queue.usable()), group=groups.control)
     if not all(f == (facts[0][0], True) for f in facts):
+        if groups.rank == 0:
+            hosts = len({host for host, _ in facts})
+            why = f"the ranks run on {hosts} hosts" if hosts > 1 else "this host can't run it (x86-64 and /dev/shm)"
+            log.info("step messages: gloo broadcasts, not the shared-memory queue: %s", why)
         return None
-    if groups.rank == 0:
+    if groups.rank != 0:
+        name = groups.broadcast()
+        return None if name is None else MessageQueue.attach(name, groups.rank - 1)
+    queue = None
+    try:
         queue = MessageQueue.create(groups.size - 1, timeout_s)
-        try:
-            groups.broadcast(queue.name)  # groups.queue is still None: through gloo
-        except BaseException:
+        log.info("step messages: shared-memory queue %s (%d readers)", queue.name, groups.size - 1)
+    except OSError as exc:  # /dev/shm full or not writable
+        log.warning("step messages: gloo broadcasts, the shared-memory queue failed: %s", exc)
+    try:
+        groups.broadcast(queue.name if queue is not None else None)  # groups.queue is still None: through gloo
+    except BaseException:
+        if queue is not None:
             queue.close()
-            raise
-        return queue
-    return MessageQueue.attach(groups.broadcast(), groups.rank - 1)
+        raise
+    return queue
