@@ -9,7 +9,7 @@ Segment layout (`multiprocessing.shared_memory`, created and unlinked by the wri
 are aligned int64 words):
 
     [header 64 B: magic, num_readers, num_slots, slot_bytes, writer pid]
-    [reader r, 64 B each: ack (number of the last message it consumed), pid]
+    [reader r, 64 B each: ack (the last sequence number it consumed), pid]
     [slot s, slot_bytes each: seq, total message length, payload (slot_bytes - 16 B)]
 
 Every slot write takes the next sequence number m (from 1) and goes to slot (m - 1) % num_slots. The
@@ -28,7 +28,7 @@ written before it, and the writer that sees a reader's ack sees that reader done
 CPython issues the payload copy and the seq store in separate C calls, so the compiler can't reorder
 them either. `usable()` is False on other architectures, where the caller uses its gloo broadcast.
 
-Waiting: a reader spins (os.sched_yield) for `spin_s`, then sleeps in steps that grow with the time
+Waiting: a reader spins (os.sched_yield) for `SPIN_S`, then sleeps in steps that grow with the time
 already waited, up to 1 ms, so an idle server costs a follower about nothing while a step that comes
 within the spin window is picked up at once. A follower's host runs ahead of its GPU, so its wait
 for the next step spans the GPU's step: the spin window (20 ms) covers a decode step, and past it a
@@ -194,7 +194,7 @@ class MessageQueue:
             pos += n
 
     def _wait_free(self, oldest: int) -> None:
-        """Until every reader has consumed message `oldest` (the slot's previous message)."""
+        """Until every reader has consumed sequence number `oldest` (the slot's previous content)."""
         words = self._words
         start = time.monotonic()
         next_check = start + READER_LIVENESS_S
