@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from pieceworks.errors import RequestError
 
@@ -36,7 +36,19 @@ class OpenAIModel(BaseModel):
 
 
 class ResponseModel(BaseModel):
+    """A response body. Fields named in `omit_if_none` leave the JSON when they are None (extensions a
+    client did not ask for, and a stream delta's role after the first chunk); every other None is null."""
+
     model_config = ConfigDict(extra="forbid")
+    omit_if_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _omit_nones(self, handler: Any) -> Any:
+        data = handler(self)
+        for key in self.omit_if_none:
+            if data.get(key, 0) is None:
+                del data[key]
+        return data
 
 
 # ---- requests ------------------------------------------------------------------------------------
@@ -142,7 +154,8 @@ class CompletionChoice(ResponseModel):
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
-    token_ids: Optional[list[int]] = Field(default=None, exclude_if=lambda v: v is None)
+    token_ids: Optional[list[int]] = None
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"token_ids"})
 
 
 class CompletionResponse(ResponseModel):
@@ -179,7 +192,8 @@ class ChatChoice(ResponseModel):
     message: ChatMessageOut
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
-    token_ids: Optional[list[int]] = Field(default=None, exclude_if=lambda v: v is None)
+    token_ids: Optional[list[int]] = None
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"token_ids"})
 
 
 class ChatCompletionResponse(ResponseModel):
@@ -193,7 +207,8 @@ class ChatCompletionResponse(ResponseModel):
 
 
 class DeltaMessage(ResponseModel):
-    role: Optional[Literal["assistant"]] = Field(default=None, exclude_if=lambda v: v is None)
+    role: Optional[Literal["assistant"]] = None
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"role"})
     content: Optional[str] = None
 
 
@@ -202,7 +217,8 @@ class ChatStreamChoice(ResponseModel):
     delta: DeltaMessage
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
-    token_ids: Optional[list[int]] = Field(default=None, exclude_if=lambda v: v is None)
+    token_ids: Optional[list[int]] = None
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"token_ids"})
 
 
 class ChatCompletionChunk(ResponseModel):
@@ -211,7 +227,8 @@ class ChatCompletionChunk(ResponseModel):
     created: int = Field(default_factory=now)
     model: str
     choices: list[ChatStreamChoice]
-    usage: Optional[UsageInfo] = Field(default=None, exclude_if=lambda v: v is None)
+    usage: Optional[UsageInfo] = None
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"usage"})
 
 
 class CompletionChunk(ResponseModel):
@@ -220,7 +237,8 @@ class CompletionChunk(ResponseModel):
     created: int = Field(default_factory=now)
     model: str
     choices: list[CompletionChoice]
-    usage: Optional[UsageInfo] = Field(default=None, exclude_if=lambda v: v is None)
+    usage: Optional[UsageInfo] = None
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"usage"})
 
 
 class ModelCard(ResponseModel):
