@@ -127,9 +127,13 @@ class MessageQueue:
         self._ack = [(HEADER_BYTES + r * READER_BYTES) // 8 for r in range(self.num_readers)]
         self._pid = [i + 1 for i in self._ack]
         first_slot = HEADER_BYTES + self.num_readers * READER_BYTES
-        self._slot = [first_slot + s * self.slot_bytes for s in range(self.num_slots)]  # byte offsets
+        slots = [first_slot + s * self.slot_bytes for s in range(self.num_slots)]  # byte offsets
+        self._seq = [off // 8 for off in slots]  # word index of each slot's seq (its length follows)
+        self._payload = [off + SLOT_HEAD_BYTES for off in slots]
         self._cap = self.slot_bytes - SLOT_HEAD_BYTES
         self._next = 1  # sequence number of the next slot to write or read
+        # writer: numbers up to this one go into slots every reader is done with (no reader: all)
+        self._free_until = self.num_slots if self.num_readers else float("inf")
 
     @property
     def count(self) -> int:
@@ -176,31 +180,44 @@ class MessageQueue:
                 `timeout_s`.
         """
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        total, cap, buf, words = len(data), self._cap, self._buf, self._words
-        view = memoryview(data)
-        pos = 0
-        while pos < total:
+        total = len(data)
+        if total > self._cap:
+            return self._put_pieces(data)
+        m = self._next
+        if m > self._free_until:
+            self._wait_free(m - self.num_slots)
+        slot = (m - 1) % self.num_slots
+        start = self._payload[slot]
+        self._buf[start:start + total] = data
+        seq = self._seq[slot]
+        self._words[seq + 1] = total
+        self._words[seq] = m  # after the payload: a reader that sees m sees the payload (TSO)
+        self._next = m + 1
+
+    def _put_pieces(self, data: bytes) -> None:
+        """`put` of a message longer than one slot: consecutive slots, each with the next piece."""
+        total, cap, view = len(data), self._cap, memoryview(data)
+        for pos in range(0, total, cap):
             m = self._next
-            off = self._slot[(m - 1) % self.num_slots]
-            if m > self.num_slots and self.num_readers:
-                oldest = m - self.num_slots
-                if min(words[i] for i in self._ack) < oldest:
-                    self._wait_free(oldest)
+            if m > self._free_until:
+                self._wait_free(m - self.num_slots)
+            slot = (m - 1) % self.num_slots
             n = min(total - pos, cap)
-            buf[off + SLOT_HEAD_BYTES:off + SLOT_HEAD_BYTES + n] = view[pos:pos + n]
-            words[off // 8 + 1] = total
-            words[off // 8] = m  # after the payload: a reader that sees m sees the payload (TSO)
+            self._buf[self._payload[slot]:self._payload[slot] + n] = view[pos:pos + n]
+            self._words[self._seq[slot] + 1] = total
+            self._words[self._seq[slot]] = m
             self._next = m + 1
-            pos += n
 
     def _wait_free(self, oldest: int) -> None:
-        """Until every reader has consumed sequence number `oldest` (the slot's previous content)."""
+        """Until every reader has consumed sequence number `oldest` (the slot's previous content);
+        then `_free_until` is the last number that can be written without looking at the acks again."""
         words = self._words
         start = time.monotonic()
         next_check = start + READER_LIVENESS_S
         while True:
             behind = [r for r, i in enumerate(self._ack) if words[i] < oldest]
             if not behind:
+                self._free_until = min(words[i] for i in self._ack) + self.num_slots
                 return
             now = time.monotonic()
             if now - start < WRITER_SPIN_S:
@@ -227,31 +244,32 @@ class MessageQueue:
         Raises:
             RuntimeError: the writer's process is gone, or (with a `timeout_s`) nothing came in time.
         """
-        buf, words, cap = self._buf, self._words, self._cap
         m = self._next
-        off = self._slot[(m - 1) % self.num_slots]
-        if words[off // 8] != m:
-            self._wait_written(off // 8, m)
-        total = words[off // 8 + 1]
-        if total <= cap:
-            obj = pickle.loads(buf[off + SLOT_HEAD_BYTES:off + SLOT_HEAD_BYTES + total])
+        slot = (m - 1) % self.num_slots
+        seq = self._seq[slot]
+        words = self._words
+        if words[seq] != m:
+            self._wait_written(seq, m)
+        total = words[seq + 1]
+        start = self._payload[slot]
+        if total <= self._cap:
+            obj = pickle.loads(self._buf[start:start + total])
             self._next = m + 1
             words[self._ack[self.reader]] = m  # after the read: the writer may reuse the slot now
             return obj
         data = bytearray(total)
-        pos = 0
-        while True:
-            n = min(total - pos, cap)
-            data[pos:pos + n] = buf[off + SLOT_HEAD_BYTES:off + SLOT_HEAD_BYTES + n]
-            pos += n
+        for pos in range(0, total, self._cap):
+            if pos:
+                slot = (m - 1) % self.num_slots
+                seq, start = self._seq[slot], self._payload[slot]
+                if words[seq] != m:
+                    self._wait_written(seq, m)
+            n = min(total - pos, self._cap)
+            data[pos:pos + n] = self._buf[start:start + n]
             words[self._ack[self.reader]] = m
             m += 1
             self._next = m
-            if pos == total:
-                return pickle.loads(data)
-            off = self._slot[(m - 1) % self.num_slots]
-            if words[off // 8] != m:
-                self._wait_written(off // 8, m)
+        return pickle.loads(data)
 
     def _wait_written(self, seq_word: int, m: int) -> None:
         words = self._words
