@@ -8,7 +8,7 @@ import multiprocessing
 import os
 import signal
 import time
-from multiprocessing import resource_tracker
+from multiprocessing import resource_tracker, shared_memory
 
 import pytest
 
@@ -167,6 +167,46 @@ def test_reader_notices_that_the_writer_is_gone():
         r.shm.unlink()  # the writer was killed before it could: its resource tracker would, at exit
         r.close()
     assert name not in segments()
+
+
+def read_until_the_writer_is_gone(name: str, conn) -> None:
+    q = MessageQueue.attach(name, 0)
+    conn.send((name, q.get()))
+    try:
+        q.get()
+    except RuntimeError as exc:
+        conn.send(str(exc))
+    q.close()
+
+
+def write_for_a_child_reader(conn) -> None:
+    """Writer process whose reader is its own child (as in-process workers are the leader's)."""
+    q = MessageQueue.create(1, timeout_s=30)
+    CTX.Process(target=read_until_the_writer_is_gone, args=(q.name, conn), daemon=True).start()
+    q.put("hello")
+    time.sleep(120)
+
+
+def test_worker_notices_that_its_parent_writer_is_gone():
+    resource_tracker.ensure_running()
+    parent, child = CTX.Pipe()
+    writer = CTX.Process(target=write_for_a_child_reader, args=(child,))
+    writer.start()
+    name = None
+    try:
+        assert parent.poll(30)
+        name, first = parent.recv()
+        assert first == "hello"
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join(10)
+        assert parent.poll(10), "the reader did not notice"
+        assert parent.recv() == f"the tensor-parallel leader (pid {writer.pid}) exited; message 2 will not come"
+    finally:
+        writer.kill()
+        if name in segments():  # the killed writer's tracker (this process's) would remove it at exit
+            leftover = shared_memory.SharedMemory(name=name)
+            leftover.close()
+            leftover.unlink()
 
 
 def test_attach_checks_its_reader_index():

@@ -116,6 +116,7 @@ class MessageQueue:
         self.name = shm.name
         self.reader = reader  # None on the writer
         self._unlinked = reader is not None  # only the writer removes the name
+        self._writer_is_parent = False
         self.timeout_s = timeout_s
         self._buf = shm.buf
         self._words = shm.buf.cast("q")
@@ -169,6 +170,7 @@ class MessageQueue:
             q.close()
             raise ValueError(f"reader {reader} of a queue with {q.num_readers} readers")
         q._words[q._pid[reader]] = os.getpid()
+        q._writer_is_parent = os.getppid() == q.writer_pid
         return q
 
     # ------------------------------------------------------------------ writer
@@ -283,7 +285,8 @@ class MessageQueue:
                 continue
             if now >= next_check:
                 next_check = now + LIVENESS_S
-                if not process_alive(self.writer_pid):
+                # a worker whose parent (the writer) died is re-parented: that also holds if its pid is reused
+                if (os.getppid() != self.writer_pid) if self._writer_is_parent else not process_alive(self.writer_pid):
                     raise RuntimeError(f"the tensor-parallel leader (pid {self.writer_pid}) exited; message {m} "
                                        "will not come")
             if self.timeout_s is not None and waited > self.timeout_s:
