@@ -230,6 +230,45 @@ def test_one_rank_through_the_distributed_path_equals_one_process(reference, col
         assert torch.equal(r, g)
 
 
+def test_step_messages_carry_only_new_pages_and_followers_rebuild_the_lists():
+    """The leader's `SentPages` against a follower's `step_seqs` over random steps (sequences that start,
+    gain pages, get freed): every step's follower page lists equal the leader's, a step in which no
+    sequence gained a page carries none, and freed sequences leave both sides' records."""
+    import random
+
+    from pieceworks.core.batch import Sequence
+    from pieceworks.executor.distributed import SentPages, step_seqs
+
+    rng = random.Random(0)
+    sent, follower = SentPages(), {}
+    live: list[Sequence] = []
+    next_id = next_page = 0
+    for step in range(4 * SentPages.PRUNE_EVERY):
+        if len(live) < 6 and rng.random() < 0.3:  # a new sequence, with or without prefix-cached pages
+            live.append(Sequence(next_id, pages=list(range(next_page, next_page + rng.randint(0, 3)))))
+            next_id, next_page = next_id + 1, next_page + 3
+        if live and rng.random() < 0.1:
+            gone = live.pop(rng.randrange(len(live)))
+            gone.freed = True
+        batch = rng.sample(live, rng.randint(1, len(live))) if live else []
+        grew = False
+        for seq in batch:
+            seq.tokens.append(step)
+            if rng.random() < 0.25:
+                seq.pages.append(next_page)
+                next_page, grew = next_page + 1, True
+        known = set(sent.counts)
+        msg = sent.message(batch, [[step]] * len(batch), False)
+        if not grew and all(s.id in known for s in batch):
+            assert msg[3] == [()] * len(batch)
+        got = step_seqs(follower, msg)
+        assert [g.pages for g in got] == [s.pages for s in batch]
+        assert [g.kv_len for g in got] == [s.kv_len for s in batch]
+    assert sent.steps % SentPages.PRUNE_EVERY == 0  # the last step looked for freed sequences
+    assert set(follower) == set(sent.counts) == set(sent.seqs) <= {s.id for s in live}
+    assert next_id - len(live) >= 5  # sequences were freed along the way
+
+
 @pytest.fixture(scope="module")
 def fp4_tp2():
     ex = Executor.from_config(None, LLAMA + ["quantization.format=nvfp4"] + TP2, progress=False)
