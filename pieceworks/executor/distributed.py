@@ -11,7 +11,7 @@ shard, `follow`), and the leader alone keeps the page allocator and the sequence
 A step message carries, per sequence, only the pages it gained since the leader's last message about it
 (a decode step: a page every `page_size` tokens), and the ids of sequences freed since: each follower
 keeps every live sequence's page list (`follow`), the leader what it has sent (`SentPages`, its
-`ex.sent_pages`). A decode step's message stays about 8 bytes per sequence at any context length.
+`ex.sent_pages`). A decode step's message stays about 15 bytes per sequence at any context length.
 """
 
 from __future__ import annotations
