@@ -1,7 +1,7 @@
 """What the distributed path costs at world size 1: decode steps of a plain executor against the same
 model built through a process group of one (`executor.distributed.one_rank`): "distributed" as a run of
-one rank takes it (rank 0 of 1's layout and the leader's step broadcast on the host; a group of one
-skips the collectives), and "+ collectives" with the models' NCCL collectives kept (each a copy of one
+one rank takes it (rank 0 of 1's layout and the leader's step message, pickled into the shared-memory
+queue as for followers on the same host; a group of one skips the collectives), and "+ collectives" with the models' NCCL collectives kept (each a copy of one
 rank, inside the full decode graphs), which shows what they cost per step.
 
     python benchmarks/tp_overhead.py --preset llama-3.1-8b --format nvfp4 --batch 1 8 32

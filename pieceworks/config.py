@@ -165,8 +165,10 @@ class ParallelConfig:
     """MoE models: give each rank whole routed experts (n_routed_experts / N of them) instead of a 1/N
     slice of every expert; the ranks' outputs are summed by the same all-reduce."""
     timeout_s: float = 300.0
-    """How long a rank waits in a collective or for the leader's next step message before it gives up;
-    a worker that dies is reported at the next step (or when a collective fails) with its exit code."""
+    """How long a rank waits in a collective, or the leader for a follower to take a step message off
+    the shared-memory queue, before it gives up (followers wait for the next step as long as the
+    leader lives); a worker that dies is reported at the next step (or when a collective fails) with
+    its exit code."""
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from pieceworks.config import load_config
 from pieceworks.core.batch import ForwardBatch
 from pieceworks.models.checkpoint import CheckpointReader
 from pieceworks.models.loader import load_model
+from pieceworks.parallel import message_queue
 from pieceworks.parallel.layout import Part, TPLayout
 from pieceworks.parallel.workers import WorkerDied
 
@@ -51,6 +52,11 @@ def assert_same(ref: list[torch.Tensor], got: list[torch.Tensor]) -> None:
             assert torch.equal(g.argmax(-1), r.argmax(-1)), f"step {i}: greedy tokens differ"
         else:
             assert torch.equal(g, r), f"generated tokens differ: {g.tolist()} vs {r.tolist()}"
+
+
+def shm_segments() -> set[str]:
+    """The step-message queues' shared memory segments that exist now."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith("pieceworks-mq-")} if os.path.isdir("/dev/shm") else set()
 
 
 def no_children_left() -> bool:
@@ -183,10 +189,14 @@ def reference():
 def test_llama_tp2_equals_one_process(reference, extra):
     with Executor.from_config(None, LLAMA + extra + TP2, progress=False) as ex:
         assert ex.kv.layout.num_kv_heads == max(1, int(extra[0][-1]) // 2)
+        queue = ex.groups.queue  # the workers share this host: the steps go through shared memory
+        assert (queue is not None) == message_queue.usable()
         got = steps(ex)
         assert ex.piecewise is None or ex.piecewise.backend.num_compiles == 1  # the collectives add no retrace
+        assert queue is None or queue.name in shm_segments()
     assert_same(reference(LLAMA + extra), got)
     assert no_children_left()
+    assert queue is None or queue.name not in shm_segments()
 
 
 @pytest.mark.slow
@@ -218,9 +228,52 @@ def test_one_rank_through_the_distributed_path_equals_one_process(reference, col
     cfg = load_config(None, LLAMA + ["quantization.format=nvfp4"])
     with one_rank(Executor, cfg, progress=False, collectives=collectives) as ex:
         assert (ex.model.tp.group is not None) == collectives
+        queue = ex.groups.queue  # with no reader, as the leader of N ranks: each step is pickled into a slot
+        assert (queue is not None) == message_queue.usable()
         got = steps(ex)
+        assert queue is None or queue.count >= 7  # 3 forward steps, 4 generate steps
+    assert queue is None or queue.name not in shm_segments()
     for r, g in zip(reference(LLAMA + ["quantization.format=nvfp4"]), got):
         assert torch.equal(r, g)
+
+
+def test_step_messages_carry_only_new_pages_and_followers_rebuild_the_lists():
+    """The leader's `SentPages` against a follower's `step_seqs` over random steps (sequences that start,
+    gain pages, get freed): every step's follower page lists equal the leader's, a step in which no
+    sequence gained a page carries none, and freed sequences leave both sides' records."""
+    import random
+
+    from pieceworks.core.batch import Sequence
+    from pieceworks.executor.distributed import SentPages, step_seqs
+
+    rng = random.Random(0)
+    sent, follower = SentPages(), {}
+    live: list[Sequence] = []
+    next_id = next_page = 0
+    for step in range(4 * SentPages.PRUNE_EVERY):
+        if len(live) < 6 and rng.random() < 0.3:  # a new sequence, with or without prefix-cached pages
+            live.append(Sequence(next_id, pages=list(range(next_page, next_page + rng.randint(0, 3)))))
+            next_id, next_page = next_id + 1, next_page + 3
+        if live and rng.random() < 0.1:
+            gone = live.pop(rng.randrange(len(live)))
+            gone.freed = True
+        batch = rng.sample(live, rng.randint(1, len(live))) if live else []
+        grew = False
+        for seq in batch:
+            seq.tokens.append(step)
+            if rng.random() < 0.25:
+                seq.pages.append(next_page)
+                next_page, grew = next_page + 1, True
+        known = set(sent.counts)
+        msg = sent.message(batch, [[step]] * len(batch), False)
+        if not grew and all(s.id in known for s in batch):
+            assert msg[3] == [()] * len(batch)
+        got = step_seqs(follower, msg)
+        assert [g.pages for g in got] == [s.pages for s in batch]
+        assert [g.kv_len for g in got] == [s.kv_len for s in batch]
+    assert sent.steps % SentPages.PRUNE_EVERY == 0  # the last step looked for freed sequences
+    assert set(follower) == set(sent.counts) == set(sent.seqs) <= {s.id for s in live}
+    assert next_id - len(live) >= 5  # sequences were freed along the way
 
 
 @pytest.fixture(scope="module")
@@ -249,9 +302,13 @@ def test_torchrun_launch_equals_one_process(reference):
     assert run.returncode == 0, run.stderr[-3000:]
     line = next(l for l in run.stdout.splitlines() if l.startswith("TOKENS "))
     assert json.loads(line[7:]) == reference(overrides)[3].tolist()
+    line = next(l for l in run.stdout.splitlines() if l.startswith("QUEUE "))
+    sent = json.loads(line[6:])  # both ranks on this host: the step messages went through shared memory
+    assert sent is None if not message_queue.usable() else sent >= 4
 
 
 def test_killed_worker_is_reported_and_nothing_hangs(fp4_tp2):
+    queue = fp4_tp2.groups.queue
     seq = fp4_tp2.new_sequence()
     fp4_tp2.forward(ForwardBatch([seq], [[1, 2, 3]]))
     os.kill(fp4_tp2.workers.procs[0].pid, signal.SIGKILL)
@@ -263,3 +320,4 @@ def test_killed_worker_is_reported_and_nothing_hangs(fp4_tp2):
     with pytest.raises(RuntimeError, match="closed"):
         fp4_tp2.forward(ForwardBatch([seq], [[4]]))
     assert no_children_left()
+    assert queue is None or queue.name not in shm_segments()

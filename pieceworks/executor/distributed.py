@@ -7,6 +7,11 @@ worker processes (`parallel.workers`). Every rank builds its own shard with the 
 process. Rank 0, the leader, returns its Executor; each of its steps is broadcast to the other ranks
 (new tokens, cached lengths and page lists per sequence: all a rank needs to run the same step on its
 shard, `follow`), and the leader alone keeps the page allocator and the sequences.
+
+A step message carries, per sequence, only the pages it gained since the leader's last message about it
+(a decode step: a page every `page_size` tokens), and the ids of sequences freed since: each follower
+keeps every live sequence's page list (`follow`), the leader what it has sent (`SentPages`, its
+`ex.sent_pages`). A decode step's message stays about 15 bytes per sequence at any context length.
 """
 
 from __future__ import annotations
@@ -37,6 +42,42 @@ class StepSeq:
     pages: list[int]
     kv_len: int
     tokens: list[int] = field(default_factory=list)
+
+
+class SentPages:
+    """The leader's record of what its step messages told the followers: the pages sent per live
+    sequence id. A sequence's pages only grow between steps (`Executor._reserve_pages`; a step that
+    fails closes a tensor-parallel executor), so the pages past that count are all a step must add."""
+
+    PRUNE_EVERY = 64  # steps between looks for freed sequences (ids are never reused: a stale entry costs memory only)
+
+    def __init__(self) -> None:
+        self.seqs: dict[int, Any] = {}  # id -> the Sequence (to see `freed`)
+        self.counts: dict[int, int] = {}  # id -> pages the followers have
+        self.steps = 0
+
+    def message(self, seqs: list, tokens: list[list[int]], all_logits: bool) -> tuple:
+        """(tokens, cached lengths, ids, new pages per sequence, freed ids, all_logits) of one step,
+        recorded as sent (a message that fails to go out closes the executor)."""
+        counts = self.counts
+        ids = [s.id for s in seqs]
+        lens = [len(s.pages) for s in seqs]
+        new_pages: list = [()] * len(seqs)
+        if list(map(counts.get, ids)) != lens:  # a sequence is new or gained pages (a decode step: rarely)
+            for k, s in enumerate(seqs):
+                n = counts.get(s.id)
+                if n != lens[k]:
+                    if n is None:
+                        self.seqs[s.id], n = s, 0
+                    new_pages[k] = s.pages[n:]
+                    counts[s.id] = lens[k]
+        gone: list[int] = []
+        self.steps += 1
+        if self.steps % self.PRUNE_EVERY == 0:
+            gone = [i for i, s in self.seqs.items() if s.freed]
+            for i in gone:
+                del counts[i], self.seqs[i]
+        return tokens, [s.kv_len for s in seqs], ids, new_pages, gone, all_logits
 
 
 def rank_device(cfg: Config, local_rank: int) -> torch.device:
@@ -82,8 +123,7 @@ def launch(cls: type, cfg: Config, progress: bool) -> Any:
             raise
         ex = cls.build(cfg, progress and rank == 0, device, model_dir, groups)
         if rank == 0:
-            _close_at_exit(ex)
-            return ex
+            return _lead(ex)
         follow(ex)
         groups.close()
         raise SystemExit(0)
@@ -109,16 +149,16 @@ def launch(cls: type, cfg: Config, progress: bool) -> Any:
         raise
     ex.workers = workers
     ex.rendezvous = rendezvous
-    _close_at_exit(ex)
-    return ex
+    return _lead(ex)
 
 
 def one_rank(cls: type, cfg: Config, progress: bool = True, collectives: bool = False) -> Any:
     """An executor of the whole model on one rank that still takes the distributed path: a process group
-    of one, the TP layout of rank 0 of 1 and the leader's step broadcast, as the leader of N ranks runs
-    them. A group of one skips the models' collectives (each would be a copy); `collectives=True` keeps
-    them, so the collectives' capture into the CUDA graphs runs on one GPU (tests/gpu/test_parallel_gpu.py)
-    and their cost shows (benchmarks/tp_overhead.py). `parallel.tensor_parallel_size` must be 1."""
+    of one, the TP layout of rank 0 of 1 and the leader's step broadcast (the shared-memory queue with
+    no reader: each step is pickled into a slot), as the leader of N ranks on one host runs them. A
+    group of one skips the models' collectives (each would be a copy); `collectives=True` keeps them, so
+    the collectives' capture into the CUDA graphs runs on one GPU (tests/gpu/test_parallel_gpu.py) and
+    their cost shows (benchmarks/tp_overhead.py). `parallel.tensor_parallel_size` must be 1."""
     if cfg.parallel.tensor_parallel_size != 1:
         raise ConfigError("one_rank: parallel.tensor_parallel_size must be 1")
     import torch.distributed as dist
@@ -134,8 +174,7 @@ def one_rank(cls: type, cfg: Config, progress: bool = True, collectives: bool = 
     except BaseException:
         groups.close()
         raise
-    _close_at_exit(ex)
-    return ex
+    return _lead(ex)
 
 
 def worker_main(rank: int, cls: type, cfg: Config, model_dir: Path | None, init_method: str, status: Any) -> None:
@@ -160,20 +199,38 @@ def worker_main(rank: int, cls: type, cfg: Config, model_dir: Path | None, init_
 
 def follow(ex: Any) -> None:
     """Run the leader's steps on this rank's shard until it sends stop (None)."""
+    pages: dict[int, list[int]] = {}
     while True:
         msg = ex.groups.broadcast()
         if msg is None:
             return
-        tokens, prefix_lens, pages, all_logits = msg
-        seqs = [StepSeq(p, k) for p, k in zip(pages, prefix_lens)]
+        tokens, prefix_lens, _, _, _, all_logits = msg
         mode = ForwardMode.classify([len(t) for t in tokens], prefix_lens)
-        ex.run_step(mode, seqs, tokens, all_logits)
+        ex.run_step(mode, step_seqs(pages, msg), tokens, all_logits)
+
+
+def step_seqs(pages: dict[int, list[int]], msg: tuple) -> list[StepSeq]:
+    """A follower's sequences of the step `msg` (`SentPages.message`), after applying its page news to
+    `pages` (live sequence id -> its pages, as the leader's messages built them)."""
+    _, prefix_lens, ids, new_pages, gone, _ = msg
+    for i in gone:
+        del pages[i]
+    seqs = []
+    for i, new, kv_len in zip(ids, new_pages, prefix_lens):
+        held = pages.get(i)
+        if held is None:
+            held = pages[i] = []
+        if new:
+            held.extend(new)
+        seqs.append(StepSeq(held, kv_len))
+    return seqs
 
 
 def send_step(ex: Any, seqs: list, tokens: list[list[int]], all_logits: bool) -> None:
     """The leader's half of `follow`: broadcast one step (after its pages are reserved). The leader does
-    not wait for the message to leave: it goes out while the leader runs the same step."""
-    ex.groups.broadcast((tokens, [s.kv_len for s in seqs], [s.pages for s in seqs], all_logits), wait=False)
+    not wait for the followers: the message is in the shared-memory ring when this returns, or (through
+    gloo, across hosts) goes out while the leader runs the same step."""
+    ex.groups.broadcast(ex.sent_pages.message(seqs, tokens, all_logits), wait=False)
 
 
 def shutdown(ex: Any, graceful: bool = True) -> None:
@@ -196,7 +253,9 @@ def shutdown(ex: Any, graceful: bool = True) -> None:
             shutil.rmtree(ex.rendezvous, ignore_errors=True)
 
 
-def _close_at_exit(ex: Any) -> None:
+def _lead(ex: Any) -> Any:
+    """`ex` as the leader: it records what its step messages sent and is closed at interpreter exit."""
+    ex.sent_pages = SentPages()
     ref = weakref.ref(ex)
 
     def close() -> None:
@@ -205,6 +264,8 @@ def _close_at_exit(ex: Any) -> None:
             obj.close()
 
     atexit.register(close)
+    return ex
 
 
-__all__ = ["launch", "one_rank", "worker_main", "follow", "send_step", "shutdown", "WorkerDied", "StepSeq"]
+__all__ = ["launch", "one_rank", "worker_main", "follow", "send_step", "shutdown", "WorkerDied", "StepSeq", "SentPages",
+           "step_seqs"]
