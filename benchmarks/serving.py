@@ -106,6 +106,23 @@ PARTS = (("schedule", "pieceworks.engine.scheduler:Scheduler.schedule"),
          ("outputs", "pieceworks.engine.engine:Engine._accept"))
 
 
+ROUNDS = 5  # --host-overhead: timed steps and back-to-back replays alternate this many times
+
+
+def replay_times(graph, n: int) -> list[float]:
+    """ms of each of `n` back-to-back replays of `graph`, each between its own pair of CUDA events: a
+    stall of the host or the GPU inside the window moves one sample, not the median (one pair of events
+    around all n replays measures their mean, and with it any stall inside the window)."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    torch.cuda.synchronize()
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
+
+
 class TimedGraph:
     """A CUDA graph whose replays are bracketed by CUDA events: its GPU time inside real steps."""
 
@@ -170,12 +187,13 @@ def _eager_decode_runner(engine: Engine, batch_sizes: list[int], stub: bool) -> 
     """Without CUDA: the decode-graph runner's host path with eager forwards in place of replays, or
     with `stub` no forward at all (every step's logits are one fixed random [bs, V] tensor: only the
     host path runs)."""
-    from pieceworks.executor.cuda_graph import EagerDecodeRunner
+    from pieceworks.executor.cuda_graph import EagerDecodeRunner, greedy_token_ids
 
     class StubReplay(EagerDecodeRunner):
         def replay(self, bs, kernels, meta):
             if bs not in self.logits:
                 self.logits[bs] = torch.randn(bs, self.model.vocab_size, generator=torch.Generator().manual_seed(bs))
+                self.greedy[bs] = greedy_token_ids(self.logits[bs])  # inside the replay on CUDA
 
     ex = engine.executor
     cls = StubReplay if stub else EagerDecodeRunner
@@ -185,10 +203,11 @@ def _eager_decode_runner(engine: Engine, batch_sizes: list[int], stub: bool) -> 
 def host_overhead(engine: Engine, batch_sizes: list[int], context: int, steps: int,
                   stub: bool = False) -> list[dict]:
     """Engine.step of a decode batch against its decode graph's replay: the step's wall time (median,
-    ending with the sampled tokens on the host), the replay's time (CUDA: back-to-back replays timed by
-    events; without CUDA: the eager forward that stands in for it), the host time outside the replay
-    as a share of the step, and the host time of each part (PARTS) per step, from a second series of
-    steps with those calls timed (medians over the steps)."""
+    ending with the sampled tokens on the host), the replay's time (CUDA: median of back-to-back
+    replays, each timed by its own events, in ROUNDS rounds alternating with the timed steps; without
+    CUDA: the eager forward that stands in for it), the host time outside the replay as a share of the
+    step, and the host time of each part (PARTS) per step, from a second series of steps with those
+    calls timed (medians over the steps)."""
     ex = engine.executor
     cuda = ex.device.type == "cuda"
     if ex.decode_graphs is None:
@@ -209,13 +228,16 @@ def host_overhead(engine: Engine, batch_sizes: list[int], context: int, steps: i
             engine.step()
         for _ in range(5):
             engine.step()
-        walls = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            engine.step()  # ends with the sampled tokens' device-to-host copy
-            walls.append(time.perf_counter() - t0)
-        samples: list[dict[str, float]] = []
         bucket = runner.sizes[bisect.bisect_left(runner.sizes, bs)]
+        walls, replays = [], []
+        for _ in range(ROUNDS):  # steps and back-to-back replays interleaved: both see the same GPU state
+            for _ in range(-(-steps // ROUNDS)):
+                t0 = time.perf_counter()
+                engine.step()  # ends with the sampled tokens' device-to-host copy
+                walls.append(time.perf_counter() - t0)
+            if cuda:
+                replays += replay_times(runner.graphs[bucket], -(-steps // ROUNDS))
+        samples: list[dict[str, float]] = []
         timed_graph = None
         if cuda:
             timed_graph = runner.graphs[bucket] = TimedGraph(runner.graphs[bucket])
@@ -233,15 +255,7 @@ def host_overhead(engine: Engine, batch_sizes: list[int], context: int, steps: i
         per = {k: 1e6 * statistics.median(x.get(k, 0.0) for x in samples) for k in samples[0]}
         timed_step = per.pop("step") / 1e6
         if cuda:
-            graph = runner.graphs[bucket]
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(steps):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            replay = start.elapsed_time(end) / steps
+            replay = statistics.median(replays)
         else:
             replay = per.get("forward/decode runner/replay", 0.0) / 1e3  # the stand-in's compute
         step = statistics.median(walls) * 1e3
@@ -256,10 +270,14 @@ def host_overhead(engine: Engine, batch_sizes: list[int], context: int, steps: i
               f"host outside the replay {1e3 * (step - replay):.0f} us = {100 * row['host_fraction']:.1f}% of the step")
         if timed_graph is not None:
             row["replay_in_step_ms"] = in_step = timed_graph.median_ms()
-            print(f"  inside the timed steps the replay took {in_step:.3f} ms on the GPU, from an event recorded just "
-                  f"before the launch call to one after it (back to back: {replay:.3f}); the rest of the timed step, "
-                  f"{1e3 * (timed_step * 1e3 - in_step):.0f} us, is host work before the replay, the sampler's kernels "
-                  "and the copy back")
+            row["replay_min_max_ms"] = (min(replays), max(replays))
+            print(f"  back to back the replay took {replay:.3f} ms (median of {len(replays)}, each between its own "
+                  f"events, in {ROUNDS} rounds between the timed steps; min {min(replays):.3f}, max {max(replays):.3f}); "
+                  f"inside the timed steps {in_step:.3f} ms, from an event recorded just before the launch call to "
+                  f"one after it; the rest of the timed step, {1e3 * (timed_step * 1e3 - in_step):.0f} us, is host "
+                  "work before the replay, the copy of the tokens back and the work after it")
+            if abs(in_step - replay) > 0.1 * replay:
+                print("  WARNING: the replay's time back to back and inside the steps differ by more than 10%")
         print(_parts_table(per, 1e6 * timed_step, cuda))
         rows.append(row)
     return rows

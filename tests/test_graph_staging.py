@@ -79,3 +79,49 @@ def test_decode_runner_host_path_matches_eager_steps():
         for s in seqs[ex]:
             ex.free(s)
         assert ex.kv.allocator.num_free == ex.kv.allocator.capacity
+
+
+def test_greedy_ids_of_a_decode_runner_step_are_the_logits_argmax():
+    """A step through the decode runner leaves `Executor.greedy_ids`: the argmax of each returned row
+    (`greedy_token_ids`, computed in the graph on CUDA, here in its eager stand-in), for the real rows
+    of a padded bucket; any other step leaves None."""
+    from pieceworks.core.batch import ForwardBatch
+    from pieceworks.executor.cuda_graph import EagerDecodeRunner, greedy_token_ids
+
+    ex = _tiny()
+    ex.decode_graphs = EagerDecodeRunner(ex.model, ex.table, ex.kv, ex.max_context, [1, 4])
+    seqs = [ex.new_sequence() for _ in range(3)]
+    for i, s in enumerate(seqs):
+        ex.forward(ForwardBatch([s], [[5 + i, 9, 2]]))
+        assert ex.greedy_ids is None  # an extend step: eager, no graph
+    logits = ex.forward(ForwardBatch(seqs, [[1], [2], [3]]))  # 3 rows in the bucket of 4
+    assert ex.greedy_ids is not None and ex.greedy_ids.tolist() == logits.argmax(-1).tolist()
+    assert torch.equal(ex.greedy_ids, greedy_token_ids(logits))
+    for s in seqs:
+        ex.free(s)
+
+
+def test_engine_greedy_outputs_identical_through_the_decode_runner():
+    """The Engine's greedy tokens with decode steps through the runner (whose greedy ids the sampler
+    copies instead of computing) equal those of plain eager steps."""
+    from pieceworks import Engine, SamplingParams
+    from pieceworks.executor.cuda_graph import EagerDecodeRunner
+
+    graph, eager = Engine(_tiny(), tokenizer=None), Engine(_tiny(), tokenizer=None)
+    ex = graph.executor
+    ex.decode_graphs = EagerDecodeRunner(ex.model, ex.table, ex.kv, ex.max_context, [1, 2, 4, 8])
+    rng = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (n,), generator=rng).tolist() for n in (3, 11, 6, 17, 2)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 4, 14, 7, 12)]
+    outs = {}
+    for eng in (graph, eager):
+        ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+        final = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    final[o.request_id] = o.token_ids
+        outs[eng] = [final[i] for i in ids]
+    assert outs[graph] == outs[eager]
+    assert [len(t) for t in outs[graph]] == [9, 4, 14, 7, 12]
+    assert ex.decode_graphs.staging._rows  # decode steps went through the runner

@@ -631,3 +631,41 @@ def test_gpu_distribution():
     res = Sampler(V, dev, seed=21).sample(logits, [SamplingState.create(p, [1], [EOS], dev) for _ in range(N)])
     freq = torch.bincount(torch.tensor(res.token_ids), minlength=V).double() / N
     assert_matches(freq, ref_probs(BASE, 0.9, top_k=6, top_p=0.85, min_p=0.05))
+
+
+# ----- the greedy fast path -------------------------------------------------------------------------
+
+
+def test_finite_rows_and_greedy_ids_match_isfinite_and_argmax():
+    from pieceworks.executor.cuda_graph import finite_rows, greedy_token_ids
+
+    logits = torch.randn(7, 40, generator=torch.Generator().manual_seed(11))
+    logits[1, 3] = math.nan
+    logits[2, 0] = math.inf
+    logits[3, 39] = -math.inf
+    logits[4] = math.nan
+    logits[5, 2] = logits[5, 30] = logits[5].max() + 1  # a tie: the first index
+    finite = torch.isfinite(logits).all(-1)
+    assert torch.equal(finite_rows(logits), finite)
+    assert greedy_token_ids(logits).tolist() == torch.where(finite, logits.argmax(-1), -1).tolist()
+    assert greedy_token_ids(logits)[5] == 2
+
+
+def test_given_greedy_ids_are_what_the_fast_path_returns():
+    """An all-greedy batch given its greedy ids (a decode graph's) returns them, the same result as
+    without them; a batch that is not all plain greedy ignores them."""
+    from pieceworks.executor.cuda_graph import greedy_token_ids
+
+    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(12))
+    logits[2, 7] = math.inf
+    plain = [state(SamplingParams(temperature=0)) for _ in range(5)]
+    sampler = Sampler(64, CPU)
+    without = sampler.sample(logits, plain)
+    given = sampler.sample(logits, plain, greedy_token_ids(logits))
+    assert given == without and given.finite == [True, True, False, True, True]
+    mixed = plain[:4] + [state(SamplingParams(temperature=0, logprobs=2))]
+    wrong = torch.zeros(5, dtype=torch.int64)  # not the argmax: must not be used for this batch
+    res = sampler.sample(logits, mixed, wrong)
+    assert res.token_ids == without.token_ids and res.logprobs[4] is not None
+    with pytest.raises(ValueError, match="greedy_ids"):
+        sampler.sample(logits, plain, greedy_token_ids(logits)[:3])

@@ -209,9 +209,10 @@ class Engine:
         if not rows:
             return outputs  # only middle chunks of prompts ran
         reqs = [scheduled[i][0] for i in rows]
+        greedy = self.executor.greedy_ids  # a decode graph's in-graph argmax, when the step replayed one
         if len(rows) < len(scheduled):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        result = self.sampler.sample(logits, [r.state for r in reqs])
+            logits, greedy = logits[torch.tensor(rows, device=logits.device)], None
+        result = self.sampler.sample(logits, [r.state for r in reqs], greedy)
         for req, tok, finite, lp in zip(reqs, result.token_ids, result.finite, result.logprobs):
             self._accept(req, tok, finite, lp)
             if stream or req.finish_reason is not None:

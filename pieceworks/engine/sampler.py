@@ -32,6 +32,7 @@ import torch
 from pieceworks.engine.params import SamplingParams
 from pieceworks.engine.processors import apply_min_p, apply_penalties, apply_top_k, apply_top_k_top_p
 from pieceworks.errors import RequestError
+from pieceworks.executor.cuda_graph import finite_rows, greedy_token_ids
 
 _NUM_ROW_PARAMS = 8  # temperature, top_k, top_p, min_p, presence, frequency, repetition, greedy
 _TINY = torch.finfo(torch.float32).tiny
@@ -146,11 +147,15 @@ class Sampler:
         self._pinned: torch.Tensor | None = None  # host staging buffer of the one host-to-device copy
         self._pinned_done: torch.cuda.Event | None = None
 
-    def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SampleResult:
+    def sample(self, logits: torch.Tensor, states: list[SamplingState],
+               greedy_ids: torch.Tensor | None = None) -> SampleResult:
         """Sample row i of `logits` ([B, V] float32 on the sampler's device) for `states[i]`.
 
-        The penalty bookkeeping of `states` advances to their current output; the states' lists are
-        not changed (the engine appends the accepted tokens).
+        `greedy_ids`: optionally int64 [B] on the same device, `greedy_token_ids(logits)` already
+        computed (a decode graph's, `Executor.greedy_ids`); a batch whose rows are all plain greedy
+        then costs no kernel here, only the copy of the ids to the host. The penalty bookkeeping of
+        `states` advances to their current output; the states' lists are not changed (the engine
+        appends the accepted tokens).
         """
         if logits.dim() != 2 or logits.dtype != torch.float32 or logits.shape[1] != self.vocab_size:
             raise ValueError(
@@ -160,15 +165,18 @@ class Sampler:
             raise ValueError(f"Sampler.sample got logits on {logits.device}; this sampler works on {self.device}")
         if logits.shape[0] != len(states):
             raise ValueError(f"Sampler.sample got {logits.shape[0]} logits rows for {len(states)} states")
+        if greedy_ids is not None and greedy_ids.shape != (len(states),):
+            raise ValueError(f"Sampler.sample got greedy_ids of shape {tuple(greedy_ids.shape)} for {len(states)} rows")
         if not states:
             return SampleResult([], [], [])
         if all([s.plain for s in states]):  # the common case, with the least host work per step
-            checked = torch.where(torch.isfinite(logits).all(dim=-1), logits.argmax(dim=-1), -1)
-            token_ids = checked.tolist()  # the one device-to-host copy of the step
+            if greedy_ids is None:
+                greedy_ids = greedy_token_ids(logits)
+            token_ids = greedy_ids.tolist()  # the one device-to-host copy of the step
             return SampleResult(token_ids, [t >= 0 for t in token_ids], [None] * len(token_ids))
         V = self.vocab_size
         params = [s.params for s in states]
-        finite = torch.isfinite(logits).all(dim=-1)
+        finite = finite_rows(logits)
         mask_idx = _min_tokens_mask(states, V)
         pen_rows = [i for i, p in enumerate(params) if p.uses_penalties]
         if not mask_idx and not pen_rows and all([p.greedy for p in params]):

@@ -1,4 +1,5 @@
-"""Full CUDA graphs for decode: the whole forward plus logits, one graph per batch-size bucket.
+"""Full CUDA graphs for decode: the whole forward plus logits and greedy token ids, one graph per
+batch-size bucket.
 
 The runner owns static inputs (token ids, positions, KV slots, page table) sized for the largest
 bucket. A step fills them, pads the batch up to its bucket (padding rows decode a dummy token whose
@@ -10,6 +11,9 @@ Bucket `bs` reads its ids, positions and slots from the first 3 * bs entries of 
 with at most two asynchronous copies from pinned staging buffers that live as long as the runner
 (`HostStaging`; a step waits for the previous step's copies before refilling them). Only the page-table
 rows that changed are rewritten and copied: in decode a sequence gains a page once every page_size tokens.
+Each graph also writes every row's greedy token (`greedy_token_ids`) into a static buffer, so a step
+whose rows are all greedy needs no kernel after the replay but the copy of the ids to the host (the
+Engine's sampler reads them through `Executor.greedy_ids`).
 `EagerDecodeRunner` runs the same host path with an eager forward in place of each replay (CPU tests,
 host-time measurements without CUDA).
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import gc
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -30,6 +35,21 @@ from pieceworks.core.context import ForwardContext, StepKernels, forward_context
 if TYPE_CHECKING:
     from pieceworks.backends.registry import KernelTable
     from pieceworks.executor.kv_cache import KVPool
+
+
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[B] bool: whether row i of [B, V] float `logits` holds neither NaN nor +-inf (as
+    `isfinite(logits).all(-1)`, in one reading of the logits: aminmax propagates NaN, and NaN fails
+    both comparisons)."""
+    lo, hi = torch.aminmax(logits, dim=-1)
+    return (hi < math.inf) & (lo > -math.inf)
+
+
+def greedy_token_ids(logits: torch.Tensor) -> torch.Tensor:
+    """[B] int64: each row's argmax of [B, V] float `logits` (the first index on a tie), or -1 for a
+    row that is not all finite. The decode graphs compute it inside the replay, the sampler eagerly:
+    the same kernels on the same logits, so both give the same ids."""
+    return torch.where(finite_rows(logits), logits.argmax(dim=-1), -1)
 
 
 def default_batch_sizes() -> list[int]:
@@ -123,7 +143,8 @@ class DecodeGraphRunner:
         self._views = {bs: (*self.inputs[: 3 * bs].view(3, bs).unbind(), self.table[:bs]) for bs in self.sizes}
         self._copied: torch.cuda.Event | None = None  # recorded after a step's input copies
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # bucket -> [bs, V] float32, static
+        self.greedy: dict[int, torch.Tensor] = {}  # bucket -> [bs] int64 greedy_token_ids, static
         self.report: dict[str, float] = {}
         self._capture_all(progress)
 
@@ -171,11 +192,12 @@ class DecodeGraphRunner:
                     meta = self._meta(bs, [1] * bs, [1] * bs)
                     self._plan(kernels, meta)
                     with forward_context(ForwardContext(kernels, meta, kv)):
-                        model.compute_logits(model(ids, positions))  # warm-up
+                        greedy_token_ids(model.compute_logits(model(ids, positions)))  # warm-up
                         graph = torch.cuda.CUDAGraph()
                         with torch.cuda.graph(graph, pool=self.pool):
                             hidden = model(ids, positions)
                             self.logits[bs] = model.compute_logits(hidden)
+                            self.greedy[bs] = greedy_token_ids(self.logits[bs])
                     self.graphs[bs] = graph
                     advance()
         finally:
@@ -187,8 +209,11 @@ class DecodeGraphRunner:
         self.report = {"capture_s": time.perf_counter() - t0,
                        "pool_bytes": torch.cuda.memory_reserved(kv.device) - reserved_before}
 
-    def run(self, seqs: list[Sequence], tokens: list[list[int]], kernels: StepKernels) -> torch.Tensor:
-        """Replay the bucket for this decode batch; returns float32 logits [len(seqs), V]."""
+    def run(self, seqs: list[Sequence], tokens: list[list[int]],
+            kernels: StepKernels) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the bucket for this decode batch; returns (float32 logits [len(seqs), V], int64
+        greedy token ids [len(seqs)]). The logits are the caller's; the ids are a view of the graph's
+        static output, overwritten by the next replay."""
         n = len(seqs)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         ps = self.page_size
@@ -213,10 +238,13 @@ class DecodeGraphRunner:
         meta = self._meta(bs, [p + 1 for p in positions], positions, rows)
         self._plan(kernels, meta)
         self.replay(bs, kernels, meta)
-        return self.logits[bs][:n].clone()
+        if n == bs:
+            return self.logits[bs].clone(), self.greedy[bs]
+        return self.logits[bs][:n].clone(), self.greedy[bs][:n]
 
     def replay(self, bs: int, kernels: StepKernels, meta: StepMetadata) -> None:
-        """Run bucket `bs` on the static inputs (planned with `meta`), leaving its logits in `self.logits[bs]`."""
+        """Run bucket `bs` on the static inputs (planned with `meta`), leaving its logits in
+        `self.logits[bs]` and its greedy ids in `self.greedy[bs]`."""
         self.graphs[bs].replay()
 
     def describe(self) -> dict:
@@ -236,3 +264,4 @@ class EagerDecodeRunner(DecodeGraphRunner):
         ids, positions, _ = self.views(bs)
         with forward_context(ForwardContext(kernels, meta, self.kv)):
             self.logits[bs] = self.model.compute_logits(self.model(ids, positions))
+        self.greedy[bs] = greedy_token_ids(self.logits[bs])

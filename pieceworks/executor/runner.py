@@ -66,6 +66,11 @@ class Executor:
         self._live: dict[int, Sequence] = {}
         self._busy = threading.Lock()
         self._tokenizer = None
+        self.greedy_ids: torch.Tensor | None = None
+        """After a step that replayed a decode graph: int64 [num_seqs] on the device, each row's greedy
+        token of the returned logits (-1 for a row with NaN or inf; `cuda_graph.greedy_token_ids`),
+        computed inside the graph. A view of the graph's static output, valid until the next step.
+        None after any other step."""
         self.piecewise = None
         self.decode_graphs = None
         self.groups = None  # parallel.group.ProcessGroups of a tensor-parallel rank
@@ -197,6 +202,7 @@ class Executor:
         if self._closed:
             raise RuntimeError("this executor's tensor-parallel run is closed (close() was called, or a worker "
                                "failed); build a new executor")
+        self.greedy_ids = None
         tokens = self._validate(batch)
         mode = ForwardMode.classify([len(t) for t in tokens], [s.kv_len for s in batch.seqs])
         if mode is ForwardMode.IDLE:
@@ -235,7 +241,8 @@ class Executor:
         graph = self._graph_mode(mode, len(tokens), sum(map(len, tokens)))
         kernels = self.table.step(mode, graph)
         if graph is GraphMode.FULL:
-            return self.decode_graphs.run(seqs, tokens, kernels)
+            logits, self.greedy_ids = self.decode_graphs.run(seqs, tokens, kernels)
+            return logits
         pad_to = self.piecewise.padded_size(sum(map(len, tokens))) if graph is GraphMode.PIECEWISE else None
         meta, input_ids = self.prepare_step(mode, graph, seqs, tokens, pad_to)
         for backend in (kernels.attention, kernels.mla):

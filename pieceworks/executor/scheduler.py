@@ -22,6 +22,7 @@ import torch
 
 from pieceworks.core.batch import ForwardBatch, ForwardMode, Sequence
 from pieceworks.errors import BatchError, NonFiniteLogits, OutOfPages, RequestError
+from pieceworks.executor.cuda_graph import finite_rows, greedy_token_ids
 from pieceworks.executor.inputs import as_token_ids
 from pieceworks.executor.kv_cache import KVPool
 
@@ -296,10 +297,9 @@ def sample_rows(logits: torch.Tensor, temperature: float, top_p: float, gen: tor
     Greedy: argmax and the finiteness of each row are computed on the device and read back in one
     transfer. Sampling moves the rows to the host once and samples there (`sample`, seeded by `gen`).
     """
-    finite = torch.isfinite(logits).all(dim=-1)
     if temperature <= 0:
-        ids = torch.where(finite, logits.argmax(dim=-1), -1).tolist()
-        return [t if t >= 0 else None for t in ids]
+        return [t if t >= 0 else None for t in greedy_token_ids(logits).tolist()]
+    finite = finite_rows(logits)
     host, ok = logits.cpu(), finite.cpu().tolist()
     return [sample(row, temperature, top_p, gen) if f else None for row, f in zip(host, ok)]
 

@@ -158,3 +158,23 @@ def test_greedy_generation_identical_under_graphs():
         ref = ex.generate(prompts, 16)
     same = sum(g == r for g, r in zip(graphed, ref))
     assert same >= 3, (graphed, ref)
+
+
+def test_in_graph_greedy_ids_equal_the_eager_argmax_of_the_logits():
+    """Every decode replay leaves `Executor.greedy_ids`, computed inside the graph: equal to
+    `greedy_token_ids` (and argmax) of the logits the step returned, for every bucket, padded or not.
+    (tests/gpu/test_engine_gpu.py checks the Engine's greedy tokens, which it takes from these ids,
+    against Executor.generate's eager argmax.)"""
+    from pieceworks.executor.cuda_graph import greedy_token_ids
+
+    ex = build("llama-bf16", "torch")
+    seqs = [ex.new_sequence() for _ in range(8)]
+    for i, s in enumerate(seqs):
+        ex.forward(ForwardBatch([s], [toks(9 + i, i, ex.vocab_size)]))
+    for k, n in enumerate((1, 2, 3, 5, 8, 7, 4)):  # exact buckets and padded ones
+        logits = ex.forward(ForwardBatch(seqs[:n], [[(k * 31 + i) % ex.vocab_size] for i in range(n)]))
+        assert ex.greedy_ids is not None and ex.greedy_ids.shape == (n,)
+        assert torch.equal(ex.greedy_ids, greedy_token_ids(logits))
+        assert torch.equal(ex.greedy_ids, logits.argmax(-1))
+    for s in seqs:
+        ex.free(s)
