@@ -408,9 +408,9 @@ def test_max_num_seqs_and_batched_tokens_bound_every_step(reference):
     seen = []
     real = eng.executor.forward
 
-    def spy(batch):
+    def spy(batch, **kw):
         seen.append((len(batch.seqs), sum(map(len, batch.tokens))))
-        return real(batch)
+        return real(batch, **kw)
 
     eng.executor.forward = spy
     outs = eng.generate(PROMPTS, GREEDY)

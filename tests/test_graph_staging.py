@@ -1,8 +1,10 @@
 """The host side of a decode-graph step (`HostStaging`): input layout, padding, and page-table copies
-skipped only when the device table already holds the rows. CPU (no pinned memory needed)."""
+skipped only when the device table already holds the rows; the greedy ids a decode step leaves for the
+sampler, and steps without the batch checks. CPU (no pinned memory needed)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pieceworks.executor.cuda_graph import HostStaging
@@ -125,3 +127,19 @@ def test_engine_greedy_outputs_identical_through_the_decode_runner():
     assert outs[graph] == outs[eager]
     assert [len(t) for t in outs[graph]] == [9, 4, 14, 7, 12]
     assert ex.decode_graphs.staging._rows  # decode steps went through the runner
+
+
+def test_forward_without_validation_runs_the_same_step():
+    """`validate=False` (the Engine's steps) skips only the batch checks: the same logits and sequence
+    state as a checked step; a checked step still refuses a bad batch."""
+    from pieceworks.core.batch import ForwardBatch
+    from pieceworks.errors import BatchError
+
+    a, b = _tiny(), _tiny()
+    sa, sb = a.new_sequence(), b.new_sequence()
+    for toks in ([4, 8, 15, 16], [23], [42]):
+        got = a.forward(ForwardBatch([sa], [toks]), validate=False)
+        want = b.forward(ForwardBatch([sb], [toks]))
+        assert torch.equal(got, want) and sa.tokens == sb.tokens and sa.pages == sb.pages
+    with pytest.raises(BatchError, match="outside the vocabulary"):
+        b.forward(ForwardBatch([sb], [[10**6]]))

@@ -155,11 +155,12 @@ class DecodeGraphRunner:
         """(ids, positions, slots) of bucket `bs`: rows of the first 3 * bs input entries."""
         return self._views[bs][:3]
 
-    def _meta(self, bs: int, seq_lens: list[int], prefix_lens: list[int],
+    def _meta(self, bs: int, n: int, prefix_lens: list[int],
               page_lists: list[list[int]] | None = None) -> StepMetadata:
+        """A decode step of `n` real sequences in bucket `bs`."""
         _, positions, slots, table = self._views[bs]
         return StepMetadata(
-            mode=ForwardMode.DECODE, graph_mode=GraphMode.FULL, extend_lens=[1] * len(seq_lens),
+            mode=ForwardMode.DECODE, graph_mode=GraphMode.FULL, extend_lens=[1] * n,
             prefix_lens=prefix_lens, page_size=self.page_size, page_table=table,
             slot_mapping=slots, positions=positions, graph_batch_size=bs, page_lists=page_lists,
         )
@@ -189,7 +190,7 @@ class DecodeGraphRunner:
                     positions.fill_(1)  # a dummy second token of each sequence
                     slots.fill_(kv.reserved_slot)
                     self.table[:bs].fill_(kv.reserved_slot // kv.page_size)
-                    meta = self._meta(bs, [1] * bs, [1] * bs)
+                    meta = self._meta(bs, bs, [1] * bs)
                     self._plan(kernels, meta)
                     with forward_context(ForwardContext(kernels, meta, kv)):
                         greedy_token_ids(model.compute_logits(model(ids, positions)))  # warm-up
@@ -218,7 +219,7 @@ class DecodeGraphRunner:
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         ps = self.page_size
         reserved_slot = self.kv.reserved_slot
-        positions = [s.kv_len for s in seqs]
+        positions = [len(s.tokens) for s in seqs]  # kv_len, without a property call per sequence
         rows = [s.pages for s in seqs]
         slots = [pages[p // ps] * ps + p % ps for pages, p in zip(rows, positions)]
         if bs > n:
@@ -235,7 +236,7 @@ class DecodeGraphRunner:
             self._copied = torch.cuda.Event()
         if self._copied is not None:
             self._copied.record()
-        meta = self._meta(bs, [p + 1 for p in positions], positions, rows)
+        meta = self._meta(bs, n, positions, rows)
         self._plan(kernels, meta)
         self.replay(bs, kernels, meta)
         if n == bs:

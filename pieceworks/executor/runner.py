@@ -177,8 +177,14 @@ class Executor:
         return self.kv.allocator.num_free * self.page_size
 
     # ---------------------------------------------------------------- the step
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, *, validate: bool = True) -> torch.Tensor:
         """Run one step.
+
+        `validate=False` skips the checks of the batch (the BatchErrors below): for callers whose
+        batches are valid by construction, as the Engine's (prompts checked when added, then only
+        sampled in-vocabulary ids, its own live sequences, within the context limit), since the checks
+        cost about 1 us per sequence on every step. A bad batch then fails inside the step or writes
+        wrong KV.
 
         Returns:
             float32 logits: [num_seqs, V] for each sequence's last new token, or
@@ -194,16 +200,16 @@ class Executor:
         """
         self._claim("forward")
         try:
-            return self._forward(batch)
+            return self._forward(batch, validate)
         finally:
             self._busy.release()
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def _forward(self, batch: ForwardBatch, validate: bool = True) -> torch.Tensor:
         if self._closed:
             raise RuntimeError("this executor's tensor-parallel run is closed (close() was called, or a worker "
                                "failed); build a new executor")
         self.greedy_ids = None
-        tokens = self._validate(batch)
+        tokens = self._validate(batch) if validate else batch.tokens
         mode = ForwardMode.classify([len(t) for t in tokens], [s.kv_len for s in batch.seqs])
         if mode is ForwardMode.IDLE:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
