@@ -1,0 +1,59 @@
+"""benchmarks/profile_step.py --timeline's bookkeeping (the docs quote its numbers): steps split at idle gaps, each
+kernel's exposed time and lead, roles from kernel names. Pure python over synthetic kernel records."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_dir = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(_dir))  # the script imports its folder's `common`, as when run
+_spec = importlib.util.spec_from_file_location("profile_step_script", _dir / "profile_step.py")
+timeline = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(timeline)
+
+QKV = "void nvfp4_decode_gemm<8, 2, 1, 2, 0, 0>(U4 const*)"
+PLAIN = "void nvfp4_decode_gemm<16, 2, 1, 0, 0, 0>(U4 const*)"
+SWIGLU = "void nvfp4_decode_gemm<2, 2, 1, 1, 0, 0>(U4 const*)"
+
+
+def ev(name, ts, dur):
+    return {"name": name, "ts": ts, "dur": dur}
+
+
+def test_roles_follow_the_llama_step():
+    assert timeline.role(QKV, "") == "q/k/v gemm (+rope)"
+    assert timeline.role(PLAIN, "q/k/v gemm (+rope)") == "o gemm"
+    assert timeline.role(SWIGLU, "o gemm") == "gate/up gemm (+swiglu)"
+    assert timeline.role(PLAIN, "gate/up gemm (+swiglu)") == "down gemm"
+    assert timeline.role("_decode_kernel", "") == "attention (attention.triton)"
+    assert timeline.role("_add_rms_norm_kernel", "") == "norm"
+    assert timeline.role("nvjet_tst_128x64_64x3_1x2_h_bz_TNT", "") == "bf16 gemm (cuBLAS: lm_head)"
+
+
+def test_exposed_and_lead_add_up_to_the_span():
+    step = [ev("_add_rms_norm_kernel", 0.0, 2.0),
+            ev(QKV, 1.0, 6.0),             # starts 1 us before the norm ends (PDL): lead -1, exposed 5
+            ev("_decode_kernel", 7.5, 6.5),  # 0.5 us idle gap: lead +0.5, exposed 6.5
+            ev(PLAIN, 12.0, 4.0),          # overlaps the attention by 2 us: exposed 2
+            ev(PLAIN, 13.0, 1.0)]          # wholly inside the one before (an "o gemm" again): exposed 0
+    span, acc = timeline.walk(step)
+    assert span == pytest.approx(16.0)
+    assert acc["norm"] == pytest.approx([2.0, 2.0, 0.0, 1])
+    assert acc["q/k/v gemm (+rope)"] == pytest.approx([6.0, 5.0, -1.0, 1])
+    assert acc["attention (attention.triton)"] == pytest.approx([6.5, 6.5, 0.5, 1])
+    assert acc["o gemm"] == pytest.approx([5.0, 2.0, -2.0 + -3.0, 2])
+    assert sum(a[1] for a in acc.values()) + 0.5 == pytest.approx(span)  # exposed + idle = span
+
+
+def test_steps_split_at_idle_gaps():
+    a = [ev("k", float(i), 1.0) for i in range(12)]        # 0 .. 12 us
+    b = [ev("k", 100.0 + i, 1.0) for i in range(12)]       # after 88 us idle
+    short = [ev("k", 300.0, 1.0)]                          # a lone kernel: dropped
+    steps = timeline.split_steps(a + b + short)
+    assert [len(s) for s in steps] == [12, 12]
+    assert steps[1][0]["ts"] == 100.0
+    assert timeline.split_steps(a, gap_us=0.5) == [a]      # back-to-back kernels never split
