@@ -272,10 +272,11 @@ def host_overhead(engine: Engine, batch_sizes: list[int], context: int, steps: i
             row["replay_in_step_ms"] = in_step = timed_graph.median_ms()
             row["replay_min_max_ms"] = (min(replays), max(replays))
             print(f"  back to back the replay took {replay:.3f} ms (median of {len(replays)}, each between its own "
-                  f"events, in {ROUNDS} rounds between the timed steps; min {min(replays):.3f}, max {max(replays):.3f}); "
-                  f"inside the timed steps {in_step:.3f} ms, from an event recorded just before the launch call to "
-                  f"one after it; the rest of the timed step, {1e3 * (timed_step * 1e3 - in_step):.0f} us, is host "
-                  "work before the replay, the copy of the tokens back and the work after it")
+                  f"events, in {ROUNDS} rounds between the timed steps; min {min(replays):.3f}, max "
+                  f"{max(replays):.3f}); inside the timed steps {in_step:.3f} ms, from an event recorded just before "
+                  f"the launch call to one after it; the rest of the timed step, "
+                  f"{1e3 * (timed_step * 1e3 - in_step):.0f} us, is host work before the replay, the copy of the "
+                  "tokens back and the work after it")
             if abs(in_step - replay) > 0.1 * replay:
                 print("  WARNING: the replay's time back to back and inside the steps differ by more than 10%")
         print(_parts_table(per, 1e6 * timed_step, cuda))
