@@ -31,7 +31,7 @@ from torch.fx.passes.split_module import split_module
 from torch.utils._pytree import tree_map
 
 from pieceworks.backends.ops import is_splitting_node_target, splitting_impl
-from pieceworks.core.batch import ForwardMode, GraphMode, StepMetadata
+from pieceworks.core.batch import ForwardMode, GraphMode, StepMetadata, mark_replayed
 from pieceworks.core.context import ForwardContext, forward_context
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def weak_ref(t: Any) -> Any:
         "version": 2,
     }
     holder = type("_CudaArray", (), {"__cuda_array_interface__": iface})()
-    return torch.as_tensor(holder, device=t.device).view(t.dtype)
+    return mark_replayed(torch.as_tensor(holder, device=t.device).view(t.dtype))
 
 
 @dataclass
