@@ -94,15 +94,14 @@ def test_traced_once_without_recompiles(pair):
     assert pw.piecewise.backend.num_compiles == 1
 
 
-@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
-def test_recorded_replays_match_eager(arch):
+def test_recorded_replays_match_eager(pair):
     """The replay path on CPU: pieces captured with stand-in graphs (each replay reruns the piece on its
     captured tensors). A size's first step replays through the traced code and records it; later steps
     of that size run the recording only, and every step's logits match eager."""
     from pieceworks.testing.graphs import stand_in_capture
 
-    eager = make(arch, False)
-    ex = make(arch, True)
+    eager = pair[0]
+    ex = make(eager.cfg.model.arch, True)
     stand_in_capture(ex.piecewise)
     traced_steps = []
     real_run = ex.piecewise._run
