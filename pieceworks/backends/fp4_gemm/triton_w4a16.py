@@ -63,9 +63,11 @@ class W4a16Tile:
 def tile_for(m: int, **overrides) -> W4a16Tile:
     """The tile for m rows of x: block_m the power of two covering them (at least 32, at most 256);
     8 warps (two warpgroups of 64 weight rows) from block_m 128 up, which keeps the float32
-    accumulator [block_n, block_m] at 64-128 registers a thread."""
+    accumulator [block_n, block_m] at 64-128 registers a thread; 2 stages at block_m 256 (x's 64 KB
+    a stage: three would not fit in the 227 KB of shared memory). `overrides`: other W4a16Tile fields."""
     bm = min(256, max(32, triton.next_power_of_2(m)))
-    return W4a16Tile(**{"block_m": bm, "num_warps": 8 if bm >= 128 else 4, **overrides})
+    return W4a16Tile(**{"block_m": bm, "num_warps": 8 if bm >= 128 else 4, "num_stages": 2 if bm == 256 else 3,
+                        **overrides})
 
 
 @triton.jit(do_not_specialize=["M", "iters", "num_splits"])
@@ -76,14 +78,14 @@ def _w4a16_kernel(
     TMA_X: tl.constexpr, WARP_SPEC: tl.constexpr, USE_ASM: tl.constexpr, SPLIT: tl.constexpr,
     FUSED_REDUCE: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    """Program (pid_n, pid_m, pid_k): weight rows pid_n * BLOCK_N.., x rows pid_m * BLOCK_M.., the
+    """Program (pid_m, pid_n, pid_k): x rows pid_m * BLOCK_M.., weight rows pid_n * BLOCK_N.., the
     pid_k-th of `num_splits` K ranges (whole BLOCK_K iterations, sizes differing by at most one). A split
     writes its float32 partial to part [splits, M, N]; with FUSED_REDUCE the last split to arrive at
     count_ptr[tile] sums them in split order and resets the counter (`triton_kernels._fp4_gemm_kernel`)."""
     BQ: tl.constexpr = BLOCK_K // 4
     BG: tl.constexpr = BLOCK_K // 32
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    pid_m = tl.program_id(0)  # the M tiles of one weight tile run next to each other: it is read once from HBM
+    pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -122,7 +124,7 @@ def _w4a16_kernel(
         mn = M.to(tl.int64) * N
         tl.store(part_ptr + pid_k * mn + offs, y, mask=mask)
         if FUSED_REDUCE:
-            tile = pid_m * tl.num_programs(0) + pid_n
+            tile = pid_n * tl.num_programs(0) + pid_m
             if publish_and_count(count_ptr + tile) == num_splits - 1:
                 total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for j in range(num_splits):
@@ -154,7 +156,7 @@ def w4a16_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         return out
     iters = kp // tile.block_k
     split = tile.split_k(m, n, kp, sms)
-    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), split)
+    grid = (triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n), split)
     fused = split > 1 and counters is not None and counters.numel() >= grid[0] * grid[1]
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     tma = tile.tma_x and x.dtype == torch.bfloat16 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
