@@ -64,10 +64,12 @@ def tile_for(m: int, **overrides) -> W4a16Tile:
     """The tile for m rows of x: block_m the power of two covering them (at least 32, at most 256);
     8 warps (two warpgroups of 64 weight rows) from block_m 128 up, which keeps the float32
     accumulator [block_n, block_m] at 64-128 registers a thread; 2 stages at block_m 256 (x's 64 KB
-    a stage: three would not fit in the 227 KB of shared memory). `overrides`: other W4a16Tile fields."""
+    a stage: three would not fit in the 227 KB of shared memory). K splits up to 2 programs per SM where
+    two fit (4 warps, about 240 registers a thread: ptxas for sm_90a), else one. `overrides`: other
+    W4a16Tile fields."""
     bm = min(256, max(32, triton.next_power_of_2(m)))
     return W4a16Tile(**{"block_m": bm, "num_warps": 8 if bm >= 128 else 4, "num_stages": 2 if bm == 256 else 3,
-                        **overrides})
+                        "target_ctas": 264 if bm <= 64 else 132, **overrides})
 
 
 @triton.jit(do_not_specialize=["M", "iters", "num_splits"])
@@ -120,7 +122,7 @@ def _w4a16_kernel(
         _store_out(out_ptr, y, rm, pid_n * BLOCK_N, M, N, stride_om, BLOCK_M, BLOCK_N, False)
     else:
         mask = (rm[:, None] < M) & (rn[None, :] < N)
-        offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+        offs = rm[:, None] * N + rn[None, :]  # int32 (M * N < 2^31): int64 offsets of a 256-row tile spill
         mn = M.to(tl.int64) * N
         tl.store(part_ptr + pid_k * mn + offs, y, mask=mask)
         if FUSED_REDUCE:
@@ -148,6 +150,7 @@ def w4a16_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     kp = weight.shape[1] * 2
     assert weight.shape[0] % TILE_ROWS == 0 and n <= weight.shape[0] and k <= kp, \
         "weights must come from repack_k32 and match x"
+    assert m * n < 2**31, f"{m} x {n} outputs: the split-K partials are indexed in int32"
     tile = tile_for(m) if tile is None else tile
     if x.stride(-1) != 1:
         x = x.contiguous()
