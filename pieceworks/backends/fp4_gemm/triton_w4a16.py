@@ -6,14 +6,24 @@ times it beside the shipped path and bf16.
 It reads the k32 weights every other path reads (k32.py; decoded by triton_k32.py) and computes
 out^T = dequant(W) @ x^T: the decoded weight tile [BLOCK_N, BLOCK_K] is the register A operand of
 wgmma (BLOCK_N weight rows are the MMA's M, in 64-row warpgroup slices) and x^T [BLOCK_K, BLOCK_M] the
-shared-memory B operand, the token count its N (wgmma takes up to 256). What differs from the shipped
-64 x 128 tile (which has the same operand roles and the same in-register decode): BLOCK_M covers all
-rows up to 256 (the decode, the K loop's integer work, runs once per weight instead of M / 64 times);
-x comes in with TMA through a host tensor descriptor (`tma_x`: zero-filled past M and K, no address
-or mask arithmetic in the loop; the weights and scales keep Triton's cp.async pipeline, as their
-tiled storage order is not one TMA box); the loop is a `tl.range` that may ask for Triton's warp
-specialization (`warp_specialize`; on sm_90 Triton 3.6 has a Hopper pass for it, documented for
-Blackwell only). Few (N tile, M tile) programs at these sizes, so K is split (`choose_split_k`) and
+shared-memory B operand, the token count its N (wgmma takes up to 256). The shipped 64 x 128 tile has
+the same operand roles and the same in-register decode; what differs:
+
+- BLOCK_M covers all rows up to 256, so the decode (the K loop's integer work) runs once per weight
+  instead of M / 64 times.
+- x comes in by TMA through a host tensor descriptor (`tma_x`: zero-filled past M and K): no
+  addresses, masks or cp.async of x in the loop. The weights and scales keep Triton's cp.async
+  pipeline (their tiled storage order is not one TMA box). In ptxas's sm_90a code (Triton 3.6, offline)
+  the loop issues 369 instructions a warp per 64 x 128 weights at 64 x 64 x 128 (4 warps) against 962
+  for the shipped one-dot loop of that tile; with pointer loads of x, this kernel's 64 x 128 x 128 loop
+  takes 956 against 637.
+- Larger weight tiles (BLOCK_N 128): two 64-row wgmma slices of one warpgroup, or one slice per
+  warpgroup with 8 warps. With 8 warps and BLOCK_N 64, Triton splits the token axis between the
+  warpgroups and both decode the same weights (0.33 instructions a weight against 0.18).
+
+Triton 3.6's warp specialization (`tl.range(..., warp_specialize=True)`) does not serve this loop on
+sm_90: with 4 warps its Hopper pass aborts (WSDataPartition.cpp: "Unexpected op"), with 8 it leaves
+the loop as it is. Few (M tile, N tile) programs at these sizes, so K is split (`choose_split_k`) and
 the last split to arrive reduces, as in triton_kernels.py.
 
 Imports triton at the top (imported when first launched).
@@ -39,7 +49,7 @@ class W4a16Tile:
     MMA's N); block_n: weight rows per program (64-row multiples: one wgmma M slice each per
     warpgroup); block_k: a multiple of 128 (the weights' storage tiles); tma_x: x through a TMA
     descriptor (needs x's row stride a multiple of 8 elements), else pointer loads; target_ctas /
-    max_split / min_split_iters: the K split (`choose_split_k`, wave-balanced)."""
+    max_split / min_split_iters: the K split (`choose_split_k`: ceil(target_ctas / tiles), capped)."""
 
     block_m: int = 64
     block_n: int = 128
@@ -47,7 +57,6 @@ class W4a16Tile:
     num_warps: int = 4
     num_stages: int = 3
     tma_x: bool = True
-    warp_specialize: bool = False
     target_ctas: int = 132
     max_split: int = 8
     min_split_iters: int = 4
@@ -56,7 +65,7 @@ class W4a16Tile:
     def split_k(self, m: int, n: int, k_padded: int, sms: int = 132) -> int:
         cfg = TileConfig(block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
                          target_ctas=self.target_ctas, max_split=self.max_split,
-                         min_split_iters=self.min_split_iters, balance_waves=True)
+                         min_split_iters=self.min_split_iters)
         return choose_split_k(cfg, m, n, k_padded, sms)
 
 
@@ -77,7 +86,7 @@ def _w4a16_kernel(
     x_ptr, x_desc, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, Kp, stride_xm, stride_om, iters, num_splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    TMA_X: tl.constexpr, WARP_SPEC: tl.constexpr, USE_ASM: tl.constexpr, SPLIT: tl.constexpr,
+    TMA_X: tl.constexpr, USE_ASM: tl.constexpr, SPLIT: tl.constexpr,
     FUSED_REDUCE: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """Program (pid_m, pid_n, pid_k): x rows pid_m * BLOCK_M.., weight rows pid_n * BLOCK_N.., the
@@ -105,7 +114,7 @@ def _w4a16_kernel(
     xk = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (it_lo * BLOCK_K + xk)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for i in tl.range(0, num_iters, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
+    for i in tl.range(0, num_iters, num_stages=NUM_STAGES):
         w = tl.load(w_ptrs + i * W_STEP)
         s = tl.load(s_ptrs + i * S_STEP)
         if TMA_X:
@@ -172,7 +181,7 @@ def w4a16_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         x, desc, weight.view(torch.int16), weight_scale.view(torch.int16), weight_scale_2, out, part,
         counters if fused else out, m, n, k, kp, x.stride(0), out.stride(0), iters, split,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
-        TMA_X=tma, WARP_SPEC=tile.warp_specialize, USE_ASM=tile.asm, SPLIT=split > 1, FUSED_REDUCE=fused,
+        TMA_X=tma, USE_ASM=tile.asm, SPLIT=split > 1, FUSED_REDUCE=fused,
         EVEN_K=k == kp, num_warps=tile.num_warps,
     )
     if split > 1 and not fused:
