@@ -137,10 +137,15 @@ def _w4a16_kernel(
         if FUSED_REDUCE:
             tile = pid_n * tl.num_programs(0) + pid_m
             if publish_and_count(count_ptr + tile) == num_splits - 1:
-                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for j in range(num_splits):
-                    total += tl.load(part_ptr + j * mn + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                _store_out(out_ptr, total, rm, pid_n * BLOCK_N, M, N, stride_om, BLOCK_M, BLOCK_N, False)
+                HALF: tl.constexpr = BLOCK_N // 2  # half the columns at a time: a 256 x 128 sum would spill
+                for h in tl.static_range(2):
+                    cols = pid_n * BLOCK_N + h * HALF + tl.arange(0, HALF)
+                    h_mask = (rm[:, None] < M) & (cols[None, :] < N)
+                    h_offs = rm[:, None] * N + cols[None, :]
+                    total = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+                    for j in range(num_splits):
+                        total += tl.load(part_ptr + j * mn + h_offs, mask=h_mask, other=0.0, cache_modifier=".cg")
+                    _store_out(out_ptr, total, rm, pid_n * BLOCK_N + h * HALF, M, N, stride_om, BLOCK_M, HALF, False)
                 tl.store(count_ptr + tile, 0)
 
 
