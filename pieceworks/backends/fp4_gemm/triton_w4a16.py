@@ -10,16 +10,18 @@ shared-memory B operand, the token count its N (wgmma takes up to 256). The ship
 the same operand roles and the same in-register decode; what differs:
 
 - BLOCK_M covers all rows up to 256, so the decode (the K loop's integer work) runs once per weight
-  instead of M / 64 times.
+  instead of M / 64 times. In ptxas's sm_90a code (Triton 3.6 compiled offline, pointers 16-byte
+  aligned as at run time), the K loop issues 0.0005 warp instructions per weight and row of x at
+  256 x 128 x 128 (8 warps) against 0.0021 for the shipped 64 x 128 x 128 tile.
 - x comes in by TMA through a host tensor descriptor (`tma_x`: zero-filled past M and K): no
-  addresses, masks or cp.async of x in the loop. The weights and scales keep Triton's cp.async
-  pipeline (their tiled storage order is not one TMA box). In ptxas's sm_90a code (Triton 3.6, offline)
-  the loop issues 369 instructions a warp per 64 x 128 weights at 64 x 64 x 128 (4 warps) against 962
-  for the shipped one-dot loop of that tile; with pointer loads of x, this kernel's 64 x 128 x 128 loop
-  takes 956 against 637.
-- Larger weight tiles (BLOCK_N 128): two 64-row wgmma slices of one warpgroup, or one slice per
-  warpgroup with 8 warps. With 8 warps and BLOCK_N 64, Triton splits the token axis between the
-  warpgroups and both decode the same weights (0.33 instructions a weight against 0.18).
+  addresses, masks or cp.async of x in the loop (the weights and scales keep Triton's cp.async
+  pipeline: their tiled storage order is not one TMA box). At 64 x 64 x 128 (4 warps) the loop is
+  263 warp instructions per K step against 277 with pointer loads of x and 295 for the shipped one-dot
+  loop of that tile.
+- Weight tiles of 128 rows: two 64-row wgmma slices for one warpgroup (0.103 instructions a weight
+  against 0.128 at 64 rows, 64 x 128 x 128) or one slice each for two warpgroups. With 8 warps and
+  64 rows, Triton splits the token axis between the warpgroups and both decode the same weights (0.25
+  instructions a weight against 0.13 with 4 warps).
 
 Triton 3.6's warp specialization (`tl.range(..., warp_specialize=True)`) does not serve this loop on
 sm_90: with 4 warps its Hopper pass aborts (WSDataPartition.cpp: "Unexpected op"), with 8 it leaves
@@ -73,12 +75,12 @@ def tile_for(m: int, **overrides) -> W4a16Tile:
     """The tile for m rows of x: block_m the power of two covering them (at least 32, at most 256);
     8 warps (two warpgroups of 64 weight rows) from block_m 128 up, which keeps the float32
     accumulator [block_n, block_m] at 64-128 registers a thread; 2 stages at block_m 256 (x's 64 KB
-    a stage: three would not fit in the 227 KB of shared memory). K splits up to 2 programs per SM where
-    two fit (4 warps, about 240 registers a thread: ptxas for sm_90a), else one. `overrides`: other
-    W4a16Tile fields."""
+    a stage: three would not fit in the 227 KB of shared memory). K splits up to 3 programs per SM where
+    three fit (block_m <= 64: at most 68 KB of shared memory and 143 registers a thread, ptxas for
+    sm_90a), else one (117-140 KB). `overrides`: other W4a16Tile fields."""
     bm = min(256, max(32, triton.next_power_of_2(m)))
     return W4a16Tile(**{"block_m": bm, "num_warps": 8 if bm >= 128 else 4, "num_stages": 2 if bm == 256 else 3,
-                        "target_ctas": 264 if bm <= 64 else 132, **overrides})
+                        "target_ctas": 396 if bm <= 64 else 132, **overrides})
 
 
 @triton.jit(do_not_specialize=["M", "iters", "num_splits"])
