@@ -6,7 +6,6 @@ DeepSeek-V3 expert shapes.
     python benchmarks/fp4_gemm.py --table T.json --out DIR           # another tile table
     python benchmarks/fp4_gemm.py --sweep [--sweep-m 32] --out DIR   # try candidate tiles per M bucket
                                              # first, then benchmark the best table (DIR/gemm_sweep.json)
-    python benchmarks/fp4_gemm.py --ms 32,64,128,256,512 --w4a16 '[{}]'   # also triton_w4a16 (M > 16)
 
 Times are CUDA-graph replays of back-to-back calls that rotate over enough weight copies (>= 400 MB)
 that L2 (60 MB on the H200) never serves a weight twice; the median of 7 replays, per call. Bandwidth
@@ -41,8 +40,8 @@ def random_weights(n: int, k: int, copies: int, gen: torch.Generator):
     return [random_nvfp4(n, k, gen) for _ in range(copies)]
 
 
-def check_once(backend, x, w, n, y=None) -> float:
-    """Relative error of one call (or of its result y) against dequantize + bf16 matmul (the torch reference)."""
+def check_once(backend, x, w, n) -> float:
+    """Relative error of one call against dequantize + bf16 matmul (the torch reference)."""
     from pieceworks.backends.fp4_gemm.k32 import unpack_k32, unpack_scales_k32
 
     weight, scale, gs = w
@@ -51,27 +50,8 @@ def check_once(backend, x, w, n, y=None) -> float:
     s = unpack_scales_k32(scale, n)[:, : k // 16].float()
     wd = (nvfp4.e2m1_decode(codes) * (s * gs).repeat_interleave(16, 1)).to(torch.bfloat16)
     ref = (x @ wd.t()).float()
-    y = (backend.forward(x, weight, scale, gs, gs, n) if y is None else y).float()
+    y = backend.forward(x, weight, scale, gs, gs, n).float()
     return float((y - ref).norm() / ref.norm())
-
-
-def time_w4a16(variants, x, n, k, gen) -> dict:
-    """`triton_w4a16.w4a16_gemm` with `tile_for(M, **variant)` for each variant: its error and us per call
-    (keys w4a16_<i>_err / _us); a variant that fails to compile or run is reported and skipped."""
-    from pieceworks.backends.fp4_gemm.triton_w4a16 import tile_for, w4a16_gemm
-
-    ws, m, out = weights_for(n, k, gen), x.shape[0], {}
-    counters = torch.zeros(1 << 14, dtype=torch.int32, device=x.device)
-    for i, over in enumerate(variants):
-        tile = tile_for(m, **over)
-        try:
-            err = check_once(None, x, ws[0], n, w4a16_gemm(x, *ws[0], n, tile, counters))
-            out[f"w4a16_{i}_us"] = 1e6 * graph_time(lambda j: w4a16_gemm(x, *ws[j % len(ws)], n, tile, counters),
-                                                    len(ws))
-            out[f"w4a16_{i}_err"] = err
-        except Exception as e:  # e.g. a tile that does not compile: the others still run
-            print(f"  w4a16 {over} M={m} N={n}: {type(e).__name__}: {str(e)[:400]}", flush=True)
-    return out
 
 
 _WEIGHTS: dict = {}
@@ -267,7 +247,7 @@ def sweep(out_dir: str, gen, workers: int, wait_for: str | None, only_m=None) ->
 # --- benchmark ---------------------------------------------------------------------------------------
 
 
-def benchmark(table, out_dir: str, gen, ms=MS, w4a16=()) -> list[dict]:
+def benchmark(table, out_dir: str, gen, ms=MS) -> list[dict]:
     backend = backend_with(parse_table(table))
     results = []
     for name, (n, k) in SHAPES.items():
@@ -287,12 +267,6 @@ def benchmark(table, out_dir: str, gen, ms=MS, w4a16=()) -> list[dict]:
             print(f"{name:22s} M={m:6d}  fp4 {row['fp4_us']:9.1f} us  bf16 {row['bf16_us']:9.1f} us  "
                   f"x{row['speedup']:5.2f}  {row['fp4_tbps']:5.2f} TB/s ({100 * row['hbm_frac']:3.0f}%)  "
                   f"{row['fp4_tflops']:6.1f} TFLOP/s  err {err:.1e}", flush=True)
-            row.update(time_w4a16(w4a16, x, n, k, gen))
-            for i in range(len(w4a16)):
-                if f"w4a16_{i}_us" in row:
-                    us = row[f"w4a16_{i}_us"]
-                    print(f"{'':22s}   w4a16[{i}] {us:9.1f} us  x{row['bf16_us'] / us:5.2f} bf16  "
-                          f"x{row['fp4_us'] / us:5.2f} fp4  err {row[f'w4a16_{i}_err']:.1e}", flush=True)
     with open(os.path.join(out_dir, "gemm_bench.json"), "w") as f:
         json.dump(dict(table=table, results=results, device=torch.cuda.get_device_name()), f, indent=1)
     return results
@@ -314,9 +288,6 @@ def main() -> None:
     parser.add_argument("--wait-for", help="start timing only once this file exists")
     parser.add_argument("--sweep-m", help="comma-separated tuning Ms to sweep (default: all buckets)")
     parser.add_argument("--ms", help="comma-separated Ms to benchmark (default: %s)" % MS)
-    parser.add_argument("--w4a16", type=json.loads, default=[], metavar="JSON",
-                        help="also time triton_w4a16.w4a16_gemm: a JSON list of W4a16Tile overrides of tile_for(M), "
-                             "one variant each, e.g. '[{}, {\"tma_x\": false}]'")
     add_pdl_option(parser)
     args = parser.parse_args()
     configure_pdl(args)
@@ -335,7 +306,7 @@ def main() -> None:
         table = FP4_GEMM_TILES
     print("table:", json.dumps(table), flush=True)
     ms = [int(v) for v in args.ms.split(",")] if args.ms else MS
-    results = benchmark(table, args.out, gen, ms, args.w4a16)
+    results = benchmark(table, args.out, gen, ms)
     md = markdown(results)
     with open(os.path.join(args.out, "gemm_bench.md"), "w") as f:
         f.write(md + "\n")

@@ -34,8 +34,6 @@ Files:
     triton_k32.py          the k32 bit layout and its in-register decode and K loop, in Triton (shared
                            with the MoE's Triton kernels)
     triton_tiles.py        the tile tables, swept on an H200
-    triton_w4a16.py        a Hopper tile for 17..512 rows with every row of x in one MMA tile (x by TMA),
-                           on the k32 weights; not wired in: `benchmarks/fp4_gemm.py --w4a16` times it
     cuda.py                the CUDA backend (r16c64 weights; decode kernel, slices, dequant path)
     cuda_decode.py         launches the CUDA decode kernel for M <= 16 (`decode_gemm`, both layouts)
     cuda_decode_kernel.py  the CUDA decode kernel's source (NVRTC compiles it at first launch), with its
