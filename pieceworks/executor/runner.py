@@ -235,13 +235,17 @@ class Executor:
             return self.decode_graphs.run(seqs, tokens, kernels)
         pad_to = self.piecewise.padded_size(sum(map(len, tokens))) if graph is GraphMode.PIECEWISE else None
         meta, input_ids = self.prepare_step(mode, graph, seqs, tokens, pad_to)
-        for backend in (kernels.attention, kernels.mla):
-            if backend is not None:
-                backend.plan(meta)
+
+        def plan() -> None:
+            for backend in (kernels.attention, kernels.mla):
+                if backend is not None:
+                    backend.plan(meta)
+
         with forward_context(ForwardContext(kernels, meta, self.kv)):
             if graph is GraphMode.PIECEWISE:
-                hidden = self.piecewise(input_ids, meta.positions)
+                hidden = self.piecewise(input_ids, meta.positions, plan)
             else:
+                plan()
                 hidden = self.model(input_ids, meta.positions)
         rows = self._logit_rows(tokens, all_logits)
         return self.model.compute_logits(hidden[rows])
