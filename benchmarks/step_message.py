@@ -1,8 +1,9 @@
 """What the leader's step message costs on the host: `send_step`'s work (build the message,
 `ProcessGroups.broadcast(msg, wait=False)`) through the shared-memory queue against through the gloo
-broadcast, at world size 1 and 2 (a follower process that receives every message), on the CPU.
+broadcast, with followers in processes of their own that receive every message (a group of one sends
+no message), on the CPU.
 
-    python benchmarks/step_message.py --world 1 2 --batch 1 32 --messages 4000
+    python benchmarks/step_message.py --world 2 --batch 1 32 --messages 4000
 
 Two messages: "decode", a steady decode step's (one token, a cached length and a sequence id each; no
 sequence gained a page), and "full", one that carries every sequence's `--pages` page ids (a sequence's
@@ -110,13 +111,15 @@ def measure(world: int, batches: list[int], pages: int, messages: int, rounds: i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--world", type=int, nargs="+", default=[2], help="ranks, at least 2")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--pages", type=int, default=64, help="page ids per sequence")
     ap.add_argument("--messages", type=int, default=4000, help="per transport, world size and batch")
     ap.add_argument("--rounds", type=int, default=20, help="alternations of the two transports")
     ap.add_argument("--gap-us", type=float, default=200.0, help="leader's spin between two messages")
     args = ap.parse_args()
+    if min(args.world) < 2:
+        ap.error(f"--world {min(args.world)}: a group of one sends no step message; use 2 or more ranks")
     rows = []
     for world in args.world:
         rows += measure(world, args.batch, args.pages, args.messages, args.rounds, args.gap_us)

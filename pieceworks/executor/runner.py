@@ -254,7 +254,6 @@ class Executor:
         """`run_step` on every rank: the step's inputs go to the followers first. A worker that is gone,
         or a step that fails on any rank, closes the executor (the ranks' states may differ now)."""
         from pieceworks.executor.distributed import send_step
-        from pieceworks.parallel.workers import WorkerDied
 
         try:
             if self.workers is not None:
@@ -262,6 +261,8 @@ class Executor:
             send_step(self, seqs, tokens, all_logits)
             return self.run_step(mode, seqs, tokens, all_logits)
         except BaseException as exc:
+            from pieceworks.parallel.workers import WorkerDied  # here, not per step: an import costs ~1 us
+
             failure = self.workers.failure(wait_s=2.0) if self.workers is not None else None
             self.close(graceful=False)
             if failure is not None and not isinstance(exc, WorkerDied):
