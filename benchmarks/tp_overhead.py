@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import time
 
 import torch
 from common import md_table, wall_ms
@@ -69,6 +70,7 @@ def main() -> None:
     ap.add_argument("--collectives", action=argparse.BooleanOptionalAction, default=True,
                     help="also time the executor with the NCCL collectives of one rank kept")
     args = ap.parse_args()
+    start = time.perf_counter()
     from pieceworks.executor.distributed import one_rank
 
     sizes = {"num_hidden_layers": args.layers} if args.layers else {}
@@ -103,6 +105,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     print(md_table(head, list(rows.values())))
     print("\n".join(verdicts))
+    print(f"{time.perf_counter() - start:.0f} s in all (builds, graph captures, prefills, steps)")
 
 
 if __name__ == "__main__":
