@@ -3,7 +3,7 @@
 Public API: `Executor`, `Engine`, `AsyncEngine`, `SamplingParams`, `RequestOutput`, `load_config`,
 `Config`, `hookimpl` (for plugins), and the typed errors of
 `pieceworks.errors` (`ConfigError`, `CheckpointError`, `RequestError`, `BatchError`, `OutOfPages`,
-`NonFiniteLogits`). `import pieceworks` loads nothing but the errors: everything else is imported on
+`NonFiniteLogits`). `import pieceworks` loads nothing but the errors and the version: everything else is imported on
 first use, so the CLI handles Ctrl-C from its first instant, and kernel libraries (flashinfer,
 triton) and reference libraries (transformers) load only when a backend or test needs them.
 """
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from pieceworks.errors import (BatchError, CheckpointError, ConfigError, NonFiniteLogits, OutOfPages,
                                RequestError)
+from pieceworks.version import __version__
 
 if TYPE_CHECKING:
     from pieceworks.backends.hookspecs import hookimpl
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
     from pieceworks.engine.request import RequestOutput
     from pieceworks.executor.runner import Executor
 
-__version__ = "0.1.0"
 __all__ = ["Executor", "Engine", "AsyncEngine", "SamplingParams", "RequestOutput", "Config", "load_config",
            "hookimpl", "ConfigError", "CheckpointError", "RequestError", "BatchError", "OutOfPages",
            "NonFiniteLogits", "__version__"]

@@ -22,6 +22,7 @@ from pieceworks.quant import nvfp4
 from pieceworks.quant.calibrate import calibrate_input_amax, text_batches
 from pieceworks.quant.modelopt import detect_quantization, fuse_fp4, read_fp4_experts, read_fp4_linear
 from pieceworks.quant.quantizer import quantize_checkpoint
+from pieceworks.version import __version__
 
 # Importing modelopt warns about the transformers version and its use of torch.jit: not ours.
 pytestmark = [
@@ -166,7 +167,7 @@ def test_quantizer_matches_modelopt_export_exactly(export, tmp_path):
     ours = json.loads((out / "hf_quant_config.json").read_text())
     ref = json.loads((export.fp4_dir / "hf_quant_config.json").read_text())
     assert ours["quantization"] == ref["quantization"]
-    assert ours["producer"] == {"name": "pieceworks", "version": "0.1.0"}
+    assert ours["producer"] == {"name": "pieceworks", "version": __version__}
     ours_cfg = json.loads((out / "config.json").read_text())
     ref_cfg = json.loads((export.fp4_dir / "config.json").read_text())
     ours_cfg["quantization_config"].pop("producer")

@@ -16,7 +16,6 @@ runs every step.
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 import threading
 from contextlib import contextmanager
@@ -34,8 +33,6 @@ from pieceworks.executor import distributed  # here: an import inside the leader
 from pieceworks.executor.build import build_executor, executor_from_config, model_dir_of
 from pieceworks.executor.inputs import as_token_ids, check_batch, page_table, token_rows
 from pieceworks.executor.kv_cache import KVPool, block_keys
-
-log = logging.getLogger("pieceworks.executor")
 
 
 class Executor:

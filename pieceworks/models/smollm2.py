@@ -171,7 +171,7 @@ def ensure_smollm2_fp4(cache_dir: str | Path | None = None, progress: bool = Tru
     Raises:
         as `ensure_smollm2`.
     """
-    from pieceworks import __version__
+    from pieceworks.version import __version__
     from pieceworks.data import CALIBRATION_TXT
 
     src = ensure_smollm2(cache_dir, progress)

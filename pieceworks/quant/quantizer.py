@@ -303,7 +303,7 @@ def _group_scales(reader: CheckpointReader, groups, bar) -> dict[str, torch.Tens
 
 
 def _write_configs(src: Path, dst: Path, config: dict, unquantized: list[str], quantized: list[str]) -> None:
-    from pieceworks import __version__ as version
+    from pieceworks.version import __version__ as version
 
     hf = hf_quant_config(summarize_exclude(unquantized, quantized), {"name": "pieceworks", "version": version})
     (dst / "hf_quant_config.json").write_text(json.dumps(hf, indent=4))

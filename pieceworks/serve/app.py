@@ -37,6 +37,7 @@ from pieceworks.serve.protocol import (
     sse,
 )
 from pieceworks.serve.writers import ChatWriter, Choice, CompletionWriter, Step, Writer
+from pieceworks.version import __version__
 
 log = logging.getLogger("pieceworks.serve")
 T = TypeVar("T")
@@ -233,7 +234,7 @@ async def _parse(request: Request, model: type[T]) -> T:
 def build_app(engine: Any, served_model_name: str | None = None, max_queue: int = 256) -> FastAPI:
     """The FastAPI app serving `engine` (an `AsyncEngine`); see the module docstring."""
     srv = Server(engine, served_model_name, max_queue)
-    app = FastAPI(title="pieceworks", version="0.1.0")
+    app = FastAPI(title="pieceworks", version=__version__)
     app.state.server = srv
 
     @app.exception_handler(RequestError)
