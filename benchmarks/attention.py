@@ -8,7 +8,7 @@ and plan. Extend attention runs eagerly between piecewise graph pieces, so exten
 The host-side plan (`backend.plan`, page table -> FlashInfer CSR + wrapper.plan) runs once per step for
 all layers and is reported separately, with a whole decode step (plan + replay) at 1 and at all layers.
 
-    python benchmarks/attention.py [--layers 16] [--out results.md]
+    python benchmarks/attention.py [--layers 16] [--variant auto|fa2|fa3] [--out results.md]
     python benchmarks/attention.py --compile-only      # JIT-build the FlashInfer modules and exit
 """
 
@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from dataclasses import replace
 
 import torch
-from common import md_table
+from common import graph_time, md_table, rel_err, wall_ms
 
 from pieceworks.backends.attention.flashinfer import FlashInferAttentionBackend, FlashInferOptions, paged_kv_indices
 from pieceworks.backends.base import BackendSpec, ModelFacts
@@ -52,59 +51,54 @@ def step_meta(seqs: list[tuple[int, int]], page_size: int, graph: GraphMode, see
                         graph_batch_size=len(seqs) if graph is GraphMode.FULL else None)
 
 
-def graph_ms(call, layers: int, iters: int = 50) -> float:
-    """GPU time of one call, from a CUDA graph of `layers` calls replayed `iters` times."""
-    for layer in range(layers):
-        call(layer)
-    torch.cuda.synchronize()
+def graph_ms(call, layers: int) -> float:
+    """GPU time of one call: median of 50 replays of a CUDA graph of `layers` calls."""
+    return graph_time(call, layers, replays=50) * 1e3
+
+
+def eager_ms(call, layers: int) -> float:
+    return wall_ms(lambda: [call(layer) for layer in range(layers)], 10) / layers
+
+
+def host_ms(fn) -> float:
+    """Median host wall time of fn() (GPU drained before each call)."""
+    return wall_ms(fn, 30, wait=False)
+
+
+def measure(case: str, shape: str, backend, meta, layers: int, call, out, raw_plan, raw_call, raw_out,
+            reference=None, timed=graph_ms) -> dict:
+    """One row: host ms of one plan and ms per layer (`timed`) of the backend's `call(layer)` and of raw
+    FlashInfer's, and the relative error of the backend's layer-0 output against raw FlashInfer's and
+    against `reference()` (the torch backend's output); with a reference (decode), the step ms of 1 and
+    `layers` layers."""
+    backend.plan(meta)
+    row = dict(case=case, shape=shape, plan_ms=host_ms(lambda: backend.plan(meta)), pw_ms=timed(call, layers),
+               raw_plan_ms=host_ms(raw_plan), raw_ms=timed(raw_call, layers), step_ms={})
+    backend.plan(meta)
+    call(0)
+    raw_call(0)
+    row["err_vs_raw"] = rel_err(out, raw_out)
+    if reference is not None:
+        row["err_vs_torch"] = rel_err(out, reference())
+        row["step_ms"] = {n: decode_step_ms(backend, meta, n, call) for n in (1, layers)}
+    return row
+
+
+def decode_step_ms(backend, meta, layers: int, call) -> float:
+    """Host-to-done time of one decode step: plan once, replay a graph of `layers` calls."""
     graph = torch.cuda.CUDAGraph()
+    backend.plan(meta)
     with torch.cuda.graph(graph):
         for layer in range(layers):
             call(layer)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / (iters * layers)
+    return wall_ms(lambda: (backend.plan(meta), graph.replay()), 20)
 
 
-def eager_ms(call, layers: int, iters: int = 10) -> float:
-    for layer in range(layers):
-        call(layer)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        for layer in range(layers):
-            call(layer)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / (iters * layers)
-
-
-def host_ms(fn, iters: int = 30) -> float:
-    """Median host wall time of fn() (GPU drained before each call)."""
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def rel_err(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-# ---------------------------------------------------------------- MLA decode
 def bench_mla(variant: str, layers: int, seqs=32, ctx=4096, heads=128, rank=512, rope=64, page_size=64) -> dict:
     import flashinfer
     from flashinfer.mla import MLAPlanMetadata
+
+    from pieceworks.backends.mla.torch import TorchMLABackend
 
     facts = ModelFacts(arch="deepseek_v3", dtype=BF16, num_heads=heads, kv_lora_rank=rank, qk_rope_head_dim=rope,
                        page_size=page_size)
@@ -114,17 +108,13 @@ def bench_mla(variant: str, layers: int, seqs=32, ctx=4096, heads=128, rank=512,
     pool = KVPool(KVLayout("mla", layers, latent_dim=rank + rope), num_pages, page_size, BF16, DEV)
     pool.buffer.normal_(0, 0.5)
     g = torch.Generator(device=DEV).manual_seed(0)
-    q_nope = torch.randn(seqs, heads, rank, device=DEV, dtype=BF16, generator=g) * 0.5
-    q_pe = torch.randn(seqs, heads, rope, device=DEV, dtype=BF16, generator=g) * 0.5
-    c_kv = torch.randn(seqs, rank, device=DEV, dtype=BF16, generator=g) * 0.5
-    k_pe = torch.randn(seqs, rope, device=DEV, dtype=BF16, generator=g) * 0.5
+    q_nope, q_pe, c_kv, k_pe = (torch.randn(*shape, device=DEV, dtype=BF16, generator=g) * 0.5
+                                for shape in ((seqs, heads, rank), (seqs, heads, rope), (seqs, rank), (seqs, rope)))
     scale = (128 + rope) ** -0.5
-    out_pw, out_raw = torch.empty_like(q_nope), torch.empty_like(q_nope)
-
+    out, raw_out = torch.empty_like(q_nope), torch.empty_like(q_nope)
+    call = lambda l: backend.forward(q_nope, q_pe, c_kv, k_pe, out, l, scale, pool)  # noqa: E731
     backend.plan(meta)
-    backend.forward(q_nope, q_pe, c_kv, k_pe, out_pw, 0, scale, pool)  # learns the scale (one re-plan)
-    plan_host = host_ms(lambda: backend.plan(meta))
-    pw = graph_ms(lambda l: backend.forward(q_nope, q_pe, c_kv, k_pe, out_pw, l, scale, pool), layers)
+    call(0)  # learns the scale (one re-plan)
 
     # raw FlashInfer: the same CSR metadata, a CUDA-graph wrapper, run per layer
     args = mla_plan_args(meta, scale, heads, rank, rope, BF16)
@@ -134,120 +124,72 @@ def bench_mla(variant: str, layers: int, seqs=32, ctx=4096, heads=128, rank=512,
         torch.zeros(128 << 20, dtype=torch.uint8, device=DEV), use_cuda_graph=True,
         qo_indptr=torch.zeros(seqs + 1, **i32), kv_indptr=torch.zeros(seqs + 1, **i32),
         kv_indices=torch.zeros(csr["kv_indices"].numel(), **i32), kv_len_arr=torch.zeros(seqs, **i32), backend=variant)
-    raw_plan = host_ms(lambda: raw.plan(metadata=MLAPlanMetadata.csr(**csr), **args))
-    raw_ms = graph_ms(lambda l: raw.run(query=(q_nope, q_pe), kv_cache=pool.latent_cache(l), out=out_raw), layers)
 
-    # the same step through both, and against the torch reference (layer 0)
-    backend.plan(meta)
-    backend.forward(q_nope, q_pe, c_kv, k_pe, out_pw, 0, scale, pool)
-    raw.run(query=(q_nope, q_pe), kv_cache=pool.latent_cache(0), out=out_raw)
-    from pieceworks.backends.mla.torch import TorchMLABackend
+    def reference():
+        ref, ref_out = TorchMLABackend(BackendSpec.for_device(DEV, model=facts)), torch.empty_like(q_nope)
+        ref.plan(meta)
+        ref.forward(q_nope, q_pe, c_kv, k_pe, ref_out, 0, scale, pool)
+        return ref_out
 
-    ref = TorchMLABackend(BackendSpec.for_device(DEV, model=facts))
-    ref.plan(meta)
-    out_ref = torch.empty_like(q_nope)
-    ref.forward(q_nope, q_pe, c_kv, k_pe, out_ref, 0, scale, pool)
-    errs = dict(err_vs_raw=rel_err(out_pw, out_raw), err_vs_torch=rel_err(out_pw, out_ref))
-    call = lambda l: backend.forward(q_nope, q_pe, c_kv, k_pe, out_pw, l, scale, pool)  # noqa: E731
-    step = {n: _decode_step_ms(backend, meta, n, call) for n in (1, layers)}
     shape = f"{seqs} seq x {ctx} tok, {heads} heads, rank {rank}+{rope}, page {page_size}"
-    return dict(case=f"MLA decode {variant}", shape=shape,
-                raw_ms=raw_ms, pw_ms=pw, plan_ms=plan_host, raw_plan_ms=raw_plan, step_ms=step, **errs)
+    return measure(f"MLA decode {variant}", shape, backend, meta, layers, call, out,
+                   lambda: raw.plan(metadata=MLAPlanMetadata.csr(**csr), **args),
+                   lambda l: raw.run(query=(q_nope, q_pe), kv_cache=pool.latent_cache(l), out=raw_out), raw_out,
+                   reference)
 
 
-def _decode_step_ms(backend, meta, layers: int, call, iters: int = 20) -> float:
-    """Host-to-done time of one decode step: plan once, replay a graph of `layers` calls."""
-    graph = torch.cuda.CUDAGraph()
-    backend.plan(meta)
-    with torch.cuda.graph(graph):
-        for layer in range(layers):
-            call(layer)
+def bench_gqa(variant: str, layers: int, seqs: list[tuple[int, int]], heads=32, kv_heads=8, head_dim=128,
+              page_size=16) -> dict:
+    """Llama-3.1-8B attention over sequences (prefix, new): a decode step when every new is 1 (graphs,
+    FlashInfer's tensor-core decode, the torch reference), else an extend step (eager, FlashInfer prefill)."""
+    import flashinfer
 
-    def step():
-        backend.plan(meta)
-        graph.replay()
-        torch.cuda.synchronize()
+    from pieceworks.backends.attention.flashinfer import qo_indptr
+    from pieceworks.backends.attention.torch import TorchAttentionBackend
 
-    step()
-    return host_ms(step, iters)
-
-
-# ---------------------------------------------------------------- GQA decode and extend (Llama-3.1-8B)
-def _gqa_setup(variant, seqs, page_size, graph, layers, heads=32, kv_heads=8, head_dim=128):
+    decode = all(n == 1 for _, n in seqs)
     facts = ModelFacts(dtype=BF16, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, page_size=page_size)
     # Tensor-core decode, as the raw FlashInfer call below (the backend's auto picks CUDA cores for 4 heads/KV).
     backend = FlashInferAttentionBackend(BackendSpec.for_device(DEV, model=facts),
                                          FlashInferOptions(variant, decode_tensor_cores=True))
-    meta = step_meta(seqs, page_size, graph)
+    meta = step_meta(seqs, page_size, GraphMode.FULL if decode else GraphMode.PIECEWISE)
     pool = KVPool(KVLayout("gqa", layers, kv_heads, head_dim), int(meta.page_table.max()) + 1, page_size, BF16, DEV)
     pool.buffer.normal_()
-    t = meta.num_tokens
     g = torch.Generator(device=DEV).manual_seed(1)
-    q = torch.randn(t, heads, head_dim, device=DEV, dtype=BF16, generator=g)
-    k = torch.randn(t, kv_heads, head_dim, device=DEV, dtype=BF16, generator=g)
-    v = torch.randn(t, kv_heads, head_dim, device=DEV, dtype=BF16, generator=g)
-    return backend, meta, pool, q, k, v
-
-
-def bench_gqa_decode(variant: str, layers: int, seqs=32, ctx=4096, page_size=16) -> dict:
-    import flashinfer
-
-    backend, meta, pool, q, k, v = _gqa_setup(variant, [(ctx - 1, 1)] * seqs, page_size, GraphMode.FULL, layers)
-    scale = 128**-0.5
-    out_pw, out_raw = torch.empty_like(q), torch.empty_like(q)
-    backend.plan(meta)
-    plan_host = host_ms(lambda: backend.plan(meta))
-    pw = graph_ms(lambda l: backend.forward(q, k, v, out_pw, l, scale, pool), layers)
+    q, k, v = (torch.randn(meta.num_tokens, h, head_dim, device=DEV, dtype=BF16, generator=g)
+               for h in (heads, kv_heads, kv_heads))
+    scale = head_dim**-0.5
+    out, raw_out = torch.empty_like(q), torch.empty_like(q)
     kv = paged_kv_indices(meta.page_table, meta.seq_lens, page_size)
-    i32 = dict(dtype=torch.int32, device=DEV)
-    raw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        torch.zeros(128 << 20, dtype=torch.uint8, device=DEV), "NHD", use_cuda_graph=True, use_tensor_cores=True,
-        paged_kv_indptr_buffer=torch.zeros(seqs + 1, **i32), paged_kv_indices_buffer=torch.zeros(kv.indices.numel(), **i32),
-        paged_kv_last_page_len_buffer=torch.zeros(seqs, **i32), backend=backend.variant)
-    plan = lambda: raw.plan(kv.indptr, kv.indices, kv.last_page_len, 32, 8, 128, page_size, q_data_type=BF16,  # noqa: E731
-                            kv_data_type=BF16, sm_scale=scale)
-    raw_plan = host_ms(plan)
-    raw_ms = graph_ms(lambda l: raw.run(q, (pool.k_cache(l), pool.v_cache(l)), out=out_raw), layers)
-    backend.plan(meta)
-    backend.forward(q, k, v, out_pw, 0, scale, pool)
-    raw.run(q, (pool.k_cache(0), pool.v_cache(0)), out=out_raw)
-    from pieceworks.backends.attention.torch import TorchAttentionBackend
+    shapes = dict(q_data_type=BF16, kv_data_type=BF16, sm_scale=scale)
+    buffer = torch.zeros(128 << 20, dtype=torch.uint8, device=DEV)
+    if decode:
+        i32 = dict(dtype=torch.int32, device=DEV)
+        raw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            buffer, "NHD", use_cuda_graph=True, use_tensor_cores=True, backend=backend.variant,
+            paged_kv_indptr_buffer=torch.zeros(len(seqs) + 1, **i32),
+            paged_kv_indices_buffer=torch.zeros(kv.indices.numel(), **i32),
+            paged_kv_last_page_len_buffer=torch.zeros(len(seqs), **i32))
+        plan = lambda: raw.plan(kv.indptr, kv.indices, kv.last_page_len, heads, kv_heads, head_dim,  # noqa: E731
+                                page_size, **shapes)
+    else:
+        raw = flashinfer.BatchPrefillWithPagedKVCacheWrapper(buffer, "NHD", backend=backend.variant)
+        plan = lambda: raw.plan(qo_indptr(meta.extend_lens), kv.indptr, kv.indices, kv.last_page_len,  # noqa: E731
+                                heads, kv_heads, head_dim, page_size, causal=True, **shapes)
 
-    ref, out_ref = TorchAttentionBackend(backend.spec), torch.empty_like(q)
-    ref.plan(meta)
-    ref.forward(q, k, v, out_ref, 0, scale, pool)
-    errs = dict(err_vs_raw=rel_err(out_pw, out_raw), err_vs_torch=rel_err(out_pw, out_ref))
-    step = {n: _decode_step_ms(backend, meta, n, lambda l: backend.forward(q, k, v, out_pw, l, scale, pool))
-            for n in (1, layers)}
-    return dict(case=f"GQA decode {backend.variant}", shape=f"{seqs} seq x {ctx} tok, 32/8 heads, d 128, page {page_size}",
-                raw_ms=raw_ms, pw_ms=pw, plan_ms=plan_host, raw_plan_ms=raw_plan, step_ms=step, **errs)
+    def reference():
+        ref, ref_out = TorchAttentionBackend(backend.spec), torch.empty_like(q)
+        ref.plan(meta)
+        ref.forward(q, k, v, ref_out, 0, scale, pool)
+        return ref_out
 
-
-def bench_gqa_extend(variant: str, layers: int, seqs=8, prefix=1536, new=512, page_size=16) -> dict:
-    import flashinfer
-
-    from pieceworks.backends.attention.flashinfer import qo_indptr
-
-    backend, meta, pool, q, k, v = _gqa_setup(variant, [(prefix, new)] * seqs, page_size, GraphMode.PIECEWISE, layers)
-    scale = 128**-0.5
-    out_pw, out_raw = torch.empty_like(q), torch.empty_like(q)
-    backend.plan(meta)
-    plan_host = host_ms(lambda: backend.plan(meta))
-    pw = eager_ms(lambda l: backend.forward(q, k, v, out_pw, l, scale, pool), layers)
-    kv = paged_kv_indices(meta.page_table, meta.seq_lens, page_size)
-    raw = flashinfer.BatchPrefillWithPagedKVCacheWrapper(torch.zeros(128 << 20, dtype=torch.uint8, device=DEV), "NHD",
-                                                         backend=backend.variant)
-    plan = lambda: raw.plan(qo_indptr(meta.extend_lens), kv.indptr, kv.indices, kv.last_page_len, 32, 8, 128,  # noqa: E731
-                            page_size, causal=True, q_data_type=BF16, kv_data_type=BF16, sm_scale=scale)
-    raw_plan = host_ms(plan)
-    raw_ms = eager_ms(lambda l: raw.run(q, (pool.k_cache(l), pool.v_cache(l)), out=out_raw), layers)
-    backend.plan(meta)
-    backend.forward(q, k, v, out_pw, 0, scale, pool)
-    raw.run(q, (pool.k_cache(0), pool.v_cache(0)), out=out_raw)
-    shape = f"{seqs} seq x ({prefix} cached + {new} new), 32/8 heads, d 128"
-    return dict(case=f"GQA extend {backend.variant} (eager)", shape=shape,
-                raw_ms=raw_ms, pw_ms=pw, plan_ms=plan_host, raw_plan_ms=raw_plan, step_ms={},
-                err_vs_raw=rel_err(out_pw, out_raw))
+    prefix, new = seqs[0]
+    case = f"GQA decode {backend.variant}" if decode else f"GQA extend {backend.variant} (eager)"
+    shape = (f"{len(seqs)} seq x {prefix + 1} tok, {heads}/{kv_heads} heads, d {head_dim}, page {page_size}"
+             if decode else f"{len(seqs)} seq x ({prefix} cached + {new} new), {heads}/{kv_heads} heads, d {head_dim}")
+    return measure(case, shape, backend, meta, layers, lambda l: backend.forward(q, k, v, out, l, scale, pool), out,
+                   plan, lambda l: raw.run(q, (pool.k_cache(l), pool.v_cache(l)), out=raw_out), raw_out,
+                   reference if decode else None, graph_ms if decode else eager_ms)
 
 
 def compile_only() -> None:
@@ -279,18 +221,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--out", default=None, help="write the markdown table (and a .json beside it) here")
     ap.add_argument("--compile-only", action="store_true")
-    ap.add_argument("--mla-fa2", action="store_true", help="also time FlashInfer MLA fa2")
+    ap.add_argument("--variant", default="auto", choices=("auto", "fa2", "fa3"), help="FlashInfer's (auto: fa3 on sm_90)")
     a = ap.parse_args()
     if a.compile_only:
         compile_only()
         return
-    rows = [bench_mla("auto", a.layers)]
-    print(rows[-1], flush=True)
-    if a.mla_fa2:
-        rows.append(bench_mla("fa2", a.layers))
-        print(rows[-1], flush=True)
-    for fn in (bench_gqa_decode, bench_gqa_extend):
-        rows.append(fn("auto", a.layers))
+    rows = []
+    for bench, seqs in ((bench_mla, ()), (bench_gqa, ([(4095, 1)] * 32,)), (bench_gqa, ([(1536, 512)] * 8,))):
+        rows.append(bench(a.variant, a.layers, *seqs))
         print(rows[-1], flush=True)
     md = (f"GPU: {torch.cuda.get_device_name()}, torch {torch.version.__version__}, "
           f"flashinfer {__import__('flashinfer').__version__}, {a.layers} layers per graph\n\n" + table(rows, a.layers))

@@ -86,18 +86,30 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def wall_ms(fn, repeats: int) -> float:
-    """Median wall-clock ms of fn() followed by a synchronize, after 3 warm-up calls."""
+def wall_ms(fn, repeats: int, wait: bool = True) -> float:
+    """Median wall-clock ms of fn() followed by a synchronize, after 3 warm-up calls; wait=False: the GPU
+    drained before each call instead, so that only fn's host time counts."""
     for _ in range(3):
         fn()
-    sync()
     out = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
-        sync()
+        if wait:
+            sync()
         out.append(time.perf_counter() - t0)
     return statistics.median(out) * 1e3
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """||y - ref|| / ||ref|| in float64."""
+    return float((y.double() - ref.double()).norm() / ref.double().norm())
+
+
+def ints(text: str) -> list[int]:
+    """"1,8,16" -> [1, 8, 16] (empty items skipped)."""
+    return [int(v) for v in text.split(",") if v]
 
 
 def add_pdl_option(parser) -> None:

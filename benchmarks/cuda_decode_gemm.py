@@ -5,8 +5,8 @@
 
 Same method as fp4_gemm.py: CUDA-graph replays of back-to-back calls rotating over >= 400 MB of weight
 copies, median of 7 replays, per call; both layouts made from the same random NVFP4 weights; every
-configuration is checked against dequantize + bf16 matmul first (ragged shapes at M = 1..16, then each
-timed shape). Variants are WxD: warps per CTA x chunks in flight per lane on the r16c64 weights
+configuration is checked against dequantize + bf16 matmul on each timed shape (ragged shapes and every M:
+tests/gpu/test_cuda_fp4.py). Variants are WxD: warps per CTA x chunks in flight per lane on the r16c64 weights
 (`fp4_gemm.cuda`); WxDk the same kernel on the Triton backend's k32 weights (`layout="k32"`: chunks of
 128 elements, x loaded just before its chunk), which is what `fp4_gemm.triton` runs at M <= 16. --pdl
 launches every call with programmatic dependent launch (as the decode step does), so a call's first
@@ -23,7 +23,7 @@ import os
 import re
 
 import torch
-from common import HBM, SHAPES, copies_for, fp4_bytes, graph_time, random_nvfp4, time_bf16
+from common import HBM, SHAPES, copies_for, fp4_bytes, graph_time, ints, random_nvfp4, rel_err, time_bf16
 
 from pieceworks.backends.base import BackendSpec
 from pieceworks.backends.fp4_gemm import cuda_decode, r16c64
@@ -41,7 +41,6 @@ def main() -> None:
     ap.add_argument("--pdl", action="store_true", help="launch the CUDA calls with PDL")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    ms = [int(m) for m in args.ms.split(",")]
     variants = []
     for v in args.variants.split(","):
         found = re.fullmatch(r"(\d+)x(\d+)(k?)", v)
@@ -51,20 +50,6 @@ def main() -> None:
         variants.append((v, {"warps": int(found[1]), "depth": int(found[2]), "pdl": args.pdl, "layout": layout}))
     gen = torch.Generator(device="cuda").manual_seed(0)
     triton = TritonFp4GemmBackend(BackendSpec.for_device("cuda", fp4_numerics="w4a16"))
-    for n, k in [(40, 208), (48, 4160), (16, 64), (4096, 4096)]:  # odd shapes: padded rows and K
-        w, s, gs = random_nvfp4(n, k, gen)
-        c, sc = r16c64.repack_decode(w, s)
-        pk = triton.prepare(Fp4Weight(w, s, gs, gs))
-        wd = (nvfp4.e2m1_decode(nvfp4.unpack(w)) * (s.float() * gs).repeat_interleave(16, 1)).to(torch.bfloat16)
-        for m in range(1, 17):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-            ref = (x @ wd.t()).float()
-            errs = []
-            for _, kw in variants:
-                wts = (c, sc) if kw["layout"] == "r16c64" else (pk.weight, pk.weight_scale)
-                y = cuda_decode.decode_gemm(x, *wts, gs, n, **kw).float()
-                errs.append(float((y - ref).norm() / ref.norm()))
-            print(f"check N={n} K={k} M={m}: max relative error {max(errs):.2e}", flush=True)
     rows = []
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
@@ -79,19 +64,19 @@ def main() -> None:
             cud.append((*r16c64.repack_decode(w, s), gs.float()))
         w, s, gs = raw[0]
         wd = (nvfp4.e2m1_decode(nvfp4.unpack(w)) * (s.float() * gs).repeat_interleave(16, 1)).to(torch.bfloat16)
-        for m in ms:
+        for m in ints(args.ms):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-            ref = (x @ wd.t()).float()
+            ref = x @ wd.t()
             row = {"shape": name, "m": m, "n": n, "k": k, "bytes": fp4_bytes(m, n, k)}
-            y = triton.forward(x, tri[0][0], tri[0][1], tri[0][2], gs, n).float()
-            row["triton_err"] = float((y - ref).norm() / ref.norm())
+            y = triton.forward(x, tri[0][0], tri[0][1], tri[0][2], gs, n)
+            row["triton_err"] = rel_err(y, ref)
             row["triton_us"] = graph_time(lambda i: triton.forward(x, *tri[i % copies], gs, n), copies) * 1e6
             row["bf16_ref_us"] = time_bf16(m, n, k, gen) * 1e6  # cuBLAS x @ W.t() (not an fp4 candidate)
             for v, kw in variants:
                 key = f"cuda_{v}"
                 ws = cud if kw["layout"] == "r16c64" else tri
-                y = cuda_decode.decode_gemm(x, *ws[0], n, **kw).float()
-                row[key + "_err"] = float((y - ref).norm() / ref.norm())
+                y = cuda_decode.decode_gemm(x, *ws[0], n, **kw)
+                row[key + "_err"] = rel_err(y, ref)
                 if not row[key + "_err"] < 1e-2:
                     print(f"{name} M={m} {key}: relative error {row[key + '_err']:.3g}", flush=True)
                     continue

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import graph_time
+from common import graph_time, ints
 
 HQ, HKV, D, PS, LAYERS = 32, 8, 128, 16, 32
 
@@ -50,11 +50,6 @@ def time_variant(state, splits: int, write: bool = False, **launch) -> float:
         lens = positions
     return graph_time(lambda i: tk.decode(q, *caches[i], out, table, lens, scale, splits, *parts, **launch),
                       LAYERS) * 1e6
-
-
-def time_calls(batch: int, context: int, write: bool = False) -> float:
-    splits = num_splits(batch, HKV)
-    return time_variant(setup(batch, context, splits), splits, write)
 
 
 def sweep(shapes: list[tuple[int, int]]) -> None:
@@ -96,8 +91,9 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; context {args.context}, "
           f"{HQ}/{HKV} heads, head_dim {D}, page size {PS}{', K/V write fused' if args.write else ''}")
     print("| batch | splits | us per call |\n|---:|---:|---:|")
-    for b in (int(x) for x in args.batches.split(",")):
-        print(f"| {b} | {num_splits(b, HKV)} | {time_calls(b, args.context, args.write):.2f} |", flush=True)
+    for b in ints(args.batches):
+        splits = num_splits(b, HKV)
+        print(f"| {b} | {splits} | {time_variant(setup(b, args.context, splits), splits, args.write):.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -29,24 +29,19 @@ def _rows_ok(*ts: torch.Tensor) -> bool:
 
 
 # --- RMSNorm ------------------------------------------------------------------------------------------
-NORM_WEIGHT_EARLY = True  # the norm kernels load their weight before the PDL wait (benchmarks/pdl_ab.py: False)
-
-
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, H, eps, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr = False, W_EARLY: tl.constexpr = True):
+                    PDL: tl.constexpr = False):
     cols = tl.arange(0, BLOCK)
     mask = cols < H
-    if W_EARLY:  # the norm weight is no earlier kernel's output: load it before the PDL wait
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # the norm weight is no earlier kernel's output: loaded before the PDL wait
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     pdl_kernels.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     xf = x.to(tl.float32)
     r = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
     y = (xf * r).to(x.dtype).to(tl.float32)  # the reference rounds to x.dtype before the weight
-    if not W_EARLY:
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -61,19 +56,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         block = triton.next_power_of_2(x.shape[1])
         use_pdl, launch = pdl.launch_options(x.device)
         _rms_norm_kernel[(x.shape[0],)](x, weight, out, x.stride(0), out.stride(0), x.shape[1], eps,
-                                        BLOCK=block, PDL=use_pdl, W_EARLY=NORM_WEIGHT_EARLY,
-                                        num_warps=min(16, max(1, block // 512)),
+                                        BLOCK=block, PDL=use_pdl, num_warps=min(16, max(1, block // 512)),
                                         enable_fp_fusion=False, **launch)
     return out
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o, stride_s, H, eps,
-                         BLOCK: tl.constexpr, PDL: tl.constexpr = False, W_EARLY: tl.constexpr = True):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     cols = tl.arange(0, BLOCK)
     mask = cols < H
-    if W_EARLY:  # the norm weight is no earlier kernel's output: load it before the PDL wait
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # the norm weight is no earlier kernel's output: loaded before the PDL wait
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     pdl_kernels.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -83,8 +77,6 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride
     sf = s.to(tl.float32)
     rs = tl.math.rsqrt(tl.sum(sf * sf, axis=0) / H + eps)
     y = (sf * rs).to(s.dtype).to(tl.float32)
-    if not W_EARLY:
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -102,7 +94,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         use_pdl, launch = pdl.launch_options(x.device)
         _add_rms_norm_kernel[(x.shape[0],)](x, residual, weight, out, s, x.stride(0), residual.stride(0),
                                             out.stride(0), s.stride(0), x.shape[1], eps, BLOCK=block, PDL=use_pdl,
-                                            W_EARLY=NORM_WEIGHT_EARLY,
                                             num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False,
                                             **launch)
     return out, s

@@ -27,7 +27,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
                    stride_vp, stride_vs, stride_vh, stride_tb, stride_knt, stride_knh, stride_vnt, stride_vnh,
                    scale_log2, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
                    S: tl.constexpr, BLOCK_N: tl.constexpr, HKV: tl.constexpr, WRITE: tl.constexpr,
-                   LENS_ARE_POSITIONS: tl.constexpr, PDL: tl.constexpr = False, TRIGGER: tl.constexpr = True):
+                   LENS_ARE_POSITIONS: tl.constexpr, PDL: tl.constexpr = False):
     pdl_kernels.wait(PDL)  # q and the new K/V rows come from the kernels before (pdl.py)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -78,8 +78,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
         v = tl.load(v_ptr + v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    if TRIGGER:  # (else the next kernel launches when this grid exits)
-        pdl_kernels.launch_dependents(PDL)  # the next kernel's launch overlaps the merge
+    pdl_kernels.launch_dependents(PDL)  # the next kernel's launch overlaps the merge
     out_rows = out_ptr + b.to(tl.int64) * stride_ot + rows[:, None] * stride_oh + d[None, :]
     omask = (g < G)[:, None]
     if S == 1:
@@ -116,15 +115,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
             tl.store(count_ptr + b * HKV + h, 0)
 
 
-EARLY_TRIGGER = True  # let the next kernel launch before the merge (benchmarks/pdl_ab.py: False)
-# Launched in stream order, not early behind the q/k/v GEMM: every input but the page table comes from
-# that GEMM, and the early launch makes the kernel finish later (an Nsight Systems timeline of the batch-1
-# step on the H200: 8.3 us after the GEMM's end per layer against 6.5; benchmarks/pdl_ab.py
-# --attention-pdl-launch; docs/benchmarks.md).
-# Its PDL wait then returns at once, and its trigger still lets the o GEMM launch before the merge.
-PDL_LAUNCH = False
-
-
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
            table: torch.Tensor, lens: torch.Tensor, scale: float, splits: int, part_o: torch.Tensor,
            part_lse: torch.Tensor, counters: torch.Tensor, block_n: int = 64, num_warps: int = 4,
@@ -153,12 +143,16 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
         raise ValueError("decode: k_new/v_new need slots (the slot of each new row)")
     kn, vn = (k_new, v_new) if write else (q, q)  # placeholders, never read
     slots = slots if write else lens  # placeholder, never read
-    use_pdl, launch = pdl.launch_options(q.device, early=PDL_LAUNCH)
+    # Launched in stream order, not early behind the q/k/v GEMM: every input but the page table comes from
+    # that GEMM, and the early launch makes the kernel finish later (batch-1 step on the H200: 8.3 us after
+    # the GEMM's end per layer against 6.5; docs/benchmarks.md). Its PDL wait then returns at once, and its
+    # trigger still lets the o GEMM launch before the merge.
+    use_pdl, launch = pdl.launch_options(q.device, early=False)
     _decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, out, table, lens, part_o, part_lse, counters, kn, vn, slots,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         scale * 1.4426950408889634, G=group, GP=gp, D=dim, PS=page_size, S=splits, BLOCK_N=block_n, HKV=hkv,
-        WRITE=write, LENS_ARE_POSITIONS=lens_are_positions, PDL=use_pdl, TRIGGER=EARLY_TRIGGER,
+        WRITE=write, LENS_ARE_POSITIONS=lens_are_positions, PDL=use_pdl,
         num_warps=num_warps, num_stages=num_stages, **launch)

@@ -1,15 +1,17 @@
-"""benchmarks/timeline.py's bookkeeping (the docs quote its numbers): steps split at idle gaps, each
+"""benchmarks/profile_step.py --timeline's bookkeeping (the docs quote its numbers): steps split at idle gaps, each
 kernel's exposed time and lead, roles from kernel names. Pure python over synthetic kernel records."""
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 
-_path = Path(__file__).resolve().parents[1] / "benchmarks" / "timeline.py"
-_spec = importlib.util.spec_from_file_location("timeline_script", _path)
+_dir = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(_dir))  # the script imports its folder's `common`, as when run
+_spec = importlib.util.spec_from_file_location("profile_step_script", _dir / "profile_step.py")
 timeline = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(timeline)
 
@@ -27,9 +29,9 @@ def test_roles_follow_the_llama_step():
     assert timeline.role(PLAIN, "q/k/v gemm (+rope)") == "o gemm"
     assert timeline.role(SWIGLU, "o gemm") == "gate/up gemm (+swiglu)"
     assert timeline.role(PLAIN, "gate/up gemm (+swiglu)") == "down gemm"
-    assert timeline.role("_decode_kernel", "") == "attention"
+    assert timeline.role("_decode_kernel", "") == "attention (attention.triton)"
     assert timeline.role("_add_rms_norm_kernel", "") == "norm"
-    assert timeline.role("nvjet_tst_128x64_64x3_1x2_h_bz_TNT", "") == "lm_head (cuBLAS)"
+    assert timeline.role("nvjet_tst_128x64_64x3_1x2_h_bz_TNT", "") == "bf16 gemm (cuBLAS: lm_head)"
 
 
 def test_exposed_and_lead_add_up_to_the_span():
@@ -42,7 +44,7 @@ def test_exposed_and_lead_add_up_to_the_span():
     assert span == pytest.approx(16.0)
     assert acc["norm"] == pytest.approx([2.0, 2.0, 0.0, 1])
     assert acc["q/k/v gemm (+rope)"] == pytest.approx([6.0, 5.0, -1.0, 1])
-    assert acc["attention"] == pytest.approx([6.5, 6.5, 0.5, 1])
+    assert acc["attention (attention.triton)"] == pytest.approx([6.5, 6.5, 0.5, 1])
     assert acc["o gemm"] == pytest.approx([5.0, 2.0, -2.0 + -3.0, 2])
     assert sum(a[1] for a in acc.values()) + 0.5 == pytest.approx(span)  # exposed + idle = span
 
