@@ -18,11 +18,15 @@ alternation: host-side plan + forward + synchronize, wall clock, median of repea
 are prepared once outside the timing (identical work for all). The whole-forward graph is captured per T
 for that exact batch and replayed without re-planning (what a graph can do at best). Decode: `Executor.forward` of a decode batch over
 512-token sequences (`--context`; logits included), with the full decode graphs and with them switched off.
+`--mixed 256x32` adds a row for a mixed step (a 256-token chunk + 32 decode rows over --context tokens), timed
+as the extend rows. `--host-time` (CPU, e.g. `--preset tiny --layers 32 --set cuda_graph.piecewise.enabled=on`)
+times the piecewise runner's own host work per piece (stand-in graphs, no-op replays and attention).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import statistics
@@ -36,6 +40,7 @@ from plain_llama import PlainLlama
 from pieceworks import Executor
 from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode
 from pieceworks.core.context import ForwardContext, forward_context
+from pieceworks.testing.graphs import stand_in_capture
 
 
 def timed_interleaved(fns: dict, repeats: int) -> dict:
@@ -69,13 +74,35 @@ def plain_diff(eager, plain_fw) -> float:
 
 
 def extend_row(ex: Executor, T: int, repeats: int, plain: PlainLlama | None = None) -> dict:
-    toks = torch.randint(0, ex.vocab_size, (T,)).tolist()
     seq = ex.new_sequence()
-    ex._reserve_pages([seq], [toks])
-    row = {"T": T}
     try:
-        meta, ids = ex.prepare_step(ForwardMode.EXTEND, GraphMode.EAGER, [seq], [toks])
-        k_eager = ex.table.step(ForwardMode.EXTEND, GraphMode.EAGER)
+        return {"T": T, **step_row(ex, [seq], [torch.randint(0, ex.vocab_size, (T,)).tolist()], repeats, plain)}
+    finally:
+        ex.free(seq)
+
+
+def mixed_row(ex: Executor, chunk: int, decodes: int, context: int, repeats: int, plain=None) -> dict:
+    """One `chunk`-token prefill chunk (no prefix) and `decodes` decode rows over `context`-token sequences."""
+    seqs = [ex.new_sequence() for _ in range(decodes + 1)]
+    try:
+        for s in seqs[1:]:
+            ex.forward(ForwardBatch([s], [torch.randint(0, ex.vocab_size, (context,)).tolist()]))
+        toks = [torch.randint(0, ex.vocab_size, (chunk,)).tolist()] + [[1]] * decodes
+        return {"T": f"{chunk} + {decodes} x 1", **step_row(ex, seqs, toks, repeats, plain)}
+    finally:
+        for s in seqs:
+            ex.free(s)
+
+
+def step_row(ex: Executor, seqs: list, toks: list[list[int]], repeats: int, plain: PlainLlama | None) -> dict:
+    """One step over `seqs` feeding `toks` (not committed), timed eager, piecewise, plain, whole graph."""
+    T = sum(map(len, toks))
+    mode = ForwardMode.classify(list(map(len, toks)), [s.kv_len for s in seqs])
+    new_pages = ex._reserve_pages(seqs, toks)
+    row = {}
+    try:
+        meta, ids = ex.prepare_step(mode, GraphMode.EAGER, seqs, toks)
+        k_eager = ex.table.step(mode, GraphMode.EAGER)
 
         def eager():
             plan(k_eager, meta)
@@ -94,13 +121,12 @@ def extend_row(ex: Executor, T: int, repeats: int, plain: PlainLlama | None = No
             row["plain_diff"] = plain_diff(eager, plain_fw)
         if ex.piecewise is not None and ex.piecewise.covers(T):
             pad = ex.piecewise.padded_size(T)
-            meta_p, ids_p = ex.prepare_step(ForwardMode.EXTEND, GraphMode.PIECEWISE, [seq], [toks], pad)
-            k_pw = ex.table.step(ForwardMode.EXTEND, GraphMode.PIECEWISE)
+            meta_p, ids_p = ex.prepare_step(mode, GraphMode.PIECEWISE, seqs, toks, pad)
+            k_pw = ex.table.step(mode, GraphMode.PIECEWISE)
 
             def piecewise():
-                plan(k_pw, meta_p)
                 with forward_context(ForwardContext(k_pw, meta_p, ex.kv)):
-                    ex.piecewise(ids_p, meta_p.positions)
+                    ex.piecewise(ids_p, meta_p.positions, lambda: plan(k_pw, meta_p))
 
             fns["piecewise_ms"] = piecewise
             row["padded_to"] = pad
@@ -126,9 +152,7 @@ def extend_row(ex: Executor, T: int, repeats: int, plain: PlainLlama | None = No
         row["whole_graph_ms"] = wall_ms(whole, repeats)
         graph = None  # release the captured graph before the next T
     finally:
-        ex._release([seq], [list(seq.pages)])
-        seq.pages = []
-        ex.free(seq)
+        ex._release(seqs, new_pages)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     if "whole_graph_ms" not in row:
@@ -138,6 +162,27 @@ def extend_row(ex: Executor, T: int, repeats: int, plain: PlainLlama | None = No
         row["kept_of_saving"] = (row["eager_ms"] - row["piecewise_ms"]) / saving if saving > 0 else float("nan")
         row["piecewise_vs_eager"] = row["piecewise_ms"] / row["eager_ms"]
     return row
+
+
+def host_row(ex: Executor, T: int, repeats: int) -> dict:
+    """`--host-time` (CPU): a piecewise step with no-op graph replays and attention calls, i.e. the runner's
+    own host work, through the traced code (what each size's first replay runs) and through the recording."""
+    pw, seq, toks = ex.piecewise, ex.new_sequence(), [torch.randint(0, ex.vocab_size, (T,)).tolist()]
+    new_pages, size = ex._reserve_pages([seq], toks), pw.padded_size(T)
+    try:
+        meta, ids = ex.prepare_step(ForwardMode.EXTEND, GraphMode.PIECEWISE, [seq], toks, size)
+        noop = type("NoOpAttention", (), {"forward": lambda *a: None})()
+        kernels = dataclasses.replace(ex.table.step(ForwardMode.EXTEND, GraphMode.PIECEWISE), attention=noop, mla=noop)
+        with forward_context(ForwardContext(kernels, meta, ex.kv)):
+            pw(ids, meta.positions)  # the size's first step records it
+            pw.phase, pw.current_size = "replay", size  # for _run: the traced code, as that first step ran it
+            ms = timed_interleaved({"traced": lambda: pw._run(size), "recorded": lambda: pw(ids, meta.positions)},
+                                   repeats)
+    finally:
+        ex._release([seq], new_pages)
+        ex.free(seq)
+    n = len(pw.backend.pieces)
+    return {"T": T, "pieces": n, **{f"{k}_us_per_piece": v * 1e3 / n for k, v in ms.items()}}
 
 
 def decode_row(ex: Executor, bs: int, repeats: int, context: int = 512) -> dict:
@@ -175,6 +220,10 @@ def main() -> None:
     p.add_argument("--attention", default="auto", help="backends.attention (and mla)")
     p.add_argument("--extend", default="16,64,128,256,512,1024,2048,8192")
     p.add_argument("--decode", default="1,8,32")
+    p.add_argument("--mixed", default="", help="CHUNKxDECODES, e.g. 256x32: a mixed step of one prefill chunk and "
+                   "DECODES decode rows over --context-token sequences")
+    p.add_argument("--host-time", action="store_true", help="CPU: the piecewise runner's host time per piece "
+                   "for each --extend T (stand-in graphs, no-op replays and attention)")
     p.add_argument("--context", type=int, default=512, help="tokens per sequence before the decode steps")
     p.add_argument("--decode-sizes", default=None, help="decode graph batch sizes (default schedule)")
     p.add_argument("--repeats", type=int, default=20)
@@ -225,10 +274,18 @@ def main() -> None:
     if args.plain == "on" and args.arch == "llama" and args.quant == "none":
         k_eager = ex.table.step(ForwardMode.EXTEND, GraphMode.EAGER)
         plain = PlainLlama(ex.model, ex.kv, getattr(k_eager.attention, "variant", "fa2"))
+    if args.host_time:
+        stand_in_capture(ex.piecewise, rerun=False)
+        rows = [host_row(ex, int(T), args.repeats * 5) for T in args.extend.split(",") if T]
+        print(md_table(list(rows[0]), [[f"{v:.2f}" if isinstance(v, float) else v for v in r.values()] for r in rows]))
+        return
     ext = []
     for T in [int(x) for x in args.extend.split(",") if x]:
         faulthandler.dump_traceback_later(args.watchdog)
         ext.append(extend_row(ex, T, args.repeats if T <= 2048 else max(5, args.repeats // 4), plain))
+        print(ext[-1], flush=True)
+    if args.mixed:
+        ext.append(mixed_row(ex, *map(int, args.mixed.split("x")), args.context, args.repeats, plain))
         print(ext[-1], flush=True)
     dec = []
     for bs in decode_batches:

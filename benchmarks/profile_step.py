@@ -124,12 +124,14 @@ def main() -> None:
     meta, ids = ex.prepare_step(ForwardMode.EXTEND, GraphMode.PIECEWISE, [seq], [toks], pad)
     kernels = ex.table.step(ForwardMode.EXTEND, GraphMode.PIECEWISE)
 
-    def step():
+    def plan():
         for b in (kernels.attention, kernels.mla):
             if b is not None:
                 b.plan(meta)
+
+    def step():
         with forward_context(ForwardContext(kernels, meta, ex.kv)):
-            ex.piecewise(ids, meta.positions)
+            ex.piecewise(ids, meta.positions, plan)
 
     for _ in range(5):
         step()

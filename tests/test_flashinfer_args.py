@@ -619,3 +619,35 @@ def test_triton_decode_attention_plan_buffers():
     with pytest.raises(ValueError, match="decode steps only"):
         backend.plan(SimpleNamespace(mode=E, graph_batch_size=None, num_seqs=1, seq_lens=[3],
                                      device=torch.device("cpu")))
+
+
+def test_attention_forward_keeps_views_of_replayed_tensors_only():
+    """Between piecewise replays a layer's q/k/v/out are the same graph outputs on every step of a size:
+    the views the backend cuts of them are kept across steps (and redone when the planned row count
+    changes); fresh tensors are never kept. K/V land at each step's slots, padded rows of out end zero."""
+    from types import SimpleNamespace
+
+    from pieceworks.core.batch import mark_replayed
+
+    spec = BackendSpec(device="cuda", capability=(9, 0), model=LLAMA, modules=frozenset({"flashinfer"}))
+    backend = FlashInferAttentionBackend(spec)
+    cache = torch.zeros(2, 4, 16, 8, 128)  # K and V: [pages, page_size, Hkv, D]
+    kv = SimpleNamespace(k_cache=lambda layer: cache[0], v_cache=lambda layer: cache[1])
+    backend._wrapper = SimpleNamespace(run=lambda q, kv_caches, out: out.copy_(q * 2))
+    gen = torch.Generator().manual_seed(0)
+    replayed = [mark_replayed(torch.zeros(4, h, 128)) for h in (32, 8, 8, 32)]  # q, k, v, out of a size-4 piece
+    kept = []
+    for rows, slots, fresh in ((3, [5, 6, 7, 0], False), (3, [9, 10, 11, 0], False), (2, [20, 21, 0, 0], False),
+                               (4, [30, 31, 32, 33], True)):
+        q, k, v, out = [torch.empty(t.shape) for t in replayed] if fresh else replayed
+        for t in (q, k, v, out):
+            t.copy_(torch.randn(t.shape, generator=gen))
+        backend._meta = SimpleNamespace(slot_mapping=torch.tensor(slots))
+        backend._rows = rows
+        backend.forward(q, k, v, out, 0, LLAMA.head_dim**-0.5, kv)
+        flat_k, flat_v = cache[0].view(-1, 8, 128), cache[1].view(-1, 8, 128)
+        assert torch.equal(flat_k[slots[:rows]], k[:rows]) and torch.equal(flat_v[slots[:rows]], v[:rows])
+        assert torch.equal(out[:rows], q[:rows] * 2) and not out[rows:].any()
+        assert backend._bound[0][0] is replayed[0] and backend._bound[0][5] == (2 if fresh else rows)
+        kept.append(backend._bound[0])
+    assert kept[0] is kept[1] and kept[2] is not kept[1] and kept[3] is kept[2]  # rebuilt only for new rows

@@ -220,19 +220,26 @@ def test_deepseek_tp2_equals_one_process(reference, extra):
 
 
 @pytest.mark.parametrize("collectives", [False, True])
-def test_one_rank_through_the_distributed_path_equals_one_process(reference, collectives):
-    """World size 1 with a process group: the step broadcast runs, and the collectives (each a copy of
-    one rank) run when asked; neither changes anything. Without `collectives` the models skip them."""
+def test_one_rank_through_the_distributed_path_equals_one_process(reference, collectives, monkeypatch):
+    """World size 1 with a process group: every step takes the leader's path (`send_step`), which has
+    no follower to tell, so it builds and sends no message (and the group has no shared-memory queue);
+    the collectives (each a copy of one rank) run when asked. Nothing changes the logits. Without
+    `collectives` the models skip them."""
+    from pieceworks.executor import distributed
     from pieceworks.executor.distributed import one_rank
 
+    leader_steps, sends = [], []
+    send_step = distributed.send_step
+    monkeypatch.setattr(distributed, "send_step", lambda ex, *a: (leader_steps.append(1), send_step(ex, *a)))
     cfg = load_config(None, LLAMA + ["quantization.format=nvfp4"])
     with one_rank(Executor, cfg, progress=False, collectives=collectives) as ex:
         assert (ex.model.tp.group is not None) == collectives
-        queue = ex.groups.queue  # with no reader, as the leader of N ranks: each step is pickled into a slot
-        assert (queue is not None) == message_queue.usable()
+        assert ex.groups.size == 1 and ex.groups.queue is None
+        broadcast = ex.groups.broadcast
+        ex.groups.broadcast = lambda *a, **kw: (sends.append(a), broadcast(*a, **kw))[1]
         got = steps(ex)
-        assert queue is None or queue.count >= 7  # 3 forward steps, 4 generate steps
-    assert queue is None or queue.name not in shm_segments()
+        assert len(leader_steps) >= 7  # 3 forward steps, 4 generate steps
+        assert sends == [] and ex.sent_pages.steps == 0 and ex.sent_pages.counts == {}
     for r, g in zip(reference(LLAMA + ["quantization.format=nvfp4"]), got):
         assert torch.equal(r, g)
 

@@ -94,6 +94,48 @@ def test_traced_once_without_recompiles(pair):
     assert pw.piecewise.backend.num_compiles == 1
 
 
+def test_recorded_replays_match_eager(pair):
+    """The replay path on CPU: pieces captured with stand-in graphs (each replay reruns the piece on its
+    captured tensors). A size's first step replays through the traced code and records it; later steps
+    of that size run the recording only, and every step's logits match eager."""
+    from pieceworks.testing.graphs import stand_in_capture
+
+    eager = pair[0]
+    ex = make(eager.cfg.model.arch, True)
+    stand_in_capture(ex.piecewise)
+    traced_steps = []
+    real_run = ex.piecewise._run
+    ex.piecewise._run = lambda size: traced_steps.append(size) or real_run(size)
+    steps = SCRIPTS["extend_many_counts"] + SCRIPTS["mixed"] + SCRIPTS["extend_with_prefix"]
+    for a, b in zip(run(eager, steps), run(ex, steps)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert sorted(traced_steps) == sorted(ex.piecewise.programs) == SIZES  # each size traced once, recorded
+    assert ex.piecewise.backend.num_compiles == 1
+
+
+def test_recorded_step_plans_after_its_first_replay():
+    """A recording that starts with a piece's replay runs the attention plan right after it (the GPU runs
+    the first piece while the host plans), before any attention call; one that starts otherwise, first."""
+    from pieceworks.executor.piecewise import _program
+
+    order = []
+
+    class Graph:
+        def replay(self):
+            order.append("replay")
+
+    def attention(x):
+        order.append(f"attention {x}")
+
+    out = torch.zeros(1)
+    calls = [(Graph().replay, ()), (attention, (0,)), (Graph().replay, ()), (attention, (1,))]
+    assert _program(calls, out)(lambda: order.append("plan")) is out
+    assert order == ["replay", "plan", "attention 0", "replay", "attention 1"]
+    order.clear()
+    _program(calls[1:], out)(lambda: order.append("plan"))
+    assert order == ["plan", "attention 0", "replay", "attention 1"]
+
+
 def test_identical_layers_give_identical_pieces():
     torch._dynamo.reset()
     for arch, layers in (("llama", 6), ("deepseek_v3", 5)):

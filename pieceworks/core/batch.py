@@ -169,3 +169,17 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def mark_replayed(t: torch.Tensor) -> torch.Tensor:
+    """Mark `t` as a captured CUDA graph's output: the piecewise runner hands the same tensor object, at
+    the same address, to every step of its capture size (see `is_replayed`)."""
+    t.pieceworks_replayed = True
+    return t
+
+
+def is_replayed(t: torch.Tensor) -> bool:
+    """Whether `t` is a graph output marked by `mark_replayed`. A backend may keep views of such a tensor
+    from one step to the next (they hold no memory of their own); any other tensor is fresh and views
+    kept of it would keep its memory allocated."""
+    return getattr(t, "pieceworks_replayed", False)

@@ -154,11 +154,11 @@ def launch(cls: type, cfg: Config, progress: bool) -> Any:
 
 def one_rank(cls: type, cfg: Config, progress: bool = True, collectives: bool = False) -> Any:
     """An executor of the whole model on one rank that still takes the distributed path: a process group
-    of one, the TP layout of rank 0 of 1 and the leader's step broadcast (the shared-memory queue with
-    no reader: each step is pickled into a slot), as the leader of N ranks on one host runs them. A
-    group of one skips the models' collectives (each would be a copy); `collectives=True` keeps them, so
-    the collectives' capture into the CUDA graphs runs on one GPU (tests/gpu/test_parallel_gpu.py) and
-    their cost shows (benchmarks/tp_overhead.py). `parallel.tensor_parallel_size` must be 1."""
+    of one, the TP layout of rank 0 of 1 and the leader's step (`send_step`, which has no follower to
+    tell: no message, no queue), as the leader of N ranks runs them. A group of one skips the models'
+    collectives (each would be a copy); `collectives=True` keeps them, so the collectives' capture into
+    the CUDA graphs runs on one GPU (tests/gpu/test_parallel_gpu.py) and their cost shows
+    (benchmarks/tp_overhead.py). `parallel.tensor_parallel_size` must be 1."""
     if cfg.parallel.tensor_parallel_size != 1:
         raise ConfigError("one_rank: parallel.tensor_parallel_size must be 1")
     import torch.distributed as dist
@@ -229,8 +229,11 @@ def step_seqs(pages: dict[int, list[int]], msg: tuple) -> list[StepSeq]:
 def send_step(ex: Any, seqs: list, tokens: list[list[int]], all_logits: bool) -> None:
     """The leader's half of `follow`: broadcast one step (after its pages are reserved). The leader does
     not wait for the followers: the message is in the shared-memory ring when this returns, or (through
-    gloo, across hosts) goes out while the leader runs the same step."""
-    ex.groups.broadcast(ex.sent_pages.message(seqs, tokens, all_logits), wait=False)
+    gloo, across hosts) goes out while the leader runs the same step. A group of one has no follower:
+    no message is built or sent, so world size 1 runs the plain executor's step."""
+    groups = ex.groups
+    if groups.size > 1:
+        groups.broadcast(ex.sent_pages.message(seqs, tokens, all_logits), wait=False)
 
 
 def shutdown(ex: Any, graceful: bool = True) -> None:

@@ -7,6 +7,13 @@ capture size (captured largest first, all pieces and sizes in one memory pool); 
 piece directly, so CI exercises the same split and dispatch. Attention runs eagerly between pieces
 on the real tokens. A step's token count is padded up to the next capture size; padded tokens write
 their KV to the pool's reserved slot and their outputs are dropped.
+
+On CUDA the first step of each size replays through the traced code (Dynamo's entry, the split graph's
+Python, each `PieceRunner`'s input check) and records what it called: every piece's `graph.replay` and
+every attention call with its argument tensors, which are the captured pieces' outputs and so the
+same objects on every replay. Later steps of that size run the recording, a flat list of bound
+calls; the host then spends per piece one replay call and, between pieces, the attention backend's
+`forward` (K/V write and kernel launch).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from torch.fx.passes.split_module import split_module
 from torch.utils._pytree import tree_map
 
 from pieceworks.backends.ops import is_splitting_node_target, splitting_impl
-from pieceworks.core.batch import ForwardMode, GraphMode, StepMetadata
+from pieceworks.core.batch import ForwardMode, GraphMode, StepMetadata, mark_replayed
 from pieceworks.core.context import ForwardContext, forward_context
 
 if TYPE_CHECKING:
@@ -66,7 +73,7 @@ def weak_ref(t: Any) -> Any:
         "version": 2,
     }
     holder = type("_CudaArray", (), {"__cuda_array_interface__": iface})()
-    return torch.as_tensor(holder, device=t.device).view(t.dtype)
+    return mark_replayed(torch.as_tensor(holder, device=t.device).view(t.dtype))
 
 
 @dataclass
@@ -95,10 +102,14 @@ class PieceRunner:
         if phase == "capture":
             return self._capture(size, args)
         entry = self.entries[size]
+        recording = self.owner.recording
         for i, ptr in entry.input_ptrs:
             if args[i].data_ptr() != ptr:  # an input that is not where the graph reads it
                 entry.static_inputs[i].copy_(args[i])
+                self.owner.recordable = False  # the copy's source need not be the same tensor next step
         entry.graph.replay()
+        if recording is not None:
+            recording.append((entry.graph.replay, ()))
         return entry.output
 
     def _capture(self, size: int, args: tuple) -> Any:
@@ -122,6 +133,7 @@ class PiecewiseBackend:
     def __init__(self, owner: "PiecewiseRunner") -> None:
         self.owner = owner
         self.num_compiles = 0
+        self.recordable = True  # every splitting piece is a direct call (whose calls can be recorded)
         self.split_gm: torch.fx.GraphModule | None = None
         self.pieces: list[PieceRunner] = []
 
@@ -141,11 +153,14 @@ class PiecewiseBackend:
         split_gm = split_module(gm, None, lambda n: node_part[n], keep_original_order=True)
         names = [n.target for n in split_gm.graph.nodes if n.op == "call_module"]
         runnable = [n for n in names if not _is_splitting_piece(getattr(split_gm, n))]
+        self.recordable = True
         for name in names:
             if name not in runnable:
-                direct = _direct_call(getattr(split_gm, name))
+                direct = _direct_call(getattr(split_gm, name), self.owner)
                 if direct is not None:
                     split_gm.__dict__[name] = direct
+                else:  # runs as a submodule: nothing records its calls
+                    self.recordable = False
         pieces = []
         for i, name in enumerate(runnable):
             runner = PieceRunner(self.owner, getattr(split_gm, name), i, is_last=name == runnable[-1])
@@ -164,9 +179,10 @@ def _is_splitting_piece(gm: torch.fx.GraphModule) -> bool:
     return any(n.op == "call_function" and is_splitting_node_target(n.target) for n in gm.graph.nodes)
 
 
-def _direct_call(gm: torch.fx.GraphModule) -> Callable | None:
+def _direct_call(gm: torch.fx.GraphModule, owner: "PiecewiseRunner") -> Callable | None:
     """For a piece that is exactly `placeholders -> one splitting op -> output`, a function calling the
-    op's implementation directly with the same arguments (no dispatcher on the per-layer path)."""
+    op's implementation directly with the same arguments (no dispatcher on the per-layer path), adding
+    the call to `owner.recording` while one is made."""
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(calls) != 1 or calls[0].kwargs or len(gm.graph.nodes) != len(placeholders) + 2:
@@ -178,7 +194,10 @@ def _direct_call(gm: torch.fx.GraphModule) -> Callable | None:
     consts = list(calls[0].args)
 
     def call(*args: Any) -> None:
-        impl(*[args[i] if i is not None else c for i, c in zip(slots, consts)])
+        bound = [args[i] if i is not None else c for i, c in zip(slots, consts)]
+        impl(*bound)
+        if owner.recording is not None:
+            owner.recording.append((impl, tuple(bound)))
 
     return call
 
@@ -217,6 +236,25 @@ def _own_code_object(model: torch.nn.Module) -> Callable:
     return forward
 
 
+def _program(calls: list[tuple[Callable, tuple]], output: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """A recorded step: the calls in order, then the step's output (the last piece's, at a fixed address).
+    The step's attention plan runs after the first piece's replay when the recording starts with one (the
+    embedding and the first layer's projections read no plan), so the host plans while the GPU runs it."""
+    head = 1 if calls and getattr(calls[0][0], "__name__", None) == "replay" else 0  # a graph's replay
+    first, rest = calls[:head], calls[head:]
+
+    def run(plan: Callable[[], None] | None) -> torch.Tensor:
+        for fn, args in first:
+            fn(*args)
+        if plan is not None:
+            plan()
+        for fn, args in rest:
+            fn(*args)
+        return output
+
+    return run
+
+
 class PiecewiseRunner:
     """Owns the compiled model, the capture sizes, the static inputs and the graph pool."""
 
@@ -231,6 +269,10 @@ class PiecewiseRunner:
         self.phase = "direct"
         self.current_size = 0
         self.num_graphs = 0
+        # size -> the recorded replay of a step of that size (see the module docstring)
+        self.programs: dict[int, Callable[[], torch.Tensor]] = {}
+        self.recording: list[tuple[Callable, tuple]] | None = None
+        self.recordable = True
         self.backend = PiecewiseBackend(self)
         self.compiled = torch.compile(_own_code_object(model), backend=self.backend, fullgraph=True,
                                       dynamic=False)
@@ -248,14 +290,32 @@ class PiecewiseRunner:
     def padded_size(self, num_tokens: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Run the padded step (len(input_ids) is a capture size); returns hidden [size, H]."""
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 plan: Callable[[], None] | None = None) -> torch.Tensor:
+        """Run the padded step (len(input_ids) is a capture size); returns hidden [size, H]. `plan` plans
+        the step's attention backends: called here, after the first piece's replay where the step runs a
+        recording, else before anything runs (None: the caller has planned)."""
         size = input_ids.shape[0]
         self.static_ids[:size].copy_(input_ids)
         self.static_pos[:size].copy_(positions)
+        program = self.programs.get(size)
+        if program is not None:
+            return program(plan)
+        if plan is not None:
+            plan()
         self.current_size = size
-        self.phase = "replay" if self.use_graphs else "direct"
-        return self._run(size)
+        if not self.use_graphs:
+            self.phase = "direct"
+            return self._run(size)
+        self.phase = "replay"
+        self.recording, self.recordable = [], self.backend.recordable
+        try:
+            hidden = self._run(size)
+        finally:
+            calls, self.recording = self.recording, None
+        if self.recordable and self.backend.num_compiles == 1:
+            self.programs[size] = _program(calls, hidden)
+        return hidden
 
     def _run(self, size: int) -> torch.Tensor:
         ids, pos = self.static_ids[:size], self.static_pos[:size]

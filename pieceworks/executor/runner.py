@@ -29,6 +29,7 @@ from pieceworks.config import Config, ConfigError
 from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode, Sequence, StepMetadata, to_device
 from pieceworks.core.context import ForwardContext, forward_context
 from pieceworks.errors import BatchError, OutOfPages
+from pieceworks.executor import distributed  # here: an import inside the leader's step costs ~1 us a step
 from pieceworks.executor.build import build_executor, executor_from_config, model_dir_of
 from pieceworks.executor.inputs import as_token_ids, check_batch, page_table, token_rows
 from pieceworks.executor.kv_cache import KVPool, block_keys
@@ -248,13 +249,17 @@ class Executor:
             return logits
         pad_to = self.piecewise.padded_size(sum(map(len, tokens))) if graph is GraphMode.PIECEWISE else None
         meta, input_ids = self.prepare_step(mode, graph, seqs, tokens, pad_to)
-        for backend in (kernels.attention, kernels.mla):
-            if backend is not None:
-                backend.plan(meta)
+
+        def plan() -> None:
+            for backend in (kernels.attention, kernels.mla):
+                if backend is not None:
+                    backend.plan(meta)
+
         with forward_context(ForwardContext(kernels, meta, self.kv)):
             if graph is GraphMode.PIECEWISE:
-                hidden = self.piecewise(input_ids, meta.positions)
+                hidden = self.piecewise(input_ids, meta.positions, plan)
             else:
+                plan()
                 hidden = self.model(input_ids, meta.positions)
         rows = self._logit_rows(tokens, all_logits)
         return self.model.compute_logits(hidden[rows])
@@ -263,19 +268,16 @@ class Executor:
                         all_logits: bool) -> torch.Tensor:
         """`run_step` on every rank: the step's inputs go to the followers first. A worker that is gone,
         or a step that fails on any rank, closes the executor (the ranks' states may differ now)."""
-        from pieceworks.executor.distributed import send_step
-        from pieceworks.parallel.workers import WorkerDied
-
         try:
             if self.workers is not None:
                 self.workers.check()
-            send_step(self, seqs, tokens, all_logits)
+            distributed.send_step(self, seqs, tokens, all_logits)
             return self.run_step(mode, seqs, tokens, all_logits)
         except BaseException as exc:
             failure = self.workers.failure(wait_s=2.0) if self.workers is not None else None
             self.close(graceful=False)
-            if failure is not None and not isinstance(exc, WorkerDied):
-                raise WorkerDied(f"{failure}; the executor is closed, build a new one") from exc
+            if failure is not None and not isinstance(exc, distributed.WorkerDied):
+                raise distributed.WorkerDied(f"{failure}; the executor is closed, build a new one") from exc
             raise
 
     def close(self, graceful: bool = True) -> None:
@@ -283,9 +285,7 @@ class Executor:
         process). Idempotent; the executor can't run steps afterwards. `graceful=False` (after a failed
         step) kills in-process workers instead of asking them to stop."""
         if self.groups is not None:
-            from pieceworks.executor.distributed import shutdown
-
-            shutdown(self, graceful)
+            distributed.shutdown(self, graceful)
             self._closed = True
 
     def __enter__(self) -> "Executor":

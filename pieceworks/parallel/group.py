@@ -80,7 +80,10 @@ class ProcessGroups:
         not matter). Through gloo, with `wait=False`, the leader returns once the message is queued:
         gloo sends it on its own thread while the leader launches its step, and the next message (or
         `flush`) waits for it. One gloo broadcast of a preallocated buffer carries [length: int64][pickle];
-        `broadcast_object_list` takes two broadcasts and fresh tensors per call."""
+        `broadcast_object_list` takes two broadcasts and fresh tensors per call. A group of one sends
+        nothing."""
+        if self.size == 1:
+            return obj
         if self.queue is not None:
             if self.rank == 0:
                 self.queue.put(obj)
@@ -160,7 +163,9 @@ def init_groups(rank: int, size: int, device: torch.device, init_method: str, ti
 def _open_queue(groups: ProcessGroups, timeout_s: float) -> MessageQueue | None:
     """The shared-memory ring for the step messages, or None (gloo broadcasts) unless every rank runs
     on the leader's host, on an architecture the ring supports. The leader creates it (readers: the
-    other ranks, also none at world size 1, so that one rank pays the real send) and sends its name."""
+    other ranks) and sends its name. A group of one has no reader and sends nothing: no ring."""
+    if groups.size == 1:
+        return None
     facts: list[Any] = [None] * groups.size
     dist.all_gather_object(facts, (socket.gethostname(), message_queue.usable()), group=groups.control)
     if not all(f == (facts[0][0], True) for f in facts):

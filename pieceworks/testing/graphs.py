@@ -10,13 +10,18 @@
   buffers fails the replayed step's checks.
 - `capture_replay(fn, inputs)` (CUDA): the same for an op without plan (fp4_gemm, moe): capture `fn` on
   static inputs, replay it on new values, compare with an eager call.
+- `stand_in_capture(runner)` (any device): captures a CPU piecewise runner's pieces with stand-in
+  graphs, so its replay path runs without a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
+from unittest import mock
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from pieceworks.testing.contract import ContractError, PoolRun
 
@@ -152,3 +157,42 @@ def capture_replay(fn: Callable[..., torch.Tensor], make_inputs: Callable[[int],
     if not err <= tol:
         raise ContractError(f"{what}: the replayed graph on new inputs is {err:.2e} from an eager call "
                             f"(tolerance {tol:.0e}): forward reads something the graph did not capture")
+
+
+class StandInGraph:
+    """Where `stand_in_capture` puts a CUDA graph: `replay()` runs the piece again on the tensors it was
+    captured with and copies the result into the captured outputs (fixed addresses, as a graph has), or,
+    for host timing (`rerun=False`), does nothing."""
+
+    def __init__(self) -> None:
+        self.piece: Callable | None = None
+        self.args: tuple = ()
+        self.outputs: list[torch.Tensor] = []
+
+    def replay(self) -> None:
+        if self.piece is not None:
+            for dst, src in zip(self.outputs, tree_leaves(self.piece(*self.args))):
+                dst.copy_(src)
+
+
+def stand_in_capture(runner, rerun: bool = True) -> None:
+    """Capture every size of a CPU `PiecewiseRunner` (executor/piecewise.py) with `StandInGraph`s: its
+    steps then take the replay path (recorded programs included) as on CUDA, without a GPU."""
+    from pieceworks.executor.piecewise import PieceRunner
+
+    real = PieceRunner._capture
+
+    def capture(self, size: int, args: tuple):
+        out = real(self, size, args)
+        entry = self.entries[size]
+        if rerun:
+            entry.graph.piece, entry.graph.args, entry.graph.outputs = self.piece, args, tree_leaves(entry.output)
+        return out
+
+    with mock.patch.object(torch.cuda, "CUDAGraph", StandInGraph), \
+            mock.patch.object(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext()), \
+            mock.patch.object(PieceRunner, "_capture", capture):
+        runner.use_graphs = True
+        for size in reversed(runner.sizes):
+            runner._dummy_step(size, "direct")
+            runner._dummy_step(size, "capture")

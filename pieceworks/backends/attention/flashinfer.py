@@ -26,7 +26,7 @@ import torch
 from pieceworks.backends.attention.base import AttentionBackend, gqa_kernel_reasons
 from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
 from pieceworks.backends.kv_write import write_rows
-from pieceworks.core.batch import ForwardMode, GraphMode, to_device
+from pieceworks.core.batch import ForwardMode, GraphMode, is_replayed, to_device
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-KV partial results)
 GPU_INSTALL_HINT = "pip install 'pieceworks[gpu]'"
@@ -224,6 +224,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._wrapper = None
         self._rows = 0
         self._views: dict[int, tuple] = {}
+        self._bound: dict[int, tuple] = {}
         self._fast: FastRun | None = None
         self._plan_guard = PlanCopyGuard()
 
@@ -292,20 +293,20 @@ class FlashInferAttentionBackend(AttentionBackend):
         if check_capture_scale(self, scale):
             self._sm_scale = scale
             self.plan(self._meta)
-        views = self._views.get(layer_id)
-        if views is None or views[0] is not kv:
-            kc, vc = kv.k_cache(layer_id), kv.v_cache(layer_id)
-            width = kc.shape[2] * kc.shape[3]
-            views = self._views[layer_id] = (kv, kc, vc, kc.view(-1, width), vc.view(-1, width))
-        _, kc, vc, k_rows, v_rows = views
         slots = self._meta.slot_mapping
-        if slots.shape[0] != k.shape[0]:
-            slots = slots[: k.shape[0]]
-        # padded tokens write to the reserved page
-        write_rows(k_rows, k.reshape(k.shape[0], -1), v_rows, v.reshape(v.shape[0], -1), slots)
-        rows = self._rows
-        if out.shape[0] > rows:
-            q, padded, out = q[:rows], out[rows:], out[:rows]
+        # Between piecewise graph replays a layer gets the same q/k/v/out tensors (captured outputs) on
+        # every step of a size: their views are made once, not per layer and step.
+        bound = self._bound.get(layer_id)
+        if (bound is None or bound[0] is not q or bound[1] is not k or bound[2] is not v or bound[3] is not out
+                or bound[4] is not kv or bound[5] != self._rows):
+            bound = self._bind(q, k, v, out, layer_id, kv)
+            if all(map(is_replayed, (q, k, v, out))):
+                self._bound[layer_id] = bound
+        _, _, _, _, _, _, kc, vc, k_rows, k_new, v_rows, v_new, q, out, padded = bound
+        if slots.shape[0] != k_new.shape[0]:
+            slots = slots[: k_new.shape[0]]
+        write_rows(k_rows, k_new, v_rows, v_new, slots)  # padded tokens write to the reserved page
+        if padded is not None:
             padded.zero_()
         if self._fast is not None:
             self._fast(q, kc, vc, out)
@@ -313,6 +314,21 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._fast = FastRun.record(self._wrapper, q, kc, vc, out)
         else:
             self._wrapper.run(q, (kc, vc), out=out)
+
+    def _bind(self, q, k, v, out, layer_id, kv) -> tuple:
+        """(q, k, v, out, kv, rows: the key), then the K/V caches, the pool's row views with the new
+        rows, and q/out cut to the planned rows plus out's padded rows (None without padding)."""
+        views = self._views.get(layer_id)
+        if views is None or views[0] is not kv:
+            kc, vc = kv.k_cache(layer_id), kv.v_cache(layer_id)
+            width = kc.shape[2] * kc.shape[3]
+            views = self._views[layer_id] = (kv, kc, vc, kc.view(-1, width), vc.view(-1, width))
+        _, kc, vc, k_rows, v_rows = views
+        rows, padded, q_run, out_run = self._rows, None, q, out
+        if out.shape[0] > rows:
+            q_run, padded, out_run = q[:rows], out[rows:], out[:rows]
+        return (q, k, v, out, kv, rows, kc, vc, k_rows, k.reshape(k.shape[0], -1), v_rows, v.reshape(v.shape[0], -1),
+                q_run, out_run, padded)
 
 
 class FastRun:
