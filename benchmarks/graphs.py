@@ -125,8 +125,9 @@ def step_row(ex: Executor, seqs: list, toks: list[list[int]], repeats: int, plai
             k_pw = ex.table.step(mode, GraphMode.PIECEWISE)
 
             def piecewise():
+                plan(k_pw, meta_p)
                 with forward_context(ForwardContext(k_pw, meta_p, ex.kv)):
-                    ex.piecewise(ids_p, meta_p.positions, lambda: plan(k_pw, meta_p))
+                    ex.piecewise(ids_p, meta_p.positions)
 
             fns["piecewise_ms"] = piecewise
             row["padded_to"] = pad

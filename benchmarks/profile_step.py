@@ -124,14 +124,12 @@ def main() -> None:
     meta, ids = ex.prepare_step(ForwardMode.EXTEND, GraphMode.PIECEWISE, [seq], [toks], pad)
     kernels = ex.table.step(ForwardMode.EXTEND, GraphMode.PIECEWISE)
 
-    def plan():
+    def step():
         for b in (kernels.attention, kernels.mla):
             if b is not None:
                 b.plan(meta)
-
-    def step():
         with forward_context(ForwardContext(kernels, meta, ex.kv)):
-            ex.piecewise(ids, meta.positions, plan)
+            ex.piecewise(ids, meta.positions)
 
     for _ in range(5):
         step()

@@ -113,29 +113,6 @@ def test_recorded_replays_match_eager(pair):
     assert ex.piecewise.backend.num_compiles == 1
 
 
-def test_recorded_step_plans_after_its_first_replay():
-    """A recording that starts with a piece's replay runs the attention plan right after it (the GPU runs
-    the first piece while the host plans), before any attention call; one that starts otherwise, first."""
-    from pieceworks.executor.piecewise import _program
-
-    order = []
-
-    class Graph:
-        def replay(self):
-            order.append("replay")
-
-    def attention(x):
-        order.append(f"attention {x}")
-
-    out = torch.zeros(1)
-    calls = [(Graph().replay, ()), (attention, (0,)), (Graph().replay, ()), (attention, (1,))]
-    assert _program(calls, out)(lambda: order.append("plan")) is out
-    assert order == ["replay", "plan", "attention 0", "replay", "attention 1"]
-    order.clear()
-    _program(calls[1:], out)(lambda: order.append("plan"))
-    assert order == ["plan", "attention 0", "replay", "attention 1"]
-
-
 def test_identical_layers_give_identical_pieces():
     torch._dynamo.reset()
     for arch, layers in (("llama", 6), ("deepseek_v3", 5)):

@@ -236,19 +236,10 @@ def _own_code_object(model: torch.nn.Module) -> Callable:
     return forward
 
 
-def _program(calls: list[tuple[Callable, tuple]], output: torch.Tensor) -> Callable[..., torch.Tensor]:
-    """A recorded step: the calls in order, then the step's output (the last piece's, at a fixed address).
-    The step's attention plan runs after the first piece's replay when the recording starts with one (the
-    embedding and the first layer's projections read no plan), so the host plans while the GPU runs it."""
-    head = 1 if calls and getattr(calls[0][0], "__name__", None) == "replay" else 0  # a graph's replay
-    first, rest = calls[:head], calls[head:]
-
-    def run(plan: Callable[[], None] | None) -> torch.Tensor:
-        for fn, args in first:
-            fn(*args)
-        if plan is not None:
-            plan()
-        for fn, args in rest:
+def _program(calls: list[tuple[Callable, tuple]], output: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A recorded step: the calls in order, then the step's output (the last piece's, at a fixed address)."""
+    def run() -> torch.Tensor:
+        for fn, args in calls:
             fn(*args)
         return output
 
@@ -290,19 +281,14 @@ class PiecewiseRunner:
     def padded_size(self, num_tokens: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 plan: Callable[[], None] | None = None) -> torch.Tensor:
-        """Run the padded step (len(input_ids) is a capture size); returns hidden [size, H]. `plan` plans
-        the step's attention backends: called here, after the first piece's replay where the step runs a
-        recording, else before anything runs (None: the caller has planned)."""
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Run the padded step (len(input_ids) is a capture size); returns hidden [size, H]."""
         size = input_ids.shape[0]
         self.static_ids[:size].copy_(input_ids)
         self.static_pos[:size].copy_(positions)
         program = self.programs.get(size)
         if program is not None:
-            return program(plan)
-        if plan is not None:
-            plan()
+            return program()
         self.current_size = size
         if not self.use_graphs:
             self.phase = "direct"

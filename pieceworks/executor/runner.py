@@ -249,17 +249,13 @@ class Executor:
             return logits
         pad_to = self.piecewise.padded_size(sum(map(len, tokens))) if graph is GraphMode.PIECEWISE else None
         meta, input_ids = self.prepare_step(mode, graph, seqs, tokens, pad_to)
-
-        def plan() -> None:
-            for backend in (kernels.attention, kernels.mla):
-                if backend is not None:
-                    backend.plan(meta)
-
+        for backend in (kernels.attention, kernels.mla):
+            if backend is not None:
+                backend.plan(meta)
         with forward_context(ForwardContext(kernels, meta, self.kv)):
             if graph is GraphMode.PIECEWISE:
-                hidden = self.piecewise(input_ids, meta.positions, plan)
+                hidden = self.piecewise(input_ids, meta.positions)
             else:
-                plan()
                 hidden = self.model(input_ids, meta.positions)
         rows = self._logit_rows(tokens, all_logits)
         return self.model.compute_logits(hidden[rows])
