@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-# ===== NVFP4 / ModelOpt fixtures (issue 3) ========================================================
+# ===== NVFP4 / ModelOpt fixtures ==================================================================
 # Tiny random Llama and DeepSeek-V3 models, saved in bf16 and exported to NVFP4 by ModelOpt itself
 # (tests/helpers/modelopt_export.py). Exports are cached on disk, keyed by the torch / transformers /
 # modelopt versions and the builder's parameters; the first run builds them (~10 s each).

@@ -616,7 +616,8 @@ def test_gpu_one_sync_and_seed_determinism():
                 res = sampler.sample(logits, states)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+        # (the first use of the debug mode in a process also warns that it is a prototype: not a sync)
+        syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
         assert len(syncs) == 1, syncs
         for s, t in zip(states, res.token_ids):
             s.append(t)
