@@ -58,7 +58,11 @@ class Engine:
         self._arrivals = itertools.count()
         self._ready: list[RequestOutput] = []  # outputs of aborts, returned by the next step
         self._busy = threading.Lock()
+        self._async = cfg.scheduler.async_steps
+        self._inflight: _InFlight | None = None  # the decode step launched, ids not yet on the host
+        self._pinned: list[torch.Tensor] = []  # two host buffers of in-flight ids, used in turn
         self.num_steps = 0
+        self.num_async_steps = 0  # steps launched before the previous step's ids were on the host
         self.num_generated_tokens = 0
 
     @classmethod
@@ -167,6 +171,9 @@ class Engine:
         with self._exclusive("abort"):
             for req in self._requests.pop(request_id, []):
                 if req.finish_reason is None:
+                    if req.pending:  # its in-flight row is dropped when the step's ids arrive
+                        req.output.pop()
+                        req.pending = False
                     self.scheduler.remove(req)
                     req.finish_reason = "abort"
                     self._ready.append(req.make_output([]))
@@ -194,6 +201,20 @@ class Engine:
         """`step`; without `stream` only the outputs of completions that finished (`generate`, which
         returns nothing else, skips building the others)."""
         outputs, self._ready = self._ready, []
+        if self._async:
+            if self._async_ready():
+                scheduled = self.scheduler.schedule()
+                launched = self._launch(scheduled) if scheduled else None
+                if self._inflight is not None:
+                    self._complete(self._inflight, outputs, stream)
+                self._inflight = None
+                if launched is not None and _mark_pending(launched.reqs):
+                    self._inflight = launched
+                return outputs
+            if self._inflight is not None:  # drain: this call returns the in-flight step's outputs only
+                self._complete(self._inflight, outputs, stream)
+                self._inflight = None
+                return outputs
         scheduled = self.scheduler.schedule()
         if not scheduled:
             if self._requests and not self.scheduler.running:
@@ -220,6 +241,67 @@ class Engine:
             if stream or req.finish_reason is not None:
                 outputs.append(req.make_output([tok] if finite else []))
         return outputs
+
+    # ---------------------------------------------------------------- async steps
+    def _async_ready(self) -> bool:
+        """Whether the next step may run asynchronously (`scheduler.async_steps`): every running
+        request decodes one token of a plain greedy completion without stop strings, nothing waits, no
+        request needs preempting, world size 1 and a decode graph covers the batch."""
+        ex, s = self.executor, self.scheduler
+        running = s.running
+        if s.waiting or not running or ex.groups is not None or ex.decode_graphs is None:
+            return False
+        if not ex.decode_graphs.covers(min(len(running), s.cfg.max_num_seqs)):
+            return False
+        ps, need = ex.page_size, 0
+        for req in running:
+            seq = req.seq
+            if not req.state.plain or req.params.stop or seq is None or seq.kv_len != req.num_tokens - 1:
+                return False
+            need += seq.kv_len + 1 > len(seq.pages) * ps
+        return need <= s.alloc.num_free
+
+    def _launch(self, scheduled: list[tuple[Request, list[int]]]) -> _InFlight:
+        """Run a decode step whose rows' ids may be placeholders of the in-flight step (the decode runner
+        takes those from the device), and start the copy of its greedy ids to the host."""
+        reqs = [r for r, _ in scheduled]
+        self.executor.forward(ForwardBatch([r.seq for r in reqs], [t for _, t in scheduled]), validate=False)
+        self.num_steps += 1
+        self.num_async_steps += 1
+        ids = self.executor.greedy_ids
+        if ids is None:
+            raise RuntimeError("an async decode step did not replay a decode graph (Executor.greedy_ids is None)")
+        if ids.device.type != "cuda":
+            return _InFlight(reqs, ids, None)
+        if not self._pinned or self._pinned[0].numel() < ids.numel():
+            n = self.executor.decode_graphs.sizes[-1]
+            self._pinned = [torch.empty(n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._pinned.reverse()  # the other buffer: the in-flight step's copy may still write this one
+        host = self._pinned[0][: ids.numel()]
+        host.copy_(ids, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return _InFlight(reqs, host, done)
+
+    def _complete(self, step: _InFlight, outputs: list[RequestOutput], stream: bool) -> None:
+        """Wait for `step`'s ids and accept them in place of its placeholders (a step launched after
+        it may have fed them: they are patched in its sequences too)."""
+        if step.done is not None:
+            step.done.synchronize()
+        caching = self.executor.kv.allocator.prefix_caching
+        for req, tok in zip(step.reqs, step.ids.tolist()):
+            if req.finish_reason is not None or not req.pending:
+                continue  # finished (or aborted) while the step ran: its row is dropped
+            req.output.pop()
+            req.pending = False
+            seq = req.seq
+            if seq.tokens[-1] < 0:  # the launched step fed the placeholder
+                seq.tokens[-1] = max(tok, 0)
+                if caching and len(seq.tokens) // self.executor.page_size > len(seq.block_keys):
+                    self.executor.register_full_pages(seq)
+            self._accept(req, tok, tok >= 0, None)
+            if stream or req.finish_reason is not None:
+                outputs.append(req.make_output([tok] if tok >= 0 else []))
 
     def _accept(self, req: Request, tok: int, finite: bool, logprobs: dict[int, float] | None) -> None:
         """Append a sampled token to its completion (or fail it on non-finite logits), and finish it
@@ -293,7 +375,8 @@ class Engine:
     def stats(self) -> dict[str, int]:
         """Counters: running, waiting (completions), kv_pages_used, kv_pages_total, kv_pages_cached,
         prefix_cache_hit_tokens, prefix_cache_queried_tokens, num_preemptions, num_steps,
-        num_generated_tokens. Safe to read from another thread (plain ints; a snapshot)."""
+        num_async_steps (of num_steps, those launched with the previous one in flight or starting the
+        pipeline: `scheduler.async_steps`), num_generated_tokens. Safe to read from another thread (plain ints; a snapshot)."""
         s, alloc = self.scheduler, self.executor.kv.allocator
         return {
             "running": len(s.running), "waiting": len(s.waiting),
@@ -302,8 +385,30 @@ class Engine:
             "prefix_cache_hit_tokens": s.prefix_hit_tokens,
             "prefix_cache_queried_tokens": s.prefix_queried_tokens,
             "num_preemptions": s.num_preemptions, "num_steps": self.num_steps,
+            "num_async_steps": self.num_async_steps,
             "num_generated_tokens": self.num_generated_tokens,
         }
+
+
+def _mark_pending(reqs: list[Request]) -> bool:
+    """Give each unfinished request of a launched step the placeholder -(row + 1) of its token there;
+    whether any got one (else nothing of the step is awaited)."""
+    any_left = False
+    for row, req in enumerate(reqs):
+        if req.finish_reason is None:
+            req.output.append(-1 - row)
+            req.pending = any_left = True
+    return any_left
+
+
+class _InFlight:
+    """A launched async decode step: its requests by row, and their greedy ids (int64 [rows]) on the
+    host once `done` (a CUDA event; None on the CPU, where the ids are ready) has completed."""
+
+    __slots__ = ("reqs", "ids", "done")
+
+    def __init__(self, reqs: list[Request], ids: torch.Tensor, done: torch.cuda.Event | None) -> None:
+        self.reqs, self.ids, self.done = reqs, ids, done
 
 
 def _is_int(t: Any) -> bool:

@@ -69,6 +69,9 @@ class Request:
     error: str | None = None
     num_cached_tokens: int | None = None  # set at first admission
     group: list["Request"] = field(default_factory=list, repr=False)  # the n completions of one request
+    pending: bool = False
+    """Async steps: `output[-1]` is the placeholder -(row + 1) of the token that row of the step in
+    flight samples (the decode runner reads it from the device); replaced when the id arrives."""
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,8 @@ Each step (vLLM v1's rules, in nano-vllm's few lines):
    cached prefix of its tokens (prefix caching) and is admitted when the pages its first chunk needs
    now, plus a watermark, are free; not its whole prompt + max_tokens. The first that doesn't fit
    stops admission (no overtaking, so a long prompt can't starve).
+With `scheduler.async_steps`, a request's output may end in the placeholder of a token still in
+flight (`Request.pending`): it counts as generated, so no step runs beyond max_tokens.
 The n completions of one request are admitted once the first has computed the prompt, so the others
 find its full pages in the prefix cache instead of prefilling the prompt n times.
 """
@@ -72,6 +74,11 @@ class Scheduler:
         i = 0
         while i < len(running) and tokens_left > 0 and seqs_left > 0:
             req = running[i]
+            if req.pending:  # async steps: its in-flight token is its last (max_tokens, context limit)
+                mt = req.params.max_tokens
+                if (mt is not None and len(req.output) >= mt) or req.num_tokens >= self.ex.max_context:
+                    i += 1
+                    continue
             seq = req.seq
             kv_len = seq.kv_len
             n = min(req.num_tokens - kv_len, tokens_left)

@@ -145,6 +145,7 @@ class DecodeGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # bucket -> [bs, V] float32, static
         self.greedy: dict[int, torch.Tensor] = {}  # bucket -> [bs] int64 greedy_token_ids, static
+        self._prev: torch.Tensor | None = None  # the last replay's greedy ids [n] (placeholder rows read them)
         self.report: dict[str, float] = {}
         self._capture_all(progress)
 
@@ -226,7 +227,8 @@ class DecodeGraphRunner:
             rows += [self._padding_row] * (bs - n)
         if self._copied is not None:
             self._copied.synchronize()  # the staging buffers are free once the last step's copies ran
-        host = self.staging.fill(bs, [t[0] for t in tokens], positions, slots, reserved_slot)
+        ids = [t[0] for t in tokens]
+        host = self.staging.fill(bs, ids, positions, slots, reserved_slot)
         self.inputs[: 3 * bs].copy_(host, non_blocking=True)
         table = self.staging.table_rows(rows, reserved_slot // ps)
         if table is not None:
@@ -236,12 +238,23 @@ class DecodeGraphRunner:
             self._copied = torch.cuda.Event()
         if self._copied is not None:
             self._copied.record()
+        if self._prev is not None and min(ids) < 0:
+            self._take_previous_ids(self.views(bs)[0])
         meta = self._meta(bs, n, positions, rows)
         self._plan(kernels, meta)
         self.replay(bs, kernels, meta)
+        self._prev = self.greedy[bs][:n]
         if n == bs:
             return self.logits[bs].clone(), self.greedy[bs]
         return self.logits[bs][:n].clone(), self.greedy[bs][:n]
+
+    def _take_previous_ids(self, ids: torch.Tensor) -> None:
+        """Rows whose id is a placeholder -(r + 1) take row r's greedy id of the previous replay, on the
+        device in stream order (the Engine's async steps launch a step before the previous one's ids
+        reach the host). A -1 (non-finite) id becomes 0: that row's request fails and its row is dropped."""
+        prev = self._prev
+        src = (-1 - ids).clamp_(0, prev.shape[0] - 1)
+        ids.copy_(torch.where(ids < 0, prev.index_select(0, src).clamp_(min=0), ids))
 
     def replay(self, bs: int, kernels: StepKernels, meta: StepMetadata) -> None:
         """Run bucket `bs` on the static inputs (planned with `meta`), leaving its logits in

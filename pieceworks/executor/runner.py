@@ -224,12 +224,13 @@ class Executor:
         caching, ps = self.kv.allocator.prefix_caching, self.page_size
         for seq, toks in zip(batch.seqs, tokens):
             seq.tokens.extend(toks)
-            if caching and len(seq.tokens) // ps > len(seq.block_keys):  # a page filled up
-                self._register_full_pages(seq)
+            # a placeholder (< 0, the Engine's async steps) is registered once its id is known
+            if caching and len(seq.tokens) // ps > len(seq.block_keys) and toks[-1] >= 0:  # a page filled up
+                self.register_full_pages(seq)
         return logits
 
-    def _register_full_pages(self, seq: Sequence) -> None:
-        """Offer the sequence's newly filled pages to the prefix cache."""
+    def register_full_pages(self, seq: Sequence) -> None:
+        """Offer the sequence's newly filled pages to the prefix cache (every token of them known)."""
         done = len(seq.block_keys)
         if seq.kv_len // self.page_size <= done:
             return

@@ -1,0 +1,166 @@
+"""The Engine's async steps (`scheduler.async_steps`) on CPU, through the decode runner's host path
+(`EagerDecodeRunner`): greedy outputs equal the synchronous engine's for different max_tokens, EOS and
+stop ids, requests added mid-run, aborts while a step is in flight, a pool 4x too small (preemption)
+and prefix caching; every step streams at most one token per request; all pages come back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pieceworks import Engine, Executor, SamplingParams
+from pieceworks.executor.cuda_graph import EagerDecodeRunner
+
+
+def make(async_steps: bool, num_tokens: int = 512, prefix_caching: bool = True) -> Engine:
+    cfg = {"model": {"arch": "llama", "preset": "tiny", "max_context": 128},
+           "runtime": {"device": "cpu", "dtype": "float32"},
+           "kv_cache": {"num_tokens": num_tokens, "page_size": 4, "prefix_caching": prefix_caching},
+           "scheduler": {"async_steps": async_steps, "max_num_batched_tokens": 24}}
+    ex = Executor.from_config(cfg, progress=False)
+    ex.decode_graphs = EagerDecodeRunner(ex.model, ex.table, ex.kv, ex.max_context, [1, 2, 4, 8])
+    return Engine(ex, tokenizer=None)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run(eng: Engine, first: list[tuple[str, list[int], SamplingParams]],
+        later: list[tuple[str, list[int], SamplingParams]] = (), add_after: int = 0,
+        abort: tuple[str, int] | None = None) -> dict[str, tuple[list[int], str]]:
+    """Drive `eng` step by step: `first` added at once, `later` once `add_after` tokens have streamed,
+    `abort` = (request id, after that many of its tokens). Checks the streaming contract on every step;
+    returns each request's (token ids, finish reason)."""
+    forward = eng.executor.forward
+
+    def checked_forward(batch, **kw):  # no step feeds a token past max_tokens: the last one never runs
+        reqs = {id(r.seq): r for r in eng.scheduler.running}
+        for seq, toks in zip(batch.seqs, batch.tokens):
+            r = reqs[id(seq)]
+            assert seq.kv_len + len(toks) <= len(r.prompt) + r.params.max_tokens - 1
+        return forward(batch, **kw)
+
+    eng.executor.forward = checked_forward
+    for rid, p, sp in first:
+        eng.add_request(p, sp, rid)
+    streamed: dict[str, list[int]] = {}
+    final: dict[str, tuple[list[int], str]] = {}
+    pending = list(later)
+    steps = 0
+    while eng.has_unfinished():
+        outs = eng.step()
+        steps += 1
+        assert steps < 500
+        assert len({o.request_id for o in outs}) == len(outs)  # one output per request per step
+        for o in outs:
+            assert len(o.new_token_ids) <= 1 and all(t >= 0 for t in o.token_ids)
+            streamed.setdefault(o.request_id, []).extend(o.new_token_ids)
+            assert streamed[o.request_id] == o.token_ids  # the deltas add up to the tokens
+            if o.finished:
+                final[o.request_id] = (o.token_ids, o.finish_reason)
+        total = sum(map(len, streamed.values()))
+        if pending and total >= add_after:
+            for rid, p, sp in pending:
+                eng.add_request(p, sp, rid)
+            pending = []
+        if abort is not None and len(streamed.get(abort[0], [])) >= abort[1]:
+            eng.abort(abort[0])
+            abort = None
+    s = eng.stats()
+    assert (s["running"], s["waiting"], s["kv_pages_used"]) == (0, 0, 0)
+    assert not eng.executor._live
+    if not eng.executor.cfg.scheduler.async_steps:
+        assert s["num_async_steps"] == 0
+    return final
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, **kw)
+
+
+BATCH = [(f"r{i}", prompt(n, i), greedy(m, ignore_eos=True))
+         for i, (n, m) in enumerate([(3, 9), (11, 4), (6, 17), (17, 7), (2, 12), (9, 1)])]
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_different_max_tokens_and_mid_run_adds_match_sync(prefix_caching):
+    shared = prompt(13, 50)  # later requests share a prefix with each other (prefix cache hits)
+    later = [(f"l{i}", shared + prompt(3 + i, 60 + i), greedy(6 + 2 * i, ignore_eos=True)) for i in range(3)]
+    sync = run(make(False, prefix_caching=prefix_caching), BATCH, later, add_after=12)
+    eng = make(True, prefix_caching=prefix_caching)
+    got = run(eng, BATCH, later, add_after=12)
+    assert got == sync
+    assert [len(got[rid][0]) for rid, _, _ in BATCH] == [9, 4, 17, 7, 12, 1]
+    assert eng.stats()["num_async_steps"] >= 10
+    assert eng.executor.decode_graphs.staging._rows  # decode steps went through the runner
+    if prefix_caching:
+        assert eng.stats()["prefix_cache_hit_tokens"] > 0
+
+
+def test_eos_and_stop_ids_match_sync():
+    ref = run(make(False), BATCH)
+    # a token generated mid-way by two requests becomes the EOS id, another one a stop id
+    eos, stop = ref["r2"][0][5], ref["r4"][0][3]
+    batch = [(rid, p, greedy(sp.max_tokens, stop_token_ids=[stop])) for rid, p, sp in BATCH]
+    results = []
+    for async_steps in (False, True):
+        eng = make(async_steps)
+        eng.eos_token_ids = frozenset({eos})  # read by add_request and the stop check
+        results.append(run(eng, batch))
+    sync, got = results
+    assert eng.stats()["num_async_steps"] >= 5
+    assert got == sync
+    assert sum(reason == "stop" for _, reason in got.values()) >= 2
+
+
+def test_abort_while_a_step_is_in_flight_returns_all_pages():
+    ref = run(make(False), BATCH)
+    eng = make(True)
+    got = run(eng, BATCH, abort=("r2", 5))
+    tokens, reason = got["r2"]
+    assert reason == "abort" and 5 <= len(tokens) < 17 and tokens == ref["r2"][0][: len(tokens)]
+    assert {k: v for k, v in got.items() if k != "r2"} == {k: v for k, v in ref.items() if k != "r2"}
+    assert eng.executor.kv.allocator.num_free == eng.executor.kv.allocator.capacity
+    assert eng.stats()["num_async_steps"] >= 10
+
+
+def test_preemption_in_a_small_pool_matches_sync():
+    batch = [(f"p{i}", prompt(7, 20 + i), greedy(9, ignore_eos=True)) for i in range(8)]
+    big = run(make(False, num_tokens=256), batch)
+    small = make(True, num_tokens=32)  # 8 pages; the batch needs 8 x 4 = 32 at once: 4x too small
+    assert run(small, batch) == big
+    assert small.stats()["num_preemptions"] > 0 and small.stats()["num_async_steps"] > 0
+
+
+def test_steps_that_cannot_overlap_run_synchronously():
+    """Sampled rows (temperature > 0) never run async: the same seed gives the same tokens either way,
+    and with a greedy request in the batch too."""
+    batch = [("s", prompt(5, 7), SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)),
+             ("g", prompt(4, 8), greedy(8, ignore_eos=True))]
+    eng = make(True)
+    assert run(eng, batch) == run(make(False), batch)
+    assert eng.stats()["num_async_steps"] > 0  # once the sampled request finished, "g" ran async
+
+
+def test_generate_matches_sync():
+    prompts = [p for _, p, _ in BATCH]
+    params = greedy(10, ignore_eos=True)
+    want = [o.token_ids for o in make(False).generate(prompts, params)]
+    eng = make(True)
+    assert [o.token_ids for o in eng.generate(prompts, params)] == want
+    assert not eng.has_unfinished() and eng.stats()["num_async_steps"] >= 8
+
+
+def test_pages_filled_by_async_steps_enter_the_prefix_cache():
+    """Pages whose last token was in flight are registered once its id arrives, under the keys of the
+    real tokens: the whole prompt + output is then a prefix-cache hit, as after synchronous steps."""
+    p = prompt(5, 11)
+    hits = []
+    for async_steps in (False, True):
+        eng = make(async_steps)
+        out = eng.generate([p], greedy(20, ignore_eos=True))[0].token_ids
+        seq = eng.executor.new_sequence(p + out + [1])
+        hits.append(seq.num_cached_tokens)
+        eng.executor.free(seq)
+    assert hits[0] == hits[1] == 24  # 25 tokens of KV: 6 full pages of 4
