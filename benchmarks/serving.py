@@ -19,6 +19,7 @@ and token throughput), the first request's TTFT against the later ones' and the 
     python benchmarks/serving.py model.arch=llama model.preset=tiny runtime.device=cpu \
         "model.sizes={num_hidden_layers: 32, max_position_embeddings: 1024}" kv_cache.num_tokens=65536 \
         --host-overhead 1 32
+    # append scheduler.async_steps=true to either: the host work of a step overlaps the previous replay
     # --executor-generate: the same prompts through Executor.generate (the baseline)
 Prompts are random token ids; every request generates its output length (ignore_eos), greedy by default.
 """
@@ -103,7 +104,8 @@ PARTS = (("schedule", "pieceworks.engine.scheduler:Scheduler.schedule"),
          ("forward/decode runner/replay", "pieceworks.executor.cuda_graph:DecodeGraphRunner.replay"),
          ("sample", "pieceworks.engine.sampler:Sampler.sample"),
          ("sample/wait for the GPU (tolist)", "torch:Tensor.tolist"),
-         ("outputs", "pieceworks.engine.engine:Engine._accept"))
+         ("outputs", "pieceworks.engine.engine:Engine._accept"),
+         ("wait for the previous step's ids (scheduler.async_steps)", "pieceworks.engine.engine:Engine._await_ids"))
 
 
 ROUNDS = 5  # --host-overhead: timed steps and back-to-back replays alternate this many times

@@ -283,13 +283,17 @@ class Engine:
         done.record()
         return _InFlight(reqs, host, done)
 
+    def _await_ids(self, step: _InFlight) -> list[int]:
+        """The in-flight step's ids, once on the host (its own method: benchmarks/serving.py times it)."""
+        if step.done is not None:
+            step.done.synchronize()
+        return step.ids.numpy().tolist()  # host memory (pinned, or the CPU's ids)
+
     def _complete(self, step: _InFlight, outputs: list[RequestOutput], stream: bool) -> None:
         """Wait for `step`'s ids and accept them in place of its placeholders (a step launched after
         it may have fed them: they are patched in its sequences too)."""
-        if step.done is not None:
-            step.done.synchronize()
         caching = self.executor.kv.allocator.prefix_caching
-        for req, tok in zip(step.reqs, step.ids.tolist()):
+        for req, tok in zip(step.reqs, self._await_ids(step)):
             if req.finish_reason is not None or not req.pending:
                 continue  # finished (or aborted) while the step ran: its row is dropped
             req.output.pop()

@@ -2,7 +2,7 @@
 with and without prefix caching (shared pages read by extend steps with a cached prefix and by decode
 graph replays), and under preemption. float32 weights, so that a different batch composition (another
 GEMM tiling) can't flip a near-tie argmax of the random model: the test is about the engine's pages,
-not about bf16 batch invariance.
+not about bf16 batch invariance. With `scheduler.async_steps` the same tokens stream as without.
 
 Run on the H200: `python -m pytest tests/gpu/test_engine_gpu.py -m gpu -q`.
 """
@@ -17,13 +17,14 @@ from pieceworks import Engine, SamplingParams
 pytestmark = pytest.mark.gpu
 
 
-def make(prefix_caching: bool, num_tokens: int = 8192) -> Engine:
+def make(prefix_caching: bool, num_tokens: int = 8192, async_steps: bool = False) -> Engine:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     cfg = {"model": {"arch": "llama", "preset": "llama-3.1-8b", "sizes": {"num_hidden_layers": 4},
                      "max_context": 1024},
            "quantization": {"format": "none"}, "runtime": {"device": "cuda", "dtype": "float32"},
-           "kv_cache": {"num_tokens": num_tokens, "page_size": 16, "prefix_caching": prefix_caching}}
+           "kv_cache": {"num_tokens": num_tokens, "page_size": 16, "prefix_caching": prefix_caching},
+           "scheduler": {"async_steps": async_steps}}
     return Engine.from_config(cfg, progress=False)
 
 
@@ -54,3 +55,57 @@ def test_engine_preemption_on_gpu():
     small = make(True, num_tokens=24 * 16)  # 24 pages for 24 sequences of up to 6 pages
     assert [o.token_ids for o in small.generate(ps, params)] == want
     assert small.stats()["num_preemptions"] > 0
+
+
+def _stream(eng: Engine, first, later, stop_id: int | None = None) -> dict[str, tuple[list[int], str]]:
+    """Step `eng` to the end: `first` at once, `later` after 40 streamed tokens, and the first request
+    aborted after 10 of its tokens; at most one token per request per step."""
+    for rid, p, sp in first:
+        eng.add_request(p, sp, rid)
+    seen: dict[str, list[int]] = {}
+    final = {}
+    added = aborted = False
+    while eng.has_unfinished():
+        outs = eng.step()
+        assert len({o.request_id for o in outs}) == len(outs)
+        for o in outs:
+            assert len(o.new_token_ids) <= 1
+            seen.setdefault(o.request_id, []).extend(o.new_token_ids)
+            assert seen[o.request_id] == o.token_ids
+            if o.finished:
+                final[o.request_id] = (o.token_ids, o.finish_reason)
+        if not added and sum(map(len, seen.values())) >= 40:
+            for rid, p, sp in later:
+                eng.add_request(p, sp, rid)
+            added = True
+        if not aborted and len(seen.get("a0", [])) >= 10:
+            eng.abort("a0")
+            aborted = True
+    s = eng.stats()
+    assert (s["running"], s["waiting"], s["kv_pages_used"]) == (0, 0, 0)
+    return final
+
+
+@pytest.mark.parametrize("num_tokens", [8192, 12 * 16])
+def test_engine_async_steps_stream_the_same_tokens(num_tokens):
+    """Async steps (one decode step in flight, input ids resolved on the device) against synchronous
+    steps: different max_tokens, a stop id that occurs, requests added mid-run, an abort mid-flight, and
+    (with 12 pages) preemption."""
+    ps = [p[:40] for p in prompts(2)]
+    first = [(f"a{i}", p, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+             for i, (p, m) in enumerate(zip(ps[:4], (30, 12, 41, 25)))]
+    later = [(f"b{i}", p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)) for i, p in enumerate(ps[4:])]
+    sync = _stream(make(True, num_tokens), first, later)
+    stop = sync["a2"][0][15]  # a token that occurs: as a stop id it ends a2 (and maybe others) early
+    first = [(rid, p, SamplingParams(temperature=0, max_tokens=sp.max_tokens, ignore_eos=True, stop_token_ids=[stop]))
+             for rid, p, sp in first]
+    sync = _stream(make(True, num_tokens), first, later)
+    eng = make(True, num_tokens, async_steps=True)
+    got = _stream(eng, first, later)
+    tokens, reason = got.pop("a0")
+    want, _ = sync.pop("a0")
+    assert reason == "abort" and tokens == want[: len(tokens)]
+    assert got == sync and got["a2"][1] == "stop"
+    assert eng.stats()["num_async_steps"] > 10
+    if num_tokens < 1024:
+        assert eng.stats()["num_preemptions"] > 0
