@@ -380,7 +380,8 @@ class Engine:
         """Counters: running, waiting (completions), kv_pages_used, kv_pages_total, kv_pages_cached,
         prefix_cache_hit_tokens, prefix_cache_queried_tokens, num_preemptions, num_steps,
         num_async_steps (of num_steps, those launched with the previous one in flight or starting the
-        pipeline: `scheduler.async_steps`), num_generated_tokens. Safe to read from another thread (plain ints; a snapshot)."""
+        pipeline: `scheduler.async_steps`), num_generated_tokens. Safe to read from another thread
+        (plain ints; a snapshot)."""
         s, alloc = self.scheduler, self.executor.kv.allocator
         return {
             "running": len(s.running), "waiting": len(s.waiting),
