@@ -1,14 +1,17 @@
 """The Engine's async steps (`scheduler.async_steps`) on CPU, through the decode runner's host path
 (`EagerDecodeRunner`): greedy outputs equal the synchronous engine's for different max_tokens, EOS and
 stop ids, requests added mid-run, aborts while a step is in flight, a pool 4x too small (preemption)
-and prefix caching; every step streams at most one token per request; all pages come back."""
+and prefix caching, and under AsyncEngine; every step streams at most one token per request; all pages
+come back."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import torch
 
-from pieceworks import Engine, Executor, SamplingParams
+from pieceworks import AsyncEngine, Engine, Executor, SamplingParams
 from pieceworks.executor.cuda_graph import EagerDecodeRunner
 
 
@@ -164,3 +167,26 @@ def test_pages_filled_by_async_steps_enter_the_prefix_cache():
         hits.append(seq.num_cached_tokens)
         eng.executor.free(seq)
     assert hits[0] == hits[1] == 24  # 25 tokens of KV: 6 full pages of 4
+
+
+def test_async_engine_coroutines_over_async_steps():
+    """AsyncEngine's loop over an engine with async steps: every coroutine streams one token per output
+    and ends with the synchronous engine's tokens; all pages come back."""
+    prompts = [prompt(3 + i % 7, 200 + i) for i in range(12)]
+    params = greedy(7, ignore_eos=True)
+    want = [o.token_ids for o in make(False).generate(prompts, params)]
+
+    async def one(aeng, p):
+        outs = [o async for o in aeng.generate(p, params)]
+        assert [len(o.new_token_ids) for o in outs] == [1] * 7 and outs[-1].finished
+        return outs[-1].token_ids
+
+    async def main(aeng):
+        return await asyncio.gather(*(one(aeng, p) for p in prompts))
+
+    eng = make(True)
+    with AsyncEngine(eng) as aeng:
+        got = asyncio.run(main(aeng))
+    assert got == want
+    assert eng.stats()["num_async_steps"] > 0
+    assert eng.stats()["kv_pages_used"] == 0 and not eng.executor._live
