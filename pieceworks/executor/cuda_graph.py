@@ -13,7 +13,9 @@ with at most two asynchronous copies from pinned staging buffers that live as lo
 rows that changed are rewritten and copied: in decode a sequence gains a page once every page_size tokens.
 Each graph also writes every row's greedy token (`greedy_token_ids`) into a static buffer, so a step
 whose rows are all greedy needs no kernel after the replay but the copy of the ids to the host (the
-Engine's sampler reads them through `Executor.greedy_ids`).
+Engine's sampler reads them through `Executor.greedy_ids`). A negative input id -(r + 1) (the Engine's
+async steps, `scheduler.async_steps`) stands for row r's greedy id of the previous replay, gathered on
+the device before this replay, so a step can launch before the previous step's ids reach the host.
 `EagerDecodeRunner` runs the same host path with an eager forward in place of each replay (CPU tests,
 host-time measurements without CUDA).
 """
