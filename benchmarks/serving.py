@@ -89,7 +89,7 @@ def report(records: list[RequestRecord], duration: float, stats: dict) -> dict:
     row["ttft_later_median_ms"] = statistics.median(ttft[1:]) if len(ttft) > 1 else math.nan
     print(f"TTFT first request {ttft[0]:.2f} ms, later requests median {row['ttft_later_median_ms']:.2f} ms; prefix "
           f"cache: {stats['prefix_cache_hit_tokens']} of {stats['prefix_cache_queried_tokens']} prompt tokens hit; "
-          f"{stats['num_preemptions']} preemptions")
+          f"{stats['num_preemptions']} preemptions; {stats['num_async_steps']} of {stats['num_steps']} steps async")
     return row
 
 
@@ -355,7 +355,7 @@ def main() -> None:
             results, duration = asyncio.run(serve(aeng, reqs, args))
             after = aeng.stats()
         stats = {k: after[k] - before[k] for k in ("prefix_cache_hit_tokens", "prefix_cache_queried_tokens",
-                                                   "num_preemptions")}
+                                                   "num_preemptions", "num_steps", "num_async_steps")}
         result = {"serving": report(results, duration, stats), "args": {k: str(v) for k, v in vars(args).items()}}
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
