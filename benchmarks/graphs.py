@@ -12,15 +12,14 @@ On the CPU, a narrow 32-layer model shows the host cost of the eager path agains
         --set model.sizes.intermediate_size=512 --set model.sizes.num_attention_heads=8 \
         --set model.sizes.num_key_value_heads=2 --set model.sizes.head_dim=32 --set model.sizes.vocab_size=1024
 
-Extend: one sequence extending by T tokens (no prefix). Eager, piecewise and a plain-torch forward of
-the same weights through the same kernels (plain_llama.py; bf16 Llama) are timed the same way, in
-alternation: host-side plan + forward + synchronize, wall clock, median of repeats; the step's inputs
-are prepared once outside the timing (identical work for all). The whole-forward graph is captured per T
-for that exact batch and replayed without re-planning (what a graph can do at best). Decode: `Executor.forward` of a decode batch over
-512-token sequences (`--context`; logits included), with the full decode graphs and with them switched off.
-`--mixed 256x32` adds a row for a mixed step (a 256-token chunk + 32 decode rows over --context tokens), timed
-as the extend rows. `--host-time` (CPU, e.g. `--preset tiny --layers 32 --set cuda_graph.piecewise.enabled=on`)
-times the piecewise runner's own host work per piece (stand-in graphs, no-op replays and attention).
+Extend: one sequence extending by T tokens (no prefix). Eager, piecewise and a plain-torch forward of the
+same weights through the same kernels (plain_llama.py; bf16 Llama) are timed alike, in alternation:
+plan + forward + synchronize, wall clock, median of repeats, inputs prepared once outside the timing.
+The whole-forward graph is captured per T and replayed without re-planning (`whole_graph`). Decode:
+`Executor.forward` of a decode batch over --context-token sequences (logits included), with and without
+the full decode graphs. `--mixed 256x32`: a mixed step (a 256-token chunk + 32 decode rows), timed as
+extend. `--host-time` (CPU, e.g. `--preset tiny --layers 32 --set cuda_graph.piecewise.enabled=on`): the
+piecewise runner's own host work per piece (stand-in graphs, no-op replays and attention).
 """
 
 from __future__ import annotations
@@ -135,22 +134,9 @@ def step_row(ex: Executor, seqs: list, toks: list[list[int]], repeats: int, plai
         print(f"  T={T} " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k.endswith("_ms")), flush=True)
         if ex.device.type != "cuda":
             return row
-        graph = torch.cuda.CUDAGraph()
         eager()
-        sync()
-        plan(k_eager, meta)
-        with forward_context(ForwardContext(k_eager, meta, ex.kv)):
-            with torch.cuda.graph(graph):
-                ex.model(ids, meta.positions)
-
-        def whole():
-            # No re-plan before replay: the batch never changes, and FlashInfer's non-graph prefill
-            # wrapper re-allocates its index buffers on every plan, so a re-planned replay reads freed
-            # memory (seen on the H200: the GPU hung). So the whole graph is timed without host
-            # planning, a best case that makes the piecewise "kept of the saving" conservative.
-            graph.replay()
-
-        row["whole_graph_ms"] = wall_ms(whole, repeats)
+        graph = whole_graph(ex, k_eager, meta, ids)
+        row["whole_graph_ms"] = wall_ms(graph.replay, repeats)
         graph = None  # release the captured graph before the next T
     finally:
         ex._release(seqs, new_pages)
@@ -163,6 +149,20 @@ def step_row(ex: Executor, seqs: list, toks: list[list[int]], repeats: int, plai
         row["kept_of_saving"] = (row["eager_ms"] - row["piecewise_ms"]) / saving if saving > 0 else float("nan")
         row["piecewise_vs_eager"] = row["piecewise_ms"] / row["eager_ms"]
     return row
+
+
+def whole_graph(ex: Executor, kernels, meta, ids) -> torch.cuda.CUDAGraph:
+    """The step's whole forward captured in one CUDA graph (after an eager forward of it), to be replayed
+    without re-planning: the batch never changes, and FlashInfer's non-graph prefill wrapper re-allocates
+    its index buffers on every plan, so a re-planned replay reads freed memory (seen on the H200: the GPU
+    hung). A best case, which makes piecewise's comparison with it conservative."""
+    sync()
+    graph = torch.cuda.CUDAGraph()
+    plan(kernels, meta)
+    with forward_context(ForwardContext(kernels, meta, ex.kv)):
+        with torch.cuda.graph(graph):
+            ex.model(ids, meta.positions)
+    return graph
 
 
 def host_row(ex: Executor, T: int, repeats: int) -> dict:

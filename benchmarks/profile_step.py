@@ -1,22 +1,24 @@
 """Where the time of one step goes.
 
-    python benchmarks/profile_step.py --tokens 16 --set backends.attention=flashinfer   # piecewise extend:
-                                                                  # host time by function (cProfile)
-    python benchmarks/profile_step.py --decode 1 --set quantization.format=nvfp4 \
-        --set backends.attention=flashinfer       # full-graph decode: GPU time by kernel (torch.profiler),
-                                                  # then host time by function (cProfile)
+    python benchmarks/profile_step.py --tokens 16 --set backends.attention=flashinfer  # piecewise extend: cProfile
+    python benchmarks/profile_step.py --tokens 16,64,128,256 --timeline --set backends.attention=flashinfer \
+        --set backends.options.flashinfer.variant=fa2   # piecewise extend against a whole-forward graph
+    python benchmarks/profile_step.py --decode 1 --set quantization.format=nvfp4  # full-graph decode: GPU
+                                                  # time by kernel (torch.profiler), then cProfile
     python benchmarks/profile_step.py --decode 1 --timeline --steps 20 --set quantization.format=nvfp4 \
         --set backends.fp4_gemm=cuda --set backends.options.flashinfer.variant=fa2 [--trace PATH.json]
 
-With programmatic dependent launch (runtime.pdl, on by default on sm_90) a kernel starts before the one
-before it ends and waits on the GPU, so per-kernel times overlap and their sum exceeds the step; add
-`--set runtime.pdl=off` for a breakdown whose sum is the GPU time of the step. The host time of each part
-of a decode step (schedule, validate, reserve pages, plan, graph launch, sample): `serving.py --host-overhead`.
+Under programmatic dependent launch (runtime.pdl, on by default on sm_90) kernels overlap, so per-kernel
+times add up to more than the step; `--set runtime.pdl=off` gives a breakdown that sums to the step's GPU
+time. Each host part of a decode step: `serving.py --host-overhead`.
 
---timeline walks each replay's kernels (CUPTI records) in start order (`walk`): per role (q/k/v GEMM,
-attention, o, norms, gate/up, down, lm_head, ...) the kernel time, the time it adds to the step's span
-(exposed) and its lead (< 0: it overlapped the kernels before it, as PDL allows), next to a synchronized
-Executor.forward timed without the profiler. Needs a CUDA GPU (piecewise and decode graphs).
+Extend `--timeline`, per T: host ms of the plan, of the forward's launches, synchronized forward with and
+without the plan, a whole-forward graph of the step (no re-plan); from kernel traces of both, GPU span,
+busy and idle us, idle by the kernel family that ends it, and idle before the first attention kernel.
+Decode `--timeline` walks each replay's kernels (CUPTI records) in start order (`walk`): per role (q/k/v
+GEMM, attention, o, norms, gate/up, down, lm_head, ...) the kernel time, the time it adds to the step's
+span (exposed) and its lead (< 0: it overlapped the kernels before it), next to a synchronized
+Executor.forward timed without the profiler. Both need a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ import tempfile
 import time
 
 import torch
-from common import md_table, sync
+from common import md_table, sync, wall_ms
+from graphs import plan as plan_step
+from graphs import whole_graph
 
 from pieceworks import Executor
 from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode
@@ -101,14 +105,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="llama-3.1-8b")
     p.add_argument("--arch", default="llama")
-    p.add_argument("--tokens", type=int, default=16, help="extend tokens (without --decode)")
+    p.add_argument("--tokens", type=lambda v: [int(x) for x in v.split(",")], default=[16],
+                   help="extend tokens, comma-separated (without --decode)")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--decode", type=int, default=0, help="profile decode graph replays at this batch size")
     p.add_argument("--context", type=int, default=512, help="tokens per sequence before the decode steps")
-    p.add_argument("--timeline", action="store_true", help="with --decode: the kernel timeline under PDL")
+    p.add_argument("--timeline", action="store_true",
+                   help="the kernel timeline (with --decode: under PDL; without: against a whole-forward graph)")
     p.add_argument("--trace", help="with --timeline: also write the chrome trace here")
     args = p.parse_args()
+    if args.timeline and not torch.cuda.is_available():
+        raise SystemExit("--timeline needs a CUDA GPU (it reads CUDA graphs' kernels from a trace)")
     if args.decode:
         ex, batch = decode_setup(args)
         (timeline if args.timeline else profile_decode)(ex, batch, args)
@@ -117,31 +125,94 @@ def main() -> None:
                  "kv_cache.num_tokens=16384", "cuda_graph.piecewise.max_tokens=256",
                  "cuda_graph.decode.enabled=off", *args.set]
     ex = Executor.from_config(None, overrides, progress=False)
-    toks = torch.randint(0, ex.vocab_size, (args.tokens,)).tolist()
-    seq = ex.new_sequence()
-    ex._reserve_pages([seq], [toks])
-    pad = ex.piecewise.padded_size(args.tokens)
-    meta, ids = ex.prepare_step(ForwardMode.EXTEND, GraphMode.PIECEWISE, [seq], [toks], pad)
-    kernels = ex.table.step(ForwardMode.EXTEND, GraphMode.PIECEWISE)
+    for T in args.tokens:
+        seq = ex.new_sequence()
+        toks = [torch.randint(0, ex.vocab_size, (T,)).tolist()]
+        new_pages = ex._reserve_pages([seq], toks)
+        meta, ids = ex.prepare_step(ForwardMode.EXTEND, GraphMode.PIECEWISE, [seq], toks, ex.piecewise.padded_size(T))
+        kernels = ex.table.step(ForwardMode.EXTEND, GraphMode.PIECEWISE)
 
-    def step():
-        for b in (kernels.attention, kernels.mla):
-            if b is not None:
-                b.plan(meta)
-        with forward_context(ForwardContext(kernels, meta, ex.kv)):
-            ex.piecewise(ids, meta.positions)
+        def plan(kernels=kernels, meta=meta):
+            plan_step(kernels, meta)
 
-    for _ in range(5):
-        step()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    host = (time.perf_counter() - t0) / args.steps
-    sync()
-    wall = (time.perf_counter() - t0) / args.steps
-    print(f"host time per step {host * 1e3:.3f} ms (launch-bound if close to wall {wall * 1e3:.3f} ms)")
-    print_cprofile(step, args.steps, 25)
+        def forward(kernels=kernels, meta=meta, ids=ids):
+            with forward_context(ForwardContext(kernels, meta, ex.kv)):
+                ex.piecewise(ids, meta.positions)
+
+        if args.timeline:
+            extend_timeline(ex, seq, toks, plan, forward, args.steps)
+        else:
+            print(f"T={T}, piecewise extend: plan + forward")
+            print_cprofile(lambda: (plan(), forward()), args.steps, 25)
+        ex._release([seq], new_pages)
+        ex.free(seq)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def extend_timeline(ex, seq, toks, plan, forward, steps: int) -> None:
+    """The extend `--timeline` of one T (module docstring)."""
+    def host_ms(fn, wait: bool, before=lambda: None) -> float:
+        out = []
+        for _ in range(steps):
+            before(), sync()
+            t0 = time.perf_counter()
+            fn(), wait and sync()
+            out.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(out)
+
+    plan(), forward()  # warm: the FastRun recording
+    T = len(toks[0])
+    t = {"plan host": host_ms(plan, False), "forward launches": host_ms(forward, False, plan),
+         "forward": host_ms(forward, True, plan), "plan + forward": host_ms(lambda: (plan(), forward()), True)}
+    traces = {"piecewise plan + forward": traced_steps(lambda: (plan(), forward()), 5)}
+    # The whole graph last: a plan after its capture would free the index buffers it reads (`whole_graph`).
+    meta, ids = ex.prepare_step(ForwardMode.EXTEND, GraphMode.EAGER, [seq], toks)
+    kernels = ex.table.step(ForwardMode.EXTEND, GraphMode.EAGER)
+    plan_step(kernels, meta)
+    with forward_context(ForwardContext(kernels, meta, ex.kv)):
+        ex.model(ids, meta.positions)  # FlashInfer's JIT and the softmax scale before the capture
+    graph = whole_graph(ex, kernels, meta, ids)
+    t["whole graph"] = host_ms(graph.replay, True)
+    traces["whole graph"] = traced_steps(graph.replay, 5)
+    print(f"T={T}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in t.items()) +
+          f"; plan + forward - whole graph {t['plan + forward'] - t['whole graph']:.3f} ms")
+    rows = []
+    for name, steps_traced in traces.items():
+        gaps, spans, busy, head = {}, [], [], []  # idle us by family; per step: span, busy, idle at the head
+        for s in steps_traced:
+            end, b, first_attention = s[0]["ts"], 0.0, None
+            for e in s:
+                fam = kernel_family(e["name"]) if e.get("cat") == "kernel" else "copy"
+                if e["ts"] > end:
+                    gaps[fam] = gaps.get(fam, 0.0) + (e["ts"] - end) / len(steps_traced)
+                if first_attention is None and fam.startswith("attention"):
+                    first_attention = e["ts"] - s[0]["ts"] - b
+                b += max(0.0, e["ts"] + e["dur"] - max(e["ts"], end))
+                end = max(end, e["ts"] + e["dur"])
+            spans.append(end - s[0]["ts"]), busy.append(b), head.append(first_attention or 0.0)
+        top = ", ".join(f"{fam} {us:.0f}" for fam, us in sorted(gaps.items(), key=lambda kv: -kv[1])[:4])
+        span, b = statistics.median(spans), statistics.median(busy)
+        rows.append([name, f"{span:.0f}", f"{b:.0f}", f"{span - b:.0f}", f"{statistics.median(head):.0f}", top])
+    print(md_table(["T = " + str(T), "GPU span us", "busy us", "idle us", "idle before the first attention us",
+                    "idle us by the kernel family after it"], rows))
+
+
+def traced_steps(fn, n: int, trace: str | None = None, cats=("kernel", "gpu_memcpy", "gpu_memset"),
+                 gap_us: float = 1000.0) -> list[list[dict]]:
+    """Records of `cats` over n synchronized calls of fn (2 ms apart), split into calls (`split_steps`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+            sync()
+            time.sleep(0.002)
+    path = trace or os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and e.get("cat") in cats]
+    return split_steps(sorted(events, key=lambda e: e["ts"]), gap_us=gap_us, least=1 if gap_us > 100 else 10)
 
 
 def print_cprofile(step, steps: int, top: int) -> float:
@@ -212,23 +283,8 @@ def profile_decode(ex, batch, args) -> None:
 
 def timeline(ex, batch, args) -> None:
     """Kernel records of `args.steps` synchronized decode steps, walked per step (module docstring)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    walls = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        ex.forward(batch)
-        sync()
-        walls.append(time.perf_counter() - t)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            ex.forward(batch)
-            sync()
-    path = args.trace or os.path.join(tempfile.mkdtemp(), "trace.json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel" and e.get("ph") == "X"]
-    steps = split_steps(sorted(events, key=lambda e: e["ts"]))
+    wall = wall_ms(lambda: ex.forward(batch), args.steps)
+    steps = traced_steps(lambda: ex.forward(batch), args.steps, args.trace, ("kernel",), gap_us=20.0)
     per_role: dict[str, list[list[float]]] = {}
     spans = []
     for s in steps:
@@ -239,22 +295,13 @@ def timeline(ex, batch, args) -> None:
     n = len(steps)
     print(f"decode batch {args.decode}, {args.context} tokens: {n} steps traced; span (first kernel start to "
           f"last end) median {statistics.median(spans):.1f} us; synchronized Executor.forward without the "
-          f"profiler median {statistics.median(walls) * 1e6:.1f} us")
+          f"profiler median {wall * 1e3:.1f} us")
     rows = sorted(((*(sum(v[i] for v in lst) / n for i in (1, 3, 0, 2)), r) for r, lst in per_role.items()),
                   reverse=True)
     cells = [[r, f"{c:.0f}", f"{k:.1f}", f"{x:.1f}", f"{lead:.1f}", f"{x / max(c, 1):.2f}"] for x, c, k, lead, r in rows]
     cells.append(["sum", "", f"{sum(r[2] for r in rows):.1f}", f"{sum(r[0] for r in rows):.1f}", "", ""])
     print("\n" + md_table(["role", "launches", "kernel us", "exposed us", "lead us (sum; < 0: overlap)",
                            "exposed per launch"], cells))
-    print("\nfirst 16 kernels of one step (us from its first kernel): start, duration, lead, role")
-    s = steps[0]
-    end_so_far, prev_gemm = s[0]["ts"], ""
-    for e in s[:16]:
-        r = role(e["name"], prev_gemm)
-        prev_gemm = r if "gemm" in r else prev_gemm
-        print(f"  {e['ts'] - s[0]['ts']:8.2f} {e['dur']:7.2f} {e['ts'] - end_so_far:7.2f}  {r}")
-        end_so_far = max(end_so_far, e["ts"] + e["dur"])
-
 
 if __name__ == "__main__":
     main()

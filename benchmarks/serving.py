@@ -7,20 +7,15 @@ and token throughput), the first request's TTFT against the later ones' and the 
     # CPU, tiny preset (seconds)
     python benchmarks/serving.py model.arch=llama model.preset=tiny runtime.device=cpu \\
         kv_cache.num_tokens=4096 --num-requests 16 --input-len 16 64 --output-len 16
-    # H200, Llama-3.1-8B shape NVFP4: 64 requests of 256-768 prompt tokens, 128 new
-    python benchmarks/serving.py configs/llama-3.1-8b-random-fp4.yaml --num-requests 64 \\
-        --input-len 256 768 --output-len 128
-    # the same behind a 2,000-token shared system prompt, one request at a time (TTFT first vs later)
+    # H200, Llama-3.1-8B shape NVFP4: 64 requests of 256-768 prompt tokens, 128 new; then behind a
+    # 2,000-token shared system prompt, one request at a time (TTFT first vs later)
+    python benchmarks/serving.py configs/llama-3.1-8b-random-fp4.yaml --num-requests 64 --input-len 256 768 --output-len 128
     python benchmarks/serving.py configs/llama-3.1-8b-random-fp4.yaml --num-requests 16 \\
         --input-len 256 768 --output-len 128 --shared-prefix 2000 --max-concurrency 1
-    # host time of a decode step outside the graph replay, at batch 1 and 32, as a share of the step
+    # host time of a decode step outside the graph replay, at batch 1 and 32, as a share of the step (on a
+    # CPU: the tiny model with 32 layers, an eager forward in place of the replay)
     python benchmarks/serving.py configs/llama-3.1-8b-random-fp4.yaml --host-overhead 1 32
-    # the same host path on a CPU (the tiny model, 32 layers; an eager forward stands in for the replay)
-    python benchmarks/serving.py model.arch=llama model.preset=tiny runtime.device=cpu \
-        "model.sizes={num_hidden_layers: 32, max_position_embeddings: 1024}" kv_cache.num_tokens=65536 \
-        --host-overhead 1 32
-    # append scheduler.async_steps=true to either: the host work of a step overlaps the previous replay
-    # --executor-generate: the same prompts through Executor.generate (the baseline)
+    # scheduler.async_steps=false: synchronous steps; --executor-generate: Executor.generate (the baseline)
 Prompts are random token ids; every request generates its output length (ignore_eos), greedy by default.
 """
 
