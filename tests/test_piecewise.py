@@ -149,3 +149,16 @@ def test_decode_batch_sizes_above_the_kv_pool():
            "kv_cache": {"num_tokens": 64, "page_size": 16}, "cuda_graph": {"decode": {"batch_sizes": [1, 8]}}}
     with pytest.raises(ConfigError, match="8 sequences can't be in the KV pool at once .it has 4 pages"):
         Executor.from_config(cfg, progress=False)
+
+
+def test_capture_steps_larger_than_the_context_keep_positions_inside_it():
+    """A capture size may exceed the model's positions (tiny: 512; several sequences share a step); the
+    warm-up and capture steps' positions wrap at max_context instead of indexing past the rope table
+    (on CUDA that was a device-side assert that poisoned the process)."""
+    cfg = {"model": {"arch": "llama", "preset": "tiny", "sizes": {"num_hidden_layers": 1}},
+           "runtime": {"device": "cpu", "dtype": "float32"}, "kv_cache": {"num_tokens": 2048, "page_size": 16},
+           "cuda_graph": {"piecewise": {"enabled": "on", "max_tokens": 1024, "sizes": [16, 1024]}}}
+    ex = Executor.from_config(cfg, progress=False)
+    assert ex.max_context == 512 and ex.piecewise.max_context == 512
+    ex.piecewise._dummy_step(1024, "direct")  # what each capture size's warm-up runs on CUDA
+    assert ex.piecewise.static_pos[:1024].max().item() == 511

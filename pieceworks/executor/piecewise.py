@@ -250,8 +250,11 @@ class PiecewiseRunner:
     """Owns the compiled model, the capture sizes, the static inputs and the graph pool."""
 
     def __init__(self, model: torch.nn.Module, table: "KernelTable", kv: "KVPool", cfg: "PiecewiseConfig",
-                 progress: bool = True) -> None:
+                 progress: bool = True, max_context: int | None = None) -> None:
         self.model, self.table, self.kv = model, table, kv
+        # positions of the warm-up and capture steps stay below it: a capture size may exceed the
+        # model's rope table (several sequences share a step), one sequence's positions may not
+        self.max_context = max_context or cfg.max_tokens
         dev = kv.device
         self.sizes = list(cfg.sizes) if cfg.sizes else default_sizes(cfg.max_tokens)
         self.max_tokens = min(cfg.max_tokens, self.sizes[-1])
@@ -356,7 +359,7 @@ class PiecewiseRunner:
             mode=ForwardMode.EXTEND, graph_mode=GraphMode.PIECEWISE, extend_lens=[size], prefix_lens=[0],
             page_size=ps, page_table=torch.full((1, -(-size // ps)), reserved, dtype=torch.int32, device=dev),
             slot_mapping=torch.full((size,), kv.reserved_slot, dtype=torch.int64, device=dev),
-            positions=torch.arange(size, device=dev),
+            positions=torch.arange(size, device=dev) % self.max_context,
         )
         kernels = self.table.step(ForwardMode.EXTEND, GraphMode.PIECEWISE)
         for backend in (kernels.attention, kernels.mla):
