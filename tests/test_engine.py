@@ -443,3 +443,20 @@ def test_pages_held_outside_the_engine_raise_out_of_pages():
     while eng.has_unfinished():
         eng.step()
     drained(eng)
+
+
+def test_close_drops_requests_releases_the_executor_and_refuses_later_calls():
+    """Engine.close (and leaving a `with` block) drops unfinished requests, closes the executor (its
+    weights are freed) and refuses add_request and step with a message that says so."""
+    import weakref
+
+    with make() as eng:
+        eng.add_request(PROMPTS[0], GREEDY)
+        eng.step()
+        weight = weakref.ref(eng.executor.model.embed_tokens.weight)
+    assert weight() is None and eng.executor.closed and not eng.has_unfinished()
+    with pytest.raises(RuntimeError, match="this Engine is closed"):
+        eng.add_request(PROMPTS[1], GREEDY)
+    with pytest.raises(RuntimeError, match="this Engine is closed"):
+        eng.step()
+    eng.close()  # idempotent

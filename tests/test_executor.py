@@ -252,3 +252,26 @@ def test_token_rows_match_the_per_token_rule():
         assert positions.tolist() == want_pos + [0] * pad, case
         assert slots.tolist() == want_slots + [-7] * pad, case
         assert ids.dtype == positions.dtype == slots.dtype == np.int64
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_close_releases_the_model_and_pool_and_refuses_later_use(arch):
+    """close() frees what the executor holds, piecewise backend included (torch.compile keeps that
+    backend for the life of the process: without close() the weights outlive the executor), and every
+    later call says the executor is closed; a new executor of the same config runs as before."""
+    import weakref
+
+    pw = {"cuda_graph": {"piecewise": {"enabled": "on", "max_tokens": 32, "sizes": [16, 32]}}}
+    ex = make(arch, kv_cache={"num_tokens": 512, "page_size": 16}, **pw)
+    before = ex.generate([[1, 2, 3]], 4)
+    weight = weakref.ref(ex.model.embed_tokens.weight)
+    cache = weakref.ref(ex.kv.buffer)
+    seq = ex.new_sequence()
+    ex.close()
+    assert weight() is None and cache() is None and ex.closed
+    for call in (lambda: ex.generate([[1, 2, 3]], 4), ex.new_sequence, lambda: ex.free(seq),
+                 lambda: ex.forward(ForwardBatch([seq], [[1]])), lambda: ex.num_free_tokens()):
+        with pytest.raises(RuntimeError, match="this executor is closed"):
+            call()
+    ex.close()  # idempotent
+    assert make(arch, kv_cache={"num_tokens": 512, "page_size": 16}, **pw).generate([[1, 2, 3]], 4) == before

@@ -105,6 +105,8 @@ class Engine:
                 stop strings without a tokenizer; nothing was queued.
         """
         with self._exclusive("add_request"):
+            if self.executor.closed:
+                raise RuntimeError("this Engine is closed (close() was called); build a new one")
             params = SamplingParams() if params is None else params
             if not isinstance(params, SamplingParams):
                 raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -181,6 +183,22 @@ class Engine:
                     req.finish_reason = "abort"
                     self._ready.append(req.make_output([]))
 
+    def close(self) -> None:
+        """Drop every request and close the executor (`Executor.close`: the model, KV pool and graphs
+        are released). The Engine refuses requests and steps afterwards; also on leaving a `with` block."""
+        with self._exclusive("close"):
+            self._requests.clear()
+            self._ready, self._inflight = [], None
+            self.scheduler.waiting.clear()
+            self.scheduler.running.clear()
+            self.executor.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def has_unfinished(self) -> bool:
         """Whether any request is queued or running (or an abort's output is still to be returned)."""
         return bool(self._requests or self._ready)
@@ -196,6 +214,8 @@ class Engine:
         """
         self._claim("step")
         try:
+            if self.executor.closed:
+                raise RuntimeError("this Engine is closed (close() was called); build a new one")
             return self._step(stream=True)
         finally:
             self._busy.release()

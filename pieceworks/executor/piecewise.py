@@ -236,6 +236,10 @@ def _own_code_object(model: torch.nn.Module) -> Callable:
     return forward
 
 
+def _released(*args: Any) -> None:
+    raise RuntimeError("this piecewise runner was released (Executor.close); build a new executor")
+
+
 def _program(calls: list[tuple[Callable, tuple]], output: torch.Tensor) -> Callable[[], torch.Tensor]:
     """A recorded step: the calls in order, then the step's output (the last piece's, at a fixed address)."""
     def run() -> torch.Tensor:
@@ -280,6 +284,22 @@ class PiecewiseRunner:
 
     def covers(self, num_tokens: int) -> bool:
         return num_tokens <= self.max_tokens
+
+    def release(self) -> None:
+        """Drop the graphs, the pool, the recordings and every reference to the model and KV pool.
+        torch.compile keeps each backend (and Dynamo the split graph it returned) for the life of the
+        process, so the backend and the split graph's pieces must let go of them (`Executor.close`)."""
+        b = self.backend
+        if b.split_gm is not None:
+            for node in b.split_gm.graph.nodes:
+                if node.op == "call_module":
+                    b.split_gm.__dict__[node.target] = _released
+        b.split_gm, b.pieces, b.owner = None, [], None
+        self.programs.clear()
+        self.recording = None
+        self.compiled = self.model = self.table = self.kv = self.pool = None
+        self.static_ids = self.static_pos = None
+        self.fixed_ptrs = set()
 
     def padded_size(self, num_tokens: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]

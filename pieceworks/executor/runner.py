@@ -15,6 +15,7 @@ runs every step.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import threading
@@ -74,7 +75,7 @@ class Executor:
         self.groups = None  # parallel.group.ProcessGroups of a tensor-parallel rank
         self.workers = None  # parallel.workers.WorkerGroup of an in-process launch's leader
         self.rendezvous: str | None = None  # that launch's torch.distributed file-store directory
-        self._closed = False  # a closed rank of a tensor-parallel run holds a shard it can't run alone
+        self._closed = False  # after close(): no steps (a tensor-parallel rank can't run its shard alone)
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -137,6 +138,8 @@ class Executor:
         `seq.num_cached_tokens` its length. The caller then feeds `prompt[seq.kv_len:]`.
         """
         with self._exclusive("new_sequence"):
+            if self._closed:
+                raise self._closed_error()
             seq = Sequence(id=next(self._ids))
             alloc = self.kv.allocator
             if prompt is not None and alloc.prefix_caching:
@@ -156,6 +159,8 @@ class Executor:
         cached ones stay in the prefix cache until the pool needs them). Freeing twice is an error; the
         handle is dead after this call whatever happens."""
         with self._exclusive("free"):
+            if self._closed:
+                raise self._closed_error()
             if seq.freed or self._live.get(seq.id) is not seq:
                 raise BatchError(f"sequence {seq.id} was already freed (or belongs to another executor)")
             pages = seq.pages
@@ -204,8 +209,7 @@ class Executor:
 
     def _forward(self, batch: ForwardBatch, validate: bool = True) -> torch.Tensor:
         if self._closed:
-            raise RuntimeError("this executor's tensor-parallel run is closed (close() was called, or a worker "
-                               "failed); build a new executor")
+            raise self._closed_error()
         self.greedy_ids = None
         tokens = self._validate(batch) if validate else batch.tokens
         mode = ForwardMode.classify([len(t) for t in tokens], [s.kv_len for s in batch.seqs])
@@ -278,12 +282,34 @@ class Executor:
             raise
 
     def close(self, graceful: bool = True) -> None:
-        """Stop a tensor-parallel run's followers and leave its process group (nothing to do for one
-        process). Idempotent; the executor can't run steps afterwards. `graceful=False` (after a failed
-        step) kills in-process workers instead of asking them to stop."""
+        """Release the model, the KV pool and the CUDA graphs (their device memory is free once this
+        returns, unless the caller still holds tensors of them), and stop a tensor-parallel run's
+        followers and leave its process group. Idempotent; the executor refuses steps and new sequences
+        afterwards. `graceful=False` (after a failed step) kills in-process workers instead of asking
+        them to stop. Without close(), an executor's memory outlives it: torch.compile keeps its
+        piecewise backend for the life of the process."""
         if self.groups is not None:
             distributed.shutdown(self, graceful)
-            self._closed = True
+        if self._closed:
+            return
+        self._closed = True
+        if self.piecewise is not None:
+            self.piecewise.release()
+        self.piecewise = self.decode_graphs = self.greedy_ids = None
+        self.model = self.kv = self.table = _Closed(str(self._closed_error()))  # any later use says why
+        self._live.clear()
+        gc.collect()  # the graph runners and backends hold reference cycles
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() was called (or a tensor-parallel worker failed): no more steps."""
+        return self._closed
+
+    def _closed_error(self) -> RuntimeError:
+        why = "a worker failed or close() was called" if self.groups is not None else "close() was called"
+        return RuntimeError(f"this executor is closed ({why}); build a new executor")
 
     def __enter__(self) -> "Executor":
         return self
@@ -391,3 +417,17 @@ class Executor:
 
 
 __all__ = ["Executor", "BatchError", "OutOfPages", "ForwardBatch", "Sequence"]
+
+
+class _Closed:
+    """Stands for the model, KV pool and kernel table of a closed executor: any use raises a
+    RuntimeError with `message`."""
+
+    def __init__(self, message: str) -> None:
+        self._message = message
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(self._message)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(self._message)
