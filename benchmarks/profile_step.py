@@ -121,9 +121,9 @@ def main() -> None:
         ex, batch = decode_setup(args)
         (timeline if args.timeline else profile_decode)(ex, batch, args)
         return
-    overrides = [f"model.arch={args.arch}", f"model.preset={args.preset}", "model.max_context=4096",
-                 "kv_cache.num_tokens=16384", "cuda_graph.piecewise.max_tokens=256",
-                 "cuda_graph.decode.enabled=off", *args.set]
+    overrides = [f"model.arch={args.arch}", f"model.preset={args.preset}", "kv_cache.num_tokens=16384",
+                 "cuda_graph.piecewise.enabled=on", "cuda_graph.piecewise.max_tokens=256",
+                 "cuda_graph.decode.enabled=off", *args.set]  # on a CPU the pieces run directly
     ex = Executor.from_config(None, overrides, progress=False)
     for T in args.tokens:
         seq = ex.new_sequence()
@@ -234,8 +234,8 @@ def decode_setup(args):
     """An executor for `args` (preset, arch, --set overrides) with full decode graphs at batch
     `args.decode`, that many sequences of `args.context` tokens prefilled, and the next decode batch,
     after 5 warm-up steps: (executor, batch)."""
-    overrides = [f"model.arch={args.arch}", f"model.preset={args.preset}", "model.max_context=4096",
-                 "kv_cache.num_tokens=65536", "cuda_graph.piecewise.enabled=off",
+    overrides = [f"model.arch={args.arch}", f"model.preset={args.preset}", "kv_cache.num_tokens=65536",
+                 "cuda_graph.piecewise.enabled=off",
                  f"cuda_graph.decode.batch_sizes=[{args.decode}]", *args.set]
     ex = Executor.from_config(None, overrides, progress=False)
     seqs = [ex.new_sequence() for _ in range(args.decode)]
