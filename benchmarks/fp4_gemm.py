@@ -24,7 +24,7 @@ import time
 
 import torch
 from common import (HBM, SHAPES, add_pdl_option, configure_pdl, copies_for, fp4_bytes, graph_time, md_table,
-                    random_nvfp4, time_bf16)
+                    random_nvfp4, rel_err, time_bf16)
 
 from pieceworks.backends.base import BackendSpec
 from pieceworks.backends.fp4_gemm.triton import TileConfig, TritonFp4GemmBackend, choose_split_k, parse_table
@@ -50,8 +50,7 @@ def check_once(backend, x, w, n) -> float:
     s = unpack_scales_k32(scale, n)[:, : k // 16].float()
     wd = (nvfp4.e2m1_decode(codes) * (s * gs).repeat_interleave(16, 1)).to(torch.bfloat16)
     ref = (x @ wd.t()).float()
-    y = backend.forward(x, weight, scale, gs, gs, n).float()
-    return float((y - ref).norm() / ref.norm())
+    return rel_err(backend.forward(x, weight, scale, gs, gs, n), ref)
 
 
 _WEIGHTS: dict = {}
