@@ -43,9 +43,9 @@ from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode
 from pieceworks.core.context import ForwardContext, forward_context
 
 FAMILIES = (("nvfp4_decode_gemm", "fp4 gemm (cuda)"), ("nvfp4_decode_dequant", "fp4 dequant (cuda)"),
-            ("fp4_gemm", "fp4 gemm (Triton)"), ("splitk", "fp4 gemm split-K reduce"),
-            ("gemm", "bf16 gemm (cuBLAS: lm_head)"), ("gemv", "bf16 gemm (cuBLAS: lm_head)"),
-            ("nvjet", "bf16 gemm (cuBLAS: lm_head)"), ("_decode_kernel", "attention (attention.triton)"),
+            ("fp4_gemm", "fp4 gemm (Triton)"), ("nvjet", "bf16 gemm (cuBLAS: lm_head)"),
+            ("splitk", "fp4 gemm split-K reduce"), ("gemm", "bf16 gemm (cuBLAS: lm_head)"),
+            ("gemv", "bf16 gemm (cuBLAS: lm_head)"), ("_decode_kernel", "attention (attention.triton)"),
             ("prefill", "attention (FlashInfer)"), ("decode", "attention (FlashInfer)"),
             ("write_rows", "KV write"), ("rms", "norm"), ("norm", "norm"))
 EPILOGUES = {"2": "q/k/v gemm (+rope)", "1": "gate/up gemm (+swiglu)", "3": "o/down gemm (+residual)",

@@ -32,6 +32,7 @@ def test_roles_follow_the_llama_step():
     assert timeline.role("_decode_kernel", "") == "attention (attention.triton)"
     assert timeline.role("_add_rms_norm_kernel", "") == "norm"
     assert timeline.role("nvjet_tst_128x64_64x3_1x2_h_bz_TNT", "") == "bf16 gemm (cuBLAS: lm_head)"
+    assert timeline.role("nvjet_sm90_tst_64x16_64x16_2x1_v_bz_splitK_TNT", "") == "bf16 gemm (cuBLAS: lm_head)"
 
 
 def test_exposed_and_lead_add_up_to_the_span():
