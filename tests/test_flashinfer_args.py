@@ -119,6 +119,7 @@ def test_paged_kv_indices_from_page_lists_match(sc):
     kv = paged_kv_indices(poisoned, meta.seq_lens, meta.page_size, page_lists=lists)
     for name in ("indptr", "indices", "last_page_len", "kv_lens"):
         assert torch.equal(getattr(kv, name), getattr(ref, name)), name
+        assert getattr(kv, name).dtype == torch.int32, name
     short = [row[:1] for row in lists]
     if any(-(-n // meta.page_size) > 1 for n in meta.seq_lens):
         with pytest.raises(ValueError, match="page list holds 1"):
@@ -132,7 +133,7 @@ def test_full_graph_steps_are_padded_to_the_graph_batch():
     kv = paged_kv_indices(meta.page_table, kv_lens, meta.page_size)
     assert kv.indptr.tolist() == [0, 3, 4, 9, 10, 11, 12, 13, 14]
     assert kv.indices[9:].tolist() == [0] * 5  # the padding rows read the reserved page
-    assert qo_indptr(qo).tolist() == list(range(9))
+    assert qo_indptr(qo).tolist() == list(range(9)) and qo_indptr(qo).dtype == torch.int32
     eager = replace(meta, graph_mode=EAGER, graph_batch_size=None, _cache={})
     assert step_lengths(eager) == ([1, 1, 1], [9, 3, 17])
 

@@ -107,8 +107,9 @@ def paged_kv_indices(page_table: torch.Tensor, kv_lens: list[int], page_size: in
     counts = [-(-n // page_size) for n in kv_lens]
     if counts and max(counts) > width:
         raise ValueError(f"a sequence needs {max(counts)} pages; the page table holds {width}")
-    lens = torch.tensor(kv_lens, dtype=torch.int32)
-    last = torch.tensor([n - (c - 1) * page_size for n, c in zip(kv_lens, counts)], dtype=torch.int32)
+    # small int32 host arrays through numpy: a third of torch.tensor's cost per call (plans run every step)
+    lens = torch.from_numpy(np.array(kv_lens, dtype=np.int32))
+    last = torch.from_numpy(np.array([n - (c - 1) * page_size for n, c in zip(kv_lens, counts)], dtype=np.int32))
     if page_lists is not None:
         if len(page_lists) != len(kv_lens):
             raise ValueError(f"{len(page_lists)} page lists for {len(kv_lens)} sequences")
@@ -121,7 +122,7 @@ def paged_kv_indices(page_table: torch.Tensor, kv_lens: list[int], page_size: in
         # numpy builds the int32 array about 4x faster than torch.tensor from a list (8320 pages: 0.13 ms)
         flat = np.fromiter(flat_pages, dtype=np.int32, count=len(flat_pages))
         indices = to_device(torch.from_numpy(flat), page_table.device)
-        return PagedKV(torch.tensor(ptr, dtype=torch.int32), indices, last, lens)
+        return PagedKV(torch.from_numpy(np.array(ptr, dtype=np.int32)), indices, last, lens)
     num_pages = torch.tensor(counts, dtype=torch.int64)
     indptr = torch.zeros(len(kv_lens) + 1, dtype=torch.int64)
     torch.cumsum(num_pages, 0, out=indptr[1:])
@@ -146,9 +147,9 @@ def step_lengths(meta) -> tuple[list[int], list[int]]:
 
 def qo_indptr(qo_lens: list[int]) -> torch.Tensor:
     """[B + 1] int32 host offsets of every sequence's new tokens."""
-    out = torch.zeros(len(qo_lens) + 1, dtype=torch.int32)
-    torch.cumsum(torch.tensor(qo_lens, dtype=torch.int32), 0, out=out[1:])
-    return out
+    out = np.zeros(len(qo_lens) + 1, dtype=np.int32)
+    np.cumsum(np.array(qo_lens, dtype=np.int32), out=out[1:])
+    return torch.from_numpy(out)
 
 
 def workspace(backend, device, nbytes: int = WORKSPACE_BYTES) -> torch.Tensor:
