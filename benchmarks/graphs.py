@@ -25,6 +25,7 @@ piecewise runner's own host work per piece (stand-in graphs, no-op replays and a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -134,7 +135,6 @@ def step_row(ex: Executor, seqs: list, toks: list[list[int]], repeats: int, plai
         print(f"  T={T} " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k.endswith("_ms")), flush=True)
         if ex.device.type != "cuda":
             return row
-        eager()
         graph = whole_graph(ex, k_eager, meta, ids)
         row["whole_graph_ms"] = wall_ms(graph.replay, repeats)
         graph = None  # release the captured graph before the next T
@@ -152,16 +152,18 @@ def step_row(ex: Executor, seqs: list, toks: list[list[int]], repeats: int, plai
 
 
 def whole_graph(ex: Executor, kernels, meta, ids) -> torch.cuda.CUDAGraph:
-    """The step's whole forward captured in one CUDA graph (after an eager forward of it), to be replayed
-    without re-planning: the batch never changes, and FlashInfer's non-graph prefill wrapper re-allocates
-    its index buffers on every plan, so a re-planned replay reads freed memory (seen on the H200: the GPU
-    hung). A best case, which makes piecewise's comparison with it conservative."""
-    sync()
+    """The step's whole forward captured in one CUDA graph (after an eager forward of it: FlashInfer's JIT,
+    the softmax scale), to be replayed without re-planning: the batch never changes, and FlashInfer's
+    non-graph prefill wrapper re-allocates its index buffers on every plan, so a re-planned replay reads
+    freed memory (seen on the H200: the GPU hung). A best case, which makes piecewise's comparison with it
+    conservative."""
     graph = torch.cuda.CUDAGraph()
-    plan(kernels, meta)
-    with forward_context(ForwardContext(kernels, meta, ex.kv)):
-        with torch.cuda.graph(graph):
-            ex.model(ids, meta.positions)
+    for capture in (False, True):
+        plan(kernels, meta)
+        with forward_context(ForwardContext(kernels, meta, ex.kv)):
+            with torch.cuda.graph(graph) if capture else contextlib.nullcontext():
+                ex.model(ids, meta.positions)
+        sync()
     return graph
 
 

@@ -3,14 +3,12 @@
     python benchmarks/profile_step.py --tokens 16 --set backends.attention=flashinfer  # piecewise extend: cProfile
     python benchmarks/profile_step.py --tokens 16,64,128,256 --timeline --set backends.attention=flashinfer \
         --set backends.options.flashinfer.variant=fa2   # piecewise extend against a whole-forward graph
-    python benchmarks/profile_step.py --decode 1 --set quantization.format=nvfp4  # full-graph decode: GPU
-                                                  # time by kernel (torch.profiler), then cProfile
+    python benchmarks/profile_step.py --decode 1 --set quantization.format=nvfp4  # decode: kernels, cProfile
     python benchmarks/profile_step.py --decode 1 --timeline --steps 20 --set quantization.format=nvfp4 \
         --set backends.fp4_gemm=cuda --set backends.options.flashinfer.variant=fa2 [--trace PATH.json]
 
 Under programmatic dependent launch (runtime.pdl, on by default on sm_90) kernels overlap, so per-kernel
-times add up to more than the step; `--set runtime.pdl=off` gives a breakdown that sums to the step's GPU
-time. Each host part of a decode step: `serving.py --host-overhead`.
+times add up to more than the step; `--set runtime.pdl=off` gives a breakdown that sums to its GPU time.
 
 Extend `--timeline`, per T: host ms of the plan, of the forward's launches, synchronized forward with and
 without the plan, a whole-forward graph of the step (no re-plan); from kernel traces of both, GPU span,
@@ -155,13 +153,17 @@ def extend_timeline(ex, seq, toks, plan, forward, steps: int) -> None:
     def host_ms(fn, wait: bool, before=lambda: None) -> float:
         out = []
         for _ in range(steps):
-            before(), sync()
+            before()
+            sync()
             t0 = time.perf_counter()
-            fn(), wait and sync()
+            fn()
+            if wait:
+                sync()
             out.append(time.perf_counter() - t0)
         return 1e3 * statistics.median(out)
 
-    plan(), forward()  # warm: the FastRun recording
+    plan()
+    forward()
     T = len(toks[0])
     t = {"plan host": host_ms(plan, False), "forward launches": host_ms(forward, False, plan),
          "forward": host_ms(forward, True, plan), "plan + forward": host_ms(lambda: (plan(), forward()), True)}
@@ -169,9 +171,6 @@ def extend_timeline(ex, seq, toks, plan, forward, steps: int) -> None:
     # The whole graph last: a plan after its capture would free the index buffers it reads (`whole_graph`).
     meta, ids = ex.prepare_step(ForwardMode.EXTEND, GraphMode.EAGER, [seq], toks)
     kernels = ex.table.step(ForwardMode.EXTEND, GraphMode.EAGER)
-    plan_step(kernels, meta)
-    with forward_context(ForwardContext(kernels, meta, ex.kv)):
-        ex.model(ids, meta.positions)  # FlashInfer's JIT and the softmax scale before the capture
     graph = whole_graph(ex, kernels, meta, ids)
     t["whole graph"] = host_ms(graph.replay, True)
     traces["whole graph"] = traced_steps(graph.replay, 5)
@@ -190,7 +189,9 @@ def extend_timeline(ex, seq, toks, plan, forward, steps: int) -> None:
                     first_attention = e["ts"] - s[0]["ts"] - b
                 b += max(0.0, e["ts"] + e["dur"] - max(e["ts"], end))
                 end = max(end, e["ts"] + e["dur"])
-            spans.append(end - s[0]["ts"]), busy.append(b), head.append(first_attention or 0.0)
+            spans.append(end - s[0]["ts"])
+            busy.append(b)
+            head.append(first_attention or 0.0)
         top = ", ".join(f"{fam} {us:.0f}" for fam, us in sorted(gaps.items(), key=lambda kv: -kv[1])[:4])
         span, b = statistics.median(spans), statistics.median(busy)
         rows.append([name, f"{span:.0f}", f"{b:.0f}", f"{span - b:.0f}", f"{statistics.median(head):.0f}", top])
@@ -275,8 +276,7 @@ def profile_decode(ex, batch, args) -> None:
     print("\n" + md_table(["kernel", "us per step", "launches per step"],
                           [[name[:90], f"{us:.1f}", f"{count:.0f}"] for us, count, name in rows[:25]]))
 
-    # Executor.forward under cProfile (each step synchronized, as a caller reading logits).
-    print("\nhost profile under cProfile (adds overhead), top functions by own time:")
+    print("\nhost profile of synchronized steps under cProfile (adds overhead), top functions by own time:")
     wall = print_cprofile(lambda: (ex.forward(batch), sync()), args.steps, 30)
     print(f"{wall * 1e3:.3f} ms per synchronized step under cProfile")
 
