@@ -188,9 +188,10 @@ class Engine:
         are released). The Engine refuses requests and steps afterwards; also on leaving a `with` block."""
         with self._exclusive("close"):
             self._requests.clear()
-            self._ready, self._inflight = [], None
+            self._ready, self._inflight, self._pinned = [], None, []
             self.scheduler.waiting.clear()
             self.scheduler.running.clear()
+            self.sampler = None  # its penalty tables and generator live on the device; steps are refused
             self.executor.close()
 
     def __enter__(self) -> "Engine":

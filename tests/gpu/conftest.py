@@ -1,8 +1,9 @@
 """GPU tests: each test's executors are released before the next test starts.
 
-An executor's graph runners refer back to their owners (reference cycles), so its GPU memory returns
-only when Python's cycle collector runs, which GPU allocations do not trigger; over tests/gpu/test_graphs.py
-one process otherwise holds every executor it built (above 139 GB on an H200)."""
+The tests drop their executors without `close()`: torch.compile keeps each piecewise backend (and with
+it the executor's model, pool and graphs) until `torch._dynamo.reset()`, and the graph runners refer back
+to their owners (cycles only the collector frees, which GPU allocations do not trigger). Over
+tests/gpu/test_graphs.py one process otherwise holds every executor it built (above 139 GB on an H200)."""
 
 import gc
 

@@ -109,3 +109,22 @@ def test_engine_async_steps_stream_the_same_tokens(num_tokens):
     assert eng.stats()["num_async_steps"] > 10
     if num_tokens < 1024:
         assert eng.stats()["num_preemptions"] > 0
+
+
+def test_close_returns_the_device_memory():
+    """Engine.close (Executor.close) gives back the weights, the KV pool and the graphs' pools: allocated
+    memory falls back to what it was before the build, and reserved memory too once the cache is
+    emptied (torch.compile keeps the piecewise backend for the process; close() empties it)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    eng = make(True, num_tokens=65536)
+    eng.generate([[1, 2, 3], list(range(10, 60))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    pool = eng.executor.kv.buffer.numel() * eng.executor.kv.buffer.element_size()
+    assert torch.cuda.memory_allocated() - allocated > pool
+    eng.close()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - allocated < 0.05 * pool
+    assert torch.cuda.memory_reserved() - reserved < 0.05 * pool
