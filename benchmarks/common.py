@@ -86,13 +86,16 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def wall_ms(fn, repeats: int, wait: bool = True) -> float:
+def wall_ms(fn, repeats: int, wait: bool = True, before=None) -> float:
     """Median wall-clock ms of fn() followed by a synchronize, after 3 warm-up calls; wait=False: the GPU
-    drained before each call instead, so that only fn's host time counts."""
+    drained before each call instead, so that only fn's host time counts; `before()` runs untimed (and
+    drained) ahead of each timed call."""
     for _ in range(3):
         fn()
     out = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         sync()
         t0 = time.perf_counter()
         fn()

@@ -150,29 +150,17 @@ def main() -> None:
 
 def extend_timeline(ex, seq, toks, plan, forward, steps: int) -> None:
     """The extend `--timeline` of one T (module docstring)."""
-    def host_ms(fn, wait: bool, before=lambda: None) -> float:
-        out = []
-        for _ in range(steps):
-            before()
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            if wait:
-                sync()
-            out.append(time.perf_counter() - t0)
-        return 1e3 * statistics.median(out)
-
     plan()
     forward()
     T = len(toks[0])
-    t = {"plan host": host_ms(plan, False), "forward launches": host_ms(forward, False, plan),
-         "forward": host_ms(forward, True, plan), "plan + forward": host_ms(lambda: (plan(), forward()), True)}
+    t = {"plan host": wall_ms(plan, steps, wait=False), "forward launches": wall_ms(forward, steps, False, plan),
+         "forward": wall_ms(forward, steps, True, plan), "plan + forward": wall_ms(lambda: (plan(), forward()), steps)}
     traces = {"piecewise plan + forward": traced_steps(lambda: (plan(), forward()), 5)}
     # The whole graph last: a plan after its capture would free the index buffers it reads (`whole_graph`).
     meta, ids = ex.prepare_step(ForwardMode.EXTEND, GraphMode.EAGER, [seq], toks)
     kernels = ex.table.step(ForwardMode.EXTEND, GraphMode.EAGER)
     graph = whole_graph(ex, kernels, meta, ids)
-    t["whole graph"] = host_ms(graph.replay, True)
+    t["whole graph"] = wall_ms(graph.replay, steps)
     traces["whole graph"] = traced_steps(graph.replay, 5)
     print(f"T={T}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in t.items()) +
           f"; plan + forward - whole graph {t['plan + forward'] - t['whole graph']:.3f} ms")
