@@ -178,7 +178,7 @@ class StandInGraph:
 def stand_in_capture(runner, rerun: bool = True) -> None:
     """Capture every size of a CPU `PiecewiseRunner` (executor/piecewise.py) with `StandInGraph`s: its
     steps then take the replay path (recorded programs included) as on CUDA, without a GPU."""
-    from pieceworks.executor.piecewise import PieceRunner
+    from pieceworks.executor.piecewise_split import PieceRunner
 
     real = PieceRunner._capture
 
