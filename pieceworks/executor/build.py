@@ -1,4 +1,5 @@
-"""Building an Executor: the model, its kernel table, the KV pool and the graph runners, in that order.
+"""Building an Executor: the model, its kernel table, the KV pool and the graph runners, in that order
+(and releasing them: `release_executor`, behind `Executor.close`).
 
 `Executor.from_config`, `Executor.resolve_model_dir` and `Executor.build` call `executor_from_config`,
 `model_dir_of` and `build_executor`. The executor class comes in as an argument (`cls`), so this
@@ -8,6 +9,7 @@ so no half-built one is returned."""
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -108,3 +110,30 @@ def graph_runners(graphs_cfg: Any, model: torch.nn.Module, table: Any, kv: KVPoo
     elif dec.enabled is Switch.on:
         log.info("cuda_graph.decode.enabled=on has no effect on %s: decode graphs need CUDA", kv.device)
     return piecewise, decode_graphs
+
+
+def release_executor(ex: Any, message: str) -> None:
+    """`Executor.close`: drop the graph runners, the model, the KV pool and the kernel table (the last
+    three replaced by stand-ins whose every use raises RuntimeError(`message`)), then free their memory."""
+    if ex.piecewise is not None:
+        ex.piecewise.release()
+    ex.piecewise = ex.decode_graphs = ex.greedy_ids = None
+    ex.model = ex.kv = ex.table = _Closed(message)
+    ex._live.clear()
+    gc.collect()  # the graph runners and backends hold reference cycles
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class _Closed:
+    """Stands for the model, KV pool and kernel table of a closed executor: any use raises a
+    RuntimeError with `message`."""
+
+    def __init__(self, message: str) -> None:
+        self._message = message
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(self._message)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(self._message)

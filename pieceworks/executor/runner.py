@@ -15,7 +15,6 @@ runs every step.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import os
 import threading
@@ -31,7 +30,7 @@ from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode, Sequence
 from pieceworks.core.context import ForwardContext, forward_context
 from pieceworks.errors import BatchError, OutOfPages
 from pieceworks.executor import distributed  # here: an import inside the leader's step costs ~1 us a step
-from pieceworks.executor.build import build_executor, executor_from_config, model_dir_of
+from pieceworks.executor.build import build_executor, executor_from_config, model_dir_of, release_executor
 from pieceworks.executor.inputs import as_token_ids, check_batch, page_table, token_rows
 from pieceworks.executor.kv_cache import KVPool, block_keys
 
@@ -290,17 +289,9 @@ class Executor:
         piecewise backend for the life of the process."""
         if self.groups is not None:
             distributed.shutdown(self, graceful)
-        if self._closed:
-            return
-        self._closed = True
-        if self.piecewise is not None:
-            self.piecewise.release()
-        self.piecewise = self.decode_graphs = self.greedy_ids = None
-        self.model = self.kv = self.table = _Closed(str(self._closed_error()))  # any later use says why
-        self._live.clear()
-        gc.collect()  # the graph runners and backends hold reference cycles
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        if not self._closed:
+            self._closed = True
+            release_executor(self, str(self._closed_error()))
 
     @property
     def closed(self) -> bool:
@@ -417,17 +408,3 @@ class Executor:
 
 
 __all__ = ["Executor", "BatchError", "OutOfPages", "ForwardBatch", "Sequence"]
-
-
-class _Closed:
-    """Stands for the model, KV pool and kernel table of a closed executor: any use raises a
-    RuntimeError with `message`."""
-
-    def __init__(self, message: str) -> None:
-        self._message = message
-
-    def __getattr__(self, name: str) -> Any:
-        raise RuntimeError(self._message)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(self._message)
