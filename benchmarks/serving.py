@@ -100,7 +100,7 @@ PARTS = (("schedule", "pieceworks.engine.scheduler:Scheduler.schedule"),
          ("sample", "pieceworks.engine.sampler:Sampler.sample"),
          ("sample/wait for the GPU (tolist)", "torch:Tensor.tolist"),
          ("outputs", "pieceworks.engine.engine:Engine._accept"),
-         ("wait for the previous step's ids (scheduler.async_steps)", "pieceworks.engine.engine:Engine._await_ids"))
+         ("wait for the previous step's ids (scheduler.async_steps)", "pieceworks.engine.async_steps:AsyncSteps.await_ids"))
 
 
 ROUNDS = 5  # --host-overhead: timed steps and back-to-back replays alternate this many times

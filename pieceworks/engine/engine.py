@@ -5,8 +5,8 @@ A step reads top to bottom: schedule (admission, chunked prefill, preemption: en
 device-to-host copy) -> append, detokenize, check stop conditions -> outputs. Finished requests give
 their pages back at once; their full pages stay in the prefix cache for later requests.
 With `scheduler.async_steps`, all-greedy decode steps keep one step in flight: a call launches step k,
-then waits for step k - 1's ids and returns its outputs (`_async_ready`, `_launch`, `_complete`; the
-rules are in docs/architecture.md).
+then waits for step k - 1's ids and returns its outputs (engine/async_steps.py, `_complete`; the rules
+are in docs/architecture.md).
 
 One thread at a time (as the Executor): `add_request`, `abort` and `step` refuse with RuntimeError
 while another thread is inside one of them. `AsyncEngine` shares one Engine between coroutines.
@@ -27,6 +27,7 @@ import torch
 
 from pieceworks.config import Config, load_config
 from pieceworks.core.batch import ForwardBatch
+from pieceworks.engine.async_steps import AsyncSteps, InFlight, mark_pending
 from pieceworks.engine.detokenize import Detokenizer
 from pieceworks.engine.params import SamplingParams
 from pieceworks.engine.request import Request, RequestOutput
@@ -62,8 +63,7 @@ class Engine:
         self._ready: list[RequestOutput] = []  # outputs of aborts, returned by the next step
         self._busy = threading.Lock()
         self._async = cfg.scheduler.async_steps
-        self._inflight: _InFlight | None = None  # the decode step launched, ids not yet on the host
-        self._pinned: list[torch.Tensor] = []  # two host buffers of in-flight ids, used in turn
+        self._pipeline = AsyncSteps()
         self.num_steps = 0
         self.num_async_steps = 0  # steps launched before the previous step's ids were on the host
         self.num_generated_tokens = 0
@@ -188,7 +188,7 @@ class Engine:
         are released). The Engine refuses requests and steps afterwards; also on leaving a `with` block."""
         with self._exclusive("close"):
             self._requests.clear()
-            self._ready, self._inflight, self._pinned = [], None, []
+            self._ready, self._pipeline = [], AsyncSteps()
             self.scheduler.waiting.clear()
             self.scheduler.running.clear()
             self.sampler = None  # its penalty tables and generator live on the device; steps are refused
@@ -226,18 +226,22 @@ class Engine:
         returns nothing else, skips building the others)."""
         outputs, self._ready = self._ready, []
         if self._async:
-            if self._async_ready():
+            pipe = self._pipeline
+            if pipe.ready(self.executor, self.scheduler):
                 scheduled = self.scheduler.schedule()
-                launched = self._launch(scheduled) if scheduled else None
-                if self._inflight is not None:
-                    self._complete(self._inflight, outputs, stream)
-                self._inflight = None
-                if launched is not None and _mark_pending(launched.reqs):
-                    self._inflight = launched
+                launched = pipe.launch(self.executor, scheduled) if scheduled else None
+                if launched is not None:
+                    self.num_steps += 1
+                    self.num_async_steps += 1
+                if pipe.inflight is not None:
+                    self._complete(pipe.inflight, outputs, stream)
+                pipe.inflight = None
+                if launched is not None and mark_pending(launched.reqs):
+                    pipe.inflight = launched
                 return outputs
-            if self._inflight is not None:  # drain: this call returns the in-flight step's outputs only
-                self._complete(self._inflight, outputs, stream)
-                self._inflight = None
+            if pipe.inflight is not None:  # drain: this call returns the in-flight step's outputs only
+                self._complete(pipe.inflight, outputs, stream)
+                pipe.inflight = None
                 return outputs
         scheduled = self.scheduler.schedule()
         if not scheduled:
@@ -266,58 +270,11 @@ class Engine:
                 outputs.append(req.make_output([tok] if finite else []))
         return outputs
 
-    # ---------------------------------------------------------------- async steps
-    def _async_ready(self) -> bool:
-        """Whether the next step may run asynchronously (`scheduler.async_steps`): every running
-        request decodes one token of a plain greedy completion without stop strings, nothing waits, no
-        request needs preempting, world size 1 and a decode graph covers the batch."""
-        ex, s = self.executor, self.scheduler
-        running = s.running
-        if s.waiting or not running or ex.groups is not None or ex.decode_graphs is None:
-            return False
-        if not ex.decode_graphs.covers(min(len(running), s.cfg.max_num_seqs)):
-            return False
-        ps, need = ex.page_size, 0
-        for req in running:
-            seq = req.seq
-            if not req.state.plain or req.params.stop or seq is None or seq.kv_len != req.num_tokens - 1:
-                return False
-            need += seq.kv_len + 1 > len(seq.pages) * ps
-        return need <= s.alloc.num_free
-
-    def _launch(self, scheduled: list[tuple[Request, list[int]]]) -> _InFlight:
-        """Run a decode step whose rows' ids may be placeholders of the in-flight step (the decode runner
-        takes those from the device), and start the copy of its greedy ids to the host."""
-        reqs = [r for r, _ in scheduled]
-        self.executor.forward(ForwardBatch([r.seq for r in reqs], [t for _, t in scheduled]), validate=False)
-        self.num_steps += 1
-        self.num_async_steps += 1
-        ids = self.executor.greedy_ids
-        if ids is None:
-            raise RuntimeError("an async decode step did not replay a decode graph (Executor.greedy_ids is None)")
-        if ids.device.type != "cuda":
-            return _InFlight(reqs, ids, None)
-        if not self._pinned or self._pinned[0].numel() < ids.numel():
-            n = self.executor.decode_graphs.sizes[-1]
-            self._pinned = [torch.empty(n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-        self._pinned.reverse()  # the other buffer: the in-flight step's copy may still write this one
-        host = self._pinned[0][: ids.numel()]
-        host.copy_(ids, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return _InFlight(reqs, host, done)
-
-    def _await_ids(self, step: _InFlight) -> list[int]:
-        """The in-flight step's ids, once on the host (its own method: benchmarks/serving.py times it)."""
-        if step.done is not None:
-            step.done.synchronize()
-        return step.ids.numpy().tolist()  # host memory (pinned, or the CPU's ids)
-
-    def _complete(self, step: _InFlight, outputs: list[RequestOutput], stream: bool) -> None:
+    def _complete(self, step: InFlight, outputs: list[RequestOutput], stream: bool) -> None:
         """Wait for `step`'s ids and accept them in place of its placeholders (a step launched after
         it may have fed them: they are patched in its sequences too)."""
         caching = self.executor.kv.allocator.prefix_caching
-        for req, tok in zip(step.reqs, self._await_ids(step)):
+        for req, tok in zip(step.reqs, self._pipeline.await_ids(step)):
             if req.finish_reason is not None or not req.pending:
                 continue  # finished (or aborted) while the step ran: its row is dropped
             req.output.pop()
@@ -417,27 +374,6 @@ class Engine:
             "num_async_steps": self.num_async_steps,
             "num_generated_tokens": self.num_generated_tokens,
         }
-
-
-def _mark_pending(reqs: list[Request]) -> bool:
-    """Give each unfinished request of a launched step the placeholder -(row + 1) of its token there;
-    whether any got one (else nothing of the step is awaited)."""
-    any_left = False
-    for row, req in enumerate(reqs):
-        if req.finish_reason is None:
-            req.output.append(-1 - row)
-            req.pending = any_left = True
-    return any_left
-
-
-class _InFlight:
-    """A launched async decode step: its requests by row, and their greedy ids (int64 [rows]) on the
-    host once `done` (a CUDA event; None on the CPU, where the ids are ready) has completed."""
-
-    __slots__ = ("reqs", "ids", "done")
-
-    def __init__(self, reqs: list[Request], ids: torch.Tensor, done: torch.cuda.Event | None) -> None:
-        self.reqs, self.ids, self.done = reqs, ids, done
 
 
 def _is_int(t: Any) -> bool:
