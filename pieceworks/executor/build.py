@@ -97,7 +97,7 @@ def graph_runners(graphs_cfg: Any, model: torch.nn.Module, table: Any, kv: KVPoo
     if pw.enabled is Switch.on or (pw.enabled is Switch.auto and on_cuda):
         from pieceworks.executor.piecewise import PiecewiseRunner
 
-        piecewise = PiecewiseRunner(model, table, kv, pw, progress=progress, max_context=max_context)
+        piecewise = PiecewiseRunner(model, table, kv, pw, max_context, progress=progress)
     dec = graphs_cfg.decode
     if dec.enabled is not Switch.off:
         from pieceworks.executor.cuda_graph import check_batch_sizes

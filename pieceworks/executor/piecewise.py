@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from pieceworks.config import PiecewiseConfig
     from pieceworks.executor.kv_cache import KVPool
 
+
 def default_sizes(max_tokens: int) -> list[int]:
     """Dense at small sizes, sparser above: steps of 4 to 32, 16 to 256, 32 to 512, 64 to 1024,
     256 beyond; always ending at max_tokens."""
@@ -82,11 +83,11 @@ class PiecewiseRunner:
     """Owns the compiled model, the capture sizes, the static inputs and the graph pool."""
 
     def __init__(self, model: torch.nn.Module, table: "KernelTable", kv: "KVPool", cfg: "PiecewiseConfig",
-                 progress: bool = True, max_context: int | None = None) -> None:
+                 max_context: int, progress: bool = True) -> None:
         self.model, self.table, self.kv = model, table, kv
         # positions of the warm-up and capture steps stay below it: a capture size may exceed the
         # model's rope table (several sequences share a step), one sequence's positions may not
-        self.max_context = max_context or cfg.max_tokens
+        self.max_context = max_context
         dev = kv.device
         self.sizes = list(cfg.sizes) if cfg.sizes else default_sizes(cfg.max_tokens)
         self.max_tokens = min(cfg.max_tokens, self.sizes[-1])
