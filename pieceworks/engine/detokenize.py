@@ -8,10 +8,14 @@ difference once it no longer ends in a partial character (TGI's and vLLM's metho
 Stop strings end the text before they start. Text that might still turn into a stop string (the last
 len(longest stop) - 1 characters) is held back from `delta` until the next token settles it, so the
 deltas of a request always add up to its final text.
+
+The checkpoint side of the Engine's text handling lives here too: its tokenizer and EOS ids.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 PROMPT_CONTEXT = 5  # prompt tokens decoded with the first output tokens, for their leading spaces
@@ -68,3 +72,27 @@ class Detokenizer:
         out = self.text[self._emitted : end]
         self._emitted = end
         return out
+
+
+def eos_token_ids(model_dir: Path | None) -> frozenset[int]:
+    """EOS ids of a checkpoint: generation_config.json's eos_token_id (an int or a list), else
+    config.json's; empty for random weights."""
+    if model_dir is None:
+        return frozenset()
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return frozenset(eos if isinstance(eos, list) else [eos])
+    return frozenset()
+
+
+def load_tokenizer(executor: Any) -> Any:
+    """The model directory's tokenizer, or None (random weights, no tokenizer files, no transformers)."""
+    if executor.model_dir is None:
+        return None
+    try:
+        return executor.tokenizer
+    except (ValueError, OSError):
+        return None

@@ -15,12 +15,10 @@ while another thread is inside one of them. `AsyncEngine` shares one Engine betw
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import threading
 import uuid
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +26,7 @@ import torch
 from pieceworks.config import Config, load_config
 from pieceworks.core.batch import ForwardBatch
 from pieceworks.engine.async_steps import AsyncSteps, InFlight, mark_pending
-from pieceworks.engine.detokenize import Detokenizer
+from pieceworks.engine.detokenize import Detokenizer, eos_token_ids, load_tokenizer
 from pieceworks.engine.params import SamplingParams
 from pieceworks.engine.request import Request, RequestOutput
 from pieceworks.engine.sampler import Sampler, SamplingState
@@ -52,7 +50,7 @@ class Engine:
     def __init__(self, executor: Executor, tokenizer: Any = "auto") -> None:
         self.executor = executor
         cfg = executor.cfg
-        self.tokenizer = _load_tokenizer(executor) if tokenizer == "auto" else tokenizer
+        self.tokenizer = load_tokenizer(executor) if tokenizer == "auto" else tokenizer
         self.max_context = executor.max_context
         self.model_name = cfg.model.path or f"{cfg.model.arch}-{cfg.model.preset or 'custom'}"
         self.eos_token_ids = eos_token_ids(executor.model_dir)
@@ -105,8 +103,7 @@ class Engine:
                 stop strings without a tokenizer; nothing was queued.
         """
         with self._exclusive("add_request"):
-            if self.executor.closed:
-                raise RuntimeError("this Engine is closed (close() was called); build a new one")
+            self._check_open()
             params = SamplingParams() if params is None else params
             if not isinstance(params, SamplingParams):
                 raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -194,6 +191,10 @@ class Engine:
             self.sampler = None  # its penalty tables and generator live on the device; steps are refused
             self.executor.close()
 
+    def _check_open(self) -> None:
+        if self.executor.closed:
+            raise RuntimeError("this Engine is closed (close() was called); build a new one")
+
     def __enter__(self) -> "Engine":
         return self
 
@@ -215,8 +216,7 @@ class Engine:
         """
         self._claim("step")
         try:
-            if self.executor.closed:
-                raise RuntimeError("this Engine is closed (close() was called); build a new one")
+            self._check_open()
             return self._step(stream=True)
         finally:
             self._busy.release()
@@ -385,27 +385,3 @@ def _is_int(t: Any) -> bool:
     if isinstance(t, torch.Tensor):
         return t.dim() == 0 and not t.dtype.is_floating_point and t.dtype != torch.bool
     return type(t).__module__ == "numpy" and "int" in type(t).__name__
-
-
-def eos_token_ids(model_dir: Path | None) -> frozenset[int]:
-    """EOS ids of a checkpoint: generation_config.json's eos_token_id (an int or a list), else
-    config.json's; empty for random weights."""
-    if model_dir is None:
-        return frozenset()
-    for name in ("generation_config.json", "config.json"):
-        path = Path(model_dir) / name
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            if eos is not None:
-                return frozenset(eos if isinstance(eos, list) else [eos])
-    return frozenset()
-
-
-def _load_tokenizer(executor: Executor) -> Any:
-    """The model directory's tokenizer, or None (random weights, no tokenizer files, no transformers)."""
-    if executor.model_dir is None:
-        return None
-    try:
-        return executor.tokenizer
-    except (ValueError, OSError):
-        return None
