@@ -68,6 +68,7 @@ def _paged_meta(sc: Scenario, pool: KVPool, device: torch.device, rng: random.Ra
         mode=sc.mode, graph_mode=GraphMode.EAGER, extend_lens=[n for _, n in sc.seqs],
         prefix_lens=[p for p, _ in sc.seqs], page_size=ps, page_table=table.to(device),
         slot_mapping=torch.tensor(slots, device=device), positions=torch.tensor(positions, device=device),
+        page_lists=pages,
     )
     return meta, pages
 

@@ -85,6 +85,36 @@ def test_attention_scenarios(sc):
     assert rel_err(out[: q.shape[0]], case.expected) < TOL and (out[q.shape[0]:] == 0).all()
 
 
+def test_fast_plan_and_run_match_flashinfers_public_plan():
+    """Extend/mixed steps one after another through FastPlan + a rebound FastRun, against a backend on
+    FlashInfer's public plan and run(): the same outputs to the bit and the same wrapper state."""
+    fast, public = gqa_backend(16), gqa_backend(16)
+    public.options = FlashInferOptions("fa2", fast_plan=False)
+    extend = [sc for sc in S.ATTENTION_SCENARIOS if sc.mode is not ForwardMode.DECODE]
+    for i, sc in enumerate(extend * 2):
+        case = S.attention_case(sc, 8, 2, 64, BF16, DEV, seed=i)
+        q, k, v = case.inputs["q"], case.inputs["k"], case.inputs["v"]
+        outs = []
+        for impl in (fast, public):
+            out = torch.full_like(q, float("nan"))
+            impl.plan(case.meta)
+            for layer in range(2):  # the second layer through FastRun
+                impl.forward(q, k, v, out, 0, 64**-0.5, case.pool)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), sc.name
+        assert rel_err(outs[0], case.expected) < TOL
+        if i >= 1:  # the second plan records the FastPlan, later ones use it
+            assert fast._fast_plan is not None and fast._fast is not None and fast._fast.plan_slots is not None
+        a, b = fast._prefill, public._prefill
+        n = len(case.meta.extend_lens)
+        for name in ("_batch_size", "_qo_indptr_last", "_max_q_len", "_max_kv_len"):
+            assert getattr(a, name) == getattr(b, name), name
+        assert list(a._plan_info) == list(b._plan_info)
+        for name in ("_qo_indptr_buf", "_paged_kv_indptr_buf", "_paged_kv_indices_buf", "_paged_kv_last_page_len_buf"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert torch.equal(a._kv_lens_buffer[:n], b._kv_lens_buffer[:n])
+
+
 @pytest.mark.parametrize("heads", [4, 128])
 @pytest.mark.parametrize("sc", S.ATTENTION_SCENARIOS, ids=lambda s: s.name)
 def test_mla_scenarios(sc, heads):

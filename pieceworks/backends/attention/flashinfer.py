@@ -17,6 +17,7 @@ flashinfer is imported inside methods only, so `import pieceworks` never loads i
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -46,12 +47,19 @@ class FlashInferOptions:
     the CUDA-core kernel made full-graph NVFP4 decode replays 1%, 7% and 21% faster at batch 1, 8 and
     32 (docs/benchmarks.md). MLA ignores it."""
 
+    fast_plan: bool = True
+    """Extend/mixed steps plan through `FastPlan` (FlashInfer's planner called directly, the index arrays
+    sent with one copy) once one public `plan()` has shown the call's form; false: FlashInfer's public
+    `plan()` on every step. MLA ignores it."""
+
     def __post_init__(self) -> None:
         if self.variant not in ("auto", "fa2", "fa3"):
             raise ValueError(f"backends.options.flashinfer.variant: {self.variant!r}; use auto, fa2 or fa3")
         if self.decode_tensor_cores not in (True, False, "auto"):
             raise ValueError("backends.options.flashinfer.decode_tensor_cores must be true, false or auto, "
                              f"got {self.decode_tensor_cores!r}")
+        if not isinstance(self.fast_plan, bool):
+            raise ValueError(f"backends.options.flashinfer.fast_plan must be true or false, got {self.fast_plan!r}")
 
 
 def resolve_decode_tensor_cores(option: bool | str, model) -> bool:
@@ -227,21 +235,20 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._views: dict[int, tuple] = {}
         self._bound: dict[int, tuple] = {}
         self._fast: FastRun | None = None
+        self._fast_plan: FastPlan | None = None
         self._plan_guard = PlanCopyGuard()
 
     # ------------------------------------------------------------------ plan (host)
     def plan(self, meta) -> None:
         self._meta = meta
-        self._fast = None
         m = self.spec.model
         qo_lens, kv_lens = step_lengths(meta)
-        graph_decode = meta.mode is ForwardMode.DECODE and meta.graph_mode is GraphMode.FULL
-        kv = paged_kv_indices(meta.page_table[: len(kv_lens)], kv_lens, meta.page_size, meta.page_lists)
         self._rows = sum(qo_lens)
         dims = (m.num_heads, m.num_kv_heads, m.head_dim, meta.page_size)
         kw = dict(q_data_type=m.dtype, kv_data_type=m.dtype, sm_scale=self._sm_scale)
         if meta.mode is ForwardMode.DECODE:
-            if graph_decode:
+            kv = paged_kv_indices(meta.page_table[: len(kv_lens)], kv_lens, meta.page_size, meta.page_lists)
+            if meta.graph_mode is GraphMode.FULL:
                 wrapper = self._graph_decode_wrapper(len(kv_lens), meta.page_table.shape[1], meta.device)
             else:
                 wrapper = self._decode_wrapper(meta.device)
@@ -250,9 +257,32 @@ class FlashInferAttentionBackend(AttentionBackend):
         else:
             wrapper = self._prefill_wrapper(meta.device)
             self._plan_guard.before(wrapper)
-            wrapper.plan(qo_indptr(qo_lens), kv.indptr, kv.indices, kv.last_page_len, *dims, causal=True, **kw)
+            self._plan_prefill(wrapper, meta, qo_lens, kv_lens, dims, kw)
+            # FastRun's plan-owned arguments follow the new plan; without it, layer 0 records one
+            if self._fast is not None and not self._fast.rebind(wrapper):
+                self._fast = None
         self._plan_guard.after(wrapper, meta.device)
         self._wrapper = wrapper
+
+    def _plan_prefill(self, wrapper, meta, qo_lens: list[int], kv_lens: list[int], dims: tuple, kw: dict) -> None:
+        """The prefill wrapper's plan: through the FastPlan when there is one (and host page lists),
+        else FlashInfer's public plan, given the lengths it would otherwise derive on the host; the
+        first public plan after the planner's module exists records the FastPlan."""
+        if self._fast_plan is not None and meta.page_lists is not None:
+            self._fast_plan(wrapper, qo_lens, kv_lens, meta.page_lists)
+            return
+        kv = paged_kv_indices(meta.page_table[: len(kv_lens)], kv_lens, meta.page_size, meta.page_lists)
+        qo = qo_indptr(qo_lens)
+
+        def public() -> None:
+            wrapper.plan(qo, kv.indptr, kv.indices, kv.last_page_len, *dims, causal=True, seq_lens=kv.kv_lens,
+                         max_token_per_sequence=max(qo_lens), max_sequence_kv=max(kv_lens), **kw)
+
+        if (self.options.fast_plan and meta.page_lists is not None and meta.device.type == "cuda"
+                and getattr(wrapper, "_cached_module", None) is not None):
+            self._fast_plan = FastPlan.record(wrapper, public, qo, kv, meta.page_size)
+        else:
+            public()
 
     def _ws(self, device) -> torch.Tensor:
         return workspace(self, device)
@@ -293,6 +323,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, out, layer_id, scale, kv) -> None:
         if check_capture_scale(self, scale):
             self._sm_scale = scale
+            self._fast = self._fast_plan = None  # they hold the old scale; the public plan sets the new one
             self.plan(self._meta)
         slots = self._meta.slot_mapping
         # Between piecewise graph replays a layer gets the same q/k/v/out tensors (captured outputs) on
@@ -309,12 +340,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         write_rows(k_rows, k_new, v_rows, v_new, slots)  # padded tokens write to the reserved page
         if padded is not None:
             padded.zero_()
-        if self._fast is not None:
-            self._fast(q, kc, vc, out)
-        elif self._wrapper is self._prefill:
-            self._fast = FastRun.record(self._wrapper, q, kc, vc, out)
-        else:
+        if self._wrapper is not self._prefill:
             self._wrapper.run(q, (kc, vc), out=out)
+        elif self._fast is not None:
+            self._fast(q, kc, vc, out)
+        else:
+            self._fast = FastRun.record(self._wrapper, q, kc, vc, out)
 
     def _bind(self, q, k, v, out, layer_id, kv) -> tuple:
         """(q, k, v, out, kv, rows: the key), then the K/V caches, the pool's row views with the new
@@ -332,23 +363,166 @@ class FlashInferAttentionBackend(AttentionBackend):
                 q_run, out_run, padded)
 
 
-class FastRun:
-    """FlashInfer's `run()` re-derives some 30 kernel arguments in Python on every call (~25 us a
-    layer on the H200 machine's host); within one planned step they are the same for every layer but
-    q, the K/V caches and out. The first layer of a step goes through `run()` while the module's
-    `paged_run` is watched; later layers call `paged_run` with those four arguments swapped in.
-    Used only when the recorded call holds exactly our four tensors (checked by identity); otherwise
-    `record` returns None and every layer keeps calling `run()`. `plan()` drops the recording.
+# The prefill wrapper's attributes that a plan sets and `run()` passes on to the kernel (FlashInfer 0.7).
+PLAN_TENSORS = ("_plan_info", "_qo_indptr_buf", "_paged_kv_indptr_buf", "_paged_kv_indices_buf",
+                "_paged_kv_last_page_len_buf", "_kv_lens_buffer")
+PLAN_INTS = ("_max_q_len", "_max_kv_len", "_batch_size")  # passed right after _kv_lens_buffer and page_size
+
+
+class FastPlan:
+    """The prefill wrapper's `plan()` without FlashInfer's Python around its planner.
+
+    The public `plan()` copies its inputs on the host, sends four index arrays with pageable copies
+    into freshly allocated device tensors and sets some twenty attributes; the work that matters is
+    the C++ planner (`_cached_module.plan`: the split schedule, written to the int workspace) and the
+    index arrays on the device. `record` watches one public plan: the planner's argument list must
+    hold our host qo_indptr, kv indptr and KV lengths (by identity) followed by the row and sequence
+    counts, and the wrapper must be an eager (not CUDA-graph) fa2/fa3 wrapper without masks;
+    otherwise it returns None and the public plan stays. A FastPlan then builds the step's CSR
+    arrays in numpy inside a pinned staging buffer (two, alternating: a copy still pending from the
+    previous plan is waited for, as `PlanCopyGuard` does for the planner's own buffer), sends them
+    with one copy into a device buffer kept across steps, calls the planner with the new host
+    arrays and sets the attributes `run()` reads (`PLAN_TENSORS`, `PLAN_INTS`, `_qo_indptr_last`).
+    The GPU tests compare the wrapper's state and the attention output with the public plan's.
     """
 
-    def __init__(self, fn, args: list, slots: tuple[int, int, int, int]) -> None:
-        self.fn, self.args, self.slots = fn, args, slots
+    def __init__(self, fn, args: list, at: int, page_size: int) -> None:
+        self.fn, self.args, self.at, self.page_size = fn, args, at, page_size
+        self.stage: list[torch.Tensor | None] = [None, None]
+        self.events: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
+        self.device_buf: torch.Tensor | None = None
+
+    @classmethod
+    def record(cls, wrapper, public, qo: torch.Tensor, kv: PagedKV, page_size: int) -> "FastPlan | None":
+        """Run `public()` (the wrapper's public plan of qo, kv) watching the planner; the FastPlan or None."""
+        module = wrapper._cached_module
+        fn, seen = module.plan, []
+
+        def spy(*args, **kwargs):
+            seen.append((args, kwargs))
+            return fn(*args, **kwargs)
+
+        module.plan = spy
+        try:
+            public()
+        finally:
+            module.plan = fn
+        ok = (len(seen) == 1 and not seen[0][1] and getattr(wrapper, "_backend", None) in ("fa2", "fa3")
+              and not getattr(wrapper, "is_cuda_graph_enabled", True) and wrapper._custom_mask_buf is None
+              and getattr(wrapper, "_prefix_len_ptr", None) is None
+              and getattr(wrapper, "_eagle_verify_fp8kv_sm90_state", None) is None
+              and all(hasattr(wrapper, a) for a in PLAN_TENSORS + PLAN_INTS + ("_qo_indptr_last",)))
+        if not ok:
+            return None
+        args = list(seen[0][0])
+        at = next((i for i, a in enumerate(args) if a is qo), None)
+        if (at is None or at + 4 >= len(args) or args[at + 1] is not kv.indptr or args[at + 2] is not kv.kv_lens
+                or args[at + 3] != int(qo[-1]) or args[at + 4] != len(kv.kv_lens)):
+            return None
+        return cls(fn, args, at, page_size)
+
+    def __call__(self, wrapper, qo_lens: list[int], kv_lens: list[int], page_lists: list[list[int]]) -> None:
+        b = len(kv_lens)
+        counts = [-(-n // self.page_size) for n in kv_lens]
+        flat = list(itertools.chain.from_iterable(p[:c] for p, c in zip(page_lists, counts)))
+        if len(flat) != sum(counts):
+            raise ValueError("a sequence's page list is shorter than its KV length needs")
+        total = 4 * b + 2 + len(flat)
+        device = torch.device(wrapper.device)
+        host = self._staging(total, device)
+        a = host.numpy()
+        np.cumsum(qo_lens, dtype=np.int32, out=a[1 : b + 1])
+        a[0] = a[b + 1] = 0
+        np.cumsum(counts, dtype=np.int32, out=a[b + 2 : 2 * b + 2])
+        lens = a[3 * b + 2 : 4 * b + 2]
+        lens[:] = kv_lens
+        a[2 * b + 2 : 3 * b + 2] = lens - (np.asarray(counts, dtype=np.int32) - 1) * self.page_size
+        a[4 * b + 2 : total] = flat
+        dev = self._device_buffer(total, device)
+        dev[:total].copy_(host[:total], non_blocking=True)
+        if self.events[self.turn] is not None:
+            self.events[self.turn].record()
+        self.turn ^= 1
+        qo_host, kv_host, lens_host = host[: b + 1], host[b + 1 : 2 * b + 2], host[3 * b + 2 : 4 * b + 2]
+        args = self.args
+        rows = int(a[b])
+        args[self.at : self.at + 5] = [qo_host, kv_host, lens_host, rows, b]
+        wrapper._plan_info = self.fn(*args)
+        wrapper._qo_indptr_buf, wrapper._paged_kv_indptr_buf = dev[: b + 1], dev[b + 1 : 2 * b + 2]
+        wrapper._paged_kv_last_page_len_buf = dev[2 * b + 2 : 3 * b + 2]
+        wrapper._kv_lens_buffer, wrapper._paged_kv_indices_buf = dev[3 * b + 2 : 4 * b + 2], dev[4 * b + 2 : total]
+        wrapper._batch_size, wrapper._qo_indptr_last = b, rows
+        wrapper._max_q_len, wrapper._max_kv_len = max(qo_lens), max(kv_lens)
+        wrapper._seq_lens_kv = wrapper._seq_lens_q = lens_host
+
+    def _staging(self, n: int, device: torch.device) -> torch.Tensor:
+        """This turn's int32 staging buffer of at least n entries (pinned for a GPU), its previous copy done."""
+        i, cuda = self.turn, device.type == "cuda"
+        if cuda and self.events[i] is None:
+            self.events[i] = torch.cuda.Event()
+        elif cuda:
+            self.events[i].synchronize()
+        if self.stage[i] is None or self.stage[i].numel() < n:
+            self.stage[i] = torch.empty(max(n, 4096), dtype=torch.int32, pin_memory=cuda)
+        return self.stage[i]
+
+    def _device_buffer(self, n: int, device: torch.device) -> torch.Tensor:
+        if self.device_buf is None or self.device_buf.numel() < n:
+            self.device_buf = torch.empty(max(n, 4096), dtype=torch.int32, device=device)
+        return self.device_buf
+
+
+class FastRun:
+    """FlashInfer's `run()` re-derives some 50 kernel arguments in Python on every call (~25 us a
+    layer on the H200 machine's host); they are the same for every layer but q, the K/V caches and
+    out, and from one plan to the next they change only in what the plan set (`PLAN_TENSORS`,
+    `PLAN_INTS`). The first layer after the backend's first prefill plan goes through `run()` while
+    the module's `paged_run` is watched; later layers call `paged_run` with those four tensors swapped
+    in, and `rebind` swaps in a new plan's attributes, so no later step goes through `run()`. Used
+    only when the recorded call holds exactly our four tensors (checked by identity); otherwise
+    `record` returns None and every layer keeps calling `run()`. A recording whose plan attributes
+    are not where FlashInfer 0.7 puts them (`_locate`) is not rebound: the next plan drops it.
+    """
+
+    def __init__(self, fn, args: list, slots: tuple[int, int, int, int],
+                 plan_slots: list[tuple[int, str]] | None) -> None:
+        self.fn, self.args, self.slots, self.plan_slots = fn, args, slots, plan_slots
 
     def __call__(self, q, kc, vc, out) -> None:
         args = self.args
         iq, ik, iv, io = self.slots
         args[iq], args[ik], args[iv], args[io] = q, kc, vc, out
         self.fn(*args)
+
+    def rebind(self, wrapper) -> bool:
+        """Take a new plan's attributes of `wrapper`; False if this recording can't (drop it)."""
+        if self.plan_slots is None:
+            return False
+        for i, name in self.plan_slots:
+            self.args[i] = getattr(wrapper, name)
+        return True
+
+    @staticmethod
+    def _locate(wrapper, args: list) -> list[tuple[int, str]] | None:
+        """(position, attribute) of every plan-owned argument: the tensors by identity (each at least
+        once), the ints at their place after `_kv_lens_buffer` and page_size; None if any is missing."""
+        found = []
+        for name in PLAN_TENSORS:
+            value = getattr(wrapper, name, None)
+            where = [i for i, a in enumerate(args) if value is not None and a is value]
+            if not where:
+                return None
+            found += [(i, name) for i in where]
+        lens_at = [i for i, name in found if name == "_kv_lens_buffer"]
+        at = lens_at[0] + 2
+        if len(lens_at) != 1 or at + len(PLAN_INTS) > len(args):
+            return None
+        for k, name in enumerate(PLAN_INTS):
+            if type(args[at + k]) is not int or args[at + k] != getattr(wrapper, name):
+                return None
+            found.append((at + k, name))
+        return found
 
     @classmethod
     def record(cls, wrapper, q, kc, vc, out) -> "FastRun | None":
@@ -374,4 +548,4 @@ class FastRun:
         where = [[i for i, a in enumerate(args) if a is t] for t in (q, kc, vc, out)]
         if any(len(w) != 1 for w in where):
             return None
-        return cls(fn, args, tuple(w[0] for w in where))
+        return cls(fn, args, tuple(w[0] for w in where), cls._locate(wrapper, args))
