@@ -102,7 +102,7 @@ def test_fast_run_follows_every_new_plan():
     assert fast_plan is not None
     for step in STEPS[2:] + STEPS[:1]:
         fast_plan(w, *step)
-        assert fast.rebind(w)
+        assert fast.rebind(w, PS) and not fast.rebind(w, 2 * PS)
         fast(q, kc, vc, out)
         w.run(q, (kc, vc), out)
         assert same(w._cached_module.runs[-1], w._cached_module.runs[-2])
@@ -118,4 +118,4 @@ def test_fast_paths_stay_off_for_calls_of_another_form():
     plan()
     w._max_q_len = 7.0  # not where FlashInfer 0.7 passes an int: the recording is not rebound
     fast = FastRun.record(w, *(torch.zeros(1) for _ in range(4)))
-    assert fast is not None and fast.plan_slots is None and not fast.rebind(w)
+    assert fast is not None and fast.plan_slots is None and not fast.rebind(w, PS)

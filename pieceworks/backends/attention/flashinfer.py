@@ -259,17 +259,18 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._plan_guard.before(wrapper)
             self._plan_prefill(wrapper, meta, qo_lens, kv_lens, dims, kw)
             # FastRun's plan-owned arguments follow the new plan; without it, layer 0 records one
-            if self._fast is not None and not self._fast.rebind(wrapper):
+            if self._fast is not None and not self._fast.rebind(wrapper, meta.page_size):
                 self._fast = None
         self._plan_guard.after(wrapper, meta.device)
         self._wrapper = wrapper
 
     def _plan_prefill(self, wrapper, meta, qo_lens: list[int], kv_lens: list[int], dims: tuple, kw: dict) -> None:
-        """The prefill wrapper's plan: through the FastPlan when there is one (and host page lists),
-        else FlashInfer's public plan, given the lengths it would otherwise derive on the host; the
-        first public plan after the planner's module exists records the FastPlan."""
-        if self._fast_plan is not None and meta.page_lists is not None:
-            self._fast_plan(wrapper, qo_lens, kv_lens, meta.page_lists)
+        """The prefill wrapper's plan: through the FastPlan when there is one for the step's page size (the
+        planner takes it) and host page lists, else FlashInfer's public plan, given the lengths it would
+        otherwise derive on the host; a public plan after the planner's module exists records a FastPlan."""
+        fast = self._fast_plan
+        if fast is not None and meta.page_lists is not None and fast.page_size == meta.page_size:
+            fast(wrapper, qo_lens, kv_lens, meta.page_lists)
             return
         kv = paged_kv_indices(meta.page_table[: len(kv_lens)], kv_lens, meta.page_size, meta.page_lists)
         qo = qo_indptr(qo_lens)
@@ -482,12 +483,15 @@ class FastRun:
     in, and `rebind` swaps in a new plan's attributes, so no later step goes through `run()`. Used
     only when the recorded call holds exactly our four tensors (checked by identity); otherwise
     `record` returns None and every layer keeps calling `run()`. A recording whose plan attributes
-    are not where FlashInfer 0.7 puts them (`_locate`) is not rebound: the next plan drops it.
+    are not where FlashInfer 0.7 puts them (`_locate`), or one for another page size, is not rebound:
+    the next plan drops it.
     """
 
     def __init__(self, fn, args: list, slots: tuple[int, int, int, int],
                  plan_slots: list[tuple[int, str]] | None) -> None:
         self.fn, self.args, self.slots, self.plan_slots = fn, args, slots, plan_slots
+        # page_size is passed right before PLAN_INTS
+        self.page_size_at = plan_slots[-len(PLAN_INTS)][0] - 1 if plan_slots else None
 
     def __call__(self, q, kc, vc, out) -> None:
         args = self.args
@@ -495,9 +499,10 @@ class FastRun:
         args[iq], args[ik], args[iv], args[io] = q, kc, vc, out
         self.fn(*args)
 
-    def rebind(self, wrapper) -> bool:
-        """Take a new plan's attributes of `wrapper`; False if this recording can't (drop it)."""
-        if self.plan_slots is None:
+    def rebind(self, wrapper, page_size: int) -> bool:
+        """Take a new plan's attributes of `wrapper`; False if this recording can't (drop it): its plan
+        attributes were not located, or its K/V caches have another page size (an argument too)."""
+        if self.plan_slots is None or self.args[self.page_size_at] != page_size:
             return False
         for i, name in self.plan_slots:
             self.args[i] = getattr(wrapper, name)
