@@ -119,3 +119,30 @@ def test_fast_paths_stay_off_for_calls_of_another_form():
     w._max_q_len = 7.0  # not where FlashInfer 0.7 passes an int: the recording is not rebound
     fast = FastRun.record(w, *(torch.zeros(1) for _ in range(4)))
     assert fast is not None and fast.plan_slots is None and not fast.rebind(w, PS)
+
+
+def test_the_backend_records_one_fast_plan_or_warns_once_and_keeps_the_public_plan(caplog):
+    from pieceworks.backends.attention.flashinfer import FlashInferAttentionBackend
+    from pieceworks.backends.base import BackendSpec, ModelFacts
+    from pieceworks.core.batch import ForwardMode, GraphMode, StepMetadata
+
+    facts = ModelFacts(dtype=torch.bfloat16, num_heads=8, num_kv_heads=2, head_dim=64, page_size=PS)
+    backend = FlashInferAttentionBackend(BackendSpec.for_device(torch.device("cpu"), model=facts))
+    qo_lens, kv_lens, pages = STEPS[1]
+    meta = StepMetadata(mode=ForwardMode.MIXED, graph_mode=GraphMode.EAGER, extend_lens=qo_lens,
+                        prefix_lens=[k - q for q, k in zip(qo_lens, kv_lens)], page_size=PS,
+                        page_table=torch.zeros(3, 64, dtype=torch.int32), slot_mapping=torch.zeros(258),
+                        positions=torch.zeros(258), page_lists=pages)
+    dims, kw = (8, 2, 64, PS), {}
+    for graph, recorded in ((False, True), (True, False)):
+        w = Wrapper(graph=graph)
+        w.plan = lambda qo, indptr, indices, last, *a, causal, w=w, **k: Wrapper.plan(
+            w, qo, indptr, indices, last, *a, causal, k["seq_lens"], k["max_token_per_sequence"], k["max_sequence_kv"])
+        backend._fast_plan, backend._fast_plan_refused = None, False
+        caplog.clear()
+        for _ in range(3):
+            backend._plan_prefill(w, meta, qo_lens, kv_lens, dims, kw)
+        assert (backend._fast_plan is not None) is recorded
+        # recorded: one public plan, then two through the planner directly; refused: three public plans
+        assert len(w._cached_module.plans) == 3 and w._qo_indptr_last == 258
+        assert len([r for r in caplog.records if "public plan()" in r.getMessage()]) == (0 if recorded else 1)

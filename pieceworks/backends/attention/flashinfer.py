@@ -18,6 +18,7 @@ flashinfer is imported inside methods only, so `import pieceworks` never loads i
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -31,6 +32,7 @@ from pieceworks.core.batch import ForwardMode, GraphMode, is_replayed, to_device
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-KV partial results)
 GPU_INSTALL_HINT = "pip install 'pieceworks[gpu]'"
+log = logging.getLogger("pieceworks.flashinfer")
 
 
 @dataclass(frozen=True)
@@ -236,6 +238,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._bound: dict[int, tuple] = {}
         self._fast: FastRun | None = None
         self._fast_plan: FastPlan | None = None
+        self._fast_plan_refused = False  # a recorded public plan had another form: no more tries
         self._plan_guard = PlanCopyGuard()
 
     # ------------------------------------------------------------------ plan (host)
@@ -279,9 +282,13 @@ class FlashInferAttentionBackend(AttentionBackend):
             wrapper.plan(qo, kv.indptr, kv.indices, kv.last_page_len, *dims, causal=True, seq_lens=kv.kv_lens,
                          max_token_per_sequence=max(qo_lens), max_sequence_kv=max(kv_lens), **kw)
 
-        if (self.options.fast_plan and meta.page_lists is not None and meta.device.type == "cuda"
+        if (self.options.fast_plan and not self._fast_plan_refused and meta.page_lists is not None
                 and getattr(wrapper, "_cached_module", None) is not None):
             self._fast_plan = FastPlan.record(wrapper, public, qo, kv, meta.page_size)
+            if self._fast_plan is None:
+                self._fast_plan_refused = True
+                log.warning("FlashInfer's prefill planner is called in another form than FlashInfer 0.7's; "
+                            "extend steps plan through its public plan() (slower on the host, same results)")
         else:
             public()
 
