@@ -546,7 +546,7 @@ def test_kv_write_rows_cpu_path_matches_index_copy():
 def test_plan_copy_guard_waits_for_the_same_wrappers_previous_plan(monkeypatch):
     """Before a wrapper plans again, the host waits for the event recorded after its previous plan
     (the pinned schedule buffer's copy); other wrappers' events are not waited on; none in a capture."""
-    from pieceworks.backends.attention.flashinfer import PlanCopyGuard
+    from pieceworks.backends.attention.flashinfer_fast import PlanCopyGuard
 
     log = []
 

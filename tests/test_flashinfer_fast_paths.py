@@ -1,4 +1,4 @@
-"""FastPlan and FastRun (backends/attention/flashinfer.py) on CPU, against a stand-in wrapper that plans
+"""FastPlan and FastRun (backends/attention/flashinfer_fast.py) on CPU, against a stand-in wrapper that plans
 and runs the way FlashInfer 0.7's BatchPrefillWithPagedKVCacheWrapper does for an eager fa2 plan (the
 planner's and the kernel's argument lists, the attributes a plan sets). tests/gpu/test_flashinfer.py
 compares both with the real wrapper."""
@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from pieceworks.backends.attention.flashinfer import FastPlan, FastRun, paged_kv_indices, qo_indptr
+from pieceworks.backends.attention.flashinfer import paged_kv_indices, qo_indptr
+from pieceworks.backends.attention.flashinfer_fast import FastPlan, FastRun
 
 
 class Module:

@@ -17,7 +17,6 @@ import torch
 from pieceworks.backends.attention.flashinfer import (
     GPU_INSTALL_HINT,
     FlashInferOptions,
-    PlanCopyGuard,
     check_capture_scale,
     paged_kv_indices,
     qo_indptr,
@@ -25,6 +24,7 @@ from pieceworks.backends.attention.flashinfer import (
     step_lengths,
     workspace,
 )
+from pieceworks.backends.attention.flashinfer_fast import PlanCopyGuard
 from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
 from pieceworks.backends.kv_write import write_rows
 from pieceworks.backends.mla.base import MLABackend

@@ -1,0 +1,242 @@
+"""FlashInfer's Python around its kernels, made cheap for every step: `FastPlan` (the prefill
+wrapper's plan without the public `plan()`'s host work), `FastRun` (its `run()` without re-deriving
+the kernel's arguments) and `PlanCopyGuard` (no pinned host buffer rewritten under a pending copy).
+Both fast paths rely on FlashInfer 0.7's private call forms, check them when they record and stay off
+where they differ; tests/gpu/test_flashinfer.py compares them with the public calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+
+
+def flat_pages(page_lists: list[list[int]], counts: list[int]) -> np.ndarray:
+    """int32 array of the first counts[i] pages of every page list, in order (FlashInfer's paged-KV
+    indices); numpy builds it about 4x faster than torch.tensor from a list (8320 pages: 0.13 ms)."""
+    if len(page_lists) != len(counts):
+        raise ValueError(f"{len(page_lists)} page lists for {len(counts)} sequences")
+    for pages, c in zip(page_lists, counts):
+        if c > len(pages):
+            raise ValueError(f"a sequence needs {c} pages; its page list holds {len(pages)}")
+    return np.fromiter(itertools.chain.from_iterable(p[:c] for p, c in zip(page_lists, counts)), dtype=np.int32,
+                       count=sum(counts))
+
+
+class PlanCopyGuard:
+    """Keeps a FlashInfer wrapper's `plan()` from rewriting its pinned host buffer under a pending copy.
+
+    A wrapper's `plan()` writes the schedule into one page-locked host buffer and enqueues an
+    asynchronous copy of it to the device; nothing waits for that copy. When the GPU runs more than a
+    step behind the host (a large lm_head at the end of a step is enough), the next `plan()` of the same
+    wrapper overwrites the host buffer before the previous copy has read it, and the earlier step's
+    kernels run with the later step's schedule. `before(wrapper)` waits for the event recorded after
+    that wrapper's previous plan (normally long complete); `after(wrapper)` records it. Skipped while
+    capturing (plans never run inside a capture: the runner plans before it). Any hashable key may
+    stand for a wrapper: `FastPlan` guards its own staging buffers with one.
+    """
+
+    def __init__(self) -> None:
+        self._events: dict[object, torch.cuda.Event] = {}
+
+    def before(self, key) -> None:
+        event = self._events.get(key)
+        if event is not None:
+            event.synchronize()
+
+    def after(self, key, device) -> None:
+        if torch.device(device).type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return
+        event = self._events.get(key)
+        if event is None:
+            event = self._events[key] = torch.cuda.Event()
+        event.record()
+
+
+# The prefill wrapper's attributes that a plan sets and `run()` passes on to the kernel (FlashInfer 0.7).
+PLAN_TENSORS = ("_plan_info", "_qo_indptr_buf", "_paged_kv_indptr_buf", "_paged_kv_indices_buf",
+                "_paged_kv_last_page_len_buf", "_kv_lens_buffer")
+PLAN_INTS = ("_max_q_len", "_max_kv_len", "_batch_size")  # passed right after _kv_lens_buffer and page_size
+
+
+class FastPlan:
+    """The prefill wrapper's `plan()` without FlashInfer's Python around its planner.
+
+    The public `plan()` copies its inputs on the host, sends four index arrays with pageable copies
+    into freshly allocated device tensors and sets some twenty attributes; the work that matters is
+    the C++ planner (`_cached_module.plan`: the split schedule, written to the int workspace) and the
+    index arrays on the device. `record` watches one public plan: the planner's argument list must
+    hold our host qo_indptr, kv indptr and KV lengths (by identity) followed by the row and sequence
+    counts, and the wrapper must be an eager (not CUDA-graph) fa2/fa3 wrapper without masks;
+    otherwise it returns None and the public plan stays. A FastPlan then builds the step's CSR
+    arrays in numpy inside a pinned staging buffer (two, alternating: a `PlanCopyGuard` waits for a
+    copy still pending from the plan before last, as it does for the planner's own buffer), sends them
+    with one copy into a device buffer kept across steps, calls the planner with the new host
+    arrays and sets the attributes `run()` reads (`PLAN_TENSORS`, `PLAN_INTS`, `_qo_indptr_last`).
+    The GPU tests compare the wrapper's state and the attention output with the public plan's.
+    """
+
+    def __init__(self, fn, args: list, at: int, page_size: int) -> None:
+        self.fn, self.args, self.at, self.page_size = fn, args, at, page_size
+        self.stage: list[torch.Tensor | None] = [None, None]
+        self.turn = 0
+        self.guard = PlanCopyGuard()  # keyed by turn: staging buffer 0 or 1
+        self.device_buf: torch.Tensor | None = None
+
+    @classmethod
+    def record(cls, wrapper, public, qo: torch.Tensor, kv, page_size: int) -> "FastPlan | None":
+        """Run `public()` (the wrapper's public plan of qo and `kv`, a `flashinfer.PagedKV`) watching the
+        planner; the FastPlan or None."""
+        module = wrapper._cached_module
+        fn, seen = module.plan, []
+
+        def spy(*args, **kwargs):
+            seen.append((args, kwargs))
+            return fn(*args, **kwargs)
+
+        module.plan = spy
+        try:
+            public()
+        finally:
+            module.plan = fn
+        ok = (len(seen) == 1 and not seen[0][1] and getattr(wrapper, "_backend", None) in ("fa2", "fa3")
+              and not getattr(wrapper, "is_cuda_graph_enabled", True) and wrapper._custom_mask_buf is None
+              and getattr(wrapper, "_prefix_len_ptr", None) is None
+              and getattr(wrapper, "_eagle_verify_fp8kv_sm90_state", None) is None
+              and all(hasattr(wrapper, a) for a in PLAN_TENSORS + PLAN_INTS + ("_qo_indptr_last",)))
+        if not ok:
+            return None
+        args = list(seen[0][0])
+        at = next((i for i, a in enumerate(args) if a is qo), None)
+        if (at is None or at + 4 >= len(args) or args[at + 1] is not kv.indptr or args[at + 2] is not kv.kv_lens
+                or args[at + 3] != int(qo[-1]) or args[at + 4] != len(kv.kv_lens)):
+            return None
+        return cls(fn, args, at, page_size)
+
+    def __call__(self, wrapper, qo_lens: list[int], kv_lens: list[int], page_lists: list[list[int]]) -> None:
+        b = len(kv_lens)
+        counts = [-(-n // self.page_size) for n in kv_lens]
+        flat = flat_pages(page_lists, counts)
+        total = 4 * b + 2 + len(flat)
+        device = torch.device(wrapper.device)
+        self.guard.before(self.turn)
+        host = self._staging(total, device)
+        a = host.numpy()
+        np.cumsum(qo_lens, dtype=np.int32, out=a[1 : b + 1])
+        a[0] = a[b + 1] = 0
+        np.cumsum(counts, dtype=np.int32, out=a[b + 2 : 2 * b + 2])
+        lens = a[3 * b + 2 : 4 * b + 2]
+        lens[:] = kv_lens
+        a[2 * b + 2 : 3 * b + 2] = lens - (np.asarray(counts, dtype=np.int32) - 1) * self.page_size
+        a[4 * b + 2 : total] = flat
+        dev = self._device_buffer(total, device)
+        dev[:total].copy_(host[:total], non_blocking=True)
+        self.guard.after(self.turn, device)
+        self.turn ^= 1
+        qo_host, kv_host, lens_host = host[: b + 1], host[b + 1 : 2 * b + 2], host[3 * b + 2 : 4 * b + 2]
+        args = self.args
+        rows = int(a[b])
+        args[self.at : self.at + 5] = [qo_host, kv_host, lens_host, rows, b]
+        wrapper._plan_info = self.fn(*args)
+        wrapper._qo_indptr_buf, wrapper._paged_kv_indptr_buf = dev[: b + 1], dev[b + 1 : 2 * b + 2]
+        wrapper._paged_kv_last_page_len_buf = dev[2 * b + 2 : 3 * b + 2]
+        wrapper._kv_lens_buffer, wrapper._paged_kv_indices_buf = dev[3 * b + 2 : 4 * b + 2], dev[4 * b + 2 : total]
+        wrapper._batch_size, wrapper._qo_indptr_last = b, rows
+        wrapper._max_q_len, wrapper._max_kv_len = max(qo_lens), max(kv_lens)
+        wrapper._seq_lens_kv = wrapper._seq_lens_q = lens_host
+
+    def _staging(self, n: int, device: torch.device) -> torch.Tensor:
+        """This turn's int32 staging buffer of at least n entries (pinned for a GPU)."""
+        i = self.turn
+        if self.stage[i] is None or self.stage[i].numel() < n:
+            self.stage[i] = torch.empty(max(n, 4096), dtype=torch.int32, pin_memory=device.type == "cuda")
+        return self.stage[i]
+
+    def _device_buffer(self, n: int, device: torch.device) -> torch.Tensor:
+        if self.device_buf is None or self.device_buf.numel() < n:
+            self.device_buf = torch.empty(max(n, 4096), dtype=torch.int32, device=device)
+        return self.device_buf
+
+
+class FastRun:
+    """FlashInfer's `run()` re-derives some 50 kernel arguments in Python on every call (~25 us a
+    layer on the H200 machine's host); they are the same for every layer but q, the K/V caches and
+    out, and from one plan to the next they change only in what the plan set (`PLAN_TENSORS`,
+    `PLAN_INTS`). The first layer after the backend's first prefill plan goes through `run()` while
+    the module's `paged_run` is watched; later layers call `paged_run` with those four tensors swapped
+    in, and `rebind` swaps in a new plan's attributes, so no later step goes through `run()`. Used
+    only when the recorded call holds exactly our four tensors (checked by identity); otherwise
+    `record` returns None and every layer keeps calling `run()`. A recording whose plan attributes
+    are not where FlashInfer 0.7 puts them (`_locate`), or one for another page size, is not rebound:
+    the next plan drops it.
+    """
+
+    def __init__(self, fn, args: list, slots: tuple[int, int, int, int],
+                 plan_slots: list[tuple[int, str]] | None) -> None:
+        self.fn, self.args, self.slots, self.plan_slots = fn, args, slots, plan_slots
+        # page_size is passed right before PLAN_INTS
+        self.page_size_at = plan_slots[-len(PLAN_INTS)][0] - 1 if plan_slots else None
+
+    def __call__(self, q, kc, vc, out) -> None:
+        args = self.args
+        iq, ik, iv, io = self.slots
+        args[iq], args[ik], args[iv], args[io] = q, kc, vc, out
+        self.fn(*args)
+
+    def rebind(self, wrapper, page_size: int) -> bool:
+        """Take a new plan's attributes of `wrapper`; False if this recording can't (drop it): its plan
+        attributes were not located, or its K/V caches have another page size (an argument too)."""
+        if self.plan_slots is None or self.args[self.page_size_at] != page_size:
+            return False
+        for i, name in self.plan_slots:
+            self.args[i] = getattr(wrapper, name)
+        return True
+
+    @staticmethod
+    def _locate(wrapper, args: list) -> list[tuple[int, str]] | None:
+        """(position, attribute) of every plan-owned argument: the tensors by identity (each at least
+        once), the ints at their place after `_kv_lens_buffer` and page_size; None if any is missing."""
+        found = []
+        for name in PLAN_TENSORS:
+            value = getattr(wrapper, name, None)
+            where = [i for i, a in enumerate(args) if value is not None and a is value]
+            if not where:
+                return None
+            found += [(i, name) for i in where]
+        lens_at = [i for i, name in found if name == "_kv_lens_buffer"]
+        if len(lens_at) != 1 or lens_at[0] + 2 + len(PLAN_INTS) > len(args):
+            return None
+        at = lens_at[0] + 2
+        for k, name in enumerate(PLAN_INTS):
+            if type(args[at + k]) is not int or args[at + k] != getattr(wrapper, name):
+                return None
+            found.append((at + k, name))
+        return found
+
+    @classmethod
+    def record(cls, wrapper, q, kc, vc, out) -> "FastRun | None":
+        module = getattr(wrapper, "_cached_module", None)
+        fn = getattr(module, "paged_run", None)
+        if fn is None:
+            wrapper.run(q, (kc, vc), out=out)
+            return None
+        seen: list = []
+
+        def spy(*args, **kwargs):
+            seen.append((args, kwargs))
+            return fn(*args, **kwargs)
+
+        module.paged_run = spy
+        try:
+            wrapper.run(q, (kc, vc), out=out)
+        finally:
+            module.paged_run = fn
+        if len(seen) != 1 or seen[0][1]:
+            return None
+        args = list(seen[0][0])
+        where = [[i for i, a in enumerate(args) if a is t] for t in (q, kc, vc, out)]
+        if any(len(w) != 1 for w in where):
+            return None
+        return cls(fn, args, tuple(w[0] for w in where), cls._locate(wrapper, args))
