@@ -1,5 +1,6 @@
 """A step's inputs: the checks of a batch before anything changes (`check_batch`, `as_token_ids`), and
-its host-side arrays: token ids, positions and KV slots of the new tokens, and the page table.
+its host-side arrays: token ids, positions and KV slots of the new tokens, and the page table, sent to
+the device as the step's `StepMetadata` (`step_inputs`), and the rows whose logits it returns.
 Vectorized in numpy, a fixed number of array ops per step, because every step (and every decode-graph
 replay) builds them on the host before its kernels can run."""
 
@@ -12,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pieceworks.core.batch import ForwardBatch, Sequence
+from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode, Sequence, StepMetadata, to_device
 from pieceworks.errors import BatchError
 
 
@@ -135,3 +136,31 @@ def page_table(pages: list[list[int]], width: int, fill: int = 0) -> torch.Tenso
     out[np.arange(width)[None, :] < lens[:, None]] = np.fromiter(
         itertools.chain.from_iterable(pages), dtype=np.int32, count=int(lens.sum()))
     return torch.from_numpy(out)
+
+
+def step_inputs(mode: ForwardMode, graph: GraphMode, seqs: list[Sequence], tokens: list[list[int]], page_size: int,
+                pad_slot: int, device: torch.device, pad_to: int | None = None,
+                table_width: int | None = None) -> tuple[StepMetadata, torch.Tensor]:
+    """(`StepMetadata`, token ids) of one step on `device` (`Executor.prepare_step`; the sequences'
+    pages already reserved). Padded tokens (up to `pad_to`) get token id 0, position 0 and `pad_slot`;
+    the page table is `table_width` wide (default: the longest page list)."""
+    pages = [s.pages for s in seqs]
+    table = page_table(pages, table_width or max(1, max(map(len, pages))))
+    ids, positions, slots = token_rows(tokens, [s.kv_len for s in seqs], table.numpy(), page_size, pad_to, pad_slot)
+    meta = StepMetadata(
+        mode=mode, graph_mode=graph,
+        extend_lens=[len(t) for t in tokens], prefix_lens=[s.kv_len for s in seqs],
+        page_size=page_size, page_table=to_device(table, device),
+        slot_mapping=to_device(torch.from_numpy(slots), device),
+        positions=to_device(torch.from_numpy(positions), device),
+        page_lists=pages,
+    )
+    return meta, to_device(torch.from_numpy(ids), device)
+
+
+def logit_rows(tokens: list[list[int]], all_rows: bool, device: torch.device) -> torch.Tensor:
+    """The rows of a step's hidden states whose logits it returns: every row, or each sequence's last."""
+    if all_rows:
+        return torch.arange(sum(map(len, tokens)), device=device)
+    ends = list(itertools.accumulate(len(t) for t in tokens))
+    return to_device(torch.tensor([e - 1 for e in ends]), device)

@@ -26,12 +26,12 @@ import torch
 
 from pieceworks.backends.registry import KernelTable
 from pieceworks.config import Config, ConfigError
-from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode, Sequence, StepMetadata, to_device
+from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode, Sequence, StepMetadata
 from pieceworks.core.context import ForwardContext, forward_context
 from pieceworks.errors import BatchError, OutOfPages
 from pieceworks.executor import distributed  # here: an import inside the leader's step costs ~1 us a step
 from pieceworks.executor.build import build_executor, executor_from_config, model_dir_of, release_executor
-from pieceworks.executor.inputs import as_token_ids, check_batch, page_table, token_rows
+from pieceworks.executor.inputs import as_token_ids, check_batch, logit_rows, step_inputs
 from pieceworks.executor.kv_cache import KVPool, block_keys
 
 
@@ -261,7 +261,7 @@ class Executor:
                 hidden = self.piecewise(input_ids, meta.positions)
             else:
                 hidden = self.model(input_ids, meta.positions)
-        rows = self._logit_rows(tokens, all_logits)
+        rows = logit_rows(tokens, all_logits, self.device)
         return self.model.compute_logits(hidden[rows])
 
     def _forward_leader(self, mode: ForwardMode, seqs: list[Sequence], tokens: list[list[int]],
@@ -322,31 +322,10 @@ class Executor:
     def prepare_step(self, mode: ForwardMode, graph: GraphMode, seqs: list[Sequence],
                      tokens: list[list[int]], pad_to: int | None = None,
                      table_width: int | None = None) -> tuple[StepMetadata, torch.Tensor]:
-        """Host-side inputs of one step as device tensors (pages must already be reserved).
-
-        Padded tokens (up to `pad_to`) get token id 0, position 0 and the pool's reserved slot.
-        """
-        ps = self.page_size
-        pages = [s.pages for s in seqs]
-        table = page_table(pages, table_width or max(1, max(map(len, pages))))
-        ids, positions, slots = token_rows(tokens, [s.kv_len for s in seqs], table.numpy(), ps, pad_to,
-                                           self.kv.reserved_slot)
-        dev = self.device
-        meta = StepMetadata(
-            mode=mode, graph_mode=graph,
-            extend_lens=[len(t) for t in tokens], prefix_lens=[s.kv_len for s in seqs],
-            page_size=ps, page_table=to_device(table, dev),
-            slot_mapping=to_device(torch.from_numpy(slots), dev),
-            positions=to_device(torch.from_numpy(positions), dev),
-            page_lists=pages,
-        )
-        return meta, to_device(torch.from_numpy(ids), dev)
-
-    def _logit_rows(self, tokens: list[list[int]], all_rows: bool) -> torch.Tensor:
-        if all_rows:
-            return torch.arange(sum(map(len, tokens)), device=self.device)
-        ends = list(itertools.accumulate(len(t) for t in tokens))
-        return to_device(torch.tensor([e - 1 for e in ends]), self.device)
+        """Host-side inputs of one step as device tensors (pages must already be reserved): its
+        `StepMetadata` and token ids (`inputs.step_inputs`; padded tokens up to `pad_to`)."""
+        return step_inputs(mode, graph, seqs, tokens, self.page_size, self.kv.reserved_slot, self.device,
+                           pad_to, table_width)
 
     # ---------------------------------------------------------------- validation and pages
     def _validate(self, batch: ForwardBatch) -> list[list[int]]:
