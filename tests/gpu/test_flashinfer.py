@@ -98,7 +98,7 @@ def test_fast_plan_and_run_match_flashinfers_public_plan():
         for impl in (fast, public):
             out = torch.full_like(q, float("nan"))
             impl.plan(case.meta)
-            for layer in range(2):  # the second layer through FastRun
+            for _ in range(2):  # the second call through FastRun
                 impl.forward(q, k, v, out, 0, 64**-0.5, case.pool)
             outs.append(out)
         assert torch.equal(outs[0], outs[1]), sc.name

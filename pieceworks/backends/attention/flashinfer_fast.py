@@ -78,8 +78,8 @@ class FastPlan:
     The GPU tests compare the wrapper's state and the attention output with the public plan's.
     """
 
-    def __init__(self, fn, args: list, at: int, page_size: int) -> None:
-        self.fn, self.args, self.at, self.page_size = fn, args, at, page_size
+    def __init__(self, fn, args: list, at: int, page_size: int, device: torch.device) -> None:
+        self.fn, self.args, self.at, self.page_size, self.device = fn, args, at, page_size, device
         self.stage: list[torch.Tensor | None] = [None, None]
         self.turn = 0
         self.guard = PlanCopyGuard()  # keyed by turn: staging buffer 0 or 1
@@ -113,14 +113,14 @@ class FastPlan:
         if (at is None or at + 4 >= len(args) or args[at + 1] is not kv.indptr or args[at + 2] is not kv.kv_lens
                 or args[at + 3] != int(qo[-1]) or args[at + 4] != len(kv.kv_lens)):
             return None
-        return cls(fn, args, at, page_size)
+        return cls(fn, args, at, page_size, torch.device(wrapper.device))
 
     def __call__(self, wrapper, qo_lens: list[int], kv_lens: list[int], page_lists: list[list[int]]) -> None:
         b = len(kv_lens)
         counts = [-(-n // self.page_size) for n in kv_lens]
         flat = flat_pages(page_lists, counts)
         total = 4 * b + 2 + len(flat)
-        device = torch.device(wrapper.device)
+        device = self.device
         self.guard.before(self.turn)
         host = self._staging(total, device)
         a = host.numpy()
