@@ -543,6 +543,37 @@ def test_kv_write_rows_cpu_path_matches_index_copy():
     assert torch.equal(lat[1:4], qkv[:3, :10])
 
 
+def test_kv_bind_rows_writes_each_steps_slots_and_checks_their_count():
+    """A bound write (a layer's rows, new slots every step) writes where each call's slots say, and
+    refuses slots of another length; on CPU it is index_copy_, and the CUDA kernel says why not."""
+    from pieceworks.backends import kv_write_cuda
+    from pieceworks.backends.kv_write import bind_rows
+
+    pool = torch.zeros(2, 16, 8)
+    k, v = torch.randn(3, 8), torch.randn(3, 8)
+    write = bind_rows(pool[0], k, pool[1], v, torch.zeros(3, dtype=torch.int64))
+    for slots in ([1, 2, 3], [9, 4, 15]):
+        write(torch.tensor(slots))
+        assert torch.equal(pool[0, slots], k) and torch.equal(pool[1, slots], v)
+    assert int((pool != 0).any(-1).sum()) == 12
+    with pytest.raises(ValueError, match="2 slots for 3 new K/V rows"):
+        write(torch.tensor([5, 6]))
+    assert kv_write_cuda.unsupported(pool[0], k, pool[1], v) == "needs an sm_90+ CUDA device"
+
+
+def test_nvrtc_arguments_are_packed_by_type():
+    import ctypes
+
+    from pieceworks.backends.nvrtc import _pack
+
+    t = torch.zeros(4)
+    params, ptrs = _pack([t, 7, 0.5])
+    assert params[0].value == t.data_ptr() and params[1].value == 7 and params[2].value == 0.5
+    assert [ptrs[i] for i in range(3)] == [ctypes.addressof(p) for p in params]
+    with pytest.raises(TypeError, match="kernel argument of type str"):
+        _pack(["x"])
+
+
 def test_plan_copy_guard_waits_for_the_same_wrappers_previous_plan(monkeypatch):
     """Before a wrapper plans again, the host waits for the event recorded after its previous plan
     (the pinned schedule buffer's copy); other wrappers' events are not waited on; none in a capture."""

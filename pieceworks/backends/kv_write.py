@@ -2,8 +2,11 @@
 
 Every attention/MLA backend stores two row blocks per new token (K and V, or c_kv and k_pe) at the
 token's slot. Two `index_copy_` calls cost two kernels of PyTorch's generic indexing path per layer; on
-the H200 they make most of the gap between an extend call that uses them and a bare FlashInfer kernel. The
-Triton kernel here writes both blocks of a token in one program, with 16-byte vector accesses.
+the H200 they make most of the gap between an extend call that uses them and a bare FlashInfer kernel. One
+kernel writes both blocks of a token in one program, with 16-byte vector accesses: on sm_90+ with NVRTC
+the CUDA kernel of `kv_write_cuda` (launched through the driver, a few microseconds of host time; per
+layer of a piecewise step 26.8 us went to the Triton launch on the H200 machine's host), elsewhere the
+Triton kernel of `kv_write_kernel`.
 
 triton is imported on first CUDA use only, so `import pieceworks` never loads it.
 """
@@ -11,8 +14,11 @@ triton is imported on first CUDA use only, so `import pieceworks` never loads it
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
+
+from pieceworks.backends import kv_write_cuda
 
 
 def write_rows(dst_a: torch.Tensor, src_a: torch.Tensor, dst_b: torch.Tensor, src_b: torch.Tensor,
@@ -24,13 +30,42 @@ def write_rows(dst_a: torch.Tensor, src_a: torch.Tensor, dst_b: torch.Tensor, sr
         src_a, src_b: [T, Wa] / [T, Wb] the step's new rows, T == len(slots).
         slots: [T] int64 slot of every token (distinct except padded tokens, which all use slot 0).
     """
+    bind_rows(dst_a, src_a, dst_b, src_b, slots)(slots)
+
+
+def bind_rows(dst_a: torch.Tensor, src_a: torch.Tensor, dst_b: torch.Tensor, src_b: torch.Tensor,
+              slots: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    """`write_rows` of these four tensors as a function of the slots (`slots` here stands for every later
+    one: same dtype, device and length T), for a caller that writes the same rows on every step with new
+    slots (a layer between piecewise graph replays): on sm_90+ with NVRTC the CUDA kernel's launch is
+    packed once (`kv_write_cuda`), else the Triton kernel, else `index_copy_`. The function raises
+    ValueError for slots of another length."""
+    rows = src_a.shape[0]
+    if rows == 0:
+        return _check_len(rows, lambda s: None)
+    if (dst_a.is_cuda and slots.dtype == torch.int64 and slots.is_contiguous()
+            and kv_write_cuda.unsupported(dst_a, src_a, dst_b, src_b) is None):
+        launch = kv_write_cuda.bind(dst_a, src_a, dst_b, src_b, slots)
+        return _check_len(rows, lambda s: launch(4, s))
     tensors = (dst_a, src_a, dst_b, src_b)
-    if (dst_a.is_cuda and slots.numel() and all(t.stride(-1) == 1 for t in tensors)
+    if (dst_a.is_cuda and all(t.stride(-1) == 1 for t in tensors)
             and src_a.dtype == dst_a.dtype == dst_b.dtype == src_b.dtype and _kernel() is not None):
-        _kernel().launch(dst_a, src_a, dst_b, src_b, slots)
-    else:
-        dst_a.index_copy_(0, slots, src_a.to(dst_a.dtype))
-        dst_b.index_copy_(0, slots, src_b.to(dst_b.dtype))
+        return _check_len(rows, lambda s: _kernel().launch(dst_a, src_a, dst_b, src_b, s))
+
+    def index_copy(s: torch.Tensor) -> None:
+        dst_a.index_copy_(0, s, src_a.to(dst_a.dtype))
+        dst_b.index_copy_(0, s, src_b.to(dst_b.dtype))
+
+    return _check_len(rows, index_copy)
+
+
+def _check_len(rows: int, write: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    def checked(slots: torch.Tensor) -> None:
+        if slots.shape[0] != rows:
+            raise ValueError(f"{slots.shape[0]} slots for {rows} new K/V rows")
+        write(slots)
+
+    return checked
 
 
 @functools.cache

@@ -58,6 +58,22 @@ def nvrtc_library() -> ctypes.CDLL:
     raise OSError(f"libnvrtc.so.{major} not found: install the nvidia-cuda-nvrtc wheel matching torch's CUDA {major}")
 
 
+@lru_cache(maxsize=None)
+def unavailable_reason() -> str | None:
+    """Why NVRTC can't compile and launch kernels here, or None."""
+    if torch.version.cuda is None:
+        return "this torch build has no CUDA"
+    try:
+        nvrtc_library()
+    except OSError as e:
+        return str(e)
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        return f"CUDA driver library not found ({e})"
+    return None
+
+
 def _check(lib, err: int, what: str) -> None:
     if err:
         msg = ctypes.c_char_p()
@@ -213,27 +229,67 @@ class Kernel:
             _check(self._libcuda, self._libcuda.cuFuncSetAttribute(
                 self._func, _MAX_DYNAMIC_SHARED_SIZE_BYTES, ctypes.c_int(shared)), f"cuFuncSetAttribute({self.name})")
             self._max_shared = shared
-        params = []
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                params.append(ctypes.c_void_p(a.data_ptr()))
-            elif isinstance(a, int):
-                params.append(ctypes.c_int(a))
-            elif isinstance(a, float):
-                params.append(ctypes.c_float(a))
-            else:
-                raise TypeError(f"kernel argument of type {type(a).__name__}")
-        ptrs = (ctypes.c_void_p * len(params))(*[ctypes.cast(ctypes.byref(p), ctypes.c_void_p) for p in params])
+        params, ptrs = _pack(args)
+        cfg = self._config(grid, block, pdl, shared)
+        cfg.stream = torch.cuda.current_stream().cuda_stream
+        _check(self._libcuda, self._libcuda.cuLaunchKernelEx(ctypes.byref(cfg), self._func, ptrs, None),
+               f"cuLaunchKernelEx({self.name})")
+
+    def bind(self, grid, block, args, pdl: bool) -> "BoundLaunch":
+        """This kernel's launch with `args` packed once (`BoundLaunch`), for a launch repeated with the
+        same arguments but a few pointers (no dynamic shared memory)."""
+        return BoundLaunch(self, grid, block, args, pdl)
+
+    def _config(self, grid, block, pdl: bool, shared: int) -> _LaunchConfig:
         cfg = _LaunchConfig()
         cfg.grid[:] = grid
         cfg.block[:] = block
         cfg.shared = shared
-        cfg.stream = torch.cuda.current_stream().cuda_stream
         if pdl:
             cfg.attrs = ctypes.pointer(self._pdl_attr)
             cfg.num_attrs = 1
-        _check(self._libcuda, self._libcuda.cuLaunchKernelEx(ctypes.byref(cfg), self._func, ptrs, None),
-               f"cuLaunchKernelEx({self.name})")
+        return cfg
+
+
+class BoundLaunch:
+    """A kernel launch whose arguments are packed once, for launches that repeat with the same
+    arguments but one pointer (`__call__(at, tensor)`): no per-launch packing of every argument as
+    `Kernel.__call__` does. The tensors of `args` stay referenced; their memory must outlive the launches."""
+
+    def __init__(self, kernel: Kernel, grid, block, args, pdl: bool) -> None:
+        self.kernel, self.args = kernel, list(args)
+        self.params, self.ptrs = _pack(args)
+        self.cfg = kernel._config(grid, block, pdl, 0)
+        self._launch, self._func = kernel._libcuda.cuLaunchKernelEx, kernel._func
+
+    def __call__(self, at: int | None = None, tensor: torch.Tensor | None = None) -> None:
+        """Launch; with `at` and `tensor`: argument `at` (a pointer) is `tensor`'s data this time."""
+        if torch.cuda.current_device() != self.kernel.device:
+            with torch.cuda.device(self.kernel.device):
+                return self(at, tensor)
+        if at is not None:
+            self.params[at].value = tensor.data_ptr()
+        cfg = self.cfg
+        cfg.stream = torch.cuda.current_stream().cuda_stream
+        err = self._launch(ctypes.byref(cfg), self._func, self.ptrs, None)
+        if err:
+            _check(self.kernel._libcuda, err, f"cuLaunchKernelEx({self.kernel.name})")
+
+
+def _pack(args) -> tuple[list, ctypes.Array]:
+    """ctypes values of kernel arguments (tensors as their data pointers, ints as int, floats as float)
+    and the array of their addresses that cuLaunchKernelEx takes."""
+    params = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            params.append(ctypes.c_void_p(a.data_ptr()))
+        elif isinstance(a, int):
+            params.append(ctypes.c_int(a))
+        elif isinstance(a, float):
+            params.append(ctypes.c_float(a))
+        else:
+            raise TypeError(f"kernel argument of type {type(a).__name__}")
+    return params, (ctypes.c_void_p * len(params))(*[ctypes.cast(ctypes.byref(p), ctypes.c_void_p) for p in params])
 
 
 @lru_cache(maxsize=None)

@@ -28,7 +28,7 @@ import torch
 from pieceworks.backends.attention.base import AttentionBackend, gqa_kernel_reasons
 from pieceworks.backends.attention.flashinfer_fast import FastPlan, FastRun, PlanCopyGuard, flat_pages
 from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
-from pieceworks.backends.kv_write import write_rows
+from pieceworks.backends.kv_write import bind_rows
 from pieceworks.core.batch import ForwardMode, GraphMode, is_replayed, to_device
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-KV partial results)
@@ -306,10 +306,10 @@ class FlashInferAttentionBackend(AttentionBackend):
             bound = self._bind(q, k, v, out, layer_id, kv)
             if all(map(is_replayed, (q, k, v, out))):
                 self._bound[layer_id] = bound
-        _, _, _, _, _, _, kc, vc, k_rows, k_new, v_rows, v_new, q, out, padded = bound
-        if slots.shape[0] != k_new.shape[0]:
-            slots = slots[: k_new.shape[0]]
-        write_rows(k_rows, k_new, v_rows, v_new, slots)  # padded tokens write to the reserved page
+        _, _, _, _, _, _, kc, vc, write, new_rows, q, out, padded = bound
+        if slots.shape[0] != new_rows:
+            slots = slots[:new_rows]
+        write(slots)  # padded tokens write to the reserved page
         if padded is not None:
             padded.zero_()
         if self._wrapper is not self._prefill:
@@ -320,8 +320,9 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._fast = FastRun.record(self._wrapper, q, kc, vc, out)
 
     def _bind(self, q, k, v, out, layer_id, kv) -> tuple:
-        """(q, k, v, out, kv, rows: the key), then the K/V caches, the pool's row views with the new
-        rows, and q/out cut to the planned rows plus out's padded rows (None without padding)."""
+        """(q, k, v, out, kv, rows: the key), then the K/V caches, the write of the new K/V rows into
+        the pool (`bind_rows`: a function of the step's slots) and their count, and q/out cut to the
+        planned rows plus out's padded rows (None without padding)."""
         views = self._views.get(layer_id)
         if views is None or views[0] is not kv:
             kc, vc = kv.k_cache(layer_id), kv.v_cache(layer_id)
@@ -331,5 +332,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         rows, padded, q_run, out_run = self._rows, None, q, out
         if out.shape[0] > rows:
             q_run, padded, out_run = q[:rows], out[rows:], out[:rows]
-        return (q, k, v, out, kv, rows, kc, vc, k_rows, k.reshape(k.shape[0], -1), v_rows, v.reshape(v.shape[0], -1),
-                q_run, out_run, padded)
+        write = bind_rows(k_rows, k.reshape(k.shape[0], -1), v_rows, v.reshape(v.shape[0], -1),
+                          self._meta.slot_mapping[: k.shape[0]])
+        return (q, k, v, out, kv, rows, kc, vc, write, k.shape[0], q_run, out_run, padded)

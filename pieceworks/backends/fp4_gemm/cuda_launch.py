@@ -6,10 +6,11 @@ resident. Imports torch only.
 
 from __future__ import annotations
 
-import ctypes
 from functools import lru_cache
 
 import torch
+
+from pieceworks.backends.nvrtc import unavailable_reason as nvrtc_unavailable_reason
 
 
 @lru_cache(maxsize=None)
@@ -18,24 +19,6 @@ def multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@lru_cache(maxsize=None)
-def nvrtc_unavailable_reason() -> str | None:
-    """Why NVRTC can't compile the kernels here, or None."""
-    from pieceworks.backends.nvrtc import nvrtc_library
-
-    if torch.version.cuda is None:
-        return "this torch build has no CUDA"
-    try:
-        nvrtc_library()
-    except OSError as e:
-        return str(e)
-    try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError as e:
-        return f"CUDA driver library not found ({e})"
-    return None
 
 
 def kernel_reasons(reasons: list[str], used: bool, dtype: torch.dtype) -> list[str]:
