@@ -105,9 +105,7 @@ def step_row(ex: Executor, seqs: list, toks: list[list[int]], repeats: int, plai
         k_eager = ex.table.step(mode, GraphMode.EAGER)
 
         def eager():
-            plan(k_eager, meta)
-            with forward_context(ForwardContext(k_eager, meta, ex.kv)):
-                return ex.model(ids, meta.positions)
+            return ex.run_model(k_eager, meta, ids)
 
         fns = {"eager_ms": eager}
         if plain is not None:
@@ -125,9 +123,7 @@ def step_row(ex: Executor, seqs: list, toks: list[list[int]], repeats: int, plai
             k_pw = ex.table.step(mode, GraphMode.PIECEWISE)
 
             def piecewise():
-                plan(k_pw, meta_p)
-                with forward_context(ForwardContext(k_pw, meta_p, ex.kv)):
-                    ex.piecewise(ids_p, meta_p.positions)
+                ex.run_model(k_pw, meta_p, ids_p)
 
             fns["piecewise_ms"] = piecewise
             row["padded_to"] = pad

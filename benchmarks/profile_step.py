@@ -137,25 +137,28 @@ def main() -> None:
             with forward_context(ForwardContext(kernels, meta, ex.kv)):
                 ex.piecewise(ids, meta.positions)
 
+        def step(kernels=kernels, meta=meta, ids=ids):
+            ex.run_model(kernels, meta, ids)  # as Executor.forward
+
         if args.timeline:
-            extend_timeline(ex, seq, toks, plan, forward, args.steps)
+            extend_timeline(ex, seq, toks, plan, forward, step, args.steps)
         else:
             print(f"T={T}, piecewise extend: plan + forward")
-            print_cprofile(lambda: (plan(), forward()), args.steps, 25)
+            print_cprofile(step, args.steps, 25)
         ex._release([seq], new_pages)
         ex.free(seq)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
-def extend_timeline(ex, seq, toks, plan, forward, steps: int) -> None:
-    """The extend `--timeline` of one T (module docstring)."""
+def extend_timeline(ex, seq, toks, plan, forward, step, steps: int) -> None:
+    """The extend `--timeline` of one T (module docstring); `step`: plan + forward as the executor runs them."""
     plan()
     forward()
     T = len(toks[0])
     t = {"plan host": wall_ms(plan, steps, wait=False), "forward launches": wall_ms(forward, steps, False, plan),
-         "forward": wall_ms(forward, steps, True, plan), "plan + forward": wall_ms(lambda: (plan(), forward()), steps)}
-    traces = {"piecewise plan + forward": traced_steps(lambda: (plan(), forward()), 5)}
+         "forward": wall_ms(forward, steps, True, plan), "plan + forward": wall_ms(step, steps)}
+    traces = {"piecewise plan + forward": traced_steps(step, 5)}
     # The whole graph last: a plan after its capture would free the index buffers it reads (`whole_graph`).
     meta, ids = ex.prepare_step(ForwardMode.EXTEND, GraphMode.EAGER, [seq], toks)
     kernels = ex.table.step(ForwardMode.EXTEND, GraphMode.EAGER)

@@ -96,9 +96,9 @@ def _short(x: Any) -> str:
 
 
 def token_rows(tokens: list[list[int]], kv_lens: list[int], table: np.ndarray, page_size: int,
-               pad_to: int | None, pad_slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """int64 (token ids, positions, KV slots) of a step's new tokens, sequence after sequence, padded
-    to `pad_to` rows with id 0, position 0 and `pad_slot`.
+               pad_to: int | None, pad_slot: int) -> np.ndarray:
+    """int64 [3, T] rows (token ids, positions, KV slots) of a step's new tokens, sequence after sequence,
+    padded to `pad_to` tokens with id 0, position 0 and `pad_slot`.
 
     Sequence i's tokens sit at positions kv_lens[i], kv_lens[i] + 1, ... and their K/V go to slot
     page * page_size + position % page_size of the page that holds the position, read from row i of
@@ -109,9 +109,9 @@ def token_rows(tokens: list[list[int]], kv_lens: list[int], table: np.ndarray, p
     counts = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
     n = int(counts.sum())
     total = pad_to or n
-    ids = np.zeros(total, dtype=np.int64)
-    positions = np.zeros(total, dtype=np.int64)
-    slots = np.full(total, pad_slot, dtype=np.int64)
+    rows = np.zeros((3, total), dtype=np.int64)
+    ids, positions, slots = rows
+    slots[:] = pad_slot
     if n:
         seq = np.repeat(np.arange(len(tokens)), counts)
         first = np.cumsum(counts) - counts  # row of each sequence's first new token
@@ -119,7 +119,7 @@ def token_rows(tokens: list[list[int]], kv_lens: list[int], table: np.ndarray, p
         ids[:n] = np.fromiter(itertools.chain.from_iterable(tokens), dtype=np.int64, count=n)
         positions[:n] = pos
         slots[:n] = table[seq, pos // page_size].astype(np.int64) * page_size + pos % page_size
-    return ids, positions, slots
+    return rows
 
 
 def page_table(pages: list[list[int]], width: int, fill: int = 0) -> torch.Tensor:
@@ -146,16 +146,16 @@ def step_inputs(mode: ForwardMode, graph: GraphMode, seqs: list[Sequence], token
     the page table is `table_width` wide (default: the longest page list)."""
     pages = [s.pages for s in seqs]
     table = page_table(pages, table_width or max(1, max(map(len, pages))))
-    ids, positions, slots = token_rows(tokens, [s.kv_len for s in seqs], table.numpy(), page_size, pad_to, pad_slot)
+    rows = token_rows(tokens, [s.kv_len for s in seqs], table.numpy(), page_size, pad_to, pad_slot)
+    # one copy to the device; the piecewise runner copies the first two rows into its static inputs with one
+    ids, positions, slots = to_device(torch.from_numpy(rows), device)
     meta = StepMetadata(
         mode=mode, graph_mode=graph,
         extend_lens=[len(t) for t in tokens], prefix_lens=[s.kv_len for s in seqs],
-        page_size=page_size, page_table=to_device(table, device),
-        slot_mapping=to_device(torch.from_numpy(slots), device),
-        positions=to_device(torch.from_numpy(positions), device),
+        page_size=page_size, page_table=to_device(table, device), slot_mapping=slots, positions=positions,
         page_lists=pages,
     )
-    return meta, to_device(torch.from_numpy(ids), device)
+    return meta, ids
 
 
 def logit_rows(tokens: list[list[int]], all_rows: bool, device: torch.device) -> torch.Tensor:

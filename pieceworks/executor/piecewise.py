@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from pieceworks.backends.ops import SPLITTING_IMPLS
 from pieceworks.core.batch import ForwardMode, GraphMode, StepMetadata
 from pieceworks.core.context import ForwardContext, forward_context
 from pieceworks.executor.piecewise_split import PiecewiseBackend
@@ -69,14 +70,28 @@ def _own_code_object(model: torch.nn.Module) -> Callable:
     return forward
 
 
-def _program(calls: list[tuple[Callable, tuple]], output: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """A recorded step: the calls in order, then the step's output (the last piece's, at a fixed address)."""
-    def run() -> torch.Tensor:
-        for fn, args in calls:
+def _program(calls: list[tuple[Callable, tuple]], output: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """A recorded step: the calls in order, then the step's output (the last piece's, at a fixed address).
+    `run(plan, late)` calls `plan()` first, or (late) right before the first attention call: the replays
+    before it read no attention metadata, so the GPU runs them while the host plans."""
+    head = next((i for i, (fn, _) in enumerate(calls) if fn in _SPLITTING_IMPLS), len(calls))
+    first, rest = calls[:head], calls[head:]
+
+    def run(plan: Callable[[], None] | None = None, late: bool = False) -> torch.Tensor:
+        if plan is not None and not late:
+            plan()
+        for fn, args in first:
+            fn(*args)
+        if plan is not None and late:
+            plan()
+        for fn, args in rest:
             fn(*args)
         return output
 
     return run
+
+
+_SPLITTING_IMPLS = frozenset(SPLITTING_IMPLS.values())
 
 
 class PiecewiseRunner:
@@ -103,8 +118,8 @@ class PiecewiseRunner:
         self.backend = PiecewiseBackend(self)
         self.compiled = torch.compile(_own_code_object(model), backend=self.backend, fullgraph=True,
                                       dynamic=False)
-        self.static_ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
-        self.static_pos = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
+        self.static = torch.zeros(2, self.max_tokens, dtype=torch.int64, device=dev)
+        self.static_ids, self.static_pos = self.static
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # weights never move: replays need not check their addresses
         self.fixed_ptrs = {t.data_ptr() for t in (*model.parameters(), *model.buffers())}
@@ -122,20 +137,29 @@ class PiecewiseRunner:
         self.programs.clear()
         self.recording = None
         self.compiled = self.model = self.table = self.kv = self.pool = None
-        self.static_ids = self.static_pos = None
+        self.static = self.static_ids = self.static_pos = None
         self.fixed_ptrs = set()
 
     def padded_size(self, num_tokens: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Run the padded step (len(input_ids) is a capture size); returns hidden [size, H]."""
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: Callable[[], None] | None = None,
+                 plan_late: bool = False) -> torch.Tensor:
+        """Run the padded step (len(input_ids) is a capture size); returns hidden [size, H]. `plan()` runs
+        before the first attention call; with `plan_late` after the recorded replays before it."""
         size = input_ids.shape[0]
-        self.static_ids[:size].copy_(input_ids)
-        self.static_pos[:size].copy_(positions)
+        both = input_ids._base
+        if (both is not None and positions._base is both and both.shape[1] == size and both.dtype == torch.int64
+                and input_ids.data_ptr() == both.data_ptr() and positions.data_ptr() == input_ids.data_ptr() + 8 * size):
+            self.static[:, :size].copy_(both[:2])  # rows 0 and 1 of one [n, size] tensor (`inputs.step_inputs`)
+        else:
+            self.static_ids[:size].copy_(input_ids)
+            self.static_pos[:size].copy_(positions)
         program = self.programs.get(size)
         if program is not None:
-            return program()
+            return program(plan, plan_late)
+        if plan is not None:
+            plan()
         self.current_size = size
         if not self.use_graphs:
             self.phase = "direct"

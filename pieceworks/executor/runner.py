@@ -253,16 +253,24 @@ class Executor:
             return logits
         pad_to = self.piecewise.padded_size(sum(map(len, tokens))) if graph is GraphMode.PIECEWISE else None
         meta, input_ids = self.prepare_step(mode, graph, seqs, tokens, pad_to)
-        for backend in (kernels.attention, kernels.mla):
-            if backend is not None:
-                backend.plan(meta)
-        with forward_context(ForwardContext(kernels, meta, self.kv)):
-            if graph is GraphMode.PIECEWISE:
-                hidden = self.piecewise(input_ids, meta.positions)
-            else:
-                hidden = self.model(input_ids, meta.positions)
+        hidden = self.run_model(kernels, meta, input_ids)
         rows = logit_rows(tokens, all_logits, self.device)
         return self.model.compute_logits(hidden[rows])
+
+    def run_model(self, kernels, meta: StepMetadata, input_ids: torch.Tensor) -> torch.Tensor:
+        """The attention backends' plan and the model's forward of a prepared eager or piecewise step."""
+        planners = [b for b in (kernels.attention, kernels.mla) if b is not None]
+
+        def plan() -> None:
+            for backend in planners:
+                backend.plan(meta)
+
+        with forward_context(ForwardContext(kernels, meta, self.kv)):
+            if meta.graph_mode is GraphMode.PIECEWISE:
+                late = all(getattr(b, "plan_overlaps_gpu", lambda m: False)(meta) for b in planners)
+                return self.piecewise(input_ids, meta.positions, plan, late)
+            plan()
+            return self.model(input_ids, meta.positions)
 
     def _forward_leader(self, mode: ForwardMode, seqs: list[Sequence], tokens: list[list[int]],
                         all_logits: bool) -> torch.Tensor:
