@@ -4,9 +4,9 @@ Every attention/MLA backend stores two row blocks per new token (K and V, or c_k
 token's slot. Two `index_copy_` calls cost two kernels of PyTorch's generic indexing path per layer; on
 the H200 they make most of the gap between an extend call that uses them and a bare FlashInfer kernel. One
 kernel writes both blocks of a token in one program, with 16-byte vector accesses: on sm_90+ with NVRTC
-the CUDA kernel of `kv_write_cuda` (launched through the driver, a few microseconds of host time; per
-layer of a piecewise step 26.8 us went to the Triton launch on the H200 machine's host), elsewhere the
-Triton kernel of `kv_write_kernel`.
+the CUDA kernel of `kv_write_cuda` (launched through the driver without Triton's per-launch argument
+handling: piecewise steps 0.02-0.09 ms faster on the H200, docs/benchmarks.md), elsewhere the Triton
+kernel of `kv_write_kernel`.
 
 triton is imported on first CUDA use only, so `import pieceworks` never loads it.
 """

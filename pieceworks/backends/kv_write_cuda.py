@@ -1,7 +1,7 @@
 """The CUDA kernel behind `kv_write` on sm_90+ with NVRTC: the step's K/V (or c_kv / k_pe) rows copied to
-their slots in 16-byte units, one CTA per token. Launched through the driver (`nvrtc.BoundLaunch`), so a
-launch costs the host a few microseconds instead of Triton's argument specialization; a layer of a
-piecewise step binds its launch once and passes only the step's slots (`bind`). Imports torch only.
+their slots in 16-byte units, one CTA per token. Launched through the driver (`nvrtc.BoundLaunch`) rather
+than through Triton's per-launch argument handling; a layer of a piecewise step binds its launch once and
+passes only the step's slots (`bind`). Imports torch only.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from pieceworks.backends.ops import SPLITTING_IMPLS
 from pieceworks.core.batch import ForwardMode, GraphMode, StepMetadata
 from pieceworks.core.context import ForwardContext, forward_context
 from pieceworks.executor.piecewise_split import PiecewiseBackend
@@ -70,28 +69,14 @@ def _own_code_object(model: torch.nn.Module) -> Callable:
     return forward
 
 
-def _program(calls: list[tuple[Callable, tuple]], output: torch.Tensor) -> Callable[..., torch.Tensor]:
-    """A recorded step: the calls in order, then the step's output (the last piece's, at a fixed address).
-    `run(plan, late)` calls `plan()` first, or (late) right before the first attention call: the replays
-    before it read no attention metadata, so the GPU runs them while the host plans."""
-    head = next((i for i, (fn, _) in enumerate(calls) if fn in _SPLITTING_IMPLS), len(calls))
-    first, rest = calls[:head], calls[head:]
-
-    def run(plan: Callable[[], None] | None = None, late: bool = False) -> torch.Tensor:
-        if plan is not None and not late:
-            plan()
-        for fn, args in first:
-            fn(*args)
-        if plan is not None and late:
-            plan()
-        for fn, args in rest:
+def _program(calls: list[tuple[Callable, tuple]], output: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A recorded step: the calls in order, then the step's output (the last piece's, at a fixed address)."""
+    def run() -> torch.Tensor:
+        for fn, args in calls:
             fn(*args)
         return output
 
     return run
-
-
-_SPLITTING_IMPLS = frozenset(SPLITTING_IMPLS.values())
 
 
 class PiecewiseRunner:
@@ -143,10 +128,9 @@ class PiecewiseRunner:
     def padded_size(self, num_tokens: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: Callable[[], None] | None = None,
-                 plan_late: bool = False) -> torch.Tensor:
-        """Run the padded step (len(input_ids) is a capture size); returns hidden [size, H]. `plan()` runs
-        before the first attention call; with `plan_late` after the recorded replays before it."""
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Run the padded step (len(input_ids) is a capture size, the attention backends planned); returns
+        hidden [size, H]."""
         size = input_ids.shape[0]
         both = input_ids._base
         if (both is not None and positions._base is both and both.shape[1] == size and both.dtype == torch.int64
@@ -157,9 +141,7 @@ class PiecewiseRunner:
             self.static_pos[:size].copy_(positions)
         program = self.programs.get(size)
         if program is not None:
-            return program(plan, plan_late)
-        if plan is not None:
-            plan()
+            return program()
         self.current_size = size
         if not self.use_graphs:
             self.phase = "direct"

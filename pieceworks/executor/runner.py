@@ -258,18 +258,14 @@ class Executor:
         return self.model.compute_logits(hidden[rows])
 
     def run_model(self, kernels, meta: StepMetadata, input_ids: torch.Tensor) -> torch.Tensor:
-        """The attention backends' plan and the model's forward of a prepared eager or piecewise step."""
-        planners = [b for b in (kernels.attention, kernels.mla) if b is not None]
-
-        def plan() -> None:
-            for backend in planners:
+        """The attention backends' plan and the model's forward of a prepared eager or piecewise step
+        (`prepare_step`): hidden states [rows, H]."""
+        for backend in (kernels.attention, kernels.mla):
+            if backend is not None:
                 backend.plan(meta)
-
         with forward_context(ForwardContext(kernels, meta, self.kv)):
             if meta.graph_mode is GraphMode.PIECEWISE:
-                late = all(getattr(b, "plan_overlaps_gpu", lambda m: False)(meta) for b in planners)
-                return self.piecewise(input_ids, meta.positions, plan, late)
-            plan()
+                return self.piecewise(input_ids, meta.positions)
             return self.model(input_ids, meta.positions)
 
     def _forward_leader(self, mode: ForwardMode, seqs: list[Sequence], tokens: list[list[int]],

@@ -256,12 +256,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         else:
             public()
 
-    def plan_overlaps_gpu(self, meta) -> bool:
-        """An extend or mixed step that the FastPlan plans (pinned copies only)."""
-        fast = self._fast_plan
-        return (meta.mode is not ForwardMode.DECODE and fast is not None and meta.page_lists is not None
-                and fast.page_size == meta.page_size)
-
     def _ws(self, device) -> torch.Tensor:
         return workspace(self, device)
 
