@@ -45,12 +45,11 @@ def bind_rows(dst_a: torch.Tensor, src_a: torch.Tensor, dst_b: torch.Tensor, src
         return _check_len(rows, lambda s: None)
     if (dst_a.is_cuda and slots.dtype == torch.int64 and slots.is_contiguous()
             and kv_write_cuda.unsupported(dst_a, src_a, dst_b, src_b) is None):
-        launch = kv_write_cuda.bind(dst_a, src_a, dst_b, src_b, slots)
-        return _check_len(rows, lambda s: launch(4, s))
+        return _check_len(rows, kv_write_cuda.bind(dst_a, src_a, dst_b, src_b, slots))
     tensors = (dst_a, src_a, dst_b, src_b)
     if (dst_a.is_cuda and all(t.stride(-1) == 1 for t in tensors)
             and src_a.dtype == dst_a.dtype == dst_b.dtype == src_b.dtype and _kernel() is not None):
-        return _check_len(rows, lambda s: _kernel().launch(dst_a, src_a, dst_b, src_b, s))
+        return _check_len(rows, functools.partial(_kernel().launch, dst_a, src_a, dst_b, src_b))
 
     def index_copy(s: torch.Tensor) -> None:
         dst_a.index_copy_(0, s, src_a.to(dst_a.dtype))

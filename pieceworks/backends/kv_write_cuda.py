@@ -6,7 +6,8 @@ passes only the step's slots (`bind`). Imports torch only.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
+from typing import Callable
 
 import torch
 
@@ -50,14 +51,18 @@ def _device_reason(device: torch.device) -> str | None:
     return nvrtc.unavailable_reason()
 
 
+SLOTS_ARG = 4  # the kernel's argument that changes from step to step
+
+
 def bind(dst_a: torch.Tensor, src_a: torch.Tensor, dst_b: torch.Tensor, src_b: torch.Tensor,
-         slots: torch.Tensor) -> nvrtc.BoundLaunch:
-    """The write of src_a's / src_b's rows (all of them) for `unsupported(...) is None` tensors; call it
-    with `(4, slots)` for each step's int64 slots (at least as many as rows)."""
+         slots: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    """The write of src_a's / src_b's rows (all of them) for `unsupported(...) is None` tensors, as a
+    function of each step's int64 slots (at least as many as rows)."""
     unit = 16 // dst_a.element_size()
     wa, wb = src_a.shape[1] // unit, src_b.shape[1] // unit
     threads = min(256, -(-max(wa, wb) // 32) * 32)
     args = [dst_a, src_a, dst_b, src_b, slots, dst_a.stride(0) // unit, src_a.stride(0) // unit,
             dst_b.stride(0) // unit, src_b.stride(0) // unit, wa, wb]
     kernel = nvrtc.kernel(SOURCE, "pw_write_rows", dst_a.device)
-    return kernel.bind((src_a.shape[0], 1, 1), (threads, 1, 1), args, pdl.enabled(dst_a.device))
+    launch = kernel.bind((src_a.shape[0], 1, 1), (threads, 1, 1), args, pdl.enabled(dst_a.device))
+    return partial(launch, SLOTS_ARG)

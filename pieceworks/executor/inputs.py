@@ -147,7 +147,7 @@ def step_inputs(mode: ForwardMode, graph: GraphMode, seqs: list[Sequence], token
     pages = [s.pages for s in seqs]
     table = page_table(pages, table_width or max(1, max(map(len, pages))))
     rows = token_rows(tokens, [s.kv_len for s in seqs], table.numpy(), page_size, pad_to, pad_slot)
-    # one copy to the device; the piecewise runner copies the first two rows into its static inputs with one
+    # one copy to the device for all three rows
     ids, positions, slots = to_device(torch.from_numpy(rows), device)
     meta = StepMetadata(
         mode=mode, graph_mode=graph,

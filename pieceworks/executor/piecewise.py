@@ -103,8 +103,8 @@ class PiecewiseRunner:
         self.backend = PiecewiseBackend(self)
         self.compiled = torch.compile(_own_code_object(model), backend=self.backend, fullgraph=True,
                                       dynamic=False)
-        self.static = torch.zeros(2, self.max_tokens, dtype=torch.int64, device=dev)
-        self.static_ids, self.static_pos = self.static
+        self.static_ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
+        self.static_pos = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # weights never move: replays need not check their addresses
         self.fixed_ptrs = {t.data_ptr() for t in (*model.parameters(), *model.buffers())}
@@ -122,7 +122,7 @@ class PiecewiseRunner:
         self.programs.clear()
         self.recording = None
         self.compiled = self.model = self.table = self.kv = self.pool = None
-        self.static = self.static_ids = self.static_pos = None
+        self.static_ids = self.static_pos = None
         self.fixed_ptrs = set()
 
     def padded_size(self, num_tokens: int) -> int:
@@ -132,13 +132,8 @@ class PiecewiseRunner:
         """Run the padded step (len(input_ids) is a capture size, the attention backends planned); returns
         hidden [size, H]."""
         size = input_ids.shape[0]
-        both = input_ids._base
-        if (both is not None and positions._base is both and both.shape[1] == size and both.dtype == torch.int64
-                and input_ids.data_ptr() == both.data_ptr() and positions.data_ptr() == input_ids.data_ptr() + 8 * size):
-            self.static[:, :size].copy_(both[:2])  # rows 0 and 1 of one [n, size] tensor (`inputs.step_inputs`)
-        else:
-            self.static_ids[:size].copy_(input_ids)
-            self.static_pos[:size].copy_(positions)
+        self.static_ids[:size].copy_(input_ids)
+        self.static_pos[:size].copy_(positions)
         program = self.programs.get(size)
         if program is not None:
             return program()
