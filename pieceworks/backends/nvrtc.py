@@ -287,6 +287,8 @@ def _pack(args) -> tuple[list, ctypes.Array]:
             params.append(ctypes.c_int(a))
         elif isinstance(a, float):
             params.append(ctypes.c_float(a))
+        elif isinstance(a, ctypes.Array):  # a by-value struct (a CUtensorMap), passed as its bytes
+            params.append(a)
         else:
             raise TypeError(f"kernel argument of type {type(a).__name__}")
     return params, (ctypes.c_void_p * len(params))(*[ctypes.cast(ctypes.byref(p), ctypes.c_void_p) for p in params])

@@ -24,6 +24,7 @@ threads copy a stage with cp.async (zero fill past M and K); S stages in flight.
 
 from __future__ import annotations
 
+import ctypes
 from functools import lru_cache
 
 import torch
@@ -363,6 +364,139 @@ __global__ void __launch_bounds__(256, 1) fp4_wgmma_wide(
     }
 }
 
+struct __align__(64) Tmap { unsigned long long v[16]; };
+__device__ __forceinline__ void tma2d(u32 dst, const Tmap* m, int c0, int c1, u32 bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+                 :: "r"(dst), "l"((u64)m), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void bulk(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void expect_tx(u32 bar, u32 bytes) {
+    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_init2(u32 a, u32 n) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(a), "r"(n) : "memory"); }
+__device__ __forceinline__ void mbar_wait2(u32 a, u32 parity) {
+    u32 ok;
+    do {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(ok) : "r"(a), "r"(parity) : "memory");
+    } while (!ok);
+}
+__device__ __forceinline__ void mbar_arrive2(u32 a) {
+    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}" :: "r"(a) : "memory");
+}
+
+// x by TMA (two 64-element boxes of BM rows, 128-byte swizzle, zero fill past M and K), the weight and scale
+// tiles by bulk copies, all completing on the stage's full barrier; thread 0 issues a stage once every
+// consumer thread arrived on its empty barrier (after its warpgroup's wgmmas of that stage). No CTA-wide
+// barrier in the K loop: the copies of S - 1 tiles run under the wgmmas.
+// SPLIT: blockIdx.z of gridDim.z takes its share of the K tiles and stores float32 partials (scaled) to
+// out as float [gridDim.z, M, N] (ldo = N), which a second kernel sums.
+template <int BM, int S, int SWIGLU, int SPLIT>
+__global__ void __launch_bounds__(256, 1) fp4_wgmma_tma(
+    const __grid_constant__ Tmap tm, const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
+    const float* __restrict__ gscale, u16* __restrict__ out, int M, int N, int nkt, int nrb, int ldo)
+{
+    constexpr int XB = BM * 256, STAGE = XB + 2 * 4096 + 2 * 512;
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const u32 s0 = (u32)__cvta_generic_to_shared(smem), bars = s0 + S * STAGE;  // full[S], empty[S]
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * 128;
+    const int rb0 = min(2 * (int)blockIdx.y, nrb - 1), rb1 = min(2 * (int)blockIdx.y + 1, nrb - 1);
+    const int kb = SPLIT ? (int)(((long long)nkt * blockIdx.z) / gridDim.z) : 0;
+    const int nk = SPLIT ? (int)(((long long)nkt * (blockIdx.z + 1)) / gridDim.z) - kb : nkt;
+    auto issue = [&](int i, int st) {
+        const int kt = kb + i;
+        const u32 base = s0 + st * STAGE, full = bars + 8 * st;
+        expect_tx(full, STAGE);
+        tma2d(base, &tm, kt * 128, m0, full);
+        tma2d(base + BM * 128, &tm, kt * 128 + 64, m0, full);
+        bulk(base + XB, codes + ((size_t)rb0 * nkt + kt) * 4096, 4096, full);
+        bulk(base + XB + 4096, codes + ((size_t)rb1 * nkt + kt) * 4096, 4096, full);
+        bulk(base + XB + 8192, scales + ((size_t)rb0 * nkt + kt) * 512, 512, full);
+        bulk(base + XB + 8192 + 512, scales + ((size_t)rb1 * nkt + kt) * 512, 512, full);
+    };
+    if (tid == 0) {
+        for (int s = 0; s < S; ++s) {
+            mbar_init2(bars + 8 * s, 1);
+            mbar_init2(bars + 8 * (S + s), 256);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (tid == 0) {
+        PDL_WAIT();
+        for (int s = 0; s < S - 1 && s < nk; ++s) issue(s, s);
+    }
+    float acc[BM / 2];
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
+    const int r0 = 16 * warp + g;
+    u32 a[2][8];
+    for (int kt = 0; kt < nk; ++kt) {
+        const int st = kt % S;
+        mbar_wait2(bars + 8 * st, (kt / S) & 1);
+        const u32 base = s0 + st * STAGE;
+        const u32 wbase = base + XB + wg * 4096, sbase = base + XB + 2 * 4096 + wg * 512;
+        u32 sc0a, sc0b, sc1a, sc1b;
+        lds64(sbase + r0 * 8, sc0a, sc0b);
+        lds64(sbase + (r0 + 8) * 8, sc1a, sc1b);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const u32 w0 = lds32(wbase + r0 * 64 + (q << 4) + 4 * t);
+            const u32 w1 = lds32(wbase + (r0 + 8) * 64 + (q << 4) + 4 * t);
+            const u32 p0 = q < 2 ? sc0a : sc0b, p1 = q < 2 ? sc1a : sc1b;
+            const u32 h0 = scale_pair((q & 1) ? p0 >> 16 : p0 & 0xFFFF);
+            const u32 h1 = scale_pair((q & 1) ? p1 >> 16 : p1 & 0xFFFF);
+            if (q >= 2) {
+                wg_wait<1>();
+#pragma unroll
+                for (int e = 0; e < 8; ++e) keep(a[q & 1][e]);
+            }
+            decode_q(a[q & 1], w0, w1, h0, h1);
+            wg_fence();
+            wgmma_bm(acc, a[q & 1][0], a[q & 1][1], a[q & 1][2], a[q & 1][3],
+                     desc(base + q * 32, 16, 1024) | (1ull << 62));
+            wgmma_bm(acc, a[q & 1][4], a[q & 1][5], a[q & 1][6], a[q & 1][7],
+                     desc(base + BM * 128 + q * 32, 16, 1024) | (1ull << 62));
+            wg_commit();
+            if (q == 0) {
+                wg_wait<1>();  // this warpgroup's wgmmas of the previous tile are done: release its stage
+#pragma unroll
+                for (int e = 0; e < 8; ++e) keep(a[1][e]);
+                if (kt > 0) mbar_arrive2(bars + 8 * (S + (kt - 1) % S));
+                const int nt = kt + S - 1;
+                if (tid == 0 && nt < nk) {
+                    const int ns = nt % S;
+                    if (nt >= S) mbar_wait2(bars + 8 * (S + ns), ((nt / S) - 1) & 1);
+                    issue(nt, ns);
+                }
+            }
+        }
+    }
+    wg_wait<0>();
+    PDL_TRIGGER();
+    const float gs = gscale[0] * 16384.0f;
+    const int row = n0 + 64 * wg + r0;
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int tok = m0 + 8 * j + 2 * t + (e & 1), n = row + 8 * (e >> 1);
+            const float v = acc[4 * j + e] * gs;
+            if (SPLIT) {
+                if (tok < M && n < N) ((float*)out)[((size_t)blockIdx.z * M + tok) * ldo + n] = v;
+            } else if (SWIGLU) {
+                const float u = __shfl_xor_sync(0xffffffffu, v, 4);
+                if (!(g & 1) && tok < M && n < N) out[(size_t)tok * ldo + (n >> 1)] = swiglu(v, u);
+            } else if (tok < M && n < N) {
+                out[(size_t)tok * ldo + n] = to_bf16(v);
+            }
+        }
+}
+
 // Warp-specialized: warpgroup 2 copies (cp.async, each thread's copies of a stage then an arrive on the
 // stage's full barrier), warpgroups 0 and 1 decode and multiply; a consumer thread arrives on a stage's
 // empty barrier once its warpgroup's wgmmas of that stage are done. x in the 128-byte swizzled layout.
@@ -485,6 +619,22 @@ def source(block_m: int) -> str:
         "typedef unsigned long long u64;\n", "", 1)
 
 
+def tensor_map(x: torch.Tensor, k: int, block_m: int) -> ctypes.Array:
+    """CUtensorMap of x [M, k] bf16 (row stride x.stride(0)) for boxes of 64 columns x block_m rows, 128-byte
+    swizzle, zero fill out of bounds."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    tm = (ctypes.c_ubyte * 128)()
+    dims = (ctypes.c_uint64 * 2)(k, x.shape[0])
+    strides = (ctypes.c_uint64 * 1)(x.stride(0) * 2)
+    box = (ctypes.c_uint32 * 2)(64, block_m)
+    elem = (ctypes.c_uint32 * 2)(1, 1)
+    # BFLOAT16 = 9, interleave none, swizzle 128B = 3, L2 promotion 256B = 3, OOB fill zeros = 0
+    err = lib.cuTensorMapEncodeTiled(tm, 9, 2, ctypes.c_void_p(x.data_ptr()), dims, strides, box, elem, 0, 3, 3, 0)
+    if err:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for x {tuple(x.shape)} stride {x.stride(0)}")
+    return tm
+
+
 def unsupported(x: torch.Tensor) -> str | None:
     """Why the wgmma GEMM can't take x, or None."""
     if x.device.type != "cuda":
@@ -504,7 +654,7 @@ def _device_reason(device: torch.device) -> str | None:
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
          n: int, k: int, block_m: int = 128, stages: int | None = None, swiglu: bool = False,
-         out: torch.Tensor | None = None, variant: str = "ws") -> torch.Tensor:
+         out: torch.Tensor | None = None, variant: str = "tma", split: int = 1) -> torch.Tensor:
     """y [M, n] bf16 = x [M, k] @ dequant(W).T for a k32-layout weight (uint8 [Np, Kp/2], scales
     [Np, Kp/16], `repack_k32`) and its global scale (float32 scalar tensor); with `swiglu` (a gate/up
     weight whose rows are interleaved, `interleave_gate_up`) [M, n / 2] = silu(gate) * up, rounded as the
@@ -517,6 +667,8 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weig
     m = x.shape[0]
     if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()
+    if out is None and split > 1:
+        out = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     if out is None:
         out = torch.empty((m, n // 2 if swiglu else n), dtype=torch.bfloat16, device=x.device)
     if m == 0:
@@ -524,6 +676,14 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weig
     np_, kp = weight.shape[0], weight.shape[1] * 2
     ws = variant == "ws"
     wide = variant == "wide"
+    if variant == "tma":
+        name = f"fp4_wgmma_tma<{block_m}, {stages}, {int(swiglu)}, {int(split > 1)}>"
+        kern = nvrtc.kernel(source(block_m), name, x.device, suffix="a")
+        kern((-(-m // block_m), -(-n // ROWS), split), (THREADS, 1, 1),
+             [tensor_map(x, k, block_m), weight, weight_scale, weight_scale_2, out, m, n, kp // TILE_K,
+              np_ // TILE_ROWS, out.stride(-2)], pdl.launch_options(x.device)[0],
+             shared=stages * stage_bytes(block_m) + 16 * stages)
+        return out
     if ws:
         name = f"fp4_wgmma_ws<{block_m}, {stages}, {int(swiglu)}>"
     elif wide:
@@ -537,3 +697,10 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weig
                                  np_ // TILE_ROWS, x.stride(0), out.stride(0)],
          pdl.launch_options(x.device)[0], shared=stages * (stage_bytes(block_m) + (9216 if wide else 0)) + (16 * stages if ws else 0))
     return out
+
+
+def choose_split(m: int, n: int, kp: int, block_m: int, sms: int = 132) -> int:
+    """K splits of the TMA kernel: enough CTAs for the SMs when the output tiles alone leave them idle (at
+    most 4, each split at least 8 K tiles)."""
+    ctas = -(-m // block_m) * -(-n // ROWS)
+    return max(1, min(4, round(sms / ctas), kp // TILE_K // 8))

@@ -338,8 +338,17 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
     kind = cfg.kind
     if kind == "wgmma":
         if cuda_wgmma.unsupported(x) is None:
-            return cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg.block_m, cfg.num_stages,
-                                   swiglu=swiglu, out=out)
+            split = cuda_wgmma.choose_split(M, N, Kp, cfg.block_m)
+            if split == 1:
+                return cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg.block_m, cfg.num_stages,
+                                       swiglu=swiglu, out=out)
+            part = cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg.block_m, cfg.num_stages,
+                                   split=split)
+            use_pdl, launch = pdl.launch_options(x.device)
+            block = 1024
+            _splitk_reduce_kernel[(triton.cdiv(out.numel(), block),)](
+                part, out, M * N, N, SPLIT_K=split, BLOCK=block, PDL=use_pdl, SWIGLU=swiglu, num_warps=4, **launch)
+            return out
         kind = "dequant"  # not a Hopper GPU, or x not bf16: dequantize + matmul instead
     if kind == "dequant":
         w = torch.empty((N, K), dtype=torch.bfloat16, device=x.device)
