@@ -277,8 +277,9 @@ class BoundLaunch:
 
 
 def _pack(args) -> tuple[list, ctypes.Array]:
-    """ctypes values of kernel arguments (tensors as their data pointers, ints as int, floats as float)
-    and the array of their addresses that cuLaunchKernelEx takes."""
+    """ctypes values of kernel arguments (tensors as their data pointers, ints as int, floats as float,
+    ctypes arrays as the bytes of a by-value struct) and the array of their addresses that cuLaunchKernelEx
+    takes."""
     params = []
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -287,6 +288,8 @@ def _pack(args) -> tuple[list, ctypes.Array]:
             params.append(ctypes.c_int(a))
         elif isinstance(a, float):
             params.append(ctypes.c_float(a))
+        elif isinstance(a, ctypes.Array):  # a by-value struct (a CUtensorMap), passed as its bytes
+            params.append(a)
         else:
             raise TypeError(f"kernel argument of type {type(a).__name__}")
     return params, (ctypes.c_void_p * len(params))(*[ctypes.cast(ctypes.byref(p), ctypes.c_void_p) for p in params])

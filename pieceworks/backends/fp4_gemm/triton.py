@@ -29,6 +29,7 @@ import torch
 
 from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
 from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight
+from pieceworks.backends.fp4_gemm import cuda_wgmma
 from pieceworks.backends.fp4_gemm.cuda_launch import (
     K32_TWO_TILE_WARPS_PER_SM,
     cuda_decode_reason,
@@ -65,8 +66,15 @@ class TileConfig:
     min_split_iters: int = 2
 
     def __post_init__(self) -> None:
-        if self.kind not in ("fused", "dequant"):
-            raise ValueError(f"tile kind {self.kind!r}: use 'fused' or 'dequant'")
+        if self.kind not in ("fused", "dequant", "wgmma"):
+            raise ValueError(f"tile kind {self.kind!r}: use 'fused', 'dequant' or 'wgmma'")
+        if self.kind == "wgmma":
+            if self.block_m not in cuda_wgmma.BLOCK_MS:
+                raise ValueError(f"a wgmma tile takes block_m in {cuda_wgmma.BLOCK_MS} (tokens per CTA), "
+                                 f"not {self.block_m}")
+            if not 2 <= self.num_stages <= cuda_wgmma.max_stages(self.block_m):
+                raise ValueError(f"a wgmma tile of block_m={self.block_m} takes num_stages 2.."
+                                 f"{cuda_wgmma.max_stages(self.block_m)} (shared memory), not {self.num_stages}")
         if self.two_acc and self.one_dot:
             raise ValueError("two_acc splits the four-dot K loop; it cannot be combined with one_dot")
         if self.perm_k and (self.one_dot or self.block_k % 256):
