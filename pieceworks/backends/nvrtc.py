@@ -277,8 +277,9 @@ class BoundLaunch:
 
 
 def _pack(args) -> tuple[list, ctypes.Array]:
-    """ctypes values of kernel arguments (tensors as their data pointers, ints as int, floats as float)
-    and the array of their addresses that cuLaunchKernelEx takes."""
+    """ctypes values of kernel arguments (tensors as their data pointers, ints as int, floats as float,
+    ctypes arrays as the bytes of a by-value struct) and the array of their addresses that cuLaunchKernelEx
+    takes."""
     params = []
     for a in args:
         if isinstance(a, torch.Tensor):

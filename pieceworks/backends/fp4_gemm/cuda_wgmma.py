@@ -1,13 +1,12 @@
-"""The NVFP4 GEMM for serving-sized M on Hopper: k32 weights decoded in registers straight into the A operand
-of warpgroup MMAs (wgmma, sm_90a), x streamed into shared memory as their B operand. Imports torch only.
+"""The NVFP4 GEMM for serving-sized M on Hopper (the "wgmma" tile kind of `fp4_gemm.triton`): k32 weights
+decoded in registers straight into the A operand of warpgroup MMAs (wgmma, sm_90a), x brought into shared
+memory by TMA as their B operand. Imports torch only.
 
     y[M, N] = x[M, K] @ dequant(W).T      (x bf16, W in the k32 layout of `k32.repack_k32`)
 
-Why: at M = 64..1024 the Triton tiles and dequantize + cuBLAS run at 0.6-0.7x bf16 (docs/benchmarks.md).
-Here each CTA owns 128 weight rows (two storage-tile row blocks, one per consumer warpgroup) and BM tokens,
-so every decoded weight feeds BM tokens of tensor-core work: at BM = 128 or 256 the decode (13 integer and
-bf16x2 instructions per 8 weights) costs a fraction of the wgmma time, and it overlaps the wgmma of the
-previous k16 step (A in two register sets, `wgmma.wait_group 1`).
+Each CTA owns 128 weight rows (two storage-tile row blocks, one per warpgroup) and BM tokens (64, 128 or
+256), so each decoded weight feeds BM tokens of tensor-core work; the decode of a k16 step overlaps the
+wgmmas of the one before (A in two register sets, `wgmma.wait_group 1`).
 
 The A fragment: wgmma m64nNk16 takes A from the registers of the warpgroup's four warps, warp w holding rows
 16w..16w+15 in the mma.sync m16n8k16 A layout (lane (g, t): rows g and g + 8, K columns 2t, 2t + 1, 2t + 8,
@@ -16,10 +15,16 @@ slot 0 holds elements 16q + 2t, +1 and slot 1 elements 16q + 8 + 2t, +1 (`k32.el
 lane's columns of the k16 step over elements 16q..16q+15; slots 2 and 3 give the step over elements
 64 + 16q... So the MMA's K order is the element order and x needs no permutation.
 
-Shared memory per stage: x [BM tokens x 128 K] in the no-swizzle wgmma layout (8 x 16-byte core matrices,
-K-adjacent ones BM * 16 bytes apart, token-adjacent ones 128), the two 4 KB unit tiles (16-byte chunks
-XOR-swizzled by row so that the lanes' 32-bit reads hit 32 banks) and the two 512-byte scale tiles. All
-threads copy a stage with cp.async (zero fill past M and K); S stages in flight.
+Per stage (S in flight): x [BM tokens x 128 K] as two TMA boxes of 64 columns in the 128-byte swizzled
+layout (zero fill past M and K), the two 4 KB unit tiles and the two 512-byte scale tiles by bulk copies
+(the storage tiles are contiguous), all completing on the stage's full mbarrier. Thread 0 issues a stage
+once every thread arrived on its empty mbarrier (after its warpgroup's wgmmas of that stage): no CTA-wide
+barrier in the K loop, the copies of S - 1 tiles run under the wgmmas. Where the output tiles alone leave
+SMs idle (`choose_split`), blockIdx.z splits K and float32 partials go to a second kernel.
+
+Measured on the H200 against the Triton tiles and dequantize + cuBLAS, and the designs that lost (plain
+cp.async copies, a warp-specialized producer, 256-row tiles): docs/benchmarks.md; their code is on the
+branch exp/wgmma-w4a16.
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ def stage_bytes(block_m: int) -> int:
 
 
 def max_stages(block_m: int) -> int:
-    return min(8, (MAX_SHARED - 128) // stage_bytes(block_m))
+    """The most stages that fit in shared memory (with their two mbarriers each)."""
+    return min(8, MAX_SHARED // (stage_bytes(block_m) + 16))
 
 
 def _wgmma_fn(bm: int) -> str:
@@ -65,11 +71,6 @@ def _wgmma_fn(bm: int) -> str:
 _KERNEL = r"""
 typedef unsigned long long u64;
 
-__device__ __forceinline__ void cp16(u32 dst, const void* src, bool pred) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(pred ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
@@ -77,8 +78,8 @@ __device__ __forceinline__ u32 lds32(u32 a) { u32 v; asm volatile("ld.shared.u32
 __device__ __forceinline__ void lds64(u32 a, u32& x, u32& y) {
     asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(x), "=r"(y) : "r"(a));
 }
-// Matrix descriptor of a no-swizzle K-major operand: start, leading byte offset (K-adjacent core
-// matrices), stride byte offset (N-adjacent), all >> 4.
+// wgmma matrix descriptor: start address, leading and stride byte offsets, all >> 4 (the layout bits are
+// OR-ed in by the caller).
 __device__ __forceinline__ u64 desc(u32 addr, u32 lbo, u32 sbo) {
     return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
 }
@@ -95,275 +96,6 @@ __device__ __forceinline__ void decode_q(u32* a, u32 w0, u32 w1, u32 h0, u32 h1)
     a[6] = bmul(slot<3>(w0), sb0); a[7] = bmul(slot<3>(w1), sb1);
 }
 
-// grid (ceil(M / BM), ceil(N / 128)): CTAs of one weight tile are neighbours (the weights come from DRAM
-// once, x stays in L2). nkt = Kp / 128 storage tiles per row block, nrb = Np / 64 row blocks.
-// SWZ: x in the 128-byte swizzled layout (two 64-element halves, token rows of 128 bytes, 16-byte chunk c of
-// row n at c ^ (n & 7)), else the no-swizzle core-matrix layout. OVL: the next stage's copies are issued
-// after the tile's first wgmmas (both warpgroups past the previous tile's, a named barrier), so the wgmmas
-// of consecutive tiles run back to back; else every tile drains them before the copies.
-template <int BM, int S, int SWZ, int OVL_>
-__global__ void __launch_bounds__(256, 1) fp4_wgmma_gemm(
-    const u16* __restrict__ x, const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
-    const float* __restrict__ gscale, u16* __restrict__ out, int M, int N, int K, int nkt, int nrb, int ldx, int ldo)
-{
-    constexpr int XB = BM * 256, STAGE = XB + 2 * 4096 + 2 * 512, SWIGLU = 0;
-    constexpr int OVL = OVL_ == 1, MODE = OVL_ >= 2 ? OVL_ : 0;  // diagnostics: 2 no decode, 3 no wgmma, 4 no x copies
-    extern __shared__ __align__(1024) unsigned char smem[];
-    const u32 s0 = (u32)__cvta_generic_to_shared(smem);
-    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * 128;
-    const int rb0 = min(2 * (int)blockIdx.y, nrb - 1), rb1 = min(2 * (int)blockIdx.y + 1, nrb - 1);
-
-    // This thread's copies of a stage: x chunks (token n, 8-element column kc), unit chunks, scale chunks.
-    auto load = [&](int kt, int st) {
-        const u32 base = s0 + st * STAGE;
-#pragma unroll
-        for (int i = 0; i < (MODE == 4 ? 0 : BM / 16); ++i) {
-            const int c = tid + 256 * i, l = c & 31, w = c >> 5;
-            const int n = (w % (BM / 8)) * 8 + (l & 7), kc = (w / (BM / 8)) * 4 + (l >> 3);
-            const int row = m0 + n, col = kt * 128 + kc * 8;
-            const bool ok = row < M && col < K;
-            const u32 dst = SWZ ? base + (kc >> 3) * (BM * 128) + n * 128 + (((kc & 7) ^ (n & 7)) << 4)
-                                : base + (kc * (BM / 8) + (n >> 3)) * 128 + (n & 7) * 16;
-            cp16(dst, x + (size_t)(ok ? row : 0) * ldx + (ok ? col : 0), ok);
-        }
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int c = tid + 256 * i, h = c >> 8, r = (c & 255) >> 2, q = c & 3;
-            const int rb = h ? rb1 : rb0;
-            cp16(base + XB + h * 4096 + r * 64 + ((q ^ ((r >> 1) & 3)) << 4),
-                 codes + ((size_t)rb * nkt + kt) * 4096 + r * 64 + q * 16, true);
-        }
-        if (tid < 64) {
-            const int h = tid >> 5, o = (tid & 31) * 16;
-            cp16(base + XB + 2 * 4096 + h * 512 + o, scales + ((size_t)(h ? rb1 : rb0) * nkt + kt) * 512 + o, true);
-        }
-    };
-    // B descriptor of k16 step j (elements 16 j .. 16 j + 15 of the stage's 128)
-    auto bdesc = [&](u32 base, int j) -> u64 {
-        if (SWZ)
-            return desc(base + (j >> 2) * (BM * 128) + (j & 3) * 32, 16, 1024) | (1ull << 62);
-        return desc(base + j * (BM * 32), BM * 16, 128);
-    };
-
-    float acc[BM / 2];
-#pragma unroll
-    for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
-
-    PDL_WAIT();
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
-        if (s < nkt) load(s, s);
-        cp_commit();
-    }
-    const int r0 = 16 * warp + g;  // this lane's rows r0, r0 + 8 of its warpgroup's row block
-    const u32 sw = ((r0 >> 1) & 3);  // the unit chunks' swizzle (the same for r0 + 8)
-    u32 a[2][8];
-    for (int kt = 0; kt < nkt; ++kt) {
-        cp_wait<S - 2>();
-        __syncthreads();
-        if (!OVL) {
-            if (kt + S - 1 < nkt) load(kt + S - 1, (kt + S - 1) % S);
-            cp_commit();
-        }
-        const u32 base = s0 + (kt % S) * STAGE;
-        const u32 wbase = base + XB + wg * 4096, sbase = base + XB + 2 * 4096 + wg * 512;
-        u32 sc0a, sc0b, sc1a, sc1b;
-        lds64(sbase + r0 * 8, sc0a, sc0b);
-        lds64(sbase + (r0 + 8) * 8, sc1a, sc1b);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const u32 w0 = lds32(wbase + r0 * 64 + ((q ^ sw) << 4) + 4 * t);
-            const u32 w1 = lds32(wbase + (r0 + 8) * 64 + ((q ^ sw) << 4) + 4 * t);
-            const u32 p0 = q < 2 ? sc0a : sc0b, p1 = q < 2 ? sc1a : sc1b;
-            const u32 h0 = scale_pair((q & 1) ? p0 >> 16 : p0 & 0xFFFF);
-            const u32 h1 = scale_pair((q & 1) ? p1 >> 16 : p1 & 0xFFFF);
-            if (q >= 2) {
-                wg_wait<1>();
-#pragma unroll
-                for (int e = 0; e < 8; ++e) keep(a[q & 1][e]);
-            }
-            if (MODE == 2) {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) a[q & 1][e] = (e & 1 ? w1 : w0) & 0x3F803F80u;
-            } else {
-                decode_q(a[q & 1], w0, w1, h0, h1);
-            }
-            if (MODE == 3) {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[(q * 8 + e) % (BM / 2)] += __uint_as_float(a[q & 1][e] & 0x3F803F80u);
-            } else {
-            wg_fence();
-            wgmma_bm(acc, a[q & 1][0], a[q & 1][1], a[q & 1][2], a[q & 1][3], bdesc(base, q));
-            wgmma_bm(acc, a[q & 1][4], a[q & 1][5], a[q & 1][6], a[q & 1][7], bdesc(base, 4 + q));
-            wg_commit();
-            }
-            if (OVL && q == 0) {
-                // the previous tile's wgmmas of this warpgroup are done, then both warpgroups': its stage is free
-                wg_wait<1>();
-#pragma unroll
-                for (int e = 0; e < 8; ++e) keep(a[1][e]);
-                asm volatile("bar.sync 1, 256;" ::: "memory");
-                if (kt + S - 1 < nkt) load(kt + S - 1, (kt + S - 1) % S);
-                cp_commit();
-            }
-        }
-        if (!OVL) {
-            wg_wait<0>();
-#pragma unroll
-            for (int q = 0; q < 2; ++q)
-#pragma unroll
-                for (int e = 0; e < 8; ++e) keep(a[q][e]);
-        }
-    }
-    wg_wait<0>();
-    PDL_TRIGGER();
-    const float gs = gscale[0] * 16384.0f;
-    const int row = n0 + 64 * wg + r0;
-#pragma unroll
-    for (int j = 0; j < BM / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int tok = m0 + 8 * j + 2 * t + (e & 1), n = row + 8 * (e >> 1);
-            const float v = acc[4 * j + e] * gs;
-            if (SWIGLU) {  // rows 2i (gate, even g) and 2i + 1 (up, the lane with g + 1) give output column i
-                const float u = __shfl_xor_sync(0xffffffffu, v, 4);
-                if (!(g & 1) && tok < M && n < N) out[(size_t)tok * ldo + (n >> 1)] = swiglu(v, u);
-            } else if (tok < M && n < N) {
-                out[(size_t)tok * ldo + n] = to_bf16(v);
-            }
-        }
-}
-
-__device__ __forceinline__ void mbar_init(u32 a, u32 n) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(a), "r"(n) : "memory"); }
-__device__ __forceinline__ void mbar_wait(u32 a, u32 parity) {
-    u32 ok;
-    do {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(ok) : "r"(a), "r"(parity) : "memory");
-    } while (!ok);
-}
-__device__ __forceinline__ void mbar_arrive(u32 a) {
-    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}" :: "r"(a) : "memory");
-}
-__device__ __forceinline__ void cp_arrive(u32 a) { asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(a) : "memory"); }
-
-// 256 weight rows per CTA (four row blocks, two per warpgroup: two m64 wgmmas per k16 step), BM tokens: x
-// bytes per FLOP halve against the 128-row tile (the wgmma kernel above runs at the L2 -> SM rate).
-template <int BM, int S, int SWIGLU>
-__global__ void __launch_bounds__(256, 1) fp4_wgmma_wide(
-    const u16* __restrict__ x, const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
-    const float* __restrict__ gscale, u16* __restrict__ out, int M, int N, int K, int nkt, int nrb, int ldx, int ldo)
-{
-    constexpr int XB = BM * 256, STAGE = XB + 4 * 4096 + 4 * 512;
-    extern __shared__ __align__(1024) unsigned char smem[];
-    const u32 s0 = (u32)__cvta_generic_to_shared(smem);
-    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * 256;
-    auto load = [&](int kt, int st) {
-        const u32 base = s0 + st * STAGE;
-#pragma unroll
-        for (int i = 0; i < BM / 16; ++i) {
-            const int c = tid + 256 * i, l = c & 31, w = c >> 5;
-            const int n = (w % (BM / 8)) * 8 + (l & 7), kc = (w / (BM / 8)) * 4 + (l >> 3);
-            const int row = m0 + n, col = kt * 128 + kc * 8;
-            const bool ok = row < M && col < K;
-            cp16(base + (kc >> 3) * (BM * 128) + n * 128 + (((kc & 7) ^ (n & 7)) << 4),
-                 x + (size_t)(ok ? row : 0) * ldx + (ok ? col : 0), ok);
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int c = tid + 256 * i, h = c >> 8, r = (c & 255) >> 2, q = c & 3;
-            const int rb = min(4 * (int)blockIdx.y + h, nrb - 1);
-            cp16(base + XB + h * 4096 + r * 64 + ((q ^ ((r >> 1) & 3)) << 4),
-                 codes + ((size_t)rb * nkt + kt) * 4096 + r * 64 + q * 16, true);
-        }
-        if (tid < 128) {
-            const int h = tid >> 5, o = (tid & 31) * 16;
-            const int rb = min(4 * (int)blockIdx.y + h, nrb - 1);
-            cp16(base + XB + 4 * 4096 + h * 512 + o, scales + ((size_t)rb * nkt + kt) * 512 + o, true);
-        }
-    };
-    float acc0[BM / 2], acc1[BM / 2];
-#pragma unroll
-    for (int i = 0; i < BM / 2; ++i) acc0[i] = acc1[i] = 0.f;
-    PDL_WAIT();
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
-        if (s < nkt) load(s, s);
-        cp_commit();
-    }
-    const int r0 = 16 * warp + g;
-    const u32 sw = ((r0 >> 1) & 3);
-    u32 a[2][16];
-    for (int kt = 0; kt < nkt; ++kt) {
-        cp_wait<S - 2>();
-        __syncthreads();
-        if (kt + S - 1 < nkt) load(kt + S - 1, (kt + S - 1) % S);
-        cp_commit();
-        const u32 base = s0 + (kt % S) * STAGE;
-        const u32 wb0 = base + XB + (2 * wg) * 4096, wb1 = wb0 + 4096;
-        const u32 sb0 = base + XB + 4 * 4096 + (2 * wg) * 512, sb1 = sb0 + 512;
-        u32 sc[2][4];
-        lds64(sb0 + r0 * 8, sc[0][0], sc[0][1]);
-        lds64(sb0 + (r0 + 8) * 8, sc[0][2], sc[0][3]);
-        lds64(sb1 + r0 * 8, sc[1][0], sc[1][1]);
-        lds64(sb1 + (r0 + 8) * 8, sc[1][2], sc[1][3]);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            u32 w[2][2], h[2][2];
-#pragma unroll
-            for (int bb = 0; bb < 2; ++bb) {
-                const u32 wb = bb ? wb1 : wb0;
-                w[bb][0] = lds32(wb + r0 * 64 + ((q ^ sw) << 4) + 4 * t);
-                w[bb][1] = lds32(wb + (r0 + 8) * 64 + ((q ^ sw) << 4) + 4 * t);
-                const u32 p0 = sc[bb][q >> 1], p1 = sc[bb][2 + (q >> 1)];
-                h[bb][0] = scale_pair((q & 1) ? p0 >> 16 : p0 & 0xFFFF);
-                h[bb][1] = scale_pair((q & 1) ? p1 >> 16 : p1 & 0xFFFF);
-            }
-            if (q >= 2) {
-                wg_wait<1>();
-#pragma unroll
-                for (int e = 0; e < 16; ++e) keep(a[q & 1][e]);
-            }
-            decode_q(a[q & 1], w[0][0], w[0][1], h[0][0], h[0][1]);
-            decode_q(a[q & 1] + 8, w[1][0], w[1][1], h[1][0], h[1][1]);
-            wg_fence();
-            const u64 d0 = desc(base + q * 32, 16, 1024) | (1ull << 62);
-            const u64 d1 = desc(base + BM * 128 + q * 32, 16, 1024) | (1ull << 62);
-            wgmma_bm(acc0, a[q & 1][0], a[q & 1][1], a[q & 1][2], a[q & 1][3], d0);
-            wgmma_bm(acc0, a[q & 1][4], a[q & 1][5], a[q & 1][6], a[q & 1][7], d1);
-            wgmma_bm(acc1, a[q & 1][8], a[q & 1][9], a[q & 1][10], a[q & 1][11], d0);
-            wgmma_bm(acc1, a[q & 1][12], a[q & 1][13], a[q & 1][14], a[q & 1][15], d1);
-            wg_commit();
-        }
-        wg_wait<0>();
-#pragma unroll
-        for (int q = 0; q < 2; ++q)
-#pragma unroll
-            for (int e = 0; e < 16; ++e) keep(a[q][e]);
-    }
-    PDL_TRIGGER();
-    const float gs = gscale[0] * 16384.0f;
-#pragma unroll
-    for (int bb = 0; bb < 2; ++bb) {
-        const int row = n0 + 128 * wg + 64 * bb + r0;
-#pragma unroll
-        for (int j = 0; j < BM / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int tok = m0 + 8 * j + 2 * t + (e & 1), n = row + 8 * (e >> 1);
-                const float v = (bb ? acc1 : acc0)[4 * j + e] * gs;
-                if (SWIGLU) {
-                    const float u = __shfl_xor_sync(0xffffffffu, v, 4);
-                    if (!(g & 1) && tok < M && n < N) out[(size_t)tok * ldo + (n >> 1)] = swiglu(v, u);
-                } else if (tok < M && n < N) {
-                    out[(size_t)tok * ldo + n] = to_bf16(v);
-                }
-            }
-    }
-}
-
 struct __align__(64) Tmap { unsigned long long v[16]; };
 __device__ __forceinline__ void tma2d(u32 dst, const Tmap* m, int c0, int c1, u32 bar) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
@@ -376,15 +108,15 @@ __device__ __forceinline__ void bulk(u32 dst, const void* src, u32 bytes, u32 ba
 __device__ __forceinline__ void expect_tx(u32 bar, u32 bytes) {
     asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" :: "r"(bar), "r"(bytes) : "memory");
 }
-__device__ __forceinline__ void mbar_init2(u32 a, u32 n) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(a), "r"(n) : "memory"); }
-__device__ __forceinline__ void mbar_wait2(u32 a, u32 parity) {
+__device__ __forceinline__ void mbar_init(u32 a, u32 n) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(a), "r"(n) : "memory"); }
+__device__ __forceinline__ void mbar_wait(u32 a, u32 parity) {
     u32 ok;
     do {
         asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
                      : "=r"(ok) : "r"(a), "r"(parity) : "memory");
     } while (!ok);
 }
-__device__ __forceinline__ void mbar_arrive2(u32 a) {
+__device__ __forceinline__ void mbar_arrive(u32 a) {
     asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}" :: "r"(a) : "memory");
 }
 
@@ -420,8 +152,8 @@ __global__ void __launch_bounds__(256, 1) fp4_wgmma_tma(
     };
     if (tid == 0) {
         for (int s = 0; s < S; ++s) {
-            mbar_init2(bars + 8 * s, 1);
-            mbar_init2(bars + 8 * (S + s), 256);
+            mbar_init(bars + 8 * s, 1);
+            mbar_init(bars + 8 * (S + s), 256);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -437,7 +169,7 @@ __global__ void __launch_bounds__(256, 1) fp4_wgmma_tma(
     u32 a[2][8];
     for (int kt = 0; kt < nk; ++kt) {
         const int st = kt % S;
-        mbar_wait2(bars + 8 * st, (kt / S) & 1);
+        mbar_wait(bars + 8 * st, (kt / S) & 1);
         const u32 base = s0 + st * STAGE;
         const u32 wbase = base + XB + wg * 4096, sbase = base + XB + 2 * 4096 + wg * 512;
         u32 sc0a, sc0b, sc1a, sc1b;
@@ -466,11 +198,11 @@ __global__ void __launch_bounds__(256, 1) fp4_wgmma_tma(
                 wg_wait<1>();  // this warpgroup's wgmmas of the previous tile are done: release its stage
 #pragma unroll
                 for (int e = 0; e < 8; ++e) keep(a[1][e]);
-                if (kt > 0) mbar_arrive2(bars + 8 * (S + (kt - 1) % S));
+                if (kt > 0) mbar_arrive(bars + 8 * (S + (kt - 1) % S));
                 const int nt = kt + S - 1;
                 if (tid == 0 && nt < nk) {
                     const int ns = nt % S;
-                    if (nt >= S) mbar_wait2(bars + 8 * (S + ns), ((nt / S) - 1) & 1);
+                    if (nt >= S) mbar_wait(bars + 8 * (S + ns), ((nt / S) - 1) & 1);
                     issue(nt, ns);
                 }
             }
@@ -497,120 +229,6 @@ __global__ void __launch_bounds__(256, 1) fp4_wgmma_tma(
         }
 }
 
-// Warp-specialized: warpgroup 2 copies (cp.async, each thread's copies of a stage then an arrive on the
-// stage's full barrier), warpgroups 0 and 1 decode and multiply; a consumer thread arrives on a stage's
-// empty barrier once its warpgroup's wgmmas of that stage are done. x in the 128-byte swizzled layout.
-template <int BM, int S, int SWIGLU>
-__global__ void __launch_bounds__(384, 1) fp4_wgmma_ws(
-    const u16* __restrict__ x, const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
-    const float* __restrict__ gscale, u16* __restrict__ out, int M, int N, int K, int nkt, int nrb, int ldx, int ldo)
-{
-    constexpr int XB = BM * 256, STAGE = XB + 2 * 4096 + 2 * 512;
-    extern __shared__ __align__(1024) unsigned char smem[];
-    const u32 s0 = (u32)__cvta_generic_to_shared(smem), bars = s0 + S * STAGE;  // full[S], empty[S]
-    const int tid = threadIdx.x, wg = tid >> 7;
-    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * 128;
-    if (tid == 0) {
-        for (int s = 0; s < S; ++s) {
-            mbar_init(bars + 8 * s, 128);
-            mbar_init(bars + 8 * (S + s), 256);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
-    if (wg == 2) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        const int p = tid - 256;
-        const int rb0 = min(2 * (int)blockIdx.y, nrb - 1), rb1 = min(2 * (int)blockIdx.y + 1, nrb - 1);
-        PDL_WAIT();
-        for (int kt = 0; kt < nkt; ++kt) {
-            const int st = kt % S;
-            if (kt >= S) mbar_wait(bars + 8 * (S + st), ((kt / S) - 1) & 1);
-            const u32 base = s0 + st * STAGE;
-#pragma unroll 4
-            for (int i = 0; i < BM / 8; ++i) {
-                const int c = p + 128 * i, l = c & 31, w = c >> 5;
-                const int n = (w % (BM / 8)) * 8 + (l & 7), kc = (w / (BM / 8)) * 4 + (l >> 3);
-                const int row = m0 + n, col = kt * 128 + kc * 8;
-                const bool ok = row < M && col < K;
-                cp16(base + (kc >> 3) * (BM * 128) + n * 128 + (((kc & 7) ^ (n & 7)) << 4),
-                     x + (size_t)(ok ? row : 0) * ldx + (ok ? col : 0), ok);
-            }
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int c = p + 128 * i, h = c >> 8, r = (c & 255) >> 2, q = c & 3;
-                cp16(base + XB + h * 4096 + r * 64 + ((q ^ ((r >> 1) & 3)) << 4),
-                     codes + ((size_t)(h ? rb1 : rb0) * nkt + kt) * 4096 + r * 64 + q * 16, true);
-            }
-            if (p < 64) {
-                const int h = p >> 5, o = (p & 31) * 16;
-                cp16(base + XB + 2 * 4096 + h * 512 + o, scales + ((size_t)(h ? rb1 : rb0) * nkt + kt) * 512 + o, true);
-            }
-            cp_arrive(bars + 8 * st);
-        }
-        return;
-    }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-    const int warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    float acc[BM / 2];
-#pragma unroll
-    for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
-    const int r0 = 16 * warp + g;
-    const u32 sw = ((r0 >> 1) & 3);
-    u32 a[2][8];
-    for (int kt = 0; kt < nkt; ++kt) {
-        const int st = kt % S;
-        mbar_wait(bars + 8 * st, (kt / S) & 1);
-        const u32 base = s0 + st * STAGE;
-        const u32 wbase = base + XB + wg * 4096, sbase = base + XB + 2 * 4096 + wg * 512;
-        u32 sc0a, sc0b, sc1a, sc1b;
-        lds64(sbase + r0 * 8, sc0a, sc0b);
-        lds64(sbase + (r0 + 8) * 8, sc1a, sc1b);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const u32 w0 = lds32(wbase + r0 * 64 + ((q ^ sw) << 4) + 4 * t);
-            const u32 w1 = lds32(wbase + (r0 + 8) * 64 + ((q ^ sw) << 4) + 4 * t);
-            const u32 p0 = q < 2 ? sc0a : sc0b, p1 = q < 2 ? sc1a : sc1b;
-            const u32 h0 = scale_pair((q & 1) ? p0 >> 16 : p0 & 0xFFFF);
-            const u32 h1 = scale_pair((q & 1) ? p1 >> 16 : p1 & 0xFFFF);
-            if (q >= 2) {
-                wg_wait<1>();
-#pragma unroll
-                for (int e = 0; e < 8; ++e) keep(a[q & 1][e]);
-            }
-            decode_q(a[q & 1], w0, w1, h0, h1);
-            wg_fence();
-            wgmma_bm(acc, a[q & 1][0], a[q & 1][1], a[q & 1][2], a[q & 1][3],
-                     desc(base + q * 32, 16, 1024) | (1ull << 62));
-            wgmma_bm(acc, a[q & 1][4], a[q & 1][5], a[q & 1][6], a[q & 1][7],
-                     desc(base + BM * 128 + q * 32, 16, 1024) | (1ull << 62));
-            wg_commit();
-            if (q == 0) {  // the previous tile's wgmmas are done: its stage is free
-                wg_wait<1>();
-#pragma unroll
-                for (int e = 0; e < 8; ++e) keep(a[1][e]);
-                if (kt > 0) mbar_arrive(bars + 8 * (S + (kt - 1) % S));
-            }
-        }
-    }
-    wg_wait<0>();
-    PDL_TRIGGER();
-    const float gs = gscale[0] * 16384.0f;
-    const int row = n0 + 64 * wg + r0;
-#pragma unroll
-    for (int j = 0; j < BM / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int tok = m0 + 8 * j + 2 * t + (e & 1), n = row + 8 * (e >> 1);
-            const float v = acc[4 * j + e] * gs;
-            if (SWIGLU) {  // rows 2i (gate, even g) and 2i + 1 (up, the lane with g + 1) give output column i
-                const float u = __shfl_xor_sync(0xffffffffu, v, 4);
-                if (!(g & 1) && tok < M && n < N) out[(size_t)tok * ldo + (n >> 1)] = swiglu(v, u);
-            } else if (tok < M && n < N) {
-                out[(size_t)tok * ldo + n] = to_bf16(v);
-            }
-        }
-}
 """
 
 
@@ -619,10 +237,15 @@ def source(block_m: int) -> str:
         "typedef unsigned long long u64;\n", "", 1)
 
 
+@lru_cache(maxsize=None)
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
 def tensor_map(x: torch.Tensor, k: int, block_m: int) -> ctypes.Array:
     """CUtensorMap of x [M, k] bf16 (row stride x.stride(0)) for boxes of 64 columns x block_m rows, 128-byte
-    swizzle, zero fill out of bounds."""
-    lib = ctypes.CDLL("libcuda.so.1")
+    swizzle, zero fill out of bounds (the kernel's by-value argument)."""
+    lib = _libcuda()
     tm = (ctypes.c_ubyte * 128)()
     dims = (ctypes.c_uint64 * 2)(k, x.shape[0])
     strides = (ctypes.c_uint64 * 1)(x.stride(0) * 2)
@@ -654,48 +277,34 @@ def _device_reason(device: torch.device) -> str | None:
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
          n: int, k: int, block_m: int = 128, stages: int | None = None, swiglu: bool = False,
-         out: torch.Tensor | None = None, variant: str = "tma", split: int = 1) -> torch.Tensor:
+         out: torch.Tensor | None = None, split: int = 1) -> torch.Tensor:
     """y [M, n] bf16 = x [M, k] @ dequant(W).T for a k32-layout weight (uint8 [Np, Kp/2], scales
     [Np, Kp/16], `repack_k32`) and its global scale (float32 scalar tensor); with `swiglu` (a gate/up
     weight whose rows are interleaved, `interleave_gate_up`) [M, n / 2] = silu(gate) * up, rounded as the
-    GEMM followed by the silu_mul op."""
+    GEMM followed by the silu_mul op. With split > 1: the float32 partials [split, M, n] of K splits
+    (`out`, if given, must be that), for a reduction kernel to sum."""
     if block_m not in BLOCK_MS:
         raise ValueError(f"block_m={block_m}: one of {BLOCK_MS}")
     stages = stages or max_stages(block_m)
     if not 2 <= stages <= max_stages(block_m):
         raise ValueError(f"stages={stages}: 2..{max_stages(block_m)} fit in shared memory at block_m={block_m}")
+    if split > 1 and swiglu:
+        raise ValueError("split partials are summed by a second kernel, which applies the SwiGLU")
     m = x.shape[0]
-    if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+    if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # what TMA needs of x
         x = x.contiguous()
-    if out is None and split > 1:
-        out = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     if out is None:
-        out = torch.empty((m, n // 2 if swiglu else n), dtype=torch.bfloat16, device=x.device)
+        shape = (split, m, n) if split > 1 else (m, n // 2 if swiglu else n)
+        out = torch.empty(shape, dtype=torch.float32 if split > 1 else torch.bfloat16, device=x.device)
     if m == 0:
         return out
     np_, kp = weight.shape[0], weight.shape[1] * 2
-    ws = variant == "ws"
-    wide = variant == "wide"
-    if variant == "tma":
-        name = f"fp4_wgmma_tma<{block_m}, {stages}, {int(swiglu)}, {int(split > 1)}>"
-        kern = nvrtc.kernel(source(block_m), name, x.device, suffix="a")
-        kern((-(-m // block_m), -(-n // ROWS), split), (THREADS, 1, 1),
-             [tensor_map(x, k, block_m), weight, weight_scale, weight_scale_2, out, m, n, kp // TILE_K,
-              np_ // TILE_ROWS, out.stride(-2)], pdl.launch_options(x.device)[0],
-             shared=stages * stage_bytes(block_m) + 16 * stages)
-        return out
-    if ws:
-        name = f"fp4_wgmma_ws<{block_m}, {stages}, {int(swiglu)}>"
-    elif wide:
-        name = f"fp4_wgmma_wide<{block_m}, {stages}, {int(swiglu)}>"
-    else:
-        sz, ov = variant.split(",")
-        name = f"fp4_wgmma_gemm<{block_m}, {stages}, {sz}, {ov}>"
-    kern = nvrtc.kernel(source(block_m), name, x.device, suffix="a")
-    grid = (-(-m // block_m), -(-n // (256 if wide else ROWS)), 1)
-    kern(grid, (384 if ws else THREADS, 1, 1), [x, weight, weight_scale, weight_scale_2, out, m, n, k, kp // TILE_K,
-                                 np_ // TILE_ROWS, x.stride(0), out.stride(0)],
-         pdl.launch_options(x.device)[0], shared=stages * (stage_bytes(block_m) + (9216 if wide else 0)) + (16 * stages if ws else 0))
+    kern = nvrtc.kernel(source(block_m), f"fp4_wgmma_tma<{block_m}, {stages}, {int(swiglu)}, {int(split > 1)}>",
+                        x.device, suffix="a")
+    kern((-(-m // block_m), -(-n // ROWS), split), (THREADS, 1, 1),
+         [tensor_map(x, k, block_m), weight, weight_scale, weight_scale_2, out, m, n, kp // TILE_K,
+          np_ // TILE_ROWS, out.stride(-2)], pdl.launch_options(x.device)[0],
+         shared=stages * stage_bytes(block_m) + 16 * stages)
     return out
 
 

@@ -3,7 +3,8 @@
 Plain data, read at plan time (never autotuned at run time). Each table is a list of buckets, smallest
 first; a call takes the first bucket whose `max_m` is at least its row count (None = no upper bound).
 Keys: kind ("fused": dequantize in registers and feed tensor-core dots; "dequant": dequantize the whole
-weight to bf16, then torch.matmul, for compute-bound sizes), block_m/n/k, group_m (tile order: tiles
+weight to bf16, then torch.matmul, for compute-bound sizes; "wgmma": the CUDA kernel of cuda_wgmma.py on
+sm_90, block_m tokens (64, 128 or 256) and num_stages per CTA, dequant elsewhere), block_m/n/k, group_m (tile order: tiles
 of group_m row blocks share a column sweep, for L2 reuse), num_warps, num_stages, w_as_a (weights as
 the register operand: the accumulator is [block_n, block_m]), asm (PTX bit-twiddling decode, else
 plain Triton arithmetic), one_dot (the four decoded slots of a K tile feed one dot of K = block_k in
