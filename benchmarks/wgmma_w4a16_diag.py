@@ -1,4 +1,5 @@
-"""Probe (branch exp/wgmma-w4a16): where the wgmma GEMM's time goes (variants with the decode, the wgmmas or the x
+"""Probe (branch exp/wgmma-w4a16; runs against cuda_wgmma.py as of 25002f1, whose plain, swizzled and 256-row kernels the
+branch head no longer has): where the wgmma GEMM's time goes (variants with the decode, the wgmmas or the x
 copies left out) and the 256-row tile."""
 import sys
 sys.path.insert(0, "benchmarks")
