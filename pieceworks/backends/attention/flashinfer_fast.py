@@ -25,6 +25,22 @@ def flat_pages(page_lists: list[list[int]], counts: list[int]) -> np.ndarray:
                        count=sum(counts))
 
 
+def _watched(module, name: str, call) -> list[tuple[tuple, dict]]:
+    """Run `call()` with `module.<name>` wrapped: the (args, kwargs) of every call it made to it."""
+    fn, seen = getattr(module, name), []
+
+    def spy(*args, **kwargs):
+        seen.append((args, kwargs))
+        return fn(*args, **kwargs)
+
+    setattr(module, name, spy)
+    try:
+        call()
+    finally:
+        setattr(module, name, fn)
+    return seen
+
+
 class PlanCopyGuard:
     """Keeps a FlashInfer wrapper's `plan()` from rewriting its pinned host buffer under a pending copy.
 
@@ -89,18 +105,8 @@ class FastPlan:
     def record(cls, wrapper, public, qo: torch.Tensor, kv, page_size: int) -> "FastPlan | None":
         """Run `public()` (the wrapper's public plan of qo and `kv`, a `flashinfer.PagedKV`) watching the
         planner; the FastPlan or None."""
-        module = wrapper._cached_module
-        fn, seen = module.plan, []
-
-        def spy(*args, **kwargs):
-            seen.append((args, kwargs))
-            return fn(*args, **kwargs)
-
-        module.plan = spy
-        try:
-            public()
-        finally:
-            module.plan = fn
+        fn = wrapper._cached_module.plan
+        seen = _watched(wrapper._cached_module, "plan", public)
         ok = (len(seen) == 1 and not seen[0][1] and getattr(wrapper, "_backend", None) in ("fa2", "fa3")
               and not getattr(wrapper, "is_cuda_graph_enabled", True) and wrapper._custom_mask_buf is None
               and getattr(wrapper, "_prefix_len_ptr", None) is None
@@ -222,17 +228,7 @@ class FastRun:
         if fn is None:
             wrapper.run(q, (kc, vc), out=out)
             return None
-        seen: list = []
-
-        def spy(*args, **kwargs):
-            seen.append((args, kwargs))
-            return fn(*args, **kwargs)
-
-        module.paged_run = spy
-        try:
-            wrapper.run(q, (kc, vc), out=out)
-        finally:
-            module.paged_run = fn
+        seen = _watched(module, "paged_run", lambda: wrapper.run(q, (kc, vc), out=out))
         if len(seen) != 1 or seen[0][1]:
             return None
         args = list(seen[0][0])
