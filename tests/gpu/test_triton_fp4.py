@@ -138,6 +138,22 @@ def test_kernel_variants(cfg, split_k, fused):
             assert not counters.any(), "the fused split-K reduction must leave its counters at zero"
 
 
+def test_wgmma_kernels_compile_without_serialized_wgmmas():
+    """ptxas serializes every wgmma of a kernel (each waits for the one before) when a branch, or a register
+    an in-flight wgmma reads, sits among them; it says so in NVRTC's log. None of the wgmma GEMM's instances
+    may be compiled that way (needs NVRTC only, not the GPU)."""
+    from pieceworks.backends import nvrtc
+    from pieceworks.backends.fp4_gemm import cuda_wgmma
+
+    if nvrtc.unavailable_reason():
+        pytest.skip(nvrtc.unavailable_reason())
+    for bm in cuda_wgmma.BLOCK_MS:
+        for swiglu, split in ((0, 0), (1, 0), (0, 1)):
+            name = f"fp4_wgmma_tma<{bm}, {cuda_wgmma.max_stages(bm)}, {swiglu}, {split}>"
+            _, _, text = nvrtc._compile(cuda_wgmma.source(bm), name, "sm_90a")
+            assert nvrtc.SERIALIZED_WGMMA not in text, f"{name}: {text}"
+
+
 @pytest.mark.parametrize("block_m", [64, 128, 256])
 def test_wgmma_swiglu_same_bits_as_wgmma_then_silu_mul(block_m):
     """The wgmma kernel's SwiGLU epilogue on an interleaved gate/up weight == the plain kernel on the

@@ -17,9 +17,13 @@ lane's columns of the k16 step over elements 16q..16q+15; slots 2 and 3 give the
 
 Per stage (S in flight): x [BM tokens x 128 K] as two TMA boxes of 64 columns in the 128-byte swizzled
 layout (zero fill past M and K), the two 4 KB unit tiles and the two 512-byte scale tiles by bulk copies
-(the storage tiles are contiguous), all completing on the stage's full mbarrier. Thread 0 issues a stage
-once every thread arrived on its empty mbarrier (after its warpgroup's wgmmas of that stage): no CTA-wide
-barrier in the K loop, the copies of S - 1 tiles run under the wgmmas. Where the output tiles alone leave
+(the storage tiles are contiguous), all completing on the stage's full mbarrier. One thread of a third
+(producer) warpgroup issues a stage once every consumer thread arrived on its empty mbarrier (after its
+warpgroup's wgmmas of that stage): no CTA-wide barrier in the K loop, the copies of S tiles in flight under
+the wgmmas. The consumers' K loop has no branch (a branch, or a register defined while a wgmma that reads it
+is in flight, makes ptxas serialize every wgmma: its C7513 note) and a k16 step's decode waits only for the
+wgmmas two steps back, which read the same registers; `setmaxnreg` gives the consumers the registers of
+256-token tiles. Where the output tiles alone leave
 SMs idle (`choose_split`), blockIdx.z splits K and float32 partials go to a second kernel.
 
 Measured on the H200 against the Triton tiles and dequantize + cuBLAS, and the designs that lost (plain
@@ -39,7 +43,7 @@ from pieceworks.backends.fp4_gemm.cuda_device import DEVICE_HELPERS
 from pieceworks.backends.fp4_gemm.k32 import TILE_K, TILE_ROWS
 
 ROWS = 2 * TILE_ROWS  # weight rows per CTA: one storage-tile row block per consumer warpgroup
-THREADS = 256
+THREADS = 384  # two consumer warpgroups and a producer warpgroup (one thread of it issues the copies)
 BLOCK_MS = (64, 128, 256)
 MAX_SHARED = 227 * 1024  # dynamic shared memory per block on sm_90
 
@@ -83,8 +87,6 @@ __device__ __forceinline__ void lds64(u32 a, u32& x, u32& y) {
 __device__ __forceinline__ u64 desc(u32 addr, u32 lbo, u32 sbo) {
     return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
 }
-// Keeps the compiler from reusing a register an in-flight wgmma still reads.
-__device__ __forceinline__ void keep(u32& r) { asm volatile("" : "+r"(r) :: "memory"); }
 
 // The A registers of k16 steps q and 4 + q of a 128-element tile from this lane's unit pairs w0 (row g),
 // w1 (row g + 8) of group q and their scale pairs' bf16x2 multipliers (low: block q, high: block q + 4).
@@ -116,18 +118,21 @@ __device__ __forceinline__ void mbar_wait(u32 a, u32 parity) {
                      : "=r"(ok) : "r"(a), "r"(parity) : "memory");
     } while (!ok);
 }
-__device__ __forceinline__ void mbar_arrive(u32 a) {
-    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}" :: "r"(a) : "memory");
+// Arrives on barrier a when `when` is nonzero: one predicated instruction, no branch (a branch among the
+// consumers' wgmmas makes ptxas serialize them, C7513).
+__device__ __forceinline__ void mbar_arrive_if(u32 a, int when) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.s32 p, %1, 0;\n @p mbarrier.arrive.shared::cta.b64 _, [%0];\n}"
+                 :: "r"(a), "r"(when) : "memory");
 }
 
 // x by TMA (two 64-element boxes of BM rows, 128-byte swizzle, zero fill past M and K), the weight and scale
-// tiles by bulk copies, all completing on the stage's full barrier; thread 0 issues a stage once every
-// consumer thread arrived on its empty barrier (after its warpgroup's wgmmas of that stage). No CTA-wide
-// barrier in the K loop: the copies of S - 1 tiles run under the wgmmas.
+// tiles by bulk copies, all completing on the stage's full barrier; thread 256 (the producer warpgroup) issues
+// a stage once every consumer thread arrived on its empty barrier (after its warpgroup's wgmmas of that
+// stage). No CTA-wide barrier and no branch in the consumers' K loop.
 // SPLIT: blockIdx.z of gridDim.z takes its share of the K tiles and stores float32 partials (scaled) to
 // out as float [gridDim.z, M, N] (ldo = N), which a second kernel sums.
 template <int BM, int S, int SWIGLU, int SPLIT>
-__global__ void __launch_bounds__(256, 1) fp4_wgmma_tma(
+__global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
     const __grid_constant__ Tmap tm, const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
     const float* __restrict__ gscale, u16* __restrict__ out, int M, int N, int nkt, int nrb, int ldo)
 {
@@ -158,10 +163,19 @@ __global__ void __launch_bounds__(256, 1) fp4_wgmma_tma(
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    if (tid == 0) {
-        PDL_WAIT();
-        for (int s = 0; s < S - 1 && s < nk; ++s) issue(s, s);
+    if (tid >= 256) {  // the producer warpgroup: one thread issues every stage once its consumers released it
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (tid == 256) {
+            PDL_WAIT();
+            for (int i = 0; i < nk; ++i) {
+                const int st = i % S;
+                if (i >= S) mbar_wait(bars + 8 * (S + st), ((i / S) - 1) & 1);
+                issue(i, st);
+            }
+        }
+        return;
     }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");  // BM = 256 needs more than 65536 / 384
     float acc[BM / 2];
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
@@ -182,11 +196,7 @@ __global__ void __launch_bounds__(256, 1) fp4_wgmma_tma(
             const u32 p0 = q < 2 ? sc0a : sc0b, p1 = q < 2 ? sc1a : sc1b;
             const u32 h0 = scale_pair((q & 1) ? p0 >> 16 : p0 & 0xFFFF);
             const u32 h1 = scale_pair((q & 1) ? p1 >> 16 : p1 & 0xFFFF);
-            if (q >= 2) {
-                wg_wait<1>();
-#pragma unroll
-                for (int e = 0; e < 8; ++e) keep(a[q & 1][e]);
-            }
+            wg_wait<1>();  // the wgmmas that last read a[q & 1] (two k16 steps back) are done
             decode_q(a[q & 1], w0, w1, h0, h1);
             wg_fence();
             wgmma_bm(acc, a[q & 1][0], a[q & 1][1], a[q & 1][2], a[q & 1][3],
@@ -194,17 +204,9 @@ __global__ void __launch_bounds__(256, 1) fp4_wgmma_tma(
             wgmma_bm(acc, a[q & 1][4], a[q & 1][5], a[q & 1][6], a[q & 1][7],
                      desc(base + BM * 128 + q * 32, 16, 1024) | (1ull << 62));
             wg_commit();
-            if (q == 0) {
-                wg_wait<1>();  // this warpgroup's wgmmas of the previous tile are done: release its stage
-#pragma unroll
-                for (int e = 0; e < 8; ++e) keep(a[1][e]);
-                if (kt > 0) mbar_arrive(bars + 8 * (S + (kt - 1) % S));
-                const int nt = kt + S - 1;
-                if (tid == 0 && nt < nk) {
-                    const int ns = nt % S;
-                    if (nt >= S) mbar_wait(bars + 8 * (S + ns), ((nt / S) - 1) & 1);
-                    issue(nt, ns);
-                }
+            if (q == 0) {  // this warpgroup's wgmmas of the previous tile are done: release its stage
+                wg_wait<1>();
+                mbar_arrive_if(bars + 8 * (S + (kt + S - 1) % S), kt);
             }
         }
     }
