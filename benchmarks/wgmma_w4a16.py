@@ -13,8 +13,9 @@ from pieceworks.backends.fp4_gemm.triton import TileConfig
 
 
 def run(x, w, s, gs, n, k, bm, st, sz, ov):
-    if ov == 6:  # the "wgmma" tile kind as the backend calls it (TMA kernel, split-K where the grid is small)
-        return triton_kernels.fp4_gemm(x, w, s, gs, n, k, TileConfig(kind="wgmma", block_m=bm, num_stages=st), 1)
+    if ov in (6, 7):  # the "wgmma" tile kind as the backend calls it (split-K where the grid is small); 7: CTA pairs
+        return triton_kernels.fp4_gemm(x, w, s, gs, n, k, TileConfig(kind="wgmma", block_m=bm, num_stages=st,
+                                                                     cluster=ov - 5), 1)
     return cuda_wgmma.gemm(x, w, s, gs, n, k, bm, st, variant={2: "ws", 5: "tma"}.get(ov, f"{sz},{ov}"))
 from pieceworks.backends.fp4_gemm.k32 import unpack_k32, unpack_scales_k32
 from pieceworks.quant import nvfp4
@@ -82,8 +83,8 @@ if os.environ.get("TABLE_OUT"):
         if best == "cur":
             entry = {k: v for k, v in dataclasses.asdict(select_tile(shipped, m_tune)).items()}
         else:
-            bm, st = (int(v) for v in best.split("x")[:2])
-            entry = dict(kind="wgmma", block_m=bm, num_stages=st)
+            bm, st, _, ov = (int(v) for v in best.split("x"))
+            entry = dict(kind="wgmma", block_m=bm, num_stages=st, cluster=ov - 5)
         entry["max_m"] = max_m
         table.append(entry)
     json.dump(table, open(os.environ["TABLE_OUT"], "w"), indent=1)

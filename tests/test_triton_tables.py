@@ -157,6 +157,11 @@ def test_wgmma_tiles_are_validated(tmp_path):
         TileConfig(kind="wgmma", block_m=96)
     with pytest.raises(ValueError, match="num_stages 2..3"):
         TileConfig(kind="wgmma", block_m=256, num_stages=4)
+    TileConfig(kind="wgmma", block_m=128, num_stages=4, cluster=2)
+    with pytest.raises(ValueError, match=r"cluster in \(1, 2\)"):
+        TileConfig(kind="wgmma", block_m=128, num_stages=4, cluster=4)
+    with pytest.raises(ValueError, match="only wgmma tiles run in clusters"):
+        TileConfig(kind="fused", cluster=2)
     path = tmp_path / "moe.json"
     path.write_text(json.dumps([dict(max_m=4, block_m=8), dict(max_m=None, kind="wgmma", block_m=128)]))
     with pytest.raises(ValueError, match="no dequant or wgmma path"):

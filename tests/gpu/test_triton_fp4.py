@@ -114,13 +114,16 @@ VARIANTS = [
     TileConfig(kind="wgmma", block_m=64, num_stages=8),
     TileConfig(kind="wgmma", block_m=128, num_stages=2),
     TileConfig(kind="wgmma", block_m=256, num_stages=3),
+    TileConfig(kind="wgmma", block_m=64, num_stages=8, cluster=2),
+    TileConfig(kind="wgmma", block_m=128, num_stages=4, cluster=2),
+    TileConfig(kind="wgmma", block_m=256, num_stages=3, cluster=2),
 ]
 
 
 @pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: f"{c.kind}-{c.block_m}x{c.block_n}x{c.block_k}-"
                          f"{'A' if c.w_as_a else 'B'}-{'asm' if c.asm else 'arith'}"
                          f"{'-onedot' if c.one_dot else ''}{'-twoacc' if c.two_acc else ''}"
-                         f"{'-permk' if c.perm_k else ''}")
+                         f"{'-permk' if c.perm_k else ''}{'-cluster2' if c.cluster > 1 else ''}")
 @pytest.mark.parametrize("split_k,fused", [(1, False), (2, False), (3, True), (4, True)])
 def test_kernel_variants(cfg, split_k, fused):
     gen = torch.Generator(DEV).manual_seed(split_k)
@@ -148,14 +151,15 @@ def test_wgmma_kernels_compile_without_serialized_wgmmas():
     if nvrtc.unavailable_reason():
         pytest.skip(nvrtc.unavailable_reason())
     for bm in cuda_wgmma.BLOCK_MS:
-        for swiglu, split in ((0, 0), (1, 0), (0, 1)):
-            name = f"fp4_wgmma_tma<{bm}, {cuda_wgmma.max_stages(bm)}, {swiglu}, {split}>"
+        for swiglu, split, cluster in ((0, 0, 1), (1, 0, 1), (0, 1, 1), (0, 0, 2), (1, 0, 2), (0, 1, 2)):
+            name = f"fp4_wgmma_tma<{bm}, {cuda_wgmma.max_stages(bm)}, {swiglu}, {split}, {cluster}>"
             _, _, text = nvrtc._compile(cuda_wgmma.source(bm), name, "sm_90a")
             assert nvrtc.SERIALIZED_WGMMA not in text, f"{name}: {text}"
 
 
+@pytest.mark.parametrize("cluster", [1, 2])
 @pytest.mark.parametrize("block_m", [64, 128, 256])
-def test_wgmma_swiglu_same_bits_as_wgmma_then_silu_mul(block_m):
+def test_wgmma_swiglu_same_bits_as_wgmma_then_silu_mul(block_m, cluster):
     """The wgmma kernel's SwiGLU epilogue on an interleaved gate/up weight == the plain kernel on the
     checkpoint-order weight, then the silu_mul op (M past one tile, N / 2 not a multiple of 64)."""
     from pieceworks.backends.fp4_gemm import cuda_wgmma
@@ -172,10 +176,12 @@ def test_wgmma_swiglu_same_bits_as_wgmma_then_silu_mul(block_m):
     order = interleave_gate_up(2 * inter).to(DEV)
     inter_w = repack_k32(w.weight[order], w.weight_scale[order])
     x = torch.randn(block_m + 37, k, device=DEV, dtype=torch.bfloat16, generator=gen)
-    y = cuda_wgmma.gemm(x, *plain, w.weight_scale_2, 2 * inter, k, block_m)
+    y = cuda_wgmma.gemm(x, *plain, w.weight_scale_2, 2 * inter, k, block_m, cluster=cluster)
     assert rel_err(y, reference(x, w)) < TOL
-    got = cuda_wgmma.gemm(x, *inter_w, w.weight_scale_2, 2 * inter, k, block_m, swiglu=True)
+    got = cuda_wgmma.gemm(x, *inter_w, w.weight_scale_2, 2 * inter, k, block_m, swiglu=True, cluster=cluster)
     assert torch.equal(got, fused.silu_mul(y[:, :inter], y[:, inter:]))
+    if cluster == 2:  # the same sums in the same order as one CTA alone: the same bits
+        assert torch.equal(y, cuda_wgmma.gemm(x, *plain, w.weight_scale_2, 2 * inter, k, block_m))
 
 
 def test_fused_split_k_matches_two_kernel_split_k_bitwise():

@@ -45,6 +45,7 @@ from pieceworks.backends.fp4_gemm.k32 import TILE_K, TILE_ROWS
 ROWS = 2 * TILE_ROWS  # weight rows per CTA: one storage-tile row block per consumer warpgroup
 THREADS = 384  # two consumer warpgroups and a producer warpgroup (one thread of it issues the copies)
 BLOCK_MS = (64, 128, 256)
+CLUSTERS = (1, 2)  # CTAs per cluster along N (x multicast)
 MAX_SHARED = 227 * 1024  # dynamic shared memory per block on sm_90
 
 
@@ -118,11 +119,21 @@ __device__ __forceinline__ void mbar_wait(u32 a, u32 parity) {
                      : "=r"(ok) : "r"(a), "r"(parity) : "memory");
     } while (!ok);
 }
-// Arrives on barrier a when `when` is nonzero: one predicated instruction, no branch (a branch among the
-// consumers' wgmmas makes ptxas serialize them, C7513).
-__device__ __forceinline__ void mbar_arrive_if(u32 a, int when) {
-    asm volatile("{\n .reg .pred p;\n setp.ne.s32 p, %1, 0;\n @p mbarrier.arrive.shared::cta.b64 _, [%0];\n}"
-                 :: "r"(a), "r"(when) : "memory");
+// Arrives on barrier a of every CTA of the cluster (CL of them) when `when` is nonzero: predicated
+// instructions, no branch (a branch among the consumers' wgmmas makes ptxas serialize them, C7513).
+template <int CL> __device__ __forceinline__ void mbar_arrive_if(u32 a, int when) {
+#pragma unroll
+    for (int c = 0; c < CL; ++c)
+        asm volatile("{\n .reg .pred p;\n .reg .b32 r;\n setp.ne.s32 p, %1, 0;\n mapa.shared::cluster.u32 r, %0, %2;\n"
+                     " @p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [r];\n}" :: "r"(a), "r"(when), "r"(c) : "memory");
+}
+__device__ __forceinline__ void tma2d_mc(u32 dst, const Tmap* m, int c0, int c1, u32 bar, unsigned short mask) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;"
+                 :: "r"(dst), "l"((u64)m), "r"(c0), "r"(c1), "r"(bar), "h"(mask) : "memory");
+}
+__device__ __forceinline__ u32 cluster_rank() { u32 r; asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r)); return r; }
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
 // x by TMA (two 64-element boxes of BM rows, 128-byte swizzle, zero fill past M and K), the weight and scale
@@ -131,8 +142,8 @@ __device__ __forceinline__ void mbar_arrive_if(u32 a, int when) {
 // stage). No CTA-wide barrier and no branch in the consumers' K loop.
 // SPLIT: blockIdx.z of gridDim.z takes its share of the K tiles and stores float32 partials (scaled) to
 // out as float [gridDim.z, M, N] (ldo = N), which a second kernel sums.
-template <int BM, int S, int SWIGLU, int SPLIT>
-__global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
+template <int BM, int S, int SWIGLU, int SPLIT, int CL>
+__global__ void __cluster_dims__(1, CL, 1) __launch_bounds__(384, 1) fp4_wgmma_tma(
     const __grid_constant__ Tmap tm, const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
     const float* __restrict__ gscale, u16* __restrict__ out, int M, int N, int nkt, int nrb, int ldo)
 {
@@ -144,12 +155,17 @@ __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
     const int rb0 = min(2 * (int)blockIdx.y, nrb - 1), rb1 = min(2 * (int)blockIdx.y + 1, nrb - 1);
     const int kb = SPLIT ? (int)(((long long)nkt * blockIdx.z) / gridDim.z) : 0;
     const int nk = SPLIT ? (int)(((long long)nkt * (blockIdx.z + 1)) / gridDim.z) - kb : nkt;
+    const int rank = CL == 1 ? 0 : (int)cluster_rank();
     auto issue = [&](int i, int st) {
         const int kt = kb + i;
         const u32 base = s0 + st * STAGE, full = bars + 8 * st;
-        expect_tx(full, STAGE);
-        tma2d(base, &tm, kt * 128, m0, full);
-        tma2d(base + BM * 128, &tm, kt * 128 + 64, m0, full);
+        expect_tx(full, STAGE);  // both x boxes land here: with CL = 2 one of them from the other CTA
+        if (CL == 1) {
+            tma2d(base, &tm, kt * 128, m0, full);
+            tma2d(base + BM * 128, &tm, kt * 128 + 64, m0, full);
+        } else {
+            tma2d_mc(base + rank * BM * 128, &tm, kt * 128 + 64 * rank, m0, full, 3);
+        }
         bulk(base + XB, codes + ((size_t)rb0 * nkt + kt) * 4096, 4096, full);
         bulk(base + XB + 4096, codes + ((size_t)rb1 * nkt + kt) * 4096, 4096, full);
         bulk(base + XB + 8192, scales + ((size_t)rb0 * nkt + kt) * 512, 512, full);
@@ -158,11 +174,12 @@ __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
     if (tid == 0) {
         for (int s = 0; s < S; ++s) {
             mbar_init(bars + 8 * s, 1);
-            mbar_init(bars + 8 * (S + s), 256);
+            mbar_init(bars + 8 * (S + s), 8 * CL);  // lane 0 of each consumer warp of each CTA
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    __syncthreads();
+    if (CL == 1) __syncthreads();
+    else cluster_sync();  // every CTA's barriers are initialized before any multicast or remote arrival
     if (tid >= 256) {  // the producer warpgroup: one thread issues every stage once its consumers released it
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (tid == 256) {
@@ -172,6 +189,8 @@ __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
                 if (i >= S) mbar_wait(bars + 8 * (S + st), ((i / S) - 1) & 1);
                 issue(i, st);
             }
+            // the last stages' releases: no CTA of the cluster arrives on this one's barriers after it exits
+            for (int i = max(0, nk - S); i < nk; ++i) mbar_wait(bars + 8 * (S + i % S), (i / S) & 1);
         }
         return;
     }
@@ -206,11 +225,12 @@ __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
             wg_commit();
             if (q == 0) {  // this warpgroup's wgmmas of the previous tile are done: release its stage
                 wg_wait<1>();
-                mbar_arrive_if(bars + 8 * (S + (kt + S - 1) % S), kt);
+                mbar_arrive_if<CL>(bars + 8 * (S + (kt + S - 1) % S), (kt > 0) & (lane == 0));
             }
         }
     }
     wg_wait<0>();
+    mbar_arrive_if<CL>(bars + 8 * (S + (nk + S - 1) % S), (nk > 0) & (lane == 0));
     PDL_TRIGGER();
     const float gs = gscale[0] * 16384.0f;
     const int row = n0 + 64 * wg + r0;
@@ -279,17 +299,20 @@ def _device_reason(device: torch.device) -> str | None:
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
          n: int, k: int, block_m: int = 128, stages: int | None = None, swiglu: bool = False,
-         out: torch.Tensor | None = None, split: int = 1) -> torch.Tensor:
+         out: torch.Tensor | None = None, split: int = 1, cluster: int = 1) -> torch.Tensor:
     """y [M, n] bf16 = x [M, k] @ dequant(W).T for a k32-layout weight (uint8 [Np, Kp/2], scales
     [Np, Kp/16], `repack_k32`) and its global scale (float32 scalar tensor); with `swiglu` (a gate/up
     weight whose rows are interleaved, `interleave_gate_up`) [M, n / 2] = silu(gate) * up, rounded as the
     GEMM followed by the silu_mul op. With split > 1: the float32 partials [split, M, n] of K splits
-    (`out`, if given, must be that), for a reduction kernel to sum."""
+    (`out`, if given, must be that), for a reduction kernel to sum. cluster 2: CTAs in pairs along N, each
+    bringing one half of their shared x tile into both (TMA multicast: half the x traffic from L2)."""
     if block_m not in BLOCK_MS:
         raise ValueError(f"block_m={block_m}: one of {BLOCK_MS}")
     stages = stages or max_stages(block_m)
     if not 2 <= stages <= max_stages(block_m):
         raise ValueError(f"stages={stages}: 2..{max_stages(block_m)} fit in shared memory at block_m={block_m}")
+    if cluster not in CLUSTERS:
+        raise ValueError(f"cluster={cluster}: one of {CLUSTERS}")
     if split > 1 and swiglu:
         raise ValueError("split partials are summed by a second kernel, which applies the SwiGLU")
     m = x.shape[0]
@@ -301,9 +324,9 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weig
     if m == 0:
         return out
     np_, kp = weight.shape[0], weight.shape[1] * 2
-    kern = nvrtc.kernel(source(block_m), f"fp4_wgmma_tma<{block_m}, {stages}, {int(swiglu)}, {int(split > 1)}>",
-                        x.device, suffix="a")
-    kern((-(-m // block_m), -(-n // ROWS), split), (THREADS, 1, 1),
+    kern = nvrtc.kernel(source(block_m), f"fp4_wgmma_tma<{block_m}, {stages}, {int(swiglu)}, {int(split > 1)}, "
+                        f"{cluster}>", x.device, suffix="a")
+    kern((-(-m // block_m), -(-n // (ROWS * cluster)) * cluster, split), (THREADS, 1, 1),
          [tensor_map(x, k, block_m), weight, weight_scale, weight_scale_2, out, m, n, kp // TILE_K,
           np_ // TILE_ROWS, out.stride(-2)], pdl.launch_options(x.device)[0],
          shared=stages * stage_bytes(block_m) + 16 * stages)

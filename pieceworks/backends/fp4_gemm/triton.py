@@ -64,6 +64,7 @@ class TileConfig:
     perm_k: bool = False
     balance_waves: bool = False
     min_split_iters: int = 2
+    cluster: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in ("fused", "dequant", "wgmma"):
@@ -75,6 +76,10 @@ class TileConfig:
             if not 2 <= self.num_stages <= cuda_wgmma.max_stages(self.block_m):
                 raise ValueError(f"a wgmma tile of block_m={self.block_m} takes num_stages 2.."
                                  f"{cuda_wgmma.max_stages(self.block_m)} (shared memory), not {self.num_stages}")
+            if self.cluster not in cuda_wgmma.CLUSTERS:
+                raise ValueError(f"a wgmma tile takes cluster in {cuda_wgmma.CLUSTERS}, not {self.cluster}")
+        elif self.cluster != 1:
+            raise ValueError(f"cluster={self.cluster}: only wgmma tiles run in clusters")
         if self.two_acc and self.one_dot:
             raise ValueError("two_acc splits the four-dot K loop; it cannot be combined with one_dot")
         if self.perm_k and (self.one_dot or self.block_k % 256):

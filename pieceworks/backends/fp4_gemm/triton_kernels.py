@@ -341,9 +341,9 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
             split = cuda_wgmma.choose_split(M, N, Kp, cfg.block_m)
             if split == 1:
                 return cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg.block_m, cfg.num_stages,
-                                       swiglu=swiglu, out=out)
+                                       swiglu=swiglu, out=out, cluster=cfg.cluster)
             part = cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg.block_m, cfg.num_stages,
-                                   split=split)
+                                   split=split, cluster=cfg.cluster)
             use_pdl, launch = pdl.launch_options(x.device)
             block = 1024
             _splitk_reduce_kernel[(triton.cdiv(out.numel(), block),)](
