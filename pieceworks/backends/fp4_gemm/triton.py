@@ -5,9 +5,10 @@ so decode reads 0.5625 bytes per weight instead of bf16's 2. At load, `prepare` 
 "k32" layout (k32.py; decoded by triton_k32.py), which lets one 32-bit register op decode two
 values. The tile configuration is picked per call from a table tuned on an H200 (`triton_tiles.py`),
 by row count: split-K decode tiles for small M so every SM streams weights, larger fused tiles up to
-M = 256, and above that a "dequant" entry that writes a transient bf16 copy of the weight
-(N x K x 2 bytes) and calls torch.matmul, which beat every fused tile tried at M = 1024. Nothing is
-autotuned at run time, so the kernels are safe inside CUDA graphs.
+M = 64, from 65 to 1024 rows on sm_90 the CUDA wgmma kernel (cuda_wgmma.py: the same k32 weights decoded
+into the register operand of warpgroup MMAs, x by TMA), and above that a "dequant" entry that writes a
+transient bf16 copy of the weight (N x K x 2 bytes) and calls torch.matmul (also what the wgmma buckets
+run off sm_90). Nothing is autotuned at run time, so the kernels are safe inside CUDA graphs.
 
 Up to `cuda_decode_max_m` rows (default 16), on compute capability >= 9.0 with NVRTC loadable, the same
 k32 weights go to the CUDA decode kernel instead (cuda_decode.py, `layout="k32"`; the SwiGLU and rope
@@ -272,7 +273,7 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
 
     def forward_swiglu(self, x, weight, weight_scale, weight_scale_2, input_scale, intermediate):
         """The GEMM with silu(gate) * up in its epilogue (split-K: in the reduction), the gate/up
-        pairs of a tile side by side; the dequant path (M > 256 in the shipped table) restores the
+        pairs of a tile side by side; the dequant path (M > 1024 in the shipped table) restores the
         checkpoint row order as it dequantizes and runs the silu_mul kernel after the matmul. Same bits
         as `forward` followed by the silu_mul op."""
         return self._gemm(x, weight, weight_scale, weight_scale_2, 2 * intermediate, swiglu=True)
