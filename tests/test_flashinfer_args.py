@@ -567,9 +567,11 @@ def test_nvrtc_arguments_are_packed_by_type():
     from pieceworks.backends.nvrtc import _pack
 
     t = torch.zeros(4)
-    params, ptrs = _pack([t, 7, 0.5])
+    tmap = (ctypes.c_ubyte * 128)(*range(128))  # a by-value struct (the wgmma GEMM's CUtensorMap)
+    params, ptrs = _pack([t, 7, 0.5, tmap])
     assert params[0].value == t.data_ptr() and params[1].value == 7 and params[2].value == 0.5
-    assert [ptrs[i] for i in range(3)] == [ctypes.addressof(p) for p in params]
+    assert params[3] is tmap
+    assert [ptrs[i] for i in range(4)] == [ctypes.addressof(p) for p in params]
     with pytest.raises(TypeError, match="kernel argument of type str"):
         _pack(["x"])
 

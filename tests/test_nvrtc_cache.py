@@ -18,7 +18,7 @@ def compiles(monkeypatch, tmp_path):
 
     def fake_compile(source, name, arch):
         calls.append((source, name, arch))
-        return CUBIN + name.encode(), f"_Z{len(name)}{name}"
+        return CUBIN + name.encode(), f"_Z{len(name)}{name}", ""
 
     monkeypatch.setattr(nvrtc, "_compile", fake_compile)
     monkeypatch.setattr(nvrtc, "nvrtc_version", lambda: (13, 0))

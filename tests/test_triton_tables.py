@@ -130,7 +130,7 @@ def test_moe_tile_table_option_refuses_dense_only_buckets(tmp_path):
     with pytest.raises(ValueError, match=r"backends.options.triton.moe_tiles .*two_acc is a dense-GEMM option"):
         TritonMoEBackend(BackendSpec(), TritonTileOptions(moe_tiles=str(path)))
     path.write_text(json.dumps([dict(max_m=4, block_m=8), dict(max_m=None, kind="dequant")]))
-    with pytest.raises(ValueError, match="no dequant path"):
+    with pytest.raises(ValueError, match="no dequant or wgmma path"):
         TritonMoEBackend(BackendSpec(), TritonTileOptions(moe_tiles=str(path)))
 
 
@@ -143,6 +143,31 @@ def test_bad_tables_are_refused():
         TileConfig(block_k=48)
     with pytest.raises(ValueError, match="kind"):
         TileConfig(kind="autotune")
+
+
+def test_wgmma_tiles_are_validated(tmp_path):
+    """A wgmma bucket names one of the kernel's token tiles and a stage count that fits shared memory;
+    the fused MoE has no wgmma path."""
+    from pieceworks.backends.fp4_gemm import cuda_wgmma
+
+    for bm in cuda_wgmma.BLOCK_MS:
+        TileConfig(kind="wgmma", block_m=bm, num_stages=cuda_wgmma.max_stages(bm))
+        assert cuda_wgmma.max_stages(bm) * (cuda_wgmma.stage_bytes(bm) + 16) <= cuda_wgmma.MAX_SHARED
+    with pytest.raises(ValueError, match=r"block_m in \(64, 128, 256\)"):
+        TileConfig(kind="wgmma", block_m=96)
+    with pytest.raises(ValueError, match="num_stages 2..3"):
+        TileConfig(kind="wgmma", block_m=256, num_stages=4)
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps([dict(max_m=4, block_m=8), dict(max_m=None, kind="wgmma", block_m=128)]))
+    with pytest.raises(ValueError, match="no dequant or wgmma path"):
+        TritonMoEBackend(BackendSpec(), TritonTileOptions(moe_tiles=str(path)))
+
+
+def test_wgmma_gemm_declines_what_it_cannot_run():
+    """Off Hopper, or with x not bf16, `unsupported` says why (the GEMM then dequantizes + matmuls)."""
+    from pieceworks.backends.fp4_gemm import cuda_wgmma
+
+    assert "CUDA devices" in cuda_wgmma.unsupported(torch.zeros(2, 16, dtype=torch.bfloat16))
 
 
 def test_split_k_choice():

@@ -119,7 +119,7 @@ def compile_cubin(source: str, name: str, arch: str) -> tuple[bytes, str]:
     in the source no CUDA toolkit is needed."""
     where = cache_dir()
     if where is None:
-        return _compile(source, name, arch)
+        return _compile(source, name, arch)[:2]
     key = hashlib.sha256("\0".join([source, name, arch, "%d.%d" % nvrtc_version(), *_OPTIONS]).encode()).hexdigest()
     path = where / f"{key}.cubin"
     try:
@@ -132,7 +132,7 @@ def compile_cubin(source: str, name: str, arch: str) -> tuple[bytes, str]:
         pass
     except (OSError, UnicodeDecodeError) as e:
         log.warning("NVRTC cache: cannot read %s (%s); compiling %s again", path, e, name)
-    cubin, lowered = _compile(source, name, arch)
+    cubin, lowered, _ = _compile(source, name, arch)
     try:
         where.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=where, prefix=".tmp-")
@@ -148,7 +148,12 @@ def compile_cubin(source: str, name: str, arch: str) -> tuple[bytes, str]:
     return cubin, lowered
 
 
-def _compile(source: str, name: str, arch: str) -> tuple[bytes, str]:
+SERIALIZED_WGMMA = "wgmma.mma_async instructions are serialized"  # ptxas's C7510-C7515 notes
+
+
+def _compile(source: str, name: str, arch: str) -> tuple[bytes, str, str]:
+    """(cubin, lowered name, NVRTC's log). A log saying ptxas serialized the kernel's wgmmas (each waits for
+    the one before: a fraction of the tensor-core rate) is logged as a warning."""
     lib = nvrtc_library()
     lib.nvrtcGetErrorString.restype = ctypes.c_char_p
     prog = ctypes.c_void_p()
@@ -162,19 +167,22 @@ def _compile(source: str, name: str, arch: str) -> tuple[bytes, str]:
         check(lib.nvrtcAddNameExpression(prog, name.encode()), "name")
         opts = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in _OPTIONS)]
         err = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, buf)
+        text = buf.value.decode(errors="replace")
         if err:
-            size = ctypes.c_size_t()
-            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value)
-            lib.nvrtcGetProgramLog(prog, log)
-            raise RuntimeError(f"NVRTC could not compile {name} for {arch}:\n{log.value.decode()}")
+            raise RuntimeError(f"NVRTC could not compile {name} for {arch}:\n{text}")
+        if SERIALIZED_WGMMA in text:
+            log.warning("%s: %s", name, text.strip())
         size = ctypes.c_size_t()
         check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
         cubin = ctypes.create_string_buffer(size.value)
         check(lib.nvrtcGetCUBIN(prog, cubin), "cubin")
         lowered = ctypes.c_char_p()
         check(lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(lowered)), "lowered name")
-        return cubin.raw, lowered.value.decode()
+        return cubin.raw, lowered.value.decode(), text
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
@@ -277,8 +285,9 @@ class BoundLaunch:
 
 
 def _pack(args) -> tuple[list, ctypes.Array]:
-    """ctypes values of kernel arguments (tensors as their data pointers, ints as int, floats as float)
-    and the array of their addresses that cuLaunchKernelEx takes."""
+    """ctypes values of kernel arguments (tensors as their data pointers, ints as int, floats as float,
+    ctypes arrays as the bytes of a by-value struct) and the array of their addresses that cuLaunchKernelEx
+    takes."""
     params = []
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -287,6 +296,8 @@ def _pack(args) -> tuple[list, ctypes.Array]:
             params.append(ctypes.c_int(a))
         elif isinstance(a, float):
             params.append(ctypes.c_float(a))
+        elif isinstance(a, ctypes.Array):  # a by-value struct (a CUtensorMap), passed as its bytes
+            params.append(a)
         else:
             raise TypeError(f"kernel argument of type {type(a).__name__}")
     return params, (ctypes.c_void_p * len(params))(*[ctypes.cast(ctypes.byref(p), ctypes.c_void_p) for p in params])

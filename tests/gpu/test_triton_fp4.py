@@ -111,6 +111,9 @@ VARIANTS = [
     TileConfig(block_m=64, block_n=128, block_k=128, w_as_a=False, asm=True, num_warps=8),
     TileConfig(block_m=128, block_n=256, block_k=128, w_as_a=True, asm=True, num_warps=8, group_m=8),
     TileConfig(kind="dequant"),
+    TileConfig(kind="wgmma", block_m=64, num_stages=8),
+    TileConfig(kind="wgmma", block_m=128, num_stages=2),
+    TileConfig(kind="wgmma", block_m=256, num_stages=3),
 ]
 
 
@@ -133,6 +136,46 @@ def test_kernel_variants(cfg, split_k, fused):
         assert rel_err(y, reference(x, w)) < TOL, (cfg, m)
         if counters is not None:
             assert not counters.any(), "the fused split-K reduction must leave its counters at zero"
+
+
+def test_wgmma_kernels_compile_without_serialized_wgmmas():
+    """ptxas serializes every wgmma of a kernel (each waits for the one before) when a branch, or a register
+    an in-flight wgmma reads, sits among them; it says so in NVRTC's log. None of the wgmma GEMM's instances
+    may be compiled that way (needs NVRTC only, not the GPU)."""
+    from pieceworks.backends import nvrtc
+    from pieceworks.backends.fp4_gemm import cuda_wgmma
+
+    if nvrtc.unavailable_reason():
+        pytest.skip(nvrtc.unavailable_reason())
+    for bm in cuda_wgmma.BLOCK_MS:
+        for swiglu, split in ((0, 0), (1, 0), (0, 1)):
+            name = f"fp4_wgmma_tma<{bm}, {cuda_wgmma.max_stages(bm)}, {swiglu}, {split}>"
+            _, _, text = nvrtc._compile(cuda_wgmma.source(bm), name, "sm_90a")
+            assert nvrtc.SERIALIZED_WGMMA not in text, f"{name}: {text}"
+
+
+@pytest.mark.parametrize("block_m", [64, 128, 256])
+def test_wgmma_swiglu_same_bits_as_wgmma_then_silu_mul(block_m):
+    """The wgmma kernel's SwiGLU epilogue on an interleaved gate/up weight == the plain kernel on the
+    checkpoint-order weight, then the silu_mul op (M past one tile, N / 2 not a multiple of 64)."""
+    from pieceworks.backends.fp4_gemm import cuda_wgmma
+    from pieceworks.backends.fp4_gemm.interleave import interleave_gate_up
+    from pieceworks.models import fused
+
+    x0 = torch.empty(1, device=DEV, dtype=torch.bfloat16)
+    if cuda_wgmma.unsupported(x0):
+        pytest.skip(cuda_wgmma.unsupported(x0))
+    gen = torch.Generator(DEV).manual_seed(block_m)
+    inter, k = 1480, 2064
+    w = random_fp4(2 * inter, k, gen)
+    plain = repack_k32(w.weight, w.weight_scale)
+    order = interleave_gate_up(2 * inter).to(DEV)
+    inter_w = repack_k32(w.weight[order], w.weight_scale[order])
+    x = torch.randn(block_m + 37, k, device=DEV, dtype=torch.bfloat16, generator=gen)
+    y = cuda_wgmma.gemm(x, *plain, w.weight_scale_2, 2 * inter, k, block_m)
+    assert rel_err(y, reference(x, w)) < TOL
+    got = cuda_wgmma.gemm(x, *inter_w, w.weight_scale_2, 2 * inter, k, block_m, swiglu=True)
+    assert torch.equal(got, fused.silu_mul(y[:, :inter], y[:, inter:]))
 
 
 def test_fused_split_k_matches_two_kernel_split_k_bitwise():

@@ -5,9 +5,10 @@ so decode reads 0.5625 bytes per weight instead of bf16's 2. At load, `prepare` 
 "k32" layout (k32.py; decoded by triton_k32.py), which lets one 32-bit register op decode two
 values. The tile configuration is picked per call from a table tuned on an H200 (`triton_tiles.py`),
 by row count: split-K decode tiles for small M so every SM streams weights, larger fused tiles up to
-M = 256, and above that a "dequant" entry that writes a transient bf16 copy of the weight
-(N x K x 2 bytes) and calls torch.matmul, which beat every fused tile tried at M = 1024. Nothing is
-autotuned at run time, so the kernels are safe inside CUDA graphs.
+M = 64, from 65 to 1024 rows on sm_90 the CUDA wgmma kernel (cuda_wgmma.py: the same k32 weights decoded
+into the register operand of warpgroup MMAs, x by TMA), and above that a "dequant" entry that writes a
+transient bf16 copy of the weight (N x K x 2 bytes) and calls torch.matmul (also what the wgmma buckets
+run off sm_90). Nothing is autotuned at run time, so the kernels are safe inside CUDA graphs.
 
 Up to `cuda_decode_max_m` rows (default 16), on compute capability >= 9.0 with NVRTC loadable, the same
 k32 weights go to the CUDA decode kernel instead (cuda_decode.py, `layout="k32"`; the SwiGLU and rope
@@ -29,6 +30,7 @@ import torch
 
 from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
 from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight
+from pieceworks.backends.fp4_gemm import cuda_wgmma
 from pieceworks.backends.fp4_gemm.cuda_launch import (
     K32_TWO_TILE_WARPS_PER_SM,
     cuda_decode_reason,
@@ -65,8 +67,15 @@ class TileConfig:
     min_split_iters: int = 2
 
     def __post_init__(self) -> None:
-        if self.kind not in ("fused", "dequant"):
-            raise ValueError(f"tile kind {self.kind!r}: use 'fused' or 'dequant'")
+        if self.kind not in ("fused", "dequant", "wgmma"):
+            raise ValueError(f"tile kind {self.kind!r}: use 'fused', 'dequant' or 'wgmma'")
+        if self.kind == "wgmma":
+            if self.block_m not in cuda_wgmma.BLOCK_MS:
+                raise ValueError(f"a wgmma tile takes block_m in {cuda_wgmma.BLOCK_MS} (tokens per CTA), "
+                                 f"not {self.block_m}")
+            if not 2 <= self.num_stages <= cuda_wgmma.max_stages(self.block_m):
+                raise ValueError(f"a wgmma tile of block_m={self.block_m} takes num_stages 2.."
+                                 f"{cuda_wgmma.max_stages(self.block_m)} (shared memory), not {self.num_stages}")
         if self.two_acc and self.one_dot:
             raise ValueError("two_acc splits the four-dot K loop; it cannot be combined with one_dot")
         if self.perm_k and (self.one_dot or self.block_k % 256):
@@ -259,7 +268,7 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
 
     def forward_swiglu(self, x, weight, weight_scale, weight_scale_2, input_scale, intermediate):
         """The GEMM with silu(gate) * up in its epilogue (split-K: in the reduction), the gate/up
-        pairs of a tile side by side; the dequant path (M > 256 in the shipped table) restores the
+        pairs of a tile side by side; the dequant path (M > 1024 in the shipped table) restores the
         checkpoint row order as it dequantizes and runs the silu_mul kernel after the matmul. Same bits
         as `forward` followed by the silu_mul op."""
         return self._gemm(x, weight, weight_scale, weight_scale_2, 2 * intermediate, swiglu=True)

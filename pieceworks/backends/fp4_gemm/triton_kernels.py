@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from pieceworks.backends import pdl, pdl_kernels
+from pieceworks.backends.fp4_gemm import cuda_wgmma
 from pieceworks.backends.fp4_gemm.k32 import TILE_ROWS
 from pieceworks.backends.fp4_gemm.triton_k32 import (
     OUT_BIAS,
@@ -334,7 +335,22 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
     out = torch.empty((M, N // 2 if swiglu else N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    if cfg.kind == "dequant":
+    kind = cfg.kind
+    if kind == "wgmma":
+        if cuda_wgmma.unsupported(x) is None:
+            split = cuda_wgmma.choose_split(M, N, Kp, cfg.block_m)
+            if split == 1:
+                return cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg.block_m, cfg.num_stages,
+                                       swiglu=swiglu, out=out)
+            part = cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg.block_m, cfg.num_stages,
+                                   split=split)
+            use_pdl, launch = pdl.launch_options(x.device)
+            block = 1024
+            _splitk_reduce_kernel[(triton.cdiv(out.numel(), block),)](
+                part, out, M * N, N, SPLIT_K=split, BLOCK=block, PDL=use_pdl, SWIGLU=swiglu, num_warps=4, **launch)
+            return out
+        kind = "dequant"  # not a Hopper GPU, or x not bf16: dequantize + matmul instead
+    if kind == "dequant":
         w = torch.empty((N, K), dtype=torch.bfloat16, device=x.device)
         grid = (triton.cdiv(N, 16), triton.cdiv(K, 512))
         _dequant_kernel[grid](weight.view(torch.int16), weight_scale.view(torch.int16), weight_scale_2,

@@ -3,8 +3,9 @@
 Plain data, read at plan time (never autotuned at run time). Each table is a list of buckets, smallest
 first; a call takes the first bucket whose `max_m` is at least its row count (None = no upper bound).
 Keys: kind ("fused": dequantize in registers and feed tensor-core dots; "dequant": dequantize the whole
-weight to bf16, then torch.matmul, for compute-bound sizes), block_m/n/k, group_m (tile order: tiles
-of group_m row blocks share a column sweep, for L2 reuse), num_warps, num_stages, w_as_a (weights as
+weight to bf16, then torch.matmul, for compute-bound sizes; "wgmma": the CUDA kernel of cuda_wgmma.py
+on sm_90, block_m tokens (64, 128 or 256) and num_stages per CTA, "dequant" elsewhere), block_m/n/k,
+group_m (tile order: tiles of group_m row blocks share a column sweep, for L2 reuse), num_warps, num_stages, w_as_a (weights as
 the register operand: the accumulator is [block_n, block_m]), asm (PTX bit-twiddling decode, else
 plain Triton arithmetic), one_dot (the four decoded slots of a K tile feed one dot of K = block_k in
 element order, which lets Triton keep several wgmma groups in flight; else four dots), two_acc (four
@@ -38,6 +39,10 @@ whole groups, so it converts a quarter of the scales; see `triton_k32.quad_k`).
 #   (`--sweep-m 32`: gate_up 33.8 us against 38.0) but the batch-32 decode step is slower with it (replay
 #   3.931 / 3.961 / 3.937 ms against 3.898 / 3.878 / 3.907): this tile stays. The sweep at M = 1, 16 and
 #   64 on that storage keeps the other buckets.
+# - M = 65..1024 run the wgmma kernel (cuda_wgmma.py; 2026-12-03 10:47, the probe `git show 6867c1e:benchmarks/
+#   wgmma_w4a16.py`, geometric mean over the six shapes against the Triton 64x128 tile up to 256 rows and
+#   dequantize + cuBLAS above): 27.1 / 31.4 us at M = 128 (128-token tiles), 37.2 / 43.6 at 256, 56.2 / 67.9
+#   at 512, 100.7 / 109.7 at 1024 (256-token tiles); at 2048 dequantize + cuBLAS stays ahead (195.1 / 198.1).
 FP4_GEMM_TILES = [
     dict(max_m=8, kind="fused", block_m=8, block_n=64, block_k=256, group_m=1, num_warps=4,
          num_stages=3, w_as_a=True, asm=True, one_dot=False, target_ctas=396, max_split=16, two_acc=True,
@@ -51,9 +56,8 @@ FP4_GEMM_TILES = [
     dict(max_m=64, kind="fused", block_m=64, block_n=64, block_k=128, group_m=1, num_warps=4,
          num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=396, max_split=8,
          balance_waves=True, min_split_iters=4),
-    dict(max_m=256, kind="fused", block_m=64, block_n=128, block_k=128, group_m=8, num_warps=8,
-         num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=132, max_split=4),
-    dict(max_m=1024, kind="dequant"),
+    dict(max_m=128, kind="wgmma", block_m=128, num_stages=5),
+    dict(max_m=1024, kind="wgmma", block_m=256, num_stages=3),
     dict(max_m=None, kind="dequant"),
 ]
 

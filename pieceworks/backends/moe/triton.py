@@ -68,7 +68,8 @@ class TritonMoEBackend(MoEBackend):
         if any(t.two_acc for t in self.table):  # the grouped gate_up GEMM uses its second accumulator
             raise ValueError(f"{where}: two_acc is a dense-GEMM option; the fused MoE does not take it")
         if any(t.kind != "fused" for t in self.table):
-            raise ValueError(f"{where}: the fused MoE has no dequant path; every bucket must be kind 'fused'")
+            raise ValueError(f"{where}: the fused MoE has no dequant or wgmma path; every bucket must be kind "
+                             "'fused'")
 
     def prepare(self, w: MoEWeights) -> MoEWeights:
         if not w.is_fp4:

@@ -1,0 +1,320 @@
+"""The NVFP4 GEMM for serving-sized M on Hopper (the "wgmma" tile kind of `fp4_gemm.triton`): k32 weights
+decoded in registers straight into the A operand of warpgroup MMAs (wgmma, sm_90a), x brought into shared
+memory by TMA as their B operand. Imports torch only.
+
+    y[M, N] = x[M, K] @ dequant(W).T      (x bf16, W in the k32 layout of `k32.repack_k32`)
+
+Each CTA owns 128 weight rows (two storage-tile row blocks, one per warpgroup) and BM tokens (64, 128 or
+256), so each decoded weight feeds BM tokens of tensor-core work; the decode of a k16 step overlaps the
+wgmmas of the one before (A in two register sets, `wgmma.wait_group 1`).
+
+The A fragment: wgmma m64nNk16 takes A from the registers of the warpgroup's four warps, warp w holding rows
+16w..16w+15 in the mma.sync m16n8k16 A layout (lane (g, t): rows g and g + 8, K columns 2t, 2t + 1, 2t + 8,
+2t + 9). Lane t reads the 32-bit unit pair t (units 2t, 2t + 1) of each k32 group q of its two rows: its
+slot 0 holds elements 16q + 2t, +1 and slot 1 elements 16q + 8 + 2t, +1 (`k32.element_of`), exactly that
+lane's columns of the k16 step over elements 16q..16q+15; slots 2 and 3 give the step over elements
+64 + 16q... So the MMA's K order is the element order and x needs no permutation.
+
+Per stage (S in flight): x [BM tokens x 128 K] as two TMA boxes of 64 columns in the 128-byte swizzled
+layout (zero fill past M and K), the two 4 KB unit tiles and the two 512-byte scale tiles by bulk copies
+(the storage tiles are contiguous), all completing on the stage's full mbarrier. One thread of a third
+(producer) warpgroup issues a stage once every consumer thread arrived on its empty mbarrier (after its
+warpgroup's wgmmas of that stage): no CTA-wide barrier in the K loop, the copies of S tiles in flight under
+the wgmmas. The consumers' K loop has no branch (a branch, or a register defined while a wgmma that reads it
+is in flight, makes ptxas serialize every wgmma: its C7513 note) and a k16 step's decode waits only for the
+wgmmas two steps back, which read the same registers; `setmaxnreg` gives the consumers the registers of
+256-token tiles. Where the output tiles alone leave SMs idle (`choose_split`), blockIdx.z splits K and
+float32 partials go to a second kernel.
+
+The shipped tile table runs it at M = 65..1024 (triton_tiles.py); measured on the H200 against bf16
+cuBLAS, the Triton tiles and dequantize + cuBLAS, with the variants that lost (x multicast over CTA pairs
+among them): docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+import torch
+
+from pieceworks.backends import nvrtc, pdl
+from pieceworks.backends.fp4_gemm.cuda_device import DEVICE_HELPERS
+from pieceworks.backends.fp4_gemm.k32 import TILE_K, TILE_ROWS
+
+ROWS = 2 * TILE_ROWS  # weight rows per CTA: one storage-tile row block per consumer warpgroup
+THREADS = 384  # two consumer warpgroups and a producer warpgroup (one thread of it issues the copies)
+BLOCK_MS = (64, 128, 256)
+MAX_SHARED = 227 * 1024  # dynamic shared memory per block on sm_90
+
+
+def stage_bytes(block_m: int) -> int:
+    return block_m * TILE_K * 2 + 2 * TILE_ROWS * 64 + 2 * TILE_ROWS * 8
+
+
+def max_stages(block_m: int) -> int:
+    """The most stages that fit in shared memory (with their two mbarriers each)."""
+    return min(8, MAX_SHARED // (stage_bytes(block_m) + 16))
+
+
+def _wgmma_fn(bm: int) -> str:
+    """wgmma m64n{bm}k16 bf16 with A from registers, B by descriptor, D += A B (f32)."""
+    n = bm // 2
+    outs = ", ".join(f"%{i}" for i in range(n))
+    cons = ", ".join(f'"+f"(d[{i}])' for i in range(n))
+    return (
+        f"__device__ __forceinline__ void wgmma_bm(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u64 b) {{\n"
+        f'    asm volatile("wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.bf16.bf16 "\n'
+        f'                 "{{{outs}}}, {{%{n}, %{n + 1}, %{n + 2}, %{n + 3}}}, %{n + 4}, 1, 1, 1, 0;"\n'
+        f'                 : {cons}\n'
+        f'                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));\n'
+        f"}}\n"
+    )
+
+
+_KERNEL = r"""
+typedef unsigned long long u64;
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
+__device__ __forceinline__ u32 lds32(u32 a) { u32 v; asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a)); return v; }
+__device__ __forceinline__ void lds64(u32 a, u32& x, u32& y) {
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(x), "=r"(y) : "r"(a));
+}
+// wgmma matrix descriptor: start address, leading and stride byte offsets, all >> 4 (the layout bits are
+// OR-ed in by the caller).
+__device__ __forceinline__ u64 desc(u32 addr, u32 lbo, u32 sbo) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
+}
+
+// The A registers of k16 steps q and 4 + q of a 128-element tile from this lane's unit pairs w0 (row g),
+// w1 (row g + 8) of group q and their scale pairs' bf16x2 multipliers (low: block q, high: block q + 4).
+__device__ __forceinline__ void decode_q(u32* a, u32 w0, u32 w1, u32 h0, u32 h1) {
+    const u32 sa0 = prmt(h0, 0x1010), sb0 = prmt(h0, 0x3232), sa1 = prmt(h1, 0x1010), sb1 = prmt(h1, 0x3232);
+    a[0] = bmul(slot<0>(w0), sa0); a[1] = bmul(slot<0>(w1), sa1);
+    a[2] = bmul(slot<1>(w0), sa0); a[3] = bmul(slot<1>(w1), sa1);
+    a[4] = bmul(slot<2>(w0), sb0); a[5] = bmul(slot<2>(w1), sb1);
+    a[6] = bmul(slot<3>(w0), sb0); a[7] = bmul(slot<3>(w1), sb1);
+}
+
+struct __align__(64) Tmap { unsigned long long v[16]; };
+__device__ __forceinline__ void tma2d(u32 dst, const Tmap* m, int c0, int c1, u32 bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+                 :: "r"(dst), "l"((u64)m), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void bulk(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void expect_tx(u32 bar, u32 bytes) {
+    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_init(u32 a, u32 n) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(a), "r"(n) : "memory"); }
+__device__ __forceinline__ void mbar_wait(u32 a, u32 parity) {
+    u32 ok;
+    do {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(ok) : "r"(a), "r"(parity) : "memory");
+    } while (!ok);
+}
+// Arrives on barrier a when `when` is nonzero: one predicated instruction, no branch (a branch among the
+// consumers' wgmmas makes ptxas serialize them, C7513).
+__device__ __forceinline__ void mbar_arrive_if(u32 a, int when) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.s32 p, %1, 0;\n @p mbarrier.arrive.shared::cta.b64 _, [%0];\n}"
+                 :: "r"(a), "r"(when) : "memory");
+}
+
+// x by TMA (two 64-element boxes of BM rows, 128-byte swizzle, zero fill past M and K), the weight and scale
+// tiles by bulk copies, all completing on the stage's full barrier; thread 256 (the producer warpgroup) issues
+// a stage once every consumer thread arrived on its empty barrier (after its warpgroup's wgmmas of that
+// stage). No CTA-wide barrier and no branch in the consumers' K loop.
+// SPLIT: blockIdx.z of gridDim.z takes its share of the K tiles and stores float32 partials (scaled) to
+// out as float [gridDim.z, M, N] (ldo = N), which a second kernel sums.
+template <int BM, int S, int SWIGLU, int SPLIT>
+__global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
+    const __grid_constant__ Tmap tm, const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
+    const float* __restrict__ gscale, u16* __restrict__ out, int M, int N, int nkt, int nrb, int ldo)
+{
+    constexpr int XB = BM * 256, STAGE = XB + 2 * 4096 + 2 * 512;
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const u32 s0 = (u32)__cvta_generic_to_shared(smem), bars = s0 + S * STAGE;  // full[S], empty[S]
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * 128;
+    const int rb0 = min(2 * (int)blockIdx.y, nrb - 1), rb1 = min(2 * (int)blockIdx.y + 1, nrb - 1);
+    const int kb = SPLIT ? (int)(((long long)nkt * blockIdx.z) / gridDim.z) : 0;
+    const int nk = SPLIT ? (int)(((long long)nkt * (blockIdx.z + 1)) / gridDim.z) - kb : nkt;
+    auto issue = [&](int i, int st) {
+        const int kt = kb + i;
+        const u32 base = s0 + st * STAGE, full = bars + 8 * st;
+        expect_tx(full, STAGE);
+        tma2d(base, &tm, kt * 128, m0, full);
+        tma2d(base + BM * 128, &tm, kt * 128 + 64, m0, full);
+        bulk(base + XB, codes + ((size_t)rb0 * nkt + kt) * 4096, 4096, full);
+        bulk(base + XB + 4096, codes + ((size_t)rb1 * nkt + kt) * 4096, 4096, full);
+        bulk(base + XB + 8192, scales + ((size_t)rb0 * nkt + kt) * 512, 512, full);
+        bulk(base + XB + 8192 + 512, scales + ((size_t)rb1 * nkt + kt) * 512, 512, full);
+    };
+    if (tid == 0) {
+        for (int s = 0; s < S; ++s) {
+            mbar_init(bars + 8 * s, 1);
+            mbar_init(bars + 8 * (S + s), 8);  // lane 0 of each consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (tid >= 256) {  // the producer warpgroup: one thread issues every stage once its consumers released it
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (tid == 256) {
+            PDL_WAIT();
+            for (int i = 0; i < nk; ++i) {
+                const int st = i % S;
+                if (i >= S) mbar_wait(bars + 8 * (S + st), ((i / S) - 1) & 1);
+                issue(i, st);
+            }
+            // the last stages' releases (the consumers release every stage they used)
+            for (int i = max(0, nk - S); i < nk; ++i) mbar_wait(bars + 8 * (S + i % S), (i / S) & 1);
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");  // BM = 256 needs more than 65536 / 384
+    float acc[BM / 2];
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
+    const int r0 = 16 * warp + g;
+    u32 a[2][8];
+    for (int kt = 0; kt < nk; ++kt) {
+        const int st = kt % S;
+        mbar_wait(bars + 8 * st, (kt / S) & 1);
+        const u32 base = s0 + st * STAGE;
+        const u32 wbase = base + XB + wg * 4096, sbase = base + XB + 2 * 4096 + wg * 512;
+        u32 sc0a, sc0b, sc1a, sc1b;
+        lds64(sbase + r0 * 8, sc0a, sc0b);
+        lds64(sbase + (r0 + 8) * 8, sc1a, sc1b);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const u32 w0 = lds32(wbase + r0 * 64 + (q << 4) + 4 * t);
+            const u32 w1 = lds32(wbase + (r0 + 8) * 64 + (q << 4) + 4 * t);
+            const u32 p0 = q < 2 ? sc0a : sc0b, p1 = q < 2 ? sc1a : sc1b;
+            const u32 h0 = scale_pair((q & 1) ? p0 >> 16 : p0 & 0xFFFF);
+            const u32 h1 = scale_pair((q & 1) ? p1 >> 16 : p1 & 0xFFFF);
+            wg_wait<1>();  // the wgmmas that last read a[q & 1] (two k16 steps back) are done
+            decode_q(a[q & 1], w0, w1, h0, h1);
+            wg_fence();
+            wgmma_bm(acc, a[q & 1][0], a[q & 1][1], a[q & 1][2], a[q & 1][3],
+                     desc(base + q * 32, 16, 1024) | (1ull << 62));
+            wgmma_bm(acc, a[q & 1][4], a[q & 1][5], a[q & 1][6], a[q & 1][7],
+                     desc(base + BM * 128 + q * 32, 16, 1024) | (1ull << 62));
+            wg_commit();
+            if (q == 0) {  // this warpgroup's wgmmas of the previous tile are done: release its stage
+                wg_wait<1>();
+                mbar_arrive_if(bars + 8 * (S + (kt + S - 1) % S), (kt > 0) & (lane == 0));
+            }
+        }
+    }
+    wg_wait<0>();
+    mbar_arrive_if(bars + 8 * (S + (nk + S - 1) % S), (nk > 0) & (lane == 0));
+    PDL_TRIGGER();
+    const float gs = gscale[0] * 16384.0f;
+    const int row = n0 + 64 * wg + r0;
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int tok = m0 + 8 * j + 2 * t + (e & 1), n = row + 8 * (e >> 1);
+            const float v = acc[4 * j + e] * gs;
+            if (SPLIT) {
+                if (tok < M && n < N) ((float*)out)[((size_t)blockIdx.z * M + tok) * ldo + n] = v;
+            } else if (SWIGLU) {
+                const float u = __shfl_xor_sync(0xffffffffu, v, 4);
+                if (!(g & 1) && tok < M && n < N) out[(size_t)tok * ldo + (n >> 1)] = swiglu(v, u);
+            } else if (tok < M && n < N) {
+                out[(size_t)tok * ldo + n] = to_bf16(v);
+            }
+        }
+}
+
+"""
+
+
+def source(block_m: int) -> str:
+    return DEVICE_HELPERS + "typedef unsigned long long u64;\n" + _wgmma_fn(block_m) + _KERNEL.replace(
+        "typedef unsigned long long u64;\n", "", 1)
+
+
+@lru_cache(maxsize=None)
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def tensor_map(x: torch.Tensor, k: int, block_m: int) -> ctypes.Array:
+    """CUtensorMap of x [M, k] bf16 (row stride x.stride(0)) for boxes of 64 columns x block_m rows, 128-byte
+    swizzle, zero fill out of bounds (the kernel's by-value argument)."""
+    lib = _libcuda()
+    tm = (ctypes.c_ubyte * 128)()
+    dims = (ctypes.c_uint64 * 2)(k, x.shape[0])
+    strides = (ctypes.c_uint64 * 1)(x.stride(0) * 2)
+    box = (ctypes.c_uint32 * 2)(64, block_m)
+    elem = (ctypes.c_uint32 * 2)(1, 1)
+    # BFLOAT16 = 9, interleave none, swizzle 128B = 3, L2 promotion 256B = 3, OOB fill zeros = 0
+    err = lib.cuTensorMapEncodeTiled(tm, 9, 2, ctypes.c_void_p(x.data_ptr()), dims, strides, box, elem, 0, 3, 3, 0)
+    if err:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for x {tuple(x.shape)} stride {x.stride(0)}")
+    return tm
+
+
+def unsupported(x: torch.Tensor) -> str | None:
+    """Why the wgmma GEMM can't take x, or None."""
+    if x.device.type != "cuda":
+        return f"the wgmma GEMM runs on CUDA devices, not {x.device.type}"
+    if x.dtype != torch.bfloat16:
+        return f"the wgmma GEMM takes bf16 x, not {x.dtype}"
+    return _device_reason(x.device)
+
+
+@lru_cache(maxsize=None)
+def _device_reason(device: torch.device) -> str | None:
+    cap = torch.cuda.get_device_capability(device)
+    if cap != (9, 0):
+        return f"the wgmma GEMM is built for sm_90a (Hopper); this GPU is sm_{cap[0]}{cap[1]}"
+    return nvrtc.unavailable_reason()
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+         n: int, k: int, block_m: int = 128, stages: int | None = None, swiglu: bool = False,
+         out: torch.Tensor | None = None, split: int = 1) -> torch.Tensor:
+    """y [M, n] bf16 = x [M, k] @ dequant(W).T for a k32-layout weight (uint8 [Np, Kp/2], scales
+    [Np, Kp/16], `repack_k32`) and its global scale (float32 scalar tensor); with `swiglu` (a gate/up
+    weight whose rows are interleaved, `interleave_gate_up`) [M, n / 2] = silu(gate) * up, rounded as the
+    GEMM followed by the silu_mul op. With split > 1: the float32 partials [split, M, n] of K splits
+    (`out`, if given, must be that), for a reduction kernel to sum."""
+    if block_m not in BLOCK_MS:
+        raise ValueError(f"block_m={block_m}: one of {BLOCK_MS}")
+    stages = stages or max_stages(block_m)
+    if not 2 <= stages <= max_stages(block_m):
+        raise ValueError(f"stages={stages}: 2..{max_stages(block_m)} fit in shared memory at block_m={block_m}")
+    if split > 1 and swiglu:
+        raise ValueError("split partials are summed by a second kernel, which applies the SwiGLU")
+    m = x.shape[0]
+    if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # what TMA needs of x
+        x = x.contiguous()
+    if out is None:
+        shape = (split, m, n) if split > 1 else (m, n // 2 if swiglu else n)
+        out = torch.empty(shape, dtype=torch.float32 if split > 1 else torch.bfloat16, device=x.device)
+    if m == 0:
+        return out
+    np_, kp = weight.shape[0], weight.shape[1] * 2
+    kern = nvrtc.kernel(source(block_m), f"fp4_wgmma_tma<{block_m}, {stages}, {int(swiglu)}, {int(split > 1)}>",
+                        x.device, suffix="a")
+    kern((-(-m // block_m), -(-n // ROWS), split), (THREADS, 1, 1),
+         [tensor_map(x, k, block_m), weight, weight_scale, weight_scale_2, out, m, n, kp // TILE_K,
+          np_ // TILE_ROWS, out.stride(-2)], pdl.launch_options(x.device)[0],
+         shared=stages * stage_bytes(block_m) + 16 * stages)
+    return out
+
+
+def choose_split(m: int, n: int, kp: int, block_m: int, sms: int = 132) -> int:
+    """K splits of the TMA kernel: enough CTAs for the SMs when the output tiles alone leave them idle (at
+    most 4, each split at least 8 K tiles)."""
+    ctas = -(-m // block_m) * -(-n // ROWS)
+    return max(1, min(4, round(sms / ctas), kp // TILE_K // 8))
