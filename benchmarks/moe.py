@@ -7,6 +7,7 @@ decode kernel's MoE modes and larger batches on its Triton grouped GEMMs.
                                                    # --cuda-moe-max-t 0 to benchmark them at decode sizes too)
     python benchmarks/moe.py --backend cuda --out DIR   # the CUDA MoE (moe.cuda) instead
     python benchmarks/moe.py --cuda-moe-max-t 0 --out DIR   # moe.triton without its CUDA decode path
+    python benchmarks/moe.py --bf16 --tokens 256,1024,4096 --out DIR   # + bf16 experts (torch._grouped_mm)
 
 For each token count T: the whole op (routing + align + both grouped GEMMs + combine) and the expert
 part alone (align + GEMMs + combine on routed ids), as CUDA-graph replays that rotate over 8 routing
@@ -28,6 +29,7 @@ from common import HBM, add_pdl_option, configure_pdl, graph_time, ints, md_tabl
 
 from pieceworks.backends.base import BackendSpec
 from pieceworks.backends.fp4_gemm.triton import TileConfig, parse_table
+from pieceworks.backends.fp4_gemm.triton_tiles import MOE_TILES
 from pieceworks.backends.moe.align import num_aligned_blocks
 from pieceworks.backends.moe.base import MoEWeights
 from pieceworks.backends.moe.routing import deepseek_route
@@ -40,24 +42,36 @@ EXPERT_BYTES = (2 * I * H + H * I) * (0.5 + 1 / 16)
 DRAWS = 8
 
 
-def random_moe(gen) -> MoEWeights:
+def random_moe(gen, experts: int = E) -> MoEWeights:
     """k32-layout random experts (random bytes are random codes in any layout)."""
     def mat(rows, cols):
-        w = torch.randint(0, 256, (E, rows, cols // 2), dtype=torch.uint8, device="cuda", generator=gen)
-        s = (torch.rand(E, rows, cols // 16, device="cuda", generator=gen) * 2 + 0.05).to(torch.float8_e4m3fn)
+        w = torch.randint(0, 256, (experts, rows, cols // 2), dtype=torch.uint8, device="cuda", generator=gen)
+        s = (torch.rand(experts, rows, cols // 16, device="cuda", generator=gen) * 2 + 0.05).to(torch.float8_e4m3fn)
         return w, s
 
     w13, s13 = mat(2 * I, H)
     w2, s2 = mat(H, I)
-    ones = torch.ones(E, device="cuda")
-    return MoEWeights(w13, s13, torch.full((E, 2), 0.01, device="cuda"), ones, w2, s2,
-                      torch.full((E,), 0.01, device="cuda"), ones)
+    ones = torch.ones(experts, device="cuda")
+    return MoEWeights(w13, s13, torch.full((experts, 2), 0.01, device="cuda"), ones, w2, s2,
+                      torch.full((experts,), 0.01, device="cuda"), ones)
 
 
 def draws(t: int, gen, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`n` (x bf16 [t, H], router logits float32 [t, E])."""
     return [(torch.randn(t, H, device="cuda", dtype=torch.bfloat16, generator=gen),
              torch.randn(t, E, device="cuda", generator=gen)) for _ in range(n)]
+
+
+def bf16_experts(x, weights, ids, w13, w2):
+    """The expert part in bf16 as a grouped-GEMM MoE runs it: pairs sorted by expert, x gathered, torch._grouped_mm
+    over [E, H, 2I] gate/up and [E, I, H] down weights, SwiGLU, routing weights, summed per token (capturable)."""
+    experts, topk, inter = w13.shape[0], ids.shape[1], w2.shape[1]
+    order = ids.flatten().argsort(stable=True)
+    ends = torch.searchsorted(ids.flatten()[order], torch.arange(1, experts + 1, device=x.device)).to(torch.int32)
+    h = torch._grouped_mm(x[order // topk], w13, offs=ends)
+    h = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+    y = torch._grouped_mm(h, w2, offs=ends) * weights.flatten()[order, None].to(h.dtype)
+    return torch.zeros_like(x).index_add_(0, order // topk, y)
 
 
 def candidates(t: int) -> list[dict]:
@@ -92,12 +106,8 @@ def _compile_job(cand):
     from pieceworks.backends.moe import triton_kernels as mk
 
     torch.cuda.set_device(0)
-    gen = torch.Generator("cuda").manual_seed(0)
     e = 16
-    w13 = torch.randint(0, 256, (e, 2 * I, H // 2), dtype=torch.uint8, device="cuda", generator=gen)
-    s13 = torch.ones(e, 2 * I, H // 16, device="cuda").to(torch.float8_e4m3fn)
-    w2 = torch.randint(0, 256, (e, H, I // 2), dtype=torch.uint8, device="cuda", generator=gen)
-    s2 = torch.ones(e, H, I // 16, device="cuda").to(torch.float8_e4m3fn)
+    w = random_moe(torch.Generator("cuda").manual_seed(0), e)
     x = torch.randn(4, H, device="cuda", dtype=torch.bfloat16)
     weights, ids = deepseek_route(torch.randn(4, e, device="cuda"), torch.empty(0, device="cuda"),
                                   TOPK, GROUPS, TOPK_GROUP, True, SCALE)
@@ -105,8 +115,8 @@ def _compile_job(cand):
     try:
         blocks = num_aligned_blocks(ids.numel(), e, tile.block_m)
         aligned = mk.align_gpu(ids, e, tile.block_m, blocks)
-        mk.fused_moe(x, w13, s13, torch.full((e, 2), 0.01, device="cuda"), w2, s2,
-                     torch.full((e,), 0.01, device="cuda"), weights.contiguous(), *aligned, TOPK, tile)
+        mk.fused_moe(x, w.w13, w.w13_scale, w.w13_scale_2, w.w2, w.w2_scale, w.w2_scale_2, weights.contiguous(),
+                     *aligned, TOPK, tile)
         torch.cuda.synchronize()
         return None
     except Exception as exc:
@@ -116,12 +126,7 @@ def _compile_job(cand):
 def precompile(workers: int) -> None:
     import multiprocessing as mp
 
-    cands, seen = [], set()
-    for t, _ in BUCKETS:
-        for c in candidates(t):
-            if json.dumps(c, sort_keys=True) not in seen:
-                seen.add(json.dumps(c, sort_keys=True))
-                cands.append(c)
+    cands = list({json.dumps(c, sort_keys=True): c for t, _ in BUCKETS for c in candidates(t)}.values())  # unique
     t0 = time.time()
     with mp.get_context("spawn").Pool(workers) as pool:
         errors = [e for e in pool.map(_compile_job, cands, chunksize=1) if e]
@@ -172,8 +177,6 @@ class Bench:
 
 def sweep(bench: Bench, gen, only_t=None) -> list[dict]:
     """Tune the buckets whose tuning T is in `only_t` (all when None); the others keep MOE_TILES'."""
-    from pieceworks.backends.fp4_gemm.triton_tiles import MOE_TILES
-
     table = []
     for t, max_m in BUCKETS:
         if only_t is not None and t not in only_t:
@@ -205,6 +208,7 @@ def main() -> None:
     parser.add_argument("--sweep-t", help="comma-separated tuning Ts to sweep (default: all buckets)")
     parser.add_argument("--tokens", help="comma-separated Ts to benchmark (default: %s)" % TOKENS)
     parser.add_argument("--backend", default="triton", choices=("triton", "cuda"))
+    parser.add_argument("--bf16", action="store_true", help="also time bf16 experts (torch._grouped_mm; +22.5 GB)")
     parser.add_argument("--cuda-moe-max-t", type=int, default=None,
                         help="moe.triton's backends.options.triton.cuda_moe_max_t (default: the option's default)")
     add_pdl_option(parser)
@@ -220,16 +224,14 @@ def main() -> None:
     print(f"weights ready in {time.time() - t0:.1f}s; {torch.cuda.memory_allocated() / 1e9:.1f} GB", flush=True)
     if args.sweep and args.backend == "cuda":
         raise SystemExit("--sweep tunes the Triton MoE's tiles; the cuda backend has none")
-    if args.sweep:
-        table = sweep(bench, gen, ints(args.sweep_t) if args.sweep_t else None)
-    else:
-        from pieceworks.backends.fp4_gemm.triton_tiles import MOE_TILES
-
-        table = MOE_TILES
+    table = sweep(bench, gen, ints(args.sweep_t) if args.sweep_t else None) if args.sweep else MOE_TILES
     if args.backend == "triton":
         bench.backend.table = parse_table(table)
         print("table:", json.dumps(table), flush=True)
     results = []
+    if args.bf16:  # random bf16 experts, each [K, N] a transposed [N, K] (K-major)
+        w13, w2 = (torch.randn(E, n, k, device="cuda", dtype=torch.bfloat16, generator=gen).mul_(0.02).transpose(1, 2)
+                   for n, k in ((2 * I, H), (H, I)))
     for t in ints(args.tokens) if args.tokens else TOKENS:
         sets = draws(t, gen, DRAWS if t <= 256 else 2)
         cuda_path = args.backend == "cuda" or t <= bench.backend.options.cuda_moe_max_t
@@ -244,8 +246,13 @@ def main() -> None:
                    full_hbm_frac=nbytes / t_full / HBM, experts_hbm_frac=nbytes / t_exp / HBM,
                    tflops=flops / t_full / 1e12, backend=args.backend,
                    path="cuda" if cuda_path else "triton", tile=dataclasses.asdict(tile) if tile else None)
+        if args.bf16:
+            routed = [bench.route(logits) for _, logits in sets]
+            row["bf16_experts_us"] = 1e6 * graph_time(
+                lambda i: bf16_experts(sets[i % len(sets)][0], *routed[i % len(sets)], w13, w2), len(sets), replays=5)
         results.append(row)
-        print(f"T={t}: whole op {row['full_us']:.1f} us, experts-only {row['experts_us']:.1f} us", flush=True)
+        print(f"T={t}: whole op {row['full_us']:.1f} us, experts-only {row['experts_us']:.1f} us"
+              + (f", bf16 experts {row['bf16_experts_us']:.1f} us" if args.bf16 else ""), flush=True)
     with open(os.path.join(args.out, "moe_bench.json"), "w") as f:
         json.dump(dict(table=table, results=results, device=torch.cuda.get_device_name()), f, indent=1)
     md = md_table(["T", "experts touched", "full op us", "experts-only us", "touched GB",
