@@ -145,6 +145,19 @@ def test_bad_tables_are_refused():
         TileConfig(kind="autotune")
 
 
+def test_wgmma_buckets_fall_back_where_the_kernel_cannot_run():
+    """The shipped wgmma buckets (M = 65..1024) run the tiles they replaced where the wgmma kernel can't
+    (here: x on the CPU): the fused 64x128 tile up to 256 rows with its K splits, dequantize + cuBLAS above."""
+    backend = TritonFp4GemmBackend(BackendSpec())
+    x = torch.zeros(100, 4096, dtype=torch.bfloat16)
+    assert select_tile(backend.table, 100).kind == "wgmma"
+    tile, split = backend.plan(x, 4096, 4096)
+    assert (tile.kind, tile.block_m, tile.block_n, tile.max_m) == ("fused", 64, 128, 256)
+    assert split == choose_split_k(tile, 100, 4096, 4096)
+    assert backend.plan(torch.zeros(600, 4096, dtype=torch.bfloat16), 4096, 4096)[0].kind == "dequant"
+    assert backend.plan(torch.zeros(40, 4096, dtype=torch.bfloat16), 4096, 4096)[0] == select_tile(backend.table, 40)
+
+
 def test_wgmma_tiles_are_validated(tmp_path):
     """A wgmma bucket names one of the kernel's token tiles and a stage count that fits shared memory;
     the fused MoE has no wgmma path."""

@@ -7,8 +7,9 @@ values. The tile configuration is picked per call from a table tuned on an H200 
 by row count: split-K decode tiles for small M so every SM streams weights, larger fused tiles up to
 M = 64, from 65 to 1024 rows on sm_90 the CUDA wgmma kernel (cuda_wgmma.py: the same k32 weights decoded
 into the register operand of warpgroup MMAs, x by TMA), and above that a "dequant" entry that writes a
-transient bf16 copy of the weight (N x K x 2 bytes) and calls torch.matmul (also what the wgmma buckets
-run off sm_90). Nothing is autotuned at run time, so the kernels are safe inside CUDA graphs.
+transient bf16 copy of the weight (N x K x 2 bytes) and calls torch.matmul. Where the wgmma kernel can't
+run, its buckets take the tiles they replaced (`WGMMA_FALLBACK_TILES`). Nothing is autotuned at run time,
+so the kernels are safe inside CUDA graphs.
 
 Up to `cuda_decode_max_m` rows (default 16), on compute capability >= 9.0 with NVRTC loadable, the same
 k32 weights go to the CUDA decode kernel instead (cuda_decode.py, `layout="k32"`; the SwiGLU and rope
@@ -29,8 +30,8 @@ from pathlib import Path
 import torch
 
 from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
-from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight
 from pieceworks.backends.fp4_gemm import cuda_wgmma
+from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight
 from pieceworks.backends.fp4_gemm.cuda_launch import (
     K32_TWO_TILE_WARPS_PER_SM,
     cuda_decode_reason,
@@ -39,7 +40,7 @@ from pieceworks.backends.fp4_gemm.cuda_launch import (
 )
 from pieceworks.backends.fp4_gemm.interleave import interleave_gate_up, interleave_rope_rows
 from pieceworks.backends.fp4_gemm.k32 import TILE_K, repack_k32
-from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES
+from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES, WGMMA_FALLBACK_TILES
 
 COUNTERS = 1 << 14  # split-K arrival counters per backend instance and device (output tiles of one call)
 
@@ -213,6 +214,7 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         path = self.options.gemm_tiles
         self.table = load_tile_table(path, "gemm_tiles") if path else parse_table(FP4_GEMM_TILES)
         self._plan = lru_cache(maxsize=None)(self._plan_uncached)
+        self.wgmma_fallback = parse_table(WGMMA_FALLBACK_TILES)
         self._counters: dict[torch.device, torch.Tensor] = {}
 
     def prepare(self, w: Fp4Weight) -> Fp4Weight:
@@ -248,8 +250,18 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
             counters = self._counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
         return counters
 
-    def _plan_uncached(self, m: int, n: int, k_padded: int, sms: int = 132) -> tuple[TileConfig, int]:
-        tile = select_tile(self.table, m)
+    def plan(self, x: torch.Tensor, n: int, k_padded: int) -> tuple[TileConfig, int]:
+        """(tile, K splits) of the Triton-side call for x: the table's bucket, or where it is a wgmma bucket
+        that can't run for x (`cuda_wgmma.unsupported`), the bucket of WGMMA_FALLBACK_TILES."""
+        sms = multiprocessors(x.device)
+        tile, split_k = self._plan(x.shape[0], n, k_padded, sms)
+        if tile.kind == "wgmma" and cuda_wgmma.unsupported(x):
+            return self._plan(x.shape[0], n, k_padded, sms, fallback=True)
+        return tile, split_k
+
+    def _plan_uncached(self, m: int, n: int, k_padded: int, sms: int = 132,
+                       fallback: bool = False) -> tuple[TileConfig, int]:
+        tile = select_tile(self.wgmma_fallback if fallback else self.table, m)
         return tile, choose_split_k(tile, m, n, k_padded, sms)
 
     def forward(self, x, weight, weight_scale, weight_scale_2, input_scale, out_features):
@@ -289,7 +301,7 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
 
         if x.stride(-1) != 1:
             x = x.contiguous()
-        tile, split_k = self._plan(x.shape[0], n, weight.shape[1] * 2, multiprocessors(x.device))
+        tile, split_k = self.plan(x, n, weight.shape[1] * 2)
         counters = self.counters(x.device) if split_k > 1 else None
         return triton_kernels.fp4_gemm(x, weight, weight_scale, weight_scale_2, n, x.shape[1], tile,
                                        split_k, counters, swiglu=swiglu, rope=rope)

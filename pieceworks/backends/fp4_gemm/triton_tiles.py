@@ -62,6 +62,14 @@ FP4_GEMM_TILES = [
     dict(max_m=None, kind="dequant"),
 ]
 
+# What a "wgmma" bucket runs where the wgmma kernel can't (not sm_90, x not bf16, NVRTC missing): the buckets
+# it replaced on the H200 (the fused 64x128 tile up to 256 rows, dequantize + cuBLAS above).
+WGMMA_FALLBACK_TILES = [
+    dict(max_m=256, kind="fused", block_m=64, block_n=128, block_k=128, group_m=8, num_warps=8,
+         num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=132, max_split=4),
+    dict(max_m=None, kind="dequant"),
+]
+
 # Grouped MoE GEMMs, by token count T (swept with `python benchmarks/moe.py --sweep` on the
 # DeepSeek-V3 layer, tuning T = 1, 16, 64, 256, 1024, 16384; same date and machine; the buckets up to
 # T = 256 with one_dot candidates too, `--sweep --sweep-t 1,16,64,256`).
