@@ -237,7 +237,10 @@ __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
 """
 
 
+@lru_cache(maxsize=None)
 def source(block_m: int) -> str:
+    """The kernel's CUDA source for BM = block_m (one string object per tile: `nvrtc.kernel`'s cache hashes
+    it on every launch)."""
     return DEVICE_HELPERS + "typedef unsigned long long u64;\n" + _wgmma_fn(block_m) + _KERNEL.replace(
         "typedef unsigned long long u64;\n", "", 1)
 

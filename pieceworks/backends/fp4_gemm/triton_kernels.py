@@ -344,11 +344,7 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
                                        swiglu=swiglu, out=out)
             part = cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg.block_m, cfg.num_stages,
                                    split=split)
-            use_pdl, launch = pdl.launch_options(x.device)
-            block = 1024
-            _splitk_reduce_kernel[(triton.cdiv(out.numel(), block),)](
-                part, out, M * N, N, SPLIT_K=split, BLOCK=block, PDL=use_pdl, SWIGLU=swiglu, num_warps=4, **launch)
-            return out
+            return _sum_splits(part, out, swiglu)
         kind = "dequant"  # not a Hopper GPU, or x not bf16: dequantize + matmul instead
     if kind == "dequant":
         w = torch.empty((N, K), dtype=torch.bfloat16, device=x.device)
@@ -383,8 +379,15 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
             _splitk_reduce_kernel[(M,)](part, out, M * N, N, SPLIT_K=split_k, BLOCK=triton.next_power_of_2(N // 2),
                                         PDL=use_pdl, **rope_args, num_warps=4, **launch)
         else:
-            block = 1024
-            _splitk_reduce_kernel[(triton.cdiv(out.numel(), block),)](
-                part, out, M * N, N, SPLIT_K=split_k, BLOCK=block, PDL=use_pdl, SWIGLU=swiglu, num_warps=4,
-                **launch)
+            _sum_splits(part, out, swiglu)
+    return out
+
+
+def _sum_splits(part: torch.Tensor, out: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    """out [M, N] (with swiglu [M, N / 2]) = the sum of the float32 split-K partials part [splits, M, N]."""
+    splits, M, N = part.shape
+    use_pdl, launch = pdl.launch_options(out.device)
+    block = 1024
+    _splitk_reduce_kernel[(triton.cdiv(out.numel(), block),)](
+        part, out, M * N, N, SPLIT_K=splits, BLOCK=block, PDL=use_pdl, SWIGLU=swiglu, num_warps=4, **launch)
     return out
