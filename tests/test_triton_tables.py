@@ -158,6 +158,26 @@ def test_wgmma_buckets_fall_back_where_the_kernel_cannot_run():
     assert backend.plan(torch.zeros(40, 4096, dtype=torch.bfloat16), 4096, 4096)[0] == select_tile(backend.table, 40)
 
 
+def test_wgmma_splits_keep_every_cta_in_one_round():
+    """The wgmma GEMM splits K only as far as one round of CTAs on the SMs holds (a second, partly filled
+    round costs a whole one), and sends the tiles of a last round that would leave more than half of the SMs
+    idle to a second launch split over K."""
+    from pieceworks.backends.fp4_gemm import cuda_wgmma
+
+    # q/k/v (6144 rows, 48 row blocks) at one 128-token tile: 2 splits (96 CTAs), not 3 (144: two rounds)
+    assert cuda_wgmma.choose_split(128, 6144, 4096, 128) == 2
+    assert cuda_wgmma.choose_split(128, 4096, 4096, 128) == 4  # 32 row blocks: 128 CTAs
+    assert cuda_wgmma.choose_split(128, 4096, 512, 128) == 1  # splits keep at least 8 K tiles
+    assert cuda_wgmma.choose_split(512, 28672, 4096, 256) == 1  # the tiles alone fill the SMs
+    # gate/up at 512 tokens: 448 tiles = 3 rounds + 52; the last 26 row blocks (52 tiles) in 2 K splits
+    assert cuda_wgmma.tail_split(512, 28672, 4096, 256) == (26, 2)
+    assert cuda_wgmma.tail_split(1024, 6144, 4096, 256) == (15, 2)  # 192 tiles: 132 + 60
+    assert cuda_wgmma.tail_split(1024, 28672, 4096, 256) == (0, 1)  # 896 = 6 x 132 + 104: more than half
+    assert cuda_wgmma.tail_split(512, 28672, 1024, 256) == (0, 1)  # 8 K tiles: no room to split
+    assert cuda_wgmma.tail_split(128, 4096, 4096, 128) == (0, 1)  # one round
+    assert cuda_wgmma.tail_split(512, 28672, 4096, 256, sms=112) == (0, 1)  # 448 = 4 x 112
+
+
 def test_wgmma_tiles_are_validated(tmp_path):
     """A wgmma bucket names one of the kernel's token tiles and a stage count that fits shared memory;
     the fused MoE has no wgmma path."""

@@ -130,18 +130,19 @@ __device__ __forceinline__ void mbar_arrive_if(u32 a, int when) {
 // a stage once every consumer thread arrived on its empty barrier (after its warpgroup's wgmmas of that
 // stage). No CTA-wide barrier and no branch in the consumers' K loop.
 // SPLIT: blockIdx.z of gridDim.z takes its share of the K tiles and stores float32 partials (scaled) to
-// out as float [gridDim.z, M, N] (ldo = N), which a second kernel sums.
+// out as float [gridDim.z, M, ldo] (the columns from row block yoff on), which a second kernel sums.
+// yoff: the first 128-row block of W this launch covers (blockIdx.y counts from it).
 template <int BM, int S, int SWIGLU, int SPLIT>
 __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
     const __grid_constant__ Tmap tm, const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
-    const float* __restrict__ gscale, u16* __restrict__ out, int M, int N, int nkt, int nrb, int ldo)
+    const float* __restrict__ gscale, u16* __restrict__ out, int M, int N, int nkt, int nrb, int ldo, int yoff)
 {
     constexpr int XB = BM * 256, STAGE = XB + 2 * 4096 + 2 * 512;
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 s0 = (u32)__cvta_generic_to_shared(smem), bars = s0 + S * STAGE;  // full[S], empty[S]
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * 128;
-    const int rb0 = min(2 * (int)blockIdx.y, nrb - 1), rb1 = min(2 * (int)blockIdx.y + 1, nrb - 1);
+    const int by = blockIdx.y + yoff, m0 = blockIdx.x * BM, n0 = by * 128;
+    const int rb0 = min(2 * by, nrb - 1), rb1 = min(2 * by + 1, nrb - 1);
     const int kb = SPLIT ? (int)(((long long)nkt * blockIdx.z) / gridDim.z) : 0;
     const int nk = SPLIT ? (int)(((long long)nkt * (blockIdx.z + 1)) / gridDim.z) - kb : nkt;
     auto issue = [&](int i, int st) {
@@ -224,7 +225,7 @@ __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
             const int tok = m0 + 8 * j + 2 * t + (e & 1), n = row + 8 * (e >> 1);
             const float v = acc[4 * j + e] * gs;
             if (SPLIT) {
-                if (tok < M && n < N) ((float*)out)[((size_t)blockIdx.z * M + tok) * ldo + n] = v;
+                if (tok < M && n < N) ((float*)out)[((size_t)blockIdx.z * M + tok) * ldo + n - yoff * 128] = v;
             } else if (SWIGLU) {
                 const float u = __shfl_xor_sync(0xffffffffu, v, 4);
                 if (!(g & 1) && tok < M && n < N) out[(size_t)tok * ldo + (n >> 1)] = swiglu(v, u);
@@ -285,12 +286,13 @@ def _device_reason(device: torch.device) -> str | None:
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
          n: int, k: int, block_m: int = 128, stages: int | None = None, swiglu: bool = False,
-         out: torch.Tensor | None = None, split: int = 1) -> torch.Tensor:
+         out: torch.Tensor | None = None, split: int = 1, row_blocks: tuple[int, int] | None = None) -> torch.Tensor:
     """y [M, n] bf16 = x [M, k] @ dequant(W).T for a k32-layout weight (uint8 [Np, Kp/2], scales
     [Np, Kp/16], `repack_k32`) and its global scale (float32 scalar tensor); with `swiglu` (a gate/up
     weight whose rows are interleaved, `interleave_gate_up`) [M, n / 2] = silu(gate) * up, rounded as the
     GEMM followed by the silu_mul op. With split > 1: the float32 partials [split, M, n] of K splits
-    (`out`, if given, must be that), for a reduction kernel to sum."""
+    (`out`, if given, must be that), for a reduction kernel to sum. row_blocks (first, count): only W's
+    rows [128 first, 128 (first + count)) (clipped to n); split partials are then [split, M, those rows]."""
     if block_m not in BLOCK_MS:
         raise ValueError(f"block_m={block_m}: one of {BLOCK_MS}")
     stages = stages or max_stages(block_m)
@@ -301,23 +303,41 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weig
     m = x.shape[0]
     if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # what TMA needs of x
         x = x.contiguous()
+    first, count = row_blocks or (0, -(-n // ROWS))
     if out is None:
-        shape = (split, m, n) if split > 1 else (m, n // 2 if swiglu else n)
+        shape = (split, m, min(n, ROWS * (first + count)) - ROWS * first) if split > 1 else (m, n // 2 if swiglu else n)
         out = torch.empty(shape, dtype=torch.float32 if split > 1 else torch.bfloat16, device=x.device)
     if m == 0:
         return out
     np_, kp = weight.shape[0], weight.shape[1] * 2
     kern = nvrtc.kernel(source(block_m), f"fp4_wgmma_tma<{block_m}, {stages}, {int(swiglu)}, {int(split > 1)}>",
                         x.device, suffix="a")
-    kern((-(-m // block_m), -(-n // ROWS), split), (THREADS, 1, 1),
+    kern((-(-m // block_m), count, split), (THREADS, 1, 1),
          [tensor_map(x, k, block_m), weight, weight_scale, weight_scale_2, out, m, n, kp // TILE_K,
-          np_ // TILE_ROWS, out.stride(-2)], pdl.launch_options(x.device)[0],
+          np_ // TILE_ROWS, out.stride(-2), first], pdl.launch_options(x.device)[0],
          shared=stages * stage_bytes(block_m) + 16 * stages)
     return out
 
 
+def _most_splits(ctas: int, kp: int, sms: int) -> int:
+    """The most K splits (at most 4, each at least 8 K tiles) that keep ctas x splits CTAs in one round."""
+    return max([s for s in range(2, min(4, kp // TILE_K // 8) + 1) if ctas * s <= sms], default=1)
+
+
 def choose_split(m: int, n: int, kp: int, block_m: int, sms: int = 132) -> int:
-    """K splits of the TMA kernel: enough CTAs for the SMs when the output tiles alone leave them idle (at
-    most 4, each split at least 8 K tiles)."""
-    ctas = -(-m // block_m) * -(-n // ROWS)
-    return max(1, min(4, round(sms / ctas), kp // TILE_K // 8))
+    """K splits of the kernel where its output tiles alone leave SMs idle: the most that still fit one
+    round (one CTA per SM), since a second, partly filled round costs as much as the first."""
+    return _most_splits(-(-m // block_m) * -(-n // ROWS), kp, sms)
+
+
+def tail_split(m: int, n: int, kp: int, block_m: int, sms: int = 132) -> tuple[int, int]:
+    """(row blocks, splits) of a second launch for the output tiles of a last round that would leave more
+    than half of the SMs idle: the last row blocks (enough to hold that round's tiles) split over K, the
+    rest one launch without splits; (0, 1) where no such round exists or it cannot be split."""
+    gx, gy = -(-m // block_m), -(-n // ROWS)
+    rem = gx * gy % sms
+    if gx * gy <= sms or rem == 0 or rem > sms // 2:
+        return 0, 1
+    ty = -(-rem // gx)
+    splits = _most_splits(gx * ty, kp, sms)
+    return (ty, splits) if splits > 1 else (0, 1)

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from pieceworks.backends import pdl, pdl_kernels
 from pieceworks.backends.fp4_gemm import cuda_wgmma
+from pieceworks.backends.fp4_gemm.cuda_launch import multiprocessors
 from pieceworks.backends.fp4_gemm.k32 import TILE_ROWS
 from pieceworks.backends.fp4_gemm.triton_k32 import (
     OUT_BIAS,
@@ -338,13 +339,26 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
     kind = cfg.kind
     if kind == "wgmma":
         if cuda_wgmma.unsupported(x) is None:
-            split = cuda_wgmma.choose_split(M, N, Kp, cfg.block_m)
-            if split == 1:
-                return cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg.block_m, cfg.num_stages,
-                                       swiglu=swiglu, out=out)
+            sms = multiprocessors(x.device)
+            split = cuda_wgmma.choose_split(M, N, Kp, cfg.block_m, sms)
+            blocks = triton.cdiv(N, cuda_wgmma.ROWS)
+            tail, tail_splits = cuda_wgmma.tail_split(M, N, Kp, cfg.block_m, sms) if split == 1 else (0, 1)
+            if split == 1:  # all row blocks but the tail's in one launch without splits
+                cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg.block_m, cfg.num_stages,
+                                swiglu=swiglu, out=out, row_blocks=(0, blocks - tail))
+                if not tail:
+                    return out
+                split = tail_splits
+            first = blocks - tail if tail else 0
             part = cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg.block_m, cfg.num_stages,
-                                   split=split)
-            return _sum_splits(part, out, swiglu)
+                                   split=split, row_blocks=(first, blocks - first))
+            cols = part.shape[-1]
+            dest = out if not first else torch.empty((M, cols // 2 if swiglu else cols), dtype=out.dtype,
+                                                     device=out.device)
+            _sum_splits(part, dest, swiglu)
+            if first:  # the tail's columns (halved by the SwiGLU) after the first launch's
+                out[:, out.shape[1] - dest.shape[1]:].copy_(dest)
+            return out
         kind = "dequant"  # not a Hopper GPU, or x not bf16: dequantize + matmul instead
     if kind == "dequant":
         w = torch.empty((N, K), dtype=torch.bfloat16, device=x.device)
