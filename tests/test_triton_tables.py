@@ -146,8 +146,9 @@ def test_bad_tables_are_refused():
 
 
 def test_wgmma_buckets_fall_back_where_the_kernel_cannot_run():
-    """The shipped wgmma buckets (M = 65..1024) run the tiles they replaced where the wgmma kernel can't
-    (here: x on the CPU): the fused 64x128 tile up to 256 rows with its K splits, dequantize + cuBLAS above."""
+    """The shipped wgmma buckets (M = 17..1024) run the tiles they replaced where the wgmma kernel can't
+    (here: x on the CPU): the fused 32- and 64-row tiles, the fused 64x128 tile up to 256 rows with its K
+    splits, dequantize + cuBLAS above; the buckets up to 16 rows are not wgmma and stay."""
     backend = TritonFp4GemmBackend(BackendSpec())
     x = torch.zeros(100, 4096, dtype=torch.bfloat16)
     assert select_tile(backend.table, 100).kind == "wgmma"
@@ -155,7 +156,12 @@ def test_wgmma_buckets_fall_back_where_the_kernel_cannot_run():
     assert (tile.kind, tile.block_m, tile.block_n, tile.max_m) == ("fused", 64, 128, 256)
     assert split == choose_split_k(tile, 100, 4096, 4096)
     assert backend.plan(torch.zeros(600, 4096, dtype=torch.bfloat16), 4096, 4096)[0].kind == "dequant"
-    assert backend.plan(torch.zeros(40, 4096, dtype=torch.bfloat16), 4096, 4096)[0] == select_tile(backend.table, 40)
+    for m, block_m in ((20, 32), (40, 64)):
+        assert select_tile(backend.table, m).kind == "wgmma"
+        tile, split = backend.plan(torch.zeros(m, 4096, dtype=torch.bfloat16), 4096, 4096)
+        assert (tile.kind, tile.block_m) == ("fused", block_m)
+        assert split == choose_split_k(tile, m, 4096, 4096)
+    assert backend.plan(torch.zeros(12, 4096, dtype=torch.bfloat16), 4096, 4096)[0] == select_tile(backend.table, 12)
 
 
 def test_wgmma_splits_keep_every_cta_in_one_round():

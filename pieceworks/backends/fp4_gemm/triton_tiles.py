@@ -29,7 +29,8 @@ whole groups, so it converts a quarter of the scales; see `triton_k32.quad_k`).
 #   (`two_acc`).
 # - The 8- and 16-row buckets take wave-balanced split counts (`--sweep-m 1,16,64`): geometric mean over
 #   the six shapes 12.02 -> 11.12 us at M = 1, 13.60 -> 12.58 at M = 16.
-# - M = 17..32 has its own 32-row one_dot tile (`--sweep-m 1,16,32`) rather than the 64-row tile (half of
+# - The fused 32- and 64-row tiles (M = 17..64 before the wgmma kernel took it; `WGMMA_FALLBACK_TILES`):
+#   M = 17..32 has its own 32-row one_dot tile (`--sweep-m 1,16,32`) rather than the 64-row tile (half of
 #   whose rows would be padding): batch-32 decode replay 3.941 / 3.958 ms against 5.188 (512 tokens);
 #   M = 32 gate_up 36.5 us. Wave-balanced splits for the 32- and 64-row buckets (`--sweep-m 32,64`;
 #   block_k 256 for 32 rows, 396 programs for 64): geometric mean 15.70 us against 16.86 at M = 32 and
@@ -44,6 +45,10 @@ whole groups, so it converts a quarter of the scales; see `triton_k32.quad_k`).
 #   mean over the six shapes against the Triton 64x128 tile up to 256 rows and dequantize + cuBLAS above: 27.1
 #   / 31.4 us at M = 128 (128-token tiles; 34.5 with 64), 37.2 / 43.6 at 256, 56.2 / 67.9 at 512, 100.7 /
 #   109.7 at 1024 (256-token tiles); at 2048 dequantize + cuBLAS stays ahead (195.1 / 198.1).
+# - M = 17..64 run its 64-token tile with 8 stages. 2026-12-03 11:46, 99d7489, `fp4_gemm.py --ms 32,64 --pdl on`
+#   with this bucket (`--table`) after the fused tiles' run: fp4 / bf16 over the six shapes 1.24x-1.74x at
+#   M = 32 (fused 1.00x-1.80x), 1.19x-1.85x at 64 (0.71x-1.35x); the fused 32-row tile stays ahead on
+#   q/k/v and gate/up at M = 32 (11.6 / 37.2 us against 12.6 / 40.9).
 FP4_GEMM_TILES = [
     dict(max_m=8, kind="fused", block_m=8, block_n=64, block_k=256, group_m=1, num_warps=4,
          num_stages=3, w_as_a=True, asm=True, one_dot=False, target_ctas=396, max_split=16, two_acc=True,
@@ -51,20 +56,22 @@ FP4_GEMM_TILES = [
     dict(max_m=16, kind="fused", block_m=16, block_n=64, block_k=256, group_m=1, num_warps=4,
          num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=396, max_split=16,
          balance_waves=True, min_split_iters=4),
-    dict(max_m=32, kind="fused", block_m=32, block_n=64, block_k=256, group_m=1, num_warps=4,
-         num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=264, max_split=8,
-         balance_waves=True, min_split_iters=2),
-    dict(max_m=64, kind="fused", block_m=64, block_n=64, block_k=128, group_m=1, num_warps=4,
-         num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=396, max_split=8,
-         balance_waves=True, min_split_iters=4),
+    dict(max_m=64, kind="wgmma", block_m=64, num_stages=8),
     dict(max_m=128, kind="wgmma", block_m=128, num_stages=5),
     dict(max_m=1024, kind="wgmma", block_m=256, num_stages=3),
     dict(max_m=None, kind="dequant"),
 ]
 
 # What a "wgmma" bucket runs where the wgmma kernel can't (not sm_90, x not bf16, NVRTC missing): the buckets
-# it replaced on the H200 (the fused 64x128 tile up to 256 rows, dequantize + cuBLAS above).
+# it replaced on the H200 (the fused 32- and 64-row tiles, the fused 64x128 tile up to 256 rows, dequantize +
+# cuBLAS above).
 WGMMA_FALLBACK_TILES = [
+    dict(max_m=32, kind="fused", block_m=32, block_n=64, block_k=256, group_m=1, num_warps=4,
+         num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=264, max_split=8,
+         balance_waves=True, min_split_iters=2),
+    dict(max_m=64, kind="fused", block_m=64, block_n=64, block_k=128, group_m=1, num_warps=4,
+         num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=396, max_split=8,
+         balance_waves=True, min_split_iters=4),
     dict(max_m=256, kind="fused", block_m=64, block_n=128, block_k=128, group_m=8, num_warps=8,
          num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=132, max_split=4),
     dict(max_m=None, kind="dequant"),
