@@ -23,12 +23,13 @@ warpgroup's wgmmas of that stage): no CTA-wide barrier in the K loop, the copies
 the wgmmas. The consumers' K loop has no branch (a branch, or a register defined while a wgmma that reads it
 is in flight, makes ptxas serialize every wgmma: its C7513 note) and a k16 step's decode waits only for the
 wgmmas two steps back, which read the same registers; `setmaxnreg` gives the consumers the registers of
-256-token tiles. Where the output tiles alone leave SMs idle (`choose_split`), blockIdx.z splits K and
-float32 partials go to a second kernel.
+256-token tiles. Where the output tiles alone leave SMs idle, blockIdx.z splits K as far as one round of
+CTAs holds (`choose_split`) and float32 partials go to a second kernel; where a last round of tiles would
+leave most SMs idle, those tiles run as a second launch split over K (`tail_split`, `row_blocks`).
 
-The shipped tile table runs it at M = 65..1024 (triton_tiles.py); measured on the H200 against bf16
-cuBLAS, the Triton tiles and dequantize + cuBLAS, with the variants that lost (x multicast over CTA pairs
-among them): docs/benchmarks.md.
+The shipped tile table runs it at M = 17..1024 (triton_tiles.py); measured on the H200 against bf16
+cuBLAS, the Triton tiles and dequantize + cuBLAS, with the variants that lost (CTA pairs with x by TMA
+multicast, persistent CTAs): docs/benchmarks.md.
 """
 
 from __future__ import annotations
