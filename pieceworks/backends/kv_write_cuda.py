@@ -57,7 +57,7 @@ SLOTS_ARG = 4  # the kernel's argument that changes from step to step
 def bind(dst_a: torch.Tensor, src_a: torch.Tensor, dst_b: torch.Tensor, src_b: torch.Tensor,
          slots: torch.Tensor) -> Callable[[torch.Tensor], None]:
     """The write of src_a's / src_b's rows (all of them) for `unsupported(...) is None` tensors, as a
-    function of each step's int64 slots (at least as many as rows)."""
+    function of each step's int64 slots, one per row (`kv_write.bind_rows` refuses any other count)."""
     unit = 16 // dst_a.element_size()
     wa, wb = src_a.shape[1] // unit, src_b.shape[1] // unit
     threads = min(256, -(-max(wa, wb) // 32) * 32)

@@ -263,8 +263,7 @@ def tensor_map(x: torch.Tensor, k: int, block_m: int) -> ctypes.Array:
     elem = (ctypes.c_uint32 * 2)(1, 1)
     # BFLOAT16 = 9, interleave none, swizzle 128B = 3, L2 promotion 256B = 3, OOB fill zeros = 0
     err = lib.cuTensorMapEncodeTiled(tm, 9, 2, ctypes.c_void_p(x.data_ptr()), dims, strides, box, elem, 0, 3, 3, 0)
-    if err:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for x {tuple(x.shape)} stride {x.stride(0)}")
+    nvrtc._check(lib, err, f"cuTensorMapEncodeTiled for x {tuple(x.shape)} stride {x.stride(0)}")
     return tm
 
 
