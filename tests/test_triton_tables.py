@@ -184,6 +184,28 @@ def test_wgmma_splits_keep_every_cta_in_one_round():
     assert cuda_wgmma.tail_split(512, 28672, 4096, 256, sms=112) == (0, 1)  # 448 = 4 x 112
 
 
+def test_wgmma_narrow_token_tile_where_the_grid_leaves_sms_idle():
+    """A wgmma bucket's narrow_block_m takes over (with its most stages) only where the block_m grid has
+    fewer CTAs than SMs: at 256 tokens q/k/v (48 row blocks) and o run 128-token tiles, gate/up (224) keeps
+    256; the shipped table names it for M = 129..256 only."""
+    from pieceworks.backends.fp4_gemm import cuda_wgmma
+
+    assert cuda_wgmma.token_tile(256, 6144, 256, 3, 128) == (128, cuda_wgmma.max_stages(128)) == (128, 5)
+    assert cuda_wgmma.token_tile(256, 4096, 256, 3, 128) == (128, 5)
+    assert cuda_wgmma.token_tile(256, 28672, 256, 3, 128) == (256, 3)
+    assert cuda_wgmma.token_tile(256, 6144, 256, 3, 0) == (256, 3)  # no narrow tile named
+    assert cuda_wgmma.token_tile(256, 28672, 256, 3, 128, sms=300) == (128, 5)  # 224 CTAs < 300 SMs
+    table = parse_table(FP4_GEMM_TILES)
+    assert select_tile(table, 200).narrow_block_m == 128 and select_tile(table, 200).block_m == 256
+    assert select_tile(table, 300).narrow_block_m == 0 and select_tile(table, 100).narrow_block_m == 0
+    with pytest.raises(ValueError, match="narrow_block_m"):
+        TileConfig(kind="wgmma", block_m=128, num_stages=5, narrow_block_m=256)
+    with pytest.raises(ValueError, match="narrow_block_m"):
+        TileConfig(kind="wgmma", block_m=256, num_stages=3, narrow_block_m=96)
+    with pytest.raises(ValueError, match="wgmma"):
+        TileConfig(kind="fused", narrow_block_m=64)
+
+
 def test_wgmma_tiles_are_validated(tmp_path):
     """A wgmma bucket names one of the kernel's token tiles and a stage count that fits shared memory;
     the fused MoE has no wgmma path."""

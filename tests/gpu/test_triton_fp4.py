@@ -209,6 +209,31 @@ def test_wgmma_tail_launch(swiglu):
     assert rel_err(got, fused.silu_mul(ref[:, : n // 2], ref[:, n // 2 :])) < TOL
 
 
+@pytest.mark.parametrize("n", [4096, 28672])
+def test_wgmma_narrow_token_tile(n):
+    """A 256-token wgmma bucket with narrow_block_m 128: N = 4096 at 200 rows runs 128-token tiles (32 row
+    blocks leave SMs idle), N = 28672 keeps 256-token tiles; both match the reference, and the narrow call
+    equals the 128-token bucket's bits."""
+    from pieceworks.backends.fp4_gemm import cuda_wgmma
+    from pieceworks.backends.fp4_gemm.cuda_launch import multiprocessors
+
+    x0 = torch.empty(1, device=DEV, dtype=torch.bfloat16)
+    if cuda_wgmma.unsupported(x0):
+        pytest.skip(cuda_wgmma.unsupported(x0))
+    k, m = 2048, 200
+    gen = torch.Generator(DEV).manual_seed(11)
+    w = random_fp4(n, k, gen)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
+    packed = (*repack_k32(w.weight, w.weight_scale), w.weight_scale_2)
+    cfg = TileConfig(kind="wgmma", block_m=256, num_stages=3, narrow_block_m=128)
+    y = gemm_kernels.fp4_gemm(x, *packed, n, k, cfg, 1)
+    assert rel_err(y, reference(x, w)) < TOL
+    bm = cuda_wgmma.token_tile(m, n, 256, 3, 128, multiprocessors(x.device))[0]
+    assert bm == (128 if n == 4096 else 256)
+    twin = TileConfig(kind="wgmma", block_m=bm, num_stages=cuda_wgmma.max_stages(bm) if bm == 128 else 3)
+    assert torch.equal(y, gemm_kernels.fp4_gemm(x, *packed, n, k, twin, 1))
+
+
 def test_fused_split_k_matches_two_kernel_split_k_bitwise():
     """Same partials, same summation order: the in-kernel reduction equals the second-kernel one, and
     repeated calls are identical (the split that finishes last does not change the result)."""

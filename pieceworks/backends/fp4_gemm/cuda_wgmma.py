@@ -324,6 +324,17 @@ def _most_splits(ctas: int, kp: int, sms: int) -> int:
     return max([s for s in range(2, min(4, kp // TILE_K // 8) + 1) if ctas * s <= sms], default=1)
 
 
+def token_tile(m: int, n: int, block_m: int, stages: int, narrow_block_m: int = 0,
+               sms: int = 132) -> tuple[int, int]:
+    """(block_m, stages) of a call: the bucket's tile, or where its grid holds fewer CTAs than the SMs and
+    the bucket names a narrower tile (`narrow_block_m`), that one with its most stages (more CTAs, each
+    re-reading x: q/k/v, o and the expert shapes at 256 tokens run faster on 128-token tiles, gate/up
+    does not)."""
+    if narrow_block_m and -(-m // block_m) * -(-n // ROWS) < sms:
+        return narrow_block_m, max_stages(narrow_block_m)
+    return block_m, stages
+
+
 def choose_split(m: int, n: int, kp: int, block_m: int, sms: int = 132) -> int:
     """K splits of the kernel where its output tiles alone leave SMs idle: the most that still fit one
     round (one CTA per SM), since a second, partly filled round costs as much as the first."""

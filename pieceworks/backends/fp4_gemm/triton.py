@@ -66,6 +66,7 @@ class TileConfig:
     perm_k: bool = False
     balance_waves: bool = False
     min_split_iters: int = 2
+    narrow_block_m: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("fused", "dequant", "wgmma"):
@@ -77,6 +78,12 @@ class TileConfig:
             if not 2 <= self.num_stages <= cuda_wgmma.max_stages(self.block_m):
                 raise ValueError(f"a wgmma tile of block_m={self.block_m} takes num_stages 2.."
                                  f"{cuda_wgmma.max_stages(self.block_m)} (shared memory), not {self.num_stages}")
+            if self.narrow_block_m and not (self.narrow_block_m in cuda_wgmma.BLOCK_MS
+                                            and self.narrow_block_m < self.block_m):
+                raise ValueError(f"narrow_block_m={self.narrow_block_m}: 0 or a wgmma token tile in "
+                                 f"{cuda_wgmma.BLOCK_MS} below block_m={self.block_m}")
+        elif self.narrow_block_m:
+            raise ValueError("narrow_block_m is an option of wgmma tiles")
         if self.two_acc and self.one_dot:
             raise ValueError("two_acc splits the four-dot K loop; it cannot be combined with one_dot")
         if self.perm_k and (self.one_dot or self.block_k % 256):

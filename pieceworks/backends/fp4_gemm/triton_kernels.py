@@ -340,17 +340,18 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
     if kind == "wgmma":
         if cuda_wgmma.unsupported(x) is None:
             sms = multiprocessors(x.device)
-            split = cuda_wgmma.choose_split(M, N, Kp, cfg.block_m, sms)
+            bm, stages = cuda_wgmma.token_tile(M, N, cfg.block_m, cfg.num_stages, cfg.narrow_block_m, sms)
+            split = cuda_wgmma.choose_split(M, N, Kp, bm, sms)
             blocks = triton.cdiv(N, cuda_wgmma.ROWS)
-            tail, tail_splits = cuda_wgmma.tail_split(M, N, Kp, cfg.block_m, sms) if split == 1 else (0, 1)
+            tail, tail_splits = cuda_wgmma.tail_split(M, N, Kp, bm, sms) if split == 1 else (0, 1)
             if split == 1:  # all row blocks but the tail's in one launch without splits
-                cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg.block_m, cfg.num_stages,
+                cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, bm, stages,
                                 swiglu=swiglu, out=out, row_blocks=(0, blocks - tail))
                 if not tail:
                     return out
                 split = tail_splits
             first = blocks - tail if tail else 0
-            part = cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg.block_m, cfg.num_stages,
+            part = cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, bm, stages,
                                    split=split, row_blocks=(first, blocks - first))
             cols = part.shape[-1]
             dest = out if not first else torch.empty((M, cols // 2 if swiglu else cols), dtype=out.dtype,

@@ -4,7 +4,8 @@ Plain data, read at plan time (never autotuned at run time). Each table is a lis
 first; a call takes the first bucket whose `max_m` is at least its row count (None = no upper bound).
 Keys: kind ("fused": dequantize in registers and feed tensor-core dots; "dequant": dequantize the whole
 weight to bf16, then torch.matmul, for compute-bound sizes; "wgmma": the CUDA kernel of cuda_wgmma.py
-on sm_90, block_m tokens (64, 128 or 256) and num_stages per CTA, "dequant" elsewhere), block_m/n/k,
+on sm_90, block_m tokens (64, 128 or 256) and num_stages per CTA, "dequant" elsewhere; narrow_block_m: a
+smaller token tile, with its most stages, for calls whose block_m grid leaves SMs idle), block_m/n/k,
 group_m (tile order: tiles of group_m row blocks share a column sweep, for L2 reuse), num_warps, num_stages, w_as_a (weights as
 the register operand: the accumulator is [block_n, block_m]), asm (PTX bit-twiddling decode, else
 plain Triton arithmetic), one_dot (the four decoded slots of a K tile feed one dot of K = block_k in
@@ -49,6 +50,13 @@ whole groups, so it converts a quarter of the scales; see `triton_k32.quad_k`).
 #   with this bucket (`--table`) after the fused tiles' run: fp4 / bf16 over the six shapes 1.24x-1.74x at
 #   M = 32 (fused 1.00x-1.80x), 1.19x-1.85x at 64 (0.71x-1.35x); the fused 32-row tile stays ahead on
 #   q/k/v and gate/up at M = 32 (11.6 / 37.2 us against 12.6 / 40.9).
+# - M = 129..256 take 128-token tiles where 256-token tiles would leave SMs idle (`narrow_block_m`,
+#   `cuda_wgmma.token_tile`). 2026-12-03 12:24-12:25, `fp4_gemm.py --ms 128,256 --pdl on`, the table before and
+#   with 128-token tiles for 129..256 alternated twice, us at M = 256: q/k/v 29.1-29.2 -> 26.1-26.3, o 21.8-22.0
+#   -> 18.1, expert gate/up 29.3-29.5 -> 26.6, expert down 19.5-19.7 -> 15.3, down 46.9-47.0 -> 46.6-46.8,
+#   gate/up 91.3-92.4 -> 103.0-103.8 (224 row blocks fill the SMs with 256-token tiles: it keeps them). At
+#   M = 128, 64-token tiles won on o and the expert down only (13.4 / 11.5 against 14.8 / 12.8 us) and lost on
+#   gate/up (76.9 against 53.6-53.9).
 FP4_GEMM_TILES = [
     dict(max_m=8, kind="fused", block_m=8, block_n=64, block_k=256, group_m=1, num_warps=4,
          num_stages=3, w_as_a=True, asm=True, one_dot=False, target_ctas=396, max_split=16, two_acc=True,
@@ -58,6 +66,7 @@ FP4_GEMM_TILES = [
          balance_waves=True, min_split_iters=4),
     dict(max_m=64, kind="wgmma", block_m=64, num_stages=8),
     dict(max_m=128, kind="wgmma", block_m=128, num_stages=5),
+    dict(max_m=256, kind="wgmma", block_m=256, num_stages=3, narrow_block_m=128),
     dict(max_m=1024, kind="wgmma", block_m=256, num_stages=3),
     dict(max_m=None, kind="dequant"),
 ]
