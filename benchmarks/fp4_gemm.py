@@ -1,6 +1,6 @@
-"""The default NVFP4 GEMM backend (`fp4_gemm.triton`: M <= 16 on its CUDA decode kernel, larger M on the
-Triton tiles, dequantize + cuBLAS from M = 1024) vs torch bf16 matmul (cuBLAS) on Llama-3.1-8B and
-DeepSeek-V3 expert shapes.
+"""The default NVFP4 GEMM backend (`fp4_gemm.triton`: M <= 16 on its CUDA decode kernel, 17..1024 on its
+wgmma kernel (sm_90; the fused Triton tiles elsewhere), dequantize + cuBLAS above) vs torch bf16 matmul
+(cuBLAS) on Llama-3.1-8B and DeepSeek-V3 expert shapes.
 
     python benchmarks/fp4_gemm.py --ms 1,4,8,16 --pdl on --out DIR   # the shipped tile table
     python benchmarks/fp4_gemm.py --table T.json --out DIR           # another tile table
@@ -27,6 +27,7 @@ from common import (HBM, SHAPES, add_pdl_option, configure_pdl, copies_for, fp4_
                     random_nvfp4, rel_err, time_bf16)
 
 from pieceworks.backends.base import BackendSpec
+from pieceworks.backends.fp4_gemm.cuda_wgmma import BLOCK_MS, max_stages
 from pieceworks.backends.fp4_gemm.triton import TileConfig, TritonFp4GemmBackend, choose_split_k, parse_table
 from pieceworks.quant import nvfp4
 
@@ -81,9 +82,8 @@ def backend_with(table) -> TritonFp4GemmBackend:
 def candidates(m: int) -> list[dict]:
     out = []
     if m <= 16:
-        # The 64x256 one_dot tile beats 128x128 / 256x128 one_dot and every mma.sync tile (x in the A
-        # operand: fewer instructions per weight, slower; docs/benchmarks.md). 64x128 one_dot fits 6
-        # programs per SM instead of 4, so it is tried with more programs.
+        # The 64x256 one_dot tile beat 128x128 / 256x128 one_dot and every mma.sync tile (docs/benchmarks.md);
+        # 64x128 one_dot fits 6 programs per SM instead of 4, so it is tried with more programs.
         out.append(dict(block_m=16, block_n=64, block_k=256, num_stages=3, w_as_a=True, one_dot=True,
                         target_ctas=264, max_split=16))
         for target, min_iters in ((264, 2), (396, 2), (396, 4)):  # the same, wave-balanced splits
@@ -95,22 +95,18 @@ def candidates(m: int) -> list[dict]:
         if m <= 8:
             # 8-row tiles: Triton runs the dot as mma.sync m16n8k16 with the decoded weights as the
             # register A operand and x as an n8 B operand (half the MMA work of the 16-column wgmma).
-            # perm_k: each thread of an MMA quad holds whole groups and converts a quarter of the scales.
-            # balance_waves: the split that spreads the programs most evenly over the SMs.
-            for bn, bk, warps, stages, target, two, perm, bal in (
-                    (64, 256, 4, 3, 264, True, False, False), (64, 256, 4, 3, 264, True, True, False),
-                    (64, 256, 4, 3, 264, True, False, True), (64, 256, 4, 3, 264, True, True, True),
-                    (64, 256, 4, 3, 396, True, False, True), (64, 256, 4, 3, 396, True, True, True),
-                    (64, 256, 4, 3, 396, False, False, False), (64, 256, 4, 3, 396, True, False, False),
-                    (64, 256, 4, 3, 528, True, False, True)):
-                out.append(dict(block_m=8, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
-                                w_as_a=True, one_dot=False, target_ctas=target, max_split=16, two_acc=two,
-                                perm_k=perm, balance_waves=bal))
+            for target, two, perm, bal in ((264, True, False, False), (396, True, True, True),
+                                           (396, False, False, False)):
+                out.append(dict(block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=3, w_as_a=True,
+                                one_dot=False, target_ctas=target, max_split=16, two_acc=two, perm_k=perm,
+                                balance_waves=bal))
             for target, min_iters in ((396, 3), (396, 4), (528, 4), (264, 4)):
                 out.append(dict(block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=3, w_as_a=True,
                                 one_dot=False, target_ctas=target, max_split=16, two_acc=True,
                                 balance_waves=True, min_split_iters=min_iters))
-    elif m <= 64:
+    if m > 16:  # the wgmma kernel's token tiles up to the bucket's M (sm_90; dequantize + cuBLAS elsewhere)
+        out += [dict(kind="wgmma", block_m=bm, num_stages=max_stages(bm)) for bm in BLOCK_MS if bm <= max(64, m)]
+    if 16 < m <= 64:
         for bn, bk, one_dot in ((64, 128, False), (128, 128, False), (64, 256, False), (64, 128, True),
                                 (128, 128, True), (64, 256, True)):
             for target in (264, 528):
@@ -119,23 +115,15 @@ def candidates(m: int) -> list[dict]:
         for target, min_iters in ((264, 2), (396, 2), (396, 4)):  # the shipped tile, wave-balanced splits
             out.append(dict(block_m=m, block_n=64, block_k=128, num_stages=3, w_as_a=True, one_dot=True,
                             target_ctas=target, max_split=8, balance_waves=True, min_split_iters=min_iters))
-        # wave-balanced splits of the block_k 256 tile (the 32-row bucket's winner), and
-        # at M = 64 two 32-row tiles (the weights read twice, half the rows of work per program)
-        for target, min_iters in ((264, 2), (396, 4)):
+        for target, min_iters in ((264, 2), (396, 4)):  # wave-balanced splits of the block_k 256 tile
             out.append(dict(block_m=m, block_n=64, block_k=256, num_stages=3, w_as_a=True, one_dot=True,
                             target_ctas=target, max_split=8, balance_waves=True, min_split_iters=min_iters))
-        if m > 32:
-            for target in (264, 528):
-                out.append(dict(block_m=32, block_n=64, block_k=256, num_stages=3, w_as_a=True, one_dot=True,
-                                target_ctas=target, max_split=8))
-    elif m <= 256:
+    elif 64 < m <= 256:
         for bm, bn, bk, wa, od in ((64, 128, 128, True, False), (128, 128, 128, True, False),
-                                   (64, 256, 64, True, False), (64, 128, 128, True, True),
-                                   (128, 128, 128, True, True), (64, 256, 64, True, True),
-                                   (64, 128, 64, True, True)):
+                                   (64, 128, 128, True, True), (128, 128, 128, True, True)):
             out.append(dict(block_m=bm, block_n=bn, block_k=bk, num_warps=8, num_stages=3,
                             w_as_a=wa, one_dot=od, group_m=8, target_ctas=132, max_split=4))
-    else:
+    elif m > 256:
         for bn, bk, wa in ((128, 128, True), (256, 128, True), (128, 128, False)):  # block_k: whole 128-wide tiles
             out.append(dict(block_m=128, block_n=bn, block_k=bk, num_warps=8, num_stages=3,
                             w_as_a=wa, group_m=8))
@@ -188,7 +176,21 @@ def sweep_jobs(buckets) -> list:
     return jobs
 
 
-def sweep(out_dir: str, gen, workers: int, wait_for: str | None, only_m=None) -> list[dict]:
+def shipped_buckets(shipped: list[dict], lo: int, hi: int | None) -> list[dict]:
+    """The buckets of `shipped` over rows lo + 1..hi (None: no bound), the last one bounded at hi: what a
+    bucket that is not swept keeps."""
+    out = []
+    for t in shipped:
+        top = t["max_m"]
+        if top is not None and top <= lo:
+            continue
+        out.append(dict(t, max_m=hi if top is None or (hi is not None and top >= hi) else top))
+        if out[-1]["max_m"] == hi:
+            return out
+    return out
+
+
+def sweep(out_dir: str, gen, workers: int, only_m=None) -> list[dict]:
     """Tune the buckets whose tuning M is in `only_m` (all when None); the others keep the shipped
     table's entries."""
     from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES
@@ -200,14 +202,14 @@ def sweep(out_dir: str, gen, workers: int, wait_for: str | None, only_m=None) ->
     print(f"precompiled {len(jobs)} jobs in {time.time() - t0:.0f}s; {len(errors)} failed", flush=True)
     for e in errors[:10]:
         print("  compile error:", e, flush=True)
-    while wait_for and not os.path.exists(wait_for):  # e.g. the GPU tests, which share the device
-        time.sleep(1)
 
-    rows, table = [], []
+    rows, table, lo = [], [], 0
     for m_tune, max_m in BUCKETS:
         if (m_tune, max_m) not in buckets:
-            table.append(next(t for t in FP4_GEMM_TILES if t["max_m"] == max_m))
+            table.extend(shipped_buckets(FP4_GEMM_TILES, lo, max_m))
+            lo = max_m
             continue
+        lo = max_m
         scores = []
         for cand in candidates(m_tune):
             tile = TileConfig(max_m=None, **cand)
@@ -284,7 +286,6 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="tune the tile table first")
     parser.add_argument("--table", help="a JSON tile table to benchmark (default: the shipped one)")
     parser.add_argument("--workers", type=int, default=14, help="processes compiling the sweep")
-    parser.add_argument("--wait-for", help="start timing only once this file exists")
     parser.add_argument("--sweep-m", help="comma-separated tuning Ms to sweep (default: all buckets)")
     parser.add_argument("--ms", help="comma-separated Ms to benchmark (default: %s)" % MS)
     add_pdl_option(parser)
@@ -295,7 +296,7 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     if args.sweep:
         only = [int(v) for v in args.sweep_m.split(",")] if args.sweep_m else None
-        table = sweep(args.out, gen, args.workers, args.wait_for, only)
+        table = sweep(args.out, gen, args.workers, only)
     elif args.table:
         with open(args.table) as f:
             table = json.load(f)
