@@ -41,7 +41,7 @@ whole groups, so it converts a quarter of the scales; see `triton_k32.quad_k`).
 #   (`--sweep-m 32`: gate_up 33.8 us against 38.0) but the batch-32 decode step is slower with it (replay
 #   3.931 / 3.961 / 3.937 ms against 3.898 / 3.878 / 3.907): this tile stays. The sweep at M = 1, 16 and
 #   64 on that storage keeps the other buckets.
-# - M = 65..1024 run the wgmma kernel (cuda_wgmma.py). 2026-12-03 10:33, the removed probe (`git show
+# - The wgmma kernel (cuda_wgmma.py) took M = 65..1024 first: 2026-12-03 10:33, the removed probe (`git show
 #   0fe89aa:benchmarks/wgmma_w4a16.py`, args `64,128,256,512,1024,2048 64x8x0x6,128x5x0x6,256x3x0x6`), geometric
 #   mean over the six shapes against the Triton 64x128 tile up to 256 rows and dequantize + cuBLAS above: 27.1
 #   / 31.4 us at M = 128 (128-token tiles; 34.5 with 64), 37.2 / 43.6 at 256, 56.2 / 67.9 at 512, 100.7 /
