@@ -429,6 +429,24 @@ def test_prompts_as_tensors_and_numpy_ints(engine, reference):
     drained(engine)
 
 
+def test_prompt_ids_checked_on_every_path(engine, reference):
+    """Plain int lists take a min / max check, other lists and tensors the per-id one: the same refusals
+    (bools, ids outside the vocabulary, complex tensors) and the same accepted prompts either way."""
+    import numpy as np
+
+    vocab = engine.executor.vocab_size
+    for bad, needle in (([1, True, 2], r"\[True\]"), ([3, vocab, -1], rf"\[{vocab}, -1\]"),
+                        ([np.int64(3), vocab], rf"\[{vocab}\]"), (torch.tensor([1, vocab]), rf"\[{vocab}\]")):
+        with pytest.raises(RequestError, match=needle):
+            engine.add_request(bad, GREEDY)
+    with pytest.raises(RequestError, match="1-D integer"):
+        engine.add_request(torch.tensor([1 + 0j]), GREEDY)
+    assert not engine.has_unfinished()
+    mixed = [np.int64(t) if i % 2 else t for i, t in enumerate(PROMPTS[2])]
+    assert engine.generate([mixed], GREEDY)[0].token_ids == reference[2]
+    drained(engine)
+
+
 def test_pages_held_outside_the_engine_raise_out_of_pages():
     from pieceworks.errors import OutOfPages
 
