@@ -27,8 +27,9 @@ from common import (HBM, SHAPES, add_pdl_option, configure_pdl, copies_for, fp4_
                     random_nvfp4, rel_err, time_bf16)
 
 from pieceworks.backends.base import BackendSpec
-from pieceworks.backends.fp4_gemm.cuda_wgmma import BLOCK_MS, max_stages
+from pieceworks.backends.fp4_gemm import cuda_wgmma
 from pieceworks.backends.fp4_gemm.triton import TileConfig, TritonFp4GemmBackend, choose_split_k, parse_table
+from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES
 from pieceworks.quant import nvfp4
 
 MS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
@@ -105,7 +106,8 @@ def candidates(m: int) -> list[dict]:
                                 one_dot=False, target_ctas=target, max_split=16, two_acc=True,
                                 balance_waves=True, min_split_iters=min_iters))
     if m > 16:  # the wgmma kernel's token tiles up to the bucket's M (sm_90; dequantize + cuBLAS elsewhere)
-        out += [dict(kind="wgmma", block_m=bm, num_stages=max_stages(bm)) for bm in BLOCK_MS if bm <= max(64, m)]
+        out += [dict(kind="wgmma", block_m=bm, num_stages=cuda_wgmma.max_stages(bm))
+                for bm in cuda_wgmma.BLOCK_MS if bm <= max(64, m)]
     if 16 < m <= 64:
         for bn, bk, one_dot in ((64, 128, False), (128, 128, False), (64, 256, False), (64, 128, True),
                                 (128, 128, True), (64, 256, True)):
@@ -193,8 +195,6 @@ def shipped_buckets(shipped: list[dict], lo: int, hi: int | None) -> list[dict]:
 def sweep(out_dir: str, gen, workers: int, only_m=None) -> list[dict]:
     """Tune the buckets whose tuning M is in `only_m` (all when None); the others keep the shipped
     table's entries."""
-    from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES
-
     buckets = [b for b in BUCKETS if only_m is None or b[0] in only_m]
     jobs = sweep_jobs(buckets)
     t0 = time.time()
@@ -249,8 +249,8 @@ def sweep(out_dir: str, gen, workers: int, only_m=None) -> list[dict]:
 
 
 def benchmark(table, out_dir: str, gen, ms=MS) -> list[dict]:
-    backend = backend_with(parse_table(table))
-    results = []
+    backend, results = backend_with(parse_table(table)), []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name, (n, k) in SHAPES.items():
         for m in ms:
             ws = weights_for(n, k, gen)[0]
@@ -258,12 +258,15 @@ def benchmark(table, out_dir: str, gen, ms=MS) -> list[dict]:
             err = check_once(backend, x, ws, n)
             t_fp4 = time_fp4(backend, m, n, k, gen)
             t_bf16 = time_bf16(m, n, k, gen)
-            tile, split = backend._plan(m, n, k)
+            tile, split = backend._plan(m, n, k)  # a wgmma tile's own split: cuda_wgmma.plan, in "wgmma"
+            wg = tile.kind == "wgmma" and cuda_wgmma.plan(m, n, k, tile.block_m, tile.num_stages,
+                                                          tile.narrow_block_m, sms)
             row = dict(shape=name, m=m, n=n, k=k, fp4_us=t_fp4 * 1e6, bf16_us=t_bf16 * 1e6,
                        speedup=t_bf16 / t_fp4, fp4_tbps=fp4_bytes(m, n, k) / t_fp4 / 1e12,
                        hbm_frac=fp4_bytes(m, n, k) / t_fp4 / HBM,
                        fp4_tflops=2 * m * n * k / t_fp4 / 1e12, bf16_tflops=2 * m * n * k / t_bf16 / 1e12,
-                       rel_err=err, tile=dataclasses.asdict(tile), split_k=split)
+                       rel_err=err, tile=dataclasses.asdict(tile), split_k=split,
+                       wgmma=wg and dict(zip(("block_m", "stages", "split", "tail"), wg)))
             results.append(row)
             print(f"{name:22s} M={m:6d}  fp4 {row['fp4_us']:9.1f} us  bf16 {row['bf16_us']:9.1f} us  "
                   f"x{row['speedup']:5.2f}  {row['fp4_tbps']:5.2f} TB/s ({100 * row['hbm_frac']:3.0f}%)  "
@@ -301,8 +304,6 @@ def main() -> None:
         with open(args.table) as f:
             table = json.load(f)
     else:
-        from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES
-
         table = FP4_GEMM_TILES
     print("table:", json.dumps(table), flush=True)
     ms = [int(v) for v in args.ms.split(",")] if args.ms else MS

@@ -206,6 +206,17 @@ def test_wgmma_narrow_token_tile_where_the_grid_leaves_sms_idle():
         TileConfig(kind="fused", narrow_block_m=64)
 
 
+def test_wgmma_plan_is_its_parts():
+    """cuda_wgmma.plan (what triton_kernels.fp4_gemm launches and fp4_gemm.py records) = token_tile, then
+    choose_split, then tail_split where nothing is split."""
+    from pieceworks.backends.fp4_gemm import cuda_wgmma
+
+    assert cuda_wgmma.plan(256, 6144, 4096, 256, 3, 128) == (128, 5, 1, (0, 1))  # 96 CTAs, 2 splits: 192 > 132
+    assert cuda_wgmma.plan(128, 6144, 4096, 128, 5) == (128, 5, 2, (0, 1))
+    assert cuda_wgmma.plan(512, 28672, 4096, 256, 3) == (256, 3, 1, (26, 2))
+    assert cuda_wgmma.plan(512, 28672, 4096, 256, 3, sms=112) == (256, 3, 1, (0, 1))
+
+
 def test_wgmma_tiles_are_validated(tmp_path):
     """A wgmma bucket names one of the kernel's token tiles and a stage count that fits shared memory;
     the fused MoE has no wgmma path."""

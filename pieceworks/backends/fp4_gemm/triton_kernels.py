@@ -339,11 +339,9 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
     kind = cfg.kind
     if kind == "wgmma":
         if cuda_wgmma.unsupported(x) is None:
-            sms = multiprocessors(x.device)
-            bm, stages = cuda_wgmma.token_tile(M, N, cfg.block_m, cfg.num_stages, cfg.narrow_block_m, sms)
-            split = cuda_wgmma.choose_split(M, N, Kp, bm, sms)
+            bm, stages, split, (tail, tail_splits) = cuda_wgmma.plan(
+                M, N, Kp, cfg.block_m, cfg.num_stages, cfg.narrow_block_m, multiprocessors(x.device))
             blocks = triton.cdiv(N, cuda_wgmma.ROWS)
-            tail, tail_splits = cuda_wgmma.tail_split(M, N, Kp, bm, sms) if split == 1 else (0, 1)
             if split == 1:  # all row blocks but the tail's in one launch without splits
                 cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, bm, stages,
                                 swiglu=swiglu, out=out, row_blocks=(0, blocks - tail))
