@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from pieceworks.backends import pdl, pdl_kernels
-from pieceworks.backends.fp4_gemm.triton_kernels import publish_and_count  # the split-K handshake
+from pieceworks.backends.fp4_gemm.triton_epilogue import publish_and_count  # the split-K handshake
 
 
 @triton.jit

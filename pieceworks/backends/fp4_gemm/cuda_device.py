@@ -71,7 +71,7 @@ __device__ __forceinline__ u16 to_bf16(float v) {
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
     return h;
 }
-// silu(g) * u rounded as the unfused path rounds (Triton's `_swiglu`: div.full, libdevice exp).
+// silu(g) * u rounded as the unfused path rounds (Triton's `triton_epilogue.swiglu_values`: div.full, libdevice exp).
 __device__ __forceinline__ u16 swiglu(float g, float u) {
     g = bf16_round(g);
     u = bf16_round(u);
@@ -80,8 +80,8 @@ __device__ __forceinline__ u16 swiglu(float g, float u) {
     return to_bf16(bf16_round(d) * u);
 }
 
-// The rope of one q/k pair as the rope kernel rounds (Triton's `_rope_pair`): values, cos and sin rounded
-// to bf16, every product (no FMA contraction) and sum rounded.
+// The rope of one q/k pair as the rope kernel rounds (Triton's `triton_epilogue.rope_pair`): values, cos and
+// sin rounded to bf16, every product (no FMA contraction) and sum rounded.
 __device__ __forceinline__ void rope_pair(float y1, float y2, float c, float s, u16& o1, u16& o2) {
     const float x1 = bf16_round(y1), x2 = bf16_round(y2);
     c = bf16_round(c);

@@ -2,8 +2,9 @@
 
 Imported only by the Triton backends' methods (it imports triton at the top). The weights are in the
 "k32" layout; its decode and the K loop are in triton_k32.py. Here: the GEMM kernel with its split-K
-reduction (in the kernel by the last split to arrive, or by a second kernel) and optional SwiGLU
-epilogue, the dequantize kernel of the large-M path, and `fp4_gemm`, which launches them.
+reduction (in the kernel by the last split to arrive, or by a second kernel) and optional SwiGLU or rope
+epilogue (triton_epilogue.py), the dequantize kernel of the large-M path, and `fp4_gemm`, which launches
+them (and the wgmma kernel of cuda_wgmma.py for its buckets).
 """
 
 from __future__ import annotations
@@ -16,6 +17,14 @@ from pieceworks.backends import pdl, pdl_kernels
 from pieceworks.backends.fp4_gemm import cuda_wgmma
 from pieceworks.backends.fp4_gemm.cuda_launch import multiprocessors
 from pieceworks.backends.fp4_gemm.k32 import TILE_ROWS
+from pieceworks.backends.fp4_gemm.triton_epilogue import (
+    ROPE_EPILOGUE_BLOCK_M,
+    publish_and_count,
+    rope_cs,
+    rope_pair,
+    store_out,
+    swiglu_values,
+)
 from pieceworks.backends.fp4_gemm.triton_k32 import (
     OUT_BIAS,
     decode_tile,
@@ -23,109 +32,6 @@ from pieceworks.backends.fp4_gemm.triton_k32 import (
     tile_row_bases,
     tile_step_offsets,
 )
-
-try:  # the accurate exp of the silu_mul kernel (models/fused_kernels.py), for the same bits
-    from triton.language.extra import libdevice
-
-    _exp = libdevice.exp
-except ImportError:  # pragma: no cover - older triton
-    _exp = tl.exp
-
-
-@triton.jit
-def publish_and_count(counter_ptr):
-    """The split-K handshake: after this program stored its partial, add one to its tile's counter
-    and return the old count (the same value in every thread). The barrier orders every thread's
-    stores before the one atomic Triton issues for the program (a scalar atomic: one thread, result
-    broadcast through shared memory behind a barrier); the atomic's release at GPU scope publishes
-    them and its acquire, in the program that arrives last, orders that program's reads (L2, `.cg`)
-    after every earlier program's stores. CUTLASS's split-K semaphore relies on the same barrier +
-    one-thread release / acquire; per-thread `fence.acq_rel.gpu` on both sides, as before, cost
-    about 1 us per split-K call on the H200 (docs/benchmarks.md)."""
-    tl.debug_barrier()
-    return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-
-
-@triton.jit
-def _swiglu(g, u, dtype: tl.constexpr):
-    """silu(g) * u from the GEMM's float32 gate and up values, rounded as the unfused path rounds:
-    the GEMM's output to `dtype`, then silu_mul (models/fused_kernels.py) on those."""
-    g = g.to(dtype).to(tl.float32)
-    u = u.to(dtype).to(tl.float32)
-    act = (g / (1.0 + _exp(-g))).to(dtype).to(tl.float32)
-    return (act * u).to(dtype)
-
-
-# Tiles of at most this many rows rope in the GEMM's epilogue (`_rope_pair`); on the H200 the 16- and
-# 64-row tiles were slower with it than the GEMM followed by the rope kernel (docs/benchmarks.md).
-ROPE_EPILOGUE_BLOCK_M = 8
-
-
-@triton.jit
-def _rope_cs(cos_ptr, sin_ptr, stride_cos, stride_sin, rows, row_mask, p, rope_cols, HALF: tl.constexpr):
-    """cos and sin [rows, pairs] float32 of output column pairs p (`_rope_pair`); 1 and 0 where a pair
-    is not roped."""
-    cmask = row_mask[:, None] & (2 * p < rope_cols)[None, :]
-    j = p % HALF
-    c = tl.load(cos_ptr + rows[:, None].to(tl.int64) * stride_cos + j[None, :], mask=cmask, other=1.0)
-    s = tl.load(sin_ptr + rows[:, None].to(tl.int64) * stride_sin + j[None, :], mask=cmask, other=0.0)
-    return c, s
-
-
-@triton.jit
-def _rope_pair(y1, y2, p, c, s, rope_cols, HALF: tl.constexpr, dtype: tl.constexpr):
-    """The fused rope epilogue for output column pairs p (weight rows 2p, 2p + 1 in the
-    `interleave_rope_rows` order): y1, y2 [rows, pairs] float32 are the GEMM's values of both rows,
-    c, s their cos and sin (`_rope_cs`). Pairs below rope_cols / 2 are dims j and j + HALF of a q or
-    k head, rotated as the rope kernel rounds (models/fused_kernels.py `_rope_rows`: the GEMM's output
-    rounded to `dtype`, cos/sin rounded to `dtype`, every product and sum rounded; `mul_rn` keeps the
-    products from being contracted into FMAs, which that kernel avoids with enable_fp_fusion=False);
-    the others are two v columns. Returns the two values in `dtype` and their output columns."""
-    roped = 2 * p < rope_cols
-    head = p // HALF
-    j = p % HALF
-    d1 = tl.where(roped, head * (2 * HALF) + j, 2 * p)
-    d2 = tl.where(roped, head * (2 * HALF) + HALF + j, 2 * p + 1)
-    x1 = y1.to(dtype).to(tl.float32)
-    x2 = y2.to(dtype).to(tl.float32)
-    c = c.to(dtype).to(tl.float32)
-    s = s.to(dtype).to(tl.float32)
-    o1 = (libdevice.mul_rn(x1, c).to(dtype).to(tl.float32) - libdevice.mul_rn(x2, s).to(dtype).to(tl.float32))
-    o2 = (libdevice.mul_rn(x2, c).to(dtype).to(tl.float32) + libdevice.mul_rn(x1, s).to(dtype).to(tl.float32))
-    o1 = tl.where(roped[None, :], o1.to(dtype), x1.to(dtype))
-    o2 = tl.where(roped[None, :], o2.to(dtype), x2.to(dtype))
-    return o1, o2, d1, d2
-
-
-@triton.jit
-def _store_out(out_ptr, y, rm, col0, M, N, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               SWIGLU: tl.constexpr, ROPE: tl.constexpr = False, rope_c=None, rope_s=None, rope_cols=0,
-               ROPE_HALF: tl.constexpr = 1):
-    """Store the tile y [BM, BN] (float32, columns col0..) of x @ W.T, or with SWIGLU its
-    silu(gate) * up: weight rows 2j and 2j + 1 are gate and up of output column j (the
-    `interleave_gate_up` order), so the tile gives output columns col0/2 .. col0/2 + BN/2. With ROPE
-    the weight is a q/k/v weight in the `interleave_rope_rows` order (`_rope_pair`; rope_c / rope_s
-    from `_rope_cs`)."""
-    dtype: tl.constexpr = out_ptr.dtype.element_ty
-    if ROPE:
-        y1, y2 = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
-        p = col0 // 2 + tl.arange(0, BLOCK_N // 2)
-        o1, o2, d1, d2 = _rope_pair(y1, y2, p, rope_c, rope_s, rope_cols, ROPE_HALF, dtype)
-        mask = (rm[:, None] < M) & (2 * p < N)[None, :]
-        rows = out_ptr + rm[:, None].to(tl.int64) * stride_om
-        tl.store(rows + d1[None, :], o1, mask=mask)
-        tl.store(rows + d2[None, :], o2, mask=mask)
-    elif SWIGLU:
-        g, u = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
-        cols = col0 // 2 + tl.arange(0, BLOCK_N // 2)
-        mask = (rm[:, None] < M) & (cols[None, :] < N // 2)
-        tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + cols[None, :], _swiglu(g, u, dtype),
-                 mask=mask)
-    else:
-        cols = col0 + tl.arange(0, BLOCK_N)
-        mask = (rm[:, None] < M) & (cols[None, :] < N)
-        tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + cols[None, :], y.to(dtype), mask=mask)
-
 
 @triton.jit(do_not_specialize=["M", "iters", "num_splits"])
 def _fp4_gemm_kernel(
@@ -144,7 +50,7 @@ def _fp4_gemm_kernel(
     the result does not depend on which split finishes last; otherwise `_splitk_reduce_kernel` does.
     With PDL (pdl.py) a program waits for the kernel before it first and lets the next one start
     once its K loop is done, so that kernel's launch overlaps this one's epilogue. With SWIGLU the
-    weight is a gate/up pair interleaved by rows and out [M, N/2] gets silu(gate) * up (`_store_out`);
+    weight is a gate/up pair interleaved by rows and out [M, N/2] gets silu(gate) * up (`store_out`);
     partials stay [splits, M, N]. With ROPE (a q/k/v weight in the `interleave_rope_rows` order) out
     gets the columns in checkpoint order, the first rope_cols roped with cos/sin [M, ROPE_HALF]."""
     pid = tl.program_id(0)
@@ -174,7 +80,7 @@ def _fp4_gemm_kernel(
     w_rows, s_rows = tile_row_bases(n_c, Kp)
     pdl_kernels.wait(PDL)
     if ROPE:  # loaded before the K loop (a few registers at 8 rows): the epilogue does not wait
-        rope_c, rope_s = _rope_cs(cos_ptr, sin_ptr, stride_cos, stride_sin, rm, rm < M,
+        rope_c, rope_s = rope_cs(cos_ptr, sin_ptr, stride_cos, stride_sin, rm, rm < M,
                                   pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2), rope_cols, ROPE_HALF)
     else:
         rope_c = None
@@ -191,7 +97,7 @@ def _fp4_gemm_kernel(
         acc = tl.trans(acc)
     acc = acc * (tl.load(gs_ptr) * OUT_BIAS)
     if not SPLIT:
-        _store_out(out_ptr, acc, rm, pid_n * BLOCK_N, M, N, stride_om, BLOCK_M, BLOCK_N, SWIGLU, ROPE, rope_c,
+        store_out(out_ptr, acc, rm, pid_n * BLOCK_N, M, N, stride_om, BLOCK_M, BLOCK_N, SWIGLU, ROPE, rope_c,
                    rope_s, rope_cols, ROPE_HALF)
     else:
         mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -207,7 +113,7 @@ def _fp4_gemm_kernel(
                 for k in range(num_splits):
                     total += tl.load(part_ptr + k * mn + offs, mask=mask, other=0.0,
                                      cache_modifier=".cg")
-                _store_out(out_ptr, total, rm, pid_n * BLOCK_N, M, N, stride_om, BLOCK_M, BLOCK_N, SWIGLU,
+                store_out(out_ptr, total, rm, pid_n * BLOCK_N, M, N, stride_om, BLOCK_M, BLOCK_N, SWIGLU,
                            ROPE, rope_c, rope_s, rope_cols, ROPE_HALF)
                 tl.store(count_ptr + pid, 0)
 
@@ -218,8 +124,8 @@ def _splitk_reduce_kernel(part_ptr, out_ptr, numel, N, SPLIT_K: tl.constexpr, BL
                           cos_ptr=None, sin_ptr=None, stride_cos=0, stride_sin=0, rope_cols=0,
                           ROPE_HALF: tl.constexpr = 1):
     """out = the partials [SPLIT_K, M, N] (numel = M * N) summed in split order; with SWIGLU,
-    out [M, N/2] = silu(gate) * up of each interleaved column pair (see `_store_out`); with ROPE, out
-    [M, N] in checkpoint column order with the rope pairs rotated (`_rope_pair`)."""
+    out [M, N/2] = silu(gate) * up of each interleaved column pair (see `store_out`); with ROPE, out
+    [M, N] in checkpoint column order with the rope pairs rotated (`rope_pair`)."""
     pdl_kernels.enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     if ROPE:  # one row per program, BLOCK >= N / 2 column pairs
@@ -233,8 +139,8 @@ def _splitk_reduce_kernel(part_ptr, out_ptr, numel, N, SPLIT_K: tl.constexpr, BL
             y1 += tl.load(part_ptr + s * numel + src, mask=pmask, other=0.0)
             y2 += tl.load(part_ptr + s * numel + src + 1, mask=pmask, other=0.0)
         rows = row + tl.arange(0, 1)
-        rc, rs = _rope_cs(cos_ptr, sin_ptr, stride_cos, stride_sin, rows, rows >= 0, p, rope_cols, ROPE_HALF)
-        o1, o2, d1, d2 = _rope_pair(y1[None, :], y2[None, :], p, rc, rs, rope_cols, ROPE_HALF,
+        rc, rs = rope_cs(cos_ptr, sin_ptr, stride_cos, stride_sin, rows, rows >= 0, p, rope_cols, ROPE_HALF)
+        o1, o2, d1, d2 = rope_pair(y1[None, :], y2[None, :], p, rc, rs, rope_cols, ROPE_HALF,
                                     out_ptr.dtype.element_ty)
         dst = out_ptr + row.to(tl.int64) * N
         tl.store(dst + d1[None, :], o1, mask=pmask[None, :])
@@ -248,7 +154,7 @@ def _splitk_reduce_kernel(part_ptr, out_ptr, numel, N, SPLIT_K: tl.constexpr, BL
         for s in tl.static_range(1, SPLIT_K):
             g += tl.load(part_ptr + s * numel + src, mask=mask, other=0.0)
             u += tl.load(part_ptr + s * numel + src + 1, mask=mask, other=0.0)
-        tl.store(out_ptr + offs, _swiglu(g, u, out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + offs, swiglu_values(g, u, out_ptr.dtype.element_ty), mask=mask)
     else:
         mask = offs < numel
         acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
