@@ -4,10 +4,10 @@ Weights stay 4-bit in memory and are dequantized in registers right before bf16 
 so decode reads 0.5625 bytes per weight instead of bf16's 2. At load, `prepare` repacks them into the
 "k32" layout (k32.py; decoded by triton_k32.py), which lets one 32-bit register op decode two
 values. The tile configuration is picked per call from a table tuned on an H200 (`triton_tiles.py`),
-by row count: split-K decode tiles for small M so every SM streams weights, larger fused tiles up to
-M = 64, from 65 to 1024 rows on sm_90 the CUDA wgmma kernel (cuda_wgmma.py: the same k32 weights decoded
-into the register operand of warpgroup MMAs, x by TMA), and above that a "dequant" entry that writes a
-transient bf16 copy of the weight (N x K x 2 bytes) and calls torch.matmul. Where the wgmma kernel can't
+by row count: split-K decode tiles for small M so every SM streams weights, from 17 to 1024 rows on
+sm_90 the CUDA wgmma kernel (cuda_wgmma.py: the same k32 weights decoded into the register operand of
+warpgroup MMAs, x by TMA), and above that a "dequant" entry that writes a transient bf16 copy of the
+weight (N x K x 2 bytes) and calls torch.matmul. Where the wgmma kernel can't
 run, its buckets take the tiles they replaced (`WGMMA_FALLBACK_TILES`). Nothing is autotuned at run time,
 so the kernels are safe inside CUDA graphs.
 

@@ -2,20 +2,20 @@
 
 Plain data, read at plan time (never autotuned at run time). Each table is a list of buckets, smallest
 first; a call takes the first bucket whose `max_m` is at least its row count (None = no upper bound).
-Keys: kind ("fused": dequantize in registers and feed tensor-core dots; "dequant": dequantize the whole
-weight to bf16, then torch.matmul, for compute-bound sizes; "wgmma": the CUDA kernel of cuda_wgmma.py
-on sm_90, block_m tokens (64, 128 or 256) and num_stages per CTA, "dequant" elsewhere; narrow_block_m: a
-smaller token tile, with its most stages, for calls whose block_m grid leaves SMs idle), block_m/n/k,
-group_m (tile order: tiles of group_m row blocks share a column sweep, for L2 reuse), num_warps, num_stages, w_as_a (weights as
-the register operand: the accumulator is [block_n, block_m]), asm (PTX bit-twiddling decode, else
-plain Triton arithmetic), one_dot (the four decoded slots of a K tile feed one dot of K = block_k in
-element order, which lets Triton keep several wgmma groups in flight; else four dots), two_acc (four
-dots into two accumulators, slots 0/2 and 1/3, summed after the K loop: two independent mma.sync
-chains; not with one_dot), target_ctas (split K until at least this many programs; 0 = never),
-max_split, min_split_iters (BLOCK_K iterations a split keeps at least), balance_waves (among the split
-counts giving at least 3/4 of target_ctas programs, the one that spreads them most evenly over the
-SMs: `choose_split_k`), perm_k (four-dot tiles: the K order in which each thread of an MMA quad holds
-whole groups, so it converts a quarter of the scales; see `triton_k32.quad_k`).
+Keys: kind ("fused": dequantize in registers and feed tensor-core dots; "dequant": dequantize the whole weight
+to bf16, then torch.matmul, for compute-bound sizes; "wgmma": the CUDA kernel of cuda_wgmma.py on sm_90,
+block_m tokens (64, 128 or 256) and num_stages per CTA, elsewhere its bucket of WGMMA_FALLBACK_TILES;
+narrow_block_m: a smaller token tile, with its most stages, for calls whose block_m grid leaves SMs idle),
+block_m/n/k, group_m (tile order: tiles of group_m row blocks share a column sweep, for L2 reuse), num_warps,
+num_stages, w_as_a (weights as the register operand: the accumulator is [block_n, block_m]), asm (PTX
+bit-twiddling decode, else plain Triton arithmetic), one_dot (the four decoded slots of a K tile feed one dot
+of K = block_k in element order, which lets Triton keep several wgmma groups in flight; else four dots),
+two_acc (four dots into two accumulators, slots 0/2 and 1/3, summed after the K loop: two independent mma.sync
+chains; not with one_dot), target_ctas (split K until at least this many programs; 0 = never), max_split,
+min_split_iters (BLOCK_K iterations a split keeps at least), balance_waves (among the split counts giving at
+least 3/4 of target_ctas programs, the one that spreads them most evenly over the SMs: `choose_split_k`),
+perm_k (four-dot tiles: the K order in which each thread of an MMA quad holds whole groups, so it converts a
+quarter of the scales; see `triton_k32.quad_k`).
 """
 
 # Swept on an H200 (2026-12-01, `python benchmarks/fp4_gemm.py --sweep`): each bucket is the config with
