@@ -225,7 +225,7 @@ def test_wgmma_tiles_are_validated(tmp_path):
     for bm in cuda_wgmma.BLOCK_MS:
         TileConfig(kind="wgmma", block_m=bm, num_stages=cuda_wgmma.max_stages(bm))
         assert cuda_wgmma.max_stages(bm) * (cuda_wgmma.stage_bytes(bm) + 16) <= cuda_wgmma.MAX_SHARED
-    with pytest.raises(ValueError, match=r"block_m in \(64, 128, 256\)"):
+    with pytest.raises(ValueError, match=r"block_m in \(32, 64, 128, 256\)"):
         TileConfig(kind="wgmma", block_m=96)
     with pytest.raises(ValueError, match="num_stages 2..3"):
         TileConfig(kind="wgmma", block_m=256, num_stages=4)

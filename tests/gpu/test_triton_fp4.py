@@ -111,6 +111,7 @@ VARIANTS = [
     TileConfig(block_m=64, block_n=128, block_k=128, w_as_a=False, asm=True, num_warps=8),
     TileConfig(block_m=128, block_n=256, block_k=128, w_as_a=True, asm=True, num_warps=8, group_m=8),
     TileConfig(kind="dequant"),
+    TileConfig(kind="wgmma", block_m=32, num_stages=8),
     TileConfig(kind="wgmma", block_m=64, num_stages=8),
     TileConfig(kind="wgmma", block_m=128, num_stages=2),
     TileConfig(kind="wgmma", block_m=256, num_stages=3),
@@ -154,7 +155,7 @@ def test_wgmma_kernels_compile_without_serialized_wgmmas():
             assert nvrtc.SERIALIZED_WGMMA not in text, f"{name}: {text}"
 
 
-@pytest.mark.parametrize("block_m", [64, 128, 256])
+@pytest.mark.parametrize("block_m", [32, 64, 128, 256])
 def test_wgmma_swiglu_same_bits_as_wgmma_then_silu_mul(block_m):
     """The wgmma kernel's SwiGLU epilogue on an interleaved gate/up weight == the plain kernel on the
     checkpoint-order weight, then the silu_mul op (M past one tile, N / 2 not a multiple of 64)."""

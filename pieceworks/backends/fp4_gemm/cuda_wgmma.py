@@ -4,8 +4,8 @@ memory by TMA as their B operand. Imports torch only.
 
     y[M, N] = x[M, K] @ dequant(W).T      (x bf16, W in the k32 layout of `k32.repack_k32`)
 
-Each CTA owns 128 weight rows (two storage-tile row blocks, one per warpgroup) and BM tokens (64, 128 or
-256), so each decoded weight feeds BM tokens of tensor-core work; the decode of a k16 step overlaps the
+Each CTA owns 128 weight rows (two storage-tile row blocks, one per warpgroup) and BM tokens (32, 64, 128
+or 256), so each decoded weight feeds BM tokens of tensor-core work; the decode of a k16 step overlaps the
 wgmmas of the one before (A in two register sets, `wgmma.wait_group 1`).
 
 The A fragment: wgmma m64nNk16 takes A from the registers of the warpgroup's four warps, warp w holding rows
@@ -45,7 +45,7 @@ from pieceworks.backends.fp4_gemm.k32 import TILE_K, TILE_ROWS
 
 ROWS = 2 * TILE_ROWS  # weight rows per CTA: one storage-tile row block per consumer warpgroup
 THREADS = 384  # two consumer warpgroups and a producer warpgroup (one thread of it issues the copies)
-BLOCK_MS = (64, 128, 256)
+BLOCK_MS = (32, 64, 128, 256)
 MAX_SHARED = 227 * 1024  # dynamic shared memory per block on sm_90
 
 

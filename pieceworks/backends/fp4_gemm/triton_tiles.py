@@ -4,7 +4,7 @@ Plain data, read at plan time (never autotuned at run time). Each table is a lis
 first; a call takes the first bucket whose `max_m` is at least its row count (None = no upper bound).
 Keys: kind ("fused": dequantize in registers and feed tensor-core dots; "dequant": dequantize the whole weight
 to bf16, then torch.matmul, for compute-bound sizes; "wgmma": the CUDA kernel of cuda_wgmma.py on sm_90,
-block_m tokens (64, 128 or 256) and num_stages per CTA, elsewhere its bucket of WGMMA_FALLBACK_TILES;
+block_m tokens (32, 64, 128 or 256) and num_stages per CTA, elsewhere its bucket of WGMMA_FALLBACK_TILES;
 narrow_block_m: a smaller token tile, with its most stages, for calls whose block_m grid leaves SMs idle),
 block_m/n/k, group_m (tile order: tiles of group_m row blocks share a column sweep, for L2 reuse), num_warps,
 num_stages, w_as_a (weights as the register operand: the accumulator is [block_n, block_m]), asm (PTX
@@ -50,6 +50,9 @@ quarter of the scales; see `triton_k32.quad_k`).
 #   with this bucket (`--table`) after the fused tiles' run: fp4 / bf16 over the six shapes 1.24x-1.74x at
 #   M = 32 (fused 1.00x-1.80x), 1.19x-1.85x at 64 (0.71x-1.35x); the fused 32-row tile stays ahead on
 #   q/k/v and gate/up at M = 32 (11.6 / 37.2 us against 12.6 / 40.9).
+# - M = 17..32 run a 32-token tile (m64n32k16: half the 64-token tile's tensor work). 2026-12-03 13:40-13:41,
+#   `fp4_gemm.py --ms 24,32 --pdl on`, the 64-token bucket and this one alternated twice: 5-11% faster on all six
+#   shapes, us at M = 32: q/k/v 12.7 -> 11.7, gate/up 40.2 -> 37.1, down 20.0 -> 18.3, expert down 8.4 -> 8.0.
 # - M = 129..256 take 128-token tiles where 256-token tiles would leave SMs idle (`narrow_block_m`,
 #   `cuda_wgmma.token_tile`). 2026-12-03 12:24-12:25, `fp4_gemm.py --ms 128,256 --pdl on`, the table before and
 #   with 128-token tiles for 129..256 alternated twice, us at M = 256: q/k/v 29.1-29.2 -> 26.1-26.3, o 21.8-22.0
@@ -64,6 +67,7 @@ FP4_GEMM_TILES = [
     dict(max_m=16, kind="fused", block_m=16, block_n=64, block_k=256, group_m=1, num_warps=4,
          num_stages=3, w_as_a=True, asm=True, one_dot=True, target_ctas=396, max_split=16,
          balance_waves=True, min_split_iters=4),
+    dict(max_m=32, kind="wgmma", block_m=32, num_stages=8),
     dict(max_m=64, kind="wgmma", block_m=64, num_stages=8),
     dict(max_m=128, kind="wgmma", block_m=128, num_stages=5),
     dict(max_m=256, kind="wgmma", block_m=256, num_stages=3, narrow_block_m=128),
