@@ -280,7 +280,8 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         each pair's two columns side by side in the tile, for the 8-row decode tiles; larger tiles and
         the dequant path run the GEMM and then the rope kernel in place (its interleaved mode reads the
         pairs side by side and writes them back in checkpoint order). Same bits as `forward` followed
-        by the rope_qk op."""
+        by the rope_qk op wherever every column takes the same K split (a wgmma tail launch splits its
+        last row blocks only, which hold other columns in the two row orders)."""
         n = (num_heads + 2 * num_kv_heads) * head_dim
         rope = (cos, sin, (num_heads + num_kv_heads) * head_dim, head_dim)
         return self._gemm(x, weight, weight_scale, weight_scale_2, n, swiglu=False, rope=rope)
@@ -289,7 +290,9 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         """The GEMM with silu(gate) * up in its epilogue (split-K: in the reduction), the gate/up
         pairs of a tile side by side; the dequant path (M > 1024 in the shipped table) restores the
         checkpoint row order as it dequantizes and runs the silu_mul kernel after the matmul. Same bits
-        as `forward` followed by the silu_mul op."""
+        as `forward` on this weight followed by the silu_mul op on its gate / up columns; as `forward` on
+        the checkpoint-order weight too wherever every column takes the same K split (see
+        `forward_qkv_rope`)."""
         return self._gemm(x, weight, weight_scale, weight_scale_2, 2 * intermediate, swiglu=True)
 
     def _gemm(self, x, weight, weight_scale, weight_scale_2, n: int, swiglu: bool, rope=None):
