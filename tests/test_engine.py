@@ -126,6 +126,30 @@ def test_prefix_cache_same_logits_and_hits_counted():
     drained(on)
 
 
+def test_prefix_lookup_hashes_pages_only_while_they_hit(monkeypatch):
+    """new_sequence hashes a prompt's pages while they hit: one hash for a prompt that shares nothing,
+    hits + 1 for one behind a cached prefix; the keys it keeps are block_keys' for those pages."""
+    from pieceworks.executor import kv_cache
+
+    ex = make().executor
+    system = prompt(22, 7)
+    first_prompt = system + prompt(5, 8)
+    first = ex.new_sequence(first_prompt)
+    ex.forward(ForwardBatch([first], [first_prompt]))  # caches its 6 full pages
+    calls = []
+    real = kv_cache.block_key
+    monkeypatch.setattr(kv_cache, "block_key", lambda parent, toks: calls.append(1) or real(parent, toks))
+    fresh = ex.new_sequence(prompt(30, 11))
+    assert fresh.num_cached_tokens == 0 and len(calls) == 1
+    calls.clear()
+    user = system + prompt(9, 9)
+    seq = ex.new_sequence(user)
+    assert seq.num_cached_tokens == 20 and len(calls) == 6  # 5 pages of the system prompt, then the miss
+    assert seq.block_keys == kv_cache.block_keys(user, 4)[:5] == first.block_keys[:5]
+    for s in (first, fresh, seq):
+        ex.free(s)
+
+
 def test_prefix_cache_evicts_lru_under_pressure():
     eng = make(num_tokens=64)  # 16 pages of 4
     alloc = eng.executor.kv.allocator

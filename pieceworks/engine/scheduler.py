@@ -105,7 +105,7 @@ class Scheduler:
                 break
             if self.alloc.prefix_caching and req.index > 0 and not req.group[0].prompt_done:
                 continue  # wait for the first completion's prompt pages, then share them
-            seq = self.ex.new_sequence(req.tokens(0))
+            seq = self.ex.new_sequence(req.tokens(0), validate=False)
             n = min(req.num_tokens - seq.kv_len, tokens_left)
             need = self.ex.pages_needed([seq], [n])
             watermark = self.watermark_pages if self.running else 0

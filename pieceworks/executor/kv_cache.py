@@ -105,15 +105,21 @@ class PageAllocator:
                     self._free.append(page)
 
     # ------------------------------------------------------------------ prefix cache
-    def lookup(self, keys: list[bytes]) -> list[int]:
-        """The cached pages of the longest prefix of `keys` (not taken: see `share`)."""
-        pages = []
-        for key in keys:
-            page = self._page_of.get(key)
+    def lookup(self, tokens: list[int], page_size: int) -> tuple[list[int], list[bytes]]:
+        """The cached pages holding the longest prefix of `tokens`' full pages, and their block keys (the
+        pages not taken: see `share`). A page's key is hashed only if every page before it hit: a prompt
+        that shares nothing costs one hash."""
+        pages: list[int] = []
+        keys: list[bytes] = []
+        parent = None
+        for i in range(len(tokens) // page_size):
+            parent = block_key(parent, tokens[i * page_size : (i + 1) * page_size])
+            page = self._page_of.get(parent)
             if page is None:
                 break
             pages.append(page)
-        return pages
+            keys.append(parent)
+        return pages, keys
 
     def share(self, pages: list[int]) -> None:
         """Take one more reference to each cached page (found by `lookup`)."""

@@ -127,14 +127,16 @@ class Executor:
                 "or coroutines through pieceworks.AsyncEngine, or give each thread its own executor"
             )
 
-    def new_sequence(self, prompt: list[int] | None = None) -> Sequence:
+    def new_sequence(self, prompt: list[int] | None = None, *, validate: bool = True) -> Sequence:
         """A new sequence handle; empty, or holding the longest cached prefix of `prompt`.
 
         With `kv_cache.prefix_caching` and a `prompt` (token ids), the sequence starts holding the
         cached full pages that match the prompt's leading tokens, shared read-only with whoever else
         holds them: `seq.tokens` is that prefix (a multiple of the page size, and always shorter than
         the prompt, so the step that feeds the rest yields the last token's logits), and
-        `seq.num_cached_tokens` its length. The caller then feeds `prompt[seq.kv_len:]`.
+        `seq.num_cached_tokens` its length. The caller then feeds `prompt[seq.kv_len:]`. `validate=False`
+        skips the conversion of `prompt` to a list of ints, for callers whose prompt is one already (the
+        Engine's scheduler, as `forward`'s `validate`).
         """
         with self._exclusive("new_sequence"):
             if self._closed:
@@ -142,13 +144,13 @@ class Executor:
             seq = Sequence(id=next(self._ids))
             alloc = self.kv.allocator
             if prompt is not None and alloc.prefix_caching:
-                prompt = as_token_ids(prompt, f"sequence {seq.id}")
+                if validate:
+                    prompt = as_token_ids(prompt, f"sequence {seq.id}")
                 usable = (len(prompt) - 1) // self.page_size  # never the whole prompt
-                keys = block_keys(prompt[: usable * self.page_size], self.page_size)
-                pages = alloc.lookup(keys)
+                pages, keys = alloc.lookup(prompt[: usable * self.page_size], self.page_size)
                 alloc.share(pages)
                 n = len(pages) * self.page_size
-                seq.pages, seq.block_keys = pages, keys[: len(pages)]
+                seq.pages, seq.block_keys = pages, keys
                 seq.tokens, seq.num_cached_tokens = prompt[:n], n
             self._live[seq.id] = seq
             return seq
