@@ -8,11 +8,11 @@ runs the piece directly, so CI exercises the same split and dispatch. Attention 
 on the real tokens. A step's token count is padded up to the next capture size; padded tokens write
 their KV to the pool's reserved slot and their outputs are dropped.
 
-On CUDA, after capturing a size, a dummy step of that size replays through the traced code (Dynamo's entry,
-the split graph's Python, each `PieceRunner`'s input check) and records what it called: every piece's `graph.replay` and
-every attention call with its argument tensors, which are the captured pieces' outputs and so the
-same objects on every replay. Steps of that size run the recording, a flat list of bound
-calls; the host then spends per piece one replay call and, between pieces, the attention backend's
+On CUDA, after capturing a size, a dummy step of that size replays through the traced code (Dynamo's
+entry, the split graph's Python, each `PieceRunner`'s input check) and records what it called: every
+piece's `graph.replay` and every attention call with its argument tensors, which are the captured pieces'
+outputs and so the same objects on every replay. Steps of that size run the recording, a flat list of
+bound calls; the host then spends per piece one replay call and, between pieces, the attention backend's
 `forward` (K/V write and kernel launch).
 """
 
