@@ -324,10 +324,12 @@ def _most_splits(ctas: int, kp: int, sms: int) -> int:
     return max([s for s in range(2, min(4, kp // TILE_K // 8) + 1) if ctas * s <= sms], default=1)
 
 
+@lru_cache(maxsize=None)
 def plan(m: int, n: int, kp: int, block_m: int, stages: int, narrow_block_m: int = 0,
          sms: int = 132) -> tuple[int, int, int, tuple[int, int]]:
     """How a call of m rows runs: (token tile, stages, K splits, (row blocks, K splits) of the tail launch),
-    from `token_tile`, `choose_split` and, without splits, `tail_split`."""
+    from `token_tile`, `choose_split` and, without splits, `tail_split`. Cached: an eager call (no graph)
+    asks on every launch."""
     bm, st = token_tile(m, n, block_m, stages, narrow_block_m, sms)
     split = choose_split(m, n, kp, bm, sms)
     return bm, st, split, tail_split(m, n, kp, bm, sms) if split == 1 else (0, 1)

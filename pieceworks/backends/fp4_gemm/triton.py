@@ -7,9 +7,9 @@ values. The tile configuration is picked per call from a table tuned on an H200 
 by row count: split-K decode tiles for small M so every SM streams weights, from 17 to 1024 rows on
 sm_90 the CUDA wgmma kernel (cuda_wgmma.py: the same k32 weights decoded into the register operand of
 warpgroup MMAs, x by TMA), and above that a "dequant" entry that writes a transient bf16 copy of the
-weight (N x K x 2 bytes) and calls torch.matmul. Where the wgmma kernel can't
-run, its buckets take the tiles they replaced (`WGMMA_FALLBACK_TILES`). Nothing is autotuned at run time,
-so the kernels are safe inside CUDA graphs.
+weight (N x K x 2 bytes) and calls torch.matmul. Where the wgmma kernel can't run, its buckets take the
+tiles they replaced (`WGMMA_FALLBACK_TILES`). Nothing is autotuned at run time, so the kernels are safe
+inside CUDA graphs.
 
 Up to `cuda_decode_max_m` rows (default 16), on compute capability >= 9.0 with NVRTC loadable, the same
 k32 weights go to the CUDA decode kernel instead (cuda_decode.py, `layout="k32"`; the SwiGLU and rope

@@ -81,7 +81,7 @@ def _fp4_gemm_kernel(
     pdl_kernels.wait(PDL)
     if ROPE:  # loaded before the K loop (a few registers at 8 rows): the epilogue does not wait
         rope_c, rope_s = rope_cs(cos_ptr, sin_ptr, stride_cos, stride_sin, rm, rm < M,
-                                  pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2), rope_cols, ROPE_HALF)
+                                 pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2), rope_cols, ROPE_HALF)
     else:
         rope_c = None
         rope_s = None
@@ -98,7 +98,7 @@ def _fp4_gemm_kernel(
     acc = acc * (tl.load(gs_ptr) * OUT_BIAS)
     if not SPLIT:
         store_out(out_ptr, acc, rm, pid_n * BLOCK_N, M, N, stride_om, BLOCK_M, BLOCK_N, SWIGLU, ROPE, rope_c,
-                   rope_s, rope_cols, ROPE_HALF)
+                  rope_s, rope_cols, ROPE_HALF)
     else:
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         offs = rm[:, None].to(tl.int64) * N + rn[None, :]
@@ -114,7 +114,7 @@ def _fp4_gemm_kernel(
                     total += tl.load(part_ptr + k * mn + offs, mask=mask, other=0.0,
                                      cache_modifier=".cg")
                 store_out(out_ptr, total, rm, pid_n * BLOCK_N, M, N, stride_om, BLOCK_M, BLOCK_N, SWIGLU,
-                           ROPE, rope_c, rope_s, rope_cols, ROPE_HALF)
+                          ROPE, rope_c, rope_s, rope_cols, ROPE_HALF)
                 tl.store(count_ptr + pid, 0)
 
 
@@ -141,7 +141,7 @@ def _splitk_reduce_kernel(part_ptr, out_ptr, numel, N, SPLIT_K: tl.constexpr, BL
         rows = row + tl.arange(0, 1)
         rc, rs = rope_cs(cos_ptr, sin_ptr, stride_cos, stride_sin, rows, rows >= 0, p, rope_cols, ROPE_HALF)
         o1, o2, d1, d2 = rope_pair(y1[None, :], y2[None, :], p, rc, rs, rope_cols, ROPE_HALF,
-                                    out_ptr.dtype.element_ty)
+                                   out_ptr.dtype.element_ty)
         dst = out_ptr + row.to(tl.int64) * N
         tl.store(dst + d1[None, :], o1, mask=pmask[None, :])
         tl.store(dst + d2[None, :], o2, mask=pmask[None, :])
