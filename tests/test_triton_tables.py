@@ -184,10 +184,10 @@ def test_wgmma_splits_keep_every_cta_in_one_round():
     assert cuda_wgmma.tail_split(512, 28672, 4096, 256, sms=112) == (0, 1)  # 448 = 4 x 112
 
 
-def test_wgmma_narrow_token_tile_where_the_grid_leaves_sms_idle():
-    """A wgmma bucket's narrow_block_m takes over (with its most stages) only where the block_m grid has
-    fewer CTAs than SMs: at 256 tokens q/k/v (48 row blocks) and o run 128-token tiles, gate/up (224) keeps
-    256; the shipped table names it for M = 129..256 only."""
+def test_wgmma_narrow_token_tile_where_the_grid_leaves_sms_idle_or_pads_more_rows():
+    """A wgmma bucket's narrow_block_m takes over (with its most stages) where the block_m grid has fewer
+    CTAs than SMs (at 256 tokens q/k/v (48 row blocks) and o run 128-token tiles, gate/up (224) keeps 256)
+    or where its tiles cover M in fewer padded rows; the shipped table names it for M = 129..768."""
     from pieceworks.backends.fp4_gemm import cuda_wgmma
 
     assert cuda_wgmma.token_tile(256, 6144, 256, 3, 128) == (128, cuda_wgmma.max_stages(128)) == (128, 5)
@@ -195,9 +195,14 @@ def test_wgmma_narrow_token_tile_where_the_grid_leaves_sms_idle():
     assert cuda_wgmma.token_tile(256, 28672, 256, 3, 128) == (256, 3)
     assert cuda_wgmma.token_tile(256, 6144, 256, 3, 0) == (256, 3)  # no narrow tile named
     assert cuda_wgmma.token_tile(256, 28672, 256, 3, 128, sms=300) == (128, 5)  # 224 CTAs < 300 SMs
+    assert cuda_wgmma.token_tile(288, 28672, 256, 3, 128) == (128, 5)  # 384 rows against 512
+    assert cuda_wgmma.token_tile(640, 28672, 256, 3, 128) == (128, 5)  # 640 against 768
+    assert cuda_wgmma.token_tile(416, 28672, 256, 3, 128) == (256, 3)  # 512 either way
+    assert cuda_wgmma.token_tile(512, 28672, 256, 3, 128) == (256, 3)
     table = parse_table(FP4_GEMM_TILES)
-    assert select_tile(table, 200).narrow_block_m == 128 and select_tile(table, 200).block_m == 256
-    assert select_tile(table, 300).narrow_block_m == 0 and select_tile(table, 100).narrow_block_m == 0
+    for m in (200, 300, 768):
+        assert select_tile(table, m).narrow_block_m == 128 and select_tile(table, m).block_m == 256
+    assert select_tile(table, 800).narrow_block_m == 0 and select_tile(table, 100).narrow_block_m == 0
     with pytest.raises(ValueError, match="narrow_block_m"):
         TileConfig(kind="wgmma", block_m=128, num_stages=5, narrow_block_m=256)
     with pytest.raises(ValueError, match="narrow_block_m"):

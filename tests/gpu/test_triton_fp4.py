@@ -235,6 +235,30 @@ def test_wgmma_narrow_token_tile(n):
     assert torch.equal(y, gemm_kernels.fp4_gemm(x, *packed, n, k, twin, 1))
 
 
+@pytest.mark.parametrize("block_m", [32, 64, 128, 256])
+@pytest.mark.parametrize("split", [1, 3])
+def test_wgmma_last_token_tile_same_bits_as_padded_x(block_m, split):
+    """The last token tile of M >= block_m rows loads the block_m rows ending at M (no box past M): its
+    rows equal, bit for bit, the rows of the same x zero-padded to whole tiles, in plain and split calls."""
+    from pieceworks.backends.fp4_gemm import cuda_wgmma
+
+    x0 = torch.empty(1, device=DEV, dtype=torch.bfloat16)
+    if cuda_wgmma.unsupported(x0):
+        pytest.skip(cuda_wgmma.unsupported(x0))
+    n, k, m = 520, 2048, block_m + 37
+    gen = torch.Generator(DEV).manual_seed(block_m + split)
+    w = random_fp4(n, k, gen)
+    packed = (*repack_k32(w.weight, w.weight_scale), w.weight_scale_2)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
+    padded = torch.zeros(-(-m // block_m) * block_m, k, device=DEV, dtype=torch.bfloat16)
+    padded[:m] = x
+    got = cuda_wgmma.gemm(x, *packed, n, k, block_m, split=split)
+    want = cuda_wgmma.gemm(padded, *packed, n, k, block_m, split=split)
+    assert torch.equal(got, want[:, :m] if split > 1 else want[:m])
+    if split == 1:
+        assert rel_err(got, reference(x, w)) < TOL
+
+
 def test_fused_split_k_matches_two_kernel_split_k_bitwise():
     """Same partials, same summation order: the in-kernel reduction equals the second-kernel one, and
     repeated calls are identical (the split that finishes last does not change the result)."""

@@ -16,7 +16,8 @@ lane's columns of the k16 step over elements 16q..16q+15; slots 2 and 3 give the
 64 + 16q... So the MMA's K order is the element order and x needs no permutation.
 
 Per stage (S in flight): x [BM tokens x 128 K] as two TMA boxes of 64 columns in the 128-byte swizzled
-layout (zero fill past M and K), the two 4 KB unit tiles and the two 512-byte scale tiles by bulk copies
+layout (zero fill past M and K; the last token tile of M >= BM rows loads the BM rows ending at M instead,
+overlapping the tile before it, and stores only its own rows: boxes mostly past M ran slowly), the two 4 KB unit tiles and the two 512-byte scale tiles by bulk copies
 (the storage tiles are contiguous), all completing on the stage's full mbarrier. One thread of a third
 (producer) warpgroup issues a stage once every consumer thread arrived on its empty mbarrier (after its
 warpgroup's wgmmas of that stage): no CTA-wide barrier in the K loop, the copies of S tiles in flight under
@@ -142,7 +143,9 @@ __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 s0 = (u32)__cvta_generic_to_shared(smem), bars = s0 + S * STAGE;  // full[S], empty[S]
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int by = blockIdx.y + yoff, m0 = blockIdx.x * BM, n0 = by * 128;
+    // The last token tile of M >= BM rows loads the BM rows ending at M (overlapping the tile before it) and
+    // stores only its own: a box mostly past M, zero-filled by TMA, made M = 288 run 20-50% slower than 512.
+    const int by = blockIdx.y + yoff, m0 = blockIdx.x * BM, ml = M >= BM ? min(m0, M - BM) : m0, n0 = by * 128;
     const int rb0 = min(2 * by, nrb - 1), rb1 = min(2 * by + 1, nrb - 1);
     const int kb = SPLIT ? (int)(((long long)nkt * blockIdx.z) / gridDim.z) : 0;
     const int nk = SPLIT ? (int)(((long long)nkt * (blockIdx.z + 1)) / gridDim.z) - kb : nkt;
@@ -150,8 +153,8 @@ __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
         const int kt = kb + i;
         const u32 base = s0 + st * STAGE, full = bars + 8 * st;
         expect_tx(full, STAGE);
-        tma2d(base, &tm, kt * 128, m0, full);
-        tma2d(base + BM * 128, &tm, kt * 128 + 64, m0, full);
+        tma2d(base, &tm, kt * 128, ml, full);
+        tma2d(base + BM * 128, &tm, kt * 128 + 64, ml, full);
         bulk(base + XB, codes + ((size_t)rb0 * nkt + kt) * 4096, 4096, full);
         bulk(base + XB + 4096, codes + ((size_t)rb1 * nkt + kt) * 4096, 4096, full);
         bulk(base + XB + 8192, scales + ((size_t)rb0 * nkt + kt) * 512, 512, full);
@@ -223,14 +226,15 @@ __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
     for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int tok = m0 + 8 * j + 2 * t + (e & 1), n = row + 8 * (e >> 1);
+            const int tok = ml + 8 * j + 2 * t + (e & 1), n = row + 8 * (e >> 1);
             const float v = acc[4 * j + e] * gs;
+            const bool own = tok >= m0 && tok < M;  // rows below m0 are the tile before's to store
             if (SPLIT) {
-                if (tok < M && n < N) ((float*)out)[((size_t)blockIdx.z * M + tok) * ldo + n - yoff * 128] = v;
+                if (own && n < N) ((float*)out)[((size_t)blockIdx.z * M + tok) * ldo + n - yoff * 128] = v;
             } else if (SWIGLU) {
                 const float u = __shfl_xor_sync(0xffffffffu, v, 4);
-                if (!(g & 1) && tok < M && n < N) out[(size_t)tok * ldo + (n >> 1)] = swiglu(v, u);
-            } else if (tok < M && n < N) {
+                if (!(g & 1) && own && n < N) out[(size_t)tok * ldo + (n >> 1)] = swiglu(v, u);
+            } else if (own && n < N) {
                 out[(size_t)tok * ldo + n] = to_bf16(v);
             }
         }
@@ -337,11 +341,13 @@ def plan(m: int, n: int, kp: int, block_m: int, stages: int, narrow_block_m: int
 
 def token_tile(m: int, n: int, block_m: int, stages: int, narrow_block_m: int = 0,
                sms: int = 132) -> tuple[int, int]:
-    """(block_m, stages) of a call: the bucket's tile, or where its grid holds fewer CTAs than the SMs and
-    the bucket names a narrower tile (`narrow_block_m`), that one with its most stages (more CTAs, each
-    re-reading x: q/k/v, o and the expert shapes at 256 tokens run faster on 128-token tiles, gate/up
-    does not)."""
-    if narrow_block_m and -(-m // block_m) * -(-n // ROWS) < sms:
+    """(block_m, stages) of a call: the bucket's tile, or where the bucket names a narrower tile
+    (`narrow_block_m`), that one with its most stages where the bucket's grid holds fewer CTAs than the SMs
+    (more CTAs, each re-reading x: q/k/v, o and the expert shapes at 256 tokens run faster on 128-token
+    tiles, gate/up does not) or where the narrower tiles cover m in fewer padded rows (288 rows: 384
+    against 512)."""
+    if narrow_block_m and (-(-m // block_m) * -(-n // ROWS) < sms
+                           or -(-m // narrow_block_m) * narrow_block_m < -(-m // block_m) * block_m):
         return narrow_block_m, max_stages(narrow_block_m)
     return block_m, stages
 

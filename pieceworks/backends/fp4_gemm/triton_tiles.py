@@ -71,6 +71,7 @@ FP4_GEMM_TILES = [
     dict(max_m=64, kind="wgmma", block_m=64, num_stages=8),
     dict(max_m=128, kind="wgmma", block_m=128, num_stages=5),
     dict(max_m=256, kind="wgmma", block_m=256, num_stages=3, narrow_block_m=128),
+    dict(max_m=768, kind="wgmma", block_m=256, num_stages=3, narrow_block_m=128),
     dict(max_m=1024, kind="wgmma", block_m=256, num_stages=3),
     dict(max_m=None, kind="dequant"),
 ]
