@@ -127,10 +127,10 @@ __device__ __forceinline__ void mbar_arrive_if(u32 a, int when) {
                  :: "r"(a), "r"(when) : "memory");
 }
 
-// x by TMA (two 64-element boxes of BM rows, 128-byte swizzle, zero fill past M and K), the weight and scale
-// tiles by bulk copies, all completing on the stage's full barrier; thread 256 (the producer warpgroup) issues
-// a stage once every consumer thread arrived on its empty barrier (after its warpgroup's wgmmas of that
-// stage). No CTA-wide barrier and no branch in the consumers' K loop.
+// x by TMA (two 64-element boxes of BM rows from row ml, 128-byte swizzle, zero fill past K, and past M where
+// M < BM), the weight and scale tiles by bulk copies, all completing on the stage's full barrier; thread 256
+// (the producer warpgroup) issues a stage once every consumer thread arrived on its empty barrier (after its
+// warpgroup's wgmmas of that stage). No CTA-wide barrier and no branch in the consumers' K loop.
 // SPLIT: blockIdx.z of gridDim.z takes its share of the K tiles and stores float32 partials (scaled) to
 // out as float [gridDim.z, M, ldo] (the columns from row block yoff on), which a second kernel sums.
 // yoff: the first 128-row block of W this launch covers (blockIdx.y counts from it).
