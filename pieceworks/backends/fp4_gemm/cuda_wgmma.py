@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
     const u32 s0 = (u32)__cvta_generic_to_shared(smem), bars = s0 + S * STAGE;  // full[S], empty[S]
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
     // The last token tile of M >= BM rows loads the BM rows ending at M (overlapping the tile before it) and
-    // stores only its own: a box mostly past M, zero-filled by TMA, made M = 288 run 20-50% slower than 512.
+    // stores only its own: a box mostly past M, zero-filled by TMA, made M = 288 run 20-54% slower than 512.
     const int by = blockIdx.y + yoff, m0 = blockIdx.x * BM, ml = M >= BM ? min(m0, M - BM) : m0, n0 = by * 128;
     const int rb0 = min(2 * by, nrb - 1), rb1 = min(2 * by + 1, nrb - 1);
     const int kb = SPLIT ? (int)(((long long)nkt * blockIdx.z) / gridDim.z) : 0;
