@@ -62,7 +62,7 @@ quarter of the scales; see `triton_k32.quad_k`).
 #   M = 128, 64-token tiles won on o and the expert down only (13.4 / 11.5 against 14.8 / 12.8 us) and lost on
 #   gate/up (76.9 against 53.6-53.9).
 # - M = 257..768 take 128-token tiles where those pad fewer rows (288..384, 544..640). 2026-12-03 16:28, only-256
-#   against only-128 tables (docs/benchmarks.md, "Between tile multiples"): gate/up 172-178 -> 144-150 us at
+#   against only-128 tables (docs/benchmarks.md, "Between tile multiples"): gate/up 171-178 -> 144-150 us at
 #   288-384, down 140-147 -> 117-120 at 544-640; down and the expert down lose 1-7 us at 288-416, the rest gains.
 FP4_GEMM_TILES = [
     dict(max_m=8, kind="fused", block_m=8, block_n=64, block_k=256, group_m=1, num_warps=4,
