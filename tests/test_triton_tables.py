@@ -185,9 +185,10 @@ def test_wgmma_splits_keep_every_cta_in_one_round():
 
 
 def test_wgmma_narrow_token_tile_where_the_grid_leaves_sms_idle_or_pads_more_rows():
-    """A wgmma bucket's narrow_block_m takes over (with its most stages) where the block_m grid has fewer
-    CTAs than SMs (at 256 tokens q/k/v (48 row blocks) and o run 128-token tiles, gate/up (224) keeps 256)
-    or where its tiles cover M in fewer padded rows; the shipped table names it for M = 129..768."""
+    """A wgmma bucket's narrow_block_m takes over (with its most stages) where one block_m token tile covers
+    M and its grid has fewer CTAs than SMs (at 256 tokens q/k/v (48 row blocks) and o run 128-token tiles,
+    gate/up (224) keeps 256), or where its tiles cover M in fewer padded rows; the shipped table names it
+    for M = 129..768."""
     from pieceworks.backends.fp4_gemm import cuda_wgmma
 
     assert cuda_wgmma.token_tile(256, 6144, 256, 3, 128) == (128, cuda_wgmma.max_stages(128)) == (128, 5)
@@ -199,6 +200,10 @@ def test_wgmma_narrow_token_tile_where_the_grid_leaves_sms_idle_or_pads_more_row
     assert cuda_wgmma.token_tile(640, 28672, 256, 3, 128) == (128, 5)  # 640 against 768
     assert cuda_wgmma.token_tile(416, 28672, 256, 3, 128) == (256, 3)  # 512 either way
     assert cuda_wgmma.token_tile(512, 28672, 256, 3, 128) == (256, 3)
+    assert cuda_wgmma.token_tile(288, 6144, 256, 3, 128) == (128, 5)
+    # past one token tile, a grid short of the SMs alone does not take the narrow tile
+    assert cuda_wgmma.token_tile(512, 6144, 256, 3, 128) == (256, 3)  # 96 CTAs
+    assert cuda_wgmma.token_tile(416, 4096, 256, 3, 128) == (256, 3)  # 64 CTAs
     table = parse_table(FP4_GEMM_TILES)
     for m in (200, 300, 768):
         assert select_tile(table, m).narrow_block_m == 128 and select_tile(table, m).block_m == 256
