@@ -17,8 +17,8 @@ lane's columns of the k16 step over elements 16q..16q+15; slots 2 and 3 give the
 
 Per stage (S in flight): x [BM tokens x 128 K] as two TMA boxes of 64 columns in the 128-byte swizzled
 layout (zero fill past M and K; the last token tile of M >= BM rows loads the BM rows ending at M instead,
-overlapping the tile before it, and stores only its own rows: boxes mostly past M ran slowly), the two 4 KB unit tiles and the two 512-byte scale tiles by bulk copies
-(the storage tiles are contiguous), all completing on the stage's full mbarrier. One thread of a third
+overlapping the tile before it, and stores only its own rows: boxes mostly past M ran slowly), the two 4 KB
+unit tiles and the two 512-byte scale tiles by bulk copies (the storage tiles are contiguous), all completing on the stage's full mbarrier. One thread of a third
 (producer) warpgroup issues a stage once every consumer thread arrived on its empty mbarrier (after its
 warpgroup's wgmmas of that stage): no CTA-wide barrier in the K loop, the copies of S tiles in flight under
 the wgmmas. The consumers' K loop has no branch (a branch, or a register defined while a wgmma that reads it

@@ -5,8 +5,8 @@ first; a call takes the first bucket whose `max_m` is at least its row count (No
 Keys: kind ("fused": dequantize in registers and feed tensor-core dots; "dequant": dequantize the whole weight
 to bf16, then torch.matmul, for compute-bound sizes; "wgmma": the CUDA kernel of cuda_wgmma.py on sm_90,
 block_m tokens (32, 64, 128 or 256) and num_stages per CTA, elsewhere its bucket of WGMMA_FALLBACK_TILES;
-narrow_block_m: a smaller token tile, with its most stages, for calls whose block_m grid leaves SMs idle or whose
-rows it covers with less padding: `cuda_wgmma.token_tile`),
+narrow_block_m: a smaller token tile, with its most stages, for calls that one block_m tile covers with a grid
+that leaves SMs idle, or whose rows it covers with less padding: `cuda_wgmma.token_tile`),
 block_m/n/k, group_m (tile order: tiles of group_m row blocks share a column sweep, for L2 reuse), num_warps,
 num_stages, w_as_a (weights as the register operand: the accumulator is [block_n, block_m]), asm (PTX
 bit-twiddling decode, else plain Triton arithmetic), one_dot (the four decoded slots of a K tile feed one dot
