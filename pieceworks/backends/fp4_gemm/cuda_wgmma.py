@@ -15,18 +15,19 @@ slot 0 holds elements 16q + 2t, +1 and slot 1 elements 16q + 8 + 2t, +1 (`k32.el
 lane's columns of the k16 step over elements 16q..16q+15; slots 2 and 3 give the step over elements
 64 + 16q... So the MMA's K order is the element order and x needs no permutation.
 
-Per stage (S in flight): x [BM tokens x 128 K] as two TMA boxes of 64 columns in the 128-byte swizzled
-layout (zero fill past M and K; the last token tile of M >= BM rows loads the BM rows ending at M instead,
+Per stage (S in flight): x [BM tokens x 128 K] as two TMA boxes of 64 columns in the 128-byte swizzled layout
+(zero fill past M and K; the last token tile of M >= BM rows loads the BM rows ending at M instead,
 overlapping the tile before it, and stores only its own rows: boxes mostly past M ran slowly), the two 4 KB
-unit tiles and the two 512-byte scale tiles by bulk copies (the storage tiles are contiguous), all completing on the stage's full mbarrier. One thread of a third
-(producer) warpgroup issues a stage once every consumer thread arrived on its empty mbarrier (after its
-warpgroup's wgmmas of that stage): no CTA-wide barrier in the K loop, the copies of S tiles in flight under
-the wgmmas. The consumers' K loop has no branch (a branch, or a register defined while a wgmma that reads it
-is in flight, makes ptxas serialize every wgmma: its C7513 note) and a k16 step's decode waits only for the
-wgmmas two steps back, which read the same registers; `setmaxnreg` gives the consumers the registers of
-256-token tiles. Where the output tiles alone leave SMs idle, blockIdx.z splits K as far as one round of
-CTAs holds (`choose_split`) and float32 partials go to a second kernel; where a last round of tiles would
-leave most SMs idle, those tiles run as a second launch split over K (`tail_split`, `row_blocks`).
+unit tiles and the two 512-byte scale tiles by bulk copies (the storage tiles are contiguous), all completing
+on the stage's full mbarrier. One thread of a third (producer) warpgroup issues a stage once every consumer
+thread arrived on its empty mbarrier (after its warpgroup's wgmmas of that stage): no CTA-wide barrier in the
+K loop, the copies of S tiles in flight under the wgmmas. The consumers' K loop has no branch (a branch, or a
+register defined while a wgmma that reads it is in flight, makes ptxas serialize every wgmma: its C7513 note)
+and a k16 step's decode waits only for the wgmmas two steps back, which read the same registers; `setmaxnreg`
+gives the consumers the registers of 256-token tiles. Where the output tiles alone leave SMs idle, blockIdx.z
+splits K as far as one round of CTAs holds (`choose_split`) and float32 partials go to a second kernel; where
+a last round of tiles would leave most SMs idle, those tiles run as a second launch split over K
+(`tail_split`, `row_blocks`).
 
 The shipped tile table runs it at M = 17..1024 (triton_tiles.py); measured on the H200 against bf16
 cuBLAS, the Triton tiles and dequantize + cuBLAS, with the variants that lost (CTA pairs with x by TMA
