@@ -111,14 +111,12 @@ class PageAllocator:
         that shares nothing costs one hash."""
         pages: list[int] = []
         keys: list[bytes] = []
-        parent = None
-        for i in range(len(tokens) // page_size):
-            parent = block_key(parent, tokens[i * page_size : (i + 1) * page_size])
-            page = self._page_of.get(parent)
+        for key in iter_block_keys(tokens, page_size):
+            page = self._page_of.get(key)
             if page is None:
                 break
             pages.append(page)
-            keys.append(parent)
+            keys.append(key)
         return pages, keys
 
     def share(self, pages: list[int]) -> None:
@@ -146,15 +144,18 @@ def block_key(parent: bytes | None, tokens: list[int]) -> bytes:
     return h.digest()
 
 
-def block_keys(tokens: list[int], page_size: int, parent: bytes | None = None,
-               start_page: int = 0) -> list[bytes]:
+def iter_block_keys(tokens: list[int], page_size: int, parent: bytes | None = None, start_page: int = 0):
     """Keys of the full pages of `tokens` from page `start_page` on, chained from `parent` (the key
-    of page start_page - 1)."""
-    keys = []
+    of page start_page - 1), each hashed when asked for."""
     for i in range(start_page, len(tokens) // page_size):
         parent = block_key(parent, tokens[i * page_size : (i + 1) * page_size])
-        keys.append(parent)
-    return keys
+        yield parent
+
+
+def block_keys(tokens: list[int], page_size: int, parent: bytes | None = None,
+               start_page: int = 0) -> list[bytes]:
+    """`iter_block_keys` as a list."""
+    return list(iter_block_keys(tokens, page_size, parent, start_page))
 
 
 class KVPool:
