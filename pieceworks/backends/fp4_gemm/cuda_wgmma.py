@@ -345,8 +345,8 @@ def token_tile(m: int, n: int, block_m: int, stages: int, narrow_block_m: int = 
     """(block_m, stages) of a call: the bucket's tile, or where the bucket names a narrower tile
     (`narrow_block_m`), that one with its most stages where one token tile covers m and its grid holds
     fewer CTAs than the SMs (more CTAs, each re-reading x: q/k/v, o and the expert shapes at 256 tokens run
-    faster on 128-token tiles, gate/up does not; at 416 and 512 tokens q/k/v, down and the expert down run
-    slower on them), or where the narrower tiles cover m in fewer padded rows (288 rows: 384 against 512)."""
+    faster on 128-token tiles, gate/up does not; at 416 tokens q/k/v, down and the expert down run slower on
+    them, down at 512 too), or where the narrower tiles cover m in fewer padded rows (288 rows: 384 against 512)."""
     tiles = -(-m // block_m)
     if narrow_block_m and ((tiles == 1 and -(-n // ROWS) < sms)
                            or -(-m // narrow_block_m) * narrow_block_m < tiles * block_m):
