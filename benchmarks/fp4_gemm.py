@@ -28,6 +28,7 @@ from common import (HBM, SHAPES, add_pdl_option, configure_pdl, copies_for, fp4_
 
 from pieceworks.backends.base import BackendSpec
 from pieceworks.backends.fp4_gemm import cuda_wgmma
+from pieceworks.backends.fp4_gemm.cuda_launch import multiprocessors
 from pieceworks.backends.fp4_gemm.triton import TileConfig, TritonFp4GemmBackend, choose_split_k, parse_table
 from pieceworks.backends.fp4_gemm.triton_tiles import FP4_GEMM_TILES
 from pieceworks.quant import nvfp4
@@ -250,7 +251,7 @@ def sweep(out_dir: str, gen, workers: int, only_m=None) -> list[dict]:
 
 def benchmark(table, out_dir: str, gen, ms=MS) -> list[dict]:
     backend, results = backend_with(parse_table(table)), []
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = multiprocessors(torch.device("cuda"))  # what triton_kernels.fp4_gemm passes to cuda_wgmma.plan
     for name, (n, k) in SHAPES.items():
         for m in ms:
             ws = weights_for(n, k, gen)[0]
