@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pieceworks import Executor
-from pieceworks.core.batch import ForwardBatch, ForwardMode
+from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode
 from pieceworks.errors import BatchError, OutOfPages
 
 TINY = {
@@ -252,6 +252,38 @@ def test_token_rows_match_the_per_token_rule():
         assert positions.tolist() == want_pos + [0] * pad, case
         assert slots.tolist() == want_slots + [-7] * pad, case
         assert ids.dtype == positions.dtype == slots.dtype == np.int64
+
+
+def test_step_inputs_share_one_buffer_and_match_the_separate_arrays():
+    """step_inputs' token rows and page table (views of one buffer, the table 16-byte aligned after the
+    rows, odd and even row counts) equal token_rows' and page_table's; a reused buffer's padding is reset."""
+    from pieceworks.core.batch import Sequence
+    from pieceworks.executor.inputs import page_table, step_inputs, token_rows
+
+    rng = random.Random(8)
+    for case in range(20):
+        ps = rng.choice([1, 4, 16])
+        seqs, tokens = [], []
+        for i in range(rng.randrange(1, 5)):
+            seq = Sequence(id=i)
+            seq.tokens = [1] * rng.randrange(0, 40)
+            tokens.append([rng.randrange(1000) for _ in range(rng.randrange(1, 8))])
+            seq.pages = rng.sample(range(1, 500), -(-(seq.kv_len + len(tokens[-1])) // ps) + rng.randrange(2))
+            seqs.append(seq)
+        n = sum(map(len, tokens))
+        pad_to = rng.choice([None, n, n + 3])
+        width = max(len(s.pages) for s in seqs) + rng.randrange(3)
+        meta, ids = step_inputs(ForwardMode.EXTEND, GraphMode.EAGER, seqs, tokens, ps, 0, torch.device("cpu"),
+                                pad_to, width)
+        table = page_table([s.pages for s in seqs], width)
+        rows = token_rows(tokens, [s.kv_len for s in seqs], table.numpy(), ps, pad_to, 0)
+        assert torch.equal(meta.page_table, table), case
+        assert ids.tolist() == rows[0].tolist() and meta.positions.tolist() == rows[1].tolist(), case
+        assert meta.slot_mapping.tolist() == rows[2].tolist(), case
+        assert (meta.page_table.data_ptr() - ids.data_ptr()) % 16 == 0, case
+    out = np.full((3, 6), 5, dtype=np.int64)
+    token_rows([[7, 8]], [0], np.array([[3]], dtype=np.int32), 4, 6, -1, out=out)
+    assert out.tolist() == [[7, 8, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0], [12, 13, -1, -1, -1, -1]]
 
 
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])

@@ -106,7 +106,7 @@ def _short(x: Any) -> str:
 
 
 def token_rows(tokens: list[list[int]], kv_lens: list[int], table: np.ndarray, page_size: int,
-               pad_to: int | None, pad_slot: int) -> np.ndarray:
+               pad_to: int | None, pad_slot: int, out: np.ndarray | None = None) -> np.ndarray:
     """int64 [3, T] rows (token ids, positions, KV slots) of a step's new tokens, sequence after sequence,
     padded to `pad_to` tokens with id 0, position 0 and `pad_slot`.
 
@@ -114,13 +114,15 @@ def token_rows(tokens: list[list[int]], kv_lens: list[int], table: np.ndarray, p
     page * page_size + position % page_size of the page that holds the position, read from row i of
     `table` (`page_table`'s array). Vectorized in numpy (a fixed number of array ops per step): on the
     CPU machine an 8192-token prefill's rows took 4.5 ms with per-token Python and tensors built from
-    lists, 0.3 ms this way (an eager 32-sequence decode step: 35 -> 25 us).
+    lists, 0.3 ms this way (an eager 32-sequence decode step: 35 -> 25 us). Written into `out` (int64
+    [3, T]) when given.
     """
     counts = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
     n = int(counts.sum())
     total = pad_to or n
-    rows = np.zeros((3, total), dtype=np.int64)
+    rows = np.empty((3, total), dtype=np.int64) if out is None else out
     ids, positions, slots = rows
+    ids[n:] = positions[n:] = 0
     slots[:] = pad_slot
     if n:
         seq = np.repeat(np.arange(len(tokens)), counts)
@@ -132,17 +134,21 @@ def token_rows(tokens: list[list[int]], kv_lens: list[int], table: np.ndarray, p
     return rows
 
 
-def page_table(pages: list[list[int]], width: int, fill: int = 0) -> torch.Tensor:
+def page_table(pages: list[list[int]], width: int, fill: int = 0, out: np.ndarray | None = None) -> torch.Tensor:
     """[len(pages), width] int32 host tensor of each sequence's pages, padded with `fill`.
 
     Built in numpy, one flat copy of the page ids and a masked store: every decode-graph replay builds
     one as wide as the longest sequence allowed (576 pages for 9216 tokens in pages of 16): about 0.06 ms
-    at 32 sequences on the CPU machine, where a nested Python list takes 1.4 ms.
+    at 32 sequences on the CPU machine, where a nested Python list takes 1.4 ms. Written into `out`
+    (int32 [len(pages), width]) when given.
     """
     lens = np.fromiter(map(len, pages), dtype=np.int64, count=len(pages))
     if lens.size and int(lens.max()) > width:
         raise ValueError(f"a sequence has {int(lens.max())} pages, more than the table's width {width}")
-    out = np.full((len(pages), width), fill, dtype=np.int32)
+    if out is None:
+        out = np.full((len(pages), width), fill, dtype=np.int32)
+    else:
+        out[:] = fill
     out[np.arange(width)[None, :] < lens[:, None]] = np.fromiter(
         itertools.chain.from_iterable(pages), dtype=np.int32, count=int(lens.sum()))
     return torch.from_numpy(out)
@@ -153,17 +159,26 @@ def step_inputs(mode: ForwardMode, graph: GraphMode, seqs: list[Sequence], token
                 table_width: int | None = None) -> tuple[StepMetadata, torch.Tensor]:
     """(`StepMetadata`, token ids) of one step on `device` (`Executor.prepare_step`; the sequences'
     pages already reserved). Padded tokens (up to `pad_to`) get token id 0, position 0 and `pad_slot`;
-    the page table is `table_width` wide (default: the longest page list)."""
+    the page table is `table_width` wide (default: the longest page list).
+
+    Both go to the device in one copy: one int64 host buffer holds the token rows [3, T] and then the
+    page table as int32 pairs (starting on a 16-byte boundary), and the metadata's tensors are views of
+    its device copy (each copy through pinned memory costs 30-90 us of host time on the H200 machine)."""
     pages = [s.pages for s in seqs]
-    table = page_table(pages, table_width or max(1, max(map(len, pages))))
-    rows = token_rows(tokens, [s.kv_len for s in seqs], table.numpy(), page_size, pad_to, pad_slot)
-    # one copy to the device for all three rows
-    ids, positions, slots = to_device(torch.from_numpy(rows), device)
+    kv_lens = [s.kv_len for s in seqs]
+    width = table_width or max(1, max(map(len, pages)))
+    total = pad_to or sum(map(len, tokens))
+    at = -(-3 * total // 2) * 2  # the table's first int64, even: 16-byte aligned
+    buf = np.empty(at + -(-len(pages) * width // 2), dtype=np.int64)
+    table = buf[at:].view(np.int32)[: len(pages) * width].reshape(len(pages), width)
+    page_table(pages, width, out=table)
+    token_rows(tokens, kv_lens, table, page_size, pad_to, pad_slot, out=buf[: 3 * total].reshape(3, total))
+    dev = to_device(torch.from_numpy(buf), device)
+    ids, positions, slots = dev[: 3 * total].view(3, total)
     meta = StepMetadata(
-        mode=mode, graph_mode=graph,
-        extend_lens=[len(t) for t in tokens], prefix_lens=[s.kv_len for s in seqs],
-        page_size=page_size, page_table=to_device(table, device), slot_mapping=slots, positions=positions,
-        page_lists=pages,
+        mode=mode, graph_mode=graph, extend_lens=[len(t) for t in tokens], prefix_lens=kv_lens,
+        page_size=page_size, page_table=dev[at:].view(torch.int32)[: len(pages) * width].view(len(pages), width),
+        slot_mapping=slots, positions=positions, page_lists=pages,
     )
     return meta, ids
 

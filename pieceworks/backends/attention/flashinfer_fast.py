@@ -51,7 +51,7 @@ class PlanCopyGuard:
     kernels run with the later step's schedule. `before(wrapper)` waits for the event recorded after
     that wrapper's previous plan (normally long complete); `after(wrapper)` records it. Skipped while
     capturing (plans never run inside a capture: the runner plans before it). Any hashable key may
-    stand for a wrapper: `FastPlan` guards its own staging buffers with one.
+    stand for a wrapper.
     """
 
     def __init__(self) -> None:
@@ -87,18 +87,17 @@ class FastPlan:
     hold our host qo_indptr, kv indptr and KV lengths (by identity) followed by the row and sequence
     counts, and the wrapper must be an eager (not CUDA-graph) fa2/fa3 wrapper without masks;
     otherwise it returns None and the public plan stays. A FastPlan then builds the step's CSR
-    arrays in numpy inside a pinned staging buffer (two, alternating: a `PlanCopyGuard` waits for a
-    copy still pending from the plan before last, as it does for the planner's own buffer), sends them
-    with one copy into a device buffer kept across steps, calls the planner with the new host
+    arrays in numpy inside a pinned staging buffer, sends them with one copy into a device buffer kept
+    across steps (the caller's `PlanCopyGuard` on the wrapper, which waits for the previous plan's copies
+    before the next plan, keeps the staging buffer from being rewritten under a pending copy too: one
+    event per plan, not two), calls the planner with the new host
     arrays and sets the attributes `run()` reads (`PLAN_TENSORS`, `PLAN_INTS`, `_qo_indptr_last`).
     The GPU tests compare the wrapper's state and the attention output with the public plan's.
     """
 
     def __init__(self, fn, args: list, at: int, page_size: int, device: torch.device) -> None:
         self.fn, self.args, self.at, self.page_size, self.device = fn, args, at, page_size, device
-        self.stage: list[torch.Tensor | None] = [None, None]
-        self.turn = 0
-        self.guard = PlanCopyGuard()  # keyed by turn: staging buffer 0 or 1
+        self.stage: torch.Tensor | None = None
         self.device_buf: torch.Tensor | None = None
 
     @classmethod
@@ -127,7 +126,6 @@ class FastPlan:
         flat = flat_pages(page_lists, counts)
         total = 4 * b + 2 + len(flat)
         device = self.device
-        self.guard.before(self.turn)
         host = self._staging(total, device)
         a = host.numpy()
         np.cumsum(qo_lens, dtype=np.int32, out=a[1 : b + 1])
@@ -139,8 +137,6 @@ class FastPlan:
         a[4 * b + 2 : total] = flat
         dev = self._device_buffer(total, device)
         dev[:total].copy_(host[:total], non_blocking=True)
-        self.guard.after(self.turn, device)
-        self.turn ^= 1
         qo_host, kv_host, lens_host = host[: b + 1], host[b + 1 : 2 * b + 2], host[3 * b + 2 : 4 * b + 2]
         args = self.args
         rows = int(a[b])
@@ -154,11 +150,10 @@ class FastPlan:
         wrapper._seq_lens_kv = wrapper._seq_lens_q = lens_host
 
     def _staging(self, n: int, device: torch.device) -> torch.Tensor:
-        """This turn's int32 staging buffer of at least n entries (pinned for a GPU)."""
-        i = self.turn
-        if self.stage[i] is None or self.stage[i].numel() < n:
-            self.stage[i] = torch.empty(max(n, 4096), dtype=torch.int32, pin_memory=device.type == "cuda")
-        return self.stage[i]
+        """The int32 staging buffer of at least n entries (pinned for a GPU)."""
+        if self.stage is None or self.stage.numel() < n:
+            self.stage = torch.empty(max(n, 4096), dtype=torch.int32, pin_memory=device.type == "cuda")
+        return self.stage
 
     def _device_buffer(self, n: int, device: torch.device) -> torch.Tensor:
         if self.device_buf is None or self.device_buf.numel() < n:
