@@ -88,10 +88,10 @@ class FastPlan:
     counts, and the wrapper must be an eager (not CUDA-graph) fa2/fa3 wrapper without masks;
     otherwise it returns None and the public plan stays. A FastPlan then builds the step's CSR
     arrays in numpy inside a pinned staging buffer, sends them with one copy into a device buffer kept
-    across steps (the caller's `PlanCopyGuard` on the wrapper, which waits for the previous plan's copies
-    before the next plan, keeps the staging buffer from being rewritten under a pending copy too: one
-    event per plan, not two), calls the planner with the new host
-    arrays and sets the attributes `run()` reads (`PLAN_TENSORS`, `PLAN_INTS`, `_qo_indptr_last`).
+    across steps, calls the planner with the new host arrays and sets the attributes `run()` reads
+    (`PLAN_TENSORS`, `PLAN_INTS`, `_qo_indptr_last`). Its caller's `PlanCopyGuard` on the wrapper waits
+    for the previous plan's copies before the next plan, which keeps the staging buffer, too, from being
+    rewritten under a pending copy (one event per plan).
     The GPU tests compare the wrapper's state and the attention output with the public plan's.
     """
 
