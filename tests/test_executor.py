@@ -221,7 +221,7 @@ def test_page_table_pads_each_row():
     from pieceworks.executor.inputs import page_table
 
     rng = random.Random(3)
-    for n, width in ((0, 5), (1, 1), (3, 7), (32, 576)):
+    for n, width in ((0, 5), (1, 1), (1, 6), (3, 7), (32, 576)):
         pages = [[rng.randrange(10_000) for _ in range(rng.randrange(width + 1))] for _ in range(n)]
         want = torch.tensor([p + [9] * (width - len(p)) for p in pages], dtype=torch.int32).reshape(n, width)
         got = page_table(pages, width, fill=9)
@@ -229,6 +229,8 @@ def test_page_table_pads_each_row():
     assert torch.equal(page_table([[], [4]], 2), torch.tensor([[0, 0], [4, 0]], dtype=torch.int32))
     with pytest.raises(ValueError, match="3 pages, more than the table's width 2"):
         page_table([[1], [1, 2, 3]], 2)
+    with pytest.raises(ValueError, match="3 pages, more than the table's width 2"):
+        page_table([[1, 2, 3]], 2)
 
 
 def test_token_rows_match_the_per_token_rule():
@@ -237,7 +239,7 @@ def test_token_rows_match_the_per_token_rule():
     rng = random.Random(5)
     for case in range(30):
         ps = rng.choice([1, 4, 16])
-        b = rng.randrange(1, 6)
+        b = 1 if case % 3 == 0 else rng.randrange(2, 6)  # one sequence takes its own path
         kv_lens = [rng.randrange(0, 40) for _ in range(b)]
         tokens = [[rng.randrange(1000) for _ in range(rng.randrange(1, 9))] for _ in range(b)]
         pages = [rng.sample(range(500), -(-(k + len(t)) // ps) + rng.randrange(2)) for k, t in zip(kv_lens, tokens)]
