@@ -267,7 +267,7 @@ def benchmark(table, out_dir: str, gen, ms=MS) -> list[dict]:
                        hbm_frac=fp4_bytes(m, n, k) / t_fp4 / HBM,
                        fp4_tflops=2 * m * n * k / t_fp4 / 1e12, bf16_tflops=2 * m * n * k / t_bf16 / 1e12,
                        rel_err=err, tile=dataclasses.asdict(tile), split_k=split,
-                       wgmma=dict(zip(("block_m", "stages", "split", "tail"), wg)) if wg else None)
+                       wgmma=dict(zip(("block_m", "stages", "split", "tail", "stream_k"), wg)) if wg else None)
             results.append(row)
             print(f"{name:22s} M={m:6d}  fp4 {row['fp4_us']:9.1f} us  bf16 {row['bf16_us']:9.1f} us  "
                   f"x{row['speedup']:5.2f}  {row['fp4_tbps']:5.2f} TB/s ({100 * row['hbm_frac']:3.0f}%)  "

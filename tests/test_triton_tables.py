@@ -218,13 +218,28 @@ def test_wgmma_narrow_token_tile_where_the_grid_leaves_sms_idle_or_pads_more_row
 
 def test_wgmma_plan_is_its_parts():
     """cuda_wgmma.plan (what triton_kernels.fp4_gemm launches and fp4_gemm.py records) = token_tile, then
-    choose_split, then tail_split where nothing is split."""
+    choose_split, then tail_split and stream_k_ctas where nothing is split."""
     from pieceworks.backends.fp4_gemm import cuda_wgmma
 
-    assert cuda_wgmma.plan(256, 6144, 4096, 256, 3, 128) == (128, 5, 1, (0, 1))  # 96 CTAs, 2 splits: 192 > 132
-    assert cuda_wgmma.plan(128, 6144, 4096, 128, 5) == (128, 5, 2, (0, 1))
-    assert cuda_wgmma.plan(512, 28672, 4096, 256, 3) == (256, 3, 1, (26, 2))
-    assert cuda_wgmma.plan(512, 28672, 4096, 256, 3, sms=112) == (256, 3, 1, (0, 1))
+    assert cuda_wgmma.plan(256, 6144, 4096, 256, 3, 128) == (128, 5, 1, (0, 1), 132)  # 96 CTAs; 2 splits: 192
+    assert cuda_wgmma.plan(128, 6144, 4096, 128, 5) == (128, 5, 2, (0, 1), 0)
+    assert cuda_wgmma.plan(512, 28672, 4096, 256, 3) == (256, 3, 1, (26, 2), 132)
+    assert cuda_wgmma.plan(512, 28672, 4096, 256, 3, sms=112) == (256, 3, 1, (0, 1), 0)
+
+
+def test_stream_k_where_the_last_round_idles_more_than_partials_cost():
+    """Stream-K (one CTA per SM) where the last round of output tiles leaves each SM idle for more than
+    2 + block_m / 32 K tiles; never where the tiles fill whole rounds or K is short."""
+    from pieceworks.backends.fp4_gemm import cuda_wgmma
+
+    assert cuda_wgmma.stream_k_ctas(512, 6144, 4096, 256) == 0  # 96 tiles: 8.7 idle K tiles <= 10
+    assert cuda_wgmma.stream_k_ctas(256, 6144, 4096, 128) == 132  # the same at 128-token tiles: > 6
+    assert cuda_wgmma.stream_k_ctas(768, 4096, 14336, 256) == 132  # 96 tiles of 112 K tiles
+    assert cuda_wgmma.stream_k_ctas(512, 7168, 2048, 256) == 0  # 112 tiles of 16 K tiles: 2.4 idle
+    assert cuda_wgmma.stream_k_ctas(1024, 4096, 4096, 256) == 0  # 128 tiles: 1 idle
+    assert cuda_wgmma.stream_k_ctas(1024, 4096, 4096, 256, sms=128) == 0  # whole rounds
+    assert cuda_wgmma.stream_k_ctas(32, 28672, 4096, 32) == 132  # 224 tiles: 9.7 idle > 3
+    assert cuda_wgmma.stream_k_ctas(32, 128, 512, 32, sms=132) == 0  # 4 iterations: fewer than the SMs
 
 
 def test_wgmma_tiles_are_validated(tmp_path):

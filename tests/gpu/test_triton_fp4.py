@@ -149,8 +149,8 @@ def test_wgmma_kernels_compile_without_serialized_wgmmas():
     if nvrtc.unavailable_reason():
         pytest.skip(nvrtc.unavailable_reason())
     for bm in cuda_wgmma.BLOCK_MS:
-        for swiglu, split in ((0, 0), (1, 0), (0, 1)):
-            name = f"fp4_wgmma_tma<{bm}, {cuda_wgmma.max_stages(bm)}, {swiglu}, {split}>"
+        for swiglu, split, stream_k in ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 0, 1)):
+            name = f"fp4_wgmma_tma<{bm}, {cuda_wgmma.max_stages(bm)}, {swiglu}, {split}, {stream_k}>"
             _, _, text = nvrtc._compile(cuda_wgmma.source(bm), name, "sm_90a")
             assert nvrtc.SERIALIZED_WGMMA not in text, f"{name}: {text}"
 
@@ -208,6 +208,44 @@ def test_wgmma_tail_launch(swiglu):
                                 cfg, 1, swiglu=True)
     ref = reference(x, w)
     assert rel_err(got, fused.silu_mul(ref[:, : n // 2], ref[:, n // 2 :])) < TOL
+
+
+@pytest.mark.parametrize("block_m", [32, 64, 128, 256])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_wgmma_stream_k(block_m, swiglu):
+    """Stream-K launches (CTAs sharing the tiles' K iterations) at several CTA counts: each matches the
+    reference (the SwiGLU one the GEMM followed by silu_mul), repeats its own bits, and leaves the flags
+    zero; with one whole tile per CTA it is the plain launch, bit for bit."""
+    from pieceworks.backends.fp4_gemm import cuda_wgmma
+    from pieceworks.backends.fp4_gemm.cuda_launch import multiprocessors
+    from pieceworks.backends.fp4_gemm.interleave import interleave_gate_up
+    from pieceworks.models import fused
+
+    x0 = torch.empty(1, device=DEV, dtype=torch.bfloat16)
+    if cuda_wgmma.unsupported(x0):
+        pytest.skip(cuda_wgmma.unsupported(x0))
+    n, k, m = 1480 * 2, 2064, block_m + 37  # 24 row blocks, 20 K tiles (K padded to 2560)
+    gen = torch.Generator(DEV).manual_seed(block_m + swiglu)
+    w = random_fp4(n, k, gen)
+    order = interleave_gate_up(n).to(DEV) if swiglu else torch.arange(n, device=DEV)
+    packed = (*repack_k32(w.weight[order], w.weight_scale[order]), w.weight_scale_2)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
+    ref = reference(x, w)
+    if swiglu:
+        ref = fused.silu_mul(ref[:, : n // 2], ref[:, n // 2 :])
+    sms = multiprocessors(x.device)
+    tiles = -(-m // block_m) * 24
+    work = torch.full((cuda_wgmma.workspace_floats(sms, block_m),), float("nan"), device=DEV)
+    flags = torch.zeros(tiles, dtype=torch.int32, device=DEV)
+    plain = cuda_wgmma.gemm(x, *packed, n, k, block_m, swiglu=swiglu)
+    for ctas in sorted({7, 29, tiles, min(sms, 131)}):
+        got = cuda_wgmma.gemm(x, *packed, n, k, block_m, swiglu=swiglu, stream_k=ctas, workspace=(work, flags))
+        assert rel_err(got, ref) < TOL, ctas
+        assert torch.count_nonzero(flags) == 0, ctas
+        again = cuda_wgmma.gemm(x, *packed, n, k, block_m, swiglu=swiglu, stream_k=ctas, workspace=(work, flags))
+        assert torch.equal(got, again), ctas
+        if ctas == tiles:
+            assert torch.equal(got, plain)
 
 
 @pytest.mark.parametrize("n", [4096, 28672])
@@ -341,8 +379,8 @@ def test_gemm_cuda_graph_replay_matches_eager(m, decode):
 def test_gemm_swiglu_same_bits_as_gemm_then_silu_mul(m, decode, inter):
     """forward_swiglu on the interleaved weight == forward on the same weight, then the silu_mul op on its
     gate / up columns, and == forward on the plain one, then silu_mul, wherever every column takes the same
-    K split (a wgmma tail launch splits the last row blocks only: other columns in the two row orders, so
-    there within TOL): every M bucket (split-K with the in-kernel and the separate reduction, plain tiles,
+    K split (a wgmma tail launch splits the last row blocks only, stream-K splits each tile at its own
+    K: other columns in the two row orders, so there within TOL): every M bucket (split-K with the in-kernel and the separate reduction, plain tiles,
     wgmma tiles, dequant + cuBLAS)."""
     from pieceworks.models import fused
 
@@ -359,7 +397,7 @@ def test_gemm_swiglu_same_bits_as_gemm_then_silu_mul(m, decode, inter):
     y_inter = backend.forward(x, *inter_w, 2 * inter)  # columns gate 0, up 0, gate 1, ...
     assert torch.equal(got, fused.silu_mul(y_inter[:, 0::2], y_inter[:, 1::2]))
     tile, split = backend._plan(m, 2 * inter, inter_w.weight.shape[1] * 2)
-    if _tail_launch(tile, m, 2 * inter, inter_w.weight.shape[1] * 2, x):
+    if _mixed_k_splits(tile, m, 2 * inter, inter_w.weight.shape[1] * 2, x):
         assert rel_err(got, ref) < TOL
     else:
         assert torch.equal(got, ref)
@@ -369,15 +407,17 @@ def test_gemm_swiglu_same_bits_as_gemm_then_silu_mul(m, decode, inter):
         assert torch.equal(alone, got)
 
 
-def _tail_launch(tile: TileConfig, m: int, n: int, kp: int, x: torch.Tensor) -> bool:
-    """Whether the call runs the wgmma kernel with a second launch split over K for its last row blocks."""
+def _mixed_k_splits(tile: TileConfig, m: int, n: int, kp: int, x: torch.Tensor, stream_k: bool = True) -> bool:
+    """Whether the call runs the wgmma kernel with a second launch split over K for its last row blocks, or
+    (with `stream_k`) stream-K, which splits each 128-row tile at its own K tiles."""
     from pieceworks.backends.fp4_gemm import cuda_wgmma
     from pieceworks.backends.fp4_gemm.cuda_launch import multiprocessors
 
     if tile.kind != "wgmma" or cuda_wgmma.unsupported(x):
         return False
     sms = multiprocessors(x.device)
-    return cuda_wgmma.plan(m, n, kp, tile.block_m, tile.num_stages, tile.narrow_block_m, sms)[3][0] > 0
+    plan = cuda_wgmma.plan(m, n, kp, tile.block_m, tile.num_stages, tile.narrow_block_m, sms)
+    return plan[3][0] > 0 or (stream_k and plan[4] > 0)
 
 
 def _rope_angles(m, half, gen):
@@ -411,7 +451,8 @@ def test_gemm_qkv_rope_same_bits_as_gemm_then_rope_qk(m, decode, heads):
     assert got.shape == (m, n) and torch.isfinite(ref).all()
     assert not torch.equal(ref, y)  # the rope moved something
     tile, split = backend._plan(m, n, roped.weight.shape[1] * 2)
-    if _tail_launch(tile, m, n, roped.weight.shape[1] * 2, x):
+    # the rope order moves rows within a head, inside one 128-row tile: stream-K splits both orders alike
+    if _mixed_k_splits(tile, m, n, roped.weight.shape[1] * 2, x, stream_k=False):
         assert rel_err(got, ref) < TOL
     else:
         assert torch.equal(got, ref)

@@ -25,9 +25,12 @@ K loop, the copies of S tiles in flight under the wgmmas. The consumers' K loop 
 register defined while a wgmma that reads it is in flight, makes ptxas serialize every wgmma: its C7513 note)
 and a k16 step's decode waits only for the wgmmas two steps back, which read the same registers; `setmaxnreg`
 gives the consumers the registers of 256-token tiles. Where the output tiles alone leave SMs idle, blockIdx.z
-splits K as far as one round of CTAs holds (`choose_split`) and float32 partials go to a second kernel; where
-a last round of tiles would leave most SMs idle, those tiles run as a second launch split over K
-(`tail_split`, `row_blocks`).
+splits K as far as one round of CTAs holds (`choose_split`) and float32 partials go to a second kernel.
+Where nothing splits that way but a last round of tiles would leave SMs idle for longer than partials cost,
+one CTA per SM takes an equal share of all tiles' K iterations (stream-K, `stream_k_ctas`): a tile begun
+in one CTA and finished in the next ones is summed through a workspace by the CTA that holds its first K
+tiles, in K order, with no second kernel. Without a workspace (a graph captured before one was allocated)
+such calls run the last round's tiles as a second launch split over K instead (`tail_split`, `row_blocks`).
 
 The shipped tile table runs it at M = 17..1024 (triton_tiles.py); measured on the H200 against bf16
 cuBLAS, the Triton tiles and dequantize + cuBLAS, with the variants that lost (CTA pairs with x by TMA
@@ -132,26 +135,42 @@ __device__ __forceinline__ void mbar_arrive_if(u32 a, int when) {
 // M < BM), the weight and scale tiles by bulk copies, all completing on the stage's full barrier; thread 256
 // (the producer warpgroup) issues a stage once every consumer thread arrived on its empty barrier (after its
 // warpgroup's wgmmas of that stage). No CTA-wide barrier and no branch in the consumers' K loop.
-// SPLIT: blockIdx.z of gridDim.z takes its share of the K tiles and stores float32 partials (scaled) to
-// out as float [gridDim.z, M, ldo] (the columns from row block yoff on), which a second kernel sums.
-// yoff: the first 128-row block of W this launch covers (blockIdx.y counts from it).
-template <int BM, int S, int SWIGLU, int SPLIT>
+// The work of a launch: `ntiles` output tiles (token tile t % gx of row block yoff + t / gx) of nkt K tiles
+// each, as iterations t * nkt + k. Without SK a CTA takes one tile (blockIdx.x, blockIdx.y): all its
+// iterations, or with SPLIT blockIdx.z's share of them, storing float32 partials (scaled) to out as float
+// [gridDim.z, M, ldo] (the columns from row block yoff on), which a second kernel sums. With SK (stream-K)
+// CTA c of G takes iterations [c I / G, (c + 1) I / G) of I = ntiles x nkt, crossing tiles: a segment that
+// holds a tile's every K tile stores it as usual; one without the tile's first K tile is its CTA's first
+// segment and stores its float32 accumulators to workspace slot c, then counts itself on the tile's flag;
+// the segment with the first K tile is its CTA's last, reached after the others: it waits for their
+// count, adds their partials in K order and stores the tile, then zeroes the flag for the next launch.
+// The waits need every CTA of the launch resident at once: G at most one per SM.
+template <int BM, int S, int SWIGLU, int SPLIT, int SK>
 __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
     const __grid_constant__ Tmap tm, const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
-    const float* __restrict__ gscale, u16* __restrict__ out, int M, int N, int nkt, int nrb, int ldo, int yoff)
+    const float* __restrict__ gscale, u16* __restrict__ out, int M, int N, int nkt, int nrb, int ldo, int yoff,
+    int gx, int ntiles, float* __restrict__ work, int* __restrict__ flags)
 {
     constexpr int XB = BM * 256, STAGE = XB + 2 * 4096 + 2 * 512;
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 s0 = (u32)__cvta_generic_to_shared(smem), bars = s0 + S * STAGE;  // full[S], empty[S]
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const long long total = (long long)ntiles * nkt;
+    int ia, ib;  // this CTA's iterations
+    if (SK) {
+        ia = (int)(total * blockIdx.x / gridDim.x);
+        ib = (int)(total * (blockIdx.x + 1) / gridDim.x);
+    } else {
+        const int tile = blockIdx.y * gx + blockIdx.x;
+        ia = tile * nkt + (SPLIT ? (int)(((long long)nkt * blockIdx.z) / gridDim.z) : 0);
+        ib = tile * nkt + (SPLIT ? (int)(((long long)nkt * (blockIdx.z + 1)) / gridDim.z) : nkt);
+    }
     // The last token tile of M >= BM rows loads the BM rows ending at M (overlapping the tile before it) and
     // stores only its own: a box mostly past M, zero-filled by TMA, made M = 288 run 20-54% slower than 512.
-    const int by = blockIdx.y + yoff, m0 = blockIdx.x * BM, ml = M >= BM ? min(m0, M - BM) : m0, n0 = by * 128;
-    const int rb0 = min(2 * by, nrb - 1), rb1 = min(2 * by + 1, nrb - 1);
-    const int kb = SPLIT ? (int)(((long long)nkt * blockIdx.z) / gridDim.z) : 0;
-    const int nk = SPLIT ? (int)(((long long)nkt * (blockIdx.z + 1)) / gridDim.z) - kb : nkt;
+    auto first_row = [&](int tile) { const int m0 = (tile % gx) * BM; return M >= BM ? min(m0, M - BM) : m0; };
     auto issue = [&](int i, int st) {
-        const int kt = kb + i;
+        const int tile = i / nkt, kt = i - tile * nkt, by = tile / gx + yoff, ml = first_row(tile);
+        const int rb0 = min(2 * by, nrb - 1), rb1 = min(2 * by + 1, nrb - 1);
         const u32 base = s0 + st * STAGE, full = bars + 8 * st;
         expect_tx(full, STAGE);
         tma2d(base, &tm, kt * 128, ml, full);
@@ -169,29 +188,33 @@ __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
+    const int n_it = ib - ia;
     if (tid >= 256) {  // the producer warpgroup: one thread issues every stage once its consumers released it
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (tid == 256) {
             PDL_WAIT();
-            for (int i = 0; i < nk; ++i) {
+            for (int i = 0; i < n_it; ++i) {
                 const int st = i % S;
                 if (i >= S) mbar_wait(bars + 8 * (S + st), ((i / S) - 1) & 1);
-                issue(i, st);
+                issue(ia + i, st);
             }
             // the last stages' releases (the consumers release every stage they used)
-            for (int i = max(0, nk - S); i < nk; ++i) mbar_wait(bars + 8 * (S + i % S), (i / S) & 1);
+            for (int i = max(0, n_it - S); i < n_it; ++i) mbar_wait(bars + 8 * (S + i % S), (i / S) & 1);
         }
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");  // BM = 256 needs more than 65536 / 384
-    float acc[BM / 2];
-#pragma unroll
-    for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
+    const float gs = gscale[0] * 16384.0f;
     const int r0 = 16 * warp + g;
     u32 a[2][8];
+    for (int i = ia, j = 0; i < ib;) {  // one segment (of one tile) per pass; j: stages consumed before it
+        const int tile = i / nkt, k0 = i - tile * nkt, nk = min(nkt - k0, ib - i);
+    float acc[BM / 2];
+#pragma unroll
+    for (int e = 0; e < BM / 2; ++e) acc[e] = 0.f;
     for (int kt = 0; kt < nk; ++kt) {
-        const int st = kt % S;
-        mbar_wait(bars + 8 * st, (kt / S) & 1);
+        const int st = (j + kt) % S;
+        mbar_wait(bars + 8 * st, ((j + kt) / S) & 1);
         const u32 base = s0 + st * STAGE;
         const u32 wbase = base + XB + wg * 4096, sbase = base + XB + 2 * 4096 + wg * 512;
         u32 sc0a, sc0b, sc1a, sc1b;
@@ -212,23 +235,57 @@ __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
             wgmma_bm(acc, a[q & 1][4], a[q & 1][5], a[q & 1][6], a[q & 1][7],
                      desc(base + BM * 128 + q * 32, 16, 1024) | (1ull << 62));
             wg_commit();
-            if (q == 0) {  // this warpgroup's wgmmas of the previous tile are done: release its stage
+            if (q == 0) {  // this warpgroup's wgmmas of the previous K tile are done: release its stage
                 wg_wait<1>();
-                mbar_arrive_if(bars + 8 * (S + (kt + S - 1) % S), (kt > 0) & (lane == 0));
+                mbar_arrive_if(bars + 8 * (S + (j + kt + S - 1) % S), (kt > 0) & (lane == 0));
             }
         }
     }
     wg_wait<0>();
-    mbar_arrive_if(bars + 8 * (S + (nk + S - 1) % S), (nk > 0) & (lane == 0));
-    PDL_TRIGGER();
-    const float gs = gscale[0] * 16384.0f;
-    const int row = n0 + 64 * wg + r0;
+    j += nk;
+    mbar_arrive_if(bars + 8 * (S + (j + S - 1) % S), lane == 0);
+    const bool last_segment = i + nk == ib;
+    if (last_segment) PDL_TRIGGER();
+    if (SK && nk < nkt) {  // a part of the tile's K: through the workspace
+        const long long G = gridDim.x, x0 = (long long)tile * nkt;
+        const int cf = (int)(((x0 + 1) * G + total - 1) / total) - 1;  // the CTAs holding the tile's first
+        const int cl = (int)(((x0 + nkt) * G + total - 1) / total) - 1;  // and last K tiles
+        if (k0 > 0) {  // the first segment of this CTA (i == ia): its partial to slot blockIdx.x, counted
 #pragma unroll
-    for (int j = 0; j < BM / 8; ++j)
+            for (int e = 0; e < BM / 8; ++e)
+                __stcg((float4*)work + (size_t)blockIdx.x * (BM * 32) + e * 256 + tid,
+                       make_float4(acc[4 * e], acc[4 * e + 1], acc[4 * e + 2], acc[4 * e + 3]));
+            __threadfence();
+            asm volatile("bar.sync 1, 256;" ::: "memory");
+            if (tid == 0) atomicAdd(flags + tile, 1);
+            i += nk;
+            continue;
+        }
+        // k = 0: this CTA's last segment, reached after the others (at the start of the next CTAs' ranges)
+        if (tid == 0) {
+            int seen;
+            do {
+                asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(flags + tile) : "memory");
+            } while (seen < cl - cf);
+            flags[tile] = 0;  // every other segment has counted: ready for the next launch
+        }
+        asm volatile("bar.sync 1, 256;" ::: "memory");
+        for (int c = cf + 1; c <= cl; ++c) {  // their partials in K order
+            const float4* part = (const float4*)work + (size_t)c * (BM * 32) + tid;
+#pragma unroll
+            for (int e = 0; e < BM / 8; ++e) {
+                const float4 v = __ldcg(part + e * 256);
+                acc[4 * e] += v.x; acc[4 * e + 1] += v.y; acc[4 * e + 2] += v.z; acc[4 * e + 3] += v.w;
+            }
+        }
+    }
+    const int m0 = (tile % gx) * BM, ml = first_row(tile), row = (tile / gx + yoff) * 128 + 64 * wg + r0;
+#pragma unroll
+    for (int jj = 0; jj < BM / 8; ++jj)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int tok = ml + 8 * j + 2 * t + (e & 1), n = row + 8 * (e >> 1);
-            const float v = acc[4 * j + e] * gs;
+            const int tok = ml + 8 * jj + 2 * t + (e & 1), n = row + 8 * (e >> 1);
+            const float v = acc[4 * jj + e] * gs;
             const bool own = tok >= m0 && tok < M;  // rows below m0 are the tile before's to store
             if (SPLIT) {
                 if (own && n < N) ((float*)out)[((size_t)blockIdx.z * M + tok) * ldo + n - yoff * 128] = v;
@@ -239,6 +296,8 @@ __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
                 out[(size_t)tok * ldo + n] = to_bf16(v);
             }
         }
+    i += nk;
+    }
 }
 
 """
@@ -291,20 +350,26 @@ def _device_reason(device: torch.device) -> str | None:
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
          n: int, k: int, block_m: int = 128, stages: int | None = None, swiglu: bool = False,
-         out: torch.Tensor | None = None, split: int = 1, row_blocks: tuple[int, int] | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, split: int = 1, row_blocks: tuple[int, int] | None = None,
+         stream_k: int = 0, workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """y [M, n] bf16 = x [M, k] @ dequant(W).T for a k32-layout weight (uint8 [Np, Kp/2], scales
     [Np, Kp/16], `repack_k32`) and its global scale (float32 scalar tensor); with `swiglu` (a gate/up
     weight whose rows are interleaved, `interleave_gate_up`) [M, n / 2] = silu(gate) * up, rounded as the
     GEMM followed by the silu_mul op. With split > 1: the float32 partials [split, M, n] of K splits
     (`out`, if given, must be that), for a reduction kernel to sum. row_blocks (first, count): only W's
-    rows [128 first, 128 (first + count)) (clipped to n); split partials are then [split, M, those rows]."""
+    rows [128 first, 128 (first + count)) (clipped to n); split partials are then [split, M, those rows].
+    stream_k > 0: that many CTAs share the tiles' K iterations evenly (stream-K, the kernel's comment),
+    with `workspace` = (float32 partials of at least `workspace_floats(stream_k)`, int32 flags of at
+    least one per output tile, zeros, which every call leaves zero); calls sharing a workspace must not
+    run concurrently."""
     if block_m not in BLOCK_MS:
         raise ValueError(f"block_m={block_m}: one of {BLOCK_MS}")
     stages = stages or max_stages(block_m)
     if not 2 <= stages <= max_stages(block_m):
         raise ValueError(f"stages={stages}: 2..{max_stages(block_m)} fit in shared memory at block_m={block_m}")
-    if split > 1 and swiglu:
-        raise ValueError("split partials are summed by a second kernel, which applies the SwiGLU")
+    if split > 1 and (swiglu or stream_k):
+        raise ValueError("split partials are summed by a second kernel, which applies the SwiGLU; "
+                         "stream-K sums its own")
     m = x.shape[0]
     if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # what TMA needs of x
         x = x.contiguous()
@@ -315,13 +380,36 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weig
     if m == 0:
         return out
     np_, kp = weight.shape[0], weight.shape[1] * 2
-    kern = nvrtc.kernel(source(block_m), f"fp4_wgmma_tma<{block_m}, {stages}, {int(swiglu)}, {int(split > 1)}>",
-                        x.device, suffix="a")
-    kern((-(-m // block_m), count, split), (THREADS, 1, 1),
+    gx = -(-m // block_m)
+    if stream_k:
+        if stream_k > _sms(x.device):
+            raise ValueError(f"stream_k={stream_k}: at most one CTA per SM ({_sms(x.device)}), whose waits need "
+                             f"every CTA resident")
+        work, flags = workspace
+        if work.numel() < workspace_floats(stream_k, block_m) or flags.numel() < gx * count:
+            raise ValueError(f"the stream-K workspace ({work.numel()} floats, {flags.numel()} flags) is smaller than "
+                             f"{stream_k} CTAs of block_m={block_m} over {gx * count} tiles need")
+        grid = (stream_k, 1, 1)
+    else:
+        work = flags = out  # not read
+        grid = (gx, count, split)
+    kern = nvrtc.kernel(source(block_m), f"fp4_wgmma_tma<{block_m}, {stages}, {int(swiglu)}, {int(split > 1)}, "
+                        f"{int(stream_k > 0)}>", x.device, suffix="a")
+    kern(grid, (THREADS, 1, 1),
          [tensor_map(x, k, block_m), weight, weight_scale, weight_scale_2, out, m, n, kp // TILE_K,
-          np_ // TILE_ROWS, out.stride(-2), first], pdl.launch_options(x.device)[0],
+          np_ // TILE_ROWS, out.stride(-2), first, gx, gx * count, work, flags], pdl.launch_options(x.device)[0],
          shared=stages * stage_bytes(block_m) + 16 * stages)
     return out
+
+
+@lru_cache(maxsize=None)
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def workspace_floats(ctas: int, block_m: int = 256) -> int:
+    """float32 elements of the stream-K partials of `ctas` CTAs (one tile slot each)."""
+    return ctas * ROWS * block_m
 
 
 def _most_splits(ctas: int, kp: int, sms: int) -> int:
@@ -331,13 +419,25 @@ def _most_splits(ctas: int, kp: int, sms: int) -> int:
 
 @lru_cache(maxsize=None)
 def plan(m: int, n: int, kp: int, block_m: int, stages: int, narrow_block_m: int = 0,
-         sms: int = 132) -> tuple[int, int, int, tuple[int, int]]:
-    """How a call of m rows runs: (token tile, stages, K splits, (row blocks, K splits) of the tail launch),
-    from `token_tile`, `choose_split` and, without splits, `tail_split`. Cached: an eager call (no graph)
-    asks on every launch."""
+         sms: int = 132) -> tuple[int, int, int, tuple[int, int], int]:
+    """How a call of m rows runs: (token tile, stages, K splits, (row blocks, K splits) of the tail launch,
+    stream-K CTAs), from `token_tile`, `choose_split`, without splits `tail_split`, and `stream_k_ctas` (which,
+    where nonzero, replaces the splits and the tail launch whenever a stream-K workspace is at hand).
+    Cached: an eager call (no graph) asks on every launch."""
     bm, st = token_tile(m, n, block_m, stages, narrow_block_m, sms)
     split = choose_split(m, n, kp, bm, sms)
-    return bm, st, split, tail_split(m, n, kp, bm, sms) if split == 1 else (0, 1)
+    if split > 1:
+        return bm, st, split, (0, 1), 0
+    return bm, st, split, tail_split(m, n, kp, bm, sms), stream_k_ctas(m, n, kp, bm, sms)
+
+
+def stream_k_ctas(m: int, n: int, kp: int, block_m: int, sms: int = 132) -> int:
+    """CTAs of a stream-K launch (one per SM) where the output tiles' last round would leave SMs idle for
+    more K tiles per CTA than stream-K's partials cost (2 + block_m / 32 K tiles, fitted to the H200 runs
+    of docs/benchmarks.md: a 256-token tile's float32 partial is 128 KB), else 0."""
+    tiles, nkt = -(-m // block_m) * -(-n // ROWS), kp // TILE_K
+    idle = (-(-tiles // sms) - tiles / sms) * nkt  # K tiles per SM the last round leaves idle
+    return sms if idle > 2 + block_m / 32 and tiles * nkt >= sms else 0
 
 
 def token_tile(m: int, n: int, block_m: int, stages: int, narrow_block_m: int = 0,

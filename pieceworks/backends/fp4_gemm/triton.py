@@ -223,11 +223,13 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         self._plan = lru_cache(maxsize=None)(self._plan_uncached)
         self.wgmma_fallback = parse_table(WGMMA_FALLBACK_TILES)
         self._counters: dict[torch.device, torch.Tensor] = {}
+        self._stream_k: dict[torch.device, torch.Tensor] = {}
 
     def prepare(self, w: Fp4Weight) -> Fp4Weight:
         weight, scale = repack_k32(w.weight, w.weight_scale)
         if weight.is_cuda:
             self.counters(weight.device)
+            self.stream_k_workspace(weight.device)
         return Fp4Weight(weight, scale, w.weight_scale_2.float().reshape(()), w.input_scale)
 
     def prepare_gate_up(self, w: Fp4Weight) -> Fp4Weight:
@@ -257,6 +259,20 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
             counters = self._counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
         return counters
 
+    def stream_k_workspace(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This instance's stream-K workspace on `device` for the wgmma kernel (`cuda_wgmma.gemm`): float32
+        partials for one CTA per SM (17 MB on 132 SMs) and `counters` as the flags; allocated like the
+        counters, and only where the wgmma kernel runs (None elsewhere, or while capturing without it: the
+        calls then take their splits and tail launches)."""
+        work = self._stream_k.get(device)
+        if work is None:
+            if cuda_wgmma._device_reason(device) is not None or torch.cuda.is_current_stream_capturing():
+                return None
+            work = self._stream_k[device] = torch.empty(
+                cuda_wgmma.workspace_floats(multiprocessors(device)), dtype=torch.float32, device=device)
+        counters = self.counters(device)
+        return None if counters is None else (work, counters)
+
     def plan(self, x: torch.Tensor, n: int, k_padded: int) -> tuple[TileConfig, int]:
         """(tile, K splits) of the Triton-side call for x: the table's bucket, or where it is a wgmma bucket
         that can't run for x (`cuda_wgmma.unsupported`), the bucket of WGMMA_FALLBACK_TILES."""
@@ -281,7 +297,9 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         the dequant path run the GEMM and then the rope kernel in place (its interleaved mode reads the
         pairs side by side and writes them back in checkpoint order). Same bits as `forward` followed
         by the rope_qk op wherever every column takes the same K split (a wgmma tail launch splits its
-        last row blocks only, which hold other columns in the two row orders)."""
+        last row blocks only, which hold other columns in the two row orders; stream-K splits each
+        128-row tile at its own K tiles, and the rope order moves rows within a head, inside one tile,
+        so it keeps the bits)."""
         n = (num_heads + 2 * num_kv_heads) * head_dim
         rope = (cos, sin, (num_heads + num_kv_heads) * head_dim, head_dim)
         return self._gemm(x, weight, weight_scale, weight_scale_2, n, swiglu=False, rope=rope)
@@ -292,7 +310,7 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
         checkpoint row order as it dequantizes and runs the silu_mul kernel after the matmul. Same bits
         as `forward` on this weight followed by the silu_mul op on its gate / up columns; as `forward` on
         the checkpoint-order weight too wherever every column takes the same K split (see
-        `forward_qkv_rope`)."""
+        `forward_qkv_rope`; the interleave moves rows across tiles, so not under stream-K)."""
         return self._gemm(x, weight, weight_scale, weight_scale_2, 2 * intermediate, swiglu=True)
 
     def _gemm(self, x, weight, weight_scale, weight_scale_2, n: int, swiglu: bool, rope=None):
@@ -313,5 +331,6 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
             x = x.contiguous()
         tile, split_k = self.plan(x, n, weight.shape[1] * 2)
         counters = self.counters(x.device) if split_k > 1 else None
+        workspace = self.stream_k_workspace(x.device) if tile.kind == "wgmma" else None
         return triton_kernels.fp4_gemm(x, weight, weight_scale, weight_scale_2, n, x.shape[1], tile,
-                                       split_k, counters, swiglu=swiglu, rope=rope)
+                                       split_k, counters, swiglu=swiglu, rope=rope, workspace=workspace)

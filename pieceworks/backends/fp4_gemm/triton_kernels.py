@@ -196,7 +196,7 @@ def _dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, K, Kp, stride_on,
 
 
 def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counters=None, swiglu=False,
-             rope=None):
+             rope=None, workspace=None):
     """Launch the GEMM for x [M, K] and a k32-layout weight; returns [M, N] in x.dtype, or with
     `swiglu` (a gate/up weight of N rows interleaved by `interleave_gate_up`) [M, N/2] =
     silu(x @ gate.T) * (x @ up.T), rounded as the GEMM followed by the silu_mul op. With `rope` =
@@ -212,7 +212,9 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
     iterations; 1 = none). counters: int32 tensor of zeros, at least one per output tile, that the
     call leaves zero again; with it a split-K call reduces in the same kernel, without it a second
     kernel sums the partials. Calls sharing counters must not run concurrently (under PDL they do
-    not: a kernel touches them only after waiting for the one before it).
+    not: a kernel touches them only after waiting for the one before it). workspace: the stream-K
+    workspace of a "wgmma" tile (`cuda_wgmma.gemm`; its flags may be `counters`); without it calls that
+    `cuda_wgmma.plan` runs stream-K take its splits and tail launch instead.
     """
     M = x.shape[0]
     Kp = weight.shape[1] * 2
@@ -231,7 +233,7 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
             # reads each pair side by side and writes the halves back in checkpoint order
             from pieceworks.models import fused_kernels
 
-            y = fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counters)
+            y = fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counters, workspace=workspace)
             q_cols = rope_cols - (N - rope_cols)  # the k heads are as many as the v heads (N - rope_cols)
             q = y[:, :q_cols].view(M, q_cols // head_dim, head_dim)
             fused_kernels.rope_qk(q, y[:, q_cols:rope_cols].view(M, (rope_cols - q_cols) // head_dim, head_dim),
@@ -245,8 +247,11 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
     kind = cfg.kind
     if kind == "wgmma":
         if cuda_wgmma.unsupported(x) is None:
-            bm, stages, split, (tail, tail_splits) = cuda_wgmma.plan(
+            bm, stages, split, (tail, tail_splits), ctas = cuda_wgmma.plan(
                 M, N, Kp, cfg.block_m, cfg.num_stages, cfg.narrow_block_m, multiprocessors(x.device))
+            if ctas and workspace is not None:
+                return cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, bm, stages, swiglu=swiglu,
+                                       out=out, stream_k=ctas, workspace=workspace)
             blocks = triton.cdiv(N, cuda_wgmma.ROWS)
             if split == 1:  # all row blocks but the tail's in one launch without splits
                 cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, bm, stages,
