@@ -242,6 +242,28 @@ def test_stream_k_where_the_last_round_idles_more_than_partials_cost():
     assert cuda_wgmma.stream_k_ctas(32, 128, 512, 32, sms=132) == 0  # 4 iterations: fewer than the SMs
 
 
+def test_stream_k_option_switches_the_workspace(monkeypatch):
+    """`backends.options.triton.stream_k` (default on): on, the backend hands the wgmma kernel a workspace of one
+    partial per SM with its counters as the flags; off, none (its calls take splits and tail launches). The
+    device checks are stubbed so that the wiring runs on the CPU."""
+    from pieceworks.backends.fp4_gemm import cuda_wgmma
+    from pieceworks.backends.fp4_gemm import triton as triton_backend
+
+    monkeypatch.setattr(cuda_wgmma, "device_reason", lambda device: None)
+    monkeypatch.setattr(triton_backend, "multiprocessors", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    spec = BackendSpec.for_device("cpu", fp4_numerics="w4a16")
+    assert TritonTileOptions().stream_k is True
+    work, flags = TritonFp4GemmBackend(spec).stream_k_workspace(torch.device("cpu"))
+    assert work.numel() == cuda_wgmma.workspace_floats(132) == 132 * 128 * 256 and work.dtype == torch.float32
+    assert flags.dtype == torch.int32 and not flags.any()
+    off = parse_options(TritonFp4GemmBackend, {"stream_k": False})
+    assert TritonFp4GemmBackend(spec, off).stream_k_workspace(torch.device("cpu")) is None
+    for bad in ("false", 0, None):
+        with pytest.raises(ValueError, match="stream_k"):
+            TritonTileOptions(stream_k=bad)
+
+
 def test_wgmma_tiles_are_validated(tmp_path):
     """A wgmma bucket names one of the kernel's token tiles and a stage count that fits shared memory;
     the fused MoE has no wgmma path."""

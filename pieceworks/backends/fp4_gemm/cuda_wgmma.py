@@ -337,11 +337,12 @@ def unsupported(x: torch.Tensor) -> str | None:
         return f"the wgmma GEMM runs on CUDA devices, not {x.device.type}"
     if x.dtype != torch.bfloat16:
         return f"the wgmma GEMM takes bf16 x, not {x.dtype}"
-    return _device_reason(x.device)
+    return device_reason(x.device)
 
 
 @lru_cache(maxsize=None)
-def _device_reason(device: torch.device) -> str | None:
+def device_reason(device: torch.device) -> str | None:
+    """Why the wgmma GEMM can't run on `device` (a CUDA device), or None."""
     cap = torch.cuda.get_device_capability(device)
     if cap != (9, 0):
         return f"the wgmma GEMM is built for sm_90a (Hopper); this GPU is sm_{cap[0]}{cap[1]}"
@@ -361,7 +362,8 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weig
     stream_k > 0: that many CTAs share the tiles' K iterations evenly (stream-K, the kernel's comment),
     with `workspace` = (float32 partials of at least `workspace_floats(stream_k)`, int32 flags of at
     least one per output tile, zeros, which every call leaves zero); calls sharing a workspace must not
-    run concurrently."""
+    run concurrently. Some CTAs wait for others: every CTA must be resident at once (at most one per SM,
+    and no other stream's kernels holding SMs while they wait for this one)."""
     if block_m not in BLOCK_MS:
         raise ValueError(f"block_m={block_m}: one of {BLOCK_MS}")
     stages = stages or max_stages(block_m)

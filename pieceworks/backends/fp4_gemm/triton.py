@@ -131,7 +131,16 @@ class TritonTileOptions:
     path suits decode batches: on the H200, one DeepSeek-V3 layer is faster with it from 1 to 128 tokens,
     1-4% slower at 192 and 24-28% slower at 256 (docs/benchmarks.md)."""
 
+    stream_k: bool = True
+    """The dense GEMM's wgmma kernel (M = 17..1024 on sm_90) runs stream-K launches where
+    `cuda_wgmma.stream_k_ctas` picks them (3-20% faster there on the H200, docs/benchmarks.md): one CTA per SM,
+    some waiting on flags that others raise, so every CTA must be resident at once. false where that cannot be
+    promised (kernels of another process or stream holding SMs while they wait for this GEMM's results): K
+    splits and tail launches serve those calls instead."""
+
     def __post_init__(self) -> None:
+        if not isinstance(self.stream_k, bool):
+            raise ValueError(f"backends.options.triton.stream_k={self.stream_k!r}: use true or false")
         if isinstance(self.cuda_decode_max_m, bool) or not isinstance(self.cuda_decode_max_m, int) \
                 or not 0 <= self.cuda_decode_max_m <= 16:
             raise ValueError(f"backends.options.triton.cuda_decode_max_m={self.cuda_decode_max_m!r}: use 0 (never) "
@@ -262,11 +271,13 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
     def stream_k_workspace(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This instance's stream-K workspace on `device` for the wgmma kernel (`cuda_wgmma.gemm`): float32
         partials for one CTA per SM (17 MB on 132 SMs) and `counters` as the flags; allocated like the
-        counters, and only where the wgmma kernel runs (None elsewhere, or while capturing without it: the
-        calls then take their splits and tail launches)."""
+        counters, and only where the wgmma kernel runs (None elsewhere, with `stream_k` off, or while capturing
+        without it: the calls then take their splits and tail launches)."""
+        if not self.options.stream_k:
+            return None
         work = self._stream_k.get(device)
         if work is None:
-            if cuda_wgmma._device_reason(device) is not None or torch.cuda.is_current_stream_capturing():
+            if cuda_wgmma.device_reason(device) is not None or torch.cuda.is_current_stream_capturing():
                 return None
             work = self._stream_k[device] = torch.empty(
                 cuda_wgmma.workspace_floats(multiprocessors(device)), dtype=torch.float32, device=device)
