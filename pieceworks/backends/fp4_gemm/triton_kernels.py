@@ -213,8 +213,8 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
     call leaves zero again; with it a split-K call reduces in the same kernel, without it a second
     kernel sums the partials. Calls sharing counters must not run concurrently (under PDL they do
     not: a kernel touches them only after waiting for the one before it). workspace: the stream-K
-    workspace of a "wgmma" tile (`cuda_wgmma.gemm`; its flags may be `counters`); without it calls that
-    `cuda_wgmma.plan` runs stream-K take its splits and tail launch instead.
+    workspace of a "wgmma" tile (`cuda_wgmma.gemm`; its flags may be `counters`); without it (or with fewer
+    flags than output tiles) calls that `cuda_wgmma.plan` runs stream-K take its splits and tail launch instead.
     """
     M = x.shape[0]
     Kp = weight.shape[1] * 2
@@ -249,10 +249,10 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
         if cuda_wgmma.unsupported(x) is None:
             bm, stages, split, (tail, tail_splits), ctas = cuda_wgmma.plan(
                 M, N, Kp, cfg.block_m, cfg.num_stages, cfg.narrow_block_m, multiprocessors(x.device))
-            if ctas and workspace is not None:
+            blocks = triton.cdiv(N, cuda_wgmma.ROWS)
+            if ctas and workspace is not None and workspace[1].numel() >= triton.cdiv(M, bm) * blocks:  # flag per tile
                 return cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, bm, stages, swiglu=swiglu,
                                        out=out, stream_k=ctas, workspace=workspace)
-            blocks = triton.cdiv(N, cuda_wgmma.ROWS)
             if split == 1:  # all row blocks but the tail's in one launch without splits
                 cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, bm, stages,
                                 swiglu=swiglu, out=out, row_blocks=(0, blocks - tail))
