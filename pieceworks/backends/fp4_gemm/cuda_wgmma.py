@@ -209,94 +209,94 @@ __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
     u32 a[2][8];
     for (int i = ia, j = 0; i < ib;) {  // one segment (of one tile) per pass; j: stages consumed before it
         const int tile = i / nkt, k0 = i - tile * nkt, nk = min(nkt - k0, ib - i);
-    float acc[BM / 2];
+        float acc[BM / 2];
 #pragma unroll
-    for (int e = 0; e < BM / 2; ++e) acc[e] = 0.f;
-    for (int kt = 0; kt < nk; ++kt) {
-        const int st = (j + kt) % S;
-        mbar_wait(bars + 8 * st, ((j + kt) / S) & 1);
-        const u32 base = s0 + st * STAGE;
-        const u32 wbase = base + XB + wg * 4096, sbase = base + XB + 2 * 4096 + wg * 512;
-        u32 sc0a, sc0b, sc1a, sc1b;
-        lds64(sbase + r0 * 8, sc0a, sc0b);
-        lds64(sbase + (r0 + 8) * 8, sc1a, sc1b);
+        for (int e = 0; e < BM / 2; ++e) acc[e] = 0.f;
+        for (int kt = 0; kt < nk; ++kt) {
+            const int st = (j + kt) % S;
+            mbar_wait(bars + 8 * st, ((j + kt) / S) & 1);
+            const u32 base = s0 + st * STAGE;
+            const u32 wbase = base + XB + wg * 4096, sbase = base + XB + 2 * 4096 + wg * 512;
+            u32 sc0a, sc0b, sc1a, sc1b;
+            lds64(sbase + r0 * 8, sc0a, sc0b);
+            lds64(sbase + (r0 + 8) * 8, sc1a, sc1b);
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const u32 w0 = lds32(wbase + r0 * 64 + (q << 4) + 4 * t);
-            const u32 w1 = lds32(wbase + (r0 + 8) * 64 + (q << 4) + 4 * t);
-            const u32 p0 = q < 2 ? sc0a : sc0b, p1 = q < 2 ? sc1a : sc1b;
-            const u32 h0 = scale_pair((q & 1) ? p0 >> 16 : p0 & 0xFFFF);
-            const u32 h1 = scale_pair((q & 1) ? p1 >> 16 : p1 & 0xFFFF);
-            wg_wait<1>();  // the wgmmas that last read a[q & 1] (two k16 steps back) are done
-            decode_q(a[q & 1], w0, w1, h0, h1);
-            wg_fence();
-            wgmma_bm(acc, a[q & 1][0], a[q & 1][1], a[q & 1][2], a[q & 1][3],
-                     desc(base + q * 32, 16, 1024) | (1ull << 62));
-            wgmma_bm(acc, a[q & 1][4], a[q & 1][5], a[q & 1][6], a[q & 1][7],
-                     desc(base + BM * 128 + q * 32, 16, 1024) | (1ull << 62));
-            wg_commit();
-            if (q == 0) {  // this warpgroup's wgmmas of the previous K tile are done: release its stage
-                wg_wait<1>();
-                mbar_arrive_if(bars + 8 * (S + (j + kt + S - 1) % S), (kt > 0) & (lane == 0));
+            for (int q = 0; q < 4; ++q) {
+                const u32 w0 = lds32(wbase + r0 * 64 + (q << 4) + 4 * t);
+                const u32 w1 = lds32(wbase + (r0 + 8) * 64 + (q << 4) + 4 * t);
+                const u32 p0 = q < 2 ? sc0a : sc0b, p1 = q < 2 ? sc1a : sc1b;
+                const u32 h0 = scale_pair((q & 1) ? p0 >> 16 : p0 & 0xFFFF);
+                const u32 h1 = scale_pair((q & 1) ? p1 >> 16 : p1 & 0xFFFF);
+                wg_wait<1>();  // the wgmmas that last read a[q & 1] (two k16 steps back) are done
+                decode_q(a[q & 1], w0, w1, h0, h1);
+                wg_fence();
+                wgmma_bm(acc, a[q & 1][0], a[q & 1][1], a[q & 1][2], a[q & 1][3],
+                         desc(base + q * 32, 16, 1024) | (1ull << 62));
+                wgmma_bm(acc, a[q & 1][4], a[q & 1][5], a[q & 1][6], a[q & 1][7],
+                         desc(base + BM * 128 + q * 32, 16, 1024) | (1ull << 62));
+                wg_commit();
+                if (q == 0) {  // this warpgroup's wgmmas of the previous K tile are done: release its stage
+                    wg_wait<1>();
+                    mbar_arrive_if(bars + 8 * (S + (j + kt + S - 1) % S), (kt > 0) & (lane == 0));
+                }
             }
         }
-    }
-    wg_wait<0>();
-    j += nk;
-    mbar_arrive_if(bars + 8 * (S + (j + S - 1) % S), lane == 0);
-    const bool last_segment = i + nk == ib;
-    if (last_segment) PDL_TRIGGER();
-    if (SK && nk < nkt) {  // a part of the tile's K: through the workspace
-        const long long G = gridDim.x, x0 = (long long)tile * nkt;
-        const int cf = (int)(((x0 + 1) * G + total - 1) / total) - 1;  // the CTAs holding the tile's first
-        const int cl = (int)(((x0 + nkt) * G + total - 1) / total) - 1;  // and last K tiles
-        if (k0 > 0) {  // the first segment of this CTA (i == ia): its partial to slot blockIdx.x, counted
+        wg_wait<0>();
+        j += nk;
+        mbar_arrive_if(bars + 8 * (S + (j + S - 1) % S), lane == 0);
+        const bool last_segment = i + nk == ib;
+        if (last_segment) PDL_TRIGGER();
+        if (SK && nk < nkt) {  // a part of the tile's K: through the workspace
+            const long long G = gridDim.x, x0 = (long long)tile * nkt;
+            const int cf = (int)(((x0 + 1) * G + total - 1) / total) - 1;  // the CTAs holding the tile's first
+            const int cl = (int)(((x0 + nkt) * G + total - 1) / total) - 1;  // and last K tiles
+            if (k0 > 0) {  // the first segment of this CTA (i == ia): its partial to slot blockIdx.x, counted
 #pragma unroll
-            for (int e = 0; e < BM / 8; ++e)
-                __stcg((float4*)work + (size_t)blockIdx.x * (BM * 32) + e * 256 + tid,
-                       make_float4(acc[4 * e], acc[4 * e + 1], acc[4 * e + 2], acc[4 * e + 3]));
-            __threadfence();
+                for (int e = 0; e < BM / 8; ++e)
+                    __stcg((float4*)work + (size_t)blockIdx.x * (BM * 32) + e * 256 + tid,
+                           make_float4(acc[4 * e], acc[4 * e + 1], acc[4 * e + 2], acc[4 * e + 3]));
+                __threadfence();
+                asm volatile("bar.sync 1, 256;" ::: "memory");
+                if (tid == 0) atomicAdd(flags + tile, 1);
+                i += nk;
+                continue;
+            }
+            // k = 0: this CTA's last segment, reached after the others (at the start of the next CTAs' ranges)
+            if (tid == 0) {
+                int seen;
+                do {
+                    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(flags + tile) : "memory");
+                } while (seen < cl - cf);
+                flags[tile] = 0;  // every other segment has counted: ready for the next launch
+            }
             asm volatile("bar.sync 1, 256;" ::: "memory");
-            if (tid == 0) atomicAdd(flags + tile, 1);
-            i += nk;
-            continue;
-        }
-        // k = 0: this CTA's last segment, reached after the others (at the start of the next CTAs' ranges)
-        if (tid == 0) {
-            int seen;
-            do {
-                asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(flags + tile) : "memory");
-            } while (seen < cl - cf);
-            flags[tile] = 0;  // every other segment has counted: ready for the next launch
-        }
-        asm volatile("bar.sync 1, 256;" ::: "memory");
-        for (int c = cf + 1; c <= cl; ++c) {  // their partials in K order
-            const float4* part = (const float4*)work + (size_t)c * (BM * 32) + tid;
+            for (int c = cf + 1; c <= cl; ++c) {  // their partials in K order
+                const float4* part = (const float4*)work + (size_t)c * (BM * 32) + tid;
 #pragma unroll
-            for (int e = 0; e < BM / 8; ++e) {
-                const float4 v = __ldcg(part + e * 256);
-                acc[4 * e] += v.x; acc[4 * e + 1] += v.y; acc[4 * e + 2] += v.z; acc[4 * e + 3] += v.w;
+                for (int e = 0; e < BM / 8; ++e) {
+                    const float4 v = __ldcg(part + e * 256);
+                    acc[4 * e] += v.x; acc[4 * e + 1] += v.y; acc[4 * e + 2] += v.z; acc[4 * e + 3] += v.w;
+                }
             }
         }
-    }
-    const int m0 = (tile % gx) * BM, ml = first_row(tile), row = (tile / gx + yoff) * 128 + 64 * wg + r0;
+        const int m0 = (tile % gx) * BM, ml = first_row(tile), row = (tile / gx + yoff) * 128 + 64 * wg + r0;
 #pragma unroll
-    for (int jj = 0; jj < BM / 8; ++jj)
+        for (int jj = 0; jj < BM / 8; ++jj)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int tok = ml + 8 * jj + 2 * t + (e & 1), n = row + 8 * (e >> 1);
-            const float v = acc[4 * jj + e] * gs;
-            const bool own = tok >= m0 && tok < M;  // rows below m0 are the tile before's to store
-            if (SPLIT) {
-                if (own && n < N) ((float*)out)[((size_t)blockIdx.z * M + tok) * ldo + n - yoff * 128] = v;
-            } else if (SWIGLU) {
-                const float u = __shfl_xor_sync(0xffffffffu, v, 4);
-                if (!(g & 1) && own && n < N) out[(size_t)tok * ldo + (n >> 1)] = swiglu(v, u);
-            } else if (own && n < N) {
-                out[(size_t)tok * ldo + n] = to_bf16(v);
+            for (int e = 0; e < 4; ++e) {
+                const int tok = ml + 8 * jj + 2 * t + (e & 1), n = row + 8 * (e >> 1);
+                const float v = acc[4 * jj + e] * gs;
+                const bool own = tok >= m0 && tok < M;  // rows below m0 are the tile before's to store
+                if (SPLIT) {
+                    if (own && n < N) ((float*)out)[((size_t)blockIdx.z * M + tok) * ldo + n - yoff * 128] = v;
+                } else if (SWIGLU) {
+                    const float u = __shfl_xor_sync(0xffffffffu, v, 4);
+                    if (!(g & 1) && own && n < N) out[(size_t)tok * ldo + (n >> 1)] = swiglu(v, u);
+                } else if (own && n < N) {
+                    out[(size_t)tok * ldo + n] = to_bf16(v);
+                }
             }
-        }
-    i += nk;
+        i += nk;
     }
 }
 
@@ -369,9 +369,10 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weig
     stages = stages or max_stages(block_m)
     if not 2 <= stages <= max_stages(block_m):
         raise ValueError(f"stages={stages}: 2..{max_stages(block_m)} fit in shared memory at block_m={block_m}")
-    if split > 1 and (swiglu or stream_k):
-        raise ValueError("split partials are summed by a second kernel, which applies the SwiGLU; "
-                         "stream-K sums its own")
+    if split > 1 and swiglu:
+        raise ValueError("split partials are summed by a second kernel, which applies the SwiGLU")
+    if split > 1 and stream_k:
+        raise ValueError("split and stream_k: a stream-K launch splits K itself")
     m = x.shape[0]
     if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # what TMA needs of x
         x = x.contiguous()
