@@ -46,6 +46,7 @@ import torch
 
 from pieceworks.backends import nvrtc, pdl
 from pieceworks.backends.fp4_gemm.cuda_device import DEVICE_HELPERS
+from pieceworks.backends.fp4_gemm.cuda_launch import multiprocessors
 from pieceworks.backends.fp4_gemm.k32 import TILE_K, TILE_ROWS
 
 ROWS = 2 * TILE_ROWS  # weight rows per CTA: one storage-tile row block per consumer warpgroup
@@ -385,9 +386,10 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weig
     np_, kp = weight.shape[0], weight.shape[1] * 2
     gx = -(-m // block_m)
     if stream_k:
-        if stream_k > _sms(x.device):
-            raise ValueError(f"stream_k={stream_k}: at most one CTA per SM ({_sms(x.device)}), whose waits need "
-                             f"every CTA resident")
+        sms = multiprocessors(x.device)
+        if stream_k > sms:
+            raise ValueError(f"stream_k={stream_k}: at most one CTA per SM ({sms}): its waits need every CTA "
+                             "resident")
         work, flags = workspace
         if work.numel() < workspace_floats(stream_k, block_m) or flags.numel() < gx * count:
             raise ValueError(f"the stream-K workspace ({work.numel()} floats, {flags.numel()} flags) is smaller than "
@@ -403,11 +405,6 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weig
           np_ // TILE_ROWS, out.stride(-2), first, gx, gx * count, work, flags], pdl.launch_options(x.device)[0],
          shared=stages * stage_bytes(block_m) + 16 * stages)
     return out
-
-
-@lru_cache(maxsize=None)
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def workspace_floats(ctas: int, block_m: int = 256) -> int:
