@@ -3,11 +3,12 @@ variant's CUDA graph (back-to-back calls over rotating weight copies, as `common
 `--seconds` while `nvidia-smi` samples the SM clock and the board power every 50 ms; per variant: us per call,
 TFLOP/s, median SM clock MHz and power W over the samples taken while it ran.
 
-    python benchmarks/gemm_clock_probe.py --m 512 --seconds 2 --out $OUT
+    python benchmarks/gemm_clock_probe.py --ms 256,512 --seconds 2 --out $OUT
 
-Variants per shape (Llama-3.1-8B q/k/v and gate/up): bf16 cuBLAS, the wgmma kernel one tile per CTA (the
-launch the plan uses at q/k/v 512: 96 CTAs), and stream-K forced (one CTA per SM). Same clock at fewer
-TFLOP/s per SM would point at something else (L2, the K loop); a lower clock with more SMs busy at power.
+Variants per shape (Llama-3.1-8B q/k/v and gate/up) and M: bf16 cuBLAS, the wgmma kernel one 256-token tile per CTA
+(q/k/v: 48 CTAs at 256 rows, 96 at 512, the launch the plan uses there), and stream-K forced (one CTA per SM).
+Per-CTA speed falling as CTAs are added at the same clock points at a shared resource (L2); a lower clock with
+more SMs busy at power.
 H200 only (sm_90a).
 """
 
@@ -63,7 +64,7 @@ def sustained(graph: torch.cuda.CUDAGraph, n_calls: int, seconds: float) -> tupl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--m", type=int, default=512)
+    parser.add_argument("--ms", default="256,512", help="rows; at 256-token tiles 256 rows run 48 q/k/v CTAs, 512 96")
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--shapes", default="llama.qkv,llama.gate_up")
     parser.add_argument("--out", default=".")
@@ -76,14 +77,13 @@ def main() -> None:
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits",
                             "-lms", "50"], stdout=subprocess.PIPE, text=True)
     spans, rows = [], []
-    m = args.m
-    for name in args.shapes.split(","):
+    for name, m in [(name, int(m)) for name in args.shapes.split(",") for m in args.ms.split(",")]:
         n, k = SHAPES[name]
         ws = [random_nvfp4(n, k, gen) for _ in range(copies_for(n * k * 0.5625))]
         wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(copies_for(n * k * 2))]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        bm = 256 if m >= 256 else 128
+        bm = 256  # the same per-CTA work at every M: only the number of CTAs changes
         st = W.max_stages(bm)
         variants = {
             "bf16": (lambda i: torch.matmul(x, wb[i % len(wb)].t(), out=out), len(wb)),
@@ -95,7 +95,9 @@ def main() -> None:
             graph = graph_of(call, n_calls)
             per_call, t0, t1 = sustained(graph, n_calls, args.seconds)
             spans.append((name, label, t0, t1))
-            rows.append(dict(shape=name, variant=label, m=m, us=per_call * 1e6, tflops=2 * m * n * k / per_call / 1e12))
+            ctas = sms if label == "stream-k" else -(-m // bm) * -(-n // W.ROWS)
+            rows.append(dict(shape=name, variant=label, m=m, ctas=ctas, us=per_call * 1e6,
+                             tflops=2 * m * n * k / per_call / 1e12))
             del graph
             time.sleep(0.3)
     time.sleep(0.2)
@@ -113,7 +115,7 @@ def main() -> None:
         row["clock_mhz"] = statistics.median(c for c, _ in inside) if inside else float("nan")
         row["power_w"] = statistics.median(p for _, p in inside) if inside else float("nan")
         row["samples"] = len(inside)
-        print(f"{row['shape']:14s} M={m} {row['variant']:9s} {row['us']:8.1f} us {row['tflops']:6.0f} TFLOP/s  "
+        print(f"{row['shape']:14s} M={row['m']} {row['variant']:9s} CTAs {row['ctas']:4d} {row['us']:8.1f} us {row['tflops']:6.0f} TFLOP/s  "
               f"SM clock {row['clock_mhz']:6.0f} MHz  power {row['power_w']:5.0f} W  ({row['samples']} samples)",
               flush=True)
     os.makedirs(args.out, exist_ok=True)
