@@ -229,16 +229,19 @@ def test_wgmma_plan_is_its_parts():
 
 def test_stream_k_where_the_last_round_idles_more_than_partials_cost():
     """Stream-K (one CTA per SM) where the last round of output tiles leaves each SM idle for more than
-    2 + block_m / 32 K tiles; never where the tiles fill whole rounds or K is short."""
+    STREAM_K_IDLE (5) K tiles; never where the tiles fill whole rounds or K is short."""
     from pieceworks.backends.fp4_gemm import cuda_wgmma
 
-    assert cuda_wgmma.stream_k_ctas(512, 6144, 4096, 256) == 0  # 96 tiles: 8.7 idle K tiles <= 10
-    assert cuda_wgmma.stream_k_ctas(256, 6144, 4096, 128) == 132  # the same at 128-token tiles: > 6
-    assert cuda_wgmma.stream_k_ctas(768, 4096, 14336, 256) == 132  # 96 tiles of 112 K tiles
-    assert cuda_wgmma.stream_k_ctas(512, 7168, 2048, 256) == 0  # 112 tiles of 16 K tiles: 2.4 idle
-    assert cuda_wgmma.stream_k_ctas(1024, 4096, 4096, 256) == 0  # 128 tiles: 1 idle
+    assert cuda_wgmma.STREAM_K_IDLE == 5
+    assert cuda_wgmma.stream_k_ctas(512, 6144, 4096, 256) == 132  # 96 tiles of 32 K tiles: 8.7 idle
+    assert cuda_wgmma.stream_k_ctas(768, 4096, 14336, 256) == 132  # 96 tiles of 112 K tiles: 30.5
+    assert cuda_wgmma.stream_k_ctas(1024, 28672, 4096, 256) == 132  # 896 tiles, 7 rounds: 6.8
+    assert cuda_wgmma.stream_k_ctas(640, 6144, 4096, 128) == 132  # 240 tiles: 5.8
+    assert cuda_wgmma.stream_k_ctas(1024, 7168, 2048, 256) == 0  # 224 tiles of 16 K tiles: 4.8
+    assert cuda_wgmma.stream_k_ctas(512, 7168, 2048, 256) == 0  # 112 tiles of 16 K tiles: 2.4
+    assert cuda_wgmma.stream_k_ctas(1024, 4096, 4096, 256) == 0  # 128 tiles: 1
     assert cuda_wgmma.stream_k_ctas(1024, 4096, 4096, 256, sms=128) == 0  # whole rounds
-    assert cuda_wgmma.stream_k_ctas(32, 28672, 4096, 32) == 132  # 224 tiles: 9.7 idle > 3
+    assert cuda_wgmma.stream_k_ctas(32, 28672, 4096, 32) == 132  # 224 tiles: 9.7
     assert cuda_wgmma.stream_k_ctas(32, 128, 512, 32, sms=132) == 0  # 4 iterations: fewer than the SMs
 
 

@@ -53,6 +53,11 @@ ROWS = 2 * TILE_ROWS  # weight rows per CTA: one storage-tile row block per cons
 THREADS = 384  # two consumer warpgroups and a producer warpgroup (one thread of it issues the copies)
 BLOCK_MS = (32, 64, 128, 256)
 MAX_SHARED = 227 * 1024  # dynamic shared memory per block on sm_90
+# Stream-K where the last round of output tiles leaves SMs idle for more K tiles per CTA than this
+# (`stream_k_ctas`). Fitted to the H200 probe of docs/benchmarks.md ("Stream-K"), forced stream-K against the
+# launch without it: level at 4.8 idle K tiles (the expert down at 1024 rows), ahead from 5.8 (q/k/v at 640 rows,
+# 128-token tiles; gate/up at 1024, 6.8).
+STREAM_K_IDLE = 5
 
 
 def stage_bytes(block_m: int) -> int:
@@ -433,11 +438,11 @@ def plan(m: int, n: int, kp: int, block_m: int, stages: int, narrow_block_m: int
 
 def stream_k_ctas(m: int, n: int, kp: int, block_m: int, sms: int = 132) -> int:
     """CTAs of a stream-K launch (one per SM) where the output tiles' last round would leave SMs idle for
-    more K tiles per CTA than stream-K's partials cost (2 + block_m / 32 K tiles, fitted to the H200 runs
-    of docs/benchmarks.md: a 256-token tile's float32 partial is 128 KB), else 0."""
+    more than STREAM_K_IDLE K tiles per CTA (about what the partials and the waits cost), else 0."""
     tiles, nkt = -(-m // block_m) * -(-n // ROWS), kp // TILE_K
     idle = (-(-tiles // sms) - tiles / sms) * nkt  # K tiles per SM the last round leaves idle
-    return sms if idle > 2 + block_m / 32 and tiles * nkt >= sms else 0
+    return sms if idle > STREAM_K_IDLE and tiles * nkt >= sms else 0
+
 
 
 def token_tile(m: int, n: int, block_m: int, stages: int, narrow_block_m: int = 0,

@@ -133,7 +133,7 @@ class TritonTileOptions:
 
     stream_k: bool = True
     """The dense GEMM's wgmma kernel (M = 17..1024 on sm_90) runs stream-K launches where
-    `cuda_wgmma.stream_k_ctas` picks them (3-20% faster there on the H200, docs/benchmarks.md): one CTA per SM,
+    `cuda_wgmma.stream_k_ctas` picks them (up to 20% faster there on the H200, docs/benchmarks.md): one CTA per SM,
     some waiting on flags that others raise, so every CTA must be resident at once. false where that cannot be
     promised (kernels of another process or stream holding SMs while they wait for this GEMM's results): K
     splits and tail launches serve those calls instead."""
