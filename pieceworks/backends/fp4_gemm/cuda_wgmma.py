@@ -1,6 +1,7 @@
 """The NVFP4 GEMM for serving-sized M on Hopper (the "wgmma" tile kind of `fp4_gemm.triton`): k32 weights
 decoded in registers straight into the A operand of warpgroup MMAs (wgmma, sm_90a), x brought into shared
-memory by TMA as their B operand. Imports torch only.
+memory by TMA as their B operand. This module plans and launches it; its CUDA source is
+cuda_wgmma_kernel.py's. Imports torch only.
 
     y[M, N] = x[M, K] @ dequant(W).T      (x bf16, W in the k32 layout of `k32.repack_k32`)
 
@@ -29,8 +30,9 @@ splits K as far as one round of CTAs holds (`choose_split`) and float32 partials
 Where nothing splits that way but a last round of tiles would leave SMs idle for longer than partials cost,
 one CTA per SM takes an equal share of all tiles' K iterations (stream-K, `stream_k_ctas`): a tile begun
 in one CTA and finished in the next ones is summed through a workspace by the CTA that holds its first K
-tiles, in K order, with no second kernel. Without a workspace (a graph captured before one was allocated)
-such calls run the last round's tiles as a second launch split over K instead (`tail_split`, `row_blocks`).
+tiles, in K order, with no second kernel. Without a workspace (`stream_k` off, or a graph captured before one
+was allocated) such calls run the last round's tiles as a second launch split over K instead (`tail_split`,
+`row_blocks`).
 
 The shipped tile table runs it at M = 17..1024 (triton_tiles.py); measured on the H200 against bf16
 cuBLAS, the Triton tiles and dequantize + cuBLAS, with the variants that lost (CTA pairs with x by TMA
@@ -45,8 +47,8 @@ from functools import lru_cache
 import torch
 
 from pieceworks.backends import nvrtc, pdl
-from pieceworks.backends.fp4_gemm.cuda_device import DEVICE_HELPERS
 from pieceworks.backends.fp4_gemm.cuda_launch import multiprocessors
+from pieceworks.backends.fp4_gemm.cuda_wgmma_kernel import source
 from pieceworks.backends.fp4_gemm.k32 import TILE_K, TILE_ROWS
 
 ROWS = 2 * TILE_ROWS  # weight rows per CTA: one storage-tile row block per consumer warpgroup
@@ -67,254 +69,6 @@ def stage_bytes(block_m: int) -> int:
 def max_stages(block_m: int) -> int:
     """The most stages that fit in shared memory (with their two mbarriers each)."""
     return min(8, MAX_SHARED // (stage_bytes(block_m) + 16))
-
-
-def _wgmma_fn(bm: int) -> str:
-    """wgmma m64n{bm}k16 bf16 with A from registers, B by descriptor, D += A B (f32)."""
-    n = bm // 2
-    outs = ", ".join(f"%{i}" for i in range(n))
-    cons = ", ".join(f'"+f"(d[{i}])' for i in range(n))
-    return (
-        f"__device__ __forceinline__ void wgmma_bm(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u64 b) {{\n"
-        f'    asm volatile("wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.bf16.bf16 "\n'
-        f'                 "{{{outs}}}, {{%{n}, %{n + 1}, %{n + 2}, %{n + 3}}}, %{n + 4}, 1, 1, 1, 0;"\n'
-        f'                 : {cons}\n'
-        f'                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));\n'
-        f"}}\n"
-    )
-
-
-_KERNEL = r"""
-typedef unsigned long long u64;
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
-__device__ __forceinline__ u32 lds32(u32 a) { u32 v; asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a)); return v; }
-__device__ __forceinline__ void lds64(u32 a, u32& x, u32& y) {
-    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(x), "=r"(y) : "r"(a));
-}
-// wgmma matrix descriptor: start address, leading and stride byte offsets, all >> 4 (the layout bits are
-// OR-ed in by the caller).
-__device__ __forceinline__ u64 desc(u32 addr, u32 lbo, u32 sbo) {
-    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
-}
-
-// The A registers of k16 steps q and 4 + q of a 128-element tile from this lane's unit pairs w0 (row g),
-// w1 (row g + 8) of group q and their scale pairs' bf16x2 multipliers (low: block q, high: block q + 4).
-__device__ __forceinline__ void decode_q(u32* a, u32 w0, u32 w1, u32 h0, u32 h1) {
-    const u32 sa0 = prmt(h0, 0x1010), sb0 = prmt(h0, 0x3232), sa1 = prmt(h1, 0x1010), sb1 = prmt(h1, 0x3232);
-    a[0] = bmul(slot<0>(w0), sa0); a[1] = bmul(slot<0>(w1), sa1);
-    a[2] = bmul(slot<1>(w0), sa0); a[3] = bmul(slot<1>(w1), sa1);
-    a[4] = bmul(slot<2>(w0), sb0); a[5] = bmul(slot<2>(w1), sb1);
-    a[6] = bmul(slot<3>(w0), sb0); a[7] = bmul(slot<3>(w1), sb1);
-}
-
-struct __align__(64) Tmap { unsigned long long v[16]; };
-__device__ __forceinline__ void tma2d(u32 dst, const Tmap* m, int c0, int c1, u32 bar) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
-                 :: "r"(dst), "l"((u64)m), "r"(c0), "r"(c1), "r"(bar) : "memory");
-}
-__device__ __forceinline__ void bulk(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-__device__ __forceinline__ void expect_tx(u32 bar, u32 bytes) {
-    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" :: "r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_init(u32 a, u32 n) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(a), "r"(n) : "memory"); }
-__device__ __forceinline__ void mbar_wait(u32 a, u32 parity) {
-    u32 ok;
-    do {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(ok) : "r"(a), "r"(parity) : "memory");
-    } while (!ok);
-}
-// Arrives on barrier a when `when` is nonzero: one predicated instruction, no branch (a branch among the
-// consumers' wgmmas makes ptxas serialize them, C7513).
-__device__ __forceinline__ void mbar_arrive_if(u32 a, int when) {
-    asm volatile("{\n .reg .pred p;\n setp.ne.s32 p, %1, 0;\n @p mbarrier.arrive.shared::cta.b64 _, [%0];\n}"
-                 :: "r"(a), "r"(when) : "memory");
-}
-
-// x by TMA (two 64-element boxes of BM rows from row ml, 128-byte swizzle, zero fill past K, and past M where
-// M < BM), the weight and scale tiles by bulk copies, all completing on the stage's full barrier; thread 256
-// (the producer warpgroup) issues a stage once every consumer thread arrived on its empty barrier (after its
-// warpgroup's wgmmas of that stage). No CTA-wide barrier and no branch in the consumers' K loop.
-// The work of a launch: `ntiles` output tiles (token tile t % gx of row block yoff + t / gx) of nkt K tiles
-// each, as iterations t * nkt + k. Without SK a CTA takes one tile (blockIdx.x, blockIdx.y): all its
-// iterations, or with SPLIT blockIdx.z's share of them, storing float32 partials (scaled) to out as float
-// [gridDim.z, M, ldo] (the columns from row block yoff on), which a second kernel sums. With SK (stream-K)
-// CTA c of G takes iterations [c I / G, (c + 1) I / G) of I = ntiles x nkt, crossing tiles: a segment that
-// holds a tile's every K tile stores it as usual; one without the tile's first K tile is its CTA's first
-// segment and stores its float32 accumulators to workspace slot c, then counts itself on the tile's flag;
-// the segment with the first K tile is its CTA's last, reached after the others: it waits for their
-// count, adds their partials in K order and stores the tile, then zeroes the flag for the next launch.
-// The waits need every CTA of the launch resident at once: G at most one per SM.
-template <int BM, int S, int SWIGLU, int SPLIT, int SK>
-__global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
-    const __grid_constant__ Tmap tm, const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
-    const float* __restrict__ gscale, u16* __restrict__ out, int M, int N, int nkt, int nrb, int ldo, int yoff,
-    int gx, int ntiles, float* __restrict__ work, int* __restrict__ flags)
-{
-    constexpr int XB = BM * 256, STAGE = XB + 2 * 4096 + 2 * 512;
-    extern __shared__ __align__(1024) unsigned char smem[];
-    const u32 s0 = (u32)__cvta_generic_to_shared(smem), bars = s0 + S * STAGE;  // full[S], empty[S]
-    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const long long total = (long long)ntiles * nkt;
-    int ia, ib;  // this CTA's iterations
-    if (SK) {
-        ia = (int)(total * blockIdx.x / gridDim.x);
-        ib = (int)(total * (blockIdx.x + 1) / gridDim.x);
-    } else {
-        const int tile = blockIdx.y * gx + blockIdx.x;
-        ia = tile * nkt + (SPLIT ? (int)(((long long)nkt * blockIdx.z) / gridDim.z) : 0);
-        ib = tile * nkt + (SPLIT ? (int)(((long long)nkt * (blockIdx.z + 1)) / gridDim.z) : nkt);
-    }
-    // The last token tile of M >= BM rows loads the BM rows ending at M (overlapping the tile before it) and
-    // stores only its own: a box mostly past M, zero-filled by TMA, made M = 288 run 20-54% slower than 512.
-    auto first_row = [&](int tile) { const int m0 = (tile % gx) * BM; return M >= BM ? min(m0, M - BM) : m0; };
-    auto issue = [&](int i, int st) {
-        const int tile = i / nkt, kt = i - tile * nkt, by = tile / gx + yoff, ml = first_row(tile);
-        const int rb0 = min(2 * by, nrb - 1), rb1 = min(2 * by + 1, nrb - 1);
-        const u32 base = s0 + st * STAGE, full = bars + 8 * st;
-        expect_tx(full, STAGE);
-        tma2d(base, &tm, kt * 128, ml, full);
-        tma2d(base + BM * 128, &tm, kt * 128 + 64, ml, full);
-        bulk(base + XB, codes + ((size_t)rb0 * nkt + kt) * 4096, 4096, full);
-        bulk(base + XB + 4096, codes + ((size_t)rb1 * nkt + kt) * 4096, 4096, full);
-        bulk(base + XB + 8192, scales + ((size_t)rb0 * nkt + kt) * 512, 512, full);
-        bulk(base + XB + 8192 + 512, scales + ((size_t)rb1 * nkt + kt) * 512, 512, full);
-    };
-    if (tid == 0) {
-        for (int s = 0; s < S; ++s) {
-            mbar_init(bars + 8 * s, 1);
-            mbar_init(bars + 8 * (S + s), 8);  // lane 0 of each consumer warp
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
-    const int n_it = ib - ia;
-    if (tid >= 256) {  // the producer warpgroup: one thread issues every stage once its consumers released it
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        if (tid == 256) {
-            PDL_WAIT();
-            for (int i = 0; i < n_it; ++i) {
-                const int st = i % S;
-                if (i >= S) mbar_wait(bars + 8 * (S + st), ((i / S) - 1) & 1);
-                issue(ia + i, st);
-            }
-            // the last stages' releases (the consumers release every stage they used)
-            for (int i = max(0, n_it - S); i < n_it; ++i) mbar_wait(bars + 8 * (S + i % S), (i / S) & 1);
-        }
-        return;
-    }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");  // BM = 256 needs more than 65536 / 384
-    const float gs = gscale[0] * 16384.0f;
-    const int r0 = 16 * warp + g;
-    u32 a[2][8];
-    for (int i = ia, j = 0; i < ib;) {  // one segment (of one tile) per pass; j: stages consumed before it
-        const int tile = i / nkt, k0 = i - tile * nkt, nk = min(nkt - k0, ib - i);
-        float acc[BM / 2];
-#pragma unroll
-        for (int e = 0; e < BM / 2; ++e) acc[e] = 0.f;
-        for (int kt = 0; kt < nk; ++kt) {
-            const int st = (j + kt) % S;
-            mbar_wait(bars + 8 * st, ((j + kt) / S) & 1);
-            const u32 base = s0 + st * STAGE;
-            const u32 wbase = base + XB + wg * 4096, sbase = base + XB + 2 * 4096 + wg * 512;
-            u32 sc0a, sc0b, sc1a, sc1b;
-            lds64(sbase + r0 * 8, sc0a, sc0b);
-            lds64(sbase + (r0 + 8) * 8, sc1a, sc1b);
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const u32 w0 = lds32(wbase + r0 * 64 + (q << 4) + 4 * t);
-                const u32 w1 = lds32(wbase + (r0 + 8) * 64 + (q << 4) + 4 * t);
-                const u32 p0 = q < 2 ? sc0a : sc0b, p1 = q < 2 ? sc1a : sc1b;
-                const u32 h0 = scale_pair((q & 1) ? p0 >> 16 : p0 & 0xFFFF);
-                const u32 h1 = scale_pair((q & 1) ? p1 >> 16 : p1 & 0xFFFF);
-                wg_wait<1>();  // the wgmmas that last read a[q & 1] (two k16 steps back) are done
-                decode_q(a[q & 1], w0, w1, h0, h1);
-                wg_fence();
-                wgmma_bm(acc, a[q & 1][0], a[q & 1][1], a[q & 1][2], a[q & 1][3],
-                         desc(base + q * 32, 16, 1024) | (1ull << 62));
-                wgmma_bm(acc, a[q & 1][4], a[q & 1][5], a[q & 1][6], a[q & 1][7],
-                         desc(base + BM * 128 + q * 32, 16, 1024) | (1ull << 62));
-                wg_commit();
-                if (q == 0) {  // this warpgroup's wgmmas of the previous K tile are done: release its stage
-                    wg_wait<1>();
-                    mbar_arrive_if(bars + 8 * (S + (j + kt + S - 1) % S), (kt > 0) & (lane == 0));
-                }
-            }
-        }
-        wg_wait<0>();
-        j += nk;
-        mbar_arrive_if(bars + 8 * (S + (j + S - 1) % S), lane == 0);
-        const bool last_segment = i + nk == ib;
-        if (last_segment) PDL_TRIGGER();
-        if (SK && nk < nkt) {  // a part of the tile's K: through the workspace
-            const long long G = gridDim.x, x0 = (long long)tile * nkt;
-            const int cf = (int)(((x0 + 1) * G + total - 1) / total) - 1;  // the CTAs holding the tile's first
-            const int cl = (int)(((x0 + nkt) * G + total - 1) / total) - 1;  // and last K tiles
-            if (k0 > 0) {  // the first segment of this CTA (i == ia): its partial to slot blockIdx.x, counted
-#pragma unroll
-                for (int e = 0; e < BM / 8; ++e)
-                    __stcg((float4*)work + (size_t)blockIdx.x * (BM * 32) + e * 256 + tid,
-                           make_float4(acc[4 * e], acc[4 * e + 1], acc[4 * e + 2], acc[4 * e + 3]));
-                __threadfence();
-                asm volatile("bar.sync 1, 256;" ::: "memory");
-                if (tid == 0) atomicAdd(flags + tile, 1);
-                i += nk;
-                continue;
-            }
-            // k = 0: this CTA's last segment, reached after the others (at the start of the next CTAs' ranges)
-            if (tid == 0) {
-                int seen;
-                do {
-                    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(flags + tile) : "memory");
-                } while (seen < cl - cf);
-                flags[tile] = 0;  // every other segment has counted: ready for the next launch
-            }
-            asm volatile("bar.sync 1, 256;" ::: "memory");
-            for (int c = cf + 1; c <= cl; ++c) {  // their partials in K order
-                const float4* part = (const float4*)work + (size_t)c * (BM * 32) + tid;
-#pragma unroll
-                for (int e = 0; e < BM / 8; ++e) {
-                    const float4 v = __ldcg(part + e * 256);
-                    acc[4 * e] += v.x; acc[4 * e + 1] += v.y; acc[4 * e + 2] += v.z; acc[4 * e + 3] += v.w;
-                }
-            }
-        }
-        const int m0 = (tile % gx) * BM, ml = first_row(tile), row = (tile / gx + yoff) * 128 + 64 * wg + r0;
-#pragma unroll
-        for (int jj = 0; jj < BM / 8; ++jj)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int tok = ml + 8 * jj + 2 * t + (e & 1), n = row + 8 * (e >> 1);
-                const float v = acc[4 * jj + e] * gs;
-                const bool own = tok >= m0 && tok < M;  // rows below m0 are the tile before's to store
-                if (SPLIT) {
-                    if (own && n < N) ((float*)out)[((size_t)blockIdx.z * M + tok) * ldo + n - yoff * 128] = v;
-                } else if (SWIGLU) {
-                    const float u = __shfl_xor_sync(0xffffffffu, v, 4);
-                    if (!(g & 1) && own && n < N) out[(size_t)tok * ldo + (n >> 1)] = swiglu(v, u);
-                } else if (own && n < N) {
-                    out[(size_t)tok * ldo + n] = to_bf16(v);
-                }
-            }
-        i += nk;
-    }
-}
-
-"""
-
-
-@lru_cache(maxsize=None)
-def source(block_m: int) -> str:
-    """The kernel's CUDA source for BM = block_m (one string object per tile: `nvrtc.kernel`'s cache hashes
-    it on every launch)."""
-    return DEVICE_HELPERS + "typedef unsigned long long u64;\n" + _wgmma_fn(block_m) + _KERNEL.replace(
-        "typedef unsigned long long u64;\n", "", 1)
 
 
 @lru_cache(maxsize=None)
