@@ -222,7 +222,7 @@ def test_wgmma_plan_is_its_parts():
     from pieceworks.backends.fp4_gemm import cuda_wgmma
 
     assert cuda_wgmma.plan(256, 6144, 4096, 256, 3, 128) == (128, 5, 1, (0, 1), 132)  # 96 CTAs; 2 splits: 192
-    assert cuda_wgmma.plan(128, 6144, 4096, 128, 5) == (128, 5, 2, (0, 1), 0)
+    assert cuda_wgmma.plan(128, 6144, 4096, 128, 5) == (128, 5, 2, (0, 1), 96)  # the splits in-kernel
     assert cuda_wgmma.plan(512, 28672, 4096, 256, 3) == (256, 3, 1, (26, 2), 132)
     assert cuda_wgmma.plan(512, 28672, 4096, 256, 3, sms=112) == (256, 3, 1, (0, 1), 0)
 

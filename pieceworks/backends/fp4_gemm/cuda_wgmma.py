@@ -185,8 +185,8 @@ def plan(m: int, n: int, kp: int, block_m: int, stages: int, narrow_block_m: int
     Cached: an eager call (no graph) asks on every launch."""
     bm, st = token_tile(m, n, block_m, stages, narrow_block_m, sms)
     split = choose_split(m, n, kp, bm, sms)
-    if split > 1:
-        return bm, st, split, (0, 1), 0
+    if split > 1:  # as stream-K over tiles x splits CTAs: each CTA one split of one tile, summed in the kernel
+        return bm, st, split, (0, 1), -(-m // bm) * -(-n // ROWS) * split
     return bm, st, split, tail_split(m, n, kp, bm, sms), stream_k_ctas(m, n, kp, bm, sms)
 
 
