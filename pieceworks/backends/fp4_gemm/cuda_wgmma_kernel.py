@@ -227,23 +227,46 @@ __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
                 }
             }
         }
-        const int m0 = (tile % gx) * BM, ml = first_row(tile), row = (tile / gx + yoff) * 128 + 64 * wg + r0;
+        // The stores from one pointer per thread stepped by immediates and ldo (ptxas kept a 64-bit multiply
+        // and branch per element of the per-element address form: ~2,800 instructions per thread at BM = 256).
+        const int m0 = (tile % gx) * BM, row = (tile / gx + yoff) * 128 + 64 * wg + r0;
+        const int tok0 = first_row(tile) + 2 * t;  // e & 1 adds a token, jj eight; e >> 1 adds 8 rows of W
+        const bool col0 = row < N, col1 = row + 8 < N;
+        float* pf = (float*)out + ((size_t)blockIdx.z * M + tok0) * ldo + row - yoff * 128;  // SPLIT
+        u16* ph = out + (size_t)tok0 * ldo + (row >> 1);  // SWIGLU (even rows store)
+        u16* pb = out + (size_t)tok0 * ldo + row;
+        const int odd = g & 1;  // SWIGLU: rows 2i (gate) and 2i + 1 (up) sit in lanes g and g ^ 1 (lane ^ 4)
 #pragma unroll
-        for (int jj = 0; jj < BM / 8; ++jj)
+        for (int jj = 0; jj < BM / 8; ++jj) {
+            const int ta = tok0 + 8 * jj;  // rows below m0 are the tile before's to store
+            const bool own0 = ta >= m0 && ta < M, own1 = ta + 1 >= m0 && ta + 1 < M;
+            if (SWIGLU) {  // the even lane takes the pairs of rows row, row ^ 1 (e = 0, 1), the odd one those
+                // of rows row + 8 and its neighbour (e = 2, 3): each lane rounds two SwiGLUs, none wasted
+                float v[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) v[e] = acc[4 * jj + e] * gs;
+                const float r0 = __shfl_xor_sync(0xffffffffu, odd ? v[0] : v[2], 4);
+                const float r1 = __shfl_xor_sync(0xffffffffu, odd ? v[1] : v[3], 4);
+                const u16 y0 = odd ? swiglu(r0, v[2]) : swiglu(v[0], r0);
+                const u16 y1 = odd ? swiglu(r1, v[3]) : swiglu(v[1], r1);
+                const bool col = odd ? (row + 7 < N) : col0;  // the pair's gate row: row or row + 7
+                u16* q = ph + (size_t)(8 * jj) * ldo + (odd ? 4 : 0);  // odd row: (row + 7) >> 1 == (row >> 1) + 4
+                if (own0 && col) q[0] = y0;
+                if (own1 && col) q[ldo] = y1;
+                continue;
+            }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int tok = ml + 8 * jj + 2 * t + (e & 1), n = row + 8 * (e >> 1);
                 const float v = acc[4 * jj + e] * gs;
-                const bool own = tok >= m0 && tok < M;  // rows below m0 are the tile before's to store
+                const bool ok = ((e & 1) ? own1 : own0) && ((e >> 1) ? col1 : col0);
+                const size_t at = (size_t)(8 * jj + (e & 1)) * ldo;
                 if (SPLIT) {
-                    if (own && n < N) ((float*)out)[((size_t)blockIdx.z * M + tok) * ldo + n - yoff * 128] = v;
-                } else if (SWIGLU) {
-                    const float u = __shfl_xor_sync(0xffffffffu, v, 4);
-                    if (!(g & 1) && own && n < N) out[(size_t)tok * ldo + (n >> 1)] = swiglu(v, u);
-                } else if (own && n < N) {
-                    out[(size_t)tok * ldo + n] = to_bf16(v);
+                    if (ok) pf[at + 8 * (e >> 1)] = v;
+                } else if (ok) {
+                    pb[at + 8 * (e >> 1)] = to_bf16(v);
                 }
             }
+        }
         i += nk;
     }
 }
