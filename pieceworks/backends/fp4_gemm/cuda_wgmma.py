@@ -198,7 +198,6 @@ def stream_k_ctas(m: int, n: int, kp: int, block_m: int, sms: int = 132) -> int:
     return sms if idle > STREAM_K_IDLE and tiles * nkt >= sms else 0
 
 
-
 def token_tile(m: int, n: int, block_m: int, stages: int, narrow_block_m: int = 0,
                sms: int = 132) -> tuple[int, int]:
     """(block_m, stages) of a call: the bucket's tile, or where the bucket names a narrower tile
