@@ -23,7 +23,9 @@ host-time measurements without CUDA).
 from __future__ import annotations
 
 import bisect
+import functools
 import gc
+import importlib.util
 import math
 import time
 from typing import TYPE_CHECKING
@@ -50,8 +52,24 @@ def finite_rows(logits: torch.Tensor) -> torch.Tensor:
 def greedy_token_ids(logits: torch.Tensor) -> torch.Tensor:
     """[B] int64: each row's argmax of [B, V] float `logits` (the first index on a tie), or -1 for a
     row that is not all finite. The decode graphs compute it inside the replay, the sampler eagerly:
-    the same kernels on the same logits, so both give the same ids."""
+    the same kernels on the same logits, so both give the same ids. CUDA float32 logits take the
+    two Triton launches of `greedy_kernel` (where triton imports), the rest argmax and aminmax."""
+    if _triton_greedy() and greedy_kernel_supported(logits):
+        from pieceworks.executor import greedy_kernel
+
+        return greedy_kernel.greedy_token_ids(logits)
     return torch.where(finite_rows(logits), logits.argmax(dim=-1), -1)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_greedy() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def greedy_kernel_supported(logits: torch.Tensor) -> bool:
+    """Whether `greedy_kernel` takes these logits: CUDA, 2-D float32 with unit column stride."""
+    return (logits.is_cuda and logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(1) == 1
+            and 0 < logits.shape[1] < 2**31 - 1)
 
 
 def default_batch_sizes() -> list[int]:
