@@ -60,7 +60,7 @@ STEPS = [([7], [7], [[3]]), ([256, 1, 1], [256, 512, 17], [list(range(10, 26)), 
 
 
 def public(w: Wrapper, qo_lens, kv_lens, pages):
-    table = torch.zeros(len(pages), 64, dtype=torch.int32)
+    table = torch.zeros(len(pages), max(64, *map(len, pages)), dtype=torch.int32)
     kv = paged_kv_indices(table, kv_lens, PS, pages)
     qo = qo_indptr(qo_lens)
     return qo, kv, lambda: w.plan(qo, kv.indptr, kv.indices, kv.last_page_len, 8, 2, 64, PS, True, kv.kv_lens,
@@ -80,7 +80,9 @@ def test_fast_plan_plans_and_sets_the_wrapper_as_the_public_plan_does():
     qo, kv, plan = public(fast_w, *STEPS[0])
     fast = FastPlan.record(fast_w, plan, qo, kv, PS)
     assert fast is not None and len(fast_w._cached_module.plans) == 1  # the recorded public plan ran once
-    for qo_lens, kv_lens, pages in STEPS[1:] + STEPS[:1]:
+    # one sequence over several pages, and one whose 6,000 pages outgrow the first buffers (views made anew)
+    more = [([5], [40], [[9, 8, 7, 6]]), ([3], [6000 * PS], [list(range(6000))])]
+    for qo_lens, kv_lens, pages in STEPS[1:] + more + STEPS:
         fast(fast_w, qo_lens, kv_lens, pages)
         public(ref_w, qo_lens, kv_lens, pages)[2]()
         assert same(fast_w._cached_module.plans[-1], ref_w._cached_module.plans[-1])
@@ -134,7 +136,6 @@ def test_the_backend_records_one_fast_plan_or_warns_once_and_keeps_the_public_pl
                         prefix_lens=[k - q for q, k in zip(qo_lens, kv_lens)], page_size=PS,
                         page_table=torch.zeros(3, 64, dtype=torch.int32), slot_mapping=torch.zeros(258),
                         positions=torch.zeros(258), page_lists=pages)
-    dims, kw = (8, 2, 64, PS), {}
     for graph, recorded in ((False, True), (True, False)):
         w = Wrapper(graph=graph)
         w.plan = lambda qo, indptr, indices, last, *a, causal, w=w, **k: Wrapper.plan(
@@ -142,7 +143,7 @@ def test_the_backend_records_one_fast_plan_or_warns_once_and_keeps_the_public_pl
         backend._fast_plan, backend._fast_plan_refused = None, False
         caplog.clear()
         for _ in range(3):
-            backend._plan_prefill(w, meta, qo_lens, kv_lens, dims, kw)
+            backend._plan_prefill(w, meta, qo_lens, kv_lens)
         assert (backend._fast_plan is not None) is recorded
         # recorded: one public plan, then two through the planner directly; refused: three public plans
         assert len(w._cached_module.plans) == 3 and w._qo_indptr_last == 258

@@ -162,3 +162,29 @@ def test_capture_steps_larger_than_the_context_keep_positions_inside_it():
     assert ex.max_context == 512 and ex.piecewise.max_context == 512
     ex.piecewise._dummy_step(1024, "direct")  # what each capture size's warm-up runs on CUDA
     assert ex.piecewise.static_pos[:1024].max().item() == 511
+
+
+def test_ids_and_positions_arrive_in_one_copy_or_two(pair):
+    """`step_inputs` hands the runner its token ids and positions as neighbouring rows of one buffer,
+    copied into the static rows at once; separate tensors take one copy each. Same static inputs, same
+    hidden states."""
+    import dataclasses
+
+    from pieceworks.core.batch import ForwardMode
+
+    _, pw = pair
+    seq, tokens = pw.new_sequence(), [toks(13, 5)]
+    new = pw._reserve_pages([seq], tokens)
+    try:
+        meta, ids = pw.prepare_step(ForwardMode.EXTEND, GraphMode.PIECEWISE, [seq], tokens, 16)
+        assert meta.positions.data_ptr() == ids.data_ptr() + 8 * 16  # neighbours: the one-copy path
+        kernels, out = pw.table.step(ForwardMode.EXTEND, GraphMode.PIECEWISE), []
+        for m, i in ((meta, ids), (dataclasses.replace(meta, positions=meta.positions.clone()), ids.clone())):
+            pw.piecewise.static.fill_(-1)
+            out.append(pw.run_model(kernels, m, i).clone())
+            assert torch.equal(pw.piecewise.static_ids[:16], ids) and torch.equal(pw.piecewise.static_pos[:16],
+                                                                                  meta.positions)
+        assert torch.equal(out[0], out[1])
+    finally:
+        pw._release([seq], new)
+        pw.free(seq)

@@ -103,8 +103,11 @@ class PiecewiseRunner:
         self.backend = PiecewiseBackend(self)
         self.compiled = torch.compile(_own_code_object(model), backend=self.backend, fullgraph=True,
                                       dynamic=False)
-        self.static_ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
-        self.static_pos = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
+        # token ids and positions, rows of one buffer: a step's two rows (`step_inputs` puts them side by
+        # side) arrive in one copy
+        self.static = torch.zeros(2, self.max_tokens, dtype=torch.int64, device=dev)
+        self.static_ids, self.static_pos = self.static[0], self.static[1]
+        self._static_rows: dict[int, torch.Tensor] = {}  # size -> static[:, :size]
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # weights never move: replays need not check their addresses
         self.fixed_ptrs = {t.data_ptr() for t in (*model.parameters(), *model.buffers())}
@@ -122,7 +125,8 @@ class PiecewiseRunner:
         self.programs.clear()
         self.recording = None
         self.compiled = self.model = self.table = self.kv = self.pool = None
-        self.static_ids = self.static_pos = None
+        self.static = self.static_ids = self.static_pos = None
+        self._static_rows.clear()
         self.fixed_ptrs = set()
 
     def padded_size(self, num_tokens: int) -> int:
@@ -132,8 +136,15 @@ class PiecewiseRunner:
         """Run the padded step (len(input_ids) is a capture size, the attention backends planned); returns
         hidden [size, H]."""
         size = input_ids.shape[0]
-        self.static_ids[:size].copy_(input_ids)
-        self.static_pos[:size].copy_(positions)
+        if (positions.data_ptr() == input_ids.data_ptr() + 8 * size and input_ids.dtype == positions.dtype == torch.int64
+                and input_ids.is_contiguous() and positions.is_contiguous()):
+            rows = self._static_rows.get(size)
+            if rows is None:
+                rows = self._static_rows[size] = self.static[:, :size]
+            rows.copy_(input_ids.as_strided((2, size), (size, 1)))
+        else:
+            self.static_ids[:size].copy_(input_ids)
+            self.static_pos[:size].copy_(positions)
         program = self.programs.get(size)
         if program is not None:
             return program()

@@ -208,12 +208,10 @@ class FlashInferAttentionBackend(AttentionBackend):
     # ------------------------------------------------------------------ plan (host)
     def plan(self, meta) -> None:
         self._meta = meta
-        m = self.spec.model
         qo_lens, kv_lens = step_lengths(meta)
         self._rows = sum(qo_lens)
-        dims = (m.num_heads, m.num_kv_heads, m.head_dim, meta.page_size)
-        kw = dict(q_data_type=m.dtype, kv_data_type=m.dtype, sm_scale=self._sm_scale)
         if meta.mode is ForwardMode.DECODE:
+            dims, kw = self._plan_args(meta.page_size)
             kv = paged_kv_indices(meta.page_table[: len(kv_lens)], kv_lens, meta.page_size, meta.page_lists)
             if meta.graph_mode is GraphMode.FULL:
                 wrapper = self._graph_decode_wrapper(len(kv_lens), meta.page_table.shape[1], meta.device)
@@ -224,14 +222,20 @@ class FlashInferAttentionBackend(AttentionBackend):
         else:
             wrapper = self._prefill_wrapper(meta.device)
             self._plan_guard.before(wrapper)
-            self._plan_prefill(wrapper, meta, qo_lens, kv_lens, dims, kw)
+            self._plan_prefill(wrapper, meta, qo_lens, kv_lens)
             # FastRun's plan-owned arguments follow the new plan; without it, layer 0 records one
             if self._fast is not None and not self._fast.rebind(wrapper, meta.page_size):
                 self._fast = None
         self._plan_guard.after(wrapper, meta.device)
         self._wrapper = wrapper
 
-    def _plan_prefill(self, wrapper, meta, qo_lens: list[int], kv_lens: list[int], dims: tuple, kw: dict) -> None:
+    def _plan_args(self, page_size: int) -> tuple[tuple, dict]:
+        """The head shape and page size, and the dtypes and scale, that FlashInfer's public plans take."""
+        m = self.spec.model
+        return ((m.num_heads, m.num_kv_heads, m.head_dim, page_size),
+                dict(q_data_type=m.dtype, kv_data_type=m.dtype, sm_scale=self._sm_scale))
+
+    def _plan_prefill(self, wrapper, meta, qo_lens: list[int], kv_lens: list[int]) -> None:
         """The prefill wrapper's plan: through the FastPlan when there is one for the step's page size (the
         planner takes it) and host page lists, else FlashInfer's public plan, given the lengths it would
         otherwise derive on the host; a public plan after the planner's module exists records a FastPlan."""
@@ -239,6 +243,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         if fast is not None and meta.page_lists is not None and fast.page_size == meta.page_size:
             fast(wrapper, qo_lens, kv_lens, meta.page_lists)
             return
+        dims, kw = self._plan_args(meta.page_size)
         kv = paged_kv_indices(meta.page_table[: len(kv_lens)], kv_lens, meta.page_size, meta.page_lists)
         qo = qo_indptr(qo_lens)
 
