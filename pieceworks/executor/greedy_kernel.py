@@ -1,9 +1,10 @@
 """Each row's greedy token of [B, V] float32 logits on CUDA in two Triton launches (imports triton).
 
 `cuda_graph.greedy_token_ids` runs this on CUDA: torch's `argmax` and `aminmax` took 29 and 17 us on
-one row of 128k float32 logits (0.5 MB) in a kernel profile of a Llama-3.1-8B-shaped request on the H200. Here the first launch splits each row into chunks, one program per (row, chunk),
-each keeping its chunk's largest value, that value's first index and a count of NaN / +-inf entries; the
-second reduces a row's chunks in order. The ids equal torch's: the first index of the largest value, -1
+one row of 128k float32 logits (0.5 MB) in a kernel profile of a Llama-3.1-8B-shaped request on the H200.
+Here the first launch splits each row into chunks, one program per (row, chunk), each keeping its chunk's
+largest value, that value's first index and a count of NaN / +-inf entries; the second reduces a row's
+chunks in order. The ids equal torch's: the first index of the largest value, -1
 for a row that is not all finite.
 """
 

@@ -136,7 +136,8 @@ class PiecewiseRunner:
         """Run the padded step (len(input_ids) is a capture size, the attention backends planned); returns
         hidden [size, H]."""
         size = input_ids.shape[0]
-        if (positions.data_ptr() == input_ids.data_ptr() + 8 * size and input_ids.dtype == positions.dtype == torch.int64
+        if (positions.data_ptr() == input_ids.data_ptr() + 8 * size
+                and input_ids.dtype == positions.dtype == torch.int64
                 and input_ids.is_contiguous() and positions.is_contiguous()):
             rows = self._static_rows.get(size)
             if rows is None:

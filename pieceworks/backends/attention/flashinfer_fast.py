@@ -93,9 +93,9 @@ class FastPlan:
     across steps, calls the planner with the new host arrays and sets the attributes `run()` reads
     (`PLAN_TENSORS`, `PLAN_INTS`, `_qo_indptr_last`). The views of both buffers are made once per batch
     size: every torch call costs host time (a small copy 13-15 us on one H200 machine's host), and a plan
-    is on every extend step's critical path (the GPU waits for it before layer 0's attention). Its caller's `PlanCopyGuard` on the wrapper waits
-    for the previous plan's copies before the next plan, which keeps the staging buffer, too, from being
-    rewritten under a pending copy (one event per plan).
+    is on every extend step's critical path (the GPU waits for it before layer 0's attention). Its
+    caller's `PlanCopyGuard` on the wrapper waits for the previous plan's copies before the next plan,
+    which keeps the staging buffer, too, from being rewritten under a pending copy (one event per plan).
     The GPU tests compare the wrapper's state and the attention output with the public plan's.
     """
 
