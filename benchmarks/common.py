@@ -105,6 +105,21 @@ def wall_ms(fn, repeats: int, wait: bool = True, before=None) -> float:
     return statistics.median(out) * 1e3
 
 
+def gpu_ms(fn, repeats: int) -> float:
+    """Median ms between CUDA events around fn()'s work, queued behind a ~10 ms sleep kernel: the GPU time
+    of fn with the host ahead of the GPU, i.e. without the part of fn's wall time that waits for the host."""
+    out = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(20_000_000)
+        a.record()
+        fn()
+        b.record()
+        sync()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     """||y - ref|| / ||ref|| in float64."""
     return float((y.double() - ref.double()).norm() / ref.double().norm())
