@@ -216,6 +216,37 @@ def test_wgmma_narrow_token_tile_where_the_grid_leaves_sms_idle_or_pads_more_row
         TileConfig(kind="fused", narrow_block_m=64)
 
 
+def test_wgmma_fitted_token_tile_keeps_the_tiles_and_pads_fewer_rows():
+    """From 128-token tiles up, a call runs the smallest multiple of 16 that covers M in as many tiles as
+    the chosen tile (the same grid, fewer padded rows of tensor work) with the stages that tile fits; M
+    that fills its tiles, and smaller tiles, are left as they are."""
+    from pieceworks.backends.fp4_gemm import cuda_wgmma
+
+    fit = cuda_wgmma.fit_token_tile
+    assert fit(288, 128) == 96 and fit(288, 256) == 144 and fit(72, 128) == 80 and fit(200, 256) == 208
+    assert fit(416, 256) == 208 and fit(700, 256) == 240 and fit(129, 128) == 80
+    assert fit(256, 256) == fit(512, 256) == 256 and fit(128, 128) == fit(384, 128) == 128
+    assert fit(40, 64) == 64 and fit(20, 32) == 32  # weight-bound tiles stay
+    assert fit(10, 128) == 32  # never below 32 tokens
+    for m in range(1, 1025):
+        for bm in (128, 256):
+            f = fit(m, bm)
+            assert f % 16 == 0 and 32 <= f <= bm and -(-m // f) == -(-m // bm), (m, bm)
+            assert cuda_wgmma.valid_block_m(f)
+    assert cuda_wgmma.plan(288, 6144, 4096, 256, 3, 128)[:2] == (96, cuda_wgmma.max_stages(96)) == (96, 6)
+    for m in (72, 200, 288, 300, 416, 700, 800):  # splits, tail launch and stream-K: as for the unfitted tile
+        for n in (4096, 6144, 28672):
+            bm = cuda_wgmma.token_tile(m, n, 256 if m > 128 else 128, 3 if m > 128 else 5, 128 if m > 128 else 0)[0]
+            unfitted = (cuda_wgmma.choose_split(m, n, 4096, bm), cuda_wgmma.tail_split(m, n, 4096, bm),
+                        cuda_wgmma.stream_k_ctas(m, n, 4096, bm))
+            split, tail, ctas = cuda_wgmma.plan(m, n, 4096, 256 if m > 128 else 128, 3 if m > 128 else 5,
+                                                128 if m > 128 else 0)[2:]
+            assert split == unfitted[0] and (split > 1 or (tail, ctas) == unfitted[1:]), (m, n)
+    assert cuda_wgmma.plan(200, 28672, 4096, 256, 3, 128)[:2] == (208, 3)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cuda_wgmma.gemm(torch.empty(4, 64, dtype=torch.bfloat16), None, None, None, 64, 64, block_m=72)
+
+
 def test_wgmma_plan_is_its_parts():
     """cuda_wgmma.plan (what triton_kernels.fp4_gemm launches and fp4_gemm.py records) = token_tile, then
     choose_split, then tail_split and stream_k_ctas where nothing is split."""

@@ -148,7 +148,7 @@ def test_wgmma_kernels_compile_without_serialized_wgmmas():
 
     if nvrtc.unavailable_reason():
         pytest.skip(nvrtc.unavailable_reason())
-    for bm in cuda_wgmma.BLOCK_MS:
+    for bm in (*cuda_wgmma.BLOCK_MS, 80, 144, 240):  # the table's tiles and fitted ones
         for swiglu, split, stream_k in ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 0, 1)):
             name = f"fp4_wgmma_tma<{bm}, {cuda_wgmma.max_stages(bm)}, {swiglu}, {split}, {stream_k}>"
             _, _, text = nvrtc._compile(cuda_wgmma.source(bm), name, "sm_90a")
@@ -295,6 +295,51 @@ def test_wgmma_last_token_tile_same_bits_as_padded_x(block_m, split):
     assert torch.equal(got, want[:, :m] if split > 1 else want[:m])
     if split == 1:
         assert rel_err(got, reference(x, w)) < TOL
+
+
+@pytest.mark.parametrize("m,block_m", [(72, 128), (200, 256), (288, 128), (416, 256)])
+@pytest.mark.parametrize("mode", ["plain", "swiglu", "split", "stream_k"])
+def test_wgmma_fitted_token_tile_same_bits_as_table_tile(m, block_m, mode):
+    """A fitted token tile (`fit_token_tile`: as many tiles as block_m, fewer padded rows) gives the table
+    tile's bits in plain, SwiGLU and split calls; stream-K matches the reference and repeats its bits; and the backend's call at m runs the fitted
+    tile (its plan) with the same result."""
+    from pieceworks.backends.fp4_gemm import cuda_wgmma
+    from pieceworks.backends.fp4_gemm.cuda_launch import multiprocessors
+    from pieceworks.backends.fp4_gemm.interleave import interleave_gate_up
+
+    x0 = torch.empty(1, device=DEV, dtype=torch.bfloat16)
+    if cuda_wgmma.unsupported(x0):
+        pytest.skip(cuda_wgmma.unsupported(x0))
+    fit = cuda_wgmma.fit_token_tile(m, block_m)
+    assert fit < block_m and fit % 16 == 0 and -(-m // fit) == -(-m // block_m)
+    n, k = 1480 * 2, 2064
+    gen = torch.Generator(DEV).manual_seed(m)
+    w = random_fp4(n, k, gen)
+    order = interleave_gate_up(n).to(DEV) if mode == "swiglu" else torch.arange(n, device=DEV)
+    packed = (*repack_k32(w.weight[order], w.weight_scale[order]), w.weight_scale_2)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
+    sms = multiprocessors(x.device)
+
+    def call(bm):
+        kw = dict(swiglu=mode == "swiglu", split=3 if mode == "split" else 1)
+        if mode == "stream_k":
+            flags = torch.zeros(-(-m // bm) * -(-n // cuda_wgmma.ROWS), dtype=torch.int32, device=DEV)
+            kw.update(stream_k=min(sms, 29), workspace=(torch.empty(cuda_wgmma.workspace_floats(sms, bm),
+                                                                      device=DEV), flags))
+        return cuda_wgmma.gemm(x, *packed, n, k, bm, **kw)
+
+    got, want = call(fit), call(block_m)
+    if mode == "stream_k":  # a tile index covers other rows, so CTAs split other tiles' K: other sums
+        assert rel_err(got, reference(x, w)) < TOL and torch.equal(got, call(fit))
+    else:
+        assert torch.equal(got, want)
+    if mode == "plain":
+        assert rel_err(got, reference(x, w)) < TOL
+        cfg = TileConfig(kind="wgmma", block_m=block_m, num_stages=cuda_wgmma.max_stages(block_m))
+        kp = -(-k // 512) * 512
+        assert cuda_wgmma.plan(m, n, kp, block_m, cfg.num_stages, 0, sms)[0] == fit
+        # the backend's call may split K (a second kernel sums the partials): other bits, same values
+        assert rel_err(gemm_kernels.fp4_gemm(x, *packed, n, k, cfg, 1), reference(x, w)) < TOL
 
 
 def test_fused_split_k_matches_two_kernel_split_k_bitwise():

@@ -6,7 +6,7 @@ cuda_wgmma_kernel.py's. Imports torch only.
     y[M, N] = x[M, K] @ dequant(W).T      (x bf16, W in the k32 layout of `k32.repack_k32`)
 
 Each CTA owns 128 weight rows (two storage-tile row blocks, one per warpgroup) and BM tokens (32, 64, 128
-or 256), so each decoded weight feeds BM tokens of tensor-core work; the decode of a k16 step overlaps the
+or 256, or from 128 up a multiple of 16 fitted to M: `fit_token_tile`), so each decoded weight feeds BM tokens of tensor-core work; the decode of a k16 step overlaps the
 wgmmas of the one before (A in two register sets, `wgmma.wait_group 1`).
 
 The A fragment: wgmma m64nNk16 takes A from the registers of the warpgroup's four warps, warp w holding rows
@@ -53,7 +53,8 @@ from pieceworks.backends.fp4_gemm.k32 import TILE_K, TILE_ROWS
 
 ROWS = 2 * TILE_ROWS  # weight rows per CTA: one storage-tile row block per consumer warpgroup
 THREADS = 384  # two consumer warpgroups and a producer warpgroup (one thread of it issues the copies)
-BLOCK_MS = (32, 64, 128, 256)
+BLOCK_MS = (32, 64, 128, 256)  # the token tiles a tile table names
+FIT_STEP = 16  # a fitted token tile (`fit_token_tile`) is a multiple of this
 MAX_SHARED = 227 * 1024  # dynamic shared memory per block on sm_90
 # Stream-K where the last round of output tiles leaves SMs idle for more K tiles per CTA than this
 # (`stream_k_ctas`). Fitted to the H200 probe of docs/benchmarks.md ("Stream-K"), forced stream-K against the
@@ -124,8 +125,8 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weig
     least one per output tile, zeros, which every call leaves zero); calls sharing a workspace must not
     run concurrently. Some CTAs wait for others: every CTA must be resident at once (at most one per SM,
     and no other stream's kernels holding SMs while they wait for this one)."""
-    if block_m not in BLOCK_MS:
-        raise ValueError(f"block_m={block_m}: one of {BLOCK_MS}")
+    if not valid_block_m(block_m):
+        raise ValueError(f"block_m={block_m}: a multiple of {FIT_STEP} from 32 to 256 (tokens per CTA)")
     stages = stages or max_stages(block_m)
     if not 2 <= stages <= max_stages(block_m):
         raise ValueError(f"stages={stages}: 2..{max_stages(block_m)} fit in shared memory at block_m={block_m}")
@@ -180,10 +181,13 @@ def _most_splits(ctas: int, kp: int, sms: int) -> int:
 def plan(m: int, n: int, kp: int, block_m: int, stages: int, narrow_block_m: int = 0,
          sms: int = 132) -> tuple[int, int, int, tuple[int, int], int]:
     """How a call of m rows runs: (token tile, stages, K splits, (row blocks, K splits) of the tail launch,
-    stream-K CTAs), from `token_tile`, `choose_split`, without splits `tail_split`, and `stream_k_ctas` (which,
+    stream-K CTAs), from `token_tile` and `fit_token_tile`, `choose_split`, without splits `tail_split`, and `stream_k_ctas` (which,
     where nonzero, replaces the splits and the tail launch whenever a stream-K workspace is at hand).
     Cached: an eager call (no graph) asks on every launch."""
     bm, st = token_tile(m, n, block_m, stages, narrow_block_m, sms)
+    fit = fit_token_tile(m, bm)
+    if fit != bm:  # the same tiles, each with fewer padded rows, and the stages that the smaller tile fits
+        bm, st = fit, max_stages(fit) if st == max_stages(bm) else st
     split = choose_split(m, n, kp, bm, sms)
     if split > 1:
         return bm, st, split, (0, 1), 0
@@ -210,6 +214,24 @@ def token_tile(m: int, n: int, block_m: int, stages: int, narrow_block_m: int = 
                            or -(-m // narrow_block_m) * narrow_block_m < tiles * block_m):
         return narrow_block_m, max_stages(narrow_block_m)
     return block_m, stages
+
+
+def fit_token_tile(m: int, block_m: int) -> int:
+    """The token tile that covers m rows in as many tiles as block_m does, with the fewest padded rows: the
+    tile size rounded up to FIT_STEP tokens (wgmma's N takes any multiple of 8 up to 256). Only for
+    block_m >= 128, where a tile's padded rows cost tensor-core work (M = 288 on 128-token tiles: 384
+    rows of MMA, on 96-token tiles 288); smaller tiles are bound by the weights' bytes, and each tile size
+    is one more NVRTC compile."""
+    if block_m < 128:
+        return block_m
+    tiles = -(-m // block_m)
+    fit = max(32, -(-(-(-m // tiles)) // FIT_STEP) * FIT_STEP)
+    return fit if fit < block_m and -(-m // fit) == tiles else block_m
+
+
+def valid_block_m(block_m: int) -> bool:
+    """A token tile the kernel is built for: a multiple of 16 from 32 to 256 (BLOCK_MS and fitted tiles)."""
+    return 32 <= block_m <= 256 and block_m % FIT_STEP == 0
 
 
 def choose_split(m: int, n: int, kp: int, block_m: int, sms: int = 132) -> int:

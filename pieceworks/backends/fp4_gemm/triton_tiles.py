@@ -4,7 +4,8 @@ Plain data, read at plan time (never autotuned at run time). Each table is a lis
 first; a call takes the first bucket whose `max_m` is at least its row count (None = no upper bound).
 Keys: kind ("fused": dequantize in registers and feed tensor-core dots; "dequant": dequantize the whole weight
 to bf16, then torch.matmul, for compute-bound sizes; "wgmma": the CUDA kernel of cuda_wgmma.py on sm_90,
-block_m tokens (32, 64, 128 or 256) and num_stages per CTA, elsewhere its bucket of WGMMA_FALLBACK_TILES;
+block_m tokens (32, 64, 128 or 256; a call's tile from 128 up is shrunk to cover M with fewer padded rows,
+`cuda_wgmma.fit_token_tile`) and num_stages per CTA, elsewhere its bucket of WGMMA_FALLBACK_TILES;
 narrow_block_m: a smaller token tile, with its most stages, for calls that one block_m tile covers with a grid
 that leaves SMs idle, or whose rows it covers with less padding: `cuda_wgmma.token_tile`),
 block_m/n/k, group_m (tile order: tiles of group_m row blocks share a column sweep, for L2 reuse), num_warps,
