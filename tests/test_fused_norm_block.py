@@ -16,6 +16,7 @@ from pieceworks.backends.fp4_gemm.torch import TorchFp4GemmBackend
 from pieceworks.core.context import ForwardContext, forward_context
 from pieceworks.models.base import Prenormed
 from pieceworks.models.llama import Llama, LlamaArgs, LlamaBlock
+from pieceworks.parallel.layout import TPLayout
 from pieceworks.quant.linear import Fp4Linear
 
 
@@ -39,11 +40,11 @@ ARGS = LlamaArgs.from_hf(dict(hidden_size=64, num_attention_heads=4, num_key_val
                               intermediate_size=96, vocab_size=32))
 
 
-def _blocks(backend, seed: int = 3) -> list[LlamaBlock]:
+def _blocks(backend, seed: int = 3, tp: TPLayout = TPLayout()) -> list[LlamaBlock]:
     gen = torch.Generator().manual_seed(seed)
     blocks = []
     for i in range(2):
-        b = LlamaBlock(ARGS, i, lambda name: True)
+        b = LlamaBlock(ARGS, i, lambda name: True, tp)
         a, m = b.self_attn, b.mlp
         for layer in (a.qkv_proj.proj, a.o_proj, m.gate_up_proj.proj, m.down_proj):
             w = torch.randn(layer.out_features, layer.in_features, generator=gen) * 0.2
@@ -80,6 +81,16 @@ def test_fused_norm_block_gives_the_plain_blocks_bits(tokens):
     assert plain.shape == fused.shape == (tokens, 64)
     assert plain.abs().max() > 0.1  # the blocks did something
     assert torch.equal(fused, plain)
+
+
+def test_tensor_parallel_shards_never_fuse_the_norms():
+    """A shard's o and down projections give partial sums that the all-reduce completes before the
+    residual add, which the fused block has no place for: shards run the plain block, whatever the backend."""
+    fusing_backend = _FusingTorchBackend(BackendSpec())
+    assert [b.norms_fused() for b in _blocks(fusing_backend)] == [True, True]
+    shards = _blocks(fusing_backend, tp=TPLayout(0, 2))
+    assert shards[0].self_attn.o_proj.in_features == 32  # half of the 64 columns
+    assert [b.norms_fused() for b in shards] == [False, False]
 
 
 def test_fused_norm_block_takes_an_unfused_blocks_output():

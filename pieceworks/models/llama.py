@@ -164,9 +164,10 @@ class LlamaBlock(nn.Module):
     def norms_fused(self) -> bool:
         """Whether this block's NVFP4 projections were prepared by an fp4_gemm backend that fuses the
         RMSNorms and residual adds into them (`Fp4GemmBackend.fuses_norm`; the q/k/v one with the rope
-        fused, gate/up with the SwiGLU): the block then runs `_forward_fused_norms`."""
+        fused, gate/up with the SwiGLU): the block then runs `_forward_fused_norms`. Never in a tensor-parallel
+        shard: its o and down outputs are partial sums, to be all-reduced before the residual add."""
         a, m = self.self_attn, self.mlp
-        return (a._qkv_fp4 and a.qkv_proj.proj.rope_fused and a.qkv_proj.proj.fuses_norm
+        return (not self.sharded and a._qkv_fp4 and a.qkv_proj.proj.rope_fused and a.qkv_proj.proj.fuses_norm
                 and m._swiglu and m.gate_up_proj.proj.fuses_norm
                 and isinstance(a.o_proj, Fp4Linear) and a.o_proj.fuses_norm
                 and isinstance(m.down_proj, Fp4Linear) and m.down_proj.fuses_norm)
