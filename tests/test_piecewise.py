@@ -68,7 +68,7 @@ def test_piecewise_matches_eager(pair, script):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
-def test_steps_take_the_graph_mode_design_md_says(pair):
+def test_steps_take_their_graph_mode(pair):
     _, pw = pair
     assert pw._graph_mode(*_args(pw, [toks(13, 0)], [0])) is GraphMode.PIECEWISE
     assert pw._graph_mode(*_args(pw, [toks(33, 0)], [0])) is GraphMode.EAGER  # above max_tokens
@@ -188,3 +188,54 @@ def test_ids_and_positions_arrive_in_one_copy_or_two(pair):
     finally:
         pw._release([seq], new)
         pw.free(seq)
+
+
+@pytest.mark.parametrize("safe_for_mixed", [False, True])
+def test_no_backend_safe_under_piecewise_runs_those_steps_eagerly(monkeypatch, caplog, safe_for_mixed):
+    """An attention backend that is not safe inside piecewise graphs, and no other: with the graphs switched
+    on the executor builds no piecewise runner, warns with the reason, and its extend and mixed steps run
+    eagerly with the eager results; with a backend safe for extend but not mixed steps, only the mixed
+    steps do."""
+    import logging
+
+    from pieceworks.backends.attention.torch import TorchAttentionBackend
+    from pieceworks.backends.hookspecs import hookimpl
+    from pieceworks.backends.registry import Registry
+    from pieceworks.core.batch import ForwardMode
+    from pieceworks.executor import build
+
+    class NotPiecewise(TorchAttentionBackend):
+        name, priority = "notpw", 90
+        graph_modes = frozenset({GraphMode.EAGER, GraphMode.FULL})
+
+    class ExtendOnly(TorchAttentionBackend):
+        name, priority = "extendonly", 80
+        forward_modes = frozenset({ForwardMode.EXTEND})
+        graph_modes = frozenset({GraphMode.PIECEWISE})
+
+    class Plugin:
+        @hookimpl
+        def pieceworks_register_backends(self):
+            return [NotPiecewise, ExtendOnly] if safe_for_mixed else [NotPiecewise]
+
+    def registry(_cfg):
+        reg = Registry(disabled=("pieceworks.torch",), autoload=False)
+        reg.register_plugin(Plugin(), "test")
+        return reg.load()
+
+    monkeypatch.setattr(build, "load_registry", registry)
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="pieceworks.executor"):
+        ex = make("llama", True)
+    if not safe_for_mixed:
+        assert ex.piecewise is None
+        assert any("cuda_graph.piecewise" in r.getMessage() and "run eagerly" in r.getMessage() for r in caplog.records)
+    else:
+        assert ex.piecewise is not None
+        assert ex._graph_mode(*_args(ex, [toks(13, 0)], [0])) is GraphMode.PIECEWISE
+        assert ex._graph_mode(*_args(ex, [toks(5, 0), [1]], [0, 4])) is GraphMode.EAGER  # mixed
+    monkeypatch.undo()
+    eager = make("llama", False)
+    for script in ("extend_many_counts", "mixed"):
+        for a, b in zip(run(eager, SCRIPTS[script]), run(ex, SCRIPTS[script])):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)

@@ -21,6 +21,7 @@ from pieceworks.backends import nvrtc, pdl
 from pieceworks.backends.base import BackendSpec
 from pieceworks.backends.registry import load_registry
 from pieceworks.config import Config, ConfigError, Switch, cache_root, load_config
+from pieceworks.core.batch import ForwardMode, GraphMode
 from pieceworks.core.devices import resolve_device, resolve_dtype
 from pieceworks.executor.kv_cache import KVPool
 
@@ -90,11 +91,14 @@ def graph_runners(graphs_cfg: Any, model: torch.nn.Module, table: Any, kv: KVPoo
                   progress: bool) -> tuple[Any, Any]:
     """(PiecewiseRunner or None, DecodeGraphRunner or None) for `graphs_cfg` (a CudaGraphConfig) and the
     pool's device: piecewise graphs for extend and mixed steps (on CUDA by default; on the CPU the same
-    split runs directly when switched on) and full decode graphs (CUDA only)."""
+    split runs directly when switched on) and full decode graphs (CUDA only). Neither where the kernel
+    table has no backend safe in that graph mode (`KernelTable.graph_unavailable`): those steps run
+    eagerly, with a warning when the config switched the graphs on."""
     on_cuda = kv.device.type == "cuda"
     piecewise = decode_graphs = None
     pw = graphs_cfg.piecewise
-    if pw.enabled is Switch.on or (pw.enabled is Switch.auto and on_cuda):
+    if (pw.enabled is Switch.on or (pw.enabled is Switch.auto and on_cuda)) and graphs_possible(
+            table, ForwardMode.EXTEND, GraphMode.PIECEWISE, pw.enabled, "cuda_graph.piecewise"):
         from pieceworks.executor.piecewise import PiecewiseRunner
 
         piecewise = PiecewiseRunner(model, table, kv, pw, max_context, progress=progress)
@@ -103,13 +107,26 @@ def graph_runners(graphs_cfg: Any, model: torch.nn.Module, table: Any, kv: KVPoo
         from pieceworks.executor.cuda_graph import check_batch_sizes
 
         check_batch_sizes(dec.batch_sizes, kv.allocator.capacity, kv.page_size)
-    if on_cuda and dec.enabled is not Switch.off:
+    if on_cuda and dec.enabled is not Switch.off and graphs_possible(
+            table, ForwardMode.DECODE, GraphMode.FULL, dec.enabled, "cuda_graph.decode"):
         from pieceworks.executor.cuda_graph import DecodeGraphRunner
 
         decode_graphs = DecodeGraphRunner(model, table, kv, max_context, dec.batch_sizes, progress=progress)
     elif dec.enabled is Switch.on:
         log.info("cuda_graph.decode.enabled=on has no effect on %s: decode graphs need CUDA", kv.device)
     return piecewise, decode_graphs
+
+
+def graphs_possible(table: Any, mode: ForwardMode, graph: GraphMode, switch: Switch, key: str) -> bool:
+    """Whether `table` has a backend for every op of `mode` steps under `graph`; if not, says so (a warning
+    where `key.enabled` is on, else at info level) and the runner is not built."""
+    why = table.graph_unavailable.get((mode, graph))
+    if why is None:
+        return True
+    (log.warning if switch is Switch.on else log.info)(
+        "%s: no backend is safe in %s graphs for %s steps (%s); those steps run eagerly",
+        key, graph.value, mode.value, why)
+    return False
 
 
 def release_executor(ex: Any, message: str) -> None:

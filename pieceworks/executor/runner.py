@@ -315,13 +315,14 @@ class Executor:
         self.close()
 
     def _graph_mode(self, mode: ForwardMode, num_seqs: int, num_tokens: int) -> GraphMode:
-        """DESIGN.md: decode within the graph batch sizes -> FULL; extend/mixed within
-        piecewise.max_tokens -> PIECEWISE; otherwise EAGER."""
+        """Decode within the graph batch sizes -> FULL; extend/mixed within piecewise.max_tokens -> PIECEWISE
+        (mixed steps only where the kernel table has backends for them there); otherwise EAGER."""
         if mode is ForwardMode.DECODE:
             if self.decode_graphs is not None and self.decode_graphs.covers(num_seqs):
                 return GraphMode.FULL
             return GraphMode.EAGER
-        if self.piecewise is not None and self.piecewise.covers(num_tokens):
+        if (self.piecewise is not None and self.piecewise.covers(num_tokens)
+                and (mode is ForwardMode.EXTEND or self.table.graph_mode_ok(mode, GraphMode.PIECEWISE))):
             return GraphMode.PIECEWISE
         return GraphMode.EAGER
 
