@@ -9,7 +9,8 @@ one still runs; it must then synchronize itself before it reads anything the cur
 Every Triton kernel of the step that is launched with PDL follows one protocol (`pdl_kernels`):
 
 1. `griddepcontrol.wait` first: it blocks until the preceding grid has completed and its writes are
-   visible. Nothing is read or written before it.
+   visible. Nothing an earlier kernel writes is read, and nothing is written, before it (the norm
+   kernels load their norm weights first).
 2. `griddepcontrol.launch_dependents` lets the next kernel start (its programs then sit in step 1).
    The short kernels (norms, rope, SiLU, K/V writes, routing) call it right after the wait; the NVFP4
    GEMMs, the MoE GEMMs and attention.triton after their main loop, so the next launch overlaps
