@@ -143,11 +143,16 @@ def _num(v: Any) -> str:
 def run_main_job(cfg: Config) -> int:
     """`pieceworks run`: build, generate for the prompts, print text, speed and the backend table."""
     from pieceworks.executor.runner import Executor
-    from pieceworks.executor.scheduler import StepStats
 
     t0 = time.perf_counter()
-    ex = Executor.from_config(cfg)
-    build_s = time.perf_counter() - t0
+    # closed on the way out: under torchrun the other ranks follow this one's steps until it closes
+    with Executor.from_config(cfg) as ex:
+        return _main_job(ex, cfg, time.perf_counter() - t0)
+
+
+def _main_job(ex: Any, cfg: Config, build_s: float) -> int:
+    from pieceworks.executor.scheduler import StepStats
+
     tok = _tokenizer_for(ex, cfg)
     if tok is not None:
         texts = list(cfg.generation.prompts) or DEFAULT_PROMPTS

@@ -314,6 +314,21 @@ def test_torchrun_launch_equals_one_process(reference):
     assert sent is None if not message_queue.usable() else sent >= 4
 
 
+def test_torchrun_pieceworks_run_exits_cleanly_on_every_rank():
+    """`torchrun --nproc-per-node 2 -m pieceworks.cli run ...`: the main job closes its executor, so the
+    follower is told to stop and every rank exits 0 (it raised once the leader had exited unclosed)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+                          "pieceworks.cli", "run", *LLAMA, *TP2, "generation.max_new_tokens=3"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "tokens/s" in run.stdout and "Traceback" not in run.stderr
+
+
 def test_killed_worker_is_reported_and_nothing_hangs(fp4_tp2):
     queue = fp4_tp2.groups.queue
     seq = fp4_tp2.new_sequence()
