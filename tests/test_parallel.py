@@ -329,6 +329,36 @@ def test_torchrun_pieceworks_run_exits_cleanly_on_every_rank():
     assert "tokens/s" in run.stdout and "Traceback" not in run.stderr
 
 
+def test_a_leader_never_closed_still_stops_its_followers(tmp_path):
+    """A leader dropped without close (spawned workers: once collected; torchrun: when the script ends) tells
+    its followers to stop through its finalizer: no worker process is left, and every torchrun rank exits 0.
+    Both in fresh processes (this one's default process group may be taken by a module fixture)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    spawned = tmp_path / "spawned.py"
+    spawned.write_text(
+        "import gc, multiprocessing, sys, time\nfrom pieceworks import Executor\n\n"
+        "def main():\n    ex = Executor.from_config(None, sys.argv[1:], progress=False)\n"
+        "    assert ex.generate([[5, 6, 7]], max_new_tokens=2)\n\n"
+        "if __name__ == '__main__':\n    main()\n    gc.collect()\n    deadline = time.monotonic() + 10\n"
+        "    while multiprocessing.active_children() and time.monotonic() < deadline:\n        time.sleep(0.1)\n"
+        "    print('CHILDREN', len(multiprocessing.active_children()), flush=True)\n")
+    run = subprocess.run([sys.executable, str(spawned), *LLAMA, *TP2], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert run.returncode == 0 and "CHILDREN 0" in run.stdout, run.stdout[-1000:] + run.stderr[-3000:]
+    script = tmp_path / "unclosed.py"
+    script.write_text("import sys\nfrom pieceworks import Executor\n\n"
+                      "def main():\n    ex = Executor.from_config(None, sys.argv[1:], progress=False)\n"
+                      "    print('TOKENS', ex.generate([[5, 6, 7]], max_new_tokens=3), flush=True)\n\nmain()\n")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script),
+                          *LLAMA, *TP2], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "TOKENS" in run.stdout
+
+
 def test_killed_worker_is_reported_and_nothing_hangs(fp4_tp2):
     queue = fp4_tp2.groups.queue
     seq = fp4_tp2.new_sequence()

@@ -16,7 +16,6 @@ keeps every live sequence's page list (`follow`), the leader what it has sent (`
 
 from __future__ import annotations
 
-import atexit
 import shutil
 import tempfile
 import traceback
@@ -240,8 +239,15 @@ def shutdown(ex: Any, graceful: bool = True) -> None:
     """Stop the followers and leave the process group (the leader's `Executor.close`). Not graceful
     (after a failed step, when followers may wait in a collective that will not come): the workers are
     killed at once instead of being told to stop."""
+    finalizer = getattr(ex, "leader_finalizer", None)
+    if finalizer is not None:
+        finalizer.detach()
     groups, workers = ex.groups, ex.workers
     ex.groups = ex.workers = None
+    _stop(groups, workers, ex.rendezvous, graceful)
+
+
+def _stop(groups: Any, workers: Any, rendezvous: str | None, graceful: bool = True) -> None:
     try:
         if graceful and groups is not None and (workers is None or workers.failure() is None):
             groups.broadcast(None)
@@ -252,21 +258,16 @@ def shutdown(ex: Any, graceful: bool = True) -> None:
             workers.stop(timeout_s=10.0 if graceful else 0.0)
         if groups is not None:
             groups.close()
-        if ex.rendezvous is not None:
-            shutil.rmtree(ex.rendezvous, ignore_errors=True)
+        if rendezvous is not None:
+            shutil.rmtree(rendezvous, ignore_errors=True)
 
 
 def _lead(ex: Any) -> Any:
-    """`ex` as the leader: it records what its step messages sent and is closed at interpreter exit."""
+    """`ex` as the leader: it records what its step messages sent, and an executor never closed still stops
+    its followers, when it is collected or at interpreter exit (a finalizer holding the process group,
+    the workers and the rendezvous directory, not the executor; `shutdown` detaches it)."""
     ex.sent_pages = SentPages()
-    ref = weakref.ref(ex)
-
-    def close() -> None:
-        obj = ref()
-        if obj is not None:
-            obj.close()
-
-    atexit.register(close)
+    ex.leader_finalizer = weakref.finalize(ex, _stop, ex.groups, ex.workers, ex.rendezvous)
     return ex
 
 

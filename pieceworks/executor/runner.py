@@ -86,7 +86,8 @@ class Executor:
         holding a shard of the model: started here as N - 1 worker processes, or, under `torchrun
         --nproc-per-node N`, the other torchrun processes (on those, this call serves the leader's steps
         and exits the process when the leader closes). Close it (`close()`, or use it as a context
-        manager) to stop the workers; they are stopped at interpreter exit too.
+        manager) to stop the workers; a leader never closed stops them when it is collected or at
+        interpreter exit.
 
         Raises:
             ConfigError: bad configuration (including a parallel layout the model or the machine can't
