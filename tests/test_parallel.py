@@ -240,6 +240,9 @@ def test_one_rank_through_the_distributed_path_equals_one_process(reference, col
         got = steps(ex)
         assert len(leader_steps) >= 7  # 3 forward steps, 4 generate steps
         assert sends == [] and ex.sent_pages.steps == 0 and ex.sent_pages.counts == {}
+        rendezvous = ex.rendezvous
+        assert rendezvous is not None and os.path.isdir(rendezvous)
+    assert not os.path.exists(rendezvous)  # the file store's directory goes with the executor
     for r, g in zip(reference(LLAMA + ["quantization.format=nvfp4"]), got):
         assert torch.equal(r, g)
 

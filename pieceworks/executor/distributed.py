@@ -164,15 +164,21 @@ def one_rank(cls: type, cfg: Config, progress: bool = True, collectives: bool = 
 
     device = rank_device(cfg, 0)
     model_dir = cls.resolve_model_dir(cfg, progress)
-    init_method = (Path(tempfile.mkdtemp(prefix="pieceworks-tp-")) / "store").as_uri()
-    groups = init_groups(0, 1, device, init_method, cfg.parallel.timeout_s)
+    rendezvous = tempfile.mkdtemp(prefix="pieceworks-tp-")
+    try:
+        groups = init_groups(0, 1, device, (Path(rendezvous) / "store").as_uri(), cfg.parallel.timeout_s)
+    except BaseException:
+        shutil.rmtree(rendezvous, ignore_errors=True)
+        raise
     if collectives:
         groups = replace(groups, device_group=dist.group.WORLD.group_name)
     try:
         ex = cls.build(cfg, progress, device, model_dir, groups)
     except BaseException:
         groups.close()
+        shutil.rmtree(rendezvous, ignore_errors=True)
         raise
+    ex.rendezvous = rendezvous
     return _lead(ex)
 
 
