@@ -15,10 +15,10 @@ where it ran). All fp4_gemm backends of one executor share a `weight_layout` (th
 Which path serves which M (rows of x; the Triton buckets are `triton_tiles.FP4_GEMM_TILES`):
 
     triton   M <= cuda_decode_max_m (16) on CUDA >= 9.0 with NVRTC and bf16 x: the CUDA decode kernel
-             on the k32 weights (`cuda_decode.decode_gemm(layout="k32")`); elsewhere the Triton tiles:
-             M <= 8 an 8-row mma.sync tile, up to 16 / 32 / 64 one-dot tiles of that many rows (split-K
-             for small M), up to 256 a 64 x 128 tile; above 256, dequantize to a transient bf16 weight
-             and torch.matmul.
+             on the k32 weights (`cuda_decode.decode_gemm(layout="k32")`); elsewhere M <= 8 an 8-row
+             mma.sync tile and up to 16 a one-dot tile (split-K for small M); M = 17..1024 on sm_90 the
+             wgmma kernel (`cuda_wgmma.py`), elsewhere one-dot tiles of 32 / 64 rows and a 64 x 128 tile
+             up to 256; above that, dequantize to a transient bf16 weight and torch.matmul.
     cuda     M <= 16: the CUDA decode kernel, one launch; 17 .. decode_max_m (64): one launch per 16-row
              slice of x; above: cuda_dequant.py's kernel to bf16, then torch.matmul.
 
