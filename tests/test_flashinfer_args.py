@@ -685,3 +685,15 @@ def test_attention_forward_keeps_views_of_replayed_tensors_only():
         assert backend._bound[0][0] is replayed[0] and backend._bound[0][5] == (2 if fresh else rows)
         kept.append(backend._bound[0])
     assert kept[0] is kept[1] and kept[2] is not kept[1] and kept[3] is kept[2]  # rebuilt only for new rows
+
+
+def test_mla_auto_variant_takes_fa2_where_fa3_lacks_the_latent_width():
+    """On Hopper `auto` is fa3, but fa3's MLA kernels take kv_lora_rank 128 / 256 / 512 only: another width
+    runs fa2 under auto, and an explicit fa3 is refused with the fix in the message."""
+    spec = BackendSpec(device="cuda", capability=(9, 0), model=replace(DSV3, kv_lora_rank=384),
+                       modules=frozenset({"flashinfer"}))
+    assert FlashInferMLABackend(spec, parse_options(FlashInferMLABackend, {})).variant == "fa2"
+    with pytest.raises(ValueError, match="variant=fa2"):
+        FlashInferMLABackend(spec, parse_options(FlashInferMLABackend, {"variant": "fa3"}))
+    dsv3 = replace(spec, model=DSV3)
+    assert FlashInferMLABackend(dsv3, parse_options(FlashInferMLABackend, {})).variant == "fa3"

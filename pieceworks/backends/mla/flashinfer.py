@@ -52,6 +52,8 @@ def mla_plan_args(meta, sm_scale: float, num_heads: int, kv_lora_rank: int, rope
     )
 
 
+FA3_RANKS = (128, 256, 512)  # the latent widths FlashInfer's fa3 MLA kernels are built for
+
 class FlashInferMLABackend(MLABackend):
     name = "flashinfer"
     priority = 100
@@ -81,7 +83,9 @@ class FlashInferMLABackend(MLABackend):
     def __init__(self, spec, options=None) -> None:
         super().__init__(spec, options)
         self.variant = resolve_variant(self.options.variant, spec.capability)
-        if self.variant == "fa3" and spec.model.kv_lora_rank not in (128, 256, 512):
+        if self.variant == "fa3" and self.options.variant == "auto" and spec.model.kv_lora_rank not in FA3_RANKS:
+            self.variant = "fa2"  # auto picks the variant that takes the model's latent width
+        if self.variant == "fa3" and spec.model.kv_lora_rank not in FA3_RANKS:
             raise ValueError(f"FlashInfer fa3 MLA needs kv_lora_rank 128, 256 or 512 "
                              f"(model: {spec.model.kv_lora_rank}); set backends.options.flashinfer.variant=fa2")
         # DeepSeek's scale is (nope + rope)^-0.5 times a yarn factor, unknown here: the first forward
