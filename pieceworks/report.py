@@ -14,7 +14,7 @@ from rich.table import Table
 from pieceworks.backends.base import BackendSpec, ModelFacts
 from pieceworks.backends.registry import KernelTable, Registry, load_registry
 from pieceworks.config import Config, Switch
-from pieceworks.core.batch import TABLE_MODES
+from pieceworks.core.batch import TABLE_MODES, ForwardMode, GraphMode
 
 console = Console()
 
@@ -57,7 +57,7 @@ def print_backends(cfg: Config) -> int:
     # A SelectionError propagates: the CLI prints it on stderr as one line and exits 2.
     table = registry.resolve(cfg.backends, spec, ops or ("attention", "mla", "fp4_gemm", "moe"))
     print_kernel_table(table)
-    print_graph_config(cfg, device)
+    print_graph_config(cfg, device, table=table)
     return 0
 
 
@@ -97,23 +97,36 @@ def print_kernel_table(table: KernelTable) -> None:
     console.print(t)
 
 
-def print_graph_config(cfg: Config, device: torch.device, ex: Any = None) -> None:
+def print_graph_config(cfg: Config, device: torch.device, ex: Any = None, table: KernelTable | None = None) -> None:
+    """The graph setup: from the config, and where a kernel table is given (or the executor's), off for a
+    graph mode in which no backend is safe (those steps run eagerly)."""
     from pieceworks.executor.cuda_graph import default_batch_sizes
     from pieceworks.executor.piecewise import default_sizes
 
+    table = table if table is not None else (ex.table if ex is not None else None)
+    unsafe = table.graph_unavailable if table is not None else {}
     pw, dec = cfg.cuda_graph.piecewise, cfg.cuda_graph.decode
     cuda = device.type == "cuda"
-    pw_on = pw.enabled is Switch.on or (pw.enabled is Switch.auto and cuda)
-    dec_on = cuda and dec.enabled is not Switch.off
+    pw_why = unsafe.get((ForwardMode.EXTEND, GraphMode.PIECEWISE))
+    dec_why = unsafe.get((ForwardMode.DECODE, GraphMode.FULL))
+    pw_wanted = pw.enabled is Switch.on or (pw.enabled is Switch.auto and cuda)
+    dec_wanted = cuda and dec.enabled is not Switch.off
+    pw_on, dec_on = pw_wanted and pw_why is None, dec_wanted and dec_why is None
     sizes = pw.sizes or default_sizes(pw.max_tokens)
     bss = dec.batch_sizes or default_batch_sizes()
     what = "CUDA graphs" if cuda else "traced and split, run without graphs (CPU)"
+    mixed_why = unsafe.get((ForwardMode.MIXED, GraphMode.PIECEWISE))
     console.print(
         f"[bold]piecewise[/bold] (extend/mixed): {'on' if pw_on else 'off'}"
         + (f", {what}, max_tokens {pw.max_tokens}, {len(sizes)} sizes {_span(sizes)}" if pw_on else "")
+        + (escape(f" (no backend safe in piecewise graphs: {pw_why}; extend and mixed steps run eagerly)")
+           if pw_wanted and pw_why else "")
+        + (escape(f"; mixed steps run eagerly ({mixed_why})") if pw_on and mixed_why else "")
     )
     console.print(f"[bold]decode graphs[/bold]: {'on' if dec_on else 'off'}"
-                  + (f", {len(bss)} batch sizes {_span(bss)}" if dec_on else " (need CUDA)" if not cuda else ""))
+                  + (f", {len(bss)} batch sizes {_span(bss)}" if dec_on else " (need CUDA)" if not cuda else "")
+                  + (escape(f" (no backend safe in full graphs: {dec_why}; decode steps run eagerly)")
+                     if dec_wanted and dec_why else ""))
     from pieceworks.backends import pdl
 
     mode = pdl.mode_name(cfg.runtime.pdl)

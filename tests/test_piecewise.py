@@ -227,13 +227,20 @@ def test_no_backend_safe_under_piecewise_runs_those_steps_eagerly(monkeypatch, c
     torch._dynamo.reset()
     with caplog.at_level(logging.WARNING, logger="pieceworks.executor"):
         ex = make("llama", True)
+    from pieceworks import report
+
+    with report.console.capture() as shown:  # what `pieceworks run` prints of the graph setup
+        report.print_graph_config(ex.cfg, ex.device, ex)
+    line = " ".join(shown.get().split())
     if not safe_for_mixed:
         assert ex.piecewise is None
         assert any("cuda_graph.piecewise" in r.getMessage() and "run eagerly" in r.getMessage() for r in caplog.records)
+        assert "piecewise (extend/mixed): off (no backend safe in piecewise graphs" in line
     else:
         assert ex.piecewise is not None
         assert ex._graph_mode(*_args(ex, [toks(13, 0)], [0])) is GraphMode.PIECEWISE
         assert ex._graph_mode(*_args(ex, [toks(5, 0), [1]], [0, 4])) is GraphMode.EAGER  # mixed
+        assert "piecewise (extend/mixed): on" in line and "mixed steps run eagerly" in line
     monkeypatch.undo()
     eager = make("llama", False)
     for script in ("extend_many_counts", "mixed"):
