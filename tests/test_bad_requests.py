@@ -91,6 +91,7 @@ def test_forward_refuses_malformed_batches(ex):
         (ForwardBatch(seq, [[1]]), "ForwardBatch.seqs must be a list, got Sequence"),
         (ForwardBatch([seq], None), "ForwardBatch.tokens must be a list, got NoneType"),
         (ForwardBatch([3], [[1]]), "ForwardBatch.seqs holds int 3"),
+        (ForwardBatch([None], [[1]]), "ForwardBatch.seqs holds NoneType None"),
         (ForwardBatch([seq], [[1]], return_all_logits="yes"), "return_all_logits must be True or False"),
         (ForwardBatch([seq, seq], [[1], [2]]), "appears twice"),
         ([seq], "forward takes a ForwardBatch, got list"),
@@ -99,6 +100,9 @@ def test_forward_refuses_malformed_batches(ex):
         with pytest.raises(BatchError, match=needle):
             ex.forward(batch)
         assert seq.kv_len == 0 and seq.pages == []
+    for handle in (None, 3):
+        with pytest.raises(BatchError, match="free.. takes a Sequence handle"):
+            ex.free(handle)
     ex.free(seq)
     intact(ex)
 
@@ -174,7 +178,8 @@ BAD_GENERATE = [
     (dict(temperature=1.0, top_p=-1), RequestError, "top_p: -1 must be in (0, 1]"),
     (dict(temperature=1.0, top_p=5), RequestError, "top_p: 5 must be in (0, 1]"),
     (dict(top_p=float("nan")), RequestError, "top_p: nan must be a finite number"),
-    (dict(seed="x"), RequestError, "seed: 'x' must be an integer or None"),
+    (dict(seed="x"), RequestError, "seed: 'x' must be an integer in [-2**63, 2**64) or None"),
+    (dict(seed=2**70), RequestError, "seed: 1180591620717411303424 must be an integer in [-2**63, 2**64) or None"),
     (dict(stop_token_ids="abc"), BatchError, "stop_token_ids: token ids must be a list of ints"),
     (dict(stop_token_ids=[1.5]), BatchError, "stop_token_ids: token ids must be ints, got float 1.5"),
     (dict(stop_token_ids=[99999]), RequestError, "stop_token_ids: [99999] outside the vocabulary"),

@@ -266,6 +266,10 @@ def test_bad_requests_refused(engine):
         ({"prompt": [1], "params": SamplingParams(stop=["x"])}, "needs a tokenizer"),
         ({"prompt": [1] * 510, "params": GREEDY}, "context limit"),
         ({"prompt": [1], "params": {"temperature": 0}}, "SamplingParams"),
+        ({"prompt": b"hi"}, "got bytes"),  # would iterate as the ids 104, 105
+        ({"prompt": {5: "a", 7: "b"}}, "got dict"),
+        ({"prompt": {9, 3, 7}}, "got set"),
+        ({"prompt": [1] * engine.max_context, "params": SamplingParams(max_tokens=None)}, "no room"),
     ]:
         with pytest.raises(RequestError, match=needle):
             engine.add_request(**kwargs)
@@ -274,6 +278,38 @@ def test_bad_requests_refused(engine):
         engine.add_request([1, 2], GREEDY, request_id="dup")
     engine.abort("dup")
     engine.step()
+    drained(engine)
+
+
+def test_a_numpy_prompt_is_one_prompt(engine, reference):
+    import numpy as np
+
+    outs = engine.generate(np.array(PROMPTS[0]), GREEDY)
+    assert len(outs) == 1 and outs[0].token_ids == reference[0]
+    drained(engine)
+
+
+def test_async_engine_survives_a_prompt_its_engine_refuses_with_any_error(engine, monkeypatch):
+    """A request that add_request refuses with another error than RequestError (a tokenizer's own TypeError,
+    say) fails alone: the step loop goes on serving the next request."""
+    real = engine.add_request
+
+    def refuse_once(prompt, *a, **kw):
+        if prompt == [7, 7, 7]:
+            raise TypeError("TextEncodeInput must be Union[...]")
+        return real(prompt, *a, **kw)
+
+    monkeypatch.setattr(engine, "add_request", refuse_once)
+
+    async def main(aeng):
+        async def one(p):
+            return [o async for o in aeng.generate(p, GREEDY)]
+        bad = await asyncio.gather(one([7, 7, 7]), return_exceptions=True)
+        return bad[0], await one(PROMPTS[0])
+
+    with AsyncEngine(engine) as aeng:
+        bad, good = asyncio.run(main(aeng))
+    assert isinstance(bad, TypeError) and good[-1].finished
     drained(engine)
 
 

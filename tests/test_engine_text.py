@@ -10,6 +10,7 @@ import pytest
 from pieceworks import Engine, SamplingParams
 from pieceworks.engine.detokenize import Detokenizer
 from pieceworks.engine.engine import eos_token_ids
+from pieceworks.errors import RequestError
 
 PROMPT = "The three primary colors are"
 
@@ -90,3 +91,12 @@ def test_detokenizer_holds_back_a_possible_stop_string(engine):
     deltas.append(d.delta(final=True))
     assert d.stopped and d.text == " alpha beta "
     assert "".join(deltas) == d.text
+
+
+def test_text_the_tokenizer_refuses_is_a_request_error(engine):
+    """A lone surrogate makes the tokenizer raise its own TypeError: the request is refused by name, and the
+    engine takes the next one."""
+    with pytest.raises(RequestError, match="tokenizer can't encode this prompt"):
+        engine.add_request("\ud800", SamplingParams(max_tokens=2))
+    outs = engine.generate("Hello", SamplingParams(temperature=0, max_tokens=2))
+    assert len(outs) == 1 and len(outs[0].token_ids) == 2

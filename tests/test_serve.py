@@ -176,6 +176,7 @@ BAD = {
     "unknown field": {"model": TINY_NAME, "prompt": [1, 2], "temprature": 0.5},
     "unsupported field": {"model": TINY_NAME, "prompt": [1, 2], "echo": True},
     "n zero": {"model": TINY_NAME, "prompt": [1, 2], "n": 0},
+    "n beyond the queue": {"model": TINY_NAME, "prompt": [1, 2], "n": 10**6},
 }
 
 

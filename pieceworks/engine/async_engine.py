@@ -144,7 +144,7 @@ class AsyncEngine:
                         _, rid, prompt, params = cmd
                         try:
                             engine.add_request(prompt, params, rid)
-                        except RequestError as exc:
+                        except Exception as exc:  # refused before the engine took it: this caller's error
                             self._deliver(rid, exc)
                     else:
                         engine.abort(cmd[1])

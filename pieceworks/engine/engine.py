@@ -138,7 +138,11 @@ class Engine:
             if self.tokenizer is None:
                 raise RequestError("a text prompt needs a tokenizer; this model has none (random weights): "
                                    "pass token ids")
-            ids = list(self.tokenizer(prompt)["input_ids"])
+            try:
+                ids = list(self.tokenizer(prompt)["input_ids"])
+            except Exception as exc:  # the tokenizer's own refusal (e.g. a lone surrogate): this request's
+                raise RequestError(f"the tokenizer can't encode this prompt ({type(exc).__name__}: {exc}); "
+                                   "send valid UTF-8 text or token ids") from None
         elif isinstance(prompt, torch.Tensor):
             if (prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype.is_complex
                     or prompt.dtype == torch.bool):
@@ -147,12 +151,11 @@ class Engine:
             ids, ints = prompt.tolist(), True
         elif isinstance(prompt, list) and only_ints(prompt):  # the common case: plain ints
             ids, ints = list(prompt), True
-        else:
-            try:
-                ids = [int(t) if _is_int(t) else t for t in prompt]
-            except TypeError:
-                raise RequestError(
-                    f"prompt must be a str or a list of token ids, got {type(prompt).__name__}") from None
+        elif isinstance(prompt, (list, tuple, range)) or _is_1d_array(prompt):
+            ids = [int(t) if _is_int(t) else t for t in prompt]
+        else:  # bytes, a set or a dict would iterate as ids silently
+            raise RequestError(f"prompt must be a str, a list of token ids or a 1-D integer array or tensor, "
+                               f"got {type(prompt).__name__}")
         vocab = self.executor.vocab_size
         # plain ints in range: min and max say so (a per-id check costs ~0.5 us a token on a long prompt)
         plain = (ints or only_ints(ids)) and (not ids or (min(ids) >= 0 and max(ids) < vocab))
@@ -168,6 +171,9 @@ class Engine:
         return ids
 
     def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
+        if params.max_tokens is None and len(ids) >= self.max_context:
+            raise RequestError(f"the prompt ({len(ids)} tokens) fills the context limit of {self.max_context}: no "
+                               "room for a generated token; shorten the prompt")
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_context:
             raise RequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceed the context limit "
@@ -338,11 +344,12 @@ class Engine:
                  params: SamplingParams | None = None) -> list[RequestOutput]:
         """Run prompts to completion; returns the final output of every (prompt, index), in order.
 
-        A str, a flat list of token ids or a 1-D tensor is one prompt. Nothing is streamed, so a final
+        A str, a flat list of token ids or a 1-D tensor or numpy array is one prompt. Nothing is streamed, so a final
         output's text_delta is its whole text. Raises what `add_request` raises (before any prompt runs)
         and what `step` raises (then every request of this call is aborted).
         """
-        one = isinstance(prompts, str) or (isinstance(prompts, torch.Tensor) and prompts.dim() == 1)
+        one = (isinstance(prompts, str) or (isinstance(prompts, torch.Tensor) and prompts.dim() == 1)
+               or _is_1d_array(prompts))
         if one or (isinstance(prompts, (list, tuple)) and prompts and all(_is_int(t) for t in prompts)):
             prompts = [prompts]
         params = SamplingParams() if params is None else params
@@ -381,6 +388,11 @@ class Engine:
             "num_async_steps": self.num_async_steps,
             "num_generated_tokens": self.num_generated_tokens,
         }
+
+
+def _is_1d_array(x: Any) -> bool:
+    """A 1-D numpy array (one prompt of ids; its dtype is checked with the ids)."""
+    return type(x).__module__ == "numpy" and getattr(x, "ndim", None) == 1
 
 
 def _is_int(t: Any) -> bool:

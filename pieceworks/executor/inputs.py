@@ -34,10 +34,10 @@ def check_batch(batch: ForwardBatch, live: dict[int, Sequence], vocab_size: int,
             raise BatchError(f"ForwardBatch.{name} must be a list, got {type(getattr(batch, name)).__name__}")
     if not isinstance(batch.return_all_logits, bool):
         raise BatchError(f"ForwardBatch.return_all_logits must be True or False, got {batch.return_all_logits!r}")
-    bad_seq = next((s for s in batch.seqs if not isinstance(s, Sequence)), None)
-    if bad_seq is not None:
-        raise BatchError(f"ForwardBatch.seqs holds {type(bad_seq).__name__} {bad_seq!r}; give the Sequence "
-                         "handles of Executor.new_sequence()")
+    bad_seqs = [s for s in batch.seqs if not isinstance(s, Sequence)]  # None among them too
+    if bad_seqs:
+        raise BatchError(f"ForwardBatch.seqs holds {type(bad_seqs[0]).__name__} {bad_seqs[0]!r}; give the "
+                         "Sequence handles of Executor.new_sequence()")
     if len(batch.seqs) != len(batch.tokens):
         raise BatchError(f"batch has {len(batch.seqs)} sequences but {len(batch.tokens)} token lists")
     seen = set()

@@ -163,6 +163,9 @@ class Executor:
         with self._exclusive("free"):
             if self._closed:
                 raise self._closed_error()
+            if not isinstance(seq, Sequence):
+                raise BatchError(f"free() takes a Sequence handle of Executor.new_sequence(), not "
+                                 f"{type(seq).__name__} {seq!r}")
             if seq.freed or self._live.get(seq.id) is not seq:
                 raise BatchError(f"sequence {seq.id} was already freed (or belongs to another executor)")
             pages = seq.pages

@@ -173,8 +173,9 @@ def generate(
         raise RequestError(f"temperature: {temperature!r} must be >= 0 (0 = greedy)")
     if not 0.0 < _number("top_p", top_p) <= 1.0:
         raise RequestError(f"top_p: {top_p!r} must be in (0, 1]")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
-        raise RequestError(f"seed: {seed!r} must be an integer or None")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
+                             or not -(2**63) <= seed < 2**64):
+        raise RequestError(f"seed: {seed!r} must be an integer in [-2**63, 2**64) or None")
     budget = _count("max_step_tokens", max_step_tokens, allow_none=True) or _step_budget(ex)
     if stats is not None and not isinstance(stats, StepStats):
         raise RequestError(f"stats: {type(stats).__name__} must be a StepStats or None")

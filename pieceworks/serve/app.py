@@ -80,10 +80,13 @@ class Server:
 
     # ---- requests to the engine -------------------------------------------------------------------
 
-    def admit(self, num_prompts: int) -> None:
+    def admit(self, num_prompts: int, n: int = 1) -> None:
         if num_prompts > self.max_queue:
             raise BadRequest(f"{num_prompts} prompts in one request exceed the server's queue of {self.max_queue}: "
                              "send them in several requests", param="prompt")
+        if num_prompts * n > self.max_queue:  # n completions each: as many sequences as n separate requests
+            raise BadRequest(f"{num_prompts} prompt(s) x n = {n} completions exceed the server's queue of "
+                             f"{self.max_queue}: lower n or send several requests", param="n")
         if self.num_queued + num_prompts > self.max_queue:
             self.metrics.rejected += 1
             raise Overloaded(f"the server is at its limit of {self.max_queue} requests waiting for a first "
@@ -298,7 +301,7 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
 
     async def _respond(request: Request, req: Any, prompts: list[list[int]], params: list[Any], rid: str,
                        writer: Writer) -> Response:
-        srv.admit(len(prompts))
+        srv.admit(len(prompts), params[0].n)
         steps = srv.steps(prompts, params, rid)
         if not req.stream:
             async def collect() -> Response:
