@@ -328,7 +328,15 @@ def load_config(
     if isinstance(source, Config):
         source = as_dict(source)
     elif source is not None and not isinstance(source, dict):
+        if not isinstance(source, (str, os.PathLike)):
+            raise ConfigError(f"config: a YAML path, a dict, a Config or None, not {type(source).__name__}"
+                              + (" (overrides go in the second argument)" if isinstance(source, list) else ""))
         source = Path(source)
+    if overrides is not None:
+        listed = None if isinstance(overrides, (str, bytes)) else list(overrides)
+        if listed is None or not all(isinstance(o, str) for o in listed):
+            raise ConfigError(f"overrides: a list of 'key=value' strings, not {overrides!r}")
+        overrides = listed
     obj = merge(Config, source, overrides)
     try:
         cfg = _normalize(plain(obj))

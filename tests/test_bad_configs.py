@@ -152,3 +152,17 @@ def test_a_huge_page_size_is_blamed_on_the_page_size():
         KVPool.sized(layout, 10**9, torch.float32, torch.device("cpu"), None, 0.85)
     with pytest.raises(ConfigError, match=r"kv_cache.page_size: 4096 exceeds kv_cache.num_tokens=512"):
         KVPool.sized(layout, 4096, torch.float32, torch.device("cpu"), 512, 0.85)
+
+
+@pytest.mark.parametrize("args, needle", [
+    ((None, "model.arch=llama"), "overrides: a list of 'key=value' strings, not 'model.arch=llama'"),
+    ((None, ["model.arch=llama", None]), "overrides: a list of 'key=value' strings"),
+    ((5,), "config: a YAML path, a dict, a Config or None, not int"),
+    ((["model.arch=llama"],), "not list (overrides go in the second argument)"),
+])
+def test_config_and_overrides_of_the_wrong_kind(args, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(*args)
+    assert needle in str(e.value)
+    cfg = load_config(None, (f"model.{k}" for k in ("arch=llama", "preset=tiny")))  # any iterable of strings
+    assert cfg.model.preset == "tiny"
