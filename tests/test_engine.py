@@ -276,6 +276,8 @@ def test_bad_requests_refused(engine):
     engine.add_request([1, 2], GREEDY, request_id="dup")
     with pytest.raises(RequestError, match="already running"):
         engine.add_request([1, 2], GREEDY, request_id="dup")
+    with pytest.raises(RequestError, match="abort takes one request id"):
+        engine.abort(["dup"])
     engine.abort("dup")
     engine.step()
     drained(engine)
@@ -309,6 +311,8 @@ def test_async_engine_survives_a_prompt_its_engine_refuses_with_any_error(engine
 
     with AsyncEngine(engine) as aeng:
         bad, good = asyncio.run(main(aeng))
+        with pytest.raises(RequestError, match="abort takes one request id"):
+            asyncio.run(aeng.abort(["x"]))
     assert isinstance(bad, TypeError) and good[-1].finished
     drained(engine)
 

@@ -95,6 +95,8 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its iterator ends with a finish_reason "abort" output."""
+        if not isinstance(request_id, str):  # refused here: the loop thread must not meet it
+            raise RequestError(f"abort takes one request id (a str), got {type(request_id).__name__} {request_id!r}")
         with self._cond:
             self._check_alive()
             self._commands.append(("abort", request_id))

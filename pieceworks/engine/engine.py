@@ -183,6 +183,8 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Stop a request (all its completions) and give its pages back; the next `step` returns its
         final outputs with finish_reason "abort". Unknown or finished ids are ignored."""
+        if not isinstance(request_id, str):
+            raise RequestError(f"abort takes one request id (a str), got {type(request_id).__name__} {request_id!r}")
         with self._exclusive("abort"):
             for req in self._requests.pop(request_id, []):
                 if req.finish_reason is None:
