@@ -28,11 +28,11 @@ from pieceworks.core.batch import ForwardBatch
 from pieceworks.engine.async_steps import AsyncSteps, InFlight, mark_pending
 from pieceworks.engine.detokenize import Detokenizer, eos_token_ids, load_tokenizer
 from pieceworks.engine.params import SamplingParams
+from pieceworks.engine.prompts import check_fits, is_one_prompt, prompt_ids
 from pieceworks.engine.request import Request, RequestOutput
 from pieceworks.engine.sampler import Sampler, SamplingState
 from pieceworks.engine.scheduler import Scheduler
 from pieceworks.errors import NonFiniteLogits, OutOfPages, RequestError
-from pieceworks.executor.inputs import only_ints
 from pieceworks.executor.runner import Executor
 
 
@@ -108,8 +108,8 @@ class Engine:
             params = SamplingParams() if params is None else params
             if not isinstance(params, SamplingParams):
                 raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
-            ids = self._prompt_ids(prompt)
-            self._check_fits(ids, params)
+            ids = prompt_ids(prompt, self.tokenizer, self.executor.vocab_size, self.max_context)
+            check_fits(ids, params, self.max_context)
             if params.stop and self.tokenizer is None:
                 raise RequestError(f"SamplingParams.stop={params.stop!r} needs a tokenizer; this model has "
                                    "none: use stop_token_ids")
@@ -131,54 +131,6 @@ class Engine:
                 self.scheduler.add(req)
             self._requests[request_id] = group
             return request_id
-
-    def _prompt_ids(self, prompt: Any) -> list[int]:
-        ints = False  # every id known to be a plain int
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("a text prompt needs a tokenizer; this model has none (random weights): "
-                                   "pass token ids")
-            try:
-                ids = list(self.tokenizer(prompt)["input_ids"])
-            except Exception as exc:  # the tokenizer's own refusal (e.g. a lone surrogate): this request's
-                raise RequestError(f"the tokenizer can't encode this prompt ({type(exc).__name__}: {exc}); "
-                                   "send valid UTF-8 text or token ids") from None
-        elif isinstance(prompt, torch.Tensor):
-            if (prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype.is_complex
-                    or prompt.dtype == torch.bool):
-                raise RequestError(f"prompt tensor must be 1-D integer token ids, got {prompt.dtype} "
-                                   f"{list(prompt.shape)}")
-            ids, ints = prompt.tolist(), True
-        elif isinstance(prompt, list) and only_ints(prompt):  # the common case: plain ints
-            ids, ints = list(prompt), True
-        elif isinstance(prompt, (list, tuple, range)) or _is_1d_array(prompt):
-            ids = [int(t) if _is_int(t) else t for t in prompt]
-        else:  # bytes, a set or a dict would iterate as ids silently
-            raise RequestError(f"prompt must be a str, a list of token ids or a 1-D integer array or tensor, "
-                               f"got {type(prompt).__name__}")
-        vocab = self.executor.vocab_size
-        # plain ints in range: min and max say so (a per-id check costs ~0.5 us a token on a long prompt)
-        plain = (ints or only_ints(ids)) and (not ids or (min(ids) >= 0 and max(ids) < vocab))
-        bad = [] if plain else [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token id(s) {bad[:5]} are not ints in the vocabulary "
-                               f"[0, {vocab})")
-        if not ids:
-            raise RequestError("the prompt is empty; give at least one token")
-        if len(ids) > self.max_context:
-            raise RequestError(f"the prompt has {len(ids)} tokens, more than the context limit of "
-                               f"{self.max_context} (model.max_context / KV pool size)")
-        return ids
-
-    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
-        if params.max_tokens is None and len(ids) >= self.max_context:
-            raise RequestError(f"the prompt ({len(ids)} tokens) fills the context limit of {self.max_context}: no "
-                               "room for a generated token; shorten the prompt")
-        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_context:
-            raise RequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceed the context limit "
-                f"of {self.max_context}; lower max_tokens or shorten the prompt"
-            )
 
     def abort(self, request_id: str) -> None:
         """Stop a request (all its completions) and give its pages back; the next `step` returns its
@@ -346,13 +298,11 @@ class Engine:
                  params: SamplingParams | None = None) -> list[RequestOutput]:
         """Run prompts to completion; returns the final output of every (prompt, index), in order.
 
-        A str, a flat list of token ids or a 1-D tensor or numpy array is one prompt. Nothing is streamed, so a final
-        output's text_delta is its whole text. Raises what `add_request` raises (before any prompt runs)
-        and what `step` raises (then every request of this call is aborted).
+        A str, a flat list of token ids or a 1-D tensor or numpy array is one prompt. Nothing is streamed, so
+        a final output's text_delta is its whole text. Raises what `add_request` raises (before any prompt
+        runs) and what `step` raises (then every request of this call is aborted).
         """
-        one = (isinstance(prompts, str) or (isinstance(prompts, torch.Tensor) and prompts.dim() == 1)
-               or _is_1d_array(prompts))
-        if one or (isinstance(prompts, (list, tuple)) and prompts and all(_is_int(t) for t in prompts)):
+        if is_one_prompt(prompts):
             prompts = [prompts]
         params = SamplingParams() if params is None else params
         ids = []
@@ -391,18 +341,3 @@ class Engine:
             "num_generated_tokens": self.num_generated_tokens,
         }
 
-
-def _is_1d_array(x: Any) -> bool:
-    """A 1-D numpy array (one prompt of ids; its dtype is checked with the ids)."""
-    return type(x).__module__ == "numpy" and getattr(x, "ndim", None) == 1
-
-
-def _is_int(t: Any) -> bool:
-    """An int, numpy integer or 0-dim integer tensor (not a bool)."""
-    if isinstance(t, bool):
-        return False
-    if isinstance(t, int):
-        return True
-    if isinstance(t, torch.Tensor):
-        return t.dim() == 0 and not t.dtype.is_floating_point and t.dtype != torch.bool
-    return type(t).__module__ == "numpy" and "int" in type(t).__name__

@@ -1,0 +1,92 @@
+"""A request's prompt as token ids, checked before anything is queued (`Engine.add_request`): text through
+the tokenizer, token ids from a list, tuple, range, 1-D integer tensor or numpy array; every id an int in
+the vocabulary, at least one, within the context limit with room for the tokens asked for. Each refusal is
+a RequestError that names the fault.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pieceworks.engine.params import SamplingParams
+from pieceworks.errors import RequestError
+from pieceworks.executor.inputs import only_ints
+
+
+def prompt_ids(prompt: Any, tokenizer: Any, vocab: int, max_context: int) -> list[int]:
+    """The prompt's token ids (`tokenizer` None: no text prompts)."""
+    ints = False  # every id known to be a plain int
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise RequestError("a text prompt needs a tokenizer; this model has none (random weights): "
+                               "pass token ids")
+        try:
+            ids = list(tokenizer(prompt)["input_ids"])
+        except Exception as exc:  # the tokenizer's own refusal (e.g. a lone surrogate): this request's
+            raise RequestError(f"the tokenizer can't encode this prompt ({type(exc).__name__}: {exc}); "
+                               "send valid UTF-8 text or token ids") from None
+    elif isinstance(prompt, torch.Tensor):
+        if (prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype.is_complex
+                or prompt.dtype == torch.bool):
+            raise RequestError(f"prompt tensor must be 1-D integer token ids, got {prompt.dtype} "
+                               f"{list(prompt.shape)}")
+        ids, ints = prompt.tolist(), True
+    elif isinstance(prompt, list) and only_ints(prompt):  # the common case: plain ints
+        ids, ints = list(prompt), True
+    elif isinstance(prompt, (list, tuple, range)) or is_1d_array(prompt):
+        ids = [int(t) if is_int(t) else t for t in prompt]
+    else:  # bytes, a set or a dict would iterate as ids silently
+        raise RequestError(f"prompt must be a str, a list of token ids or a 1-D integer array or tensor, "
+                           f"got {type(prompt).__name__}")
+    # plain ints in range: min and max say so (a per-id check costs ~0.5 us a token on a long prompt)
+    plain = (ints or only_ints(ids)) and (not ids or (min(ids) >= 0 and max(ids) < vocab))
+    bad = [] if plain else [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise RequestError(f"prompt token id(s) {bad[:5]} are not ints in the vocabulary "
+                           f"[0, {vocab})")
+    if not ids:
+        raise RequestError("the prompt is empty; give at least one token")
+    if len(ids) > max_context:
+        raise RequestError(f"the prompt has {len(ids)} tokens, more than the context limit of "
+                           f"{max_context} (model.max_context / KV pool size)")
+    return ids
+
+
+def check_fits(ids: list[int], params: SamplingParams, max_context: int) -> None:
+    """Room in the context for the prompt and at least one (with max_tokens: that many) generated tokens."""
+    if params.max_tokens is None and len(ids) >= max_context:
+        raise RequestError(f"the prompt ({len(ids)} tokens) fills the context limit of {max_context}: no "
+                           "room for a generated token; shorten the prompt")
+    if params.max_tokens is not None and len(ids) + params.max_tokens > max_context:
+        raise RequestError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceed the context limit "
+            f"of {max_context}; lower max_tokens or shorten the prompt"
+        )
+
+
+def is_one_prompt(prompts: Any) -> bool:
+    """Whether `Engine.generate`'s argument is one prompt (a str, a flat sequence of ids, a 1-D tensor or
+    numpy array) rather than a list of prompts."""
+    if isinstance(prompts, str) or is_1d_array(prompts):
+        return True
+    if isinstance(prompts, torch.Tensor):
+        return prompts.dim() == 1
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and all(is_int(t) for t in prompts)
+
+
+def is_1d_array(x: Any) -> bool:
+    """A 1-D numpy array (one prompt of ids; its dtype is checked with the ids)."""
+    return type(x).__module__ == "numpy" and getattr(x, "ndim", None) == 1
+
+
+def is_int(t: Any) -> bool:
+    """An int, numpy integer or 0-dim integer tensor (not a bool)."""
+    if isinstance(t, bool):
+        return False
+    if isinstance(t, int):
+        return True
+    if isinstance(t, torch.Tensor):
+        return t.dim() == 0 and not t.dtype.is_floating_point and t.dtype != torch.bool
+    return type(t).__module__ == "numpy" and "int" in type(t).__name__
