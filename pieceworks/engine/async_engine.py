@@ -15,7 +15,7 @@ import uuid
 from collections import deque
 from typing import Any, AsyncIterator
 
-from pieceworks.engine.engine import Engine
+from pieceworks.engine.engine import Engine, check_abort_id
 from pieceworks.engine.params import SamplingParams
 from pieceworks.engine.request import RequestOutput
 from pieceworks.errors import RequestError
@@ -95,8 +95,7 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its iterator ends with a finish_reason "abort" output."""
-        if not isinstance(request_id, str):  # refused here: the loop thread must not meet it
-            raise RequestError(f"abort takes one request id (a str), got {type(request_id).__name__} {request_id!r}")
+        check_abort_id(request_id)  # refused here: the loop thread must not meet it
         with self._cond:
             self._check_alive()
             self._commands.append(("abort", request_id))

@@ -135,8 +135,7 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Stop a request (all its completions) and give its pages back; the next `step` returns its
         final outputs with finish_reason "abort". Unknown or finished ids are ignored."""
-        if not isinstance(request_id, str):
-            raise RequestError(f"abort takes one request id (a str), got {type(request_id).__name__} {request_id!r}")
+        check_abort_id(request_id)
         with self._exclusive("abort"):
             for req in self._requests.pop(request_id, []):
                 if req.finish_reason is None:
@@ -340,4 +339,10 @@ class Engine:
             "num_async_steps": self.num_async_steps,
             "num_generated_tokens": self.num_generated_tokens,
         }
+
+
+def check_abort_id(request_id: Any) -> None:
+    """`abort` takes one request id, a str (AsyncEngine checks it before its loop thread meets it)."""
+    if not isinstance(request_id, str):
+        raise RequestError(f"abort takes one request id (a str), got {type(request_id).__name__} {request_id!r}")
 

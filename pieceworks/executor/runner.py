@@ -326,7 +326,7 @@ class Executor:
                 return GraphMode.FULL
             return GraphMode.EAGER
         if (self.piecewise is not None and self.piecewise.covers(num_tokens)
-                and (mode is ForwardMode.EXTEND or self.table.graph_mode_ok(mode, GraphMode.PIECEWISE))):
+                and self.table.graph_mode_ok(mode, GraphMode.PIECEWISE)):
             return GraphMode.PIECEWISE
         return GraphMode.EAGER
 

@@ -301,8 +301,9 @@ def test_wgmma_last_token_tile_same_bits_as_padded_x(block_m, split):
 @pytest.mark.parametrize("mode", ["plain", "swiglu", "split", "stream_k"])
 def test_wgmma_fitted_token_tile_same_bits_as_table_tile(m, block_m, mode):
     """A fitted token tile (`fit_token_tile`: as many tiles as block_m, fewer padded rows) gives the table
-    tile's bits in plain, SwiGLU and split calls; stream-K matches the reference and repeats its bits; and the backend's call at m runs the fitted
-    tile (its plan) with the same result."""
+    tile's bits in plain, SwiGLU and split calls; stream-K matches the reference and repeats its bits; the
+    backend's plan at m picks the fitted tile, and its call (K split, summed by a second kernel) matches the
+    reference."""
     from pieceworks.backends.fp4_gemm import cuda_wgmma
     from pieceworks.backends.fp4_gemm.cuda_launch import multiprocessors
     from pieceworks.backends.fp4_gemm.interleave import interleave_gate_up

@@ -6,10 +6,11 @@ chunks per lane), decoded with integer ops and bf16 multiplies, bf16 mma.sync wi
 operand, the warps' sums added in shared memory (r16c64.py describes the layout); 17 up to
 `decode_max_m` (64) rows run it once per 16-row slice (the weights read once per slice); more rows
 dequantize the weight to a transient bf16 copy and call torch.matmul (the Triton backend runs M = 17..1024
-on its wgmma kernel on sm_90 and dequantizes above 1024). SwiGLU and the q/k/v rope are fused into the decode kernel's epilogue (rounded as the unfused
-ops round). Faster than the Triton backend's own kernels up to 16 rows on the H200, slower beyond
-(docs/benchmarks.md), so it has the lower priority: `backends.fp4_gemm: cuda` selects it. (The Triton
-backend runs this kernel too, on its k32 weights, for M <= 16: at M = 1 and 8 within 0.4 us of it
+on its wgmma kernel on sm_90 and dequantizes above 1024). SwiGLU and the q/k/v rope are fused into the
+decode kernel's epilogue (rounded as the unfused ops round). Faster than the Triton backend's own kernels
+up to 16 rows on the H200, slower beyond (docs/benchmarks.md), so it has the lower priority:
+`backends.fp4_gemm: cuda` selects it. (The Triton backend runs this kernel too, on its k32 weights, for
+M <= 16: at M = 1 and 8 within 0.4 us of it
 here, at M = 16 1-13% slower on five of the six shapes: docs/benchmarks.md.)
 
 Option `fuse_norm` (off by default; `fuses_norm`) also fuses a Llama block's RMSNorms and residual adds:

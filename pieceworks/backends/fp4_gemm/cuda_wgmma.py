@@ -6,8 +6,9 @@ cuda_wgmma_kernel.py's. Imports torch only.
     y[M, N] = x[M, K] @ dequant(W).T      (x bf16, W in the k32 layout of `k32.repack_k32`)
 
 Each CTA owns 128 weight rows (two storage-tile row blocks, one per warpgroup) and BM tokens (32, 64, 128
-or 256, or from 128 up a multiple of 16 fitted to M: `fit_token_tile`), so each decoded weight feeds BM tokens of tensor-core work; the decode of a k16 step overlaps the
-wgmmas of the one before (A in two register sets, `wgmma.wait_group 1`).
+or 256, or from 128 up a multiple of 16 fitted to M: `fit_token_tile`), so each decoded weight feeds BM
+tokens of tensor-core work; the decode of a k16 step overlaps the wgmmas of the one before (A in two
+register sets, `wgmma.wait_group 1`).
 
 The A fragment: wgmma m64nNk16 takes A from the registers of the warpgroup's four warps, warp w holding rows
 16w..16w+15 in the mma.sync m16n8k16 A layout (lane (g, t): rows g and g + 8, K columns 2t, 2t + 1, 2t + 8,
@@ -181,8 +182,9 @@ def _most_splits(ctas: int, kp: int, sms: int) -> int:
 def plan(m: int, n: int, kp: int, block_m: int, stages: int, narrow_block_m: int = 0,
          sms: int = 132) -> tuple[int, int, int, tuple[int, int], int]:
     """How a call of m rows runs: (token tile, stages, K splits, (row blocks, K splits) of the tail launch,
-    stream-K CTAs), from `token_tile` and `fit_token_tile`, `choose_split`, without splits `tail_split`, and `stream_k_ctas` (which,
-    where nonzero, replaces the splits and the tail launch whenever a stream-K workspace is at hand).
+    stream-K CTAs), from `token_tile` and `fit_token_tile`, `choose_split`, without splits `tail_split`, and
+    `stream_k_ctas` (which, where nonzero, replaces the splits and the tail launch whenever a stream-K
+    workspace is at hand).
     Cached: an eager call (no graph) asks on every launch."""
     bm, st = token_tile(m, n, block_m, stages, narrow_block_m, sms)
     fit = fit_token_tile(m, bm)

@@ -54,6 +54,7 @@ def mla_plan_args(meta, sm_scale: float, num_heads: int, kv_lora_rank: int, rope
 
 FA3_RANKS = (128, 256, 512)  # the latent widths FlashInfer's fa3 MLA kernels are built for
 
+
 class FlashInferMLABackend(MLABackend):
     name = "flashinfer"
     priority = 100
@@ -83,11 +84,11 @@ class FlashInferMLABackend(MLABackend):
     def __init__(self, spec, options=None) -> None:
         super().__init__(spec, options)
         self.variant = resolve_variant(self.options.variant, spec.capability)
-        if self.variant == "fa3" and self.options.variant == "auto" and spec.model.kv_lora_rank not in FA3_RANKS:
-            self.variant = "fa2"  # auto picks the variant that takes the model's latent width
         if self.variant == "fa3" and spec.model.kv_lora_rank not in FA3_RANKS:
-            raise ValueError(f"FlashInfer fa3 MLA needs kv_lora_rank 128, 256 or 512 "
-                             f"(model: {spec.model.kv_lora_rank}); set backends.options.flashinfer.variant=fa2")
+            if self.options.variant != "auto":
+                raise ValueError(f"FlashInfer fa3 MLA needs kv_lora_rank 128, 256 or 512 (model: "
+                                 f"{spec.model.kv_lora_rank}); set backends.options.flashinfer.variant=fa2")
+            self.variant = "fa2"  # auto picks the variant that takes the model's latent width
         # DeepSeek's scale is (nope + rope)^-0.5 times a yarn factor, unknown here: the first forward
         # re-plans with the model's own.
         self._sm_scale = (spec.model.kv_lora_rank // 4 + spec.model.qk_rope_head_dim) ** -0.5
