@@ -10,8 +10,7 @@ on its wgmma kernel on sm_90 and dequantizes above 1024). SwiGLU and the q/k/v r
 decode kernel's epilogue (rounded as the unfused ops round). Faster than the Triton backend's own kernels
 up to 16 rows on the H200, slower beyond (docs/benchmarks.md), so it has the lower priority:
 `backends.fp4_gemm: cuda` selects it. (The Triton backend runs this kernel too, on its k32 weights, for
-M <= 16: at M = 1 and 8 within 0.4 us of it
-here, at M = 16 1-13% slower on five of the six shapes: docs/benchmarks.md.)
+M <= 16: at M = 1 and 8 within 0.4 us of it here, at M = 16 1-13% slower on five of the six shapes: docs/benchmarks.md.)
 
 Option `fuse_norm` (off by default; `fuses_norm`) also fuses a Llama block's RMSNorms and residual adds:
 the o and down kernels add their output to the residual stream s and write the next norm's inputs
