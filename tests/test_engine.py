@@ -210,6 +210,24 @@ def test_n_completions_share_the_prompt_pages(engine):
     drained(engine)
 
 
+def test_a_request_lives_until_its_last_completion_finishes(engine):
+    p = prompt(13, 5)
+    full = engine.generate([p], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6))
+    stop = full[1].token_ids[0]  # completion 1 stops at its first token; 0 and 2 run on
+    assert stop not in full[0].token_ids[:3] + full[2].token_ids[:3]
+    rid = engine.add_request(p, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6, stop_token_ids=[stop]))
+    done: list[int] = []
+    while 1 not in done:
+        done += [o.index for o in engine.step() if o.finished]
+    assert done == [1] and engine.has_unfinished()
+    engine.step()
+    engine.abort(rid)
+    outs = engine.step()
+    assert sorted((o.index, o.finish_reason) for o in outs) == [(0, "abort"), (2, "abort")]
+    assert all(0 < len(o.token_ids) < 6 and o.token_ids == full[o.index].token_ids[: len(o.token_ids)] for o in outs)
+    drained(engine)
+
+
 def test_stop_ids_eos_and_length(engine, reference):
     first, second = reference[0][:2]
     out = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[second]))[0]

@@ -58,6 +58,7 @@ class Engine:
         self.scheduler = Scheduler(executor, cfg.scheduler)
         self.sampler = Sampler(executor.vocab_size, executor.device, cfg.runtime.seed)
         self._requests: dict[str, list[Request]] = {}
+        self._unfinished: dict[str, int] = {}  # per request id, completions still running: finishing is O(1)
         self._arrivals = itertools.count()
         self._ready: list[RequestOutput] = []  # outputs of aborts, returned by the next step
         self._busy = threading.Lock()
@@ -130,6 +131,7 @@ class Engine:
             for req in group:
                 self.scheduler.add(req)
             self._requests[request_id] = group
+            self._unfinished[request_id] = len(group)
             return request_id
 
     def abort(self, request_id: str) -> None:
@@ -137,6 +139,7 @@ class Engine:
         final outputs with finish_reason "abort". Unknown or finished ids are ignored."""
         check_abort_id(request_id)
         with self._exclusive("abort"):
+            self._unfinished.pop(request_id, None)
             for req in self._requests.pop(request_id, []):
                 if req.finish_reason is None:
                     if req.pending:  # its in-flight row is dropped when the step's ids arrive
@@ -151,6 +154,7 @@ class Engine:
         are released). The Engine refuses requests and steps afterwards; also on leaving a `with` block."""
         with self._exclusive("close"):
             self._requests.clear()
+            self._unfinished.clear()
             self._ready, self._pipeline = [], AsyncSteps()
             self.scheduler.waiting.clear()
             self.scheduler.running.clear()
@@ -288,9 +292,13 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         self.scheduler.remove(req)
-        group = self._requests.get(req.request_id)
-        if group is not None and all(r.finish_reason is not None for r in group):
-            del self._requests[req.request_id]
+        left = self._unfinished.get(req.request_id)
+        if left is None:
+            return
+        if left == 1:
+            del self._requests[req.request_id], self._unfinished[req.request_id]
+        else:
+            self._unfinished[req.request_id] = left - 1
 
     # ---------------------------------------------------------------- conveniences
     def generate(self, prompts: list[list[int] | str] | str,
