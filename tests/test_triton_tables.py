@@ -184,30 +184,27 @@ def test_wgmma_splits_keep_every_cta_in_one_round():
     assert cuda_wgmma.tail_split(512, 28672, 4096, 256, sms=112) == (0, 1)  # 448 = 4 x 112
 
 
-def test_wgmma_narrow_token_tile_where_the_grid_leaves_sms_idle_or_pads_more_rows():
+def test_wgmma_narrow_token_tile_only_where_one_tile_leaves_sms_idle():
     """A wgmma bucket's narrow_block_m takes over (with its most stages) where one block_m token tile covers
     M and its grid has fewer CTAs than SMs (at 256 tokens q/k/v (48 row blocks) and o run 128-token tiles,
-    gate/up (224) keeps 256), or where its tiles cover M in fewer padded rows; the shipped table names it
-    for M = 129..768."""
+    gate/up (224) keeps 256); past one tile the fitted wide tile stays, whatever the padding or the grid.
+    The shipped table names it for M = 129..256."""
     from pieceworks.backends.fp4_gemm import cuda_wgmma
 
     assert cuda_wgmma.token_tile(256, 6144, 256, 3, 128) == (128, cuda_wgmma.max_stages(128)) == (128, 5)
     assert cuda_wgmma.token_tile(256, 4096, 256, 3, 128) == (128, 5)
+    assert cuda_wgmma.token_tile(200, 4096, 256, 3, 128) == (128, 5)
     assert cuda_wgmma.token_tile(256, 28672, 256, 3, 128) == (256, 3)
     assert cuda_wgmma.token_tile(256, 6144, 256, 3, 0) == (256, 3)  # no narrow tile named
     assert cuda_wgmma.token_tile(256, 28672, 256, 3, 128, sms=300) == (128, 5)  # 224 CTAs < 300 SMs
-    assert cuda_wgmma.token_tile(288, 28672, 256, 3, 128) == (128, 5)  # 384 rows against 512
-    assert cuda_wgmma.token_tile(640, 28672, 256, 3, 128) == (128, 5)  # 640 against 768
-    assert cuda_wgmma.token_tile(416, 28672, 256, 3, 128) == (256, 3)  # 512 either way
-    assert cuda_wgmma.token_tile(512, 28672, 256, 3, 128) == (256, 3)
-    assert cuda_wgmma.token_tile(288, 6144, 256, 3, 128) == (128, 5)
-    # past one token tile, a grid short of the SMs alone does not take the narrow tile
-    assert cuda_wgmma.token_tile(512, 6144, 256, 3, 128) == (256, 3)  # 96 CTAs
-    assert cuda_wgmma.token_tile(416, 4096, 256, 3, 128) == (256, 3)  # 64 CTAs
+    for m in (257, 288, 416, 512, 640):  # fewer padded rows (288: 384 against 512) or an idle grid: wide
+        for n in (4096, 6144, 28672):
+            assert cuda_wgmma.token_tile(m, n, 256, 3, 128) == (256, 3), (m, n)
+    assert cuda_wgmma.plan(288, 28672, 4096, 256, 3, 128)[:2] == (144, cuda_wgmma.max_stages(144))  # two fitted tiles
     table = parse_table(FP4_GEMM_TILES)
-    for m in (200, 300, 768):
-        assert select_tile(table, m).narrow_block_m == 128 and select_tile(table, m).block_m == 256
-    assert select_tile(table, 800).narrow_block_m == 0 and select_tile(table, 100).narrow_block_m == 0
+    assert select_tile(table, 200).narrow_block_m == 128 and select_tile(table, 200).block_m == 256
+    for m in (100, 300, 768, 800):
+        assert select_tile(table, m).narrow_block_m == 0
     with pytest.raises(ValueError, match="narrow_block_m"):
         TileConfig(kind="wgmma", block_m=128, num_stages=5, narrow_block_m=256)
     with pytest.raises(ValueError, match="narrow_block_m"):
@@ -233,7 +230,7 @@ def test_wgmma_fitted_token_tile_keeps_the_tiles_and_pads_fewer_rows():
             f = fit(m, bm)
             assert f % 16 == 0 and 32 <= f <= bm and -(-m // f) == -(-m // bm), (m, bm)
             assert cuda_wgmma.valid_block_m(f)
-    assert cuda_wgmma.plan(288, 6144, 4096, 256, 3, 128)[:2] == (96, cuda_wgmma.max_stages(96)) == (96, 6)
+    assert cuda_wgmma.plan(288, 6144, 4096, 128, 5)[:2] == (96, cuda_wgmma.max_stages(96)) == (96, 6)
     for m in (72, 200, 288, 300, 416, 700, 800):  # splits, tail launch and stream-K: as for the unfitted tile
         for n in (4096, 6144, 28672):
             bm = cuda_wgmma.token_tile(m, n, 256 if m > 128 else 128, 3 if m > 128 else 5, 128 if m > 128 else 0)[0]

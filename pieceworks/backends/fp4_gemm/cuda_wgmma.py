@@ -209,11 +209,10 @@ def token_tile(m: int, n: int, block_m: int, stages: int, narrow_block_m: int = 
     """(block_m, stages) of a call: the bucket's tile, or where the bucket names a narrower tile
     (`narrow_block_m`), that one with its most stages where one token tile covers m and its grid holds
     fewer CTAs than the SMs (more CTAs, each re-reading x: q/k/v, o and the expert shapes at 256 tokens run
-    faster on 128-token tiles, gate/up does not; at 416 tokens q/k/v, down and the expert down run slower on
-    them, down at 512 too), or where the narrower tiles cover m in fewer padded rows (288 rows: 384 against 512)."""
-    tiles = -(-m // block_m)
-    if narrow_block_m and ((tiles == 1 and -(-n // ROWS) < sms)
-                           or -(-m // narrow_block_m) * narrow_block_m < tiles * block_m):
+    faster on 128-token tiles, gate/up does not). Past one tile the wide tile stays: `fit_token_tile` leaves
+    it at most 15 padded rows per tile, and it reads the weights fewer times (M = 288: two 144-token tiles
+    ran 1.10-1.32x faster than three 96-token ones, docs/benchmarks.md)."""
+    if narrow_block_m and m <= block_m and -(-n // ROWS) < sms:
         return narrow_block_m, max_stages(narrow_block_m)
     return block_m, stages
 

@@ -7,7 +7,7 @@ to bf16, then torch.matmul, for compute-bound sizes; "wgmma": the CUDA kernel of
 block_m tokens (32, 64, 128 or 256; a call's tile from 128 up is shrunk to cover M with fewer padded rows,
 `cuda_wgmma.fit_token_tile`) and num_stages per CTA, elsewhere its bucket of WGMMA_FALLBACK_TILES;
 narrow_block_m: a smaller token tile, with its most stages, for calls that one block_m tile covers with a grid
-that leaves SMs idle, or whose rows it covers with less padding: `cuda_wgmma.token_tile`),
+that leaves SMs idle: `cuda_wgmma.token_tile`),
 block_m/n/k, group_m (tile order: tiles of group_m row blocks share a column sweep, for L2 reuse), num_warps,
 num_stages, w_as_a (weights as the register operand: the accumulator is [block_n, block_m]), asm (PTX
 bit-twiddling decode, else plain Triton arithmetic), one_dot (the four decoded slots of a K tile feed one dot
@@ -62,9 +62,12 @@ quarter of the scales; see `triton_k32.quad_k`).
 #   gate/up 91.3-92.4 -> 103.0-103.8 (224 row blocks fill the SMs with 256-token tiles: it keeps them). At
 #   M = 128, 64-token tiles won on o and the expert down only (13.4 / 11.5 against 14.8 / 12.8 us) and lost on
 #   gate/up (76.9 against 53.6-53.9).
-# - M = 257..768 take 128-token tiles where those pad fewer rows (288..384, 544..640). 2026-12-03 16:28, only-256
-#   against only-128 tables (docs/benchmarks.md, "Between tile multiples"): gate/up 171-178 -> 144-150 us at
-#   288-384, down 140-147 -> 117-120 at 544-640; down and the expert down lose 1-7 us at 288-416, the rest gains.
+# - M = 257..1024 keep 256-token tiles, fitted (`cuda_wgmma.fit_token_tile`). 2026-12-04 03:01-03:02,
+#   `fp4_gemm.py --ms 288,320,352,416,448,544,640,700 --pdl on`, the table with 128-token tiles where those
+#   padded fewer unfitted rows (288..384, 544..640) against this one, alternated twice: this one 1.10-1.32x
+#   faster at 288-352 and 1.08-1.19x at 544 on all six shapes (gate/up 125.4 -> 107.7 us at 288, down 112.1
+#   -> 94.2 at 544), 1.03-1.11x at 640 on gate/up, down and the expert gate/up; level (0.995-1.025) on the
+#   other three at 640 and on all at 416, 448 and 700, where both tables ran the same tiles.
 FP4_GEMM_TILES = [
     dict(max_m=8, kind="fused", block_m=8, block_n=64, block_k=256, group_m=1, num_warps=4,
          num_stages=3, w_as_a=True, asm=True, one_dot=False, target_ctas=396, max_split=16, two_acc=True,
@@ -76,7 +79,6 @@ FP4_GEMM_TILES = [
     dict(max_m=64, kind="wgmma", block_m=64, num_stages=8),
     dict(max_m=128, kind="wgmma", block_m=128, num_stages=5),
     dict(max_m=256, kind="wgmma", block_m=256, num_stages=3, narrow_block_m=128),
-    dict(max_m=768, kind="wgmma", block_m=256, num_stages=3, narrow_block_m=128),
     dict(max_m=1024, kind="wgmma", block_m=256, num_stages=3),
     dict(max_m=None, kind="dequant"),
 ]
