@@ -204,6 +204,7 @@ def test_generate_refuses_bad_arguments(ex, kw, error, needle):
     (dict(sequences=[[]]), "prompt 0 is empty"),
     (dict(sequences=[[1.0]]), "token ids must be ints"),
     (dict(sequences=P, max_step_tokens=-1), "max_step_tokens: -1 must be an integer >= 1 or None"),
+    (dict(sequences=[PROMPT, [1] * 41]), "sequence 1: 41 tokens exceed the context limit of 40"),
 ])
 def test_score_refuses_bad_arguments(ex, kw, needle):
     from pieceworks.executor.scheduler import score

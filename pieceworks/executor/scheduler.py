@@ -324,8 +324,15 @@ def score(ex: StepRunner, sequences: list[list[int]], max_step_tokens: int | Non
         RequestError / BatchError: as `generate`'s prompts and `max_step_tokens`; before any work.
     """
     budget = _count("max_step_tokens", max_step_tokens, allow_none=True) or _step_budget(ex)
+    checked = check_prompts(ex, sequences, "sequences")
+    for i, toks in enumerate(checked):
+        if len(toks) > ex.max_context:
+            raise BatchError(f"sequence {i}: {len(toks)} tokens exceed the context limit of {ex.max_context} "
+                             "(model.max_context / KV pool size); score a shorter window")
+        if -(-len(toks) // ex.page_size) > ex.kv.allocator.capacity:
+            raise BatchError(f"sequence {i} can never fit the KV pool ({ex.kv.num_tokens} tokens)")
     out = []
-    for toks in check_prompts(ex, sequences, "sequences"):
+    for toks in checked:
         seq = ex.new_sequence()
         try:
             parts = [ex.forward(ForwardBatch([seq], [toks[i : i + budget]], return_all_logits=True))
