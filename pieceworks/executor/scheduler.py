@@ -134,6 +134,14 @@ def check_prompts(ex: StepRunner, prompts: Any, what: str = "prompts") -> list[l
     return out
 
 
+def check_room(ex: StepRunner, label: str, tokens: int, what: str) -> None:
+    """BatchError where `tokens` (described by `what`) exceed the context limit or could never fit the KV pool."""
+    if tokens > ex.max_context:
+        raise BatchError(f"{label}: {what} exceed the context limit of {ex.max_context}")
+    if -(-tokens // ex.page_size) > ex.kv.allocator.capacity:
+        raise BatchError(f"{label} can never fit the KV pool ({ex.kv.num_tokens} tokens)")
+
+
 def generate(
     ex: StepRunner,
     prompts: list[list[int]],
@@ -183,16 +191,10 @@ def generate(
     outside = sorted(t for t in stop if not 0 <= t < ex.vocab_size)
     if outside:
         raise RequestError(f"stop_token_ids: {outside[:5]} outside the vocabulary [0, {ex.vocab_size})")
-    ps = ex.page_size
     reqs = [_Request(i, p) for i, p in enumerate(check_prompts(ex, prompts))]
     for r in reqs:
-        if len(r.prompt) + max_new_tokens > ex.max_context:
-            raise BatchError(
-                f"prompt {r.index}: {len(r.prompt)} tokens + max_new_tokens={max_new_tokens} exceed the "
-                f"context limit of {ex.max_context}"
-            )
-        if -(-(len(r.prompt) + max_new_tokens) // ps) > ex.kv.allocator.capacity:
-            raise BatchError(f"prompt {r.index} can never fit the KV pool ({ex.kv.num_tokens} tokens)")
+        check_room(ex, f"prompt {r.index}", len(r.prompt) + max_new_tokens,
+                   f"{len(r.prompt)} tokens + max_new_tokens={max_new_tokens}")
     gen = torch.Generator().manual_seed(ex.cfg.runtime.seed if seed is None else int(seed))
     pending, active = deque(reqs), []
     try:
@@ -326,11 +328,7 @@ def score(ex: StepRunner, sequences: list[list[int]], max_step_tokens: int | Non
     budget = _count("max_step_tokens", max_step_tokens, allow_none=True) or _step_budget(ex)
     checked = check_prompts(ex, sequences, "sequences")
     for i, toks in enumerate(checked):
-        if len(toks) > ex.max_context:
-            raise BatchError(f"sequence {i}: {len(toks)} tokens exceed the context limit of {ex.max_context} "
-                             "(model.max_context / KV pool size); score a shorter window")
-        if -(-len(toks) // ex.page_size) > ex.kv.allocator.capacity:
-            raise BatchError(f"sequence {i} can never fit the KV pool ({ex.kv.num_tokens} tokens)")
+        check_room(ex, f"sequence {i}", len(toks), f"{len(toks)} tokens")
     out = []
     for toks in checked:
         seq = ex.new_sequence()
