@@ -211,7 +211,7 @@ def token_tile(m: int, n: int, block_m: int, stages: int, narrow_block_m: int = 
     fewer CTAs than the SMs (more CTAs, each re-reading x: q/k/v, o and the expert shapes at 256 tokens run
     faster on 128-token tiles, gate/up does not). Past one tile the wide tile stays: `fit_token_tile` leaves
     it at most 15 padded rows per tile, and it reads the weights fewer times (M = 288: two 144-token tiles
-    ran 1.10-1.32x faster than three 96-token ones, docs/benchmarks.md)."""
+    ran 1.10-1.28x faster than three 96-token ones, docs/benchmarks.md)."""
     if narrow_block_m and m <= block_m and -(-n // ROWS) < sms:
         return narrow_block_m, max_stages(narrow_block_m)
     return block_m, stages
