@@ -184,22 +184,33 @@ def test_wgmma_splits_keep_every_cta_in_one_round():
     assert cuda_wgmma.tail_split(512, 28672, 4096, 256, sms=112) == (0, 1)  # 448 = 4 x 112
 
 
-def test_wgmma_narrow_token_tile_only_where_one_tile_leaves_sms_idle():
+def test_wgmma_narrow_token_tile_only_where_one_tile_leaves_sms_idle_and_k_loops_are_short():
     """A wgmma bucket's narrow_block_m takes over (with its most stages) where one block_m token tile covers
-    M and its grid has fewer CTAs than SMs (at 256 tokens q/k/v (48 row blocks) and o run 128-token tiles,
-    gate/up (224) keeps 256); past one tile the fitted wide tile stays, whatever the padding or the grid.
-    The shipped table names it for M = 129..256."""
+    M, its grid has fewer CTAs than SMs, and the wide tile's CTAs would run at most 8 K tiles each (after K
+    splits), or at most 16 where the fitted wide tile holds 3 stages (208-256 tokens): the H200 A/B's winners
+    at M = 144-240 on the benchmark shapes. Past one tile the fitted wide tile stays, whatever the padding or
+    the grid. The shipped table names it for M = 129..256."""
     from pieceworks.backends.fp4_gemm import cuda_wgmma
 
-    assert cuda_wgmma.token_tile(256, 6144, 256, 3, 128) == (128, cuda_wgmma.max_stages(128)) == (128, 5)
-    assert cuda_wgmma.token_tile(256, 4096, 256, 3, 128) == (128, 5)
-    assert cuda_wgmma.token_tile(200, 4096, 256, 3, 128) == (128, 5)
-    assert cuda_wgmma.token_tile(256, 28672, 256, 3, 128) == (256, 3)
-    assert cuda_wgmma.token_tile(256, 6144, 256, 3, 0) == (256, 3)  # no narrow tile named
-    assert cuda_wgmma.token_tile(256, 28672, 256, 3, 128, sms=300) == (128, 5)  # 224 CTAs < 300 SMs
+    narrow, wide = (128, cuda_wgmma.max_stages(128)), (256, 3)
+    assert narrow == (128, 5)
+    tile = cuda_wgmma.token_tile
+    for m in (144, 176, 200, 240, 256):
+        assert tile(m, 4096, 4096, 256, 3, 128) == narrow, m  # o: 32 row blocks x 4 splits, 8 K tiles each
+        assert tile(m, 7168, 2048, 256, 3, 128) == narrow, m  # expert down: 56 x 2 splits, 8 K tiles
+        assert tile(m, 4096, 14336, 256, 3, 128) == wide, m  # down: 32 x 4 splits, 28 K tiles
+        assert tile(m, 28672, 4096, 256, 3, 128) == wide, m  # gate/up: 224 row blocks fill the SMs
+        # q/k/v (48 x 2 splits, 16 K tiles) and the expert gate/up (32 x 4, 14): narrow only where the fitted
+        # wide tile (144 / 176 / 208 / 240 / 256 tokens) holds 3 stages
+        expected = narrow if cuda_wgmma.max_stages(cuda_wgmma.fit_token_tile(m, 256)) == 3 else wide
+        assert tile(m, 6144, 4096, 256, 3, 128) == expected == tile(m, 4096, 7168, 256, 3, 128), m
+    assert tile(144, 6144, 4096, 256, 3, 128) == wide and tile(200, 6144, 4096, 256, 3, 128) == narrow
+    assert tile(256, 6144, 4096, 256, 3, 0) == wide  # no narrow tile named
+    assert tile(256, 28672, 1024, 256, 3, 128, sms=300) == narrow  # 224 CTAs < 300 SMs, 8 K tiles
+    assert tile(256, 28672, 4096, 256, 3, 128, sms=300) == wide  # 224 CTAs, no split fits: 32 K tiles
     for m in (257, 288, 416, 512, 640):  # fewer padded rows (288: 384 against 512) or an idle grid: wide
         for n in (4096, 6144, 28672):
-            assert cuda_wgmma.token_tile(m, n, 256, 3, 128) == (256, 3), (m, n)
+            assert tile(m, n, 4096, 256, 3, 128) == wide, (m, n)
     assert cuda_wgmma.plan(288, 28672, 4096, 256, 3, 128)[:2] == (144, cuda_wgmma.max_stages(144))  # two fitted tiles
     table = parse_table(FP4_GEMM_TILES)
     assert select_tile(table, 200).narrow_block_m == 128 and select_tile(table, 200).block_m == 256
@@ -233,7 +244,7 @@ def test_wgmma_fitted_token_tile_keeps_the_tiles_and_pads_fewer_rows():
     assert cuda_wgmma.plan(288, 6144, 4096, 128, 5)[:2] == (96, cuda_wgmma.max_stages(96)) == (96, 6)
     for m in (72, 200, 288, 300, 416, 700, 800):  # splits, tail launch and stream-K: as for the unfitted tile
         for n in (4096, 6144, 28672):
-            bm = cuda_wgmma.token_tile(m, n, 256 if m > 128 else 128, 3 if m > 128 else 5, 128 if m > 128 else 0)[0]
+            bm = cuda_wgmma.token_tile(m, n, 4096, 256 if m > 128 else 128, 3 if m > 128 else 5, 128 if m > 128 else 0)[0]
             unfitted = (cuda_wgmma.choose_split(m, n, 4096, bm), cuda_wgmma.tail_split(m, n, 4096, bm),
                         cuda_wgmma.stream_k_ctas(m, n, 4096, bm))
             split, tail, ctas = cuda_wgmma.plan(m, n, 4096, 256 if m > 128 else 128, 3 if m > 128 else 5,

@@ -250,8 +250,8 @@ def test_wgmma_stream_k(block_m, swiglu):
 
 @pytest.mark.parametrize("n", [4096, 28672])
 def test_wgmma_narrow_token_tile(n):
-    """A 256-token wgmma bucket with narrow_block_m 128: N = 4096 at 200 rows runs 128-token tiles (32 row
-    blocks leave SMs idle), N = 28672 keeps 256-token tiles; both match the reference, and the narrow call
+    """A 256-token wgmma bucket with narrow_block_m 128: N = 4096, K = 2048 at 200 rows runs 128-token tiles
+    (32 row blocks leave SMs idle; split 2 ways, each CTA would run 8 K tiles), N = 28672 keeps 256-token tiles; both match the reference, and the narrow call
     equals the 128-token bucket's bits."""
     from pieceworks.backends.fp4_gemm import cuda_wgmma
     from pieceworks.backends.fp4_gemm.cuda_launch import multiprocessors
@@ -267,7 +267,7 @@ def test_wgmma_narrow_token_tile(n):
     cfg = TileConfig(kind="wgmma", block_m=256, num_stages=3, narrow_block_m=128)
     y = gemm_kernels.fp4_gemm(x, *packed, n, k, cfg, 1)
     assert rel_err(y, reference(x, w)) < TOL
-    bm = cuda_wgmma.token_tile(m, n, 256, 3, 128, multiprocessors(x.device))[0]
+    bm = cuda_wgmma.token_tile(m, n, k, 256, 3, 128, multiprocessors(x.device))[0]
     assert bm == (128 if n == 4096 else 256)
     twin = TileConfig(kind="wgmma", block_m=bm, num_stages=cuda_wgmma.max_stages(bm) if bm == 128 else 3)
     assert torch.equal(y, gemm_kernels.fp4_gemm(x, *packed, n, k, twin, 1))

@@ -62,6 +62,11 @@ MAX_SHARED = 227 * 1024  # dynamic shared memory per block on sm_90
 # launch without it: level at 4.8 idle K tiles (the expert down at 1024 rows), ahead from 5.8 (q/k/v at 640 rows,
 # 128-token tiles; gate/up at 1024, 6.8).
 STREAM_K_IDLE = 5
+# `token_tile`'s narrow tile where the wide tile's CTAs run at most this many K tiles each, and at most the
+# second where the fitted wide tile holds 3 stages. From the H200 A/B of triton_tiles.py's 129..256 bucket: o and
+# the expert down (8 K tiles per CTA) gain on the narrow tile at every M of 144-240, q/k/v (16) and the expert
+# gate/up (14) only at 208-256 tokens, the down projection (28) nowhere.
+NARROW_K_TILES = (8, 16)
 
 
 def stage_bytes(block_m: int) -> int:
@@ -186,7 +191,7 @@ def plan(m: int, n: int, kp: int, block_m: int, stages: int, narrow_block_m: int
     `stream_k_ctas` (which, where nonzero, replaces the splits and the tail launch whenever a stream-K
     workspace is at hand).
     Cached: an eager call (no graph) asks on every launch."""
-    bm, st = token_tile(m, n, block_m, stages, narrow_block_m, sms)
+    bm, st = token_tile(m, n, kp, block_m, stages, narrow_block_m, sms)
     fit = fit_token_tile(m, bm)
     if fit != bm:  # the same tiles, each with fewer padded rows, and the stages that the smaller tile fits
         bm, st = fit, max_stages(fit) if st == max_stages(bm) else st
@@ -204,15 +209,24 @@ def stream_k_ctas(m: int, n: int, kp: int, block_m: int, sms: int = 132) -> int:
     return sms if idle > STREAM_K_IDLE and tiles * nkt >= sms else 0
 
 
-def token_tile(m: int, n: int, block_m: int, stages: int, narrow_block_m: int = 0,
+def token_tile(m: int, n: int, kp: int, block_m: int, stages: int, narrow_block_m: int = 0,
                sms: int = 132) -> tuple[int, int]:
     """(block_m, stages) of a call: the bucket's tile, or where the bucket names a narrower tile
-    (`narrow_block_m`), that one with its most stages where one token tile covers m and its grid holds
-    fewer CTAs than the SMs (more CTAs, each re-reading x: q/k/v, o and the expert shapes at 256 tokens run
-    faster on 128-token tiles, gate/up does not). Past one tile the wide tile stays: `fit_token_tile` leaves
-    it at most 15 padded rows per tile, and it reads the weights fewer times (M = 288: two 144-token tiles
-    ran 1.10-1.28x faster than three 96-token ones, docs/benchmarks.md)."""
-    if narrow_block_m and m <= block_m and -(-n // ROWS) < sms:
+    (`narrow_block_m`), that one with its most stages where one token tile covers m, its grid holds fewer
+    CTAs than the SMs, and the wide tile's CTAs would run short K loops: at most NARROW_K_TILES[0] K tiles
+    each after `choose_split`, or at most NARROW_K_TILES[1] where the fitted wide tile holds 3 stages
+    (208-256 tokens). The narrow tile reads and decodes every weight twice for twice the CTAs and half the
+    K splits: q/k/v, o and the expert shapes at 240 rows ran 1.06-1.23x faster on it, the down projection
+    (28 K tiles per CTA) 1.05-1.24x slower at 144-240 rows, q/k/v and the expert gate/up 1.03-1.08x slower
+    at 144-176 (docs/benchmarks.md, "Narrow token tiles"). Past one tile the wide tile stays: `fit_token_tile` leaves it at most 15 padded
+    rows per tile, and it reads the weights fewer times (M = 288: two 144-token tiles ran 1.10-1.28x faster
+    than three 96-token ones)."""
+    if not narrow_block_m or m > block_m or -(-n // ROWS) >= sms:
+        return block_m, stages
+    fit = fit_token_tile(m, block_m)
+    k_tiles = kp // TILE_K // choose_split(m, n, kp, fit, sms)
+    short, short_3_stages = NARROW_K_TILES
+    if k_tiles <= short or (k_tiles <= short_3_stages and max_stages(fit) <= 3):
         return narrow_block_m, max_stages(narrow_block_m)
     return block_m, stages
 

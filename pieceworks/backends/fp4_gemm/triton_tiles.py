@@ -55,13 +55,19 @@ quarter of the scales; see `triton_k32.quad_k`).
 # - M = 17..32 run a 32-token tile (m64n32k16: half the 64-token tile's tensor work). 2026-12-03 13:40-13:41,
 #   `fp4_gemm.py --ms 24,32 --pdl on`, the 64-token bucket and this one alternated twice: 5-11% faster on all six
 #   shapes, us at M = 32: q/k/v 12.7 -> 11.7, gate/up 40.2 -> 37.1, down 20.0 -> 18.3, expert down 8.4 -> 8.0.
-# - M = 129..256 take 128-token tiles where 256-token tiles would leave SMs idle (`narrow_block_m`,
-#   `cuda_wgmma.token_tile`). 2026-12-03 12:24-12:25, `fp4_gemm.py --ms 128,256 --pdl on`, the table before and
-#   with 128-token tiles for 129..256 alternated twice, us at M = 256: q/k/v 29.1-29.2 -> 26.1-26.3, o 21.8-22.0
-#   -> 18.1, expert gate/up 29.3-29.5 -> 26.6, expert down 19.5-19.7 -> 15.3, down 46.9-47.0 -> 46.6-46.8,
-#   gate/up 91.3-92.4 -> 103.0-103.8 (224 row blocks fill the SMs with 256-token tiles: it keeps them). At
-#   M = 128, 64-token tiles won on o and the expert down only (13.4 / 11.5 against 14.8 / 12.8 us) and lost on
-#   gate/up (76.9 against 53.6-53.9).
+# - M = 129..256 take 128-token tiles where 256-token tiles would leave SMs idle and their CTAs run short K
+#   loops (`narrow_block_m`, `cuda_wgmma.token_tile`). 2026-12-03 12:24-12:25, before fitted tiles,
+#   `fp4_gemm.py --ms 128,256 --pdl on`, the table before and with 128-token tiles for 129..256 alternated
+#   twice, us at M = 256: q/k/v 29.1-29.2 -> 26.1-26.3, o 21.8-22.0 -> 18.1, expert gate/up 29.3-29.5 -> 26.6,
+#   expert down 19.5-19.7 -> 15.3, gate/up 91.3-92.4 -> 103.0-103.8 (224 row blocks fill the SMs with
+#   256-token tiles: it keeps them). With fitted wide tiles (2026-12-04 09:08-09:09, `--ms
+#   144,176,200,240,...`, this table without narrow_block_m against it, alternated twice) the narrow tile lost
+#   where the wide tile's CTAs run long K loops: down (28 K tiles each) 1.05-1.24x slower at 144-240, q/k/v
+#   and the expert gate/up 1.03-1.08x slower at 144-176; hence the K-loop rule (NARROW_K_TILES), which at
+#   136-256 rows (09:13, alternated twice against the rule before it) ran down 1.02-1.28x and q/k/v and
+#   the expert gate/up 1.03-1.10x faster where it changed the tile, level elsewhere. At M = 128, 64-token tiles
+#   won on o and the expert down only (13.4 / 11.5 against 14.8 / 12.8 us) and lost on gate/up (76.9 against
+#   53.6-53.9).
 # - M = 257..1024 keep 256-token tiles, fitted (`cuda_wgmma.fit_token_tile`). 2026-12-04 03:01-03:02,
 #   `fp4_gemm.py --ms 288,320,352,416,448,544,640,700 --pdl on`, the table with 128-token tiles where those
 #   padded fewer unfitted rows (288..384, 544..640) against this one, alternated twice: this one 1.10-1.32x
