@@ -228,6 +228,29 @@ def test_a_request_lives_until_its_last_completion_finishes(engine):
     drained(engine)
 
 
+def test_admission_passes_a_completion_waiting_for_its_prompt(engine):
+    """Completion 1 waits in the queue until completion 0 computed the prompt; the request behind it is
+    admitted past it in the same step and leaves the queue, completion 1 stays at its front and runs next;
+    every output is what it is alone."""
+    p, q = prompt(13, 5), PROMPTS[0]
+    pair = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=4)
+    want_pair = [o.token_ids for o in engine.generate([p], pair)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    want_q = engine.generate([q], greedy)[0].token_ids
+    drained(engine)
+    engine.add_request(p, pair)
+    engine.add_request(q, greedy)
+    waiting = engine.scheduler.waiting
+    first, second, later = waiting
+    finished = [o for o in engine.step() if o.finished]
+    assert list(waiting) == [second] and engine.scheduler.running == [first, later]
+    while engine.has_unfinished():
+        finished += [o for o in engine.step() if o.finished]
+    got = {(o.index if o.prompt_token_ids == p else "q"): o.token_ids for o in finished}
+    assert got == {0: want_pair[0], 1: want_pair[1], "q": want_q}
+    drained(engine)
+
+
 def test_stop_ids_eos_and_length(engine, reference):
     first, second = reference[0][:2]
     out = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[second]))[0]

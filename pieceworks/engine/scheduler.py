@@ -56,6 +56,16 @@ class Scheduler:
             self.ex.free(req.seq)
             req.seq = None
 
+    def _dequeue(self, admitted: list[Request]) -> None:
+        """Take admitted requests out of `waiting`: from its front, where admission takes them in order (a
+        step costs the requests it admits, not the length of the queue)."""
+        waiting = self.waiting
+        for req in admitted:
+            if waiting[0] is req:
+                waiting.popleft()
+            else:  # behind a later completion of a request still waiting for its first's prompt
+                waiting.remove(req)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._release(req)
@@ -100,27 +110,31 @@ class Scheduler:
             break  # req itself was preempted: nothing after it runs either
         if preempted:
             return out
-        for req in list(self.waiting):
-            if tokens_left <= 0 or seqs_left <= 0:
-                break
-            if self.alloc.prefix_caching and req.index > 0 and not req.group[0].prompt_done:
-                continue  # wait for the first completion's prompt pages, then share them
-            seq = self.ex.new_sequence(req.tokens(0), validate=False)
-            n = min(req.num_tokens - seq.kv_len, tokens_left)
-            need = self.ex.pages_needed([seq], [n])
-            watermark = self.watermark_pages if self.running else 0
-            if need + watermark > self.alloc.num_free - promised:
-                self.ex.free(seq)
-                break
-            self.waiting.remove(req)
-            req.seq = seq
-            if req.num_cached_tokens is None:
-                req.num_cached_tokens = min(seq.num_cached_tokens, len(req.prompt))
-            self.prefix_hit_tokens += seq.num_cached_tokens
-            self.prefix_queried_tokens += req.num_tokens
-            self.running.append(req)
-            out.append((req, req.tokens(seq.kv_len, seq.kv_len + n)))
-            promised += need
-            tokens_left -= n
-            seqs_left -= 1
+        admitted: list[Request] = []  # left in `waiting` while it is iterated, taken out after
+        try:
+            for req in self.waiting:
+                if tokens_left <= 0 or seqs_left <= 0:
+                    break
+                if self.alloc.prefix_caching and req.index > 0 and not req.group[0].prompt_done:
+                    continue  # wait for the first completion's prompt pages, then share them
+                seq = self.ex.new_sequence(req.tokens(0), validate=False)
+                n = min(req.num_tokens - seq.kv_len, tokens_left)
+                need = self.ex.pages_needed([seq], [n])
+                watermark = self.watermark_pages if self.running else 0
+                if need + watermark > self.alloc.num_free - promised:
+                    self.ex.free(seq)
+                    break
+                admitted.append(req)
+                req.seq = seq
+                if req.num_cached_tokens is None:
+                    req.num_cached_tokens = min(seq.num_cached_tokens, len(req.prompt))
+                self.prefix_hit_tokens += seq.num_cached_tokens
+                self.prefix_queried_tokens += req.num_tokens
+                self.running.append(req)
+                out.append((req, req.tokens(seq.kv_len, seq.kv_len + n)))
+                promised += need
+                tokens_left -= n
+                seqs_left -= 1
+        finally:
+            self._dequeue(admitted)
         return out
