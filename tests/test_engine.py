@@ -320,7 +320,26 @@ def test_bad_requests_refused(engine):
     with pytest.raises(RequestError, match="abort takes one request id"):
         engine.abort(["dup"])
     engine.abort("dup")
+    with pytest.raises(RequestError, match="just aborted"):  # its abort output would mix into the new one's
+        engine.add_request([1, 2], GREEDY, request_id="dup")
+    assert [(o.request_id, o.finish_reason) for o in engine.step()] == [("dup", "abort")]
+    engine.add_request([1, 2], GREEDY, request_id="dup")  # free again once the step returned it
+    engine.abort("dup")
     engine.step()
+    drained(engine)
+
+
+def test_an_edited_output_prompt_changes_nothing(engine, reference):
+    """Outputs carry a copy of the request's prompt (one per request, shared by its outputs): a caller
+    appending to it leaves the request computing what it did."""
+    rid = engine.add_request(PROMPTS[0], GREEDY)
+    first = engine.step()[0]
+    first.prompt_token_ids.append(10**6)
+    outs = [first]
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert outs[-1].request_id == rid and outs[-1].token_ids == reference[0][: len(outs[-1].token_ids)]
+    assert len(outs[-1].token_ids) == GREEDY.max_tokens
     drained(engine)
 
 

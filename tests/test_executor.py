@@ -111,6 +111,9 @@ def test_sampling_is_seeded():
     a = e.generate(p, 12, temperature=0.8, top_p=0.9, seed=7)
     assert a == e.generate(p, 12, temperature=0.8, top_p=0.9, seed=7)
     assert a != e.generate(p, 12, temperature=0.8, top_p=0.9, seed=8)
+    # sampled in float64: a temperature or top_p below float32's range picks the top token, as greedy does
+    greedy = e.generate(p, 12)
+    assert e.generate(p, 12, temperature=1e-40, seed=7) == greedy == e.generate(p, 12, top_p=1e-50, seed=7)
 
 
 def _intact(ex, seq, reference_logits):

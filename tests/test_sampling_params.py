@@ -46,16 +46,16 @@ GOOD = {
 
 BAD = {
     "max_tokens": [0, -1, 1.0, True, "16", torch.tensor([1, 2])],
-    "temperature": [-0.1, -1e-9, math.inf, math.nan, True, "1", None, torch.tensor([1.0])],
-    "top_p": [0, 0.0, -0.5, 1.01, math.nan, False, None],
+    "temperature": [-0.1, -1e-9, math.inf, math.nan, True, "1", None, torch.tensor([1.0]), 1e39],
+    "top_p": [0, 0.0, -0.5, 1.01, math.nan, False, None, 1e-50],
     "top_k": [-2, -100, 1.0, 2.5, True, None],
-    "min_p": [-0.01, 1.01, math.inf, True, None],
+    "min_p": [-0.01, 1.01, math.inf, True, None, 1e-40],
     "seed": [1.0, "7", True, 2**64, -(2**63) - 1],
     "ignore_eos": [1, 0, "yes", None],
     "min_tokens": [-1, 17, 1.0, True],
-    "presence_penalty": [2.01, -2.5, math.nan, True],
+    "presence_penalty": [2.01, -2.5, math.nan, True, -1e-45],
     "frequency_penalty": [3, -2.0001, math.inf, None],
-    "repetition_penalty": [0, 0.0, -1.0, math.inf, True],
+    "repetition_penalty": [0, 0.0, -1.0, math.inf, True, 1e-50, 1e39],
     "logprobs": [-1, 21, 1.5, True],
     "n": [0, -3, 1.0, True, None],
 }
@@ -80,6 +80,15 @@ def test_bad_values_name_field_and_value(field):
         assert f"SamplingParams.{field}" in msg, msg
         shown = value.item() if isinstance(value, torch.Tensor) and value.ndim == 0 else value
         assert repr(shown) in msg or isinstance(value, torch.Tensor), msg
+
+
+def test_values_float32_cannot_hold_are_refused_for_that_reason():
+    """The sampler runs in float32: temperature 1e39 (inf there) or repetition_penalty 1e-50 (0 there) would
+    sample token 0 every step; a temperature below float32's range is greedy, and stays allowed."""
+    for kw in ({"temperature": 1e39}, {"repetition_penalty": 1e-50}, {"top_p": 1e-40}):
+        with pytest.raises(RequestError, match="float32"):
+            SamplingParams(**kw)
+    assert SamplingParams(temperature=1e-40).greedy and SamplingParams(repetition_penalty=1e-30).uses_penalties
 
 
 def test_bool_is_not_an_int_anywhere():

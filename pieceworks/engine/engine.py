@@ -119,6 +119,9 @@ class Engine:
                 raise RequestError(f"request_id must be a non-empty str, got {request_id!r}")
             if request_id in self._requests:
                 raise RequestError(f"request_id {request_id!r} is already running; use a new id")
+            if any(o.request_id == request_id for o in self._ready):  # its abort outputs would mix in
+                raise RequestError(f"request_id {request_id!r} was just aborted and its final outputs come "
+                                   "with the next step; use a new id (or step first)")
             group: list[Request] = []
             arrival = next(self._arrivals)
             for index in range(params.n):

@@ -20,6 +20,8 @@ GREEDY_TEMPERATURE = 1e-5
 #: Most top logprobs a request may ask for per generated token (vLLM's default cap).
 MAX_LOGPROBS = 20
 _SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+# the magnitudes float32 (the sampler's dtype, as vLLM's) holds as normal numbers
+_F32_TINY, _F32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
 
 
 def _scalar(value: Any) -> Any:
@@ -55,6 +57,14 @@ def _float(name: str, value: Any, allowed: str) -> float:
     if not math.isfinite(value):
         raise RequestError(f"SamplingParams.{name} must be finite ({allowed}), got {value!r}")
     return value
+
+
+def _in_float32(name: str, value: float, allowed: str, tiny_ok: bool = False) -> None:
+    """Refuse a value the sampler's float32 can't hold: one that overflows to inf or (unless `tiny_ok`) a
+    nonzero one that underflows toward 0 (temperature 1e39 would sample token 0 every step)."""
+    if abs(value) > _F32_MAX or (not tiny_ok and value != 0 and abs(value) < _F32_TINY):
+        raise RequestError(f"SamplingParams.{name}={value!r} is out of range: the sampler computes in float32, "
+                           f"which holds magnitudes {_F32_TINY:.3g}..{_F32_MAX:.3g} ({allowed})")
 
 
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
@@ -140,6 +150,11 @@ class SamplingParams:
             _check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs, f"0..{MAX_LOGPROBS} or None")
         put(self, "n", _int("n", self.n, ">= 1"))
         _check(self.n >= 1, "n", self.n, ">= 1")
+        _in_float32("temperature", self.temperature, ">= 0", tiny_ok=True)  # below 1e-5: greedy
+        for name, allowed in (("top_p", "0 < top_p <= 1"), ("min_p", "0 or 0 < min_p <= 1"),
+                              ("presence_penalty", "0 or 0 < |value| <= 2"),
+                              ("frequency_penalty", "0 or 0 < |value| <= 2"), ("repetition_penalty", "> 0")):
+            _in_float32(name, getattr(self, name), allowed)
 
     @staticmethod
     def _stop_strings(stop: Any) -> list[str] | None:

@@ -308,10 +308,11 @@ def sample_rows(logits: torch.Tensor, temperature: float, top_p: float, gen: tor
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
-    """One token from a [V] float32 logits row: argmax, or temperature + nucleus sampling."""
+    """One token from a [V] float32 logits row: argmax, or temperature + nucleus sampling, in float64 (a
+    temperature or top_p that float32 can't hold, e.g. 1e-40, still samples: the near-argmax or the top token)."""
     if temperature <= 0:
         return int(logits.argmax())
-    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+    probs = torch.softmax(logits.double().cpu() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_p, order = probs.sort(descending=True)
         keep = sorted_p.cumsum(0) - sorted_p < top_p
