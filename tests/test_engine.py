@@ -329,6 +329,29 @@ def test_bad_requests_refused(engine):
     drained(engine)
 
 
+def test_generate_and_the_constructor_refuse_what_they_cannot_use(engine):
+    """generate names what it was given instead of a TypeError from iterating it (or, for bytes and sets,
+    a message about their elements); a dict for params and a tokenizer without decode are refused up front."""
+    for bad, name in [(None, "NoneType"), (5, "int"), (torch.tensor(3), "Tensor"), (b"ab", "bytes"), ({1, 2}, "set")]:
+        with pytest.raises(RequestError, match=f"prompts must be .* got {name}$"):
+            engine.generate(bad)
+    with pytest.raises(RequestError, match="params must be a SamplingParams, got dict"):
+        engine.generate([[1, 2]], {"temperature": 0})
+    with pytest.raises(TypeError, match="tokenizer must be"):
+        Engine(engine.executor, tokenizer=5)
+
+    async def unhashable_id() -> None:
+        with AsyncEngine(engine) as aeng:
+            with pytest.raises(RequestError, match="request_id must be a non-empty str, got \\['a'\\]"):
+                async for _ in aeng.generate([1, 2], GREEDY, request_id=["a"]):
+                    pass
+
+    asyncio.run(unhashable_id())
+    got = engine.generate(torch.tensor([PROMPTS[0], PROMPTS[4] + [1, 2]]), GREEDY)  # 2-D: one prompt per row
+    assert [o.prompt_token_ids for o in got] == [PROMPTS[0], PROMPTS[4] + [1, 2]]
+    drained(engine)
+
+
 def test_an_edited_output_prompt_changes_nothing(engine, reference):
     """Outputs carry a copy of the request's prompt (one per request, shared by its outputs): a caller
     appending to it leaves the request computing what it did."""

@@ -68,6 +68,8 @@ class AsyncEngine:
         """
         params = SamplingParams() if params is None else params
         request_id = uuid.uuid4().hex if request_id is None else request_id
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestError(f"request_id must be a non-empty str, got {request_id!r}")
         queue: asyncio.Queue = asyncio.Queue()
         with self._cond:
             self._check_alive()

@@ -51,6 +51,9 @@ class Engine:
     def __init__(self, executor: Executor, tokenizer: Any = "auto") -> None:
         self.executor = executor
         cfg = executor.cfg
+        if not (tokenizer is None or tokenizer == "auto" or (callable(tokenizer) and hasattr(tokenizer, "decode"))):
+            raise TypeError(f"tokenizer must be 'auto', None or a Hugging Face tokenizer (callable, with decode), "
+                            f"got {type(tokenizer).__name__}")
         self.tokenizer = load_tokenizer(executor) if tokenizer == "auto" else tokenizer
         self.max_context = executor.max_context
         self.model_name = cfg.model.path or f"{cfg.model.arch}-{cfg.model.preset or 'custom'}"
@@ -314,7 +317,12 @@ class Engine:
         """
         if is_one_prompt(prompts):
             prompts = [prompts]
+        elif not isinstance(prompts, (list, tuple)) and getattr(prompts, "ndim", None) != 2:  # 2-D: one per row
+            raise RequestError(f"prompts must be a str, a list of token ids, a 1-D integer array or tensor, or a "
+                               f"list of those, got {type(prompts).__name__}")
         params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         ids = []
         try:
             for prompt in prompts:
