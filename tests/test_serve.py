@@ -192,6 +192,16 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(tiny_url):
                       headers={"content-type": "application/json"}).status_code == 400
     r = httpx.post(f"{tiny_url}/v1/chat/completions", json={"model": TINY_NAME, "messages": []}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    # fields of several shapes say what they take, not the first shape's complaint ("prompt.str: ...")
+    r = httpx.post(f"{tiny_url}/v1/completions", json={"model": TINY_NAME, "prompt": [1.0]}, timeout=30)
+    assert r.json()["error"] == {"message": "prompt must be a string, a list of token ids, or a list of either "
+                                            "(got [1.0])", "type": "invalid_request_error", "param": "prompt",
+                                 "code": None}
+    image = [{"type": "image_url", "image_url": {"url": "x"}}]
+    r = httpx.post(f"{tiny_url}/v1/chat/completions", timeout=30,
+                   json={"model": TINY_NAME, "messages": [{"role": "user", "content": image}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"
+    assert r.json()["error"]["message"].startswith('messages.0.content must be a string or a list of {"type": "text"')
     assert httpx.post(f"{tiny_url}/v1/completions", json=BAD["unknown model"], timeout=30).json()["error"][
         "code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError):  # the client sees OpenAI's error type too
