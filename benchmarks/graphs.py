@@ -44,6 +44,7 @@ from plain_llama import PlainLlama
 from pieceworks import Executor
 from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode
 from pieceworks.core.context import ForwardContext, forward_context
+from pieceworks.models.presets import preset_config
 from pieceworks.testing.graphs import stand_in_capture
 
 
@@ -253,7 +254,10 @@ def main() -> None:
     decode_batches = [int(x) for x in args.decode.split(",") if x]
     # each sequence grows by one token per decode step: about 10 * repeats steps per batch size
     kv_tokens = max(40960, max(decode_batches, default=0) * (args.context + 12 * args.repeats + 64))
-    max_context = max(9216, args.context + 64)
+    # room for the longest default extend (8192) and the decode contexts, within what the preset's
+    # positions allow (tiny: 512); a --set model.max_context=... comes later and wins
+    positions = preset_config(args.arch, args.preset, sizes)["max_position_embeddings"]
+    max_context = min(max(9216, args.context + 64), positions)
     overrides = [
         f"model.arch={args.arch}", f"model.preset={args.preset}", f"model.max_context={max_context}",
         f"quantization.format={args.quant}", f"runtime.device={args.device}", "runtime.dtype=bfloat16",
@@ -279,13 +283,21 @@ def main() -> None:
     if args.plain == "on" and args.arch == "llama" and args.quant == "none":
         k_eager = ex.table.step(ForwardMode.EXTEND, GraphMode.EAGER)
         plain = PlainLlama(ex.model, ex.kv, getattr(k_eager.attention, "variant", "fa2"))
+    if args.host_time and ex.piecewise is None:
+        p.error("--host-time times the piecewise runner: add --set cuda_graph.piecewise.enabled=on")
+    # a step holds at most the model's context (a --host-time step: at most the largest piecewise size)
+    longest = min(ex.max_context, ex.piecewise.max_tokens) if args.host_time else ex.max_context
+    extends = [int(x) for x in args.extend.split(",") if x]
+    if any(T > longest for T in extends):
+        print(f"skipping --extend {[T for T in extends if T > longest]}: longer than {longest} tokens", flush=True)
+        extends = [T for T in extends if T <= longest]
     if args.host_time:
         stand_in_capture(ex.piecewise, rerun=False)
-        rows = [host_row(ex, int(T), args.repeats * 5) for T in args.extend.split(",") if T]
+        rows = [host_row(ex, T, args.repeats * 5) for T in extends]
         print(md_table(list(rows[0]), [[f"{v:.2f}" if isinstance(v, float) else v for v in r.values()] for r in rows]))
         return
     ext = []
-    for T in [int(x) for x in args.extend.split(",") if x]:
+    for T in extends:
         faulthandler.dump_traceback_later(args.watchdog)
         ext.append(extend_row(ex, T, args.repeats if T <= 2048 else max(5, args.repeats // 4), plain))
         print(ext[-1], flush=True)

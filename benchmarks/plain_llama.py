@@ -122,3 +122,19 @@ class PlainLlama:
             gate, up = F.linear(x, w_gate_up).split([self.inter, self.inter], dim=-1)
             h = F.linear(self.silu_mul(gate, up), w_down)
         return self.add_rms_norm(h, residual, *self.norm)[0]
+
+
+def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0].replace("\n", " "),
+        epilog="A module, not a benchmark of its own: graphs.py builds a PlainLlama from its executor's "
+               "model and KV pool and times it next to the eager extend (--plain on, the default, for a "
+               "Llama without NVFP4), e.g. python benchmarks/graphs.py --extend 16,256 --decode ''.")
+    p.parse_args()
+    p.print_help()
+
+
+if __name__ == "__main__":
+    main()

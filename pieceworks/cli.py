@@ -1,10 +1,11 @@
 """`pieceworks run | backends | quantize | eval-ppl | serve | bench`.
 
 Every subcommand takes an optional YAML config and `key.sub=value` overrides. A user mistake (bad
-config, checkpoint or request, a backend that can't serve, a missing file) prints one line on stderr,
-`pieceworks <command>: error: <what is wrong>`, and exits 2; a failure of a well-formed run (out of KV
-pages, non-finite logits) exits 1 the same way; `--debug` (anywhere on the line) shows the traceback
-instead. Ctrl-C at any moment, also while torch imports, exits 130 with "interrupted".
+config, checkpoint, request or argument, a backend that can't serve, a missing file, a server that
+`bench --url` can't reach) prints one line on stderr, `pieceworks <command>: error: <what is wrong>`,
+and exits 2; a failure of a well-formed run (out of KV pages, non-finite logits) exits 1 the same way;
+`--debug` (anywhere on the line) shows the traceback instead. Ctrl-C at any moment, also while torch
+imports, exits 130 with "interrupted".
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from pieceworks.environment import user_cache_home
 from pieceworks.errors import ConfigError  # re-exported here for callers of load_config
 
 OPS = ("attention", "mla", "fp4_gemm", "moe")
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
 class Switch(str, enum.Enum):
@@ -130,6 +131,8 @@ class RuntimeConfig:
     dtype: str = "auto"
     """auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32."""
     seed: int = 0
+    """Seed of the random weights, the random prompts and the sampler's shared generator; an integer
+    in [-2**63, 2**64 - 1] (what torch.Generator.manual_seed accepts)."""
     pdl: Any = Switch.auto
     """auto | on | off: programmatic dependent launch of pieceworks' Triton kernels, so each is
     launched while the kernel before it finishes (and waits for it on the GPU). auto: on
@@ -294,6 +297,10 @@ def _validate(cfg: Config, require_model: bool = True) -> None:
     if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
         raise ConfigError(f"runtime.device: {dev!r} is not allowed; use auto, cpu, cuda or cuda:N")
     _one_of("runtime.dtype", cfg.runtime.dtype, ("auto", "bfloat16", "float16", "float32"))
+    lo, hi = SEED_RANGE
+    if not lo <= cfg.runtime.seed <= hi:
+        raise ConfigError(f"runtime.seed: {cfg.runtime.seed!r} is out of range; use an integer from "
+                          f"-2**63 to 2**64 - 1 ({lo} to {hi})")
     par = cfg.parallel
     _positive("parallel.tensor_parallel_size", par.tensor_parallel_size)
     if par.tensor_parallel_size > 1 and dev.startswith("cuda:"):

@@ -26,8 +26,9 @@ def merge(schema: type, source: Path | dict | None, overrides: list[str] | None)
     hold OmegaConf containers (`plain` turns them into Python ones).
 
     Raises:
-        ConfigError: the file can't be read or is not a YAML mapping; an unknown key (the message lists
-            the allowed ones) or a value of the wrong type, naming the file and line or the override.
+        ConfigError: the file can't be read or is not a YAML mapping; an override value YAML can't
+            parse; an unknown key (the message lists the allowed ones) or a value of the wrong type,
+            naming the file and line or the override.
     """
     label = ""
     path = source if isinstance(source, Path) else None
@@ -44,10 +45,24 @@ def merge(schema: type, source: Path | dict | None, overrides: list[str] | None)
             if "=" not in item:
                 raise ConfigError(f"override {item!r}: expected key=value (e.g. model.path=/models/x)")
             label = "command-line overrides"
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+            merged = OmegaConf.merge(merged, _parse_override(item))
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise _explain(exc, label, path, schema) from None
+
+
+def _parse_override(item: str) -> DictConfig:
+    """One "key=value" override as OmegaConf nodes; a value YAML can't read is a ConfigError naming
+    the key and the value."""
+    import yaml
+
+    try:
+        return OmegaConf.from_dotlist([item])
+    except yaml.YAMLError as e:
+        key, value = item.split("=", 1)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{key}: can't parse the value {value!r} ({problem}); "
+                          f"quote it or fix the brackets") from None
 
 
 def read_yaml(path: Path) -> DictConfig:

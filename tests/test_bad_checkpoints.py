@@ -110,6 +110,17 @@ def test_index_entry_that_the_shard_lacks(ckpt):
         CheckpointReader(ckpt)
 
 
+def test_model_path_that_is_not_a_directory(tmp_path):
+    from pieceworks.models.loader import resolve_model_path
+
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    for path in (tmp_path / "nowhere", tmp_path / "model.safetensors"):
+        with pytest.raises(CheckpointError) as e:
+            resolve_model_path(str(path))
+        assert str(e.value).startswith(f"model.path={str(path)!r} is not a directory; give a Hugging Face")
+        assert "smollm2-135m" in str(e.value)
+
+
 def test_no_checkpoint_and_bad_config(tmp_path):
     with pytest.raises(ValueError, match="no model.safetensors or model.safetensors.index.json"):
         CheckpointReader(tmp_path)
@@ -128,7 +139,7 @@ def test_the_intact_copy_reads(ckpt):
 
 def test_missing_weight_scale(ckpt):
     _edit_tensors(ckpt, lambda t: t.pop(f"{Q}.weight_scale"))
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(CheckpointError) as e:
         _read_q(ckpt)
     assert str(e.value).startswith(f"{Q}.weight_scale: missing from the checkpoint")
     assert "exclude_modules" in str(e.value)
@@ -136,7 +147,7 @@ def test_missing_weight_scale(ckpt):
 
 def test_wrong_dtype(ckpt):
     _edit_tensors(ckpt, lambda t: t.update({f"{Q}.weight_scale": t[f"{Q}.weight_scale"].float()}))
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(CheckpointError) as e:
         _read_q(ckpt)
     assert str(e.value) == f"{Q}.weight_scale: expected float8_e4m3fn [64, 4], got float32 [64, 4]"
 
@@ -144,13 +155,13 @@ def test_wrong_dtype(ckpt):
 def test_unquantized_weight_where_fp4_is_expected(ckpt):
     _edit_tensors(ckpt, lambda t: t.update({f"{Q}.weight": torch.zeros(64, 64, dtype=torch.bfloat16)}))
     expected = rf"{Q}.weight: expected uint8 \[64, 32\], got bfloat16 \[64, 64\].*exclude_modules"
-    with pytest.raises(ValueError, match=expected):
+    with pytest.raises(CheckpointError, match=expected):
         _read_q(ckpt)
 
 
 def test_wrong_shape(ckpt):
     _edit_tensors(ckpt, lambda t: t.update({f"{Q}.weight": t[f"{Q}.weight"][:, :16].contiguous()}))
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(CheckpointError) as e:
         _read_q(ckpt)
     assert str(e.value) == f"{Q}.weight: expected uint8 [64, 32], got uint8 [64, 16]"
 
@@ -158,10 +169,10 @@ def test_wrong_shape(ckpt):
 def test_global_scale_must_be_a_positive_scalar(ckpt):
     _edit_tensors(ckpt, lambda t: t.update({f"{Q}.weight_scale_2": torch.zeros(2)}))
     expected = rf"{Q}.weight_scale_2: expected float32 scalar \(\[\] or \[1\]\), got float32 \[2\]"
-    with pytest.raises(ValueError, match=expected):
+    with pytest.raises(CheckpointError, match=expected):
         _read_q(ckpt)
     _edit_tensors(ckpt, lambda t: t.update({f"{Q}.weight_scale_2": torch.tensor([float("nan")])}))
-    with pytest.raises(ValueError, match=rf"{Q}.weight_scale_2: must be a positive finite float32, got nan"):
+    with pytest.raises(CheckpointError, match=rf"{Q}.weight_scale_2: must be a positive finite float32, got nan"):
         _read_q(ckpt)
     _edit_tensors(ckpt, lambda t: t.update({f"{Q}.weight_scale_2": torch.tensor([0.5])}))  # shape [1] is fine
     assert _read_q(ckpt).weight_scale_2.shape == ()
@@ -173,7 +184,7 @@ def test_global_scale_must_be_a_positive_scalar(ckpt):
 @pytest.mark.parametrize("algo", ["FP8", "NVFP4_AWQ", "W4A8_AWQ", "W4A16_NVFP4", "MIXED_PRECISION", None])
 def test_unknown_quant_algo(ckpt, algo):
     _edit_json(ckpt / "hf_quant_config.json", lambda d: d["quantization"].update({"quant_algo": algo}))
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(CheckpointError) as e:
         detect_quantization(ckpt)
     assert str(e.value).startswith(f"{ckpt / 'hf_quant_config.json'}: quantization.quant_algo = {algo!r}")
 
@@ -181,7 +192,7 @@ def test_unknown_quant_algo(ckpt, algo):
 def test_group_size_32(ckpt):
     _edit_json(ckpt / "hf_quant_config.json", lambda d: d["quantization"].update({"group_size": 32}))
     expected = r"hf_quant_config.json: quantization.group_size = 32: NVFP4 uses one scale per 16"
-    with pytest.raises(ValueError, match=expected):
+    with pytest.raises(CheckpointError, match=expected):
         detect_quantization(ckpt)
 
 
@@ -191,18 +202,18 @@ def test_group_size_32_in_config_groups(ckpt):
         ckpt / "config.json",
         lambda d: d["quantization_config"]["config_groups"]["group_0"]["weights"].update({"group_size": 32}),
     )
-    with pytest.raises(ValueError, match=r"config groups disagree on group_size.*weights.group_size = 32"):
+    with pytest.raises(CheckpointError, match=r"config groups disagree on group_size.*weights.group_size = 32"):
         detect_quantization(ckpt)
 
 
 def test_fp8_kv_cache(ckpt):
     _edit_json(ckpt / "hf_quant_config.json", lambda d: d["quantization"].update({"kv_cache_quant_algo": "FP8"}))
-    with pytest.raises(ValueError, match=r"quantization.kv_cache_quant_algo = 'FP8': a quantized KV cache"):
+    with pytest.raises(CheckpointError, match=r"quantization.kv_cache_quant_algo = 'FP8': a quantized KV cache"):
         detect_quantization(ckpt)
     (ckpt / "hf_quant_config.json").unlink()
     scheme = {"kv_cache_scheme": {"num_bits": 8, "type": "float"}}
     _edit_json(ckpt / "config.json", lambda d: d["quantization_config"].update(scheme))
-    with pytest.raises(ValueError, match=r"quantization_config.kv_cache_scheme = 'float8'"):
+    with pytest.raises(CheckpointError, match=r"quantization_config.kv_cache_scheme = 'float8'"):
         detect_quantization(ckpt)
 
 
@@ -210,7 +221,7 @@ def test_other_quant_method(ckpt):
     (ckpt / "hf_quant_config.json").unlink()
     fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     _edit_json(ckpt / "config.json", lambda d: d.update({"quantization_config": fp8}))
-    with pytest.raises(ValueError, match=r"config.json: quantization_config.quant_method = 'fp8'"):
+    with pytest.raises(CheckpointError, match=r"config.json: quantization_config.quant_method = 'fp8'"):
         detect_quantization(ckpt)
 
 
@@ -229,7 +240,7 @@ def test_config_json_only_and_legacy_forms(ckpt):
 
 def test_invalid_json(ckpt):
     (ckpt / "hf_quant_config.json").write_text("{not json")
-    with pytest.raises(ValueError, match="hf_quant_config.json: not valid JSON"):
+    with pytest.raises(CheckpointError, match="hf_quant_config.json: not valid JSON"):
         detect_quantization(ckpt)
 
 

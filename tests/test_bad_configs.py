@@ -60,6 +60,12 @@ VALUE_CASES = [
     (["backends.attention={extend: torch, prefill: torch}"], "backends.attention: "),
     (["backends.attention={extend: 3}"], "backends.attention: "),
     (["model.max_context=0"], "model.max_context: 0 must be >= 1"),
+    (["model.arch=[llama"], "model.arch: can't parse the value '[llama' (did not find expected ',' or ']'); "
+                            "quote it or fix the brackets"),
+    (["model.sizes={a: 1"], "model.sizes: can't parse the value '{a: 1' (did not find expected ',' or '}')"),
+    (["runtime.seed=99999999999999999999999"],
+     "runtime.seed: 99999999999999999999999 is out of range; use an integer from -2**63 to 2**64 - 1"),
+    ([f"runtime.seed={-2**63 - 1}"], f"runtime.seed: {-2**63 - 1} is out of range"),
 ]
 
 
@@ -68,6 +74,13 @@ def test_bad_values(overrides, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, LLAMA + overrides)
     assert needle in str(e.value), str(e.value)
+
+
+def test_seed_range_ends_load():
+    """The ends of runtime.seed's range are what torch.Generator.manual_seed accepts."""
+    for seed in (-2**63, 2**64 - 1):
+        cfg = load_config(None, LLAMA + [f"runtime.seed={seed}"])
+        assert torch.Generator().manual_seed(cfg.runtime.seed).initial_seed() == seed % 2**64
 
 
 def _facts(overrides):

@@ -44,6 +44,17 @@ CASES = {
     "prompts without a tokenizer": (["run", *LLAMA, "generation.prompts=[hello]"], 2,
                                     "generation.prompts: given, but the model has no tokenizer"),
     "text is a directory": (["eval-ppl", *LLAMA, "--text", "."], 2, "--text .: is a directory"),
+    "unparsable override value": (["run", "model.arch=llama", "model.arch=[llama"], 2,
+                                  "pieceworks run: error: model.arch: can't parse the value '[llama' (did not "
+                                  "find expected ',' or ']'); quote it or fix the brackets"),
+    "seed out of range": (["run", *LLAMA, "runtime.seed=99999999999999999999999"], 2,
+                          "pieceworks run: error: runtime.seed: 99999999999999999999999 is out of range"),
+    "port above 65535": (["serve", *LLAMA, "--port", "99999"], 2,
+                         "pieceworks serve: error: argument --port: 99999 is out of range; use a TCP port in 0..65535"),
+    "negative port": (["serve", *LLAMA, "--port", "-1"], 2, "argument --port: -1 is out of range"),
+    "bench url without a scheme": (["bench", "--url", "notaurl"], 2,
+                                   "pieceworks bench: error: --url must be an http:// or https:// URL such as "
+                                   "http://127.0.0.1:8000, got 'notaurl'"),
     "debug shows the traceback": (["run", "tab.yaml", "--debug"], 1, "Traceback (most recent call last)"),
 }
 
@@ -100,6 +111,18 @@ def test_user_errors_in_process(name, capsys, monkeypatch, tmp_path):
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and needle in lines[0], err[-2000:]
+
+
+def test_bench_without_a_server(capsys):
+    """Nothing listens at the URL: one line that names it, exit 2, before any request is sent."""
+    pytest.importorskip("httpx", reason="needs the serve extra: pip install 'pieceworks[serve]'")
+    from pieceworks import cli
+
+    assert cli.main(["bench", "--url", "http://127.0.0.1:1", "--num-prompts", "1", "--no-progress"]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("pieceworks bench: error: can't reach the server at http://127.0.0.1:1: ")
+    assert lines[0].endswith("; is `pieceworks serve` running?"), lines[0]
 
 
 def _torch_mapped(pid: int) -> bool:

@@ -122,6 +122,21 @@ def test_run_workload_bounds_concurrency():
     assert peak == 3 and len(records) == 12 and all(r.ok and r.output_tokens == 3 for r in records)
 
 
+def test_bench_refuses_a_server_without_a_model_list():
+    import httpx
+
+    async def models(answer):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            return await bench._served_models(client, "http://host")
+
+    card = {"id": "m", "vocab_size": 10, "max_model_len": 64}
+    assert asyncio.run(models(lambda req: httpx.Response(200, json={"data": [card]}))) == [card]
+    for answer in (httpx.Response(404, text="not found"), httpx.Response(200, text="<html>"),
+                   httpx.Response(200, json={"data": []})):
+        with pytest.raises(ValueError, match=r"http://host/v1/models answered HTTP \d+ without a list of models"):
+            asyncio.run(models(lambda req, answer=answer: answer))
+
+
 # ---- request -> SamplingParams ---------------------------------------------------------------------
 
 

@@ -285,7 +285,11 @@ DEMO_MODELS = ("smollm2-135m", "smollm2-135m-fp4")
 
 def resolve_model_path(path: str, progress: bool = True, cache_dir: Path | None = None) -> Path:
     """A model directory: the path itself, or the cached conversion of a bundled demo model (in cache_dir;
-    None: `smollm2.default_cache_dir()`)."""
+    None: `smollm2.default_cache_dir()`).
+
+    Raises:
+        CheckpointError: `path` is neither a demo model's name nor a directory (as `read_config`).
+    """
     if path in DEMO_MODELS:
         from pieceworks.models import smollm2
 
@@ -293,7 +297,7 @@ def resolve_model_path(path: str, progress: bool = True, cache_dir: Path | None 
         return ensure(cache_dir, progress=progress)
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise ValueError(
+        raise CheckpointError(
             f"model.path={path!r} is not a directory; give a Hugging Face-format model directory "
             f"(config.json + *.safetensors) or one of {', '.join(DEMO_MODELS)}"
         )

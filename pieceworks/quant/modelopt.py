@@ -33,6 +33,7 @@ import torch
 
 from pieceworks.backends.fp4_gemm.base import Fp4Weight
 from pieceworks.backends.moe.base import MoEWeights
+from pieceworks.errors import CheckpointError
 from pieceworks.quant.nvfp4 import BLOCK
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -86,7 +87,7 @@ def _group_size_of(qc: dict, where: str) -> object:
     values = {v for _, v in sizes}
     if len(values) > 1:
         listing = ", ".join(f"{k} = {v}" for k, v in sorted(sizes, key=str))
-        raise ValueError(f"{where}: config groups disagree on group_size ({listing}); expected 16 everywhere")
+        raise CheckpointError(f"{where}: config groups disagree on group_size ({listing}); expected 16 everywhere")
     return values.pop() if values else BLOCK
 
 
@@ -102,26 +103,26 @@ def _kv_algo_of(qc: dict) -> tuple[str, object]:
 def _parse(qc: dict, where: str) -> Fp4QuantConfig:
     algo = qc.get("quant_algo")
     if algo != SUPPORTED_ALGO:
-        raise ValueError(
+        raise CheckpointError(
             f"{where}.quant_algo = {algo!r}: pieceworks serves ModelOpt NVFP4 checkpoints only "
             f"(quant_algo \"NVFP4\"); re-export the model with ModelOpt's NVFP4 config or `pieceworks quantize`"
         )
     group_size = _group_size_of(qc, where)
     if group_size != BLOCK:
-        raise ValueError(
+        raise CheckpointError(
             f"{where}.group_size = {group_size!r}: NVFP4 uses one scale per 16 elements; this "
             "checkpoint was made with another block size, which no pieceworks kernel serves"
         )
     kv_key, kv = _kv_algo_of(qc)
     if kv not in _NO_KV_QUANT:
-        raise ValueError(
+        raise CheckpointError(
             f"{where}.{kv_key} = {kv!r}: a quantized KV cache is not supported yet; use a checkpoint "
             f"exported without KV-cache quantization ({kv_key} null)"
         )
     excl = qc.get("exclude_modules", qc.get("ignore"))
     excl = [] if excl is None else excl
     if not isinstance(excl, list) or not all(isinstance(p, str) for p in excl):
-        raise ValueError(f"{where}.exclude_modules must be a list of module-name patterns, got {excl!r}")
+        raise CheckpointError(f"{where}.exclude_modules must be a list of module-name patterns, got {excl!r}")
     return Fp4QuantConfig(exclude_modules=tuple(excl), group_size=BLOCK, kv_cache_quant_algo=None)
 
 
@@ -136,7 +137,7 @@ def detect_quantization(model_dir: str | Path) -> Fp4QuantConfig | None:
     Reads `hf_quant_config.json` if present, else `config.json`'s `quantization_config`.
 
     Raises:
-        ValueError: a quantization config pieceworks cannot serve (another quant_algo or
+        CheckpointError: a quantization config pieceworks cannot serve (another quant_algo or
             quant_method, a group size other than 16, a quantized KV cache), naming the field and
             its value; or an unreadable config file.
     """
@@ -146,7 +147,7 @@ def detect_quantization(model_dir: str | Path) -> Fp4QuantConfig | None:
         data = _load_json(hf)
         qc = data.get("quantization")
         if not isinstance(qc, dict):
-            raise ValueError(f"{hf}: has no \"quantization\" object; re-export it with ModelOpt")
+            raise CheckpointError(f"{hf}: has no \"quantization\" object; re-export it with ModelOpt")
         cfg = _parse(qc, f"{hf}: quantization")
         return _with_origin(cfg, _producer(data), str(hf))
     cfg_path = model_dir / "config.json"
@@ -157,10 +158,10 @@ def detect_quantization(model_dir: str | Path) -> Fp4QuantConfig | None:
         return None
     where = f"{cfg_path}: quantization_config"
     if not isinstance(qc, dict):
-        raise ValueError(f"{where} must be an object, got {qc!r}")
+        raise CheckpointError(f"{where} must be an object, got {qc!r}")
     method = qc.get("quant_method")
     if method not in _MODELOPT_METHODS:
-        raise ValueError(
+        raise CheckpointError(
             f"{where}.quant_method = {method!r}: pieceworks reads ModelOpt NVFP4 checkpoints "
             f"(quant_method \"modelopt\"); convert this model from bf16 with `pieceworks quantize`"
         )
@@ -177,9 +178,9 @@ def _load_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except ValueError as e:
-        raise ValueError(f"{path}: not valid JSON ({e}); fix or re-download it") from None
+        raise CheckpointError(f"{path}: not valid JSON ({e}); fix or re-download it") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object at the top level")
+        raise CheckpointError(f"{path}: expected a JSON object at the top level")
     return data
 
 
@@ -189,7 +190,7 @@ def _load_json(path: Path) -> dict:
 def _expect(reader, name: str, dtype: torch.dtype, shape: tuple[int, ...] | None, what: str) -> torch.Tensor:
     """Load `name` and check dtype and shape (shape None = a scalar: [] or [1])."""
     if not reader.has(name):
-        raise ValueError(
+        raise CheckpointError(
             f"{name}: missing from the checkpoint; a ModelOpt NVFP4 linear carries weight, "
             f"weight_scale, weight_scale_2 and input_scale ({what}). If this layer is meant to stay "
             "unquantized, its module must be listed in exclude_modules"
@@ -201,7 +202,7 @@ def _expect(reader, name: str, dtype: torch.dtype, shape: tuple[int, ...] | None
         hint = ""
         if name.endswith(".weight") and got_dtype != dtype and got_dtype.is_floating_point:
             hint = " (an unquantized weight: list the module in exclude_modules if that is intended)"
-        raise ValueError(
+        raise CheckpointError(
             f"{name}: expected {str(dtype).removeprefix('torch.')} {want}, got "
             f"{str(got_dtype).removeprefix('torch.')} {list(got_shape)}{hint}"
         )
@@ -212,7 +213,7 @@ def _scalar(reader, name: str, what: str) -> torch.Tensor:
     t = _expect(reader, name, torch.float32, None, what).reshape(())
     v = float(t)
     if not (v > 0 and v != float("inf")):
-        raise ValueError(f"{name}: must be a positive finite float32, got {v}; the export is broken")
+        raise CheckpointError(f"{name}: must be a positive finite float32, got {v}; the export is broken")
     return t
 
 
@@ -230,12 +231,12 @@ def read_fp4_linear(reader, prefix: str, in_features: int, out_features: int) ->
         [], input_scale float32 []).
 
     Raises:
-        ValueError: a tensor is missing or has the wrong dtype/shape, or a global scale is not a
+        CheckpointError: a tensor is missing or has the wrong dtype/shape, or a global scale is not a
             positive finite number; the message names the tensor (`{prefix}.weight_scale: expected
             float8_e4m3fn [4096, 256], got ...`). Nothing is returned half-read.
     """
     if in_features % BLOCK:
-        raise ValueError(
+        raise CheckpointError(
             f"{prefix}: in_features = {in_features} is not a multiple of {BLOCK}; NVFP4 cannot hold it"
         )
     what = f"layer {prefix}: in {in_features}, out {out_features}"
@@ -302,7 +303,7 @@ def read_fp4_experts(reader, prefix_fmt: str, num_experts: int, hidden: int, int
         equal, both read one input); for other producers it is the choice that never clips.
 
     Raises:
-        ValueError: as `read_fp4_linear`, naming the expert's tensor.
+        CheckpointError: as `read_fp4_linear`, naming the expert's tensor.
     """
     w13, s13, g13, i13, w2, s2, g2, i2 = ([] for _ in range(8))
     for e in range(first, first + num_experts):

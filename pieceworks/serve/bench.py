@@ -200,6 +200,30 @@ def _workload(args: Any, vocab_size: int, max_context: int) -> list[WorkItem]:
     return items
 
 
+async def _served_models(client: Any, url: str) -> list[dict]:
+    """The model cards of the server at `url` (GET /v1/models).
+
+    Raises:
+        ConnectionError: nothing answers at `url` (an OSError: the CLI's one-line error, exit 2).
+        ValueError: something answers, but not with an OpenAI model list.
+    """
+    import httpx
+
+    try:
+        resp = await client.get(f"{url}/v1/models")
+    except httpx.TransportError as exc:
+        reason = str(exc) or type(exc).__name__
+        raise ConnectionError(f"can't reach the server at {url}: {reason}; is `pieceworks serve` running?") from None
+    try:
+        models = resp.json()["data"] if resp.status_code == 200 else None
+    except (ValueError, KeyError, TypeError):
+        models = None
+    if not isinstance(models, list) or not models:
+        raise ValueError(f"{url}/v1/models answered HTTP {resp.status_code} without a list of models; "
+                         f"is --url a `pieceworks serve` (or other OpenAI-compatible) server?")
+    return models
+
+
 async def _bench_http(args: Any) -> dict:
     import httpx
 
@@ -207,7 +231,7 @@ async def _bench_http(args: Any) -> dict:
     timeout = httpx.Timeout(args.timeout, connect=10.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        models = (await client.get(f"{url}/v1/models")).json()["data"]
+        models = await _served_models(client, url)
         card = models[0] if args.model is None else next((m for m in models if m["id"] == args.model), None)
         if card is None:
             raise ValueError(f"--model {args.model!r}: the server serves {[m['id'] for m in models]}")

@@ -12,9 +12,20 @@ from typing import Any
 log = logging.getLogger("pieceworks.serve")
 
 
+def _port(text: str) -> int:
+    """argparse type of --port: checked before the model loads, so a typo costs no load time."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number; use an integer in 0..65535") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is out of range; use a TCP port in 0..65535")
+    return port
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--port", type=_port, default=8000, help="TCP port, 0..65535 (default 8000)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model name clients pass (default: the model's path or preset)")
     p.add_argument("--max-queue", type=int, default=256, metavar="N",
@@ -49,6 +60,20 @@ def check_bench_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-concurrency {args.max_concurrency}: must be at least 1")
     if args.url is not None and args.config:
         raise ValueError(f"--url drives a running server: CONFIG arguments {args.config} belong to the server")
+    if args.url is not None:
+        _check_url(args.url)
+
+
+def _check_url(url: str) -> None:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--url must be an http:// or https:// URL such as http://127.0.0.1:8000, got {url!r}")
+    try:
+        parts.port
+    except ValueError:
+        raise ValueError(f"--url {url!r}: the port is not an integer in 0..65535") from None
 
 
 def _need_serve_extra(*modules: str) -> None:
