@@ -127,12 +127,14 @@ class Engine:
                                    "with the next step; use a new id (or step first)")
             group: list[Request] = []
             arrival = next(self._arrivals)
+            shown = list(ids)  # the prompt outputs carry (`Request.prompt_shown`)
             for index in range(params.n):
                 state = SamplingState.create(params, ids, self.eos_token_ids, self.executor.device,
                                              seed_offset=index)
                 detok = Detokenizer(self.tokenizer, ids, params.stop) if self.tokenizer is not None else None
                 req = Request(request_id, index, ids, params, state, arrival, detok,
-                              logprobs=[] if params.logprobs is not None else None, group=group)
+                              logprobs=[] if params.logprobs is not None else None, group=group,
+                              prompt_shown=shown)
                 group.append(req)
             for req in group:
                 self.scheduler.add(req)

@@ -69,16 +69,17 @@ class Request:
     error: str | None = None
     num_cached_tokens: int | None = None  # set at first admission
     group: list["Request"] = field(default_factory=list, repr=False)  # the n completions of one request
-    prompt_shown: list[int] = field(init=False, repr=False)
-    """The prompt that outputs carry: a copy made once per request (not per output, which would cost the
-    prompt's length every step), so a caller who edits an output's prompt_token_ids can't change what the
-    request computes."""
+    prompt_shown: list[int] | None = field(default=None, repr=False)
+    """The prompt that outputs carry: a copy, made once per request and shared by its n completions (not
+    one per output, which would cost the prompt's length every step), so a caller who edits an output's
+    prompt_token_ids can't change what the request computes. None: copied from `prompt` here."""
     pending: bool = False
     """Async steps: `output[-1]` is the placeholder -(row + 1) of the token that row of the step in
     flight samples (the decode runner reads it from the device); replaced when the id arrives."""
 
     def __post_init__(self) -> None:
-        self.prompt_shown = list(self.prompt)
+        if self.prompt_shown is None:
+            self.prompt_shown = list(self.prompt)
 
     @property
     def num_tokens(self) -> int:
