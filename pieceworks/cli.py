@@ -39,6 +39,7 @@ from typing import Any  # noqa: E402
 from pieceworks.errors import ConfigError  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m-fp4"
+DEFAULT_WINDOW = 512  # eval-ppl's tokens per window, when the model's context is as long
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -97,6 +98,8 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
         text.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"--text {text}: not UTF-8 text (byte {e.start}: {e.reason}); convert it to UTF-8") from None
+    if args.window is not None and args.window < 2:
+        raise ValueError(f"--window {args.window}: a window needs at least 2 tokens (one of context, one scored)")
     cfg = _config(args, default_model=True)
     from pieceworks.report import eval_perplexity  # torch: after the inputs are known to be good
 
@@ -143,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval-ppl", help="perplexity of a model on a text file")
     p.add_argument("config", nargs="*", help=cfg_help)
     p.add_argument("--text", required=True, help="UTF-8 text file")
-    p.add_argument("--window", type=int, default=512, help="tokens per scored window")
+    p.add_argument("--window", type=int, default=None,
+                   help=f"tokens per scored window, at most the model's context (default: {DEFAULT_WINDOW}, "
+                        "or the context when shorter)")
     p.set_defaults(func=cmd_eval_ppl)
 
     from pieceworks.serve.cli import add_bench_arguments, add_serve_arguments

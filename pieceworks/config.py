@@ -4,7 +4,9 @@ every value.
 `load_config(path_or_dict, overrides)` merges YAML and dotlist overrides onto these schemas (OmegaConf;
 the reading, merging and error locating live in `pieceworks.config_yaml`), checks every value and
 returns a frozen `Config` of plain Python objects; nothing downstream touches OmegaConf (an attribute
-read there costs ~20 us). Errors are `ConfigError`s naming the key, the bad value and what is allowed.
+read there costs ~20 us). Errors are `ConfigError`s naming the key, the bad value and what is allowed;
+a field's `example` metadata is the value such a message suggests for it (e.g. for a scalar given to a
+list field).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class ModelConfig:
     """`llama` or `deepseek_v3`: build with random weights (benchmarks, tests)."""
     preset: Optional[str] = None
     """Named sizes for `arch`: tiny, llama-3.1-8b, deepseek-v3 (see models/presets.py)."""
-    sizes: dict[str, Any] = field(default_factory=dict)
+    sizes: dict[str, Any] = field(default_factory=dict, metadata={"example": "{num_hidden_layers: 4}"})
     """Hugging Face config keys overriding the preset, e.g. {num_hidden_layers: 4}."""
     max_context: Optional[int] = None
     """Longest sequence (prompt + generated) accepted; default: the model's max_position_embeddings."""
@@ -88,7 +90,7 @@ class BackendsConfig:
     mla: Any = "auto"
     fp4_gemm: Any = "auto"
     moe: Any = "auto"
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict, metadata={"example": "{flashinfer: {variant: fa2}}"})
     """Per-backend options by backend name, e.g. {flashinfer: {variant: fa2}}."""
 
     def choice(self, op: str, mode: str) -> str:
@@ -104,7 +106,7 @@ class PiecewiseConfig:
     with CUDA). On CPU `on` runs the same traced-and-split model without graphs (what CI tests)."""
     max_tokens: int = 2048
     """Largest token count run under piecewise graphs; larger steps run eagerly."""
-    sizes: Optional[list[int]] = None
+    sizes: Optional[list[int]] = field(default=None, metadata={"example": "[16,32,64]"})
     """Capture sizes (ascending); default: steps of 4 to 32, 16 to 256, 32 to 512, 64 to 1024, 256
     beyond, up to max_tokens."""
 
@@ -114,7 +116,7 @@ class DecodeGraphConfig:
     enabled: Any = Switch.auto
     """auto | on | off (YAML true/false too): full CUDA graphs for decode steps (auto: on with CUDA;
     never on CPU)."""
-    batch_sizes: Optional[list[int]] = None
+    batch_sizes: Optional[list[int]] = field(default=None, metadata={"example": "[1,2,4,8]"})
     """Batch-size buckets (ascending); default 1, 2, 4, 8, 16, 24, 32, ... 256."""
 
 
@@ -176,7 +178,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class PluginsConfig:
-    disabled: list[str] = field(default_factory=list)
+    disabled: list[str] = field(default_factory=list, metadata={"example": "[pieceworks.flashinfer]"})
     """Plugin names to block (entry-point names, or built-in families such as pieceworks.flashinfer)."""
     autoload: bool = True
     """Load third-party backends from the `pieceworks` entry-point group."""
@@ -210,7 +212,7 @@ class SchedulerConfig:
 class GenerationConfig:
     """What `pieceworks run` generates (the Python API takes these as arguments instead)."""
 
-    prompts: list[str] = field(default_factory=list)
+    prompts: list[str] = field(default_factory=list, metadata={"example": '["Hi","Hello"]'})
     max_new_tokens: int = 32
     temperature: float = 0.0
     top_p: float = 1.0
@@ -219,7 +221,7 @@ class GenerationConfig:
 
 @dataclass(frozen=True)
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"example": "{arch: llama}"})
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     backends: BackendsConfig = field(default_factory=BackendsConfig)

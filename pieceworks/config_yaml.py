@@ -2,22 +2,28 @@
 schema, and turned into plain frozen dataclasses.
 
 `pieceworks.config` owns the schema and the value checks and calls these; nothing here names a config
-section, so this module sits below it. Every failure is a `ConfigError` that names the key, the file
-and, where it can be found, the line (`locate`).
+section, so this module sits below it (a schema field may carry an `example` in its metadata, a YAML flow
+value that error messages show). Every failure is a `ConfigError` that names the key, the file and,
+where it can be found, the line (`locate`).
 """
 
 from __future__ import annotations
 
 import enum
 import io
-from dataclasses import fields, is_dataclass, replace
+import typing
+from dataclasses import Field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, TupleConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from pieceworks.errors import ConfigError
+
+OVERRIDES = "command-line overrides"  # where a message says an override's value came from
+SEQUENCES = (ListConfig, TupleConfig)
+CONTAINERS = (DictConfig, *SEQUENCES)
 
 
 def merge(schema: type, source: Path | dict | None, overrides: list[str] | None) -> Any:
@@ -26,40 +32,83 @@ def merge(schema: type, source: Path | dict | None, overrides: list[str] | None)
     hold OmegaConf containers (`plain` turns them into Python ones).
 
     Raises:
-        ConfigError: the file can't be read or is not a YAML mapping; an override value YAML can't
-            parse; an unknown key (the message lists the allowed ones) or a value of the wrong type,
-            naming the file and line or the override.
+        ConfigError: the file can't be read or is not a YAML mapping; an override key with an empty
+            part or a value YAML can't parse; an unknown key (the message lists the allowed ones), a
+            value of the wrong shape (a scalar or mapping for a list, a non-mapping for a section, a list
+            where an earlier layer set a mapping) or type, naming the file and line or the override.
     """
     label = ""
     path = source if isinstance(source, Path) else None
     try:
         if isinstance(source, dict):
             layer = OmegaConf.create(source)
+            _check_shapes(schema, layer, label)
         elif path is not None:
             label = str(path)
             layer = read_yaml(path)
+            _check_shapes(schema, layer, label, path)
         else:
             layer = OmegaConf.create({})
         merged = OmegaConf.merge(OmegaConf.structured(schema), layer)
         for item in overrides or []:
             if "=" not in item:
                 raise ConfigError(f"override {item!r}: expected key=value (e.g. model.path=/models/x)")
-            label = "command-line overrides"
-            merged = OmegaConf.merge(merged, _parse_override(item))
+            label = OVERRIDES
+            layer = _parse_override(item)
+            _check_shapes(schema, layer, label)
+            merged = _merge_layer(merged, layer, label)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise _explain(exc, label, path, schema) from None
 
 
+def _merge_layer(merged: DictConfig, layer: DictConfig, label: str) -> DictConfig:
+    """`layer` merged onto `merged`; a list given where an earlier layer set a mapping, or a mapping
+    where it set a list (in a free-form field: `_check_shapes` catches the schema's own), is a
+    ConfigError naming the key (OmegaConf raises a bare TypeError)."""
+    try:
+        return OmegaConf.merge(merged, layer)
+    except TypeError:
+        clash = _clash(merged, layer, "")
+        if clash is None:
+            raise
+        key, old, new = clash
+        kinds = ("a mapping", "a list") if isinstance(old, DictConfig) else ("a list", "a mapping")
+        raise ConfigError(f"{key}: {_shown(new)} is {kinds[1]} and can't replace {_shown(old)}, {kinds[0]} set "
+                          f"before it; give {kinds[0]} or drop the earlier setting (in {label})") from None
+
+
+def _clash(old: DictConfig, new: DictConfig, prefix: str) -> tuple[str, Any, Any] | None:
+    """(dotted key, old value, new value) of the first key where `new` puts a list onto a mapping of
+    `old` or a mapping onto a list, or None."""
+    for k in new:
+        if k not in old or any(OmegaConf.is_interpolation(c, k) or OmegaConf.is_missing(c, k) for c in (old, new)):
+            continue
+        a, b = old[k], new[k]
+        if isinstance(a, DictConfig) and isinstance(b, DictConfig):
+            if (found := _clash(a, b, f"{prefix}{k}.")) is not None:
+                return found
+        elif isinstance(a, DictConfig) != isinstance(b, DictConfig) and all(isinstance(v, CONTAINERS) for v in (a, b)):
+            return f"{prefix}{k}", a, b
+    return None
+
+
 def _parse_override(item: str) -> DictConfig:
-    """One "key=value" override as OmegaConf nodes; a value YAML can't read is a ConfigError naming
-    the key and the value."""
+    """One "key=value" override as OmegaConf nodes; a key with an empty part ("model..arch") or a
+    value YAML can't read is a ConfigError naming the key (and the value)."""
     import yaml
 
+    key, value = item.split("=", 1)
+    parts = key.split(".")
+    if "" in parts:  # OmegaConf would read each empty part as a key named ""
+        fixed = ".".join(p for p in parts if p)
+        why = ("it is empty" if not fixed else "it starts with a dot" if not parts[0]
+               else "it ends with a dot" if not parts[-1] else "empty part between dots")
+        hint = f"; did you mean {fixed}={value}?" if fixed else "; write key=value (e.g. model.path=/models/x)"
+        raise ConfigError(f"override {item!r}: the key {key!r} is malformed ({why}){hint}")
     try:
         return OmegaConf.from_dotlist([item])
     except yaml.YAMLError as e:
-        key, value = item.split("=", 1)
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"{key}: can't parse the value {value!r} ({problem}); "
                           f"quote it or fix the brackets") from None
@@ -123,6 +172,93 @@ def with_location(exc: ConfigError, path: Path | None) -> ConfigError:
         return exc
     where = locate(path, str(exc).split(":", 1)[0])
     return ConfigError(f"{exc} (in {where})") if where != str(path) else exc
+
+
+def _check_shapes(schema: type, layer: DictConfig, source: str, path: Path | None = None, prefix: str = "") -> None:
+    """Refuse a value of `layer` whose shape does not fit its schema field: a non-list where the field
+    is a list, a non-mapping where it is a section (a nested dataclass) or a dict. OmegaConf's merge
+    reports these in its own terms ("AnyNode is not a ListConfig", "int is not a subclass of
+    ModelConfig" with no key) or, for a mapping merged onto a list, as a bare TypeError.
+
+    `source` is "" (a dict), the file name (then `path` is that file) or `OVERRIDES`: it picks the
+    syntax of the example in the message (key=value for overrides) and where the message says the value
+    came from. Unknown keys, interpolations and missing values are left to OmegaConf.
+    """
+    hints = typing.get_type_hints(schema)
+    for f in fields(schema):
+        if f.name not in layer or OmegaConf.is_missing(layer, f.name) or OmegaConf.is_interpolation(layer, f.name):
+            continue
+        key = f"{prefix}{f.name}"
+        kind, optional = _shape(hints[f.name])
+        value = layer[f.name]
+        if kind is None or (value is None and optional):
+            continue
+        if kind == "list":
+            fits, expected = isinstance(value, SEQUENCES), "a list"
+        else:
+            fits = isinstance(value, DictConfig)
+            expected = f"a mapping of {f.name} settings" if kind == "section" else "a mapping"
+        if fits:
+            if kind == "section":
+                _check_shapes(hints[f.name], value, source, path, f"{key}.")
+            continue
+        example = _example(f, hints[f.name])
+        example = f"{key}={example}" if source == OVERRIDES else f"{f.name}: {example}"
+        where = locate(path, key) if path is not None else source
+        where = f" (in {where})" if where else ""
+        raise ConfigError(f"{key}: expected {expected} (e.g. {example}), got {_shown(value)}{where}")
+
+
+def _shape(hint: Any) -> tuple[str | None, bool]:
+    """("section" | "list" | "mapping" | None, whether None is allowed) of a schema field's type."""
+    hint, optional = _unwrap(hint)
+    if is_dataclass(hint):
+        return "section", optional
+    origin = typing.get_origin(hint) or hint
+    if origin in (list, tuple):
+        return "list", optional
+    if origin is dict:
+        return "mapping", optional
+    return None, optional
+
+
+def _unwrap(hint: Any) -> tuple[Any, bool]:
+    """(T, True) for Optional[T], (hint, False) otherwise."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is typing.Union and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else Any), True
+    return hint, False
+
+
+def _example(f: Field, hint: Any) -> str:
+    """A YAML flow value for field `f`: its metadata's `example`, or one built from its type (a
+    section: its first field with a plain default)."""
+    if "example" in f.metadata:
+        return f.metadata["example"]
+    kind, _ = _shape(hint)
+    hint, _ = _unwrap(hint)
+    if kind == "section":
+        sub_hints = typing.get_type_hints(hint)
+        for sub in fields(hint):
+            default = sub.default_factory() if callable(sub.default_factory) else sub.default
+            if is_dataclass(default):
+                return f"{{{sub.name}: {_example(sub, sub_hints[sub.name])}}}"
+            if isinstance(default, bool):
+                return f"{{{sub.name}: {str(default).lower()}}}"
+            if isinstance(default, (enum.Enum, str, int, float)):
+                return f"{{{sub.name}: {as_dict(default)}}}"
+        return "{...}"
+    if kind == "list":
+        return "[a,b]" if typing.get_args(hint) == (str,) else "[1,2]"
+    return "{key: value}"
+
+
+def _shown(value: Any) -> str:
+    """A config value as a message shows it: null for None, containers as plain Python."""
+    if value is None:
+        return "null"
+    return repr(_to_container(value))
 
 
 def _explain(exc: OmegaConfBaseException, source: str, path: Path | None, schema: type) -> ConfigError:

@@ -250,13 +250,24 @@ def _stop_ids(tok: Any) -> list[int]:
     return sorted(ids)
 
 
-def eval_perplexity(cfg: Config, text_path: Path, window: int) -> int:
-    """`pieceworks eval-ppl`: perplexity over non-overlapping windows (see models/ppl.py)."""
+def eval_perplexity(cfg: Config, text_path: Path, window: int | None) -> int:
+    """`pieceworks eval-ppl`: perplexity over non-overlapping windows of `window` tokens (None: 512, or the
+    model's context where shorter; see models/ppl.py).
+
+    Raises:
+        ValueError: a window longer than the model's context (the executor is closed again)."""
+    from pieceworks.cli import DEFAULT_WINDOW
     from pieceworks.executor.runner import Executor
     from pieceworks.models.ppl import windows, perplexity_from_logits
 
     text = text_path.read_text(encoding="utf-8")  # the CLI has checked the file
     ex = Executor.from_config(cfg)
+    if window is None:
+        window = min(DEFAULT_WINDOW, ex.max_context)
+    elif window > ex.max_context:
+        ex.close()
+        raise ValueError(f"--window {window} exceeds the model's context of {ex.max_context} tokens; "
+                         f"use --window {ex.max_context} or less")
     ids = ex.tokenizer.encode(text, add_special_tokens=False)
     chunks = windows(ids, window)
     t0 = time.perf_counter()

@@ -24,6 +24,11 @@ YAML_CASES = {
     "top-level scalar": ("llama\n", ": the top level is a single value; it must be a mapping"),
     "unknown key with line": ("model:\n  arch: llama\n  hiden: 3\n", "model.hiden: unknown key"),
     "wrong type with line": ("model:\n  arch: llama\nkv_cache:\n  page_size: sixteen\n", ":4)"),
+    "scalar for a list": ("model:\n  arch: llama\ngeneration:\n  prompts: hi\n",
+                          'generation.prompts: expected a list (e.g. prompts: ["Hi","Hello"]), got \'hi\''),
+    "list for a section": ("model:\n  arch: llama\nkv_cache: [1]\n",
+                           "kv_cache: expected a mapping of kv_cache settings (e.g. kv_cache: {page_size: 16}), "
+                           "got [1]"),
 }
 
 
@@ -35,6 +40,15 @@ def test_bad_yaml_files(tmp_path, name):
     with pytest.raises(ConfigError) as e:
         load_config(path)
     assert needle in str(e.value) and str(path) in str(e.value), str(e.value)
+
+
+def test_a_scalar_section_names_the_file_and_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("runtime:\n  device: cpu\nmodel: 5\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == (f"model: expected a mapping of model settings (e.g. model: {{arch: llama}}), got 5 "
+                            f"(in {path}:3)")
 
 
 def test_unreadable_config_files(tmp_path):
@@ -66,6 +80,24 @@ VALUE_CASES = [
     (["runtime.seed=99999999999999999999999"],
      "runtime.seed: 99999999999999999999999 is out of range; use an integer from -2**63 to 2**64 - 1"),
     ([f"runtime.seed={-2**63 - 1}"], f"runtime.seed: {-2**63 - 1} is out of range"),
+    (["generation.prompts=hello"],
+     'generation.prompts: expected a list (e.g. generation.prompts=["Hi","Hello"]), got \'hello\' (in command-line '
+     'overrides)'),
+    (["plugins.disabled=5"],
+     "plugins.disabled: expected a list (e.g. plugins.disabled=[pieceworks.flashinfer]), got 5"),
+    (["plugins.disabled={a: 1}"], "plugins.disabled: expected a list (e.g. plugins.disabled=[pieceworks.flashinfer]), "
+                                  "got {'a': 1}"),
+    (["cuda_graph.piecewise.sizes=4"], "cuda_graph.piecewise.sizes: expected a list (e.g. cuda_graph.piecewise.sizes="
+                                       "[16,32,64]), got 4"),
+    (["model.sizes=5"], "model.sizes: expected a mapping (e.g. model.sizes={num_hidden_layers: 4}), got 5"),
+    (["model=5"], "model: expected a mapping of model settings (e.g. model={arch: llama}), got 5"),
+    (["model..arch=llama"], "override 'model..arch=llama': the key 'model..arch' is malformed (empty part between "
+                            "dots); did you mean model.arch=llama?"),
+    ([".model.arch=llama"],
+     "the key '.model.arch' is malformed (it starts with a dot); did you mean model.arch=llama?"),
+    (["backends.options.flashinfer={variant: fa2}", "backends.options.flashinfer=[1]"],
+     "backends.options.flashinfer: [1] is a list and can't replace {'variant': 'fa2'}, a mapping set before it; "
+     "give a mapping or drop the earlier setting"),
 ]
 
 

@@ -49,6 +49,10 @@ CASES = {
                                   "find expected ',' or ']'); quote it or fix the brackets"),
     "seed out of range": (["run", *LLAMA, "runtime.seed=99999999999999999999999"], 2,
                           "pieceworks run: error: runtime.seed: 99999999999999999999999 is out of range"),
+    "scalar for a list": (["run", *LLAMA, "generation.prompts=hello"], 2,
+                          'pieceworks run: error: generation.prompts: expected a list (e.g. generation.prompts=["Hi",'
+                          '"Hello"]), got \'hello\''),
+    "empty key part": (["run", "model..arch=llama"], 2, "the key 'model..arch' is malformed (empty part between dots)"),
     "port above 65535": (["serve", *LLAMA, "--port", "99999"], 2,
                          "pieceworks serve: error: argument --port: 99999 is out of range; use a TCP port in 0..65535"),
     "negative port": (["serve", *LLAMA, "--port", "-1"], 2, "argument --port: -1 is out of range"),
@@ -98,6 +102,12 @@ IN_PROCESS = {
     "options of no backend": (["backends", "backends.options.nosuch.x=1"], 2,
                               "backends.options.nosuch: no registered backend is named 'nosuch'"),
     "config.json missing": (["run", "model.path=.", "runtime.device=cpu"], 2, "config.json: missing"),
+    "window over the context": (["eval-ppl", *LLAMA, "--text", str(ROOT / "pieceworks/data/english.txt"),
+                                 "--window", "100000"], 2,
+                                "pieceworks eval-ppl: error: --window 100000 exceeds the model's context of 256 "
+                                "tokens; use --window 256 or less"),
+    "window of one token": (["eval-ppl", *LLAMA, "--text", str(ROOT / "pieceworks/data/english.txt"),
+                             "--window", "1"], 2, "--window 1: a window needs at least 2 tokens"),
 }
 
 
