@@ -79,6 +79,28 @@ class Unmarked(TorchAttentionBackend):
 def pieceworks_register_backends():
     return [Unmarked]
 ''',
+    "bare_class": '''
+from pieceworks import hookimpl
+from pieceworks.backends.attention.torch import TorchAttentionBackend
+
+class Bare(TorchAttentionBackend):
+    name = "bare"
+
+@hookimpl
+def pieceworks_register_backends():
+    return Bare
+''',
+    "no_forward": '''
+from pieceworks import hookimpl
+from pieceworks.backends.attention.base import AttentionBackend
+
+class NoForward(AttentionBackend):
+    name = "noforward"
+
+@hookimpl
+def pieceworks_register_backends():
+    return [NoForward]
+''',
     "dup_key": '''
 from pieceworks import hookimpl
 from pieceworks.backends.attention.torch import TorchAttentionBackend
@@ -100,6 +122,8 @@ EXPECTED = {
     "misspelt": "defines pieceworks_register_backend, which is no pieceworks hook",
     "unmarked": "is not marked with @pieceworks.hookimpl",
     "dup_key": "registered as attention.torch, which plugin 'pieceworks.torch' already registers",
+    "no_forward": "pwb_no_forward.NoForward does not define forward: attention backends implement it",
+    "bare_class": "pieceworks_register_backends returned Bare, not a list of backend classes: return a list (e.g. [Bare])",
 }
 
 
@@ -195,6 +219,30 @@ def test_one_entry_point_name_from_two_distributions_is_reported(tmp_path, monke
     assert "distribution pw-one 0.1" in broken.origin and "distribution pw-two 0.1" in broken.origin
     assert "kernels" not in reg.plugin_names()
     assert not {"good", "other"} & {c.name for c in reg.backends("attention")}
+
+
+def test_a_key_two_plugins_register_is_served_by_neither(tmp_path, monkeypatch):
+    """Which of two plugins registering one key serves it would depend on the order they are found in:
+    neither does, a third registering it later is left out too, and a selection naming the key names them."""
+    fast = GOOD.replace('"good"', '"fast"')
+    install(tmp_path, monkeypatch, "pw-vendor-a", {"pw_vendor_a": fast}, {"vendor_a": "pw_vendor_a"})
+    install(tmp_path, monkeypatch, "pw-vendor-b", {"pw_vendor_b": fast}, {"vendor_b": "pw_vendor_b"})
+    install(tmp_path, monkeypatch, "pw-vendor-c", {"pw_vendor_c": fast}, {"vendor_c": "pw_vendor_c"})
+    reg = Registry().load()
+    assert sorted(b.name for b in reg.broken) == ["vendor_a", "vendor_b", "vendor_c"]
+    assert "fast" not in {c.name for c in reg.backends("attention")}
+    reasons = [b.reason for b in reg.broken]  # in the order found: that order is what must not matter
+    assert "which one would serve depends on the order plugins are found in, so neither does" in reasons[0]
+    assert "neither serves it, since which one would depends on the order plugins are found in" in reasons[1]
+    assert "which other plugins registered too (all left out)" in reasons[-1]
+    with pytest.raises(SelectionError, match="no attention backend named 'fast'") as err:
+        resolve(reg, ["backends.attention=fast"])
+    assert all(f"plugin {n!r}" in str(err.value) for n in ("vendor_a", "vendor_b", "vendor_c"))
+    blocked = Registry(disabled=["vendor_b", "vendor_c"]).load()  # the documented way out: block all but one
+    assert "fast" in {c.name for c in blocked.backends("attention")} and not blocked.broken
+    with pytest.raises(SelectionError, match=r"no attention backend named 'fsat' \(did you mean 'fast'\?\).*"
+                                             r"plugins.disabled blocks vendor_b, vendor_c"):
+        resolve(blocked, ["backends.attention=fsat"])
 
 
 def test_raising_adjust_hook_is_reported_and_selection_goes_on():

@@ -268,6 +268,9 @@ def test_graph_modes_default_to_eager_only():
     class Plain(AttentionBackend):
         name = "plain"
 
+        def forward(self, q, k, v, out, layer_id, scale, kv):
+            raise AssertionError("not called")
+
     assert Plain.graph_modes == {EAGER}
     table = resolve(registry(Plain), ["backends.attention=plain"])
     assert table.get("attention", E, EAGER).name == "plain"

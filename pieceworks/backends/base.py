@@ -123,6 +123,18 @@ class Requirements:
         return out
 
 
+def contract(method):
+    """Marks an op base class's method that every backend of the op implements (`Backend.unimplemented`)."""
+    method.__pieceworks_contract__ = True
+    return method
+
+
+def not_implemented(backend: Any, method: str) -> NotImplementedError:
+    """The error of a contract method a backend did not define (the registry refuses such classes first)."""
+    return NotImplementedError(f"{type(backend).__qualname__} does not define {method}: {backend.op} backends "
+                               f"implement it with the signature of the op's base class (docs/plugins.md)")
+
+
 class Backend:
     """One named implementation of one op.
 
@@ -182,6 +194,11 @@ class Backend:
     @classmethod
     def key(cls) -> str:
         return f"{cls.op}.{cls.name}"
+
+    @classmethod
+    def unimplemented(cls) -> list[str]:
+        """The op's contract methods (`contract`) this class leaves to the base class."""
+        return [name for name in dir(cls) if getattr(getattr(cls, name, None), "__pieceworks_contract__", False)]
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.key()}>"

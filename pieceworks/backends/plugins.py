@@ -3,8 +3,10 @@
 A plugin that can't be used is left out and recorded as a `BrokenPlugin` with its distribution, its
 entry-point name and the reason: its import fails, its `pieceworks_register_backends` raises or returns
 something that is not a backend class (an instance, a class without `name`, an unknown op), it registers
-an (op, name) key another plugin already has, a `pieceworks_*` function of it matches no hook (a misspelt
-hook would otherwise never be called), or two distributions install the same entry-point name. Only
+an (op, name) key another plugin already has (a built-in key: it alone is left out; another plugin's: both
+are, since which one served would depend on the order they are found in), a `pieceworks_*` function of it
+matches no hook (a misspelt hook would otherwise never be called), or two distributions install the same
+entry-point name. Only
 executors that select one of its backends notice it (their selection names the broken plugin); every
 other executor runs, and `pieceworks backends` lists it with the reason.
 """
@@ -70,6 +72,7 @@ class PluginSet:
         self.provided: dict[str, list[type[Backend]]] = {}
         self.origins: dict[str, str] = {}
         self.owner: dict[str, str] = {}
+        self.contested: set[str] = set()  # keys two plugins registered: nobody may serve them
         self.broken: list[BrokenPlugin] = []
 
     def known(self, name: str) -> bool:
@@ -102,6 +105,8 @@ class PluginSet:
             return self.mark_broken(name, origin, f"pieceworks_register_backends raised {type(exc).__name__}: {exc}")
         problem = self._class_problem(classes, name)
         if problem:
+            if self._leave_out_rivals(classes, name):
+                problem += "; neither serves it, since which one would depends on the order plugins are found in"
             return self.mark_broken(name, origin, problem)
         self.provided[name] = classes
         self.origins[name] = origin
@@ -132,18 +137,45 @@ class PluginSet:
                 continue
             self.add(name, plugin, entry_point_origin(ep))
 
+    def _leave_out_rivals(self, classes: list, name: str) -> list[str]:
+        """Leave out the plugins that already registered a key that `name` registers too, unless they are
+        built in: which of two plugins would serve a key depends on the order they are found in, so
+        neither does (a selection naming the key fails and names both). Returns the plugins left out."""
+        rivals = []
+        for cls in classes:
+            valid = (isinstance(cls, type) and issubclass(cls, Backend) and isinstance(getattr(cls, "name", None), str)
+                     and getattr(cls, "op", None) in OPS)
+            key = cls.key() if valid else None
+            rival = self.owner.get(key)
+            if rival is not None and rival != name and self.origins.get(rival) != BUILTIN_ORIGIN:
+                self.contested.add(key)
+                self.mark_broken(rival, self.origins[rival], f"it registers {key}, which plugin {name!r} registers "
+                                 "too; which one would serve depends on the order plugins are found in, so neither "
+                                 "does: uninstall one or block it with plugins.disabled")
+                self.origins.pop(rival, None)
+                rivals.append(rival)
+        return rivals
+
     def _call_register(self, name: str) -> list:
         """This plugin's own `pieceworks_register_backends` results (one plugin at a time, so a raising
         plugin takes no other down)."""
         out: list = []
         for impl in self.pm.hook.pieceworks_register_backends.get_hookimpls():
             if impl.plugin_name == name:
-                out.extend(impl.function() or [])
+                got = impl.function()
+                if got is not None and not isinstance(got, (list, tuple)):
+                    return [_NotAList(got)]  # `_class_problem` says so (not "raised TypeError")
+                out.extend(got or [])
         return out
 
     def _class_problem(self, classes: list, name: str) -> str | None:
         mine: dict[str, type] = {}
         for cls in classes:
+            if isinstance(cls, _NotAList):
+                got = cls.value
+                shown = got.__qualname__ if isinstance(got, type) else repr(got)
+                return (f"pieceworks_register_backends returned {shown}, not a list of backend classes: "
+                        f"return a list (e.g. [{shown if isinstance(got, type) else 'MyBackend'}])")
             if not isinstance(cls, type):
                 return (f"pieceworks_register_backends returned {cls!r}, an instance of {type(cls).__name__}, "
                         "not a backend class: return the class itself")
@@ -155,7 +187,13 @@ class PluginSet:
                 return f"{what} has no `name` (set a short registry key as a class attribute: name = \"mine\")"
             if getattr(cls, "op", None) not in OPS:
                 return f"{what} declares op {getattr(cls, 'op', None)!r}; ops are {', '.join(OPS)}"
+            missing = cls.unimplemented()
+            if missing:
+                return (f"{what} does not define {', '.join(missing)}: {cls.op} backends implement it with the "
+                        f"signature of the op's base class (docs/plugins.md, the contract per op)")
             key = cls.key()
+            if key in self.contested:
+                return f"{what} is registered as {key}, which other plugins registered too (all left out)"
             other = mine.get(key)
             if other is not None and other is not cls:
                 return f"it registers two classes as {key}: {other.__qualname__} and {cls.__qualname__}"
@@ -163,6 +201,13 @@ class PluginSet:
                 return f"{what} is registered as {key}, which plugin {self.owner[key]!r} already registers"
             mine[key] = cls
         return None
+
+
+@dataclass(frozen=True)
+class _NotAList:
+    """What a `pieceworks_register_backends` returned in place of a list."""
+
+    value: Any
 
 
 def hook_name_problem(pm: pluggy.PluginManager, plugin: Any) -> str | None:

@@ -15,6 +15,7 @@ forward context.
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
 import logging
 from dataclasses import dataclass, field, replace
@@ -103,6 +104,7 @@ class Registry:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.autoload = autoload
+        self.disabled = list(disabled)
         for name in disabled:
             self.pm.set_blocked(name)
         self.plugins = PluginSet(self.pm)
@@ -177,7 +179,7 @@ class Registry:
                 backends that could), or no backend can serve a required op.
         """
         ops = [op for op in OPS if op in set(ops)]
-        _check_names(backends_cfg, self.backends(), self.plugins.broken)
+        _check_names(backends_cfg, self.backends(), self.plugins.broken, self.disabled)
         _check_options(backends_cfg, self.backends())
         entries: dict = {}
         decisions: list[Decision] = []
@@ -292,17 +294,21 @@ def _known_options(name: str, all_backends: list[type[Backend]]) -> set[str]:
     return known
 
 
-def _check_names(backends_cfg: Any, all_backends: list[type[Backend]], broken: list[BrokenPlugin]) -> None:
+def _check_names(backends_cfg: Any, all_backends: list[type[Backend]], broken: list[BrokenPlugin],
+                 disabled: list[str]) -> None:
     """Every backend named in `backends.<op>` must be registered for that op, also for ops this model
-    does not call (`backends.mla=nosuch` on a Llama is a typo, not a no-op). Broken plugins are named
-    too: the backend may be one that a broken plugin would have registered."""
+    does not call (`backends.mla=nosuch` on a Llama is a typo, not a no-op). Blocked and broken plugins
+    are named too: the backend may be one that they would have registered."""
     for op in OPS:
         names = list(dict.fromkeys(c.name for c in all_backends if c.op == op))  # best first
         for mode in ("extend", "decode"):
             name = backends_cfg.choice(op, mode)
             if name != "auto" and name not in names:
-                raise SelectionError(f"backends.{op}: no {op} backend named {name!r}; registered: "
-                                     f"{', '.join(names) or 'none'} (or auto)"
+                close = difflib.get_close_matches(name, names, n=1)
+                blocked = f"; plugins.disabled blocks {', '.join(disabled)}" if disabled else ""
+                raise SelectionError(f"backends.{op}: no {op} backend named {name!r}"
+                                     + (f" (did you mean {close[0]!r}?)" if close else "")
+                                     + f"; registered: {', '.join(names) or 'none'} (or auto){blocked}"
                                      + "".join(f"; {b}" for b in broken))
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pieceworks.backends.base import Backend
+from pieceworks.backends.base import Backend, contract, not_implemented
 
 if TYPE_CHECKING:
     from pieceworks.core.batch import StepMetadata
@@ -47,6 +47,7 @@ class AttentionBackend(Backend):
         """Prepare for one step, on the host (fills static buffers; may sync). Called before the
         step's forward and before every replay of a graph that contains this backend's forward."""
 
+    @contract
     def forward(
         self,
         q: torch.Tensor,
@@ -69,4 +70,4 @@ class AttentionBackend(Backend):
             scale: softmax scale.
             kv: the KV pool (`kv.k_cache(layer_id)`, `kv.v_cache(layer_id)`: [pages, page_size, Hkv, D]).
         """
-        raise NotImplementedError
+        raise not_implemented(self, "forward")

@@ -12,7 +12,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from pieceworks.backends.base import Backend
+from pieceworks.backends.base import Backend, contract, not_implemented
 
 
 class Fp4Weight(NamedTuple):
@@ -181,6 +181,7 @@ class Fp4GemmBackend(Backend):
         y = self.forward(x, weight, weight_scale, weight_scale_2, input_scale, 2 * intermediate)
         return fused.silu_mul(y[:, :intermediate], y[:, intermediate:])
 
+    @contract
     def forward(
         self,
         x: torch.Tensor,
@@ -200,7 +201,7 @@ class Fp4GemmBackend(Backend):
         Returns:
             [M, N] in x.dtype.
         """
-        raise NotImplementedError
+        raise not_implemented(self, "forward")
 
 
 def rope_qk_columns(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pieceworks.backends.base import Backend
+from pieceworks.backends.base import Backend, contract, not_implemented
 
 if TYPE_CHECKING:
     from pieceworks.core.batch import StepMetadata
@@ -26,6 +26,7 @@ class MLABackend(Backend):
     def plan(self, meta: "StepMetadata") -> None:
         """Prepare for one step on the host; see AttentionBackend.plan."""
 
+    @contract
     def forward(
         self,
         q_nope: torch.Tensor,
@@ -50,4 +51,4 @@ class MLABackend(Backend):
             scale: softmax scale (includes yarn's mscale correction).
             kv: the KV pool.
         """
-        raise NotImplementedError
+        raise not_implemented(self, "forward")

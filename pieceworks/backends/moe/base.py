@@ -13,7 +13,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from pieceworks.backends.base import Backend
+from pieceworks.backends.base import Backend, contract, not_implemented
 
 
 class MoEWeights(NamedTuple):
@@ -58,6 +58,7 @@ class MoEBackend(Backend):
         """Convert stacked checkpoint tensors into this backend's layout, once at load."""
         return w
 
+    @contract
     def forward(
         self,
         x: torch.Tensor,
@@ -81,4 +82,4 @@ class MoEBackend(Backend):
         Returns:
             [T, H] in x.dtype: sum over chosen experts of weight * expert(x).
         """
-        raise NotImplementedError
+        raise not_implemented(self, "forward")
