@@ -1,7 +1,12 @@
 """The conformance suite, run the documented way (`pytest --pyargs pieceworks.testing.suite
 --pieceworks-backend OP.NAME`) in a subprocess on out-of-tree plugins installed by entry point: it passes
-docs/plugins.md's example backend and a correct tiled copy of it, fails each broken copy
-(tests/helpers/suite_variants.py), and fails a run whose backend under test skipped every case."""
+docs/plugins.md's example backend, a correct tiled copy of it and a correct fp4 GEMM, fails each broken
+backend (the copies in tests/helpers/suite_variants.py and the backends below) with a message naming the
+mistake, fails a run whose backend under test skipped every case, and fails a run of every backend where
+an installed plugin is broken.
+
+This module is a plugin too (entry point `wrong` in the test site): `pieceworks_register_backends` below
+registers its backends, each of which makes one mistake a plugin author made."""
 
 from __future__ import annotations
 
@@ -14,21 +19,156 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import torch
+
+from pieceworks import hookimpl
+from pieceworks.backends.attention.base import AttentionBackend
+from pieceworks.backends.attention.torch import TorchAttentionBackend, attend
+from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend
+from pieceworks.core.batch import ForwardMode
+from pieceworks.quant import nvfp4
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))
-BROKEN = {  # variant -> what the suite must say about it (one of its failures)
-    "anyheaddim": "shapes that check() accepts fail",
-    "nokvwrite": "new tokens' K/V are not at their slots",
-    "ignoreslayer": "new tokens' K/V are not at their slots",
-    "ignoresscale": "relative error",
-    "staleplan": "step 2",  # its first step is right; the next one reads the first one's plan
-    "nanpadded": "padded rows",
-    "nopaddedkv": "the reserved slot does not hold a padded row's K/V",
-    "syncs": "syncs with the host or reads tensor values on the host: item",
-    "fp32error": "> tolerance 1e-05",
-    "bf16error": "> tolerance 5e-03",
+BROKEN = {  # backend -> what the suite must say about it (one of its failures)
+    "attention.anyheaddim": "shapes that check() accepts fail",
+    "attention.nokvwrite": "new tokens' K/V are not at their slots",
+    "attention.ignoreslayer": "new tokens' K/V are not at their slots",
+    "attention.ignoresscale": "relative error",
+    "attention.staleplan": "step 2",  # its first step is right; the next one reads the first one's plan
+    "attention.nanpadded": "padded rows",
+    "attention.nopaddedkv": "the reserved slot does not hold a padded row's K/V",
+    "attention.syncs": "syncs with the host or reads tensor values on the host: item",
+    "attention.fp32error": "> tolerance 1e-05",
+    "attention.bf16error": "> tolerance 5e-03",
+    # this module's backends
+    "attention.writesq": "forward changed its input q (max |diff|",
+    "attention.strided": "(float32, q, k, v strided views of one fused qkv projection): relative error",
+    "attention.window": "long_context (float32, q, k, v separate tensors): relative error",
+    "attention.stub": "forward is not implemented: define forward(self, q, k, v, out, layer_id, scale, kv) with "
+                      "the signature of AttentionBackend.forward",
+    "fp4_gemm.inplace": "forward changed its input x (max |diff|",
+    "fp4_gemm.float32out": "forward returned float32 for bfloat16 x; return x's dtype",
+    "fp4_gemm.transposed": "forward returned shape (96, 7), expected [M, N] = (7, 96)",
+    "fp4_gemm.undeclared": "if your kernel keeps activations in bf16/fp32 (w4a16), declare numerics = ('w4a16',)",
+    "fp4_gemm.noresidual": "forward_add, against residual + forward: not the same bits",
 }
+HINTS = {  # backend -> what each of its failures must say
+    "attention.strided": "contiguous copies of the same q, k, v pass: read q, k and v through their strides",
+    "fp4_gemm.transposed": "forward returned shape",  # not a reshape error in the fused tests
+}
+
+
+# ---------------------------------------------------------------------------- this plugin's backends
+class GoodGemm(Fp4GemmBackend):
+    """Correct: a w4a16 NVFP4 GEMM in plain torch."""
+
+    name = "good"
+    numerics = ("w4a16",)
+
+    def forward(self, x, weight, weight_scale, weight_scale_2, input_scale, out_features):
+        return x @ nvfp4.dequantize(weight, weight_scale, weight_scale_2, dtype=x.dtype).t()
+
+
+class InPlaceGemm(GoodGemm):
+    name = "inplace"
+
+    def forward(self, x, *args):
+        x.clamp_(-1.0, 1.0)  # "saturates" the activations in its input
+        return super().forward(x, *args)
+
+
+class Float32Gemm(GoodGemm):
+    name = "float32out"
+
+    def forward(self, x, *args):
+        return super().forward(x.float(), *args)
+
+
+class TransposedGemm(GoodGemm):
+    name = "transposed"
+
+    def forward(self, *args):
+        return super().forward(*args).t()
+
+
+class UndeclaredW4A16Gemm(GoodGemm):
+    """Correct w4a16 numerics, but it does not declare them: the w4a4 cases run and fail."""
+
+    name = "undeclared"
+    numerics = ()
+
+
+class NoResidualGemm(GoodGemm):
+    name = "noresidual"
+
+    def forward_add(self, x, weight, weight_scale, weight_scale_2, input_scale, out_features, residual):
+        return self.forward(x, weight, weight_scale, weight_scale_2, input_scale, out_features)
+
+
+class WritesQ(TorchAttentionBackend):
+    """Right output, but it scales q in place."""
+
+    name = "writesq"
+
+    def forward(self, q, k, v, out, layer_id, scale, kv):
+        super().forward(q.mul_(scale), k, v, out, layer_id, 1.0, kv)
+
+
+class IgnoresStrides(TorchAttentionBackend):
+    """Reads v as if it were contiguous (a kernel taking v.data_ptr() without v.stride())."""
+
+    name = "strided"
+
+    def forward(self, q, k, v, out, layer_id, scale, kv):
+        v = v.as_strided(v.shape, (v.shape[1] * v.shape[2], v.shape[2], 1))
+        super().forward(q, k, v, out, layer_id, scale, kv)
+
+
+WINDOW = 1024
+
+
+class Window(TorchAttentionBackend):
+    """Decode attends to the last 1024 keys only (a split-KV kernel that drops the earlier splits)."""
+
+    name = "window"
+
+    def plan(self, meta):
+        super().plan(meta)
+        self.step = meta
+
+    def forward(self, q, k, v, out, layer_id, scale, kv):
+        super().forward(q, k, v, out, layer_id, scale, kv)
+        meta = self.step
+        if meta.mode is not ForwardMode.DECODE:
+            return
+        for i, seq_len in enumerate(meta.seq_lens):
+            if seq_len > WINDOW:
+                pages = meta.page_table[i, : -(-seq_len // meta.page_size)].long()
+                keys, vals = (c[pages].flatten(0, 1)[seq_len - WINDOW : seq_len]
+                              for c in (kv.k_cache(layer_id), kv.v_cache(layer_id)))
+                out[i] = attend(q[i : i + 1], keys, vals, scale, WINDOW - 1)[0].to(out.dtype)
+
+
+class StubForward(AttentionBackend):
+    """forward left a stub."""
+
+    name = "stub"
+
+    def forward(self, q, k, v, out, layer_id, scale, kv):
+        raise NotImplementedError
+
+
+WRONG = (InPlaceGemm, Float32Gemm, TransposedGemm, UndeclaredW4A16Gemm, NoResidualGemm, WritesQ, IgnoresStrides,
+         Window, StubForward)
+
+
+@hookimpl
+def pieceworks_register_backends():
+    return [GoodGemm, *WRONG]
+
+
+# ---------------------------------------------------------------------------- the tests
 
 
 def docs_example() -> str:
@@ -57,6 +197,7 @@ def site(tmp_path_factory) -> Path:
     (site / "suite_variants.py").write_text((ROOT / "tests" / "helpers" / "suite_variants.py").read_text())
     dist(site, "mykernels", "[pieceworks]\nmykernels = mykernels.plugin\n")
     dist(site, "suite_variants", "[pieceworks]\nvariants = suite_variants\n")
+    dist(site, "wrong_backends", "[pieceworks]\nwrong = test_conformance_suite\n")
     return site
 
 
@@ -66,37 +207,44 @@ def suite(site: Path, *args: str) -> subprocess.CompletedProcess:
     if not any(ep.name == "pieceworks.testing.plugin" for ep in importlib.metadata.entry_points(group="pytest11")):
         cmd += ["-p", "pieceworks.testing.plugin"]  # this checkout is not installed: name the plugin
     # one thread: the tensors are tiny, and CI machines are small
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]), "OMP_NUM_THREADS": "1"}
+    path = [str(site), str(ROOT), str(ROOT / "tests")]  # tests/: this module, plugin `wrong`
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, cwd=site, env=env, capture_output=True, text=True, timeout=600)
 
 
-def failures(xml: Path) -> dict[str, list[str]]:
-    """backend key -> failure messages of its cases, from a JUnit report."""
-    out: dict[str, list[str]] = {}
+def failures(xml: Path) -> dict[str, list[tuple[str, str]]]:
+    """backend key -> (message, message and traceback) of each failed case, from a JUnit report."""
+    out: dict[str, list[tuple[str, str]]] = {}
     for case in ET.parse(xml).iter("testcase"):
-        key = re.search(r"attention\.\w+", case.get("name", ""))
+        key = re.search(r"(attention|mla|fp4_gemm|moe)\.\w+", case.get("name", ""))
         for bad in [*case.iter("failure"), *case.iter("error")]:
-            out.setdefault(key.group(0) if key else "?", []).append((bad.get("message") or "") + (bad.text or ""))
+            message = bad.get("message") or ""
+            out.setdefault(key.group(0) if key else "?", []).append((message, message + (bad.text or "")))
     return out
 
 
-def test_suite_passes_the_docs_example_and_a_correct_plugin(site):
-    res = suite(site, "--pieceworks-backend", "attention.mine", "--pieceworks-backend", "attention.tiled")
+def test_suite_passes_the_docs_example_and_correct_plugins(site):
+    correct = ("attention.mine", "attention.tiled", "fp4_gemm.good")
+    res = suite(site, *[a for key in correct for a in ("--pieceworks-backend", key)])
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
-    for key in ("attention.mine", "attention.tiled"):
+    for key in correct:
         assert re.search(rf"{key} \(under test\): \d+ passed, 0 failed", res.stdout), res.stdout[-3000:]
 
 
-def test_suite_fails_each_broken_copy_and_a_backend_whose_every_case_skips(site, tmp_path):
+def test_suite_fails_each_broken_backend_and_a_backend_whose_every_case_skips(site, tmp_path):
     xml = tmp_path / "report.xml"
-    args = [a for name in [*BROKEN, "notimportable"] for a in ("--pieceworks-backend", f"attention.{name}")]
-    res = suite(site, *args, f"--junitxml={xml}")
+    args = [a for key in [*BROKEN, "attention.notimportable"] for a in ("--pieceworks-backend", key)]
+    # --tb=line: the report's messages are what is checked, and formatting 100+ tracebacks takes seconds
+    res = suite(site, *args, f"--junitxml={xml}", "--tb=line")
     assert res.returncode == 1, res.stdout[-6000:] + res.stderr[-3000:]
     found = failures(xml)
-    for name, says in BROKEN.items():
-        messages = found.get(f"attention.{name}", [])
-        assert messages, f"the suite passed attention.{name}:\n{res.stdout[-4000:]}"
-        assert any(says in m for m in messages), (name, says, [m[:600] for m in messages])
+    for key, says in BROKEN.items():
+        messages = found.get(key, [])
+        assert messages, f"the suite passed {key}:\n{res.stdout[-4000:]}"
+        assert any(says in full for _, full in messages), (key, says, [full[:600] for _, full in messages])
+        # every failure names the backend and says what is wrong (no bare AssertionError)
+        for message, full in messages:
+            assert key in message and HINTS.get(key, "") in full, (key, message[:600])
     # check() wrongly says "not importable": every case skips, which fails the run and is named
     assert "attention.notimportable" not in found
     assert "NOT TESTED: attention.notimportable: every case skipped: attention.notimportable can't serve here: " \
@@ -108,6 +256,18 @@ def test_allow_skip_accepts_an_untested_backend(site):
     res = suite(site, "--pieceworks-backend", "attention.notimportable", "--pieceworks-allow-skip")
     assert res.returncode == 0, res.stdout[-4000:]
     assert "NOT TESTED: attention.notimportable" in res.stdout and "--pieceworks-allow-skip: the backends above" in res.stdout
+
+
+def test_a_broken_plugin_fails_a_run_of_every_backend(tmp_path):
+    """Without --pieceworks-backend every plugin is under test: one the registry leaves out (here its hook
+    has the wrong signature) fails the run, named with the reason."""
+    (tmp_path / "badhook.py").write_text("from pieceworks import hookimpl\n\n\n@hookimpl\n"
+                                         "def pieceworks_register_backends(spec):\n    return []\n")
+    dist(tmp_path, "badhook", "[pieceworks]\nbadhook = badhook\n")
+    res = suite(tmp_path, "-k", "test_attention and small_decode")
+    assert res.returncode == 1, res.stdout[-4000:] + res.stderr[-2000:]
+    assert "BROKEN PLUGIN: plugin 'badhook'" in res.stdout and "{'spec'}" in res.stdout, res.stdout[-4000:]
+    assert "the run fails: an installed plugin is broken" in res.stdout, res.stdout[-4000:]
 
 
 def test_unknown_backend_is_a_usage_error(site):

@@ -6,11 +6,12 @@ float64 host tensors. Each `step` builds the metadata the runner would (EAGER; P
 rows at position 0 and the reserved slot; FULL decode with static page table, slots and positions
 refilled in place and graph-batch padding rows at position 1 over the reserved page), calls `plan`
 once, then `forward` once per layer with fresh random inputs, a non-default scale and an output
-buffer filled with NaN. It then checks, per layer: the real rows of `out` against a float64 dense
-reference over the truth; that padded rows of `out` are finite; that every new token's K/V (latent) sits
-at its slot of that layer; that the reserved slot holds one of the padded rows' K/V. The next step
-reads what this one wrote, so a backend that does not write the pool, writes another layer's cache,
-keeps stale plan state or ignores the scale fails with the measured error and the tolerance.
+buffer filled with NaN. It then checks, per layer: that forward left its inputs as they were; the real
+rows of `out` against a float64 dense reference over the truth; that padded rows of `out` are finite;
+that every new token's K/V (latent) sits at its slot of that layer; that the reserved slot holds one of
+the padded rows' K/V. The next step reads what this one wrote, so a backend that does not write the
+pool, writes another layer's cache, keeps stale plan state or ignores the scale fails with the measured
+error and the tolerance.
 """
 
 from __future__ import annotations
@@ -163,6 +164,49 @@ class ContractError(AssertionError):
     pass
 
 
+def changed_inputs(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> list[str]:
+    """One message per input tensor that forward wrote: `after` (the tensors forward was given, after the
+    call) against `before` (copies taken before it)."""
+    found = []
+    for name, was in before.items():
+        now = after[name].detach().cpu()
+        if now.shape != was.shape:
+            found.append(f"forward changed its input {name} from shape {tuple(was.shape)} to {tuple(now.shape)}; "
+                         "a backend must not write its inputs")
+        elif not torch.equal(now.nan_to_num(1e30), was.cpu().nan_to_num(1e30)):
+            diff = float((now.double() - was.cpu().double()).abs().nan_to_num(float("inf")).max())
+            found.append(f"forward changed its input {name} (max |diff| {diff:.3g}); a backend must not write "
+                         "its inputs (copy what it needs to change)")
+    return found
+
+
+def raised(exc: BaseException, backend: type, call: str = "forward") -> str:
+    """What a suite case says about an exception from `call`: its type and message, or, for a
+    NotImplementedError without a message (a stub, or a method left to a base class that raises a bare
+    one), which method of the op's base class to define."""
+    if not isinstance(exc, NotImplementedError) or str(exc).strip():
+        return f"{call} raised {type(exc).__name__}: {exc}"
+    return not_implemented(exc, backend)
+
+
+def not_implemented(exc: NotImplementedError, backend: type) -> str:
+    """'forward is not implemented: define forward(self, q, ...) with the signature of <base>.forward',
+    the method being the one that raised `exc` and <base> the op's base class (pieceworks.backends.<op>.base)."""
+    import inspect
+
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    method = tb.tb_frame.f_code.co_name if tb is not None else "forward"
+    base = next((c for c in backend.__mro__ if method in vars(c) and c.__module__.startswith("pieceworks.backends.")
+                 and c.__module__.endswith(".base")), None)
+    if base is None:
+        return f"{method} raised NotImplementedError with no message: {method} is not implemented"
+    params = ", ".join(inspect.signature(vars(base)[method]).parameters)
+    return (f"{method} is not implemented: define {method}({params}) with the signature of "
+            f"{base.__name__}.{method} ({base.__module__})")
+
+
 class PoolRun:
     """Drive one backend instance through steps over one pool (see the module docstring).
 
@@ -276,15 +320,18 @@ class PoolRun:
         rows = meta.slot_mapping.shape[0]
         self.impl.plan(meta)
         inputs = [self.shape.inputs(rows, self.gen, self.dtype) for _ in range(self.num_layers)]
+        # forward gets copies: the references below read the inputs as they were before the call
+        given = [{k: v.to(self.device, copy=True) for k, v in x.items()} for x, _ in inputs]
         try:
-            outs = [out.cpu() for out in self.forward_all([x for x, _ in inputs])]
+            outs = [out.cpu() for out in self.forward_all(given)]
         except ContractError as exc:
             raise ContractError(f"{where}: {exc}") from exc
         except Exception as exc:  # a kernel that crashes on a step it accepted fails the contract too
-            raise ContractError(f"{where}: forward raised {type(exc).__name__}: {exc}") from exc
+            raise ContractError(f"{where}: {raised(exc, type(self.impl))}") from exc
         indptr = meta.qo_indptr()
         errors = []
         for layer, ((x, entries), out) in enumerate(zip(inputs, outs)):
+            errors += [f"layer {layer}: {msg}" for msg in changed_inputs(x, given[layer])]
             ref = []
             for i, (s, n) in enumerate(step.work):
                 keys = torch.cat([self.truth[s][layer], entries[indptr[i] : indptr[i + 1]].double()])
@@ -325,13 +372,14 @@ class PoolRun:
         self.steps_run += 1
 
     def forward_all(self, xs: list[dict]) -> list[torch.Tensor]:
-        """Every layer's forward on the planned step, eagerly (`call` may be a traced wrapper)."""
+        """Every layer's forward on the planned step, eagerly (`call` may be a traced wrapper); `xs` are
+        the layers' inputs on the device, and afterwards the tensors forward was given (its inputs are
+        checked against what they were)."""
         outs = []
         for layer, x in enumerate(xs):
-            x_dev = {k: v.to(self.device) for k, v in x.items()}
-            out = torch.full(self.shape.out_shape(x_dev[next(iter(x_dev))].shape[0]), float("nan"),
+            out = torch.full(self.shape.out_shape(x[next(iter(x))].shape[0]), float("nan"),
                              dtype=self.dtype, device=self.device)
-            self.call(self.impl, x_dev, out, layer, self.scale, self.pool)
+            self.call(self.impl, x, out, layer, self.scale, self.pool)
             outs.append(out)
         return outs
 

@@ -10,6 +10,10 @@ the same plugin where the entry point is not installed).
 - A skip is not a pass: a backend under test none of whose cases passed or failed (each skipped, or none
   collected) makes the run fail, unless `--pieceworks-allow-skip`; the summary names every backend that
   was not (fully) tested and why.
+- A broken plugin (its import fails, its hook has the wrong signature, ...: `pieceworks.backends.plugins`)
+  fails a run without `--pieceworks-backend`, where every plugin is under test; the summary names it and
+  why. With `--pieceworks-backend`, one that names a broken plugin's backend is a usage error naming the
+  broken plugins.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import pytest
 import torch
 
 SUITE_OP = "_pieceworks_ops"  # the ops of a suite test function (`pieceworks.testing.suite.for_op`)
+SUITE_DTYPES = "_pieceworks_dtypes"  # its dtype names per device, where it takes a `dtype` (ditto)
 DEVICES = ("cpu", "cuda")
 
 
@@ -110,7 +115,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     state = _state(metafunc.config)
     if "backend" in metafunc.fixturenames:
         metafunc.parametrize("backend", [pytest.param(c, id=c.key()) for c in state.backends(ops)])
-    if "device" in metafunc.fixturenames:
+    dtypes = getattr(metafunc.function, SUITE_DTYPES, None)
+    if dtypes is not None:
+        metafunc.parametrize(("device", "dtype"), [
+            pytest.param(d, t, id=f"{d}-{t}", marks=[pytest.mark.gpu] if d == "cuda" else [])
+            for d in state.devices for t in dtypes[d]])
+    elif "device" in metafunc.fixturenames:
         metafunc.parametrize("device", [pytest.param(d, id=d, marks=[pytest.mark.gpu] if d == "cuda" else [])
                                         for d in state.devices])
 
@@ -168,13 +178,20 @@ def untested(state: SuiteState) -> dict[str, Tally]:
     return {k: state.tallies[k] for k in sorted(state.under_test) if not state.tallies[k].tested}
 
 
+def broken_under_test(state: SuiteState) -> list:
+    """Broken plugins of a run that tests every plugin (no --pieceworks-backend): their backends are under
+    test, and none of them could be registered."""
+    return [] if state.explicit or not state.suite_collected else list(state.registry.broken)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     state = session.config.stash.get(_STATE, None)
-    if state is None or state.allow_skip or not untested(state):
+    if state is None:
         return
-    if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if (untested(state) and not state.allow_skip) or broken_under_test(state):
+        if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def _reasons(tally: Tally, most: int = 4) -> str:
@@ -202,6 +219,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
                       else f"NOT TESTED: {key}: {why}", red=True, bold=True)
     for broken in state.registry.broken:
         tr.write_line(f"BROKEN PLUGIN: {broken}", red=True)
+    if broken_under_test(state):
+        tr.write_line("the run fails: an installed plugin is broken, so its backends, under test, were not "
+                      "registered (fix or uninstall it; --pieceworks-backend OP.NAME tests named backends only)",
+                      red=True, bold=True)
     if missing:
         if state.allow_skip:
             tr.write_line("--pieceworks-allow-skip: the backends above count as passing although untested",

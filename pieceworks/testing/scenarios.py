@@ -37,6 +37,9 @@ ATTENTION_SCENARIOS = (
     Scenario("page_boundary", ((16, 16), (15, 1)), page_size=16),
     # decode over longer contexts: several KV pages per split in the split-KV kernels
     Scenario("long_decode", ((700, 1), (1, 1), (129, 1)), page_size=16),
+    # one sequence past two splits of 1024 keys: a kernel that drops a split, or keys further back than
+    # a window, fails here
+    Scenario("long_context", ((2100, 1),), page_size=32),
 )
 
 
@@ -109,6 +112,15 @@ def attention_case(sc: Scenario, num_heads: int, num_kv_heads: int, head_dim: in
         lo += n
     inputs = {"q": q.to(device), "k": k.to(device), "v": v.to(device)}
     return AttentionCase(pool, meta, inputs, torch.stack(expected))
+
+
+def fused_qkv_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q [T, Hq, D], k and v [T, Hkv, D] as the Llama attention passes them (models/llama.py
+    `attend_roped`): column views of one fused [T, (Hq + 2 Hkv) D] projection, each with a row stride of
+    (Hq + 2 Hkv) D (not contiguous when T > 1)."""
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
+    parts = qkv.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=-1)
+    return tuple(p.view(-1, *x.shape[1:]) for p, x in zip(parts, (q, k, v)))
 
 
 def mla_case(sc: Scenario, num_heads: int, rank: int, rope: int, dtype: torch.dtype,
