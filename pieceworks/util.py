@@ -30,3 +30,22 @@ def setup_logging(level: int = logging.INFO) -> None:
         logger.addHandler(RichHandler(show_path=False, show_time=False, markup=False))
     logger.setLevel(level)
     logger.propagate = False
+
+
+def load_json_object(path) -> dict:
+    """A checkpoint's JSON file (config.json, generation_config.json, ...) that must hold an object.
+
+    Raises:
+        CheckpointError: it is not valid JSON or not an object; the message names the file.
+    """
+    import json
+
+    from pieceworks.errors import CheckpointError
+
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e}); fix or re-download it") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object at the top level, got {type(data).__name__}")
+    return data

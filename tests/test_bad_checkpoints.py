@@ -174,6 +174,9 @@ def test_global_scale_must_be_a_positive_scalar(ckpt):
     _edit_tensors(ckpt, lambda t: t.update({f"{Q}.weight_scale_2": torch.tensor([float("nan")])}))
     with pytest.raises(CheckpointError, match=rf"{Q}.weight_scale_2: must be a positive finite float32, got nan"):
         _read_q(ckpt)
+    _edit_tensors(ckpt, lambda t: t.update({f"{Q}.weight_scale_2": torch.tensor([1e30])}))  # dense would refuse it
+    with pytest.raises(CheckpointError, match=rf"{Q}.weight_scale_2: 1e\+30 lets its weights reach 2.69e\+33, beyond"):
+        _read_q(ckpt)
     _edit_tensors(ckpt, lambda t: t.update({f"{Q}.weight_scale_2": torch.tensor([0.5])}))  # shape [1] is fine
     assert _read_q(ckpt).weight_scale_2.shape == ()
 
@@ -309,6 +312,9 @@ CONFIG_CASES = {
     "rope_theta abc": (_set(rope_parameters={"rope_theta": "abc", "rope_type": "default"}),
                        "rope_parameters.rope_theta: 'abc' must be a finite number > 0"),
     "top-level rope_theta abc": (_set(rope_theta="abc"), "rope_theta: 'abc' (str) must be a number"),
+    "rope_scaling against rope_parameters": (  # which one applies differs between readers
+        _set(rope_parameters={"rope_theta": 1e4, "rope_type": "default"}, rope_scaling={"type": "linear", "factor": 4.0}),
+        "rope_scaling: {'type': 'linear', 'factor': 4.0} disagrees with rope_parameters"),
     "rms_norm_eps -1": (_set(rms_norm_eps=-1), "rms_norm_eps: -1 must be a finite number > 0"),
     "3 heads": (_set(num_attention_heads=3, head_dim=None), "num_attention_heads: 3 does not divide hidden_size=64"),
     "vocab_size -1": (_set(vocab_size=-1), "vocab_size: -1 must be >= 1"),
@@ -450,3 +456,21 @@ def test_bad_nvfp4_scales_are_named(ckpt, name, edit, needle):
 
 def test_the_intact_copies_load(bf16, ckpt):
     assert len(_load(bf16).layers) == 2 and len(_load(ckpt).layers) == 2
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('{"eos_token_id": "2"}', "eos_token_id '2' must be a token id (an int >= 0) or a list of them"),
+    ('{"eos_token_id": [2, -1]}', "eos_token_id [2, -1] must be a token id"),
+    ('{"eos_token_id": ', "not valid JSON"),
+    ('[2]', "expected a JSON object at the top level, got list"),
+])
+def test_bad_generation_config_is_named(tmp_path, text, needle):
+    """An EOS id that is no int would never match a sampled token: the request would run to its length."""
+    from pieceworks.engine.detokenize import eos_token_ids
+
+    (tmp_path / "generation_config.json").write_text(text)
+    with pytest.raises(CheckpointError, match="generation_config.json: ") as err:
+        eos_token_ids(tmp_path)
+    assert needle in str(err.value)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 7]}')
+    assert eos_token_ids(tmp_path) == {2, 7}

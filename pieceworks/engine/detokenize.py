@@ -14,9 +14,11 @@ The checkpoint side of the Engine's text handling lives here too: its tokenizer 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from pieceworks.errors import CheckpointError
+from pieceworks.util import load_json_object
 
 PROMPT_CONTEXT = 5  # prompt tokens decoded with the first output tokens, for their leading spaces
 
@@ -82,9 +84,13 @@ def eos_token_ids(model_dir: Path | None) -> frozenset[int]:
     for name in ("generation_config.json", "config.json"):
         path = Path(model_dir) / name
         if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
+            eos = load_json_object(path).get("eos_token_id")
             if eos is not None:
-                return frozenset(eos if isinstance(eos, list) else [eos])
+                ids = eos if isinstance(eos, list) else [eos]
+                if not all(type(i) is int and i >= 0 for i in ids):
+                    raise CheckpointError(f"{path}: eos_token_id {eos!r} must be a token id (an int >= 0) or a "
+                                          "list of them")
+                return frozenset(ids)
     return frozenset()
 
 

@@ -76,7 +76,12 @@ class Engine:
                     overrides: list[str] | None = None, *, progress: bool = True) -> "Engine":
         """An Engine over `Executor.from_config(cfg, overrides)` (same arguments and errors)."""
         cfg = cfg if isinstance(cfg, Config) and not overrides else load_config(cfg, overrides)
-        return cls(Executor.from_config(cfg, progress=progress))
+        executor = Executor.from_config(cfg, progress=progress)
+        try:
+            return cls(executor)
+        except BaseException:  # e.g. a broken generation_config.json: no half-built engine holds the model
+            executor.close()
+            raise
 
     @contextmanager
     def _exclusive(self, what: str):

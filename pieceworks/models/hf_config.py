@@ -15,6 +15,14 @@ from typing import Any
 from pieceworks.errors import CheckpointError
 
 
+def _rope_form(params: dict) -> dict:
+    """Rope settings without rope_theta, `type` read as `rope_type`: what rope_parameters and rope_scaling
+    must agree on when a config.json holds both."""
+    out = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
+    out.setdefault("rope_type", params.get("type", "default"))
+    return out
+
+
 class FieldError(CheckpointError):
     """A config.json field is missing, of the wrong type or out of range. `key` names it."""
 
@@ -144,6 +152,11 @@ def check(hf: dict, arch: str) -> None:
                 raise FieldError("num_experts_per_tok", f"{k} exceeds n_routed_experts={experts}")
             if (hf.get("topk_group") or 1) > groups:
                 raise FieldError("topk_group", f"{hf.get('topk_group')} exceeds n_group={groups}")
+    new, old = hf.get("rope_parameters"), hf.get("rope_scaling")
+    if isinstance(new, dict) and isinstance(old, dict) and new and old and _rope_form(new) != _rope_form(old):
+        # readers differ in which one they apply (transformers 5 takes rope_scaling's factor)
+        raise FieldError("rope_scaling", f"{old} disagrees with rope_parameters {new}; keep the one the model "
+                         "was trained with and remove the other")
     for key in ("rope_scaling", "rope_parameters"):
         params = hf.get(key) or {}
         for name in ("factor", "rope_theta"):

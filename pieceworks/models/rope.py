@@ -21,7 +21,7 @@ def rope_parameters(hf: dict) -> dict:
     Accepts transformers 5 (`rope_parameters` holding rope_theta) and older configs (`rope_scaling`
     plus a top-level `rope_theta`; `type` as an alias of `rope_type`).
     """
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})  # agreeing: hf_config checks
     params.setdefault("rope_type", params.pop("type", "default"))
     params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
     if params["rope_type"] in ("llama3", "yarn"):

@@ -37,9 +37,7 @@ from pieceworks.quant.modelopt import fuse_fp4, read_fp4_experts, read_fp4_linea
 log = logging.getLogger("pieceworks.loader")
 
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
-# float32/bfloat16's max / 2^20: a dot product of 2^20 unit activations with such weights stays finite;
-# trained weights sit many orders of magnitude below it.
-MAX_ABS = torch.finfo(torch.float32).max / 2**20
+MAX_ABS = nvfp4.MAX_ABS
 
 
 def check_values(name: str, t: torch.Tensor, where: object) -> torch.Tensor:

@@ -24,7 +24,6 @@ as an alias of `exclude_modules`, as vLLM and SGLang do.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -34,7 +33,8 @@ import torch
 from pieceworks.backends.fp4_gemm.base import Fp4Weight
 from pieceworks.backends.moe.base import MoEWeights
 from pieceworks.errors import CheckpointError
-from pieceworks.quant.nvfp4 import BLOCK
+from pieceworks.quant.nvfp4 import BLOCK, MAX_ABS
+from pieceworks.util import load_json_object
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 SUPPORTED_ALGO = "NVFP4"
@@ -144,7 +144,7 @@ def detect_quantization(model_dir: str | Path) -> Fp4QuantConfig | None:
     model_dir = Path(model_dir)
     hf = model_dir / HF_QUANT_CONFIG
     if hf.exists():
-        data = _load_json(hf)
+        data = load_json_object(hf)
         qc = data.get("quantization")
         if not isinstance(qc, dict):
             raise CheckpointError(f"{hf}: has no \"quantization\" object; re-export it with ModelOpt")
@@ -153,7 +153,7 @@ def detect_quantization(model_dir: str | Path) -> Fp4QuantConfig | None:
     cfg_path = model_dir / "config.json"
     if not cfg_path.exists():
         return None
-    qc = _load_json(cfg_path).get("quantization_config")
+    qc = load_json_object(cfg_path).get("quantization_config")
     if qc is None:
         return None
     where = f"{cfg_path}: quantization_config"
@@ -172,16 +172,6 @@ def detect_quantization(model_dir: str | Path) -> Fp4QuantConfig | None:
 
 def _with_origin(cfg: Fp4QuantConfig, producer: str, source: str) -> Fp4QuantConfig:
     return Fp4QuantConfig(cfg.exclude_modules, cfg.group_size, cfg.quant_algo, None, producer, source)
-
-
-def _load_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e}); fix or re-download it") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object at the top level")
-    return data
 
 
 # --- Tensors -------------------------------------------------------------------------------------
@@ -245,6 +235,10 @@ def read_fp4_linear(reader, prefix: str, in_features: int, out_features: int) ->
         reader, f"{prefix}.weight_scale", torch.float8_e4m3fn, (out_features, in_features // BLOCK), what
     )
     ws2 = _scalar(reader, f"{prefix}.weight_scale_2", what)
+    if 6.0 * 448.0 * float(ws2) > MAX_ABS:  # the largest weight it can encode: e2m1 6 x e4m3 448 x it
+        raise CheckpointError(f"{prefix}.weight_scale_2: {float(ws2):.3g} lets its weights reach "
+                              f"{6 * 448 * float(ws2):.3g}, beyond +-{MAX_ABS:.2g} (as dense weights are held to); "
+                              "the export is broken")
     inp = _scalar(reader, f"{prefix}.input_scale", what)
     return Fp4Weight(weight, scale, ws2, inp)
 

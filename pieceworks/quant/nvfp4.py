@@ -13,6 +13,9 @@ from __future__ import annotations
 import torch
 
 BLOCK = 16
+# float32/bfloat16's max / 2^20: a dot product of 2^20 unit activations with weights this large stays finite;
+# trained weights sit many orders of magnitude below it (checkpoint weights, dense or dequantized, are held to it)
+MAX_ABS = torch.finfo(torch.float32).max / 2**20
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 E4M3_MIN_SCALE = 2.0**-9  # smallest e4m3 subnormal: ModelOpt clamps block scales to it
