@@ -17,6 +17,11 @@ class CheckpointError(ValueError):
     missing, unexpected, misshapen or non-finite tensor. Nothing half-loaded is returned."""
 
 
+class TokenizerError(CheckpointError):
+    """A model directory's tokenizer files are there but don't load (corrupt, unreadable): unlike a model
+    without a tokenizer, never taken as "no tokenizer" (text would silently turn into token-id mode)."""
+
+
 class RequestError(ValueError):
     """A request's arguments are invalid (types, ranges, sampling parameters); refused before any
     state changed."""
@@ -36,4 +41,4 @@ class NonFiniteLogits(RuntimeError):
     those sequences' requests fail instead of returning token 0."""
 
 
-__all__ = ["ConfigError", "CheckpointError", "RequestError", "BatchError", "OutOfPages", "NonFiniteLogits"]
+__all__ = ["ConfigError", "CheckpointError", "TokenizerError", "RequestError", "BatchError", "OutOfPages", "NonFiniteLogits"]

@@ -203,11 +203,14 @@ def _tokenizer_for(ex: Any, cfg: Config) -> Any:
 
     Raises:
         ConfigError: generation.prompts are given for a model without a tokenizer.
+        TokenizerError: its tokenizer files are there but don't load.
     """
-    from pieceworks.errors import CheckpointError, ConfigError
+    from pieceworks.errors import CheckpointError, ConfigError, TokenizerError
 
     try:
         return ex.tokenizer
+    except TokenizerError:
+        raise
     except CheckpointError as e:
         if cfg.generation.prompts:
             raise ConfigError(f"generation.prompts: given, but {e}") from None

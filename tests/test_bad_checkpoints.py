@@ -474,3 +474,20 @@ def test_bad_generation_config_is_named(tmp_path, text, needle):
     assert needle in str(err.value)
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 7]}')
     assert eos_token_ids(tmp_path) == {2, 7}
+
+
+def test_tokenizer_files_that_do_not_load_are_not_taken_for_no_tokenizer(tmp_path):
+    """A corrupt tokenizer.json is an error naming it; only a directory without tokenizer files has none
+    (which makes the Engine and `pieceworks run` fall back to token ids)."""
+    pytest.importorskip("transformers", reason="tokenizers load through transformers")
+    from pieceworks.errors import TokenizerError
+    from pieceworks.models.loader import load_tokenizer
+
+    with pytest.raises(CheckpointError, match="has no tokenizer that transformers can load") as err:
+        load_tokenizer(tmp_path)
+    assert not isinstance(err.value, TokenizerError)
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": {')
+    (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    with pytest.raises(TokenizerError, match=r"its tokenizer files \(tokenizer.json, tokenizer_config.json\) "
+                                             r"don't load \(.*\); fix or re-download them"):
+        load_tokenizer(tmp_path)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pieceworks.errors import CheckpointError
+from pieceworks.errors import CheckpointError, TokenizerError
 from pieceworks.util import load_json_object
 
 PROMPT_CONTEXT = 5  # prompt tokens decoded with the first output tokens, for their leading spaces
@@ -95,10 +95,15 @@ def eos_token_ids(model_dir: Path | None) -> frozenset[int]:
 
 
 def load_tokenizer(executor: Any) -> Any:
-    """The model directory's tokenizer, or None (random weights, no tokenizer files, no transformers)."""
+    """The model directory's tokenizer, or None (random weights, no tokenizer files, no transformers).
+
+    Raises:
+        TokenizerError: tokenizer files are there but don't load (not taken as "no tokenizer")."""
     if executor.model_dir is None:
         return None
     try:
         return executor.tokenizer
+    except TokenizerError:
+        raise
     except (ValueError, OSError):
         return None

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from pieceworks.backends.base import ModelFacts
-from pieceworks.errors import CheckpointError, ConfigError
+from pieceworks.errors import CheckpointError, ConfigError, TokenizerError
 from pieceworks.models import hf_config as hf_fields
 from pieceworks.models.base import CausalLM
 from pieceworks.models.deepseek_v3 import DeepseekV3
@@ -304,11 +304,16 @@ def resolve_model_path(path: str, progress: bool = True, cache_dir: Path | None 
     return p
 
 
+# the files a Hugging Face tokenizer loads from; any of them present means the model has one
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
 def load_tokenizer(model_dir: Path | None):
     """The model directory's Hugging Face tokenizer.
 
     Raises:
         CheckpointError: the model has none (random weights, or no tokenizer files in its directory).
+        TokenizerError: its tokenizer files are there but don't load.
         ValueError: transformers is not installed.
     """
     if model_dir is None:
@@ -318,9 +323,14 @@ def load_tokenizer(model_dir: Path | None):
         from transformers import AutoTokenizer
     except ImportError as exc:
         raise ValueError("tokenizing text needs transformers: pip install 'pieceworks[demo]'") from exc
+    present = [n for n in TOKENIZER_FILES if (Path(model_dir) / n).exists()]
     try:
         return AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError, TypeError):  # transformers' own message spans several lines
+    except Exception as exc:  # OSError, ValueError, and the tokenizers library's bare Exception
+        if present:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise TokenizerError(f"{model_dir}: its tokenizer files ({', '.join(present)}) don't load "
+                                 f"({type(exc).__name__}: {first}); fix or re-download them") from None
         raise CheckpointError(f"{model_dir}: the model has no tokenizer that transformers can load "
                               "(tokenizer.json / tokenizer_config.json); pass token ids, or add the "
                               "model's tokenizer files") from None
