@@ -256,8 +256,15 @@ def test_quantizer_refuses_bad_inputs(tiny_llama_modelopt, ckpt, tmp_path, monke
         quantize_checkpoint(bf16, tmp_path / "a", progress=False)
     with pytest.raises(ValueError, match="exactly one activation source"):
         quantize_checkpoint(bf16, tmp_path / "a", amax=1.0, calib_text=tmp_path / "t.txt", progress=False)
-    with pytest.raises(ValueError, match="--amax must be a positive number, got -1"):
+    with pytest.raises(ValueError, match=r"--amax must be a positive number float32 holds \(<= 3.4e38\), got -1"):
         quantize_checkpoint(bf16, tmp_path / "a", amax=-1.0, progress=False)
+    with pytest.raises(ValueError, match=r"float32 holds \(<= 3.4e38\), got 1e\+39"):  # input_scale would be inf
+        quantize_checkpoint(bf16, tmp_path / "a", amax=1e39, progress=False)
+    for pattern, needle in (("layers.0.*", ""), ("model.layers.1.self_attn.q_proj.weight", "; name the module, without .weight")):
+        with pytest.raises(ValueError, match=rf"--exclude {pattern!r} matches no module of .* \(names look like "
+                                             rf"model\..*; a pattern is an fnmatch glob, e.g. model.layers.0.\*\){needle}$"):
+            quantize_checkpoint(bf16, tmp_path / "a", amax=1.0, exclude=[pattern], progress=False)
+    assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
     with pytest.raises(ValueError, match="already quantized \\(quant_method 'modelopt'\\)"):
         quantize_checkpoint(ckpt, tmp_path / "a", amax=1.0, progress=False)
     (tmp_path / "full").mkdir()

@@ -85,6 +85,16 @@ def _plan(reader: CheckpointReader, patterns: list[str]) -> tuple[dict[str, _Lin
     return quantized, unquantized
 
 
+def _check_patterns(patterns: list[str], modules: list[str], src) -> None:
+    """Every --exclude pattern matches a module with a 2-D weight (one that matches none is a typo, and the
+    layers it meant would be quantized)."""
+    for p in patterns:
+        if not any(fnmatchcase(m, p) or fnmatchcase(m, p + ".*") for m in modules):
+            hint = "; name the module, without .weight" if p.endswith(".weight") else ""
+            raise ValueError(f"--exclude {p!r} matches no module of {src} (names look like {modules[0]}; a "
+                             f"pattern is an fnmatch glob, e.g. model.layers.0.*){hint}")
+
+
 def _groups(linears: list[_Linear]) -> list[tuple[str, ...]]:
     """Module-name groups that share global scales (siblings of one parent reading one input)."""
     by_parent: dict[str, set[str]] = {}
@@ -218,12 +228,13 @@ def quantize_checkpoint(
     src, dst = Path(src_dir), Path(dst_dir)
     if sum(x is not None for x in (calib_text, amax, input_amax)) != 1:
         raise ValueError("give exactly one activation source: --calib-text FILE or --amax X")
-    if amax is not None and not (0 < float(amax) < float("inf")):
-        raise ValueError(f"--amax must be a positive number, got {amax}")
+    if amax is not None and not (0 < float(amax) <= torch.finfo(torch.float32).max):
+        raise ValueError(f"--amax must be a positive number float32 holds (<= 3.4e38), got {amax}")
     reader = CheckpointReader(src)
     config = _check_dirs(src, dst, reader)
     patterns = list(DEFAULT_EXCLUDE) + _mtp_patterns(config, reader) + list(exclude or [])
     linears, unquantized = _plan(reader, patterns)
+    _check_patterns(exclude or [], [lin.module for lin in linears.values()] + unquantized, src)
     if config.get("tie_word_embeddings", True) and not reader.has("lm_head.weight"):
         unquantized.append("lm_head")  # tied to the embeddings: a module without its own tensor
     if not linears:
