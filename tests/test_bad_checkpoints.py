@@ -319,6 +319,11 @@ CONFIG_CASES = {
     "rope_theta abc": (_set(rope_parameters={"rope_theta": "abc", "rope_type": "default"}),
                        "rope_parameters.rope_theta: 'abc' must be a finite number > 0"),
     "top-level rope_theta abc": (_set(rope_theta="abc"), "rope_theta: 'abc' (str) must be a number"),
+    "llama3 rope without low_freq_factor": (
+        _set(rope_parameters={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0, "rope_theta": 1e5}),
+        "rope_parameters.low_freq_factor: missing; llama3 rope needs it"),
+    "dynamic rope": (_set(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+                     "rope_parameters.rope_type: 'dynamic' is not supported; pieceworks implements default, linear"),
     "rope_scaling against rope_parameters": (  # which one applies differs between readers
         _set(rope_parameters={"rope_theta": 1e4, "rope_type": "default"}, rope_scaling={"type": "linear", "factor": 4.0}),
         "rope_scaling: {'type': 'linear', 'factor': 4.0} disagrees with rope_parameters"),

@@ -15,6 +15,11 @@ from typing import Any
 from pieceworks.errors import CheckpointError
 
 
+# the rope types pieceworks implements (models/rope.py) and the settings each needs beyond rope_theta
+ROPE_NEEDS = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+              "yarn": ()}
+
+
 def _rope_form(params: dict) -> dict:
     """Rope settings without rope_theta, `type` read as `rope_type`: what rope_parameters and rope_scaling
     must agree on when a config.json holds both."""
@@ -157,6 +162,16 @@ def check(hf: dict, arch: str) -> None:
         # readers differ in which one they apply (transformers 5 takes rope_scaling's factor)
         raise FieldError("rope_scaling", f"{old} disagrees with rope_parameters {new}; keep the one the model "
                          "was trained with and remove the other")
+    key = "rope_parameters" if new else "rope_scaling"
+    rope = hf.get(key)
+    if isinstance(rope, dict) and rope:
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ROPE_NEEDS:
+            raise FieldError(f"{key}.rope_type", f"{kind!r} is not supported; pieceworks implements "
+                             f"{', '.join(ROPE_NEEDS)}")
+        for name in ROPE_NEEDS[kind]:
+            if name not in rope:
+                raise FieldError(f"{key}.{name}", f"missing; {kind} rope needs it")
     for key in ("rope_scaling", "rope_parameters"):
         params = hf.get(key) or {}
         for name in ("factor", "rope_theta"):
