@@ -92,6 +92,18 @@ def test_index_pointing_to_a_missing_shard(ckpt):
     assert "re-download" in msg
 
 
+@pytest.mark.parametrize("value, needle", [
+    (5, "is 5, not a shard file name"),
+    ("../elsewhere/model.safetensors", "names '../elsewhere/model.safetensors', outside the model directory"),
+])
+def test_index_entry_that_is_no_shard_name(ckpt, value, needle):
+    names = sorted(load_file(ckpt / "model.safetensors"))
+    _shard(ckpt, [names[:20], names[20:]])
+    _edit_json(ckpt / "model.safetensors.index.json", lambda c: c["weight_map"].update({names[0]: value}))
+    with pytest.raises(CheckpointError, match=rf"model.safetensors.index.json: weight_map\[{names[0]!r}\] {needle}"):
+        CheckpointReader(ckpt)
+
+
 def test_truncated_shard_fails_when_the_reader_opens(ckpt):
     names = sorted(load_file(ckpt / "model.safetensors"))
     _shard(ckpt, [names[:20], names[20:]])

@@ -84,6 +84,14 @@ class CheckpointReader:
                 raise TypeError("weight_map is not an object")
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e}); {_REDOWNLOAD}") from None
+        odd = next(((n, f) for n, f in weight_map.items() if not isinstance(f, str) or not f), None)
+        if odd is not None:
+            raise CheckpointError(f"{index}: weight_map[{odd[0]!r}] is {odd[1]!r}, not a shard file name; {_REDOWNLOAD}")
+        outside = next(((n, f) for n, f in weight_map.items()
+                        if Path(f).is_absolute() or ".." in Path(f).parts), None)
+        if outside is not None:
+            raise CheckpointError(f"{index}: weight_map[{outside[0]!r}] names {outside[1]!r}, outside the model "
+                                  f"directory; shard names are file names in it. {_REDOWNLOAD}")
         missing = sorted({f for f in weight_map.values() if not (self.model_dir / f).is_file()})
         if missing:
             example = next(n for n, f in weight_map.items() if f == missing[0])
