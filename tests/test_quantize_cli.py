@@ -75,3 +75,16 @@ def test_fixed_amax_skips_calibration(tiny_bf16, tmp_path, capsys):
     assert "calibrating" not in capsys.readouterr().out
     for name, v in _input_scales(tmp_path / "q").items():
         assert torch.equal(v, torch.tensor(8.0) / (6 * 448)), name
+
+
+def test_max_shard_size_forms():
+    """Sizes in the accepted forms; a positive size under one byte is refused by the flag's name, not passed on
+    as 0 to the shard writer ("max_shard_bytes must be positive")."""
+    from pieceworks.quant.cli import parse_size
+
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("1000") == 1000
+    with pytest.raises(ValueError, match=r"--max-shard-size '0.0001KB' is less than one byte; give e.g. 500MB"):
+        parse_size("0.0001KB")
+    for bad in ("0", "-5GB", "lots", "5XB"):
+        with pytest.raises(ValueError, match=rf"--max-shard-size {bad!r}: expected a positive size"):
+            parse_size(bad)

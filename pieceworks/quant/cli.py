@@ -15,7 +15,10 @@ def parse_size(text: str) -> int:
     unit = m.group(2).upper() if m else None
     if not m or unit not in _UNITS or float(m.group(1)) <= 0:
         raise ValueError(f"--max-shard-size {text!r}: expected a positive size such as 5GB, 500MB or 2GiB")
-    return int(float(m.group(1)) * _UNITS[unit])
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size < 1:  # 0.0001KB: positive, yet no whole byte
+        raise ValueError(f"--max-shard-size {text!r} is less than one byte; give e.g. 500MB")
+    return size
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
