@@ -50,7 +50,7 @@ def test_torch_moe_w4a4_in_bf16_within_the_suites_w4a4_tolerance():
     from pieceworks.backends.base import BackendSpec, ModelFacts, parse_options
     from pieceworks.backends.moe.torch import TorchMoEBackend
     from pieceworks.testing import scenarios as S
-    from pieceworks.testing.suite import _rel_err
+    from pieceworks.testing.shapes import rel_err as _rel_err
 
     facts = ModelFacts(arch="deepseek_v3", dtype=torch.bfloat16, fp4=True, moe_experts=8, moe_quant="nvfp4")
     errs = {}
