@@ -136,14 +136,43 @@ def test_preemption_in_a_small_pool_matches_sync():
     assert small.stats()["num_preemptions"] > 0 and small.stats()["num_async_steps"] > 0
 
 
-def test_steps_that_cannot_overlap_run_synchronously():
-    """Sampled rows (temperature > 0) never run async: the same seed gives the same tokens either way,
-    and with a greedy request in the batch too."""
-    batch = [("s", prompt(5, 7), SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)),
-             ("g", prompt(4, 8), greedy(8, ignore_eos=True))]
+def sampled(n: int, seed: int, **kw) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": seed, "max_tokens": n,
+                             "ignore_eos": True, **kw})
+
+
+def test_seeded_sampled_rows_run_async_and_match_sync():
+    """Sampled rows run async: the ids drawn on the device feed the next step, and seeded requests get
+    the tokens of synchronous steps, alone and batched with greedy rows, with a mid-run add."""
+    batch = [("s0", prompt(5, 7), sampled(9, 3)), ("s1", prompt(8, 9), sampled(14, 4, min_p=0.05)),
+             ("g", prompt(4, 8), greedy(11, ignore_eos=True))]
+    later = [("s2", prompt(6, 12), sampled(7, 5))]
     eng = make(True)
-    assert run(eng, batch) == run(make(False), batch)
-    assert eng.stats()["num_async_steps"] > 0  # once the sampled request finished, "g" ran async
+    got = run(eng, batch, later, add_after=6)
+    assert got == run(make(False), batch, later, add_after=6)
+    assert [len(got[r][0]) for r in ("s0", "s1", "g", "s2")] == [9, 14, 11, 7]
+    assert eng.stats()["num_async_steps"] >= 10
+
+
+def test_rows_that_read_earlier_tokens_run_synchronously():
+    """Penalties, min_tokens and logprobs read the previous tokens (or return through the host): a
+    step with such a row drains the pipeline and runs synchronously; greedy rows run async once it is
+    gone; the tokens are the synchronous engine's."""
+    for params in (sampled(6, 3, repetition_penalty=1.3), sampled(6, 3, min_tokens=4, ignore_eos=False),
+                   SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)):
+        batch = [("x", prompt(5, 7), params), ("g", prompt(4, 8), greedy(12, ignore_eos=True))]
+        eng = make(True)
+        steps = []
+        launch = eng._pipeline.launch
+
+        def watched(ex, scheduled, sampler):
+            steps.append({r.request_id for r, _ in scheduled})
+            return launch(ex, scheduled, sampler)
+
+        eng._pipeline.launch = watched
+        assert run(eng, batch) == run(make(False), batch)
+        assert steps and all("x" not in s for s in steps)  # "x" never ran in an async step
+        assert eng.stats()["num_async_steps"] > 0  # once "x" finished, "g" ran async
 
 
 def test_generate_matches_sync():

@@ -670,3 +670,22 @@ def test_given_greedy_ids_are_what_the_fast_path_returns():
     assert res.token_ids == without.token_ids and res.logprobs[4] is not None
     with pytest.raises(ValueError, match="greedy_ids"):
         sampler.sample(logits, plain, greedy_token_ids(logits)[:3])
+
+
+def test_sample_ids_leaves_the_ids_of_sample_on_the_device():
+    """`sample_ids` (async steps) gives `sample`'s tokens, -1 for non-finite rows, without the host copy;
+    rows whose token needs earlier tokens or returns logprobs are refused by name."""
+    W = 64
+    logits = torch.randn(4, W, generator=torch.Generator().manual_seed(3))
+    logits[2, 5] = float("nan")
+    params = [SamplingParams(seed=11, temperature=0.9, top_k=20), SamplingParams(temperature=0),
+              SamplingParams(seed=12, top_p=0.8, min_p=0.02), SamplingParams(seed=13)]
+    want = Sampler(W, CPU).sample(logits, [state(p) for p in params]).token_ids
+    got = Sampler(W, CPU).sample_ids(logits, [state(p) for p in params])
+    assert got.dtype == torch.int64 and got.tolist() == want and want[2] == -1
+    plain = [state(SamplingParams(temperature=0)) for _ in range(4)]
+    greedy = torch.tensor([3, 1, 4, 1])  # an all-greedy batch returns the ids it was given, no kernel
+    assert Sampler(W, CPU).sample_ids(logits, plain, greedy) is greedy
+    for p in (SamplingParams(presence_penalty=0.5), SamplingParams(min_tokens=2), SamplingParams(logprobs=1)):
+        with pytest.raises(ValueError, match="penalties, min_tokens or logprobs"):
+            Sampler(W, CPU).sample_ids(logits[:1], [state(p)])

@@ -1,11 +1,12 @@
-"""Async steps (`scheduler.async_steps`): one all-greedy decode step in flight.
+"""Async steps (`scheduler.async_steps`): one decode step in flight.
 
-The Engine launches step k before step k - 1's greedy ids reach the host. Step k's rows don't know
+The Engine launches step k before step k - 1's token ids reach the host. Step k's rows don't know
 their input ids yet: each running request's output ends in the placeholder -(row + 1) of its token in
-the step in flight (`mark_pending`), and the decode runner takes that row's id from the previous
-replay on the device. `AsyncSteps` decides when a step may run this way (`ready`), launches it with
-the copy of its ids into pinned host memory behind an event (`launch`), and hands the ids over once
-they arrived (`await_ids`); the Engine accepts them in place of the placeholders (`Engine._complete`).
+the step in flight (`mark_pending`), and the decode runner takes that row's id from the previous step
+on the device (the replay's greedy id, or the id the sampler drew there). `AsyncSteps` decides when a
+step may run this way (`ready`), launches it with the copy of its ids into pinned host memory behind
+an event (`launch`), and hands the ids over once they arrived (`await_ids`); the Engine accepts them in
+place of the placeholders (`Engine._complete`).
 The rules are in docs/architecture.md.
 """
 
@@ -19,6 +20,7 @@ from pieceworks.core.batch import ForwardBatch
 
 if TYPE_CHECKING:
     from pieceworks.engine.request import Request
+    from pieceworks.engine.sampler import Sampler
     from pieceworks.engine.scheduler import Scheduler
     from pieceworks.executor.runner import Executor
 
@@ -43,8 +45,9 @@ class AsyncSteps:
     @staticmethod
     def ready(ex: Executor, s: Scheduler) -> bool:
         """Whether the next step may run asynchronously: every running request decodes one token of a
-        plain greedy completion without stop strings, nothing waits, no request needs preempting, world
-        size 1 and a decode graph covers the batch."""
+        completion whose token depends on the step's logits alone (greedy or sampled, without penalties,
+        min_tokens, logprobs or stop strings: `SamplingState.overlappable`), nothing waits, no request
+        needs preempting, world size 1 and a decode graph covers the batch."""
         running = s.running
         if s.waiting or not running or ex.groups is not None or ex.decode_graphs is None:
             return False
@@ -53,19 +56,24 @@ class AsyncSteps:
         ps, need = ex.page_size, 0
         for req in running:
             seq = req.seq
-            if not req.state.plain or req.params.stop or seq is None or seq.kv_len != req.num_tokens - 1:
+            if not req.state.overlappable or req.params.stop or seq is None or seq.kv_len != req.num_tokens - 1:
                 return False
             need += seq.kv_len + 1 > len(seq.pages) * ps
         return need <= s.alloc.num_free
 
-    def launch(self, ex: Executor, scheduled: list[tuple[Request, list[int]]]) -> InFlight:
+    def launch(self, ex: Executor, scheduled: list[tuple[Request, list[int]]], sampler: Sampler) -> InFlight:
         """Run a decode step whose rows' ids may be placeholders of the in-flight step (the decode runner
-        takes those from the device), and start the copy of its greedy ids to the host."""
+        takes those from the device), sample its rows on the device (greedy rows: the replay's ids; the
+        next step's placeholders read the sampled ids) and start the copy of its ids to the host."""
         reqs = [r for r, _ in scheduled]
-        ex.forward(ForwardBatch([r.seq for r in reqs], [t for _, t in scheduled]), validate=False)
+        logits = ex.forward(ForwardBatch([r.seq for r in reqs], [t for _, t in scheduled]), validate=False)
         ids = ex.greedy_ids
         if ids is None:
             raise RuntimeError("an async decode step did not replay a decode graph (Executor.greedy_ids is None)")
+        states = [r.state for r in reqs]
+        if not all([s.plain for s in states]):
+            ids = sampler.sample_ids(logits, states, ids)
+            ex.decode_graphs.feed_ids(ids)
         if ids.device.type != "cuda":
             return InFlight(reqs, ids, None)
         if not self._pinned or self._pinned[0].numel() < ids.numel():

@@ -4,7 +4,8 @@ A step reads top to bottom: schedule (admission, chunked prefill, preemption: en
 `Executor.forward` -> sample the rows whose requests computed all their tokens (engine/sampler.py, one
 device-to-host copy) -> append, detokenize, check stop conditions -> outputs. Finished requests give
 their pages back at once; their full pages stay in the prefix cache for later requests.
-With `scheduler.async_steps`, all-greedy decode steps keep one step in flight: a call launches step k,
+With `scheduler.async_steps`, decode steps whose rows sample from their logits alone (greedy or
+sampled, without penalties, min_tokens, logprobs or stop strings) keep one step in flight: a call launches step k,
 then waits for step k - 1's ids and returns its outputs (engine/async_steps.py, `_complete`; the rules
 are in docs/architecture.md).
 
@@ -212,7 +213,7 @@ class Engine:
             pipe = self._pipeline
             if pipe.ready(self.executor, self.scheduler):
                 scheduled = self.scheduler.schedule()
-                launched = pipe.launch(self.executor, scheduled) if scheduled else None
+                launched = pipe.launch(self.executor, scheduled, self.sampler) if scheduled else None
                 if launched is not None:
                     self.num_steps += 1
                     self.num_async_steps += 1

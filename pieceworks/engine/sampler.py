@@ -56,13 +56,18 @@ class SamplingState:
     """The request's own generator on the logits' device (seeded requests that sample), else None."""
     plain: bool = field(default=False, init=False, repr=False)
     """Greedy without penalties, min_tokens or logprobs: the row needs its argmax only."""
+    overlappable: bool = field(default=False, init=False, repr=False)
+    """Without penalties, min_tokens or logprobs (greedy or sampled): the row's token depends on this
+    step's logits alone, so `sample_ids` can draw it before the previous step's tokens reach the host
+    (the Engine's async steps)."""
     _row: tuple[float, ...] | None = field(default=None, init=False, repr=False)
     _penalty: tuple[_PenaltyTable, int, int] | None = field(default=None, init=False, repr=False)
     _release: weakref.finalize | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         p = self.params
-        self.plain = p.greedy and not p.uses_penalties and not p.min_tokens and p.logprobs is None
+        self.overlappable = not p.uses_penalties and not p.min_tokens and p.logprobs is None
+        self.plain = p.greedy and self.overlappable
 
     @classmethod
     def create(
@@ -144,8 +149,10 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed % 2**64)
         self._table = _PenaltyTable(vocab_size, self.device)
-        self._pinned: torch.Tensor | None = None  # host staging buffer of the one host-to-device copy
-        self._pinned_done: torch.cuda.Event | None = None
+        # host staging buffers of the one host-to-device copy, used in turn (a step's copy may still be
+        # pending while the next step samples: async steps), each with the event after its last copy
+        self._pinned: list[torch.Tensor | None] = [None, None]
+        self._pinned_done: list[torch.cuda.Event | None] = [None, None]
 
     def sample(self, logits: torch.Tensor, states: list[SamplingState],
                greedy_ids: torch.Tensor | None = None) -> SampleResult:
@@ -157,6 +164,34 @@ class Sampler:
         `states` advances to their current output; the states' lists are not changed (the engine
         appends the accepted tokens).
         """
+        self._check(logits, states, greedy_ids)
+        if not states:
+            return SampleResult([], [], [])
+        if all([s.plain for s in states]):  # the common case, with the least host work per step
+            if greedy_ids is None:
+                greedy_ids = greedy_token_ids(logits)
+            token_ids = greedy_ids.tolist()  # the one device-to-host copy of the step
+            return SampleResult(token_ids, [t >= 0 for t in token_ids], [None] * len(token_ids))
+        ids, finite = self._device_ids(logits, states)
+        return _to_host(logits, ids, finite, [s.params for s in states])
+
+    def sample_ids(self, logits: torch.Tensor, states: list[SamplingState],
+                   greedy_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`sample` without the copy to the host: int64 [B] on the logits' device, row i's token or -1
+        where its logits are not all finite. Nothing waits for the GPU, so a step can be launched
+        before the previous step's tokens are known (the Engine's async steps feed these ids to the
+        next decode step on the device). Rows must be `overlappable`: penalties and min_tokens read
+        the previous tokens on the host, and logprobs come back only through `sample`."""
+        self._check(logits, states, greedy_ids)
+        if not all([s.overlappable for s in states]):
+            raise ValueError("Sampler.sample_ids takes rows without penalties, min_tokens or logprobs "
+                             "(SamplingState.overlappable); use sample() for the others")
+        if all([s.plain for s in states]):
+            return greedy_ids if greedy_ids is not None else greedy_token_ids(logits)
+        ids, finite = self._device_ids(logits, states)
+        return torch.where(finite, ids, -1)
+
+    def _check(self, logits: torch.Tensor, states: list[SamplingState], greedy_ids: torch.Tensor | None) -> None:
         if logits.dim() != 2 or logits.dtype != torch.float32 or logits.shape[1] != self.vocab_size:
             raise ValueError(
                 f"Sampler.sample takes [B, {self.vocab_size}] float32 logits, got {tuple(logits.shape)} {logits.dtype}"
@@ -167,23 +202,16 @@ class Sampler:
             raise ValueError(f"Sampler.sample got {logits.shape[0]} logits rows for {len(states)} states")
         if greedy_ids is not None and greedy_ids.shape != (len(states),):
             raise ValueError(f"Sampler.sample got greedy_ids of shape {tuple(greedy_ids.shape)} for {len(states)} rows")
-        if not states:
-            return SampleResult([], [], [])
-        if all([s.plain for s in states]):  # the common case, with the least host work per step
-            if greedy_ids is None:
-                greedy_ids = greedy_token_ids(logits)
-            token_ids = greedy_ids.tolist()  # the one device-to-host copy of the step
-            return SampleResult(token_ids, [t >= 0 for t in token_ids], [None] * len(token_ids))
-        V = self.vocab_size
+
+    def _device_ids(self, logits: torch.Tensor, states: list[SamplingState]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's token and whether its raw logits are all finite (int64 [B], bool [B], on the device)."""
         params = [s.params for s in states]
         finite = finite_rows(logits)
-        mask_idx = _min_tokens_mask(states, V)
+        mask_idx = _min_tokens_mask(states, self.vocab_size)
         pen_rows = [i for i, p in enumerate(params) if p.uses_penalties]
         if not mask_idx and not pen_rows and all([p.greedy for p in params]):
-            ids = logits.argmax(dim=-1)  # plain greedy batch: nothing to upload, nothing to process
-        else:
-            ids = self._sample(logits, states, params, mask_idx, pen_rows)
-        return _to_host(logits, ids, finite, params)
+            return logits.argmax(dim=-1), finite  # greedy batch: nothing to upload, nothing to process
+        return self._sample(logits, states, params, mask_idx, pen_rows), finite
 
     def release(self, state: SamplingState) -> None:
         """Free `state`'s penalty bookkeeping now (a finished or aborted completion); without this
@@ -299,15 +327,18 @@ class Sampler:
         packed[n:] = [v for sec in ints for v in sec]
         host = torch.from_numpy(packed)
         if self.device.type == "cuda":
-            if self._pinned_done is not None and not self._pinned_done.query():
-                self._pinned_done.synchronize()  # only after a failed step: the last copy may still read it
-            if self._pinned is None or self._pinned.numel() < host.numel():
-                self._pinned = torch.empty(max(host.numel(), 4096), dtype=torch.int64, pin_memory=True)
-            buf = self._pinned[: host.numel()]
+            self._pinned.reverse()
+            self._pinned_done.reverse()
+            done = self._pinned_done[0]
+            if done is not None and not done.query():
+                done.synchronize()  # the copy two steps back still reads this buffer: rare (a failed step)
+            if self._pinned[0] is None or self._pinned[0].numel() < host.numel():
+                self._pinned[0] = torch.empty(max(host.numel(), 4096), dtype=torch.int64, pin_memory=True)
+            buf = self._pinned[0][: host.numel()]
             buf.copy_(host)
             dev = buf.to(self.device, non_blocking=True)
-            self._pinned_done = torch.cuda.Event()
-            self._pinned_done.record()
+            self._pinned_done[0] = torch.cuda.Event()
+            self._pinned_done[0].record()
         elif self.device.type == "cpu":
             dev = host
         else:

@@ -14,8 +14,8 @@ rows that changed are rewritten and copied: in decode a sequence gains a page on
 Each graph also writes every row's greedy token (`greedy_token_ids`) into a static buffer, so a step
 whose rows are all greedy needs no kernel after the replay but the copy of the ids to the host (the
 Engine's sampler reads them through `Executor.greedy_ids`). A negative input id -(r + 1) (the Engine's
-async steps, `scheduler.async_steps`) stands for row r's greedy id of the previous replay, gathered on
-the device before this replay, so a step can launch before the previous step's ids reach the host.
+async steps, `scheduler.async_steps`) stands for row r's token of the previous replay, its greedy id or
+the id the sampler drew for it (`feed_ids`), gathered on the device before this replay, so a step can launch before the previous step's ids reach the host.
 `EagerDecodeRunner` runs the same host path with an eager forward in place of each replay (CPU tests,
 host-time measurements without CUDA).
 """
@@ -268,8 +268,13 @@ class DecodeGraphRunner:
             return self.logits[bs].clone(), self.greedy[bs]
         return self.logits[bs][:n].clone(), self.greedy[bs][:n]
 
+    def feed_ids(self, ids: torch.Tensor) -> None:
+        """The ids the next step's placeholder rows take (int64 [n] on the device, row r for the last
+        replay's row r): the sampler's tokens of sampled rows, in place of the replay's greedy ids."""
+        self._prev = ids
+
     def _take_previous_ids(self, ids: torch.Tensor) -> None:
-        """Rows whose id is a placeholder -(r + 1) take row r's greedy id of the previous replay, on the
+        """Rows whose id is a placeholder -(r + 1) take row r's id of the previous replay (`feed_ids`), on the
         device in stream order (the Engine's async steps launch a step before the previous one's ids
         reach the host). A -1 (non-finite) id becomes 0: that row's request fails and its row is dropped."""
         prev = self._prev
