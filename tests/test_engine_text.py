@@ -78,6 +78,39 @@ def test_stop_string_ends_the_text_before_it(engine, greedy):
     assert final.token_ids == full.token_ids[: len(final.token_ids)] and len(final.token_ids) < N
 
 
+def test_stop_strings_in_async_steps_match_synchronous_steps(engine, greedy):
+    """Requests with stop strings run async steps (the stop is found when a token arrives, as EOS; the
+    row of the step in flight is dropped): the same text, tokens and finish reasons as synchronous steps."""
+    from pieceworks.executor.cuda_graph import EagerDecodeRunner
+
+    ex = engine.executor
+    words = greedy[-1].text.split()
+    stops = [w for w in words[1:] if len(w) >= 3][:3] + ["zzzz-never"]
+    prompts = [PROMPT, "Once upon a time", "The capital of France is"]
+    params = [SamplingParams(temperature=0, max_tokens=N, stop=[s]) for s in stops]
+    reqs = [(p, sp) for p in prompts for sp in params]
+
+    def run() -> list[tuple[str, list[int], str]]:
+        ids = [engine.add_request(p, sp) for p, sp in reqs]
+        final = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    final[o.request_id] = (o.text, o.token_ids, o.finish_reason)
+        return [final[i] for i in ids]
+
+    sync = run()
+    assert engine.stats()["num_async_steps"] == 0  # no decode runner on the CPU
+    ex.decode_graphs = EagerDecodeRunner(ex.model, ex.table, ex.kv, ex.max_context, [1, 2, 4, 8, 16])
+    try:
+        got = run()
+        assert engine.stats()["num_async_steps"] > 0
+    finally:
+        ex.decode_graphs = None
+    assert got == sync
+    assert sum(reason == "stop" for _, _, reason in got) >= 3
+
+
 def test_detokenizer_holds_back_a_possible_stop_string(engine):
     tok = engine.tokenizer
     ids = tok(" alpha beta gamma delta", add_special_tokens=False)["input_ids"]

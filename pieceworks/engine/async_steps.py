@@ -46,7 +46,7 @@ class AsyncSteps:
     def ready(ex: Executor, s: Scheduler) -> bool:
         """Whether the next step may run asynchronously: every running request decodes one token of a
         completion whose token depends on the step's logits alone (greedy or sampled, without penalties,
-        min_tokens, logprobs or stop strings: `SamplingState.overlappable`), nothing waits, no request
+        min_tokens or logprobs: `SamplingState.overlappable`), nothing waits, no request
         needs preempting, world size 1 and a decode graph covers the batch."""
         running = s.running
         if s.waiting or not running or ex.groups is not None or ex.decode_graphs is None:
@@ -56,7 +56,7 @@ class AsyncSteps:
         ps, need = ex.page_size, 0
         for req in running:
             seq = req.seq
-            if not req.state.overlappable or req.params.stop or seq is None or seq.kv_len != req.num_tokens - 1:
+            if not req.state.overlappable or seq is None or seq.kv_len != req.num_tokens - 1:
                 return False
             need += seq.kv_len + 1 > len(seq.pages) * ps
         return need <= s.alloc.num_free

@@ -5,7 +5,7 @@ A step reads top to bottom: schedule (admission, chunked prefill, preemption: en
 device-to-host copy) -> append, detokenize, check stop conditions -> outputs. Finished requests give
 their pages back at once; their full pages stay in the prefix cache for later requests.
 With `scheduler.async_steps`, decode steps whose rows sample from their logits alone (greedy or
-sampled, without penalties, min_tokens, logprobs or stop strings) keep one step in flight: a call launches step k,
+sampled, without penalties, min_tokens or logprobs) keep one step in flight: a call launches step k,
 then waits for step k - 1's ids and returns its outputs (engine/async_steps.py, `_complete`; the rules
 are in docs/architecture.md).
 
