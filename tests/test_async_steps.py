@@ -154,25 +154,45 @@ def test_seeded_sampled_rows_run_async_and_match_sync():
     assert eng.stats()["num_async_steps"] >= 10
 
 
-def test_rows_that_read_earlier_tokens_run_synchronously():
-    """Penalties, min_tokens and logprobs read the previous tokens (or return through the host): a
-    step with such a row drains the pipeline and runs synchronously; greedy rows run async once it is
-    gone; the tokens are the synchronous engine's."""
-    for params in (sampled(6, 3, repetition_penalty=1.3), sampled(6, 3, min_tokens=4, ignore_eos=False),
-                   SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)):
-        batch = [("x", prompt(5, 7), params), ("g", prompt(4, 8), greedy(12, ignore_eos=True))]
-        eng = make(True)
-        steps = []
-        launch = eng._pipeline.launch
+def test_penalties_and_min_tokens_in_async_steps_match_sync():
+    """Rows with penalties count their in-flight token on the device, min_tokens counts it on the host:
+    seeded sampled and greedy rows with repetition / presence / frequency penalties and min_tokens (EOS
+    masked until then) get the tokens of synchronous steps."""
+    ref = run(make(False), BATCH)
+    eos = ref["r2"][0][2]  # a token that occurs early: min_tokens must hold it back
+    batch = [("p0", prompt(5, 7), sampled(12, 3, repetition_penalty=1.3)),
+             ("p1", prompt(8, 9), sampled(15, 4, presence_penalty=0.8, frequency_penalty=0.5)),
+             ("p2", prompt(6, 21), greedy(14, repetition_penalty=1.2, frequency_penalty=0.3, ignore_eos=True)),
+             ("m0", BATCH[2][1], greedy(17, min_tokens=6)),
+             ("g", prompt(4, 8), greedy(11, ignore_eos=True))]
+    results = []
+    for async_steps in (False, True):
+        eng = make(async_steps)
+        eng.eos_token_ids = frozenset({eos})
+        results.append(run(eng, batch))
+    sync, got = results
+    assert got == sync
+    assert eng.stats()["num_async_steps"] >= 10
+    assert len(got["m0"][0]) >= 6 and got["m0"][0][2] != eos  # min_tokens masked the EOS r2 takes there
 
-        def watched(ex, scheduled, sampler):
-            steps.append({r.request_id for r, _ in scheduled})
-            return launch(ex, scheduled, sampler)
 
-        eng._pipeline.launch = watched
-        assert run(eng, batch) == run(make(False), batch)
-        assert steps and all("x" not in s for s in steps)  # "x" never ran in an async step
-        assert eng.stats()["num_async_steps"] > 0  # once "x" finished, "g" ran async
+def test_rows_with_logprobs_run_synchronously():
+    """Logprobs return through the host copy of Sampler.sample: a step with such a row drains the
+    pipeline and runs synchronously; greedy rows run async once it is gone."""
+    batch = [("x", prompt(5, 7), SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)),
+             ("g", prompt(4, 8), greedy(12, ignore_eos=True))]
+    eng = make(True)
+    steps = []
+    launch = eng._pipeline.launch
+
+    def watched(ex, scheduled, sampler):
+        steps.append({r.request_id for r, _ in scheduled})
+        return launch(ex, scheduled, sampler)
+
+    eng._pipeline.launch = watched
+    assert run(eng, batch) == run(make(False), batch)
+    assert steps and all("x" not in s for s in steps)  # "x" never ran in an async step
+    assert eng.stats()["num_async_steps"] > 0  # once "x" finished, "g" ran async
 
 
 def test_generate_matches_sync():

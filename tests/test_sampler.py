@@ -686,6 +686,47 @@ def test_sample_ids_leaves_the_ids_of_sample_on_the_device():
     plain = [state(SamplingParams(temperature=0)) for _ in range(4)]
     greedy = torch.tensor([3, 1, 4, 1])  # an all-greedy batch returns the ids it was given, no kernel
     assert Sampler(W, CPU).sample_ids(logits, plain, greedy) is greedy
-    for p in (SamplingParams(presence_penalty=0.5), SamplingParams(min_tokens=2), SamplingParams(logprobs=1)):
-        with pytest.raises(ValueError, match="penalties, min_tokens or logprobs"):
-            Sampler(W, CPU).sample_ids(logits[:1], [state(p)])
+    with pytest.raises(ValueError, match="rows without logprobs"):
+        Sampler(W, CPU).sample_ids(logits[:1], [state(SamplingParams(logprobs=1))])
+
+
+def test_sample_ids_counts_tokens_in_flight():
+    """A token drawn by `sample_ids` counts before `append` records it: for min_tokens, and in the
+    penalty counts on the device (not again once appended): steps alternating sample_ids and sample
+    give the tokens of sample() alone."""
+    W = 16
+    table = torch.randn(6, W, generator=torch.Generator().manual_seed(8))
+    params = [SamplingParams(temperature=0, repetition_penalty=1.8, frequency_penalty=0.7, presence_penalty=0.4),
+              SamplingParams(temperature=0, min_tokens=4), SamplingParams(seed=5, frequency_penalty=2.0)]
+
+    def tokens(use_ids: list[bool]) -> list[list[int]]:
+        """Steps by sample_ids append their tokens one step late, as async steps do (the next step is
+        sampled first); a step by sample() first appends what is in flight, as the engine's drain."""
+        sampler, states = Sampler(W, CPU), [state(p, eos=(3,)) for p in params]
+        out, pending = [], None
+
+        def append(ids):
+            for s, t in zip(states, ids):
+                s.append(t)
+
+        for step, fast in enumerate(use_ids):
+            if not fast and pending is not None:
+                append(pending)
+                pending = None
+            logits = table[(torch.arange(3) + step) % 6].clone()
+            logits[1, 3] += 5.0  # EOS would win row 1 at once
+            if fast:
+                ids = sampler.sample_ids(logits, states).tolist()
+                if pending is not None:
+                    append(pending)
+                pending = ids
+            else:
+                ids = sampler.sample(logits, states).token_ids
+                append(ids)
+            assert all(s.in_flight == int(fast) for s in states)
+            out.append(ids)
+        return out
+
+    want = tokens([False] * 8)
+    assert tokens([True] * 8) == want == tokens([True, False, True, True, False, False, True, True])
+    assert [row[1] for row in want[:4]] != [3] * 4 and want[4][1] == 3  # min_tokens held EOS back

@@ -45,8 +45,7 @@ class AsyncSteps:
     @staticmethod
     def ready(ex: Executor, s: Scheduler) -> bool:
         """Whether the next step may run asynchronously: every running request decodes one token of a
-        completion whose token depends on the step's logits alone (greedy or sampled, without penalties,
-        min_tokens or logprobs: `SamplingState.overlappable`), nothing waits, no request
+        completion without logprobs (greedy or sampled: `SamplingState.overlappable`), nothing waits, no request
         needs preempting, world size 1 and a decode graph covers the batch."""
         running = s.running
         if s.waiting or not running or ex.groups is not None or ex.decode_graphs is None:

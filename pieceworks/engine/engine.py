@@ -4,10 +4,9 @@ A step reads top to bottom: schedule (admission, chunked prefill, preemption: en
 `Executor.forward` -> sample the rows whose requests computed all their tokens (engine/sampler.py, one
 device-to-host copy) -> append, detokenize, check stop conditions -> outputs. Finished requests give
 their pages back at once; their full pages stay in the prefix cache for later requests.
-With `scheduler.async_steps`, decode steps whose rows sample from their logits alone (greedy or
-sampled, without penalties, min_tokens or logprobs) keep one step in flight: a call launches step k,
-then waits for step k - 1's ids and returns its outputs (engine/async_steps.py, `_complete`; the rules
-are in docs/architecture.md).
+With `scheduler.async_steps`, decode steps whose rows ask for no logprobs keep one step in flight:
+a call launches step k, then waits for step k - 1's ids and returns its outputs
+(engine/async_steps.py, `_complete`; the rules are in docs/architecture.md).
 
 One thread at a time (as the Executor): `add_request`, `abort` and `step` refuse with RuntimeError
 while another thread is inside one of them. `AsyncEngine` shares one Engine between coroutines.

@@ -57,17 +57,19 @@ class SamplingState:
     plain: bool = field(default=False, init=False, repr=False)
     """Greedy without penalties, min_tokens or logprobs: the row needs its argmax only."""
     overlappable: bool = field(default=False, init=False, repr=False)
-    """Without penalties, min_tokens or logprobs (greedy or sampled): the row's token depends on this
-    step's logits alone, so `sample_ids` can draw it before the previous step's tokens reach the host
-    (the Engine's async steps)."""
+    """Without logprobs (which return through the host copy of `sample`): `sample_ids` can draw the
+    row's token before the previous step's tokens reach the host (the Engine's async steps)."""
+    in_flight: int = field(default=0, init=False, repr=False)
+    """Tokens `sample_ids` drew that `append` has not recorded yet (0 or 1 under async steps): they count
+    for min_tokens, and the penalty counts on the device already hold them."""
     _row: tuple[float, ...] | None = field(default=None, init=False, repr=False)
     _penalty: tuple[_PenaltyTable, int, int] | None = field(default=None, init=False, repr=False)
     _release: weakref.finalize | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         p = self.params
-        self.overlappable = not p.uses_penalties and not p.min_tokens and p.logprobs is None
-        self.plain = p.greedy and self.overlappable
+        self.overlappable = p.logprobs is None
+        self.plain = p.greedy and not p.uses_penalties and not p.min_tokens and self.overlappable
 
     @classmethod
     def create(
@@ -89,6 +91,8 @@ class SamplingState:
     def append(self, token_id: int) -> None:
         """Record a generated token (after the engine accepted it)."""
         self.output_token_ids.append(token_id)
+        if self.in_flight:
+            self.in_flight -= 1
 
 
 @dataclass
@@ -172,7 +176,7 @@ class Sampler:
                 greedy_ids = greedy_token_ids(logits)
             token_ids = greedy_ids.tolist()  # the one device-to-host copy of the step
             return SampleResult(token_ids, [t >= 0 for t in token_ids], [None] * len(token_ids))
-        ids, finite = self._device_ids(logits, states)
+        ids, finite, _ = self._device_ids(logits, states)
         return _to_host(logits, ids, finite, [s.params for s in states])
 
     def sample_ids(self, logits: torch.Tensor, states: list[SamplingState],
@@ -180,16 +184,27 @@ class Sampler:
         """`sample` without the copy to the host: int64 [B] on the logits' device, row i's token or -1
         where its logits are not all finite. Nothing waits for the GPU, so a step can be launched
         before the previous step's tokens are known (the Engine's async steps feed these ids to the
-        next decode step on the device). Rows must be `overlappable`: penalties and min_tokens read
-        the previous tokens on the host, and logprobs come back only through `sample`."""
+        next decode step on the device). Each row's token counts as in flight (`SamplingState.in_flight`)
+        until the engine appends it: min_tokens counts it, and the rows with penalties have it added to
+        their counts on the device now. Rows must be `overlappable` (logprobs come back only through
+        `sample`)."""
         self._check(logits, states, greedy_ids)
         if not all([s.overlappable for s in states]):
-            raise ValueError("Sampler.sample_ids takes rows without penalties, min_tokens or logprobs "
-                             "(SamplingState.overlappable); use sample() for the others")
+            raise ValueError("Sampler.sample_ids takes rows without logprobs (SamplingState.overlappable); "
+                             "use sample() for the others")
         if all([s.plain for s in states]):
             return greedy_ids if greedy_ids is not None else greedy_token_ids(logits)
-        ids, finite = self._device_ids(logits, states)
-        return torch.where(finite, ids, -1)
+        ids, finite, slots = self._device_ids(logits, states)
+        ids = torch.where(finite, ids, -1)
+        if slots is not None:  # count the drawn tokens of the rows with penalties (slot 0: none)
+            t, V = self._table, self.vocab_size
+            t.counts.view(-1).scatter_add_(0, slots * V + ids.clamp(min=0), ((slots > 0) & (ids >= 0)).int())
+            for s in states:
+                if s._penalty is not None:
+                    s._penalty = (t, s._penalty[1], s._penalty[2] + 1)
+        for s in states:
+            s.in_flight += 1
+        return ids
 
     def _check(self, logits: torch.Tensor, states: list[SamplingState], greedy_ids: torch.Tensor | None) -> None:
         if logits.dim() != 2 or logits.dtype != torch.float32 or logits.shape[1] != self.vocab_size:
@@ -203,15 +218,18 @@ class Sampler:
         if greedy_ids is not None and greedy_ids.shape != (len(states),):
             raise ValueError(f"Sampler.sample got greedy_ids of shape {tuple(greedy_ids.shape)} for {len(states)} rows")
 
-    def _device_ids(self, logits: torch.Tensor, states: list[SamplingState]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row's token and whether its raw logits are all finite (int64 [B], bool [B], on the device)."""
+    def _device_ids(self, logits: torch.Tensor, states: list[SamplingState]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Every row's token and whether its raw logits are all finite (int64 [B], bool [B], on the device),
+        and the rows' penalty slots (int64 [B] on the device, 0 for rows without penalties) or None."""
         params = [s.params for s in states]
         finite = finite_rows(logits)
         mask_idx = _min_tokens_mask(states, self.vocab_size)
         pen_rows = [i for i, p in enumerate(params) if p.uses_penalties]
         if not mask_idx and not pen_rows and all([p.greedy for p in params]):
-            return logits.argmax(dim=-1), finite  # greedy batch: nothing to upload, nothing to process
-        return self._sample(logits, states, params, mask_idx, pen_rows), finite
+            return logits.argmax(dim=-1), finite, None  # greedy batch: nothing to upload, nothing to process
+        ids, slots = self._sample(logits, states, params, mask_idx, pen_rows)
+        return ids, finite, slots
 
     def release(self, state: SamplingState) -> None:
         """Free `state`'s penalty bookkeeping now (a finished or aborted completion); without this
@@ -228,7 +246,7 @@ class Sampler:
         params: list[SamplingParams],
         mask_idx: list[int],
         pen_rows: list[int],
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, V = logits.shape
         rows = [x for s in states for x in self._row_params(s)]
         plan = self._penalty_plan(states, pen_rows) if pen_rows else None
@@ -249,8 +267,8 @@ class Sampler:
                 t.prompt.view(-1).index_fill_(0, prompt_idx, True)
             if count_idx.numel():
                 t.counts.view(-1).scatter_add_(0, count_idx, torch.ones_like(count_idx, dtype=torch.int32))
-            for i, slot in zip(pen_rows, plan[4]):
-                states[i]._penalty = (t, slot, len(states[i].output_token_ids))
+            for i, slot, counted in zip(pen_rows, plan[4], plan[5]):
+                states[i]._penalty = (t, slot, counted)
             pen = [params[i] for i in pen_rows]
             use_rep = any(p.repetition_penalty != 1 for p in pen)
             x = apply_penalties(
@@ -261,8 +279,9 @@ class Sampler:
             )
         greedy = [p.greedy for p in params]
         greedy_ids = x.argmax(dim=-1) if any(greedy) else None
+        row_slots = plan_t[0] if plan else None
         if all(greedy):
-            return greedy_ids
+            return greedy_ids, row_slots
         sampled = [p for p, g in zip(params, greedy) if not g]
         x = x / temperature.unsqueeze(1)
         if any(p.min_p > 0 for p in sampled):
@@ -277,7 +296,7 @@ class Sampler:
         ids = probs.div_(self._exponentials(probs, states, greedy)).argmax(dim=-1)
         if greedy_ids is not None:
             ids = torch.where(prm[:, 7] != 0, greedy_ids, ids)
-        return ids
+        return ids, row_slots
 
     def _row_params(self, s: SamplingState) -> tuple[float, ...]:
         if s._row is None:
@@ -292,19 +311,21 @@ class Sampler:
 
     def _penalty_plan(self, states: list[SamplingState], pen_rows: list[int]):
         """Host side of the penalty bookkeeping: each row's slot (0 for rows without penalties), the
-        slots to clear, and the flat [S * V] indices of the output tokens to count and the prompt
-        tokens to mark since each state's previous step."""
+        slots to clear, the flat [S * V] indices of the output tokens to count and the prompt tokens to
+        mark since each state's previous step, and per penalty row its slot and the number of its tokens
+        counted then. Tokens in flight (`sample_ids`) are counted already: a state's counted tokens are
+        the first `_penalty[2]` of its output, appended or not."""
         V, t = self.vocab_size, self._table
         row_slots = [0] * len(states)
         zero_slots: list[int] = []
         count_idx: list[int] = []
         prompt_idx: list[int] = []
-        slots = []
+        slots, counted = [], []
         for i in pen_rows:
             s = states[i]
             out = s.output_token_ids
             mine = s._penalty if s._penalty is not None and s._penalty[0] is t else None
-            if mine is not None and len(out) >= mine[2]:
+            if mine is not None and len(out) + s.in_flight >= mine[2]:
                 slot, new = mine[1], out[mine[2]:]
             else:  # first step here, or the output shrank: clear the slot and count everything
                 slot = mine[1] if mine is not None else t.acquire(s)
@@ -316,7 +337,8 @@ class Sampler:
             count_idx.extend(slot * V + tok for tok in new)
             row_slots[i] = slot
             slots.append(slot)
-        return row_slots, zero_slots, count_idx, prompt_idx, slots
+            counted.append(len(out) if new is out else mine[2] + len(new))
+        return row_slots, zero_slots, count_idx, prompt_idx, slots, counted
 
     def _upload(self, floats: list[float], ints: list[list[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The step's one host-to-device copy: `floats` as float64 [n] and each list of `ints` as an
@@ -363,11 +385,12 @@ def _check_ids(ids: list[int], V: int, what: str) -> None:
 
 
 def _min_tokens_mask(states: list[SamplingState], V: int) -> list[int]:
-    """Flat [B * V] indices of the EOS and stop ids of rows that haven't generated min_tokens yet."""
+    """Flat [B * V] indices of the EOS and stop ids of rows that haven't generated min_tokens yet (tokens
+    in flight included)."""
     idx: list[int] = []
     for i, s in enumerate(states):
         p = s.params
-        if p.min_tokens and len(s.output_token_ids) < p.min_tokens:
+        if p.min_tokens and len(s.output_token_ids) + s.in_flight < p.min_tokens:
             stop = set(p.stop_token_ids or ())
             if not p.ignore_eos:
                 stop |= s.eos_token_ids

@@ -112,14 +112,15 @@ def test_engine_async_steps_stream_the_same_tokens(num_tokens):
 
 
 def test_engine_async_steps_with_seeded_sampling():
-    """Sampled rows in async steps: the ids the sampler draws on the device feed the next replay, and
-    seeded requests (greedy ones beside them) stream the tokens of synchronous steps."""
+    """Sampled rows in async steps: the ids the sampler draws on the device feed the next replay (and the
+    penalty counts), and seeded requests (greedy ones beside them) stream the tokens of synchronous steps."""
     ps = [p[:40] for p in prompts(3)]
     first = [(f"a{i}", p, SamplingParams(temperature=0.8, top_p=0.95, top_k=200 if i % 2 else 0, seed=i,
                                          max_tokens=m, ignore_eos=True))
              for i, (p, m) in enumerate(zip(ps[:4], (30, 12, 41, 25)))]
     later = [("b0", ps[4], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)),
-             ("b1", ps[5], SamplingParams(temperature=1.0, min_p=0.05, seed=9, max_tokens=20, ignore_eos=True))]
+             ("b1", ps[5], SamplingParams(temperature=1.0, min_p=0.05, seed=9, max_tokens=20, ignore_eos=True,
+                                          repetition_penalty=1.2, frequency_penalty=0.4, min_tokens=5))]
     sync = _stream(make(True), first, later)
     eng = make(True, async_steps=True)
     got = _stream(eng, first, later)
