@@ -176,23 +176,28 @@ def test_penalties_and_min_tokens_in_async_steps_match_sync():
     assert len(got["m0"][0]) >= 6 and got["m0"][0][2] != eos  # min_tokens masked the EOS r2 takes there
 
 
-def test_rows_with_logprobs_run_synchronously():
-    """Logprobs return through the host copy of Sampler.sample: a step with such a row drains the
-    pipeline and runs synchronously; greedy rows run async once it is gone."""
-    batch = [("x", prompt(5, 7), SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)),
+def test_logprobs_in_async_steps_match_sync():
+    """Rows asking for logprobs run async: their logprob table comes to the host with the ids, and every
+    request gets the tokens and logprobs of synchronous steps."""
+    batch = [("x", prompt(5, 7), SamplingParams(temperature=0, max_tokens=9, logprobs=2, ignore_eos=True)),
+             ("y", prompt(6, 9), sampled(11, 4, logprobs=0)),
              ("g", prompt(4, 8), greedy(12, ignore_eos=True))]
-    eng = make(True)
-    steps = []
-    launch = eng._pipeline.launch
 
-    def watched(ex, scheduled, sampler):
-        steps.append({r.request_id for r, _ in scheduled})
-        return launch(ex, scheduled, sampler)
+    def logprobs(eng):
+        for rid, p, sp in batch:
+            eng.add_request(p, sp, rid)
+        final = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    final[o.request_id] = (o.token_ids, o.logprobs)
+        return final
 
-    eng._pipeline.launch = watched
-    assert run(eng, batch) == run(make(False), batch)
-    assert steps and all("x" not in s for s in steps)  # "x" never ran in an async step
-    assert eng.stats()["num_async_steps"] > 0  # once "x" finished, "g" ran async
+    sync, eng = logprobs(make(False)), make(True)
+    got = logprobs(eng)
+    assert got == sync and eng.stats()["num_async_steps"] >= 8
+    assert len(got["x"][1]) == 9 and all(len(d) in (2, 3) for d in got["x"][1])
+    assert all(len(d) == 1 for d in got["y"][1]) and got["g"][1] is None
 
 
 def test_generate_matches_sync():

@@ -17,7 +17,7 @@ import torch
 
 from pieceworks.engine.params import SamplingParams
 from pieceworks.engine.processors import apply_min_p, apply_penalties, apply_top_k, apply_top_k_top_p
-from pieceworks.engine.sampler import SamplingState, Sampler
+from pieceworks.engine.sampler import SamplingState, Sampler, logprob_table, read_logprobs
 from pieceworks.errors import RequestError
 
 CPU = torch.device("cpu")
@@ -686,8 +686,12 @@ def test_sample_ids_leaves_the_ids_of_sample_on_the_device():
     plain = [state(SamplingParams(temperature=0)) for _ in range(4)]
     greedy = torch.tensor([3, 1, 4, 1])  # an all-greedy batch returns the ids it was given, no kernel
     assert Sampler(W, CPU).sample_ids(logits, plain, greedy) is greedy
-    with pytest.raises(ValueError, match="rows without logprobs"):
-        Sampler(W, CPU).sample_ids(logits[:1], [state(SamplingParams(logprobs=1))])
+    asked = [SamplingParams(seed=11, temperature=0.9, logprobs=3), SamplingParams(temperature=0),
+             SamplingParams(temperature=0, logprobs=0), SamplingParams(seed=13, logprobs=1)]
+    want = Sampler(W, CPU).sample(logits, [state(p) for p in asked])
+    ids = Sampler(W, CPU).sample_ids(logits, [state(p) for p in asked])
+    got = read_logprobs(logprob_table(logits, ids, asked).tolist(), asked)
+    assert got == want and want.logprobs[1] is None and want.logprobs[2] == {} and len(want.logprobs[0]) >= 3
 
 
 def test_sample_ids_counts_tokens_in_flight():

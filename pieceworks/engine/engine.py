@@ -4,9 +4,9 @@ A step reads top to bottom: schedule (admission, chunked prefill, preemption: en
 `Executor.forward` -> sample the rows whose requests computed all their tokens (engine/sampler.py, one
 device-to-host copy) -> append, detokenize, check stop conditions -> outputs. Finished requests give
 their pages back at once; their full pages stay in the prefix cache for later requests.
-With `scheduler.async_steps`, decode steps whose rows ask for no logprobs keep one step in flight:
-a call launches step k, then waits for step k - 1's ids and returns its outputs
-(engine/async_steps.py, `_complete`; the rules are in docs/architecture.md).
+With `scheduler.async_steps`, decode steps keep one step in flight: a call launches step k, then
+waits for step k - 1's ids and returns its outputs (engine/async_steps.py, `_complete`; the rules are
+in docs/architecture.md).
 
 One thread at a time (as the Executor): `add_request`, `abort` and `step` refuse with RuntimeError
 while another thread is inside one of them. `AsyncEngine` shares one Engine between coroutines.
@@ -257,7 +257,8 @@ class Engine:
         """Wait for `step`'s ids and accept them in place of its placeholders (a step launched after
         it may have fed them: they are patched in its sequences too)."""
         caching = self.executor.kv.allocator.prefix_caching
-        for req, tok in zip(step.reqs, self._pipeline.await_ids(step)):
+        ids, logprobs = self._pipeline.await_ids(step)
+        for row, (req, tok) in enumerate(zip(step.reqs, ids)):
             if req.finish_reason is not None or not req.pending:
                 continue  # finished (or aborted) while the step ran: its row is dropped
             req.output.pop()
@@ -267,7 +268,7 @@ class Engine:
                 seq.tokens[-1] = max(tok, 0)
                 if caching and len(seq.tokens) // self.executor.page_size > len(seq.block_keys):
                     self.executor.register_full_pages(seq)
-            self._accept(req, tok, tok >= 0, None)
+            self._accept(req, tok, tok >= 0, logprobs[row] if logprobs is not None else None)
             if stream or req.finish_reason is not None:
                 outputs.append(req.make_output([tok] if tok >= 0 else []))
 

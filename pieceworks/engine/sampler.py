@@ -56,9 +56,6 @@ class SamplingState:
     """The request's own generator on the logits' device (seeded requests that sample), else None."""
     plain: bool = field(default=False, init=False, repr=False)
     """Greedy without penalties, min_tokens or logprobs: the row needs its argmax only."""
-    overlappable: bool = field(default=False, init=False, repr=False)
-    """Without logprobs (which return through the host copy of `sample`): `sample_ids` can draw the
-    row's token before the previous step's tokens reach the host (the Engine's async steps)."""
     in_flight: int = field(default=0, init=False, repr=False)
     """Tokens `sample_ids` drew that `append` has not recorded yet (0 or 1 under async steps): they count
     for min_tokens, and the penalty counts on the device already hold them."""
@@ -68,8 +65,7 @@ class SamplingState:
 
     def __post_init__(self) -> None:
         p = self.params
-        self.overlappable = p.logprobs is None
-        self.plain = p.greedy and not p.uses_penalties and not p.min_tokens and self.overlappable
+        self.plain = p.greedy and not p.uses_penalties and not p.min_tokens and p.logprobs is None
 
     @classmethod
     def create(
@@ -186,12 +182,9 @@ class Sampler:
         before the previous step's tokens are known (the Engine's async steps feed these ids to the
         next decode step on the device). Each row's token counts as in flight (`SamplingState.in_flight`)
         until the engine appends it: min_tokens counts it, and the rows with penalties have it added to
-        their counts on the device now. Rows must be `overlappable` (logprobs come back only through
-        `sample`)."""
+        their counts on the device now. Rows asking for logprobs get them from `logprob_table` of
+        these ids."""
         self._check(logits, states, greedy_ids)
-        if not all([s.overlappable for s in states]):
-            raise ValueError("Sampler.sample_ids takes rows without logprobs (SamplingState.overlappable); "
-                             "use sample() for the others")
         if all([s.plain for s in states]):
             return greedy_ids if greedy_ids is not None else greedy_token_ids(logits)
         ids, finite, slots = self._device_ids(logits, states)
@@ -402,24 +395,34 @@ def _to_host(
     logits: torch.Tensor, ids: torch.Tensor, finite: torch.Tensor, params: list[SamplingParams]
 ) -> SampleResult:
     """Bring ids [B] (-1 where `finite` [B] is False) and the requested logprobs over in the step's one
-    device-to-host copy: an int64 [B] tensor, or with logprobs one float64 [B, C] tensor (exact for
-    ids < 2**53 and float32 logprobs)."""
-    asked = [p.logprobs for p in params]
+    device-to-host copy: an int64 [B] tensor, or with logprobs the float64 `logprob_table`."""
     checked = torch.where(finite, ids, -1)  # the finite flag rides on the id's sign
-    if all([a is None for a in asked]):
+    if all([p.logprobs is None for p in params]):
         token_ids = checked.tolist()  # the one device-to-host copy of the step
-        return SampleResult(token_ids, [t >= 0 for t in token_ids], asked)
-    cols = [checked.unsqueeze(1).double()]
-    k = min(max(a for a in asked if a is not None), logits.shape[1])
+        return SampleResult(token_ids, [t >= 0 for t in token_ids], [None] * len(token_ids))
+    return read_logprobs(logprob_table(logits, checked, params).tolist(), params)
+
+
+def logprob_table(logits: torch.Tensor, ids: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """float64 [B, 2 + 2k] on the logits' device, one row per step row: its id (-1: non-finite logits), the
+    id's logprob, then the top k ids and their logprobs (k: the most logprobs a row asks for, at most V);
+    exact for ids < 2**53 and float32 logprobs. `read_logprobs` reads it on the host."""
+    k = min(max(p.logprobs for p in params if p.logprobs is not None), logits.shape[1])
     lp = logits.log_softmax(dim=-1)
-    cols.append(lp.gather(1, ids.unsqueeze(1)).double())
+    cols = [ids.unsqueeze(1).double(), lp.gather(1, ids.clamp(min=0).unsqueeze(1)).double()]
     if k:
         top_lp, top_ids = lp.topk(k, dim=-1)
         cols += [top_ids.double(), top_lp.double()]
-    host = torch.cat(cols, dim=1).tolist()  # the one device-to-host copy of the step
-    token_ids = [int(r[0]) for r in host]
+    return torch.cat(cols, dim=1)
+
+
+def read_logprobs(rows: list[list[float]], params: list[SamplingParams]) -> SampleResult:
+    """The SampleResult of a `logprob_table` brought to the host (as lists)."""
+    k = (len(rows[0]) - 2) // 2 if rows else 0
+    token_ids = [int(r[0]) for r in rows]
     logprobs: list[dict[int, float] | None] = []
-    for r, tok, a in zip(host, token_ids, asked):
+    for r, tok, p in zip(rows, token_ids, params):
+        a = p.logprobs
         if a is None or tok < 0:
             logprobs.append(None if a is None else {})
             continue

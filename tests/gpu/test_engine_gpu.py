@@ -57,7 +57,7 @@ def test_engine_preemption_on_gpu():
     assert small.stats()["num_preemptions"] > 0
 
 
-def _stream(eng: Engine, first, later, stop_id: int | None = None) -> dict[str, tuple[list[int], str]]:
+def _stream(eng: Engine, first, later, stop_id: int | None = None) -> dict[str, tuple[list[int], str, list | None]]:
     """Step `eng` to the end: `first` at once, `later` after 40 streamed tokens, and the first request
     aborted after 10 of its tokens; at most one token per request per step."""
     for rid, p, sp in first:
@@ -73,7 +73,7 @@ def _stream(eng: Engine, first, later, stop_id: int | None = None) -> dict[str, 
             seen.setdefault(o.request_id, []).extend(o.new_token_ids)
             assert seen[o.request_id] == o.token_ids
             if o.finished:
-                final[o.request_id] = (o.token_ids, o.finish_reason)
+                final[o.request_id] = (o.token_ids, o.finish_reason, o.logprobs)
         if not added and sum(map(len, seen.values())) >= 40:
             for rid, p, sp in later:
                 eng.add_request(p, sp, rid)
@@ -102,8 +102,8 @@ def test_engine_async_steps_stream_the_same_tokens(num_tokens):
     sync = _stream(make(True, num_tokens), first, later)
     eng = make(True, num_tokens, async_steps=True)
     got = _stream(eng, first, later)
-    tokens, reason = got.pop("a0")
-    want, _ = sync.pop("a0")
+    tokens, reason, _ = got.pop("a0")
+    want, _, _ = sync.pop("a0")
     assert reason == "abort" and tokens == want[: len(tokens)]
     assert got == sync and got["a2"][1] == "stop"
     assert eng.stats()["num_async_steps"] > 10
@@ -113,10 +113,11 @@ def test_engine_async_steps_stream_the_same_tokens(num_tokens):
 
 def test_engine_async_steps_with_seeded_sampling():
     """Sampled rows in async steps: the ids the sampler draws on the device feed the next replay (and the
-    penalty counts), and seeded requests (greedy ones beside them) stream the tokens of synchronous steps."""
+    penalty counts), and seeded requests (greedy ones beside them) stream the tokens and logprobs of
+    synchronous steps."""
     ps = [p[:40] for p in prompts(3)]
     first = [(f"a{i}", p, SamplingParams(temperature=0.8, top_p=0.95, top_k=200 if i % 2 else 0, seed=i,
-                                         max_tokens=m, ignore_eos=True))
+                                         max_tokens=m, ignore_eos=True, logprobs=3 if i == 3 else None))
              for i, (p, m) in enumerate(zip(ps[:4], (30, 12, 41, 25)))]
     later = [("b0", ps[4], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)),
              ("b1", ps[5], SamplingParams(temperature=1.0, min_p=0.05, seed=9, max_tokens=20, ignore_eos=True,
@@ -124,10 +125,15 @@ def test_engine_async_steps_with_seeded_sampling():
     sync = _stream(make(True), first, later)
     eng = make(True, async_steps=True)
     got = _stream(eng, first, later)
-    tokens, reason = got.pop("a0")
-    want, _ = sync.pop("a0")
+    tokens, reason, _ = got.pop("a0")
+    want, _, _ = sync.pop("a0")
     assert reason == "abort" and tokens == want[: len(tokens)]
-    assert got == sync
+    lp_got, lp_want = got["a3"][2], sync["a3"][2]
+    assert {k: v[:2] for k, v in got.items()} == {k: v[:2] for k, v in sync.items()}
+    # logprobs: the same tokens; values to float32 rounding (a finished request's row may still be in an
+    # async step's batch, so a step's batch size, and its GEMM tiling, can differ from the synchronous one)
+    assert len(lp_got) == 25 and [d.keys() for d in lp_got] == [d.keys() for d in lp_want]
+    assert all(abs(d[t] - e[t]) <= 1e-4 for d, e in zip(lp_got, lp_want) for t in d)
     assert eng.stats()["num_async_steps"] > 10
 
 
