@@ -51,7 +51,9 @@ class ModelConfig:
     sizes: dict[str, Any] = field(default_factory=dict, metadata={"example": "{num_hidden_layers: 4}"})
     """Hugging Face config keys overriding the preset, e.g. {num_hidden_layers: 4}."""
     max_context: Optional[int] = None
-    """Longest sequence (prompt + generated) accepted; default: the model's max_position_embeddings."""
+    """Longest sequence (prompt + generated) accepted; default: the model's max_position_embeddings. The
+    rope tables cover this many positions (a checkpoint whose max_position_embeddings would need more than
+    1 GiB of them must set it)."""
     allow_extra_tensors: bool = False
     """Load a checkpoint that holds tensors the model does not read (ignoring them). Off: such tensors
     (a bias config.json says is absent, layers beyond num_hidden_layers, an lm_head of a tied model)

@@ -515,3 +515,29 @@ def test_tokenizer_files_that_do_not_load_are_not_taken_for_no_tokenizer(tmp_pat
     with pytest.raises(TokenizerError, match=r"its tokenizer files \(tokenizer.json, tokenizer_config.json\) "
                                              r"don't load \(.*\); fix or re-download them"):
         load_tokenizer(tmp_path)
+
+
+def test_huge_max_position_embeddings_needs_max_context(bf16):
+    """A checkpoint declaring 2**31 positions: its rope tables would take 128 GiB (head_dim 16). Without model.max_context
+    the loader refuses by name before allocating; with it the tables cover only max_context positions,
+    with the values of the full table, and the executor runs."""
+    from pieceworks import Executor
+    from pieceworks.config import ModelConfig, QuantizationConfig
+    from pieceworks.errors import ConfigError
+    from pieceworks.models.loader import load_model
+
+    full = _load(bf16).rotary
+    _edit_json(bf16 / "config.json", _set(max_position_embeddings=2**31))
+    with pytest.raises(ConfigError, match=r"max_position_embeddings \(2147483648\) needs rope tables of 128.0 GiB; "
+                                          r"set model.max_context"):
+        _load(bf16)
+    model = load_model(ModelConfig(path=str(bf16), max_context=96), QuantizationConfig(), "cpu", torch.float32,
+                       progress=False)
+    assert model.rotary.cos.shape == (96, full.cos.shape[1])
+    if full.params["rope_type"] == "default":  # the frequencies do not depend on max_position_embeddings
+        assert torch.equal(model.rotary.cos, full.cos[:96]) and torch.equal(model.rotary.sin, full.sin[:96])
+    cfg = {"model": {"path": str(bf16), "max_context": 96}, "runtime": {"device": "cpu", "dtype": "float32"},
+           "kv_cache": {"num_tokens": 256}}
+    with Executor.from_config(cfg, progress=False) as ex:
+        assert ex.max_context == 96
+        assert len(ex.generate([[1, 2, 3]], max_new_tokens=4)[0]) == 4

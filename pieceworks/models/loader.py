@@ -68,10 +68,31 @@ def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype
 
         source = RandomSource(device, dtype, seed=seed)
     model = build(cls, hf, dtype, fp4, tp)
+    _size_rope_tables(model, model_cfg)
     materialize(model, source, device, progress)
     if reader is not None and not allow_extra:
         check_unused(reader, model)
     return model
+
+
+ROPE_TABLE_BYTES = 1 << 30
+"""Largest rope table (cos + sin) built for a checkpoint's max_position_embeddings when model.max_context
+is not set."""
+
+
+def _size_rope_tables(model: CausalLM, model_cfg: Any) -> None:
+    """Rope tables for the positions the executor can reach: model.max_context where it is set (the
+    executor refuses one above max_position_embeddings), else max_position_embeddings, refused above
+    `ROPE_TABLE_BYTES` with a ConfigError that says to set model.max_context."""
+    rotary = model.rotary
+    limit = getattr(model_cfg, "max_context", None)
+    if limit:
+        rotary.limit(limit)
+    elif rotary.table_bytes > ROPE_TABLE_BYTES:
+        raise ConfigError(
+            f"the checkpoint's max_position_embeddings ({model.max_position_embeddings}) needs rope tables of "
+            f"{rotary.table_bytes / 2**30:.1f} GiB; set model.max_context to the longest sequence to serve "
+            "(e.g. model.max_context=32768): the tables cover only that")
 
 
 def model_facts(model_cfg: Any, quant_cfg: Any, page_size: int,

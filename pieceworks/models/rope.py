@@ -1,8 +1,9 @@
 """Rotary position embeddings as transformers computes them: default, linear, llama3 and yarn (with
 DeepSeek's mscale / mscale_all_dim), in the rotate-half (Llama) and interleaved (DeepSeek) layouts.
 
-cos/sin are precomputed for every position up to max_position_embeddings and gathered by position
-in forward, so a step does no trigonometry and the graph has only an index op.
+cos/sin are precomputed for every position a sequence can reach (max_position_embeddings, or the
+executor's model.max_context where it is set: `RotaryEmbedding.limit`) and gathered by position in
+forward, so a step does no trigonometry and the graph has only an index op.
 """
 
 from __future__ import annotations
@@ -95,24 +96,43 @@ def yarn_softmax_scale(params: dict, head_dim: int) -> float:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables [max_positions, dim/2] (float32), gathered by position: no per-step compute.
+    """cos/sin tables [positions, dim/2] (float32), gathered by position: no per-step compute.
 
-    The tables are non-persistent buffers; `init_buffers()` (re)computes them after the model was
-    materialized from the meta device.
+    `max_positions` is the model's max_position_embeddings (yarn without a factor derives it from
+    that); the tables cover that many positions, or fewer after `limit`. They are non-persistent
+    buffers; `init_buffers()` (re)computes them after the model was materialized from the meta device.
     """
 
     def __init__(self, params: dict, dim: int, max_positions: int) -> None:
         super().__init__()
         self.params, self.dim, self.max_positions = params, dim, max_positions
-        self.register_buffer("cos", torch.empty(max_positions, dim // 2, dtype=torch.float32), persistent=False)
-        self.register_buffer("sin", torch.empty(max_positions, dim // 2, dtype=torch.float32), persistent=False)
+        self._tables(max_positions)
         if self.cos.device.type != "meta":
             self.init_buffers()
+
+    def _tables(self, positions: int) -> None:
+        dev = self.cos.device if hasattr(self, "cos") else None
+        self.register_buffer("cos", torch.empty(positions, self.dim // 2, dtype=torch.float32, device=dev),
+                             persistent=False)
+        self.register_buffer("sin", torch.empty(positions, self.dim // 2, dtype=torch.float32, device=dev),
+                             persistent=False)
+
+    @property
+    def table_bytes(self) -> int:
+        return 2 * self.cos.shape[0] * (self.dim // 2) * 4
+
+    def limit(self, positions: int) -> None:
+        """Cover only the first `positions` positions (the longest sequence the executor accepts): a
+        checkpoint may declare far more than a pool can hold. The values stay those of the full table."""
+        if 0 < positions < self.cos.shape[0]:
+            self._tables(positions)
+            if self.cos.device.type != "meta":
+                self.init_buffers()
 
     def init_buffers(self) -> None:
         inv_freq, attention_factor = rope_frequencies(self.params, self.dim, self.max_positions)
         inv_freq = inv_freq.to(self.cos.device)
-        freqs = torch.arange(self.max_positions, device=self.cos.device).float()[:, None] * inv_freq
+        freqs = torch.arange(self.cos.shape[0], device=self.cos.device).float()[:, None] * inv_freq
         self.cos.copy_(freqs.cos() * attention_factor)
         self.sin.copy_(freqs.sin() * attention_factor)
 
