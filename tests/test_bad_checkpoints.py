@@ -541,3 +541,25 @@ def test_huge_max_position_embeddings_needs_max_context(bf16):
     with Executor.from_config(cfg, progress=False) as ex:
         assert ex.max_context == 96
         assert len(ex.generate([[1, 2, 3]], max_new_tokens=4)[0]) == 4
+
+
+def test_chat_template_that_is_no_jinja_is_named(tmp_path):
+    """A chat template with a Jinja syntax error is refused when the tokenizer loads, naming the file and
+    the line (transformers compiles it only when a chat is rendered: a traceback in `pieceworks run`)."""
+    pytest.importorskip("transformers", reason="tokenizers load through transformers")
+    smollm2 = pytest.importorskip("pieceworks.models.smollm2")
+    from pieceworks.errors import TokenizerError
+    from pieceworks.models.loader import load_tokenizer
+
+    try:
+        src = smollm2.ensure_smollm2(progress=False)
+    except smollm2.SmolLM2NotInstalled as exc:
+        pytest.skip(str(exc))
+    for name in smollm2.TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, tmp_path / name)
+    assert load_tokenizer(tmp_path).chat_template  # the intact copy loads
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
+    with pytest.raises(TokenizerError, match=r"chat_template.jinja: the chat template is not valid Jinja "
+                                             r"\(line 2: unexpected '}'\); fix the template"):
+        load_tokenizer(tmp_path)

@@ -346,7 +346,7 @@ def load_tokenizer(model_dir: Path | None):
         raise ValueError("tokenizing text needs transformers: pip install 'pieceworks[demo]'") from exc
     present = [n for n in TOKENIZER_FILES if (Path(model_dir) / n).exists()]
     try:
-        return AutoTokenizer.from_pretrained(model_dir)
+        tok = AutoTokenizer.from_pretrained(model_dir)
     except Exception as exc:  # OSError, ValueError, and the tokenizers library's bare Exception
         if present:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -355,3 +355,32 @@ def load_tokenizer(model_dir: Path | None):
         raise CheckpointError(f"{model_dir}: the model has no tokenizer that transformers can load "
                               "(tokenizer.json / tokenizer_config.json); pass token ids, or add the "
                               "model's tokenizer files") from None
+    _check_chat_template(tok, Path(model_dir))
+    return tok
+
+
+def _check_chat_template(tok: Any, model_dir: Path) -> None:
+    """TokenizerError for a chat template that is no valid Jinja (transformers compiles it only when a
+    chat is first rendered, where a syntax error would be a traceback or a refused request)."""
+    templates = tok.chat_template if isinstance(tok.chat_template, dict) else {"": tok.chat_template}
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template as compile_template
+    except ImportError:  # another transformers: jinja2's parser with the loop controls transformers enables
+        import jinja2.ext
+        import jinja2.sandbox
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
+        compile_template = env.parse
+    import jinja2
+
+    for name, template in templates.items():
+        if not isinstance(template, str):
+            continue
+        try:
+            compile_template(template)
+        except jinja2.TemplateSyntaxError as exc:
+            where = "chat_template.jinja" if (model_dir / "chat_template.jinja").exists() else "tokenizer_config.json"
+            label = f" {name!r}" if name else ""
+            raise TokenizerError(f"{model_dir / where}: the chat template{label} is not valid Jinja (line "
+                                 f"{exc.lineno}: {exc.message}); fix the template, or remove it to tokenize prompts "
+                                 "without one") from None
