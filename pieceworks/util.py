@@ -32,6 +32,17 @@ def setup_logging(level: int = logging.INFO) -> None:
     logger.propagate = False
 
 
+def unreadable(path, exc: OSError):
+    """The CheckpointError for a checkpoint file the operating system won't read (permission denied, an
+    I/O error), naming the file and what to do."""
+    from pieceworks.errors import CheckpointError
+
+    why = exc.strerror or str(exc) or type(exc).__name__
+    hint = ("give the user running pieceworks read access to it" if isinstance(exc, PermissionError)
+            else "check the file system or re-download it")
+    return CheckpointError(f"{path}: can't be read ({why}); {hint}")
+
+
 def load_json_object(path) -> dict:
     """A checkpoint's JSON file (config.json, generation_config.json, ...) that must hold an object.
 
@@ -46,6 +57,8 @@ def load_json_object(path) -> dict:
         data = json.loads(path.read_text())
     except ValueError as e:
         raise CheckpointError(f"{path}: not valid JSON ({e}); fix or re-download it") from None
+    except (PermissionError, IsADirectoryError) as e:
+        raise unreadable(path, e) from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object at the top level, got {type(data).__name__}")
     return data

@@ -563,3 +563,34 @@ def test_chat_template_that_is_no_jinja_is_named(tmp_path):
     with pytest.raises(TokenizerError, match=r"chat_template.jinja: the chat template is not valid Jinja "
                                              r"\(line 2: unexpected '}'\); fix the template"):
         load_tokenizer(tmp_path)
+
+
+def test_files_the_os_will_not_read_are_named(bf16, monkeypatch):
+    """Permission denied on config.json or a safetensors file: a CheckpointError naming the file and the
+    cause (config.json was a raw PermissionError, the weights 'truncated or corrupt'). Simulated: chmod
+    000 does not stop root, who runs the tests in CI."""
+    import pathlib
+
+    import pieceworks.models.checkpoint as checkpoint
+
+    read_text = pathlib.Path.read_text
+
+    def denied(self, *a, **kw):
+        if self.name == "config.json":
+            raise PermissionError(13, "Permission denied", str(self))
+        return read_text(self, *a, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(pathlib.Path, "read_text", denied)
+        with pytest.raises(CheckpointError, match=r"config.json: can't be read \(Permission denied\); give the "
+                                                  r"user running pieceworks read access to it"):
+            _load(bf16)
+
+    def safe_open(path, *a, **kw):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(checkpoint, "safe_open", safe_open)
+    with pytest.raises(CheckpointError) as e:
+        _load(bf16)
+    assert str(bf16 / "model.safetensors") in str(e.value) and "can't be read (Permission denied)" in str(e.value)
+    assert "corrupt" not in str(e.value)

@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pieceworks.errors import CheckpointError
+from pieceworks.util import unreadable
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -82,6 +83,8 @@ class CheckpointReader:
             weight_map = data["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not an object")
+        except PermissionError as e:
+            raise unreadable(index, e) from None
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e}); {_REDOWNLOAD}") from None
         odd = next(((n, f) for n, f in weight_map.items() if not isinstance(f, str) or not f), None)
@@ -120,6 +123,8 @@ class CheckpointReader:
             path = self.model_dir / filename
             try:
                 h = safe_open(str(path), framework="pt", device="cpu")
+            except PermissionError as e:
+                raise unreadable(path, e) from None
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(
                     f"{path}: not a readable safetensors file, truncated or corrupt ({e}); "
@@ -206,6 +211,8 @@ class CheckpointReader:
             raise CheckpointError(f"{path}: missing; a Hugging Face checkpoint needs its config.json") from None
         except ValueError as e:
             raise CheckpointError(f"{path}: not valid JSON ({e}); fix or re-download it") from None
+        except OSError as e:
+            raise unreadable(path, e) from None
 
     def __repr__(self) -> str:
         shards = len(set(self._weight_map.values()))

@@ -23,6 +23,7 @@ from pieceworks.models.base import CausalLM
 from pieceworks.models.deepseek_v3 import DeepseekV3
 from pieceworks.models.llama import Llama
 from pieceworks.parallel.layout import TPLayout
+from pieceworks.util import unreadable
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": Llama,
@@ -175,6 +176,8 @@ def read_config(path: Path) -> dict:
         raise CheckpointError(f"{cfg}: not UTF-8 text (byte {e.start}: {e.reason}); fix or re-download it") from None
     except ValueError as e:
         raise CheckpointError(f"{cfg}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise unreadable(cfg, e) from None
     if not isinstance(hf, dict):
         raise CheckpointError(f"{cfg}: expected a JSON object")
     return hf
