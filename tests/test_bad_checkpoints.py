@@ -594,3 +594,13 @@ def test_files_the_os_will_not_read_are_named(bf16, monkeypatch):
         _load(bf16)
     assert str(bf16 / "model.safetensors") in str(e.value) and "can't be read (Permission denied)" in str(e.value)
     assert "corrupt" not in str(e.value)
+
+
+def test_nvfp4_tensors_without_a_quantization_config(ckpt):
+    """ModelOpt's export without its hf_quant_config.json (nor quantization_config in config.json) loaded
+    as a dense model of dequantized weights, silently; it is refused by name."""
+    (ckpt / "hf_quant_config.json").unlink(missing_ok=True)
+    _edit_json(ckpt / "config.json", lambda c: c.pop("quantization_config", None))
+    with pytest.raises(CheckpointError, match=r"holds NVFP4 tensors \(model\.layers\..*\.weight_scale, \.\.\.\) but no "
+                                              r"quantization config \(hf_quant_config.json, or quantization_config"):
+        _load(ckpt)

@@ -62,6 +62,7 @@ def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype
         from pieceworks.models.weights import CheckpointSource
 
         reader = CheckpointReader(Path(model_cfg.path))
+        _check_quantization_config(reader)
         _check_tied_head(reader, hf, allow_extra)
         source: Any = CheckpointSource(reader, device, dtype)
     else:
@@ -94,6 +95,22 @@ def _size_rope_tables(model: CausalLM, model_cfg: Any) -> None:
             f"the checkpoint's max_position_embeddings ({model.max_position_embeddings}) needs rope tables of "
             f"{rotary.table_bytes / 2**30:.1f} GiB; set model.max_context to the longest sequence to serve "
             "(e.g. model.max_context=32768): the tables cover only that")
+
+
+def _check_quantization_config(reader: Any) -> None:
+    """A checkpoint with NVFP4 tensors (`*.weight_scale`) must say so in a quantization config: without
+    one every NVFP4 linear would load dequantized (as the dense loader does for the layers a config
+    excludes), silently a bf16 model of the same numbers at four times the memory."""
+    from pieceworks.quant.modelopt import detect_quantization
+
+    if detect_quantization(reader.model_dir) is not None:
+        return
+    scale = next((n for n in reader.names() if n.endswith(".weight_scale")), None)
+    if scale is not None:
+        raise CheckpointError(
+            f"{reader.model_dir}: holds NVFP4 tensors ({scale}, ...) but no quantization config "
+            "(hf_quant_config.json, or quantization_config in config.json); restore the one ModelOpt "
+            "exported with these weights")
 
 
 def model_facts(model_cfg: Any, quant_cfg: Any, page_size: int,
