@@ -88,3 +88,42 @@ def test_max_shard_size_forms():
     for bad in ("0", "-5GB", "lots", "5XB"):
         with pytest.raises(ValueError, match=rf"--max-shard-size {bad!r}: expected a positive size"):
             parse_size(bad)
+
+
+def test_failed_runs_leave_no_destination(tiny_llama_modelopt, tmp_path):
+    """Non-finite weights, a binary calibration text, a destination inside the source: refused with the
+    file or tensor named, and no DST directory left behind (a failed run removes what it created)."""
+    import shutil
+
+    import pytest
+    from safetensors.torch import load_file, save_file
+
+    from pieceworks.quant.quantizer import quantize_checkpoint
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_llama_modelopt.bf16_dir, src)
+    tensors = load_file(src / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name][3, 5] = float("nan")
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    dst = tmp_path / "out" / "fp4"
+    with pytest.raises(ValueError) as e:
+        quantize_checkpoint(src, dst, amax=1.0, progress=False)
+    assert "model.layers.1.mlp.down_proj" in str(e.value), str(e.value)
+    assert not (tmp_path / "out").exists()  # both directories the run created are gone
+    (tmp_path / "kept").mkdir()  # an empty DST that was there before stays
+    with pytest.raises(ValueError):
+        quantize_checkpoint(src, tmp_path / "kept", amax=1.0, progress=False)
+    assert (tmp_path / "kept").is_dir() and not any((tmp_path / "kept").iterdir())
+
+    good = tiny_llama_modelopt.bf16_dir
+    calib = tmp_path / "calib.bin"
+    calib.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe" * 20)
+    with pytest.raises(ValueError, match=rf"{calib}: the calibration text is not UTF-8 \(byte \d+: .*\); give a "
+                                         "plain-text file"):
+        quantize_checkpoint(good, tmp_path / "c", calib_text=calib, progress=False)
+    assert not (tmp_path / "c").exists()
+    inner = src / "nvfp4"
+    with pytest.raises(ValueError, match="the destination lies inside the source"):
+        quantize_checkpoint(src, inner, amax=1.0, progress=False)
+    assert not inner.exists()

@@ -159,6 +159,9 @@ def calibrate_from_text(
         text = text_file.read_text(encoding="utf-8")
     except OSError as e:
         raise ValueError(f"{text_file}: cannot read the calibration text ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{text_file}: the calibration text is not UTF-8 (byte {e.start}: {e.reason}); give "
+                         "a plain-text file") from None
     if not text.strip():
         raise ValueError(f"{text_file}: the calibration text is empty")
     try:

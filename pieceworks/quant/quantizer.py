@@ -137,6 +137,9 @@ def _check_dirs(src: Path, dst: Path, reader: CheckpointReader) -> dict:
         )
     if dst.resolve() == src.resolve():
         raise ValueError(f"{dst}: the destination is the source; choose a new directory")
+    if src.resolve() in dst.resolve().parents:
+        raise ValueError(f"{dst}: the destination lies inside the source {src} (whose files it copies, and where "
+                         "a later load would find its weights); choose a directory outside it")
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ValueError(f"{dst}: exists and is not an empty directory; choose a new one")
     return config
@@ -259,6 +262,7 @@ def quantize_checkpoint(
             TensorSpec(f"{lin.module}.weight_scale_2", torch.float32, ()),
             TensorSpec(f"{lin.module}.input_scale", torch.float32, ()),
         ]
+    created = [d for d in (dst, *dst.parents) if not d.exists()]  # removed again if the run fails
     dst.mkdir(parents=True, exist_ok=True)
     writer = ShardedWriter(dst, specs, max_shard_bytes)
     try:
@@ -271,6 +275,9 @@ def quantize_checkpoint(
                 if lin is None:
                     writer.write(name, t)
                 else:
+                    if not bool(torch.isfinite(t).all()):
+                        raise ValueError(f"{src}: {name} holds NaN or inf; quantize needs finite weights (fix "
+                                         "or re-download the checkpoint)")
                     scale2 = ws2[lin.module] if lin.module in ws2 else nvfp4.weight_global_scale(t)
                     packed, scale, scale2 = _quantize_rows(t, scale2)
                     writer.write(name, packed)
@@ -284,8 +291,22 @@ def quantize_checkpoint(
         writer.close()  # publishes the weight files last: a run that stops early leaves none
     except BaseException:
         writer.abort()
+        _remove_written(dst, created)
         raise
     return dst
+
+
+def _remove_written(dst: Path, created: list[Path]) -> None:
+    """After a failed run: the files it wrote into dst (new or empty when the run began: `_check_dirs`; the
+    writer removed its weight files already), and the directories it created, deepest first."""
+    for f in dst.iterdir():
+        if f.is_file() or f.is_symlink():
+            f.unlink()
+    for d in created:
+        try:
+            d.rmdir()
+        except OSError:
+            break
 
 
 def _nbytes(reader: CheckpointReader, name: str) -> int:
