@@ -101,6 +101,20 @@ class NoForward(AttentionBackend):
 def pieceworks_register_backends():
     return [NoForward]
 ''',
+    "bad_signature": '''
+from pieceworks import hookimpl
+from pieceworks.backends.attention.torch import TorchAttentionBackend
+
+class OldForward(TorchAttentionBackend):
+    name = "oldforward"
+
+    def forward(self, q, k, v, out, layer_id):
+        pass
+
+@hookimpl
+def pieceworks_register_backends():
+    return [OldForward]
+''',
     "dup_key": '''
 from pieceworks import hookimpl
 from pieceworks.backends.attention.torch import TorchAttentionBackend
@@ -124,11 +138,15 @@ EXPECTED = {
     "dup_key": "registered as attention.torch, which plugin 'pieceworks.torch' already registers",
     "no_forward": "pwb_no_forward.NoForward does not define forward: attention backends implement it",
     "bare_class": "pieceworks_register_backends returned Bare, not a list of backend classes: return a list (e.g. [Bare])",
+    "bad_signature": "pwb_bad_signature.OldForward.forward(self, q, k, v, out, layer_id) cannot take "
+                     "AttentionBackend.forward's arguments (q, k, v, out, layer_id, scale, kv): too many positional "
+                     "arguments; give it the parameters of the op's base class",
 }
 
 
-def install(tmp_path, monkeypatch, dist: str, modules: dict[str, str], eps: dict[str, str]) -> None:
-    """A distribution `dist` on sys.path with `modules` and entry points `eps` of group pieceworks."""
+def install(tmp_path, monkeypatch, dist: str, modules: dict[str, str], eps: dict[str, str],
+            group: str = "pieceworks") -> None:
+    """A distribution `dist` on sys.path with `modules` and entry points `eps` of `group`."""
     root = tmp_path / dist
     root.mkdir()
     for mod, src in modules.items():
@@ -136,7 +154,7 @@ def install(tmp_path, monkeypatch, dist: str, modules: dict[str, str], eps: dict
     info = root / f"{dist.replace('-', '_')}-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[pieceworks]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()))
+    (info / "entry_points.txt").write_text(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()))
     monkeypatch.syspath_prepend(str(root))
     for mod in modules:
         monkeypatch.delitem(sys.modules, mod, raising=False)
@@ -172,9 +190,13 @@ def test_each_broken_plugin_is_reported_and_the_rest_still_runs(installed):
 
 
 def test_selecting_a_broken_plugins_backend_names_the_plugin(installed):
-    with pytest.raises(SelectionError, match=r"no attention backend named 'typo'.*plugin 'misspelt' \(distribution "
-                       r"pw-broken-kernels 0.1.*pieceworks_register_backend, which is no pieceworks hook"):
+    """The selection error lists every broken plugin (it may have registered the name), one short line each."""
+    with pytest.raises(SelectionError, match=r"(?s)no attention backend named 'typo'.*plugins left out as broken "
+                       r"\(`pieceworks backends` says why in full.*\n  - plugin 'misspelt' \(distribution "
+                       r"pw-broken-kernels 0.1\): it defines pieceworks_register_backend, which is no pieceworks hook") as e:
         resolve(Registry().load(), ["backends.attention=typo"])
+    lines = str(e.value).splitlines()
+    assert len(lines) == 1 + len(BROKEN) and max(map(len, lines[1:])) <= 170
 
 
 def test_blocked_broken_plugin_is_neither_loaded_nor_reported(installed):
@@ -271,3 +293,19 @@ def test_pieceworks_backends_lists_broken_plugins(installed, capsys):
     assert "broken plugin import (distribution pw-broken-kernels 0.1, entry point import = pwb_import): import " \
            "failed: ImportError: missing kernel library; block it with plugins.disabled=[import]" in out
     assert "broken plugin no_name" in out
+
+
+@pytest.mark.parametrize("group", ["pieceworks.backends", "pieceworks_plugins", "peiceworks"])
+def test_a_plugin_in_a_misspelt_entry_point_group_is_reported(tmp_path, monkeypatch, group):
+    """An entry point under a group that is not `pieceworks` but looks like it was never loaded and never
+    mentioned; it is reported as left out, with the group to use."""
+    install(tmp_path, monkeypatch, "pw-misgrouped", {"pwm_good": GOOD}, {"mine": "pwm_good"}, group=group)
+    try:
+        reg = Registry().load()
+        (b,) = [b for b in reg.broken if b.name == "mine"]
+        assert f"its entry point is in group {group!r}, not 'pieceworks', so it is never loaded: declare it " \
+               "under [pieceworks]" in b.reason
+        assert b.origin == "distribution pw-misgrouped 0.1, entry point mine = pwm_good"
+        assert "mine" not in reg.plugin_names()
+    finally:
+        sys.modules.pop("pwm_good", None)

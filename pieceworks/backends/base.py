@@ -8,6 +8,8 @@ a check may look at, so tests build one by hand (a capability override is just a
 
 from __future__ import annotations
 
+import inspect
+
 import importlib.util
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
@@ -199,6 +201,34 @@ class Backend:
     def unimplemented(cls) -> list[str]:
         """The op's contract methods (`contract`) this class leaves to the base class."""
         return [name for name in dir(cls) if getattr(getattr(cls, name, None), "__pieceworks_contract__", False)]
+
+    @classmethod
+    def signature_problems(cls) -> list[str]:
+        """The methods of the op's base classes (`pieceworks.backends.*.base`) that this class overrides with
+        parameters that can't take the base method's arguments: 'forward(self, q, k) cannot take (q, k, v,
+        out, ...)' per method. Extra parameters with defaults, *args and **kwargs are fine."""
+        out = []
+        for klass in reversed(cls.__mro__):
+            if not klass.__module__.startswith("pieceworks.backends.") or not klass.__module__.endswith(".base"):
+                continue
+            for name, ref in vars(klass).items():
+                impl = getattr(cls, name, None)
+                if name.startswith("_") or not inspect.isfunction(ref) or impl is ref or not callable(impl):
+                    continue
+                try:
+                    want, got = inspect.signature(ref), inspect.signature(impl)
+                except (TypeError, ValueError):
+                    continue
+                params = list(want.parameters.values())[1:]  # without self
+                args = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+                kwargs = {p.name: None for p in params if p.kind is p.KEYWORD_ONLY}
+                bound = ("self", *args) if inspect.isfunction(impl) else args
+                try:
+                    got.bind(*bound, **kwargs)
+                except TypeError as e:
+                    taken = ", ".join(args + [f"{k}=" for k in kwargs])
+                    out.append(f"{name}{got} cannot take {klass.__qualname__}.{name}'s arguments ({taken}): {e}")
+        return out
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.key()}>"

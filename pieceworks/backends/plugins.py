@@ -117,7 +117,8 @@ class PluginSet:
         """Every entry point of group `pieceworks`; one name installed by several distributions is
         reported and none of them is loaded (which one wins would depend on sys.path order)."""
         by_name: dict[str, list[importlib.metadata.EntryPoint]] = defaultdict(list)
-        for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT):
+        every = importlib.metadata.entry_points()
+        for ep in every.select(group=hookspecs.PROJECT):
             seen = by_name[ep.name]
             if not any(e.value == ep.value and entry_point_origin(e) == entry_point_origin(ep) for e in seen):
                 seen.append(ep)
@@ -136,6 +137,22 @@ class PluginSet:
                 self.mark_broken(name, entry_point_origin(ep), f"import failed: {type(exc).__name__}: {exc}")
                 continue
             self.add(name, plugin, entry_point_origin(ep))
+        self._misgrouped(every)
+
+    def _misgrouped(self, every: importlib.metadata.EntryPoints) -> None:
+        """Report the entry points of groups that look like a misspelling of `pieceworks` (pieceworks.backends,
+        pieceworks_plugins, pieceowrks, ...): otherwise such a plugin is silently never loaded."""
+        project = hookspecs.PROJECT
+        for group in every.groups:
+            near = group.lower().replace("-", "_").startswith(project) or difflib.get_close_matches(
+                group.lower(), [project], n=1, cutoff=0.8)
+            if group == project or not near:
+                continue
+            for ep in every.select(group=group):
+                if not self.pm.is_blocked(ep.name) and not self.known(ep.name):
+                    self.mark_broken(ep.name, entry_point_origin(ep), f"its entry point is in group {group!r}, "
+                                     f"not {project!r}, so it is never loaded: declare it under [{project}] "
+                                     "(docs/plugins.md)")
 
     def _leave_out_rivals(self, classes: list, name: str) -> list[str]:
         """Leave out the plugins that already registered a key that `name` registers too, unless they are
@@ -191,6 +208,10 @@ class PluginSet:
             if missing:
                 return (f"{what} does not define {', '.join(missing)}: {cls.op} backends implement it with the "
                         f"signature of the op's base class (docs/plugins.md, the contract per op)")
+            bad = cls.signature_problems()
+            if bad:
+                return (f"{what}.{bad[0]}; give it the parameters of the op's base class (docs/plugins.md, the "
+                        "contract per op)")
             key = cls.key()
             if key in self.contested:
                 return f"{what} is registered as {key}, which other plugins registered too (all left out)"

@@ -234,10 +234,9 @@ class Registry:
         rejected = lambda: tuple((c.backend.name, tuple(c.reasons)) for c in cands if not c.ok)  # noqa: E731
         if configured != "auto":
             if configured not in names:
-                broken = "".join(f"; {b}" for b in self.plugins.broken)
                 raise SelectionError(
                     f"backends.{op}: no {op} backend named {configured!r}; registered: "
-                    f"{', '.join(names) or 'none'}{broken}"
+                    f"{', '.join(names) or 'none'}{left_out(self.plugins.broken)}"
                 )
             pinned = cands[names.index(configured)]
             hard = [r for r in pinned.reasons if not r.startswith("not safe in ")]
@@ -294,6 +293,20 @@ def _known_options(name: str, all_backends: list[type[Backend]]) -> set[str]:
     return known
 
 
+def left_out(broken: list[BrokenPlugin], width: int = 100) -> str:
+    """The broken plugins (which may have registered the backend asked for), one line each with its
+    reason cut to `width` characters; `pieceworks backends` shows them in full."""
+    if not broken:
+        return ""
+    lines = []
+    for b in broken:
+        where = b.origin.split(", entry point")[0]
+        reason = b.reason if len(b.reason) <= width else b.reason[: width - 3] + "..."
+        lines.append(f"\n  - plugin {b.name!r} ({where}): {reason}")
+    return ("; plugins left out as broken (`pieceworks backends` says why in full; plugins.disabled blocks "
+            "one):" + "".join(lines))
+
+
 def _check_names(backends_cfg: Any, all_backends: list[type[Backend]], broken: list[BrokenPlugin],
                  disabled: list[str]) -> None:
     """Every backend named in `backends.<op>` must be registered for that op, also for ops this model
@@ -309,7 +322,7 @@ def _check_names(backends_cfg: Any, all_backends: list[type[Backend]], broken: l
                 raise SelectionError(f"backends.{op}: no {op} backend named {name!r}"
                                      + (f" (did you mean {close[0]!r}?)" if close else "")
                                      + f"; registered: {', '.join(names) or 'none'} (or auto){blocked}"
-                                     + "".join(f"; {b}" for b in broken))
+                                     + left_out(broken))
 
 
 def _check_options(backends_cfg: Any, all_backends: list[type[Backend]]) -> None:
