@@ -43,6 +43,22 @@ def unreadable(path, exc: OSError):
     return CheckpointError(f"{path}: can't be read ({why}); {hint}")
 
 
+def checked_stat(path, where=None):
+    """`os.stat_result` of a checkpoint path, or None when nothing is there.
+
+    Raises:
+        CheckpointError: the OS won't look (`unreadable`; naming `where`, default `path`): permission
+            denied on a directory on the way, which `Path.is_file` and friends raise as a bare
+            PermissionError.
+    """
+    try:
+        return path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise unreadable(where if where is not None else path, e) from None
+
+
 def load_json_object(path) -> dict:
     """A checkpoint's JSON file (config.json, generation_config.json, ...) that must hold an object.
 

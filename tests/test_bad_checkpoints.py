@@ -328,6 +328,22 @@ CONFIG_CASES = {
     "num_hidden_layers 2.5": (_set(num_hidden_layers=2.5), "num_hidden_layers: 2.5 (float) must be an integer"),
     "max_position_embeddings -5": (_set(max_position_embeddings=-5), "max_position_embeddings: -5 must be >= 1"),
     "max_position_embeddings 0": (_set(max_position_embeddings=0), "max_position_embeddings: 0 must be >= 1"),
+    "max_position_embeddings 1e8": (_set(max_position_embeddings=1e8),
+                                    "max_position_embeddings: 100000000.0 (float) must be an integer"),
+    "max_position_embeddings true": (_set(max_position_embeddings=True),
+                                     "max_position_embeddings: True (bool) must be an integer"),
+    "llama3 rope pretrained on 0 positions": (
+        _set(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 0, "rope_theta": 1e5}),
+        "rope_parameters.original_max_position_embeddings: 0 must be an integer >= 1"),
+    "yarn rope pretrained on '4096' positions": (
+        _set(rope_parameters=None, rope_theta=1e4,
+             rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": "4096"}),
+        "rope_scaling.original_max_position_embeddings: '4096' must be an integer >= 1"),
+    "llama3 rope with high_freq_factor 0": (
+        _set(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 0, "rope_theta": 1e5}),
+        "rope_parameters.high_freq_factor: 0 must be a finite number > 0"),
     "rope_theta abc": (_set(rope_parameters={"rope_theta": "abc", "rope_type": "default"}),
                        "rope_parameters.rope_theta: 'abc' must be a finite number > 0"),
     "top-level rope_theta abc": (_set(rope_theta="abc"), "rope_theta: 'abc' (str) must be a number"),
@@ -505,7 +521,7 @@ def test_tokenizer_files_that_do_not_load_are_not_taken_for_no_tokenizer(tmp_pat
     (which makes the Engine and `pieceworks run` fall back to token ids)."""
     pytest.importorskip("transformers", reason="tokenizers load through transformers")
     from pieceworks.errors import TokenizerError
-    from pieceworks.models.loader import load_tokenizer
+    from pieceworks.models.tokenizer import load_tokenizer
 
     with pytest.raises(CheckpointError, match="has no tokenizer that transformers can load") as err:
         load_tokenizer(tmp_path)
@@ -515,6 +531,25 @@ def test_tokenizer_files_that_do_not_load_are_not_taken_for_no_tokenizer(tmp_pat
     with pytest.raises(TokenizerError, match=r"its tokenizer files \(tokenizer.json, tokenizer_config.json\) "
                                              r"don't load \(.*\); fix or re-download them"):
         load_tokenizer(tmp_path)
+
+
+def test_tokenizer_file_the_os_will_not_read_is_named(tmp_path, monkeypatch):
+    """transformers raises PermissionError for a tokenizer file it can't open (the real exception,
+    simulated: root reads chmod-000 files): named as unreadable, not as broken."""
+    transformers = pytest.importorskip("transformers", reason="tokenizers load through transformers")
+    from pieceworks.errors import TokenizerError
+    from pieceworks.models.tokenizer import load_tokenizer
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+
+    def from_pretrained(path, *a, **kw):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "tokenizer.json"))
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    with pytest.raises(TokenizerError) as e:
+        load_tokenizer(tmp_path)
+    assert str(e.value) == (f"{tmp_path / 'tokenizer.json'}: can't be read (Permission denied); give the user "
+                            "running pieceworks read access to it")
 
 
 def test_huge_max_position_embeddings_needs_max_context(bf16):
@@ -543,13 +578,38 @@ def test_huge_max_position_embeddings_needs_max_context(bf16):
         assert len(ex.generate([[1, 2, 3]], max_new_tokens=4)[0]) == 4
 
 
+def test_rope_tables_are_only_built_for_the_positions_served(bf16):
+    """max_position_embeddings beyond what a tensor can index (2**70) loads with model.max_context: no table
+    of the declared size is built, not even on the meta device. A max_context above max_position_embeddings
+    is refused before anything is allocated; a null max_position_embeddings is transformers' default."""
+    from pieceworks.config import ModelConfig, QuantizationConfig
+    from pieceworks.errors import ConfigError
+    from pieceworks.models.loader import load_model
+
+    def load(**kw):
+        return load_model(ModelConfig(path=str(bf16), **kw), QuantizationConfig(), "cpu", torch.float32,
+                          progress=False)
+
+    full = load().rotary
+    with pytest.raises(ConfigError, match=r"model.max_context: 200 exceeds the model's max_position_embeddings "
+                                          r"\(128\); use at most that"):
+        load(max_context=200)
+    _edit_json(bf16 / "config.json", _set(max_position_embeddings=2**70))
+    model = load(max_context=96)
+    assert model.max_position_embeddings == 2**70 and model.rotary.cos.shape == (96, full.cos.shape[1])
+    assert torch.equal(model.rotary.cos, full.cos[:96]) and torch.equal(model.rotary.sin, full.sin[:96])
+    _edit_json(bf16 / "config.json", _set(max_position_embeddings=None))
+    assert load().rotary.cos.shape[0] == 2048
+
+
 def test_chat_template_that_is_no_jinja_is_named(tmp_path):
-    """A chat template with a Jinja syntax error is refused when the tokenizer loads, naming the file and
-    the line (transformers compiles it only when a chat is rendered: a traceback in `pieceworks run`)."""
+    """A chat template with a Jinja syntax error, or one that is no text, is refused when the tokenizer
+    loads, naming the file it came from and the line (transformers compiles it only when a chat is
+    rendered: a traceback in `pieceworks run`)."""
     pytest.importorskip("transformers", reason="tokenizers load through transformers")
     smollm2 = pytest.importorskip("pieceworks.models.smollm2")
     from pieceworks.errors import TokenizerError
-    from pieceworks.models.loader import load_tokenizer
+    from pieceworks.models.tokenizer import load_tokenizer
 
     try:
         src = smollm2.ensure_smollm2(progress=False)
@@ -559,48 +619,148 @@ def test_chat_template_that_is_no_jinja_is_named(tmp_path):
         if (src / name).exists():
             shutil.copy(src / name, tmp_path / name)
     assert load_tokenizer(tmp_path).chat_template  # the intact copy loads
+    good = (tmp_path / "chat_template.jinja").read_text()
     (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
     with pytest.raises(TokenizerError, match=r"chat_template.jinja: the chat template is not valid Jinja "
                                              r"\(line 2: unexpected '}'\); fix the template"):
         load_tokenizer(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(good)
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools")
+    with pytest.raises(TokenizerError, match=r"additional_chat_templates/tool_use.jinja: the chat template 'tool_use' "
+                                             r"is not valid Jinja \(line 1: unexpected end of template"):
+        load_tokenizer(tmp_path)
+    shutil.rmtree(tmp_path / "additional_chat_templates")
+    (tmp_path / "chat_template.jinja").unlink()
+    _edit_json(tmp_path / "tokenizer_config.json", lambda c: c.update(chat_template=5))
+    with pytest.raises(TokenizerError, match=r"tokenizer_config.json: the chat template is 5 \(int\), not Jinja "
+                                             r"text; fix the template"):
+        load_tokenizer(tmp_path)
 
 
 def test_files_the_os_will_not_read_are_named(bf16, monkeypatch):
-    """Permission denied on config.json or a safetensors file: a CheckpointError naming the file and the
-    cause (config.json was a raw PermissionError, the weights 'truncated or corrupt'). Simulated: chmod
-    000 does not stop root, who runs the tests in CI."""
+    """Permission denied on config.json, on a safetensors file or on the model directory: a CheckpointError
+    naming it and the cause. safetensors reports an unreadable file as SafetensorError "No such file or
+    directory", which read as "truncated or corrupt". Simulated here (chmod 000 does not stop root, who
+    runs the tests in CI); `test_unreadable_files_for_real` drops root's access where it can."""
     import pathlib
+
+    from safetensors import SafetensorError
 
     import pieceworks.models.checkpoint as checkpoint
 
-    read_text = pathlib.Path.read_text
+    def denied(path):
+        return PermissionError(13, "Permission denied", str(path))
 
-    def denied(self, *a, **kw):
+    read_text, open_, stat = pathlib.Path.read_text, pathlib.Path.open, pathlib.Path.stat
+
+    def read_config_denied(self, *a, **kw):
         if self.name == "config.json":
-            raise PermissionError(13, "Permission denied", str(self))
+            raise denied(self)
         return read_text(self, *a, **kw)
 
     with monkeypatch.context() as m:
-        m.setattr(pathlib.Path, "read_text", denied)
+        m.setattr(pathlib.Path, "read_text", read_config_denied)
         with pytest.raises(CheckpointError, match=r"config.json: can't be read \(Permission denied\); give the "
                                                   r"user running pieceworks read access to it"):
             _load(bf16)
 
-    def safe_open(path, *a, **kw):
-        raise PermissionError(13, "Permission denied", path)
+    def safe_open(path, *a, **kw):  # what safetensors raises for a file the OS won't open
+        raise SafetensorError(f"No such file or directory: {path}")
 
-    monkeypatch.setattr(checkpoint, "safe_open", safe_open)
-    with pytest.raises(CheckpointError) as e:
-        _load(bf16)
-    assert str(bf16 / "model.safetensors") in str(e.value) and "can't be read (Permission denied)" in str(e.value)
-    assert "corrupt" not in str(e.value)
+    def open_weights_denied(self, *a, **kw):
+        if self.suffix == ".safetensors":
+            raise denied(self)
+        return open_(self, *a, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "safe_open", safe_open)
+        m.setattr(pathlib.Path, "open", open_weights_denied)
+        with pytest.raises(CheckpointError) as e:
+            _load(bf16)
+    assert str(e.value) == (f"{bf16 / 'model.safetensors'}: can't be read (Permission denied); give the user "
+                            "running pieceworks read access to it")
+
+    def stat_in_dir_denied(self, *a, **kw):  # a directory without search (x) permission
+        if self.parent == bf16:
+            raise denied(self)
+        return stat(self, *a, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(pathlib.Path, "stat", stat_in_dir_denied)
+        for load in (_load, CheckpointReader):
+            with pytest.raises(CheckpointError) as e:
+                load(bf16)
+            assert str(e.value).startswith(f"{bf16}: can't be read (Permission denied)"), str(e.value)
+
+
+def _without_file_access() -> list[str] | None:
+    """A command prefix that runs without permission to read other users' files: none needed for a
+    user other than root; for root, setpriv dropping CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH. None
+    where that can't be done."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return None
+    cmd = [setpriv, "--bounding-set", "-dac_override,-dac_read_search"]
+    ok = subprocess.run([*cmd, "true"], capture_output=True).returncode == 0
+    return cmd if ok else None
+
+
+def test_unreadable_files_for_real(bf16, tmp_path):
+    """chmod 000 on a safetensors file and on a model directory, loaded by a process the OS refuses."""
+    import subprocess
+    import sys
+
+    prefix = _without_file_access()
+    if prefix is None:
+        pytest.skip("can't drop root's permission to read any file (no setpriv, or not allowed)")
+    weights, folder = tmp_path / "weights", tmp_path / "folder"
+    shutil.copytree(bf16, weights)
+    shutil.copytree(bf16, folder)
+    (weights / "model.safetensors").chmod(0)
+    folder.chmod(0)
+    script = ("import sys, torch\n"
+              "from pieceworks.config import ModelConfig, QuantizationConfig\n"
+              "from pieceworks.models.loader import load_model\n"
+              "for d in sys.argv[1:]:\n"
+              "    try:\n"
+              "        load_model(ModelConfig(path=d), QuantizationConfig(), 'cpu', torch.float32,\n"
+              "                   progress=False)\n"
+              "    except Exception as e:\n"
+              "        print(type(e).__name__, e)\n")
+    try:
+        out = subprocess.run([*prefix, sys.executable, "-c", script, str(weights), str(folder)],
+                             capture_output=True, text=True, timeout=300)
+    finally:
+        folder.chmod(0o755)
+    denied = "can't be read (Permission denied); give the user running pieceworks read access to it"
+    assert out.stdout.splitlines() == [f"CheckpointError {weights / 'model.safetensors'}: {denied}",
+                                       f"CheckpointError {folder}: {denied}"], out.stdout + out.stderr
 
 
 def test_nvfp4_tensors_without_a_quantization_config(ckpt):
     """ModelOpt's export without its hf_quant_config.json (nor quantization_config in config.json) loaded
-    as a dense model of dequantized weights, silently; it is refused by name."""
+    as a dense model of dequantized weights, silently, or (scales missing too) failed as a shape mismatch;
+    it is refused by name whatever quantization.format says, and by `model_facts` before any weight loads."""
+    from pieceworks.config import ModelConfig, QuantizationConfig
+    from pieceworks.models.loader import load_model, model_facts
+
     (ckpt / "hf_quant_config.json").unlink(missing_ok=True)
     _edit_json(ckpt / "config.json", lambda c: c.pop("quantization_config", None))
-    with pytest.raises(CheckpointError, match=r"holds NVFP4 tensors \(model\.layers\..*\.weight_scale, \.\.\.\) but no "
-                                              r"quantization config \(hf_quant_config.json, or quantization_config"):
+    looked = (rf"but no quantization config: looked for {ckpt / 'hf_quant_config.json'} and a quantization_config "
+              rf"in {ckpt / 'config.json'}; restore the one ModelOpt exported")
+    for fmt in ("auto", "nvfp4", "none"):
+        with pytest.raises(CheckpointError, match=rf"holds NVFP4 tensors \(model\.layers\..*\.weight_scale, \.\.\.\) "
+                                                  + looked):
+            load_model(ModelConfig(path=str(ckpt)), QuantizationConfig(format=fmt), "cpu", torch.float32,
+                       progress=False)
+    with pytest.raises(CheckpointError, match=looked):
+        model_facts(ModelConfig(path=str(ckpt)), QuantizationConfig(), page_size=16)
+    _edit_tensors(ckpt, lambda t: [t.pop(n) for n in list(t) if n.endswith(("_scale", "_scale_2"))])
+    with pytest.raises(CheckpointError, match=rf"holds NVFP4 tensors \(model\.layers\..*\.weight, \.\.\.\) " + looked):
         _load(ckpt)

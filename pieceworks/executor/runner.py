@@ -391,7 +391,7 @@ class Executor:
             ValueError: transformers is not installed.
         """
         if self._tokenizer is None:
-            from pieceworks.models.loader import load_tokenizer
+            from pieceworks.models.tokenizer import load_tokenizer
 
             self._tokenizer = load_tokenizer(self.model_dir)
         return self._tokenizer

@@ -5,21 +5,22 @@ No tensor data is loaded up front: opening the reader parses the index and every
 streaming it through the quantizer needs memory for about one tensor at a time.
 
 Every problem with the files on disk is found when the reader opens, before any tensor is handed
-out, and is a `CheckpointError` (a `ValueError`) that names the file and says what to do: a missing or unreadable index, an
-index entry whose shard is missing, a truncated or corrupt shard, a tensor the index promises but the
-shard lacks.
+out, and is a `CheckpointError` (a `ValueError`) that names the file and says what to do: a missing or
+invalid index, an index entry whose shard is missing, a file the OS won't read (permission denied), a
+truncated or corrupt shard, a tensor the index promises but the shard lacks.
 """
 
 from __future__ import annotations
 
 import json
+import stat
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from pieceworks.errors import CheckpointError
-from pieceworks.util import unreadable
+from pieceworks.util import checked_stat, unreadable
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -46,6 +47,20 @@ _DTYPES = {
 }
 
 
+def _open_error(path: Path, exc: Exception) -> CheckpointError:
+    """The error for a safetensors file `safe_open` refused. safetensors reports a file the OS won't
+    read as SafetensorError ("No such file or directory" for permission denied), so the file is opened
+    here to tell an unreadable file from a truncated or corrupt one."""
+    try:
+        with path.open("rb"):
+            pass
+    except IsADirectoryError:
+        pass
+    except OSError as e:
+        return unreadable(path, e)
+    return CheckpointError(f"{path}: not a readable safetensors file, truncated or corrupt ({exc}); {_REDOWNLOAD}")
+
+
 class CheckpointReader:
     """Read tensors one at a time from `model.safetensors` or a sharded checkpoint.
 
@@ -54,19 +69,21 @@ class CheckpointReader:
             shards it names (the index wins when both exist, as in `transformers`).
 
     Raises:
-        CheckpointError: no checkpoint in the directory; an unreadable index; an index naming a shard
-            that is not there, or a tensor its shard lacks; a truncated or corrupt file (every
-            shard's header is read here, so this fails before any tensor is handed out).
+        CheckpointError: no checkpoint in the directory; an invalid index; an index naming a shard
+            that is not there, or a tensor its shard lacks; a file the OS won't read; a truncated or
+            corrupt file (every shard's header is read here, so this fails before any tensor is
+            handed out).
     """
 
     def __init__(self, model_dir: str | Path):
         self.model_dir = Path(model_dir)
-        if not self.model_dir.is_dir():
+        st = checked_stat(self.model_dir)
+        if st is None or not stat.S_ISDIR(st.st_mode):
             raise CheckpointError(f"{self.model_dir}: not a directory; pass a checkpoint directory")
         self._handles: dict[str, object] = {}
         self.read: set[str] = set()  # names `get` handed out: the loader refuses checkpoints with others
         index = self.model_dir / INDEX_FILE
-        if index.exists():
+        if checked_stat(index, where=self.model_dir) is not None:  # the directory can be searched
             self._weight_map = self._read_index(index)
             self._check_shards()
         elif (self.model_dir / SINGLE_FILE).exists():
@@ -126,10 +143,7 @@ class CheckpointReader:
             except PermissionError as e:
                 raise unreadable(path, e) from None
             except (SafetensorError, OSError) as e:
-                raise CheckpointError(
-                    f"{path}: not a readable safetensors file, truncated or corrupt ({e}); "
-                    f"{_REDOWNLOAD}"
-                ) from None
+                raise _open_error(path, e) from None
             self._handles[filename] = h
         return h
 

@@ -72,6 +72,7 @@ class DeepseekV3Args:
                 it), or a variant pieceworks does not implement (biases, softmax routing, ...).
         """
         hf_fields.check(hf, "deepseek_v3")
+        hf = {k: v for k, v in hf.items() if v is not None}  # null is absent, as check() reads it
         if hf.get("attention_bias", False):
             raise CheckpointError("config.json: attention_bias=true is not supported by pieceworks' DeepSeek-V3")
         if hf.get("hidden_act", "silu") != "silu":

@@ -116,9 +116,9 @@ def check(hf: dict, arch: str) -> None:
     """Raise `FieldError` for the first field of `hf` (a config.json dict) that makes no `arch` model.
 
     Checks presence of the required fields, types (an integer where a count is expected: not "64" or
-    2.5), ranges (positive counts, a finite positive rms_norm_eps and rope_theta) and the shapes'
-    arithmetic (heads divide the hidden size without head_dim, KV heads divide heads, rope head size
-    even, top-k within the experts).
+    2.5), ranges (positive counts, a finite positive rms_norm_eps, rope_theta and rope scaling factors,
+    a pretraining context of at least one position) and the shapes' arithmetic (heads divide the hidden
+    size without head_dim, KV heads divide heads, rope head size even, top-k within the experts).
     """
     for key, (kind, rule, required) in FIELDS[arch].items():
         if key not in hf or (hf[key] is None and not required):
@@ -174,7 +174,15 @@ def check(hf: dict, arch: str) -> None:
                 raise FieldError(f"{key}.{name}", f"missing; {kind} rope needs it")
     for key in ("rope_scaling", "rope_parameters"):
         params = hf.get(key) or {}
-        for name in ("factor", "rope_theta"):
+        for name in ("factor", "rope_theta", "low_freq_factor", "high_freq_factor"):
             if name in params and not (_type_ok("float", params[name]) and math.isfinite(params[name])
                                        and params[name] > 0):
                 raise FieldError(f"{key}.{name}", f"{params[name]!r} must be a finite number > 0")
+        old_len = params.get("original_max_position_embeddings", 1)
+        if not (_type_ok("int", old_len) and old_len >= 1):
+            raise FieldError(f"{key}.original_max_position_embeddings", f"{old_len!r} must be an integer >= 1 "
+                             "(the context the model was pretrained with)")
+    old_len = hf.get("original_max_position_embeddings")
+    if old_len is not None and not (_type_ok("int", old_len) and old_len >= 1):
+        raise FieldError("original_max_position_embeddings", f"{old_len!r} must be an integer >= 1 (the context "
+                         "the model was pretrained with)")

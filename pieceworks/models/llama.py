@@ -50,6 +50,7 @@ class LlamaArgs:
                 it), or a feature pieceworks' Llama does not implement (biases, another activation).
         """
         hf_fields.check(hf, "llama")
+        hf = {k: v for k, v in hf.items() if v is not None}  # null is absent, as check() reads it
         for key in ("attention_bias", "mlp_bias"):
             if hf.get(key, False):
                 raise CheckpointError(f"config.json: {key}=true is not supported by pieceworks' Llama (bias-free "

@@ -11,19 +11,20 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import stat
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 
 from pieceworks.backends.base import ModelFacts
-from pieceworks.errors import CheckpointError, ConfigError, TokenizerError
+from pieceworks.errors import CheckpointError, ConfigError
 from pieceworks.models import hf_config as hf_fields
 from pieceworks.models.base import CausalLM
 from pieceworks.models.deepseek_v3 import DeepseekV3
 from pieceworks.models.llama import Llama
 from pieceworks.parallel.layout import TPLayout
-from pieceworks.util import unreadable
+from pieceworks.util import checked_stat, unreadable
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": Llama,
@@ -62,7 +63,6 @@ def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype
         from pieceworks.models.weights import CheckpointSource
 
         reader = CheckpointReader(Path(model_cfg.path))
-        _check_quantization_config(reader)
         _check_tied_head(reader, hf, allow_extra)
         source: Any = CheckpointSource(reader, device, dtype)
     else:
@@ -83,11 +83,14 @@ is not set."""
 
 
 def _size_rope_tables(model: CausalLM, model_cfg: Any) -> None:
-    """Rope tables for the positions the executor can reach: model.max_context where it is set (the
-    executor refuses one above max_position_embeddings), else max_position_embeddings, refused above
-    `ROPE_TABLE_BYTES` with a ConfigError that says to set model.max_context."""
+    """Rope tables for the positions the executor can reach: model.max_context where it is set (refused
+    above max_position_embeddings), else max_position_embeddings, refused above `ROPE_TABLE_BYTES` with
+    a ConfigError that says to set model.max_context. Only the model's meta skeleton exists here."""
     rotary = model.rotary
     limit = getattr(model_cfg, "max_context", None)
+    if limit and limit > model.max_position_embeddings:
+        raise ConfigError(f"model.max_context: {limit} exceeds the model's max_position_embeddings "
+                          f"({model.max_position_embeddings}); use at most that")
     if limit:
         rotary.limit(limit)
     elif rotary.table_bytes > ROPE_TABLE_BYTES:
@@ -97,20 +100,30 @@ def _size_rope_tables(model: CausalLM, model_cfg: Any) -> None:
             "(e.g. model.max_context=32768): the tables cover only that")
 
 
-def _check_quantization_config(reader: Any) -> None:
-    """A checkpoint with NVFP4 tensors (`*.weight_scale`) must say so in a quantization config: without
-    one every NVFP4 linear would load dequantized (as the dense loader does for the layers a config
-    excludes), silently a bf16 model of the same numbers at four times the memory."""
-    from pieceworks.quant.modelopt import detect_quantization
+QUANT_SCALES = (".weight_scale", ".weight_scale_2", ".input_scale")
+"""Name endings of the scales ModelOpt writes next to each quantized linear's weight."""
 
-    if detect_quantization(reader.model_dir) is not None:
+
+def _check_quantization_config(path: Path) -> None:
+    """Refuse a checkpoint without a quantization config whose tensors are quantized (ModelOpt's scales,
+    or NVFP4's packed uint8 weights): read as dense, every NVFP4 linear would load dequantized (as the
+    dense loader does for the layers a config excludes), silently a bf16 model of the same numbers at four
+    times the memory, or fail as a shape mismatch where scales are missing."""
+    from pieceworks.models.checkpoint import CheckpointReader
+
+    reader = CheckpointReader(path)
+    names = reader.names()
+    found = next((n for suffix in QUANT_SCALES for n in names if n.endswith(suffix)), None)
+    if found is None:
+        found = next((n for n in names if n.endswith(".weight") and reader.dtype(n) == torch.uint8), None)
+    if found is None:
         return
-    scale = next((n for n in reader.names() if n.endswith(".weight_scale")), None)
-    if scale is not None:
-        raise CheckpointError(
-            f"{reader.model_dir}: holds NVFP4 tensors ({scale}, ...) but no quantization config "
-            "(hf_quant_config.json, or quantization_config in config.json); restore the one ModelOpt "
-            "exported with these weights")
+    weight = found if found.endswith(".weight") else found.rsplit(".", 1)[0] + ".weight"
+    kind = "NVFP4" if reader.has(weight) and reader.dtype(weight) == torch.uint8 else "quantized"
+    raise CheckpointError(
+        f"{path}: holds {kind} tensors ({found}, ...) but no quantization config: looked for "
+        f"{path / 'hf_quant_config.json'} and a quantization_config in {path / 'config.json'}; restore the one "
+        "ModelOpt exported with these weights")
 
 
 def model_facts(model_cfg: Any, quant_cfg: Any, page_size: int,
@@ -143,6 +156,8 @@ def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Cal
         except hf_fields.FieldError as e:
             raise CheckpointError(f"{path / 'config.json'}: {e}; fix the file or re-download the model") from None
         quant = detect_quantization(path)
+        if quant is None:
+            _check_quantization_config(path)
         if fmt == "none" and quant is not None:
             raise CheckpointError(f"quantization.format=none, but {path} is a ModelOpt NVFP4 checkpoint "
                                   f"({quant.source}); use quantization.format=auto")
@@ -179,13 +194,15 @@ def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Cal
 
 def read_config(path: Path) -> dict:
     """config.json of a model directory, with the errors a user can act on (`CheckpointError`)."""
-    if not path.is_dir():
+    st = checked_stat(path)
+    if st is None or not stat.S_ISDIR(st.st_mode):
         raise CheckpointError(f"model.path={str(path)!r} is not a directory; give a Hugging Face-format model "
                               "directory (config.json + *.safetensors)")
     cfg = path / "config.json"
-    if cfg.is_dir():
+    st = checked_stat(cfg, where=path)  # permission denied here: the directory can't be searched
+    if st is not None and stat.S_ISDIR(st.st_mode):
         raise CheckpointError(f"{cfg}: is a directory; a model directory needs config.json as a file")
-    if not cfg.is_file():
+    if st is None or not stat.S_ISREG(st.st_mode):
         raise CheckpointError(f"{cfg}: missing; a Hugging Face-format model directory needs its config.json")
     try:
         hf = json.loads(cfg.read_text(encoding="utf-8"))
@@ -337,70 +354,10 @@ def resolve_model_path(path: str, progress: bool = True, cache_dir: Path | None 
         ensure = smollm2.ensure_smollm2_fp4 if path.endswith("fp4") else smollm2.ensure_smollm2
         return ensure(cache_dir, progress=progress)
     p = Path(path).expanduser()
-    if not p.is_dir():
+    st = checked_stat(p)
+    if st is None or not stat.S_ISDIR(st.st_mode):
         raise CheckpointError(
             f"model.path={path!r} is not a directory; give a Hugging Face-format model directory "
             f"(config.json + *.safetensors) or one of {', '.join(DEMO_MODELS)}"
         )
     return p
-
-
-# the files a Hugging Face tokenizer loads from; any of them present means the model has one
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
-
-
-def load_tokenizer(model_dir: Path | None):
-    """The model directory's Hugging Face tokenizer.
-
-    Raises:
-        CheckpointError: the model has none (random weights, or no tokenizer files in its directory).
-        TokenizerError: its tokenizer files are there but don't load.
-        ValueError: transformers is not installed.
-    """
-    if model_dir is None:
-        raise CheckpointError("the model has no tokenizer (random weights: model.arch); pass token ids, "
-                              "or load a model directory (model.path) that has one")
-    try:
-        from transformers import AutoTokenizer
-    except ImportError as exc:
-        raise ValueError("tokenizing text needs transformers: pip install 'pieceworks[demo]'") from exc
-    present = [n for n in TOKENIZER_FILES if (Path(model_dir) / n).exists()]
-    try:
-        tok = AutoTokenizer.from_pretrained(model_dir)
-    except Exception as exc:  # OSError, ValueError, and the tokenizers library's bare Exception
-        if present:
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise TokenizerError(f"{model_dir}: its tokenizer files ({', '.join(present)}) don't load "
-                                 f"({type(exc).__name__}: {first}); fix or re-download them") from None
-        raise CheckpointError(f"{model_dir}: the model has no tokenizer that transformers can load "
-                              "(tokenizer.json / tokenizer_config.json); pass token ids, or add the "
-                              "model's tokenizer files") from None
-    _check_chat_template(tok, Path(model_dir))
-    return tok
-
-
-def _check_chat_template(tok: Any, model_dir: Path) -> None:
-    """TokenizerError for a chat template that is no valid Jinja (transformers compiles it only when a
-    chat is first rendered, where a syntax error would be a traceback or a refused request)."""
-    templates = tok.chat_template if isinstance(tok.chat_template, dict) else {"": tok.chat_template}
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template as compile_template
-    except ImportError:  # another transformers: jinja2's parser with the loop controls transformers enables
-        import jinja2.ext
-        import jinja2.sandbox
-
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
-        compile_template = env.parse
-    import jinja2
-
-    for name, template in templates.items():
-        if not isinstance(template, str):
-            continue
-        try:
-            compile_template(template)
-        except jinja2.TemplateSyntaxError as exc:
-            where = "chat_template.jinja" if (model_dir / "chat_template.jinja").exists() else "tokenizer_config.json"
-            label = f" {name!r}" if name else ""
-            raise TokenizerError(f"{model_dir / where}: the chat template{label} is not valid Jinja (line "
-                                 f"{exc.lineno}: {exc.message}); fix the template, or remove it to tokenize prompts "
-                                 "without one") from None

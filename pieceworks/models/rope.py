@@ -3,7 +3,8 @@ DeepSeek's mscale / mscale_all_dim), in the rotate-half (Llama) and interleaved 
 
 cos/sin are precomputed for every position a sequence can reach (max_position_embeddings, or the
 executor's model.max_context where it is set: `RotaryEmbedding.limit`) and gathered by position in
-forward, so a step does no trigonometry and the graph has only an index op.
+forward, so a step does no trigonometry and the graph has only an index op. Only those positions are
+ever allocated, so a checkpoint may declare any number of them.
 """
 
 from __future__ import annotations
@@ -98,15 +99,18 @@ def yarn_softmax_scale(params: dict, head_dim: int) -> float:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables [positions, dim/2] (float32), gathered by position: no per-step compute.
 
-    `max_positions` is the model's max_position_embeddings (yarn without a factor derives it from
-    that); the tables cover that many positions, or fewer after `limit`. They are non-persistent
-    buffers; `init_buffers()` (re)computes them after the model was materialized from the meta device.
+    `max_positions` is the model's max_position_embeddings (yarn without a factor derives its scale
+    from it); the tables cover `positions` positions: all of them, or fewer after `limit`. They are
+    non-persistent buffers. Built on the meta device they hold no rows (a checkpoint may declare more
+    positions than a tensor can index); `init_buffers()` allocates and computes them after the model
+    was materialized.
     """
 
     def __init__(self, params: dict, dim: int, max_positions: int) -> None:
         super().__init__()
         self.params, self.dim, self.max_positions = params, dim, max_positions
-        self._tables(max_positions)
+        self.positions = max_positions
+        self._tables(0)
         if self.cos.device.type != "meta":
             self.init_buffers()
 
@@ -119,20 +123,23 @@ class RotaryEmbedding(nn.Module):
 
     @property
     def table_bytes(self) -> int:
-        return 2 * self.cos.shape[0] * (self.dim // 2) * 4
+        """Bytes of the cos and sin tables for `positions` positions (allocated or not yet)."""
+        return 2 * self.positions * (self.dim // 2) * 4
 
     def limit(self, positions: int) -> None:
         """Cover only the first `positions` positions (the longest sequence the executor accepts): a
         checkpoint may declare far more than a pool can hold. The values stay those of the full table."""
-        if 0 < positions < self.cos.shape[0]:
-            self._tables(positions)
+        if 0 < positions < self.positions:
+            self.positions = positions
             if self.cos.device.type != "meta":
                 self.init_buffers()
 
     def init_buffers(self) -> None:
+        """Allocate the tables for `positions` positions on the buffers' device and compute them."""
+        self._tables(self.positions)
         inv_freq, attention_factor = rope_frequencies(self.params, self.dim, self.max_positions)
         inv_freq = inv_freq.to(self.cos.device)
-        freqs = torch.arange(self.cos.shape[0], device=self.cos.device).float()[:, None] * inv_freq
+        freqs = torch.arange(self.positions, device=self.cos.device).float()[:, None] * inv_freq
         self.cos.copy_(freqs.cos() * attention_factor)
         self.sin.copy_(freqs.sin() * attention_factor)
 

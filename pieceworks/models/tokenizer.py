@@ -1,0 +1,83 @@
+"""The tokenizer of a model directory (Hugging Face's, through transformers), checked when it loads:
+files that are there but don't load, files the OS won't read and a chat template that is no Jinja are
+errors that name the file, not tracebacks at the first prompt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pieceworks.errors import CheckpointError, TokenizerError
+from pieceworks.util import unreadable
+
+# the files a Hugging Face tokenizer loads from; any of them present means the model has one
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def load_tokenizer(model_dir: Path | None):
+    """The model directory's Hugging Face tokenizer.
+
+    Raises:
+        CheckpointError: the model has none (random weights, or no tokenizer files in its directory).
+        TokenizerError: its tokenizer files are there but don't load, or the OS won't read one of them.
+        ValueError: transformers is not installed.
+    """
+    if model_dir is None:
+        raise CheckpointError("the model has no tokenizer (random weights: model.arch); pass token ids, "
+                              "or load a model directory (model.path) that has one")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:
+        raise ValueError("tokenizing text needs transformers: pip install 'pieceworks[demo]'") from exc
+    present = [n for n in TOKENIZER_FILES if (Path(model_dir) / n).exists()]
+    try:
+        tok = AutoTokenizer.from_pretrained(model_dir)
+    except Exception as exc:  # OSError, ValueError, and the tokenizers library's bare Exception
+        if isinstance(exc, PermissionError):
+            raise TokenizerError(str(unreadable(exc.filename or model_dir, exc))) from None
+        if present:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise TokenizerError(f"{model_dir}: its tokenizer files ({', '.join(present)}) don't load "
+                                 f"({type(exc).__name__}: {first}); fix or re-download them") from None
+        raise CheckpointError(f"{model_dir}: the model has no tokenizer that transformers can load "
+                              "(tokenizer.json / tokenizer_config.json); pass token ids, or add the "
+                              "model's tokenizer files") from None
+    _check_chat_template(tok, Path(model_dir))
+    return tok
+
+
+def _check_chat_template(tok: Any, model_dir: Path) -> None:
+    """TokenizerError for a chat template that is no valid Jinja, or no text at all (transformers compiles
+    it only when a chat is first rendered, where it would be a traceback or a refused request)."""
+    templates = tok.chat_template if isinstance(tok.chat_template, dict) else {"": tok.chat_template}
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template as compile_template
+    except ImportError:  # another transformers: jinja2's parser with the loop controls transformers enables
+        import jinja2.ext
+        import jinja2.sandbox
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
+        compile_template = env.parse
+    import jinja2
+
+    def source(name: str) -> Path:
+        """The file a template comes from, as transformers reads them."""
+        named = [f"additional_chat_templates/{name}.jinja"] if name else []
+        for candidate in [*named, "chat_template.jinja"]:
+            if (model_dir / candidate).is_file():
+                return model_dir / candidate
+        return model_dir / "tokenizer_config.json"
+
+    fix = "fix the template, or remove it to tokenize prompts without one"
+    for name, template in templates.items():
+        label = f" {name!r}" if name else ""
+        if template is None:
+            continue
+        if not isinstance(template, str):
+            raise TokenizerError(f"{source(name)}: the chat template{label} is {template!r} "
+                                 f"({type(template).__name__}), not Jinja text; {fix}")
+        try:
+            compile_template(template)
+        except jinja2.TemplateSyntaxError as exc:
+            raise TokenizerError(f"{source(name)}: the chat template{label} is not valid Jinja (line "
+                                 f"{exc.lineno}: {exc.message}); {fix}") from None
