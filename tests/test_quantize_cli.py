@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -119,11 +122,141 @@ def test_failed_runs_leave_no_destination(tiny_llama_modelopt, tmp_path):
     good = tiny_llama_modelopt.bf16_dir
     calib = tmp_path / "calib.bin"
     calib.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe" * 20)
-    with pytest.raises(ValueError, match=rf"{calib}: the calibration text is not UTF-8 \(byte \d+: .*\); give a "
-                                         "plain-text file"):
+    with pytest.raises(ValueError, match=rf"{calib}: the calibration text is not UTF-8 \(byte \d+: .*\); it must "
+                                         "be UTF-8 plain text"):
         quantize_checkpoint(good, tmp_path / "c", calib_text=calib, progress=False)
     assert not (tmp_path / "c").exists()
     inner = src / "nvfp4"
     with pytest.raises(ValueError, match="the destination lies inside the source"):
         quantize_checkpoint(src, inner, amax=1.0, progress=False)
     assert not inner.exists()
+
+
+def _copy_with(src, dst, **changes):
+    """A copy of checkpoint `src` at `dst` with some tensors replaced ({name: tensor})."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    tensors.update(changes)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def _quantize(*args) -> int:
+    return main(["quantize", *map(str, args), "--no-progress"])
+
+
+@pytest.mark.parametrize("name, value", [
+    ("model.layers.0.self_attn.q_proj.weight", float("nan")),  # a fused group's member: read for the shared scale
+    ("model.layers.1.mlp.down_proj.weight", float("inf")),
+    ("model.norm.weight", float("nan")),  # copied unquantized: the output would carry the NaN
+])
+def test_non_finite_weights_are_named_and_leave_no_destination(tiny_bf16, tmp_path, capsys, name, value):
+    from safetensors.torch import load_file
+
+    bad = load_file(tiny_bf16 / "model.safetensors")[name]
+    bad.view(-1)[5] = value
+    src = _copy_with(tiny_bf16, tmp_path / "src", **{name: bad})
+    assert _quantize(src, tmp_path / "out" / "fp4", "--amax", "8") == 2
+    err = capsys.readouterr().err
+    assert f"{name} holds non-finite values" in err and "fix or re-download the checkpoint" in err, err
+    assert not (tmp_path / "out").exists()  # both directories the run created are gone
+
+    kept = tmp_path / "kept"  # an empty DST that was there before stays, empty
+    kept.mkdir()
+    assert _quantize(src, kept, "--amax", "8") == 2
+    assert kept.is_dir() and not any(kept.iterdir())
+
+
+def test_binary_calibration_text_is_named(tiny_bf16, tmp_path, capsys):
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    nul = tmp_path / "blob.bin"  # valid UTF-8, yet binary
+    nul.write_bytes(b"weights\x00\x00\x01\x02 and more")
+    for calib, problem in ((latin1, "is not UTF-8"), (nul, "holds NUL bytes")):
+        assert _quantize(tiny_bf16, tmp_path / "q", "--calib-text", calib) == 2
+        err = capsys.readouterr().err
+        assert f"{calib}: the calibration text {problem}" in err and "it must be UTF-8 plain text" in err, err
+        assert not (tmp_path / "q").exists()
+
+
+def test_destination_in_source_is_refused_before_writing(tiny_bf16, tmp_path, capsys, monkeypatch):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_bf16, src)
+    before = sorted(p.name for p in src.iterdir())
+    (tmp_path / "link").symlink_to(src)
+    monkeypatch.chdir(tmp_path)
+    for dst, problem in (
+        ("src", "the destination is the source"),
+        ("link", "the destination is the source"),
+        ("src/../src", "the destination is the source"),
+        ("src/nvfp4", "the destination lies inside the source"),
+        ("link/a/b", "the destination lies inside the source"),
+    ):
+        assert _quantize("src", dst, "--amax", "8") == 2, dst
+        err = capsys.readouterr().err
+        assert f"{dst}: {problem}" in err and "outside" in err, err
+        assert sorted(p.name for p in src.iterdir()) == before, dst
+
+
+def test_unusable_destinations_are_named(tiny_bf16, tmp_path, capsys):
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere" / "x")
+    assert _quantize(tiny_bf16, tmp_path / "dangling", "--amax", "8") == 2
+    assert "which does not exist; create that directory or choose another DST" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("")
+    assert _quantize(tiny_bf16, tmp_path / "a_file" / "q", "--amax", "8") == 2
+    err = capsys.readouterr().err
+    assert "a_file/q: cannot create the destination directory (Not a directory" in err, err
+
+
+def test_too_little_free_space_is_refused_before_writing(tiny_bf16, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    assert _quantize(tiny_bf16, tmp_path / "q", "--amax", "8") == 2
+    err = capsys.readouterr().err
+    assert "q: the NVFP4 checkpoint needs" in err and "free some space or choose a DST on another disk" in err, err
+    assert not (tmp_path / "q").exists()
+
+
+class _FullDisk:
+    """A shard file whose writes are buffered and whose close finds the disk full, as on a full disk."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def seek(self, offset):
+        self.f.seek(offset)
+
+    def write(self, data):
+        return len(data)
+
+    def close(self):
+        self.f.close()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_while_writing_shards_leaves_nothing(tiny_bf16, tmp_path, capsys, monkeypatch):
+    from pieceworks.quant import shard_writer
+
+    real_open = open
+    monkeypatch.setattr(shard_writer, "open", lambda path, mode="r": _FullDisk(real_open(path, mode))
+                        if mode == "r+b" else real_open(path, mode), raising=False)
+    for max_shard in ("1GB", "20KB"):  # one file; several shards (a full disk while switching files)
+        assert _quantize(tiny_bf16, tmp_path / "new" / "q", "--amax", "8", "--max-shard-size", max_shard) == 2
+        err = capsys.readouterr().err
+        assert "q: the disk is full (No space left on device); the files this run wrote are removed" in err, err
+        assert not (tmp_path / "new").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    assert _quantize(tiny_bf16, kept, "--amax", "8") == 2
+    assert kept.is_dir() and not any(kept.iterdir())
+
+
+def test_unsigned_integer_tensors_are_copied(tiny_bf16, tmp_path):
+    """safetensors' U16/U32/U64 tensors (which the reader loads) are written as they are."""
+    from safetensors.torch import load_file
+
+    ids = torch.tensor([1, 2, 65535], dtype=torch.int32).to(torch.uint16)
+    src = _copy_with(tiny_bf16, tmp_path / "src", **{"model.extra_ids": ids})
+    assert _quantize(src, tmp_path / "q", "--amax", "8") == 0
+    assert torch.equal(load_file(tmp_path / "q" / "model.safetensors")["model.extra_ids"], ids)

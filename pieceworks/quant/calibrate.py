@@ -140,7 +140,7 @@ def calibrate_from_text(
 
     Raises:
         ValueError: transformers is missing (`pip install 'pieceworks[demo]'`), the text file is
-            missing or empty, or the model or its tokenizer cannot be loaded.
+            missing, empty or not UTF-8 text, or the model or its tokenizer cannot be loaded.
     """
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -160,8 +160,11 @@ def calibrate_from_text(
     except OSError as e:
         raise ValueError(f"{text_file}: cannot read the calibration text ({e.strerror})") from None
     except UnicodeDecodeError as e:
-        raise ValueError(f"{text_file}: the calibration text is not UTF-8 (byte {e.start}: {e.reason}); give "
-                         "a plain-text file") from None
+        raise ValueError(f"{text_file}: the calibration text is not UTF-8 (byte {e.start}: {e.reason}); it must be "
+                         "UTF-8 plain text: convert it (e.g. iconv -t UTF-8) or give another file") from None
+    if "\x00" in text:  # valid UTF-8, yet a binary file (text files hold no NUL bytes)
+        raise ValueError(f"{text_file}: the calibration text holds NUL bytes (byte {text.encode().index(0)}), so it "
+                         "is a binary file; it must be UTF-8 plain text: give a text file")
     if not text.strip():
         raise ValueError(f"{text_file}: the calibration text is empty")
     try:

@@ -28,6 +28,7 @@ tensor.
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import warnings
@@ -38,9 +39,10 @@ from pathlib import Path
 
 import torch
 
-from pieceworks.models.checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointReader
+from pieceworks.models.checkpoint import CheckpointReader
 from pieceworks.quant import nvfp4
 from pieceworks.quant.export_config import hf_quant_config, quantization_config, summarize_exclude
+from pieceworks.quant.output_dir import check_dirs, check_space, copied_files, remove_written
 from pieceworks.quant.shard_writer import ShardedWriter, TensorSpec
 
 DEFAULT_EXCLUDE = (
@@ -126,23 +128,12 @@ def _mtp_patterns(config: dict, reader: CheckpointReader) -> list[str]:
     return sorted(extra)
 
 
-def _check_dirs(src: Path, dst: Path, reader: CheckpointReader) -> dict:
-    config = reader.config()
-    qc = config.get("quantization_config")
-    if qc is not None or (src / "hf_quant_config.json").exists():
-        method = qc.get("quant_method") if isinstance(qc, dict) else "modelopt"
-        raise ValueError(
-            f"{src}: already quantized (quant_method {method!r}); quantize needs a bf16, fp16 or fp32 "
-            "checkpoint"
-        )
-    if dst.resolve() == src.resolve():
-        raise ValueError(f"{dst}: the destination is the source; choose a new directory")
-    if src.resolve() in dst.resolve().parents:
-        raise ValueError(f"{dst}: the destination lies inside the source {src} (whose files it copies, and where "
-                         "a later load would find its weights); choose a directory outside it")
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise ValueError(f"{dst}: exists and is not an empty directory; choose a new one")
-    return config
+def _check_finite(src: Path, name: str, t: torch.Tensor) -> None:
+    """A floating tensor holds no NaN or inf (the output would carry them into every forward)."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+        raise ValueError(f"{src}: {name} holds non-finite values ({nan} NaN, {inf} inf); quantize needs finite "
+                         "weights (fix or re-download the checkpoint)")
 
 
 def _input_amax(
@@ -226,7 +217,11 @@ def quantize_checkpoint(
 
     Raises:
         ValueError: not exactly one of calib_text / amax / input_amax; amax not positive; src is
-            already quantized or unreadable; dst not empty; calibration cannot run.
+            already quantized or unreadable, or holds a NaN or inf; dst not empty, the source or inside
+            it, cannot be created, or on a disk without room for the output; calibration cannot run.
+        OSError: the disk filled up while writing.
+
+    A run that fails removes the files it wrote and the directories it created.
     """
     src, dst = Path(src_dir), Path(dst_dir)
     if sum(x is not None for x in (calib_text, amax, input_amax)) != 1:
@@ -234,7 +229,7 @@ def quantize_checkpoint(
     if amax is not None and not (0 < float(amax) <= torch.finfo(torch.float32).max):
         raise ValueError(f"--amax must be a positive number float32 holds (<= 3.4e38), got {amax}")
     reader = CheckpointReader(src)
-    config = _check_dirs(src, dst, reader)
+    config = check_dirs(src, dst, reader)
     patterns = list(DEFAULT_EXCLUDE) + _mtp_patterns(config, reader) + list(exclude or [])
     linears, unquantized = _plan(reader, patterns)
     _check_patterns(exclude or [], [lin.module for lin in linears.values()] + unquantized, src)
@@ -243,12 +238,6 @@ def quantize_checkpoint(
     if not linears:
         raise ValueError(f"{src}: no linear weight to quantize (all excluded, or K not a multiple of 16)")
     groups = _groups(list(linears.values()))
-    if calib_text is not None:
-        from pieceworks.quant.calibrate import calibrate_from_text
-
-        input_amax = calibrate_from_text(src, calib_text)
-    in_amax = _input_amax(linears, groups, amax, input_amax)
-
     specs = []
     for name in reader.names():
         lin = linears.get(name)
@@ -262,22 +251,35 @@ def quantize_checkpoint(
             TensorSpec(f"{lin.module}.weight_scale_2", torch.float32, ()),
             TensorSpec(f"{lin.module}.input_scale", torch.float32, ()),
         ]
+    copied = copied_files(src)
+    check_space(dst, sum(spec.nbytes for spec in specs) + sum(f.stat().st_size for f in copied))
+    if calib_text is not None:
+        from pieceworks.quant.calibrate import calibrate_from_text
+
+        input_amax = calibrate_from_text(src, calib_text)
+    in_amax = _input_amax(linears, groups, amax, input_amax)
+
     created = [d for d in (dst, *dst.parents) if not d.exists()]  # removed again if the run fails
-    dst.mkdir(parents=True, exist_ok=True)
-    writer = ShardedWriter(dst, specs, max_shard_bytes)
     try:
+        dst.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        remove_written([], created)
+        raise ValueError(f"{dst}: cannot create the destination directory ({e.strerror}: {e.filename}); choose "
+                         "a directory where you can write") from None
+    written: list[Path] = []  # config and copied files, removed again if the run fails
+    writer = None
+    try:
+        writer = ShardedWriter(dst, specs, max_shard_bytes)
         with _progress(progress) as bar:
-            ws2 = _group_scales(reader, groups, bar)
+            ws2 = _group_scales(src, reader, groups, bar)
             task = bar.add_task("quantizing", total=sum(_nbytes(reader, n) for n in reader.names()))
             for name in reader.names():
                 t = reader.get(name)
+                _check_finite(src, name, t)
                 lin = linears.get(name)
                 if lin is None:
                     writer.write(name, t)
                 else:
-                    if not bool(torch.isfinite(t).all()):
-                        raise ValueError(f"{src}: {name} holds NaN or inf; quantize needs finite weights (fix "
-                                         "or re-download the checkpoint)")
                     scale2 = ws2[lin.module] if lin.module in ws2 else nvfp4.weight_global_scale(t)
                     packed, scale, scale2 = _quantize_rows(t, scale2)
                     writer.write(name, packed)
@@ -287,26 +289,17 @@ def quantize_checkpoint(
                     writer.write(f"{lin.module}.input_scale", amax_t / (nvfp4.E2M1_MAX * nvfp4.E4M3_MAX))
                 bar.advance(task, t.numel() * t.element_size())
                 del t
-        _write_configs(src, dst, config, unquantized, [lin.module for lin in linears.values()])
+        _write_configs(dst, config, unquantized, [lin.module for lin in linears.values()], copied, written)
         writer.close()  # publishes the weight files last: a run that stops early leaves none
-    except BaseException:
-        writer.abort()
-        _remove_written(dst, created)
+    except BaseException as e:
+        if writer is not None:
+            writer.abort()
+        remove_written(written, created)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OSError(f"{dst}: the disk is full ({e.strerror}); the files this run wrote are removed: free some "
+                          "space or choose a DST on another disk") from e
         raise
     return dst
-
-
-def _remove_written(dst: Path, created: list[Path]) -> None:
-    """After a failed run: the files it wrote into dst (new or empty when the run began: `_check_dirs`; the
-    writer removed its weight files already), and the directories it created, deepest first."""
-    for f in dst.iterdir():
-        if f.is_file() or f.is_symlink():
-            f.unlink()
-    for d in created:
-        try:
-            d.rmdir()
-        except OSError:
-            break
 
 
 def _nbytes(reader: CheckpointReader, name: str) -> int:
@@ -317,7 +310,7 @@ def _nbytes(reader: CheckpointReader, name: str) -> int:
     return n
 
 
-def _group_scales(reader: CheckpointReader, groups, bar) -> dict[str, torch.Tensor]:
+def _group_scales(src: Path, reader: CheckpointReader, groups, bar) -> dict[str, torch.Tensor]:
     """Shared weight_scale_2 per grouped module: max of the members' amax / (6 * 448)."""
     out: dict[str, torch.Tensor] = {}
     names = [m for g in groups for m in g]
@@ -326,6 +319,7 @@ def _group_scales(reader: CheckpointReader, groups, bar) -> dict[str, torch.Tens
         scales = []
         for m in group:
             w = reader.get(f"{m}.weight")
+            _check_finite(src, f"{m}.weight", w)
             scales.append(nvfp4.weight_global_scale(w))
             bar.advance(task, w.numel() * w.element_size())
             del w
@@ -334,15 +328,19 @@ def _group_scales(reader: CheckpointReader, groups, bar) -> dict[str, torch.Tens
     return out
 
 
-def _write_configs(src: Path, dst: Path, config: dict, unquantized: list[str], quantized: list[str]) -> None:
+def _write_configs(
+    dst: Path, config: dict, unquantized: list[str], quantized: list[str], copied: list[Path], written: list[Path]
+) -> None:
+    """Write the two config files and copy `copied` into dst, appending each path to `written` before it
+    is written."""
     from pieceworks.version import __version__ as version
 
     hf = hf_quant_config(summarize_exclude(unquantized, quantized), {"name": "pieceworks", "version": version})
-    (dst / "hf_quant_config.json").write_text(json.dumps(hf, indent=4))
     config = dict(config)
     config["quantization_config"] = quantization_config(hf)
-    (dst / "config.json").write_text(json.dumps(config, indent=4))
-    skip = {SINGLE_FILE, INDEX_FILE, "config.json", "hf_quant_config.json"}
-    for f in src.iterdir():
-        if f.is_file() and f.name not in skip and not f.name.endswith(".safetensors"):
-            shutil.copy2(f, dst / f.name)
+    for name, obj in (("hf_quant_config.json", hf), ("config.json", config)):
+        written.append(dst / name)
+        written[-1].write_text(json.dumps(obj, indent=4))
+    for f in copied:
+        written.append(dst / f.name)
+        shutil.copy2(f, written[-1])

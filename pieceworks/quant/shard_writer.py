@@ -30,6 +30,9 @@ _CODES = {
     torch.int16: "I16",
     torch.int32: "I32",
     torch.int64: "I64",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
     torch.float16: "F16",
     torch.bfloat16: "BF16",
     torch.float32: "F32",
@@ -90,18 +93,23 @@ class ShardedWriter:
         self._where: dict[str, tuple[int, int, TensorSpec]] = {}  # name -> (shard, absolute offset, spec)
         self._written: set[str] = set()
         self._total = sum(s.nbytes for s in specs)
-        self._files = []
-        for i, shard in enumerate(shards):
-            path = self._tmp(i)
-            header, offsets = self._layout(shard)
-            data_start = len(header)
-            with open(path, "wb") as f:
-                f.write(header)
-                f.truncate(data_start + sum(s.nbytes for s in shard))
-            for spec in shard:
-                self._where[spec.name] = (i, data_start + offsets[spec.name], spec)
-            self._files.append(path)
+        self._files: list[Path] = []
+        self._published: list[Path] = []
         self._open: tuple[int, object] | None = None
+        try:
+            for i, shard in enumerate(shards):
+                path = self._tmp(i)
+                header, offsets = self._layout(shard)
+                data_start = len(header)
+                self._files.append(path)
+                with open(path, "wb") as f:
+                    f.write(header)
+                    f.truncate(data_start + sum(s.nbytes for s in shard))
+                for spec in shard:
+                    self._where[spec.name] = (i, data_start + offsets[spec.name], spec)
+        except BaseException:
+            self.abort()
+            raise
 
     def _tmp(self, i: int) -> Path:
         return self.out_dir / f".{self.filenames[i]}.partial"
@@ -161,16 +169,22 @@ class ShardedWriter:
             raise ValueError(f"{len(missing)} planned tensor(s) were never written, e.g. {missing[0]}")
         for i, path in enumerate(self._files):
             path.replace(self.out_dir / self.filenames[i])
+            self._published.append(self.out_dir / self.filenames[i])
         if len(self.filenames) > 1:
             index = {
                 "metadata": {"total_size": self._total},
                 "weight_map": {n: self.filenames[s] for n, (s, _, _) in self._where.items()},
             }
-            (self.out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+            self._published.append(self.out_dir / INDEX_FILE)
+            self._published[-1].write_text(json.dumps(index, indent=2) + "\n")
         return list(self.filenames)
 
     def abort(self) -> None:
-        """Remove the partial files (after an error)."""
-        self._close_open()
-        for path in self._files:
+        """Remove the files this writer created, partial or published (after an error; also when `close`
+        failed part-way)."""
+        try:
+            self._close_open()
+        except OSError:  # the buffered bytes hit the same full disk; the file goes anyway
+            self._open = None
+        for path in self._files + self._published:
             path.unlink(missing_ok=True)
