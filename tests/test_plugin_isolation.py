@@ -4,6 +4,7 @@ hooks, duplicate keys and entry-point names installed by two distributions."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import textwrap
 
@@ -29,6 +30,7 @@ def pieceworks_register_backends():
 
 BROKEN = {
     "import": "raise ImportError('missing kernel library')\n",
+    "long_error": "raise ImportError('libkern.so: undefined symbol\\n' + 'x' * 2000 + '\\nrebuild against torch')\n",
     "raising_hook": '''
 from pieceworks import hookimpl
 
@@ -138,9 +140,10 @@ EXPECTED = {
     "dup_key": "registered as attention.torch, which plugin 'pieceworks.torch' already registers",
     "no_forward": "pwb_no_forward.NoForward does not define forward: attention backends implement it",
     "bare_class": "pieceworks_register_backends returned Bare, not a list of backend classes: return a list (e.g. [Bare])",
-    "bad_signature": "pwb_bad_signature.OldForward.forward(self, q, k, v, out, layer_id) cannot take "
-                     "AttentionBackend.forward's arguments (q, k, v, out, layer_id, scale, kv): too many positional "
-                     "arguments; give it the parameters of the op's base class",
+    "bad_signature": "backend attention.oldforward (pwb_bad_signature.OldForward): forward(self, q, k, v, out, "
+                     "layer_id) can't take the arguments of AttentionBackend.forward(self, q, k, v, out, layer_id, "
+                     "scale, kv) (too many positional arguments). Match the op's base class (extra parameters need "
+                     "defaults",
 }
 
 
@@ -197,6 +200,18 @@ def test_selecting_a_broken_plugins_backend_names_the_plugin(installed):
         resolve(Registry().load(), ["backends.attention=typo"])
     lines = str(e.value).splitlines()
     assert len(lines) == 1 + len(BROKEN) and max(map(len, lines[1:])) <= 170
+    (long,) = [line for line in lines if "'long_error'" in line]  # 2 KB over three lines in full
+    assert long.endswith("import failed: ImportError: libkern.so: undefined symbol " + "x" * 40 + "...")
+
+
+def test_left_out_names_every_distribution_of_a_broken_plugin():
+    from pieceworks.backends.plugins import BrokenPlugin
+    from pieceworks.backends.registry import left_out
+
+    two = BrokenPlugin("kernels", "distribution pw-one 0.1, entry point kernels = pw_one; distribution pw-two 0.2, "
+                       "entry point kernels = pw_two", "2 distributions install the entry-point name 'kernels'")
+    assert left_out([two]).endswith("\n  - plugin 'kernels' (distribution pw-one 0.1; distribution pw-two 0.2): "
+                                    "2 distributions install the entry-point name 'kernels'")
 
 
 def test_blocked_broken_plugin_is_neither_loaded_nor_reported(installed):
@@ -295,17 +310,33 @@ def test_pieceworks_backends_lists_broken_plugins(installed, capsys):
     assert "broken plugin no_name" in out
 
 
-@pytest.mark.parametrize("group", ["pieceworks.backends", "pieceworks_plugins", "peiceworks"])
-def test_a_plugin_in_a_misspelt_entry_point_group_is_reported(tmp_path, monkeypatch, group):
-    """An entry point under a group that is not `pieceworks` but looks like it was never loaded and never
-    mentioned; it is reported as left out, with the group to use."""
+@pytest.mark.parametrize("group", ["pieceworks.backends", "pieceworks_plugins", "Pieceworks", "peiceworks"])
+def test_a_plugin_in_a_misspelt_entry_point_group_is_reported(tmp_path, monkeypatch, caplog, capsys, group):
+    """An entry point under a group that is not `pieceworks` but looks like it is never loaded; it is reported as
+    left out (a warning, `pieceworks backends`), with the group to use, and `plugins.disabled` blocks it."""
+    from pieceworks.backends.registry import load_registry
+    from pieceworks.report import print_backends
+
     install(tmp_path, monkeypatch, "pw-misgrouped", {"pwm_good": GOOD}, {"mine": "pwm_good"}, group=group)
+    install(tmp_path, monkeypatch, "pw-elsewhere", {}, {"tool": "pw_elsewhere"}, group="pytest11")
+    want = (f"its entry point is in group {group!r}, which is never loaded: declare it in group 'pieceworks' "
+            "([project.entry-points.pieceworks] in pyproject.toml")
     try:
-        reg = Registry().load()
+        with caplog.at_level(logging.WARNING, logger="pieceworks.registry"):
+            reg = Registry().load()
         (b,) = [b for b in reg.broken if b.name == "mine"]
-        assert f"its entry point is in group {group!r}, not 'pieceworks', so it is never loaded: declare it " \
-               "under [pieceworks]" in b.reason
+        assert want in b.reason and not [b for b in reg.broken if b.name == "tool"]
         assert b.origin == "distribution pw-misgrouped 0.1, entry point mine = pwm_good"
         assert "mine" not in reg.plugin_names()
+        assert [r.getMessage() for r in caplog.records if want in r.getMessage()] == [str(b)]
+        assert "plugin 'mine' (distribution pw-misgrouped 0.1, entry point mine = pwm_good)" in str(b)
+
+        cfg = load_config({"model": {"arch": "llama", "preset": "tiny"}, "runtime": {"device": "cpu"}})
+        assert print_backends(cfg) == 0
+        assert f"broken plugin mine (distribution pw-misgrouped 0.1, entry point mine = pwm_good): {want}" in \
+            " ".join(capsys.readouterr().out.split())
+
+        blocked = load_registry(load_config({"model": {"arch": "llama"}}, ["plugins.disabled=[mine]"]).plugins)
+        assert not [b for b in blocked.broken if b.name == "mine"]
     finally:
         sys.modules.pop("pwm_good", None)

@@ -275,3 +275,80 @@ def test_graph_modes_default_to_eager_only():
     table = resolve(registry(Plain), ["backends.attention=plain"])
     assert table.get("attention", E, EAGER).name == "plain"
     assert table.get("attention", E, PW).name == "torch"  # the graph-safe fallback, logged
+
+
+def test_every_builtin_backend_registers_with_its_base_signatures():
+    reg = Registry(autoload=False).load()
+    assert not reg.broken and len(reg.backends()) > len(set(c.op for c in reg.backends()))
+    assert {c.key(): c.signature_problems() for c in reg.backends()} == {c.key(): [] for c in reg.backends()}
+
+
+def _attention(name, **methods):
+    return type(f"Bad{name.capitalize()}", (TorchAttentionBackend,), {"name": name, **methods})
+
+
+def _forward(self, q, k, v, out, layer_id, scale, kv):
+    pass
+
+
+@pytest.mark.parametrize("cls, method, got, want, why", [
+    (_attention("short", forward=lambda self, q, k, v, out, layer_id: None), "forward",
+     "(self, q, k, v, out, layer_id)", "AttentionBackend.forward(self, q, k, v, out, layer_id, scale, kv)",
+     "too many positional arguments"),
+    (_attention("newarg", forward=lambda self, q, k, v, out, layer_id, scale, kv, window: None), "forward",
+     "(self, q, k, v, out, layer_id, scale, kv, window)", "AttentionBackend.forward(self, q, k, v, out, "
+     "layer_id, scale, kv)", "missing a required argument: 'window'"),
+    (_attention("kwonly", forward=lambda self, q, k, v, out, layer_id, scale, kv, *, window: None), "forward",
+     "(self, q, k, v, out, layer_id, scale, kv, *, window)", "AttentionBackend.forward",
+     "missing a required argument: 'window'"),
+    (_attention("noplan", plan=lambda self: None), "plan", "(self)", "AttentionBackend.plan(self, meta)",
+     "too many positional arguments"),
+    (_attention("init", __init__=lambda self, spec: None), "__init__", "(self, spec)",
+     "Backend.__init__(self, spec, options=None)", "too many positional arguments"),
+    (_attention("nocheck", check=staticmethod(lambda: [])), "check", "()", "Backend.check(cls, spec)",
+     "too many positional arguments"),
+    (type("BadGemm", (TorchFp4GemmBackend,), {"name": "badgemm", "forward_swiglu": lambda self, x, w: x}),
+     "forward_swiglu", "(self, x, w)", "Fp4GemmBackend.forward_swiglu(self, x, weight, weight_scale, "
+     "weight_scale_2, input_scale, intermediate)", "too many positional arguments"),
+])
+def test_a_method_with_the_wrong_signature_is_refused_at_registration(cls, method, got, want, why, caplog):
+    """Not a raw TypeError deep in the model at the first step: the plugin is left out when it registers, and the
+    message names the plugin, the backend, the method, its parameters and the base class's."""
+    with caplog.at_level(logging.WARNING, logger="pieceworks.registry"):
+        reg = registry(cls)
+    (broken,) = reg.broken
+    assert broken.name == "testplugin" and cls.name not in {c.name for c in reg.backends()}
+    assert broken.reason.startswith(f"backend {cls.key()} ({__name__}.{cls.__qualname__}): {method}{got} can't "
+                                    f"take the arguments of {want}")
+    assert f"({why}" in broken.reason and "extra parameters need defaults" in broken.reason
+    assert f"plugin 'testplugin' (registered in-process) is broken and left out: {broken.reason}" in caplog.text
+    with pytest.raises(SelectionError, match=rf"no {cls.op} backend named '{cls.name}'.*\n  - plugin 'testplugin'"):
+        resolve(reg, [f"backends.{cls.op}={cls.name}"], ops=(cls.op,))
+
+
+def test_a_classmethod_overridden_by_a_plain_method_is_refused():
+    reg = registry(_attention("plaincheck", check=lambda self, spec: []))
+    (broken,) = reg.broken
+    assert "check(self, spec) is a plain method, but Backend.check(cls, spec) is a classmethod, called on the " \
+           "class: decorate it with @classmethod" in broken.reason
+
+
+def test_a_method_replaced_by_a_value_is_refused():
+    (broken,) = registry(_attention("nofwd", forward=None)).broken
+    assert "backend attention.nofwd" in broken.reason
+    assert "forward is None, not a method: define it with the parameters of AttentionBackend.forward" in broken.reason
+
+
+@pytest.mark.parametrize("forward", [
+    _forward,
+    lambda self, *args, **kwargs: None,
+    lambda self, q, k, v, out, *rest: None,
+    lambda self, q, k, v, out, layer_id, scale, kv, window=None, *, trace=False: None,
+    lambda self, query, key, value, output, layer, softmax_scale, pool: None,  # every caller passes by position
+    staticmethod(lambda q, k, v, out, layer_id, scale, kv: None),
+    classmethod(lambda cls, q, k, v, out, layer_id, scale, kv: None),
+], ids=["same", "varargs", "rest", "extra_defaults", "renamed", "staticmethod", "classmethod"])
+def test_signatures_that_can_take_the_base_arguments_are_accepted(forward):
+    cls = _attention("fine", forward=forward, __init__=lambda self, spec, options=None, *, extra=1: None)
+    reg = registry(cls)
+    assert not reg.broken and cls in reg.backends("attention")

@@ -8,9 +8,8 @@ a check may look at, so tests build one by hand (a capability override is just a
 
 from __future__ import annotations
 
-import inspect
-
 import importlib.util
+import inspect
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -204,34 +203,68 @@ class Backend:
 
     @classmethod
     def signature_problems(cls) -> list[str]:
-        """The methods of the op's base classes (`pieceworks.backends.*.base`) that this class overrides with
-        parameters that can't take the base method's arguments: 'forward(self, q, k) cannot take (q, k, v,
-        out, ...)' per method. Extra parameters with defaults, *args and **kwargs are fine."""
-        out = []
-        for klass in reversed(cls.__mro__):
-            if not klass.__module__.startswith("pieceworks.backends.") or not klass.__module__.endswith(".base"):
+        """How this class overrides the methods of its op's base classes (`pieceworks.backends.*.base`,
+        `__init__` included) so that the calls the registry, models and ops make with the base method's
+        arguments would raise: one message per method, naming the method, its parameters and the base's,
+        e.g. 'forward(self, q, k) can't take the arguments of AttentionBackend.forward(self, q, k, v, out,
+        layer_id, scale, kv) (too many positional arguments)'. Extra parameters with defaults, *args and
+        **kwargs are fine; renamed parameters are too (every caller passes them by position). Run at
+        registration, once per class."""
+        out, seen = [], set()
+        for klass in cls.__mro__:  # the nearest base's signature is the reference
+            if not (klass.__module__.startswith("pieceworks.backends.") and klass.__module__.endswith(".base")):
                 continue
             for name, ref in vars(klass).items():
-                impl = getattr(cls, name, None)
-                if name.startswith("_") or not inspect.isfunction(ref) or impl is ref or not callable(impl):
+                if name in seen or (name.startswith("_") and name != "__init__"):
                     continue
-                try:
-                    want, got = inspect.signature(ref), inspect.signature(impl)
-                except (TypeError, ValueError):
-                    continue
-                params = list(want.parameters.values())[1:]  # without self
-                args = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-                kwargs = {p.name: None for p in params if p.kind is p.KEYWORD_ONLY}
-                bound = ("self", *args) if inspect.isfunction(impl) else args
-                try:
-                    got.bind(*bound, **kwargs)
-                except TypeError as e:
-                    taken = ", ".join(args + [f"{k}=" for k in kwargs])
-                    out.append(f"{name}{got} cannot take {klass.__qualname__}.{name}'s arguments ({taken}): {e}")
+                seen.add(name)
+                problem = _override_problem(cls, klass, name, ref)
+                if problem:
+                    out.append(problem)
         return out
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.key()}>"
+
+
+def _shown(sig: inspect.Signature) -> str:
+    """`sig` without annotations: '(self, q, k, v, out, layer_id, scale, kv)'."""
+    params = [p.replace(annotation=p.empty) for p in sig.parameters.values()]
+    return str(sig.replace(parameters=params, return_annotation=sig.empty))
+
+
+def _override_problem(cls: type, base: type, name: str, ref: Any) -> str | None:
+    """Why `cls`'s `name` can't be called as `base.name` is (see `Backend.signature_problems`), if it can't."""
+    on_class = isinstance(ref, (classmethod, staticmethod))  # called on the class, not on an instance
+    ref_fn = ref.__func__ if on_class else ref
+    if not inspect.isfunction(ref_fn):
+        return None  # a declaration (name, Options, requires, ...), not a method
+    impl = inspect.getattr_static(cls, name)
+    if impl is ref:
+        return None
+    if isinstance(impl, (classmethod, staticmethod)):
+        fn, first = impl.__func__, ("cls",) if isinstance(impl, classmethod) else ()
+    elif inspect.isfunction(impl):
+        fn, first = impl, () if on_class else ("self",)
+    elif not callable(impl):
+        return f"{name} is {impl!r}, not a method: define it with the parameters of {base.__qualname__}.{name}"
+    else:
+        return None  # some other callable: its binding can't be read from here
+    try:
+        want, got = inspect.signature(ref_fn), inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a readable signature
+        return None
+    params = list(want.parameters.values())[0 if isinstance(ref, staticmethod) else 1:]  # without self/cls
+    args = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    kwargs = {p.name: None for p in params if p.kind is p.KEYWORD_ONLY}
+    try:
+        got.bind(*first, *args, **kwargs)
+    except TypeError as exc:
+        if isinstance(ref, classmethod) and inspect.isfunction(impl):
+            return (f"{name}{_shown(got)} is a plain method, but {base.__qualname__}.{name}{_shown(want)} is a "
+                    "classmethod, called on the class: decorate it with @classmethod")
+        return f"{name}{_shown(got)} can't take the arguments of {base.__qualname__}.{name}{_shown(want)} ({exc})"
+    return None
 
 
 @dataclass

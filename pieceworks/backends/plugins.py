@@ -2,11 +2,12 @@
 
 A plugin that can't be used is left out and recorded as a `BrokenPlugin` with its distribution, its
 entry-point name and the reason: its import fails, its `pieceworks_register_backends` raises or returns
-something that is not a backend class (an instance, a class without `name`, an unknown op), it registers
+something that is not a backend class (an instance, a class without `name`, an unknown op, a method
+whose parameters can't take the base method's arguments: `Backend.signature_problems`), it registers
 an (op, name) key another plugin already has (a built-in key: it alone is left out; another plugin's: both
 are, since which one served would depend on the order they are found in), a `pieceworks_*` function of it
-matches no hook (a misspelt hook would otherwise never be called), or two distributions install the same
-entry-point name. Only
+matches no hook (a misspelt hook would otherwise never be called), two distributions install the same
+entry-point name, or its entry point is in a group that looks like a misspelling of `pieceworks`. Only
 executors that select one of its backends notice it (their selection names the broken plugin); every
 other executor runs, and `pieceworks backends` lists it with the reason.
 """
@@ -140,19 +141,17 @@ class PluginSet:
         self._misgrouped(every)
 
     def _misgrouped(self, every: importlib.metadata.EntryPoints) -> None:
-        """Report the entry points of groups that look like a misspelling of `pieceworks` (pieceworks.backends,
-        pieceworks_plugins, pieceowrks, ...): otherwise such a plugin is silently never loaded."""
+        """Report the entry points of groups that look like a misspelling of `pieceworks` (`misspelt_group`):
+        otherwise such a plugin is silently never loaded. One pass over the groups already read."""
         project = hookspecs.PROJECT
         for group in every.groups:
-            near = group.lower().replace("-", "_").startswith(project) or difflib.get_close_matches(
-                group.lower(), [project], n=1, cutoff=0.8)
-            if group == project or not near:
+            if not misspelt_group(group):
                 continue
             for ep in every.select(group=group):
                 if not self.pm.is_blocked(ep.name) and not self.known(ep.name):
                     self.mark_broken(ep.name, entry_point_origin(ep), f"its entry point is in group {group!r}, "
-                                     f"not {project!r}, so it is never loaded: declare it under [{project}] "
-                                     "(docs/plugins.md)")
+                                     f"which is never loaded: declare it in group {project!r} "
+                                     f"([project.entry-points.{project}] in pyproject.toml; docs/plugins.md)")
 
     def _leave_out_rivals(self, classes: list, name: str) -> list[str]:
         """Leave out the plugins that already registered a key that `name` registers too, unless they are
@@ -210,8 +209,8 @@ class PluginSet:
                         f"signature of the op's base class (docs/plugins.md, the contract per op)")
             bad = cls.signature_problems()
             if bad:
-                return (f"{what}.{bad[0]}; give it the parameters of the op's base class (docs/plugins.md, the "
-                        "contract per op)")
+                return (f"backend {cls.key()} ({what}): {'; '.join(bad)}. Match the op's base class (extra "
+                        "parameters need defaults; docs/plugins.md, the contract per op)")
             key = cls.key()
             if key in self.contested:
                 return f"{what} is registered as {key}, which other plugins registered too (all left out)"
@@ -229,6 +228,14 @@ class _NotAList:
     """What a `pieceworks_register_backends` returned in place of a list."""
 
     value: Any
+
+
+def misspelt_group(group: str) -> bool:
+    """Whether entry-point `group` is not `pieceworks` but looks like a misspelling of it: it starts with
+    "pieceworks" (`pieceworks.backends`, `pieceworks_plugins`, `Pieceworks`) or is close to it (`peiceworks`)."""
+    project = hookspecs.PROJECT
+    low = group.lower()
+    return group != project and (low.startswith(project) or bool(difflib.get_close_matches(low, [project], 1, 0.8)))
 
 
 def hook_name_problem(pm: pluggy.PluginManager, plugin: Any) -> str | None:

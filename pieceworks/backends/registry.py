@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import importlib.metadata
 import logging
+import re
 from dataclasses import dataclass, field, replace
 from dataclasses import fields as dc_fields
 from typing import Any, Iterable
@@ -27,7 +28,7 @@ import pluggy
 from pieceworks.backends import hookspecs
 from pieceworks.backends.base import OPS, Backend, BackendSpec, Candidate, parse_options
 from pieceworks.backends.builtin import BUILTIN_PLUGINS
-from pieceworks.backends.plugins import BUILTIN_ORIGIN, IN_PROCESS_ORIGIN, BrokenPlugin, PluginSet
+from pieceworks.backends.plugins import BUILTIN_ORIGIN, IN_PROCESS_ORIGIN, BrokenPlugin, PluginSet, misspelt_group
 from pieceworks.core.batch import TABLE_MODES, ForwardMode, GraphMode
 from pieceworks.core.context import StepKernels
 from pieceworks.errors import ConfigError
@@ -300,8 +301,9 @@ def left_out(broken: list[BrokenPlugin], width: int = 100) -> str:
         return ""
     lines = []
     for b in broken:
-        where = b.origin.split(", entry point")[0]
-        reason = b.reason if len(b.reason) <= width else b.reason[: width - 3] + "..."
+        where = re.sub(r", entry point [^;]*", "", b.origin)  # the distribution(s)
+        reason = " ".join(b.reason.split())  # an import error's message may span lines
+        reason = reason if len(reason) <= width else reason[: width - 3] + "..."
         lines.append(f"\n  - plugin {b.name!r} ({where}): {reason}")
     return ("; plugins left out as broken (`pieceworks backends` says why in full; plugins.disabled blocks "
             "one):" + "".join(lines))
@@ -372,7 +374,11 @@ def load_registry(plugins_cfg: Any = None) -> Registry:
     """
     disabled = list(getattr(plugins_cfg, "disabled", []) or [])
     if disabled:
-        known = [*BUILTIN_PLUGINS, *sorted(ep.name for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT))]
+        # an entry point in a misspelt group is reported as broken, and blocking it silences that
+        eps = importlib.metadata.entry_points()
+        found = {ep.name for group in eps.groups if group == hookspecs.PROJECT or misspelt_group(group)
+                 for ep in eps.select(group=group)}
+        known = [*BUILTIN_PLUGINS, *sorted(found)]
         unknown = [n for n in disabled if n not in known]
         if unknown:
             raise ConfigError(f"plugins.disabled: {unknown[0]!r} is no plugin here; known: {', '.join(known)}")
