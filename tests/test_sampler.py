@@ -17,7 +17,8 @@ import torch
 
 from pieceworks.engine.params import SamplingParams
 from pieceworks.engine.processors import apply_min_p, apply_penalties, apply_top_k, apply_top_k_top_p
-from pieceworks.engine.sampler import SamplingState, Sampler, logprob_table, read_logprobs
+from pieceworks.engine.logprobs import logprob_table, read_logprobs
+from pieceworks.engine.sampler import SamplingState, Sampler
 from pieceworks.errors import RequestError
 
 CPU = torch.device("cpu")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pieceworks.core.batch import ForwardBatch
-from pieceworks.engine.sampler import logprob_table, read_logprobs
+from pieceworks.engine.logprobs import logprob_table, read_logprobs
 
 if TYPE_CHECKING:
     from pieceworks.engine.request import Request
