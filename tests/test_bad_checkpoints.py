@@ -764,3 +764,18 @@ def test_nvfp4_tensors_without_a_quantization_config(ckpt):
     _edit_tensors(ckpt, lambda t: [t.pop(n) for n in list(t) if n.endswith(("_scale", "_scale_2"))])
     with pytest.raises(CheckpointError, match=rf"holds NVFP4 tensors \(model\.layers\..*\.weight, \.\.\.\) " + looked):
         _load(ckpt)
+
+
+def test_model_facts_of_a_directory_with_config_json_only(bf16, tmp_path):
+    """`model_facts` (pieceworks backends, the tensor-parallel layout check) reads config.json alone: a
+    directory without weight files still describes its model; loading it fails by name."""
+    from pieceworks.config import ModelConfig, QuantizationConfig
+    from pieceworks.models.loader import model_facts
+
+    only = tmp_path / "config-only"
+    only.mkdir()
+    shutil.copy(bf16 / "config.json", only / "config.json")
+    facts, ops = model_facts(ModelConfig(path=str(only)), QuantizationConfig(), page_size=16)
+    assert "attention" in ops and facts is not None
+    with pytest.raises(CheckpointError, match="no model.safetensors or model.safetensors.index.json"):
+        _load(only)

@@ -108,9 +108,12 @@ def _check_quantization_config(path: Path) -> None:
     """Refuse a checkpoint without a quantization config whose tensors are quantized (ModelOpt's scales,
     or NVFP4's packed uint8 weights): read as dense, every NVFP4 linear would load dequantized (as the
     dense loader does for the layers a config excludes), silently a bf16 model of the same numbers at four
-    times the memory, or fail as a shape mismatch where scales are missing."""
-    from pieceworks.models.checkpoint import CheckpointReader
+    times the memory, or fail as a shape mismatch where scales are missing. A directory without weight
+    files passes (config.json alone describes a model for `model_facts`; loading it fails by name)."""
+    from pieceworks.models.checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointReader
 
+    if not (path / SINGLE_FILE).exists() and not (path / INDEX_FILE).exists():
+        return
     reader = CheckpointReader(path)
     names = reader.names()
     found = next((n for suffix in QUANT_SCALES for n in names if n.endswith(suffix)), None)
