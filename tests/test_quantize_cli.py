@@ -169,6 +169,34 @@ def test_non_finite_weights_are_named_and_leave_no_destination(tiny_bf16, tmp_pa
     assert kept.is_dir() and not any(kept.iterdir())
 
 
+@pytest.mark.parametrize("name", ["model.layers.1.mlp.down_proj.weight", "model.norm.weight"])
+def test_weights_beyond_the_loaders_bound_are_named(tiny_bf16, tmp_path, capsys, name):
+    """A finite weight beyond +-3.2e32 (bf16 holds up to 3.4e38) makes an output the loader refuses: refused here."""
+    from safetensors.torch import load_file
+
+    bad = load_file(tiny_bf16 / "model.safetensors")[name]
+    bad.view(-1)[5] = 1e34
+    src = _copy_with(tiny_bf16, tmp_path / "src", **{name: bad})
+    assert _quantize(src, tmp_path / "out" / "fp4", "--amax", "8") == 2
+    err = capsys.readouterr().err
+    assert f"{name} holds 1 value(s) beyond +-3.2e+32" in err and "fix or re-download the checkpoint" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_an_unusable_calibrated_amax_is_refused_before_writing(tiny_bf16, tmp_path, bad):
+    """An activation amax that would make input_scale NaN, inf or negative (which the loader refuses)."""
+    from pieceworks.quant.quantizer import quantize_checkpoint
+
+    reader = CheckpointReader(tiny_bf16)
+    amax = {n.removesuffix(".weight"): 4.0 for n in reader.names() if n.endswith("_proj.weight")}
+    amax["model.layers.1.mlp.up_proj"] = bad
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj: the calibrated activation amax is .*; "
+                                         "calibrate over another text, or pass a fixed --amax X"):
+        quantize_checkpoint(tiny_bf16, tmp_path / "q", input_amax=amax, progress=False)
+    assert not (tmp_path / "q").exists()
+
+
 def test_binary_calibration_text_is_named(tiny_bf16, tmp_path, capsys):
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("caf\u00e9 au lait".encode("latin-1"))
@@ -260,3 +288,18 @@ def test_unsigned_integer_tensors_are_copied(tiny_bf16, tmp_path):
     src = _copy_with(tiny_bf16, tmp_path / "src", **{"model.extra_ids": ids})
     assert _quantize(src, tmp_path / "q", "--amax", "8") == 0
     assert torch.equal(load_file(tmp_path / "q" / "model.safetensors")["model.extra_ids"], ids)
+
+
+def test_float8_tensors_are_checked_and_copied(tiny_bf16, tmp_path, capsys):
+    """torch has no isfinite for float8_e4m3fn: the value check still runs on such a tensor (no traceback)."""
+    from safetensors.torch import load_file
+
+    scale = torch.tensor([0.5, 1.0, 448.0]).to(torch.float8_e4m3fn)
+    src = _copy_with(tiny_bf16, tmp_path / "src", **{"model.extra_scale": scale})
+    assert _quantize(src, tmp_path / "q", "--amax", "8") == 0
+    assert torch.equal(load_file(tmp_path / "q" / "model.safetensors")["model.extra_scale"].float(), scale.float())
+    bad = _copy_with(tiny_bf16, tmp_path / "bad", **{"model.extra_scale": torch.tensor([1.0, float("inf")]).to(
+        torch.float8_e5m2)})
+    assert _quantize(bad, tmp_path / "q2", "--amax", "8") == 2
+    assert "model.extra_scale holds non-finite values (0 NaN, 1 inf)" in capsys.readouterr().err
+    assert not (tmp_path / "q2").exists()

@@ -28,8 +28,9 @@ def check_dirs(src: Path, dst: Path, reader: CheckpointReader) -> dict:
             if i == 0:
                 raise ValueError(f"{dst}: the destination is the source {src} (quantize writes a new checkpoint "
                                  "and keeps the bf16 one); choose a new or empty directory outside SRC")
-            raise ValueError(f"{dst}: the destination lies inside the source {src} (whose files it copies, and where "
-                             "a later load would find its weights); choose a directory outside it")
+            raise ValueError(f"{dst}: the destination lies inside the source {src} (the NVFP4 checkpoint would be "
+                             "mixed into the bf16 one: copying or uploading SRC takes it along); choose a directory "
+                             "outside it")
     if dst.is_symlink() and not dst.exists():
         raise ValueError(f"{dst}: a symlink to {os.readlink(dst)}, which does not exist; create that directory or "
                          "choose another DST")

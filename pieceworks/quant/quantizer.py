@@ -129,11 +129,22 @@ def _mtp_patterns(config: dict, reader: CheckpointReader) -> list[str]:
 
 
 def _check_finite(src: Path, name: str, t: torch.Tensor) -> None:
-    """A floating tensor holds no NaN or inf (the output would carry them into every forward)."""
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-        nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+    """A floating tensor holds no NaN or inf, nor a value beyond +-`nvfp4.MAX_ABS`: the loader holds weights,
+    dense or dequantized, to that bound, so the output would be a checkpoint it refuses."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return
+    if t.dtype.itemsize == 1:  # float8: torch has no norm or isfinite for it
+        t = t.float()
+    if float(torch.linalg.vector_norm(t, float("inf"))) <= nvfp4.MAX_ABS:  # NaN when any value is NaN
+        return
+    nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+    if nan or inf:
         raise ValueError(f"{src}: {name} holds non-finite values ({nan} NaN, {inf} inf); quantize needs finite "
                          "weights (fix or re-download the checkpoint)")
+    big = int((t.abs() > nvfp4.MAX_ABS).sum())
+    raise ValueError(f"{src}: {name} holds {big} value(s) beyond +-{nvfp4.MAX_ABS:.1e} (max |value| "
+                     f"{float(t.abs().max()):.3g}), which overflow the first sum they enter; quantize needs weights "
+                     "within that bound (fix or re-download the checkpoint)")
 
 
 def _input_amax(
@@ -148,6 +159,9 @@ def _input_amax(
         if v is None or v == 0.0:
             missing.append(m)
             v = UNCALIBRATED_AMAX
+        if not 0 < float(v) <= torch.finfo(torch.float32).max:  # its input_scale would be NaN, inf or negative
+            raise ValueError(f"{m}: the calibrated activation amax is {float(v)} (the activations overflowed, or "
+                             "the calibration is broken); calibrate over another text, or pass a fixed --amax X")
         out[m] = float(v)
     if missing:
         warnings.warn(
