@@ -478,6 +478,22 @@ def test_deepseek_mtp_layers_are_expected(tiny_deepseek_modelopt, tmp_path):
         _load(d)
 
 
+@pytest.mark.parametrize("key", ["norm_topk_prob", "rope_interleave"])
+def test_deepseek_null_for_a_boolean_that_defaults_to_true(tiny_deepseek_modelopt, tmp_path, key):
+    """transformers keeps a null and tests it for truth (false); pieceworks' default is true. Neither
+    reading is taken silently: null is refused, naming the key; an explicit true or false loads."""
+    d = tmp_path / "ds"
+    shutil.copytree(tiny_deepseek_modelopt.bf16_dir, d)
+    _edit_json(d / "config.json", _set(**{key: None}))
+    with pytest.raises(CheckpointError) as e:
+        _load(d)
+    assert f"{key} is null; transformers reads null as false" in str(e.value), str(e.value)
+    assert "write true or false" in str(e.value), str(e.value)
+    for value in (False, True):
+        _edit_json(d / "config.json", _set(**{key: value}))
+        assert getattr(_load(d).args, key) is value
+
+
 def _scale(fn):
     return _poison(f"{Q}.weight_scale", lambda s: fn(s.float()).to(torch.float8_e4m3fn))
 

@@ -69,9 +69,14 @@ class DeepseekV3Args:
 
         Raises:
             CheckpointError: a missing, mistyped or inconsistent field (`hf_config.FieldError`, naming
-                it), or a variant pieceworks does not implement (biases, softmax routing, ...).
+                it), a null norm_topk_prob or rope_interleave (transformers reads it as false, pieceworks'
+                default is true), or a variant pieceworks does not implement (biases, softmax routing, ...).
         """
         hf_fields.check(hf, "deepseek_v3")
+        for key in ("norm_topk_prob", "rope_interleave"):  # the booleans that default to true
+            if key in hf and hf[key] is None:
+                raise CheckpointError(f"config.json: {key} is null; transformers reads null as false, pieceworks' "
+                                      "default is true: write true or false")
         hf = {k: v for k, v in hf.items() if v is not None}  # null is absent, as check() reads it
         if hf.get("attention_bias", False):
             raise CheckpointError("config.json: attention_bias=true is not supported by pieceworks' DeepSeek-V3")
