@@ -237,10 +237,16 @@ DEFAULT_PROMPTS = [
 
 
 def encode_prompt(tok: Any, text: str, chat: bool) -> list[int]:
+    """`text` as a user turn of the model's chat template (`chat` and the model has one), else as is.
+
+    Raises:
+        RequestError: the chat template fails while rendering (see `render_chat`).
+    """
     if chat and getattr(tok, "chat_template", None):
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                      tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        from pieceworks.models.tokenizer import render_chat
+
+        return render_chat(tok, [{"role": "user", "content": text}],
+                           hint="run with generation.chat_template=false to encode the prompts without it")
     return tok.encode(text)
 
 

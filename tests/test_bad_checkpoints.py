@@ -14,6 +14,11 @@ from pieceworks.models.checkpoint import CheckpointReader
 from pieceworks.quant.modelopt import detect_quantization, read_fp4_linear
 from pieceworks.quant.quantizer import quantize_checkpoint
 
+try:  # `python -m pytest` puts the repository root on sys.path, plain `pytest` puts tests/
+    from tests.helpers.smollm2_files import copy_tokenizer, smollm2_dir
+except ImportError:
+    from helpers.smollm2_files import copy_tokenizer, smollm2_dir
+
 Q = "model.layers.0.self_attn.q_proj"  # [64 out, 64 in] in the tiny Llama
 
 
@@ -622,18 +627,10 @@ def test_chat_template_that_is_no_jinja_is_named(tmp_path):
     """A chat template with a Jinja syntax error, or one that is no text, is refused when the tokenizer
     loads, naming the file it came from and the line (transformers compiles it only when a chat is
     rendered: a traceback in `pieceworks run`)."""
-    pytest.importorskip("transformers", reason="tokenizers load through transformers")
-    smollm2 = pytest.importorskip("pieceworks.models.smollm2")
     from pieceworks.errors import TokenizerError
     from pieceworks.models.tokenizer import load_tokenizer
 
-    try:
-        src = smollm2.ensure_smollm2(progress=False)
-    except smollm2.SmolLM2NotInstalled as exc:
-        pytest.skip(str(exc))
-    for name in smollm2.TOKENIZER_FILES:
-        if (src / name).exists():
-            shutil.copy(src / name, tmp_path / name)
+    copy_tokenizer(smollm2_dir(), tmp_path)
     assert load_tokenizer(tmp_path).chat_template  # the intact copy loads
     good = (tmp_path / "chat_template.jinja").read_text()
     (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")

@@ -17,6 +17,11 @@ from pathlib import Path
 
 import pytest
 
+try:  # `python -m pytest` puts the repository root on sys.path, plain `pytest` puts tests/
+    from tests.helpers.smollm2_files import smollm2_dir
+except ImportError:
+    from helpers.smollm2_files import smollm2_dir
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 240  # s; a case is a few seconds on an idle machine
 LLAMA = ["model.arch=llama", "model.preset=tiny", "runtime.device=cpu", "kv_cache.num_tokens=256"]
@@ -178,3 +183,54 @@ def test_ctrl_c_later_and_a_swallowed_interrupt_exit_130(monkeypatch, capsys):
         monkeypatch.setattr(cli, "cmd_backends", command)
         assert cli.main(["backends"]) == 130
         assert capsys.readouterr().err.strip() == "interrupted"
+
+
+# name -> (a chat template that parses but fails while rendering, its line and Jinja's message)
+BAD_TEMPLATES = {
+    "raise_exception": ("{% if messages[0]['role'] == 'user' %}\n{{ raise_exception('Only system roles are "
+                        "supported!') }}{% endif %}", "line 2: TemplateError: Only system roles are supported!"),
+    "undefined attribute": ("{{ messages[0].content.foo.bar }}",
+                            "line 1: UndefinedError: 'str object' has no attribute 'foo'"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_template_runs(tmp_path_factory):
+    """`pieceworks run` of the SmolLM2 demo checkpoint (weights linked, tokenizer files copied) with each
+    of BAD_TEMPLATES as its chat_template.jinja: (model dir, exit code, stdout, stderr), run concurrently."""
+    src = smollm2_dir()
+    procs = {}
+    for i, (name, (template, _)) in enumerate(BAD_TEMPLATES.items()):
+        d = tmp_path_factory.mktemp(f"template{i}")
+        for f in src.iterdir():
+            if f.suffix == ".safetensors":
+                (d / f.name).symlink_to(f)
+            elif f.suffix in (".json", ".jinja"):
+                (d / f.name).write_bytes(f.read_bytes())
+        (d / "chat_template.jinja").write_text(template)
+        procs[name] = (d, _start(["run", f"model.path={d}", "runtime.device=cpu", "kv_cache.num_tokens=256",
+                                  "generation.max_new_tokens=2"], d))
+    out = {}
+    try:
+        for name, (d, p) in procs.items():
+            stdout, stderr = p.communicate(timeout=TIMEOUT)
+            out[name] = (d, p.returncode, stdout, stderr)
+    finally:
+        for _, p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    return out
+
+
+@pytest.mark.parametrize("name", BAD_TEMPLATES)
+def test_chat_template_that_fails_while_rendering(bad_template_runs, name):
+    """A template that parses (so the tokenizer loads) but fails on the prompt (`raise_exception(...)`,
+    an undefined attribute) is one line naming the file, Jinja's message and what to do; exit 2."""
+    d, rc, stdout, stderr = bad_template_runs[name]
+    assert rc == 2, (rc, stderr[-2000:])
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-2000:]
+    assert lines[0] == (f"pieceworks run: error: {d / 'chat_template.jinja'}: the model's chat template failed while "
+                        f"rendering ({BAD_TEMPLATES[name][1]}); run with generation.chat_template=false to encode "
+                        "the prompts without it, or fix the template in chat_template.jinja"), lines[0]
+    assert "error" not in stdout.lower(), stdout[-2000:]

@@ -1,13 +1,14 @@
 """The tokenizer of a model directory (Hugging Face's, through transformers), checked when it loads:
 files that are there but don't load, files the OS won't read and a chat template that is no Jinja are
-errors that name the file, not tracebacks at the first prompt."""
+errors that name the file, not tracebacks at the first prompt. A template that parses but fails while
+rendering (`raise_exception(...)`, an undefined attribute) is a `RequestError` from `render_chat`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from pieceworks.errors import CheckpointError, TokenizerError
+from pieceworks.errors import CheckpointError, RequestError, TokenizerError
 from pieceworks.util import unreadable
 
 # the files a Hugging Face tokenizer loads from; any of them present means the model has one
@@ -60,24 +61,56 @@ def _check_chat_template(tok: Any, model_dir: Path) -> None:
         compile_template = env.parse
     import jinja2
 
-    def source(name: str) -> Path:
-        """The file a template comes from, as transformers reads them."""
-        named = [f"additional_chat_templates/{name}.jinja"] if name else []
-        for candidate in [*named, "chat_template.jinja"]:
-            if (model_dir / candidate).is_file():
-                return model_dir / candidate
-        return model_dir / "tokenizer_config.json"
-
     fix = "fix the template, or remove it to tokenize prompts without one"
     for name, template in templates.items():
         label = f" {name!r}" if name else ""
         if template is None:
             continue
+        where = _template_source(model_dir, name)
         if not isinstance(template, str):
-            raise TokenizerError(f"{source(name)}: the chat template{label} is {template!r} "
+            raise TokenizerError(f"{where}: the chat template{label} is {template!r} "
                                  f"({type(template).__name__}), not Jinja text; {fix}")
         try:
             compile_template(template)
         except jinja2.TemplateSyntaxError as exc:
-            raise TokenizerError(f"{source(name)}: the chat template{label} is not valid Jinja (line "
+            raise TokenizerError(f"{where}: the chat template{label} is not valid Jinja (line "
                                  f"{exc.lineno}: {exc.message}); {fix}") from None
+
+
+def _template_source(model_dir: Path, name: str) -> Path:
+    """The file a chat template (`name`: "" for the only one) comes from, as transformers reads them."""
+    named = [f"additional_chat_templates/{name}.jinja"] if name else []
+    for candidate in [*named, "chat_template.jinja"]:
+        if (model_dir / candidate).is_file():
+            return model_dir / candidate
+    return model_dir / "tokenizer_config.json"
+
+
+def render_chat(tok: Any, messages: list[dict], hint: str = "") -> list[int]:
+    """`messages` rendered by the tokenizer's chat template, with the assistant turn opened, as token ids.
+
+    Raises:
+        RequestError: the template fails while rendering these messages: it calls `raise_exception(...)`
+            (many refuse roles they don't support), reads an undefined attribute, or raises inside
+            its code. The message names the template's file and line, Jinja's message, and what to do
+            (`hint` first, then: fix the template).
+    """
+    import traceback
+
+    try:
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    except Exception as exc:
+        import jinja2
+
+        # the template's own frames (jinja rewrites them to "<template>", at the template's line)
+        lines = [n for frame, n in traceback.walk_tb(exc.__traceback__) if frame.f_code.co_filename == "<template>"]
+        if not lines and not isinstance(exc, jinja2.TemplateError):
+            raise  # not the template's doing
+        model_dir = Path(getattr(tok, "name_or_path", "") or ".")
+        where = _template_source(model_dir, "default" if isinstance(tok.chat_template, dict) else "")
+        at = f"line {lines[-1]}: " if lines else ""
+        what = str(exc).strip() or "no message"
+        fix = f"{hint + ', or ' if hint else ''}fix the template in {where.relative_to(model_dir)}"
+        raise RequestError(f"{where}: the model's chat template failed while rendering ({at}{type(exc).__name__}: "
+                           f"{what}); {fix}") from exc
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
