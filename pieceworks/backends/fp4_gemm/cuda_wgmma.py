@@ -73,10 +73,9 @@ def stage_bytes(block_m: int) -> int:
     return block_m * TILE_K * 2 + 2 * TILE_ROWS * 64 + 2 * TILE_ROWS * 8
 
 
-def max_stages(block_m: int, ctas_per_sm: int = 1) -> int:
-    """The most stages that fit in shared memory (with their two mbarriers each), for `ctas_per_sm` CTAs per SM
-    (each with the driver's 1 KB)."""
-    return min(8, (MAX_SHARED - (ctas_per_sm - 1) * 1024) // ctas_per_sm // (stage_bytes(block_m) + 16))
+def max_stages(block_m: int) -> int:
+    """The most stages that fit in shared memory (with their two mbarriers each)."""
+    return min(8, MAX_SHARED // (stage_bytes(block_m) + 16))
 
 
 @lru_cache(maxsize=None)
@@ -120,8 +119,7 @@ def device_reason(device: torch.device) -> str | None:
 def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
          n: int, k: int, block_m: int = 128, stages: int | None = None, swiglu: bool = False,
          out: torch.Tensor | None = None, split: int = 1, row_blocks: tuple[int, int] | None = None,
-         stream_k: int = 0, workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-         ctas_per_sm: int = 1) -> torch.Tensor:
+         stream_k: int = 0, workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """y [M, n] bf16 = x [M, k] @ dequant(W).T for a k32-layout weight (uint8 [Np, Kp/2], scales
     [Np, Kp/16], `repack_k32`) and its global scale (float32 scalar tensor); with `swiglu` (a gate/up
     weight whose rows are interleaved, `interleave_gate_up`) [M, n / 2] = silu(gate) * up, rounded as the
@@ -135,12 +133,9 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weig
     and no other stream's kernels holding SMs while they wait for this one)."""
     if not valid_block_m(block_m):
         raise ValueError(f"block_m={block_m}: a multiple of {FIT_STEP} from 32 to 256 (tokens per CTA)")
-    if ctas_per_sm not in (1, 2) or (ctas_per_sm == 2 and block_m > 64):
-        raise ValueError(f"ctas_per_sm={ctas_per_sm}: 1, or 2 for token tiles of at most 64 (block_m={block_m})")
-    most = max_stages(block_m, ctas_per_sm)
-    stages = stages or most
-    if not 2 <= stages <= most:
-        raise ValueError(f"stages={stages}: 2..{most} fit in shared memory at block_m={block_m}")
+    stages = stages or max_stages(block_m)
+    if not 2 <= stages <= max_stages(block_m):
+        raise ValueError(f"stages={stages}: 2..{max_stages(block_m)} fit in shared memory at block_m={block_m}")
     if split > 1 and swiglu:
         raise ValueError("split partials are summed by a second kernel, which applies the SwiGLU")
     if split > 1 and stream_k:
@@ -158,7 +153,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weig
     gx = -(-m // block_m)
     if stream_k:
         sms = multiprocessors(x.device)
-        if stream_k > sms * ctas_per_sm:
+        if stream_k > sms:
             raise ValueError(f"stream_k={stream_k}: at most one CTA per SM ({sms}): its waits need every CTA "
                              "resident")
         work, flags = workspace
@@ -170,7 +165,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weig
         work = flags = out  # not read
         grid = (gx, count, split)
     kern = nvrtc.kernel(source(block_m), f"fp4_wgmma_tma<{block_m}, {stages}, {int(swiglu)}, {int(split > 1)}, "
-                        f"{int(stream_k > 0)}{', 2' if ctas_per_sm == 2 else ''}>", x.device, suffix="a")
+                        f"{int(stream_k > 0)}>", x.device, suffix="a")
     kern(grid, (THREADS, 1, 1),
          [tensor_map(x, k, block_m), weight, weight_scale, weight_scale_2, out, m, n, kp // TILE_K,
           np_ // TILE_ROWS, out.stride(-2), first, gx, gx * count, work, flags], pdl.launch_options(x.device)[0],

@@ -93,8 +93,8 @@ __device__ __forceinline__ void mbar_arrive_if(u32 a, int when) {
 // the segment with the first K tile is its CTA's last, reached after the others: it waits for their
 // count, adds their partials in K order and stores the tile, then zeroes the flag for the next launch.
 // The waits need every CTA of the launch resident at once: G at most one per SM.
-template <int BM, int S, int SWIGLU, int SPLIT, int SK, int MINB = 1>
-__global__ void __launch_bounds__(384, MINB) fp4_wgmma_tma(
+template <int BM, int S, int SWIGLU, int SPLIT, int SK>
+__global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
     const __grid_constant__ Tmap tm, const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
     const float* __restrict__ gscale, u16* __restrict__ out, int M, int N, int nkt, int nrb, int ldo, int yoff,
     int gx, int ntiles, float* __restrict__ work, int* __restrict__ flags)
@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(384, MINB) fp4_wgmma_tma(
     __syncthreads();
     const int n_it = ib - ia;
     if (tid >= 256) {  // the producer warpgroup: one thread issues every stage once its consumers released it
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");  // MINB = 2: of 80 at launch
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (tid == 256) {
             PDL_WAIT();
             for (int i = 0; i < n_it; ++i) {
@@ -151,10 +151,7 @@ __global__ void __launch_bounds__(384, MINB) fp4_wgmma_tma(
         }
         return;
     }
-    // BM = 256 needs more than 65536 / 384; two CTAs per SM (MINB = 2) share 80 each at launch, and the
-    // consumers take what the producer warpgroup gave back
-    if (MINB == 1) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-    else asm volatile("setmaxnreg.inc.sync.aligned.u32 96;");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");  // BM = 256 needs more than 65536 / 384
     const float gs = gscale[0] * 16384.0f;
     const int r0 = 16 * warp + g;
     u32 a[2][8];
