@@ -303,3 +303,250 @@ def test_float8_tensors_are_checked_and_copied(tiny_bf16, tmp_path, capsys):
     assert _quantize(bad, tmp_path / "q2", "--amax", "8") == 2
     assert "model.extra_scale holds non-finite values (0 NaN, 1 inf)" in capsys.readouterr().err
     assert not (tmp_path / "q2").exists()
+
+
+# --- the staging directory: DST appears complete, or not at all ---------------------------------------------
+# quantize writes into `.DSTNAME.quantize-HOST-PID.tmp` beside DST and renames it to DST when every file is
+# complete; a failed run removes it, a killed run's is removed by the next run into the same DST.
+
+_RUN = "import sys; from pieceworks.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def _staging(parent, name="q") -> list:
+    return sorted(p for p in parent.iterdir() if p.name.startswith(f".{name}.quantize-"))
+
+
+def _python(code: str, *args, **kw):
+    """Run `code` in a fresh interpreter with this checkout importable."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env, capture_output=True, text=True,
+                          **kw)
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", ""])
+    p.wait()
+    return p.pid
+
+
+def _listing(d) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def _on_close(monkeypatch, hook):
+    """Call hook(writer) right after the shard writer's close: every file is complete, DST not yet renamed."""
+    from pieceworks.quant import shard_writer
+
+    real_close = shard_writer.ShardedWriter.close
+
+    def close(self):
+        names = real_close(self)
+        hook(self)
+        return names
+
+    monkeypatch.setattr(shard_writer.ShardedWriter, "close", close)
+
+
+def test_the_run_writes_beside_dst_and_renames_it_when_complete(tiny_bf16, tmp_path, monkeypatch):
+    seen, where = [], {}
+
+    def look(writer):  # every file complete, not yet renamed
+        dst = where["dst"]
+        seen.append((dst.exists() and any(dst.iterdir()), writer.out_dir, _staging(dst.parent, dst.name),
+                     sorted(p.name for p in writer.out_dir.iterdir())))
+
+    _on_close(monkeypatch, look)
+    dst = where["dst"] = tmp_path / "new" / "q"
+    assert _quantize(tiny_bf16, dst, "--amax", "8") == 0
+    dst_had_files, staging, listed, files = seen[0]
+    assert not dst_had_files and listed == [staging]  # DST absent while the files are written
+    assert re.fullmatch(rf"\.q\.quantize-.+-{os.getpid()}\.tmp", staging.name), staging.name
+    assert {"config.json", "hf_quant_config.json", "model.safetensors", "tokenizer.json"} <= set(files)
+    assert sorted(p.name for p in dst.iterdir()) == files  # the same files, now under DST
+    assert _staging(dst.parent) == [] and sorted(p.name for p in (tmp_path / "new").iterdir()) == ["q"]
+    assert len(_input_scales(dst)) == 14
+
+    kept = where["dst"] = tmp_path / "kept"  # an existing empty DST: replaced by the finished directory, its mode kept
+    kept.mkdir()
+    kept.chmod(0o750)
+    assert _quantize(tiny_bf16, kept, "--amax", "8") == 0
+    assert seen[1][0] is False and seen[1][1].parent == tmp_path
+    assert sorted(p.name for p in kept.iterdir()) == files and (kept.stat().st_mode & 0o777) == 0o750
+    assert _staging(tmp_path, "kept") == []
+    (tmp_path / "link").symlink_to(tmp_path / "target")  # a symlink to an empty directory: filled where it points
+    (tmp_path / "target").mkdir()
+    where["dst"] = tmp_path / "target"
+    assert _quantize(tiny_bf16, tmp_path / "link", "--amax", "8") == 0
+    assert (tmp_path / "link").is_symlink() and sorted(p.name for p in (tmp_path / "target").iterdir()) == files
+
+
+def test_an_interrupt_before_the_rename_leaves_nothing(tiny_bf16, tmp_path, monkeypatch):
+    from pieceworks.quant.quantizer import quantize_checkpoint
+
+    def interrupt(writer):
+        raise KeyboardInterrupt
+
+    _on_close(monkeypatch, interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_checkpoint(tiny_bf16, tmp_path / "new" / "q", amax=8.0, progress=False)
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()
+    assert _quantize(tiny_bf16, tmp_path / "kept", "--amax", "8") == 130
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and not any((tmp_path / "kept").iterdir())
+
+
+_KILLED = """
+import os, signal, sys
+from pieceworks.quant import shard_writer
+real_close = shard_writer.ShardedWriter.close
+def close(self):
+    real_close(self)
+    os.kill(os.getpid(), signal.SIGKILL)  # every file written, not yet renamed to DST
+shard_writer.ShardedWriter.close = close
+from pieceworks.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_killed_run_leaves_no_destination_and_does_not_block_the_next(tiny_bf16, tmp_path):
+    """SIGKILL (the OOM killer, a power loss) after every file was written: DST does not exist; the files are in the
+    hidden staging directory, which the next run removes (its process is gone) before writing its own."""
+    dst = tmp_path / "q"
+    killed = _python(_KILLED, "quantize", tiny_bf16, dst, "--amax", "8", "--no-progress", timeout=300)
+    assert killed.returncode == -9, killed.stderr
+    assert not dst.exists()
+    [stale] = _staging(tmp_path)
+    assert {"config.json", "model.safetensors"} <= {p.name for p in stale.iterdir()}
+    assert _quantize(tiny_bf16, dst, "--amax", "8") == 0
+    assert _staging(tmp_path) == [] and len(_input_scales(dst)) == 14
+
+
+def test_stale_staging_directories_are_removed_when_their_process_is_gone(tiny_bf16, tmp_path, capsys,
+                                                                          monkeypatch):
+    from pieceworks.quant.output_dir import _host
+
+    host, dead = _host(), _dead_pid()
+    stale = [f".q.quantize-{host}-{dead}.tmp",  # this host, process gone
+             f".q.quantize-{host}-{os.getpid()}.tmp"]  # an earlier process that had this pid
+    kept = [f".q.quantize-{host}-{os.getppid()}.tmp",  # a run still going
+            f".q.quantize-otherhost-{dead}.tmp",  # another host's (a shared disk): its pid means nothing here
+            f".r.quantize-{host}-{dead}.tmp",  # another DST's
+            f".q.quantize-{host}-x{dead}.tmp"]  # not a name quantize makes
+    for name in stale + kept:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"partial")
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    assert _quantize(tiny_bf16, tmp_path / "q", "--amax", "8") == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "is left by another quantize run into the same DST, still running or on another host: remove it if it " \
+           "is not); free some space" in err, err
+    assert not any((tmp_path / n).exists() for n in stale)  # removed before the free space was counted
+    monkeypatch.setattr(shutil, "disk_usage", real_usage)
+    assert _quantize(tiny_bf16, tmp_path / "q", "--amax", "8") == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept + ["q"])
+    assert all((tmp_path / n / "model.safetensors").read_bytes() == b"partial" for n in kept)
+
+
+@pytest.mark.parametrize("existed, appears", [
+    (False, "a directory with a file"),
+    (True, "a file in the empty DST"),
+    (False, "a file"),
+])
+def test_a_destination_created_during_the_run_is_left_alone(tiny_bf16, tmp_path, capsys, monkeypatch, existed,
+                                                           appears):
+    dst = tmp_path / "q"
+    if existed:
+        dst.mkdir()
+
+    def someone_else(writer):
+        if appears == "a file":
+            dst.write_text("theirs")
+        else:
+            dst.mkdir(exist_ok=True)
+            (dst / "theirs.txt").write_text("theirs")
+
+    _on_close(monkeypatch, someone_else)
+    assert _quantize(tiny_bf16, dst, "--amax", "8") == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{dst}: was created or filled by someone else (another quantize run into the same DST?) while this " \
+           "run was writing; it is left as it is and this run's output is removed" in err, err
+    assert (dst.read_text() if appears == "a file" else _listing(dst)) in ("theirs", {"theirs.txt": b"theirs"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]  # no staging directory left
+
+
+def test_two_runs_into_one_new_destination(tiny_bf16, tmp_path, capsys, monkeypatch):
+    """Both pass the checks on a new DST; the one that finishes first gets DST, the other fails and leaves it."""
+    dst = tmp_path / "q"
+    other = []
+
+    def run_another(writer):  # while this run is about to rename, another process quantizes into the same DST
+        other.append(_python(_RUN, "quantize", tiny_bf16, dst, "--amax", "8", "--no-progress", timeout=300))
+        other.append(_listing(dst))
+
+    _on_close(monkeypatch, run_another)
+    assert _quantize(tiny_bf16, dst, "--amax", "8") == 2
+    assert other[0].returncode == 0, other[0].stderr  # it left this run's staging directory alone (pid alive)
+    assert "was created or filled by someone else" in capsys.readouterr().err
+    assert _listing(dst) == other[1] and "model.safetensors" in other[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]
+
+
+def test_an_empty_mount_point_is_refused(tiny_bf16, tmp_path, capsys, monkeypatch):
+    """The staging directory lives beside DST: a DST that is a file system of its own cannot receive it by rename."""
+    from pieceworks.quant import output_dir
+
+    monkeypatch.setattr(output_dir, "is_mount_point", lambda real: real == tmp_path / "mnt")
+    (tmp_path / "mnt").mkdir()
+    assert _quantize(tiny_bf16, tmp_path / "mnt", "--amax", "8") == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "mnt: an empty file system of its own (a mount point)" in err and f"e.g. {tmp_path}/mnt/nvfp4" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mnt"]
+
+
+def test_a_failed_rename_puts_the_empty_destination_back(tiny_bf16, tmp_path, capsys, monkeypatch):
+    """The empty DST is removed right before the rename; when the rename fails for another reason, it is made
+    again (with its mode) and the run's output removed."""
+    real_rename = os.rename
+
+    def rename(a, b, **kw):
+        if str(a).endswith(".tmp"):
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(a))
+        return real_rename(a, b, **kw)
+
+    monkeypatch.setattr(os, "rename", rename)
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    kept.chmod(0o751)
+    assert _quantize(tiny_bf16, kept, "--amax", "8") == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "kept: cannot move the finished checkpoint from .kept.quantize-" in err and "(Permission denied)" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and not any(kept.iterdir())
+    assert kept.stat().st_mode & 0o777 == 0o751
+
+
+def test_a_second_run_in_the_same_process_does_not_take_a_running_ones_staging_directory(tmp_path):
+    """Two threads of one process (one pid, so one staging name) quantizing into one DST: the second is refused,
+    and does not remove the first one's directory as stale."""
+    from pieceworks.quant.output_dir import Staging
+
+    first, second = Staging(tmp_path / "q"), Staging(tmp_path / "q")
+    first.create()
+    try:
+        assert second.clear_stale() == [first.path] and first.path.is_dir()
+        with pytest.raises(ValueError, match="q: another quantize run in this process is writing it"):
+            second.create()
+        assert first.path.is_dir()
+    finally:
+        first.discard()
+    assert list(tmp_path.iterdir()) == []
+    second.create()  # free again
+    second.discard()

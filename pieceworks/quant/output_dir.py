@@ -1,14 +1,33 @@
 """Where `pieceworks quantize` writes: the checks on SRC and DST before anything is written (DST new or
-empty, not SRC nor inside it, on a disk with room for the output) and the cleanup after a failed run
-(the files it wrote, the directories it created)."""
+empty, not SRC nor inside it, on a disk with room for the output), and the staging directory the run
+writes into.
+
+A run writes nothing into DST itself. It writes into a hidden staging directory beside DST (same parent,
+so on the same file system), `.DSTNAME.quantize-HOST-PID.tmp`, and only when every file is complete (and
+synced to disk) renames it to DST with one `os.rename`, which is atomic on POSIX: whatever kills the run
+(an exception, Ctrl-C, SIGKILL, the OOM killer, a power loss), DST is either absent (or the empty
+directory it was) or a complete checkpoint. A run that fails removes its staging directory and the
+parent directories it created; one that is killed leaves its staging directory, and the next run into
+the same DST on the same host removes it once its process is gone (`Staging.clear_stale`). Two runs
+racing into one DST both write their own staging directory; the first rename wins and the other run
+fails with the DST named, leaving the winner's checkpoint untouched.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import shutil
+import socket
+import stat
+import threading
 from pathlib import Path
 
 from pieceworks.models.checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointReader
+
+_ACTIVE: set[Path] = set()  # staging directories this process is writing (threads may run quantize too)
+_ACTIVE_LOCK = threading.Lock()
 
 
 def check_dirs(src: Path, dst: Path, reader: CheckpointReader) -> dict:
@@ -36,16 +55,31 @@ def check_dirs(src: Path, dst: Path, reader: CheckpointReader) -> dict:
                          "choose another DST")
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ValueError(f"{dst}: exists and is not an empty directory; choose a new one")
+    if dst.exists() and is_mount_point(real):
+        raise ValueError(f"{dst}: an empty file system of its own (a mount point); quantize writes beside DST and "
+                         "renames the finished checkpoint to DST, which cannot cross file systems: choose a new "
+                         f"directory inside it, e.g. {dst / 'nvfp4'}")
     return config
 
 
-def check_space(dst: Path, nbytes: int) -> None:
-    """Refuse before writing when the file system that would hold dst has less than nbytes free."""
-    where = next(d for d in (dst.absolute(), *dst.absolute().parents) if d.exists())
+def is_mount_point(real: Path) -> bool:
+    """Whether the existing directory `real` is on another file system than its parent directory."""
+    return real != real.parent and os.stat(real).st_dev != os.stat(real.parent).st_dev
+
+
+def check_space(dst: Path, nbytes: int, others: list[Path] = ()) -> None:
+    """Refuse before writing when the file system that would hold dst's staging directory (dst's parent's)
+    has less than nbytes free. `others`: other runs' staging directories there, named in the error."""
+    parent = dst.resolve().parent
+    where = next(d for d in (parent, *parent.parents) if d.exists())
     usage = shutil.disk_usage(where)
     if usage.total and usage.free < nbytes:  # total 0: a file system that keeps no count
+        hint = ""
+        if others:
+            hint = (f" ({others[0]} is left by another quantize run into the same DST, still running or on "
+                    "another host: remove it if it is not)")
         raise ValueError(f"{dst}: the NVFP4 checkpoint needs {_size(nbytes)} and {where} has {_size(usage.free)} "
-                         "free; free some space or choose a DST on another disk")
+                         f"free{hint}; free some space or choose a DST on another disk")
 
 
 def _size(nbytes: int) -> str:
@@ -60,16 +94,169 @@ def copied_files(src: Path) -> list[Path]:
     )
 
 
-def remove_written(files: list[Path], created: list[Path]) -> None:
-    """After a failed run: the files it wrote besides the weights (the writer removes those), then the
-    directories it created, deepest first. Best effort: the run's own error is the one to report."""
-    for f in files:
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "localhost"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+class Staging:
+    """The hidden directory beside DST that a run writes into, renamed to DST when complete.
+
+    `path` is `.DSTNAME.quantize-HOST-PID.tmp` in the parent of DST (after resolving symlinks, so an existing
+    empty DST reached through a symlink is replaced where it lies).
+    """
+
+    def __init__(self, dst: Path):
+        self.dst = dst
+        self.real = dst.resolve()
+        self._prefix = f".{self.real.name}.quantize-"
+        self.path = self.real.parent / f"{self._prefix}{_host()}-{os.getpid()}.tmp"
+        self._created: list[Path] = []
+        self._published = False
+        self._emptied: int | None = None  # the mode of the empty DST removed for the rename
+
+    def clear_stale(self) -> list[Path]:
+        """Remove the staging directories of runs into this DST that were killed: this host's, whose process is
+        gone (one with this process's own pid is from an earlier process that had it, unless this process is
+        writing it now). Returns the others (running, or from another host, whose pids mean nothing here)."""
+        pattern = re.compile(re.escape(self._prefix) + r"(.+)-([0-9]+)\.tmp")
+        others = []
         try:
-            f.unlink(missing_ok=True)
-        except OSError:
-            pass
+            entries = list(self.real.parent.iterdir())
+        except OSError:  # the parent does not exist yet (or cannot be read: creating the staging dir will say)
+            return []
+        host = _host()
+        for p in entries:
+            m = pattern.fullmatch(p.name)
+            if not m or p.is_symlink() or not p.is_dir():
+                continue
+            pid = int(m.group(2))
+            with _ACTIVE_LOCK:
+                active = p in _ACTIVE
+            if m.group(1) == host and pid > 0 and not active and (pid == os.getpid() or not _pid_alive(pid)):
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                others.append(p)
+        return others
+
+    def create(self) -> None:
+        """Create the staging directory (and the missing parent directories of DST)."""
+        with _ACTIVE_LOCK:
+            if self.path in _ACTIVE:
+                raise ValueError(f"{self.dst}: another quantize run in this process is writing it; wait for it or "
+                                 "choose another DST")
+            _ACTIVE.add(self.path)
+        self._created = [d for d in (self.path, *self.path.parents) if not d.exists()]
+        try:
+            self.path.mkdir(parents=True)
+        except OSError as e:
+            self._forget()
+            _rmdirs(self._created)
+            raise ValueError(f"{self.dst}: cannot create the destination directory ({e.strerror}: {e.filename}); "
+                             f"quantize writes into {self.path.name} beside it and renames that to DST when "
+                             "complete: choose a DST in a directory where you can write") from None
+
+    def publish(self) -> None:
+        """Sync the staging directory's files to disk and rename it to DST (removing DST first when it is an
+        empty directory). DST created or filled meanwhile (another run) is left as it is: ValueError."""
+        _sync_tree(self.path)
+        try:
+            st = os.lstat(self.real)
+        except FileNotFoundError:
+            st = None
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            try:
+                os.rmdir(self.real)  # fails when something appeared in it meanwhile
+                self._emptied = stat.S_IMODE(st.st_mode)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                clash = e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR)
+                raise self._clash() if clash else self._cannot_move(e) from None
+        try:
+            os.rename(self.path, self.real)
+        except OSError as e:
+            raise self._clash() if os.path.lexists(self.real) else self._cannot_move(e) from None
+        self._published = True
+        self._forget()
+        if self._emptied is not None:
+            try:
+                os.chmod(self.real, self._emptied)  # DST keeps the mode it had
+            except OSError:
+                pass
+        _sync_dir(self.real.parent)
+
+    def discard(self) -> None:
+        """After a failed run: remove the staging directory and the parent directories created for it. Best
+        effort: the run's own error is the one to report."""
+        if self._published:
+            return
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self._emptied is not None:  # the empty DST removed for the rename: put it back
+            try:
+                os.mkdir(self.real)
+                os.chmod(self.real, self._emptied)
+            except OSError:  # another run's DST is there now
+                pass
+        self._forget()
+        _rmdirs([d for d in self._created if d != self.path])
+
+    def _forget(self) -> None:
+        with _ACTIVE_LOCK:
+            _ACTIVE.discard(self.path)
+
+    def _clash(self) -> ValueError:
+        return ValueError(f"{self.dst}: was created or filled by someone else (another quantize run into the same "
+                          "DST?) while this run was writing; it is left as it is and this run's output is removed: "
+                          "choose a new DST, or remove that one and run again")
+
+    def _cannot_move(self, e: OSError) -> ValueError:
+        return ValueError(f"{self.dst}: cannot move the finished checkpoint from {self.path.name} to DST "
+                          f"({e.strerror}); this run's output is removed: choose a DST in a directory where you "
+                          "can write")
+
+
+def _rmdirs(created: list[Path]) -> None:
+    """Remove directories created for the run, deepest first, while they are empty."""
     for d in created:
         try:
             d.rmdir()
+        except FileNotFoundError:  # never made (its parent's mkdir failed)
+            continue
         except OSError:
             break
+
+
+def _sync_tree(root: Path) -> None:
+    """fsync every file under root and the directories, so a rename that survives a power loss names files whose
+    bytes survived too."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _sync_dir(Path(dirpath))
+
+
+def _sync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems cannot sync a directory
+        pass
+    finally:
+        os.close(fd)

@@ -42,7 +42,7 @@ import torch
 from pieceworks.models.checkpoint import CheckpointReader
 from pieceworks.quant import nvfp4
 from pieceworks.quant.export_config import hf_quant_config, quantization_config, summarize_exclude
-from pieceworks.quant.output_dir import check_dirs, check_space, copied_files, remove_written
+from pieceworks.quant.output_dir import Staging, check_dirs, check_space, copied_files
 from pieceworks.quant.shard_writer import ShardedWriter, TensorSpec
 
 DEFAULT_EXCLUDE = (
@@ -232,10 +232,14 @@ def quantize_checkpoint(
     Raises:
         ValueError: not exactly one of calib_text / amax / input_amax; amax not positive; src is
             already quantized or unreadable, or holds a NaN or inf; dst not empty, the source or inside
-            it, cannot be created, or on a disk without room for the output; calibration cannot run.
+            it, cannot be created, or on a disk without room for the output; dst created or filled by
+            another run while this one wrote; calibration cannot run.
         OSError: the disk filled up while writing.
 
-    A run that fails removes the files it wrote and the directories it created.
+    The run writes into a hidden staging directory beside dst (`.DSTNAME.quantize-HOST-PID.tmp`) and
+    renames it to dst when every file is complete, so dst never holds a partial checkpoint, even after a
+    hard kill. A run that fails removes its staging directory and the directories it created; a killed
+    run's staging directory is removed by the next run into the same dst on the same host.
     """
     src, dst = Path(src_dir), Path(dst_dir)
     if sum(x is not None for x in (calib_text, amax, input_amax)) != 1:
@@ -266,24 +270,19 @@ def quantize_checkpoint(
             TensorSpec(f"{lin.module}.input_scale", torch.float32, ()),
         ]
     copied = copied_files(src)
-    check_space(dst, sum(spec.nbytes for spec in specs) + sum(f.stat().st_size for f in copied))
+    staging = Staging(dst)  # written there, renamed to dst when complete
+    others = staging.clear_stale()  # killed runs' staging directories: before counting free space
+    check_space(dst, sum(spec.nbytes for spec in specs) + sum(f.stat().st_size for f in copied), others)
     if calib_text is not None:
         from pieceworks.quant.calibrate import calibrate_from_text
 
         input_amax = calibrate_from_text(src, calib_text)
     in_amax = _input_amax(linears, groups, amax, input_amax)
 
-    created = [d for d in (dst, *dst.parents) if not d.exists()]  # removed again if the run fails
-    try:
-        dst.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        remove_written([], created)
-        raise ValueError(f"{dst}: cannot create the destination directory ({e.strerror}: {e.filename}); choose "
-                         "a directory where you can write") from None
-    written: list[Path] = []  # config and copied files, removed again if the run fails
+    staging.create()
     writer = None
     try:
-        writer = ShardedWriter(dst, specs, max_shard_bytes)
+        writer = ShardedWriter(staging.path, specs, max_shard_bytes)
         with _progress(progress) as bar:
             ws2 = _group_scales(src, reader, groups, bar)
             task = bar.add_task("quantizing", total=sum(_nbytes(reader, n) for n in reader.names()))
@@ -303,12 +302,13 @@ def quantize_checkpoint(
                     writer.write(f"{lin.module}.input_scale", amax_t / (nvfp4.E2M1_MAX * nvfp4.E4M3_MAX))
                 bar.advance(task, t.numel() * t.element_size())
                 del t
-        _write_configs(dst, config, unquantized, [lin.module for lin in linears.values()], copied, written)
-        writer.close()  # publishes the weight files last: a run that stops early leaves none
+        _write_configs(staging.path, config, unquantized, [lin.module for lin in linears.values()], copied)
+        writer.close()  # renames the weight files from their partial names, once every tensor is written
+        staging.publish()  # one rename: dst appears complete, or not at all
     except BaseException as e:
         if writer is not None:
             writer.abort()
-        remove_written(written, created)
+        staging.discard()
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise OSError(f"{dst}: the disk is full ({e.strerror}); the files this run wrote are removed: free some "
                           "space or choose a DST on another disk") from e
@@ -342,19 +342,14 @@ def _group_scales(src: Path, reader: CheckpointReader, groups, bar) -> dict[str,
     return out
 
 
-def _write_configs(
-    dst: Path, config: dict, unquantized: list[str], quantized: list[str], copied: list[Path], written: list[Path]
-) -> None:
-    """Write the two config files and copy `copied` into dst, appending each path to `written` before it
-    is written."""
+def _write_configs(dst: Path, config: dict, unquantized: list[str], quantized: list[str], copied: list[Path]) -> None:
+    """Write the two config files and copy `copied` into dst."""
     from pieceworks.version import __version__ as version
 
     hf = hf_quant_config(summarize_exclude(unquantized, quantized), {"name": "pieceworks", "version": version})
     config = dict(config)
     config["quantization_config"] = quantization_config(hf)
     for name, obj in (("hf_quant_config.json", hf), ("config.json", config)):
-        written.append(dst / name)
-        written[-1].write_text(json.dumps(obj, indent=4))
+        (dst / name).write_text(json.dumps(obj, indent=4))
     for f in copied:
-        written.append(dst / f.name)
-        shutil.copy2(f, written[-1])
+        shutil.copy2(f, dst / f.name)
