@@ -15,13 +15,14 @@ from pieceworks import AsyncEngine, Engine, Executor, SamplingParams
 from pieceworks.executor.cuda_graph import EagerDecodeRunner
 
 
-def make(async_steps: bool, num_tokens: int = 512, prefix_caching: bool = True) -> Engine:
+def make(async_steps: bool, num_tokens: int = 512, prefix_caching: bool = True, decode_runner: bool = True) -> Engine:
     cfg = {"model": {"arch": "llama", "preset": "tiny", "max_context": 128},
            "runtime": {"device": "cpu", "dtype": "float32"},
            "kv_cache": {"num_tokens": num_tokens, "page_size": 4, "prefix_caching": prefix_caching},
            "scheduler": {"async_steps": async_steps, "max_num_batched_tokens": 24}}
     ex = Executor.from_config(cfg, progress=False)
-    ex.decode_graphs = EagerDecodeRunner(ex.model, ex.table, ex.kv, ex.max_context, [1, 2, 4, 8])
+    if decode_runner:
+        ex.decode_graphs = EagerDecodeRunner(ex.model, ex.table, ex.kv, ex.max_context, [1, 2, 4, 8])
     return Engine(ex, tokenizer=None)
 
 
@@ -95,7 +96,8 @@ def test_different_max_tokens_and_mid_run_adds_match_sync(prefix_caching):
     got = run(eng, BATCH, later, add_after=12)
     assert got == sync
     assert [len(got[rid][0]) for rid, _, _ in BATCH] == [9, 4, 17, 7, 12, 1]
-    assert eng.stats()["num_async_steps"] >= 10
+    stats = eng.stats()  # every step async, those with prompt chunks (24-token budget) too: no preemption here
+    assert stats["num_async_steps"] == stats["num_steps"] >= 10
     assert eng.executor.decode_graphs.staging._rows  # decode steps went through the runner
     if prefix_caching:
         assert eng.stats()["prefix_cache_hit_tokens"] > 0
@@ -198,6 +200,26 @@ def test_logprobs_in_async_steps_match_sync():
     assert got == sync and eng.stats()["num_async_steps"] >= 8
     assert len(got["x"][1]) == 9 and all(len(d) in (2, 3) for d in got["x"][1])
     assert all(len(d) == 1 for d in got["y"][1]) and got["g"][1] is None
+
+
+@pytest.mark.parametrize("decode_runner", [True, False])
+def test_steps_with_prompt_chunks_run_async_and_match_sync(decode_runner):
+    """A step with prompt chunks (long prompts in 24-token chunks beside running decodes) runs async: the rows
+    that finish their prompt sample on the device and their ids feed the next step's placeholders, through a
+    decode graph's runner or the eager path (no runner): greedy, seeded sampled and logprob rows get the tokens
+    of synchronous steps, and every step ran async."""
+    batch = [("long0", prompt(40, 31), greedy(8, ignore_eos=True)), ("d", prompt(3, 32), sampled(12, 6)),
+             ("long1", prompt(57, 33), sampled(6, 7, logprobs=1))]
+    later = [("long2", prompt(45, 34), greedy(5, ignore_eos=True)), ("x", prompt(2, 35), sampled(9, 8))]
+
+    def final(eng):
+        got = run(eng, batch, later, add_after=4)
+        return got, eng.stats()
+
+    sync, _ = final(make(False, decode_runner=decode_runner))
+    got, stats = final(make(True, decode_runner=decode_runner))
+    assert got == sync
+    assert stats["num_async_steps"] == stats["num_steps"] >= 15
 
 
 def test_generate_matches_sync():

@@ -289,6 +289,8 @@ def test_non_finite_logits_fail_only_their_request(engine, monkeypatch, referenc
     b = engine.add_request(PROMPTS[2], GREEDY)
     outs = engine.step()  # both prompts fit one 16-token step; row 0 is a's
     monkeypatch.setattr(ex.model, "compute_logits", real)
+    while not outs:  # async steps: that step's tokens come with the next call
+        outs = engine.step()
     by_id = {o.request_id: o for o in outs}
     assert by_id[a].finish_reason == "error" and "NonFiniteLogits" in by_id[a].error and by_id[a].token_ids == []
     assert not by_id[b].finished
@@ -356,7 +358,10 @@ def test_an_edited_output_prompt_changes_nothing(engine, reference):
     """Outputs carry a copy of the request's prompt (one per request, shared by its outputs): a caller
     appending to it leaves the request computing what it did."""
     rid = engine.add_request(PROMPTS[0], GREEDY)
-    first = engine.step()[0]
+    firsts = []
+    while not firsts:  # async steps: the first token comes with the second call
+        firsts = engine.step()
+    first = firsts[0]
     first.prompt_token_ids.append(10**6)
     outs = [first]
     while engine.has_unfinished():

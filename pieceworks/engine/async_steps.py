@@ -1,12 +1,13 @@
-"""Async steps (`scheduler.async_steps`): one decode step in flight.
+"""Async steps (`scheduler.async_steps`): one step in flight.
 
 The Engine launches step k before step k - 1's token ids reach the host. Step k's rows don't know
-their input ids yet: each running request's output ends in the placeholder -(row + 1) of its token in
-the step in flight (`mark_pending`), and the decode runner takes that row's id from the previous step
-on the device (the replay's greedy id, or the id the sampler drew there). `AsyncSteps` decides when a
-step may run this way (`ready`), launches it with the copy of its ids into pinned host memory behind
-an event (`launch`), and hands the ids over once they arrived (`await_ids`); the Engine accepts them in
-place of the placeholders (`Engine._complete`).
+their input ids yet: each request that step k - 1 sampled ends its output in the placeholder -(row + 1)
+of its token there (`mark_pending`), and the executor takes that row's id from the previous step on the
+device (a decode graph's greedy id, or the id the sampler drew: `Executor.feed_ids`). `AsyncSteps` decides
+when a step may run this way (`ready`; the scheduler's `preempt=False`), launches it, samples the rows
+that computed all their known tokens on the device, starts the copy of their ids into pinned host memory
+behind an event (`launch`), and hands the ids over once they arrived (`await_ids`); the Engine accepts
+them in place of the placeholders (`Engine._complete`). Decode steps and steps with prompt chunks alike.
 The rules are in docs/architecture.md.
 """
 
@@ -27,8 +28,8 @@ if TYPE_CHECKING:
 
 
 class InFlight:
-    """A launched async decode step: its requests by row, their token ids (int64 [rows]) and, where a row
-    asked for logprobs, the step's `logprob_table` (else None), on the host once `done` (a CUDA event;
+    """A launched async step: the requests it samples, by row, their token ids (int64 [rows]) and, where a
+    row asked for logprobs, the step's `logprob_table` (else None), on the host once `done` (a CUDA event;
     None on the CPU, where they are ready) has completed."""
 
     __slots__ = ("reqs", "ids", "logprobs", "done")
@@ -43,48 +44,41 @@ class AsyncSteps:
     logprob tables), used in turn."""
 
     def __init__(self) -> None:
-        self.inflight: InFlight | None = None  # the decode step launched, ids not yet on the host
+        self.inflight: InFlight | None = None  # the step launched, ids not yet on the host
         self._pinned: list[torch.Tensor] = []
         self._pinned_lp: list[torch.Tensor | None] = [None, None]
 
     @staticmethod
     def ready(ex: Executor, s: Scheduler) -> bool:
-        """Whether the next step may run asynchronously: every running request decodes one token, nothing
-        waits, no request needs preempting, world size 1 and a decode graph covers the batch."""
-        running = s.running
-        if s.waiting or not running or ex.groups is not None or ex.decode_graphs is None:
-            return False
-        if not ex.decode_graphs.covers(min(len(running), s.cfg.max_num_seqs)):
-            return False
-        ps, need = ex.page_size, 0
-        for req in running:
-            seq = req.seq
-            if seq is None or seq.kv_len != req.num_tokens - 1:
-                return False
-            need += seq.kv_len + 1 > len(seq.pages) * ps
-        return need <= s.alloc.num_free
+        """Whether the next step may run asynchronously, if the scheduler needs no preemption for it
+        (`Scheduler.schedule(preempt=False)`): something runs or waits, and world size is 1."""
+        return ex.groups is None and bool(s.running or s.waiting)
 
-    def launch(self, ex: Executor, scheduled: list[tuple[Request, list[int]]], sampler: Sampler) -> InFlight:
-        """Run a decode step whose rows' ids may be placeholders of the in-flight step (the decode runner
-        takes those from the device), sample its rows on the device (greedy rows: the replay's ids; the
-        next step's placeholders read the sampled ids) and start the copy of its ids to the host."""
-        reqs = [r for r, _ in scheduled]
-        logits = ex.forward(ForwardBatch([r.seq for r in reqs], [t for _, t in scheduled]), validate=False)
-        ids = ex.greedy_ids
-        if ids is None:
-            raise RuntimeError("an async decode step did not replay a decode graph (Executor.greedy_ids is None)")
+    def launch(self, ex: Executor, scheduled: list[tuple[Request, list[int]]], sampler: Sampler) -> InFlight | None:
+        """Run a step whose decode rows' ids may be placeholders of the step in flight (the executor takes
+        those from the device), sample on the device the rows that computed all their known tokens (greedy
+        rows of a decode graph: the replay's ids), hand the ids to the executor for the next step's
+        placeholders and start their copy to the host. None where no row samples (only prompt chunks ran)."""
+        rows = [i for i, (r, toks) in enumerate(scheduled) if r.seq.kv_len + len(toks) == r.num_tokens]
+        logits = ex.forward(ForwardBatch([r.seq for r, _ in scheduled], [t for _, t in scheduled]), validate=False)
+        if not rows:
+            return None
+        reqs = [scheduled[i][0] for i in rows]
+        ids = ex.greedy_ids  # a decode graph's in-graph argmax, when the step replayed one
+        if len(rows) < len(scheduled):
+            logits, ids = logits[torch.tensor(rows, device=logits.device)], None
         states = [r.state for r in reqs]
         table = None
-        if not all([s.plain for s in states]):
+        if ids is None or not all([s.plain for s in states]):
             ids = sampler.sample_ids(logits, states, ids)
-            ex.decode_graphs.feed_ids(ids)
+            ex.feed_ids(ids)
             params = [s.params for s in states]
             if any([p.logprobs is not None for p in params]):
                 table = logprob_table(logits, ids, params)
         if ids.device.type != "cuda":
             return InFlight(reqs, ids, table, None)
         if not self._pinned or self._pinned[0].numel() < ids.numel():
-            n = ex.decode_graphs.sizes[-1]
+            n = max(ids.numel(), ex.decode_graphs.sizes[-1] if ex.decode_graphs is not None else 0)
             self._pinned = [torch.empty(n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
         # the other buffers: the in-flight step's copies may still write these
         self._pinned.reverse()

@@ -4,9 +4,9 @@ A step reads top to bottom: schedule (admission, chunked prefill, preemption: en
 `Executor.forward` -> sample the rows whose requests computed all their tokens (engine/sampler.py, one
 device-to-host copy) -> append, detokenize, check stop conditions -> outputs. Finished requests give
 their pages back at once; their full pages stay in the prefix cache for later requests.
-With `scheduler.async_steps`, decode steps keep one step in flight: a call launches step k, then
-waits for step k - 1's ids and returns its outputs (engine/async_steps.py, `_complete`; the rules are
-in docs/architecture.md).
+With `scheduler.async_steps`, one step stays in flight: a call launches step k, then waits for step
+k - 1's ids and returns its outputs (engine/async_steps.py, `_complete`; the rules are in
+docs/architecture.md).
 
 One thread at a time (as the Executor): `add_request`, `abort` and `step` refuse with RuntimeError
 while another thread is inside one of them. `AsyncEngine` shares one Engine between coroutines.
@@ -210,17 +210,14 @@ class Engine:
         outputs, self._ready = self._ready, []
         if self._async:
             pipe = self._pipeline
-            if pipe.ready(self.executor, self.scheduler):
-                scheduled = self.scheduler.schedule()
-                launched = pipe.launch(self.executor, scheduled, self.sampler) if scheduled else None
-                if launched is not None:
-                    self.num_steps += 1
-                    self.num_async_steps += 1
+            scheduled = self.scheduler.schedule(preempt=False) if pipe.ready(self.executor, self.scheduler) else None
+            if scheduled:
+                launched = pipe.launch(self.executor, scheduled, self.sampler)
+                self.num_steps += 1
+                self.num_async_steps += 1
                 if pipe.inflight is not None:
                     self._complete(pipe.inflight, outputs, stream)
-                pipe.inflight = None
-                if launched is not None and mark_pending(launched.reqs):
-                    pipe.inflight = launched
+                pipe.inflight = launched if launched is not None and mark_pending(launched.reqs) else None
                 return outputs
             if pipe.inflight is not None:  # drain: this call returns the in-flight step's outputs only
                 self._complete(pipe.inflight, outputs, stream)

@@ -72,8 +72,10 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
-    def schedule(self) -> list[tuple[Request, list[int]]]:
-        """The next step's (request, new tokens) pairs; empty when nothing can run."""
+    def schedule(self, preempt: bool = True) -> list[tuple[Request, list[int]]] | None:
+        """The next step's (request, new tokens) pairs; empty when nothing can run. With `preempt=False`, None
+        (and nothing changed) where a running request would have to be preempted: async steps, whose
+        requests may end in a token still in flight, run only steps that need none."""
         tokens_left, seqs_left = self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs
         out: list[tuple[Request, list[int]]] = []
         promised = 0  # pages the scheduled requests will allocate in the step
@@ -93,6 +95,8 @@ class Scheduler:
             kv_len = seq.kv_len
             n = min(req.num_tokens - kv_len, tokens_left)
             need = max(0, -(-(kv_len + n) // ps) - len(seq.pages))
+            if need > free - promised and not preempt:
+                return None
             while need > free - promised:
                 victim = running[-1]
                 self._preempt(victim)

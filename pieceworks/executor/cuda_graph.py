@@ -35,6 +35,7 @@ import torch
 from pieceworks.config import ConfigError
 from pieceworks.core.batch import ForwardMode, GraphMode, Sequence, StepMetadata
 from pieceworks.core.context import ForwardContext, StepKernels, forward_context
+from pieceworks.executor.inputs import take_previous_ids
 
 if TYPE_CHECKING:
     from pieceworks.backends.registry import KernelTable
@@ -259,7 +260,7 @@ class DecodeGraphRunner:
         if self._copied is not None:
             self._copied.record()
         if self._prev is not None and min(ids) < 0:
-            self._take_previous_ids(self.views(bs)[0])
+            take_previous_ids(self.views(bs)[0], self._prev)
         meta = self._meta(bs, n, positions, rows)
         self._plan(kernels, meta)
         self.replay(bs, kernels, meta)
@@ -270,16 +271,8 @@ class DecodeGraphRunner:
 
     def feed_ids(self, ids: torch.Tensor) -> None:
         """The ids the next step's placeholder rows take (int64 [n] on the device, row r for the last
-        replay's row r): the sampler's tokens of sampled rows, in place of the replay's greedy ids."""
+        step's row r): the sampler's tokens, in place of the replay's greedy ids (`Executor.feed_ids`)."""
         self._prev = ids
-
-    def _take_previous_ids(self, ids: torch.Tensor) -> None:
-        """Rows whose id is a placeholder -(r + 1) take row r's id of the previous replay (`feed_ids`), on the
-        device in stream order (the Engine's async steps launch a step before the previous one's ids
-        reach the host). A -1 (non-finite) id becomes 0: that row's request fails and its row is dropped."""
-        prev = self._prev
-        src = (-1 - ids).clamp_(0, prev.shape[0] - 1)
-        ids.copy_(torch.where(ids < 0, prev.index_select(0, src).clamp_(min=0), ids))
 
     def replay(self, bs: int, kernels: StepKernels, meta: StepMetadata) -> None:
         """Run bucket `bs` on the static inputs (planned with `meta`), leaving its logits in

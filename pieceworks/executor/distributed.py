@@ -241,6 +241,22 @@ def send_step(ex: Any, seqs: list, tokens: list[list[int]], all_logits: bool) ->
         groups.broadcast(ex.sent_pages.message(seqs, tokens, all_logits), wait=False)
 
 
+def forward_leader(ex: Any, mode: ForwardMode, seqs: list, tokens: list[list[int]], all_logits: bool) -> torch.Tensor:
+    """`ex.run_step` on every rank: the step's inputs go to the followers first. A worker that is gone, or a
+    step that fails on any rank, closes the executor (the ranks' states may differ now)."""
+    try:
+        if ex.workers is not None:
+            ex.workers.check()
+        send_step(ex, seqs, tokens, all_logits)
+        return ex.run_step(mode, seqs, tokens, all_logits)
+    except BaseException as exc:
+        failure = ex.workers.failure(wait_s=2.0) if ex.workers is not None else None
+        ex.close(graceful=False)
+        if failure is not None and not isinstance(exc, WorkerDied):
+            raise WorkerDied(f"{failure}; the executor is closed, build a new one") from exc
+        raise
+
+
 def shutdown(ex: Any, graceful: bool = True) -> None:
     """Stop the followers and leave the process group (the leader's `Executor.close`). Not graceful
     (after a failed step, when followers may wait in a collective that will not come): the workers are

@@ -193,6 +193,14 @@ def step_inputs(mode: ForwardMode, graph: GraphMode, seqs: list[Sequence], token
     return meta, ids
 
 
+def take_previous_ids(ids: torch.Tensor, prev: torch.Tensor) -> None:
+    """Token ids that are placeholders -(r + 1) take row r's id of the previous step (`prev`, int64 on the
+    device), in place and in stream order: the Engine's async steps launch a step before the previous one's
+    ids reach the host. A -1 (non-finite) id becomes 0: that row's request fails and its row is dropped."""
+    src = (-1 - ids).clamp_(0, prev.shape[0] - 1)
+    ids.copy_(torch.where(ids < 0, prev.index_select(0, src).clamp_(min=0), ids))
+
+
 def logit_rows(tokens: list[list[int]], all_rows: bool, device: torch.device) -> torch.Tensor:
     """The rows of a step's hidden states whose logits it returns: every row, or each sequence's last."""
     if all_rows:

@@ -31,7 +31,7 @@ from pieceworks.core.context import ForwardContext, forward_context
 from pieceworks.errors import BatchError, OutOfPages
 from pieceworks.executor import distributed  # here: an import inside the leader's step costs ~1 us a step
 from pieceworks.executor.build import build_executor, executor_from_config, model_dir_of, release_executor
-from pieceworks.executor.inputs import as_token_ids, check_batch, logit_rows, step_inputs
+from pieceworks.executor.inputs import as_token_ids, check_batch, logit_rows, step_inputs, take_previous_ids
 from pieceworks.executor.kv_cache import KVPool, block_keys
 
 
@@ -69,6 +69,7 @@ class Executor:
         token of the returned logits (-1 for a row with NaN or inf; `cuda_graph.greedy_token_ids`),
         computed inside the graph. A view of the graph's static output, valid until the next step.
         None after any other step."""
+        self._prev_ids: torch.Tensor | None = None  # the ids the next step's placeholders read (`feed_ids`)
         self.piecewise = None
         self.decode_graphs = None
         self.groups = None  # parallel.group.ProcessGroups of a tensor-parallel rank
@@ -224,7 +225,7 @@ class Executor:
         try:
             new_pages = self._reserve_pages(batch.seqs, tokens)
             if self.groups is not None:
-                logits = self._forward_leader(mode, batch.seqs, tokens, batch.return_all_logits)
+                logits = distributed.forward_leader(self, mode, batch.seqs, tokens, batch.return_all_logits)
             else:
                 logits = self.run_step(mode, batch.seqs, tokens, batch.return_all_logits)
         except BaseException:
@@ -256,12 +257,22 @@ class Executor:
         kernels = self.table.step(mode, graph)
         if graph is GraphMode.FULL:
             logits, self.greedy_ids = self.decode_graphs.run(seqs, tokens, kernels)
+            self._prev_ids = self.greedy_ids
             return logits
         pad_to = self.piecewise.padded_size(sum(map(len, tokens))) if graph is GraphMode.PIECEWISE else None
         meta, input_ids = self.prepare_step(mode, graph, seqs, tokens, pad_to)
+        if self._prev_ids is not None and any(t and t[-1] < 0 for t in tokens):  # the Engine's async steps
+            take_previous_ids(input_ids, self._prev_ids)
         hidden = self.run_model(kernels, meta, input_ids)
         rows = logit_rows(tokens, all_logits, self.device)
         return self.model.compute_logits(hidden[rows])
+
+    def feed_ids(self, ids: torch.Tensor) -> None:
+        """The ids that the next step's placeholders -(r + 1) read (row r; int64 on the device): the tokens the
+        Engine drew on the device from the last step's logits, in place of a decode graph's greedy ids."""
+        self._prev_ids = ids
+        if self.decode_graphs is not None:
+            self.decode_graphs.feed_ids(ids)
 
     def run_model(self, kernels, meta: StepMetadata, input_ids: torch.Tensor) -> torch.Tensor:
         """The attention backends' plan and the model's forward of a prepared eager or piecewise step
@@ -273,22 +284,6 @@ class Executor:
             if meta.graph_mode is GraphMode.PIECEWISE:
                 return self.piecewise(input_ids, meta.positions)
             return self.model(input_ids, meta.positions)
-
-    def _forward_leader(self, mode: ForwardMode, seqs: list[Sequence], tokens: list[list[int]],
-                        all_logits: bool) -> torch.Tensor:
-        """`run_step` on every rank: the step's inputs go to the followers first. A worker that is gone,
-        or a step that fails on any rank, closes the executor (the ranks' states may differ now)."""
-        try:
-            if self.workers is not None:
-                self.workers.check()
-            distributed.send_step(self, seqs, tokens, all_logits)
-            return self.run_step(mode, seqs, tokens, all_logits)
-        except BaseException as exc:
-            failure = self.workers.failure(wait_s=2.0) if self.workers is not None else None
-            self.close(graceful=False)
-            if failure is not None and not isinstance(exc, distributed.WorkerDied):
-                raise distributed.WorkerDied(f"{failure}; the executor is closed, build a new one") from exc
-            raise
 
     def close(self, graceful: bool = True) -> None:
         """Release the model, the KV pool and the CUDA graphs (their device memory is free once this

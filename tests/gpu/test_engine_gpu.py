@@ -88,7 +88,7 @@ def _stream(eng: Engine, first, later, stop_id: int | None = None) -> dict[str, 
 
 @pytest.mark.parametrize("num_tokens", [8192, 12 * 16])
 def test_engine_async_steps_stream_the_same_tokens(num_tokens):
-    """Async steps (one decode step in flight, input ids resolved on the device) against synchronous
+    """Async steps (one step in flight, input ids resolved on the device) against synchronous
     steps: different max_tokens, a stop id that occurs, requests added mid-run, an abort mid-flight, and
     (with 12 pages) preemption."""
     ps = [p[:40] for p in prompts(2)]
