@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pieceworks.core.batch import ForwardBatch
+from pieceworks.core.batch import ForwardBatch, to_device
 from pieceworks.engine.logprobs import logprob_table, read_logprobs
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ class AsyncSteps:
         reqs = [scheduled[i][0] for i in rows]
         ids = ex.greedy_ids  # a decode graph's in-graph argmax, when the step replayed one
         if len(rows) < len(scheduled):
-            logits, ids = logits[torch.tensor(rows, device=logits.device)], None
+            logits, ids = logits[to_device(torch.tensor(rows), logits.device)], None  # pinned: no wait for the GPU
         states = [r.state for r in reqs]
         table = None
         if ids is None or not all([s.plain for s in states]):
