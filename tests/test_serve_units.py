@@ -140,6 +140,29 @@ def test_bench_refuses_a_server_without_a_model_list():
 # ---- request -> SamplingParams ---------------------------------------------------------------------
 
 
+class _Templated:
+    """A tokenizer stand-in that renders its chat template with Jinja (as transformers does, `raise_exception`
+    included) and encodes the text as bytes; `broken`: it fails in its own code instead."""
+
+    name_or_path = "/srv/models/m"
+
+    def __init__(self, template: str, broken: bool = False):
+        self.chat_template, self.broken = template, broken
+
+    def apply_chat_template(self, messages, **kw):
+        import jinja2
+
+        if self.broken:
+            raise RuntimeError("not the template's")
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        env = jinja2.Environment()
+        env.globals["raise_exception"] = raise_exception
+        return list(env.from_string(self.chat_template).render(messages=messages).encode())
+
+
 def _bad(fn, *args, param=None, match=None):
     from pieceworks.serve.protocol import BadRequest
 
@@ -193,6 +216,13 @@ def test_lengths_prompts_and_unsupported_fields():
          match="no tokenizer")
     _bad(mapping.completion_prompts, CompletionRequest(model="m", prompt=[]), None, 10, param="prompt")
     _bad(mapping.chat_prompt, ChatCompletionRequest(model="m", messages=[]), None, param="messages")
+    chat_req = ChatCompletionRequest(model="m", messages=[{"role": "tool", "content": "hi"}])
+    e = _bad(mapping.chat_prompt, chat_req, _Templated("{{ raise_exception('roles user and assistant only') }}"),
+             param="messages", match="the chat template refused the messages: TemplateError: roles user and")
+    assert "/" not in str(e)  # Jinja's message, not the server's paths
+    with pytest.raises(RuntimeError, match="not the template's"):  # a 500, not the client's fault
+        mapping.chat_prompt(chat_req, _Templated("{{ messages[0].content }}", broken=True))
+    assert mapping.chat_prompt(chat_req, _Templated("{{ messages[0].content }}")) == [104, 105]
     _bad(mapping.check_model, req, "other", param="model")
     for field, value in (("echo", True), ("suffix", "x"), ("logit_bias", {"1": 2.0}), ("best_of", 3)):
         _bad(mapping.refuse_unsupported, req.model_copy(update={field: value}), param=field)

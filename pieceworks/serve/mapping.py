@@ -12,6 +12,7 @@ from typing import Any
 
 from pieceworks.engine import SamplingParams
 from pieceworks.errors import RequestError
+from pieceworks.models.tokenizer import render_chat
 from pieceworks.serve.protocol import (
     MAX_LOGPROBS,
     BadRequest,
@@ -88,10 +89,12 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
             raise BadRequest(f"messages[{i}]: tool calls are not supported by this server", param="messages")
     msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
     try:
-        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
-    except Exception as exc:  # a template can refuse a conversation (e.g. roles out of order)
-        raise BadRequest(f"the chat template refused the messages: {exc}", param="messages") from exc
-    return list(ids)
+        return render_chat(tokenizer, msgs)
+    except RequestError as exc:  # the template refused the conversation (e.g. roles out of order); the client
+        # gets Jinja's message, not the server's file paths. Errors that are not the template's are a 500.
+        cause = exc.__cause__
+        raise BadRequest(f"the chat template refused the messages: {type(cause).__name__}: {cause}",
+                         param="messages") from exc
 
 
 def max_tokens_for(req: SamplingFields, prompt_len: int, max_context: int) -> int:
