@@ -138,6 +138,23 @@ def test_preemption_in_a_small_pool_matches_sync():
     assert small.stats()["num_preemptions"] > 0 and small.stats()["num_async_steps"] > 0
 
 
+def test_schedule_without_preemption_changes_nothing():
+    """`schedule(preempt=False)` (what async steps ask) is None where a running request would have to be
+    preempted, with the queues, sequences and pages as they were; `schedule()` then preempts."""
+    eng = make(False, num_tokens=32)  # 8 pages of 4 tokens
+    for i in range(4):
+        eng.add_request(prompt(7, 40 + i), greedy(9, ignore_eos=True), f"q{i}")
+    while eng.scheduler.waiting or eng.executor.kv.allocator.num_free:  # 4 requests x 2 pages: the pool is full
+        eng.step()
+    s = eng.scheduler
+    before = ([r.request_id for r in s.running], len(s.waiting), s.alloc.num_free,
+              [(r.seq.kv_len, list(r.seq.pages)) for r in s.running], s.num_preemptions)
+    assert s.schedule(preempt=False) is None
+    assert ([r.request_id for r in s.running], len(s.waiting), s.alloc.num_free,
+            [(r.seq.kv_len, list(r.seq.pages)) for r in s.running], s.num_preemptions) == before
+    assert s.schedule() and s.num_preemptions > before[-1]
+
+
 def sampled(n: int, seed: int, **kw) -> SamplingParams:
     return SamplingParams(**{"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": seed, "max_tokens": n,
                              "ignore_eos": True, **kw})
