@@ -197,6 +197,29 @@ def test_an_unusable_calibrated_amax_is_refused_before_writing(tiny_bf16, tmp_pa
     assert not (tmp_path / "q").exists()
 
 
+def test_non_finite_weights_are_named_before_calibrating(tiny_bf16, tmp_path, capsys, monkeypatch):
+    """With --calib-text a bad weight is named once the model is loaded, not after the calibration passes."""
+    from safetensors.torch import load_file
+
+    from pieceworks.quant import calibrate
+
+    name = "model.layers.1.mlp.down_proj.weight"
+    bad = load_file(tiny_bf16 / "model.safetensors")[name]
+    bad.view(-1)[7] = float("nan")
+    src = _copy_with(tiny_bf16, tmp_path / "src", **{name: bad})
+
+    def no_calibration(*args, **kw):
+        raise AssertionError("the calibration passes ran over a model with a NaN weight")
+
+    monkeypatch.setattr(calibrate, "calibrate_input_amax", no_calibration)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(calibration_text()[:2000])
+    assert _quantize(src, tmp_path / "q", "--calib-text", calib) == 2
+    err = capsys.readouterr().err
+    assert f"{name} holds non-finite values (1 NaN, 0 inf)" in err and "fix or re-download" in err, err
+    assert not (tmp_path / "q").exists()
+
+
 def test_binary_calibration_text_is_named(tiny_bf16, tmp_path, capsys):
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("caf\u00e9 au lait".encode("latin-1"))

@@ -140,7 +140,8 @@ def calibrate_from_text(
 
     Raises:
         ValueError: transformers is missing (`pip install 'pieceworks[demo]'`), the text file is
-            missing, empty or not UTF-8 text, or the model or its tokenizer cannot be loaded.
+            missing, empty or not UTF-8 text, the model or its tokenizer cannot be loaded, or a weight
+            holds NaN, inf or a value beyond the loader's bound (named before any forward pass).
     """
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -185,6 +186,11 @@ def calibrate_from_text(
         ).to(device)
     except Exception as e:
         raise ValueError(f"{model_dir}: transformers cannot load the model ({type(e).__name__}: {e})") from None
+    from pieceworks.quant.quantizer import check_finite
+
+    with torch.no_grad():  # quantize's checks of the weights, before the forward passes rather than after them
+        for name, p in model.named_parameters():
+            check_finite(Path(model_dir), name, p)
     seq_len = min(seq_len, getattr(model.config, "max_position_embeddings", None) or seq_len)
     batches = text_batches(tokenizer, text, seq_len)
     return calibrate_input_amax(model, batches)

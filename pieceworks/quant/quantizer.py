@@ -128,7 +128,7 @@ def _mtp_patterns(config: dict, reader: CheckpointReader) -> list[str]:
     return sorted(extra)
 
 
-def _check_finite(src: Path, name: str, t: torch.Tensor) -> None:
+def check_finite(src: Path, name: str, t: torch.Tensor) -> None:
     """A floating tensor holds no NaN or inf, nor a value beyond +-`nvfp4.MAX_ABS`: the loader holds weights,
     dense or dequantized, to that bound, so the output would be a checkpoint it refuses."""
     if not t.is_floating_point() or t.numel() == 0:
@@ -288,7 +288,7 @@ def quantize_checkpoint(
             task = bar.add_task("quantizing", total=sum(_nbytes(reader, n) for n in reader.names()))
             for name in reader.names():
                 t = reader.get(name)
-                _check_finite(src, name, t)
+                check_finite(src, name, t)
                 lin = linears.get(name)
                 if lin is None:
                     writer.write(name, t)
@@ -333,7 +333,7 @@ def _group_scales(src: Path, reader: CheckpointReader, groups, bar) -> dict[str,
         scales = []
         for m in group:
             w = reader.get(f"{m}.weight")
-            _check_finite(src, f"{m}.weight", w)
+            check_finite(src, f"{m}.weight", w)
             scales.append(nvfp4.weight_global_scale(w))
             bar.advance(task, w.numel() * w.element_size())
             del w
