@@ -239,6 +239,30 @@ def test_steps_with_prompt_chunks_run_async_and_match_sync(decode_runner):
     assert stats["num_async_steps"] == stats["num_steps"] >= 15
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workloads_match_sync(seed):
+    """Random prompt lengths (1-60 tokens, so prompts of one and of several 24-token chunks), max_tokens, greedy
+    and seeded sampled rows, requests added mid-run and pools from roomy to small enough to preempt: async steps
+    give every request the tokens and finish reason of synchronous steps."""
+    rng = torch.Generator().manual_seed(seed)
+
+    def ri(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (), generator=rng))
+
+    reqs = []
+    for i in range(ri(5, 10)):
+        n, m = ri(1, 60), ri(1, 12)
+        sp = greedy(m, ignore_eos=True) if ri(0, 1) else sampled(m, 100 * seed + i)
+        reqs.append((f"w{i}", prompt(n, 1000 * seed + i), sp))
+    split = ri(1, len(reqs) - 1)
+    num_tokens = (64, 128, 512)[seed % 3]
+    args = (reqs[:split], reqs[split:], ri(0, 10))
+    want = run(make(False, num_tokens=num_tokens), *args)
+    eng = make(True, num_tokens=num_tokens, decode_runner=bool(seed % 2))
+    assert run(eng, *args) == want
+    assert eng.stats()["num_async_steps"] > 0
+
+
 def test_generate_matches_sync():
     prompts = [p for _, p, _ in BATCH]
     params = greedy(10, ignore_eos=True)
