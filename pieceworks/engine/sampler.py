@@ -165,7 +165,7 @@ class Sampler:
         """`sample` without the copy to the host: int64 [B] on the logits' device, row i's token or -1
         where its logits are not all finite. Nothing waits for the GPU, so a step can be launched
         before the previous step's tokens are known (the Engine's async steps feed these ids to the
-        next decode step on the device). Each row's token counts as in flight (`SamplingState.in_flight`)
+        next step on the device). Each row's token counts as in flight (`SamplingState.in_flight`)
         until the engine appends it: min_tokens counts it, and the rows with penalties have it added to
         their counts on the device now. Rows asking for logprobs get them from `logprob_table` of
         these ids."""
