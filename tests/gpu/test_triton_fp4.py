@@ -150,7 +150,7 @@ def test_wgmma_kernels_compile_without_serialized_wgmmas():
         pytest.skip(nvrtc.unavailable_reason())
     for bm in (*cuda_wgmma.BLOCK_MS, 80, 144, 240):  # the table's tiles and fitted ones
         for swiglu, split, stream_k in ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 0, 1)):
-            name = f"fp4_wgmma_tma<{bm}, {cuda_wgmma.max_stages(bm)}, {swiglu}, {split}, {stream_k}, 1>"
+            name = f"fp4_wgmma_tma<{bm}, {cuda_wgmma.max_stages(bm)}, {swiglu}, {split}, {stream_k}>"
             _, _, text = nvrtc._compile(cuda_wgmma.source(bm), name, "sm_90a")
             assert nvrtc.SERIALIZED_WGMMA not in text, f"{name}: {text}"
 

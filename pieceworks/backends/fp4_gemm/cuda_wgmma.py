@@ -54,7 +54,6 @@ from pieceworks.backends.fp4_gemm.k32 import TILE_K, TILE_ROWS
 
 ROWS = 2 * TILE_ROWS  # weight rows per CTA: one storage-tile row block per consumer warpgroup
 THREADS = 384  # two consumer warpgroups and a producer warpgroup (one thread of it issues the copies)
-PAIRS = (1, 2)  # consumer warpgroup pairs: the second takes every other K tile (`gemm`'s `pairs`)
 BLOCK_MS = (32, 64, 128, 256)  # the token tiles a tile table names
 FIT_STEP = 16  # a fitted token tile (`fit_token_tile`) is a multiple of this
 MAX_SHARED = 227 * 1024  # dynamic shared memory per block on sm_90
@@ -74,19 +73,9 @@ def stage_bytes(block_m: int) -> int:
     return block_m * TILE_K * 2 + 2 * TILE_ROWS * 64 + 2 * TILE_ROWS * 8
 
 
-def reduce_bytes(block_m: int, pairs: int) -> int:
-    """Shared memory through which the second consumer pair hands its sums to the first."""
-    return block_m * 512 if pairs == 2 else 0
-
-
-def max_stages(block_m: int, pairs: int = 1) -> int:
-    """The most stages that fit in shared memory (with their two mbarriers each), a multiple of `pairs`."""
-    most = min(8, (MAX_SHARED - reduce_bytes(block_m, pairs)) // (stage_bytes(block_m) + 16))
-    return most - most % pairs
-
-
-def threads(pairs: int) -> int:
-    return 128 * (2 * pairs + 1)
+def max_stages(block_m: int) -> int:
+    """The most stages that fit in shared memory (with their two mbarriers each)."""
+    return min(8, MAX_SHARED // (stage_bytes(block_m) + 16))
 
 
 @lru_cache(maxsize=None)
@@ -130,8 +119,7 @@ def device_reason(device: torch.device) -> str | None:
 def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
          n: int, k: int, block_m: int = 128, stages: int | None = None, swiglu: bool = False,
          out: torch.Tensor | None = None, split: int = 1, row_blocks: tuple[int, int] | None = None,
-         stream_k: int = 0, workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-         pairs: int = 1) -> torch.Tensor:
+         stream_k: int = 0, workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """y [M, n] bf16 = x [M, k] @ dequant(W).T for a k32-layout weight (uint8 [Np, Kp/2], scales
     [Np, Kp/16], `repack_k32`) and its global scale (float32 scalar tensor); with `swiglu` (a gate/up
     weight whose rows are interleaved, `interleave_gate_up`) [M, n / 2] = silu(gate) * up, rounded as the
@@ -145,12 +133,9 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weig
     and no other stream's kernels holding SMs while they wait for this one)."""
     if not valid_block_m(block_m):
         raise ValueError(f"block_m={block_m}: a multiple of {FIT_STEP} from 32 to 256 (tokens per CTA)")
-    if pairs not in PAIRS:
-        raise ValueError(f"pairs={pairs}: one of {PAIRS} (consumer warpgroup pairs)")
-    stages = stages or max_stages(block_m, pairs)
-    if not 2 <= stages <= max_stages(block_m, pairs) or stages % pairs:
-        raise ValueError(f"stages={stages}: 2..{max_stages(block_m, pairs)} fit in shared memory at block_m={block_m}"
-                         f"{', an even number with two consumer pairs' if pairs == 2 else ''}")
+    stages = stages or max_stages(block_m)
+    if not 2 <= stages <= max_stages(block_m):
+        raise ValueError(f"stages={stages}: 2..{max_stages(block_m)} fit in shared memory at block_m={block_m}")
     if split > 1 and swiglu:
         raise ValueError("split partials are summed by a second kernel, which applies the SwiGLU")
     if split > 1 and stream_k:
@@ -180,11 +165,11 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weig
         work = flags = out  # not read
         grid = (gx, count, split)
     kern = nvrtc.kernel(source(block_m), f"fp4_wgmma_tma<{block_m}, {stages}, {int(swiglu)}, {int(split > 1)}, "
-                        f"{int(stream_k > 0)}, {pairs}>", x.device, suffix="a")
-    kern(grid, (threads(pairs), 1, 1),
+                        f"{int(stream_k > 0)}>", x.device, suffix="a")
+    kern(grid, (THREADS, 1, 1),
          [tensor_map(x, k, block_m), weight, weight_scale, weight_scale_2, out, m, n, kp // TILE_K,
           np_ // TILE_ROWS, out.stride(-2), first, gx, gx * count, work, flags], pdl.launch_options(x.device)[0],
-         shared=stages * stage_bytes(block_m) + 16 * stages + reduce_bytes(block_m, pairs))
+         shared=stages * stage_bytes(block_m) + 16 * stages)
     return out
 
 

@@ -93,11 +93,8 @@ __device__ __forceinline__ void mbar_arrive_if(u32 a, int when) {
 // the segment with the first K tile is its CTA's last, reached after the others: it waits for their
 // count, adds their partials in K order and stores the tile, then zeroes the flag for the next launch.
 // The waits need every CTA of the launch resident at once: G at most one per SM.
-// CP consumer pairs: with CP = 2 a second pair of consumer warpgroups takes every other K iteration of the
-// CTA (its own S / 2 stages) and hands its accumulators to the first pair through shared memory at the end of
-// each segment: twice the warps per scheduler to hide the decode's latencies, the same grid.
-template <int BM, int S, int SWIGLU, int SPLIT, int SK, int CP>
-__global__ void __launch_bounds__(128 * (2 * CP + 1), 1) fp4_wgmma_tma(
+template <int BM, int S, int SWIGLU, int SPLIT, int SK>
+__global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
     const __grid_constant__ Tmap tm, const unsigned char* __restrict__ codes, const unsigned char* __restrict__ scales,
     const float* __restrict__ gscale, u16* __restrict__ out, int M, int N, int nkt, int nrb, int ldo, int yoff,
     int gx, int ntiles, float* __restrict__ work, int* __restrict__ flags)
@@ -105,12 +102,7 @@ __global__ void __launch_bounds__(128 * (2 * CP + 1), 1) fp4_wgmma_tma(
     constexpr int XB = BM * 256, STAGE = XB + 2 * 4096 + 2 * 512;
     extern __shared__ __align__(1024) unsigned char smem[];
     const u32 s0 = (u32)__cvta_generic_to_shared(smem), bars = s0 + S * STAGE;  // full[S], empty[S]
-    constexpr int NC = 256 * CP, H = S / CP;  // consumer threads; stages per pair
-    const int tid = threadIdx.x, wg = (tid >> 7) & 1, pr = CP == 2 ? tid >> 8 : 0, warp = (tid >> 5) & 3,
-              lane = tid & 31, g = lane >> 2, t = lane & 3;
-    // local iteration l (from ia) runs on pair l % CP, in that pair's stage stage_of(l) for its use_of(l)-th time
-    auto stage_of = [&](int l) { return CP == 2 ? (l & 1) * H + (l >> 1) % H : l % S; };
-    auto use_of = [&](int l) { return CP == 2 ? (l >> 1) / H : l / S; };
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const long long total = (long long)ntiles * nkt;
     int ia, ib;  // this CTA's iterations
     if (SK) {
@@ -139,42 +131,38 @@ __global__ void __launch_bounds__(128 * (2 * CP + 1), 1) fp4_wgmma_tma(
     if (tid == 0) {
         for (int s = 0; s < S; ++s) {
             mbar_init(bars + 8 * s, 1);
-            mbar_init(bars + 8 * (S + s), 8);  // lane 0 of each warp of the stage's consumer pair
+            mbar_init(bars + 8 * (S + s), 8);  // lane 0 of each consumer warp
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
     const int n_it = ib - ia;
-    if (tid >= NC) {  // the producer warpgroup: one thread issues every stage once its consumers released it
+    if (tid >= 256) {  // the producer warpgroup: one thread issues every stage once its consumers released it
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        if (tid == NC) {
+        if (tid == 256) {
             PDL_WAIT();
             for (int i = 0; i < n_it; ++i) {
-                const int st = stage_of(i), u = use_of(i);
-                if (u > 0) mbar_wait(bars + 8 * (S + st), (u - 1) & 1);
+                const int st = i % S;
+                if (i >= S) mbar_wait(bars + 8 * (S + st), ((i / S) - 1) & 1);
                 issue(ia + i, st);
             }
             // the last stages' releases (the consumers release every stage they used)
-            for (int i = max(0, n_it - S); i < n_it; ++i) mbar_wait(bars + 8 * (S + stage_of(i)), use_of(i) & 1);
+            for (int i = max(0, n_it - S); i < n_it; ++i) mbar_wait(bars + 8 * (S + i % S), (i / S) & 1);
         }
         return;
     }
-    // The CTA's registers (launched at 65536 / threads each, rounded down to 8) move from the producer to the
-    // consumers: 384 x 168 = 128 x 40 + 256 x 232 (BM = 256 needs more than 168); 640 x 96 >= 128 x 40 + 512 x 104.
-    if (CP == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 104;");
-    else asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");  // BM = 256 needs more than 65536 / 384
     const float gs = gscale[0] * 16384.0f;
     const int r0 = 16 * warp + g;
     u32 a[2][8];
     for (int i = ia, j = 0; i < ib;) {  // one segment (of one tile) per pass; j: stages consumed before it
         const int tile = i / nkt, k0 = i - tile * nkt, nk = min(nkt - k0, ib - i);
-        const int kt0 = (pr - j) & (CP - 1);  // this pair's first K iteration of the segment
         float acc[BM / 2];
 #pragma unroll
         for (int e = 0; e < BM / 2; ++e) acc[e] = 0.f;
-        for (int kt = kt0; kt < nk; kt += CP) {
-            const int st = stage_of(j + kt);
-            mbar_wait(bars + 8 * st, use_of(j + kt) & 1);
+        for (int kt = 0; kt < nk; ++kt) {
+            const int st = (j + kt) % S;
+            mbar_wait(bars + 8 * st, ((j + kt) / S) & 1);
             const u32 base = s0 + st * STAGE;
             const u32 wbase = base + XB + wg * 4096, sbase = base + XB + 2 * 4096 + wg * 512;
             u32 sc0a, sc0b, sc1a, sc1b;
@@ -197,34 +185,15 @@ __global__ void __launch_bounds__(128 * (2 * CP + 1), 1) fp4_wgmma_tma(
                 wg_commit();
                 if (q == 0) {  // this warpgroup's wgmmas of the previous K tile are done: release its stage
                     wg_wait<1>();
-                    mbar_arrive_if(bars + 8 * (S + stage_of(max(j + kt - CP, 0))), (kt > kt0) & (lane == 0));
+                    mbar_arrive_if(bars + 8 * (S + (j + kt + S - 1) % S), (kt > 0) & (lane == 0));
                 }
             }
         }
         wg_wait<0>();
-        const int kl = nk - 1 - ((nk - 1 - kt0) & (CP - 1));  // this pair's last K iteration of the segment
-        mbar_arrive_if(bars + 8 * (S + stage_of(max(j + kl, 0))), (nk > kt0) & (lane == 0));
         j += nk;
+        mbar_arrive_if(bars + 8 * (S + (j + S - 1) % S), lane == 0);
         const bool last_segment = i + nk == ib;
         if (last_segment) PDL_TRIGGER();
-        if (CP == 2) {  // the second pair's sums to the first through shared memory (BM * 512 bytes after the bars)
-            float4* red = (float4*)(smem + S * STAGE + 16 * S) + (tid & 255);
-            if (pr) {
-                if (i != ia) asm volatile("bar.sync 3, %0;" :: "n"(NC) : "memory");  // the last one was read
-#pragma unroll
-                for (int e = 0; e < BM / 8; ++e) red[e * 256] = make_float4(acc[4 * e], acc[4 * e + 1], acc[4 * e + 2], acc[4 * e + 3]);
-                asm volatile("bar.arrive 2, %0;" :: "n"(NC) : "memory");
-                i += nk;
-                continue;
-            }
-            asm volatile("bar.sync 2, %0;" :: "n"(NC) : "memory");
-#pragma unroll
-            for (int e = 0; e < BM / 8; ++e) {
-                const float4 v = red[e * 256];
-                acc[4 * e] += v.x; acc[4 * e + 1] += v.y; acc[4 * e + 2] += v.z; acc[4 * e + 3] += v.w;
-            }
-            if (!last_segment) asm volatile("bar.arrive 3, %0;" :: "n"(NC) : "memory");
-        }
         if (SK && nk < nkt) {  // a part of the tile's K: through the workspace
             const long long G = gridDim.x, x0 = (long long)tile * nkt;
             const int cf = (int)(((x0 + 1) * G + total - 1) / total) - 1;  // the CTAs holding the tile's first

@@ -67,7 +67,6 @@ class TileConfig:
     balance_waves: bool = False
     min_split_iters: int = 2
     narrow_block_m: int = 0
-    consumer_pairs: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in ("fused", "dequant", "wgmma"):
@@ -76,13 +75,9 @@ class TileConfig:
             if self.block_m not in cuda_wgmma.BLOCK_MS:
                 raise ValueError(f"a wgmma tile takes block_m in {cuda_wgmma.BLOCK_MS} (tokens per CTA), "
                                  f"not {self.block_m}")
-            if self.consumer_pairs not in cuda_wgmma.PAIRS:
-                raise ValueError(f"consumer_pairs={self.consumer_pairs}: one of {cuda_wgmma.PAIRS}")
-            most = cuda_wgmma.max_stages(self.block_m, self.consumer_pairs)
-            if not 2 <= self.num_stages <= most or self.num_stages % self.consumer_pairs:
-                raise ValueError(f"a wgmma tile of block_m={self.block_m} takes num_stages 2..{most} (shared memory)"
-                                 f"{', even with two consumer pairs' if self.consumer_pairs == 2 else ''}, "
-                                 f"not {self.num_stages}")
+            if not 2 <= self.num_stages <= cuda_wgmma.max_stages(self.block_m):
+                raise ValueError(f"a wgmma tile of block_m={self.block_m} takes num_stages 2.."
+                                 f"{cuda_wgmma.max_stages(self.block_m)} (shared memory), not {self.num_stages}")
             if self.narrow_block_m and not (self.narrow_block_m in cuda_wgmma.BLOCK_MS
                                             and self.narrow_block_m < self.block_m):
                 raise ValueError(f"narrow_block_m={self.narrow_block_m}: 0 or a wgmma token tile in "

@@ -250,20 +250,18 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
             bm, stages, split, (tail, tail_splits), ctas = cuda_wgmma.plan(
                 M, N, Kp, cfg.block_m, cfg.num_stages, cfg.narrow_block_m, multiprocessors(x.device))
             blocks = triton.cdiv(N, cuda_wgmma.ROWS)
-            # the bucket's consumer pairs where the call runs its tile and stages (not a narrow or fitted tile)
-            pairs = cfg.consumer_pairs if (bm, stages) == (cfg.block_m, cfg.num_stages) else 1
             if ctas and workspace is not None and workspace[1].numel() >= triton.cdiv(M, bm) * blocks:  # flag per tile
                 return cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, bm, stages, swiglu=swiglu,
-                                       out=out, stream_k=ctas, workspace=workspace, pairs=pairs)
+                                       out=out, stream_k=ctas, workspace=workspace)
             if split == 1:  # all row blocks but the tail's in one launch without splits
                 cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, bm, stages,
-                                swiglu=swiglu, out=out, row_blocks=(0, blocks - tail), pairs=pairs)
+                                swiglu=swiglu, out=out, row_blocks=(0, blocks - tail))
                 if not tail:
                     return out
                 split = tail_splits
             first = blocks - tail if tail else 0
             part = cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, bm, stages,
-                                   split=split, row_blocks=(first, blocks - first), pairs=pairs)
+                                   split=split, row_blocks=(first, blocks - first))
             cols = part.shape[-1]
             dest = out if not first else torch.empty((M, cols // 2 if swiglu else cols), dtype=out.dtype,
                                                      device=out.device)
