@@ -116,16 +116,13 @@ __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
     // The last token tile of M >= BM rows loads the BM rows ending at M (overlapping the tile before it) and
     // stores only its own: a box mostly past M, zero-filled by TMA, made M = 288 run 20-54% slower than 512.
     auto first_row = [&](int tile) { const int m0 = (tile % gx) * BM; return M >= BM ? min(m0, M - BM) : m0; };
-    auto issue = [&](int i, int st, int part) {  // part 0: all of stage st, 1: its weights and scales, 2: its x
+    auto issue = [&](int i, int st) {
         const int tile = i / nkt, kt = i - tile * nkt, by = tile / gx + yoff, ml = first_row(tile);
         const int rb0 = min(2 * by, nrb - 1), rb1 = min(2 * by + 1, nrb - 1);
         const u32 base = s0 + st * STAGE, full = bars + 8 * st;
-        if (part != 2) expect_tx(full, STAGE);
-        if (part != 1) {
-            tma2d(base, &tm, kt * 128, ml, full);
-            tma2d(base + BM * 128, &tm, kt * 128 + 64, ml, full);
-        }
-        if (part == 2) return;
+        expect_tx(full, STAGE);
+        tma2d(base, &tm, kt * 128, ml, full);
+        tma2d(base + BM * 128, &tm, kt * 128 + 64, ml, full);
         bulk(base + XB, codes + ((size_t)rb0 * nkt + kt) * 4096, 4096, full);
         bulk(base + XB + 4096, codes + ((size_t)rb1 * nkt + kt) * 4096, 4096, full);
         bulk(base + XB + 8192, scales + ((size_t)rb0 * nkt + kt) * 512, 512, full);
@@ -143,16 +140,11 @@ __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
     if (tid >= 256) {  // the producer warpgroup: one thread issues every stage once its consumers released it
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (tid == 256) {
-            // From 128-token tiles up the first stages' weights and scales (which no earlier kernel writes) go
-            // out before the PDL wait, x after it. Smaller tiles wait first: their calls ran slower that way.
-            const int pre = BM >= 128 ? min(n_it, S) : 0;
-            for (int i = 0; i < pre; ++i) issue(ia + i, i, 1);
             PDL_WAIT();
-            for (int i = 0; i < pre; ++i) issue(ia + i, i, 2);
-            for (int i = pre; i < n_it; ++i) {
+            for (int i = 0; i < n_it; ++i) {
                 const int st = i % S;
                 if (i >= S) mbar_wait(bars + 8 * (S + st), ((i / S) - 1) & 1);
-                issue(ia + i, st, 0);
+                issue(ia + i, st);
             }
             // the last stages' releases (the consumers release every stage they used)
             for (int i = max(0, n_it - S); i < n_it; ++i) mbar_wait(bars + 8 * (S + i % S), (i / S) & 1);
