@@ -38,7 +38,6 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
@@ -228,18 +227,18 @@ class Kernel:
             f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.name})")
         return n.value
 
-    def __call__(self, grid, block, args, pdl: bool, shared: int = 0, cluster: tuple[int, int, int] | None = None) -> None:
+    def __call__(self, grid, block, args, pdl: bool, shared: int = 0) -> None:
         """Launch on the current stream; `shared`: bytes of dynamic shared memory (the kernel's limit is
-        raised to it first, as static + dynamic above 48 KB needs); `cluster`: thread block cluster dims."""
+        raised to it first, as static + dynamic above 48 KB needs)."""
         if torch.cuda.current_device() != self.device:  # launch in the device's context, on its stream
             with torch.cuda.device(self.device):
-                return self(grid, block, args, pdl, shared, cluster)
+                return self(grid, block, args, pdl, shared)
         if shared > self._max_shared:
             _check(self._libcuda, self._libcuda.cuFuncSetAttribute(
                 self._func, _MAX_DYNAMIC_SHARED_SIZE_BYTES, ctypes.c_int(shared)), f"cuFuncSetAttribute({self.name})")
             self._max_shared = shared
         params, ptrs = _pack(args)
-        cfg = self._config(grid, block, pdl, shared, cluster)
+        cfg = self._config(grid, block, pdl, shared)
         cfg.stream = torch.cuda.current_stream().cuda_stream
         _check(self._libcuda, self._libcuda.cuLaunchKernelEx(ctypes.byref(cfg), self._func, ptrs, None),
                f"cuLaunchKernelEx({self.name})")
@@ -249,17 +248,14 @@ class Kernel:
         same arguments but a few pointers (no dynamic shared memory)."""
         return BoundLaunch(self, grid, block, args, pdl)
 
-    def _config(self, grid, block, pdl: bool, shared: int, cluster: tuple[int, int, int] | None = None) -> _LaunchConfig:
+    def _config(self, grid, block, pdl: bool, shared: int) -> _LaunchConfig:
         cfg = _LaunchConfig()
         cfg.grid[:] = grid
         cfg.block[:] = block
         cfg.shared = shared
-        attrs = [self._pdl_attr] if pdl else []
-        if cluster is not None:
-            attrs.append(_attribute(_CLUSTER_DIMENSION, b"".join(d.to_bytes(4, "little") for d in cluster)))
-        if attrs:
-            cfg.attrs = (_LaunchAttribute * len(attrs))(*attrs)
-            cfg.num_attrs = len(attrs)
+        if pdl:
+            cfg.attrs = ctypes.pointer(self._pdl_attr)
+            cfg.num_attrs = 1
         return cfg
 
 

@@ -56,7 +56,6 @@ ROWS = 2 * TILE_ROWS  # weight rows per CTA: one storage-tile row block per cons
 THREADS = 384  # two consumer warpgroups and a producer warpgroup (one thread of it issues the copies)
 BLOCK_MS = (32, 64, 128, 256)  # the token tiles a tile table names
 FIT_STEP = 16  # a fitted token tile (`fit_token_tile`) is a multiple of this
-MAX_CLUSTER = 8  # CTAs of a portable thread block cluster (`gemm`'s cluster-summed K splits)
 MAX_SHARED = 227 * 1024  # dynamic shared memory per block on sm_90
 # Stream-K where the last round of output tiles leaves SMs idle for more K tiles per CTA than this
 # (`stream_k_ctas`). Fitted to the H200 probe of docs/benchmarks.md ("Stream-K"), forced stream-K against the
@@ -120,8 +119,7 @@ def device_reason(device: torch.device) -> str | None:
 def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
          n: int, k: int, block_m: int = 128, stages: int | None = None, swiglu: bool = False,
          out: torch.Tensor | None = None, split: int = 1, row_blocks: tuple[int, int] | None = None,
-         stream_k: int = 0, workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-         cluster: bool = False) -> torch.Tensor:
+         stream_k: int = 0, workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """y [M, n] bf16 = x [M, k] @ dequant(W).T for a k32-layout weight (uint8 [Np, Kp/2], scales
     [Np, Kp/16], `repack_k32`) and its global scale (float32 scalar tensor); with `swiglu` (a gate/up
     weight whose rows are interleaved, `interleave_gate_up`) [M, n / 2] = silu(gate) * up, rounded as the
@@ -138,11 +136,8 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weig
     stages = stages or max_stages(block_m)
     if not 2 <= stages <= max_stages(block_m):
         raise ValueError(f"stages={stages}: 2..{max_stages(block_m)} fit in shared memory at block_m={block_m}")
-    cluster = cluster and split > 1
-    if split > 1 and swiglu and not cluster:
+    if split > 1 and swiglu:
         raise ValueError("split partials are summed by a second kernel, which applies the SwiGLU")
-    if cluster and split > MAX_CLUSTER:
-        raise ValueError(f"split={split}: a cluster holds at most {MAX_CLUSTER} CTAs")
     if split > 1 and stream_k:
         raise ValueError("split and stream_k: a stream-K launch splits K itself")
     m = x.shape[0]
@@ -150,9 +145,8 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weig
         x = x.contiguous()
     first, count = row_blocks or (0, -(-n // ROWS))
     if out is None:
-        partials = split > 1 and not cluster
-        shape = (split, m, min(n, ROWS * (first + count)) - ROWS * first) if partials else (m, n // 2 if swiglu else n)
-        out = torch.empty(shape, dtype=torch.float32 if partials else torch.bfloat16, device=x.device)
+        shape = (split, m, min(n, ROWS * (first + count)) - ROWS * first) if split > 1 else (m, n // 2 if swiglu else n)
+        out = torch.empty(shape, dtype=torch.float32 if split > 1 else torch.bfloat16, device=x.device)
     if m == 0:
         return out
     np_, kp = weight.shape[0], weight.shape[1] * 2
@@ -170,13 +164,12 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weig
     else:
         work = flags = out  # not read
         grid = (gx, count, split)
-    mode = 2 if cluster else int(split > 1)
-    kern = nvrtc.kernel(source(block_m), f"fp4_wgmma_tma<{block_m}, {stages}, {int(swiglu)}, {mode}, "
+    kern = nvrtc.kernel(source(block_m), f"fp4_wgmma_tma<{block_m}, {stages}, {int(swiglu)}, {int(split > 1)}, "
                         f"{int(stream_k > 0)}>", x.device, suffix="a")
     kern(grid, (THREADS, 1, 1),
          [tensor_map(x, k, block_m), weight, weight_scale, weight_scale_2, out, m, n, kp // TILE_K,
           np_ // TILE_ROWS, out.stride(-2), first, gx, gx * count, work, flags], pdl.launch_options(x.device)[0],
-         shared=stages * stage_bytes(block_m) + 16 * stages, cluster=(1, 1, split) if cluster else None)
+         shared=stages * stage_bytes(block_m) + 16 * stages)
     return out
 
 

@@ -52,15 +52,6 @@ __device__ __forceinline__ void decode_q(u32* a, u32 w0, u32 w1, u32 h0, u32 h1)
     a[6] = bmul(slot<3>(w0), sb0); a[7] = bmul(slot<3>(w1), sb1);
 }
 
-// A float4 of the shared memory of CTA `rank` of this cluster at the address that p has in this CTA.
-__device__ __forceinline__ float4 ld_cluster(const void* p, u32 rank) {
-    u32 a;
-    float4 v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(a) : "memory");
-    return v;
-}
-
 struct __align__(64) Tmap { unsigned long long v[16]; };
 __device__ __forceinline__ void tma2d(u32 dst, const Tmap* m, int c0, int c1, u32 bar) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
@@ -236,33 +227,6 @@ __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
                 }
             }
         }
-        // SPLIT == 2: the K splits of a tile are one cluster (dims 1, 1, gridDim.z): each CTA puts its scaled sums in
-        // its (drained) stage memory, then sums one share of the tile's token groups over the cluster's CTAs in
-        // K order (as the reduction kernel adds the partials of SPLIT == 1) and stores that share.
-        int jlo = 0, jhi = BM / 8;
-        if (SPLIT == 2) {
-            asm volatile("bar.sync 1, 256;" ::: "memory");  // both warpgroups' wgmmas have read their last stage
-            float4* mine = (float4*)smem + tid;
-#pragma unroll
-            for (int e = 0; e < BM / 8; ++e)
-                mine[e * 256] = make_float4(acc[4 * e] * gs, acc[4 * e + 1] * gs, acc[4 * e + 2] * gs, acc[4 * e + 3] * gs);
-            asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-            const int ns = gridDim.z, r = blockIdx.z;
-            jlo = r * (BM / 8) / ns;
-            jhi = (r + 1) * (BM / 8) / ns;
-#pragma unroll
-            for (int jj = 0; jj < BM / 8; ++jj) {
-                if (jj < jlo || jj >= jhi) continue;
-                float4 v = ld_cluster(mine + jj * 256, 0);
-                for (int c = 1; c < ns; ++c) {
-                    const float4 w = ld_cluster(mine + jj * 256, c);
-                    v.x += w.x; v.y += w.y; v.z += w.z; v.w += w.w;
-                }
-                acc[4 * jj] = v.x; acc[4 * jj + 1] = v.y; acc[4 * jj + 2] = v.z; acc[4 * jj + 3] = v.w;
-            }
-            asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");  // done reading the others
-        }
-        const float osc = SPLIT == 2 ? 1.f : gs;  // scaled already
         // The stores from one pointer per thread stepped by immediates and ldo (ptxas kept a 64-bit multiply
         // and branch per element of the per-element address form: ~2,800 instructions per thread at BM = 256).
         const int m0 = (tile % gx) * BM, row = (tile / gx + yoff) * 128 + 64 * wg + r0;
@@ -275,13 +239,12 @@ __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
 #pragma unroll
         for (int jj = 0; jj < BM / 8; ++jj) {
             const int ta = tok0 + 8 * jj;  // rows below m0 are the tile before's to store
-            const bool share = jj >= jlo && jj < jhi;  // this CTA's token groups (SPLIT == 2)
-            const bool own0 = share && ta >= m0 && ta < M, own1 = share && ta + 1 >= m0 && ta + 1 < M;
+            const bool own0 = ta >= m0 && ta < M, own1 = ta + 1 >= m0 && ta + 1 < M;
             if (SWIGLU) {  // the even lane takes the pairs of rows row, row ^ 1 (e = 0, 1), the odd one those
                 // of rows row + 8 and its neighbour (e = 2, 3): each lane rounds two SwiGLUs, none wasted
                 float v[4];
 #pragma unroll
-                for (int e = 0; e < 4; ++e) v[e] = acc[4 * jj + e] * osc;
+                for (int e = 0; e < 4; ++e) v[e] = acc[4 * jj + e] * gs;
                 const float r0 = __shfl_xor_sync(0xffffffffu, odd ? v[0] : v[2], 4);
                 const float r1 = __shfl_xor_sync(0xffffffffu, odd ? v[1] : v[3], 4);
                 const u16 y0 = odd ? swiglu(r0, v[2]) : swiglu(v[0], r0);
@@ -294,10 +257,10 @@ __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
             }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float v = acc[4 * jj + e] * osc;
+                const float v = acc[4 * jj + e] * gs;
                 const bool ok = ((e & 1) ? own1 : own0) && ((e >> 1) ? col1 : col0);
                 const size_t at = (size_t)(8 * jj + (e & 1)) * ldo;
-                if (SPLIT == 1) {
+                if (SPLIT) {
                     if (ok) pf[at + 8 * (e >> 1)] = v;
                 } else if (ok) {
                     pb[at + 8 * (e >> 1)] = to_bf16(v);
@@ -306,7 +269,6 @@ __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
         }
         i += nk;
     }
-    if (SPLIT == 2) asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");  // the others read this CTA's sums
 }
 
 """

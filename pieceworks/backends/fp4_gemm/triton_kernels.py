@@ -260,10 +260,6 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
                     return out
                 split = tail_splits
             first = blocks - tail if tail else 0
-            if cfg.cluster_split and split <= cuda_wgmma.MAX_CLUSTER:  # the splits summed in their cluster
-                cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, bm, stages, swiglu=swiglu, out=out,
-                                split=split, row_blocks=(first, blocks - first), cluster=True)
-                return out
             part = cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, bm, stages,
                                    split=split, row_blocks=(first, blocks - first))
             cols = part.shape[-1]
