@@ -67,7 +67,6 @@ class TileConfig:
     balance_waves: bool = False
     min_split_iters: int = 2
     narrow_block_m: int = 0
-    dequant_chunks: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in ("fused", "dequant", "wgmma"):

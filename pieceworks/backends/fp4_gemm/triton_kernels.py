@@ -270,8 +270,6 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
                 out[:, out.shape[1] - dest.shape[1]:].copy_(dest)
             return out
         kind = "dequant"  # not a Hopper GPU, or x not bf16: dequantize + matmul instead
-    if kind == "dequant" and cfg.dequant_chunks > 1 and not swiglu and x.is_cuda and x.dtype == torch.bfloat16:
-        return _dequant_matmul_chunks(x, weight, weight_scale, weight_scale_2, N, K, Kp, cfg, out)
     if kind == "dequant":
         w = torch.empty((N, K), dtype=torch.bfloat16, device=x.device)
         grid = (triton.cdiv(N, 16), triton.cdiv(K, 512))
@@ -306,38 +304,6 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
                                         PDL=use_pdl, **rope_args, num_warps=4, **launch)
         else:
             _sum_splits(part, out, swiglu)
-    return out
-
-
-_SIDE: dict = {}
-
-
-def _dequant_matmul_chunks(x, weight, weight_scale, weight_scale_2, N, K, Kp, cfg, out):
-    """The dequant path in cfg.dequant_chunks row chunks of W: a side stream dequantizes chunk c + 1 (into one of
-    two bf16 buffers) while the current stream multiplies chunk c into its columns of out."""
-    dev = x.device
-    main = torch.cuda.current_stream(dev)
-    if dev not in _SIDE:
-        _SIDE[dev] = (torch.cuda.Stream(dev), [torch.cuda.Event() for _ in range(64)])
-    side, events = _SIDE[dev]
-    rows = -(-(-(-N // cfg.dequant_chunks)) // 64) * 64
-    bounds = [(r, min(N, r + rows)) for r in range(0, N, rows)]
-    bufs = [torch.empty((rows, K), dtype=torch.bfloat16, device=dev) for _ in range(min(2, len(bounds)))]
-    xb = x.to(torch.bfloat16)
-    side.wait_stream(main)
-    for c, (r0, r1) in enumerate(bounds):
-        buf = bufs[c % 2]
-        with torch.cuda.stream(side):
-            if c >= 2:
-                side.wait_event(events[2 * (c - 2) + 1])  # the matmul that read this buffer is done
-            _dequant_kernel[(triton.cdiv(r1 - r0, 16), triton.cdiv(K, 512))](
-                weight[r0:r1].view(torch.int16), weight_scale[r0:r1].view(torch.int16), weight_scale_2, buf,
-                r1 - r0, K, Kp, buf.stride(0), BLOCK_N=16, BLOCK_K=512, USE_ASM=cfg.asm, SWIGLU=False, num_warps=4)
-            events[2 * c].record(side)
-        main.wait_event(events[2 * c])
-        torch.mm(xb, buf[: r1 - r0].t(), out=out[:, r0:r1])
-        events[2 * c + 1].record(main)
-    main.wait_stream(side)
     return out
 
 
