@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pieceworks.core.batch import ForwardBatch, to_device
+from pieceworks.core.batch import ForwardBatch
 from pieceworks.engine.logprobs import logprob_table, read_logprobs
+from pieceworks.engine.sampler import sampling_rows
 
 if TYPE_CHECKING:
     from pieceworks.engine.request import Request
@@ -59,14 +60,10 @@ class AsyncSteps:
         those from the device), sample on the device the rows that computed all their known tokens (greedy
         rows of a decode graph: the replay's ids), hand the ids to the executor for the next step's
         placeholders and start their copy to the host. None where no row samples (only prompt chunks ran)."""
-        rows = [i for i, (r, toks) in enumerate(scheduled) if r.seq.kv_len + len(toks) == r.num_tokens]
         logits = ex.forward(ForwardBatch([r.seq for r, _ in scheduled], [t for _, t in scheduled]), validate=False)
-        if not rows:
+        reqs, logits, ids = sampling_rows(scheduled, logits, ex.greedy_ids)
+        if not reqs:
             return None
-        reqs = [scheduled[i][0] for i in rows]
-        ids = ex.greedy_ids  # a decode graph's in-graph argmax, when the step replayed one
-        if len(rows) < len(scheduled):
-            logits, ids = logits[to_device(torch.tensor(rows), logits.device)], None  # pinned: no wait for the GPU
         states = [r.state for r in reqs]
         table = None
         if ids is None or not all([s.plain for s in states]):

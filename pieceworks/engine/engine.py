@@ -21,8 +21,6 @@ import uuid
 from contextlib import contextmanager
 from typing import Any
 
-import torch
-
 from pieceworks.config import Config, load_config
 from pieceworks.core.batch import ForwardBatch
 from pieceworks.engine.async_steps import AsyncSteps, InFlight, mark_pending
@@ -30,7 +28,7 @@ from pieceworks.engine.detokenize import Detokenizer, eos_token_ids, load_tokeni
 from pieceworks.engine.params import SamplingParams
 from pieceworks.engine.prompts import check_fits, is_one_prompt, prompt_ids
 from pieceworks.engine.request import Request, RequestOutput
-from pieceworks.engine.sampler import Sampler, SamplingState
+from pieceworks.engine.sampler import Sampler, SamplingState, sampling_rows
 from pieceworks.engine.scheduler import Scheduler
 from pieceworks.errors import NonFiniteLogits, OutOfPages, RequestError
 from pieceworks.executor.runner import Executor
@@ -236,13 +234,9 @@ class Engine:
         logits = self.executor.forward(ForwardBatch([r.seq for r, _ in scheduled], [t for _, t in scheduled]),
                                        validate=False)
         self.num_steps += 1
-        rows = [i for i, (r, _) in enumerate(scheduled) if r.seq.kv_len == r.num_tokens]
-        if not rows:
+        reqs, logits, greedy = sampling_rows(scheduled, logits, self.executor.greedy_ids)
+        if not reqs:
             return outputs  # only middle chunks of prompts ran
-        reqs = [scheduled[i][0] for i in rows]
-        greedy = self.executor.greedy_ids  # a decode graph's in-graph argmax, when the step replayed one
-        if len(rows) < len(scheduled):
-            logits, greedy = logits[torch.tensor(rows, device=logits.device)], None
         result = self.sampler.sample(logits, [r.state for r in reqs], greedy)
         for req, tok, finite, lp in zip(reqs, result.token_ids, result.finite, result.logprobs):
             self._accept(req, tok, finite, lp)

@@ -29,11 +29,24 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pieceworks.core.batch import to_device
 from pieceworks.engine.logprobs import SampleResult, to_host
 from pieceworks.engine.params import SamplingParams
 from pieceworks.engine.processors import apply_min_p, apply_penalties, apply_top_k, apply_top_k_top_p
 from pieceworks.errors import RequestError
 from pieceworks.executor.cuda_graph import finite_rows, greedy_token_ids
+
+def sampling_rows(scheduled: list, logits: torch.Tensor,
+                  greedy: torch.Tensor | None) -> tuple[list, torch.Tensor, torch.Tensor | None]:
+    """After a step of `scheduled` (request, new tokens) pairs ran: the requests that computed all their known
+    tokens (the others ran a middle chunk of their prompt), their rows of `logits`, and `greedy` (a decode
+    graph's in-graph argmax) where every row is theirs, else None. The row indices reach the device through
+    pinned memory: nothing waits for the GPU."""
+    rows = [i for i, (r, _) in enumerate(scheduled) if r.seq.kv_len == r.num_tokens]
+    if len(rows) < len(scheduled):
+        logits, greedy = logits[to_device(torch.tensor(rows, dtype=torch.int64), logits.device)], None
+    return [scheduled[i][0] for i in rows], logits, greedy
+
 
 _NUM_ROW_PARAMS = 8  # temperature, top_k, top_p, min_p, presence, frequency, repetition, greedy
 _TINY = torch.finfo(torch.float32).tiny
