@@ -7,8 +7,8 @@ cuda_wgmma_kernel.py's. Imports torch only.
 
 Each CTA owns 128 weight rows (two storage-tile row blocks, one per warpgroup) and BM tokens (32, 64, 128
 or 256, or from 128 up a multiple of 16 fitted to M: `fit_token_tile`), so each decoded weight feeds BM
-tokens of tensor-core work; the decode of a k16 step overlaps the wgmmas of the one before (A in two
-register sets, `wgmma.wait_group 1`).
+tokens of tensor-core work; the decode of a wgmma group (one k16 step, or two in tiles of at most 64
+tokens) overlaps the wgmmas of the group before (A in two register sets, `wgmma.wait_group 1`).
 
 The A fragment: wgmma m64nNk16 takes A from the registers of the warpgroup's four warps, warp w holding rows
 16w..16w+15 in the mma.sync m16n8k16 A layout (lane (g, t): rows g and g + 8, K columns 2t, 2t + 1, 2t + 8,
@@ -25,7 +25,7 @@ on the stage's full mbarrier. One thread of a third (producer) warpgroup issues 
 thread arrived on its empty mbarrier (after its warpgroup's wgmmas of that stage): no CTA-wide barrier in the
 K loop, the copies of S tiles in flight under the wgmmas. The consumers' K loop has no branch (a branch, or a
 register defined while a wgmma that reads it is in flight, makes ptxas serialize every wgmma: its C7513 note)
-and a k16 step's decode waits only for the wgmmas two steps back, which read the same registers; `setmaxnreg`
+and a group's decode waits only for the wgmmas two groups back, which read the same registers; `setmaxnreg`
 gives the consumers the registers of 256-token tiles. Where the output tiles alone leave SMs idle, blockIdx.z
 splits K as far as one round of CTAs holds (`choose_split`) and float32 partials go to a second kernel.
 Where nothing splits that way but a last round of tiles would leave SMs idle for longer than partials cost,

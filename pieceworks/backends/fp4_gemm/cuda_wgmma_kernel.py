@@ -154,7 +154,11 @@ __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");  // BM = 256 needs more than 65536 / 384
     const float gs = gscale[0] * 16384.0f;
     const int r0 = 16 * warp + g;
-    u32 a[2][8];
+    // Token tiles of at most 64 decode two k16 steps per wgmma group (one fence, commit and wait per two
+    // steps: 1-4% faster per call at M = 24-32, level at 64, docs/benchmarks.md); larger tiles one step,
+    // which leaves their accumulators the registers.
+    constexpr int G = BM <= 64 ? 2 : 1;
+    u32 a[2 * G][8];  // the A fragments of two groups: a group's decode waits for the group before the last
     for (int i = ia, j = 0; i < ib;) {  // one segment (of one tile) per pass; j: stages consumed before it
         const int tile = i / nkt, k0 = i - tile * nkt, nk = min(nkt - k0, ib - i);
         float acc[BM / 2];
@@ -169,21 +173,30 @@ __global__ void __launch_bounds__(384, 1) fp4_wgmma_tma(
             lds64(sbase + r0 * 8, sc0a, sc0b);
             lds64(sbase + (r0 + 8) * 8, sc1a, sc1b);
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const u32 w0 = lds32(wbase + r0 * 64 + (q << 4) + 4 * t);
-                const u32 w1 = lds32(wbase + (r0 + 8) * 64 + (q << 4) + 4 * t);
-                const u32 p0 = q < 2 ? sc0a : sc0b, p1 = q < 2 ? sc1a : sc1b;
-                const u32 h0 = scale_pair((q & 1) ? p0 >> 16 : p0 & 0xFFFF);
-                const u32 h1 = scale_pair((q & 1) ? p1 >> 16 : p1 & 0xFFFF);
-                wg_wait<1>();  // the wgmmas that last read a[q & 1] (two k16 steps back) are done
-                decode_q(a[q & 1], w0, w1, h0, h1);
+            for (int q0 = 0; q0 < 4; q0 += G) {  // one wgmma group: k16 steps q0 .. q0 + G - 1
+                u32 w[G][2], h[G][2];
+#pragma unroll
+                for (int e = 0; e < G; ++e) {
+                    const int q = q0 + e;
+                    w[e][0] = lds32(wbase + r0 * 64 + (q << 4) + 4 * t);
+                    w[e][1] = lds32(wbase + (r0 + 8) * 64 + (q << 4) + 4 * t);
+                    const u32 p0 = q < 2 ? sc0a : sc0b, p1 = q < 2 ? sc1a : sc1b;
+                    h[e][0] = scale_pair((q & 1) ? p0 >> 16 : p0 & 0xFFFF);
+                    h[e][1] = scale_pair((q & 1) ? p1 >> 16 : p1 & 0xFFFF);
+                }
+                wg_wait<1>();  // the group that last read these fragments (two groups back) is done
+#pragma unroll
+                for (int e = 0; e < G; ++e) decode_q(a[(q0 + e) % (2 * G)], w[e][0], w[e][1], h[e][0], h[e][1]);
                 wg_fence();
-                wgmma_bm(acc, a[q & 1][0], a[q & 1][1], a[q & 1][2], a[q & 1][3],
-                         desc(base + q * 32, 16, 1024) | (1ull << 62));
-                wgmma_bm(acc, a[q & 1][4], a[q & 1][5], a[q & 1][6], a[q & 1][7],
-                         desc(base + BM * 128 + q * 32, 16, 1024) | (1ull << 62));
+#pragma unroll
+                for (int e = 0; e < G; ++e) {
+                    const int q = q0 + e, f = q % (2 * G);
+                    wgmma_bm(acc, a[f][0], a[f][1], a[f][2], a[f][3], desc(base + q * 32, 16, 1024) | (1ull << 62));
+                    wgmma_bm(acc, a[f][4], a[f][5], a[f][6], a[f][7],
+                             desc(base + BM * 128 + q * 32, 16, 1024) | (1ull << 62));
+                }
                 wg_commit();
-                if (q == 0) {  // this warpgroup's wgmmas of the previous K tile are done: release its stage
+                if (q0 == 0) {  // this warpgroup's wgmmas of the previous K tile are done: release its stage
                     wg_wait<1>();
                     mbar_arrive_if(bars + 8 * (S + (j + kt + S - 1) % S), (kt > 0) & (lane == 0));
                 }
