@@ -303,14 +303,13 @@ class TritonFp4GemmBackend(Fp4GemmBackend):
 
     def forward_qkv_rope(self, x, weight, weight_scale, weight_scale_2, input_scale, cos, sin, num_heads,
                          num_kv_heads, head_dim):
-        """The GEMM with the rope of the q and k columns in its epilogue (split-K: in the reduction),
-        each pair's two columns side by side in the tile, for the 8-row decode tiles; larger tiles and
-        the dequant path run the GEMM and then the rope kernel in place (its interleaved mode reads the
-        pairs side by side and writes them back in checkpoint order). Same bits as `forward` followed
-        by the rope_qk op wherever every column takes the same K split (a wgmma tail launch splits its
-        last row blocks only, which hold other columns in the two row orders; stream-K splits each
-        128-row tile at its own K tiles, and the rope order moves rows within a head, inside one tile,
-        so it keeps the bits)."""
+        """The GEMM with the rope of the q and k columns in its epilogue (split-K: in the reduction), each
+        pair's two columns side by side in the tile, for the 8-row decode tiles and wgmma calls split over K;
+        other tiles and the dequant path run the GEMM and then the rope kernel in place (its interleaved mode
+        reads the pairs side by side and writes them back in checkpoint order). Same bits as `forward` followed
+        by the rope_qk op wherever every column takes the same K split (a wgmma tail launch splits its last row
+        blocks only, which hold other columns in the two row orders; stream-K splits each 128-row tile at its
+        own K tiles, and the rope order moves rows within a head, inside one tile, so it keeps the bits)."""
         n = (num_heads + 2 * num_kv_heads) * head_dim
         rope = (cos, sin, (num_heads + num_kv_heads) * head_dim, head_dim)
         return self._gemm(x, weight, weight_scale, weight_scale_2, n, swiglu=False, rope=rope)

@@ -128,9 +128,9 @@ def _splitk_reduce_kernel(part_ptr, out_ptr, numel, N, SPLIT_K: tl.constexpr, BL
     [M, N] in checkpoint column order with the rope pairs rotated (`rope_pair`)."""
     pdl_kernels.enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    if ROPE:  # one row per program, BLOCK >= N / 2 column pairs
+    if ROPE:  # grid (rows, column-pair blocks): BLOCK pairs of one row per program
         row = tl.program_id(0)
-        p = tl.arange(0, BLOCK)
+        p = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         pmask = 2 * p < N
         src = row.to(tl.int64) * N + 2 * p
         y1 = tl.load(part_ptr + src, mask=pmask, other=0.0)
@@ -203,8 +203,9 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
     (cos, sin, rope_cols, head_dim) (a q/k/v weight in the `interleave_rope_rows` order; cos/sin
     [M, head_dim/2] with unit column stride), [M, N] in checkpoint column order whose first rope_cols
     columns (the q and k heads) are roped, rounded as the GEMM followed by the rope_qk op: in the
-    epilogue for tiles of at most ROPE_EPILOGUE_BLOCK_M rows, else by the rope kernel after the GEMM
-    (in place, in its interleaved mode, which also puts the columns back in checkpoint order).
+    epilogue for tiles of at most ROPE_EPILOGUE_BLOCK_M rows, in the reduction of a wgmma call split over
+    K, else by the rope kernel after the GEMM (in place, in its interleaved mode, which also puts the
+    columns back in checkpoint order).
 
     weight: uint8 [Np, Kp/2] (k32 layout, tiled storage: `repack_k32`), weight_scale: float8_e4m3fn
     [Np, Kp/16] (the same storage), weight_scale_2:
@@ -228,7 +229,7 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
             and sin.stride(-1) == 1 and cos.shape == sin.shape == (M, head_dim // 2), "rope arguments"
         rope_args = dict(ROPE=True, cos_ptr=cos, sin_ptr=sin, stride_cos=cos.stride(0), stride_sin=sin.stride(0),
                          rope_cols=rope_cols, ROPE_HALF=head_dim // 2)
-        if not (cfg.kind == "fused" and cfg.block_m <= ROPE_EPILOGUE_BLOCK_M):
+        if not ((cfg.kind == "fused" and cfg.block_m <= ROPE_EPILOGUE_BLOCK_M) or _wgmma_splits_all(x, N, Kp, cfg)):
             # the GEMM (q/k columns in pair order), then the rope kernel in place: its interleaved mode
             # reads each pair side by side and writes the halves back in checkpoint order
             from pieceworks.models import fused_kernels
@@ -262,6 +263,8 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
             first = blocks - tail if tail else 0
             part = cuda_wgmma.gemm(x, weight, weight_scale, weight_scale_2, N, K, bm, stages,
                                    split=split, row_blocks=(first, blocks - first))
+            if rope_args:  # every column split (`_wgmma_splits_all`): the reduction ropes
+                return _sum_splits_rope(part, out, rope_args)
             cols = part.shape[-1]
             dest = out if not first else torch.empty((M, cols // 2 if swiglu else cols), dtype=out.dtype,
                                                      device=out.device)
@@ -304,6 +307,30 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
                                         PDL=use_pdl, **rope_args, num_warps=4, **launch)
         else:
             _sum_splits(part, out, swiglu)
+    return out
+
+
+def _wgmma_splits_all(x: torch.Tensor, N: int, Kp: int, cfg) -> bool:
+    """Whether a "wgmma" tile runs x's call as one launch split over K (`cuda_wgmma.plan`), so that the
+    reduction of its partials can apply the rope (`_sum_splits_rope`) in place of the rope kernel."""
+    return (cfg.kind == "wgmma" and cuda_wgmma.unsupported(x) is None
+            and cuda_wgmma.plan(x.shape[0], N, Kp, cfg.block_m, cfg.num_stages, cfg.narrow_block_m,
+                                multiprocessors(x.device))[2] > 1)
+
+
+ROPE_REDUCE_PAIRS = 256
+"""Column pairs per program of the rope-applying reduction of the wgmma kernel's partials (programs: rows x
+pair blocks, 32 x 12 for a Llama-3.1-8B q/k/v call of 32 rows)."""
+
+
+def _sum_splits_rope(part: torch.Tensor, out: torch.Tensor, rope_args: dict) -> torch.Tensor:
+    """out [M, N] in checkpoint column order = the split-K partials part [splits, M, N] of a q/k/v weight in
+    the `interleave_rope_rows` order summed, the q/k pairs roped as the rope kernel rounds (`rope_pair`)."""
+    splits, M, N = part.shape
+    use_pdl, launch = pdl.launch_options(out.device)
+    _splitk_reduce_kernel[(M, triton.cdiv(N // 2, ROPE_REDUCE_PAIRS))](
+        part, out, M * N, N, SPLIT_K=splits, BLOCK=ROPE_REDUCE_PAIRS, PDL=use_pdl, num_warps=4, **rope_args,
+        **launch)
     return out
 
 
