@@ -1,14 +1,17 @@
-"""FastPlan and FastRun (backends/attention/flashinfer_fast.py) on CPU, against a stand-in wrapper that plans
-and runs the way FlashInfer 0.7's BatchPrefillWithPagedKVCacheWrapper does for an eager fa2 plan (the
-planner's and the kernel's argument lists, the attributes a plan sets). tests/gpu/test_flashinfer.py
-compares both with the real wrapper."""
+"""FastPlan, FastRun and FastMLAPlan (backends/attention/flashinfer_fast.py) on CPU, against stand-in wrappers
+that plan and run the way FlashInfer 0.7's BatchPrefillWithPagedKVCacheWrapper does for an eager fa2 plan and
+its BatchMLAPagedAttentionWrapper for fa2 plans (the planner's and the kernel's argument lists, the attributes
+a plan sets). tests/gpu/test_flashinfer.py compares them with the real wrappers."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
 import torch
 
 from pieceworks.backends.attention.flashinfer import paged_kv_indices, qo_indptr
-from pieceworks.backends.attention.flashinfer_fast import FastPlan, FastRun
+from pieceworks.backends.attention.flashinfer_fast import FastMLAPlan, FastPlan, FastRun
 
 
 class Module:
@@ -148,3 +151,153 @@ def test_the_backend_records_one_fast_plan_or_warns_once_and_keeps_the_public_pl
         # recorded: one public plan, then two through the planner directly; refused: three public plans
         assert len(w._cached_module.plans) == 3 and w._qo_indptr_last == 258
         assert len([r for r in caplog.records if "public plan()" in r.getMessage()]) == (0 if recorded else 1)
+
+
+# ---------------------------------------------------------------- FastMLAPlan
+class MLAModule:
+    """Stands for FlashInfer 0.7's MLA planner module (`plan_with_staged_workspace_bytes`)."""
+
+    def __init__(self) -> None:
+        self.plans = []
+
+    def plan_with_staged_workspace_bytes(self, *args):
+        self.plans.append(args)
+        # stands for the schedule: what the planner read
+        return [int(args[3][-1]), int(args[4][-1]), int(args[5].sum()), int(args[8])], 96
+
+
+class MLAPlanned:
+    """The backend object FlashInfer's MLA wrapper builds on every public plan."""
+
+    def __init__(self, w: "MLAWrapper") -> None:
+        self._cached_module = w.module
+        self._float_workspace_buffer, self._int_workspace_buffer, self._pin_memory_int_workspace_buffer = w.ws
+        self._kv_indices_buf = w._fixed if w._use_cuda_graph else None
+
+
+class MLAWrapper:
+    """The parts of FlashInfer 0.7's BatchMLAPagedAttentionWrapper (fa2) that FastMLAPlan relies on: a public
+    plan builds a new planned backend, calls the planner with host copies of the CSR arrays (`.to("cpu")`:
+    the same tensors when they are on the host) and stages the indices (graph: into a fixed buffer)."""
+
+    def __init__(self, graph: bool = False) -> None:
+        self._backend, self._use_cuda_graph = "fa2", graph
+        self.ws = (torch.zeros(4), torch.zeros(4), torch.zeros(4))
+        self._float_workspace_buffer = self.ws[0]
+        self._fixed = torch.zeros(64, dtype=torch.int32) if graph else None
+        self._kv_indices_buf = self._fixed
+        self.module = MLAModule()
+        self._planned_backend = None
+        self.public_plans = 0
+
+    def plan(self, metadata, num_heads, head_dim_ckv, causal, page_size=PS, **kw) -> None:
+        self.public_plans += 1
+        be = MLAPlanned(self)
+        m = metadata
+        be._plan_info, be._staged_int_workspace_bytes = self.module.plan_with_staged_workspace_bytes(
+            *self.ws, m["qo_indptr"].to("cpu"), m["kv_indptr"].to("cpu"), m["kv_len_arr"].to("cpu"), num_heads,
+            head_dim_ckv, causal)
+        if self._use_cuda_graph:
+            be._kv_indices_buf[: len(m["kv_indices"])].copy_(m["kv_indices"])
+        else:
+            be._kv_indices_buf = m["kv_indices"]
+        be._causal, be._page_size = causal, page_size
+        self._planned_backend, self._plan_info, self._kv_indices_buf = be, be._plan_info, be._kv_indices_buf
+
+
+def mla_csr(qo_lens, kv_lens, pages) -> dict:
+    table = torch.zeros(len(pages), max(64, *map(len, pages)), dtype=torch.int32)
+    kv = paged_kv_indices(table, kv_lens, PS, pages)
+    return dict(qo_indptr=qo_indptr(qo_lens), kv_indptr=kv.indptr, kv_indices=kv.indices, kv_len_arr=kv.kv_lens)
+
+
+MLA_STEPS = [([1, 1], [40, 3], [[1, 2, 3], [4]]), ([5], [20], [[7, 8]]),
+             ([1, 1, 1], [17, 33, 2], [[9, 10], [11, 12, 13], [14]])]
+
+
+def fake_capacity(most: int = 100):
+    def work_count(q_lens, kv_lens, heads, sms, causal):  # stands for FlashInfer's exact count
+        return sum(q_lens) + sum(kv_lens) // 16
+    return lambda device: (work_count, most, 132)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_fast_mla_plan_plans_as_the_public_plan_does(monkeypatch, graph):
+    from pieceworks.backends.attention import flashinfer_fast
+
+    monkeypatch.setattr(flashinfer_fast, "fa_mla_capacity", fake_capacity())
+    fast_w, ref_w = MLAWrapper(graph), MLAWrapper(graph)
+    fast_w.plan(mla_csr(*MLA_STEPS[0]), 16, 512, False)  # a wrapper's first plan: public
+    csr = mla_csr(*MLA_STEPS[1])
+    fast = FastMLAPlan.record(fast_w, lambda: fast_w.plan(csr, 16, 512, True), csr, 16, 512, True, PS)
+    assert fast is not None and fast_w.public_plans == 2
+    planned = fast_w._planned_backend
+    for qo_lens, kv_lens, pages in MLA_STEPS * 2:
+        causal = max(qo_lens) > 1
+        csr = mla_csr(qo_lens, kv_lens, pages)
+        assert fast(fast_w, csr, 16, 512, causal, PS)
+        ref_w.plan(mla_csr(qo_lens, kv_lens, pages), 16, 512, causal)
+        a, b = fast_w._planned_backend, ref_w._planned_backend
+        assert a is planned and fast_w.public_plans == 2  # no public plan, no new backend object
+        assert same(fast_w.module.plans[-1], ref_w.module.plans[-1])
+        assert a._plan_info == b._plan_info == fast_w._plan_info and a._staged_int_workspace_bytes == 96
+        assert a._causal == b._causal == causal
+        n = len(csr["kv_indices"])
+        assert torch.equal(a._kv_indices_buf[:n], b._kv_indices_buf[:n])
+        if graph:
+            assert a._kv_indices_buf is fast_w._fixed
+
+
+def test_fast_mla_plan_leaves_other_forms_and_steps_over_capacity_to_the_public_plan(monkeypatch):
+    from pieceworks.backends.attention import flashinfer_fast
+
+    monkeypatch.setattr(flashinfer_fast, "fa_mla_capacity", fake_capacity(most=30))
+    csr = mla_csr(*MLA_STEPS[0])
+    w = MLAWrapper()
+    assert FastMLAPlan.record(w, lambda: w.plan(csr, 16, 512, False), csr, 16, 512, False, PS) is None  # first plan
+    assert w.public_plans == 1
+    # the planner called with other dimensions than the backend's: no recording
+    assert FastMLAPlan.record(w, lambda: w.plan(csr, 8, 512, False), csr, 16, 512, False, PS) is None
+    fast = FastMLAPlan.record(w, lambda: w.plan(csr, 16, 512, False), csr, 16, 512, False, PS)
+    assert fast is not None and w.public_plans == 3
+    before = (w._plan_info, len(w.module.plans))
+    big = mla_csr([1], [600], [list(range(38))])  # 1 + 600 // 16 = 38 work items > 30
+    assert not fast(w, big, 16, 512, False, PS) and (w._plan_info, len(w.module.plans)) == before
+    assert not fast(w, csr, 16, 576, False, PS)  # another latent width
+    assert not fast(w, csr, 16, 512, False, 2 * PS)  # another page size
+    w.plan(csr, 16, 512, False)  # any public plan in between: a new backend object, this recording is stale
+    assert not fast(w, csr, 16, 512, False, PS)
+    monkeypatch.setattr(flashinfer_fast, "fa_mla_capacity", lambda device: None)  # FlashInfer of another form
+    assert FastMLAPlan.record(w, lambda: w.plan(csr, 16, 512, False), csr, 16, 512, False, PS) is None
+
+
+def test_the_mla_backend_plans_fast_from_its_third_plan_and_records_anew_after_a_public_one(monkeypatch):
+    import sys
+    import types
+
+    from pieceworks.backends.attention import flashinfer_fast
+    from pieceworks.backends.base import BackendSpec, ModelFacts
+    from pieceworks.backends.mla.flashinfer import FlashInferMLABackend
+
+    monkeypatch.setattr(flashinfer_fast, "fa_mla_capacity", fake_capacity(most=30))
+    stub = types.ModuleType("flashinfer.mla")
+    stub.MLAPlanMetadata = types.SimpleNamespace(csr=lambda **kw: kw)  # FlashInfer's CSR metadata: the arrays
+    monkeypatch.setitem(sys.modules, "flashinfer.mla", stub)
+    facts = ModelFacts(arch="deepseek_v3", dtype=torch.bfloat16, num_heads=16, kv_lora_rank=512, qk_rope_head_dim=64,
+                       page_size=PS)
+    backend = FlashInferMLABackend(BackendSpec.for_device(torch.device("cpu"), model=facts))
+    w = MLAWrapper()
+    args = dict(num_heads=16, head_dim_ckv=512, causal=False, page_size=PS)
+    for i in range(4):
+        backend._plan_wrapper(w, mla_csr(*MLA_STEPS[0]), args)
+        assert w.public_plans == min(i + 1, 2)  # public, public + recording, then the FastMLAPlan
+    backend._plan_wrapper(w, mla_csr([1], [600], [list(range(38))]), args)  # over capacity: public
+    assert w.public_plans == 3 and id(w) not in backend._fast
+    for i in range(3):
+        backend._plan_wrapper(w, mla_csr(*MLA_STEPS[0]), args)
+    assert w.public_plans == 4 and backend._fast[id(w)] is not None  # recorded anew, then fast
+    backend.options = replace(backend.options, fast_plan=False)
+    backend._fast.clear()
+    for _ in range(2):
+        backend._plan_wrapper(w, mla_csr(*MLA_STEPS[0]), args)
+    assert w.public_plans == 6

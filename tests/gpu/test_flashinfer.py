@@ -226,6 +226,56 @@ def test_mla_full_graph_replays_with_new_lengths():
     assert list(impl._graph) == [BS]
 
 
+def _mla_pair(heads: int):
+    """(a backend on FastMLAPlan, one on FlashInfer's public MLA plan)."""
+    fast, public = mla_backend(16, heads), mla_backend(16, heads)
+    public.options = FlashInferOptions("fa2", fast_plan=False)
+    return fast, public
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_mla_fast_plan_matches_flashinfers_public_plan(heads):
+    """MLA steps of every mode one after another, planned through FastMLAPlan once a wrapper has one, against a backend on FlashInfer's public plan: the same outputs to the bit and the same schedule."""
+    fast, public = _mla_pair(heads)
+    scenarios = [replace(sc, page_size=16) for sc in S.ATTENTION_SCENARIOS]
+    for i, sc in enumerate(scenarios * 2):
+        case = S.mla_case(sc, heads, 512, 64, BF16, DEV, seed=i)
+        x = case.inputs
+        outs = []
+        for impl in (fast, public):
+            out = torch.full_like(x["q_nope"], float("nan"))
+            impl.plan(case.meta)
+            impl.forward(x["q_nope"], x["q_pe"], x["c_kv"], x["k_pe"], out, 0, x["scale"], case.pool)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), sc.name
+        assert rel_err(outs[0], case.expected) < TOL, sc.name
+        # the first step's re-plan with the model's scale records the FastMLAPlan: fast from the second step on
+        if i >= 1:
+            assert fast._fast.get(id(fast._eager)) is not None, sc.name
+            assert fast._eager._planned_backend is fast._fast[id(fast._eager)].backend
+        a, b = fast._eager._planned_backend, public._eager._planned_backend
+        assert list(a._plan_info) == list(b._plan_info) and a._causal == b._causal, sc.name
+
+
+def test_mla_fast_plan_in_full_graphs_matches_flashinfers_public_plan():
+    """FULL decode graphs captured once, re-planned through FastMLAPlan before every replay: the same bits
+    as a graph re-planned through FlashInfer's public plan."""
+    fast, public = _mla_pair(16)
+    harnesses = {}
+    for seed, sc in enumerate(DECODE_STEPS * 2):
+        got = []
+        for impl in (fast, public):
+            case = S.mla_case(sc, 16, 512, 64, BF16, DEV, seed=seed)
+            if impl not in harnesses:
+                pool = KVPool(KVLayout("mla", 1, latent_dim=576), PAGES, 16, BF16, DEV)
+                inputs = {k: case.inputs[k] for k in ("q_nope", "q_pe", "c_kv", "k_pe")}
+                harnesses[impl] = GraphHarness(impl, pool, inputs, _mla_op)
+            got.append(harnesses[impl].step(sc, case))
+            assert rel_err(got[-1], case.expected) < TOL, sc.name
+        assert torch.equal(got[0], got[1]), sc.name
+    assert fast._fast.get(id(fast._graph[BS])) is not None
+
+
 # ---------------------------------------------------------------- end to end through the executor
 def _executor(arch: str, attention: str, sizes: dict):
     from pieceworks import Executor

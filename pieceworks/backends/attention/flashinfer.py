@@ -52,8 +52,8 @@ class FlashInferOptions:
 
     fast_plan: bool = True
     """Extend/mixed steps plan through `FastPlan` (FlashInfer's planner called directly, the index arrays
-    sent with one copy) once one public `plan()` has shown the call's form; false: FlashInfer's public
-    `plan()` on every step. MLA ignores it."""
+    sent with one copy) once one public `plan()` has shown the call's form, and MLA steps through
+    `FastMLAPlan` likewise; false: FlashInfer's public `plan()` on every step."""
 
     def __post_init__(self) -> None:
         if self.variant not in ("auto", "fa2", "fa3"):

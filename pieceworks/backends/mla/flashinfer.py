@@ -7,7 +7,8 @@ splits it into the ckv [.., :L] and kpe [.., L:] strided views itself (fa2/fa3 r
 strides of both), so the cache is never copied. Queries go in split, as the model produces them.
 
 Plan/run, the CSR conversion and the softmax-scale handling are those of the FlashInfer attention
-backend (attention/flashinfer.py).
+backend (attention/flashinfer.py). Once a wrapper has been planned twice, its plans go through
+`FastMLAPlan` (FlashInfer's planner called directly; `backends.options.flashinfer.fast_plan`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from pieceworks.backends.attention.flashinfer import (
     qo_indptr,
     resolve_variant,
     step_lengths,
+    log,
     workspace,
 )
-from pieceworks.backends.attention.flashinfer_fast import PlanCopyGuard
+from pieceworks.backends.attention.flashinfer_fast import FastMLAPlan, PlanCopyGuard
 from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
 from pieceworks.backends.kv_write import write_rows
 from pieceworks.backends.mla.base import MLABackend
@@ -99,11 +101,10 @@ class FlashInferMLABackend(MLABackend):
         self._meta = None
         self._wrapper = None
         self._rows = 0
+        self._fast: dict[int, FastMLAPlan | None] = {}  # id(wrapper) -> its FastMLAPlan (None: refused)
 
     # ------------------------------------------------------------------ plan (host)
     def plan(self, meta) -> None:
-        from flashinfer.mla import MLAPlanMetadata
-
         self._meta = meta
         m = self.spec.model
         args = mla_plan_args(meta, self._sm_scale, m.num_heads, m.kv_lora_rank, m.qk_rope_head_dim, m.dtype)
@@ -114,10 +115,37 @@ class FlashInferMLABackend(MLABackend):
         else:
             wrapper = self._eager_wrapper(meta.device)
         self._plan_guard.before(wrapper)
-        wrapper.plan(metadata=MLAPlanMetadata.csr(**csr), **args)
+        self._plan_wrapper(wrapper, csr, args)
         self._plan_guard.after(wrapper, meta.device)
         self._wrapper = wrapper
         self._rows = int(csr["qo_indptr"][-1])
+
+    def _plan_wrapper(self, wrapper, csr: dict, args: dict) -> None:
+        """The wrapper's plan: through its FastMLAPlan where it has one that takes the step, else FlashInfer's
+        public plan. With `fast_plan` on, a public plan of a wrapper planned before records its FastMLAPlan;
+        after a step its FastMLAPlan gave back to the public plan, the next plan records anew."""
+        from flashinfer.mla import MLAPlanMetadata
+
+        key, dims = id(wrapper), (args["num_heads"], args["head_dim_ckv"], args["causal"], args["page_size"])
+
+        def public() -> None:
+            wrapper.plan(metadata=MLAPlanMetadata.csr(**csr), **args)
+
+        if key in self._fast:
+            fast = self._fast[key]
+            if fast is None:  # refused: FlashInfer's planner is called in another form
+                public()
+            elif not fast(wrapper, csr, *dims):
+                del self._fast[key]  # the public plan makes a new planned backend: record it next time
+                public()
+            return
+        if not self.options.fast_plan or getattr(wrapper, "_planned_backend", None) is None:
+            public()  # the first plan of a wrapper: its planner module is not known yet
+            return
+        self._fast[key] = FastMLAPlan.record(wrapper, public, csr, *dims)
+        if self._fast[key] is None:
+            log.warning("FlashInfer's MLA planner is called in another form than FlashInfer 0.7's; MLA steps "
+                        "plan through its public plan() (slower on the host, same results)")
 
     def _ws(self, device) -> torch.Tensor:
         return workspace(self, device)
@@ -145,6 +173,7 @@ class FlashInferMLABackend(MLABackend):
     def forward(self, q_nope, q_pe, c_kv, k_pe, out, layer_id, scale, kv) -> None:
         if check_capture_scale(self, scale):
             self._sm_scale = scale
+            self._fast.clear()  # the planned backends hold the old scale; public plans set the new one
             self.plan(self._meta)
         cache = kv.latent_cache(layer_id)
         rank = q_nope.shape[-1]
