@@ -1,0 +1,166 @@
+"""Split-KV paged GQA decode attention in Triton (imports triton); see attention/triton.py.
+
+One program per (sequence, KV head, split): with the step's new K/V rows passed in, the split whose
+range ends at the new token first writes them into the caches; then it attends the GQA group's
+queries (padded to 16 rows for the tensor-core dots) over its split's share of the sequence,
+gathering K/V rows through the page table, with an online float32 softmax (P is rounded to the KV
+dtype for the PV dot, as FlashInfer does). With several splits each program that has keys stores its
+normalized partial output and log-sum-exp (a short sequence leaves the last splits empty: splits
+cover whole BLOCK_N steps); the program that arrives last at the (sequence, head) counter merges the
+stored partials in split order (so the result does not depend on arrival order), writes the output
+and resets the counter to zero.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pieceworks.backends import pdl, pdl_kernels
+from pieceworks.backends.fp4_gemm.triton_epilogue import publish_and_count  # the split-K handshake
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr, count_ptr,
+                   kn_ptr, vn_ptr, slot_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
+                   stride_vp, stride_vs, stride_vh, stride_tb, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                   scale_log2, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
+                   S: tl.constexpr, BLOCK_N: tl.constexpr, HKV: tl.constexpr, WRITE: tl.constexpr,
+                   LENS_ARE_POSITIONS: tl.constexpr, PDL: tl.constexpr = False, MODE: tl.constexpr = 0):
+    pdl_kernels.wait(PDL)  # q and the new K/V rows come from the kernels before (pdl.py)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    if LENS_ARE_POSITIONS:
+        seq_len = (tl.load(lens_ptr + b) + 1).to(tl.int32)  # the new token's position + 1
+    else:
+        seq_len = tl.load(lens_ptr + b).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(seq_len, S), BLOCK_N) * BLOCK_N
+    active = tl.cdiv(seq_len, chunk)  # splits with keys; the others only count themselves in
+    start = s * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    rows = h * G + g
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + rows[:, None] * stride_qh + d[None, :],
+                mask=(g < G)[:, None], other=0.0)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    table = table_ptr + b.to(tl.int64) * stride_tb
+    if WRITE:
+        # The step's new K/V row goes into the cache here, at its slot (for a real row the slot of
+        # position seq_len - 1; a graph padding row's is the reserved slot), by the split whose range
+        # ends with it (no other program reads that row); the barrier makes the row this program's
+        # threads stored visible to all of them before the loop loads it.
+        if s == active - 1:
+            slot = tl.load(slot_ptr + b).to(tl.int64)
+            page_new = slot // PS
+            kn = tl.load(kn_ptr + b.to(tl.int64) * stride_knt + h * stride_knh + d)
+            vn = tl.load(vn_ptr + b.to(tl.int64) * stride_vnt + h * stride_vnh + d)
+            tl.store(k_ptr + page_new * stride_kp + (slot % PS) * stride_ks + h * stride_kh + d, kn)
+            tl.store(v_ptr + page_new * stride_vp + (slot % PS) * stride_vs + h * stride_vh + d, vn)
+        tl.debug_barrier()
+    nxt = tl.load(table + (start + tl.arange(0, BLOCK_N)) // PS, mask=(start + tl.arange(0, BLOCK_N)) < end, other=0)
+    for n0 in range(start, end, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        valid = offs < end
+        if MODE == 0:
+            page = tl.load(table + offs // PS, mask=valid, other=0).to(tl.int64)
+        elif MODE == 1:  # the bench's contiguous table, computed (no indirection): a ceiling
+            page = (b.to(tl.int64) * stride_tb + offs // PS + 1)
+        else:  # the next block's page ids loaded one iteration ahead
+            page = nxt.to(tl.int64)
+            offs2 = offs + BLOCK_N
+            nxt = tl.load(table + offs2 // PS, mask=offs2 < end, other=0)
+        k_rows = page * stride_kp + (offs % PS) * stride_ks + h * stride_kh
+        k = tl.load(k_ptr + k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * scale_log2  # scores in log2 units
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_rows = page * stride_vp + (offs % PS) * stride_vs + h * stride_vh
+        v = tl.load(v_ptr + v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    pdl_kernels.launch_dependents(PDL)  # the next kernel's launch overlaps the merge
+    out_rows = out_ptr + b.to(tl.int64) * stride_ot + rows[:, None] * stride_oh + d[None, :]
+    omask = (g < G)[:, None]
+    if S == 1:
+        tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        # partials of (b, h): [S, GP, D] and [S, GP], written by the `active` splits that have keys
+        base = (b * HKV + h).to(tl.int64) * S
+        if s < active:
+            lse = m_i + tl.math.log2(l_i)
+            tl.store(part_o_ptr + ((base + s) * GP + g[:, None]) * D + d[None, :], acc / l_i[:, None])
+            tl.store(part_lse_ptr + (base + s) * GP + g, lse)
+        arrived = publish_and_count(count_ptr + b * HKV + h)
+        if arrived == S - 1:
+            # unrolled over the constexpr S, splits without keys masked out: with the run-time bound
+            # `active` as the loop's end the batch-1 call was much slower on the H200 (16 splits of 32
+            # keys, 512 tokens: 15.6 us in the 11:10 sweep against 8.8 us with the bound S at 10:34)
+            m = tl.full([GP], float("-inf"), tl.float32)
+            for si in tl.static_range(S):
+                lse_si = tl.load(part_lse_ptr + (base + si) * GP + g, mask=(g < GP) & (si < active),
+                                 other=float("-inf"), cache_modifier=".cg")
+                m = tl.maximum(m, lse_si)
+            total = tl.zeros([GP, D], tl.float32)
+            weight = tl.zeros([GP], tl.float32)
+            for si in tl.static_range(S):
+                has = si < active
+                lse_si = tl.load(part_lse_ptr + (base + si) * GP + g, mask=(g < GP) & has,
+                                 other=float("-inf"), cache_modifier=".cg")
+                w = tl.math.exp2(lse_si - m)
+                total += w[:, None] * tl.load(part_o_ptr + ((base + si) * GP + g[:, None]) * D + d[None, :],
+                                              mask=((g < GP)[:, None] & (d < D)[None, :]) & has, other=0.0,
+                                              cache_modifier=".cg")
+                weight += w
+            tl.store(out_rows, (total / weight[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
+            tl.store(count_ptr + b * HKV + h, 0)
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+           table: torch.Tensor, lens: torch.Tensor, scale: float, splits: int, part_o: torch.Tensor,
+           part_lse: torch.Tensor, counters: torch.Tensor, block_n: int = 64, num_warps: int = 4,
+           num_stages: int = 2, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
+           lens_are_positions: bool = False, slots: torch.Tensor | None = None, mode: int = 0) -> None:
+    """out[b] = attention of q[b] over the first lens[b] tokens of sequence b's pages.
+
+    k_new, v_new: [B, Hkv, D] (unit stride over D, the caches' dtype), or None: the step's new rows,
+    written to the caches at slots[b] (int64 [B]: page * PS + offset; for a real row the slot of
+    position lens[b] - 1) by the kernel before it reads them (saves the separate K/V write launch of
+    a decode step). Without them the caches must already hold them.
+    lens_are_positions: `lens` holds each sequence's new-token position instead (any integer dtype;
+    length = position + 1), as a decode step's positions tensor does.
+
+    q, out: [B, Hq, D] (row stride free, unit stride over D); k_cache, v_cache: [P, PS, Hkv, D];
+    table: [B, >= pages] int32 page ids; lens: [B] int32 (>= 1); part_o: float32 with room for
+    B * Hkv * splits * GP * D, part_lse: B * Hkv * splits * GP (GP = max(16, pow2 >= Hq / Hkv));
+    counters: int32 [>= B * Hkv], zero (left zero). block_n: keys per loop step (a split covers a whole
+    number of them); num_warps, num_stages: Triton's launch options."""
+    b, hq, dim = q.shape
+    _, page_size, hkv, _ = k_cache.shape
+    group = hq // hkv
+    gp = max(16, triton.next_power_of_2(group))
+    write = k_new is not None
+    if write and slots is None:
+        raise ValueError("decode: k_new/v_new need slots (the slot of each new row)")
+    kn, vn = (k_new, v_new) if write else (q, q)  # placeholders, never read
+    slots = slots if write else lens  # placeholder, never read
+    # Launched in stream order, not early behind the q/k/v GEMM: every input but the page table comes from
+    # that GEMM, and the early launch makes the kernel finish later (batch-1 step on the H200: 8.3 us after
+    # the GEMM's end per layer against 6.5; docs/benchmarks.md). Its PDL wait then returns at once, and its
+    # trigger still lets the o GEMM launch before the merge.
+    use_pdl, launch = pdl.launch_options(q.device, early=False)
+    _decode_kernel[(b, hkv, splits)](
+        q, k_cache, v_cache, out, table, lens, part_o, part_lse, counters, kn, vn, slots,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
+        kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
+        scale * 1.4426950408889634, G=group, GP=gp, D=dim, PS=page_size, S=splits, BLOCK_N=block_n, HKV=hkv,
+        WRITE=write, LENS_ARE_POSITIONS=lens_are_positions, PDL=use_pdl, MODE=mode,
+        num_warps=num_warps, num_stages=num_stages, **launch)
