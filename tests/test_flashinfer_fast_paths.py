@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pieceworks.backends.attention.flashinfer import paged_kv_indices, qo_indptr
-from pieceworks.backends.attention.flashinfer_fast import FastMLAPlan, FastPlan, FastRun
+from pieceworks.backends.attention.flashinfer_fast import FastMLAPlan, FastMLARun, FastPlan, FastRun
 
 
 class Module:
@@ -155,10 +155,13 @@ def test_the_backend_records_one_fast_plan_or_warns_once_and_keeps_the_public_pl
 
 # ---------------------------------------------------------------- FastMLAPlan
 class MLAModule:
-    """Stands for FlashInfer 0.7's MLA planner module (`plan_with_staged_workspace_bytes`)."""
+    """Stands for FlashInfer 0.7's MLA module (`plan_with_staged_workspace_bytes`, `run`)."""
 
     def __init__(self) -> None:
-        self.plans = []
+        self.plans, self.runs = [], []
+
+    def run(self, *args):
+        self.runs.append(args)
 
     def plan_with_staged_workspace_bytes(self, *args):
         self.plans.append(args)
@@ -173,6 +176,8 @@ class MLAPlanned:
         self._cached_module = w.module
         self._float_workspace_buffer, self._int_workspace_buffer, self._pin_memory_int_workspace_buffer = w.ws
         self._kv_indices_buf = w._fixed if w._use_cuda_graph else None
+        if not w._use_cuda_graph:  # an eager plan allocates its own int workspace; graph plans keep the first
+            self._int_workspace_buffer = torch.zeros(4)
 
 
 class MLAWrapper:
@@ -195,14 +200,23 @@ class MLAWrapper:
         be = MLAPlanned(self)
         m = metadata
         be._plan_info, be._staged_int_workspace_bytes = self.module.plan_with_staged_workspace_bytes(
-            *self.ws, m["qo_indptr"].to("cpu"), m["kv_indptr"].to("cpu"), m["kv_len_arr"].to("cpu"), num_heads,
+            be._float_workspace_buffer, be._int_workspace_buffer, be._pin_memory_int_workspace_buffer,
+            m["qo_indptr"].to("cpu"), m["kv_indptr"].to("cpu"), m["kv_len_arr"].to("cpu"), num_heads,
             head_dim_ckv, causal)
         if self._use_cuda_graph:
             be._kv_indices_buf[: len(m["kv_indices"])].copy_(m["kv_indices"])
         else:
             be._kv_indices_buf = m["kv_indices"]
-        be._causal, be._page_size = causal, page_size
+        be._causal, be._page_size, be._sm_scale = causal, page_size, 0.125
         self._planned_backend, self._plan_info, self._kv_indices_buf = be, be._plan_info, be._kv_indices_buf
+
+
+    def run(self, query, kv_cache, out, lse=None) -> None:
+        be, (q_nope, q_pe) = self._planned_backend, query
+        rank = q_nope.shape[-1]
+        self.module.run(be._float_workspace_buffer, be._int_workspace_buffer, be._plan_info, q_nope, q_pe,
+                        kv_cache[..., :rank], kv_cache[..., rank:], be._kv_indices_buf, out, lse, int(be._causal),
+                        q_nope.shape[1], be._page_size, be._sm_scale, False, 1.0, 1.0, None)
 
 
 def mla_csr(qo_lens, kv_lens, pages) -> dict:
@@ -301,3 +315,58 @@ def test_the_mla_backend_plans_fast_from_its_third_plan_and_records_anew_after_a
     for _ in range(2):
         backend._plan_wrapper(w, mla_csr(*MLA_STEPS[0]), args)
     assert w.public_plans == 6
+
+
+@pytest.fixture
+def mask_mode(monkeypatch):
+    """flashinfer.utils.MaskMode where FlashInfer is not installed (FlashInfer 0.7: non-causal 0, causal 1)."""
+    import enum
+    import sys
+    import types
+
+    utils = types.ModuleType("flashinfer.utils")
+    utils.MaskMode = enum.Enum("MaskMode", {"NON_CAUSAL": 0, "CAUSAL": 1})
+    monkeypatch.setitem(sys.modules, "flashinfer.utils", utils)
+
+
+def test_fast_mla_run_calls_the_kernel_as_run_does_under_every_later_plan(monkeypatch, mask_mode):
+    from pieceworks.backends.attention import flashinfer_fast
+
+    monkeypatch.setattr(flashinfer_fast, "fa_mla_capacity", fake_capacity())
+    w = MLAWrapper()
+    q_nope, q_pe, out = torch.zeros(5, 16, 512), torch.zeros(5, 16, 64), torch.zeros(5, 16, 512)
+    cache = torch.zeros(8, PS, 576)
+    ckv, kpe = cache[..., :512], cache[..., 512:]
+    w.plan(mla_csr(*MLA_STEPS[1]), 16, 512, True)
+    fast = FastMLARun.record(w, q_nope, q_pe, cache, out, ckv, kpe)
+    assert fast is not None and len(w.module.runs) == 1  # the recorded run() ran once
+    csr = mla_csr(*MLA_STEPS[0])
+    plan = FastMLAPlan.record(w, lambda: w.plan(csr, 16, 512, False), csr, 16, 512, False, PS)
+    steps = [(MLA_STEPS[2], False, "fast"), (MLA_STEPS[1], True, "public"), (MLA_STEPS[0], False, "record"),
+             (MLA_STEPS[2], True, "fast")]
+    for (qo_lens, kv_lens, pages), causal, how in steps:
+        csr = mla_csr(qo_lens, kv_lens, pages)
+        if how == "public":  # a new planned backend (workspace, plan, indices)
+            w.plan(csr, 16, 512, causal)
+        elif how == "record":  # as the backend does after a public plan
+            plan = FastMLAPlan.record(w, lambda csr=csr: w.plan(csr, 16, 512, causal), csr, 16, 512, causal, PS)
+        else:
+            assert plan(w, csr, 16, 512, causal, PS)
+        assert fast(w, q_nope, q_pe, ckv, kpe, out)
+        w.run((q_nope, q_pe), cache, out)
+        assert same(w.module.runs[-2], w.module.runs[-1])
+
+
+def test_fast_mla_run_stays_off_for_calls_of_another_form(mask_mode):
+    w = MLAWrapper()
+    q_nope, q_pe, out, cache = torch.zeros(5, 16, 512), torch.zeros(5, 16, 64), torch.zeros(5, 16, 512), \
+        torch.zeros(8, PS, 576)
+    w.plan(mla_csr(*MLA_STEPS[1]), 16, 512, True)
+    lse = torch.zeros(5, 16)
+    w.run = lambda query, kv_cache, out, w=w: MLAWrapper.run(w, query, kv_cache, out, lse=lse)
+    assert FastMLARun.record(w, q_nope, q_pe, cache, out, cache[..., :512], cache[..., 512:]) is None
+    w = MLAWrapper()
+    w.plan(mla_csr(*MLA_STEPS[1]), 16, 512, True)
+    other = torch.zeros(8, PS, 576)  # views of another cache than the one run() splits
+    assert FastMLARun.record(w, q_nope, q_pe, cache, out, other[..., :512], other[..., 512:]) is None
+    assert len(w.module.runs) == 1  # the run() still ran

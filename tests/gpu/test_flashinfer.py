@@ -227,15 +227,18 @@ def test_mla_full_graph_replays_with_new_lengths():
 
 
 def _mla_pair(heads: int):
-    """(a backend on FastMLAPlan, one on FlashInfer's public MLA plan)."""
+    """(a backend on FastMLAPlan and FastMLARun, one on FlashInfer's public MLA plan and run())."""
     fast, public = mla_backend(16, heads), mla_backend(16, heads)
     public.options = FlashInferOptions("fa2", fast_plan=False)
+    public._fast_run_refused = True  # as after a recording of another form: run() on every call
     return fast, public
 
 
 @pytest.mark.parametrize("heads", [16, 128])
 def test_mla_fast_plan_matches_flashinfers_public_plan(heads):
-    """MLA steps of every mode one after another, planned through FastMLAPlan once a wrapper has one, against a backend on FlashInfer's public plan: the same outputs to the bit and the same schedule."""
+    """MLA steps of every mode one after another, planned through FastMLAPlan once a wrapper has one and run
+    through FastMLARun, against a backend on FlashInfer's public plan and run(): the same outputs to the bit and
+    the same schedule."""
     fast, public = _mla_pair(heads)
     scenarios = [replace(sc, page_size=16) for sc in S.ATTENTION_SCENARIOS]
     for i, sc in enumerate(scenarios * 2):
@@ -245,10 +248,12 @@ def test_mla_fast_plan_matches_flashinfers_public_plan(heads):
         for impl in (fast, public):
             out = torch.full_like(x["q_nope"], float("nan"))
             impl.plan(case.meta)
-            impl.forward(x["q_nope"], x["q_pe"], x["c_kv"], x["k_pe"], out, 0, x["scale"], case.pool)
+            for _ in range(2):  # the backend's first call records the FastMLARun, later ones use it
+                impl.forward(x["q_nope"], x["q_pe"], x["c_kv"], x["k_pe"], out, 0, x["scale"], case.pool)
             outs.append(out)
         assert torch.equal(outs[0], outs[1]), sc.name
         assert rel_err(outs[0], case.expected) < TOL, sc.name
+        assert fast._fast_run is not None and public._fast_run is None
         # the first step's re-plan with the model's scale records the FastMLAPlan: fast from the second step on
         if i >= 1:
             assert fast._fast.get(id(fast._eager)) is not None, sc.name

@@ -379,3 +379,64 @@ class FastMLAPlan:
         be._staged_int_workspace_bytes = staged
         be._causal = wrapper._causal = causal
         return True
+
+
+class FastMLARun:
+    """The MLA wrapper's `run()` (fa2/fa3, eager and piecewise steps) as one call of FlashInfer's kernel module.
+
+    FlashInfer 0.7's `run()` checks the query, cache and output contracts and splits the packed latent cache
+    into its ckv / kpe views on every call: 28-32 us of host per layer on the H200 machine (docs/benchmarks.md),
+    paid by every layer of an extend step between its piecewise graph pieces. `record` watches one `run()`:
+    the planned backend's `_cached_module.run` must be called once with the backend's workspaces, plan and
+    page indices, our q_nope, q_pe and out (by identity), ckv / kpe views of our cache (same address, shape
+    and strides as `cache[..., :rank]` and `cache[..., rank:]`), no LSE and the plan's mask, head count, page
+    size and softmax scale at their places (`_run_generated_fa`); otherwise it returns None and `run()`
+    stays. A FastMLARun then calls the module with the layer's tensors and the current plan's attributes
+    (a public plan since the recording builds a new planned backend: its workspaces, plan and indices are
+    read on every call). The GPU tests compare its outputs with `run()`'s.
+    """
+
+    def __init__(self, fn, args: list, module, masks: tuple[int, int]) -> None:
+        self.fn, self.args, self.module, self.masks = fn, args, module, masks
+
+    @classmethod
+    def record(cls, wrapper, q_nope, q_pe, cache, out, ckv, kpe) -> "FastMLARun | None":
+        """Run the wrapper's `run()` on these tensors watching the kernel module; the FastMLARun or None. ckv, kpe:
+        the caller's views `cache[..., :rank]` and `cache[..., rank:]`, to be checked against the wrapper's."""
+        be = getattr(wrapper, "_planned_backend", None)
+        module = getattr(be, "_cached_module", None)
+        try:
+            from flashinfer.utils import MaskMode
+
+            masks = (MaskMode.NON_CAUSAL.value, MaskMode.CAUSAL.value)
+        except (ImportError, AttributeError):
+            module = None
+        if module is None or getattr(wrapper, "_backend", None) not in ("fa2", "fa3"):
+            wrapper.run(query=(q_nope, q_pe), kv_cache=cache, out=out)
+            return None
+        seen = _watched(module, "run", lambda: wrapper.run(query=(q_nope, q_pe), kv_cache=cache, out=out))
+        if len(seen) != 1 or seen[0][1] or len(seen[0][0]) != 18:
+            return None
+        args = list(seen[0][0])
+        same_view = all(a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+                        for a, b in ((args[5], ckv), (args[6], kpe)) if isinstance(a, torch.Tensor))
+        ok = (all(isinstance(a, torch.Tensor) for a in args[5:7]) and same_view
+              and args[0] is be._float_workspace_buffer and args[1] is be._int_workspace_buffer
+              and args[2] is be._plan_info and args[3] is q_nope and args[4] is q_pe and args[7] is be._kv_indices_buf
+              and args[8] is out and args[9] is None and args[10] == masks[bool(be._causal)]
+              and args[11] == q_nope.shape[1] and args[12] == be._page_size and args[13] == be._sm_scale)
+        return cls(module.run, args, module, masks) if ok else None
+
+    def __call__(self, wrapper, q_nope, q_pe, ckv, kpe, out) -> bool:
+        """Run the kernel on these tensors (ckv, kpe: views of the packed cache as `record` checked them) with the
+        wrapper's current plan; False (nothing run) if that plan is not of this recording's module."""
+        be = wrapper._planned_backend
+        if be._cached_module is not self.module:
+            return False
+        args = self.args
+        args[0], args[1], args[2] = be._float_workspace_buffer, be._int_workspace_buffer, be._plan_info
+        args[3], args[4], args[5], args[6], args[7], args[8] = q_nope, q_pe, ckv, kpe, be._kv_indices_buf, out
+        args[10], args[11] = self.masks[bool(be._causal)], q_nope.shape[1]
+        args[12], args[13] = be._page_size, be._sm_scale
+        self.fn(*args)
+        return True

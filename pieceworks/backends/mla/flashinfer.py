@@ -8,7 +8,8 @@ strides of both), so the cache is never copied. Queries go in split, as the mode
 
 Plan/run, the CSR conversion and the softmax-scale handling are those of the FlashInfer attention
 backend (attention/flashinfer.py). Once a wrapper has been planned twice, its plans go through
-`FastMLAPlan` (FlashInfer's planner called directly; `backends.options.flashinfer.fast_plan`).
+`FastMLAPlan` (FlashInfer's planner called directly; `backends.options.flashinfer.fast_plan`), and eager and
+piecewise steps launch through `FastMLARun` (its kernel module called directly) after one `run()`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pieceworks.backends.attention.flashinfer import (
     log,
     workspace,
 )
-from pieceworks.backends.attention.flashinfer_fast import FastMLAPlan, PlanCopyGuard
+from pieceworks.backends.attention.flashinfer_fast import FastMLAPlan, FastMLARun, PlanCopyGuard
 from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
 from pieceworks.backends.kv_write import write_rows
 from pieceworks.backends.mla.base import MLABackend
@@ -102,6 +103,9 @@ class FlashInferMLABackend(MLABackend):
         self._wrapper = None
         self._rows = 0
         self._fast: dict[int, FastMLAPlan | None] = {}  # id(wrapper) -> its FastMLAPlan (None: refused)
+        self._fast_run: FastMLARun | None = None
+        self._fast_run_refused = False  # a recorded run() had another form: no more tries
+        self._views: dict[int, tuple] = {}  # layer -> (KV pool, latent cache, its ckv and kpe views)
 
     # ------------------------------------------------------------------ plan (host)
     def plan(self, meta) -> None:
@@ -175,12 +179,31 @@ class FlashInferMLABackend(MLABackend):
             self._sm_scale = scale
             self._fast.clear()  # the planned backends hold the old scale; public plans set the new one
             self.plan(self._meta)
-        cache = kv.latent_cache(layer_id)
         rank = q_nope.shape[-1]
+        views = self._views.get(layer_id)
+        if views is None or views[0] is not kv:
+            cache = kv.latent_cache(layer_id)
+            views = self._views[layer_id] = (kv, cache, cache[..., :rank], cache[..., rank:])
+        _, cache, ckv, kpe = views
         flat = cache.view(-1, cache.shape[-1])
         slots = self._meta.slot_mapping[: c_kv.shape[0]]  # padded tokens write to the reserved page
         write_rows(flat[:, :rank], c_kv, flat[:, rank:], k_pe, slots)
-        rows = self._rows
-        self._wrapper.run(query=(q_nope[:rows], q_pe[:rows]), kv_cache=cache, out=out[:rows])
+        rows, wrapper = self._rows, self._wrapper
+        q_nope, q_pe, run_out = q_nope[:rows], q_pe[:rows], out[:rows]
+        if wrapper is self._eager:
+            self._run_eager(wrapper, q_nope, q_pe, cache, ckv, kpe, run_out)
+        else:  # a FULL graph's wrapper: its run() is captured once
+            wrapper.run(query=(q_nope, q_pe), kv_cache=cache, out=run_out)
         if out.shape[0] > rows:
             out[rows:].zero_()
+
+    def _run_eager(self, wrapper, q_nope, q_pe, cache, ckv, kpe, out) -> None:
+        """The eager wrapper's run() through its FastMLARun; the first call records one (and runs)."""
+        fast = self._fast_run
+        if fast is not None and fast(wrapper, q_nope, q_pe, ckv, kpe, out):
+            return
+        if fast is None and not self._fast_run_refused:
+            self._fast_run = FastMLARun.record(wrapper, q_nope, q_pe, cache, out, ckv, kpe)
+            self._fast_run_refused = self._fast_run is None
+            return
+        wrapper.run(query=(q_nope, q_pe), kv_cache=cache, out=out)
