@@ -370,3 +370,36 @@ def test_fast_mla_run_stays_off_for_calls_of_another_form(mask_mode):
     other = torch.zeros(8, PS, 576)  # views of another cache than the one run() splits
     assert FastMLARun.record(w, q_nope, q_pe, cache, out, other[..., :512], other[..., 512:]) is None
     assert len(w.module.runs) == 1  # the run() still ran
+
+
+def test_the_mla_backend_runs_eager_layers_through_one_recorded_fast_run(monkeypatch, mask_mode):
+    import types
+
+    from pieceworks.backends.attention import flashinfer_fast
+    from pieceworks.backends.base import BackendSpec, ModelFacts
+    from pieceworks.backends.mla.flashinfer import FlashInferMLABackend
+    from pieceworks.executor.kv_cache import KVLayout, KVPool
+
+    monkeypatch.setattr(flashinfer_fast, "fa_mla_capacity", fake_capacity())
+    facts = ModelFacts(arch="deepseek_v3", dtype=torch.float32, num_heads=16, kv_lora_rank=512, qk_rope_head_dim=64,
+                       page_size=PS)
+    backend = FlashInferMLABackend(BackendSpec.for_device(torch.device("cpu"), model=facts))
+    pool = KVPool(KVLayout("mla", 2, latent_dim=576), 8, PS, torch.float32, torch.device("cpu"))
+    w = MLAWrapper()
+    w.plan(mla_csr(*MLA_STEPS[1]), 16, 512, True)
+    wrapper_runs = []
+    w.run = lambda query, kv_cache, out, w=w: (wrapper_runs.append(1), MLAWrapper.run(w, query, kv_cache, out))
+    backend._eager = backend._wrapper = w
+    backend._rows, backend._sm_scale = 5, 0.125
+    backend._meta = types.SimpleNamespace(slot_mapping=torch.arange(5) + PS)
+    q_nope, q_pe, c_kv, k_pe = torch.randn(5, 16, 512), torch.randn(5, 16, 64), torch.randn(5, 512), torch.randn(5, 64)
+    out = torch.zeros(5, 16, 512)
+    for layer in (0, 1, 0, 1):
+        backend.forward(q_nope, q_pe, c_kv, k_pe, out, layer, 0.125, pool)
+    # the first call ran run() while recording; the other three called the kernel module directly
+    assert backend._fast_run is not None and len(wrapper_runs) == 1 and len(w.module.runs) == 4
+    for args, layer in zip(w.module.runs, (0, 1, 0, 1)):  # each layer's cache views
+        assert args[5].data_ptr() == pool.latent_cache(layer).data_ptr()
+        assert args[6].data_ptr() == pool.latent_cache(layer)[..., 512:].data_ptr()
+        assert args[3].data_ptr() == q_nope.data_ptr()
+    assert torch.equal(pool.latent_cache(1).view(-1, 576)[PS : PS + 5, :512], c_kv)  # the K/V rows were written
