@@ -1,7 +1,7 @@
 """FlashInfer's Python around its kernels, made cheap for every step: `FastPlan` (the prefill
 wrapper's plan without the public `plan()`'s host work), `FastRun` (its `run()` without re-deriving
-the kernel's arguments), `FastMLAPlan` (the MLA wrapper's plan, likewise) and `PlanCopyGuard` (no
-pinned host buffer rewritten under a pending copy). The fast paths rely on FlashInfer 0.7's private
+the kernel's arguments), `FastMLAPlan` and `FastMLARun` (the MLA wrapper's plan and run, likewise) and
+`PlanCopyGuard` (no pinned host buffer rewritten under a pending copy). The fast paths rely on FlashInfer 0.7's private
 call forms, check them when they record and stay off where they differ; tests/gpu/test_flashinfer.py
 compares them with the public calls.
 """
@@ -289,20 +289,20 @@ class FastMLAPlan:
     """The MLA wrapper's `plan()` (fa2/fa3) without FlashInfer's Python around its planner.
 
     FlashInfer 0.7's `BatchMLAPagedAttentionWrapper.plan` audits its arguments, builds a new backend object,
-    snapshots (clones) the CUDA-graph buffers it refills, checks every pair of them for overlap and validates
-    the CSR arrays: on the H200 machine 1.1-1.4 ms of host time per DeepSeek-V3-shaped decode step, more for
-    extend steps, against a planner that takes a fraction of it. What `run()` reads of a plan is the planner's
-    result (`_plan_info`), the schedule the planner stages into the int workspace, the page indices on the
-    device (`_kv_indices_buf`) and the mask (`_causal`). `record` watches one public plan of a wrapper that
+    snapshots (clones) the CUDA-graph buffers it refills, checks every pair of them for overlap and validates the
+    CSR arrays: on the H200 machine 0.6-0.7 ms of host time per DeepSeek-V3-shaped decode step, 0.6-1.1 per extend
+    step, 1.6-3.2 times what the plan takes through a FastMLAPlan (docs/benchmarks.md). What `run()` reads of a plan
+    is the planner's result (`_plan_info`), the schedule the planner stages into the int workspace, the page indices
+    on the device (`_kv_indices_buf`) and the mask (`_causal`). `record` watches one public plan of a wrapper that
     has been planned before (its planner module is then known and cached by FlashInfer): the module's
-    `plan_with_staged_workspace_bytes` must be called once with the planned backend's three workspaces, our
-    host qo_indptr, kv_indptr and KV lengths (by identity) and the head count, latent width and mask, and
-    the planned backend must hold the returned plan, our indices and page size; otherwise it returns None and the public
-    plan stays. A FastMLAPlan then calls the planner with the step's host arrays and sets those attributes
-    on the same planned backend (under CUDA graphs: the indices copied into its fixed buffer). It keeps
-    FlashInfer's capacity check, which guards the native planner's work-item arrays: a step whose plan
-    would exceed it (`__call__` returns False) goes through the public plan, which refuses it with
-    FlashInfer's error. The GPU tests compare outputs with public plans step by step.
+    `plan_with_staged_workspace_bytes` must be called once with the planned backend's three workspaces, our host
+    qo_indptr, kv_indptr and KV lengths (by identity) and the head count, latent width and mask, and the planned
+    backend must hold the returned plan, our indices and page size; otherwise it returns None and the public plan
+    stays. A FastMLAPlan then calls the planner with the step's host arrays and sets those attributes on the same
+    planned backend (under CUDA graphs: the indices copied into its fixed buffer). It keeps FlashInfer's capacity
+    check, which guards the native planner's work-item arrays: a step whose plan would exceed it (`__call__` returns
+    False) goes through the public plan, which refuses it with FlashInfer's error. The GPU tests compare outputs
+    with public plans step by step.
     """
 
     def __init__(self, fn, args: list, backend, graph: bool, page_size: int, work_count, max_items: int,
@@ -385,8 +385,9 @@ class FastMLARun:
     """The MLA wrapper's `run()` (fa2/fa3, eager and piecewise steps) as one call of FlashInfer's kernel module.
 
     FlashInfer 0.7's `run()` checks the query, cache and output contracts and splits the packed latent cache
-    into its ckv / kpe views on every call: 28-32 us of host per layer on the H200 machine (docs/benchmarks.md),
-    paid by every layer of an extend step between its piecewise graph pieces. `record` watches one `run()`:
+    into its ckv / kpe views on every call: 28-32 us of host per call on the H200 machine, paid by every layer
+    of an extend step between its piecewise graph pieces (a 128-head layer's forward: 45 us less host time
+    through a FastMLARun, docs/benchmarks.md). `record` watches one `run()`:
     the planned backend's `_cached_module.run` must be called once with the backend's workspaces, plan and
     page indices, our q_nope, q_pe and out (by identity), ckv / kpe views of our cache (same address, shape
     and strides as `cache[..., :rank]` and `cache[..., rank:]`), no LSE and the plan's mask, head count, page

@@ -20,11 +20,11 @@ from pieceworks.backends.attention.flashinfer import (
     GPU_INSTALL_HINT,
     FlashInferOptions,
     check_capture_scale,
+    log,
     paged_kv_indices,
     qo_indptr,
     resolve_variant,
     step_lengths,
-    log,
     workspace,
 )
 from pieceworks.backends.attention.flashinfer_fast import FastMLAPlan, FastMLARun, PlanCopyGuard
