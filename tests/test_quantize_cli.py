@@ -169,6 +169,23 @@ def test_non_finite_weights_are_named_and_leave_no_destination(tiny_bf16, tmp_pa
     assert kept.is_dir() and not any(kept.iterdir())
 
 
+def test_every_tensor_is_checked_once(tiny_bf16, tmp_path, monkeypatch):
+    """Each weight's finiteness check is one pass: a fused group's members are checked as their shared scale is
+    measured, not again while they are quantized."""
+    from collections import Counter
+
+    from safetensors import safe_open
+
+    from pieceworks.quant import quantizer
+
+    seen, check = Counter(), quantizer.check_finite
+    monkeypatch.setattr(quantizer, "check_finite", lambda src, name, t: (seen.update([name]), check(src, name, t)))
+    assert _quantize(tiny_bf16, tmp_path / "fp4", "--amax", "8") == 0
+    with safe_open(str(tiny_bf16 / "model.safetensors"), "pt") as f:
+        assert seen == Counter(f.keys())
+    assert "model.layers.0.self_attn.q_proj.weight" in seen  # a fused group's member
+
+
 @pytest.mark.parametrize("name", ["model.layers.1.mlp.down_proj.weight", "model.norm.weight"])
 def test_weights_beyond_the_loaders_bound_are_named(tiny_bf16, tmp_path, capsys, name):
     """A finite weight beyond +-3.2e32 (bf16 holds up to 3.4e38) makes an output the loader refuses: refused here."""
