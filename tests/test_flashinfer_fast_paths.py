@@ -1,7 +1,8 @@
-"""FastPlan, FastRun and FastMLAPlan (backends/attention/flashinfer_fast.py) on CPU, against stand-in wrappers
-that plan and run the way FlashInfer 0.7's BatchPrefillWithPagedKVCacheWrapper does for an eager fa2 plan and
-its BatchMLAPagedAttentionWrapper for fa2 plans (the planner's and the kernel's argument lists, the attributes
-a plan sets). tests/gpu/test_flashinfer.py compares them with the real wrappers."""
+"""FastPlan and FastRun (backends/attention/flashinfer_fast.py), FastMLAPlan and FastMLARun
+(backends/mla/flashinfer_fast.py) on CPU, against stand-in wrappers that plan and run the way FlashInfer 0.7's
+BatchPrefillWithPagedKVCacheWrapper does for an eager fa2 plan and its BatchMLAPagedAttentionWrapper for fa2 plans
+(the planner's and the kernel's argument lists, the attributes a plan sets). tests/gpu/test_flashinfer.py compares
+them with the real wrappers."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from pieceworks.backends.attention.flashinfer import paged_kv_indices, qo_indptr
-from pieceworks.backends.attention.flashinfer_fast import FastMLAPlan, FastMLARun, FastPlan, FastRun
+from pieceworks.backends.attention.flashinfer_fast import FastPlan, FastRun
+from pieceworks.backends.mla.flashinfer_fast import FastMLAPlan, FastMLARun
 
 
 class Module:
@@ -237,7 +239,7 @@ def fake_capacity(most: int = 100):
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 def test_fast_mla_plan_plans_as_the_public_plan_does(monkeypatch, graph):
-    from pieceworks.backends.attention import flashinfer_fast
+    from pieceworks.backends.mla import flashinfer_fast
 
     monkeypatch.setattr(flashinfer_fast, "fa_mla_capacity", fake_capacity())
     fast_w, ref_w = MLAWrapper(graph), MLAWrapper(graph)
@@ -263,7 +265,7 @@ def test_fast_mla_plan_plans_as_the_public_plan_does(monkeypatch, graph):
 
 
 def test_fast_mla_plan_leaves_other_forms_and_steps_over_capacity_to_the_public_plan(monkeypatch):
-    from pieceworks.backends.attention import flashinfer_fast
+    from pieceworks.backends.mla import flashinfer_fast
 
     monkeypatch.setattr(flashinfer_fast, "fa_mla_capacity", fake_capacity(most=30))
     csr = mla_csr(*MLA_STEPS[0])
@@ -289,7 +291,7 @@ def test_the_mla_backend_plans_fast_from_its_third_plan_and_records_anew_after_a
     import sys
     import types
 
-    from pieceworks.backends.attention import flashinfer_fast
+    from pieceworks.backends.mla import flashinfer_fast
     from pieceworks.backends.base import BackendSpec, ModelFacts
     from pieceworks.backends.mla.flashinfer import FlashInferMLABackend
 
@@ -330,7 +332,7 @@ def mask_mode(monkeypatch):
 
 
 def test_fast_mla_run_calls_the_kernel_as_run_does_under_every_later_plan(monkeypatch, mask_mode):
-    from pieceworks.backends.attention import flashinfer_fast
+    from pieceworks.backends.mla import flashinfer_fast
 
     monkeypatch.setattr(flashinfer_fast, "fa_mla_capacity", fake_capacity())
     w = MLAWrapper()
@@ -375,7 +377,7 @@ def test_fast_mla_run_stays_off_for_calls_of_another_form(mask_mode):
 def test_the_mla_backend_runs_eager_layers_through_one_recorded_fast_run(monkeypatch, mask_mode):
     import types
 
-    from pieceworks.backends.attention import flashinfer_fast
+    from pieceworks.backends.mla import flashinfer_fast
     from pieceworks.backends.base import BackendSpec, ModelFacts
     from pieceworks.backends.mla.flashinfer import FlashInferMLABackend
     from pieceworks.executor.kv_cache import KVLayout, KVPool

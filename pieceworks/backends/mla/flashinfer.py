@@ -27,10 +27,11 @@ from pieceworks.backends.attention.flashinfer import (
     step_lengths,
     workspace,
 )
-from pieceworks.backends.attention.flashinfer_fast import FastMLAPlan, FastMLARun, PlanCopyGuard
+from pieceworks.backends.attention.flashinfer_fast import PlanCopyGuard
 from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
 from pieceworks.backends.kv_write import write_rows
 from pieceworks.backends.mla.base import MLABackend
+from pieceworks.backends.mla.flashinfer_fast import FastMLAPlan, FastMLARun
 from pieceworks.core.batch import ForwardMode, GraphMode
 
 FA_TILE_Q = 64  # FlashInfer's MLA query tile (rows = tokens x heads); clusters of 2 tiles above 64 rows
