@@ -36,8 +36,8 @@ class DequantizedFp4GemmBackend(Fp4GemmBackend):
     Same numerics as the reference's w4a16 (the weight dequantized to the activation dtype, global
     scale applied in float32 first); it trades NVFP4's memory saving (weights take bf16/fp32 room)
     for CPU speed, since no CPU kernel reads NVFP4. The dense weight is kept transposed, [K, N] in
-    memory: on the 2-core CI machine a decode-sized float32 `x @ W` reads it at about twice the rate
-    of `x @ W.T` over the checkpoint's [N, K]. CPU only: on GPUs the fused kernels win.
+    memory: on the 2-core CPU machine a decode-sized float32 `x @ W` reads it at about twice the rate
+    of `x @ W.T` over the checkpoint's [N, K] (docs/backends.md). CPU only: on GPUs the fused kernels win.
     """
 
     name = "dequant"
