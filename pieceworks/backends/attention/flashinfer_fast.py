@@ -27,13 +27,14 @@ def flat_pages(page_lists: list[list[int]], counts: list[int]) -> np.ndarray:
                        count=sum(counts))
 
 
-def watched(module, name: str, call) -> list[tuple[tuple, dict]]:
-    """Run `call()` with `module.<name>` wrapped: the (args, kwargs) of every call it made to it."""
+def watched(module, name: str, call) -> list[tuple[tuple, dict, object]]:
+    """Run `call()` with `module.<name>` wrapped: the (args, kwargs, result) of every call it made to it."""
     fn, seen = getattr(module, name), []
 
     def spy(*args, **kwargs):
-        seen.append((args, kwargs))
-        return fn(*args, **kwargs)
+        result = fn(*args, **kwargs)
+        seen.append((args, kwargs, result))
+        return result
 
     setattr(module, name, spy)
     try:

@@ -28,7 +28,7 @@ class FastMLAPlan:
 
     FlashInfer 0.7's `BatchMLAPagedAttentionWrapper.plan` audits its arguments, builds a new backend object,
     snapshots (clones) the CUDA-graph buffers it refills, checks every pair of them for overlap and validates the
-    CSR arrays: on the H200 machine 0.6-0.7 ms of host time per DeepSeek-V3-shaped decode step, 0.6-1.1 per extend
+    CSR arrays: on the H200 machine 0.6-0.7 ms of host time per DeepSeek-V3-shaped decode step, 0.6-1.2 per extend
     step, 1.6-3.2 times what the plan takes through a FastMLAPlan (docs/benchmarks.md). What `run()` reads of a plan
     is the planner's result (`_plan_info`), the schedule the planner stages into the int workspace, the page indices
     on the device (`_kv_indices_buf`) and the mask (`_causal`). `record` watches one public plan of a wrapper that
@@ -63,18 +63,8 @@ class FastMLAPlan:
         if module is None or getattr(wrapper, "_backend", None) not in ("fa2", "fa3"):
             public()
             return None
-        fn, seen = module.plan_with_staged_workspace_bytes, []
-
-        def spy(*args, **kwargs):
-            result = fn(*args, **kwargs)
-            seen.append((args, kwargs, result))
-            return result
-
-        module.plan_with_staged_workspace_bytes = spy
-        try:
-            public()
-        finally:
-            module.plan_with_staged_workspace_bytes = fn
+        fn = module.plan_with_staged_workspace_bytes
+        seen = watched(module, "plan_with_staged_workspace_bytes", public)
         be = getattr(wrapper, "_planned_backend", None)
         if len(seen) != 1 or seen[0][1] or be is None or getattr(be, "_cached_module", None) is not module:
             return None
