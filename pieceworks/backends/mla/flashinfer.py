@@ -106,7 +106,8 @@ class FlashInferMLABackend(MLABackend):
         self._fast: dict[int, FastMLAPlan | None] = {}  # id(wrapper) -> its FastMLAPlan (None: refused)
         self._fast_run: FastMLARun | None = None
         self._fast_run_refused = False  # a recorded run() had another form: no more tries
-        self._views: dict[int, tuple] = {}  # layer -> (KV pool, latent cache, its ckv and kpe views)
+        # layer -> (KV pool, latent cache, its ckv and kpe views, and those of its rows for the K/V write)
+        self._views: dict[int, tuple] = {}
 
     # ------------------------------------------------------------------ plan (host)
     def plan(self, meta) -> None:
@@ -184,11 +185,12 @@ class FlashInferMLABackend(MLABackend):
         views = self._views.get(layer_id)
         if views is None or views[0] is not kv:
             cache = kv.latent_cache(layer_id)
-            views = self._views[layer_id] = (kv, cache, cache[..., :rank], cache[..., rank:])
-        _, cache, ckv, kpe = views
-        flat = cache.view(-1, cache.shape[-1])
+            flat = cache.view(-1, cache.shape[-1])
+            views = self._views[layer_id] = (kv, cache, cache[..., :rank], cache[..., rank:], flat[:, :rank],
+                                             flat[:, rank:])
+        _, cache, ckv, kpe, ckv_rows, kpe_rows = views
         slots = self._meta.slot_mapping[: c_kv.shape[0]]  # padded tokens write to the reserved page
-        write_rows(flat[:, :rank], c_kv, flat[:, rank:], k_pe, slots)
+        write_rows(ckv_rows, c_kv, kpe_rows, k_pe, slots)
         rows, wrapper = self._rows, self._wrapper
         q_nope, q_pe, run_out = q_nope[:rows], q_pe[:rows], out[:rows]
         if wrapper is self._eager:
