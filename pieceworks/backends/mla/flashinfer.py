@@ -130,11 +130,11 @@ class FlashInferMLABackend(MLABackend):
         """The wrapper's plan: through its FastMLAPlan where it has one that takes the step, else FlashInfer's
         public plan. With `fast_plan` on, a public plan of a wrapper planned before records its FastMLAPlan;
         after a step its FastMLAPlan gave back to the public plan, the next plan records anew."""
-        from flashinfer.mla import MLAPlanMetadata
-
         key, dims = id(wrapper), (args["num_heads"], args["head_dim_ckv"], args["causal"], args["page_size"])
 
-        def public() -> None:
+        def public() -> None:  # imports flashinfer.mla only where the public plan runs
+            from flashinfer.mla import MLAPlanMetadata
+
             wrapper.plan(metadata=MLAPlanMetadata.csr(**csr), **args)
 
         if key in self._fast:
