@@ -192,9 +192,14 @@ class SchedulerConfig:
 
     max_num_seqs: int = 256
     """Most sequences in one step (running decodes plus prefill chunks)."""
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: Optional[int] = None
     """Most new tokens in one step; longer prompts are prefilled in chunks alongside running decodes.
-    The default matches cuda_graph.piecewise.max_tokens, above which a step runs eagerly."""
+    When unset: 8192 on a GPU of at least 70 GiB, else 2048 (as vLLM's server and SGLang default on
+    H100/H200-class GPUs). A step reads every weight once (NVFP4 steps above 1,024 rows also dequantize
+    it), so a burst of prompts prefills at less cost per token in fewer, fuller steps; but running
+    decodes wait longer behind such a step, and the first prompt of a burst waits for all of its step
+    (docs/benchmarks.md, "Serving through the Engine": both budgets measured). Steps above
+    cuda_graph.piecewise.max_tokens run eagerly."""
     watermark: float = 0.01
     """Fraction of the KV pool kept free when admitting a new request, so running requests can grow a
     while before one has to be preempted (ignored when nothing runs)."""

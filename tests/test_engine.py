@@ -646,3 +646,15 @@ def test_close_drops_requests_releases_the_executor_and_refuses_later_calls():
     with pytest.raises(RuntimeError, match="this Engine is closed"):
         eng.step()
     eng.close()  # idempotent
+
+
+def test_step_token_budget(engine, monkeypatch):
+    """A configured max_num_batched_tokens is kept; unset, 2048 on a CPU and a GPU under 70 GiB, 8192 from 70."""
+    from pieceworks.engine import scheduler
+
+    assert engine.scheduler.cfg.max_num_batched_tokens == 16
+    assert make().scheduler.cfg.max_num_batched_tokens == 2048
+    for gib, want in ((24, 2048), (69.9, 2048), (70, 8192), (141, 8192)):
+        props = type("Props", (), {"total_memory": int(gib * 2**30)})
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, p=props: p)
+        assert scheduler.default_step_tokens(torch.device("cuda", 0)) == want

@@ -19,10 +19,22 @@ find its full pages in the prefix cache instead of prefilling the prompt n times
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
+
+import torch
 
 from pieceworks.config import SchedulerConfig
 from pieceworks.engine.request import Request
+
+LARGE_GPU_BYTES = 70 * 2**30  # at or above: 8192 new tokens per step unless configured
+
+
+def default_step_tokens(device: torch.device) -> int:
+    """`scheduler.max_num_batched_tokens` when unset: 8192 on a CUDA device of at least 70 GiB, else 2048."""
+    if device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory >= LARGE_GPU_BYTES:
+        return 8192
+    return 2048
 
 
 class Scheduler:
@@ -31,6 +43,8 @@ class Scheduler:
 
     def __init__(self, executor, cfg: SchedulerConfig) -> None:
         self.ex = executor
+        if cfg.max_num_batched_tokens is None:
+            cfg = dataclasses.replace(cfg, max_num_batched_tokens=default_step_tokens(executor.device))
         self.cfg = cfg
         self.alloc = executor.kv.allocator
         self.watermark_pages = int(cfg.watermark * self.alloc.capacity)
