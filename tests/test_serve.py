@@ -11,6 +11,7 @@ import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -61,12 +62,12 @@ def wait_idle(url: str, timeout: float = 20.0) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def tiny():
-    """(server URL, the same model's Engine in this process), loaded side by side."""
+    """(server URL, the same model's Engine in this process, the server process), loaded side by side."""
     from pieceworks.engine import Engine
 
     with serve([*TINY, "--served-model-name", TINY_NAME, "--max-queue", str(MAX_QUEUE)]) as server:
         engine = Engine.from_config(None, TINY, progress=False)
-        yield server.wait(), engine
+        yield server.wait(), engine, server
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +92,12 @@ PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(5 + i)] for i in range(16)]
 
 def client(url: str, **kw) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60, **kw)
+
+
+def test_startup_log_names_the_step_budget(tiny):
+    """The server says how large its steps may be (on a CPU the defaults: 2048 tokens, 256 sequences)."""
+    log = Path(tiny[2].log.name).read_text()
+    assert "steps of up to 2048 new tokens and 256 sequences" in log, log[-2000:]
 
 
 def test_models_health_and_metrics_text(tiny_url):

@@ -98,6 +98,9 @@ def run_serve(args: argparse.Namespace, cfg: Any) -> int:
         app = build_app(engine, args.served_model_name, args.max_queue)
         name = app.state.server.name
         log.info("serving %s at http://%s:%d (OpenAI API under /v1)", name, args.host, args.port)
+        sched = engine.engine.scheduler.cfg
+        log.info("steps of up to %d new tokens and %d sequences (scheduler.max_num_batched_tokens, max_num_seqs)",
+                 sched.max_num_batched_tokens, sched.max_num_seqs)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     log.info("stopped: the engine is shut down")
     return 0
