@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pieceworks.backends.ops  # noqa: F401  (registers the pieceworks custom ops the models call)
+from pieceworks.backends import cpu_matmul
 from pieceworks.backends.base import ModelFacts
 from pieceworks.core.kv import KVLayout
 from pieceworks.models import fused
@@ -28,8 +29,6 @@ from pieceworks.parallel.comm import gather, reduce
 from pieceworks.parallel.layout import Part, TPLayout
 from pieceworks.quant.linear import Fp4Linear
 from pieceworks.quant.nvfp4 import BLOCK
-
-CPU_SKINNY_ROWS = 64  # up to this many rows, a CPU computes the logits as (W @ x.T).T (compute_logits)
 
 
 class RMSNorm(nn.Module):
@@ -91,6 +90,16 @@ def block_forward(block: nn.Module, h: torch.Tensor, residual: torch.Tensor | Pr
     return block.mlp(x), residual
 
 
+class DenseLinear(nn.Linear):
+    """nn.Linear that multiplies through `cpu_matmul.linear` on a CPU outside torch.compile (decode-sized rows
+    read the weight up to 6x faster there); elsewhere `F.linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dim() == 2 and not torch.compiler.is_compiling():
+            return cpu_matmul.linear(x, self.weight)
+        return F.linear(x, self.weight)
+
+
 def linear(in_features: int, out_features: int, fp4: bool, part: Part | None = None) -> nn.Module:
     """A bias-free projection: `Fp4Linear` (NVFP4 weights, the fp4_gemm op) or `nn.Linear` (also where
     in_features is not a multiple of the NVFP4 block, which no NVFP4 export quantizes).
@@ -100,7 +109,7 @@ def linear(in_features: int, out_features: int, fp4: bool, part: Part | None = N
     if fp4 and in_features % BLOCK == 0:
         module: nn.Module = Fp4Linear(in_features, out_features)
     else:
-        module = nn.Linear(in_features, out_features, bias=False)
+        module = DenseLinear(in_features, out_features, bias=False)
     module.tp_part = part
     return module
 
@@ -265,12 +274,8 @@ class CausalLM(nn.Module):
         """hidden [n, H] -> logits [n, V] float32. Plain torch (and, tensor parallel, the all-gather of
         the ranks' V / N columns): callable outside a forward context."""
         w = self.lm_head.weight
-        if hidden.device.type == "cpu" and 2 <= hidden.shape[0] <= CPU_SKINNY_ROWS:
-            # Decode-sized rows on a CPU: torch's x @ W.T reads the [V, H] head up to 6x slower than W @ x.T
-            # (MKL, 2 cores, SmolLM2's 49152 x 576 float32 head: 22 / 16 / 15 / 17 / 33 ms against 3.6 /
-            # 4.5 / 7.6 / 14.5 / 31 at 2 / 4 / 8 / 16 / 64 rows; one row is a matrix-vector product either
-            # way). The same products summed in another order: the logits' low bits differ (<= 6.2e-5 there).
-            return gather((w @ hidden.T).T.contiguous().float(), self.tp)
+        if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
+            return gather(cpu_matmul.linear(hidden, w).float(), self.tp)  # decode-sized rows much faster
         return gather(F.linear(hidden, w).float(), self.tp)
 
     def kv_layout(self) -> KVLayout:

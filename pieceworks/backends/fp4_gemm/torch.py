@@ -7,6 +7,7 @@ exactly as Blackwell kernels quantize (see quant/nvfp4.quantize_activation).
 
 from __future__ import annotations
 
+from pieceworks.backends import cpu_matmul
 from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
 from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend, Fp4Weight
 from pieceworks.quant import nvfp4
@@ -35,9 +36,9 @@ class DequantizedFp4GemmBackend(Fp4GemmBackend):
 
     Same numerics as the reference's w4a16 (the weight dequantized to the activation dtype, global
     scale applied in float32 first); it trades NVFP4's memory saving (weights take bf16/fp32 room)
-    for CPU speed, since no CPU kernel reads NVFP4. The dense weight is kept transposed, [K, N] in
-    memory: on the 2-core CPU machine a decode-sized float32 `x @ W` reads it at about twice the rate
-    of `x @ W.T` over the checkpoint's [N, K] (docs/backends.md). CPU only: on GPUs the fused kernels win.
+    for CPU speed, since no CPU kernel reads NVFP4. The dense weight keeps the checkpoint's [N, K] and is
+    multiplied through `cpu_matmul.linear`, which picks the form the CPU's BLAS reads fastest for the row
+    count (docs/backends.md). CPU only: on GPUs the fused kernels win.
     """
 
     name = "dequant"
@@ -52,7 +53,7 @@ class DequantizedFp4GemmBackend(Fp4GemmBackend):
     def prepare(self, w: Fp4Weight) -> Fp4Weight:
         dense = nvfp4.dequantize(w.weight, w.weight_scale, w.weight_scale_2, dtype=self.spec.model.dtype)
         empty = w.weight_scale.new_empty(0)
-        return Fp4Weight(dense.t().contiguous(), empty, w.weight_scale_2, w.input_scale)
+        return Fp4Weight(dense.contiguous(), empty, w.weight_scale_2, w.input_scale)
 
     def forward(self, x, weight, weight_scale, weight_scale_2, input_scale, out_features):
-        return x @ weight.to(x.dtype)
+        return cpu_matmul.linear(x, weight.to(x.dtype))
