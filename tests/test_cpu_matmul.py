@@ -31,7 +31,7 @@ def test_models_and_the_dequant_backend_call_it(monkeypatch):
     seen = []
     real = cpu_matmul.linear
     monkeypatch.setattr(cpu_matmul, "linear", lambda x, w: seen.append(tuple(x.shape)) or real(x, w))
-    lin = DenseLinear(8, 4, bias=False)
+    lin = DenseLinear(8, 4)
     x = torch.randn(3, 8)
     torch.testing.assert_close(lin(x), F.linear(x, lin.weight))
     assert seen == [(3, 8)]

@@ -6,7 +6,7 @@ decode-sized x: a one-row product runs as a matrix-vector product that reads the
 a few columns at ~30 GB/s. So 2..SKINNY_ROWS rows go through `(w @ x.T).T`, one row as two (the row twice,
 one result kept), more rows through `F.linear`. The same products summed in another order: results differ
 from `F.linear`'s in their low bits. End to end (`pieceworks run`, SmolLM2-135M, docs/backends.md): decode
-steps 1.5-2.3x faster. Callers use it on CPU tensors only; CUDA keeps `F.linear` (cuBLAS).
+steps 1.3-2.5x faster. Callers use it on CPU tensors only; CUDA keeps `F.linear` (cuBLAS).
 """
 
 from __future__ import annotations

@@ -91,8 +91,11 @@ def block_forward(block: nn.Module, h: torch.Tensor, residual: torch.Tensor | Pr
 
 
 class DenseLinear(nn.Linear):
-    """nn.Linear that multiplies through `cpu_matmul.linear` on a CPU outside torch.compile (decode-sized rows
-    read the weight up to 6x faster there); elsewhere `F.linear`."""
+    """A bias-free nn.Linear that multiplies through `cpu_matmul.linear` on a CPU outside torch.compile
+    (decode-sized rows read the weight up to 6x faster there); elsewhere `F.linear`."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.dim() == 2 and not torch.compiler.is_compiling():
@@ -101,7 +104,7 @@ class DenseLinear(nn.Linear):
 
 
 def linear(in_features: int, out_features: int, fp4: bool, part: Part | None = None) -> nn.Module:
-    """A bias-free projection: `Fp4Linear` (NVFP4 weights, the fp4_gemm op) or `nn.Linear` (also where
+    """A bias-free projection: `Fp4Linear` (NVFP4 weights, the fp4_gemm op) or `DenseLinear` (also where
     in_features is not a multiple of the NVFP4 block, which no NVFP4 export quantizes).
 
     Under tensor parallelism the sizes are this rank's and `part` says which slice of the checkpoint's
@@ -109,7 +112,7 @@ def linear(in_features: int, out_features: int, fp4: bool, part: Part | None = N
     if fp4 and in_features % BLOCK == 0:
         module: nn.Module = Fp4Linear(in_features, out_features)
     else:
-        module = DenseLinear(in_features, out_features, bias=False)
+        module = DenseLinear(in_features, out_features)
     module.tp_part = part
     return module
 
