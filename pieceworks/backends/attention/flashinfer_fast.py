@@ -272,4 +272,3 @@ class FastRun:
         if any(len(w) != 1 for w in where):
             return None
         return cls(fn, args, tuple(w[0] for w in where), cls._locate(wrapper, args))
-
