@@ -113,6 +113,15 @@ def test_pack_unpack_inverse(lead, half, seed):
     assert torch.equal(nvfp4.pack(nvfp4.unpack(packed)), packed)
 
 
+def test_packed_bytes_decode_as_their_unpacked_codes():
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(4, 64)
+    got, ref = nvfp4.decode_packed(every), nvfp4.e2m1_decode(nvfp4.unpack(every))
+    assert got.shape == (4, 128) and got.dtype == torch.float32
+    assert torch.equal(got, ref)
+    assert torch.equal(torch.signbit(got), torch.signbit(ref))  # code 8 stays -0.0
+    assert torch.equal(nvfp4.decode_packed(every[0, :0]), torch.zeros(0))
+
+
 # --- scale layouts -------------------------------------------------------------------------------
 
 

@@ -253,7 +253,10 @@ class CausalLM(nn.Module):
         if tp.sharded:
             self.embed_tokens: nn.Module = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp)
         else:
-            self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+            # `_weight` skips nn.Embedding's normal_ init, which on the meta device imports torch._dynamo
+            # (about 1 s) for values the load replaces
+            self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
+                                             _weight=torch.empty(args.vocab_size, args.hidden_size))
         self.layers = nn.ModuleList(blocks)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = (self.embed_tokens if args.tie_word_embeddings

@@ -307,7 +307,9 @@ def materialize(model: CausalLM, source: Any, device: torch.device, progress: bo
     plan = model.load_plan()
     with torch.no_grad(), _progress_bar(progress, len(plan)) as advance:
         for label, module, fill in plan:
-            module.to_empty(device=device)
+            # Module.to_empty's own step with torch.empty for empty_like: empty_like of a meta tensor
+            # imports sympy (about 0.3 s) through torch's Python decompositions
+            module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
             for t in _floats(module):
                 t.fill_(float("nan"))  # poison: a tensor that `fill` misses shows up below
             fill(source)
