@@ -37,14 +37,9 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 from pieceworks.errors import ConfigError  # noqa: E402
+from pieceworks.models.ppl import DEFAULT_WINDOW  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m-fp4"
-DEFAULT_WINDOW = 512  # eval-ppl's tokens per window, when the model's context is as long
-DEFAULT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain in one sentence what a GPU is.",
-]
 USER_ERROR, RUN_ERROR, INTERRUPTED = 2, 1, 130
 
 

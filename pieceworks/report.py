@@ -265,9 +265,8 @@ def eval_perplexity(cfg: Config, text_path: Path, window: int | None) -> int:
 
     Raises:
         ValueError: a window longer than the model's context (the executor is closed again)."""
-    from pieceworks.cli import DEFAULT_WINDOW
     from pieceworks.executor.runner import Executor
-    from pieceworks.models.ppl import windows, perplexity_from_logits
+    from pieceworks.models.ppl import DEFAULT_WINDOW, perplexity_from_logits, windows
 
     text = text_path.read_text(encoding="utf-8")  # the CLI has checked the file
     ex = Executor.from_config(cfg)

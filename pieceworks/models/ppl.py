@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+DEFAULT_WINDOW = 512  # tokens per window (`pieceworks eval-ppl` takes the model's context where that is shorter)
+
 
 def perplexity(nll_sum: float, num_tokens: int) -> float:
     """exp(mean negative log-likelihood) over `num_tokens` scored tokens (natural log)."""
@@ -55,7 +57,7 @@ class Window:
         return self.end - self.first_scored
 
 
-def plan_windows(num_tokens: int, window: int = 512, stride: int = 512) -> list[Window]:
+def plan_windows(num_tokens: int, window: int = DEFAULT_WINDOW, stride: int = DEFAULT_WINDOW) -> list[Window]:
     """The windows of the protocol for a text of `num_tokens` tokens (see the module docstring).
 
     Raises:
@@ -78,7 +80,7 @@ def plan_windows(num_tokens: int, window: int = 512, stride: int = 512) -> list[
     return out
 
 
-def windows(ids: Sequence[int], window: int = 512) -> list[list[int]]:
+def windows(ids: Sequence[int], window: int = DEFAULT_WINDOW) -> list[list[int]]:
     """The token chunks to feed for non-overlapping windows (stride == window), one list per forward.
 
     Score them with `perplexity_from_logits`: every chunk's first token is context only.
@@ -140,7 +142,7 @@ def encode(model_dir: str | Path, text: str) -> list[int]:
 
 
 def reference_perplexity_transformers(
-    model_dir: str | Path, text: str, window: int = 512, stride: int = 512, dtype=None
+    model_dir: str | Path, text: str, window: int = DEFAULT_WINDOW, stride: int = DEFAULT_WINDOW, dtype=None
 ) -> PerplexityResult:
     """Perplexity of `text` under the checkpoint in `model_dir`, computed by `transformers`.
 

@@ -16,7 +16,7 @@ Needs `transformers` (the `demo` extra), imported only when calibrating.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -128,20 +128,24 @@ def text_batches(tokenizer, text: str, seq_len: int) -> list[torch.Tensor]:
 
 
 def calibrate_from_text(
-    model_dir: str | Path, text_file: str | Path, *, seq_len: int = 512, device: str | None = None
+    model_dir: str | Path, text_file: str | Path, *, seq_len: int = 512, device: str | None = None,
+    check_weight: Callable[[str, torch.Tensor], None] | None = None,
 ) -> dict[str, float]:
     """Load the bf16 model and its tokenizer from `model_dir` and calibrate over `text_file`.
 
     The whole model is loaded (on `device`: CUDA when available, else CPU) and runs forward over
     the text in chunks of `seq_len` tokens (at most the model's max_position_embeddings).
+    `check_weight(name, tensor)`, where given, sees every parameter before the first forward pass (the
+    quantizer's checks, so that a bad weight is named before minutes of calibration, not after).
 
     Returns:
         as `calibrate_input_amax`.
 
     Raises:
         ValueError: transformers is missing (`pip install 'pieceworks[demo]'`), the text file is
-            missing, empty or not UTF-8 text, the model or its tokenizer cannot be loaded, or a weight
-            holds NaN, inf or a value beyond the loader's bound (named before any forward pass).
+            missing, empty or not UTF-8 text, or the model or its tokenizer cannot be loaded.
+        What `check_weight` raises (the quantizer's: ValueError for a weight with NaN, inf or a value beyond
+            the loader's bound).
     """
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -186,11 +190,9 @@ def calibrate_from_text(
         ).to(device)
     except Exception as e:
         raise ValueError(f"{model_dir}: transformers cannot load the model ({type(e).__name__}: {e})") from None
-    from pieceworks.quant.quantizer import check_finite
-
-    with torch.no_grad():  # quantize's checks of the weights, before the forward passes rather than after them
-        for name, p in model.named_parameters():
-            check_finite(Path(model_dir), name, p)
+    with torch.no_grad():
+        for name, p in model.named_parameters() if check_weight else ():
+            check_weight(name, p)
     seq_len = min(seq_len, getattr(model.config, "max_position_embeddings", None) or seq_len)
     batches = text_batches(tokenizer, text, seq_len)
     return calibrate_input_amax(model, batches)

@@ -276,7 +276,7 @@ def quantize_checkpoint(
     if calib_text is not None:
         from pieceworks.quant.calibrate import calibrate_from_text
 
-        input_amax = calibrate_from_text(src, calib_text)
+        input_amax = calibrate_from_text(src, calib_text, check_weight=lambda name, t: check_finite(src, name, t))
     in_amax = _input_amax(linears, groups, amax, input_amax)
 
     staging.create()
