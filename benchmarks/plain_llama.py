@@ -4,7 +4,7 @@ eager extend against (its `plain ms` column).
 No custom ops, no forward context, no kernel table, no nn.Module calls: one Python loop over the
 layers, each a handful of direct kernel calls, gpt-fast style. The kernels are those of pieceworks'
 eager path, so the two differ only in host work: `F.linear` for the projections; on CUDA the fused
-Triton kernels of `pieceworks.models.fused_kernels` (RMSNorm, rope, SiLU-and-multiply), the fused K/V
+Triton kernels of `pieceworks.backends.fused_kernels` (RMSNorm, rope, SiLU-and-multiply), the fused K/V
 write and FlashInfer's paged prefill (planned once per step, `run()` per layer); on the CPU the torch
 code of those ops and of the torch attention backend (`index_copy_` into the pages, gathered pages,
 float32 softmax), so the outputs match pieceworks' bit for bit.
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pieceworks.backends.attention.torch import attend
-from pieceworks.models import fused
+from pieceworks.backends import fused
 
 
 class PlainLlama:
@@ -54,7 +54,7 @@ class PlainLlama:
             import flashinfer
 
             from pieceworks.backends.kv_write import write_rows
-            from pieceworks.models import fused_kernels as fk
+            from pieceworks.backends import fused_kernels as fk
 
             self.rms_norm, self.add_rms_norm, self.silu_mul = fk.rms_norm, fk.add_rms_norm, fk.silu_mul
             self.rope_qk = lambda q, k, cos, sin: fk.rope_qk(q, k, cos, sin, False)

@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from pieceworks import Executor
 from pieceworks.core.batch import ForwardBatch
-from pieceworks.models import fused
+from pieceworks.backends import fused
 
 
 def _dispatched_ops(fn) -> set[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pieceworks.models import fused
+from pieceworks.backends import fused
 
 
 def _x(*shape, dtype=torch.float32, seed=0):

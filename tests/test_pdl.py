@@ -66,7 +66,7 @@ def test_attention_decode_launches_in_stream_order_with_its_trigger(monkeypatch)
     import torch
 
     from pieceworks.backends.attention import triton_decode_kernel as tdk
-    from pieceworks.models import fused_kernels
+    from pieceworks.backends import fused_kernels
 
     monkeypatch.setattr(pdl, "enabled", lambda device: True)
     rec = _Recorder()

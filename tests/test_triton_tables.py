@@ -695,7 +695,7 @@ def test_gemm_backend_prepare_gate_up_interleaves_rows_on_cpu():
 
 def test_gated_mlp_runs_nvfp4_gate_up_as_one_swiglu_op():
     from pieceworks.core.context import ForwardContext, forward_context
-    from pieceworks.models import fused
+    from pieceworks.backends import fused
     from pieceworks.models.base import GatedMLP
     from pieceworks.quant.linear import Fp4Linear
 

@@ -166,6 +166,6 @@ def _kernels():
         import triton  # noqa: F401
     except ImportError:
         return None
-    from pieceworks.models import fused_kernels
+    from pieceworks.backends import fused_kernels
 
     return fused_kernels

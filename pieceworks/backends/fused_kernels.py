@@ -1,4 +1,4 @@
-"""Triton kernels behind the CUDA implementations of `pieceworks.models.fused` (imports triton).
+"""Triton kernels behind the CUDA implementations of `pieceworks.backends.fused` (imports triton).
 
 Every kernel computes in float32 and rounds to the output dtype exactly where the torch reference
 rounds, so the two agree to the bit up to reduction order (RMSNorm) and exp (SiLU). They are compiled

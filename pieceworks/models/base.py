@@ -3,7 +3,7 @@
 A model is a `CausalLM`: `forward(input_ids [T], positions [T]) -> hidden [T, H]` over the flat token
 layout of one step (every per-step fact, the KV cache included, comes from the forward context through
 the attention ops). Model code calls kernels only through the `pieceworks` custom ops (the wrappers in
-`backends/ops.py` and `models/fused.py`, which leave out the dispatcher in eager code: core/direct.py),
+`backends/ops.py` and `backends/fused.py`, which leave out the dispatcher in eager code: core/direct.py),
 keeps per-layer Python state to ints, and has no per-layer branches, so Dynamo traces it with `fullgraph=True` and
 identical layers give identical pieces.
 
@@ -23,7 +23,7 @@ import pieceworks.backends.ops  # noqa: F401  (registers the pieceworks custom o
 from pieceworks.backends import cpu_matmul
 from pieceworks.backends.base import ModelFacts
 from pieceworks.core.kv import KVLayout
-from pieceworks.models import fused
+from pieceworks.backends import fused
 from pieceworks.models.rope import RotaryEmbedding
 from pieceworks.parallel.comm import gather, reduce
 from pieceworks.parallel.layout import Part, TPLayout

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from pieceworks.models import fused
+from pieceworks.backends import fused
 
 
 def rope_parameters(hf: dict) -> dict:

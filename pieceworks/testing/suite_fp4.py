@@ -54,7 +54,7 @@ def test_fp4_gemm_fused_epilogues(backend, device):
     """`forward_swiglu` and `forward_qkv_rope` (the fp4_gemm_swiglu / fp4_gemm_qkv_rope ops) give the
     same bits as the backend's own `forward` followed by the silu_mul / rope_qk op, whether the backend
     fuses them or runs the defaults."""
-    from pieceworks.models import fused
+    from pieceworks.backends import fused
 
     dtype = device_dtype(device)
     impl = build(backend, spec_for(device, ModelFacts(dtype=dtype, fp4=True)))
@@ -93,7 +93,7 @@ def test_fp4_gemm_fused_norm_and_residual(backend, device):
     / `forward_qkv_rope` where the backend does not fuse the norm (`fuses_norm`), and are within the GEMM
     tolerance where it does (it may apply 1 / rms after the GEMM)."""
     from pieceworks.backends.fp4_gemm.base import norm_inputs
-    from pieceworks.models import fused
+    from pieceworks.backends import fused
 
     dtype = device_dtype(device)
     impl = build(backend, spec_for(device, ModelFacts(dtype=dtype, fp4=True)))

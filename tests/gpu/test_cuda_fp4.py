@@ -19,7 +19,7 @@ from pieceworks.backends.base import BackendSpec  # noqa: E402
 from pieceworks.backends.fp4_gemm.base import Fp4Weight  # noqa: E402
 from pieceworks.backends.fp4_gemm.cuda import CudaDecodeOptions, CudaFp4GemmBackend  # noqa: E402
 from pieceworks.backends.fp4_gemm.torch import TorchFp4GemmBackend  # noqa: E402
-from pieceworks.models import fused  # noqa: E402
+from pieceworks.backends import fused  # noqa: E402
 from pieceworks.quant import nvfp4  # noqa: E402
 
 DEV = "cuda"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pieceworks.models import fused
+from pieceworks.backends import fused
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16

@@ -161,7 +161,7 @@ def test_wgmma_swiglu_same_bits_as_wgmma_then_silu_mul(block_m):
     checkpoint-order weight, then the silu_mul op (M past one tile, N / 2 not a multiple of 64)."""
     from pieceworks.backends.fp4_gemm import cuda_wgmma
     from pieceworks.backends.fp4_gemm.interleave import interleave_gate_up
-    from pieceworks.models import fused
+    from pieceworks.backends import fused
 
     x0 = torch.empty(1, device=DEV, dtype=torch.bfloat16)
     if cuda_wgmma.unsupported(x0):
@@ -187,7 +187,7 @@ def test_wgmma_tail_launch(swiglu):
     from pieceworks.backends.fp4_gemm import cuda_wgmma
     from pieceworks.backends.fp4_gemm.cuda_launch import multiprocessors
     from pieceworks.backends.fp4_gemm.interleave import interleave_gate_up
-    from pieceworks.models import fused
+    from pieceworks.backends import fused
 
     x0 = torch.empty(1, device=DEV, dtype=torch.bfloat16)
     if cuda_wgmma.unsupported(x0):
@@ -219,7 +219,7 @@ def test_wgmma_stream_k(block_m, swiglu):
     from pieceworks.backends.fp4_gemm import cuda_wgmma
     from pieceworks.backends.fp4_gemm.cuda_launch import multiprocessors
     from pieceworks.backends.fp4_gemm.interleave import interleave_gate_up
-    from pieceworks.models import fused
+    from pieceworks.backends import fused
 
     x0 = torch.empty(1, device=DEV, dtype=torch.bfloat16)
     if cuda_wgmma.unsupported(x0):
@@ -428,7 +428,7 @@ def test_gemm_swiglu_same_bits_as_gemm_then_silu_mul(m, decode, inter):
     K split (a wgmma tail launch splits the last row blocks only, stream-K splits each tile at its own
     K: other columns in the two row orders, so there within TOL): every M bucket (split-K with the in-kernel and the separate reduction, plain tiles,
     wgmma tiles, dequant + cuBLAS)."""
-    from pieceworks.models import fused
+    from pieceworks.backends import fused
 
     gen = torch.Generator(DEV).manual_seed(1000 * m + inter)
     k = 2048 + 512  # not a multiple of every block_k's split
@@ -479,7 +479,7 @@ def test_gemm_qkv_rope_same_bits_as_gemm_then_rope_qk(m, decode, heads):
     on the q and k columns, wherever every column takes the same K split (with a wgmma tail launch within
     TOL): every M bucket (split-K with the in-kernel and the separate reduction, plain tiles, dequant +
     cuBLAS)."""
-    from pieceworks.models import fused
+    from pieceworks.backends import fused
 
     hq, hk, d = heads
     n = (hq + 2 * hk) * d

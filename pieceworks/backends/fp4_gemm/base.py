@@ -136,7 +136,7 @@ class Fp4GemmBackend(Backend):
         (t, partials) = `norm_inputs(s, norm_weight)` from `forward_add_norm`. Default: the rms_norm op, then
         `forward_swiglu` (t and partials unused); a fused version may compute (W @ t) / rms(s) instead,
         within the GEMM's tolerance of it."""
-        from pieceworks.models import fused
+        from pieceworks.backends import fused
 
         return self.forward_swiglu(fused.rms_norm(s, norm_weight, eps), weight, weight_scale, weight_scale_2,
                                    input_scale, intermediate)
@@ -159,7 +159,7 @@ class Fp4GemmBackend(Backend):
         head_dim: int,
     ) -> torch.Tensor:
         """`forward_qkv_rope` of RMSNorm(s), as `forward_norm_swiglu` (same default and tolerance)."""
-        from pieceworks.models import fused
+        from pieceworks.backends import fused
 
         return self.forward_qkv_rope(fused.rms_norm(s, norm_weight, eps), weight, weight_scale, weight_scale_2,
                                      input_scale, cos, sin, num_heads, num_kv_heads, head_dim)
@@ -176,7 +176,7 @@ class Fp4GemmBackend(Backend):
         """silu(x @ gate.T) * (x @ up.T) -> [M, intermediate] in x.dtype, for a weight from
         `prepare_gate_up` (2 * intermediate rows). Default: `forward`, then the `silu_mul` op on
         the two halves; a backend that fuses it must round as that does."""
-        from pieceworks.models import fused
+        from pieceworks.backends import fused
 
         y = self.forward(x, weight, weight_scale, weight_scale_2, input_scale, 2 * intermediate)
         return fused.silu_mul(y[:, :intermediate], y[:, intermediate:])
@@ -208,7 +208,7 @@ def rope_qk_columns(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_h
                     head_dim: int) -> torch.Tensor:
     """y [M, (num_heads + 2 * num_kv_heads) * head_dim] (q, k, v columns in checkpoint order) with its q
     and k columns rotated in place by the rope_qk op; returns y."""
-    from pieceworks.models import fused
+    from pieceworks.backends import fused
 
     q_cols, k_cols = num_heads * head_dim, num_kv_heads * head_dim
     q, k = fused.rope_qk(y[:, :q_cols].view(-1, num_heads, head_dim),

@@ -224,7 +224,7 @@ class CudaFp4GemmBackend(Fp4GemmBackend):
 
     def _gemm(self, x, weight, weight_scale, weight_scale_2, n: int, swiglu: bool):
         from pieceworks.backends.fp4_gemm import cuda_dequant
-        from pieceworks.models import fused
+        from pieceworks.backends import fused
 
         self._check_x(x, weight, n)
         m, k = x.shape

@@ -1,6 +1,6 @@
 """The epilogues of the Triton NVFP4 GEMM (triton_kernels.py): the split-K handshake, SwiGLU, the q/k rope
 of output column pairs, and the tile store that applies them. Each rounds as the unfused op it replaces
-(models/fused_kernels.py), so the fused and unfused paths give the same bits.
+(backends/fused_kernels.py), so the fused and unfused paths give the same bits.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-try:  # the accurate exp of the silu_mul kernel (models/fused_kernels.py), for the same bits
+try:  # the accurate exp of the silu_mul kernel (backends/fused_kernels.py), for the same bits
     from triton.language.extra import libdevice
 
     _exp = libdevice.exp
@@ -33,7 +33,7 @@ def publish_and_count(counter_ptr):
 @triton.jit
 def swiglu_values(g, u, dtype: tl.constexpr):
     """silu(g) * u from the GEMM's float32 gate and up values, rounded as the unfused path rounds:
-    the GEMM's output to `dtype`, then silu_mul (models/fused_kernels.py) on those."""
+    the GEMM's output to `dtype`, then silu_mul (backends/fused_kernels.py) on those."""
     g = g.to(dtype).to(tl.float32)
     u = u.to(dtype).to(tl.float32)
     act = (g / (1.0 + _exp(-g))).to(dtype).to(tl.float32)
@@ -61,7 +61,7 @@ def rope_pair(y1, y2, p, c, s, rope_cols, HALF: tl.constexpr, dtype: tl.constexp
     """The fused rope epilogue for output column pairs p (weight rows 2p, 2p + 1 in the
     `interleave_rope_rows` order): y1, y2 [rows, pairs] float32 are the GEMM's values of both rows,
     c, s their cos and sin (`rope_cs`). Pairs below rope_cols / 2 are dims j and j + HALF of a q or
-    k head, rotated as the rope kernel rounds (models/fused_kernels.py `_rope_rows`: the GEMM's output
+    k head, rotated as the rope kernel rounds (backends/fused_kernels.py `_rope_rows`: the GEMM's output
     rounded to `dtype`, cos/sin rounded to `dtype`, every product and sum rounded; `mul_rn` keeps the
     products from being contracted into FMAs, which that kernel avoids with enable_fp_fusion=False);
     the others are two v columns. Returns the two values in `dtype` and their output columns."""

@@ -232,7 +232,7 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
         if not ((cfg.kind == "fused" and cfg.block_m <= ROPE_EPILOGUE_BLOCK_M) or _wgmma_splits_all(x, N, Kp, cfg)):
             # the GEMM (q/k columns in pair order), then the rope kernel in place: its interleaved mode
             # reads each pair side by side and writes the halves back in checkpoint order
-            from pieceworks.models import fused_kernels
+            from pieceworks.backends import fused_kernels
 
             y = fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counters, workspace=workspace)
             q_cols = rope_cols - (N - rope_cols)  # the k heads are as many as the v heads (N - rope_cols)
@@ -281,7 +281,7 @@ def fp4_gemm(x, weight, weight_scale, weight_scale_2, N, K, cfg, split_k, counte
                               BLOCK_N=16, BLOCK_K=512, USE_ASM=cfg.asm, SWIGLU=swiglu, num_warps=4)
         y = torch.matmul(x.to(torch.bfloat16), w.t()).to(x.dtype)
         if swiglu:
-            from pieceworks.models import fused_kernels
+            from pieceworks.backends import fused_kernels
 
             return fused_kernels.silu_mul(y[:, : N // 2], y[:, N // 2 :])
         return y
