@@ -32,8 +32,8 @@ import torch
 from pieceworks.core.batch import to_device
 from pieceworks.engine.logprobs import SampleResult, to_host
 from pieceworks.engine.params import SamplingParams
+from pieceworks.engine.penalties import PenaltyTable
 from pieceworks.engine.processors import apply_min_p, apply_penalties, apply_top_k, apply_top_k_top_p
-from pieceworks.errors import RequestError
 from pieceworks.executor.cuda_graph import finite_rows, greedy_token_ids
 
 def sampling_rows(scheduled: list, logits: torch.Tensor,
@@ -74,7 +74,7 @@ class SamplingState:
     """Tokens `sample_ids` drew that `append` has not recorded yet (0 or 1 under async steps): they count
     for min_tokens, and the penalty counts on the device already hold them."""
     _row: tuple[float, ...] | None = field(default=None, init=False, repr=False)
-    _penalty: tuple[_PenaltyTable, int, int] | None = field(default=None, init=False, repr=False)
+    _penalty: tuple[PenaltyTable, int, int] | None = field(default=None, init=False, repr=False)
     _release: weakref.finalize | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -105,35 +105,6 @@ class SamplingState:
             self.in_flight -= 1
 
 
-class _PenaltyTable:
-    """On-device penalty bookkeeping of the states that use penalties, one slot (row) each:
-    counts [S, V] int32 (times each token was generated) and prompt [S, V] bool (token in the prompt).
-    Slot 0 stays zero and serves the rows without penalties. A slot returns to the free list by
-    `Sampler.release(state)` or when its state is garbage-collected."""
-
-    def __init__(self, vocab_size: int, device: torch.device):
-        self.vocab_size = vocab_size
-        self.counts = torch.zeros(1, vocab_size, dtype=torch.int32, device=device)
-        self.prompt = torch.zeros(1, vocab_size, dtype=torch.bool, device=device)
-        self.free: list[int] = []
-
-    def acquire(self, state: SamplingState) -> int:
-        if not self.free:
-            old = self.counts.shape[0]
-            new = 2 * old
-            counts = self.counts.new_zeros(new, self.vocab_size)
-            prompt = self.prompt.new_zeros(new, self.vocab_size)
-            counts[:old] = self.counts
-            prompt[:old] = self.prompt
-            self.counts, self.prompt = counts, prompt
-            self.free.extend(range(new - 1, old - 1, -1))
-        if state._release is not None:  # a slot in another sampler's table
-            state._release()
-        slot = self.free.pop()
-        state._release = weakref.finalize(state, self.free.append, slot)
-        return slot
-
-
 class Sampler:
     """Samples one token per row of a step's logits, on the logits' device.
 
@@ -146,7 +117,7 @@ class Sampler:
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed % 2**64)
-        self._table = _PenaltyTable(vocab_size, self.device)
+        self._table = PenaltyTable(vocab_size, self.device)
         # host staging buffers of the one host-to-device copy, used in turn (a step's copy may still be
         # pending while the next step samples: async steps), each with the event after its last copy
         self._pinned: list[torch.Tensor | None] = [None, None]
@@ -240,7 +211,7 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, V = logits.shape
         rows = [x for s in states for x in self._row_params(s)]
-        plan = self._penalty_plan(states, pen_rows) if pen_rows else None
+        plan = self._table.plan(states, pen_rows) if pen_rows else None
         prm64, (mask_t, *plan_t) = self._upload(rows, [mask_idx] + (list(plan[:4]) if plan else []))
         prm = prm64.view(B, _NUM_ROW_PARAMS).float()  # float32 as vLLM's
         temperature, top_p, min_p, presence, frequency, repetition = (prm[:, c] for c in (0, 2, 3, 4, 5, 6))
@@ -300,37 +271,6 @@ class Sampler:
                           p.repetition_penalty, 0.0)
         return s._row
 
-    def _penalty_plan(self, states: list[SamplingState], pen_rows: list[int]):
-        """Host side of the penalty bookkeeping: each row's slot (0 for rows without penalties), the
-        slots to clear, the flat [S * V] indices of the output tokens to count and the prompt tokens to
-        mark since each state's previous step, and per penalty row its slot and the number of its tokens
-        counted then. Tokens in flight (`sample_ids`) are counted already: a state's counted tokens are
-        the first `_penalty[2]` of its output, appended or not."""
-        V, t = self.vocab_size, self._table
-        row_slots = [0] * len(states)
-        zero_slots: list[int] = []
-        count_idx: list[int] = []
-        prompt_idx: list[int] = []
-        slots, counted = [], []
-        for i in pen_rows:
-            s = states[i]
-            out = s.output_token_ids
-            mine = s._penalty if s._penalty is not None and s._penalty[0] is t else None
-            if mine is not None and len(out) + s.in_flight >= mine[2]:
-                slot, new = mine[1], out[mine[2]:]
-            else:  # first step here, or the output shrank: clear the slot and count everything
-                slot = mine[1] if mine is not None else t.acquire(s)
-                zero_slots.append(slot)
-                _check_ids(s.prompt_token_ids, V, "prompt")
-                prompt_idx.extend(slot * V + tok for tok in s.prompt_token_ids)
-                new = out
-            _check_ids(new, V, "output")
-            count_idx.extend(slot * V + tok for tok in new)
-            row_slots[i] = slot
-            slots.append(slot)
-            counted.append(len(out) if new is out else mine[2] + len(new))
-        return row_slots, zero_slots, count_idx, prompt_idx, slots, counted
-
     def _upload(self, floats: list[float], ints: list[list[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The step's one host-to-device copy: `floats` as float64 [n] and each list of `ints` as an
         int64 tensor, packed in one int64 buffer (the floats by their bits), so nothing needs a cast."""
@@ -368,11 +308,6 @@ class Sampler:
             if s.generator is not None and not g:
                 q[i].exponential_(generator=s.generator)
         return q.clamp_min_(_TINY)  # an exact 0 would divide a masked (0) probability into NaN
-
-
-def _check_ids(ids: list[int], V: int, what: str) -> None:
-    if ids and (min(ids) < 0 or max(ids) >= V):
-        raise RequestError(f"{what} token ids must lie in [0, {V}) for the penalties, got {min(ids)}..{max(ids)}")
 
 
 def _min_tokens_mask(states: list[SamplingState], V: int) -> list[int]:
