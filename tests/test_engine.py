@@ -267,6 +267,24 @@ def test_stop_ids_eos_and_length(engine, reference):
     assert len(out.token_ids) == 3 and out.finish_reason == "length"
 
 
+def test_logit_bias_steers_greedy_requests_next_to_plain_ones(engine, reference):
+    """A banned token is never generated, the one it leaves is forced, and the request without a bias
+    in the same steps (async steps, the decode rows' shared argmax) keeps its tokens."""
+    first = reference[0][0]
+    forced = (first + 1) % 512
+    biased = [SamplingParams(temperature=0, max_tokens=8, logit_bias={first: -100.0}),
+              SamplingParams(temperature=0, max_tokens=8, logit_bias={forced: 100.0})]
+    outs = [engine.generate([PROMPTS[0]], p)[0] for p in biased]
+    assert first not in outs[0].token_ids and outs[0].token_ids != reference[0]
+    assert outs[1].token_ids == [forced] * 8
+    ids = [engine.add_request(PROMPTS[0], biased[1]), engine.add_request(PROMPTS[1], GREEDY)]
+    done = {}
+    while engine.has_unfinished():
+        done |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
+    assert [done[i] for i in ids] == [[forced] * 8, reference[1]]
+    drained(engine)
+
+
 def test_logprobs_passed_through(engine, reference):
     out = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=3, logprobs=2))[0]
     assert out.token_ids == reference[0][:3] and len(out.logprobs) == 3
@@ -313,6 +331,7 @@ def test_bad_requests_refused(engine):
         ({"prompt": {5: "a", 7: "b"}}, "got dict"),
         ({"prompt": {9, 3, 7}}, "got set"),
         ({"prompt": [1] * engine.max_context, "params": SamplingParams(max_tokens=None)}, "no room"),
+        ({"prompt": [1], "params": SamplingParams(logit_bias={3: 1.0, 512: 5.0})}, r"logit_bias: token ids \[512\]"),
     ]:
         with pytest.raises(RequestError, match=needle):
             engine.add_request(**kwargs)

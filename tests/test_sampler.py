@@ -396,6 +396,51 @@ def test_min_tokens_sampled_distribution_excludes_only_stop_ids():
     assert_matches(freq, ref_probs(masked))
 
 
+def test_logit_bias_moves_greedy_rows_and_leaves_their_neighbours():
+    """Greedy rows take the argmax of the biased logits; rows without a bias keep their bits (the
+    all-plain fast path), logprobs stay those of the raw logits."""
+    W = 12
+    logits = torch.randn(3, W, generator=torch.Generator().manual_seed(4))
+    top = logits.argmax(-1).tolist()
+    raise_tok, ban = (top[0] + 1) % W, top[2]
+    params = [SamplingParams(temperature=0, logit_bias={raise_tok: 100.0}), SamplingParams(temperature=0),
+              SamplingParams(temperature=0, logit_bias={ban: -100.0}, logprobs=1)]
+    res = Sampler(W, CPU).sample(logits, [state(p) for p in params])
+    second = logits[2].clone()
+    second[ban] = -math.inf
+    assert res.token_ids == [raise_tok, top[1], int(second.argmax())]
+    raw = logits[2].log_softmax(-1)
+    assert res.logprobs[2][res.token_ids[2]] == pytest.approx(float(raw[res.token_ids[2]]), abs=1e-6)
+    assert Sampler(W, CPU).sample(logits, [state(SamplingParams(temperature=0, logit_bias={}))] * 3).token_ids == top
+
+
+def test_logit_bias_sampled_distribution_is_softmax_of_biased_logits():
+    sampler = Sampler(V, CPU, seed=23)
+    bias = {0: -100.0, 3: 1.5, 6: 2.0}
+    p = SamplingParams(temperature=0.7, top_k=6, logit_bias=bias)
+    freq = frequencies(sampler, BASE, lambda: state(p))
+    biased = BASE.clone()
+    for tok, b in bias.items():
+        biased[tok] += b
+    assert_matches(freq, ref_probs(biased, temperature=0.7, top_k=6))
+    assert freq[0] == 0
+
+
+def test_logit_bias_before_penalties_and_with_min_tokens():
+    """The bias is added before the repetition penalty divides (vLLM v1's order), and a token min_tokens
+    holds back stays out whatever its bias."""
+    W = 10
+    logits = torch.full((1, W), -4.0)
+    logits[0, 2], logits[0, 4] = 3.0, 2.0
+    p = SamplingParams(temperature=0, logit_bias={4: 1.5, EOS: 50.0}, repetition_penalty=2.0, min_tokens=1)
+    # 4: (2 + 1.5) / 2 = 1.75 (in the prompt), 2: 3.0; EOS masked by min_tokens
+    assert Sampler(W, CPU).sample(logits, [state(p, prompt=[4])]).token_ids == [2]
+    p = SamplingParams(temperature=0, logit_bias={4: 4.5}, repetition_penalty=2.0)
+    assert Sampler(W, CPU).sample(logits, [state(p, prompt=[4])]).token_ids == [4]  # (2 + 4.5) / 2 > 3
+    assert Sampler(W, CPU).sample(logits, [state(SamplingParams(temperature=0, logit_bias={EOS: 50.0}))]).token_ids \
+        == [EOS]
+
+
 # ----- seeds ----------------------------------------------------------------------------------------
 
 
@@ -544,7 +589,8 @@ def test_one_host_read_per_step(host_reads, mix):
         params = [SamplingParams(temperature=0), SamplingParams(top_k=5, logprobs=3, seed=1),
                   SamplingParams(top_p=0.5, min_p=0.1), SamplingParams(repetition_penalty=1.3, min_tokens=4),
                   SamplingParams(presence_penalty=0.5, frequency_penalty=0.5, temperature=0),
-                  SamplingParams(logprobs=0, seed=2), SamplingParams(top_k=1), SamplingParams(min_tokens=2)]
+                  SamplingParams(logprobs=0, seed=2), SamplingParams(top_k=1, logit_bias={9: 2.0}),
+                  SamplingParams(min_tokens=2)]
     states = [state(p, out=[3, 4]) for p in params]
     sampler = Sampler(W, CPU)
     for step in range(3):
@@ -573,6 +619,8 @@ def test_bad_arguments():
     bad = state(SamplingParams(presence_penalty=1.0), prompt=[10])
     with pytest.raises(RequestError, match=r"prompt token ids must lie in \[0, 10\)"):
         sampler.sample(torch.zeros(1, 10), [bad])
+    with pytest.raises(RequestError, match=r"logit_bias token ids must lie in \[0, 10\)"):
+        sampler.sample(torch.zeros(1, 10), [state(SamplingParams(logit_bias={12: 1.0}))])
 
 
 # ----- GPU ------------------------------------------------------------------------------------------
@@ -594,7 +642,8 @@ def test_gpu_one_sync_and_seed_determinism():
     kinds = [lambda i: SamplingParams(temperature=0), lambda i: SamplingParams(top_k=50, logprobs=5),
              lambda i: SamplingParams(repetition_penalty=1.2, min_p=0.05, min_tokens=3),
              lambda i: SamplingParams(seed=i), lambda i: SamplingParams(presence_penalty=0.3, frequency_penalty=0.3,
-                                                                          top_p=0.7, top_k=100, logprobs=0)]
+                                                                          top_p=0.7, top_k=100, logprobs=0),
+             lambda i: SamplingParams(temperature=0, logit_bias={i: 100.0, i + 1: -5.0})]
     params = [kinds[i % len(kinds)](i) for i in range(B)]
     params[row] = SamplingParams(seed=5, top_p=0.9, temperature=0.8)
     states = [SamplingState.create(p, [1, 2, 3], [2], dev) for p in params]
@@ -605,6 +654,7 @@ def test_gpu_one_sync_and_seed_determinism():
         one = solo.sample(logits[row:row + 1].clone(), [alone])
         assert res.token_ids[row] == one.token_ids[0]
         assert res.token_ids[0] == int(logits[0].argmax())
+        assert res.token_ids[11] == 11  # kinds[5]'s +100 bias (row 5 is the seeded row)
         for s, t in zip(states, res.token_ids):
             s.append(t)
         alone.append(one.token_ids[0])
@@ -679,8 +729,8 @@ def test_sample_ids_leaves_the_ids_of_sample_on_the_device():
     W = 64
     logits = torch.randn(4, W, generator=torch.Generator().manual_seed(3))
     logits[2, 5] = float("nan")
-    params = [SamplingParams(seed=11, temperature=0.9, top_k=20), SamplingParams(temperature=0),
-              SamplingParams(seed=12, top_p=0.8, min_p=0.02), SamplingParams(seed=13)]
+    params = [SamplingParams(seed=11, temperature=0.9, top_k=20), SamplingParams(temperature=0, logit_bias={7: 3.0}),
+              SamplingParams(seed=12, top_p=0.8, min_p=0.02), SamplingParams(seed=13, logit_bias={1: -2.0})]
     want = Sampler(W, CPU).sample(logits, [state(p) for p in params]).token_ids
     got = Sampler(W, CPU).sample_ids(logits, [state(p) for p in params])
     assert got.dtype == torch.int64 and got.tolist() == want and want[2] == -1

@@ -19,7 +19,7 @@ def test_defaults_match_vllm():
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (16, 1.0, 1.0, 0, 0.0, None)
     assert (p.stop, p.stop_token_ids, p.ignore_eos, p.min_tokens) == (None, None, False, 0)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
-    assert (p.logprobs, p.n) == (None, 1)
+    assert (p.logprobs, p.n, p.logit_bias) == (None, 1, None)
     assert not p.greedy and not p.uses_penalties
 
 
@@ -122,6 +122,17 @@ def test_stop_token_ids():
     for bad in ([-1], [1.0], [True], "12", 3, [None]):
         with pytest.raises(RequestError, match="SamplingParams.stop_token_ids"):
             SamplingParams(stop_token_ids=bad)
+
+
+def test_logit_bias():
+    got = SamplingParams(logit_bias={5: -100, np.int64(7): 2.5, 0: torch.tensor(1.0)}).logit_bias
+    assert got == {5: -100.0, 7: 2.5, 0: 1.0}
+    assert all(type(k) is int and type(v) is float for k, v in got.items())
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    for bad in ([(1, 2.0)], "{1: 2}", {-1: 1.0}, {1.0: 1.0}, {"3": 1.0}, {True: 1.0}, {2: math.inf},
+                {2: math.nan}, {2: "1"}, {2: None}, {2: 1e39}):
+        with pytest.raises(RequestError, match="SamplingParams.logit_bias"):
+            SamplingParams(logit_bias=bad)
 
 
 def test_greedy_and_penalty_flags():

@@ -128,6 +128,20 @@ def test_completions_greedy_equals_engine(tiny_url, tiny_engine):
     wait_idle(tiny_url)
 
 
+def test_logit_bias_forces_and_bans_tokens(tiny_url, tiny_engine):
+    want = greedy(tiny_engine, PROMPTS[:1], 6)[0]
+    c = client(tiny_url)
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    forced = (want[0] + 1) % 100
+    r = c.completions.create(model=TINY_NAME, prompt=PROMPTS[0], max_tokens=6, temperature=0, extra_body=extra,
+                             logit_bias={str(forced): 100})
+    assert r.choices[0].model_extra["token_ids"] == [forced] * 6
+    r = c.completions.create(model=TINY_NAME, prompt=PROMPTS[0], max_tokens=6, temperature=0, extra_body=extra,
+                             logit_bias={str(want[0]): -100})
+    assert want[0] not in r.choices[0].model_extra["token_ids"]
+    wait_idle(tiny_url)
+
+
 def test_sixteen_concurrent_streams(tiny_url, tiny_engine):
     want = greedy(tiny_engine, PROMPTS, 10)
     c = openai.AsyncOpenAI(base_url=f"{tiny_url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -185,6 +199,8 @@ BAD = {
     "unsupported field": {"model": TINY_NAME, "prompt": [1, 2], "echo": True},
     "n zero": {"model": TINY_NAME, "prompt": [1, 2], "n": 0},
     "n beyond the queue": {"model": TINY_NAME, "prompt": [1, 2], "n": 10**6},
+    "logit_bias outside vocabulary": {"model": TINY_NAME, "prompt": [1, 2], "logit_bias": {"1000000": 1}},
+    "logit_bias beyond 100": {"model": TINY_NAME, "prompt": [1, 2], "logit_bias": {"3": 101}},
 }
 
 

@@ -179,22 +179,29 @@ def test_sampling_params_from_requests():
         '{"model": "m", "prompt": [1], "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.1, "seed": 3, '
         '"stop": "END", "stop_token_ids": [7], "n": 2, "logprobs": 4, "presence_penalty": 0.5, '
         '"frequency_penalty": -0.5, "repetition_penalty": 1.1, "ignore_eos": true, "min_tokens": 2}')
-    p = mapping.sampling_params(req, 9)
+    p = mapping.sampling_params(req, 9, 100)
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (9, 0.5, 0.9, 40, 0.1, 3)
     assert (p.stop, p.stop_token_ids, p.n, p.logprobs, p.ignore_eos, p.min_tokens) == (["END"], [7], 2, 4, True, 2)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.1)
-    d = mapping.sampling_params(CompletionRequest(model="m", prompt=[1]), 16)
+    d = mapping.sampling_params(CompletionRequest(model="m", prompt=[1]), 16, 100)
     assert (d.temperature, d.top_p, d.n, d.logprobs, d.stop) == (1.0, 1.0, 1, None, None)  # OpenAI's defaults
     chat = ChatCompletionRequest.model_validate_json(
         '{"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 5}')
-    assert mapping.sampling_params(chat, 4).logprobs == 5
+    assert mapping.sampling_params(chat, 4, 100).logprobs == 5
     plain = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], logprobs=True)
-    assert mapping.sampling_params(plain, 4).logprobs == 0
-    _bad(mapping.sampling_params, CompletionRequest(model="m", prompt=[1], top_p=2.0), 4, param="top_p")
-    _bad(mapping.sampling_params, CompletionRequest(model="m", prompt=[1], n=0), 4, param="n")
-    _bad(mapping.sampling_params, CompletionRequest(model="m", prompt=[1], logprobs=21), 4, param="logprobs")
+    assert mapping.sampling_params(plain, 4, 100).logprobs == 0
+    _bad(mapping.sampling_params, CompletionRequest(model="m", prompt=[1], top_p=2.0), 4, 100, param="top_p")
+    _bad(mapping.sampling_params, CompletionRequest(model="m", prompt=[1], n=0), 4, 100, param="n")
+    _bad(mapping.sampling_params, CompletionRequest(model="m", prompt=[1], logprobs=21), 4, 100, param="logprobs")
     _bad(mapping.sampling_params, ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
-                                                        top_logprobs=2), 4, param="top_logprobs")
+                                                        top_logprobs=2), 4, 100, param="top_logprobs")
+    biased = CompletionRequest(model="m", prompt=[1], logit_bias={"7": -100, "0": 2.5, "99": 100})
+    assert mapping.sampling_params(biased, 4, 100).logit_bias == {7: -100.0, 0: 2.5, 99: 100.0}
+    for bias, match in (({"100": 1.0}, r"token ids in \[0, 100\)"), ({"-1": 1.0}, "decimal"), ({"a": 1.0}, "decimal"),
+                        ({"1.0": 1.0}, "decimal"), ({"\u0663": 1.0}, "decimal"), ({"5": 100.5}, r"\[-100, 100\]"),
+                        ({"5": -101}, r"\[-100, 100\]")):
+        _bad(mapping.sampling_params, biased.model_copy(update={"logit_bias": bias}), 4, 100, param="logit_bias",
+             match=match)
 
 
 def test_lengths_prompts_and_unsupported_fields():
@@ -224,7 +231,7 @@ def test_lengths_prompts_and_unsupported_fields():
         mapping.chat_prompt(chat_req, _Templated("{{ messages[0].content }}", broken=True))
     assert mapping.chat_prompt(chat_req, _Templated("{{ messages[0].content }}")) == [104, 105]
     _bad(mapping.check_model, req, "other", param="model")
-    for field, value in (("echo", True), ("suffix", "x"), ("logit_bias", {"1": 2.0}), ("best_of", 3)):
+    for field, value in (("echo", True), ("suffix", "x"), ("best_of", 3)):
         _bad(mapping.refuse_unsupported, req.model_copy(update={field: value}), param=field)
     _bad(mapping.refuse_unsupported, chat.model_copy(update={"tools": [{"type": "function"}]}), param="tools")
     mapping.refuse_unsupported(chat.model_copy(update={"response_format": {"type": "text"}}))

@@ -76,8 +76,8 @@ def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
 class SamplingParams:
     """How one request samples; names and defaults as vLLM's `SamplingParams`.
 
-    Processing order per step (vLLM v1's): min_tokens masks EOS/stop ids, then the penalties, then
-    greedy rows take the argmax; sampled rows apply temperature, min_p, top_k, top_p and draw.
+    Processing order per step (vLLM v1's): min_tokens masks EOS/stop ids, logit_bias is added, then the
+    penalties, then greedy rows take the argmax; sampled rows apply temperature, min_p, top_k, top_p and draw.
     """
 
     max_tokens: int | None = 16
@@ -111,6 +111,10 @@ class SamplingParams:
     """Return this many top logprobs per generated token plus the sampled token's, 0..20; None: off."""
     n: int = 1
     """Completions per prompt (they share the prompt's KV pages; seeded ones use seed + index)."""
+    logit_bias: dict[int, float] | None = None
+    """Added to the logits of these token ids (ints >= 0, below the vocabulary size) before the penalties
+    and sampling, greedy rows included (OpenAI's and vLLM's logit_bias; -100 all but bans a token, 100
+    all but forces it); finite values. Logprobs stay those of the raw logits. None or {}: off."""
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: normalized values are written once here
@@ -148,6 +152,7 @@ class SamplingParams:
         if self.logprobs is not None:
             put(self, "logprobs", _int("logprobs", self.logprobs, f"0..{MAX_LOGPROBS} or None"))
             _check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs, f"0..{MAX_LOGPROBS} or None")
+        put(self, "logit_bias", self._bias(self.logit_bias))
         put(self, "n", _int("n", self.n, ">= 1"))
         _check(self.n >= 1, "n", self.n, ">= 1")
         _in_float32("temperature", self.temperature, ">= 0", tiny_ok=True)  # below 1e-5: greedy
@@ -181,6 +186,21 @@ class SamplingParams:
         for i in out:
             _check(i >= 0, "stop_token_ids", ids, "a list of ints >= 0")
         return out
+
+    @staticmethod
+    def _bias(bias: Any) -> dict[int, float] | None:
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            raise RequestError(f"SamplingParams.logit_bias must be a dict of token id -> bias or None, got "
+                               f"{_shown(bias)}")
+        out = {}
+        for tok, value in bias.items():
+            tok = _int("logit_bias", tok, "token ids >= 0 as keys")
+            _check(tok >= 0, "logit_bias", tok, "token ids >= 0 as keys")
+            out[tok] = _float("logit_bias", value, "finite biases")
+            _in_float32("logit_bias", out[tok], "finite biases", tiny_ok=True)
+        return out or None
 
     @property
     def greedy(self) -> bool:

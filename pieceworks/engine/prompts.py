@@ -66,6 +66,14 @@ def check_fits(ids: list[int], params: SamplingParams, max_context: int) -> None
         )
 
 
+def check_logit_bias(params: SamplingParams, vocab: int) -> None:
+    """Every logit_bias key names a token of the vocabulary [0, vocab)."""
+    bad = sorted(t for t in params.logit_bias or () if t >= vocab)
+    if bad:
+        raise RequestError(f"SamplingParams.logit_bias: token ids {bad[:5]} are outside the vocabulary [0, {vocab}); "
+                           "bias only the model's token ids")
+
+
 def is_one_prompt(prompts: Any) -> bool:
     """Whether `Engine.generate`'s argument is one prompt (a str, a flat sequence of ids, a 1-D tensor or
     numpy array) rather than a list of prompts."""

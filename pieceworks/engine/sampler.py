@@ -1,21 +1,21 @@
 """The batched device sampler: one pass over a step's [B, V] logits with per-row SamplingParams.
 
-Per row, in vLLM v1's order: min_tokens masks EOS and stop ids to -inf; the repetition penalty (over
-prompt + output tokens) and the presence and frequency penalties (over output tokens) change the
-logits; greedy rows take the argmax; sampled rows divide by their temperature, drop tokens below
+Per row, in vLLM v1's order: min_tokens masks EOS and stop ids to -inf; logit_bias is added; the
+repetition penalty (over prompt + output tokens) and the presence and frequency penalties (over output
+tokens) change the logits; greedy rows take the argmax; sampled rows divide by their temperature, drop tokens below
 min_p times the top probability, keep their top_k, keep their top_p nucleus, and draw by an
 exponential race (argmax of probs / Exp(1)), which is a draw from probs with one random number per
 token. A row whose request has a seed draws its Exp(1) numbers from its own generator, so the same
 prompt and seed give the same tokens whatever else is in the batch; rows without a seed share the
 sampler's generator.
 
-Host traffic per step: at most one host-to-device copy (the rows' parameters and the token ids the
-penalties and min_tokens need, packed in one pinned buffer) and exactly one device-to-host copy (the
+Host traffic per step: at most one host-to-device copy (the rows' parameters, the logit_bias entries and
+the token ids the penalties and min_tokens need, packed in one pinned buffer) and exactly one device-to-host copy (the
 B token ids with the rows' finite flags and the requested logprobs, packed in one tensor). Nothing
 syncs per row and no [B, V] tensor leaves the device. CPU runs the same code. A seeded row costs one
 kernel of its own per step (its generator's draw); everything else is batched.
 
-Logprobs are those of the model's raw distribution, log_softmax of the logits before any penalty,
+Logprobs are those of the model's raw distribution, log_softmax of the logits before any bias, penalty,
 temperature or truncation: what vLLM v1 reports by default (`logprobs_mode="raw_logprobs"`), and
 independent of how the request samples.
 """
@@ -32,7 +32,7 @@ import torch
 from pieceworks.core.batch import to_device
 from pieceworks.engine.logprobs import SampleResult, to_host
 from pieceworks.engine.params import SamplingParams
-from pieceworks.engine.penalties import PenaltyTable
+from pieceworks.engine.penalties import PenaltyTable, check_ids
 from pieceworks.engine.processors import apply_min_p, apply_penalties, apply_top_k, apply_top_k_top_p
 from pieceworks.executor.cuda_graph import finite_rows, greedy_token_ids
 
@@ -79,7 +79,8 @@ class SamplingState:
 
     def __post_init__(self) -> None:
         p = self.params
-        self.plain = p.greedy and not p.uses_penalties and not p.min_tokens and p.logprobs is None
+        self.plain = (p.greedy and not p.uses_penalties and not p.min_tokens and p.logprobs is None
+                      and not p.logit_bias)
 
     @classmethod
     def create(
@@ -187,10 +188,11 @@ class Sampler:
         params = [s.params for s in states]
         finite = finite_rows(logits)
         mask_idx = _min_tokens_mask(states, self.vocab_size)
+        bias = _logit_bias(states, self.vocab_size)
         pen_rows = [i for i, p in enumerate(params) if p.uses_penalties]
-        if not mask_idx and not pen_rows and all([p.greedy for p in params]):
+        if not mask_idx and not bias[0] and not pen_rows and all([p.greedy for p in params]):
             return logits.argmax(dim=-1), finite, None  # greedy batch: nothing to upload, nothing to process
-        ids, slots = self._sample(logits, states, params, mask_idx, pen_rows)
+        ids, slots = self._sample(logits, states, params, mask_idx, bias, pen_rows)
         return ids, finite, slots
 
     def release(self, state: SamplingState) -> None:
@@ -207,18 +209,24 @@ class Sampler:
         states: list[SamplingState],
         params: list[SamplingParams],
         mask_idx: list[int],
+        bias: tuple[list[int], list[float]],
         pen_rows: list[int],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, V = logits.shape
         rows = [x for s in states for x in self._row_params(s)]
         plan = self._table.plan(states, pen_rows) if pen_rows else None
-        prm64, (mask_t, *plan_t) = self._upload(rows, [mask_idx] + (list(plan[:4]) if plan else []))
-        prm = prm64.view(B, _NUM_ROW_PARAMS).float()  # float32 as vLLM's
+        prm64, (mask_t, bias_t, *plan_t) = self._upload(rows + bias[1],
+                                                        [mask_idx, bias[0]] + (list(plan[:4]) if plan else []))
+        table = prm64[: B * _NUM_ROW_PARAMS].view(B, _NUM_ROW_PARAMS)
+        prm = table.float()  # float32 as vLLM's
         temperature, top_p, min_p, presence, frequency, repetition = (prm[:, c] for c in (0, 2, 3, 4, 5, 6))
         x = logits
-        if mask_idx:
+        if mask_idx or bias[0]:
             x = x.clone(memory_format=torch.contiguous_format)  # flat indices are row-major
+        if mask_idx:
             x.view(-1).index_fill_(0, mask_t, float("-inf"))
+        if bias[0]:
+            x.view(-1).index_add_(0, bias_t, prm64[B * _NUM_ROW_PARAMS :].float())
         if plan:
             row_slots, zero_slots, count_idx, prompt_idx = plan_t
             t = self._table
@@ -251,9 +259,9 @@ class Sampler:
         k_max = max([p.top_k for p in sampled if 1 < p.top_k < V], default=0)
         use_p = any(p.top_p < 1 for p in sampled)
         if use_p:
-            x = apply_top_k_top_p(x, prm64.view(B, _NUM_ROW_PARAMS)[:, 1].long() if k_max else None, top_p)
+            x = apply_top_k_top_p(x, table[:, 1].long() if k_max else None, top_p)
         elif k_max:
-            x = apply_top_k(x, prm64.view(B, _NUM_ROW_PARAMS)[:, 1].long(), k_max)
+            x = apply_top_k(x, table[:, 1].long(), k_max)
         probs = x.softmax(dim=-1)
         ids = probs.div_(self._exponentials(probs, states, greedy)).argmax(dim=-1)
         if greedy_ids is not None:
@@ -322,3 +330,16 @@ def _min_tokens_mask(states: list[SamplingState], V: int) -> list[int]:
                 stop |= s.eos_token_ids
             idx.extend(i * V + t for t in sorted(stop) if t < V)
     return idx
+
+
+def _logit_bias(states: list[SamplingState], V: int) -> tuple[list[int], list[float]]:
+    """Flat [B * V] indices and values of the rows' logit_bias entries."""
+    idx: list[int] = []
+    val: list[float] = []
+    for i, s in enumerate(states):
+        bias = s.params.logit_bias or {}
+        check_ids(list(bias), V, "logit_bias")
+        for tok, b in bias.items():
+            idx.append(i * V + tok)
+            val.append(b)
+    return idx, val

@@ -311,7 +311,8 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
         mapping.check_model(req, srv.name)
         mapping.refuse_unsupported(req)
         prompts = mapping.completion_prompts(req, srv.tokenizer, srv.vocab_size)
-        params = [mapping.sampling_params(req, mapping.max_tokens_for(req, len(p), srv.max_context)) for p in prompts]
+        params = [mapping.sampling_params(req, mapping.max_tokens_for(req, len(p), srv.max_context), srv.vocab_size)
+                  for p in prompts]
         return await _respond(request, req, prompts, params, new_id("cmpl"), CompletionWriter(srv, req))
 
     @app.post("/v1/chat/completions")
@@ -320,7 +321,8 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
         mapping.check_model(req, srv.name)
         mapping.refuse_unsupported(req)
         prompt = mapping.chat_prompt(req, srv.tokenizer)
-        params = [mapping.sampling_params(req, mapping.max_tokens_for(req, len(prompt), srv.max_context))]
+        params = [mapping.sampling_params(req, mapping.max_tokens_for(req, len(prompt), srv.max_context),
+                                          srv.vocab_size)]
         return await _respond(request, req, [prompt], params, new_id("chatcmpl"), ChatWriter(srv, req))
 
     async def _respond(request: Request, req: Any, prompts: list[list[int]], params: list[Any], rid: str,

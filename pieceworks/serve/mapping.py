@@ -33,7 +33,7 @@ def check_model(req: SamplingFields, served: str) -> None:
 
 def refuse_unsupported(req: SamplingFields) -> None:
     """OpenAI fields whose behaviour pieceworks lacks: refused by name rather than ignored."""
-    unsupported: dict[str, Any] = {"logit_bias": req.logit_bias or None}
+    unsupported: dict[str, Any] = {}
     if isinstance(req, CompletionRequest):
         unsupported |= {"echo": req.echo or None, "suffix": req.suffix,
                         "best_of": req.best_of if req.best_of not in (None, req.n or 1) else None}
@@ -120,7 +120,22 @@ def max_tokens_for(req: SamplingFields, prompt_len: int, max_context: int) -> in
     return asked
 
 
-def sampling_params(req: SamplingFields, max_tokens: int) -> SamplingParams:
+def logit_bias(req: SamplingFields, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as decimal strings -> a bias in [-100, 100]) as SamplingParams takes it."""
+    if not req.logit_bias:
+        return None
+    out = {}
+    for key, value in req.logit_bias.items():
+        if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
+            raise BadRequest(f"logit_bias key {key!r}: keys are token ids in [0, {vocab_size}) written as decimal "
+                             "strings", param="logit_bias")
+        if not -100 <= value <= 100:
+            raise BadRequest(f"logit_bias[{key!r}] = {value}: biases must be in [-100, 100]", param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int) -> SamplingParams:
     """The request's sampling fields as `SamplingParams` (OpenAI's defaults where a field is absent)."""
     if isinstance(req, CompletionRequest):
         logprobs = req.logprobs
@@ -139,6 +154,7 @@ def sampling_params(req: SamplingFields, max_tokens: int) -> SamplingParams:
         seed=req.seed, stop=stop or None, stop_token_ids=req.stop_token_ids or None, ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, logprobs=logprobs, n=req.n,
+        logit_bias=logit_bias(req, vocab_size),
     )
     try:
         return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
