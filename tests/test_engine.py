@@ -285,6 +285,15 @@ def test_logit_bias_steers_greedy_requests_next_to_plain_ones(engine, reference)
     drained(engine)
 
 
+def test_allowed_token_ids_end_to_end(engine, reference):
+    allowed = sorted(set(range(20)) - set(reference[0]))[:4]
+    out = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=allowed))[0]
+    assert len(out.token_ids) == 8 and set(out.token_ids) <= set(allowed)
+    out = engine.generate([PROMPTS[0]], SamplingParams(seed=3, max_tokens=8, allowed_token_ids=allowed))[0]
+    assert set(out.token_ids) <= set(allowed)
+    drained(engine)
+
+
 def test_logprobs_passed_through(engine, reference):
     out = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=3, logprobs=2))[0]
     assert out.token_ids == reference[0][:3] and len(out.logprobs) == 3
@@ -332,6 +341,10 @@ def test_bad_requests_refused(engine):
         ({"prompt": {9, 3, 7}}, "got set"),
         ({"prompt": [1] * engine.max_context, "params": SamplingParams(max_tokens=None)}, "no room"),
         ({"prompt": [1], "params": SamplingParams(logit_bias={3: 1.0, 512: 5.0})}, r"logit_bias: token ids \[512\]"),
+        ({"prompt": [1], "params": SamplingParams(allowed_token_ids=[600, 2])},
+         r"allowed_token_ids: token ids \[600\]"),
+        ({"prompt": [1], "params": SamplingParams(allowed_token_ids=[3], stop_token_ids=[3], min_tokens=1)},
+         "no token could be generated"),
     ]:
         with pytest.raises(RequestError, match=needle):
             engine.add_request(**kwargs)

@@ -426,6 +426,25 @@ def test_logit_bias_sampled_distribution_is_softmax_of_biased_logits():
     assert freq[0] == 0
 
 
+def test_allowed_token_ids_restrict_their_rows_only():
+    W = 12
+    logits = torch.randn(3, W, generator=torch.Generator().manual_seed(6))
+    top = logits.argmax(-1).tolist()
+    allowed = [t for t in range(W) if t != top[0]][:3]
+    params = [SamplingParams(temperature=0, allowed_token_ids=allowed), SamplingParams(temperature=0),
+              SamplingParams(temperature=0, allowed_token_ids=[top[2]], logit_bias={(top[2] + 1) % W: 100.0})]
+    res = Sampler(W, CPU).sample(logits, [state(p) for p in params])
+    assert res.token_ids == [max(allowed, key=lambda t: float(logits[0, t])), top[1], top[2]]
+    sampler = Sampler(V, CPU, seed=29)
+    p = SamplingParams(temperature=0.8, allowed_token_ids=[1, 4, 6], logit_bias={4: 1.0})
+    freq = frequencies(sampler, BASE, lambda: state(p))
+    ref = torch.full_like(BASE, -math.inf)
+    ref[[1, 4, 6]] = BASE[[1, 4, 6]] + torch.tensor([0.0, 1.0, 0.0])
+    assert_matches(freq, ref_probs(ref, temperature=0.8))
+    ids = Sampler(W, CPU).sample_ids(logits, [state(p) for p in params])  # async steps: the same tokens
+    assert ids.tolist() == res.token_ids
+
+
 def test_logit_bias_before_penalties_and_with_min_tokens():
     """The bias is added before the repetition penalty divides (vLLM v1's order), and a token min_tokens
     holds back stays out whatever its bias."""
@@ -589,7 +608,8 @@ def test_one_host_read_per_step(host_reads, mix):
         params = [SamplingParams(temperature=0), SamplingParams(top_k=5, logprobs=3, seed=1),
                   SamplingParams(top_p=0.5, min_p=0.1), SamplingParams(repetition_penalty=1.3, min_tokens=4),
                   SamplingParams(presence_penalty=0.5, frequency_penalty=0.5, temperature=0),
-                  SamplingParams(logprobs=0, seed=2), SamplingParams(top_k=1, logit_bias={9: 2.0}),
+                  SamplingParams(logprobs=0, seed=2, allowed_token_ids=[5, 6, 7]),
+                  SamplingParams(top_k=1, logit_bias={9: 2.0}),
                   SamplingParams(min_tokens=2)]
     states = [state(p, out=[3, 4]) for p in params]
     sampler = Sampler(W, CPU)
@@ -621,6 +641,8 @@ def test_bad_arguments():
         sampler.sample(torch.zeros(1, 10), [bad])
     with pytest.raises(RequestError, match=r"logit_bias token ids must lie in \[0, 10\)"):
         sampler.sample(torch.zeros(1, 10), [state(SamplingParams(logit_bias={12: 1.0}))])
+    with pytest.raises(RequestError, match=r"allowed_token_ids token ids must lie in \[0, 10\)"):
+        sampler.sample(torch.zeros(1, 10), [state(SamplingParams(allowed_token_ids=[3, 10]))])
 
 
 # ----- GPU ------------------------------------------------------------------------------------------
@@ -643,7 +665,8 @@ def test_gpu_one_sync_and_seed_determinism():
              lambda i: SamplingParams(repetition_penalty=1.2, min_p=0.05, min_tokens=3),
              lambda i: SamplingParams(seed=i), lambda i: SamplingParams(presence_penalty=0.3, frequency_penalty=0.3,
                                                                           top_p=0.7, top_k=100, logprobs=0),
-             lambda i: SamplingParams(temperature=0, logit_bias={i: 100.0, i + 1: -5.0})]
+             lambda i: SamplingParams(temperature=0, logit_bias={i: 100.0, i + 1: -5.0}),
+             lambda i: SamplingParams(top_k=20, allowed_token_ids=[i, 2 * i])]
     params = [kinds[i % len(kinds)](i) for i in range(B)]
     params[row] = SamplingParams(seed=5, top_p=0.9, temperature=0.8)
     states = [SamplingState.create(p, [1, 2, 3], [2], dev) for p in params]
@@ -654,7 +677,8 @@ def test_gpu_one_sync_and_seed_determinism():
         one = solo.sample(logits[row:row + 1].clone(), [alone])
         assert res.token_ids[row] == one.token_ids[0]
         assert res.token_ids[0] == int(logits[0].argmax())
-        assert res.token_ids[11] == 11  # kinds[5]'s +100 bias (row 5 is the seeded row)
+        assert res.token_ids[5 + 7] == 12  # kinds[5]'s +100 bias (row 5 is the seeded row)
+        assert res.token_ids[6] in (6, 12) and res.token_ids[6 + 7] in (13, 26)  # kinds[6]'s allowed ids
         for s, t in zip(states, res.token_ids):
             s.append(t)
         alone.append(one.token_ids[0])

@@ -135,6 +135,16 @@ def test_logit_bias():
             SamplingParams(logit_bias=bad)
 
 
+def test_allowed_token_ids():
+    assert SamplingParams(allowed_token_ids=[3, 0, 9]).allowed_token_ids == [3, 0, 9]
+    got = SamplingParams(allowed_token_ids=np.array([4, 5])).allowed_token_ids
+    assert got == [4, 5] and all(type(i) is int for i in got)
+    assert SamplingParams().allowed_token_ids is None
+    for bad in ([], [-1], [1.0], [True], "12", 3, [None]):
+        with pytest.raises(RequestError, match="SamplingParams.allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
+
+
 def test_greedy_and_penalty_flags():
     assert SamplingParams(temperature=0).greedy
     assert SamplingParams(temperature=1e-6).greedy  # below vLLM's 1e-5: argmax, not an overflowing divide

@@ -128,7 +128,7 @@ def test_completions_greedy_equals_engine(tiny_url, tiny_engine):
     wait_idle(tiny_url)
 
 
-def test_logit_bias_forces_and_bans_tokens(tiny_url, tiny_engine):
+def test_logit_bias_and_allowed_token_ids(tiny_url, tiny_engine):
     want = greedy(tiny_engine, PROMPTS[:1], 6)[0]
     c = client(tiny_url)
     extra = {"return_token_ids": True, "ignore_eos": True}
@@ -139,6 +139,10 @@ def test_logit_bias_forces_and_bans_tokens(tiny_url, tiny_engine):
     r = c.completions.create(model=TINY_NAME, prompt=PROMPTS[0], max_tokens=6, temperature=0, extra_body=extra,
                              logit_bias={str(want[0]): -100})
     assert want[0] not in r.choices[0].model_extra["token_ids"]
+    allowed = sorted(set(range(8)) - set(want))[:3]
+    r = c.completions.create(model=TINY_NAME, prompt=PROMPTS[0], max_tokens=6, temperature=0.8,
+                             extra_body=extra | {"allowed_token_ids": allowed})
+    assert set(r.choices[0].model_extra["token_ids"]) <= set(allowed)
     wait_idle(tiny_url)
 
 

@@ -202,6 +202,12 @@ def test_sampling_params_from_requests():
                         ({"5": -101}, r"\[-100, 100\]")):
         _bad(mapping.sampling_params, biased.model_copy(update={"logit_bias": bias}), 4, 100, param="logit_bias",
              match=match)
+    only = CompletionRequest(model="m", prompt=[1], allowed_token_ids=[3, 99])
+    assert mapping.sampling_params(only, 4, 100).allowed_token_ids == [3, 99]
+    _bad(mapping.sampling_params, only.model_copy(update={"allowed_token_ids": [100]}), 4, 100,
+         param="allowed_token_ids", match="outside the vocabulary")
+    _bad(mapping.sampling_params, only.model_copy(update={"allowed_token_ids": []}), 4, 100,
+         param="allowed_token_ids", match="non-empty")
 
 
 def test_lengths_prompts_and_unsupported_fields():

@@ -26,7 +26,7 @@ from pieceworks.core.batch import ForwardBatch
 from pieceworks.engine.async_steps import AsyncSteps, InFlight, mark_pending
 from pieceworks.engine.detokenize import Detokenizer, eos_token_ids, load_tokenizer
 from pieceworks.engine.params import SamplingParams
-from pieceworks.engine.prompts import check_fits, check_logit_bias, is_one_prompt, prompt_ids
+from pieceworks.engine.prompts import check_fits, check_token_ids, is_one_prompt, prompt_ids
 from pieceworks.engine.request import Request, RequestOutput
 from pieceworks.engine.sampler import Sampler, SamplingState, sampling_rows
 from pieceworks.engine.scheduler import Scheduler
@@ -108,8 +108,8 @@ class Engine:
 
         Raises:
             RequestError: a bad prompt, params or id, a prompt + max_tokens over the context limit,
-                logit_bias on ids outside the vocabulary, or stop strings without a tokenizer; nothing was
-                queued.
+                logit_bias or allowed_token_ids outside the vocabulary, allowed ids that min_tokens holds
+                all back, or stop strings without a tokenizer; nothing was queued.
         """
         with self._exclusive("add_request"):
             self._check_open()
@@ -118,7 +118,7 @@ class Engine:
                 raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
             ids = prompt_ids(prompt, self.tokenizer, self.executor.vocab_size, self.max_context)
             check_fits(ids, params, self.max_context)
-            check_logit_bias(params, self.executor.vocab_size)
+            check_token_ids(params, self.executor.vocab_size, self.eos_token_ids)
             if params.stop and self.tokenizer is None:
                 raise RequestError(f"SamplingParams.stop={params.stop!r} needs a tokenizer; this model has "
                                    "none: use stop_token_ids")

@@ -76,8 +76,9 @@ def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
 class SamplingParams:
     """How one request samples; names and defaults as vLLM's `SamplingParams`.
 
-    Processing order per step (vLLM v1's): min_tokens masks EOS/stop ids, logit_bias is added, then the
-    penalties, then greedy rows take the argmax; sampled rows apply temperature, min_p, top_k, top_p and draw.
+    Processing order per step (vLLM v1's): tokens outside allowed_token_ids and (min_tokens) EOS/stop ids
+    are masked, logit_bias is added, then the penalties, then greedy rows take the argmax; sampled rows
+    apply temperature, min_p, top_k, top_p and draw.
     """
 
     max_tokens: int | None = 16
@@ -111,6 +112,9 @@ class SamplingParams:
     """Return this many top logprobs per generated token plus the sampled token's, 0..20; None: off."""
     n: int = 1
     """Completions per prompt (they share the prompt's KV pages; seeded ones use seed + index)."""
+    allowed_token_ids: list[int] | None = None
+    """Only these token ids can be generated (vLLM's allowed_token_ids): every other logit is -inf before
+    min_tokens, logit_bias and the penalties; a non-empty list of ids below the vocabulary size. None: off."""
     logit_bias: dict[int, float] | None = None
     """Added to the logits of these token ids (ints >= 0, below the vocabulary size) before the penalties
     and sampling, greedy rows included (OpenAI's and vLLM's logit_bias; -100 all but bans a token, 100
@@ -134,7 +138,7 @@ class SamplingParams:
             lo, hi = _SEED_RANGE
             _check(lo <= self.seed <= hi, "seed", self.seed, f"{lo} <= seed <= {hi} or None")
         put(self, "stop", self._stop_strings(self.stop))
-        put(self, "stop_token_ids", self._stop_ids(self.stop_token_ids))
+        put(self, "stop_token_ids", self._ids("stop_token_ids", self.stop_token_ids))
         ignore_eos = _scalar(self.ignore_eos)
         if type(ignore_eos).__name__ not in ("bool", "bool_"):
             raise RequestError(f"SamplingParams.ignore_eos must be a bool, got {_shown(ignore_eos)}")
@@ -153,6 +157,10 @@ class SamplingParams:
             put(self, "logprobs", _int("logprobs", self.logprobs, f"0..{MAX_LOGPROBS} or None"))
             _check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs, f"0..{MAX_LOGPROBS} or None")
         put(self, "logit_bias", self._bias(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            put(self, "allowed_token_ids", self._ids("allowed_token_ids", self.allowed_token_ids))
+            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", self.allowed_token_ids,
+                   "a non-empty list of ints >= 0 or None")
         put(self, "n", _int("n", self.n, ">= 1"))
         _check(self.n >= 1, "n", self.n, ">= 1")
         _in_float32("temperature", self.temperature, ">= 0", tiny_ok=True)  # below 1e-5: greedy
@@ -175,16 +183,16 @@ class SamplingParams:
         return list(stop)
 
     @staticmethod
-    def _stop_ids(ids: Any) -> list[int] | None:
+    def _ids(name: str, ids: Any) -> list[int] | None:
         if ids is None:
             return None
         if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):  # numpy array or 1-dim tensor
             ids = ids.tolist()
         if not isinstance(ids, (list, tuple)):
-            raise RequestError(f"SamplingParams.stop_token_ids must be a list of ints >= 0 or None, got {_shown(ids)}")
-        out = [_int("stop_token_ids", i, "a list of ints >= 0") for i in ids]
+            raise RequestError(f"SamplingParams.{name} must be a list of ints >= 0 or None, got {_shown(ids)}")
+        out = [_int(name, i, "a list of ints >= 0") for i in ids]
         for i in out:
-            _check(i >= 0, "stop_token_ids", ids, "a list of ints >= 0")
+            _check(i >= 0, name, ids, "a list of ints >= 0")
         return out
 
     @staticmethod

@@ -66,12 +66,19 @@ def check_fits(ids: list[int], params: SamplingParams, max_context: int) -> None
         )
 
 
-def check_logit_bias(params: SamplingParams, vocab: int) -> None:
-    """Every logit_bias key names a token of the vocabulary [0, vocab)."""
-    bad = sorted(t for t in params.logit_bias or () if t >= vocab)
-    if bad:
-        raise RequestError(f"SamplingParams.logit_bias: token ids {bad[:5]} are outside the vocabulary [0, {vocab}); "
-                           "bias only the model's token ids")
+def check_token_ids(params: SamplingParams, vocab: int, eos_ids: frozenset[int]) -> None:
+    """logit_bias keys and allowed_token_ids name tokens of the vocabulary [0, vocab), and allowed_token_ids
+    leaves a token that min_tokens does not hold back."""
+    for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+        bad = sorted(t for t in ids or () if t >= vocab)
+        if bad:
+            raise RequestError(f"SamplingParams.{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab}); "
+                               "use the model's token ids")
+    held = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(eos_ids))
+    if params.min_tokens and params.allowed_token_ids and held.issuperset(params.allowed_token_ids):
+        raise RequestError(f"SamplingParams.allowed_token_ids={params.allowed_token_ids} holds only EOS / stop ids, "
+                           f"which min_tokens={params.min_tokens} holds back: no token could be generated; allow "
+                           "another token or drop min_tokens")
 
 
 def is_one_prompt(prompts: Any) -> bool:

@@ -1,19 +1,20 @@
 """The batched device sampler: one pass over a step's [B, V] logits with per-row SamplingParams.
 
-Per row, in vLLM v1's order: min_tokens masks EOS and stop ids to -inf; logit_bias is added; the
-repetition penalty (over prompt + output tokens) and the presence and frequency penalties (over output
-tokens) change the logits; greedy rows take the argmax; sampled rows divide by their temperature, drop tokens below
-min_p times the top probability, keep their top_k, keep their top_p nucleus, and draw by an
-exponential race (argmax of probs / Exp(1)), which is a draw from probs with one random number per
-token. A row whose request has a seed draws its Exp(1) numbers from its own generator, so the same
-prompt and seed give the same tokens whatever else is in the batch; rows without a seed share the
-sampler's generator.
+Per row, in vLLM v1's order: ids outside allowed_token_ids and (min_tokens) EOS and stop ids are set to
+-inf; logit_bias is added; the repetition penalty (over prompt + output tokens) and the presence and
+frequency penalties (over output tokens) change the logits; greedy rows take the argmax; sampled rows
+divide by their temperature, drop tokens below min_p times the top probability, keep their top_k, keep
+their top_p nucleus, and draw by an exponential race (argmax of probs / Exp(1)), which is a draw from
+probs with one random number per token. A row whose request has a seed draws its Exp(1) numbers from its
+own generator, so the same prompt and seed give the same tokens whatever else is in the batch; rows
+without a seed share the sampler's generator.
 
 Host traffic per step: at most one host-to-device copy (the rows' parameters, the logit_bias entries and
-the token ids the penalties and min_tokens need, packed in one pinned buffer) and exactly one device-to-host copy (the
-B token ids with the rows' finite flags and the requested logprobs, packed in one tensor). Nothing
-syncs per row and no [B, V] tensor leaves the device. CPU runs the same code. A seeded row costs one
-kernel of its own per step (its generator's draw); everything else is batched.
+the token ids that allowed_token_ids, the penalties and min_tokens need, packed in one pinned buffer)
+and exactly one device-to-host copy (the B token ids with the rows' finite flags and the requested
+logprobs, packed in one tensor). Nothing syncs per row and no [B, V] tensor leaves the device. CPU runs
+the same code. A seeded row costs one kernel of its own per step (its generator's draw); everything else
+is batched.
 
 Logprobs are those of the model's raw distribution, log_softmax of the logits before any bias, penalty,
 temperature or truncation: what vLLM v1 reports by default (`logprobs_mode="raw_logprobs"`), and
@@ -80,7 +81,7 @@ class SamplingState:
     def __post_init__(self) -> None:
         p = self.params
         self.plain = (p.greedy and not p.uses_penalties and not p.min_tokens and p.logprobs is None
-                      and not p.logit_bias)
+                      and not p.logit_bias and not p.allowed_token_ids)
 
     @classmethod
     def create(
@@ -188,11 +189,11 @@ class Sampler:
         params = [s.params for s in states]
         finite = finite_rows(logits)
         mask_idx = _min_tokens_mask(states, self.vocab_size)
-        bias = _logit_bias(states, self.vocab_size)
+        bias, allowed = _logit_bias(states, self.vocab_size), _allowed(states, self.vocab_size)
         pen_rows = [i for i, p in enumerate(params) if p.uses_penalties]
-        if not mask_idx and not bias[0] and not pen_rows and all([p.greedy for p in params]):
+        if not mask_idx and not bias[0] and not allowed and not pen_rows and all([p.greedy for p in params]):
             return logits.argmax(dim=-1), finite, None  # greedy batch: nothing to upload, nothing to process
-        ids, slots = self._sample(logits, states, params, mask_idx, bias, pen_rows)
+        ids, slots = self._sample(logits, states, params, mask_idx, bias, allowed, pen_rows)
         return ids, finite, slots
 
     def release(self, state: SamplingState) -> None:
@@ -210,19 +211,23 @@ class Sampler:
         params: list[SamplingParams],
         mask_idx: list[int],
         bias: tuple[list[int], list[float]],
+        allowed: list[int],
         pen_rows: list[int],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, V = logits.shape
         rows = [x for s in states for x in self._row_params(s)]
         plan = self._table.plan(states, pen_rows) if pen_rows else None
-        prm64, (mask_t, bias_t, *plan_t) = self._upload(rows + bias[1],
-                                                        [mask_idx, bias[0]] + (list(plan[:4]) if plan else []))
+        prm64, (mask_t, bias_t, allowed_t, *plan_t) = self._upload(
+            rows + bias[1], [mask_idx, bias[0], allowed] + (list(plan[:4]) if plan else []))
         table = prm64[: B * _NUM_ROW_PARAMS].view(B, _NUM_ROW_PARAMS)
         prm = table.float()  # float32 as vLLM's
         temperature, top_p, min_p, presence, frequency, repetition = (prm[:, c] for c in (0, 2, 3, 4, 5, 6))
         x = logits
+        if allowed:  # rows with an allowed list keep only those ids (the lists are never empty)
+            keep = torch.zeros(B * V, dtype=torch.bool, device=x.device).index_fill_(0, allowed_t, True).view(B, V)
+            x = x.masked_fill(~keep & keep.any(dim=1, keepdim=True), float("-inf"))
         if mask_idx or bias[0]:
-            x = x.clone(memory_format=torch.contiguous_format)  # flat indices are row-major
+            x = x.clone(memory_format=torch.contiguous_format) if x is logits else x  # flat indices: row-major
         if mask_idx:
             x.view(-1).index_fill_(0, mask_t, float("-inf"))
         if bias[0]:
@@ -343,3 +348,13 @@ def _logit_bias(states: list[SamplingState], V: int) -> tuple[list[int], list[fl
             idx.append(i * V + tok)
             val.append(b)
     return idx, val
+
+
+def _allowed(states: list[SamplingState], V: int) -> list[int]:
+    """Flat [B * V] indices of the rows' allowed_token_ids."""
+    idx: list[int] = []
+    for i, s in enumerate(states):
+        ids = s.params.allowed_token_ids or ()
+        check_ids(list(ids), V, "allowed_token_ids")
+        idx.extend(i * V + t for t in ids)
+    return idx

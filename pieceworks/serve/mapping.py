@@ -135,6 +135,15 @@ def logit_bias(req: SamplingFields, vocab_size: int) -> dict[int, float] | None:
     return out
 
 
+def allowed_ids(req: SamplingFields, vocab_size: int) -> list[int] | None:
+    """vLLM's allowed_token_ids, checked against the vocabulary (SamplingParams checks the rest)."""
+    bad = [t for t in req.allowed_token_ids or () if not 0 <= t < vocab_size]
+    if bad:
+        raise BadRequest(f"allowed_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
+                         param="allowed_token_ids")
+    return req.allowed_token_ids
+
+
 def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int) -> SamplingParams:
     """The request's sampling fields as `SamplingParams` (OpenAI's defaults where a field is absent)."""
     if isinstance(req, CompletionRequest):
@@ -154,7 +163,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int) -> Sa
         seed=req.seed, stop=stop or None, stop_token_ids=req.stop_token_ids or None, ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, logprobs=logprobs, n=req.n,
-        logit_bias=logit_bias(req, vocab_size),
+        logit_bias=logit_bias(req, vocab_size), allowed_token_ids=allowed_ids(req, vocab_size),
     )
     try:
         return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
