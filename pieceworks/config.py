@@ -204,15 +204,15 @@ class SchedulerConfig:
     """Fraction of the KV pool kept free when admitting a new request, so running requests can grow a
     while before one has to be preempted (ignored when nothing runs)."""
     async_steps: bool = True
-    """Keep one step in flight: launch step k (its decode rows read their input ids from step k - 1's
-    sampled ids on the device), then wait for step k - 1's ids and return its outputs, so the host work
-    of one step overlaps the GPU work of the previous one. Applies to every step (decodes and prompt
-    chunks; greedy or sampled rows, with penalties, logprobs, min_tokens or stop strings) that needs no
-    preemption, at world size 1; a step that preempts first drains the one in flight (that `step` call
-    returns its outputs only) and then runs synchronously, as every step of a distributed run does. The
-    step that starts the pipeline returns no outputs of its own. On by default: on the H200 it adds 15%
-    output tok/s to the 64-request serving benchmark (docs/benchmarks.md); greedy tokens are the same as
-    with synchronous steps (tests/gpu/test_engine_gpu.py)."""
+    """Keep one step in flight: launch step k (its decode rows read their input ids from step k - 1's sampled ids on
+    the device), then wait for step k - 1's ids and return its outputs, so the host work of one step overlaps
+    the GPU work of the previous one. Applies to every step (decodes and prompt chunks; greedy or sampled rows,
+    with penalties, logprobs, min_tokens or stop strings) that needs no preemption, at world size 1, while no
+    request's prompt logprobs are pending; a step that preempts first drains the one in flight (that `step` call
+    returns its outputs only) and then runs synchronously, as every step of a distributed run does. The step
+    that starts the pipeline returns no outputs of its own. On by default: on the H200 it adds 15% output tok/s
+    to the 64-request serving benchmark (docs/benchmarks.md); greedy tokens are the same as with synchronous
+    steps (tests/gpu/test_engine_gpu.py)."""
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,8 @@ def test_forward_refuses_malformed_batches(ex):
         (ForwardBatch([seq], None), "ForwardBatch.tokens must be a list, got NoneType"),
         (ForwardBatch([3], [[1]]), "ForwardBatch.seqs holds int 3"),
         (ForwardBatch([None], [[1]]), "ForwardBatch.seqs holds NoneType None"),
-        (ForwardBatch([seq], [[1]], return_all_logits="yes"), "return_all_logits must be True or False"),
+        (ForwardBatch([seq], [[1]], return_all_logits="yes"), "return_all_logits must be True, False or one bool"),
+        (ForwardBatch([seq], [[1]], return_all_logits=[True, False]), "one bool per sequence, got \\[True, False\\]"),
         (ForwardBatch([seq, seq], [[1], [2]]), "appears twice"),
         ([seq], "forward takes a ForwardBatch, got list"),
     ]

@@ -294,6 +294,67 @@ def test_allowed_token_ids_end_to_end(engine, reference):
     drained(engine)
 
 
+def _scored(engine, prompt: list[int]) -> torch.Tensor:
+    """log_softmax of the logits at every prompt position, one forward of the whole prompt."""
+    seq = engine.executor.new_sequence()
+    try:
+        return engine.executor.forward(ForwardBatch([seq], [prompt], True)).log_softmax(-1)
+    finally:
+        engine.executor.free(seq)
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_prompt_logprobs_match_one_scoring_forward(caching, monkeypatch):
+    """Over chunked prefill (16-token steps, scored in blocks of 5 rows), next to a request without them that
+    runs on, with and without prefix caching (a cached prefix of the same prompt is computed again): the
+    prompt token's logprob and the top k at every position; the first entry None; the generated tokens
+    unchanged."""
+    from pieceworks.engine import logprobs
+
+    monkeypatch.setattr(logprobs, "PROMPT_ROWS_PER_PASS", 5)
+    eng = make(scheduler={"max_num_batched_tokens": 16}, kv_cache={"num_tokens": 512, "page_size": 4,
+                                                                   "prefix_caching": caching})
+    prompt = PROMPTS[3]  # 30 tokens: two chunks
+    plain = eng.generate([prompt], GREEDY)[0]  # fills the prefix cache when it is on
+    other = eng.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=20))
+    eng.step()
+    eng.step()  # the other request runs (and decodes asynchronously) when the scoring one arrives
+    scored = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=2))
+    done = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            assert o.prompt_logprobs is None or o.request_id == scored
+            if o.finished:
+                done[o.request_id] = o
+    out, ref = done[scored], _scored(eng, prompt)
+    assert out.token_ids == plain.token_ids and out.num_cached_tokens == 0
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    for j in range(1, len(prompt)):
+        d = out.prompt_logprobs[j]
+        assert d[prompt[j]] == pytest.approx(float(ref[j - 1, prompt[j]]), abs=1e-5)
+        top2 = ref[j - 1].topk(2).indices.tolist()
+        assert set(d) == {prompt[j], *top2}
+    assert done[other].token_ids == engine_reference(PROMPTS[1], 20)
+    drained(eng)
+
+
+def engine_reference(prompt: list[int], n: int) -> list[int]:
+    return make().executor.generate([prompt], n)[0]
+
+
+def test_prompt_logprobs_with_n_and_abort(engine):
+    outs = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=2, n=2, prompt_logprobs=0))
+    assert outs[0].prompt_logprobs == outs[1].prompt_logprobs and len(outs[0].prompt_logprobs) == len(PROMPTS[0])
+    assert all(len(d) == 1 for d in outs[0].prompt_logprobs[1:])  # k = 0: the prompt token's own only
+    rid = engine.add_request(PROMPTS[3], SamplingParams(max_tokens=2, prompt_logprobs=1))
+    engine.step()
+    engine.abort(rid)
+    assert not engine.scheduler.prompt_logits
+    while engine.has_unfinished():
+        engine.step()
+    drained(engine)
+
+
 def test_logprobs_passed_through(engine, reference):
     out = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=3, logprobs=2))[0]
     assert out.token_ids == reference[0][:3] and len(out.logprobs) == 3

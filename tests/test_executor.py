@@ -61,6 +61,11 @@ def test_chunked_prefill_decode_and_mixed_match_one_prefill(ex):
     logits = ex.forward(batch)
     close(logits[0], ref_a[13])
     close(logits[1:], ref_b[:7])
+    # per sequence: every row of sc's chunk, sa's last row only
+    logits = ex.forward(ForwardBatch([sc, sa], [b[7:11], a[14:16]], return_all_logits=[True, False]))
+    assert logits.shape[0] == 5
+    close(logits[:4], ref_b[7:11])
+    close(logits[4], ref_a[15])
     for s in (sa, sb, sc):
         ex.free(s)
     assert ex.kv.allocator.num_free == ex.kv.allocator.capacity

@@ -38,7 +38,8 @@ def steps(ex: Executor) -> list[torch.Tensor]:
     a, b, c = ex.new_sequence(), ex.new_sequence(), ex.new_sequence()
     out = [ex.forward(ForwardBatch([a, b], [[1, 2, 3, 4, 5, 6], [7, 8, 9]], return_all_logits=True)),
            ex.forward(ForwardBatch([a, b], [[10], [11]])),
-           ex.forward(ForwardBatch([a, c], [[12], [3, 1, 4, 1, 5]]))]
+           ex.forward(ForwardBatch([a, c], [[12], [3, 1, 4, 1, 5]])),
+           ex.forward(ForwardBatch([c, a], [[9, 2], [13]], return_all_logits=[True, False]))]
     for s in (a, b, c):
         ex.free(s)
     out.append(torch.tensor(ex.generate([[5, 6, 7], [9, 10]], max_new_tokens=4)))
@@ -311,7 +312,7 @@ def test_torchrun_launch_equals_one_process(reference):
                           *overrides, *TP2], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     line = next(l for l in run.stdout.splitlines() if l.startswith("TOKENS "))
-    assert json.loads(line[7:]) == reference(overrides)[3].tolist()
+    assert json.loads(line[7:]) == reference(overrides)[-1].tolist()
     line = next(l for l in run.stdout.splitlines() if l.startswith("QUEUE "))
     sent = json.loads(line[6:])  # both ranks on this host: the step messages went through shared memory
     assert sent is None if not message_queue.usable() else sent >= 4

@@ -41,6 +41,7 @@ GOOD = {
     "frequency_penalty": [-2, -0.5, 0.0, 2.0],
     "repetition_penalty": [1e-3, 1.0, 1.3, 10],
     "logprobs": [None, 0, 1, 20, np.int16(5)],
+    "prompt_logprobs": [None, 0, 3, 20],
     "n": [1, 2, 64],
 }
 
@@ -57,6 +58,7 @@ BAD = {
     "frequency_penalty": [3, -2.0001, math.inf, None],
     "repetition_penalty": [0, 0.0, -1.0, math.inf, True, 1e-50, 1e39],
     "logprobs": [-1, 21, 1.5, True],
+    "prompt_logprobs": [-1, 21, 2.0, True, "3"],
     "n": [0, -3, 1.0, True, None],
 }
 

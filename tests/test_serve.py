@@ -146,6 +146,32 @@ def test_logit_bias_and_allowed_token_ids(tiny_url, tiny_engine):
     wait_idle(tiny_url)
 
 
+def test_echo_scores_the_prompt(tiny_url, tiny_engine):
+    """echo + logprobs + max_tokens 0 (how evaluation harnesses score text): the prompt's tokens with their
+    logprobs (the first None), as the engine's prompt_logprobs; nothing generated; streamed alike."""
+    from pieceworks.engine import SamplingParams
+
+    prompt = PROMPTS[6]
+    ref = tiny_engine.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=1))[0].prompt_logprobs
+    c = client(tiny_url)
+    r = c.completions.create(model=TINY_NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                             extra_body={"return_token_ids": True})
+    ch = r.choices[0]
+    assert ch.text == "" and ch.model_extra["token_ids"] == [] and r.usage.completion_tokens == 0
+    assert ch.logprobs.tokens == [f"token_id:{t}" for t in prompt]
+    assert ch.logprobs.token_logprobs[0] is None and ch.logprobs.top_logprobs[0] is None
+    for j in range(1, len(prompt)):
+        assert ch.logprobs.token_logprobs[j] == pytest.approx(ref[j][prompt[j]], abs=1e-4)
+        assert 1 <= len(ch.logprobs.top_logprobs[j]) <= 2
+    chunks = list(c.completions.create(model=TINY_NAME, prompt=prompt, max_tokens=2, echo=True, logprobs=1,
+                                       stream=True, extra_body={"return_token_ids": True, "ignore_eos": True}))
+    lps = [x for ch in chunks for choice in ch.choices if choice.logprobs for x in choice.logprobs.token_logprobs]
+    ids = [t for ch in chunks for choice in ch.choices for t in choice.model_extra["token_ids"]]
+    assert len(lps) == len(prompt) + 2 and lps[0] is None and len(ids) == 2
+    assert lps[1:len(prompt)] == pytest.approx([ref[j][prompt[j]] for j in range(1, len(prompt))], abs=1e-4)
+    wait_idle(tiny_url)
+
+
 def test_sixteen_concurrent_streams(tiny_url, tiny_engine):
     want = greedy(tiny_engine, PROMPTS, 10)
     c = openai.AsyncOpenAI(base_url=f"{tiny_url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -200,7 +226,8 @@ BAD = {
     "top_p out of range": {"model": TINY_NAME, "prompt": [1, 2], "top_p": 2.0},
     "logprobs out of range": {"model": TINY_NAME, "prompt": [1, 2], "logprobs": 50},
     "unknown field": {"model": TINY_NAME, "prompt": [1, 2], "temprature": 0.5},
-    "unsupported field": {"model": TINY_NAME, "prompt": [1, 2], "echo": True},
+    "unsupported field": {"model": TINY_NAME, "prompt": [1, 2], "suffix": "x"},
+    "max_tokens 0 without echo": {"model": TINY_NAME, "prompt": [1, 2], "max_tokens": 0},
     "n zero": {"model": TINY_NAME, "prompt": [1, 2], "n": 0},
     "n beyond the queue": {"model": TINY_NAME, "prompt": [1, 2], "n": 10**6},
     "logit_bias outside vocabulary": {"model": TINY_NAME, "prompt": [1, 2], "logit_bias": {"1000000": 1}},
@@ -373,6 +400,12 @@ def test_completion_text_stop_logprobs_and_n(smol_url):
     kw = dict(model=SMOL_NAME, prompt=prompt, max_tokens=4, temperature=1.0, n=2, seed=7)
     a, b = c.completions.create(**kw), c.completions.create(**kw)
     assert [x.index for x in a.choices] == [0, 1] and [x.text for x in a.choices] == [x.text for x in b.choices]
+    # echo: the prompt's text first, its tokens' logprobs before the generated ones (the first None)
+    r = c.completions.create(model=SMOL_NAME, prompt=prompt, max_tokens=8, temperature=0, logprobs=1, echo=True)
+    ch = r.choices[0]
+    assert ch.text == prompt + want
+    assert ch.logprobs.token_logprobs[0] is None and len(ch.logprobs.tokens) == r.usage.prompt_tokens + 8
+    assert "".join(ch.logprobs.tokens) == ch.text
     m = wait_idle(smol_url)
     assert m["pieceworks_prefix_cache_queried_tokens_total"] > 0
     assert m["pieceworks_time_to_first_token_seconds_count"] >= 5

@@ -237,7 +237,16 @@ def test_lengths_prompts_and_unsupported_fields():
         mapping.chat_prompt(chat_req, _Templated("{{ messages[0].content }}", broken=True))
     assert mapping.chat_prompt(chat_req, _Templated("{{ messages[0].content }}")) == [104, 105]
     _bad(mapping.check_model, req, "other", param="model")
-    for field, value in (("echo", True), ("suffix", "x"), ("best_of", 3)):
+    echo = req.model_copy(update={"echo": True, "logprobs": 2})
+    assert mapping.max_tokens_for(echo.model_copy(update={"max_tokens": 0}), 3, 100) == 1  # scored, then dropped
+    _bad(mapping.max_tokens_for, req.model_copy(update={"max_tokens": 0}), 3, 100, param="max_tokens")
+    assert mapping.sampling_params(echo, 4, 100).prompt_logprobs == 2
+    assert mapping.sampling_params(req.model_copy(update={"logprobs": 2}), 4, 100).prompt_logprobs is None
+    assert mapping.echo_texts(echo, None, [[1, 2, 3]]) == [""]
+    texts = CompletionRequest(model="m", prompt=["ab", "c"], echo=True)
+    assert mapping.echo_texts(texts, None, [[1], [2]]) == ["ab", "c"]
+    assert mapping.echo_texts(req, None, [[1, 2, 3]]) is None
+    for field, value in (("suffix", "x"), ("best_of", 3)):
         _bad(mapping.refuse_unsupported, req.model_copy(update={field: value}), param=field)
     _bad(mapping.refuse_unsupported, chat.model_copy(update={"tools": [{"type": "function"}]}), param="tools")
     mapping.refuse_unsupported(chat.model_copy(update={"response_format": {"type": "text"}}))

@@ -151,12 +151,13 @@ class ForwardBatch:
     Attributes:
         seqs: the sequences, each at most once.
         tokens: new token ids per sequence (a list of ints or a 1-D integer tensor each).
-        return_all_logits: return logits for every new token (scoring), not only each sequence's last.
+        return_all_logits: return logits for every new token (scoring), not only each sequence's last;
+            a list of one bool per sequence: for every new token of the sequences where True.
     """
 
     seqs: list[Sequence]
     tokens: list[list[int]]
-    return_all_logits: bool = False
+    return_all_logits: bool | list[bool] = False
 
     @property
     def mode(self) -> ForwardMode:

@@ -25,6 +25,7 @@ from pieceworks.config import Config, load_config
 from pieceworks.core.batch import ForwardBatch
 from pieceworks.engine.async_steps import AsyncSteps, InFlight, mark_pending
 from pieceworks.engine.detokenize import Detokenizer, eos_token_ids, load_tokenizer
+from pieceworks.engine.logprobs import record_prompt_logprobs
 from pieceworks.engine.params import SamplingParams
 from pieceworks.engine.prompts import check_fits, check_token_ids, is_one_prompt, prompt_ids
 from pieceworks.engine.request import Request, RequestOutput
@@ -139,7 +140,8 @@ class Engine:
                 detok = Detokenizer(self.tokenizer, ids, params.stop) if self.tokenizer is not None else None
                 req = Request(request_id, index, ids, params, state, arrival, detok,
                               logprobs=[] if params.logprobs is not None else None, group=group,
-                              prompt_shown=shown)
+                              prompt_shown=shown,
+                              prompt_logprobs=None if params.prompt_logprobs is None else [None])
                 group.append(req)
             for req in group:
                 self.scheduler.add(req)
@@ -171,6 +173,7 @@ class Engine:
             self._ready, self._pipeline = [], AsyncSteps()
             self.scheduler.waiting.clear()
             self.scheduler.running.clear()
+            self.scheduler.prompt_logits.clear()
             self.sampler = None  # its penalty tables and generator live on the device; steps are refused
             self.executor.close()
 
@@ -233,9 +236,13 @@ class Engine:
                 )
             return outputs
         # valid by construction (checked prompts, sampled ids, own live sequences): no per-row checks
-        logits = self.executor.forward(ForwardBatch([r.seq for r, _ in scheduled], [t for _, t in scheduled]),
-                                       validate=False)
+        every = [r.needs_prompt_logits for r, _ in scheduled]
+        logits = self.executor.forward(ForwardBatch([r.seq for r, _ in scheduled], [t for _, t in scheduled],
+                                                    every if any(every) else False), validate=False)
         self.num_steps += 1
+        if any(every):
+            logits = record_prompt_logprobs(scheduled, every, logits)
+            self.scheduler.prompt_logits.difference_update(r for r, _ in scheduled if not r.needs_prompt_logits)
         reqs, logits, greedy = sampling_rows(scheduled, logits, self.executor.greedy_ids)
         if not reqs:
             return outputs  # only middle chunks of prompts ran

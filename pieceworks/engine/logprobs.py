@@ -43,7 +43,10 @@ def logprob_table(logits: torch.Tensor, ids: torch.Tensor, params: list[Sampling
     """float64 [B, 2 + 2k] on the logits' device, one row per step row: its id (-1: non-finite logits), the
     id's logprob, then the top k ids and their logprobs (k: the most logprobs a row asks for, at most V);
     exact for ids < 2**53 and float32 logprobs. `read_logprobs` reads it on the host."""
-    k = min(max(p.logprobs for p in params if p.logprobs is not None), logits.shape[1])
+    return _table(logits, ids, min(max(p.logprobs for p in params if p.logprobs is not None), logits.shape[1]))
+
+
+def _table(logits: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
     lp = logits.log_softmax(dim=-1)
     cols = [ids.unsqueeze(1).double(), lp.gather(1, ids.clamp(min=0).unsqueeze(1)).double()]
     if k:
@@ -52,13 +55,31 @@ def logprob_table(logits: torch.Tensor, ids: torch.Tensor, params: list[Sampling
     return torch.cat(cols, dim=1)
 
 
+PROMPT_ROWS_PER_PASS = 1024  # a prompt chunk's rows are scored in blocks: [block, V] float32 temporaries
+
+
+def prompt_logprobs(logits: torch.Tensor, rows: list[int], targets: list[int], ks: list[int]) -> list[dict[int, float]]:
+    """{token id: logprob} of the target token of each of `rows` of `logits` [R, V] float32 and that row's top
+    ks[i] (SamplingParams.prompt_logprobs), brought to the host in one copy per block of rows."""
+    k, out = min(max(ks), logits.shape[1]), []
+    for i in range(0, len(rows), PROMPT_ROWS_PER_PASS):
+        block = torch.tensor(rows[i : i + PROMPT_ROWS_PER_PASS], dtype=torch.int64).to(logits.device)
+        ids = torch.tensor(targets[i : i + PROMPT_ROWS_PER_PASS], dtype=torch.int64).to(logits.device)
+        out += _table(logits.index_select(0, block), ids, k).tolist()
+    return _read(out, ks)[1]
+
+
 def read_logprobs(rows: list[list[float]], params: list[SamplingParams]) -> SampleResult:
     """The SampleResult of a `logprob_table` brought to the host (as lists)."""
+    token_ids, logprobs = _read(rows, [p.logprobs for p in params])
+    return SampleResult(token_ids, [t >= 0 for t in token_ids], logprobs)
+
+
+def _read(rows: list[list[float]], asked: list[int | None]) -> tuple[list[int], list[dict[int, float] | None]]:
     k = (len(rows[0]) - 2) // 2 if rows else 0
     token_ids = [int(r[0]) for r in rows]
     logprobs: list[dict[int, float] | None] = []
-    for r, tok, p in zip(rows, token_ids, params):
-        a = p.logprobs
+    for r, tok, a in zip(rows, token_ids, asked):
         if a is None or tok < 0:
             logprobs.append(None if a is None else {})
             continue
@@ -66,4 +87,29 @@ def read_logprobs(rows: list[list[float]], params: list[SamplingParams]) -> Samp
         for j in range(min(a, k)):
             d.setdefault(int(r[2 + j]), r[2 + k + j])
         logprobs.append(d)
-    return SampleResult(token_ids, [t >= 0 for t in token_ids], logprobs)
+    return token_ids, logprobs
+
+
+def record_prompt_logprobs(scheduled: list, every: list[bool], logits: torch.Tensor) -> torch.Tensor:
+    """Append the prompt logprobs that a step's rows give to the requests that asked for them: `scheduled`
+    the step's (request, new tokens) pairs, `every` marks those whose every row is in `logits` (the
+    others gave their last row only). Returns the step's last row per request, as a step without prompt
+    logprobs returns."""
+    rows, targets, owners, last, start = [], [], [], [], 0
+    for (req, toks), all_rows in zip(scheduled, every):
+        n = len(toks) if all_rows else 1
+        last.append(start + n - 1)
+        if all_rows:  # row j predicts position first + j + 1; positions already recorded are skipped
+            first = req.seq.kv_len - len(toks)
+            for j in range(n):
+                pos = first + j + 1
+                if len(req.prompt_logprobs) <= pos < len(req.prompt):
+                    rows.append(start + j)
+                    targets.append(req.prompt[pos])
+                    owners.append(req)
+        start += n
+    if rows:
+        ks = [r.params.prompt_logprobs for r in owners]
+        for req, d in zip(owners, prompt_logprobs(logits, rows, targets, ks)):
+            req.prompt_logprobs.append(d)
+    return logits[last]

@@ -110,6 +110,11 @@ class SamplingParams:
     """Divides positive (multiplies negative) logits of tokens in the prompt or output; > 0, 1: off."""
     logprobs: int | None = None
     """Return this many top logprobs per generated token plus the sampled token's, 0..20; None: off."""
+    prompt_logprobs: int | None = None
+    """Also return the prompt's logprobs: per prompt token after the first, {token id: logprob} of that
+    token and the top `prompt_logprobs` at its position, 0..20 (vLLM's field); the first token's entry
+    is None. Such a completion computes its whole prompt (no prefix-cache reuse) in synchronous steps.
+    None: off."""
     n: int = 1
     """Completions per prompt (they share the prompt's KV pages; seeded ones use seed + index)."""
     allowed_token_ids: list[int] | None = None
@@ -161,6 +166,10 @@ class SamplingParams:
             put(self, "allowed_token_ids", self._ids("allowed_token_ids", self.allowed_token_ids))
             _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", self.allowed_token_ids,
                    "a non-empty list of ints >= 0 or None")
+        if self.prompt_logprobs is not None:
+            put(self, "prompt_logprobs", _int("prompt_logprobs", self.prompt_logprobs, f"0..{MAX_LOGPROBS} or None"))
+            _check(0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs", self.prompt_logprobs,
+                   f"0..{MAX_LOGPROBS} or None")
         put(self, "n", _int("n", self.n, ">= 1"))
         _check(self.n >= 1, "n", self.n, ">= 1")
         _in_float32("temperature", self.temperature, ">= 0", tiny_ok=True)  # below 1e-5: greedy

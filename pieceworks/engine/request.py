@@ -31,6 +31,9 @@ class RequestOutput:
             sampled token's and the top `logprobs`), else None.
         num_cached_tokens: prompt tokens served from the prefix cache instead of being computed.
         error: what went wrong, with finish_reason "error".
+        prompt_logprobs: with SamplingParams.prompt_logprobs, once the prompt is computed: one entry per
+            prompt token, None for the first, else {token id: logprob} of that token and the top
+            `prompt_logprobs` at its position (one list per completion, shared by its outputs); else None.
     """
 
     request_id: str
@@ -45,6 +48,7 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None
     num_cached_tokens: int
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(eq=False)
@@ -73,6 +77,9 @@ class Request:
     """The prompt that outputs carry: a copy, made once per request and shared by its n completions (not
     one per output, which would cost the prompt's length every step), so a caller who edits an output's
     prompt_token_ids can't change what the request computes. None: copied from `prompt` here."""
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """With SamplingParams.prompt_logprobs: the entries of the prompt's first positions computed so far
+    ([None] for the first token at the start); None otherwise."""
     pending: bool = False
     """Async steps: `output[-1]` is the placeholder -(row + 1) of the token that row of the step in
     flight samples (the decode runner reads it from the device); replaced when the id arrives."""
@@ -96,6 +103,12 @@ class Request:
         return self.prompt[start:] + self.output[: stop - n]
 
     @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether its prompt logprobs are still to be computed (the steps that run its prompt then
+        return the logits of every prompt row)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt)
+
+    @property
     def prompt_done(self) -> bool:
         """The prompt's KV is computed (or the completion ended)."""
         return self.finish_reason is not None or (self.seq is not None and self.seq.kv_len >= len(self.prompt))
@@ -112,4 +125,5 @@ class Request:
             self.request_id, self.index, self.prompt_shown, new, list(self.output), text, delta, finished,
             self.finish_reason, list(self.logprobs) if self.logprobs is not None else None,
             self.num_cached_tokens or 0, self.error,
+            None if self.prompt_logprobs is None or self.needs_prompt_logits else self.prompt_logprobs,
         )

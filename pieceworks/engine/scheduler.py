@@ -50,12 +50,15 @@ class Scheduler:
         self.watermark_pages = int(cfg.watermark * self.alloc.capacity)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
+        self.prompt_logits: set[Request] = set()  # queued or running, prompt logprobs still to compute
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
         self.prefix_queried_tokens = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        if req.needs_prompt_logits:
+            self.prompt_logits.add(req)
 
     def remove(self, req: Request) -> None:
         """Take a request out of the queues and give its pages back (finished or aborted)."""
@@ -63,6 +66,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.prompt_logits.discard(req)
         self._release(req)
 
     def _release(self, req: Request) -> None:
@@ -135,7 +139,8 @@ class Scheduler:
                     break
                 if self.alloc.prefix_caching and req.index > 0 and not req.group[0].prompt_done:
                     continue  # wait for the first completion's prompt pages, then share them
-                seq = self.ex.new_sequence(req.tokens(0), validate=False)
+                # prompt logprobs need the logits of every prompt row: no prefix-cache reuse then
+                seq = self.ex.new_sequence(None if req.needs_prompt_logits else req.tokens(0), validate=False)
                 n = min(req.num_tokens - seq.kv_len, tokens_left)
                 need = self.ex.pages_needed([seq], [n])
                 watermark = self.watermark_pages if self.running else 0

@@ -55,7 +55,7 @@ class SentPages:
         self.counts: dict[int, int] = {}  # id -> pages the followers have
         self.steps = 0
 
-    def message(self, seqs: list, tokens: list[list[int]], all_logits: bool) -> tuple:
+    def message(self, seqs: list, tokens: list[list[int]], all_logits: bool | list[bool]) -> tuple:
         """(tokens, cached lengths, ids, new pages per sequence, freed ids, all_logits) of one step,
         recorded as sent (a message that fails to go out closes the executor)."""
         counts = self.counts
@@ -231,7 +231,7 @@ def step_seqs(pages: dict[int, list[int]], msg: tuple) -> list[StepSeq]:
     return seqs
 
 
-def send_step(ex: Any, seqs: list, tokens: list[list[int]], all_logits: bool) -> None:
+def send_step(ex: Any, seqs: list, tokens: list[list[int]], all_logits: bool | list[bool]) -> None:
     """The leader's half of `follow`: broadcast one step (after its pages are reserved). The leader does
     not wait for the followers: the message is in the shared-memory ring when this returns, or (through
     gloo, across hosts) goes out while the leader runs the same step. A group of one has no follower:
@@ -241,7 +241,8 @@ def send_step(ex: Any, seqs: list, tokens: list[list[int]], all_logits: bool) ->
         groups.broadcast(ex.sent_pages.message(seqs, tokens, all_logits), wait=False)
 
 
-def forward_leader(ex: Any, mode: ForwardMode, seqs: list, tokens: list[list[int]], all_logits: bool) -> torch.Tensor:
+def forward_leader(ex: Any, mode: ForwardMode, seqs: list, tokens: list[list[int]],
+                   all_logits: bool | list[bool]) -> torch.Tensor:
     """`ex.run_step` on every rank: the step's inputs go to the followers first. A worker that is gone, or a
     step that fails on any rank, closes the executor (the ranks' states may differ now)."""
     try:

@@ -32,8 +32,10 @@ def check_batch(batch: ForwardBatch, live: dict[int, Sequence], vocab_size: int,
     for name in ("seqs", "tokens"):
         if not isinstance(getattr(batch, name), (list, tuple)):
             raise BatchError(f"ForwardBatch.{name} must be a list, got {type(getattr(batch, name)).__name__}")
-    if not isinstance(batch.return_all_logits, bool):
-        raise BatchError(f"ForwardBatch.return_all_logits must be True or False, got {batch.return_all_logits!r}")
+    every = batch.return_all_logits
+    if not isinstance(every, bool) and not (isinstance(every, list) and len(every) == len(batch.seqs)
+                                            and all(isinstance(a, bool) for a in every)):
+        raise BatchError(f"ForwardBatch.return_all_logits must be True, False or one bool per sequence, got {every!r}")
     bad_seqs = [s for s in batch.seqs if not isinstance(s, Sequence)]  # None among them too
     if bad_seqs:
         raise BatchError(f"ForwardBatch.seqs holds {type(bad_seqs[0]).__name__} {bad_seqs[0]!r}; give the "
@@ -201,9 +203,13 @@ def take_previous_ids(ids: torch.Tensor, prev: torch.Tensor) -> None:
     ids.copy_(torch.where(ids < 0, prev.index_select(0, src).clamp_(min=0), ids))
 
 
-def logit_rows(tokens: list[list[int]], all_rows: bool, device: torch.device) -> torch.Tensor:
-    """The rows of a step's hidden states whose logits it returns: every row, or each sequence's last."""
-    if all_rows:
+def logit_rows(tokens: list[list[int]], all_rows: bool | list[bool], device: torch.device) -> torch.Tensor:
+    """The rows of a step's hidden states whose logits it returns: every row (True), each sequence's last
+    (False), or per sequence (a list): all of its rows where True, its last where False."""
+    if all_rows is True:
         return torch.arange(sum(map(len, tokens)), device=device)
     ends = list(itertools.accumulate(len(t) for t in tokens))
-    return to_device(torch.tensor([e - 1 for e in ends]), device)
+    if all_rows is False or not any(all_rows):
+        return to_device(torch.tensor([e - 1 for e in ends]), device)
+    rows = [r for t, e, a in zip(tokens, ends, all_rows) for r in (range(e - len(t), e) if a else (e - 1,))]
+    return to_device(torch.tensor(rows), device)

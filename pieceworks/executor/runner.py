@@ -197,7 +197,8 @@ class Executor:
 
         Returns:
             float32 logits: [num_seqs, V] for each sequence's last new token, or
-            [total new tokens, V] with `batch.return_all_logits`.
+            [total new tokens, V] with `batch.return_all_logits` (with a list: every new token's row of
+            the sequences it marks, the last one's of the others, in batch order).
 
         Raises:
             BatchError: invalid batch (token ids that are not integers or lie outside the vocabulary,
@@ -250,7 +251,8 @@ class Executor:
             self.kv.allocator.register(seq.pages[i], key)
         seq.block_keys.extend(new)
 
-    def run_step(self, mode: ForwardMode, seqs: list[Any], tokens: list[list[int]], all_logits: bool) -> torch.Tensor:
+    def run_step(self, mode: ForwardMode, seqs: list[Any], tokens: list[list[int]],
+                 all_logits: bool | list[bool]) -> torch.Tensor:
         """The step itself, pages already reserved (every rank of a tensor-parallel run calls it with the
         same arguments): graph mode, kernels, inputs, the model, logits. `seqs` need `pages` and `kv_len`."""
         graph = self._graph_mode(mode, len(tokens), sum(map(len, tokens)))

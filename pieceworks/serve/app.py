@@ -127,7 +127,9 @@ class Server:
                 if isinstance(out, Exception):
                     raise out
                 now = time.perf_counter()
-                c = choices.setdefault(i * n + out.index, Choice(i * n + out.index, start))
+                c = choices.setdefault(i * n + out.index, Choice(i * n + out.index, start, prompt_ids=prompts[i]))
+                if out.prompt_logprobs is not None:
+                    c.prompt_logprobs = out.prompt_logprobs
                 if i in queued and out.new_token_ids:
                     queued.discard(i)
                     self.num_queued -= 1
@@ -313,7 +315,8 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
         prompts = mapping.completion_prompts(req, srv.tokenizer, srv.vocab_size)
         params = [mapping.sampling_params(req, mapping.max_tokens_for(req, len(p), srv.max_context), srv.vocab_size)
                   for p in prompts]
-        return await _respond(request, req, prompts, params, new_id("cmpl"), CompletionWriter(srv, req))
+        writer = CompletionWriter(srv, req, mapping.echo_texts(req, srv.tokenizer, prompts))
+        return await _respond(request, req, prompts, params, new_id("cmpl"), writer)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -35,7 +35,7 @@ def refuse_unsupported(req: SamplingFields) -> None:
     """OpenAI fields whose behaviour pieceworks lacks: refused by name rather than ignored."""
     unsupported: dict[str, Any] = {}
     if isinstance(req, CompletionRequest):
-        unsupported |= {"echo": req.echo or None, "suffix": req.suffix,
+        unsupported |= {"suffix": req.suffix,
                         "best_of": req.best_of if req.best_of not in (None, req.n or 1) else None}
     if isinstance(req, ChatCompletionRequest):
         fmt = req.response_format
@@ -78,6 +78,17 @@ def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int) 
     return out
 
 
+def echo_texts(req: CompletionRequest, tokenizer: Any, prompts: list[list[int]]) -> list[str] | None:
+    """With `echo`, each prompt's text as the response repeats it: a text prompt as given, token ids
+    decoded (empty without a tokenizer)."""
+    if not req.echo:
+        return None
+    texts = [req.prompt] if isinstance(req.prompt, str) else [p for p in req.prompt if isinstance(p, str)]
+    if len(texts) == len(prompts):
+        return texts
+    return [tokenizer.decode(ids) if tokenizer is not None else "" for ids in prompts]
+
+
 def chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
     """The messages rendered by the tokenizer's chat template, with the assistant turn opened."""
     if not req.messages:
@@ -111,6 +122,8 @@ def max_tokens_for(req: SamplingFields, prompt_len: int, max_context: int) -> in
         if isinstance(req, CompletionRequest):
             return min(COMPLETIONS_DEFAULT_MAX_TOKENS, max_context - prompt_len)
         return max_context - prompt_len
+    if asked == 0 and isinstance(req, CompletionRequest) and req.echo:
+        return 1  # the prompt alone is scored: the one token generated is left out of the response
     if asked < 1:
         raise BadRequest(f"{name} = {asked}: must be at least 1", param=name)
     if prompt_len + asked > max_context:
@@ -146,10 +159,13 @@ def allowed_ids(req: SamplingFields, vocab_size: int) -> list[int] | None:
 
 def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int) -> SamplingParams:
     """The request's sampling fields as `SamplingParams` (OpenAI's defaults where a field is absent)."""
+    prompt_logprobs = None
     if isinstance(req, CompletionRequest):
         logprobs = req.logprobs
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise BadRequest(f"logprobs = {logprobs}: must be in [0, {MAX_LOGPROBS}]", param="logprobs")
+        if req.echo:
+            prompt_logprobs = logprobs
     else:
         top = req.top_logprobs
         if top is not None and not 0 <= top <= MAX_LOGPROBS:
@@ -164,6 +180,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int) -> Sa
         min_tokens=req.min_tokens, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, logprobs=logprobs, n=req.n,
         logit_bias=logit_bias(req, vocab_size), allowed_token_ids=allowed_ids(req, vocab_size),
+        prompt_logprobs=prompt_logprobs,
     )
     try:
         return SamplingParams(**{k: v for k, v in fields.items() if v is not None})

@@ -36,6 +36,8 @@ class Choice:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     first_token_at: float | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with echo and logprobs
 
 
 @dataclass
@@ -81,43 +83,69 @@ class Writer:
 
 
 class CompletionWriter(Writer):
-    def __init__(self, srv: Any, req: CompletionRequest):
+    """`echo_texts`: with `echo`, each prompt's text, put before its choices' text (and its tokens before
+    their logprobs, the first with none, as OpenAI's); with echo and max_tokens 0, the one token the
+    engine generates is left out (only the prompt is scored)."""
+
+    def __init__(self, srv: Any, req: CompletionRequest, echo_texts: list[str] | None = None):
         super().__init__(srv, req)
         self.offsets: dict[int, int] = {}
+        self.echo_texts = echo_texts if req.echo else None
+        self.generated = not (req.echo and req.max_tokens == 0)
+        self.echoed: set[int] = set()
 
-    def _logprobs(self, index: int, token_ids: list[int], lps: list[dict[int, float]]) -> CompletionLogprobs | None:
+    def _logprobs(self, index: int, token_ids: list[int],
+                  lps: list[dict[int, float] | None]) -> CompletionLogprobs | None:
         if self.req.logprobs is None:
             return None
         out = CompletionLogprobs()
         for tid, d in zip(token_ids, lps):
             s = self.srv.token_str(tid)
             out.tokens.append(s)
-            out.token_logprobs.append(d.get(tid))
-            out.top_logprobs.append({self.srv.token_str(t): v for t, v in top(d, self.req.logprobs)})
+            out.token_logprobs.append(None if d is None else d.get(tid))
+            tops = None if d is None else {self.srv.token_str(t): v for t, v in top(d, self.req.logprobs)}
+            out.top_logprobs.append(tops)
             out.text_offset.append(self.offsets.get(index, 0))
             self.offsets[index] = self.offsets.get(index, 0) + len(s)
         return out
+
+    def _parts(self, c: Choice, text: str, ids: list[int], lps: list) -> tuple[str, list[int], list, list[int]]:
+        """(text, logprob token ids, their logprobs, generated ids) of a choice's response or chunk: the
+        echoed prompt first where it is due (once per choice), the generated part where it is kept."""
+        if not self.generated:
+            text, ids, lps = "", [], []
+        if self.echo_texts is None or c.index in self.echoed:
+            return text, ids, lps, ids
+        self.echoed.add(c.index)
+        echo = self.echo_texts[c.index // (self.req.n or 1)]
+        prompt_lps = c.prompt_logprobs or [None] * len(c.prompt_ids)
+        return echo + text, c.prompt_ids + ids, prompt_lps + lps, ids
 
     def chunks(self, rid: str, step: Step) -> list[CompletionChunk]:
         self.note(step)
         c = step.choice
         if not (step.new_token_ids or step.text_delta or step.finished):
             return []
-        choice = CompletionChoice(index=c.index, text=step.text_delta,
-                                  logprobs=self._logprobs(c.index, step.new_token_ids, step.new_logprobs),
+        text, lp_ids, lps, ids = self._parts(c, step.text_delta, step.new_token_ids, step.new_logprobs)
+        choice = CompletionChoice(index=c.index, text=text, logprobs=self._logprobs(c.index, lp_ids, lps),
                                   finish_reason=c.finish_reason if step.finished else None,
-                                  token_ids=step.new_token_ids if self.req.return_token_ids else None)
+                                  token_ids=ids if self.req.return_token_ids else None)
         return [CompletionChunk(id=rid, model=self.srv.name, choices=[choice])]
 
+    def _usage(self, prompts: list[list[int]]) -> UsageInfo:
+        return usage(prompts, self.ordered() if self.generated else [])
+
     def usage_chunk(self, rid: str, prompts: list[list[int]]) -> CompletionChunk:
-        return CompletionChunk(id=rid, model=self.srv.name, choices=[], usage=usage(prompts, self.ordered()))
+        return CompletionChunk(id=rid, model=self.srv.name, choices=[], usage=self._usage(prompts))
 
     def response(self, rid: str, prompts: list[list[int]]) -> CompletionResponse:
-        choices = [CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
-                                    logprobs=self._logprobs(c.index, c.token_ids, c.logprobs),
-                                    token_ids=c.token_ids if self.req.return_token_ids else None)
-                   for c in self.ordered()]
-        return CompletionResponse(id=rid, model=self.srv.name, choices=choices, usage=usage(prompts, self.ordered()))
+        choices = []
+        for c in self.ordered():
+            text, lp_ids, lps, ids = self._parts(c, c.text, c.token_ids, c.logprobs)
+            choices.append(CompletionChoice(index=c.index, text=text, finish_reason=c.finish_reason,
+                                            logprobs=self._logprobs(c.index, lp_ids, lps),
+                                            token_ids=ids if self.req.return_token_ids else None))
+        return CompletionResponse(id=rid, model=self.srv.name, choices=choices, usage=self._usage(prompts))
 
 
 class ChatWriter(Writer):
