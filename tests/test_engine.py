@@ -197,6 +197,27 @@ def test_preemption_gives_the_same_greedy_tokens():
     drained(small)
 
 
+def test_prompt_logprobs_survive_preemption_mid_prompt(monkeypatch):
+    """Requests preempted while their prompt logprobs are partly recorded compute their prompt again and
+    record each position once: the same lists (and tokens) as without preemption."""
+    prompts = [prompt(11, 40 + i) for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=1)
+    want = make(num_tokens=512, scheduler={"max_num_batched_tokens": 6}).generate(prompts, params)
+    small = make(num_tokens=32, scheduler={"max_num_batched_tokens": 6})
+    mid_prompt = []
+    real = small.scheduler._preempt
+    monkeypatch.setattr(small.scheduler, "_preempt", lambda r: (mid_prompt.append(
+        r.needs_prompt_logits and len(r.prompt_logprobs) > 1), real(r)))
+    got = small.generate(prompts, params)
+    assert any(mid_prompt), mid_prompt
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids and len(g.prompt_logprobs) == len(w.prompt_logprobs)
+        assert g.prompt_logprobs[0] is None
+        for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-5 for t in a)
+    drained(small)
+
+
 def test_n_completions_share_the_prompt_pages(engine):
     p = prompt(13, 5)
     hits = engine.stats()["prefix_cache_hit_tokens"]
