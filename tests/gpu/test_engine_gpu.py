@@ -57,6 +57,29 @@ def test_engine_preemption_on_gpu():
     assert small.stats()["num_preemptions"] > 0
 
 
+def test_prompt_logprobs_under_piecewise_graphs():
+    """Prompt logprobs on the GPU (prompt chunks under piecewise graphs, next to async-decoding requests)
+    equal the log_softmax of one all-logits forward of the prompt."""
+    from pieceworks.core.batch import ForwardBatch
+
+    eng = make(True, async_steps=True)
+    ps = prompts(2)
+    for p in ps[:3]:
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=16))
+    eng.step()
+    eng.step()
+    rid = eng.add_request(ps[4], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2))
+    got = None
+    while eng.has_unfinished():
+        got = next((o for o in eng.step() if o.request_id == rid and o.finished), got)
+    seq = eng.executor.new_sequence()
+    ref = eng.executor.forward(ForwardBatch([seq], [ps[4]], True)).log_softmax(-1).cpu()
+    eng.executor.free(seq)
+    assert got.prompt_logprobs[0] is None and len(got.prompt_logprobs) == len(ps[4])
+    for j in range(1, len(ps[4])):
+        assert got.prompt_logprobs[j][ps[4][j]] == pytest.approx(float(ref[j - 1, ps[4][j]]), abs=1e-3)
+
+
 def _stream(eng: Engine, first, later, stop_id: int | None = None) -> dict[str, tuple[list[int], str, list | None]]:
     """Step `eng` to the end: `first` at once, `later` after 40 streamed tokens, and the first request
     aborted after 10 of its tokens; at most one token per request per step."""
