@@ -77,6 +77,6 @@ class PenaltyTable:
 
 
 def check_ids(ids: list[int], V: int, what: str) -> None:
-    """RequestError unless every id of `what` (prompt, output, logit_bias) lies in the vocabulary [0, V)."""
+    """RequestError unless every id of `what` (prompt, output, logit_bias, allowed_token_ids) lies in [0, V)."""
     if ids and (min(ids) < 0 or max(ids) >= V):
         raise RequestError(f"{what} token ids must lie in [0, {V}) for the sampler, got {min(ids)}..{max(ids)}")

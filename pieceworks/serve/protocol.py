@@ -4,8 +4,8 @@ The request models mirror OpenAI's `/v1/completions` and `/v1/chat/completions` 
 defaults), plus the extensions vLLM's server accepts (`top_k`, `min_p`, `repetition_penalty`,
 `stop_token_ids`, `allowed_token_ids`, `ignore_eos`, `min_tokens`, `return_token_ids`), so clients
 written for either work unchanged. Requests are strict: a field of the wrong type or a field the API
-does not have is a 400, and an OpenAI field whose behaviour pieceworks does not implement (`echo`,
-`suffix`, `tools`, a JSON `response_format`) is refused by name instead of being ignored.
+does not have is a 400, and an OpenAI field whose behaviour pieceworks does not implement (`suffix`,
+`tools`, a JSON `response_format`) is refused by name instead of being ignored.
 """
 
 from __future__ import annotations
