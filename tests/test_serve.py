@@ -380,6 +380,21 @@ def test_chat_greedy_equals_engine_streamed_and_not(smol_url, smol_engine):
 
 
 @pytest.mark.slow
+def test_tokenize_and_detokenize(smol_url, tiny_url):
+    prompt = "The capital of France is"
+    r = httpx.post(f"{smol_url}/tokenize", json={"prompt": prompt}, timeout=30).json()
+    used = client(smol_url).completions.create(model=SMOL_NAME, prompt=prompt, max_tokens=1).usage.prompt_tokens
+    assert r["count"] == len(r["tokens"]) == used and r["max_model_len"] > used
+    back = httpx.post(f"{smol_url}/detokenize", json={"model": SMOL_NAME, "tokens": r["tokens"]}, timeout=30)
+    assert back.json() == {"prompt": prompt}
+    for url, route, body, param in ((smol_url, "detokenize", {"tokens": [10**7]}, "tokens"),
+                                    (smol_url, "tokenize", {"model": "other", "prompt": "x"}, "model"),
+                                    (smol_url, "tokenize", {"prompt": 3}, "prompt"),
+                                    (tiny_url, "tokenize", {"prompt": "x"}, "model")):
+        r = httpx.post(f"{url}/{route}", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (route, body, r.text)
+
+
 def test_completion_text_stop_logprobs_and_n(smol_url):
     c = client(smol_url)
     prompt = "The capital of France is"

@@ -29,10 +29,12 @@ from pieceworks.serve.protocol import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
     new_id,
     sse,
 )
@@ -306,6 +308,22 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(srv.metrics.render(srv.engine.stats()), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        req = await _parse(request, TokenizeRequest)
+        tok = mapping.tokenizer_for(req, srv.name, srv.tokenizer)
+        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": srv.max_context})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        req = await _parse(request, DetokenizeRequest)
+        tok = mapping.tokenizer_for(req, srv.name, srv.tokenizer)
+        bad = [t for t in req.tokens if not 0 <= t < srv.vocab_size]
+        if bad:
+            raise BadRequest(f"tokens {bad[:5]} are outside the vocabulary [0, {srv.vocab_size})", param="tokens")
+        return JSONResponse({"prompt": tok.decode(req.tokens)})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -31,6 +31,16 @@ def check_model(req: SamplingFields, served: str) -> None:
                          param="model", code="model_not_found")
 
 
+def tokenizer_for(req: Any, served: str, tokenizer: Any) -> Any:
+    """The tokenizer that /tokenize and /detokenize use: the model's (`req.model`, when given, names it)."""
+    if req.model is not None and req.model != served:
+        raise BadRequest(f"the model {req.model!r} does not exist; this server serves {served!r}",
+                         param="model", code="model_not_found")
+    if tokenizer is None:
+        raise BadRequest("this model has no tokenizer (random weights): token ids are all it takes", param="model")
+    return tokenizer
+
+
 def refuse_unsupported(req: SamplingFields) -> None:
     """OpenAI fields whose behaviour pieceworks lacks: refused by name rather than ignored."""
     unsupported: dict[str, Any] = {}

@@ -258,6 +258,21 @@ class ModelList(ResponseModel):
     data: list[ModelCard]
 
 
+class TokenizeRequest(OpenAIModel):
+    """POST /tokenize (vLLM's): the token ids a completions prompt of this text gets."""
+
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(OpenAIModel):
+    """POST /detokenize (vLLM's): the text of token ids."""
+
+    model: Optional[str] = None
+    tokens: list[int]
+
+
 class ErrorInfo(ResponseModel):
     message: str
     type: str
