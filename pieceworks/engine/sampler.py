@@ -342,7 +342,9 @@ def _logit_bias(states: list[SamplingState], V: int) -> tuple[list[int], list[fl
     idx: list[int] = []
     val: list[float] = []
     for i, s in enumerate(states):
-        bias = s.params.logit_bias or {}
+        bias = s.params.logit_bias
+        if not bias:
+            continue
         check_ids(list(bias), V, "logit_bias")
         for tok, b in bias.items():
             idx.append(i * V + tok)
@@ -354,7 +356,8 @@ def _allowed(states: list[SamplingState], V: int) -> list[int]:
     """Flat [B * V] indices of the rows' allowed_token_ids."""
     idx: list[int] = []
     for i, s in enumerate(states):
-        ids = s.params.allowed_token_ids or ()
-        check_ids(list(ids), V, "allowed_token_ids")
-        idx.extend(i * V + t for t in ids)
+        ids = s.params.allowed_token_ids
+        if ids:
+            check_ids(ids, V, "allowed_token_ids")
+            idx.extend(i * V + t for t in ids)
     return idx
