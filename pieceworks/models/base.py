@@ -20,10 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import pieceworks.backends.ops  # noqa: F401  (registers the pieceworks custom ops the models call)
-from pieceworks.backends import cpu_matmul
+from pieceworks.backends import cpu_matmul, fused
 from pieceworks.backends.base import ModelFacts
 from pieceworks.core.kv import KVLayout
-from pieceworks.backends import fused
 from pieceworks.models.rope import RotaryEmbedding
 from pieceworks.parallel.comm import gather, reduce
 from pieceworks.parallel.layout import Part, TPLayout
