@@ -34,6 +34,13 @@ class Switch(str, enum.Enum):
     off = "off"
 
 
+class Policy(str, enum.Enum):
+    """How the scheduler orders waiting requests: by arrival, or by (priority, arrival)."""
+
+    fcfs = "fcfs"
+    priority = "priority"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model to build.
@@ -192,6 +199,10 @@ class SchedulerConfig:
 
     max_num_seqs: int = 256
     """Most sequences in one step (running decodes plus prefill chunks)."""
+    policy: Policy = Policy.fcfs
+    """fcfs: waiting requests are admitted in arrival order, and a preemption takes the latest admitted.
+    priority (vLLM's): `add_request(..., priority=p)`, lower p first: waiting requests in (priority,
+    arrival) order, and a preemption takes the running request of the highest (priority, arrival)."""
     max_num_batched_tokens: Optional[int] = None
     """Most new tokens in one step; longer prompts are prefilled in chunks alongside running decodes.
     When unset: 8192 on a GPU of at least 70 GiB, else 2048 (as vLLM's server and SGLang default on

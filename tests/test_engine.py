@@ -218,6 +218,69 @@ def test_prompt_logprobs_survive_preemption_mid_prompt(monkeypatch):
     drained(small)
 
 
+def _finish_order(eng: Engine, requests: list[tuple[list[int], int]], params: SamplingParams) -> list[str]:
+    ids = [eng.add_request(p, params, priority=prio) for p, prio in requests]
+    order = []
+    while eng.has_unfinished():
+        order += [o.request_id for o in eng.step() if o.finished]
+    return [ids.index(r) for r in order]
+
+
+def test_priority_policy_admits_and_serves_in_priority_order():
+    """One sequence per step: requests finish in (priority, arrival) order under policy priority, in
+    arrival order under fcfs; the tokens are those of the same requests run alone."""
+    reqs = [(PROMPTS[0], 2), (PROMPTS[1], 1), (PROMPTS[2], 0), (PROMPTS[4], 1)]
+    eng = make(scheduler={"policy": "priority", "max_num_seqs": 1})
+    assert _finish_order(eng, reqs, GREEDY) == [2, 1, 3, 0]
+    assert _finish_order(make(scheduler={"max_num_seqs": 1}), [(p, 0) for p, _ in reqs], GREEDY) == [0, 1, 2, 3]
+    drained(eng)
+
+
+def test_priority_policy_preempts_the_lowest_priority(monkeypatch):
+    """Under a pool too small for all, the request preempted is always the lowest-priority one running
+    (here admitted before the others arrived), and greedy tokens stay those of an unconstrained run."""
+    prompts = [prompt(7, 60 + i) for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=9)
+    want = [o.token_ids for o in make(num_tokens=256).generate(prompts, params)]
+    small = make(num_tokens=32, scheduler={"policy": "priority"})
+    victims = []
+    real = small.scheduler._preempt
+
+    def preempt(req):
+        victims.append((req.priority, max(r.priority for r in small.scheduler.running)))
+        real(req)
+
+    monkeypatch.setattr(small.scheduler, "_preempt", preempt)
+    ids = [small.add_request(p, params, priority=2) for p in prompts[:3]]
+    small.step()
+    small.step()  # the low-priority requests run before the others arrive
+    ids += [small.add_request(p, params, priority=i % 2) for i, p in enumerate(prompts[3:])]
+    done = {}
+    while small.has_unfinished():
+        done |= {o.request_id: o.token_ids for o in small.step() if o.finished}
+    assert victims and all(mine == lowest for mine, lowest in victims), victims
+    assert [done[i] for i in ids] == want
+    drained(small)
+
+
+def test_async_engine_takes_a_priority(reference):
+    eng = make(scheduler={"policy": "priority"})
+
+    async def main(aeng):
+        return [o async for o in aeng.generate(PROMPTS[0], GREEDY, priority=-3)]
+
+    with AsyncEngine(eng) as aeng:
+        outs = asyncio.run(main(aeng))
+    assert outs[-1].finished and outs[-1].token_ids == reference[0]
+
+
+def test_priority_needs_the_priority_policy(engine):
+    for bad, needle in ((1, "scheduler.policy is fcfs"), (True, "must be an int"), (1.0, "must be an int")):
+        with pytest.raises(RequestError, match=needle):
+            engine.add_request(PROMPTS[0], GREEDY, priority=bad)
+    assert not engine.has_unfinished()
+
+
 def test_n_completions_share_the_prompt_pages(engine):
     p = prompt(13, 5)
     hits = engine.stats()["prefix_cache_hit_tokens"]

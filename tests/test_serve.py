@@ -232,6 +232,7 @@ BAD = {
     "n beyond the queue": {"model": TINY_NAME, "prompt": [1, 2], "n": 10**6},
     "logit_bias outside vocabulary": {"model": TINY_NAME, "prompt": [1, 2], "logit_bias": {"1000000": 1}},
     "logit_bias beyond 100": {"model": TINY_NAME, "prompt": [1, 2], "logit_bias": {"3": 101}},
+    "priority under fcfs": {"model": TINY_NAME, "prompt": [1, 2], "priority": 1},
 }
 
 

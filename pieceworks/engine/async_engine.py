@@ -58,9 +58,10 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------- the caller's side
     async def generate(self, prompt: list[int] | str, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs (one per generated token, per completion) until every one of
         its n completions has finished. Cancelling (or closing) the iterator aborts the request.
+        `priority`: as `Engine.add_request`'s.
 
         Raises:
             RequestError: what `Engine.add_request` refuses (a duplicate id included).
@@ -76,7 +77,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise RequestError(f"request_id {request_id!r} is already running; use a new id")
             self._streams[request_id] = (asyncio.get_running_loop(), queue)
-            self._commands.append(("add", request_id, prompt, params))
+            self._commands.append(("add", request_id, prompt, params, priority))
             self._cond.notify()
         left = params.n if isinstance(params, SamplingParams) else 1
         try:
@@ -144,9 +145,9 @@ class AsyncEngine:
                     commands, self._commands = self._commands, deque()
                 for cmd in commands:
                     if cmd[0] == "add":
-                        _, rid, prompt, params = cmd
+                        _, rid, prompt, params, priority = cmd
                         try:
-                            engine.add_request(prompt, params, rid)
+                            engine.add_request(prompt, params, rid, priority)
                         except Exception as exc:  # refused before the engine took it: this caller's error
                             self._deliver(rid, exc)
                     else:

@@ -101,16 +101,18 @@ class Engine:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: list[int] | str, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, priority: int = 0) -> str:
         """Queue a prompt (token ids, or text when the model has a tokenizer); returns its request id.
 
         With `params.n` > 1 the request has n completions (RequestOutput.index 0..n-1), each sampling
-        on its own stream (seeded ones from seed + index).
+        on its own stream (seeded ones from seed + index). `priority` (an int, lower first) orders the
+        queue under `scheduler.policy: priority`; with fcfs it must be 0.
 
         Raises:
             RequestError: a bad prompt, params or id, a prompt + max_tokens over the context limit,
                 logit_bias or allowed_token_ids outside the vocabulary, allowed ids that min_tokens holds
-                all back, or stop strings without a tokenizer; nothing was queued.
+                all back, stop strings without a tokenizer, or a priority fcfs can't honour; nothing was
+                queued.
         """
         with self._exclusive("add_request"):
             self._check_open()
@@ -120,6 +122,7 @@ class Engine:
             ids = prompt_ids(prompt, self.tokenizer, self.executor.vocab_size, self.max_context)
             check_fits(ids, params, self.max_context)
             check_token_ids(params, self.executor.vocab_size, self.eos_token_ids)
+            self.scheduler.check_priority(priority)
             if params.stop and self.tokenizer is None:
                 raise RequestError(f"SamplingParams.stop={params.stop!r} needs a tokenizer; this model has "
                                    "none: use stop_token_ids")
@@ -141,7 +144,8 @@ class Engine:
                 req = Request(request_id, index, ids, params, state, arrival, detok,
                               logprobs=[] if params.logprobs is not None else None, group=group,
                               prompt_shown=shown,
-                              prompt_logprobs=None if params.prompt_logprobs is None else [None])
+                              prompt_logprobs=None if params.prompt_logprobs is None else [None],
+                              priority=priority)
                 group.append(req)
             for req in group:
                 self.scheduler.add(req)

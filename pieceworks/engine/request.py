@@ -80,6 +80,8 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     """With SamplingParams.prompt_logprobs: the entries of the prompt's first positions computed so far
     ([None] for the first token at the start); None otherwise."""
+    priority: int = 0
+    """Lower first under `scheduler.policy: priority` (0 otherwise)."""
     pending: bool = False
     """Async steps: `output[-1]` is the placeholder -(row + 1) of the token that row of the step in
     flight samples (the decode runner reads it from the device); replaced when the id arrives."""

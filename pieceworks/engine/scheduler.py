@@ -15,17 +15,22 @@ With `scheduler.async_steps`, a request's output may end in the placeholder of a
 flight (`Request.pending`): it counts as generated, so no step runs beyond max_tokens.
 The n completions of one request are admitted once the first has computed the prompt, so the others
 find its full pages in the prefix cache instead of prefilling the prompt n times.
+With `scheduler.policy: priority` both queues are kept in (priority, arrival) order instead: running
+requests are served in that order and the last (the lowest priority, latest arrival) is the one
+preempted; waiting requests are admitted in that order.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections import deque
 
 import torch
 
-from pieceworks.config import SchedulerConfig
+from pieceworks.config import Policy, SchedulerConfig
 from pieceworks.engine.request import Request
+from pieceworks.errors import RequestError
 
 LARGE_GPU_BYTES = 70 * 2**30  # at or above: 8192 new tokens per step unless configured
 
@@ -49,14 +54,33 @@ class Scheduler:
         self.alloc = executor.kv.allocator
         self.watermark_pages = int(cfg.watermark * self.alloc.capacity)
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order
+        self.running: list[Request] = []  # in admission order; (priority, arrival) order under policy priority
+        self.by_priority = cfg.policy is Policy.priority
         self.prompt_logits: set[Request] = set()  # queued or running, prompt logprobs still to compute
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
         self.prefix_queried_tokens = 0
 
+    def check_priority(self, priority: object) -> None:
+        """RequestError for a priority that is no int, or nonzero where the policy is fcfs."""
+        if type(priority) is not int:
+            raise RequestError(f"priority must be an int, got {priority!r} ({type(priority).__name__})")
+        if priority and not self.by_priority:
+            raise RequestError(f"priority={priority}: scheduler.policy is fcfs, which ignores priorities; set "
+                               "scheduler.policy=priority, or leave priority at 0")
+
+    def _queue(self, queue, req: Request, front: bool) -> None:
+        """Put `req` in `queue` (waiting or running): in (priority, arrival) order under policy priority,
+        else at the front (a preempted request) or the back."""
+        if self.by_priority:
+            bisect.insort(queue, req, key=_order)
+        elif front:
+            queue.appendleft(req)
+        else:
+            queue.append(req)
+
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        self._queue(self.waiting, req, front=False)
         if req.needs_prompt_logits:
             self.prompt_logits.add(req)
 
@@ -87,7 +111,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._release(req)
-        self.waiting.appendleft(req)
+        self._queue(self.waiting, req, front=True)
         self.num_preemptions += 1
 
     def schedule(self, preempt: bool = True) -> list[tuple[Request, list[int]]] | None:
@@ -153,7 +177,7 @@ class Scheduler:
                     req.num_cached_tokens = min(seq.num_cached_tokens, len(req.prompt))
                 self.prefix_hit_tokens += seq.num_cached_tokens
                 self.prefix_queried_tokens += req.num_tokens
-                self.running.append(req)
+                self._queue(self.running, req, front=False)
                 out.append((req, req.tokens(seq.kv_len, seq.kv_len + n)))
                 promised += need
                 tokens_left -= n
@@ -161,3 +185,7 @@ class Scheduler:
         finally:
             self._dequeue(admitted)
         return out
+
+
+def _order(req: Request) -> tuple[int, int]:
+    return req.priority, req.arrival

@@ -95,7 +95,8 @@ class Server:
                              f"token; retry after {RETRY_AFTER_S} s")
         self.num_queued += num_prompts
 
-    async def steps(self, prompts: list[list[int]], params: list[Any], base_id: str) -> AsyncIterator[Step]:
+    async def steps(self, prompts: list[list[int]], params: list[Any], base_id: str,
+                    priority: int = 0) -> AsyncIterator[Step]:
         """The engine's outputs for every prompt, merged; choice index = prompt * n + completion.
 
         Closing or cancelling this iterator aborts every request still running (the pages return).
@@ -110,7 +111,7 @@ class Server:
 
         async def pump(i: int) -> None:
             try:
-                async for out in self.engine.generate(prompts[i], params[i], ids[i]):
+                async for out in self.engine.generate(prompts[i], params[i], ids[i], priority):
                     await queue.put((i, out))
             except Exception as exc:  # handed to the consumer, which raises it
                 await queue.put((i, exc))
@@ -349,7 +350,7 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
     async def _respond(request: Request, req: Any, prompts: list[list[int]], params: list[Any], rid: str,
                        writer: Writer) -> Response:
         srv.admit(len(prompts), params[0].n)
-        steps = srv.steps(prompts, params, rid)
+        steps = srv.steps(prompts, params, rid, req.priority)
         if not req.stream:
             async def collect() -> Response:
                 async for step in steps:

@@ -2,9 +2,9 @@
 
 The request models mirror OpenAI's `/v1/completions` and `/v1/chat/completions` bodies (names, types,
 defaults), plus the extensions vLLM's server accepts (`top_k`, `min_p`, `repetition_penalty`,
-`stop_token_ids`, `allowed_token_ids`, `ignore_eos`, `min_tokens`, `return_token_ids`), so clients
-written for either work unchanged. Requests are strict: a field of the wrong type or a field the API
-does not have is a 400, and an OpenAI field whose behaviour pieceworks does not implement (`suffix`,
+`stop_token_ids`, `allowed_token_ids`, `ignore_eos`, `min_tokens`, `return_token_ids`, `priority`), so
+clients written for either work unchanged. Requests are strict: a field of the wrong type or a field the
+API does not have is a 400, and an OpenAI field whose behaviour pieceworks does not implement (`suffix`,
 `tools`, a JSON `response_format`) is refused by name instead of being ignored.
 """
 
@@ -80,6 +80,7 @@ class SamplingFields(OpenAIModel):
     repetition_penalty: Optional[float] = None
     stop_token_ids: Optional[list[int]] = None
     allowed_token_ids: Optional[list[int]] = None
+    priority: int = 0
     ignore_eos: bool = False
     min_tokens: int = 0
     return_token_ids: bool = False
