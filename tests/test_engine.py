@@ -422,6 +422,30 @@ def test_prompt_logprobs_match_one_scoring_forward(caching, monkeypatch):
     drained(eng)
 
 
+def test_prompt_logits_steps_are_capped(monkeypatch):
+    """A request's prompt chunks carry at most PROMPT_LOGITS_STEP_TOKENS tokens while its prompt logprobs
+    are computed (each returns that many logits rows), whatever the step budget; the logprobs are the same."""
+    from pieceworks.engine import scheduler
+
+    monkeypatch.setattr(scheduler, "PROMPT_LOGITS_STEP_TOKENS", 7)
+    eng = make(scheduler={"max_num_batched_tokens": 64})
+    sizes, real = [], eng.executor.forward
+
+    def forward(batch, **kw):
+        if isinstance(batch.return_all_logits, list):
+            sizes.extend(len(t) for t, a in zip(batch.tokens, batch.return_all_logits) if a)
+        return real(batch, **kw)
+
+    monkeypatch.setattr(eng.executor, "forward", forward)
+    prompt = PROMPTS[3]
+    out = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0))[0]
+    assert sizes == [7, 7, 7, 7, 2], sizes
+    ref = _scored(eng, prompt)
+    assert [d[t] for d, t in zip(out.prompt_logprobs[1:], prompt[1:])] == pytest.approx(
+        [float(ref[j - 1, prompt[j]]) for j in range(1, len(prompt))], abs=1e-5)
+    drained(eng)
+
+
 def engine_reference(prompt: list[int], n: int) -> list[int]:
     return make().executor.generate([prompt], n)[0]
 

@@ -33,6 +33,9 @@ from pieceworks.engine.request import Request
 from pieceworks.errors import RequestError
 
 LARGE_GPU_BYTES = 70 * 2**30  # at or above: 8192 new tokens per step unless configured
+PROMPT_LOGITS_STEP_TOKENS = 1024
+"""Most prompt tokens per step of a request whose prompt logprobs are being computed: the step returns the
+logits of each of them, [tokens, V] float32 (0.5 GiB at V = 128K)."""
 
 
 def default_step_tokens(device: torch.device) -> int:
@@ -136,6 +139,8 @@ class Scheduler:
             seq = req.seq
             kv_len = seq.kv_len
             n = min(req.num_tokens - kv_len, tokens_left)
+            if req.needs_prompt_logits:
+                n = min(n, PROMPT_LOGITS_STEP_TOKENS)
             need = max(0, -(-(kv_len + n) // ps) - len(seq.pages))
             if need > free - promised and not preempt:
                 return None
@@ -166,6 +171,8 @@ class Scheduler:
                 # prompt logprobs need the logits of every prompt row: no prefix-cache reuse then
                 seq = self.ex.new_sequence(None if req.needs_prompt_logits else req.tokens(0), validate=False)
                 n = min(req.num_tokens - seq.kv_len, tokens_left)
+                if req.needs_prompt_logits:
+                    n = min(n, PROMPT_LOGITS_STEP_TOKENS)
                 need = self.ex.pages_needed([seq], [n])
                 watermark = self.watermark_pages if self.running else 0
                 if need + watermark > self.alloc.num_free - promised:
