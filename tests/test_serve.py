@@ -396,6 +396,17 @@ def test_tokenize_and_detokenize(smol_url, tiny_url):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (route, body, r.text)
 
 
+def test_chat_continues_the_final_message(smol_url, smol_engine):
+    msgs = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "The capital of France is"}]
+    r = client(smol_url).chat.completions.create(
+        model=SMOL_NAME, messages=msgs, max_tokens=4, temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    want = smol_engine.tokenizer.apply_chat_template(msgs, continue_final_message=True, tokenize=True,
+                                                     return_dict=False)
+    assert r.usage.prompt_tokens == len(want) and "Paris" in r.choices[0].message.content
+
+
 def test_completion_text_stop_logprobs_and_n(smol_url):
     c = client(smol_url)
     prompt = "The capital of France is"

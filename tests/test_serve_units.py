@@ -160,7 +160,8 @@ class _Templated:
 
         env = jinja2.Environment()
         env.globals["raise_exception"] = raise_exception
-        return list(env.from_string(self.chat_template).render(messages=messages).encode())
+        variables = {k: v for k, v in kw.items() if k not in ("tokenize", "return_dict", "continue_final_message")}
+        return list(env.from_string(self.chat_template).render(messages=messages, **variables).encode())
 
 
 def _bad(fn, *args, param=None, match=None):
@@ -208,6 +209,23 @@ def test_sampling_params_from_requests():
          param="allowed_token_ids", match="outside the vocabulary")
     _bad(mapping.sampling_params, only.model_copy(update={"allowed_token_ids": []}), 4, 100,
          param="allowed_token_ids", match="non-empty")
+
+
+def test_chat_template_options():
+    from pieceworks.serve import mapping
+
+    tok = _Templated("{{ greeting }}{% for m in messages %}{{ m.content }}{% endfor %}"
+                     "{% if add_generation_prompt %}>{% endif %}")
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                 chat_template_kwargs={"greeting": "G:"})
+    assert bytes(mapping.chat_prompt(chat, tok)) == b"G:x>"
+    assert bytes(mapping.chat_prompt(chat.model_copy(update={"add_generation_prompt": False}), tok)) == b"G:x"
+    _bad(mapping.chat_prompt, chat.model_copy(update={"continue_final_message": True}), tok,
+         param="continue_final_message", match="add_generation_prompt: false")
+    _bad(mapping.chat_prompt, chat.model_copy(update={"continue_final_message": True, "add_generation_prompt": False}),
+         tok, param="continue_final_message", match="must be the assistant's")
+    _bad(mapping.chat_prompt, chat.model_copy(update={"chat_template_kwargs": {"tokenize": False}}), tok,
+         param="chat_template_kwargs", match=r"\['tokenize'\]")
 
 
 def test_lengths_prompts_and_unsupported_fields():

@@ -86,8 +86,11 @@ def _template_source(model_dir: Path, name: str) -> Path:
     return model_dir / "tokenizer_config.json"
 
 
-def render_chat(tok: Any, messages: list[dict], hint: str = "") -> list[int]:
-    """`messages` rendered by the tokenizer's chat template, with the assistant turn opened, as token ids.
+def render_chat(tok: Any, messages: list[dict], hint: str = "", *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
+    """`messages` rendered by the tokenizer's chat template, as token ids: with the assistant turn opened
+    (`add_generation_prompt`), or ending inside the last message (`continue_final_message`: the model goes
+    on with it); `template_kwargs` are more variables for the template (e.g. a model's thinking switch).
 
     Raises:
         RequestError: the template fails while rendering these messages: it calls `raise_exception(...)`
@@ -98,7 +101,9 @@ def render_chat(tok: Any, messages: list[dict], hint: str = "") -> list[int]:
     import traceback
 
     try:
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final_message, tokenize=True,
+                                      return_dict=False, **(template_kwargs or {}))
     except Exception as exc:
         import jinja2
 

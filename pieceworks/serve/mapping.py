@@ -23,6 +23,9 @@ from pieceworks.serve.protocol import (
 
 # OpenAI's default for /v1/completions; chat completions default to the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# apply_chat_template's own arguments, which chat_template_kwargs may not set
+TEMPLATE_ARGUMENTS = {"conversation", "messages", "tokenize", "return_dict", "add_generation_prompt",
+                      "continue_final_message", "tools", "documents", "chat_template", "return_tensors"}
 
 
 def check_model(req: SamplingFields, served: str) -> None:
@@ -108,9 +111,18 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
     for i, m in enumerate(req.messages):
         if m.tool_calls or m.tool_call_id:
             raise BadRequest(f"messages[{i}]: tool calls are not supported by this server", param="messages")
+    if req.continue_final_message and (req.add_generation_prompt or req.messages[-1].role != "assistant"):
+        raise BadRequest("continue_final_message continues the last message: it must be the assistant's, with "
+                         "add_generation_prompt: false", param="continue_final_message")
+    reserved = set(req.chat_template_kwargs or ()) & TEMPLATE_ARGUMENTS
+    if reserved:
+        raise BadRequest(f"chat_template_kwargs sets {sorted(reserved)}, which the server sets itself; use the "
+                         "request's own fields", param="chat_template_kwargs")
     msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
     try:
-        return render_chat(tokenizer, msgs)
+        return render_chat(tokenizer, msgs, add_generation_prompt=req.add_generation_prompt,
+                           continue_final_message=req.continue_final_message,
+                           template_kwargs=req.chat_template_kwargs)
     except RequestError as exc:  # the template refused the conversation (e.g. roles out of order); the client
         # gets Jinja's message, not the server's file paths. Errors that are not the template's are a 500.
         cause = exc.__cause__

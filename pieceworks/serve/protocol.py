@@ -125,6 +125,10 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     response_format: Optional[dict[str, Any]] = None
+    # vLLM's chat template options
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 # ---- responses -----------------------------------------------------------------------------------
