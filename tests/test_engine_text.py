@@ -116,6 +116,25 @@ def test_stop_strings_in_async_steps_match_synchronous_steps(engine, greedy):
     assert sum(reason == "stop" for _, _, reason in got) >= 3
 
 
+def test_stop_string_kept_and_special_tokens_shown_when_asked(engine, greedy):
+    full = greedy[-1]
+    words = full.text.split()
+    stop = next(w for w in words[1:] if len(w) >= 3 and full.text.find(w) > 4)
+    outs = stream(engine, PROMPT, SamplingParams(temperature=0, max_tokens=N, stop=[stop],
+                                                 include_stop_str_in_output=True))
+    final = outs[-1]
+    assert final.finish_reason == "stop" and final.text == full.text[: full.text.find(stop) + len(stop)]
+    assert "".join(o.text_delta for o in outs) == final.text
+    tok = engine.tokenizer
+    eos = tok.convert_ids_to_tokens(2)  # SmolLM2's EOS, a special token
+    d = Detokenizer(tok, [1], skip_special=False)
+    shown = Detokenizer(tok, [1])
+    for t in tok(" alpha", add_special_tokens=False)["input_ids"] + [2]:
+        d.add(t)
+        shown.add(t)
+    assert d.text == " alpha" + eos and shown.text == " alpha"
+
+
 def test_detokenizer_holds_back_a_possible_stop_string(engine):
     tok = engine.tokenizer
     ids = tok(" alpha beta gamma delta", add_special_tokens=False)["input_ids"]

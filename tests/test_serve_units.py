@@ -179,11 +179,13 @@ def test_sampling_params_from_requests():
     req = CompletionRequest.model_validate_json(
         '{"model": "m", "prompt": [1], "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.1, "seed": 3, '
         '"stop": "END", "stop_token_ids": [7], "n": 2, "logprobs": 4, "presence_penalty": 0.5, '
-        '"frequency_penalty": -0.5, "repetition_penalty": 1.1, "ignore_eos": true, "min_tokens": 2}')
+        '"frequency_penalty": -0.5, "repetition_penalty": 1.1, "ignore_eos": true, "min_tokens": 2, '
+        '"include_stop_str_in_output": true, "skip_special_tokens": false}')
     p = mapping.sampling_params(req, 9, 100)
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (9, 0.5, 0.9, 40, 0.1, 3)
     assert (p.stop, p.stop_token_ids, p.n, p.logprobs, p.ignore_eos, p.min_tokens) == (["END"], [7], 2, 4, True, 2)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.1)
+    assert p.include_stop_str_in_output and not p.skip_special_tokens
     d = mapping.sampling_params(CompletionRequest(model="m", prompt=[1]), 16, 100)
     assert (d.temperature, d.top_p, d.n, d.logprobs, d.stop) == (1.0, 1.0, 1, None, None)  # OpenAI's defaults
     chat = ChatCompletionRequest.model_validate_json(

@@ -27,13 +27,17 @@ class Detokenizer:
     """One completion's text, token by token.
 
     Args:
-        tokenizer: a Hugging Face tokenizer (`decode(ids, skip_special_tokens=True)`).
+        tokenizer: a Hugging Face tokenizer (`decode(ids, skip_special_tokens=...)`).
         prompt_ids: the prompt's token ids (its last few give the first output token its context).
-        stop: stop strings; the text ends before the first one that appears.
+        stop: stop strings; the text ends before the first one that appears (after it, with
+            `include_stop`).
+        skip_special: leave special tokens (EOS, chat markers) out of the text.
     """
 
-    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: list[str] | None = None) -> None:
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: list[str] | None = None,
+                 include_stop: bool = False, skip_special: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.include_stop, self.skip_special = include_stop, skip_special
         self.stop = [s for s in stop or [] if s]
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self._ids = list(prompt_ids[-PROMPT_CONTEXT:])
@@ -44,7 +48,7 @@ class Detokenizer:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def add(self, token_id: int) -> None:
         """Append one generated token; sets `stopped` when a stop string appeared (then text is cut)."""
@@ -58,9 +62,10 @@ class Detokenizer:
         start = max(0, len(self.text) - self.holdback)
         self.text += after[len(before) :]
         self._prefix, self._read = self._read, len(self._ids)
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        hits = [(i, i + len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            first = min(hits)
+            self.text = self.text[: first[1] if self.include_stop else first[0]]
             self.stopped = True
 
     @property

@@ -140,7 +140,8 @@ class Engine:
             for index in range(params.n):
                 state = SamplingState.create(params, ids, self.eos_token_ids, self.executor.device,
                                              seed_offset=index)
-                detok = Detokenizer(self.tokenizer, ids, params.stop) if self.tokenizer is not None else None
+                detok = None if self.tokenizer is None else Detokenizer(
+                    self.tokenizer, ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
                 req = Request(request_id, index, ids, params, state, arrival, detok,
                               logprobs=[] if params.logprobs is not None else None, group=group,
                               prompt_shown=shown,

@@ -96,6 +96,10 @@ class SamplingParams:
     is in the batch. None: the engine's shared generator."""
     stop: list[str] | None = None
     """Stop strings (need a tokenizer); the text ends before them. A single str is taken as [str]."""
+    include_stop_str_in_output: bool = False
+    """Keep the stop string that ended the text at its end (vLLM's field)."""
+    skip_special_tokens: bool = True
+    """Leave special tokens (EOS, chat markers) out of the text (vLLM's field; the token ids keep them)."""
     stop_token_ids: list[int] | None = None
     """Token ids that end the request besides EOS (the stop token is included in the output ids)."""
     ignore_eos: bool = False
@@ -144,10 +148,11 @@ class SamplingParams:
             _check(lo <= self.seed <= hi, "seed", self.seed, f"{lo} <= seed <= {hi} or None")
         put(self, "stop", self._stop_strings(self.stop))
         put(self, "stop_token_ids", self._ids("stop_token_ids", self.stop_token_ids))
-        ignore_eos = _scalar(self.ignore_eos)
-        if type(ignore_eos).__name__ not in ("bool", "bool_"):
-            raise RequestError(f"SamplingParams.ignore_eos must be a bool, got {_shown(ignore_eos)}")
-        put(self, "ignore_eos", bool(ignore_eos))
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            flag = _scalar(getattr(self, name))
+            if type(flag).__name__ not in ("bool", "bool_"):
+                raise RequestError(f"SamplingParams.{name} must be a bool, got {_shown(flag)}")
+            put(self, name, bool(flag))
         put(self, "min_tokens", _int("min_tokens", self.min_tokens, ">= 0"))
         _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")
         if self.max_tokens is not None:

@@ -202,7 +202,8 @@ def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int) -> Sa
         min_tokens=req.min_tokens, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, logprobs=logprobs, n=req.n,
         logit_bias=logit_bias(req, vocab_size), allowed_token_ids=allowed_ids(req, vocab_size),
-        prompt_logprobs=prompt_logprobs,
+        prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
     )
     try:
         return SamplingParams(**{k: v for k, v in fields.items() if v is not None})

@@ -2,10 +2,11 @@
 
 The request models mirror OpenAI's `/v1/completions` and `/v1/chat/completions` bodies (names, types,
 defaults), plus the extensions vLLM's server accepts (`top_k`, `min_p`, `repetition_penalty`,
-`stop_token_ids`, `allowed_token_ids`, `ignore_eos`, `min_tokens`, `return_token_ids`, `priority`), so
-clients written for either work unchanged. Requests are strict: a field of the wrong type or a field the
-API does not have is a 400, and an OpenAI field whose behaviour pieceworks does not implement (`suffix`,
-`tools`, a JSON `response_format`) is refused by name instead of being ignored.
+`stop_token_ids`, `allowed_token_ids`, `ignore_eos`, `min_tokens`, `include_stop_str_in_output`,
+`skip_special_tokens`, `return_token_ids`, `priority`, the chat template options), so clients written
+for either work unchanged. Requests are strict: a field of the wrong type or a field the API does not
+have is a 400, and an OpenAI field whose behaviour pieceworks does not implement (`suffix`, `tools`, a
+JSON `response_format`) is refused by name instead of being ignored.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ class SamplingFields(OpenAIModel):
     repetition_penalty: Optional[float] = None
     stop_token_ids: Optional[list[int]] = None
     allowed_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     priority: int = 0
     ignore_eos: bool = False
     min_tokens: int = 0
