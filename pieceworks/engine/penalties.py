@@ -6,14 +6,11 @@ device: `Sampler._sample`)."""
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from pieceworks.errors import RequestError
-
-if TYPE_CHECKING:
-    from pieceworks.engine.sampler import SamplingState
 
 
 class PenaltyTable:
@@ -28,7 +25,8 @@ class PenaltyTable:
         self.prompt = torch.zeros(1, vocab_size, dtype=torch.bool, device=device)
         self.free: list[int] = []
 
-    def acquire(self, state: SamplingState) -> int:
+    def acquire(self, state: Any) -> int:
+        """A free slot for `state` (a `sampler.SamplingState`), the table doubled when none is left."""
         if not self.free:
             old = self.counts.shape[0]
             new = 2 * old
@@ -44,12 +42,12 @@ class PenaltyTable:
         state._release = weakref.finalize(state, self.free.append, slot)
         return slot
 
-    def plan(self, states: list[SamplingState], pen_rows: list[int]):
-        """Host side of the penalty bookkeeping: each row's slot (0 for rows without penalties), the
-        slots to clear, the flat [S * V] indices of the output tokens to count and the prompt tokens to
-        mark since each state's previous step, and per penalty row its slot and the number of its tokens
-        counted then. Tokens in flight (`sample_ids`) are counted already: a state's counted tokens are
-        the first `_penalty[2]` of its output, appended or not."""
+    def plan(self, states: list[Any], pen_rows: list[int]):
+        """Host side of the penalty bookkeeping of `states` (`sampler.SamplingState`s): each row's slot (0 for rows
+        without penalties), the slots to clear, the flat [S * V] indices of the output tokens to count and
+        the prompt tokens to mark since each state's previous step, and per penalty row its slot and the
+        number of its tokens counted then. Tokens in flight (`sample_ids`) are counted already: a state's
+        counted tokens are the first `_penalty[2]` of its output, appended or not."""
         V, t = self.vocab_size, self
         row_slots = [0] * len(states)
         zero_slots: list[int] = []
