@@ -142,6 +142,25 @@ def test_sharded_bf16_checkpoint_loads_as_float32(llama_dir):
     assert torch.equal(model.layers[0].self_attn.qkv_proj.proj.weight, torch.cat([q, k, v]))
 
 
+def test_a_dense_checkpoint_is_opened_once(llama_dir, tiny_llama_modelopt, monkeypatch):
+    """The reader that looked for quantized tensors (a checkpoint without a quantization config) is the
+    one the load reads from: each checkpoint's headers are read once."""
+    from pieceworks.models import checkpoint
+
+    opened = []
+    real = checkpoint.CheckpointReader.__init__
+
+    def init(self, *a, **kw):
+        opened.append(a[0] if a else kw)
+        real(self, *a, **kw)
+
+    monkeypatch.setattr(checkpoint.CheckpointReader, "__init__", init)
+    _load(llama_dir)
+    assert len(opened) == 1, opened
+    _load(tiny_llama_modelopt.fp4_dir)  # quantized: its config says so, and no reader looks first
+    assert len(opened) == 2, opened
+
+
 def test_not_a_directory(tmp_path):
     with pytest.raises(ValueError, match="is not a directory"):
         _load(tmp_path / "nowhere")

@@ -55,14 +55,13 @@ def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype
     device = torch.device(device)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"model dtype {dtype}: use bfloat16, float16 or float32")
-    cls, hf, fp4 = _describe(model_cfg, quant_cfg)
+    cls, hf, fp4, reader = _describe(model_cfg, quant_cfg)
     allow_extra = bool(getattr(model_cfg, "allow_extra_tensors", False))
-    reader = None
     if model_cfg.path is not None:
         from pieceworks.models.checkpoint import CheckpointReader
         from pieceworks.models.weights import CheckpointSource
 
-        reader = CheckpointReader(Path(model_cfg.path))
+        reader = reader or CheckpointReader(Path(model_cfg.path))
         _check_tied_head(reader, hf, allow_extra)
         source: Any = CheckpointSource(reader, device, dtype)
     else:
@@ -104,23 +103,24 @@ QUANT_SCALES = (".weight_scale", ".weight_scale_2", ".input_scale")
 """Name endings of the scales ModelOpt writes next to each quantized linear's weight."""
 
 
-def _check_quantization_config(path: Path) -> None:
+def _check_quantization_config(path: Path) -> Any:
     """Refuse a checkpoint without a quantization config whose tensors are quantized (ModelOpt's scales,
     or NVFP4's packed uint8 weights): read as dense, every NVFP4 linear would load dequantized (as the
     dense loader does for the layers a config excludes), silently a bf16 model of the same numbers at four
     times the memory, or fail as a shape mismatch where scales are missing. A directory without weight
-    files passes (config.json alone describes a model for `model_facts`; loading it fails by name)."""
+    files passes (config.json alone describes a model for `model_facts`; loading it fails by name).
+    Returns the CheckpointReader it opened (None without weight files)."""
     from pieceworks.models.checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointReader
 
     if not (path / SINGLE_FILE).exists() and not (path / INDEX_FILE).exists():
-        return
+        return None
     reader = CheckpointReader(path)
     names = reader.names()
     found = next((n for suffix in QUANT_SCALES for n in names if n.endswith(suffix)), None)
     if found is None:
         found = next((n for n in names if n.endswith(".weight") and reader.dtype(n) == torch.uint8), None)
     if found is None:
-        return
+        return reader
     weight = found if found.endswith(".weight") else found.rsplit(".", 1)[0] + ".weight"
     kind = "NVFP4" if reader.has(weight) and reader.dtype(weight) == torch.uint8 else "quantized"
     raise CheckpointError(
@@ -139,14 +139,15 @@ def model_facts(model_cfg: Any, quant_cfg: Any, page_size: int,
         ConfigError: `tp` can't split the model (also how a launch checks the parallel layout before it
             allocates anything or starts a process).
     """
-    cls, hf, fp4 = _describe(model_cfg, quant_cfg)
+    cls, hf, fp4, _ = _describe(model_cfg, quant_cfg)
     model = build(cls, hf, dtype, fp4, tp)
     return model.facts(page_size), model.required_ops()
 
 
-def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Callable[[str], bool]]:
-    """Model class, config.json dict (checked: `hf_config.check`) and which linears are NVFP4, from a
-    checkpoint or a preset."""
+def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Callable[[str], bool], Any]:
+    """Model class, config.json dict (checked: `hf_config.check`), which linears are NVFP4, from a
+    checkpoint or a preset, and the CheckpointReader opened to look for quantized tensors without a
+    quantization config (None where none was opened), for the load to reuse."""
     fmt = getattr(quant_cfg, "format", "auto")
     if model_cfg.path is not None:
         from pieceworks.quant.modelopt import detect_quantization
@@ -159,8 +160,7 @@ def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Cal
         except hf_fields.FieldError as e:
             raise CheckpointError(f"{path / 'config.json'}: {e}; fix the file or re-download the model") from None
         quant = detect_quantization(path)
-        if quant is None:
-            _check_quantization_config(path)
+        reader = _check_quantization_config(path) if quant is None else None
         if fmt == "none" and quant is not None:
             raise CheckpointError(f"quantization.format=none, but {path} is a ModelOpt NVFP4 checkpoint "
                                   f"({quant.source}); use quantization.format=auto")
@@ -168,8 +168,8 @@ def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Cal
             raise CheckpointError(f"quantization.format=nvfp4, but {path} is not an NVFP4 checkpoint; quantize "
                                   "it first (`pieceworks quantize`) or use quantization.format=auto")
         if quant is None:
-            return cls, hf, lambda name: False
-        return cls, hf, lambda name: not quant.is_excluded(name)
+            return cls, hf, lambda name: False, reader
+        return cls, hf, lambda name: not quant.is_excluded(name), reader
     from pieceworks.models.presets import preset_config
 
     if model_cfg.arch not in ARCHS:
@@ -192,7 +192,7 @@ def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Cal
                           f"{model_cfg.preset or 'tiny'})") from None
     # Random NVFP4: every projection; the head and the router are never built as NVFP4 (as ModelOpt).
     random_fp4 = fmt == "nvfp4"
-    return ARCHS[model_cfg.arch], hf, lambda name: random_fp4
+    return ARCHS[model_cfg.arch], hf, lambda name: random_fp4, None
 
 
 def read_config(path: Path) -> dict:
