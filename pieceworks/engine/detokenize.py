@@ -62,7 +62,7 @@ class Detokenizer:
         start = max(0, len(self.text) - self.holdback)
         self.text += after[len(before) :]
         self._prefix, self._read = self._read, len(self._ids)
-        hits = [(i, i + len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
+        hits = [(i, i + len(s)) for s in self.stop if (i := self.text.find(s, start)) >= 0]
         if hits:
             first = min(hits)
             self.text = self.text[: first[1] if self.include_stop else first[0]]
