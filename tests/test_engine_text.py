@@ -16,16 +16,8 @@ PROMPT = "The three primary colors are"
 
 
 @pytest.fixture(scope="module")
-def engine():
-    smollm2 = pytest.importorskip("pieceworks.models.smollm2")
-    pytest.importorskip("transformers")
-    try:
-        path = smollm2.ensure_smollm2(progress=False)
-    except smollm2.SmolLM2NotInstalled as exc:
-        pytest.skip(str(exc))
-    cfg = {"model": {"path": str(path)}, "runtime": {"device": "cpu", "dtype": "float32"},
-           "kv_cache": {"num_tokens": 1024}}
-    return Engine.from_config(cfg, progress=False)
+def engine(smollm2_cpu_engine):
+    return smollm2_cpu_engine
 
 
 def test_eos_ids_from_the_checkpoint(engine, tmp_path):

@@ -436,3 +436,39 @@ def test_completion_text_stop_logprobs_and_n(smol_url):
     m = wait_idle(smol_url)
     assert m["pieceworks_prefix_cache_queried_tokens_total"] > 0
     assert m["pieceworks_time_to_first_token_seconds_count"] >= 5
+
+
+def test_structured_outputs_over_http(smol_url, tiny_url):
+    pytest.importorskip("llguidance")
+    c = client(smol_url)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    r = c.chat.completions.create(model=SMOL_NAME, messages=QUESTION, max_tokens=30, temperature=0,
+                                  response_format=fmt)
+    assert r.choices[0].finish_reason == "stop" and set(json.loads(r.choices[0].message.content)) == {"city"}
+    chunks = c.chat.completions.create(model=SMOL_NAME, messages=QUESTION, max_tokens=30, temperature=0,
+                                       response_format={"type": "json_object"}, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices).startswith("{")
+    r = c.completions.create(model=SMOL_NAME, prompt="The best color is", max_tokens=5, temperature=1.0, n=3,
+                             seed=1, extra_body={"structured_outputs": {"choice": ["red", "blue"]}})
+    assert {ch.text for ch in r.choices} <= {"red", "blue"}
+    for url, body, param in (
+            (smol_url, {"response_format": {"type": "xml"}}, "response_format"),
+            (smol_url, {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+            (smol_url, {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+            (smol_url, {"structured_outputs": {"pattern": "a"}}, "structured_outputs"),
+            (smol_url, {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+             "structured_outputs"),
+            (smol_url, {"structured_outputs": {"regex": "[a-"}}, None),
+            (tiny_url, {"structured_outputs": {"regex": "a"}}, None)):
+        name = SMOL_NAME if url == smol_url else TINY_NAME
+        for stream in (False, True):
+            r = httpx.post(f"{url}/v1/completions", timeout=30,
+                           json={"model": name, "prompt": [1, 2] if url == tiny_url else "Hi", "max_tokens": 2,
+                                 "stream": stream, **body})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == param, (body, r.text)
+    assert "does not compile" in httpx.post(f"{smol_url}/v1/completions", timeout=30, json={
+        "model": SMOL_NAME, "prompt": "Hi", "structured_outputs": {"regex": "[a-"}}).json()["error"]["message"]
+    assert httpx.get(f"{smol_url}/health", timeout=30).status_code == 200

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pieceworks.engine.params import SamplingParams
+from pieceworks.engine.params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["SamplingParams", "Engine", "AsyncEngine", "RequestOutput"]
+__all__ = ["SamplingParams", "StructuredOutputsParams", "Engine", "AsyncEngine", "RequestOutput"]
 
 
 def __getattr__(name: str) -> Any:

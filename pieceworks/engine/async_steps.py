@@ -53,8 +53,9 @@ class AsyncSteps:
     def ready(ex: Executor, s: Scheduler) -> bool:
         """Whether the next step may run asynchronously, if the scheduler needs no preemption for it
         (`Scheduler.schedule(preempt=False)`): something runs or waits, no request's prompt logprobs are
-        still to compute (those steps return every prompt row's logits), and world size is 1."""
-        return ex.groups is None and bool(s.running or s.waiting) and not s.prompt_logits
+        still to compute (those steps return every prompt row's logits), no request has a grammar (its mask
+        needs the previous token on the host: engine/structured.py), and world size is 1."""
+        return ex.groups is None and bool(s.running or s.waiting) and not s.prompt_logits and not s.structured
 
     def launch(self, ex: Executor, scheduled: list[tuple[Request, list[int]]], sampler: Sampler) -> InFlight | None:
         """Run a step whose decode rows' ids may be placeholders of the step in flight (the executor takes

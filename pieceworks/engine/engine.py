@@ -31,6 +31,7 @@ from pieceworks.engine.prompts import check_fits, check_token_ids, is_one_prompt
 from pieceworks.engine.request import Request, RequestOutput
 from pieceworks.engine.sampler import Sampler, SamplingState, sampling_rows
 from pieceworks.engine.scheduler import Scheduler
+from pieceworks.engine.structured import Grammars, grammar_stop
 from pieceworks.errors import NonFiniteLogits, OutOfPages, RequestError
 from pieceworks.executor.runner import Executor
 
@@ -59,6 +60,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids(executor.model_dir)
         self.scheduler = Scheduler(executor, cfg.scheduler)
         self.sampler = Sampler(executor.vocab_size, executor.device, cfg.runtime.seed)
+        self.grammars = Grammars(self.tokenizer, executor.vocab_size, self.eos_token_ids)
         self._requests: dict[str, list[Request]] = {}
         self._unfinished: dict[str, int] = {}  # per request id, completions still running: finishing is O(1)
         self._arrivals = itertools.count()
@@ -111,8 +113,8 @@ class Engine:
         Raises:
             RequestError: a bad prompt, params or id, a prompt + max_tokens over the context limit,
                 logit_bias or allowed_token_ids outside the vocabulary, allowed ids that min_tokens holds
-                all back, stop strings without a tokenizer, or a priority fcfs can't honour; nothing was
-                queued.
+                all back, stop strings without a tokenizer, structured outputs that do not compile (or
+                without a tokenizer or llguidance), or a priority fcfs can't honour; nothing was queued.
         """
         with self._exclusive("add_request"):
             self._check_open()
@@ -134,6 +136,8 @@ class Engine:
             if any(o.request_id == request_id for o in self._ready):  # its abort outputs would mix in
                 raise RequestError(f"request_id {request_id!r} was just aborted and its final outputs come "
                                    "with the next step; use a new id (or step first)")
+            spec = params.structured_outputs
+            matchers = self.grammars.matchers(spec, params.n) if spec is not None else [None] * params.n
             group: list[Request] = []
             arrival = next(self._arrivals)
             shown = list(ids)  # the prompt outputs carry (`Request.prompt_shown`)
@@ -146,7 +150,7 @@ class Engine:
                               logprobs=[] if params.logprobs is not None else None, group=group,
                               prompt_shown=shown,
                               prompt_logprobs=None if params.prompt_logprobs is None else [None],
-                              priority=priority)
+                              priority=priority, matcher=matchers[index])
                 group.append(req)
             for req in group:
                 self.scheduler.add(req)
@@ -179,6 +183,7 @@ class Engine:
             self.scheduler.waiting.clear()
             self.scheduler.running.clear()
             self.scheduler.prompt_logits.clear()
+            self.scheduler.structured.clear()
             self.sampler = None  # its penalty tables and generator live on the device; steps are refused
             self.executor.close()
 
@@ -251,7 +256,8 @@ class Engine:
         reqs, logits, greedy = sampling_rows(scheduled, logits, self.executor.greedy_ids)
         if not reqs:
             return outputs  # only middle chunks of prompts ran
-        result = self.sampler.sample(logits, [r.state for r in reqs], greedy)
+        mask = self.grammars.mask(reqs) if self.scheduler.structured else None
+        result = self.sampler.sample(logits, [r.state for r in reqs], greedy, mask)
         for req, tok, finite, lp in zip(reqs, result.token_ids, result.finite, result.logprobs):
             self._accept(req, tok, finite, lp)
             if stream or req.finish_reason is not None:
@@ -294,6 +300,8 @@ class Engine:
         if req.detok is not None:
             req.detok.add(tok)
         reason = self._stop_reason(req, tok)
+        if reason is None and req.matcher is not None:
+            reason = grammar_stop(req, tok)
         if reason is not None:
             self._finish(req, reason)
 

@@ -8,6 +8,7 @@ every step and must not touch a tensor to do so); `bool` is never taken for a nu
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass
@@ -73,6 +74,58 @@ def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must match (vLLM's `StructuredOutputsParams`): exactly one of `json` (a JSON
+    schema, as a dict or its JSON text), `regex`, `choice` (a list of strings: the output is one of them),
+    `grammar` (Lark, or llama.cpp's GBNF) or `json_object` (any JSON object). Enforced token by token with
+    llguidance (engine/structured.py); `disable_any_whitespace` keeps JSON to the compact separators
+    instead of any whitespace between tokens (vLLM's flag: small models otherwise tend to emit runs of it).
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        where = "StructuredOutputsParams"
+        for name in ("json_object", "disable_any_whitespace"):
+            if type(getattr(self, name)) is not bool:
+                raise RequestError(f"{where}.{name} must be a bool, got {_shown(getattr(self, name))}")
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise RequestError(f"{where} takes exactly one of json, regex, choice, grammar or json_object=True; "
+                               f"got {', '.join(given) if given else 'none'}")
+        if isinstance(self.json, str):
+            try:
+                schema = json.loads(self.json)
+            except ValueError as exc:
+                raise RequestError(f"{where}.json is not valid JSON: {exc}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise RequestError(f"{where}.json must be a JSON schema (an object), got {self.json!r}")
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise RequestError(f"{where}.json must be a JSON schema (a dict or its JSON text), got {_shown(self.json)}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise RequestError(f"{where}.{name} must be a non-empty str, got {_shown(value)}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
+                    isinstance(c, str) and c for c in self.choice):
+                raise RequestError(f"{where}.choice must be a non-empty list of non-empty str, got {self.choice!r}")
+            object.__setattr__(self, "choice", list(self.choice))
+
+    @property
+    def kind(self) -> str:
+        """Which of the fields is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None) \
+            if not self.json_object else "json_object"
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How one request samples; names and defaults as vLLM's `SamplingParams`.
 
@@ -128,6 +181,10 @@ class SamplingParams:
     """Added to the logits of these token ids (ints >= 0, below the vocabulary size) before the penalties
     and sampling, greedy rows included (OpenAI's and vLLM's logit_bias; -100 all but bans a token, 100
     all but forces it); finite values. Logprobs stay those of the raw logits. None or {}: off."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Hold the output to a JSON schema, regex, choice or grammar (needs the model's tokenizer and
+    llguidance). Tokens the grammar does not allow next are -inf before every other step of the
+    processing; the completion ends with "stop" once the grammar is complete. None: off."""
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: normalized values are written once here
@@ -175,6 +232,9 @@ class SamplingParams:
             put(self, "prompt_logprobs", _int("prompt_logprobs", self.prompt_logprobs, f"0..{MAX_LOGPROBS} or None"))
             _check(0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs", self.prompt_logprobs,
                    f"0..{MAX_LOGPROBS} or None")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise RequestError("SamplingParams.structured_outputs must be a StructuredOutputsParams or None, got "
+                               f"{_shown(self.structured_outputs)}")
         put(self, "n", _int("n", self.n, ">= 1"))
         _check(self.n >= 1, "n", self.n, ">= 1")
         _in_float32("temperature", self.temperature, ">= 0", tiny_ok=True)  # below 1e-5: greedy
@@ -235,4 +295,4 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
-__all__ = ["SamplingParams", "GREEDY_TEMPERATURE", "MAX_LOGPROBS"]
+__all__ = ["SamplingParams", "StructuredOutputsParams", "GREEDY_TEMPERATURE", "MAX_LOGPROBS"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pieceworks.core.batch import Sequence
 from pieceworks.engine.detokenize import Detokenizer
@@ -25,8 +26,9 @@ class RequestOutput:
             (else None). Stop strings and what follows them are not in the text; text held back while
             it might still become a stop string arrives in a later delta, so the deltas add up to text.
         finished: no more outputs follow for this completion.
-        finish_reason: "stop" (EOS, a stop id or a stop string), "length" (max_tokens or the context
-            limit), "abort", "error" (e.g. non-finite logits); None while running.
+        finish_reason: "stop" (EOS, a stop id, a stop string, or a structured output's grammar
+            complete), "length" (max_tokens or the context limit), "abort", "error" (e.g. non-finite
+            logits); None while running.
         logprobs: when SamplingParams.logprobs is set, one {token id: logprob} per generated token (the
             sampled token's and the top `logprobs`), else None.
         num_cached_tokens: prompt tokens served from the prefix cache instead of being computed.
@@ -82,6 +84,9 @@ class Request:
     ([None] for the first token at the start); None otherwise."""
     priority: int = 0
     """Lower first under `scheduler.policy: priority` (0 otherwise)."""
+    matcher: Any = None
+    """With SamplingParams.structured_outputs: the completion's llguidance matcher (engine/structured.py),
+    at the state after its output so far; else None."""
     pending: bool = False
     """Async steps: `output[-1]` is the placeholder -(row + 1) of the token that row of the step in
     flight samples (the decode runner reads it from the device); replaced when the id arrives."""

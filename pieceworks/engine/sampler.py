@@ -1,7 +1,8 @@
 """The batched device sampler: one pass over a step's [B, V] logits with per-row SamplingParams.
 
-Per row, in vLLM v1's order: ids outside allowed_token_ids and (min_tokens) EOS and stop ids are set to
--inf; logit_bias is added; the repetition penalty (over prompt + output tokens) and the presence and
+Per row, in vLLM v1's order: ids a structured output's grammar does not allow next (a bitmask from
+engine/structured.py), ids outside allowed_token_ids and (min_tokens) EOS and stop ids are set to -inf;
+logit_bias is added; the repetition penalty (over prompt + output tokens) and the presence and
 frequency penalties (over output tokens) change the logits; greedy rows take the argmax; sampled rows
 divide by their temperature, drop tokens below min_p times the top probability, keep their top_k, keep
 their top_p nucleus, and draw by an exponential race (argmax of probs / Exp(1)), which is a draw from
@@ -10,11 +11,11 @@ own generator, so the same prompt and seed give the same tokens whatever else is
 without a seed share the sampler's generator.
 
 Host traffic per step: at most one host-to-device copy (the rows' parameters, the logit_bias entries and
-the token ids that allowed_token_ids, the penalties and min_tokens need, packed in one pinned buffer)
-and exactly one device-to-host copy (the B token ids with the rows' finite flags and the requested
-logprobs, packed in one tensor). Nothing syncs per row and no [B, V] tensor leaves the device. CPU runs
-the same code. A seeded row costs one kernel of its own per step (its generator's draw); everything else
-is batched.
+the token ids that allowed_token_ids, the penalties and min_tokens need, packed in one pinned buffer;
+a second one in steps where a row has a grammar: the bitmask) and exactly one device-to-host copy (the
+B token ids with the rows' finite flags and the requested logprobs, packed in one tensor). Nothing syncs
+per row and no [B, V] tensor leaves the device. CPU runs the same code. A seeded row costs one kernel of
+its own per step (its generator's draw); everything else is batched.
 
 Logprobs are those of the model's raw distribution, log_softmax of the logits before any bias, penalty,
 temperature or truncation: what vLLM v1 reports by default (`logprobs_mode="raw_logprobs"`), and
@@ -81,7 +82,7 @@ class SamplingState:
     def __post_init__(self) -> None:
         p = self.params
         self.plain = (p.greedy and not p.uses_penalties and not p.min_tokens and p.logprobs is None
-                      and not p.logit_bias and not p.allowed_token_ids)
+                      and not p.logit_bias and not p.allowed_token_ids and p.structured_outputs is None)
 
     @classmethod
     def create(
@@ -126,24 +127,26 @@ class Sampler:
         self._pinned_done: list[torch.cuda.Event | None] = [None, None]
 
     def sample(self, logits: torch.Tensor, states: list[SamplingState],
-               greedy_ids: torch.Tensor | None = None) -> SampleResult:
+               greedy_ids: torch.Tensor | None = None, token_mask: torch.Tensor | None = None) -> SampleResult:
         """Sample row i of `logits` ([B, V] float32 on the sampler's device) for `states[i]`.
 
         `greedy_ids`: optionally int64 [B] on the same device, `greedy_token_ids(logits)` already
         computed (a decode graph's, `Executor.greedy_ids`); a batch whose rows are all plain greedy
         then costs no kernel here, only the copy of the ids to the host. The penalty bookkeeping of
         `states` advances to their current output; the states' lists are not changed (the engine
-        appends the accepted tokens).
+        appends the accepted tokens). `token_mask`: optionally int32 [B, ceil(V / 32)] on the host, bit
+        t % 32 of word t // 32 of row i set where row i may sample token t (structured outputs'
+        `Grammars.mask`); the other tokens' logits are -inf before any other processing.
         """
-        self._check(logits, states, greedy_ids)
+        self._check(logits, states, greedy_ids, token_mask)
         if not states:
             return SampleResult([], [], [])
-        if all([s.plain for s in states]):  # the common case, with the least host work per step
+        if token_mask is None and all([s.plain for s in states]):  # the common case, with the least host work per step
             if greedy_ids is None:
                 greedy_ids = greedy_token_ids(logits)
             token_ids = greedy_ids.tolist()  # the one device-to-host copy of the step
             return SampleResult(token_ids, [t >= 0 for t in token_ids], [None] * len(token_ids))
-        ids, finite, _ = self._device_ids(logits, states)
+        ids, finite, _ = self._device_ids(logits, states, token_mask)
         return to_host(logits, ids, finite, [s.params for s in states])
 
     def sample_ids(self, logits: torch.Tensor, states: list[SamplingState],
@@ -170,7 +173,8 @@ class Sampler:
             s.in_flight += 1
         return ids
 
-    def _check(self, logits: torch.Tensor, states: list[SamplingState], greedy_ids: torch.Tensor | None) -> None:
+    def _check(self, logits: torch.Tensor, states: list[SamplingState], greedy_ids: torch.Tensor | None,
+               token_mask: torch.Tensor | None = None) -> None:
         if logits.dim() != 2 or logits.dtype != torch.float32 or logits.shape[1] != self.vocab_size:
             raise ValueError(
                 f"Sampler.sample takes [B, {self.vocab_size}] float32 logits, got {tuple(logits.shape)} {logits.dtype}"
@@ -181,8 +185,13 @@ class Sampler:
             raise ValueError(f"Sampler.sample got {logits.shape[0]} logits rows for {len(states)} states")
         if greedy_ids is not None and greedy_ids.shape != (len(states),):
             raise ValueError(f"Sampler.sample got greedy_ids of shape {tuple(greedy_ids.shape)} for {len(states)} rows")
+        words = (self.vocab_size + 31) // 32
+        if token_mask is not None and (token_mask.shape != (len(states), words) or token_mask.dtype != torch.int32
+                                       or token_mask.device.type != "cpu"):
+            raise ValueError(f"Sampler.sample takes token_mask as int32 [{len(states)}, {words}] on the host, got "
+                             f"{tuple(token_mask.shape)} {token_mask.dtype} on {token_mask.device}")
 
-    def _device_ids(self, logits: torch.Tensor, states: list[SamplingState]
+    def _device_ids(self, logits: torch.Tensor, states: list[SamplingState], token_mask: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Every row's token and whether its raw logits are all finite (int64 [B], bool [B], on the device),
         and the rows' penalty slots (int64 [B] on the device, 0 for rows without penalties) or None."""
@@ -191,9 +200,10 @@ class Sampler:
         mask_idx = _min_tokens_mask(states, self.vocab_size)
         bias, allowed = _logit_bias(states, self.vocab_size), _allowed(states, self.vocab_size)
         pen_rows = [i for i, p in enumerate(params) if p.uses_penalties]
-        if not mask_idx and not bias[0] and not allowed and not pen_rows and all([p.greedy for p in params]):
+        if (token_mask is None and not mask_idx and not bias[0] and not allowed and not pen_rows
+                and all([p.greedy for p in params])):
             return logits.argmax(dim=-1), finite, None  # greedy batch: nothing to upload, nothing to process
-        ids, slots = self._sample(logits, states, params, mask_idx, bias, allowed, pen_rows)
+        ids, slots = self._sample(logits, states, params, mask_idx, bias, allowed, pen_rows, token_mask)
         return ids, finite, slots
 
     def release(self, state: SamplingState) -> None:
@@ -213,6 +223,7 @@ class Sampler:
         bias: tuple[list[int], list[float]],
         allowed: list[int],
         pen_rows: list[int],
+        token_mask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, V = logits.shape
         rows = [x for s in states for x in self._row_params(s)]
@@ -223,6 +234,10 @@ class Sampler:
         prm = table.float()  # float32 as vLLM's
         temperature, top_p, min_p, presence, frequency, repetition = (prm[:, c] for c in (0, 2, 3, 4, 5, 6))
         x = logits
+        if token_mask is not None:  # bit t % 32 of word t // 32: token t allowed
+            words = to_device(token_mask, x.device)
+            bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=x.device)) & 1
+            x = x.masked_fill(bits.view(B, -1)[:, :V] == 0, float("-inf"))
         if allowed:  # rows with an allowed list keep only those ids (the lists are never empty)
             keep = torch.zeros(B * V, dtype=torch.bool, device=x.device).index_fill_(0, allowed_t, True).view(B, V)
             x = x.masked_fill(~keep & keep.any(dim=1, keepdim=True), float("-inf"))

@@ -60,6 +60,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order; (priority, arrival) order under policy priority
         self.by_priority = cfg.policy is Policy.priority
         self.prompt_logits: set[Request] = set()  # queued or running, prompt logprobs still to compute
+        self.structured: set[Request] = set()  # queued or running, with a grammar (structured outputs)
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
         self.prefix_queried_tokens = 0
@@ -86,6 +87,8 @@ class Scheduler:
         self._queue(self.waiting, req, front=False)
         if req.needs_prompt_logits:
             self.prompt_logits.add(req)
+        if req.matcher is not None:
+            self.structured.add(req)
 
     def remove(self, req: Request) -> None:
         """Take a request out of the queues and give its pages back (finished or aborted)."""
@@ -94,6 +97,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.prompt_logits.discard(req)
+        self.structured.discard(req)
         self._release(req)
 
     def _release(self, req: Request) -> None:

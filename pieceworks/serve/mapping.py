@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pieceworks.engine import SamplingParams
+from pieceworks.engine import SamplingParams, StructuredOutputsParams
 from pieceworks.errors import RequestError
 from pieceworks.models.tokenizer import render_chat
 from pieceworks.serve.protocol import (
@@ -51,10 +51,8 @@ def refuse_unsupported(req: SamplingFields) -> None:
         unsupported |= {"suffix": req.suffix,
                         "best_of": req.best_of if req.best_of not in (None, req.n or 1) else None}
     if isinstance(req, ChatCompletionRequest):
-        fmt = req.response_format
         unsupported |= {"tools": req.tools or None,
-                        "tool_choice": req.tool_choice if req.tool_choice != "none" else None,
-                        "response_format": fmt if fmt and fmt.get("type") != "text" else None}
+                        "tool_choice": req.tool_choice if req.tool_choice != "none" else None}
     for name, value in unsupported.items():
         if value is not None:
             raise BadRequest(f"{name}={value!r} is not supported by this server; leave it out", param=name)
@@ -179,6 +177,35 @@ def allowed_ids(req: SamplingFields, vocab_size: int) -> list[int] | None:
     return req.allowed_token_ids
 
 
+def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+    """OpenAI's `response_format` (text, json_object, or json_schema with its `schema`) or vLLM's
+    `structured_outputs` (json, regex, choice, grammar, json_object, disable_any_whitespace) as
+    `StructuredOutputsParams`; None for neither (or text)."""
+    fmt, fields = req.response_format, req.structured_outputs
+    if fmt is not None and fields is not None:
+        raise BadRequest("give response_format or structured_outputs, not both", param="structured_outputs")
+    if fields is not None:
+        try:
+            return StructuredOutputsParams(**fields)
+        except TypeError:
+            known = "json, regex, choice, grammar, json_object, disable_any_whitespace"
+            raise BadRequest(f"structured_outputs takes {known}; got {sorted(fields)}",
+                             param="structured_outputs") from None
+        except RequestError as exc:
+            raise BadRequest(str(exc), param="structured_outputs") from None
+    if fmt is None or (fmt.get("type") == "text" and len(fmt) == 1):
+        return None
+    kind, spec = fmt.get("type"), fmt.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if kind == "json_object" and len(fmt) == 1:
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema" and set(fmt) == {"type", "json_schema"} and isinstance(schema, dict):
+        return StructuredOutputsParams(json=schema)
+    raise BadRequest(f"response_format={fmt!r}: takes {{'type': 'text'}}, {{'type': 'json_object'}} or "
+                     "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}",
+                     param="response_format")
+
+
 def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int) -> SamplingParams:
     """The request's sampling fields as `SamplingParams` (OpenAI's defaults where a field is absent)."""
     prompt_logprobs = None
@@ -203,7 +230,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int) -> Sa
         repetition_penalty=req.repetition_penalty, logprobs=logprobs, n=req.n,
         logit_bias=logit_bias(req, vocab_size), allowed_token_ids=allowed_ids(req, vocab_size),
         prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens,
+        skip_special_tokens=req.skip_special_tokens, structured_outputs=structured_outputs(req),
     )
     try:
         return SamplingParams(**{k: v for k, v in fields.items() if v is not None})

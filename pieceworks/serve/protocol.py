@@ -3,10 +3,10 @@
 The request models mirror OpenAI's `/v1/completions` and `/v1/chat/completions` bodies (names, types,
 defaults), plus the extensions vLLM's server accepts (`top_k`, `min_p`, `repetition_penalty`,
 `stop_token_ids`, `allowed_token_ids`, `ignore_eos`, `min_tokens`, `include_stop_str_in_output`,
-`skip_special_tokens`, `return_token_ids`, `priority`, the chat template options), so clients written
-for either work unchanged. Requests are strict: a field of the wrong type or a field the API does not
-have is a 400, and an OpenAI field whose behaviour pieceworks does not implement (`suffix`, `tools`, a
-JSON `response_format`) is refused by name instead of being ignored.
+`skip_special_tokens`, `return_token_ids`, `priority`, `structured_outputs`, the chat template options), so
+clients written for either work unchanged. Requests are strict: a field of the wrong type or a field the
+API does not have is a 400, and an OpenAI field whose behaviour pieceworks does not implement (`suffix`,
+`tools`) is refused by name instead of being ignored.
 """
 
 from __future__ import annotations
@@ -87,6 +87,9 @@ class SamplingFields(OpenAIModel):
     ignore_eos: bool = False
     min_tokens: int = 0
     return_token_ids: bool = False
+    # structured outputs: OpenAI's (chat; vLLM takes it for completions too) and vLLM's
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
 
 
 class CompletionRequest(SamplingFields):
@@ -127,7 +130,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
-    response_format: Optional[dict[str, Any]] = None
     # vLLM's chat template options
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -1,0 +1,122 @@
+"""Structured outputs: generation held to a JSON schema, a regex, a choice or a grammar, with llguidance.
+
+A request's `StructuredOutputsParams` compiles to one llguidance grammar (checked at `add_request`: a schema
+or grammar that does not compile is a RequestError naming llguidance's message), and each of its
+completions gets a matcher over the model's tokenizer. Each step, before sampling, the matchers of the
+rows that sample write the tokens they allow next as a bitmask on the host, one bit per token id in int32
+words ([B, ceil(V / 32)]; rows without a grammar are all ones), computed in parallel by llguidance's
+threads; the sampler applies it on the device (`Sampler.sample(token_mask=...)`). After a token is
+accepted its matcher consumes it; a matcher that has stopped (its grammar is complete and admits nothing
+but EOS) ends the completion with finish_reason "stop", without sampling the EOS. A token the matcher
+refuses (every token masked, e.g. by allowed_token_ids that the grammar excludes) ends it with "error".
+
+While a request with a grammar is queued or running, the Engine's steps are synchronous (the mask of a
+step needs the previous step's token on the host): the async pipeline pauses for every request then.
+llguidance is imported on first use; without it, such requests are refused with how to install it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pieceworks.engine.params import StructuredOutputsParams
+from pieceworks.errors import RequestError
+
+if TYPE_CHECKING:
+    from pieceworks.engine.request import Request
+
+
+def grammar_text(llg: Any, spec: StructuredOutputsParams) -> str:
+    """The llguidance grammar (its serialized form) of `spec`; `llg` is the llguidance module."""
+    kind = spec.kind
+    if kind in ("json", "json_object"):
+        schema = spec.json if kind == "json" else '{"type": "object"}'
+        options = {"whitespace_flexible": not spec.disable_any_whitespace}
+        return llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+    if kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(spec.regex)
+    if kind == "choice":
+        return llg.grammar_from("choice", spec.choice)
+    return llg.grammar_from("grammar", spec.grammar)  # Lark, or GBNF converted to Lark
+
+
+class Grammars:
+    """The Engine's structured-output state: llguidance's tokenizer (built on first use, ~0.3-1 s) and the
+    executor that fills masks in parallel.
+
+    tokenizer: the model's Hugging Face tokenizer (a fast one), or None. vocab_size: the logits' width V
+    (ids the tokenizer lacks are never allowed). eos_token_ids: the ids that end a completion; a matcher
+    allows them where its grammar may end.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int] | set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._llg: Any = None
+        self._lltok: Any = None
+        self._executor: Any = None
+
+    def _load(self) -> tuple[Any, Any]:
+        if self._lltok is not None:
+            return self._llg, self._lltok
+        try:
+            import llguidance
+            import llguidance.hf
+        except ImportError as exc:
+            raise RequestError(f"structured outputs need llguidance, which does not import here ({exc}): "
+                               "pip install llguidance (or pieceworks[serve])") from None
+        if self.tokenizer is None:
+            raise RequestError("structured outputs need the model's tokenizer, and this model has none (random "
+                               "weights): use allowed_token_ids or logit_bias to constrain token ids")
+        try:
+            eos = self.eos_token_ids or None  # None: the tokenizer's own
+            lltok = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+        except Exception as exc:  # a slow (Python) tokenizer, or one larger than the model's vocabulary
+            raise RequestError(f"structured outputs can't use this model's tokenizer "
+                               f"({type(self.tokenizer).__name__}): {exc}") from None
+        self._llg, self._lltok, self._executor = llguidance, lltok, llguidance.LLExecutor()
+        return llguidance, lltok
+
+    def matchers(self, spec: StructuredOutputsParams, n: int) -> list[Any]:
+        """`n` matchers at the start of `spec`'s grammar (one per completion).
+
+        Raises:
+            RequestError: llguidance is missing, the model has no (usable) tokenizer, or the schema, regex
+                or grammar does not compile (llguidance's message, with where).
+        """
+        llg, lltok = self._load()
+        try:
+            text = grammar_text(llg, spec)
+        except ValueError as exc:
+            raise RequestError(f"StructuredOutputsParams.{spec.kind}: {exc}") from None
+        matcher = llg.LLMatcher(lltok, text, log_level=0)
+        if matcher.is_error():
+            raise RequestError(f"StructuredOutputsParams.{spec.kind} does not compile: "
+                               f"{matcher.get_error().strip()}")
+        return [matcher] + [matcher.deep_copy() for _ in range(n - 1)]
+
+    def mask(self, reqs: list[Request]) -> torch.Tensor | None:
+        """The bitmask of a step's sampling rows (int32 [len(reqs), words] on the host; bit t of a row's word
+        t // 32 set: token t allowed), or None where no row has a grammar."""
+        rows = [(r.matcher, i) for i, r in enumerate(reqs) if r.matcher is not None]
+        if not rows:
+            return None
+        bitmask = torch.full((len(reqs), self.words), -1, dtype=torch.int32)
+        self._executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), self.words * 4, len(reqs))
+        return bitmask
+
+
+def grammar_stop(req: Request, tok: int) -> str | None:
+    """Feed an accepted token to the completion's matcher: "stop" where its grammar is now complete,
+    "error" (with `req.error`) where the grammar refuses the token, else None."""
+    matcher = req.matcher
+    if not matcher.consume_token(tok):
+        req.error = (f"structured_outputs: the sampled token {tok} does not continue the request's "
+                     f"{req.params.structured_outputs.kind} (no token was allowed both by it and by the other "
+                     f"sampling options, e.g. allowed_token_ids): {matcher.get_error().strip() or 'refused'}")
+        return "error"
+    return "stop" if matcher.is_stopped() else None

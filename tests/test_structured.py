@@ -1,0 +1,144 @@
+"""Structured outputs (engine/structured.py): the SmolLM2 demo model held to JSON schemas, choices, regexes
+and grammars by llguidance's token masks; the sampler's mask; the refusals."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+import torch
+
+from pieceworks import Engine, SamplingParams, StructuredOutputsParams
+from pieceworks.engine.sampler import Sampler, SamplingState
+from pieceworks.engine.structured import Grammars
+from pieceworks.errors import RequestError
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_cpu_engine):
+    pytest.importorskip("llguidance")
+    return smollm2_cpu_engine
+
+
+def chat(engine: Engine, text: str) -> str:
+    return engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=False)
+
+
+def run(engine: Engine, prompts, **params) -> list:
+    return engine.generate(prompts, SamplingParams(**params))
+
+
+def test_the_params_take_exactly_one_constraint():
+    for kw in ({}, {"json": PERSON, "regex": "a"}, {"choice": ["a"], "json_object": True}):
+        with pytest.raises(RequestError, match="exactly one"):
+            StructuredOutputsParams(**kw)
+    for kw, what in (({"json": "{not json"}, "not valid JSON"), ({"json": "[1]"}, "JSON schema"),
+                     ({"json": 3}, "JSON schema"), ({"regex": ""}, "non-empty str"),
+                     ({"choice": []}, "non-empty list"), ({"choice": ["a", 1]}, "non-empty list"),
+                     ({"grammar": "g", "disable_any_whitespace": 1}, "bool")):
+        with pytest.raises(RequestError, match=what):
+            StructuredOutputsParams(**kw)
+    with pytest.raises(RequestError, match="StructuredOutputsParams or None"):
+        SamplingParams(structured_outputs={"json": PERSON})
+    assert StructuredOutputsParams(choice=("a", "b")).choice == ["a", "b"]
+    assert StructuredOutputsParams(json_object=True).kind == "json_object"
+
+
+def test_sampler_masks_tokens_by_the_bitmask():
+    V = 70  # three int32 words; bits past V are ignored
+    torch.manual_seed(0)
+    logits = torch.randn(3, V)
+    mask = torch.full((3, 3), -1, dtype=torch.int32)
+    mask[0] = 0
+    mask[0, 1] = 1 << 5  # row 0 allows token 37 alone
+    mask[1, 0] = 0  # row 1 bans 0..31
+    states = [SamplingState.create(SamplingParams(temperature=0), [1], [], "cpu") for _ in range(3)]
+    got = Sampler(V, "cpu").sample(logits, states, token_mask=mask).token_ids
+    assert got == [37, 32 + int(logits[1, 32:].argmax()), int(logits[2].argmax())]
+    states[0] = SamplingState.create(SamplingParams(temperature=1.0, seed=3), [1], [], "cpu")
+    assert Sampler(V, "cpu").sample(logits, states, token_mask=mask).token_ids[0] == 37
+    with pytest.raises(ValueError, match="token_mask as int32"):
+        Sampler(V, "cpu").sample(logits, states, token_mask=mask[:, :2])
+
+
+def test_json_schema_output_parses_and_matches(engine):
+    prompts = [chat(engine, "Describe a person named Ann who is 31 as JSON."), "The weather today"]
+    for compact in (False, True):
+        spec = StructuredOutputsParams(json=PERSON, disable_any_whitespace=compact)
+        for out in run(engine, prompts, temperature=0, max_tokens=40, structured_outputs=spec):
+            assert out.finish_reason == "stop", out.text
+            value = json.loads(out.text)
+            assert set(value) == {"name", "age"} and isinstance(value["name"], str) and type(value["age"]) is int
+            assert out.token_ids[-1] not in engine.eos_token_ids  # ended by the grammar, no EOS sampled
+            if compact:  # no whitespace outside the strings
+                assert not re.search(r"\s", out.text.replace(value["name"], "")), out.text
+
+
+def test_sampled_completions_stay_in_the_language(engine):
+    prompt = chat(engine, "Pick a color.")
+    outs = run(engine, [prompt], temperature=1.0, seed=5, n=4, max_tokens=8,
+               structured_outputs=StructuredOutputsParams(choice=["red", "green", "blue"]))
+    assert all(o.text in ("red", "green", "blue") and o.finish_reason == "stop" for o in outs)
+    outs = run(engine, [prompt, "Call me at"], temperature=1.0, seed=2, max_tokens=16,
+               structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{4}"))
+    assert all(re.fullmatch(r"[0-9]{3}-[0-9]{4}", o.text) and o.finish_reason == "stop" for o in outs), outs
+    lark = 'start: "The answer is " ANSWER "."\nANSWER: "yes" | "no"'
+    out, = run(engine, [prompt], temperature=1.0, seed=9, max_tokens=16,
+               structured_outputs=StructuredOutputsParams(grammar=lark))
+    assert out.text in ("The answer is yes.", "The answer is no."), out.text
+    out, = run(engine, [prompt], temperature=0, max_tokens=30,
+               structured_outputs=StructuredOutputsParams(json_object=True))
+    assert out.text.startswith("{") and (out.finish_reason == "length" or isinstance(json.loads(out.text), dict))
+
+
+def test_other_requests_in_the_batch_are_unchanged(engine):
+    plain = SamplingParams(temperature=0, max_tokens=12)
+    alone = run(engine, ["The three primary colors are"], temperature=0, max_tokens=12)[0].token_ids
+    before = engine.num_async_steps
+    a = engine.add_request("The three primary colors are", plain)
+    b = engine.add_request(chat(engine, "Ann, 31, as JSON"),
+                           SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=PERSON)))
+    final = {}
+    while engine.has_unfinished():
+        final |= {o.request_id: o for o in engine.step() if o.finished}
+    assert final[a].token_ids == alone
+    assert json.loads(final[b].text)["age"] == 31
+    assert engine.num_async_steps == before  # synchronous while a grammar runs
+    run(engine, ["The three primary colors are"], temperature=0, max_tokens=4)
+    assert engine.num_async_steps > before  # and the pipeline is back after it
+
+
+def test_a_grammar_that_does_not_compile_is_refused_with_nothing_queued(engine):
+    used = engine.executor.kv.allocator.num_used
+    for kw, what in (({"regex": "[a-"}, "(?s)regex does not compile.*unclosed character class"),
+                     ({"json": {"type": "nonsense"}}, "json does not compile"),
+                     ({"grammar": "start: foo"}, "(?s)grammar does not compile.*unknown name")):
+        with pytest.raises(RequestError, match=what):
+            engine.add_request("x", SamplingParams(structured_outputs=StructuredOutputsParams(**kw)))
+    assert not engine.has_unfinished() and engine.executor.kv.allocator.num_used == used
+    assert run(engine, ["Hi"], temperature=0, max_tokens=2)[0].finish_reason == "length"
+
+
+def test_a_token_the_grammar_refuses_ends_the_completion_with_an_error(engine):
+    tok = engine.tokenizer
+    spec = StructuredOutputsParams(choice=["red", "blue"])
+    other = tok.encode(" hello", add_special_tokens=False)[:1]  # no prefix of either choice
+    out, = run(engine, ["Pick:"], temperature=0, max_tokens=4, structured_outputs=spec, allowed_token_ids=other)
+    assert out.finish_reason == "error" and "does not continue the request's choice" in out.error
+    assert run(engine, ["Hi"], temperature=0, max_tokens=2)[0].finish_reason == "length"
+
+
+def test_refusals_without_a_tokenizer_or_llguidance(monkeypatch):
+    pytest.importorskip("llguidance")
+    spec = StructuredOutputsParams(regex="a")
+    with pytest.raises(RequestError, match="need the model's tokenizer"):
+        Grammars(None, 100, {0}).matchers(spec, 1)
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    with pytest.raises(RequestError, match="pip install llguidance"):
+        Grammars(None, 100, {0}).matchers(spec, 1)
