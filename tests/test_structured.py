@@ -67,6 +67,26 @@ def test_sampler_masks_tokens_by_the_bitmask():
         Sampler(V, "cpu").sample(logits, states, token_mask=mask[:, :2])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_sampler_masks_as_on_the_cpu():
+    """The bitmask on the device (python -m pytest tests/test_structured.py -m gpu): greedy and sampled rows
+    pick allowed tokens only, the greedy ones the CPU's."""
+    V, B = 128256, 6
+    torch.manual_seed(0)
+    logits = torch.randn(B, V)
+    mask = torch.randint(-2**31, 2**31 - 1, (B, (V + 31) // 32), dtype=torch.int32)
+    mask[:, 7:] &= 0x0F0F0F0F  # sparser past the first words
+    allowed = ((mask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(B, -1)[:, :V].bool()
+    params = [SamplingParams(temperature=0)] * 3 + [SamplingParams(temperature=1.0, top_p=0.9)] * 3
+    want = Sampler(V, "cpu").sample(logits, [SamplingState.create(p, [1], [], "cpu") for p in params],
+                                    token_mask=mask).token_ids
+    got = Sampler(V, "cuda").sample(logits.cuda(), [SamplingState.create(p, [1], [], "cuda") for p in params],
+                                    token_mask=mask).token_ids
+    assert got[:3] == want[:3] == [int(logits[i].masked_fill(~allowed[i], -float("inf")).argmax()) for i in range(3)]
+    assert all(allowed[i, t] for i, t in enumerate(got))
+
+
 def test_json_schema_output_parses_and_matches(engine):
     prompts = [chat(engine, "Describe a person named Ann who is 31 as JSON."), "The weather today"]
     for compact in (False, True):
@@ -97,21 +117,40 @@ def test_sampled_completions_stay_in_the_language(engine):
     assert out.text.startswith("{") and (out.finish_reason == "length" or isinstance(json.loads(out.text), dict))
 
 
-def test_other_requests_in_the_batch_are_unchanged(engine):
-    plain = SamplingParams(temperature=0, max_tokens=12)
-    alone = run(engine, ["The three primary colors are"], temperature=0, max_tokens=12)[0].token_ids
-    before = engine.num_async_steps
-    a = engine.add_request("The three primary colors are", plain)
-    b = engine.add_request(chat(engine, "Ann, 31, as JSON"),
-                           SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=PERSON)))
+def drive(engine: Engine, requests: list[tuple[str, SamplingParams]]) -> list[list[int]]:
+    """Add the requests together and step to the end; every completion's tokens, in order."""
+    ids = [engine.add_request(prompt, params) for prompt, params in requests]
     final = {}
     while engine.has_unfinished():
-        final |= {o.request_id: o for o in engine.step() if o.finished}
-    assert final[a].token_ids == alone
-    assert json.loads(final[b].text)["age"] == 31
-    assert engine.num_async_steps == before  # synchronous while a grammar runs
-    run(engine, ["The three primary colors are"], temperature=0, max_tokens=4)
-    assert engine.num_async_steps > before  # and the pipeline is back after it
+        final |= {(o.request_id, o.index): o for o in engine.step() if o.finished}
+    return [final[(rid, i)].token_ids for rid, (_, p) in zip(ids, requests) for i in range(p.n)]
+
+
+def test_async_steps_give_the_synchronous_tokens(engine):
+    """Structured requests batched with a plain one: async steps (the mask computed once the previous step's
+    ids are accepted, while the GPU runs the forward) give the tokens of synchronous steps, the plain
+    request's tokens are those it gets alone, and the outputs hold to their grammars."""
+    sync = Engine.from_config(engine.executor.cfg, ["scheduler.async_steps=false"], progress=False)
+    try:
+        plain = ("The three primary colors are", SamplingParams(temperature=0, max_tokens=12))
+        requests = [plain,
+                    (chat(engine, "Ann, 31, as JSON"), SamplingParams(
+                        temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=PERSON))),
+                    (chat(engine, "Pick a color."), SamplingParams(
+                        temperature=1.0, seed=4, n=2, max_tokens=8,
+                        structured_outputs=StructuredOutputsParams(choice=["red", "green", "blue"]))),
+                    ("Call me at", SamplingParams(temperature=0.8, seed=11, max_tokens=16, structured_outputs=
+                                                  StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{4}")))]
+        before = engine.num_async_steps
+        got = drive(engine, requests)
+        assert engine.num_async_steps > before + 10  # the pipeline ran while the grammars did
+        assert got == drive(sync, requests) and sync.num_async_steps == 0
+        assert got[0] == drive(sync, [plain])[0]
+        text = [engine.tokenizer.decode(t, skip_special_tokens=True) for t in got]
+        assert json.loads(text[1])["age"] == 31 and {text[2], text[3]} <= {"red", "green", "blue"}
+        assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", text[4]), text
+    finally:
+        sync.close()
 
 
 def test_a_grammar_that_does_not_compile_is_refused_with_nothing_queued(engine):

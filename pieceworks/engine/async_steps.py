@@ -4,11 +4,12 @@ The Engine launches step k before step k - 1's token ids reach the host. Step k'
 their input ids yet: each request that step k - 1 sampled ends its output in the placeholder -(row + 1)
 of its token there (`mark_pending`), and the executor takes that row's id from the previous step on the
 device (a decode graph's greedy id, or the id the sampler drew: `Executor.feed_ids`). `AsyncSteps` decides
-when a step may run this way (`ready`; the scheduler's `preempt=False`), launches it, samples the rows
-that computed all their known tokens on the device, starts the copy of their ids into pinned host memory
-behind an event (`launch`), and hands the ids over once they arrived (`await_ids`); the Engine accepts
-them in place of the placeholders (`Engine._complete`). Decode steps and steps with prompt chunks alike.
-The rules are in docs/architecture.md.
+when a step may run this way (`ready`; the scheduler's `preempt=False`), launches it (`run`), samples the
+rows that computed all their known tokens on the device and starts the copy of their ids into pinned host
+memory behind an event (`sample`), and hands the ids over once they arrived (`await_ids`); the Engine
+accepts them in place of the placeholders (`Engine._complete`). Decode steps and steps with prompt chunks
+alike. A step with structured outputs samples after step k - 1's ids are accepted (its grammar mask needs
+them), while the GPU runs its forward. The rules are in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -53,23 +54,28 @@ class AsyncSteps:
     def ready(ex: Executor, s: Scheduler) -> bool:
         """Whether the next step may run asynchronously, if the scheduler needs no preemption for it
         (`Scheduler.schedule(preempt=False)`): something runs or waits, no request's prompt logprobs are
-        still to compute (those steps return every prompt row's logits), no request has a grammar (its mask
-        needs the previous token on the host: engine/structured.py), and world size is 1."""
-        return ex.groups is None and bool(s.running or s.waiting) and not s.prompt_logits and not s.structured
+        still to compute (those steps return every prompt row's logits), and world size is 1."""
+        return ex.groups is None and bool(s.running or s.waiting) and not s.prompt_logits
 
-    def launch(self, ex: Executor, scheduled: list[tuple[Request, list[int]]], sampler: Sampler) -> InFlight | None:
+    @staticmethod
+    def run(ex: Executor, scheduled: list[tuple[Request, list[int]]]
+            ) -> tuple[list[Request], torch.Tensor, torch.Tensor | None] | None:
         """Run a step whose decode rows' ids may be placeholders of the step in flight (the executor takes
-        those from the device), sample on the device the rows that computed all their known tokens (greedy
-        rows of a decode graph: the replay's ids), hand the ids to the executor for the next step's
-        placeholders and start their copy to the host. None where no row samples (only prompt chunks ran)."""
+        those from the device); its sampling rows (`sampling_rows`: the requests that computed all their
+        known tokens, their logits, a decode graph's greedy ids), or None where only prompt chunks ran."""
         logits = ex.forward(ForwardBatch([r.seq for r, _ in scheduled], [t for _, t in scheduled]), validate=False)
         reqs, logits, ids = sampling_rows(scheduled, logits, ex.greedy_ids)
-        if not reqs:
-            return None
+        return (reqs, logits, ids) if reqs else None
+
+    def sample(self, ex: Executor, reqs: list[Request], logits: torch.Tensor, ids: torch.Tensor | None,
+               sampler: Sampler, token_mask: torch.Tensor | None = None) -> InFlight:
+        """Sample `reqs`' rows of `logits` on the device (greedy rows of a decode graph: the replay's `ids`;
+        structured outputs' `token_mask`, computed once the previous step's ids were accepted), hand the
+        ids to the executor for the next step's placeholders and start their copy to the host."""
         states = [r.state for r in reqs]
         table = None
-        if ids is None or not all([s.plain for s in states]):
-            ids = sampler.sample_ids(logits, states, ids)
+        if ids is None or token_mask is not None or not all([s.plain for s in states]):
+            ids = sampler.sample_ids(logits, states, ids, token_mask)
             ex.feed_ids(ids)
             params = [s.params for s in states]
             if any([p.logprobs is not None for p in params]):

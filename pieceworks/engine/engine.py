@@ -225,11 +225,15 @@ class Engine:
             pipe = self._pipeline
             scheduled = self.scheduler.schedule(preempt=False) if pipe.ready(self.executor, self.scheduler) else None
             if scheduled:
-                launched = pipe.launch(self.executor, scheduled, self.sampler)
+                ran = pipe.run(self.executor, scheduled)
                 self.num_steps += 1
                 self.num_async_steps += 1
+                grammar = ran is not None and bool(self.scheduler.structured)  # its mask needs step k - 1's ids
+                launched = pipe.sample(self.executor, *ran, self.sampler) if ran is not None and not grammar else None
                 if pipe.inflight is not None:
                     self._complete(pipe.inflight, outputs, stream)
+                if grammar:  # the GPU runs this step's forward meanwhile
+                    launched = pipe.sample(self.executor, *ran, self.sampler, self.grammars.mask(ran[0]))
                 pipe.inflight = launched if launched is not None and mark_pending(launched.reqs) else None
                 return outputs
             if pipe.inflight is not None:  # drain: this call returns the in-flight step's outputs only

@@ -150,18 +150,18 @@ class Sampler:
         return to_host(logits, ids, finite, [s.params for s in states])
 
     def sample_ids(self, logits: torch.Tensor, states: list[SamplingState],
-                   greedy_ids: torch.Tensor | None = None) -> torch.Tensor:
+                   greedy_ids: torch.Tensor | None = None, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """`sample` without the copy to the host: int64 [B] on the logits' device, row i's token or -1
         where its logits are not all finite. Nothing waits for the GPU, so a step can be launched
         before the previous step's tokens are known (the Engine's async steps feed these ids to the
         next step on the device). Each row's token counts as in flight (`SamplingState.in_flight`)
         until the engine appends it: min_tokens counts it, and the rows with penalties have it added to
         their counts on the device now. Rows asking for logprobs get them from `logprob_table` of
-        these ids."""
-        self._check(logits, states, greedy_ids)
-        if all([s.plain for s in states]):
+        these ids. `token_mask`: as `sample`'s."""
+        self._check(logits, states, greedy_ids, token_mask)
+        if token_mask is None and all([s.plain for s in states]):
             return greedy_ids if greedy_ids is not None else greedy_token_ids(logits)
-        ids, finite, slots = self._device_ids(logits, states)
+        ids, finite, slots = self._device_ids(logits, states, token_mask)
         ids = torch.where(finite, ids, -1)
         if slots is not None:  # count the drawn tokens of the rows with penalties (slot 0: none)
             t, V = self._table, self.vocab_size

@@ -10,8 +10,9 @@ accepted its matcher consumes it; a matcher that has stopped (its grammar is com
 but EOS) ends the completion with finish_reason "stop", without sampling the EOS. A token the matcher
 refuses (every token masked, e.g. by allowed_token_ids that the grammar excludes) ends it with "error".
 
-While a request with a grammar is queued or running, the Engine's steps are synchronous (the mask of a
-step needs the previous step's token on the host): the async pipeline pauses for every request then.
+Under async steps a step with such rows launches its forward, accepts the previous step's ids (the
+matchers advance), and only then computes the mask and samples: the mask's host work overlaps the GPU's
+forward, and the tokens are those of synchronous steps.
 llguidance is imported on first use; without it, such requests are refused with how to install it.
 """
 
@@ -101,8 +102,9 @@ class Grammars:
 
     def mask(self, reqs: list[Request]) -> torch.Tensor | None:
         """The bitmask of a step's sampling rows (int32 [len(reqs), words] on the host; bit t of a row's word
-        t // 32 set: token t allowed), or None where no row has a grammar."""
-        rows = [(r.matcher, i) for i, r in enumerate(reqs) if r.matcher is not None]
+        t // 32 set: token t allowed), or None where no row has a grammar. Rows of completions that have
+        finished (an async step's row after the previous step's token ended it) allow every token."""
+        rows = [(r.matcher, i) for i, r in enumerate(reqs) if r.matcher is not None and r.finish_reason is None]
         if not rows:
             return None
         bitmask = torch.full((len(reqs), self.words), -1, dtype=torch.int32)
