@@ -472,3 +472,47 @@ def test_structured_outputs_over_http(smol_url, tiny_url):
     assert "does not compile" in httpx.post(f"{smol_url}/v1/completions", timeout=30, json={
         "model": SMOL_NAME, "prompt": "Hi", "structured_outputs": {"regex": "[a-"}}).json()["error"]["message"]
     assert httpx.get(f"{smol_url}/health", timeout=30).status_code == 200
+
+
+def test_tool_calls_required_and_named(smol_url):
+    pytest.importorskip("llguidance")
+    c = client(smol_url)
+    def function(name: str, arg: str) -> dict:  # strict schemas, as OpenAI's strict mode asks for them
+        return {"type": "function", "function": {"name": name, "strict": True, "parameters": {
+            "type": "object", "properties": {arg: {"type": "string"}}, "required": [arg],
+            "additionalProperties": False}}}
+
+    weather, clock = function("get_weather", "city"), function("get_time", "timezone")
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = dict(model=SMOL_NAME, messages=msgs, tools=[weather, clock], max_tokens=60, temperature=0)
+    r = c.chat.completions.create(tool_choice="required", **kw)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None and ch.message.tool_calls
+    for call in ch.message.tool_calls:
+        args = json.loads(call.function.arguments)
+        assert call.type == "function" and call.id.startswith("call_")
+        assert set(args) == ({"city"} if call.function.name == "get_weather" else {"timezone"}), call
+    one = c.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **kw).choices[0]
+    assert len(one.message.tool_calls) == 1
+    named = c.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_time"}}, **kw)
+    call, = named.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and set(json.loads(call.function.arguments)) == {"timezone"}
+    # streamed: the same calls, whole, in one delta; no content
+    chunks = list(c.chat.completions.create(tool_choice="required", stream=True, **kw))
+    deltas = [d for x in chunks if x.choices for d in x.choices[0].delta.tool_calls or []]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [
+        (t.function.name, t.function.arguments) for t in ch.message.tool_calls]
+    assert not "".join(x.choices[0].delta.content or "" for x in chunks if x.choices)
+    assert [x.choices[0].finish_reason for x in chunks if x.choices][-1] == "tool_calls"
+    # the call and its result as earlier turns: the conversation renders and goes on
+    turns = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "get_time", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+    r = c.chat.completions.create(model=SMOL_NAME, messages=turns, tools=[weather, clock], tool_choice="none",
+                                  max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.content
+    # auto needs a parser this server was not started with
+    r = httpx.post(f"{smol_url}/v1/chat/completions", timeout=30,
+                   json={"model": SMOL_NAME, "messages": msgs, "tools": [weather]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    assert "--tool-call-parser" in r.json()["error"]["message"]

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["build_app"]
+__all__ = ["build_app", "TOOL_CALL_PARSERS"]
+
+#: The formats `--tool-call-parser` reads tool calls in (serve/tools.py); here, so the CLI needs no pydantic.
+TOOL_CALL_PARSERS = ("hermes",)
 
 
 def __getattr__(name: str) -> Any:

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pieceworks.errors import RequestError
-from pieceworks.serve import mapping
+from pieceworks.serve import mapping, tools
 from pieceworks.serve.metrics import CONTENT_TYPE, ServerMetrics
 from pieceworks.serve.protocol import (
     BadRequest,
@@ -67,9 +67,13 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
 class Server:
     """The state the routes share: the engine, the served name, the queue bound, the metrics."""
 
-    def __init__(self, engine: Any, served_model_name: str | None = None, max_queue: int = 256):
+    def __init__(self, engine: Any, served_model_name: str | None = None, max_queue: int = 256,
+                 tool_call_parser: str | None = None):
         if max_queue < 1:
             raise ValueError(f"max_queue = {max_queue}: must be at least 1 (requests waiting for a first token)")
+        if tool_call_parser not in (None, *tools.PARSERS):
+            raise ValueError(f"tool_call_parser = {tool_call_parser!r}: takes one of {tools.PARSERS} or None")
+        self.tool_call_parser = tool_call_parser
         self.engine = engine
         self.name = served_model_name or engine.model_name
         self.tokenizer = engine.tokenizer
@@ -263,9 +267,11 @@ def _value_at(data: Any, path: tuple) -> Any:
     return data
 
 
-def build_app(engine: Any, served_model_name: str | None = None, max_queue: int = 256) -> FastAPI:
-    """The FastAPI app serving `engine` (an `AsyncEngine`); see the module docstring."""
-    srv = Server(engine, served_model_name, max_queue)
+def build_app(engine: Any, served_model_name: str | None = None, max_queue: int = 256,
+              tool_call_parser: str | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` (an `AsyncEngine`); see the module docstring. `tool_call_parser`
+    ("hermes" or None) reads tool calls from the model's text under tool_choice auto (serve/tools.py)."""
+    srv = Server(engine, served_model_name, max_queue, tool_call_parser)
     app = FastAPI(title="pieceworks", version=__version__)
     app.state.server = srv
 
@@ -342,10 +348,11 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
         req = await _parse(request, ChatCompletionRequest)
         mapping.check_model(req, srv.name)
         mapping.refuse_unsupported(req)
-        prompt = mapping.chat_prompt(req, srv.tokenizer)
+        plan = tools.plan(req, srv.tool_call_parser)
+        prompt = mapping.chat_prompt(req, srv.tokenizer, plan)
         params = [mapping.sampling_params(req, mapping.max_tokens_for(req, len(prompt), srv.max_context),
-                                          srv.vocab_size)]
-        return await _respond(request, req, [prompt], params, new_id("chatcmpl"), ChatWriter(srv, req))
+                                          srv.vocab_size, plan)]
+        return await _respond(request, req, [prompt], params, new_id("chatcmpl"), ChatWriter(srv, req, plan))
 
     async def _respond(request: Request, req: Any, prompts: list[list[int]], params: list[Any], rid: str,
                        writer: Writer) -> Response:

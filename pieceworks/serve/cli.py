@@ -9,6 +9,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from pieceworks.serve import TOOL_CALL_PARSERS
+
 log = logging.getLogger("pieceworks.serve")
 
 
@@ -30,6 +32,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model name clients pass (default: the model's path or preset)")
     p.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="requests waiting for their first token before new ones get 503 (default 256)")
+    p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="read tool calls from the model's text under tool_choice auto: hermes (<tool_call> JSON "
+                        "blocks); without it, requests with tools take tool_choice required, a named function "
+                        "or none")
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -95,7 +101,7 @@ def run_serve(args: argparse.Namespace, cfg: Any) -> int:
     from pieceworks.serve.app import build_app
 
     with AsyncEngine.from_config(cfg) as engine:
-        app = build_app(engine, args.served_model_name, args.max_queue)
+        app = build_app(engine, args.served_model_name, args.max_queue, args.tool_call_parser)
         name = app.state.server.name
         log.info("serving %s at http://%s:%d (OpenAI API under /v1)", name, args.host, args.port)
         sched = engine.engine.scheduler.cfg

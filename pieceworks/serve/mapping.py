@@ -13,6 +13,7 @@ from typing import Any
 from pieceworks.engine import SamplingParams, StructuredOutputsParams
 from pieceworks.errors import RequestError
 from pieceworks.models.tokenizer import render_chat
+from pieceworks.serve import tools
 from pieceworks.serve.protocol import (
     MAX_LOGPROBS,
     BadRequest,
@@ -50,9 +51,6 @@ def refuse_unsupported(req: SamplingFields) -> None:
     if isinstance(req, CompletionRequest):
         unsupported |= {"suffix": req.suffix,
                         "best_of": req.best_of if req.best_of not in (None, req.n or 1) else None}
-    if isinstance(req, ChatCompletionRequest):
-        unsupported |= {"tools": req.tools or None,
-                        "tool_choice": req.tool_choice if req.tool_choice != "none" else None}
     for name, value in unsupported.items():
         if value is not None:
             raise BadRequest(f"{name}={value!r} is not supported by this server; leave it out", param=name)
@@ -100,15 +98,13 @@ def echo_texts(req: CompletionRequest, tokenizer: Any, prompts: list[list[int]])
     return [tokenizer.decode(ids) if tokenizer is not None else "" for ids in prompts]
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
-    """The messages rendered by the tokenizer's chat template, with the assistant turn opened."""
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, tool_plan: tools.ToolPlan | None = None) -> list[int]:
+    """The messages rendered by the tokenizer's chat template, with the assistant turn opened (and the
+    plan's tools as the template's `tools`)."""
     if not req.messages:
         raise BadRequest("messages is empty: give at least one message", param="messages")
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise BadRequest("this model has no chat template: use /v1/completions", param="messages")
-    for i, m in enumerate(req.messages):
-        if m.tool_calls or m.tool_call_id:
-            raise BadRequest(f"messages[{i}]: tool calls are not supported by this server", param="messages")
     if req.continue_final_message and (req.add_generation_prompt or req.messages[-1].role != "assistant"):
         raise BadRequest("continue_final_message continues the last message: it must be the assistant's, with "
                          "add_generation_prompt: false", param="continue_final_message")
@@ -116,11 +112,11 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
     if reserved:
         raise BadRequest(f"chat_template_kwargs sets {sorted(reserved)}, which the server sets itself; use the "
                          "request's own fields", param="chat_template_kwargs")
-    msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+    msgs = tools.template_messages(req)
+    kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tool_plan.tools} if tool_plan else {})}
     try:
         return render_chat(tokenizer, msgs, add_generation_prompt=req.add_generation_prompt,
-                           continue_final_message=req.continue_final_message,
-                           template_kwargs=req.chat_template_kwargs)
+                           continue_final_message=req.continue_final_message, template_kwargs=kwargs or None)
     except RequestError as exc:  # the template refused the conversation (e.g. roles out of order); the client
         # gets Jinja's message, not the server's file paths. Errors that are not the template's are a 500.
         cause = exc.__cause__
@@ -177,13 +173,18 @@ def allowed_ids(req: SamplingFields, vocab_size: int) -> list[int] | None:
     return req.allowed_token_ids
 
 
-def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+def structured_outputs(req: SamplingFields, tool_plan: tools.ToolPlan | None = None) -> StructuredOutputsParams | None:
     """OpenAI's `response_format` (text, json_object, or json_schema with its `schema`) or vLLM's
     `structured_outputs` (json, regex, choice, grammar, json_object, disable_any_whitespace) as
-    `StructuredOutputsParams`; None for neither (or text)."""
+    `StructuredOutputsParams`, or the schema of a tool_choice that requires tool calls; None for none."""
     fmt, fields = req.response_format, req.structured_outputs
     if fmt is not None and fields is not None:
         raise BadRequest("give response_format or structured_outputs, not both", param="structured_outputs")
+    if tool_plan is not None and tool_plan.constrains:
+        if fields is not None or (fmt is not None and fmt != {"type": "text"}):
+            raise BadRequest(f"tool_choice {tool_plan.mode!r} holds the output to tool calls; leave out "
+                             "response_format and structured_outputs", param="tool_choice")
+        return tools.structured_outputs(tool_plan)
     if fields is not None:
         try:
             return StructuredOutputsParams(**fields)
@@ -206,7 +207,8 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
                      param="response_format")
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int) -> SamplingParams:
+def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int,
+                    tool_plan: tools.ToolPlan | None = None) -> SamplingParams:
     """The request's sampling fields as `SamplingParams` (OpenAI's defaults where a field is absent)."""
     prompt_logprobs = None
     if isinstance(req, CompletionRequest):
@@ -230,7 +232,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int) -> Sa
         repetition_penalty=req.repetition_penalty, logprobs=logprobs, n=req.n,
         logit_bias=logit_bias(req, vocab_size), allowed_token_ids=allowed_ids(req, vocab_size),
         prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens, structured_outputs=structured_outputs(req),
+        skip_special_tokens=req.skip_special_tokens, structured_outputs=structured_outputs(req, tool_plan),
     )
     try:
         return SamplingParams(**{k: v for k, v in fields.items() if v is not None})

@@ -5,8 +5,8 @@ defaults), plus the extensions vLLM's server accepts (`top_k`, `min_p`, `repetit
 `stop_token_ids`, `allowed_token_ids`, `ignore_eos`, `min_tokens`, `include_stop_str_in_output`,
 `skip_special_tokens`, `return_token_ids`, `priority`, `structured_outputs`, the chat template options), so
 clients written for either work unchanged. Requests are strict: a field of the wrong type or a field the
-API does not have is a 400, and an OpenAI field whose behaviour pieceworks does not implement (`suffix`,
-`tools`) is refused by name instead of being ignored.
+API does not have is a 400, and an OpenAI field whose behaviour pieceworks does not implement (`suffix`) is
+refused by name instead of being ignored.
 """
 
 from __future__ import annotations
@@ -193,9 +193,26 @@ class ChatLogprobs(ResponseModel):
     content: Optional[list[ChatLogprobToken]] = None
 
 
+class FunctionCallOut(ResponseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class DeltaToolCall(ToolCallOut):
+    index: int
+
+
 class ChatMessageOut(ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallOut]] = None
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"tool_calls"})
 
 
 class ChatChoice(ResponseModel):
@@ -219,8 +236,9 @@ class ChatCompletionResponse(ResponseModel):
 
 class DeltaMessage(ResponseModel):
     role: Optional[Literal["assistant"]] = None
-    omit_if_none: ClassVar[frozenset[str]] = frozenset({"role"})
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"role", "tool_calls"})
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatStreamChoice(ResponseModel):

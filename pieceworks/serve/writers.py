@@ -20,9 +20,13 @@ from pieceworks.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCallOut,
+    ToolCallOut,
     TopLogprob,
     UsageInfo,
 )
+from pieceworks.serve.tools import ToolPlan, parse, visible_prefix
 
 
 @dataclass
@@ -149,6 +153,34 @@ class CompletionWriter(Writer):
 
 
 class ChatWriter(Writer):
+    """With a tool plan (serve/tools.py) whose output may hold tool calls, a finished choice's text is parsed
+    into content and calls, and streamed content stops where calls may begin."""
+
+    def __init__(self, srv: Any, req: Any, tool_plan: ToolPlan | None = None):
+        super().__init__(srv, req)
+        self.tools = tool_plan if tool_plan is not None and tool_plan.parses else None
+        self.shown: dict[int, int] = {}  # with tools: per choice, how much of its text streamed as content
+
+    def _message(self, c: Choice) -> tuple[str | None, list[dict[str, str]], str | None]:
+        """A finished choice's content, tool calls and finish_reason ("tool_calls" where it called tools)."""
+        if self.tools is None:
+            return c.text, [], c.finish_reason
+        content, calls = parse(self.tools, c.text)
+        return content, calls, "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+
+    def _content_delta(self, step: Step) -> tuple[str, list[dict[str, str]], str | None]:
+        """With tools: the content a step may stream, and, once finished, the calls and finish_reason."""
+        c = step.choice
+        shown = self.shown.get(c.index, 0)
+        if not step.finished:
+            upto = shown if self.tools.constrains else max(shown, visible_prefix(c.text))
+            self.shown[c.index] = upto
+            return c.text[shown:upto], [], None
+        content, calls, reason = self._message(c)
+        rest = (content or "")[shown:]  # the content begins with what streamed: it ends before any call
+        self.shown[c.index] = shown + len(rest)
+        return rest, calls, reason
+
     def _logprobs(self, token_ids: list[int], lps: list[dict[int, float]]) -> ChatLogprobs | None:
         if not self.req.logprobs:
             return None
@@ -173,23 +205,37 @@ class ChatWriter(Writer):
         self.note(step)
         c = step.choice
         ids = step.new_token_ids if self.req.return_token_ids else None
+        if self.tools is None:
+            text, calls, reason = step.text_delta, [], c.finish_reason
+        else:
+            text, calls, reason = self._content_delta(step)
         out = []
-        if step.new_token_ids or step.text_delta:
+        if step.new_token_ids or text:
             out.append(ChatCompletionChunk(id=rid, model=self.srv.name, choices=[ChatStreamChoice(
-                index=c.index, delta=DeltaMessage(content=step.text_delta),
+                index=c.index, delta=DeltaMessage(content=text),
                 logprobs=self._logprobs(step.new_token_ids, step.new_logprobs), token_ids=ids)]))
+        if calls:
+            deltas = [DeltaToolCall(index=i, id=t["id"], function=FunctionCallOut(name=t["name"],
+                                                                                arguments=t["arguments"]))
+                      for i, t in enumerate(calls)]
+            out.append(ChatCompletionChunk(id=rid, model=self.srv.name, choices=[ChatStreamChoice(
+                index=c.index, delta=DeltaMessage(tool_calls=deltas))]))
         if step.finished:
             out.append(ChatCompletionChunk(id=rid, model=self.srv.name, choices=[ChatStreamChoice(
-                index=c.index, delta=DeltaMessage(), finish_reason=c.finish_reason)]))
+                index=c.index, delta=DeltaMessage(), finish_reason=reason)]))
         return out
 
     def usage_chunk(self, rid: str, prompts: list[list[int]]) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=rid, model=self.srv.name, choices=[], usage=usage(prompts, self.ordered()))
 
     def response(self, rid: str, prompts: list[list[int]]) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason,
-                              logprobs=self._logprobs(c.token_ids, c.logprobs),
-                              token_ids=c.token_ids if self.req.return_token_ids else None)
-                   for c in self.ordered()]
+        choices = []
+        for c in self.ordered():
+            content, calls, reason = self._message(c)
+            out = [ToolCallOut(id=t["id"], function=FunctionCallOut(name=t["name"], arguments=t["arguments"]))
+                   for t in calls]
+            choices.append(ChatChoice(index=c.index, message=ChatMessageOut(content=content, tool_calls=out or None),
+                                      finish_reason=reason, logprobs=self._logprobs(c.token_ids, c.logprobs),
+                                      token_ids=c.token_ids if self.req.return_token_ids else None))
         return ChatCompletionResponse(id=rid, model=self.srv.name, choices=choices,
                                       usage=usage(prompts, self.ordered()))

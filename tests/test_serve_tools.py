@@ -1,0 +1,163 @@
+"""Tool calls in chat completions (serve/tools.py) without a model: the plan and its refusals, the schema that
+holds required and named choices to calls, the hermes parser, what streams as content, and what reaches the
+chat template. The server runs them end to end in test_serve.py."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("fastapi", reason="needs the serve extra: pip install 'pieceworks[serve]'")
+
+from pieceworks.serve import mapping, tools  # noqa: E402
+from pieceworks.serve.protocol import BadRequest, ChatCompletionRequest  # noqa: E402
+from pieceworks.serve.writers import ChatWriter, Choice, Step  # noqa: E402
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "the time"}}
+MSGS = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def chat(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model="m", messages=MSGS, **kw)
+
+
+def refused(req, param, match, parser=None):
+    with pytest.raises(BadRequest, match=match) as exc:
+        tools.plan(req, parser)
+    assert exc.value.param == param
+
+
+def test_plans_and_refusals():
+    assert tools.plan(chat(), None) is None and tools.plan(chat(tool_choice="none"), None) is None
+    refused(chat(tool_choice="required"), "tool_choice", "needs tools")
+    refused(chat(tools=[WEATHER]), "tool_choice", "--tool-call-parser hermes")  # auto is the default
+    refused(chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice",
+            "one of the tools")
+    refused(chat(tools=[WEATHER, WEATHER], tool_choice="required"), "tools", "its own name")
+    refused(chat(tools=[{"type": "function", "function": {"name": "f", "extra": 1}}], tool_choice="none"), "tools",
+            "must be")
+    refused(chat(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}], tool_choice="none"),
+            "tools", "JSON schema")
+    assert tools.plan(chat(tools=[WEATHER]), "hermes").mode == "auto"
+    named = tools.plan(chat(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}),
+                       None)
+    assert (named.mode, named.name) == ("named", "get_time")
+    # a function without parameters takes an empty object
+    assert tools.structured_outputs(named).json == {"type": "object", "properties": {}}
+    required = tools.plan(chat(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False), None)
+    schema = tools.structured_outputs(required).json
+    assert schema["maxItems"] == 1 and schema["minItems"] == 1
+    assert [c["properties"]["name"] for c in schema["items"]["anyOf"]] == [{"const": "get_weather"},
+                                                                           {"const": "get_time"}]
+    with pytest.raises(BadRequest, match="leave out response_format") as exc:
+        mapping.sampling_params(chat(tools=[WEATHER], tool_choice="required",
+                                     response_format={"type": "json_object"}), 8, 100, required)
+    assert exc.value.param == "tool_choice"
+
+
+def test_parse_each_mode():
+    named = tools.ToolPlan("named", [WEATHER], name="get_weather")
+    content, calls = tools.parse(named, '{"city": "Paris"}')
+    assert content is None and [(c["name"], c["arguments"]) for c in calls] == [("get_weather", '{"city": "Paris"}')]
+    assert tools.parse(named, '{"city": "Pa') == ('{"city": "Pa', [])  # cut off by max_tokens: content
+    required = tools.ToolPlan("required", [WEATHER, TIME])
+    _, calls = tools.parse(required, '[{"name": "get_time", "arguments": {}}, '
+                                     '{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_time", {}),
+                                                                       ("get_weather", {"city": "Oslo"})]
+    assert len({c["id"] for c in calls}) == 2 and all(c["id"].startswith("call_") for c in calls)
+    auto = tools.ToolPlan("auto", [WEATHER], parser="hermes")
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+    content, calls = tools.parse(auto, text)
+    assert content == "Let me check.\n" and [json.loads(c["arguments"])["city"] for c in calls] == ["Paris", "Rome"]
+    assert tools.parse(auto, "No tools needed.") == ("No tools needed.", [])
+    assert tools.parse(auto, "<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+
+
+def test_visible_prefix_holds_back_a_possible_tag():
+    for text, n in (("Hello", 5), ("Hello <tool", 6), ("Hi <tool_call>{", 3), ("a<", 1), ("a<b", 3), ("", 0)):
+        assert tools.visible_prefix(text) == n, text
+
+
+def _stream(writer, deltas):
+    c = Choice(index=0, start=0.0)
+    chunks = []
+    for i, d in enumerate(deltas):
+        c.text += d
+        c.token_ids.append(i)
+        last = i == len(deltas) - 1
+        c.finish_reason = "stop" if last else None
+        chunks += writer.chunks("id", Step(c, [i], d, [], last))
+    return c, chunks
+
+
+def test_streamed_auto_content_stops_at_the_call():
+    srv = SimpleNamespace(name="m", token_str=str)
+    req = chat(tools=[WEATHER], stream=True)
+    plan = tools.plan(req, "hermes")
+    deltas = ["Sure", ". <tool", '_call>{"name": "get_weather", ', '"arguments": {"city": "Paris"}}</tool_call>']
+    writer = ChatWriter(srv, req, plan)
+    c, chunks = _stream(writer, deltas)
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    calls = [t for ch in chunks for t in ch.choices[0].delta.tool_calls or []]
+    assert content == "Sure. " and [(t.index, t.function.name) for t in calls] == [(0, "get_weather")]
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    writer2 = ChatWriter(srv, req, plan)
+    writer2.note(Step(c, [], "", [], True))
+    msg = writer2.response("id", [[1]]).choices[0]
+    assert msg.message.content == "Sure. " and msg.message.tool_calls[0].function.name == "get_weather"
+    assert msg.finish_reason == "tool_calls"
+    # no call: everything held back streams by the end
+    _, chunks = _stream(ChatWriter(srv, req, plan), ["a <", "b"])
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "a <b"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_tools_and_tool_turns_reach_the_template():
+    seen = {}
+
+    class Tok:
+        chat_template = "t"
+
+        def apply_chat_template(self, messages, **kw):
+            seen.update(messages=messages, **kw)
+            return [1, 2]
+
+    turns = MSGS + [{"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                    {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}]
+    req = ChatCompletionRequest(model="m", messages=turns, tools=[WEATHER], tool_choice="required")
+    assert mapping.chat_prompt(req, Tok(), tools.plan(req, None)) == [1, 2]
+    assert seen["tools"][0]["function"]["name"] == "get_weather"
+    assert seen["messages"][1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert seen["messages"][2] == {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}
+    bad = ChatCompletionRequest(model="m", messages=MSGS + [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}])
+    with pytest.raises(BadRequest, match="not JSON"):
+        mapping.chat_prompt(bad, Tok())
+
+
+def test_the_parser_option():
+    import argparse
+
+    from pieceworks.serve.app import Server
+    from pieceworks.serve.cli import add_serve_arguments
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    assert p.parse_args(["--tool-call-parser", "hermes"]).tool_call_parser == "hermes"
+    assert p.parse_args([]).tool_call_parser is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["--tool-call-parser", "mistral"])
+    engine = SimpleNamespace(model_name="m", tokenizer=None, max_context=8,
+                             engine=SimpleNamespace(executor=SimpleNamespace(vocab_size=10)))
+    assert Server(engine, tool_call_parser="hermes").tool_call_parser == "hermes"
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        Server(engine, tool_call_parser="mistral")
