@@ -79,9 +79,23 @@ def test_parse_each_mode():
     assert tools.parse(auto, "<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
 
 
-def test_visible_prefix_holds_back_a_possible_tag():
+def test_llama3_json_calls():
+    auto = tools.ToolPlan("auto", [WEATHER], parser="llama3_json")
+    content, calls = tools.parse(auto, ' {"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                                       '{"name": "get_time", "parameters": {}}')
+    assert content is None and [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {})]
+    _, calls = tools.parse(auto, '<|python_tag|>{"name": "get_time", "arguments": {"tz": "UTC"}}')
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_time", '{"tz": "UTC"}')]
+    for text in ("It is sunny.", '{"city": "Paris"}', '{"name": "f", "parameters": {"a": 1}} and more'):
+        assert tools.parse(auto, text) == (text, []), text
+
+
+def test_visible_prefix_holds_back_a_possible_call():
     for text, n in (("Hello", 5), ("Hello <tool", 6), ("Hi <tool_call>{", 3), ("a<", 1), ("a<b", 3), ("", 0)):
         assert tools.visible_prefix(text) == n, text
+    for text, n in (("", 0), ("  ", 0), (' {"na', 0), ("<|py", 0), ("Sunny", 5), (" Sun {", 6)):
+        assert tools.visible_prefix(text, "llama3_json") == n, text
 
 
 def _stream(writer, deltas):
@@ -117,6 +131,12 @@ def test_streamed_auto_content_stops_at_the_call():
     _, chunks = _stream(ChatWriter(srv, req, plan), ["a <", "b"])
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "a <b"
     assert chunks[-1].choices[0].finish_reason == "stop"
+    llama = tools.plan(req, "llama3_json")
+    _, chunks = _stream(ChatWriter(srv, req, llama), [' {"name": "get_weather",', ' "parameters": {"city": "Oslo"}}'])
+    assert not "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    assert [t.function.arguments for ch in chunks for t in ch.choices[0].delta.tool_calls or []] == ['{"city": "Oslo"}']
+    _, chunks = _stream(ChatWriter(srv, req, llama), ["It", " is", " sunny."])
+    assert [ch.choices[0].delta.content for ch in chunks[:3]] == ["It", " is", " sunny."]
 
 
 def test_tools_and_tool_turns_reach_the_template():

@@ -11,7 +11,7 @@ from typing import Any
 __all__ = ["build_app", "TOOL_CALL_PARSERS"]
 
 #: The formats `--tool-call-parser` reads tool calls in (serve/tools.py); here, so the CLI needs no pydantic.
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 
 def __getattr__(name: str) -> Any:

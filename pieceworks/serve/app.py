@@ -270,7 +270,7 @@ def _value_at(data: Any, path: tuple) -> Any:
 def build_app(engine: Any, served_model_name: str | None = None, max_queue: int = 256,
               tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (an `AsyncEngine`); see the module docstring. `tool_call_parser`
-    ("hermes" or None) reads tool calls from the model's text under tool_choice auto (serve/tools.py)."""
+    ("hermes", "llama3_json" or None) reads tool calls from the model's text under tool_choice auto (serve/tools.py)."""
     srv = Server(engine, served_model_name, max_queue, tool_call_parser)
     app = FastAPI(title="pieceworks", version=__version__)
     app.state.server = srv

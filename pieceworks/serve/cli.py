@@ -34,8 +34,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests waiting for their first token before new ones get 503 (default 256)")
     p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="read tool calls from the model's text under tool_choice auto: hermes (<tool_call> JSON "
-                        "blocks); without it, requests with tools take tool_choice required, a named function "
-                        "or none")
+                        "blocks: Hermes, Qwen) or llama3_json (Llama 3.1 / 3.2's JSON calls); without it, requests "
+                        "with tools take tool_choice required, a named function or none")
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:

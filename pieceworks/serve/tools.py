@@ -10,11 +10,14 @@
   function's arguments object. The message carries them as `tool_calls` (content null) with finish_reason
   "tool_calls".
 - `"auto"` (the default when tools are given) reads the model's own format, so it needs the server's parser
-  (`pieceworks serve --tool-call-parser hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-  blocks, the format of Hermes, Qwen 2.5 / 3 and models trained like them; the text around them is the content).
-  Without a parser, auto is a 400 that names the alternatives, as in vLLM.
-Streamed, the calls arrive whole in one delta at the end; under auto, content streams until a block begins
-(and, held back, text that may be the start of one), under required and named nothing streams as content.
+  (`pieceworks serve --tool-call-parser P`). `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+  blocks, the format of Hermes, Qwen 2.5 / 3 and models trained like them; the text before the first is the
+  content. `llama3_json`: Llama 3.1 / 3.2's JSON calls, an answer that is one or more `{"name": ...,
+  "parameters": {...}}` objects (separated by ";", after an optional `<|python_tag|>`); any other answer is
+  content. Without a parser, auto is a 400 that names the alternatives, as in vLLM.
+Streamed, the calls arrive whole in one delta at the end; under auto, content streams until a call may begin
+(hermes: a block, or text that may be the start of its tag; llama3_json: an answer whose first non-blank
+character is `{` or `<` is held to the end), under required and named nothing streams as content.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pieceworks.serve import TOOL_CALL_PARSERS as PARSERS
 from pieceworks.serve.protocol import BadRequest, ChatCompletionRequest
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_PYTHON_TAG = "<|python_tag|>"
 _BLOCK = re.compile(re.escape(_OPEN) + r"(.*?)(?:" + re.escape(_CLOSE) + r"|$)", re.S)
 
 
@@ -151,7 +155,9 @@ def parse(p: ToolPlan, text: str) -> tuple[str | None, list[dict[str, str]]]:
         except ValueError:
             return text, []
         return None, [_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items]
-    calls = []  # auto: the blocks are the calls, the text before the first one the content
+    if p.parser == "llama3_json":
+        return _parse_llama3(text)
+    calls = []  # hermes: the blocks are the calls, the text before the first one the content
     for m in _BLOCK.finditer(text):
         try:
             c = json.loads(m.group(1))
@@ -163,13 +169,35 @@ def parse(p: ToolPlan, text: str) -> tuple[str | None, list[dict[str, str]]]:
     return content if content.strip() else None, calls
 
 
+def _parse_llama3(text: str) -> tuple[str | None, list[dict[str, str]]]:
+    """Llama 3.1's JSON calls: the whole answer is `{"name", "parameters"}` objects, ";" between them."""
+    body = text.strip().removeprefix(_PYTHON_TAG).lstrip()
+    if not body.startswith("{"):
+        return text, []
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            obj, at = decoder.raw_decode(body, at)
+            arguments = obj.get("parameters", obj.get("arguments", {}))
+            calls.append(_call(obj["name"], json.dumps(arguments, ensure_ascii=False)))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return text, []  # not calls after all: the text stays as it is
+        while at < len(body) and body[at] in "; \t\r\n":
+            at += 1
+    return None, calls
+
+
 def _call(name: str, arguments: str) -> dict[str, str]:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "name": name, "arguments": arguments}
 
 
-def visible_prefix(text: str) -> int:
-    """How much of an auto choice's text may stream as content: up to a tool-call block, or up to a tail that
-    could still become its opening tag."""
+def visible_prefix(text: str, parser: str | None = "hermes") -> int:
+    """How much of an auto choice's text may stream as content: hermes, up to a tool-call block or a tail that
+    could still become its opening tag; llama3_json, nothing while the answer may be calls (blank so far,
+    or its first non-blank character `{` or `<`), all of it once it can't be."""
+    if parser == "llama3_json":
+        head = text.lstrip()[:1]
+        return 0 if head in ("", "{", "<") else len(text)
     at = text.find(_OPEN)
     if at >= 0:
         return at

@@ -173,7 +173,7 @@ class ChatWriter(Writer):
         c = step.choice
         shown = self.shown.get(c.index, 0)
         if not step.finished:
-            upto = shown if self.tools.constrains else max(shown, visible_prefix(c.text))
+            upto = shown if self.tools.constrains else max(shown, visible_prefix(c.text, self.tools.parser))
             self.shown[c.index] = upto
             return c.text[shown:upto], [], None
         content, calls, reason = self._message(c)
