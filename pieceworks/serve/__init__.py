@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["build_app", "TOOL_CALL_PARSERS"]
+__all__ = ["build_app", "TOOL_CALL_PARSERS", "REASONING_PARSERS"]
 
 #: The formats `--tool-call-parser` reads tool calls in (serve/tools.py); here, so the CLI needs no pydantic.
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+#: The formats `--reasoning-parser` splits a thinking model's answer by (serve/reasoning.py).
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 def __getattr__(name: str) -> Any:

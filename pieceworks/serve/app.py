@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pieceworks.errors import RequestError
-from pieceworks.serve import mapping, tools
+from pieceworks.serve import REASONING_PARSERS, mapping, tools
 from pieceworks.serve.metrics import CONTENT_TYPE, ServerMetrics
 from pieceworks.serve.protocol import (
     BadRequest,
@@ -68,12 +68,14 @@ class Server:
     """The state the routes share: the engine, the served name, the queue bound, the metrics."""
 
     def __init__(self, engine: Any, served_model_name: str | None = None, max_queue: int = 256,
-                 tool_call_parser: str | None = None):
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         if max_queue < 1:
             raise ValueError(f"max_queue = {max_queue}: must be at least 1 (requests waiting for a first token)")
-        if tool_call_parser not in (None, *tools.PARSERS):
-            raise ValueError(f"tool_call_parser = {tool_call_parser!r}: takes one of {tools.PARSERS} or None")
-        self.tool_call_parser = tool_call_parser
+        for name, value, known in (("tool_call_parser", tool_call_parser, tools.PARSERS),
+                                   ("reasoning_parser", reasoning_parser, REASONING_PARSERS)):
+            if value not in (None, *known):
+                raise ValueError(f"{name} = {value!r}: takes one of {known} or None")
+        self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
         self.engine = engine
         self.name = served_model_name or engine.model_name
         self.tokenizer = engine.tokenizer
@@ -268,10 +270,10 @@ def _value_at(data: Any, path: tuple) -> Any:
 
 
 def build_app(engine: Any, served_model_name: str | None = None, max_queue: int = 256,
-              tool_call_parser: str | None = None) -> FastAPI:
-    """The FastAPI app serving `engine` (an `AsyncEngine`); see the module docstring. `tool_call_parser`
-    ("hermes", "llama3_json" or None) reads tool calls from the model's text under tool_choice auto (serve/tools.py)."""
-    srv = Server(engine, served_model_name, max_queue, tool_call_parser)
+              tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` (an `AsyncEngine`); see the module docstring. The parsers: one of
+    `TOOL_CALL_PARSERS` (serve/tools.py) and `REASONING_PARSERS` (serve/reasoning.py), or None."""
+    srv = Server(engine, served_model_name, max_queue, tool_call_parser, reasoning_parser)
     app = FastAPI(title="pieceworks", version=__version__)
     app.state.server = srv
 
@@ -352,7 +354,8 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
         prompt = mapping.chat_prompt(req, srv.tokenizer, plan)
         params = [mapping.sampling_params(req, mapping.max_tokens_for(req, len(prompt), srv.max_context),
                                           srv.vocab_size, plan)]
-        return await _respond(request, req, [prompt], params, new_id("chatcmpl"), ChatWriter(srv, req, plan))
+        writer = ChatWriter(srv, req, plan, srv.reasoning_parser)
+        return await _respond(request, req, [prompt], params, new_id("chatcmpl"), writer)
 
     async def _respond(request: Request, req: Any, prompts: list[list[int]], params: list[Any], rid: str,
                        writer: Writer) -> Response:

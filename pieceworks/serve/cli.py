@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from pieceworks.serve import TOOL_CALL_PARSERS
+from pieceworks.serve import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 log = logging.getLogger("pieceworks.serve")
 
@@ -36,6 +36,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="read tool calls from the model's text under tool_choice auto: hermes (<tool_call> JSON "
                         "blocks: Hermes, Qwen) or llama3_json (Llama 3.1 / 3.2's JSON calls); without it, requests "
                         "with tools take tool_choice required, a named function or none")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split chat answers of thinking models into reasoning_content (the <think> part) and "
+                        "content: deepseek_r1 (DeepSeek-R1 and its distillations) or qwen3")
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -101,7 +104,8 @@ def run_serve(args: argparse.Namespace, cfg: Any) -> int:
     from pieceworks.serve.app import build_app
 
     with AsyncEngine.from_config(cfg) as engine:
-        app = build_app(engine, args.served_model_name, args.max_queue, args.tool_call_parser)
+        app = build_app(engine, args.served_model_name, args.max_queue, args.tool_call_parser,
+                        args.reasoning_parser)
         name = app.state.server.name
         log.info("serving %s at http://%s:%d (OpenAI API under /v1)", name, args.host, args.port)
         sched = engine.engine.scheduler.cfg

@@ -211,8 +211,9 @@ class DeltaToolCall(ToolCallOut):
 class ChatMessageOut(ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
     tool_calls: Optional[list[ToolCallOut]] = None
-    omit_if_none: ClassVar[frozenset[str]] = frozenset({"tool_calls"})
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"tool_calls", "reasoning_content"})
 
 
 class ChatChoice(ResponseModel):
@@ -236,8 +237,9 @@ class ChatCompletionResponse(ResponseModel):
 
 class DeltaMessage(ResponseModel):
     role: Optional[Literal["assistant"]] = None
-    omit_if_none: ClassVar[frozenset[str]] = frozenset({"role", "tool_calls"})
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"role", "tool_calls", "reasoning_content"})
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
 
 

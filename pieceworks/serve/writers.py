@@ -26,6 +26,7 @@ from pieceworks.serve.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from pieceworks.serve.reasoning import split as split_reasoning
 from pieceworks.serve.tools import ToolPlan, parse, visible_prefix
 
 
@@ -153,33 +154,45 @@ class CompletionWriter(Writer):
 
 
 class ChatWriter(Writer):
-    """With a tool plan (serve/tools.py) whose output may hold tool calls, a finished choice's text is parsed
-    into content and calls, and streamed content stops where calls may begin."""
+    """With a reasoning parser (serve/reasoning.py) a choice's text splits into reasoning and content; with a
+    tool plan (serve/tools.py) whose output may hold tool calls, a finished choice's content is parsed into
+    content and calls, and streamed content stops where calls may begin."""
 
-    def __init__(self, srv: Any, req: Any, tool_plan: ToolPlan | None = None):
+    def __init__(self, srv: Any, req: Any, tool_plan: ToolPlan | None = None, reasoning: str | None = None):
         super().__init__(srv, req)
         self.tools = tool_plan if tool_plan is not None and tool_plan.parses else None
-        self.shown: dict[int, int] = {}  # with tools: per choice, how much of its text streamed as content
+        self.reasoning = reasoning
+        self.shown: dict[int, tuple[int, int]] = {}  # per choice: reasoning and content streamed so far
 
-    def _message(self, c: Choice) -> tuple[str | None, list[dict[str, str]], str | None]:
-        """A finished choice's content, tool calls and finish_reason ("tool_calls" where it called tools)."""
+    def _split(self, c: Choice, final: bool) -> tuple[str, str]:
+        return ("", c.text) if self.reasoning is None else split_reasoning(self.reasoning, c.text, final)
+
+    def _message(self, c: Choice) -> tuple[str | None, str | None, list[dict[str, str]], str | None]:
+        """A finished choice's reasoning, content, tool calls and finish_reason ("tool_calls" where it called
+        tools)."""
+        thought, text = self._split(c, True)
+        thought = thought if self.reasoning is not None else None
         if self.tools is None:
-            return c.text, [], c.finish_reason
-        content, calls = parse(self.tools, c.text)
-        return content, calls, "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+            return thought, text, [], c.finish_reason
+        content, calls = parse(self.tools, text)
+        return thought, content, calls, "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
 
-    def _content_delta(self, step: Step) -> tuple[str, list[dict[str, str]], str | None]:
-        """With tools: the content a step may stream, and, once finished, the calls and finish_reason."""
+    def _deltas(self, step: Step) -> tuple[str, str, list[dict[str, str]], str | None]:
+        """The reasoning and content a step may stream, and, once finished, the calls and finish_reason."""
         c = step.choice
-        shown = self.shown.get(c.index, 0)
+        t_shown, shown = self.shown.get(c.index, (0, 0))
         if not step.finished:
-            upto = shown if self.tools.constrains else max(shown, visible_prefix(c.text, self.tools.parser))
-            self.shown[c.index] = upto
-            return c.text[shown:upto], [], None
-        content, calls, reason = self._message(c)
+            thought, text = self._split(c, False)
+            if self.tools is None:
+                upto = len(text)
+            else:
+                upto = shown if self.tools.constrains else max(shown, visible_prefix(text, self.tools.parser))
+            self.shown[c.index] = (len(thought), upto)
+            return thought[t_shown:], text[shown:upto], [], None
+        thought, content, calls, reason = self._message(c)
         rest = (content or "")[shown:]  # the content begins with what streamed: it ends before any call
-        self.shown[c.index] = shown + len(rest)
-        return rest, calls, reason
+        self.shown[c.index] = (len(thought or ""), shown + len(rest))
+        return (thought or "")[t_shown:], rest, calls, reason
 
     def _logprobs(self, token_ids: list[int], lps: list[dict[int, float]]) -> ChatLogprobs | None:
         if not self.req.logprobs:
@@ -205,14 +218,14 @@ class ChatWriter(Writer):
         self.note(step)
         c = step.choice
         ids = step.new_token_ids if self.req.return_token_ids else None
-        if self.tools is None:
-            text, calls, reason = step.text_delta, [], c.finish_reason
+        if self.tools is None and self.reasoning is None:
+            thought, text, calls, reason = "", step.text_delta, [], c.finish_reason
         else:
-            text, calls, reason = self._content_delta(step)
+            thought, text, calls, reason = self._deltas(step)
         out = []
-        if step.new_token_ids or text:
+        if step.new_token_ids or text or thought:
             out.append(ChatCompletionChunk(id=rid, model=self.srv.name, choices=[ChatStreamChoice(
-                index=c.index, delta=DeltaMessage(content=text),
+                index=c.index, delta=DeltaMessage(content=text, reasoning_content=thought or None),
                 logprobs=self._logprobs(step.new_token_ids, step.new_logprobs), token_ids=ids)]))
         if calls:
             deltas = [DeltaToolCall(index=i, id=t["id"], function=FunctionCallOut(name=t["name"],
@@ -231,10 +244,11 @@ class ChatWriter(Writer):
     def response(self, rid: str, prompts: list[list[int]]) -> ChatCompletionResponse:
         choices = []
         for c in self.ordered():
-            content, calls, reason = self._message(c)
+            thought, content, calls, reason = self._message(c)
             out = [ToolCallOut(id=t["id"], function=FunctionCallOut(name=t["name"], arguments=t["arguments"]))
                    for t in calls]
-            choices.append(ChatChoice(index=c.index, message=ChatMessageOut(content=content, tool_calls=out or None),
+            message = ChatMessageOut(content=content, reasoning_content=thought, tool_calls=out or None)
+            choices.append(ChatChoice(index=c.index, message=message,
                                       finish_reason=reason, logprobs=self._logprobs(c.token_ids, c.logprobs),
                                       token_ids=c.token_ids if self.req.return_token_ids else None))
         return ChatCompletionResponse(id=rid, model=self.srv.name, choices=choices,

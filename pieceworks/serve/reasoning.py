@@ -1,0 +1,43 @@
+"""Reasoning in chat completions: a thinking model's `<think>...</think>` part as `reasoning_content`.
+
+`pieceworks serve --reasoning-parser P` splits each chat answer into the reasoning and the content, as
+vLLM's parsers of the same names and DeepSeek's API (`message.reasoning_content`, `delta.reasoning_content`):
+
+- `deepseek_r1` (DeepSeek-R1 and its distillations, whose chat template opens `<think>` itself): the answer
+  is reasoning up to `</think>` (an opening `<think>` is dropped) and content after it; an answer without
+  `</think>` is all reasoning (it was cut off while thinking).
+- `qwen3` (Qwen3, and models that write the whole block themselves): reasoning only inside a `<think>` block
+  that opens the answer; an answer that does not start with `<think>` is all content.
+
+Tool calls (serve/tools.py) are read from the content. Streamed, text that may still become a tag is held
+back until the next step decides it (or the answer ends).
+"""
+
+from __future__ import annotations
+
+_OPEN, _CLOSE = "<think>", "</think>"
+
+
+def _held(text: str, tag: str) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of `tag` (it may still become the tag)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
+
+
+def split(parser: str, text: str, final: bool = True) -> tuple[str, str]:
+    """(reasoning, content) of an answer so far. Not `final`: both end before anything that may still turn out
+    to be a tag, so each grows as the answer does (what streams is never taken back)."""
+    if not final and len(text) < len(_OPEN) and _OPEN.startswith(text):
+        return "", ""  # maybe the opening tag
+    if text.startswith(_OPEN):
+        body = text[len(_OPEN):]
+    elif parser == "qwen3":
+        return "", text
+    else:
+        body = text
+    end = body.find(_CLOSE)
+    if end >= 0:
+        return body[:end], body[end + len(_CLOSE):]
+    return (body if final else body[: len(body) - _held(body, _CLOSE)]), ""
