@@ -153,6 +153,23 @@ def test_async_steps_give_the_synchronous_tokens(engine):
         sync.close()
 
 
+def test_preemption_keeps_the_grammar_state(engine):
+    """A KV pool too small for three structured requests at once: they are preempted and recomputed, and each
+    ends with the tokens it gets in a roomy pool (its matcher stays at its output across the recompute)."""
+    small = Engine.from_config(engine.executor.cfg, ["kv_cache.num_tokens=160"], progress=False)
+    try:
+        spec = StructuredOutputsParams(regex=r"[a-z ]{20,80}\.")
+        requests = [(chat(engine, f"Describe {thing} in one long sentence."),
+                     SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec))
+                    for thing in ("the sea", "a forest", "the moon")]
+        got = drive(small, requests)
+        assert small.stats()["num_preemptions"] > 0
+        assert got == drive(engine, requests)
+        assert all(re.fullmatch(r"[a-z ]{20,80}\.?", small.tokenizer.decode(t)) for t in got), got
+    finally:
+        small.close()
+
+
 def test_a_grammar_that_does_not_compile_is_refused_with_nothing_queued(engine):
     used = engine.executor.kv.allocator.num_used
     for kw, what in (({"regex": "[a-"}, "(?s)regex does not compile.*unclosed character class"),
