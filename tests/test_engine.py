@@ -422,6 +422,34 @@ def test_prompt_logprobs_match_one_scoring_forward(caching, monkeypatch):
     drained(eng)
 
 
+def test_prompt_logprobs_keep_the_pipeline_running():
+    """Scoring requests among sampling ones, with chunked prefill: every step runs asynchronously (a step
+    whose rows give prompt logprobs reads them before sampling, the pipeline goes on), and the tokens and
+    prompt logprobs are those of synchronous steps."""
+    def run(eng: Engine) -> list:
+        ids, final = [], {}
+        for i, p in enumerate(PROMPTS):
+            scored = i % 2 == 1
+            ids.append(eng.add_request(p, SamplingParams(temperature=0 if scored else 0.8, seed=i, max_tokens=6,
+                                                         prompt_logprobs=2 if scored else None)))
+            final |= {o.request_id: o for o in eng.step() if o.finished}
+        while eng.has_unfinished():
+            final |= {o.request_id: o for o in eng.step() if o.finished}
+        drained(eng)
+        return [final[i] for i in ids]
+
+    sync_eng = make(scheduler={"max_num_batched_tokens": 16, "async_steps": False})
+    want, async_eng = run(sync_eng), make(scheduler={"max_num_batched_tokens": 16})
+    got = run(async_eng)
+    stats = async_eng.stats()
+    assert stats["num_async_steps"] == stats["num_steps"] > 10 and sync_eng.stats()["num_async_steps"] == 0
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert (g.prompt_logprobs is None) == (w.prompt_logprobs is None)
+        for a, b in zip(g.prompt_logprobs or [], w.prompt_logprobs or []):
+            assert a == b or (a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-5 for t in a))
+
+
 def test_prompt_logits_steps_are_capped(monkeypatch):
     """A request's prompt chunks carry at most PROMPT_LOGITS_STEP_TOKENS tokens while its prompt logprobs
     are computed (each returns that many logits rows), whatever the step budget; the logprobs are the same."""
@@ -457,7 +485,7 @@ def test_prompt_logprobs_with_n_and_abort(engine):
     rid = engine.add_request(PROMPTS[3], SamplingParams(max_tokens=2, prompt_logprobs=1))
     engine.step()
     engine.abort(rid)
-    assert not engine.scheduler.prompt_logits
+    assert rid not in {r.request_id for r in [*engine.scheduler.waiting, *engine.scheduler.running]}
     while engine.has_unfinished():
         engine.step()
     drained(engine)

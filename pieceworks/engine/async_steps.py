@@ -4,12 +4,13 @@ The Engine launches step k before step k - 1's token ids reach the host. Step k'
 their input ids yet: each request that step k - 1 sampled ends its output in the placeholder -(row + 1)
 of its token there (`mark_pending`), and the executor takes that row's id from the previous step on the
 device (a decode graph's greedy id, or the id the sampler drew: `Executor.feed_ids`). `AsyncSteps` decides
-when a step may run this way (`ready`; the scheduler's `preempt=False`), launches it (`run`), samples the
-rows that computed all their known tokens on the device and starts the copy of their ids into pinned host
-memory behind an event (`sample`), and hands the ids over once they arrived (`await_ids`); the Engine
-accepts them in place of the placeholders (`Engine._complete`). Decode steps and steps with prompt chunks
-alike. A step with structured outputs samples after step k - 1's ids are accepted (its grammar mask needs
-them), while the GPU runs its forward. The rules are in docs/architecture.md.
+when a step may run this way (`ready`; the scheduler's `preempt=False`); the Engine runs it
+(`Engine._forward`); `sample` samples on the device the rows that computed all their known tokens and starts
+the copy of their ids into pinned host memory behind an event; `await_ids` hands them over once they
+arrived, and the Engine accepts them in place of the placeholders (`Engine._complete`). Decode steps and
+steps with prompt chunks alike. A step with structured outputs samples after step k - 1's ids are accepted
+(its grammar mask needs them), while the GPU runs its forward; a step whose rows give prompt logprobs reads
+them on the host before sampling. The rules are in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -18,9 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pieceworks.core.batch import ForwardBatch
 from pieceworks.engine.logprobs import logprob_table, read_logprobs
-from pieceworks.engine.sampler import sampling_rows
 
 if TYPE_CHECKING:
     from pieceworks.engine.request import Request
@@ -53,19 +52,8 @@ class AsyncSteps:
     @staticmethod
     def ready(ex: Executor, s: Scheduler) -> bool:
         """Whether the next step may run asynchronously, if the scheduler needs no preemption for it
-        (`Scheduler.schedule(preempt=False)`): something runs or waits, no request's prompt logprobs are
-        still to compute (those steps return every prompt row's logits), and world size is 1."""
-        return ex.groups is None and bool(s.running or s.waiting) and not s.prompt_logits
-
-    @staticmethod
-    def run(ex: Executor, scheduled: list[tuple[Request, list[int]]]
-            ) -> tuple[list[Request], torch.Tensor, torch.Tensor | None] | None:
-        """Run a step whose decode rows' ids may be placeholders of the step in flight (the executor takes
-        those from the device); its sampling rows (`sampling_rows`: the requests that computed all their
-        known tokens, their logits, a decode graph's greedy ids), or None where only prompt chunks ran."""
-        logits = ex.forward(ForwardBatch([r.seq for r, _ in scheduled], [t for _, t in scheduled]), validate=False)
-        reqs, logits, ids = sampling_rows(scheduled, logits, ex.greedy_ids)
-        return (reqs, logits, ids) if reqs else None
+        (`Scheduler.schedule(preempt=False)`): something runs or waits, and world size is 1."""
+        return ex.groups is None and bool(s.running or s.waiting)
 
     def sample(self, ex: Executor, reqs: list[Request], logits: torch.Tensor, ids: torch.Tensor | None,
                sampler: Sampler, token_mask: torch.Tensor | None = None) -> InFlight:

@@ -182,7 +182,6 @@ class Engine:
             self._ready, self._pipeline = [], AsyncSteps()
             self.scheduler.waiting.clear()
             self.scheduler.running.clear()
-            self.scheduler.prompt_logits.clear()
             self.scheduler.structured.clear()
             self.sampler = None  # its penalty tables and generator live on the device; steps are refused
             self.executor.close()
@@ -225,15 +224,15 @@ class Engine:
             pipe = self._pipeline
             scheduled = self.scheduler.schedule(preempt=False) if pipe.ready(self.executor, self.scheduler) else None
             if scheduled:
-                ran = pipe.run(self.executor, scheduled)
-                self.num_steps += 1
+                reqs, logits, greedy = self._forward(scheduled)
                 self.num_async_steps += 1
-                grammar = ran is not None and bool(self.scheduler.structured)  # its mask needs step k - 1's ids
-                launched = pipe.sample(self.executor, *ran, self.sampler) if ran is not None and not grammar else None
+                grammar = bool(reqs) and bool(self.scheduler.structured)  # its mask needs step k - 1's ids
+                launched = pipe.sample(self.executor, reqs, logits, greedy, self.sampler) if reqs and not grammar \
+                    else None
                 if pipe.inflight is not None:
                     self._complete(pipe.inflight, outputs, stream)
                 if grammar:  # the GPU runs this step's forward meanwhile
-                    launched = pipe.sample(self.executor, *ran, self.sampler, self.grammars.mask(ran[0]))
+                    launched = pipe.sample(self.executor, reqs, logits, greedy, self.sampler, self.grammars.mask(reqs))
                 pipe.inflight = launched if launched is not None and mark_pending(launched.reqs) else None
                 return outputs
             if pipe.inflight is not None:  # drain: this call returns the in-flight step's outputs only
@@ -249,15 +248,7 @@ class Engine:
                     "held by sequences created outside this engine; free them (Executor.free)"
                 )
             return outputs
-        # valid by construction (checked prompts, sampled ids, own live sequences): no per-row checks
-        every = [r.needs_prompt_logits for r, _ in scheduled]
-        logits = self.executor.forward(ForwardBatch([r.seq for r, _ in scheduled], [t for _, t in scheduled],
-                                                    every if any(every) else False), validate=False)
-        self.num_steps += 1
-        if any(every):
-            logits = record_prompt_logprobs(scheduled, every, logits)
-            self.scheduler.prompt_logits.difference_update(r for r, _ in scheduled if not r.needs_prompt_logits)
-        reqs, logits, greedy = sampling_rows(scheduled, logits, self.executor.greedy_ids)
+        reqs, logits, greedy = self._forward(scheduled)
         if not reqs:
             return outputs  # only middle chunks of prompts ran
         mask = self.grammars.mask(reqs) if self.scheduler.structured else None
@@ -267,6 +258,18 @@ class Engine:
             if stream or req.finish_reason is not None:
                 outputs.append(req.make_output([tok] if finite else []))
         return outputs
+
+    def _forward(self, scheduled: list[tuple[Request, list[int]]]) -> tuple[list[Request], Any, Any]:
+        """Run the step (async steps: its decode rows may read step k - 1's ids on the device), record the
+        prompt logprobs its rows give, and return its sampling rows (`sampling_rows`)."""
+        # valid by construction (checked prompts, sampled ids, own live sequences): no per-row checks
+        every = [r.needs_prompt_logits for r, _ in scheduled]
+        logits = self.executor.forward(ForwardBatch([r.seq for r, _ in scheduled], [t for _, t in scheduled],
+                                                    every if any(every) else False), validate=False)
+        self.num_steps += 1
+        if any(every):  # reads the logits on the host: waits for this step
+            logits = record_prompt_logprobs(scheduled, every, logits)
+        return sampling_rows(scheduled, logits, self.executor.greedy_ids)
 
     def _complete(self, step: InFlight, outputs: list[RequestOutput], stream: bool) -> None:
         """Wait for `step`'s ids and accept them in place of its placeholders (a step launched after

@@ -171,7 +171,7 @@ class SamplingParams:
     """Also return the prompt's logprobs: per prompt token after the first, {token id: logprob} of that
     token and the top `prompt_logprobs` at its position, 0..20 (vLLM's field); the first token's entry
     is None. Such a completion computes its whole prompt (no prefix-cache reuse), at most 1,024 tokens per
-    step, in synchronous steps. None: off."""
+    step; those steps wait for their logits on the host before sampling. None: off."""
     n: int = 1
     """Completions per prompt (they share the prompt's KV pages; seeded ones use seed + index)."""
     allowed_token_ids: list[int] | None = None

@@ -59,7 +59,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; (priority, arrival) order under policy priority
         self.by_priority = cfg.policy is Policy.priority
-        self.prompt_logits: set[Request] = set()  # queued or running, prompt logprobs still to compute
         self.structured: set[Request] = set()  # queued or running, with a grammar (structured outputs)
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
@@ -85,8 +84,6 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self._queue(self.waiting, req, front=False)
-        if req.needs_prompt_logits:
-            self.prompt_logits.add(req)
         if req.matcher is not None:
             self.structured.add(req)
 
@@ -96,7 +93,6 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.prompt_logits.discard(req)
         self.structured.discard(req)
         self._release(req)
 
