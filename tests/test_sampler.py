@@ -414,6 +414,28 @@ def test_logit_bias_moves_greedy_rows_and_leaves_their_neighbours():
     assert Sampler(W, CPU).sample(logits, [state(SamplingParams(temperature=0, logit_bias={}))] * 3).token_ids == top
 
 
+def test_bias_and_allowed_ids_are_checked_once_per_request(monkeypatch):
+    """A request's logit_bias and allowed_token_ids become arrays once (checked against the vocabulary then),
+    not every step; the result of later steps is the same, and a row moved to another index follows."""
+    from pieceworks.engine import sampler as sampler_module
+
+    calls = []
+    real = sampler_module.check_ids
+    monkeypatch.setattr(sampler_module, "check_ids", lambda ids, v, name: (calls.append(name), real(ids, v, name)))
+    W = 16
+    logits = torch.randn(2, W, generator=torch.Generator().manual_seed(8))
+    a = state(SamplingParams(temperature=0, logit_bias={3: 100.0}))
+    b = state(SamplingParams(temperature=0, allowed_token_ids=[5, 9]))
+    s = Sampler(W, CPU)
+    first = s.sample(logits, [a, b]).token_ids
+    assert first[0] == 3 and first[1] in (5, 9)
+    assert s.sample(logits, [a, b]).token_ids == first
+    assert s.sample(logits.flip(0), [b, a]).token_ids == first[::-1]
+    assert sorted(calls) == ["allowed_token_ids", "logit_bias"]
+    with pytest.raises(RequestError, match="logit_bias"):  # still checked, on first use
+        Sampler(W, CPU).sample(logits[:1], [state(SamplingParams(temperature=0, logit_bias={W: 1.0}))])
+
+
 def test_logit_bias_sampled_distribution_is_softmax_of_biased_logits():
     sampler = Sampler(V, CPU, seed=23)
     bias = {0: -100.0, 3: 1.5, 6: 2.0}

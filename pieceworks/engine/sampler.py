@@ -78,6 +78,8 @@ class SamplingState:
     _row: tuple[float, ...] | None = field(default=None, init=False, repr=False)
     _penalty: tuple[PenaltyTable, int, int] | None = field(default=None, init=False, repr=False)
     _release: weakref.finalize | None = field(default=None, init=False, repr=False)
+    _ids: dict[tuple[str, int], np.ndarray] = field(default_factory=dict, init=False, repr=False)
+    """allowed_token_ids and logit_bias's ids and values as arrays, checked once per vocabulary size."""
 
     def __post_init__(self) -> None:
         p = self.params
@@ -200,7 +202,7 @@ class Sampler:
         mask_idx = _min_tokens_mask(states, self.vocab_size)
         bias, allowed = _logit_bias(states, self.vocab_size), _allowed(states, self.vocab_size)
         pen_rows = [i for i, p in enumerate(params) if p.uses_penalties]
-        if (token_mask is None and not mask_idx and not bias[0] and not allowed and not pen_rows
+        if (token_mask is None and not mask_idx and not len(bias[0]) and not len(allowed) and not pen_rows
                 and all([p.greedy for p in params])):
             return logits.argmax(dim=-1), finite, None  # greedy batch: nothing to upload, nothing to process
         ids, slots = self._sample(logits, states, params, mask_idx, bias, allowed, pen_rows, token_mask)
@@ -220,8 +222,8 @@ class Sampler:
         states: list[SamplingState],
         params: list[SamplingParams],
         mask_idx: list[int],
-        bias: tuple[list[int], list[float]],
-        allowed: list[int],
+        bias: tuple[np.ndarray, np.ndarray],
+        allowed: np.ndarray,
         pen_rows: list[int],
         token_mask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -229,7 +231,7 @@ class Sampler:
         rows = [x for s in states for x in self._row_params(s)]
         plan = self._table.plan(states, pen_rows) if pen_rows else None
         prm64, (mask_t, bias_t, allowed_t, *plan_t) = self._upload(
-            rows + bias[1], [mask_idx, bias[0], allowed] + (list(plan[:4]) if plan else []))
+            [rows, bias[1]], [mask_idx, bias[0], allowed] + (list(plan[:4]) if plan else []))
         table = prm64[: B * _NUM_ROW_PARAMS].view(B, _NUM_ROW_PARAMS)
         prm = table.float()  # float32 as vLLM's
         temperature, top_p, min_p, presence, frequency, repetition = (prm[:, c] for c in (0, 2, 3, 4, 5, 6))
@@ -238,14 +240,14 @@ class Sampler:
             words = to_device(token_mask, x.device)
             bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=x.device)) & 1
             x = x.masked_fill(bits.view(B, -1)[:, :V] == 0, float("-inf"))
-        if allowed:  # rows with an allowed list keep only those ids (the lists are never empty)
+        if len(allowed):  # rows with an allowed list keep only those ids (the lists are never empty)
             keep = torch.zeros(B * V, dtype=torch.bool, device=x.device).index_fill_(0, allowed_t, True).view(B, V)
             x = x.masked_fill(~keep & keep.any(dim=1, keepdim=True), float("-inf"))
-        if mask_idx or bias[0]:
+        if mask_idx or len(bias[0]):
             x = x.clone(memory_format=torch.contiguous_format) if x is logits else x  # flat indices: row-major
         if mask_idx:
             x.view(-1).index_fill_(0, mask_t, float("-inf"))
-        if bias[0]:
+        if len(bias[0]):
             x.view(-1).index_add_(0, bias_t, prm64[B * _NUM_ROW_PARAMS :].float())
         if plan:
             row_slots, zero_slots, count_idx, prompt_idx = plan_t
@@ -299,13 +301,18 @@ class Sampler:
                           p.repetition_penalty, 0.0)
         return s._row
 
-    def _upload(self, floats: list[float], ints: list[list[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The step's one host-to-device copy: `floats` as float64 [n] and each list of `ints` as an
-        int64 tensor, packed in one int64 buffer (the floats by their bits), so nothing needs a cast."""
-        n = len(floats)
-        packed = np.empty(n + sum(len(i) for i in ints), dtype=np.int64)  # numpy converts lists faster
-        packed[:n] = np.array(floats, dtype=np.float64).view(np.int64)
-        packed[n:] = [v for sec in ints for v in sec]
+    def _upload(self, floats: list, ints: list) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The step's one host-to-device copy: the sections of `floats` (lists or arrays) as float64 [n] and each
+        section of `ints` as an int64 tensor, packed in one int64 buffer (the floats by their bits), so nothing
+        needs a cast. numpy converts the lists; the arrays (a request's ids) are copied as they are."""
+        floats = np.concatenate([np.asarray(f, dtype=np.float64) for f in floats])
+        n, sizes = len(floats), [len(i) for i in ints]
+        packed = np.empty(n + sum(sizes), dtype=np.int64)
+        packed[:n] = floats.view(np.int64)
+        at = n
+        for sec, k in zip(ints, sizes):
+            packed[at : at + k] = sec
+            at += k
         host = torch.from_numpy(packed)
         if self.device.type == "cuda":
             self._pinned.reverse()
@@ -324,7 +331,7 @@ class Sampler:
             dev = host
         else:
             dev = host.to(self.device)
-        return dev[:n].view(torch.float64), list(dev[n:].split([len(i) for i in ints]))
+        return dev[:n].view(torch.float64), list(dev[n:].split(sizes))
 
     def _exponentials(self, probs: torch.Tensor, states: list[SamplingState], greedy: list[bool]) -> torch.Tensor:
         """Exp(1) draws [B, V]: a seeded row's from its own generator (V numbers per step whatever the
@@ -352,27 +359,33 @@ def _min_tokens_mask(states: list[SamplingState], V: int) -> list[int]:
     return idx
 
 
-def _logit_bias(states: list[SamplingState], V: int) -> tuple[list[int], list[float]]:
+def _logit_bias(states: list[SamplingState], V: int) -> tuple[np.ndarray, np.ndarray]:
     """Flat [B * V] indices and values of the rows' logit_bias entries."""
-    idx: list[int] = []
-    val: list[float] = []
+    idx, val = [], []
     for i, s in enumerate(states):
-        bias = s.params.logit_bias
-        if not bias:
-            continue
-        check_ids(list(bias), V, "logit_bias")
-        for tok, b in bias.items():
-            idx.append(i * V + tok)
-            val.append(b)
-    return idx, val
+        if s.params.logit_bias:
+            ids = s._ids.get(("bias", V))
+            if ids is None:
+                bias = s.params.logit_bias
+                check_ids(list(bias), V, "logit_bias")
+                ids = s._ids[("bias", V)] = np.fromiter(bias, dtype=np.int64, count=len(bias))
+                s._ids[("bias_values", V)] = np.fromiter(bias.values(), dtype=np.float64, count=len(bias))
+            idx.append(ids + i * V)
+            val.append(s._ids[("bias_values", V)])
+    return (np.concatenate(idx), np.concatenate(val)) if idx else (_NONE, _NONE_F)
 
 
-def _allowed(states: list[SamplingState], V: int) -> list[int]:
+def _allowed(states: list[SamplingState], V: int) -> np.ndarray:
     """Flat [B * V] indices of the rows' allowed_token_ids."""
-    idx: list[int] = []
+    idx = []
     for i, s in enumerate(states):
-        ids = s.params.allowed_token_ids
-        if ids:
-            check_ids(ids, V, "allowed_token_ids")
-            idx.extend(i * V + t for t in ids)
-    return idx
+        if s.params.allowed_token_ids:
+            ids = s._ids.get(("allowed", V))
+            if ids is None:
+                check_ids(s.params.allowed_token_ids, V, "allowed_token_ids")
+                ids = s._ids[("allowed", V)] = np.asarray(s.params.allowed_token_ids, dtype=np.int64)
+            idx.append(ids + i * V)
+    return np.concatenate(idx) if idx else _NONE
+
+
+_NONE, _NONE_F = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float64)
