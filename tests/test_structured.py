@@ -12,7 +12,7 @@ import torch
 
 from pieceworks import Engine, SamplingParams, StructuredOutputsParams
 from pieceworks.engine.sampler import Sampler, SamplingState
-from pieceworks.engine.structured import Grammars
+from pieceworks.engine.structured import Grammars, TokenMask
 from pieceworks.errors import RequestError
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
@@ -54,17 +54,22 @@ def test_sampler_masks_tokens_by_the_bitmask():
     V = 70  # three int32 words; bits past V are ignored
     torch.manual_seed(0)
     logits = torch.randn(3, V)
-    mask = torch.full((3, 3), -1, dtype=torch.int32)
-    mask[0] = 0
-    mask[0, 1] = 1 << 5  # row 0 allows token 37 alone
-    mask[1, 0] = 0  # row 1 bans 0..31
+    words = torch.full((2, 3), -1, dtype=torch.int32)
+    words[0] = 0
+    words[0, 1] = 1 << 5  # row 2 of the step allows token 37 alone
+    words[1, 0] = 0  # row 0 bans 0..31; row 1 has no grammar
+    mask = TokenMask([2, 0], words)
     states = [SamplingState.create(SamplingParams(temperature=0), [1], [], "cpu") for _ in range(3)]
     got = Sampler(V, "cpu").sample(logits, states, token_mask=mask).token_ids
-    assert got == [37, 32 + int(logits[1, 32:].argmax()), int(logits[2].argmax())]
-    states[0] = SamplingState.create(SamplingParams(temperature=1.0, seed=3), [1], [], "cpu")
-    assert Sampler(V, "cpu").sample(logits, states, token_mask=mask).token_ids[0] == 37
-    with pytest.raises(ValueError, match="token_mask as int32"):
-        Sampler(V, "cpu").sample(logits, states, token_mask=mask[:, :2])
+    assert got == [32 + int(logits[0, 32:].argmax()), int(logits[1].argmax()), 37]
+    states[2] = SamplingState.create(SamplingParams(temperature=1.0, seed=3), [1], [], "cpu")
+    assert Sampler(V, "cpu").sample(logits, states, token_mask=mask).token_ids[2] == 37
+    every = TokenMask([0, 1, 2], torch.cat([words[1:], torch.full((1, 3), -1, dtype=torch.int32), words[:1]]))
+    assert Sampler(V, "cpu").sample(logits, states, token_mask=every).token_ids == got
+    with pytest.raises(ValueError, match="token_mask.words as int32"):
+        Sampler(V, "cpu").sample(logits, states, token_mask=TokenMask([2, 0], words[:, :2]))
+    with pytest.raises(ValueError, match="distinct row indices"):
+        Sampler(V, "cpu").sample(logits, states, token_mask=TokenMask([2, 2], words))
 
 
 @pytest.mark.gpu
@@ -75,14 +80,16 @@ def test_gpu_sampler_masks_as_on_the_cpu():
     V, B = 128256, 6
     torch.manual_seed(0)
     logits = torch.randn(B, V)
-    mask = torch.randint(-2**31, 2**31 - 1, (B, (V + 31) // 32), dtype=torch.int32)
-    mask[:, 7:] &= 0x0F0F0F0F  # sparser past the first words
-    allowed = ((mask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(B, -1)[:, :V].bool()
+    words = torch.randint(-2**31, 2**31 - 1, (B - 1, (V + 31) // 32), dtype=torch.int32)
+    words[:, 7:] &= 0x0F0F0F0F  # sparser past the first words
+    rows = [0, 1, 3, 4, 5]  # row 2 has no grammar
+    allowed = torch.ones(B, V, dtype=torch.bool)
+    allowed[rows] = ((words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(B - 1, -1)[:, :V].bool()
     params = [SamplingParams(temperature=0)] * 3 + [SamplingParams(temperature=1.0, top_p=0.9)] * 3
     want = Sampler(V, "cpu").sample(logits, [SamplingState.create(p, [1], [], "cpu") for p in params],
-                                    token_mask=mask).token_ids
+                                    token_mask=TokenMask(rows, words)).token_ids
     got = Sampler(V, "cuda").sample(logits.cuda(), [SamplingState.create(p, [1], [], "cuda") for p in params],
-                                    token_mask=mask).token_ids
+                                    token_mask=TokenMask(rows, words.pin_memory())).token_ids
     assert got[:3] == want[:3] == [int(logits[i].masked_fill(~allowed[i], -float("inf")).argmax()) for i in range(3)]
     assert all(allowed[i, t] for i, t in enumerate(got))
 

@@ -24,6 +24,7 @@ from pieceworks.engine.logprobs import logprob_table, read_logprobs
 if TYPE_CHECKING:
     from pieceworks.engine.request import Request
     from pieceworks.engine.sampler import Sampler
+    from pieceworks.engine.structured import TokenMask
     from pieceworks.engine.scheduler import Scheduler
     from pieceworks.executor.runner import Executor
 
@@ -56,7 +57,7 @@ class AsyncSteps:
         return ex.groups is None and bool(s.running or s.waiting)
 
     def sample(self, ex: Executor, reqs: list[Request], logits: torch.Tensor, ids: torch.Tensor | None,
-               sampler: Sampler, token_mask: torch.Tensor | None = None) -> InFlight:
+               sampler: Sampler, token_mask: TokenMask | None = None) -> InFlight:
         """Sample `reqs`' rows of `logits` on the device (greedy rows of a decode graph: the replay's `ids`;
         structured outputs' `token_mask`, computed once the previous step's ids were accepted), hand the
         ids to the executor for the next step's placeholders and start their copy to the host."""

@@ -60,7 +60,8 @@ class Engine:
         self.eos_token_ids = eos_token_ids(executor.model_dir)
         self.scheduler = Scheduler(executor, cfg.scheduler)
         self.sampler = Sampler(executor.vocab_size, executor.device, cfg.runtime.seed)
-        self.grammars = Grammars(self.tokenizer, executor.vocab_size, self.eos_token_ids)
+        self.grammars = Grammars(self.tokenizer, executor.vocab_size, self.eos_token_ids,
+                                 pin=executor.device.type == "cuda")
         self._requests: dict[str, list[Request]] = {}
         self._unfinished: dict[str, int] = {}  # per request id, completions still running: finishing is O(1)
         self._arrivals = itertools.count()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -37,6 +38,9 @@ from pieceworks.engine.params import SamplingParams
 from pieceworks.engine.penalties import PenaltyTable, check_ids
 from pieceworks.engine.processors import apply_min_p, apply_penalties, apply_top_k, apply_top_k_top_p
 from pieceworks.executor.cuda_graph import finite_rows, greedy_token_ids
+
+if TYPE_CHECKING:
+    from pieceworks.engine.structured import TokenMask
 
 def sampling_rows(scheduled: list, logits: torch.Tensor,
                   greedy: torch.Tensor | None) -> tuple[list, torch.Tensor, torch.Tensor | None]:
@@ -129,16 +133,15 @@ class Sampler:
         self._pinned_done: list[torch.cuda.Event | None] = [None, None]
 
     def sample(self, logits: torch.Tensor, states: list[SamplingState],
-               greedy_ids: torch.Tensor | None = None, token_mask: torch.Tensor | None = None) -> SampleResult:
+               greedy_ids: torch.Tensor | None = None, token_mask: TokenMask | None = None) -> SampleResult:
         """Sample row i of `logits` ([B, V] float32 on the sampler's device) for `states[i]`.
 
         `greedy_ids`: optionally int64 [B] on the same device, `greedy_token_ids(logits)` already
         computed (a decode graph's, `Executor.greedy_ids`); a batch whose rows are all plain greedy
         then costs no kernel here, only the copy of the ids to the host. The penalty bookkeeping of
         `states` advances to their current output; the states' lists are not changed (the engine
-        appends the accepted tokens). `token_mask`: optionally int32 [B, ceil(V / 32)] on the host, bit
-        t % 32 of word t // 32 of row i set where row i may sample token t (structured outputs'
-        `Grammars.mask`); the other tokens' logits are -inf before any other processing.
+        appends the accepted tokens). `token_mask`: optionally the tokens some rows may sample (structured
+        outputs' `Grammars.mask`); their other tokens' logits are -inf before any other processing.
         """
         self._check(logits, states, greedy_ids, token_mask)
         if not states:
@@ -152,7 +155,7 @@ class Sampler:
         return to_host(logits, ids, finite, [s.params for s in states])
 
     def sample_ids(self, logits: torch.Tensor, states: list[SamplingState],
-                   greedy_ids: torch.Tensor | None = None, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+                   greedy_ids: torch.Tensor | None = None, token_mask: TokenMask | None = None) -> torch.Tensor:
         """`sample` without the copy to the host: int64 [B] on the logits' device, row i's token or -1
         where its logits are not all finite. Nothing waits for the GPU, so a step can be launched
         before the previous step's tokens are known (the Engine's async steps feed these ids to the
@@ -176,7 +179,7 @@ class Sampler:
         return ids
 
     def _check(self, logits: torch.Tensor, states: list[SamplingState], greedy_ids: torch.Tensor | None,
-               token_mask: torch.Tensor | None = None) -> None:
+               token_mask: TokenMask | None = None) -> None:
         if logits.dim() != 2 or logits.dtype != torch.float32 or logits.shape[1] != self.vocab_size:
             raise ValueError(
                 f"Sampler.sample takes [B, {self.vocab_size}] float32 logits, got {tuple(logits.shape)} {logits.dtype}"
@@ -187,13 +190,16 @@ class Sampler:
             raise ValueError(f"Sampler.sample got {logits.shape[0]} logits rows for {len(states)} states")
         if greedy_ids is not None and greedy_ids.shape != (len(states),):
             raise ValueError(f"Sampler.sample got greedy_ids of shape {tuple(greedy_ids.shape)} for {len(states)} rows")
-        words = (self.vocab_size + 31) // 32
-        if token_mask is not None and (token_mask.shape != (len(states), words) or token_mask.dtype != torch.int32
-                                       or token_mask.device.type != "cpu"):
-            raise ValueError(f"Sampler.sample takes token_mask as int32 [{len(states)}, {words}] on the host, got "
-                             f"{tuple(token_mask.shape)} {token_mask.dtype} on {token_mask.device}")
+        if token_mask is not None:
+            rows, words = token_mask
+            shape = (len(rows), (self.vocab_size + 31) // 32)
+            if words.shape != shape or words.dtype != torch.int32 or words.device.type != "cpu":
+                raise ValueError(f"Sampler.sample takes token_mask.words as int32 {list(shape)} on the host, got "
+                                 f"{tuple(words.shape)} {words.dtype} on {words.device}")
+            if len(set(rows)) != len(rows) or not all(0 <= r < len(states) for r in rows):
+                raise ValueError(f"token_mask.rows must be distinct row indices below {len(states)}, got {rows}")
 
-    def _device_ids(self, logits: torch.Tensor, states: list[SamplingState], token_mask: torch.Tensor | None = None
+    def _device_ids(self, logits: torch.Tensor, states: list[SamplingState], token_mask: TokenMask | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Every row's token and whether its raw logits are all finite (int64 [B], bool [B], on the device),
         and the rows' penalty slots (int64 [B] on the device, 0 for rows without penalties) or None."""
@@ -225,21 +231,25 @@ class Sampler:
         bias: tuple[np.ndarray, np.ndarray],
         allowed: np.ndarray,
         pen_rows: list[int],
-        token_mask: torch.Tensor | None,
+        token_mask: TokenMask | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, V = logits.shape
         rows = [x for s in states for x in self._row_params(s)]
         plan = self._table.plan(states, pen_rows) if pen_rows else None
-        prm64, (mask_t, bias_t, allowed_t, *plan_t) = self._upload(
-            [rows, bias[1]], [mask_idx, bias[0], allowed] + (list(plan[:4]) if plan else []))
+        grammar_rows = token_mask.rows if token_mask is not None and len(token_mask.rows) < B else []
+        prm64, (mask_t, bias_t, allowed_t, grammar_t, *plan_t) = self._upload(
+            [rows, bias[1]], [mask_idx, bias[0], allowed, grammar_rows] + (list(plan[:4]) if plan else []))
         table = prm64[: B * _NUM_ROW_PARAMS].view(B, _NUM_ROW_PARAMS)
         prm = table.float()  # float32 as vLLM's
         temperature, top_p, min_p, presence, frequency, repetition = (prm[:, c] for c in (0, 2, 3, 4, 5, 6))
         x = logits
         if token_mask is not None:  # bit t % 32 of word t // 32: token t allowed
-            words = to_device(token_mask, x.device)
+            words = to_device(token_mask.words, x.device)
             bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=x.device)) & 1
-            x = x.masked_fill(bits.view(B, -1)[:, :V] == 0, float("-inf"))
+            banned = bits.view(len(token_mask.rows), -1)[:, :V] == 0
+            if grammar_rows:  # some rows only: the others keep every token
+                banned = torch.zeros(B, V, dtype=torch.bool, device=x.device).index_copy_(0, grammar_t, banned)
+            x = x.masked_fill(banned, float("-inf"))
         if len(allowed):  # rows with an allowed list keep only those ids (the lists are never empty)
             keep = torch.zeros(B * V, dtype=torch.bool, device=x.device).index_fill_(0, allowed_t, True).view(B, V)
             x = x.masked_fill(~keep & keep.any(dim=1, keepdim=True), float("-inf"))

@@ -4,8 +4,8 @@ A request's `StructuredOutputsParams` compiles to one llguidance grammar (checke
 or grammar that does not compile is a RequestError naming llguidance's message), and each of its
 completions gets a matcher over the model's tokenizer. Each step, before sampling, the matchers of the
 rows that sample write the tokens they allow next as a bitmask on the host, one bit per token id in int32
-words ([B, ceil(V / 32)]; rows without a grammar are all ones), computed in parallel by llguidance's
-threads; the sampler applies it on the device (`Sampler.sample(token_mask=...)`). After a token is
+words ([rows with a grammar, ceil(V / 32)]), computed in parallel by llguidance's threads; the sampler
+applies it to those rows on the device (`Sampler.sample(token_mask=...)`). After a token is
 accepted its matcher consumes it; a matcher that has stopped (its grammar is complete and admits nothing
 but EOS) ends the completion with finish_reason "stop", without sampling the EOS. A token the matcher
 refuses (every token masked, e.g. by allowed_token_ids that the grammar excludes) ends it with "error".
@@ -18,7 +18,7 @@ llguidance is imported on first use; without it, such requests are refused with 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -27,6 +27,15 @@ from pieceworks.errors import RequestError
 
 if TYPE_CHECKING:
     from pieceworks.engine.request import Request
+
+
+class TokenMask(NamedTuple):
+    """Structured outputs' allowed next tokens for some rows of a step (engine/structured.py): `rows`, indices
+    into the step's rows, and `words`, int32 [len(rows), ceil(V / 32)] on the host (pinned for a GPU), bit
+    t % 32 of word t // 32 set where token t is allowed."""
+
+    rows: list[int]
+    words: torch.Tensor
 
 
 def grammar_text(llg: Any, spec: StructuredOutputsParams) -> str:
@@ -49,11 +58,13 @@ class Grammars:
 
     tokenizer: the model's Hugging Face tokenizer (a fast one), or None. vocab_size: the logits' width V
     (ids the tokenizer lacks are never allowed). eos_token_ids: the ids that end a completion; a matcher
-    allows them where its grammar may end.
+    allows them where its grammar may end. pin: allocate the masks in pinned memory (a CUDA device).
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int] | set[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int] | set[int],
+                 pin: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.pin = pin  # masks in pinned memory (a CUDA device's sampler copies them asynchronously)
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self.eos_token_ids = sorted(eos_token_ids)
@@ -100,16 +111,17 @@ class Grammars:
                                f"{matcher.get_error().strip()}")
         return [matcher] + [matcher.deep_copy() for _ in range(n - 1)]
 
-    def mask(self, reqs: list[Request]) -> torch.Tensor | None:
-        """The bitmask of a step's sampling rows (int32 [len(reqs), words] on the host; bit t of a row's word
-        t // 32 set: token t allowed), or None where no row has a grammar. Rows of completions that have
-        finished (an async step's row after the previous step's token ended it) allow every token."""
-        rows = [(r.matcher, i) for i, r in enumerate(reqs) if r.matcher is not None and r.finish_reason is None]
+    def mask(self, reqs: list[Request]) -> TokenMask | None:
+        """The allowed next tokens of a step's sampling rows that have a grammar (`TokenMask`: their row
+        indices and bitmask words), or None where none has. Rows of completions that have finished (an async
+        step's row after the previous step's token ended it) are left out, as rows without a grammar are."""
+        rows = [i for i, r in enumerate(reqs) if r.matcher is not None and r.finish_reason is None]
         if not rows:
             return None
-        bitmask = torch.full((len(reqs), self.words), -1, dtype=torch.int32)
-        self._executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), self.words * 4, len(reqs))
-        return bitmask
+        words = torch.empty((len(rows), self.words), dtype=torch.int32, pin_memory=self.pin)
+        self._executor.unsafe_compute_mask_ptr([(reqs[i].matcher, j) for j, i in enumerate(rows)],
+                                               words.data_ptr(), self.words * 4, len(rows))
+        return TokenMask(rows, words)
 
 
 def grammar_stop(req: Request, tok: int) -> str | None:
