@@ -417,11 +417,11 @@ def test_logit_bias_moves_greedy_rows_and_leaves_their_neighbours():
 def test_bias_and_allowed_ids_are_checked_once_per_request(monkeypatch):
     """A request's logit_bias and allowed_token_ids become arrays once (checked against the vocabulary then),
     not every step; the result of later steps is the same, and a row moved to another index follows."""
-    from pieceworks.engine import sampler as sampler_module
+    from pieceworks.engine import rows as rows_module
 
     calls = []
-    real = sampler_module.check_ids
-    monkeypatch.setattr(sampler_module, "check_ids", lambda ids, v, name: (calls.append(name), real(ids, v, name)))
+    real = rows_module.check_ids
+    monkeypatch.setattr(rows_module, "check_ids", lambda ids, v, name: (calls.append(name), real(ids, v, name)))
     W = 16
     logits = torch.randn(2, W, generator=torch.Generator().manual_seed(8))
     a = state(SamplingParams(temperature=0, logit_bias={3: 100.0}))

@@ -23,8 +23,8 @@ from pieceworks.engine.logprobs import logprob_table, read_logprobs
 
 if TYPE_CHECKING:
     from pieceworks.engine.request import Request
+    from pieceworks.engine.rows import TokenMask
     from pieceworks.engine.sampler import Sampler
-    from pieceworks.engine.structured import TokenMask
     from pieceworks.engine.scheduler import Scheduler
     from pieceworks.executor.runner import Executor
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -35,12 +34,10 @@ import torch
 from pieceworks.core.batch import to_device
 from pieceworks.engine.logprobs import SampleResult, to_host
 from pieceworks.engine.params import SamplingParams
-from pieceworks.engine.penalties import PenaltyTable, check_ids
+from pieceworks.engine.penalties import PenaltyTable
+from pieceworks.engine.rows import TokenMask, allowed_ids, bias_entries, check_mask, min_tokens_mask
 from pieceworks.engine.processors import apply_min_p, apply_penalties, apply_top_k, apply_top_k_top_p
 from pieceworks.executor.cuda_graph import finite_rows, greedy_token_ids
-
-if TYPE_CHECKING:
-    from pieceworks.engine.structured import TokenMask
 
 def sampling_rows(scheduled: list, logits: torch.Tensor,
                   greedy: torch.Tensor | None) -> tuple[list, torch.Tensor, torch.Tensor | None]:
@@ -191,13 +188,7 @@ class Sampler:
         if greedy_ids is not None and greedy_ids.shape != (len(states),):
             raise ValueError(f"Sampler.sample got greedy_ids of shape {tuple(greedy_ids.shape)} for {len(states)} rows")
         if token_mask is not None:
-            rows, words = token_mask
-            shape = (len(rows), (self.vocab_size + 31) // 32)
-            if words.shape != shape or words.dtype != torch.int32 or words.device.type != "cpu":
-                raise ValueError(f"Sampler.sample takes token_mask.words as int32 {list(shape)} on the host, got "
-                                 f"{tuple(words.shape)} {words.dtype} on {words.device}")
-            if len(set(rows)) != len(rows) or not all(0 <= r < len(states) for r in rows):
-                raise ValueError(f"token_mask.rows must be distinct row indices below {len(states)}, got {rows}")
+            check_mask(token_mask, len(states), self.vocab_size)
 
     def _device_ids(self, logits: torch.Tensor, states: list[SamplingState], token_mask: TokenMask | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -205,8 +196,8 @@ class Sampler:
         and the rows' penalty slots (int64 [B] on the device, 0 for rows without penalties) or None."""
         params = [s.params for s in states]
         finite = finite_rows(logits)
-        mask_idx = _min_tokens_mask(states, self.vocab_size)
-        bias, allowed = _logit_bias(states, self.vocab_size), _allowed(states, self.vocab_size)
+        mask_idx = min_tokens_mask(states, self.vocab_size)
+        bias, allowed = bias_entries(states, self.vocab_size), allowed_ids(states, self.vocab_size)
         pen_rows = [i for i, p in enumerate(params) if p.uses_penalties]
         if (token_mask is None and not mask_idx and not len(bias[0]) and not len(allowed) and not pen_rows
                 and all([p.greedy for p in params])):
@@ -353,49 +344,3 @@ class Sampler:
             if s.generator is not None and not g:
                 q[i].exponential_(generator=s.generator)
         return q.clamp_min_(_TINY)  # an exact 0 would divide a masked (0) probability into NaN
-
-
-def _min_tokens_mask(states: list[SamplingState], V: int) -> list[int]:
-    """Flat [B * V] indices of the EOS and stop ids of rows that haven't generated min_tokens yet (tokens
-    in flight included)."""
-    idx: list[int] = []
-    for i, s in enumerate(states):
-        p = s.params
-        if p.min_tokens and len(s.output_token_ids) + s.in_flight < p.min_tokens:
-            stop = set(p.stop_token_ids or ())
-            if not p.ignore_eos:
-                stop |= s.eos_token_ids
-            idx.extend(i * V + t for t in sorted(stop) if t < V)
-    return idx
-
-
-def _logit_bias(states: list[SamplingState], V: int) -> tuple[np.ndarray, np.ndarray]:
-    """Flat [B * V] indices and values of the rows' logit_bias entries."""
-    idx, val = [], []
-    for i, s in enumerate(states):
-        if s.params.logit_bias:
-            ids = s._ids.get(("bias", V))
-            if ids is None:
-                bias = s.params.logit_bias
-                check_ids(list(bias), V, "logit_bias")
-                ids = s._ids[("bias", V)] = np.fromiter(bias, dtype=np.int64, count=len(bias))
-                s._ids[("bias_values", V)] = np.fromiter(bias.values(), dtype=np.float64, count=len(bias))
-            idx.append(ids + i * V)
-            val.append(s._ids[("bias_values", V)])
-    return (np.concatenate(idx), np.concatenate(val)) if idx else (_NONE, _NONE_F)
-
-
-def _allowed(states: list[SamplingState], V: int) -> np.ndarray:
-    """Flat [B * V] indices of the rows' allowed_token_ids."""
-    idx = []
-    for i, s in enumerate(states):
-        if s.params.allowed_token_ids:
-            ids = s._ids.get(("allowed", V))
-            if ids is None:
-                check_ids(s.params.allowed_token_ids, V, "allowed_token_ids")
-                ids = s._ids[("allowed", V)] = np.asarray(s.params.allowed_token_ids, dtype=np.int64)
-            idx.append(ids + i * V)
-    return np.concatenate(idx) if idx else _NONE
-
-
-_NONE, _NONE_F = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float64)

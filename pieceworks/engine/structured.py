@@ -18,24 +18,16 @@ llguidance is imported on first use; without it, such requests are refused with 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pieceworks.engine.params import StructuredOutputsParams
+from pieceworks.engine.rows import TokenMask
 from pieceworks.errors import RequestError
 
 if TYPE_CHECKING:
     from pieceworks.engine.request import Request
-
-
-class TokenMask(NamedTuple):
-    """Structured outputs' allowed next tokens for some rows of a step (engine/structured.py): `rows`, indices
-    into the step's rows, and `words`, int32 [len(rows), ceil(V / 32)] on the host (pinned for a GPU), bit
-    t % 32 of word t // 32 set where token t is allowed."""
-
-    rows: list[int]
-    words: torch.Tensor
 
 
 def grammar_text(llg: Any, spec: StructuredOutputsParams) -> str:
