@@ -1,4 +1,4 @@
-"""`pieceworks run | backends | quantize | eval-ppl | serve | bench`.
+"""`pieceworks run | chat | backends | quantize | eval-ppl | serve | bench`.
 
 Every subcommand takes an optional YAML config and `key.sub=value` overrides. A user mistake (bad
 config, checkpoint, request or argument, a backend that can't serve, a missing file, a server that
@@ -64,6 +64,19 @@ def _config(args: argparse.Namespace, default_model: bool) -> Any:
     if default_model and cfg.model.path is None and cfg.model.arch is None:
         cfg = load_config(config, [f"model.path={DEFAULT_MODEL}", *overrides])
     return cfg
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    global _interrupted
+    from pieceworks.engine import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
+    cfg = _config(args, default_model=True)
+    from pieceworks.chat import run_chat  # torch: after the config is known to be good
+
+    code = run_chat(cfg, args.system, params)
+    _interrupted = False  # a Ctrl-C that stopped an answer stopped only that answer (chat_loop handled it)
+    return code
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
@@ -133,6 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="load a model, generate for sample prompts, print speed and backends")
     p.add_argument("config", nargs="*", help=cfg_help)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("chat", help="a conversation with a model in the terminal (its chat template)")
+    p.add_argument("config", nargs="*", help=cfg_help)
+    p.add_argument("--system", default=None, help="a system message to start the conversation with")
+    p.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="most tokens per answer (default: the rest of the context)")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature, 0: greedy (default 0.7)")
+    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling (default 0.9)")
+    p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("backends", help="show every backend, whether it can serve here, and the kernel table")
     p.add_argument("config", nargs="*", help=cfg_help)
