@@ -227,7 +227,8 @@ class Engine:
             if scheduled:
                 reqs, logits, greedy = self._forward(scheduled)
                 self.num_async_steps += 1
-                grammar = bool(reqs) and bool(self.scheduler.structured)  # its mask needs step k - 1's ids
+                # a grammar's mask needs step k - 1's ids: such a step samples after them
+                grammar = bool(self.scheduler.structured) and any(r.matcher is not None for r in reqs)
                 launched = pipe.sample(self.executor, reqs, logits, greedy, self.sampler) if reqs and not grammar \
                     else None
                 if pipe.inflight is not None:
