@@ -121,8 +121,9 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         """Which of the fields is set: "json", "regex", "choice", "grammar" or "json_object"."""
-        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None) \
-            if not self.json_object else "json_object"
+        if self.json_object:
+            return "json_object"
+        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 _OPEN, _CLOSE = "<think>", "</think>"
 
 
-def _held(text: str, tag: str) -> int:
+def held_tail(text: str, tag: str) -> int:
     """Length of the longest tail of `text` that is a proper prefix of `tag` (it may still become the tag)."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-k:]):
@@ -40,4 +40,4 @@ def split(parser: str, text: str, final: bool = True) -> tuple[str, str]:
     end = body.find(_CLOSE)
     if end >= 0:
         return body[:end], body[end + len(_CLOSE):]
-    return (body if final else body[: len(body) - _held(body, _CLOSE)]), ""
+    return (body if final else body[: len(body) - held_tail(body, _CLOSE)]), ""

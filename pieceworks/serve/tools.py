@@ -31,6 +31,7 @@ from typing import Any
 from pieceworks.engine import StructuredOutputsParams
 from pieceworks.serve import TOOL_CALL_PARSERS as PARSERS
 from pieceworks.serve.protocol import BadRequest, ChatCompletionRequest
+from pieceworks.serve.reasoning import held_tail
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
@@ -199,9 +200,4 @@ def visible_prefix(text: str, parser: str | None = "hermes") -> int:
         head = text.lstrip()[:1]
         return 0 if head in ("", "{", "<") else len(text)
     at = text.find(_OPEN)
-    if at >= 0:
-        return at
-    for k in range(min(len(_OPEN) - 1, len(text)), 0, -1):
-        if _OPEN.startswith(text[-k:]):
-            return len(text) - k
-    return len(text)
+    return at if at >= 0 else len(text) - held_tail(text, _OPEN)
