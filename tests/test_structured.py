@@ -3,14 +3,16 @@ and grammars by llguidance's token masks; the sampler's mask; the refusals."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import sys
+import threading
 
 import pytest
 import torch
 
-from pieceworks import Engine, SamplingParams, StructuredOutputsParams
+from pieceworks import AsyncEngine, Engine, SamplingParams, StructuredOutputsParams
 from pieceworks.engine.sampler import Sampler, SamplingState
 from pieceworks.engine.structured import Grammars, TokenMask
 from pieceworks.errors import RequestError
@@ -186,6 +188,48 @@ def test_a_grammar_that_does_not_compile_is_refused_with_nothing_queued(engine):
             engine.add_request("x", SamplingParams(structured_outputs=StructuredOutputsParams(**kw)))
     assert not engine.has_unfinished() and engine.executor.kv.allocator.num_used == used
     assert run(engine, ["Hi"], temperature=0, max_tokens=2)[0].finish_reason == "length"
+
+
+def test_async_engine_compiles_grammars_off_its_step_thread(engine, monkeypatch):
+    """A request's grammar compiles while the requests already running keep stepping: the compile below
+    waits until a plain request has finished, which it can only do when the compile does not hold the step
+    thread. A grammar that does not compile is the caller's RequestError; the engine goes on."""
+    release, threads = threading.Event(), []
+    compile_ = engine.grammars.matchers
+
+    def slow(spec, n):
+        threads.append(threading.current_thread().name)
+        assert release.wait(10), "the running request made no progress while a grammar compiled"
+        return compile_(spec, n)
+
+    monkeypatch.setattr(engine.grammars, "matchers", slow)
+    held = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=PERSON))
+
+    async def main(aeng):
+        async def plain():
+            outs = [o async for o in aeng.generate("The weather today", SamplingParams(temperature=0, max_tokens=24,
+                                                                                       min_tokens=24))]
+            release.set()
+            return outs[-1]
+
+        async def structured():
+            return [o async for o in aeng.generate(chat(engine, "Ann, 31, as JSON"), held)][-1]
+
+        async def refused():
+            with pytest.raises(RequestError, match="regex does not compile"):
+                async for _ in aeng.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(
+                        regex="[a-"))):
+                    pass
+
+        return await asyncio.gather(plain(), structured(), refused())
+
+    with AsyncEngine(engine) as aeng:
+        first, second, _ = asyncio.run(main(aeng))
+    assert len(first.token_ids) == 24 and first.finish_reason == "length"
+    assert second.finish_reason == "stop" and json.loads(second.text) == {"name": "Ann", "age": 31}, second.text
+    assert len(threads) == 2 and "pieceworks-engine-loop" not in threads
+    with pytest.raises(RequestError, match="2 matchers given for n=1"):
+        engine.add_request("x", held, matchers=[None, None])
 
 
 def test_a_token_the_grammar_refuses_ends_the_completion_with_an_error(engine):

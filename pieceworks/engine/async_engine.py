@@ -3,7 +3,9 @@
 Coroutines never touch the Engine: `generate` posts an add command and reads its outputs from an
 asyncio queue that the loop thread fills (`call_soon_threadsafe`); cancelling or closing the iterator
 posts an abort. The loop thread alone calls `add_request`, `abort` and `step`, between steps, so
-nothing is refused and nothing interleaves. An exception in the loop fails every waiting coroutine
+nothing is refused and nothing interleaves. A request's structured outputs compile before its add command
+is posted, on the event loop's default executor (llguidance releases the GIL): a large schema's compile
+does not hold up the steps of the requests already running. An exception in the loop fails every waiting coroutine
 with it (and every later call): the engine's state is not trusted after an unexpected error.
 """
 
@@ -71,13 +73,19 @@ class AsyncEngine:
         request_id = uuid.uuid4().hex if request_id is None else request_id
         if not isinstance(request_id, str) or not request_id:
             raise RequestError(f"request_id must be a non-empty str, got {request_id!r}")
+        loop = asyncio.get_running_loop()
+        matchers = None
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            self._check_alive()
+            matchers = await loop.run_in_executor(None, self.engine.grammars.matchers, params.structured_outputs,
+                                                  params.n)
         queue: asyncio.Queue = asyncio.Queue()
         with self._cond:
             self._check_alive()
             if request_id in self._streams:
                 raise RequestError(f"request_id {request_id!r} is already running; use a new id")
-            self._streams[request_id] = (asyncio.get_running_loop(), queue)
-            self._commands.append(("add", request_id, prompt, params, priority))
+            self._streams[request_id] = (loop, queue)
+            self._commands.append(("add", request_id, prompt, params, priority, matchers))
             self._cond.notify()
         left = params.n if isinstance(params, SamplingParams) else 1
         try:
@@ -145,9 +153,9 @@ class AsyncEngine:
                     commands, self._commands = self._commands, deque()
                 for cmd in commands:
                     if cmd[0] == "add":
-                        _, rid, prompt, params, priority = cmd
+                        _, rid, prompt, params, priority, matchers = cmd
                         try:
-                            engine.add_request(prompt, params, rid, priority)
+                            engine.add_request(prompt, params, rid, priority, matchers=matchers)
                         except Exception as exc:  # refused before the engine took it: this caller's error
                             self._deliver(rid, exc)
                     else:

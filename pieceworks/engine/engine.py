@@ -104,12 +104,13 @@ class Engine:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: list[int] | str, params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
+                    request_id: str | None = None, priority: int = 0, *, matchers: list | None = None) -> str:
         """Queue a prompt (token ids, or text when the model has a tokenizer); returns its request id.
 
         With `params.n` > 1 the request has n completions (RequestOutput.index 0..n-1), each sampling
         on its own stream (seeded ones from seed + index). `priority` (an int, lower first) orders the
-        queue under `scheduler.policy: priority`; with fcfs it must be 0.
+        queue under `scheduler.policy: priority`; with fcfs it must be 0. `matchers`: the structured outputs'
+        matchers compiled ahead (`Engine.grammars.matchers`, any thread); else they are compiled here.
 
         Raises:
             RequestError: a bad prompt, params or id, a prompt + max_tokens over the context limit,
@@ -137,8 +138,7 @@ class Engine:
             if any(o.request_id == request_id for o in self._ready):  # its abort outputs would mix in
                 raise RequestError(f"request_id {request_id!r} was just aborted and its final outputs come "
                                    "with the next step; use a new id (or step first)")
-            spec = params.structured_outputs
-            matchers = self.grammars.matchers(spec, params.n) if spec is not None else [None] * params.n
+            matchers = self.grammars.for_params(params, matchers)
             group: list[Request] = []
             arrival = next(self._arrivals)
             shown = list(ids)  # the prompt outputs carry (`Request.prompt_shown`)

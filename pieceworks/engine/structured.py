@@ -18,11 +18,12 @@ llguidance is imported on first use; without it, such requests are refused with 
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pieceworks.engine.params import StructuredOutputsParams
+from pieceworks.engine.params import SamplingParams, StructuredOutputsParams
 from pieceworks.engine.rows import TokenMask
 from pieceworks.errors import RequestError
 
@@ -63,10 +64,15 @@ class Grammars:
         self._llg: Any = None
         self._lltok: Any = None
         self._executor: Any = None
+        self._loading = threading.Lock()  # `matchers` may run on several threads (AsyncEngine compiles off its loop)
 
     def _load(self) -> tuple[Any, Any]:
-        if self._lltok is not None:
+        with self._loading:
+            if self._lltok is None:
+                self._build()
             return self._llg, self._lltok
+
+    def _build(self) -> None:
         try:
             import llguidance
             import llguidance.hf
@@ -82,11 +88,24 @@ class Grammars:
         except Exception as exc:  # a slow (Python) tokenizer, or one larger than the model's vocabulary
             raise RequestError(f"structured outputs can't use this model's tokenizer "
                                f"({type(self.tokenizer).__name__}): {exc}") from None
-        self._llg, self._lltok, self._executor = llguidance, lltok, llguidance.LLExecutor()
-        return llguidance, lltok
+        self._llg, self._executor, self._lltok = llguidance, llguidance.LLExecutor(), lltok
+
+    def for_params(self, params: SamplingParams, given: list[Any] | None = None) -> list[Any]:
+        """One matcher per completion of `params` (None each where it has no structured outputs): `given`,
+        compiled ahead by `matchers`, or compiled now."""
+        spec = params.structured_outputs
+        if spec is None:
+            return [None] * params.n
+        if given is None:
+            return self.matchers(spec, params.n)
+        if len(given) != params.n:
+            raise RequestError(f"{len(given)} matchers given for n={params.n} completions; pass "
+                               f"Engine.grammars.matchers(params.structured_outputs, params.n)")
+        return list(given)
 
     def matchers(self, spec: StructuredOutputsParams, n: int) -> list[Any]:
-        """`n` matchers at the start of `spec`'s grammar (one per completion).
+        """`n` matchers at the start of `spec`'s grammar (one per completion). Thread-safe; llguidance
+        compiles without holding the GIL, so other Python threads run meanwhile.
 
         Raises:
             RequestError: llguidance is missing, the model has no (usable) tokenizer, or the schema, regex
