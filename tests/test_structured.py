@@ -14,7 +14,7 @@ import torch
 
 from pieceworks import AsyncEngine, Engine, SamplingParams, StructuredOutputsParams
 from pieceworks.engine.sampler import Sampler, SamplingState
-from pieceworks.engine.structured import Grammars, TokenMask
+from pieceworks.engine.structured import Grammars, TokenMask, grammar_text
 from pieceworks.errors import RequestError
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
@@ -230,6 +230,36 @@ def test_async_engine_compiles_grammars_off_its_step_thread(engine, monkeypatch)
     assert len(threads) == 2 and "pieceworks-engine-loop" not in threads
     with pytest.raises(RequestError, match="2 matchers given for n=1"):
         engine.add_request("x", held, matchers=[None, None])
+
+
+def test_a_grammar_met_again_is_copied_not_compiled(engine, monkeypatch):
+    """The last CACHE_SIZE grammars stay compiled; requests get copies of a matcher that never advances, so
+    a spec met again gives the same output as the first time, and the least recently used grammar goes."""
+    g = engine.grammars
+    llg, built = g._load()[0], []
+
+    class Counting:  # llguidance.LLMatcher, counting compiles
+        def __call__(self, tok, text, **kw):
+            built.append(text)
+            return llg.LLMatcher(tok, text, **kw)
+
+        def __getattr__(self, name):
+            return getattr(llg.LLMatcher, name)
+
+    monkeypatch.setattr(g, "_llg", type("LLG", (), {"LLMatcher": Counting(), "grammar_from": llg.grammar_from})())
+    monkeypatch.setattr(g, "CACHE_SIZE", 2)
+    monkeypatch.setattr(g, "_compiled", type(g._compiled)())
+    specs = {k: StructuredOutputsParams(regex=r) for k, r in (("a", r"[0-9]{3}-[0-9]{4}"), ("b", r"[a-z]{4}"),
+                                                              ("c", r"(yes|no)"))}
+    texts = {}
+    for k in "abacab":
+        outs = run(engine, ["Call me at", "My word is"], temperature=0, max_tokens=12, n=2,
+                   structured_outputs=specs[k])
+        assert texts.setdefault(k, [o.text for o in outs]) == [o.text for o in outs]
+        assert all(re.fullmatch(specs[k].regex, o.text) for o in outs), outs
+    name = {grammar_text(llg, sp): k for k, sp in specs.items()}
+    compiled = [name[t] for t in built]
+    assert compiled == list("abcb"), compiled  # a and a again hit; c evicted b, which compiles again
 
 
 def test_a_token_the_grammar_refuses_ends_the_completion_with_an_error(engine):
