@@ -162,6 +162,31 @@ def test_async_steps_give_the_synchronous_tokens(engine):
         sync.close()
 
 
+def test_async_grammar_masks_are_computed_while_the_previous_ids_are_accepted(engine, monkeypatch):
+    """Under async steps the matchers take step k - 1's ids first; step k's mask is then computed on the
+    grammar worker while the step thread accepts those ids (detokenizes, checks stops, makes outputs), and
+    rows whose grammar has just ended are left out of it. The tokens stay those of synchronous steps (above)."""
+    g, log, threads = engine.grammars, [], set()
+    fill, later, accept = g._fill, g.mask_later, engine._accept
+
+    def spy_fill(reqs, rows):
+        threads.add(threading.current_thread().name)
+        assert not any(reqs[i].matcher.is_stopped() for i in rows)
+        return fill(reqs, rows)
+
+    monkeypatch.setattr(g, "_fill", spy_fill)
+    monkeypatch.setattr(g, "mask_later", lambda *a: log.append("mask") or later(*a))
+    monkeypatch.setattr(engine, "_accept", lambda *a: log.append("accept") or accept(*a))
+    choice = StructuredOutputsParams(choice=["red", "green", "blue", "a light shade of purple"])
+    got = drive(engine, [(chat(engine, "Pick a color."), SamplingParams(temperature=1.0, seed=s, max_tokens=12,
+                                                                         structured_outputs=choice))
+                         for s in range(6)] + [("The sea is", SamplingParams(temperature=0, max_tokens=16))])
+    assert {engine.tokenizer.decode(t, skip_special_tokens=True) for t in got[:6]} <= set(choice.choice)
+    assert threads == {"pieceworks-grammar-mask_0"}
+    overlapped = sum(a == "mask" and b == "accept" for a, b in zip(log, log[1:]))
+    assert overlapped >= 3, log
+
+
 def test_preemption_keeps_the_grammar_state(engine):
     """A KV pool too small for three structured requests at once: they are preempted and recomputed, and each
     ends with the tokens it gets in a roomy pool (its matcher stays at its output across the recompute)."""

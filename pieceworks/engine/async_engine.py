@@ -17,7 +17,8 @@ import uuid
 from collections import deque
 from typing import Any, AsyncIterator
 
-from pieceworks.engine.engine import Engine, check_abort_id
+from pieceworks.engine.engine import Engine
+from pieceworks.engine.prompts import check_abort_id
 from pieceworks.engine.params import SamplingParams
 from pieceworks.engine.request import RequestOutput
 from pieceworks.errors import RequestError

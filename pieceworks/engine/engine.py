@@ -27,11 +27,11 @@ from pieceworks.engine.async_steps import AsyncSteps, InFlight, mark_pending
 from pieceworks.engine.detokenize import Detokenizer, eos_token_ids, load_tokenizer
 from pieceworks.engine.logprobs import record_prompt_logprobs
 from pieceworks.engine.params import SamplingParams
-from pieceworks.engine.prompts import check_fits, check_token_ids, is_one_prompt, prompt_ids
+from pieceworks.engine.prompts import check_abort_id, check_fits, check_token_ids, is_one_prompt, prompt_ids
 from pieceworks.engine.request import Request, RequestOutput
 from pieceworks.engine.sampler import Sampler, SamplingState, sampling_rows
 from pieceworks.engine.scheduler import Scheduler
-from pieceworks.engine.structured import Grammars, grammar_stop
+from pieceworks.engine.structured import ADVANCE, Grammars, advance_grammars, grammar_error, grammar_stop
 from pieceworks.errors import NonFiniteLogits, OutOfPages, RequestError
 from pieceworks.executor.runner import Executor
 
@@ -185,6 +185,7 @@ class Engine:
             self.scheduler.running.clear()
             self.scheduler.structured.clear()
             self.sampler = None  # its penalty tables and generator live on the device; steps are refused
+            self.grammars.close()
             self.executor.close()
 
     def _check_open(self) -> None:
@@ -231,10 +232,10 @@ class Engine:
                 grammar = bool(self.scheduler.structured) and any(r.matcher is not None for r in reqs)
                 launched = pipe.sample(self.executor, reqs, logits, greedy, self.sampler) if reqs and not grammar \
                     else None
-                if pipe.inflight is not None:
-                    self._complete(pipe.inflight, outputs, stream)
+                mask = self._complete(pipe.inflight, outputs, stream, reqs if grammar else None) \
+                    if pipe.inflight is not None else self.grammars.mask_later(reqs) if grammar else None
                 if grammar:  # the GPU runs this step's forward meanwhile
-                    launched = pipe.sample(self.executor, reqs, logits, greedy, self.sampler, self.grammars.mask(reqs))
+                    launched = pipe.sample(self.executor, reqs, logits, greedy, self.sampler, mask.result())
                 pipe.inflight = launched if launched is not None and mark_pending(launched.reqs) else None
                 return outputs
             if pipe.inflight is not None:  # drain: this call returns the in-flight step's outputs only
@@ -273,11 +274,18 @@ class Engine:
             logits = record_prompt_logprobs(scheduled, every, logits)
         return sampling_rows(scheduled, logits, self.executor.greedy_ids)
 
-    def _complete(self, step: InFlight, outputs: list[RequestOutput], stream: bool) -> None:
+    def _complete(self, step: InFlight, outputs: list[RequestOutput], stream: bool,
+                  mask_for: list[Request] | None = None) -> Any:
         """Wait for `step`'s ids and accept them in place of its placeholders (a step launched after
-        it may have fed them: they are patched in its sequences too)."""
+        it may have fed them: they are patched in its sequences too). With `mask_for` (the next step's
+        rows, some with a grammar) the matchers take the ids first, and that step's mask is computed on
+        the grammar worker while the rest is accepted: returns its future."""
         caching = self.executor.kv.allocator.prefix_caching
         ids, logprobs = self._pipeline.await_ids(step)
+        ended, mask = {}, None
+        if mask_for is not None:
+            ended = advance_grammars(step.reqs, ids)
+            mask = self.grammars.mask_later(mask_for, frozenset(id(step.reqs[r]) for r, e in ended.items() if e))
         for row, (req, tok) in enumerate(zip(step.reqs, ids)):
             if req.finish_reason is not None or not req.pending:
                 continue  # finished (or aborted) while the step ran: its row is dropped
@@ -288,13 +296,16 @@ class Engine:
                 seq.tokens[-1] = max(tok, 0)
                 if caching and len(seq.tokens) // self.executor.page_size > len(seq.block_keys):
                     self.executor.register_full_pages(seq)
-            self._accept(req, tok, tok >= 0, logprobs[row] if logprobs is not None else None)
+            self._accept(req, tok, tok >= 0, logprobs[row] if logprobs is not None else None, ended.get(row, ADVANCE))
             if stream or req.finish_reason is not None:
                 outputs.append(req.make_output([tok] if tok >= 0 else []))
+        return mask
 
-    def _accept(self, req: Request, tok: int, finite: bool, logprobs: dict[int, float] | None) -> None:
+    def _accept(self, req: Request, tok: int, finite: bool, logprobs: dict[int, float] | None,
+                grammar: str | None = ADVANCE) -> None:
         """Append a sampled token to its completion (or fail it on non-finite logits), and finish it
-        when a stop condition holds."""
+        when a stop condition holds. `grammar`: the outcome of `grammar_stop` where the matcher already
+        took the token (`advance_grammars`)."""
         if not finite:
             err = NonFiniteLogits(f"request {req.request_id!r} (completion {req.index}): the model produced "
                                   f"NaN or inf logits after {len(req.output)} generated tokens")
@@ -308,22 +319,13 @@ class Engine:
             req.logprobs.append(logprobs or {})
         if req.detok is not None:
             req.detok.add(tok)
-        reason = self._stop_reason(req, tok)
+        reason = req.stop_reason(tok, self.eos_token_ids, self.max_context)
         if reason is None and req.matcher is not None:
-            reason = grammar_stop(req, tok)
+            reason = grammar_stop(req, tok) if grammar is ADVANCE else grammar
+            if reason == "error":
+                req.error = grammar_error(req, tok)
         if reason is not None:
             self._finish(req, reason)
-
-    def _stop_reason(self, req: Request, tok: int) -> str | None:
-        p = req.params
-        if len(req.output) >= p.min_tokens:
-            if (not p.ignore_eos and tok in self.eos_token_ids) or (p.stop_token_ids and tok in p.stop_token_ids):
-                return "stop"
-        if req.detok is not None and req.detok.stopped:
-            return "stop"
-        if (p.max_tokens is not None and len(req.output) >= p.max_tokens) or req.num_tokens >= self.max_context:
-            return "length"
-        return None
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
@@ -388,10 +390,4 @@ class Engine:
             "num_async_steps": self.num_async_steps,
             "num_generated_tokens": self.num_generated_tokens,
         }
-
-
-def check_abort_id(request_id: Any) -> None:
-    """`abort` takes one request id, a str (AsyncEngine checks it before its loop thread meets it)."""
-    if not isinstance(request_id, str):
-        raise RequestError(f"abort takes one request id (a str), got {type(request_id).__name__} {request_id!r}")
 

@@ -1,7 +1,7 @@
 """A request's prompt as token ids, checked before anything is queued (`Engine.add_request`): text through
 the tokenizer, token ids from a list, tuple, range, 1-D integer tensor or numpy array; every id an int in
 the vocabulary, at least one, within the context limit with room for the tokens asked for. Each refusal is
-a RequestError that names the fault.
+a RequestError that names the fault. `check_abort_id`: an abort's request id, checked the same way.
 """
 
 from __future__ import annotations
@@ -105,3 +105,9 @@ def is_int(t: Any) -> bool:
     if isinstance(t, torch.Tensor):
         return t.dim() == 0 and not t.dtype.is_floating_point and t.dtype != torch.bool
     return type(t).__module__ == "numpy" and "int" in type(t).__name__
+
+
+def check_abort_id(request_id: Any) -> None:
+    """`abort` takes one request id, a str (AsyncEngine checks it before its loop thread meets it)."""
+    if not isinstance(request_id, str):
+        raise RequestError(f"abort takes one request id (a str), got {type(request_id).__name__} {request_id!r}")

@@ -120,6 +120,19 @@ class Request:
         """The prompt's KV is computed (or the completion ended)."""
         return self.finish_reason is not None or (self.seq is not None and self.seq.kv_len >= len(self.prompt))
 
+    def stop_reason(self, tok: int, eos_token_ids: frozenset[int] | set[int], max_context: int) -> str | None:
+        """Whether the just appended `tok` ends this completion: "stop" (EOS or a stop token once min_tokens
+        are out, or a stop string), "length" (max_tokens or the context limit) or None."""
+        p = self.params
+        if len(self.output) >= p.min_tokens:
+            if (not p.ignore_eos and tok in eos_token_ids) or (p.stop_token_ids and tok in p.stop_token_ids):
+                return "stop"
+        if self.detok is not None and self.detok.stopped:
+            return "stop"
+        if (p.max_tokens is not None and len(self.output) >= p.max_tokens) or self.num_tokens >= max_context:
+            return "length"
+        return None
+
     def make_output(self, new: list[int]) -> RequestOutput:
         finished = self.finish_reason is not None
         text = delta = None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +31,9 @@ from pieceworks.errors import RequestError
 
 if TYPE_CHECKING:
     from pieceworks.engine.request import Request
+
+_NO_MASK: Future = Future()  # `mask_later` where no row has a grammar
+_NO_MASK.set_result(None)
 
 
 def grammar_text(llg: Any, spec: StructuredOutputsParams) -> str:
@@ -72,6 +76,7 @@ class Grammars:
         # (a server's one schema) copy it instead of compiling again; the least recently used go first
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._cache_lock = threading.Lock()
+        self._worker: ThreadPoolExecutor | None = None  # `mask_later`'s thread
 
     def _load(self) -> tuple[Any, Any]:
         with self._loading:
@@ -140,26 +145,62 @@ class Grammars:
                 self._compiled.popitem(last=False)
             return [start.deep_copy() for _ in range(n)]
 
-    def mask(self, reqs: list[Request]) -> TokenMask | None:
+    def mask(self, reqs: list[Request], skip: frozenset[int] = frozenset()) -> TokenMask | None:
         """The allowed next tokens of a step's sampling rows that have a grammar (`TokenMask`: their row
         indices and bitmask words), or None where none has. Rows of completions that have finished (an async
-        step's row after the previous step's token ended it) are left out, as rows without a grammar are."""
-        rows = [i for i, r in enumerate(reqs) if r.matcher is not None and r.finish_reason is None]
-        if not rows:
-            return None
+        step's row after the previous step's token ended it) are left out, as rows without a grammar are,
+        and the requests whose id() is in `skip` (their grammar ended, their finish not yet recorded)."""
+        rows = _rows(reqs, skip)
+        return self._fill(reqs, rows) if rows else None
+
+    def mask_later(self, reqs: list[Request], skip: frozenset[int] = frozenset()) -> Future:
+        """`mask`, its rows chosen now and its words filled on a worker thread (llguidance fills them without
+        the GIL): the caller goes on with host work that touches none of these rows' matchers, then takes
+        `.result()`."""
+        rows = _rows(reqs, skip)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="pieceworks-grammar-mask")
+        return self._worker.submit(self._fill, reqs, rows) if rows else _NO_MASK
+
+    def _fill(self, reqs: list[Request], rows: list[int]) -> TokenMask:
         words = torch.empty((len(rows), self.words), dtype=torch.int32, pin_memory=self.pin)
         self._executor.unsafe_compute_mask_ptr([(reqs[i].matcher, j) for j, i in enumerate(rows)],
                                                words.data_ptr(), self.words * 4, len(rows))
         return TokenMask(rows, words)
 
+    def close(self) -> None:
+        """Stop the mask worker thread, if one started."""
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
+
+
+def _rows(reqs: list[Request], skip: frozenset[int]) -> list[int]:
+    return [i for i, r in enumerate(reqs) if r.matcher is not None and r.finish_reason is None and id(r) not in skip]
+
 
 def grammar_stop(req: Request, tok: int) -> str | None:
     """Feed an accepted token to the completion's matcher: "stop" where its grammar is now complete,
-    "error" (with `req.error`) where the grammar refuses the token, else None."""
+    "error" where the grammar refuses the token (`grammar_error` says why), else None."""
     matcher = req.matcher
     if not matcher.consume_token(tok):
-        req.error = (f"structured_outputs: the sampled token {tok} does not continue the request's "
-                     f"{req.params.structured_outputs.kind} (no token was allowed both by it and by the other "
-                     f"sampling options, e.g. allowed_token_ids): {matcher.get_error().strip() or 'refused'}")
         return "error"
     return "stop" if matcher.is_stopped() else None
+
+
+def grammar_error(req: Request, tok: int) -> str:
+    """The error of a completion whose matcher refused `tok` (`grammar_stop`'s "error")."""
+    return (f"structured_outputs: the sampled token {tok} does not continue the request's "
+            f"{req.params.structured_outputs.kind} (no token was allowed both by it and by the other sampling "
+            f"options, e.g. allowed_token_ids): {req.matcher.get_error().strip() or 'refused'}")
+
+
+ADVANCE = "advance"  # `Engine._accept`'s grammar outcome where the matcher is still to take the token
+
+
+def advance_grammars(reqs: list[Request], ids: list[int]) -> dict[int, str | None]:
+    """`grammar_stop` for each row of an async step whose completion has a grammar and takes its id (a
+    pending row of an unfinished completion, a finite id); row -> its outcome. The Engine advances every
+    matcher first so that the next step's mask can be computed while it accepts the rest."""
+    return {row: grammar_stop(req, tok) for row, (req, tok) in enumerate(zip(reqs, ids))
+            if req.matcher is not None and req.pending and req.finish_reason is None and tok >= 0}
