@@ -86,9 +86,10 @@ def test_the_server_option():
         Server(engine, reasoning_parser="o1")
 
 
-def test_the_app_splits_a_real_answer(smollm2_cpu_engine):
+def test_the_app_splits_a_real_answer(smollm2_cpu_engine, monkeypatch):
     """The SmolLM2 demo model through build_app, with and without deepseek_r1: its answer has no </think>,
-    so under the parser it is all reasoning (an answer cut off while thinking), the content empty."""
+    so under the parser it is all reasoning (an answer cut off while thinking), the content empty. The parser
+    also holds structured outputs back until </think> (the engine's grammars learn the tags)."""
     import asyncio
 
     import httpx
@@ -110,6 +111,10 @@ def test_the_app_splits_a_real_answer(smollm2_cpu_engine):
             return (await ask(build_app(engine, "smol")),
                     await ask(build_app(engine, "smol", reasoning_parser="deepseek_r1")))
 
+    monkeypatch.setattr(smollm2_cpu_engine.grammars, "reasoning", None)  # restored: the engine is shared
     plain, split = asyncio.run(run())
+    tok = smollm2_cpu_engine.tokenizer
+    assert smollm2_cpu_engine.grammars.reasoning == tuple(tuple(tok.encode(t, add_special_tokens=False))
+                                                          for t in ("<think>", "</think>"))
     assert "reasoning_content" not in plain and plain["content"]
     assert split["reasoning_content"] == plain["content"] and split["content"] == ""

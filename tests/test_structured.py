@@ -14,7 +14,7 @@ import torch
 
 from pieceworks import AsyncEngine, Engine, SamplingParams, StructuredOutputsParams
 from pieceworks.engine.sampler import Sampler, SamplingState
-from pieceworks.engine.structured import Grammars, TokenMask, grammar_text
+from pieceworks.engine.structured import Grammars, TokenMask, grammar_stop, grammar_text
 from pieceworks.errors import RequestError
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
@@ -285,6 +285,28 @@ def test_a_grammar_met_again_is_copied_not_compiled(engine, monkeypatch):
     name = {grammar_text(llg, sp): k for k, sp in specs.items()}
     compiled = [name[t] for t in built]
     assert compiled == list("abcb"), compiled  # a and a again hit; c evicted b, which compiles again
+
+
+def test_structured_outputs_start_after_the_reasoning(engine, monkeypatch):
+    """With `set_reasoning(start, end)` a completion's grammar starts after the output's first `end`, unless
+    the prompt closed a reasoning block already. SmolLM2 "reasons" up to a full stop here: its answer is a
+    free sentence, then one of the choices; with the block closed in the prompt, the choice alone."""
+    monkeypatch.setattr(engine.grammars, "reasoning", None)
+    engine.grammars.set_reasoning("Thoughts:", ".")
+    prompt = chat(engine, "Is the sky blue? Think in one sentence, then answer yes or no.")
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    free, closed = run(engine, [prompt + "Thoughts:", prompt + "Thoughts: it is day."], temperature=0,
+                       max_tokens=40, structured_outputs=spec)
+    thought, answer = free.text.split(".", 1)
+    assert len(thought) > 5 and answer in spec.choice and free.finish_reason == "stop", free.text
+    assert closed.text in spec.choice and closed.finish_reason == "stop", closed.text
+    g = engine.grammars
+    g.reasoning = ((7,), (8, 9))
+    assert g.thinking([1, 7, 2]) == ((8, 9), 0) and g.thinking([]) == ((8, 9), 0)
+    assert g.thinking([8, 9, 7, 3]) == ((8, 9), 0) and g.thinking([7, 8, 9, 1]) is None
+    req = type("R", (), {"thinking": ((8, 9), 0), "matcher": None})()
+    for tok, after in ((8, ((8, 9), 1)), (8, ((8, 9), 1)), (3, ((8, 9), 0)), (8, ((8, 9), 1)), (9, None)):
+        assert grammar_stop(req, tok) is None and req.thinking == after
 
 
 def test_a_token_the_grammar_refuses_ends_the_completion_with_an_error(engine):

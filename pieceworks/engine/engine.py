@@ -139,6 +139,7 @@ class Engine:
                 raise RequestError(f"request_id {request_id!r} was just aborted and its final outputs come "
                                    "with the next step; use a new id (or step first)")
             matchers = self.grammars.for_params(params, matchers)
+            thinking = None if matchers[0] is None else self.grammars.thinking(ids)
             group: list[Request] = []
             arrival = next(self._arrivals)
             shown = list(ids)  # the prompt outputs carry (`Request.prompt_shown`)
@@ -151,7 +152,7 @@ class Engine:
                               logprobs=[] if params.logprobs is not None else None, group=group,
                               prompt_shown=shown,
                               prompt_logprobs=None if params.prompt_logprobs is None else [None],
-                              priority=priority, matcher=matchers[index])
+                              priority=priority, matcher=matchers[index], thinking=thinking)
                 group.append(req)
             for req in group:
                 self.scheduler.add(req)

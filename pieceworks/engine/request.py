@@ -87,6 +87,9 @@ class Request:
     matcher: Any = None
     """With SamplingParams.structured_outputs: the completion's llguidance matcher (engine/structured.py),
     at the state after its output so far; else None."""
+    thinking: tuple[tuple[int, ...], int] | None = None
+    """With a matcher while a thinking model reasons (`Grammars.set_reasoning`): the reasoning's end ids and
+    how many of them the output ends with; the grammar starts after them. None: the grammar is on."""
     pending: bool = False
     """Async steps: `output[-1]` is the placeholder -(row + 1) of the token that row of the step in
     flight samples (the decode runner reads it from the device); replaced when the id arrives."""

@@ -23,6 +23,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from pieceworks.engine.params import SamplingParams, StructuredOutputsParams
@@ -77,6 +78,7 @@ class Grammars:
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None  # `mask_later`'s thread
+        self.reasoning: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # `set_reasoning`'s start, end ids
 
     def _load(self) -> tuple[Any, Any]:
         with self._loading:
@@ -101,6 +103,26 @@ class Grammars:
             raise RequestError(f"structured outputs can't use this model's tokenizer "
                                f"({type(self.tokenizer).__name__}): {exc}") from None
         self._llg, self._executor, self._lltok = llguidance, llguidance.LLExecutor(), lltok
+
+    def set_reasoning(self, start: str, end: str) -> None:
+        """Hold structured outputs back while a thinking model reasons (vLLM's behaviour with a reasoning
+        parser): a completion's grammar starts after the output's first `end` (e.g. "</think>"), unless its
+        prompt already closed a reasoning block (`end` after the last `start`: a chat template that switches
+        thinking off writes an empty block). `pieceworks serve --reasoning-parser` sets <think>, </think>."""
+        if self.tokenizer is None:
+            raise RequestError("set_reasoning needs the model's tokenizer, and this model has none")
+        ids = [tuple(self.tokenizer.encode(t, add_special_tokens=False)) for t in (start, end)]
+        if not all(ids):
+            raise RequestError(f"set_reasoning: start and end must be non-empty text, got {start!r}, {end!r}")
+        self.reasoning = (ids[0], ids[1])
+
+    def thinking(self, prompt: list[int]) -> tuple[tuple[int, ...], int] | None:
+        """`Request.thinking` at the start of a completion of `prompt`: None where its grammar is on at once."""
+        if self.reasoning is None:
+            return None
+        start, end = self.reasoning
+        closed = _last(prompt, end)
+        return None if closed >= 0 and closed > _last(prompt, start) else (end, 0)
 
     def for_params(self, params: SamplingParams, given: list[Any] | None = None) -> list[Any]:
         """One matcher per completion of `params` (None each where it has no structured outputs): `given`,
@@ -176,12 +198,28 @@ class Grammars:
 
 
 def _rows(reqs: list[Request], skip: frozenset[int]) -> list[int]:
-    return [i for i, r in enumerate(reqs) if r.matcher is not None and r.finish_reason is None and id(r) not in skip]
+    return [i for i, r in enumerate(reqs)
+            if r.matcher is not None and r.thinking is None and r.finish_reason is None and id(r) not in skip]
+
+
+def _last(seq: list[int], sub: tuple[int, ...]) -> int:
+    """Where the last occurrence of `sub` in `seq` starts, or -1."""
+    arr, n = np.asarray(seq), len(sub)
+    for i in np.flatnonzero(arr[: len(arr) - n + 1] == sub[0])[::-1]:
+        if tuple(arr[i: i + n].tolist()) == sub:
+            return int(i)
+    return -1
 
 
 def grammar_stop(req: Request, tok: int) -> str | None:
     """Feed an accepted token to the completion's matcher: "stop" where its grammar is now complete,
-    "error" where the grammar refuses the token (`grammar_error` says why), else None."""
+    "error" where the grammar refuses the token (`grammar_error` says why), else None. While the completion
+    reasons (`Request.thinking`) the token only counts towards the reasoning's end."""
+    if req.thinking is not None:
+        end, k = req.thinking
+        k = k + 1 if tok == end[k] else int(tok == end[0])
+        req.thinking = None if k == len(end) else (end, k)
+        return None
     matcher = req.matcher
     if not matcher.consume_token(tok):
         return "error"

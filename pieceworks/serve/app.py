@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pieceworks.errors import RequestError
-from pieceworks.serve import REASONING_PARSERS, mapping, tools
+from pieceworks.serve import REASONING_PARSERS, mapping, reasoning, tools
 from pieceworks.serve.metrics import CONTENT_TYPE, ServerMetrics
 from pieceworks.serve.protocol import (
     BadRequest,
@@ -76,6 +76,8 @@ class Server:
             if value not in (None, *known):
                 raise ValueError(f"{name} = {value!r}: takes one of {known} or None")
         self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
+        if reasoning_parser and engine.tokenizer is not None:  # structured outputs start after the reasoning
+            engine.engine.grammars.set_reasoning(*reasoning.TAGS)
         self.engine = engine
         self.name = served_model_name or engine.model_name
         self.tokenizer = engine.tokenizer

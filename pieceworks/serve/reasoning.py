@@ -9,6 +9,8 @@ vLLM's parsers of the same names and DeepSeek's API (`message.reasoning_content`
 - `qwen3` (Qwen3, and models that write the whole block themselves): reasoning only inside a `<think>` block
   that opens the answer; an answer that does not start with `<think>` is all content.
 
+Structured outputs (response_format, tool calls held by a schema) start after `</think>` where the prompt
+has not closed a reasoning block already (`Grammars.set_reasoning`): the model thinks freely first.
 Tool calls (serve/tools.py) are read from the content. Streamed, text that may still become a tag is held
 back until the next step decides it (or the answer ends).
 """
@@ -16,6 +18,7 @@ back until the next step decides it (or the answer ends).
 from __future__ import annotations
 
 _OPEN, _CLOSE = "<think>", "</think>"
+TAGS = (_OPEN, _CLOSE)  # both parsers' tags; the server starts structured outputs after the closing one
 
 
 def held_tail(text: str, tag: str) -> int:
