@@ -54,15 +54,15 @@ def main() -> None:
                                                   tokenize=False)
     grammar = StructuredOutputsParams(regex=r"[a-z ,]+")
     mask_s = []
-    fill = engine.grammars.mask
+    fill = engine.grammars._fill  # the words' fill (on the grammar worker under async steps)
 
-    def timed_fill(reqs):
+    def timed_fill(reqs, rows):
         t = time.perf_counter()
-        out = fill(reqs)
+        out = fill(reqs, rows)
         mask_s.append(time.perf_counter() - t)
         return out
 
-    engine.grammars.mask = timed_fill
+    engine.grammars._fill = timed_fill
     M = args.tokens
     rows = []
     for B in [int(b) for b in args.batch.split(",")]:

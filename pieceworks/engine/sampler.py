@@ -51,6 +51,20 @@ def sampling_rows(scheduled: list, logits: torch.Tensor,
     return [scheduled[i][0] for i in rows], logits, greedy
 
 
+_BYTE_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _byte_table(device: torch.device) -> torch.Tensor:
+    """float32 [256, 8]: for each byte, 0 at its set bits and -inf at the others (lowest bit first): a grammar
+    mask's bytes index it into what is added to the logits (one gather and one add; on the CPU 3x faster than
+    unpacking the bits with shifts and a masked_fill: 1.25 against 4.2 ms at 32 x 49152, one-off script)."""
+    table = _BYTE_TABLES.get(device)
+    if table is None:
+        bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+        table = _BYTE_TABLES[device] = torch.where(bits == 1, 0.0, float("-inf")).to(device)
+    return table
+
+
 _NUM_ROW_PARAMS = 8  # temperature, top_k, top_p, min_p, presence, frequency, repetition, greedy
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -234,13 +248,10 @@ class Sampler:
         prm = table.float()  # float32 as vLLM's
         temperature, top_p, min_p, presence, frequency, repetition = (prm[:, c] for c in (0, 2, 3, 4, 5, 6))
         x = logits
-        if token_mask is not None:  # bit t % 32 of word t // 32: token t allowed
-            words = to_device(token_mask.words, x.device)
-            bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=x.device)) & 1
-            banned = bits.view(len(token_mask.rows), -1)[:, :V] == 0
-            if grammar_rows:  # some rows only: the others keep every token
-                banned = torch.zeros(B, V, dtype=torch.bool, device=x.device).index_copy_(0, grammar_t, banned)
-            x = x.masked_fill(banned, float("-inf"))
+        if token_mask is not None:  # bit t % 32 of word t // 32: token t allowed; -inf added where not
+            words = to_device(token_mask.words, x.device).view(torch.uint8)  # little-endian: byte t // 8, bit t % 8
+            add = _byte_table(x.device)[words.long()].view(len(token_mask.rows), -1)[:, :V]
+            x = x.index_add(0, grammar_t, add) if grammar_rows else x + add  # the others keep every token
         if len(allowed):  # rows with an allowed list keep only those ids (the lists are never empty)
             keep = torch.zeros(B * V, dtype=torch.bool, device=x.device).index_fill_(0, allowed_t, True).view(B, V)
             x = x.masked_fill(~keep & keep.any(dim=1, keepdim=True), float("-inf"))
