@@ -1,10 +1,11 @@
 """What structured outputs cost per decode step: B greedy requests of the same prompt generating M tokens each,
 held to a regex by llguidance's bitmask (engine/structured.py), against the same requests without one.
 
-Both sides set min_tokens = max_tokens = M, so both run exactly M tokens and both take the sampler's processed
-path (the grammar `[a-z ,]+` never ends by itself); the difference is the grammar: the host fills the bitmask
-(timed here on its own), uploads it, and the sampler masks the logits. The two sides alternate `--rounds` times
-(median). Needs llguidance and a tokenizer: the model's (default: the SmolLM2 demo model), or `--tokenizer DIR`
+Both sides set min_tokens = max_tokens = M, so both run exactly M tokens (the grammar `[a-z ,]+` never ends by
+itself). Where the model has EOS ids, min_tokens puts both sides on the sampler's processed path; a random-weights
+model has none, and there the plain side keeps the greedy fast path (the decode graph's own argmax), as a plain
+greedy request does. With the grammar the host fills the bitmask (its fill timed here on its own), uploads it, and
+the sampler masks the logits. The two sides alternate `--rounds` times (median). Needs llguidance and a tokenizer: the model's (default: the SmolLM2 demo model), or `--tokenizer DIR`
 for a random-weights model (the Llama-3.1-8B shape on the GPU, whose vocabulary holds any tokenizer's ids).
 
     python benchmarks/structured.py --batch 1,8,32,64 --tokens 64 [--set key=value ...] [--out FILE]
