@@ -68,6 +68,10 @@ def test_sampler_masks_tokens_by_the_bitmask():
     assert Sampler(V, "cpu").sample(logits, states, token_mask=mask).token_ids[2] == 37
     every = TokenMask([0, 1, 2], torch.cat([words[1:], torch.full((1, 3), -1, dtype=torch.int32), words[:1]]))
     assert Sampler(V, "cpu").sample(logits, states, token_mask=every).token_ids == got
+    shuffled = TokenMask([2, 0, 1], torch.cat([words, torch.full((1, 3), -1, dtype=torch.int32)]))  # rows in any order
+    assert Sampler(V, "cpu").sample(logits, states, token_mask=shuffled).token_ids == got
+    states[2] = SamplingState.create(SamplingParams(temperature=0), [1], [], "cpu")  # all greedy: the mask alone
+    assert Sampler(V, "cpu").sample(logits, states, token_mask=shuffled).token_ids == got
     with pytest.raises(ValueError, match="token_mask.words as int32"):
         Sampler(V, "cpu").sample(logits, states, token_mask=TokenMask([2, 0], words[:, :2]))
     with pytest.raises(ValueError, match="distinct row indices"):

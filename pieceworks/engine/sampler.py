@@ -65,6 +65,20 @@ def _byte_table(device: torch.device) -> torch.Tensor:
     return table
 
 
+def _masked(x: torch.Tensor, token_mask: TokenMask, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """`x` with -inf added where the mask's rows do not allow a token (bit t % 32 of word t // 32); the other
+    rows keep every token. `rows`: the mask's row indices on the device, where they are not 0..B-1 in order
+    (uploaded here if not given)."""
+    B, V = x.shape
+    words = to_device(token_mask.words, x.device).view(torch.uint8)  # little-endian: byte t // 8, bit t % 8
+    add = _byte_table(x.device)[words.long()].view(len(token_mask.rows), -1)[:, :V]
+    if rows is None and token_mask.rows == list(range(B)):
+        return x + add
+    if rows is None:
+        rows = to_device(torch.tensor(token_mask.rows, dtype=torch.int64), x.device)
+    return x.index_add(0, rows, add)
+
+
 _NUM_ROW_PARAMS = 8  # temperature, top_k, top_p, min_p, presence, frequency, repetition, greedy
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -213,8 +227,9 @@ class Sampler:
         mask_idx = min_tokens_mask(states, self.vocab_size)
         bias, allowed = bias_entries(states, self.vocab_size), allowed_ids(states, self.vocab_size)
         pen_rows = [i for i, p in enumerate(params) if p.uses_penalties]
-        if (token_mask is None and not mask_idx and not len(bias[0]) and not len(allowed) and not pen_rows
-                and all([p.greedy for p in params])):
+        if not mask_idx and not len(bias[0]) and not len(allowed) and not pen_rows and all([p.greedy for p in params]):
+            if token_mask is not None:  # greedy rows held by grammars: the mask, then the argmax
+                return _masked(logits, token_mask).argmax(dim=-1), finite, None
             return logits.argmax(dim=-1), finite, None  # greedy batch: nothing to upload, nothing to process
         ids, slots = self._sample(logits, states, params, mask_idx, bias, allowed, pen_rows, token_mask)
         return ids, finite, slots
@@ -241,17 +256,15 @@ class Sampler:
         B, V = logits.shape
         rows = [x for s in states for x in self._row_params(s)]
         plan = self._table.plan(states, pen_rows) if pen_rows else None
-        grammar_rows = token_mask.rows if token_mask is not None and len(token_mask.rows) < B else []
+        grammar_rows = token_mask.rows if token_mask is not None and token_mask.rows != list(range(B)) else []
         prm64, (mask_t, bias_t, allowed_t, grammar_t, *plan_t) = self._upload(
             [rows, bias[1]], [mask_idx, bias[0], allowed, grammar_rows] + (list(plan[:4]) if plan else []))
         table = prm64[: B * _NUM_ROW_PARAMS].view(B, _NUM_ROW_PARAMS)
         prm = table.float()  # float32 as vLLM's
         temperature, top_p, min_p, presence, frequency, repetition = (prm[:, c] for c in (0, 2, 3, 4, 5, 6))
         x = logits
-        if token_mask is not None:  # bit t % 32 of word t // 32: token t allowed; -inf added where not
-            words = to_device(token_mask.words, x.device).view(torch.uint8)  # little-endian: byte t // 8, bit t % 8
-            add = _byte_table(x.device)[words.long()].view(len(token_mask.rows), -1)[:, :V]
-            x = x.index_add(0, grammar_t, add) if grammar_rows else x + add  # the others keep every token
+        if token_mask is not None:
+            x = _masked(x, token_mask, grammar_t if grammar_rows else None)
         if len(allowed):  # rows with an allowed list keep only those ids (the lists are never empty)
             keep = torch.zeros(B * V, dtype=torch.bool, device=x.device).index_fill_(0, allowed_t, True).view(B, V)
             x = x.masked_fill(~keep & keep.any(dim=1, keepdim=True), float("-inf"))
