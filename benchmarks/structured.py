@@ -5,8 +5,9 @@ Both sides set min_tokens = max_tokens = M, so both run exactly M tokens (the gr
 itself). Where the model has EOS ids, min_tokens puts both sides on the sampler's processed path; a random-weights
 model has none, and there the plain side keeps the greedy fast path (the decode graph's own argmax), as a plain
 greedy request does. With the grammar the host fills the bitmask (its fill timed here on its own), uploads it, and
-the sampler masks the logits. The two sides alternate `--rounds` times (median). Needs llguidance and a tokenizer: the model's (default: the SmolLM2 demo model), or `--tokenizer DIR`
-for a random-weights model (the Llama-3.1-8B shape on the GPU, whose vocabulary holds any tokenizer's ids).
+the sampler masks the logits. The two sides alternate `--rounds` times (median). Needs llguidance and a tokenizer:
+the model's (default: the SmolLM2 demo model), or `--tokenizer DIR` for a random-weights model (the Llama-3.1-8B
+shape on the GPU, whose vocabulary holds any tokenizer's ids).
 
     python benchmarks/structured.py --batch 1,8,32,64 --tokens 64 [--set key=value ...] [--out FILE]
     python benchmarks/structured.py --tokenizer DIR --set model.arch=llama --set model.preset=llama-3.1-8b \
