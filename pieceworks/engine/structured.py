@@ -10,9 +10,12 @@ accepted its matcher consumes it; a matcher that has stopped (its grammar is com
 but EOS) ends the completion with finish_reason "stop", without sampling the EOS. A token the matcher
 refuses (every token masked, e.g. by allowed_token_ids that the grammar excludes) ends it with "error".
 
-Under async steps a step with such rows launches its forward, accepts the previous step's ids (the
-matchers advance), and only then computes the mask and samples: the mask's host work overlaps the GPU's
-forward, and the tokens are those of synchronous steps.
+Under async steps a step with such rows launches its forward, feeds the previous step's ids to the matchers
+(`advance_grammars`), fills its mask on a worker thread while the step thread accepts those ids, and then
+samples; the GPU runs the forward meanwhile, and the tokens are those of synchronous steps. The worker needs
+the GIL until llguidance releases it, which the accepts hold: on the H200 most of a fill runs once the step
+thread waits for it (docs/benchmarks.md, structured outputs). The last `Grammars.CACHE_SIZE` compiled grammars are kept; with `set_reasoning` a
+completion's grammar starts after the reasoning's end.
 llguidance is imported on first use; without it, such requests are refused with how to install it.
 """
 
