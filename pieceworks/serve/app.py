@@ -10,14 +10,12 @@ the server answers 503 with Retry-After instead of queueing without bound.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import anyio
-import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -36,6 +34,7 @@ from pieceworks.serve.protocol import (
     ModelList,
     TokenizeRequest,
     new_id,
+    parse_body,
     sse,
 )
 from pieceworks.serve.writers import ChatWriter, Choice, CompletionWriter, Step, Writer
@@ -232,43 +231,8 @@ class _SSEResponse(StreamingResponse):
                 await self.body_iterator.aclose()
 
 
-# Fields of several shapes (unions): pydantic reports the first shape's complaint ("prompt.str: Input should be
-# a valid string"); these say what the field takes instead.
-_SHAPES = {
-    "prompt": "a string, a list of token ids, or a list of either",
-    "content": 'a string or a list of {"type": "text", "text": ...} parts',
-}
-
-
 async def _parse(request: Request, model: type[T]) -> T:
-    body = await request.body()
-    try:
-        data = json.loads(body)
-    except ValueError as exc:
-        raise BadRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from exc
-    try:
-        return model.model_validate_json(body)
-    except pydantic.ValidationError as exc:
-        err = exc.errors(include_url=False)[0]
-        at = next((i for i, part in enumerate(err["loc"]) if part in _SHAPES), None)
-        if at is not None and err["type"] != "missing":
-            path = err["loc"][: at + 1]
-            name = ".".join(str(x) for x in path)
-            raise BadRequest(f"{name} must be {_SHAPES[path[-1]]} (got {_value_at(data, path)!r})",
-                             param=name) from exc
-        loc = ".".join(str(x) for x in err["loc"])
-        raise BadRequest(f"{loc}: {err['msg']} (got {err.get('input')!r})" if loc else err["msg"],
-                         param=loc or None) from exc
-
-
-def _value_at(data: Any, path: tuple) -> Any:
-    """The request body's value at a validation error's location (keys and list indices)."""
-    for part in path:
-        try:
-            data = data[part]
-        except (KeyError, IndexError, TypeError):
-            return None
-    return data
+    return parse_body(await request.body(), model)
 
 
 def build_app(engine: Any, served_model_name: str | None = None, max_queue: int = 256,

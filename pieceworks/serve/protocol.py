@@ -6,15 +6,18 @@ defaults), plus the extensions vLLM's server accepts (`top_k`, `min_p`, `repetit
 `skip_special_tokens`, `return_token_ids`, `priority`, `structured_outputs`, the chat template options), so
 clients written for either work unchanged. Requests are strict: a field of the wrong type or a field the
 API does not have is a 400, and an OpenAI field whose behaviour pieceworks does not implement (`suffix`) is
-refused by name instead of being ignored.
+refused by name instead of being ignored. `parse_body` turns a body into a model, or a 400 that says
+what is wrong.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, TypeVar, Union
 
+import pydantic
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from pieceworks.errors import RequestError
@@ -319,7 +322,47 @@ def sse(payload: BaseModel | dict | str) -> str:
     if isinstance(payload, BaseModel):
         payload = payload.model_dump_json()
     elif isinstance(payload, dict):
-        import json
-
         payload = json.dumps(payload)
     return f"data: {payload}\n\n"
+
+
+T = TypeVar("T", bound=BaseModel)
+
+# Fields of several shapes (unions): pydantic reports the first shape's complaint ("prompt.str: Input should be
+# a valid string"); these say what the field takes instead.
+_SHAPES = {
+    "prompt": "a string, a list of token ids, or a list of either",
+    "content": 'a string or a list of {"type": "text", "text": ...} parts',
+}
+
+
+def parse_body(body: bytes, model: type[T]) -> T:
+    """A request body as `model`, or a BadRequest that says what is wrong (invalid JSON; a field's problem, for
+    a field of several shapes what it takes)."""
+    try:
+        data = json.loads(body)
+    except ValueError as exc:
+        raise BadRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+    try:
+        return model.model_validate_json(body)
+    except pydantic.ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        at = next((i for i, part in enumerate(err["loc"]) if part in _SHAPES), None)
+        if at is not None and err["type"] != "missing":
+            path = err["loc"][: at + 1]
+            name = ".".join(str(x) for x in path)
+            raise BadRequest(f"{name} must be {_SHAPES[path[-1]]} (got {_value_at(data, path)!r})",
+                             param=name) from exc
+        loc = ".".join(str(x) for x in err["loc"])
+        raise BadRequest(f"{loc}: {err['msg']} (got {err.get('input')!r})" if loc else err["msg"],
+                         param=loc or None) from exc
+
+
+def _value_at(data: Any, path: tuple) -> Any:
+    """The request body's value at a validation error's location (keys and list indices)."""
+    for part in path:
+        try:
+            data = data[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return data
