@@ -181,3 +181,92 @@ def test_the_parser_option():
     assert Server(engine, tool_call_parser="hermes").tool_call_parser == "hermes"
     with pytest.raises(ValueError, match="tool_call_parser"):
         Server(engine, tool_call_parser="mistral")
+
+
+DS_CALL = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{}\n```json\n{}\n```<｜tool▁call▁end｜>"
+
+
+def test_deepseek_calls():
+    v3 = tools.ToolPlan("auto", [WEATHER, TIME], parser="deepseek_v3")
+    text = ("Checking.<｜tool▁calls▁begin｜>" + DS_CALL.format("get_weather", '{"city": "Paris"}') + "\n"
+            + DS_CALL.format("get_time", "{}") + "<｜tool▁calls▁end｜>")
+    content, calls = tools.parse(v3, text)
+    assert content == "Checking." and [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {})]
+    v31 = tools.ToolPlan("auto", [WEATHER], parser="deepseek_v31")
+    text31 = '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Rome"}<｜tool▁call▁end｜>'
+    assert [(c["name"], c["arguments"]) for c in tools.parse(v31, text31)[1]] == [("get_weather", '{"city": "Rome"}')]
+    assert tools.parse(v31, text31)[0] is None
+    # each format's blocks are no calls to the other parser; broken arguments, no name, no calls: text stays
+    for plan, t in ((v3, text31), (v31, text), (v3, "Sunny."), (v31, "<｜tool▁call▁begin｜>f<｜tool▁sep｜>{oops"),
+                    (v31, '<｜tool▁call▁begin｜><｜tool▁sep｜>{"a": 1}'),
+                    (v3, DS_CALL.format("get_weather", '{"city": "Paris"}').replace("```json", "json"))):
+        assert tools.parse(plan, t) == (t, []), t
+    # a section cut off after a whole call still holds it
+    assert tools.parse(v3, "<｜tool▁calls▁begin｜>" + DS_CALL.format("get_time", "{}"))[1][0]["name"] == "get_time"
+    for t, n in (("Hi <｜tool", 3), ("Hi<｜tool▁calls▁begin｜>", 2), ("a<｜tool▁call▁begin｜>", 1), ("abc <", 4),
+                 ("abc", 3)):
+        assert tools.visible_prefix(t, "deepseek_v3") == n, t
+
+
+def test_streamed_deepseek_call():
+    srv = SimpleNamespace(name="m", token_str=str)
+    req = chat(tools=[WEATHER], stream=True)
+    plan = tools.plan(req, "deepseek_v3")
+    call = "<｜tool▁calls▁begin｜>" + DS_CALL.format("get_weather", '{"city": "Oslo"}') + "<｜tool▁calls▁end｜>"
+    _, chunks = _stream(ChatWriter(srv, req, plan), ["Let me look", " it up.", call[:9], call[9:]])
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "Let me look it up."
+    calls = [t for ch in chunks for t in ch.choices[0].delta.tool_calls or []]
+    assert [(t.function.name, t.function.arguments) for t in calls] == [("get_weather", '{"city": "Oslo"}')]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_markers_dropped_by_decoding_are_reported(caplog):
+    from pieceworks.serve.app import Server
+
+    class Tok:  # drops the strings in `special` when skip_special_tokens is set, as HF tokenizers do
+        def __init__(self, special):
+            self.special = special
+
+        def encode(self, text, add_special_tokens=True):
+            return [text]
+
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(t for t in ids if not (skip_special_tokens and t in self.special))
+
+    assert tools.lost_markers(Tok(set()), "deepseek_v3") == []
+    assert tools.lost_markers(Tok({tools.DS_OPEN}), "deepseek_v31") == [tools.DS_OPEN]
+    assert tools.lost_markers(Tok({"<tool_call>"}), "hermes") == ["<tool_call>"]
+    engine = SimpleNamespace(model_name="m", tokenizer=Tok({tools.DS_SECTION}), max_context=8,
+                             engine=SimpleNamespace(executor=SimpleNamespace(vocab_size=10),
+                                                    grammars=SimpleNamespace(set_reasoning=lambda *a: None)))
+    with caplog.at_level("WARNING", logger="pieceworks.serve"):
+        Server(engine, tool_call_parser="deepseek_v3")
+    assert "skip_special_tokens: false" in caplog.text and tools.DS_SECTION in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pieceworks.serve"):
+        Server(engine, tool_call_parser="hermes")
+    assert not caplog.text
+
+
+def test_templates_that_read_arguments_as_text():
+    import jinja2
+
+    # DeepSeek-V3's template adds an earlier call's arguments to a string; Hugging Face's convention passes objects
+    src = ("{% for m in messages %}{% for c in m.get('tool_calls') or [] %}"
+           "{{ c['function']['name'] + ':' + c['function']['arguments'] }}{% endfor %}{% endfor %}")
+
+    class Tok:
+        chat_template = src
+
+        def apply_chat_template(self, messages, **kw):
+            return [ord(ch) for ch in jinja2.Environment().from_string(src).render(messages=messages)]
+
+    turns = MSGS + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}]
+    req = ChatCompletionRequest(model="m", messages=turns)
+    assert "".join(map(chr, mapping.chat_prompt(req, Tok()))) == 'get_weather:{"city": "Paris"}'
+    # a TypeError without earlier tool calls is the template's own fault: a 400
+    Tok.chat_template = src = "{{ 1 + 'a' }}"
+    with pytest.raises(BadRequest, match="TypeError"):
+        mapping.chat_prompt(chat(), Tok())

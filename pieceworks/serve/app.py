@@ -75,6 +75,11 @@ class Server:
             if value not in (None, *known):
                 raise ValueError(f"{name} = {value!r}: takes one of {known} or None")
         self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
+        lost = tools.lost_markers(engine.tokenizer, tool_call_parser) if tool_call_parser and engine.tokenizer else []
+        if lost:
+            log.warning("--tool-call-parser %s: this tokenizer drops %s from decoded text (special tokens), so tool "
+                        "calls are read only from requests with skip_special_tokens: false", tool_call_parser,
+                        ", ".join(lost))
         if reasoning_parser and engine.tokenizer is not None:  # structured outputs start after the reasoning
             engine.engine.grammars.set_reasoning(*reasoning.TAGS)
         self.engine = engine

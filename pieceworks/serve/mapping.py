@@ -115,8 +115,17 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, tool_plan: tools.Too
     msgs = tools.template_messages(req)
     kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tool_plan.tools} if tool_plan else {})}
     try:
-        return render_chat(tokenizer, msgs, add_generation_prompt=req.add_generation_prompt,
-                           continue_final_message=req.continue_final_message, template_kwargs=kwargs or None)
+        try:
+            return render_chat(tokenizer, msgs, add_generation_prompt=req.add_generation_prompt,
+                               continue_final_message=req.continue_final_message, template_kwargs=kwargs or None)
+        except RequestError as exc:
+            # Earlier tool calls' arguments go in as objects (Hugging Face's convention); a template that adds
+            # them to a string (DeepSeek-V3's) fails on that with a TypeError and reads them as JSON text.
+            if not isinstance(exc.__cause__, TypeError) or not any(m.tool_calls for m in req.messages):
+                raise
+            return render_chat(tokenizer, tools.template_messages(req, arguments_as_text=True),
+                               add_generation_prompt=req.add_generation_prompt,
+                               continue_final_message=req.continue_final_message, template_kwargs=kwargs or None)
     except RequestError as exc:  # the template refused the conversation (e.g. roles out of order); the client
         # gets Jinja's message, not the server's file paths. Errors that are not the template's are a 500.
         cause = exc.__cause__
