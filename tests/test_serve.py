@@ -497,11 +497,17 @@ def test_tool_calls_required_and_named(smol_url):
     named = c.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_time"}}, **kw)
     call, = named.choices[0].message.tool_calls
     assert call.function.name == "get_time" and set(json.loads(call.function.arguments)) == {"timezone"}
-    # streamed: the same calls, whole, in one delta; no content
+    # streamed: the same calls, each named in its first delta, its arguments in pieces as written; no content
     chunks = list(c.chat.completions.create(tool_choice="required", stream=True, **kw))
     deltas = [d for x in chunks if x.choices for d in x.choices[0].delta.tool_calls or []]
-    assert [(d.function.name, d.function.arguments) for d in deltas] == [
-        (t.function.name, t.function.arguments) for t in ch.message.tool_calls]
+    calls: dict[int, list] = {}
+    for d in deltas:
+        if d.index not in calls:
+            assert d.id.startswith("call_") and d.function.name
+            calls[d.index] = [d.function.name, ""]
+        calls[d.index][1] += d.function.arguments
+    assert list(calls.values()) == [[t.function.name, t.function.arguments] for t in ch.message.tool_calls]
+    assert len(deltas) > 2 * len(calls)
     assert not "".join(x.choices[0].delta.content or "" for x in chunks if x.choices)
     assert [x.choices[0].finish_reason for x in chunks if x.choices][-1] == "tool_calls"
     # the call and its result as earlier turns: the conversation renders and goes on

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("fastapi", reason="needs the serve extra: pip install 'pieceworks[serve]'")
 
-from pieceworks.serve import mapping, tools  # noqa: E402
+from pieceworks.serve import mapping, tool_parsers, tools  # noqa: E402
 from pieceworks.serve.protocol import BadRequest, ChatCompletionRequest  # noqa: E402
 from pieceworks.serve.writers import ChatWriter, Choice, Step  # noqa: E402
 
@@ -61,11 +61,11 @@ def test_plans_and_refusals():
 
 def test_parse_each_mode():
     named = tools.ToolPlan("named", [WEATHER], name="get_weather")
-    content, calls = tools.parse(named, '{"city": "Paris"}')
+    content, calls = tool_parsers.parse(named, '{"city": "Paris"}')
     assert content is None and [(c["name"], c["arguments"]) for c in calls] == [("get_weather", '{"city": "Paris"}')]
-    assert tools.parse(named, '{"city": "Pa') == ('{"city": "Pa', [])  # cut off by max_tokens: content
+    assert tool_parsers.parse(named, '{"city": "Pa') == ('{"city": "Pa', [])  # cut off by max_tokens: content
     required = tools.ToolPlan("required", [WEATHER, TIME])
-    _, calls = tools.parse(required, '[{"name": "get_time", "arguments": {}}, '
+    _, calls = tool_parsers.parse(required, '[{"name": "get_time", "arguments": {}}, '
                                      '{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_time", {}),
                                                                        ("get_weather", {"city": "Oslo"})]
@@ -73,29 +73,29 @@ def test_parse_each_mode():
     auto = tools.ToolPlan("auto", [WEATHER], parser="hermes")
     text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
             '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
-    content, calls = tools.parse(auto, text)
+    content, calls = tool_parsers.parse(auto, text)
     assert content == "Let me check.\n" and [json.loads(c["arguments"])["city"] for c in calls] == ["Paris", "Rome"]
-    assert tools.parse(auto, "No tools needed.") == ("No tools needed.", [])
-    assert tools.parse(auto, "<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    assert tool_parsers.parse(auto, "No tools needed.") == ("No tools needed.", [])
+    assert tool_parsers.parse(auto, "<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
 
 
 def test_llama3_json_calls():
     auto = tools.ToolPlan("auto", [WEATHER], parser="llama3_json")
-    content, calls = tools.parse(auto, ' {"name": "get_weather", "parameters": {"city": "Paris"}}; '
+    content, calls = tool_parsers.parse(auto, ' {"name": "get_weather", "parameters": {"city": "Paris"}}; '
                                        '{"name": "get_time", "parameters": {}}')
     assert content is None and [(c["name"], json.loads(c["arguments"])) for c in calls] == [
         ("get_weather", {"city": "Paris"}), ("get_time", {})]
-    _, calls = tools.parse(auto, '<|python_tag|>{"name": "get_time", "arguments": {"tz": "UTC"}}')
+    _, calls = tool_parsers.parse(auto, '<|python_tag|>{"name": "get_time", "arguments": {"tz": "UTC"}}')
     assert [(c["name"], c["arguments"]) for c in calls] == [("get_time", '{"tz": "UTC"}')]
     for text in ("It is sunny.", '{"city": "Paris"}', '{"name": "f", "parameters": {"a": 1}} and more'):
-        assert tools.parse(auto, text) == (text, []), text
+        assert tool_parsers.parse(auto, text) == (text, []), text
 
 
 def test_visible_prefix_holds_back_a_possible_call():
     for text, n in (("Hello", 5), ("Hello <tool", 6), ("Hi <tool_call>{", 3), ("a<", 1), ("a<b", 3), ("", 0)):
-        assert tools.visible_prefix(text) == n, text
+        assert tool_parsers.visible_prefix(text) == n, text
     for text, n in (("", 0), ("  ", 0), (' {"na', 0), ("<|py", 0), ("Sunny", 5), (" Sun {", 6)):
-        assert tools.visible_prefix(text, "llama3_json") == n, text
+        assert tool_parsers.visible_prefix(text, "llama3_json") == n, text
 
 
 def _stream(writer, deltas):
@@ -110,6 +110,20 @@ def _stream(writer, deltas):
     return c, chunks
 
 
+def _calls(chunks) -> list[list]:
+    """The streamed calls put together as a client does: [id, name, arguments] per index."""
+    out: list[list] = []
+    for ch in chunks:
+        for t in ch.choices[0].delta.tool_calls or []:
+            if t.index == len(out):  # a call's first delta: its id and name
+                assert t.id and t.type == "function" and t.function.name
+                out.append([t.id, t.function.name, ""])
+            else:  # later ones: more of its arguments
+                assert t.index < len(out) and t.id is None and t.function.name is None
+            out[t.index][2] += t.function.arguments
+    return out
+
+
 def test_streamed_auto_content_stops_at_the_call():
     srv = SimpleNamespace(name="m", token_str=str)
     req = chat(tools=[WEATHER], stream=True)
@@ -118,9 +132,11 @@ def test_streamed_auto_content_stops_at_the_call():
     writer = ChatWriter(srv, req, plan)
     c, chunks = _stream(writer, deltas)
     content = "".join(ch.choices[0].delta.content or "" for ch in chunks)
-    calls = [t for ch in chunks for t in ch.choices[0].delta.tool_calls or []]
-    assert content == "Sure. " and [(t.index, t.function.name) for t in calls] == [(0, "get_weather")]
-    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    calls = _calls(chunks)
+    assert content == "Sure. " and [c[1:] for c in calls] == [["get_weather", '{"city": "Paris"}']]
+    # the name streams in the step it is complete, before the arguments are
+    first = next(i for i, ch in enumerate(chunks) if ch.choices[0].delta.tool_calls)
+    assert first < len(chunks) - 3  # the last step's chunks: its tokens, the arguments, the finish
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     writer2 = ChatWriter(srv, req, plan)
     writer2.note(Step(c, [], "", [], True))
@@ -134,7 +150,7 @@ def test_streamed_auto_content_stops_at_the_call():
     llama = tools.plan(req, "llama3_json")
     _, chunks = _stream(ChatWriter(srv, req, llama), [' {"name": "get_weather",', ' "parameters": {"city": "Oslo"}}'])
     assert not "".join(ch.choices[0].delta.content or "" for ch in chunks)
-    assert [t.function.arguments for ch in chunks for t in ch.choices[0].delta.tool_calls or []] == ['{"city": "Oslo"}']
+    assert [c[1:] for c in _calls(chunks)] == [["get_weather", '{"city": "Oslo"}']]
     _, chunks = _stream(ChatWriter(srv, req, llama), ["It", " is", " sunny."])
     assert [ch.choices[0].delta.content for ch in chunks[:3]] == ["It", " is", " sunny."]
 
@@ -190,23 +206,25 @@ def test_deepseek_calls():
     v3 = tools.ToolPlan("auto", [WEATHER, TIME], parser="deepseek_v3")
     text = ("Checking.<｜tool▁calls▁begin｜>" + DS_CALL.format("get_weather", '{"city": "Paris"}') + "\n"
             + DS_CALL.format("get_time", "{}") + "<｜tool▁calls▁end｜>")
-    content, calls = tools.parse(v3, text)
+    content, calls = tool_parsers.parse(v3, text)
     assert content == "Checking." and [(c["name"], json.loads(c["arguments"])) for c in calls] == [
         ("get_weather", {"city": "Paris"}), ("get_time", {})]
     v31 = tools.ToolPlan("auto", [WEATHER], parser="deepseek_v31")
     text31 = '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Rome"}<｜tool▁call▁end｜>'
-    assert [(c["name"], c["arguments"]) for c in tools.parse(v31, text31)[1]] == [("get_weather", '{"city": "Rome"}')]
-    assert tools.parse(v31, text31)[0] is None
+    content, calls = tool_parsers.parse(v31, text31)
+    assert content is None and [(c["name"], c["arguments"]) for c in calls] == [("get_weather", '{"city": "Rome"}')]
     # each format's blocks are no calls to the other parser; broken arguments, no name, no calls: text stays
     for plan, t in ((v3, text31), (v31, text), (v3, "Sunny."), (v31, "<｜tool▁call▁begin｜>f<｜tool▁sep｜>{oops"),
                     (v31, '<｜tool▁call▁begin｜><｜tool▁sep｜>{"a": 1}'),
-                    (v3, DS_CALL.format("get_weather", '{"city": "Paris"}').replace("```json", "json"))):
-        assert tools.parse(plan, t) == (t, []), t
+                    (v3, DS_CALL.format("get_weather", '{"city": "Paris"}').replace("```json", "json")),
+                    (v31, '<｜tool▁call▁begin｜>f<｜tool▁sep｜>{"a": 1} and<｜tool▁call▁end｜>'),
+                    (v3, DS_CALL.format("get_weather", '{"city": "Paris"} and'))):
+        assert tool_parsers.parse(plan, t) == (t, []), t
     # a section cut off after a whole call still holds it
-    assert tools.parse(v3, "<｜tool▁calls▁begin｜>" + DS_CALL.format("get_time", "{}"))[1][0]["name"] == "get_time"
+    assert tool_parsers.parse(v3, "<｜tool▁calls▁begin｜>" + DS_CALL.format("get_time", "{}"))[1][0]["name"] == "get_time"
     for t, n in (("Hi <｜tool", 3), ("Hi<｜tool▁calls▁begin｜>", 2), ("a<｜tool▁call▁begin｜>", 1), ("abc <", 4),
                  ("abc", 3)):
-        assert tools.visible_prefix(t, "deepseek_v3") == n, t
+        assert tool_parsers.visible_prefix(t, "deepseek_v3") == n, t
 
 
 def test_streamed_deepseek_call():
@@ -216,8 +234,7 @@ def test_streamed_deepseek_call():
     call = "<｜tool▁calls▁begin｜>" + DS_CALL.format("get_weather", '{"city": "Oslo"}') + "<｜tool▁calls▁end｜>"
     _, chunks = _stream(ChatWriter(srv, req, plan), ["Let me look", " it up.", call[:9], call[9:]])
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "Let me look it up."
-    calls = [t for ch in chunks for t in ch.choices[0].delta.tool_calls or []]
-    assert [(t.function.name, t.function.arguments) for t in calls] == [("get_weather", '{"city": "Oslo"}')]
+    assert [c[1:] for c in _calls(chunks)] == [["get_weather", '{"city": "Oslo"}']]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -234,15 +251,15 @@ def test_markers_dropped_by_decoding_are_reported(caplog):
         def decode(self, ids, skip_special_tokens=False):
             return "".join(t for t in ids if not (skip_special_tokens and t in self.special))
 
-    assert tools.lost_markers(Tok(set()), "deepseek_v3") == []
-    assert tools.lost_markers(Tok({tools.DS_OPEN}), "deepseek_v31") == [tools.DS_OPEN]
-    assert tools.lost_markers(Tok({"<tool_call>"}), "hermes") == ["<tool_call>"]
-    engine = SimpleNamespace(model_name="m", tokenizer=Tok({tools.DS_SECTION}), max_context=8,
+    assert tool_parsers.lost_markers(Tok(set()), "deepseek_v3") == []
+    assert tool_parsers.lost_markers(Tok({tool_parsers.DS_OPEN}), "deepseek_v31") == [tool_parsers.DS_OPEN]
+    assert tool_parsers.lost_markers(Tok({"<tool_call>"}), "hermes") == ["<tool_call>"]
+    engine = SimpleNamespace(model_name="m", tokenizer=Tok({tool_parsers.DS_SECTION}), max_context=8,
                              engine=SimpleNamespace(executor=SimpleNamespace(vocab_size=10),
                                                     grammars=SimpleNamespace(set_reasoning=lambda *a: None)))
     with caplog.at_level("WARNING", logger="pieceworks.serve"):
         Server(engine, tool_call_parser="deepseek_v3")
-    assert "skip_special_tokens: false" in caplog.text and tools.DS_SECTION in caplog.text
+    assert "skip_special_tokens: false" in caplog.text and tool_parsers.DS_SECTION in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="pieceworks.serve"):
         Server(engine, tool_call_parser="hermes")
@@ -270,3 +287,72 @@ def test_templates_that_read_arguments_as_text():
     Tok.chat_template = src = "{{ 1 + 'a' }}"
     with pytest.raises(BadRequest, match="TypeError"):
         mapping.chat_prompt(chat(), Tok())
+
+
+TRICKY = '{"code": "if (a) { f(\\"}\\"); }", "n": [1, {"x": null}], "s": "é 😀 ]"}'
+ANSWERS = {  # (plan, answer, content) with two calls (one for named) whose arguments need a real JSON scan
+    "hermes": (tools.ToolPlan("auto", [WEATHER], parser="hermes"),
+               f'Hi.\n<tool_call>\n{{"name": "get_weather", "arguments": {TRICKY}}}\n</tool_call>\n'
+               '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', "Hi.\n"),
+    "llama3_json": (tools.ToolPlan("auto", [WEATHER], parser="llama3_json"),
+                    f'<|python_tag|>{{"name": "get_weather", "parameters": {TRICKY}}}; '
+                    '{"name": "get_time", "parameters": {}}', None),
+    "deepseek_v3": (tools.ToolPlan("auto", [WEATHER], parser="deepseek_v3"),
+                    "So.<｜tool▁calls▁begin｜>" + DS_CALL.format("get_weather", TRICKY) + "\n"
+                    + DS_CALL.format("get_time", "{}") + "<｜tool▁calls▁end｜>", "So."),
+    "deepseek_v31": (tools.ToolPlan("auto", [WEATHER], parser="deepseek_v31"),
+                     f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{TRICKY}<｜tool▁call▁end｜>"
+                     '<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', None),
+    "required": (tools.ToolPlan("required", [WEATHER, TIME]),
+                 f'[{{"name": "get_weather", "arguments": {TRICKY}}}, {{"name": "get_time", "arguments": {{}}}}]',
+                 None),
+    "named": (tools.ToolPlan("named", [WEATHER], name="get_weather"), TRICKY, None),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(ANSWERS))
+def test_calls_stream_as_they_are_written(fmt):
+    plan, answer, content = ANSWERS[fmt]
+    got_content, calls = tool_parsers.parse(plan, answer)
+    want = [["get_weather", TRICKY], ["get_time", "{}"]][: 1 if fmt == "named" else 2]
+    assert got_content == content and [[c["name"], c["arguments"]] for c in calls] == want
+    # every prefix of the answer: the calls so far are prefixes of the finished ones
+    grew = 0
+    for n in range(len(answer) + 1):
+        now = tool_parsers.streamed(plan, answer[:n])
+        assert len(now) <= len(want), answer[:n]
+        for (name, args), (w_name, w_args) in zip(now, want):
+            assert name == w_name and w_args.startswith(args), (answer[:n], args)
+        grew += bool(now) and 0 < len(now[0][1]) < len(TRICKY)
+    assert grew > len(TRICKY) // 2  # the first call's arguments stream, not only at its end
+    # through the writer, in uneven pieces: the client's calls equal the finished answer's
+    srv = SimpleNamespace(name="m", token_str=str)
+    req = chat(tools=[WEATHER, TIME], stream=True)
+    cuts = sorted({0, len(answer), *range(3, len(answer), 7)})
+    _, chunks = _stream(ChatWriter(srv, req, plan), [answer[a:b] for a, b in zip(cuts, cuts[1:])])
+    assert [c[1:] for c in _calls(chunks)] == want
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == (content or "")
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_answers_that_are_not_calls_stay_content():
+    hermes = tools.ToolPlan("auto", [WEATHER], parser="hermes")
+    for t in ('<tool_call>{"name": "f", "arguments": {"a": 1}} extra</tool_call>',  # text after the object
+              '<tool_call>{"name": "f", "arguments": {"a": 1</tool_call>',  # closed before the object
+              '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"name": 3}</tool_call>',
+              '<tool_call>{"name": "f"} </tool_call><tool_call>[1]</tool_call>'):
+        assert tool_parsers.parse(hermes, t) == (t, []), t
+    assert tool_parsers.streamed(hermes, '<tool_call>{"name": "f", "arguments": {"a": 1</tool_call>') == []
+    required = tools.ToolPlan("required", [WEATHER])
+    for t in ('[{"name": "f", "arguments": {}}] x', '[{"name": "f", "arguments": {}}', '{"name": "f"}'):
+        assert tool_parsers.parse(required, t) == (t, []), t
+    named = tools.ToolPlan("named", [WEATHER], name="get_weather")
+    assert tool_parsers.parse(named, '{"a": 1} {"b": 2}') == ('{"a": 1} {"b": 2}', [])
+    # cut off inside the second call: what streamed of the calls stays, the finished answer is content
+    srv = SimpleNamespace(name="m", token_str=str)
+    req = chat(tools=[WEATHER], stream=True)
+    plan, answer, _ = ANSWERS["hermes"]
+    cut = answer[: answer.rindex("{}")]
+    _, chunks = _stream(ChatWriter(srv, req, plan), [cut[:40], cut[40:-3], cut[-3:]])
+    assert [c[1:] for c in _calls(chunks)] == [["get_weather", TRICKY], ["get_time", ""]]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == cut

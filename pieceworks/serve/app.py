@@ -37,6 +37,7 @@ from pieceworks.serve.protocol import (
     parse_body,
     sse,
 )
+from pieceworks.serve.tool_parsers import lost_markers
 from pieceworks.serve.writers import ChatWriter, Choice, CompletionWriter, Step, Writer
 from pieceworks.version import __version__
 
@@ -75,7 +76,7 @@ class Server:
             if value not in (None, *known):
                 raise ValueError(f"{name} = {value!r}: takes one of {known} or None")
         self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
-        lost = tools.lost_markers(engine.tokenizer, tool_call_parser) if tool_call_parser and engine.tokenizer else []
+        lost = lost_markers(engine.tokenizer, tool_call_parser) if tool_call_parser and engine.tokenizer else []
         if lost:
             log.warning("--tool-call-parser %s: this tokenizer drops %s from decoded text (special tokens), so tool "
                         "calls are read only from requests with skip_special_tokens: false", tool_call_parser,

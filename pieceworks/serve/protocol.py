@@ -207,8 +207,22 @@ class ToolCallOut(ResponseModel):
     function: FunctionCallOut
 
 
-class DeltaToolCall(ToolCallOut):
+class DeltaFunctionCall(ResponseModel):
+    """A streamed call's name (its first delta only) and the next piece of its arguments."""
+
+    name: Optional[str] = None
+    arguments: str = ""
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"name"})
+
+
+class DeltaToolCall(ResponseModel):
+    """A piece of the `index`-th call: its first delta carries the id, type and name, as OpenAI's streams."""
+
     index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: DeltaFunctionCall
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"id", "type"})
 
 
 class ChatMessageOut(ResponseModel):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ from pieceworks.serve.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
     FunctionCallOut,
@@ -27,7 +29,8 @@ from pieceworks.serve.protocol import (
     UsageInfo,
 )
 from pieceworks.serve.reasoning import split as split_reasoning
-from pieceworks.serve.tools import ToolPlan, parse, visible_prefix
+from pieceworks.serve.tool_parsers import parse, streamed, visible_prefix
+from pieceworks.serve.tools import ToolPlan
 
 
 @dataclass
@@ -156,13 +159,17 @@ class CompletionWriter(Writer):
 class ChatWriter(Writer):
     """With a reasoning parser (serve/reasoning.py) a choice's text splits into reasoning and content; with a
     tool plan (serve/tools.py) whose output may hold tool calls, a finished choice's content is parsed into
-    content and calls, and streamed content stops where calls may begin."""
+    content and calls (serve/tool_parsers.py). Streamed, content stops where calls may begin, and each call
+    streams from the step its name is complete: a first delta with its id and name, then its arguments as they
+    are written. A call cut off by max_tokens keeps what streamed of it, and the answer's text then arrives as
+    content (the finished choice does not parse as calls)."""
 
     def __init__(self, srv: Any, req: Any, tool_plan: ToolPlan | None = None, reasoning: str | None = None):
         super().__init__(srv, req)
         self.tools = tool_plan if tool_plan is not None and tool_plan.parses else None
         self.reasoning = reasoning
         self.shown: dict[int, tuple[int, int]] = {}  # per choice: reasoning and content streamed so far
+        self.sent: dict[int, list[int]] = {}  # per choice: each call's arguments streamed so far (characters)
 
     def _split(self, c: Choice, final: bool) -> tuple[str, str]:
         return ("", c.text) if self.reasoning is None else split_reasoning(self.reasoning, c.text, final)
@@ -177,22 +184,40 @@ class ChatWriter(Writer):
         content, calls = parse(self.tools, text)
         return thought, content, calls, "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
 
-    def _deltas(self, step: Step) -> tuple[str, str, list[dict[str, str]], str | None]:
-        """The reasoning and content a step may stream, and, once finished, the calls and finish_reason."""
+    def _deltas(self, step: Step) -> tuple[str, str, list[DeltaToolCall], str | None]:
+        """The reasoning, content and call pieces a step may stream, and, once finished, the finish_reason."""
         c = step.choice
         t_shown, shown = self.shown.get(c.index, (0, 0))
         if not step.finished:
             thought, text = self._split(c, False)
+            calls: list[tuple[str, str]] = []
             if self.tools is None:
                 upto = len(text)
             else:
                 upto = shown if self.tools.constrains else max(shown, visible_prefix(text, self.tools.parser))
+                calls = streamed(self.tools, text)
             self.shown[c.index] = (len(thought), upto)
-            return thought[t_shown:], text[shown:upto], [], None
-        thought, content, calls, reason = self._message(c)
+            return thought[t_shown:], text[shown:upto], self._call_deltas(c.index, calls), None
+        thought, content, found, reason = self._message(c)
         rest = (content or "")[shown:]  # the content begins with what streamed: it ends before any call
         self.shown[c.index] = (len(thought or ""), shown + len(rest))
-        return (thought or "")[t_shown:], rest, calls, reason
+        calls = [(t["name"], t["arguments"]) for t in found]
+        return (thought or "")[t_shown:], rest, self._call_deltas(c.index, calls), reason
+
+    def _call_deltas(self, index: int, calls: list[tuple[str, str]]) -> list[DeltaToolCall]:
+        """What is new in a choice's calls (name, arguments so far): a new call's first delta (id, name and its
+        arguments so far), then the arguments' growth; `streamed` makes each a prefix of the finished call's."""
+        sent = self.sent.setdefault(index, [])
+        out = []
+        for i, (name, arguments) in enumerate(calls):
+            if i == len(sent):
+                out.append(DeltaToolCall(index=i, id=f"call_{uuid.uuid4().hex[:24]}", type="function",
+                                         function=DeltaFunctionCall(name=name, arguments=arguments)))
+                sent.append(len(arguments))
+            elif len(arguments) > sent[i]:
+                out.append(DeltaToolCall(index=i, function=DeltaFunctionCall(arguments=arguments[sent[i]:])))
+                sent[i] = len(arguments)
+        return out
 
     def _logprobs(self, token_ids: list[int], lps: list[dict[int, float]]) -> ChatLogprobs | None:
         if not self.req.logprobs:
@@ -228,11 +253,8 @@ class ChatWriter(Writer):
                 index=c.index, delta=DeltaMessage(content=text, reasoning_content=thought or None),
                 logprobs=self._logprobs(step.new_token_ids, step.new_logprobs), token_ids=ids)]))
         if calls:
-            deltas = [DeltaToolCall(index=i, id=t["id"], function=FunctionCallOut(name=t["name"],
-                                                                                arguments=t["arguments"]))
-                      for i, t in enumerate(calls)]
             out.append(ChatCompletionChunk(id=rid, model=self.srv.name, choices=[ChatStreamChoice(
-                index=c.index, delta=DeltaMessage(tool_calls=deltas))]))
+                index=c.index, delta=DeltaMessage(tool_calls=calls))]))
         if step.finished:
             out.append(ChatCompletionChunk(id=rid, model=self.srv.name, choices=[ChatStreamChoice(
                 index=c.index, delta=DeltaMessage(), finish_reason=reason)]))

@@ -1,0 +1,275 @@
+"""Tool calls read from a chat answer's text (serve/tools.py plans them): each `--tool-call-parser` format under
+tool_choice auto, and the JSON that required and named choices are held to.
+
+- `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Hermes, Qwen 2.5 / 3 and models
+  trained like them); the text before the first is the content.
+- `llama3_json`: Llama 3.1 / 3.2's calls, an answer that is one or more `{"name": ..., "parameters": {...}}`
+  objects (";" between them, after an optional `<|python_tag|>`); any other answer is content.
+- `deepseek_v3`: DeepSeek-V3 / R1's section `<｜tool▁calls▁begin｜>` of calls `<｜tool▁call▁begin｜>function
+  <｜tool▁sep｜>NAME` + the arguments in a json code fence + `<｜tool▁call▁end｜>`; `deepseek_v31`: DeepSeek-V3.1's
+  `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS<｜tool▁call▁end｜>`; the text before the section is the content.
+- required: a JSON array of `{"name", "arguments"}` objects; named: the output is the arguments.
+
+A call's arguments are one JSON value in every format, and a call gets that value's text as the model wrote it
+(checked to parse). So the arguments can stream: `streamed` finds, in an answer so far, each call whose name is
+complete and the part of its arguments written yet, a prefix of what `parse` gives the finished answer. The
+parsers read decoded text: `lost_markers` names the markers a tokenizer drops as special tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any, NamedTuple
+
+from pieceworks.serve.reasoning import held_tail
+from pieceworks.serve.tools import NAME, ToolPlan
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+# DeepSeek-V3 / V3.1: single tokens of DeepSeek's tokenizer
+DS_SECTION, DS_OPEN, DS_SEP, DS_CLOSE = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
+                                         "<｜tool▁call▁end｜>")
+V3_FENCE = re.compile(r"[^\n]*\n```(?:json)?\n")  # V3's NAME, a newline and the fence's first line
+#: the text by which each parser's calls begin
+MARKERS = {"hermes": (OPEN,), "llama3_json": (), "deepseek_v3": (DS_SECTION, DS_OPEN),
+           "deepseek_v31": (DS_SECTION, DS_OPEN)}
+_BLANK = " \t\r\n"
+
+
+class Found(NamedTuple):
+    """A call in an answer (so far): its name (None until complete), where its arguments begin in the text (None
+    if not yet reached, or absent) and end (None until complete), and whether the call is closed."""
+
+    name: str | None
+    start: int | None
+    end: int | None
+    closed: bool
+
+
+def parse(p: ToolPlan, text: str) -> tuple[str | None, list[dict[str, str]]]:
+    """A finished choice's (content, tool calls): calls as {"id", "name", "arguments" (JSON text)}. Output that
+    is not calls in the plan's format (cut off by max_tokens, or malformed) stays content, with no calls."""
+    found, content_end = _scan(p, text)
+    if found is None or not found or any(f.name is None or not f.closed for f in found):
+        return text, []
+    calls = []
+    for f in found:
+        arguments = "{}" if f.start is None else text[f.start : f.end]
+        try:
+            json.loads(arguments)
+        except ValueError:
+            return text, []
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": f.name, "arguments": arguments})
+    content = text[:content_end]
+    return (content if content.strip() else None), calls
+
+
+def streamed(p: ToolPlan, text: str) -> list[tuple[str, str]]:
+    """The calls of an answer so far as (name, arguments written yet), up to the first whose name is incomplete;
+    [] while the text may not be calls. Each is a prefix of what `parse` gives the finished answer."""
+    found, _ = _scan(p, text)
+    out = []
+    for f in found or []:
+        if f.name is None:
+            break
+        out.append((f.name, "" if f.start is None else text[f.start : len(text) if f.end is None else f.end]))
+    return out
+
+
+def visible_prefix(text: str, parser: str | None = "hermes") -> int:
+    """How much of an auto choice's text may stream as content: hermes and deepseek, up to a call's marker or a
+    tail that could still become one; llama3_json, nothing while the answer may be calls (blank so far, or its
+    first non-blank character `{` or `<`), all of it once it can't be."""
+    if parser == "llama3_json":
+        head = text.lstrip()[:1]
+        return 0 if head in ("", "{", "<") else len(text)
+    markers = MARKERS.get(parser or "hermes", (OPEN,))
+    found = [i for i in (text.find(m) for m in markers) if i >= 0]
+    return min(found) if found else len(text) - max(held_tail(text, m) for m in markers)
+
+
+def lost_markers(tokenizer: Any, parser: str) -> list[str]:
+    """The parser's markers that decoding drops (special tokens of this tokenizer, left out of the text of every
+    request that keeps `skip_special_tokens`): the parser never sees calls in such text."""
+    return [m for m in MARKERS[parser]
+            if tokenizer.decode(tokenizer.encode(m, add_special_tokens=False), skip_special_tokens=True) != m]
+
+
+# ---------------------------------------------------------------------------------------------- the formats
+def _scan(p: ToolPlan, text: str) -> tuple[list[Found] | None, int]:
+    """The calls in `text` (None: it is not calls in the plan's format) and where the content ends."""
+    if p.mode == "named":
+        at = _skip(text, 0)
+        end = _value_end(text, at)
+        if end is not None and _skip(text, end) < len(text):
+            return None, 0  # more than one value
+        return [Found(p.name, at if at < len(text) else None, end, end is not None)], 0
+    if p.mode == "required":
+        return _sequence(text, _skip(text, 0), "[", ",", "]"), 0
+    if p.parser == "llama3_json":
+        at = _skip(text, 0)
+        at = _skip(text, at + len(PYTHON_TAG)) if text.startswith(PYTHON_TAG, at) else at
+        return _sequence(text, at, "", ";", ""), 0
+    v3 = p.parser == "deepseek_v3"
+    deepseek = v3 or p.parser == "deepseek_v31"
+    opener, closer = (DS_OPEN, DS_CLOSE) if deepseek else (OPEN, CLOSE)
+    starts = [i for i in (text.find(m) for m in MARKERS[p.parser or "hermes"]) if i >= 0]
+    found, at = [], text.find(opener)
+    while at >= 0:  # one block per call, from its opening marker to its closing one (or the text's end)
+        body = at + len(opener)
+        close = text.find(closer, body)
+        stop = len(text) if close < 0 else close
+        if deepseek:
+            f = _deepseek_call(text, body, stop, close >= 0, v3)
+        else:
+            obj = _call_object(text, _skip(text, body, stop), stop)
+            done = obj is not None and obj[1] is not None
+            f = None if obj is None or (close >= 0 and not done) or (done and _skip(text, obj[1], stop) < stop) \
+                else obj[0]
+        if f is None:
+            return None, min(starts)
+        found.append(f)
+        if f.name is None:
+            break
+        at = text.find(opener, close) if close >= 0 else -1
+    return found, min(starts, default=len(text))
+
+
+def _deepseek_call(text: str, body: int, stop: int, closed: bool, v3: bool) -> Found | None:
+    """The call in a DeepSeek block (`body` to `stop`): V3 `TYPE<｜tool▁sep｜>NAME`, a newline and the arguments in a
+    json code fence, V3.1 `NAME<｜tool▁sep｜>ARGUMENTS`; None if it is no call."""
+    sep = text.find(DS_SEP, body, stop)
+    name, args = (text[body:sep], sep + len(DS_SEP)) if sep >= 0 else (None, 0)
+    if name is not None and v3:  # V3's head is the call's type: "function" (OpenAI's only one)
+        fence = V3_FENCE.match(text, args, stop)
+        name, args = (text[args : fence.end()].split("\n", 1)[0], fence.end()) if fence else (None, 0)
+    if name is None:  # still being written
+        return None if closed else Found(None, None, None, False)
+    if not NAME.fullmatch(name.strip()):
+        return None
+    start = _skip(text, args, stop)
+    end = _value_end(text, start, stop)
+    rest = text[end:stop].strip() if end is not None else ""
+    if (rest != "```" or not v3) and rest and not (v3 and not closed and "```".startswith(rest)):
+        return None  # text after the arguments
+    if closed and (end is None or (v3 and rest != "```")):
+        return None
+    return Found(name.strip(), start if start < stop else None, end, closed)
+
+
+def _sequence(text: str, at: int, opener: str, sep: str, closer: str) -> list[Found] | None:
+    """Call objects from `at` on: inside `opener` ... `closer` (required's array, `sep` between them) or bare
+    (llama3_json's, `sep` or blanks between them); None where the text is something else."""
+    if opener:
+        if at >= len(text):
+            return []
+        if text[at] != opener:
+            return None
+        at = _skip(text, at + 1)
+    found = []
+    while at < len(text):
+        obj = _call_object(text, at, len(text))
+        if obj is None:
+            return None
+        found.append(obj[0])
+        if obj[1] is None:
+            return found
+        at = _skip(text, obj[1])
+        if closer and at < len(text) and text[at] == closer:
+            return found if _skip(text, at + 1) == len(text) else None
+        if at < len(text) and text[at] == sep:
+            at = _skip(text, at + 1)
+            while not closer and at < len(text) and text[at] == sep:
+                at = _skip(text, at + 1)
+        elif closer and at < len(text):
+            return None
+    return [f._replace(closed=False) for f in found] if closer else found
+
+
+def _call_object(text: str, at: int, stop: int) -> tuple[Found, int | None] | None:
+    """The `{"name": ..., "arguments" | "parameters": ...}` object at `at` (before `stop`) and the index after it
+    (None while it is unfinished); None if it is no call object."""
+    if at >= stop:
+        return Found(None, None, None, False), None
+    if text[at] != "{":
+        return None
+    name = start = end = None
+    at = _skip(text, at + 1, stop)
+    while at < stop:
+        if text[at] == "}":
+            return (Found(name, start, end, True), at + 1) if name is not None else None
+        if text[at] != '"':
+            return None
+        key_end = _value_end(text, at, stop)
+        if key_end is None:
+            break
+        key = json.loads(text[at:key_end])
+        at = _skip(text, key_end, stop)
+        if at < stop and text[at] != ":":
+            return None
+        at = _skip(text, at + 1, stop)
+        v_end = _value_end(text, at, stop)
+        if key == "name" and v_end is not None:
+            name = json.loads(text[at:v_end])
+            if not isinstance(name, str):
+                return None
+        elif key in ("arguments", "parameters") and at < stop:
+            start, end = at, v_end
+        if v_end is None:
+            break
+        at = _skip(text, v_end, stop)
+        if at < stop and text[at] == ",":
+            at = _skip(text, at + 1, stop)
+        elif at < stop and text[at] != "}":
+            return None
+    return Found(name, start, end, False), None
+
+
+def _skip(text: str, at: int, stop: int | None = None) -> int:
+    stop = len(text) if stop is None else stop
+    while at < stop and text[at] in _BLANK:
+        at += 1
+    return at
+
+
+def _value_end(text: str, at: int, stop: int | None = None) -> int | None:
+    """The index after the JSON value that begins at `at`, None if the text (up to `stop`) ends inside it. A
+    number or literal ends at a delimiter (one reaching `stop` may go on)."""
+    stop = len(text) if stop is None else stop
+    if at >= stop:
+        return None
+    if text[at] in "{[":
+        depth, in_str, i = 0, False, at
+        while i < stop:
+            ch = text[i]
+            if in_str:
+                if ch == "\\":
+                    i += 1
+                elif ch == '"':
+                    in_str = False
+            elif ch == '"':
+                in_str = True
+            elif ch in "{[":
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+                if depth == 0:
+                    return i + 1
+            i += 1
+        return None
+    if text[at] == '"':
+        i = at + 1
+        while i < stop:
+            if text[i] == "\\":
+                i += 2
+                continue
+            if text[i] == '"':
+                return i + 1
+            i += 1
+        return None
+    i = at
+    while i < stop and text[i] not in ",}]; \t\r\n":
+        i += 1
+    return i if i < stop else None
