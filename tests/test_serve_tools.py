@@ -335,6 +335,13 @@ def test_calls_stream_as_they_are_written(fmt):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_json_value_ends():
+    end = tool_parsers._value_end
+    for text, want in (('"ab\\"c" x', 7), ('"ab\\', None), ('"ab\\\\"', 6), ('{"a": "}"} x', 10), ('[1, [2]]', 8),
+                       ("12, 3", 2), ("12", None), ("true}", 4), ('{"a": "', None), ("", None)):
+        assert end(text, 0) == want, text
+
+
 def test_answers_that_are_not_calls_stay_content():
     hermes = tools.ToolPlan("auto", [WEATHER], parser="hermes")
     for t in ('<tool_call>{"name": "f", "arguments": {"a": 1}} extra</tool_call>',  # text after the object

@@ -36,6 +36,8 @@ V3_FENCE = re.compile(r"[^\n]*\n```(?:json)?\n")  # V3's NAME, a newline and the
 MARKERS = {"hermes": (OPEN,), "llama3_json": (), "deepseek_v3": (DS_SECTION, DS_OPEN),
            "deepseek_v31": (DS_SECTION, DS_OPEN)}
 _BLANK = " \t\r\n"
+_STRUCTURE, _DELIMITER = re.compile(r'[{}\[\]"]'), re.compile(r"[,}\];\s]")
+_STRING_BODY = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*', re.S)  # matches at once, without backtracking
 
 
 class Found(NamedTuple):
@@ -236,40 +238,32 @@ def _skip(text: str, at: int, stop: int | None = None) -> int:
 
 def _value_end(text: str, at: int, stop: int | None = None) -> int | None:
     """The index after the JSON value that begins at `at`, None if the text (up to `stop`) ends inside it. A
-    number or literal ends at a delimiter (one reaching `stop` may go on)."""
+    number or literal ends at a delimiter (one reaching `stop` may go on). Regular expressions skip the plain
+    characters: every step of a stream scans its calls' arguments again."""
     stop = len(text) if stop is None else stop
     if at >= stop:
         return None
-    if text[at] in "{[":
-        depth, in_str, i = 0, False, at
-        while i < stop:
-            ch = text[i]
-            if in_str:
-                if ch == "\\":
-                    i += 1
-                elif ch == '"':
-                    in_str = False
-            elif ch == '"':
-                in_str = True
-            elif ch in "{[":
-                depth += 1
-            elif ch in "}]":
-                depth -= 1
-                if depth == 0:
-                    return i + 1
-            i += 1
-        return None
     if text[at] == '"':
-        i = at + 1
-        while i < stop:
-            if text[i] == "\\":
-                i += 2
-                continue
-            if text[i] == '"':
-                return i + 1
-            i += 1
-        return None
-    i = at
-    while i < stop and text[i] not in ",}]; \t\r\n":
-        i += 1
-    return i if i < stop else None
+        return _string_end(text, at + 1, stop)
+    if text[at] not in "{[":
+        m = _DELIMITER.search(text, at, stop)
+        return m.start() if m else None
+    depth, i = 0, at
+    while (m := _STRUCTURE.search(text, i, stop)) is not None:
+        ch = m.group()
+        if ch == '"':
+            i = _string_end(text, m.end(), stop)
+            if i is None:
+                return None
+            continue
+        depth += 1 if ch in "{[" else -1
+        if depth == 0:
+            return m.end()
+        i = m.end()
+    return None
+
+
+def _string_end(text: str, at: int, stop: int) -> int | None:
+    """The index after the closing quote of a JSON string whose body begins at `at`; None if it runs past `stop`."""
+    end = _STRING_BODY.match(text, at, stop).end()
+    return end + 1 if end < stop and text[end] == '"' else None
