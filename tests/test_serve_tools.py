@@ -350,6 +350,9 @@ def test_answers_that_are_not_calls_stay_content():
               '<tool_call>{"name": "f"} </tool_call><tool_call>[1]</tool_call>'):
         assert tool_parsers.parse(hermes, t) == (t, []), t
     assert tool_parsers.streamed(hermes, '<tool_call>{"name": "f", "arguments": {"a": 1</tool_call>') == []
+    # a second arguments key: the first one's text is the call's, so what streamed stays a prefix
+    twice = '<tool_call>{"name": "f", "arguments": {"a": 1}, "parameters": {"b": 2}}</tool_call>'
+    assert [c["arguments"] for c in tool_parsers.parse(hermes, twice)[1]] == ['{"a": 1}']
     required = tools.ToolPlan("required", [WEATHER])
     for t in ('[{"name": "f", "arguments": {}}] x', '[{"name": "f", "arguments": {}}', '{"name": "f"}'):
         assert tool_parsers.parse(required, t) == (t, []), t

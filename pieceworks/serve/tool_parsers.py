@@ -217,8 +217,8 @@ def _call_object(text: str, at: int, stop: int) -> tuple[Found, int | None] | No
             name = json.loads(text[at:v_end])
             if not isinstance(name, str):
                 return None
-        elif key in ("arguments", "parameters") and at < stop:
-            start, end = at, v_end
+        elif key in ("arguments", "parameters") and start is None and at < stop:
+            start, end = at, v_end  # the first such key (a later one would not extend what streamed)
         if v_end is None:
             break
         at = _skip(text, v_end, stop)

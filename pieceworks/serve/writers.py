@@ -169,7 +169,7 @@ class ChatWriter(Writer):
         self.tools = tool_plan if tool_plan is not None and tool_plan.parses else None
         self.reasoning = reasoning
         self.shown: dict[int, tuple[int, int]] = {}  # per choice: reasoning and content streamed so far
-        self.sent: dict[int, list[int]] = {}  # per choice: each call's arguments streamed so far (characters)
+        self.sent: dict[int, list[str]] = {}  # per choice: each call's arguments streamed so far
 
     def _split(self, c: Choice, final: bool) -> tuple[str, str]:
         return ("", c.text) if self.reasoning is None else split_reasoning(self.reasoning, c.text, final)
@@ -213,10 +213,10 @@ class ChatWriter(Writer):
             if i == len(sent):
                 out.append(DeltaToolCall(index=i, id=f"call_{uuid.uuid4().hex[:24]}", type="function",
                                          function=DeltaFunctionCall(name=name, arguments=arguments)))
-                sent.append(len(arguments))
-            elif len(arguments) > sent[i]:
-                out.append(DeltaToolCall(index=i, function=DeltaFunctionCall(arguments=arguments[sent[i]:])))
-                sent[i] = len(arguments)
+                sent.append(arguments)
+            elif len(arguments) > len(sent[i]) and arguments.startswith(sent[i]):
+                out.append(DeltaToolCall(index=i, function=DeltaFunctionCall(arguments=arguments[len(sent[i]):])))
+                sent[i] = arguments
         return out
 
     def _logprobs(self, token_ids: list[int], lps: list[dict[int, float]]) -> ChatLogprobs | None:
