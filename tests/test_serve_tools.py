@@ -8,6 +8,8 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("fastapi", reason="needs the serve extra: pip install 'pieceworks[serve]'")
 
@@ -366,3 +368,18 @@ def test_answers_that_are_not_calls_stay_content():
     _, chunks = _stream(ChatWriter(srv, req, plan), [cut[:40], cut[40:-3], cut[-3:]])
     assert [c[1:] for c in _calls(chunks)] == [["get_weather", TRICKY], ["get_time", ""]]
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == cut
+
+
+@settings(max_examples=300, deadline=None)
+@given(fmt=st.sampled_from(sorted(ANSWERS)), cut=st.integers(0, 400), junk=st.text(alphabet='{}[]",:\\ ab1', max_size=8),
+       where=st.integers(0, 400))
+def test_any_text_parses_or_stays_content(fmt, cut, junk, where):
+    """Cut and spliced answers never raise: they parse as calls, or the text stays content; what streams of them
+    is a prefix of the calls `parse` finds, where it finds some."""
+    plan, answer, _ = ANSWERS[fmt]
+    text = answer[: min(cut, len(answer))]
+    text = text[:where] + junk + text[where:]
+    content, calls = tool_parsers.parse(plan, text)
+    assert (content, calls) == (text, []) or calls
+    for name, args in tool_parsers.streamed(plan, text)[: len(calls)]:
+        assert calls and any(c["name"] == name and c["arguments"].startswith(args) for c in calls)

@@ -154,8 +154,8 @@ def _deepseek_call(text: str, body: int, stop: int, closed: bool, v3: bool) -> F
     start = _skip(text, args, stop)
     end = _value_end(text, start, stop)
     rest = text[end:stop].strip() if end is not None else ""
-    if (rest != "```" or not v3) and rest and not (v3 and not closed and "```".startswith(rest)):
-        return None  # text after the arguments
+    if rest and not (v3 and "```".startswith(rest) and (rest == "```" or not closed)):
+        return None  # text after the arguments (V3: but its closing fence)
     if closed and (end is None or (v3 and rest != "```")):
         return None
     return Found(name.strip(), start if start < stop else None, end, closed)
@@ -207,14 +207,16 @@ def _call_object(text: str, at: int, stop: int) -> tuple[Found, int | None] | No
         key_end = _value_end(text, at, stop)
         if key_end is None:
             break
-        key = json.loads(text[at:key_end])
+        key = _loads(text[at:key_end])
+        if not isinstance(key, str):
+            return None  # a string that does not decode (a bad escape)
         at = _skip(text, key_end, stop)
         if at < stop and text[at] != ":":
             return None
         at = _skip(text, at + 1, stop)
         v_end = _value_end(text, at, stop)
         if key == "name" and v_end is not None:
-            name = json.loads(text[at:v_end])
+            name = _loads(text[at:v_end])
             if not isinstance(name, str):
                 return None
         elif key in ("arguments", "parameters") and start is None and at < stop:
@@ -227,6 +229,14 @@ def _call_object(text: str, at: int, stop: int) -> tuple[Found, int | None] | No
         elif at < stop and text[at] != "}":
             return None
     return Found(name, start, end, False), None
+
+
+def _loads(text: str) -> Any:
+    """The JSON value of `text`, or None where it is no JSON (a call's name and keys must be strings)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def _skip(text: str, at: int, stop: int | None = None) -> int:
