@@ -371,8 +371,8 @@ def test_answers_that_are_not_calls_stay_content():
 
 
 @settings(max_examples=300, deadline=None)
-@given(fmt=st.sampled_from(sorted(ANSWERS)), cut=st.integers(0, 400), junk=st.text(alphabet='{}[]",:\\ ab1', max_size=8),
-       where=st.integers(0, 400))
+@given(fmt=st.sampled_from(sorted(ANSWERS)), cut=st.integers(0, 400),
+       junk=st.text(alphabet='{}[]",:\\ ab1', max_size=8), where=st.integers(0, 400))
 def test_any_text_parses_or_stays_content(fmt, cut, junk, where):
     """Cut and spliced answers never raise: they parse as calls, or the text stays content; what streams of them
     is a prefix of the calls `parse` finds, where it finds some."""
