@@ -149,3 +149,17 @@ def test_text_the_tokenizer_refuses_is_a_request_error(engine):
         engine.add_request("\ud800", SamplingParams(max_tokens=2))
     outs = engine.generate("Hello", SamplingParams(temperature=0, max_tokens=2))
     assert len(outs) == 1 and len(outs[0].token_ids) == 2
+
+
+def test_the_stop_token_text_stays_out_of_the_text(engine, greedy):
+    """As vLLM's: a completion ended by EOS or a stop token keeps its id in token_ids, not its text (with
+    skip_special_tokens off too, where EOS would otherwise show)."""
+    ids = greedy[-1].token_ids
+    k = next(i for i in range(2, N) if ids[i] not in ids[:i])
+    tok = engine.tokenizer
+    for skip in (True, False):
+        outs = stream(engine, PROMPT, SamplingParams(temperature=0, max_tokens=N, stop_token_ids=[ids[k]],
+                                                     skip_special_tokens=skip))
+        final = outs[-1]
+        assert final.finish_reason == "stop" and final.token_ids == ids[: k + 1]
+        assert final.text == tok.decode(ids[:k], skip_special_tokens=skip) == "".join(o.text_delta for o in outs)

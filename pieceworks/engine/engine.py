@@ -318,7 +318,7 @@ class Engine:
         self.num_generated_tokens += 1
         if req.logprobs is not None:
             req.logprobs.append(logprobs or {})
-        if req.detok is not None:
+        if req.detok is not None and not req.stop_token(tok, self.eos_token_ids):
             req.detok.add(tok)
         reason = req.stop_reason(tok, self.eos_token_ids, self.max_context)
         if reason is None and req.matcher is not None:

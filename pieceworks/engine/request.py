@@ -123,13 +123,19 @@ class Request:
         """The prompt's KV is computed (or the completion ended)."""
         return self.finish_reason is not None or (self.seq is not None and self.seq.kv_len >= len(self.prompt))
 
+    def stop_token(self, tok: int, eos_token_ids: frozenset[int] | set[int]) -> bool:
+        """Whether the just appended `tok` is EOS or a stop token that ends this completion (once min_tokens are
+        out); its id stays in the output, its text stays out of the output's text (as vLLM's)."""
+        p = self.params
+        return len(self.output) >= p.min_tokens and (
+            (not p.ignore_eos and tok in eos_token_ids) or bool(p.stop_token_ids and tok in p.stop_token_ids))
+
     def stop_reason(self, tok: int, eos_token_ids: frozenset[int] | set[int], max_context: int) -> str | None:
         """Whether the just appended `tok` ends this completion: "stop" (EOS or a stop token once min_tokens
         are out, or a stop string), "length" (max_tokens or the context limit) or None."""
+        if self.stop_token(tok, eos_token_ids):
+            return "stop"
         p = self.params
-        if len(self.output) >= p.min_tokens:
-            if (not p.ignore_eos and tok in eos_token_ids) or (p.stop_token_ids and tok in p.stop_token_ids):
-                return "stop"
         if self.detok is not None and self.detok.stopped:
             return "stop"
         if (p.max_tokens is not None and len(self.output) >= p.max_tokens) or self.num_tokens >= max_context:
