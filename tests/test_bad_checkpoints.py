@@ -366,6 +366,10 @@ CONFIG_CASES = {
     "tie_word_embeddings as a string": (_set(tie_word_embeddings="yes"), "tie_word_embeddings: 'yes' (str) must be true"),
     "architectures as a string": (_set(architectures="LlamaForCausalLM"), "must be a list of class names"),
     "unknown architecture": (_set(architectures=["GPT2LMHeadModel"]), "is not supported; pieceworks supports"),
+    "mistral with a sliding window": (_set(architectures=["MistralForCausalLM"], model_type="mistral",
+                                           sliding_window=64, max_position_embeddings=256),
+                                      "sliding_window: 64 below max_position_embeddings=256"),
+    "sliding_window as a string": (_set(sliding_window="4k"), "sliding_window: '4k' (str) must be an integer"),
 }
 
 
@@ -376,6 +380,12 @@ def test_bad_config_json_fields(bf16, name):
     with pytest.raises(CheckpointError) as e:
         _load(bf16)
     assert needle in str(e.value) and str(bf16 / "config.json") in str(e.value), str(e.value)
+
+
+def test_a_window_no_shorter_than_the_context_is_full_attention(bf16):
+    _edit_json(bf16 / "config.json", _set(architectures=["MistralForCausalLM"], model_type="mistral",
+                                          sliding_window=256, max_position_embeddings=256))
+    assert _load(bf16).args.num_layers == 2
 
 
 def test_unreadable_config_json(bf16):

@@ -1,4 +1,4 @@
-"""pieceworks' Llama and DeepSeek-V3 against transformers, through the Executor, in float32.
+"""pieceworks' Llama (and Mistral) and DeepSeek-V3 against transformers, through the Executor, in float32.
 
 Each case is a tiny random transformers model saved with save_pretrained. Per-position logits of
 `score()` match within 1e-4 relative (max |diff| / max |ref|), also when the prompt is prefilled in
@@ -44,6 +44,8 @@ CASES = {
         original_max_position_embeddings=32, rope_theta=500000.0))),
     # default rope, separate head, head_dim != hidden / heads
     "llama_default_rope_head_dim": ("llama", dict(tie_word_embeddings=False, head_dim=32)),
+    # MistralForCausalLM without a sliding window (Mistral 7B v0.2 on, Mistral Small, Nemo's head_dim)
+    "mistral_no_window": ("mistral", dict(sliding_window=None, head_dim=32, rope_theta=1e6)),
     # q_proj (no q LoRA), yarn with mscale != mscale_all_dim, 4 groups keep 2, one shared expert
     "deepseek_no_q_lora": ("deepseek_v3", dict(q_lora_rank=None, n_group=4, topk_group=2, n_shared_experts=1,
                                                first_k_dense_replace=1, rope_parameters=YARN)),
@@ -60,6 +62,10 @@ def _hf_model(arch: str, overrides: dict) -> torch.nn.Module:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         return LlamaForCausalLM(LlamaConfig(**{**LLAMA_BASE, **overrides})).eval()
+    if arch == "mistral":
+        from transformers import MistralConfig, MistralForCausalLM
+
+        return MistralForCausalLM(MistralConfig(**{**LLAMA_BASE, **overrides})).eval()
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     # dtype= keeps the router float32, as the released checkpoints have it.

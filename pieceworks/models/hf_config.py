@@ -60,6 +60,7 @@ FIELDS: dict[str, dict[str, tuple[str, str | None, bool]]] = {
         "num_key_value_heads": ("int", "pos", False),
         "head_dim": ("int", "pos", False),
         "mlp_bias": ("bool", None, False),
+        "sliding_window": ("int", "pos", False),  # Mistral's (LlamaArgs.from_hf refuses a window it would cut)
     },
     "deepseek_v3": {
         **_COMMON,
@@ -118,7 +119,8 @@ def check(hf: dict, arch: str) -> None:
     Checks presence of the required fields, types (an integer where a count is expected: not "64" or
     2.5), ranges (positive counts, a finite positive rms_norm_eps, rope_theta and rope scaling factors,
     a pretraining context of at least one position) and the shapes' arithmetic (heads divide the hidden
-    size without head_dim, KV heads divide heads, rope head size even, top-k within the experts).
+    size without head_dim, KV heads divide heads, rope head size even, top-k within the experts), and that a
+    Llama's sliding window (Mistral's `sliding_window`) cuts no sequence of its context.
     """
     for key, (kind, rule, required) in FIELDS[arch].items():
         if key not in hf or (hf[key] is None and not required):
@@ -139,6 +141,12 @@ def check(hf: dict, arch: str) -> None:
         if hf.get("head_dim") is None and hf["hidden_size"] % heads:
             raise FieldError("num_attention_heads", f"{heads} does not divide hidden_size={hf['hidden_size']} "
                                                     "(set head_dim, or use a divisor)")
+        window, context = hf.get("sliding_window"), hf.get("max_position_embeddings", 2048)
+        if window is not None and window < context:  # Mistral's; null (Mistral 7B v0.2 on) is full attention
+            raise FieldError("sliding_window", f"{window} below max_position_embeddings={context}: sliding-window "
+                             "attention is not supported by pieceworks' Llama. Full attention agrees with it while "
+                             f"no sequence exceeds {window} tokens: set it to null only if model.max_context <= "
+                             f"{window}")
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         if head_dim % 2:
             raise FieldError("head_dim", f"{head_dim} must be even (rope rotates pairs)")

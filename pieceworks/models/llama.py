@@ -43,7 +43,8 @@ class LlamaArgs:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaArgs":
-        """Read a LlamaForCausalLM config.json dict (transformers' defaults for absent keys).
+        """Read a LlamaForCausalLM (or MistralForCausalLM) config.json dict (transformers' defaults for absent
+        keys).
 
         Raises:
             CheckpointError: a missing, mistyped or inconsistent field (`hf_config.FieldError`, naming

@@ -28,6 +28,7 @@ from pieceworks.util import checked_stat, unreadable
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": Llama,
+    "MistralForCausalLM": Llama,  # Llama's layers; sliding-window attention refused (LlamaArgs.from_hf)
     "DeepseekV3ForCausalLM": DeepseekV3,
 }
 ARCHS: dict[str, type[CausalLM]] = {"llama": Llama, "deepseek_v3": DeepseekV3}
