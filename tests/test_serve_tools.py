@@ -193,12 +193,12 @@ def test_the_parser_option():
     assert p.parse_args(["--tool-call-parser", "hermes"]).tool_call_parser == "hermes"
     assert p.parse_args([]).tool_call_parser is None
     with pytest.raises(SystemExit):
-        p.parse_args(["--tool-call-parser", "mistral"])
+        p.parse_args(["--tool-call-parser", "pythonic"])
     engine = SimpleNamespace(model_name="m", tokenizer=None, max_context=8,
                              engine=SimpleNamespace(executor=SimpleNamespace(vocab_size=10)))
     assert Server(engine, tool_call_parser="hermes").tool_call_parser == "hermes"
     with pytest.raises(ValueError, match="tool_call_parser"):
-        Server(engine, tool_call_parser="mistral")
+        Server(engine, tool_call_parser="pythonic")
 
 
 DS_CALL = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{}\n```json\n{}\n```<｜tool▁call▁end｜>"
@@ -240,7 +240,9 @@ def test_streamed_deepseek_call():
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_markers_dropped_by_decoding_are_reported(caplog):
+def test_special_markers_are_kept_for_auto_requests(caplog):
+    """Where the tokenizer marks a parser's markers special (dropped by decoding), the server keeps special tokens
+    in the text of auto requests only, as vLLM's hermes and mistral parsers do."""
     from pieceworks.serve.app import Server
 
     class Tok:  # drops the strings in `special` when skip_special_tokens is set, as HF tokenizers do
@@ -255,17 +257,19 @@ def test_markers_dropped_by_decoding_are_reported(caplog):
 
     assert tool_parsers.lost_markers(Tok(set()), "deepseek_v3") == []
     assert tool_parsers.lost_markers(Tok({tool_parsers.DS_OPEN}), "deepseek_v31") == [tool_parsers.DS_OPEN]
-    assert tool_parsers.lost_markers(Tok({"<tool_call>"}), "hermes") == ["<tool_call>"]
-    engine = SimpleNamespace(model_name="m", tokenizer=Tok({tool_parsers.DS_SECTION}), max_context=8,
+    assert tool_parsers.lost_markers(Tok({"[TOOL_CALLS]"}), "mistral") == ["[TOOL_CALLS]"]
+    engine = SimpleNamespace(model_name="m", tokenizer=Tok({"[TOOL_CALLS]"}), max_context=8,
                              engine=SimpleNamespace(executor=SimpleNamespace(vocab_size=10),
                                                     grammars=SimpleNamespace(set_reasoning=lambda *a: None)))
-    with caplog.at_level("WARNING", logger="pieceworks.serve"):
-        Server(engine, tool_call_parser="deepseek_v3")
-    assert "skip_special_tokens: false" in caplog.text and tool_parsers.DS_SECTION in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="pieceworks.serve"):
-        Server(engine, tool_call_parser="hermes")
-    assert not caplog.text
+    with caplog.at_level("INFO", logger="pieceworks.serve"):
+        srv = Server(engine, tool_call_parser="mistral")
+    assert srv.keep_special and "[TOOL_CALLS]" in caplog.text
+    assert not Server(engine, tool_call_parser="hermes").keep_special
+    req = chat(tools=[WEATHER])
+    for choice, skip in ((None, False), ("required", True)):  # auto keeps them; held calls keep the client's choice
+        plan = tools.plan(chat(tools=[WEATHER], tool_choice=choice), "mistral", srv.keep_special)
+        assert mapping.sampling_params(req, 8, 100, plan).skip_special_tokens is skip, choice
+    assert mapping.sampling_params(req, 8, 100, tools.plan(req, "mistral", False)).skip_special_tokens
 
 
 def test_templates_that_read_arguments_as_text():
@@ -305,6 +309,11 @@ ANSWERS = {  # (plan, answer, content) with two calls (one for named) whose argu
     "deepseek_v31": (tools.ToolPlan("auto", [WEATHER], parser="deepseek_v31"),
                      f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{TRICKY}<｜tool▁call▁end｜>"
                      '<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', None),
+    "mistral": (tools.ToolPlan("auto", [WEATHER], parser="mistral"),
+                f'So.[TOOL_CALLS][{{"name": "get_weather", "arguments": {TRICKY}}}, '
+                '{"name": "get_time", "arguments": {}}]', "So."),
+    "mistral_v11": (tools.ToolPlan("auto", [WEATHER], parser="mistral"),
+                    f"[TOOL_CALLS]get_weather[ARGS]{TRICKY}[TOOL_CALLS]get_time[ARGS]{{}}", None),
     "required": (tools.ToolPlan("required", [WEATHER, TIME]),
                  f'[{{"name": "get_weather", "arguments": {TRICKY}}}, {{"name": "get_time", "arguments": {{}}}}]',
                  None),
@@ -335,6 +344,20 @@ def test_calls_stream_as_they_are_written(fmt):
     assert [c[1:] for c in _calls(chunks)] == want
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == (content or "")
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_mistral_calls():
+    plan = ANSWERS["mistral"][0]
+    _, calls = tool_parsers.parse(plan, "[TOOL_CALLS]get_time{}")  # v11 calls without [ARGS]
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_time", "{}")]
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in tool_parsers.parse(plan, ANSWERS["mistral"][1])[1])
+    for t in ("[TOOL_CALLS]get time{}", '[TOOL_CALLS]f[ARGS]{"a": 1} b', '[TOOL_CALLS][{"name": "f"}[TOOL_CALLS]g{}',
+              "[TOOL_CALLS]f[ARGS][TOOL_CALLS]g{}", "[TOOL_CALLS]"):
+        assert tool_parsers.parse(plan, t) == (t, []), t
+    assert tool_parsers.visible_prefix("Hi [TOOL", "mistral") == 3
+    srv = SimpleNamespace(name="m", token_str=str)
+    _, chunks = _stream(ChatWriter(srv, chat(tools=[WEATHER], stream=True), plan), ["[TOOL_CALLS]get_t", "ime{}"])
+    assert all(len(c[0]) == 9 and c[0].isalnum() for c in _calls(chunks)) and _calls(chunks)
 
 
 def test_json_value_ends():

@@ -77,10 +77,10 @@ class Server:
                 raise ValueError(f"{name} = {value!r}: takes one of {known} or None")
         self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
         lost = lost_markers(engine.tokenizer, tool_call_parser) if tool_call_parser and engine.tokenizer else []
+        self.keep_special = bool(lost)
         if lost:
-            log.warning("--tool-call-parser %s: this tokenizer drops %s from decoded text (special tokens), so tool "
-                        "calls are read only from requests with skip_special_tokens: false", tool_call_parser,
-                        ", ".join(lost))
+            log.info("--tool-call-parser %s: %s are special tokens of this tokenizer; requests under tool_choice "
+                     "auto decode with special tokens kept", tool_call_parser, ", ".join(lost))
         if reasoning_parser and engine.tokenizer is not None:  # structured outputs start after the reasoning
             engine.engine.grammars.set_reasoning(*reasoning.TAGS)
         self.engine = engine
@@ -322,7 +322,7 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
         req = await _parse(request, ChatCompletionRequest)
         mapping.check_model(req, srv.name)
         mapping.refuse_unsupported(req)
-        plan = tools.plan(req, srv.tool_call_parser)
+        plan = tools.plan(req, srv.tool_call_parser, srv.keep_special)
         prompt = mapping.chat_prompt(req, srv.tokenizer, plan)
         params = [mapping.sampling_params(req, mapping.max_tokens_for(req, len(prompt), srv.max_context),
                                           srv.vocab_size, plan)]

@@ -34,7 +34,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests waiting for their first token before new ones get 503 (default 256)")
     p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="read tool calls from the model's text under tool_choice auto: hermes (<tool_call> JSON "
-                        "blocks: Hermes, Qwen), llama3_json (Llama 3.1 / 3.2's JSON calls), deepseek_v3 "
+                        "blocks: Hermes, Qwen), llama3_json (Llama 3.1 / 3.2's JSON calls), mistral, deepseek_v3 "
                         "(DeepSeek-V3 / R1) or deepseek_v31 (DeepSeek-V3.1); without it, requests with tools take "
                         "tool_choice required, a named function or none")
     p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,

@@ -241,7 +241,8 @@ def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int,
         repetition_penalty=req.repetition_penalty, logprobs=logprobs, n=req.n,
         logit_bias=logit_bias(req, vocab_size), allowed_token_ids=allowed_ids(req, vocab_size),
         prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens, structured_outputs=structured_outputs(req, tool_plan),
+        skip_special_tokens=req.skip_special_tokens and not (tool_plan is not None and tool_plan.keep_special),
+        structured_outputs=structured_outputs(req, tool_plan),
     )
     try:
         return SamplingParams(**{k: v for k, v in fields.items() if v is not None})

@@ -8,6 +8,10 @@ tool_choice auto, and the JSON that required and named choices are held to.
 - `deepseek_v3`: DeepSeek-V3 / R1's section `<｜tool▁calls▁begin｜>` of calls `<｜tool▁call▁begin｜>function
   <｜tool▁sep｜>NAME` + the arguments in a json code fence + `<｜tool▁call▁end｜>`; `deepseek_v31`: DeepSeek-V3.1's
   `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS<｜tool▁call▁end｜>`; the text before the section is the content.
+- `mistral`: Mistral's `[TOOL_CALLS]` followed by a JSON array of `{"name", "arguments"}` objects (Mistral 7B
+  v0.3, Mixtral, Nemo), or by `NAME[ARGS]ARGUMENTS` per call (tokenizer v11 on: Mistral Small 3.2, Magistral,
+  Devstral; `[ARGS]` may be absent). Call ids are 9 letters and digits, which Mistral's chat templates ask of
+  earlier turns.
 - required: a JSON array of `{"name", "arguments"}` objects; named: the output is the arguments.
 
 A call's arguments are one JSON value in every format, and a call gets that value's text as the model wrote it
@@ -32,9 +36,12 @@ PYTHON_TAG = "<|python_tag|>"
 DS_SECTION, DS_OPEN, DS_SEP, DS_CLOSE = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
                                          "<｜tool▁call▁end｜>")
 V3_FENCE = re.compile(r"[^\n]*\n```(?:json)?\n")  # V3's NAME, a newline and the fence's first line
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 #: the text by which each parser's calls begin
-MARKERS = {"hermes": (OPEN,), "llama3_json": (), "deepseek_v3": (DS_SECTION, DS_OPEN),
+MARKERS = {"hermes": (OPEN,), "llama3_json": (), "mistral": (MISTRAL_CALLS,), "deepseek_v3": (DS_SECTION, DS_OPEN),
            "deepseek_v31": (DS_SECTION, DS_OPEN)}
+_NAME_CHARS = re.compile(r"[A-Za-z0-9_-]*")
+_ALNUM = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
 _BLANK = " \t\r\n"
 _STRUCTURE, _DELIMITER = re.compile(r'[{}\[\]"]'), re.compile(r"[,}\];\s]")
 _STRING_BODY = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*', re.S)  # matches at once, without backtracking
@@ -63,7 +70,7 @@ def parse(p: ToolPlan, text: str) -> tuple[str | None, list[dict[str, str]]]:
             json.loads(arguments)
         except ValueError:
             return text, []
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": f.name, "arguments": arguments})
+        calls.append({"id": call_id(p.parser), "name": f.name, "arguments": arguments})
     content = text[:content_end]
     return (content if content.strip() else None), calls
 
@@ -78,6 +85,13 @@ def streamed(p: ToolPlan, text: str) -> list[tuple[str, str]]:
             break
         out.append((f.name, "" if f.start is None else text[f.start : len(text) if f.end is None else f.end]))
     return out
+
+
+def call_id(parser: str | None) -> str:
+    """A new call's id: `call_` and 24 hex digits, or for mistral 9 letters and digits."""
+    if parser == "mistral":
+        return "".join(_ALNUM[b % len(_ALNUM)] for b in uuid.uuid4().bytes[:9])
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def visible_prefix(text: str, parser: str | None = "hermes") -> int:
@@ -114,6 +128,8 @@ def _scan(p: ToolPlan, text: str) -> tuple[list[Found] | None, int]:
         at = _skip(text, 0)
         at = _skip(text, at + len(PYTHON_TAG)) if text.startswith(PYTHON_TAG, at) else at
         return _sequence(text, at, "", ";", ""), 0
+    if p.parser == "mistral":
+        return _mistral(text)
     v3 = p.parser == "deepseek_v3"
     deepseek = v3 or p.parser == "deepseek_v31"
     opener, closer = (DS_OPEN, DS_CLOSE) if deepseek else (OPEN, CLOSE)
@@ -137,6 +153,40 @@ def _scan(p: ToolPlan, text: str) -> tuple[list[Found] | None, int]:
             break
         at = text.find(opener, close) if close >= 0 else -1
     return found, min(starts, default=len(text))
+
+
+def _mistral(text: str) -> tuple[list[Found] | None, int]:
+    """Mistral's calls: after each `[TOOL_CALLS]`, a JSON array of call objects or `NAME[ARGS]ARGUMENTS`."""
+    at = text.find(MISTRAL_CALLS)
+    content_end, found = (at if at >= 0 else len(text)), []
+    while at >= 0:
+        body = _skip(text, at + len(MISTRAL_CALLS))
+        nxt = text.find(MISTRAL_CALLS, body)
+        stop = len(text) if nxt < 0 else nxt
+        if body < stop and text[body] == "[" and not text.startswith(MISTRAL_ARGS, body):
+            calls = _sequence(text[:stop], body, "[", ",", "]")
+            if calls is None or (nxt >= 0 and not all(f.closed for f in calls)):
+                return None, content_end
+            found += calls
+        else:
+            name_end = _NAME_CHARS.match(text, body, stop).end()
+            start = _skip(text, name_end + len(MISTRAL_ARGS) if text.startswith(MISTRAL_ARGS, name_end) else name_end,
+                          stop)
+            if start >= stop:  # the name (or the arguments' start) still being written
+                if nxt >= 0:
+                    return None, content_end
+                found.append(Found(None, None, None, False))
+                break
+            if text[start] != "{" or not NAME.fullmatch(text[body:name_end]):
+                return None, content_end
+            end = _value_end(text, start, stop)
+            if (end is None and nxt >= 0) or (end is not None and _skip(text, end, stop) < stop):
+                return None, content_end
+            found.append(Found(text[body:name_end], start, end, end is not None))
+        if found and found[-1].name is None:
+            break
+        at = nxt
+    return found, content_end
 
 
 def _deepseek_call(text: str, body: int, stop: int, closed: bool, v3: bool) -> Found | None:

@@ -11,8 +11,10 @@
   function's arguments object. The message carries them as `tool_calls` (content null) with finish_reason
   "tool_calls".
 - `"auto"` (the default when tools are given) reads the model's own format, so it needs the server's parser
-  (`pieceworks serve --tool-call-parser P`, serve/tool_parsers.py: hermes, llama3_json, deepseek_v3,
-  deepseek_v31). Without a parser, auto is a 400 that names the alternatives, as in vLLM.
+  (`pieceworks serve --tool-call-parser P`, serve/tool_parsers.py: hermes, llama3_json, mistral, deepseek_v3,
+  deepseek_v31). Without a parser, auto is a 400 that names the alternatives, as in vLLM. Where the tokenizer
+  marks the parser's markers special, auto requests decode with special tokens kept, as vLLM's hermes and
+  mistral parsers do (the stop token's text stays out of the text either way).
 Streamed, each call's name arrives once complete and its arguments as the model writes them (writers.py); under
 auto, content streams until a call may begin, under required and named nothing streams as content.
 """
@@ -40,6 +42,7 @@ class ToolPlan:
     name: str | None = None
     parallel: bool = True
     parser: str | None = None
+    keep_special: bool = False  # auto under a parser whose markers are special tokens: decode them (Server)
 
     @property
     def constrains(self) -> bool:
@@ -51,8 +54,9 @@ class ToolPlan:
         return self.mode != "none"
 
 
-def plan(req: ChatCompletionRequest, parser: str | None) -> ToolPlan | None:
-    """The request's tool plan, or None without tools; a malformed tool or choice is a 400 naming it."""
+def plan(req: ChatCompletionRequest, parser: str | None, keep_special: bool = False) -> ToolPlan | None:
+    """The request's tool plan, or None without tools; a malformed tool or choice is a 400 naming it.
+    `keep_special`: the parser's markers are special tokens, which an auto plan's text must keep."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
@@ -82,7 +86,7 @@ def plan(req: ChatCompletionRequest, parser: str | None) -> ToolPlan | None:
                              "which this server was not started for (pieceworks serve --tool-call-parser "
                              f"{'|'.join(PARSERS)}); set tool_choice to 'required', a named function or 'none'",
                              param="tool_choice")
-        return ToolPlan("auto", tools, parallel=parallel, parser=parser)
+        return ToolPlan("auto", tools, parallel=parallel, parser=parser, keep_special=keep_special)
     if choice in ("none", "required"):
         return ToolPlan(choice, tools, parallel=parallel)
     fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +28,7 @@ from pieceworks.serve.protocol import (
     UsageInfo,
 )
 from pieceworks.serve.reasoning import split as split_reasoning
-from pieceworks.serve.tool_parsers import parse, streamed, visible_prefix
+from pieceworks.serve.tool_parsers import call_id, parse, streamed, visible_prefix
 from pieceworks.serve.tools import ToolPlan
 
 
@@ -211,7 +210,7 @@ class ChatWriter(Writer):
         out = []
         for i, (name, arguments) in enumerate(calls):
             if i == len(sent):
-                out.append(DeltaToolCall(index=i, id=f"call_{uuid.uuid4().hex[:24]}", type="function",
+                out.append(DeltaToolCall(index=i, id=call_id(self.tools.parser), type="function",
                                          function=DeltaFunctionCall(name=name, arguments=arguments)))
                 sent.append(arguments)
             elif len(arguments) > len(sent[i]) and arguments.startswith(sent[i]):
