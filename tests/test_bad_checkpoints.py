@@ -370,6 +370,8 @@ CONFIG_CASES = {
                                            sliding_window=64, max_position_embeddings=256),
                                       "sliding_window: 64 below max_position_embeddings=256"),
     "sliding_window as a string": (_set(sliding_window="4k"), "sliding_window: '4k' (str) must be an integer"),
+    "a sliding layer": (_set(layer_types=["full_attention", "sliding_attention"]),
+                        "layer_types: ['full_attention', 'sliding_attention']: pieceworks' Llama runs full attention"),
 }
 
 
@@ -382,9 +384,13 @@ def test_bad_config_json_fields(bf16, name):
     assert needle in str(e.value) and str(bf16 / "config.json") in str(e.value), str(e.value)
 
 
-def test_a_window_no_shorter_than_the_context_is_full_attention(bf16):
-    _edit_json(bf16 / "config.json", _set(architectures=["MistralForCausalLM"], model_type="mistral",
-                                          sliding_window=256, max_position_embeddings=256))
+@pytest.mark.parametrize("edit", [
+    _set(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=256, max_position_embeddings=256),
+    # Qwen's configs carry a window that applies only with use_sliding_window
+    _set(sliding_window=64, use_sliding_window=False, max_position_embeddings=256,
+         layer_types=["full_attention", "full_attention"])])
+def test_windows_that_cut_nothing_load(bf16, edit):
+    _edit_json(bf16 / "config.json", edit)
     assert _load(bf16).args.num_layers == 2
 
 

@@ -1,4 +1,4 @@
-"""pieceworks' Llama (and Mistral) and DeepSeek-V3 against transformers, through the Executor, in float32.
+"""pieceworks' Llama (and Mistral, Qwen3) and DeepSeek-V3 against transformers, through the Executor, in float32.
 
 Each case is a tiny random transformers model saved with save_pretrained. Per-position logits of
 `score()` match within 1e-4 relative (max |diff| / max |ref|), also when the prompt is prefilled in
@@ -46,6 +46,8 @@ CASES = {
     "llama_default_rope_head_dim": ("llama", dict(tie_word_embeddings=False, head_dim=32)),
     # MistralForCausalLM without a sliding window (Mistral 7B v0.2 on, Mistral Small, Nemo's head_dim)
     "mistral_no_window": ("mistral", dict(sliding_window=None, head_dim=32, rope_theta=1e6)),
+    # Qwen3ForCausalLM: q/k RMSNorm per head before the rope, tied head
+    "qwen3_qk_norm": ("qwen3", dict(head_dim=32, tie_word_embeddings=True)),
     # q_proj (no q LoRA), yarn with mscale != mscale_all_dim, 4 groups keep 2, one shared expert
     "deepseek_no_q_lora": ("deepseek_v3", dict(q_lora_rank=None, n_group=4, topk_group=2, n_shared_experts=1,
                                                first_k_dense_replace=1, rope_parameters=YARN)),
@@ -62,6 +64,15 @@ def _hf_model(arch: str, overrides: dict) -> torch.nn.Module:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         return LlamaForCausalLM(LlamaConfig(**{**LLAMA_BASE, **overrides})).eval()
+    if arch == "qwen3":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        model = Qwen3ForCausalLM(Qwen3Config(**{**LLAMA_BASE, **overrides})).eval()
+        with torch.no_grad():  # norm weights away from 1, so that a missing or misread one shows
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+        return model
     if arch == "mistral":
         from transformers import MistralConfig, MistralForCausalLM
 

@@ -60,7 +60,8 @@ FIELDS: dict[str, dict[str, tuple[str, str | None, bool]]] = {
         "num_key_value_heads": ("int", "pos", False),
         "head_dim": ("int", "pos", False),
         "mlp_bias": ("bool", None, False),
-        "sliding_window": ("int", "pos", False),  # Mistral's (LlamaArgs.from_hf refuses a window it would cut)
+        "sliding_window": ("int", "pos", False),  # Mistral's and Qwen's (check() refuses a window it would cut)
+        "use_sliding_window": ("bool", None, False),
     },
     "deepseek_v3": {
         **_COMMON,
@@ -142,11 +143,16 @@ def check(hf: dict, arch: str) -> None:
             raise FieldError("num_attention_heads", f"{heads} does not divide hidden_size={hf['hidden_size']} "
                                                     "(set head_dim, or use a divisor)")
         window, context = hf.get("sliding_window"), hf.get("max_position_embeddings", 2048)
-        if window is not None and window < context:  # Mistral's; null (Mistral 7B v0.2 on) is full attention
+        # Mistral's window (null from Mistral 7B v0.2 on is full attention); Qwen's applies with use_sliding_window
+        if window is not None and hf.get("use_sliding_window", True) is not False and window < context:
             raise FieldError("sliding_window", f"{window} below max_position_embeddings={context}: sliding-window "
                              "attention is not supported by pieceworks' Llama. Full attention agrees with it while "
                              f"no sequence exceeds {window} tokens: set it to null only if model.max_context <= "
                              f"{window}")
+        kinds = hf.get("layer_types") or []
+        if not isinstance(kinds, list) or any(k != "full_attention" for k in kinds):
+            raise FieldError("layer_types", f"{kinds!r}: pieceworks' Llama runs full attention in every layer "
+                             '(a list of "full_attention")')
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         if head_dim % 2:
             raise FieldError("head_dim", f"{head_dim} must be even (rope rotates pairs)")

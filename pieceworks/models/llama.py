@@ -40,11 +40,12 @@ class LlamaArgs:
     max_position_embeddings: int
     tie_word_embeddings: bool
     rope: dict
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k (weights [D]) before the rope
 
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaArgs":
-        """Read a LlamaForCausalLM (or MistralForCausalLM) config.json dict (transformers' defaults for absent
-        keys).
+        """Read a LlamaForCausalLM (or MistralForCausalLM, Qwen3ForCausalLM) config.json dict (transformers'
+        defaults for absent keys).
 
         Raises:
             CheckpointError: a missing, mistyped or inconsistent field (`hf_config.FieldError`, naming
@@ -71,6 +72,7 @@ class LlamaArgs:
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             rope=rope_parameters({"max_position_embeddings": 2048, **hf}),
+            qk_norm=hf.get("model_type") == "qwen3" or "Qwen3ForCausalLM" in (hf.get("architectures") or []),
         )
 
     def check_parallel(self, tp: TPLayout, fp4: Callable[[str], bool]) -> None:
@@ -106,13 +108,17 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = merged(a.hidden_size, [q, kv, kv], [fp4(f"{prefix}.{n}_proj") for n in "qkv"],
                                [tp.split(0), kv_part, kv_part])
         self.o_proj = linear(q, a.hidden_size, fp4(f"{prefix}.o_proj"), tp.split(1))
+        # Qwen3's per-head norms (shared by the heads, whole on every rank)
+        self.q_norm, self.k_norm = ((RMSNorm(a.head_dim, a.rms_norm_eps), RMSNorm(a.head_dim, a.rms_norm_eps))
+                                    if a.qk_norm else (None, None))
         self._mark_qkv()
 
     def _mark_qkv(self) -> None:
-        # One NVFP4 linear for q, k and v: its backend may fuse the rope (Fp4Linear.qkv_heads).
+        # One NVFP4 linear for q, k and v: its backend may fuse the rope (Fp4Linear.qkv_heads), unless q and k
+        # are normalized between the projection and the rope.
         proj = getattr(self.qkv_proj, "proj", None)
         self._qkv_fp4 = isinstance(proj, Fp4Linear)  # decided here; `rope_fused` comes with prepare()
-        if self._qkv_fp4:
+        if self._qkv_fp4 and self.q_norm is None:
             proj.qkv_heads = (self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -121,8 +127,10 @@ class LlamaAttention(nn.Module):
             out = self.attend_roped(self.qkv_proj.proj.forward_qkv_rope(x, cos, sin))
         else:
             q, k, v = self.qkv_proj(x)
-            q, k = apply_rope_qk(q.view(-1, self.num_heads, self.head_dim),
-                                 k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+            d = self.head_dim
+            if self.q_norm is not None:  # over each head's D values: rows of [T * heads, D]
+                q, k = self.q_norm(q.reshape(-1, d)), self.k_norm(k.reshape(-1, d))
+            q, k = apply_rope_qk(q.view(-1, self.num_heads, d), k.view(-1, self.num_kv_heads, d), cos, sin)
             out = self._attend(q, k, v)
         return reduce(self.o_proj(out), self.tp)
 
@@ -141,6 +149,9 @@ class LlamaAttention(nn.Module):
     def load(self, src: WeightSource, prefix: str) -> None:
         self.qkv_proj = src.merged(self.qkv_proj, [f"{prefix}.{n}_proj" for n in "qkv"])
         self.o_proj = src.linear(self.o_proj, f"{prefix}.o_proj")
+        for name, norm in (("q_norm", self.q_norm), ("k_norm", self.k_norm)):
+            if norm is not None:
+                norm.weight.copy_(src.tensor(f"{prefix}.{name}.weight", (self.head_dim,)))
         self._mark_qkv()
 
 

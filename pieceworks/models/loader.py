@@ -28,7 +28,8 @@ from pieceworks.util import checked_stat, unreadable
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": Llama,
-    "MistralForCausalLM": Llama,  # Llama's layers; sliding-window attention refused (LlamaArgs.from_hf)
+    "MistralForCausalLM": Llama,  # Llama's layers; sliding-window attention refused (hf_config.check)
+    "Qwen3ForCausalLM": Llama,  # Llama's layers with q/k norms (LlamaArgs.qk_norm)
     "DeepseekV3ForCausalLM": DeepseekV3,
 }
 ARCHS: dict[str, type[CausalLM]] = {"llama": Llama, "deepseek_v3": DeepseekV3}
