@@ -1,4 +1,4 @@
-"""pieceworks' Llama (and Mistral, Qwen3) and DeepSeek-V3 against transformers, through the Executor, in float32.
+"""pieceworks' Llama (and Mistral, Qwen2, Qwen3) and DeepSeek-V3 against transformers, through the Executor, in float32.
 
 Each case is a tiny random transformers model saved with save_pretrained. Per-position logits of
 `score()` match within 1e-4 relative (max |diff| / max |ref|), also when the prompt is prefilled in
@@ -46,6 +46,8 @@ CASES = {
     "llama_default_rope_head_dim": ("llama", dict(tie_word_embeddings=False, head_dim=32)),
     # MistralForCausalLM without a sliding window (Mistral 7B v0.2 on, Mistral Small, Nemo's head_dim)
     "mistral_no_window": ("mistral", dict(sliding_window=None, head_dim=32, rope_theta=1e6)),
+    # Qwen2ForCausalLM: q/k/v biases
+    "qwen2_qkv_bias": ("qwen2", dict(tie_word_embeddings=False)),
     # Qwen3ForCausalLM: q/k RMSNorm per head before the rope, tied head
     "qwen3_qk_norm": ("qwen3", dict(head_dim=32, tie_word_embeddings=True)),
     # q_proj (no q LoRA), yarn with mscale != mscale_all_dim, 4 groups keep 2, one shared expert
@@ -64,6 +66,15 @@ def _hf_model(arch: str, overrides: dict) -> torch.nn.Module:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         return LlamaForCausalLM(LlamaConfig(**{**LLAMA_BASE, **overrides})).eval()
+    if arch == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        model = Qwen2ForCausalLM(Qwen2Config(**{**LLAMA_BASE, **overrides})).eval()
+        with torch.no_grad():  # transformers initializes biases to 0: make them count
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0.0, 0.5)
+        return model
     if arch == "qwen3":
         from transformers import Qwen3Config, Qwen3ForCausalLM
 

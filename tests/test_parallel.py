@@ -186,7 +186,9 @@ def reference():
 @pytest.mark.parametrize("extra", [
     ["model.sizes.num_key_value_heads=1", *PIECEWISE],  # fewer KV heads than ranks: each rank reads the one
     ["model.sizes.num_key_value_heads=4", "model.sizes.tie_word_embeddings=true"],  # more: two each
-], ids=["kv1-piecewise", "kv4-tied-eager"])
+    ["model.sizes.num_key_value_heads=1", "model.sizes.model_type=qwen2"],  # q/k/v biases: each rank its rows
+    ["model.sizes.num_key_value_heads=4", "model.sizes.model_type=qwen3"],  # q/k norms, whole on every rank
+], ids=["kv1-piecewise", "kv4-tied-eager", "kv1-qwen2", "kv4-qwen3"])
 def test_llama_tp2_equals_one_process(reference, extra):
     with Executor.from_config(None, LLAMA + extra + TP2, progress=False) as ex:
         assert ex.kv.layout.num_kv_heads == max(1, int(extra[0][-1]) // 2)

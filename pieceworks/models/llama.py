@@ -41,11 +41,12 @@ class LlamaArgs:
     tie_word_embeddings: bool
     rope: dict
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k (weights [D]) before the rope
+    qkv_bias: bool = False  # Qwen2 (2.5): biases on q, k and v (not o)
 
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaArgs":
-        """Read a LlamaForCausalLM (or MistralForCausalLM, Qwen3ForCausalLM) config.json dict (transformers'
-        defaults for absent keys).
+        """Read a LlamaForCausalLM (or MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM) config.json dict
+        (transformers' defaults for absent keys).
 
         Raises:
             CheckpointError: a missing, mistyped or inconsistent field (`hf_config.FieldError`, naming
@@ -73,6 +74,7 @@ class LlamaArgs:
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             rope=rope_parameters({"max_position_embeddings": 2048, **hf}),
             qk_norm=hf.get("model_type") == "qwen3" or "Qwen3ForCausalLM" in (hf.get("architectures") or []),
+            qkv_bias=hf.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in (hf.get("architectures") or []),
         )
 
     def check_parallel(self, tp: TPLayout, fp4: Callable[[str], bool]) -> None:
@@ -105,8 +107,11 @@ class LlamaAttention(nn.Module):
         self.scale = a.head_dim**-0.5
         q, kv = self.num_heads * a.head_dim, self.num_kv_heads * a.head_dim
         kv_part = tp.kv_split(a.num_kv_heads)
+        self._qkv_parts = [tp.split(0), kv_part, kv_part]
         self.qkv_proj = merged(a.hidden_size, [q, kv, kv], [fp4(f"{prefix}.{n}_proj") for n in "qkv"],
-                               [tp.split(0), kv_part, kv_part])
+                               self._qkv_parts)
+        # Qwen2's q/k/v biases, this rank's rows (as the projection's)
+        self.qkv_bias = nn.Parameter(torch.zeros(q + 2 * kv)) if a.qkv_bias else None
         self.o_proj = linear(q, a.hidden_size, fp4(f"{prefix}.o_proj"), tp.split(1))
         # Qwen3's per-head norms (shared by the heads, whole on every rank)
         self.q_norm, self.k_norm = ((RMSNorm(a.head_dim, a.rms_norm_eps), RMSNorm(a.head_dim, a.rms_norm_eps))
@@ -115,10 +120,10 @@ class LlamaAttention(nn.Module):
 
     def _mark_qkv(self) -> None:
         # One NVFP4 linear for q, k and v: its backend may fuse the rope (Fp4Linear.qkv_heads), unless q and k
-        # are normalized between the projection and the rope.
+        # take a bias or a norm between the projection and the rope.
         proj = getattr(self.qkv_proj, "proj", None)
         self._qkv_fp4 = isinstance(proj, Fp4Linear)  # decided here; `rope_fused` comes with prepare()
-        if self._qkv_fp4 and self.q_norm is None:
+        if self._qkv_fp4 and self.q_norm is None and self.qkv_bias is None:
             proj.qkv_heads = (self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -128,6 +133,9 @@ class LlamaAttention(nn.Module):
         else:
             q, k, v = self.qkv_proj(x)
             d = self.head_dim
+            if self.qkv_bias is not None:
+                bq, bk, bv = self.qkv_bias.split([q.shape[-1], k.shape[-1], v.shape[-1]])
+                q, k, v = q + bq, k + bk, v + bv
             if self.q_norm is not None:  # over each head's D values: rows of [T * heads, D]
                 q, k = self.q_norm(q.reshape(-1, d)), self.k_norm(k.reshape(-1, d))
             q, k = apply_rope_qk(q.view(-1, self.num_heads, d), k.view(-1, self.num_kv_heads, d), cos, sin)
@@ -152,6 +160,10 @@ class LlamaAttention(nn.Module):
         for name, norm in (("q_norm", self.q_norm), ("k_norm", self.k_norm)):
             if norm is not None:
                 norm.weight.copy_(src.tensor(f"{prefix}.{name}.weight", (self.head_dim,)))
+        if self.qkv_bias is not None:
+            sizes = [self.num_heads * self.head_dim] + 2 * [self.num_kv_heads * self.head_dim]
+            for n, part, b in zip("qkv", self._qkv_parts, self.qkv_bias.data.split(sizes)):
+                b.copy_(src.tensor(f"{prefix}.{n}_proj.bias", (b.numel(),), part=part))
         self._mark_qkv()
 
 

@@ -29,6 +29,7 @@ from pieceworks.util import checked_stat, unreadable
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": Llama,
     "MistralForCausalLM": Llama,  # Llama's layers; sliding-window attention refused (hf_config.check)
+    "Qwen2ForCausalLM": Llama,  # Llama's layers with q/k/v biases (LlamaArgs.qkv_bias)
     "Qwen3ForCausalLM": Llama,  # Llama's layers with q/k norms (LlamaArgs.qk_norm)
     "DeepseekV3ForCausalLM": DeepseekV3,
 }
