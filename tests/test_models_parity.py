@@ -46,8 +46,9 @@ CASES = {
     "llama_default_rope_head_dim": ("llama", dict(tie_word_embeddings=False, head_dim=32)),
     # MistralForCausalLM without a sliding window (Mistral 7B v0.2 on, Mistral Small, Nemo's head_dim)
     "mistral_no_window": ("mistral", dict(sliding_window=None, head_dim=32, rope_theta=1e6)),
-    # Qwen2ForCausalLM: q/k/v biases
-    "qwen2_qkv_bias": ("qwen2", dict(tie_word_embeddings=False)),
+    # Qwen2ForCausalLM: q/k/v biases; yarn as Qwen2.5's long-context configs add it (its attention factor too)
+    "qwen2_qkv_bias_yarn": ("qwen2", dict(tie_word_embeddings=False, rope_parameters=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=64, rope_theta=1e6))),
     # Qwen3ForCausalLM: q/k RMSNorm per head before the rope, tied head
     "qwen3_qk_norm": ("qwen3", dict(head_dim=32, tie_word_embeddings=True)),
     # q_proj (no q LoRA), yarn with mscale != mscale_all_dim, 4 groups keep 2, one shared expert
