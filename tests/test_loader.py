@@ -176,8 +176,9 @@ def test_unknown_architecture(broken):
     _edit_config(broken, lambda c: c.update(architectures=["GPT2LMHeadModel"], model_type="gpt2"))
     with pytest.raises(ValueError) as e:
         _load(broken)
-    assert "GPT2LMHeadModel" in str(e.value) and ("pieceworks supports LlamaForCausalLM, MistralForCausalLM, "
-                                                  "Qwen2ForCausalLM, Qwen3ForCausalLM, DeepseekV3ForCausalLM") in str(e.value)
+    assert "GPT2LMHeadModel" in str(e.value) and (
+        "pieceworks supports LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+        "Qwen3MoeForCausalLM, DeepseekV3ForCausalLM") in str(e.value)
 
 
 def test_missing_tensor(broken):

@@ -1,4 +1,5 @@
-"""pieceworks' Llama (and Mistral, Qwen2, Qwen3) and DeepSeek-V3 against transformers, through the Executor, in float32.
+"""pieceworks' Llama (and Mistral, Qwen2, Qwen3, Qwen3-MoE) and DeepSeek-V3 against transformers, through the
+Executor, in float32.
 
 Each case is a tiny random transformers model saved with save_pretrained. Per-position logits of
 `score()` match within 1e-4 relative (max |diff| / max |ref|), also when the prompt is prefilled in
@@ -34,6 +35,7 @@ DEEPSEEK_BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe
                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
                      qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
                      num_experts_per_tok=2, routed_scaling_factor=2.5, max_position_embeddings=256)
+QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 YARN = dict(rope_type="yarn", factor=4.0, mscale=1.0, mscale_all_dim=0.8, original_max_position_embeddings=64,
             rope_theta=10000.0)
 
@@ -49,6 +51,10 @@ CASES = {
     # Qwen2ForCausalLM: q/k/v biases; yarn as Qwen2.5's long-context configs add it (its attention factor too)
     "qwen2_qkv_bias_yarn": ("qwen2", dict(tie_word_embeddings=False, rope_parameters=dict(
         rope_type="yarn", factor=4.0, original_max_position_embeddings=64, rope_theta=1e6))),
+    # Qwen3MoeForCausalLM: softmax-routed experts (renormalized, and not), a dense first layer
+    "qwen3_moe_norm_topk": ("qwen3_moe", dict(head_dim=32, norm_topk_prob=True, mlp_only_layers=[0],
+                                              num_hidden_layers=3)),
+    "qwen3_moe_raw_topk": ("qwen3_moe", dict(head_dim=32, norm_topk_prob=False, decoder_sparse_step=1)),
     # Qwen3ForCausalLM: q/k RMSNorm per head before the rope, tied head
     "qwen3_qk_norm": ("qwen3", dict(head_dim=32, tie_word_embeddings=True)),
     # q_proj (no q LoRA), yarn with mscale != mscale_all_dim, 4 groups keep 2, one shared expert
@@ -75,6 +81,16 @@ def _hf_model(arch: str, overrides: dict) -> torch.nn.Module:
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0.0, 0.5)
+        return model
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**LLAMA_BASE, **QWEN3_MOE, **overrides},
+                                                   dtype=torch.float32)).eval()
+        with torch.no_grad():  # a router sharp enough that routing depends on the token
+            for layer in model.model.layers:
+                if hasattr(layer.mlp, "gate"):
+                    layer.mlp.gate.weight.normal_(0.0, 0.2)
         return model
     if arch == "qwen3":
         from transformers import Qwen3Config, Qwen3ForCausalLM

@@ -30,6 +30,8 @@ BASE = ["runtime.device=cpu", "runtime.dtype=float32", "kv_cache.num_tokens=256"
 LLAMA = ["model.arch=llama", "model.preset=tiny", *BASE]
 DEEPSEEK = ["model.arch=deepseek_v3", "model.preset=tiny", *BASE]
 TP2 = ["parallel.tensor_parallel_size=2"]
+QWEN3_MOE = ["model.sizes.model_type=qwen3_moe", "model.sizes.num_experts=8", "model.sizes.num_experts_per_tok=2",
+             "model.sizes.moe_intermediate_size=64"]
 PIECEWISE = ["cuda_graph.piecewise.enabled=on", "cuda_graph.piecewise.sizes=[8,16]"]
 
 
@@ -188,7 +190,9 @@ def reference():
     ["model.sizes.num_key_value_heads=4", "model.sizes.tie_word_embeddings=true"],  # more: two each
     ["model.sizes.num_key_value_heads=1", "model.sizes.model_type=qwen2"],  # q/k/v biases: each rank its rows
     ["model.sizes.num_key_value_heads=4", "model.sizes.model_type=qwen3"],  # q/k norms, whole on every rank
-], ids=["kv1-piecewise", "kv4-tied-eager", "kv1-qwen2", "kv4-qwen3"])
+    ["model.sizes.num_key_value_heads=4", *QWEN3_MOE],  # softmax-routed experts, their columns split
+    ["model.sizes.num_key_value_heads=4", *QWEN3_MOE, "parallel.expert_parallel=true"],  # whole experts per rank
+], ids=["kv1-piecewise", "kv4-tied-eager", "kv1-qwen2", "kv4-qwen3", "kv4-qwen3-moe", "kv4-qwen3-moe-ep"])
 def test_llama_tp2_equals_one_process(reference, extra):
     with Executor.from_config(None, LLAMA + extra + TP2, progress=False) as ex:
         assert ex.kv.layout.num_kv_heads == max(1, int(extra[0][-1]) // 2)

@@ -62,6 +62,13 @@ FIELDS: dict[str, dict[str, tuple[str, str | None, bool]]] = {
         "mlp_bias": ("bool", None, False),
         "sliding_window": ("int", "pos", False),  # Mistral's and Qwen's (check() refuses a window it would cut)
         "use_sliding_window": ("bool", None, False),
+        # Qwen3-MoE's experts
+        "num_experts": ("int", "nonneg", False),
+        "num_local_experts": ("int", "nonneg", False),
+        "num_experts_per_tok": ("int", "pos", False),
+        "moe_intermediate_size": ("int", "pos", False),
+        "decoder_sparse_step": ("int", "pos", False),
+        "norm_topk_prob": ("bool", None, False),
     },
     "deepseek_v3": {
         **_COMMON,
@@ -149,6 +156,13 @@ def check(hf: dict, arch: str) -> None:
                              "attention is not supported by pieceworks' Llama. Full attention agrees with it while "
                              f"no sequence exceeds {window} tokens: set it to null only if model.max_context <= "
                              f"{window}")
+        experts = hf.get("num_experts", hf.get("num_local_experts")) or 0
+        top_k = hf.get("num_experts_per_tok") or 0
+        if experts and top_k > experts:
+            raise FieldError("num_experts_per_tok", f"{top_k} exceeds num_experts={experts}")
+        dense = hf.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+            raise FieldError("mlp_only_layers", f"{dense!r} must be a list of layer indices")
         kinds = hf.get("layer_types") or []
         if not isinstance(kinds, list) or any(k != "full_attention" for k in kinds):
             raise FieldError("layer_types", f"{kinds!r}: pieceworks' Llama runs full attention in every layer "

@@ -21,10 +21,27 @@ from pieceworks.core.kv import KVLayout
 from pieceworks.models import hf_config as hf_fields
 from pieceworks.models.base import (CausalLM, GatedMLP, Prenormed, RMSNorm, WeightSource, block_forward, linear,
                                     merged)
+from pieceworks.models.moe import Experts, MoE
 from pieceworks.models.rope import apply_rope_qk, rope_parameters
 from pieceworks.parallel.comm import reduce
 from pieceworks.parallel.layout import (TPLayout, require_divisible, require_fp4_block, require_kv_heads)
 from pieceworks.quant.linear import Fp4Linear
+
+
+@dataclass(frozen=True)
+class LlamaMoE:
+    """Qwen3-MoE's routed experts, named as `models.moe.MoE` reads them (softmax routing, no groups or shared
+    experts)."""
+
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    scoring_func: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
 
 
 @dataclass(frozen=True)
@@ -42,11 +59,13 @@ class LlamaArgs:
     rope: dict
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k (weights [D]) before the rope
     qkv_bias: bool = False  # Qwen2 (2.5): biases on q, k and v (not o)
+    moe: "LlamaMoE | None" = None  # Qwen3-MoE: routed experts in `sparse_layers`
+    sparse_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaArgs":
-        """Read a LlamaForCausalLM (or MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM) config.json dict
-        (transformers' defaults for absent keys).
+        """Read a LlamaForCausalLM (or MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
+        config.json dict (transformers' defaults for absent keys).
 
         Raises:
             CheckpointError: a missing, mistyped or inconsistent field (`hf_config.FieldError`, naming
@@ -61,6 +80,15 @@ class LlamaArgs:
         if hf.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"config.json: hidden_act={hf['hidden_act']!r} is not supported; Llama uses silu")
         heads = hf["num_attention_heads"]
+        archs = hf.get("architectures") or []
+        moe, sparse = None, ()
+        if hf.get("model_type") == "qwen3_moe" or "Qwen3MoeForCausalLM" in archs:
+            experts = hf.get("num_experts", hf.get("num_local_experts", 128))  # transformers 5 writes the latter
+            moe = LlamaMoE(experts, hf.get("num_experts_per_tok", 8),
+                           hf.get("moe_intermediate_size", 768), hf.get("norm_topk_prob", False))
+            step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+            sparse = tuple(i for i in range(hf["num_hidden_layers"])
+                           if i not in dense and moe.n_routed_experts > 0 and (i + 1) % step == 0)
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -73,8 +101,10 @@ class LlamaArgs:
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             rope=rope_parameters({"max_position_embeddings": 2048, **hf}),
-            qk_norm=hf.get("model_type") == "qwen3" or "Qwen3ForCausalLM" in (hf.get("architectures") or []),
-            qkv_bias=hf.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in (hf.get("architectures") or []),
+            qk_norm=(hf.get("model_type") in ("qwen3", "qwen3_moe") or "Qwen3ForCausalLM" in archs
+                     or "Qwen3MoeForCausalLM" in archs),
+            qkv_bias=hf.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in archs,
+            moe=moe, sparse_layers=sparse,
         )
 
     def check_parallel(self, tp: TPLayout, fp4: Callable[[str], bool]) -> None:
@@ -82,13 +112,22 @@ class LlamaArgs:
         n = tp.size
         require_divisible("num_attention_heads", self.num_heads, n, "query heads split over the ranks")
         require_kv_heads(self.num_kv_heads, n)
-        require_divisible("intermediate_size", self.intermediate_size, n, "MLP columns split over the ranks")
+        if len(self.sparse_layers) < self.num_layers:
+            require_divisible("intermediate_size", self.intermediate_size, n, "MLP columns split over the ranks")
         require_divisible("vocab_size", self.vocab_size, n, "vocab-parallel embedding and head")
+        if self.moe and self.sparse_layers and tp.expert_parallel:
+            require_divisible("num_experts", self.moe.n_routed_experts, n, "whole experts per rank")
+        elif self.moe and self.sparse_layers:
+            require_divisible("moe_intermediate_size", self.moe.moe_intermediate_size, n,
+                              "each routed expert's columns split over the ranks")
         for i in range(self.num_layers):
             p = f"model.layers.{i}"
             if fp4(f"{p}.self_attn.o_proj"):
                 require_fp4_block(f"{p}.self_attn.o_proj", self.num_heads * self.head_dim // n, n)
-            if fp4(f"{p}.mlp.down_proj"):
+            if i in self.sparse_layers:
+                if fp4(f"{p}.mlp.experts.0.down_proj") and not tp.expert_parallel:
+                    require_fp4_block(f"{p}.mlp.experts.*.down_proj", self.moe.moe_intermediate_size // n, n)
+            elif fp4(f"{p}.mlp.down_proj"):
                 require_fp4_block(f"{p}.mlp.down_proj", self.intermediate_size // n, n)
 
 
@@ -175,7 +214,8 @@ class LlamaBlock(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = LlamaAttention(a, layer_id, f"{prefix}.self_attn", fp4, tp)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, f"{prefix}.mlp", fp4, tp)
+        self.mlp = (MoE(a.hidden_size, a.moe, f"{prefix}.mlp", fp4, tp) if layer_id in a.sparse_layers
+                    else GatedMLP(a.hidden_size, a.intermediate_size, f"{prefix}.mlp", fp4, tp))
         # the next block's input_layernorm, set by the model (a tuple: not a submodule of this block); with
         # the norms fused, the down projection prepares that norm's inputs
         self.next_norm: tuple[RMSNorm] | None = None
@@ -193,7 +233,7 @@ class LlamaBlock(nn.Module):
         shard: its o and down outputs are partial sums, to be all-reduced before the residual add."""
         a, m = self.self_attn, self.mlp
         return (not self.sharded and a._qkv_fp4 and a.qkv_proj.proj.rope_fused and a.qkv_proj.proj.fuses_norm
-                and m._swiglu and m.gate_up_proj.proj.fuses_norm
+                and isinstance(m, GatedMLP) and m._swiglu and m.gate_up_proj.proj.fuses_norm
                 and isinstance(a.o_proj, Fp4Linear) and a.o_proj.fuses_norm
                 and isinstance(m.down_proj, Fp4Linear) and m.down_proj.fuses_norm)
 
@@ -262,9 +302,13 @@ class Llama(CausalLM):
     def facts(self, page_size: int) -> ModelFacts:
         """The rank's shard as the backends see it (its heads)."""
         a, tp = self.args, self.tp
+        experts = [m for m in self.modules() if isinstance(m, Experts)]
         return ModelFacts(arch="llama", dtype=self.dtype, num_heads=a.num_heads // tp.size,
                           num_kv_heads=tp.local_kv_heads(a.num_kv_heads),
-                          head_dim=a.head_dim, page_size=page_size, fp4=self.has_fp4())
+                          head_dim=a.head_dim, page_size=page_size, fp4=self.has_fp4(),
+                          moe_experts=experts[0].num_experts if experts else 0,
+                          moe_quant="nvfp4" if any(e.fp4 for e in experts) else "none")
 
     def required_ops(self) -> set[str]:
-        return {"attention", "fp4_gemm"} if self.has_fp4() else {"attention"}
+        return ({"attention"} | ({"fp4_gemm"} if self.has_fp4() else set())
+                | ({"moe"} if self.args.sparse_layers else set()))

@@ -31,6 +31,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": Llama,  # Llama's layers; sliding-window attention refused (hf_config.check)
     "Qwen2ForCausalLM": Llama,  # Llama's layers with q/k/v biases (LlamaArgs.qkv_bias)
     "Qwen3ForCausalLM": Llama,  # Llama's layers with q/k norms (LlamaArgs.qk_norm)
+    "Qwen3MoeForCausalLM": Llama,  # and softmax-routed experts in its sparse layers (LlamaArgs.moe)
     "DeepseekV3ForCausalLM": DeepseekV3,
 }
 ARCHS: dict[str, type[CausalLM]] = {"llama": Llama, "deepseek_v3": DeepseekV3}

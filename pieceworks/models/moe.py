@@ -1,10 +1,10 @@
-"""DeepSeek-V3 mixture of experts: the fp32 router and shared experts in the model, routing and the
-routed experts in the `pieceworks::moe` op.
+"""Mixture of experts (DeepSeek-V3's, and Qwen3-MoE's softmax routing): the fp32 router and shared experts in
+the model, routing and the routed experts in the `pieceworks::moe` op.
 
 Tensor parallel, two ways. Default: every rank holds all experts, each with I / N of its intermediate
 columns (gate/up rows, down columns), and routes every token itself: its output is a partial sum.
 Expert parallel (`parallel.expert_parallel`): rank r holds experts [r E/N, (r+1) E/N) whole; the
-model routes on the full router logits (`deepseek_route`) and hands the op a local routing problem
+model routes on the full router logits (`deepseek_route`, `softmax_route`) and hands the op a local routing problem
 whose answer is the same experts and weights (logits = logit(weight / scaling) for the token's chosen
 local experts, -inf for the others, no groups, no bias, no renormalization), so every moe backend
 serves it unchanged; weights agree to float32 rounding. Both ways sum the ranks' routed outputs and
@@ -23,7 +23,7 @@ from torch import nn
 
 from pieceworks.backends import ops
 from pieceworks.backends.moe.base import MoEBackend, MoEWeights
-from pieceworks.backends.moe.routing import deepseek_route
+from pieceworks.backends.moe.routing import deepseek_route, softmax_route
 from pieceworks.models.base import GatedMLP
 from pieceworks.parallel.comm import reduce
 from pieceworks.parallel.layout import Part, TPLayout
@@ -94,17 +94,22 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (sigmoid scores + e_score_correction_bias, grouped top-k) plus shared experts."""
+    """Routed experts plus shared experts. Routing: DeepSeek-V3's (`a.scoring_func` "sigmoid": sigmoid scores +
+    e_score_correction_bias, grouped top-k), or softmax over the experts then top-k (Qwen3-MoE's "softmax"),
+    which the `moe` op runs as its sigmoid routing of logit(softmax(logits)) without groups or bias: the same
+    choice and, renormalized or not, the same weights."""
 
     def __init__(self, hidden: int, a, prefix: str, fp4: Callable[[str], bool], tp: TPLayout = TPLayout()) -> None:
         super().__init__()
         self.tp, self.expert_parallel = tp, tp.sharded and tp.expert_parallel
         self.top_k, self.num_groups, self.topk_group = a.num_experts_per_tok, a.n_group, a.topk_group
         self.renormalize, self.scaling = a.norm_topk_prob, float(a.routed_scaling_factor)
+        self.softmax = getattr(a, "scoring_func", "sigmoid") == "softmax"
         e, i = a.n_routed_experts, a.moe_intermediate_size
         # The router stays float32 whatever the model dtype (as in the released checkpoints).
         self.gate = nn.Linear(hidden, e, bias=False, dtype=torch.float32)
-        self.register_buffer("e_score_correction_bias", torch.zeros(e, dtype=torch.float32))
+        if not self.softmax:  # DeepSeek's; softmax routing has none
+            self.register_buffer("e_score_correction_bias", torch.zeros(e, dtype=torch.float32))
         expert_fp4 = all(fp4(f"{prefix}.experts.0.{p}") for p in ("gate_proj", "up_proj", "down_proj"))
         first, stop = tp.expert_range(e)
         inter_part = None if self.expert_parallel else tp.split(0)
@@ -120,7 +125,13 @@ class MoE(nn.Module):
         """x [T, H] -> [T, H]."""
         logits = F.linear(x.float(), self.gate.weight)  # [T, E] float32
         w = self.experts
-        if self.expert_parallel:  # model-wide: the same branch in every MoE layer
+        if self.softmax and not self.expert_parallel:  # model-wide: the same branch in every MoE layer
+            y = ops.moe(
+                x, torch.logit(torch.softmax(logits, dim=-1)), logits.new_empty(0),
+                w.w13, w.w13_scale, w.w13_scale_2, w.w13_input_scale, w.w2, w.w2_scale, w.w2_scale_2,
+                w.w2_input_scale, self.top_k, 1, 1, self.renormalize, self.scaling,
+            )
+        elif self.expert_parallel:
             y = ops.moe(
                 x, self._local_logits(logits), logits.new_empty(0),
                 w.w13, w.w13_scale, w.w13_scale_2, w.w13_input_scale, w.w2, w.w2_scale, w.w2_scale_2,
@@ -139,8 +150,12 @@ class MoE(nn.Module):
     def _local_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """[T, E] router logits -> [T, E / N] logits of this rank's experts whose sigmoid, times the
         scaling, is the full routing's weight of each chosen expert, and 0 (logit -inf) elsewhere."""
-        weights, ids = deepseek_route(logits, self.e_score_correction_bias, self.top_k, self.num_groups,
-                                      self.topk_group, self.renormalize, self.scaling)
+        if self.softmax:
+            weights, ids = softmax_route(logits, self.top_k, self.renormalize)
+            weights = weights * self.scaling
+        else:
+            weights, ids = deepseek_route(logits, self.e_score_correction_bias, self.top_k, self.num_groups,
+                                          self.topk_group, self.renormalize, self.scaling)
         first, n = self.experts.first_expert, self.experts.num_experts
         local = ids - first
         mine = (local >= 0) & (local < n)
@@ -151,8 +166,9 @@ class MoE(nn.Module):
     def load(self, src, prefix: str) -> None:
         e, h = self.gate.weight.shape
         self.gate.weight.copy_(src.dense(f"{prefix}.gate", h, e, dtype=torch.float32))
-        self.e_score_correction_bias.copy_(
-            src.tensor(f"{prefix}.gate.e_score_correction_bias", (e,), dtype=torch.float32))
+        if not self.softmax:
+            self.e_score_correction_bias.copy_(
+                src.tensor(f"{prefix}.gate.e_score_correction_bias", (e,), dtype=torch.float32))
         src.experts(self.experts, f"{prefix}.experts")
         if self.shared_experts is not None:
             self.shared_experts.load(src, f"{prefix}.shared_experts")
