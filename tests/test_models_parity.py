@@ -261,3 +261,18 @@ def test_nvfp4_unfusable_parts_stay_separate(tiny_llama_modelopt, tmp_path):
     assert not isinstance(ex.model.layers[1].self_attn.qkv_proj, SplitProj)
     ids = _prompt(20, seed=6)
     _assert_close(ex.score([ids])[0], _ref_logits(_dequantized_reference(d, tiny_llama_modelopt.bf16_dir), ids))
+
+
+@pytest.mark.parametrize("name", ["qwen2_qkv_bias_yarn", "qwen3_moe_norm_topk", "mistral_no_window"])
+def test_our_nvfp4_quantization_of_other_llama_family_models_is_exact(name, tmp_path):
+    """`pieceworks quantize` (a fixed amax: no calibration) of Qwen2 (biases stay bf16), Qwen3-MoE (experts and
+    router) and Mistral checkpoints: w4a16 equals transformers holding the export dequantized."""
+    from pieceworks.quant.quantizer import quantize_checkpoint
+
+    arch, overrides = CASES[name]
+    _hf_model(arch, overrides).save_pretrained(tmp_path / "bf16")
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / "fp4", amax=4.0, progress=False)
+    ex = _executor(tmp_path / "fp4", fp4_numerics="w4a16")
+    assert ex.model.has_fp4() and (ex.model.facts(4).moe_quant == "nvfp4") == ("moe" in name)
+    ids = _prompt(40, seed=5)
+    _assert_close(ex.score([ids])[0], _ref_logits(_dequantized_reference(tmp_path / "fp4", tmp_path / "bf16"), ids))
