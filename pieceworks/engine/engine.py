@@ -318,9 +318,10 @@ class Engine:
         self.num_generated_tokens += 1
         if req.logprobs is not None:
             req.logprobs.append(logprobs or {})
-        if req.detok is not None and not req.stop_token(tok, self.eos_token_ids):
+        stop_token = req.stop_token(tok, self.eos_token_ids)
+        if req.detok is not None and not stop_token:
             req.detok.add(tok)
-        reason = req.stop_reason(tok, self.eos_token_ids, self.max_context)
+        reason = req.stop_reason(stop_token, self.max_context)
         if reason is None and req.matcher is not None:
             reason = grammar_stop(req, tok) if grammar is ADVANCE else grammar
             if reason == "error":

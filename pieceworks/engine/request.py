@@ -130,13 +130,11 @@ class Request:
         return len(self.output) >= p.min_tokens and (
             (not p.ignore_eos and tok in eos_token_ids) or bool(p.stop_token_ids and tok in p.stop_token_ids))
 
-    def stop_reason(self, tok: int, eos_token_ids: frozenset[int] | set[int], max_context: int) -> str | None:
-        """Whether the just appended `tok` ends this completion: "stop" (EOS or a stop token once min_tokens
-        are out, or a stop string), "length" (max_tokens or the context limit) or None."""
-        if self.stop_token(tok, eos_token_ids):
-            return "stop"
+    def stop_reason(self, stop_token: bool, max_context: int) -> str | None:
+        """Whether the just appended token ends this completion: "stop" (it is a `stop_token`, or a stop string
+        appeared), "length" (max_tokens or the context limit) or None."""
         p = self.params
-        if self.detok is not None and self.detok.stopped:
+        if stop_token or (self.detok is not None and self.detok.stopped):
             return "stop"
         if (p.max_tokens is not None and len(self.output) >= p.max_tokens) or self.num_tokens >= max_context:
             return "length"

@@ -14,8 +14,8 @@ Under async steps a step with such rows launches its forward, feeds the previous
 (`advance_grammars`), fills its mask on a worker thread while the step thread accepts those ids, and then
 samples; the GPU runs the forward meanwhile, and the tokens are those of synchronous steps. The worker needs
 the GIL until llguidance releases it, which the accepts hold: on the H200 most of a fill runs once the step
-thread waits for it (docs/benchmarks.md, structured outputs). The last `Grammars.CACHE_SIZE` compiled grammars are kept; with `set_reasoning` a
-completion's grammar starts after the reasoning's end.
+thread waits for it (docs/benchmarks.md, structured outputs). The last `Grammars.CACHE_SIZE` compiled grammars
+are kept; with `set_reasoning` a completion's grammar starts after the reasoning's end.
 llguidance is imported on first use; without it, such requests are refused with how to install it.
 """
 
