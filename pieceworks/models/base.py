@@ -318,6 +318,16 @@ class CausalLM(nn.Module):
         plan.append(("rotary", self.rotary, lambda src: self.rotary.init_buffers()))
         return plan
 
+    def expert_blocks(self) -> list[nn.Module]:
+        """The model's routed-expert modules (`models.moe.Experts`, which imports this module)."""
+        return [m for m in self.modules() if hasattr(m, "prepare_experts")]
+
+    def moe_facts(self) -> dict[str, Any]:
+        """`ModelFacts`' moe_experts (this rank's, 0 without experts) and moe_quant."""
+        experts = self.expert_blocks()
+        return {"moe_experts": experts[0].num_experts if experts else 0,
+                "moe_quant": "nvfp4" if any(e.fp4 for e in experts) else "none"}
+
     def has_fp4(self) -> bool:
         return any(isinstance(m, Fp4Linear) for m in self.modules())
 

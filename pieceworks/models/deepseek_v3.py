@@ -23,7 +23,7 @@ from pieceworks.errors import CheckpointError
 from pieceworks.core.kv import KVLayout
 from pieceworks.models import hf_config as hf_fields
 from pieceworks.models.base import CausalLM, GatedMLP, RMSNorm, WeightSource, block_forward, linear, merged
-from pieceworks.models.moe import Experts, MoE
+from pieceworks.models.moe import MoE
 from pieceworks.models.rope import (
     apply_rope_qk,
     rope_parameters,
@@ -262,25 +262,20 @@ class DeepseekV3(CausalLM):
         self._build_trunk(hf_config, dtype, a, [DeepseekV3Block(a, i, fp4, tp) for i in range(a.num_layers)],
                           a.qk_rope_head_dim, tp)
 
-    def _experts(self) -> list[Experts]:
-        return [m for m in self.modules() if isinstance(m, Experts)]
-
     def kv_layout(self) -> KVLayout:
         return KVLayout("mla", self.args.num_layers, latent_dim=self.args.kv_lora_rank + self.args.qk_rope_head_dim)
 
     def facts(self, page_size: int) -> ModelFacts:
-        a, experts = self.args, self._experts()
+        a = self.args
         return ModelFacts(
             arch="deepseek_v3", dtype=self.dtype, num_heads=a.num_heads // self.tp.size, num_kv_heads=1,
             head_dim=a.qk_nope_head_dim + a.qk_rope_head_dim, kv_lora_rank=a.kv_lora_rank,
-            qk_rope_head_dim=a.qk_rope_head_dim, page_size=page_size, fp4=self.has_fp4(),
-            moe_experts=experts[0].num_experts if experts else 0,
-            moe_quant="nvfp4" if any(e.fp4 for e in experts) else "none",
+            qk_rope_head_dim=a.qk_rope_head_dim, page_size=page_size, fp4=self.has_fp4(), **self.moe_facts(),
         )
 
     def required_ops(self) -> set[str]:
         needed = {"mla"}
-        if self._experts():
+        if self.expert_blocks():
             needed.add("moe")
         if self.has_fp4():
             needed.add("fp4_gemm")

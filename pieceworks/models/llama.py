@@ -21,7 +21,7 @@ from pieceworks.core.kv import KVLayout
 from pieceworks.models import hf_config as hf_fields
 from pieceworks.models.base import (CausalLM, GatedMLP, Prenormed, RMSNorm, WeightSource, block_forward, linear,
                                     merged)
-from pieceworks.models.moe import Experts, MoE
+from pieceworks.models.moe import MoE
 from pieceworks.models.rope import apply_rope_qk, rope_parameters
 from pieceworks.parallel.comm import reduce
 from pieceworks.parallel.layout import (TPLayout, require_divisible, require_fp4_block, require_kv_heads)
@@ -302,12 +302,9 @@ class Llama(CausalLM):
     def facts(self, page_size: int) -> ModelFacts:
         """The rank's shard as the backends see it (its heads)."""
         a, tp = self.args, self.tp
-        experts = [m for m in self.modules() if isinstance(m, Experts)]
         return ModelFacts(arch="llama", dtype=self.dtype, num_heads=a.num_heads // tp.size,
                           num_kv_heads=tp.local_kv_heads(a.num_kv_heads),
-                          head_dim=a.head_dim, page_size=page_size, fp4=self.has_fp4(),
-                          moe_experts=experts[0].num_experts if experts else 0,
-                          moe_quant="nvfp4" if any(e.fp4 for e in experts) else "none")
+                          head_dim=a.head_dim, page_size=page_size, fp4=self.has_fp4(), **self.moe_facts())
 
     def required_ops(self) -> set[str]:
         return ({"attention"} | ({"fp4_gemm"} if self.has_fp4() else set())

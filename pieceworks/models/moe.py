@@ -125,24 +125,21 @@ class MoE(nn.Module):
         """x [T, H] -> [T, H]."""
         logits = F.linear(x.float(), self.gate.weight)  # [T, E] float32
         w = self.experts
-        if self.softmax and not self.expert_parallel:  # model-wide: the same branch in every MoE layer
-            y = ops.moe(
-                x, torch.logit(torch.softmax(logits, dim=-1)), logits.new_empty(0),
-                w.w13, w.w13_scale, w.w13_scale_2, w.w13_input_scale, w.w2, w.w2_scale, w.w2_scale_2,
-                w.w2_input_scale, self.top_k, 1, 1, self.renormalize, self.scaling,
-            )
-        elif self.expert_parallel:
-            y = ops.moe(
-                x, self._local_logits(logits), logits.new_empty(0),
-                w.w13, w.w13_scale, w.w13_scale_2, w.w13_input_scale, w.w2, w.w2_scale, w.w2_scale_2,
-                w.w2_input_scale, self.local_top_k, 1, 1, False, self.scaling,
-            )
+        # the op's sigmoid routing problem (each branch model-wide: the same in every MoE layer)
+        if self.expert_parallel:  # this rank's experts, their weights chosen on the full logits
+            routed, bias, k, groups, kept, renorm = (self._local_logits(logits), logits.new_empty(0), self.local_top_k,
+                                                     1, 1, False)
+        elif self.softmax:
+            routed, bias, k, groups, kept, renorm = (torch.logit(torch.softmax(logits, dim=-1)), logits.new_empty(0),
+                                                     self.top_k, 1, 1, self.renormalize)
         else:
-            y = ops.moe(
-                x, logits, self.e_score_correction_bias,
-                w.w13, w.w13_scale, w.w13_scale_2, w.w13_input_scale, w.w2, w.w2_scale, w.w2_scale_2,
-                w.w2_input_scale, self.top_k, self.num_groups, self.topk_group, self.renormalize, self.scaling,
-            )
+            routed, bias, k, groups, kept, renorm = (logits, self.e_score_correction_bias, self.top_k, self.num_groups,
+                                                     self.topk_group, self.renormalize)
+        y = ops.moe(
+            x, routed, bias,
+            w.w13, w.w13_scale, w.w13_scale_2, w.w13_input_scale, w.w2, w.w2_scale, w.w2_scale_2,
+            w.w2_input_scale, k, groups, kept, renorm, self.scaling,
+        )
         if self.shared_experts is not None:  # model-wide: the same branch in every MoE layer
             y = y + self.shared_experts(x)
         return reduce(y, self.tp)
