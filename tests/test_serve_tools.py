@@ -242,7 +242,7 @@ def test_streamed_deepseek_call():
 
 def test_special_markers_are_kept_for_auto_requests(caplog):
     """Where the tokenizer marks a parser's markers special (dropped by decoding), the server keeps special tokens
-    in the text of auto requests only, as vLLM's hermes and mistral parsers do."""
+    in the text of auto requests only, as vLLM's mistral and internlm parsers do."""
     from pieceworks.serve.app import Server
 
     class Tok:  # drops the strings in `special` when skip_special_tokens is set, as HF tokenizers do

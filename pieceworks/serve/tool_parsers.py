@@ -9,9 +9,8 @@ tool_choice auto, and the JSON that required and named choices are held to.
   <｜tool▁sep｜>NAME` + the arguments in a json code fence + `<｜tool▁call▁end｜>`; `deepseek_v31`: DeepSeek-V3.1's
   `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS<｜tool▁call▁end｜>`; the text before the section is the content.
 - `mistral`: Mistral's `[TOOL_CALLS]` followed by a JSON array of `{"name", "arguments"}` objects (Mistral 7B
-  v0.3, Mixtral, Nemo), or by `NAME[ARGS]ARGUMENTS` per call (tokenizer v11 on: Mistral Small 3.2, Magistral,
-  Devstral; `[ARGS]` may be absent). Call ids are 9 letters and digits, which Mistral's chat templates ask of
-  earlier turns.
+  v0.3's form), or by `NAME[ARGS]ARGUMENTS` per call (tokenizer v11 on, as vLLM's parser reads it; `[ARGS]` may
+  be absent). Call ids are 9 letters and digits, which Mistral's chat templates ask of earlier turns.
 - required: a JSON array of `{"name", "arguments"}` objects; named: the output is the arguments.
 
 A call's arguments are one JSON value in every format, and a call gets that value's text as the model wrote it
