@@ -45,8 +45,10 @@ class StepSeq:
 
 class SentPages:
     """The leader's record of what its step messages told the followers: the pages sent per live
-    sequence id. A sequence's pages only grow between steps (`Executor._reserve_pages`; a step that
-    fails closes a tensor-parallel executor), so the pages past that count are all a step must add."""
+    sequence id. A sequence's pages grow between steps (`Executor._reserve_pages`; a step that fails
+    closes a tensor-parallel executor), so the pages past that count are all a step must add; a sequence
+    cut back (`Executor.truncate` calls `cut`) is sent as gone, then whole again: its follower copy starts
+    over. (Counting pages can't tell a cut: the cut sequence may have gained as many back by its next step.)"""
 
     PRUNE_EVERY = 64  # steps between looks for freed sequences (ids are never reused: a stale entry costs memory only)
 
@@ -54,6 +56,13 @@ class SentPages:
         self.seqs: dict[int, Any] = {}  # id -> the Sequence (to see `freed`)
         self.counts: dict[int, int] = {}  # id -> pages the followers have
         self.steps = 0
+        self.cut_ids: list[int] = []  # cut back since the last message: the next one sends them as gone
+
+    def cut(self, seq_id: int) -> None:
+        """Record that the sequence lost pages: the followers drop their copy with the next message."""
+        if self.counts.pop(seq_id, None) is not None:
+            del self.seqs[seq_id]
+            self.cut_ids.append(seq_id)
 
     def message(self, seqs: list, tokens: list[list[int]], all_logits: bool | list[bool]) -> tuple:
         """(tokens, cached lengths, ids, new pages per sequence, freed ids, all_logits) of one step,
@@ -62,6 +71,7 @@ class SentPages:
         ids = [s.id for s in seqs]
         lens = [len(s.pages) for s in seqs]
         new_pages: list = [()] * len(seqs)
+        gone, self.cut_ids = self.cut_ids, []  # a follower applies `gone` first, then this step's pages
         if list(map(counts.get, ids)) != lens:  # a sequence is new or gained pages (a decode step: rarely)
             for k, s in enumerate(seqs):
                 n = counts.get(s.id)
@@ -70,12 +80,12 @@ class SentPages:
                         self.seqs[s.id], n = s, 0
                     new_pages[k] = s.pages[n:]
                     counts[s.id] = lens[k]
-        gone: list[int] = []
         self.steps += 1
         if self.steps % self.PRUNE_EVERY == 0:
-            gone = [i for i, s in self.seqs.items() if s.freed]
-            for i in gone:
+            freed = [i for i, s in self.seqs.items() if s.freed]
+            for i in freed:
                 del counts[i], self.seqs[i]
+            gone += freed
         return tokens, [s.kv_len for s in seqs], ids, new_pages, gone, all_logits
 
 

@@ -136,6 +136,30 @@ class PageAllocator:
             self._key_of[page] = key
 
 
+    def unregister(self, page: int) -> None:
+        """Take a held page out of the prefix cache (its KV is about to be overwritten: a sequence cut back
+        into it, `Executor.truncate`). Only its one holder may: nobody else reads what it will hold."""
+        assert self._ref[page] == 1, f"page {page} is held {self._ref[page]} times"
+        key = self._key_of.pop(page, None)
+        if key is not None:
+            del self._page_of[key]
+
+
+def truncate_sequence(alloc: PageAllocator, seq, num_tokens: int, page_size: int) -> None:
+    """Keep the KV of `seq`'s first `num_tokens` tokens (the caller checked 0 <= num_tokens <= kv_len and that
+    the page that goes on holding tokens past it is the sequence's alone): the pages past them go back to
+    the allocator (cached ones stay cached: their KV is a valid continuation of their prefix), a kept page
+    that was full leaves the prefix cache, and `tokens` and `block_keys` shrink to match."""
+    keep_pages = -(-num_tokens // page_size)
+    full = num_tokens // page_size
+    dropped = seq.pages[keep_pages:]
+    if full < keep_pages and full < len(seq.block_keys):  # the kept partial page was registered full
+        alloc.unregister(seq.pages[full])
+    del seq.pages[keep_pages:], seq.tokens[num_tokens:], seq.block_keys[full:]
+    if dropped:
+        alloc.free(dropped)
+
+
 def block_key(parent: bytes | None, tokens: list[int]) -> bytes:
     """The prefix-cache key of a full page: a 128-bit hash of the parent page's key and the page's
     token ids, so equal keys mean equal whole prefixes (up to hash collisions at 2**-128)."""

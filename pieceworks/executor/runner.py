@@ -32,7 +32,7 @@ from pieceworks.errors import BatchError, OutOfPages
 from pieceworks.executor import distributed  # here: an import inside the leader's step costs ~1 us a step
 from pieceworks.executor.build import build_executor, executor_from_config, model_dir_of, release_executor
 from pieceworks.executor.inputs import as_token_ids, check_batch, logit_rows, step_inputs, take_previous_ids
-from pieceworks.executor.kv_cache import KVPool, block_keys
+from pieceworks.executor.kv_cache import KVPool, block_keys, truncate_sequence
 
 
 class Executor:
@@ -173,6 +173,31 @@ class Executor:
             seq.pages, seq.block_keys, seq.freed = [], [], True
             del self._live[seq.id]
             self.kv.allocator.free(pages)
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Cut `seq` back to its first `num_tokens` tokens, as if the later ones had never been fed (speculative
+        decoding drops the KV of rejected draft tokens this way): the pages past them are given back, and the
+        next step feeds the sequence from token `num_tokens` on.
+
+        Raises:
+            BatchError: a freed or foreign sequence, `num_tokens` outside [0, kv_len], or a cut inside a page
+                that another sequence shares (prefix cache): cut at a page boundary instead. Nothing changed.
+        """
+        with self._exclusive("truncate"):
+            if self._closed:
+                raise self._closed_error()
+            if not isinstance(seq, Sequence) or seq.freed or self._live.get(seq.id) is not seq:
+                raise BatchError(f"truncate() takes a live Sequence of this executor, got {seq!r}")
+            if type(num_tokens) is not int or not 0 <= num_tokens <= seq.kv_len:
+                raise BatchError(f"truncate(seq {seq.id}, {num_tokens!r}): num_tokens must be an int in "
+                                 f"[0, {seq.kv_len}] (the sequence's kv_len)")
+            ps, alloc = self.page_size, self.kv.allocator
+            if num_tokens % ps and num_tokens < seq.kv_len and alloc.refcount(seq.pages[num_tokens // ps]) > 1:
+                raise BatchError(f"truncate(seq {seq.id}, {num_tokens}): page {num_tokens // ps} of the sequence is "
+                                 f"shared with another sequence (prefix cache); cut at a multiple of {ps}")
+            if self.groups is not None and len(seq.pages) > -(-num_tokens // ps):
+                self.sent_pages.cut(seq.id)  # the followers' page lists start over at its next step
+            truncate_sequence(alloc, seq, num_tokens, ps)
 
     def pages_needed(self, seqs: list[Sequence], num_new_tokens: list[int]) -> int:
         """KV pages a step feeding `num_new_tokens[i]` tokens to `seqs[i]` would allocate (compare with
