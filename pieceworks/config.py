@@ -227,6 +227,21 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding in the Engine (docs/sampling.md, "Speculative decoding")."""
+
+    method: Optional[str] = None
+    """None: off. ngram (vLLM's prompt lookup): a greedy decode row's drafts are the tokens that followed the last
+    earlier occurrence of its longest trailing n-gram in prompt + output; one step checks them all. Engine steps
+    then run synchronously (scheduler.async_steps is not applied)."""
+    num_speculative_tokens: int = 3
+    """Most draft tokens per row and step."""
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    """The longest and shortest trailing n-gram looked up (the longest that occurred before wins)."""
+
+
+@dataclass(frozen=True)
 class GenerationConfig:
     """What `pieceworks run` generates (the Python API takes these as arguments instead)."""
 
@@ -248,6 +263,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
 
@@ -309,6 +325,14 @@ def _validate(cfg: Config, require_model: bool = True) -> None:
     _positive("scheduler.max_num_batched_tokens", cfg.scheduler.max_num_batched_tokens)
     if not 0.0 <= cfg.scheduler.watermark < 1.0:
         raise ConfigError(f"scheduler.watermark: {cfg.scheduler.watermark!r} must be in [0, 1)")
+    sp = cfg.speculative
+    if sp.method is not None:
+        _one_of("speculative.method", sp.method, ("ngram",))
+    for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        _positive(f"speculative.{key}", getattr(sp, key))
+    if sp.prompt_lookup_min > sp.prompt_lookup_max:
+        raise ConfigError(f"speculative.prompt_lookup_min ({sp.prompt_lookup_min}) exceeds prompt_lookup_max "
+                          f"({sp.prompt_lookup_max}); lower it or raise prompt_lookup_max")
     pw = cfg.cuda_graph.piecewise
     _positive("cuda_graph.piecewise.max_tokens", pw.max_tokens)
     _sizes("cuda_graph.piecewise.sizes", pw.sizes)

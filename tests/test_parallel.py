@@ -256,8 +256,8 @@ def test_one_rank_through_the_distributed_path_equals_one_process(reference, col
 
 def test_step_messages_carry_only_new_pages_and_followers_rebuild_the_lists():
     """The leader's `SentPages` against a follower's `step_seqs` over random steps (sequences that start,
-    gain pages, get freed): every step's follower page lists equal the leader's, a step in which no
-    sequence gained a page carries none, and freed sequences leave both sides' records."""
+    gain pages, are cut back, get freed): every step's follower page lists equal the leader's, a step in
+    which no sequence gained or lost a page carries none, and freed sequences leave both sides' records."""
     import random
 
     from pieceworks.core.batch import Sequence
@@ -266,7 +266,7 @@ def test_step_messages_carry_only_new_pages_and_followers_rebuild_the_lists():
     rng = random.Random(0)
     sent, follower = SentPages(), {}
     live: list[Sequence] = []
-    next_id = next_page = 0
+    next_id = next_page = cuts = 0
     for step in range(4 * SentPages.PRUNE_EVERY):
         if len(live) < 6 and rng.random() < 0.3:  # a new sequence, with or without prefix-cached pages
             live.append(Sequence(next_id, pages=list(range(next_page, next_page + rng.randint(0, 3)))))
@@ -275,15 +275,20 @@ def test_step_messages_carry_only_new_pages_and_followers_rebuild_the_lists():
             gone = live.pop(rng.randrange(len(live)))
             gone.freed = True
         batch = rng.sample(live, rng.randint(1, len(live))) if live else []
-        grew = False
+        grew = cut = False
         for seq in batch:
+            if seq.pages and rng.random() < 0.15:  # cut back (Executor.truncate: rejected drafts)
+                sent.cut(seq.id)
+                del seq.pages[rng.randrange(len(seq.pages)):]
+                del seq.tokens[rng.randint(0, len(seq.tokens)):]
+                cut, cuts = True, cuts + 1
             seq.tokens.append(step)
             if rng.random() < 0.25:
                 seq.pages.append(next_page)
                 next_page, grew = next_page + 1, True
         known = set(sent.counts)
         msg = sent.message(batch, [[step]] * len(batch), False)
-        if not grew and all(s.id in known for s in batch):
+        if not grew and not cut and all(s.id in known for s in batch):
             assert msg[3] == [()] * len(batch)
         got = step_seqs(follower, msg)
         assert [g.pages for g in got] == [s.pages for s in batch]
@@ -291,6 +296,7 @@ def test_step_messages_carry_only_new_pages_and_followers_rebuild_the_lists():
     assert sent.steps % SentPages.PRUNE_EVERY == 0  # the last step looked for freed sequences
     assert set(follower) == set(sent.counts) == set(sent.seqs) <= {s.id for s in live}
     assert next_id - len(live) >= 5  # sequences were freed along the way
+    assert cuts > 10
 
 
 @pytest.fixture(scope="module")
@@ -383,3 +389,23 @@ def test_killed_worker_is_reported_and_nothing_hangs(fp4_tp2):
         fp4_tp2.forward(ForwardBatch([seq], [[4]]))
     assert no_children_left()
     assert queue is None or queue.name not in shm_segments()
+
+
+def test_speculative_engine_tp2_equals_one_process(monkeypatch):
+    """Drafts that are mostly rejected cut the leader's sequences back by a page almost every step (and the next
+    step takes one again): the followers' page lists follow (`SentPages.cut`), so two ranks give the greedy
+    tokens of one process without speculation."""
+    from pieceworks import Engine, SamplingParams
+    from pieceworks.engine.speculative import NgramIndex
+
+    monkeypatch.setattr(NgramIndex, "propose", lambda self, req, k: [7] * k)
+    prompts = [[5, 6, 7, 8, 9], [9, 10, 11], list(range(20, 33))]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    with Engine.from_config(None, LLAMA, progress=False) as one:
+        want = [o.token_ids for o in one.generate(prompts, params)]
+    spec = ["speculative.method=ngram", "speculative.num_speculative_tokens=3"]
+    with Engine.from_config(None, LLAMA + TP2 + spec, progress=False) as two:
+        got = [o.token_ids for o in two.generate(prompts, params)]
+        assert two.stats()["num_draft_tokens"] > 0
+    assert got == want
+    assert no_children_left()

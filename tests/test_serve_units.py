@@ -53,7 +53,8 @@ def test_metrics_text_parses_and_counts():
     m.finished["stop"] += 2
     m.finished["length"] += 1
     text = m.render({"running": 3, "waiting": 2, "kv_pages_used": 10, "kv_pages_total": 40,
-                     "prefix_cache_hit_tokens": 30, "prefix_cache_queried_tokens": 120})
+                     "prefix_cache_hit_tokens": 30, "prefix_cache_queried_tokens": 120,
+                     "num_draft_tokens": 12, "num_accepted_tokens": 5})
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     value = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
     assert value[("pieceworks_num_requests_running", ())] == 3
@@ -61,6 +62,8 @@ def test_metrics_text_parses_and_counts():
     assert value[("pieceworks_kv_pages_used", ())] == 10
     assert value[("pieceworks_kv_cache_usage_ratio", ())] == 0.25
     assert value[("pieceworks_prefix_cache_hit_rate", ())] == 0.25
+    assert value[("pieceworks_spec_decode_num_draft_tokens_total", ())] == 12
+    assert value[("pieceworks_spec_decode_num_accepted_tokens_total", ())] == 5
     assert value[("pieceworks_request_success_total", (("finished_reason", "length"),))] == 1
     assert fams["pieceworks_time_to_first_token_seconds"].type == "histogram"
     assert fams["pieceworks_request_success"].type == "counter"

@@ -31,6 +31,7 @@ from pieceworks.engine.prompts import check_abort_id, check_fits, check_token_id
 from pieceworks.engine.request import Request, RequestOutput
 from pieceworks.engine.sampler import Sampler, SamplingState, sampling_rows
 from pieceworks.engine.scheduler import Scheduler
+from pieceworks.engine.speculative import Speculator
 from pieceworks.engine.structured import ADVANCE, Grammars, advance_grammars, grammar_error, grammar_stop
 from pieceworks.errors import NonFiniteLogits, OutOfPages, RequestError
 from pieceworks.executor.runner import Executor
@@ -67,7 +68,9 @@ class Engine:
         self._arrivals = itertools.count()
         self._ready: list[RequestOutput] = []  # outputs of aborts, returned by the next step
         self._busy = threading.Lock()
-        self._async = cfg.scheduler.async_steps
+        self.speculator = None if cfg.speculative.method is None else Speculator(cfg.speculative, self.max_context)
+        self.scheduler.drafter = None if self.speculator is None else self.speculator.draft
+        self._async = cfg.scheduler.async_steps and self.speculator is None  # drafts depend on the last step's ids
         self._pipeline = AsyncSteps()
         self.num_steps = 0
         self.num_async_steps = 0  # steps launched before the previous step's ids were on the host
@@ -152,7 +155,8 @@ class Engine:
                               logprobs=[] if params.logprobs is not None else None, group=group,
                               prompt_shown=shown,
                               prompt_logprobs=None if params.prompt_logprobs is None else [None],
-                              priority=priority, matcher=matchers[index], thinking=thinking)
+                              priority=priority, matcher=matchers[index], thinking=thinking,
+                              ngram=self.speculator and self.speculator.index_for(params, matchers[index]))
                 group.append(req)
             for req in group:
                 self.scheduler.add(req)
@@ -251,6 +255,9 @@ class Engine:
                     f"no queued request fits the KV pool: {self.executor.kv.allocator.num_used} pages are "
                     "held by sequences created outside this engine; free them (Executor.free)"
                 )
+            return outputs
+        if self.speculator is not None and any([r.draft for r, _ in scheduled]):
+            self.speculator.step(self, scheduled, outputs, stream)
             return outputs
         reqs, logits, greedy = self._forward(scheduled)
         if not reqs:
@@ -379,7 +386,8 @@ class Engine:
         """Counters: running, waiting (completions), kv_pages_used, kv_pages_total, kv_pages_cached,
         prefix_cache_hit_tokens, prefix_cache_queried_tokens, num_preemptions, num_steps,
         num_async_steps (of num_steps, those launched with the previous one in flight or starting the
-        pipeline: `scheduler.async_steps`), num_generated_tokens. Safe to read from another thread
+        pipeline: `scheduler.async_steps`), num_generated_tokens, num_draft_tokens and num_accepted_tokens
+        (speculative decoding's drafts fed and accepted). Safe to read from another thread
         (plain ints; a snapshot)."""
         s, alloc = self.scheduler, self.executor.kv.allocator
         return {
@@ -391,5 +399,7 @@ class Engine:
             "num_preemptions": s.num_preemptions, "num_steps": self.num_steps,
             "num_async_steps": self.num_async_steps,
             "num_generated_tokens": self.num_generated_tokens,
+            "num_draft_tokens": self.speculator.num_draft_tokens if self.speculator else 0,
+            "num_accepted_tokens": self.speculator.num_accepted_tokens if self.speculator else 0,
         }
 

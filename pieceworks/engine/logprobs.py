@@ -99,7 +99,7 @@ def record_prompt_logprobs(scheduled: list, every: list[bool], logits: torch.Ten
     for (req, toks), all_rows in zip(scheduled, every):
         n = len(toks) if all_rows else 1
         last.append(start + n - 1)
-        if all_rows:  # row j predicts position first + j + 1; positions already recorded are skipped
+        if all_rows and req.needs_prompt_logits:  # row j predicts position first + j + 1; recorded ones skipped
             first = req.seq.kv_len - len(toks)
             for j in range(n):
                 pos = first + j + 1

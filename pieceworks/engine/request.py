@@ -90,6 +90,10 @@ class Request:
     thinking: tuple[tuple[int, ...], int] | None = None
     """With a matcher while a thinking model reasons (`Grammars.set_reasoning`): the reasoning's end ids and
     how many of them the output ends with; the grammar starts after them. None: the grammar is on."""
+    ngram: Any = None
+    """With speculative.method ngram: the completion's `NgramIndex` where its rows may draft, else None."""
+    draft: list[int] = field(default_factory=list)
+    """The draft tokens this step feeds after the completion's last token (engine/speculative.py); [] else."""
     pending: bool = False
     """Async steps: `output[-1]` is the placeholder -(row + 1) of the token that row of the step in
     flight samples (the decode runner reads it from the device); replaced when the id arrives."""

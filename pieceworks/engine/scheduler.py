@@ -60,6 +60,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order; (priority, arrival) order under policy priority
         self.by_priority = cfg.policy is Policy.priority
         self.structured: set[Request] = set()  # queued or running, with a grammar (structured outputs)
+        self.drafter = None  # the Engine's `Speculator.draft` with speculative decoding on
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
         self.prefix_queried_tokens = 0
@@ -152,7 +153,16 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.append((req, req.tokens(kv_len, kv_len + n)))
+                toks = req.tokens(kv_len, kv_len + n)
+                if n == 1 and self.drafter is not None:  # a decode row: speculative drafts, where they fit
+                    req.draft = draft = self.drafter(req, tokens_left - 1)
+                    if draft:
+                        more = max(0, -(-(kv_len + 1 + len(draft)) // ps) - len(seq.pages))
+                        if more > free - promised:
+                            req.draft = []
+                        else:
+                            toks, n, need = toks + draft, 1 + len(draft), more
+                out.append((req, toks))
                 promised += need
                 tokens_left -= n
                 seqs_left -= 1

@@ -2,7 +2,8 @@
 with and without prefix caching (shared pages read by extend steps with a cached prefix and by decode
 graph replays), and under preemption. float32 weights, so that a different batch composition (another
 GEMM tiling) can't flip a near-tie argmax of the random model: the test is about the engine's pages,
-not about bf16 batch invariance. With `scheduler.async_steps` the same tokens stream as without.
+not about bf16 batch invariance. With `scheduler.async_steps` the same tokens stream as without, and with
+speculative drafts (steps that feed several tokens per row and cut the rejected ones back) the same tokens come.
 
 Run on the H200: `python -m pytest tests/gpu/test_engine_gpu.py -m gpu -q`.
 """
@@ -17,14 +18,14 @@ from pieceworks import Engine, SamplingParams
 pytestmark = pytest.mark.gpu
 
 
-def make(prefix_caching: bool, num_tokens: int = 8192, async_steps: bool = False) -> Engine:
+def make(prefix_caching: bool, num_tokens: int = 8192, async_steps: bool = False, **sections) -> Engine:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     cfg = {"model": {"arch": "llama", "preset": "llama-3.1-8b", "sizes": {"num_hidden_layers": 4},
                      "max_context": 1024},
            "quantization": {"format": "none"}, "runtime": {"device": "cuda", "dtype": "float32"},
            "kv_cache": {"num_tokens": num_tokens, "page_size": 16, "prefix_caching": prefix_caching},
-           "scheduler": {"async_steps": async_steps}}
+           "scheduler": {"async_steps": async_steps}, **sections}
     return Engine.from_config(cfg, progress=False)
 
 
@@ -55,6 +56,37 @@ def test_engine_preemption_on_gpu():
     small = make(True, num_tokens=24 * 16)  # 24 pages for 24 sequences of up to 6 pages
     assert [o.token_ids for o in small.generate(ps, params)] == want
     assert small.stats()["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("real_drafts", [False, True], ids=["scripted", "ngram"])
+def test_speculative_drafts_give_the_plain_greedy_tokens(monkeypatch, real_drafts):
+    """Steps with drafts run under piecewise graphs (every fed row's logits) and cut the KV of rejected drafts
+    on the device: the plain greedy tokens come out. Scripted drafts are right but for their last token (each
+    step keeps k of k + 1 fed positions and cuts one); n-gram drafts are whatever prompts and outputs repeat."""
+    from pieceworks.engine.speculative import NgramIndex
+
+    ps = [p + p[100:] for p in prompts(2)]  # each prompt's own part twice: n-grams to look up
+    params = SamplingParams(temperature=0, max_tokens=32)
+    plain = make(True)
+    want = [o.token_ids for o in plain.generate(ps, params)]
+    del plain
+    ref = {tuple(p): w for p, w in zip(ps, want)}
+
+    def scripted(self, req, k):
+        pos = len(req.output)
+        draft = list(ref[tuple(req.prompt)][pos:pos + k])
+        if len(draft) == k:
+            draft[-1] = (draft[-1] + 1) % 128000
+        return draft
+
+    if not real_drafts:
+        monkeypatch.setattr(NgramIndex, "propose", scripted)
+    spec = make(True, speculative={"method": "ngram", "num_speculative_tokens": 3})
+    assert spec.executor.piecewise is not None
+    assert [o.token_ids for o in spec.generate(ps, params)] == want
+    s = spec.stats()
+    if not real_drafts:  # whether the random model's output repeats enough to draft is its own affair
+        assert s["num_draft_tokens"] > s["num_accepted_tokens"] > 0
 
 
 def test_prompt_logprobs_under_piecewise_graphs():
