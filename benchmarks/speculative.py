@@ -1,0 +1,162 @@
+"""Speculative decoding with n-gram drafts (engine/speculative.py) against plain decoding, through the Engine.
+
+B greedy chat requests per run, each generating up to M tokens (EOS ends them): `--task copy` asks the model to
+copy a paragraph of pieceworks/data/english.txt (its output repeats its prompt, where prompt lookup drafts
+well), `--task story` asks for a short story (little to look up). `--task scripted` serves models without a
+tokenizer or sense (random weights, e.g. the Llama-3.1-8B shape on the GPU): B random prompts of `--input-len`
+tokens, and drafts taken from the plain side's own tokens, each draft token kept right with probability
+`--accept` (else replaced), so that the cost of a step with drafts shows at a chosen acceptance. One engine built with
+`speculative.method=ngram`; its plain side is the default engine path (no drafter, async steps), its
+speculative side the configured one (drafts, synchronous steps): the two switches `Engine.__init__` sets from
+the config, flipped between runs so that the sides alternate `--rounds` times on one model (median). Per side:
+output tok/s, engine steps, tokens per request-step; for the speculative side drafts fed and accepted, and
+whether each request's tokens equal the plain side's.
+
+    python benchmarks/speculative.py --task copy --batch 1,8 --tokens 128 [--set key=value ...] [--out FILE]
+    python benchmarks/speculative.py --task scripted --accept 0.6,0.9 --batch 1,16 --set model.arch=llama \
+        --set model.preset=llama-3.1-8b --set quantization.format=nvfp4
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import common  # noqa: F401  (puts the checkout first on sys.path)
+
+STORIES = ["a lighthouse keeper", "a lost robot", "a chess match", "a mountain village", "a night train",
+           "a baker's apprentice", "a comet", "an old map"]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--task", choices=("copy", "story", "scripted"), default="copy")
+    p.add_argument("--accept", default="0.8", help="scripted: chance that a draft token is right, comma-separated")
+    p.add_argument("--input-len", type=int, default=256, help="scripted: prompt tokens (default 256)")
+    p.add_argument("--batch", default="1,8", help="requests per run, comma-separated (default 1,8)")
+    p.add_argument("--tokens", type=int, default=128, help="most tokens a request generates (default 128)")
+    p.add_argument("--k", type=int, default=3, help="speculative.num_speculative_tokens (default 3)")
+    p.add_argument("--rounds", type=int, default=3, help="alternated runs per side (default 3)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override (default model: model.path=smollm2-135m)")
+    p.add_argument("--out", default=None, help="also write the table here (markdown)")
+    return p.parse_args()
+
+
+def paragraphs(n: int) -> list[str]:
+    from importlib.resources import files
+
+    text = (files("pieceworks.data") / "english.txt").read_text()
+    paras = [" ".join(p.split()) for p in text.split("\n\n")]
+    paras = [p for p in paras if 300 <= len(p) <= 700]
+    return [paras[i % len(paras)] for i in range(n)]
+
+
+def prompts(tokenizer, task: str, B: int) -> list[str]:
+    if task == "copy":
+        asks = [f"Copy the following text exactly, word for word, with no comment:\n\n{p}" for p in paragraphs(B)]
+    else:
+        asks = [f"Write a short story about {STORIES[i % len(STORIES)]}." for i in range(B)]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True, tokenize=False)
+            for a in asks]
+
+
+def random_prompts(B: int, n: int, vocab: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for _ in range(B)]
+
+
+def script_drafts(reference: dict, accept: float, vocab: int) -> None:
+    """Drafts from each prompt's plain tokens (`reference`), each token right with probability `accept`."""
+    import random
+
+    from pieceworks.engine.speculative import NgramIndex
+
+    rng = random.Random(0)
+
+    def propose(self, req, k):
+        pos = len(req.output)
+        draft = list(reference[tuple(req.prompt)][pos:pos + k])
+        return [t if rng.random() < accept else (t + 1) % vocab for t in draft]
+
+    NgramIndex.propose = propose
+
+
+def set_speculation(engine, on: bool, speculator) -> None:
+    """What `Engine.__init__` sets from `speculative.method`: the scheduler's drafter, and async steps off."""
+    engine.scheduler.drafter = speculator.draft if on else None
+    engine._async = not on and engine.executor.cfg.scheduler.async_steps
+
+
+def main() -> None:
+    args = parse_args()
+    from pieceworks import Engine, SamplingParams, load_config
+
+    given = any(s.startswith(("model.path=", "model.arch=")) for s in args.set)
+    base = args.set if given else ["model.path=smollm2-135m", *args.set]
+    cfg = load_config(None, [*base, "speculative.method=ngram", f"speculative.num_speculative_tokens={args.k}"])
+    engine = Engine.from_config(cfg, progress=False)
+    scripted = args.task == "scripted"
+    if engine.tokenizer is None and not scripted:
+        raise SystemExit("this model has no tokenizer; the prompts are chat text (--set model.path=..., or --task "
+                         "scripted)")
+    spec = engine.speculator
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=scripted)
+    rows = []
+    cases = [(int(b), float(a)) for b in args.batch.split(",") for a in (args.accept.split(",") if scripted else [0])]
+    for B, accept in cases:
+        if scripted:
+            ps = random_prompts(B, args.input_len, engine.executor.vocab_size)
+            set_speculation(engine, False, spec)
+            script_drafts({tuple(p): o.token_ids for p, o in zip(ps, engine.generate(ps, params))}, accept,
+                          engine.executor.vocab_size)
+        else:
+            ps = prompts(engine.tokenizer, args.task, B)
+        results: dict[str, list] = {"plain": [], "ngram": []}
+        for name in results:  # warm-up: graphs, caches
+            set_speculation(engine, name == "ngram", spec)
+            engine.generate(ps, params)
+        for _ in range(args.rounds):
+            for name in results:
+                set_speculation(engine, name == "ngram", spec)
+                before = (engine.num_steps, spec.num_draft_tokens, spec.num_accepted_tokens)
+                t = time.perf_counter()
+                outs = engine.generate(ps, params)
+                wall = time.perf_counter() - t
+                after = (engine.num_steps, spec.num_draft_tokens, spec.num_accepted_tokens)
+                results[name].append((wall, outs, *[a - b for a, b in zip(after, before)]))
+        ref = [o.token_ids for o in results["plain"][0][1]]
+        row = {"B": B, "case": f"{B} (p {accept:g})" if scripted else str(B)}
+        for name, runs in results.items():
+            tokens = sum(len(o.token_ids) for o in runs[0][1])
+            wall = statistics.median(r[0] for r in runs)
+            steps = runs[0][2]
+            row[name] = (tokens / wall, steps, tokens)
+            if name == "ngram":
+                row["drafts"] = (runs[0][3], runs[0][4])
+                row["same"] = sum(o.token_ids == r for o, r in zip(runs[0][1], ref))
+        rows.append(row)
+    model = cfg.model.path or f"{cfg.model.arch}-{cfg.model.preset}"
+    task = args.task if not scripted else f"scripted drafts over {args.input_len}-token random prompts"
+    lines = [f"{model}, {cfg.quantization.format}, task {task}, greedy, up to {args.tokens} tokens, k = {args.k}, "
+             f"median of {args.rounds}",
+             "", "| B | plain tok/s | ngram tok/s | x plain | steps plain / ngram | drafts accepted / fed | "
+             "same tokens |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        (pt, ps_, _), (nt, ns, _) = r["plain"], r["ngram"]
+        acc, fed = r["drafts"][1], r["drafts"][0]
+        lines.append(f"| {r['case']} | {pt:.1f} | {nt:.1f} | {nt / pt:.2f} | {ps_} / {ns} | {acc} / {fed} "
+                     f"({acc / max(fed, 1):.0%}) | {r['same']} of {r['B']} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
