@@ -231,9 +231,10 @@ class SpeculativeConfig:
     """Speculative decoding in the Engine (docs/sampling.md, "Speculative decoding")."""
 
     method: Optional[str] = None
-    """None: off. ngram (vLLM's prompt lookup): a greedy decode row's drafts are the tokens that followed the last
-    earlier occurrence of its longest trailing n-gram in prompt + output; one step checks them all. Engine steps
-    then run synchronously (scheduler.async_steps is not applied)."""
+    """None: off. ngram (vLLM's prompt lookup): a decode row's drafts are the tokens that followed the last earlier
+    occurrence of its longest trailing n-gram in prompt + output; one step checks them all (greedy and sampled rows
+    without penalties, a grammar or prompt logprobs). Engine steps then run synchronously (scheduler.async_steps is
+    not applied)."""
     num_speculative_tokens: int = 3
     """Most draft tokens per row and step."""
     prompt_lookup_max: int = 4

@@ -1,18 +1,22 @@
 """Speculative decoding with n-gram drafts (vLLM's prompt lookup), checked in one step.
 
-A greedy decode row whose last tokens occurred before in its prompt + output gets drafts d1..dk: the tokens
-that followed that earlier occurrence (the longest trailing n-gram that occurred before wins; its latest
-occurrence). The step feeds [last, d1..dk] and returns the logits of every fed token; the sampler takes
-each row's greedy token t0..tk (masks and logit_bias applied as in any step), and the row accepts t0, t1, ...
-while each draft matched the token before it: t_j is accepted when d1..dj all equal t0..t(j-1), so every
-accepted token is the one plain greedy decoding would give, and a step yields 1 to k + 1 tokens per row.
-The KV of the drafts that were not accepted is cut off (`Executor.truncate`).
+A decode row whose last tokens occurred before in its prompt + output gets drafts d1..dk: the tokens that
+followed that earlier occurrence (the longest trailing n-gram that occurred before wins; its latest
+occurrence). The step feeds [last, d1..dk] and returns the logits of every fed token; the sampler draws each
+row's token t0..tk as in any step (its own rules: masks, logit_bias, greedy or temperature and truncation), and
+the row keeps t0, t1, ... while each draft equals the token drawn before it: t_j is kept when d1..dj equal
+t0..t(j-1), so every kept token was drawn from the distribution plain decoding draws it from, given the same
+tokens before it. A greedy row thus gets plain greedy decoding's tokens; a sampled row gets tokens distributed
+as plain sampling's (for a draft of one fixed token, speculative sampling's accept-with-probability-p(d), else
+draw from p without d, is exactly this: draw from p, keep going if it was d). A step yields 1 to k + 1 tokens
+per row, and the KV of the drafts that were not kept is cut off (`Executor.truncate`).
 
-Which rows draft: greedy completions without penalties, structured outputs or prompt logprobs, once
-min_tokens are out (their next tokens do not depend on which earlier ones were accepted); every other row
-runs one token per step beside them. Drafts never run past max_tokens, the context limit or the step's
-token budget, and a row whose drafts would need KV pages the pool can't give runs without them. Engine
-steps run synchronously while this is on (the next step's tokens depend on what was accepted).
+Which rows draft: completions without penalties, structured outputs or prompt logprobs, once min_tokens are
+out (their next-token rule does not depend on which drafts are kept); the others run one token per step
+beside them. Drafts never run past max_tokens, the context limit or the step's token budget, and a row whose
+drafts would need KV pages the pool can't give runs without them. Engine steps run synchronously while this
+is on (the next step's drafts depend on what this one kept). A seeded row draws once per fed position from
+its own generator: reproducible, but not the tokens it draws without speculation.
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ class Speculator:
 
     def index_for(self, params: Any, matcher: Any) -> NgramIndex | None:
         """A new completion's n-gram index, or None where its rows can't draft (module docstring)."""
-        if not params.greedy or params.uses_penalties or matcher is not None or params.prompt_logprobs is not None:
+        if params.uses_penalties or matcher is not None or params.prompt_logprobs is not None:
             return None
         return NgramIndex(self.lo, self.hi)
 
@@ -107,7 +111,8 @@ class Speculator:
                 plain_rows.append(start + n - 1)
             start += n
         # one sampling pass: the plain rows first (a grammar's mask names their row indices), then each
-        # drafting row's k + 1 rows under its own state (greedy, no penalties: the same rule per row)
+        # drafting row's k + 1 rows under its own state (no penalties: the same rule at every position; a
+        # seeded state draws for its rows in order, one draw each)
         rows = to_device(torch.tensor(plain_rows + spec_rows, dtype=torch.int64), logits.device)
         states = [r.state for r in plain] + [r.state for r in spec for _ in range(len(r.draft) + 1)]
         mask = engine.grammars.mask(plain) if plain and engine.scheduler.structured else None
