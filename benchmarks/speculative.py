@@ -1,6 +1,6 @@
 """Speculative decoding with n-gram drafts (engine/speculative.py) against plain decoding, through the Engine.
 
-B greedy chat requests per run, each generating up to M tokens (EOS ends them): `--task copy` asks the model to
+B greedy (or `--temperature T`: seeded, EOS ignored) chat requests per run, each generating up to M tokens (EOS ends them): `--task copy` asks the model to
 copy a paragraph of pieceworks/data/english.txt (its output repeats its prompt, where prompt lookup drafts
 well), `--task story` asks for a short story (little to look up). `--task scripted` serves models without a
 tokenizer or sense (random weights, e.g. the Llama-3.1-8B shape on the GPU): B random prompts of `--input-len`
@@ -37,6 +37,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=256, help="scripted: prompt tokens (default 256)")
     p.add_argument("--batch", default="1,8", help="requests per run, comma-separated (default 1,8)")
     p.add_argument("--tokens", type=int, default=128, help="most tokens a request generates (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--k", type=int, default=3, help="speculative.num_speculative_tokens (default 3)")
     p.add_argument("--rounds", type=int, default=3, help="alternated runs per side (default 3)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -105,7 +106,9 @@ def main() -> None:
         raise SystemExit("this model has no tokenizer; the prompts are chat text (--set model.path=..., or --task "
                          "scripted)")
     spec = engine.speculator
-    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=scripted)
+    # sampled runs ignore EOS, so that both sides generate M tokens per request (their texts differ)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens, seed=0,
+                            ignore_eos=scripted or args.temperature > 0)
     rows = []
     cases = [(int(b), float(a)) for b in args.batch.split(",") for a in (args.accept.split(",") if scripted else [0])]
     for B, accept in cases:
@@ -138,11 +141,13 @@ def main() -> None:
             row[name] = (tokens / wall, steps, tokens)
             if name == "ngram":
                 row["drafts"] = (runs[0][3], runs[0][4])
-                row["same"] = sum(o.token_ids == r for o, r in zip(runs[0][1], ref))
+                same = sum(o.token_ids == r for o, r in zip(runs[0][1], ref))
+                row["same"] = f"{same} of {B}" if params.greedy else "n/a (sampled)"
         rows.append(row)
     model = cfg.model.path or f"{cfg.model.arch}-{cfg.model.preset}"
     task = args.task if not scripted else f"scripted drafts over {args.input_len}-token random prompts"
-    lines = [f"{model}, {cfg.quantization.format}, task {task}, greedy, up to {args.tokens} tokens, k = {args.k}, "
+    how = "greedy" if params.greedy else f"temperature {args.temperature:g}"
+    lines = [f"{model}, {cfg.quantization.format}, task {task}, {how}, up to {args.tokens} tokens, k = {args.k}, "
              f"median of {args.rounds}",
              "", "| B | plain tok/s | ngram tok/s | x plain | steps plain / ngram | drafts accepted / fed | "
              "same tokens |", "|---:|---:|---:|---:|---:|---:|---:|"]
@@ -150,7 +155,7 @@ def main() -> None:
         (pt, ps_, _), (nt, ns, _) = r["plain"], r["ngram"]
         acc, fed = r["drafts"][1], r["drafts"][0]
         lines.append(f"| {r['case']} | {pt:.1f} | {nt:.1f} | {nt / pt:.2f} | {ps_} / {ns} | {acc} / {fed} "
-                     f"({acc / max(fed, 1):.0%}) | {r['same']} of {r['B']} |")
+                     f"({acc / max(fed, 1):.0%}) | {r['same']} |")
     text = "\n".join(lines)
     print(text)
     if args.out:
