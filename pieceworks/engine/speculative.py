@@ -48,11 +48,18 @@ class NgramIndex:
         seen = len(toks)
         toks += req.tokens(seen)
         L = len(toks)
-        # index the n-grams ending before the last token (those ending at it are the ones looked up)
-        for e in range(max(seen, 1), L):
+        # index the n-grams ending before the last token (those ending at it are the ones looked up); a later end
+        # overwrites an earlier one, so each n-gram keeps its latest
+        if L - seen > 16:  # a prompt: zipped slices (2,000 tokens: 0.45 ms, 1.10 in the loop below; one-off script)
             for n, ends in enumerate(self.ends, start=self.lo):
-                if e >= n:
-                    ends[tuple(toks[e - n:e])] = e
+                first = max(seen, n)
+                if first < L:
+                    ends.update(zip(zip(*[toks[first - n + i:L - n + i] for i in range(n)]), range(first, L)))
+        else:  # a step's 1 to k + 1 tokens
+            for e in range(max(seen, 1), L):
+                for n, ends in enumerate(self.ends, start=self.lo):
+                    if e >= n:
+                        ends[tuple(toks[e - n:e])] = e
         for n in range(min(self.hi, L), self.lo - 1, -1):
             e = self.ends[n - self.lo].get(tuple(toks[L - n:]))
             if e is not None:
