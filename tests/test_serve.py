@@ -191,6 +191,26 @@ def test_sixteen_concurrent_streams(tiny_url, tiny_engine):
     wait_idle(tiny_url)
 
 
+def test_speculative_server_streams_chunks_of_several_tokens(tiny_engine):
+    """A server with n-gram drafts: the streamed chunks of a greedy completion carry 1 to k + 1 tokens each, with
+    one logprob per token, and add up to the plain engine's tokens; /metrics counts the drafts."""
+    prompt = PROMPTS[9] * 3  # the prompt repeats itself: n-grams to look up
+    want = greedy(tiny_engine, [prompt], 40)[0]
+    spec = ["speculative.method=ngram", "speculative.num_speculative_tokens=3"]
+    with serve([*TINY, *spec, "--served-model-name", TINY_NAME]) as server:
+        url = server.wait()
+        chunks = list(client(url).completions.create(
+            model=TINY_NAME, prompt=prompt, max_tokens=40, temperature=0, logprobs=1, stream=True,
+            extra_body={"return_token_ids": True, "ignore_eos": True}))
+        per_chunk = [(c.choices[0].model_extra["token_ids"], c.choices[0].logprobs) for c in chunks if c.choices]
+        assert [t for ids, _ in per_chunk for t in ids] == want
+        assert max(len(ids) for ids, _ in per_chunk) > 1
+        assert all(len(lp.token_logprobs) == len(ids) for ids, lp in per_chunk if ids)
+        m = wait_idle(url)
+        assert m["pieceworks_spec_decode_num_accepted_tokens_total"] > 0
+        assert m["pieceworks_spec_decode_num_draft_tokens_total"] >= m["pieceworks_spec_decode_num_accepted_tokens_total"]
+
+
 def test_disconnect_aborts_and_returns_pages(tiny_url):
     body = {"model": TINY_NAME, "prompt": PROMPTS[3], "max_tokens": 240, "ignore_eos": True, "stream": True,
             "return_token_ids": True}
