@@ -1,6 +1,7 @@
 """Speculative decoding with n-gram drafts (engine/speculative.py) against plain decoding, through the Engine.
 
-B greedy (or `--temperature T`: seeded, EOS ignored) chat requests per run, each generating up to M tokens (EOS ends them): `--task copy` asks the model to
+B greedy chat requests per run (or `--temperature T`: seeded, EOS ignored), each generating up to M tokens
+(EOS ends them): `--task copy` asks the model to
 copy a paragraph of pieceworks/data/english.txt (its output repeats its prompt, where prompt lookup drafts
 well), `--task story` asks for a short story (little to look up). `--task scripted` serves models without a
 tokenizer or sense (random weights, e.g. the Llama-3.1-8B shape on the GPU): B random prompts of `--input-len`

@@ -207,8 +207,8 @@ def test_speculative_server_streams_chunks_of_several_tokens(tiny_engine):
         assert max(len(ids) for ids, _ in per_chunk) > 1
         assert all(len(lp.token_logprobs) == len(ids) for ids, lp in per_chunk if ids)
         m = wait_idle(url)
-        assert m["pieceworks_spec_decode_num_accepted_tokens_total"] > 0
-        assert m["pieceworks_spec_decode_num_draft_tokens_total"] >= m["pieceworks_spec_decode_num_accepted_tokens_total"]
+        accepted = m["pieceworks_spec_decode_num_accepted_tokens_total"]
+        assert m["pieceworks_spec_decode_num_draft_tokens_total"] >= accepted > 0
 
 
 def test_disconnect_aborts_and_returns_pages(tiny_url):
