@@ -1,17 +1,16 @@
 """Speculative decoding with n-gram drafts (engine/speculative.py) against plain decoding, through the Engine.
 
 B greedy chat requests per run (or `--temperature T`: seeded, EOS ignored), each generating up to M tokens
-(EOS ends them): `--task copy` asks the model to
-copy a paragraph of pieceworks/data/english.txt (its output repeats its prompt, where prompt lookup drafts
-well), `--task story` asks for a short story (little to look up). `--task scripted` serves models without a
-tokenizer or sense (random weights, e.g. the Llama-3.1-8B shape on the GPU): B random prompts of `--input-len`
-tokens, and drafts taken from the plain side's own tokens, each draft token kept right with probability
-`--accept` (else replaced), so that the cost of a step with drafts shows at a chosen acceptance. One engine built with
-`speculative.method=ngram`; its plain side is the default engine path (no drafter, async steps), its
-speculative side the configured one (drafts, synchronous steps): the two switches `Engine.__init__` sets from
-the config, flipped between runs so that the sides alternate `--rounds` times on one model (median). Per side:
-output tok/s, engine steps, tokens per request-step; for the speculative side drafts fed and accepted, and
-whether each request's tokens equal the plain side's.
+(EOS ends them): `--task copy` asks the model to copy a paragraph of pieceworks/data/english.txt (its output
+repeats its prompt, where prompt lookup drafts well), `--task story` asks for a short story (little to look
+up). `--task scripted` serves models without a tokenizer or sense (random weights, e.g. the Llama-3.1-8B shape
+on the GPU): B random prompts of `--input-len` tokens, and drafts taken from the plain side's own tokens, each
+draft token right with probability `--accept` (else replaced), so that the cost of a step with drafts shows at a
+chosen acceptance. One engine built with `speculative.method=ngram`; its plain side is the default engine path
+(no drafter, async steps), its speculative side the configured one (drafts, synchronous steps): the two
+switches `Engine.__init__` sets from the config, flipped between runs so that the sides alternate `--rounds`
+times on one model (median). Per side: output tok/s and engine steps; for the speculative
+side drafts fed and accepted, and whether each request's tokens equal the plain side's.
 
     python benchmarks/speculative.py --task copy --batch 1,8 --tokens 128 [--set key=value ...] [--out FILE]
     python benchmarks/speculative.py --task scripted --accept 0.6,0.9 --batch 1,16 --set model.arch=llama \
