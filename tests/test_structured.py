@@ -166,6 +166,30 @@ def test_async_steps_give_the_synchronous_tokens(engine):
         sync.close()
 
 
+def test_structured_rows_beside_drafting_rows(engine):
+    """With n-gram speculation on, structured requests do not draft and keep their synchronous tokens (their masks
+    index the plain rows of a step whose drafting rows come after them); a greedy request that copies its prompt
+    drafts beside them and gets its plain tokens."""
+    spec = Engine.from_config(engine.executor.cfg, ["speculative.method=ngram", "scheduler.async_steps=false"],
+                              progress=False)
+    sync = Engine.from_config(engine.executor.cfg, ["scheduler.async_steps=false"], progress=False)
+    try:
+        text = "one two three four five six seven eight nine ten"
+        requests = [(chat(engine, f"Repeat exactly: {text}"), SamplingParams(temperature=0, max_tokens=24)),
+                    (chat(engine, "Ann, 31, as JSON"), SamplingParams(
+                        temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=PERSON))),
+                    ("Call me at", SamplingParams(temperature=0.8, seed=11, max_tokens=16, structured_outputs=
+                                                  StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{4}")))]
+        got = drive(spec, requests)
+        assert got == drive(sync, requests)
+        assert spec.stats()["num_accepted_tokens"] > 0
+        out = [engine.tokenizer.decode(t, skip_special_tokens=True) for t in got]
+        assert json.loads(out[1])["age"] == 31 and re.fullmatch(r"[0-9]{3}-[0-9]{4}", out[2]), out
+    finally:
+        spec.close()
+        sync.close()
+
+
 def test_async_grammar_masks_are_computed_while_the_previous_ids_are_accepted(engine, monkeypatch):
     """Under async steps the matchers take step k - 1's ids first; step k's mask is then computed on the
     grammar worker while the step thread accepts those ids (detokenizes, checks stops, makes outputs), and
