@@ -177,8 +177,8 @@ def test_unknown_architecture(broken):
     with pytest.raises(ValueError) as e:
         _load(broken)
     assert "GPT2LMHeadModel" in str(e.value) and (
-        "pieceworks supports LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-        "Qwen3MoeForCausalLM, DeepseekV3ForCausalLM") in str(e.value)
+        "pieceworks supports LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
+        "Qwen3ForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM") in str(e.value)
 
 
 def test_missing_tensor(broken):

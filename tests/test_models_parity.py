@@ -1,4 +1,4 @@
-"""pieceworks' Llama (and Mistral, Qwen2, Qwen3, Qwen3-MoE) and DeepSeek-V3 against transformers, through the
+"""pieceworks' Llama (and Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE) and DeepSeek-V3 against transformers, through the
 Executor, in float32.
 
 Each case is a tiny random transformers model saved with save_pretrained. Per-position logits of
@@ -11,6 +11,7 @@ models match transformers holding the export's weights dequantized (w4a16 numeri
 from __future__ import annotations
 
 import math
+import re
 import shutil
 
 import pytest
@@ -36,6 +37,7 @@ DEEPSEEK_BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe
                      qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
                      num_experts_per_tok=2, routed_scaling_factor=2.5, max_position_embeddings=256)
 QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+MIXTRAL_PROJ = {"1": "gate_proj", "3": "up_proj", "2": "down_proj"}
 YARN = dict(rope_type="yarn", factor=4.0, mscale=1.0, mscale_all_dim=0.8, original_max_position_embeddings=64,
             rope_theta=10000.0)
 
@@ -55,6 +57,8 @@ CASES = {
     "qwen3_moe_norm_topk": ("qwen3_moe", dict(head_dim=32, norm_topk_prob=True, mlp_only_layers=[0],
                                               num_hidden_layers=3)),
     "qwen3_moe_raw_topk": ("qwen3_moe", dict(head_dim=32, norm_topk_prob=False, decoder_sparse_step=1)),
+    # MixtralForCausalLM: experts of intermediate_size in every layer, top-2 renormalized, w1 / w3 / w2 names
+    "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6, sliding_window=None)),
     # Qwen3ForCausalLM: q/k RMSNorm per head before the rope, tied head
     "qwen3_qk_norm": ("qwen3", dict(head_dim=32, tie_word_embeddings=True)),
     # q_proj (no q LoRA), yarn with mscale != mscale_all_dim, 4 groups keep 2, one shared expert
@@ -91,6 +95,14 @@ def _hf_model(arch: str, overrides: dict) -> torch.nn.Module:
             for layer in model.model.layers:
                 if hasattr(layer.mlp, "gate"):
                     layer.mlp.gate.weight.normal_(0.0, 0.2)
+        return model
+    if arch == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        model = MixtralForCausalLM(MixtralConfig(**{**LLAMA_BASE, **overrides})).eval()
+        with torch.no_grad():  # a router sharp enough that routing depends on the token
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.normal_(0.0, 0.2)
         return model
     if arch == "qwen3":
         from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -217,6 +229,10 @@ def _dequantized_reference(export_dir, config_dir):
                 value = nvfp4.dequantize(w.weight, w.weight_scale, w.weight_scale_2)
             else:
                 value = reader.get(name).float()
+            if ".block_sparse_moe." in module:  # Mixtral's names of the modules transformers names as Qwen3-MoE's
+                module = re.sub(r"\.w([123])$", lambda m: "." + MIXTRAL_PROJ[m[1]],
+                                module.replace(".block_sparse_moe.", ".mlp."))
+                name = f"{module}.weight"
             if ".experts." in module:  # transformers stacks experts: gate_up_proj [E, 2I, H], down_proj [E, H, I]
                 layer, expert, proj = module.split(".experts.")[0], *module.split(".experts.")[1].split(".")
                 e, inter = int(expert), value.shape[0] if proj != "down_proj" else value.shape[1]
@@ -263,16 +279,17 @@ def test_nvfp4_unfusable_parts_stay_separate(tiny_llama_modelopt, tmp_path):
     _assert_close(ex.score([ids])[0], _ref_logits(_dequantized_reference(d, tiny_llama_modelopt.bf16_dir), ids))
 
 
-@pytest.mark.parametrize("name", ["qwen2_qkv_bias_yarn", "qwen3_moe_norm_topk", "mistral_no_window"])
+@pytest.mark.parametrize("name", ["qwen2_qkv_bias_yarn", "qwen3_moe_norm_topk", "mistral_no_window", "mixtral"])
 def test_our_nvfp4_quantization_of_other_llama_family_models_is_exact(name, tmp_path):
     """`pieceworks quantize` (a fixed amax: no calibration) of Qwen2 (biases stay bf16), Qwen3-MoE (experts and
-    router) and Mistral checkpoints: w4a16 equals transformers holding the export dequantized."""
+    router), Mistral and Mixtral (its w1 / w3 / w2 experts) checkpoints: w4a16 equals transformers holding the
+    export dequantized."""
     from pieceworks.quant.quantizer import quantize_checkpoint
 
     arch, overrides = CASES[name]
     _hf_model(arch, overrides).save_pretrained(tmp_path / "bf16")
     quantize_checkpoint(tmp_path / "bf16", tmp_path / "fp4", amax=4.0, progress=False)
     ex = _executor(tmp_path / "fp4", fp4_numerics="w4a16")
-    assert ex.model.has_fp4() and (ex.model.facts(4).moe_quant == "nvfp4") == ("moe" in name)
+    assert ex.model.has_fp4() and (ex.model.facts(4).moe_quant == "nvfp4") == ("moe" in name or name == "mixtral")
     ids = _prompt(40, seed=5)
     _assert_close(ex.score([ids])[0], _ref_logits(_dequantized_reference(tmp_path / "fp4", tmp_path / "bf16"), ids))

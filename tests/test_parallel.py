@@ -216,6 +216,32 @@ def test_llama_tp4_equals_one_process(reference):
     assert no_children_left()
 
 
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory):
+    """A tiny MixtralForCausalLM saved by transformers (its block_sparse_moe / w1 / w3 / w2 names)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.2)
+    path = tmp_path_factory.mktemp("mixtral")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("extra", [[], ["parallel.expert_parallel=true"]], ids=["tp", "ep"])
+def test_mixtral_checkpoint_tp2_equals_one_process(reference, mixtral_dir, extra):
+    """Each rank reads its slices (or its experts) of a Mixtral checkpoint through the renamed names."""
+    one = [f"model.path={mixtral_dir}", *BASE]
+    with Executor.from_config(None, one + extra + TP2, progress=False) as ex:
+        got = steps(ex)
+    assert_same(reference(one), got)
+    assert no_children_left()
+
+
 @pytest.mark.parametrize("extra", [[*PIECEWISE], ["parallel.expert_parallel=true"]], ids=["tp-piecewise", "ep"])
 def test_deepseek_tp2_equals_one_process(reference, extra):
     with Executor.from_config(None, DEEPSEEK + extra + TP2, progress=False) as ex:

@@ -238,6 +238,9 @@ class CausalLM(nn.Module):
 
     arch: str = ""
     tp: TPLayout = TPLayout()
+    checkpoint_names: Any = staticmethod(lambda hf_config: None)
+    """`checkpoint_names(hf_config)`: a function from the model's tensor and module names to the checkpoint's, for
+    checkpoints that name them otherwise (Mixtral's: `Llama.checkpoint_names`); None where they agree."""
     vocab_size: int
     max_position_embeddings: int
     dtype: torch.dtype

@@ -231,3 +231,33 @@ class CheckpointReader:
     def __repr__(self) -> str:
         shards = len(set(self._weight_map.values()))
         return f"CheckpointReader({str(self.model_dir)!r}, {len(self._weight_map)} tensors, {shards} file(s))"
+
+
+class RenamingReader:
+    """A CheckpointReader read by the model's tensor names: `named(name)` is the checkpoint's name of each
+    (Mixtral's experts). Everything else (`names`, `read`, `model_dir`, ...) is the reader's, in the checkpoint's
+    names, as the loader's check for unused tensors compares them."""
+
+    def __init__(self, reader: CheckpointReader, named) -> None:
+        self.reader, self.named = reader, named
+
+    def __getattr__(self, attr: str):
+        return getattr(self.reader, attr)
+
+    def has(self, name: str) -> bool:
+        return self.reader.has(self.named(name))
+
+    def file_of(self, name: str) -> str:
+        return self.reader.file_of(self.named(name))
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.reader.dtype(self.named(name))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.reader.shape(self.named(name))
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.reader.get(self.named(name))
+
+    def get_part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        return self.reader.get_part(self.named(name), dim, start, stop)

@@ -62,7 +62,7 @@ FIELDS: dict[str, dict[str, tuple[str, str | None, bool]]] = {
         "mlp_bias": ("bool", None, False),
         "sliding_window": ("int", "pos", False),  # Mistral's and Qwen's (check() refuses a window it would cut)
         "use_sliding_window": ("bool", None, False),
-        # Qwen3-MoE's experts
+        # Qwen3-MoE's and Mixtral's experts
         "num_experts": ("int", "nonneg", False),
         "num_local_experts": ("int", "nonneg", False),
         "num_experts_per_tok": ("int", "pos", False),

@@ -8,6 +8,8 @@ Shape legend: T tokens, H hidden, Hq query heads, Hkv KV heads, D head size, V v
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 from typing import Callable
 
@@ -28,10 +30,27 @@ from pieceworks.parallel.layout import (TPLayout, require_divisible, require_fp4
 from pieceworks.quant.linear import Fp4Linear
 
 
+def is_mixtral(hf: dict) -> bool:
+    return hf.get("model_type") == "mixtral" or "MixtralForCausalLM" in (hf.get("architectures") or [])
+
+
+_MIXTRAL_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+_MIXTRAL_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)")
+
+
+def mixtral_name(name: str) -> str:
+    """A module or tensor name of pieceworks' Llama as Mixtral's checkpoints write it: the experts under
+    `block_sparse_moe` (its router `gate`), each expert's gate / up / down projections as w1 / w3 / w2."""
+    if ".mlp." not in name:
+        return name
+    name = _MIXTRAL_EXPERT.sub(lambda m: f".mlp.experts.{m[1]}.{_MIXTRAL_PROJ[m[2]]}", name)
+    return name.replace(".mlp.", ".block_sparse_moe.", 1)
+
+
 @dataclass(frozen=True)
 class LlamaMoE:
-    """Qwen3-MoE's routed experts, named as `models.moe.MoE` reads them (softmax routing, no groups or shared
-    experts)."""
+    """Qwen3-MoE's and Mixtral's routed experts, named as `models.moe.MoE` reads them (softmax routing, no groups
+    or shared experts)."""
 
     n_routed_experts: int
     num_experts_per_tok: int
@@ -64,8 +83,8 @@ class LlamaArgs:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaArgs":
-        """Read a LlamaForCausalLM (or MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
-        config.json dict (transformers' defaults for absent keys).
+        """Read a LlamaForCausalLM (or MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+        Qwen3MoeForCausalLM) config.json dict (transformers' defaults for absent keys).
 
         Raises:
             CheckpointError: a missing, mistyped or inconsistent field (`hf_config.FieldError`, naming
@@ -89,6 +108,10 @@ class LlamaArgs:
             step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
             sparse = tuple(i for i in range(hf["num_hidden_layers"])
                            if i not in dense and moe.n_routed_experts > 0 and (i + 1) % step == 0)
+        elif is_mixtral(hf):  # every layer's MLP is experts of intermediate_size, top-k renormalized
+            moe = LlamaMoE(hf.get("num_local_experts", 8), hf.get("num_experts_per_tok", 2), hf["intermediate_size"],
+                           True)
+            sparse = tuple(range(hf["num_hidden_layers"])) if moe.n_routed_experts > 0 else ()
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -282,6 +305,11 @@ class Llama(CausalLM):
     """
 
     arch = "llama"
+
+    @staticmethod
+    def checkpoint_names(hf_config: dict) -> Callable[[str], str] | None:
+        """How the checkpoint names this model's tensors, where not as the model does (Mixtral's); else None."""
+        return mixtral_name if is_mixtral(hf_config) else None
 
     def __init__(self, hf_config: dict, dtype: torch.dtype, fp4: Callable[[str], bool] = lambda name: False,
                  tp: TPLayout = TPLayout()):

@@ -29,6 +29,8 @@ from pieceworks.util import checked_stat, unreadable
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": Llama,
     "MistralForCausalLM": Llama,  # Llama's layers; sliding-window attention refused (hf_config.check)
+    "MixtralForCausalLM": Llama,  # with softmax-routed experts in every layer, named as Mixtral's checkpoints
+    # name them (`Llama.checkpoint_names`)
     "Qwen2ForCausalLM": Llama,  # Llama's layers with q/k/v biases (LlamaArgs.qkv_bias)
     "Qwen3ForCausalLM": Llama,  # Llama's layers with q/k norms (LlamaArgs.qk_norm)
     "Qwen3MoeForCausalLM": Llama,  # and softmax-routed experts in its sparse layers (LlamaArgs.moe)
@@ -62,12 +64,13 @@ def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype
     cls, hf, fp4, reader = _describe(model_cfg, quant_cfg)
     allow_extra = bool(getattr(model_cfg, "allow_extra_tensors", False))
     if model_cfg.path is not None:
-        from pieceworks.models.checkpoint import CheckpointReader
+        from pieceworks.models.checkpoint import CheckpointReader, RenamingReader
         from pieceworks.models.weights import CheckpointSource
 
         reader = reader or CheckpointReader(Path(model_cfg.path))
         _check_tied_head(reader, hf, allow_extra)
-        source: Any = CheckpointSource(reader, device, dtype)
+        named = cls.checkpoint_names(hf)
+        source: Any = CheckpointSource(reader if named is None else RenamingReader(reader, named), device, dtype)
     else:
         from pieceworks.models.weights import RandomSource
 
@@ -173,7 +176,8 @@ def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Cal
                                   "it first (`pieceworks quantize`) or use quantization.format=auto")
         if quant is None:
             return cls, hf, lambda name: False, reader
-        return cls, hf, lambda name: not quant.is_excluded(name), reader
+        named = cls.checkpoint_names(hf) or (lambda name: name)  # the exclusions name checkpoint modules
+        return cls, hf, lambda name: not quant.is_excluded(named(name)), reader
     from pieceworks.models.presets import preset_config
 
     if model_cfg.arch not in ARCHS:

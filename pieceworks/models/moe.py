@@ -1,5 +1,5 @@
-"""Mixture of experts (DeepSeek-V3's, and Qwen3-MoE's softmax routing): the fp32 router and shared experts in
-the model, routing and the routed experts in the `pieceworks::moe` op.
+"""Mixture of experts (DeepSeek-V3's, and Qwen3-MoE's and Mixtral's softmax routing): the fp32 router and shared
+experts in the model, routing and the routed experts in the `pieceworks::moe` op.
 
 Tensor parallel, two ways. Default: every rank holds all experts, each with I / N of its intermediate
 columns (gate/up rows, down columns), and routes every token itself: its output is a partial sum.
