@@ -224,3 +224,26 @@ def test_nvfp4_tensor_errors_propagate(tiny_llama_modelopt, tmp_path):
     _edit_tensors(d, lambda t: t.pop("model.layers.1.self_attn.o_proj.input_scale"))
     with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.o_proj\.input_scale: missing"):
         _load(d)
+
+
+def test_mixtral_checkpoint_errors_name_the_checkpoints_tensors(tmp_path):
+    """Mixtral's experts load through the model's names; a missing or misshapen one is named as the file has it."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2)).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    cfg = {"model": {"path": str(tmp_path)}, "runtime": {"device": "cpu"}}
+    Executor.from_config(cfg, progress=False).close()  # every tensor read under its Mixtral name
+    for edit, needle in ((lambda t: t.pop("model.layers.1.block_sparse_moe.experts.2.w3.weight"),
+                          "model.layers.1.block_sparse_moe.experts.2.w3.weight: missing"),
+                         (lambda t: t.update({"model.layers.0.block_sparse_moe.experts.1.w2.weight":
+                                              torch.zeros(32, 5)}),
+                          "model.layers.0.block_sparse_moe.experts.1.w2.weight: shape mismatch")):
+        broken = dict(tensors)
+        edit(broken)
+        save_file(broken, tmp_path / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(CheckpointError, match=needle.replace(".", r"\.")):
+            Executor.from_config(cfg, progress=False)
+

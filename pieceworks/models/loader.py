@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import re
 import stat
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -69,15 +70,21 @@ def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype
 
         reader = reader or CheckpointReader(Path(model_cfg.path))
         _check_tied_head(reader, hf, allow_extra)
-        named = cls.checkpoint_names(hf)
-        source: Any = CheckpointSource(reader if named is None else RenamingReader(reader, named), device, dtype)
+        renamed = cls.checkpoint_names(hf)
+        source: Any = CheckpointSource(reader if renamed is None else RenamingReader(reader, renamed), device, dtype)
     else:
         from pieceworks.models.weights import RandomSource
 
         source = RandomSource(device, dtype, seed=seed)
     model = build(cls, hf, dtype, fp4, tp)
     _size_rope_tables(model, model_cfg)
-    materialize(model, source, device, progress)
+    named = cls.checkpoint_names(hf) if model_cfg.path is not None else None
+    try:
+        materialize(model, source, device, progress)
+    except CheckpointError as e:  # say the checkpoint's names of the tensors (Mixtral's), not the model's
+        if named is None:
+            raise
+        raise CheckpointError(re.sub(r"model\.layers\.\d+\.[\w.*]+", lambda m: named(m[0]), str(e))) from None
     if reader is not None and not allow_extra:
         check_unused(reader, model)
     return model
