@@ -261,6 +261,29 @@ def test_steps_with_drafts_keep_to_the_token_budget(monkeypatch, reference):
     drained(eng)
 
 
+def test_drafts_take_only_the_pages_the_rows_own_tokens_left(monkeypatch):
+    """Drafts are added after every running row has its own token, from the pages left: with room for exactly
+    the rows' own pages, a row whose drafts need another page runs without them, one whose drafts fit in its
+    pages gets them, and nothing is preempted."""
+    from pieceworks.executor.kv_cache import PageAllocator
+
+    eng = make()
+    a = eng.add_request(list(range(10, 15)), GREEDY)  # 5 tokens: 2 pages; its next token fits, 3 drafts do not
+    b = eng.add_request(list(range(20, 24)), GREEDY)  # 4 tokens: 1 full page; its next token takes a 2nd page
+    eng.step()
+    monkeypatch.setattr(NgramIndex, "propose", lambda self, req, k: [1, 2, 3][:k])
+    monkeypatch.setattr(PageAllocator, "num_free", property(lambda self: 1))  # b's own page, no more
+    out = {r.request_id: toks for r, toks in eng.scheduler.schedule()}
+    monkeypatch.undo()
+    assert (len(out[a]), out[b][1:]) == (1, [1, 2, 3]) and eng.stats()["num_preemptions"] == 0
+    for rid in (a, b):
+        for r in eng._requests[rid]:
+            r.draft = []
+        eng.abort(rid)
+    eng.step()
+    drained(eng)
+
+
 def test_preemption_with_drafts_gives_the_plain_tokens(reference, monkeypatch):
     scripted(monkeypatch, reference, wrong_at=2)
     small = make(num_tokens=96)  # 24 pages of 4; the six sequences reach 64 pages together

@@ -11,6 +11,8 @@ Each step (vLLM v1's rules, in nano-vllm's few lines):
    cached prefix of its tokens (prefix caching) and is admitted when the pages its first chunk needs
    now, plus a watermark, are free; not its whole prompt + max_tokens. The first that doesn't fit
    stops admission (no overtaking, so a long prompt can't starve).
+With speculative decoding (`drafter`), decode rows then get their drafts in order from the tokens and pages
+left, before any waiting request is admitted.
 With `scheduler.async_steps`, a request's output may end in the placeholder of a token still in
 flight (`Request.pending`): it counts as generated, so no step runs beyond max_tokens.
 The n completions of one request are admitted once the first has computed the prompt, so the others
@@ -153,16 +155,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                toks = req.tokens(kv_len, kv_len + n)
-                if n == 1 and self.drafter is not None:  # a decode row: speculative drafts, where they fit
-                    req.draft = draft = self.drafter(req, tokens_left - 1)
-                    if draft:
-                        more = max(0, -(-(kv_len + 1 + len(draft)) // ps) - len(seq.pages))
-                        if more > free - promised:
-                            req.draft = []
-                        else:
-                            toks, n, need = toks + draft, 1 + len(draft), more
-                out.append((req, toks))
+                out.append((req, req.tokens(kv_len, kv_len + n)))
                 promised += need
                 tokens_left -= n
                 seqs_left -= 1
@@ -171,6 +164,9 @@ class Scheduler:
             break  # req itself was preempted: nothing after it runs either
         if preempted:
             return out
+        if self.drafter is not None:
+            tokens_left, taken = self._add_drafts(out, tokens_left, free - promised)
+            promised += taken
         admitted: list[Request] = []  # left in `waiting` while it is iterated, taken out after
         try:
             for req in self.waiting:
@@ -202,6 +198,28 @@ class Scheduler:
         finally:
             self._dequeue(admitted)
         return out
+
+
+    def _add_drafts(self, out: list[tuple[Request, list[int]]], tokens_left: int, room: int) -> tuple[int, int]:
+        """Speculative drafts (`drafter`) after the decode rows of `out`, in order, while the step's tokens and the
+        `room` pages left last: drafts take only what every running request's own tokens left, so they never
+        preempt one. Returns the tokens left and the pages the drafts take."""
+        ps, taken = self.ex.page_size, 0
+        for j, (req, toks) in enumerate(out):
+            if tokens_left <= 0:
+                break
+            seq = req.seq
+            if len(toks) != 1 or req.num_tokens - seq.kv_len != 1:
+                continue  # a prompt's chunk
+            draft = self.drafter(req, tokens_left)
+            if not draft:
+                continue
+            more = -(-(seq.kv_len + 1 + len(draft)) // ps) - max(len(seq.pages), -(-(seq.kv_len + 1) // ps))
+            if more > room - taken:
+                continue
+            req.draft, out[j] = draft, (req, toks + draft)
+            tokens_left, taken = tokens_left - len(draft), taken + more
+        return tokens_left, taken
 
 
 def _order(req: Request) -> tuple[int, int]:

@@ -13,8 +13,8 @@ per row, and the KV of the drafts that were not kept is cut off (`Executor.trunc
 
 Which rows draft: completions without penalties, structured outputs or prompt logprobs, once min_tokens are
 out (their next-token rule does not depend on which drafts are kept); the others run one token per step
-beside them. Drafts never run past max_tokens, the context limit or the step's token budget, and a row whose
-drafts would need KV pages the pool can't give runs without them. Engine steps run synchronously while this
+beside them. Drafts never run past max_tokens or the context limit, and take only the step's tokens and KV
+pages that the running requests' own tokens left (`Scheduler._add_drafts`). Engine steps run synchronously while this
 is on (the next step's drafts depend on what this one kept). A seeded row draws once per fed position from
 its own generator: reproducible, but not the tokens it draws without speculation.
 """
