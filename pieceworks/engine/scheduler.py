@@ -199,7 +199,6 @@ class Scheduler:
             self._dequeue(admitted)
         return out
 
-
     def _add_drafts(self, out: list[tuple[Request, list[int]]], tokens_left: int, room: int) -> tuple[int, int]:
         """Speculative drafts (`drafter`) after the decode rows of `out`, in order, while the step's tokens and the
         `room` pages left last: drafts take only what every running request's own tokens left, so they never

@@ -135,7 +135,6 @@ class PageAllocator:
             self._page_of[key] = page
             self._key_of[page] = key
 
-
     def unregister(self, page: int) -> None:
         """Take a held page out of the prefix cache (its KV is about to be overwritten: a sequence cut back
         into it, `Executor.truncate`). Only its one holder may: nobody else reads what it will hold."""
