@@ -192,6 +192,9 @@ def _main_job(ex: Any, cfg: Config, build_s: float) -> int:
         f"{build_s:.1f} s; {n_new} tokens in {gen_s:.2f} s = {n_new / gen_s:.1f} tokens/s"
     )
     console.print(stats.summary())
+    if cfg.speculative.method is not None:
+        console.print(f"speculative.method={cfg.speculative.method} applies to the Engine (pieceworks serve, pieceworks "
+                      "chat, pieceworks.Engine); pieceworks run generates through Executor.generate, without it")
     print_kernel_table_compact(ex.table)
     print_graph_config(cfg, ex.device, ex)
     return 0

@@ -391,3 +391,13 @@ def test_bad_speculative_config_is_a_config_error(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config({"model": {"arch": "llama"}}, overrides)
 
+
+
+def test_pieceworks_run_says_it_generates_without_speculation(capsys):
+    """`pieceworks run` generates through Executor.generate: a speculative config is named as not applied there."""
+    from pieceworks import cli
+
+    assert cli.main(["run", "model.arch=llama", "model.preset=tiny", "speculative.method=ngram",
+                     "generation.max_new_tokens=2", "cuda_graph.piecewise.enabled=off"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "speculative.method=ngram applies to the Engine" in out and "without it" in out
