@@ -199,6 +199,8 @@ def test_speculative_server_streams_chunks_of_several_tokens(tiny_engine):
     spec = ["speculative.method=ngram", "speculative.num_speculative_tokens=3"]
     with serve([*TINY, *spec, "--served-model-name", TINY_NAME]) as server:
         url = server.wait()
+        log = " ".join(Path(server.log.name).read_text().split())  # rich wraps the log's lines
+        assert "speculative decoding: ngram, up to 3 drafts per row (n-grams of 2-4 tokens)" in log, log[-2000:]
         chunks = list(client(url).completions.create(
             model=TINY_NAME, prompt=prompt, max_tokens=40, temperature=0, logprobs=1, stream=True,
             extra_body={"return_token_ids": True, "ignore_eos": True}))

@@ -112,6 +112,11 @@ def run_serve(args: argparse.Namespace, cfg: Any) -> int:
         sched = engine.engine.scheduler.cfg
         log.info("steps of up to %d new tokens and %d sequences (scheduler.max_num_batched_tokens, max_num_seqs)",
                  sched.max_num_batched_tokens, sched.max_num_seqs)
+        spec = engine.engine.executor.cfg.speculative
+        if spec.method is not None:
+            log.info("speculative decoding: %s, up to %d drafts per row (n-grams of %d-%d tokens); steps run "
+                     "synchronously", spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min,
+                     spec.prompt_lookup_max)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     log.info("stopped: the engine is shut down")
     return 0
