@@ -331,6 +331,29 @@ def test_async_engine_streams_several_tokens_per_output(monkeypatch, reference):
         assert max(len(o.new_token_ids) for o in outs) == K + 1 and len(outs[-1].logprobs) == 16
 
 
+def test_a_failed_step_with_drafts_leaves_the_engine_serving(monkeypatch, reference):
+    """A forward that raises in a step with drafts changes nothing: the next step (no drafts found) and the
+    ones after it (drafts again) give the completion its plain tokens."""
+    scripted(monkeypatch, reference)
+    eng = make()
+    p = PROMPTS[3]
+    rid = eng.add_request(p, GREEDY)
+    eng.step()  # the prompt
+    forward = eng.executor.forward
+    monkeypatch.setattr(eng.executor, "forward", lambda b, **kw: (_ for _ in ()).throw(RuntimeError("device lost")))
+    with pytest.raises(RuntimeError, match="device lost"):
+        eng.step()
+    monkeypatch.setattr(eng.executor, "forward", forward)
+    propose = NgramIndex.propose
+    monkeypatch.setattr(NgramIndex, "propose", lambda self, req, k: [])
+    done = {o.request_id: o for o in eng.step() if o.finished}
+    monkeypatch.setattr(NgramIndex, "propose", propose)
+    while eng.has_unfinished():
+        done |= {o.request_id: o for o in eng.step() if o.finished}
+    assert done[rid].token_ids == reference[tuple(p)][:GREEDY.max_tokens]
+    drained(eng)
+
+
 def test_speculation_runs_steps_synchronously():
     eng = make(scheduler={"max_num_batched_tokens": 64, "async_steps": True})
     eng.generate(PROMPTS[:2], GREEDY)

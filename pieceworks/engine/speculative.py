@@ -102,8 +102,13 @@ class Speculator:
         what each row's drafts earned; appends the step's outputs to `outputs`."""
         ex = engine.executor
         every = [r.needs_prompt_logits or bool(r.draft) for r, _ in scheduled]
-        logits = ex.forward(ForwardBatch([r.seq for r, _ in scheduled], [t for _, t in scheduled], every),
-                            validate=False)
+        try:
+            logits = ex.forward(ForwardBatch([r.seq for r, _ in scheduled], [t for _, t in scheduled], every),
+                                validate=False)
+        except BaseException:  # the step changed nothing (Executor.forward): neither do its drafts
+            for req, _ in scheduled:
+                req.draft = []
+            raise
         engine.num_steps += 1
         if any(r.needs_prompt_logits for r, _ in scheduled):
             record_prompt_logprobs(scheduled, every, logits)
