@@ -370,6 +370,8 @@ CONFIG_CASES = {
                                            sliding_window=64, max_position_embeddings=256),
                                       "sliding_window: 64 below max_position_embeddings=256"),
     "sliding_window as a string": (_set(sliding_window="4k"), "sliding_window: '4k' (str) must be an integer"),
+    "sliding_window 0 in use": (_set(sliding_window=0), "sliding_window: 0 must be >= 1 (or null for full attention)"),
+    "sliding_window -1": (_set(sliding_window=-1, use_sliding_window=False), "sliding_window: -1 must be >= 0"),
     "a sliding layer": (_set(layer_types=["full_attention", "sliding_attention"]),
                         "layer_types: ['full_attention', 'sliding_attention']: pieceworks' Llama runs full attention"),
 }
@@ -388,7 +390,8 @@ def test_bad_config_json_fields(bf16, name):
     _set(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=256, max_position_embeddings=256),
     # Qwen's configs carry a window that applies only with use_sliding_window
     _set(sliding_window=64, use_sliding_window=False, max_position_embeddings=256,
-         layer_types=["full_attention", "full_attention"])])
+         layer_types=["full_attention", "full_attention"]),
+    _set(sliding_window=0, use_sliding_window=False)])  # as transformers writes Qwen2-MoE's
 def test_windows_that_cut_nothing_load(bf16, edit):
     _edit_json(bf16 / "config.json", edit)
     assert _load(bf16).args.num_layers == 2

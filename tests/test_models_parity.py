@@ -1,5 +1,5 @@
-"""pieceworks' Llama (and Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE) and DeepSeek-V3 against transformers, through the
-Executor, in float32.
+"""pieceworks' Llama (and Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE) and DeepSeek-V3 against
+transformers, through the Executor, in float32.
 
 Each case is a tiny random transformers model saved with save_pretrained. Per-position logits of
 `score()` match within 1e-4 relative (max |diff| / max |ref|), also when the prompt is prefilled in
@@ -57,6 +57,9 @@ CASES = {
     "qwen3_moe_norm_topk": ("qwen3_moe", dict(head_dim=32, norm_topk_prob=True, mlp_only_layers=[0],
                                               num_hidden_layers=3)),
     "qwen3_moe_raw_topk": ("qwen3_moe", dict(head_dim=32, norm_topk_prob=False, decoder_sparse_step=1)),
+    # Qwen2MoeForCausalLM: q/k/v biases, softmax-routed experts (raw top-k) and a gated shared expert, a dense layer
+    "qwen2_moe": ("qwen2_moe", dict(QWEN3_MOE, shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                    mlp_only_layers=[1], num_hidden_layers=3)),
     # MixtralForCausalLM: experts of intermediate_size in every layer, top-2 renormalized, w1 / w3 / w2 names
     "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6, sliding_window=None)),
     # Qwen3ForCausalLM: q/k RMSNorm per head before the rope, tied head
@@ -95,6 +98,18 @@ def _hf_model(arch: str, overrides: dict) -> torch.nn.Module:
             for layer in model.model.layers:
                 if hasattr(layer.mlp, "gate"):
                     layer.mlp.gate.weight.normal_(0.0, 0.2)
+        return model
+    if arch == "qwen2_moe":
+        from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**{**LLAMA_BASE, **overrides})).eval()
+        with torch.no_grad():  # a sharp router, biases and a shared-expert gate that count
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0.0, 0.5)
+                if hasattr(layer.mlp, "shared_expert_gate"):
+                    layer.mlp.gate.weight.normal_(0.0, 0.2)
+                    layer.mlp.shared_expert_gate.weight.normal_(0.0, 0.5)
         return model
     if arch == "mixtral":
         from transformers import MixtralConfig, MixtralForCausalLM
@@ -279,11 +294,12 @@ def test_nvfp4_unfusable_parts_stay_separate(tiny_llama_modelopt, tmp_path):
     _assert_close(ex.score([ids])[0], _ref_logits(_dequantized_reference(d, tiny_llama_modelopt.bf16_dir), ids))
 
 
-@pytest.mark.parametrize("name", ["qwen2_qkv_bias_yarn", "qwen3_moe_norm_topk", "mistral_no_window", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen2_qkv_bias_yarn", "qwen3_moe_norm_topk", "mistral_no_window", "mixtral",
+                                  "qwen2_moe"])
 def test_our_nvfp4_quantization_of_other_llama_family_models_is_exact(name, tmp_path):
     """`pieceworks quantize` (a fixed amax: no calibration) of Qwen2 (biases stay bf16), Qwen3-MoE (experts and
-    router), Mistral and Mixtral (its w1 / w3 / w2 experts) checkpoints: w4a16 equals transformers holding the
-    export dequantized."""
+    router), Mistral, Mixtral (its w1 / w3 / w2 experts) and Qwen2-MoE (its shared expert; the gate stays bf16)
+    checkpoints: w4a16 equals transformers holding the export dequantized."""
     from pieceworks.quant.quantizer import quantize_checkpoint
 
     arch, overrides = CASES[name]

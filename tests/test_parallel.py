@@ -32,6 +32,8 @@ DEEPSEEK = ["model.arch=deepseek_v3", "model.preset=tiny", *BASE]
 TP2 = ["parallel.tensor_parallel_size=2"]
 QWEN3_MOE = ["model.sizes.model_type=qwen3_moe", "model.sizes.num_experts=8", "model.sizes.num_experts_per_tok=2",
              "model.sizes.moe_intermediate_size=64"]
+QWEN2_MOE = ["model.sizes.model_type=qwen2_moe", "model.sizes.num_experts=8", "model.sizes.num_experts_per_tok=2",
+             "model.sizes.moe_intermediate_size=64", "model.sizes.shared_expert_intermediate_size=64"]
 PIECEWISE = ["cuda_graph.piecewise.enabled=on", "cuda_graph.piecewise.sizes=[8,16]"]
 
 
@@ -192,7 +194,10 @@ def reference():
     ["model.sizes.num_key_value_heads=4", "model.sizes.model_type=qwen3"],  # q/k norms, whole on every rank
     ["model.sizes.num_key_value_heads=4", *QWEN3_MOE],  # softmax-routed experts, their columns split
     ["model.sizes.num_key_value_heads=4", *QWEN3_MOE, "parallel.expert_parallel=true"],  # whole experts per rank
-], ids=["kv1-piecewise", "kv4-tied-eager", "kv1-qwen2", "kv4-qwen3", "kv4-qwen3-moe", "kv4-qwen3-moe-ep"])
+    ["model.sizes.num_key_value_heads=4", *QWEN2_MOE],  # and a gated shared expert, its columns split
+    ["model.sizes.num_key_value_heads=4", *QWEN2_MOE, "parallel.expert_parallel=true"],
+], ids=["kv1-piecewise", "kv4-tied-eager", "kv1-qwen2", "kv4-qwen3", "kv4-qwen3-moe", "kv4-qwen3-moe-ep",
+        "kv4-qwen2-moe", "kv4-qwen2-moe-ep"])
 def test_llama_tp2_equals_one_process(reference, extra):
     with Executor.from_config(None, LLAMA + extra + TP2, progress=False) as ex:
         assert ex.kv.layout.num_kv_heads == max(1, int(extra[0][-1]) // 2)

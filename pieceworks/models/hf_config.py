@@ -60,15 +60,17 @@ FIELDS: dict[str, dict[str, tuple[str, str | None, bool]]] = {
         "num_key_value_heads": ("int", "pos", False),
         "head_dim": ("int", "pos", False),
         "mlp_bias": ("bool", None, False),
-        "sliding_window": ("int", "pos", False),  # Mistral's and Qwen's (check() refuses a window it would cut)
+        "sliding_window": ("int", "nonneg", False),  # Mistral's and Qwen's (check() refuses a window it would cut)
         "use_sliding_window": ("bool", None, False),
-        # Qwen3-MoE's and Mixtral's experts
+        "qkv_bias": ("bool", None, False),  # Qwen2-MoE's
+        # Qwen2-MoE's, Qwen3-MoE's and Mixtral's experts
         "num_experts": ("int", "nonneg", False),
         "num_local_experts": ("int", "nonneg", False),
         "num_experts_per_tok": ("int", "pos", False),
         "moe_intermediate_size": ("int", "pos", False),
         "decoder_sparse_step": ("int", "pos", False),
         "norm_topk_prob": ("bool", None, False),
+        "shared_expert_intermediate_size": ("int", "nonneg", False),
     },
     "deepseek_v3": {
         **_COMMON,
@@ -151,6 +153,9 @@ def check(hf: dict, arch: str) -> None:
                                                     "(set head_dim, or use a divisor)")
         window, context = hf.get("sliding_window"), hf.get("max_position_embeddings", 2048)
         # Mistral's window (null from Mistral 7B v0.2 on is full attention); Qwen's applies with use_sliding_window
+        # (Qwen2-MoE's configs write 0 with use_sliding_window false)
+        if window == 0 and hf.get("use_sliding_window", True) is not False:
+            raise FieldError("sliding_window", "0 must be >= 1 (or null for full attention)")
         if window is not None and hf.get("use_sliding_window", True) is not False and window < context:
             raise FieldError("sliding_window", f"{window} below max_position_embeddings={context}: sliding-window "
                              "attention is not supported by pieceworks' Llama. Full attention agrees with it while "

@@ -49,8 +49,8 @@ def mixtral_name(name: str) -> str:
 
 @dataclass(frozen=True)
 class LlamaMoE:
-    """Qwen3-MoE's and Mixtral's routed experts, named as `models.moe.MoE` reads them (softmax routing, no groups
-    or shared experts)."""
+    """Qwen2-MoE's, Qwen3-MoE's and Mixtral's routed experts, named as `models.moe.MoE` reads them (softmax routing,
+    no groups; Qwen2-MoE's gated shared expert)."""
 
     n_routed_experts: int
     num_experts_per_tok: int
@@ -61,6 +61,7 @@ class LlamaMoE:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one shared expert behind a sigmoid gate
 
 
 @dataclass(frozen=True)
@@ -77,14 +78,14 @@ class LlamaArgs:
     tie_word_embeddings: bool
     rope: dict
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k (weights [D]) before the rope
-    qkv_bias: bool = False  # Qwen2 (2.5): biases on q, k and v (not o)
-    moe: "LlamaMoE | None" = None  # Qwen3-MoE: routed experts in `sparse_layers`
+    qkv_bias: bool = False  # Qwen2 (2.5), Qwen2-MoE: biases on q, k and v (not o)
+    moe: "LlamaMoE | None" = None  # Qwen2-MoE, Qwen3-MoE, Mixtral: routed experts in `sparse_layers`
     sparse_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaArgs":
-        """Read a LlamaForCausalLM (or MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-        Qwen3MoeForCausalLM) config.json dict (transformers' defaults for absent keys).
+        """Read a LlamaForCausalLM (or MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM,
+        Qwen3ForCausalLM, Qwen3MoeForCausalLM) config.json dict (transformers' defaults for absent keys).
 
         Raises:
             CheckpointError: a missing, mistyped or inconsistent field (`hf_config.FieldError`, naming
@@ -101,10 +102,13 @@ class LlamaArgs:
         heads = hf["num_attention_heads"]
         archs = hf.get("architectures") or []
         moe, sparse = None, ()
-        if hf.get("model_type") == "qwen3_moe" or "Qwen3MoeForCausalLM" in archs:
-            experts = hf.get("num_experts", hf.get("num_local_experts", 128))  # transformers 5 writes the latter
-            moe = LlamaMoE(experts, hf.get("num_experts_per_tok", 8),
-                           hf.get("moe_intermediate_size", 768), hf.get("norm_topk_prob", False))
+        qwen2_moe = hf.get("model_type") == "qwen2_moe" or "Qwen2MoeForCausalLM" in archs
+        if qwen2_moe or hf.get("model_type") == "qwen3_moe" or "Qwen3MoeForCausalLM" in archs:
+            experts = hf.get("num_experts", hf.get("num_local_experts", 60 if qwen2_moe else 128))
+            moe = LlamaMoE(experts, hf.get("num_experts_per_tok", 4 if qwen2_moe else 8),
+                           hf.get("moe_intermediate_size", 1408 if qwen2_moe else 768), hf.get("norm_topk_prob", False),
+                           shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 5632)
+                           if qwen2_moe else 0)
             step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
             sparse = tuple(i for i in range(hf["num_hidden_layers"])
                            if i not in dense and moe.n_routed_experts > 0 and (i + 1) % step == 0)
@@ -126,7 +130,8 @@ class LlamaArgs:
             rope=rope_parameters({"max_position_embeddings": 2048, **hf}),
             qk_norm=(hf.get("model_type") in ("qwen3", "qwen3_moe") or "Qwen3ForCausalLM" in archs
                      or "Qwen3MoeForCausalLM" in archs),
-            qkv_bias=hf.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in archs,
+            qkv_bias=(hf.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in archs
+                      or (qwen2_moe and hf.get("qkv_bias", True))),
             moe=moe, sparse_layers=sparse,
         )
 
@@ -143,6 +148,9 @@ class LlamaArgs:
         elif self.moe and self.sparse_layers:
             require_divisible("moe_intermediate_size", self.moe.moe_intermediate_size, n,
                               "each routed expert's columns split over the ranks")
+        if self.moe and self.sparse_layers and self.moe.shared_expert_intermediate_size:
+            require_divisible("shared_expert_intermediate_size", self.moe.shared_expert_intermediate_size, n,
+                              "the shared expert's columns split over the ranks")
         for i in range(self.num_layers):
             p = f"model.layers.{i}"
             if fp4(f"{p}.self_attn.o_proj"):
@@ -150,6 +158,9 @@ class LlamaArgs:
             if i in self.sparse_layers:
                 if fp4(f"{p}.mlp.experts.0.down_proj") and not tp.expert_parallel:
                     require_fp4_block(f"{p}.mlp.experts.*.down_proj", self.moe.moe_intermediate_size // n, n)
+                if self.moe.shared_expert_intermediate_size and fp4(f"{p}.mlp.shared_expert.down_proj"):
+                    require_fp4_block(f"{p}.mlp.shared_expert.down_proj",
+                                      self.moe.shared_expert_intermediate_size // n, n)
             elif fp4(f"{p}.mlp.down_proj"):
                 require_fp4_block(f"{p}.mlp.down_proj", self.intermediate_size // n, n)
 

@@ -33,6 +33,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "MixtralForCausalLM": Llama,  # with softmax-routed experts in every layer, named as Mixtral's checkpoints
     # name them (`Llama.checkpoint_names`)
     "Qwen2ForCausalLM": Llama,  # Llama's layers with q/k/v biases (LlamaArgs.qkv_bias)
+    "Qwen2MoeForCausalLM": Llama,  # and softmax-routed experts with a gated shared expert in its sparse layers
     "Qwen3ForCausalLM": Llama,  # Llama's layers with q/k norms (LlamaArgs.qk_norm)
     "Qwen3MoeForCausalLM": Llama,  # and softmax-routed experts in its sparse layers (LlamaArgs.moe)
     "DeepseekV3ForCausalLM": DeepseekV3,

@@ -1,5 +1,5 @@
-"""Mixture of experts (DeepSeek-V3's, and Qwen3-MoE's and Mixtral's softmax routing): the fp32 router and shared
-experts in the model, routing and the routed experts in the `pieceworks::moe` op.
+"""Mixture of experts (DeepSeek-V3's, and Qwen2-MoE's, Qwen3-MoE's and Mixtral's softmax routing): the fp32 router
+and shared experts in the model, routing and the routed experts in the `pieceworks::moe` op.
 
 Tensor parallel, two ways. Default: every rank holds all experts, each with I / N of its intermediate
 columns (gate/up rows, down columns), and routes every token itself: its output is a partial sum.
@@ -120,6 +120,10 @@ class MoE(nn.Module):
         n_shared = a.n_shared_experts or 0
         self.shared_experts = (GatedMLP(hidden, i * n_shared, f"{prefix}.shared_experts", fp4, tp, reduce_output=False)
                                if n_shared else None)
+        gated = getattr(a, "shared_expert_intermediate_size", 0)  # Qwen2-MoE's: sigmoid(gate(x)) * shared_expert(x)
+        self.shared_expert = (GatedMLP(hidden, gated, f"{prefix}.shared_expert", fp4, tp, reduce_output=False)
+                              if gated else None)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
@@ -142,6 +146,8 @@ class MoE(nn.Module):
         )
         if self.shared_experts is not None:  # model-wide: the same branch in every MoE layer
             y = y + self.shared_experts(x)
+        if self.shared_expert is not None:  # the gate's input is whole on every rank: it scales each partial sum
+            y = y + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return reduce(y, self.tp)
 
     def _local_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -169,3 +175,6 @@ class MoE(nn.Module):
         src.experts(self.experts, f"{prefix}.experts")
         if self.shared_experts is not None:
             self.shared_experts.load(src, f"{prefix}.shared_experts")
+        if self.shared_expert is not None:
+            self.shared_expert.load(src, f"{prefix}.shared_expert")
+            self.shared_expert_gate.weight.copy_(src.dense(f"{prefix}.shared_expert_gate", h, 1))

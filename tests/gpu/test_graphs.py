@@ -32,6 +32,10 @@ MODELS = {
     "qwen3-moe-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {
         "num_hidden_layers": 2, "model_type": "qwen3_moe", "num_experts": 128, "num_experts_per_tok": 8,
         "moe_intermediate_size": 768, "norm_topk_prob": True}}, "nvfp4"),
+    # Qwen1.5-MoE-A2.7B's experts (60, top 4, 1408 columns) and gated shared expert (5632 columns)
+    "qwen2-moe-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {
+        "num_hidden_layers": 2, "model_type": "qwen2_moe", "num_experts": 60, "num_experts_per_tok": 4,
+        "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632}}, "nvfp4"),
     # Mixtral-8x7B's experts (8, top 2, 14336 columns: the preset's intermediate_size) in every layer
     "mixtral-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {
         "num_hidden_layers": 2, "model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2}},
