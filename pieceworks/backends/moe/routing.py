@@ -13,8 +13,8 @@ import torch
 
 
 def softmax_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax scores over every expert, top_k of them, renormalized over the chosen when `renormalize` (Qwen3-MoE
-    and Mixtral's routing): (topk_weights [T, top_k] float32, topk_ids [T, top_k] int64)."""
+    """Softmax scores over every expert, top_k of them, renormalized over the chosen when `renormalize` (Qwen2-MoE's,
+    Qwen3-MoE's and Mixtral's routing): (topk_weights [T, top_k] float32, topk_ids [T, top_k] int64)."""
     weights, ids = torch.softmax(router_logits.float(), dim=-1).topk(top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
