@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -516,6 +517,23 @@ def test_deepseek_null_for_a_boolean_that_defaults_to_true(tiny_deepseek_modelop
     for value in (False, True):
         _edit_json(d / "config.json", _set(**{key: value}))
         assert getattr(_load(d).args, key) is value
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (_set(topk_method="noaux_tc"), "topk_method='noaux_tc': DeepSeek-V2 routes greedy or group_limited_greedy"),
+    (_set(norm_topk_prob=True), "norm_topk_prob=true with DeepSeek-V2's routing is not supported"),
+    (_set(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", scoring_func="softmax"),
+     "implements DeepSeek-V3 routing (sigmoid scores, noaux_tc grouped top-k) and DeepSeek-V2's"),
+], ids=["v2 noaux_tc", "v2 norm_topk_prob", "v3 softmax"])
+def test_deepseek_routings_pieceworks_does_not_run_are_refused(tiny_deepseek_modelopt, tmp_path, edit, needle):
+    d = tmp_path / "ds"
+    shutil.copytree(tiny_deepseek_modelopt.bf16_dir, d)
+    _edit_json(d / "config.json", _set(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2",
+                                       topk_method="greedy", norm_topk_prob=False))
+    assert _load(d, allow_extra=True).args.scoring_func == "softmax"  # read as DeepSeek-V2 (its bias unused)
+    _edit_json(d / "config.json", edit)
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
+        _load(d, allow_extra=True)
 
 
 def _scale(fn):

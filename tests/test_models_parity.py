@@ -67,6 +67,14 @@ CASES = {
     # q_proj (no q LoRA), yarn with mscale != mscale_all_dim, 4 groups keep 2, one shared expert
     "deepseek_no_q_lora": ("deepseek_v3", dict(q_lora_rank=None, n_group=4, topk_group=2, n_shared_experts=1,
                                                first_k_dense_replace=1, rope_parameters=YARN)),
+    # DeepseekV2ForCausalLM (V2-Lite's form): softmax top-k, no renormalization, scaled; no q LoRA
+    "deepseek_v2_greedy": ("deepseek_v2", dict(q_lora_rank=None, topk_method="greedy", n_shared_experts=2,
+                                               first_k_dense_replace=1, routed_scaling_factor=1.0,
+                                               rope_parameters=YARN)),
+    # V2's group_limited_greedy: 4 groups ranked by their best softmax score, 2 kept, top 3 of their 4; q LoRA
+    "deepseek_v2_groups": ("deepseek_v2", dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4,
+                                               topk_group=2, num_experts_per_tok=3, n_shared_experts=1,
+                                               first_k_dense_replace=1)),
     # q LoRA, 2 groups keep 1, two shared experts, two dense layers, non-interleaved rope
     "deepseek_q_lora": ("deepseek_v3", dict(q_lora_rank=24, n_group=2, topk_group=1, n_shared_experts=2,
                                             first_k_dense_replace=2, num_hidden_layers=4, norm_topk_prob=False,
@@ -132,6 +140,15 @@ def _hf_model(arch: str, overrides: dict) -> torch.nn.Module:
         from transformers import MistralConfig, MistralForCausalLM
 
         return MistralForCausalLM(MistralConfig(**{**LLAMA_BASE, **overrides})).eval()
+    if arch == "deepseek_v2":
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        model = DeepseekV2ForCausalLM(DeepseekV2Config(**{**DEEPSEEK_BASE, **overrides})).eval()
+        with torch.no_grad():  # a router sharp enough that routing (and the group choice) depends on the token
+            for layer in model.model.layers:
+                if hasattr(layer.mlp, "gate"):
+                    layer.mlp.gate.weight.normal_(0.0, 0.3)
+        return model
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     # dtype= keeps the router float32, as the released checkpoints have it.
@@ -295,17 +312,18 @@ def test_nvfp4_unfusable_parts_stay_separate(tiny_llama_modelopt, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["qwen2_qkv_bias_yarn", "qwen3_moe_norm_topk", "mistral_no_window", "mixtral",
-                                  "qwen2_moe"])
-def test_our_nvfp4_quantization_of_other_llama_family_models_is_exact(name, tmp_path):
+                                  "qwen2_moe", "deepseek_v2_groups"])
+def test_our_nvfp4_quantization_of_the_other_architectures_is_exact(name, tmp_path):
     """`pieceworks quantize` (a fixed amax: no calibration) of Qwen2 (biases stay bf16), Qwen3-MoE (experts and
-    router), Mistral, Mixtral (its w1 / w3 / w2 experts) and Qwen2-MoE (its shared expert; the gate stays bf16)
-    checkpoints: w4a16 equals transformers holding the export dequantized."""
+    router), Mistral, Mixtral (its w1 / w3 / w2 experts), Qwen2-MoE (its shared expert; the gate stays bf16) and
+    DeepSeek-V2 checkpoints: w4a16 equals transformers holding the export dequantized."""
     from pieceworks.quant.quantizer import quantize_checkpoint
 
     arch, overrides = CASES[name]
     _hf_model(arch, overrides).save_pretrained(tmp_path / "bf16")
     quantize_checkpoint(tmp_path / "bf16", tmp_path / "fp4", amax=4.0, progress=False)
     ex = _executor(tmp_path / "fp4", fp4_numerics="w4a16")
-    assert ex.model.has_fp4() and (ex.model.facts(4).moe_quant == "nvfp4") == ("moe" in name or name == "mixtral")
+    assert ex.model.has_fp4() and ex.model.facts(4).moe_quant == ("none" if CASES[name][0] in ("qwen2", "mistral")
+                                                                  else "nvfp4")
     ids = _prompt(40, seed=5)
     _assert_close(ex.score([ids])[0], _ref_logits(_dequantized_reference(tmp_path / "fp4", tmp_path / "bf16"), ids))

@@ -247,7 +247,13 @@ def test_mixtral_checkpoint_tp2_equals_one_process(reference, mixtral_dir, extra
     assert no_children_left()
 
 
-@pytest.mark.parametrize("extra", [[*PIECEWISE], ["parallel.expert_parallel=true"]], ids=["tp-piecewise", "ep"])
+DEEPSEEK_V2 = ["model.sizes.model_type=deepseek_v2", "model.sizes.topk_method=group_limited_greedy",
+               "model.sizes.norm_topk_prob=false"]
+
+
+@pytest.mark.parametrize("extra", [[*PIECEWISE], ["parallel.expert_parallel=true"], DEEPSEEK_V2,
+                                   [*DEEPSEEK_V2, "parallel.expert_parallel=true"]],
+                         ids=["tp-piecewise", "ep", "v2-groups", "v2-groups-ep"])
 def test_deepseek_tp2_equals_one_process(reference, extra):
     with Executor.from_config(None, DEEPSEEK + extra + TP2, progress=False) as ex:
         got = steps(ex)

@@ -62,10 +62,12 @@ class DeepseekV3Args:
     tie_word_embeddings: bool
     rope_interleave: bool
     rope: dict
+    scoring_func: str = "sigmoid"  # DeepSeek-V2's: softmax (greedy, or group_limited_greedy: groups by best score)
 
     @classmethod
     def from_hf(cls, hf: dict) -> "DeepseekV3Args":
-        """Read a DeepseekV3ForCausalLM config.json dict (transformers' defaults for absent keys).
+        """Read a DeepseekV3ForCausalLM (or DeepseekV2ForCausalLM: the same layers, softmax routing) config.json
+        dict (transformers' defaults for absent keys).
 
         Raises:
             CheckpointError: a missing, mistyped or inconsistent field (`hf_config.FieldError`, naming
@@ -73,7 +75,8 @@ class DeepseekV3Args:
                 default is true), or a variant pieceworks does not implement (biases, softmax routing, ...).
         """
         hf_fields.check(hf, "deepseek_v3")
-        for key in ("norm_topk_prob", "rope_interleave"):  # the booleans that default to true
+        v2 = hf.get("model_type") == "deepseek_v2" or "DeepseekV2ForCausalLM" in (hf.get("architectures") or [])
+        for key in ("rope_interleave",) if v2 else ("norm_topk_prob", "rope_interleave"):  # true when absent
             if key in hf and hf[key] is None:
                 raise CheckpointError(f"config.json: {key} is null; transformers reads null as false, pieceworks' "
                                       "default is true: write true or false")
@@ -82,11 +85,21 @@ class DeepseekV3Args:
             raise CheckpointError("config.json: attention_bias=true is not supported by pieceworks' DeepSeek-V3")
         if hf.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"config.json: hidden_act={hf['hidden_act']!r} is not supported; DeepSeek-V3 uses silu")
-        if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
+        method = hf.get("topk_method", "greedy" if v2 else "noaux_tc")
+        if v2 and method not in ("greedy", "group_limited_greedy"):
+            raise CheckpointError(f"config.json: topk_method={method!r}: DeepSeek-V2 routes greedy or "
+                                  "group_limited_greedy (softmax scores)")
+        if not v2 and (hf.get("scoring_func", "sigmoid") != "sigmoid" or method != "noaux_tc"):
             raise CheckpointError(f"config.json: scoring_func={hf.get('scoring_func')!r}, topk_method="
-                             f"{hf.get('topk_method')!r}: pieceworks implements DeepSeek-V3 routing only "
-                             "(sigmoid scores, noaux_tc grouped top-k)")
+                             f"{hf.get('topk_method')!r}: pieceworks implements DeepSeek-V3 routing (sigmoid scores, "
+                             "noaux_tc grouped top-k) and DeepSeek-V2's (softmax, greedy or group_limited_greedy)")
+        if v2 and hf.get("norm_topk_prob", False):  # no released V2 sets it
+            raise CheckpointError("config.json: norm_topk_prob=true with DeepSeek-V2's routing is not supported "
+                                  "(DeepSeek's code then renormalizes instead of scaling, transformers' port ignores "
+                                  "it); the released DeepSeek-V2 models set false")
         experts, groups = hf.get("n_routed_experts") or 0, hf.get("n_group") or 1
+        if v2 and method == "greedy":
+            groups = 1  # greedy routing ignores the groups
         if experts and experts % groups:
             raise CheckpointError(f"config.json: n_routed_experts={experts} is not a multiple of n_group={groups}")
         q_lora = hf.get("q_lora_rank")
@@ -100,7 +113,8 @@ class DeepseekV3Args:
             v_head_dim=hf["v_head_dim"], n_routed_experts=experts,
             n_shared_experts=hf.get("n_shared_experts") or 0,
             num_experts_per_tok=hf.get("num_experts_per_tok") or 1, n_group=groups,
-            topk_group=hf.get("topk_group") or 1, norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            topk_group=(hf.get("topk_group") or 1) if groups > 1 else 1,
+            norm_topk_prob=bool(hf.get("norm_topk_prob", not v2)),
             routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
             first_k_dense_replace=hf.get("first_k_dense_replace") or 0,
             moe_layer_freq=hf.get("moe_layer_freq") or 1,
@@ -109,6 +123,7 @@ class DeepseekV3Args:
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             rope_interleave=hf.get("rope_interleave", True),
             rope=rope_parameters({"max_position_embeddings": 4096, **hf}),
+            scoring_func="softmax" if v2 else "sigmoid",
         )
 
     def check_parallel(self, tp: TPLayout, fp4: Callable[[str], bool]) -> None:
@@ -238,8 +253,8 @@ class DeepseekV3Block(nn.Module):
 
 
 class DeepseekV3(CausalLM):
-    """DeepseekV3ForCausalLM (MTP layers of the checkpoint are ignored). Build on the meta device and
-    fill through `load_plan` (see loader.py).
+    """DeepseekV3ForCausalLM and DeepseekV2ForCausalLM (MTP layers of the checkpoint are ignored). Build on the
+    meta device and fill through `load_plan` (see loader.py).
 
     Args:
         hf_config: config.json as a dict.

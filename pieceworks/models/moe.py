@@ -105,6 +105,10 @@ class MoE(nn.Module):
         self.top_k, self.num_groups, self.topk_group = a.num_experts_per_tok, a.n_group, a.topk_group
         self.renormalize, self.scaling = a.norm_topk_prob, float(a.routed_scaling_factor)
         self.softmax = getattr(a, "scoring_func", "sigmoid") == "softmax"
+        # routed in the model, the op handed the answer (as expert parallel's local problem): routings the op can't
+        # express, DeepSeek-V2's groups ranked by their best softmax score
+        self.model_routed = self.expert_parallel or (self.softmax and 1 < self.num_groups and
+                                                     self.topk_group < self.num_groups)
         e, i = a.n_routed_experts, a.moe_intermediate_size
         # The router stays float32 whatever the model dtype (as in the released checkpoints).
         self.gate = nn.Linear(hidden, e, bias=False, dtype=torch.float32)
@@ -130,7 +134,7 @@ class MoE(nn.Module):
         logits = F.linear(x.float(), self.gate.weight)  # [T, E] float32
         w = self.experts
         # the op's sigmoid routing problem (each branch model-wide: the same in every MoE layer)
-        if self.expert_parallel:  # this rank's experts, their weights chosen on the full logits
+        if self.model_routed:  # this rank's experts, their weights chosen on the full logits
             routed, bias, k, groups, kept, renorm = (self._local_logits(logits), logits.new_empty(0), self.local_top_k,
                                                      1, 1, False)
         elif self.softmax:
@@ -154,7 +158,7 @@ class MoE(nn.Module):
         """[T, E] router logits -> [T, E / N] logits of this rank's experts whose sigmoid, times the
         scaling, is the full routing's weight of each chosen expert, and 0 (logit -inf) elsewhere."""
         if self.softmax:
-            weights, ids = softmax_route(logits, self.top_k, self.renormalize)
+            weights, ids = softmax_route(logits, self.top_k, self.renormalize, self.num_groups, self.topk_group)
             weights = weights * self.scaling
         else:
             weights, ids = deepseek_route(logits, self.e_score_correction_bias, self.top_k, self.num_groups,

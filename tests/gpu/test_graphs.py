@@ -21,6 +21,10 @@ MODELS = {
     "llama-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {"num_hidden_layers": 4}}, "nvfp4"),
     "deepseek-nvfp4": ({"arch": "deepseek_v3", "preset": "deepseek-v3",
                         "sizes": {"num_hidden_layers": 3, "first_k_dense_replace": 1}}, "nvfp4"),
+    # DeepSeek-V2's group_limited_greedy routing (routed in the model, the op handed the answer) under V3's layers
+    "deepseek-v2-nvfp4": ({"arch": "deepseek_v3", "preset": "deepseek-v3", "sizes": {
+        "num_hidden_layers": 2, "first_k_dense_replace": 1, "model_type": "deepseek_v2",
+        "topk_method": "group_limited_greedy", "norm_topk_prob": False}}, "nvfp4"),
     "deepseek-bf16": ({"arch": "deepseek_v3", "preset": "deepseek-v3",
                        "sizes": {"num_hidden_layers": 2, "first_k_dense_replace": 1}}, "none"),
     # Llama's layers with Qwen3's q/k norms and with Qwen2's q/k/v biases: the q/k/v GEMM without the rope epilogue

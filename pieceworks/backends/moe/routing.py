@@ -12,10 +12,19 @@ import functools
 import torch
 
 
-def softmax_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_route(router_logits: torch.Tensor, top_k: int, renormalize: bool, num_expert_group: int = 1,
+                  topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax scores over every expert, top_k of them, renormalized over the chosen when `renormalize` (Qwen2-MoE's,
-    Qwen3-MoE's and Mixtral's routing): (topk_weights [T, top_k] float32, topk_ids [T, top_k] int64)."""
-    weights, ids = torch.softmax(router_logits.float(), dim=-1).topk(top_k, dim=-1)
+    Qwen3-MoE's, Mixtral's and DeepSeek-V2's routing): (topk_weights [T, top_k] float32, topk_ids [T, top_k] int64).
+    With groups (DeepSeek-V2's group_limited_greedy) only the `topk_group` groups of the highest best score compete,
+    the others' scores set to 0, as DeepSeek's code does."""
+    scores = torch.softmax(router_logits.float(), dim=-1)
+    if num_expert_group > 1 and topk_group < num_expert_group:
+        grouped = scores.view(scores.shape[0], num_expert_group, -1)
+        keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=scores.device)
+        keep.scatter_(1, grouped.amax(dim=-1).topk(topk_group, dim=-1).indices, True)
+        scores = grouped.masked_fill(~keep.unsqueeze(-1), 0.0).view_as(scores)
+    weights, ids = scores.topk(top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
