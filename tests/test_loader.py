@@ -248,3 +248,19 @@ def test_mixtral_checkpoint_errors_name_the_checkpoints_tensors(tmp_path):
         with pytest.raises(CheckpointError, match=needle.replace(".", r"\.")):
             Executor.from_config(cfg, progress=False)
 
+
+
+@pytest.mark.parametrize("arch, preset, billions", [
+    ("llama", "llama-3.1-8b", 8.03), ("llama", "mixtral-8x7b", 46.7), ("llama", "qwen3-30b-a3b", 30.5),
+    ("deepseek_v3", "deepseek-v3", 671.0), ("deepseek_v3", "deepseek-v2-lite", 15.7)])
+def test_presets_have_the_published_models_parameter_counts(arch, preset, billions):
+    """The random-weight presets are the published models' shapes: built on the meta device, their weights
+    (rope tables aside) count the parameters their model cards give (DeepSeek-V3 without its MTP layer)."""
+    from pieceworks.models.loader import ARCHS, build
+    from pieceworks.models.presets import preset_config
+
+    with torch.device("meta"):
+        model = build(ARCHS[arch], preset_config(arch, preset), torch.bfloat16, lambda name: False)
+    weights = [t for n, t in [*model.named_parameters(), *model.named_buffers()]
+               if t.is_floating_point() and "rotary" not in n]
+    assert sum(t.numel() for t in weights) / 1e9 == pytest.approx(billions, rel=0.005)

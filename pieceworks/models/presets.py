@@ -51,9 +51,40 @@ DEEPSEEK_V3 = dict(
     bos_token_id=0, eos_token_id=1,
 )
 
+MIXTRAL_8X7B = dict(
+    architectures=["MixtralForCausalLM"], model_type="mixtral",
+    vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-5,
+    rope_theta=1e6, tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2,
+    bos_token_id=1, eos_token_id=2,
+)
+
+QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+    rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+    moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, bos_token_id=151643,
+    eos_token_id=151645,
+)
+
+DEEPSEEK_V2_LITE = dict(
+    architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2",
+    vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+    num_hidden_layers=27, first_k_dense_replace=1, moe_layer_freq=1, num_attention_heads=16,
+    num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, n_group=1, topk_group=1,
+    topk_method="greedy", scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0,
+    max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+    rope_scaling=dict(type="yarn", factor=40.0, mscale=0.707, mscale_all_dim=0.707, beta_fast=32, beta_slow=1,
+                      original_max_position_embeddings=4096),
+    bos_token_id=100000, eos_token_id=100001,
+)
+
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "llama": {"tiny": LLAMA_TINY, "llama-3.1-8b": LLAMA_31_8B},
-    "deepseek_v3": {"tiny": DEEPSEEK_TINY, "deepseek-v3": DEEPSEEK_V3},
+    "llama": {"tiny": LLAMA_TINY, "llama-3.1-8b": LLAMA_31_8B, "mixtral-8x7b": MIXTRAL_8X7B,
+              "qwen3-30b-a3b": QWEN3_30B_A3B},
+    "deepseek_v3": {"tiny": DEEPSEEK_TINY, "deepseek-v3": DEEPSEEK_V3, "deepseek-v2-lite": DEEPSEEK_V2_LITE},
 }
 
 
