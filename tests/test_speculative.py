@@ -178,6 +178,22 @@ def test_a_stop_id_inside_accepted_drafts_ends_the_completion_there(monkeypatch,
     drained(eng)
 
 
+def test_rows_draft_only_once_min_tokens_are_out(monkeypatch, reference):
+    """Until min_tokens are generated the stop ids are masked at every fed position (the sampler's rule reads the
+    output's length), so a row drafts only after: a stop id due right after min_tokens ends the completion there."""
+    calls: list = []
+    scripted(monkeypatch, reference, calls=calls)
+    p = PROMPTS[1]
+    ref = reference[tuple(p)]
+    stop = next(t for t in ref[3:] if t not in ref[:3])
+    at = ref.index(stop)
+    eng = make()
+    out = eng.generate([p], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop], min_tokens=at))[0]
+    assert out.token_ids == ref[:at + 1] and out.finish_reason == "stop"
+    assert calls and min(pos for pos, _, _ in calls) >= at  # the first draft once min_tokens were out
+    drained(eng)
+
+
 def test_rows_that_do_not_draft_sample_as_without_speculation():
     """Rows with penalties get no drafts and the tokens of a plain synchronous engine; greedy rows with logprobs
     draft and report the logprobs plain decoding reports."""
