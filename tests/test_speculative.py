@@ -1,8 +1,9 @@
 """Speculative decoding with n-gram drafts (engine/speculative.py) on the tiny Llama preset (CPU, float32):
 the n-gram lookup against a brute-force search, greedy tokens equal to plain decoding with the real
-drafts and with scripted ones (all right, wrong at a given place, cut by max_tokens, the context limit or
-a stop id), streamed outputs of several tokens, the rows that do not draft, the step budget, preemption,
-the prefix cache after rejected drafts, Executor.truncate, and the config's checks."""
+drafts and with scripted ones (all right, wrong at a given place, cut by max_tokens, the context limit, a stop
+id or min_tokens), sampled rows against the model's exact distribution, streamed outputs of several tokens, the
+rows that do not draft, the step's tokens and pages, preemption, the prefix cache after rejected drafts, a failed
+step, Executor.truncate, the config's checks and `pieceworks run`'s note."""
 
 from __future__ import annotations
 
