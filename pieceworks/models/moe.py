@@ -134,7 +134,7 @@ class MoE(nn.Module):
         logits = F.linear(x.float(), self.gate.weight)  # [T, E] float32
         w = self.experts
         # the op's sigmoid routing problem (each branch model-wide: the same in every MoE layer)
-        if self.model_routed:  # this rank's experts, their weights chosen on the full logits
+        if self.model_routed:  # the model's routing on the full logits, handed to the op for this rank's experts
             routed, bias, k, groups, kept, renorm = (self._local_logits(logits), logits.new_empty(0), self.local_top_k,
                                                      1, 1, False)
         elif self.softmax:
