@@ -373,6 +373,12 @@ CONFIG_CASES = {
     "sliding_window as a string": (_set(sliding_window="4k"), "sliding_window: '4k' (str) must be an integer"),
     "sliding_window 0 in use": (_set(sliding_window=0), "sliding_window: 0 must be >= 1 (or null for full attention)"),
     "sliding_window -1": (_set(sliding_window=-1, use_sliding_window=False), "sliding_window: -1 must be >= 0"),
+    "partial rotary": (_set(rope_parameters={"rope_theta": 1e4, "rope_type": "default",
+                                             "partial_rotary_factor": 0.75}),
+                       "rope_parameters.partial_rotary_factor: 0.75: pieceworks rotates whole heads (1.0)"),
+    "longrope": (_set(rope_parameters={"rope_theta": 1e4, "rope_type": "longrope", "short_factor": [1.0],
+                                       "long_factor": [2.0]}),
+                 "rope_parameters.rope_type: 'longrope' is not supported"),
     "a sliding layer": (_set(layer_types=["full_attention", "sliding_attention"]),
                         "layer_types: ['full_attention', 'sliding_attention']: pieceworks' Llama runs full attention"),
 }

@@ -177,9 +177,9 @@ def test_unknown_architecture(broken):
     with pytest.raises(ValueError) as e:
         _load(broken)
     assert "GPT2LMHeadModel" in str(e.value) and (
-        "pieceworks supports LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
-        "Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM"
-    ) in str(e.value)
+        "pieceworks supports LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, "
+        "Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, DeepseekV2ForCausalLM, "
+        "DeepseekV3ForCausalLM") in str(e.value)
 
 
 def test_missing_tensor(broken):

@@ -1,5 +1,5 @@
-"""pieceworks' Llama (and Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE) and DeepSeek-V3 against
-transformers, through the Executor, in float32.
+"""pieceworks' Llama (and Mistral, Mixtral, Phi-3, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE) and DeepSeek-V3 (and V2)
+against transformers, through the Executor, in float32.
 
 Each case is a tiny random transformers model saved with save_pretrained. Per-position logits of
 `score()` match within 1e-4 relative (max |diff| / max |ref|), also when the prompt is prefilled in
@@ -60,6 +60,8 @@ CASES = {
     # Qwen2MoeForCausalLM: q/k/v biases, softmax-routed experts (raw top-k) and a gated shared expert, a dense layer
     "qwen2_moe": ("qwen2_moe", dict(QWEN3_MOE, shared_expert_intermediate_size=48, norm_topk_prob=False,
                                     mlp_only_layers=[1], num_hidden_layers=3)),
+    # Phi3ForCausalLM: q/k/v and gate/up fused in the checkpoint (read as row slices), GQA
+    "phi3": ("phi3", dict(rope_theta=250000.0, pad_token_id=None, eos_token_id=2)),
     # MixtralForCausalLM: experts of intermediate_size in every layer, top-2 renormalized, w1 / w3 / w2 names
     "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6, sliding_window=None)),
     # Qwen3ForCausalLM: q/k RMSNorm per head before the rope, tied head
@@ -119,6 +121,10 @@ def _hf_model(arch: str, overrides: dict) -> torch.nn.Module:
                     layer.mlp.gate.weight.normal_(0.0, 0.2)
                     layer.mlp.shared_expert_gate.weight.normal_(0.0, 0.5)
         return model
+    if arch == "phi3":
+        from transformers import Phi3Config, Phi3ForCausalLM
+
+        return Phi3ForCausalLM(Phi3Config(**{**LLAMA_BASE, **overrides})).eval()
     if arch == "mixtral":
         from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -312,7 +318,7 @@ def test_nvfp4_unfusable_parts_stay_separate(tiny_llama_modelopt, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["qwen2_qkv_bias_yarn", "qwen3_moe_norm_topk", "mistral_no_window", "mixtral",
-                                  "qwen2_moe", "deepseek_v2_groups"])
+                                  "qwen2_moe", "deepseek_v2_groups", "phi3"])
 def test_our_nvfp4_quantization_of_the_other_architectures_is_exact(name, tmp_path):
     """`pieceworks quantize` (a fixed amax: no calibration) of Qwen2 (biases stay bf16), Qwen3-MoE (experts and
     router), Mistral, Mixtral (its w1 / w3 / w2 experts), Qwen2-MoE (its shared expert; the gate stays bf16) and
@@ -323,7 +329,7 @@ def test_our_nvfp4_quantization_of_the_other_architectures_is_exact(name, tmp_pa
     _hf_model(arch, overrides).save_pretrained(tmp_path / "bf16")
     quantize_checkpoint(tmp_path / "bf16", tmp_path / "fp4", amax=4.0, progress=False)
     ex = _executor(tmp_path / "fp4", fp4_numerics="w4a16")
-    assert ex.model.has_fp4() and ex.model.facts(4).moe_quant == ("none" if CASES[name][0] in ("qwen2", "mistral")
-                                                                  else "nvfp4")
+    dense = CASES[name][0] in ("qwen2", "mistral", "phi3")
+    assert ex.model.has_fp4() and ex.model.facts(4).moe_quant == ("none" if dense else "nvfp4")
     ids = _prompt(40, seed=5)
     _assert_close(ex.score([ids])[0], _ref_logits(_dequantized_reference(tmp_path / "fp4", tmp_path / "bf16"), ids))

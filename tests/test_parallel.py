@@ -247,6 +247,21 @@ def test_mixtral_checkpoint_tp2_equals_one_process(reference, mixtral_dir, extra
     assert no_children_left()
 
 
+def test_phi3_checkpoint_tp2_equals_one_process(reference, tmp_path_factory):
+    """Each rank reads its q, k, v, gate and up rows out of Phi-3's fused qkv_proj and gate_up_proj."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("phi3")
+    transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=None, eos_token_id=2)).save_pretrained(path)
+    one = [f"model.path={path}", *BASE]
+    with Executor.from_config(None, one + TP2, progress=False) as ex:
+        got = steps(ex)
+    assert_same(reference(one), got)
+    assert no_children_left()
+
+
 DEEPSEEK_V2 = ["model.sizes.model_type=deepseek_v2", "model.sizes.topk_method=group_limited_greedy",
                "model.sizes.norm_topk_prob=false"]
 

@@ -235,11 +235,14 @@ class CheckpointReader:
 
 class RenamingReader:
     """A CheckpointReader read by the model's tensor names: `named(name)` is the checkpoint's name of each
-    (Mixtral's experts). Everything else (`names`, `read`, `model_dir`, ...) is the reader's, in the checkpoint's
-    names, as the loader's check for unused tensors compares them."""
+    (Mixtral's experts, Phi-3's fused projections), and where `named` has `rows(name)` giving (start, stop), the
+    tensor is those rows of the checkpoint's (q of Phi-3's qkv_proj). Everything else (`names`, `read`,
+    `model_dir`, ...) is the reader's, in the checkpoint's names, as the loader's check for unused tensors compares
+    them."""
 
     def __init__(self, reader: CheckpointReader, named) -> None:
         self.reader, self.named = reader, named
+        self._rows = getattr(named, "rows", lambda name: None)
 
     def __getattr__(self, attr: str):
         return getattr(self.reader, attr)
@@ -254,10 +257,19 @@ class RenamingReader:
         return self.reader.dtype(self.named(name))
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self.reader.shape(self.named(name))
+        shape, rows = tuple(self.reader.shape(self.named(name))), self._rows(name)
+        return shape if rows is None else (rows[1] - rows[0], *shape[1:])
 
     def get(self, name: str) -> torch.Tensor:
-        return self.reader.get(self.named(name))
+        rows = self._rows(name)
+        if rows is None:
+            return self.reader.get(self.named(name))
+        return self.reader.get_part(self.named(name), 0, *rows)
 
     def get_part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
-        return self.reader.get_part(self.named(name), dim, start, stop)
+        rows = self._rows(name)
+        if rows is None:
+            return self.reader.get_part(self.named(name), dim, start, stop)
+        if dim == 0:
+            return self.reader.get_part(self.named(name), 0, rows[0] + start, rows[0] + stop)
+        return self.reader.get_part(self.named(name), 0, *rows).narrow(dim, start, stop - start).contiguous()

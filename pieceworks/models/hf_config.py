@@ -207,6 +207,9 @@ def check(hf: dict, arch: str) -> None:
                 raise FieldError(f"{key}.{name}", f"missing; {kind} rope needs it")
     for key in ("rope_scaling", "rope_parameters"):
         params = hf.get(key) or {}
+        partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:  # Phi-4-mini's, rotating part of each head
+            raise FieldError(f"{key}.partial_rotary_factor", f"{partial!r}: pieceworks rotates whole heads (1.0)")
         for name in ("factor", "rope_theta", "low_freq_factor", "high_freq_factor"):
             if name in params and not (_type_ok("float", params[name]) and math.isfinite(params[name])
                                        and params[name] > 0):

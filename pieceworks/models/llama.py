@@ -47,6 +47,43 @@ def mixtral_name(name: str) -> str:
     return name.replace(".mlp.", ".block_sparse_moe.", 1)
 
 
+class Phi3Names:
+    """Phi-3's checkpoint names: q, k and v as rows of one `qkv_proj`, gate and up as rows of one `gate_up_proj`.
+    Calling it gives the checkpoint's tensor (or module) name; `rows` the rows of it a tensor is, where it is a
+    slice (weights and their block scales; a fused linear's global and input scales are shared whole)."""
+
+    _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+              "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+    def __init__(self, hf: dict) -> None:
+        heads = hf["num_attention_heads"]
+        d = hf.get("head_dim") or hf["hidden_size"] // heads
+        q, kv, inter = heads * d, (hf.get("num_key_value_heads") or heads) * d, hf["intermediate_size"]
+        self.spans = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv),
+                      "gate_proj": (0, inter), "up_proj": (inter, 2 * inter)}
+
+    @staticmethod
+    def _split(name: str) -> tuple[str, str, str] | None:
+        """(prefix, projection, suffix) of a q/k/v/gate/up name, else None."""
+        for proj in Phi3Names._FUSED:
+            head, sep, tail = name.partition(f".{proj}")
+            if sep and (not tail or tail.startswith(".")):
+                return head, proj, tail
+        return None
+
+    def __call__(self, name: str) -> str:
+        parts = self._split(name)
+        return name if parts is None else f"{parts[0]}.{self._FUSED[parts[1]]}{parts[2]}"
+
+    def rows(self, name: str) -> tuple[int, int] | None:
+        parts = self._split(name)
+        return self.spans[parts[1]] if parts is not None and parts[2] in (".weight", ".weight_scale") else None
+
+
+def is_phi3(hf: dict) -> bool:
+    return hf.get("model_type") == "phi3" or "Phi3ForCausalLM" in (hf.get("architectures") or [])
+
+
 @dataclass(frozen=True)
 class LlamaMoE:
     """Qwen2-MoE's, Qwen3-MoE's and Mixtral's routed experts, named as `models.moe.MoE` reads them (softmax routing,
@@ -84,8 +121,9 @@ class LlamaArgs:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaArgs":
-        """Read a LlamaForCausalLM (or MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM,
-        Qwen3ForCausalLM, Qwen3MoeForCausalLM) config.json dict (transformers' defaults for absent keys).
+        """Read a LlamaForCausalLM (or MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
+        Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM) config.json dict (transformers' defaults for
+        absent keys).
 
         Raises:
             CheckpointError: a missing, mistyped or inconsistent field (`hf_config.FieldError`, naming
@@ -319,8 +357,8 @@ class Llama(CausalLM):
 
     @staticmethod
     def checkpoint_names(hf_config: dict) -> Callable[[str], str] | None:
-        """How the checkpoint names this model's tensors, where not as the model does (Mixtral's); else None."""
-        return mixtral_name if is_mixtral(hf_config) else None
+        """How the checkpoint names this model's tensors where not as the model does (Mixtral's, Phi-3's), else None."""
+        return mixtral_name if is_mixtral(hf_config) else Phi3Names(hf_config) if is_phi3(hf_config) else None
 
     def __init__(self, hf_config: dict, dtype: torch.dtype, fp4: Callable[[str], bool] = lambda name: False,
                  tp: TPLayout = TPLayout()):

@@ -32,6 +32,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": Llama,  # Llama's layers; sliding-window attention refused (hf_config.check)
     "MixtralForCausalLM": Llama,  # with softmax-routed experts in every layer, named as Mixtral's checkpoints
     # name them (`Llama.checkpoint_names`)
+    "Phi3ForCausalLM": Llama,  # Llama's layers, q/k/v and gate/up fused in its checkpoints (`Llama.checkpoint_names`)
     "Qwen2ForCausalLM": Llama,  # Llama's layers with q/k/v biases (LlamaArgs.qkv_bias)
     "Qwen2MoeForCausalLM": Llama,  # and softmax-routed experts with a gated shared expert in its sparse layers
     "Qwen3ForCausalLM": Llama,  # Llama's layers with q/k norms (LlamaArgs.qk_norm)
