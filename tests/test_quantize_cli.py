@@ -590,3 +590,28 @@ def test_a_second_run_in_the_same_process_does_not_take_a_running_ones_staging_d
     assert list(tmp_path.iterdir()) == []
     second.create()  # free again
     second.discard()
+
+
+def test_mixtral_experts_are_calibrated_under_their_checkpoint_names(tmp_path, recwarn):
+    """transformers 5 calls Mixtral's block_sparse_moe `mlp` and its w1 / w3 / w2 gate / up / down: calibration
+    reports the checkpoint's names, so every expert gets its measured input_scale (not the 6.0 fallback)."""
+    import warnings
+
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from pieceworks.quant.calibrate import calibrate_input_amax
+    from pieceworks.quant.quantizer import quantize_checkpoint
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=4, experts_implementation="eager"))
+    model.save_pretrained(tmp_path / "bf16")
+    amax = calibrate_input_amax(model, [torch.randint(0, 128, (1, 32))])
+    assert "model.layers.1.block_sparse_moe.experts.3.w2" in amax and not [k for k in amax if ".mlp." in k]
+    warnings.simplefilter("always")
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / "fp4", input_amax=amax, progress=False)
+    assert not [w for w in recwarn if "got no calibration data" in str(w.message)]
+    reader = CheckpointReader(tmp_path / "fp4")
+    scale = reader.get("model.layers.1.block_sparse_moe.experts.3.w2.input_scale")
+    assert float(scale) == pytest.approx(amax["model.layers.1.block_sparse_moe.experts.3.w2"] / (6 * 448), rel=1e-6)

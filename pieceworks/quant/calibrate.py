@@ -70,8 +70,8 @@ def calibrate_input_amax(model: torch.nn.Module, batches: Iterable[torch.Tensor]
 
     Returns:
         {checkpoint module name: amax} (e.g. `model.layers.0.self_attn.q_proj`; fused experts
-        appear as `<experts>.{e}.gate_proj` / `.up_proj` / `.down_proj` for every expert e). A linear
-        that never ran is absent.
+        appear as `<experts>.{e}.gate_proj` / `.up_proj` / `.down_proj` for every expert e, Mixtral's as
+        `...block_sparse_moe.experts.{e}.w1` / `w3` / `w2`). A linear that never ran is absent.
 
     Raises:
         ValueError: a fused experts module ran but none of its expert linears was seen (its
@@ -105,6 +105,7 @@ def calibrate_input_amax(model: torch.nn.Module, batches: Iterable[torch.Tensor]
         for h in handles:
             h.remove()
     out = {name: float(v) for name, v in amax.items() if "#" not in name}
+    rename = _CHECKPOINT_NAMES.get(getattr(getattr(model, "config", None), "model_type", None), lambda n: n)
     for name, module, spy in spies:
         if spy.calls == 0:
             raise ValueError(
@@ -115,7 +116,22 @@ def calibrate_input_amax(model: torch.nn.Module, batches: Iterable[torch.Tensor]
             for proj, kind in (("gate_proj", "gate_up"), ("up_proj", "gate_up"), ("down_proj", "down")):
                 if f"{name}#{kind}" in amax:
                     out[f"{name}.{e}.{proj}"] = float(amax[f"{name}#{kind}"])
-    return out
+    return {rename(name): v for name, v in out.items()}
+
+
+def _mixtral_name(name: str) -> str:
+    """transformers 5 names Mixtral's `block_sparse_moe` `mlp` and its experts' w1 / w3 / w2 gate / up / down; the
+    checkpoint (which the quantizer reads and writes) keeps Mixtral's names."""
+    if ".mlp." not in name:
+        return name
+    name = name.replace(".mlp.", ".block_sparse_moe.", 1)
+    head, dot, proj = name.rpartition(".")
+    return f"{head}.{_MIXTRAL_PROJ[proj]}" if ".experts." in head and proj in _MIXTRAL_PROJ else name
+
+
+_MIXTRAL_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+_CHECKPOINT_NAMES = {"mixtral": _mixtral_name}
+"""Per model_type, the checkpoint's name of a transformers module name where they differ."""
 
 
 def text_batches(tokenizer, text: str, seq_len: int) -> list[torch.Tensor]:
