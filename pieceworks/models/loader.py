@@ -84,7 +84,7 @@ def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype
     named = cls.checkpoint_names(hf) if model_cfg.path is not None else None
     try:
         materialize(model, source, device, progress)
-    except CheckpointError as e:  # say the checkpoint's names of the tensors (Mixtral's), not the model's
+    except CheckpointError as e:  # name the tensors as the checkpoint does (Mixtral's, Phi-3's), not as the model
         if named is None:
             raise
         raise CheckpointError(re.sub(r"model\.layers\.\d+\.[\w.*]+", lambda m: named(m[0]), str(e))) from None
