@@ -264,3 +264,19 @@ def test_presets_have_the_published_models_parameter_counts(arch, preset, billio
     weights = [t for n, t in [*model.named_parameters(), *model.named_buffers()]
                if t.is_floating_point() and "rotary" not in n]
     assert sum(t.numel() for t in weights) / 1e9 == pytest.approx(billions, rel=0.005)
+
+
+def test_phi3_checkpoint_errors_name_the_fused_tensors(tmp_path):
+    """Phi-3's q / k / v are read as rows of its qkv_proj: a missing one is named as the file has it."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, pad_token_id=None, eos_token_id=2)).save_pretrained(tmp_path)
+    cfg = {"model": {"path": str(tmp_path)}, "runtime": {"device": "cpu"}}
+    Executor.from_config(cfg, progress=False).close()
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors.pop("model.layers.1.self_attn.qkv_proj.weight")
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.self_attn\.qkv_proj\.weight: missing"):
+        Executor.from_config(cfg, progress=False)
