@@ -25,7 +25,7 @@ def make(spec: bool = True, num_tokens: int = 1024, budget: int = 64, **sections
            "kv_cache": {"num_tokens": num_tokens, "page_size": 4},
            "scheduler": {"max_num_batched_tokens": budget}, **sections}
     if spec:
-        cfg["speculative"] = {"method": "ngram", "num_speculative_tokens": K}
+        cfg.setdefault("speculative", {"method": "ngram", "num_speculative_tokens": K})
     return Engine.from_config(cfg, progress=False)
 
 
@@ -441,3 +441,41 @@ def test_pieceworks_run_says_it_generates_without_speculation(capsys):
                      "generation.max_new_tokens=2", "cuda_graph.piecewise.enabled=off"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "speculative.method=ngram applies to the Engine" in out and "without it" in out
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_random_workloads_give_the_plain_greedy_tokens(trial):
+    """Random mixes (repetitive prompts, some repeated whole so that pages are shared, stop ids, min_tokens, n = 2,
+    logprobs, pools small enough to preempt, k of 1, 3 or 5): the greedy tokens of plain synchronous steps, and every
+    page back at the end."""
+    rng, gen = random.Random(trial), torch.Generator().manual_seed(trial)
+    prompts: list[list[int]] = []
+    for _ in range(rng.randint(3, 10)):
+        base = torch.randint(0, 40, (rng.randint(2, 12),), generator=gen).tolist()  # 40 ids: n-grams repeat
+        prompts.append(base * rng.randint(1, 3))
+        if rng.random() < 0.4:
+            prompts.append(list(rng.choice(prompts)) + base[:rng.randint(0, 3)])
+    params = []
+    for _ in prompts:
+        kw = dict(temperature=0, max_tokens=rng.randint(1, 30))
+        if rng.random() < 0.3:
+            kw["stop_token_ids"] = [rng.randrange(40)]
+        if rng.random() < 0.2:
+            kw["min_tokens"] = min(kw["max_tokens"], rng.randint(0, 5))
+        kw["n"] = 2 if rng.random() < 0.2 else 1
+        kw["logprobs"] = 1 if rng.random() < 0.2 else None
+        params.append(SamplingParams(**kw))
+    num_tokens, budget = rng.choice([(160, 16), (256, 32), (1024, 64)])
+    got = {}
+    for spec in (False, True):
+        sections = {"speculative": {"method": "ngram", "num_speculative_tokens": rng.choice([1, 3, 5])}} if spec else {}
+        eng = make(spec, num_tokens, budget, scheduler={"max_num_batched_tokens": budget, "async_steps": False},
+                   **sections)
+        rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+        final = {}
+        while eng.has_unfinished():
+            final |= {(o.request_id, o.index): o.token_ids for o in eng.step() if o.finished}
+        got[spec] = [final[(r, i)] for r, sp in zip(rids, params) for i in range(sp.n)]
+        drafts = eng.stats()["num_draft_tokens"]
+        drained(eng)
+    assert got[True] == got[False] and drafts > 0
