@@ -237,10 +237,10 @@ class SpeculativeConfig:
     without penalties, a grammar or prompt logprobs). Engine steps then run synchronously (scheduler.async_steps is
     not applied)."""
     num_speculative_tokens: int = 3
-    """Most draft tokens per row and step."""
+    """Most draft tokens per row and step (1..64)."""
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    """The longest and shortest trailing n-gram looked up (the longest that occurred before wins)."""
+    """The longest and shortest trailing n-gram looked up (the longest that occurred before wins; 1..32)."""
 
 
 @dataclass(frozen=True)
@@ -330,8 +330,11 @@ def _validate(cfg: Config, require_model: bool = True) -> None:
     sp = cfg.speculative
     if sp.method is not None:
         _one_of("speculative.method", sp.method, ("ngram",))
-    for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+    for key, most in (("num_speculative_tokens", 64), ("prompt_lookup_max", 32), ("prompt_lookup_min", 32)):
         _positive(f"speculative.{key}", getattr(sp, key))
+        if getattr(sp, key) > most:  # each token indexes max - min + 1 n-grams of up to max tokens
+            raise ConfigError(f"speculative.{key}: {getattr(sp, key)} is more than {most}, which costs host time and "
+                              "memory per token without drafting better; use at most that")
     if sp.prompt_lookup_min > sp.prompt_lookup_max:
         raise ConfigError(f"speculative.prompt_lookup_min ({sp.prompt_lookup_min}) exceeds prompt_lookup_max "
                           f"({sp.prompt_lookup_max}); lower it or raise prompt_lookup_max")

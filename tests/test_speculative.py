@@ -424,6 +424,8 @@ def test_truncate_refuses_to_cut_inside_a_shared_page():
     (["speculative.method=eagle"], "speculative.method: 'eagle' is not allowed; use one of ngram"),
     (["speculative.num_speculative_tokens=0"], "speculative.num_speculative_tokens: 0 must be >= 1"),
     (["speculative.prompt_lookup_min=5"], "prompt_lookup_min .5. exceeds prompt_lookup_max .4."),
+    (["speculative.prompt_lookup_max=1000"], "speculative.prompt_lookup_max: 1000 is more than 32"),
+    (["speculative.num_speculative_tokens=65"], "speculative.num_speculative_tokens: 65 is more than 64"),
 ])
 def test_bad_speculative_config_is_a_config_error(overrides, match):
     from pieceworks.config import load_config
