@@ -25,6 +25,9 @@ MODELS = {
     "deepseek-v2-nvfp4": ({"arch": "deepseek_v3", "preset": "deepseek-v3", "sizes": {
         "num_hidden_layers": 2, "first_k_dense_replace": 1, "model_type": "deepseek_v2",
         "topk_method": "group_limited_greedy", "norm_topk_prob": False}}, "nvfp4"),
+    # DeepSeek-V2-Lite's shapes: 16 MLA heads without q LoRA, 64 experts of 1408 columns, 6 per token
+    "deepseek-v2-lite-nvfp4": ({"arch": "deepseek_v3", "preset": "deepseek-v2-lite",
+                                "sizes": {"num_hidden_layers": 2}}, "nvfp4"),
     "deepseek-bf16": ({"arch": "deepseek_v3", "preset": "deepseek-v3",
                        "sizes": {"num_hidden_layers": 2, "first_k_dense_replace": 1}}, "none"),
     # Llama's layers with Qwen3's q/k norms and with Qwen2's q/k/v biases: the q/k/v GEMM without the rope epilogue
