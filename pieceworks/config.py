@@ -1,30 +1,25 @@
-"""Configuration: one small dataclass per component, the schema of the YAML files, and the checks of
-every value.
+"""Configuration: one small dataclass per component, the schema of the YAML files.
 
 `load_config(path_or_dict, overrides)` merges YAML and dotlist overrides onto these schemas (OmegaConf;
-the reading, merging and error locating live in `pieceworks.config_yaml`), checks every value and
-returns a frozen `Config` of plain Python objects; nothing downstream touches OmegaConf (an attribute
-read there costs ~20 us). Errors are `ConfigError`s naming the key, the bad value and what is allowed;
-a field's `example` metadata is the value such a message suggests for it (e.g. for a scalar given to a
-list field).
+the reading, merging and error locating live in `pieceworks.config_yaml`), checks every value
+(`pieceworks.config_checks`) and returns a frozen `Config` of plain Python objects; nothing downstream touches
+OmegaConf (an attribute read there costs ~20 us). Errors are `ConfigError`s naming the key, the bad value and
+what is allowed; a field's `example` metadata is the value such a message suggests for it (e.g. for a scalar
+given to a list field).
 """
 
 from __future__ import annotations
 
 import enum
-import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
+from pieceworks.config_checks import validate
 from pieceworks.config_yaml import as_dict, merge, plain, to_yaml, with_location
 from pieceworks.environment import user_cache_home
 from pieceworks.errors import ConfigError  # re-exported here for callers of load_config
-
-OPS = ("attention", "mla", "fp4_gemm", "moe")
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
-
 
 class Switch(str, enum.Enum):
     """auto = on where it helps (CUDA), off elsewhere."""
@@ -269,102 +264,6 @@ class Config:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
 
-def _one_of(key: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}: {value!r} is not allowed; use one of {', '.join(map(str, allowed))}")
-
-
-def _positive(key: str, value: Any) -> None:
-    if value is not None and value < 1:
-        raise ConfigError(f"{key}: {value!r} must be >= 1")
-
-
-def _sizes(key: str, value: list[int] | None) -> None:
-    if value is None:
-        return
-    if not value:
-        raise ConfigError(f"{key}: the list is empty; give at least one size, or leave it unset")
-    if any(not isinstance(v, int) or v < 1 for v in value):
-        raise ConfigError(f"{key}: {value} must hold positive integers")
-    if list(value) != sorted(set(value)):
-        raise ConfigError(f"{key}: {value} must be strictly ascending without repeats")
-
-
-def _validate(cfg: Config, require_model: bool = True) -> None:
-    m = cfg.model
-    if require_model and m.path is None and m.arch is None:
-        raise ConfigError(
-            "model: set model.path (a Hugging Face-format directory, or smollm2-135m) "
-            "or model.arch (llama or deepseek_v3) for random weights"
-        )
-    if m.path is not None and m.arch is not None:
-        raise ConfigError("model: set model.path or model.arch, not both")
-    if m.arch is not None:
-        _one_of("model.arch", m.arch, ("llama", "deepseek_v3"))
-    _positive("model.max_context", m.max_context)
-    _one_of("quantization.format", cfg.quantization.format, ("auto", "none", "nvfp4"))
-    _one_of("quantization.fp4_numerics", cfg.quantization.fp4_numerics, ("auto", "w4a4", "w4a16"))
-    kv = cfg.kv_cache
-    _positive("kv_cache.page_size", kv.page_size)
-    _positive("kv_cache.num_tokens", kv.num_tokens)
-    if not 0.0 < kv.memory_fraction <= 1.0:
-        raise ConfigError(f"kv_cache.memory_fraction: {kv.memory_fraction!r} must be in (0, 1]")
-    for op in OPS:
-        sel = getattr(cfg.backends, op)
-        if isinstance(sel, str):
-            continue
-        if isinstance(sel, dict) and sel and set(sel) <= {"extend", "decode"}:
-            if all(isinstance(v, str) for v in sel.values()):
-                continue
-        raise ConfigError(
-            f"backends.{op}: {sel!r} is not allowed; use auto, a backend name, or "
-            "{extend: <name>, decode: <name>} (a mode left out is auto)"
-        )
-    for name, opts in cfg.backends.options.items():
-        if not isinstance(opts, dict):
-            raise ConfigError(f"backends.options.{name}: {opts!r} must be a mapping of option: value")
-    _positive("scheduler.max_num_seqs", cfg.scheduler.max_num_seqs)
-    _positive("scheduler.max_num_batched_tokens", cfg.scheduler.max_num_batched_tokens)
-    if not 0.0 <= cfg.scheduler.watermark < 1.0:
-        raise ConfigError(f"scheduler.watermark: {cfg.scheduler.watermark!r} must be in [0, 1)")
-    sp = cfg.speculative
-    if sp.method is not None:
-        _one_of("speculative.method", sp.method, ("ngram",))
-    for key, most in (("num_speculative_tokens", 64), ("prompt_lookup_max", 32), ("prompt_lookup_min", 32)):
-        _positive(f"speculative.{key}", getattr(sp, key))
-        if getattr(sp, key) > most:  # each token indexes max - min + 1 n-grams of up to max tokens
-            raise ConfigError(f"speculative.{key}: {getattr(sp, key)} is more than {most}, which costs host time and "
-                              "memory per token without drafting better; use at most that")
-    if sp.prompt_lookup_min > sp.prompt_lookup_max:
-        raise ConfigError(f"speculative.prompt_lookup_min ({sp.prompt_lookup_min}) exceeds prompt_lookup_max "
-                          f"({sp.prompt_lookup_max}); lower it or raise prompt_lookup_max")
-    pw = cfg.cuda_graph.piecewise
-    _positive("cuda_graph.piecewise.max_tokens", pw.max_tokens)
-    _sizes("cuda_graph.piecewise.sizes", pw.sizes)
-    _sizes("cuda_graph.decode.batch_sizes", cfg.cuda_graph.decode.batch_sizes)
-    dev = cfg.runtime.device
-    if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
-        raise ConfigError(f"runtime.device: {dev!r} is not allowed; use auto, cpu, cuda or cuda:N")
-    _one_of("runtime.dtype", cfg.runtime.dtype, ("auto", "bfloat16", "float16", "float32"))
-    lo, hi = SEED_RANGE
-    if not lo <= cfg.runtime.seed <= hi:
-        raise ConfigError(f"runtime.seed: {cfg.runtime.seed!r} is out of range; use an integer from "
-                          f"-2**63 to 2**64 - 1 ({lo} to {hi})")
-    par = cfg.parallel
-    _positive("parallel.tensor_parallel_size", par.tensor_parallel_size)
-    if par.tensor_parallel_size > 1 and dev.startswith("cuda:"):
-        raise ConfigError(f"runtime.device: {dev!r} names one GPU, but parallel.tensor_parallel_size is "
-                          f"{par.tensor_parallel_size}; use runtime.device=cuda (rank r runs on GPU r)")
-    if not par.timeout_s > 0:
-        raise ConfigError(f"parallel.timeout_s: {par.timeout_s!r} must be > 0")
-    g = cfg.generation
-    _positive("generation.max_new_tokens", g.max_new_tokens)
-    if not (math.isfinite(g.temperature) and g.temperature >= 0):
-        raise ConfigError(f"generation.temperature: {g.temperature!r} must be a finite number >= 0")
-    if not 0.0 < g.top_p <= 1.0:
-        raise ConfigError(f"generation.top_p: {g.top_p!r} must be in (0, 1]")
-
-
 def load_config(
     source: str | os.PathLike | dict | Config | None = None,
     overrides: list[str] | None = None,
@@ -396,7 +295,7 @@ def load_config(
     obj = merge(Config, source, overrides)
     try:
         cfg = _normalize(plain(obj))
-        _validate(cfg, require_model)
+        validate(cfg, require_model)
     except ConfigError as exc:
         raise with_location(exc, source if isinstance(source, Path) else None) from None
     return cfg
