@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-import uuid
 from contextlib import contextmanager
 from typing import Any
 
@@ -27,7 +26,8 @@ from pieceworks.engine.async_steps import AsyncSteps, InFlight, mark_pending
 from pieceworks.engine.detokenize import Detokenizer, eos_token_ids, load_tokenizer
 from pieceworks.engine.logprobs import record_prompt_logprobs
 from pieceworks.engine.params import SamplingParams
-from pieceworks.engine.prompts import check_abort_id, check_fits, check_token_ids, is_one_prompt, prompt_ids
+from pieceworks.engine.prompts import (check_abort_id, check_fits, check_token_ids, is_one_prompt, new_request_id,
+                                       prompt_ids)
 from pieceworks.engine.request import Request, RequestOutput
 from pieceworks.engine.sampler import Sampler, SamplingState, sampling_rows
 from pieceworks.engine.scheduler import Scheduler
@@ -133,14 +133,7 @@ class Engine:
             if params.stop and self.tokenizer is None:
                 raise RequestError(f"SamplingParams.stop={params.stop!r} needs a tokenizer; this model has "
                                    "none: use stop_token_ids")
-            request_id = uuid.uuid4().hex if request_id is None else request_id
-            if not isinstance(request_id, str) or not request_id:
-                raise RequestError(f"request_id must be a non-empty str, got {request_id!r}")
-            if request_id in self._requests:
-                raise RequestError(f"request_id {request_id!r} is already running; use a new id")
-            if any(o.request_id == request_id for o in self._ready):  # its abort outputs would mix in
-                raise RequestError(f"request_id {request_id!r} was just aborted and its final outputs come "
-                                   "with the next step; use a new id (or step first)")
+            request_id = new_request_id(request_id, self._requests, self._ready)
             matchers = self.grammars.for_params(params, matchers)
             thinking = None if matchers[0] is None else self.grammars.thinking(ids)
             group: list[Request] = []

@@ -1,11 +1,12 @@
 """A request's prompt as token ids, checked before anything is queued (`Engine.add_request`): text through
 the tokenizer, token ids from a list, tuple, range, 1-D integer tensor or numpy array; every id an int in
 the vocabulary, at least one, within the context limit with room for the tokens asked for. Each refusal is
-a RequestError that names the fault. `check_abort_id`: an abort's request id, checked the same way.
+a RequestError that names the fault. `new_request_id`: a new request's id; `check_abort_id`: an abort's.
 """
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import torch
@@ -111,3 +112,18 @@ def check_abort_id(request_id: Any) -> None:
     """`abort` takes one request id, a str (AsyncEngine checks it before its loop thread meets it)."""
     if not isinstance(request_id, str):
         raise RequestError(f"abort takes one request id (a str), got {type(request_id).__name__} {request_id!r}")
+
+
+def new_request_id(request_id: Any, running: dict, ready: list) -> str:
+    """`request_id` checked (a non-empty str, not running, not just aborted with its outputs still in `ready`), or a
+    fresh one where it is None."""
+    request_id = uuid.uuid4().hex if request_id is None else request_id
+    if not isinstance(request_id, str) or not request_id:
+        raise RequestError(f"request_id must be a non-empty str, got {request_id!r}")
+    if request_id in running:
+        raise RequestError(f"request_id {request_id!r} is already running; use a new id")
+    if any(o.request_id == request_id for o in ready):  # its abort outputs would mix in
+        raise RequestError(f"request_id {request_id!r} was just aborted and its final outputs come "
+                           "with the next step; use a new id (or step first)")
+    return request_id
+
