@@ -14,7 +14,7 @@ from collections import OrderedDict
 import torch
 
 from pieceworks.core.kv import KVLayout
-from pieceworks.errors import ConfigError, OutOfPages
+from pieceworks.errors import BatchError, ConfigError, OutOfPages
 
 RESERVED_PAGE = 0
 DEFAULT_PAGE_SIZE = 16  # kv_cache.page_size's default, named in messages
@@ -144,19 +144,64 @@ class PageAllocator:
             del self._page_of[key]
 
 
-def truncate_sequence(alloc: PageAllocator, seq, num_tokens: int, page_size: int) -> None:
-    """Keep the KV of `seq`'s first `num_tokens` tokens (the caller checked 0 <= num_tokens <= kv_len and that
-    the page that goes on holding tokens past it is the sequence's alone): the pages past them go back to
-    the allocator (cached ones stay cached: their KV is a valid continuation of their prefix), a kept page
-    that was full leaves the prefix cache, and `tokens` and `block_keys` shrink to match."""
-    keep_pages = -(-num_tokens // page_size)
-    full = num_tokens // page_size
+def truncate_sequence(alloc: PageAllocator, seq, num_tokens: int, page_size: int) -> bool:
+    """Keep the KV of `seq`'s first `num_tokens` tokens (`Executor.truncate`, which checked that `seq` is live): the
+    pages past them go back to the allocator (cached ones stay cached: their KV is a valid continuation of their
+    prefix), a kept page that was full leaves the prefix cache, and `tokens` and `block_keys` shrink to match.
+    Returns whether pages went back.
+
+    Raises:
+        BatchError: `num_tokens` outside [0, kv_len], or a cut inside a page another sequence shares; nothing changed.
+    """
+    if type(num_tokens) is not int or not 0 <= num_tokens <= seq.kv_len:
+        raise BatchError(f"truncate(seq {seq.id}, {num_tokens!r}): num_tokens must be an int in [0, {seq.kv_len}] "
+                         "(the sequence's kv_len)")
+    full, keep_pages = num_tokens // page_size, -(-num_tokens // page_size)
+    if full < keep_pages and num_tokens < seq.kv_len and alloc.refcount(seq.pages[full]) > 1:
+        raise BatchError(f"truncate(seq {seq.id}, {num_tokens}): page {full} of the sequence is shared with another "
+                         f"sequence (prefix cache); cut at a multiple of {page_size}")
     dropped = seq.pages[keep_pages:]
     if full < keep_pages and full < len(seq.block_keys):  # the kept partial page was registered full
         alloc.unregister(seq.pages[full])
     del seq.pages[keep_pages:], seq.tokens[num_tokens:], seq.block_keys[full:]
     if dropped:
         alloc.free(dropped)
+    return bool(dropped)
+
+
+def reserve_pages(alloc: PageAllocator, page_size: int, seqs: list, tokens: list[list[int]]) -> list[list[int]]:
+    """Allocate the pages a step feeding `tokens[i]` to `seqs[i]` needs, appended to each sequence's pages; returns
+    each sequence's new pages (for `release_pages` should the step fail).
+
+    Raises:
+        OutOfPages: too few free pages; nothing was taken.
+    """
+    need = [max(0, -(-(s.kv_len + len(t)) // page_size) - len(s.pages)) for s, t in zip(seqs, tokens)]
+    if sum(need) > alloc.num_free:
+        raise OutOfPages(
+            f"the batch needs {sum(need)} more KV pages ({sum(need) * page_size} tokens) but only "
+            f"{alloc.num_free} are free: run fewer sequences per step, free finished ones, "
+            "or enlarge kv_cache.num_tokens"
+        )
+    new: list[list[int]] = [[] for _ in seqs]
+    try:  # an interrupt between two allocations gives back what the earlier ones took
+        for i, (seq, n) in enumerate(zip(seqs, need)):
+            if n:
+                new[i] = alloc.alloc(n)
+                seq.pages.extend(new[i])
+    except BaseException:
+        release_pages(alloc, seqs, new)
+        raise
+    return new
+
+
+def release_pages(alloc: PageAllocator, seqs: list, new_pages: list[list[int]]) -> None:
+    """Give back the pages `reserve_pages` took for a step that failed."""
+    for seq, pages in zip(seqs, new_pages):
+        if pages:
+            if seq.pages[len(seq.pages) - len(pages):] == pages:
+                del seq.pages[len(seq.pages) - len(pages):]
+            alloc.free(pages)
 
 
 def block_key(parent: bytes | None, tokens: list[int]) -> bytes:

@@ -32,7 +32,7 @@ from pieceworks.errors import BatchError, OutOfPages
 from pieceworks.executor import distributed  # here: an import inside the leader's step costs ~1 us a step
 from pieceworks.executor.build import build_executor, executor_from_config, model_dir_of, release_executor
 from pieceworks.executor.inputs import as_token_ids, check_batch, logit_rows, step_inputs, take_previous_ids
-from pieceworks.executor.kv_cache import KVPool, block_keys, truncate_sequence
+from pieceworks.executor.kv_cache import KVPool, block_keys, release_pages, reserve_pages, truncate_sequence
 
 
 class Executor:
@@ -188,16 +188,8 @@ class Executor:
                 raise self._closed_error()
             if not isinstance(seq, Sequence) or seq.freed or self._live.get(seq.id) is not seq:
                 raise BatchError(f"truncate() takes a live Sequence of this executor, got {seq!r}")
-            if type(num_tokens) is not int or not 0 <= num_tokens <= seq.kv_len:
-                raise BatchError(f"truncate(seq {seq.id}, {num_tokens!r}): num_tokens must be an int in "
-                                 f"[0, {seq.kv_len}] (the sequence's kv_len)")
-            ps, alloc = self.page_size, self.kv.allocator
-            if num_tokens % ps and num_tokens < seq.kv_len and alloc.refcount(seq.pages[num_tokens // ps]) > 1:
-                raise BatchError(f"truncate(seq {seq.id}, {num_tokens}): page {num_tokens // ps} of the sequence is "
-                                 f"shared with another sequence (prefix cache); cut at a multiple of {ps}")
-            if self.groups is not None and len(seq.pages) > -(-num_tokens // ps):
+            if truncate_sequence(self.kv.allocator, seq, num_tokens, self.page_size) and self.groups is not None:
                 self.sent_pages.cut(seq.id)  # the followers' page lists start over at its next step
-            truncate_sequence(alloc, seq, num_tokens, ps)
 
     def pages_needed(self, seqs: list[Sequence], num_new_tokens: list[int]) -> int:
         """KV pages a step feeding `num_new_tokens[i]` tokens to `seqs[i]` would allocate (compare with
@@ -366,30 +358,11 @@ class Executor:
         return check_batch(batch, self._live, self.vocab_size, self.max_context)
 
     def _reserve_pages(self, seqs: list[Sequence], tokens: list[list[int]]) -> list[list[int]]:
-        need = [max(0, -(-(s.kv_len + len(t)) // self.page_size) - len(s.pages)) for s, t in zip(seqs, tokens)]
-        if sum(need) > self.kv.allocator.num_free:
-            raise OutOfPages(
-                f"the batch needs {sum(need)} more KV pages ({sum(need) * self.page_size} tokens) but only "
-                f"{self.kv.allocator.num_free} are free: run fewer sequences per step, free finished ones, "
-                "or enlarge kv_cache.num_tokens"
-            )
-        new: list[list[int]] = [[] for _ in seqs]
-        try:  # an interrupt between two allocations gives back what the earlier ones took
-            for i, (seq, n) in enumerate(zip(seqs, need)):
-                if n:
-                    new[i] = self.kv.allocator.alloc(n)
-                    seq.pages.extend(new[i])
-        except BaseException:
-            self._release(seqs, new)
-            raise
-        return new
+        return reserve_pages(self.kv.allocator, self.page_size, seqs, tokens)
 
     def _release(self, seqs: list[Sequence], new_pages: list[list[int]]) -> None:
-        for seq, pages in zip(seqs, new_pages):
-            if pages:
-                if seq.pages[len(seq.pages) - len(pages):] == pages:
-                    del seq.pages[len(seq.pages) - len(pages):]
-                self.kv.allocator.free(pages)
+        if any(new_pages):  # a step that failed by closing the executor took none: its pool is gone
+            release_pages(self.kv.allocator, seqs, new_pages)
 
     # ---------------------------------------------------------------- conveniences
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 32, **kw: Any) -> list[list[int]]:
