@@ -84,6 +84,24 @@ CASES = {
 }
 
 
+def _routers(model: torch.nn.Module, std: float) -> torch.nn.Module:
+    """Routers sharp enough that routing (and a group choice) depends on the token."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.weight.normal_(0.0, std)
+    return model
+
+
+def _qkv_biases(model: torch.nn.Module) -> torch.nn.Module:
+    """q/k/v biases that count (transformers initializes them to 0)."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.5)
+    return model
+
+
 def _hf_model(arch: str, overrides: dict) -> torch.nn.Module:
     torch.manual_seed(0)
     if arch == "llama":
@@ -93,32 +111,19 @@ def _hf_model(arch: str, overrides: dict) -> torch.nn.Module:
     if arch == "qwen2":
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
-        model = Qwen2ForCausalLM(Qwen2Config(**{**LLAMA_BASE, **overrides})).eval()
-        with torch.no_grad():  # transformers initializes biases to 0: make them count
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0.0, 0.5)
-        return model
+        return _qkv_biases(Qwen2ForCausalLM(Qwen2Config(**{**LLAMA_BASE, **overrides})).eval())
     if arch == "qwen3_moe":
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**LLAMA_BASE, **QWEN3_MOE, **overrides},
-                                                   dtype=torch.float32)).eval()
-        with torch.no_grad():  # a router sharp enough that routing depends on the token
-            for layer in model.model.layers:
-                if hasattr(layer.mlp, "gate"):
-                    layer.mlp.gate.weight.normal_(0.0, 0.2)
-        return model
+        return _routers(Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**LLAMA_BASE, **QWEN3_MOE, **overrides},
+                                                           dtype=torch.float32)).eval(), 0.2)
     if arch == "qwen2_moe":
         from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**{**LLAMA_BASE, **overrides})).eval()
-        with torch.no_grad():  # a sharp router, biases and a shared-expert gate that count
+        model = _routers(_qkv_biases(Qwen2MoeForCausalLM(Qwen2MoeConfig(**{**LLAMA_BASE, **overrides})).eval()), 0.2)
+        with torch.no_grad():  # a shared-expert gate that counts
             for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0.0, 0.5)
                 if hasattr(layer.mlp, "shared_expert_gate"):
-                    layer.mlp.gate.weight.normal_(0.0, 0.2)
                     layer.mlp.shared_expert_gate.weight.normal_(0.0, 0.5)
         return model
     if arch == "phi3":
@@ -128,11 +133,7 @@ def _hf_model(arch: str, overrides: dict) -> torch.nn.Module:
     if arch == "mixtral":
         from transformers import MixtralConfig, MixtralForCausalLM
 
-        model = MixtralForCausalLM(MixtralConfig(**{**LLAMA_BASE, **overrides})).eval()
-        with torch.no_grad():  # a router sharp enough that routing depends on the token
-            for layer in model.model.layers:
-                layer.mlp.gate.weight.normal_(0.0, 0.2)
-        return model
+        return _routers(MixtralForCausalLM(MixtralConfig(**{**LLAMA_BASE, **overrides})).eval(), 0.2)
     if arch == "qwen3":
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -149,12 +150,7 @@ def _hf_model(arch: str, overrides: dict) -> torch.nn.Module:
     if arch == "deepseek_v2":
         from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-        model = DeepseekV2ForCausalLM(DeepseekV2Config(**{**DEEPSEEK_BASE, **overrides})).eval()
-        with torch.no_grad():  # a router sharp enough that routing (and the group choice) depends on the token
-            for layer in model.model.layers:
-                if hasattr(layer.mlp, "gate"):
-                    layer.mlp.gate.weight.normal_(0.0, 0.3)
-        return model
+        return _routers(DeepseekV2ForCausalLM(DeepseekV2Config(**{**DEEPSEEK_BASE, **overrides})).eval(), 0.3)
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     # dtype= keeps the router float32, as the released checkpoints have it.
