@@ -8,8 +8,6 @@ Shape legend: T tokens, H hidden, Hq query heads, Hkv KV heads, D head size, V v
 
 from __future__ import annotations
 
-import re
-
 from dataclasses import dataclass
 from typing import Callable
 
@@ -28,23 +26,11 @@ from pieceworks.models.rope import apply_rope_qk, rope_parameters
 from pieceworks.parallel.comm import reduce
 from pieceworks.parallel.layout import (TPLayout, require_divisible, require_fp4_block, require_kv_heads)
 from pieceworks.quant.linear import Fp4Linear
+from pieceworks.quant.modelopt import mixtral_name
 
 
 def is_mixtral(hf: dict) -> bool:
     return hf.get("model_type") == "mixtral" or "MixtralForCausalLM" in (hf.get("architectures") or [])
-
-
-_MIXTRAL_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-_MIXTRAL_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)")
-
-
-def mixtral_name(name: str) -> str:
-    """A module or tensor name of pieceworks' Llama as Mixtral's checkpoints write it: the experts under
-    `block_sparse_moe` (its router `gate`), each expert's gate / up / down projections as w1 / w3 / w2."""
-    if ".mlp." not in name:
-        return name
-    name = _MIXTRAL_EXPERT.sub(lambda m: f".mlp.experts.{m[1]}.{_MIXTRAL_PROJ[m[2]]}", name)
-    return name.replace(".mlp.", ".block_sparse_moe.", 1)
 
 
 class Phi3Names:

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
+from pieceworks.quant.modelopt import mixtral_name
+
 _F_LINEAR = torch.nn.functional.linear
 
 
@@ -119,19 +121,9 @@ def calibrate_input_amax(model: torch.nn.Module, batches: Iterable[torch.Tensor]
     return {rename(name): v for name, v in out.items()}
 
 
-def _mixtral_name(name: str) -> str:
-    """transformers 5 names Mixtral's `block_sparse_moe` `mlp` and its experts' w1 / w3 / w2 gate / up / down; the
-    checkpoint (which the quantizer reads and writes) keeps Mixtral's names."""
-    if ".mlp." not in name:
-        return name
-    name = name.replace(".mlp.", ".block_sparse_moe.", 1)
-    head, dot, proj = name.rpartition(".")
-    return f"{head}.{_MIXTRAL_PROJ[proj]}" if ".experts." in head and proj in _MIXTRAL_PROJ else name
-
-
-_MIXTRAL_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-_CHECKPOINT_NAMES = {"mixtral": _mixtral_name}
-"""Per model_type, the checkpoint's name of a transformers module name where they differ."""
+_CHECKPOINT_NAMES = {"mixtral": mixtral_name}
+"""Per model_type, the checkpoint's name of a transformers module name where they differ (transformers 5 names
+Mixtral's modules as pieceworks' Llama does)."""
 
 
 def text_batches(tokenizer, text: str, seq_len: int) -> list[torch.Tensor]:

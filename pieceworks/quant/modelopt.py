@@ -24,6 +24,7 @@ as an alias of `exclude_modules`, as vLLM and SGLang do.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -73,6 +74,20 @@ class Fp4QuantConfig:
             fnmatchcase(module_name, p) or fnmatchcase(module_name, p + ".*")
             for p in self.exclude_modules
         )
+
+
+_MIXTRAL_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+_MIXTRAL_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)")
+
+
+def mixtral_name(name: str) -> str:
+    """A module or tensor name as pieceworks' Llama and transformers 5 give it, as Mixtral's checkpoints write it: the
+    experts under `block_sparse_moe` (its router `gate`), each expert's gate / up / down projections as w1 / w3 / w2
+    (the loader reads, and the calibration names, Mixtral's tensors through it)."""
+    if ".mlp." not in name:
+        return name
+    name = _MIXTRAL_EXPERT.sub(lambda m: f".mlp.experts.{m[1]}.{_MIXTRAL_PROJ[m[2]]}", name)
+    return name.replace(".mlp.", ".block_sparse_moe.", 1)
 
 
 def _group_size_of(qc: dict, where: str) -> object:
