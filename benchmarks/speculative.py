@@ -4,9 +4,9 @@ B greedy chat requests per run (or `--temperature T`: seeded, EOS ignored), each
 (EOS ends them): `--task copy` asks the model to copy a paragraph of pieceworks/data/english.txt (its output
 repeats its prompt, where prompt lookup drafts well), `--task story` asks for a short story (little to look
 up). `--task scripted` serves models without a tokenizer or sense (random weights, e.g. the Llama-3.1-8B shape
-on the GPU): B random prompts of `--input-len` tokens, and drafts taken from the plain side's own tokens, each
-draft token right with probability `--accept` (else replaced), so that the cost of a step with drafts shows at a
-chosen acceptance. One engine built with `speculative.method=ngram`; its plain side is the default engine path
+on the GPU): B random prompts of `--input-len` tokens and random drafts, of which a verify step accepts each next
+one with probability `--accept` (`script_drafts`), so that the cost of a step with drafts shows at a chosen
+acceptance. One engine built with `speculative.method=ngram`; its plain side is the default engine path
 (no drafter, async steps), its speculative side the configured one (drafts, synchronous steps): the two
 switches `Engine.__init__` sets from the config, flipped between runs so that the sides alternate `--rounds`
 times on one model (median). Per side: output tok/s and engine steps; for the speculative
@@ -71,20 +71,45 @@ def random_prompts(B: int, n: int, vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for _ in range(B)]
 
 
-def script_drafts(reference: dict, accept: float, vocab: int) -> None:
-    """Drafts from each prompt's plain tokens (`reference`), each token right with probability `accept`."""
+def script_drafts(engine, vocab: int) -> dict:
+    """Scripted drafts at acceptance `p` (the returned dict's "accept"): each drafting row proposes k random tokens, and at its verify step
+    the first j of them are accepted, j counted by coin flips that each succeed with probability p
+    (the sampler's ids at those positions are replaced by the drafts; the next position keeps its drawn id).
+    The steps then cost what the engine's steps cost at that acceptance, whatever the random weights' near-tied
+    logits do: their greedy tokens are not stable across the verify step's and the decode step's kernels in bf16
+    (drafts copied from the plain side's tokens were accepted 0-2% on an H100 at "80%")."""
     import random
 
     from pieceworks.engine.speculative import NgramIndex
 
-    rng = random.Random(0)
+    rng, scripted = random.Random(0), {"accept": 1.0}
+    NgramIndex.propose = lambda self, req, k: [rng.randrange(vocab) for _ in range(k)]
+    spec, sampler = engine.speculator, engine.sampler
+    real_step, real_sample = spec.step, sampler.sample
 
-    def propose(self, req, k):
-        pos = len(req.output)
-        draft = list(reference[tuple(req.prompt)][pos:pos + k])
-        return [t if rng.random() < accept else (t + 1) % vocab for t in draft]
+    def step(eng, scheduled, outputs, stream):
+        drafting = [r for r, _ in scheduled if r.draft]
 
-    NgramIndex.propose = propose
+        def sample(logits, states, greedy=None, mask=None):
+            result = real_sample(logits, states, greedy, mask)
+            ids = result.token_ids
+            i = len(states) - sum(len(r.draft) + 1 for r in drafting)  # the plain rows come first
+            for r in drafting:
+                for j, d in enumerate(r.draft):
+                    if rng.random() >= scripted["accept"]:
+                        break
+                    ids[i + j] = d
+                i += len(r.draft) + 1
+            return result
+
+        sampler.sample = sample
+        try:
+            return real_step(eng, scheduled, outputs, stream)
+        finally:
+            del sampler.sample
+
+    spec.step = step
+    return scripted
 
 
 def set_speculation(engine, on: bool, speculator) -> None:
@@ -111,12 +136,11 @@ def main() -> None:
                             ignore_eos=scripted or args.temperature > 0)
     rows = []
     cases = [(int(b), float(a)) for b in args.batch.split(",") for a in (args.accept.split(",") if scripted else [0])]
+    script = script_drafts(engine, engine.executor.vocab_size) if scripted else None
     for B, accept in cases:
         if scripted:
             ps = random_prompts(B, args.input_len, engine.executor.vocab_size)
-            set_speculation(engine, False, spec)
-            script_drafts({tuple(p): o.token_ids for p, o in zip(ps, engine.generate(ps, params))}, accept,
-                          engine.executor.vocab_size)
+            script["accept"] = accept
         else:
             ps = prompts(engine.tokenizer, args.task, B)
         results: dict[str, list] = {"plain": [], "ngram": []}
@@ -142,7 +166,7 @@ def main() -> None:
             if name == "ngram":
                 row["drafts"] = (runs[0][3], runs[0][4])
                 same = sum(o.token_ids == r for o, r in zip(runs[0][1], ref))
-                row["same"] = f"{same} of {B}" if params.greedy else "n/a (sampled)"
+                row["same"] = "n/a (scripted)" if scripted else f"{same} of {B}" if params.greedy else "n/a (sampled)"
         rows.append(row)
     model = cfg.model.path or f"{cfg.model.arch}-{cfg.model.preset}"
     task = args.task if not scripted else f"scripted drafts over {args.input_len}-token random prompts"
