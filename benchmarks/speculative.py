@@ -6,10 +6,10 @@ repeats its prompt, where prompt lookup drafts well), `--task story` asks for a 
 up). `--task scripted` serves models without a tokenizer or sense (random weights, e.g. the Llama-3.1-8B shape
 on the GPU): B random prompts of `--input-len` tokens and random drafts, of which a verify step accepts each next
 one with probability `--accept` (`script_drafts`), so that the cost of a step with drafts shows at a chosen
-acceptance. One engine built with `speculative.method=ngram`; its plain side is the default engine path
-(no drafter, async steps), its speculative side the configured one (drafts, synchronous steps): the two
-switches `Engine.__init__` sets from the config, flipped between runs so that the sides alternate `--rounds`
-times on one model (median). Per side: output tok/s and engine steps; for the speculative
+acceptance. One engine built with `speculative.method=ngram`; its plain side drafts at no batch size (steps as
+without speculation: no drafts, asynchronous), its speculative side as configured (`--set speculative.max_batch=N`
+limits drafting to batches of at most N running requests), flipped between runs so that the sides alternate
+`--rounds` times on one model (median). Per side: output tok/s and engine steps; for the speculative
 side drafts fed and accepted, and whether each request's tokens equal the plain side's.
 
     python benchmarks/speculative.py --task copy --batch 1,8 --tokens 128 [--set key=value ...] [--out FILE]
@@ -112,10 +112,10 @@ def script_drafts(engine, vocab: int) -> dict:
     return scripted
 
 
-def set_speculation(engine, on: bool, speculator) -> None:
-    """What `Engine.__init__` sets from `speculative.method`: the scheduler's drafter, and async steps off."""
-    engine.scheduler.drafter = speculator.draft if on else None
-    engine._async = not on and engine.executor.cfg.scheduler.async_steps
+def set_speculation(engine, on: bool, max_batch: int | None) -> None:
+    """The plain side drafts at no batch size (its steps run as without speculation, asynchronously where
+    scheduler.async_steps allows); the speculative side as configured (speculative.max_batch)."""
+    engine.speculator.max_batch = max_batch if on else 0
 
 
 def main() -> None:
@@ -131,6 +131,7 @@ def main() -> None:
         raise SystemExit("this model has no tokenizer; the prompts are chat text (--set model.path=..., or --task "
                          "scripted)")
     spec = engine.speculator
+    max_batch = cfg.speculative.max_batch
     # sampled runs ignore EOS, so that both sides generate M tokens per request (their texts differ)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens, seed=0,
                             ignore_eos=scripted or args.temperature > 0)
@@ -145,11 +146,11 @@ def main() -> None:
             ps = prompts(engine.tokenizer, args.task, B)
         results: dict[str, list] = {"plain": [], "ngram": []}
         for name in results:  # warm-up: graphs, caches
-            set_speculation(engine, name == "ngram", spec)
+            set_speculation(engine, name == "ngram", max_batch)
             engine.generate(ps, params)
         for _ in range(args.rounds):
             for name in results:
-                set_speculation(engine, name == "ngram", spec)
+                set_speculation(engine, name == "ngram", max_batch)
                 before = (engine.num_steps, spec.num_draft_tokens, spec.num_accepted_tokens)
                 t = time.perf_counter()
                 outs = engine.generate(ps, params)

@@ -229,13 +229,17 @@ class SpeculativeConfig:
     method: Optional[str] = None
     """None: off. ngram (vLLM's prompt lookup): a decode row's drafts are the tokens that followed the last earlier
     occurrence of its longest trailing n-gram in prompt + output; one step checks them all (greedy and sampled rows
-    without penalties, a grammar or prompt logprobs). Engine steps then run synchronously (scheduler.async_steps is
-    not applied)."""
+    without penalties, a grammar or prompt logprobs). Steps that may draft run synchronously (the drafts follow the
+    last step's tokens); see max_batch."""
     num_speculative_tokens: int = 3
     """Most draft tokens per row and step (1..64)."""
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     """The longest and shortest trailing n-gram looked up (the longest that occurred before wins; 1..32)."""
+    max_batch: Optional[int] = None
+    """Draft only while at most this many requests run; above, steps run without drafts, asynchronously where
+    scheduler.async_steps allows. A verify step feeds k + 1 tokens per drafting row, which a large batch pays for
+    in compute where a small one rides on the weights' reads (docs/sampling.md). None: at every batch size."""
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,8 @@ def validate(cfg: Any, require_model: bool = True) -> None:
         if getattr(sp, key) > most:  # each token indexes max - min + 1 n-grams of up to max tokens
             raise ConfigError(f"speculative.{key}: {getattr(sp, key)} is more than {most}, which costs host time and "
                               "memory per token without drafting better; use at most that")
+    if sp.max_batch is not None:
+        _positive("speculative.max_batch", sp.max_batch)
     if sp.prompt_lookup_min > sp.prompt_lookup_max:
         raise ConfigError(f"speculative.prompt_lookup_min ({sp.prompt_lookup_min}) exceeds prompt_lookup_max "
                           f"({sp.prompt_lookup_max}); lower it or raise prompt_lookup_max")

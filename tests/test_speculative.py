@@ -377,6 +377,35 @@ def test_speculation_runs_steps_synchronously():
     assert eng.stats()["num_async_steps"] == 0 and eng.speculator is not None
 
 
+def test_above_max_batch_steps_run_without_drafts_and_asynchronously(plain):
+    """speculative.max_batch = 2 with four requests of different lengths: while more than two run, steps feed no
+    drafts and run asynchronously; once two are left they draft (after the step in flight is accepted); the
+    tokens stay plain greedy decoding's and every page comes back."""
+    eng = make(scheduler={"max_num_batched_tokens": 64, "async_steps": True},
+               speculative={"method": "ngram", "num_speculative_tokens": K, "max_batch": 2})
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (4, 6, 24, 24)]
+    drafted_at = []  # the number of running requests at each step that fed drafts
+    real_step = eng.speculator.step
+
+    def step(engine, scheduled, outputs, stream):
+        drafted_at.append(len(engine.scheduler.running))
+        return real_step(engine, scheduled, outputs, stream)
+
+    eng.speculator.step = step
+    got, want = {}, {}
+    for e, into in ((eng, got), (plain, want)):
+        rids = [e.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+        while e.has_unfinished():
+            for o in e.step():
+                if o.finished:
+                    into[rids.index(o.request_id)] = o.token_ids
+    assert got == want and [len(want[i]) for i in range(4)] == [4, 6, 24, 24]
+    s = eng.stats()
+    assert s["num_async_steps"] > 0 and s["num_accepted_tokens"] > 0
+    assert drafted_at and max(drafted_at) <= 2
+    drained(eng)
+
+
 # ----------------------------------------------------------------------------- Executor.truncate
 def test_truncate_gives_back_pages_and_unregisters_the_page_cut_into():
     ex = make(spec=False).executor
@@ -426,6 +455,7 @@ def test_truncate_refuses_to_cut_inside_a_shared_page():
     (["speculative.prompt_lookup_min=5"], "prompt_lookup_min .5. exceeds prompt_lookup_max .4."),
     (["speculative.prompt_lookup_max=1000"], "speculative.prompt_lookup_max: 1000 is more than 32"),
     (["speculative.num_speculative_tokens=65"], "speculative.num_speculative_tokens: 65 is more than 64"),
+    (["speculative.max_batch=0"], "speculative.max_batch: 0 must be >= 1"),
 ])
 def test_bad_speculative_config_is_a_config_error(overrides, match):
     from pieceworks.config import load_config

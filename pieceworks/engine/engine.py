@@ -69,8 +69,7 @@ class Engine:
         self._ready: list[RequestOutput] = []  # outputs of aborts, returned by the next step
         self._busy = threading.Lock()
         self.speculator = None if cfg.speculative.method is None else Speculator(cfg.speculative, self.max_context)
-        self.scheduler.drafter = None if self.speculator is None else self.speculator.draft
-        self._async = cfg.scheduler.async_steps and self.speculator is None  # drafts depend on the last step's ids
+        self._async = cfg.scheduler.async_steps  # except for steps that may draft (`_step`)
         self._pipeline = AsyncSteps()
         self.num_steps = 0
         self.num_async_steps = 0  # steps launched before the previous step's ids were on the host
@@ -220,8 +219,10 @@ class Engine:
         """`step`; without `stream` only the outputs of completions that finished (`generate`, which
         returns nothing else, skips building the others)."""
         outputs, self._ready = self._ready, []
-        if self._async:
-            pipe = self._pipeline
+        drafting = self.speculator is not None and self.speculator.drafting(len(self.scheduler.running))
+        self.scheduler.drafter = self.speculator.draft if drafting else None
+        pipe = self._pipeline
+        if self._async and not drafting:
             scheduled = self.scheduler.schedule(preempt=False) if pipe.ready(self.executor, self.scheduler) else None
             if scheduled:
                 reqs, logits, greedy = self._forward(scheduled)
@@ -236,10 +237,10 @@ class Engine:
                     launched = pipe.sample(self.executor, reqs, logits, greedy, self.sampler, mask.result())
                 pipe.inflight = launched if launched is not None and mark_pending(launched.reqs) else None
                 return outputs
-            if pipe.inflight is not None:  # drain: this call returns the in-flight step's outputs only
-                self._complete(pipe.inflight, outputs, stream)
-                pipe.inflight = None
-                return outputs
+        if pipe.inflight is not None:  # drain (nothing to launch, or drafts, which follow its ids): its outputs only
+            self._complete(pipe.inflight, outputs, stream)
+            pipe.inflight = None
+            return outputs
         scheduled = self.scheduler.schedule()
         if not scheduled:
             if self._requests and not self.scheduler.running:

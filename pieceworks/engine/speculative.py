@@ -14,8 +14,10 @@ per row, and the KV of the drafts that were not kept is cut off (`Executor.trunc
 Which rows draft: completions without penalties, structured outputs or prompt logprobs, once min_tokens are
 out (their next-token rule does not depend on which drafts are kept); the others run one token per step
 beside them. Drafts never run past max_tokens or the context limit, and take only the step's tokens and KV
-pages that the running requests' own tokens left (`Scheduler._add_drafts`). Engine steps run synchronously while this
-is on (the next step's drafts depend on what this one kept). A seeded row draws once per fed position from
+pages that the running requests' own tokens left (`Scheduler._add_drafts`). Steps that may draft run synchronously
+(the next step's drafts depend on what this one kept); with `speculative.max_batch`, steps over more running
+requests do not draft and run asynchronously where `scheduler.async_steps` allows, and drafting resumes once the
+step in flight is accepted (the index reads the tokens it missed at its next lookup). A seeded row draws once per fed position from
 its own generator: reproducible, but not the tokens it draws without speculation.
 """
 
@@ -75,10 +77,15 @@ class Speculator:
 
     def __init__(self, cfg: SpeculativeConfig, max_context: int) -> None:
         self.k = cfg.num_speculative_tokens
+        self.max_batch = cfg.max_batch  # drafts while at most this many requests run (None: always)
         self.lo, self.hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
         self.max_context = max_context
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+
+    def drafting(self, running: int) -> bool:
+        """Whether a step over `running` requests may draft (`max_batch`)."""
+        return self.max_batch is None or running <= self.max_batch
 
     def index_for(self, params: Any, matcher: Any) -> NgramIndex | None:
         """A new completion's n-gram index, or None where its rows can't draft (module docstring)."""

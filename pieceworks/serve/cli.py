@@ -114,9 +114,10 @@ def run_serve(args: argparse.Namespace, cfg: Any) -> int:
                  sched.max_num_batched_tokens, sched.max_num_seqs)
         spec = engine.engine.executor.cfg.speculative
         if spec.method is not None:
-            log.info("speculative decoding: %s, up to %d drafts per row (n-grams of %d-%d tokens); steps run "
-                     "synchronously", spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min,
-                     spec.prompt_lookup_max)
+            while_ = "always" if spec.max_batch is None else f"while at most {spec.max_batch} requests run"
+            log.info("speculative decoding: %s, up to %d drafts per row (n-grams of %d-%d tokens), %s; steps "
+                     "that may draft run synchronously", spec.method, spec.num_speculative_tokens,
+                     spec.prompt_lookup_min, spec.prompt_lookup_max, while_)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     log.info("stopped: the engine is shut down")
     return 0
