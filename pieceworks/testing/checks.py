@@ -96,6 +96,18 @@ def assert_same_bits(got, ref: torch.Tensor, what: str) -> None:
         f"relative error {rel_err(got, ref):.2e}; tolerance: identical bits)")
 
 
+def decisive_argmax_flips(got: torch.Tensor, ref: torch.Tensor, ulps: int = 4) -> list[tuple[int, float]]:
+    """Rows of logits [rows, vocab] whose argmax differs between `got` and `ref` although ref's top two lie more
+    than `ulps` bf16 steps apart at its largest logit: (row, ref's top-1 - top-2 margin) each. Another kernel path
+    (a padded GEMM, a graph) changes logits in their last bits, which may flip a near tie and nothing else;
+    random weights give flat logits with many (the GPU's graph tests saw flips at margins of 0 and 1 step)."""
+    top = ref.float().topk(2, dim=-1).values
+    margin = top[:, 0] - top[:, 1]
+    step = torch.exp2(torch.floor(torch.log2(top[:, 0].abs().clamp_min(2.0**-126))) - 7)  # bf16: 8 mantissa bits
+    bad = (got.argmax(-1) != ref.argmax(-1)) & (margin > ulps * step)
+    return [(i, float(margin[i])) for i in bad.nonzero().flatten().tolist()]
+
+
 def assert_output(y, shape: tuple[int, ...], dims: str, x: torch.Tensor, what: str) -> None:
     """forward's result: a tensor of `shape` (`dims`, e.g. "[M, N]") in x's dtype on x's device."""
     assert isinstance(y, torch.Tensor), f"{what}: forward returned {type(y).__name__}, expected a tensor {dims}"

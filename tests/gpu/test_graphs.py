@@ -13,6 +13,7 @@ import torch
 
 from pieceworks import Executor
 from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode
+from pieceworks.testing.checks import decisive_argmax_flips
 
 pytestmark = pytest.mark.gpu
 
@@ -164,7 +165,8 @@ def test_recorded_piecewise_replays_match_eager(attention):
             ref = run(ex, steps)
         errs = [rel(g, r) for g, r in zip(graphed, ref)]
         assert max(errs) < 2e-2, errs
-        assert all(bool((g.argmax(-1) == r.argmax(-1)).float().mean() >= 0.9) for g, r in zip(graphed, ref))
+        flips = {i: f for i, (g, r) in enumerate(zip(graphed, ref)) if (f := decisive_argmax_flips(g, r))}
+        assert not flips, f"greedy tokens differ beyond near ties (step: [(row, eager margin)]): {flips}"
     finally:
         del ex
         torch.cuda.empty_cache()
@@ -185,13 +187,16 @@ def check_graphs_match_eager(ex: Executor, name: str) -> None:
         # GEMMs tile a padded batch differently from the unpadded one (last-bit differences). In a
         # dense model that is all; in an MoE model such a difference can flip a near-tied expert choice
         # of random weights, which moves that step's logits further (0.12 seen once on the H200):
-        # there, most steps must still be tight and none far off.
+        # there, most steps must still be tight and none far off. Where the logits are this close (dense), greedy
+        # tokens differ only at near ties (`decisive_argmax_flips`).
         if not name.startswith("deepseek") and "moe" not in name:  # dense
             assert max(errs) < 2e-2, errs
+            flips = {i: f for i, (g, r) in enumerate(zip(graphed, ref)) if (f := decisive_argmax_flips(g, r))}
+            assert not flips, f"greedy tokens differ beyond near ties (step: [(row, eager margin)]): {flips}"
         else:
             assert sum(e < 5e-2 for e in errs) >= 0.9 * len(errs) and max(errs) < 0.25, errs
-        agree = [bool((g.argmax(-1) == r.argmax(-1)).float().mean() >= 0.9) for g, r in zip(graphed, ref)]
-        assert sum(agree) >= 0.9 * len(agree), agree
+            agree = [bool((g.argmax(-1) == r.argmax(-1)).float().mean() >= 0.9) for g, r in zip(graphed, ref)]
+            assert sum(agree) >= 0.9 * len(agree), agree
         assert ex.piecewise.backend.num_compiles == 1
         assert ex.kv.allocator.num_free == ex.kv.allocator.capacity
     finally:
