@@ -123,8 +123,9 @@ def main() -> None:
     from pieceworks import Engine, SamplingParams, load_config
 
     given = any(s.startswith(("model.path=", "model.arch=")) for s in args.set)
-    base = args.set if given else ["model.path=smollm2-135m", *args.set]
-    cfg = load_config(None, [*base, "speculative.method=ngram", f"speculative.num_speculative_tokens={args.k}"])
+    # drafts at every batch size unless a --set speculative.max_batch=N (after these) says otherwise
+    cfg = load_config(None, [*([] if given else ["model.path=smollm2-135m"]), "speculative.method=ngram",
+                             "speculative.max_batch=null", f"speculative.num_speculative_tokens={args.k}", *args.set])
     engine = Engine.from_config(cfg, progress=False)
     scripted = args.task == "scripted"
     if engine.tokenizer is None and not scripted:

@@ -24,8 +24,8 @@ def make(spec: bool = True, num_tokens: int = 1024, budget: int = 64, **sections
     cfg = {"model": {"arch": "llama", "preset": "tiny"}, "runtime": {"device": "cpu", "dtype": "float32"},
            "kv_cache": {"num_tokens": num_tokens, "page_size": 4},
            "scheduler": {"max_num_batched_tokens": budget}, **sections}
-    if spec:
-        cfg.setdefault("speculative", {"method": "ngram", "num_speculative_tokens": K})
+    if spec:  # drafts at every batch size (max_batch's default of 4 would leave the larger batches without)
+        cfg.setdefault("speculative", {"method": "ngram", "num_speculative_tokens": K, "max_batch": None})
     return Engine.from_config(cfg, progress=False)
 
 

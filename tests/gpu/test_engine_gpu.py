@@ -81,7 +81,7 @@ def test_speculative_drafts_give_the_plain_greedy_tokens(monkeypatch, real_draft
 
     if not real_drafts:
         monkeypatch.setattr(NgramIndex, "propose", scripted)
-    spec = make(True, speculative={"method": "ngram", "num_speculative_tokens": 3})
+    spec = make(True, speculative={"method": "ngram", "num_speculative_tokens": 3, "max_batch": None})
     assert spec.executor.piecewise is not None
     assert [o.token_ids for o in spec.generate(ps, params)] == want
     s = spec.stats()
