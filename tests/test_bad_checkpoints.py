@@ -367,9 +367,6 @@ CONFIG_CASES = {
     "tie_word_embeddings as a string": (_set(tie_word_embeddings="yes"), "tie_word_embeddings: 'yes' (str) must be true"),
     "architectures as a string": (_set(architectures="LlamaForCausalLM"), "must be a list of class names"),
     "unknown architecture": (_set(architectures=["GPT2LMHeadModel"]), "is not supported; pieceworks supports"),
-    "mistral with a sliding window": (_set(architectures=["MistralForCausalLM"], model_type="mistral",
-                                           sliding_window=64, max_position_embeddings=256),
-                                      "sliding_window: 64 below max_position_embeddings=256"),
     "sliding_window as a string": (_set(sliding_window="4k"), "sliding_window: '4k' (str) must be an integer"),
     "sliding_window 0 in use": (_set(sliding_window=0), "sliding_window: 0 must be >= 1 (or null for full attention)"),
     "sliding_window -1": (_set(sliding_window=-1, use_sliding_window=False), "sliding_window: -1 must be >= 0"),
@@ -402,6 +399,38 @@ def test_bad_config_json_fields(bf16, name):
 def test_windows_that_cut_nothing_load(bf16, edit):
     _edit_json(bf16 / "config.json", edit)
     assert _load(bf16).args.num_layers == 2
+
+
+def test_a_sliding_window_shorter_than_the_context_caps_it(bf16, caplog):
+    """Mistral 7B v0.1's form (a 4,096-token window, 32,768 positions), scaled down: the model loads and serves
+    sequences up to its window (full attention equals the window's there), model.max_context above the window is a
+    ConfigError that names it, and an unset one takes the window with a warning."""
+    import logging
+
+    from pieceworks import Executor
+    from pieceworks.errors import BatchError, ConfigError
+
+    _edit_json(bf16 / "config.json", _set(architectures=["MistralForCausalLM"], model_type="mistral",
+                                          sliding_window=64, max_position_embeddings=256))
+    assert _load(bf16).attention_window == 64
+
+    def executor(**model):
+        return Executor.from_config({"model": {"path": str(bf16), **model}, "runtime": {"device": "cpu"}},
+                                    progress=False)
+
+    with caplog.at_level(logging.WARNING):
+        ex = executor()
+    assert ex.max_context == 64 and "sliding window (64 tokens, config.json sliding_window) caps the context" \
+        in caplog.text
+    assert len(ex.generate([[1] * 60], max_new_tokens=4)[0]) == 4
+    with pytest.raises(BatchError, match="64"):
+        ex.generate([[1] * 62], max_new_tokens=4)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert executor(max_context=32).max_context == 32
+    assert "sliding window" not in caplog.text
+    with pytest.raises(ConfigError, match=r"model.max_context: 128 exceeds the model's sliding window \(64 tokens"):
+        executor(max_context=128)
 
 
 def test_unreadable_config_json(bf16):

@@ -50,6 +50,8 @@ CASES = {
     "llama_default_rope_head_dim": ("llama", dict(tie_word_embeddings=False, head_dim=32)),
     # MistralForCausalLM without a sliding window (Mistral 7B v0.2 on, Mistral Small, Nemo's head_dim)
     "mistral_no_window": ("mistral", dict(sliding_window=None, head_dim=32, rope_theta=1e6)),
+    # Mistral 7B v0.1's sliding window, here 48 tokens: the context it caps holds every sequence below
+    "mistral_window": ("mistral", dict(sliding_window=48)),
     # Qwen2ForCausalLM: q/k/v biases; yarn as Qwen2.5's long-context configs add it (its attention factor too)
     "qwen2_qkv_bias_yarn": ("qwen2", dict(tie_word_embeddings=False, rope_parameters=dict(
         rope_type="yarn", factor=4.0, original_max_position_embeddings=64, rope_theta=1e6))),

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from pieceworks.backends.registry import KernelTable
-from pieceworks.config import Config, ConfigError
+from pieceworks.config import Config
 from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode, Sequence, StepMetadata
 from pieceworks.core.context import ForwardContext, forward_context
 from pieceworks.errors import BatchError, OutOfPages
@@ -33,6 +33,7 @@ from pieceworks.executor import distributed  # here: an import inside the leader
 from pieceworks.executor.build import build_executor, executor_from_config, model_dir_of, release_executor
 from pieceworks.executor.inputs import as_token_ids, check_batch, logit_rows, step_inputs, take_previous_ids
 from pieceworks.executor.kv_cache import KVPool, block_keys, release_pages, reserve_pages, truncate_sequence
+from pieceworks.models.base import context_limit
 
 
 class Executor:
@@ -53,12 +54,7 @@ class Executor:
         self.model_dir = model_dir
         self.page_size = kv.page_size
         self.vocab_size = model.vocab_size
-        if cfg.model.max_context and cfg.model.max_context > model.max_position_embeddings:
-            raise ConfigError(
-                f"model.max_context: {cfg.model.max_context} exceeds the model's "
-                f"max_position_embeddings ({model.max_position_embeddings}); use at most that"
-            )
-        self.max_context = min(cfg.model.max_context or model.max_position_embeddings,
+        self.max_context = min(context_limit(model, cfg.model.max_context, warn=True),
                                kv.allocator.capacity * kv.page_size)
         self._ids = itertools.count()
         self._live: dict[int, Sequence] = {}

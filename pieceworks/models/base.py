@@ -12,6 +12,7 @@ Shape legend: T tokens in the step, H hidden size, V vocabulary. Rope lives in r
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 from typing import Any, Callable, NamedTuple, Protocol
 
@@ -23,11 +24,14 @@ import pieceworks.backends.ops  # noqa: F401  (registers the pieceworks custom o
 from pieceworks.backends import cpu_matmul, fused
 from pieceworks.backends.base import ModelFacts
 from pieceworks.core.kv import KVLayout
+from pieceworks.errors import ConfigError
 from pieceworks.models.rope import RotaryEmbedding
 from pieceworks.parallel.comm import gather, reduce
 from pieceworks.parallel.layout import Part, TPLayout
 from pieceworks.quant.linear import Fp4Linear
 from pieceworks.quant.nvfp4 import BLOCK
+
+log = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -244,6 +248,9 @@ class CausalLM(nn.Module):
     tensor is rows of a fused one (`RenamingReader`); None where they agree."""
     vocab_size: int
     max_position_embeddings: int
+    attention_window: int | None = None
+    """A sliding window shorter than max_position_embeddings (Mistral 7B v0.1's, Phi-3-mini's): pieceworks runs full
+    attention, equal to the window's while sequences fit it, so the window is the longest context (`context_limit`)."""
     dtype: torch.dtype
     hf_config: dict[str, Any]
 
@@ -356,3 +363,29 @@ class CausalLM(nn.Module):
                     m.prepare_experts(moe[0])
                 except ValueError as e:
                     raise ValueError(f"{name}: {e}") from None
+
+
+def context_limit(model: CausalLM, max_context: int | None, warn: bool = False) -> int:
+    """The longest sequence `model` serves under `model.max_context` (None: unset): max_position_embeddings, or
+    the model's sliding window where that is shorter (`CausalLM.attention_window`; an unset max_context then
+    takes the window, with a warning if `warn`).
+
+    Raises:
+        ConfigError: max_context above either.
+    """
+    window, positions = model.attention_window, model.max_position_embeddings
+    if max_context and max_context > positions:
+        raise ConfigError(f"model.max_context: {max_context} exceeds the model's max_position_embeddings "
+                          f"({positions}); use at most that")
+    if window is None:
+        return max_context or positions
+    if max_context and max_context > window:
+        raise ConfigError(
+            f"model.max_context: {max_context} exceeds the model's sliding window ({window} tokens, config.json "
+            "sliding_window): pieceworks runs full attention, which equals sliding-window attention only while a "
+            f"sequence fits the window; use model.max_context <= {window}")
+    if not max_context and warn:
+        log.warning("the model's sliding window (%d tokens, config.json sliding_window) caps the context at %d: "
+                    "pieceworks runs full attention, which equals the window's only while a sequence fits it",
+                    window, window)
+    return max_context or window

@@ -60,7 +60,7 @@ FIELDS: dict[str, dict[str, tuple[str, str | None, bool]]] = {
         "num_key_value_heads": ("int", "pos", False),
         "head_dim": ("int", "pos", False),
         "mlp_bias": ("bool", None, False),
-        "sliding_window": ("int", "nonneg", False),  # Mistral's and Qwen's (check() refuses a window it would cut)
+        "sliding_window": ("int", "nonneg", False),  # Mistral's and Qwen's (a shorter one caps the context)
         "use_sliding_window": ("bool", None, False),
         "qkv_bias": ("bool", None, False),  # Qwen2-MoE's
         # Qwen2-MoE's, Qwen3-MoE's and Mixtral's experts
@@ -123,14 +123,23 @@ _WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "di
           "str": "a string"}
 
 
+def attention_window(hf: dict) -> int | None:
+    """A Llama-family config's sliding window where it is shorter than max_position_embeddings, else None.
+    pieceworks runs full attention, which equals sliding-window attention while a sequence fits the window:
+    such a model serves contexts of at most the window (`models.base.context_limit`)."""
+    window = hf.get("sliding_window")
+    if window is None or hf.get("use_sliding_window", True) is False:
+        return None
+    return window if window < hf.get("max_position_embeddings", 2048) else None
+
+
 def check(hf: dict, arch: str) -> None:
     """Raise `FieldError` for the first field of `hf` (a config.json dict) that makes no `arch` model.
 
     Checks presence of the required fields, types (an integer where a count is expected: not "64" or
     2.5), ranges (positive counts, a finite positive rms_norm_eps, rope_theta and rope scaling factors,
     a pretraining context of at least one position) and the shapes' arithmetic (heads divide the hidden
-    size without head_dim, KV heads divide heads, rope head size even, top-k within the experts), and that a
-    Llama's sliding window (Mistral's `sliding_window`) cuts no sequence of its context.
+    size without head_dim, KV heads divide heads, rope head size even, top-k within the experts).
     """
     for key, (kind, rule, required) in FIELDS[arch].items():
         if key not in hf or (hf[key] is None and not required):
@@ -151,16 +160,11 @@ def check(hf: dict, arch: str) -> None:
         if hf.get("head_dim") is None and hf["hidden_size"] % heads:
             raise FieldError("num_attention_heads", f"{heads} does not divide hidden_size={hf['hidden_size']} "
                                                     "(set head_dim, or use a divisor)")
-        window, context = hf.get("sliding_window"), hf.get("max_position_embeddings", 2048)
         # Mistral's window (null from Mistral 7B v0.2 on is full attention); Qwen's applies with use_sliding_window
-        # (Qwen2-MoE's configs write 0 with use_sliding_window false)
-        if window == 0 and hf.get("use_sliding_window", True) is not False:
+        # (Qwen2-MoE's configs write 0 with use_sliding_window false); a window shorter than the context caps it
+        # (`attention_window`)
+        if hf.get("sliding_window") == 0 and hf.get("use_sliding_window", True) is not False:
             raise FieldError("sliding_window", "0 must be >= 1 (or null for full attention)")
-        if window is not None and hf.get("use_sliding_window", True) is not False and window < context:
-            raise FieldError("sliding_window", f"{window} below max_position_embeddings={context}: sliding-window "
-                             "attention is not supported by pieceworks' Llama. Full attention agrees with it while "
-                             f"no sequence exceeds {window} tokens: set it to null only if model.max_context <= "
-                             f"{window}")
         experts = hf.get("num_experts", hf.get("num_local_experts")) or 0
         top_k = hf.get("num_experts_per_tok") or 0
         if experts and top_k > experts:

@@ -104,6 +104,7 @@ class LlamaArgs:
     qkv_bias: bool = False  # Qwen2 (2.5), Qwen2-MoE: biases on q, k and v (not o)
     moe: "LlamaMoE | None" = None  # Qwen2-MoE, Qwen3-MoE, Mixtral: routed experts in `sparse_layers`
     sparse_layers: tuple[int, ...] = ()
+    attention_window: int | None = None  # a sliding window shorter than the context (`hf_config.attention_window`)
 
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaArgs":
@@ -156,7 +157,7 @@ class LlamaArgs:
                      or "Qwen3MoeForCausalLM" in archs),
             qkv_bias=(hf.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in archs
                       or (qwen2_moe and hf.get("qkv_bias", True))),
-            moe=moe, sparse_layers=sparse,
+            moe=moe, sparse_layers=sparse, attention_window=hf_fields.attention_window(hf),
         )
 
     def check_parallel(self, tp: TPLayout, fp4: Callable[[str], bool]) -> None:
@@ -350,6 +351,7 @@ class Llama(CausalLM):
                  tp: TPLayout = TPLayout()):
         super().__init__()
         a = self.args = LlamaArgs.from_hf(hf_config)
+        self.attention_window = a.attention_window
         if tp.sharded:
             a.check_parallel(tp, fp4)
         self._build_trunk(hf_config, dtype, a, [LlamaBlock(a, i, fp4, tp) for i in range(a.num_layers)],

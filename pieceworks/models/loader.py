@@ -21,7 +21,7 @@ import torch
 from pieceworks.backends.base import ModelFacts
 from pieceworks.errors import CheckpointError, ConfigError
 from pieceworks.models import hf_config as hf_fields
-from pieceworks.models.base import CausalLM
+from pieceworks.models.base import CausalLM, context_limit
 from pieceworks.models.deepseek_v3 import DeepseekV3
 from pieceworks.models.llama import Llama
 from pieceworks.parallel.layout import TPLayout
@@ -29,7 +29,7 @@ from pieceworks.util import checked_stat, unreadable
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": Llama,
-    "MistralForCausalLM": Llama,  # Llama's layers; sliding-window attention refused (hf_config.check)
+    "MistralForCausalLM": Llama,  # Llama's layers; a sliding window caps the context (base.context_limit)
     "MixtralForCausalLM": Llama,  # with softmax-routed experts in every layer, named as Mixtral's checkpoints
     # name them (`Llama.checkpoint_names`)
     "Phi3ForCausalLM": Llama,  # Llama's layers, q/k/v and gate/up fused in its checkpoints (`Llama.checkpoint_names`)
@@ -99,15 +99,13 @@ is not set."""
 
 
 def _size_rope_tables(model: CausalLM, model_cfg: Any) -> None:
-    """Rope tables for the positions the executor can reach: model.max_context where it is set (refused
-    above max_position_embeddings), else max_position_embeddings, refused above `ROPE_TABLE_BYTES` with
-    a ConfigError that says to set model.max_context. Only the model's meta skeleton exists here."""
+    """Rope tables for the positions the executor can reach: `context_limit` (model.max_context where it is set,
+    refused above max_position_embeddings or a shorter sliding window; else either), refused above
+    `ROPE_TABLE_BYTES` with a ConfigError that says to set model.max_context. Only the model's meta skeleton exists
+    here."""
     rotary = model.rotary
-    limit = getattr(model_cfg, "max_context", None)
-    if limit and limit > model.max_position_embeddings:
-        raise ConfigError(f"model.max_context: {limit} exceeds the model's max_position_embeddings "
-                          f"({model.max_position_embeddings}); use at most that")
-    if limit:
+    limit = context_limit(model, getattr(model_cfg, "max_context", None))
+    if limit < model.max_position_embeddings:
         rotary.limit(limit)
     elif rotary.table_bytes > ROPE_TABLE_BYTES:
         raise ConfigError(
