@@ -367,6 +367,8 @@ CONFIG_CASES = {
     "tie_word_embeddings as a string": (_set(tie_word_embeddings="yes"), "tie_word_embeddings: 'yes' (str) must be true"),
     "architectures as a string": (_set(architectures="LlamaForCausalLM"), "must be a list of class names"),
     "unknown architecture": (_set(architectures=["GPT2LMHeadModel"]), "is not supported; pieceworks supports"),
+    "granite logits_scaling 0": (_set(architectures=["GraniteForCausalLM"], model_type="granite", logits_scaling=0),
+                                 "logits_scaling: 0 must be a finite number > 0"),
     "sliding_window as a string": (_set(sliding_window="4k"), "sliding_window: '4k' (str) must be an integer"),
     "sliding_window 0 in use": (_set(sliding_window=0), "sliding_window: 0 must be >= 1 (or null for full attention)"),
     "sliding_window -1": (_set(sliding_window=-1, use_sliding_window=False), "sliding_window: -1 must be >= 0"),

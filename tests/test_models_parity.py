@@ -50,6 +50,9 @@ CASES = {
     "llama_default_rope_head_dim": ("llama", dict(tie_word_embeddings=False, head_dim=32)),
     # MistralForCausalLM without a sliding window (Mistral 7B v0.2 on, Mistral Small, Nemo's head_dim)
     "mistral_no_window": ("mistral", dict(sliding_window=None, head_dim=32, rope_theta=1e6)),
+    # GraniteForCausalLM: Granite 3's four scalars (of granite-3.1-8b's config), GQA, tied head
+    "granite": ("granite", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
+                                logits_scaling=16.0, tie_word_embeddings=True, rope_theta=1e7)),
     # Mistral 7B v0.1's sliding window, here 48 tokens: the context it caps holds every sequence below
     "mistral_window": ("mistral", dict(sliding_window=48)),
     # Qwen2ForCausalLM: q/k/v biases; yarn as Qwen2.5's long-context configs add it (its attention factor too)
@@ -145,6 +148,10 @@ def _hf_model(arch: str, overrides: dict) -> torch.nn.Module:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
         return model
+    if arch == "granite":
+        from transformers import GraniteConfig, GraniteForCausalLM
+
+        return GraniteForCausalLM(GraniteConfig(**{**LLAMA_BASE, **overrides})).eval()
     if arch == "mistral":
         from transformers import MistralConfig, MistralForCausalLM
 
@@ -331,3 +338,16 @@ def test_our_nvfp4_quantization_of_the_other_architectures_is_exact(name, tmp_pa
     assert ex.model.has_fp4() and ex.model.facts(4).moe_quant == ("none" if dense else "nvfp4")
     ids = _prompt(40, seed=5)
     _assert_close(ex.score([ids])[0], _ref_logits(_dequantized_reference(tmp_path / "fp4", tmp_path / "bf16"), ids))
+
+
+def test_random_granite_from_model_sizes():
+    """model.sizes.model_type=granite builds Granite's class over a Llama preset, with its scalars."""
+    from pieceworks.models.granite import Granite
+
+    cfg = {"model": {"arch": "llama", "preset": "tiny", "sizes": {"model_type": "granite", "logits_scaling": 4.0,
+                                                                   "residual_multiplier": 0.5}},
+           "runtime": {"device": "cpu", "dtype": "float32"}, "cuda_graph": {"piecewise": {"enabled": "off"}}}
+    with Executor.from_config(cfg, progress=False) as ex:
+        assert isinstance(ex.model, Granite) and ex.model.logits_scaling == 4.0
+        assert {b.residual_multiplier for b in ex.model.layers} == {0.5}
+        assert len(ex.generate([[1, 2, 3]], max_new_tokens=2)[0]) == 2

@@ -279,12 +279,15 @@ class CausalLM(nn.Module):
         Runs inside a forward context (the attention ops read the step's metadata and KV pool there).
         """
         cos, sin = self.rotary(positions)
-        h, residual = self.embed_tokens(input_ids), None
+        h, residual = self.embed(input_ids), None
         for layer in self.layers:
             h, residual = layer(h, residual, cos, sin)
         if residual is None or isinstance(residual, Prenormed):
             return self.norm(h)
         return self.norm(h, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> logits [n, V] float32. Plain torch (and, tensor parallel, the all-gather of

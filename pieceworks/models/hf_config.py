@@ -71,6 +71,11 @@ FIELDS: dict[str, dict[str, tuple[str, str | None, bool]]] = {
         "decoder_sparse_step": ("int", "pos", False),
         "norm_topk_prob": ("bool", None, False),
         "shared_expert_intermediate_size": ("int", "nonneg", False),
+        # Granite's scalars (models/granite.py)
+        "embedding_multiplier": ("float", "posf", False),
+        "residual_multiplier": ("float", "posf", False),
+        "attention_multiplier": ("float", "posf", False),
+        "logits_scaling": ("float", "posf", False),
     },
     "deepseek_v3": {
         **_COMMON,

@@ -341,6 +341,7 @@ class Llama(CausalLM):
     """
 
     arch = "llama"
+    block: type[LlamaBlock] = LlamaBlock  # Granite's scales its outputs
 
     @staticmethod
     def checkpoint_names(hf_config: dict) -> Callable[[str], str] | None:
@@ -354,7 +355,7 @@ class Llama(CausalLM):
         self.attention_window = a.attention_window
         if tp.sharded:
             a.check_parallel(tp, fp4)
-        self._build_trunk(hf_config, dtype, a, [LlamaBlock(a, i, fp4, tp) for i in range(a.num_layers)],
+        self._build_trunk(hf_config, dtype, a, [self.block(a, i, fp4, tp) for i in range(a.num_layers)],
                           a.head_dim, tp)
         for block, nxt in zip(self.layers, list(self.layers)[1:]):
             block.next_norm = (nxt.input_layernorm,)

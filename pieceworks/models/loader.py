@@ -23,12 +23,14 @@ from pieceworks.errors import CheckpointError, ConfigError
 from pieceworks.models import hf_config as hf_fields
 from pieceworks.models.base import CausalLM, context_limit
 from pieceworks.models.deepseek_v3 import DeepseekV3
+from pieceworks.models.granite import Granite
 from pieceworks.models.llama import Llama
 from pieceworks.parallel.layout import TPLayout
 from pieceworks.util import checked_stat, unreadable
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": Llama,
+    "GraniteForCausalLM": Granite,  # Llama's layers with four scalars (models/granite.py)
     "MistralForCausalLM": Llama,  # Llama's layers; a sliding window caps the context (base.context_limit)
     "MixtralForCausalLM": Llama,  # with softmax-routed experts in every layer, named as Mixtral's checkpoints
     # name them (`Llama.checkpoint_names`)
@@ -208,7 +210,9 @@ def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Cal
                           f"{model_cfg.preset or 'tiny'})") from None
     # Random NVFP4: every projection; the head and the router are never built as NVFP4 (as ModelOpt).
     random_fp4 = fmt == "nvfp4"
-    return ARCHS[model_cfg.arch], hf, lambda name: random_fp4, None
+    # model.sizes.model_type=granite: Granite's class (Llama's other families are Llama's flags)
+    cls = Granite if model_cfg.arch == "llama" and hf.get("model_type") == "granite" else ARCHS[model_cfg.arch]
+    return cls, hf, lambda name: random_fp4, None
 
 
 def read_config(path: Path) -> dict:
