@@ -30,7 +30,6 @@ from pieceworks.util import checked_stat, unreadable
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": Llama,
-    "GraniteForCausalLM": Granite,  # Llama's layers with four scalars (models/granite.py)
     "MistralForCausalLM": Llama,  # Llama's layers; a sliding window caps the context (base.context_limit)
     "MixtralForCausalLM": Llama,  # with softmax-routed experts in every layer, named as Mixtral's checkpoints
     # name them (`Llama.checkpoint_names`)
@@ -39,6 +38,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen2MoeForCausalLM": Llama,  # and softmax-routed experts with a gated shared expert in its sparse layers
     "Qwen3ForCausalLM": Llama,  # Llama's layers with q/k norms (LlamaArgs.qk_norm)
     "Qwen3MoeForCausalLM": Llama,  # and softmax-routed experts in its sparse layers (LlamaArgs.moe)
+    "GraniteForCausalLM": Granite,  # Llama's layers with four scalars (models/granite.py)
     "DeepseekV2ForCausalLM": DeepseekV3,  # DeepSeek-V3's layers with softmax routing (DeepseekV3Args.scoring_func)
     "DeepseekV3ForCausalLM": DeepseekV3,
 }

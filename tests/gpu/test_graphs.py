@@ -36,6 +36,10 @@ MODELS = {
                                                                           "model_type": "qwen3"}}, "nvfp4"),
     "qwen2-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {"num_hidden_layers": 4,
                                                                           "model_type": "qwen2"}}, "nvfp4"),
+    # Granite 3.1 8B's scalars (the attention's softmax scale among them) on the unfused block path
+    "granite-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {
+        "num_hidden_layers": 4, "model_type": "granite", "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+        "attention_multiplier": 0.0078125, "logits_scaling": 16.0}}, "nvfp4"),
     # Qwen3-30B-A3B's experts (128, top 8, 768 columns) under Llama-3.1-8B-shaped attention
     "qwen3-moe-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {
         "num_hidden_layers": 2, "model_type": "qwen3_moe", "num_experts": 128, "num_experts_per_tok": 8,
