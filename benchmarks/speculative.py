@@ -72,9 +72,9 @@ def random_prompts(B: int, n: int, vocab: int) -> list[list[int]]:
 
 
 def script_drafts(engine, vocab: int) -> dict:
-    """Scripted drafts at acceptance `p` (the returned dict's "accept"): each drafting row proposes k random tokens, and at its verify step
-    the first j of them are accepted, j counted by coin flips that each succeed with probability p
-    (the sampler's ids at those positions are replaced by the drafts; the next position keeps its drawn id).
+    """Scripted drafts at acceptance p (the returned dict's "accept"): each drafting row proposes k random tokens,
+    and at its verify step the first j of them are accepted, j counted by coin flips that each succeed with
+    probability p (the sampler's ids at those positions are replaced by the drafts; the next keeps its drawn id).
     The steps then cost what the engine's steps cost at that acceptance, whatever the random weights' near-tied
     logits do: their greedy tokens are not stable across the verify step's and the decode step's kernels in bf16
     (drafts copied from the plain side's tokens were accepted 0-2% on an H100 at "80%")."""

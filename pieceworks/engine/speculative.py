@@ -17,8 +17,8 @@ beside them. Drafts never run past max_tokens or the context limit, and take onl
 pages that the running requests' own tokens left (`Scheduler._add_drafts`). Steps that may draft run synchronously
 (the next step's drafts depend on what this one kept); with `speculative.max_batch`, steps over more running
 requests do not draft and run asynchronously where `scheduler.async_steps` allows, and drafting resumes once the
-step in flight is accepted (the index reads the tokens it missed at its next lookup). A seeded row draws once per fed position from
-its own generator: reproducible, but not the tokens it draws without speculation.
+step in flight is accepted (the index reads the tokens it missed at its next lookup). A seeded row draws once per
+fed position from its own generator: reproducible, but not the tokens it draws without speculation.
 """
 
 from __future__ import annotations
