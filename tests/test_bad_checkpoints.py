@@ -372,12 +372,18 @@ CONFIG_CASES = {
     "sliding_window as a string": (_set(sliding_window="4k"), "sliding_window: '4k' (str) must be an integer"),
     "sliding_window 0 in use": (_set(sliding_window=0), "sliding_window: 0 must be >= 1 (or null for full attention)"),
     "sliding_window -1": (_set(sliding_window=-1, use_sliding_window=False), "sliding_window: -1 must be >= 0"),
-    "partial rotary": (_set(rope_parameters={"rope_theta": 1e4, "rope_type": "default",
-                                             "partial_rotary_factor": 0.75}),
-                       "rope_parameters.partial_rotary_factor: 0.75: pieceworks rotates whole heads (1.0)"),
-    "longrope": (_set(rope_parameters={"rope_theta": 1e4, "rope_type": "longrope", "short_factor": [1.0],
-                                       "long_factor": [2.0]}),
-                 "rope_parameters.rope_type: 'longrope' is not supported"),
+    "partial rotary 1.5": (_set(rope_parameters={"rope_theta": 1e4, "rope_type": "default",
+                                                 "partial_rotary_factor": 1.5}),
+                           "rope_parameters.partial_rotary_factor: 1.5 must be a number in (0, 1]"),
+    "partial rotary of one dimension": (_set(partial_rotary_factor=0.1),  # of head_dim 16
+                                        "partial_rotary_factor: 0.1 rotates 1 of each head's dimensions"),
+    "longrope factors of the wrong length": (
+        _set(rope_parameters={"rope_theta": 1e4, "rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0],
+                              "original_max_position_embeddings": 64}),
+        "rope_parameters.short_factor: must list 8 finite numbers > 0"),
+    "longrope without long factors": (
+        _set(rope_parameters={"rope_theta": 1e4, "rope_type": "longrope", "short_factor": [1.0] * 8}),
+        "rope_parameters.long_factor: missing; longrope rope needs it"),
     "a sliding layer": (_set(layer_types=["full_attention", "sliding_attention"]),
                         "layer_types: ['full_attention', 'sliding_attention']: pieceworks' Llama runs full attention"),
 }
@@ -414,7 +420,7 @@ def test_a_sliding_window_shorter_than_the_context_caps_it(bf16, caplog):
 
     _edit_json(bf16 / "config.json", _set(architectures=["MistralForCausalLM"], model_type="mistral",
                                           sliding_window=64, max_position_embeddings=256))
-    assert _load(bf16).attention_window == 64
+    assert _load(bf16).context_cap[0] == 64
 
     def executor(**model):
         return Executor.from_config({"model": {"path": str(bf16), **model}, "runtime": {"device": "cpu"}},
@@ -422,8 +428,8 @@ def test_a_sliding_window_shorter_than_the_context_caps_it(bf16, caplog):
 
     with caplog.at_level(logging.WARNING):
         ex = executor()
-    assert ex.max_context == 64 and "sliding window (64 tokens, config.json sliding_window) caps the context" \
-        in caplog.text
+    assert ex.max_context == 64 and "capped at 64 tokens by the model's sliding window (64 tokens, config.json " \
+        "sliding_window)" in caplog.text
     assert len(ex.generate([[1] * 60], max_new_tokens=4)[0]) == 4
     with pytest.raises(BatchError, match="64"):
         ex.generate([[1] * 62], max_new_tokens=4)
@@ -431,7 +437,8 @@ def test_a_sliding_window_shorter_than_the_context_caps_it(bf16, caplog):
     with caplog.at_level(logging.WARNING):
         assert executor(max_context=32).max_context == 32
     assert "sliding window" not in caplog.text
-    with pytest.raises(ConfigError, match=r"model.max_context: 128 exceeds the model's sliding window \(64 tokens"):
+    with pytest.raises(ConfigError, match=r"model.max_context: 128 exceeds 64 tokens, the limit of the model's "
+                                          r"sliding window \(64 tokens"):
         executor(max_context=128)
 
 

@@ -67,6 +67,15 @@ CASES = {
                                     mlp_only_layers=[1], num_hidden_layers=3)),
     # Phi3ForCausalLM: q/k/v and gate/up fused in the checkpoint (read as row slices), GQA
     "phi3": ("phi3", dict(rope_theta=250000.0, pad_token_id=None, eos_token_id=2)),
+    # Phi-3.5-mini's longrope (short factors within the original context, which caps the executor's: 64 here)
+    "phi3_longrope": ("phi3", dict(pad_token_id=None, eos_token_id=2, original_max_position_embeddings=64, rope_scaling=dict(
+        rope_type="longrope", short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+        long_factor=[1.0, 2.0, 4.0, 8.0, 16.0, 24.0, 32.0, 48.0]))),
+    # Phi-4-mini's: longrope over the 12 of 16 dimensions its partial_rotary_factor rotates, the rest passed
+    "phi4_mini_partial": ("phi3", dict(pad_token_id=None, eos_token_id=2, original_max_position_embeddings=64,
+                                       partial_rotary_factor=0.75,
+                                       rope_scaling=dict(rope_type="longrope", short_factor=[1.0, 1.2, 1.5, 2.0, 3.0, 5.0],
+                                                         long_factor=[2.0] * 6))),
     # MixtralForCausalLM: experts of intermediate_size in every layer, top-2 renormalized, w1 / w3 / w2 names
     "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6, sliding_window=None)),
     # Qwen3ForCausalLM: q/k RMSNorm per head before the rope, tied head

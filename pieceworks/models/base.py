@@ -248,9 +248,9 @@ class CausalLM(nn.Module):
     tensor is rows of a fused one (`RenamingReader`); None where they agree."""
     vocab_size: int
     max_position_embeddings: int
-    attention_window: int | None = None
-    """A sliding window shorter than max_position_embeddings (Mistral 7B v0.1's, Phi-3-mini's): pieceworks runs full
-    attention, equal to the window's while sequences fit it, so the window is the longest context (`context_limit`)."""
+    context_cap: tuple[int, str] | None = None
+    """A limit below max_position_embeddings on the sequences run as the model defines them, and why (a sliding
+    window, longrope's original context: `hf_config.context_cap`): the longest context (`context_limit`)."""
     dtype: torch.dtype
     hf_config: dict[str, Any]
 
@@ -370,25 +370,21 @@ class CausalLM(nn.Module):
 
 def context_limit(model: CausalLM, max_context: int | None, warn: bool = False) -> int:
     """The longest sequence `model` serves under `model.max_context` (None: unset): max_position_embeddings, or
-    the model's sliding window where that is shorter (`CausalLM.attention_window`; an unset max_context then
-    takes the window, with a warning if `warn`).
+    the model's `context_cap` where it has one (an unset max_context then takes the cap, with a warning if `warn`).
 
     Raises:
         ConfigError: max_context above either.
     """
-    window, positions = model.attention_window, model.max_position_embeddings
+    positions = model.max_position_embeddings
     if max_context and max_context > positions:
         raise ConfigError(f"model.max_context: {max_context} exceeds the model's max_position_embeddings "
                           f"({positions}); use at most that")
-    if window is None:
+    if model.context_cap is None:
         return max_context or positions
-    if max_context and max_context > window:
-        raise ConfigError(
-            f"model.max_context: {max_context} exceeds the model's sliding window ({window} tokens, config.json "
-            "sliding_window): pieceworks runs full attention, which equals sliding-window attention only while a "
-            f"sequence fits the window; use model.max_context <= {window}")
+    cap, why = model.context_cap
+    if max_context and max_context > cap:
+        raise ConfigError(f"model.max_context: {max_context} exceeds {cap} tokens, the limit of {why}; use "
+                          f"model.max_context <= {cap}")
     if not max_context and warn:
-        log.warning("the model's sliding window (%d tokens, config.json sliding_window) caps the context at %d: "
-                    "pieceworks runs full attention, which equals the window's only while a sequence fits it",
-                    window, window)
-    return max_context or window
+        log.warning("the context is capped at %d tokens by %s", cap, why)
+    return max_context or cap

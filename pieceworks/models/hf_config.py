@@ -17,7 +17,7 @@ from pieceworks.errors import CheckpointError
 
 # the rope types pieceworks implements (models/rope.py) and the settings each needs beyond rope_theta
 ROPE_NEEDS = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
-              "yarn": ()}
+              "yarn": (), "longrope": ("short_factor", "long_factor")}
 
 
 def _rope_form(params: dict) -> dict:
@@ -128,14 +128,31 @@ _WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "di
           "str": "a string"}
 
 
-def attention_window(hf: dict) -> int | None:
-    """A Llama-family config's sliding window where it is shorter than max_position_embeddings, else None.
-    pieceworks runs full attention, which equals sliding-window attention while a sequence fits the window:
-    such a model serves contexts of at most the window (`models.base.context_limit`)."""
+def rotary_dim(hf: dict) -> int:
+    """A Llama-family head's rotated dimensions: head_dim times partial_rotary_factor (Phi-4-mini's 0.75)."""
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    return int(head_dim * params.get("partial_rotary_factor", hf.get("partial_rotary_factor") or 1.0))
+
+
+def context_cap(hf: dict) -> tuple[int, str] | None:
+    """A Llama-family config's limit below max_position_embeddings on the sequences pieceworks runs as the model
+    defines them, with its reason, or None. A sliding window (Mistral 7B v0.1's, Phi-3-mini-4k's): pieceworks runs
+    full attention, equal to the window's while a sequence fits it. longrope (Phi-3.5-mini's, Phi-4-mini's):
+    pieceworks computes the short factors, which transformers applies while a sequence fits the original context.
+    The shorter wins (`models.base.context_limit`)."""
+    positions, caps = hf.get("max_position_embeddings", 2048), []
     window = hf.get("sliding_window")
-    if window is None or hf.get("use_sliding_window", True) is False:
-        return None
-    return window if window < hf.get("max_position_embeddings", 2048) else None
+    if window is not None and hf.get("use_sliding_window", True) is not False:
+        caps.append((window, f"the model's sliding window ({window} tokens, config.json sliding_window): pieceworks "
+                             "runs full attention, which equals the window's only while a sequence fits it"))
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if params.get("rope_type", params.get("type")) == "longrope":
+        old = params.get("original_max_position_embeddings", hf.get("original_max_position_embeddings", positions))
+        caps.append((old, f"the model's longrope scaling (original_max_position_embeddings {old}): pieceworks "
+                          "applies its short factors, which hold only while a sequence fits that context"))
+    caps = [c for c in caps if c[0] < positions]
+    return min(caps) if caps else None
 
 
 def check(hf: dict, arch: str) -> None:
@@ -167,7 +184,7 @@ def check(hf: dict, arch: str) -> None:
                                                     "(set head_dim, or use a divisor)")
         # Mistral's window (null from Mistral 7B v0.2 on is full attention); Qwen's applies with use_sliding_window
         # (Qwen2-MoE's configs write 0 with use_sliding_window false); a window shorter than the context caps it
-        # (`attention_window`)
+        # (`context_cap`)
         if hf.get("sliding_window") == 0 and hf.get("use_sliding_window", True) is not False:
             raise FieldError("sliding_window", "0 must be >= 1 (or null for full attention)")
         experts = hf.get("num_experts", hf.get("num_local_experts")) or 0
@@ -208,7 +225,7 @@ def check(hf: dict, arch: str) -> None:
     rope = hf.get(key)
     if isinstance(rope, dict) and rope:
         kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind not in ROPE_NEEDS:
+        if kind not in ROPE_NEEDS or (kind == "longrope" and arch != "llama"):
             raise FieldError(f"{key}.rope_type", f"{kind!r} is not supported; pieceworks implements "
                              f"{', '.join(ROPE_NEEDS)}")
         for name in ROPE_NEEDS[kind]:
@@ -216,9 +233,20 @@ def check(hf: dict, arch: str) -> None:
                 raise FieldError(f"{key}.{name}", f"missing; {kind} rope needs it")
     for key in ("rope_scaling", "rope_parameters"):
         params = hf.get(key) or {}
-        partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-        if partial != 1.0:  # Phi-4-mini's, rotating part of each head
-            raise FieldError(f"{key}.partial_rotary_factor", f"{partial!r}: pieceworks rotates whole heads (1.0)")
+        partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor") or 1.0)
+        if arch != "llama" and partial != 1.0:
+            raise FieldError(f"{key}.partial_rotary_factor", f"{partial!r}: pieceworks' {arch} rotates whole heads")
+        if not (_type_ok("float", partial) and 0 < partial <= 1):  # Phi-4-mini's 0.75 rotates part of each head
+            raise FieldError(f"{key}.partial_rotary_factor", f"{partial!r} must be a number in (0, 1]")
+        if arch == "llama" and (rotary_dim(hf) < 2 or rotary_dim(hf) % 2):
+            raise FieldError(f"{key}.partial_rotary_factor", f"{partial!r} rotates {rotary_dim(hf)} of each head's "
+                             "dimensions; pieceworks rotates an even number of at least 2")
+        for name in ("short_factor", "long_factor"):
+            if name in params and (not isinstance(params[name], list) or len(params[name]) * 2 != rotary_dim(hf)
+                                   or not all(_type_ok("float", f) and math.isfinite(f) and f > 0
+                                              for f in params[name])):
+                raise FieldError(f"{key}.{name}", f"must list {rotary_dim(hf) // 2} finite numbers > 0 (one per "
+                                 "pair of rotated dimensions)")
         for name in ("factor", "rope_theta", "low_freq_factor", "high_freq_factor"):
             if name in params and not (_type_ok("float", params[name]) and math.isfinite(params[name])
                                        and params[name] > 0):

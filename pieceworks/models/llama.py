@@ -104,7 +104,8 @@ class LlamaArgs:
     qkv_bias: bool = False  # Qwen2 (2.5), Qwen2-MoE: biases on q, k and v (not o)
     moe: "LlamaMoE | None" = None  # Qwen2-MoE, Qwen3-MoE, Mixtral: routed experts in `sparse_layers`
     sparse_layers: tuple[int, ...] = ()
-    attention_window: int | None = None  # a sliding window shorter than the context (`hf_config.attention_window`)
+    context_cap: tuple[int, str] | None = None  # a sliding window or longrope's original context (`hf_config`)
+    rotary_dim: int = 0  # the rotated dimensions of each head: head_dim, or fewer (partial_rotary_factor)
 
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaArgs":
@@ -157,7 +158,7 @@ class LlamaArgs:
                      or "Qwen3MoeForCausalLM" in archs),
             qkv_bias=(hf.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in archs
                       or (qwen2_moe and hf.get("qkv_bias", True))),
-            moe=moe, sparse_layers=sparse, attention_window=hf_fields.attention_window(hf),
+            moe=moe, sparse_layers=sparse, context_cap=hf_fields.context_cap(hf), rotary_dim=hf_fields.rotary_dim(hf),
         )
 
     def check_parallel(self, tp: TPLayout, fp4: Callable[[str], bool]) -> None:
@@ -200,7 +201,7 @@ class LlamaAttention(nn.Module):
                  tp: TPLayout = TPLayout()) -> None:
         super().__init__()
         self.layer_id, self.tp = layer_id, tp
-        self.num_heads, self.head_dim = a.num_heads // tp.size, a.head_dim
+        self.num_heads, self.head_dim, self.rotary_dim = a.num_heads // tp.size, a.head_dim, a.rotary_dim
         self.num_kv_heads = tp.local_kv_heads(a.num_kv_heads)
         self.scale = a.head_dim**-0.5
         q, kv = self.num_heads * a.head_dim, self.num_kv_heads * a.head_dim
@@ -221,7 +222,7 @@ class LlamaAttention(nn.Module):
         # take a bias or a norm between the projection and the rope.
         proj = getattr(self.qkv_proj, "proj", None)
         self._qkv_fp4 = isinstance(proj, Fp4Linear)  # decided here; `rope_fused` comes with prepare()
-        if self._qkv_fp4 and self.q_norm is None and self.qkv_bias is None:
+        if self._qkv_fp4 and self.q_norm is None and self.qkv_bias is None and self.rotary_dim == self.head_dim:
             proj.qkv_heads = (self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -236,7 +237,13 @@ class LlamaAttention(nn.Module):
                 q, k, v = q + bq, k + bk, v + bv
             if self.q_norm is not None:  # over each head's D values: rows of [T * heads, D]
                 q, k = self.q_norm(q.reshape(-1, d)), self.k_norm(k.reshape(-1, d))
-            q, k = apply_rope_qk(q.view(-1, self.num_heads, d), k.view(-1, self.num_kv_heads, d), cos, sin)
+            q, k = q.view(-1, self.num_heads, d), k.view(-1, self.num_kv_heads, d)
+            if self.rotary_dim == d:
+                q, k = apply_rope_qk(q, k, cos, sin)
+            else:  # Phi-4-mini: the first rotary_dim dimensions of each head rotate, the rest pass
+                r = self.rotary_dim
+                qr, kr = apply_rope_qk(q[..., :r].contiguous(), k[..., :r].contiguous(), cos, sin)
+                q, k = torch.cat([qr, q[..., r:]], -1), torch.cat([kr, k[..., r:]], -1)
             out = self._attend(q, k, v)
         return reduce(self.o_proj(out), self.tp)
 
@@ -352,11 +359,11 @@ class Llama(CausalLM):
                  tp: TPLayout = TPLayout()):
         super().__init__()
         a = self.args = LlamaArgs.from_hf(hf_config)
-        self.attention_window = a.attention_window
+        self.context_cap = a.context_cap
         if tp.sharded:
             a.check_parallel(tp, fp4)
         self._build_trunk(hf_config, dtype, a, [self.block(a, i, fp4, tp) for i in range(a.num_layers)],
-                          a.head_dim, tp)
+                          a.rotary_dim, tp)
         for block, nxt in zip(self.layers, list(self.layers)[1:]):
             block.next_norm = (nxt.input_layernorm,)
 

@@ -1,5 +1,6 @@
-"""Rotary position embeddings as transformers computes them: default, linear, llama3 and yarn (with
-DeepSeek's mscale / mscale_all_dim), in the rotate-half (Llama) and interleaved (DeepSeek) layouts.
+"""Rotary position embeddings as transformers computes them: default, linear, llama3, yarn (with DeepSeek's
+mscale / mscale_all_dim) and longrope (Phi-3's: its short factors, for sequences within the original context,
+which caps the model's: `hf_config.context_cap`), in the rotate-half (Llama) and interleaved (DeepSeek) layouts.
 
 cos/sin are precomputed for every position a sequence can reach (max_position_embeddings, or the
 executor's model.max_context where it is set: `RotaryEmbedding.limit`) and gathered by position in
@@ -26,7 +27,7 @@ def rope_parameters(hf: dict) -> dict:
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})  # agreeing: hf_config checks
     params.setdefault("rope_type", params.pop("type", "default"))
     params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
-    if params["rope_type"] in ("llama3", "yarn"):
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):
         params.setdefault("original_max_position_embeddings",
                           hf.get("original_max_position_embeddings", hf["max_position_embeddings"]))
     return params
@@ -39,7 +40,7 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 def rope_frequencies(params: dict, dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [dim/2] float32 and the cos/sin scaling, as transformers computes them.
 
-    Supports rope_type default, linear, llama3 and yarn (with mscale / mscale_all_dim).
+    Supports rope_type default, linear, llama3, yarn (with mscale / mscale_all_dim) and longrope (short factors).
     """
     kind, base = params["rope_type"], float(params["rope_theta"])
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -82,8 +83,17 @@ def rope_frequencies(params: dict, dim: int, max_positions: int) -> tuple[torch.
         pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
         inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
         return inv_freq, float(attention_factor)
+    if kind == "longrope":  # the short factors: what transformers applies while a sequence fits the original context
+        old_len = params["original_max_position_embeddings"]
+        factor = params.get("factor") or max_positions / old_len
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+        inv_freq = 1.0 / (torch.tensor(params["short_factor"], dtype=torch.float32)
+                          * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return inv_freq, float(attention_factor)
     raise ValueError(
-        f"rope_type {kind!r} is not supported; pieceworks implements default, linear, llama3 and yarn"
+        f"rope_type {kind!r} is not supported; pieceworks implements default, linear, llama3, yarn and longrope"
     )
 
 
