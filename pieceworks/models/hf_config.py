@@ -71,6 +71,9 @@ FIELDS: dict[str, dict[str, tuple[str, str | None, bool]]] = {
         "decoder_sparse_step": ("int", "pos", False),
         "norm_topk_prob": ("bool", None, False),
         "shared_expert_intermediate_size": ("int", "nonneg", False),
+        # Phi-3.5 / Phi-4-mini's rope (longrope's original context, the rotated share of each head)
+        "original_max_position_embeddings": ("int", "pos", False),
+        "partial_rotary_factor": ("float", None, False),
         # Granite's scalars (models/granite.py)
         "embedding_multiplier": ("float", "posf", False),
         "residual_multiplier": ("float", "posf", False),
