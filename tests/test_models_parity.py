@@ -50,6 +50,11 @@ CASES = {
     "llama_default_rope_head_dim": ("llama", dict(tie_word_embeddings=False, head_dim=32)),
     # MistralForCausalLM without a sliding window (Mistral 7B v0.2 on, Mistral Small, Nemo's head_dim)
     "mistral_no_window": ("mistral", dict(sliding_window=None, head_dim=32, rope_theta=1e6)),
+    # SmolLM3ForCausalLM: NoPE layers (every 4th of SmolLM3-3B's; here every 2nd, from the interval), tied head
+    "smollm3_nope_interval": ("smollm3", dict(no_rope_layer_interval=2, rope_theta=5e6, tie_word_embeddings=True,
+                                              num_hidden_layers=4)),
+    # and an explicit list, the first layer without rope
+    "smollm3_nope_list": ("smollm3", dict(no_rope_layers=[0, 1, 1], num_hidden_layers=3)),
     # GraniteForCausalLM: Granite 3's four scalars (of granite-3.1-8b's config), GQA, tied head
     "granite": ("granite", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
                                 logits_scaling=16.0, tie_word_embeddings=True, rope_theta=1e7)),
@@ -157,6 +162,10 @@ def _hf_model(arch: str, overrides: dict) -> torch.nn.Module:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
         return model
+    if arch == "smollm3":
+        from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+        return SmolLM3ForCausalLM(SmolLM3Config(**{**LLAMA_BASE, "pad_token_id": None, **overrides})).eval()
     if arch == "granite":
         from transformers import GraniteConfig, GraniteForCausalLM
 
@@ -360,3 +369,16 @@ def test_random_granite_from_model_sizes():
         assert isinstance(ex.model, Granite) and ex.model.logits_scaling == 4.0
         assert {b.residual_multiplier for b in ex.model.layers} == {0.5}
         assert len(ex.generate([[1, 2, 3]], max_new_tokens=2)[0]) == 2
+
+
+@pytest.mark.parametrize("interval,layers", [(4, 36), (2, 5), (1, 3), (7, 6)])
+def test_smollm3_nope_layers_from_the_interval_as_transformers_derives_them(interval, layers):
+    """A config.json with no_rope_layer_interval and no list (transformers writes the list it derives, so the
+    parity cases above read lists): the same layers rotate."""
+    from transformers import SmolLM3Config
+
+    from pieceworks.models.llama import rope_layers
+
+    want = SmolLM3Config(num_hidden_layers=layers, no_rope_layer_interval=interval).no_rope_layers
+    hf = {"model_type": "smollm3", "num_hidden_layers": layers, "no_rope_layer_interval": interval}
+    assert rope_layers(hf) == tuple(bool(v) for v in want)

@@ -71,6 +71,9 @@ FIELDS: dict[str, dict[str, tuple[str, str | None, bool]]] = {
         "decoder_sparse_step": ("int", "pos", False),
         "norm_topk_prob": ("bool", None, False),
         "shared_expert_intermediate_size": ("int", "nonneg", False),
+        # SmolLM3's NoPE layers: 1 rotates, 0 does not (or every interval-th layer without rope)
+        "no_rope_layers": ("list", None, False),
+        "no_rope_layer_interval": ("int", "pos", False),
         # Phi-3.5 / Phi-4-mini's rope (longrope's original context, the rotated share of each head)
         "original_max_position_embeddings": ("int", "pos", False),
         "partial_rotary_factor": ("float", None, False),
@@ -124,11 +127,13 @@ def _type_ok(kind: str, v: Any) -> bool:
         return isinstance(v, bool)
     if kind == "dict":
         return isinstance(v, dict)
+    if kind == "list":
+        return isinstance(v, list)
     return isinstance(v, str)
 
 
 _WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "dict": "a mapping",
-          "str": "a string"}
+          "str": "a string", "list": "a list"}
 
 
 def rotary_dim(hf: dict) -> int:
@@ -197,6 +202,11 @@ def check(hf: dict, arch: str) -> None:
         dense = hf.get("mlp_only_layers") or []
         if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
             raise FieldError("mlp_only_layers", f"{dense!r} must be a list of layer indices")
+        nope = hf.get("no_rope_layers")
+        if nope is not None and (len(nope) < hf["num_hidden_layers"] or any(v not in (0, 1) or isinstance(v, bool)
+                                                                            for v in nope)):
+            raise FieldError("no_rope_layers", f"{nope!r} must list 1 (rope) or 0 (none) for each of the "
+                             f"{hf['num_hidden_layers']} layers")
         kinds = hf.get("layer_types") or []
         if not isinstance(kinds, list) or any(k != "full_attention" for k in kinds):
             raise FieldError("layer_types", f"{kinds!r}: pieceworks' Llama runs full attention in every layer "

@@ -66,6 +66,19 @@ class Phi3Names:
         return self.spans[parts[1]] if parts is not None and parts[2] in (".weight", ".weight_scale") else None
 
 
+def rope_layers(hf: dict) -> tuple[bool, ...]:
+    """Whether each layer rotates q and k: all of them, but SmolLM3's NoPE layers (its `no_rope_layers`, else every
+    `no_rope_layer_interval`-th layer, as transformers derives them)."""
+    n = hf["num_hidden_layers"]
+    if hf.get("model_type") != "smollm3" and "SmolLM3ForCausalLM" not in (hf.get("architectures") or []):
+        return (True,) * n
+    nope = hf.get("no_rope_layers")
+    if nope is None:
+        every = hf.get("no_rope_layer_interval", 4)
+        nope = [int((i + 1) % every != 0) for i in range(n)]
+    return tuple(bool(v) for v in nope[:n])
+
+
 def is_phi3(hf: dict) -> bool:
     return hf.get("model_type") == "phi3" or "Phi3ForCausalLM" in (hf.get("architectures") or [])
 
@@ -106,6 +119,7 @@ class LlamaArgs:
     sparse_layers: tuple[int, ...] = ()
     context_cap: tuple[int, str] | None = None  # a sliding window or longrope's original context (`hf_config`)
     rotary_dim: int = 0  # the rotated dimensions of each head: head_dim, or fewer (partial_rotary_factor)
+    rope_layers: tuple[bool, ...] = ()  # per layer, whether it rotates q and k (`rope_layers`)
 
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaArgs":
@@ -159,6 +173,7 @@ class LlamaArgs:
             qkv_bias=(hf.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in archs
                       or (qwen2_moe and hf.get("qkv_bias", True))),
             moe=moe, sparse_layers=sparse, context_cap=hf_fields.context_cap(hf), rotary_dim=hf_fields.rotary_dim(hf),
+            rope_layers=rope_layers(hf),
         )
 
     def check_parallel(self, tp: TPLayout, fp4: Callable[[str], bool]) -> None:
@@ -202,6 +217,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.layer_id, self.tp = layer_id, tp
         self.num_heads, self.head_dim, self.rotary_dim = a.num_heads // tp.size, a.head_dim, a.rotary_dim
+        self.rope = a.rope_layers[layer_id]  # SmolLM3's NoPE layers: False
         self.num_kv_heads = tp.local_kv_heads(a.num_kv_heads)
         self.scale = a.head_dim**-0.5
         q, kv = self.num_heads * a.head_dim, self.num_kv_heads * a.head_dim
@@ -222,7 +238,8 @@ class LlamaAttention(nn.Module):
         # take a bias or a norm between the projection and the rope.
         proj = getattr(self.qkv_proj, "proj", None)
         self._qkv_fp4 = isinstance(proj, Fp4Linear)  # decided here; `rope_fused` comes with prepare()
-        if self._qkv_fp4 and self.q_norm is None and self.qkv_bias is None and self.rotary_dim == self.head_dim:
+        if (self._qkv_fp4 and self.q_norm is None and self.qkv_bias is None and self.rotary_dim == self.head_dim
+                and self.rope):
             proj.qkv_heads = (self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -238,9 +255,9 @@ class LlamaAttention(nn.Module):
             if self.q_norm is not None:  # over each head's D values: rows of [T * heads, D]
                 q, k = self.q_norm(q.reshape(-1, d)), self.k_norm(k.reshape(-1, d))
             q, k = q.view(-1, self.num_heads, d), k.view(-1, self.num_kv_heads, d)
-            if self.rotary_dim == d:
+            if self.rope and self.rotary_dim == d:  # (SmolLM3's NoPE layers skip both)
                 q, k = apply_rope_qk(q, k, cos, sin)
-            else:  # Phi-4-mini: the first rotary_dim dimensions of each head rotate, the rest pass
+            elif self.rope:  # Phi-4-mini: the first rotary_dim dimensions of each head rotate, the rest pass
                 r = self.rotary_dim
                 qr, kr = apply_rope_qk(q[..., :r].contiguous(), k[..., :r].contiguous(), cos, sin)
                 q, k = torch.cat([qr, q[..., r:]], -1), torch.cat([kr, k[..., r:]], -1)

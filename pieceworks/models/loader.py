@@ -38,6 +38,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen2MoeForCausalLM": Llama,  # and softmax-routed experts with a gated shared expert in its sparse layers
     "Qwen3ForCausalLM": Llama,  # Llama's layers with q/k norms (LlamaArgs.qk_norm)
     "Qwen3MoeForCausalLM": Llama,  # and softmax-routed experts in its sparse layers (LlamaArgs.moe)
+    "SmolLM3ForCausalLM": Llama,  # Llama's layers, some without rope (llama.rope_layers)
     "GraniteForCausalLM": Granite,  # Llama's layers with four scalars (models/granite.py)
     "DeepseekV2ForCausalLM": DeepseekV3,  # DeepSeek-V3's layers with softmax routing (DeepseekV3Args.scoring_func)
     "DeepseekV3ForCausalLM": DeepseekV3,

@@ -41,6 +41,9 @@ MODELS = {
         "num_hidden_layers": 4, "partial_rotary_factor": 0.75, "original_max_position_embeddings": 4096,
         "rope_scaling": {"rope_type": "longrope", "rope_theta": 10000.0,
                             "short_factor": [1.0 + i / 16 for i in range(48)], "long_factor": [4.0] * 48}}}, "nvfp4"),
+    # SmolLM3's NoPE layers (here every 2nd): their q/k/v GEMM takes no rope epilogue, the others' may
+    "smollm3-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {
+        "num_hidden_layers": 4, "model_type": "smollm3", "no_rope_layer_interval": 2}}, "nvfp4"),
     # Granite 3.1 8B's scalars (the attention's softmax scale among them) on the unfused block path
     "granite-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {
         "num_hidden_layers": 4, "model_type": "granite", "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
