@@ -50,6 +50,8 @@ CASES = {
     "llama_default_rope_head_dim": ("llama", dict(tie_word_embeddings=False, head_dim=32)),
     # MistralForCausalLM without a sliding window (Mistral 7B v0.2 on, Mistral Small, Nemo's head_dim)
     "mistral_no_window": ("mistral", dict(sliding_window=None, head_dim=32, rope_theta=1e6)),
+    # Olmo2ForCausalLM: post-norm blocks, q and k normalized over the whole projection, GQA
+    "olmo2": ("olmo2", dict(rope_theta=5e5, tie_word_embeddings=False)),
     # SmolLM3ForCausalLM: NoPE layers (every 4th of SmolLM3-3B's; here every 2nd, from the interval), tied head
     "smollm3_nope_interval": ("smollm3", dict(no_rope_layer_interval=2, rope_theta=5e6, tie_word_embeddings=True,
                                               num_hidden_layers=4)),
@@ -161,6 +163,16 @@ def _hf_model(arch: str, overrides: dict) -> torch.nn.Module:
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+        return model
+    if arch == "olmo2":
+        from transformers import Olmo2Config, Olmo2ForCausalLM
+
+        model = Olmo2ForCausalLM(Olmo2Config(**{**LLAMA_BASE, "pad_token_id": None, **overrides})).eval()
+        with torch.no_grad():  # norm weights away from 1, so that a missing or misread one shows
+            for layer in model.model.layers:
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm, layer.post_attention_layernorm,
+                             layer.post_feedforward_layernorm):
+                    norm.weight.uniform_(0.5, 1.5)
         return model
     if arch == "smollm3":
         from transformers import SmolLM3Config, SmolLM3ForCausalLM
@@ -358,6 +370,18 @@ def test_our_nvfp4_quantization_of_the_other_architectures_is_exact(name, tmp_pa
     _assert_close(ex.score([ids])[0], _ref_logits(_dequantized_reference(tmp_path / "fp4", tmp_path / "bf16"), ids))
 
 
+def test_random_olmo2_from_model_sizes():
+    """model.sizes.model_type=olmo2 builds OLMo 2's post-norm blocks over a Llama preset."""
+    from pieceworks.models.olmo2 import Olmo2
+
+    cfg = {"model": {"arch": "llama", "preset": "tiny", "sizes": {"model_type": "olmo2"}},
+           "runtime": {"device": "cpu", "dtype": "float32"}}
+    with Executor.from_config(cfg, progress=False) as ex:
+        assert isinstance(ex.model, Olmo2) and ex.model.layers[0].input_layernorm is None
+        assert ex.model.layers[0].self_attn.q_norm.weight.shape[0] == ex.model.args.num_heads * ex.model.args.head_dim
+        assert len(ex.generate([[1, 2, 3]], max_new_tokens=2)[0]) == 2  # piecewise graphs (CPU) as well
+
+
 def test_random_granite_from_model_sizes():
     """model.sizes.model_type=granite builds Granite's class over a Llama preset, with its scalars."""
     from pieceworks.models.granite import Granite
@@ -377,7 +401,7 @@ def test_smollm3_nope_layers_from_the_interval_as_transformers_derives_them(inte
     parity cases above read lists): the same layers rotate."""
     from transformers import SmolLM3Config
 
-    from pieceworks.models.llama import rope_layers
+    from pieceworks.models.hf_config import rope_layers
 
     want = SmolLM3Config(num_hidden_layers=layers, no_rope_layer_interval=interval).no_rope_layers
     hf = {"model_type": "smollm3", "num_hidden_layers": layers, "no_rope_layer_interval": interval}

@@ -143,6 +143,19 @@ def rotary_dim(hf: dict) -> int:
     return int(head_dim * params.get("partial_rotary_factor", hf.get("partial_rotary_factor") or 1.0))
 
 
+def rope_layers(hf: dict) -> tuple[bool, ...]:
+    """Whether each layer rotates q and k: all of them, but SmolLM3's NoPE layers (its `no_rope_layers`, else every
+    `no_rope_layer_interval`-th layer, as transformers derives them)."""
+    n = hf["num_hidden_layers"]
+    if hf.get("model_type") != "smollm3" and "SmolLM3ForCausalLM" not in (hf.get("architectures") or []):
+        return (True,) * n
+    nope = hf.get("no_rope_layers")
+    if nope is None:
+        every = hf.get("no_rope_layer_interval", 4)
+        nope = [int((i + 1) % every != 0) for i in range(n)]
+    return tuple(bool(v) for v in nope[:n])
+
+
 def context_cap(hf: dict) -> tuple[int, str] | None:
     """A Llama-family config's limit below max_position_embeddings on the sequences pieceworks runs as the model
     defines them, with its reason, or None. A sliding window (Mistral 7B v0.1's, Phi-3-mini-4k's): pieceworks runs

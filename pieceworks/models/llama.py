@@ -66,17 +66,8 @@ class Phi3Names:
         return self.spans[parts[1]] if parts is not None and parts[2] in (".weight", ".weight_scale") else None
 
 
-def rope_layers(hf: dict) -> tuple[bool, ...]:
-    """Whether each layer rotates q and k: all of them, but SmolLM3's NoPE layers (its `no_rope_layers`, else every
-    `no_rope_layer_interval`-th layer, as transformers derives them)."""
-    n = hf["num_hidden_layers"]
-    if hf.get("model_type") != "smollm3" and "SmolLM3ForCausalLM" not in (hf.get("architectures") or []):
-        return (True,) * n
-    nope = hf.get("no_rope_layers")
-    if nope is None:
-        every = hf.get("no_rope_layer_interval", 4)
-        nope = [int((i + 1) % every != 0) for i in range(n)]
-    return tuple(bool(v) for v in nope[:n])
+def is_olmo2(hf: dict) -> bool:
+    return hf.get("model_type") == "olmo2" or "Olmo2ForCausalLM" in (hf.get("architectures") or [])
 
 
 def is_phi3(hf: dict) -> bool:
@@ -113,13 +104,14 @@ class LlamaArgs:
     max_position_embeddings: int
     tie_word_embeddings: bool
     rope: dict
-    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k (weights [D]) before the rope
+    qk_norm: str | None = None  # before the rope, RMSNorms of q and k over each head ("heads", Qwen3: weights [D])
+    # or over the whole projection ("full", OLMo 2: [Hq D] and [Hkv D])
     qkv_bias: bool = False  # Qwen2 (2.5), Qwen2-MoE: biases on q, k and v (not o)
     moe: "LlamaMoE | None" = None  # Qwen2-MoE, Qwen3-MoE, Mixtral: routed experts in `sparse_layers`
     sparse_layers: tuple[int, ...] = ()
     context_cap: tuple[int, str] | None = None  # a sliding window or longrope's original context (`hf_config`)
     rotary_dim: int = 0  # the rotated dimensions of each head: head_dim, or fewer (partial_rotary_factor)
-    rope_layers: tuple[bool, ...] = ()  # per layer, whether it rotates q and k (`rope_layers`)
+    rope_layers: tuple[bool, ...] = ()  # per layer, whether it rotates q and k (`hf_config.rope_layers`)
 
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaArgs":
@@ -168,12 +160,12 @@ class LlamaArgs:
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             rope=rope_parameters({"max_position_embeddings": 2048, **hf}),
-            qk_norm=(hf.get("model_type") in ("qwen3", "qwen3_moe") or "Qwen3ForCausalLM" in archs
-                     or "Qwen3MoeForCausalLM" in archs),
+            qk_norm=("heads" if hf.get("model_type") in ("qwen3", "qwen3_moe") or "Qwen3ForCausalLM" in archs
+                     or "Qwen3MoeForCausalLM" in archs else "full" if is_olmo2(hf) else None),
             qkv_bias=(hf.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in archs
                       or (qwen2_moe and hf.get("qkv_bias", True))),
             moe=moe, sparse_layers=sparse, context_cap=hf_fields.context_cap(hf), rotary_dim=hf_fields.rotary_dim(hf),
-            rope_layers=rope_layers(hf),
+            rope_layers=hf_fields.rope_layers(hf),
         )
 
     def check_parallel(self, tp: TPLayout, fp4: Callable[[str], bool]) -> None:
@@ -228,8 +220,9 @@ class LlamaAttention(nn.Module):
         # Qwen2's q/k/v biases, this rank's rows (as the projection's)
         self.qkv_bias = nn.Parameter(torch.zeros(q + 2 * kv)) if a.qkv_bias else None
         self.o_proj = linear(q, a.hidden_size, fp4(f"{prefix}.o_proj"), tp.split(1))
-        # Qwen3's per-head norms (shared by the heads, whole on every rank)
-        self.q_norm, self.k_norm = ((RMSNorm(a.head_dim, a.rms_norm_eps), RMSNorm(a.head_dim, a.rms_norm_eps))
+        # Qwen3's per-head norms (shared by the heads, whole on every rank), OLMo 2's over the projections
+        nq, nk = (q, kv) if a.qk_norm == "full" else (a.head_dim, a.head_dim)
+        self.q_norm, self.k_norm = ((RMSNorm(nq, a.rms_norm_eps), RMSNorm(nk, a.rms_norm_eps))
                                     if a.qk_norm else (None, None))
         self._mark_qkv()
 
@@ -252,8 +245,9 @@ class LlamaAttention(nn.Module):
             if self.qkv_bias is not None:
                 bq, bk, bv = self.qkv_bias.split([q.shape[-1], k.shape[-1], v.shape[-1]])
                 q, k, v = q + bq, k + bk, v + bv
-            if self.q_norm is not None:  # over each head's D values: rows of [T * heads, D]
-                q, k = self.q_norm(q.reshape(-1, d)), self.k_norm(k.reshape(-1, d))
+            if self.q_norm is not None:  # over each head's D values (rows of [T * heads, D]) or each token's
+                w = self.q_norm.weight.shape[0]
+                q, k = self.q_norm(q.reshape(-1, w)), self.k_norm(k.reshape(-1, self.k_norm.weight.shape[0]))
             q, k = q.view(-1, self.num_heads, d), k.view(-1, self.num_kv_heads, d)
             if self.rope and self.rotary_dim == d:  # (SmolLM3's NoPE layers skip both)
                 q, k = apply_rope_qk(q, k, cos, sin)
@@ -281,7 +275,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = src.linear(self.o_proj, f"{prefix}.o_proj")
         for name, norm in (("q_norm", self.q_norm), ("k_norm", self.k_norm)):
             if norm is not None:
-                norm.weight.copy_(src.tensor(f"{prefix}.{name}.weight", (self.head_dim,)))
+                norm.weight.copy_(src.tensor(f"{prefix}.{name}.weight", tuple(norm.weight.shape)))
         if self.qkv_bias is not None:
             sizes = [self.num_heads * self.head_dim] + 2 * [self.num_kv_heads * self.head_dim]
             for n, part, b in zip("qkv", self._qkv_parts, self.qkv_bias.data.split(sizes)):

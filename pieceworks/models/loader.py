@@ -25,6 +25,7 @@ from pieceworks.models.base import CausalLM, context_limit
 from pieceworks.models.deepseek_v3 import DeepseekV3
 from pieceworks.models.granite import Granite
 from pieceworks.models.llama import Llama
+from pieceworks.models.olmo2 import Olmo2
 from pieceworks.parallel.layout import TPLayout
 from pieceworks.util import checked_stat, unreadable
 
@@ -38,6 +39,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen2MoeForCausalLM": Llama,  # and softmax-routed experts with a gated shared expert in its sparse layers
     "Qwen3ForCausalLM": Llama,  # Llama's layers with q/k norms (LlamaArgs.qk_norm)
     "Qwen3MoeForCausalLM": Llama,  # and softmax-routed experts in its sparse layers (LlamaArgs.moe)
+    "Olmo2ForCausalLM": Olmo2,  # Llama's projections in post-norm blocks (models/olmo2.py)
     "SmolLM3ForCausalLM": Llama,  # Llama's layers, some without rope (llama.rope_layers)
     "GraniteForCausalLM": Granite,  # Llama's layers with four scalars (models/granite.py)
     "DeepseekV2ForCausalLM": DeepseekV3,  # DeepSeek-V3's layers with softmax routing (DeepseekV3Args.scoring_func)
@@ -211,8 +213,9 @@ def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Cal
                           f"{model_cfg.preset or 'tiny'})") from None
     # Random NVFP4: every projection; the head and the router are never built as NVFP4 (as ModelOpt).
     random_fp4 = fmt == "nvfp4"
-    # model.sizes.model_type=granite: Granite's class (Llama's other families are Llama's flags)
-    cls = Granite if model_cfg.arch == "llama" and hf.get("model_type") == "granite" else ARCHS[model_cfg.arch]
+    # model.sizes.model_type granite or olmo2: their classes (Llama's other families are Llama's flags)
+    own = {"granite": Granite, "olmo2": Olmo2} if model_cfg.arch == "llama" else {}
+    cls = own.get(hf.get("model_type"), ARCHS[model_cfg.arch])
     return cls, hf, lambda name: random_fp4, None
 
 

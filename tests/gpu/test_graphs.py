@@ -44,6 +44,9 @@ MODELS = {
     # SmolLM3's NoPE layers (here every 2nd): their q/k/v GEMM takes no rope epilogue, the others' may
     "smollm3-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {
         "num_hidden_layers": 4, "model_type": "smollm3", "no_rope_layer_interval": 2}}, "nvfp4"),
+    # OLMo 2's post-norm blocks, q / k normalized over the whole projection
+    "olmo2-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {"num_hidden_layers": 4,
+                                                                          "model_type": "olmo2"}}, "nvfp4"),
     # Granite 3.1 8B's scalars (the attention's softmax scale among them) on the unfused block path
     "granite-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {
         "num_hidden_layers": 4, "model_type": "granite", "embedding_multiplier": 12.0, "residual_multiplier": 0.22,

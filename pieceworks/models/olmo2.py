@@ -1,0 +1,50 @@
+"""Olmo2ForCausalLM (AllenAI OLMo 2): Llama's projections, rope and SwiGLU MLP in a post-norm block, as
+transformers' Olmo2 runs it: s = s + RMSNorm(attention(s)), then s = s + RMSNorm(mlp(s)) (no norm before either),
+with q and k each normalized over the whole projection, all heads at once, before the rope (`LlamaArgs.qk_norm`
+"full"). The blocks run on the unfused path; tensor parallel is refused (those norms span every head).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from pieceworks.errors import ConfigError
+from pieceworks.models.base import RMSNorm, WeightSource
+from pieceworks.models.llama import Llama, LlamaArgs, LlamaBlock
+from pieceworks.parallel.layout import TPLayout
+
+
+class Olmo2Block(LlamaBlock):
+    def __init__(self, a: LlamaArgs, layer_id: int, fp4: Callable[[str], bool], tp: TPLayout = TPLayout()) -> None:
+        super().__init__(a, layer_id, fp4, tp)
+        self.input_layernorm = None  # OLMo 2 normalizes outputs, not inputs
+        self.post_feedforward_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = h if residual is None else h + residual
+        s = s + self.post_attention_layernorm(self.self_attn(s, cos, sin))
+        return self.post_feedforward_layernorm(self.mlp(s)), s
+
+    def norms_fused(self) -> bool:
+        return False
+
+    def load(self, src: WeightSource, prefix: str) -> None:
+        n = self.post_attention_layernorm.weight.shape[0]
+        for name in ("post_attention_layernorm", "post_feedforward_layernorm"):
+            getattr(self, name).weight.copy_(src.tensor(f"{prefix}.{name}.weight", (n,)))
+        self.self_attn.load(src, f"{prefix}.self_attn")
+        self.mlp.load(src, f"{prefix}.mlp")
+
+
+class Olmo2(Llama):
+    block = Olmo2Block
+
+    def __init__(self, hf_config: dict, dtype: torch.dtype, fp4: Callable[[str], bool] = lambda name: False,
+                 tp: TPLayout = TPLayout()):
+        if tp.sharded:
+            raise ConfigError(f"parallel.tensor_parallel_size: {tp.size}: OLMo 2's q and k norms span every head, "
+                              "which tensor parallel splits; use 1")
+        super().__init__(hf_config, dtype, fp4, tp)
