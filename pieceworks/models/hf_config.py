@@ -140,7 +140,8 @@ def rotary_dim(hf: dict) -> int:
     """A Llama-family head's rotated dimensions: head_dim times partial_rotary_factor (Phi-4-mini's 0.75)."""
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    return int(head_dim * params.get("partial_rotary_factor", hf.get("partial_rotary_factor") or 1.0))
+    top = hf.get("partial_rotary_factor")
+    return int(head_dim * params.get("partial_rotary_factor", 1.0 if top is None else top))
 
 
 def rope_layers(hf: dict) -> tuple[bool, ...]:
@@ -259,7 +260,8 @@ def check(hf: dict, arch: str) -> None:
                 raise FieldError(f"{key}.{name}", f"missing; {kind} rope needs it")
     for key in ("rope_scaling", "rope_parameters"):
         params = hf.get(key) or {}
-        partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor") or 1.0)
+        top = hf.get("partial_rotary_factor")
+        partial = params.get("partial_rotary_factor", 1.0 if top is None else top)
         if arch != "llama" and partial != 1.0:
             raise FieldError(f"{key}.partial_rotary_factor", f"{partial!r}: pieceworks' {arch} rotates whole heads")
         if not (_type_ok("float", partial) and 0 < partial <= 1):  # Phi-4-mini's 0.75 rotates part of each head
