@@ -179,7 +179,7 @@ def test_unknown_architecture(broken):
     assert "GPT2LMHeadModel" in str(e.value) and (
         "pieceworks supports LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, "
         "Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Olmo2ForCausalLM, "
-        "SmolLM3ForCausalLM, GraniteForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM") in str(e.value)
+        "SeedOssForCausalLM, SmolLM3ForCausalLM, GraniteForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM") in str(e.value)
 
 
 def test_missing_tensor(broken):
@@ -200,6 +200,11 @@ def test_shape_mismatch(broken):
 def test_unsupported_llama_variant(broken):
     _edit_config(broken, lambda c: c.update(attention_bias=True))
     with pytest.raises(ValueError, match="attention_bias=true is not supported"):
+        _load(broken)
+    # Seed-OSS's attention_bias is q/k/v's (read); its attention_out_bias, o_proj's, is not
+    _edit_config(broken, lambda c: c.update(architectures=["SeedOssForCausalLM"], model_type="seed_oss",
+                                            attention_out_bias=True))
+    with pytest.raises(ValueError, match="attention_out_bias=true is not supported"):
         _load(broken)
 
 

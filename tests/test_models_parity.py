@@ -50,6 +50,8 @@ CASES = {
     "llama_default_rope_head_dim": ("llama", dict(tie_word_embeddings=False, head_dim=32)),
     # MistralForCausalLM without a sliding window (Mistral 7B v0.2 on, Mistral Small, Nemo's head_dim)
     "mistral_no_window": ("mistral", dict(sliding_window=None, head_dim=32, rope_theta=1e6)),
+    # SeedOssForCausalLM: q/k/v biases (attention_bias), none on o (attention_out_bias)
+    "seed_oss": ("seed_oss", dict(head_dim=32, rope_theta=1e7)),
     # Olmo2ForCausalLM: post-norm blocks, q and k normalized over the whole projection, GQA
     "olmo2": ("olmo2", dict(rope_theta=5e5, tie_word_embeddings=False)),
     # SmolLM3ForCausalLM: NoPE layers (every 4th of SmolLM3-3B's; here every 2nd, from the interval), tied head
@@ -164,6 +166,10 @@ def _hf_model(arch: str, overrides: dict) -> torch.nn.Module:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
         return model
+    if arch == "seed_oss":
+        from transformers import SeedOssConfig, SeedOssForCausalLM
+
+        return _qkv_biases(SeedOssForCausalLM(SeedOssConfig(**{**LLAMA_BASE, "pad_token_id": None, **overrides})).eval())
     if arch == "olmo2":
         from transformers import Olmo2Config, Olmo2ForCausalLM
 

@@ -63,6 +63,7 @@ FIELDS: dict[str, dict[str, tuple[str, str | None, bool]]] = {
         "sliding_window": ("int", "nonneg", False),  # Mistral's and Qwen's (a shorter one caps the context)
         "use_sliding_window": ("bool", None, False),
         "qkv_bias": ("bool", None, False),  # Qwen2-MoE's
+        "attention_out_bias": ("bool", None, False),  # Seed-OSS's (o_proj; its attention_bias is q/k/v's)
         # Qwen2-MoE's, Qwen3-MoE's and Mixtral's experts
         "num_experts": ("int", "nonneg", False),
         "num_local_experts": ("int", "nonneg", False),

@@ -106,7 +106,7 @@ class LlamaArgs:
     rope: dict
     qk_norm: str | None = None  # before the rope, RMSNorms of q and k over each head ("heads", Qwen3: weights [D])
     # or over the whole projection ("full", OLMo 2: [Hq D] and [Hkv D])
-    qkv_bias: bool = False  # Qwen2 (2.5), Qwen2-MoE: biases on q, k and v (not o)
+    qkv_bias: bool = False  # Qwen2 (2.5), Qwen2-MoE, Seed-OSS: biases on q, k and v (not o)
     moe: "LlamaMoE | None" = None  # Qwen2-MoE, Qwen3-MoE, Mixtral: routed experts in `sparse_layers`
     sparse_layers: tuple[int, ...] = ()
     context_cap: tuple[int, str] | None = None  # a sliding window or longrope's original context (`hf_config`)
@@ -125,10 +125,11 @@ class LlamaArgs:
         """
         hf_fields.check(hf, "llama")
         hf = {k: v for k, v in hf.items() if v is not None}  # null is absent, as check() reads it
-        for key in ("attention_bias", "mlp_bias"):
-            if hf.get(key, False):
+        seed = hf.get("model_type") == "seed_oss" or "SeedOssForCausalLM" in (hf.get("architectures") or [])
+        for key in ("mlp_bias", "attention_out_bias") if seed else ("attention_bias", "mlp_bias"):
+            if hf.get(key, False):  # (Seed-OSS's attention_bias is q/k/v's: `qkv_bias`)
                 raise CheckpointError(f"config.json: {key}=true is not supported by pieceworks' Llama (bias-free "
-                                 "projections only)")
+                                 "projections only, but Qwen2's and Seed-OSS's q/k/v)")
         if hf.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"config.json: hidden_act={hf['hidden_act']!r} is not supported; Llama uses silu")
         heads = hf["num_attention_heads"]
@@ -163,7 +164,7 @@ class LlamaArgs:
             qk_norm=("heads" if hf.get("model_type") in ("qwen3", "qwen3_moe") or "Qwen3ForCausalLM" in archs
                      or "Qwen3MoeForCausalLM" in archs else "full" if is_olmo2(hf) else None),
             qkv_bias=(hf.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in archs
-                      or (qwen2_moe and hf.get("qkv_bias", True))),
+                      or (qwen2_moe and hf.get("qkv_bias", True)) or (seed and hf.get("attention_bias", True))),
             moe=moe, sparse_layers=sparse, context_cap=hf_fields.context_cap(hf), rotary_dim=hf_fields.rotary_dim(hf),
             rope_layers=hf_fields.rope_layers(hf),
         )

@@ -40,6 +40,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen3ForCausalLM": Llama,  # Llama's layers with q/k norms (LlamaArgs.qk_norm)
     "Qwen3MoeForCausalLM": Llama,  # and softmax-routed experts in its sparse layers (LlamaArgs.moe)
     "Olmo2ForCausalLM": Olmo2,  # Llama's projections in post-norm blocks (models/olmo2.py)
+    "SeedOssForCausalLM": Llama,  # Llama's layers with q/k/v biases (LlamaArgs.qkv_bias)
     "SmolLM3ForCausalLM": Llama,  # Llama's layers, some without rope (llama.rope_layers)
     "GraniteForCausalLM": Granite,  # Llama's layers with four scalars (models/granite.py)
     "DeepseekV2ForCausalLM": DeepseekV3,  # DeepSeek-V3's layers with softmax routing (DeepseekV3Args.scoring_func)
