@@ -2,6 +2,10 @@
 transformers' Olmo2 runs it: s = s + RMSNorm(attention(s)), then s = s + RMSNorm(mlp(s)) (no norm before either),
 with q and k each normalized over the whole projection, all heads at once, before the rope (`LlamaArgs.qk_norm`
 "full"). The blocks run on the unfused path; tensor parallel is refused (those norms span every head).
+
+The norms round as Llama's (`RMSNorm`: the weight times the normalized values rounded to the activation dtype);
+transformers' Olmo2RMSNorm multiplies in float32 and rounds once: equal in float32 (the parity tests), a last-bit
+difference per norm in bf16.
 """
 
 from __future__ import annotations
