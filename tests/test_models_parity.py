@@ -412,3 +412,31 @@ def test_smollm3_nope_layers_from_the_interval_as_transformers_derives_them(inte
     want = SmolLM3Config(num_hidden_layers=layers, no_rope_layer_interval=interval).no_rope_layers
     hf = {"model_type": "smollm3", "num_hidden_layers": layers, "no_rope_layer_interval": interval}
     assert rope_layers(hf) == tuple(bool(v) for v in want)
+
+
+@pytest.mark.parametrize("name", ["olmo2", "granite", "phi4_mini_partial", "smollm3_nope_interval", "seed_oss"])
+def test_quantized_checkpoints_of_the_newer_families_load_as_nvfp4(name, tmp_path):
+    """`pieceworks quantize` (a fixed activation amax: these directories hold no tokenizer) of each family's
+    transformers checkpoint loads as an NVFP4 model that computes what the transformers model computes with the
+    checkpoint's weights dequantized (every tensor found under its name, Phi-3's fused rows included)."""
+    from safetensors.torch import load_file
+
+    from pieceworks.quant.nvfp4 import dequantize
+    from pieceworks.quant.quantizer import quantize_checkpoint
+
+    arch, overrides = CASES[name]
+    model = _hf_model(arch, overrides)
+    model.save_pretrained(tmp_path / "src")
+    quantize_checkpoint(tmp_path / "src", tmp_path / "fp4", amax=8.0, progress=False)
+    tensors = {k: v for f in sorted((tmp_path / "fp4").glob("*.safetensors")) for k, v in load_file(f).items()}
+    packed = {k[:-len(".weight")] for k, v in tensors.items() if k.endswith(".weight") and v.dtype == torch.uint8}
+    assert packed, "nothing was quantized"
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for p in packed:
+            w = dequantize(tensors[f"{p}.weight"], tensors[f"{p}.weight_scale"], tensors[f"{p}.weight_scale_2"])
+            params[f"{p}.weight"].copy_(w)
+    ids = _prompt(40, seed=4)
+    with _executor(tmp_path / "fp4") as ex:
+        assert ex.model.has_fp4()
+        _assert_close(ex.score([ids])[0], _ref_logits(model, ids), rtol=1e-3)
