@@ -178,8 +178,9 @@ def test_unknown_architecture(broken):
         _load(broken)
     assert "GPT2LMHeadModel" in str(e.value) and (
         "pieceworks supports LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, "
-        "Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Olmo2ForCausalLM, "
-        "SeedOssForCausalLM, SmolLM3ForCausalLM, GraniteForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM") in str(e.value)
+        "Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Glm4ForCausalLM, "
+        "Olmo2ForCausalLM, SeedOssForCausalLM, SmolLM3ForCausalLM, GraniteForCausalLM, DeepseekV2ForCausalLM, "
+        "DeepseekV3ForCausalLM") in str(e.value)
 
 
 def test_missing_tensor(broken):

@@ -50,6 +50,8 @@ CASES = {
     "llama_default_rope_head_dim": ("llama", dict(tie_word_embeddings=False, head_dim=32)),
     # MistralForCausalLM without a sliding window (Mistral 7B v0.2 on, Mistral Small, Nemo's head_dim)
     "mistral_no_window": ("mistral", dict(sliding_window=None, head_dim=32, rope_theta=1e6)),
+    # Glm4ForCausalLM: q/k/v biases, interleaved rope over half of each head, fused gate/up, sandwich norms
+    "glm4": ("glm4", dict(head_dim=32, partial_rotary_factor=0.5, rope_theta=1e4)),
     # SeedOssForCausalLM: q/k/v biases (attention_bias), none on o (attention_out_bias)
     "seed_oss": ("seed_oss", dict(head_dim=32, rope_theta=1e7)),
     # Olmo2ForCausalLM: post-norm blocks, q and k normalized over the whole projection, GQA
@@ -165,6 +167,15 @@ def _hf_model(arch: str, overrides: dict) -> torch.nn.Module:
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+        return model
+    if arch == "glm4":
+        from transformers import Glm4Config, Glm4ForCausalLM
+
+        model = _qkv_biases(Glm4ForCausalLM(Glm4Config(**{**LLAMA_BASE, "pad_token_id": None, **overrides})).eval())
+        with torch.no_grad():  # norm weights away from 1, so that a missing or misread one shows
+            for layer in model.model.layers:
+                for norm in (layer.post_self_attn_layernorm, layer.post_mlp_layernorm):
+                    norm.weight.uniform_(0.5, 1.5)
         return model
     if arch == "seed_oss":
         from transformers import SeedOssConfig, SeedOssForCausalLM
@@ -414,7 +425,8 @@ def test_smollm3_nope_layers_from_the_interval_as_transformers_derives_them(inte
     assert rope_layers(hf) == tuple(bool(v) for v in want)
 
 
-@pytest.mark.parametrize("name", ["olmo2", "granite", "phi4_mini_partial", "smollm3_nope_interval", "seed_oss"])
+@pytest.mark.parametrize("name", ["olmo2", "granite", "phi4_mini_partial", "smollm3_nope_interval", "seed_oss",
+                                  "glm4"])
 def test_quantized_checkpoints_of_the_newer_families_load_as_nvfp4(name, tmp_path):
     """`pieceworks quantize` (a fixed activation amax: these directories hold no tokenizer) of each family's
     transformers checkpoint loads as an NVFP4 model that computes what the transformers model computes with the

@@ -201,8 +201,10 @@ def reference():
     ["model.sizes.num_key_value_heads=2", "model.sizes.model_type=granite", "model.sizes.residual_multiplier=0.5",
      "model.sizes.attention_multiplier=0.1", "model.sizes.embedding_multiplier=3.0",
      "model.sizes.partial_rotary_factor=0.5"],
+    # GLM-4's q/k/v biases, interleaved rope over half of each head and sandwich norms
+    ["model.sizes.num_key_value_heads=2", "model.sizes.model_type=glm4", "model.sizes.partial_rotary_factor=0.5"],
 ], ids=["kv1-piecewise", "kv4-tied-eager", "kv1-qwen2", "kv4-qwen3", "kv4-qwen3-moe", "kv4-qwen3-moe-ep",
-        "kv4-qwen2-moe", "kv4-qwen2-moe-ep", "kv2-granite-partial-rope"])
+        "kv4-qwen2-moe", "kv4-qwen2-moe-ep", "kv2-granite-partial-rope", "kv2-glm4"])
 def test_llama_tp2_equals_one_process(reference, extra):
     with Executor.from_config(None, LLAMA + extra + TP2, progress=False) as ex:
         assert ex.kv.layout.num_kv_heads == max(1, int(extra[0][-1]) // 2)

@@ -244,8 +244,8 @@ class CausalLM(nn.Module):
     tp: TPLayout = TPLayout()
     checkpoint_names: Any = staticmethod(lambda hf_config: None)
     """`checkpoint_names(hf_config)`: a function from the model's tensor and module names to the checkpoint's, for
-    checkpoints that name them otherwise (Mixtral's, Phi-3's: `Llama.checkpoint_names`), with `rows(name)` where a
-    tensor is rows of a fused one (`RenamingReader`); None where they agree."""
+    checkpoints that name them otherwise (Mixtral's, Phi-3's, GLM-4's: `Llama.checkpoint_names`), with
+    `rows(name)` where a tensor is rows of a fused one (`RenamingReader`); None where they agree."""
     vocab_size: int
     max_position_embeddings: int
     context_cap: tuple[int, str] | None = None

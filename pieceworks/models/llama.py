@@ -26,52 +26,8 @@ from pieceworks.models.rope import apply_rope_qk, rope_parameters
 from pieceworks.parallel.comm import reduce
 from pieceworks.parallel.layout import (TPLayout, require_divisible, require_fp4_block, require_kv_heads)
 from pieceworks.quant.linear import Fp4Linear
+from pieceworks.models.llama_families import FusedNames, family, is_mixtral
 from pieceworks.quant.modelopt import mixtral_name
-
-
-def is_mixtral(hf: dict) -> bool:
-    return hf.get("model_type") == "mixtral" or "MixtralForCausalLM" in (hf.get("architectures") or [])
-
-
-class Phi3Names:
-    """Phi-3's checkpoint names: q, k and v as rows of one `qkv_proj`, gate and up as rows of one `gate_up_proj`.
-    Calling it gives the checkpoint's tensor (or module) name; `rows` the rows of it a tensor is, where it is a
-    slice (weights and their block scales; a fused linear's global and input scales are shared whole)."""
-
-    _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-              "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
-
-    def __init__(self, hf: dict) -> None:
-        heads = hf["num_attention_heads"]
-        d = hf.get("head_dim") or hf["hidden_size"] // heads
-        q, kv, inter = heads * d, (hf.get("num_key_value_heads") or heads) * d, hf["intermediate_size"]
-        self.spans = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv),
-                      "gate_proj": (0, inter), "up_proj": (inter, 2 * inter)}
-
-    @staticmethod
-    def _split(name: str) -> tuple[str, str, str] | None:
-        """(prefix, projection, suffix) of a q/k/v/gate/up name, else None."""
-        for proj in Phi3Names._FUSED:
-            head, sep, tail = name.partition(f".{proj}")
-            if sep and (not tail or tail.startswith(".")):
-                return head, proj, tail
-        return None
-
-    def __call__(self, name: str) -> str:
-        parts = self._split(name)
-        return name if parts is None else f"{parts[0]}.{self._FUSED[parts[1]]}{parts[2]}"
-
-    def rows(self, name: str) -> tuple[int, int] | None:
-        parts = self._split(name)
-        return self.spans[parts[1]] if parts is not None and parts[2] in (".weight", ".weight_scale") else None
-
-
-def is_olmo2(hf: dict) -> bool:
-    return hf.get("model_type") == "olmo2" or "Olmo2ForCausalLM" in (hf.get("architectures") or [])
-
-
-def is_phi3(hf: dict) -> bool:
-    return hf.get("model_type") == "phi3" or "Phi3ForCausalLM" in (hf.get("architectures") or [])
 
 
 @dataclass(frozen=True)
@@ -112,6 +68,7 @@ class LlamaArgs:
     context_cap: tuple[int, str] | None = None  # a sliding window or longrope's original context (`hf_config`)
     rotary_dim: int = 0  # the rotated dimensions of each head: head_dim, or fewer (partial_rotary_factor)
     rope_layers: tuple[bool, ...] = ()  # per layer, whether it rotates q and k (`hf_config.rope_layers`)
+    rope_interleaved: bool = False  # GLM-4: the rope rotates pairs (x0, x1), (x2, x3), ...
 
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaArgs":
@@ -125,7 +82,7 @@ class LlamaArgs:
         """
         hf_fields.check(hf, "llama")
         hf = {k: v for k, v in hf.items() if v is not None}  # null is absent, as check() reads it
-        seed = hf.get("model_type") == "seed_oss" or "SeedOssForCausalLM" in (hf.get("architectures") or [])
+        seed = family(hf) in ("seed_oss", "glm4")  # their attention_bias is q/k/v's
         for key in ("mlp_bias", "attention_out_bias") if seed else ("attention_bias", "mlp_bias"):
             if hf.get(key, False):  # (Seed-OSS's attention_bias is q/k/v's: `qkv_bias`)
                 raise CheckpointError(f"config.json: {key}=true is not supported by pieceworks' Llama (bias-free "
@@ -162,11 +119,11 @@ class LlamaArgs:
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             rope=rope_parameters({"max_position_embeddings": 2048, **hf}),
             qk_norm=("heads" if hf.get("model_type") in ("qwen3", "qwen3_moe") or "Qwen3ForCausalLM" in archs
-                     or "Qwen3MoeForCausalLM" in archs else "full" if is_olmo2(hf) else None),
+                     or "Qwen3MoeForCausalLM" in archs else "full" if family(hf) == "olmo2" else None),
             qkv_bias=(hf.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in archs
                       or (qwen2_moe and hf.get("qkv_bias", True)) or (seed and hf.get("attention_bias", True))),
             moe=moe, sparse_layers=sparse, context_cap=hf_fields.context_cap(hf), rotary_dim=hf_fields.rotary_dim(hf),
-            rope_layers=hf_fields.rope_layers(hf),
+            rope_layers=hf_fields.rope_layers(hf), rope_interleaved=family(hf) == "glm4",
         )
 
     def check_parallel(self, tp: TPLayout, fp4: Callable[[str], bool]) -> None:
@@ -210,7 +167,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.layer_id, self.tp = layer_id, tp
         self.num_heads, self.head_dim, self.rotary_dim = a.num_heads // tp.size, a.head_dim, a.rotary_dim
-        self.rope = a.rope_layers[layer_id]  # SmolLM3's NoPE layers: False
+        self.rope, self.interleaved = a.rope_layers[layer_id], a.rope_interleaved  # SmolLM3's NoPE layers: False
         self.num_kv_heads = tp.local_kv_heads(a.num_kv_heads)
         self.scale = a.head_dim**-0.5
         q, kv = self.num_heads * a.head_dim, self.num_kv_heads * a.head_dim
@@ -233,7 +190,7 @@ class LlamaAttention(nn.Module):
         proj = getattr(self.qkv_proj, "proj", None)
         self._qkv_fp4 = isinstance(proj, Fp4Linear)  # decided here; `rope_fused` comes with prepare()
         if (self._qkv_fp4 and self.q_norm is None and self.qkv_bias is None and self.rotary_dim == self.head_dim
-                and self.rope):
+                and self.rope and not self.interleaved):
             proj.qkv_heads = (self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -251,10 +208,10 @@ class LlamaAttention(nn.Module):
                 q, k = self.q_norm(q.reshape(-1, w)), self.k_norm(k.reshape(-1, self.k_norm.weight.shape[0]))
             q, k = q.view(-1, self.num_heads, d), k.view(-1, self.num_kv_heads, d)
             if self.rope and self.rotary_dim == d:  # (SmolLM3's NoPE layers skip both)
-                q, k = apply_rope_qk(q, k, cos, sin)
+                q, k = apply_rope_qk(q, k, cos, sin, self.interleaved)
             elif self.rope:  # Phi-4-mini: the first rotary_dim dimensions of each head rotate, the rest pass
                 r = self.rotary_dim
-                qr, kr = apply_rope_qk(q[..., :r].contiguous(), k[..., :r].contiguous(), cos, sin)
+                qr, kr = apply_rope_qk(q[..., :r].contiguous(), k[..., :r].contiguous(), cos, sin, self.interleaved)
                 q, k = torch.cat([qr, q[..., r:]], -1), torch.cat([kr, k[..., r:]], -1)
             out = self._attend(q, k, v)
         return reduce(self.o_proj(out), self.tp)
@@ -364,8 +321,9 @@ class Llama(CausalLM):
 
     @staticmethod
     def checkpoint_names(hf_config: dict) -> Callable[[str], str] | None:
-        """How the checkpoint names this model's tensors where not as the model does (Mixtral's, Phi-3's), else None."""
-        return mixtral_name if is_mixtral(hf_config) else Phi3Names(hf_config) if is_phi3(hf_config) else None
+        """How the checkpoint names this model's tensors where not as the model does (Mixtral's, Phi-3's, GLM-4's),
+        else None."""
+        return mixtral_name if is_mixtral(hf_config) else FusedNames.of(hf_config)
 
     def __init__(self, hf_config: dict, dtype: torch.dtype, fp4: Callable[[str], bool] = lambda name: False,
                  tp: TPLayout = TPLayout()):

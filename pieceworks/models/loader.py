@@ -23,6 +23,7 @@ from pieceworks.errors import CheckpointError, ConfigError
 from pieceworks.models import hf_config as hf_fields
 from pieceworks.models.base import CausalLM, context_limit
 from pieceworks.models.deepseek_v3 import DeepseekV3
+from pieceworks.models.glm4 import Glm4
 from pieceworks.models.granite import Granite
 from pieceworks.models.llama import Llama
 from pieceworks.models.olmo2 import Olmo2
@@ -39,6 +40,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen2MoeForCausalLM": Llama,  # and softmax-routed experts with a gated shared expert in its sparse layers
     "Qwen3ForCausalLM": Llama,  # Llama's layers with q/k norms (LlamaArgs.qk_norm)
     "Qwen3MoeForCausalLM": Llama,  # and softmax-routed experts in its sparse layers (LlamaArgs.moe)
+    "Glm4ForCausalLM": Glm4,  # q/k/v biases, half-head interleaved rope, sandwich norms (models/glm4.py)
     "Olmo2ForCausalLM": Olmo2,  # Llama's projections in post-norm blocks (models/olmo2.py)
     "SeedOssForCausalLM": Llama,  # Llama's layers with q/k/v biases (LlamaArgs.qkv_bias)
     "SmolLM3ForCausalLM": Llama,  # Llama's layers, some without rope (llama.rope_layers)
@@ -214,8 +216,8 @@ def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Cal
                           f"{model_cfg.preset or 'tiny'})") from None
     # Random NVFP4: every projection; the head and the router are never built as NVFP4 (as ModelOpt).
     random_fp4 = fmt == "nvfp4"
-    # model.sizes.model_type granite or olmo2: their classes (Llama's other families are Llama's flags)
-    own = {"granite": Granite, "olmo2": Olmo2} if model_cfg.arch == "llama" else {}
+    # model.sizes.model_type granite, olmo2 or glm4: their classes (Llama's other families are Llama's flags)
+    own = {"granite": Granite, "olmo2": Olmo2, "glm4": Glm4} if model_cfg.arch == "llama" else {}
     cls = own.get(hf.get("model_type"), ARCHS[model_cfg.arch])
     return cls, hf, lambda name: random_fp4, None
 

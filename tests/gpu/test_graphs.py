@@ -44,6 +44,9 @@ MODELS = {
     # SmolLM3's NoPE layers (here every 2nd): their q/k/v GEMM takes no rope epilogue, the others' may
     "smollm3-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {
         "num_hidden_layers": 4, "model_type": "smollm3", "no_rope_layer_interval": 2}}, "nvfp4"),
+    # GLM-4's q/k/v biases, interleaved rope over half of each head, sandwich norms
+    "glm4-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {"num_hidden_layers": 4, "model_type": "glm4",
+                                                                         "partial_rotary_factor": 0.5}}, "nvfp4"),
     # OLMo 2's post-norm blocks, q / k normalized over the whole projection
     "olmo2-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {"num_hidden_layers": 4,
                                                                           "model_type": "olmo2"}}, "nvfp4"),
