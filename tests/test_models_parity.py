@@ -61,7 +61,7 @@ CASES = {
                                               num_hidden_layers=4)),
     # and an explicit list, the first layer without rope
     "smollm3_nope_list": ("smollm3", dict(no_rope_layers=[0, 1, 1], num_hidden_layers=3)),
-    # GraniteForCausalLM: Granite 3's four scalars (of granite-3.1-8b's config), GQA, tied head
+    # GraniteForCausalLM: Granite 3-style scalars (embedding 12, residual 0.22, attention 1/128, logits 16), tied head
     "granite": ("granite", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
                                 logits_scaling=16.0, tie_word_embeddings=True, rope_theta=1e7)),
     # Mistral 7B v0.1's sliding window, here 48 tokens: the context it caps holds every sequence below

@@ -179,9 +179,9 @@ class LlamaAttention(nn.Module):
         self.qkv_bias = nn.Parameter(torch.zeros(q + 2 * kv)) if a.qkv_bias else None
         self.o_proj = linear(q, a.hidden_size, fp4(f"{prefix}.o_proj"), tp.split(1))
         # Qwen3's per-head norms (shared by the heads, whole on every rank), OLMo 2's over the projections
-        nq, nk = (q, kv) if a.qk_norm == "full" else (a.head_dim, a.head_dim)
-        self.q_norm, self.k_norm = ((RMSNorm(nq, a.rms_norm_eps), RMSNorm(nk, a.rms_norm_eps))
-                                    if a.qk_norm else (None, None))
+        self._qk_norm_widths = (q, kv) if a.qk_norm == "full" else (a.head_dim, a.head_dim)
+        self.q_norm, self.k_norm = ((RMSNorm(self._qk_norm_widths[0], a.rms_norm_eps),
+                                     RMSNorm(self._qk_norm_widths[1], a.rms_norm_eps)) if a.qk_norm else (None, None))
         self._mark_qkv()
 
     def _mark_qkv(self) -> None:
@@ -204,8 +204,8 @@ class LlamaAttention(nn.Module):
                 bq, bk, bv = self.qkv_bias.split([q.shape[-1], k.shape[-1], v.shape[-1]])
                 q, k, v = q + bq, k + bk, v + bv
             if self.q_norm is not None:  # over each head's D values (rows of [T * heads, D]) or each token's
-                w = self.q_norm.weight.shape[0]
-                q, k = self.q_norm(q.reshape(-1, w)), self.k_norm(k.reshape(-1, self.k_norm.weight.shape[0]))
+                wq, wk = self._qk_norm_widths
+                q, k = self.q_norm(q.reshape(-1, wq)), self.k_norm(k.reshape(-1, wk))
             q, k = q.view(-1, self.num_heads, d), k.view(-1, self.num_kv_heads, d)
             if self.rope and self.rotary_dim == d:  # (SmolLM3's NoPE layers skip both)
                 q, k = apply_rope_qk(q, k, cos, sin, self.interleaved)

@@ -50,7 +50,7 @@ MODELS = {
     # OLMo 2's post-norm blocks, q / k normalized over the whole projection
     "olmo2-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {"num_hidden_layers": 4,
                                                                           "model_type": "olmo2"}}, "nvfp4"),
-    # Granite 3.1 8B's scalars (the attention's softmax scale among them) on the unfused block path
+    # Granite 3-style scalars (the attention's softmax scale among them) on the unfused block path
     "granite-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {
         "num_hidden_layers": 4, "model_type": "granite", "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
         "attention_multiplier": 0.0078125, "logits_scaling": 16.0}}, "nvfp4"),
