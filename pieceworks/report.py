@@ -193,8 +193,9 @@ def _main_job(ex: Any, cfg: Config, build_s: float) -> int:
     )
     console.print(stats.summary())
     if cfg.speculative.method is not None:
-        console.print(f"speculative.method={cfg.speculative.method} applies to the Engine (pieceworks serve, pieceworks "
-                      "chat, pieceworks.Engine); pieceworks run generates through Executor.generate, without it")
+        console.print(f"speculative.method={cfg.speculative.method} applies to the Engine (pieceworks serve, "
+                      "pieceworks chat, pieceworks.Engine); pieceworks run generates through Executor.generate, "
+                      "without it")
     print_kernel_table_compact(ex.table)
     print_graph_config(cfg, ex.device, ex)
     return 0

@@ -126,4 +126,3 @@ def new_request_id(request_id: Any, running: dict, ready: list) -> str:
         raise RequestError(f"request_id {request_id!r} was just aborted and its final outputs come "
                            "with the next step; use a new id (or step first)")
     return request_id
-

@@ -4,10 +4,10 @@ Routing (what the torch reference implements, `routing.py`): scores = sigmoid(ro
 scores = scores + e_score_correction_bias; groups ranked by the sum of their top-2 choice scores;
 the best `topk_group` groups kept; top_k experts among them by choice score; weights = scores of the
 chosen experts, renormalized when `renormalize`, times `routed_scaling_factor`. Shared experts are
-not part of the op (the model adds them). Other routings reach the op in this form (models/moe.py): the softmax
-top-k of Qwen2-MoE, Qwen3-MoE and Mixtral as logits logit(softmax(logits)) with one group and no bias, expert parallel's local problem as
-logit(weight) of the chosen local experts (-inf elsewhere); a backend sees only sigmoid routing, whose logits
-may then hold -inf and +inf.
+not part of the op (the model adds them). Other routings reach the op in this form (models/moe.py): the softmax top-k
+of Qwen2-MoE, Qwen3-MoE and Mixtral as logits logit(softmax(logits)) with one group and no bias, expert parallel's
+local problem as logit(weight) of the chosen local experts (-inf elsewhere); a backend sees only sigmoid routing,
+whose logits may then hold -inf and +inf.
 """
 
 from __future__ import annotations
