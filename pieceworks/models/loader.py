@@ -81,15 +81,14 @@ def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype
 
         reader = reader or CheckpointReader(Path(model_cfg.path))
         _check_tied_head(reader, hf, allow_extra)
-        renamed = cls.checkpoint_names(hf)
-        source: Any = CheckpointSource(reader if renamed is None else RenamingReader(reader, renamed), device, dtype)
+        named = cls.checkpoint_names(hf)
+        source: Any = CheckpointSource(reader if named is None else RenamingReader(reader, named), device, dtype)
     else:
         from pieceworks.models.weights import RandomSource
 
-        source = RandomSource(device, dtype, seed=seed)
+        source, named = RandomSource(device, dtype, seed=seed), None
     model = build(cls, hf, dtype, fp4, tp)
     _size_rope_tables(model, model_cfg)
-    named = cls.checkpoint_names(hf) if model_cfg.path is not None else None
     try:
         materialize(model, source, device, progress)
     except CheckpointError as e:  # name the tensors as the checkpoint does (Mixtral's, Phi-3's), not as the model
