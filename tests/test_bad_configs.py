@@ -143,6 +143,11 @@ SIZES_CASES = [
     (DEEPSEEK, ["model.sizes.qk_rope_head_dim=15"], "model.sizes.qk_rope_head_dim: 15 must be even"),
     (DEEPSEEK, ["model.sizes.kv_lora_rank=0"], "model.sizes.kv_lora_rank: 0 must be >= 1"),
     (DEEPSEEK, ["model.sizes.topk_group=3"], "model.sizes.topk_group: 3 exceeds n_group=2"),
+    (DEEPSEEK, ["model.sizes.n_group=3"], "model.sizes.n_group: 3 does not divide the 8 routed experts"),
+    (LLAMA, ["model.sizes.num_experts_per_tok=9", "model.sizes.model_type=glm4_moe", "model.sizes.n_routed_experts=8"],
+     "model.sizes.num_experts_per_tok: 9 exceeds n_routed_experts=8"),
+    (LLAMA, ["model.sizes.n_group=3", "model.sizes.model_type=glm4_moe", "model.sizes.n_routed_experts=8"],
+     "model.sizes.n_group: 3 does not divide the 8 routed experts"),
     (LLAMA, ["model.preset=huge"], "model.preset='huge': unknown for arch llama"),
 ]
 

@@ -52,6 +52,15 @@ CASES = {
     "mistral_no_window": ("mistral", dict(sliding_window=None, head_dim=32, rope_theta=1e6)),
     # Glm4ForCausalLM: q/k/v biases, interleaved rope over half of each head, fused gate/up, sandwich norms
     "glm4": ("glm4", dict(head_dim=32, partial_rotary_factor=0.5, rope_theta=1e4)),
+    # Glm4MoeForCausalLM (GLM-4.5's form): q/k/v biases, half-head rope, a dense first layer, sigmoid-routed experts
+    # with a correction bias, scaled and renormalized top-k, one shared expert, a multi-token-prediction layer
+    "glm4_moe": ("glm4_moe", dict(head_dim=32, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                  first_k_dense_replace=1, num_hidden_layers=3, routed_scaling_factor=2.5,
+                                  attention_bias=True, rope_theta=1e6)),
+    # GLM-4.5 (355B)'s: q/k norms per head, 2 groups keep 1, raw top-k
+    "glm4_moe_qk_norm": ("glm4_moe", dict(head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
+                                          moe_intermediate_size=32, n_group=2, topk_group=1, use_qk_norm=True,
+                                          norm_topk_prob=False, attention_bias=True)),
     # SeedOssForCausalLM: q/k/v biases (attention_bias), none on o (attention_out_bias)
     "seed_oss": ("seed_oss", dict(head_dim=32, rope_theta=1e7)),
     # Olmo2ForCausalLM: post-norm blocks, q and k normalized over the whole projection, GQA
@@ -119,11 +128,14 @@ def _routers(model: torch.nn.Module, std: float) -> torch.nn.Module:
 
 
 def _qkv_biases(model: torch.nn.Module) -> torch.nn.Module:
-    """q/k/v biases that count (transformers initializes them to 0)."""
+    """q/k/v biases that count (transformers initializes them to 0). v's is smaller: it adds the same vector to
+    every token's attention output, and at 0.5 it outweighed the tokens' own states, so that every token was
+    routed to the same experts (one choice of 45 in GLM-4.5's case, two in Qwen2-MoE's; 6-21 at 0.05)."""
     with torch.no_grad():
         for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0.0, 0.5)
+            a = layer.self_attn
+            for proj, std in ((a.q_proj, 0.5), (a.k_proj, 0.5), (a.v_proj, 0.05)):
+                proj.bias.normal_(0.0, std)
     return model
 
 
@@ -176,6 +188,20 @@ def _hf_model(arch: str, overrides: dict) -> torch.nn.Module:
             for layer in model.model.layers:
                 for norm in (layer.post_self_attn_layernorm, layer.post_mlp_layernorm):
                     norm.weight.uniform_(0.5, 1.5)
+        return model
+    if arch == "glm4_moe":
+        from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+        model = _routers(_qkv_biases(Glm4MoeForCausalLM(Glm4MoeConfig(**{**LLAMA_BASE, "pad_token_id": None,
+                                                                         **overrides}, dtype=torch.float32)).eval()),
+                         0.2)
+        with torch.no_grad():  # a correction bias that counts; q/k norm weights away from 1
+            for layer in model.model.layers:
+                if hasattr(layer.mlp, "gate"):
+                    layer.mlp.gate.e_score_correction_bias.uniform_(0.0, 0.3)
+                if hasattr(layer.self_attn, "q_norm"):
+                    layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                    layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
         return model
     if arch == "seed_oss":
         from transformers import SeedOssConfig, SeedOssForCausalLM
@@ -370,11 +396,11 @@ def test_nvfp4_unfusable_parts_stay_separate(tiny_llama_modelopt, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["qwen2_qkv_bias_yarn", "qwen3_moe_norm_topk", "mistral_no_window", "mixtral",
-                                  "qwen2_moe", "deepseek_v2_groups", "phi3"])
+                                  "qwen2_moe", "deepseek_v2_groups", "phi3", "glm4_moe_qk_norm"])
 def test_our_nvfp4_quantization_of_the_other_architectures_is_exact(name, tmp_path):
     """`pieceworks quantize` (a fixed amax: no calibration) of Qwen2 (biases stay bf16), Qwen3-MoE (experts and
-    router), Mistral, Mixtral (its w1 / w3 / w2 experts), Qwen2-MoE (its shared expert; the gate stays bf16) and
-    DeepSeek-V2 checkpoints: w4a16 equals transformers holding the export dequantized."""
+    router), Mistral, Mixtral (its w1 / w3 / w2 experts), Qwen2-MoE (its shared expert; the gate stays bf16),
+    DeepSeek-V2 and GLM-4.5 checkpoints: w4a16 equals transformers holding the export dequantized."""
     from pieceworks.quant.quantizer import quantize_checkpoint
 
     arch, overrides = CASES[name]
@@ -385,6 +411,38 @@ def test_our_nvfp4_quantization_of_the_other_architectures_is_exact(name, tmp_pa
     assert ex.model.has_fp4() and ex.model.facts(4).moe_quant == ("none" if dense else "nvfp4")
     ids = _prompt(40, seed=5)
     _assert_close(ex.score([ids])[0], _ref_logits(_dequantized_reference(tmp_path / "fp4", tmp_path / "bf16"), ids))
+
+
+def test_glm4_moe_in_its_released_config_form_with_a_multi_token_prediction_layer(tmp_path):
+    """GLM-4.5's config.json as the released checkpoints write it (rope_theta at the top, rope_scaling null, here no
+    partial_rotary_factor: transformers' default of half the head applies) and its checkpoint's multi-token-
+    prediction layer after the last one (not run, kept whole by `pieceworks quantize`): both load and compute
+    what transformers does."""
+    import json
+
+    from pieceworks.quant.quantizer import quantize_checkpoint
+
+    arch, overrides = CASES["glm4_moe"]
+    model = _hf_model(arch, overrides)
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    hf = json.loads((src / "config.json").read_text())
+    hf.update(rope_theta=hf.pop("rope_parameters")["rope_theta"], rope_scaling=None)
+    (src / "config.json").write_text(json.dumps(hf))
+    n, tensors = hf["num_hidden_layers"], load_file(src / "model.safetensors")
+    mtp = {f"model.layers.{n}.{k}": torch.randn(*shape) for k, shape in
+           (("eh_proj.weight", (64, 128)), ("enorm.weight", (64,)), ("hnorm.weight", (64,)),
+            ("mlp.experts.0.gate_proj.weight", (32, 64)))}
+    save_file({**tensors, **mtp}, src / "model.safetensors", metadata={"format": "pt"})
+    ids = _prompt(40, seed=7)
+    with _executor(src) as ex:
+        assert len(ex.model.layers) == n and ex.model.layers[0].self_attn.rotary_dim == 16
+        _assert_close(ex.score([ids])[0], _ref_logits(model, ids))
+    quantize_checkpoint(src, tmp_path / "fp4", amax=8.0, progress=False)
+    out = load_file(tmp_path / "fp4" / "model.safetensors")
+    assert all(torch.equal(out[k], v.to(out[k].dtype)) for k, v in mtp.items())
+    with _executor(tmp_path / "fp4") as ex:
+        assert ex.model.has_fp4() and ex.model.facts(4).moe_quant == "nvfp4"
 
 
 def test_random_olmo2_from_model_sizes():

@@ -595,23 +595,48 @@ def test_a_second_run_in_the_same_process_does_not_take_a_running_ones_staging_d
 def test_mixtral_experts_are_calibrated_under_their_checkpoint_names(tmp_path, recwarn):
     """transformers 5 calls Mixtral's block_sparse_moe `mlp` and its w1 / w3 / w2 gate / up / down: calibration
     reports the checkpoint's names, so every expert gets its measured input_scale (not the 6.0 fallback)."""
-    import warnings
-
     from transformers import MixtralConfig, MixtralForCausalLM
-
-    from pieceworks.quant.calibrate import calibrate_input_amax
-    from pieceworks.quant.quantizer import quantize_checkpoint
 
     torch.manual_seed(0)
     model = MixtralForCausalLM(MixtralConfig(
         vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=4, experts_implementation="eager"))
+    amax, reader = _calibrate_and_quantize(model, tmp_path, recwarn, "model.layers.1.block_sparse_moe.experts.3.w2")
+    assert not [k for k in amax if ".mlp." in k]
+
+
+def _calibrate_and_quantize(model, tmp_path, recwarn, expert: str):
+    """Calibrate `model` on random tokens and quantize its checkpoint with that amax: no linear falls back for want
+    of data, and `expert`'s input_scale is its amax / (6 * 448). Returns (amax, the export's reader)."""
+    import warnings
+
+    from pieceworks.quant.calibrate import calibrate_input_amax
+    from pieceworks.quant.quantizer import quantize_checkpoint
+
     model.save_pretrained(tmp_path / "bf16")
     amax = calibrate_input_amax(model, [torch.randint(0, 128, (1, 32))])
-    assert "model.layers.1.block_sparse_moe.experts.3.w2" in amax and not [k for k in amax if ".mlp." in k]
+    assert expert in amax
     warnings.simplefilter("always")
     quantize_checkpoint(tmp_path / "bf16", tmp_path / "fp4", input_amax=amax, progress=False)
     assert not [w for w in recwarn if "got no calibration data" in str(w.message)]
     reader = CheckpointReader(tmp_path / "fp4")
-    scale = reader.get("model.layers.1.block_sparse_moe.experts.3.w2.input_scale")
-    assert float(scale) == pytest.approx(amax["model.layers.1.block_sparse_moe.experts.3.w2"] / (6 * 448), rel=1e-6)
+    assert float(reader.get(f"{expert}.input_scale")) == pytest.approx(amax[expert] / (6 * 448), rel=1e-6)
+    return amax, reader
+
+
+def test_glm4_moe_experts_and_shared_experts_are_calibrated(tmp_path, recwarn):
+    """GLM-4.5's routed experts (transformers 5 stacks them), its shared experts and its dense first layer each get a
+    measured input_scale; its router and correction bias stay unquantized."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Glm4MoeForCausalLM(Glm4MoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, n_routed_experts=4, num_experts_per_tok=4, moe_intermediate_size=32,
+        first_k_dense_replace=1, attention_bias=True, pad_token_id=None, experts_implementation="eager"))
+    amax, reader = _calibrate_and_quantize(model, tmp_path, recwarn, "model.layers.1.mlp.experts.3.down_proj")
+    for name in ("model.layers.1.mlp.shared_experts.up_proj", "model.layers.0.mlp.gate_proj",
+                 "model.layers.1.self_attn.q_proj"):
+        assert amax.get(name, 0) > 0, name
+    assert not reader.has("model.layers.1.mlp.gate.weight_scale")
+    assert reader.get("model.layers.1.mlp.gate.e_score_correction_bias").dtype == torch.float32

@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from pieceworks.errors import CheckpointError
+from pieceworks.models.llama_families import family
 
 
 # the rope types pieceworks implements (models/rope.py) and the settings each needs beyond rope_theta
@@ -72,6 +73,15 @@ FIELDS: dict[str, dict[str, tuple[str, str | None, bool]]] = {
         "decoder_sparse_step": ("int", "pos", False),
         "norm_topk_prob": ("bool", None, False),
         "shared_expert_intermediate_size": ("int", "nonneg", False),
+        # GLM-4.5's (Glm4MoeForCausalLM): DeepSeek-V3's routing and shared experts, dense first layers, q/k norms
+        "n_routed_experts": ("int", "nonneg", False),
+        "n_shared_experts": ("int", "nonneg", False),
+        "n_group": ("int", "pos", False),
+        "topk_group": ("int", "pos", False),
+        "routed_scaling_factor": ("float", "posf", False),
+        "first_k_dense_replace": ("int", "nonneg", False),
+        "use_qk_norm": ("bool", None, False),
+        "num_nextn_predict_layers": ("int", "nonneg", False),
         # SmolLM3's NoPE layers: 1 rotates, 0 does not (or every interval-th layer without rope)
         "no_rope_layers": ("list", None, False),
         "no_rope_layer_interval": ("int", "pos", False),
@@ -140,9 +150,16 @@ _WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "di
 def rotary_dim(hf: dict) -> int:
     """A Llama-family head's rotated dimensions: head_dim times partial_rotary_factor (Phi-4-mini's 0.75)."""
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    return int(head_dim * partial_rotary_factor(hf, hf.get("rope_parameters") or hf.get("rope_scaling") or {}))
+
+
+def partial_rotary_factor(hf: dict, params: dict) -> Any:
+    """The rotated share of each head: the rope settings' partial_rotary_factor, else the config's, else
+    transformers' default (0.5 for GLM-4 and GLM-4.5, whose configs may leave it out; 1.0 otherwise)."""
     top = hf.get("partial_rotary_factor")
-    return int(head_dim * params.get("partial_rotary_factor", 1.0 if top is None else top))
+    if top is None:
+        top = 0.5 if family(hf) in ("glm4", "glm4_moe") else 1.0
+    return params.get("partial_rotary_factor", top)
 
 
 def rope_layers(hf: dict) -> tuple[bool, ...]:
@@ -178,6 +195,15 @@ def context_cap(hf: dict) -> tuple[int, str] | None:
     return min(caps) if caps else None
 
 
+def _check_groups(hf: dict, experts: int) -> None:
+    """DeepSeek-V3's (and GLM-4.5's) expert groups: at most n_group kept, n_group dividing the experts."""
+    groups = hf.get("n_group") or 1
+    if (hf.get("topk_group") or 1) > groups:
+        raise FieldError("topk_group", f"{hf.get('topk_group')} exceeds n_group={groups}")
+    if experts and experts % groups:
+        raise FieldError("n_group", f"{groups} does not divide the {experts} routed experts into equal groups")
+
+
 def check(hf: dict, arch: str) -> None:
     """Raise `FieldError` for the first field of `hf` (a config.json dict) that makes no `arch` model.
 
@@ -210,10 +236,12 @@ def check(hf: dict, arch: str) -> None:
         # (`context_cap`)
         if hf.get("sliding_window") == 0 and hf.get("use_sliding_window", True) is not False:
             raise FieldError("sliding_window", "0 must be >= 1 (or null for full attention)")
-        experts = hf.get("num_experts", hf.get("num_local_experts")) or 0
-        top_k = hf.get("num_experts_per_tok") or 0
+        key = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts") if hf.get(k) is not None),
+                   "num_experts")
+        experts, top_k = hf.get(key) or 0, hf.get("num_experts_per_tok") or 0
         if experts and top_k > experts:
-            raise FieldError("num_experts_per_tok", f"{top_k} exceeds num_experts={experts}")
+            raise FieldError("num_experts_per_tok", f"{top_k} exceeds {key}={experts}")
+        _check_groups(hf, experts)
         dense = hf.get("mlp_only_layers") or []
         if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
             raise FieldError("mlp_only_layers", f"{dense!r} must be a list of layer indices")
@@ -239,11 +267,10 @@ def check(hf: dict, arch: str) -> None:
         if experts:
             if hf.get("moe_intermediate_size") is None:
                 raise FieldError("moe_intermediate_size", "missing; needed with n_routed_experts > 0")
-            k, groups = hf.get("num_experts_per_tok") or 1, hf.get("n_group") or 1
+            k = hf.get("num_experts_per_tok") or 1
             if k > experts:
                 raise FieldError("num_experts_per_tok", f"{k} exceeds n_routed_experts={experts}")
-            if (hf.get("topk_group") or 1) > groups:
-                raise FieldError("topk_group", f"{hf.get('topk_group')} exceeds n_group={groups}")
+            _check_groups(hf, experts)
     new, old = hf.get("rope_parameters"), hf.get("rope_scaling")
     if isinstance(new, dict) and isinstance(old, dict) and new and old and _rope_form(new) != _rope_form(old):
         # readers differ in which one they apply (transformers 5 takes rope_scaling's factor)
@@ -261,8 +288,7 @@ def check(hf: dict, arch: str) -> None:
                 raise FieldError(f"{key}.{name}", f"missing; {kind} rope needs it")
     for key in ("rope_scaling", "rope_parameters"):
         params = hf.get(key) or {}
-        top = hf.get("partial_rotary_factor")
-        partial = params.get("partial_rotary_factor", 1.0 if top is None else top)
+        partial = partial_rotary_factor(hf, params)
         if arch != "llama" and partial != 1.0:
             raise FieldError(f"{key}.partial_rotary_factor", f"{partial!r}: pieceworks' {arch} rotates whole heads")
         if not (_type_ok("float", partial) and 0 < partial <= 1):  # Phi-4-mini's 0.75 rotates part of each head

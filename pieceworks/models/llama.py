@@ -32,8 +32,9 @@ from pieceworks.quant.modelopt import mixtral_name
 
 @dataclass(frozen=True)
 class LlamaMoE:
-    """Qwen2-MoE's, Qwen3-MoE's and Mixtral's routed experts, named as `models.moe.MoE` reads them (softmax routing,
-    no groups; Qwen2-MoE's gated shared expert)."""
+    """Qwen2-MoE's, Qwen3-MoE's, Mixtral's and GLM-4.5's routed experts, named as `models.moe.MoE` reads them
+    (softmax routing without groups, Qwen2-MoE's gated shared expert; GLM-4.5's DeepSeek-V3 routing and shared
+    experts)."""
 
     n_routed_experts: int
     num_experts_per_tok: int
@@ -73,8 +74,8 @@ class LlamaArgs:
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaArgs":
         """Read a LlamaForCausalLM (or MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
-        Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM) config.json dict (transformers' defaults for
-        absent keys).
+        Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Glm4MoeForCausalLM and the families of
+        `llama_families`) config.json dict (transformers' defaults for absent keys).
 
         Raises:
             CheckpointError: a missing, mistyped or inconsistent field (`hf_config.FieldError`, naming
@@ -82,7 +83,7 @@ class LlamaArgs:
         """
         hf_fields.check(hf, "llama")
         hf = {k: v for k, v in hf.items() if v is not None}  # null is absent, as check() reads it
-        seed = family(hf) in ("seed_oss", "glm4")  # their attention_bias is q/k/v's
+        seed = family(hf) in ("seed_oss", "glm4", "glm4_moe")  # their attention_bias is q/k/v's
         for key in ("mlp_bias", "attention_out_bias") if seed else ("attention_bias", "mlp_bias"):
             if hf.get(key, False):  # (Seed-OSS's attention_bias is q/k/v's: `qkv_bias`)
                 raise CheckpointError(f"config.json: {key}=true is not supported by pieceworks' Llama (bias-free "
@@ -102,6 +103,13 @@ class LlamaArgs:
             step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
             sparse = tuple(i for i in range(hf["num_hidden_layers"])
                            if i not in dense and moe.n_routed_experts > 0 and (i + 1) % step == 0)
+        elif family(hf) == "glm4_moe":  # DeepSeek-V3's sigmoid routing and shared experts after dense layers
+            moe = LlamaMoE(hf.get("n_routed_experts", 128), hf.get("num_experts_per_tok", 8),
+                           hf.get("moe_intermediate_size", 1408), hf.get("norm_topk_prob", True), "sigmoid",
+                           hf.get("n_group", 1), hf.get("topk_group", 1), hf.get("routed_scaling_factor", 1.0),
+                           hf.get("n_shared_experts", 1))
+            sparse = tuple(range(hf.get("first_k_dense_replace", 1), hf["num_hidden_layers"])
+                           if moe.n_routed_experts > 0 else ())
         elif is_mixtral(hf):  # every layer's MLP is experts of intermediate_size, top-k renormalized
             moe = LlamaMoE(hf.get("num_local_experts", 8), hf.get("num_experts_per_tok", 2), hf["intermediate_size"],
                            True)
@@ -119,9 +127,11 @@ class LlamaArgs:
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             rope=rope_parameters({"max_position_embeddings": 2048, **hf}),
             qk_norm=("heads" if hf.get("model_type") in ("qwen3", "qwen3_moe") or "Qwen3ForCausalLM" in archs
-                     or "Qwen3MoeForCausalLM" in archs else "full" if family(hf) == "olmo2" else None),
+                     or "Qwen3MoeForCausalLM" in archs or hf.get("use_qk_norm", False)
+                     else "full" if family(hf) == "olmo2" else None),
             qkv_bias=(hf.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in archs
-                      or (qwen2_moe and hf.get("qkv_bias", True)) or (seed and hf.get("attention_bias", True))),
+                      or (qwen2_moe and hf.get("qkv_bias", True))
+                      or (seed and hf.get("attention_bias", family(hf) != "glm4_moe"))),
             moe=moe, sparse_layers=sparse, context_cap=hf_fields.context_cap(hf), rotary_dim=hf_fields.rotary_dim(hf),
             rope_layers=hf_fields.rope_layers(hf), rope_interleaved=family(hf) == "glm4",
         )
@@ -139,6 +149,9 @@ class LlamaArgs:
         elif self.moe and self.sparse_layers:
             require_divisible("moe_intermediate_size", self.moe.moe_intermediate_size, n,
                               "each routed expert's columns split over the ranks")
+        if self.moe and self.sparse_layers and self.moe.n_shared_experts:
+            require_divisible("moe_intermediate_size", self.moe.moe_intermediate_size, n,
+                              "the shared experts' columns split over the ranks")
         if self.moe and self.sparse_layers and self.moe.shared_expert_intermediate_size:
             require_divisible("shared_expert_intermediate_size", self.moe.shared_expert_intermediate_size, n,
                               "the shared expert's columns split over the ranks")
@@ -149,6 +162,9 @@ class LlamaArgs:
             if i in self.sparse_layers:
                 if fp4(f"{p}.mlp.experts.0.down_proj") and not tp.expert_parallel:
                     require_fp4_block(f"{p}.mlp.experts.*.down_proj", self.moe.moe_intermediate_size // n, n)
+                if self.moe.n_shared_experts and fp4(f"{p}.mlp.shared_experts.down_proj"):
+                    require_fp4_block(f"{p}.mlp.shared_experts.down_proj",
+                                      self.moe.moe_intermediate_size * self.moe.n_shared_experts // n, n)
                 if self.moe.shared_expert_intermediate_size and fp4(f"{p}.mlp.shared_expert.down_proj"):
                     require_fp4_block(f"{p}.mlp.shared_expert.down_proj",
                                       self.moe.shared_expert_intermediate_size // n, n)

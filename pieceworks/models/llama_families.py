@@ -4,7 +4,8 @@ name them in their checkpoints (`FusedNames`: Phi-3's q/k/v and gate/up, GLM-4's
 from __future__ import annotations
 
 ARCHITECTURE_FAMILIES = {"MixtralForCausalLM": "mixtral", "Phi3ForCausalLM": "phi3", "Olmo2ForCausalLM": "olmo2",
-                         "SeedOssForCausalLM": "seed_oss", "Glm4ForCausalLM": "glm4"}
+                         "SeedOssForCausalLM": "seed_oss", "Glm4ForCausalLM": "glm4",
+                         "Glm4MoeForCausalLM": "glm4_moe"}
 
 
 def family(hf: dict) -> str | None:

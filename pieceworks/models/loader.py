@@ -41,6 +41,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen3ForCausalLM": Llama,  # Llama's layers with q/k norms (LlamaArgs.qk_norm)
     "Qwen3MoeForCausalLM": Llama,  # and softmax-routed experts in its sparse layers (LlamaArgs.moe)
     "Glm4ForCausalLM": Glm4,  # q/k/v biases, half-head interleaved rope, sandwich norms (models/glm4.py)
+    "Glm4MoeForCausalLM": Llama,  # q/k/v biases, half-head rope, DeepSeek-V3's routing and shared experts
     "Olmo2ForCausalLM": Olmo2,  # Llama's projections in post-norm blocks (models/olmo2.py)
     "SeedOssForCausalLM": Llama,  # Llama's layers with q/k/v biases (LlamaArgs.qkv_bias)
     "SmolLM3ForCausalLM": Llama,  # Llama's layers, some without rope (llama.rope_layers)
@@ -273,14 +274,14 @@ def _check_tied_head(reader: Any, hf: dict, allow_extra: bool) -> None:
 def check_unused(reader: Any, model: CausalLM) -> None:
     """Refuse a checkpoint holding tensors the model did not read: a bias the config says is absent,
     layers beyond num_hidden_layers, tensors of another model. Rope tables some exports save
-    (`rotary_emb.inv_freq`) and DeepSeek-V3's multi-token-prediction layers (which pieceworks does not
-    run) are expected and skipped, and so are other ranks' experts under expert parallel.
+    (`rotary_emb.inv_freq`) and DeepSeek-V3's and GLM-4.5's multi-token-prediction layers (which pieceworks
+    does not run) are expected and skipped, and so are other ranks' experts under expert parallel.
 
     Raises:
         CheckpointError: naming the unused tensors (the first few, grouped by layer).
     """
     num_layers = len(model.layers)
-    mtp = int(model.hf_config.get("num_nextn_predict_layers") or 0) if model.arch == "deepseek_v3" else 0
+    mtp = int(model.hf_config.get("num_nextn_predict_layers") or 0)
     # an expert-parallel rank reads its own routed experts only; the others' are another rank's
     held = {(m.first_expert, m.num_experts) for m in model.modules() if hasattr(m, "first_expert")}
     first, count = next(iter(held)) if held else (0, 0)

@@ -81,9 +81,19 @@ DEEPSEEK_V2_LITE = dict(
     bos_token_id=100000, eos_token_id=100001,
 )
 
+GLM_45_AIR = dict(
+    architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe",
+    vocab_size=151552, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
+    num_hidden_layers=46, first_k_dense_replace=1, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+    partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=False, n_routed_experts=128, n_shared_experts=1,
+    num_experts_per_tok=8, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False,
+    num_nextn_predict_layers=1, pad_token_id=151329, eos_token_id=[151329, 151336, 151338],
+)
+
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "llama": {"tiny": LLAMA_TINY, "llama-3.1-8b": LLAMA_31_8B, "mixtral-8x7b": MIXTRAL_8X7B,
-              "qwen3-30b-a3b": QWEN3_30B_A3B},
+              "qwen3-30b-a3b": QWEN3_30B_A3B, "glm-4.5-air": GLM_45_AIR},
     "deepseek_v3": {"tiny": DEEPSEEK_TINY, "deepseek-v3": DEEPSEEK_V3, "deepseek-v2-lite": DEEPSEEK_V2_LITE},
 }
 

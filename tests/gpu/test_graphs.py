@@ -62,6 +62,9 @@ MODELS = {
     "qwen2-moe-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {
         "num_hidden_layers": 2, "model_type": "qwen2_moe", "num_experts": 60, "num_experts_per_tok": 4,
         "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632}}, "nvfp4"),
+    # GLM-4.5-Air's layers (q/k/v biases, half of each head rotated, 128 sigmoid-routed experts of 1408 columns with a
+    # shared expert after a dense layer)
+    "glm4-moe-nvfp4": ({"arch": "llama", "preset": "glm-4.5-air", "sizes": {"num_hidden_layers": 2}}, "nvfp4"),
     # Mixtral-8x7B's experts (8, top 2, 14336 columns: the preset's intermediate_size) in every layer
     "mixtral-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {
         "num_hidden_layers": 2, "model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2}},
