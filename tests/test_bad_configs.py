@@ -159,6 +159,13 @@ def test_bad_model_sizes(base, overrides, needle):
     assert needle in str(e.value), str(e.value)
 
 
+def test_deepseek_v2_greedy_routing_ignores_its_groups():
+    """DeepSeek-V2's greedy routing never groups the experts: an n_group that does not divide them builds."""
+    facts, _ = _facts(DEEPSEEK + ["model.sizes.model_type=deepseek_v2", "model.sizes.topk_method=greedy",
+                                  "model.sizes.n_group=3", "model.sizes.norm_topk_prob=false"])
+    assert facts.moe_experts == 8
+
+
 def test_good_sizes_still_build():
     facts, ops = _facts(LLAMA + ["model.sizes.num_hidden_layers=1", "model.sizes.bos_token_id=1"])
     assert facts.num_heads == 4 and ops == {"attention"}

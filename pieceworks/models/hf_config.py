@@ -195,12 +195,13 @@ def context_cap(hf: dict) -> tuple[int, str] | None:
     return min(caps) if caps else None
 
 
-def _check_groups(hf: dict, experts: int) -> None:
-    """DeepSeek-V3's (and GLM-4.5's) expert groups: at most n_group kept, n_group dividing the experts."""
+def _check_groups(hf: dict, experts: int, grouped: bool = True) -> None:
+    """DeepSeek-V3's (and GLM-4.5's) expert groups: at most n_group kept, n_group dividing the experts where the
+    routing uses groups (`grouped`; DeepSeek-V2's greedy routing ignores them)."""
     groups = hf.get("n_group") or 1
     if (hf.get("topk_group") or 1) > groups:
         raise FieldError("topk_group", f"{hf.get('topk_group')} exceeds n_group={groups}")
-    if experts and experts % groups:
+    if grouped and experts and experts % groups:
         raise FieldError("n_group", f"{groups} does not divide the {experts} routed experts into equal groups")
 
 
@@ -270,7 +271,8 @@ def check(hf: dict, arch: str) -> None:
             k = hf.get("num_experts_per_tok") or 1
             if k > experts:
                 raise FieldError("num_experts_per_tok", f"{k} exceeds n_routed_experts={experts}")
-            _check_groups(hf, experts)
+            v2 = hf.get("model_type") == "deepseek_v2" or "DeepseekV2ForCausalLM" in (hf.get("architectures") or [])
+            _check_groups(hf, experts, hf.get("topk_method", "greedy" if v2 else "noaux_tc") != "greedy")
     new, old = hf.get("rope_parameters"), hf.get("rope_scaling")
     if isinstance(new, dict) and isinstance(old, dict) and new and old and _rope_form(new) != _rope_form(old):
         # readers differ in which one they apply (transformers 5 takes rope_scaling's factor)
