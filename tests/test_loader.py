@@ -259,11 +259,13 @@ def test_mixtral_checkpoint_errors_name_the_checkpoints_tensors(tmp_path):
 @pytest.mark.parametrize("arch, preset, billions, rel", [
     ("llama", "llama-3.1-8b", 8.03, 0.005), ("llama", "mixtral-8x7b", 46.7, 0.005),
     ("llama", "qwen3-30b-a3b", 30.5, 0.005), ("llama", "glm-4.5-air", 106, 0.01),
-    ("deepseek_v3", "deepseek-v3", 671.0, 0.005), ("deepseek_v3", "deepseek-v2-lite", 15.7, 0.005)])
+    ("deepseek_v3", "deepseek-v3", 671.0, 0.005), ("deepseek_v3", "deepseek-v2-lite", 15.7, 0.005),
+    ("deepseek_v3", "glm-4.7-flash", 30, 0.005)])
 def test_presets_have_the_published_models_parameter_counts(arch, preset, billions, rel):
     """The random-weight presets are the published models' shapes: built on the meta device, their weights
-    (rope tables aside) count the parameters their model cards give (DeepSeek-V3 and GLM-4.5-Air without their MTP
-    layers; GLM-4.5-Air's card gives a whole "106 billion", against 106.85 counted: the wider bound)."""
+    (rope tables aside) count the parameters their model cards give (DeepSeek-V3 and the GLMs without their MTP
+    layers; GLM-4.5-Air's card gives a whole "106 billion", against 106.85 counted: the wider bound; GLM-4.7-Flash
+    is "30B-A3B")."""
     from pieceworks.models.loader import ARCHS, build
     from pieceworks.models.presets import preset_config
 

@@ -111,6 +111,12 @@ CASES = {
     "deepseek_v2_groups": ("deepseek_v2", dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4,
                                                topk_group=2, num_experts_per_tok=3, n_shared_experts=1,
                                                first_k_dense_replace=1)),
+    # Glm4MoeLiteForCausalLM (GLM-4.7-Flash's form): MLA with q LoRA and qk_nope / v head sizes of their own, the MoE
+    # layers listed (dense, sparse, dense, sparse), 2 groups keep 1, one shared expert, scaled by 1.8
+    "glm4_moe_lite": ("glm4_moe_lite", dict(q_lora_rank=24, qk_nope_head_dim=24, v_head_dim=20, n_group=2,
+                                            topk_group=1, n_shared_experts=1, routed_scaling_factor=1.8,
+                                            num_hidden_layers=4, mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+                                            rope_theta=1e6)),
     # q LoRA, 2 groups keep 1, two shared experts, two dense layers, non-interleaved rope
     "deepseek_q_lora": ("deepseek_v3", dict(q_lora_rank=24, n_group=2, topk_group=1, n_shared_experts=2,
                                             first_k_dense_replace=2, num_hidden_layers=4, norm_topk_prob=False,
@@ -229,6 +235,16 @@ def _hf_model(arch: str, overrides: dict) -> torch.nn.Module:
         from transformers import MistralConfig, MistralForCausalLM
 
         return MistralForCausalLM(MistralConfig(**{**LLAMA_BASE, **overrides})).eval()
+    if arch == "glm4_moe_lite":
+        from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM
+
+        model = _routers(Glm4MoeLiteForCausalLM(Glm4MoeLiteConfig(**{**DEEPSEEK_BASE, **overrides},
+                                                                  dtype=torch.float32)).eval(), 0.3)
+        with torch.no_grad():  # a correction bias that counts
+            for layer in model.model.layers:
+                if hasattr(layer.mlp, "gate"):
+                    layer.mlp.gate.e_score_correction_bias.uniform_(0.0, 0.3)
+        return model
     if arch == "deepseek_v2":
         from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
@@ -396,11 +412,11 @@ def test_nvfp4_unfusable_parts_stay_separate(tiny_llama_modelopt, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["qwen2_qkv_bias_yarn", "qwen3_moe_norm_topk", "mistral_no_window", "mixtral",
-                                  "qwen2_moe", "deepseek_v2_groups", "phi3", "glm4_moe_qk_norm"])
+                                  "qwen2_moe", "deepseek_v2_groups", "phi3", "glm4_moe_qk_norm", "glm4_moe_lite"])
 def test_our_nvfp4_quantization_of_the_other_architectures_is_exact(name, tmp_path):
     """`pieceworks quantize` (a fixed amax: no calibration) of Qwen2 (biases stay bf16), Qwen3-MoE (experts and
     router), Mistral, Mixtral (its w1 / w3 / w2 experts), Qwen2-MoE (its shared expert; the gate stays bf16),
-    DeepSeek-V2 and GLM-4.5 checkpoints: w4a16 equals transformers holding the export dequantized."""
+    DeepSeek-V2, GLM-4.5 and GLM-4.7-Flash checkpoints: w4a16 equals transformers holding the export dequantized."""
     from pieceworks.quant.quantizer import quantize_checkpoint
 
     arch, overrides = CASES[name]

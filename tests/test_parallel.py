@@ -281,9 +281,15 @@ DEEPSEEK_V2 = ["model.sizes.model_type=deepseek_v2", "model.sizes.topk_method=gr
                "model.sizes.norm_topk_prob=false"]
 
 
+# GLM-4.7-Flash's: its MoE layers listed (the first one sparse, which DeepSeek's rule can't say), qk_nope and v head
+# sizes of their own
+GLM_LITE = ["model.sizes.model_type=glm4_moe_lite", "model.sizes.mlp_layer_types=[sparse,dense,sparse]",
+            "model.sizes.qk_nope_head_dim=24", "model.sizes.v_head_dim=20"]
+
+
 @pytest.mark.parametrize("extra", [[*PIECEWISE], ["parallel.expert_parallel=true"], DEEPSEEK_V2,
-                                   [*DEEPSEEK_V2, "parallel.expert_parallel=true"]],
-                         ids=["tp-piecewise", "ep", "v2-groups", "v2-groups-ep"])
+                                   [*DEEPSEEK_V2, "parallel.expert_parallel=true"], GLM_LITE],
+                         ids=["tp-piecewise", "ep", "v2-groups", "v2-groups-ep", "glm4-moe-lite"])
 def test_deepseek_tp2_equals_one_process(reference, extra):
     with Executor.from_config(None, DEEPSEEK + extra + TP2, progress=False) as ex:
         got = steps(ex)

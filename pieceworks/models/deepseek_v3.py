@@ -23,6 +23,7 @@ from pieceworks.errors import CheckpointError
 from pieceworks.core.kv import KVLayout
 from pieceworks.models import hf_config as hf_fields
 from pieceworks.models.base import CausalLM, GatedMLP, RMSNorm, WeightSource, block_forward, linear, merged
+from pieceworks.models.llama_families import family
 from pieceworks.models.moe import MoE
 from pieceworks.models.rope import (
     apply_rope_qk,
@@ -63,11 +64,13 @@ class DeepseekV3Args:
     rope_interleave: bool
     rope: dict
     scoring_func: str = "sigmoid"  # DeepSeek-V2's: softmax (greedy, or group_limited_greedy: groups by best score)
+    mlp_layer_types: tuple[str, ...] = ()  # GLM-4.7-Flash's "dense" / "sparse" per layer, in place of DeepSeek's rule
 
     @classmethod
     def from_hf(cls, hf: dict) -> "DeepseekV3Args":
-        """Read a DeepseekV3ForCausalLM (or DeepseekV2ForCausalLM: the same layers, softmax routing) config.json
-        dict (transformers' defaults for absent keys).
+        """Read a DeepseekV3ForCausalLM (or DeepseekV2ForCausalLM: the same layers, softmax routing; or
+        Glm4MoeLiteForCausalLM, GLM-4.7-Flash: DeepSeek-V3's layers, its MoE layers listed in `mlp_layer_types`)
+        config.json dict (transformers' defaults for absent keys).
 
         Raises:
             CheckpointError: a missing, mistyped or inconsistent field (`hf_config.FieldError`, naming
@@ -101,6 +104,9 @@ class DeepseekV3Args:
         if v2 and method == "greedy":
             groups = 1  # greedy routing ignores the groups (hf_config.check lets them be any number)
         q_lora = hf.get("q_lora_rank")
+        # GLM-4.7-Flash: transformers reads mlp_layer_types, else one dense layer first (its released config.json
+        # writes first_k_dense_replace=1, which DeepSeek's rule reads the same)
+        lite = family(hf) == "glm4_moe_lite"
         return cls(
             vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
@@ -114,7 +120,7 @@ class DeepseekV3Args:
             topk_group=(hf.get("topk_group") or 1) if groups > 1 else 1,
             norm_topk_prob=bool(hf.get("norm_topk_prob", not v2)),
             routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-            first_k_dense_replace=hf.get("first_k_dense_replace") or 0,
+            first_k_dense_replace=hf.get("first_k_dense_replace", 1 if lite else 0),
             moe_layer_freq=hf.get("moe_layer_freq") or 1,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
@@ -122,6 +128,7 @@ class DeepseekV3Args:
             rope_interleave=hf.get("rope_interleave", True),
             rope=rope_parameters({"max_position_embeddings": 4096, **hf}),
             scoring_func="softmax" if v2 else "sigmoid",
+            mlp_layer_types=tuple(hf.get("mlp_layer_types") or ()),
         )
 
     def check_parallel(self, tp: TPLayout, fp4: Callable[[str], bool]) -> None:
@@ -155,7 +162,10 @@ class DeepseekV3Args:
                 require_fp4_block(f"{p}.mlp.down_proj", self.intermediate_size // n, n)
 
     def is_moe(self, layer: int) -> bool:
-        """DeepSeek's rule: MoE from first_k_dense_replace on, every moe_layer_freq-th layer."""
+        """The layer's kind in `mlp_layer_types` where the config lists them, else DeepSeek's rule: MoE from
+        first_k_dense_replace on, every moe_layer_freq-th layer."""
+        if self.mlp_layer_types:
+            return bool(self.n_routed_experts) and self.mlp_layer_types[layer] == "sparse"
         return bool(self.n_routed_experts) and layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
 
 

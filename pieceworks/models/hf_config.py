@@ -116,6 +116,7 @@ FIELDS: dict[str, dict[str, tuple[str, str | None, bool]]] = {
         "num_nextn_predict_layers": ("int", "nonneg", False),
         "scoring_func": ("str", None, False),
         "topk_method": ("str", None, False),
+        "mlp_layer_types": ("list", None, False),  # GLM-4.7-Flash's: "dense" or "sparse" per layer
     },
 }
 # Keys a config.json carries that change nothing in pieceworks' models; `model.sizes` may set them.
@@ -271,6 +272,11 @@ def check(hf: dict, arch: str) -> None:
             k = hf.get("num_experts_per_tok") or 1
             if k > experts:
                 raise FieldError("num_experts_per_tok", f"{k} exceeds n_routed_experts={experts}")
+            kinds = hf.get("mlp_layer_types")
+            if kinds is not None and (len(kinds) < hf["num_hidden_layers"]
+                                      or any(k not in ("dense", "sparse") for k in kinds)):
+                raise FieldError("mlp_layer_types", f"{kinds!r} must name \"dense\" or \"sparse\" for each of the "
+                                 f"{hf['num_hidden_layers']} layers")
             v2 = hf.get("model_type") == "deepseek_v2" or "DeepseekV2ForCausalLM" in (hf.get("architectures") or [])
             _check_groups(hf, experts, hf.get("topk_method", "greedy" if v2 else "noaux_tc") != "greedy")
     new, old = hf.get("rope_parameters"), hf.get("rope_scaling")

@@ -1,11 +1,12 @@
-"""Which Llama-family checkpoint a config.json describes (`family`), and how the families that fuse projections
-name them in their checkpoints (`FusedNames`: Phi-3's q/k/v and gate/up, GLM-4's gate/up)."""
+"""Which family a config.json describes (`family`: the one its architectures name, else its model_type; all Llama's
+but GLM-4.7-Flash's, which runs on DeepSeek-V3's layers), and how the Llama families that fuse projections name them
+in their checkpoints (`FusedNames`: Phi-3's q/k/v and gate/up, GLM-4's gate/up)."""
 
 from __future__ import annotations
 
 ARCHITECTURE_FAMILIES = {"MixtralForCausalLM": "mixtral", "Phi3ForCausalLM": "phi3", "Olmo2ForCausalLM": "olmo2",
                          "SeedOssForCausalLM": "seed_oss", "Glm4ForCausalLM": "glm4",
-                         "Glm4MoeForCausalLM": "glm4_moe"}
+                         "Glm4MoeForCausalLM": "glm4_moe", "Glm4MoeLiteForCausalLM": "glm4_moe_lite"}
 
 
 def family(hf: dict) -> str | None:

@@ -48,6 +48,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "GraniteForCausalLM": Granite,  # Llama's layers with four scalars (models/granite.py)
     "DeepseekV2ForCausalLM": DeepseekV3,  # DeepSeek-V3's layers with softmax routing (DeepseekV3Args.scoring_func)
     "DeepseekV3ForCausalLM": DeepseekV3,
+    "Glm4MoeLiteForCausalLM": DeepseekV3,  # GLM-4.7-Flash: DeepSeek-V3's layers (DeepseekV3Args.mlp_layer_types)
 }
 ARCHS: dict[str, type[CausalLM]] = {"llama": Llama, "deepseek_v3": DeepseekV3}
 

@@ -81,6 +81,17 @@ DEEPSEEK_V2_LITE = dict(
     bos_token_id=100000, eos_token_id=100001,
 )
 
+GLM_47_FLASH = dict(
+    architectures=["Glm4MoeLiteForCausalLM"], model_type="glm4_moe_lite",
+    vocab_size=154880, hidden_size=2048, intermediate_size=10240, moe_intermediate_size=1536,
+    num_hidden_layers=47, first_k_dense_replace=1, num_attention_heads=20, num_key_value_heads=20,
+    q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
+    n_routed_experts=64, n_shared_experts=1, num_experts_per_tok=4, n_group=1, topk_group=1, norm_topk_prob=True,
+    routed_scaling_factor=1.8, topk_method="noaux_tc", max_position_embeddings=202752, rms_norm_eps=1e-5,
+    rope_theta=1e6, tie_word_embeddings=False, num_nextn_predict_layers=1, pad_token_id=154820,
+    eos_token_id=[154820, 154827, 154829],
+)
+
 GLM_45_AIR = dict(
     architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe",
     vocab_size=151552, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
@@ -94,7 +105,8 @@ GLM_45_AIR = dict(
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "llama": {"tiny": LLAMA_TINY, "llama-3.1-8b": LLAMA_31_8B, "mixtral-8x7b": MIXTRAL_8X7B,
               "qwen3-30b-a3b": QWEN3_30B_A3B, "glm-4.5-air": GLM_45_AIR},
-    "deepseek_v3": {"tiny": DEEPSEEK_TINY, "deepseek-v3": DEEPSEEK_V3, "deepseek-v2-lite": DEEPSEEK_V2_LITE},
+    "deepseek_v3": {"tiny": DEEPSEEK_TINY, "deepseek-v3": DEEPSEEK_V3, "deepseek-v2-lite": DEEPSEEK_V2_LITE,
+                    "glm-4.7-flash": GLM_47_FLASH},
 }
 
 

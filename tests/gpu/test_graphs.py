@@ -29,6 +29,9 @@ MODELS = {
     # DeepSeek-V2-Lite's shapes: 16 MLA heads without q LoRA, 64 experts of 1408 columns, 6 per token
     "deepseek-v2-lite-nvfp4": ({"arch": "deepseek_v3", "preset": "deepseek-v2-lite",
                                 "sizes": {"num_hidden_layers": 2}}, "nvfp4"),
+    # GLM-4.7-Flash's layers: 20 MLA heads (q LoRA, qk_nope 192, v 256), 64 experts of 1536 columns, 4 per token
+    "glm4-moe-lite-nvfp4": ({"arch": "deepseek_v3", "preset": "glm-4.7-flash", "sizes": {"num_hidden_layers": 2}},
+                            "nvfp4"),
     "deepseek-bf16": ({"arch": "deepseek_v3", "preset": "deepseek-v3",
                        "sizes": {"num_hidden_layers": 2, "first_k_dense_replace": 1}}, "none"),
     # Llama's layers with Qwen3's q/k norms and with Qwen2's q/k/v biases: the q/k/v GEMM without the rope epilogue
