@@ -1,4 +1,4 @@
-"""pieceworks' Llama (and Mistral, Mixtral, Phi-3, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE) and DeepSeek-V3 (and V2)
+"""pieceworks' Llama-family and DeepSeek-V3-family models (each architecture models/loader.ARCHITECTURES names)
 against transformers, through the Executor, in float32.
 
 Each case is a tiny random transformers model saved with save_pretrained. Per-position logits of
@@ -61,6 +61,13 @@ CASES = {
     "glm4_moe_qk_norm": ("glm4_moe", dict(head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
                                           moe_intermediate_size=32, n_group=2, topk_group=1, use_qk_norm=True,
                                           norm_topk_prob=False, attention_bias=True)),
+    # Ernie4_5ForCausalLM: an interleaved rope, head_dim 128 by default (not hidden / heads), tied head by default
+    "ernie4_5": ("ernie4_5", dict(head_dim=32)),
+    # Ernie4_5_MoeForCausalLM: softmax scores chosen with a correction bias, renormalized, two shared experts, MoE
+    # layers 1..2 of 4 (start and end indices)
+    "ernie4_5_moe": ("ernie4_5_moe", dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=32,
+                                          moe_num_shared_experts=2, moe_layer_start_index=1, moe_layer_end_index=2,
+                                          num_hidden_layers=4, tie_word_embeddings=False)),
     # SeedOssForCausalLM: q/k/v biases (attention_bias), none on o (attention_out_bias)
     "seed_oss": ("seed_oss", dict(head_dim=32, rope_theta=1e7)),
     # Olmo2ForCausalLM: post-norm blocks, q and k normalized over the whole projection, GQA
@@ -209,10 +216,25 @@ def _hf_model(arch: str, overrides: dict) -> torch.nn.Module:
                     layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
                     layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
         return model
+    if arch == "ernie4_5":
+        from transformers import Ernie4_5Config, Ernie4_5ForCausalLM
+
+        return Ernie4_5ForCausalLM(Ernie4_5Config(**{**LLAMA_BASE, **overrides})).eval()
+    if arch == "ernie4_5_moe":
+        from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
+
+        model = _routers(Ernie4_5_MoeForCausalLM(Ernie4_5_MoeConfig(**{**LLAMA_BASE, **overrides},
+                                                                    dtype=torch.float32)).eval(), 0.2)
+        with torch.no_grad():  # a correction bias that counts (softmax scores of 8 experts: about 0.125 each)
+            for layer in model.model.layers:
+                if hasattr(layer.mlp, "gate"):
+                    layer.mlp.gate.moe_statics.e_score_correction_bias.uniform_(0.0, 0.1)
+        return model
     if arch == "seed_oss":
         from transformers import SeedOssConfig, SeedOssForCausalLM
 
-        return _qkv_biases(SeedOssForCausalLM(SeedOssConfig(**{**LLAMA_BASE, "pad_token_id": None, **overrides})).eval())
+        config = SeedOssConfig(**{**LLAMA_BASE, "pad_token_id": None, **overrides})
+        return _qkv_biases(SeedOssForCausalLM(config).eval())
     if arch == "olmo2":
         from transformers import Olmo2Config, Olmo2ForCausalLM
 
@@ -365,6 +387,8 @@ def _dequantized_reference(export_dir, config_dir):
                 module = re.sub(r"\.w([123])$", lambda m: "." + MIXTRAL_PROJ[m[1]],
                                 module.replace(".block_sparse_moe.", ".mlp."))
                 name = f"{module}.weight"
+            if ".mlp.moe_statics." in name:  # ERNIE 4.5's correction bias, under the router in transformers
+                name = name.replace(".mlp.moe_statics.", ".mlp.gate.moe_statics.")
             if ".experts." in module:  # transformers stacks experts: gate_up_proj [E, 2I, H], down_proj [E, H, I]
                 layer, expert, proj = module.split(".experts.")[0], *module.split(".experts.")[1].split(".")
                 e, inter = int(expert), value.shape[0] if proj != "down_proj" else value.shape[1]
@@ -412,11 +436,13 @@ def test_nvfp4_unfusable_parts_stay_separate(tiny_llama_modelopt, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["qwen2_qkv_bias_yarn", "qwen3_moe_norm_topk", "mistral_no_window", "mixtral",
-                                  "qwen2_moe", "deepseek_v2_groups", "phi3", "glm4_moe_qk_norm", "glm4_moe_lite"])
+                                  "qwen2_moe", "deepseek_v2_groups", "phi3", "glm4_moe_qk_norm", "glm4_moe_lite",
+                                  "ernie4_5_moe"])
 def test_our_nvfp4_quantization_of_the_other_architectures_is_exact(name, tmp_path):
     """`pieceworks quantize` (a fixed amax: no calibration) of Qwen2 (biases stay bf16), Qwen3-MoE (experts and
     router), Mistral, Mixtral (its w1 / w3 / w2 experts), Qwen2-MoE (its shared expert; the gate stays bf16),
-    DeepSeek-V2, GLM-4.5 and GLM-4.7-Flash checkpoints: w4a16 equals transformers holding the export dequantized."""
+    DeepSeek-V2, GLM-4.5, GLM-4.7-Flash and ERNIE 4.5 checkpoints: w4a16 equals transformers holding the export
+    dequantized."""
     from pieceworks.quant.quantizer import quantize_checkpoint
 
     arch, overrides = CASES[name]
@@ -461,6 +487,80 @@ def test_glm4_moe_in_its_released_config_form_with_a_multi_token_prediction_laye
         assert ex.model.has_fp4() and ex.model.facts(4).moe_quant == "nvfp4"
 
 
+LLAMA_FAMILIES = ["llama", "mistral", "mixtral", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "granite",
+                  "smollm3", "olmo2", "seed_oss", "glm4", "glm4_moe", "ernie4_5", "ernie4_5_moe"]
+
+
+@pytest.mark.parametrize("model_type", LLAMA_FAMILIES + ["deepseek_v3", "deepseek_v2", "glm4_moe_lite"])
+def test_family_defaults_are_transformers(model_type):
+    """A config.json that leaves out what it may: each family reads transformers' defaults (GLM-4's head_dim 128
+    and half-head rope, ERNIE 4.5's rope_theta 500000 and tied head, Mixtral's rms_norm_eps 1e-5, DeepSeek-V3's q
+    LoRA rank 1536 and routing, ...), or refuses the config; none computes another model."""
+    from transformers import AutoConfig
+
+    from pieceworks.models.deepseek_v3 import DeepseekV3Args
+    from pieceworks.models.llama import LlamaArgs
+
+    sizes = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+    llama = model_type in LLAMA_FAMILIES
+    sizes.update(num_key_value_heads=2) if llama else sizes.update(kv_lora_rank=32, qk_nope_head_dim=16,
+                                                                    qk_rope_head_dim=8, v_head_dim=12)
+    if model_type == "deepseek_v2":
+        sizes.update(num_experts_per_tok=2)  # transformers' default None routes nothing
+    ref = AutoConfig.for_model(model_type, **sizes)
+    ours = (LlamaArgs if llama else DeepseekV3Args).from_hf({"model_type": model_type, **sizes})
+    rope = ref.rope_parameters
+    assert ours.rope["rope_theta"] == rope["rope_theta"]
+    assert (ours.rms_norm_eps, ours.max_position_embeddings, ours.tie_word_embeddings) == (
+        ref.rms_norm_eps, ref.max_position_embeddings, ref.tie_word_embeddings)
+    if llama:
+        assert ours.head_dim == (getattr(ref, "head_dim", None) or 64 // 4)
+        assert ours.rotary_dim == int(ours.head_dim * rope.get("partial_rotary_factor", 1.0))
+    else:
+        for key in ("q_lora_rank", "num_experts_per_tok", "n_shared_experts", "routed_scaling_factor", "n_group",
+                    "topk_group", "norm_topk_prob"):
+            if model_type != "deepseek_v2" or key not in ("n_group", "topk_group"):  # V2's greedy: no groups
+                assert getattr(ours, key) == getattr(ref, key), key
+        assert [ours.is_moe(i) for i in range(2)] == [hasattr(m.mlp, "experts")
+                                                      for m in _layers_of(ref)]
+
+
+def _layers_of(config):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config).model.layers
+
+
+def test_ernie4_5_moe_multi_token_prediction_tensors_are_skipped(tmp_path):
+    """ERNIE 4.5's MTP tensors (`model.mtp*`, which transformers ignores) load as unused with num_nextn_predict_layers
+    set, are kept whole by `pieceworks quantize`, and are refused without it."""
+    import json
+
+    from pieceworks.errors import CheckpointError
+    from pieceworks.quant.quantizer import quantize_checkpoint
+
+    arch, overrides = CASES["ernie4_5_moe"]
+    model = _hf_model(arch, overrides)
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    mtp = {"model.mtp_linear_proj.0.weight": torch.randn(64, 128), "model.mtp_block.0.self_attn.q_proj.weight":
+           torch.randn(128, 64)}
+    save_file({**load_file(src / "model.safetensors"), **mtp}, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="model.mtp"):
+        _executor(src)
+    hf = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**hf, "num_nextn_predict_layers": 1}))
+    ids = _prompt(30, seed=8)
+    with _executor(src) as ex:
+        _assert_close(ex.score([ids])[0], _ref_logits(model, ids))
+    quantize_checkpoint(src, tmp_path / "fp4", amax=8.0, progress=False)
+    out = load_file(tmp_path / "fp4" / "model.safetensors")
+    assert all(torch.equal(out[k], v.to(out[k].dtype)) for k, v in mtp.items())
+    with _executor(tmp_path / "fp4") as ex:
+        assert ex.model.has_fp4()
+
+
 def test_random_olmo2_from_model_sizes():
     """model.sizes.model_type=olmo2 builds OLMo 2's post-norm blocks over a Llama preset."""
     from pieceworks.models.olmo2 import Olmo2
@@ -500,7 +600,7 @@ def test_smollm3_nope_layers_from_the_interval_as_transformers_derives_them(inte
 
 
 @pytest.mark.parametrize("name", ["olmo2", "granite", "phi4_mini_partial", "smollm3_nope_interval", "seed_oss",
-                                  "glm4"])
+                                  "glm4", "ernie4_5"])
 def test_quantized_checkpoints_of_the_newer_families_load_as_nvfp4(name, tmp_path):
     """`pieceworks quantize` (a fixed activation amax: these directories hold no tokenizer) of each family's
     transformers checkpoint loads as an NVFP4 model that computes what the transformers model computes with the

@@ -37,6 +37,8 @@ QWEN2_MOE = ["model.sizes.model_type=qwen2_moe", "model.sizes.num_experts=8", "m
 GLM4_MOE = ["model.sizes.model_type=glm4_moe", "model.sizes.n_routed_experts=8", "model.sizes.num_experts_per_tok=2",
             "model.sizes.moe_intermediate_size=64", "model.sizes.n_group=2", "model.sizes.topk_group=1",
             "model.sizes.routed_scaling_factor=2.5", "model.sizes.attention_bias=true", "model.sizes.use_qk_norm=true"]
+ERNIE_MOE = ["model.sizes.model_type=ernie4_5_moe", "model.sizes.moe_num_experts=8", "model.sizes.moe_k=2",
+             "model.sizes.moe_intermediate_size=64", "model.sizes.moe_num_shared_experts=1"]
 PIECEWISE = ["cuda_graph.piecewise.enabled=on", "cuda_graph.piecewise.sizes=[8,16]"]
 
 
@@ -210,9 +212,12 @@ def reference():
     # of each head rotated; the experts' columns split, and whole experts per rank
     ["model.sizes.num_key_value_heads=2", *GLM4_MOE],
     ["model.sizes.num_key_value_heads=2", *GLM4_MOE, "parallel.expert_parallel=true"],
+    # ERNIE 4.5's softmax scores chosen with a correction bias (in the model under expert parallel), interleaved rope
+    ["model.sizes.num_key_value_heads=2", *ERNIE_MOE],
+    ["model.sizes.num_key_value_heads=2", *ERNIE_MOE, "parallel.expert_parallel=true"],
 ], ids=["kv1-piecewise", "kv4-tied-eager", "kv1-qwen2", "kv4-qwen3", "kv4-qwen3-moe", "kv4-qwen3-moe-ep",
         "kv4-qwen2-moe", "kv4-qwen2-moe-ep", "kv2-granite-partial-rope", "kv2-glm4", "kv2-glm4-moe",
-        "kv2-glm4-moe-ep"])
+        "kv2-glm4-moe-ep", "kv2-ernie-moe", "kv2-ernie-moe-ep"])
 def test_llama_tp2_equals_one_process(reference, extra):
     with Executor.from_config(None, LLAMA + extra + TP2, progress=False) as ex:
         assert ex.kv.layout.num_kv_heads == max(1, int(extra[0][-1]) // 2)

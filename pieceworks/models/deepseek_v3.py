@@ -78,6 +78,7 @@ class DeepseekV3Args:
                 default is true), or a variant pieceworks does not implement (biases, softmax routing, ...).
         """
         hf_fields.check(hf, "deepseek_v3")
+        hf = hf_fields.with_defaults(hf)  # transformers' defaults of the family where they are not this class's
         v2 = hf.get("model_type") == "deepseek_v2" or "DeepseekV2ForCausalLM" in (hf.get("architectures") or [])
         for key in ("rope_interleave",) if v2 else ("norm_topk_prob", "rope_interleave"):  # true when absent
             if key in hf and hf[key] is None:

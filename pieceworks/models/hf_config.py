@@ -82,6 +82,16 @@ FIELDS: dict[str, dict[str, tuple[str, str | None, bool]]] = {
         "first_k_dense_replace": ("int", "nonneg", False),
         "use_qk_norm": ("bool", None, False),
         "num_nextn_predict_layers": ("int", "nonneg", False),
+        # ERNIE 4.5's: biases on every projection (refused), its experts (MoE layers from start to end, every
+        # interval-th), their renormalization's floor
+        "use_bias": ("bool", None, False),
+        "moe_num_experts": ("int", "nonneg", False),
+        "moe_k": ("int", "pos", False),
+        "moe_num_shared_experts": ("int", "nonneg", False),
+        "moe_layer_start_index": ("int", "nonneg", False),
+        "moe_layer_end_index": ("int", None, False),
+        "moe_layer_interval": ("int", "pos", False),
+        "moe_norm_min": ("float", "posf", False),
         # SmolLM3's NoPE layers: 1 rotates, 0 does not (or every interval-th layer without rope)
         "no_rope_layers": ("list", None, False),
         "no_rope_layer_interval": ("int", "pos", False),
@@ -155,12 +165,43 @@ def rotary_dim(hf: dict) -> int:
 
 
 def partial_rotary_factor(hf: dict, params: dict) -> Any:
-    """The rotated share of each head: the rope settings' partial_rotary_factor, else the config's, else
-    transformers' default (0.5 for GLM-4 and GLM-4.5, whose configs may leave it out; 1.0 otherwise)."""
+    """The rotated share of each head: the rope settings' partial_rotary_factor, else the config's, else 1.0."""
     top = hf.get("partial_rotary_factor")
-    if top is None:
-        top = 0.5 if family(hf) in ("glm4", "glm4_moe") else 1.0
-    return params.get("partial_rotary_factor", top)
+    return params.get("partial_rotary_factor", 1.0 if top is None else top)
+
+
+# transformers' defaults (5.25's config classes) for keys a family's config.json may leave out, where they are not
+# what the model classes assume without them (Llama's: rms_norm_eps 1e-6, rope_theta 10000, 2048 positions, untied
+# head, head_dim hidden / heads; DeepSeek-V3Args': no q LoRA, no experts, no shared experts, scaling 1, no dense
+# layers). tests/test_models_parity.py compares each against transformers.
+_LONG = {"max_position_embeddings": 131072}
+_E5 = {"rms_norm_eps": 1e-5}
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mistral": _LONG, "mixtral": {**_LONG, **_E5, "rope_theta": 1e6},
+    "phi3": {**_E5, "max_position_embeddings": 4096},
+    "qwen2": {"max_position_embeddings": 32768}, "qwen2_moe": {"max_position_embeddings": 32768},
+    "qwen3": {"max_position_embeddings": 32768, "head_dim": 128}, "qwen3_moe": {"max_position_embeddings": 32768},
+    "smollm3": {"max_position_embeddings": 32768, "rope_theta": 2e6, "tie_word_embeddings": True},
+    "olmo2": _E5, "seed_oss": {"max_position_embeddings": 524288, "head_dim": 128},
+    "glm4": {**_LONG, "rms_norm_eps": 1.5625e-07, "partial_rotary_factor": 0.5, "head_dim": 128},
+    "glm4_moe": {**_LONG, **_E5, "partial_rotary_factor": 0.5},
+    "ernie4_5": {**_LONG, **_E5, "head_dim": 128, "rope_theta": 500000.0, "tie_word_embeddings": True},
+    "ernie4_5_moe": {**_LONG, **_E5, "rope_theta": 500000.0, "tie_word_embeddings": True},
+    "deepseek_v3": {"q_lora_rank": 1536, "n_routed_experts": 256, "moe_intermediate_size": 2048,
+                    "num_experts_per_tok": 8, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+                    "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4},
+    "deepseek_v2": {"q_lora_rank": 1536, "n_routed_experts": 64, "moe_intermediate_size": 1407, "n_shared_experts": 2,
+                    "max_position_embeddings": 2048},
+    "glm4_moe_lite": {"q_lora_rank": 768, "n_routed_experts": 64, "moe_intermediate_size": 1536,
+                      "num_experts_per_tok": 4, "n_shared_experts": 1, "routed_scaling_factor": 1.8, **_E5,
+                      "max_position_embeddings": 202752},
+}
+
+
+def with_defaults(hf: dict) -> dict:
+    """`hf` with its family's `FAMILY_DEFAULTS` for the keys it leaves out (a null stays: q_lora_rank's means none)."""
+    extra = {k: v for k, v in FAMILY_DEFAULTS.get(family(hf), {}).items() if k not in hf}
+    return {**hf, **extra} if extra else hf
 
 
 def rope_layers(hf: dict) -> tuple[bool, ...]:
@@ -212,8 +253,10 @@ def check(hf: dict, arch: str) -> None:
     Checks presence of the required fields, types (an integer where a count is expected: not "64" or
     2.5), ranges (positive counts, a finite positive rms_norm_eps, rope_theta and rope scaling factors,
     a pretraining context of at least one position) and the shapes' arithmetic (heads divide the hidden
-    size without head_dim, KV heads divide heads, rope head size even, top-k within the experts).
+    size without head_dim, KV heads divide heads, rope head size even, top-k within the experts), its family's
+    defaults filled in (`with_defaults`).
     """
+    hf = with_defaults(hf)
     for key, (kind, rule, required) in FIELDS[arch].items():
         if key not in hf or (hf[key] is None and not required):
             if required:
@@ -238,11 +281,12 @@ def check(hf: dict, arch: str) -> None:
         # (`context_cap`)
         if hf.get("sliding_window") == 0 and hf.get("use_sliding_window", True) is not False:
             raise FieldError("sliding_window", "0 must be >= 1 (or null for full attention)")
-        key = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts") if hf.get(k) is not None),
-                   "num_experts")
-        experts, top_k = hf.get(key) or 0, hf.get("num_experts_per_tok") or 0
+        key = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+                    if hf.get(k) is not None), "num_experts")
+        k_key = "moe_k" if hf.get("moe_k") is not None else "num_experts_per_tok"
+        experts, top_k = hf.get(key) or 0, hf.get(k_key) or 0
         if experts and top_k > experts:
-            raise FieldError("num_experts_per_tok", f"{top_k} exceeds {key}={experts}")
+            raise FieldError(k_key, f"{top_k} exceeds {key}={experts}")
         _check_groups(hf, experts)
         dense = hf.get("mlp_only_layers") or []
         if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):

@@ -46,6 +46,7 @@ class LlamaMoE:
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one shared expert behind a sigmoid gate
+    correction_bias: str = ""  # ERNIE 4.5: the checkpoint's [1, E] bias added to the softmax scores to choose
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,11 @@ class LlamaArgs:
                 it), or a feature pieceworks' Llama does not implement (biases, another activation).
         """
         hf_fields.check(hf, "llama")
-        hf = {k: v for k, v in hf.items() if v is not None}  # null is absent, as check() reads it
+        # null is absent, as check() reads it; the family's defaults where they are not Llama's
+        hf = {k: v for k, v in hf_fields.with_defaults(hf).items() if v is not None}
+        if hf.get("use_bias", False):
+            raise CheckpointError("config.json: use_bias=true (ERNIE 4.5's biases on every projection) is not "
+                                  "supported by pieceworks' Llama; the released ERNIE 4.5 models set false")
         seed = family(hf) in ("seed_oss", "glm4", "glm4_moe")  # their attention_bias is q/k/v's
         for key in ("mlp_bias", "attention_out_bias") if seed else ("attention_bias", "mlp_bias"):
             if hf.get(key, False):  # (Seed-OSS's attention_bias is q/k/v's: `qkv_bias`)
@@ -103,6 +108,15 @@ class LlamaArgs:
             step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
             sparse = tuple(i for i in range(hf["num_hidden_layers"])
                            if i not in dense and moe.n_routed_experts > 0 and (i + 1) % step == 0)
+        elif family(hf) == "ernie4_5_moe":  # softmax scores, chosen with a correction bias, renormalized
+            moe = LlamaMoE(hf.get("moe_num_experts", 64), hf.get("moe_k", 6), hf.get("moe_intermediate_size", 1536),
+                           True, n_shared_experts=hf.get("moe_num_shared_experts", 2),
+                           correction_bias="moe_statics.e_score_correction_bias")
+            n, every = hf["num_hidden_layers"], hf.get("moe_layer_interval", 1)
+            first, last = hf.get("moe_layer_start_index", 1), hf.get("moe_layer_end_index", -1)
+            last = n - 1 if last == -1 else last
+            sparse = tuple(i for i in range(n) if moe.n_routed_experts > 0 and (i + 1) % every == 0
+                           and first <= i <= last)
         elif family(hf) == "glm4_moe":  # DeepSeek-V3's sigmoid routing and shared experts after dense layers
             moe = LlamaMoE(hf.get("n_routed_experts", 128), hf.get("num_experts_per_tok", 8),
                            hf.get("moe_intermediate_size", 1408), hf.get("norm_topk_prob", True), "sigmoid",
@@ -133,7 +147,7 @@ class LlamaArgs:
                       or (qwen2_moe and hf.get("qkv_bias", True))
                       or (seed and hf.get("attention_bias", family(hf) != "glm4_moe"))),
             moe=moe, sparse_layers=sparse, context_cap=hf_fields.context_cap(hf), rotary_dim=hf_fields.rotary_dim(hf),
-            rope_layers=hf_fields.rope_layers(hf), rope_interleaved=family(hf) == "glm4",
+            rope_layers=hf_fields.rope_layers(hf), rope_interleaved=family(hf) in ("glm4", "ernie4_5", "ernie4_5_moe"),
         )
 
     def check_parallel(self, tp: TPLayout, fp4: Callable[[str], bool]) -> None:

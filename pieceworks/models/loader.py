@@ -42,6 +42,8 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen3MoeForCausalLM": Llama,  # and softmax-routed experts in its sparse layers (LlamaArgs.moe)
     "Glm4ForCausalLM": Glm4,  # q/k/v biases, half-head interleaved rope, sandwich norms (models/glm4.py)
     "Glm4MoeForCausalLM": Llama,  # q/k/v biases, half-head rope, DeepSeek-V3's routing and shared experts
+    "Ernie4_5ForCausalLM": Llama,  # Llama's layers with an interleaved rope
+    "Ernie4_5_MoeForCausalLM": Llama,  # and softmax-routed experts chosen with a correction bias, shared experts
     "Olmo2ForCausalLM": Olmo2,  # Llama's projections in post-norm blocks (models/olmo2.py)
     "SeedOssForCausalLM": Llama,  # Llama's layers with q/k/v biases (LlamaArgs.qkv_bias)
     "SmolLM3ForCausalLM": Llama,  # Llama's layers, some without rope (llama.rope_layers)
@@ -264,7 +266,7 @@ def architecture(hf: dict, where: Any) -> type[CausalLM]:
 
 def _check_tied_head(reader: Any, hf: dict, allow_extra: bool) -> None:
     """A tied model reads no lm_head: a checkpoint that has one contradicts its config.json."""
-    if hf.get("tie_word_embeddings") and reader.has("lm_head.weight") and not allow_extra:
+    if hf_fields.with_defaults(hf).get("tie_word_embeddings") and reader.has("lm_head.weight") and not allow_extra:
         raise CheckpointError(
             f"{reader.model_dir}: config.json has tie_word_embeddings=true (the head reuses the embedding) "
             "but the checkpoint holds its own lm_head.weight; set tie_word_embeddings to false to use it, "
@@ -275,8 +277,9 @@ def _check_tied_head(reader: Any, hf: dict, allow_extra: bool) -> None:
 def check_unused(reader: Any, model: CausalLM) -> None:
     """Refuse a checkpoint holding tensors the model did not read: a bias the config says is absent,
     layers beyond num_hidden_layers, tensors of another model. Rope tables some exports save
-    (`rotary_emb.inv_freq`) and DeepSeek-V3's and GLM-4.5's multi-token-prediction layers (which pieceworks
-    does not run) are expected and skipped, and so are other ranks' experts under expert parallel.
+    (`rotary_emb.inv_freq`) and the multi-token-prediction layers pieceworks does not run (DeepSeek-V3's and
+    GLM-4.5's after the last layer, ERNIE 4.5's `model.mtp*`; with num_nextn_predict_layers > 0) are expected and
+    skipped, and so are other ranks' experts under expert parallel.
 
     Raises:
         CheckpointError: naming the unused tensors (the first few, grouped by layer).
@@ -297,6 +300,8 @@ def check_unused(reader: Any, model: CausalLM) -> None:
             continue
         if name.startswith("model.layers.") and parts[2].isdigit() and \
                 num_layers <= int(parts[2]) < num_layers + mtp:
+            continue
+        if mtp and len(parts) > 1 and parts[0] == "model" and parts[1].startswith("mtp"):  # ERNIE 4.5's MTP
             continue
         extra.append(name)
     if not extra:

@@ -1,5 +1,5 @@
-"""Mixture of experts (DeepSeek-V3's, and Qwen2-MoE's, Qwen3-MoE's and Mixtral's softmax routing): the fp32 router
-and shared experts in the model, routing and the routed experts in the `pieceworks::moe` op.
+"""Mixture of experts (DeepSeek-V3's, and Qwen2-MoE's, Qwen3-MoE's, Mixtral's and ERNIE 4.5's softmax routing): the
+fp32 router and shared experts in the model, routing and the routed experts in the `pieceworks::moe` op.
 
 Tensor parallel, two ways. Default: every rank holds all experts, each with I / N of its intermediate
 columns (gate/up rows, down columns), and routes every token itself: its output is a partial sum.
@@ -96,8 +96,9 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """Routed experts plus shared experts. Routing: DeepSeek-V3's (`a.scoring_func` "sigmoid": sigmoid scores +
     e_score_correction_bias, grouped top-k), or softmax over the experts then top-k (Qwen3-MoE's "softmax"),
-    which the `moe` op runs as its sigmoid routing of logit(softmax(logits)) without groups or bias: the same
-    choice and, renormalized or not, the same weights."""
+    which the `moe` op runs as its sigmoid routing of logit(softmax(logits)) without groups: the same choice and,
+    renormalized or not, the same weights; ERNIE 4.5 adds its correction bias to the softmax scores to choose
+    (`a.correction_bias`), the op's bias over those scores."""
 
     def __init__(self, hidden: int, a, prefix: str, fp4: Callable[[str], bool], tp: TPLayout = TPLayout()) -> None:
         super().__init__()
@@ -112,7 +113,9 @@ class MoE(nn.Module):
         e, i = a.n_routed_experts, a.moe_intermediate_size
         # The router stays float32 whatever the model dtype (as in the released checkpoints).
         self.gate = nn.Linear(hidden, e, bias=False, dtype=torch.float32)
-        if not self.softmax:  # DeepSeek's; softmax routing has none
+        # DeepSeek's correction bias, and ERNIE 4.5's under softmax scores (its checkpoint name, stored [1, E])
+        self.bias_name = getattr(a, "correction_bias", "") or ("" if self.softmax else "gate.e_score_correction_bias")
+        if self.bias_name:
             self.register_buffer("e_score_correction_bias", torch.zeros(e, dtype=torch.float32))
         expert_fp4 = all(fp4(f"{prefix}.experts.0.{p}") for p in ("gate_proj", "up_proj", "down_proj"))
         first, stop = tp.expert_range(e)
@@ -138,7 +141,7 @@ class MoE(nn.Module):
             routed, bias, k, groups, kept, renorm = (self._local_logits(logits), logits.new_empty(0), self.local_top_k,
                                                      1, 1, False)
         elif self.softmax:
-            routed, bias, k, groups, kept, renorm = (torch.logit(torch.softmax(logits, dim=-1)), logits.new_empty(0),
+            routed, bias, k, groups, kept, renorm = (torch.logit(torch.softmax(logits, dim=-1)), self._bias(logits),
                                                      self.top_k, 1, 1, self.renormalize)
         else:
             routed, bias, k, groups, kept, renorm = (logits, self.e_score_correction_bias, self.top_k, self.num_groups,
@@ -154,10 +157,16 @@ class MoE(nn.Module):
             y = y + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return reduce(y, self.tp)
 
+    def _bias(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.e_score_correction_bias if self.bias_name else logits.new_empty(0)
+
     def _local_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """[T, E] router logits -> [T, E / N] logits of this rank's experts whose sigmoid, times the
         scaling, is the full routing's weight of each chosen expert, and 0 (logit -inf) elsewhere."""
-        if self.softmax:
+        if self.softmax and self.bias_name:  # ERNIE 4.5's: DeepSeek's choice over the softmax scores
+            weights, ids = deepseek_route(torch.logit(torch.softmax(logits, dim=-1)), self.e_score_correction_bias,
+                                          self.top_k, 1, 1, self.renormalize, self.scaling)
+        elif self.softmax:
             weights, ids = softmax_route(logits, self.top_k, self.renormalize, self.num_groups, self.topk_group)
             weights = weights * self.scaling
         else:
@@ -173,9 +182,10 @@ class MoE(nn.Module):
     def load(self, src, prefix: str) -> None:
         e, h = self.gate.weight.shape
         self.gate.weight.copy_(src.dense(f"{prefix}.gate", h, e, dtype=torch.float32))
-        if not self.softmax:
+        if self.bias_name:
+            shape = (e,) if self.bias_name.startswith("gate.") else (1, e)
             self.e_score_correction_bias.copy_(
-                src.tensor(f"{prefix}.gate.e_score_correction_bias", (e,), dtype=torch.float32))
+                src.tensor(f"{prefix}.{self.bias_name}", shape, dtype=torch.float32).view(e))
         src.experts(self.experts, f"{prefix}.experts")
         if self.shared_experts is not None:
             self.shared_experts.load(src, f"{prefix}.shared_experts")

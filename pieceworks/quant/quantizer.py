@@ -115,7 +115,8 @@ def _groups(linears: list[_Linear]) -> list[tuple[str, ...]]:
 
 
 def _mtp_patterns(config: dict, reader: CheckpointReader) -> list[str]:
-    """`model.layers.N*` for DeepSeek MTP layers (N >= num_hidden_layers), which ModelOpt excludes."""
+    """`model.layers.N*` for DeepSeek's and GLM's MTP layers (N >= num_hidden_layers) and `model.mtp*` for ERNIE
+    4.5's, which ModelOpt excludes."""
     n = config.get("num_hidden_layers")
     if not isinstance(n, int):
         return []
@@ -125,6 +126,8 @@ def _mtp_patterns(config: dict, reader: CheckpointReader) -> list[str]:
         if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
             if int(parts[2]) >= n:
                 extra.add(f"model.layers.{parts[2]}*")
+        elif len(parts) > 2 and parts[0] == "model" and parts[1].startswith("mtp"):
+            extra.add(f"model.{parts[1]}*")
     return sorted(extra)
 
 

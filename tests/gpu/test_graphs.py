@@ -68,6 +68,10 @@ MODELS = {
     # GLM-4.5-Air's layers (q/k/v biases, half of each head rotated, 128 sigmoid-routed experts of 1408 columns with a
     # shared expert after a dense layer)
     "glm4-moe-nvfp4": ({"arch": "llama", "preset": "glm-4.5-air", "sizes": {"num_hidden_layers": 2}}, "nvfp4"),
+    # ERNIE-4.5-21B-A3B's experts (64, top 6, 1536 columns, two shared) chosen with a correction bias, interleaved rope
+    "ernie-moe-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {
+        "num_hidden_layers": 2, "model_type": "ernie4_5_moe", "moe_num_experts": 64, "moe_k": 6,
+        "moe_intermediate_size": 1536, "moe_num_shared_experts": 2}}, "nvfp4"),
     # Mixtral-8x7B's experts (8, top 2, 14336 columns: the preset's intermediate_size) in every layer
     "mixtral-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {
         "num_hidden_layers": 2, "model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2}},
