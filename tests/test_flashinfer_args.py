@@ -449,6 +449,8 @@ def test_model_dependent_reasons():
     assert "64 < num_heads < 128" in reasons(TrtllmMLABackend, DSV3, num_heads=96)
     assert "num_heads dividing 64" in reasons(FlashInferMLABackend, DSV3, num_heads=48)
     assert "head_dim 64, 128 or 256" in reasons(FlashInferAttentionBackend, LLAMA, head_dim=96)
+    assert "no sliding-window attention" in reasons(FlashInferAttentionBackend, LLAMA, sliding_windows=(0, 512))
+    assert reasons(FlashInferAttentionBackend, LLAMA, sliding_windows=(0, 0)) == ""
     w4a16 = BackendSpec(**cuda, model=DSV3, fp4_numerics="w4a16")
     assert any("implements w4a4 numerics" in x for x in FlashInferCutlassFp4GemmBackend.check(w4a16))
     assert "float32" in reasons(FlashInferTrtllmFp4GemmBackend, DSV3, dtype=torch.float32)

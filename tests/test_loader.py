@@ -179,8 +179,8 @@ def test_unknown_architecture(broken):
     assert "GPT2LMHeadModel" in str(e.value) and (
         "pieceworks supports LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, "
         "Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Glm4ForCausalLM, "
-        "Glm4MoeForCausalLM, Ernie4_5ForCausalLM, Ernie4_5_MoeForCausalLM, Olmo2ForCausalLM, SeedOssForCausalLM, "
-        "SmolLM3ForCausalLM, GraniteForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, "
+        "Gemma3ForCausalLM, Glm4MoeForCausalLM, Ernie4_5ForCausalLM, Ernie4_5_MoeForCausalLM, Olmo2ForCausalLM, "
+        "SeedOssForCausalLM, SmolLM3ForCausalLM, GraniteForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, "
         "Glm4MoeLiteForCausalLM") in str(e.value) and str(e.value).endswith("Glm4MoeLiteForCausalLM")
 
 
@@ -259,7 +259,7 @@ def test_mixtral_checkpoint_errors_name_the_checkpoints_tensors(tmp_path):
 
 @pytest.mark.parametrize("arch, preset, billions, rel", [
     ("llama", "llama-3.1-8b", 8.03, 0.005), ("llama", "mixtral-8x7b", 46.7, 0.005),
-    ("llama", "qwen3-30b-a3b", 30.5, 0.005), ("llama", "glm-4.5-air", 106, 0.01),
+    ("llama", "qwen3-30b-a3b", 30.5, 0.005), ("llama", "glm-4.5-air", 106, 0.01), ("llama", "gemma-3-1b", 1.0, 0.005),
     ("deepseek_v3", "deepseek-v3", 671.0, 0.005), ("deepseek_v3", "deepseek-v2-lite", 15.7, 0.005),
     ("deepseek_v3", "glm-4.7-flash", 30, 0.005)])
 def test_presets_have_the_published_models_parameter_counts(arch, preset, billions, rel):
@@ -267,11 +267,12 @@ def test_presets_have_the_published_models_parameter_counts(arch, preset, billio
     (rope tables aside) count the parameters their model cards give (DeepSeek-V3 and the GLMs without their MTP
     layers; GLM-4.5-Air's card gives a whole "106 billion", against 106.85 counted: the wider bound; GLM-4.7-Flash
     is "30B-A3B")."""
-    from pieceworks.models.loader import ARCHS, build
+    from pieceworks.models.loader import architecture, build
     from pieceworks.models.presets import preset_config
 
+    hf = preset_config(arch, preset)
     with torch.device("meta"):
-        model = build(ARCHS[arch], preset_config(arch, preset), torch.bfloat16, lambda name: False)
+        model = build(architecture(hf, preset), hf, torch.bfloat16, lambda name: False)
     weights = [t for n, t in [*model.named_parameters(), *model.named_buffers()]
                if t.is_floating_point() and "rotary" not in n]
     assert sum(t.numel() for t in weights) / 1e9 == pytest.approx(billions, rel=rel)

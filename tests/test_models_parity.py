@@ -68,6 +68,13 @@ CASES = {
     "ernie4_5_moe": ("ernie4_5_moe", dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=32,
                                           moe_num_shared_experts=2, moe_layer_start_index=1, moe_layer_end_index=2,
                                           num_hidden_layers=4, tie_word_embeddings=False)),
+    # Gemma3ForCausalLM: 8-token sliding windows in 3 of every 4 layers (their own rope base), linear rope scaling in
+    # the full layers, per-head q/k norms, query_pre_attn_scalar, GeGLU, sandwich norms, a scaled embedding
+    "gemma3": ("gemma3_text", dict(head_dim=32, sliding_window=8, num_hidden_layers=4, query_pre_attn_scalar=24,
+                                   layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                                   rope_parameters=dict(full_attention=dict(rope_type="linear", factor=2.0,
+                                                                            rope_theta=1e6),
+                                                        sliding_attention=dict(rope_type="default", rope_theta=1e4)))),
     # SeedOssForCausalLM: q/k/v biases (attention_bias), none on o (attention_out_bias)
     "seed_oss": ("seed_oss", dict(head_dim=32, rope_theta=1e7)),
     # Olmo2ForCausalLM: post-norm blocks, q and k normalized over the whole projection, GQA
@@ -229,6 +236,17 @@ def _hf_model(arch: str, overrides: dict) -> torch.nn.Module:
             for layer in model.model.layers:
                 if hasattr(layer.mlp, "gate"):
                     layer.mlp.gate.moe_statics.e_score_correction_bias.uniform_(0.0, 0.1)
+        return model
+    if arch == "gemma3_text":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**{**LLAMA_BASE, "pad_token_id": None, **overrides})).eval()
+        with torch.no_grad():  # norm weights away from 0 (Gemma's norms multiply by 1 + weight)
+            for layer in model.model.layers:
+                for norm in (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                             layer.post_feedforward_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    norm.weight.uniform_(-0.5, 0.5)
+            model.model.norm.weight.uniform_(-0.5, 0.5)
         return model
     if arch == "seed_oss":
         from transformers import SeedOssConfig, SeedOssForCausalLM
@@ -491,7 +509,7 @@ LLAMA_FAMILIES = ["llama", "mistral", "mixtral", "phi3", "qwen2", "qwen2_moe", "
                   "smollm3", "olmo2", "seed_oss", "glm4", "glm4_moe", "ernie4_5", "ernie4_5_moe"]
 
 
-@pytest.mark.parametrize("model_type", LLAMA_FAMILIES + ["deepseek_v3", "deepseek_v2", "glm4_moe_lite"])
+@pytest.mark.parametrize("model_type", LLAMA_FAMILIES + ["gemma3_text", "deepseek_v3", "deepseek_v2", "glm4_moe_lite"])
 def test_family_defaults_are_transformers(model_type):
     """A config.json that leaves out what it may: each family reads transformers' defaults (GLM-4's head_dim 128
     and half-head rope, ERNIE 4.5's rope_theta 500000 and tied head, Mixtral's rms_norm_eps 1e-5, DeepSeek-V3's q
@@ -507,9 +525,15 @@ def test_family_defaults_are_transformers(model_type):
                                                                     qk_rope_head_dim=8, v_head_dim=12)
     if model_type == "deepseek_v2":
         sizes.update(num_experts_per_tok=2)  # transformers' default None routes nothing
+    if model_type == "gemma3_text":
+        from pieceworks.models.gemma3 import Gemma3
+
+        sizes.update(num_key_value_heads=2)
     ref = AutoConfig.for_model(model_type, **sizes)
-    ours = (LlamaArgs if llama else DeepseekV3Args).from_hf({"model_type": model_type, **sizes})
-    rope = ref.rope_parameters
+    read = Gemma3.args_from_hf if model_type == "gemma3_text" else (LlamaArgs if llama else DeepseekV3Args).from_hf
+    ours = read({"model_type": model_type, **sizes})
+    rope = ref.rope_parameters.get("full_attention", ref.rope_parameters)  # Gemma 3's: per layer kind
+    llama = llama or model_type == "gemma3_text"
     assert ours.rope["rope_theta"] == rope["rope_theta"]
     assert (ours.rms_norm_eps, ours.max_position_embeddings, ours.tie_word_embeddings) == (
         ref.rms_norm_eps, ref.max_position_embeddings, ref.tie_word_embeddings)
@@ -561,6 +585,30 @@ def test_ernie4_5_moe_multi_token_prediction_tensors_are_skipped(tmp_path):
         assert ex.model.has_fp4()
 
 
+def test_gemma3_in_its_released_config_form(tmp_path):
+    """Gemma 3's config.json as the released checkpoints write it (rope_theta, rope_local_base_freq and rope_scaling
+    at the top, sliding_window_pattern in place of layer_types) computes what transformers computes."""
+    import json
+
+    arch, overrides = CASES["gemma3"]
+    model = _hf_model(arch, {**overrides, "layer_types": None, "sliding_window_pattern": 3,
+                             "rope_parameters": None, "rope_theta": 5e5, "rope_local_base_freq": 2e4,
+                             "rope_scaling": {"rope_type": "linear", "factor": 4.0}})
+    assert model.config.layer_types[:3] == ["sliding_attention", "sliding_attention", "full_attention"]
+    assert model.config.rope_parameters["full_attention"]["factor"] == 4.0
+    model.save_pretrained(tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    for key in ("layer_types", "rope_parameters"):
+        hf.pop(key)
+    hf.update(sliding_window_pattern=3, rope_theta=5e5, rope_local_base_freq=2e4,
+              rope_scaling={"rope_type": "linear", "factor": 4.0})
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    ids = _prompt(40, seed=9)
+    with _executor(tmp_path) as ex:
+        assert ex.model.windows == (8, 8, 0, 8)
+        _assert_close(ex.score([ids])[0], _ref_logits(model, ids))
+
+
 def test_random_olmo2_from_model_sizes():
     """model.sizes.model_type=olmo2 builds OLMo 2's post-norm blocks over a Llama preset."""
     from pieceworks.models.olmo2 import Olmo2
@@ -600,7 +648,7 @@ def test_smollm3_nope_layers_from_the_interval_as_transformers_derives_them(inte
 
 
 @pytest.mark.parametrize("name", ["olmo2", "granite", "phi4_mini_partial", "smollm3_nope_interval", "seed_oss",
-                                  "glm4", "ernie4_5"])
+                                  "glm4", "ernie4_5", "gemma3"])
 def test_quantized_checkpoints_of_the_newer_families_load_as_nvfp4(name, tmp_path):
     """`pieceworks quantize` (a fixed activation amax: these directories hold no tokenizer) of each family's
     transformers checkpoint loads as an NVFP4 model that computes what the transformers model computes with the

@@ -215,9 +215,12 @@ def reference():
     # ERNIE 4.5's softmax scores chosen with a correction bias (in the model under expert parallel), interleaved rope
     ["model.sizes.num_key_value_heads=2", *ERNIE_MOE],
     ["model.sizes.num_key_value_heads=2", *ERNIE_MOE, "parallel.expert_parallel=true"],
+    # Gemma 3's 4-token sliding windows in every other layer (their own rope), per-head q/k norms, GeGLU
+    ["model.sizes.num_key_value_heads=2", "model.sizes.model_type=gemma3_text", "model.sizes.sliding_window=4",
+     "model.sizes.sliding_window_pattern=2", "model.sizes.query_pre_attn_scalar=16"],
 ], ids=["kv1-piecewise", "kv4-tied-eager", "kv1-qwen2", "kv4-qwen3", "kv4-qwen3-moe", "kv4-qwen3-moe-ep",
         "kv4-qwen2-moe", "kv4-qwen2-moe-ep", "kv2-granite-partial-rope", "kv2-glm4", "kv2-glm4-moe",
-        "kv2-glm4-moe-ep", "kv2-ernie-moe", "kv2-ernie-moe-ep"])
+        "kv2-glm4-moe-ep", "kv2-ernie-moe", "kv2-ernie-moe-ep", "kv2-gemma3"])
 def test_llama_tp2_equals_one_process(reference, extra):
     with Executor.from_config(None, LLAMA + extra + TP2, progress=False) as ex:
         assert ex.kv.layout.num_kv_heads == max(1, int(extra[0][-1]) // 2)

@@ -305,7 +305,7 @@ def _forward(self, q, k, v, out, layer_id, scale, kv):
      "too many positional arguments"),
     (_attention("init", __init__=lambda self, spec: None), "__init__", "(self, spec)",
      "Backend.__init__(self, spec, options=None)", "too many positional arguments"),
-    (_attention("nocheck", check=staticmethod(lambda: [])), "check", "()", "Backend.check(cls, spec)",
+    (_attention("nocheck", check=staticmethod(lambda: [])), "check", "()", "AttentionBackend.check(cls, spec)",
      "too many positional arguments"),
     (type("BadGemm", (TorchFp4GemmBackend,), {"name": "badgemm", "forward_swiglu": lambda self, x, w: x}),
      "forward_swiglu", "(self, x, w)", "Fp4GemmBackend.forward_swiglu(self, x, weight, weight_scale, "
@@ -329,8 +329,8 @@ def test_a_method_with_the_wrong_signature_is_refused_at_registration(cls, metho
 def test_a_classmethod_overridden_by_a_plain_method_is_refused():
     reg = registry(_attention("plaincheck", check=lambda self, spec: []))
     (broken,) = reg.broken
-    assert "check(self, spec) is a plain method, but Backend.check(cls, spec) is a classmethod, called on the " \
-           "class: decorate it with @classmethod" in broken.reason
+    assert "check(self, spec) is a plain method, but AttentionBackend.check(cls, spec) is a classmethod, called on " \
+           "the class: decorate it with @classmethod" in broken.reason
 
 
 def test_a_method_replaced_by_a_value_is_refused():

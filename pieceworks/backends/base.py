@@ -40,6 +40,9 @@ class ModelFacts:
         fp4: whether linears are NVFP4.
         moe_experts: routed experts (0 without MoE).
         moe_quant: "nvfp4" or "none" for the expert weights.
+        sliding_windows: per layer, the keys a query sees in a sliding-window layer (itself and the W - 1
+            before it), 0 in a full-attention layer; empty: every layer full (GQA attention backends that declare
+            `windows` serve it).
     """
 
     arch: str = "llama"
@@ -53,6 +56,7 @@ class ModelFacts:
     fp4: bool = False
     moe_experts: int = 0
     moe_quant: str = "none"
+    sliding_windows: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

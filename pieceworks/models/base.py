@@ -289,6 +289,10 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
+    def rope_tables(self) -> list[RotaryEmbedding]:
+        """The model's rope tables (the loader sizes each for the positions the executor can reach)."""
+        return [self.rotary]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> logits [n, V] float32. Plain torch (and, tensor parallel, the all-gather of
         the ranks' V / N columns): callable outside a forward context."""

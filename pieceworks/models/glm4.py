@@ -1,8 +1,8 @@
 """Glm4ForCausalLM (THUDM / Zhipu GLM-4-0414, GLM-Z1): Llama's projections with q/k/v biases, an interleaved rope
 over half of each head (`partial_rotary_factor`), gate and up fused in the checkpoint's `gate_up_proj`
 (`llama_families.FusedNames`), in a sandwich block as transformers' Glm4 runs it: a norm before and after the
-attention and before and after the MLP, each output normalized before its residual add. The blocks run on the
-unfused path.
+attention and before and after the MLP, each output normalized before its residual add (`SandwichBlock`, Gemma 3's
+too). The blocks run on the unfused path.
 """
 
 from __future__ import annotations
@@ -16,21 +16,31 @@ from pieceworks.models.llama import Llama, LlamaArgs, LlamaBlock
 from pieceworks.parallel.layout import TPLayout
 
 
-class Glm4Block(LlamaBlock):
+class SandwichBlock(LlamaBlock):
+    """A block with four norms, named by `norms`: before the attention, after it, before the MLP, after it (GLM-4's,
+    Gemma 3's); each output is normalized before its residual add, which runs fused with the next norm."""
+
+    norms: tuple[str, str, str, str] = ("input_layernorm", "", "post_attention_layernorm", "")
+
     def __init__(self, a: LlamaArgs, layer_id: int, fp4: Callable[[str], bool], tp: TPLayout = TPLayout()) -> None:
         super().__init__(a, layer_id, fp4, tp)
-        self.post_self_attn_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.post_mlp_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        for name in self.norms:
+            if not hasattr(self, name):
+                setattr(self, name, RMSNorm(a.hidden_size, a.rms_norm_eps))
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = (self.input_layernorm(h), h) if residual is None else self.input_layernorm(h, residual)
-        a = self.post_self_attn_layernorm(self.self_attn(x, cos, sin))
-        x, residual = self.post_attention_layernorm(a, residual)
-        return self.post_mlp_layernorm(self.mlp(x)), residual
+        pre_attn, post_attn, pre_mlp, post_mlp = (getattr(self, n) for n in self.norms)
+        x, residual = (pre_attn(h), h) if residual is None else pre_attn(h, residual)
+        x, residual = pre_mlp(post_attn(self.self_attn(x, cos, sin)), residual)
+        return post_mlp(self.mlp(x)), residual
 
     def norms_fused(self) -> bool:
         return False
+
+
+class Glm4Block(SandwichBlock):
+    norms = ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
 
     def load(self, src: WeightSource, prefix: str) -> None:
         super().load(src, prefix)

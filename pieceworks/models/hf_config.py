@@ -92,6 +92,15 @@ FIELDS: dict[str, dict[str, tuple[str, str | None, bool]]] = {
         "moe_layer_end_index": ("int", None, False),
         "moe_layer_interval": ("int", "pos", False),
         "moe_norm_min": ("float", "posf", False),
+        # Gemma 3's: the attention's scale, sliding-window layers (their rope base), GeGLU; soft-capping refused
+        "query_pre_attn_scalar": ("float", "posf", False),
+        "sliding_window_pattern": ("int", "pos", False),
+        "rope_local_base_freq": ("float", "posf", False),
+        "hidden_activation": ("str", None, False),
+        "final_logit_softcapping": ("float", "posf", False),
+        "attn_logit_softcapping": ("float", "posf", False),
+        "use_bidirectional_attention": ("bool", None, False),
+        "layer_types": ("list", None, False),  # Gemma 3's sliding / full layers (the others: all full_attention)
         # SmolLM3's NoPE layers: 1 rotates, 0 does not (or every interval-th layer without rope)
         "no_rope_layers": ("list", None, False),
         "no_rope_layer_interval": ("int", "pos", False),
@@ -187,6 +196,8 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "glm4_moe": {**_LONG, **_E5, "partial_rotary_factor": 0.5},
     "ernie4_5": {**_LONG, **_E5, "head_dim": 128, "rope_theta": 500000.0, "tie_word_embeddings": True},
     "ernie4_5_moe": {**_LONG, **_E5, "rope_theta": 500000.0, "tie_word_embeddings": True},
+    "gemma3_text": {**_LONG, "head_dim": 256, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
+                    "sliding_window": 4096},
     "deepseek_v3": {"q_lora_rank": 1536, "n_routed_experts": 256, "moe_intermediate_size": 2048,
                     "num_experts_per_tok": 8, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
                     "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4},
@@ -196,6 +207,49 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                       "num_experts_per_tok": 4, "n_shared_experts": 1, "routed_scaling_factor": 1.8, **_E5,
                       "max_position_embeddings": 202752},
 }
+
+
+def gemma_form(hf: dict) -> tuple[dict, dict, tuple[bool, ...]]:
+    """A Gemma 3 config.json (its family's defaults filled in) as (the config in Llama's form: its full-attention
+    layers' rope as the rope settings, no layer types or window; the sliding-window layers' rope settings; per layer,
+    whether it slides). Reads transformers 5's form (rope_parameters per layer kind, layer_types) and the released
+    one (rope_theta, rope_scaling and rope_local_base_freq; every sliding_window_pattern-th layer full).
+
+    Raises:
+        FieldError: soft-capping or bidirectional attention (Gemma 2's, EmbeddingGemma's: not implemented), an
+            activation other than gelu_pytorch_tanh, or layer types other than sliding_attention / full_attention.
+    """
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise FieldError(key, f"{hf[key]!r}: pieceworks' Gemma 3 runs no soft-capping (null, as Gemma 3's)")
+    if hf.get("use_bidirectional_attention"):
+        raise FieldError("use_bidirectional_attention", "true: pieceworks runs causal attention")
+    act = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
+    if act != "gelu_pytorch_tanh":
+        raise FieldError("hidden_activation", f"{act!r}: pieceworks' Gemma 3 runs gelu_pytorch_tanh")
+    n = hf["num_hidden_layers"]
+    kinds = hf.get("layer_types")
+    if kinds is None:
+        every = hf.get("sliding_window_pattern", 6)
+        kinds = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    if not isinstance(kinds, list) or len(kinds) < n or any(k not in ("sliding_attention", "full_attention")
+                                                            for k in kinds):
+        raise FieldError("layer_types", f"{kinds!r} must name sliding_attention or full_attention for each of the "
+                         f"{n} layers")
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {"rope_type": "default"})
+        local = dict(params.get("sliding_attention") or {"rope_type": "default"})
+    else:
+        full = {**(hf.get("rope_scaling") or hf.get("rope_parameters") or {"rope_type": "default"})}
+        local = {"rope_type": "default", "rope_theta": hf.get("rope_local_base_freq", 10000.0)}
+        full.setdefault("rope_theta", hf.get("rope_theta", 1e6))
+    full.setdefault("rope_theta", 1e6)
+    local.setdefault("rope_theta", hf.get("rope_local_base_freq", 10000.0))
+    llama = {k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_theta", "layer_types", "sliding_window",
+                                                      "hidden_activation")}
+    return {**llama, "rope_parameters": full, "hidden_act": "silu"}, local, tuple(
+        k == "sliding_attention" for k in kinds[:n])
 
 
 def with_defaults(hf: dict) -> dict:
@@ -257,6 +311,13 @@ def check(hf: dict, arch: str) -> None:
     defaults filled in (`with_defaults`).
     """
     hf = with_defaults(hf)
+    if family(hf) == "gemma3_text":  # its own fields checked, the rest as Llama's
+        hf, local, _ = gemma_form(hf)
+        if not _type_ok("float", local["rope_theta"]) or not local["rope_theta"] > 0:
+            raise FieldError("rope_local_base_freq", f"{local['rope_theta']!r} must be a finite number > 0")
+        if local.get("rope_type", "default") != "default":
+            raise FieldError("rope_parameters.sliding_attention.rope_type", f"{local['rope_type']!r}: pieceworks "
+                             "runs the default rope in Gemma 3's sliding-window layers")
     for key, (kind, rule, required) in FIELDS[arch].items():
         if key not in hf or (hf[key] is None and not required):
             if required:

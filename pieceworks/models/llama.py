@@ -358,7 +358,7 @@ class Llama(CausalLM):
     def __init__(self, hf_config: dict, dtype: torch.dtype, fp4: Callable[[str], bool] = lambda name: False,
                  tp: TPLayout = TPLayout()):
         super().__init__()
-        a = self.args = LlamaArgs.from_hf(hf_config)
+        a = self.args = self.args_from_hf(hf_config)
         self.context_cap = a.context_cap
         if tp.sharded:
             a.check_parallel(tp, fp4)
@@ -366,6 +366,10 @@ class Llama(CausalLM):
                           a.rotary_dim, tp)
         for block, nxt in zip(self.layers, list(self.layers)[1:]):
             block.next_norm = (nxt.input_layernorm,)
+
+    @staticmethod
+    def args_from_hf(hf_config: dict) -> LlamaArgs:
+        return LlamaArgs.from_hf(hf_config)
 
     def kv_layout(self) -> KVLayout:
         """This rank's KV heads (all of them at tensor-parallel size 1)."""

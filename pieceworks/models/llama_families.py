@@ -7,7 +7,8 @@ from __future__ import annotations
 ARCHITECTURE_FAMILIES = {"MixtralForCausalLM": "mixtral", "Phi3ForCausalLM": "phi3", "Olmo2ForCausalLM": "olmo2",
                          "SeedOssForCausalLM": "seed_oss", "Glm4ForCausalLM": "glm4",
                          "Glm4MoeForCausalLM": "glm4_moe", "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
-                         "Ernie4_5ForCausalLM": "ernie4_5", "Ernie4_5_MoeForCausalLM": "ernie4_5_moe"}
+                         "Ernie4_5ForCausalLM": "ernie4_5", "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
+                         "Gemma3ForCausalLM": "gemma3_text"}
 
 
 def family(hf: dict) -> str | None:

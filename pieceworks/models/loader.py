@@ -23,6 +23,7 @@ from pieceworks.errors import CheckpointError, ConfigError
 from pieceworks.models import hf_config as hf_fields
 from pieceworks.models.base import CausalLM, context_limit
 from pieceworks.models.deepseek_v3 import DeepseekV3
+from pieceworks.models.gemma3 import Gemma3
 from pieceworks.models.glm4 import Glm4
 from pieceworks.models.granite import Granite
 from pieceworks.models.llama import Llama
@@ -41,6 +42,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen3ForCausalLM": Llama,  # Llama's layers with q/k norms (LlamaArgs.qk_norm)
     "Qwen3MoeForCausalLM": Llama,  # and softmax-routed experts in its sparse layers (LlamaArgs.moe)
     "Glm4ForCausalLM": Glm4,  # q/k/v biases, half-head interleaved rope, sandwich norms (models/glm4.py)
+    "Gemma3ForCausalLM": Gemma3,  # sliding-window layers, q/k norms, GeGLU, sandwich norms (models/gemma3.py)
     "Glm4MoeForCausalLM": Llama,  # q/k/v biases, half-head rope, DeepSeek-V3's routing and shared experts
     "Ernie4_5ForCausalLM": Llama,  # Llama's layers with an interleaved rope
     "Ernie4_5_MoeForCausalLM": Llama,  # and softmax-routed experts chosen with a correction bias, shared experts
@@ -114,14 +116,16 @@ def _size_rope_tables(model: CausalLM, model_cfg: Any) -> None:
     refused above max_position_embeddings or a shorter sliding window; else either), refused above
     `ROPE_TABLE_BYTES` with a ConfigError that says to set model.max_context. Only the model's meta skeleton exists
     here."""
-    rotary = model.rotary
+    tables = model.rope_tables()
     limit = context_limit(model, getattr(model_cfg, "max_context", None))
+    size = sum(t.table_bytes for t in tables)
     if limit < model.max_position_embeddings:
-        rotary.limit(limit)
-    elif rotary.table_bytes > ROPE_TABLE_BYTES:
+        for rotary in tables:
+            rotary.limit(limit)
+    elif size > ROPE_TABLE_BYTES:
         raise ConfigError(
             f"the checkpoint's max_position_embeddings ({model.max_position_embeddings}) needs rope tables of "
-            f"{rotary.table_bytes / 2**30:.1f} GiB; set model.max_context to the longest sequence to serve "
+            f"{size / 2**30:.1f} GiB; set model.max_context to the longest sequence to serve "
             "(e.g. model.max_context=32768): the tables cover only that")
 
 
@@ -219,8 +223,10 @@ def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Cal
                           f"{model_cfg.preset or 'tiny'})") from None
     # Random NVFP4: every projection; the head and the router are never built as NVFP4 (as ModelOpt).
     random_fp4 = fmt == "nvfp4"
-    # model.sizes.model_type granite, olmo2 or glm4: their classes (Llama's other families are Llama's flags)
-    own = {"granite": Granite, "olmo2": Olmo2, "glm4": Glm4} if model_cfg.arch == "llama" else {}
+    # model.sizes.model_type granite, olmo2, glm4 or gemma3_text: their classes (Llama's other families are Llama's
+    # flags)
+    own = ({"granite": Granite, "olmo2": Olmo2, "glm4": Glm4, "gemma3_text": Gemma3} if model_cfg.arch == "llama"
+           else {})
     cls = own.get(hf.get("model_type"), ARCHS[model_cfg.arch])
     return cls, hf, lambda name: random_fp4, None
 

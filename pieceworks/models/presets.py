@@ -81,6 +81,14 @@ DEEPSEEK_V2_LITE = dict(
     bos_token_id=100000, eos_token_id=100001,
 )
 
+GEMMA_3_1B = dict(
+    architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+    vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+    num_key_value_heads=1, head_dim=256, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1e6,
+    rope_local_base_freq=10000.0, sliding_window=512, sliding_window_pattern=6, query_pre_attn_scalar=256,
+    hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, bos_token_id=2, eos_token_id=[1, 106],
+)
+
 GLM_47_FLASH = dict(
     architectures=["Glm4MoeLiteForCausalLM"], model_type="glm4_moe_lite",
     vocab_size=154880, hidden_size=2048, intermediate_size=10240, moe_intermediate_size=1536,
@@ -104,7 +112,8 @@ GLM_45_AIR = dict(
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "llama": {"tiny": LLAMA_TINY, "llama-3.1-8b": LLAMA_31_8B, "mixtral-8x7b": MIXTRAL_8X7B,
-              "qwen3-30b-a3b": QWEN3_30B_A3B, "glm-4.5-air": GLM_45_AIR},
+              "qwen3-30b-a3b": QWEN3_30B_A3B, "glm-4.5-air": GLM_45_AIR,
+              "gemma-3-1b": GEMMA_3_1B},
     "deepseek_v3": {"tiny": DEEPSEEK_TINY, "deepseek-v3": DEEPSEEK_V3, "deepseek-v2-lite": DEEPSEEK_V2_LITE,
                     "glm-4.7-flash": GLM_47_FLASH},
 }

@@ -77,8 +77,9 @@ def _paged_meta(sc: Scenario, pool: KVPool, device: torch.device, rng: random.Ra
 
 
 def attention_case(sc: Scenario, num_heads: int, num_kv_heads: int, head_dim: int,
-                   dtype: torch.dtype, device: torch.device, seed: int = 0) -> AttentionCase:
-    """Random GQA scenario: prefix KV written into shuffled pages, new q/k/v, float64 expectation."""
+                   dtype: torch.dtype, device: torch.device, seed: int = 0, window: int = 0) -> AttentionCase:
+    """Random GQA scenario: prefix KV written into shuffled pages, new q/k/v, float64 expectation (with
+    `window`, each query sees itself and the window - 1 keys before it)."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     num_pages = 1 + sum(-(-(p + n) // sc.page_size) for p, n in sc.seqs) + 2
@@ -106,8 +107,9 @@ def attention_case(sc: Scenario, num_heads: int, num_kv_heads: int, head_dim: in
             row = []
             for h in range(num_heads):
                 kv_h = h // (num_heads // num_kv_heads)
-                s = (keys[: prefix + j + 1, kv_h] @ q[lo + j, h].double()) * scale
-                row.append(torch.softmax(s, 0) @ vals[: prefix + j + 1, kv_h])
+                seen = slice(max(0, prefix + j + 1 - window) if window else 0, prefix + j + 1)
+                s = (keys[seen, kv_h] @ q[lo + j, h].double()) * scale
+                row.append(torch.softmax(s, 0) @ vals[seen, kv_h])
             expected.append(torch.stack(row))
         lo += n
     inputs = {"q": q.to(device), "k": k.to(device), "v": v.to(device)}

@@ -67,6 +67,23 @@ def test_attention(backend, scenario, qkv, device):
     assert_close(out, case.expected, tol, what, hint)
 
 
+@pytest.mark.parametrize("scenario", S.ATTENTION_SCENARIOS, ids=lambda s: s.name)
+@for_op("attention")
+def test_attention_sliding_window(backend, scenario, device):
+    """A sliding-window layer (`ModelFacts.sliding_windows`: each query sees itself and the 5 keys before it),
+    for backends that declare `windows`."""
+    if not getattr(backend, "windows", False):
+        pytest.skip(f"{backend.key()} declares no sliding-window attention (windows = False)")
+    dtype = device_dtype(device)
+    facts = ModelFacts(dtype=dtype, num_heads=8, num_kv_heads=2, head_dim=64, page_size=scenario.page_size,
+                       sliding_windows=(6,))
+    impl = build(backend, spec_for(device, facts), scenario.mode)
+    case = S.attention_case(scenario, 8, 2, 64, dtype, torch.device(device), window=6)
+    what = f"{backend.key()} {scenario.name}, window 6 ({dtype_name(dtype)})"
+    out = _attend(impl, case, *(case.inputs[n] for n in "qkv"), what)
+    assert_close(out, case.expected, C.TOLERANCE[dtype], what, "")
+
+
 def _attend(impl, case: S.AttentionCase, q, k, v, what: str) -> torch.Tensor:
     given, before = snapshot(q=q, k=k, v=v)
     out = torch.full_like(case.inputs["q"], float("nan"))

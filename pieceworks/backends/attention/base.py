@@ -42,6 +42,19 @@ def gqa_kernel_reasons(model, kernels: str) -> list[str]:
 
 class AttentionBackend(Backend):
     op = "attention"
+    windows = False  # serves sliding-window layers (`ModelFacts.sliding_windows`)
+
+    @classmethod
+    def check(cls, spec):
+        reasons = super().check(spec)
+        if any(spec.model.sliding_windows) and not cls.windows:
+            reasons.append("no sliding-window attention (the model has windowed layers)")
+        return reasons
+
+    def window(self, layer_id: int) -> int:
+        """The keys a query of layer `layer_id` sees (itself and the W - 1 before it), 0 for all of them."""
+        windows = self.spec.model.sliding_windows
+        return windows[layer_id] if windows else 0
 
     def plan(self, meta: "StepMetadata") -> None:
         """Prepare for one step, on the host (fills static buffers; may sync). Called before the

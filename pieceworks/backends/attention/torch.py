@@ -14,11 +14,13 @@ from pieceworks.backends.base import ALL_GRAPH_MODES
 from pieceworks.core.batch import ForwardMode, GraphMode
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, prefix: int) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, prefix: int,
+           window: int = 0) -> torch.Tensor:
     """Causal attention of n new queries over S = prefix + n keys, float32.
 
     Args:
         q: [n, Hq, D]; k, v: [S, Hkv, D] (Hq a multiple of Hkv).
+        window: each query sees itself and the window - 1 keys before it (0: every earlier key).
     Returns:
         [n, Hq, D] float32.
     """
@@ -27,7 +29,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pref
     qf = q.float().view(n, hkv, hq // hkv, d)
     scores = torch.einsum("nhgd,shd->hgns", qf, k.float()) * scale
     q_pos = torch.arange(n, device=q.device).unsqueeze(1) + prefix
-    allowed = torch.arange(s, device=q.device).unsqueeze(0) <= q_pos
+    k_pos = torch.arange(s, device=q.device).unsqueeze(0)
+    allowed = k_pos <= q_pos
+    if window:
+        allowed &= k_pos > q_pos - window
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = scores.softmax(dim=-1)
     return torch.einsum("hgns,shd->nhgd", probs, v.float()).reshape(n, hq, v.shape[-1])
@@ -74,7 +79,8 @@ class TorchAttentionBackend(ReferencePlan, AttentionBackend):
     name = "torch"
     priority = 0
     graph_modes = ALL_GRAPH_MODES
-    description = "reference: gathered pages, float32 softmax"
+    windows = True
+    description = "reference: gathered pages, float32 softmax; serves sliding-window layers"
 
     def __init__(self, spec, options=None) -> None:
         super().__init__(spec, options)
@@ -91,15 +97,16 @@ class TorchAttentionBackend(ReferencePlan, AttentionBackend):
         v_rows.index_copy_(0, slots, v.to(vc.dtype))
         if q.shape[0] > self._num_tokens:  # padding rows: keep them finite for the next piece
             out[self._num_tokens :].zero_()
+        window = self.window(layer_id)
         if self._meta.mode is ForwardMode.DECODE:
-            self._decode(q, out, kc, vc, scale)
+            self._decode(q, out, kc, vc, scale, window)
             return
         for prefix, seq_len, pages, rows in self._seqs:
             keys = kc[pages].flatten(0, 1)[:seq_len]
             vals = vc[pages].flatten(0, 1)[:seq_len]
-            out[rows] = attend(q[rows], keys, vals, scale, prefix).to(out.dtype)
+            out[rows] = attend(q[rows], keys, vals, scale, prefix, window).to(out.dtype)
 
-    def _decode(self, q, out, kc, vc, scale) -> None:
+    def _decode(self, q, out, kc, vc, scale, window: int = 0) -> None:
         """Batched decode without host syncs: every sequence's pages gathered to the table width."""
         lens = self._seq_lens
         b = lens.shape[0]
@@ -108,7 +115,10 @@ class TorchAttentionBackend(ReferencePlan, AttentionBackend):
         vals = vc[table].flatten(1, 2)
         _, s, hkv, d = keys.shape
         hq = q.shape[1]
-        valid = torch.arange(s, device=q.device).unsqueeze(0) < lens.unsqueeze(1)
+        k_pos = torch.arange(s, device=q.device).unsqueeze(0)
+        valid = k_pos < lens.unsqueeze(1)
+        if window:  # the query sits at lens - 1
+            valid &= k_pos >= lens.unsqueeze(1) - window
         # Slots past a sequence's length (other pages, the reserved page) may hold anything, NaN
         # included: zero them, since a masked score times a NaN value is still NaN.
         keep = valid[:, :, None, None]

@@ -1,0 +1,116 @@
+"""Gemma3ForCausalLM (Gemma 3 1B, and Gemma 3's text models): Llama's projections in a sandwich block as
+transformers' Gemma 3 runs it, with
+
+- sliding-window attention in most layers (`layer_types`, or every `sliding_window_pattern`-th layer full): each
+  query sees itself and the `sliding_window` - 1 keys before it (`ModelFacts.sliding_windows`; attention backends
+  that declare `windows` serve it), and those layers rotate with their own rope (`rope_local_base_freq`);
+- q and k normalized per head before the rope, the attention scaled by `query_pre_attn_scalar` ** -0.5;
+- RMSNorms that multiply by 1 + weight (the loader adds the 1: the model's norms multiply by their weight; in bf16
+  the sum is rounded to bf16 where transformers keeps it float32), the embeddings times sqrt(hidden_size) rounded to
+  the model dtype, and GeGLU (gelu with the tanh approximation) in the MLP, on the unfused path.
+
+Soft-capping (Gemma 2's) and bidirectional attention are refused (`hf_config.gemma_form`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pieceworks.backends.base import ModelFacts
+from pieceworks.models import hf_config as hf_fields
+from pieceworks.models.base import GatedMLP, WeightSource
+from pieceworks.models.glm4 import SandwichBlock
+from pieceworks.models.llama import Llama, LlamaArgs
+from pieceworks.models.rope import RotaryEmbedding, rope_parameters
+from pieceworks.parallel.comm import reduce
+from pieceworks.parallel.layout import TPLayout
+
+NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+class GegluMLP(GatedMLP):
+    """down(gelu_tanh(gate(x)) * up(x)): gate and up one projection with two outputs (no SwiGLU epilogue)."""
+
+    def _mark_gate_up(self) -> None:
+        self._swiglu = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x)
+        return reduce(self.down_proj(F.gelu(gate, approximate="tanh") * up), self.tp)
+
+
+class Gemma3Block(SandwichBlock):
+    norms = NORMS
+
+    def __init__(self, a: LlamaArgs, layer_id: int, fp4: Callable[[str], bool], tp: TPLayout = TPLayout()) -> None:
+        super().__init__(a, layer_id, fp4, tp)
+        self.mlp = GegluMLP(a.hidden_size, a.intermediate_size, f"model.layers.{layer_id}.mlp", fp4, tp)
+        self.sliding = False  # set by the model: this layer's attention slides (and takes the local rope)
+
+    def load(self, src: WeightSource, prefix: str) -> None:
+        a = self.self_attn
+        n = self.input_layernorm.weight.shape[0]
+        for name in NORMS:
+            getattr(self, name).weight.copy_(src.tensor(f"{prefix}.{name}.weight", (n,)) + 1)
+        a.load(src, f"{prefix}.self_attn")
+        for norm in (a.q_norm, a.k_norm):
+            norm.weight.add_(1)
+        self.mlp.load(src, f"{prefix}.mlp")
+
+
+class Gemma3(Llama):
+    """Gemma3ForCausalLM; `windows` holds each layer's sliding window (0: full attention)."""
+
+    block = Gemma3Block
+
+    @staticmethod
+    def args_from_hf(hf_config: dict) -> LlamaArgs:
+        """Llama's arguments of the config's Llama form (`hf_config.gemma_form`), with Qwen3's per-head q/k norms."""
+        llama, _, _ = hf_fields.gemma_form(hf_fields.with_defaults(hf_config))
+        args = LlamaArgs.from_hf({**llama, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+        return dataclasses.replace(args, qk_norm="heads")
+
+    def __init__(self, hf_config: dict, dtype: torch.dtype, fp4: Callable[[str], bool] = lambda name: False,
+                 tp: TPLayout = TPLayout()):
+        super().__init__(hf_config, dtype, fp4, tp)
+        hf = hf_fields.with_defaults(hf_config)
+        _, local, sliding = hf_fields.gemma_form(hf)
+        self.windows = tuple(int(hf["sliding_window"]) if s else 0 for s in sliding)
+        scale = float(hf["query_pre_attn_scalar"]) ** -0.5
+        for block, s in zip(self.layers, sliding):
+            block.sliding = s
+            block.self_attn.scale = scale
+        a = self.args
+        self.rotary_local = RotaryEmbedding(rope_parameters({"max_position_embeddings": a.max_position_embeddings,
+                                                             "rope_parameters": local}),
+                                            a.rotary_dim, a.max_position_embeddings)
+        # sqrt(hidden_size) rounded to the model dtype, as transformers scales the embeddings
+        self.normalizer = float(torch.tensor(a.hidden_size**0.5, dtype=dtype, device="cpu"))
+
+    def rope_tables(self) -> list[RotaryEmbedding]:
+        return [self.rotary, self.rotary_local]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        rope = {False: self.rotary(positions), True: self.rotary_local(positions)}
+        h, residual = self.embed(input_ids), None
+        for layer in self.layers:
+            h, residual = layer(h, residual, *rope[layer.sliding])
+        return self.norm(h, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.normalizer
+
+    def facts(self, page_size: int) -> ModelFacts:
+        return dataclasses.replace(super().facts(page_size), sliding_windows=self.windows)
+
+    def load_plan(self):
+        """Llama's, the final norm's weight plus 1, and the sliding-window layers' rope table."""
+        plan = super().load_plan()
+        i = next(k for k, (label, _, _) in enumerate(plan) if label == "norm")
+        plan[i] = ("norm", self.norm, lambda src: self.norm.weight.copy_(
+            src.tensor("model.norm.weight", tuple(self.norm.weight.shape)) + 1))
+        return plan + [("rotary_local", self.rotary_local, lambda src: self.rotary_local.init_buffers())]
