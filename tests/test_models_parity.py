@@ -549,6 +549,26 @@ def test_family_defaults_are_transformers(model_type):
                                                       for m in _layers_of(ref)]
 
 
+def test_gemma3_config_with_only_its_model_type_is_transformers_default():
+    """A text_config as terse as the released Gemma 3 4B's leans on Gemma3TextConfig's defaults for the rest: an empty
+    one builds transformers' default model (sizes, windows, attention scale)."""
+    from transformers import Gemma3TextConfig
+
+    from pieceworks.models.gemma3 import Gemma3
+    from pieceworks.models.hf_config import gemma_form, with_defaults
+
+    ref, hf = Gemma3TextConfig(), with_defaults({"model_type": "gemma3_text"})
+    a = Gemma3.args_from_hf(hf)
+    assert (a.vocab_size, a.hidden_size, a.intermediate_size, a.num_layers, a.num_heads, a.num_kv_heads,
+            a.head_dim) == (ref.vocab_size, ref.hidden_size, ref.intermediate_size, ref.num_hidden_layers,
+                            ref.num_attention_heads, ref.num_key_value_heads, ref.head_dim)
+    _, local, sliding = gemma_form(hf)
+    assert sliding == tuple(k == "sliding_attention" for k in ref.layer_types)
+    assert (hf["sliding_window"], hf["query_pre_attn_scalar"]) == (ref.sliding_window, ref.query_pre_attn_scalar)
+    assert local["rope_theta"] == ref.rope_parameters["sliding_attention"]["rope_theta"]
+    assert a.rope["rope_theta"] == ref.rope_parameters["full_attention"]["rope_theta"]
+
+
 def _layers_of(config):
     from transformers import AutoModelForCausalLM
 
@@ -607,6 +627,60 @@ def test_gemma3_in_its_released_config_form(tmp_path):
     with _executor(tmp_path) as ex:
         assert ex.model.windows == (8, 8, 0, 8)
         _assert_close(ex.score([ids])[0], _ref_logits(model, ids))
+
+
+def test_gemma3_text_model_of_a_multimodal_checkpoint(tmp_path):
+    """Gemma3ForConditionalGeneration (Gemma 3 4B-27B): pieceworks runs its text model (text_config, tensors under
+    language_model.model.), the vision tower and projector unread; text-only logits and greedy tokens equal
+    transformers' multimodal model's; `pieceworks quantize` leaves the vision model unquantized and its NVFP4 text
+    model computes what transformers does with the dequantized weights."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from pieceworks.quant.nvfp4 import dequantize
+    from pieceworks.quant.quantizer import quantize_checkpoint
+
+    _, overrides = CASES["gemma3"]
+    torch.manual_seed(0)
+    text = {**LLAMA_BASE, "pad_token_id": None, **overrides, "vocab_size": 300}
+    model = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=text, vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=299, boi_token_index=297, eoi_token_index=298)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") and "language_model" in name:
+                p.uniform_(-0.5, 0.5)
+    model.save_pretrained(tmp_path / "src")
+    ids = _prompt(40, seed=10)
+    with _executor(tmp_path / "src") as ex:
+        assert ex.model.windows == (8, 8, 8, 0)
+        _assert_close(ex.score([ids])[0], _ref_logits(model, ids))
+        got = ex.generate([ids[:7]], max_new_tokens=8)[0]
+    seq = ids[:7]
+    for _ in range(8):
+        seq.append(int(_ref_logits(model, seq)[-1].argmax()))
+    assert got == seq[7:]
+    # the same tensors as transformers 5 may name them (model.language_model., model.vision_tower., ...)
+    shutil.copytree(tmp_path / "src", tmp_path / "t5")
+    renamed = {re.sub(r"^language_model\.model\.", "model.language_model.", re.sub(
+        r"^(vision_tower|multi_modal_projector)\.", r"model.\1.", k)): v
+        for k, v in load_file(tmp_path / "src" / "model.safetensors").items()}
+    save_file(renamed, tmp_path / "t5" / "model.safetensors", metadata={"format": "pt"})
+    with _executor(tmp_path / "t5") as ex:
+        _assert_close(ex.score([ids])[0], _ref_logits(model, ids))
+
+    quantize_checkpoint(tmp_path / "src", tmp_path / "fp4", amax=8.0, progress=False)
+    tensors = {k: v for f in sorted((tmp_path / "fp4").glob("*.safetensors")) for k, v in load_file(f).items()}
+    packed = {k[:-len(".weight")] for k, v in tensors.items() if k.endswith(".weight") and v.dtype == torch.uint8}
+    assert packed and all(p.startswith("language_model.model.layers.") for p in packed)
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for p in packed:
+            w = dequantize(tensors[f"{p}.weight"], tensors[f"{p}.weight_scale"], tensors[f"{p}.weight_scale_2"])
+            params[p.replace("language_model.model.", "model.language_model.") + ".weight"].copy_(w)
+    with _executor(tmp_path / "fp4") as ex:
+        assert ex.model.has_fp4()
+        _assert_close(ex.score([ids])[0], _ref_logits(model, ids), rtol=1e-3)
 
 
 def test_random_olmo2_from_model_sizes():

@@ -640,3 +640,20 @@ def test_glm4_moe_experts_and_shared_experts_are_calibrated(tmp_path, recwarn):
         assert amax.get(name, 0) > 0, name
     assert not reader.has("model.layers.1.mlp.gate.weight_scale")
     assert reader.get("model.layers.1.mlp.gate.e_score_correction_bias").dtype == torch.float32
+
+
+def test_gemma3_multimodal_text_model_is_calibrated_under_its_checkpoint_names(tmp_path, recwarn):
+    """transformers 5 runs Gemma 3's text model as `model.language_model`; its checkpoint says
+    `language_model.model`: every text linear gets its measured input_scale, the vision model none."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4),
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=127, boi_token_index=125, eoi_token_index=126)).eval()
+    amax, reader = _calibrate_and_quantize(model, tmp_path, recwarn, "language_model.model.layers.1.mlp.down_proj")
+    assert not [k for k in amax if k.startswith("model.")]
+    assert not [n for n in reader.names() if "vision_tower" in n and n.endswith("weight_scale")]

@@ -196,8 +196,10 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "glm4_moe": {**_LONG, **_E5, "partial_rotary_factor": 0.5},
     "ernie4_5": {**_LONG, **_E5, "head_dim": 128, "rope_theta": 500000.0, "tie_word_embeddings": True},
     "ernie4_5_moe": {**_LONG, **_E5, "rope_theta": 500000.0, "tie_word_embeddings": True},
+    # Gemma 3's: the released 4B-27B checkpoints' text_config leaves out what equals these
     "gemma3_text": {**_LONG, "head_dim": 256, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
-                    "sliding_window": 4096},
+                    "sliding_window": 4096, "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4},
     "deepseek_v3": {"q_lora_rank": 1536, "n_routed_experts": 256, "moe_intermediate_size": 2048,
                     "num_experts_per_tok": 8, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
                     "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4},

@@ -19,6 +19,23 @@ def family(hf: dict) -> str | None:
     return hf.get("model_type")
 
 
+# multimodal checkpoints whose text model pieceworks runs: its architecture, the prefixes its tensors take (the
+# released form, transformers 5's), the other models' tensors (not read)
+MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
+OTHER_PARTS = ("vision_tower", "multi_modal_projector", "model.vision_tower", "model.multi_modal_projector")
+
+
+def text_model(hf: dict) -> dict | None:
+    """A multimodal config.json's text model as a config of its own (`text_config`, with the top-level head tying
+    and quantization; `text_of` names the multimodal architecture), or None for any other config."""
+    archs = [a for a in hf.get("architectures") or [] if a in MULTIMODAL]
+    if not archs or not isinstance(hf.get("text_config"), dict):
+        return None
+    top = {k: hf[k] for k in ("tie_word_embeddings", "quantization_config") if k in hf}
+    return {**hf["text_config"], **top, "architectures": [MULTIMODAL[archs[0]]], "text_of": archs[0]}
+
+
 def is_mixtral(hf: dict) -> bool:
     return family(hf) == "mixtral"
 

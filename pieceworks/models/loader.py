@@ -27,6 +27,7 @@ from pieceworks.models.gemma3 import Gemma3
 from pieceworks.models.glm4 import Glm4
 from pieceworks.models.granite import Granite
 from pieceworks.models.llama import Llama
+from pieceworks.models.llama_families import OTHER_PARTS, TEXT_PREFIXES, text_model
 from pieceworks.models.olmo2 import Olmo2
 from pieceworks.parallel.layout import TPLayout
 from pieceworks.util import checked_stat, unreadable
@@ -87,7 +88,7 @@ def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype
 
         reader = reader or CheckpointReader(Path(model_cfg.path))
         _check_tied_head(reader, hf, allow_extra)
-        named = cls.checkpoint_names(hf)
+        named = _checkpoint_names(cls, hf, reader)
         source: Any = CheckpointSource(reader if named is None else RenamingReader(reader, named), device, dtype)
     else:
         from pieceworks.models.weights import RandomSource
@@ -184,6 +185,7 @@ def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Cal
 
         path = Path(model_cfg.path)
         hf = read_config(path)
+        hf = text_model(hf) or hf  # Gemma 3 4B-27B: the text model of a multimodal checkpoint
         cls = architecture(hf, path / "config.json")
         try:
             hf_fields.check(hf, cls.arch)
@@ -199,7 +201,11 @@ def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Cal
                                   "it first (`pieceworks quantize`) or use quantization.format=auto")
         if quant is None:
             return cls, hf, lambda name: False, reader
-        named = cls.checkpoint_names(hf) or (lambda name: name)  # the exclusions name checkpoint modules
+        if hf.get("text_of"):  # its names' prefix is read off the checkpoint
+            from pieceworks.models.checkpoint import CheckpointReader
+
+            reader = CheckpointReader(path)
+        named = _checkpoint_names(cls, hf, reader) or (lambda name: name)  # the exclusions name checkpoint modules
         return cls, hf, lambda name: not quant.is_excluded(named(name)), reader
     from pieceworks.models.presets import preset_config
 
@@ -229,6 +235,22 @@ def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Cal
            else {})
     cls = own.get(hf.get("model_type"), ARCHS[model_cfg.arch])
     return cls, hf, lambda name: random_fp4, None
+
+
+def _checkpoint_names(cls: type[CausalLM], hf: dict, reader: Any) -> Callable[[str], str] | None:
+    """The model's `checkpoint_names`, or for a multimodal checkpoint's text model (`text_model`) its names under
+    the prefix the checkpoint gives them (`language_model.model.` as released, `model.language_model.` as
+    transformers 5 may write)."""
+    if not hf.get("text_of"):
+        return cls.checkpoint_names(hf)
+    names = reader.names()
+    prefix = next((p for p in TEXT_PREFIXES if any(n.startswith(p) for n in names)), None)
+    if prefix is None:
+        raise CheckpointError(f"{reader.model_dir}: a {hf['text_of']} checkpoint without its text model's tensors "
+                              f"(none starts with {' or '.join(TEXT_PREFIXES)})")
+    head = "language_model.lm_head." if prefix == TEXT_PREFIXES[0] else "lm_head."
+    return lambda name: (prefix + name[len("model."):] if name.startswith("model.")
+                         else head + name[len("lm_head."):] if name.startswith("lm_head.") else name)
 
 
 def read_config(path: Path) -> dict:
@@ -292,13 +314,14 @@ def check_unused(reader: Any, model: CausalLM) -> None:
     """
     num_layers = len(model.layers)
     mtp = int(model.hf_config.get("num_nextn_predict_layers") or 0)
+    other = OTHER_PARTS if model.hf_config.get("text_of") else ()  # a multimodal checkpoint's vision model
     # an expert-parallel rank reads its own routed experts only; the others' are another rank's
     held = {(m.first_expert, m.num_experts) for m in model.modules() if hasattr(m, "first_expert")}
     first, count = next(iter(held)) if held else (0, 0)
     others = model.tp.sharded and model.tp.expert_parallel
     extra = []
     for name in reader.names():
-        if name in reader.read or name.endswith("rotary_emb.inv_freq"):
+        if name in reader.read or name.endswith("rotary_emb.inv_freq") or name.startswith(other):
             continue
         parts = name.split(".")
         if others and len(parts) > 5 and parts[4] == "experts" and parts[5].isdigit() and \

@@ -121,9 +121,17 @@ def calibrate_input_amax(model: torch.nn.Module, batches: Iterable[torch.Tensor]
     return {rename(name): v for name, v in out.items()}
 
 
-_CHECKPOINT_NAMES = {"mixtral": mixtral_name}
+def _released_multimodal_name(name: str) -> str:
+    """transformers 5's `model.language_model.X` (`model.vision_tower.X`, ...) as the released multimodal checkpoints,
+    and transformers' save_pretrained, name it: `language_model.model.X` (`vision_tower.X`)."""
+    if name.startswith("model.language_model."):
+        return "language_model.model." + name[len("model.language_model."):]
+    return name[len("model."):] if name.startswith(("model.vision_tower.", "model.multi_modal_projector.")) else name
+
+
+_CHECKPOINT_NAMES = {"mixtral": mixtral_name, "gemma3": _released_multimodal_name}
 """Per model_type, the checkpoint's name of a transformers module name where they differ (transformers 5 names
-Mixtral's modules as pieceworks' Llama does)."""
+Mixtral's modules as pieceworks' Llama does, and Gemma 3's text model `model.language_model`)."""
 
 
 def text_batches(tokenizer, text: str, seq_len: int) -> list[torch.Tensor]:

@@ -47,6 +47,9 @@ from pieceworks.quant.shard_writer import ShardedWriter, TensorSpec
 
 DEFAULT_EXCLUDE = (
     "lm_head",
+    "*.lm_head",  # a multimodal checkpoint's (language_model.lm_head)
+    "*vision_tower*",  # and its vision model, which pieceworks does not run
+    "*multi_modal_projector*",
     "*embed_tokens",
     "*.mlp.gate",
     "*router*",
