@@ -852,14 +852,14 @@ def test_nvfp4_tensors_without_a_quantization_config(ckpt):
     looked = (rf"but no quantization config: looked for {ckpt / 'hf_quant_config.json'} and a quantization_config "
               rf"in {ckpt / 'config.json'}; restore the one ModelOpt exported")
     for fmt in ("auto", "nvfp4", "none"):
-        with pytest.raises(CheckpointError, match=rf"holds NVFP4 tensors \(model\.layers\..*\.weight_scale, \.\.\.\) "
+        with pytest.raises(CheckpointError, match=r"holds NVFP4 tensors \(model\.layers\..*\.weight_scale, \.\.\.\) "
                                                   + looked):
             load_model(ModelConfig(path=str(ckpt)), QuantizationConfig(format=fmt), "cpu", torch.float32,
                        progress=False)
     with pytest.raises(CheckpointError, match=looked):
         model_facts(ModelConfig(path=str(ckpt)), QuantizationConfig(), page_size=16)
     _edit_tensors(ckpt, lambda t: [t.pop(n) for n in list(t) if n.endswith(("_scale", "_scale_2"))])
-    with pytest.raises(CheckpointError, match=rf"holds NVFP4 tensors \(model\.layers\..*\.weight, \.\.\.\) " + looked):
+    with pytest.raises(CheckpointError, match=r"holds NVFP4 tensors \(model\.layers\..*\.weight, \.\.\.\) " + looked):
         _load(ckpt)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 
-import pytest
 
 from pieceworks import SamplingParams
 from pieceworks.chat import chat_loop

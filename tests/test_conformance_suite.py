@@ -19,7 +19,6 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-import torch
 
 from pieceworks import hookimpl
 from pieceworks.backends.attention.base import AttentionBackend

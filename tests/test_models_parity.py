@@ -315,6 +315,15 @@ def case(request, tmp_path_factory):
     return model, path, _executor(path)
 
 
+def test_every_architecture_has_a_parity_case():
+    """models/loader.ARCHITECTURES and the transformers classes of CASES name the same architectures."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LM
+
+    from pieceworks.models.loader import ARCHITECTURES
+
+    assert {CAUSAL_LM[arch] for arch, _ in CASES.values()} == set(ARCHITECTURES)
+
+
 def _executor(path, **quant) -> Executor:
     cfg = {"model": {"path": str(path)}, "runtime": {"device": "cpu", "dtype": "float32"},
            "kv_cache": {"num_tokens": 2048, "page_size": 4}, "quantization": quant}
