@@ -451,6 +451,7 @@ def test_model_dependent_reasons():
     assert "head_dim 64, 128 or 256" in reasons(FlashInferAttentionBackend, LLAMA, head_dim=96)
     assert "no sliding-window attention" in reasons(FlashInferAttentionBackend, LLAMA, sliding_windows=(0, 512))
     assert reasons(FlashInferAttentionBackend, LLAMA, sliding_windows=(0, 0)) == ""
+    assert "no soft-capped attention scores" in reasons(FlashInferAttentionBackend, LLAMA, attn_logit_softcap=50.0)
     w4a16 = BackendSpec(**cuda, model=DSV3, fp4_numerics="w4a16")
     assert any("implements w4a4 numerics" in x for x in FlashInferCutlassFp4GemmBackend.check(w4a16))
     assert "float32" in reasons(FlashInferTrtllmFp4GemmBackend, DSV3, dtype=torch.float32)

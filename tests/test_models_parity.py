@@ -75,6 +75,10 @@ CASES = {
                                    rope_parameters=dict(full_attention=dict(rope_type="linear", factor=2.0,
                                                                             rope_theta=1e6),
                                                         sliding_attention=dict(rope_type="default", rope_theta=1e4)))),
+    # Gemma2ForCausalLM: soft-capped attention scores and logits, 8-token windows in every other layer, no q/k norms;
+    # the caps low enough to bend this tiny model's small scores (at 2, dropping the attention's cap passed)
+    "gemma2": ("gemma2", dict(head_dim=32, sliding_window=8, num_hidden_layers=4, query_pre_attn_scalar=24,
+                              attn_logit_softcapping=0.01, final_logit_softcapping=1.0, rope_theta=1e4)),
     # SeedOssForCausalLM: q/k/v biases (attention_bias), none on o (attention_out_bias)
     "seed_oss": ("seed_oss", dict(head_dim=32, rope_theta=1e7)),
     # Olmo2ForCausalLM: post-norm blocks, q and k normalized over the whole projection, GQA
@@ -237,16 +241,15 @@ def _hf_model(arch: str, overrides: dict) -> torch.nn.Module:
                 if hasattr(layer.mlp, "gate"):
                     layer.mlp.gate.moe_statics.e_score_correction_bias.uniform_(0.0, 0.1)
         return model
-    if arch == "gemma3_text":
-        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    if arch in ("gemma3_text", "gemma2"):
+        from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
-        model = Gemma3ForCausalLM(Gemma3TextConfig(**{**LLAMA_BASE, "pad_token_id": None, **overrides})).eval()
+        cls, config = (Gemma2ForCausalLM, Gemma2Config) if arch == "gemma2" else (Gemma3ForCausalLM, Gemma3TextConfig)
+        model = cls(config(**{**LLAMA_BASE, "pad_token_id": None, **overrides})).eval()
         with torch.no_grad():  # norm weights away from 0 (Gemma's norms multiply by 1 + weight)
-            for layer in model.model.layers:
-                for norm in (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
-                             layer.post_feedforward_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm):
-                    norm.weight.uniform_(-0.5, 0.5)
-            model.model.norm.weight.uniform_(-0.5, 0.5)
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.uniform_(-0.5, 0.5)
         return model
     if arch == "seed_oss":
         from transformers import SeedOssConfig, SeedOssForCausalLM
@@ -518,7 +521,8 @@ LLAMA_FAMILIES = ["llama", "mistral", "mixtral", "phi3", "qwen2", "qwen2_moe", "
                   "smollm3", "olmo2", "seed_oss", "glm4", "glm4_moe", "ernie4_5", "ernie4_5_moe"]
 
 
-@pytest.mark.parametrize("model_type", LLAMA_FAMILIES + ["gemma3_text", "deepseek_v3", "deepseek_v2", "glm4_moe_lite"])
+@pytest.mark.parametrize("model_type", LLAMA_FAMILIES + ["gemma3_text", "gemma2", "deepseek_v3", "deepseek_v2",
+                                                         "glm4_moe_lite"])
 def test_family_defaults_are_transformers(model_type):
     """A config.json that leaves out what it may: each family reads transformers' defaults (GLM-4's head_dim 128
     and half-head rope, ERNIE 4.5's rope_theta 500000 and tied head, Mixtral's rms_norm_eps 1e-5, DeepSeek-V3's q
@@ -534,15 +538,16 @@ def test_family_defaults_are_transformers(model_type):
                                                                     qk_rope_head_dim=8, v_head_dim=12)
     if model_type == "deepseek_v2":
         sizes.update(num_experts_per_tok=2)  # transformers' default None routes nothing
-    if model_type == "gemma3_text":
+    if model_type in ("gemma3_text", "gemma2"):
         from pieceworks.models.gemma3 import Gemma3
 
         sizes.update(num_key_value_heads=2)
     ref = AutoConfig.for_model(model_type, **sizes)
-    read = Gemma3.args_from_hf if model_type == "gemma3_text" else (LlamaArgs if llama else DeepseekV3Args).from_hf
+    gemma = model_type in ("gemma3_text", "gemma2")
+    read = Gemma3.args_from_hf if gemma else (LlamaArgs if llama else DeepseekV3Args).from_hf
     ours = read({"model_type": model_type, **sizes})
     rope = ref.rope_parameters.get("full_attention", ref.rope_parameters)  # Gemma 3's: per layer kind
-    llama = llama or model_type == "gemma3_text"
+    llama = llama or gemma
     assert ours.rope["rope_theta"] == rope["rope_theta"]
     assert (ours.rms_norm_eps, ours.max_position_embeddings, ours.tie_word_embeddings) == (
         ref.rms_norm_eps, ref.max_position_embeddings, ref.tie_word_embeddings)
@@ -731,7 +736,7 @@ def test_smollm3_nope_layers_from_the_interval_as_transformers_derives_them(inte
 
 
 @pytest.mark.parametrize("name", ["olmo2", "granite", "phi4_mini_partial", "smollm3_nope_interval", "seed_oss",
-                                  "glm4", "ernie4_5", "gemma3"])
+                                  "glm4", "ernie4_5", "gemma3", "gemma2"])
 def test_quantized_checkpoints_of_the_newer_families_load_as_nvfp4(name, tmp_path):
     """`pieceworks quantize` (a fixed activation amax: these directories hold no tokenizer) of each family's
     transformers checkpoint loads as an NVFP4 model that computes what the transformers model computes with the

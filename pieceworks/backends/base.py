@@ -43,6 +43,8 @@ class ModelFacts:
         sliding_windows: per layer, the keys a query sees in a sliding-window layer (itself and the W - 1
             before it), 0 in a full-attention layer; empty: every layer full (GQA attention backends that declare
             `windows` serve it).
+        attn_logit_softcap: Gemma 2's: scores become cap * tanh(scores / cap) before the softmax (0: none;
+            attention backends that declare `softcap` serve it).
     """
 
     arch: str = "llama"
@@ -57,6 +59,7 @@ class ModelFacts:
     moe_experts: int = 0
     moe_quant: str = "none"
     sliding_windows: tuple[int, ...] = ()
+    attn_logit_softcap: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,18 @@
-"""Gemma3ForCausalLM (Gemma 3 1B, and Gemma 3's text models): Llama's projections in a sandwich block as
-transformers' Gemma 3 runs it, with
+"""Gemma3ForCausalLM (Gemma 3 1B, and Gemma 3's text models) and Gemma2ForCausalLM: Llama's projections in a
+sandwich block as transformers' Gemma runs it, with
 
-- sliding-window attention in most layers (`layer_types`, or every `sliding_window_pattern`-th layer full): each
-  query sees itself and the `sliding_window` - 1 keys before it (`ModelFacts.sliding_windows`; attention backends
-  that declare `windows` serve it), and those layers rotate with their own rope (`rope_local_base_freq`);
-- q and k normalized per head before the rope, the attention scaled by `query_pre_attn_scalar` ** -0.5;
+- sliding-window attention in most layers (`layer_types`, or every `sliding_window_pattern`-th layer full, Gemma 2's
+  every other one): each query sees itself and the `sliding_window` - 1 keys before it (`ModelFacts.sliding_windows`;
+  attention backends that declare `windows` serve it), and Gemma 3's rotate with their own rope
+  (`rope_local_base_freq`);
+- Gemma 3's q and k normalized per head before the rope; the attention scaled by `query_pre_attn_scalar` ** -0.5;
+  Gemma 2's attention scores and logits soft-capped (cap * tanh(x / cap): `attn_logit_softcapping`,
+  `final_logit_softcapping`);
 - RMSNorms that multiply by 1 + weight (the loader adds the 1: the model's norms multiply by their weight; in bf16
   the sum is rounded to bf16 where transformers keeps it float32), the embeddings times sqrt(hidden_size) rounded to
   the model dtype, and GeGLU (gelu with the tanh approximation) in the MLP, on the unfused path.
 
-Soft-capping (Gemma 2's) and bidirectional attention are refused (`hf_config.gemma_form`).
+Bidirectional attention is refused (`hf_config.gemma_form`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pieceworks.models import hf_config as hf_fields
 from pieceworks.models.base import GatedMLP, WeightSource
 from pieceworks.models.glm4 import SandwichBlock
 from pieceworks.models.llama import Llama, LlamaArgs
+from pieceworks.models.llama_families import family
 from pieceworks.models.rope import RotaryEmbedding, rope_parameters
 from pieceworks.parallel.comm import reduce
 from pieceworks.parallel.layout import TPLayout
@@ -57,22 +61,25 @@ class Gemma3Block(SandwichBlock):
         for name in NORMS:
             getattr(self, name).weight.copy_(src.tensor(f"{prefix}.{name}.weight", (n,)) + 1)
         a.load(src, f"{prefix}.self_attn")
-        for norm in (a.q_norm, a.k_norm):
-            norm.weight.add_(1)
+        if a.q_norm is not None:  # Gemma 3's
+            for norm in (a.q_norm, a.k_norm):
+                norm.weight.add_(1)
         self.mlp.load(src, f"{prefix}.mlp")
 
 
 class Gemma3(Llama):
-    """Gemma3ForCausalLM; `windows` holds each layer's sliding window (0: full attention)."""
+    """Gemma3ForCausalLM and Gemma2ForCausalLM; `windows` holds each layer's sliding window (0: full attention)."""
 
     block = Gemma3Block
 
     @staticmethod
     def args_from_hf(hf_config: dict) -> LlamaArgs:
-        """Llama's arguments of the config's Llama form (`hf_config.gemma_form`), with Qwen3's per-head q/k norms."""
-        llama, _, _ = hf_fields.gemma_form(hf_fields.with_defaults(hf_config))
+        """Llama's arguments of the config's Llama form (`hf_config.gemma_form`), with Qwen3's per-head q/k norms
+        (Gemma 3's; Gemma 2 has none)."""
+        hf = hf_fields.with_defaults(hf_config)
+        llama, _, _ = hf_fields.gemma_form(hf)
         args = LlamaArgs.from_hf({**llama, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
-        return dataclasses.replace(args, qk_norm="heads")
+        return dataclasses.replace(args, qk_norm=None if family(hf) == "gemma2" else "heads")
 
     def __init__(self, hf_config: dict, dtype: torch.dtype, fp4: Callable[[str], bool] = lambda name: False,
                  tp: TPLayout = TPLayout()):
@@ -90,6 +97,9 @@ class Gemma3(Llama):
                                             a.rotary_dim, a.max_position_embeddings)
         # sqrt(hidden_size) rounded to the model dtype, as transformers scales the embeddings
         self.normalizer = float(torch.tensor(a.hidden_size**0.5, dtype=dtype, device="cpu"))
+        # Gemma 2's soft-capping of the attention scores and of the logits (0: none; Gemma 3's)
+        self.attn_softcap, self.logit_softcap = (float(hf.get(k) or 0.0) for k in ("attn_logit_softcapping",
+                                                                                   "final_logit_softcapping"))
 
     def rope_tables(self) -> list[RotaryEmbedding]:
         return [self.rotary, self.rotary_local]
@@ -105,7 +115,14 @@ class Gemma3(Llama):
         return self.embed_tokens(input_ids) * self.normalizer
 
     def facts(self, page_size: int) -> ModelFacts:
-        return dataclasses.replace(super().facts(page_size), sliding_windows=self.windows)
+        return dataclasses.replace(super().facts(page_size), sliding_windows=self.windows,
+                                   attn_logit_softcap=self.attn_softcap)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        if self.logit_softcap:
+            return torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
 
     def load_plan(self):
         """Llama's, the final norm's weight plus 1, and the sliding-window layers' rope table."""

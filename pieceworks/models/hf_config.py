@@ -92,7 +92,7 @@ FIELDS: dict[str, dict[str, tuple[str, str | None, bool]]] = {
         "moe_layer_end_index": ("int", None, False),
         "moe_layer_interval": ("int", "pos", False),
         "moe_norm_min": ("float", "posf", False),
-        # Gemma 3's: the attention's scale, sliding-window layers (their rope base), GeGLU; soft-capping refused
+        # Gemma's: the attention's scale, sliding-window layers (Gemma 3's rope base), GeGLU, Gemma 2's soft-capping
         "query_pre_attn_scalar": ("float", "posf", False),
         "sliding_window_pattern": ("int", "pos", False),
         "rope_local_base_freq": ("float", "posf", False),
@@ -196,6 +196,10 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "glm4_moe": {**_LONG, **_E5, "partial_rotary_factor": 0.5},
     "ernie4_5": {**_LONG, **_E5, "head_dim": 128, "rope_theta": 500000.0, "tie_word_embeddings": True},
     "ernie4_5_moe": {**_LONG, **_E5, "rope_theta": 500000.0, "tie_word_embeddings": True},
+    "gemma2": {"head_dim": 256, "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+               "max_position_embeddings": 8192, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+               "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+               "num_attention_heads": 8, "num_key_value_heads": 4},
     # Gemma 3's: the released 4B-27B checkpoints' text_config leaves out what equals these
     "gemma3_text": {**_LONG, "head_dim": 256, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
                     "sliding_window": 4096, "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
@@ -212,27 +216,26 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 def gemma_form(hf: dict) -> tuple[dict, dict, tuple[bool, ...]]:
-    """A Gemma 3 config.json (its family's defaults filled in) as (the config in Llama's form: its full-attention
-    layers' rope as the rope settings, no layer types or window; the sliding-window layers' rope settings; per layer,
-    whether it slides). Reads transformers 5's form (rope_parameters per layer kind, layer_types) and the released
-    one (rope_theta, rope_scaling and rope_local_base_freq; every sliding_window_pattern-th layer full).
+    """A Gemma 2 or Gemma 3 config.json (its family's defaults filled in) as (the config in Llama's form: its
+    full-attention layers' rope as the rope settings, no layer types or window; the sliding-window layers' rope
+    settings, Gemma 2's the same; per layer, whether it slides). Reads transformers 5's form (Gemma 3's
+    rope_parameters per layer kind, layer_types) and the released one (rope_theta, rope_scaling and Gemma 3's
+    rope_local_base_freq; every sliding_window_pattern-th layer full, Gemma 2's every other one).
 
     Raises:
-        FieldError: soft-capping or bidirectional attention (Gemma 2's, EmbeddingGemma's: not implemented), an
-            activation other than gelu_pytorch_tanh, or layer types other than sliding_attention / full_attention.
+        FieldError: bidirectional attention (EmbeddingGemma's: not implemented), an activation other than
+            gelu_pytorch_tanh, or layer types other than sliding_attention / full_attention.
     """
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if hf.get(key) is not None:
-            raise FieldError(key, f"{hf[key]!r}: pieceworks' Gemma 3 runs no soft-capping (null, as Gemma 3's)")
+    gemma2 = family(hf) == "gemma2"
     if hf.get("use_bidirectional_attention"):
         raise FieldError("use_bidirectional_attention", "true: pieceworks runs causal attention")
     act = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
     if act != "gelu_pytorch_tanh":
-        raise FieldError("hidden_activation", f"{act!r}: pieceworks' Gemma 3 runs gelu_pytorch_tanh")
+        raise FieldError("hidden_activation", f"{act!r}: pieceworks' Gemma runs gelu_pytorch_tanh")
     n = hf["num_hidden_layers"]
     kinds = hf.get("layer_types")
     if kinds is None:
-        every = hf.get("sliding_window_pattern", 6)
+        every = 2 if gemma2 else hf.get("sliding_window_pattern", 6)
         kinds = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
     if not isinstance(kinds, list) or len(kinds) < n or any(k not in ("sliding_attention", "full_attention")
                                                             for k in kinds):
@@ -246,8 +249,12 @@ def gemma_form(hf: dict) -> tuple[dict, dict, tuple[bool, ...]]:
         full = {**(hf.get("rope_scaling") or hf.get("rope_parameters") or {"rope_type": "default"})}
         local = {"rope_type": "default", "rope_theta": hf.get("rope_local_base_freq", 10000.0)}
         full.setdefault("rope_theta", hf.get("rope_theta", 1e6))
-    full.setdefault("rope_theta", 1e6)
+    full.setdefault("rope_theta", 10000.0 if gemma2 else 1e6)
     local.setdefault("rope_theta", hf.get("rope_local_base_freq", 10000.0))
+    if gemma2:  # one rope for every layer
+        full = {**(hf.get("rope_parameters") or hf.get("rope_scaling") or {"rope_type": "default"})}
+        full.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+        local = full
     llama = {k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_theta", "layer_types", "sliding_window",
                                                       "hidden_activation")}
     return {**llama, "rope_parameters": full, "hidden_act": "silu"}, local, tuple(
@@ -313,7 +320,7 @@ def check(hf: dict, arch: str) -> None:
     defaults filled in (`with_defaults`).
     """
     hf = with_defaults(hf)
-    if family(hf) == "gemma3_text":  # its own fields checked, the rest as Llama's
+    if family(hf) in ("gemma2", "gemma3_text"):  # its own fields checked, the rest as Llama's
         hf, local, _ = gemma_form(hf)
         if not _type_ok("float", local["rope_theta"]) or not local["rope_theta"] > 0:
             raise FieldError("rope_local_base_freq", f"{local['rope_theta']!r} must be a finite number > 0")

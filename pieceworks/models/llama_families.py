@@ -8,7 +8,7 @@ ARCHITECTURE_FAMILIES = {"MixtralForCausalLM": "mixtral", "Phi3ForCausalLM": "ph
                          "SeedOssForCausalLM": "seed_oss", "Glm4ForCausalLM": "glm4",
                          "Glm4MoeForCausalLM": "glm4_moe", "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
                          "Ernie4_5ForCausalLM": "ernie4_5", "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
-                         "Gemma3ForCausalLM": "gemma3_text"}
+                         "Gemma3ForCausalLM": "gemma3_text", "Gemma2ForCausalLM": "gemma2"}
 
 
 def family(hf: dict) -> str | None:

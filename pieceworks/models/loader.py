@@ -44,6 +44,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen3MoeForCausalLM": Llama,  # and softmax-routed experts in its sparse layers (LlamaArgs.moe)
     "Glm4ForCausalLM": Glm4,  # q/k/v biases, half-head interleaved rope, sandwich norms (models/glm4.py)
     "Gemma3ForCausalLM": Gemma3,  # sliding-window layers, q/k norms, GeGLU, sandwich norms (models/gemma3.py)
+    "Gemma2ForCausalLM": Gemma3,  # and soft-capped attention scores and logits, without q/k norms
     "Glm4MoeForCausalLM": Llama,  # q/k/v biases, half-head rope, DeepSeek-V3's routing and shared experts
     "Ernie4_5ForCausalLM": Llama,  # Llama's layers with an interleaved rope
     "Ernie4_5_MoeForCausalLM": Llama,  # and softmax-routed experts chosen with a correction bias, shared experts
@@ -229,10 +230,10 @@ def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Cal
                           f"{model_cfg.preset or 'tiny'})") from None
     # Random NVFP4: every projection; the head and the router are never built as NVFP4 (as ModelOpt).
     random_fp4 = fmt == "nvfp4"
-    # model.sizes.model_type granite, olmo2, glm4 or gemma3_text: their classes (Llama's other families are Llama's
+    # model.sizes.model_type granite, olmo2, glm4, gemma3_text or gemma2: their classes (Llama's other families are Llama's
     # flags)
-    own = ({"granite": Granite, "olmo2": Olmo2, "glm4": Glm4, "gemma3_text": Gemma3} if model_cfg.arch == "llama"
-           else {})
+    own = ({"granite": Granite, "olmo2": Olmo2, "glm4": Glm4, "gemma3_text": Gemma3, "gemma2": Gemma3}
+           if model_cfg.arch == "llama" else {})
     cls = own.get(hf.get("model_type"), ARCHS[model_cfg.arch])
     return cls, hf, lambda name: random_fp4, None
 

@@ -43,12 +43,15 @@ def gqa_kernel_reasons(model, kernels: str) -> list[str]:
 class AttentionBackend(Backend):
     op = "attention"
     windows = False  # serves sliding-window layers (`ModelFacts.sliding_windows`)
+    softcap = False  # serves soft-capped scores (`ModelFacts.attn_logit_softcap`)
 
     @classmethod
     def check(cls, spec):
         reasons = super().check(spec)
         if any(spec.model.sliding_windows) and not cls.windows:
             reasons.append("no sliding-window attention (the model has windowed layers)")
+        if spec.model.attn_logit_softcap and not cls.softcap:
+            reasons.append("no soft-capped attention scores (the model caps them)")
         return reasons
 
     def window(self, layer_id: int) -> int:

@@ -15,19 +15,20 @@ from pieceworks.core.batch import ForwardMode, GraphMode
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, prefix: int,
-           window: int = 0) -> torch.Tensor:
+           window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of n new queries over S = prefix + n keys, float32.
 
     Args:
         q: [n, Hq, D]; k, v: [S, Hkv, D] (Hq a multiple of Hkv).
         window: each query sees itself and the window - 1 keys before it (0: every earlier key).
+        softcap: scores become softcap * tanh(scores / softcap) before the mask (0: unchanged).
     Returns:
         [n, Hq, D] float32.
     """
     n, hq, d = q.shape
     s, hkv, _ = k.shape
     qf = q.float().view(n, hkv, hq // hkv, d)
-    scores = torch.einsum("nhgd,shd->hgns", qf, k.float()) * scale
+    scores = _capped(torch.einsum("nhgd,shd->hgns", qf, k.float()) * scale, softcap)
     q_pos = torch.arange(n, device=q.device).unsqueeze(1) + prefix
     k_pos = torch.arange(s, device=q.device).unsqueeze(0)
     allowed = k_pos <= q_pos
@@ -36,6 +37,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pref
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = scores.softmax(dim=-1)
     return torch.einsum("hgns,shd->nhgd", probs, v.float()).reshape(n, hq, v.shape[-1])
+
+
+def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    return torch.tanh(scores / softcap) * softcap if softcap else scores
 
 
 class ReferencePlan:
@@ -79,8 +84,8 @@ class TorchAttentionBackend(ReferencePlan, AttentionBackend):
     name = "torch"
     priority = 0
     graph_modes = ALL_GRAPH_MODES
-    windows = True
-    description = "reference: gathered pages, float32 softmax; serves sliding-window layers"
+    windows = softcap = True
+    description = "reference: gathered pages, float32 softmax; serves sliding-window layers and soft-capped scores"
 
     def __init__(self, spec, options=None) -> None:
         super().__init__(spec, options)
@@ -97,16 +102,16 @@ class TorchAttentionBackend(ReferencePlan, AttentionBackend):
         v_rows.index_copy_(0, slots, v.to(vc.dtype))
         if q.shape[0] > self._num_tokens:  # padding rows: keep them finite for the next piece
             out[self._num_tokens :].zero_()
-        window = self.window(layer_id)
+        window, cap = self.window(layer_id), self.spec.model.attn_logit_softcap
         if self._meta.mode is ForwardMode.DECODE:
-            self._decode(q, out, kc, vc, scale, window)
+            self._decode(q, out, kc, vc, scale, window, cap)
             return
         for prefix, seq_len, pages, rows in self._seqs:
             keys = kc[pages].flatten(0, 1)[:seq_len]
             vals = vc[pages].flatten(0, 1)[:seq_len]
-            out[rows] = attend(q[rows], keys, vals, scale, prefix, window).to(out.dtype)
+            out[rows] = attend(q[rows], keys, vals, scale, prefix, window, cap).to(out.dtype)
 
-    def _decode(self, q, out, kc, vc, scale, window: int = 0) -> None:
+    def _decode(self, q, out, kc, vc, scale, window: int = 0, softcap: float = 0.0) -> None:
         """Batched decode without host syncs: every sequence's pages gathered to the table width."""
         lens = self._seq_lens
         b = lens.shape[0]
@@ -125,7 +130,7 @@ class TorchAttentionBackend(ReferencePlan, AttentionBackend):
         keys = torch.where(keep, keys.float(), 0.0)
         vals = torch.where(keep, vals.float(), 0.0)
         qf = q[:b].float().view(b, hkv, hq // hkv, d)
-        scores = torch.einsum("bhgd,bshd->bhgs", qf, keys) * scale
+        scores = _capped(torch.einsum("bhgd,bshd->bhgs", qf, keys) * scale, softcap)
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)
         res = torch.einsum("bhgs,bshd->bhgd", probs, vals)
