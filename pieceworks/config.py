@@ -50,7 +50,7 @@ class ModelConfig:
     """`llama` or `deepseek_v3`: build with random weights (benchmarks, tests)."""
     preset: Optional[str] = None
     """Named sizes for `arch` (models/presets.py): llama: tiny, llama-3.1-8b, mixtral-8x7b, qwen3-30b-a3b,
-    glm-4.5-air, gemma-3-1b; deepseek_v3: tiny, deepseek-v3, deepseek-v2-lite, glm-4.7-flash."""
+    glm-4.5-air, gemma-3-1b, gemma-2-2b; deepseek_v3: tiny, deepseek-v3, deepseek-v2-lite, glm-4.7-flash."""
     sizes: dict[str, Any] = field(default_factory=dict, metadata={"example": "{num_hidden_layers: 4}"})
     """Hugging Face config keys overriding the preset, e.g. {num_hidden_layers: 4}."""
     max_context: Optional[int] = None

@@ -3,6 +3,7 @@
 from pieceworks.testing.suite import (  # noqa: F401
     test_attention,
     test_attention_sliding_window,
+    test_attention_softcap,
     test_contract,
     test_cuda_graph,
     test_cuda_graph_capture,

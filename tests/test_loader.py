@@ -258,6 +258,7 @@ def test_mixtral_checkpoint_errors_name_the_checkpoints_tensors(tmp_path):
 @pytest.mark.parametrize("arch, preset, billions, rel", [
     ("llama", "llama-3.1-8b", 8.03, 0.005), ("llama", "mixtral-8x7b", 46.7, 0.005),
     ("llama", "qwen3-30b-a3b", 30.5, 0.005), ("llama", "glm-4.5-air", 106, 0.01), ("llama", "gemma-3-1b", 1.0, 0.005),
+    ("llama", "gemma-2-2b", 2.61, 0.005),
     ("deepseek_v3", "deepseek-v3", 671.0, 0.005), ("deepseek_v3", "deepseek-v2-lite", 15.7, 0.005),
     ("deepseek_v3", "glm-4.7-flash", 30, 0.005)])
 def test_presets_have_the_published_models_parameter_counts(arch, preset, billions, rel):

@@ -89,6 +89,14 @@ GEMMA_3_1B = dict(
     hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, bos_token_id=2, eos_token_id=[1, 106],
 )
 
+GEMMA_2_2B = dict(
+    architectures=["Gemma2ForCausalLM"], model_type="gemma2",
+    vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0,
+    sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+    hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, bos_token_id=2, eos_token_id=[1, 107],
+)
+
 GLM_47_FLASH = dict(
     architectures=["Glm4MoeLiteForCausalLM"], model_type="glm4_moe_lite",
     vocab_size=154880, hidden_size=2048, intermediate_size=10240, moe_intermediate_size=1536,
@@ -113,7 +121,7 @@ GLM_45_AIR = dict(
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "llama": {"tiny": LLAMA_TINY, "llama-3.1-8b": LLAMA_31_8B, "mixtral-8x7b": MIXTRAL_8X7B,
               "qwen3-30b-a3b": QWEN3_30B_A3B, "glm-4.5-air": GLM_45_AIR,
-              "gemma-3-1b": GEMMA_3_1B},
+              "gemma-3-1b": GEMMA_3_1B, "gemma-2-2b": GEMMA_2_2B},
     "deepseek_v3": {"tiny": DEEPSEEK_TINY, "deepseek-v3": DEEPSEEK_V3, "deepseek-v2-lite": DEEPSEEK_V2_LITE,
                     "glm-4.7-flash": GLM_47_FLASH},
 }

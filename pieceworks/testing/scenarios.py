@@ -77,9 +77,11 @@ def _paged_meta(sc: Scenario, pool: KVPool, device: torch.device, rng: random.Ra
 
 
 def attention_case(sc: Scenario, num_heads: int, num_kv_heads: int, head_dim: int,
-                   dtype: torch.dtype, device: torch.device, seed: int = 0, window: int = 0) -> AttentionCase:
+                   dtype: torch.dtype, device: torch.device, seed: int = 0, window: int = 0,
+                   softcap: float = 0.0) -> AttentionCase:
     """Random GQA scenario: prefix KV written into shuffled pages, new q/k/v, float64 expectation (with
-    `window`, each query sees itself and the window - 1 keys before it)."""
+    `window`, each query sees itself and the window - 1 keys before it; with `softcap`, scores become
+    softcap * tanh(scores / softcap))."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     num_pages = 1 + sum(-(-(p + n) // sc.page_size) for p, n in sc.seqs) + 2
@@ -109,6 +111,8 @@ def attention_case(sc: Scenario, num_heads: int, num_kv_heads: int, head_dim: in
                 kv_h = h // (num_heads // num_kv_heads)
                 seen = slice(max(0, prefix + j + 1 - window) if window else 0, prefix + j + 1)
                 s = (keys[seen, kv_h] @ q[lo + j, h].double()) * scale
+                if softcap:
+                    s = torch.tanh(s / softcap) * softcap
                 row.append(torch.softmax(s, 0) @ vals[seen, kv_h])
             expected.append(torch.stack(row))
         lo += n

@@ -84,6 +84,23 @@ def test_attention_sliding_window(backend, scenario, device):
     assert_close(out, case.expected, C.TOLERANCE[dtype], what, "")
 
 
+@pytest.mark.parametrize("scenario", S.ATTENTION_SCENARIOS, ids=lambda s: s.name)
+@for_op("attention")
+def test_attention_softcap(backend, scenario, device):
+    """Soft-capped scores (`ModelFacts.attn_logit_softcap`, Gemma 2's), for backends that declare `softcap`; the
+    cap of 1.0 bends these scores (of order 1) well away from tanh's linear range."""
+    if not getattr(backend, "softcap", False):
+        pytest.skip(f"{backend.key()} declares no soft-capped scores (softcap = False)")
+    dtype = device_dtype(device)
+    facts = ModelFacts(dtype=dtype, num_heads=8, num_kv_heads=2, head_dim=64, page_size=scenario.page_size,
+                       attn_logit_softcap=1.0)
+    impl = build(backend, spec_for(device, facts), scenario.mode)
+    case = S.attention_case(scenario, 8, 2, 64, dtype, torch.device(device), softcap=1.0)
+    what = f"{backend.key()} {scenario.name}, softcap 1.0 ({dtype_name(dtype)})"
+    out = _attend(impl, case, *(case.inputs[n] for n in "qkv"), what)
+    assert_close(out, case.expected, C.TOLERANCE[dtype], what, "")
+
+
 def _attend(impl, case: S.AttentionCase, q, k, v, what: str) -> torch.Tensor:
     given, before = snapshot(q=q, k=k, v=v)
     out = torch.full_like(case.inputs["q"], float("nan"))

@@ -76,6 +76,8 @@ MODELS = {
     # the sliding layers on the torch attention reference (FlashInfer declares no windows)
     "gemma3-nvfp4": ({"arch": "llama", "preset": "gemma-3-1b", "sizes": {"num_hidden_layers": 2,
                                                                           "sliding_window_pattern": 2}}, "nvfp4"),
+    # Gemma 2 2B's layers: soft-capped attention scores and logits, a 4096-token window in layer 0
+    "gemma2-nvfp4": ({"arch": "llama", "preset": "gemma-2-2b", "sizes": {"num_hidden_layers": 2}}, "nvfp4"),
     # Mixtral-8x7B's experts (8, top 2, 14336 columns: the preset's intermediate_size) in every layer
     "mixtral-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {
         "num_hidden_layers": 2, "model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2}},
@@ -84,6 +86,7 @@ MODELS = {
 ATTENTION = ["torch", "flashinfer"]
 # models an attention backend declares it can't serve (its check() reasons)
 UNSERVED = {("gemma3-nvfp4", "flashinfer"): "FlashInfer attention serves no sliding-window layers",
+            ("gemma2-nvfp4", "flashinfer"): "FlashInfer attention serves no sliding-window layers or soft caps",
             ("glm4-moe-lite-nvfp4", "flashinfer"): "FlashInfer MLA plans need num_heads dividing 64 (here 20)"}
 
 
