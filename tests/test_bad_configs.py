@@ -149,6 +149,8 @@ SIZES_CASES = [
      "model.sizes.use_bidirectional_attention: true: pieceworks runs causal attention"),
     (LLAMA, ["model.sizes.layer_types=[sliding_attention,chunked_attention]", "model.sizes.model_type=gemma3_text"],
      "must name sliding_attention or full_attention for each of the 2 layers"),
+    (LLAMA, ["model.sizes.sliding_window=0", "model.sizes.model_type=gemma3_text"],
+     "model.sizes.sliding_window: 0 must be an integer >= 1"),
     (LLAMA, ["model.sizes.hidden_activation=gelu", "model.sizes.model_type=gemma3_text"],
      "model.sizes.hidden_activation: 'gelu': pieceworks' Gemma runs gelu_pytorch_tanh"),
     (DEEPSEEK, ["model.sizes.mlp_layer_types=[dense,moe,sparse]"],

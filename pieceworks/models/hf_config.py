@@ -241,20 +241,19 @@ def gemma_form(hf: dict) -> tuple[dict, dict, tuple[bool, ...]]:
                                                             for k in kinds):
         raise FieldError("layer_types", f"{kinds!r} must name sliding_attention or full_attention for each of the "
                          f"{n} layers")
+    window = hf.get("sliding_window")
+    if not (_type_ok("int", window) and window >= 1):
+        raise FieldError("sliding_window", f"{window!r} must be an integer >= 1 (the keys a query sees)")
     params = hf.get("rope_parameters") or {}
-    if "full_attention" in params or "sliding_attention" in params:
+    if "full_attention" in params or "sliding_attention" in params:  # transformers 5's Gemma 3: per layer kind
         full = dict(params.get("full_attention") or {"rope_type": "default"})
         local = dict(params.get("sliding_attention") or {"rope_type": "default"})
-    else:
-        full = {**(hf.get("rope_scaling") or hf.get("rope_parameters") or {"rope_type": "default"})}
-        local = {"rope_type": "default", "rope_theta": hf.get("rope_local_base_freq", 10000.0)}
-        full.setdefault("rope_theta", hf.get("rope_theta", 1e6))
-    full.setdefault("rope_theta", 10000.0 if gemma2 else 1e6)
+    else:  # one set (Gemma 3's full layers; Gemma 2's every layer) and Gemma 3's rope_local_base_freq
+        full = {**(hf.get("rope_scaling") or params or {"rope_type": "default"})}
+        full.setdefault("rope_theta", hf.get("rope_theta", 10000.0 if gemma2 else 1e6))
+        local = full if gemma2 else {"rope_type": "default"}
+    full.setdefault("rope_theta", 1e6)
     local.setdefault("rope_theta", hf.get("rope_local_base_freq", 10000.0))
-    if gemma2:  # one rope for every layer
-        full = {**(hf.get("rope_parameters") or hf.get("rope_scaling") or {"rope_type": "default"})}
-        full.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
-        local = full
     llama = {k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_theta", "layer_types", "sliding_window",
                                                       "hidden_activation")}
     return {**llama, "rope_parameters": full, "hidden_act": "silu"}, local, tuple(

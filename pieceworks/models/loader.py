@@ -230,8 +230,8 @@ def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Cal
                           f"{model_cfg.preset or 'tiny'})") from None
     # Random NVFP4: every projection; the head and the router are never built as NVFP4 (as ModelOpt).
     random_fp4 = fmt == "nvfp4"
-    # model.sizes.model_type granite, olmo2, glm4, gemma3_text or gemma2: their classes (Llama's other families are Llama's
-    # flags)
+    # model.sizes.model_type granite, olmo2, glm4, gemma3_text or gemma2: their classes (Llama's other families are
+    # Llama's flags)
     own = ({"granite": Granite, "olmo2": Olmo2, "glm4": Glm4, "gemma3_text": Gemma3, "gemma2": Gemma3}
            if model_cfg.arch == "llama" else {})
     cls = own.get(hf.get("model_type"), ARCHS[model_cfg.arch])
@@ -308,7 +308,7 @@ def check_unused(reader: Any, model: CausalLM) -> None:
     layers beyond num_hidden_layers, tensors of another model. Rope tables some exports save
     (`rotary_emb.inv_freq`) and the multi-token-prediction layers pieceworks does not run (DeepSeek-V3's and
     GLM-4.5's after the last layer, ERNIE 4.5's `model.mtp*`; with num_nextn_predict_layers > 0) are expected and
-    skipped, and so are other ranks' experts under expert parallel.
+    skipped, and so are other ranks' experts under expert parallel and a multimodal checkpoint's vision model.
 
     Raises:
         CheckpointError: naming the unused tensors (the first few, grouped by layer).
