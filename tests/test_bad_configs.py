@@ -149,6 +149,8 @@ SIZES_CASES = [
      "model.sizes.use_bidirectional_attention: true: pieceworks runs causal attention"),
     (LLAMA, ["model.sizes.layer_types=[sliding_attention,chunked_attention]", "model.sizes.model_type=gemma3_text"],
      "must name sliding_attention or full_attention for each of the 2 layers"),
+    (LLAMA, ["model.sizes.moe_norm_min=0.5", "model.sizes.model_type=ernie4_5_moe", "model.sizes.moe_num_experts=4",
+             "model.sizes.moe_k=2"], "model.sizes.moe_norm_min: 0.5 is not supported"),
     (LLAMA, ["model.sizes.sliding_window=0", "model.sizes.model_type=gemma3_text"],
      "model.sizes.sliding_window: 0 must be an integer >= 1"),
     (LLAMA, ["model.sizes.hidden_activation=gelu", "model.sizes.model_type=gemma3_text"],

@@ -357,6 +357,9 @@ def check(hf: dict, arch: str) -> None:
         if experts and top_k > experts:
             raise FieldError(k_key, f"{top_k} exceeds {key}={experts}")
         _check_groups(hf, experts)
+        if (hf.get("moe_norm_min") or 0) > 1e-6:  # ERNIE's floor of the renormalization's sum (1e-12: never reached)
+            raise FieldError("moe_norm_min", f"{hf['moe_norm_min']!r} is not supported; pieceworks renormalizes the "
+                             "chosen experts' scores by their sum (ERNIE 4.5's 1e-12)")
         dense = hf.get("mlp_only_layers") or []
         if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
             raise FieldError("mlp_only_layers", f"{dense!r} must be a list of layer indices")

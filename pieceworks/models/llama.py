@@ -147,7 +147,8 @@ class LlamaArgs:
                       or (qwen2_moe and hf.get("qkv_bias", True))
                       or (seed and hf.get("attention_bias", family(hf) != "glm4_moe"))),
             moe=moe, sparse_layers=sparse, context_cap=hf_fields.context_cap(hf), rotary_dim=hf_fields.rotary_dim(hf),
-            rope_layers=hf_fields.rope_layers(hf), rope_interleaved=family(hf) in ("glm4", "ernie4_5", "ernie4_5_moe"),
+            rope_layers=hf_fields.rope_layers(hf),
+            rope_interleaved=family(hf) in ("glm4", "ernie4_5", "ernie4_5_moe"),
         )
 
     def check_parallel(self, tp: TPLayout, fp4: Callable[[str], bool]) -> None:
