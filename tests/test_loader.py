@@ -176,7 +176,7 @@ def test_unknown_architecture(broken):
     _edit_config(broken, lambda c: c.update(architectures=["GPT2LMHeadModel"], model_type="gpt2"))
     with pytest.raises(ValueError) as e:
         _load(broken)
-    from pieceworks.models.loader import ARCHITECTURES
+    from pieceworks.models.architectures import ARCHITECTURES
 
     assert "GPT2LMHeadModel" in str(e.value) and str(e.value).endswith(f"pieceworks supports {', '.join(ARCHITECTURES)}")
     assert {"LlamaForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM"} <= set(ARCHITECTURES)
@@ -266,7 +266,8 @@ def test_presets_have_the_published_models_parameter_counts(arch, preset, billio
     (rope tables aside) count the parameters their model cards give (DeepSeek-V3 and the GLMs without their MTP
     layers; GLM-4.5-Air's card gives a whole "106 billion", against 106.85 counted: the wider bound; GLM-4.7-Flash
     is "30B-A3B")."""
-    from pieceworks.models.loader import architecture, build
+    from pieceworks.models.architectures import architecture
+    from pieceworks.models.loader import build
     from pieceworks.models.presets import preset_config
 
     hf = preset_config(arch, preset)

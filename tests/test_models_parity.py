@@ -1,4 +1,4 @@
-"""pieceworks' Llama-family and DeepSeek-V3-family models (each architecture models/loader.ARCHITECTURES names)
+"""pieceworks' Llama-family and DeepSeek-V3-family models (each architecture models/architectures.ARCHITECTURES names)
 against transformers, through the Executor, in float32.
 
 Each case is a tiny random transformers model saved with save_pretrained. Per-position logits of
@@ -319,10 +319,10 @@ def case(request, tmp_path_factory):
 
 
 def test_every_architecture_has_a_parity_case():
-    """models/loader.ARCHITECTURES and the transformers classes of CASES name the same architectures."""
+    """models/architectures.ARCHITECTURES and the transformers classes of CASES name the same architectures."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LM
 
-    from pieceworks.models.loader import ARCHITECTURES
+    from pieceworks.models.architectures import ARCHITECTURES
 
     assert {CAUSAL_LM[arch] for arch, _ in CASES.values()} == set(ARCHITECTURES)
 
@@ -569,7 +569,8 @@ def test_gemma3_config_with_only_its_model_type_is_transformers_default():
     from transformers import Gemma3TextConfig
 
     from pieceworks.models.gemma3 import Gemma3
-    from pieceworks.models.hf_config import gemma_form, with_defaults
+    from pieceworks.models.families import with_defaults
+    from pieceworks.models.hf_config import gemma_form
 
     ref, hf = Gemma3TextConfig(), with_defaults({"model_type": "gemma3_text"})
     a = Gemma3.args_from_hf(hf)

@@ -23,7 +23,7 @@ from pieceworks.errors import CheckpointError
 from pieceworks.core.kv import KVLayout
 from pieceworks.models import hf_config as hf_fields
 from pieceworks.models.base import CausalLM, GatedMLP, RMSNorm, WeightSource, block_forward, linear, merged
-from pieceworks.models.llama_families import family
+from pieceworks.models.families import family, with_defaults
 from pieceworks.models.moe import MoE
 from pieceworks.models.rope import (
     apply_rope_qk,
@@ -78,7 +78,7 @@ class DeepseekV3Args:
                 default is true), or a variant pieceworks does not implement (biases, softmax routing, ...).
         """
         hf_fields.check(hf, "deepseek_v3")
-        hf = hf_fields.with_defaults(hf)  # transformers' defaults of the family where they are not this class's
+        hf = with_defaults(hf)  # transformers' defaults of the family where they are not this class's
         v2 = hf.get("model_type") == "deepseek_v2" or "DeepseekV2ForCausalLM" in (hf.get("architectures") or [])
         for key in ("rope_interleave",) if v2 else ("norm_topk_prob", "rope_interleave"):  # true when absent
             if key in hf and hf[key] is None:

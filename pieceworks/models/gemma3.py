@@ -28,7 +28,7 @@ from pieceworks.models import hf_config as hf_fields
 from pieceworks.models.base import GatedMLP, WeightSource
 from pieceworks.models.glm4 import SandwichBlock
 from pieceworks.models.llama import Llama, LlamaArgs
-from pieceworks.models.llama_families import family
+from pieceworks.models.families import family, with_defaults
 from pieceworks.models.rope import RotaryEmbedding, rope_parameters
 from pieceworks.parallel.comm import reduce
 from pieceworks.parallel.layout import TPLayout
@@ -76,7 +76,7 @@ class Gemma3(Llama):
     def args_from_hf(hf_config: dict) -> LlamaArgs:
         """Llama's arguments of the config's Llama form (`hf_config.gemma_form`), with Qwen3's per-head q/k norms
         (Gemma 3's; Gemma 2 has none)."""
-        hf = hf_fields.with_defaults(hf_config)
+        hf = with_defaults(hf_config)
         llama, _, _ = hf_fields.gemma_form(hf)
         args = LlamaArgs.from_hf({**llama, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
         return dataclasses.replace(args, qk_norm=None if family(hf) == "gemma2" else "heads")
@@ -84,7 +84,7 @@ class Gemma3(Llama):
     def __init__(self, hf_config: dict, dtype: torch.dtype, fp4: Callable[[str], bool] = lambda name: False,
                  tp: TPLayout = TPLayout()):
         super().__init__(hf_config, dtype, fp4, tp)
-        hf = hf_fields.with_defaults(hf_config)
+        hf = with_defaults(hf_config)
         _, local, sliding = hf_fields.gemma_form(hf)
         self.windows = tuple(int(hf["sliding_window"]) if s else 0 for s in sliding)
         scale = float(hf["query_pre_attn_scalar"]) ** -0.5

@@ -1,6 +1,6 @@
 """Glm4ForCausalLM (THUDM / Zhipu GLM-4-0414, GLM-Z1): Llama's projections with q/k/v biases, an interleaved rope
 over half of each head (`partial_rotary_factor`), gate and up fused in the checkpoint's `gate_up_proj`
-(`llama_families.FusedNames`), in a sandwich block as transformers' Glm4 runs it: a norm before and after the
+(`families.FusedNames`), in a sandwich block as transformers' Glm4 runs it: a norm before and after the
 attention and before and after the MLP, each output normalized before its residual add (`SandwichBlock`, Gemma 3's
 too). The blocks run on the unfused path.
 """

@@ -26,7 +26,7 @@ from pieceworks.models.rope import apply_rope_qk, rope_parameters
 from pieceworks.parallel.comm import reduce
 from pieceworks.parallel.layout import (TPLayout, require_divisible, require_fp4_block, require_kv_heads)
 from pieceworks.quant.linear import Fp4Linear
-from pieceworks.models.llama_families import FusedNames, family, is_mixtral
+from pieceworks.models.families import FusedNames, family, is_mixtral, with_defaults
 from pieceworks.quant.modelopt import mixtral_name
 
 
@@ -76,7 +76,7 @@ class LlamaArgs:
     def from_hf(cls, hf: dict) -> "LlamaArgs":
         """Read a LlamaForCausalLM (or MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
         Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Glm4MoeForCausalLM and the families of
-        `llama_families`) config.json dict (transformers' defaults for absent keys).
+        `families`) config.json dict (transformers' defaults for absent keys).
 
         Raises:
             CheckpointError: a missing, mistyped or inconsistent field (`hf_config.FieldError`, naming
@@ -84,7 +84,7 @@ class LlamaArgs:
         """
         hf_fields.check(hf, "llama")
         # null is absent, as check() reads it; the family's defaults where they are not Llama's
-        hf = {k: v for k, v in hf_fields.with_defaults(hf).items() if v is not None}
+        hf = {k: v for k, v in with_defaults(hf).items() if v is not None}
         if hf.get("use_bias", False):
             raise CheckpointError("config.json: use_bias=true (ERNIE 4.5's biases on every projection) is not "
                                   "supported by pieceworks' Llama; the released ERNIE 4.5 models set false")

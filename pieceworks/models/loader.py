@@ -22,41 +22,11 @@ from pieceworks.backends.base import ModelFacts
 from pieceworks.errors import CheckpointError, ConfigError
 from pieceworks.models import hf_config as hf_fields
 from pieceworks.models.base import CausalLM, context_limit
-from pieceworks.models.deepseek_v3 import DeepseekV3
-from pieceworks.models.gemma3 import Gemma3
-from pieceworks.models.glm4 import Glm4
-from pieceworks.models.granite import Granite
-from pieceworks.models.llama import Llama
-from pieceworks.models.llama_families import OTHER_PARTS, TEXT_PREFIXES, text_model
-from pieceworks.models.olmo2 import Olmo2
+from pieceworks.models.architectures import ARCHS, architecture, checkpoint_names, random_class
+from pieceworks.models.families import OTHER_PARTS, text_model, with_defaults
 from pieceworks.parallel.layout import TPLayout
 from pieceworks.util import checked_stat, unreadable
 
-ARCHITECTURES: dict[str, type[CausalLM]] = {
-    "LlamaForCausalLM": Llama,
-    "MistralForCausalLM": Llama,  # Llama's layers; a sliding window caps the context (base.context_limit)
-    "MixtralForCausalLM": Llama,  # with softmax-routed experts in every layer, named as Mixtral's checkpoints
-    # name them (`Llama.checkpoint_names`)
-    "Phi3ForCausalLM": Llama,  # Llama's layers, q/k/v and gate/up fused in its checkpoints (`Llama.checkpoint_names`)
-    "Qwen2ForCausalLM": Llama,  # Llama's layers with q/k/v biases (LlamaArgs.qkv_bias)
-    "Qwen2MoeForCausalLM": Llama,  # and softmax-routed experts with a gated shared expert in its sparse layers
-    "Qwen3ForCausalLM": Llama,  # Llama's layers with q/k norms (LlamaArgs.qk_norm)
-    "Qwen3MoeForCausalLM": Llama,  # and softmax-routed experts in its sparse layers (LlamaArgs.moe)
-    "Glm4ForCausalLM": Glm4,  # q/k/v biases, half-head interleaved rope, sandwich norms (models/glm4.py)
-    "Gemma3ForCausalLM": Gemma3,  # sliding-window layers, q/k norms, GeGLU, sandwich norms (models/gemma3.py)
-    "Gemma2ForCausalLM": Gemma3,  # and soft-capped attention scores and logits, without q/k norms
-    "Glm4MoeForCausalLM": Llama,  # q/k/v biases, half-head rope, DeepSeek-V3's routing and shared experts
-    "Ernie4_5ForCausalLM": Llama,  # Llama's layers with an interleaved rope
-    "Ernie4_5_MoeForCausalLM": Llama,  # and softmax-routed experts chosen with a correction bias, shared experts
-    "Olmo2ForCausalLM": Olmo2,  # Llama's projections in post-norm blocks (models/olmo2.py)
-    "SeedOssForCausalLM": Llama,  # Llama's layers with q/k/v biases (LlamaArgs.qkv_bias)
-    "SmolLM3ForCausalLM": Llama,  # Llama's layers, some without rope (llama.rope_layers)
-    "GraniteForCausalLM": Granite,  # Llama's layers with four scalars (models/granite.py)
-    "DeepseekV2ForCausalLM": DeepseekV3,  # DeepSeek-V3's layers with softmax routing (DeepseekV3Args.scoring_func)
-    "DeepseekV3ForCausalLM": DeepseekV3,
-    "Glm4MoeLiteForCausalLM": DeepseekV3,  # GLM-4.7-Flash: DeepSeek-V3's layers (DeepseekV3Args.mlp_layer_types)
-}
-ARCHS: dict[str, type[CausalLM]] = {"llama": Llama, "deepseek_v3": DeepseekV3}
 
 def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype: torch.dtype,
                progress: bool = True, seed: int = 0, tp: TPLayout = TPLayout()) -> CausalLM:
@@ -89,7 +59,7 @@ def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype
 
         reader = reader or CheckpointReader(Path(model_cfg.path))
         _check_tied_head(reader, hf, allow_extra)
-        named = _checkpoint_names(cls, hf, reader)
+        named = checkpoint_names(cls, hf, reader)
         source: Any = CheckpointSource(reader if named is None else RenamingReader(reader, named), device, dtype)
     else:
         from pieceworks.models.weights import RandomSource
@@ -206,7 +176,7 @@ def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Cal
             from pieceworks.models.checkpoint import CheckpointReader
 
             reader = CheckpointReader(path)
-        named = _checkpoint_names(cls, hf, reader) or (lambda name: name)  # the exclusions name checkpoint modules
+        named = checkpoint_names(cls, hf, reader) or (lambda name: name)  # the exclusions name checkpoint modules
         return cls, hf, lambda name: not quant.is_excluded(named(name)), reader
     from pieceworks.models.presets import preset_config
 
@@ -230,28 +200,7 @@ def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Cal
                           f"{model_cfg.preset or 'tiny'})") from None
     # Random NVFP4: every projection; the head and the router are never built as NVFP4 (as ModelOpt).
     random_fp4 = fmt == "nvfp4"
-    # model.sizes.model_type granite, olmo2, glm4, gemma3_text or gemma2: their classes (Llama's other families are
-    # Llama's flags)
-    own = ({"granite": Granite, "olmo2": Olmo2, "glm4": Glm4, "gemma3_text": Gemma3, "gemma2": Gemma3}
-           if model_cfg.arch == "llama" else {})
-    cls = own.get(hf.get("model_type"), ARCHS[model_cfg.arch])
-    return cls, hf, lambda name: random_fp4, None
-
-
-def _checkpoint_names(cls: type[CausalLM], hf: dict, reader: Any) -> Callable[[str], str] | None:
-    """The model's `checkpoint_names`, or for a multimodal checkpoint's text model (`text_model`) its names under
-    the prefix the checkpoint gives them (`language_model.model.` as released, `model.language_model.` as
-    transformers 5 may write)."""
-    if not hf.get("text_of"):
-        return cls.checkpoint_names(hf)
-    names = reader.names()
-    prefix = next((p for p in TEXT_PREFIXES if any(n.startswith(p) for n in names)), None)
-    if prefix is None:
-        raise CheckpointError(f"{reader.model_dir}: a {hf['text_of']} checkpoint without its text model's tensors "
-                              f"(none starts with {' or '.join(TEXT_PREFIXES)})")
-    head = "language_model.lm_head." if prefix == TEXT_PREFIXES[0] else "lm_head."
-    return lambda name: (prefix + name[len("model."):] if name.startswith("model.")
-                         else head + name[len("lm_head."):] if name.startswith("lm_head.") else name)
+    return random_class(model_cfg.arch, hf), hf, lambda name: random_fp4, None
 
 
 def read_config(path: Path) -> dict:
@@ -279,23 +228,9 @@ def read_config(path: Path) -> dict:
     return hf
 
 
-def architecture(hf: dict, where: Any) -> type[CausalLM]:
-    """The model class for a config.json's `architectures` (or `model_type` when that is absent)."""
-    archs = hf.get("architectures") or []
-    if not isinstance(archs, list):
-        raise CheckpointError(f"{where}: architectures={archs!r} must be a list of class names")
-    for name in archs:
-        if isinstance(name, str) and name in ARCHITECTURES:
-            return ARCHITECTURES[name]
-    if not archs and hf.get("model_type") in ARCHS:
-        return ARCHS[hf["model_type"]]
-    raise CheckpointError(f"{where}: architectures={archs!r} (model_type={hf.get('model_type')!r}) is not "
-                          f"supported; pieceworks supports {', '.join(ARCHITECTURES)}")
-
-
 def _check_tied_head(reader: Any, hf: dict, allow_extra: bool) -> None:
     """A tied model reads no lm_head: a checkpoint that has one contradicts its config.json."""
-    if hf_fields.with_defaults(hf).get("tie_word_embeddings") and reader.has("lm_head.weight") and not allow_extra:
+    if with_defaults(hf).get("tie_word_embeddings") and reader.has("lm_head.weight") and not allow_extra:
         raise CheckpointError(
             f"{reader.model_dir}: config.json has tie_word_embeddings=true (the head reuses the embedding) "
             "but the checkpoint holds its own lm_head.weight; set tie_word_embeddings to false to use it, "

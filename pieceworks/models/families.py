@@ -1,8 +1,11 @@
-"""Which family a config.json describes (`family`: the one its architectures name, else its model_type; all Llama's
-but GLM-4.7-Flash's, which runs on DeepSeek-V3's layers), and how the Llama families that fuse projections name them
-in their checkpoints (`FusedNames`: Phi-3's q/k/v and gate/up, GLM-4's gate/up)."""
+"""Model families: which one a config.json describes (`family`: the one its architectures name, else its model_type),
+the defaults transformers gives each for the keys its config.json leaves out (`with_defaults`), the text model of a
+multimodal checkpoint (`text_model`), and how the Llama families that fuse projections name them in their checkpoints
+(`FusedNames`: Phi-3's q/k/v and gate/up, GLM-4's gate/up)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 ARCHITECTURE_FAMILIES = {"MixtralForCausalLM": "mixtral", "Phi3ForCausalLM": "phi3", "Olmo2ForCausalLM": "olmo2",
                          "SeedOssForCausalLM": "seed_oss", "Glm4ForCausalLM": "glm4",
@@ -77,3 +80,45 @@ class FusedNames:
     def rows(self, name: str) -> tuple[int, int] | None:
         parts = self._split(name)
         return self.spans[parts[1]] if parts is not None and parts[2] in (".weight", ".weight_scale") else None
+
+
+# transformers' defaults (5.25's config classes) for keys a family's config.json may leave out, where they are not
+# what the model classes assume without them (Llama's: rms_norm_eps 1e-6, rope_theta 10000, 2048 positions, untied
+# head, head_dim hidden / heads; DeepSeek-V3Args': no q LoRA, no experts, no shared experts, scaling 1, no dense
+# layers). tests/test_models_parity.py compares each against transformers.
+_LONG = {"max_position_embeddings": 131072}
+_E5 = {"rms_norm_eps": 1e-5}
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mistral": _LONG, "mixtral": {**_LONG, **_E5, "rope_theta": 1e6},
+    "phi3": {**_E5, "max_position_embeddings": 4096},
+    "qwen2": {"max_position_embeddings": 32768}, "qwen2_moe": {"max_position_embeddings": 32768},
+    "qwen3": {"max_position_embeddings": 32768, "head_dim": 128}, "qwen3_moe": {"max_position_embeddings": 32768},
+    "smollm3": {"max_position_embeddings": 32768, "rope_theta": 2e6, "tie_word_embeddings": True},
+    "olmo2": _E5, "seed_oss": {"max_position_embeddings": 524288, "head_dim": 128},
+    "glm4": {**_LONG, "rms_norm_eps": 1.5625e-07, "partial_rotary_factor": 0.5, "head_dim": 128},
+    "glm4_moe": {**_LONG, **_E5, "partial_rotary_factor": 0.5},
+    "ernie4_5": {**_LONG, **_E5, "head_dim": 128, "rope_theta": 500000.0, "tie_word_embeddings": True},
+    "ernie4_5_moe": {**_LONG, **_E5, "rope_theta": 500000.0, "tie_word_embeddings": True},
+    "gemma2": {"head_dim": 256, "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+               "max_position_embeddings": 8192, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+               "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+               "num_attention_heads": 8, "num_key_value_heads": 4},
+    # Gemma 3's: the released 4B-27B checkpoints' text_config leaves out what equals these
+    "gemma3_text": {**_LONG, "head_dim": 256, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
+                    "sliding_window": 4096, "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4},
+    "deepseek_v3": {"q_lora_rank": 1536, "n_routed_experts": 256, "moe_intermediate_size": 2048,
+                    "num_experts_per_tok": 8, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+                    "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4},
+    "deepseek_v2": {"q_lora_rank": 1536, "n_routed_experts": 64, "moe_intermediate_size": 1407, "n_shared_experts": 2,
+                    "max_position_embeddings": 2048},
+    "glm4_moe_lite": {"q_lora_rank": 768, "n_routed_experts": 64, "moe_intermediate_size": 1536,
+                      "num_experts_per_tok": 4, "n_shared_experts": 1, "routed_scaling_factor": 1.8, **_E5,
+                      "max_position_embeddings": 202752},
+}
+
+
+def with_defaults(hf: dict) -> dict:
+    """`hf` with its family's `FAMILY_DEFAULTS` for the keys it leaves out (a null stays: q_lora_rank's means none)."""
+    extra = {k: v for k, v in FAMILY_DEFAULTS.get(family(hf), {}).items() if k not in hf}
+    return {**hf, **extra} if extra else hf
