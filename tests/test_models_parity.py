@@ -154,7 +154,7 @@ def _routers(model: torch.nn.Module, std: float) -> torch.nn.Module:
 def _qkv_biases(model: torch.nn.Module) -> torch.nn.Module:
     """q/k/v biases that count (transformers initializes them to 0). v's is smaller: it adds the same vector to
     every token's attention output, and at 0.5 it outweighed the tokens' own states, so that every token was
-    routed to the same experts (one choice of 45 in GLM-4.5's case, two in Qwen2-MoE's; 6-21 at 0.05)."""
+    routed to few experts (one choice over 45 tokens in GLM-4.5's cases, four in Qwen2-MoE's; 6-21 at 0.05)."""
     with torch.no_grad():
         for layer in model.model.layers:
             a = layer.self_attn

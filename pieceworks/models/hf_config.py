@@ -220,6 +220,7 @@ def gemma_form(hf: dict) -> tuple[dict, dict, tuple[bool, ...]]:
     local.setdefault("rope_theta", hf.get("rope_local_base_freq", 10000.0))
     llama = {k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_theta", "layer_types", "sliding_window",
                                                       "hidden_activation")}
+    # hidden_act: Llama's form takes silu; the activation is checked above and run by the Gemma model
     return {**llama, "rope_parameters": full, "hidden_act": "silu"}, local, tuple(
         k == "sliding_attention" for k in kinds[:n])
 
