@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pieceworks.backends.attention.triton import TritonDecodeAttentionBackend
 from pieceworks.backends.attention.flashinfer import (
     FlashInferAttentionBackend,
     FlashInferOptions,
@@ -449,9 +450,10 @@ def test_model_dependent_reasons():
     assert "64 < num_heads < 128" in reasons(TrtllmMLABackend, DSV3, num_heads=96)
     assert "num_heads dividing 64" in reasons(FlashInferMLABackend, DSV3, num_heads=48)
     assert "head_dim 64, 128 or 256" in reasons(FlashInferAttentionBackend, LLAMA, head_dim=96)
-    assert "no sliding-window attention" in reasons(FlashInferAttentionBackend, LLAMA, sliding_windows=(0, 512))
+    assert "no sliding-window attention" in reasons(TritonDecodeAttentionBackend, LLAMA, sliding_windows=(0, 512))
     assert reasons(FlashInferAttentionBackend, LLAMA, sliding_windows=(0, 0)) == ""
-    assert "no soft-capped attention scores" in reasons(FlashInferAttentionBackend, LLAMA, attn_logit_softcap=50.0)
+    assert "no soft-capped attention scores" in reasons(TritonDecodeAttentionBackend, LLAMA, attn_logit_softcap=50.0)
+    assert reasons(FlashInferAttentionBackend, LLAMA, sliding_windows=(0, 512), attn_logit_softcap=50.0) == ""
     w4a16 = BackendSpec(**cuda, model=DSV3, fp4_numerics="w4a16")
     assert any("implements w4a4 numerics" in x for x in FlashInferCutlassFp4GemmBackend.check(w4a16))
     assert "float32" in reasons(FlashInferTrtllmFp4GemmBackend, DSV3, dtype=torch.float32)
@@ -700,3 +702,52 @@ def test_mla_auto_variant_takes_fa2_where_fa3_lacks_the_latent_width():
         FlashInferMLABackend(spec, parse_options(FlashInferMLABackend, {"variant": "fa3"}))
     dsv3 = replace(spec, model=DSV3)
     assert FlashInferMLABackend(dsv3, parse_options(FlashInferMLABackend, {})).variant == "fa3"
+
+
+def test_flashinfer_plans_each_sliding_window_in_a_lane_of_its_own():
+    """FlashInfer plans one window per wrapper (`window_left` = W - 1): the layers of a second window value run
+    in a lane with wrappers of its own, planned with the step; soft caps go into every plan; the lanes share
+    the workspace; a model without windows keeps one lane and plans as before."""
+    from types import SimpleNamespace
+
+    class Wrapper:
+        def __init__(self, name):
+            self.name, self.plans, self.ran = name, [], []
+
+        def plan(self, *args, **kw):
+            self.plans.append((args, kw))
+
+        def run(self, q, kv_caches, out):
+            self.ran.append(q.shape[0])
+            out.copy_(q * len(self.name))
+
+    gemma = replace(LLAMA, sliding_windows=(512, 0, 512, 4096), attn_logit_softcap=50.0)
+    spec = BackendSpec(device="cuda", capability=(9, 0), model=gemma, modules=frozenset({"flashinfer"}))
+    root = FlashInferAttentionBackend(spec)
+    assert root._window == 0 and sorted(root._lanes) == [512, 4096]
+    assert root._lane_of == {0: root._lanes[512], 2: root._lanes[512], 3: root._lanes[4096]}
+    lanes = {0: root, 512: root._lanes[512], 4096: root._lanes[4096]}
+    for w, lane in lanes.items():
+        lane._decode = Wrapper("x" * (1 + len(str(w))))  # run() scales q by the name's length: 2, 4, 5
+        assert lane._ws(CPU) is root._ws(CPU)
+    meta = StepMetadata(mode=D, graph_mode=EAGER, extend_lens=[1, 1], prefix_lens=[20, 40], page_size=16,
+                        page_table=torch.tensor([[1, 2, 0], [3, 4, 5]], dtype=torch.int32),
+                        slot_mapping=torch.tensor([20 + 16, 40 + 80]), positions=torch.tensor([20, 40]),
+                        page_lists=[[1, 2], [3, 4, 5]])
+    root.plan(meta)
+    for w, lane in lanes.items():
+        (args, kw), = lane._decode.plans
+        assert args[3:] == (32, 8, 128, 16) and kw["logits_soft_cap"] == 50.0
+        assert kw.get("window_left", -1) == (w - 1 if w else -1)
+    cache = torch.zeros(2, 8, 16, 8, 128)
+    kv = SimpleNamespace(k_cache=lambda layer: cache[0], v_cache=lambda layer: cache[1])
+    q, k, v = torch.randn(2, 32, 128), torch.randn(2, 8, 128), torch.randn(2, 8, 128)
+    for layer, factor in enumerate((4, 2, 4, 5)):
+        out = torch.empty_like(q)
+        root.forward(q, k, v, out, layer, 128**-0.5, kv)
+        assert torch.equal(out, q * factor), layer
+    assert [len(lane._decode.ran) for lane in lanes.values()] == [1, 2, 1]
+    plain = FlashInferAttentionBackend(BackendSpec(device="cuda", capability=(9, 0), model=LLAMA,
+                                                   modules=frozenset({"flashinfer"})))
+    assert plain._lanes == {} and plain._window == 0
+    assert set(plain._plan_args(16)[1]) == {"q_data_type", "kv_data_type", "sm_scale"}

@@ -1,4 +1,6 @@
-"""The backend conformance suite: every selected backend against dense references and the op contracts.Run it for one backend (pieceworks registers the pytest plugin `pieceworks.testing.plugin` by entry point):
+"""The backend conformance suite: every selected backend against dense references and the op contracts.
+
+Run it for one backend (pieceworks registers the pytest plugin `pieceworks.testing.plugin` by entry point):
 
     pytest --pyargs pieceworks.testing.suite --pieceworks-backend attention.mine
     pytest --pyargs pieceworks.testing.suite --pieceworks-backend attention.mine --pieceworks-device cuda
@@ -20,6 +22,8 @@ cases ran fails the run, and so does a broken plugin in a run of every backend (
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -70,18 +74,24 @@ def test_attention(backend, scenario, qkv, device):
 @pytest.mark.parametrize("scenario", S.ATTENTION_SCENARIOS, ids=lambda s: s.name)
 @for_op("attention")
 def test_attention_sliding_window(backend, scenario, device):
-    """A sliding-window layer (`ModelFacts.sliding_windows`: each query sees itself and the 5 keys before it),
-    for backends that declare `windows`."""
+    """Sliding-window layers (`ModelFacts.sliding_windows`) among full ones, for backends that declare `windows`:
+    layers 0, 1 and 2 of one step with windows 6, none and 3 (each query sees itself and the W - 1 keys before
+    it), over one pool layer."""
     if not getattr(backend, "windows", False):
         pytest.skip(f"{backend.key()} declares no sliding-window attention (windows = False)")
     dtype = device_dtype(device)
+    windows = (6, 0, 3)
     facts = ModelFacts(dtype=dtype, num_heads=8, num_kv_heads=2, head_dim=64, page_size=scenario.page_size,
-                       sliding_windows=(6,))
+                       sliding_windows=windows)
     impl = build(backend, spec_for(device, facts), scenario.mode)
-    case = S.attention_case(scenario, 8, 2, 64, dtype, torch.device(device), window=6)
-    what = f"{backend.key()} {scenario.name}, window 6 ({dtype_name(dtype)})"
-    out = _attend(impl, case, *(case.inputs[n] for n in "qkv"), what)
-    assert_close(out, case.expected, C.TOLERANCE[dtype], what, "")
+    cases = [S.attention_case(scenario, 8, 2, 64, dtype, torch.device(device), window=w) for w in windows]
+    pool = cases[0].pool
+    one_layer = SimpleNamespace(k_cache=lambda layer: pool.k_cache(0), v_cache=lambda layer: pool.v_cache(0))
+    impl.plan(cases[0].meta)
+    for layer, (w, case) in enumerate(zip(windows, cases)):
+        what = f"{backend.key()} {scenario.name}, layer {layer} of windows {windows} ({dtype_name(dtype)})"
+        out = _attend(impl, case, *(case.inputs[n] for n in "qkv"), what, layer=layer, kv=one_layer, plan=False)
+        assert_close(out, case.expected, C.TOLERANCE[dtype], what, "")
 
 
 @pytest.mark.parametrize("scenario", S.ATTENTION_SCENARIOS, ids=lambda s: s.name)
@@ -101,11 +111,13 @@ def test_attention_softcap(backend, scenario, device):
     assert_close(out, case.expected, C.TOLERANCE[dtype], what, "")
 
 
-def _attend(impl, case: S.AttentionCase, q, k, v, what: str) -> torch.Tensor:
+def _attend(impl, case: S.AttentionCase, q, k, v, what: str, layer: int = 0, kv=None,
+            plan: bool = True) -> torch.Tensor:
     given, before = snapshot(q=q, k=k, v=v)
     out = torch.full_like(case.inputs["q"], float("nan"))
-    impl.plan(case.meta)
-    impl.forward(q, k, v, out, 0, 64**-0.5, case.pool)
+    if plan:
+        impl.plan(case.meta)
+    impl.forward(q, k, v, out, layer, 64**-0.5, case.pool if kv is None else kv)
     assert_unchanged(before, given, what)
     assert_written(out, what)
     return out

@@ -73,7 +73,7 @@ MODELS = {
         "num_hidden_layers": 2, "model_type": "ernie4_5_moe", "moe_num_experts": 64, "moe_k": 6,
         "moe_intermediate_size": 1536, "moe_num_shared_experts": 2}}, "nvfp4"),
     # Gemma 3 1B's layers: 512-token sliding windows in 5 of every 6 layers (here layer 0 of 2), head_dim 256, GeGLU;
-    # the sliding layers on the torch attention reference (FlashInfer declares no windows)
+    # FlashInfer plans the windowed layer in a lane of its own
     "gemma3-nvfp4": ({"arch": "llama", "preset": "gemma-3-1b", "sizes": {"num_hidden_layers": 2,
                                                                           "sliding_window_pattern": 2}}, "nvfp4"),
     # Gemma 2 2B's layers: soft-capped attention scores and logits, a 4096-token window in layer 0
@@ -85,9 +85,7 @@ MODELS = {
 }
 ATTENTION = ["torch", "flashinfer"]
 # models an attention backend declares it can't serve (its check() reasons)
-UNSERVED = {("gemma3-nvfp4", "flashinfer"): "FlashInfer attention serves no sliding-window layers",
-            ("gemma2-nvfp4", "flashinfer"): "FlashInfer attention serves no sliding-window layers or soft caps",
-            ("glm4-moe-lite-nvfp4", "flashinfer"): "FlashInfer MLA plans need num_heads dividing 64 (here 20)"}
+UNSERVED = {("glm4-moe-lite-nvfp4", "flashinfer"): "FlashInfer MLA plans need num_heads dividing 64 (here 20)"}
 
 
 def build(name: str, attention: str | dict, flashinfer_options: dict | None = None,

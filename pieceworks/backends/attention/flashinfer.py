@@ -8,6 +8,11 @@ all layers; `forward` only writes K/V and launches the kernel,
 so it is capturable. The CSR helpers here are shared with the FlashInfer MLA backend. Extend and mixed
 steps plan and launch through `flashinfer_fast.py` (FastPlan, FastRun) around FlashInfer's Python.
 
+Sliding windows and soft caps (Gemma 2 / 3) go into the plan (`window_left` = W - 1, `logits_soft_cap`):
+FlashInfer schedules a plan for one window, so the layers of each further window value take a lane of their
+own, a backend of this class with its own wrappers, planned with the step (the workspace is shared: the lanes'
+kernels run one after another on one stream). Models without windows have one lane, the backend itself.
+
 The softmax scale reaches a backend with every `forward`, but FlashInfer takes it at plan time. It is a
 model constant: the backend plans with the last scale it was given (head_dim^-0.5 before the first
 forward) and re-plans eagerly if a forward brings another one. Graph runners run one eager warm-up
@@ -182,12 +187,14 @@ class FlashInferAttentionBackend(AttentionBackend):
                             install_hint=GPU_INSTALL_HINT)
     Options = FlashInferOptions
     description = "FlashInfer paged prefill + tensor-core decode (fa2/fa3), CUDA-graph decode wrappers"
+    windows = softcap = True
 
     @classmethod
     def check(cls, spec):
         return super().check(spec) + gqa_kernel_reasons(spec.model, "FlashInfer kernels")
 
-    def __init__(self, spec, options=None) -> None:
+    def __init__(self, spec, options=None, *, window: int | None = None, root=None) -> None:
+        """`window` and `root` build a lane: the backend of `root` for the layers of sliding window `window`."""
         super().__init__(spec, options)
         self.variant = resolve_variant(self.options.variant, spec.capability)
         self.decode_tensor_cores = resolve_decode_tensor_cores(self.options.decode_tensor_cores, spec.model)
@@ -204,6 +211,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._fast_plan: FastPlan | None = None
         self._fast_plan_refused = False  # a recorded public plan had another form: no more tries
         self._plan_guard = PlanCopyGuard()
+        self._root = root or self  # whose workspace the wrappers share
+        windows = sorted(set(spec.model.sliding_windows)) or [0]
+        self._window = windows[0] if window is None else window
+        self._lanes = {} if root is not None else {
+            w: type(self)(spec, self.options, window=w, root=self) for w in windows[1:]}
+        self._lane_of = {i: self._lanes[w] for i, w in enumerate(spec.model.sliding_windows) if w in self._lanes}
 
     # ------------------------------------------------------------------ plan (host)
     def plan(self, meta) -> None:
@@ -228,12 +241,18 @@ class FlashInferAttentionBackend(AttentionBackend):
                 self._fast = None
         self._plan_guard.after(wrapper, meta.device)
         self._wrapper = wrapper
+        for lane in self._lanes.values():
+            lane.plan(meta)
 
     def _plan_args(self, page_size: int) -> tuple[tuple, dict]:
         """The head shape and page size, and the dtypes and scale, that FlashInfer's public plans take."""
         m = self.spec.model
-        return ((m.num_heads, m.num_kv_heads, m.head_dim, page_size),
-                dict(q_data_type=m.dtype, kv_data_type=m.dtype, sm_scale=self._sm_scale))
+        kw = dict(q_data_type=m.dtype, kv_data_type=m.dtype, sm_scale=self._sm_scale)
+        if self._window:
+            kw["window_left"] = self._window - 1  # FlashInfer's window: the keys left of the query's own
+        if m.attn_logit_softcap:
+            kw["logits_soft_cap"] = m.attn_logit_softcap
+        return (m.num_heads, m.num_kv_heads, m.head_dim, page_size), kw
 
     def _plan_prefill(self, wrapper, meta, qo_lens: list[int], kv_lens: list[int]) -> None:
         """The prefill wrapper's plan: through the FastPlan when there is one for the step's page size (the
@@ -262,7 +281,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             public()
 
     def _ws(self, device) -> torch.Tensor:
-        return workspace(self, device)
+        return workspace(self._root, device)
 
     def _prefill_wrapper(self, device):
         if self._prefill is None:
@@ -298,6 +317,11 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ run (capturable)
     def forward(self, q, k, v, out, layer_id, scale, kv) -> None:
+        if self._lane_of:
+            lane = self._lane_of.get(layer_id)
+            if lane is not None:
+                lane.forward(q, k, v, out, layer_id, scale, kv)
+                return
         if check_capture_scale(self, scale):
             self._sm_scale = scale
             self._fast = self._fast_plan = None  # they hold the old scale; the public plan sets the new one
