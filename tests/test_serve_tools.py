@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("fastapi", reason="needs the serve extra: pip install 'pieceworks[serve]'")
 
-from pieceworks.serve import mapping, tool_parsers, tools  # noqa: E402
+from pieceworks.serve import json_text, mapping, tool_parsers, tools  # noqa: E402
 from pieceworks.serve.protocol import BadRequest, ChatCompletionRequest  # noqa: E402
 from pieceworks.serve.writers import ChatWriter, Choice, Step  # noqa: E402
 
@@ -258,6 +258,7 @@ def test_special_markers_are_kept_for_auto_requests(caplog):
     assert tool_parsers.lost_markers(Tok(set()), "deepseek_v3") == []
     assert tool_parsers.lost_markers(Tok({tool_parsers.DS_OPEN}), "deepseek_v31") == [tool_parsers.DS_OPEN]
     assert tool_parsers.lost_markers(Tok({"[TOOL_CALLS]"}), "mistral") == ["[TOOL_CALLS]"]
+    assert tool_parsers.lost_markers(Tok({"<arg_value>", "</arg_value>"}), "glm45") == ["<arg_value>", "</arg_value>"]
     engine = SimpleNamespace(model_name="m", tokenizer=Tok({"[TOOL_CALLS]"}), max_context=8,
                              engine=SimpleNamespace(executor=SimpleNamespace(vocab_size=10),
                                                     grammars=SimpleNamespace(set_reasoning=lambda *a: None)))
@@ -314,6 +315,10 @@ ANSWERS = {  # (plan, answer, content) with two calls (one for named) whose argu
                 '{"name": "get_time", "arguments": {}}]', "So."),
     "mistral_v11": (tools.ToolPlan("auto", [WEATHER], parser="mistral"),
                     f"[TOOL_CALLS]get_weather[ARGS]{TRICKY}[TOOL_CALLS]get_time[ARGS]{{}}", None),
+    "glm45": (tools.ToolPlan("auto", [WEATHER], parser="glm45"),
+              "Hi.\n<tool_call>get_weather\n" + "".join(
+                  f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v)}</arg_value>\n"
+                  for k, v in json.loads(TRICKY).items()) + "</tool_call><tool_call>get_time</tool_call>", "Hi.\n"),
     "required": (tools.ToolPlan("required", [WEATHER, TIME]),
                  f'[{{"name": "get_weather", "arguments": {TRICKY}}}, {{"name": "get_time", "arguments": {{}}}}]',
                  None),
@@ -360,8 +365,33 @@ def test_mistral_calls():
     assert all(len(c[0]) == 9 and c[0].isalnum() for c in _calls(chunks)) and _calls(chunks)
 
 
+def test_glm45_calls():
+    """GLM-4.5 / 4.7: arguments built from key / value pairs; a value is JSON unless its schema types it a string
+    (the template writes strings raw) or it is no JSON; blanks between the parts are GLM-4.5's, none GLM-4.7's."""
+    typed = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "zip": {"type": ["string", "null"]}, "days": {"type": "integer"}}}}}
+    plan = tools.ToolPlan("auto", [typed], parser="glm45")
+    pairs = {"city": "123", "zip": "[1]", "days": " 3\n", "x": "NaN", "y": "true", "z": "{bad"}
+    text = "<tool_call>f" + "".join(f"<arg_key>{k}</arg_key><arg_value>{v}</arg_value>" for k, v in pairs.items())
+    content, calls = tool_parsers.parse(plan, text + "</tool_call>")
+    assert content is None and [c["name"] for c in calls] == ["f"]
+    assert json.loads(calls[0]["arguments"]) == {"city": "123", "zip": "[1]", "days": 3, "x": "NaN", "y": True,
+                                                 "z": "{bad"}
+    assert tool_parsers.streamed(plan, text) == [("f", calls[0]["arguments"][:-1])]  # open: no closing brace yet
+    for t in ("<tool_call>f<arg_key>a</arg_key>oops<arg_value>1</arg_value></tool_call>",  # text between the parts
+              "<tool_call>f x<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",  # no name
+              "<tool_call>f<arg_key>a</arg_key></tool_call>", "<tool_call>f<arg_key>a</arg_key><arg_value>1</tool_call>",
+              "<tool_call>f<arg_key>a</arg_key><arg_value>1</arg_value>"):  # cut off: no calls, the text is content
+        assert tool_parsers.parse(plan, t) == (t, []), t
+    for t in ("<tool_call>f<arg_key>a</arg_key>oops", "<tool_call>f\nzz"):  # no call, though not closed yet
+        assert tool_parsers.streamed(plan, t) == [], t
+    assert tool_parsers.streamed(plan, "<tool_call>f\n<arg_key>a</ar") == [("f", "")]
+    assert tool_parsers.visible_prefix("Hi <tool_c", "glm45") == 3
+    assert tool_parsers.ALL_MARKERS["glm45"][2:] == ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+
+
 def test_json_value_ends():
-    end = tool_parsers._value_end
+    end = json_text.value_end
     for text, want in (('"ab\\"c" x', 7), ('"ab\\', None), ('"ab\\\\"', 6), ('{"a": "}"} x', 10), ('[1, [2]]', 8),
                        ("12, 3", 2), ("12", None), ("true}", 4), ('{"a": "', None), ("", None)):
         assert end(text, 0) == want, text

@@ -11,10 +11,15 @@ tool_choice auto, and the JSON that required and named choices are held to.
 - `mistral`: Mistral's `[TOOL_CALLS]` followed by a JSON array of `{"name", "arguments"}` objects (Mistral 7B
   v0.3's form), or by `NAME[ARGS]ARGUMENTS` per call (tokenizer v11 on, as vLLM's parser reads it; `[ARGS]` may
   be absent). Call ids are 9 letters and digits, which Mistral's chat templates ask of earlier turns.
+- `glm45`: GLM-4.5 / 4.6 / 4.7's `<tool_call>NAME` + `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>` per
+  argument + `</tool_call>` (blanks between the parts; GLM-4.5 writes a newline after the name and each value). A
+  value is the argument's JSON where it parses as JSON and the tool's schema does not type the parameter as a
+  string, else the string as written (the chat template writes strings raw); the call's arguments are built as
+  `{"KEY": VALUE, ...}` and stream an argument at a time. The text before the first call is the content.
 - required: a JSON array of `{"name", "arguments"}` objects; named: the output is the arguments.
 
-A call's arguments are one JSON value in every format, and a call gets that value's text as the model wrote it
-(checked to parse). So the arguments can stream: `streamed` finds, in an answer so far, each call whose name is
+A call's arguments are one JSON value in every format but glm45's, and a call gets that value's text as the model
+wrote it (checked to parse). So the arguments can stream: `streamed` finds, in an answer so far, each call whose name is
 complete and the part of its arguments written yet, a prefix of what `parse` gives the finished answer. The
 parsers read decoded text: `lost_markers` names the markers a tokenizer drops as special tokens.
 """
@@ -26,6 +31,7 @@ import re
 import uuid
 from typing import Any, NamedTuple
 
+from pieceworks.serve.json_text import loads_or_none, skip_blanks, value_end
 from pieceworks.serve.reasoning import held_tail
 from pieceworks.serve.tools import NAME, ToolPlan
 
@@ -36,24 +42,33 @@ DS_SECTION, DS_OPEN, DS_SEP, DS_CLOSE = ("<｜tool▁calls▁begin｜>", "<｜to
                                          "<｜tool▁call▁end｜>")
 V3_FENCE = re.compile(r"[^\n]*\n```(?:json)?\n")  # V3's NAME, a newline and the fence's first line
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+GLM_KEY, GLM_KEY_END, GLM_VALUE, GLM_VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
 #: the text by which each parser's calls begin
 MARKERS = {"hermes": (OPEN,), "llama3_json": (), "mistral": (MISTRAL_CALLS,), "deepseek_v3": (DS_SECTION, DS_OPEN),
-           "deepseek_v31": (DS_SECTION, DS_OPEN)}
+           "deepseek_v31": (DS_SECTION, DS_OPEN), "glm45": (OPEN,)}
+#: every marker of a parser whose calls hold more than their opening ones (`lost_markers` checks them all)
+ALL_MARKERS = {"glm45": (OPEN, CLOSE, GLM_KEY, GLM_KEY_END, GLM_VALUE, GLM_VALUE_END)}
+_GLM_NAME = re.compile(r"[^<\n]*")
 _NAME_CHARS = re.compile(r"[A-Za-z0-9_-]*")
 _ALNUM = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
-_BLANK = " \t\r\n"
-_STRUCTURE, _DELIMITER = re.compile(r'[{}\[\]"]'), re.compile(r"[,}\];\s]")
-_STRING_BODY = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*', re.S)  # matches at once, without backtracking
 
 
 class Found(NamedTuple):
     """A call in an answer (so far): its name (None until complete), where its arguments begin in the text (None
-    if not yet reached, or absent) and end (None until complete), and whether the call is closed."""
+    if not yet reached, or absent) and end (None until complete), and whether the call is closed; `built`: the
+    arguments (so far) where the parser builds them (glm45) instead of finding them in the text."""
 
     name: str | None
     start: int | None
     end: int | None
     closed: bool
+    built: str | None = None
+
+    def arguments(self, text: str) -> str:
+        """The call's arguments (so far)."""
+        if self.built is not None:
+            return self.built
+        return "" if self.start is None else text[self.start : len(text) if self.end is None else self.end]
 
 
 def parse(p: ToolPlan, text: str) -> tuple[str | None, list[dict[str, str]]]:
@@ -64,7 +79,7 @@ def parse(p: ToolPlan, text: str) -> tuple[str | None, list[dict[str, str]]]:
         return text, []
     calls = []
     for f in found:
-        arguments = "{}" if f.start is None else text[f.start : f.end]
+        arguments = "{}" if f.start is None and f.built is None else f.arguments(text)
         try:
             json.loads(arguments)
         except ValueError:
@@ -82,7 +97,7 @@ def streamed(p: ToolPlan, text: str) -> list[tuple[str, str]]:
     for f in found or []:
         if f.name is None:
             break
-        out.append((f.name, "" if f.start is None else text[f.start : len(text) if f.end is None else f.end]))
+        out.append((f.name, f.arguments(text)))
     return out
 
 
@@ -108,7 +123,7 @@ def visible_prefix(text: str, parser: str | None = "hermes") -> int:
 def lost_markers(tokenizer: Any, parser: str) -> list[str]:
     """The parser's markers that decoding drops (special tokens of this tokenizer, left out of the text of every
     request that keeps `skip_special_tokens`): the parser never sees calls in such text."""
-    return [m for m in MARKERS[parser]
+    return [m for m in ALL_MARKERS.get(parser, MARKERS[parser])
             if tokenizer.decode(tokenizer.encode(m, add_special_tokens=False), skip_special_tokens=True) != m]
 
 
@@ -116,19 +131,21 @@ def lost_markers(tokenizer: Any, parser: str) -> list[str]:
 def _scan(p: ToolPlan, text: str) -> tuple[list[Found] | None, int]:
     """The calls in `text` (None: it is not calls in the plan's format) and where the content ends."""
     if p.mode == "named":
-        at = _skip(text, 0)
-        end = _value_end(text, at)
-        if end is not None and _skip(text, end) < len(text):
+        at = skip_blanks(text, 0)
+        end = value_end(text, at)
+        if end is not None and skip_blanks(text, end) < len(text):
             return None, 0  # more than one value
         return [Found(p.name, at if at < len(text) else None, end, end is not None)], 0
     if p.mode == "required":
-        return _sequence(text, _skip(text, 0), "[", ",", "]"), 0
+        return _sequence(text, skip_blanks(text, 0), "[", ",", "]"), 0
     if p.parser == "llama3_json":
-        at = _skip(text, 0)
-        at = _skip(text, at + len(PYTHON_TAG)) if text.startswith(PYTHON_TAG, at) else at
+        at = skip_blanks(text, 0)
+        at = skip_blanks(text, at + len(PYTHON_TAG)) if text.startswith(PYTHON_TAG, at) else at
         return _sequence(text, at, "", ";", ""), 0
     if p.parser == "mistral":
         return _mistral(text)
+    if p.parser == "glm45":
+        return _glm45(p, text)
     v3 = p.parser == "deepseek_v3"
     deepseek = v3 or p.parser == "deepseek_v31"
     opener, closer = (DS_OPEN, DS_CLOSE) if deepseek else (OPEN, CLOSE)
@@ -141,9 +158,9 @@ def _scan(p: ToolPlan, text: str) -> tuple[list[Found] | None, int]:
         if deepseek:
             f = _deepseek_call(text, body, stop, close >= 0, v3)
         else:
-            obj = _call_object(text, _skip(text, body, stop), stop)
+            obj = _call_object(text, skip_blanks(text, body, stop), stop)
             done = obj is not None and obj[1] is not None
-            f = None if obj is None or (close >= 0 and not done) or (done and _skip(text, obj[1], stop) < stop) \
+            f = None if obj is None or (close >= 0 and not done) or (done and skip_blanks(text, obj[1], stop) < stop) \
                 else obj[0]
         if f is None:
             return None, min(starts)
@@ -159,7 +176,7 @@ def _mistral(text: str) -> tuple[list[Found] | None, int]:
     at = text.find(MISTRAL_CALLS)
     content_end, found = (at if at >= 0 else len(text)), []
     while at >= 0:
-        body = _skip(text, at + len(MISTRAL_CALLS))
+        body = skip_blanks(text, at + len(MISTRAL_CALLS))
         nxt = text.find(MISTRAL_CALLS, body)
         stop = len(text) if nxt < 0 else nxt
         if body < stop and text[body] == "[" and not text.startswith(MISTRAL_ARGS, body):
@@ -169,7 +186,7 @@ def _mistral(text: str) -> tuple[list[Found] | None, int]:
             found += calls
         else:
             name_end = _NAME_CHARS.match(text, body, stop).end()
-            start = _skip(text, name_end + len(MISTRAL_ARGS) if text.startswith(MISTRAL_ARGS, name_end) else name_end,
+            start = skip_blanks(text, name_end + len(MISTRAL_ARGS) if text.startswith(MISTRAL_ARGS, name_end) else name_end,
                           stop)
             if start >= stop:  # the name (or the arguments' start) still being written
                 if nxt >= 0:
@@ -178,14 +195,86 @@ def _mistral(text: str) -> tuple[list[Found] | None, int]:
                 break
             if text[start] != "{" or not NAME.fullmatch(text[body:name_end]):
                 return None, content_end
-            end = _value_end(text, start, stop)
-            if (end is None and nxt >= 0) or (end is not None and _skip(text, end, stop) < stop):
+            end = value_end(text, start, stop)
+            if (end is None and nxt >= 0) or (end is not None and skip_blanks(text, end, stop) < stop):
                 return None, content_end
             found.append(Found(text[body:name_end], start, end, end is not None))
         if found and found[-1].name is None:
             break
         at = nxt
     return found, content_end
+
+
+def _glm45(p: ToolPlan, text: str) -> tuple[list[Found] | None, int]:
+    """GLM-4.5's calls: one `<tool_call>` ... `</tool_call>` block each."""
+    content_end = at = text.find(OPEN)
+    found = []
+    while at >= 0:
+        close = text.find(CLOSE, at)
+        f = _glm45_call(p, text, at + len(OPEN), len(text) if close < 0 else close, close >= 0)
+        if f is None:
+            return None, content_end
+        found.append(f)
+        if not f.closed:
+            break
+        at = text.find(OPEN, close)
+    return found, len(text) if content_end < 0 else content_end
+
+
+def _glm45_call(p: ToolPlan, text: str, body: int, stop: int, closed: bool) -> Found | None:
+    """The call in a GLM block (`body` to `stop`): its name, then its key / value pairs; None if it is no call."""
+    name_end = _GLM_NAME.match(text, body, stop).end()
+    if name_end == stop and not closed:
+        return Found(None, None, None, False)  # the name may go on
+    name = text[body:name_end].strip()
+    if not NAME.fullmatch(name):
+        return None
+    tool = next((t["function"] for t in p.tools if t["function"]["name"] == name), {})
+    props = tool.get("parameters", {}).get("properties", {})
+    pairs, at = [], name_end
+    while (at := skip_blanks(text, at, stop)) < stop:
+        key_end = text.find(GLM_KEY_END, at, stop) if text.startswith(GLM_KEY, at) else -1
+        value = skip_blanks(text, key_end + len(GLM_KEY_END), stop) if key_end >= 0 else stop
+        value_end = text.find(GLM_VALUE_END, value, stop) if text.startswith(GLM_VALUE, value) else -1
+        if value_end < 0:  # no whole pair here: in a call being written, the rest must be the start of one
+            if closed or not _glm_partial(text, at, stop):
+                return None
+            break
+        key = text[at + len(GLM_KEY) : key_end].strip()
+        pairs.append(f"{json.dumps(key, ensure_ascii=False)}: "
+                     f"{_glm_value(text[value + len(GLM_VALUE) : value_end], props.get(key))}")
+        at = value_end + len(GLM_VALUE_END)
+    built = "{" + ", ".join(pairs) + "}" if closed else "{" + ", ".join(pairs) if pairs else ""
+    return Found(name, None, None, closed, built)
+
+
+def _glm_partial(text: str, at: int, stop: int) -> bool:
+    """Whether `text[at:stop]` may still become a key / value pair or the call's end."""
+    rest = text[at:stop]
+    if GLM_KEY.startswith(rest) or CLOSE.startswith(rest):
+        return True
+    key_end = text.find(GLM_KEY_END, at, stop) if text.startswith(GLM_KEY, at) else -1
+    if key_end < 0:
+        return text.startswith(GLM_KEY, at)  # the key being written
+    value = skip_blanks(text, key_end + len(GLM_KEY_END), stop)
+    return GLM_VALUE.startswith(text[value:stop]) or text.startswith(GLM_VALUE, value)
+
+
+def _glm_value(raw: str, schema: Any) -> str:
+    """An argument's JSON text: the value as written where it is JSON and its schema does not type it a string,
+    else the JSON string of the text."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if not (kind == "string" or (isinstance(kind, list) and "string" in kind)):
+        try:
+            json.loads(raw, parse_constant=_no_constant)
+            return raw.strip()
+        except ValueError:
+            pass
+    return json.dumps(raw, ensure_ascii=False)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is no JSON")
 
 
 def _deepseek_call(text: str, body: int, stop: int, closed: bool, v3: bool) -> Found | None:
@@ -200,8 +289,8 @@ def _deepseek_call(text: str, body: int, stop: int, closed: bool, v3: bool) -> F
         return None if closed else Found(None, None, None, False)
     if not NAME.fullmatch(name.strip()):
         return None
-    start = _skip(text, args, stop)
-    end = _value_end(text, start, stop)
+    start = skip_blanks(text, args, stop)
+    end = value_end(text, start, stop)
     rest = text[end:stop].strip() if end is not None else ""
     if rest and not (v3 and "```".startswith(rest) and (rest == "```" or not closed)):
         return None  # text after the arguments (V3: but its closing fence)
@@ -218,7 +307,7 @@ def _sequence(text: str, at: int, opener: str, sep: str, closer: str) -> list[Fo
             return []
         if text[at] != opener:
             return None
-        at = _skip(text, at + 1)
+        at = skip_blanks(text, at + 1)
     found = []
     while at < len(text):
         obj = _call_object(text, at, len(text))
@@ -227,13 +316,13 @@ def _sequence(text: str, at: int, opener: str, sep: str, closer: str) -> list[Fo
         found.append(obj[0])
         if obj[1] is None:
             return found
-        at = _skip(text, obj[1])
+        at = skip_blanks(text, obj[1])
         if closer and at < len(text) and text[at] == closer:
-            return found if _skip(text, at + 1) == len(text) else None
+            return found if skip_blanks(text, at + 1) == len(text) else None
         if at < len(text) and text[at] == sep:
-            at = _skip(text, at + 1)
+            at = skip_blanks(text, at + 1)
             while not closer and at < len(text) and text[at] == sep:
-                at = _skip(text, at + 1)
+                at = skip_blanks(text, at + 1)
         elif closer and at < len(text):
             return None
     return [f._replace(closed=False) for f in found] if closer else found
@@ -247,82 +336,34 @@ def _call_object(text: str, at: int, stop: int) -> tuple[Found, int | None] | No
     if text[at] != "{":
         return None
     name = start = end = None
-    at = _skip(text, at + 1, stop)
+    at = skip_blanks(text, at + 1, stop)
     while at < stop:
         if text[at] == "}":
             return (Found(name, start, end, True), at + 1) if name is not None else None
         if text[at] != '"':
             return None
-        key_end = _value_end(text, at, stop)
+        key_end = value_end(text, at, stop)
         if key_end is None:
             break
-        key = _loads(text[at:key_end])
+        key = loads_or_none(text[at:key_end])
         if not isinstance(key, str):
             return None  # a string that does not decode (a bad escape)
-        at = _skip(text, key_end, stop)
+        at = skip_blanks(text, key_end, stop)
         if at < stop and text[at] != ":":
             return None
-        at = _skip(text, at + 1, stop)
-        v_end = _value_end(text, at, stop)
+        at = skip_blanks(text, at + 1, stop)
+        v_end = value_end(text, at, stop)
         if key == "name" and v_end is not None:
-            name = _loads(text[at:v_end])
+            name = loads_or_none(text[at:v_end])
             if not isinstance(name, str):
                 return None
         elif key in ("arguments", "parameters") and start is None and at < stop:
             start, end = at, v_end  # the first such key (a later one would not extend what streamed)
         if v_end is None:
             break
-        at = _skip(text, v_end, stop)
+        at = skip_blanks(text, v_end, stop)
         if at < stop and text[at] == ",":
-            at = _skip(text, at + 1, stop)
+            at = skip_blanks(text, at + 1, stop)
         elif at < stop and text[at] != "}":
             return None
     return Found(name, start, end, False), None
-
-
-def _loads(text: str) -> Any:
-    """The JSON value of `text`, or None where it is no JSON (a call's name and keys must be strings)."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
-def _skip(text: str, at: int, stop: int | None = None) -> int:
-    stop = len(text) if stop is None else stop
-    while at < stop and text[at] in _BLANK:
-        at += 1
-    return at
-
-
-def _value_end(text: str, at: int, stop: int | None = None) -> int | None:
-    """The index after the JSON value that begins at `at`, None if the text (up to `stop`) ends inside it. A
-    number or literal ends at a delimiter (one reaching `stop` may go on). Regular expressions skip the plain
-    characters: every step of a stream scans its calls' arguments again."""
-    stop = len(text) if stop is None else stop
-    if at >= stop:
-        return None
-    if text[at] == '"':
-        return _string_end(text, at + 1, stop)
-    if text[at] not in "{[":
-        m = _DELIMITER.search(text, at, stop)
-        return m.start() if m else None
-    depth, i = 0, at
-    while (m := _STRUCTURE.search(text, i, stop)) is not None:
-        ch = m.group()
-        if ch == '"':
-            i = _string_end(text, m.end(), stop)
-            if i is None:
-                return None
-            continue
-        depth += 1 if ch in "{[" else -1
-        if depth == 0:
-            return m.end()
-        i = m.end()
-    return None
-
-
-def _string_end(text: str, at: int, stop: int) -> int | None:
-    """The index after the closing quote of a JSON string whose body begins at `at`; None if it runs past `stop`."""
-    end = _STRING_BODY.match(text, at, stop).end()
-    return end + 1 if end < stop and text[end] == '"' else None
