@@ -448,7 +448,8 @@ def test_model_dependent_reasons():
         return " ".join(cls.check(BackendSpec(**cuda, model=replace(model, **change))))
 
     assert "64 < num_heads < 128" in reasons(TrtllmMLABackend, DSV3, num_heads=96)
-    assert "num_heads dividing 64" in reasons(FlashInferMLABackend, DSV3, num_heads=48)
+    assert "at most 128 heads" in reasons(FlashInferMLABackend, DSV3, num_heads=192)
+    assert reasons(FlashInferMLABackend, DSV3, num_heads=20) == ""  # planned at 32 (planned_heads)
     assert "head_dim 64, 128 or 256" in reasons(FlashInferAttentionBackend, LLAMA, head_dim=96)
     assert "no sliding-window attention" in reasons(TritonDecodeAttentionBackend, LLAMA, sliding_windows=(0, 512))
     assert reasons(FlashInferAttentionBackend, LLAMA, sliding_windows=(0, 0)) == ""
@@ -751,3 +752,38 @@ def test_flashinfer_plans_each_sliding_window_in_a_lane_of_its_own():
                                                    modules=frozenset({"flashinfer"})))
     assert plain._lanes == {} and plain._window == 0
     assert set(plain._plan_args(16)[1]) == {"q_data_type", "kv_data_type", "sm_scale"}
+
+
+def test_flashinfer_mla_pads_heads_to_a_count_it_plans():
+    """FlashInfer's MLA plans take head counts dividing 64, or 128: GLM-4.7-Flash's 20 heads (10 per rank under
+    tensor parallel 2) are planned at 32 (16), the queries padded with zero heads, the real heads' output kept
+    and padded rows of out zeroed."""
+    from types import SimpleNamespace
+
+    from pieceworks.backends.mla.flashinfer import planned_heads
+
+    assert [planned_heads(h) for h in (1, 3, 4, 10, 16, 20, 33, 64, 65, 96, 128)] == [
+        1, 4, 4, 16, 16, 32, 64, 64, 128, 128, 128]
+    spec = BackendSpec(device="cuda", capability=(9, 0), model=replace(DSV3, num_heads=20),
+                       modules=frozenset({"flashinfer"}))
+    backend = FlashInferMLABackend(spec, parse_options(FlashInferMLABackend, {}))
+    seen = {}
+
+    def run(query, kv_cache, out):
+        seen["q"] = query
+        out.copy_(query[0] * 2)
+
+    backend._wrapper = SimpleNamespace(run=run)
+    backend._rows, backend._sm_scale = 3, 0.125
+    backend._meta = SimpleNamespace(slot_mapping=torch.tensor([1, 2, 3, 0]))
+    cache = torch.zeros(2, 16, 576)
+    kv = SimpleNamespace(latent_cache=lambda layer: cache)
+    q_nope, q_pe = torch.randn(4, 20, 512), torch.randn(4, 20, 64)
+    c_kv, k_pe = torch.randn(4, 512), torch.randn(4, 64)
+    out = torch.full((4, 20, 512), float("nan"))
+    backend.forward(q_nope, q_pe, c_kv, k_pe, out, 0, 0.125, kv)
+    qn, qp = seen["q"]
+    assert qn.shape == (3, 32, 512) and qp.shape == (3, 32, 64)
+    assert torch.equal(qn[:, :20], q_nope[:3]) and not qn[:, 20:].any() and not qp[:, 20:].any()
+    assert torch.equal(out[:3], q_nope[:3] * 2) and not out[3:].any()
+    assert torch.equal(cache.view(-1, 576)[[1, 2, 3]], torch.cat([c_kv, k_pe], -1)[:3])

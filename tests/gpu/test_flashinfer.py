@@ -115,7 +115,7 @@ def test_fast_plan_and_run_match_flashinfers_public_plan():
         assert torch.equal(a._kv_lens_buffer[:n], b._kv_lens_buffer[:n])
 
 
-@pytest.mark.parametrize("heads", [4, 128])
+@pytest.mark.parametrize("heads", [4, 20, 128])  # 20 (GLM-4.7-Flash): planned at 32, the queries padded
 @pytest.mark.parametrize("sc", S.ATTENTION_SCENARIOS, ids=lambda s: s.name)
 def test_mla_scenarios(sc, heads):
     impl = mla_backend(sc.page_size, heads)

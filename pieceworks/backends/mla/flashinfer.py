@@ -6,6 +6,10 @@ The latent cache [pages, page_size, L + R] is handed over as FlashInfer's "packe
 splits it into the ckv [.., :L] and kpe [.., L:] strided views itself (fa2/fa3 read the page and token
 strides of both), so the cache is never copied. Queries go in split, as the model produces them.
 
+FlashInfer's plans take head counts that divide its 64-row query tile, or 128 (`planned_heads`): another count
+(GLM-4.7-Flash's 20, 10 per rank under tensor parallel 2) is planned and run at the next such count, the queries
+padded with zero heads (their outputs, finite, are dropped); the padding's copies add a few small kernels per layer.
+
 Plan/run, the CSR conversion and the softmax-scale handling are those of the FlashInfer attention
 backend (attention/flashinfer.py). Once a wrapper has been planned twice, its plans go through
 `FastMLAPlan` (FlashInfer's planner called directly; `backends.options.flashinfer.fast_plan`), and eager and
@@ -56,6 +60,11 @@ def mla_plan_args(meta, sm_scale: float, num_heads: int, kv_lora_rank: int, rope
     )
 
 
+def planned_heads(num_heads: int) -> int:
+    """The head count FlashInfer plans for `num_heads`: the smallest divisor of 64 at or above it, else 128."""
+    return next((h for h in (1, 2, 4, 8, 16, 32, 64) if h >= num_heads), 2 * FA_TILE_Q)
+
+
 FA3_RANKS = (128, 256, 512)  # the latent widths FlashInfer's fa3 MLA kernels are built for
 
 
@@ -80,9 +89,10 @@ class FlashInferMLABackend(MLABackend):
         if m.dtype not in (torch.float16, torch.bfloat16):
             reasons.append(f"needs bf16 or fp16 activations (model dtype: {m.dtype})")
         # FlashInfer refuses causal plans whose query tile (64 or 128 rows) splits a token's heads
-        # across tiles at a KV-tile boundary; with these head counts that never happens.
-        if FA_TILE_Q % m.num_heads and m.num_heads != 2 * FA_TILE_Q:
-            reasons.append(f"FlashInfer MLA plans need num_heads dividing 64, or 128 (model: {m.num_heads})")
+        # across tiles at a KV-tile boundary; with heads dividing 64, or 128, that never happens (others are
+        # padded to such a count: planned_heads)
+        if m.num_heads > 2 * FA_TILE_Q:
+            reasons.append(f"FlashInfer MLA plans take at most 128 heads (model: {m.num_heads})")
         return reasons
 
     def __init__(self, spec, options=None) -> None:
@@ -96,6 +106,7 @@ class FlashInferMLABackend(MLABackend):
         # DeepSeek's scale is (nope + rope)^-0.5 times a yarn factor, unknown here: the first forward
         # re-plans with the model's own.
         self._sm_scale = (spec.model.kv_lora_rank // 4 + spec.model.qk_rope_head_dim) ** -0.5
+        self._heads = planned_heads(spec.model.num_heads)
         self._workspace: torch.Tensor | None = None
         self._eager = None
         self._graph: dict[int, object] = {}
@@ -113,7 +124,7 @@ class FlashInferMLABackend(MLABackend):
     def plan(self, meta) -> None:
         self._meta = meta
         m = self.spec.model
-        args = mla_plan_args(meta, self._sm_scale, m.num_heads, m.kv_lora_rank, m.qk_rope_head_dim, m.dtype)
+        args = mla_plan_args(meta, self._sm_scale, self._heads, m.kv_lora_rank, m.qk_rope_head_dim, m.dtype)
         csr = args.pop("csr")
         bs = csr["kv_len_arr"].shape[0]
         if meta.graph_mode is GraphMode.FULL:
@@ -193,10 +204,17 @@ class FlashInferMLABackend(MLABackend):
         write_rows(ckv_rows, c_kv, kpe_rows, k_pe, slots)
         rows, wrapper = self._rows, self._wrapper
         q_nope, q_pe, run_out = q_nope[:rows], q_pe[:rows], out[:rows]
+        heads = q_nope.shape[1]
+        if heads != self._heads:  # zero heads up to a count FlashInfer plans
+            pad = self._heads - heads
+            q_nope, q_pe = (torch.cat([t, t.new_zeros(rows, pad, t.shape[2])], 1) for t in (q_nope, q_pe))
+            run_out = out.new_empty(rows, self._heads, out.shape[2])
         if wrapper is self._eager:
             self._run_eager(wrapper, q_nope, q_pe, cache, ckv, kpe, run_out)
         else:  # a FULL graph's wrapper: its run() is captured once
             wrapper.run(query=(q_nope, q_pe), kv_cache=cache, out=run_out)
+        if heads != self._heads:
+            out[:rows].copy_(run_out[:, :heads])
         if out.shape[0] > rows:
             out[rows:].zero_()
 
