@@ -748,6 +748,27 @@ def test_flashinfer_plans_each_sliding_window_in_a_lane_of_its_own():
         root.forward(q, k, v, out, layer, 128**-0.5, kv)
         assert torch.equal(out, q * factor), layer
     assert [len(lane._decode.ran) for lane in lanes.values()] == [1, 2, 1]
+    # long sequences: each windowed lane plans the pages from its window's first one on; the full lane all of them
+    meta = replace(meta, prefix_lens=[1000, 5000], page_lists=[list(range(1, 64)), list(range(64, 377))], _cache={},
+                   page_table=torch.zeros(2, 313, dtype=torch.int32))
+    for lane in lanes.values():
+        lane._decode.plans.clear()
+    root.plan(meta)
+    for w, lane in lanes.items():
+        (args, kw), = lane._decode.plans
+        drop = [max(0, p - w + 1) // 16 if w else 0 for p in (1000, 5000)]
+        counts = [-(-(p + 1 - 16 * d) // 16) for p, d in zip((1000, 5000), drop)]
+        assert args[0].tolist() == [0, counts[0], sum(counts)], w
+        assert args[1].tolist() == meta.page_lists[0][drop[0]:][: counts[0]] + meta.page_lists[1][drop[1]:], w
+        assert args[2].tolist() == [(1001 - 1) % 16 + 1, (5001 - 1) % 16 + 1]  # the last page's tokens: unchanged
+    assert lanes[512]._meta.prefix_lens == [1000 - 16 * 30, 5000 - 16 * 280] and root._meta is meta
+    # windows only: the lanes plan the step as it came, not as the first lane's window cut it
+    spec = BackendSpec(device="cuda", capability=(9, 0), model=replace(gemma, sliding_windows=(512, 4096)),
+                       modules=frozenset({"flashinfer"}))
+    root = FlashInferAttentionBackend(spec)
+    root._decode, root._lanes[4096]._decode = Wrapper("a"), Wrapper("b")
+    root.plan(meta)
+    assert root._meta.prefix_lens == [520, 520] and root._lanes[4096]._meta.prefix_lens == [1000, 5000 - 16 * 56]
     plain = FlashInferAttentionBackend(BackendSpec(device="cuda", capability=(9, 0), model=LLAMA,
                                                    modules=frozenset({"flashinfer"})))
     assert plain._lanes == {} and plain._window == 0
@@ -787,3 +808,37 @@ def test_flashinfer_mla_pads_heads_to_a_count_it_plans():
     assert torch.equal(qn[:, :20], q_nope[:3]) and not qn[:, 20:].any() and not qp[:, 20:].any()
     assert torch.equal(out[:3], q_nope[:3] * 2) and not out[3:].any()
     assert torch.equal(cache.view(-1, 576)[[1, 2, 3]], torch.cat([c_kv, k_pe], -1)[:3])
+
+
+@pytest.mark.parametrize("sc", S.ATTENTION_SCENARIOS, ids=lambda s: s.name)
+def test_window_view_leaves_the_windowed_attention_unchanged(sc):
+    """`window_view` drops each sequence's pages wholly before its window and shortens its KV length by as many
+    tokens: attention with the queries aligned to the end of the shorter KV (as FlashInfer's kernels align them)
+    equals attention over the whole sequence, for windows shorter and longer than the prefix."""
+    from pieceworks.backends.attention.flashinfer import window_view
+    from pieceworks.backends.attention.torch import attend
+
+    case = S.attention_case(sc, 4, 2, 16, torch.float32, CPU)
+    kc, vc = case.pool.k_cache(0), case.pool.v_cache(0)
+    meta, (q, k, v) = case.meta, (case.inputs[n] for n in "qkv")
+    kc.view(-1, 2, 16)[meta.slot_mapping] = k  # the step's own K/V, as a backend writes them first
+    vc.view(-1, 2, 16)[meta.slot_mapping] = v
+    cut = 0
+    assert meta.seq_lens_tensor().tolist() == meta.seq_lens  # cached on the step: a view must not share it
+    for window in (1, 3, 17, 40, 5000):
+        view = window_view(meta, window)
+        assert view.seq_lens_tensor().tolist() == view.seq_lens
+        lo = 0
+        for i, n in enumerate(meta.extend_lens):
+            rows = slice(lo, lo + n)
+            lo += n
+            got = []
+            for m in (meta, view):
+                p, pages = m.prefix_lens[i], m.page_lists[i]
+                keys, vals = kc[pages].flatten(0, 1)[: p + n], vc[pages].flatten(0, 1)[: p + n]
+                got.append(attend(q[rows], keys, vals, 0.25, p, window))
+            torch.testing.assert_close(got[1], got[0], rtol=1e-6, atol=1e-6)
+            cut += meta.prefix_lens[i] - view.prefix_lens[i]
+            ps = meta.page_size
+            assert meta.prefix_lens[i] - view.prefix_lens[i] == max(0, meta.prefix_lens[i] - window + 1) // ps * ps
+    assert cut > 0 or max(meta.prefix_lens) < meta.page_size

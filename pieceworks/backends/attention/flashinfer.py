@@ -11,7 +11,8 @@ steps plan and launch through `flashinfer_fast.py` (FastPlan, FastRun) around Fl
 Sliding windows and soft caps (Gemma 2 / 3) go into the plan (`window_left` = W - 1, `logits_soft_cap`):
 FlashInfer schedules a plan for one window, so the layers of each further window value take a lane of their
 own, a backend of this class with its own wrappers, planned with the step (the workspace is shared: the lanes'
-kernels run one after another on one stream). Models without windows have one lane, the backend itself.
+kernels run one after another on one stream). Models without windows have one lane, the backend itself. A
+windowed lane plans each sequence without the pages wholly before its window (`window_view`).
 
 The softmax scale reaches a backend with every `forward`, but FlashInfer takes it at plan time. It is a
 model constant: the backend plans with the last scale it was given (head_dim^-0.5 before the first
@@ -23,6 +24,7 @@ flashinfer is imported inside methods only, so `import pieceworks` never loads i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -143,6 +145,23 @@ def paged_kv_indices(page_table: torch.Tensor, kv_lens: list[int], page_size: in
     return PagedKV(indptr.to(torch.int32), indices, last, lens)
 
 
+def window_view(meta, window: int):
+    """The step as a layer of sliding window `window` sees it: each sequence without the pages wholly before the
+    first key its earliest new query sees, its KV length shorter by as many tokens, so the kernels read no page
+    outside the window. The attention is the same: K/V are cached roped, and FlashInfer aligns every sequence's
+    queries to the end of its KV. Only the host page lists are cut (FlashInfer plans from them), so a step
+    without them stays whole; padding sequences of FULL graphs (past the real ones) stay as they are."""
+    if meta.page_lists is None:
+        return meta
+    ps = meta.page_size
+    drop = [max(0, p - window + 1) // ps for p in meta.prefix_lens]
+    if not any(drop):
+        return meta
+    lists = [pages[d:] for pages, d in zip(meta.page_lists, drop)] + meta.page_lists[len(drop):]
+    return dataclasses.replace(meta, prefix_lens=[p - d * ps for p, d in zip(meta.prefix_lens, drop)],
+                               page_lists=lists, _cache={})
+
+
 def step_lengths(meta) -> tuple[list[int], list[int]]:
     """(new tokens, KV length) of every sequence the kernels are planned for.
 
@@ -220,6 +239,10 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ plan (host)
     def plan(self, meta) -> None:
+        for lane in self._lanes.values():
+            lane.plan(meta)
+        if self._window:
+            meta = window_view(meta, self._window)
         self._meta = meta
         qo_lens, kv_lens = step_lengths(meta)
         self._rows = sum(qo_lens)
@@ -241,8 +264,6 @@ class FlashInferAttentionBackend(AttentionBackend):
                 self._fast = None
         self._plan_guard.after(wrapper, meta.device)
         self._wrapper = wrapper
-        for lane in self._lanes.values():
-            lane.plan(meta)
 
     def _plan_args(self, page_size: int) -> tuple[tuple, dict]:
         """The head shape and page size, and the dtypes and scale, that FlashInfer's public plans take."""
