@@ -524,6 +524,20 @@ def test_auto_mla_on_blackwell_and_hopper():
     assert _resolve(hopper).get("mla", D, FULL).name == "flashinfer"
 
 
+def test_auto_attention_for_windowed_and_soft_capped_models():
+    """On the H200, `auto` decodes on Triton's attention (prio 110) and extends on FlashInfer; a model with sliding
+    windows or soft caps, which Triton's kernel does not declare, decodes on FlashInfer too, not the torch reference;
+    GLM-4.7-Flash's 20 MLA heads stay on FlashInfer MLA."""
+    hopper = BackendSpec(device="cuda", capability=(9, 0), model=LLAMA, modules=frozenset({"flashinfer", "triton"}))
+    assert _resolve(hopper, ops=("attention",)).get("attention", D, FULL).name == "triton"
+    for change in ({"sliding_windows": (512, 0)}, {"attn_logit_softcap": 50.0}):
+        table = _resolve(replace(hopper, model=replace(LLAMA, **change)), ops=("attention",))
+        assert {table.get("attention", m, g).name for m, g in [(D, FULL), (D, EAGER), (E, PW), (M, EAGER)]} == {
+            "flashinfer"}, change
+    glm = replace(hopper, model=replace(DSV3, num_heads=20))
+    assert _resolve(glm).get("mla", D, FULL).name == "flashinfer"
+
+
 def test_auto_fp4_and_moe_choices():
     ops = ("fp4_gemm", "moe")
     blackwell = BackendSpec(device="cuda", capability=(10, 0), model=DSV3, modules=frozenset({"flashinfer"}))
