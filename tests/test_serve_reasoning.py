@@ -28,6 +28,8 @@ def test_split():
     assert reasoning.split("qwen3", "4, plainly") == ("", "4, plainly")  # no block: all content
     assert reasoning.split("qwen3", "<th", final=False) == ("", "")
     assert reasoning.split("qwen3", "<th") == ("", "<th")
+    assert reasoning.split("glm45", "4, plainly") == ("", "4, plainly")  # GLM's thinking off: no block
+    assert reasoning.split("glm45", "<think>Add.</think>4") == ("Add.", "4")
 
 
 def stream(writer: ChatWriter, deltas: list[str]) -> tuple[str, str, list]:
@@ -42,7 +44,7 @@ def stream(writer: ChatWriter, deltas: list[str]) -> tuple[str, str, list]:
     return ("".join(d.reasoning_content or "" for d in deltas_), "".join(d.content or "" for d in deltas_), chunks)
 
 
-@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3", "glm45"])
 def test_streamed_equals_the_whole_answer(parser):
     pieces = ["<think>", "Two and", " two </", "think", "> make", "s four."]
     thought, content, _ = stream(ChatWriter(SRV, REQ, None, parser), pieces)

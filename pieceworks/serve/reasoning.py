@@ -7,7 +7,8 @@ vLLM's parsers of the same names and DeepSeek's API (`message.reasoning_content`
   is reasoning up to `</think>` (an opening `<think>` is dropped) and content after it; an answer without
   `</think>` is all reasoning (it was cut off while thinking).
 - `qwen3` (Qwen3, and models that write the whole block themselves): reasoning only inside a `<think>` block
-  that opens the answer; an answer that does not start with `<think>` is all content.
+  that opens the answer; an answer that does not start with `<think>` is all content. `glm45` (GLM-4.5 / 4.6 /
+  4.7, the name their model cards give vLLM and SGLang) reads answers the same way.
 
 Structured outputs (response_format, tool calls held by a schema) start after `</think>` where the prompt
 has not closed a reasoning block already (`Grammars.set_reasoning`): the model thinks freely first.
@@ -36,7 +37,7 @@ def split(parser: str, text: str, final: bool = True) -> tuple[str, str]:
         return "", ""  # maybe the opening tag
     if text.startswith(_OPEN):
         body = text[len(_OPEN):]
-    elif parser == "qwen3":
+    elif parser in ("qwen3", "glm45"):
         return "", text
     else:
         body = text
