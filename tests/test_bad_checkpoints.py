@@ -413,16 +413,17 @@ def test_windows_that_cut_nothing_load(bf16, edit):
 
 
 def test_a_sliding_window_shorter_than_the_context_caps_it(bf16, caplog):
-    """Mistral 7B v0.1's form (a 4,096-token window, 32,768 positions), scaled down: the model loads and serves
-    sequences up to its window (full attention equals the window's there), model.max_context above the window is a
-    ConfigError that names it, and an unset one takes the window with a warning."""
+    """A Qwen-style window (`use_sliding_window`, here SmolLM3's config form, whose window transformers applies to
+    some layers only), scaled down: the model loads and serves sequences up to its window (full attention equals
+    the window's there), model.max_context above the window is a ConfigError that names it, and an unset one takes
+    the window with a warning."""
     import logging
 
     from pieceworks import Executor
     from pieceworks.errors import BatchError, ConfigError
 
-    _edit_json(bf16 / "config.json", _set(architectures=["MistralForCausalLM"], model_type="mistral",
-                                          sliding_window=64, max_position_embeddings=256))
+    _edit_json(bf16 / "config.json", _set(architectures=["SmolLM3ForCausalLM"], model_type="smollm3",
+                                          use_sliding_window=True, sliding_window=64, max_position_embeddings=256))
     assert _load(bf16).context_cap[0] == 64
 
     def executor(**model):
@@ -443,6 +444,20 @@ def test_a_sliding_window_shorter_than_the_context_caps_it(bf16, caplog):
     with pytest.raises(ConfigError, match=r"model.max_context: 128 exceeds 64 tokens, the limit of the model's "
                                           r"sliding window \(64 tokens"):
         executor(max_context=128)
+
+
+def test_mistral_and_phi3_windows_run_as_windows(bf16):
+    """Mistral 7B v0.1's form (a 4,096-token window, 32,768 positions), scaled down: every layer attends through the
+    window (`ModelFacts.sliding_windows`; parity with transformers: tests/test_models_parity.py), so the context is
+    the model's positions, not the window."""
+    from pieceworks import Executor
+
+    _edit_json(bf16 / "config.json", _set(architectures=["MistralForCausalLM"], model_type="mistral",
+                                          sliding_window=64, max_position_embeddings=256))
+    model = _load(bf16)
+    assert model.context_cap is None and model.facts(16).sliding_windows == (64, 64)
+    ex = Executor.from_config({"model": {"path": str(bf16)}, "runtime": {"device": "cpu"}}, progress=False)
+    assert ex.max_context == 256 and len(ex.generate([[1] * 120], max_new_tokens=4)[0]) == 4
 
 
 def test_unreadable_config_json(bf16):

@@ -103,8 +103,9 @@ CASES = {
     # Qwen2MoeForCausalLM: q/k/v biases, softmax-routed experts (raw top-k) and a gated shared expert, a dense layer
     "qwen2_moe": ("qwen2_moe", dict(QWEN3_MOE, shared_expert_intermediate_size=48, norm_topk_prob=False,
                                     mlp_only_layers=[1], num_hidden_layers=3)),
-    # Phi3ForCausalLM: q/k/v and gate/up fused in the checkpoint (read as row slices), GQA
-    "phi3": ("phi3", dict(rope_theta=250000.0, pad_token_id=None, eos_token_id=2)),
+    # Phi3ForCausalLM: q/k/v and gate/up fused in the checkpoint (read as row slices), GQA, Phi-3-mini-4k's sliding
+    # window in every layer (here 12 tokens)
+    "phi3": ("phi3", dict(rope_theta=250000.0, pad_token_id=None, eos_token_id=2, sliding_window=12)),
     # Phi-3.5-mini's longrope (short factors within the original context, which caps the executor's: 64 here)
     "phi3_longrope": ("phi3", dict(pad_token_id=None, eos_token_id=2, original_max_position_embeddings=64, rope_scaling=dict(
         rope_type="longrope", short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],

@@ -39,6 +39,21 @@ def text_model(hf: dict) -> dict | None:
     return {**hf["text_config"], **top, "architectures": [MULTIMODAL[archs[0]]], "text_of": archs[0]}
 
 
+# families whose every layer attends through config.json's sliding_window in transformers (Mistral 7B v0.1's 4,096
+# tokens, Phi-3-mini-4k's 2,047); the Qwen families' windows depend on use_sliding_window and max_window_layers, and
+# there a window shorter than the context caps it instead (`hf_config.context_cap`)
+WINDOWED = ("mistral", "mixtral", "phi3")
+
+
+def layer_windows(hf: dict, num_layers: int) -> tuple[int, ...]:
+    """Per layer, the keys a query sees (`ModelFacts.sliding_windows`) in a `WINDOWED` family whose window is
+    shorter than its positions; () where no window cuts anything."""
+    window = hf.get("sliding_window")
+    if family(hf) in WINDOWED and window is not None and window < hf.get("max_position_embeddings", 2048):
+        return (int(window),) * num_layers
+    return ()
+
+
 def is_mixtral(hf: dict) -> bool:
     return family(hf) == "mixtral"
 

@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from pieceworks.errors import CheckpointError
-from pieceworks.models.families import family, with_defaults
+from pieceworks.models.families import family, WINDOWED, with_defaults
 
 
 # the rope types pieceworks implements (models/rope.py) and the settings each needs beyond rope_theta
@@ -240,13 +240,14 @@ def rope_layers(hf: dict) -> tuple[bool, ...]:
 
 def context_cap(hf: dict) -> tuple[int, str] | None:
     """A Llama-family config's limit below max_position_embeddings on the sequences pieceworks runs as the model
-    defines them, with its reason, or None. A sliding window (Mistral 7B v0.1's, Phi-3-mini-4k's): pieceworks runs
-    full attention, equal to the window's while a sequence fits it. longrope (Phi-3.5-mini's, Phi-4-mini's):
+    defines them, with its reason, or None. A Qwen family's sliding window (`use_sliding_window`): pieceworks runs
+    full attention, equal to the window's while a sequence fits it (Mistral's, Mixtral's and Phi-3's windows run as
+    windows: `families.layer_windows`). longrope (Phi-3.5-mini's, Phi-4-mini's):
     pieceworks computes the short factors, which transformers applies while a sequence fits the original context.
     The shorter wins (`models.base.context_limit`)."""
     positions, caps = hf.get("max_position_embeddings", 2048), []
     window = hf.get("sliding_window")
-    if window is not None and hf.get("use_sliding_window", True) is not False:
+    if window is not None and hf.get("use_sliding_window", True) is not False and family(hf) not in WINDOWED:
         caps.append((window, f"the model's sliding window ({window} tokens, config.json sliding_window): pieceworks "
                              "runs full attention, which equals the window's only while a sequence fits it"))
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}

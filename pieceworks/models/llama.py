@@ -26,7 +26,7 @@ from pieceworks.models.rope import apply_rope_qk, rope_parameters
 from pieceworks.parallel.comm import reduce
 from pieceworks.parallel.layout import (TPLayout, require_divisible, require_fp4_block, require_kv_heads)
 from pieceworks.quant.linear import Fp4Linear
-from pieceworks.models.families import FusedNames, family, is_mixtral, with_defaults
+from pieceworks.models.families import FusedNames, family, is_mixtral, layer_windows, with_defaults
 from pieceworks.quant.modelopt import mixtral_name
 
 
@@ -71,6 +71,7 @@ class LlamaArgs:
     rotary_dim: int = 0  # the rotated dimensions of each head: head_dim, or fewer (partial_rotary_factor)
     rope_layers: tuple[bool, ...] = ()  # per layer, whether it rotates q and k (`hf_config.rope_layers`)
     rope_interleaved: bool = False  # GLM-4: the rope rotates pairs (x0, x1), (x2, x3), ...
+    sliding_windows: tuple[int, ...] = ()  # per layer, the keys a query sees (`families.layer_windows`; () all)
 
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaArgs":
@@ -149,6 +150,7 @@ class LlamaArgs:
             moe=moe, sparse_layers=sparse, context_cap=hf_fields.context_cap(hf), rotary_dim=hf_fields.rotary_dim(hf),
             rope_layers=hf_fields.rope_layers(hf),
             rope_interleaved=family(hf) in ("glm4", "ernie4_5", "ernie4_5_moe"),
+            sliding_windows=layer_windows(hf, hf["num_hidden_layers"]),
         )
 
     def check_parallel(self, tp: TPLayout, fp4: Callable[[str], bool]) -> None:
@@ -382,7 +384,8 @@ class Llama(CausalLM):
         a, tp = self.args, self.tp
         return ModelFacts(arch="llama", dtype=self.dtype, num_heads=a.num_heads // tp.size,
                           num_kv_heads=tp.local_kv_heads(a.num_kv_heads),
-                          head_dim=a.head_dim, page_size=page_size, fp4=self.has_fp4(), **self.moe_facts())
+                          head_dim=a.head_dim, page_size=page_size, fp4=self.has_fp4(), sliding_windows=a.sliding_windows,
+                          **self.moe_facts())
 
     def required_ops(self) -> set[str]:
         return ({"attention"} | ({"fp4_gemm"} if self.has_fp4() else set())
