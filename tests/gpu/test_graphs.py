@@ -88,16 +88,12 @@ MODELS = {
                       "nvfp4"),
 }
 ATTENTION = ["torch", "flashinfer"]
-# models an attention backend declares it can't serve (its check() reasons)
-UNSERVED: dict[tuple[str, str], str] = {}
 
 
 def build(name: str, attention: str | dict, flashinfer_options: dict | None = None,
           backends: dict | None = None) -> Executor:
     model, fmt = MODELS[name]
     op = "mla" if model["arch"] == "deepseek_v3" else "attention"
-    if (name, attention) in UNSERVED:
-        pytest.skip(UNSERVED[name, attention])
     if attention == "flashinfer":
         pytest.importorskip("flashinfer", reason="flashinfer is not importable here")
     cfg = {
