@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("fastapi", reason="needs the serve extra: pip install 'pieceworks[serve]'")
 
-from pieceworks.serve import json_text, mapping, tool_parsers, tools  # noqa: E402
+from pieceworks.serve import json_text, mapping, tool_pairs, tool_parsers, tools  # noqa: E402
 from pieceworks.serve.protocol import BadRequest, ChatCompletionRequest  # noqa: E402
 from pieceworks.serve.writers import ChatWriter, Choice, Step  # noqa: E402
 
@@ -319,6 +319,13 @@ ANSWERS = {  # (plan, answer, content) with two calls (one for named) whose argu
               "Hi.\n<tool_call>get_weather\n" + "".join(
                   f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v)}</arg_value>\n"
                   for k, v in json.loads(TRICKY).items()) + "</tool_call><tool_call>get_time</tool_call>", "Hi.\n"),
+    "qwen3_coder": (tools.ToolPlan("auto", [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string"}, "n": {"type": "array"}}}}}], parser="qwen3_coder"),
+                    "Hi.\n<tool_call>\n<function=get_weather>\n" + "".join(
+                        f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+                        for k, v in json.loads(TRICKY).items())
+                    + "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
+                    "Hi.\n"),
     "required": (tools.ToolPlan("required", [WEATHER, TIME]),
                  f'[{{"name": "get_weather", "arguments": {TRICKY}}}, {{"name": "get_time", "arguments": {{}}}}]',
                  None),
@@ -380,14 +387,52 @@ def test_glm45_calls():
     assert tool_parsers.streamed(plan, text) == [("f", calls[0]["arguments"][:-1])]  # open: no closing brace yet
     for t in ("<tool_call>f<arg_key>a</arg_key>oops<arg_value>1</arg_value></tool_call>",  # text between the parts
               "<tool_call>f x<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",  # no name
-              "<tool_call>f<arg_key>a</arg_key></tool_call>", "<tool_call>f<arg_key>a</arg_key><arg_value>1</tool_call>",
+              "<tool_call>f<arg_key>a</arg_key></tool_call>",
+              "<tool_call>f<arg_key>a</arg_key><arg_value>1</tool_call>",
               "<tool_call>f<arg_key>a</arg_key><arg_value>1</arg_value>"):  # cut off: no calls, the text is content
         assert tool_parsers.parse(plan, t) == (t, []), t
     for t in ("<tool_call>f<arg_key>a</arg_key>oops", "<tool_call>f\nzz"):  # no call, though not closed yet
         assert tool_parsers.streamed(plan, t) == [], t
     assert tool_parsers.streamed(plan, "<tool_call>f\n<arg_key>a</ar") == [("f", "")]
     assert tool_parsers.visible_prefix("Hi <tool_c", "glm45") == 3
-    assert tool_parsers.ALL_MARKERS["glm45"][2:] == ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+    assert tool_pairs.markers("glm45") == ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                                           "</arg_value>")
+
+
+def test_qwen3_coder_calls():
+    """Qwen3-Coder: `<function=NAME>` and `<parameter=KEY>` blocks, each value between newlines (one of each is the
+    template's); a value is a string unless the schema types it a number, integer or boolean it is, or an object or
+    array whose JSON it is; a parameter the schema does not name is a string (as vLLM's qwen3_coder parser)."""
+    props = {"path": {"type": "string"}, "n": {"type": "integer"}, "x": {"type": "number"}, "ok": {"type": "boolean"},
+             "opts": {"type": "object"}, "ids": {"type": ["array", "null"]}, "m": {"type": "integer"}}
+    tool = {"type": "function", "function": {"name": "edit", "parameters": {"type": "object", "properties": props}}}
+    plan = tools.ToolPlan("auto", [tool], parser="qwen3_coder")
+    values = {"path": "\n 12 \n\n", "n": "\n7\n", "x": "\n-1.5e3\n", "ok": "\nTrue\n", "opts": '\n{"a": [1]}\n',
+              "ids": "\nnull\n", "m": "\n7.5\n", "free": "\n{}\n"}
+    body = "".join(f"<parameter={k}>{v}</parameter>\n" for k, v in values.items())
+    text = f"Sure.\n<tool_call>\n<function=edit>\n{body}</function>\n</tool_call>"
+    content, calls = tool_parsers.parse(plan, text)
+    assert content == "Sure.\n" and [c["name"] for c in calls] == ["edit"]
+    assert json.loads(calls[0]["arguments"]) == {"path": " 12 \n", "n": 7, "x": -1500.0, "ok": True, "opts": {"a": [1]},
+                                                 "ids": None, "m": "7.5", "free": "{}"}
+    cut = text[: text.index("</function>")]
+    assert tool_parsers.streamed(plan, cut) == [("edit", calls[0]["arguments"][:-1])]
+    assert tool_parsers.streamed(plan, cut[: cut.index("<parameter=ok>") + 5]) == [
+        ("edit", calls[0]["arguments"][: calls[0]["arguments"].index(', "ok"')])]
+    # a closed call may leave out </function>; text after it, or a block without <function=, is no call
+    missing = "<tool_call><function=edit><parameter=n>1</parameter></tool_call>"
+    assert json.loads(tool_parsers.parse(plan, missing)[1][0]["arguments"]) == {"n": 1}
+    for t in ("<tool_call><function=edit></function> x</tool_call>", '<tool_call>{"name": "edit"}</tool_call>',
+              "<tool_call><function=edit><parameter=n>1</tool_call>",
+              "<tool_call><function=a b></function></tool_call>"):
+        assert tool_parsers.parse(plan, t) == (t, []), t
+    for t in ("<tool_call><function=ed", "<tool_call>\n<func"):
+        assert tool_parsers.streamed(plan, t) == [], t
+    assert tool_parsers.streamed(plan, "<tool_call><function=edit>\n<parameter=n>\n1\n</para") == [("edit", "")]
+    assert tool_parsers.lost_markers(type("Tok", (), {
+        "encode": lambda self, t, add_special_tokens=False: [t],
+        "decode": lambda self, ids, skip_special_tokens=False: "" if ids == ["<tool_call>"] else ids[0]})(),
+        "qwen3_coder") == ["<tool_call>"]
 
 
 def test_json_value_ends():

@@ -384,8 +384,8 @@ class Llama(CausalLM):
         a, tp = self.args, self.tp
         return ModelFacts(arch="llama", dtype=self.dtype, num_heads=a.num_heads // tp.size,
                           num_kv_heads=tp.local_kv_heads(a.num_kv_heads),
-                          head_dim=a.head_dim, page_size=page_size, fp4=self.has_fp4(), sliding_windows=a.sliding_windows,
-                          **self.moe_facts())
+                          head_dim=a.head_dim, page_size=page_size, fp4=self.has_fp4(),
+                          sliding_windows=a.sliding_windows, **self.moe_facts())
 
     def required_ops(self) -> set[str]:
         return ({"attention"} | ({"fp4_gemm"} if self.has_fp4() else set())

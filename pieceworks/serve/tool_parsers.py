@@ -12,13 +12,13 @@ tool_choice auto, and the JSON that required and named choices are held to.
   v0.3's form), or by `NAME[ARGS]ARGUMENTS` per call (tokenizer v11 on, as vLLM's parser reads it; `[ARGS]` may
   be absent). Call ids are 9 letters and digits, which Mistral's chat templates ask of earlier turns.
 - `glm45`: GLM-4.5 / 4.6 / 4.7's `<tool_call>NAME` + `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>` per
-  argument + `</tool_call>` (blanks between the parts; GLM-4.5 writes a newline after the name and each value). A
-  value is the argument's JSON where it parses as JSON and the tool's schema does not type the parameter as a
-  string, else the string as written (the chat template writes strings raw); the call's arguments are built as
-  `{"KEY": VALUE, ...}` and stream an argument at a time. The text before the first call is the content.
+  argument + `</tool_call>`; `qwen3_coder`: Qwen3-Coder's `<tool_call><function=NAME>` + `<parameter=KEY>VALUE
+  </parameter>` per argument + `</function></tool_call>` (blanks between the parts in both). The arguments are built
+  as `{"KEY": VALUE, ...}`, each value typed by the tool's schema (serve/tool_pairs.py), and stream an argument at a
+  time. The text before the first call is the content.
 - required: a JSON array of `{"name", "arguments"}` objects; named: the output is the arguments.
 
-A call's arguments are one JSON value in every format but glm45's, and a call gets that value's text as the model
+A call's arguments are one JSON value in every other format, and a call gets that value's text as the model
 wrote it (checked to parse). So the arguments can stream: `streamed` finds, in an answer so far, each call whose name is
 complete and the part of its arguments written yet, a prefix of what `parse` gives the finished answer. The
 parsers read decoded text: `lost_markers` names the markers a tokenizer drops as special tokens.
@@ -32,6 +32,7 @@ import uuid
 from typing import Any, NamedTuple
 
 from pieceworks.serve.json_text import loads_or_none, skip_blanks, value_end
+from pieceworks.serve import tool_pairs
 from pieceworks.serve.reasoning import held_tail
 from pieceworks.serve.tools import NAME, ToolPlan
 
@@ -42,13 +43,9 @@ DS_SECTION, DS_OPEN, DS_SEP, DS_CLOSE = ("<｜tool▁calls▁begin｜>", "<｜to
                                          "<｜tool▁call▁end｜>")
 V3_FENCE = re.compile(r"[^\n]*\n```(?:json)?\n")  # V3's NAME, a newline and the fence's first line
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
-GLM_KEY, GLM_KEY_END, GLM_VALUE, GLM_VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
 #: the text by which each parser's calls begin
 MARKERS = {"hermes": (OPEN,), "llama3_json": (), "mistral": (MISTRAL_CALLS,), "deepseek_v3": (DS_SECTION, DS_OPEN),
-           "deepseek_v31": (DS_SECTION, DS_OPEN), "glm45": (OPEN,)}
-#: every marker of a parser whose calls hold more than their opening ones (`lost_markers` checks them all)
-ALL_MARKERS = {"glm45": (OPEN, CLOSE, GLM_KEY, GLM_KEY_END, GLM_VALUE, GLM_VALUE_END)}
-_GLM_NAME = re.compile(r"[^<\n]*")
+           "deepseek_v31": (DS_SECTION, DS_OPEN), "glm45": (OPEN,), "qwen3_coder": (OPEN,)}
 _NAME_CHARS = re.compile(r"[A-Za-z0-9_-]*")
 _ALNUM = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
 
@@ -56,7 +53,7 @@ _ALNUM = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
 class Found(NamedTuple):
     """A call in an answer (so far): its name (None until complete), where its arguments begin in the text (None
     if not yet reached, or absent) and end (None until complete), and whether the call is closed; `built`: the
-    arguments (so far) where the parser builds them (glm45) instead of finding them in the text."""
+    arguments (so far) where the parser builds them (glm45, qwen3_coder) instead of finding them in the text."""
 
     name: str | None
     start: int | None
@@ -123,7 +120,8 @@ def visible_prefix(text: str, parser: str | None = "hermes") -> int:
 def lost_markers(tokenizer: Any, parser: str) -> list[str]:
     """The parser's markers that decoding drops (special tokens of this tokenizer, left out of the text of every
     request that keeps `skip_special_tokens`): the parser never sees calls in such text."""
-    return [m for m in ALL_MARKERS.get(parser, MARKERS[parser])
+    every = tool_pairs.markers(parser) if parser in tool_pairs.FORMATS else MARKERS[parser]
+    return [m for m in every
             if tokenizer.decode(tokenizer.encode(m, add_special_tokens=False), skip_special_tokens=True) != m]
 
 
@@ -144,8 +142,8 @@ def _scan(p: ToolPlan, text: str) -> tuple[list[Found] | None, int]:
         return _sequence(text, at, "", ";", ""), 0
     if p.parser == "mistral":
         return _mistral(text)
-    if p.parser == "glm45":
-        return _glm45(p, text)
+    if p.parser in tool_pairs.FORMATS:
+        return _pairs(p, text)
     v3 = p.parser == "deepseek_v3"
     deepseek = v3 or p.parser == "deepseek_v31"
     opener, closer = (DS_OPEN, DS_CLOSE) if deepseek else (OPEN, CLOSE)
@@ -186,8 +184,8 @@ def _mistral(text: str) -> tuple[list[Found] | None, int]:
             found += calls
         else:
             name_end = _NAME_CHARS.match(text, body, stop).end()
-            start = skip_blanks(text, name_end + len(MISTRAL_ARGS) if text.startswith(MISTRAL_ARGS, name_end) else name_end,
-                          stop)
+            args_at = name_end + len(MISTRAL_ARGS) if text.startswith(MISTRAL_ARGS, name_end) else name_end
+            start = skip_blanks(text, args_at, stop)
             if start >= stop:  # the name (or the arguments' start) still being written
                 if nxt >= 0:
                     return None, content_end
@@ -205,76 +203,21 @@ def _mistral(text: str) -> tuple[list[Found] | None, int]:
     return found, content_end
 
 
-def _glm45(p: ToolPlan, text: str) -> tuple[list[Found] | None, int]:
-    """GLM-4.5's calls: one `<tool_call>` ... `</tool_call>` block each."""
+def _pairs(p: ToolPlan, text: str) -> tuple[list[Found] | None, int]:
+    """glm45's and qwen3_coder's calls: one `<tool_call>` ... `</tool_call>` block each, arguments built from its
+    key / value pairs (`tool_pairs`)."""
     content_end = at = text.find(OPEN)
     found = []
     while at >= 0:
         close = text.find(CLOSE, at)
-        f = _glm45_call(p, text, at + len(OPEN), len(text) if close < 0 else close, close >= 0)
-        if f is None:
+        got = tool_pairs.call(p.parser, p.tools, text, at + len(OPEN), len(text) if close < 0 else close, close >= 0)
+        if got is None:
             return None, content_end
-        found.append(f)
-        if not f.closed:
+        found.append(Found(got[0], None, None, close >= 0 and got[0] is not None, got[1]))
+        if close < 0 or got[0] is None:
             break
         at = text.find(OPEN, close)
     return found, len(text) if content_end < 0 else content_end
-
-
-def _glm45_call(p: ToolPlan, text: str, body: int, stop: int, closed: bool) -> Found | None:
-    """The call in a GLM block (`body` to `stop`): its name, then its key / value pairs; None if it is no call."""
-    name_end = _GLM_NAME.match(text, body, stop).end()
-    if name_end == stop and not closed:
-        return Found(None, None, None, False)  # the name may go on
-    name = text[body:name_end].strip()
-    if not NAME.fullmatch(name):
-        return None
-    tool = next((t["function"] for t in p.tools if t["function"]["name"] == name), {})
-    props = tool.get("parameters", {}).get("properties", {})
-    pairs, at = [], name_end
-    while (at := skip_blanks(text, at, stop)) < stop:
-        key_end = text.find(GLM_KEY_END, at, stop) if text.startswith(GLM_KEY, at) else -1
-        value = skip_blanks(text, key_end + len(GLM_KEY_END), stop) if key_end >= 0 else stop
-        value_end = text.find(GLM_VALUE_END, value, stop) if text.startswith(GLM_VALUE, value) else -1
-        if value_end < 0:  # no whole pair here: in a call being written, the rest must be the start of one
-            if closed or not _glm_partial(text, at, stop):
-                return None
-            break
-        key = text[at + len(GLM_KEY) : key_end].strip()
-        pairs.append(f"{json.dumps(key, ensure_ascii=False)}: "
-                     f"{_glm_value(text[value + len(GLM_VALUE) : value_end], props.get(key))}")
-        at = value_end + len(GLM_VALUE_END)
-    built = "{" + ", ".join(pairs) + "}" if closed else "{" + ", ".join(pairs) if pairs else ""
-    return Found(name, None, None, closed, built)
-
-
-def _glm_partial(text: str, at: int, stop: int) -> bool:
-    """Whether `text[at:stop]` may still become a key / value pair or the call's end."""
-    rest = text[at:stop]
-    if GLM_KEY.startswith(rest) or CLOSE.startswith(rest):
-        return True
-    key_end = text.find(GLM_KEY_END, at, stop) if text.startswith(GLM_KEY, at) else -1
-    if key_end < 0:
-        return text.startswith(GLM_KEY, at)  # the key being written
-    value = skip_blanks(text, key_end + len(GLM_KEY_END), stop)
-    return GLM_VALUE.startswith(text[value:stop]) or text.startswith(GLM_VALUE, value)
-
-
-def _glm_value(raw: str, schema: Any) -> str:
-    """An argument's JSON text: the value as written where it is JSON and its schema does not type it a string,
-    else the JSON string of the text."""
-    kind = schema.get("type") if isinstance(schema, dict) else None
-    if not (kind == "string" or (isinstance(kind, list) and "string" in kind)):
-        try:
-            json.loads(raw, parse_constant=_no_constant)
-            return raw.strip()
-        except ValueError:
-            pass
-    return json.dumps(raw, ensure_ascii=False)
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is no JSON")
 
 
 def _deepseek_call(text: str, body: int, stop: int, closed: bool, v3: bool) -> Found | None:
