@@ -326,6 +326,13 @@ ANSWERS = {  # (plan, answer, content) with two calls (one for named) whose argu
                         for k, v in json.loads(TRICKY).items())
                     + "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
                     "Hi.\n"),
+    "seed_oss": (tools.ToolPlan("auto", [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string"}, "n": {"type": "array"}}}}}], parser="seed_oss"),
+                 "Hi.\n<seed:tool_call>\n<function=get_weather>\n" + "".join(
+                     f"<parameter={k}>{v if isinstance(v, str) else json.dumps(v)}</parameter>\n"
+                     for k, v in json.loads(TRICKY).items())
+                 + "</function>\n</seed:tool_call><seed:tool_call><function=get_time></function></seed:tool_call>",
+                 "Hi.\n"),
     "required": (tools.ToolPlan("required", [WEATHER, TIME]),
                  f'[{{"name": "get_weather", "arguments": {TRICKY}}}, {{"name": "get_time", "arguments": {{}}}}]',
                  None),
@@ -429,6 +436,11 @@ def test_qwen3_coder_calls():
     for t in ("<tool_call><function=ed", "<tool_call>\n<func"):
         assert tool_parsers.streamed(plan, t) == [], t
     assert tool_parsers.streamed(plan, "<tool_call><function=edit>\n<parameter=n>\n1\n</para") == [("edit", "")]
+    seed = tools.ToolPlan("auto", [tool], parser="seed_oss")  # Seed-OSS: the same calls in <seed:tool_call> blocks
+    assert tool_parsers.parse(seed, text) == (text, [])
+    seed_text = text.replace("<tool_call>", "<seed:tool_call>").replace("</tool_call>", "</seed:tool_call>")
+    assert [c["arguments"] for c in tool_parsers.parse(seed, seed_text)[1]] == [calls[0]["arguments"]]
+    assert tool_parsers.visible_prefix("So <seed:tool", "seed_oss") == 3
     assert tool_parsers.lost_markers(type("Tok", (), {
         "encode": lambda self, t, add_special_tokens=False: [t],
         "decode": lambda self, ids, skip_special_tokens=False: "" if ids == ["<tool_call>"] else ids[0]})(),

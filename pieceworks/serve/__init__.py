@@ -11,7 +11,8 @@ from typing import Any
 __all__ = ["build_app", "TOOL_CALL_PARSERS", "REASONING_PARSERS"]
 
 #: The formats `--tool-call-parser` reads tool calls in (serve/tools.py); here, so the CLI needs no pydantic.
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "deepseek_v3", "deepseek_v31", "glm45", "qwen3_coder")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "deepseek_v3", "deepseek_v31", "glm45", "qwen3_coder",
+                     "seed_oss")
 #: The formats `--reasoning-parser` splits a thinking model's answer by (serve/reasoning.py).
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "glm45")
 

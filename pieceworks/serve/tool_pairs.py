@@ -1,6 +1,7 @@
-"""Tool calls whose arguments a model writes as key / value pairs rather than JSON (serve/tool_parsers.py reads the
-blocks around them): GLM-4.5's `NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...` and Qwen3-Coder's
-`<function=NAME><parameter=KEY>VALUE</parameter>...</function>`, each inside `<tool_call>` ... `</tool_call>`.
+"""Tool calls whose arguments a model writes as key / value pairs rather than JSON (serve/tool_parsers.py finds the
+blocks): GLM-4.5's `NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...` and Qwen3-Coder's
+`<function=NAME><parameter=KEY>VALUE</parameter>...</function>`, each inside `<tool_call>` ... `</tool_call>`, and
+Seed-OSS's, Qwen3-Coder's form inside `<seed:tool_call>` ... `</seed:tool_call>`.
 
 A call's arguments are built as `{"KEY": VALUE, ...}`, each value typed by the tool's JSON schema as vLLM's parsers of
 the same names type them (`glm_value`, `coder_value`). While a call is being written its arguments grow a whole pair
@@ -16,7 +17,6 @@ from typing import Any, Callable, NamedTuple
 from pieceworks.serve.json_text import skip_blanks
 from pieceworks.serve.tools import NAME
 
-CLOSE = "</tool_call>"
 _NO_JSON = object()
 _TO_MARKER = re.compile(r"[^<\n]*")
 
@@ -66,10 +66,12 @@ def _no_constant(name: str) -> Any:
 
 
 class PairFormat(NamedTuple):
-    """Where a block's parts begin and end: the name between `name_open` and `name_close` ("" and "": the block's
-    first text up to a `<` or a newline), pairs `key_open` KEY `key_close` [blanks `value_open`] VALUE `value_close`,
-    then `end` ("": none) before the block closes; `value` turns (raw value, its schema) into JSON text."""
+    """A call's block from `open` to `close`; in it the name between `name_open` and `name_close` ("" and "": the
+    block's first text up to a `<` or a newline), pairs `key_open` KEY `key_close` [blanks `value_open`] VALUE
+    `value_close`, then `end` ("": none); `value` turns (raw value, its schema) into JSON text."""
 
+    open: str
+    close: str
     name_open: str
     name_close: str
     key_open: str
@@ -80,22 +82,25 @@ class PairFormat(NamedTuple):
     value: Callable[[str, Any], str]
 
 
+_CODER = ("<function=", ">", "<parameter=", ">", "", "</parameter>", "</function>", coder_value)
 FORMATS = {
-    "glm45": PairFormat("", "", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "", glm_value),
-    "qwen3_coder": PairFormat("<function=", ">", "<parameter=", ">", "", "</parameter>", "</function>", coder_value),
+    "glm45": PairFormat("<tool_call>", "</tool_call>", "", "", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+                        "", glm_value),
+    "qwen3_coder": PairFormat("<tool_call>", "</tool_call>", *_CODER),
+    "seed_oss": PairFormat("<seed:tool_call>", "</seed:tool_call>", *_CODER),
 }
 
 
 def markers(parser: str) -> tuple[str, ...]:
     """Every marker of the parser's blocks (the tokenizer check of `tool_parsers.lost_markers`)."""
     f = FORMATS[parser]
-    return tuple(m for m in ("<tool_call>", CLOSE, f.name_open, f.key_open, f.key_close, f.value_open, f.value_close,
+    return tuple(m for m in (f.open, f.close, f.name_open, f.key_open, f.key_close, f.value_open, f.value_close,
                              f.end) if len(m) > 1)
 
 
 def call(parser: str, tools: list[dict], text: str, body: int, stop: int,
          closed: bool) -> tuple[str | None, str] | None:
-    """The call in a block (`body` to `stop`; `closed`: its `</tool_call>` follows) as (name, arguments so far), the
+    """The call in a block (`body` to `stop`; `closed`: its closing marker follows) as (name, arguments so far), the
     name None while it is being written; None if the block is no call in the parser's format."""
     f = FORMATS[parser]
     at = skip_blanks(text, body, stop)
@@ -121,7 +126,7 @@ def call(parser: str, tools: list[dict], text: str, body: int, stop: int,
     while (at := skip_blanks(text, at, stop)) < stop:
         if f.end and text.startswith(f.end, at):
             rest = skip_blanks(text, at + len(f.end), stop)
-            if rest < stop and (closed or not CLOSE.startswith(text[rest:stop])):
+            if rest < stop and (closed or not f.close.startswith(text[rest:stop])):
                 return None  # text after the function's end
             break
         pair = _pair(f, text, at, stop)
@@ -157,7 +162,7 @@ def _pair(f: PairFormat, text: str, at: int, stop: int) -> tuple[str, str, int] 
 def _partial(f: PairFormat, text: str, at: int, stop: int) -> bool:
     """Whether `text[at:stop]` may still become a pair, the function's end or the block's."""
     rest = text[at:stop]
-    if any(m.startswith(rest) for m in (f.key_open, f.end, CLOSE) if m):
+    if any(m.startswith(rest) for m in (f.key_open, f.end, f.close) if m):
         return True
     if not text.startswith(f.key_open, at):
         return False

@@ -13,7 +13,8 @@ tool_choice auto, and the JSON that required and named choices are held to.
   be absent). Call ids are 9 letters and digits, which Mistral's chat templates ask of earlier turns.
 - `glm45`: GLM-4.5 / 4.6 / 4.7's `<tool_call>NAME` + `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>` per
   argument + `</tool_call>`; `qwen3_coder`: Qwen3-Coder's `<tool_call><function=NAME>` + `<parameter=KEY>VALUE
-  </parameter>` per argument + `</function></tool_call>` (blanks between the parts in both). The arguments are built
+  </parameter>` per argument + `</function></tool_call>`; `seed_oss`: Seed-OSS's, Qwen3-Coder's form in
+  `<seed:tool_call>` ... `</seed:tool_call>` (blanks between the parts in all three). The arguments are built
   as `{"KEY": VALUE, ...}`, each value typed by the tool's schema (serve/tool_pairs.py), and stream an argument at a
   time. The text before the first call is the content.
 - required: a JSON array of `{"name", "arguments"}` objects; named: the output is the arguments.
@@ -45,7 +46,8 @@ V3_FENCE = re.compile(r"[^\n]*\n```(?:json)?\n")  # V3's NAME, a newline and the
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 #: the text by which each parser's calls begin
 MARKERS = {"hermes": (OPEN,), "llama3_json": (), "mistral": (MISTRAL_CALLS,), "deepseek_v3": (DS_SECTION, DS_OPEN),
-           "deepseek_v31": (DS_SECTION, DS_OPEN), "glm45": (OPEN,), "qwen3_coder": (OPEN,)}
+           "deepseek_v31": (DS_SECTION, DS_OPEN), "glm45": (OPEN,), "qwen3_coder": (OPEN,),
+           "seed_oss": ("<seed:tool_call>",)}
 _NAME_CHARS = re.compile(r"[A-Za-z0-9_-]*")
 _ALNUM = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
 
@@ -53,7 +55,8 @@ _ALNUM = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
 class Found(NamedTuple):
     """A call in an answer (so far): its name (None until complete), where its arguments begin in the text (None
     if not yet reached, or absent) and end (None until complete), and whether the call is closed; `built`: the
-    arguments (so far) where the parser builds them (glm45, qwen3_coder) instead of finding them in the text."""
+    arguments (so far) where the parser builds them (glm45, qwen3_coder, seed_oss) rather than finding them in the
+    text."""
 
     name: str | None
     start: int | None
@@ -204,19 +207,20 @@ def _mistral(text: str) -> tuple[list[Found] | None, int]:
 
 
 def _pairs(p: ToolPlan, text: str) -> tuple[list[Found] | None, int]:
-    """glm45's and qwen3_coder's calls: one `<tool_call>` ... `</tool_call>` block each, arguments built from its
-    key / value pairs (`tool_pairs`)."""
-    content_end = at = text.find(OPEN)
+    """glm45's, qwen3_coder's and seed_oss's calls: a block each, arguments built from its key / value pairs
+    (`tool_pairs`)."""
+    opener, closer = tool_pairs.FORMATS[p.parser][:2]
+    content_end = at = text.find(opener)
     found = []
     while at >= 0:
-        close = text.find(CLOSE, at)
-        got = tool_pairs.call(p.parser, p.tools, text, at + len(OPEN), len(text) if close < 0 else close, close >= 0)
+        close = text.find(closer, at)
+        got = tool_pairs.call(p.parser, p.tools, text, at + len(opener), len(text) if close < 0 else close, close >= 0)
         if got is None:
             return None, content_end
         found.append(Found(got[0], None, None, close >= 0 and got[0] is not None, got[1]))
         if close < 0 or got[0] is None:
             break
-        at = text.find(OPEN, close)
+        at = text.find(opener, close)
     return found, len(text) if content_end < 0 else content_end
 
 
