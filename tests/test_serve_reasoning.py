@@ -30,6 +30,11 @@ def test_split():
     assert reasoning.split("qwen3", "<th") == ("", "<th")
     assert reasoning.split("glm45", "4, plainly") == ("", "4, plainly")  # GLM's thinking off: no block
     assert reasoning.split("glm45", "<think>Add.</think>4") == ("Add.", "4")
+    seed = "seed_oss"  # DeepSeek-R1's reading, Seed-OSS's tags
+    assert reasoning.split(seed, "Add.</seed:think>4") == ("Add.", "4")
+    assert reasoning.split(seed, "<seed:think>Add.</seed:think>4") == ("Add.", "4")
+    assert reasoning.split(seed, "Add.</think>4") == ("Add.</think>4", "")  # another model's tag is text
+    assert reasoning.split(seed, "Add. </seed:th", final=False) == ("Add. ", "")
 
 
 def stream(writer: ChatWriter, deltas: list[str]) -> tuple[str, str, list]:
@@ -44,9 +49,10 @@ def stream(writer: ChatWriter, deltas: list[str]) -> tuple[str, str, list]:
     return ("".join(d.reasoning_content or "" for d in deltas_), "".join(d.content or "" for d in deltas_), chunks)
 
 
-@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3", "glm45"])
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3", "glm45", "seed_oss"])
 def test_streamed_equals_the_whole_answer(parser):
-    pieces = ["<think>", "Two and", " two </", "think", "> make", "s four."]
+    opening, closing = reasoning.tags(parser)  # <think> </think> but for seed_oss
+    pieces = [opening, "Two and", " two " + closing[:2], closing[2:-1], closing[-1] + " make", "s four."]
     thought, content, _ = stream(ChatWriter(SRV, REQ, None, parser), pieces)
     assert (thought, content) == ("Two and two ", " makes four.")
     writer = ChatWriter(SRV, REQ, None, parser)
@@ -120,3 +126,15 @@ def test_the_app_splits_a_real_answer(smollm2_cpu_engine, monkeypatch):
                                                           for t in ("<think>", "</think>"))
     assert "reasoning_content" not in plain and plain["content"]
     assert split["reasoning_content"] == plain["content"] and split["content"] == ""
+
+
+def test_the_server_holds_structured_outputs_until_its_parsers_closing_tag():
+    from pieceworks.serve.app import Server
+
+    seen = []
+    engine = SimpleNamespace(model_name="m", tokenizer=object(), max_context=8,
+                             engine=SimpleNamespace(executor=SimpleNamespace(vocab_size=10),
+                                                    grammars=SimpleNamespace(set_reasoning=lambda *a: seen.append(a))))
+    for parser in ("qwen3", "seed_oss"):
+        Server(engine, reasoning_parser=parser)
+    assert seen == [("<think>", "</think>"), ("<seed:think>", "</seed:think>")]

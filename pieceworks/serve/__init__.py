@@ -14,7 +14,7 @@ __all__ = ["build_app", "TOOL_CALL_PARSERS", "REASONING_PARSERS"]
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "deepseek_v3", "deepseek_v31", "glm45", "qwen3_coder",
                      "seed_oss")
 #: The formats `--reasoning-parser` splits a thinking model's answer by (serve/reasoning.py).
-REASONING_PARSERS = ("deepseek_r1", "qwen3", "glm45")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "glm45", "seed_oss")
 
 
 def __getattr__(name: str) -> Any:

@@ -82,7 +82,7 @@ class Server:
             log.info("--tool-call-parser %s: %s are special tokens of this tokenizer; requests under tool_choice "
                      "auto decode with special tokens kept", tool_call_parser, ", ".join(lost))
         if reasoning_parser and engine.tokenizer is not None:  # structured outputs start after the reasoning
-            engine.engine.grammars.set_reasoning(*reasoning.TAGS)
+            engine.engine.grammars.set_reasoning(*reasoning.tags(reasoning_parser))
         self.engine = engine
         self.name = served_model_name or engine.model_name
         self.tokenizer = engine.tokenizer

@@ -9,8 +9,9 @@ vLLM's parsers of the same names and DeepSeek's API (`message.reasoning_content`
 - `qwen3` (Qwen3, and models that write the whole block themselves): reasoning only inside a `<think>` block
   that opens the answer; an answer that does not start with `<think>` is all content. `glm45` (GLM-4.5 / 4.6 /
   4.7, the name their model cards give vLLM and SGLang) reads answers the same way.
+- `seed_oss` (Seed-OSS): `deepseek_r1`'s reading with Seed-OSS's tags, `<seed:think>` and `</seed:think>`.
 
-Structured outputs (response_format, tool calls held by a schema) start after `</think>` where the prompt
+Structured outputs (response_format, tool calls held by a schema) start after the closing tag where the prompt
 has not closed a reasoning block already (`Grammars.set_reasoning`): the model thinks freely first.
 Tool calls (serve/tools.py) are read from the content. Streamed, text that may still become a tag is held
 back until the next step decides it (or the answer ends).
@@ -18,8 +19,13 @@ back until the next step decides it (or the answer ends).
 
 from __future__ import annotations
 
-_OPEN, _CLOSE = "<think>", "</think>"
-TAGS = (_OPEN, _CLOSE)  # both parsers' tags; the server starts structured outputs after the closing one
+THINK = ("<think>", "</think>")
+_TAGS = {"seed_oss": ("<seed:think>", "</seed:think>")}
+
+
+def tags(parser: str) -> tuple[str, str]:
+    """The parser's opening and closing tags (the server starts structured outputs after the closing one)."""
+    return _TAGS.get(parser, THINK)
 
 
 def held_tail(text: str, tag: str) -> int:
@@ -33,15 +39,16 @@ def held_tail(text: str, tag: str) -> int:
 def split(parser: str, text: str, final: bool = True) -> tuple[str, str]:
     """(reasoning, content) of an answer so far. Not `final`: both end before anything that may still turn out
     to be a tag, so each grows as the answer does (what streams is never taken back)."""
-    if not final and len(text) < len(_OPEN) and _OPEN.startswith(text):
+    opening, closing = tags(parser)
+    if not final and len(text) < len(opening) and opening.startswith(text):
         return "", ""  # maybe the opening tag
-    if text.startswith(_OPEN):
-        body = text[len(_OPEN):]
+    if text.startswith(opening):
+        body = text[len(opening):]
     elif parser in ("qwen3", "glm45"):
         return "", text
     else:
         body = text
-    end = body.find(_CLOSE)
+    end = body.find(closing)
     if end >= 0:
-        return body[:end], body[end + len(_CLOSE):]
-    return (body if final else body[: len(body) - held_tail(body, _CLOSE)]), ""
+        return body[:end], body[end + len(closing):]
+    return (body if final else body[: len(body) - held_tail(body, closing)]), ""
