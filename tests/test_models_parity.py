@@ -83,6 +83,15 @@ CASES = {
     "seed_oss": ("seed_oss", dict(head_dim=32, rope_theta=1e7)),
     # Olmo2ForCausalLM: post-norm blocks, q and k normalized over the whole projection, GQA
     "olmo2": ("olmo2", dict(rope_theta=5e5, tie_word_embeddings=False)),
+    # Olmo3ForCausalLM: OLMo 2's blocks, 8-token windows in 3 of every 4 layers (the default pattern) rotating at the
+    # default 500000, the full layer's rope at 10000 with yarn (the released form: rope_theta and rope_scaling)
+    "olmo3": ("olmo3", dict(num_hidden_layers=4, sliding_window=8, rope_theta=1e4, rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=64))),
+    # and transformers 5's form: each kind's rope, explicit layer types
+    "olmo3_layer_types": ("olmo3", dict(num_hidden_layers=3, sliding_window=6, layer_types=[
+        "full_attention", "sliding_attention", "sliding_attention"], rope_parameters=dict(
+            full_attention=dict(rope_type="default", rope_theta=2e4),
+            sliding_attention=dict(rope_type="default", rope_theta=3e3)))),
     # SmolLM3ForCausalLM: NoPE layers (every 4th of SmolLM3-3B's; here every 2nd, from the interval), tied head
     "smollm3_nope_interval": ("smollm3", dict(no_rope_layer_interval=2, rope_theta=5e6, tie_word_embeddings=True,
                                               num_hidden_layers=4)),
@@ -257,10 +266,11 @@ def _hf_model(arch: str, overrides: dict) -> torch.nn.Module:
 
         config = SeedOssConfig(**{**LLAMA_BASE, "pad_token_id": None, **overrides})
         return _qkv_biases(SeedOssForCausalLM(config).eval())
-    if arch == "olmo2":
-        from transformers import Olmo2Config, Olmo2ForCausalLM
+    if arch in ("olmo2", "olmo3"):
+        from transformers import Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM
 
-        model = Olmo2ForCausalLM(Olmo2Config(**{**LLAMA_BASE, "pad_token_id": None, **overrides})).eval()
+        config, cls = (Olmo3Config, Olmo3ForCausalLM) if arch == "olmo3" else (Olmo2Config, Olmo2ForCausalLM)
+        model = cls(config(**{**LLAMA_BASE, "pad_token_id": None, **overrides})).eval()
         with torch.no_grad():  # norm weights away from 1, so that a missing or misread one shows
             for layer in model.model.layers:
                 for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm, layer.post_attention_layernorm,
@@ -519,7 +529,7 @@ def test_glm4_moe_in_its_released_config_form_with_a_multi_token_prediction_laye
 
 
 LLAMA_FAMILIES = ["llama", "mistral", "mixtral", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "granite",
-                  "smollm3", "olmo2", "seed_oss", "glm4", "glm4_moe", "ernie4_5", "ernie4_5_moe"]
+                  "smollm3", "olmo2", "olmo3", "seed_oss", "glm4", "glm4_moe", "ernie4_5", "ernie4_5_moe"]
 
 
 @pytest.mark.parametrize("model_type", LLAMA_FAMILIES + ["gemma3_text", "gemma2", "deepseek_v3", "deepseek_v2",
@@ -546,6 +556,10 @@ def test_family_defaults_are_transformers(model_type):
     ref = AutoConfig.for_model(model_type, **sizes)
     gemma = model_type in ("gemma3_text", "gemma2")
     read = Gemma3.args_from_hf if gemma else (LlamaArgs if llama else DeepseekV3Args).from_hf
+    if model_type == "olmo3":  # OLMo 2's form of it, the full layers' rope (models/config_forms.py)
+        from pieceworks.models.olmo2 import Olmo3
+
+        read = Olmo3.args_from_hf
     ours = read({"model_type": model_type, **sizes})
     rope = ref.rope_parameters.get("full_attention", ref.rope_parameters)  # Gemma 3's: per layer kind
     llama = llama or gemma
@@ -571,7 +585,7 @@ def test_gemma3_config_with_only_its_model_type_is_transformers_default():
 
     from pieceworks.models.gemma3 import Gemma3
     from pieceworks.models.families import with_defaults
-    from pieceworks.models.hf_config import gemma_form
+    from pieceworks.models.config_forms import gemma_form
 
     ref, hf = Gemma3TextConfig(), with_defaults({"model_type": "gemma3_text"})
     a = Gemma3.args_from_hf(hf)
@@ -642,6 +656,32 @@ def test_gemma3_in_its_released_config_form(tmp_path):
     ids = _prompt(40, seed=9)
     with _executor(tmp_path) as ex:
         assert ex.model.windows == (8, 8, 0, 8)
+        _assert_close(ex.score([ids])[0], _ref_logits(model, ids))
+
+
+def test_olmo3_in_its_released_config_form(tmp_path):
+    """OLMo 3's config.json as the released checkpoints write it (rope_theta and rope_scaling at the top, no layer
+    types): every fourth layer full, its rope at rope_theta with the scaling, the sliding layers' at 500000 (as
+    transformers reads this form), computes what transformers computes."""
+    import json
+
+    arch, overrides = CASES["olmo3"]
+    model = _hf_model(arch, overrides)
+    with torch.no_grad():  # peaked attention (q . k 16x larger), so that each layer's rope shows in the logits
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.mul_(4)
+            layer.self_attn.k_norm.weight.mul_(4)
+    assert model.config.layer_types == ["sliding_attention"] * 3 + ["full_attention"]
+    assert model.config.rope_parameters["sliding_attention"]["rope_theta"] == 5e5
+    model.save_pretrained(tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    for key in ("layer_types", "rope_parameters"):
+        hf.pop(key)
+    hf.update(rope_theta=overrides["rope_theta"], rope_scaling=overrides["rope_scaling"])
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    ids = _prompt(40, seed=9)
+    with _executor(tmp_path) as ex:
+        assert ex.model.windows == (8, 8, 8, 0)
         _assert_close(ex.score([ids])[0], _ref_logits(model, ids))
 
 
@@ -737,7 +777,7 @@ def test_smollm3_nope_layers_from_the_interval_as_transformers_derives_them(inte
     assert rope_layers(hf) == tuple(bool(v) for v in want)
 
 
-@pytest.mark.parametrize("name", ["olmo2", "granite", "phi4_mini_partial", "smollm3_nope_interval", "seed_oss",
+@pytest.mark.parametrize("name", ["olmo2", "olmo3", "granite", "phi4_mini_partial", "smollm3_nope_interval", "seed_oss",
                                   "glm4", "ernie4_5", "gemma3", "gemma2"])
 def test_quantized_checkpoints_of_the_newer_families_load_as_nvfp4(name, tmp_path):
     """`pieceworks quantize` (a fixed activation amax: these directories hold no tokenizer) of each family's

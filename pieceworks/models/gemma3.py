@@ -12,7 +12,7 @@ sandwich block as transformers' Gemma runs it, with
   the sum is rounded to bf16 where transformers keeps it float32), the embeddings times sqrt(hidden_size) rounded to
   the model dtype, and GeGLU (gelu with the tanh approximation) in the MLP, on the unfused path.
 
-Bidirectional attention is refused (`hf_config.gemma_form`).
+Bidirectional attention is refused (`config_forms.gemma_form`).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from pieceworks.backends.base import ModelFacts
-from pieceworks.models import hf_config as hf_fields
+from pieceworks.models.config_forms import gemma_form
 from pieceworks.models.base import GatedMLP, WeightSource
 from pieceworks.models.glm4 import SandwichBlock
 from pieceworks.models.llama import Llama, LlamaArgs
 from pieceworks.models.families import family, with_defaults
-from pieceworks.models.rope import RotaryEmbedding, rope_parameters
+from pieceworks.models.sliding import SlidingLayers
 from pieceworks.parallel.comm import reduce
 from pieceworks.parallel.layout import TPLayout
 
@@ -67,17 +67,17 @@ class Gemma3Block(SandwichBlock):
         self.mlp.load(src, f"{prefix}.mlp")
 
 
-class Gemma3(Llama):
+class Gemma3(SlidingLayers, Llama):
     """Gemma3ForCausalLM and Gemma2ForCausalLM; `windows` holds each layer's sliding window (0: full attention)."""
 
     block = Gemma3Block
 
     @staticmethod
     def args_from_hf(hf_config: dict) -> LlamaArgs:
-        """Llama's arguments of the config's Llama form (`hf_config.gemma_form`), with Qwen3's per-head q/k norms
+        """Llama's arguments of the config's Llama form (`config_forms.gemma_form`), with Qwen3's per-head q/k norms
         (Gemma 3's; Gemma 2 has none)."""
         hf = with_defaults(hf_config)
-        llama, _, _ = hf_fields.gemma_form(hf)
+        llama, _, _ = gemma_form(hf)
         args = LlamaArgs.from_hf({**llama, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
         return dataclasses.replace(args, qk_norm=None if family(hf) == "gemma2" else "heads")
 
@@ -85,38 +85,23 @@ class Gemma3(Llama):
                  tp: TPLayout = TPLayout()):
         super().__init__(hf_config, dtype, fp4, tp)
         hf = with_defaults(hf_config)
-        _, local, sliding = hf_fields.gemma_form(hf)
-        self.windows = tuple(int(hf["sliding_window"]) if s else 0 for s in sliding)
+        _, local, sliding = gemma_form(hf)
+        self.set_sliding(local, sliding, int(hf["sliding_window"]))
         scale = float(hf["query_pre_attn_scalar"]) ** -0.5
-        for block, s in zip(self.layers, sliding):
-            block.sliding = s
+        for block in self.layers:
             block.self_attn.scale = scale
         a = self.args
-        self.rotary_local = RotaryEmbedding(rope_parameters({"max_position_embeddings": a.max_position_embeddings,
-                                                             "rope_parameters": local}),
-                                            a.rotary_dim, a.max_position_embeddings)
         # sqrt(hidden_size) rounded to the model dtype, as transformers scales the embeddings
         self.normalizer = float(torch.tensor(a.hidden_size**0.5, dtype=dtype, device="cpu"))
         # Gemma 2's soft-capping of the attention scores and of the logits (0: none; Gemma 3's)
         self.attn_softcap, self.logit_softcap = (float(hf.get(k) or 0.0) for k in ("attn_logit_softcapping",
                                                                                    "final_logit_softcapping"))
 
-    def rope_tables(self) -> list[RotaryEmbedding]:
-        return [self.rotary, self.rotary_local]
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        rope = {False: self.rotary(positions), True: self.rotary_local(positions)}
-        h, residual = self.embed(input_ids), None
-        for layer in self.layers:
-            h, residual = layer(h, residual, *rope[layer.sliding])
-        return self.norm(h, residual)[0]
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.normalizer
 
     def facts(self, page_size: int) -> ModelFacts:
-        return dataclasses.replace(super().facts(page_size), sliding_windows=self.windows,
-                                   attn_logit_softcap=self.attn_softcap)
+        return dataclasses.replace(super().facts(page_size), attn_logit_softcap=self.attn_softcap)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
@@ -125,9 +110,9 @@ class Gemma3(Llama):
         return logits
 
     def load_plan(self):
-        """Llama's, the final norm's weight plus 1, and the sliding-window layers' rope table."""
+        """SlidingLayers', with the final norm's weight plus 1."""
         plan = super().load_plan()
         i = next(k for k, (label, _, _) in enumerate(plan) if label == "norm")
         plan[i] = ("norm", self.norm, lambda src: self.norm.weight.copy_(
             src.tensor("model.norm.weight", tuple(self.norm.weight.shape)) + 1))
-        return plan + [("rotary_local", self.rotary_local, lambda src: self.rotary_local.init_buffers())]
+        return plan

@@ -179,52 +179,6 @@ def partial_rotary_factor(hf: dict, params: dict) -> Any:
     return params.get("partial_rotary_factor", 1.0 if top is None else top)
 
 
-def gemma_form(hf: dict) -> tuple[dict, dict, tuple[bool, ...]]:
-    """A Gemma 2 or Gemma 3 config.json (its family's defaults filled in) as (the config in Llama's form: its
-    full-attention layers' rope as the rope settings, no layer types or window; the sliding-window layers' rope
-    settings, Gemma 2's the same; per layer, whether it slides). Reads transformers 5's form (Gemma 3's
-    rope_parameters per layer kind, layer_types) and the released one (rope_theta, rope_scaling and Gemma 3's
-    rope_local_base_freq; every sliding_window_pattern-th layer full, Gemma 2's every other one).
-
-    Raises:
-        FieldError: bidirectional attention (EmbeddingGemma's: not implemented), an activation other than
-            gelu_pytorch_tanh, or layer types other than sliding_attention / full_attention.
-    """
-    gemma2 = family(hf) == "gemma2"
-    if hf.get("use_bidirectional_attention"):
-        raise FieldError("use_bidirectional_attention", "true: pieceworks runs causal attention")
-    act = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
-    if act != "gelu_pytorch_tanh":
-        raise FieldError("hidden_activation", f"{act!r}: pieceworks' Gemma runs gelu_pytorch_tanh")
-    n = hf["num_hidden_layers"]
-    kinds = hf.get("layer_types")
-    if kinds is None:
-        every = 2 if gemma2 else hf.get("sliding_window_pattern", 6)
-        kinds = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
-    if not isinstance(kinds, list) or len(kinds) < n or any(k not in ("sliding_attention", "full_attention")
-                                                            for k in kinds):
-        raise FieldError("layer_types", f"{kinds!r} must name sliding_attention or full_attention for each of the "
-                         f"{n} layers")
-    window = hf.get("sliding_window")
-    if not (_type_ok("int", window) and window >= 1):
-        raise FieldError("sliding_window", f"{window!r} must be an integer >= 1 (the keys a query sees)")
-    params = hf.get("rope_parameters") or {}
-    if "full_attention" in params or "sliding_attention" in params:  # transformers 5's Gemma 3: per layer kind
-        full = dict(params.get("full_attention") or {"rope_type": "default"})
-        local = dict(params.get("sliding_attention") or {"rope_type": "default"})
-    else:  # one set (Gemma 3's full layers; Gemma 2's every layer) and Gemma 3's rope_local_base_freq
-        full = {**(hf.get("rope_scaling") or params or {"rope_type": "default"})}
-        full.setdefault("rope_theta", hf.get("rope_theta", 10000.0 if gemma2 else 1e6))
-        local = full if gemma2 else {"rope_type": "default"}
-    full.setdefault("rope_theta", 1e6)
-    local.setdefault("rope_theta", hf.get("rope_local_base_freq", 10000.0))
-    llama = {k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_theta", "layer_types", "sliding_window",
-                                                      "hidden_activation")}
-    # hidden_act: Llama's form takes silu; the activation is checked above and run by the Gemma model
-    return {**llama, "rope_parameters": full, "hidden_act": "silu"}, local, tuple(
-        k == "sliding_attention" for k in kinds[:n])
-
-
 def rope_layers(hf: dict) -> tuple[bool, ...]:
     """Whether each layer rotates q and k: all of them, but SmolLM3's NoPE layers (its `no_rope_layers`, else every
     `no_rope_layer_interval`-th layer, as transformers derives them)."""
@@ -279,13 +233,15 @@ def check(hf: dict, arch: str) -> None:
     defaults filled in (`with_defaults`).
     """
     hf = with_defaults(hf)
-    if family(hf) in ("gemma2", "gemma3_text"):  # its own fields checked, the rest as Llama's
-        hf, local, _ = gemma_form(hf)
+    if family(hf) in ("gemma2", "gemma3_text", "olmo3"):  # their own fields checked, the rest as Llama's
+        from pieceworks.models.config_forms import gemma_form, olmo3_form  # (they import FieldError from here)
+
+        hf, local, _ = (olmo3_form if family(hf) == "olmo3" else gemma_form)(hf)
         if not _type_ok("float", local["rope_theta"]) or not local["rope_theta"] > 0:
             raise FieldError("rope_local_base_freq", f"{local['rope_theta']!r} must be a finite number > 0")
         if local.get("rope_type", "default") != "default":
             raise FieldError("rope_parameters.sliding_attention.rope_type", f"{local['rope_type']!r}: pieceworks "
-                             "runs the default rope in Gemma 3's sliding-window layers")
+                             "runs the default rope in the sliding-window layers")
     for key, (kind, rule, required) in FIELDS[arch].items():
         if key not in hf or (hf[key] is None and not required):
             if required:

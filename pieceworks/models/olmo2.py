@@ -3,6 +3,10 @@ transformers' Olmo2 runs it: s = s + RMSNorm(attention(s)), then s = s + RMSNorm
 with q and k each normalized over the whole projection, all heads at once, before the rope (`LlamaArgs.qk_norm`
 "full"). The blocks run on the unfused path; tensor parallel is refused (those norms span every head).
 
+Olmo3ForCausalLM (OLMo 3): OLMo 2's blocks with sliding-window attention in most layers (`layer_types`; without
+them every layer but each fourth), which rotate with a default rope of their own (`olmo3_form`; the full layers'
+rope may be scaled, yarn in the long-context checkpoints).
+
 The norms round as Llama's (`RMSNorm`: the weight times the normalized values rounded to the activation dtype);
 transformers' Olmo2RMSNorm multiplies in float32 and rounds once: equal in float32 (the parity tests), a last-bit
 difference per norm in bf16.
@@ -16,7 +20,10 @@ import torch
 
 from pieceworks.errors import ConfigError
 from pieceworks.models.base import RMSNorm, WeightSource
+from pieceworks.models.families import with_defaults
+from pieceworks.models.config_forms import olmo3_form, olmo3_slides, sliding_layers
 from pieceworks.models.llama import Llama, LlamaArgs, LlamaBlock
+from pieceworks.models.sliding import SlidingLayers
 from pieceworks.parallel.layout import TPLayout
 
 
@@ -52,3 +59,16 @@ class Olmo2(Llama):
             raise ConfigError(f"parallel.tensor_parallel_size: {tp.size}: OLMo 2's q and k norms span every head, "
                               "which tensor parallel splits; use 1")
         super().__init__(hf_config, dtype, fp4, tp)
+
+
+class Olmo3(SlidingLayers, Olmo2):
+    @staticmethod
+    def args_from_hf(hf_config: dict) -> LlamaArgs:
+        return LlamaArgs.from_hf(olmo3_form(with_defaults(hf_config))[0])
+
+    def __init__(self, hf_config: dict, dtype: torch.dtype, fp4: Callable[[str], bool] = lambda name: False,
+                 tp: TPLayout = TPLayout()):
+        super().__init__(hf_config, dtype, fp4, tp)
+        hf = with_defaults(hf_config)
+        _, local, sliding = olmo3_form(hf)
+        self.set_sliding(local, sliding, sliding_layers(hf, olmo3_slides)[1])

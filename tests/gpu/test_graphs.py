@@ -80,6 +80,9 @@ MODELS = {
     # Mistral 7B v0.1's window in every layer, here 64 tokens (the script's sequences run to 150): one windowed lane
     "mistral-window-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {
         "num_hidden_layers": 2, "model_type": "mistral", "sliding_window": 64}}, "nvfp4"),
+    # OLMo 3's layers: OLMo 2's blocks with a window (here 64 tokens) in 3 of 4 layers, their own rope
+    "olmo3-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {"num_hidden_layers": 4, "model_type": "olmo3",
+                                                                          "sliding_window": 64}}, "nvfp4"),
     # Gemma 2 2B's layers: soft-capped attention scores and logits, a 4096-token window in layer 0
     "gemma2-nvfp4": ({"arch": "llama", "preset": "gemma-2-2b", "sizes": {"num_hidden_layers": 2}}, "nvfp4"),
     # Mixtral-8x7B's experts (8, top 2, 14336 columns: the preset's intermediate_size) in every layer
