@@ -1,11 +1,13 @@
 """Config forms with a kind per layer (transformers 5's `layer_types`): Gemma 2 / 3's and OLMo 3's config.json as the
-Llama (or OLMo 2) form their full-attention layers take, their sliding-window layers' rope, and which layers slide."""
+Llama (or OLMo 2) form their full-attention layers take, their sliding-window layers' rope, and which layers slide;
+`check`, hf_config's checks of any config.json with these forms read first."""
 
 from __future__ import annotations
 
 from typing import Callable
 
-from pieceworks.models.families import family
+from pieceworks.models import hf_config
+from pieceworks.models.families import family, with_defaults
 from pieceworks.models.hf_config import FieldError, _type_ok
 
 
@@ -88,3 +90,22 @@ def olmo3_form(hf: dict) -> tuple[dict, dict, tuple[bool, ...]]:
     olmo2 = {k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_theta", "layer_types", "sliding_window")}
     return {**olmo2, "rope_parameters": full, "model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"]}, local, \
         sliding
+
+
+FORMS: dict[str, Callable[[dict], tuple[dict, dict, tuple[bool, ...]]]] = {
+    "gemma2": gemma_form, "gemma3_text": gemma_form, "olmo3": olmo3_form}
+
+
+def check(hf: dict, arch: str) -> None:
+    """`hf_config.check` of a config.json (`FieldError` for its first bad field); one with a kind per layer
+    (`FORMS`) has its own fields checked (the sliding layers' rope among them) and the rest in its Llama form."""
+    hf = with_defaults(hf)
+    form = FORMS.get(family(hf))
+    if form is not None:
+        hf, local, _ = form(hf)
+        if not _type_ok("float", local["rope_theta"]) or not local["rope_theta"] > 0:
+            raise FieldError("rope_local_base_freq", f"{local['rope_theta']!r} must be a finite number > 0")
+        if local.get("rope_type", "default") != "default":
+            raise FieldError("rope_parameters.sliding_attention.rope_type", f"{local['rope_type']!r}: pieceworks "
+                             "runs the default rope in the sliding-window layers")
+    hf_config.check(hf, arch)

@@ -233,15 +233,6 @@ def check(hf: dict, arch: str) -> None:
     defaults filled in (`with_defaults`).
     """
     hf = with_defaults(hf)
-    if family(hf) in ("gemma2", "gemma3_text", "olmo3"):  # their own fields checked, the rest as Llama's
-        from pieceworks.models.config_forms import gemma_form, olmo3_form  # (they import FieldError from here)
-
-        hf, local, _ = (olmo3_form if family(hf) == "olmo3" else gemma_form)(hf)
-        if not _type_ok("float", local["rope_theta"]) or not local["rope_theta"] > 0:
-            raise FieldError("rope_local_base_freq", f"{local['rope_theta']!r} must be a finite number > 0")
-        if local.get("rope_type", "default") != "default":
-            raise FieldError("rope_parameters.sliding_attention.rope_type", f"{local['rope_type']!r}: pieceworks "
-                             "runs the default rope in the sliding-window layers")
     for key, (kind, rule, required) in FIELDS[arch].items():
         if key not in hf or (hf[key] is None and not required):
             if required:

@@ -20,7 +20,7 @@ import torch
 
 from pieceworks.backends.base import ModelFacts
 from pieceworks.errors import CheckpointError, ConfigError
-from pieceworks.models import hf_config as hf_fields
+from pieceworks.models import config_forms, hf_config as hf_fields
 from pieceworks.models.base import CausalLM, context_limit
 from pieceworks.models.architectures import ARCHS, architecture, checkpoint_names, random_class
 from pieceworks.models.families import OTHER_PARTS, text_model, with_defaults
@@ -147,7 +147,7 @@ def model_facts(model_cfg: Any, quant_cfg: Any, page_size: int,
 
 
 def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Callable[[str], bool], Any]:
-    """Model class, config.json dict (checked: `hf_config.check`), which linears are NVFP4, from a
+    """Model class, config.json dict (checked: `config_forms.check`), which linears are NVFP4, from a
     checkpoint or a preset, and the CheckpointReader opened to look for quantized tensors without a
     quantization config (None where none was opened), for the load to reuse."""
     fmt = getattr(quant_cfg, "format", "auto")
@@ -159,7 +159,7 @@ def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Cal
         hf = text_model(hf) or hf  # Gemma 3 4B-27B: the text model of a multimodal checkpoint
         cls = architecture(hf, path / "config.json")
         try:
-            hf_fields.check(hf, cls.arch)
+            config_forms.check(hf, cls.arch)
         except hf_fields.FieldError as e:
             raise CheckpointError(f"{path / 'config.json'}: {e}; fix the file or re-download the model") from None
         quant = detect_quantization(path)
@@ -193,7 +193,7 @@ def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Cal
     except ValueError as e:
         raise ConfigError(str(e)) from None
     try:
-        hf_fields.check(hf, model_cfg.arch)
+        config_forms.check(hf, model_cfg.arch)
     except hf_fields.FieldError as e:
         where = f"model.sizes.{e.key}" if e.key.split(".")[0] in sizes else f"model.sizes: {e.key}"
         raise ConfigError(f"{where}: {e.detail} (model.arch={model_cfg.arch}, preset "
