@@ -133,3 +133,26 @@ def test_forward_context_refuses_nesting():
         assert get_forward_context() is ctx
     with pytest.raises(RuntimeError):
         get_forward_context()
+
+
+@pytest.mark.parametrize("sc", [s for s in S.ATTENTION_SCENARIOS if s.mode is ForwardMode.DECODE and len(s.seqs) > 1],
+                         ids=lambda s: s.name)
+@pytest.mark.parametrize("window", [0, 3])
+def test_torch_decode_gathers_in_groups_of_sequences(sc, window, monkeypatch):
+    """The reference's decode gathers pages to the table's width a group of sequences at a time
+    (`DECODE_GATHER_BYTES`): one sequence per group gives the same bits as the whole batch at once."""
+    from pieceworks.backends.attention import torch as ref
+
+    facts = ModelFacts(dtype=torch.float32, num_heads=8, num_kv_heads=2, head_dim=64, page_size=sc.page_size,
+                       sliding_windows=(window,))
+    outs = []
+    for budget in (ref.DECODE_GATHER_BYTES, 1):
+        monkeypatch.setattr(ref, "DECODE_GATHER_BYTES", budget)
+        case = S.attention_case(sc, 8, 2, 64, torch.float32, torch.device("cpu"), window=window)
+        backend = ref.TorchAttentionBackend(BackendSpec(device="cpu", model=facts))
+        out = torch.full_like(case.inputs["q"], float("nan"))
+        backend.plan(case.meta)
+        backend.forward(*(case.inputs[n] for n in "qkv"), out, 0, 64**-0.5, case.pool)
+        torch.testing.assert_close(out.double(), case.expected, rtol=1e-4, atol=1e-4)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])

@@ -2,7 +2,9 @@
 
 Extend and mixed steps loop over sequences on the host (fine: under piecewise graphs attention runs
 eagerly between pieces). Decode steps use a masked, batched form with no host syncs, so the reference
-is also capturable in full decode graphs.
+is also capturable in full decode graphs; it gathers every sequence's pages to the page table's width, in
+groups of sequences whose float32 keys and values fit `DECODE_GATHER_BYTES` (a FULL graph's table is as wide as
+the longest context: 8 GiB for 256 sequences of Gemma 3 1B at once).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import torch
 from pieceworks.backends.attention.base import AttentionBackend
 from pieceworks.backends.base import ALL_GRAPH_MODES
 from pieceworks.core.batch import ForwardMode, GraphMode
+
+DECODE_GATHER_BYTES = 256 << 20  # float32 keys + values a decode step gathers at once
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, prefix: int,
@@ -112,10 +116,19 @@ class TorchAttentionBackend(ReferencePlan, AttentionBackend):
             out[rows] = attend(q[rows], keys, vals, scale, prefix, window, cap).to(out.dtype)
 
     def _decode(self, q, out, kc, vc, scale, window: int = 0, softcap: float = 0.0) -> None:
-        """Batched decode without host syncs: every sequence's pages gathered to the table width."""
-        lens = self._seq_lens
-        b = lens.shape[0]
-        table = self._meta.page_table[:b]
+        """Batched decode without host syncs: every sequence's pages gathered to the table width, in groups of
+        sequences (`DECODE_GATHER_BYTES`)."""
+        b = self._seq_lens.shape[0]
+        per_sequence = self._meta.page_table.shape[1] * kc.shape[1] * kc.shape[2] * kc.shape[3] * 4 * 2
+        group = max(1, DECODE_GATHER_BYTES // per_sequence)
+        for lo in range(0, b, group):
+            self._decode_group(q, out, kc, vc, scale, window, softcap, lo, min(b, lo + group))
+
+    def _decode_group(self, q, out, kc, vc, scale, window, softcap, lo: int, hi: int) -> None:
+        """`_decode` of sequences lo..hi - 1."""
+        lens = self._seq_lens[lo:hi]
+        b = hi - lo
+        table = self._meta.page_table[lo:hi]
         keys = kc[table].flatten(1, 2)  # [B, P*ps, Hkv, D]
         vals = vc[table].flatten(1, 2)
         _, s, hkv, d = keys.shape
@@ -129,12 +142,12 @@ class TorchAttentionBackend(ReferencePlan, AttentionBackend):
         keep = valid[:, :, None, None]
         keys = torch.where(keep, keys.float(), 0.0)
         vals = torch.where(keep, vals.float(), 0.0)
-        qf = q[:b].float().view(b, hkv, hq // hkv, d)
+        qf = q[lo:hi].float().view(b, hkv, hq // hkv, d)
         scores = _capped(torch.einsum("bhgd,bshd->bhgs", qf, keys) * scale, softcap)
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)
         res = torch.einsum("bhgs,bshd->bhgd", probs, vals)
-        out[:b] = res.reshape(b, hq, vals.shape[-1]).to(out.dtype)
+        out[lo:hi] = res.reshape(b, hq, vals.shape[-1]).to(out.dtype)
 
 
 def _static_seq_lens(cache: dict[int, torch.Tensor], meta) -> torch.Tensor:
