@@ -59,7 +59,10 @@ def sliding_layers(hf: dict, default: Callable[[int], bool]) -> tuple[tuple[bool
             k not in ("sliding_attention", "full_attention") for k in kinds)):
         raise FieldError("layer_types", f"{kinds!r} must name sliding_attention or full_attention for each of the "
                          f"{n} layers")
-    sliding = tuple(default(i) for i in range(n)) if kinds is None else tuple(k == "sliding_attention" for k in kinds[:n])
+    if kinds is None:
+        sliding = tuple(default(i) for i in range(n))
+    else:
+        sliding = tuple(k == "sliding_attention" for k in kinds[:n])
     if any(sliding) and not (_type_ok("int", window) and window >= 1):
         raise FieldError("sliding_window", f"{window!r} must be an integer >= 1 (the keys a query sees)")
     return sliding, window or 0

@@ -19,10 +19,10 @@ tool_choice auto, and the JSON that required and named choices are held to.
   time. The text before the first call is the content.
 - required: a JSON array of `{"name", "arguments"}` objects; named: the output is the arguments.
 
-A call's arguments are one JSON value in every other format, and a call gets that value's text as the model
-wrote it (checked to parse). So the arguments can stream: `streamed` finds, in an answer so far, each call whose name is
-complete and the part of its arguments written yet, a prefix of what `parse` gives the finished answer. The
-parsers read decoded text: `lost_markers` names the markers a tokenizer drops as special tokens.
+A call's arguments are one JSON value in every other format, and a call gets that value's text as the model wrote it
+(checked to parse). So the arguments can stream: `streamed` finds, in an answer so far, each call whose name is
+complete and the part of its arguments written yet, a prefix of what `parse` gives the finished answer. The parsers
+read decoded text: `lost_markers` names the markers a tokenizer drops as special tokens.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import re
 import uuid
 from typing import Any, NamedTuple
 
-from pieceworks.serve.json_text import loads_or_none, skip_blanks, value_end
 from pieceworks.serve import tool_pairs
+from pieceworks.serve.json_text import loads_or_none, skip_blanks, value_end
 from pieceworks.serve.reasoning import held_tail
 from pieceworks.serve.tools import NAME, ToolPlan
 
