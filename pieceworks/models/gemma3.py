@@ -86,7 +86,7 @@ class Gemma3(SlidingLayers, Llama):
         super().__init__(hf_config, dtype, fp4, tp)
         hf = with_defaults(hf_config)
         _, local, sliding = gemma_form(hf)
-        self.set_sliding(local, sliding, int(hf["sliding_window"]))
+        self.set_sliding(local, sliding, int(hf.get("sliding_window") or 0))  # checked where a layer slides
         scale = float(hf["query_pre_attn_scalar"]) ** -0.5
         for block in self.layers:
             block.self_attn.scale = scale

@@ -62,6 +62,8 @@ class Olmo2(Llama):
 
 
 class Olmo3(SlidingLayers, Olmo2):
+    """Olmo3ForCausalLM: OLMo 2 with sliding-window layers (`config_forms.olmo3_form`)."""
+
     @staticmethod
     def args_from_hf(hf_config: dict) -> LlamaArgs:
         return LlamaArgs.from_hf(olmo3_form(with_defaults(hf_config))[0])
