@@ -87,7 +87,12 @@ CASES = {
     # default 500000, the full layer's rope at 10000 with yarn (the released form: rope_theta and rope_scaling)
     "olmo3": ("olmo3", dict(num_hidden_layers=4, sliding_window=8, rope_theta=1e4, rope_scaling=dict(
         rope_type="yarn", factor=4.0, original_max_position_embeddings=64))),
-    # and transformers 5's form: each kind's rope, explicit layer types
+    # Exaone4ForCausalLM: OLMo 2's post-norm blocks with q/k norms per head, 8-token windows in 3 of every 4 layers
+    # (the default pattern), the full layer without rope
+    "exaone4": ("exaone4", dict(num_hidden_layers=4, sliding_window=8, rope_theta=2e4)),
+    # and without a window: every layer full, every one rotating (layer types as transformers needs them then)
+    "exaone4_no_window": ("exaone4", dict(sliding_window=None, layer_types=["full_attention"] * 2)),
+    # OLMo 3 in transformers 5's form: each kind's rope, explicit layer types
     "olmo3_layer_types": ("olmo3", dict(num_hidden_layers=3, sliding_window=6, layer_types=[
         "full_attention", "sliding_attention", "sliding_attention"], rope_parameters=dict(
             full_attention=dict(rope_type="default", rope_theta=2e4),
@@ -266,10 +271,12 @@ def _hf_model(arch: str, overrides: dict) -> torch.nn.Module:
 
         config = SeedOssConfig(**{**LLAMA_BASE, "pad_token_id": None, **overrides})
         return _qkv_biases(SeedOssForCausalLM(config).eval())
-    if arch in ("olmo2", "olmo3"):
-        from transformers import Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM
+    if arch in ("olmo2", "olmo3", "exaone4"):
+        from transformers import (Exaone4Config, Exaone4ForCausalLM, Olmo2Config, Olmo2ForCausalLM, Olmo3Config,
+                                  Olmo3ForCausalLM)
 
-        config, cls = (Olmo3Config, Olmo3ForCausalLM) if arch == "olmo3" else (Olmo2Config, Olmo2ForCausalLM)
+        config, cls = {"olmo3": (Olmo3Config, Olmo3ForCausalLM), "exaone4": (Exaone4Config, Exaone4ForCausalLM)}.get(
+            arch, (Olmo2Config, Olmo2ForCausalLM))
         model = cls(config(**{**LLAMA_BASE, "pad_token_id": None, **overrides})).eval()
         with torch.no_grad():  # norm weights away from 1, so that a missing or misread one shows
             for layer in model.model.layers:
@@ -529,7 +536,7 @@ def test_glm4_moe_in_its_released_config_form_with_a_multi_token_prediction_laye
 
 
 LLAMA_FAMILIES = ["llama", "mistral", "mixtral", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "granite",
-                  "smollm3", "olmo2", "olmo3", "seed_oss", "glm4", "glm4_moe", "ernie4_5", "ernie4_5_moe"]
+                  "smollm3", "olmo2", "olmo3", "exaone4", "seed_oss", "glm4", "glm4_moe", "ernie4_5", "ernie4_5_moe"]
 
 
 @pytest.mark.parametrize("model_type", LLAMA_FAMILIES + ["gemma3_text", "gemma2", "deepseek_v3", "deepseek_v2",
@@ -556,10 +563,10 @@ def test_family_defaults_are_transformers(model_type):
     ref = AutoConfig.for_model(model_type, **sizes)
     gemma = model_type in ("gemma3_text", "gemma2")
     read = Gemma3.args_from_hf if gemma else (LlamaArgs if llama else DeepseekV3Args).from_hf
-    if model_type == "olmo3":  # OLMo 2's form of it, the full layers' rope (models/config_forms.py)
-        from pieceworks.models.olmo2 import Olmo3
+    if model_type in ("olmo3", "exaone4"):  # OLMo 2's form of it, the full layers' rope (models/config_forms.py)
+        from pieceworks.models.olmo2 import Exaone4, Olmo3
 
-        read = Olmo3.args_from_hf
+        read = (Olmo3 if model_type == "olmo3" else Exaone4).args_from_hf
     ours = read({"model_type": model_type, **sizes})
     rope = ref.rope_parameters.get("full_attention", ref.rope_parameters)  # Gemma 3's: per layer kind
     llama = llama or gemma
@@ -685,6 +692,29 @@ def test_olmo3_in_its_released_config_form(tmp_path):
         _assert_close(ex.score([ids])[0], _ref_logits(model, ids))
 
 
+def test_exaone4_in_its_released_config_form(tmp_path):
+    """EXAONE 4's config.json with rope_theta at the top and sliding_window_pattern in place of layer_types (every
+    fourth layer full, rotating nothing) computes what transformers computes."""
+    import json
+
+    arch, overrides = CASES["exaone4"]
+    model = _hf_model(arch, overrides)
+    with torch.no_grad():  # peaked attention, so that each layer's rope shows in the logits
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.mul_(4)
+            layer.self_attn.k_norm.weight.mul_(4)
+    model.save_pretrained(tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    for key in ("layer_types", "rope_parameters"):
+        hf.pop(key)
+    hf.update(rope_theta=overrides["rope_theta"], sliding_window_pattern=4)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    ids = _prompt(40, seed=9)
+    with _executor(tmp_path) as ex:
+        assert ex.model.windows == (8, 8, 8, 0) and ex.model.args.rope_layers == (True, True, True, False)
+        _assert_close(ex.score([ids])[0], _ref_logits(model, ids))
+
+
 def test_gemma3_text_model_of_a_multimodal_checkpoint(tmp_path):
     """Gemma3ForConditionalGeneration (Gemma 3 4B-27B): pieceworks runs its text model (text_config, tensors under
     language_model.model.), the vision tower and projector unread; text-only logits and greedy tokens equal
@@ -777,7 +807,7 @@ def test_smollm3_nope_layers_from_the_interval_as_transformers_derives_them(inte
     assert rope_layers(hf) == tuple(bool(v) for v in want)
 
 
-@pytest.mark.parametrize("name", ["olmo2", "olmo3", "granite", "phi4_mini_partial", "smollm3_nope_interval", "seed_oss",
+@pytest.mark.parametrize("name", ["olmo2", "olmo3", "exaone4", "granite", "phi4_mini_partial", "smollm3_nope_interval", "seed_oss",
                                   "glm4", "ernie4_5", "gemma3", "gemma2"])
 def test_quantized_checkpoints_of_the_newer_families_load_as_nvfp4(name, tmp_path):
     """`pieceworks quantize` (a fixed activation amax: these directories hold no tokenizer) of each family's

@@ -17,7 +17,7 @@ from pieceworks.models.gemma3 import Gemma3
 from pieceworks.models.glm4 import Glm4
 from pieceworks.models.granite import Granite
 from pieceworks.models.llama import Llama
-from pieceworks.models.olmo2 import Olmo2, Olmo3
+from pieceworks.models.olmo2 import Exaone4, Olmo2, Olmo3
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": Llama,
@@ -37,6 +37,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Ernie4_5_MoeForCausalLM": Llama,  # and softmax-routed experts chosen with a correction bias, shared experts
     "Olmo2ForCausalLM": Olmo2,  # Llama's projections in post-norm blocks (models/olmo2.py)
     "Olmo3ForCausalLM": Olmo3,  # and sliding-window layers with a rope of their own
+    "Exaone4ForCausalLM": Exaone4,  # OLMo 2's blocks, per-head q/k norms, windows, full layers without rope
     "SeedOssForCausalLM": Llama,  # Llama's layers with q/k/v biases (LlamaArgs.qkv_bias)
     "SmolLM3ForCausalLM": Llama,  # Llama's layers, some without rope (llama.rope_layers)
     "GraniteForCausalLM": Granite,  # Llama's layers with four scalars (models/granite.py)
@@ -46,8 +47,8 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
 }
 ARCHS: dict[str, type[CausalLM]] = {"llama": Llama, "deepseek_v3": DeepseekV3}
 # model.sizes.model_type of the families with classes of their own, over model.arch=llama
-OWN_CLASSES: dict[str, type[CausalLM]] = {"granite": Granite, "olmo2": Olmo2, "olmo3": Olmo3, "glm4": Glm4,
-                                          "gemma3_text": Gemma3, "gemma2": Gemma3}
+OWN_CLASSES: dict[str, type[CausalLM]] = {"granite": Granite, "olmo2": Olmo2, "olmo3": Olmo3, "exaone4": Exaone4,
+                                          "glm4": Glm4, "gemma3_text": Gemma3, "gemma2": Gemma3}
 
 
 def architecture(hf: dict, where: Any) -> type[CausalLM]:

@@ -1,5 +1,6 @@
-"""Config forms with a kind per layer (transformers 5's `layer_types`): Gemma 2 / 3's and OLMo 3's config.json as the
-Llama (or OLMo 2) form their full-attention layers take, their sliding-window layers' rope, and which layers slide;
+"""Config forms with a kind per layer (transformers 5's `layer_types`): Gemma 2 / 3's, OLMo 3's and EXAONE 4's
+config.json as the Llama (or OLMo 2) form their full-attention layers take, their sliding-window layers' rope, and
+which layers slide;
 `check`, hf_config's checks of any config.json with these forms read first."""
 
 from __future__ import annotations
@@ -95,8 +96,39 @@ def olmo3_form(hf: dict) -> tuple[dict, dict, tuple[bool, ...]]:
         sliding
 
 
+
+def exaone4_form(hf: dict) -> tuple[dict, dict, tuple[bool, ...]]:
+    """An EXAONE 4 config.json (its defaults filled in) as (OLMo 2's form of it, no layer types or window; the rope,
+    the same for every rotating layer; per layer, whether it slides). Without layer_types, every
+    `sliding_window_pattern`-th layer is full (none slides without a window), as transformers derives them; with a
+    window the full layers rotate nothing (`exaone4_rope_layers`).
+
+    Raises:
+        FieldError: a sliding_window_pattern that is no integer >= 1 where layer_types are absent.
+    """
+    every = hf.get("sliding_window_pattern", 4)
+    if hf.get("layer_types") is None and hf.get("sliding_window") is not None and not (
+            _type_ok("int", every) and every >= 1):
+        raise FieldError("sliding_window_pattern", f"{every!r}: give layer_types, or an integer >= 1 (every such "
+                         "layer full)")
+    if hf.get("sliding_window") is None and hf.get("layer_types") is None:
+        sliding = (False,) * hf["num_hidden_layers"]
+    else:
+        sliding, _ = sliding_layers(hf, lambda i: (i + 1) % every != 0)
+    params = hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {"rope_type": "default"})}
+    rope = {"rope_theta": hf.get("rope_theta", 10000.0), **params}
+    olmo2 = {k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_theta", "layer_types", "sliding_window",
+                                                      "sliding_window_pattern")}
+    return {**olmo2, "rope_parameters": rope, "model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"]}, rope, \
+        sliding
+
+
+def exaone4_rope_layers(hf: dict, sliding: tuple[bool, ...]) -> tuple[bool, ...]:
+    """Whether each EXAONE 4 layer rotates q and k: every layer without a window, else the sliding ones only."""
+    return (True,) * len(sliding) if hf.get("sliding_window") is None else sliding
+
 FORMS: dict[str, Callable[[dict], tuple[dict, dict, tuple[bool, ...]]]] = {
-    "gemma2": gemma_form, "gemma3_text": gemma_form, "olmo3": olmo3_form}
+    "gemma2": gemma_form, "gemma3_text": gemma_form, "olmo3": olmo3_form, "exaone4": exaone4_form}
 
 
 def check(hf: dict, arch: str) -> None:

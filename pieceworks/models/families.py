@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 ARCHITECTURE_FAMILIES = {"MixtralForCausalLM": "mixtral", "Phi3ForCausalLM": "phi3", "Olmo2ForCausalLM": "olmo2",
-                         "Olmo3ForCausalLM": "olmo3", "SeedOssForCausalLM": "seed_oss", "Glm4ForCausalLM": "glm4",
+                         "Olmo3ForCausalLM": "olmo3", "SeedOssForCausalLM": "seed_oss",
+                         "Exaone4ForCausalLM": "exaone4", "Glm4ForCausalLM": "glm4",
                          "Glm4MoeForCausalLM": "glm4_moe", "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
                          "Ernie4_5ForCausalLM": "ernie4_5", "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
                          "Gemma3ForCausalLM": "gemma3_text", "Gemma2ForCausalLM": "gemma2"}
@@ -110,6 +111,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"max_position_embeddings": 32768, "head_dim": 128}, "qwen3_moe": {"max_position_embeddings": 32768},
     "smollm3": {"max_position_embeddings": 32768, "rope_theta": 2e6, "tie_word_embeddings": True},
     "olmo2": _E5, "olmo3": {**_E5, "rope_theta": 5e5, "sliding_window": 4096},
+    "exaone4": {**_E5, "sliding_window": 4096, "sliding_window_pattern": 4},
     "seed_oss": {"max_position_embeddings": 524288, "head_dim": 128},
     "glm4": {**_LONG, "rms_norm_eps": 1.5625e-07, "partial_rotary_factor": 0.5, "head_dim": 128},
     "glm4_moe": {**_LONG, **_E5, "partial_rotary_factor": 0.5},

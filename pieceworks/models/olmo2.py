@@ -7,6 +7,10 @@ Olmo3ForCausalLM (OLMo 3): OLMo 2's blocks with sliding-window attention in most
 them every layer but each fourth), which rotate with a default rope of their own (`olmo3_form`; the full layers'
 rope may be scaled, yarn in the long-context checkpoints).
 
+Exaone4ForCausalLM (EXAONE 4): the same post-norm blocks with q and k normalized per head (as Qwen3's), sliding-window
+attention in most layers, and where the config has a window, full layers that rotate nothing (`exaone4_form`).
+Tensor parallel is refused here too (untested for these blocks).
+
 The norms round as Llama's (`RMSNorm`: the weight times the normalized values rounded to the activation dtype);
 transformers' Olmo2RMSNorm multiplies in float32 and rounds once: equal in float32 (the parity tests), a last-bit
 difference per norm in bf16.
@@ -14,14 +18,17 @@ difference per norm in bf16.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
 
+from pieceworks.backends.base import ModelFacts
 from pieceworks.errors import ConfigError
 from pieceworks.models.base import RMSNorm, WeightSource
 from pieceworks.models.families import with_defaults
-from pieceworks.models.config_forms import olmo3_form, olmo3_slides, sliding_layers
+from pieceworks.models.config_forms import (exaone4_form, exaone4_rope_layers, olmo3_form, olmo3_slides,
+                                            sliding_layers)
 from pieceworks.models.llama import Llama, LlamaArgs, LlamaBlock
 from pieceworks.models.sliding import SlidingLayers
 from pieceworks.parallel.layout import TPLayout
@@ -52,12 +59,12 @@ class Olmo2Block(LlamaBlock):
 
 class Olmo2(Llama):
     block = Olmo2Block
+    no_tensor_parallel = "OLMo 2's q and k norms span every head, which tensor parallel splits"
 
     def __init__(self, hf_config: dict, dtype: torch.dtype, fp4: Callable[[str], bool] = lambda name: False,
                  tp: TPLayout = TPLayout()):
         if tp.sharded:
-            raise ConfigError(f"parallel.tensor_parallel_size: {tp.size}: OLMo 2's q and k norms span every head, "
-                              "which tensor parallel splits; use 1")
+            raise ConfigError(f"parallel.tensor_parallel_size: {tp.size}: {self.no_tensor_parallel}; use 1")
         super().__init__(hf_config, dtype, fp4, tp)
 
 
@@ -74,3 +81,26 @@ class Olmo3(SlidingLayers, Olmo2):
         hf = with_defaults(hf_config)
         _, local, sliding = olmo3_form(hf)
         self.set_sliding(local, sliding, sliding_layers(hf, olmo3_slides)[1])
+
+
+class Exaone4(Olmo2):
+    """Exaone4ForCausalLM: OLMo 2's blocks with per-head q/k norms, windows and NoPE full layers (`exaone4_form`)."""
+
+    no_tensor_parallel = "EXAONE 4's post-norm blocks have not been checked under tensor parallel"
+
+    @staticmethod
+    def args_from_hf(hf_config: dict) -> LlamaArgs:
+        hf = with_defaults(hf_config)
+        olmo2, _, sliding = exaone4_form(hf)
+        return dataclasses.replace(LlamaArgs.from_hf(olmo2), qk_norm="heads",
+                                   rope_layers=exaone4_rope_layers(hf, sliding))
+
+    def __init__(self, hf_config: dict, dtype: torch.dtype, fp4: Callable[[str], bool] = lambda name: False,
+                 tp: TPLayout = TPLayout()):
+        super().__init__(hf_config, dtype, fp4, tp)
+        hf = with_defaults(hf_config)
+        _, _, sliding = exaone4_form(hf)
+        self.windows = tuple(int(hf["sliding_window"]) if s else 0 for s in sliding)
+
+    def facts(self, page_size: int) -> ModelFacts:
+        return dataclasses.replace(super().facts(page_size), sliding_windows=self.windows)

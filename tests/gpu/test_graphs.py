@@ -83,6 +83,9 @@ MODELS = {
     # OLMo 3's layers: OLMo 2's blocks with a window (here 64 tokens) in 3 of 4 layers, their own rope
     "olmo3-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {"num_hidden_layers": 4, "model_type": "olmo3",
                                                                           "sliding_window": 64}}, "nvfp4"),
+    # EXAONE 4's layers: post-norm blocks, per-head q/k norms, a 64-token window in 3 of 4 layers, the 4th without rope
+    "exaone4-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {
+        "num_hidden_layers": 4, "model_type": "exaone4", "sliding_window": 64}}, "nvfp4"),
     # Gemma 2 2B's layers: soft-capped attention scores and logits, a 4096-token window in layer 0
     "gemma2-nvfp4": ({"arch": "llama", "preset": "gemma-2-2b", "sizes": {"num_hidden_layers": 2}}, "nvfp4"),
     # Mixtral-8x7B's experts (8, top 2, 14336 columns: the preset's intermediate_size) in every layer
