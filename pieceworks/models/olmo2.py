@@ -7,9 +7,9 @@ Olmo3ForCausalLM (OLMo 3): OLMo 2's blocks with sliding-window attention in most
 them every layer but each fourth), which rotate with a default rope of their own (`olmo3_form`; the full layers'
 rope may be scaled, yarn in the long-context checkpoints).
 
-Exaone4ForCausalLM (EXAONE 4): the same post-norm blocks with q and k normalized per head (as Qwen3's), sliding-window
-attention in most layers, and where the config has a window, full layers that rotate nothing (`exaone4_form`).
-Tensor parallel is refused here too (untested for these blocks).
+Exaone4ForCausalLM (EXAONE 4): the same post-norm blocks with q and k normalized per head (as Qwen3's), so tensor
+parallel splits it, sliding-window attention in most layers, and where the config has a window, full layers that
+rotate nothing (`exaone4_form`).
 
 The norms round as Llama's (`RMSNorm`: the weight times the normalized values rounded to the activation dtype);
 transformers' Olmo2RMSNorm multiplies in float32 and rounds once: equal in float32 (the parity tests), a last-bit
@@ -59,11 +59,12 @@ class Olmo2Block(LlamaBlock):
 
 class Olmo2(Llama):
     block = Olmo2Block
+    # why tensor parallel is refused ("": it is not)
     no_tensor_parallel = "OLMo 2's q and k norms span every head, which tensor parallel splits"
 
     def __init__(self, hf_config: dict, dtype: torch.dtype, fp4: Callable[[str], bool] = lambda name: False,
                  tp: TPLayout = TPLayout()):
-        if tp.sharded:
+        if tp.sharded and self.no_tensor_parallel:
             raise ConfigError(f"parallel.tensor_parallel_size: {tp.size}: {self.no_tensor_parallel}; use 1")
         super().__init__(hf_config, dtype, fp4, tp)
 
@@ -86,7 +87,7 @@ class Olmo3(SlidingLayers, Olmo2):
 class Exaone4(Olmo2):
     """Exaone4ForCausalLM: OLMo 2's blocks with per-head q/k norms, windows and NoPE full layers (`exaone4_form`)."""
 
-    no_tensor_parallel = "EXAONE 4's post-norm blocks have not been checked under tensor parallel"
+    no_tensor_parallel = ""  # its q / k norms are per head: a rank normalizes its own heads
 
     @staticmethod
     def args_from_hf(hf_config: dict) -> LlamaArgs:
