@@ -85,8 +85,9 @@ def no_children_left() -> bool:
     (DEEPSEEK + ["parallel.tensor_parallel_size=4", "parallel.expert_parallel=true", "model.sizes.n_routed_experts=6"],
      "n_routed_experts=6"),
     (DEEPSEEK + ["parallel.tensor_parallel_size=4", "quantization.format=nvfp4"], "NVFP4 block"),
-    (LLAMA + ["parallel.tensor_parallel_size=2", "model.sizes.model_type=olmo2"], "OLMo 2's q and k norms span"),
-], ids=["heads", "vocab", "zero", "one-gpu", "experts", "fp4-block", "olmo2"])
+    (LLAMA + ["parallel.tensor_parallel_size=2", "model.sizes.model_type=olmo2"], "OLMo 2's and 3's q and k norms"),
+    (LLAMA + ["parallel.tensor_parallel_size=2", "model.sizes.model_type=olmo3"], "OLMo 2's and 3's q and k norms"),
+], ids=["heads", "vocab", "zero", "one-gpu", "experts", "fp4-block", "olmo2", "olmo3"])
 def test_bad_parallel_config_is_a_config_error_before_any_process(overrides, match):
     with pytest.raises(ConfigError, match=match):
         Executor.from_config(None, overrides, progress=False)

@@ -60,7 +60,7 @@ class Olmo2Block(LlamaBlock):
 class Olmo2(Llama):
     block = Olmo2Block
     # why tensor parallel is refused ("": it is not)
-    no_tensor_parallel = "OLMo 2's q and k norms span every head, which tensor parallel splits"
+    no_tensor_parallel = "OLMo 2's and 3's q and k norms span every head, which tensor parallel splits"
 
     def __init__(self, hf_config: dict, dtype: torch.dtype, fp4: Callable[[str], bool] = lambda name: False,
                  tp: TPLayout = TPLayout()):
