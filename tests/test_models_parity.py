@@ -88,8 +88,9 @@ CASES = {
     "olmo3": ("olmo3", dict(num_hidden_layers=4, sliding_window=8, rope_theta=1e4, rope_scaling=dict(
         rope_type="yarn", factor=4.0, original_max_position_embeddings=64))),
     # Exaone4ForCausalLM: OLMo 2's post-norm blocks with q/k norms per head, 8-token windows in 3 of every 4 layers
-    # (the default pattern), the full layer without rope
-    "exaone4": ("exaone4", dict(num_hidden_layers=4, sliding_window=8, rope_theta=2e4)),
+    # (the default pattern), the full layer without rope; EXAONE 4.0 32B's llama3 rope scaling
+    "exaone4": ("exaone4", dict(num_hidden_layers=4, sliding_window=8, rope_theta=2e4, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64))),
     # and without a window: every layer full, every one rotating (layer types as transformers needs them then)
     "exaone4_no_window": ("exaone4", dict(sliding_window=None, layer_types=["full_attention"] * 2)),
     # OLMo 3 in transformers 5's form: each kind's rope, explicit layer types
@@ -707,7 +708,7 @@ def test_exaone4_in_its_released_config_form(tmp_path):
     hf = json.loads((tmp_path / "config.json").read_text())
     for key in ("layer_types", "rope_parameters"):
         hf.pop(key)
-    hf.update(rope_theta=overrides["rope_theta"], sliding_window_pattern=4)
+    hf.update(rope_theta=overrides["rope_theta"], rope_scaling=overrides["rope_scaling"], sliding_window_pattern=4)
     (tmp_path / "config.json").write_text(json.dumps(hf))
     ids = _prompt(40, seed=9)
     with _executor(tmp_path) as ex:

@@ -1,7 +1,6 @@
 """Config forms with a kind per layer (transformers 5's `layer_types`): Gemma 2 / 3's, OLMo 3's and EXAONE 4's
 config.json as the Llama (or OLMo 2) form their full-attention layers take, their sliding-window layers' rope, and
-which layers slide;
-`check`, hf_config's checks of any config.json with these forms read first."""
+which layers slide; `check`, hf_config's checks of any config.json with these forms read first."""
 
 from __future__ import annotations
 
@@ -96,10 +95,9 @@ def olmo3_form(hf: dict) -> tuple[dict, dict, tuple[bool, ...]]:
         sliding
 
 
-
 def exaone4_form(hf: dict) -> tuple[dict, dict, tuple[bool, ...]]:
-    """An EXAONE 4 config.json (its defaults filled in) as (OLMo 2's form of it, no layer types or window; the rope,
-    the same for every rotating layer; per layer, whether it slides). Without layer_types, every
+    """An EXAONE 4 config.json (its defaults filled in) as (OLMo 2's form of it, no layer types or window; {}: the
+    sliding layers rotate as the others, no table of their own; per layer, whether it slides). Without layer_types, every
     `sliding_window_pattern`-th layer is full (none slides without a window), as transformers derives them; with a
     window the full layers rotate nothing (`exaone4_rope_layers`).
 
@@ -119,13 +117,14 @@ def exaone4_form(hf: dict) -> tuple[dict, dict, tuple[bool, ...]]:
     rope = {"rope_theta": hf.get("rope_theta", 10000.0), **params}
     olmo2 = {k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_theta", "layer_types", "sliding_window",
                                                       "sliding_window_pattern")}
-    return {**olmo2, "rope_parameters": rope, "model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"]}, rope, \
+    return {**olmo2, "rope_parameters": rope, "model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"]}, {}, \
         sliding
 
 
 def exaone4_rope_layers(hf: dict, sliding: tuple[bool, ...]) -> tuple[bool, ...]:
     """Whether each EXAONE 4 layer rotates q and k: every layer without a window, else the sliding ones only."""
     return (True,) * len(sliding) if hf.get("sliding_window") is None else sliding
+
 
 FORMS: dict[str, Callable[[dict], tuple[dict, dict, tuple[bool, ...]]]] = {
     "gemma2": gemma_form, "gemma3_text": gemma_form, "olmo3": olmo3_form, "exaone4": exaone4_form}
@@ -134,10 +133,11 @@ FORMS: dict[str, Callable[[dict], tuple[dict, dict, tuple[bool, ...]]]] = {
 def check(hf: dict, arch: str) -> None:
     """`hf_config.check` of a config.json (`FieldError` for its first bad field); one with a kind per layer
     (`FORMS`) has its own fields checked (the sliding layers' rope among them) and the rest in its Llama form."""
-    hf = with_defaults(hf)
+    hf, local = with_defaults(hf), {}
     form = FORMS.get(family(hf))
     if form is not None:
         hf, local, _ = form(hf)
+    if local:  # the sliding layers' own rope table
         if not _type_ok("float", local["rope_theta"]) or not local["rope_theta"] > 0:
             raise FieldError("rope_local_base_freq", f"{local['rope_theta']!r} must be a finite number > 0")
         if local.get("rope_type", "default") != "default":
