@@ -26,9 +26,9 @@ import torch
 from pieceworks.backends.base import ModelFacts
 from pieceworks.errors import ConfigError
 from pieceworks.models.base import RMSNorm, WeightSource
-from pieceworks.models.families import with_defaults
 from pieceworks.models.config_forms import (exaone4_form, exaone4_rope_layers, olmo3_form, olmo3_slides,
                                             sliding_layers)
+from pieceworks.models.families import with_defaults
 from pieceworks.models.llama import Llama, LlamaArgs, LlamaBlock
 from pieceworks.models.sliding import SlidingLayers
 from pieceworks.parallel.layout import TPLayout
