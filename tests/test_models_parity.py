@@ -643,26 +643,40 @@ def test_ernie4_5_moe_multi_token_prediction_tensors_are_skipped(tmp_path):
         assert ex.model.has_fp4()
 
 
+def _in_released_form(model, path, **top) -> Executor:
+    """An executor of `model` saved with its config.json in the released form: no layer_types or per-kind
+    rope_parameters, `top`'s keys at the top level instead."""
+    import json
+
+    model.save_pretrained(path)
+    hf = json.loads((path / "config.json").read_text())
+    for key in ("layer_types", "rope_parameters"):
+        hf.pop(key)
+    hf.update(top)
+    (path / "config.json").write_text(json.dumps(hf))
+    return _executor(path)
+
+
+def _peaked(model) -> None:
+    """q . k 16x larger through the q / k norms, so that each layer's rope shows in the logits."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.mul_(4)
+            layer.self_attn.k_norm.weight.mul_(4)
+
+
 def test_gemma3_in_its_released_config_form(tmp_path):
     """Gemma 3's config.json as the released checkpoints write it (rope_theta, rope_local_base_freq and rope_scaling
     at the top, sliding_window_pattern in place of layer_types) computes what transformers computes."""
-    import json
-
     arch, overrides = CASES["gemma3"]
     model = _hf_model(arch, {**overrides, "layer_types": None, "sliding_window_pattern": 3,
                              "rope_parameters": None, "rope_theta": 5e5, "rope_local_base_freq": 2e4,
                              "rope_scaling": {"rope_type": "linear", "factor": 4.0}})
     assert model.config.layer_types[:3] == ["sliding_attention", "sliding_attention", "full_attention"]
     assert model.config.rope_parameters["full_attention"]["factor"] == 4.0
-    model.save_pretrained(tmp_path)
-    hf = json.loads((tmp_path / "config.json").read_text())
-    for key in ("layer_types", "rope_parameters"):
-        hf.pop(key)
-    hf.update(sliding_window_pattern=3, rope_theta=5e5, rope_local_base_freq=2e4,
-              rope_scaling={"rope_type": "linear", "factor": 4.0})
-    (tmp_path / "config.json").write_text(json.dumps(hf))
     ids = _prompt(40, seed=9)
-    with _executor(tmp_path) as ex:
+    with _in_released_form(model, tmp_path, sliding_window_pattern=3, rope_theta=5e5, rope_local_base_freq=2e4,
+                           rope_scaling={"rope_type": "linear", "factor": 4.0}) as ex:
         assert ex.model.windows == (8, 8, 0, 8)
         _assert_close(ex.score([ids])[0], _ref_logits(model, ids))
 
@@ -671,24 +685,14 @@ def test_olmo3_in_its_released_config_form(tmp_path):
     """OLMo 3's config.json as the released checkpoints write it (rope_theta and rope_scaling at the top, no layer
     types): every fourth layer full, its rope at rope_theta with the scaling, the sliding layers' at 500000 (as
     transformers reads this form), computes what transformers computes."""
-    import json
-
     arch, overrides = CASES["olmo3"]
     model = _hf_model(arch, overrides)
-    with torch.no_grad():  # peaked attention (q . k 16x larger), so that each layer's rope shows in the logits
-        for layer in model.model.layers:
-            layer.self_attn.q_norm.weight.mul_(4)
-            layer.self_attn.k_norm.weight.mul_(4)
+    _peaked(model)
     assert model.config.layer_types == ["sliding_attention"] * 3 + ["full_attention"]
     assert model.config.rope_parameters["sliding_attention"]["rope_theta"] == 5e5
-    model.save_pretrained(tmp_path)
-    hf = json.loads((tmp_path / "config.json").read_text())
-    for key in ("layer_types", "rope_parameters"):
-        hf.pop(key)
-    hf.update(rope_theta=overrides["rope_theta"], rope_scaling=overrides["rope_scaling"])
-    (tmp_path / "config.json").write_text(json.dumps(hf))
     ids = _prompt(40, seed=9)
-    with _executor(tmp_path) as ex:
+    with _in_released_form(model, tmp_path, rope_theta=overrides["rope_theta"],
+                           rope_scaling=overrides["rope_scaling"]) as ex:
         assert ex.model.windows == (8, 8, 8, 0)
         _assert_close(ex.score([ids])[0], _ref_logits(model, ids))
 
@@ -696,22 +700,12 @@ def test_olmo3_in_its_released_config_form(tmp_path):
 def test_exaone4_in_its_released_config_form(tmp_path):
     """EXAONE 4's config.json with rope_theta at the top and sliding_window_pattern in place of layer_types (every
     fourth layer full, rotating nothing) computes what transformers computes."""
-    import json
-
     arch, overrides = CASES["exaone4"]
     model = _hf_model(arch, overrides)
-    with torch.no_grad():  # peaked attention, so that each layer's rope shows in the logits
-        for layer in model.model.layers:
-            layer.self_attn.q_norm.weight.mul_(4)
-            layer.self_attn.k_norm.weight.mul_(4)
-    model.save_pretrained(tmp_path)
-    hf = json.loads((tmp_path / "config.json").read_text())
-    for key in ("layer_types", "rope_parameters"):
-        hf.pop(key)
-    hf.update(rope_theta=overrides["rope_theta"], rope_scaling=overrides["rope_scaling"], sliding_window_pattern=4)
-    (tmp_path / "config.json").write_text(json.dumps(hf))
+    _peaked(model)
     ids = _prompt(40, seed=9)
-    with _executor(tmp_path) as ex:
+    with _in_released_form(model, tmp_path, rope_theta=overrides["rope_theta"], rope_scaling=overrides["rope_scaling"],
+                           sliding_window_pattern=4) as ex:
         assert ex.model.windows == (8, 8, 8, 0) and ex.model.args.rope_layers == (True, True, True, False)
         _assert_close(ex.score([ids])[0], _ref_logits(model, ids))
 
