@@ -297,6 +297,18 @@ def test_templates_that_read_arguments_as_text():
 
 
 TRICKY = '{"code": "if (a) { f(\\"}\\"); }", "n": [1, {"x": null}], "s": "é 😀 ]"}'
+# the key / value formats type their values by the schema: "n" is a list only where the schema says so
+TYPED_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"code": {"type": "string"}, "n": {"type": "array"}}}}}
+
+
+def _pairs(template: str) -> str:
+    """TRICKY's arguments as key / value pairs, each `template` formatted with the key and the value (a string as
+    written, anything else as JSON)."""
+    return "".join(template.format(k, v if isinstance(v, str) else json.dumps(v))
+                   for k, v in json.loads(TRICKY).items())
+
+
 ANSWERS = {  # (plan, answer, content) with two calls (one for named) whose arguments need a real JSON scan
     "hermes": (tools.ToolPlan("auto", [WEATHER], parser="hermes"),
                f'Hi.\n<tool_call>\n{{"name": "get_weather", "arguments": {TRICKY}}}\n</tool_call>\n'
@@ -316,21 +328,14 @@ ANSWERS = {  # (plan, answer, content) with two calls (one for named) whose argu
     "mistral_v11": (tools.ToolPlan("auto", [WEATHER], parser="mistral"),
                     f"[TOOL_CALLS]get_weather[ARGS]{TRICKY}[TOOL_CALLS]get_time[ARGS]{{}}", None),
     "glm45": (tools.ToolPlan("auto", [WEATHER], parser="glm45"),
-              "Hi.\n<tool_call>get_weather\n" + "".join(
-                  f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v)}</arg_value>\n"
-                  for k, v in json.loads(TRICKY).items()) + "</tool_call><tool_call>get_time</tool_call>", "Hi.\n"),
-    "qwen3_coder": (tools.ToolPlan("auto", [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"code": {"type": "string"}, "n": {"type": "array"}}}}}], parser="qwen3_coder"),
-                    "Hi.\n<tool_call>\n<function=get_weather>\n" + "".join(
-                        f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
-                        for k, v in json.loads(TRICKY).items())
+              "Hi.\n<tool_call>get_weather\n" + _pairs("<arg_key>{}</arg_key>\n<arg_value>{}</arg_value>\n")
+              + "</tool_call><tool_call>get_time</tool_call>", "Hi.\n"),
+    "qwen3_coder": (tools.ToolPlan("auto", [TYPED_WEATHER], parser="qwen3_coder"),
+                    "Hi.\n<tool_call>\n<function=get_weather>\n" + _pairs("<parameter={}>\n{}\n</parameter>\n")
                     + "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
                     "Hi.\n"),
-    "seed_oss": (tools.ToolPlan("auto", [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"code": {"type": "string"}, "n": {"type": "array"}}}}}], parser="seed_oss"),
-                 "Hi.\n<seed:tool_call>\n<function=get_weather>\n" + "".join(
-                     f"<parameter={k}>{v if isinstance(v, str) else json.dumps(v)}</parameter>\n"
-                     for k, v in json.loads(TRICKY).items())
+    "seed_oss": (tools.ToolPlan("auto", [TYPED_WEATHER], parser="seed_oss"),
+                 "Hi.\n<seed:tool_call>\n<function=get_weather>\n" + _pairs("<parameter={}>{}</parameter>\n")
                  + "</function>\n</seed:tool_call><seed:tool_call><function=get_time></function></seed:tool_call>",
                  "Hi.\n"),
     "required": (tools.ToolPlan("required", [WEATHER, TIME]),
