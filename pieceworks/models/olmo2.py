@@ -26,8 +26,7 @@ import torch
 from pieceworks.backends.base import ModelFacts
 from pieceworks.errors import ConfigError
 from pieceworks.models.base import RMSNorm, WeightSource
-from pieceworks.models.config_forms import (exaone4_form, exaone4_rope_layers, olmo3_form, olmo3_slides,
-                                            sliding_layers)
+from pieceworks.models.config_forms import exaone4_form, exaone4_rope_layers, olmo3_form
 from pieceworks.models.families import with_defaults
 from pieceworks.models.llama import Llama, LlamaArgs, LlamaBlock
 from pieceworks.models.sliding import SlidingLayers
@@ -81,7 +80,7 @@ class Olmo3(SlidingLayers, Olmo2):
         super().__init__(hf_config, dtype, fp4, tp)
         hf = with_defaults(hf_config)
         _, local, sliding = olmo3_form(hf)
-        self.set_sliding(local, sliding, sliding_layers(hf, olmo3_slides)[1])
+        self.set_sliding(local, sliding, int(hf.get("sliding_window") or 0))  # checked where a layer slides
 
 
 class Exaone4(Olmo2):
