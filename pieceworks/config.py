@@ -80,6 +80,12 @@ class KVCacheConfig:
     """KV pool size in tokens; when unset, `memory_fraction` of the memory left after weights."""
     memory_fraction: float = 0.85
     """Fraction of free device memory (CUDA) or of available RAM (CPU, capped at 16384 tokens) for KV."""
+    dtype: str = "auto"
+    """What the pool stores K/V as: model (the model dtype), fp8 (e4m3 with per-layer k/v scales: the
+    checkpoint's k_scale / v_scale where it has them, else 1.0; half the bytes per token, so twice the tokens
+    and half the attention reads) or auto (fp8 where the checkpoint's quantization config asks for an FP8 KV
+    cache, as NVIDIA's ModelOpt NVFP4 exports do; else the model dtype). Served by the GQA attention backends
+    torch, triton and flashinfer; MLA models refuse fp8."""
     prefix_caching: bool = True
     """Keep full KV pages keyed by their token prefix, so a request that starts with tokens another one
     computed (a shared system prompt, the n completions of one prompt) takes those pages instead of

@@ -54,6 +54,7 @@ def validate(cfg: Any, require_model: bool = True) -> None:
     _positive("kv_cache.num_tokens", kv.num_tokens)
     if not 0.0 < kv.memory_fraction <= 1.0:
         raise ConfigError(f"kv_cache.memory_fraction: {kv.memory_fraction!r} must be in (0, 1]")
+    _one_of("kv_cache.dtype", kv.dtype, ("auto", "model", "fp8"))
     for op in OPS:
         sel = getattr(cfg.backends, op)
         if isinstance(sel, str):

@@ -2,6 +2,7 @@
 
 from pieceworks.testing.suite import (  # noqa: F401
     test_attention,
+    test_attention_fp8_kv,
     test_attention_sliding_window,
     test_attention_softcap,
     test_contract,

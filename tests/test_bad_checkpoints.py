@@ -227,14 +227,15 @@ def test_group_size_32_in_config_groups(ckpt):
         detect_quantization(ckpt)
 
 
-def test_fp8_kv_cache(ckpt):
-    _edit_json(ckpt / "hf_quant_config.json", lambda d: d["quantization"].update({"kv_cache_quant_algo": "FP8"}))
-    with pytest.raises(CheckpointError, match=r"quantization.kv_cache_quant_algo = 'FP8': a quantized KV cache"):
-        detect_quantization(ckpt)
+def test_kv_cache_scheme_other_than_fp8(ckpt):
+    """compressed-tensors' kv_cache_scheme (config.json only): float 8-bit is the FP8 cache, int 8-bit is refused."""
     (ckpt / "hf_quant_config.json").unlink()
     scheme = {"kv_cache_scheme": {"num_bits": 8, "type": "float"}}
     _edit_json(ckpt / "config.json", lambda d: d["quantization_config"].update(scheme))
-    with pytest.raises(CheckpointError, match=r"quantization_config.kv_cache_scheme = 'float8'"):
+    assert detect_quantization(ckpt).kv_cache_quant_algo == "FP8"
+    scheme = {"kv_cache_scheme": {"num_bits": 8, "type": "int"}}
+    _edit_json(ckpt / "config.json", lambda d: d["quantization_config"].update(scheme))
+    with pytest.raises(CheckpointError, match=r"quantization_config.kv_cache_scheme = 'int8': pieceworks serves"):
         detect_quantization(ckpt)
 
 

@@ -686,7 +686,8 @@ def test_attention_forward_keeps_views_of_replayed_tensors_only():
     spec = BackendSpec(device="cuda", capability=(9, 0), model=LLAMA, modules=frozenset({"flashinfer"}))
     backend = FlashInferAttentionBackend(spec)
     cache = torch.zeros(2, 4, 16, 8, 128)  # K and V: [pages, page_size, Hkv, D]
-    kv = SimpleNamespace(k_cache=lambda layer: cache[0], v_cache=lambda layer: cache[1])
+    kv = SimpleNamespace(k_cache=lambda layer: cache[0], v_cache=lambda layer: cache[1], fp8=False,
+                         scales=[(1.0, 1.0)] * 4)
     backend._wrapper = SimpleNamespace(run=lambda q, kv_caches, out: out.copy_(q * 2))
     gen = torch.Generator().manual_seed(0)
     replayed = [mark_replayed(torch.zeros(4, h, 128)) for h in (32, 8, 8, 32)]  # q, k, v, out of a size-4 piece
@@ -755,7 +756,8 @@ def test_flashinfer_plans_each_sliding_window_in_a_lane_of_its_own():
         assert args[3:] == (32, 8, 128, 16) and kw["logits_soft_cap"] == 50.0
         assert kw.get("window_left", -1) == (w - 1 if w else -1)
     cache = torch.zeros(2, 8, 16, 8, 128)
-    kv = SimpleNamespace(k_cache=lambda layer: cache[0], v_cache=lambda layer: cache[1])
+    kv = SimpleNamespace(k_cache=lambda layer: cache[0], v_cache=lambda layer: cache[1], fp8=False,
+                         scales=[(1.0, 1.0)] * 4)
     q, k, v = torch.randn(2, 32, 128), torch.randn(2, 8, 128), torch.randn(2, 8, 128)
     for layer, factor in enumerate((4, 2, 4, 5)):
         out = torch.empty_like(q)

@@ -45,6 +45,8 @@ class ModelFacts:
             `windows` serve it).
         attn_logit_softcap: Gemma 2's: scores become cap * tanh(scores / cap) before the softmax (0: none;
             attention backends that declare `softcap` serve it).
+        kv_fp8: the KV pool stores e4m3 K/V with per-layer scales (`kv_cache.dtype`; attention backends that
+            declare `fp8_kv` serve it, no MLA backend does).
     """
 
     arch: str = "llama"
@@ -60,6 +62,7 @@ class ModelFacts:
     moe_quant: str = "none"
     sliding_windows: tuple[int, ...] = ()
     attn_logit_softcap: float = 0.0
+    kv_fp8: bool = False
 
 
 @dataclass(frozen=True)

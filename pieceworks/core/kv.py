@@ -22,3 +22,20 @@ class KVLayout:
         size = torch.empty((), dtype=dtype).element_size()
         per_layer = 2 * self.num_kv_heads * self.head_dim if self.kind == "gqa" else self.latent_dim
         return per_layer * self.num_layers * size
+
+
+KV_FP8 = torch.float8_e4m3fn
+"""The dtype of an FP8 KV cache (`kv_cache.dtype: fp8`; ModelOpt's `kv_cache_quant_algo: FP8`)."""
+FP8_MAX = 448.0  # the largest finite e4m3 value: quantized K/V saturate there
+
+
+def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """`x` / `scale` as e4m3, saturated at +-448: what an FP8 pool stores for K or V of a layer whose scale is
+    `scale` (ModelOpt's k_scale / v_scale: the calibrated amax / 448). Multiplied by the float32 reciprocal, as
+    the CUDA write kernel does, so both store the same bits."""
+    return (x.float() * (1.0 / scale)).clamp_(-FP8_MAX, FP8_MAX).to(KV_FP8)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """float32 values of K or V rows read from a pool: e4m3 times the layer's scale (other dtypes as stored)."""
+    return x.float() * scale if x.dtype == KV_FP8 else x.float()

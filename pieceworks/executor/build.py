@@ -23,6 +23,7 @@ from pieceworks.backends.registry import load_registry
 from pieceworks.config import Config, ConfigError, Switch, cache_root, load_config
 from pieceworks.core.batch import ForwardMode, GraphMode
 from pieceworks.core.devices import resolve_device, resolve_dtype
+from pieceworks.core.kv import KV_FP8
 from pieceworks.executor.kv_cache import KVPool
 
 log = logging.getLogger("pieceworks.executor")
@@ -68,23 +69,44 @@ def build_executor(cls: type, cfg: Config, progress: bool, device: torch.device,
     # torch RNG is the caller's
     model = load_model(model_cfg, cfg.quantization, device, dtype, progress=progress,
                        seed=cfg.runtime.seed, tp=tp)
-    spec = BackendSpec.for_device(device, model=model.facts(cfg.kv_cache.page_size),
+    kv_dtype = kv_cache_dtype(cfg.kv_cache.dtype, model)
+    facts = model.facts(cfg.kv_cache.page_size)
+    spec = BackendSpec.for_device(device, model=replace(facts, kv_fp8=kv_dtype == KV_FP8),
                                   fp4_numerics=cfg.quantization.fp4_numerics)
     table = registry.resolve(cfg.backends, spec, model.required_ops())
     model.prepare(table)
-    kv = KVPool.sized(model.kv_layout(), cfg.kv_cache.page_size, dtype, device,
-                      cfg.kv_cache.num_tokens, cfg.kv_cache.memory_fraction, cfg.kv_cache.prefix_caching)
+    scales = model.kv_scales if kv_dtype == KV_FP8 else None
+    kv = KVPool.sized(model.kv_layout(), cfg.kv_cache.page_size, kv_dtype, device,
+                      cfg.kv_cache.num_tokens, cfg.kv_cache.memory_fraction, cfg.kv_cache.prefix_caching, scales)
     if groups is not None:  # every rank's pool has the leader's page ids: the smallest pool wins
         num_pages = groups.min_int(kv.allocator.num_pages)
         if num_pages < kv.allocator.num_pages:
             kv = None  # the larger pool goes before the smaller one is allocated
-            kv = KVPool(model.kv_layout(), num_pages, cfg.kv_cache.page_size, dtype, device,
-                        cfg.kv_cache.prefix_caching)
+            kv = KVPool(model.kv_layout(), num_pages, cfg.kv_cache.page_size, kv_dtype, device,
+                        cfg.kv_cache.prefix_caching, scales)
     ex = cls(cfg, model, table, kv, device, model_dir)
     ex.groups = groups
     pdl.configure(pdl_mode, device)  # before the graphs capture the kernels
     ex.piecewise, ex.decode_graphs = graph_runners(cfg.cuda_graph, model, table, kv, ex.max_context, progress)
     return ex
+
+
+def kv_cache_dtype(setting: str, model: Any) -> torch.dtype:
+    """The KV pool's dtype for `kv_cache.dtype` = `setting`: the model's (model), e4m3 (fp8), or (auto) e4m3 where
+    the checkpoint asks for it and the model's otherwise. An MLA model keeps its latents in the model dtype under
+    auto, with a warning where the checkpoint asked for FP8 (no MLA backend reads FP8 latents); fp8 named for it
+    is refused by every MLA backend at selection."""
+    mla = model.kv_layout().kind == "mla"
+    if setting == "fp8" or (setting == "auto" and model.kv_cache_quant == "fp8" and not mla):
+        if model.kv_cache_quant == "fp8" and model.kv_scales is None:
+            log.warning("the checkpoint asks for an FP8 KV cache but holds no k_scale / v_scale: scales of 1.0")
+        elif model.kv_scales is None:
+            log.info("kv_cache.dtype=fp8 without checkpoint scales: K/V stored as e4m3 with scales of 1.0")
+        return KV_FP8
+    if setting == "auto" and model.kv_cache_quant == "fp8":
+        log.warning("the checkpoint asks for an FP8 KV cache; no MLA backend reads FP8 latents, so they stay in "
+                    "%s (kv_cache.dtype=model silences this)", str(model.dtype).removeprefix("torch."))
+    return model.dtype
 
 
 def graph_runners(graphs_cfg: Any, model: torch.nn.Module, table: Any, kv: KVPool, max_context: int,

@@ -13,7 +13,7 @@ from collections import OrderedDict
 
 import torch
 
-from pieceworks.core.kv import KVLayout
+from pieceworks.core.kv import KV_FP8, KVLayout
 from pieceworks.errors import BatchError, ConfigError, OutOfPages
 
 RESERVED_PAGE = 0
@@ -241,16 +241,22 @@ class KVPool:
 
     GQA: `k_cache(l)`, `v_cache(l)`: [num_pages, page_size, num_kv_heads, head_dim].
     MLA: `latent_cache(l)`: [num_pages, page_size, kv_lora_rank + rope_dim].
+    An FP8 pool (`dtype` float8_e4m3fn) stores K / scale and V / scale, one pair of float scales per layer
+    (`k_scale(l)`, `v_scale(l)`; `scales` [(k, v)] per layer, all 1.0 when None): backends quantize what they
+    write (`core.kv.quantize_kv`) and multiply what they read by the scale.
     """
 
     def __init__(
         self, layout: KVLayout, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device,
-        prefix_caching: bool = False,
+        prefix_caching: bool = False, scales: list[tuple[float, float]] | None = None,
     ) -> None:
         self.layout = layout
         self.page_size = page_size
         self.num_pages = num_pages
         self.dtype = dtype
+        self.scales = [(1.0, 1.0)] * layout.num_layers if scales is None else [(float(k), float(v)) for k, v in scales]
+        if len(self.scales) != layout.num_layers:
+            raise ValueError(f"{len(self.scales)} KV scale pairs for {layout.num_layers} layers")
         self.device = torch.device(device)
         self.allocator = PageAllocator(num_pages, prefix_caching)
         if layout.kind == "gqa":
@@ -279,6 +285,19 @@ class KVPool:
     def latent_cache(self, layer: int) -> torch.Tensor:
         return self.buffer[layer]
 
+    @property
+    def fp8(self) -> bool:
+        """Whether the pool stores K/V as e4m3 with per-layer scales."""
+        return self.dtype == KV_FP8
+
+    def k_scale(self, layer: int) -> float:
+        """What a stored key of `layer` is multiplied by when read (1.0 unless the pool is FP8)."""
+        return self.scales[layer][0]
+
+    def v_scale(self, layer: int) -> float:
+        """What a stored value of `layer` is multiplied by when read (1.0 unless the pool is FP8)."""
+        return self.scales[layer][1]
+
     @classmethod
     def sized(
         cls,
@@ -289,6 +308,7 @@ class KVPool:
         num_tokens: int | None,
         memory_fraction: float,
         prefix_caching: bool = False,
+        scales: list[tuple[float, float]] | None = None,
     ) -> "KVPool":
         """A pool of `num_tokens` tokens, or of `memory_fraction` of the free memory when None."""
         if num_tokens is not None and page_size > num_tokens:
@@ -313,7 +333,7 @@ class KVPool:
                     "kv_cache.num_tokens"
                 )
         num_pages = -(-num_tokens // page_size) + 1  # + the reserved page
-        return cls(layout, num_pages, page_size, dtype, device, prefix_caching)
+        return cls(layout, num_pages, page_size, dtype, device, prefix_caching, scales)
 
 
 def _free_bytes(device: torch.device) -> int:

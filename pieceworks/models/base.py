@@ -253,6 +253,10 @@ class CausalLM(nn.Module):
     window, longrope's original context: `hf_config.context_cap`): the longest context (`context_limit`)."""
     dtype: torch.dtype
     hf_config: dict[str, Any]
+    kv_cache_quant: str | None = None
+    """"fp8" where the checkpoint asks for an FP8 KV cache (set by the loader; `kv_cache.dtype: auto` follows it)."""
+    kv_scales: list[tuple[float, float]] | None = None
+    """The checkpoint's (k_scale, v_scale) per layer for an FP8 KV cache (None: 1.0 each)."""
 
     def _build_trunk(self, hf_config: dict, dtype: torch.dtype, args, blocks: list[nn.Module],
                      rope_dim: int, tp: TPLayout = TPLayout()) -> None:

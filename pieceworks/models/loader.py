@@ -51,7 +51,7 @@ def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype
     device = torch.device(device)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"model dtype {dtype}: use bfloat16, float16 or float32")
-    cls, hf, fp4, reader = _describe(model_cfg, quant_cfg)
+    cls, hf, fp4, reader, quant = _describe(model_cfg, quant_cfg)
     allow_extra = bool(getattr(model_cfg, "allow_extra_tensors", False))
     if model_cfg.path is not None:
         from pieceworks.models.checkpoint import CheckpointReader, RenamingReader
@@ -73,6 +73,11 @@ def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype
         if named is None:
             raise
         raise CheckpointError(re.sub(r"model\.layers\.\d+\.[\w.*]+", lambda m: named(m[0]), str(e))) from None
+    if quant is not None and quant.kv_cache_quant_algo == "FP8":
+        from pieceworks.quant.modelopt import kv_cache_scales
+
+        model.kv_cache_quant = "fp8"
+        model.kv_scales = kv_cache_scales(reader, len(model.layers), named)
     if reader is not None and not allow_extra:
         check_unused(reader, model)
     return model
@@ -141,15 +146,16 @@ def model_facts(model_cfg: Any, quant_cfg: Any, page_size: int,
         ConfigError: `tp` can't split the model (also how a launch checks the parallel layout before it
             allocates anything or starts a process).
     """
-    cls, hf, fp4, _ = _describe(model_cfg, quant_cfg)
+    cls, hf, fp4, _, _ = _describe(model_cfg, quant_cfg)
     model = build(cls, hf, dtype, fp4, tp)
     return model.facts(page_size), model.required_ops()
 
 
-def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Callable[[str], bool], Any]:
+def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Callable[[str], bool], Any, Any]:
     """Model class, config.json dict (checked: `config_forms.check`), which linears are NVFP4, from a
-    checkpoint or a preset, and the CheckpointReader opened to look for quantized tensors without a
-    quantization config (None where none was opened), for the load to reuse."""
+    checkpoint or a preset, the CheckpointReader opened to look for quantized tensors without a
+    quantization config (None where none was opened), for the load to reuse, and the checkpoint's
+    `Fp4QuantConfig` (None: unquantized, or random weights)."""
     fmt = getattr(quant_cfg, "format", "auto")
     if model_cfg.path is not None:
         from pieceworks.quant.modelopt import detect_quantization
@@ -171,13 +177,13 @@ def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Cal
             raise CheckpointError(f"quantization.format=nvfp4, but {path} is not an NVFP4 checkpoint; quantize "
                                   "it first (`pieceworks quantize`) or use quantization.format=auto")
         if quant is None:
-            return cls, hf, lambda name: False, reader
+            return cls, hf, lambda name: False, reader, None
         if hf.get("text_of"):  # its names' prefix is read off the checkpoint
             from pieceworks.models.checkpoint import CheckpointReader
 
             reader = CheckpointReader(path)
         named = checkpoint_names(cls, hf, reader) or (lambda name: name)  # the exclusions name checkpoint modules
-        return cls, hf, lambda name: not quant.is_excluded(named(name)), reader
+        return cls, hf, lambda name: not quant.is_excluded(named(name)), reader, quant
     from pieceworks.models.presets import preset_config
 
     if model_cfg.arch not in ARCHS:
@@ -200,7 +206,7 @@ def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Cal
                           f"{model_cfg.preset or 'tiny'})") from None
     # Random NVFP4: every projection; the head and the router are never built as NVFP4 (as ModelOpt).
     random_fp4 = fmt == "nvfp4"
-    return random_class(model_cfg.arch, hf), hf, lambda name: random_fp4, None
+    return random_class(model_cfg.arch, hf), hf, lambda name: random_fp4, None, None
 
 
 def read_config(path: Path) -> dict:

@@ -11,6 +11,9 @@ What ModelOpt 0.47's `export_hf_checkpoint` writes (checked on exports of Llama 
   {"weights": {"num_bits": 4, "type": "float", "group_size": 16, ...}, "input_activations": {...},
   "targets": ["Linear"]}}, "ignore": [...], "quant_algo": "NVFP4", "producer": {...},
   "quant_method": "modelopt"}` (and `kv_cache_scheme` when the KV cache is quantized).
+- With `kv_cache_quant_algo: "FP8"` (NVIDIA's published NVFP4 checkpoints): per attention layer float32 scalars
+  `...self_attn.k_proj.k_scale` and `...self_attn.v_proj.v_scale` (the calibrated amax / 448; other exporters
+  write `...self_attn.k_scale` / `v_scale`).
 - Per quantized linear `P`: `P.weight` uint8 [N, K/2]; `P.weight_scale` float8_e4m3fn [N, K/16];
   `P.weight_scale_2` and `P.input_scale` float32 0-d tensors. Linears that read the same input (q/k/v;
   gate/up; DeepSeek's q_a_proj + kv_a_proj_with_mqa; each expert's gate/up) share one weight_scale_2
@@ -40,6 +43,7 @@ from pieceworks.util import load_json_object
 HF_QUANT_CONFIG = "hf_quant_config.json"
 SUPPORTED_ALGO = "NVFP4"
 _NO_KV_QUANT = (None, "", "none", "NONE", "None")
+_FP8_KV = ("FP8", "FLOAT8")  # kv_cache_quant_algo, or kv_cache_scheme {"type": "float", "num_bits": 8}
 _MODELOPT_METHODS = ("modelopt", "modelopt_fp4")
 
 
@@ -52,7 +56,8 @@ class Fp4QuantConfig:
             `model.layers.*.mlp.gate`, `model.layers.61*`).
         group_size: elements per block scale along K (always 16 here).
         quant_algo: always "NVFP4" here.
-        kv_cache_quant_algo: None (the KV cache stays in the model dtype).
+        kv_cache_quant_algo: None (the KV cache stays in the model dtype) or "FP8" (an e4m3 KV cache with the
+            per-layer `k_scale` / `v_scale` the export calibrated: `kv_cache_scales`).
         producer: e.g. "modelopt 0.47.0", for messages.
         source: the file the settings came from, for messages.
     """
@@ -129,16 +134,17 @@ def _parse(qc: dict, where: str) -> Fp4QuantConfig:
             "checkpoint was made with another block size, which no pieceworks kernel serves"
         )
     kv_key, kv = _kv_algo_of(qc)
-    if kv not in _NO_KV_QUANT:
+    if kv not in _NO_KV_QUANT and str(kv).upper() not in _FP8_KV:
         raise CheckpointError(
-            f"{where}.{kv_key} = {kv!r}: a quantized KV cache is not supported yet; use a checkpoint "
-            f"exported without KV-cache quantization ({kv_key} null)"
+            f"{where}.{kv_key} = {kv!r}: pieceworks serves a KV cache in the model dtype or in FP8 (e4m3); "
+            f"use a checkpoint exported with kv_cache_quant_algo FP8 or null"
         )
+    kv_algo = None if kv in _NO_KV_QUANT else "FP8"
     excl = qc.get("exclude_modules", qc.get("ignore"))
     excl = [] if excl is None else excl
     if not isinstance(excl, list) or not all(isinstance(p, str) for p in excl):
         raise CheckpointError(f"{where}.exclude_modules must be a list of module-name patterns, got {excl!r}")
-    return Fp4QuantConfig(exclude_modules=tuple(excl), group_size=BLOCK, kv_cache_quant_algo=None)
+    return Fp4QuantConfig(exclude_modules=tuple(excl), group_size=BLOCK, kv_cache_quant_algo=kv_algo)
 
 
 def _producer(d: dict) -> str:
@@ -186,7 +192,8 @@ def detect_quantization(model_dir: str | Path) -> Fp4QuantConfig | None:
 
 
 def _with_origin(cfg: Fp4QuantConfig, producer: str, source: str) -> Fp4QuantConfig:
-    return Fp4QuantConfig(cfg.exclude_modules, cfg.group_size, cfg.quant_algo, None, producer, source)
+    return Fp4QuantConfig(cfg.exclude_modules, cfg.group_size, cfg.quant_algo, cfg.kv_cache_quant_algo, producer,
+                          source)
 
 
 # --- Tensors -------------------------------------------------------------------------------------
@@ -212,6 +219,35 @@ def _expect(reader, name: str, dtype: torch.dtype, shape: tuple[int, ...] | None
             f"{str(got_dtype).removeprefix('torch.')} {list(got_shape)}{hint}"
         )
     return reader.get(name)
+
+
+KV_SCALE_NAMES = (("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale"), ("self_attn.k_scale", "self_attn.v_scale"))
+"""Where exports keep a layer's FP8 KV scales: ModelOpt's (under the projections), then llm-compressor's."""
+
+
+def kv_cache_scales(reader, num_layers: int, named=None) -> list[tuple[float, float]] | None:
+    """Each layer's (k_scale, v_scale) of a checkpoint with an FP8 KV cache, or None where it holds none (scales of
+    1.0 then, as vLLM takes them). `named` maps pieceworks' tensor names to the checkpoint's (a multimodal
+    checkpoint's text model).
+
+    Raises:
+        CheckpointError: some layers have scales and others not, or a scale is not a positive finite float32 scalar.
+    """
+    named = named or (lambda name: name)
+    found, missing = [], []
+    for i in range(num_layers):
+        pair = next(((named(f"model.layers.{i}.{k}"), named(f"model.layers.{i}.{v}")) for k, v in KV_SCALE_NAMES
+                     if reader.has(named(f"model.layers.{i}.{k}"))), None)
+        if pair is None:
+            missing.append(i)
+            continue
+        found.append(tuple(float(_scalar(reader, name, "an FP8 KV cache's scale")) for name in pair))
+    if not found:
+        return None
+    if missing:
+        raise CheckpointError(f"{reader.model_dir}: FP8 KV scales (k_proj.k_scale / v_proj.v_scale) in {len(found)} "
+                              f"layers but not in layer(s) {missing[:4]}; the export is incomplete, re-export it")
+    return found
 
 
 def _scalar(reader, name: str, what: str) -> torch.Tensor:

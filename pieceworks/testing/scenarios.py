@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pieceworks.core.batch import ForwardMode, GraphMode, StepMetadata
+from pieceworks.core.kv import KV_FP8, dequantize_kv, quantize_kv
 from pieceworks.executor.kv_cache import KVLayout, KVPool
 from pieceworks.quant import nvfp4
 
@@ -78,14 +79,16 @@ def _paged_meta(sc: Scenario, pool: KVPool, device: torch.device, rng: random.Ra
 
 def attention_case(sc: Scenario, num_heads: int, num_kv_heads: int, head_dim: int,
                    dtype: torch.dtype, device: torch.device, seed: int = 0, window: int = 0,
-                   softcap: float = 0.0) -> AttentionCase:
+                   softcap: float = 0.0, kv_scales: tuple[float, float] | None = None) -> AttentionCase:
     """Random GQA scenario: prefix KV written into shuffled pages, new q/k/v, float64 expectation (with
     `window`, each query sees itself and the window - 1 keys before it; with `softcap`, scores become
-    softcap * tanh(scores / softcap))."""
+    softcap * tanh(scores / softcap); with `kv_scales` (k_scale, v_scale), an FP8 pool: the expectation
+    reads every key and value, the new ones too, as stored, `quantize_kv`, and read back)."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     num_pages = 1 + sum(-(-(p + n) // sc.page_size) for p, n in sc.seqs) + 2
-    pool = KVPool(KVLayout("gqa", 1, num_kv_heads, head_dim), num_pages, sc.page_size, dtype, device)
+    pool = KVPool(KVLayout("gqa", 1, num_kv_heads, head_dim), num_pages, sc.page_size,
+                  dtype if kv_scales is None else KV_FP8, device, scales=None if kv_scales is None else [kv_scales])
     pool.buffer.fill_(float("nan"))  # slots no sequence owns may hold anything: a backend must not read them
     meta, pages = _paged_meta(sc, pool, device, rng)
     t = meta.num_tokens
@@ -94,17 +97,21 @@ def attention_case(sc: Scenario, num_heads: int, num_kv_heads: int, head_dim: in
     prefix_k = [rnd(p, num_kv_heads, head_dim) for p, _ in sc.seqs]
     prefix_v = [rnd(p, num_kv_heads, head_dim) for p, _ in sc.seqs]
     kc, vc = pool.k_cache(0), pool.v_cache(0)
-    for (prefix, _), mine, pk, pv in zip(sc.seqs, pages, prefix_k, prefix_v):
-        for pos in range(prefix):
-            kc[mine[pos // sc.page_size], pos % sc.page_size] = pk[pos].to(dtype)
-            vc[mine[pos // sc.page_size], pos % sc.page_size] = pv[pos].to(dtype)
+    ks, vs = pool.k_scale(0), pool.v_scale(0)
     # quantize inputs to the test dtype first so the reference sees exactly what the backend sees
     q, k, v = (x.to(dtype) for x in (q, k, v))
+    prefix_k, prefix_v = [x.to(dtype) for x in prefix_k], [x.to(dtype) for x in prefix_v]
+    put = (lambda x, s: x) if kv_scales is None else quantize_kv  # what the pool holds of x
+    for (prefix, _), mine, pk, pv in zip(sc.seqs, pages, prefix_k, prefix_v):
+        for pos in range(prefix):
+            kc[mine[pos // sc.page_size], pos % sc.page_size] = put(pk[pos], ks)
+            vc[mine[pos // sc.page_size], pos % sc.page_size] = put(pv[pos], vs)
+    stored = (lambda x, s: x) if kv_scales is None else (lambda x, s: dequantize_kv(quantize_kv(x, s), s))
     scale = 1.0 / math.sqrt(head_dim)
     expected, lo = [], 0
     for (prefix, n), pk, pv in zip(sc.seqs, prefix_k, prefix_v):
-        keys = torch.cat([pk.to(dtype), k[lo : lo + n]]).double()
-        vals = torch.cat([pv.to(dtype), v[lo : lo + n]]).double()
+        keys = stored(torch.cat([pk, k[lo : lo + n]]), ks).double()
+        vals = stored(torch.cat([pv, v[lo : lo + n]]), vs).double()
         for j in range(n):
             row = []
             for h in range(num_heads):

@@ -31,6 +31,7 @@ import torch
 from pieceworks.backends.base import ModelFacts, parse_options
 from pieceworks.backends.fp4_gemm.base import Fp4Weight
 from pieceworks.core.batch import ForwardMode, GraphMode
+from pieceworks.core.kv import quantize_kv
 from pieceworks.testing import contract as C
 from pieceworks.testing import scenarios as S
 from pieceworks.testing.checks import (
@@ -86,7 +87,9 @@ def test_attention_sliding_window(backend, scenario, device):
     impl = build(backend, spec_for(device, facts), scenario.mode)
     cases = [S.attention_case(scenario, 8, 2, 64, dtype, torch.device(device), window=w) for w in windows]
     pool = cases[0].pool
-    one_layer = SimpleNamespace(k_cache=lambda layer: pool.k_cache(0), v_cache=lambda layer: pool.v_cache(0))
+    one_layer = SimpleNamespace(k_cache=lambda layer: pool.k_cache(0), v_cache=lambda layer: pool.v_cache(0),
+                                fp8=False, scales=[(1.0, 1.0)] * 3, k_scale=lambda layer: 1.0,
+                                v_scale=lambda layer: 1.0)
     impl.plan(cases[0].meta)
     for layer, (w, case) in enumerate(zip(windows, cases)):
         what = f"{backend.key()} {scenario.name}, layer {layer} of windows {windows} ({dtype_name(dtype)})"
@@ -109,6 +112,31 @@ def test_attention_softcap(backend, scenario, device):
     what = f"{backend.key()} {scenario.name}, softcap 1.0 ({dtype_name(dtype)})"
     out = _attend(impl, case, *(case.inputs[n] for n in "qkv"), what)
     assert_close(out, case.expected, C.TOLERANCE[dtype], what, "")
+
+
+FP8_SCALES = (0.0125, 0.01)  # k_scale, v_scale: N(0, 1) keys and values span most of e4m3's range (448 x scale)
+
+
+@pytest.mark.parametrize("scenario", S.ATTENTION_SCENARIOS, ids=lambda s: s.name)
+@for_op("attention")
+def test_attention_fp8_kv(backend, scenario, device):
+    """An FP8 KV pool (`ModelFacts.kv_fp8`), for backends that declare `fp8_kv`: the step's K/V stored as
+    `core.kv.quantize_kv` with the layer's scales (not 1.0, so a scale left out or applied twice shows), every
+    key and value read back times them."""
+    if not getattr(backend, "fp8_kv", False):
+        pytest.skip(f"{backend.key()} declares no FP8 KV cache (fp8_kv = False)")
+    dtype = device_dtype(device)
+    facts = ModelFacts(dtype=dtype, num_heads=8, num_kv_heads=2, head_dim=64, page_size=scenario.page_size,
+                       kv_fp8=True)
+    impl = build(backend, spec_for(device, facts), scenario.mode)
+    case = S.attention_case(scenario, 8, 2, 64, dtype, torch.device(device), kv_scales=FP8_SCALES)
+    what = f"{backend.key()} {scenario.name}, FP8 KV pool, scales {FP8_SCALES} ({dtype_name(dtype)})"
+    out = _attend(impl, case, *(case.inputs[n] for n in "qkv"), what)
+    assert_close(out, case.expected, C.TOLERANCE[dtype], what, "")
+    rows = case.meta.slot_mapping.long()
+    stored = case.pool.k_cache(0).flatten(0, 1)[rows].view(torch.uint8)
+    want = quantize_kv(case.inputs["k"], FP8_SCALES[0]).view(torch.uint8).to(stored.device)
+    assert torch.equal(stored, want), f"{what}: the step's keys are not stored as quantize_kv(k, k_scale)"
 
 
 def _attend(impl, case: S.AttentionCase, q, k, v, what: str, layer: int = 0, kv=None,

@@ -97,7 +97,7 @@ ATTENTION = ["torch", "flashinfer"]
 
 
 def build(name: str, attention: str | dict, flashinfer_options: dict | None = None,
-          backends: dict | None = None) -> Executor:
+          backends: dict | None = None, kv_cache: dict | None = None) -> Executor:
     model, fmt = MODELS[name]
     op = "mla" if model["arch"] == "deepseek_v3" else "attention"
     if attention == "flashinfer":
@@ -106,7 +106,7 @@ def build(name: str, attention: str | dict, flashinfer_options: dict | None = No
         "model": {**model, "max_context": 1024},
         "quantization": {"format": fmt},
         "runtime": {"device": "cuda", "dtype": "bfloat16"},
-        "kv_cache": {"num_tokens": 8192, "page_size": 16},
+        "kv_cache": {"num_tokens": 8192, "page_size": 16, **(kv_cache or {})},
         "backends": {op: attention, "options": {"flashinfer": {"variant": "fa2", **(flashinfer_options or {})}},
                      **(backends or {})},
         "cuda_graph": {"piecewise": {"enabled": "on", "max_tokens": 128, "sizes": [8, 16, 32, 64, 128]},
@@ -178,6 +178,37 @@ def test_graphs_match_eager_triton_decode_attention():
     ex = build("llama-bf16", {"decode": "triton", "extend": "flashinfer"})
     assert type(ex.table.step(ForwardMode.DECODE, GraphMode.FULL).attention).__name__ == "TritonDecodeAttentionBackend"
     check_graphs_match_eager(ex, "llama-bf16")
+
+
+FP8_ATTENTION = {"flashinfer": "flashinfer", "triton-decode": {"decode": "triton", "extend": "flashinfer"},
+                 "torch": "torch"}
+
+
+@pytest.mark.parametrize("attention", list(FP8_ATTENTION))
+def test_graphs_match_eager_fp8_kv(attention, monkeypatch):
+    """An FP8 KV pool with per-layer scales other than 1.0 (put on the loaded model, where a checkpoint's go) in
+    piecewise and full graphs and eagerly; eager logits stay near the model-dtype pool's."""
+    from pieceworks.models import loader
+
+    load = loader.load_model
+
+    def with_scales(*args, **kwargs):
+        model = load(*args, **kwargs)
+        model.kv_scales = [(0.05 + 0.01 * i, 0.04 + 0.01 * i) for i in range(len(model.layers))]
+        return model
+
+    monkeypatch.setattr(loader, "load_model", with_scales)
+    ex = build("llama-nvfp4", FP8_ATTENTION[attention], kv_cache={"dtype": "fp8"})
+    assert ex.kv.dtype == torch.float8_e4m3fn and ex.kv.k_scale(1) == pytest.approx(0.06)
+    steps = script(ex.vocab_size)[:6]
+    with eager(ex):
+        fp8 = run(ex, steps)
+    check_graphs_match_eager(ex, "llama-nvfp4")
+    monkeypatch.setattr(loader, "load_model", load)
+    with eager(build("llama-nvfp4", FP8_ATTENTION[attention])) as ref:
+        errs = [rel(a, b) for a, b in zip(fp8, run(ref, steps))]
+    print(f"fp8 / model-dtype pool, relative logit error per step: {errs}")
+    assert max(errs) < 0.1, errs
 
 
 def test_graphs_match_eager_cuda_moe_and_gemm():

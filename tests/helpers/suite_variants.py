@@ -51,6 +51,9 @@ class _ScratchPool:
     def __init__(self, kv):
         self.kv, self.copies = kv, {}
 
+    def __getattr__(self, name):  # dtype, scales, ...: the pool's
+        return getattr(self.kv, name)
+
     def k_cache(self, layer):
         return self.copies.setdefault(("k", layer), self.kv.k_cache(layer).clone())
 

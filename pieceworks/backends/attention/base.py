@@ -44,6 +44,7 @@ class AttentionBackend(Backend):
     op = "attention"
     windows = False  # serves sliding-window layers (`ModelFacts.sliding_windows`)
     softcap = False  # serves soft-capped scores (`ModelFacts.attn_logit_softcap`)
+    fp8_kv = False  # serves an FP8 KV pool (`ModelFacts.kv_fp8`: e4m3 K/V with per-layer scales)
 
     @classmethod
     def check(cls, spec):
@@ -52,6 +53,8 @@ class AttentionBackend(Backend):
             reasons.append("no sliding-window attention (the model has windowed layers)")
         if spec.model.attn_logit_softcap and not cls.softcap:
             reasons.append("no soft-capped attention scores (the model caps them)")
+        if spec.model.kv_fp8 and not cls.fp8_kv:
+            reasons.append("no FP8 KV cache (kv_cache.dtype resolves to fp8)")
         return reasons
 
     def window(self, layer_id: int) -> int:
@@ -84,6 +87,8 @@ class AttentionBackend(Backend):
             out: [T, Hq, D] written in place; padded rows must end finite (see the module docstring).
             layer_id: index of the layer's KV buffers in `kv`.
             scale: softmax scale.
-            kv: the KV pool (`kv.k_cache(layer_id)`, `kv.v_cache(layer_id)`: [pages, page_size, Hkv, D]).
+            kv: the KV pool (`kv.k_cache(layer_id)`, `kv.v_cache(layer_id)`: [pages, page_size, Hkv, D]); an
+                FP8 pool (backends that declare `fp8_kv`) stores `core.kv.quantize_kv(k, kv.k_scale(layer_id))`
+                and likewise V, and reads them back times those scales.
         """
         raise not_implemented(self, "forward")

@@ -14,6 +14,11 @@ own, a backend of this class with its own wrappers, planned with the step (the w
 kernels run one after another on one stream). Models without windows have one lane, the backend itself. A
 windowed lane plans each sequence without the pages wholly before its window (`window_view`).
 
+An FP8 pool (`kv_fp8`) plans with `kv_data_type` float8_e4m3fn and runs every layer with its k_scale / v_scale
+(FlashInfer folds k_scale into the softmax scale and multiplies the output by v_scale). FlashInfer's fa3 kernels
+take FP8 K/V only with FP8 queries, so such a pool runs fa2 (`auto`; fa3 named is refused); with scales other than
+1.0 extend steps go through the public `run()` (FastRun's recorded call holds one layer's scale).
+
 The softmax scale reaches a backend with every `forward`, but FlashInfer takes it at plan time. It is a
 model constant: the backend plans with the last scale it was given (head_dim^-0.5 before the first
 forward) and re-plans eagerly if a forward brings another one. Graph runners run one eager warm-up
@@ -37,6 +42,7 @@ from pieceworks.backends.attention.flashinfer_fast import FastPlan, FastRun, Pla
 from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
 from pieceworks.backends.kv_write import bind_rows
 from pieceworks.core.batch import ForwardMode, GraphMode, is_replayed, to_device
+from pieceworks.core.kv import KV_FP8
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-KV partial results)
 GPU_INSTALL_HINT = "pip install 'pieceworks[gpu]'"
@@ -79,11 +85,15 @@ def resolve_decode_tensor_cores(option: bool | str, model) -> bool:
     return bool(option)
 
 
-def resolve_variant(variant: str, capability: tuple[int, int] | None) -> str:
-    """The FlashInfer variant to run: `auto` is fa3 on Hopper (sm_90), fa2 elsewhere."""
+def resolve_variant(variant: str, capability: tuple[int, int] | None, kv_fp8: bool = False) -> str:
+    """The FlashInfer variant to run: `auto` is fa3 on Hopper (sm_90), fa2 elsewhere and for an FP8 pool (fa3's
+    kernels read FP8 K/V only with FP8 queries)."""
     hopper = capability is not None and capability[0] == 9
+    if variant == "fa3" and kv_fp8:
+        raise ValueError("backends.options.flashinfer.variant=fa3: FlashInfer's fa3 kernels read an FP8 KV cache "
+                         "only with FP8 queries; use fa2 or auto (fa2), or kv_cache.dtype: model")
     if variant == "auto":
-        return "fa3" if hopper else "fa2"
+        return "fa3" if hopper and not kv_fp8 else "fa2"
     if variant == "fa3" and not hopper:
         cap = "none" if capability is None else ".".join(map(str, capability))
         raise ValueError(
@@ -206,7 +216,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                             install_hint=GPU_INSTALL_HINT)
     Options = FlashInferOptions
     description = "FlashInfer paged prefill + tensor-core decode (fa2/fa3), CUDA-graph decode wrappers"
-    windows = softcap = True
+    windows = softcap = fp8_kv = True
 
     @classmethod
     def check(cls, spec):
@@ -215,7 +225,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     def __init__(self, spec, options=None, *, window: int | None = None, root=None) -> None:
         """`window` and `root` build a lane: the backend of `root` for the layers of sliding window `window`."""
         super().__init__(spec, options)
-        self.variant = resolve_variant(self.options.variant, spec.capability)
+        self.variant = resolve_variant(self.options.variant, spec.capability, spec.model.kv_fp8)
         self.decode_tensor_cores = resolve_decode_tensor_cores(self.options.decode_tensor_cores, spec.model)
         self._sm_scale = spec.model.head_dim**-0.5
         self._workspace: torch.Tensor | None = None
@@ -268,7 +278,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     def _plan_args(self, page_size: int) -> tuple[tuple, dict]:
         """The head shape and page size, and the dtypes and scale, that FlashInfer's public plans take."""
         m = self.spec.model
-        kw = dict(q_data_type=m.dtype, kv_data_type=m.dtype, sm_scale=self._sm_scale)
+        kw = dict(q_data_type=m.dtype, kv_data_type=KV_FP8 if m.kv_fp8 else m.dtype, sm_scale=self._sm_scale)
         if self._window:
             kw["window_left"] = self._window - 1  # FlashInfer's window: the keys left of the query's own
         if m.attn_logit_softcap:
@@ -362,8 +372,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         write(slots)  # padded tokens write to the reserved page
         if padded is not None:
             padded.zero_()
-        if self._wrapper is not self._prefill:
-            self._wrapper.run(q, (kc, vc), out=out)
+        scales = {}
+        if kv.fp8 and kv.scales[layer_id] != (1.0, 1.0):
+            scales = dict(k_scale=kv.k_scale(layer_id), v_scale=kv.v_scale(layer_id))
+        if self._wrapper is not self._prefill or scales:
+            self._wrapper.run(q, (kc, vc), out=out, **scales)
         elif self._fast is not None:
             self._fast(q, kc, vc, out)
         else:
@@ -383,5 +396,5 @@ class FlashInferAttentionBackend(AttentionBackend):
         if out.shape[0] > rows:
             q_run, padded, out_run = q[:rows], out[rows:], out[:rows]
         write = bind_rows(k_rows, k.reshape(k.shape[0], -1), v_rows, v.reshape(v.shape[0], -1),
-                          self._meta.slot_mapping[: k.shape[0]])
+                          self._meta.slot_mapping[: k.shape[0]], kv.scales[layer_id])
         return (q, k, v, out, kv, rows, kc, vc, write, k.shape[0], q_run, out_run, padded)

@@ -14,6 +14,7 @@ import torch
 from pieceworks.backends.attention.base import AttentionBackend
 from pieceworks.backends.base import ALL_GRAPH_MODES
 from pieceworks.core.batch import ForwardMode, GraphMode
+from pieceworks.core.kv import KV_FP8, dequantize_kv, quantize_kv
 
 DECODE_GATHER_BYTES = 256 << 20  # float32 keys + values a decode step gathers at once
 
@@ -88,8 +89,9 @@ class TorchAttentionBackend(ReferencePlan, AttentionBackend):
     name = "torch"
     priority = 0
     graph_modes = ALL_GRAPH_MODES
-    windows = softcap = True
-    description = "reference: gathered pages, float32 softmax; serves sliding-window layers and soft-capped scores"
+    windows = softcap = fp8_kv = True
+    description = ("reference: gathered pages, float32 softmax; serves sliding-window layers, soft-capped scores "
+                   "and FP8 KV pools")
 
     def __init__(self, spec, options=None) -> None:
         super().__init__(spec, options)
@@ -102,29 +104,35 @@ class TorchAttentionBackend(ReferencePlan, AttentionBackend):
             views = self._views[layer_id] = (kv, kc, vc, kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]))
         _, kc, vc, k_rows, v_rows = views
         slots = self._slots(k.shape[0])
-        k_rows.index_copy_(0, slots, k.to(kc.dtype))
-        v_rows.index_copy_(0, slots, v.to(vc.dtype))
+        ks, vs = kv.k_scale(layer_id), kv.v_scale(layer_id)
+        if kc.dtype == KV_FP8:  # index_copy_ has no float8 kernel on the CPU: the bytes are copied
+            k_rows.view(torch.uint8).index_copy_(0, slots, quantize_kv(k, ks).view(torch.uint8))
+            v_rows.view(torch.uint8).index_copy_(0, slots, quantize_kv(v, vs).view(torch.uint8))
+        else:
+            k_rows.index_copy_(0, slots, k.to(kc.dtype))
+            v_rows.index_copy_(0, slots, v.to(vc.dtype))
         if q.shape[0] > self._num_tokens:  # padding rows: keep them finite for the next piece
             out[self._num_tokens :].zero_()
         window, cap = self.window(layer_id), self.spec.model.attn_logit_softcap
         if self._meta.mode is ForwardMode.DECODE:
-            self._decode(q, out, kc, vc, scale, window, cap)
+            self._decode(q, out, kc, vc, scale, window, cap, (ks, vs))
             return
         for prefix, seq_len, pages, rows in self._seqs:
-            keys = kc[pages].flatten(0, 1)[:seq_len]
-            vals = vc[pages].flatten(0, 1)[:seq_len]
+            keys = dequantize_kv(kc[pages].flatten(0, 1)[:seq_len], ks)
+            vals = dequantize_kv(vc[pages].flatten(0, 1)[:seq_len], vs)
             out[rows] = attend(q[rows], keys, vals, scale, prefix, window, cap).to(out.dtype)
 
-    def _decode(self, q, out, kc, vc, scale, window: int = 0, softcap: float = 0.0) -> None:
+    def _decode(self, q, out, kc, vc, scale, window: int = 0, softcap: float = 0.0,
+                scales: tuple[float, float] = (1.0, 1.0)) -> None:
         """Batched decode without host syncs: every sequence's pages gathered to the table width, in groups of
         sequences (`DECODE_GATHER_BYTES`)."""
         b = self._seq_lens.shape[0]
         per_sequence = self._meta.page_table.shape[1] * kc.shape[1] * kc.shape[2] * kc.shape[3] * 4 * 2
         group = max(1, DECODE_GATHER_BYTES // per_sequence)
         for lo in range(0, b, group):
-            self._decode_group(q, out, kc, vc, scale, window, softcap, lo, min(b, lo + group))
+            self._decode_group(q, out, kc, vc, scale, window, softcap, scales, lo, min(b, lo + group))
 
-    def _decode_group(self, q, out, kc, vc, scale, window, softcap, lo: int, hi: int) -> None:
+    def _decode_group(self, q, out, kc, vc, scale, window, softcap, scales, lo: int, hi: int) -> None:
         """`_decode` of sequences lo..hi - 1."""
         lens = self._seq_lens[lo:hi]
         b = hi - lo
@@ -140,8 +148,8 @@ class TorchAttentionBackend(ReferencePlan, AttentionBackend):
         # Slots past a sequence's length (other pages, the reserved page) may hold anything, NaN
         # included: zero them, since a masked score times a NaN value is still NaN.
         keep = valid[:, :, None, None]
-        keys = torch.where(keep, keys.float(), 0.0)
-        vals = torch.where(keep, vals.float(), 0.0)
+        keys = torch.where(keep, dequantize_kv(keys, scales[0]), 0.0)
+        vals = torch.where(keep, dequantize_kv(vals, scales[1]), 0.0)
         qf = q[lo:hi].float().view(b, hkv, hq // hkv, d)
         scores = _capped(torch.einsum("bhgd,bshd->bhgs", qf, keys) * scale, softcap)
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))

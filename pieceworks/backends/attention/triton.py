@@ -15,7 +15,8 @@ allocates the split buffers and counters, never inside a capture; sequence lengt
 step's token positions on the device (length = position + 1), so a step copies nothing for them.
 Eager decode steps share one set of split buffers, grown when a larger batch needs more (their size
 is batch x splits, and splits shrink as the batch grows). The kernel also writes the step's K/V rows
-into the cache (no separate write launch) where they come one row per sequence in the cache dtype.
+into the cache (no separate write launch) where they come one row per sequence in the cache dtype. An FP8
+pool's rows are written (quantized) by the separate write, and read as bf16 times the layer's scales.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class TritonDecodeAttentionBackend(AttentionBackend):
     forward_modes = frozenset({ForwardMode.DECODE})
     requires = Requirements(devices=("cuda",), min_capability=(8, 0), modules=("triton",),
                             install_hint="pip install triton (it comes with CUDA builds of torch)")
+    fp8_kv = True
     description = "decode only: split-KV paged GQA attention in Triton, one launch per layer"
 
     @classmethod
@@ -111,13 +113,15 @@ class TritonDecodeAttentionBackend(AttentionBackend):
         # rows: the reserved slot, as the contract says). Else the separate write first.
         fuse = (k.shape[0] == batch and k.dtype == v.dtype == kc.dtype == vc.dtype
                 and k.stride(-1) == 1 and v.stride(-1) == 1)
-        if not fuse:
+        scales = kv.k_scale(layer_id), kv.v_scale(layer_id)
+        if not fuse:  # an FP8 pool's rows are quantized by this write
             width = kc.shape[2] * kc.shape[3]
             write_rows(kc.view(-1, width), k.reshape(k.shape[0], -1), vc.view(-1, width),
-                       v.reshape(v.shape[0], -1), meta.slot_mapping[: k.shape[0]])
+                       v.reshape(v.shape[0], -1), meta.slot_mapping[: k.shape[0]], scales)
         if out.shape[0] > batch:  # padding rows: keep them finite
             out[batch:].zero_()
         triton_decode_kernel.decode(q[:batch], kc, vc, out[:batch], meta.page_table[:batch],
                                     meta.positions[:batch], scale, splits, part_o, part_lse, counters,
                                     k_new=k if fuse else None, v_new=v if fuse else None,
-                                    lens_are_positions=True, slots=meta.slot_mapping[:batch] if fuse else None)
+                                    lens_are_positions=True, slots=meta.slot_mapping[:batch] if fuse else None,
+                                    kv_scales=scales)

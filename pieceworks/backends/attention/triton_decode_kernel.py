@@ -3,7 +3,7 @@
 One program per (sequence, KV head, split): with the step's new K/V rows passed in, the split whose
 range ends at the new token first writes them into the caches; then it attends the GQA group's
 queries (padded to 16 rows for the tensor-core dots) over its split's share of the sequence,
-gathering K/V rows through the page table, with an online float32 softmax (P is rounded to the KV
+gathering K/V rows through the page table, with an online float32 softmax (P is rounded to the query
 dtype for the PV dot, as FlashInfer does). With several splits each program that has keys stores its
 normalized partial output and log-sum-exp (a short sequence leaves the last splits empty: splits
 cover whole BLOCK_N steps); the program that arrives last at the (sequence, head) counter merges the
@@ -25,7 +25,7 @@ from pieceworks.backends.fp4_gemm.triton_epilogue import publish_and_count  # th
 def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr, count_ptr,
                    kn_ptr, vn_ptr, slot_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
                    stride_vp, stride_vs, stride_vh, stride_tb, stride_knt, stride_knh, stride_vnt, stride_vnh,
-                   scale_log2, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
+                   scale_log2, v_scale, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
                    S: tl.constexpr, BLOCK_N: tl.constexpr, HKV: tl.constexpr, WRITE: tl.constexpr,
                    LENS_ARE_POSITIONS: tl.constexpr, PDL: tl.constexpr = False):
     pdl_kernels.wait(PDL)  # q and the new K/V rows come from the kernels before (pdl.py)
@@ -67,20 +67,21 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
         valid = offs < end
         page = tl.load(table + offs // PS, mask=valid, other=0).to(tl.int64)
         k_rows = page * stride_kp + (offs % PS) * stride_ks + h * stride_kh
-        k = tl.load(k_ptr + k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * scale_log2  # scores in log2 units
+        k = tl.load(k_ptr + k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
+        qk = tl.dot(q, tl.trans(k)) * scale_log2  # scores in log2 units (an FP8 pool's k_scale folded in)
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_rows = page * stride_vp + (offs % PS) * stride_vs + h * stride_vh
-        v = tl.load(v_ptr + v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     pdl_kernels.launch_dependents(PDL)  # the next kernel's launch overlaps the merge
     out_rows = out_ptr + b.to(tl.int64) * stride_ot + rows[:, None] * stride_oh + d[None, :]
     omask = (g < G)[:, None]
+    acc = acc * v_scale  # an FP8 pool's values are V / v_scale (1.0 otherwise); partials merge linearly
     if S == 1:
         tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
     else:
@@ -119,9 +120,11 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
            table: torch.Tensor, lens: torch.Tensor, scale: float, splits: int, part_o: torch.Tensor,
            part_lse: torch.Tensor, counters: torch.Tensor, block_n: int = 64, num_warps: int = 4,
            num_stages: int = 2, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-           lens_are_positions: bool = False, slots: torch.Tensor | None = None) -> None:
+           lens_are_positions: bool = False, slots: torch.Tensor | None = None,
+           kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
     """out[b] = attention of q[b] over the first lens[b] tokens of sequence b's pages.
 
+    kv_scales: (k_scale, v_scale) of an FP8 pool (float8_e4m3fn caches, read as q's dtype times them).
     k_new, v_new: [B, Hkv, D] (unit stride over D, the caches' dtype), or None: the step's new rows,
     written to the caches at slots[b] (int64 [B]: page * PS + offset; for a real row the slot of
     position lens[b] - 1) by the kernel before it reads them (saves the separate K/V write launch of
@@ -153,6 +156,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
-        scale * 1.4426950408889634, G=group, GP=gp, D=dim, PS=page_size, S=splits, BLOCK_N=block_n, HKV=hkv,
+        scale * kv_scales[0] * 1.4426950408889634, kv_scales[1], G=group, GP=gp, D=dim, PS=page_size, S=splits,
+        BLOCK_N=block_n, HKV=hkv,
         WRITE=write, LENS_ARE_POSITIONS=lens_are_positions, PDL=use_pdl,
         num_warps=num_warps, num_stages=num_stages, **launch)

@@ -23,6 +23,13 @@ if TYPE_CHECKING:
 class MLABackend(Backend):
     op = "mla"
 
+    @classmethod
+    def check(cls, spec):
+        reasons = super().check(spec)
+        if spec.model.kv_fp8:
+            reasons.append("no FP8 KV cache (MLA latents stay in the model dtype; set kv_cache.dtype: model)")
+        return reasons
+
     def plan(self, meta: "StepMetadata") -> None:
         """Prepare for one step on the host; see AttentionBackend.plan."""
 
