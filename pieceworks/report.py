@@ -32,9 +32,14 @@ def _model_facts(cfg: Config) -> tuple[ModelFacts, list[str] | None]:
         from pieceworks.models.loader import resolve_model_path
         from pieceworks.models.loader import model_facts
 
+        from pieceworks.executor.build import wants_fp8_kv
+        from pieceworks.quant.modelopt import detect_quantization
+
         model = replace(cfg.model, path=str(resolve_model_path(cfg.model.path))) if cfg.model.path else cfg.model
         facts, ops = model_facts(model, cfg.quantization, cfg.kv_cache.page_size)
-        return facts, sorted(ops)
+        quant = detect_quantization(model.path) if model.path else None
+        asks = quant is not None and quant.kv_cache_quant_algo == "FP8"
+        return replace(facts, kv_fp8=wants_fp8_kv(cfg.kv_cache.dtype, asks, facts.kv_lora_rank > 0)), sorted(ops)
     return ModelFacts(fp4=True, moe_experts=8, moe_quant="nvfp4", kv_lora_rank=512, qk_rope_head_dim=64,
                       page_size=cfg.kv_cache.page_size), None
 

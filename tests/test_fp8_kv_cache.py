@@ -137,3 +137,16 @@ def test_mla_keeps_its_latents_in_the_model_dtype_under_auto_and_refuses_fp8(tin
     assert ex.kv.dtype == torch.float32 and "no MLA backend reads FP8 latents" in caplog.text
     with pytest.raises(Exception, match=r"no FP8 KV cache \(MLA latents stay in the model dtype"):
         _executor(d, dtype="fp8")
+
+
+def test_backends_report_sees_the_pool_the_run_would_build(ckpt, tiny_deepseek_modelopt):
+    """`pieceworks backends` judges the backends against the KV dtype the executor would pick, without loading."""
+    from pieceworks.config import load_config
+    from pieceworks.report import _model_facts
+
+    def facts(path, dtype):
+        return _model_facts(load_config({"model": {"path": str(path)}, **CPU, "kv_cache": {"dtype": dtype}}))[0]
+
+    assert facts(ckpt, "auto").kv_fp8 and not facts(ckpt, "model").kv_fp8
+    mla = tiny_deepseek_modelopt.fp4_dir
+    assert not facts(mla, "auto").kv_fp8 and facts(mla, "fp8").kv_fp8

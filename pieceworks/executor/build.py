@@ -91,13 +91,18 @@ def build_executor(cls: type, cfg: Config, progress: bool, device: torch.device,
     return ex
 
 
+def wants_fp8_kv(setting: str, checkpoint_fp8: bool, mla: bool) -> bool:
+    """Whether `kv_cache.dtype` = `setting` makes an FP8 pool for a checkpoint that asks for one (or not), of an MLA
+    model (or a GQA one): see `kv_cache_dtype`."""
+    return setting == "fp8" or (setting == "auto" and checkpoint_fp8 and not mla)
+
+
 def kv_cache_dtype(setting: str, model: Any) -> torch.dtype:
     """The KV pool's dtype for `kv_cache.dtype` = `setting`: the model's (model), e4m3 (fp8), or (auto) e4m3 where
     the checkpoint asks for it and the model's otherwise. An MLA model keeps its latents in the model dtype under
     auto, with a warning where the checkpoint asked for FP8 (no MLA backend reads FP8 latents); fp8 named for it
     is refused by every MLA backend at selection."""
-    mla = model.kv_layout().kind == "mla"
-    if setting == "fp8" or (setting == "auto" and model.kv_cache_quant == "fp8" and not mla):
+    if wants_fp8_kv(setting, model.kv_cache_quant == "fp8", model.kv_layout().kind == "mla"):
         if model.kv_cache_quant == "fp8" and model.kv_scales is None:
             log.warning("the checkpoint asks for an FP8 KV cache but holds no k_scale / v_scale: scales of 1.0")
         elif model.kv_scales is None:
