@@ -474,6 +474,10 @@ def test_variant_option():
     assert resolve_variant("fa2", (9, 0)) == "fa2" and resolve_variant("auto", (8, 0)) == "fa2"
     with pytest.raises(ValueError, match="fa3 needs a Hopper"):
         resolve_variant("fa3", (10, 0))
+    # an FP8 KV cache: fa3 reads one only with FP8 queries, so auto is fa2 and fa3 named is refused
+    assert resolve_variant("auto", (9, 0), kv_fp8=True) == "fa2"
+    with pytest.raises(ValueError, match="fa3 kernels read an FP8 KV cache only with FP8 queries"):
+        resolve_variant("fa3", (9, 0), kv_fp8=True)
     with pytest.raises(ValueError, match="use auto, fa2 or fa3"):
         FlashInferOptions(variant="fa4")
     with pytest.raises(ValueError, match="decode_tensor_cores"):
@@ -642,6 +646,10 @@ def test_triton_decode_attention_splits_and_reasons():
     bad = " ".join(TritonDecodeAttentionBackend.check(BackendSpec(**cuda, model=replace(ok, head_dim=96, num_kv_heads=5))))
     assert "head_dim" in bad and "multiple" in bad
     assert "device cuda" in " ".join(TritonDecodeAttentionBackend.check(BackendSpec(device="cpu", model=ok)))
+    fp8 = replace(ok, kv_fp8=True)  # Triton's e4m3 type: sm_89 and newer
+    assert TritonDecodeAttentionBackend.check(BackendSpec(**cuda, model=fp8)) == []
+    ampere = TritonDecodeAttentionBackend.check(BackendSpec(**{**cuda, "capability": (8, 0)}, model=fp8))
+    assert ampere == ["reads an FP8 KV cache through Triton's e4m3 type, which needs sm_89 or newer"]
 
 
 def test_triton_decode_attention_plan_buffers():
@@ -706,6 +714,32 @@ def test_attention_forward_keeps_views_of_replayed_tensors_only():
         assert backend._bound[0][0] is replayed[0] and backend._bound[0][5] == (2 if fresh else rows)
         kept.append(backend._bound[0])
     assert kept[0] is kept[1] and kept[2] is not kept[1] and kept[3] is kept[2]  # rebuilt only for new rows
+
+
+def test_attention_forward_on_an_fp8_pool_quantizes_and_passes_each_layers_scales():
+    """An FP8 pool: plans name e4m3 K/V (fa2 under auto), the step's K/V are stored as quantize_kv with the
+    layer's scales, and run() gets that layer's k_scale / v_scale (none where they are 1.0: FastRun's case)."""
+    from types import SimpleNamespace
+
+    from pieceworks.core.kv import KV_FP8, KVLayout, quantize_kv
+    from pieceworks.executor.kv_cache import KVPool
+
+    spec = BackendSpec(device="cuda", capability=(9, 0), model=replace(LLAMA, kv_fp8=True),
+                       modules=frozenset({"flashinfer"}))
+    backend = FlashInferAttentionBackend(spec)
+    assert backend.variant == "fa2" and backend._plan_args(16)[1]["kv_data_type"] == KV_FP8
+    pool = KVPool(KVLayout("gqa", 2, 8, 128), 4, 16, KV_FP8, "cpu", scales=[(0.5, 0.25), (1.0, 1.0)])
+    calls = []
+    backend._wrapper = SimpleNamespace(run=lambda q, kv_caches, out, **kw: calls.append(kw) or out.copy_(q))
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(2, 32, 128, generator=gen), torch.randn(2, 8, 128, generator=gen), torch.randn(2, 8, 128)
+    backend._meta, backend._rows = SimpleNamespace(slot_mapping=torch.tensor([5, 6])), 2
+    for layer, (ks, vs) in enumerate(pool.scales):
+        backend.forward(q, k, v, torch.empty_like(q), layer, LLAMA.head_dim**-0.5, pool)
+        assert calls[-1] == ({} if (ks, vs) == (1.0, 1.0) else {"k_scale": ks, "v_scale": vs})
+        stored_k, stored_v = pool.k_cache(layer).view(-1, 8, 128)[5:7], pool.v_cache(layer).view(-1, 8, 128)[5:7]
+        assert torch.equal(stored_k.view(torch.uint8), quantize_kv(k, ks).view(torch.uint8))
+        assert torch.equal(stored_v.view(torch.uint8), quantize_kv(v, vs).view(torch.uint8))
 
 
 def test_mla_auto_variant_takes_fa2_where_fa3_lacks_the_latent_width():
