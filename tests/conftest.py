@@ -40,6 +40,12 @@ def tiny_llama_modelopt(fixture_cache: Path) -> modelopt_export.ExportedModel:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_fp8kv_modelopt(fixture_cache: Path) -> modelopt_export.ExportedModel:
+    """The tiny Llama exported by ModelOpt with NVFP4 weights and its FP8 KV cache (k_scale / v_scale per layer)."""
+    return modelopt_export.build_tiny_llama(fixture_cache, kv_fp8=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_tied_llama_modelopt(fixture_cache: Path) -> modelopt_export.ExportedModel:
     """The tiny Llama with tie_word_embeddings=True (no lm_head tensor; ModelOpt still lists lm_head)."""
     return modelopt_export.build_tiny_llama(fixture_cache, tie_word_embeddings=True)

@@ -79,6 +79,24 @@ def test_modelopt_fp8_kv_checkpoint_serves_from_an_fp8_pool_with_its_scales(ckpt
     assert 0 < diff < 0.1 * whole.abs().max()
 
 
+def test_modelopt_own_fp8_kv_export_loads_its_scales(tiny_llama_fp8kv_modelopt):
+    """ModelOpt's export with its FP8 KV cache (hf_quant_config kv_cache_quant_algo FP8, config.json kv_cache_scheme
+    float 8-bit, calibrated k_proj.k_scale / v_proj.v_scale per layer): the pool is e4m3 with exactly those scales,
+    every tensor is read (no unused one), and chunked steps agree with one prefill."""
+    d = tiny_llama_fp8kv_modelopt.fp4_dir
+    tensors = load_file(d / "model.safetensors")
+    want = [(float(tensors[f"model.layers.{i}.self_attn.k_proj.k_scale"]),
+             float(tensors[f"model.layers.{i}.self_attn.v_proj.v_scale"])) for i in range(_num_layers(d))]
+    assert all(0 < k < 1 and 0 < v < 1 and (k, v) != (1.0, 1.0) for k, v in want)  # calibrated amax / 448
+    ex = _executor(d)
+    assert ex.kv.dtype == KV_FP8 and ex.kv.scales == want
+    prompt = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(2)).tolist()
+    seq = ex.new_sequence()
+    first = ex.forward(ForwardBatch([seq], [prompt[:5]], return_all_logits=True))
+    rest = ex.forward(ForwardBatch([seq], [prompt[5:]], return_all_logits=True))
+    torch.testing.assert_close(torch.cat([first, rest]), ex.score([prompt])[0], rtol=1e-5, atol=1e-5)
+
+
 def test_fp8_kv_checkpoint_without_scales_runs_at_scale_one_and_says_so(ckpt, caplog):
     _edit_tensors_drop(ckpt, ("k_scale", "v_scale"))
     with caplog.at_level(logging.WARNING, logger="pieceworks.executor"):

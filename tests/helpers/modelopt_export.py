@@ -112,7 +112,8 @@ def _calibrate(model: torch.nn.Module, vocab_size: int, seed: int) -> None:
             model(input_ids=ids)
 
 
-def _build(builder: str, make_model, vocab_size: int, params: dict, seed: int, cache_root: Path):
+def _build(builder: str, make_model, vocab_size: int, params: dict, seed: int, cache_root: Path,
+           kv_fp8: bool = False):
     key = cache_key(builder, params, seed)
     out = Path(cache_root) / f"{builder}-{key}"
     result = ExportedModel(out / "bf16", out / "fp4", dict(params), seed)
@@ -132,7 +133,10 @@ def _build(builder: str, make_model, vocab_size: int, params: dict, seed: int, c
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, lambda m: _calibrate(m, vocab_size, seed))
+            cfg = mtq.NVFP4_DEFAULT_CFG
+            if kv_fp8:  # ModelOpt's FP8 KV cache on top: K/V quantizers calibrated in the attention, exported
+                cfg = {**cfg, "quant_cfg": list(cfg["quant_cfg"]) + list(mtq.FP8_KV_CFG["quant_cfg"])}
+            mtq.quantize(model, cfg, lambda m: _calibrate(m, vocab_size, seed))
             with torch.no_grad():
                 # dtype given explicitly: ModelOpt 0.47 reads `config.torch_dtype`, which
                 # transformers 5 may hold as the string "bfloat16" (then `.to(dtype)` fails).
@@ -147,8 +151,10 @@ def _build(builder: str, make_model, vocab_size: int, params: dict, seed: int, c
     return result
 
 
-def build_tiny_llama(cache_root: Path = DEFAULT_CACHE_ROOT, seed: int = 0, **overrides) -> ExportedModel:
-    """A random `LlamaForCausalLM` (bf16) and its ModelOpt NVFP4 export."""
+def build_tiny_llama(cache_root: Path = DEFAULT_CACHE_ROOT, seed: int = 0, kv_fp8: bool = False,
+                     **overrides) -> ExportedModel:
+    """A random `LlamaForCausalLM` (bf16) and its ModelOpt NVFP4 export (`kv_fp8`: with ModelOpt's FP8 KV cache,
+    `kv_cache_quant_algo: FP8` and each layer's calibrated `k_proj.k_scale` / `v_proj.v_scale`)."""
     params = {**LLAMA_PARAMS, **overrides}
 
     def make():
@@ -158,7 +164,7 @@ def build_tiny_llama(cache_root: Path = DEFAULT_CACHE_ROOT, seed: int = 0, **ove
         config.architectures = ["LlamaForCausalLM"]
         return LlamaForCausalLM(config).to(torch.bfloat16)
 
-    return _build("llama", make, params["vocab_size"], params, seed, cache_root)
+    return _build("llama-fp8kv" if kv_fp8 else "llama", make, params["vocab_size"], params, seed, cache_root, kv_fp8)
 
 
 def build_tiny_deepseek(
