@@ -58,6 +58,20 @@ def test_quantize_kv_saturates_and_rounds_to_e4m3():
     assert dequantize_kv(q, 0.5).tolist() == [1.0, -224.0, 224.0, 0.3125, 0.0]  # 2.0, -448, 448, 0.625 (e4m3), 0
 
 
+def test_quantize_kv_equals_modelopt_e4m3_fake_quantization():
+    """What a pool stores and reads back equals ModelOpt's FP8 KV quantizer (num_bits (4, 3), per tensor) with
+    amax = 448 x scale, the calibration its exported k_scale / v_scale come from: values past amax saturate."""
+    from modelopt.torch.quantization.config import QuantizerAttributeConfig
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 3
+    quantizer = TensorQuantizer(QuantizerAttributeConfig(num_bits=(4, 3), axis=None))
+    quantizer.amax = torch.tensor(5.0)
+    assert (x.abs() > 5.0).any()
+    scale = 5.0 / 448
+    assert torch.equal(dequantize_kv(quantize_kv(x, scale), scale), quantizer(x))
+
+
 def test_modelopt_fp8_kv_checkpoint_serves_from_an_fp8_pool_with_its_scales(ckpt):
     assert detect_quantization(ckpt).kv_cache_quant_algo == "FP8"
     ex = _executor(ckpt)
