@@ -222,9 +222,11 @@ def reference():
     # EXAONE 4's post-norm blocks, per-head q/k norms, 4-token windows in 3 of 4 layers, the full one without rope
     ["model.sizes.num_key_value_heads=2", "model.sizes.model_type=exaone4", "model.sizes.sliding_window=4",
      "model.sizes.num_hidden_layers=4"],
+    # an FP8 KV pool on every rank (each its KV heads' share, the same per-layer scales)
+    ["model.sizes.num_key_value_heads=2", "kv_cache.dtype=fp8"],
 ], ids=["kv1-piecewise", "kv4-tied-eager", "kv1-qwen2", "kv4-qwen3", "kv4-qwen3-moe", "kv4-qwen3-moe-ep",
         "kv4-qwen2-moe", "kv4-qwen2-moe-ep", "kv2-granite-partial-rope", "kv2-glm4", "kv2-glm4-moe",
-        "kv2-glm4-moe-ep", "kv2-ernie-moe", "kv2-ernie-moe-ep", "kv2-gemma3", "kv2-exaone4"])
+        "kv2-glm4-moe-ep", "kv2-ernie-moe", "kv2-ernie-moe-ep", "kv2-gemma3", "kv2-exaone4", "kv2-fp8-kv"])
 def test_llama_tp2_equals_one_process(reference, extra):
     with Executor.from_config(None, LLAMA + extra + TP2, progress=False) as ex:
         assert ex.kv.layout.num_kv_heads == max(1, int(extra[0][-1]) // 2)
