@@ -4,6 +4,7 @@
     python benchmarks/triton_decode_attention.py --sweep --shapes 1x512,32x4096   # launch variants
     python benchmarks/triton_decode_attention.py --write   # as the backend calls it: the kernel writes
                                                            # the step's K/V rows (positions as lengths)
+    python benchmarks/triton_decode_attention.py --kv fp8  # an FP8 pool (e4m3 K/V, scales folded in)
 
 --sweep times, per batch x context, the kernel with other split counts, keys per loop step (block_n)
 and pipeline stages than the backend uses (same kernel, same results), to tune `num_splits` and the
@@ -24,12 +25,17 @@ from common import graph_time, ints
 HQ, HKV, D, PS, LAYERS = 32, 8, 128, 16, 32
 
 
+FP8_SCALES = (0.0125, 0.01)
+
+
 def setup(batch: int, context: int, max_splits: int):
     gen = torch.Generator("cuda").manual_seed(batch)
     width = -(-context // PS)
     pages = batch * width + 1
-    caches = [(torch.randn(pages, PS, HKV, D, device="cuda", generator=gen).bfloat16(),
-               torch.randn(pages, PS, HKV, D, device="cuda", generator=gen).bfloat16()) for _ in range(LAYERS)]
+    store = (lambda x, s: x.bfloat16()) if KV == "bf16" else quantize_kv
+    caches = [(store(torch.randn(pages, PS, HKV, D, device="cuda", generator=gen), FP8_SCALES[0]),
+               store(torch.randn(pages, PS, HKV, D, device="cuda", generator=gen), FP8_SCALES[1]))
+              for _ in range(LAYERS)]
     table = (torch.arange(batch * width, device="cuda") + 1).view(batch, width).int()
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, HQ, D, device="cuda", generator=gen).bfloat16()
@@ -48,6 +54,8 @@ def time_variant(state, splits: int, write: bool = False, **launch) -> float:
     if write:  # the backend's call: new K/V rows passed in, lengths as the new tokens' positions
         launch = dict(launch, k_new=kv_new[0], v_new=kv_new[1], lens_are_positions=True, slots=slots)
         lens = positions
+    if KV == "fp8":
+        launch = dict(launch, kv_scales=FP8_SCALES)
     return graph_time(lambda i: tk.decode(q, *caches[i], out, table, lens, scale, splits, *parts, **launch),
                       LAYERS) * 1e6
 
@@ -80,16 +88,23 @@ def main() -> None:
     p.add_argument("--write", action="store_true", help="the kernel also writes the step's K/V rows (as the "
                    "backend calls it)")
     p.add_argument("--shapes", default="1x512,8x512,32x512,32x4096", help="batch x context, for --sweep")
+    p.add_argument("--kv", choices=("bf16", "fp8"), default="bf16", help="the pool's dtype (fp8: e4m3 K/V with "
+                   "scales, as kv_cache.dtype: fp8 stores them; the K/V write then runs apart, as in the backend)")
     args = p.parse_args()
-    global tk, num_splits  # triton is imported once the arguments are read: --help needs none
+    global tk, num_splits, quantize_kv, KV  # triton is imported once the arguments are read: --help needs none
     from pieceworks.backends.attention import triton_decode_kernel as tk
     from pieceworks.backends.attention.triton import num_splits
+    from pieceworks.core.kv import quantize_kv
+
+    KV = args.kv
+    if KV == "fp8" and args.write:
+        p.error("--write: the kernel writes K/V rows of the cache dtype only; an FP8 pool's are written apart")
 
     if args.sweep:
         sweep([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")])
         return
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; context {args.context}, "
-          f"{HQ}/{HKV} heads, head_dim {D}, page size {PS}{', K/V write fused' if args.write else ''}")
+          f"{HQ}/{HKV} heads, head_dim {D}, page size {PS}, {KV} K/V{', K/V write fused' if args.write else ''}")
     print("| batch | splits | us per call |\n|---:|---:|---:|")
     for b in ints(args.batches):
         splits = num_splits(b, HKV)

@@ -208,7 +208,9 @@ def test_graphs_match_eager_fp8_kv(attention, monkeypatch):
     with eager(build("llama-nvfp4", FP8_ATTENTION[attention])) as ref:
         errs = [rel(a, b) for a, b in zip(fp8, run(ref, steps))]
     print(f"fp8 / model-dtype pool, relative logit error per step: {errs}")
-    assert max(errs) < 0.1, errs
+    # e4m3 rounding of K/V (3 mantissa bits) moves these random-weight logits by 0.07-0.11 (H100, torch
+    # reference); a scale left out or applied twice moves scores or outputs by factors of 10-25
+    assert max(errs) < 0.2, errs
 
 
 def test_graphs_match_eager_cuda_moe_and_gemm():
