@@ -48,11 +48,11 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(flat(a), flat(b))
 
 
-def _amax(model_dir, batches, dtype="auto") -> dict[str, float]:
+def _amax(model_dir, batches, dtype="auto", kv_amax=None) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, experts_implementation="eager")
-    return calibrate_input_amax(model, batches)
+    return calibrate_input_amax(model, batches, kv_amax)
 
 
 # --- reading -------------------------------------------------------------------------------------
@@ -175,6 +175,28 @@ def test_quantizer_matches_modelopt_export_exactly(export, tmp_path):
     assert ours_cfg == ref_cfg
 
 
+def test_quantizer_fp8_kv_cache_matches_modelopt_export_exactly(tiny_llama_fp8kv_modelopt, tmp_path):
+    """`--kv-cache fp8` against ModelOpt's NVFP4 + FP8_KV_CFG export of the same weights and batches: every tensor
+    (k_proj.k_scale / v_proj.v_scale included) and both config files (kv_cache_quant_algo, kv_cache_scheme)."""
+    export, kv_amax = tiny_llama_fp8kv_modelopt, {}
+    amax = _amax(export.bf16_dir, export.calibration_batches(), kv_amax=kv_amax)
+    assert sorted(kv_amax) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    assert "get_interface" not in vars(ALL_ATTENTION_FUNCTIONS)  # the calibration's spy is gone
+    out = quantize_checkpoint(export.bf16_dir, tmp_path / "q", input_amax=amax, kv_cache="fp8", kv_amax=kv_amax,
+                              progress=False)
+    _assert_same_checkpoint(out, export.fp4_dir)
+    ref = json.loads((export.fp4_dir / "hf_quant_config.json").read_text())["quantization"]
+    assert json.loads((out / "hf_quant_config.json").read_text())["quantization"] == ref
+    ours_cfg, ref_cfg = (json.loads((d / "config.json").read_text())["quantization_config"]
+                         for d in (out, export.fp4_dir))
+    ours_cfg.pop("producer"), ref_cfg.pop("producer")
+    assert ours_cfg == ref_cfg and ref_cfg["kv_cache_scheme"]["num_bits"] == 8
+    with pytest.raises(ValueError, match="--kv-cache fp8 needs calibration"):
+        quantize_checkpoint(export.bf16_dir, tmp_path / "fixed", amax=12.0, kv_cache="fp8", progress=False)
+
+
 def test_quantizer_fixed_amax(tiny_deepseek_modelopt, tmp_path):
     out = quantize_checkpoint(tiny_deepseek_modelopt.bf16_dir, tmp_path / "q", amax=12.0, progress=False)
     _assert_same_checkpoint(out, tiny_deepseek_modelopt.fp4_dir, skip_suffix=".input_scale")
@@ -184,14 +206,11 @@ def test_quantizer_fixed_amax(tiny_deepseek_modelopt, tmp_path):
         assert torch.equal(reader.get(f"{m}.input_scale"), expected), m
 
 
-def test_quantizer_calibrates_over_text_and_cli_writes_shards(tiny_llama_modelopt, tmp_path):
+def _with_word_tokenizer(src, tmp_path):
+    """A word-level tokenizer saved into `src`, and a calibration text over its words: (tokenizer, text file)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from pieceworks.quant import cli
-
-    src = tmp_path / "src"
-    shutil.copytree(tiny_llama_modelopt.bf16_dir, src)
     words = [f"w{i}" for i in range(200)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", "<s>"] + words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -199,14 +218,23 @@ def test_quantizer_calibrates_over_text_and_cli_writes_shards(tiny_llama_modelop
     tokenizer.save_pretrained(src)
     text = tmp_path / "calib.txt"
     text.write_text(" ".join(words[(7 * i) % 200] for i in range(1500)))
+    return tokenizer, text
+
+
+def _cli(*argv) -> int:
+    from pieceworks.quant import cli
 
     parser = argparse.ArgumentParser()
     cli.register(parser.add_subparsers())
-    args = parser.parse_args(
-        ["quantize", str(src), str(tmp_path / "q"), "--calib-text", str(text)]
-        + ["--max-shard-size", "40KB", "--no-progress"]
-    )
-    assert args.func(args) == 0
+    args = parser.parse_args(["quantize", *map(str, argv)])
+    return args.func(args)
+
+
+def test_quantizer_calibrates_over_text_and_cli_writes_shards(tiny_llama_modelopt, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_llama_modelopt.bf16_dir, src)
+    tokenizer, text = _with_word_tokenizer(src, tmp_path)
+    assert _cli(src, tmp_path / "q", "--calib-text", text, "--max-shard-size", "40KB", "--no-progress") == 0
     out = tmp_path / "q"
     assert (out / "model.safetensors.index.json").exists() and not (out / "model.safetensors").exists()
     assert (out / "tokenizer.json").exists()
@@ -218,6 +246,33 @@ def test_quantizer_calibrates_over_text_and_cli_writes_shards(tiny_llama_modelop
     reader = CheckpointReader(out)
     for m in _quantized_modules(reader):
         assert torch.equal(reader.get(f"{m}.input_scale"), torch.tensor(amax[m]) / (6 * 448)), m
+
+
+def test_quantize_cli_kv_cache_fp8_calibrates_kv_scales_over_text(tiny_llama_modelopt, tiny_deepseek_modelopt,
+                                                                   tmp_path):
+    """`pieceworks quantize --kv-cache fp8`: each layer's k_scale / v_scale is the keys' / values' amax over the
+    text / 448, and pieceworks serves the result from an e4m3 pool with them; MLA models are refused."""
+    from pieceworks import Executor
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_llama_modelopt.bf16_dir, src)
+    tokenizer, text = _with_word_tokenizer(src, tmp_path)
+    assert _cli(src, tmp_path / "q", "--calib-text", text, "--kv-cache", "fp8", "--no-progress") == 0
+    kv_amax = {}
+    dtype = "auto" if torch.cuda.is_available() else torch.float32
+    _amax(src, text_batches(tokenizer, text.read_text(), tiny_llama_modelopt.params["max_position_embeddings"]),
+          dtype, kv_amax)
+    reader = CheckpointReader(tmp_path / "q")
+    want = []
+    for layer, (k, v) in sorted(kv_amax.items()):
+        for name, a in ((f"{layer}.k_proj.k_scale", k), (f"{layer}.v_proj.v_scale", v)):
+            assert torch.equal(reader.get(name), torch.tensor(a) / 448), name
+        want.append((float(torch.tensor(k) / 448), float(torch.tensor(v) / 448)))
+    ex = Executor.from_config({"model": {"path": str(tmp_path / "q")}, "runtime": {"device": "cpu"},
+                               "kv_cache": {"num_tokens": 64}}, progress=False)
+    assert ex.kv.dtype == torch.float8_e4m3fn and ex.kv.scales == want
+    with pytest.raises(ValueError, match="MLA attention"):
+        _cli(tiny_deepseek_modelopt.bf16_dir, tmp_path / "ds", "--calib-text", text, "--kv-cache", "fp8")
 
 
 def test_exclude_list_is_summarized_as_modelopt_does():

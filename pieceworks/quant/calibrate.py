@@ -63,12 +63,16 @@ class _ExpertSpy(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def calibrate_input_amax(model: torch.nn.Module, batches: Iterable[torch.Tensor]) -> dict[str, float]:
+def calibrate_input_amax(model: torch.nn.Module, batches: Iterable[torch.Tensor],
+                         kv_amax: dict[str, tuple[float, float]] | None = None) -> dict[str, float]:
     """Run `model(input_ids=batch)` over `batches` and collect every linear's input amax.
 
     Args:
         model: a `transformers` causal LM (unquantized; eval mode is set here).
         batches: int64 token-id tensors [B, T].
+        kv_amax: filled, where given, with {attention module's checkpoint name: (max |key|, max |value|)} over
+            the keys and values its attention function is called with (roped, as a KV cache holds them), as
+            ModelOpt's FP8 KV quantizers calibrate them.
 
     Returns:
         {checkpoint module name: amax} (e.g. `model.layers.0.self_attn.q_proj`; fused experts
@@ -94,6 +98,10 @@ def calibrate_input_amax(model: torch.nn.Module, batches: Iterable[torch.Tensor]
             spies.append((name, module, spy))
             handles.append(module.register_forward_pre_hook(spy.enter_hook))
             handles.append(module.register_forward_hook(spy.exit_hook, always_call=True))
+    if kv_amax is not None:
+        names = {id(m): n for n, m in model.named_modules()}
+        handles.append(_AttentionSpy(lambda module, k, v: (note(f"{names[id(module)]}#k", k),
+                                                             note(f"{names[id(module)]}#v", v))))
     model.eval()
     device = next(model.parameters()).device
     # Logits for the last position only: lm_head is never quantized, and on a CPU the full-vocabulary
@@ -108,6 +116,8 @@ def calibrate_input_amax(model: torch.nn.Module, batches: Iterable[torch.Tensor]
             h.remove()
     out = {name: float(v) for name, v in amax.items() if "#" not in name}
     rename = _CHECKPOINT_NAMES.get(getattr(getattr(model, "config", None), "model_type", None), lambda n: n)
+    if kv_amax is not None:
+        kv_amax.update({rename(n[:-2]): (float(amax[n]), float(amax[n[:-2] + "#v"])) for n in amax if n.endswith("#k")})
     for name, module, spy in spies:
         if spy.calls == 0:
             raise ValueError(
@@ -119,6 +129,32 @@ def calibrate_input_amax(model: torch.nn.Module, batches: Iterable[torch.Tensor]
                 if f"{name}#{kind}" in amax:
                     out[f"{name}.{e}.{proj}"] = float(amax[f"{name}#{kind}"])
     return {rename(name): v for name, v in out.items()}
+
+
+class _AttentionSpy:
+    """While installed, every attention function transformers' attention modules look up
+    (`ALL_ATTENTION_FUNCTIONS.get_interface`, the eager default included) first shows `seen(module, key, value)`
+    the keys and values it is called with; `remove()` takes it away (a hook handle's interface)."""
+
+    def __init__(self, seen) -> None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        self.interfaces = ALL_ATTENTION_FUNCTIONS
+        lookup = type(ALL_ATTENTION_FUNCTIONS).get_interface
+
+        def get_interface(attn_implementation, default):
+            fn = lookup(ALL_ATTENTION_FUNCTIONS, attn_implementation, default)
+
+            def spied(module, query, key, value, *args, **kwargs):
+                seen(module, key, value)
+                return fn(module, query, key, value, *args, **kwargs)
+
+            return spied
+
+        ALL_ATTENTION_FUNCTIONS.get_interface = get_interface
+
+    def remove(self) -> None:
+        self.interfaces.__dict__.pop("get_interface", None)
 
 
 def _released_multimodal_name(name: str) -> str:
@@ -146,6 +182,7 @@ def text_batches(tokenizer, text: str, seq_len: int) -> list[torch.Tensor]:
 def calibrate_from_text(
     model_dir: str | Path, text_file: str | Path, *, seq_len: int = 512, device: str | None = None,
     check_weight: Callable[[str, torch.Tensor], None] | None = None,
+    kv_amax: dict[str, tuple[float, float]] | None = None,
 ) -> dict[str, float]:
     """Load the bf16 model and its tokenizer from `model_dir` and calibrate over `text_file`.
 
@@ -155,7 +192,7 @@ def calibrate_from_text(
     quantizer's checks, so that a bad weight is named before minutes of calibration, not after).
 
     Returns:
-        as `calibrate_input_amax`.
+        as `calibrate_input_amax` (and `kv_amax` filled as it fills it).
 
     Raises:
         ValueError: transformers is missing (`pip install 'pieceworks[demo]'`), the text file is
@@ -211,4 +248,4 @@ def calibrate_from_text(
             check_weight(name, p)
     seq_len = min(seq_len, getattr(model.config, "max_position_embeddings", None) or seq_len)
     batches = text_batches(tokenizer, text, seq_len)
-    return calibrate_input_amax(model, batches)
+    return calibrate_input_amax(model, batches, kv_amax)

@@ -56,6 +56,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         metavar="PATTERN",
         help="module-name patterns (fnmatch) to keep unquantized, besides lm_head, embeddings and MoE routers",
     )
+    p.add_argument("--kv-cache", choices=("fp8",), help="also calibrate an FP8 KV cache: each attention layer's "
+                   "k_scale / v_scale from the keys' and values' amax over the calibration text, as ModelOpt's "
+                   "FP8_KV_CFG exports them (kv_cache.dtype: auto then serves e4m3 K/V)")
     p.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="shard size cap (default 5GB)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -82,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         exclude=args.exclude,
         progress=not args.no_progress,
         max_shard_bytes=parse_size(args.max_shard_size),
+        kv_cache=args.kv_cache,
     )
     print(f"wrote NVFP4 checkpoint to {out}")
     return 0

@@ -50,13 +50,14 @@ def summarize_exclude(unquantized: Iterable[str], quantized: Iterable[str]) -> l
     return sorted(summary)
 
 
-def hf_quant_config(exclude_modules: list[str], producer: dict) -> dict:
-    """The `hf_quant_config.json` object for an NVFP4 checkpoint."""
+def hf_quant_config(exclude_modules: list[str], producer: dict, kv_cache_quant_algo: str | None = None) -> dict:
+    """The `hf_quant_config.json` object for an NVFP4 checkpoint (with an FP8 KV cache: `kv_cache_quant_algo`
+    "FP8")."""
     return {
         "producer": producer,
         "quantization": {
             "quant_algo": "NVFP4",
-            "kv_cache_quant_algo": None,
+            "kv_cache_quant_algo": kv_cache_quant_algo,
             "group_size": BLOCK,
             "exclude_modules": list(exclude_modules),
         },
@@ -67,6 +68,7 @@ def quantization_config(hf: dict) -> dict:
     """config.json's `quantization_config` for an `hf_quant_config` (ModelOpt's conversion)."""
     q = hf["quantization"]
     gs = q["group_size"]
+    kv = {"kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"}} if q["kv_cache_quant_algo"] else {}
     return {
         "config_groups": {
             "group_0": {
@@ -77,6 +79,7 @@ def quantization_config(hf: dict) -> dict:
         },
         "ignore": list(q["exclude_modules"]),
         "quant_algo": q["quant_algo"],
+        **kv,
         "producer": hf["producer"],
         "quant_method": "modelopt",
     }

@@ -217,6 +217,8 @@ def quantize_checkpoint(
     progress: bool = True,
     input_amax: Mapping[str, float] | None = None,
     max_shard_bytes: int = 5 * 2**30,
+    kv_cache: str | None = None,
+    kv_amax: Mapping[str, tuple[float, float]] | None = None,
 ) -> Path:
     """Quantize the checkpoint in `src_dir` to NVFP4 and write it to `dst_dir` (ModelOpt format).
 
@@ -231,6 +233,11 @@ def quantize_checkpoint(
         progress: show a progress bar.
         input_amax: per-module activation amax instead (as `calibrate_input_amax` returns).
         max_shard_bytes: shard size cap.
+        kv_cache: "fp8": an FP8 KV cache as ModelOpt's FP8_KV_CFG exports it (`kv_cache_quant_algo: FP8`, each
+            attention layer's `k_proj.k_scale` / `v_proj.v_scale` = the calibrated max |key| / 448 and
+            max |value| / 448); needs calibration (calib_text, or kv_amax with input_amax). GQA attention only.
+        kv_amax: {attention module: (max |key|, max |value|)} instead of calibrating (as `calibrate_input_amax`
+            fills it).
 
     Returns:
         dst_dir as a Path.
@@ -252,8 +259,16 @@ def quantize_checkpoint(
         raise ValueError("give exactly one activation source: --calib-text FILE or --amax X")
     if amax is not None and not (0 < float(amax) <= torch.finfo(torch.float32).max):
         raise ValueError(f"--amax must be a positive number float32 holds (<= 3.4e38), got {amax}")
+    if kv_cache not in (None, "fp8"):
+        raise ValueError(f"--kv-cache {kv_cache!r}: use fp8 (or leave it out: the KV cache in the model dtype)")
+    if kv_cache and calib_text is None and kv_amax is None:
+        raise ValueError("--kv-cache fp8 needs calibration (--calib-text FILE): each layer's K/V scale comes from "
+                         "the keys' and values' amax over a text, which a fixed --amax does not give")
     reader = CheckpointReader(src)
     config = check_dirs(src, dst, reader)
+    if kv_cache and config.get("kv_lora_rank"):
+        raise ValueError(f"{src}: --kv-cache fp8: this model has MLA attention (kv_lora_rank), whose latent cache "
+                         "pieceworks keeps in the model dtype; leave --kv-cache out")
     patterns = list(DEFAULT_EXCLUDE) + _mtp_patterns(config, reader) + list(exclude or [])
     linears, unquantized = _plan(reader, patterns)
     _check_patterns(exclude or [], [lin.module for lin in linears.values()] + unquantized, src)
@@ -275,6 +290,8 @@ def quantize_checkpoint(
             TensorSpec(f"{lin.module}.weight_scale_2", torch.float32, ()),
             TensorSpec(f"{lin.module}.input_scale", torch.float32, ()),
         ]
+    kv_layers = _attention_layers(linears) if kv_cache else []
+    specs += [TensorSpec(f"{a}.{p}_proj.{p}_scale", torch.float32, ()) for a in kv_layers for p in "kv"]
     copied = copied_files(src)
     staging = Staging(dst)  # written there, renamed to dst when complete
     others = staging.clear_stale()  # killed runs' staging directories: before counting free space
@@ -282,8 +299,11 @@ def quantize_checkpoint(
     if calib_text is not None:
         from pieceworks.quant.calibrate import calibrate_from_text
 
-        input_amax = calibrate_from_text(src, calib_text, check_weight=lambda name, t: check_finite(src, name, t))
+        kv_amax = {} if kv_cache else None
+        input_amax = calibrate_from_text(src, calib_text, check_weight=lambda name, t: check_finite(src, name, t),
+                                         kv_amax=kv_amax)
     in_amax = _input_amax(linears, groups, amax, input_amax)
+    kv_scales = _kv_scales(kv_layers, kv_amax) if kv_cache else {}
 
     staging.create()
     writer = None
@@ -310,7 +330,10 @@ def quantize_checkpoint(
                     writer.write(f"{lin.module}.input_scale", amax_t / (nvfp4.E2M1_MAX * nvfp4.E4M3_MAX))
                 bar.advance(task, t.numel() * t.element_size())
                 del t
-        _write_configs(staging.path, config, unquantized, [lin.module for lin in linears.values()], copied)
+            for name, scale in kv_scales.items():
+                writer.write(name, scale)
+        _write_configs(staging.path, config, unquantized, [lin.module for lin in linears.values()], copied,
+                       "FP8" if kv_cache else None)
         writer.close()  # renames the weight files from their partial names, once every tensor is written
         staging.publish()  # one rename: dst appears complete, or not at all
     except BaseException as e:
@@ -350,11 +373,34 @@ def _group_scales(src: Path, reader: CheckpointReader, groups, bar) -> dict[str,
     return out
 
 
-def _write_configs(dst: Path, config: dict, unquantized: list[str], quantized: list[str], copied: list[Path]) -> None:
+def _attention_layers(linears: dict[str, "_Linear"]) -> list[str]:
+    """The attention modules whose k_proj and v_proj are quantized linears (where an FP8 KV cache's scales go)."""
+    modules = {lin.module for lin in linears.values()}
+    return sorted({m.rsplit(".", 1)[0] for m in modules if m.endswith(".k_proj")
+                   and m.rsplit(".", 1)[0] + ".v_proj" in modules})
+
+
+def _kv_scales(layers: list[str], kv_amax: Mapping[str, tuple[float, float]]) -> dict[str, torch.Tensor]:
+    """Each layer's k_scale / v_scale: the calibrated amax / 448 (ModelOpt's FP8 KV export), float32 scalars."""
+    out, missing = {}, [a for a in layers if a not in kv_amax]
+    if missing or not layers:
+        raise ValueError(f"--kv-cache fp8: no key / value amax was calibrated for {missing[:3] or 'any layer'} (its "
+                         "attention did not run through transformers' attention functions); leave --kv-cache out")
+    for a in layers:
+        for p, v in zip("kv", kv_amax[a]):
+            if not 0 < float(v) <= torch.finfo(torch.float32).max:
+                raise ValueError(f"{a}: the calibrated {p} amax is {float(v)}; calibrate over another text")
+            out[f"{a}.{p}_proj.{p}_scale"] = torch.tensor(float(v), dtype=torch.float32) / nvfp4.E4M3_MAX
+    return out
+
+
+def _write_configs(dst: Path, config: dict, unquantized: list[str], quantized: list[str], copied: list[Path],
+                   kv_cache_quant_algo: str | None = None) -> None:
     """Write the two config files and copy `copied` into dst."""
     from pieceworks.version import __version__ as version
 
-    hf = hf_quant_config(summarize_exclude(unquantized, quantized), {"name": "pieceworks", "version": version})
+    hf = hf_quant_config(summarize_exclude(unquantized, quantized), {"name": "pieceworks", "version": version},
+                         kv_cache_quant_algo)
     config = dict(config)
     config["quantization_config"] = quantization_config(hf)
     for name, obj in (("hf_quant_config.json", hf), ("config.json", config)):
