@@ -31,9 +31,10 @@ def bf16_dir():
         pytest.skip(str(exc))
 
 
-def pieceworks_ppl(model_dir, **quant) -> float:
+def pieceworks_ppl(model_dir, kv_cache: dict | None = None, **quant) -> float:
     ex = Executor.from_config({"model": {"path": str(model_dir)}, "quantization": quant,
-                               "runtime": {"device": "cpu", "dtype": "float32"}}, progress=False)
+                               "runtime": {"device": "cpu", "dtype": "float32"}, "kv_cache": kv_cache or {}},
+                              progress=False)
     ids = ex.tokenizer(TEXT, add_special_tokens=False)["input_ids"]
     chunks = ppl.windows(ids, 512)
     value, scored = ppl.perplexity_from_logits(ex.score(chunks), chunks)
@@ -91,3 +92,17 @@ def test_nvfp4_perplexity_matches_dequantized_transformers(bf16_dir, tmp_path):
     assert abs(w4a16 / ref - 1) < 0.03
     assert w4a16 > bf16 * 1.01, "NVFP4 costs a 135M model real accuracy: equality would mean no quantization"
     assert torch.isfinite(torch.tensor(w4a4)) and w4a4 < 3 * w4a16
+
+
+def test_fp8_kv_cache_perplexity(bf16_dir, tmp_path):
+    """An FP8 KV cache on a real model: `pieceworks quantize --kv-cache fp8`'s calibrated scales, and scales of 1.0
+    on the bf16 weights, each against the same weights with K/V in the model dtype (measured +1.2% / +1.7%)."""
+    from pieceworks.data import CALIBRATION_TXT
+    from pieceworks.quant.quantizer import quantize_checkpoint
+
+    fp4 = quantize_checkpoint(bf16_dir, tmp_path / "q", calib_text=CALIBRATION_TXT, kv_cache="fp8", progress=False)
+    full, fp8 = pieceworks_ppl(fp4, {"dtype": "model"}), pieceworks_ppl(fp4)
+    plain, plain_fp8 = pieceworks_ppl(bf16_dir), pieceworks_ppl(bf16_dir, {"dtype": "fp8"})
+    print(f"SmolLM2-135M FP8 KV: NVFP4 {full:.3f} -> {fp8:.3f} (calibrated scales), "
+          f"bf16 weights {plain:.3f} -> {plain_fp8:.3f} (scales 1.0)")
+    assert full < fp8 < full * 1.03 and plain < plain_fp8 < plain * 1.03
