@@ -104,7 +104,8 @@ def main() -> None:
         sweep([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")])
         return
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; context {args.context}, "
-          f"{HQ}/{HKV} heads, head_dim {D}, page size {PS}, {KV} K/V{', K/V write fused' if args.write else ''}")
+          f"{HQ}/{HKV} heads, head_dim {D}, page size {PS}, {KV} K/V"
+          f"{', K/V write fused' if args.write else ''}")
     print("| batch | splits | us per call |\n|---:|---:|---:|")
     for b in ints(args.batches):
         splits = num_splits(b, HKV)

@@ -84,7 +84,7 @@ class KVCacheConfig:
     """What the pool stores K/V as: model (the model dtype), fp8 (e4m3 with per-layer k/v scales: the
     checkpoint's k_scale / v_scale where it has them, else 1.0; half the bytes per token, so twice the tokens
     and half the attention reads) or auto (fp8 where the checkpoint's quantization config asks for an FP8 KV
-    cache, as NVIDIA's ModelOpt NVFP4 exports do; else the model dtype). Served by the GQA attention backends
+    cache, as ModelOpt writes it with its FP8 KV config; else the model dtype). Served by the GQA attention backends
     torch, triton and flashinfer; MLA models refuse fp8."""
     prefix_caching: bool = True
     """Keep full KV pages keyed by their token prefix, so a request that starts with tokens another one

@@ -133,6 +133,13 @@ def test_fp8_kv_scales_missing_in_one_layer_are_refused(ckpt):
         _executor(ckpt)
 
 
+def test_fp8_kv_layer_with_a_k_scale_but_no_v_scale_is_refused(ckpt):
+    _edit_tensors_drop(ckpt, ("v_scale",), layers={0})
+    with pytest.raises(CheckpointError, match=r"model.layers.0.self_attn.k_proj.k_scale is there but "
+                                              r"model.layers.0.self_attn.v_proj.v_scale is not"):
+        _executor(ckpt)
+
+
 @pytest.mark.parametrize("bad", [0.0, -0.5, float("inf")])
 def test_fp8_kv_scale_that_is_not_positive_and_finite_is_refused(ckpt, bad):
     tensors = load_file(ckpt / "model.safetensors")

@@ -32,7 +32,7 @@ FP8_MAX = 448.0  # the largest finite e4m3 value: quantized K/V saturate there
 def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
     """`x` / `scale` as e4m3, saturated at +-448: what an FP8 pool stores for K or V of a layer whose scale is
     `scale` (ModelOpt's k_scale / v_scale: the calibrated amax / 448). Multiplied by the float32 reciprocal, as
-    the CUDA write kernel does, so both store the same bits."""
+    the Triton write kernel does (`kv_write_kernel`), so both store the same bits (the suite checks it on a GPU)."""
     return (x.float() * (1.0 / scale)).clamp_(-FP8_MAX, FP8_MAX).to(KV_FP8)
 
 

@@ -11,9 +11,9 @@ What ModelOpt 0.47's `export_hf_checkpoint` writes (checked on exports of Llama 
   {"weights": {"num_bits": 4, "type": "float", "group_size": 16, ...}, "input_activations": {...},
   "targets": ["Linear"]}}, "ignore": [...], "quant_algo": "NVFP4", "producer": {...},
   "quant_method": "modelopt"}` (and `kv_cache_scheme` when the KV cache is quantized).
-- With `kv_cache_quant_algo: "FP8"` (NVIDIA's published NVFP4 checkpoints): per attention layer float32 scalars
-  `...self_attn.k_proj.k_scale` and `...self_attn.v_proj.v_scale` (the calibrated amax / 448; other exporters
-  write `...self_attn.k_scale` / `v_scale`).
+- With `kv_cache_quant_algo: "FP8"` (ModelOpt's FP8_KV_CFG added to the NVFP4 config): per attention layer
+  float32 scalars `...self_attn.k_proj.k_scale` and `...self_attn.v_proj.v_scale` (the calibrated amax / 448;
+  other exporters write `...self_attn.k_scale` / `v_scale`).
 - Per quantized linear `P`: `P.weight` uint8 [N, K/2]; `P.weight_scale` float8_e4m3fn [N, K/16];
   `P.weight_scale_2` and `P.input_scale` float32 0-d tensors. Linears that read the same input (q/k/v;
   gate/up; DeepSeek's q_a_proj + kv_a_proj_with_mqa; each expert's gate/up) share one weight_scale_2
@@ -241,6 +241,9 @@ def kv_cache_scales(reader, num_layers: int, named=None) -> list[tuple[float, fl
         if pair is None:
             missing.append(i)
             continue
+        if not reader.has(pair[1]):
+            raise CheckpointError(f"{pair[0]} is there but {pair[1]} is not: an FP8 KV cache needs both scales of "
+                                  "every layer; re-export the checkpoint")
         found.append(tuple(float(_scalar(reader, name, "an FP8 KV cache's scale")) for name in pair))
     if not found:
         return None
