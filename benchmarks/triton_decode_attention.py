@@ -60,22 +60,25 @@ def time_variant(state, splits: int, write: bool = False, **launch) -> float:
                       LAYERS) * 1e6
 
 
-def sweep(shapes: list[tuple[int, int]]) -> None:
-    print("| batch x context | splits | block_n | stages | us per call |\n|---|---:|---:|---:|---:|")
+def sweep(shapes: list[tuple[int, int]], block_ns: list[int], warps: list[int], policy_only: bool) -> None:
+    print("| batch x context | splits | block_n | stages | warps | us per call |\n|---|---:|---:|---:|---:|---:|")
     for batch, context in shapes:
         policy = num_splits(batch, HKV)
         state = setup(batch, context, 32)
         best = None
-        for splits in sorted({policy, 2, 4, 8, 16, 32} - ({32} if batch > 1 else set())):
-            for block_n in (16, 32, 64):
+        every = {policy} if policy_only else {policy, 2, 4, 8, 16, 32} - ({32} if batch > 1 else set())
+        for splits in sorted(every):
+            for block_n in block_ns:
                 for stages in (1, 2):
-                    us = time_variant(state, splits, block_n=block_n, num_stages=stages)
-                    mark = " (backend)" if (splits, block_n, stages) == (policy, 64, 2) else ""
-                    print(f"| {batch} x {context} | {splits} | {block_n} | {stages} | {us:.2f}{mark} |", flush=True)
-                    if best is None or us < best[0]:
-                        best = (us, splits, block_n, stages)
+                    for w in warps:
+                        us = time_variant(state, splits, block_n=block_n, num_stages=stages, num_warps=w)
+                        mark = " (backend)" if (splits, block_n, stages, w) == (policy, 64, BACKEND_STAGES, 4) else ""
+                        print(f"| {batch} x {context} | {splits} | {block_n} | {stages} | {w} | {us:.2f}{mark} |",
+                              flush=True)
+                        if best is None or us < best[0]:
+                            best = (us, splits, block_n, stages, w)
         print(f"best for {batch} x {context}: {best[0]:.2f} us with splits {best[1]}, block_n {best[2]}, "
-              f"stages {best[3]} (backend: splits {policy})", flush=True)
+              f"stages {best[3]}, warps {best[4]} (backend: splits {policy})", flush=True)
         del state
         torch.cuda.empty_cache()
 
@@ -88,20 +91,26 @@ def main() -> None:
     p.add_argument("--write", action="store_true", help="the kernel also writes the step's K/V rows (as the "
                    "backend calls it)")
     p.add_argument("--shapes", default="1x512,8x512,32x512,32x4096", help="batch x context, for --sweep")
+    p.add_argument("--block-n", default="16,32,64", help="keys per loop step to sweep")
+    p.add_argument("--warps", default="4", help="warps per program to sweep")
+    p.add_argument("--policy-splits", action="store_true", help="sweep only the backend's split count")
     p.add_argument("--kv", choices=("bf16", "fp8"), default="bf16", help="the pool's dtype (fp8: e4m3 K/V with "
                    "scales, as kv_cache.dtype: fp8 stores them; the K/V write then runs apart, as in the backend)")
     args = p.parse_args()
-    global tk, num_splits, quantize_kv, KV  # triton is imported once the arguments are read: --help needs none
+    # triton is imported once the arguments are read: --help needs none
+    global tk, num_splits, quantize_kv, KV, BACKEND_STAGES
     from pieceworks.backends.attention import triton_decode_kernel as tk
     from pieceworks.backends.attention.triton import num_splits
     from pieceworks.core.kv import quantize_kv
 
     KV = args.kv
+    BACKEND_STAGES = 1 if KV == "fp8" else 2  # attention.triton's launch for the pool's dtype
     if KV == "fp8" and args.write:
         p.error("--write: the kernel writes K/V rows of the cache dtype only; an FP8 pool's are written apart")
 
     if args.sweep:
-        sweep([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")])
+        sweep([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")], ints(args.block_n),
+              ints(args.warps), args.policy_splits)
         return
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; context {args.context}, "
           f"{HQ}/{HKV} heads, head_dim {D}, page size {PS}, {KV} K/V"
@@ -109,7 +118,8 @@ def main() -> None:
     print("| batch | splits | us per call |\n|---:|---:|---:|")
     for b in ints(args.batches):
         splits = num_splits(b, HKV)
-        print(f"| {b} | {splits} | {time_variant(setup(b, args.context, splits), splits, args.write):.2f} |", flush=True)
+        us = time_variant(setup(b, args.context, splits), splits, args.write, num_stages=BACKEND_STAGES)
+        print(f"| {b} | {splits} | {us:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
