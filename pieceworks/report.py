@@ -193,7 +193,8 @@ def _main_job(ex: Any, cfg: Config, build_s: float) -> int:
         console.print(escape(tok.decode(out, skip_special_tokens=True).strip() if tok else str(out)))
     n_new = sum(map(len, outs))
     console.print(
-        f"\n[bold]{cfg.model.path or cfg.model.arch}[/bold] on {ex.device} ({ex.model.dtype}): built in "
+        f"\n[bold]{cfg.model.path or cfg.model.arch}[/bold] on {ex.device} ({ex.model.dtype}; KV cache "
+        f"{ex.kv.num_tokens} tokens of {str(ex.kv.dtype).removeprefix('torch.')}): built in "
         f"{build_s:.1f} s; {n_new} tokens in {gen_s:.2f} s = {n_new / gen_s:.1f} tokens/s"
     )
     console.print(stats.summary())
