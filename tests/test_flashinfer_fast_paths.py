@@ -116,6 +116,47 @@ def test_fast_run_follows_every_new_plan():
         assert same(w._cached_module.runs[-1], w._cached_module.runs[-2])
 
 
+class ScaledWrapper(Wrapper):
+    """run() with FP8 KV scales as FlashInfer 0.7's: the plan's softmax scale times k_scale in the kernel's
+    arguments, the output times v_scale afterwards."""
+
+    _sm_scale = 0.125
+
+    def run(self, q, kv, out, k_scale=None, v_scale=None) -> None:
+        sm_scale = self._sm_scale
+        if k_scale is not None:
+            sm_scale *= k_scale
+        self._cached_module.paged_run(
+            self.ws[0], self.ws[1], self._plan_info, q, kv[0], kv[1], self._qo_indptr_buf,
+            self._paged_kv_indptr_buf, self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf, out, None,
+            1, 0, -1, False, None, sm_scale, 4, 8, self._kv_lens_buffer, 16, self._max_q_len, self._max_kv_len,
+            self._batch_size, self._qo_indptr_buf, self._paged_kv_indptr_buf, None)
+        if v_scale is not None and v_scale != 1.0:
+            out *= v_scale
+
+
+def test_fast_run_takes_each_layers_fp8_scales():
+    """Recorded with one layer's k_scale / v_scale, a FastRun calls the kernel with another layer's softmax scale
+    and multiplies its output by that layer's v_scale, as run() does (scales of 1.0 too); a softmax scale that
+    can't be told apart from another argument leaves scaled layers to run()."""
+    w = ScaledWrapper()
+    public(w, *STEPS[0])[2]()
+    q, kc, vc = (torch.zeros(2) for _ in range(3))
+    fast = FastRun.record(w, q, kc, vc, torch.ones(2), (0.5, 0.25))
+    assert fast is not None and fast.scale_at == 17
+    for scales in ((0.3, 2.0), (1.0, 1.0), (0.5, 0.25), (2.0, 1.0)):
+        out_fast, out_run = torch.ones(2), torch.ones(2)
+        fast(q, kc, vc, out_fast, scales)
+        kw = dict(k_scale=scales[0], v_scale=scales[1]) if scales != (1.0, 1.0) else {}
+        w.run(q, (kc, vc), out_run, **kw)
+        runs = w._cached_module.runs
+        assert same([a for i, a in enumerate(runs[-2]) if i != 10], [a for i, a in enumerate(runs[-1]) if i != 10])
+        assert torch.equal(out_fast, out_run) and out_fast[0] == scales[1], scales
+    w._max_q_len = 0.125 * 0.5  # another argument equal to the scaled softmax scale: not told apart
+    assert FastRun.record(w, q, kc, vc, torch.ones(2), (0.5, 0.25)) is None
+    assert FastRun.record(w, q, kc, vc, torch.ones(2)).scale_at == 17  # unscaled: 0.125 is still one argument
+
+
 def test_fast_paths_stay_off_for_calls_of_another_form():
     w = Wrapper(graph=True)
     qo, kv, plan = public(w, *STEPS[0])

@@ -115,6 +115,27 @@ def test_fast_plan_and_run_match_flashinfers_public_plan():
         assert torch.equal(a._kv_lens_buffer[:n], b._kv_lens_buffer[:n])
 
 
+def test_fast_run_with_fp8_scales_matches_flashinfers_public_run():
+    """An FP8 pool whose layers have their own k_scale / v_scale: extend steps through the recorded FastRun equal
+    FlashInfer's public run() with those scales, to the bit (and the suite's float64 reference within TOL)."""
+    facts = ModelFacts(dtype=BF16, num_heads=8, num_kv_heads=2, head_dim=64, page_size=16, kv_fp8=True)
+    impl = FlashInferAttentionBackend(BackendSpec.for_device(DEV, model=facts), FA2)
+    extend = [sc for sc in S.ATTENTION_SCENARIOS if sc.mode is not ForwardMode.DECODE and sc.page_size == 16]
+    layer_scales = [(0.0125, 0.01), (0.02, 0.05), (1.0, 1.0), (0.0125, 0.01)]
+    for i, sc in enumerate(extend):
+        for scales in layer_scales:
+            case = S.attention_case(sc, 8, 2, 64, BF16, DEV, seed=i, kv_scales=scales)
+            q, k, v = case.inputs["q"], case.inputs["k"], case.inputs["v"]
+            out, ref = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+            impl.plan(case.meta)
+            impl.forward(q, k, v, out, 0, 64**-0.5, case.pool)
+            kw = dict(k_scale=scales[0], v_scale=scales[1]) if scales != (1.0, 1.0) else {}
+            impl._prefill.run(q, (case.pool.k_cache(0), case.pool.v_cache(0)), out=ref, **kw)
+            assert torch.equal(out, ref), (sc.name, scales)
+            assert rel_err(out, case.expected) < TOL
+    assert impl._fast is not None and impl._fast.scale_at is not None  # the later layers ran through it
+
+
 @pytest.mark.parametrize("heads", [4, 20, 128])  # 20 (GLM-4.7-Flash): planned at 32, the queries padded
 @pytest.mark.parametrize("sc", S.ATTENTION_SCENARIOS, ids=lambda s: s.name)
 def test_mla_scenarios(sc, heads):

@@ -16,8 +16,8 @@ windowed lane plans each sequence without the pages wholly before its window (`w
 
 An FP8 pool (`kv_fp8`) plans with `kv_data_type` float8_e4m3fn and runs every layer with its k_scale / v_scale
 (FlashInfer folds k_scale into the softmax scale and multiplies the output by v_scale). FlashInfer's fa3 kernels
-take FP8 K/V only with FP8 queries, so such a pool runs fa2 (`auto`; fa3 named is refused); with scales other than
-1.0 extend steps go through the public `run()` (FastRun's recorded call holds one layer's scale).
+take FP8 K/V only with FP8 queries, so such a pool runs fa2 (`auto`; fa3 named is refused); FastRun sets each layer's
+scales in its recorded call (`FastRun.scale_at`).
 
 The softmax scale reaches a backend with every `forward`, but FlashInfer takes it at plan time. It is a
 model constant: the backend plans with the last scale it was given (head_dim^-0.5 before the first
@@ -372,15 +372,15 @@ class FlashInferAttentionBackend(AttentionBackend):
         write(slots)  # padded tokens write to the reserved page
         if padded is not None:
             padded.zero_()
-        scales = {}
-        if kv.fp8 and kv.scales[layer_id] != (1.0, 1.0):
-            scales = dict(k_scale=kv.k_scale(layer_id), v_scale=kv.v_scale(layer_id))
-        if self._wrapper is not self._prefill or scales:
-            self._wrapper.run(q, (kc, vc), out=out, **scales)
-        elif self._fast is not None:
-            self._fast(q, kc, vc, out)
+        scales = kv.scales[layer_id] if kv.fp8 else (1.0, 1.0)
+        fast = self._fast
+        if self._wrapper is not self._prefill or (fast is not None and fast.scale_at is None and scales != (1.0, 1.0)):
+            kw = dict(k_scale=scales[0], v_scale=scales[1]) if scales != (1.0, 1.0) else {}
+            self._wrapper.run(q, (kc, vc), out=out, **kw)
+        elif fast is not None:
+            fast(q, kc, vc, out, scales)
         else:
-            self._fast = FastRun.record(self._wrapper, q, kc, vc, out)
+            self._fast = FastRun.record(self._wrapper, q, kc, vc, out, scales)
 
     def _bind(self, q, k, v, out, layer_id, kv) -> tuple:
         """(q, k, v, out, kv, rows: the key), then the K/V caches, the write of the new K/V rows into

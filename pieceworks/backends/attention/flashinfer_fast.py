@@ -213,19 +213,30 @@ class FastRun:
     `record` returns None and every layer keeps calling `run()`. A recording whose plan attributes
     are not where FlashInfer 0.7 puts them (`_locate`), or one for another page size, is not rebound:
     the next plan drops it.
+
+    An FP8 pool's layers each have their k_scale / v_scale: `run()` passes the plan's softmax scale times
+    k_scale and multiplies the output by v_scale afterwards. The recording finds that softmax-scale argument (the
+    one float equal to it, `scale_at`; None if not exactly one) and each call sets it for its layer's k_scale and
+    multiplies by its v_scale as `run()` does; without `scale_at` only layers of scales 1.0 may call it.
     """
 
     def __init__(self, fn, args: list, slots: tuple[int, int, int, int],
-                 plan_slots: list[tuple[int, str]] | None) -> None:
+                 plan_slots: list[tuple[int, str]] | None, scale_at: int | None = None,
+                 sm_scale: float = 1.0) -> None:
         self.fn, self.args, self.slots, self.plan_slots = fn, args, slots, plan_slots
+        self.scale_at, self.sm_scale = scale_at, sm_scale
         # page_size is passed right before PLAN_INTS
         self.page_size_at = plan_slots[-len(PLAN_INTS)][0] - 1 if plan_slots else None
 
-    def __call__(self, q, kc, vc, out) -> None:
+    def __call__(self, q, kc, vc, out, scales: tuple[float, float] = (1.0, 1.0)) -> None:
         args = self.args
         iq, ik, iv, io = self.slots
         args[iq], args[ik], args[iv], args[io] = q, kc, vc, out
+        if self.scale_at is not None:
+            args[self.scale_at] = self.sm_scale * scales[0] if scales[0] != 1.0 else self.sm_scale
         self.fn(*args)
+        if scales[1] != 1.0:
+            out *= scales[1]
 
     def rebind(self, wrapper, page_size: int) -> bool:
         """Take a new plan's attributes of `wrapper`; False if this recording can't (drop it): its plan
@@ -258,17 +269,28 @@ class FastRun:
         return found
 
     @classmethod
-    def record(cls, wrapper, q, kc, vc, out) -> "FastRun | None":
+    def record(cls, wrapper, q, kc, vc, out, scales: tuple[float, float] = (1.0, 1.0)) -> "FastRun | None":
+        """`wrapper.run` of this layer (with its FP8 `scales` where they are not 1.0), recorded."""
+        kw = dict(k_scale=scales[0], v_scale=scales[1]) if scales != (1.0, 1.0) else {}
         module = getattr(wrapper, "_cached_module", None)
         fn = getattr(module, "paged_run", None)
         if fn is None:
-            wrapper.run(q, (kc, vc), out=out)
+            wrapper.run(q, (kc, vc), out=out, **kw)
             return None
-        seen = watched(module, "paged_run", lambda: wrapper.run(q, (kc, vc), out=out))
+        seen = watched(module, "paged_run", lambda: wrapper.run(q, (kc, vc), out=out, **kw))
         if len(seen) != 1 or seen[0][1]:
             return None
         args = list(seen[0][0])
         where = [[i for i, a in enumerate(args) if a is t] for t in (q, kc, vc, out)]
         if any(len(w) != 1 for w in where):
             return None
-        return cls(fn, args, tuple(w[0] for w in where), cls._locate(wrapper, args))
+        base = getattr(wrapper, "_sm_scale", None)
+        scale_at = None
+        if isinstance(base, float):  # run()'s own arithmetic: the plan's scale times k_scale where one is given
+            passed = base * scales[0] if scales[0] != 1.0 else base
+            at = [i for i, a in enumerate(args) if type(a) is float and a == passed]
+            scale_at = at[0] if len(at) == 1 else None
+        if scale_at is None and scales != (1.0, 1.0):
+            return None  # this layer's call can't be replayed with its scales
+        return cls(fn, args, tuple(w[0] for w in where), cls._locate(wrapper, args), scale_at,
+                   base if isinstance(base, float) else 1.0)
