@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -95,9 +96,11 @@ def client(url: str, **kw) -> openai.OpenAI:
 
 
 def test_startup_log_names_the_step_budget(tiny):
-    """The server says how large its steps may be (on a CPU the defaults: 2048 tokens, 256 sequences)."""
+    """The server says how large its steps may be (on a CPU the defaults: 2048 tokens, 256 sequences) and how many
+    tokens its KV cache holds, of which dtype."""
     log = Path(tiny[2].log.name).read_text()
     assert "steps of up to 2048 new tokens and 256 sequences" in log, log[-2000:]
+    assert re.search(r"KV cache: \d+ tokens of float32 ", log), log[-2000:]
 
 
 def test_models_health_and_metrics_text(tiny_url):

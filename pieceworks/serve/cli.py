@@ -113,6 +113,9 @@ def run_serve(args: argparse.Namespace, cfg: Any) -> int:
         sched = engine.engine.scheduler.cfg
         log.info("steps of up to %d new tokens and %d sequences (scheduler.max_num_batched_tokens, max_num_seqs)",
                  sched.max_num_batched_tokens, sched.max_num_seqs)
+        kv = engine.engine.executor.kv
+        log.info("KV cache: %d tokens of %s (kv_cache.num_tokens / memory_fraction, kv_cache.dtype)", kv.num_tokens,
+                 str(kv.dtype).removeprefix("torch."))
         spec = engine.engine.executor.cfg.speculative
         if spec.method is not None:
             while_ = "always" if spec.max_batch is None else f"while at most {spec.max_batch} requests run"
