@@ -197,6 +197,23 @@ def test_preemption_gives_the_same_greedy_tokens():
     drained(small)
 
 
+def test_fp8_kv_pool_under_preemption_and_prefix_hits_gives_the_same_greedy_tokens():
+    """Over an FP8 pool, recomputed (preempted) and shared (prefix-cache hit) K/V are quantized as they were the
+    first time: the same greedy tokens as an unpressured run without sharing."""
+    system = prompt(12, 30)
+    prompts = [system + prompt(7, 40 + i) for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=9)
+    fp8 = {"page_size": 4, "dtype": "fp8"}
+    big = make(kv_cache={"num_tokens": 512, "prefix_caching": False, **fp8})
+    small = make(kv_cache={"num_tokens": 48, **fp8})  # 12 pages for 8 prompts of 5 pages each
+    assert small.executor.kv.dtype == torch.float8_e4m3fn
+    want = [o.token_ids for o in big.generate(prompts, params)]
+    assert [o.token_ids for o in small.generate(prompts, params)] == want
+    stats = small.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    drained(small)
+
+
 def test_prompt_logprobs_survive_preemption_mid_prompt(monkeypatch):
     """Requests preempted while their prompt logprobs are partly recorded compute their prompt again and
     record each position once: the same lists (and tokens) as without preemption."""
