@@ -6,6 +6,7 @@ from pieceworks.testing.suite import (  # noqa: F401
     test_attention_sliding_window,
     test_attention_softcap,
     test_contract,
+    test_contract_fp8_kv,
     test_cuda_graph,
     test_cuda_graph_capture,
     test_fp4_gemm,

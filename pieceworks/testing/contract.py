@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pieceworks.core.batch import ForwardMode, GraphMode, StepMetadata
+from pieceworks.core.kv import KV_FP8, dequantize_kv, quantize_kv
 from pieceworks.executor.kv_cache import RESERVED_PAGE, KVPool
 
 from pieceworks.testing.shapes import GqaShape, MlaShape, rel_err  # noqa: F401 (contract's own names)
@@ -100,7 +101,7 @@ class PoolRun:
 
     def __init__(self, shape, impl, dtype: torch.dtype, device: str, page_size: int, graph: GraphMode,
                  num_layers: int = 2, num_tokens: int = 128, seed: int = 0, scale_factor: float = 1.37,
-                 name: str = "") -> None:
+                 name: str = "", kv_scales: list[tuple[float, float]] | None = None) -> None:
         self.shape, self.impl, self.dtype, self.graph = shape, impl, dtype, graph
         self.device = torch.device(device)
         self.page_size, self.num_layers, self.name = page_size, num_layers, name
@@ -108,7 +109,9 @@ class PoolRun:
         self.rng = random.Random(seed)
         # room for `num_tokens` tokens of sequences that each waste up to a page, plus the reserved page
         num_pages = 1 + -(-num_tokens // page_size) + 8
-        self.pool = KVPool(shape.layout(num_layers), num_pages, page_size, dtype, self.device)
+        # kv_scales: an FP8 pool with these (k_scale, v_scale) per layer (GqaShape): the truth is what it stores
+        self.pool = KVPool(shape.layout(num_layers), num_pages, page_size, dtype if kv_scales is None else KV_FP8,
+                           self.device, scales=kv_scales)
         self.pool.buffer.fill_(float("nan"))  # slots no sequence owns may hold anything: never read them
         reserved = torch.arange(RESERVED_PAGE * page_size, (RESERVED_PAGE + 1) * page_size, device=self.device)
         for layer in range(num_layers):  # ... except the reserved page, which holds finite values
@@ -137,7 +140,7 @@ class PoolRun:
             _, entries = self.shape.inputs(prefix, self.gen, self.dtype)
             if prefix:
                 self.shape.write(self.pool, layer, slots, entries)
-            self.truth[name].append(entries.double())
+            self.truth[name].append(self.stored(layer, entries))
 
     def _grow(self, name: str, length: int) -> None:
         need = -(-length // self.page_size) - len(self.pages[name])
@@ -212,7 +215,7 @@ class PoolRun:
             errors += [f"layer {layer}: {msg}" for msg in changed_inputs(x, given[layer])]
             ref = []
             for i, (s, n) in enumerate(step.work):
-                keys = torch.cat([self.truth[s][layer], entries[indptr[i] : indptr[i + 1]].double()])
+                keys = torch.cat([self.truth[s][layer], self.stored(layer, entries[indptr[i] : indptr[i + 1]])])
                 ref.append(self.shape.reference(x, slice(indptr[i], indptr[i + 1]), keys, meta.prefix_lens[i],
                                                 self.scale))
             ref = torch.cat(ref)
@@ -227,9 +230,9 @@ class PoolRun:
             if rows > real and not torch.isfinite(out[real:]).all():
                 errors.append(f"layer {layer}: padded rows {real}..{rows - 1} of out are not finite (the next "
                               "piece computes on them: write finite values, e.g. zero)")
-            want = entries[:real].to(self.dtype)
+            want = self.as_pool(layer, entries[:real])
             have = self.shape.pool_rows(self.pool, layer, meta.slot_mapping[:real])
-            if not torch.equal(have.nan_to_num(1e30), want.nan_to_num(1e30)):
+            if not same_rows(have, want):
                 bad = int((have != want).any(1).sum())
                 errors.append(f"layer {layer}: {bad} of {real} new tokens' K/V are not at their slots in this "
                               "layer's cache (forward writes every row at meta.slot_mapping[row] of "
@@ -238,7 +241,10 @@ class PoolRun:
                 # Several padded rows write the one reserved slot in one kernel; on a GPU their writes race
                 # element by element, so each element must come from some padded row, not all from one.
                 reserved = self.shape.pool_rows(self.pool, layer, meta.slot_mapping[real:real + 1])[0]
-                if not (entries[real:].to(self.dtype) == reserved).any(0).all():
+                padded = self.as_pool(layer, entries[real:])
+                if self.pool.fp8:
+                    padded, reserved = padded.view(torch.uint8), reserved.view(torch.uint8)
+                if not (padded == reserved).any(0).all():
                     errors.append(f"layer {layer}: the reserved slot does not hold a padded row's K/V (padded "
                                   "rows are written too, at their slot_mapping entry: the reserved slot)")
         if errors:
@@ -246,8 +252,26 @@ class PoolRun:
         for i, (s, n) in enumerate(step.work):
             for layer, (_, entries) in enumerate(inputs):
                 self.truth[s][layer] = torch.cat([self.truth[s][layer],
-                                                  entries[indptr[i] : indptr[i + 1]].to(self.dtype).double()])
+                                                  self.stored(layer, entries[indptr[i] : indptr[i + 1]])])
         self.steps_run += 1
+
+    def as_pool(self, layer: int, entries: torch.Tensor) -> torch.Tensor:
+        """Cache entries [n, W] as this run's pool holds them for `layer`: in the test dtype, or (an FP8 pool) K and
+        V halves quantized with the layer's scales (`core.kv.quantize_kv`)."""
+        if not self.pool.fp8:
+            return entries.to(self.dtype)
+        half = entries.shape[1] // 2
+        return torch.cat([quantize_kv(entries[:, :half].to(self.dtype), self.pool.k_scale(layer)),
+                          quantize_kv(entries[:, half:].to(self.dtype), self.pool.v_scale(layer))], 1)
+
+    def stored(self, layer: int, entries: torch.Tensor) -> torch.Tensor:
+        """float64 values a backend reads back of `entries` [n, W] written to `layer` (what the reference sees)."""
+        held = self.as_pool(layer, entries)
+        if not self.pool.fp8:
+            return held.double()
+        half = held.shape[1] // 2
+        return torch.cat([dequantize_kv(held[:, :half], self.pool.k_scale(layer)),
+                          dequantize_kv(held[:, half:], self.pool.v_scale(layer))], 1).double()
 
     def forward_all(self, xs: list[dict]) -> list[torch.Tensor]:
         """Every layer's forward on the planned step, eagerly (`call` may be a traced wrapper); `xs` are
@@ -263,6 +287,13 @@ class PoolRun:
 
     def call(self, impl, x: dict, out: torch.Tensor, layer: int, scale: float, pool: KVPool) -> None:
         self.shape.call(impl, x, out, layer, scale, pool)
+
+
+def same_rows(have: torch.Tensor, want: torch.Tensor) -> bool:
+    """Cache rows equal to the bit (float8 ones compared as bytes; NaN equal to NaN)."""
+    if have.dtype == KV_FP8 or want.dtype == KV_FP8:
+        return have.dtype == want.dtype and torch.equal(have.view(torch.uint8), want.view(torch.uint8))
+    return torch.equal(have.nan_to_num(1e30), want.nan_to_num(1e30))
 
 
 def describe(step: Step) -> str:

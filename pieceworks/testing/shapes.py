@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from pieceworks.backends.base import ModelFacts
+from pieceworks.core.kv import quantize_kv
 from pieceworks.executor.kv_cache import KVLayout, KVPool
 
 
@@ -59,10 +60,14 @@ class GqaShape:
         return torch.cat([k, vc.reshape(-1, vc.shape[2] * vc.shape[3])[slots]], 1).cpu()
 
     def write(self, pool: KVPool, layer: int, slots: torch.Tensor, entries: torch.Tensor) -> None:
+        """Entries [n, 2 Hkv D] at `slots` of one layer (an FP8 pool's quantized with the layer's scales)."""
         width = self.num_kv_heads * self.head_dim
         kc, vc = pool.k_cache(layer), pool.v_cache(layer)
-        kc.view(-1, width)[slots] = entries[:, :width].to(pool.device)
-        vc.view(-1, width)[slots] = entries[:, width:].to(pool.device)
+        k, v = entries[:, :width], entries[:, width:]
+        if pool.fp8:
+            k, v = quantize_kv(k, pool.k_scale(layer)), quantize_kv(v, pool.v_scale(layer))
+        kc.view(-1, width)[slots] = k.to(pool.device)
+        vc.view(-1, width)[slots] = v.to(pool.device)
 
     def call(self, impl, x: dict, out: torch.Tensor, layer: int, scale: float, pool: KVPool) -> None:
         impl.forward(x["q"], x["k"], x["v"], out, layer, scale, pool)

@@ -13,6 +13,8 @@ What runs, per backend and device (the plugin parametrizes `backend` and `device
   next, re-plans with new lengths, PIECEWISE padding, FULL metadata with graph-batch padding); `shapes`
   sweeps head shapes and page sizes through `check()` (what it accepts must be right); `graph_trace`
   traces forward whole for backends declaring FULL; on CUDA `cuda_graph` captures, re-plans and replays.
+  Attention backends declaring `fp8_kv` run the scenarios and the step chains again over FP8 pools
+  (`test_attention_fp8_kv`, `test_contract_fp8_kv`: two layers with scales of their own).
 - fp4_gemm / moe: shapes and numerics against dense references in float32 (CPU) and bf16, the result's
   shape and dtype (x's), the fused entry points, CUDA-graph capture.
 Every case checks that forward left its input tensors as they were (references are built from copies
@@ -23,6 +25,7 @@ cases ran fails the run, and so does a broken plugin in a run of every backend (
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -193,6 +196,25 @@ def test_contract(backend, graph, device):
     for mode in modes:
         impl = build(backend, spec_for(device, shape.facts(dtype, ps)))
         run = C.PoolRun(shape, impl, dtype, device, ps, graph, name=f"{backend.key()} {shape} {mode.value}")
+        C.run_chain(run, mode, pad=3 if graph is GraphMode.PIECEWISE else 0)
+
+
+@pytest.mark.parametrize("graph", list(GRAPHS), ids=list(GRAPHS))
+@for_op("attention")
+def test_contract_fp8_kv(backend, graph, device):
+    """`test_contract`'s step chains over an FP8 two-layer pool whose layers have their own scales (FP8_SCALES,
+    then (0.02, 0.05)), for backends that declare `fp8_kv`: each layer's K/V stored as `quantize_kv` with its own
+    scales, read back times them, step after step."""
+    if not getattr(backend, "fp8_kv", False):
+        pytest.skip(f"{backend.key()} declares no FP8 KV cache (fp8_kv = False)")
+    graph, dtype = GRAPHS[graph], device_dtype(device)
+    modes = _contract_modes(backend, graph)
+    shapes, ps = CONTRACT[device]
+    shape = shapes[backend.op]
+    for mode in modes:
+        impl = build(backend, spec_for(device, replace(shape.facts(dtype, ps), kv_fp8=True)))
+        run = C.PoolRun(shape, impl, dtype, device, ps, graph, name=f"{backend.key()} {shape} {mode.value}, FP8 KV",
+                        kv_scales=[FP8_SCALES, (0.02, 0.05)])
         C.run_chain(run, mode, pad=3 if graph is GraphMode.PIECEWISE else 0)
 
 
