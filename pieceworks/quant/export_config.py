@@ -9,7 +9,10 @@ of the same model list the same patterns.
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Iterable
+from pathlib import Path
 
 from pieceworks.quant.nvfp4 import BLOCK
 
@@ -83,3 +86,19 @@ def quantization_config(hf: dict) -> dict:
         "producer": hf["producer"],
         "quant_method": "modelopt",
     }
+
+
+def write_configs(dst: Path, config: dict, unquantized: list[str], quantized: list[str], copied: list[Path],
+                   kv_cache_quant_algo: str | None = None) -> None:
+    """Write the two config files of a checkpoint of the `quantized` modules (`unquantized` listed as excluded) into
+    dst, config.json being `config` with its `quantization_config`, and copy the `copied` files there."""
+    from pieceworks.version import __version__ as version
+
+    hf = hf_quant_config(summarize_exclude(unquantized, quantized), {"name": "pieceworks", "version": version},
+                         kv_cache_quant_algo)
+    config = dict(config)
+    config["quantization_config"] = quantization_config(hf)
+    for name, obj in (("hf_quant_config.json", hf), ("config.json", config)):
+        (dst / name).write_text(json.dumps(obj, indent=4))
+    for f in copied:
+        shutil.copy2(f, dst / f.name)

@@ -19,7 +19,8 @@ shared inputs; here they are named, which covers the Llama and DeepSeek-V3 famil
 `input_scale = amax / (6 * 448)`, with amax fixed (`amax=`), calibrated by max over a text
 (`calib_text=`, runs the bf16 model with transformers), or given per module (`input_amax=`, e.g. from
 `calibrate.calibrate_input_amax`). A linear the calibration never reached gets amax 6.0, ModelOpt's
-substitute for an empty calibration, and a warning.
+substitute for an empty calibration, and a warning. `kv_cache="fp8"` adds each attention layer's
+`k_proj.k_scale` / `v_proj.v_scale` (the calibrated key / value amax / 448) and says so in both configs.
 
 Streaming: a first pass reads only the weights of fused groups (for their shared amax), the second
 reads, quantizes (in row chunks) and writes one tensor at a time, so memory stays near the largest
@@ -29,8 +30,6 @@ tensor.
 from __future__ import annotations
 
 import errno
-import json
-import shutil
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ import torch
 
 from pieceworks.models.checkpoint import CheckpointReader
 from pieceworks.quant import nvfp4
-from pieceworks.quant.export_config import hf_quant_config, quantization_config, summarize_exclude
+from pieceworks.quant.export_config import write_configs
 from pieceworks.quant.output_dir import Staging, check_dirs, check_space, copied_files
 from pieceworks.quant.shard_writer import ShardedWriter, TensorSpec
 
@@ -332,7 +331,7 @@ def quantize_checkpoint(
                 del t
             for name, scale in kv_scales.items():
                 writer.write(name, scale)
-        _write_configs(staging.path, config, unquantized, [lin.module for lin in linears.values()], copied,
+        write_configs(staging.path, config, unquantized, [lin.module for lin in linears.values()], copied,
                        "FP8" if kv_cache else None)
         writer.close()  # renames the weight files from their partial names, once every tensor is written
         staging.publish()  # one rename: dst appears complete, or not at all
@@ -392,18 +391,3 @@ def _kv_scales(layers: list[str], kv_amax: Mapping[str, tuple[float, float]]) ->
                 raise ValueError(f"{a}: the calibrated {p} amax is {float(v)}; calibrate over another text")
             out[f"{a}.{p}_proj.{p}_scale"] = torch.tensor(float(v), dtype=torch.float32) / nvfp4.E4M3_MAX
     return out
-
-
-def _write_configs(dst: Path, config: dict, unquantized: list[str], quantized: list[str], copied: list[Path],
-                   kv_cache_quant_algo: str | None = None) -> None:
-    """Write the two config files and copy `copied` into dst."""
-    from pieceworks.version import __version__ as version
-
-    hf = hf_quant_config(summarize_exclude(unquantized, quantized), {"name": "pieceworks", "version": version},
-                         kv_cache_quant_algo)
-    config = dict(config)
-    config["quantization_config"] = quantization_config(hf)
-    for name, obj in (("hf_quant_config.json", hf), ("config.json", config)):
-        (dst / name).write_text(json.dumps(obj, indent=4))
-    for f in copied:
-        shutil.copy2(f, dst / f.name)
