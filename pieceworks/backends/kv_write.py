@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from pieceworks.backends import kv_write_cuda
-from pieceworks.core.kv import KV_FP8, quantize_kv
+from pieceworks.core.kv import KV_FP8, store_quantized
 
 
 def write_rows(dst_a: torch.Tensor, src_a: torch.Tensor, dst_b: torch.Tensor, src_b: torch.Tensor,
@@ -66,16 +66,15 @@ def bind_rows(dst_a: torch.Tensor, src_a: torch.Tensor, dst_b: torch.Tensor, src
 
 def _quantizing(dst_a, src_a, dst_b, src_b, scales: tuple[float, float]) -> Callable[[torch.Tensor], None]:
     """`bind_rows` into an FP8 pool: the Triton kernel quantizes as it writes (CUDA sm_89+, where Triton has e4m3),
-    else `quantize_kv` and a byte copy (index_copy_ has no float8 kernel on the CPU)."""
+    else `core.kv.store_quantized`."""
     tensors = (dst_a, src_a, dst_b, src_b)
     if (dst_a.is_cuda and all(t.stride(-1) == 1 for t in tensors) and dst_b.dtype == KV_FP8
             and torch.cuda.get_device_capability(dst_a.device) >= (8, 9) and _kernel() is not None):
         return functools.partial(_kernel().launch, dst_a, src_a, dst_b, src_b, scales=scales)
-    bytes_a, bytes_b = dst_a.view(torch.uint8), dst_b.view(torch.uint8)
 
     def quantize_copy(s: torch.Tensor) -> None:
-        bytes_a.index_copy_(0, s, quantize_kv(src_a, scales[0]).view(torch.uint8))
-        bytes_b.index_copy_(0, s, quantize_kv(src_b, scales[1]).view(torch.uint8))
+        store_quantized(dst_a, s, src_a, scales[0])
+        store_quantized(dst_b, s, src_b, scales[1])
 
     return quantize_copy
 

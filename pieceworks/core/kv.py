@@ -36,6 +36,12 @@ def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
     return (x.float() * (1.0 / scale)).clamp_(-FP8_MAX, FP8_MAX).to(KV_FP8)
 
 
+def store_quantized(rows: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float) -> None:
+    """rows[slots[t]] = quantize_kv(x[t], scale) for an e4m3 pool view `rows` [S, ...] (its bytes copied:
+    index_copy_ has no float8 kernel on the CPU)."""
+    rows.view(torch.uint8).index_copy_(0, slots, quantize_kv(x, scale).view(torch.uint8))
+
+
 def dequantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
     """float32 values of K or V rows read from a pool: e4m3 times the layer's scale (other dtypes as stored)."""
     return x.float() * scale if x.dtype == KV_FP8 else x.float()

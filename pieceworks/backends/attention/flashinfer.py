@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from pieceworks.backends.attention.base import AttentionBackend, gqa_kernel_reasons
-from pieceworks.backends.attention.flashinfer_fast import FastPlan, FastRun, PlanCopyGuard, flat_pages
+from pieceworks.backends.attention.flashinfer_fast import FastPlan, FastRun, PlanCopyGuard, flat_pages, run_scales
 from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
 from pieceworks.backends.kv_write import bind_rows
 from pieceworks.core.batch import ForwardMode, GraphMode, is_replayed, to_device
@@ -375,8 +375,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         scales = kv.scales[layer_id] if kv.fp8 else (1.0, 1.0)
         fast = self._fast
         if self._wrapper is not self._prefill or (fast is not None and fast.scale_at is None and scales != (1.0, 1.0)):
-            kw = dict(k_scale=scales[0], v_scale=scales[1]) if scales != (1.0, 1.0) else {}
-            self._wrapper.run(q, (kc, vc), out=out, **kw)
+            self._wrapper.run(q, (kc, vc), out=out, **run_scales(scales))
         elif fast is not None:
             fast(q, kc, vc, out, scales)
         else:

@@ -202,6 +202,11 @@ class _Views(NamedTuple):
     lens: torch.Tensor
 
 
+def run_scales(scales: tuple[float, float]) -> dict[str, float]:
+    """FlashInfer run()'s keyword arguments for a layer's FP8 (k_scale, v_scale): none where both are 1.0."""
+    return dict(k_scale=scales[0], v_scale=scales[1]) if scales != (1.0, 1.0) else {}
+
+
 class FastRun:
     """FlashInfer's `run()` re-derives some 50 kernel arguments in Python on every call (~25 us a
     layer on the H200 machine's host); they are the same for every layer but q, the K/V caches and
@@ -271,7 +276,7 @@ class FastRun:
     @classmethod
     def record(cls, wrapper, q, kc, vc, out, scales: tuple[float, float] = (1.0, 1.0)) -> "FastRun | None":
         """`wrapper.run` of this layer (with its FP8 `scales` where they are not 1.0), recorded."""
-        kw = dict(k_scale=scales[0], v_scale=scales[1]) if scales != (1.0, 1.0) else {}
+        kw = run_scales(scales)
         module = getattr(wrapper, "_cached_module", None)
         fn = getattr(module, "paged_run", None)
         if fn is None:

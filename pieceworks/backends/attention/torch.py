@@ -14,7 +14,7 @@ import torch
 from pieceworks.backends.attention.base import AttentionBackend
 from pieceworks.backends.base import ALL_GRAPH_MODES
 from pieceworks.core.batch import ForwardMode, GraphMode
-from pieceworks.core.kv import KV_FP8, dequantize_kv, quantize_kv
+from pieceworks.core.kv import KV_FP8, dequantize_kv, store_quantized
 
 DECODE_GATHER_BYTES = 256 << 20  # float32 keys + values a decode step gathers at once
 
@@ -105,9 +105,9 @@ class TorchAttentionBackend(ReferencePlan, AttentionBackend):
         _, kc, vc, k_rows, v_rows = views
         slots = self._slots(k.shape[0])
         ks, vs = kv.k_scale(layer_id), kv.v_scale(layer_id)
-        if kc.dtype == KV_FP8:  # index_copy_ has no float8 kernel on the CPU: the bytes are copied
-            k_rows.view(torch.uint8).index_copy_(0, slots, quantize_kv(k, ks).view(torch.uint8))
-            v_rows.view(torch.uint8).index_copy_(0, slots, quantize_kv(v, vs).view(torch.uint8))
+        if kc.dtype == KV_FP8:
+            store_quantized(k_rows, slots, k, ks)
+            store_quantized(v_rows, slots, v, vs)
         else:
             k_rows.index_copy_(0, slots, k.to(kc.dtype))
             v_rows.index_copy_(0, slots, v.to(vc.dtype))
