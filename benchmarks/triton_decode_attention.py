@@ -23,6 +23,7 @@ import torch
 from common import graph_time, ints
 
 HQ, HKV, D, PS, LAYERS = 32, 8, 128, 16, 32
+FP8_BITS = None
 
 
 FP8_SCALES = (0.0125, 0.01)
@@ -49,15 +50,27 @@ def setup(batch: int, context: int, max_splits: int):
     return caches, (out, table, lens, D**-0.5), (part_o, part_lse, counters), q, (kv_new, positions, slots)
 
 
-def time_variant(state, splits: int, write: bool = False, **launch) -> float:
+def time_variant(state, splits: int, write: str = "", **launch) -> float:
     caches, (out, table, lens, scale), parts, q, (kv_new, positions, slots) = state
-    if write:  # the backend's call: new K/V rows passed in, lengths as the new tokens' positions
-        launch = dict(launch, k_new=kv_new[0], v_new=kv_new[1], lens_are_positions=True, slots=slots)
+    if write:  # the backend's call: lengths as the new tokens' positions
         lens = positions
+    if write == "fused":  # the new K/V rows passed in, written by the kernel
+        launch = dict(launch, k_new=kv_new[0], v_new=kv_new[1], lens_are_positions=True, slots=slots)
+    elif write == "apart":  # written first by the K/V write kernel
+        launch = dict(launch, lens_are_positions=True)
+    scales = FP8_SCALES if KV == "fp8" else (1.0, 1.0)
     if KV == "fp8":
-        launch = dict(launch, kv_scales=FP8_SCALES)
-    return graph_time(lambda i: tk.decode(q, *caches[i], out, table, lens, scale, splits, *parts, **launch),
-                      LAYERS) * 1e6
+        launch = dict(launch, kv_scales=FP8_SCALES, fp8_bits=FP8_BITS)
+
+    def call(i: int) -> None:
+        if write == "apart":
+            kc, vc = caches[i]
+            width = HKV * D
+            write_rows(kc.view(-1, width), kv_new[0].reshape(-1, width), vc.view(-1, width),
+                       kv_new[1].reshape(-1, width), slots, scales)
+        tk.decode(q, *caches[i], out, table, lens, scale, splits, *parts, **launch)
+
+    return graph_time(call, LAYERS) * 1e6
 
 
 def sweep(shapes: list[tuple[int, int]], block_ns: list[int], warps: list[int], policy_only: bool) -> None:
@@ -88,25 +101,27 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--sweep", action="store_true", help="time launch variants (--shapes)")
-    p.add_argument("--write", action="store_true", help="the kernel also writes the step's K/V rows (as the "
-                   "backend calls it)")
+    p.add_argument("--write", nargs="?", const="fused", choices=("fused", "apart"), default="",
+                   help="the step's K/V rows written too: by the kernel (fused, as the backend calls it) or by the "
+                        "K/V write kernel first (apart)")
     p.add_argument("--shapes", default="1x512,8x512,32x512,32x4096", help="batch x context, for --sweep")
     p.add_argument("--block-n", default="16,32,64", help="keys per loop step to sweep")
     p.add_argument("--warps", default="4", help="warps per program to sweep")
     p.add_argument("--policy-splits", action="store_true", help="sweep only the backend's split count")
     p.add_argument("--kv", choices=("bf16", "fp8"), default="bf16", help="the pool's dtype (fp8: e4m3 K/V with "
-                   "scales, as kv_cache.dtype: fp8 stores them; the K/V write then runs apart, as in the backend)")
+                   "scales, as kv_cache.dtype: fp8 stores them; with --write the kernel quantizes the rows it writes)")
+    p.add_argument("--fp8-convert", choices=("bits", "cvt", "all"), default="bits", help="an FP8 pool's e4m3 -> "
+                   "bf16 reads: bit moves (the backend's), Triton's conversion, or each in turn")
     args = p.parse_args()
     # triton is imported once the arguments are read: --help needs none
-    global tk, num_splits, quantize_kv, KV, BACKEND_STAGES
+    global tk, num_splits, quantize_kv, KV, BACKEND_STAGES, FP8_BITS, write_rows
     from pieceworks.backends.attention import triton_decode_kernel as tk
     from pieceworks.backends.attention.triton import num_splits
+    from pieceworks.backends.kv_write import write_rows
     from pieceworks.core.kv import quantize_kv
 
     KV = args.kv
     BACKEND_STAGES = 1 if KV == "fp8" else 2  # attention.triton's launch for the pool's dtype
-    if KV == "fp8" and args.write:
-        p.error("--write: the kernel writes K/V rows of the cache dtype only; an FP8 pool's are written apart")
 
     if args.sweep:
         sweep([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")], ints(args.block_n),
@@ -114,12 +129,16 @@ def main() -> None:
         return
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; context {args.context}, "
           f"{HQ}/{HKV} heads, head_dim {D}, page size {PS}, {KV} K/V"
-          f"{', K/V write fused' if args.write else ''}")
-    print("| batch | splits | us per call |\n|---:|---:|---:|")
+          f"{f', K/V write {args.write}' if args.write else ''}")
+    converts = {"bits": [2], "cvt": [0], "all": [2, 1, 0]}[args.fp8_convert] if KV == "fp8" else [None]
+    print("| batch | splits | K/V read | us per call |\n|---:|---:|---|---:|")
     for b in ints(args.batches):
         splits = num_splits(b, HKV)
-        us = time_variant(setup(b, args.context, splits), splits, args.write, num_stages=BACKEND_STAGES)
-        print(f"| {b} | {splits} | {us:.2f} |", flush=True)
+        state = setup(b, args.context, splits)
+        for FP8_BITS in converts:
+            us = time_variant(state, splits, args.write, num_stages=BACKEND_STAGES)
+            how = {None: KV, 2: "e4m3 words", 1: "e4m3 bits", 0: "e4m3 cvt"}[FP8_BITS]
+            print(f"| {b} | {splits} | {how} | {us:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

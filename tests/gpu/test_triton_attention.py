@@ -90,3 +90,99 @@ def test_fused_kv_write_matches_write_then_decode(lens):
         for o1, k1, v1 in results[1:]:  # fused write; fused write with lengths from int64 positions
             assert torch.equal(k1, k0) and torch.equal(v1, v0), splits
             assert torch.equal(o1, o0), splits
+
+
+def test_e4m3_to_bf16_is_exact_for_every_byte():
+    """The FP8 pool's bit-move read (`e4m3_to_bf16`) against torch's conversion for all 256 bytes: equal bits for
+    every finite one (subnormals and both zeros included); the two NaN bytes read as +-480."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def convert(x_ptr, y_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(y_ptr + i, tk.e4m3_to_bf16(tl.load(x_ptr + i)))
+
+    codes = torch.arange(256, dtype=torch.uint8, device="cuda")
+    x = codes.view(torch.float8_e4m3fn)
+    y = torch.empty(256, dtype=torch.bfloat16, device="cuda")
+    convert[(1,)](x, y, N=256)
+    ref = x.to(torch.bfloat16)
+    finite = torch.isfinite(ref)
+    assert int(finite.sum()) == 254
+    assert torch.equal(y[finite].view(torch.int16), ref[finite].view(torch.int16))
+    assert y[~finite].tolist() == [480.0, -480.0]
+
+
+@pytest.mark.parametrize("lens", [[1], [4097, 3, 700, 16, 1, 64, 250, 33], [90] * 32])
+def test_fp8_bit_reads_equal_tritons_conversion(lens):
+    """Over an FP8 pool with scales, the decode kernel's bit-move reads (the default for bf16 queries) give the
+    bits of Triton's own e4m3 -> bf16 conversion, and both stay within 1e-2 of float32 attention over the
+    dequantized pool."""
+    from pieceworks.core.kv import dequantize_kv, quantize_kv
+
+    gen = torch.Generator("cuda").manual_seed(7 + len(lens))
+    hq, hkv, d, ps, b = 32, 8, 128, 16, len(lens)
+    kc, vc, table, q = paged_case(lens, hq, hkv, d, gen, ps)
+    scales = (0.0125, 0.01)
+    kq, vq = quantize_kv(kc, scales[0]), quantize_kv(vc, scales[1])
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    splits = num_splits(b, hkv)
+    outs = []
+    for bits in (2, 1, 0):
+        out = torch.full_like(q, float("nan"))
+        part_o = torch.empty(b * hkv * splits * 16 * d, device="cuda")
+        part_lse = torch.empty(b * hkv * splits * 16, device="cuda")
+        counters = torch.zeros(b * hkv, dtype=torch.int32, device="cuda")
+        tk.decode(q, kq, vq, out, table, lens_t, d**-0.5, splits, part_o, part_lse, counters, num_stages=1,
+                  kv_scales=scales, fp8_bits=bits)
+        assert torch.isfinite(out).all()
+        outs.append(out)
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2])
+    kd, vd = dequantize_kv(kq, scales[0]), dequantize_kv(vq, scales[1])
+    for i, n in enumerate(lens):
+        pg = table[i, : -(-n // ps)].long()
+        ref = attend(q[i : i + 1].float(), kd[pg].flatten(0, 1)[:n], vd[pg].flatten(0, 1)[:n], d**-0.5, n - 1)[0]
+        err = float((outs[0][i].float() - ref).norm() / ref.norm())
+        assert err < 1e-2, (i, n, err)
+
+
+@pytest.mark.parametrize("lens", [[1, 16, 17, 260], [4097, 3, 700, 16, 1, 64, 250, 33], [90] * 32])
+def test_fused_fp8_write_matches_quantizing_write_then_decode(lens):
+    """Over an FP8 pool the kernel quantizes the step's new bf16 rows as it writes them (the backend's decode step):
+    the caches' bytes equal those of the quantizing K/V write (`write_rows` with the layer's scales, which stores
+    quantize_kv's bits), and the output equals that of the kernel run after that write, bit for bit."""
+    from pieceworks.backends.kv_write import write_rows
+    from pieceworks.core.kv import quantize_kv
+
+    gen = torch.Generator("cuda").manual_seed(11 + sum(lens))
+    hq, hkv, d, ps, b = 32, 8, 128, 16, len(lens)
+    kc, vc, table, q = paged_case(lens, hq, hkv, d, gen, ps)
+    scales = (0.0125, 0.01)
+    kq0, vq0 = quantize_kv(kc, scales[0]), quantize_kv(vc, scales[1])
+    qkv = torch.randn(b, (hq + 2 * hkv) * d, device="cuda", generator=gen).bfloat16()
+    k_new = qkv[:, hq * d:(hq + hkv) * d].view(b, hkv, d)
+    v_new = qkv[:, (hq + hkv) * d:].view(b, hkv, d)
+    pos = torch.tensor(lens, dtype=torch.int64, device="cuda") - 1
+    slots = table.long().gather(1, (pos // ps)[:, None])[:, 0] * ps + pos % ps
+    splits = num_splits(b, hkv)
+    results = []
+    for fused in (False, True):
+        kq, vq = kq0.clone(), vq0.clone()
+        if not fused:
+            write_rows(kq.view(-1, hkv * d), k_new.reshape(b, -1), vq.view(-1, hkv * d), v_new.reshape(b, -1),
+                       slots, scales)
+        out = torch.full_like(q, float("nan"))
+        part_o = torch.empty(b * hkv * splits * 16 * d, device="cuda")
+        part_lse = torch.empty(b * hkv * splits * 16, device="cuda")
+        counters = torch.zeros(b * hkv, dtype=torch.int32, device="cuda")
+        tk.decode(q, kq, vq, out, table, pos, d**-0.5, splits, part_o, part_lse, counters,
+                  k_new=k_new if fused else None, v_new=v_new if fused else None, lens_are_positions=True,
+                  slots=slots if fused else None, kv_scales=scales, num_stages=1)
+        assert torch.isfinite(out).all() and int(counters.abs().sum()) == 0
+        results.append((out, kq.view(torch.uint8), vq.view(torch.uint8)))
+    (o0, k0, v0), (o1, k1, v1) = results
+    assert torch.equal(k1, k0) and torch.equal(v1, v0)
+    assert torch.equal(k1.view(-1, hkv, d)[slots], quantize_kv(k_new, scales[0]).view(torch.uint8))
+    assert not torch.equal(k1, kq0.view(torch.uint8))  # the rows were written
+    assert torch.equal(o1, o0)

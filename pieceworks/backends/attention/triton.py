@@ -113,12 +113,12 @@ class TritonDecodeAttentionBackend(AttentionBackend):
         kc, vc = kv.k_cache(layer_id), kv.v_cache(layer_id)
         splits, batch, part_o, part_lse, counters = self._bufs
         # The decode kernel writes the step's K/V rows itself (one launch less per layer) where they
-        # are one row per sequence in the caches' dtype, at meta.slot_mapping's slot (graph padding
-        # rows: the reserved slot, as the contract says). Else the separate write first.
-        fuse = (k.shape[0] == batch and k.dtype == v.dtype == kc.dtype == vc.dtype
-                and k.stride(-1) == 1 and v.stride(-1) == 1)
+        # are one row per sequence, at meta.slot_mapping's slot (graph padding rows: the reserved slot,
+        # as the contract says), quantizing them for an FP8 pool. Else the separate write first.
+        fuse = (k.shape[0] == batch and k.dtype == v.dtype and kc.dtype == vc.dtype
+                and (kc.dtype == k.dtype or kc.dtype == KV_FP8) and k.stride(-1) == 1 and v.stride(-1) == 1)
         scales = kv.k_scale(layer_id), kv.v_scale(layer_id)
-        if not fuse:  # an FP8 pool's rows are quantized by this write
+        if not fuse:  # quantizing an FP8 pool's rows
             width = kc.shape[2] * kc.shape[3]
             write_rows(kc.view(-1, width), k.reshape(k.shape[0], -1), vc.view(-1, width),
                        v.reshape(v.shape[0], -1), meta.slot_mapping[: k.shape[0]], scales)

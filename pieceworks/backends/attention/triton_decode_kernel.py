@@ -20,14 +20,74 @@ import triton.language as tl
 from pieceworks.backends import pdl, pdl_kernels
 from pieceworks.backends.fp4_gemm.triton_epilogue import publish_and_count  # the split-K handshake
 
+# Four e4m3 bytes -> four bf16 (two bf16x2 registers) by bit moves: each byte's exponent and mantissa shifted into
+# bf16's fields, its sign kept, then one exact multiply by 2^120 (the exponent biases' difference: 127 - 7), which
+# also scales e4m3's subnormals right. Triton's own e4m3 -> bf16 on sm_90 runs three conversion instructions per
+# pair (e4m3x2 -> f16x2, then each f16 -> bf16), which bound the FP8 decode loop; this runs integer and bf16x2
+# ALU work instead. Exact for every finite byte; e4m3's NaN bytes (0x7f, 0xff) read as +-480 (quantize_kv
+# stores NaN only where its input was NaN).
+_E4M3_TO_BF16 = tl.constexpr("""{
+.reg .b32 a<2>, b<2>, s, z;
+mov.b32 s, 0x7b807b80;
+mov.b32 z, 0x80008000;
+prmt.b32 a0, 0, $2, 0x5140;
+prmt.b32 a1, 0, $2, 0x7362;
+lop3.b32 b0, a0, 0x7fff7fff, 0, 0xc0;
+lop3.b32 b1, a1, 0x7fff7fff, 0, 0xc0;
+shr.b32 b0, b0, 4;
+shr.b32 b1, b1, 4;
+lop3.b32 b0, b0, 0x80008000, a0, 0xf8;
+lop3.b32 b1, b1, 0x80008000, a1, 0xf8;
+fma.rn.bf16x2 $0, b0, s, z;
+fma.rn.bf16x2 $1, b1, s, z;
+}""")
+
+
+_WORD_TO_BF16 = tl.constexpr("""{
+.reg .b32 a<2>, b<2>, s, z;
+mov.b32 s, 0x7b807b80;
+mov.b32 z, 0x80008000;
+prmt.b32 a0, 0, $4, 0x5140;
+prmt.b32 a1, 0, $4, 0x7362;
+lop3.b32 b0, a0, 0x7fff7fff, 0, 0xc0;
+lop3.b32 b1, a1, 0x7fff7fff, 0, 0xc0;
+shr.b32 b0, b0, 4;
+shr.b32 b1, b1, 4;
+lop3.b32 b0, b0, 0x80008000, a0, 0xf8;
+lop3.b32 b1, b1, 0x80008000, a1, 0xf8;
+fma.rn.bf16x2 b0, b0, s, z;
+fma.rn.bf16x2 b1, b1, s, z;
+mov.b32 {$0, $1}, b0;
+mov.b32 {$2, $3}, b1;
+}""")
+
+
+@triton.jit
+def e4m3_rows_to_bf16(ptr, rows, D: tl.constexpr, mask):
+    """[R, D] bf16 of the e4m3 rows starting at element offsets `rows` of `ptr` (a multiple of 4), read as 32-bit
+    words and decoded in registers, so that the tile reaches the dot as 16-bit values."""
+    d4 = tl.arange(0, D // 4)
+    w = tl.load(ptr.to(tl.pointer_type(tl.int32)) + (rows // 4)[:, None] + d4[None, :], mask=mask[:, None], other=0)
+    a, b, c, e = tl.inline_asm_elementwise(_WORD_TO_BF16, "=h,=h,=h,=h,r", [w], dtype=(tl.bfloat16,) * 4,
+                                           is_pure=True, pack=1)
+    return tl.reshape(tl.join(tl.join(a, c), tl.join(b, e)), (rows.shape[0], D))
+
+
+@triton.jit
+def e4m3_to_bf16(x):
+    """float8_e4m3fn -> bfloat16, exact (see _E4M3_TO_BF16)."""
+    return tl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
+                                     is_pure=True, pack=4)
+
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr, count_ptr,
                    kn_ptr, vn_ptr, slot_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
                    stride_vp, stride_vs, stride_vh, stride_tb, stride_knt, stride_knh, stride_vnt, stride_vnh,
-                   scale_log2, v_scale, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
+                   scale_log2, v_scale, inv_k, inv_v, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
                    S: tl.constexpr, BLOCK_N: tl.constexpr, HKV: tl.constexpr, WRITE: tl.constexpr,
-                   LENS_ARE_POSITIONS: tl.constexpr, PDL: tl.constexpr = False):
+                   LENS_ARE_POSITIONS: tl.constexpr, QUANT: tl.constexpr = False, KV_BITS: tl.constexpr = 0,
+                   PDL: tl.constexpr = False):
     pdl_kernels.wait(PDL)  # q and the new K/V rows come from the kernels before (pdl.py)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -59,6 +119,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
             page_new = slot // PS
             kn = tl.load(kn_ptr + b.to(tl.int64) * stride_knt + h * stride_knh + d)
             vn = tl.load(vn_ptr + b.to(tl.int64) * stride_vnt + h * stride_vnh + d)
+            if QUANT:  # an FP8 pool's rows, as core.kv.quantize_kv and the write kernel store them
+                kn = tl.clamp(kn.to(tl.float32) * inv_k, -448.0, 448.0).to(k_ptr.dtype.element_ty)
+                vn = tl.clamp(vn.to(tl.float32) * inv_v, -448.0, 448.0).to(v_ptr.dtype.element_ty)
             tl.store(k_ptr + page_new * stride_kp + (slot % PS) * stride_ks + h * stride_kh + d, kn)
             tl.store(v_ptr + page_new * stride_vp + (slot % PS) * stride_vs + h * stride_vh + d, vn)
         tl.debug_barrier()
@@ -67,7 +130,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
         valid = offs < end
         page = tl.load(table + offs // PS, mask=valid, other=0).to(tl.int64)
         k_rows = page * stride_kp + (offs % PS) * stride_ks + h * stride_kh
-        k = tl.load(k_ptr + k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
+        if KV_BITS == 2:
+            k = e4m3_rows_to_bf16(k_ptr, k_rows, D, valid)
+        elif KV_BITS == 1:
+            k = e4m3_to_bf16(tl.load(k_ptr + k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0))
+        else:
+            k = tl.load(k_ptr + k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
         qk = tl.dot(q, tl.trans(k)) * scale_log2  # scores in log2 units (an FP8 pool's k_scale folded in)
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -75,7 +143,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
         p = tl.math.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_rows = page * stride_vp + (offs % PS) * stride_vs + h * stride_vh
-        v = tl.load(v_ptr + v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
+        if KV_BITS == 2:
+            v = e4m3_rows_to_bf16(v_ptr, v_rows, D, valid)
+        elif KV_BITS == 1:
+            v = e4m3_to_bf16(tl.load(v_ptr + v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0))
+        else:
+            v = tl.load(v_ptr + v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     pdl_kernels.launch_dependents(PDL)  # the next kernel's launch overlaps the merge
@@ -121,11 +194,12 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
            part_lse: torch.Tensor, counters: torch.Tensor, block_n: int = 64, num_warps: int = 4,
            num_stages: int = 2, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
            lens_are_positions: bool = False, slots: torch.Tensor | None = None,
-           kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
+           kv_scales: tuple[float, float] = (1.0, 1.0), fp8_bits: int | None = None) -> None:
     """out[b] = attention of q[b] over the first lens[b] tokens of sequence b's pages.
 
     kv_scales: (k_scale, v_scale) of an FP8 pool (float8_e4m3fn caches, read as q's dtype times them).
-    k_new, v_new: [B, Hkv, D] (unit stride over D, the caches' dtype), or None: the step's new rows,
+    k_new, v_new: [B, Hkv, D] (unit stride over D; the caches' dtype, or any over an FP8 pool, whose rows
+    the kernel quantizes as `core.kv.quantize_kv` does), or None: the step's new rows,
     written to the caches at slots[b] (int64 [B]: page * PS + offset; for a real row the slot of
     position lens[b] - 1) by the kernel before it reads them (saves the separate K/V write launch of
     a decode step). Without them the caches must already hold them.
@@ -135,7 +209,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     q, out: [B, Hq, D] (row stride free, unit stride over D); k_cache, v_cache: [P, PS, Hkv, D];
     table: [B, >= pages] int32 page ids; lens: [B] int32 (>= 1); part_o: float32 with room for
     B * Hkv * splits * GP * D, part_lse: B * Hkv * splits * GP (GP = max(16, pow2 >= Hq / Hkv));
-    counters: int32 [>= B * Hkv], zero (left zero). block_n: keys per loop step (a split covers a whole
+    counters: int32 [>= B * Hkv], zero (left zero). fp8_bits: an FP8 pool read into bf16 queries' dtype by
+    bit moves (`e4m3_to_bf16`; None: so wherever that applies) rather than Triton's conversion. block_n: keys per loop step (a split covers a whole
     number of them); num_warps, num_stages: Triton's launch options."""
     b, hq, dim = q.shape
     _, page_size, hkv, _ = k_cache.shape
@@ -145,18 +220,22 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     if write and slots is None:
         raise ValueError("decode: k_new/v_new need slots (the slot of each new row)")
     kn, vn = (k_new, v_new) if write else (q, q)  # placeholders, never read
+    quant = write and k_cache.dtype == torch.float8_e4m3fn and k_new.dtype != k_cache.dtype
     slots = slots if write else lens  # placeholder, never read
     # Launched in stream order, not early behind the q/k/v GEMM: every input but the page table comes from
     # that GEMM, and the early launch makes the kernel finish later (batch-1 step on the H200: 8.3 us after
     # the GEMM's end per layer against 6.5; docs/benchmarks.md). Its PDL wait then returns at once, and its
     # trigger still lets the o GEMM launch before the merge.
+    if fp8_bits is None:
+        fp8_bits = 2 if k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16 else 0
     use_pdl, launch = pdl.launch_options(q.device, early=False)
     _decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, out, table, lens, part_o, part_lse, counters, kn, vn, slots,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
-        scale * kv_scales[0] * 1.4426950408889634, kv_scales[1], G=group, GP=gp, D=dim, PS=page_size, S=splits,
+        scale * kv_scales[0] * 1.4426950408889634, kv_scales[1], 1.0 / kv_scales[0], 1.0 / kv_scales[1], G=group, GP=gp, D=dim, PS=page_size, S=splits,
         BLOCK_N=block_n, HKV=hkv,
-        WRITE=write, LENS_ARE_POSITIONS=lens_are_positions, PDL=use_pdl,
+        WRITE=write, LENS_ARE_POSITIONS=lens_are_positions, QUANT=quant, KV_BITS=fp8_bits,
+        PDL=use_pdl,
         num_warps=num_warps, num_stages=num_stages, **launch)
