@@ -92,30 +92,33 @@ def test_fused_kv_write_matches_write_then_decode(lens):
             assert torch.equal(o1, o0), splits
 
 
-def test_e4m3_to_bf16_is_exact_for_every_byte():
-    """The FP8 pool's bit-move read (`e4m3_to_bf16`) against torch's conversion for all 256 bytes: equal bits for
-    every finite one (subnormals and both zeros included); the two NaN bytes read as +-480."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_e4m3_word_reads_are_exact_for_every_byte(dtype):
+    """The FP8 pool's reads by bit moves (`e4m3_rows_to_bf16`: 32-bit words, each decoded into four values) against
+    torch's conversion for all 256 bytes, in rows as the kernel reads them: equal bits for every finite byte
+    (subnormals and both zeros included); the two NaN bytes read as +-480."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def convert(x_ptr, y_ptr, N: tl.constexpr):
-        i = tl.arange(0, N)
-        tl.store(y_ptr + i, tk.e4m3_to_bf16(tl.load(x_ptr + i)))
+    def convert(x_ptr, y_ptr, R: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
+        r = tl.arange(0, R)
+        y = tk.e4m3_rows_to_bf16(x_ptr, r * D, D, r < R, DT)
+        tl.store(y_ptr + r[:, None] * D + tl.arange(0, D)[None, :], y)
 
-    codes = torch.arange(256, dtype=torch.uint8, device="cuda")
-    x = codes.view(torch.float8_e4m3fn)
-    y = torch.empty(256, dtype=torch.bfloat16, device="cuda")
-    convert[(1,)](x, y, N=256)
-    ref = x.to(torch.bfloat16)
+    x = torch.arange(256, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    y = torch.empty(256, dtype=dtype, device="cuda")
+    convert[(1,)](x, y, R=4, D=64, DT=tl.float16 if dtype == torch.float16 else tl.bfloat16)
+    ref = x.to(dtype)
     finite = torch.isfinite(ref)
     assert int(finite.sum()) == 254
     assert torch.equal(y[finite].view(torch.int16), ref[finite].view(torch.int16))
     assert y[~finite].tolist() == [480.0, -480.0]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lens", [[1], [4097, 3, 700, 16, 1, 64, 250, 33], [90] * 32])
-def test_fp8_bit_reads_equal_tritons_conversion(lens):
+def test_fp8_bit_reads_equal_tritons_conversion(lens, dtype):
     """Over an FP8 pool with scales, the decode kernel's bit-move reads (the default for bf16 queries) give the
     bits of Triton's own e4m3 -> bf16 conversion, and both stay within 1e-2 of float32 attention over the
     dequantized pool."""
@@ -124,12 +127,13 @@ def test_fp8_bit_reads_equal_tritons_conversion(lens):
     gen = torch.Generator("cuda").manual_seed(7 + len(lens))
     hq, hkv, d, ps, b = 32, 8, 128, 16, len(lens)
     kc, vc, table, q = paged_case(lens, hq, hkv, d, gen, ps)
+    q = q.to(dtype)
     scales = (0.0125, 0.01)
     kq, vq = quantize_kv(kc, scales[0]), quantize_kv(vc, scales[1])
     lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
     splits = num_splits(b, hkv)
     outs = []
-    for bits in (2, 1, 0):
+    for bits in (2, 1, 0) if dtype == torch.bfloat16 else (2, 0):
         out = torch.full_like(q, float("nan"))
         part_o = torch.empty(b * hkv * splits * 16 * d, device="cuda")
         part_lse = torch.empty(b * hkv * splits * 16, device="cuda")
@@ -138,7 +142,7 @@ def test_fp8_bit_reads_equal_tritons_conversion(lens):
                   kv_scales=scales, fp8_bits=bits)
         assert torch.isfinite(out).all()
         outs.append(out)
-    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2])
+    assert all(torch.equal(o, outs[-1]) for o in outs)
     kd, vd = dequantize_kv(kq, scales[0]), dequantize_kv(vq, scales[1])
     for i, n in enumerate(lens):
         pg = table[i, : -(-n // ps)].long()

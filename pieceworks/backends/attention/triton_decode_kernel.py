@@ -43,33 +43,39 @@ fma.rn.bf16x2 $1, b1, s, z;
 }""")
 
 
-_WORD_TO_BF16 = tl.constexpr("""{
+_E4M3_WORD = """{{
 .reg .b32 a<2>, b<2>, s, z;
-mov.b32 s, 0x7b807b80;
+mov.b32 s, {scale};
 mov.b32 z, 0x80008000;
 prmt.b32 a0, 0, $4, 0x5140;
 prmt.b32 a1, 0, $4, 0x7362;
 lop3.b32 b0, a0, 0x7fff7fff, 0, 0xc0;
 lop3.b32 b1, a1, 0x7fff7fff, 0, 0xc0;
-shr.b32 b0, b0, 4;
-shr.b32 b1, b1, 4;
+shr.b32 b0, b0, {shift};
+shr.b32 b1, b1, {shift};
 lop3.b32 b0, b0, 0x80008000, a0, 0xf8;
 lop3.b32 b1, b1, 0x80008000, a1, 0xf8;
-fma.rn.bf16x2 b0, b0, s, z;
-fma.rn.bf16x2 b1, b1, s, z;
-mov.b32 {$0, $1}, b0;
-mov.b32 {$2, $3}, b1;
-}""")
+fma.rn.{kind}x2 b0, b0, s, z;
+fma.rn.{kind}x2 b1, b1, s, z;
+mov.b32 {{$0, $1}}, b0;
+mov.b32 {{$2, $3}}, b1;
+}}"""
+_E4M3_WORD_BF16 = tl.constexpr(_E4M3_WORD.format(scale="0x7b807b80", shift=4, kind="bf16"))  # 2^120
+_E4M3_WORD_F16 = tl.constexpr(_E4M3_WORD.format(scale="0x5c005c00", shift=1, kind="f16"))  # 2^8
 
 
 @triton.jit
-def e4m3_rows_to_bf16(ptr, rows, D: tl.constexpr, mask):
-    """[R, D] bf16 of the e4m3 rows starting at element offsets `rows` of `ptr` (a multiple of 4), read as 32-bit
-    words and decoded in registers, so that the tile reaches the dot as 16-bit values."""
+def e4m3_rows_to_bf16(ptr, rows, D: tl.constexpr, mask, DT: tl.constexpr = tl.bfloat16):
+    """[R, D] DT (bf16 or fp16) of the e4m3 rows starting at element offsets `rows` of `ptr` (a multiple of 4),
+    read as 32-bit words and decoded in registers, so that the tile reaches the dot as 16-bit values."""
     d4 = tl.arange(0, D // 4)
     w = tl.load(ptr.to(tl.pointer_type(tl.int32)) + (rows // 4)[:, None] + d4[None, :], mask=mask[:, None], other=0)
-    a, b, c, e = tl.inline_asm_elementwise(_WORD_TO_BF16, "=h,=h,=h,=h,r", [w], dtype=(tl.bfloat16,) * 4,
-                                           is_pure=True, pack=1)
+    if DT == tl.float16:
+        a, b, c, e = tl.inline_asm_elementwise(_E4M3_WORD_F16, "=h,=h,=h,=h,r", [w], dtype=(tl.float16,) * 4,
+                                               is_pure=True, pack=1)
+    else:
+        a, b, c, e = tl.inline_asm_elementwise(_E4M3_WORD_BF16, "=h,=h,=h,=h,r", [w], dtype=(tl.bfloat16,) * 4,
+                                               is_pure=True, pack=1)
     return tl.reshape(tl.join(tl.join(a, c), tl.join(b, e)), (rows.shape[0], D))
 
 
@@ -131,7 +137,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
         page = tl.load(table + offs // PS, mask=valid, other=0).to(tl.int64)
         k_rows = page * stride_kp + (offs % PS) * stride_ks + h * stride_kh
         if KV_BITS == 2:
-            k = e4m3_rows_to_bf16(k_ptr, k_rows, D, valid)
+            k = e4m3_rows_to_bf16(k_ptr, k_rows, D, valid, q.dtype)
         elif KV_BITS == 1:
             k = e4m3_to_bf16(tl.load(k_ptr + k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0))
         else:
@@ -144,7 +150,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_rows = page * stride_vp + (offs % PS) * stride_vs + h * stride_vh
         if KV_BITS == 2:
-            v = e4m3_rows_to_bf16(v_ptr, v_rows, D, valid)
+            v = e4m3_rows_to_bf16(v_ptr, v_rows, D, valid, q.dtype)
         elif KV_BITS == 1:
             v = e4m3_to_bf16(tl.load(v_ptr + v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0))
         else:
@@ -227,7 +233,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     # the GEMM's end per layer against 6.5; docs/benchmarks.md). Its PDL wait then returns at once, and its
     # trigger still lets the o GEMM launch before the merge.
     if fp8_bits is None:
-        fp8_bits = 2 if k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16 else 0
+        fp8_bits = 2 if k_cache.dtype == torch.float8_e4m3fn else 0
     use_pdl, launch = pdl.launch_options(q.device, early=False)
     _decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, out, table, lens, part_o, part_lse, counters, kn, vn, slots,
