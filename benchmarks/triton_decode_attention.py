@@ -23,7 +23,7 @@ import torch
 from common import graph_time, ints
 
 HQ, HKV, D, PS, LAYERS = 32, 8, 128, 16, 32
-FP8_BITS = None
+FP8_WORDS = True
 
 
 FP8_SCALES = (0.0125, 0.01)
@@ -60,7 +60,7 @@ def time_variant(state, splits: int, write: str = "", **launch) -> float:
         launch = dict(launch, lens_are_positions=True)
     scales = FP8_SCALES if KV == "fp8" else (1.0, 1.0)
     if KV == "fp8":
-        launch = dict(launch, kv_scales=FP8_SCALES, fp8_bits=FP8_BITS)
+        launch = dict(launch, kv_scales=FP8_SCALES, fp8_words=FP8_WORDS)
 
     def call(i: int) -> None:
         if write == "apart":
@@ -110,11 +110,11 @@ def main() -> None:
     p.add_argument("--policy-splits", action="store_true", help="sweep only the backend's split count")
     p.add_argument("--kv", choices=("bf16", "fp8"), default="bf16", help="the pool's dtype (fp8: e4m3 K/V with "
                    "scales, as kv_cache.dtype: fp8 stores them; with --write the kernel quantizes the rows it writes)")
-    p.add_argument("--fp8-convert", choices=("bits", "cvt", "all"), default="bits", help="an FP8 pool's e4m3 -> "
-                   "bf16 reads: bit moves (the backend's), Triton's conversion, or each in turn")
+    p.add_argument("--fp8-read", choices=("words", "convert", "both"), default="words", help="an FP8 pool's K/V "
+                   "reads: words decoded by bit moves (the backend's), Triton's conversion, or each in turn")
     args = p.parse_args()
     # triton is imported once the arguments are read: --help needs none
-    global tk, num_splits, quantize_kv, KV, BACKEND_STAGES, FP8_BITS, write_rows
+    global tk, num_splits, quantize_kv, KV, BACKEND_STAGES, FP8_WORDS, write_rows
     from pieceworks.backends.attention import triton_decode_kernel as tk
     from pieceworks.backends.attention.triton import num_splits
     from pieceworks.backends.kv_write import write_rows
@@ -130,14 +130,14 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; context {args.context}, "
           f"{HQ}/{HKV} heads, head_dim {D}, page size {PS}, {KV} K/V"
           f"{f', K/V write {args.write}' if args.write else ''}")
-    converts = {"bits": [2], "cvt": [0], "all": [2, 1, 0]}[args.fp8_convert] if KV == "fp8" else [None]
+    reads = {"words": [True], "convert": [False], "both": [True, False]}[args.fp8_read] if KV == "fp8" else [None]
     print("| batch | splits | K/V read | us per call |\n|---:|---:|---|---:|")
     for b in ints(args.batches):
         splits = num_splits(b, HKV)
         state = setup(b, args.context, splits)
-        for FP8_BITS in converts:
+        for FP8_WORDS in reads:
             us = time_variant(state, splits, args.write, num_stages=BACKEND_STAGES)
-            how = {None: KV, 2: "e4m3 words", 1: "e4m3 bits", 0: "e4m3 cvt"}[FP8_BITS]
+            how = {None: KV, True: "e4m3 words", False: "e4m3 convert"}[FP8_WORDS]
             print(f"| {b} | {splits} | {how} | {us:.2f} |", flush=True)
 
 

@@ -20,29 +20,13 @@ import triton.language as tl
 from pieceworks.backends import pdl, pdl_kernels
 from pieceworks.backends.fp4_gemm.triton_epilogue import publish_and_count  # the split-K handshake
 
-# Four e4m3 bytes -> four bf16 (two bf16x2 registers) by bit moves: each byte's exponent and mantissa shifted into
-# bf16's fields, its sign kept, then one exact multiply by 2^120 (the exponent biases' difference: 127 - 7), which
-# also scales e4m3's subnormals right. Triton's own e4m3 -> bf16 on sm_90 runs three conversion instructions per
-# pair (e4m3x2 -> f16x2, then each f16 -> bf16), which bound the FP8 decode loop; this runs integer and bf16x2
-# ALU work instead. Exact for every finite byte; e4m3's NaN bytes (0x7f, 0xff) read as +-480 (quantize_kv
-# stores NaN only where its input was NaN).
-_E4M3_TO_BF16 = tl.constexpr("""{
-.reg .b32 a<2>, b<2>, s, z;
-mov.b32 s, 0x7b807b80;
-mov.b32 z, 0x80008000;
-prmt.b32 a0, 0, $2, 0x5140;
-prmt.b32 a1, 0, $2, 0x7362;
-lop3.b32 b0, a0, 0x7fff7fff, 0, 0xc0;
-lop3.b32 b1, a1, 0x7fff7fff, 0, 0xc0;
-shr.b32 b0, b0, 4;
-shr.b32 b1, b1, 4;
-lop3.b32 b0, b0, 0x80008000, a0, 0xf8;
-lop3.b32 b1, b1, 0x80008000, a1, 0xf8;
-fma.rn.bf16x2 $0, b0, s, z;
-fma.rn.bf16x2 $1, b1, s, z;
-}""")
-
-
+# An FP8 pool's K/V tile read as 32-bit words, each decoded in registers into four 16-bit values by bit moves: a
+# byte's exponent and mantissa shifted into the target type's fields, its sign kept, then one exact multiply by 2^120
+# (bf16) or 2^8 (fp16), the exponent biases' difference, which also scales e4m3's subnormals right. Triton's own
+# `.to()` reads the tile as bytes, which reach the PV dot's operand layout through shared memory a byte at a time
+# (64 byte loads per thread and key block on sm_90), and converts with three conversion instructions per pair for
+# bf16; these run on the integer and 16-bit ALUs and hand the dot 16-bit values (docs/benchmarks.md). Exact for
+# every finite byte; e4m3's NaN bytes (0x7f, 0xff) read as +-480 (quantize_kv stores NaN only for a NaN input).
 _E4M3_WORD = """{{
 .reg .b32 a<2>, b<2>, s, z;
 mov.b32 s, {scale};
@@ -65,9 +49,9 @@ _E4M3_WORD_F16 = tl.constexpr(_E4M3_WORD.format(scale="0x5c005c00", shift=1, kin
 
 
 @triton.jit
-def e4m3_rows_to_bf16(ptr, rows, D: tl.constexpr, mask, DT: tl.constexpr = tl.bfloat16):
-    """[R, D] DT (bf16 or fp16) of the e4m3 rows starting at element offsets `rows` of `ptr` (a multiple of 4),
-    read as 32-bit words and decoded in registers, so that the tile reaches the dot as 16-bit values."""
+def e4m3_rows(ptr, rows, D: tl.constexpr, mask, DT: tl.constexpr):
+    """[R, D] of DT (bf16 or fp16): the e4m3 rows of D elements at element offsets `rows` (multiples of 4) of `ptr`,
+    rows outside `mask` zero."""
     d4 = tl.arange(0, D // 4)
     w = tl.load(ptr.to(tl.pointer_type(tl.int32)) + (rows // 4)[:, None] + d4[None, :], mask=mask[:, None], other=0)
     if DT == tl.float16:
@@ -76,14 +60,8 @@ def e4m3_rows_to_bf16(ptr, rows, D: tl.constexpr, mask, DT: tl.constexpr = tl.bf
     else:
         a, b, c, e = tl.inline_asm_elementwise(_E4M3_WORD_BF16, "=h,=h,=h,=h,r", [w], dtype=(tl.bfloat16,) * 4,
                                                is_pure=True, pack=1)
+    # word element i of four: a, b, c, e -> columns 4j + i
     return tl.reshape(tl.join(tl.join(a, c), tl.join(b, e)), (rows.shape[0], D))
-
-
-@triton.jit
-def e4m3_to_bf16(x):
-    """float8_e4m3fn -> bfloat16, exact (see _E4M3_TO_BF16)."""
-    return tl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
-                                     is_pure=True, pack=4)
 
 
 @triton.jit
@@ -92,7 +70,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
                    stride_vp, stride_vs, stride_vh, stride_tb, stride_knt, stride_knh, stride_vnt, stride_vnh,
                    scale_log2, v_scale, inv_k, inv_v, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
                    S: tl.constexpr, BLOCK_N: tl.constexpr, HKV: tl.constexpr, WRITE: tl.constexpr,
-                   LENS_ARE_POSITIONS: tl.constexpr, QUANT: tl.constexpr = False, KV_BITS: tl.constexpr = 0,
+                   LENS_ARE_POSITIONS: tl.constexpr, QUANT: tl.constexpr = False, FP8_WORDS: tl.constexpr = False,
                    PDL: tl.constexpr = False):
     pdl_kernels.wait(PDL)  # q and the new K/V rows come from the kernels before (pdl.py)
     b = tl.program_id(0)
@@ -136,10 +114,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
         valid = offs < end
         page = tl.load(table + offs // PS, mask=valid, other=0).to(tl.int64)
         k_rows = page * stride_kp + (offs % PS) * stride_ks + h * stride_kh
-        if KV_BITS == 2:
-            k = e4m3_rows_to_bf16(k_ptr, k_rows, D, valid, q.dtype)
-        elif KV_BITS == 1:
-            k = e4m3_to_bf16(tl.load(k_ptr + k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0))
+        if FP8_WORDS:
+            k = e4m3_rows(k_ptr, k_rows, D, valid, q.dtype)
         else:
             k = tl.load(k_ptr + k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
         qk = tl.dot(q, tl.trans(k)) * scale_log2  # scores in log2 units (an FP8 pool's k_scale folded in)
@@ -149,10 +125,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
         p = tl.math.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_rows = page * stride_vp + (offs % PS) * stride_vs + h * stride_vh
-        if KV_BITS == 2:
-            v = e4m3_rows_to_bf16(v_ptr, v_rows, D, valid, q.dtype)
-        elif KV_BITS == 1:
-            v = e4m3_to_bf16(tl.load(v_ptr + v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0))
+        if FP8_WORDS:
+            v = e4m3_rows(v_ptr, v_rows, D, valid, q.dtype)
         else:
             v = tl.load(v_ptr + v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -200,7 +174,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
            part_lse: torch.Tensor, counters: torch.Tensor, block_n: int = 64, num_warps: int = 4,
            num_stages: int = 2, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
            lens_are_positions: bool = False, slots: torch.Tensor | None = None,
-           kv_scales: tuple[float, float] = (1.0, 1.0), fp8_bits: int | None = None) -> None:
+           kv_scales: tuple[float, float] = (1.0, 1.0), fp8_words: bool = True) -> None:
     """out[b] = attention of q[b] over the first lens[b] tokens of sequence b's pages.
 
     kv_scales: (k_scale, v_scale) of an FP8 pool (float8_e4m3fn caches, read as q's dtype times them).
@@ -215,9 +189,9 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     q, out: [B, Hq, D] (row stride free, unit stride over D); k_cache, v_cache: [P, PS, Hkv, D];
     table: [B, >= pages] int32 page ids; lens: [B] int32 (>= 1); part_o: float32 with room for
     B * Hkv * splits * GP * D, part_lse: B * Hkv * splits * GP (GP = max(16, pow2 >= Hq / Hkv));
-    counters: int32 [>= B * Hkv], zero (left zero). fp8_bits: an FP8 pool read into bf16 queries' dtype by
-    bit moves (`e4m3_to_bf16`; None: so wherever that applies) rather than Triton's conversion. block_n: keys per loop step (a split covers a whole
-    number of them); num_warps, num_stages: Triton's launch options."""
+    counters: int32 [>= B * Hkv], zero (left zero). block_n: keys per loop step (a split covers a whole
+    number of them); num_warps, num_stages: Triton's launch options. fp8_words: an FP8 pool read as words
+    decoded by bit moves (`e4m3_rows`); False: through Triton's conversion (the same values, slower)."""
     b, hq, dim = q.shape
     _, page_size, hkv, _ = k_cache.shape
     group = hq // hkv
@@ -226,22 +200,20 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     if write and slots is None:
         raise ValueError("decode: k_new/v_new need slots (the slot of each new row)")
     kn, vn = (k_new, v_new) if write else (q, q)  # placeholders, never read
-    quant = write and k_cache.dtype == torch.float8_e4m3fn and k_new.dtype != k_cache.dtype
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    quant = write and fp8 and k_new.dtype != k_cache.dtype
     slots = slots if write else lens  # placeholder, never read
     # Launched in stream order, not early behind the q/k/v GEMM: every input but the page table comes from
     # that GEMM, and the early launch makes the kernel finish later (batch-1 step on the H200: 8.3 us after
     # the GEMM's end per layer against 6.5; docs/benchmarks.md). Its PDL wait then returns at once, and its
     # trigger still lets the o GEMM launch before the merge.
-    if fp8_bits is None:
-        fp8_bits = 2 if k_cache.dtype == torch.float8_e4m3fn else 0
     use_pdl, launch = pdl.launch_options(q.device, early=False)
     _decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, out, table, lens, part_o, part_lse, counters, kn, vn, slots,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
-        scale * kv_scales[0] * 1.4426950408889634, kv_scales[1], 1.0 / kv_scales[0], 1.0 / kv_scales[1], G=group, GP=gp, D=dim, PS=page_size, S=splits,
-        BLOCK_N=block_n, HKV=hkv,
-        WRITE=write, LENS_ARE_POSITIONS=lens_are_positions, QUANT=quant, KV_BITS=fp8_bits,
-        PDL=use_pdl,
+        scale * kv_scales[0] * 1.4426950408889634, kv_scales[1], 1.0 / kv_scales[0], 1.0 / kv_scales[1],
+        G=group, GP=gp, D=dim, PS=page_size, S=splits, BLOCK_N=block_n, HKV=hkv,
+        WRITE=write, LENS_ARE_POSITIONS=lens_are_positions, QUANT=quant, FP8_WORDS=fp8_words and fp8, PDL=use_pdl,
         num_warps=num_warps, num_stages=num_stages, **launch)
