@@ -23,6 +23,7 @@ import torch
 from common import graph_time, ints
 
 HQ, HKV, D, PS, LAYERS = 32, 8, 128, 16, 32
+BACKEND_STAGES = 2  # attention.triton's launch
 FP8_WORDS = True
 
 
@@ -114,14 +115,13 @@ def main() -> None:
                    "reads: words decoded by bit moves (the backend's), Triton's conversion, or each in turn")
     args = p.parse_args()
     # triton is imported once the arguments are read: --help needs none
-    global tk, num_splits, quantize_kv, KV, BACKEND_STAGES, FP8_WORDS, write_rows
+    global tk, num_splits, quantize_kv, KV, FP8_WORDS, write_rows
     from pieceworks.backends.attention import triton_decode_kernel as tk
     from pieceworks.backends.attention.triton import num_splits
     from pieceworks.backends.kv_write import write_rows
     from pieceworks.core.kv import quantize_kv
 
     KV = args.kv
-    BACKEND_STAGES = 1 if KV == "fp8" else 2  # attention.triton's launch for the pool's dtype
 
     if args.sweep:
         sweep([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")], ints(args.block_n),

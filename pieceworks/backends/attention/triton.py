@@ -118,7 +118,7 @@ class TritonDecodeAttentionBackend(AttentionBackend):
         fuse = (k.shape[0] == batch and k.dtype == v.dtype and kc.dtype == vc.dtype
                 and (kc.dtype == k.dtype or kc.dtype == KV_FP8) and k.stride(-1) == 1 and v.stride(-1) == 1)
         scales = kv.k_scale(layer_id), kv.v_scale(layer_id)
-        if not fuse:  # quantizing an FP8 pool's rows
+        if not fuse:  # (an FP8 pool's rows quantized by it too)
             width = kc.shape[2] * kc.shape[3]
             write_rows(kc.view(-1, width), k.reshape(k.shape[0], -1), vc.view(-1, width),
                        v.reshape(v.shape[0], -1), meta.slot_mapping[: k.shape[0]], scales)
@@ -128,4 +128,4 @@ class TritonDecodeAttentionBackend(AttentionBackend):
                                     meta.positions[:batch], scale, splits, part_o, part_lse, counters,
                                     k_new=k if fuse else None, v_new=v if fuse else None,
                                     lens_are_positions=True, slots=meta.slot_mapping[:batch] if fuse else None,
-                                    kv_scales=scales, num_stages=1 if kc.dtype == KV_FP8 else 2)
+                                    kv_scales=scales)

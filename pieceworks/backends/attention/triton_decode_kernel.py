@@ -8,7 +8,9 @@ dtype for the PV dot, as FlashInfer does). With several splits each program that
 normalized partial output and log-sum-exp (a short sequence leaves the last splits empty: splits
 cover whole BLOCK_N steps); the program that arrives last at the (sequence, head) counter merges the
 stored partials in split order (so the result does not depend on arrival order), writes the output
-and resets the counter to zero.
+and resets the counter to zero. Over an FP8 pool the new rows are quantized as they are written and the
+K/V tiles are read as 32-bit words decoded into the query dtype (`e4m3_rows`), the layer's k_scale folded
+into the softmax scale and its v_scale applied to the output.
 """
 
 from __future__ import annotations
@@ -66,11 +68,12 @@ def e4m3_rows(ptr, rows, D: tl.constexpr, mask, DT: tl.constexpr):
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr, count_ptr,
-                   kn_ptr, vn_ptr, slot_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks, stride_kh,
-                   stride_vp, stride_vs, stride_vh, stride_tb, stride_knt, stride_knh, stride_vnt, stride_vnh,
-                   scale_log2, v_scale, inv_k, inv_v, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
-                   S: tl.constexpr, BLOCK_N: tl.constexpr, HKV: tl.constexpr, WRITE: tl.constexpr,
-                   LENS_ARE_POSITIONS: tl.constexpr, QUANT: tl.constexpr = False, FP8_WORDS: tl.constexpr = False,
+                   kn_ptr, vn_ptr, slot_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks,
+                   stride_kh, stride_vp, stride_vs, stride_vh, stride_tb, stride_knt, stride_knh, stride_vnt,
+                   stride_vnh, scale_log2, v_scale, inv_k, inv_v, G: tl.constexpr, GP: tl.constexpr,
+                   D: tl.constexpr, PS: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr, HKV: tl.constexpr,
+                   WRITE: tl.constexpr, LENS_ARE_POSITIONS: tl.constexpr, QUANT: tl.constexpr = False,
+                   FP8_WORDS: tl.constexpr = False,
                    PDL: tl.constexpr = False):
     pdl_kernels.wait(PDL)  # q and the new K/V rows come from the kernels before (pdl.py)
     b = tl.program_id(0)
