@@ -10,6 +10,12 @@ from pieceworks.backends import pdl, pdl_kernels
 
 
 @triton.jit
+def quantize_e4m3(x, inv_scale, dtype: tl.constexpr):
+    """core.kv.quantize_kv in a kernel: x times the float32 reciprocal of the scale, saturated at the e4m3 range."""
+    return tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0).to(dtype)
+
+
+@triton.jit
 def _write_rows_kernel(
     dst_a, src_a, dst_b, src_b, slots,
     stride_da, stride_sa, stride_db, stride_sb,
@@ -22,13 +28,13 @@ def _write_rows_kernel(
     slot = tl.load(slots + t).to(tl.int64)
     ca = tl.arange(0, BLOCK_A)
     a = tl.load(src_a + t * stride_sa + ca, mask=ca < WIDTH_A)
-    if QUANT:  # core.kv.quantize_kv: times the float32 reciprocal of the scale, saturated at the e4m3 range
-        a = tl.clamp(a.to(tl.float32) * inv_a, -448.0, 448.0).to(dst_a.dtype.element_ty)
+    if QUANT:
+        a = quantize_e4m3(a, inv_a, dst_a.dtype.element_ty)
     tl.store(dst_a + slot * stride_da + ca, a, mask=ca < WIDTH_A)
     cb = tl.arange(0, BLOCK_B)
     b = tl.load(src_b + t * stride_sb + cb, mask=cb < WIDTH_B)
     if QUANT:
-        b = tl.clamp(b.to(tl.float32) * inv_b, -448.0, 448.0).to(dst_b.dtype.element_ty)
+        b = quantize_e4m3(b, inv_b, dst_b.dtype.element_ty)
     tl.store(dst_b + slot * stride_db + cb, b, mask=cb < WIDTH_B)
 
 

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from pieceworks.backends import pdl, pdl_kernels
 from pieceworks.backends.fp4_gemm.triton_epilogue import publish_and_count  # the split-K handshake
+from pieceworks.backends.kv_write_kernel import quantize_e4m3
 
 # An FP8 pool's K/V tile read as 32-bit words, each decoded in registers into four 16-bit values by bit moves: a
 # byte's exponent and mantissa shifted into the target type's fields, its sign kept, then one exact multiply by 2^120
@@ -107,8 +108,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
             kn = tl.load(kn_ptr + b.to(tl.int64) * stride_knt + h * stride_knh + d)
             vn = tl.load(vn_ptr + b.to(tl.int64) * stride_vnt + h * stride_vnh + d)
             if QUANT:  # an FP8 pool's rows, as core.kv.quantize_kv and the write kernel store them
-                kn = tl.clamp(kn.to(tl.float32) * inv_k, -448.0, 448.0).to(k_ptr.dtype.element_ty)
-                vn = tl.clamp(vn.to(tl.float32) * inv_v, -448.0, 448.0).to(v_ptr.dtype.element_ty)
+                kn = quantize_e4m3(kn, inv_k, k_ptr.dtype.element_ty)
+                vn = quantize_e4m3(vn, inv_v, v_ptr.dtype.element_ty)
             tl.store(k_ptr + page_new * stride_kp + (slot % PS) * stride_ks + h * stride_kh + d, kn)
             tl.store(v_ptr + page_new * stride_vp + (slot % PS) * stride_vs + h * stride_vh + d, vn)
         tl.debug_barrier()
