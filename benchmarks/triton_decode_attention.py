@@ -74,7 +74,8 @@ def time_variant(state, splits: int, write: str = "", **launch) -> float:
     return graph_time(call, LAYERS) * 1e6
 
 
-def sweep(shapes: list[tuple[int, int]], block_ns: list[int], warps: list[int], policy_only: bool) -> None:
+def sweep(shapes: list[tuple[int, int]], block_ns: list[int], warps: list[int], policy_only: bool,
+          stage_counts: list[int]) -> None:
     print("| batch x context | splits | block_n | stages | warps | us per call |\n|---|---:|---:|---:|---:|---:|")
     for batch, context in shapes:
         policy = num_splits(batch, HKV)
@@ -83,7 +84,7 @@ def sweep(shapes: list[tuple[int, int]], block_ns: list[int], warps: list[int], 
         every = {policy} if policy_only else {policy, 2, 4, 8, 16, 32} - ({32} if batch > 1 else set())
         for splits in sorted(every):
             for block_n in block_ns:
-                for stages in (1, 2):
+                for stages in stage_counts:
                     for w in warps:
                         us = time_variant(state, splits, block_n=block_n, num_stages=stages, num_warps=w)
                         mark = " (backend)" if (splits, block_n, stages, w) == (policy, 64, BACKEND_STAGES, 4) else ""
@@ -108,6 +109,7 @@ def main() -> None:
     p.add_argument("--shapes", default="1x512,8x512,32x512,32x4096", help="batch x context, for --sweep")
     p.add_argument("--block-n", default="16,32,64", help="keys per loop step to sweep")
     p.add_argument("--warps", default="4", help="warps per program to sweep")
+    p.add_argument("--stages", default="1,2", help="pipeline stages to sweep")
     p.add_argument("--policy-splits", action="store_true", help="sweep only the backend's split count")
     p.add_argument("--kv", choices=("bf16", "fp8"), default="bf16", help="the pool's dtype (fp8: e4m3 K/V with "
                    "scales, as kv_cache.dtype: fp8 stores them; with --write the kernel quantizes the rows it writes)")
@@ -125,7 +127,7 @@ def main() -> None:
 
     if args.sweep:
         sweep([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")], ints(args.block_n),
-              ints(args.warps), args.policy_splits)
+              ints(args.warps), args.policy_splits, ints(args.stages))
         return
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; context {args.context}, "
           f"{HQ}/{HKV} heads, head_dim {D}, page size {PS}, {KV} K/V"

@@ -195,7 +195,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     B * Hkv * splits * GP * D, part_lse: B * Hkv * splits * GP (GP = max(16, pow2 >= Hq / Hkv));
     counters: int32 [>= B * Hkv], zero (left zero). block_n: keys per loop step (a split covers a whole
     number of them); num_warps, num_stages: Triton's launch options. fp8_words: an FP8 pool read as words
-    decoded by bit moves (`e4m3_rows`); False: through Triton's conversion (the same values, slower)."""
+    decoded by bit moves (`e4m3_rows`; caches whose rows start off 4-byte boundaries are read as bytes);
+    False: through Triton's conversion (the same values, slower)."""
     b, hq, dim = q.shape
     _, page_size, hkv, _ = k_cache.shape
     group = hq // hkv
@@ -205,6 +206,9 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
         raise ValueError("decode: k_new/v_new need slots (the slot of each new row)")
     kn, vn = (k_new, v_new) if write else (q, q)  # placeholders, never read
     fp8 = k_cache.dtype == torch.float8_e4m3fn
+    # word reads need every row to start on a 4-byte boundary (the pool's layouts do; a strided view might not)
+    words = fp8_words and fp8 and all(c.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in c.stride()[:3])
+                                      for c in (k_cache, v_cache))
     quant = write and fp8 and k_new.dtype != k_cache.dtype
     slots = slots if write else lens  # placeholder, never read
     # Launched in stream order, not early behind the q/k/v GEMM: every input but the page table comes from
@@ -219,5 +223,5 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         scale * kv_scales[0] * 1.4426950408889634, kv_scales[1], 1.0 / kv_scales[0], 1.0 / kv_scales[1],
         G=group, GP=gp, D=dim, PS=page_size, S=splits, BLOCK_N=block_n, HKV=hkv,
-        WRITE=write, LENS_ARE_POSITIONS=lens_are_positions, QUANT=quant, FP8_WORDS=fp8_words and fp8, PDL=use_pdl,
+        WRITE=write, LENS_ARE_POSITIONS=lens_are_positions, QUANT=quant, FP8_WORDS=words, PDL=use_pdl,
         num_warps=num_warps, num_stages=num_stages, **launch)
