@@ -118,7 +118,7 @@ class TritonDecodeAttentionBackend(AttentionBackend):
         fuse = (k.shape[0] == batch and k.dtype == v.dtype and kc.dtype == vc.dtype
                 and (kc.dtype == k.dtype or kc.dtype == KV_FP8) and k.stride(-1) == 1 and v.stride(-1) == 1)
         scales = kv.k_scale(layer_id), kv.v_scale(layer_id)
-        if not fuse:  # (an FP8 pool's rows quantized by it too)
+        if not fuse:  # the write kernel, quantizing an FP8 pool's rows
             width = kc.shape[2] * kc.shape[3]
             write_rows(kc.view(-1, width), k.reshape(k.shape[0], -1), vc.view(-1, width),
                        v.reshape(v.shape[0], -1), meta.slot_mapping[: k.shape[0]], scales)

@@ -28,7 +28,7 @@ from pieceworks.backends.kv_write_kernel import quantize_e4m3
 # (bf16) or 2^8 (fp16), the exponent biases' difference, which also scales e4m3's subnormals right. Triton's own
 # `.to()` reads the tile as bytes, which reach the PV dot's operand layout through shared memory a byte at a time
 # (64 byte loads per thread and key block on sm_90), and converts with three conversion instructions per pair for
-# bf16; these run on the integer and 16-bit ALUs and hand the dot 16-bit values (docs/benchmarks.md). Exact for
+# bf16; the bit moves run on the integer and 16-bit ALUs and hand the dot 16-bit values (docs/benchmarks.md). Exact for
 # every finite byte; e4m3's NaN bytes (0x7f, 0xff) read as +-480 (quantize_kv stores NaN only for a NaN input).
 _E4M3_WORD = """{{
 .reg .b32 a<2>, b<2>, s, z;
@@ -74,8 +74,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, part_o_ptr
                    stride_vnh, scale_log2, v_scale, inv_k, inv_v, G: tl.constexpr, GP: tl.constexpr,
                    D: tl.constexpr, PS: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr, HKV: tl.constexpr,
                    WRITE: tl.constexpr, LENS_ARE_POSITIONS: tl.constexpr, QUANT: tl.constexpr = False,
-                   FP8_WORDS: tl.constexpr = False,
-                   PDL: tl.constexpr = False):
+                   FP8_WORDS: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_kernels.wait(PDL)  # q and the new K/V rows come from the kernels before (pdl.py)
     b = tl.program_id(0)
     h = tl.program_id(1)
