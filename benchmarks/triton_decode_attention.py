@@ -5,6 +5,8 @@
     python benchmarks/triton_decode_attention.py --write   # as the backend calls it: the kernel writes
                                                            # the step's K/V rows (positions as lengths)
     python benchmarks/triton_decode_attention.py --kv fp8  # an FP8 pool (e4m3 K/V, scales folded in)
+    python benchmarks/triton_decode_attention.py --kv fp8 --fp8-read both   # word reads against Triton's .to()
+    python benchmarks/triton_decode_attention.py --kv fp8 --write apart     # the quantizing write kernel first
 
 --sweep times, per batch x context, the kernel with other split counts, keys per loop step (block_n)
 and pipeline stages than the backend uses (same kernel, same results), to tune `num_splits` and the
