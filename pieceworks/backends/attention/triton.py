@@ -15,9 +15,9 @@ allocates the split buffers and counters, never inside a capture; sequence lengt
 step's token positions on the device (length = position + 1), so a step copies nothing for them.
 Eager decode steps share one set of split buffers, grown when a larger batch needs more (their size
 is batch x splits, and splits shrink as the batch grows). The kernel also writes the step's K/V rows
-into the cache (no separate write launch) where they come one row per sequence in the cache dtype. An FP8
-pool's rows are written (quantized) by the separate write, and read as bf16 times the layer's scales, with one
-pipeline stage instead of two (H100, batch 64 over 640 tokens: 49.2 against 67.0 us; docs/benchmarks.md).
+into the cache (no separate write launch) where they come one row per sequence, quantizing them for an FP8
+pool; such a pool's K/V are read as words decoded into the query dtype, times the layer's scales
+(`triton_decode_kernel.e4m3_rows`; docs/benchmarks.md).
 """
 
 from __future__ import annotations
