@@ -16,8 +16,10 @@ from pieceworks.quant.modelopt import detect_quantization, read_fp4_linear
 from pieceworks.quant.quantizer import quantize_checkpoint
 
 try:  # `python -m pytest` puts the repository root on sys.path, plain `pytest` puts tests/
+    from tests.helpers.checkpoint_edits import edit_json as _edit_json, edit_tensors as _edit_tensors
     from tests.helpers.smollm2_files import copy_tokenizer, smollm2_dir
 except ImportError:
+    from helpers.checkpoint_edits import edit_json as _edit_json, edit_tensors as _edit_tensors
     from helpers.smollm2_files import copy_tokenizer, smollm2_dir
 
 Q = "model.layers.0.self_attn.q_proj"  # [64 out, 64 in] in the tiny Llama
@@ -29,18 +31,6 @@ def ckpt(tiny_llama_modelopt, tmp_path):
     d = tmp_path / "fp4"
     shutil.copytree(tiny_llama_modelopt.fp4_dir, d)
     return d
-
-
-def _edit_tensors(d, fn):
-    tensors = load_file(d / "model.safetensors")
-    fn(tensors)
-    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
-
-
-def _edit_json(path, fn):
-    data = json.loads(path.read_text())
-    fn(data)
-    path.write_text(json.dumps(data))
 
 
 def _read_q(d):

@@ -10,13 +10,18 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from pieceworks import Executor
 from pieceworks.core.batch import ForwardBatch
 from pieceworks.core.kv import KV_FP8, dequantize_kv, quantize_kv
 from pieceworks.errors import CheckpointError, ConfigError
 from pieceworks.quant.modelopt import detect_quantization
+
+try:  # `python -m pytest` puts the repository root on sys.path, plain `pytest` puts tests/
+    from tests.helpers.checkpoint_edits import edit_json, edit_tensors
+except ImportError:
+    from helpers.checkpoint_edits import edit_json, edit_tensors
 
 CPU = {"runtime": {"device": "cpu", "dtype": "float32"}}
 
@@ -27,23 +32,15 @@ def ckpt(tiny_llama_modelopt, tmp_path):
     names), distinct per layer."""
     d = tmp_path / "fp4"
     shutil.copytree(tiny_llama_modelopt.fp4_dir, d)
-    _edit_json(d / "hf_quant_config.json", lambda q: q["quantization"].update({"kv_cache_quant_algo": "FP8"}))
-    tensors = load_file(d / "model.safetensors")
-    for i in range(_num_layers(d)):
-        tensors[f"model.layers.{i}.self_attn.k_proj.k_scale"] = torch.tensor(0.02 * (i + 1))
-        tensors[f"model.layers.{i}.self_attn.v_proj.v_scale"] = torch.tensor(0.03 * (i + 1))
-    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    edit_json(d / "hf_quant_config.json", lambda q: q["quantization"].update({"kv_cache_quant_algo": "FP8"}))
+    edit_tensors(d, lambda t: t.update({name: torch.tensor(s * (i + 1)) for i in range(_num_layers(d))
+                                        for name, s in ((f"model.layers.{i}.self_attn.k_proj.k_scale", 0.02),
+                                                        (f"model.layers.{i}.self_attn.v_proj.v_scale", 0.03))}))
     return d
 
 
 def _num_layers(d) -> int:
     return json.loads((d / "config.json").read_text())["num_hidden_layers"]
-
-
-def _edit_json(path, fn):
-    data = json.loads(path.read_text())
-    fn(data)
-    path.write_text(json.dumps(data))
 
 
 def _executor(path, **kv_cache) -> Executor:
@@ -120,11 +117,12 @@ def test_fp8_kv_checkpoint_without_scales_runs_at_scale_one_and_says_so(ckpt, ca
 
 
 def _edit_tensors_drop(d, endings, layers=None):
-    tensors = load_file(d / "model.safetensors")
-    for name in [n for n in tensors if n.endswith(endings)]:
-        if layers is None or int(name.split(".")[2]) in layers:
-            del tensors[name]
-    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    def drop(tensors):
+        for name in [n for n in tensors if n.endswith(endings)]:
+            if layers is None or int(name.split(".")[2]) in layers:
+                del tensors[name]
+
+    edit_tensors(d, drop)
 
 
 def test_fp8_kv_scales_missing_in_one_layer_are_refused(ckpt):
@@ -142,15 +140,13 @@ def test_fp8_kv_layer_with_a_k_scale_but_no_v_scale_is_refused(ckpt):
 
 @pytest.mark.parametrize("bad", [0.0, -0.5, float("inf")])
 def test_fp8_kv_scale_that_is_not_positive_and_finite_is_refused(ckpt, bad):
-    tensors = load_file(ckpt / "model.safetensors")
-    tensors["model.layers.0.self_attn.v_proj.v_scale"] = torch.tensor(bad)
-    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    edit_tensors(ckpt, lambda t: t.update({"model.layers.0.self_attn.v_proj.v_scale": torch.tensor(bad)}))
     with pytest.raises(CheckpointError, match=r"model.layers.0.self_attn.v_proj.v_scale: must be a positive finite"):
         _executor(ckpt)
 
 
 def test_other_kv_cache_quantization_is_refused_by_name(ckpt):
-    _edit_json(ckpt / "hf_quant_config.json", lambda q: q["quantization"].update({"kv_cache_quant_algo": "INT8"}))
+    edit_json(ckpt / "hf_quant_config.json", lambda q: q["quantization"].update({"kv_cache_quant_algo": "INT8"}))
     with pytest.raises(CheckpointError, match=r"kv_cache_quant_algo = 'INT8': pieceworks serves a KV cache in the "
                                               r"model dtype or in FP8"):
         detect_quantization(ckpt)
@@ -170,7 +166,7 @@ def test_mla_keeps_its_latents_in_the_model_dtype_under_auto_and_refuses_fp8(tin
                                                                              caplog):
     d = tmp_path / "ds"
     shutil.copytree(tiny_deepseek_modelopt.fp4_dir, d)
-    _edit_json(d / "hf_quant_config.json", lambda q: q["quantization"].update({"kv_cache_quant_algo": "FP8"}))
+    edit_json(d / "hf_quant_config.json", lambda q: q["quantization"].update({"kv_cache_quant_algo": "FP8"}))
     with caplog.at_level(logging.WARNING, logger="pieceworks.executor"):
         ex = _executor(d)
     assert ex.kv.dtype == torch.float32 and "no MLA backend reads FP8 latents" in caplog.text
