@@ -646,10 +646,10 @@ def test_triton_decode_attention_splits_and_reasons():
     bad = " ".join(TritonDecodeAttentionBackend.check(BackendSpec(**cuda, model=replace(ok, head_dim=96, num_kv_heads=5))))
     assert "head_dim" in bad and "multiple" in bad
     assert "device cuda" in " ".join(TritonDecodeAttentionBackend.check(BackendSpec(device="cpu", model=ok)))
-    fp8 = replace(ok, kv_fp8=True)  # Triton's e4m3 type: sm_89 and newer
+    fp8 = replace(ok, kv_fp8=True)  # the quantizing write's e4m3 type: sm_89 and newer
     assert TritonDecodeAttentionBackend.check(BackendSpec(**cuda, model=fp8)) == []
     ampere = TritonDecodeAttentionBackend.check(BackendSpec(**{**cuda, "capability": (8, 0)}, model=fp8))
-    assert ampere == ["reads an FP8 KV cache through Triton's e4m3 type, which needs sm_89 or newer"]
+    assert ampere == ["quantizes the FP8 KV cache's new rows through Triton's e4m3 type, which needs sm_89 or newer"]
 
 
 def test_triton_decode_attention_plan_buffers():

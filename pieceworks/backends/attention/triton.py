@@ -56,7 +56,8 @@ class TritonDecodeAttentionBackend(AttentionBackend):
         if m.num_heads % m.num_kv_heads == 0 and m.num_heads // m.num_kv_heads > 64:
             reasons.append(f"at most 64 query heads per KV head (model: {m.num_heads // m.num_kv_heads})")
         if m.kv_fp8 and spec.capability is not None and spec.capability < (8, 9):
-            reasons.append("reads an FP8 KV cache through Triton's e4m3 type, which needs sm_89 or newer")
+            reasons.append("quantizes the FP8 KV cache's new rows through Triton's e4m3 type, which needs sm_89 "
+                           "or newer")
         return reasons
 
     def __init__(self, spec, options=None) -> None:
