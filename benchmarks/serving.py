@@ -2,7 +2,8 @@
 under a concurrency cap), random prompt and output lengths, an optional shared system prompt.
 
 Prints `pieceworks bench`'s table (pieceworks.serve.stats: TTFT, TPOT, ITL, E2E mean/p50/p90/p99, request
-and token throughput), the first request's TTFT against the later ones' and the prefix cache's hit tokens.
+and token throughput), the first request's TTFT against the later ones', the prefix cache's hit tokens, and
+where the time went (`StepLog`): steps that compute prompt tokens against decode-only steps.
 
     # CPU, tiny preset (seconds)
     python benchmarks/serving.py model.arch=llama model.preset=tiny runtime.device=cpu \\
@@ -73,6 +74,71 @@ async def serve(aeng: AsyncEngine, reqs, args) -> tuple[list[dict], float]:
     t0 = time.perf_counter()
     results = await asyncio.gather(*(run_one(aeng, p, n, d, sem, params) for (p, n), d in zip(reqs, delays)))
     return results, time.perf_counter() - t0
+
+
+class StepLog:
+    """Where the serving time goes: steps that compute prompt tokens against decode-only steps.
+
+    Wraps `Engine._forward`: each step's prompt tokens (the positions below its requests' prompt lengths
+    that it computes) and decode rows, and a mark at the end of its forward's launches: a CUDA event on a
+    GPU (the stream's time from the previous step's forward end: this step's forward plus the previous
+    step's sampling, and any wait for the host), the host clock on a CPU. With async steps the host
+    launches step k before step k - 1 ends; the events still follow the GPU's order.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.cuda = engine, engine.executor.device.type == "cuda"
+        self.steps: list[tuple[int, int, object]] = []  # (prompt tokens, decode rows, mark)
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def __enter__(self) -> "StepLog":
+        forward = self.engine._forward
+        self.start = self._mark()
+
+        def logged(scheduled):
+            prompt = rows = 0
+            for req, toks in scheduled:
+                done = req.seq.kv_len
+                computed = max(0, min(done + len(toks), len(req.prompt)) - done)
+                prompt += computed
+                rows += computed == 0
+            out = forward(scheduled)
+            self.steps.append((prompt, rows, self._mark()))
+            return out
+
+        self.engine._forward = logged
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.engine._forward  # the class's method again
+
+    def summary(self) -> dict:
+        """Steps, seconds and tokens of both kinds (call after the GPU finished the steps)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        marks = [self.start] + [m for _, _, m in self.steps]
+        secs = [b - a if not self.cuda else a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+        prompt = [(n, s) for (n, _, _), s in zip(self.steps, secs) if n]
+        decode = [(r, s) for (n, r, _), s in zip(self.steps, secs) if not n]
+        return {"prompt_steps": len(prompt), "prompt_steps_s": sum(s for _, s in prompt),
+                "prompt_tokens_computed": sum(t for t, _ in prompt),
+                "decode_steps": len(decode), "decode_steps_s": sum(s for _, s in decode),
+                "decode_rows_mean": statistics.fmean(r for r, _ in decode) if decode else 0.0}
+
+
+def phases_line(ph: dict) -> str:
+    total = ph["prompt_steps_s"] + ph["decode_steps_s"]
+    share = ph["prompt_steps_s"] / total if total else math.nan
+    per = 1e3 * ph["decode_steps_s"] / ph["decode_steps"] if ph["decode_steps"] else math.nan
+    return (f"steps computing prompt tokens: {ph['prompt_steps']}, {ph['prompt_steps_s']:.3f} s of {total:.3f} "
+            f"({share:.0%}), {ph['prompt_tokens_computed']} prompt tokens; decode-only steps: {ph['decode_steps']}, "
+            f"{ph['decode_steps_s']:.3f} s, {per:.2f} ms each, {ph['decode_rows_mean']:.1f} rows on average")
 
 
 def report(records: list[RequestRecord], duration: float, stats: dict) -> dict:
@@ -346,12 +412,15 @@ def main() -> None:
         engine.generate([[rng.randrange(engine.executor.vocab_size) for _ in range(args.input_len[0])]
                          for _ in range(args.warmup)], SamplingParams(max_tokens=4, ignore_eos=True))
         before = engine.stats()
-        with AsyncEngine(engine) as aeng:
+        with StepLog(engine) as log, AsyncEngine(engine) as aeng:
             results, duration = asyncio.run(serve(aeng, reqs, args))
             after = aeng.stats()
         stats = {k: after[k] - before[k] for k in ("prefix_cache_hit_tokens", "prefix_cache_queried_tokens",
                                                    "num_preemptions", "num_steps", "num_async_steps")}
-        result = {"serving": report(results, duration, stats), "args": {k: str(v) for k, v in vars(args).items()}}
+        row = report(results, duration, stats)
+        row["phases"] = log.summary()
+        print(phases_line(row["phases"]))
+        result = {"serving": row, "args": {k: str(v) for k, v in vars(args).items()}}
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
 
