@@ -1,7 +1,7 @@
 """benchmarks/serving.py's split of the serving time into steps that compute prompt tokens and decode-only steps
-(`StepLog`; docs/benchmarks.md quotes it): run end to end on the tiny model on the CPU, the prompt tokens it counts
-must be the prompt tokens the engine computed (all of them, less the prefix cache's hits), whether prompts arrive
-whole or in chunks beside decode rows."""
+(`StepLog`): run end to end on the tiny model on the CPU, the prompt tokens it counts must be the prompt tokens the
+engine computed (all of them, less the prefix cache's hits), whether prompts arrive whole or in chunks beside decode
+rows."""
 
 from __future__ import annotations
 
