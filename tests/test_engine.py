@@ -534,6 +534,7 @@ def test_non_finite_logits_fail_only_their_request(engine, monkeypatch, referenc
         outs = engine.step()
     by_id = {o.request_id: o for o in outs}
     assert by_id[a].finish_reason == "error" and "NonFiniteLogits" in by_id[a].error and by_id[a].token_ids == []
+    assert by_id[a].error_param is None  # the engine's fault, not the request's
     assert not by_id[b].finished
     rest = []
     while engine.has_unfinished():

@@ -496,6 +496,27 @@ def test_structured_outputs_over_http(smol_url, tiny_url):
             assert r.status_code == 400 and err["param"] == param, (body, r.text)
     assert "does not compile" in httpx.post(f"{smol_url}/v1/completions", timeout=30, json={
         "model": SMOL_NAME, "prompt": "Hi", "structured_outputs": {"regex": "[a-"}}).json()["error"]["message"]
+    # a grammar and allowed_token_ids that share no token: the request's own conflict, a 400 (not an engine error)
+    other = httpx.post(f"{smol_url}/tokenize", timeout=30, json={"model": SMOL_NAME, "prompt": " hello",
+                                                                  "add_special_tokens": False}).json()["tokens"][:1]
+    for stream in (False, True):
+        r = httpx.post(f"{smol_url}/v1/completions", timeout=30, json={
+            "model": SMOL_NAME, "prompt": "Pick:", "max_tokens": 4, "temperature": 0, "stream": stream,
+            "allowed_token_ids": other, "structured_outputs": {"choice": ["red", "blue"]}})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["type"] == "invalid_request_error", r.text
+        assert err["param"] == "structured_outputs" and "does not continue" in err["message"], r.text
+    # ... found at the second token of a stream already started: an error event of that type, then [DONE]
+    two = httpx.post(f"{smol_url}/tokenize", timeout=30, json={"model": SMOL_NAME, "prompt": "hello world",
+                                                                "add_special_tokens": False}).json()["tokens"]
+    assert len(two) == 2
+    r = httpx.post(f"{smol_url}/v1/completions", timeout=30, json={
+        "model": SMOL_NAME, "prompt": "Say:", "max_tokens": 4, "temperature": 0, "stream": True,
+        "allowed_token_ids": two[:1], "structured_outputs": {"choice": ["hello world"]}})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert r.status_code == 200 and events[0]["choices"][0]["text"] == "hello", r.text
+    assert events[-1]["error"]["type"] == "invalid_request_error", r.text
+    assert events[-1]["error"]["param"] == "structured_outputs" and r.text.rstrip().endswith("[DONE]"), r.text
     assert httpx.get(f"{smol_url}/health", timeout=30).status_code == 200
 
 

@@ -343,6 +343,7 @@ def test_a_token_the_grammar_refuses_ends_the_completion_with_an_error(engine):
     other = tok.encode(" hello", add_special_tokens=False)[:1]  # no prefix of either choice
     out, = run(engine, ["Pick:"], temperature=0, max_tokens=4, structured_outputs=spec, allowed_token_ids=other)
     assert out.finish_reason == "error" and "does not continue the request's choice" in out.error
+    assert out.error_param == "structured_outputs"  # the request's own options conflict: a 400 over HTTP
     assert run(engine, ["Hi"], temperature=0, max_tokens=2)[0].finish_reason == "length"
 
 

@@ -326,7 +326,7 @@ class Engine:
         if reason is None and req.matcher is not None:
             reason = grammar_stop(req, tok) if grammar is ADVANCE else grammar
             if reason == "error":
-                req.error = grammar_error(req, tok)
+                req.error, req.error_param = grammar_error(req, tok), "structured_outputs"
         if reason is not None:
             self._finish(req, reason)
 

@@ -33,6 +33,9 @@ class RequestOutput:
             sampled token's and the top `logprobs`), else None.
         num_cached_tokens: prompt tokens served from the prefix cache instead of being computed.
         error: what went wrong, with finish_reason "error".
+        error_param: the request's parameter whose constraints the error comes from, where it is the
+            request's own (a structured output's grammar refusing every token its other sampling options
+            allow: "structured_outputs"); None for the engine's faults (non-finite logits).
         prompt_logprobs: with SamplingParams.prompt_logprobs, once the prompt is computed: one entry per
             prompt token, None for the first, else {token id: logprob} of that token and the top
             `prompt_logprobs` at its position (one list per completion, shared by its outputs); else None.
@@ -51,6 +54,7 @@ class RequestOutput:
     num_cached_tokens: int
     error: str | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    error_param: str | None = None
 
 
 @dataclass(eq=False)
@@ -73,6 +77,7 @@ class Request:
     seq: Sequence | None = None
     finish_reason: str | None = None
     error: str | None = None
+    error_param: str | None = None  # RequestOutput.error_param
     num_cached_tokens: int | None = None  # set at first admission
     group: list["Request"] = field(default_factory=list, repr=False)  # the n completions of one request
     prompt_shown: list[int] | None = field(default=None, repr=False)
@@ -157,4 +162,5 @@ class Request:
             self.finish_reason, list(self.logprobs) if self.logprobs is not None else None,
             self.num_cached_tokens or 0, self.error,
             None if self.prompt_logprobs is None or self.needs_prompt_logits else self.prompt_logprobs,
+            self.error_param,
         )

@@ -160,6 +160,8 @@ class Server:
                 if out.finished:
                     c.finish_reason = out.finish_reason
                     self._record_finish(c, now, len(prompts[i]) if out.index == 0 else 0)
+                    if out.finish_reason == "error" and out.error_param is not None:  # its own constraints conflict
+                        raise BadRequest(out.error, param=out.error_param, code="unsatisfiable")
                     if out.finish_reason == "error":
                         raise EngineFailure(out.error or "the engine failed this request")
                 yield Step(c, list(out.new_token_ids), delta, new_lp, out.finished)
@@ -363,6 +365,10 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
                     yield sse(writer.usage_chunk(rid, prompts))
             except EngineFailure as exc:
                 yield sse(ErrorResponse(error=ErrorInfo(message=str(exc), type="server_error", code="engine_error")))
+            except BadRequest as exc:  # a completion's own constraints refused every token (error_param)
+                srv.metrics.bad_requests += 1
+                yield sse(ErrorResponse(error=ErrorInfo(message=str(exc), type="invalid_request_error",
+                                                        param=exc.param, code=exc.code)))
             finally:
                 await steps.aclose()
             yield sse("[DONE]")
