@@ -56,8 +56,12 @@ def kernel_family(name: str) -> str:
 
 
 def role(name: str, previous: str) -> str:
-    """A kernel's place in the Llama step: the CUDA GEMMs by their epilogue (a plain one by the GEMM before
-    it, `previous`), other kernels by family."""
+    """A kernel's place in the Llama step: the CUDA GEMMs by their epilogue (a plain one, and every wgmma one
+    but gate/up's, by the GEMM before it, `previous`), other kernels by family."""
+    if "fp4_wgmma_tma<" in name:  # <BM, stages, SWIGLU, SPLIT, SK>: the M > 16 kernel; no epilogue in its name
+        if name.split("fp4_wgmma_tma<")[1].split(">")[0].split(",")[2].strip() == "1":
+            return "gate/up gemm (+swiglu)"
+        return {"q/k/v": "o gemm", "gate/up": "down gemm"}.get(previous.split(" ")[0], "q/k/v gemm (+rope)")
     if "nvfp4_decode_gemm<" not in name:
         return kernel_family(name)
     epi = name.split("nvfp4_decode_gemm<")[1].split(">")[0].split(",")[3].strip()
@@ -87,7 +91,7 @@ def walk(step: list[dict]) -> tuple[float, dict[str, list[float]]]:
     acc: dict[str, list[float]] = {}
     for e in step:
         r = role(e["name"], prev_gemm)
-        if "gemm" in r:
+        if "gemm" in r and "reduce" not in r:  # a split-K sum between q/k/v and o is no GEMM of the layer's
             prev_gemm = r
         start, end = e["ts"], e["ts"] + e["dur"]
         a = acc.setdefault(r, [0.0, 0.0, 0.0, 0])

@@ -18,6 +18,8 @@ _spec.loader.exec_module(timeline)
 QKV = "void nvfp4_decode_gemm<8, 2, 1, 2, 0, 0>(U4 const*)"
 PLAIN = "void nvfp4_decode_gemm<16, 2, 1, 0, 0, 0>(U4 const*)"
 SWIGLU = "void nvfp4_decode_gemm<2, 2, 1, 1, 0, 0>(U4 const*)"
+WG_PLAIN = "void fp4_wgmma_tma<64, 8, 0, 1, 0>(CUtensorMap_st, CUtensorMap_st, __nv_bfloat16*)"
+WG_SWIGLU = "void fp4_wgmma_tma<64, 8, 1, 0, 0>(CUtensorMap_st, CUtensorMap_st, __nv_bfloat16*)"
 
 
 def ev(name, ts, dur):
@@ -29,6 +31,11 @@ def test_roles_follow_the_llama_step():
     assert timeline.role(PLAIN, "q/k/v gemm (+rope)") == "o gemm"
     assert timeline.role(SWIGLU, "o gemm") == "gate/up gemm (+swiglu)"
     assert timeline.role(PLAIN, "gate/up gemm (+swiglu)") == "down gemm"
+    assert timeline.role(WG_PLAIN, "") == "q/k/v gemm (+rope)"
+    assert timeline.role(WG_PLAIN, "q/k/v gemm (+rope)") == "o gemm"
+    assert timeline.role(WG_SWIGLU, "o gemm") == "gate/up gemm (+swiglu)"
+    assert timeline.role(WG_PLAIN, "gate/up gemm (+swiglu)") == "down gemm"
+    assert timeline.role(WG_PLAIN, "down gemm") == "q/k/v gemm (+rope)"
     assert timeline.role("_decode_kernel", "") == "attention (attention.triton)"
     assert timeline.role("_add_rms_norm_kernel", "") == "norm"
     assert timeline.role("nvjet_tst_128x64_64x3_1x2_h_bz_TNT", "") == "bf16 gemm (cuBLAS: lm_head)"
@@ -48,6 +55,19 @@ def test_exposed_and_lead_add_up_to_the_span():
     assert acc["attention (attention.triton)"] == pytest.approx([6.5, 6.5, 0.5, 1])
     assert acc["o gemm"] == pytest.approx([5.0, 2.0, -2.0 + -3.0, 2])
     assert sum(a[1] for a in acc.values()) + 0.5 == pytest.approx(span)  # exposed + idle = span
+
+
+def test_wgmma_roles_skip_split_k_sums():
+    """The M > 16 kernel's GEMMs are named by the GEMM before them; a split-K sum between q/k/v and o is none."""
+    step = [ev(WG_PLAIN, 0.0, 5.0), ev("splitk_reduce_rope", 5.0, 1.0), ev("_decode_kernel", 6.0, 4.0),
+            ev(WG_PLAIN, 10.0, 3.0), ev("splitk_reduce", 13.0, 1.0), ev("_add_rms_norm_kernel", 14.0, 1.0),
+            ev(WG_SWIGLU, 15.0, 9.0), ev(WG_PLAIN, 24.0, 6.0), ev(WG_PLAIN, 30.0, 5.0)]
+    _, acc = timeline.walk(step)
+    assert acc["q/k/v gemm (+rope)"][3] == 2 and acc["q/k/v gemm (+rope)"][0] == pytest.approx(10.0)
+    assert acc["o gemm"] == pytest.approx([3.0, 3.0, 0.0, 1])
+    assert acc["gate/up gemm (+swiglu)"][0] == pytest.approx(9.0)
+    assert acc["down gemm"] == pytest.approx([6.0, 6.0, 0.0, 1])
+    assert acc["fp4 gemm split-K reduce"][3] == 2
 
 
 def test_steps_split_at_idle_gaps():
