@@ -150,6 +150,39 @@ def test_fp8_word_reads_equal_tritons_conversion(lens, dtype):
         assert err < 1e-2, (i, n, err)
 
 
+def test_fp8_caches_off_word_boundaries_read_as_bytes():
+    """Caches whose rows start off 4-byte boundaries (a view one byte into its storage) are read byte by byte even
+    with fp8_words on: the output bits equal those over the same bytes at an aligned address."""
+    from pieceworks.core.kv import quantize_kv
+
+    lens = [4097, 3, 700, 16, 1, 64, 250, 33]
+    gen = torch.Generator("cuda").manual_seed(23)
+    hq, hkv, d, ps, b = 32, 8, 128, 16, len(lens)
+    kc, vc, table, q = paged_case(lens, hq, hkv, d, gen, ps)
+    scales = (0.0125, 0.01)
+    aligned = quantize_kv(kc, scales[0]), quantize_kv(vc, scales[1])
+    shifted = []
+    for c in aligned:
+        buf = torch.empty(c.numel() + 1, dtype=torch.uint8, device="cuda")
+        view = buf[1:].view(torch.float8_e4m3fn).view(c.shape)
+        view.copy_(c)
+        assert view.data_ptr() % 4 == 1
+        shifted.append(view)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    splits = num_splits(b, hkv)
+    outs = []
+    for kq, vq in (aligned, shifted):
+        out = torch.full_like(q, float("nan"))
+        part_o = torch.empty(b * hkv * splits * 16 * d, device="cuda")
+        part_lse = torch.empty(b * hkv * splits * 16, device="cuda")
+        counters = torch.zeros(b * hkv, dtype=torch.int32, device="cuda")
+        tk.decode(q, kq, vq, out, table, lens_t, d**-0.5, splits, part_o, part_lse, counters, kv_scales=scales)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("lens", [[1, 16, 17, 260], [4097, 3, 700, 16, 1, 64, 250, 33], [90] * 32])
 def test_fused_fp8_write_matches_quantizing_write_then_decode(lens):
     """Over an FP8 pool the kernel quantizes the step's new bf16 rows as it writes them (the backend's decode step):
