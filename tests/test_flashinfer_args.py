@@ -639,7 +639,7 @@ def test_triton_decode_attention_splits_and_reasons():
 
     assert num_splits(1, 8) == 16 and num_splits(8, 8) == 8 and num_splits(32, 8) == 2 and num_splits(64, 8) == 1
     assert ForwardMode.DECODE in TritonDecodeAttentionBackend.forward_modes
-    assert ForwardMode.EXTEND not in TritonDecodeAttentionBackend.forward_modes
+    assert ForwardMode.EXTEND in TritonDecodeAttentionBackend.forward_modes
     cuda = dict(device="cuda", capability=(9, 0), modules=frozenset({"triton"}))
     ok = ModelFacts(dtype=torch.bfloat16, num_heads=32, num_kv_heads=8, head_dim=128)
     assert TritonDecodeAttentionBackend.check(BackendSpec(**cuda, model=ok)) == []

@@ -27,7 +27,7 @@ import torch
 from pieceworks.backends.attention.base import AttentionBackend, gqa_kernel_reasons
 from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
 from pieceworks.backends.kv_write import write_rows
-from pieceworks.core.batch import ForwardMode
+from pieceworks.core.batch import ForwardMode, to_device
 from pieceworks.core.kv import KV_FP8
 
 TARGET_PROGRAMS = 512  # about four per SM on an H200 (132 SMs): the 11:25 launch sweep (docs/benchmarks.md)
@@ -43,7 +43,7 @@ class TritonDecodeAttentionBackend(AttentionBackend):
     name = "triton"
     priority = 110  # above FlashInfer (100): `auto` takes it for decode steps, FlashInfer for the rest
     graph_modes = ALL_GRAPH_MODES
-    forward_modes = frozenset({ForwardMode.DECODE})
+    forward_modes = frozenset({ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED})
     requires = Requirements(devices=("cuda",), min_capability=(8, 0), modules=("triton",),
                             install_hint="pip install triton (it comes with CUDA builds of torch)")
     fp8_kv = True
@@ -68,10 +68,13 @@ class TritonDecodeAttentionBackend(AttentionBackend):
         self._bufs = None
 
     def plan(self, meta) -> None:
-        if meta.mode is not ForwardMode.DECODE:
-            raise ValueError(f"attention.triton serves decode steps only (got {meta.mode.value}); select "
-                             "it with backends.attention: {decode: triton}")
         self._meta = meta
+        if meta.mode is not ForwardMode.DECODE:
+            # extend / mixed: each sequence's query offsets and KV lengths, one copy (triton_extend_kernel)
+            qo = meta.qo_indptr()
+            idx = torch.tensor(qo + meta.seq_lens, dtype=torch.int32)
+            self._ext = to_device(idx, meta.device)
+            return
         graph = meta.graph_batch_size is not None
         batch = meta.graph_batch_size or meta.num_seqs
         # Sequence lengths need no copy: a decode step's token positions are already on the device
@@ -112,6 +115,21 @@ class TritonDecodeAttentionBackend(AttentionBackend):
 
         meta = self._meta
         kc, vc = kv.k_cache(layer_id), kv.v_cache(layer_id)
+        if meta.mode is not ForwardMode.DECODE:
+            from pieceworks.backends.attention import triton_extend_kernel
+
+            if kc.dtype == KV_FP8:
+                raise NotImplementedError("attention.triton's extend kernel reads bf16 / fp16 pools only")
+            width = kc.shape[2] * kc.shape[3]
+            write_rows(kc.view(-1, width), k.reshape(k.shape[0], -1), vc.view(-1, width),
+                       v.reshape(v.shape[0], -1), meta.slot_mapping[: k.shape[0]],
+                       (kv.k_scale(layer_id), kv.v_scale(layer_id)))
+            t, b = meta.num_tokens, meta.num_seqs
+            if out.shape[0] > t:
+                out[t:].zero_()
+            triton_extend_kernel.extend(q, kc, vc, out, meta.page_table, self._ext[: b + 1], self._ext[b + 1:],
+                                        b, t, scale)
+            return
         splits, batch, part_o, part_lse, counters = self._bufs
         # The decode kernel writes the step's K/V rows itself (one launch less per layer) where they
         # are one row per sequence, at meta.slot_mapping's slot (graph padding rows: the reserved slot,
