@@ -20,12 +20,12 @@ triton.
 from __future__ import annotations
 
 import argparse
+import inspect
 
 import torch
 from common import graph_time, ints
 
 HQ, HKV, D, PS, LAYERS = 32, 8, 128, 16, 32
-BACKEND_STAGES = 2  # attention.triton's launch
 FP8_WORDS = True
 
 
@@ -89,7 +89,7 @@ def sweep(shapes: list[tuple[int, int]], block_ns: list[int], warps: list[int], 
                 for stages in stage_counts:
                     for w in warps:
                         us = time_variant(state, splits, block_n=block_n, num_stages=stages, num_warps=w)
-                        mark = " (backend)" if (splits, block_n, stages, w) == (policy, 64, BACKEND_STAGES, 4) else ""
+                        mark = " (backend)" if (splits, block_n, stages, w) == (policy, *BACKEND_LAUNCH) else ""
                         print(f"| {batch} x {context} | {splits} | {block_n} | {stages} | {w} | {us:.2f}{mark} |",
                               flush=True)
                         if best is None or us < best[0]:
@@ -119,11 +119,15 @@ def main() -> None:
                    "reads: words decoded by bit moves (the backend's), Triton's conversion, or each in turn")
     args = p.parse_args()
     # triton is imported once the arguments are read: --help needs none
-    global tk, num_splits, quantize_kv, KV, FP8_WORDS, write_rows
+    global tk, num_splits, quantize_kv, KV, FP8_WORDS, write_rows, BACKEND_LAUNCH
     from pieceworks.backends.attention import triton_decode_kernel as tk
     from pieceworks.backends.attention.triton import num_splits
     from pieceworks.backends.kv_write import write_rows
     from pieceworks.core.kv import quantize_kv
+
+    # attention.triton launches with decode()'s defaults: (block_n, num_stages, num_warps)
+    defaults = inspect.signature(tk.decode).parameters
+    BACKEND_LAUNCH = tuple(defaults[k].default for k in ("block_n", "num_stages", "num_warps"))
 
     KV = args.kv
 
@@ -140,7 +144,7 @@ def main() -> None:
         splits = num_splits(b, HKV)
         state = setup(b, args.context, splits)
         for FP8_WORDS in reads:
-            us = time_variant(state, splits, args.write, num_stages=BACKEND_STAGES)
+            us = time_variant(state, splits, args.write, num_stages=BACKEND_LAUNCH[1])
             how = {None: KV, True: "e4m3 words", False: "e4m3 convert"}[FP8_WORDS]
             print(f"| {b} | {splits} | {how} | {us:.2f} |", flush=True)
 
