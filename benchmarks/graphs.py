@@ -132,6 +132,14 @@ def step_row(ex: Executor, seqs: list, toks: list[list[int]], repeats: int, plai
 
             fns["piecewise_ms"] = piecewise
             row["padded_to"] = pad
+            rows = torch.tensor(meta.qo_indptr()[1:], device=ex.device) - 1
+
+            def piecewise_logits():  # as a step runs it: the last tokens' logits too
+                ex.model.compute_logits(ex.run_model(k_pw, meta_p, ids_p)[rows])
+
+            fns["piecewise_logits_ms"] = piecewise_logits
+        if ex.extend_graphs is not None and ex.extend_graphs.covers(len(seqs), T):
+            fns["extend_graph_ms"] = lambda: ex.extend_graphs.run(mode, seqs, toks, None)  # logits included
         row.update(timed_interleaved(fns, repeats))
         print(f"  T={T} " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k.endswith("_ms")), flush=True)
         if ex.device.type != "cuda":

@@ -88,7 +88,7 @@ def test_pinned_backend_that_cannot_serve_names_reasons_and_alternatives():
 
 
 def test_unknown_backend_name_lists_registered_ones():
-    with pytest.raises(ConfigError, match="no attention backend named 'nope'; registered: triton, flashinfer, fast, torch"):
+    with pytest.raises(ConfigError, match="no attention backend named 'nope'; registered: triton, flashinfer, triton_all, fast, torch"):
         resolve(registry(FastAttention), ["backends.attention=nope"])
 
 
@@ -141,7 +141,7 @@ def test_no_graph_safe_backend_marks_graph_mode_unavailable():
 def test_blocked_plugin_is_not_loaded():
     reg = registry(FastAttention, disabled=("testplugin",))
     assert "testplugin" not in reg.plugin_names()
-    assert [c.name for c in reg.backends("attention")] == ["triton", "flashinfer", "torch"]  # the built-ins
+    assert [c.name for c in reg.backends("attention")] == ["triton", "flashinfer", "triton_all", "torch"]  # the built-ins
     with pytest.raises(SelectionError, match="no attention backend can serve"):
         resolve(registry(disabled=("pieceworks.torch",)))
 

@@ -1,0 +1,173 @@
+"""Full CUDA graphs for extend and mixed steps: the whole forward of a step of up to T tokens over up to
+`max_seqs` sequences replayed from one graph per token bucket T (`cuda_graph.extend`).
+
+A piecewise step replays the pieces between attention calls and runs attention eagerly, after a plan on
+the host; its host work at the step's head leaves the GPU idle (docs/benchmarks.md, "where the piecewise -
+whole gap goes"). Here nothing runs between replays: the step's inputs go into static buffers (token ids,
+positions, KV slots, the page table, the rows whose logits it returns), the attention backend writes its own
+static inputs in `plan`, and one replay runs every layer. That needs an attention backend whose kernels take
+any layout of up to T tokens over up to `max_seqs` sequences from device buffers with a launch fixed at capture
+(`full_extend`; attention.triton: its extend kernel finds each query block's sequence on the device). The
+other ops run the piecewise kernel table's backends, which are graph-safe (they are captured in the pieces).
+
+Padded tokens (past the step's own) belong to no sequence: their K/V go to the reserved slot, their attention
+rows are zeroed by the backend, and their logits are never read. The graphs return each sequence's last
+token's logits only (steps that ask for every token's run piecewise). `EagerExtendRunner` runs the same host
+path with an eager forward in place of each replay (CPU tests).
+"""
+
+from __future__ import annotations
+
+import bisect
+import gc
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from pieceworks.core.batch import ForwardMode, GraphMode, Sequence, StepMetadata
+from pieceworks.core.context import ForwardContext, forward_context
+from pieceworks.executor.inputs import step_inputs, take_previous_ids
+
+if TYPE_CHECKING:
+    from pieceworks.backends.registry import KernelTable
+    from pieceworks.executor.kv_cache import KVPool
+
+
+def default_sizes(max_tokens: int) -> list[int]:
+    return [t for t in (16, 32, 64, 128, 256) if t <= max_tokens] or [max_tokens]
+
+
+def unsupported(table: "KernelTable") -> str | None:
+    """Why extend steps can't run in full graphs with this kernel table's piecewise backends, or None."""
+    for mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
+        if not table.graph_mode_ok(mode, GraphMode.PIECEWISE):
+            return f"no piecewise-safe backends for {mode.value} steps"
+        kernels = table.step(mode, GraphMode.PIECEWISE)
+        if kernels.mla is not None:
+            return "MLA attention has no full-graph extend kernel"
+        if not getattr(kernels.attention, "full_extend", False):
+            return (f"attention backend {getattr(kernels.attention, 'name', kernels.attention)!r} plans extend steps "
+                    "on the host (backends.attention: {extend: triton_all} has a full-graph extend kernel)")
+    if table.step(ForwardMode.EXTEND, GraphMode.PIECEWISE) != table.step(ForwardMode.MIXED, GraphMode.PIECEWISE):
+        return "extend and mixed steps have different backends"
+    return None
+
+
+class ExtendGraphRunner:
+    def __init__(self, model: torch.nn.Module, table: "KernelTable", kv: "KVPool", max_context: int,
+                 sizes: list[int], max_seqs: int, progress: bool = True) -> None:
+        self.model, self.kv = model, kv
+        self.kernels = table.step(ForwardMode.EXTEND, GraphMode.PIECEWISE)
+        self.page_size = kv.page_size
+        self.sizes, self.max_seqs = sorted(sizes), max_seqs
+        self.width = -(-max_context // kv.page_size)
+        dev = kv.device
+        top = self.sizes[-1]
+        self.inputs = torch.zeros(3, top, dtype=torch.int64, device=dev)  # ids, positions, slots
+        self.table = torch.zeros(max_seqs, self.width, dtype=torch.int32, device=dev)
+        self.last = torch.zeros(max_seqs, dtype=torch.int64, device=dev)  # each sequence's last token row
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.report: dict[str, float] = {}
+        self._capture_all(progress)
+
+    def covers(self, num_seqs: int, num_tokens: int) -> bool:
+        return num_seqs <= self.max_seqs and num_tokens <= self.sizes[-1]
+
+    def _meta(self, mode: ForwardMode, t: int, extend_lens: list[int], prefix_lens: list[int]) -> StepMetadata:
+        _, positions, slots = self.inputs[:, :t]
+        return StepMetadata(mode=mode, graph_mode=GraphMode.FULL, extend_lens=extend_lens, prefix_lens=prefix_lens,
+                            page_size=self.page_size, page_table=self.table, slot_mapping=slots,
+                            positions=positions, graph_batch_size=self.max_seqs)
+
+    def _plan(self, meta: StepMetadata) -> None:
+        self.kernels.attention.plan(meta)
+
+    def _forward(self, t: int, meta: StepMetadata) -> torch.Tensor:
+        ids, positions, _ = self.inputs[:, :t]
+        with forward_context(ForwardContext(self.kernels, meta, self.kv)):
+            hidden = self.model(ids, positions)
+            return self.model.compute_logits(hidden.index_select(0, self.last))
+
+    def _dummy(self, t: int) -> StepMetadata:
+        """Capture inputs: one sequence of t tokens over the reserved page (every write and read lands there)."""
+        kv = self.kv
+        self.inputs[0, :t].zero_()
+        self.inputs[1, :t].copy_(torch.arange(t, device=kv.device))
+        self.inputs[2, :t].fill_(kv.reserved_slot)
+        self.table.fill_(kv.reserved_slot // kv.page_size)
+        self.last.fill_(t - 1)
+        return self._meta(ForwardMode.EXTEND, t, [t], [0])
+
+    def _capture_all(self, progress: bool) -> None:
+        from pieceworks.util import progress_bar
+
+        self.pool = torch.cuda.graph_pool_handle()
+        torch.cuda.empty_cache()
+        reserved_before = torch.cuda.memory_reserved(self.kv.device)
+        t0 = time.perf_counter()
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with progress_bar(progress, "capturing extend graphs", total=len(self.sizes)) as advance:
+                for t in reversed(self.sizes):
+                    meta = self._dummy(t)
+                    self._plan(meta)
+                    self._forward(t, meta)  # warm-up
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        self.logits[t] = self._forward(t, meta)
+                    self.graphs[t] = graph
+                    advance()
+        finally:
+            if was_enabled:
+                gc.enable()
+        torch.cuda.synchronize(self.kv.device)
+        torch.cuda.empty_cache()
+        self.report = {"capture_s": time.perf_counter() - t0,
+                       "pool_bytes": torch.cuda.memory_reserved(self.kv.device) - reserved_before}
+
+    def run(self, mode: ForwardMode, seqs: list[Sequence], tokens: list[list[int]],
+            prev_ids: torch.Tensor | None) -> torch.Tensor:
+        """float32 logits [len(seqs), V] of each sequence's last new token; `prev_ids`: the ids that
+        placeholder tokens -(r + 1) stand for (the Engine's async steps)."""
+        n = sum(map(len, tokens))
+        t = self.sizes[bisect.bisect_left(self.sizes, n)]
+        host, ids = step_inputs(mode, GraphMode.FULL, seqs, tokens, self.page_size, self.kv.reserved_slot,
+                                self.kv.device, pad_to=t, table_width=self.width)
+        b = len(seqs)
+        self.inputs[0, :t].copy_(ids)
+        self.inputs[1, :t].copy_(host.positions)
+        self.inputs[2, :t].copy_(host.slot_mapping)
+        self.table[:b].copy_(host.page_table)
+        # each sequence's last row; padding sequences read row 0 (the rows of an earlier, larger bucket may not exist)
+        ends = torch.tensor([i - 1 for i in host.qo_indptr()[1:]] + [0] * (self.max_seqs - b), dtype=torch.int64)
+        self.last.copy_(ends.pin_memory() if self.kv.device.type == "cuda" else ends, non_blocking=True)
+        if prev_ids is not None and any(tk and tk[-1] < 0 for tk in tokens):
+            take_previous_ids(self.inputs[0, :t], prev_ids)
+        meta = self._meta(mode, t, host.extend_lens, host.prefix_lens)
+        self._plan(meta)
+        self.replay(t, meta)
+        return self.logits[t][:b].clone()
+
+    def replay(self, t: int, meta: StepMetadata) -> None:
+        self.graphs[t].replay()
+
+    def describe(self) -> dict:
+        return {"sizes": self.sizes, "max_seqs": self.max_seqs, "graphs": len(self.graphs), **self.report}
+
+
+class EagerExtendRunner(ExtendGraphRunner):
+    """The extend-graph runner's host path with an eager forward in place of each replay: the same buckets,
+    static inputs, padding and plans, on any device and with any attention backend (CPU tests)."""
+
+    def _capture_all(self, progress: bool) -> None:
+        self.report = {"capture_s": 0.0, "pool_bytes": 0}
+
+    def replay(self, t: int, meta: StepMetadata) -> None:
+        self.logits[t] = self._forward(t, meta)
+
+
+__all__ = ["ExtendGraphRunner", "EagerExtendRunner", "default_sizes", "unsupported"]
