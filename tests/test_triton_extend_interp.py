@@ -35,3 +35,19 @@ def test_extend_kernel_matches_reference():
     for case, row in zip(CASES, rows):
         assert row["err"] < 1e-4, (case, row)
         assert row["tail_untouched"], (case, row)
+
+
+# (query lengths, cached prefixes, bucket rows, max_seqs, seed)
+BACKEND_CASES = [([5, 17, 1], [0, 0, 0], 32, 4, 1), ([9, 1, 1], [20, 40, 3], 16, 4, 2), ([16], [0], 16, 1, 3)]
+
+
+def test_backend_in_a_full_graph_plan_matches_the_torch_backend():
+    """attention.triton_all planned as a full extend graph plans (max_seqs sequences, padding ones empty, bucket
+    rows): the torch backend's eager results, padding rows zero, the same K/V written."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tests/helpers/triton_interp_extend.py"),
+                           json.dumps(BACKEND_CASES), "backend"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(rows) == len(BACKEND_CASES)
+    for case, row in zip(BACKEND_CASES, rows):
+        assert row["err"] < 1e-4 and row["padding_zero"] and row["kv_equal"], (case, row)
