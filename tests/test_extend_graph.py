@@ -89,3 +89,18 @@ def test_engine_greedy_outputs_unchanged(async_steps):
         outs.append(done)
     assert outs[0] == outs[1] and len(outs[0]) == 3
     assert len(calls) >= 2  # prompt chunks (24 tokens a step) and mixed steps went through the extend graphs
+
+
+def test_static_inputs_hold_the_step():
+    """What the graph and a device-planned attention backend read: each sequence's query offsets and KV lengths
+    (padding sequences empty), its last token's row, its page-table row."""
+    _, graphs = executors()
+    runner = graphs.extend_graphs
+    seqs = [graphs.new_sequence() for _ in range(3)]
+    graphs.forward(ForwardBatch(seqs[:1], [toks(6, 1)]))
+    graphs.forward(ForwardBatch(seqs, [toks(3, 2), toks(5, 3), [7]]))  # 6 cached + 3, 5, 1 new: 9 tokens
+    assert runner.index.tolist() == [0, 3, 8, 9, 9] + [9, 5, 1, 0]
+    assert runner.last.tolist() == [2, 7, 8, 0]
+    for i, seq in enumerate(seqs):
+        assert runner.table[i, : len(seq.pages)].tolist() == seq.pages
+    assert runner.inputs[1, :9].tolist() == [6, 7, 8, 0, 1, 2, 3, 4, 0]

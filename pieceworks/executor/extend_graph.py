@@ -3,12 +3,13 @@
 
 A piecewise step replays the pieces between attention calls and runs attention eagerly, after a plan on
 the host; its host work at the step's head leaves the GPU idle (docs/benchmarks.md, "where the piecewise -
-whole gap goes"). Here nothing runs between replays: the step's inputs go into static buffers (token ids,
-positions, KV slots, the page table, the rows whose logits it returns), the attention backend writes its own
-static inputs in `plan`, and one replay runs every layer. That needs an attention backend whose kernels take
-any layout of up to T tokens over up to `max_seqs` sequences from device buffers with a launch fixed at capture
-(`full_extend`; attention.triton: its extend kernel finds each query block's sequence on the device). The
-other ops run the piecewise kernel table's backends, which are graph-safe (they are captured in the pieces).
+whole gap goes"). Here nothing runs between replays: the step's inputs go into static buffers in one copy
+(token ids, positions, KV slots, the rows whose logits it returns, each sequence's query offsets and KV lengths
+for the attention backend, `StepMetadata.extend_index`, and the page table), and one replay runs every layer.
+That needs an attention backend whose kernels take any layout of up to T tokens over up to `max_seqs` sequences
+from device buffers with a launch fixed at capture (`full_extend`; attention.triton_all: its extend kernel finds
+each query block's sequence on the device). The other ops run the piecewise kernel table's backends, which are
+graph-safe (they are captured in the pieces).
 
 Padded tokens (past the step's own) belong to no sequence: their K/V go to the reserved slot, their attention
 rows are zeroed by the backend, and their logits are never read. The graphs return each sequence's last
@@ -23,11 +24,12 @@ import gc
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from pieceworks.core.batch import ForwardMode, GraphMode, Sequence, StepMetadata
 from pieceworks.core.context import ForwardContext, forward_context
-from pieceworks.executor.inputs import step_inputs, take_previous_ids
+from pieceworks.executor.inputs import page_table, take_previous_ids, token_rows
 
 if TYPE_CHECKING:
     from pieceworks.backends.registry import KernelTable
@@ -62,11 +64,19 @@ class ExtendGraphRunner:
         self.page_size = kv.page_size
         self.sizes, self.max_seqs = sorted(sizes), max_seqs
         self.width = -(-max_context // kv.page_size)
-        dev = kv.device
-        top = self.sizes[-1]
-        self.inputs = torch.zeros(3, top, dtype=torch.int64, device=dev)  # ids, positions, slots
-        self.table = torch.zeros(max_seqs, self.width, dtype=torch.int32, device=dev)
-        self.last = torch.zeros(max_seqs, dtype=torch.int64, device=dev)  # each sequence's last token row
+        # One int64 buffer on each side, a step's inputs sent in one copy: token rows [3, top] (ids, positions, slots),
+        # each sequence's last token row [max_seqs], the attention backend's index (int32 query offsets then KV
+        # lengths, `StepMetadata.extend_index`) and the page table (int32 [max_seqs, width]) last, so that a step
+        # copies only its own sequences' rows of it.
+        top, s, w = self.sizes[-1], max_seqs, self.width
+        self._at_index = 3 * top + s
+        self._at_table = self._at_index + -(-(2 * s + 1) // 2)
+        size = self._at_table + -(-s * w // 2)
+        self._host = torch.zeros(size, dtype=torch.int64, pin_memory=kv.device.type == "cuda")
+        self._dev = torch.zeros(size, dtype=torch.int64, device=kv.device)
+        self.inputs, self.last, self.index, self.table = self._views(self._dev)
+        self._h_rows, self._h_last, self._h_index, self._h_table = (t.numpy() for t in self._views(self._host))
+        self._copied: torch.cuda.Event | None = None  # recorded after a step's copy: the staging buffer is free again
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.report: dict[str, float] = {}
@@ -75,11 +85,18 @@ class ExtendGraphRunner:
     def covers(self, num_seqs: int, num_tokens: int) -> bool:
         return num_seqs <= self.max_seqs and num_tokens <= self.sizes[-1]
 
+    def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(token rows [3, top], last rows [max_seqs], index int32 [2 max_seqs + 1], table int32 [max_seqs, width])."""
+        top, s, w = self.sizes[-1], self.max_seqs, self.width
+        return (buf[: 3 * top].view(3, top), buf[3 * top: self._at_index],
+                buf[self._at_index: self._at_table].view(torch.int32)[: 2 * s + 1],
+                buf[self._at_table:].view(torch.int32)[: s * w].view(s, w))
+
     def _meta(self, mode: ForwardMode, t: int, extend_lens: list[int], prefix_lens: list[int]) -> StepMetadata:
         _, positions, slots = self.inputs[:, :t]
         return StepMetadata(mode=mode, graph_mode=GraphMode.FULL, extend_lens=extend_lens, prefix_lens=prefix_lens,
                             page_size=self.page_size, page_table=self.table, slot_mapping=slots,
-                            positions=positions, graph_batch_size=self.max_seqs)
+                            positions=positions, graph_batch_size=self.max_seqs, extend_index=self.index)
 
     def _plan(self, meta: StepMetadata) -> None:
         self.kernels.attention.plan(meta)
@@ -98,6 +115,8 @@ class ExtendGraphRunner:
         self.inputs[2, :t].fill_(kv.reserved_slot)
         self.table.fill_(kv.reserved_slot // kv.page_size)
         self.last.fill_(t - 1)
+        s = self.max_seqs
+        self.index.copy_(torch.tensor([0] + [t] * s + [t] + [0] * (s - 1), dtype=torch.int32))
         return self._meta(ForwardMode.EXTEND, t, [t], [0])
 
     def _capture_all(self, progress: bool) -> None:
@@ -133,21 +152,33 @@ class ExtendGraphRunner:
             prev_ids: torch.Tensor | None) -> torch.Tensor:
         """float32 logits [len(seqs), V] of each sequence's last new token; `prev_ids`: the ids that
         placeholder tokens -(r + 1) stand for (the Engine's async steps)."""
-        n = sum(map(len, tokens))
+        b, s = len(seqs), self.max_seqs
+        counts = np.fromiter(map(len, tokens), dtype=np.int64, count=b)
+        ends = np.cumsum(counts)
+        n = int(ends[-1])
         t = self.sizes[bisect.bisect_left(self.sizes, n)]
-        host, ids = step_inputs(mode, GraphMode.FULL, seqs, tokens, self.page_size, self.kv.reserved_slot,
-                                self.kv.device, pad_to=t, table_width=self.width)
-        b = len(seqs)
-        self.inputs[0, :t].copy_(ids)
-        self.inputs[1, :t].copy_(host.positions)
-        self.inputs[2, :t].copy_(host.slot_mapping)
-        self.table[:b].copy_(host.page_table)
-        # each sequence's last row; padding sequences read row 0 (the rows of an earlier, larger bucket may not exist)
-        ends = torch.tensor([i - 1 for i in host.qo_indptr()[1:]] + [0] * (self.max_seqs - b), dtype=torch.int64)
-        self.last.copy_(ends.pin_memory() if self.kv.device.type == "cuda" else ends, non_blocking=True)
+        kv_lens = [q.kv_len for q in seqs]
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copy has read the staging buffer
+        table = self._h_table[:b]
+        page_table([q.pages for q in seqs], self.width, out=table)
+        token_rows(tokens, kv_lens, table, self.page_size, t, self.kv.reserved_slot, out=self._h_rows[:, :t])
+        self._h_last[:b] = ends - 1
+        self._h_last[b:] = 0  # padding sequences read row 0 (an earlier, larger bucket's rows may not exist)
+        index = self._h_index
+        index[0] = 0
+        index[1: b + 1] = ends
+        index[b + 1: s + 1] = n
+        index[s + 1: s + 1 + b] = counts + kv_lens
+        index[s + 1 + b:] = 0
+        stop = self._at_table + -(-b * self.width // 2)
+        self._dev[:stop].copy_(self._host[:stop], non_blocking=True)
+        if self.kv.device.type == "cuda":
+            self._copied = self._copied or torch.cuda.Event()
+            self._copied.record()
         if prev_ids is not None and any(tk and tk[-1] < 0 for tk in tokens):
             take_previous_ids(self.inputs[0, :t], prev_ids)
-        meta = self._meta(mode, t, host.extend_lens, host.prefix_lens)
+        meta = self._meta(mode, t, counts.tolist(), kv_lens)
         self._plan(meta)
         self.replay(t, meta)
         return self.logits[t][:b].clone()

@@ -104,6 +104,9 @@ class TritonDecodeAttentionBackend(AttentionBackend):
         """Extend / mixed steps: each sequence's query offsets and KV lengths, [qo (B + 1), lens (B)] int32 in
         one copy (`triton_extend_kernel`). Full graphs (`graph_batch_size` sequences, padding ones empty) read
         them from a buffer per token bucket at a fixed address."""
+        if meta.extend_index is not None:  # the extend graph runner's own copy, at a fixed address
+            self._ext = (meta.graph_batch_size, meta.slot_mapping.shape[0], meta.extend_index)
+            return
         qo, lens = meta.qo_indptr(), meta.seq_lens
         seqs = meta.graph_batch_size or len(lens)
         pad = seqs - len(lens)
