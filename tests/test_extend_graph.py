@@ -104,3 +104,16 @@ def test_static_inputs_hold_the_step():
     for i, seq in enumerate(seqs):
         assert runner.table[i, : len(seq.pages)].tolist() == seq.pages
     assert runner.inputs[1, :9].tolist() == [6, 7, 8, 0, 1, 2, 3, 4, 0]
+
+
+def test_triton_all_refuses_an_fp8_pool():
+    from dataclasses import replace
+
+    from pieceworks.backends.attention.triton import TritonAttentionBackend
+    from pieceworks.backends.base import BackendSpec, ModelFacts
+
+    ok = ModelFacts(dtype=torch.bfloat16, num_heads=32, num_kv_heads=8, head_dim=128)
+    cuda = dict(device="cuda", capability=(9, 0), modules=frozenset({"triton"}))
+    assert TritonAttentionBackend.check(BackendSpec(**cuda, model=ok)) == []
+    reasons = TritonAttentionBackend.check(BackendSpec(**cuda, model=replace(ok, kv_fp8=True)))
+    assert any("bf16 / fp16 pools only" in r for r in reasons)

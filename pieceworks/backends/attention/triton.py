@@ -191,3 +191,10 @@ class TritonAttentionBackend(TritonDecodeAttentionBackend):
     forward_modes = frozenset({ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED})
     full_extend = True
     description = "split-KV paged GQA decode and device-planned extend attention in Triton"
+
+    @classmethod
+    def check(cls, spec):
+        reasons = super().check(spec)
+        if spec.model.kv_fp8:
+            reasons.append("its extend kernel reads bf16 / fp16 pools only (kv_cache.dtype resolves to fp8)")
+        return reasons
