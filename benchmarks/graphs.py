@@ -353,6 +353,13 @@ def render(info: dict, ext: list[dict], dec: list[dict]) -> str:
                                 "whole graph ms", "piecewise - whole, both back to back (ms)",
                                 "piecewise - whole, GPU time with the host ahead (ms)",
                                 "piecewise kept of the graph saving", "piecewise / eager"], rows, "l" * 9)]
+        full = [r for r in ext if "extend_graph_ms" in r]
+        if full:  # executor/extend_graph.py: a step with its last tokens' logits, against piecewise + the same logits
+            lines += ["", md_table(["T", "piecewise + logits ms", "extend graph ms", "difference ms"],
+                                   [[r["T"], f"{r.get('piecewise_logits_ms', float('nan')):.3f}",
+                                     f"{r['extend_graph_ms']:.3f}",
+                                     f"{r.get('piecewise_logits_ms', float('nan')) - r['extend_graph_ms']:.3f}"]
+                                    for r in full], "llll")]
     if dec:
         lines += ["", f"decode over {info['context']}-token sequences", "",
                   md_table(["decode batch", "full graph ms (Executor.forward)", "graph replay alone ms", "eager ms"],
