@@ -132,9 +132,22 @@ class DecodeGraphConfig:
 
 
 @dataclass(frozen=True)
+class ExtendGraphConfig:
+    enabled: Any = Switch.auto
+    """auto | on | off: full CUDA graphs for extend and mixed steps of up to the largest size whose last tokens'
+    logits are wanted (CUDA only; where the kernel table has backends safe there: attention.triton_all on bf16 /
+    fp16 KV pools, no MLA). auto: on one GPU; on: under tensor parallelism too."""
+    sizes: Optional[list[int]] = field(default=None, metadata={"example": "[16,64,256]"})
+    """Token buckets (ascending); default 16, 32, 64, 128, 256."""
+    max_seqs: int = 64
+    """Most sequences in one such step; steps with more run piecewise."""
+
+
+@dataclass(frozen=True)
 class CudaGraphConfig:
     piecewise: PiecewiseConfig = field(default_factory=PiecewiseConfig)
     decode: DecodeGraphConfig = field(default_factory=DecodeGraphConfig)
+    extend: ExtendGraphConfig = field(default_factory=ExtendGraphConfig)
 
 
 @dataclass(frozen=True)
@@ -326,8 +339,9 @@ def _normalize(cfg: Config) -> Config:
     g = cfg.cuda_graph
     pw = replace(g.piecewise, enabled=_switch("cuda_graph.piecewise.enabled", g.piecewise.enabled))
     dec = replace(g.decode, enabled=_switch("cuda_graph.decode.enabled", g.decode.enabled))
+    ext = replace(g.extend, enabled=_switch("cuda_graph.extend.enabled", g.extend.enabled))
     runtime = replace(cfg.runtime, pdl=_switch("runtime.pdl", cfg.runtime.pdl))
-    return replace(cfg, cuda_graph=replace(g, piecewise=pw, decode=dec), runtime=runtime)
+    return replace(cfg, cuda_graph=replace(g, piecewise=pw, decode=dec, extend=ext), runtime=runtime)
 
 
 __all__ = ["Config", "ConfigError", "Switch", "load_config", "to_yaml", "asdict"]

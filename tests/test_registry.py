@@ -45,6 +45,14 @@ class DecodeOnly(TorchAttentionBackend):
     forward_modes = frozenset({D})
 
 
+class FullExtend(TorchAttentionBackend):
+    """Like attention.triton_all: planned on the device, so safe in full graphs of extend steps; ranked low."""
+
+    name = "fullext"
+    priority = 5
+    full_extend = True
+
+
 class Plugin:
     def __init__(self, *backends):
         self.backends = list(backends)
@@ -88,7 +96,7 @@ def test_pinned_backend_that_cannot_serve_names_reasons_and_alternatives():
 
 
 def test_unknown_backend_name_lists_registered_ones():
-    with pytest.raises(ConfigError, match="no attention backend named 'nope'; registered: triton, flashinfer, fast, torch"):
+    with pytest.raises(ConfigError, match="no attention backend named 'nope'; registered: triton, flashinfer, triton_all, fast, torch"):
         resolve(registry(FastAttention), ["backends.attention=nope"])
 
 
@@ -138,10 +146,30 @@ def test_no_graph_safe_backend_marks_graph_mode_unavailable():
     assert not table.graph_mode_ok(E, PW) and table.graph_mode_ok(D, FULL)
 
 
+def test_full_graphs_of_extend_steps_take_a_full_extend_backend(caplog):
+    with caplog.at_level(logging.INFO, logger="pieceworks.registry"):
+        table = resolve(registry(FullExtend, FastAttention))
+    assert table.get("attention", E, EAGER).name == "fast" and table.get("attention", E, PW).name == "fast"
+    assert table.get("attention", E, FULL).name == "fullext" and table.get("attention", M, FULL).name == "fullext"
+    assert table.get("attention", D, FULL).name == "fast"  # decode graphs: full_extend does not matter
+    decision = next(d for d in table.decisions if d.forward_mode is E and d.graph_mode is FULL)
+    assert decision.fallback_from == "fast" and "full CUDA graphs of extend steps" in decision.note
+    # pinned: the pinned backend where it is safe, the full_extend one in its place where not
+    table = resolve(registry(FullExtend, FastAttention), ["backends.attention={extend: fast, decode: fast}"])
+    assert table.get("attention", E, PW).name == "fast" and table.get("attention", M, FULL).name == "fullext"
+
+
+def test_no_full_extend_backend_marks_full_extend_graphs_unavailable():
+    table = resolve(registry(FastAttention))
+    assert table.get("attention", E, FULL) is None and table.get("attention", D, FULL).name == "fast"
+    assert not table.graph_mode_ok(E, FULL) and not table.graph_mode_ok(M, FULL) and table.graph_mode_ok(E, PW)
+    assert "safe in full graphs for extend steps" in table.graph_unavailable[(E, FULL)]
+
+
 def test_blocked_plugin_is_not_loaded():
     reg = registry(FastAttention, disabled=("testplugin",))
     assert "testplugin" not in reg.plugin_names()
-    assert [c.name for c in reg.backends("attention")] == ["triton", "flashinfer", "torch"]  # the built-ins
+    assert [c.name for c in reg.backends("attention")] == ["triton", "flashinfer", "triton_all", "torch"]  # the built-ins
     with pytest.raises(SelectionError, match="no attention backend can serve"):
         resolve(registry(disabled=("pieceworks.torch",)))
 

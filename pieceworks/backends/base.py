@@ -171,6 +171,11 @@ class Backend:
     PIECEWISE = safe in piecewise graphs (attention and mla run eagerly between pieces with plan/run
     as graphs expect and padded rows as the op's contract says; other ops are captured inside a piece).
     The conformance suite (`pieceworks.testing`) checks every declared mode."""
+    full_extend: ClassVar[bool] = False
+    """attention and mla: FULL holds for extend and mixed steps too (executor/extend_graph.py): `plan` of a
+    `StepMetadata` with `extend_index` does no host work that the step's layout changes, and `forward` takes
+    any layout of up to the captured tokens over up to `graph_batch_size` sequences from those device buffers.
+    Other ops' graph modes hold for every forward mode."""
     numerics: ClassVar[tuple[str, ...]] = ()
     """fp4_gemm and moe: the NVFP4 numerics it implements, its default first (see NUMERICS)."""
     Options: ClassVar[type | None] = None

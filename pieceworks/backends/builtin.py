@@ -66,11 +66,11 @@ class TritonBackends:
 
     @hookimpl
     def pieceworks_register_backends(self):
-        from pieceworks.backends.attention.triton import TritonDecodeAttentionBackend
+        from pieceworks.backends.attention.triton import TritonAttentionBackend, TritonDecodeAttentionBackend
         from pieceworks.backends.fp4_gemm.triton import TritonFp4GemmBackend
         from pieceworks.backends.moe.triton import TritonMoEBackend
 
-        return [TritonFp4GemmBackend, TritonMoEBackend, TritonDecodeAttentionBackend]
+        return [TritonFp4GemmBackend, TritonMoEBackend, TritonDecodeAttentionBackend, TritonAttentionBackend]
 
 
 class CudaBackends:

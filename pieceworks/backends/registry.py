@@ -34,6 +34,7 @@ from pieceworks.core.context import StepKernels
 from pieceworks.errors import ConfigError
 
 log = logging.getLogger("pieceworks.registry")
+PLANNED_OPS = ("attention", "mla")  # plan a step's layout: FULL graphs of extend steps need `full_extend`
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,9 @@ class Registry:
                 reasons.append(f"does not support {mode.value} steps")
             if graph not in cls.graph_modes:
                 reasons.append(f"not safe in {graph.value} CUDA graphs")
+            elif graph is GraphMode.FULL and mode is not ForwardMode.DECODE and op in PLANNED_OPS \
+                    and not cls.full_extend:
+                reasons.append(f"not safe in full CUDA graphs of {mode.value} steps (plans them on the host)")
             out.append(Candidate(cls, reasons))
         return out
 

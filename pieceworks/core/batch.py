@@ -45,8 +45,8 @@ class GraphMode(enum.Enum):
 # Forward modes that a kernel table is resolved for (IDLE runs no kernels), and the graph modes each
 # of them can run under.
 TABLE_MODES: dict[ForwardMode, tuple[GraphMode, ...]] = {
-    ForwardMode.EXTEND: (GraphMode.EAGER, GraphMode.PIECEWISE),
-    ForwardMode.MIXED: (GraphMode.EAGER, GraphMode.PIECEWISE),
+    ForwardMode.EXTEND: (GraphMode.EAGER, GraphMode.PIECEWISE, GraphMode.FULL),
+    ForwardMode.MIXED: (GraphMode.EAGER, GraphMode.PIECEWISE, GraphMode.FULL),
     ForwardMode.DECODE: (GraphMode.EAGER, GraphMode.FULL),
 }
 
@@ -73,6 +73,9 @@ class StepMetadata:
         page_lists: every planned sequence's pages as host lists (FULL decode: padding sequences
             included, each [reserved page]), where the runner has them; backends may plan from them
             instead of the device page table. Else None.
+        extend_index: FULL extend graphs (executor/extend_graph.py): int32 [2 * graph_batch_size + 1] on the
+            device at a fixed address, each sequence's query offsets (graph_batch_size + 1) then KV lengths,
+            padding sequences empty; else None.
     """
 
     mode: ForwardMode
@@ -85,6 +88,7 @@ class StepMetadata:
     positions: torch.Tensor
     graph_batch_size: int | None = None
     page_lists: list[list[int]] | None = None
+    extend_index: torch.Tensor | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property

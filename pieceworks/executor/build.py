@@ -88,7 +88,32 @@ def build_executor(cls: type, cfg: Config, progress: bool, device: torch.device,
     ex.groups = groups
     pdl.configure(pdl_mode, device)  # before the graphs capture the kernels
     ex.piecewise, ex.decode_graphs = graph_runners(cfg.cuda_graph, model, table, kv, ex.max_context, progress)
+    ex.extend_graphs = extend_graph_runner(cfg.cuda_graph.extend, model, table, kv, ex.max_context, progress,
+                                           groups is not None and groups.size > 1)
     return ex
+
+
+def extend_graph_runner(ext: Any, model: torch.nn.Module, table: Any, kv: KVPool, max_context: int,
+                        progress: bool, tensor_parallel: bool = False) -> Any:
+    """ExtendGraphRunner for `cuda_graph.extend` (CUDA only), or None: off; auto under tensor parallelism (not
+    run on several GPUs yet); no CUDA; or no backend safe in full graphs of extend steps (said at warning level
+    where the config switched it on, else at info level)."""
+    if ext.enabled is Switch.off:
+        return None
+    from pieceworks.executor import extend_graph
+
+    why = "full graphs need CUDA" if kv.device.type != "cuda" else extend_graph.unsupported(table)
+    if why is None and tensor_parallel and ext.enabled is Switch.auto:
+        why = "auto leaves them off under tensor parallelism (on switches them on)"
+    if why is not None:
+        (log.warning if ext.enabled is Switch.on else log.info)("cuda_graph.extend: %s; extend steps run "
+                                                                "piecewise", why)
+        return None
+    sizes = list(ext.sizes) if ext.sizes else extend_graph.default_sizes(max_context)
+    if sizes != sorted(set(sizes)) or sizes[0] < 1 or ext.max_seqs < 1:
+        raise ConfigError(f"cuda_graph.extend: sizes {sizes} must be ascending positive token counts and max_seqs "
+                          f"({ext.max_seqs}) positive")
+    return extend_graph.ExtendGraphRunner(model, table, kv, max_context, sizes, ext.max_seqs, progress)
 
 
 def wants_fp8_kv(setting: str, checkpoint_fp8: bool, mla: bool) -> bool:
@@ -161,7 +186,7 @@ def release_executor(ex: Any, message: str) -> None:
     three replaced by stand-ins whose every use raises RuntimeError(`message`)), then free their memory."""
     if ex.piecewise is not None:
         ex.piecewise.release()
-    ex.piecewise = ex.decode_graphs = ex.greedy_ids = None
+    ex.piecewise = ex.decode_graphs = ex.extend_graphs = ex.greedy_ids = None
     ex.model = ex.kv = ex.table = _Closed(message)
     ex._live.clear()
     gc.collect()  # the graph runners and backends hold reference cycles

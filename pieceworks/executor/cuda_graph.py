@@ -23,12 +23,13 @@ host-time measurements without CUDA).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import gc
 import importlib.util
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -145,6 +146,27 @@ class HostStaging:
         self._rows = []
 
 
+@contextlib.contextmanager
+def capture_session(device: torch.device, report: dict) -> Iterator[None]:
+    """The frame of a runner's captures: the garbage collector paused (a collection inside a capture can run
+    finalizers that free or allocate CUDA memory), then warm-up leftovers dropped; `report` gets the time taken
+    and the memory left reserved (the graphs' pool)."""
+    torch.cuda.empty_cache()
+    reserved_before = torch.cuda.memory_reserved(device)
+    t0 = time.perf_counter()
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    report.update(capture_s=time.perf_counter() - t0, pool_bytes=torch.cuda.memory_reserved(device) - reserved_before)
+
+
 class DecodeGraphRunner:
     def __init__(self, model: torch.nn.Module, table: "KernelTable", kv: "KVPool", max_context: int,
                  batch_sizes: list[int] | None, progress: bool = True) -> None:
@@ -198,13 +220,8 @@ class DecodeGraphRunner:
         model, kv = self.model, self.kv
         kernels = self.kernel_table.step(ForwardMode.DECODE, GraphMode.FULL)
         self.pool = torch.cuda.graph_pool_handle()
-        torch.cuda.empty_cache()
-        reserved_before = torch.cuda.memory_reserved(kv.device)
-        t0 = time.perf_counter()
-        gc.collect()
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
+        self.report = {}
+        with capture_session(kv.device, self.report):
             with progress_bar(progress, "capturing decode graphs", total=len(self.sizes)) as advance:
                 for bs in reversed(self.sizes):
                     ids, positions, slots = self.views(bs)
@@ -223,14 +240,7 @@ class DecodeGraphRunner:
                             self.greedy[bs] = greedy_token_ids(self.logits[bs])
                     self.graphs[bs] = graph
                     advance()
-        finally:
-            if was_enabled:
-                gc.enable()
-        torch.cuda.synchronize(kv.device)
         self.staging.forget_table()
-        torch.cuda.empty_cache()  # drop warm-up leftovers; what stays reserved is the graphs' pool
-        self.report = {"capture_s": time.perf_counter() - t0,
-                       "pool_bytes": torch.cuda.memory_reserved(kv.device) - reserved_before}
 
     def run(self, seqs: list[Sequence], tokens: list[list[int]],
             kernels: StepKernels) -> tuple[torch.Tensor, torch.Tensor]:

@@ -68,6 +68,7 @@ class Executor:
         self._prev_ids: torch.Tensor | None = None  # the ids the next step's placeholders read (`feed_ids`)
         self.piecewise = None
         self.decode_graphs = None
+        self.extend_graphs = None  # executor.extend_graph: full graphs for small extend and mixed steps
         self.groups = None  # parallel.group.ProcessGroups of a tensor-parallel rank
         self.workers = None  # parallel.workers.WorkerGroup of an in-process launch's leader
         self.rendezvous: str | None = None  # that launch's torch.distributed file-store directory
@@ -268,7 +269,10 @@ class Executor:
                  all_logits: bool | list[bool]) -> torch.Tensor:
         """The step itself, pages already reserved (every rank of a tensor-parallel run calls it with the
         same arguments): graph mode, kernels, inputs, the model, logits. `seqs` need `pages` and `kv_len`."""
-        graph = self._graph_mode(mode, len(tokens), sum(map(len, tokens)))
+        last_only = not (any(all_logits) if isinstance(all_logits, list) else all_logits)
+        graph = self._graph_mode(mode, len(tokens), sum(map(len, tokens)), last_only)
+        if graph is GraphMode.FULL and mode is not ForwardMode.DECODE:
+            return self.extend_graphs.run(mode, seqs, tokens, self._prev_ids)
         kernels = self.table.step(mode, graph)
         if graph is GraphMode.FULL:
             logits, self.greedy_ids = self.decode_graphs.run(seqs, tokens, kernels)
@@ -328,13 +332,16 @@ class Executor:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _graph_mode(self, mode: ForwardMode, num_seqs: int, num_tokens: int) -> GraphMode:
-        """Decode within the graph batch sizes -> FULL; extend/mixed within piecewise.max_tokens -> PIECEWISE
-        (mixed steps only where the kernel table has backends for them there); otherwise EAGER."""
+    def _graph_mode(self, mode: ForwardMode, num_seqs: int, num_tokens: int, last_only: bool = True) -> GraphMode:
+        """Decode within the graph batch sizes -> FULL; extend/mixed within the extend graphs' sizes (only the
+        last tokens' logits wanted) -> FULL, within piecewise.max_tokens -> PIECEWISE (mixed steps only where the
+        kernel table has backends for them there); otherwise EAGER."""
         if mode is ForwardMode.DECODE:
             if self.decode_graphs is not None and self.decode_graphs.covers(num_seqs):
                 return GraphMode.FULL
             return GraphMode.EAGER
+        if last_only and self.extend_graphs is not None and self.extend_graphs.covers(num_seqs, num_tokens):
+            return GraphMode.FULL
         if (self.piecewise is not None and self.piecewise.covers(num_tokens)
                 and self.table.graph_mode_ok(mode, GraphMode.PIECEWISE)):
             return GraphMode.PIECEWISE

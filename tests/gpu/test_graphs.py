@@ -1,4 +1,4 @@
-"""Piecewise and full decode CUDA graphs vs eager on the GPU, at real widths with few layers.
+"""Piecewise, full decode and full extend CUDA graphs vs eager on the GPU, at real widths with few layers.
 
 Run on the H200: `python -m pytest tests/gpu -m gpu -q`. Eager references come from the same executor
 with its graph runners switched off, so weights and KV pool are shared.
@@ -117,12 +117,12 @@ def build(name: str, attention: str | dict, flashinfer_options: dict | None = No
 
 @contextlib.contextmanager
 def eager(ex: Executor):
-    saved = ex.piecewise, ex.decode_graphs
-    ex.piecewise = ex.decode_graphs = None
+    saved = ex.piecewise, ex.decode_graphs, ex.extend_graphs
+    ex.piecewise = ex.decode_graphs = ex.extend_graphs = None
     try:
         yield ex
     finally:
-        ex.piecewise, ex.decode_graphs = saved
+        ex.piecewise, ex.decode_graphs, ex.extend_graphs = saved
 
 
 def toks(n: int, seed: int, vocab: int) -> list[int]:
@@ -142,12 +142,13 @@ def script(vocab: int):
     return steps
 
 
-def run(ex: Executor, steps) -> list[torch.Tensor]:
+def run(ex: Executor, steps, all_logits: bool = True) -> list[torch.Tensor]:
     seqs, out = {}, []
     for step in steps:
         for i, _ in step:
             seqs.setdefault(i, ex.new_sequence())
-        out.append(ex.forward(ForwardBatch([seqs[i] for i, _ in step], [t for _, t in step], return_all_logits=True)).float())
+        batch = ForwardBatch([seqs[i] for i, _ in step], [t for _, t in step], return_all_logits=all_logits)
+        out.append(ex.forward(batch).float())
     for s in seqs.values():
         ex.free(s)
     return out
@@ -260,23 +261,67 @@ def check_graphs_match_eager(ex: Executor, name: str) -> None:
         assert {GraphMode.PIECEWISE, GraphMode.FULL, GraphMode.EAGER} <= set(modes)
         with eager(ex):
             ref = run(ex, steps)
-        errs = [rel(g, r) for g, r in zip(graphed, ref)]
-        # GEMMs tile a padded batch differently from the unpadded one (last-bit differences). In a
-        # dense model that is all; in an MoE model such a difference can flip a near-tied expert choice
-        # of random weights, which moves that step's logits further (0.12 seen once on the H200):
-        # there, most steps must still be tight and none far off. Where the logits are this close (dense), greedy
-        # tokens differ only at near ties (`decisive_argmax_flips`).
-        if not name.startswith("deepseek") and "moe" not in name:  # dense
-            assert max(errs) < 2e-2, errs
-            flips = {i: f for i, (g, r) in enumerate(zip(graphed, ref)) if (f := decisive_argmax_flips(g, r))}
-            assert not flips, f"greedy tokens differ beyond near ties (step: [(row, eager margin)]): {flips}"
-        else:
-            assert sum(e < 5e-2 for e in errs) >= 0.9 * len(errs) and max(errs) < 0.25, errs
-            agree = [bool((g.argmax(-1) == r.argmax(-1)).float().mean() >= 0.9) for g, r in zip(graphed, ref)]
-            assert sum(agree) >= 0.9 * len(agree), agree
+        assert_near_eager(graphed, ref, name)
         assert ex.piecewise.backend.num_compiles == 1
         assert ex.kv.allocator.num_free == ex.kv.allocator.capacity
     finally:
+        del ex
+        torch.cuda.empty_cache()
+
+
+def assert_near_eager(graphed: list[torch.Tensor], ref: list[torch.Tensor], name: str) -> None:
+    errs = [rel(g, r) for g, r in zip(graphed, ref)]
+    # GEMMs tile a padded batch differently from the unpadded one (last-bit differences), and full extend graphs
+    # run attention.triton_all where eager steps run FlashInfer or torch. In a dense model that is all; in an MoE
+    # model such a difference can flip a near-tied expert choice of random weights, which moves that step's logits
+    # further (0.12 seen once on the H200): there, most steps must still be tight and none far off. Where the
+    # logits are this close (dense), greedy tokens differ only at near ties (`decisive_argmax_flips`).
+    if not name.startswith("deepseek") and "moe" not in name:  # dense
+        assert max(errs) < 2e-2, errs
+        flips = {i: f for i, (g, r) in enumerate(zip(graphed, ref)) if (f := decisive_argmax_flips(g, r))}
+        assert not flips, f"greedy tokens differ beyond near ties (step: [(row, eager margin)]): {flips}"
+    else:
+        assert sum(e < 5e-2 for e in errs) >= 0.9 * len(errs) and max(errs) < 0.25, errs
+        agree = [bool((g.argmax(-1) == r.argmax(-1)).float().mean() >= 0.9) for g, r in zip(graphed, ref)]
+        assert sum(agree) >= 0.9 * len(agree), agree
+
+
+# GQA models whose (extend, FULL) entries the registry fills (attention.triton_all): cuda_graph.extend's auto
+# builds full extend graphs for them; windowed, soft-capped and MLA models have none.
+EXTEND_GRAPH_MODELS = ["llama-bf16", "llama-nvfp4", "qwen3-nvfp4", "qwen2-nvfp4", "phi4-mini-rope-nvfp4",
+                       "smollm3-nvfp4", "glm4-nvfp4", "olmo2-nvfp4", "granite-nvfp4", "qwen3-moe-nvfp4"]
+
+
+@pytest.mark.parametrize("name", EXTEND_GRAPH_MODELS)
+def test_full_extend_graphs_match_eager(name):
+    """The script's steps with each sequence's last logits only (as the Engine asks): extend and mixed steps go
+    through the full extend graphs (`cuda_graph.extend`, on by default), decode steps through the decode graphs;
+    the logits stay near eager's (FlashInfer)."""
+    ex = build(name, "flashinfer")
+    try:
+        assert ex.extend_graphs is not None, ex.table.graph_unavailable
+        assert ex.table.step(ForwardMode.EXTEND, GraphMode.FULL).attention.name == "triton_all"
+        assert ex.table.step(ForwardMode.EXTEND, GraphMode.PIECEWISE).attention.name == "flashinfer"
+        steps, calls = script(ex.vocab_size), []
+        real = ex.extend_graphs.run
+        ex.extend_graphs.run = lambda *a: calls.append(sum(map(len, a[2]))) or real(*a)
+        graphed = run(ex, steps, all_logits=False)
+        ex.extend_graphs.run = real
+        assert calls == [5, 19, 37, 150, 62, 14], calls  # every extend and mixed step of the script
+        with eager(ex):
+            ref = run(ex, steps, all_logits=False)
+        assert_near_eager(graphed, ref, name)
+        assert ex.kv.allocator.num_free == ex.kv.allocator.capacity
+    finally:
+        del ex
+        torch.cuda.empty_cache()
+
+
+def test_no_full_extend_graphs_where_no_backend_is_safe_there():
+    """A windowed model (attention.triton_all serves no windows) and an MLA one: auto builds none, and says why."""
+    for name in ("mistral-window-nvfp4", "deepseek-nvfp4"):
+        ex = build(name, "flashinfer")
+        assert ex.extend_graphs is None and not ex.table.graph_mode_ok(ForwardMode.EXTEND, GraphMode.FULL), name
         del ex
         torch.cuda.empty_cache()
 

@@ -63,11 +63,10 @@ class ReferencePlan:
     def plan(self, meta) -> None:
         self._meta = meta
         self._num_tokens = meta.num_tokens
-        if meta.graph_mode is GraphMode.FULL:
-            self._seq_lens = _static_seq_lens(self._static_lens, meta)
-        elif meta.mode is ForwardMode.DECODE:
-            self._seq_lens = meta.seq_lens_tensor()
-        else:
+        if meta.mode is ForwardMode.DECODE:
+            full = meta.graph_mode is GraphMode.FULL
+            self._seq_lens = _static_seq_lens(self._static_lens, meta) if full else meta.seq_lens_tensor()
+        else:  # extend and mixed steps (also EagerExtendRunner's stand-in for full extend graphs)
             self._seqs = list(self._sequences(meta))
 
     @staticmethod

@@ -27,7 +27,7 @@ import torch
 from pieceworks.backends.attention.base import AttentionBackend, gqa_kernel_reasons
 from pieceworks.backends.base import ALL_GRAPH_MODES, Requirements
 from pieceworks.backends.kv_write import write_rows
-from pieceworks.core.batch import ForwardMode
+from pieceworks.core.batch import ForwardMode, to_device
 from pieceworks.core.kv import KV_FP8
 
 TARGET_PROGRAMS = 512  # about four per SM on an H200 (132 SMs): the 11:25 launch sweep (docs/benchmarks.md)
@@ -66,12 +66,17 @@ class TritonDecodeAttentionBackend(AttentionBackend):
         self._graph_bufs: dict[int, tuple] = {}
         self._eager_bufs: tuple | None = None  # (batch, batch x splits, part_o, part_lse, counters) capacity
         self._bufs = None
+        self._graph_ext: dict[int, torch.Tensor] = {}  # full extend graphs: token bucket -> [qo, lens]
+        self._ext = None
 
     def plan(self, meta) -> None:
-        if meta.mode is not ForwardMode.DECODE:
-            raise ValueError(f"attention.triton serves decode steps only (got {meta.mode.value}); select "
+        if meta.mode not in self.forward_modes:
+            raise ValueError(f"attention.{self.name} serves decode steps only (got {meta.mode.value}); select "
                              "it with backends.attention: {decode: triton}")
         self._meta = meta
+        if meta.mode is not ForwardMode.DECODE:
+            self._plan_extend(meta)
+            return
         graph = meta.graph_batch_size is not None
         batch = meta.graph_batch_size or meta.num_seqs
         # Sequence lengths need no copy: a decode step's token positions are already on the device
@@ -95,6 +100,47 @@ class TritonDecodeAttentionBackend(AttentionBackend):
             bufs = (splits, batch, part_o, part_lse, counters)
         self._bufs = bufs
 
+    def _plan_extend(self, meta) -> None:
+        """Extend / mixed steps: each sequence's query offsets and KV lengths, [qo (B + 1), lens (B)] int32 in
+        one copy (`triton_extend_kernel`). Full graphs (`graph_batch_size` sequences, padding ones empty) read
+        them from a buffer per token bucket at a fixed address."""
+        if meta.extend_index is not None:  # the extend graph runner's own copy, at a fixed address
+            self._ext = (meta.graph_batch_size, meta.slot_mapping.shape[0], meta.extend_index)
+            return
+        qo, lens = meta.qo_indptr(), meta.seq_lens
+        seqs = meta.graph_batch_size or len(lens)
+        pad = seqs - len(lens)
+        host = torch.tensor(qo + [qo[-1]] * pad + lens + [0] * pad, dtype=torch.int32)
+        if meta.graph_batch_size is None:
+            self._ext = (seqs, meta.num_tokens, to_device(host, meta.device))
+            return
+        rows = meta.slot_mapping.shape[0]
+        buf = self._graph_ext.get(rows)
+        if buf is None:
+            if torch.device(meta.device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("attention.triton: plan() needs a new buffer inside a CUDA graph capture")
+            buf = self._graph_ext[rows] = torch.empty(2 * seqs + 1, dtype=torch.int32, device=meta.device)
+        buf.copy_(host.pin_memory() if buf.is_cuda else host, non_blocking=True)
+        self._ext = (seqs, rows, buf)
+
+    def _extend(self, q, k, v, out, layer_id, scale, kv) -> None:
+        from pieceworks.backends.attention import triton_extend_kernel
+
+        kc, vc = kv.k_cache(layer_id), kv.v_cache(layer_id)
+        if kc.dtype == KV_FP8:
+            raise NotImplementedError("attention.triton's extend kernel reads bf16 / fp16 pools only")
+        width = kc.shape[2] * kc.shape[3]
+        write_rows(kc.view(-1, width), k.reshape(k.shape[0], -1), vc.view(-1, width), v.reshape(v.shape[0], -1),
+                   self._meta.slot_mapping[: k.shape[0]], (kv.k_scale(layer_id), kv.v_scale(layer_id)))
+        seqs, tokens, idx = self._ext
+        # padding rows belong to no sequence: keep them finite (a full graph's token count changes per replay)
+        if self._meta.graph_batch_size is not None:
+            out.zero_()
+        elif out.shape[0] > self._meta.num_tokens:
+            out[self._meta.num_tokens:].zero_()
+        triton_extend_kernel.extend(q, kc, vc, out, self._meta.page_table, idx[: seqs + 1], idx[seqs + 1:],
+                                    seqs, tokens, scale)
+
     def _alloc(self, batch: int, units: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split partials for `units` (sequence, split) pairs and zeroed per-(sequence, head) counters
         for `batch` sequences."""
@@ -111,6 +157,9 @@ class TritonDecodeAttentionBackend(AttentionBackend):
         from pieceworks.backends.attention import triton_decode_kernel
 
         meta = self._meta
+        if meta.mode is not ForwardMode.DECODE:
+            self._extend(q, k, v, out, layer_id, scale, kv)
+            return
         kc, vc = kv.k_cache(layer_id), kv.v_cache(layer_id)
         splits, batch, part_o, part_lse, counters = self._bufs
         # The decode kernel writes the step's K/V rows itself (one launch less per layer) where they
@@ -130,3 +179,22 @@ class TritonDecodeAttentionBackend(AttentionBackend):
                                     k_new=k if fuse else None, v_new=v if fuse else None,
                                     lens_are_positions=True, slots=meta.slot_mapping[:batch] if fuse else None,
                                     kv_scales=scales)
+
+
+class TritonAttentionBackend(TritonDecodeAttentionBackend):
+    """attention.triton's kernels for every step: decode as `triton`, extend and mixed steps through
+    `triton_extend_kernel` (planned on the device, so safe in full extend graphs: executor/extend_graph.py).
+    Below FlashInfer for `auto`; pin it with backends.attention: {decode: triton, extend: triton_all}."""
+
+    name = "triton_all"
+    priority = 50
+    forward_modes = frozenset({ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED})
+    full_extend = True
+    description = "split-KV paged GQA decode and device-planned extend attention in Triton"
+
+    @classmethod
+    def check(cls, spec):
+        reasons = super().check(spec)
+        if spec.model.kv_fp8:
+            reasons.append("its extend kernel reads bf16 / fp16 pools only (kv_cache.dtype resolves to fp8)")
+        return reasons

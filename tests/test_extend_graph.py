@@ -1,0 +1,135 @@
+"""Full graphs for extend and mixed steps (`executor/extend_graph.py`) on the CPU, through the runner's host path
+(`EagerExtendRunner`: the same buckets, static inputs, padding and plans, an eager forward for each replay):
+logits equal the plain executor's for prompts, chunks over cached prefixes and mixed steps of several buckets;
+steps past the buckets, past max_seqs or asking for every token's logits run as before; async placeholders
+take the previous step's ids; the Engine's greedy outputs are unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pieceworks import Engine, Executor, SamplingParams
+from pieceworks.core.batch import ForwardBatch
+from pieceworks.executor.extend_graph import EagerExtendRunner
+
+CFG = {"model": {"arch": "llama", "preset": "tiny", "max_context": 256},
+       "runtime": {"device": "cpu", "dtype": "float32"}, "kv_cache": {"num_tokens": 2048, "page_size": 4}}
+
+
+def executors(sizes=(8, 16, 32), max_seqs=4):
+    plain = Executor.from_config(CFG, progress=False)
+    graphs = Executor.from_config(CFG, progress=False)
+    graphs.extend_graphs = EagerExtendRunner(graphs.model, graphs.table, graphs.kv, graphs.max_context,
+                                             list(sizes), max_seqs)
+    return plain, graphs
+
+
+def toks(n, seed):
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_steps_match_the_plain_executor():
+    plain, graphs = executors()
+    calls = []
+    run = graphs.extend_graphs.run
+    graphs.extend_graphs.run = lambda *a: calls.append(sum(map(len, a[2]))) or run(*a)
+    seqs = {ex: [ex.new_sequence() for _ in range(5)] for ex in (plain, graphs)}
+    steps = [
+        ([0], [[*toks(5, 1)]]),                                   # a prompt in the 8-token bucket
+        ([1, 2], [toks(13, 2), toks(3, 3)]),                      # two prompts, 16-token bucket
+        ([0, 1, 2], [toks(7, 4), [9], [11]]),                     # a chunk over a prefix beside two decodes
+        ([3, 4, 0, 1], [toks(20, 5), toks(6, 6), [1], [2]]),      # 32-token bucket, four sequences
+        ([0, 1, 2, 3, 4], [[3], [4], [5], [6], toks(2, 7)]),      # five sequences: more than max_seqs
+        ([2], [toks(40, 8)]),                                     # past the largest bucket
+        ([3, 4], [[7], [8]]),                                     # decode: the extend graphs take none
+        ([1], [toks(3, 10)]),                                     # back to the 8-token bucket, one sequence
+    ]
+    for idx, tk in steps:
+        out = {ex: ex.forward(ForwardBatch([seqs[ex][i] for i in idx], tk)) for ex in (plain, graphs)}
+        torch.testing.assert_close(out[graphs], out[plain], rtol=1e-5, atol=1e-5)
+    assert calls == [5, 16, 9, 28, 3]
+    scored = graphs.forward(ForwardBatch([seqs[graphs][4]], [toks(4, 9)], return_all_logits=True))
+    assert scored.shape[0] == 4 and len(calls) == 5  # every token's logits: not from the extend graphs
+
+
+def test_async_placeholders_take_the_previous_ids():
+    plain, graphs = executors()
+    a, b = graphs.new_sequence(), graphs.new_sequence()
+    pa, pb = plain.new_sequence(), plain.new_sequence()
+    graphs.forward(ForwardBatch([a], [toks(6, 10)]))
+    plain.forward(ForwardBatch([pa], [toks(6, 10)]))
+    graphs.feed_ids(torch.tensor([42]))
+    # row 0's placeholder (-1) stands for id 42, beside a new prompt in the same (mixed) step
+    got = graphs.forward(ForwardBatch([a, b], [[-1], toks(5, 11)]), validate=False)
+    want = plain.forward(ForwardBatch([pa, pb], [[42], toks(5, 11)]))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_engine_greedy_outputs_unchanged(async_steps):
+    outs = []
+    for with_graphs in (False, True):
+        ex = Executor.from_config({**CFG, "scheduler": {"async_steps": async_steps, "max_num_batched_tokens": 24}},
+                                  progress=False)
+        calls = []
+        if with_graphs:
+            ex.extend_graphs = runner = EagerExtendRunner(ex.model, ex.table, ex.kv, ex.max_context, [8, 16, 32], 4)
+            run = runner.run
+            runner.run = lambda *a: calls.append(a[0]) or run(*a)
+        eng = Engine(ex, tokenizer=None)
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        for i, n in enumerate((5, 30, 11)):
+            eng.add_request(toks(n, 20 + i), params, str(i))
+        done = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = list(o.token_ids)
+        outs.append(done)
+    assert outs[0] == outs[1] and len(outs[0]) == 3
+    assert len(calls) >= 2  # prompt chunks (24 tokens a step) and mixed steps went through the extend graphs
+
+
+def test_static_inputs_hold_the_step():
+    """What the graph and a device-planned attention backend read: each sequence's query offsets and KV lengths
+    (padding sequences empty), its last token's row, its page-table row."""
+    _, graphs = executors()
+    runner = graphs.extend_graphs
+    seqs = [graphs.new_sequence() for _ in range(3)]
+    graphs.forward(ForwardBatch(seqs[:1], [toks(6, 1)]))
+    graphs.forward(ForwardBatch(seqs, [toks(3, 2), toks(5, 3), [7]]))  # 6 cached + 3, 5, 1 new: 9 tokens
+    assert runner.index.tolist() == [0, 3, 8, 9, 9] + [9, 5, 1, 0]
+    assert runner.last.tolist() == [2, 7, 8, 0]
+    for i, seq in enumerate(seqs):
+        assert runner.table[i, : len(seq.pages)].tolist() == seq.pages
+    assert runner.inputs[1, :9].tolist() == [6, 7, 8, 0, 1, 2, 3, 4, 0]
+
+
+def test_small_buckets_hold_as_many_sequences_as_tokens():
+    """A bucket of t tokens holds min(t, max_seqs) sequences (each has a token of the step): its index, logits rows
+    and attention plan are laid out for that many, and its logits equal the plain executor's."""
+    plain, graphs = executors(sizes=(4, 16), max_seqs=6)
+    runner = graphs.extend_graphs
+    assert [runner.seqs(t) for t in (4, 16)] == [4, 6]
+    seqs = {ex: [ex.new_sequence() for _ in range(3)] for ex in (plain, graphs)}
+    for ex in (plain, graphs):
+        ex.forward(ForwardBatch(seqs[ex][:1], [toks(9, 1)]))  # the 16-token bucket
+    out = {ex: ex.forward(ForwardBatch(seqs[ex], [[5], toks(2, 2), [7]])) for ex in (plain, graphs)}
+    torch.testing.assert_close(out[graphs], out[plain], rtol=1e-5, atol=1e-5)
+    # 4 tokens over 3 sequences: query offsets [5] then KV lengths [4], the 4th sequence empty
+    assert runner.index[:9].tolist() == [0, 1, 3, 4, 4] + [10, 2, 1, 0]
+    assert runner.logits[4].shape[0] == 4 and runner.logits[16].shape[0] == 6
+
+
+def test_triton_all_refuses_an_fp8_pool():
+    from dataclasses import replace
+
+    from pieceworks.backends.attention.triton import TritonAttentionBackend
+    from pieceworks.backends.base import BackendSpec, ModelFacts
+
+    ok = ModelFacts(dtype=torch.bfloat16, num_heads=32, num_kv_heads=8, head_dim=128)
+    cuda = dict(device="cuda", capability=(9, 0), modules=frozenset({"triton"}))
+    assert TritonAttentionBackend.check(BackendSpec(**cuda, model=ok)) == []
+    reasons = TritonAttentionBackend.check(BackendSpec(**cuda, model=replace(ok, kv_fp8=True)))
+    assert any("bf16 / fp16 pools only" in r for r in reasons)
