@@ -23,7 +23,10 @@ cost of the pieces from the wait for the host at the step's head. Decode:
 `Executor.forward` of a decode batch over --context-token sequences (logits included), with and without
 the full decode graphs. `--mixed 256x32`: a mixed step (a 256-token chunk + 32 decode rows), timed as
 extend. `--host-time` (CPU, e.g. `--preset tiny --layers 32 --set cuda_graph.piecewise.enabled=on`): the
-piecewise runner's own host work per piece (stand-in graphs, no-op replays and attention).
+piecewise runner's own host work per piece (stand-in graphs, no-op replays and attention). Where the extend
+graphs (`cuda_graph.extend`, executor/extend_graph.py) take a row's step, a second table times it against
+piecewise + logits and the whole graph + logits, back to back, and `Executor.forward` of a new T-token prompt
+with and without them, alternated.
 """
 
 from __future__ import annotations
@@ -80,10 +83,33 @@ def plain_diff(eager, plain_fw) -> float:
 
 def extend_row(ex: Executor, T: int, repeats: int, plain: PlainLlama | None = None) -> dict:
     seq = ex.new_sequence()
+    toks = [torch.randint(0, ex.vocab_size, (T,)).tolist()]
     try:
-        return {"T": T, **step_row(ex, [seq], [torch.randint(0, ex.vocab_size, (T,)).tolist()], repeats, plain)}
+        row = {"T": T, **step_row(ex, [seq], toks, repeats, plain)}
     finally:
         ex.free(seq)
+    if ex.extend_graphs is not None and ex.extend_graphs.covers(1, T):
+        row.update(prompt_forward(ex, toks, repeats))
+    return row
+
+
+def prompt_forward(ex: Executor, toks: list[list[int]], repeats: int) -> dict:
+    """`Executor.forward` of a new sequence's prompt (logits returned, the sequence freed after), with the
+    extend graphs and with them set aside (piecewise), timed in alternation."""
+    runner = ex.extend_graphs
+
+    def forward(graphs):
+        def step():
+            ex.extend_graphs, seq = graphs, ex.new_sequence()
+            try:
+                ex.forward(ForwardBatch([seq], toks))
+            finally:
+                ex.free(seq)
+                ex.extend_graphs = runner
+        return step
+
+    return timed_interleaved({"forward_piecewise_ms": forward(None), "forward_extend_graph_ms": forward(runner)},
+                             repeats)
 
 
 def mixed_row(ex: Executor, chunk: int, decodes: int, context: int, repeats: int, plain=None) -> dict:
@@ -138,6 +164,14 @@ def step_row(ex: Executor, seqs: list, toks: list[list[int]], repeats: int, plai
             return row
         if "piecewise_ms" in row:  # before the whole graph's capture: no plan may follow it
             row["piecewise_b2b_ms"], row["piecewise_gpu_ms"] = wall_ms(piecewise, repeats), gpu_ms(piecewise, repeats)
+        full = ex.extend_graphs is not None and ex.extend_graphs.covers(len(seqs), T)
+        if full and "piecewise_ms" in row:  # steps with their last tokens' logits, all timed back to back
+            rows = torch.tensor(meta.qo_indptr()[1:], device=ex.device) - 1
+            row["piecewise_logits_b2b_ms"] = wall_ms(
+                lambda: ex.model.compute_logits(ex.run_model(k_pw, meta_p, ids_p)[rows]), repeats)
+            row["extend_graph_b2b_ms"] = wall_ms(lambda: ex.extend_graphs.run(mode, seqs, toks, None), repeats)
+            graph = whole_graph(ex, k_eager, meta, ids, rows)
+            row["whole_logits_ms"] = wall_ms(graph.replay, repeats)
         graph = whole_graph(ex, k_eager, meta, ids)
         row["whole_graph_ms"], row["whole_gpu_ms"] = wall_ms(graph.replay, repeats), gpu_ms(graph.replay, repeats)
         graph = None  # release the captured graph before the next T
@@ -154,18 +188,20 @@ def step_row(ex: Executor, seqs: list, toks: list[list[int]], repeats: int, plai
     return row
 
 
-def whole_graph(ex: Executor, kernels, meta, ids) -> torch.cuda.CUDAGraph:
+def whole_graph(ex: Executor, kernels, meta, ids, rows: torch.Tensor | None = None) -> torch.cuda.CUDAGraph:
     """The step's whole forward captured in one CUDA graph (after an eager forward of it: FlashInfer's JIT,
     the softmax scale), to be replayed without re-planning: the batch never changes, and FlashInfer's
     non-graph prefill wrapper re-allocates its index buffers on every plan, so a re-planned replay reads
     freed memory (seen on the H200: the GPU hung). A best case, which makes piecewise's comparison with it
-    conservative."""
+    conservative. With `rows`, the graph computes those rows' logits too, as a step returns them."""
     graph = torch.cuda.CUDAGraph()
     for capture in (False, True):
         plan(kernels, meta)
         with forward_context(ForwardContext(kernels, meta, ex.kv)):
             with torch.cuda.graph(graph) if capture else contextlib.nullcontext():
-                ex.model(ids, meta.positions)
+                hidden = ex.model(ids, meta.positions)
+                if rows is not None:
+                    ex.model.compute_logits(hidden[rows])
         sync()
     return graph
 
@@ -276,6 +312,7 @@ def main() -> None:
         "backends": {op: sorted({b.name for b in ex.table.instances(op)}) for op in ("attention", "mla", "fp4_gemm", "moe")},
         "piecewise": ex.piecewise.describe() if ex.piecewise else None,
         "decode_graphs": ex.decode_graphs.describe() if ex.decode_graphs else None,
+        "extend_graphs": ex.extend_graphs.describe() if ex.extend_graphs else None,
     }
     print(json.dumps({k: v for k, v in info.items() if k not in ("piecewise",)}, default=str), flush=True)
     print("piecewise:", {k: v for k, v in (info["piecewise"] or {}).items() if k != "sizes"}, flush=True)
@@ -345,6 +382,20 @@ def render(info: dict, ext: list[dict], dec: list[dict]) -> str:
                                 "whole graph ms", "piecewise - whole, both back to back (ms)",
                                 "piecewise - whole, GPU time with the host ahead (ms)",
                                 "piecewise kept of the graph saving", "piecewise / eager"], rows, "l" * 9)]
+        full = [r for r in ext if "extend_graph_b2b_ms" in r]
+        if full:  # executor/extend_graph.py: steps with their last tokens' logits, back to back
+            lines += ["", md_table(["T", "piecewise + logits ms", "extend graph ms", "whole graph + logits ms",
+                                    "piecewise - whole (ms)", "extend graph - whole (ms)"],
+                                   [[r["T"], *(f"{r[k]:.3f}" for k in ("piecewise_logits_b2b_ms", "extend_graph_b2b_ms",
+                                                                        "whole_logits_ms")),
+                                     f"{r['piecewise_logits_b2b_ms'] - r['whole_logits_ms']:.3f}",
+                                     f"{r['extend_graph_b2b_ms'] - r['whole_logits_ms']:.3f}"] for r in full], "l" * 6)]
+            e = info["extend_graphs"]
+            lines += ["", f"extend graphs: sizes {e['sizes']}, max_seqs {e['max_seqs']}, capture {e['capture_s']:.1f} s, "
+                      f"pool {e['pool_bytes'] / 2**30:.2f} GiB. Executor.forward of a new prompt, alternated:"]
+            lines += ["", md_table(["T", "piecewise ms", "extend graph ms"],
+                                   [[r["T"], f"{r['forward_piecewise_ms']:.3f}", f"{r['forward_extend_graph_ms']:.3f}"]
+                                    for r in full if "forward_piecewise_ms" in r], "lll")]
     if dec:
         lines += ["", f"decode over {info['context']}-token sequences", "",
                   md_table(["decode batch", "full graph ms (Executor.forward)", "graph replay alone ms", "eager ms"],
