@@ -10,6 +10,7 @@ registers its backends, each of which makes one mistake a plugin author made."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import os
 import re
@@ -46,6 +47,7 @@ BROKEN = {  # backend -> what the suite must say about it (one of its failures)
     "attention.window": "long_context (float32, q, k, v separate tensors): relative error",
     "attention.stub": "forward is not implemented: define forward(self, q, k, v, out, layer_id, scale, kv) with "
                       "the signature of AttentionBackend.forward",
+    "attention.indexedoffbyone": "full extend step 1 (full, a+5, b+7)",
     "fp4_gemm.inplace": "forward changed its input x (max |diff|",
     "fp4_gemm.float32out": "forward returned float32 for bfloat16 x; return x's dtype",
     "fp4_gemm.transposed": "forward returned shape (96, 7), expected [M, N] = (7, 96)",
@@ -149,6 +151,32 @@ class Window(TorchAttentionBackend):
                 out[i] = attend(q[i : i + 1], keys, vals, scale, WINDOW - 1)[0].to(out.dtype)
 
 
+class IndexedAttention(TorchAttentionBackend):
+    """Correct: declares full_extend and takes a full extend graph's layout from `extend_index` (each sequence's
+    query offsets, then KV lengths; padding sequences empty), as a device-planned kernel reads it."""
+
+    name = "indexed"
+    full_extend = True
+    shift = 0
+
+    def plan(self, meta):
+        if meta.extend_index is not None:
+            b, idx = meta.graph_batch_size, meta.extend_index.tolist()
+            qo, lens = idx[: b + 1], idx[b + 1:]
+            extend = [e for e in (qo[i + 1] - qo[i] for i in range(b)) if e]
+            meta = dataclasses.replace(meta, extend_lens=extend,
+                                       prefix_lens=[n - e - self.shift for n, e in zip(lens, extend)])
+        super().plan(meta)
+
+
+class IndexedOffByOne(IndexedAttention):
+    """Reads the KV lengths of `extend_index` as one short (takes them for the cached lengths before the step's
+    last token)."""
+
+    name = "indexedoffbyone"
+    shift = 1
+
+
 class StubForward(AttentionBackend):
     """forward left a stub."""
 
@@ -159,12 +187,12 @@ class StubForward(AttentionBackend):
 
 
 WRONG = (InPlaceGemm, Float32Gemm, TransposedGemm, UndeclaredW4A16Gemm, NoResidualGemm, WritesQ, IgnoresStrides,
-         Window, StubForward)
+         Window, StubForward, IndexedOffByOne)
 
 
 @hookimpl
 def pieceworks_register_backends():
-    return [GoodGemm, *WRONG]
+    return [GoodGemm, IndexedAttention, *WRONG]
 
 
 # ---------------------------------------------------------------------------- the tests
@@ -223,7 +251,7 @@ def failures(xml: Path) -> dict[str, list[tuple[str, str]]]:
 
 
 def test_suite_passes_the_docs_example_and_correct_plugins(site):
-    correct = ("attention.mine", "attention.tiled", "fp4_gemm.good")
+    correct = ("attention.mine", "attention.tiled", "fp4_gemm.good", "attention.indexed")
     res = suite(site, *[a for key in correct for a in ("--pieceworks-backend", key)])
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
     for key in correct:

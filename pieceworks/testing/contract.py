@@ -16,6 +16,7 @@ error and the tolerance.
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass, replace
 
@@ -92,17 +93,21 @@ class PoolRun:
     Args:
         shape: a GqaShape or MlaShape.
         impl: the backend instance (built for `shape.facts(dtype, page_size)`).
-        graph: the graph mode of every step (FULL: decode steps only).
+        graph: the graph mode of every step (FULL: decode steps, or with `full_extend` extend and mixed steps).
+        full_extend: FULL steps are extend / mixed steps laid out as full extend graphs lay them out
+            (executor/extend_graph.py): FULL_EXTEND_TOKENS rows, GRAPH_BATCH sequences, `extend_index`.
         scale_factor: the scale passed to forward is this times the shape's default scale.
     """
 
     GRAPH_BATCH = 8  # FULL: the padded batch of the graph being replayed
     TABLE_WIDTH = 16  # FULL: pages per sequence in the static page table
+    FULL_EXTEND_TOKENS = 32  # FULL with full_extend: the token rows of the graph being replayed
 
     def __init__(self, shape, impl, dtype: torch.dtype, device: str, page_size: int, graph: GraphMode,
                  num_layers: int = 2, num_tokens: int = 128, seed: int = 0, scale_factor: float = 1.37,
-                 name: str = "", kv_scales: list[tuple[float, float]] | None = None) -> None:
+                 name: str = "", kv_scales: list[tuple[float, float]] | None = None, full_extend: bool = False) -> None:
         self.shape, self.impl, self.dtype, self.graph = shape, impl, dtype, graph
+        self.full_extend = full_extend
         self.device = torch.device(device)
         self.page_size, self.num_layers, self.name = page_size, num_layers, name
         self.gen = torch.Generator().manual_seed(seed)
@@ -125,9 +130,11 @@ class PoolRun:
         self.steps_run = 0
         if graph is GraphMode.FULL:
             b, w = self.GRAPH_BATCH, self.TABLE_WIDTH
+            rows = self.FULL_EXTEND_TOKENS if full_extend else b
             self.static_table = torch.zeros(b, w, dtype=torch.int32, device=self.device)
-            self.static_slots = torch.zeros(b, dtype=torch.int64, device=self.device)
-            self.static_pos = torch.zeros(b, dtype=torch.int64, device=self.device)
+            self.static_slots = torch.zeros(rows, dtype=torch.int64, device=self.device)
+            self.static_pos = torch.zeros(rows, dtype=torch.int64, device=self.device)
+            self.static_index = torch.zeros(2 * b + 1, dtype=torch.int32, device=self.device)
 
     # ------------------------------------------------------------------ sequences
     def add(self, name: str, prefix: int) -> None:
@@ -168,13 +175,15 @@ class PoolRun:
         positions = torch.cat([torch.arange(p, p + n) for (_, n), p in zip(step.work, prefix)]).to(self.device)
         pages = [list(self.pages[s]) for s in names]
         if self.graph is GraphMode.FULL:
-            assert mode is ForwardMode.DECODE, "FULL graphs run decode steps"
+            assert (mode is ForwardMode.DECODE) != self.full_extend, "FULL graphs run decode steps (full_extend: others)"
             b, pad = self.GRAPH_BATCH, self.GRAPH_BATCH - len(names)
             table = torch.full((b, self.TABLE_WIDTH), RESERVED_PAGE, dtype=torch.int32)
             for i, p in enumerate(pages):
                 table[i, : len(p)] = torch.tensor(p, dtype=torch.int32)
             # refilled in place: the graph being replayed reads these addresses
             self.static_table.copy_(table)
+            if self.full_extend:
+                return self._full_extend_meta(mode, extend, prefix, slots, positions, pages)
             self.static_slots.fill_(self.pool.reserved_slot)[: len(names)].copy_(slots)
             self.static_pos.fill_(1)[: len(names)].copy_(positions)
             return StepMetadata(mode=mode, graph_mode=GraphMode.FULL, extend_lens=extend, prefix_lens=prefix,
@@ -192,6 +201,23 @@ class PoolRun:
                             page_size=self.page_size, page_table=table.to(self.device),
                             slot_mapping=torch.cat([slots, pad_slots]), positions=torch.cat([positions, pad_pos]),
                             page_lists=pages)
+
+    def _full_extend_meta(self, mode, extend, prefix, slots, positions, pages) -> StepMetadata:
+        """A full extend graph's step (executor/extend_graph.py): FULL_EXTEND_TOKENS rows (padding ones at position 0
+        over the reserved slot), GRAPH_BATCH sequences (padding ones empty), each sequence's query offsets and KV
+        lengths in `extend_index`; every tensor at its fixed address."""
+        b, n = self.GRAPH_BATCH, sum(extend)
+        assert len(extend) <= b and n <= self.FULL_EXTEND_TOKENS, "the step is larger than the graph"
+        self.static_slots.fill_(self.pool.reserved_slot)[:n].copy_(slots)
+        self.static_pos.fill_(0)[:n].copy_(positions)
+        qo = [0, *itertools.accumulate(extend)]
+        pad = b - len(extend)
+        lens = [p + e for p, e in zip(prefix, extend)]
+        self.static_index.copy_(torch.tensor(qo + [n] * pad + lens + [0] * pad, dtype=torch.int32))
+        return StepMetadata(mode=mode, graph_mode=GraphMode.FULL, extend_lens=extend, prefix_lens=prefix,
+                            page_size=self.page_size, page_table=self.static_table, slot_mapping=self.static_slots,
+                            positions=self.static_pos, graph_batch_size=b, extend_index=self.static_index,
+                            page_lists=pages + [[RESERVED_PAGE]] * pad)
 
     def step(self, step: Step) -> None:
         """Run one step over every layer and check it; raises ContractError naming what is wrong."""

@@ -304,6 +304,53 @@ def test_cuda_graph(backend, device):
         run.step(step)
 
 
+def _full_extend_modes(backend) -> list[ForwardMode]:
+    if not getattr(backend, "full_extend", False):
+        pytest.skip(f"{backend.key()} does not declare full_extend")
+    if GraphMode.FULL not in backend.graph_modes:
+        pytest.skip(f"{backend.key()} declares full_extend but not FULL graphs: the registry never puts it in them")
+    modes = [m for m in (ForwardMode.EXTEND, ForwardMode.MIXED) if m in backend.forward_modes]
+    if not modes:
+        pytest.skip(f"{backend.key()} serves no extend or mixed steps")
+    return modes
+
+
+@for_op("attention", "mla")
+def test_contract_full_extend(backend, device):
+    """A backend declaring `full_extend`: the extend and mixed step chains laid out as full extend graphs lay them
+    out (PoolRun.FULL_EXTEND_TOKENS rows, GRAPH_BATCH sequences, `StepMetadata.extend_index`, padding rows and
+    sequences), run eagerly; test_cuda_graph_full_extend replays them from a graph."""
+    modes, dtype = _full_extend_modes(backend), device_dtype(device)
+    shapes, ps = CONTRACT[device]
+    shape = shapes[backend.op]
+    for mode in modes:
+        impl = build(backend, spec_for(device, shape.facts(dtype, ps)))
+        run = C.PoolRun(shape, impl, dtype, device, ps, GraphMode.FULL, full_extend=True,
+                        name=f"{backend.key()} {shape} {mode.value}, full extend")
+        C.run_chain(run, mode)
+
+
+@pytest.mark.gpu
+@for_op("attention", "mla")
+def test_cuda_graph_full_extend(backend, device):
+    """A backend declaring `full_extend`: one CUDA graph of every layer's forward over PoolRun.FULL_EXTEND_TOKENS
+    rows and GRAPH_BATCH sequences, captured at an extend (mixed) chain's first step and replayed for the next,
+    which has other sequences, lengths and token counts."""
+    from pieceworks.testing.graphs import CaptureRun
+
+    modes = _full_extend_modes(backend)
+    if device != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    dtype = torch.bfloat16
+    shapes, ps = CONTRACT["cuda"]
+    shape = shapes[backend.op]
+    for mode in modes:
+        impl = build(backend, spec_for(device, shape.facts(dtype, ps)))
+        run = CaptureRun(shape, impl, dtype, device, ps, GraphMode.FULL, full_extend=True,
+                         name=f"{backend.key()} {mode.value} full extend graph")
+        C.run_chain(run, mode)
+
+
 @pytest.mark.gpu
 @for_op("fp4_gemm", "moe")
 def test_cuda_graph_capture(backend, device):
