@@ -88,7 +88,7 @@ def extend_row(ex: Executor, T: int, repeats: int, plain: PlainLlama | None = No
         row = {"T": T, **step_row(ex, [seq], toks, repeats, plain)}
     finally:
         ex.free(seq)
-    if ex.extend_graphs is not None and ex.extend_graphs.covers(1, T):
+    if ex._graph_mode(ForwardMode.EXTEND, 1, T) is GraphMode.FULL:
         row.update(prompt_forward(ex, toks, repeats))
     return row
 
@@ -164,7 +164,7 @@ def step_row(ex: Executor, seqs: list, toks: list[list[int]], repeats: int, plai
             return row
         if "piecewise_ms" in row:  # before the whole graph's capture: no plan may follow it
             row["piecewise_b2b_ms"], row["piecewise_gpu_ms"] = wall_ms(piecewise, repeats), gpu_ms(piecewise, repeats)
-        full = ex.extend_graphs is not None and ex.extend_graphs.covers(len(seqs), T)
+        full = ex._graph_mode(mode, len(seqs), T) is GraphMode.FULL  # the executor would run it in an extend graph
         if full and "piecewise_ms" in row:  # steps with their last tokens' logits, all timed back to back
             rows = torch.tensor(meta.qo_indptr()[1:], device=ex.device) - 1
             row["piecewise_logits_b2b_ms"] = wall_ms(

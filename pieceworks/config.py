@@ -138,7 +138,8 @@ class ExtendGraphConfig:
     logits are wanted (CUDA only; where the kernel table has backends safe there: attention.triton_all on bf16 /
     fp16 KV pools, no MLA). auto: on one GPU; on: under tensor parallelism too."""
     sizes: Optional[list[int]] = field(default=None, metadata={"example": "[16,64,256]"})
-    """Token buckets (ascending); default 16, 32, 64, 128, 256."""
+    """Token buckets (ascending); default 16, 32, 64, 128, 256, 512. A step goes to the smallest that holds it,
+    unless the piecewise graphs would pad it less (then it runs piecewise)."""
     max_seqs: int = 64
     """Most sequences in one such step; steps with more run piecewise."""
 

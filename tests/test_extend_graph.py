@@ -122,6 +122,21 @@ def test_small_buckets_hold_as_many_sequences_as_tokens():
     assert runner.logits[4].shape[0] == 4 and runner.logits[16].shape[0] == 6
 
 
+def test_steps_that_piecewise_pads_less_run_piecewise():
+    """A step goes to the extend graphs only where their bucket is no larger than the piecewise size it would pad
+    to (a 20-token step: extend bucket 32, piecewise 24 -> piecewise; 16 tokens: both 16 -> extend graph)."""
+    from pieceworks.core.batch import ForwardMode, GraphMode
+
+    _, graphs = executors(sizes=(16, 32))
+    graphs.piecewise = type("Piecewise", (), {"covers": lambda self, n: n <= 64,
+                                              "padded_size": lambda self, n: 24 if n <= 24 else 64})()
+    mode = lambda n: graphs._graph_mode(ForwardMode.EXTEND, 1, n)  # noqa: E731
+    assert [mode(n) for n in (16, 20, 24, 25, 32, 40)] == [GraphMode.FULL, GraphMode.PIECEWISE, GraphMode.PIECEWISE,
+                                                           GraphMode.FULL, GraphMode.FULL, GraphMode.PIECEWISE]
+    graphs.piecewise = None
+    assert mode(20) is GraphMode.FULL and mode(40) is GraphMode.EAGER
+
+
 def test_triton_all_refuses_an_fp8_pool():
     from dataclasses import replace
 

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 
 def default_sizes(max_tokens: int) -> list[int]:
-    return [t for t in (16, 32, 64, 128, 256) if t <= max_tokens] or [max_tokens]
+    return [t for t in (16, 32, 64, 128, 256, 512) if t <= max_tokens] or [max_tokens]
 
 
 def unsupported(table: "KernelTable") -> str | None:
@@ -81,6 +81,9 @@ class ExtendGraphRunner:
 
     def covers(self, num_seqs: int, num_tokens: int) -> bool:
         return num_seqs <= self.max_seqs and num_tokens <= self.sizes[-1]
+
+    def padded_size(self, num_tokens: int) -> int:
+        return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
 
     def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(token rows [3, top], last rows [max_seqs], index int32 [2 max_seqs + 1], table int32 [max_seqs, width])."""
@@ -148,7 +151,7 @@ class ExtendGraphRunner:
         counts = np.fromiter(map(len, tokens), dtype=np.int64, count=b)
         ends = np.cumsum(counts)
         n = int(ends[-1])
-        t = self.sizes[bisect.bisect_left(self.sizes, n)]
+        t = self.padded_size(n)
         s = self.seqs(t)  # >= b: every sequence has a token of the step
         kv_lens = [q.kv_len for q in seqs]
         if self._copied is not None:

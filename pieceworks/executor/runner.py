@@ -334,16 +334,19 @@ class Executor:
 
     def _graph_mode(self, mode: ForwardMode, num_seqs: int, num_tokens: int, last_only: bool = True) -> GraphMode:
         """Decode within the graph batch sizes -> FULL; extend/mixed within the extend graphs' sizes (only the
-        last tokens' logits wanted) -> FULL, within piecewise.max_tokens -> PIECEWISE (mixed steps only where the
-        kernel table has backends for them there); otherwise EAGER."""
+        last tokens' logits wanted, and padded no further than piecewise would pad it) -> FULL, within
+        piecewise.max_tokens -> PIECEWISE (mixed steps only where the kernel table has backends for them there);
+        otherwise EAGER."""
         if mode is ForwardMode.DECODE:
             if self.decode_graphs is not None and self.decode_graphs.covers(num_seqs):
                 return GraphMode.FULL
             return GraphMode.EAGER
-        if last_only and self.extend_graphs is not None and self.extend_graphs.covers(num_seqs, num_tokens):
+        piecewise = (self.piecewise is not None and self.piecewise.covers(num_tokens)
+                     and self.table.graph_mode_ok(mode, GraphMode.PIECEWISE))
+        if last_only and self.extend_graphs is not None and self.extend_graphs.covers(num_seqs, num_tokens) and not (
+                piecewise and self.piecewise.padded_size(num_tokens) < self.extend_graphs.padded_size(num_tokens)):
             return GraphMode.FULL
-        if (self.piecewise is not None and self.piecewise.covers(num_tokens)
-                and self.table.graph_mode_ok(mode, GraphMode.PIECEWISE)):
+        if piecewise:
             return GraphMode.PIECEWISE
         return GraphMode.EAGER
 

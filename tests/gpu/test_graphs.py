@@ -307,7 +307,8 @@ def test_full_extend_graphs_match_eager(name):
         ex.extend_graphs.run = lambda *a: calls.append(sum(map(len, a[2]))) or real(*a)
         graphed = run(ex, steps, all_logits=False)
         ex.extend_graphs.run = real
-        assert calls == [5, 19, 37, 150, 62, 14], calls  # every extend and mixed step of the script
+        # every extend and mixed step of the script but the 5-token one, which piecewise pads less (8 against 16)
+        assert calls == [19, 37, 150, 62, 14], calls
         with eager(ex):
             ref = run(ex, steps, all_logits=False)
         assert_near_eager(graphed, ref, name)
