@@ -137,6 +137,29 @@ def test_steps_that_piecewise_pads_less_run_piecewise():
     assert mode(20) is GraphMode.FULL and mode(40) is GraphMode.EAGER
 
 
+def test_bad_extend_graph_settings_are_refused_on_any_device():
+    from pieceworks.config import ConfigError
+
+    for bad, says in (({"sizes": [64, 16]}, "ascending"), ({"sizes": [0, 16]}, "positive"), ({"max_seqs": 0}, "max_seqs")):
+        with pytest.raises(ConfigError, match=says):
+            Executor.from_config({**CFG, "cuda_graph": {"extend": {"enabled": "on", **bad}}}, progress=False)
+
+
+def test_auto_leaves_extend_graphs_off_under_tensor_parallelism(caplog):
+    import logging
+
+    from pieceworks.config import load_config
+    from pieceworks.executor.build import extend_graph_runner
+
+    ex = Executor.from_config(CFG, progress=False)
+    auto, on = (load_config(CFG, [f"cuda_graph.extend.enabled={v}"]).cuda_graph.extend for v in ("auto", "on"))
+    with caplog.at_level(logging.INFO, logger="pieceworks"):
+        assert extend_graph_runner(auto, ex.model, ex.table, ex.kv, ex.max_context, False, True) is None
+        assert extend_graph_runner(on, ex.model, ex.table, ex.kv, ex.max_context, False, True) is None  # no CUDA
+    said = [r.getMessage() for r in caplog.records]
+    assert any("tensor parallelism" in m for m in said) and any("need CUDA" in m for m in said), said
+
+
 def test_triton_all_refuses_an_fp8_pool():
     from dataclasses import replace
 

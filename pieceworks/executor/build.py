@@ -102,17 +102,18 @@ def extend_graph_runner(ext: Any, model: torch.nn.Module, table: Any, kv: KVPool
         return None
     from pieceworks.executor import extend_graph
 
-    why = "full graphs need CUDA" if kv.device.type != "cuda" else extend_graph.unsupported(table)
-    if why is None and tensor_parallel and ext.enabled is Switch.auto:
-        why = "auto leaves them off under tensor parallelism (on switches them on)"
-    if why is not None:
-        (log.warning if ext.enabled is Switch.on else log.info)("cuda_graph.extend: %s; extend steps run "
-                                                                "piecewise", why)
-        return None
     sizes = list(ext.sizes) if ext.sizes else extend_graph.default_sizes(max_context)
     if sizes != sorted(set(sizes)) or sizes[0] < 1 or ext.max_seqs < 1:
         raise ConfigError(f"cuda_graph.extend: sizes {sizes} must be ascending positive token counts and max_seqs "
                           f"({ext.max_seqs}) positive")
+    if tensor_parallel and ext.enabled is Switch.auto:
+        why = "auto leaves them off under tensor parallelism (on switches them on)"
+    else:
+        why = "full graphs need CUDA" if kv.device.type != "cuda" else extend_graph.unsupported(table)
+    if why is not None:
+        (log.warning if ext.enabled is Switch.on else log.info)("cuda_graph.extend: %s; extend steps run "
+                                                                "piecewise", why)
+        return None
     return extend_graph.ExtendGraphRunner(model, table, kv, max_context, sizes, ext.max_seqs, progress)
 
 
