@@ -136,7 +136,8 @@ class ExtendGraphConfig:
     enabled: Any = Switch.auto
     """auto | on | off: full CUDA graphs for extend and mixed steps of up to the largest size whose last tokens'
     logits are wanted (CUDA only; where the kernel table has backends safe there: attention.triton_all on bf16 /
-    fp16 KV pools, no MLA). auto: on one GPU; on: under tensor parallelism too."""
+    fp16 KV pools, for models without sliding windows or soft caps; no MLA). auto: on one GPU; on: under tensor
+    parallelism too."""
     sizes: Optional[list[int]] = field(default=None, metadata={"example": "[16,64,256]"})
     """Token buckets (ascending); default 16, 32, 64, 128, 256, 512. A step goes to the smallest that holds it,
     unless the piecewise graphs would pad it less (then it runs piecewise)."""
