@@ -132,6 +132,7 @@ def print_graph_config(cfg: Config, device: torch.device, ex: Any = None, table:
                   + (f", {len(bss)} batch sizes {_span(bss)}" if dec_on else " (need CUDA)" if not cuda else "")
                   + (escape(f" (no backend safe in full graphs: {dec_why}; decode steps run eagerly)")
                      if dec_wanted and dec_why else ""))
+    console.print("[bold]extend graphs[/bold] (full, extend/mixed): " + escape(_extend_graphs(cfg, cuda, table, ex)))
     from pieceworks.backends import pdl
 
     mode = pdl.mode_name(cfg.runtime.pdl)
@@ -144,6 +145,30 @@ def print_graph_config(cfg: Config, device: torch.device, ex: Any = None, table:
                 d = runner.describe()
                 parts = [f"{k}={_num(v)}" for k, v in d.items() if k not in ("sizes", "batch_sizes")]
                 console.print(f"  {name} capture: " + ", ".join(parts))
+
+
+def _extend_graphs(cfg: Config, cuda: bool, table: KernelTable | None, ex: Any) -> str:
+    """`cuda_graph.extend` as the executor builds it (`executor.build.extend_graph_runner`): on, with its buckets, or
+    off and why."""
+    from pieceworks.executor import extend_graph
+
+    ext = cfg.cuda_graph.extend
+    runner = getattr(ex, "extend_graphs", None) if ex is not None else None
+    if runner is not None:
+        return f"on, {len(runner.sizes)} token buckets {_span(runner.sizes)}, up to {runner.max_seqs} sequences"
+    if ext.enabled is Switch.off:
+        return "off"
+    if ext.enabled is Switch.auto and cfg.parallel.tensor_parallel_size > 1:
+        return "off (auto leaves them off under tensor parallelism)"
+    if not cuda:
+        return "off (need CUDA)"
+    why = extend_graph.unsupported(table) if table is not None else None
+    if why is not None:
+        return f"off ({why}; extend and mixed steps run piecewise)"
+    if ex is not None:  # built, and still none: the executor said why when it was built
+        return "off"
+    sizes = list(ext.sizes) if ext.sizes else extend_graph.default_sizes(10**9)
+    return f"on, {len(sizes)} token buckets {_span(sizes)} (up to max_context), up to {ext.max_seqs} sequences"
 
 
 def _span(xs: list[int]) -> str:

@@ -160,6 +160,41 @@ def test_auto_leaves_extend_graphs_off_under_tensor_parallelism(caplog):
     assert any("tensor parallelism" in m for m in said) and any("need CUDA" in m for m in said), said
 
 
+def test_the_graph_report_says_whether_extend_graphs_run_and_why_not():
+    from pieceworks import report
+    from pieceworks.backends.attention.torch import TorchAttentionBackend
+    from pieceworks.backends.base import BackendSpec
+    from pieceworks.backends.hookspecs import hookimpl
+    from pieceworks.backends.registry import Registry
+    from pieceworks.config import load_config
+
+    class FullExtend(TorchAttentionBackend):  # declares full_extend: the registry puts it in (extend, FULL)
+        name, priority, full_extend = "fullext", -1, True
+
+    class Plugin:
+        @hookimpl
+        def pieceworks_register_backends(self):
+            return [FullExtend]
+
+    def said(overrides=(), cuda=True, table=None, ex=None):
+        cfg = load_config({"model": {"arch": "llama"}}, list(overrides))
+        return report._extend_graphs(cfg, cuda, table, ex)
+
+    reg = Registry(autoload=False)
+    reg.register_plugin(Plugin(), "test")
+    cfg = load_config({"model": {"arch": "llama"}}, [])
+    with_it = reg.load().resolve(cfg.backends, BackendSpec(), ("attention",))
+    without = Registry(autoload=False).load().resolve(cfg.backends, BackendSpec(), ("attention",))
+    assert said(table=with_it) == ("on, 6 token buckets [16, 32, 64, 128, ..., 512] (up to max_context), up to 64 "
+                                   "sequences")
+    assert said(table=without).startswith("off (no attention backend is safe in full graphs for extend steps")
+    assert said(cuda=False, table=with_it) == "off (need CUDA)"
+    assert said(["cuda_graph.extend.enabled=off"], table=with_it) == "off"
+    assert said(["parallel.tensor_parallel_size=2"], table=with_it).startswith("off (auto leaves them off under tensor")
+    _, graphs = executors()
+    assert said(ex=graphs, table=graphs.table) == "on, 3 token buckets [8, 16, 32], up to 4 sequences"
+
+
 def test_triton_all_refuses_an_fp8_pool():
     from dataclasses import replace
 
