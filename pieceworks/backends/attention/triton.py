@@ -66,17 +66,12 @@ class TritonDecodeAttentionBackend(AttentionBackend):
         self._graph_bufs: dict[int, tuple] = {}
         self._eager_bufs: tuple | None = None  # (batch, batch x splits, part_o, part_lse, counters) capacity
         self._bufs = None
-        self._graph_ext: dict[int, torch.Tensor] = {}  # full extend graphs: token bucket -> [qo, lens]
-        self._ext = None
 
     def plan(self, meta) -> None:
-        if meta.mode not in self.forward_modes:
-            raise ValueError(f"attention.{self.name} serves decode steps only (got {meta.mode.value}); select "
+        if meta.mode is not ForwardMode.DECODE:
+            raise ValueError(f"attention.triton serves decode steps only (got {meta.mode.value}); select "
                              "it with backends.attention: {decode: triton}")
         self._meta = meta
-        if meta.mode is not ForwardMode.DECODE:
-            self._plan_extend(meta)
-            return
         graph = meta.graph_batch_size is not None
         batch = meta.graph_batch_size or meta.num_seqs
         # Sequence lengths need no copy: a decode step's token positions are already on the device
@@ -99,6 +94,79 @@ class TritonDecodeAttentionBackend(AttentionBackend):
             part_o, part_lse, counters = self._eager_bufs[2:]
             bufs = (splits, batch, part_o, part_lse, counters)
         self._bufs = bufs
+
+    def _alloc(self, batch: int, units: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split partials for `units` (sequence, split) pairs and zeroed per-(sequence, head) counters
+        for `batch` sequences."""
+        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("attention.triton: plan() needs new buffers inside a CUDA graph capture")
+        m = self.spec.model
+        group = m.num_heads // m.num_kv_heads
+        rows = units * m.num_kv_heads * max(16, 1 << (group - 1).bit_length())
+        return (torch.empty(rows * m.head_dim, dtype=torch.float32, device=device),
+                torch.empty(rows, dtype=torch.float32, device=device),
+                torch.zeros(batch * m.num_kv_heads, dtype=torch.int32, device=device))
+
+    def forward(self, q, k, v, out, layer_id, scale, kv) -> None:
+        from pieceworks.backends.attention import triton_decode_kernel
+
+        meta = self._meta
+        kc, vc = kv.k_cache(layer_id), kv.v_cache(layer_id)
+        splits, batch, part_o, part_lse, counters = self._bufs
+        # The decode kernel writes the step's K/V rows itself (one launch less per layer) where they
+        # are one row per sequence, at meta.slot_mapping's slot (graph padding rows: the reserved slot,
+        # as the contract says), quantizing them for an FP8 pool. Else the separate write first.
+        fuse = (k.shape[0] == batch and k.dtype == v.dtype and kc.dtype == vc.dtype
+                and (kc.dtype == k.dtype or kc.dtype == KV_FP8) and k.stride(-1) == 1 and v.stride(-1) == 1)
+        scales = kv.k_scale(layer_id), kv.v_scale(layer_id)
+        if not fuse:  # the write kernel, quantizing an FP8 pool's rows
+            width = kc.shape[2] * kc.shape[3]
+            write_rows(kc.view(-1, width), k.reshape(k.shape[0], -1), vc.view(-1, width),
+                       v.reshape(v.shape[0], -1), meta.slot_mapping[: k.shape[0]], scales)
+        if out.shape[0] > batch:  # padding rows: keep them finite
+            out[batch:].zero_()
+        triton_decode_kernel.decode(q[:batch], kc, vc, out[:batch], meta.page_table[:batch],
+                                    meta.positions[:batch], scale, splits, part_o, part_lse, counters,
+                                    k_new=k if fuse else None, v_new=v if fuse else None,
+                                    lens_are_positions=True, slots=meta.slot_mapping[:batch] if fuse else None,
+                                    kv_scales=scales)
+
+
+class TritonAttentionBackend(TritonDecodeAttentionBackend):
+    """attention.triton's kernels for every step: decode as `triton`, extend and mixed steps through
+    `triton_extend_kernel` (planned on the device, so safe in full extend graphs: executor/extend_graph.py).
+    Below FlashInfer for `auto`; pin it with backends.attention: {decode: triton, extend: triton_all}."""
+
+    name = "triton_all"
+    priority = 50
+    forward_modes = frozenset({ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED})
+    full_extend = True
+    description = "split-KV paged GQA decode and device-planned extend attention in Triton"
+
+    @classmethod
+    def check(cls, spec):
+        reasons = super().check(spec)
+        if spec.model.kv_fp8:
+            reasons.append("its extend kernel reads bf16 / fp16 pools only (kv_cache.dtype resolves to fp8)")
+        return reasons
+
+    def __init__(self, spec, options=None) -> None:
+        super().__init__(spec, options)
+        self._graph_ext: dict[int, torch.Tensor] = {}  # full graphs without an extend_index: rows -> [qo, lens]
+        self._ext = None
+
+    def plan(self, meta) -> None:
+        if meta.mode is ForwardMode.DECODE:
+            super().plan(meta)
+            return
+        self._meta = meta
+        self._plan_extend(meta)
+
+    def forward(self, q, k, v, out, layer_id, scale, kv) -> None:
+        if self._meta.mode is ForwardMode.DECODE:
+            super().forward(q, k, v, out, layer_id, scale, kv)
+            return
+        self._extend(q, k, v, out, layer_id, scale, kv)
 
     def _plan_extend(self, meta) -> None:
         """Extend / mixed steps: each sequence's query offsets and KV lengths, [qo (B + 1), lens (B)] int32 in
@@ -140,61 +208,3 @@ class TritonDecodeAttentionBackend(AttentionBackend):
             out[self._meta.num_tokens:].zero_()
         triton_extend_kernel.extend(q, kc, vc, out, self._meta.page_table, idx[: seqs + 1], idx[seqs + 1:],
                                     seqs, tokens, scale)
-
-    def _alloc(self, batch: int, units: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Split partials for `units` (sequence, split) pairs and zeroed per-(sequence, head) counters
-        for `batch` sequences."""
-        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("attention.triton: plan() needs new buffers inside a CUDA graph capture")
-        m = self.spec.model
-        group = m.num_heads // m.num_kv_heads
-        rows = units * m.num_kv_heads * max(16, 1 << (group - 1).bit_length())
-        return (torch.empty(rows * m.head_dim, dtype=torch.float32, device=device),
-                torch.empty(rows, dtype=torch.float32, device=device),
-                torch.zeros(batch * m.num_kv_heads, dtype=torch.int32, device=device))
-
-    def forward(self, q, k, v, out, layer_id, scale, kv) -> None:
-        from pieceworks.backends.attention import triton_decode_kernel
-
-        meta = self._meta
-        if meta.mode is not ForwardMode.DECODE:
-            self._extend(q, k, v, out, layer_id, scale, kv)
-            return
-        kc, vc = kv.k_cache(layer_id), kv.v_cache(layer_id)
-        splits, batch, part_o, part_lse, counters = self._bufs
-        # The decode kernel writes the step's K/V rows itself (one launch less per layer) where they
-        # are one row per sequence, at meta.slot_mapping's slot (graph padding rows: the reserved slot,
-        # as the contract says), quantizing them for an FP8 pool. Else the separate write first.
-        fuse = (k.shape[0] == batch and k.dtype == v.dtype and kc.dtype == vc.dtype
-                and (kc.dtype == k.dtype or kc.dtype == KV_FP8) and k.stride(-1) == 1 and v.stride(-1) == 1)
-        scales = kv.k_scale(layer_id), kv.v_scale(layer_id)
-        if not fuse:  # the write kernel, quantizing an FP8 pool's rows
-            width = kc.shape[2] * kc.shape[3]
-            write_rows(kc.view(-1, width), k.reshape(k.shape[0], -1), vc.view(-1, width),
-                       v.reshape(v.shape[0], -1), meta.slot_mapping[: k.shape[0]], scales)
-        if out.shape[0] > batch:  # padding rows: keep them finite
-            out[batch:].zero_()
-        triton_decode_kernel.decode(q[:batch], kc, vc, out[:batch], meta.page_table[:batch],
-                                    meta.positions[:batch], scale, splits, part_o, part_lse, counters,
-                                    k_new=k if fuse else None, v_new=v if fuse else None,
-                                    lens_are_positions=True, slots=meta.slot_mapping[:batch] if fuse else None,
-                                    kv_scales=scales)
-
-
-class TritonAttentionBackend(TritonDecodeAttentionBackend):
-    """attention.triton's kernels for every step: decode as `triton`, extend and mixed steps through
-    `triton_extend_kernel` (planned on the device, so safe in full extend graphs: executor/extend_graph.py).
-    Below FlashInfer for `auto`; pin it with backends.attention: {decode: triton, extend: triton_all}."""
-
-    name = "triton_all"
-    priority = 50
-    forward_modes = frozenset({ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED})
-    full_extend = True
-    description = "split-KV paged GQA decode and device-planned extend attention in Triton"
-
-    @classmethod
-    def check(cls, spec):
-        reasons = super().check(spec)
-        if spec.model.kv_fp8:
-            reasons.append("its extend kernel reads bf16 / fp16 pools only (kv_cache.dtype resolves to fp8)")
-        return reasons
