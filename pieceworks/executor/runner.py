@@ -269,10 +269,14 @@ class Executor:
                  all_logits: bool | list[bool]) -> torch.Tensor:
         """The step itself, pages already reserved (every rank of a tensor-parallel run calls it with the
         same arguments): graph mode, kernels, inputs, the model, logits. `seqs` need `pages` and `kv_len`."""
-        last_only = not (any(all_logits) if isinstance(all_logits, list) else all_logits)
-        graph = self._graph_mode(mode, len(tokens), sum(map(len, tokens)), last_only)
+        num_tokens = sum(map(len, tokens))
+        if isinstance(all_logits, list):
+            num_rows = sum(len(t) if a else 1 for t, a in zip(tokens, all_logits))
+        else:
+            num_rows = num_tokens if all_logits else len(tokens)
+        graph = self._graph_mode(mode, len(tokens), num_tokens, num_rows)
         if graph is GraphMode.FULL and mode is not ForwardMode.DECODE:
-            return self.extend_graphs.run(mode, seqs, tokens, self._prev_ids)
+            return self.extend_graphs.run(mode, seqs, tokens, self._prev_ids, all_logits)
         kernels = self.table.step(mode, graph)
         if graph is GraphMode.FULL:
             logits, self.greedy_ids = self.decode_graphs.run(seqs, tokens, kernels)
@@ -332,18 +336,18 @@ class Executor:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _graph_mode(self, mode: ForwardMode, num_seqs: int, num_tokens: int, last_only: bool = True) -> GraphMode:
-        """Decode within the graph batch sizes -> FULL; extend/mixed within the extend graphs' sizes (only the
-        last tokens' logits wanted, and padded no further than piecewise would pad it) -> FULL, within
-        piecewise.max_tokens -> PIECEWISE (mixed steps only where the kernel table has backends for them there);
-        otherwise EAGER."""
+    def _graph_mode(self, mode: ForwardMode, num_seqs: int, num_tokens: int, num_rows: int | None = None) -> GraphMode:
+        """Decode within the graph batch sizes -> FULL; extend/mixed within the extend graphs' sizes (`covers`: the
+        logits rows wanted, `num_rows` (default: a sequence's last), within those the bucket computes), padded no
+        further than piecewise would pad it -> FULL; within piecewise.max_tokens -> PIECEWISE (mixed steps only
+        where the kernel table has backends for them there); otherwise EAGER."""
         if mode is ForwardMode.DECODE:
             if self.decode_graphs is not None and self.decode_graphs.covers(num_seqs):
                 return GraphMode.FULL
             return GraphMode.EAGER
         piecewise = (self.piecewise is not None and self.piecewise.covers(num_tokens)
                      and self.table.graph_mode_ok(mode, GraphMode.PIECEWISE))
-        if last_only and self.extend_graphs is not None and self.extend_graphs.covers(num_seqs, num_tokens) and not (
+        if self.extend_graphs is not None and self.extend_graphs.covers(num_seqs, num_tokens, num_rows) and not (
                 piecewise and self.piecewise.padded_size(num_tokens) < self.extend_graphs.padded_size(num_tokens)):
             return GraphMode.FULL
         if piecewise:
