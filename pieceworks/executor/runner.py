@@ -270,7 +270,8 @@ class Executor:
         """The step itself, pages already reserved (every rank of a tensor-parallel run calls it with the
         same arguments): graph mode, kernels, inputs, the model, logits. `seqs` need `pages` and `kv_len`."""
         last_only = not (any(all_logits) if isinstance(all_logits, list) else all_logits)
-        graph = self._graph_mode(mode, len(tokens), sum(map(len, tokens)), last_only)
+        num_tokens = sum(map(len, tokens))
+        graph = self._graph_mode(mode, len(tokens), num_tokens, last_only)
         if graph is GraphMode.FULL and mode is not ForwardMode.DECODE:
             return self.extend_graphs.run(mode, seqs, tokens, self._prev_ids)
         kernels = self.table.step(mode, graph)
@@ -278,7 +279,7 @@ class Executor:
             logits, self.greedy_ids = self.decode_graphs.run(seqs, tokens, kernels)
             self._prev_ids = self.greedy_ids
             return logits
-        pad_to = self.piecewise.padded_size(sum(map(len, tokens))) if graph is GraphMode.PIECEWISE else None
+        pad_to = self.piecewise.padded_size(num_tokens) if graph is GraphMode.PIECEWISE else None
         meta, input_ids = self.prepare_step(mode, graph, seqs, tokens, pad_to)
         if self._prev_ids is not None and any(t and t[-1] < 0 for t in tokens):  # the Engine's async steps
             take_previous_ids(input_ids, self._prev_ids)
@@ -341,14 +342,11 @@ class Executor:
             if self.decode_graphs is not None and self.decode_graphs.covers(num_seqs):
                 return GraphMode.FULL
             return GraphMode.EAGER
-        piecewise = (self.piecewise is not None and self.piecewise.covers(num_tokens)
-                     and self.table.graph_mode_ok(mode, GraphMode.PIECEWISE))
-        if last_only and self.extend_graphs is not None and self.extend_graphs.covers(num_seqs, num_tokens) and not (
-                piecewise and self.piecewise.padded_size(num_tokens) < self.extend_graphs.padded_size(num_tokens)):
+        pw_size = (self.piecewise.padded_size(num_tokens) if self.piecewise is not None and self.piecewise.covers(
+            num_tokens) and self.table.graph_mode_ok(mode, GraphMode.PIECEWISE) else None)
+        if last_only and self.extend_graphs is not None and self.extend_graphs.takes(num_seqs, num_tokens, pw_size):
             return GraphMode.FULL
-        if piecewise:
-            return GraphMode.PIECEWISE
-        return GraphMode.EAGER
+        return GraphMode.PIECEWISE if pw_size is not None else GraphMode.EAGER
 
     def prepare_step(self, mode: ForwardMode, graph: GraphMode, seqs: list[Sequence],
                      tokens: list[list[int]], pad_to: int | None = None,
