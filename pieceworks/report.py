@@ -158,13 +158,9 @@ def _extend_graphs(cfg: Config, cuda: bool, table: KernelTable | None, ex: Any) 
         return f"on, {len(runner.sizes)} token buckets {_span(runner.sizes)}, up to {runner.max_seqs} sequences"
     if ext.enabled is Switch.off:
         return "off"
-    if ext.enabled is Switch.auto and cfg.parallel.tensor_parallel_size > 1:
-        return "off (auto leaves them off under tensor parallelism)"
-    if not cuda:
-        return "off (need CUDA)"
-    why = extend_graph.unsupported(table) if table is not None else None
+    why = extend_graph.why_off(ext, cuda, cfg.parallel.tensor_parallel_size > 1, table)
     if why is not None:
-        return f"off ({why}; extend and mixed steps run piecewise)"
+        return f"off ({why})"
     if ex is not None:  # built, and still none: the executor said why when it was built
         return "off"
     sizes = list(ext.sizes) if ext.sizes else extend_graph.default_sizes(10**9)

@@ -106,10 +106,7 @@ def extend_graph_runner(ext: Any, model: torch.nn.Module, table: Any, kv: KVPool
     if sizes != sorted(set(sizes)) or sizes[0] < 1 or ext.max_seqs < 1:
         raise ConfigError(f"cuda_graph.extend: sizes {sizes} must be ascending positive token counts and max_seqs "
                           f"({ext.max_seqs}) positive")
-    if tensor_parallel and ext.enabled is Switch.auto:
-        why = "auto leaves them off under tensor parallelism (on switches them on)"
-    else:
-        why = "full graphs need CUDA" if kv.device.type != "cuda" else extend_graph.unsupported(table)
+    why = extend_graph.why_off(ext, kv.device.type == "cuda", tensor_parallel, table)
     if why is not None:
         (log.warning if ext.enabled is Switch.on else log.info)("cuda_graph.extend: %s; extend steps run "
                                                                 "piecewise", why)

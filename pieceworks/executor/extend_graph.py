@@ -21,11 +21,12 @@ path with an eager forward in place of each replay (CPU tests).
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from pieceworks.config import Switch
 from pieceworks.core.batch import ForwardMode, GraphMode, Sequence, StepMetadata
 from pieceworks.core.context import ForwardContext, forward_context
 from pieceworks.executor.inputs import page_table, take_previous_ids, token_rows
@@ -49,6 +50,16 @@ def unsupported(table: "KernelTable") -> str | None:
     if table.step(ForwardMode.EXTEND, GraphMode.FULL) != table.step(ForwardMode.MIXED, GraphMode.FULL):
         return "extend and mixed steps have different backends"
     return None
+
+
+def why_off(ext: Any, cuda: bool, tensor_parallel: bool, table: "KernelTable | None") -> str | None:
+    """Why `cuda_graph.extend` (`ext`, not switched off) builds no graphs here, or None: the executor's build and the
+    graph report ask the same."""
+    if tensor_parallel and ext.enabled is Switch.auto:
+        return "auto leaves them off under tensor parallelism (on switches them on)"
+    if not cuda:
+        return "need CUDA"
+    return unsupported(table) if table is not None else None
 
 
 class ExtendGraphRunner:
