@@ -38,8 +38,8 @@ def test_prompt_tokens_and_steps_add_up(tmp_path, monkeypatch, capsys, extra):
     assert ph["decode_steps"] > 0 and 0 < ph["decode_rows_mean"] <= 6
     if extra:  # 32 tokens a step: the prompts (120 tokens at least) take several steps
         assert ph["prompt_steps"] >= 4
-    else:
-        assert ph["prompt_steps"] == 1
+    else:  # each prompt whole in one step; the engine's loop thread may start a step before all six have arrived
+        assert 1 <= ph["prompt_steps"] <= 6
     assert 0 < ph["prompt_steps_s"] and 0 < ph["decode_steps_s"]
     assert "steps computing prompt tokens" in capsys.readouterr().out
 
