@@ -6,6 +6,7 @@ case: the largest absolute error, and whether rows past the step's tokens were l
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -53,6 +54,14 @@ def run(q_lens: list[int], prefixes: list[int], hq: int, hkv: int, block_q: int,
 
 
 
+def extend_index(q_lens: list[int], lens: list[int], max_seqs: int) -> torch.Tensor:
+    """`StepMetadata.extend_index` as the extend graph runner lays it out: query offsets, then KV lengths, each
+    padded to max_seqs sequences (padding ones empty)."""
+    pad = max_seqs - len(q_lens)
+    qo = [0, *itertools.accumulate(q_lens)]
+    return torch.tensor(qo + [qo[-1]] * pad + lens + [0] * pad, dtype=torch.int32)
+
+
 def backend_full(q_lens: list[int], prefixes: list[int], bucket: int, max_seqs: int, seed: int) -> dict:
     """attention.triton_all's forward of an extend step planned as a full graph plans it (`graph_batch_size`
     sequences, padding ones empty, `bucket` rows): real rows against the torch backend's eager step, padding rows
@@ -85,7 +94,8 @@ def backend_full(q_lens: list[int], prefixes: list[int], bucket: int, max_seqs: 
     mode = ForwardMode.EXTEND if all(p == 0 for p in prefixes) else ForwardMode.MIXED
     meta = StepMetadata(mode=mode, graph_mode=GraphMode.FULL, extend_lens=list(q_lens), prefix_lens=list(prefixes),
                         page_size=ps, page_table=table, slot_mapping=torch.tensor(slots),
-                        positions=torch.zeros(bucket, dtype=torch.int64), graph_batch_size=max_seqs)
+                        positions=torch.zeros(bucket, dtype=torch.int64), graph_batch_size=max_seqs,
+                        extend_index=extend_index(q_lens, lens, max_seqs))
     spec = BackendSpec(device="cpu", model=ModelFacts(dtype=torch.float32, num_heads=hq, num_kv_heads=hkv,
                                                        head_dim=d))
     ref_caches = [c.clone() for c in caches]

@@ -152,7 +152,6 @@ class TritonAttentionBackend(TritonDecodeAttentionBackend):
 
     def __init__(self, spec, options=None) -> None:
         super().__init__(spec, options)
-        self._graph_ext: dict[int, torch.Tensor] = {}  # full graphs without an extend_index: rows -> [qo, lens]
         self._ext = None
 
     def plan(self, meta) -> None:
@@ -171,25 +170,15 @@ class TritonAttentionBackend(TritonDecodeAttentionBackend):
     def _plan_extend(self, meta) -> None:
         """Extend / mixed steps: each sequence's query offsets and KV lengths, [qo (B + 1), lens (B)] int32 in
         one copy (`triton_extend_kernel`). Full graphs (`graph_batch_size` sequences, padding ones empty) read
-        them from a buffer per token bucket at a fixed address."""
-        if meta.extend_index is not None:  # the extend graph runner's own copy, at a fixed address
+        them from the extend graph runner's own copy at a fixed address (`StepMetadata.extend_index`)."""
+        if meta.extend_index is not None:
             self._ext = (meta.graph_batch_size, meta.slot_mapping.shape[0], meta.extend_index)
             return
+        if meta.graph_batch_size is not None:
+            raise ValueError("attention.triton_all: a full graph's extend step needs StepMetadata.extend_index "
+                             "(executor/extend_graph.py lays it out)")
         qo, lens = meta.qo_indptr(), meta.seq_lens
-        seqs = meta.graph_batch_size or len(lens)
-        pad = seqs - len(lens)
-        host = torch.tensor(qo + [qo[-1]] * pad + lens + [0] * pad, dtype=torch.int32)
-        if meta.graph_batch_size is None:
-            self._ext = (seqs, meta.num_tokens, to_device(host, meta.device))
-            return
-        rows = meta.slot_mapping.shape[0]
-        buf = self._graph_ext.get(rows)
-        if buf is None:
-            if torch.device(meta.device).type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("attention.triton: plan() needs a new buffer inside a CUDA graph capture")
-            buf = self._graph_ext[rows] = torch.empty(2 * seqs + 1, dtype=torch.int32, device=meta.device)
-        buf.copy_(host.pin_memory() if buf.is_cuda else host, non_blocking=True)
-        self._ext = (seqs, rows, buf)
+        self._ext = (len(lens), meta.num_tokens, to_device(torch.tensor(qo + lens, dtype=torch.int32), meta.device))
 
     def _extend(self, q, k, v, out, layer_id, scale, kv) -> None:
         from pieceworks.backends.attention import triton_extend_kernel
