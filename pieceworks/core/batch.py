@@ -8,6 +8,7 @@ sequences, P = pages per sequence in the page table.
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -166,6 +167,14 @@ class ForwardBatch:
     @property
     def mode(self) -> ForwardMode:
         return ForwardMode.classify([len(t) for t in self.tokens], [s.kv_len for s in self.seqs])
+
+
+def extend_index(extend_lens: list[int], kv_lens: list[int], num_seqs: int) -> torch.Tensor:
+    """`StepMetadata.extend_index`'s values (int32, on the host) for sequences of `extend_lens` new tokens and
+    `kv_lens` KV lengths after the step, padded with empty sequences to `num_seqs`."""
+    pad = num_seqs - len(extend_lens)
+    qo = [0, *itertools.accumulate(extend_lens)]
+    return torch.tensor(qo + [qo[-1]] * pad + list(kv_lens) + [0] * pad, dtype=torch.int32)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

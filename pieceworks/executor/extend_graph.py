@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from pieceworks.config import Switch
-from pieceworks.core.batch import ForwardMode, GraphMode, Sequence, StepMetadata
+from pieceworks.core.batch import ForwardMode, GraphMode, Sequence, StepMetadata, extend_index
 from pieceworks.core.context import ForwardContext, forward_context
 from pieceworks.executor.inputs import page_table, take_previous_ids, token_rows
 
@@ -139,7 +139,7 @@ class ExtendGraphRunner:
         self.table.fill_(kv.reserved_slot // kv.page_size)
         self.last.fill_(t - 1)
         s = self.seqs(t)
-        self.index[: 2 * s + 1].copy_(torch.tensor([0] + [t] * s + [t] + [0] * (s - 1), dtype=torch.int32))
+        self.index[: 2 * s + 1].copy_(extend_index([t], [t], s))
         return self._meta(ForwardMode.EXTEND, t, [t], [0])
 
     def _capture_all(self, progress: bool) -> None:

@@ -16,13 +16,12 @@ error and the tolerance.
 
 from __future__ import annotations
 
-import itertools
 import random
 from dataclasses import dataclass, replace
 
 import torch
 
-from pieceworks.core.batch import ForwardMode, GraphMode, StepMetadata
+from pieceworks.core.batch import ForwardMode, GraphMode, StepMetadata, extend_index
 from pieceworks.core.kv import KV_FP8, dequantize_kv, quantize_kv
 from pieceworks.executor.kv_cache import RESERVED_PAGE, KVPool
 
@@ -210,10 +209,8 @@ class PoolRun:
         assert len(extend) <= b and n <= self.FULL_EXTEND_TOKENS, "the step is larger than the graph"
         self.static_slots.fill_(self.pool.reserved_slot)[:n].copy_(slots)
         self.static_pos.fill_(0)[:n].copy_(positions)
-        qo = [0, *itertools.accumulate(extend)]
         pad = b - len(extend)
-        lens = [p + e for p, e in zip(prefix, extend)]
-        self.static_index.copy_(torch.tensor(qo + [n] * pad + lens + [0] * pad, dtype=torch.int32))
+        self.static_index.copy_(extend_index(extend, [p + e for p, e in zip(prefix, extend)], b))
         return StepMetadata(mode=mode, graph_mode=GraphMode.FULL, extend_lens=extend, prefix_lens=prefix,
                             page_size=self.page_size, page_table=self.static_table, slot_mapping=self.static_slots,
                             positions=self.static_pos, graph_batch_size=b, extend_index=self.static_index,

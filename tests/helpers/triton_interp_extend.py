@@ -6,7 +6,6 @@ case: the largest absolute error, and whether rows past the step's tokens were l
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import sys
@@ -54,14 +53,6 @@ def run(q_lens: list[int], prefixes: list[int], hq: int, hkv: int, block_q: int,
 
 
 
-def extend_index(q_lens: list[int], lens: list[int], max_seqs: int) -> torch.Tensor:
-    """`StepMetadata.extend_index` as the extend graph runner lays it out: query offsets, then KV lengths, each
-    padded to max_seqs sequences (padding ones empty)."""
-    pad = max_seqs - len(q_lens)
-    qo = [0, *itertools.accumulate(q_lens)]
-    return torch.tensor(qo + [qo[-1]] * pad + lens + [0] * pad, dtype=torch.int32)
-
-
 def backend_full(q_lens: list[int], prefixes: list[int], bucket: int, max_seqs: int, seed: int) -> dict:
     """attention.triton_all's forward of an extend step planned as a full graph plans it (`graph_batch_size`
     sequences, padding ones empty, `bucket` rows): real rows against the torch backend's eager step, padding rows
@@ -71,7 +62,7 @@ def backend_full(q_lens: list[int], prefixes: list[int], bucket: int, max_seqs: 
     from pieceworks.backends.attention.torch import TorchAttentionBackend
     from pieceworks.backends.attention.triton import TritonAttentionBackend
     from pieceworks.backends.base import BackendSpec, ModelFacts
-    from pieceworks.core.batch import ForwardMode, GraphMode, StepMetadata
+    from pieceworks.core.batch import ForwardMode, GraphMode, StepMetadata, extend_index
 
     gen = torch.Generator().manual_seed(seed)
     hq, hkv, d, ps = 8, 2, 64, 16
