@@ -49,8 +49,8 @@ def test_steps_match_the_plain_executor():
         out = {ex: ex.forward(ForwardBatch([seqs[ex][i] for i in idx], tk)) for ex in (plain, graphs)}
         torch.testing.assert_close(out[graphs], out[plain], rtol=1e-5, atol=1e-5)
     assert calls == [5, 16, 9, 28, 3]
-    scored = graphs.forward(ForwardBatch([seqs[graphs][4]], [toks(4, 9)], return_all_logits=True))
-    assert scored.shape[0] == 4 and len(calls) == 5  # every token's logits: not from the extend graphs
+    scored = graphs.forward(ForwardBatch([seqs[graphs][4]], [toks(6, 9)], return_all_logits=True))
+    assert scored.shape[0] == 6 and len(calls) == 5  # 6 logits rows: more than a bucket computes (max_seqs 4)
 
 
 def test_async_placeholders_take_the_previous_ids():
@@ -135,6 +135,47 @@ def test_steps_that_piecewise_pads_less_run_piecewise():
                                                            GraphMode.FULL, GraphMode.FULL, GraphMode.PIECEWISE]
     graphs.piecewise = None
     assert mode(20) is GraphMode.FULL and mode(40) is GraphMode.EAGER
+
+
+def test_every_token_logits_in_buckets_that_compute_them():
+    """A bucket of t tokens computes min(t, max_seqs) logits rows: steps asking for every token's logits (all, or per
+    sequence) run there where their rows fit and return the plain executor's rows; others run as before."""
+    plain, graphs = executors(sizes=(4, 8, 16), max_seqs=8)
+    calls = []
+    run = graphs.extend_graphs.run
+    graphs.extend_graphs.run = lambda *a: calls.append(sum(map(len, a[2]))) or run(*a)
+    seqs = {ex: [ex.new_sequence() for _ in range(3)] for ex in (plain, graphs)}
+    steps = [([0], [toks(5, 1)], True),                            # bucket 8: 5 of its 8 rows
+             ([0, 1], [toks(3, 2), toks(6, 3)], [True, False]),      # bucket 16: rows 3 + 1
+             ([0, 1, 2], [[4], toks(2, 4), [6]], [False, True, True]),  # bucket 4: rows 1 + 2 + 1
+             ([2], [toks(12, 6)], True),                             # 12 rows, bucket 16 computes 8: not there
+             ([2], [toks(6, 5)], False)]                             # last rows only, bucket 8
+    for idx, tk, every in steps:
+        out = {ex: ex.forward(ForwardBatch([seqs[ex][i] for i in idx], tk, every)) for ex in (plain, graphs)}
+        assert out[graphs].shape == out[plain].shape
+        torch.testing.assert_close(out[graphs], out[plain], rtol=1e-5, atol=1e-5)
+    assert calls == [5, 9, 4, 6]
+
+
+def test_speculative_steps_keep_the_greedy_outputs():
+    """n-gram drafts verified through the extend graphs (every drafting row's logits): the Engine's greedy outputs
+    equal those without drafts."""
+    prompts = [toks(8, 30) * 2, toks(5, 31) * 3]
+    outs = []
+    for spec in (False, True):
+        cfg = {**CFG, "scheduler": {"max_num_batched_tokens": 32}}
+        if spec:
+            cfg["speculative"] = {"method": "ngram", "num_speculative_tokens": 3, "max_batch": None}
+        ex = Executor.from_config(cfg, progress=False)
+        calls = []
+        ex.extend_graphs = runner = EagerExtendRunner(ex.model, ex.table, ex.kv, ex.max_context, [8, 16, 32], 16)
+        run = runner.run
+        runner.run = lambda *a: calls.append(a[4] if len(a) > 4 else False) or run(*a)
+        eng = Engine(ex, tokenizer=None)
+        outs.append([o.token_ids for o in eng.generate(prompts, SamplingParams(temperature=0, max_tokens=12))])
+        if spec:
+            assert any(c is not False and any(c) for c in calls)  # verification steps went through the graphs
+    assert outs[0] == outs[1]
 
 
 def test_bad_extend_graph_settings_are_refused_on_any_device():

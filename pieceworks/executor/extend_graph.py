@@ -14,13 +14,15 @@ FlashInfer for piecewise and eager steps.
 
 Padded tokens (past the step's own) belong to no sequence: their K/V go to the reserved slot, their attention
 rows are zeroed by the backend, and their logits are never read. The graphs return each sequence's last
-token's logits only (steps that ask for every token's run piecewise). `EagerExtendRunner` runs the same host
-path with an eager forward in place of each replay (CPU tests).
+token's logits, or as many rows as the bucket computes (min(t, max_seqs)) for steps that ask for every token's
+of some sequences (speculative verification, prompt logprobs of short prompts); steps asking for more run
+piecewise. `EagerExtendRunner` runs the same host path with an eager forward in place of each replay (CPU tests).
 """
 
 from __future__ import annotations
 
 import bisect
+import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,7 +31,7 @@ import torch
 from pieceworks.config import Switch
 from pieceworks.core.batch import ForwardMode, GraphMode, Sequence, StepMetadata, extend_index
 from pieceworks.core.context import ForwardContext, forward_context
-from pieceworks.executor.inputs import page_table, take_previous_ids, token_rows
+from pieceworks.executor.inputs import logit_rows, page_table, take_previous_ids, token_rows
 
 if TYPE_CHECKING:
     from pieceworks.backends.registry import KernelTable
@@ -90,16 +92,22 @@ class ExtendGraphRunner:
         self.report: dict[str, float] = {}
         self._capture_all(progress)
 
-    def covers(self, num_seqs: int, num_tokens: int) -> bool:
-        return num_seqs <= self.max_seqs and num_tokens <= self.sizes[-1]
+    def covers(self, num_seqs: int, num_tokens: int, num_rows: int | None = None) -> bool:
+        """Whether a step fits: at most max_seqs sequences and the largest bucket's tokens, and its logits rows (each
+        sequence's last, or `num_rows` where it wants more) within those its bucket computes (`seqs`)."""
+        if num_seqs > self.max_seqs or num_tokens > self.sizes[-1]:
+            return False
+        if num_rows is not None and num_rows > num_seqs and os.environ.get("PIECEWORKS_EXP_ALL_ROWS") == "0":
+            return False  # exp A/B only: last rows only, as on main
+        return num_rows is None or num_rows <= self.seqs(self.padded_size(num_tokens))
 
     def padded_size(self, num_tokens: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
 
-    def takes(self, num_seqs: int, num_tokens: int, piecewise_size: int | None) -> bool:
-        """Whether a step runs here: it fits, and piecewise graphs (padding it to `piecewise_size`, None where they
-        don't take it) would not pad it less."""
-        return self.covers(num_seqs, num_tokens) and (piecewise_size is None or
+    def takes(self, num_seqs: int, num_tokens: int, piecewise_size: int | None, num_rows: int | None = None) -> bool:
+        """Whether a step runs here: it fits (`covers`), and piecewise graphs (padding it to `piecewise_size`, None
+        where they don't take it) would not pad it less."""
+        return self.covers(num_seqs, num_tokens, num_rows) and (piecewise_size is None or
                                                       self.padded_size(num_tokens) <= piecewise_size)
 
     def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,8 +118,8 @@ class ExtendGraphRunner:
                 buf[self._at_table:].view(torch.int32)[: s * w].view(s, w))
 
     def seqs(self, t: int) -> int:
-        """Sequences the bucket of t tokens holds: each has a token of the step, so at most t (fewer logits rows and
-        attention programs in the small buckets)."""
+        """Sequences the bucket of t tokens holds, and the logits rows it computes: each sequence has a token of the
+        step, so at most t (fewer logits rows and attention programs in the small buckets)."""
         return min(t, self.max_seqs)
 
     def _meta(self, mode: ForwardMode, t: int, extend_lens: list[int], prefix_lens: list[int]) -> StepMetadata:
@@ -161,9 +169,10 @@ class ExtendGraphRunner:
                     advance()
 
     def run(self, mode: ForwardMode, seqs: list[Sequence], tokens: list[list[int]],
-            prev_ids: torch.Tensor | None) -> torch.Tensor:
-        """float32 logits [len(seqs), V] of each sequence's last new token; `prev_ids`: the ids that
-        placeholder tokens -(r + 1) stand for (the Engine's async steps)."""
+            prev_ids: torch.Tensor | None, all_logits: bool | list[bool] = False) -> torch.Tensor:
+        """float32 logits [len(seqs), V] of each sequence's last new token, or with `all_logits` the rows
+        `inputs.logit_rows` names (every token's of the sequences it marks; as many as `covers` allows);
+        `prev_ids`: the ids that placeholder tokens -(r + 1) stand for (the Engine's async steps)."""
         b = len(seqs)
         counts = np.fromiter(map(len, tokens), dtype=np.int64, count=b)
         ends = np.cumsum(counts)
@@ -176,8 +185,10 @@ class ExtendGraphRunner:
         table = self._h_table[:b]
         page_table([q.pages for q in seqs], self.width, out=table)
         token_rows(tokens, kv_lens, table, self.page_size, t, self.kv.reserved_slot, out=self._h_rows[:, :t])
-        self._h_last[:b] = ends - 1
-        self._h_last[b:s] = 0  # padding sequences read row 0 (an earlier, larger bucket's rows may not exist)
+        rows = ends - 1 if not np.any(all_logits) else logit_rows(tokens, all_logits, torch.device("cpu")).numpy()
+        r = len(rows)  # <= s (`covers`)
+        self._h_last[:r] = rows
+        self._h_last[r:s] = 0  # rows past the step's read row 0 (an earlier, larger bucket's rows may not exist)
         index = self._h_index  # the bucket's layout: query offsets [s + 1], then KV lengths [s]
         index[0] = 0
         index[1: b + 1] = ends
@@ -194,7 +205,7 @@ class ExtendGraphRunner:
         meta = self._meta(mode, t, counts.tolist(), kv_lens)
         self._plan(meta)
         self.replay(t, meta)
-        return self.logits[t][:b].clone()
+        return self.logits[t][:r].clone()
 
     def replay(self, t: int, meta: StepMetadata) -> None:
         self.graphs[t].replay()

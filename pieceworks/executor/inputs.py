@@ -203,6 +203,13 @@ def take_previous_ids(ids: torch.Tensor, prev: torch.Tensor) -> None:
     ids.copy_(torch.where(ids < 0, prev.index_select(0, src).clamp_(min=0), ids))
 
 
+def num_logit_rows(tokens: list[list[int]], all_rows: bool | list[bool]) -> int:
+    """How many rows `logit_rows` names."""
+    if isinstance(all_rows, list):
+        return sum(len(t) if a else 1 for t, a in zip(tokens, all_rows))
+    return sum(map(len, tokens)) if all_rows else len(tokens)
+
+
 def logit_rows(tokens: list[list[int]], all_rows: bool | list[bool], device: torch.device) -> torch.Tensor:
     """The rows of a step's hidden states whose logits it returns: every row (True), each sequence's last
     (False), or per sequence (a list): all of its rows where True, its last where False."""

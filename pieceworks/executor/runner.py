@@ -31,7 +31,8 @@ from pieceworks.core.context import ForwardContext, forward_context
 from pieceworks.errors import BatchError, OutOfPages
 from pieceworks.executor import distributed  # here: an import inside the leader's step costs ~1 us a step
 from pieceworks.executor.build import build_executor, executor_from_config, model_dir_of, release_executor
-from pieceworks.executor.inputs import as_token_ids, check_batch, logit_rows, step_inputs, take_previous_ids
+from pieceworks.executor.inputs import (as_token_ids, check_batch, logit_rows, num_logit_rows, step_inputs,
+                                         take_previous_ids)
 from pieceworks.executor.kv_cache import KVPool, block_keys, release_pages, reserve_pages, truncate_sequence
 from pieceworks.models.base import context_limit
 
@@ -269,11 +270,10 @@ class Executor:
                  all_logits: bool | list[bool]) -> torch.Tensor:
         """The step itself, pages already reserved (every rank of a tensor-parallel run calls it with the
         same arguments): graph mode, kernels, inputs, the model, logits. `seqs` need `pages` and `kv_len`."""
-        last_only = not (any(all_logits) if isinstance(all_logits, list) else all_logits)
         num_tokens = sum(map(len, tokens))
-        graph = self._graph_mode(mode, len(tokens), num_tokens, last_only)
+        graph = self._graph_mode(mode, len(tokens), num_tokens, num_logit_rows(tokens, all_logits))
         if graph is GraphMode.FULL and mode is not ForwardMode.DECODE:
-            return self.extend_graphs.run(mode, seqs, tokens, self._prev_ids)
+            return self.extend_graphs.run(mode, seqs, tokens, self._prev_ids, all_logits)
         kernels = self.table.step(mode, graph)
         if graph is GraphMode.FULL:
             logits, self.greedy_ids = self.decode_graphs.run(seqs, tokens, kernels)
@@ -333,18 +333,18 @@ class Executor:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _graph_mode(self, mode: ForwardMode, num_seqs: int, num_tokens: int, last_only: bool = True) -> GraphMode:
-        """Decode within the graph batch sizes -> FULL; extend/mixed within the extend graphs' sizes (only the
-        last tokens' logits wanted, and padded no further than piecewise would pad it) -> FULL, within
-        piecewise.max_tokens -> PIECEWISE (mixed steps only where the kernel table has backends for them there);
-        otherwise EAGER."""
+    def _graph_mode(self, mode: ForwardMode, num_seqs: int, num_tokens: int, num_rows: int | None = None) -> GraphMode:
+        """Decode within the graph batch sizes -> FULL; extend/mixed within the extend graphs' sizes (`covers`: the
+        logits rows wanted, `num_rows` (default: a sequence's last), within those the bucket computes), padded no
+        further than piecewise would pad it -> FULL; within piecewise.max_tokens -> PIECEWISE (mixed steps only
+        where the kernel table has backends for them there); otherwise EAGER."""
         if mode is ForwardMode.DECODE:
             if self.decode_graphs is not None and self.decode_graphs.covers(num_seqs):
                 return GraphMode.FULL
             return GraphMode.EAGER
         pw_size = (self.piecewise.padded_size(num_tokens) if self.piecewise is not None and self.piecewise.covers(
             num_tokens) and self.table.graph_mode_ok(mode, GraphMode.PIECEWISE) else None)
-        if last_only and self.extend_graphs is not None and self.extend_graphs.takes(num_seqs, num_tokens, pw_size):
+        if self.extend_graphs is not None and self.extend_graphs.takes(num_seqs, num_tokens, pw_size, num_rows):
             return GraphMode.FULL
         return GraphMode.PIECEWISE if pw_size is not None else GraphMode.EAGER
 

@@ -22,6 +22,8 @@ pool; such a pool's K/V are read as words decoded into the query dtype, times th
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pieceworks.backends.attention.base import AttentionBackend, gqa_kernel_reasons
@@ -190,10 +192,13 @@ class TritonAttentionBackend(TritonDecodeAttentionBackend):
         write_rows(kc.view(-1, width), k.reshape(k.shape[0], -1), vc.view(-1, width), v.reshape(v.shape[0], -1),
                    self._meta.slot_mapping[: k.shape[0]], (kv.k_scale(layer_id), kv.v_scale(layer_id)))
         seqs, tokens, idx = self._ext
-        # padding rows belong to no sequence: keep them finite (a full graph's token count changes per replay)
-        if self._meta.graph_batch_size is not None:
+        # padding rows belong to no sequence: keep them finite (a full graph's token count changes per replay, so
+        # there the kernel zeroes the rows past the step's tokens itself)
+        full = self._meta.graph_batch_size is not None
+        if full and os.environ.get("PIECEWORKS_EXP_ZERO_PAD") == "0":  # exp A/B only: the shipped out.zero_()
             out.zero_()
-        elif out.shape[0] > self._meta.num_tokens:
+            full = False
+        elif not full and out.shape[0] > self._meta.num_tokens:
             out[self._meta.num_tokens:].zero_()
         triton_extend_kernel.extend(q, kc, vc, out, self._meta.page_table, idx[: seqs + 1], idx[seqs + 1:],
-                                    seqs, tokens, scale)
+                                    seqs, tokens, scale, zero_pad=full)
