@@ -134,15 +134,15 @@ class DecodeGraphConfig:
 @dataclass(frozen=True)
 class ExtendGraphConfig:
     enabled: Any = Switch.auto
-    """auto | on | off: full CUDA graphs for extend and mixed steps of up to the largest size whose last tokens'
-    logits are wanted (CUDA only; where the kernel table has backends safe there: attention.triton_all on bf16 /
-    fp16 KV pools, for models without sliding windows or soft caps; no MLA). auto: on one GPU; on: under tensor
-    parallelism too."""
+    """auto | on | off: full CUDA graphs for extend and mixed steps of up to the largest size whose logits rows fit
+    those a bucket computes (each sequence's last, or every token's of some sequences up to min(t, max_seqs) rows)
+    (CUDA only; where the kernel table has backends safe there: attention.triton_all on bf16 / fp16 KV pools, for
+    models without sliding windows or soft caps; no MLA). auto: on one GPU; on: under tensor parallelism too."""
     sizes: Optional[list[int]] = field(default=None, metadata={"example": "[16,64,256]"})
     """Token buckets (ascending); default 16, 32, 64, 128, 256, 512. A step goes to the smallest that holds it,
     unless the piecewise graphs would pad it less (then it runs piecewise)."""
     max_seqs: int = 64
-    """Most sequences in one such step; steps with more run piecewise."""
+    """Most sequences in one such step, and most logits rows a bucket computes; steps with more run piecewise."""
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ class ExtendGraphRunner:
         self.sizes, self.max_seqs = sorted(sizes), max_seqs
         self.width = -(-max_context // kv.page_size)
         # One int64 buffer on each side, a step's inputs sent in one copy: token rows [3, top] (ids, positions, slots),
-        # each sequence's last token row [max_seqs], the attention backend's index (int32 query offsets then KV
+        # the rows whose logits the step returns [max_seqs], the attention backend's index (int32 query offsets then KV
         # lengths, `StepMetadata.extend_index`) and the page table (int32 [max_seqs, width]) last, so that a step
         # copies only its own sequences' rows of it.
         top, s, w = self.sizes[-1], max_seqs, self.width
