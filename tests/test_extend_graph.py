@@ -157,6 +157,14 @@ def test_every_token_logits_in_buckets_that_compute_them():
     assert calls == [5, 9, 4, 6]
 
 
+@pytest.mark.parametrize("all_rows", [False, True, [True, False, True], [False, False, False]])
+def test_the_row_count_that_routes_a_step_is_the_rows_it_gets(all_rows):
+    from pieceworks.executor.inputs import logit_rows, num_logit_rows
+
+    tokens = [toks(3, 1), [5], toks(4, 2)]
+    assert num_logit_rows(tokens, all_rows) == len(logit_rows(tokens, all_rows, torch.device("cpu")))
+
+
 def test_speculative_steps_keep_the_greedy_outputs():
     """n-gram drafts verified through the extend graphs (every drafting row's logits): the Engine's greedy outputs
     equal those without drafts."""

@@ -104,8 +104,8 @@ class ExtendGraphRunner:
     def takes(self, num_seqs: int, num_tokens: int, piecewise_size: int | None, num_rows: int | None = None) -> bool:
         """Whether a step runs here: it fits (`covers`), and piecewise graphs (padding it to `piecewise_size`, None
         where they don't take it) would not pad it less."""
-        return self.covers(num_seqs, num_tokens, num_rows) and (piecewise_size is None or
-                                                      self.padded_size(num_tokens) <= piecewise_size)
+        return self.covers(num_seqs, num_tokens, num_rows) and (piecewise_size is None
+                                                                or self.padded_size(num_tokens) <= piecewise_size)
 
     def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(token rows [3, top], last rows [max_seqs], index int32 [2 max_seqs + 1], table int32 [max_seqs, width])."""
