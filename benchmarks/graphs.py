@@ -26,7 +26,8 @@ extend. `--host-time` (CPU, e.g. `--preset tiny --layers 32 --set cuda_graph.pie
 piecewise runner's own host work per piece (stand-in graphs, no-op replays and attention). Where the extend
 graphs (`cuda_graph.extend`, executor/extend_graph.py) take a row's step, a second table times it against
 piecewise + logits and the whole graph + logits, back to back, and `Executor.forward` of a new T-token prompt
-with and without them, alternated.
+with and without them, alternated. The report ends with the extend rows checked against docs/benchmarks.md's
+targets for piecewise and full extend graphs (graphs_report.py).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from pathlib import Path
 
 import torch
 from common import gpu_ms, md_table, sync, wall_ms
+from graphs_report import render
 from plain_llama import PlainLlama
 
 from pieceworks import Executor
@@ -352,56 +354,6 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(md)
         Path(args.out).with_suffix(".json").write_text(json.dumps({"info": info, "extend": ext, "decode": dec}, default=str, indent=1))
-
-
-def render(info: dict, ext: list[dict], dec: list[dict]) -> str:
-    lines = [f"{info['date']} on {info['device']} (torch {info['torch']}); backends {info['backends']}", ""]
-    if info["piecewise"]:
-        pw = info["piecewise"]
-        lines.append(f"piecewise: {len(pw['sizes'])} sizes up to {pw['max_tokens']}, {pw['pieces']} pieces "
-                     f"({pw['unique_pieces']} distinct), {pw['graphs']} graphs; compile {pw['compile_s']:.1f} s, "
-                     f"capture {pw.get('capture_s', float('nan')):.1f} s, pool {pw.get('pool_bytes', 0) / 2**30:.2f} GiB")
-    if info["decode_graphs"]:
-        d = info["decode_graphs"]
-        lines.append(f"decode graphs: {len(d['batch_sizes'])} batch sizes, capture {d['capture_s']:.1f} s, "
-                     f"pool {d['pool_bytes'] / 2**30:.2f} GiB")
-    if ext:
-        rows = []
-        for r in ext:
-            pw = f"{r['piecewise_ms']:.3f} ({r['padded_to']})" if "piecewise_ms" in r else "eager (above max_tokens)"
-            kept = f"{100 * r['kept_of_saving']:.0f}%" if "kept_of_saving" in r else "-"
-            ratio = f"{r['piecewise_vs_eager']:.3f}" if "piecewise_vs_eager" in r else "-"
-            plain = (f"{r['plain_ms']:.3f} ({r['eager_ms'] / r['plain_ms']:.2f}x; max diff {r['plain_diff']:.2g})"
-                     if "plain_ms" in r else "-")
-            nan = float("nan")
-            b2b = r.get("piecewise_b2b_ms", nan) - r.get("whole_graph_ms", nan)
-            gpu = r.get("piecewise_gpu_ms", nan) - r.get("whole_gpu_ms", nan)
-            rows.append([r["T"], f"{r['eager_ms']:.3f}", plain, pw, f"{r.get('whole_graph_ms', nan):.3f}",
-                         f"{b2b:.3f}", f"{gpu:.3f}", kept, ratio])
-        lines += ["", md_table(["T", "eager ms", "plain-torch ms (eager / plain; max diff)", "piecewise ms (padded to)",
-                                "whole graph ms", "piecewise - whole, both back to back (ms)",
-                                "piecewise - whole, GPU time with the host ahead (ms)",
-                                "piecewise kept of the graph saving", "piecewise / eager"], rows, "l" * 9)]
-        full = [r for r in ext if "extend_graph_b2b_ms" in r]
-        if full:  # executor/extend_graph.py: steps with their last tokens' logits, back to back
-            lines += ["", md_table(["T", "piecewise + logits ms", "extend graph ms", "whole graph + logits ms",
-                                    "piecewise - whole (ms)", "extend graph - whole (ms)"],
-                                   [[r["T"], *(f"{r[k]:.3f}" for k in ("piecewise_logits_b2b_ms", "extend_graph_b2b_ms",
-                                                                        "whole_logits_ms")),
-                                     f"{r['piecewise_logits_b2b_ms'] - r['whole_logits_ms']:.3f}",
-                                     f"{r['extend_graph_b2b_ms'] - r['whole_logits_ms']:.3f}"] for r in full], "l" * 6)]
-            e = info["extend_graphs"]
-            lines += ["", f"extend graphs: sizes {e['sizes']}, max_seqs {e['max_seqs']}, capture {e['capture_s']:.1f} s, "
-                      f"pool {e['pool_bytes'] / 2**30:.2f} GiB. Executor.forward of a new prompt, alternated:"]
-            lines += ["", md_table(["T", "piecewise ms", "extend graph ms"],
-                                   [[r["T"], f"{r['forward_piecewise_ms']:.3f}", f"{r['forward_extend_graph_ms']:.3f}"]
-                                    for r in full if "forward_piecewise_ms" in r], "lll")]
-    if dec:
-        lines += ["", f"decode over {info['context']}-token sequences", "",
-                  md_table(["decode batch", "full graph ms (Executor.forward)", "graph replay alone ms", "eager ms"],
-                           [[r["batch"], f"{r['graph_ms']:.3f}", f"{r.get('replay_ms', float('nan')):.3f}",
-                             f"{r['eager_ms']:.3f}"] for r in dec], "llll")]
-    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
