@@ -108,8 +108,9 @@ def extend_graph_runner(ext: Any, model: torch.nn.Module, table: Any, kv: KVPool
                           f"({ext.max_seqs}) positive")
     why = extend_graph.why_off(ext, kv.device.type == "cuda", tensor_parallel, table)
     if why is not None:
-        (log.warning if ext.enabled is Switch.on else log.info)("cuda_graph.extend: %s; extend steps run "
-                                                                "piecewise", why)
+        (log.warning if ext.enabled is Switch.on else log.info)("cuda_graph.extend: %s; extend and mixed steps run "
+                                                                "in piecewise graphs where they are on, else eagerly",
+                                                                why)
         return None
     return extend_graph.ExtendGraphRunner(model, table, kv, max_context, sizes, ext.max_seqs, progress)
 
