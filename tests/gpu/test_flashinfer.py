@@ -310,7 +310,10 @@ def _executor(arch: str, attention: str, sizes: dict):
     cfg = {"model": {"arch": arch, "preset": "tiny", "sizes": sizes}, "runtime": {"device": "cuda", "dtype": "bfloat16"},
            "kv_cache": {"num_tokens": 2048, "page_size": 16}, "backends": backends,
            "cuda_graph": {"piecewise": {"enabled": "on", "sizes": [16, 32, 64], "max_tokens": 64},
-                          "decode": {"enabled": "on", "batch_sizes": [1, 2, 4]}}}
+                          "decode": {"enabled": "on", "batch_sizes": [1, 2, 4]},
+                          # full extend graphs (on by default) run extend steps on attention.triton_all:
+                          # off, the prompts go through FlashInfer's piecewise and eager extends
+                          "extend": {"enabled": "off"}}}
     return Executor.from_config(cfg, progress=False)
 
 
@@ -324,11 +327,15 @@ E2E = {
 def test_executor_matches_the_torch_backends(arch):
     """Same random weights, FlashInfer vs torch backends: prompt logits (piecewise-graph and eager
     extends), then teacher-forced decode steps (FULL graphs) fed the reference's greedy tokens."""
-    from pieceworks.core.batch import ForwardBatch
+    from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode
 
     fi, ref = _executor(arch, "flashinfer", E2E[arch]), _executor(arch, "torch", E2E[arch])
     op = "attention" if arch == "llama" else "mla"
-    assert {b.name for b in fi.table.instances(op)} == {"flashinfer"}
+    # the steps below: extends eager and piecewise, decodes in FULL graphs (the table's full-extend entries go unused)
+    steps = [(ForwardMode.EXTEND, GraphMode.EAGER), (ForwardMode.EXTEND, GraphMode.PIECEWISE),
+             (ForwardMode.DECODE, GraphMode.FULL)]
+    assert fi.extend_graphs is None
+    assert {getattr(fi.table.step(m, g), op).name for m, g in steps} == {"flashinfer"}
     prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (37, 9, 70)]
     for a, b in zip(fi.score(prompts), ref.score(prompts)):
         assert rel_err(a.float(), b.float()) < 3e-2
