@@ -19,7 +19,8 @@ The whole-forward graph is captured per T and replayed without re-planning (`who
 back (`common.wall_ms`: call, synchronize, repeat); piecewise is timed that way too, so that the difference compares
 like with like (in the alternation each piecewise step follows a 25-45 ms eager call). Both
 are also timed by CUDA events behind a sleep kernel (`common.gpu_ms`), so that the table separates the GPU-side
-cost of the pieces from the wait for the host at the step's head. Decode:
+cost of the pieces from the wait for the host at the step's head, and the piecewise step's attention plans are timed
+alone on the host (GPU drained: the part of that head which the whole graph, replayed unplanned, does not pay). Decode:
 `Executor.forward` of a decode batch over --context-token sequences (logits included), with and without
 the full decode graphs. `--mixed 256x32`: a mixed step (a 256-token chunk + 32 decode rows), timed as
 extend. `--host-time` (CPU, e.g. `--preset tiny --layers 32 --set cuda_graph.piecewise.enabled=on`): the
@@ -161,6 +162,8 @@ def step_row(ex: Executor, seqs: list, toks: list[list[int]], repeats: int, plai
             fns["piecewise_ms"] = piecewise
             row["padded_to"] = pad
         row.update(timed_interleaved(fns, repeats))
+        if "piecewise_ms" in row:
+            row["plan_us"] = plan_us(k_pw, meta_p, repeats)
         print(f"  T={T} " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k.endswith("_ms")), flush=True)
         if ex.device.type != "cuda":
             return row
@@ -188,6 +191,17 @@ def step_row(ex: Executor, seqs: list, toks: list[list[int]], repeats: int, plai
         row["kept_of_saving"] = (row["eager_ms"] - row["piecewise_ms"]) / saving if saving > 0 else float("nan")
         row["piecewise_vs_eager"] = row["piecewise_ms"] / row["eager_ms"]
     return row
+
+
+def plan_us(kernels, meta, repeats: int) -> float:
+    """Median host us of a prepared step's attention plans (`Executor.run_model`'s first work), the GPU drained
+    before each: host time at a piecewise step's head that the whole graph, replayed without a plan, does not pay."""
+    def plan():
+        for backend in (kernels.attention, kernels.mla):
+            if backend is not None:
+                backend.plan(meta)
+
+    return wall_ms(plan, repeats, wait=False) * 1e3
 
 
 def whole_graph(ex: Executor, kernels, meta, ids, rows: torch.Tensor | None = None) -> torch.cuda.CUDAGraph:

@@ -73,12 +73,14 @@ def render(info: dict, ext: list[dict], dec: list[dict]) -> str:
             nan = float("nan")
             b2b = r.get("piecewise_b2b_ms", nan) - r.get("whole_graph_ms", nan)
             gpu = r.get("piecewise_gpu_ms", nan) - r.get("whole_gpu_ms", nan)
+            plan = f"{r['plan_us']:.0f}" if "plan_us" in r else "-"
             rows.append([r["T"], f"{r['eager_ms']:.3f}", plain, pw, f"{r.get('whole_graph_ms', nan):.3f}",
-                         f"{b2b:.3f}", f"{gpu:.3f}", kept, ratio])
+                         f"{b2b:.3f}", f"{gpu:.3f}", plan, kept, ratio])
         lines += ["", md_table(["T", "eager ms", "plain-torch ms (eager / plain; max diff)", "piecewise ms (padded to)",
                                 "whole graph ms", "piecewise - whole, both back to back (ms)",
                                 "piecewise - whole, GPU time with the host ahead (ms)",
-                                "piecewise kept of the graph saving", "piecewise / eager"], rows, "l" * 9)]
+                                "piecewise step's attention plan, host us", "piecewise kept of the graph saving",
+                                "piecewise / eager"], rows, "l" * 10)]
         full = [r for r in ext if "extend_graph_b2b_ms" in r]
         if full:  # executor/extend_graph.py: steps with their last tokens' logits, back to back
             lines += ["", md_table(["T", "piecewise + logits ms", "extend graph ms", "whole graph + logits ms",

@@ -64,3 +64,14 @@ def test_a_row_timed_in_alternation_only_leaves_back_to_back_unmeasured():
     r = row(64, 6.40, 6.35)
     del r["piecewise_b2b_ms"]
     assert verdicts([r])[:2] == ["yes", "not"]
+
+
+def test_the_extend_table_shows_the_plan_host_time_where_timed():
+    info = {"date": "d", "device": "cpu", "torch": "t", "backends": {}, "piecewise": None, "decode_graphs": None}
+    planned, unplanned = row(16, 6.03, 5.71), row(64, 6.40, 6.35)
+    planned["plan_us"] = 123.4
+    table = report.render(info, [planned, unplanned], [])
+    assert "attention plan, host us" in table
+    cells = {line.split(" | ")[0]: line.split(" | ") for line in table.splitlines()
+             if line.startswith(("| 16 ", "| 64 "))}
+    assert cells["| 16"][7] == "123" and cells["| 64"][7] == "-"
