@@ -26,9 +26,10 @@ the full decode graphs. `--mixed 256x32`: a mixed step (a 256-token chunk + 32 d
 extend. `--host-time` (CPU, e.g. `--preset tiny --layers 32 --set cuda_graph.piecewise.enabled=on`): the
 piecewise runner's own host work per piece (stand-in graphs, no-op replays and attention). Where the extend
 graphs (`cuda_graph.extend`, executor/extend_graph.py) take a row's step, a second table times it against
-piecewise + logits and the whole graph + logits, back to back, and `Executor.forward` of a new T-token prompt
-with and without them, alternated. The report ends with the extend rows checked against docs/benchmarks.md's
-targets for piecewise and full extend graphs (graphs_report.py).
+piecewise + logits and the whole graph + logits, back to back, the extend graph and the whole graph + logits by GPU
+time too (the extend graphs' own kernels against the whole graph's, apart from the host work before a replay), and
+`Executor.forward` of a new T-token prompt with and without them, alternated. The report ends with the extend rows
+checked against docs/benchmarks.md's targets for piecewise and full extend graphs (graphs_report.py).
 """
 
 from __future__ import annotations
@@ -174,9 +175,14 @@ def step_row(ex: Executor, seqs: list, toks: list[list[int]], repeats: int, plai
             rows = torch.tensor(meta.qo_indptr()[1:], device=ex.device) - 1
             row["piecewise_logits_b2b_ms"] = wall_ms(
                 lambda: ex.model.compute_logits(ex.run_model(k_pw, meta_p, ids_p)[rows]), repeats)
-            row["extend_graph_b2b_ms"] = wall_ms(lambda: ex.extend_graphs.run(mode, seqs, toks, None), repeats)
+            def extend_graph():
+                ex.extend_graphs.run(mode, seqs, toks, None)
+
+            row["extend_graph_b2b_ms"], row["extend_graph_gpu_ms"] = wall_ms(extend_graph, repeats), gpu_ms(
+                extend_graph, repeats)
             graph = whole_graph(ex, k_eager, meta, ids, rows)
-            row["whole_logits_ms"] = wall_ms(graph.replay, repeats)
+            row["whole_logits_ms"], row["whole_logits_gpu_ms"] = wall_ms(graph.replay, repeats), gpu_ms(
+                graph.replay, repeats)
         graph = whole_graph(ex, k_eager, meta, ids)
         row["whole_graph_ms"], row["whole_gpu_ms"] = wall_ms(graph.replay, repeats), gpu_ms(graph.replay, repeats)
         graph = None  # release the captured graph before the next T
