@@ -84,6 +84,7 @@ class ExtendGraphRunner:
         self._host = torch.zeros(size, dtype=torch.int64, pin_memory=kv.device.type == "cuda")
         self._dev = torch.zeros(size, dtype=torch.int64, device=kv.device)
         self.inputs, self.last, self.index, self.table = self._views(self._dev)
+        self._bucket_views: dict[int, tuple[torch.Tensor, ...]] = {}
         self._h_rows, self._h_last, self._h_index, self._h_table = (t.numpy() for t in self._views(self._host))
         self._copied: torch.cuda.Event | None = None  # recorded after a step's copy: the staging buffer is free again
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -119,21 +120,32 @@ class ExtendGraphRunner:
         step, so at most t (fewer logits rows and attention programs in the small buckets)."""
         return min(t, self.max_seqs)
 
+    def _bucket(self, t: int) -> tuple[torch.Tensor, ...]:
+        """The bucket's views of the device inputs (ids, positions, slots, page table, extend index, logits rows),
+        made once. With them (and no numpy call on a bool `all_logits`) a step's host work, its plan and replay left
+        out, takes 26.5 us against 40 for one 16-token sequence on the CPU machine, 74-77 against 91-92 for 33
+        sequences (256 + 32 tokens), alternated."""
+        views = self._bucket_views.get(t)
+        if views is None:
+            s = self.seqs(t)
+            views = self._bucket_views[t] = (*self.inputs[:, :t], self.table[:s], self.index[: 2 * s + 1],
+                                             self.last[:s])
+        return views
+
     def _meta(self, mode: ForwardMode, t: int, extend_lens: list[int], prefix_lens: list[int]) -> StepMetadata:
-        _, positions, slots = self.inputs[:, :t]
-        s = self.seqs(t)
+        _, positions, slots, table, index, _ = self._bucket(t)
         return StepMetadata(mode=mode, graph_mode=GraphMode.FULL, extend_lens=extend_lens, prefix_lens=prefix_lens,
-                            page_size=self.page_size, page_table=self.table[:s], slot_mapping=slots,
-                            positions=positions, graph_batch_size=s, extend_index=self.index[: 2 * s + 1])
+                            page_size=self.page_size, page_table=table, slot_mapping=slots,
+                            positions=positions, graph_batch_size=self.seqs(t), extend_index=index)
 
     def _plan(self, meta: StepMetadata) -> None:
         self.kernels.attention.plan(meta)
 
     def _forward(self, t: int, meta: StepMetadata) -> torch.Tensor:
-        ids, positions, _ = self.inputs[:, :t]
+        ids, positions, _, _, _, last = self._bucket(t)
         with forward_context(ForwardContext(self.kernels, meta, self.kv)):
             hidden = self.model(ids, positions)
-            return self.model.compute_logits(hidden.index_select(0, self.last[: self.seqs(t)]))
+            return self.model.compute_logits(hidden.index_select(0, last))
 
     def _dummy(self, t: int) -> StepMetadata:
         """Capture inputs: one sequence of t tokens over the reserved page (every write and read lands there)."""
@@ -182,7 +194,8 @@ class ExtendGraphRunner:
         table = self._h_table[:b]
         page_table([q.pages for q in seqs], self.width, out=table)
         token_rows(tokens, kv_lens, table, self.page_size, t, self.kv.reserved_slot, out=self._h_rows[:, :t])
-        rows = ends - 1 if not np.any(all_logits) else logit_rows(tokens, all_logits, torch.device("cpu")).numpy()
+        every = all_logits if isinstance(all_logits, bool) else any(all_logits)
+        rows = logit_rows(tokens, all_logits, torch.device("cpu")).numpy() if every else ends - 1
         r = len(rows)  # <= s (`covers`)
         self._h_last[:r] = rows
         self._h_last[r:s] = 0  # rows past the step's read row 0 (an earlier, larger bucket's rows may not exist)
