@@ -27,7 +27,8 @@ extend. `--host-time` (CPU, e.g. `--preset tiny --layers 32 --set cuda_graph.pie
 piecewise runner's own host work per piece (stand-in graphs, no-op replays and attention). Where the extend
 graphs (`cuda_graph.extend`, executor/extend_graph.py) take a row's step, a second table times it against
 piecewise + logits and the whole graph + logits, back to back, the extend graph and the whole graph + logits by GPU
-time too (the extend graphs' own kernels against the whole graph's, apart from the host work before a replay), and
+time too (the extend graphs' own kernels against the whole graph's, apart from the host work before a replay) and
+by the host time of the call alone (GPU drained: the runner's step inputs, plan and launch against a bare replay), and
 `Executor.forward` of a new T-token prompt with and without them, alternated. The report ends with the extend rows
 checked against docs/benchmarks.md's targets for piecewise and full extend graphs (graphs_report.py).
 """
@@ -180,9 +181,11 @@ def step_row(ex: Executor, seqs: list, toks: list[list[int]], repeats: int, plai
 
             row["extend_graph_b2b_ms"], row["extend_graph_gpu_ms"] = wall_ms(extend_graph, repeats), gpu_ms(
                 extend_graph, repeats)
+            row["extend_graph_host_us"] = wall_ms(extend_graph, repeats, wait=False) * 1e3
             graph = whole_graph(ex, k_eager, meta, ids, rows)
             row["whole_logits_ms"], row["whole_logits_gpu_ms"] = wall_ms(graph.replay, repeats), gpu_ms(
                 graph.replay, repeats)
+            row["whole_logits_host_us"] = wall_ms(graph.replay, repeats, wait=False) * 1e3
         graph = whole_graph(ex, k_eager, meta, ids)
         row["whole_graph_ms"], row["whole_gpu_ms"] = wall_ms(graph.replay, repeats), gpu_ms(graph.replay, repeats)
         graph = None  # release the captured graph before the next T

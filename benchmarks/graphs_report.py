@@ -86,13 +86,16 @@ def render(info: dict, ext: list[dict], dec: list[dict]) -> str:
             nan = float("nan")
             lines += ["", md_table(["T", "piecewise + logits ms", "extend graph ms", "whole graph + logits ms",
                                     "piecewise - whole (ms)", "extend graph - whole (ms)",
-                                    "extend graph - whole, GPU time with the host ahead (ms)"],
+                                    "extend graph - whole, GPU time with the host ahead (ms)",
+                                    "host us of the call: extend graph / whole graph replay"],
                                    [[r["T"], *(f"{r[k]:.3f}" for k in ("piecewise_logits_b2b_ms", "extend_graph_b2b_ms",
                                                                         "whole_logits_ms")),
                                      f"{r['piecewise_logits_b2b_ms'] - r['whole_logits_ms']:.3f}",
                                      f"{r['extend_graph_b2b_ms'] - r['whole_logits_ms']:.3f}",
-                                     f"{r.get('extend_graph_gpu_ms', nan) - r.get('whole_logits_gpu_ms', nan):.3f}"]
-                                    for r in full], "l" * 7)]
+                                     f"{r.get('extend_graph_gpu_ms', nan) - r.get('whole_logits_gpu_ms', nan):.3f}",
+                                     " / ".join(f"{r.get(k, nan):.0f}" for k in ("extend_graph_host_us",
+                                                                                 "whole_logits_host_us"))]
+                                    for r in full], "l" * 8)]
             e = info["extend_graphs"]
             lines += ["", f"extend graphs: sizes {e['sizes']}, max_seqs {e['max_seqs']}, capture {e['capture_s']:.1f} s, "
                       f"pool {e['pool_bytes'] / 2**30:.2f} GiB. Executor.forward of a new prompt, alternated:"]

@@ -77,17 +77,18 @@ def test_the_extend_table_shows_the_plan_host_time_where_timed():
     assert cells["| 16"][7] == "123" and cells["| 64"][7] == "-"
 
 
-def test_the_extend_graph_table_shows_the_gpu_side_gap_where_timed():
+def test_the_extend_graph_table_shows_the_gpu_side_gap_and_host_times_where_timed():
     info = {"date": "d", "device": "cuda", "torch": "t", "backends": {}, "piecewise": None, "decode_graphs": None,
             "extend_graphs": {"sizes": [16, 64], "max_seqs": 64, "capture_s": 1.0, "pool_bytes": 0}}
     timed, untimed = row(16, 6.03, 5.71, extend=6.41, whole_logits=6.10), row(64, 6.40, 6.35, extend=6.9,
                                                                                whole_logits=6.5)
     for r in (timed, untimed):
         r["piecewise_logits_b2b_ms"] = r["piecewise_ms"]
-    timed.update(extend_graph_gpu_ms=6.25, whole_logits_gpu_ms=6.05)
+    timed.update(extend_graph_gpu_ms=6.25, whole_logits_gpu_ms=6.05, extend_graph_host_us=181.4,
+                 whole_logits_host_us=22.6)
     table = report.render(info, [timed, untimed], [])
     assert "extend graph - whole, GPU time with the host ahead (ms)" in table
     cells = {line.split(" | ")[0]: line.split(" | ") for line in table.splitlines()
-             if line.startswith(("| 16 ", "| 64 ")) and line.count(" | ") == 6}
-    assert cells["| 16"][5] == "0.310" and cells["| 16"][6].rstrip(" |") == "0.200"
-    assert cells["| 64"][6].rstrip(" |") == "nan"
+             if line.startswith(("| 16 ", "| 64 ")) and line.count(" | ") == 7}
+    assert cells["| 16"][5] == "0.310" and cells["| 16"][6] == "0.200" and cells["| 16"][7].rstrip(" |") == "181 / 23"
+    assert cells["| 64"][6] == "nan" and cells["| 64"][7].rstrip(" |") == "nan / nan"
