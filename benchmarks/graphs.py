@@ -176,6 +176,7 @@ def step_row(ex: Executor, seqs: list, toks: list[list[int]], repeats: int, plai
             rows = torch.tensor(meta.qo_indptr()[1:], device=ex.device) - 1
             row["piecewise_logits_b2b_ms"] = wall_ms(
                 lambda: ex.model.compute_logits(ex.run_model(k_pw, meta_p, ids_p)[rows]), repeats)
+
             def extend_graph():
                 ex.extend_graphs.run(mode, seqs, toks, None)
 
