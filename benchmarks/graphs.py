@@ -26,10 +26,10 @@ the full decode graphs. `--mixed 256x32`: a mixed step (a 256-token chunk + 32 d
 extend. `--host-time` (CPU, e.g. `--preset tiny --layers 32 --set cuda_graph.piecewise.enabled=on`): the
 piecewise runner's own host work per piece (stand-in graphs, no-op replays and attention). Where the extend
 graphs (`cuda_graph.extend`, executor/extend_graph.py) take a row's step, a second table times it against
-piecewise + logits and the whole graph + logits, back to back, the extend graph and the whole graph + logits by GPU
-time too (the extend graphs' own kernels against the whole graph's, apart from the host work before a replay) and
-by the host time of the call alone (GPU drained: the runner's step inputs, plan and launch against a bare replay), and
-`Executor.forward` of a new T-token prompt with and without them, alternated. The report ends with the extend rows
+piecewise + logits and the whole graph + logits, back to back; the extend graph and the whole graph + logits also by
+GPU time (the extend graphs' own kernels against the whole graph's, without the host work before a replay) and by the
+host time of the call alone (GPU drained: the runner's step inputs, plan and launch against a bare replay). A third
+table times `Executor.forward` of a new T-token prompt with and without them, alternated. The report ends with the extend rows
 checked against docs/benchmarks.md's targets for piecewise and full extend graphs (graphs_report.py).
 """
 
@@ -182,11 +182,11 @@ def step_row(ex: Executor, seqs: list, toks: list[list[int]], repeats: int, plai
 
             row["extend_graph_b2b_ms"], row["extend_graph_gpu_ms"] = wall_ms(extend_graph, repeats), gpu_ms(
                 extend_graph, repeats)
-            row["extend_graph_host_us"] = wall_ms(extend_graph, repeats, wait=False) * 1e3
+            row["extend_graph_host_us"] = host_us(extend_graph, repeats)
             graph = whole_graph(ex, k_eager, meta, ids, rows)
             row["whole_logits_ms"], row["whole_logits_gpu_ms"] = wall_ms(graph.replay, repeats), gpu_ms(
                 graph.replay, repeats)
-            row["whole_logits_host_us"] = wall_ms(graph.replay, repeats, wait=False) * 1e3
+            row["whole_logits_host_us"] = host_us(graph.replay, repeats)
         graph = whole_graph(ex, k_eager, meta, ids)
         row["whole_graph_ms"], row["whole_gpu_ms"] = wall_ms(graph.replay, repeats), gpu_ms(graph.replay, repeats)
         graph = None  # release the captured graph before the next T
@@ -203,6 +203,11 @@ def step_row(ex: Executor, seqs: list, toks: list[list[int]], repeats: int, plai
     return row
 
 
+def host_us(fn, repeats: int) -> float:
+    """Median host us of fn() alone, the GPU drained before each call."""
+    return wall_ms(fn, repeats, wait=False) * 1e3
+
+
 def plan_us(kernels, meta, repeats: int) -> float:
     """Median host us of a prepared step's attention plans (`Executor.run_model`'s first work), the GPU drained
     before each: host time at a piecewise step's head that the whole graph, replayed without a plan, does not pay."""
@@ -211,7 +216,7 @@ def plan_us(kernels, meta, repeats: int) -> float:
             if backend is not None:
                 backend.plan(meta)
 
-    return wall_ms(plan, repeats, wait=False) * 1e3
+    return host_us(plan, repeats)
 
 
 def whole_graph(ex: Executor, kernels, meta, ids, rows: torch.Tensor | None = None) -> torch.cuda.CUDAGraph:

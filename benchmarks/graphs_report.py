@@ -53,6 +53,7 @@ def targets(ext: list[dict]) -> list[str]:
 
 def render(info: dict, ext: list[dict], dec: list[dict]) -> str:
     lines = [f"{info['date']} on {info['device']} (torch {info['torch']}); backends {info['backends']}", ""]
+    nan = float("nan")
     if info["piecewise"]:
         pw = info["piecewise"]
         lines.append(f"piecewise: {len(pw['sizes'])} sizes up to {pw['max_tokens']}, {pw['pieces']} pieces "
@@ -70,7 +71,6 @@ def render(info: dict, ext: list[dict], dec: list[dict]) -> str:
             ratio = f"{r['piecewise_vs_eager']:.3f}" if "piecewise_vs_eager" in r else "-"
             plain = (f"{r['plain_ms']:.3f} ({r['eager_ms'] / r['plain_ms']:.2f}x; max diff {r['plain_diff']:.2g})"
                      if "plain_ms" in r else "-")
-            nan = float("nan")
             b2b = r.get("piecewise_b2b_ms", nan) - r.get("whole_graph_ms", nan)
             gpu = r.get("piecewise_gpu_ms", nan) - r.get("whole_gpu_ms", nan)
             plan = f"{r['plan_us']:.0f}" if "plan_us" in r else "-"
@@ -82,8 +82,7 @@ def render(info: dict, ext: list[dict], dec: list[dict]) -> str:
                                 "piecewise step's attention plan, host us", "piecewise kept of the graph saving",
                                 "piecewise / eager"], rows, "l" * 10)]
         full = [r for r in ext if "extend_graph_b2b_ms" in r]
-        if full:  # executor/extend_graph.py: steps with their last tokens' logits, back to back
-            nan = float("nan")
+        if full:  # executor/extend_graph.py: steps with their last tokens' logits, back to back, by GPU time, host us
             lines += ["", md_table(["T", "piecewise + logits ms", "extend graph ms", "whole graph + logits ms",
                                     "piecewise - whole (ms)", "extend graph - whole (ms)",
                                     "extend graph - whole, GPU time with the host ahead (ms)",
