@@ -1,8 +1,8 @@
 """Where the time of one step goes.
 
     python benchmarks/profile_step.py --tokens 16 --set backends.attention=flashinfer  # piecewise extend: cProfile
-    python benchmarks/profile_step.py --tokens 16,64,128,256 --timeline --set backends.attention=flashinfer \
-        --set backends.options.flashinfer.variant=fa2   # piecewise extend against a whole-forward graph
+    python benchmarks/profile_step.py --tokens 16,64,128,256 --mixed 256x32 --timeline \
+        --set backends.attention=flashinfer --set backends.options.flashinfer.variant=fa2  # piecewise vs whole graph
     python benchmarks/profile_step.py --decode 1 --set quantization.format=nvfp4  # decode: kernels, cProfile
     python benchmarks/profile_step.py --decode 1 --timeline --steps 20 --set quantization.format=nvfp4 \
         --set backends.fp4_gemm=cuda --set backends.options.flashinfer.variant=fa2 [--trace PATH.json]
@@ -10,9 +10,10 @@
 Under programmatic dependent launch (runtime.pdl, on by default on sm_90) kernels overlap, so per-kernel
 times add up to more than the step; `--set runtime.pdl=off` gives a breakdown that sums to its GPU time.
 
-Extend `--timeline`, per T: host ms of the plan, of the forward's launches, synchronized forward with and
-without the plan, a whole-forward graph of the step (no re-plan); from kernel traces of both, GPU span,
-busy and idle us, idle by the kernel family that ends it, and idle before the first attention kernel.
+Extend `--timeline`, per T (and the `--mixed` step): host ms of the plan, of the forward's launches, synchronized
+forward with and without the plan, a whole-forward graph of the step (no re-plan); from CUPTI records of both,
+GPU span, busy and idle us, idle by the kernel family that ends it, idle before the first attention kernel, and
+idle waiting for the host: before a kernel whose launch call returned after the GPU ran dry (`host_waits`).
 Decode `--timeline` walks each replay's kernels (CUPTI records) in start order (`walk`): per role (q/k/v
 GEMM, attention, o, norms, gate/up, down, lm_head, ...) the kernel time, the time it adds to the step's
 span (exposed) and its lead (< 0: it overlapped the kernels before it), next to a synchronized
@@ -83,6 +84,22 @@ def split_steps(events: list[dict], gap_us: float = 20.0, least: int = 10) -> li
     return [s for s in steps if len(s) >= least]
 
 
+def host_waits(step: list[dict], launches: dict, least_us: float = 0.5) -> tuple[float, dict[str, float]]:
+    """GPU idle time of one step spent waiting for the host: an idle gap (over `least_us`) before a record whose
+    launch call (`launches`: CUPTI runtime/driver records by correlation id; a graph's kernels share their
+    cudaGraphLaunch's) ended after the GPU ran dry counts up to that end. (total us, {launch call: us})."""
+    end, total, by_call = step[0]["ts"], 0.0, {}
+    for e in step:
+        gap = e["ts"] - end
+        launch = launches.get((e.get("args") or {}).get("correlation"))
+        if gap > least_us and launch is not None and launch["ts"] + launch["dur"] > end:
+            wait = min(gap, launch["ts"] + launch["dur"] - end)
+            total += wait
+            by_call[launch["name"]] = by_call.get(launch["name"], 0.0) + wait
+        end = max(end, e["ts"] + e["dur"])
+    return total, by_call
+
+
 def walk(step: list[dict]) -> tuple[float, dict[str, list[float]]]:
     """One step's kernels in start order -> (span, {role: [kernel us, exposed us, lead us, launches]}):
     exposed = the part of a kernel after the latest end of the kernels before it, lead = its start minus
@@ -109,10 +126,12 @@ def main() -> None:
     p.add_argument("--arch", default="llama")
     p.add_argument("--tokens", type=lambda v: [int(x) for x in v.split(",")], default=[16],
                    help="extend tokens, comma-separated (without --decode)")
+    p.add_argument("--mixed", default="", help="CHUNKxDECODES, e.g. 256x32: also a mixed step of one prefill chunk "
+                   "and DECODES decode rows over --context-token sequences (without --decode)")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--decode", type=int, default=0, help="profile decode graph replays at this batch size")
-    p.add_argument("--context", type=int, default=512, help="tokens per sequence before the decode steps")
+    p.add_argument("--context", type=int, default=512, help="tokens per sequence before the decode steps and rows")
     p.add_argument("--timeline", action="store_true",
                    help="the kernel timeline (with --decode: under PDL; without: against a whole-forward graph)")
     p.add_argument("--trace", help="with --timeline: also write the chrome trace here")
@@ -124,15 +143,23 @@ def main() -> None:
         (timeline if args.timeline else profile_decode)(ex, batch, args)
         return
     overrides = [f"model.arch={args.arch}", f"model.preset={args.preset}", "kv_cache.num_tokens=16384",
-                 "cuda_graph.piecewise.enabled=on", "cuda_graph.piecewise.max_tokens=256",
+                 "cuda_graph.piecewise.enabled=on", "cuda_graph.piecewise.max_tokens=512",
                  "cuda_graph.decode.enabled=off", *args.set]  # on a CPU the pieces run directly
     ex = Executor.from_config(None, overrides, progress=False)
-    for T in args.tokens:
-        seq = ex.new_sequence()
-        toks = [torch.randint(0, ex.vocab_size, (T,)).tolist()]
-        new_pages = ex._reserve_pages([seq], toks)
-        meta, ids = ex.prepare_step(ForwardMode.EXTEND, GraphMode.PIECEWISE, [seq], toks, ex.piecewise.padded_size(T))
-        kernels = ex.table.step(ForwardMode.EXTEND, GraphMode.PIECEWISE)
+    cases = [(f"T = {T}", [ex.new_sequence()], [torch.randint(0, ex.vocab_size, (T,)).tolist()]) for T in args.tokens]
+    if args.mixed:
+        chunk, decodes = map(int, args.mixed.split("x"))
+        seqs = [ex.new_sequence() for _ in range(decodes + 1)]
+        for s in seqs[1:]:
+            ex.forward(ForwardBatch([s], [torch.randint(0, ex.vocab_size, (args.context,)).tolist()]))
+        cases.append((f"{chunk} + {decodes} x 1", seqs, [torch.randint(0, ex.vocab_size, (chunk,)).tolist()]
+                      + [[1]] * decodes))
+    for label, seqs, toks in cases:
+        mode = ForwardMode.classify(list(map(len, toks)), [s.kv_len for s in seqs])
+        new_pages = ex._reserve_pages(seqs, toks)
+        size = ex.piecewise.padded_size(sum(map(len, toks)))
+        meta, ids = ex.prepare_step(mode, GraphMode.PIECEWISE, seqs, toks, size)
+        kernels = ex.table.step(mode, GraphMode.PIECEWISE)
 
         def plan(kernels=kernels, meta=meta):
             plan_step(kernels, meta)
@@ -145,36 +172,42 @@ def main() -> None:
             ex.run_model(kernels, meta, ids)  # as Executor.forward
 
         if args.timeline:
-            extend_timeline(ex, seq, toks, plan, forward, step, args.steps)
+            extend_timeline(ex, label, mode, seqs, toks, plan, forward, step, args.steps)
         else:
-            print(f"T={T}, piecewise extend: plan + forward")
+            print(f"{label}, piecewise {mode.name.lower()}: plan + forward")
             print_cprofile(step, args.steps, 25)
-        ex._release([seq], new_pages)
-        ex.free(seq)
+        ex._release(seqs, new_pages)
+        for s in seqs:
+            ex.free(s)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
-def extend_timeline(ex, seq, toks, plan, forward, step, steps: int) -> None:
-    """The extend `--timeline` of one T (module docstring); `step`: plan + forward as the executor runs them."""
+def extend_timeline(ex, label, mode, seqs, toks, plan, forward, step, steps: int) -> None:
+    """The extend `--timeline` of one step (module docstring); `step`: plan + forward as the executor runs them."""
     plan()
     forward()
-    T = len(toks[0])
     t = {"plan host": wall_ms(plan, steps, wait=False), "forward launches": wall_ms(forward, steps, False, plan),
          "forward": wall_ms(forward, steps, True, plan), "plan + forward": wall_ms(step, steps)}
-    traces = {"piecewise plan + forward": traced_steps(step, 5)}
+    launches: dict = {}
+    traces = {"piecewise plan + forward": traced_steps(step, 5, launches=launches)}
     # The whole graph last: a plan after its capture would free the index buffers it reads (`whole_graph`).
-    meta, ids = ex.prepare_step(ForwardMode.EXTEND, GraphMode.EAGER, [seq], toks)
-    kernels = ex.table.step(ForwardMode.EXTEND, GraphMode.EAGER)
+    meta, ids = ex.prepare_step(mode, GraphMode.EAGER, seqs, toks)
+    kernels = ex.table.step(mode, GraphMode.EAGER)
     graph = whole_graph(ex, kernels, meta, ids)
     t["whole graph"] = wall_ms(graph.replay, steps)
-    traces["whole graph"] = traced_steps(graph.replay, 5)
-    print(f"T={T}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in t.items()) +
+    traces["whole graph"] = traced_steps(graph.replay, 5, launches=launches)
+    print(f"{label}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in t.items()) +
           f"; plan + forward - whole graph {t['plan + forward'] - t['whole graph']:.3f} ms")
     rows = []
     for name, steps_traced in traces.items():
         gaps, spans, busy, head = {}, [], [], []  # idle us by family; per step: span, busy, idle at the head
+        waits, calls = [], {}  # per step: idle waiting for the host; us by launch call over all steps
         for s in steps_traced:
+            w, by_call = host_waits(s, launches)
+            waits.append(w)
+            for k, v in by_call.items():
+                calls[k] = calls.get(k, 0.0) + v / len(steps_traced)
             end, b, first_attention = s[0]["ts"], 0.0, None
             for e in s:
                 fam = kernel_family(e["name"]) if e.get("cat") == "kernel" else "copy"
@@ -189,14 +222,17 @@ def extend_timeline(ex, seq, toks, plan, forward, step, steps: int) -> None:
             head.append(first_attention or 0.0)
         top = ", ".join(f"{fam} {us:.0f}" for fam, us in sorted(gaps.items(), key=lambda kv: -kv[1])[:4])
         span, b = statistics.median(spans), statistics.median(busy)
-        rows.append([name, f"{span:.0f}", f"{b:.0f}", f"{span - b:.0f}", f"{statistics.median(head):.0f}", top])
-    print(md_table(["T = " + str(T), "GPU span us", "busy us", "idle us", "idle before the first attention us",
-                    "idle us by the kernel family after it"], rows))
+        waiting = ", ".join(f"{k} {us:.0f}" for k, us in sorted(calls.items(), key=lambda kv: -kv[1])[:3])
+        rows.append([name, f"{span:.0f}", f"{b:.0f}", f"{span - b:.0f}", f"{statistics.median(head):.0f}", top,
+                     f"{statistics.median(waits):.0f}" + (f" ({waiting})" if waiting else "")])
+    print(md_table([label, "GPU span us", "busy us", "idle us", "idle before the first attention us",
+                    "idle us by the kernel family after it", "idle us waiting for the host (by launch call)"], rows))
 
 
 def traced_steps(fn, n: int, trace: str | None = None, cats=("kernel", "gpu_memcpy", "gpu_memset"),
-                 gap_us: float = 1000.0) -> list[list[dict]]:
-    """Records of `cats` over n synchronized calls of fn (2 ms apart), split into calls (`split_steps`)."""
+                 gap_us: float = 1000.0, launches: dict | None = None) -> list[list[dict]]:
+    """Records of `cats` over n synchronized calls of fn (2 ms apart), split into calls (`split_steps`);
+    `launches` (a dict) receives the launch calls' records by correlation id (`host_waits`)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -207,7 +243,11 @@ def traced_steps(fn, n: int, trace: str | None = None, cats=("kernel", "gpu_memc
     path = trace or os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(path)
     with open(path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and e.get("cat") in cats]
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    if launches is not None:
+        launches.update({(e.get("args") or {}).get("correlation"): e for e in events
+                         if e.get("cat") in ("cuda_runtime", "cuda_driver")})
+    events = [e for e in events if e.get("cat") in cats]
     return split_steps(sorted(events, key=lambda e: e["ts"]), gap_us=gap_us, least=1 if gap_us > 100 else 10)
 
 

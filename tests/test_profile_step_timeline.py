@@ -78,3 +78,21 @@ def test_steps_split_at_idle_gaps():
     assert [len(s) for s in steps] == [12, 12]
     assert steps[1][0]["ts"] == 100.0
     assert timeline.split_steps(a, gap_us=0.5) == [a]      # back-to-back kernels never split
+
+
+def test_idle_counts_as_waiting_for_the_host_only_while_the_launch_call_ran():
+    """A gap before a kernel counts as waiting for the host up to where its launch call returned, when that was
+    after the GPU ran dry; a graph's kernels share their cudaGraphLaunch's correlation id."""
+    def k(ts, dur, corr):
+        return {"name": "k", "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    launches = {1: {"name": "cudaGraphLaunch", "ts": 0.0, "dur": 2.0},
+                2: {"name": "cudaLaunchKernel", "ts": 5.0, "dur": 20.0},    # returns at 25: the GPU idles 10..26
+                3: {"name": "cudaGraphLaunch", "ts": 6.0, "dur": 1.0},      # queued long before its kernels ran
+                4: {"name": "cuLaunchKernelEx", "ts": 30.0, "dur": 5.0}}    # returns at 35: 1 of the idle 34..36
+    step = [k(3.0, 4.0, 1), k(7.0, 3.0, 1), k(26.0, 4.0, 2), k(31.0, 1.0, 3), k(32.0, 2.0, 3), k(36.0, 1.0, 4),
+            k(40.0, 1.0, 99)]                                               # no launch record: not counted
+    total, by_call = timeline.host_waits(step, launches)
+    assert by_call == pytest.approx({"cudaLaunchKernel": 15.0, "cuLaunchKernelEx": 1.0})
+    assert total == pytest.approx(16.0)
+    assert timeline.host_waits(step[:2], launches) == (0.0, {})
