@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from pieceworks.backends.ops import SPLITTING_IMPLS
 from pieceworks.core.batch import ForwardMode, GraphMode, StepMetadata
 from pieceworks.core.context import ForwardContext, forward_context
 from pieceworks.executor.piecewise_split import PiecewiseBackend
@@ -71,8 +72,15 @@ def _own_code_object(model: torch.nn.Module) -> Callable:
 
 def _program(calls: list[tuple[Callable, tuple]], output: torch.Tensor) -> Callable[[], torch.Tensor]:
     """A recorded step: the calls in order, then the step's output (the last piece's, at a fixed address)."""
-    def run() -> torch.Tensor:
-        for fn, args in calls:
+    first = next((i for i, (fn, _) in enumerate(calls) if fn in SPLITTING_IMPLS.values()), len(calls))
+    head, rest = calls[:first], calls[first:]
+
+    def run(plan=None) -> torch.Tensor:
+        for fn, args in head:
+            fn(*args)
+        if plan is not None:
+            plan()
+        for fn, args in rest:
             fn(*args)
         return output
 
@@ -132,7 +140,7 @@ class PiecewiseRunner:
     def padded_size(self, num_tokens: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, plan=None) -> torch.Tensor:
         """Run the padded step (len(input_ids) is a capture size, the attention backends planned); returns
         hidden [size, H]."""
         size = input_ids.shape[0]
@@ -148,7 +156,9 @@ class PiecewiseRunner:
             self.static_pos[:size].copy_(positions)
         program = self.programs.get(size)
         if program is not None:
-            return program()
+            return program(plan)
+        if plan is not None:
+            plan()
         self.current_size = size
         if not self.use_graphs:
             self.phase = "direct"

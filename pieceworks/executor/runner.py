@@ -297,12 +297,16 @@ class Executor:
     def run_model(self, kernels, meta: StepMetadata, input_ids: torch.Tensor) -> torch.Tensor:
         """The attention backends' plan and the model's forward of a prepared eager or piecewise step
         (`prepare_step`): hidden states [rows, H]."""
-        for backend in (kernels.attention, kernels.mla):
-            if backend is not None:
-                backend.plan(meta)
+        def plan() -> None:
+            for backend in (kernels.attention, kernels.mla):
+                if backend is not None:
+                    backend.plan(meta)
+
+        if meta.graph_mode is GraphMode.PIECEWISE:
+            with forward_context(ForwardContext(kernels, meta, self.kv)):
+                return self.piecewise(input_ids, meta.positions, plan)
+        plan()
         with forward_context(ForwardContext(kernels, meta, self.kv)):
-            if meta.graph_mode is GraphMode.PIECEWISE:
-                return self.piecewise(input_ids, meta.positions)
             return self.model(input_ids, meta.positions)
 
     def close(self, graceful: bool = True) -> None:
