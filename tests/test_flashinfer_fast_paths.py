@@ -98,6 +98,57 @@ def test_fast_plan_plans_and_sets_the_wrapper_as_the_public_plan_does():
         assert torch.equal(fast_w._kv_lens_buffer[:b], ref_w._kv_lens_buffer[:b])
 
 
+class HostGather:
+    """backends/page_gather_cuda.PageGather's kernel in torch (the GPU tests run the kernel itself)."""
+
+    def __init__(self, indices: torch.Tensor, indptr: torch.Tensor) -> None:
+        self.indices, self.indptr, self.calls = indices, indptr, 0
+
+    def __call__(self, table: torch.Tensor) -> None:
+        ptr = self.indptr.tolist()
+        for b in range(len(ptr) - 1):
+            self.indices[ptr[b] : ptr[b + 1]] = table[b, : ptr[b + 1] - ptr[b]]
+        HostGather.launches += 1
+
+
+def test_fast_plan_gathers_many_pages_from_the_device_table(monkeypatch):
+    """A plan of many pages with the step's page table sends only the CSR offsets and has the indices gathered
+    from the table (here by a stand-in of the kernel): the wrapper's state is the public plan's; a plan with
+    few pages, without a table, or of one sequence builds them on the host."""
+    from pieceworks.backends import page_gather_cuda
+
+    monkeypatch.setattr(page_gather_cuda, "unavailable", lambda device: None)
+    monkeypatch.setattr(page_gather_cuda, "PageGather", HostGather)
+    monkeypatch.setattr(page_gather_cuda, "MIN_PAGES", 40)
+    HostGather.launches = 0
+    fast_w, ref_w = Wrapper(), Wrapper()
+    qo, kv, plan = public(fast_w, *STEPS[0])
+    fast = FastPlan.record(fast_w, plan, qo, kv, PS)
+    many = ([256, 1, 1], [256, 512, 17], [list(range(10, 26)), list(range(30, 62)), [5, 6]])  # 50 pages
+    longer = ([1, 1], [700, 9], [list(range(100, 150)), [7, 3]])  # 45 pages, table wider than both
+    expect = 0
+    for qo_lens, kv_lens, pages, with_table in [(*many, True), (*longer, True), (*many, False), (*STEPS[2], True),
+                                                (*longer, True), ([3], [6000 * PS], [list(range(6000))], True)]:
+        width = max(map(len, pages)) + 3
+        table = torch.full((len(pages), width), -1, dtype=torch.int32)
+        for i, p in enumerate(pages):
+            table[i, : len(p)] = torch.tensor(p, dtype=torch.int32)
+        fast_w._paged_kv_indices_buf = None
+        if fast.device_buf is not None:  # no indices left from an earlier step
+            fast.device_buf.fill_(-7)
+        fast(fast_w, qo_lens, kv_lens, pages, table if with_table else None)
+        public(ref_w, qo_lens, kv_lens, pages)[2]()
+        n = sum(-(-x // PS) for x in kv_lens)
+        expect += with_table and len(pages) > 1 and n >= 40
+        assert HostGather.launches == expect, (kv_lens, with_table)
+        assert same(fast_w._cached_module.plans[-1], ref_w._cached_module.plans[-1])
+        for name in ("_qo_indptr_buf", "_paged_kv_indptr_buf", "_paged_kv_indices_buf", "_paged_kv_last_page_len_buf"):
+            assert same(getattr(fast_w, name), getattr(ref_w, name)), name
+    assert expect == 3
+    with pytest.raises(ValueError, match="needs 50 pages; its page list holds 2"):
+        fast(fast_w, [1, 1], [800, 9], [[1, 2], [7, 3]], torch.zeros(2, 60, dtype=torch.int32))
+
+
 def test_fast_run_follows_every_new_plan():
     w = Wrapper()
     qo, kv, plan = public(w, *STEPS[0])

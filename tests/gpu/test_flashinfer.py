@@ -115,6 +115,35 @@ def test_fast_plan_and_run_match_flashinfers_public_plan():
         assert torch.equal(a._kv_lens_buffer[:n], b._kv_lens_buffer[:n])
 
 
+def test_fast_plan_gathering_pages_on_the_gpu_matches_flashinfers_public_plan(monkeypatch):
+    """The same with every plan of several sequences gathering its page indices on the GPU
+    (backends/page_gather_cuda.py, from the step's device page table): the same outputs and wrapper state."""
+    from pieceworks.backends import page_gather_cuda
+
+    launches = []
+    call = page_gather_cuda.PageGather.__call__
+    monkeypatch.setattr(page_gather_cuda, "MIN_PAGES", 1)
+    monkeypatch.setattr(page_gather_cuda.PageGather, "__call__", lambda self, t: launches.append(1) or call(self, t))
+    test_fast_plan_and_run_match_flashinfers_public_plan()
+    assert launches
+
+
+def test_page_gather_matches_the_host_indices():
+    """The kernel against `flat_pages` at a serving-like mix: 64 sequences of 1-300 pages in a wider table."""
+    from pieceworks.backends.attention.flashinfer_fast import flat_pages
+    from pieceworks.backends.page_gather_cuda import PageGather
+
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.randint(1, 301, (64,), generator=gen).tolist()
+    table = torch.randint(0, 10**6, (64, 320), generator=gen, dtype=torch.int32)
+    pages = [table[i, :c].tolist() for i, c in enumerate(counts)]
+    indptr = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    indices = torch.full((sum(counts) + 5,), -1, dtype=torch.int32, device=DEV)
+    PageGather(indices, indptr)(table.to(DEV))
+    assert torch.equal(indices[: sum(counts)].cpu(), torch.from_numpy(flat_pages(pages, counts)))
+    assert (indices[sum(counts):] == -1).all()
+
+
 def test_fast_run_with_fp8_scales_matches_flashinfers_public_run():
     """An FP8 pool whose layers have their own k_scale / v_scale: extend steps through the recorded FastRun equal
     FlashInfer's public run() with those scales, to the bit (and the suite's float64 reference within TOL)."""

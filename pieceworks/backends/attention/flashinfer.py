@@ -291,7 +291,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         otherwise derive on the host; a public plan after the planner's module exists records a FastPlan."""
         fast = self._fast_plan
         if fast is not None and meta.page_lists is not None and fast.page_size == meta.page_size:
-            fast(wrapper, qo_lens, kv_lens, meta.page_lists)
+            # a window lane's page lists are cut (`window_view`), its page table is not: no gather from it
+            fast(wrapper, qo_lens, kv_lens, meta.page_lists, None if self._window else meta.page_table)
             return
         dims, kw = self._plan_args(meta.page_size)
         kv = paged_kv_indices(meta.page_table[: len(kv_lens)], kv_lens, meta.page_size, meta.page_lists)

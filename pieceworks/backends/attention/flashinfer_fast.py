@@ -14,15 +14,22 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from pieceworks.backends import page_gather_cuda
 
-def flat_pages(page_lists: list[list[int]], counts: list[int]) -> np.ndarray:
-    """int32 array of the first counts[i] pages of every page list, in order (FlashInfer's paged-KV
-    indices); numpy builds it about 4x faster than torch.tensor from a list (8320 pages: 0.13 ms)."""
+
+def check_counts(page_lists: list[list[int]], counts: list[int]) -> None:
+    """ValueError unless every page list holds the counts[i] pages its sequence needs."""
     if len(page_lists) != len(counts):
         raise ValueError(f"{len(page_lists)} page lists for {len(counts)} sequences")
     for pages, c in zip(page_lists, counts):
         if c > len(pages):
             raise ValueError(f"a sequence needs {c} pages; its page list holds {len(pages)}")
+
+
+def flat_pages(page_lists: list[list[int]], counts: list[int]) -> np.ndarray:
+    """int32 array of the first counts[i] pages of every page list, in order (FlashInfer's paged-KV
+    indices); numpy builds it about 4x faster than torch.tensor from a list (8320 pages: 0.13 ms)."""
+    check_counts(page_lists, counts)
     return np.fromiter(itertools.chain.from_iterable(p[:c] for p, c in zip(page_lists, counts)), dtype=np.int32,
                        count=sum(counts))
 
@@ -107,6 +114,7 @@ class FastPlan:
         self.device_buf: torch.Tensor | None = None
         self._views: dict[int, _Views] = {}  # batch size -> its views of the two buffers
         self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # entries -> (device, host) prefixes
+        self._gathers: dict[int, page_gather_cuda.PageGather] = {}  # batch size -> its page gather
 
     @classmethod
     def record(cls, wrapper, public, qo: torch.Tensor, kv, page_size: int) -> "FastPlan | None":
@@ -128,14 +136,18 @@ class FastPlan:
             return None
         return cls(fn, args, at, page_size, torch.device(wrapper.device))
 
-    def __call__(self, wrapper, qo_lens: list[int], kv_lens: list[int], page_lists: list[list[int]]) -> None:
+    def __call__(self, wrapper, qo_lens: list[int], kv_lens: list[int], page_lists: list[list[int]],
+                 page_table: torch.Tensor | None = None) -> None:
+        """Plan a step; with `page_table` (the step's int32 [b, width] table on the device, the rows of
+        `page_lists`), a step of many pages has its page indices gathered from it on the GPU
+        (backends/page_gather_cuda.py) instead of built on the host."""
         b, ps = len(kv_lens), self.page_size
         counts = [-(-n // ps) for n in kv_lens]
         total = 4 * b + 2 + sum(counts)
         if self.stage is None or self.stage.numel() < total:
             self._grow(total)
         v = self._views.get(b) or self._make_views(b)
-        a = v.a
+        a, gather = v.a, False
         if b == 1:  # one sequence (a prompt's prefill chunk alone): a few scalar stores, no array ops
             n, c, pages = kv_lens[0], counts[0], page_lists[0]
             if c > len(pages):
@@ -144,20 +156,29 @@ class FastPlan:
             a[1], a[3], a[4], a[5] = qo_lens[0], c, n - (c - 1) * ps, n
             a[6 : 6 + c] = pages[:c]
         else:
-            flat = flat_pages(page_lists, counts)
+            gather = page_gather_cuda.usable(page_table, b, max(counts), total - 4 * b - 2)
+            if gather:
+                check_counts(page_lists, counts)
+            else:
+                a[4 * b + 2 : total] = flat_pages(page_lists, counts)
             np.cumsum(qo_lens, dtype=np.int32, out=a[1 : b + 1])
             a[0] = a[b + 1] = 0
             np.cumsum(counts, dtype=np.int32, out=a[b + 2 : 2 * b + 2])
             lens = a[3 * b + 2 : 4 * b + 2]
             lens[:] = kv_lens
             a[2 * b + 2 : 3 * b + 2] = lens - (np.asarray(counts, dtype=np.int32) - 1) * ps
-            a[4 * b + 2 : total] = flat
-        # one copy of a prefix in steps of 1024 entries (no slicing per step): a few KB more than needed
-        bucket = -(-total // 1024) * 1024
+        # one copy of a prefix in steps of 1024 entries (no slicing per step): a few KB more than needed; with the
+        # gather, the offsets only (the kernel, after the copy in stream order, writes the indices past them)
+        bucket = -(-(4 * b + 2 if gather else total) // 1024) * 1024
         pair = self._copies.get(bucket)
         if pair is None:
             pair = self._copies[bucket] = (self.device_buf[:bucket], self.stage[:bucket])
         pair[0].copy_(pair[1], non_blocking=True)
+        if gather:
+            launch = self._gathers.get(b)
+            if launch is None:
+                launch = self._gathers[b] = page_gather_cuda.PageGather(self.device_buf[4 * b + 2 :], v.kv)
+            launch(page_table)
         args = self.args
         rows = int(a[b])
         args[self.at : self.at + 5] = [v.qo_host, v.kv_host, v.lens_host, rows, b]
@@ -177,6 +198,7 @@ class FastPlan:
         self.device_buf = torch.empty(n, dtype=torch.int32, device=self.device)
         self._views.clear()
         self._copies.clear()
+        self._gathers.clear()
 
     def _make_views(self, b: int) -> "_Views":
         """The views a plan of b sequences uses; the buffers hold qo_indptr [b + 1], kv indptr [b + 1],
