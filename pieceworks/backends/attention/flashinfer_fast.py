@@ -161,12 +161,12 @@ class FastPlan:
                 check_counts(page_lists, counts)
             else:
                 a[4 * b + 2 : total] = flat_pages(page_lists, counts)
-            np.cumsum(qo_lens, dtype=np.int32, out=a[1 : b + 1])
+            # offsets through itertools (numpy's cumsum of a list converts it first: 5 against 2 us for 33)
+            a[1 : b + 1] = list(itertools.accumulate(qo_lens))
             a[0] = a[b + 1] = 0
-            np.cumsum(counts, dtype=np.int32, out=a[b + 2 : 2 * b + 2])
-            lens = a[3 * b + 2 : 4 * b + 2]
-            lens[:] = kv_lens
-            a[2 * b + 2 : 3 * b + 2] = lens - (np.asarray(counts, dtype=np.int32) - 1) * ps
+            a[b + 2 : 2 * b + 2] = list(itertools.accumulate(counts))
+            a[3 * b + 2 : 4 * b + 2] = kv_lens
+            a[2 * b + 2 : 3 * b + 2] = [n - (c - 1) * ps for n, c in zip(kv_lens, counts)]
         # one copy of a prefix in steps of 1024 entries (no slicing per step): a few KB more than needed; with the
         # gather, the offsets only (the kernel, after the copy in stream order, writes the indices past them)
         bucket = -(-(4 * b + 2 if gather else total) // 1024) * 1024
