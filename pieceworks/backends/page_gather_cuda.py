@@ -51,7 +51,7 @@ class PageGather:
         self.launch = kernel.bind((b, 1, 1), (THREADS, 1, 1), [indices, indices, indptr, 0], pdl=False)
 
     def __call__(self, table: torch.Tensor) -> None:
-        """Gather from `table` (int32 [b, width], contiguous rows, on the device, written in stream order)."""
+        """Gather from `table` (int32 [b, width] with unit inner stride, on the device, written in stream order)."""
         self.launch.params[3].value = table.stride(0)
         self.launch(1, table)
 

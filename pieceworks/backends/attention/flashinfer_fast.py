@@ -98,7 +98,8 @@ class FastPlan:
     hold our host qo_indptr, kv indptr and KV lengths (by identity) followed by the row and sequence
     counts, and the wrapper must be an eager (not CUDA-graph) fa2/fa3 wrapper without masks;
     otherwise it returns None and the public plan stays. A FastPlan then builds the step's CSR
-    arrays in numpy inside a pinned staging buffer, sends them with one copy into a device buffer kept
+    arrays inside a pinned staging buffer (a step of many pages: all but the page indices, which one
+    kernel gathers from the step's device page table), sends them with one copy into a device buffer kept
     across steps, calls the planner with the new host arrays and sets the attributes `run()` reads
     (`PLAN_TENSORS`, `PLAN_INTS`, `_qo_indptr_last`). The views of both buffers are made once per batch
     size: every torch call costs host time (a small copy 13-15 us on one H200 machine's host), and a plan
