@@ -189,14 +189,14 @@ def extend_timeline(ex, label, mode, seqs, toks, plan, forward, step, steps: int
     forward()
     t = {"plan host": wall_ms(plan, steps, wait=False), "forward launches": wall_ms(forward, steps, False, plan),
          "forward": wall_ms(forward, steps, True, plan), "plan + forward": wall_ms(step, steps)}
-    launches: dict = {}
-    traces = {"piecewise plan + forward": traced_steps(step, 5, launches=launches)}
+    launches: dict = {"piecewise plan + forward": {}, "whole graph": {}}  # per trace: launch records by correlation
+    traces = {"piecewise plan + forward": traced_steps(step, 5, launches=launches["piecewise plan + forward"])}
     # The whole graph last: a plan after its capture would free the index buffers it reads (`whole_graph`).
     meta, ids = ex.prepare_step(mode, GraphMode.EAGER, seqs, toks)
     kernels = ex.table.step(mode, GraphMode.EAGER)
     graph = whole_graph(ex, kernels, meta, ids)
     t["whole graph"] = wall_ms(graph.replay, steps)
-    traces["whole graph"] = traced_steps(graph.replay, 5, launches=launches)
+    traces["whole graph"] = traced_steps(graph.replay, 5, launches=launches["whole graph"])
     print(f"{label}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in t.items()) +
           f"; plan + forward - whole graph {t['plan + forward'] - t['whole graph']:.3f} ms")
     rows = []
@@ -204,7 +204,7 @@ def extend_timeline(ex, label, mode, seqs, toks, plan, forward, step, steps: int
         gaps, spans, busy, head = {}, [], [], []  # idle us by family; per step: span, busy, idle at the head
         waits, calls = [], {}  # per step: idle waiting for the host; us by launch call over all steps
         for s in steps_traced:
-            w, by_call = host_waits(s, launches)
+            w, by_call = host_waits(s, launches[name])
             waits.append(w)
             for k, v in by_call.items():
                 calls[k] = calls.get(k, 0.0) + v / len(steps_traced)
