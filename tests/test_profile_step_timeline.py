@@ -96,3 +96,15 @@ def test_idle_counts_as_waiting_for_the_host_only_while_the_launch_call_ran():
     assert by_call == pytest.approx({"cudaLaunchKernel": 15.0, "cuLaunchKernelEx": 1.0})
     assert total == pytest.approx(16.0)
     assert timeline.host_waits(step[:2], launches) == (0.0, {})
+
+
+def test_mixed_step_runs_on_the_cpu(monkeypatch, capsys):
+    """`--mixed` adds a mixed step (a chunk and decode rows over `--context`-token sequences) to the extend steps;
+    on the CPU both go through cProfile (tiny preset)."""
+    monkeypatch.setattr(sys, "argv", ["profile_step.py", "--preset", "tiny", "--tokens", "8", "--mixed", "4x2",
+                                      "--context", "16", "--steps", "1", "--set", "runtime.device=cpu",
+                                      "--set", "runtime.dtype=float32"])
+    timeline.main()
+    out = capsys.readouterr().out
+    assert "T = 8, piecewise extend: plan + forward" in out
+    assert "4 + 2 x 1, piecewise mixed: plan + forward" in out
