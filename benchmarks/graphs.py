@@ -29,8 +29,8 @@ graphs (`cuda_graph.extend`, executor/extend_graph.py) take a row's step, a seco
 piecewise + logits and the whole graph + logits, back to back; the extend graph and the whole graph + logits also by
 GPU time (the extend graphs' own kernels against the whole graph's, without the host work before a replay) and by the
 host time of the call alone (GPU drained: the runner's step inputs, plan and launch against a bare replay). A third
-table times `Executor.forward` of a new T-token prompt with and without them, alternated. The report ends with the extend rows
-checked against docs/benchmarks.md's targets for piecewise and full extend graphs (graphs_report.py).
+table times `Executor.forward` of a new T-token prompt with and without them, alternated. The report ends with the
+extend rows checked against docs/benchmarks.md's targets for piecewise and full extend graphs (graphs_report.py).
 """
 
 from __future__ import annotations
