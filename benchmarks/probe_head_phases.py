@@ -2,7 +2,9 @@
 back-to-back timing runs it (synchronize, call, synchronize), with perf_counter_ns stamps from wrapped calls: the
 plan (its copy guard, FastPlan up to the planner, the planner, the rest), the runner up to its program, the program's
 calls (piece 0, layer 0's attention split at the kernel call, piece 1, ...). Also each phase hot (the same call
-repeated at once) and the step's wall time against the whole graph, with and without gc.
+repeated at once) and the step's wall time against the whole graph, with and without gc. The lean head (`driver.LEAN`)
+and torch's are alternated. The H100 run of 2026-12-06 20:19 in docs/benchmarks.md used this script's first form on
+main's library (4fd61e4): `phases` and the wall times, without the lean A/B, the equality check and `cpu_after_step`.
 Run: python benchmarks/probe_head_phases.py [--set ...]"""
 from __future__ import annotations
 
