@@ -194,7 +194,9 @@ class FastPlan:
             stream = self.stream = driver.raw_stream(self.device)
             copy = self._raw_copies.get(bucket)
             if copy is None:
-                copy = self._raw_copies[bucket] = driver.Copy(self.device_buf, self.stage, 4 * bucket)
+                # the bucket may pass the buffers' end (they grow to a step's need, not to a bucket)
+                nbytes = 4 * min(bucket, self.stage.numel())
+                copy = self._raw_copies[bucket] = driver.Copy(self.device_buf, self.stage, nbytes)
             copy(stream)
         else:
             pair = self._copies.get(bucket)
