@@ -281,7 +281,8 @@ class BoundLaunch:
         if at is not None:
             self.params[at].value = tensor.data_ptr()
         cfg = self.cfg
-        cfg.stream = driver.raw_stream_of(self.kernel.device) if driver.LEAN else torch.cuda.current_stream().cuda_stream
+        cfg.stream = (driver.raw_stream_of(self.kernel.device) if driver.LEAN
+                      else torch.cuda.current_stream().cuda_stream)
         err = self._launch(ctypes.byref(cfg), self._func, self.ptrs, None)
         if err:
             _check(self.kernel._libcuda, err, f"cuLaunchKernelEx({self.kernel.name})")
