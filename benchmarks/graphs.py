@@ -117,13 +117,22 @@ def prompt_forward(ex: Executor, toks: list[list[int]], repeats: int) -> dict:
                              repeats)
 
 
+def mixed_step(ex: Executor, chunk: int, decodes: int, context: int, seqs: list) -> list[list[int]]:
+    """A mixed step's tokens: a `chunk`-token prefill chunk (no prefix) for a new sequence and one decode token for
+    each of `decodes` sequences given `context` tokens first; its new sequences are appended to `seqs` (the caller
+    frees them)."""
+    new = [ex.new_sequence() for _ in range(decodes + 1)]
+    seqs += new
+    for s in new[1:]:
+        ex.forward(ForwardBatch([s], [torch.randint(0, ex.vocab_size, (context,)).tolist()]))
+    return [torch.randint(0, ex.vocab_size, (chunk,)).tolist()] + [[1]] * decodes
+
+
 def mixed_row(ex: Executor, chunk: int, decodes: int, context: int, repeats: int, plain=None) -> dict:
     """One `chunk`-token prefill chunk (no prefix) and `decodes` decode rows over `context`-token sequences."""
-    seqs = [ex.new_sequence() for _ in range(decodes + 1)]
+    seqs: list = []
     try:
-        for s in seqs[1:]:
-            ex.forward(ForwardBatch([s], [torch.randint(0, ex.vocab_size, (context,)).tolist()]))
-        toks = [torch.randint(0, ex.vocab_size, (chunk,)).tolist()] + [[1]] * decodes
+        toks = mixed_step(ex, chunk, decodes, context, seqs)
         return {"T": f"{chunk} + {decodes} x 1", **step_row(ex, seqs, toks, repeats, plain)}
     finally:
         for s in seqs:

@@ -35,7 +35,7 @@ import time
 import torch
 from common import md_table, sync, wall_ms
 from graphs import plan as plan_step
-from graphs import whole_graph
+from graphs import mixed_step, whole_graph
 
 from pieceworks import Executor
 from pieceworks.core.batch import ForwardBatch, ForwardMode, GraphMode
@@ -149,11 +149,8 @@ def main() -> None:
     cases = [(f"T = {T}", [ex.new_sequence()], [torch.randint(0, ex.vocab_size, (T,)).tolist()]) for T in args.tokens]
     if args.mixed:
         chunk, decodes = map(int, args.mixed.split("x"))
-        seqs = [ex.new_sequence() for _ in range(decodes + 1)]
-        for s in seqs[1:]:
-            ex.forward(ForwardBatch([s], [torch.randint(0, ex.vocab_size, (args.context,)).tolist()]))
-        cases.append((f"{chunk} + {decodes} x 1", seqs, [torch.randint(0, ex.vocab_size, (chunk,)).tolist()]
-                      + [[1]] * decodes))
+        seqs: list = []
+        cases.append((f"{chunk} + {decodes} x 1", seqs, mixed_step(ex, chunk, decodes, args.context, seqs)))
     for label, seqs, toks in cases:
         mode = ForwardMode.classify(list(map(len, toks)), [s.kv_len for s in seqs])
         new_pages = ex._reserve_pages(seqs, toks)
