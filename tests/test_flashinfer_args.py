@@ -600,26 +600,37 @@ def test_nvrtc_arguments_are_packed_by_type():
         _pack(["x"])
 
 
-def test_plan_copy_guard_waits_for_the_same_wrappers_previous_plan(monkeypatch):
+@pytest.mark.parametrize("lean", [True, False], ids=["driver", "torch"])
+def test_plan_copy_guard_waits_for_the_same_wrappers_previous_plan(monkeypatch, lean):
     """Before a wrapper plans again, the host waits for the event recorded after its previous plan
-    (the pinned schedule buffer's copy); other wrappers' events are not waited on; none in a capture."""
+    (the pinned schedule buffer's copy); other wrappers' events are not waited on; none in a capture.
+    Through driver events on the raw stream (`driver.LEAN`) and through torch's."""
+    from pieceworks.backends import driver
     from pieceworks.backends.attention.flashinfer_fast import PlanCopyGuard
 
-    log = []
+    log, capturing = [], [False]
 
     class FakeEvent:
         def __init__(self):
             self.id = len([e for e in log if e[0] == "new"])
             log.append(("new", self.id))
 
-        def record(self):
+        def record(self, stream=None):
+            assert (stream == 7) if lean else stream is None
             log.append(("record", self.id))
 
         def synchronize(self):
             log.append(("wait", self.id))
 
+        def capturing(self, stream):
+            assert stream == 7
+            return capturing[0]
+
+    monkeypatch.setattr(driver, "LEAN", lean)
+    monkeypatch.setattr(driver, "Event", FakeEvent)
+    monkeypatch.setattr(driver, "raw_stream", lambda device: 7)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     guard, a, b = PlanCopyGuard(), object(), object()
     guard.before(a)  # first plan: nothing to wait for
     guard.after(a, "cuda")
@@ -629,7 +640,7 @@ def test_plan_copy_guard_waits_for_the_same_wrappers_previous_plan(monkeypatch):
     guard.after(a, "cuda")
     assert log == [("new", 0), ("record", 0), ("new", 1), ("record", 1), ("wait", 0), ("record", 0)]
     guard.after(object(), "cpu")  # CPU plans record nothing
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    capturing[0] = True
     guard.after(b, "cuda")
     assert len(log) == 6
 

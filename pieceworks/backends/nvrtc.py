@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from pieceworks.backends import driver
+
 log = logging.getLogger(__name__)
 
 
@@ -268,6 +270,7 @@ class BoundLaunch:
         self.kernel, self.args = kernel, list(args)
         self.params, self.ptrs = _pack(args)
         self.cfg = kernel._config(grid, block, pdl, 0)
+        self._cfg_ref = ctypes.byref(self.cfg)
         self._launch, self._func = kernel._libcuda.cuLaunchKernelEx, kernel._func
 
     def __call__(self, at: int | None = None, tensor: torch.Tensor | None = None) -> None:
@@ -278,8 +281,18 @@ class BoundLaunch:
         if at is not None:
             self.params[at].value = tensor.data_ptr()
         cfg = self.cfg
-        cfg.stream = torch.cuda.current_stream().cuda_stream
+        cfg.stream = (driver.raw_stream_of(self.kernel.device) if driver.LEAN
+                      else torch.cuda.current_stream().cuda_stream)
         err = self._launch(ctypes.byref(cfg), self._func, self.ptrs, None)
+        if err:
+            _check(self.kernel._libcuda, err, f"cuLaunchKernelEx({self.kernel.name})")
+
+    def on(self, stream: int, at: int, tensor: torch.Tensor) -> None:
+        """`__call__(at, tensor)` on raw `stream`, the kernel's device current (the caller's word)."""
+        self.params[at].value = tensor.data_ptr()
+        cfg = self.cfg
+        cfg.stream = stream
+        err = self._launch(self._cfg_ref, self._func, self.ptrs, None)
         if err:
             _check(self.kernel._libcuda, err, f"cuLaunchKernelEx({self.kernel.name})")
 

@@ -52,10 +52,14 @@ class PageGather:
         # the table (argument 1) and its row stride (3) are each step's: placeholders until the first call
         self.launch = kernel.bind((b, 1, 1), (THREADS, 1, 1), [indices, indices, indptr, 0], pdl=False)
 
-    def __call__(self, table: torch.Tensor) -> None:
-        """Gather from `table` (int32 [b, width] with unit inner stride, on the device, written in stream order)."""
+    def __call__(self, table: torch.Tensor, stream: int | None = None) -> None:
+        """Gather from `table` (int32 [b, width] with unit inner stride, on the device, written in stream order);
+        on raw `stream` when given (the caller's device current)."""
         self.launch.params[3].value = table.stride(0)
-        self.launch(1, table)
+        if stream is None:
+            self.launch(1, table)
+        else:
+            self.launch.on(stream, 1, table)
 
 
 def usable(table: torch.Tensor | None, num_seqs: int, max_count: int, total_pages: int) -> bool:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from pieceworks.backends import driver
 from pieceworks.core.batch import ForwardMode, GraphMode, StepMetadata
 from pieceworks.core.context import ForwardContext, forward_context
 from pieceworks.executor.piecewise_split import PiecewiseBackend
@@ -108,6 +109,7 @@ class PiecewiseRunner:
         self.static = torch.zeros(2, self.max_tokens, dtype=torch.int64, device=dev)
         self.static_ids, self.static_pos = self.static[0], self.static[1]
         self._static_rows: dict[int, torch.Tensor] = {}  # size -> static[:, :size]
+        self._raw_rows: dict[int, tuple] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # weights never move: replays need not check their addresses
         self.fixed_ptrs = {t.data_ptr() for t in (*model.parameters(), *model.buffers())}
@@ -127,6 +129,7 @@ class PiecewiseRunner:
         self.compiled = self.model = self.table = self.kv = self.pool = None
         self.static = self.static_ids = self.static_pos = None
         self._static_rows.clear()
+        self._raw_rows.clear()
         self.fixed_ptrs = set()
 
     def padded_size(self, num_tokens: int) -> int:
@@ -139,10 +142,19 @@ class PiecewiseRunner:
         if (positions.data_ptr() == input_ids.data_ptr() + 8 * size
                 and input_ids.dtype == positions.dtype == torch.int64
                 and input_ids.is_contiguous() and positions.is_contiguous()):
-            rows = self._static_rows.get(size)
-            if rows is None:
-                rows = self._static_rows[size] = self.static[:, :size]
-            rows.copy_(input_ids.as_strided((2, size), (size, 1)))
+            if driver.LEAN and self.static.is_cuda:
+                pair = self._raw_rows.get(size)
+                if pair is None:
+                    pair = self._raw_rows[size] = (driver.Copy(self.static_ids, None, 8 * size),
+                                                   driver.Copy(self.static_pos, None, 8 * size))
+                stream, src = driver.raw_stream(self.static.device), input_ids.data_ptr()
+                pair[0](stream, src)
+                pair[1](stream, src + 8 * size)
+            else:
+                rows = self._static_rows.get(size)
+                if rows is None:
+                    rows = self._static_rows[size] = self.static[:, :size]
+                rows.copy_(input_ids.as_strided((2, size), (size, 1)))
         else:
             self.static_ids[:size].copy_(input_ids)
             self.static_pos[:size].copy_(positions)

@@ -266,12 +266,16 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._plan_guard.before(wrapper)
             wrapper.plan(kv.indptr, kv.indices, kv.last_page_len, *dims, **kw)
         else:
-            wrapper = self._prefill_wrapper(meta.device)
+            wrapper = self._prefill or self._prefill_wrapper(meta.device)
             self._plan_guard.before(wrapper)
-            self._plan_prefill(wrapper, meta, qo_lens, kv_lens)
+            stream = self._plan_prefill(wrapper, meta, qo_lens, kv_lens)
             # FastRun's plan-owned arguments follow the new plan; without it, layer 0 records one
             if self._fast is not None and not self._fast.rebind(wrapper, meta.page_size):
                 self._fast = None
+            if stream is not None:  # a FastPlan on this CUDA stream
+                self._plan_guard.after(wrapper, None, stream)
+                self._wrapper = wrapper
+                return
         self._plan_guard.after(wrapper, meta.device)
         self._wrapper = wrapper
 
@@ -285,7 +289,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             kw["logits_soft_cap"] = m.attn_logit_softcap
         return (m.num_heads, m.num_kv_heads, m.head_dim, page_size), kw
 
-    def _plan_prefill(self, wrapper, meta, qo_lens: list[int], kv_lens: list[int]) -> None:
+    def _plan_prefill(self, wrapper, meta, qo_lens: list[int], kv_lens: list[int]) -> int | None:
         """The prefill wrapper's plan: through the FastPlan when there is one for the step's page size (the
         planner takes it) and host page lists, else FlashInfer's public plan, given the lengths it would
         otherwise derive on the host; a public plan after the planner's module exists records a FastPlan."""
@@ -293,7 +297,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         if fast is not None and meta.page_lists is not None and fast.page_size == meta.page_size:
             # a window lane's page lists are cut (`window_view`), its page table is not: no gather from it
             fast(wrapper, qo_lens, kv_lens, meta.page_lists, None if self._window else meta.page_table)
-            return
+            return fast.stream
         dims, kw = self._plan_args(meta.page_size)
         kv = paged_kv_indices(meta.page_table[: len(kv_lens)], kv_lens, meta.page_size, meta.page_lists)
         qo = qo_indptr(qo_lens)

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pieceworks.backends import page_gather_cuda
+from pieceworks.backends import driver, page_gather_cuda
 
 
 def check_counts(page_lists: list[list[int]], counts: list[int]) -> None:
@@ -66,15 +66,31 @@ class PlanCopyGuard:
 
     def __init__(self) -> None:
         self._events: dict[object, torch.cuda.Event] = {}
+        self._raw: dict[object, driver.Event] = {}
 
     def before(self, key) -> None:
+        event = self._raw.get(key)
+        if event is not None:
+            event.synchronize()
         event = self._events.get(key)
         if event is not None:
             event.synchronize()
 
-    def after(self, key, device) -> None:
-        kind = device.type if isinstance(device, torch.device) else torch.device(device).type
-        if kind != "cuda" or torch.cuda.is_current_stream_capturing():
+    def after(self, key, device, stream: int | None = None) -> None:
+        if stream is None:
+            kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+            if kind != "cuda":
+                return
+        if driver.LEAN:
+            if stream is None:
+                stream = driver.raw_stream(device if isinstance(device, torch.device) else torch.device(device))
+            event = self._raw.get(key)
+            if event is None:
+                event = self._raw[key] = driver.Event()
+            if not event.capturing(stream):
+                event.record(stream)
+            return
+        if torch.cuda.is_current_stream_capturing():
             return
         event = self._events.get(key)
         if event is None:
@@ -116,6 +132,8 @@ class FastPlan:
         self._views: dict[int, _Views] = {}  # batch size -> its views of the two buffers
         self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # entries -> (device, host) prefixes
         self._gathers: dict[int, page_gather_cuda.PageGather] = {}  # batch size -> its page gather
+        self._raw_copies: dict[int, driver.Copy] = {}
+        self.stream: int | None = None  # the last plan's raw stream (lean)
 
     @classmethod
     def record(cls, wrapper, public, qo: torch.Tensor, kv, page_size: int) -> "FastPlan | None":
@@ -171,15 +189,25 @@ class FastPlan:
         # one copy of a prefix in steps of 1024 entries (no slicing per step): a few KB more than needed; with the
         # gather, the offsets only (the kernel, after the copy in stream order, writes the indices past them)
         bucket = -(-(4 * b + 2 if gather else total) // 1024) * 1024
-        pair = self._copies.get(bucket)
-        if pair is None:
-            pair = self._copies[bucket] = (self.device_buf[:bucket], self.stage[:bucket])
-        pair[0].copy_(pair[1], non_blocking=True)
+        stream = self.stream = None
+        if driver.LEAN and self.device.type == "cuda":
+            stream = self.stream = driver.raw_stream(self.device)
+            copy = self._raw_copies.get(bucket)
+            if copy is None:
+                # the bucket may pass the buffers' end (they grow to a step's need, not to a bucket)
+                nbytes = 4 * min(bucket, self.stage.numel())
+                copy = self._raw_copies[bucket] = driver.Copy(self.device_buf, self.stage, nbytes)
+            copy(stream)
+        else:
+            pair = self._copies.get(bucket)
+            if pair is None:
+                pair = self._copies[bucket] = (self.device_buf[:bucket], self.stage[:bucket])
+            pair[0].copy_(pair[1], non_blocking=True)
         if gather:
             launch = self._gathers.get(b)
             if launch is None:
                 launch = self._gathers[b] = page_gather_cuda.PageGather(self.device_buf[4 * b + 2 :], v.kv)
-            launch(page_table)
+            launch(page_table) if stream is None else launch(page_table, stream)
         args = self.args
         rows = int(a[b])
         args[self.at : self.at + 5] = [v.qo_host, v.kv_host, v.lens_host, rows, b]
@@ -199,6 +227,7 @@ class FastPlan:
         self.device_buf = torch.empty(n, dtype=torch.int32, device=self.device)
         self._views.clear()
         self._copies.clear()
+        self._raw_copies.clear()
         self._gathers.clear()
 
     def _make_views(self, b: int) -> "_Views":
