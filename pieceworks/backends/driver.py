@@ -8,12 +8,13 @@ whole gap goes"). Imports torch only.
 from __future__ import annotations
 
 import ctypes
+import os
 from functools import lru_cache
 
 import torch
 
 _CU_EVENT_DISABLE_TIMING = 2
-LEAN = True  # exp: A/B switch read by flashinfer_fast, piecewise and nvrtc
+LEAN = os.environ.get("PIECEWORKS_LEAN", "1") != "0"  # exp: A/B switch read by flashinfer_fast, piecewise and nvrtc
 _raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
