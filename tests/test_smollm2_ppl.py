@@ -8,6 +8,7 @@ pieceworks/data/english.txt (4 windows of 512 tokens), scored with the protocol 
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 
@@ -31,9 +32,12 @@ def bf16_dir():
         pytest.skip(str(exc))
 
 
-def pieceworks_ppl(model_dir, kv_cache: dict | None = None, **quant) -> float:
+@functools.cache  # the bf16 model's values serve two tests each: computed once per session
+def pieceworks_ppl(model_dir, kv_dtype: str | None = None, fp4_numerics: str | None = None) -> float:
+    quant = {"fp4_numerics": fp4_numerics} if fp4_numerics else {}
+    kv_cache = {"dtype": kv_dtype} if kv_dtype else {}
     ex = Executor.from_config({"model": {"path": str(model_dir)}, "quantization": quant,
-                               "runtime": {"device": "cpu", "dtype": "float32"}, "kv_cache": kv_cache or {}},
+                               "runtime": {"device": "cpu", "dtype": "float32"}, "kv_cache": kv_cache},
                               progress=False)
     ids = ex.tokenizer(TEXT, add_special_tokens=False)["input_ids"]
     chunks = ppl.windows(ids, 512)
@@ -42,12 +46,17 @@ def pieceworks_ppl(model_dir, kv_cache: dict | None = None, **quant) -> float:
     return value
 
 
+@functools.cache
+def transformers_ppl(model_dir) -> float:
+    return ppl.reference_perplexity_transformers(model_dir, TEXT, window=512).ppl
+
+
 def test_bf16_perplexity_matches_transformers(bf16_dir):
-    ref = ppl.reference_perplexity_transformers(bf16_dir, TEXT, window=512)
+    ref = transformers_ppl(bf16_dir)
     ours = pieceworks_ppl(bf16_dir)
-    print(f"SmolLM2-135M bf16 weights, fp32 compute: pieceworks {ours:.4f}, transformers {ref.ppl:.4f}")
-    assert 5 < ref.ppl < 100, "a sane perplexity for English text"
-    assert abs(ours / ref.ppl - 1) < 0.005
+    print(f"SmolLM2-135M bf16 weights, fp32 compute: pieceworks {ours:.4f}, transformers {ref:.4f}")
+    assert 5 < ref < 100, "a sane perplexity for English text"
+    assert abs(ours / ref - 1) < 0.005
 
 
 def _dequantized_copy(fp4_dir, bf16_dir, out_dir):
@@ -83,7 +92,7 @@ def test_nvfp4_perplexity_matches_dequantized_transformers(bf16_dir, tmp_path):
     fp4_dir = smollm2.ensure_smollm2_fp4(progress=False)
     assert _dequantized_copy(fp4_dir, bf16_dir, tmp_path / "deq") == 30 * 7  # q,k,v,o,gate,up,down
     ref = ppl.reference_perplexity_transformers(tmp_path / "deq", TEXT, window=512).ppl
-    bf16 = ppl.reference_perplexity_transformers(bf16_dir, TEXT, window=512).ppl
+    bf16 = transformers_ppl(bf16_dir)
     w4a16 = pieceworks_ppl(fp4_dir, fp4_numerics="w4a16")
     w4a4 = pieceworks_ppl(fp4_dir, fp4_numerics="w4a4")
     print(f"SmolLM2-135M NVFP4: transformers bf16 {bf16:.3f}, transformers dequantized-NVFP4 {ref:.3f}, "
@@ -101,8 +110,8 @@ def test_fp8_kv_cache_perplexity(bf16_dir, tmp_path):
     from pieceworks.quant.quantizer import quantize_checkpoint
 
     fp4 = quantize_checkpoint(bf16_dir, tmp_path / "q", calib_text=CALIBRATION_TXT, kv_cache="fp8", progress=False)
-    full, fp8 = pieceworks_ppl(fp4, {"dtype": "model"}), pieceworks_ppl(fp4)
-    plain, plain_fp8 = pieceworks_ppl(bf16_dir), pieceworks_ppl(bf16_dir, {"dtype": "fp8"})
+    full, fp8 = pieceworks_ppl(fp4, "model"), pieceworks_ppl(fp4)
+    plain, plain_fp8 = pieceworks_ppl(bf16_dir), pieceworks_ppl(bf16_dir, "fp8")
     print(f"SmolLM2-135M FP8 KV: NVFP4 {full:.3f} -> {fp8:.3f} (calibrated scales), "
           f"bf16 weights {plain:.3f} -> {plain_fp8:.3f} (scales 1.0)")
     assert full < fp8 < full * 1.03 and plain < plain_fp8 < plain * 1.03
