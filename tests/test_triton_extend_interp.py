@@ -23,6 +23,10 @@ CASES = [
     ([1, 1, 1], [7, 30, 64], 8, 2, 16, 4),            # decode rows only
     ([40, 1, 1, 17], [0, 50, 3, 33], 8, 2, 16, 5),    # blocks starting mid-block after a 40-token chunk
     ([3, 70], [100, 0], 8, 1, 32, 6),                 # one KV head, 32-query blocks
+    ([21, 1], [9, 40], 12, 1, 16, 7),                 # 12 query heads per KV head (GLM-4.5-Air): rows masked to 16
+    ([19, 2, 1], [0, 17, 5], 6, 2, 16, 8),            # groups of 3 (Llama 3.2 3B's 24 / 8)
+    ([12], [30], 14, 2, 16, 9),                       # groups of 7 (Qwen2.5-7B's 28 / 4)
+    ([40], [3], 64, 2, 16, 10),                       # groups of 32: 8-query blocks (256 rows a program)
 ]
 
 

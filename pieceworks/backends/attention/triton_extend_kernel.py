@@ -3,9 +3,10 @@
 One program per (query block, KV head): the step's query blocks are numbered over all sequences, sequence s's
 starting at qo[s] // BLOCK_Q + s (so a grid of T // BLOCK_Q + B programs covers every layout of T tokens over B
 sequences), and each program finds its sequence by a binary search over `qo` on the device. It attends the
-BLOCK_Q queries' GQA group (BLOCK_Q x G rows) over the sequence's cached prefix and the new tokens up to each
-query, gathering K/V rows through the page table, with an online float32 softmax (P rounded to the query dtype
-for the PV dot). No host work but two small index copies: no scheduler, no per-step plan.
+BLOCK_Q queries' GQA group (BLOCK_Q x GP rows, GP the group size rounded up to a power of 2 as tl.arange needs:
+a group of 3, 7 or 12 query heads per KV head gets masked rows) over the sequence's cached prefix and the new tokens
+up to each query, gathering K/V rows through the page table, with an online float32 softmax (P rounded to the query
+dtype for the PV dot). No host work but two small index copies: no scheduler, no per-step plan.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import triton.language as tl
 @triton.jit
 def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, qo_ptr, lens_ptr, num_seqs,
                    sq_t, sq_h, so_t, so_h, sk_p, sk_s, sk_h, sv_p, sv_s, sv_h, st_b, scale_log2,
-                   G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_Q: tl.constexpr,
+                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_Q: tl.constexpr,
                    BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -37,11 +38,12 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, qo_ptr, lens_ptr, nu
     if qb * BLOCK_Q < q_len:
         seq_len = tl.load(lens_ptr + lo)
         prefix = seq_len - q_len
-        BLOCK_M: tl.constexpr = BLOCK_Q * G
+        BLOCK_M: tl.constexpr = BLOCK_Q * GP
         r = tl.arange(0, BLOCK_M)
-        qi = qb * BLOCK_Q + r // G  # query index within the sequence's new tokens
-        head = kvh * G + r % G
-        rmask = qi < q_len
+        qi = qb * BLOCK_Q + r // GP  # query index within the sequence's new tokens
+        g = r % GP
+        head = kvh * G + g
+        rmask = (qi < q_len) & (g < G)  # rows past the group (GP > G) are neither read nor written
         d = tl.arange(0, D)
         q = tl.load(q_ptr + (q0 + qi)[:, None] * sq_t + head[:, None] * sq_h + d[None, :], mask=rmask[:, None],
                     other=0.0)
@@ -70,8 +72,8 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, qo_ptr, lens_ptr, nu
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + (q0 + qi)[:, None] * so_t + head[:, None] * so_h + d[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=rmask[:, None])
+        tl.store(out_ptr + (q0 + qi)[:, None] * so_t + head[:, None] * so_h + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
 def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
@@ -82,13 +84,17 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     q, out: [>= num_tokens, Hq, D] (unit stride over D); k_cache, v_cache: [P, PS, Hkv, D] holding the step's new
     rows already; table: [>= num_seqs, pages] int32 page ids; qo: [num_seqs + 1] int32 offsets of each sequence's
     new tokens in q (qo[0] = 0, qo[num_seqs] = num_tokens); lens: [num_seqs] int32 KV lengths after the step.
-    Rows of out past num_tokens are left as they are."""
+    Rows of out past num_tokens are left as they are. A program holds block_q x GP rows (GP: the query heads per KV
+    head rounded up to a power of 2), block_q lowered to keep that at most 256."""
     _, hq, dim = q.shape
     _, page_size, hkv, _ = k_cache.shape
+    group = hq // hkv
+    padded = 1 << (group - 1).bit_length()
+    block_q = min(block_q, max(1, 256 // padded))
     grid = (num_tokens // block_q + num_seqs, hkv)
     _extend_kernel[grid](q, k_cache, v_cache, out, table, qo, lens, num_seqs,
                          q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                          k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                          v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
-                         scale * 1.4426950408889634, G=hq // hkv, D=dim, PS=page_size, BLOCK_Q=block_q,
+                         scale * 1.4426950408889634, G=group, GP=padded, D=dim, PS=page_size, BLOCK_Q=block_q,
                          BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
