@@ -13,6 +13,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
+import triton_interp_numpy  # noqa: E402, F401  (beside this script: the interpreter under NumPy >= 2.3)
 
 from pieceworks.executor import greedy_kernel as G  # noqa: E402
 

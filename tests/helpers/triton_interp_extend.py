@@ -13,22 +13,9 @@ import sys
 os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
-from triton.runtime import interpreter  # noqa: E402
+import triton_interp_numpy  # noqa: E402, F401  (beside this script: the interpreter under NumPy >= 2.3)
 
 from pieceworks.backends.attention import triton_extend_kernel  # noqa: E402
-
-_patch_lang_tensor = interpreter._patch_lang_tensor
-
-
-def _index_of_one_element(tensor, scope) -> None:
-    """Triton 3.6's interpreter indexes with int() of a scalar's 1-element array, which NumPy 2.4 refuses ("only
-    0-dimensional arrays can be converted to Python scalars"): the kernel's key loop bound (`range(0, end, ...)`)
-    is such a scalar. The element itself instead."""
-    _patch_lang_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-
-interpreter._patch_lang_tensor = _index_of_one_element
 
 
 def run(q_lens: list[int], prefixes: list[int], hq: int, hkv: int, block_q: int, seed: int) -> dict:
