@@ -1,8 +1,9 @@
-"""attention.triton's decode kernel and the K/V write kernel compiled for sm_90 without a GPU (Triton's own ptxas and
-nvdisasm): every variant the backends launch builds, and over an FP8 pool the decode loop reads K/V as words and
-converts them without Triton's e4m3 conversion or byte-wide shared-memory staging (the SASS it was written to avoid:
-docs/benchmarks.md "Over an FP8 pool"). Needs triton importable (`pip install triton==3.6.0`); CI installs none and
-skips. The kernels' numerics run on the GPU: tests/gpu/test_triton_attention.py."""
+"""attention.triton's decode kernel, attention.triton_all's extend kernel (at every GQA group size) and the K/V write
+kernel compiled for sm_90 without a GPU (Triton's own ptxas and nvdisasm): every variant the backends launch builds,
+and over an FP8 pool the decode loop reads K/V as words and converts them without Triton's e4m3 conversion or
+byte-wide shared-memory staging (the SASS it was written to avoid: docs/benchmarks.md "Over an FP8 pool"). Needs triton
+importable (`pip install triton==3.6.0`); CI installs none and skips. The kernels' numerics run on the GPU:
+tests/gpu/test_triton_attention.py."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ SM90 = GPUTarget("cuda", 90, 32)
 FLOATS = ("scale_log2", "v_scale", "inv_k", "inv_v", "inv_a", "inv_b")
 
 
-def compile_sass(kernel, types: dict[str, str], constexprs: dict, **options) -> collections.Counter:
+def compile_sm90(kernel, types: dict[str, str], constexprs: dict, **options):
     """The kernel compiled for sm_90 as a launch with 16-divisible pointers and strides would be (integer arguments
-    i32 unless `types` says otherwise); its SASS opcodes counted."""
+    i32 unless `types` says otherwise)."""
     sig, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
@@ -36,8 +37,13 @@ def compile_sass(kernel, types: dict[str, str], constexprs: dict, **options) -> 
             sig[name] = types.get(name, "fp32" if name in FLOATS else "i32")
             if sig[name].startswith("*") or name.startswith("stride"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    out = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs), target=SM90,
-                         options=options)
+    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs), target=SM90,
+                          options=options)
+
+
+def compile_sass(kernel, types: dict[str, str], constexprs: dict, **options) -> collections.Counter:
+    """`compile_sm90`'s kernel, its SASS opcodes counted."""
+    out = compile_sm90(kernel, types, constexprs, **options)
     if not os.path.exists(NVDISASM):
         pytest.skip("triton's nvdisasm is not in this install")
     path = os.path.join(out.metadata.name + ".cubin")
@@ -97,3 +103,28 @@ def test_bf16_decode_and_kv_writes_compile():
                            num_warps=4)
         saturating = [op for op in ops if "SATFINITE.E4M3" in op]  # quantize_kv's saturation, in the conversion
         assert bool(saturating) == quant, ops
+
+
+# Query heads per KV head of GQA models the backends serve (Llama 3.2 3B: 3, Qwen2.5-7B: 7, GLM-4.5-Air: 12, ...)
+GROUPS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 32, 64)
+SHARED_MAX = 232448  # bytes of shared memory a block may opt into on sm_90 (227 KB)
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_gqa_kernels_build_for_every_group_size(group):
+    """attention.triton_all's extend kernel and attention.triton's decode kernel at every group size, as their
+    launchers set them up (head_dim 128; 64 and 256 where the group is 12), build for sm_90 within its shared memory:
+    before the extend kernel padded the group to a power of 2, groups of 3, 7 or 12 failed to compile."""
+    from pieceworks.backends.attention import triton_extend_kernel as tek
+
+    g, gp, block_q = tek.launch_shape(group, 1)
+    assert (g, gp & (gp - 1), block_q * gp <= 256, gp < 2 * g) == (group, 0, True, True)
+    types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "table_ptr": "*i32",
+             "qo_ptr": "*i32", "lens_ptr": "*i32"}
+    for dim in (64, 128, 256) if group == 12 else (128,):
+        ext = compile_sm90(tek._extend_kernel, types, dict(G=g, GP=gp, D=dim, PS=16, BLOCK_Q=block_q, BLOCK_N=64),
+                           num_warps=4, num_stages=2)
+        assert ext.metadata.shared <= SHARED_MAX, (dim, ext.metadata.shared)
+    dec = compile_sm90(tdk._decode_kernel, decode_types("*bf16", "*bf16"),
+                       dict(DECODE, G=group, GP=max(16, triton.next_power_of_2(group))), num_warps=4, num_stages=2)
+    assert dec.metadata.shared <= SHARED_MAX, dec.metadata.shared

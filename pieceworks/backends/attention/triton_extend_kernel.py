@@ -76,6 +76,14 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, qo_ptr, lens_ptr, nu
                  o.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
+def launch_shape(hq: int, hkv: int, block_q: int = 16) -> tuple[int, int, int]:
+    """(G, GP, BLOCK_Q) of a launch: the query heads per KV head, that rounded up to a power of 2 (tl.arange's
+    need), and block_q lowered to keep BLOCK_Q x GP rows a program at most 256."""
+    group = hq // hkv
+    padded = 1 << (group - 1).bit_length()
+    return group, padded, min(block_q, max(1, 256 // padded))
+
+
 def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
            qo: torch.Tensor, lens: torch.Tensor, num_seqs: int, num_tokens: int, scale: float,
            block_q: int = 16, block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> None:
@@ -88,9 +96,7 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     head rounded up to a power of 2), block_q lowered to keep that at most 256."""
     _, hq, dim = q.shape
     _, page_size, hkv, _ = k_cache.shape
-    group = hq // hkv
-    padded = 1 << (group - 1).bit_length()
-    block_q = min(block_q, max(1, 256 // padded))
+    group, padded, block_q = launch_shape(hq, hkv, block_q)
     grid = (num_tokens // block_q + num_seqs, hkv)
     _extend_kernel[grid](q, k_cache, v_cache, out, table, qo, lens, num_seqs,
                          q.stride(0), q.stride(1), out.stride(0), out.stride(1),
