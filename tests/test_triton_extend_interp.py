@@ -26,7 +26,7 @@ CASES = [
     ([21, 1], [9, 40], 12, 1, 16, 7),                 # 12 query heads per KV head (GLM-4.5-Air): rows masked to 16
     ([19, 2, 1], [0, 17, 5], 6, 2, 16, 8),            # groups of 3 (Llama 3.2 3B's 24 / 8)
     ([12], [30], 14, 2, 16, 9),                       # groups of 7 (Qwen2.5-7B's 28 / 4)
-    ([40], [3], 64, 2, 16, 10),                       # groups of 32: 8-query blocks (256 rows a program)
+    ([40], [3], 64, 2, 16, 10),                       # groups of 32: 4-query blocks (128 rows a program)
 ]
 
 

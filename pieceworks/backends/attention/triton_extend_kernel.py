@@ -78,10 +78,10 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, qo_ptr, lens_ptr, nu
 
 def launch_shape(hq: int, hkv: int, block_q: int = 16) -> tuple[int, int, int]:
     """(G, GP, BLOCK_Q) of a launch: the query heads per KV head, that rounded up to a power of 2 (tl.arange's
-    need), and block_q lowered to keep BLOCK_Q x GP rows a program at most 256."""
+    need), and block_q lowered to keep BLOCK_Q x GP rows a program at most 128 (as a group of 8 has at 16)."""
     group = hq // hkv
     padded = 1 << (group - 1).bit_length()
-    return group, padded, min(block_q, max(1, 256 // padded))
+    return group, padded, min(block_q, max(1, 128 // padded))
 
 
 def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, table: torch.Tensor,
@@ -93,7 +93,7 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     rows already; table: [>= num_seqs, pages] int32 page ids; qo: [num_seqs + 1] int32 offsets of each sequence's
     new tokens in q (qo[0] = 0, qo[num_seqs] = num_tokens); lens: [num_seqs] int32 KV lengths after the step.
     Rows of out past num_tokens are left as they are. A program holds block_q x GP rows (GP: the query heads per KV
-    head rounded up to a power of 2), block_q lowered to keep that at most 256."""
+    head rounded up to a power of 2), block_q lowered to keep that at most 128."""
     _, hq, dim = q.shape
     _, page_size, hkv, _ = k_cache.shape
     group, padded, block_q = launch_shape(hq, hkv, block_q)
