@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,16 @@ def smollm2_cpu_engine():
     engine = Engine.from_config(cfg, progress=False)
     yield engine
     engine.close()
+
+
+# ===== Failures written as they happen ============================================================
+# A run on the lent GPU machine can end at its time limit before pytest prints its summary. With
+# PIECEWORKS_FAILURE_LOG=FILE each failure's test id and traceback (its last 4,000 characters) is
+# appended to FILE the moment the test fails: e.g. `PIECEWORKS_FAILURE_LOG=$OUT/failures.txt`.
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = os.environ.get("PIECEWORKS_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
