@@ -41,8 +41,9 @@ def test_extend_kernel_matches_reference():
         assert row["tail_untouched"], (case, row)
 
 
-# (query lengths, cached prefixes, bucket rows, max_seqs, seed)
-BACKEND_CASES = [([5, 17, 1], [0, 0, 0], 32, 4, 1), ([9, 1, 1], [20, 40, 3], 16, 4, 2), ([16], [0], 16, 1, 3)]
+# (query lengths, cached prefixes, bucket rows, max_seqs, seed[, Hq, Hkv])
+BACKEND_CASES = [([5, 17, 1], [0, 0, 0], 32, 4, 1), ([9, 1, 1], [20, 40, 3], 16, 4, 2), ([16], [0], 16, 1, 3),
+                 ([9, 1], [20, 3], 16, 4, 4, 12, 1)]  # GLM-4.5-Air's group of 12
 
 
 def test_backend_in_a_full_graph_plan_matches_the_torch_backend():

@@ -54,7 +54,8 @@ def run(q_lens: list[int], prefixes: list[int], hq: int, hkv: int, block_q: int,
 
 
 
-def backend_full(q_lens: list[int], prefixes: list[int], bucket: int, max_seqs: int, seed: int) -> dict:
+def backend_full(q_lens: list[int], prefixes: list[int], bucket: int, max_seqs: int, seed: int, hq: int = 8,
+                 hkv: int = 2) -> dict:
     """attention.triton_all's forward of an extend step planned as a full graph plans it (`graph_batch_size`
     sequences, padding ones empty, `bucket` rows): real rows against the torch backend's eager step, padding rows
     zero, every row's K/V written at its slot."""
@@ -66,7 +67,7 @@ def backend_full(q_lens: list[int], prefixes: list[int], bucket: int, max_seqs: 
     from pieceworks.core.batch import ForwardMode, GraphMode, StepMetadata, extend_index
 
     gen = torch.Generator().manual_seed(seed)
-    hq, hkv, d, ps = 8, 2, 64, 16
+    d, ps = 64, 16
     lens = [p + n for p, n in zip(prefixes, q_lens)]
     npages = [-(-n // ps) for n in lens]
     pool = sum(npages) + 1
