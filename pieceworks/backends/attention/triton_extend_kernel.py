@@ -80,7 +80,7 @@ def launch_shape(hq: int, hkv: int, block_q: int = 16) -> tuple[int, int, int]:
     """(G, GP, BLOCK_Q) of a launch: the query heads per KV head, that rounded up to a power of 2 (tl.arange's
     need), and block_q lowered to keep BLOCK_Q x GP rows a program at most 128 (as a group of 8 has at 16)."""
     group = hq // hkv
-    padded = 1 << (group - 1).bit_length()
+    padded = triton.next_power_of_2(group)
     return group, padded, min(block_q, max(1, 128 // padded))
 
 
