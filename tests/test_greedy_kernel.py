@@ -1,7 +1,7 @@
 """The two-launch greedy kernel (`executor/greedy_kernel.py`) on the CPU, in Triton's interpreter
 (tests/helpers/greedy_interp.py, a subprocess), against argmax / isfinite: one and many chunks per row, ties
 inside and across blocks and chunks, NaN and +-inf rows; and its chunking arithmetic. On the GPU:
-tests/gpu/test_greedy_gpu.py. Needs triton importable; CI installs none and skips."""
+tests/gpu/test_greedy_gpu.py. Needs triton importable (README's test command installs it); skips without."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_chunking_covers_each_row_once():
-    pytest.importorskip("triton", reason="triton is not installed (the CI test extra has none)")
+    pytest.importorskip("triton", reason="triton is not installed (README's test command installs triton==3.6.0)")
     from pieceworks.executor import greedy_kernel as G
 
     for rows in (1, 2, 3, 8, 32, 64, 256, 4096):
@@ -29,7 +29,7 @@ def test_chunking_covers_each_row_once():
 
 
 def test_greedy_kernel_matches_argmax_in_the_interpreter():
-    pytest.importorskip("triton", reason="triton is not installed (the CI test extra has none)")
+    pytest.importorskip("triton", reason="triton is not installed (README's test command installs triton==3.6.0)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, str(ROOT / "tests/helpers/greedy_interp.py")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)

@@ -2,7 +2,7 @@
 kernel compiled for sm_90 without a GPU (Triton's own ptxas and nvdisasm): every variant the backends launch builds,
 and over an FP8 pool the decode loop reads K/V as words and converts them without Triton's e4m3 conversion or
 byte-wide shared-memory staging (the SASS it was written to avoid: docs/benchmarks.md "Over an FP8 pool"). Needs triton
-importable (`pip install triton==3.6.0`); CI installs none and skips. The kernels' numerics run on the GPU:
+importable (`triton==3.6.0`, in README's test command); skips without. The kernels' numerics run on the GPU:
 tests/gpu/test_triton_attention.py."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-triton = pytest.importorskip("triton", reason="triton is not installed (the CI test extra has none)")
+triton = pytest.importorskip("triton", reason="triton is not installed (README's test command installs triton==3.6.0)")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402

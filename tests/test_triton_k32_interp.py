@@ -1,8 +1,8 @@
 """The Triton NVFP4 GEMM's K loop on the CPU: `triton_k32.fp4_tile_loop` in Triton's interpreter on k32 weights
 against x @ dequantize(W).T (tests/helpers/triton_interp_loop.py: float32 stand-ins for the interpreter's
 missing bfloat16 dot and float8 bitcasts, so this checks the layout's index arithmetic; the kernels'
-numerics run on the GPU in tests/gpu/test_triton_fp4.py). Needs triton importable; CI installs none and
-skips."""
+numerics run on the GPU in tests/gpu/test_triton_fp4.py). Needs triton importable (README's test command
+installs it); skips without."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton", reason="triton is not installed (the CI test extra has none)")
+pytest.importorskip("triton", reason="triton is not installed (README's test command installs triton==3.6.0)")
 
 ROOT = Path(__file__).resolve().parents[1]
 
