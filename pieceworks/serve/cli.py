@@ -35,12 +35,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="read tool calls from the model's text under tool_choice auto: hermes (<tool_call> JSON "
                         "blocks: Hermes, Qwen), llama3_json (Llama 3.1 / 3.2's JSON calls), mistral, deepseek_v3 "
-                        "(DeepSeek-V3 / R1), deepseek_v31 (DeepSeek-V3.1) glm45 (GLM-4.5 / 4.6 / 4.7), qwen3_coder "
+                        "(DeepSeek-V3 / R1), deepseek_v31 (DeepSeek-V3.1), glm45 (GLM-4.5 / 4.6 / 4.7), qwen3_coder "
                         "(Qwen3-Coder) or seed_oss (Seed-OSS); without it, "
                         "requests with tools take tool_choice required, a named function or none")
     p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="split chat answers of thinking models into reasoning_content (the <think> part) and "
-                        "content: deepseek_r1 (DeepSeek-R1 and its distillations) or qwen3")
+                        "content: deepseek_r1 (DeepSeek-R1 and its distillations), qwen3, glm45 (GLM-4.5 / 4.6 / 4.7) or "
+                        "seed_oss (Seed-OSS)")
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
