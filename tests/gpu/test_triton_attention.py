@@ -222,3 +222,34 @@ def test_fused_fp8_write_matches_quantizing_write_then_decode(lens):
     assert torch.equal(k1.view(-1, hkv, d)[slots], quantize_kv(k_new, scales[0]).view(torch.uint8))
     assert not torch.equal(k1, kq0.view(torch.uint8))  # the rows were written
     assert torch.equal(o1, o0)
+
+
+# (query lengths, cached prefixes, Hq, Hkv, head_dim): query heads per KV head 1-64, powers of 2 and not (Llama 3.2
+# 3B's 3, Qwen2.5-7B's 7, GLM-4.5-Air's 12: the kernel pads the group to a power of 2 and masks the extra rows)
+EXTEND_GROUPS = [([37, 1, 5], [0, 40, 12], 8, 8, 128), ([50, 1], [0, 77], 32, 8, 128),
+                 ([21, 1, 1], [9, 40, 3], 24, 8, 128), ([19, 2], [0, 17], 28, 4, 128), ([33, 1], [5, 60], 96, 8, 128), ([40], [3], 64, 2, 64),
+                 ([12, 1], [30, 8], 64, 1, 64), ([70, 3], [0, 100], 12, 1, 256)]
+
+
+@pytest.mark.parametrize("q_lens,prefixes,hq,hkv,d", EXTEND_GROUPS)
+def test_extend_kernel_matches_reference_for_every_group(q_lens, prefixes, hq, hkv, d):
+    """attention.triton_all's extend kernel (bf16) against the float32 torch attention, sequences of prompt chunks
+    over cached prefixes beside decode rows; rows past the step's tokens untouched."""
+    from pieceworks.backends.attention import triton_extend_kernel as ek
+
+    gen = torch.Generator("cuda").manual_seed(hq * 100 + hkv)
+    ps = 16
+    lens = [p + n for p, n in zip(prefixes, q_lens)]
+    kc, vc, table, _ = paged_case(lens, hq, hkv, d, gen, ps)
+    t = sum(q_lens)
+    q = torch.randn(t + 3, hq, d, device="cuda", generator=gen).bfloat16()
+    out = torch.full_like(q, float("nan"))
+    qo = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    ek.extend(q, kc, vc, out, table, qo, torch.tensor(lens, dtype=torch.int32, device="cuda"), len(lens), t, d**-0.5)
+    assert torch.isnan(out[t:]).all()
+    for i, n in enumerate(lens):
+        pg = table[i, : -(-n // ps)].long()
+        rows = slice(int(qo[i]), int(qo[i + 1]))
+        ref = attend(q[rows], kc[pg].flatten(0, 1)[:n], vc[pg].flatten(0, 1)[:n], d**-0.5, prefixes[i])
+        err = float((out[rows].float() - ref).norm() / ref.norm())
+        assert err < 1e-2, (i, n, err)
