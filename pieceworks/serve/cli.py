@@ -40,8 +40,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "requests with tools take tool_choice required, a named function or none")
     p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="split chat answers of thinking models into reasoning_content (the <think> part) and "
-                        "content: deepseek_r1 (DeepSeek-R1 and its distillations), qwen3, glm45 (GLM-4.5 / 4.6 / 4.7) or "
-                        "seed_oss (Seed-OSS)")
+                        "content: deepseek_r1 (DeepSeek-R1 and its distillations), qwen3, glm45 (GLM-4.5 / 4.6 / "
+                        "4.7) or seed_oss (Seed-OSS)")
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:

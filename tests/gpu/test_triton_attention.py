@@ -30,7 +30,8 @@ def paged_case(lens: list[int], hq: int, hkv: int, d: int, gen: torch.Generator,
     return kc, vc, table, q
 
 
-@pytest.mark.parametrize("lens,hq,hkv,d", [([1], 32, 8, 128), ([513], 32, 8, 128), ([4097, 3, 700, 16, 1, 64, 250, 33], 32, 8, 128),
+@pytest.mark.parametrize("lens,hq,hkv,d", [([1], 32, 8, 128), ([513], 32, 8, 128),
+                                           ([4097, 3, 700, 16, 1, 64, 250, 33], 32, 8, 128),
                                            ([90] * 32, 32, 8, 128), ([300, 1200], 64, 8, 64), ([77], 8, 8, 256)])
 def test_decode_kernel_matches_reference(lens, hq, hkv, d):
     gen = torch.Generator("cuda").manual_seed(len(lens) * 1000 + hq)
@@ -227,8 +228,9 @@ def test_fused_fp8_write_matches_quantizing_write_then_decode(lens):
 # (query lengths, cached prefixes, Hq, Hkv, head_dim): query heads per KV head 1-64, powers of 2 and not (Llama 3.2
 # 3B's 3, Qwen2.5-7B's 7, GLM-4.5-Air's 12: the kernel pads the group to a power of 2 and masks the extra rows)
 EXTEND_GROUPS = [([37, 1, 5], [0, 40, 12], 8, 8, 128), ([50, 1], [0, 77], 32, 8, 128),
-                 ([21, 1, 1], [9, 40, 3], 24, 8, 128), ([19, 2], [0, 17], 28, 4, 128), ([33, 1], [5, 60], 96, 8, 128), ([40], [3], 64, 2, 64),
-                 ([12, 1], [30, 8], 64, 1, 64), ([70, 3], [0, 100], 12, 1, 256)]
+                 ([21, 1, 1], [9, 40, 3], 24, 8, 128), ([19, 2], [0, 17], 28, 4, 128),
+                 ([33, 1], [5, 60], 96, 8, 128), ([40], [3], 64, 2, 64), ([12, 1], [30, 8], 64, 1, 64),
+                 ([70, 3], [0, 100], 12, 1, 256)]
 
 
 @pytest.mark.parametrize("q_lens,prefixes,hq,hkv,d", EXTEND_GROUPS)
