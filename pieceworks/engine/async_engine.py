@@ -50,6 +50,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
         self._error: BaseException | None = None
+        self._failed = threading.Event()  # set when the step loop fails (not on shutdown)
         self._thread = threading.Thread(target=self._run, name="pieceworks-engine-loop", daemon=True)
         self._thread.start()
 
@@ -113,6 +114,17 @@ class AsyncEngine:
             self._commands.append(("abort", request_id))
             self._cond.notify()
 
+    @property
+    def alive(self) -> bool:
+        """Whether requests can still run: the step loop has neither failed nor been shut down."""
+        return self._error is None and not self._stopping
+
+    def wait_failed(self, timeout: float | None = None) -> BaseException | None:
+        """Block until the step loop fails (or `timeout` s pass): the exception that stopped it, or None.
+        A shutdown does not count: a server watching this from a thread stops serving on a failure only."""
+        self._failed.wait(timeout)
+        return self._error
+
     def stats(self) -> dict[str, int]:
         """The Engine's counters (a snapshot)."""
         return self.engine.stats()
@@ -126,7 +138,12 @@ class AsyncEngine:
         self._thread.join()
         for rid in list(self.engine._requests):
             self.engine.abort(rid)
-        self.engine.step()  # returns the aborts' outputs, nobody reads them
+        try:
+            self.engine.step()  # returns the aborts' outputs, nobody reads them
+        except Exception:
+            if self._error is None:
+                raise
+            # the step that failed the loop fails again: the pages stay with the engine, which is not trusted
         self._fail_all(EngineDeadError("the AsyncEngine was shut down"))
 
     def __enter__(self) -> "AsyncEngine":
@@ -166,6 +183,7 @@ class AsyncEngine:
         except BaseException as exc:
             with self._cond:
                 self._error = exc
+            self._failed.set()
             dead = EngineDeadError(f"the AsyncEngine's step loop failed: {exc!r}")
             dead.__cause__ = exc
             self._fail_all(dead)

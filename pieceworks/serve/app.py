@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pieceworks.engine.async_engine import EngineDeadError
 from pieceworks.errors import RequestError
 from pieceworks.serve import REASONING_PARSERS, mapping, reasoning, tools
 from pieceworks.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -266,6 +267,10 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
     async def engine_failure(_: Request, exc: EngineFailure) -> JSONResponse:
         return error_response(500, str(exc), "server_error", code="engine_error")
 
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(500, str(exc), "server_error", code="engine_dead")
+
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
         log.exception("request failed")
@@ -281,7 +286,11 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        if srv.engine.alive:
+            return Response(status_code=200)
+        # a load balancer or orchestrator takes this server out of rotation (or restarts it)
+        return error_response(503, "the engine's step loop has stopped (failed or shut down); this server "
+                              "cannot run requests: restart it", "server_error", code="engine_dead")
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -369,6 +378,11 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
                 srv.metrics.bad_requests += 1
                 yield sse(ErrorResponse(error=ErrorInfo(message=str(exc), type="invalid_request_error",
                                                         param=exc.param, code=exc.code)))
+            except Exception as exc:  # the engine died mid-stream, or a bug: the client still gets an event
+                log.exception("stream failed")
+                code = "engine_dead" if isinstance(exc, EngineDeadError) else None
+                yield sse(ErrorResponse(error=ErrorInfo(message=f"{type(exc).__name__}: {exc}", type="server_error",
+                                                        code=code)))
             finally:
                 await steps.aclose()
             yield sse("[DONE]")

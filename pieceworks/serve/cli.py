@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +124,20 @@ def run_serve(args: argparse.Namespace, cfg: Any) -> int:
             log.info("speculative decoding: %s, up to %d drafts per row (n-grams of %d-%d tokens), %s; steps "
                      "that may draft run synchronously", spec.method, spec.num_speculative_tokens,
                      spec.prompt_lookup_min, spec.prompt_lookup_max, while_)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                               timeout_graceful_shutdown=5))
+
+        def stop_on_failure() -> None:  # a failed step loop cannot serve again: stop, so a supervisor restarts us
+            exc = engine.wait_failed()
+            log.error("the engine's step loop failed (%r): stopping the server", exc)
+            server.should_exit = True
+
+        threading.Thread(target=stop_on_failure, name="pieceworks-serve-watch", daemon=True).start()
+        server.run()
+        failed = engine.wait_failed(0)
+    if failed is not None:
+        log.error("stopped: the engine failed")
+        return 1
     log.info("stopped: the engine is shut down")
     return 0
 
