@@ -231,6 +231,17 @@ def test_chat_template_options():
          tok, param="continue_final_message", match="must be the assistant's")
     _bad(mapping.chat_prompt, chat.model_copy(update={"chat_template_kwargs": {"tokenize": False}}), tok,
          param="chat_template_kwargs", match=r"\['tokenize'\]")
+    # the tokenizer's options are not template variables: they would truncate or pad the prompt
+    for key, value in (("truncation", True), ("max_length", 3), ("padding", "max_length"), ("tokenizer_kwargs", {})):
+        _bad(mapping.chat_prompt, chat.model_copy(update={"chat_template_kwargs": {key: value}}), tok,
+             param="chat_template_kwargs", match=rf"\['{key}'\]")
+
+    class Named(_Templated):  # a parameter of the installed apply_chat_template counts as well
+        def apply_chat_template(self, messages, *, new_option=None, **kw):
+            return super().apply_chat_template(messages, **kw)
+
+    _bad(mapping.chat_prompt, chat.model_copy(update={"chat_template_kwargs": {"new_option": 1}}),
+         Named(tok.chat_template), param="chat_template_kwargs", match=r"\['new_option'\]")
 
 
 def test_lengths_prompts_and_unsupported_fields():

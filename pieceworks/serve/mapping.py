@@ -7,6 +7,7 @@ refused request holds no KV page. `SamplingParams` validates the ranges of its o
 
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Any
 
@@ -24,9 +25,13 @@ from pieceworks.serve.protocol import (
 
 # OpenAI's default for /v1/completions; chat completions default to the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-# apply_chat_template's own arguments, which chat_template_kwargs may not set
+# apply_chat_template's own arguments, which chat_template_kwargs may not set: they would reach the renderer or
+# the tokenizer (truncation, padding, ...) instead of the template; `_template_arguments` adds the installed
+# transformers' named parameters
 TEMPLATE_ARGUMENTS = {"conversation", "messages", "tokenize", "return_dict", "add_generation_prompt",
-                      "continue_final_message", "tools", "documents", "chat_template", "return_tensors"}
+                      "continue_final_message", "tools", "documents", "chat_template", "return_tensors", "padding",
+                      "truncation", "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs",
+                      "sanitize_control_tokens"}
 
 
 def check_model(req: SamplingFields, served: str) -> None:
@@ -98,6 +103,14 @@ def echo_texts(req: CompletionRequest, tokenizer: Any, prompts: list[list[int]])
     return [tokenizer.decode(ids) if tokenizer is not None else "" for ids in prompts]
 
 
+def _template_arguments(tokenizer: Any) -> set[str]:
+    try:
+        params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    except (TypeError, ValueError):  # no signature to read
+        params = []
+    return TEMPLATE_ARGUMENTS | {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+
+
 def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, tool_plan: tools.ToolPlan | None = None) -> list[int]:
     """The messages rendered by the tokenizer's chat template, with the assistant turn opened (and the
     plan's tools as the template's `tools`)."""
@@ -108,7 +121,7 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, tool_plan: tools.Too
     if req.continue_final_message and (req.add_generation_prompt or req.messages[-1].role != "assistant"):
         raise BadRequest("continue_final_message continues the last message: it must be the assistant's, with "
                          "add_generation_prompt: false", param="continue_final_message")
-    reserved = set(req.chat_template_kwargs or ()) & TEMPLATE_ARGUMENTS
+    reserved = set(req.chat_template_kwargs or ()) & _template_arguments(tokenizer)
     if reserved:
         raise BadRequest(f"chat_template_kwargs sets {sorted(reserved)}, which the server sets itself; use the "
                          "request's own fields", param="chat_template_kwargs")
