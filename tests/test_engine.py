@@ -85,10 +85,12 @@ def test_seeded_request_same_tokens_alone_and_batched(engine):
     p = SamplingParams(temperature=1.0, top_k=50, seed=1234, max_tokens=10)
     alone = engine.generate([PROMPTS[1]], p)[0].token_ids
     others = [engine.add_request(q, SamplingParams(temperature=0.8, max_tokens=12)) for q in PROMPTS]
-    batched = engine.generate([PROMPTS[1]], p)[0].token_ids  # runs while the others run too
-    for rid in others:
-        engine.abort(rid)
-    engine.step()
+    with pytest.raises(RequestError, match="generate needs the engine to itself"):
+        engine.generate([PROMPTS[1]], p)  # it would consume the others' outputs
+    rid = engine.add_request(PROMPTS[1], p)  # runs while the others run too
+    batched = []
+    while engine.has_unfinished():
+        batched += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
     assert alone == batched
     assert engine.generate([PROMPTS[1]], SamplingParams(temperature=1.0, top_k=50, seed=99, max_tokens=10))[0].token_ids != alone
     drained(engine)
@@ -872,9 +874,11 @@ def test_pages_held_outside_the_engine_raise_out_of_pages():
     with pytest.raises(OutOfPages, match="outside this engine"):
         eng.step()
     eng.executor.free(outside)
-    assert len(eng.generate([prompt(5, 3)], GREEDY)[0].token_ids) == 8
+    finals = []
     while eng.has_unfinished():
-        eng.step()
+        finals += [o for o in eng.step() if o.finished]
+    assert [len(o.token_ids) for o in finals] == [8]  # the refused step's request runs once the pages are back
+    assert len(eng.generate([prompt(5, 3)], GREEDY)[0].token_ids) == 8
     drained(eng)
 
 

@@ -348,8 +348,14 @@ class Engine:
 
         A str, a flat list of token ids or a 1-D tensor or numpy array is one prompt. Nothing is streamed, so
         a final output's text_delta is its whole text. Raises what `add_request` raises (before any prompt
-        runs) and what `step` raises (then every request of this call is aborted).
+        runs) and what `step` raises (then every request of this call is aborted); RequestError while requests
+        added with `add_request` are unfinished (their outputs belong to the `step` caller, which `generate`'s
+        own steps would consume).
         """
+        if self.has_unfinished():
+            raise RequestError(f"generate needs the engine to itself, and {len(self._requests)} request(s) added "
+                               "with add_request are unfinished (or an abort's output is still to be returned): "
+                               "call step() until has_unfinished() is false, or abort them, first")
         if is_one_prompt(prompts):
             prompts = [prompts]
         elif not isinstance(prompts, (list, tuple)) and getattr(prompts, "ndim", None) != 2:  # 2-D: one per row
