@@ -763,6 +763,51 @@ def test_async_engine_32_coroutines_and_cancellation(engine):
     drained(engine)
 
 
+def test_async_engine_reuses_the_id_of_a_cancelled_stream_at_once(engine, monkeypatch):
+    """A stream cancelled, then a new one under its id before the loop thread has stepped past the abort: the new
+    request runs (not refused as "just aborted") and never reads the old request's abort output, even when the
+    step that returns that output runs after the new stream registered."""
+    real_step, new_registered, holding = engine.step, threading.Event(), []
+
+    def step():  # the step that carries the abort of "x" waits until the new stream of "x" is registered
+        if any(o.request_id == "x" for o in engine._ready) and not holding:
+            holding.append(True)
+            new_registered.wait(10)
+        return real_step()
+
+    async def main(aeng):
+        want = [o async for o in aeng.generate(PROMPTS[0], GREEDY, "y")][-1].token_ids
+        for hold in (False, True):
+            holding[:] = [True] if not hold else []
+            old = aeng.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=400), "x")
+            await anext(old)
+            await old.aclose()  # posts the abort of "x"
+            if hold:
+                for _ in range(500):  # the loop thread takes the abort and waits inside its step
+                    if holding:
+                        break
+                    await asyncio.sleep(0.01)
+                assert holding
+            new = aeng.generate(PROMPTS[0], GREEDY, "x")
+            first = asyncio.ensure_future(anext(new))
+            await asyncio.sleep(0.05)  # the new stream is registered (its add is a command)
+            new_registered.set()
+            outs = [await first] + [o async for o in new]
+            assert [o.finish_reason for o in outs] == [None] * 7 + ["length"], (hold, outs[-1])
+            assert outs[-1].token_ids == want
+            new_registered.clear()
+        for _ in range(200):
+            if not aeng.engine.has_unfinished():
+                break
+            await asyncio.sleep(0.01)
+
+    monkeypatch.setattr(engine, "step", step)
+    with AsyncEngine(engine) as aeng:
+        asyncio.run(main(aeng))
+    monkeypatch.undo()
+    drained(engine)
+
+
 def test_async_engine_errors_reach_every_waiter(engine, monkeypatch):
     ex = engine.executor
 

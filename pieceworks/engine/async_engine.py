@@ -47,7 +47,12 @@ class AsyncEngine:
         self.model_name = engine.model_name
         self._cond = threading.Condition()
         self._commands: deque[tuple] = deque()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> (event loop, queue, stream number); `_added` maps an id to the number of the stream whose
+        # add the loop thread has taken: outputs go to that stream only, so that a stream that reuses the id of
+        # one just cancelled never reads the old request's abort output
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
+        self._added: dict[str, int] = {}
+        self._num_streams = 0
         self._stopping = False
         self._error: BaseException | None = None
         self._failed = threading.Event()  # set when the step loop fails (not on shutdown)
@@ -86,8 +91,10 @@ class AsyncEngine:
             self._check_alive()
             if request_id in self._streams:
                 raise RequestError(f"request_id {request_id!r} is already running; use a new id")
-            self._streams[request_id] = (loop, queue)
-            self._commands.append(("add", request_id, prompt, params, priority, matchers))
+            self._num_streams += 1
+            number = self._num_streams
+            self._streams[request_id] = (loop, queue, number)
+            self._commands.append(("add", request_id, number, prompt, params, priority, matchers))
             self._cond.notify()
         left = params.n if isinstance(params, SamplingParams) else 1
         try:
@@ -102,6 +109,8 @@ class AsyncEngine:
         finally:
             with self._cond:
                 self._streams.pop(request_id, None)
+                if self._added.get(request_id) == number:
+                    del self._added[request_id]
                 if left and not self._stopping:
                     self._commands.append(("abort", request_id))
                     self._cond.notify()
@@ -171,7 +180,10 @@ class AsyncEngine:
                     commands, self._commands = self._commands, deque()
                 for cmd in commands:
                     if cmd[0] == "add":
-                        _, rid, prompt, params, priority, matchers = cmd
+                        _, rid, number, prompt, params, priority, matchers = cmd
+                        engine.discard_outputs(rid)  # an earlier stream's abort of this id: nobody reads it
+                        with self._cond:
+                            self._added[rid] = number
                         try:
                             engine.add_request(prompt, params, rid, priority, matchers=matchers)
                         except Exception as exc:  # refused before the engine took it: this caller's error
@@ -188,12 +200,18 @@ class AsyncEngine:
             dead.__cause__ = exc
             self._fail_all(dead)
 
+    def _stream(self, request_id: str) -> tuple[asyncio.AbstractEventLoop, asyncio.Queue, int] | None:
+        """The stream that reads this id's outputs (under `_cond`): None once its caller stopped listening, or
+        while the id's stream is a new one whose add the loop thread has not taken yet."""
+        stream = self._streams.get(request_id)
+        return stream if stream is not None and self._added.get(request_id) == stream[2] else None
+
     def _deliver(self, request_id: str, item: Any) -> None:
         with self._cond:
-            stream = self._streams.get(request_id)
+            stream = self._stream(request_id)
         if stream is None:
             return  # the caller stopped listening
-        loop, queue = stream
+        loop, queue, _ = stream
         try:
             loop.call_soon_threadsafe(queue.put_nowait, item)
         except RuntimeError:
@@ -205,7 +223,7 @@ class AsyncEngine:
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         with self._cond:
             for out in outputs:
-                stream = self._streams.get(out.request_id)
+                stream = self._stream(out.request_id)
                 if stream is not None:
                     batches.setdefault(stream[0], []).append((stream[1], out))
         for loop, items in batches.items():
@@ -215,7 +233,11 @@ class AsyncEngine:
                 pass  # the caller's event loop is closed
 
     def _fail_all(self, exc: BaseException) -> None:
+        """`exc` to every stream, those whose add is still a command included."""
         with self._cond:
-            streams = list(self._streams)
-        for rid in streams:
-            self._deliver(rid, exc)
+            streams = list(self._streams.values())
+        for loop, queue, _ in streams:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, exc)
+            except RuntimeError:
+                pass  # the caller's event loop is closed

@@ -171,6 +171,12 @@ class Engine:
                     req.finish_reason = "abort"
                     self._ready.append(req.make_output([]))
 
+    def discard_outputs(self, request_id: str) -> None:
+        """Drop the final outputs an `abort` of this id left for the next step, for a caller that no longer
+        reads them; the id is free for a new request at once."""
+        with self._exclusive("discard_outputs"):
+            self._ready = [o for o in self._ready if o.request_id != request_id]
+
     def close(self) -> None:
         """Drop every request and close the executor (`Executor.close`: the model, KV pool and graphs
         are released). The Engine refuses requests and steps afterwards; also on leaving a `with` block."""
