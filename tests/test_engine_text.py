@@ -142,6 +142,28 @@ def test_detokenizer_holds_back_a_possible_stop_string(engine):
     assert "".join(deltas) == d.text
 
 
+def test_stop_strings_wait_for_min_tokens(engine, greedy):
+    """As vLLM's: stop strings are looked for once more than min_tokens tokens are out; one that ends within the
+    first min_tokens tokens' text does not stop the completion, one after does."""
+    tok = engine.tokenizer
+    ids = tok(" alpha beta gamma beta delta", add_special_tokens=False)["input_ids"]
+    ends = [len(tok.decode(ids[: i + 1])) for i in range(len(ids))]  # text length after each token
+    first = next(i for i in range(len(ids)) if ends[i] >= len(" alpha beta"))  # the token that completes the stop
+    for min_tokens, want in ((0, " alpha"), (first, " alpha"), (first + 1, " alpha beta gamma")):
+        d = Detokenizer(tok, [1], stop=[" beta"], min_tokens=min_tokens)
+        for t in ids:
+            d.add(t)
+        assert d.stopped and d.text == want, (min_tokens, d.text)
+    # through the engine: the greedy text's first word as a stop string, min_tokens past the token that ends it
+    full = greedy[-1]
+    word = full.text.split()[0]
+    k = next(i for i in range(N) if word in tok.decode(full.token_ids[: i + 1]))
+    early = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=N, stop=[word]))[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) == k + 1
+    late = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=N, stop=[word], min_tokens=k + 1))[0]
+    assert late.token_ids[: k + 2] == full.token_ids[: k + 2] and len(late.token_ids) > k + 1
+
+
 def test_text_the_tokenizer_refuses_is_a_request_error(engine):
     """A lone surrogate makes the tokenizer raise its own TypeError: the request is refused by name, and the
     engine takes the next one."""

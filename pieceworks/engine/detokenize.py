@@ -32,11 +32,14 @@ class Detokenizer:
         stop: stop strings; the text ends before the first one that appears (after it, with
             `include_stop`).
         skip_special: leave special tokens (EOS, chat markers) out of the text.
+        min_tokens: stop strings are looked for once more tokens than this are out (vLLM's rule): one that ends
+            in the first min_tokens tokens' text does not stop the completion.
     """
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: list[str] | None = None,
-                 include_stop: bool = False, skip_special: bool = True) -> None:
+                 include_stop: bool = False, skip_special: bool = True, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
+        self.min_tokens, self._num_added = min_tokens, 0
         self.include_stop, self.skip_special = include_stop, skip_special
         self.stop = [s for s in stop or [] if s]
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
@@ -55,6 +58,7 @@ class Detokenizer:
         if self.stopped:
             return
         self._ids.append(token_id)
+        self._num_added += 1
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix :])
         if len(after) <= len(before) or after.endswith("\ufffd"):
@@ -62,6 +66,8 @@ class Detokenizer:
         start = max(0, len(self.text) - self.holdback)
         self.text += after[len(before) :]
         self._prefix, self._read = self._read, len(self._ids)
+        if self._num_added <= self.min_tokens:
+            return
         hits = [(i, i + len(s)) for s in self.stop if (i := self.text.find(s, start)) >= 0]
         if hits:
             first = min(hits)

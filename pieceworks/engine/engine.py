@@ -142,7 +142,8 @@ class Engine:
                 state = SamplingState.create(params, ids, self.eos_token_ids, self.executor.device,
                                              seed_offset=index)
                 detok = None if self.tokenizer is None else Detokenizer(
-                    self.tokenizer, ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
+                    self.tokenizer, ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens,
+                    params.min_tokens)
                 req = Request(request_id, index, ids, params, state, arrival, detok,
                               logprobs=[] if params.logprobs is not None else None, group=group,
                               prompt_shown=shown,
