@@ -185,3 +185,26 @@ def test_the_stop_token_text_stays_out_of_the_text(engine, greedy):
         final = outs[-1]
         assert final.finish_reason == "stop" and final.token_ids == ids[: k + 1]
         assert final.text == tok.decode(ids[:k], skip_special_tokens=skip) == "".join(o.text_delta for o in outs)
+
+
+def test_token_bytes_rebuild_characters_that_tokens_share(engine):
+    """Chat logprobs' `bytes`: a token holding part of a UTF-8 character decodes to U+FFFD on its own; its bytes are
+    the part's (byte-level BPE here, SentencePiece byte-fallback pieces in the stand-in), so that joined over the
+    tokens they rebuild the text."""
+    from pieceworks.models.tokenizer import token_bytes
+
+    tok = engine.tokenizer
+    for text in ("😀 fine", "日本語のテキスト", " café"):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        shown = [tok.decode([t]) for t in ids]
+        assert any("\ufffd" in s for s in shown[:2]) or text == " café"
+        assert b"".join(token_bytes(tok, t, s) for t, s in zip(ids, shown)).decode() == text
+
+    class Fallback:  # SentencePiece with byte fallback: "€" as three byte pieces
+        pieces = {5: "<0xE2>", 6: "<0x82>", 7: "<0xAC>", 8: "\u2581euro"}
+
+        def convert_ids_to_tokens(self, i):
+            return self.pieces[i]
+
+    got = b"".join(token_bytes(Fallback(), t, "\ufffd" if t < 8 else " euro") for t in (5, 6, 7, 8))
+    assert got.decode() == "€ euro"

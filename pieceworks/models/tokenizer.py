@@ -119,3 +119,37 @@ def render_chat(tok: Any, messages: list[dict], hint: str = "", *, add_generatio
         raise RequestError(f"{where}: the model's chat template failed while rendering ({at}{type(exc).__name__}: "
                            f"{what}); {fix}") from exc
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet (each byte shown as a printable character) inverted: char -> byte."""
+    shown = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(shown), 0
+    for b in range(256):
+        if b not in shown:
+            shown.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(shown, chars)}
+
+
+_BYTE_DECODER = _gpt2_byte_decoder()
+
+
+def token_bytes(tok: Any, token_id: int, text: str) -> bytes:
+    """One token's own bytes, where `text` (its decoded text) is a replacement character standing for part
+    of a UTF-8 sequence: a byte-fallback piece (`<0xE2>`, SentencePiece) or a byte-level BPE piece
+    (GPT-2's alphabet: Llama 3, Qwen, SmolLM2) gives them; otherwise `text`'s UTF-8. Joined over a completion's
+    tokens they rebuild characters that several tokens share (OpenAI's logprob `bytes`)."""
+    if "\ufffd" not in text:
+        return text.encode()
+    piece = tok.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str):
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        if piece and all(c in _BYTE_DECODER for c in piece):
+            return bytes(_BYTE_DECODER[c] for c in piece)
+    return text.encode()

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pieceworks.engine.async_engine import EngineDeadError
 from pieceworks.errors import RequestError
+from pieceworks.models.tokenizer import token_bytes
 from pieceworks.serve import REASONING_PARSERS, mapping, reasoning, tools
 from pieceworks.serve.metrics import CONTENT_TYPE, ServerMetrics
 from pieceworks.serve.protocol import (
@@ -93,6 +94,7 @@ class Server:
         self.num_queued = 0
         self.metrics = ServerMetrics()
         self._token_str: dict[int, str] = {}
+        self._token_bytes: dict[int, list[int]] = {}
 
     # ---- requests to the engine -------------------------------------------------------------------
 
@@ -195,6 +197,16 @@ class Server:
             s = self.tokenizer.decode([tid]) if self.tokenizer is not None else f"token_id:{tid}"
             self._token_str[tid] = s
         return s
+
+    def token_bytes(self, tid: int) -> list[int]:
+        """The token's own bytes (chat logprobs' `bytes`): a token that holds part of a character decodes to
+        U+FFFD, its bytes are the part's."""
+        b = self._token_bytes.get(tid)
+        if b is None:
+            s = self.token_str(tid)
+            b = list(token_bytes(self.tokenizer, tid, s) if self.tokenizer is not None else s.encode())
+            self._token_bytes[tid] = b
+        return b
 
 
 def _new_logprobs(out: Any) -> list[dict[int, float]]:

@@ -123,8 +123,9 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, tool_plan: tools.Too
                          "add_generation_prompt: false", param="continue_final_message")
     reserved = set(req.chat_template_kwargs or ()) & _template_arguments(tokenizer)
     if reserved:
-        raise BadRequest(f"chat_template_kwargs sets {sorted(reserved)}, which the server sets itself; use the "
-                         "request's own fields", param="chat_template_kwargs")
+        raise BadRequest(f"chat_template_kwargs sets {sorted(reserved)}: apply_chat_template's own arguments, "
+                         "not template variables; the server sets them (use the request's own fields, such as "
+                         "add_generation_prompt or tools)", param="chat_template_kwargs")
     msgs = tools.template_messages(req)
     kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tool_plan.tools} if tool_plan else {})}
     try:

@@ -225,9 +225,9 @@ class ChatWriter(Writer):
         content = []
         for tid, d in zip(token_ids, lps):
             s = self.srv.token_str(tid)
-            tops = [TopLogprob(token=self.srv.token_str(t), logprob=v, bytes=list(self.srv.token_str(t).encode()))
+            tops = [TopLogprob(token=self.srv.token_str(t), logprob=v, bytes=self.srv.token_bytes(t))
                     for t, v in top(d, k)]
-            content.append(ChatLogprobToken(token=s, logprob=d.get(tid, float("nan")), bytes=list(s.encode()),
+            content.append(ChatLogprobToken(token=s, logprob=d.get(tid, float("nan")), bytes=self.srv.token_bytes(tid),
                                             top_logprobs=tops))
         return ChatLogprobs(content=content)
 
