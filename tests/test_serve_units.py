@@ -291,10 +291,11 @@ def test_chat_logprobs_list_the_top_tokens_best_first():
 
     from pieceworks.serve.writers import ChatWriter
 
-    srv = SimpleNamespace(token_str=lambda t: f"<{t}>")
+    srv = SimpleNamespace(token_str=lambda t: f"<{t}>", token_bytes=lambda t: [t])
     req = SimpleNamespace(logprobs=True, top_logprobs=2)
     lp = ChatWriter(srv, req)._logprobs([7, 3], [{7: -0.1, 3: -2.5, 9: -1.0}, {3: -0.2, 4: -0.3}])
     assert [c.token for c in lp.content] == ["<7>", "<3>"]
     assert lp.content[0].logprob == -0.1
     assert [(t.token, t.logprob) for t in lp.content[0].top_logprobs] == [("<7>", -0.1), ("<9>", -1.0)]
     assert [t.token for t in lp.content[1].top_logprobs] == ["<3>", "<4>"]
+    assert [c.bytes for c in lp.content] == [[7], [3]] and lp.content[1].top_logprobs[1].bytes == [4]
