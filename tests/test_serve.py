@@ -258,7 +258,13 @@ BAD = {
     "logit_bias outside vocabulary": {"model": TINY_NAME, "prompt": [1, 2], "logit_bias": {"1000000": 1}},
     "logit_bias beyond 100": {"model": TINY_NAME, "prompt": [1, 2], "logit_bias": {"3": 101}},
     "priority under fcfs": {"model": TINY_NAME, "prompt": [1, 2], "priority": 1},
+    "stream_options without stream": {"model": TINY_NAME, "prompt": [1, 2], "stream_options": {"include_usage": True}},
+    "stop_token_ids outside vocabulary": {"model": TINY_NAME, "prompt": [1, 2], "stop_token_ids": [10**7]},
 }
+# the field the error names, where the test pins it
+BAD_PARAM = {"priority under fcfs": "priority", "stream_options without stream": "stream_options",
+             "stop_token_ids outside vocabulary": "stop_token_ids", "logit_bias outside vocabulary": "logit_bias",
+             "n zero": "n"}
 
 
 def test_bad_requests_get_400_and_the_server_keeps_serving(tiny_url):
@@ -268,6 +274,7 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(tiny_url):
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error", name
         assert err["message"], name
+        assert err["param"] == BAD_PARAM.get(name, err["param"]), (name, err)
     assert httpx.post(f"{tiny_url}/v1/completions", content=b'{"model": ', timeout=30,
                       headers={"content-type": "application/json"}).status_code == 400
     r = httpx.post(f"{tiny_url}/v1/chat/completions", json={"model": TINY_NAME, "messages": []}, timeout=30)

@@ -354,6 +354,10 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
 
     async def _respond(request: Request, req: Any, prompts: list[list[int]], params: list[Any], rid: str,
                        writer: Writer) -> Response:
+        try:  # the engine would refuse it too, without naming the field
+            srv.engine.engine.scheduler.check_priority(req.priority)
+        except RequestError as exc:
+            raise BadRequest(str(exc), param="priority") from None
         srv.admit(len(prompts), params[0].n)
         steps = srv.steps(prompts, params, rid, req.priority)
         if not req.stream:

@@ -59,6 +59,8 @@ def refuse_unsupported(req: SamplingFields) -> None:
     for name, value in unsupported.items():
         if value is not None:
             raise BadRequest(f"{name}={value!r} is not supported by this server; leave it out", param=name)
+    if req.stream_options is not None and not req.stream:  # OpenAI's and vLLM's rule
+        raise BadRequest("stream_options is only allowed with stream: true", param="stream_options")
 
 
 def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int) -> list[list[int]]:
@@ -187,13 +189,14 @@ def logit_bias(req: SamplingFields, vocab_size: int) -> dict[int, float] | None:
     return out
 
 
-def allowed_ids(req: SamplingFields, vocab_size: int) -> list[int] | None:
-    """vLLM's allowed_token_ids, checked against the vocabulary (SamplingParams checks the rest)."""
-    bad = [t for t in req.allowed_token_ids or () if not 0 <= t < vocab_size]
+def in_vocab(req: SamplingFields, name: str, vocab_size: int) -> list[int] | None:
+    """vLLM's allowed_token_ids or stop_token_ids, checked against the vocabulary (SamplingParams checks the
+    rest)."""
+    ids = getattr(req, name)
+    bad = [t for t in ids or () if not 0 <= t < vocab_size]
     if bad:
-        raise BadRequest(f"allowed_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
-                         param="allowed_token_ids")
-    return req.allowed_token_ids
+        raise BadRequest(f"{name} {bad[:5]} are outside the vocabulary [0, {vocab_size})", param=name)
+    return ids
 
 
 def structured_outputs(req: SamplingFields, tool_plan: tools.ToolPlan | None = None) -> StructuredOutputsParams | None:
@@ -250,10 +253,11 @@ def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int,
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
     fields = dict(
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-        seed=req.seed, stop=stop or None, stop_token_ids=req.stop_token_ids or None, ignore_eos=req.ignore_eos,
+        seed=req.seed, stop=stop or None, stop_token_ids=in_vocab(req, "stop_token_ids", vocab_size) or None,
+        ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, logprobs=logprobs, n=req.n,
-        logit_bias=logit_bias(req, vocab_size), allowed_token_ids=allowed_ids(req, vocab_size),
+        logit_bias=logit_bias(req, vocab_size), allowed_token_ids=in_vocab(req, "allowed_token_ids", vocab_size),
         prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens and not (tool_plan is not None and tool_plan.keep_special),
         structured_outputs=structured_outputs(req, tool_plan),
