@@ -225,6 +225,9 @@ def test_chat_template_options():
                                  chat_template_kwargs={"greeting": "G:"})
     assert bytes(mapping.chat_prompt(chat, tok)) == b"G:x>"
     assert bytes(mapping.chat_prompt(chat.model_copy(update={"add_generation_prompt": False}), tok)) == b"G:x"
+    named = _Templated("{% for m in messages %}{{ m.name }}:{{ m.content }}{% endfor %}")  # OpenAI's `name`
+    assert bytes(mapping.chat_prompt(ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "x", "name": "ann"}]), named)) == b"ann:x"
     _bad(mapping.chat_prompt, chat.model_copy(update={"continue_final_message": True}), tok,
          param="continue_final_message", match="add_generation_prompt: false")
     _bad(mapping.chat_prompt, chat.model_copy(update={"continue_final_message": True, "add_generation_prompt": False}),

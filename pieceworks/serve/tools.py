@@ -118,6 +118,8 @@ def template_messages(req: ChatCompletionRequest, arguments_as_text: bool = Fals
     out = []
     for i, m in enumerate(req.messages):
         msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name is not None:  # OpenAI's participant (or tool result) name; templates that know it show it
+            msg["name"] = m.name
         if m.tool_calls:
             msg["tool_calls"] = [_template_call(i, j, c, arguments_as_text) for j, c in enumerate(m.tool_calls)]
         if m.tool_call_id is not None:
