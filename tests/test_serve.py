@@ -163,6 +163,7 @@ def test_echo_scores_the_prompt(tiny_url, tiny_engine):
     assert ch.text == "" and ch.model_extra["token_ids"] == [] and r.usage.completion_tokens == 0
     assert ch.logprobs.tokens == [f"token_id:{t}" for t in prompt]
     assert ch.logprobs.token_logprobs[0] is None and ch.logprobs.top_logprobs[0] is None
+    assert ch.logprobs.text_offset == [0] * len(prompt)  # offsets into the text, which is empty here
     for j in range(1, len(prompt)):
         assert ch.logprobs.token_logprobs[j] == pytest.approx(ref[j][prompt[j]], abs=1e-4)
         assert 1 <= len(ch.logprobs.top_logprobs[j]) <= 2

@@ -113,7 +113,8 @@ class CompletionWriter(Writer):
             tops = None if d is None else {self.srv.token_str(t): v for t, v in top(d, self.req.logprobs)}
             out.top_logprobs.append(tops)
             out.text_offset.append(self.offsets.get(index, 0))
-            self.offsets[index] = self.offsets.get(index, 0) + len(s)
+            if self.srv.tokenizer is not None:  # without one the text is empty: every offset is 0
+                self.offsets[index] = self.offsets.get(index, 0) + len(s)
         return out
 
     def _parts(self, c: Choice, text: str, ids: list[int], lps: list) -> tuple[str, list[int], list, list[int]]:
