@@ -37,6 +37,46 @@ def test_split():
     assert reasoning.split(seed, "Add. </seed:th", final=False) == ("Add. ", "")
 
 
+def test_split_after_the_prompts_state_and_leading_blanks():
+    # a block after blanks opens the answer (GLM-4.5's template leaves "\n<think>" to the model)
+    assert reasoning.split("glm45", "\n<think>Add.</think>\n4") == ("Add.", "\n4")
+    assert reasoning.split("qwen3", "\n", final=False) == ("", "")  # blanks: maybe before the opening tag
+    assert reasoning.split("qwen3", "\n\n4") == ("", "\n\n4")
+    # the template opened the block (GLM-4.7, Qwen3 Thinking-2507): reasoning up to the closing tag, for every parser
+    for parser in ("qwen3", "glm45", "deepseek_r1"):
+        assert reasoning.split(parser, "Add.</think>4", prompt="open") == ("Add.", "4")
+        assert reasoning.split(parser, "Still thinking", prompt="open") == ("Still thinking", "")
+    assert reasoning.split("qwen3", "Add.</think>4") == ("", "Add.</think>4")  # no block opened anywhere
+    # the template closed one (thinking off): all content, a closing tag included
+    assert reasoning.split("deepseek_r1", "4, plainly", prompt="closed") == ("", "4, plainly")
+    assert reasoning.split("seed_oss", "a</seed:think>b", prompt="closed") == ("", "a</seed:think>b")
+
+
+def test_prompt_state():
+    text = {1: "sys", 2: "q", 5: "<think>", 6: "</think>", 7: "x", 9: " \n"}
+    decode = lambda ids: "".join(text[i] for i in ids)  # noqa: E731
+    state = lambda prompt: reasoning.prompt_state(prompt, (5,), (6,), decode)  # noqa: E731
+    assert state([1, 5, 2, 6, 2]) == "closed"  # thinking off: an empty block closed
+    assert state([1, 6, 5]) == "open" and state([1, 6, 5, 9]) == "open"  # the template opened it last
+    assert state([1, 5, 7]) == "none"  # "<think>" in a message, text after it: not the answer's block
+    assert state([1, 2]) == "none"
+
+
+def test_tool_calls_after_a_prompt_that_closed_the_reasoning():
+    """DeepSeek-V3.1's non-thinking prompt ends in </think>: the grammar of tool_choice required holds from the
+    first token, and the answer (without a closing tag) is content, its calls parsed."""
+    req = ChatCompletionRequest(model="m", messages=REQ.messages, tool_choice="required", tools=[
+        {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}])
+    plan = tools.plan(req, None)
+    c = Choice(index=0, start=0.0, text='[{"name": "add", "arguments": {"a": 2}}]', finish_reason="stop")
+    for state, calls in (("closed", 1), ("none", 0)):  # "none": deepseek_r1 reads it as reasoning cut off
+        writer = ChatWriter(SRV, req, plan, "deepseek_r1", state)
+        writer.note(Step(c, [], "", [], True))
+        choice = writer.response("id", [[1]]).choices[0]
+        assert len(choice.message.tool_calls or []) == calls, state
+    assert choice.message.reasoning_content == c.text
+
+
 def stream(writer: ChatWriter, deltas: list[str]) -> tuple[str, str, list]:
     c = Choice(index=0, start=0.0)
     chunks = []
@@ -114,13 +154,18 @@ def test_the_app_splits_a_real_answer(smollm2_cpu_engine, monkeypatch):
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]["message"]
 
-    async def run() -> tuple[dict, dict]:
+    async def run() -> tuple[dict, dict, dict]:
         with AsyncEngine(smollm2_cpu_engine) as engine:
-            return (await ask(build_app(engine, "smol")),
-                    await ask(build_app(engine, "smol", reasoning_parser="deepseek_r1")))
+            split_app = build_app(engine, "smol", reasoning_parser="deepseek_r1")
+            out = await ask(build_app(engine, "smol")), await ask(split_app)
+            # a prompt that ends in a closed block (the final assistant message continued): the answer is content
+            body["messages"] = [*body["messages"], {"role": "assistant", "content": "<think>Easy.</think>"}]
+            body.update(add_generation_prompt=False, continue_final_message=True)
+            return (*out, await ask(split_app))
 
     monkeypatch.setattr(smollm2_cpu_engine.grammars, "reasoning", None)  # restored: the engine is shared
-    plain, split = asyncio.run(run())
+    plain, split, closed = asyncio.run(run())
+    assert closed["content"] and "reasoning_content" not in closed
     tok = smollm2_cpu_engine.tokenizer
     assert smollm2_cpu_engine.grammars.reasoning == tuple(tuple(tok.encode(t, add_special_tokens=False))
                                                           for t in ("<think>", "</think>"))

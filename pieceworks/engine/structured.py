@@ -124,8 +124,8 @@ class Grammars:
         if self.reasoning is None:
             return None
         start, end = self.reasoning
-        closed = _last(prompt, end)
-        return None if closed >= 0 and closed > _last(prompt, start) else (end, 0)
+        closed = last_index(prompt, end)
+        return None if closed >= 0 and closed > last_index(prompt, start) else (end, 0)
 
     def for_params(self, params: SamplingParams, given: list[Any] | None = None) -> list[Any]:
         """One matcher per completion of `params` (None each where it has no structured outputs): `given`,
@@ -207,7 +207,7 @@ def _rows(reqs: list[Request], skip: frozenset[int]) -> list[int]:
             if r.matcher is not None and r.thinking is None and r.finish_reason is None and id(r) not in skip]
 
 
-def _last(seq: list[int], sub: tuple[int, ...]) -> int:
+def last_index(seq: list[int], sub: tuple[int, ...]) -> int:
     """Where the last occurrence of `sub` in `seq` starts, or -1."""
     arr, n = np.asarray(seq), len(sub)
     for i in np.flatnonzero(arr[: len(arr) - n + 1] == sub[0])[::-1]:

@@ -198,6 +198,11 @@ class Server:
             self._token_str[tid] = s
         return s
 
+    def prompt_state(self, prompt: list[int]) -> str:
+        """Whether the chat template left a reasoning block open or closed at the prompt's end (serve/reasoning.py)."""
+        tags = self.engine.engine.grammars.reasoning if self.reasoning_parser and self.tokenizer is not None else None
+        return "none" if tags is None else reasoning.prompt_state(prompt, *tags, self.tokenizer.decode)
+
     def token_bytes(self, tid: int) -> list[int]:
         """The token's own bytes (chat logprobs' `bytes`): a token that holds part of a character decodes to
         U+FFFD, its bytes are the part's."""
@@ -349,7 +354,7 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
         prompt = mapping.chat_prompt(req, srv.tokenizer, plan)
         params = [mapping.sampling_params(req, mapping.max_tokens_for(req, len(prompt), srv.max_context),
                                           srv.vocab_size, plan)]
-        writer = ChatWriter(srv, req, plan, srv.reasoning_parser)
+        writer = ChatWriter(srv, req, plan, srv.reasoning_parser, srv.prompt_state(prompt))
         return await _respond(request, req, [prompt], params, new_id("chatcmpl"), writer)
 
     async def _respond(request: Request, req: Any, prompts: list[list[int]], params: list[Any], rid: str,

@@ -164,21 +164,24 @@ class ChatWriter(Writer):
     are written. A call cut off by max_tokens keeps what streamed of it, and the answer's text then arrives as
     content (the finished choice does not parse as calls)."""
 
-    def __init__(self, srv: Any, req: Any, tool_plan: ToolPlan | None = None, reasoning: str | None = None):
+    def __init__(self, srv: Any, req: Any, tool_plan: ToolPlan | None = None, reasoning: str | None = None,
+                 prompt_state: str = "none"):
         super().__init__(srv, req)
         self.tools = tool_plan if tool_plan is not None and tool_plan.parses else None
-        self.reasoning = reasoning
+        self.reasoning, self.prompt_state = reasoning, prompt_state
         self.shown: dict[int, tuple[int, int]] = {}  # per choice: reasoning and content streamed so far
         self.sent: dict[int, list[str]] = {}  # per choice: each call's arguments streamed so far
 
     def _split(self, c: Choice, final: bool) -> tuple[str, str]:
-        return ("", c.text) if self.reasoning is None else split_reasoning(self.reasoning, c.text, final)
+        if self.reasoning is None:
+            return "", c.text
+        return split_reasoning(self.reasoning, c.text, final, self.prompt_state)
 
     def _message(self, c: Choice) -> tuple[str | None, str | None, list[dict[str, str]], str | None]:
         """A finished choice's reasoning, content, tool calls and finish_reason ("tool_calls" where it called
         tools)."""
         thought, text = self._split(c, True)
-        thought = thought if self.reasoning is not None else None
+        thought = thought or None  # no reasoning (or no parser): the field stays out
         if self.tools is None:
             return thought, text, [], c.finish_reason
         content, calls = parse(self.tools, text)
