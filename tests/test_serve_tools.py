@@ -44,6 +44,9 @@ def test_plans_and_refusals():
             "must be")
     refused(chat(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}], tool_choice="none"),
             "tools", "JSON schema")
+    for props in (None, [], {"city": "string"}):  # the parsers that type values read each argument's schema
+        refused(chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": props}}}], tool_choice="none"), "tools", "object of JSON schemas")
     assert tools.plan(chat(tools=[WEATHER]), "hermes").mode == "auto"
     named = tools.plan(chat(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}),
                        None)
@@ -155,6 +158,23 @@ def test_streamed_auto_content_stops_at_the_call():
     assert [c[1:] for c in _calls(chunks)] == [["get_weather", '{"city": "Oslo"}']]
     _, chunks = _stream(ChatWriter(srv, req, llama), ["It", " is", " sunny."])
     assert [ch.choices[0].delta.content for ch in chunks[:3]] == ["It", " is", " sunny."]
+
+
+def test_auto_without_parallel_calls_keeps_the_first():
+    """parallel_tool_calls false under auto (the model is not held to one call): the first call, streamed or not
+    (vLLM's)."""
+    srv = SimpleNamespace(name="m", token_str=str)
+    two = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
+           '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    for parallel, want in ((None, ["get_weather", "get_time"]), (False, ["get_weather"])):
+        req = chat(tools=[WEATHER, TIME], stream=True, parallel_tool_calls=parallel)
+        plan = tools.plan(req, "hermes")
+        c, chunks = _stream(ChatWriter(srv, req, plan), [two[:40], two[40:90], two[90:]])
+        assert [x[1] for x in _calls(chunks)] == want, parallel
+        writer = ChatWriter(srv, req, plan)
+        writer.note(Step(c, [], "", [], True))
+        message = writer.response("id", [[1]]).choices[0].message
+        assert [t.function.name for t in message.tool_calls] == want, parallel
 
 
 def test_tools_and_tool_turns_reach_the_template():

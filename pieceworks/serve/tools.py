@@ -77,6 +77,10 @@ def plan(req: ChatCompletionRequest, parser: str | None, keep_special: bool = Fa
         if not isinstance(params, dict):
             raise BadRequest(f"tools[{i}].function.parameters must be a JSON schema object, got {params!r}",
                              param="tools")
+        props = params.get("properties", {})
+        if not isinstance(props, dict) or not all(isinstance(v, (dict, bool)) for v in props.values()):
+            raise BadRequest(f"tools[{i}].function.parameters.properties must be an object of JSON schemas, one per "
+                             f"argument, got {props!r}", param="tools")
         names.append(name)
         tools.append({"type": "function", "function": {**fn, "parameters": params}})
     parallel = req.parallel_tool_calls is not False

@@ -185,6 +185,7 @@ class ChatWriter(Writer):
         if self.tools is None:
             return thought, text, [], c.finish_reason
         content, calls = parse(self.tools, text)
+        calls = calls if self.tools.parallel else calls[:1]  # parallel_tool_calls false: the first call (vLLM's)
         return thought, content, calls, "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
 
     def _deltas(self, step: Step) -> tuple[str, str, list[DeltaToolCall], str | None]:
@@ -198,7 +199,7 @@ class ChatWriter(Writer):
                 upto = len(text)
             else:
                 upto = shown if self.tools.constrains else max(shown, visible_prefix(text, self.tools.parser))
-                calls = streamed(self.tools, text)
+                calls = streamed(self.tools, text)[: None if self.tools.parallel else 1]
             self.shown[c.index] = (len(thought), upto)
             return thought[t_shown:], text[shown:upto], self._call_deltas(c.index, calls), None
         thought, content, found, reason = self._message(c)
