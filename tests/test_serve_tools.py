@@ -395,9 +395,18 @@ def test_mistral_calls():
     _, calls = tool_parsers.parse(plan, "[TOOL_CALLS]get_time{}")  # v11 calls without [ARGS]
     assert [(c["name"], c["arguments"]) for c in calls] == [("get_time", "{}")]
     assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in tool_parsers.parse(plan, ANSWERS["mistral"][1])[1])
-    for t in ("[TOOL_CALLS]get time{}", '[TOOL_CALLS]f[ARGS]{"a": 1} b', '[TOOL_CALLS][{"name": "f"}[TOOL_CALLS]g{}',
-              "[TOOL_CALLS]f[ARGS][TOOL_CALLS]g{}", "[TOOL_CALLS]"):
+    for t in ("[TOOL_CALLS]get time{}", '[TOOL_CALLS]f[ARGS]{"a": 1} b[TOOL_CALLS]g{}',
+              '[TOOL_CALLS][{"name": "f"}[TOOL_CALLS]g{}', "[TOOL_CALLS]f[ARGS][TOOL_CALLS]g{}", "[TOOL_CALLS]"):
         assert tool_parsers.parse(plan, t) == (t, []), t
+    # text after the last call is left out (vLLM's "trailing data after json"); a marker inside a string is text
+    for t, want in (('[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}]\nextra trailing data', [("f", '{"a": 1}')]),
+                    ('[TOOL_CALLS]f[ARGS]{"a": 1}\nDone.', [("f", '{"a": 1}')]),
+                    ('[TOOL_CALLS]f[ARGS]{"a": "x [TOOL_CALLS] y"}[TOOL_CALLS]g{}',
+                     [("f", '{"a": "x [TOOL_CALLS] y"}'), ("g", "{}")]),
+                    ('[TOOL_CALLS][{"name": "f", "arguments": {"a": "[TOOL_CALLS]"}}]',
+                     [("f", '{"a": "[TOOL_CALLS]"}')])):
+        content, calls = tool_parsers.parse(plan, t)
+        assert content is None and [(c["name"], c["arguments"]) for c in calls] == want, t
     assert tool_parsers.visible_prefix("Hi [TOOL", "mistral") == 3
     srv = SimpleNamespace(name="m", token_str=str)
     _, chunks = _stream(ChatWriter(srv, chat(tools=[WEATHER], stream=True), plan), ["[TOOL_CALLS]get_t", "ime{}"])

@@ -173,15 +173,16 @@ def _scan(p: ToolPlan, text: str) -> tuple[list[Found] | None, int]:
 
 
 def _mistral(text: str) -> tuple[list[Found] | None, int]:
-    """Mistral's calls: after each `[TOOL_CALLS]`, a JSON array of call objects or `NAME[ARGS]ARGUMENTS`."""
+    """Mistral's calls: after each `[TOOL_CALLS]`, a JSON array of call objects or `NAME[ARGS]ARGUMENTS`; text after
+    the last call is left out (as vLLM's parser leaves it)."""
     at = text.find(MISTRAL_CALLS)
     content_end, found = (at if at >= 0 else len(text)), []
     while at >= 0:
         body = skip_blanks(text, at + len(MISTRAL_CALLS))
-        nxt = text.find(MISTRAL_CALLS, body)
+        nxt = text.find(MISTRAL_CALLS, _json_after(text, body))  # a marker inside an argument's string is text
         stop = len(text) if nxt < 0 else nxt
         if body < stop and text[body] == "[" and not text.startswith(MISTRAL_ARGS, body):
-            calls = _sequence(text[:stop], body, "[", ",", "]")
+            calls = _sequence(text[:stop], body, "[", ",", "]", after=nxt < 0)
             if calls is None or (nxt >= 0 and not all(f.closed for f in calls)):
                 return None, content_end
             found += calls
@@ -197,13 +198,26 @@ def _mistral(text: str) -> tuple[list[Found] | None, int]:
             if text[start] != "{" or not NAME.fullmatch(text[body:name_end]):
                 return None, content_end
             end = value_end(text, start, stop)
-            if (end is None and nxt >= 0) or (end is not None and skip_blanks(text, end, stop) < stop):
-                return None, content_end
+            if (end is None and nxt >= 0) or (end is not None and nxt >= 0 and skip_blanks(text, end, stop) < stop):
+                return None, content_end  # text after the last call's arguments is ignored (vLLM's)
             found.append(Found(text[body:name_end], start, end, end is not None))
         if found and found[-1].name is None:
             break
         at = nxt
     return found, content_end
+
+
+def _json_after(text: str, body: int) -> int:
+    """Where a Mistral block's JSON (the array, or the arguments after `NAME[ARGS]`) that begins at `body` ends: the
+    text's end while it is unfinished, `body` where there is none to find."""
+    name_end = _NAME_CHARS.match(text, body).end()
+    if text.startswith(MISTRAL_ARGS, name_end):
+        name_end += len(MISTRAL_ARGS)
+    start = body if text.startswith("[", body) else skip_blanks(text, name_end)
+    if start >= len(text) or text[start] not in "[{":
+        return body
+    end = value_end(text, start)
+    return len(text) if end is None else end
 
 
 def _pairs(p: ToolPlan, text: str) -> tuple[list[Found] | None, int]:
@@ -246,9 +260,10 @@ def _deepseek_call(text: str, body: int, stop: int, closed: bool, v3: bool) -> F
     return Found(name.strip(), start if start < stop else None, end, closed)
 
 
-def _sequence(text: str, at: int, opener: str, sep: str, closer: str) -> list[Found] | None:
+def _sequence(text: str, at: int, opener: str, sep: str, closer: str, after: bool = False) -> list[Found] | None:
     """Call objects from `at` on: inside `opener` ... `closer` (required's array, `sep` between them) or bare
-    (llama3_json's, `sep` or blanks between them); None where the text is something else."""
+    (llama3_json's, `sep` or blanks between them); None where the text is something else. `after`: text after
+    the closer is ignored (else the calls are no calls)."""
     if opener:
         if at >= len(text):
             return []
@@ -265,7 +280,7 @@ def _sequence(text: str, at: int, opener: str, sep: str, closer: str) -> list[Fo
             return found
         at = skip_blanks(text, obj[1])
         if closer and at < len(text) and text[at] == closer:
-            return found if skip_blanks(text, at + 1) == len(text) else None
+            return found if after or skip_blanks(text, at + 1) == len(text) else None
         if at < len(text) and text[at] == sep:
             at = skip_blanks(text, at + 1)
             while not closer and at < len(text) and text[at] == sep:

@@ -199,6 +199,8 @@ class ChatWriter(Writer):
                 upto = len(text)
             else:
                 upto = shown if self.tools.constrains else max(shown, visible_prefix(text, self.tools.parser))
+                if not text[:upto].strip():  # blanks alone wait: before calls the content is null (`parse`)
+                    upto = shown
                 calls = streamed(self.tools, text)[: None if self.tools.parallel else 1]
             self.shown[c.index] = (len(thought), upto)
             return thought[t_shown:], text[shown:upto], self._call_deltas(c.index, calls), None
