@@ -115,6 +115,13 @@ def test_tool_calls_come_from_the_content():
     calls = [t for ch in chunks for t in ch.choices[0].delta.tool_calls or []]
     assert [(t.function.name, t.function.arguments) for t in calls] == [("add", '{"a": 2}')]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # blanks between the reasoning and a call (Qwen3's "</think>\n\n<tool_call>") are no content, streamed or not
+    blank = ["Hmm.</think>\n", "\n<tool_call>\n", '{"name": "add", "arguments": {}}\n</tool_call>']
+    thought, content, chunks = stream(ChatWriter(SRV, req, plan, "deepseek_r1"), blank)
+    assert (thought, content) == ("Hmm.", "")
+    writer = ChatWriter(SRV, req, plan, "deepseek_r1")
+    writer.note(Step(Choice(index=0, start=0.0, text="".join(blank), finish_reason="stop"), [], "", [], True))
+    assert writer.response("id", [[1]]).choices[0].message.content is None
 
 
 def test_the_server_option():
