@@ -390,6 +390,20 @@ def test_calls_stream_as_they_are_written(fmt):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_a_closing_marker_inside_an_argument_string_is_text():
+    """hermes: `</tool_call>` inside an argument's string does not end the block (it is looked for after the call
+    object); streamed, the arguments grow to the finished call's."""
+    srv = SimpleNamespace(name="m", token_str=str)
+    req = chat(tools=[WEATHER], stream=True)
+    plan = tools.plan(req, "hermes")
+    answer = '<tool_call>{"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}</tool_call>'
+    content, calls = tool_parsers.parse(plan, answer)
+    assert content is None and [(c["name"], c["arguments"]) for c in calls] == [
+        ("get_weather", '{"city": "a</tool_call>b"}')]
+    _, chunks = _stream(ChatWriter(srv, req, plan), [answer[:60], answer[60:75], answer[75:]])
+    assert [x[1:] for x in _calls(chunks)] == [["get_weather", '{"city": "a</tool_call>b"}']]
+
+
 def test_mistral_calls():
     plan = ANSWERS["mistral"][0]
     _, calls = tool_parsers.parse(plan, "[TOOL_CALLS]get_time{}")  # v11 calls without [ARGS]

@@ -55,6 +55,19 @@ def value_end(text: str, at: int, stop: int | None = None) -> int | None:
     return None
 
 
+def ends_in_string(text: str, at: int, stop: int) -> bool:
+    """Whether the text of a JSON value that begins at `at`, cut at `stop`, ends inside one of its strings."""
+    i = at
+    while (m := _STRUCTURE.search(text, i, stop)) is not None:
+        if m.group() == '"':
+            i = string_end(text, m.end(), stop)
+            if i is None:
+                return True
+        else:
+            i = m.end()
+    return False
+
+
 def string_end(text: str, at: int, stop: int) -> int | None:
     """The index after the closing quote of a JSON string whose body begins at `at`; None if it runs past `stop`."""
     end = _STRING_BODY.match(text, at, stop).end()

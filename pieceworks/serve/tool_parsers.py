@@ -21,7 +21,8 @@ tool_choice auto, and the JSON that required and named choices are held to.
 
 A call's arguments are one JSON value in every other format, and a call gets that value's text as the model wrote it
 (checked to parse). So the arguments can stream: `streamed` finds, in an answer so far, each call whose name is
-complete and the part of its arguments written yet, a prefix of what `parse` gives the finished answer. The parsers
+complete and the part of its arguments written yet, a prefix of what `parse` gives the finished answer. A hermes or
+mistral marker inside an argument's string is text (markers are looked for outside the call's JSON). The parsers
 read decoded text: `lost_markers` names the markers a tokenizer drops as special tokens.
 """
 
@@ -33,7 +34,7 @@ import uuid
 from typing import Any, NamedTuple
 
 from pieceworks.serve import tool_pairs
-from pieceworks.serve.json_text import loads_or_none, skip_blanks, value_end
+from pieceworks.serve.json_text import ends_in_string, loads_or_none, skip_blanks, value_end
 from pieceworks.serve.reasoning import held_tail
 from pieceworks.serve.tools import NAME, ToolPlan
 
@@ -154,7 +155,7 @@ def _scan(p: ToolPlan, text: str) -> tuple[list[Found] | None, int]:
     found, at = [], text.find(opener)
     while at >= 0:  # one block per call, from its opening marker to its closing one (or the text's end)
         body = at + len(opener)
-        close = text.find(closer, body)
+        close = text.find(closer, body) if deepseek else _hermes_close(text, body)
         stop = len(text) if close < 0 else close
         if deepseek:
             f = _deepseek_call(text, body, stop, close >= 0, v3)
@@ -205,6 +206,16 @@ def _mistral(text: str) -> tuple[list[Found] | None, int]:
             break
         at = nxt
     return found, content_end
+
+
+def _hermes_close(text: str, body: int) -> int:
+    """A hermes block's closing marker: the first after `body` that is not inside a string of the call object (a
+    marker in an argument's string is text); -1 while there is none."""
+    start, close = skip_blanks(text, body), text.find(CLOSE, body)
+    if start < len(text) and text[start] == "{":
+        while close >= 0 and value_end(text, start, close) is None and ends_in_string(text, start, close):
+            close = text.find(CLOSE, close + 1)
+    return close
 
 
 def _json_after(text: str, body: int) -> int:
