@@ -31,7 +31,7 @@ def test_request_models_are_strict():
     chat = ChatCompletionRequest.model_validate_json(
         '{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, '
         '{"type": "text", "text": "b"}]}], "stop": "x"}')
-    assert chat.messages[0].text() == "ab" and chat.stop == "x"
+    assert chat.messages[0].text() == "a\nb" and chat.stop == "x"
 
 
 def test_sse_framing_and_optional_token_ids():

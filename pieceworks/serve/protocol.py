@@ -118,8 +118,8 @@ class ChatMessage(OpenAIModel):
     tool_call_id: Optional[str] = None
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+        if isinstance(self.content, list):  # text parts, one per line (vLLM's join for string templates)
+            return "\n".join(p.text for p in self.content)
         return self.content or ""
 
 
