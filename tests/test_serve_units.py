@@ -302,3 +302,17 @@ def test_chat_logprobs_list_the_top_tokens_best_first():
     assert [(t.token, t.logprob) for t in lp.content[0].top_logprobs] == [("<7>", -0.1), ("<9>", -1.0)]
     assert [t.token for t in lp.content[1].top_logprobs] == ["<3>", "<4>"]
     assert [c.bytes for c in lp.content] == [[7], [3]] and lp.content[1].top_logprobs[1].bytes == [4]
+
+
+def test_completion_top_logprobs_hold_the_chosen_token():
+    """OpenAI's completions logprobs: the k most likely tokens and the chosen one (up to k + 1 entries)."""
+    from types import SimpleNamespace
+
+    from pieceworks.serve.writers import CompletionWriter
+
+    srv = SimpleNamespace(token_str=lambda t: f"<{t}>", tokenizer=None)
+    req = CompletionRequest(model="m", prompt=[1], logprobs=1)
+    lp = CompletionWriter(srv, req)._logprobs(0, [3, 7], [{7: -0.1, 3: -2.5, 9: -1.0}, {7: -0.2, 4: -0.3}])
+    assert lp.top_logprobs == [{"<7>": -0.1, "<3>": -2.5}, {"<7>": -0.2}]  # sampled 3 (not the best), then 7
+    assert lp.token_logprobs == [-2.5, -0.2] and lp.text_offset == [0, 0]
+

@@ -110,7 +110,12 @@ class CompletionWriter(Writer):
             s = self.srv.token_str(tid)
             out.tokens.append(s)
             out.token_logprobs.append(None if d is None else d.get(tid))
-            tops = None if d is None else {self.srv.token_str(t): v for t, v in top(d, self.req.logprobs)}
+            tops = None
+            if d is not None:
+                best = dict(top(d, self.req.logprobs))
+                if tid in d:  # the chosen token too: up to logprobs + 1 entries (OpenAI's)
+                    best[tid] = d[tid]
+                tops = {self.srv.token_str(t): v for t, v in best.items()}
             out.top_logprobs.append(tops)
             out.text_offset.append(self.offsets.get(index, 0))
             if self.srv.tokenizer is not None:  # without one the text is empty: every offset is 0
