@@ -808,6 +808,38 @@ def test_async_engine_reuses_the_id_of_a_cancelled_stream_at_once(engine, monkey
     drained(engine)
 
 
+def test_async_engine_forgets_a_stream_cancelled_before_its_add(engine, monkeypatch):
+    """A stream cancelled while its add still waits for the loop thread (held in a step): its request is added and
+    aborted, and the engine's bookkeeping keeps no entry of it."""
+    real_step, release = engine.step, threading.Event()
+
+    def step():
+        release.wait(10)
+        return real_step()
+
+    async def main(aeng):
+        busy = asyncio.ensure_future(anext(aeng.generate(PROMPTS[1], GREEDY, "busy")))
+        await asyncio.sleep(0.1)  # the loop thread waits inside the busy request's step
+        late = asyncio.ensure_future(anext(aeng.generate(PROMPTS[0], GREEDY, "late")))
+        await asyncio.sleep(0.05)
+        late.cancel()
+        await asyncio.gather(late, return_exceptions=True)
+        release.set()
+        await busy
+        busy_stream = aeng._streams.get("busy")
+        for _ in range(200):
+            if not aeng.engine.has_unfinished() and list(aeng._added) == ["busy"] * (busy_stream is not None):
+                break
+            await asyncio.sleep(0.01)
+
+    monkeypatch.setattr(engine, "step", step)
+    with AsyncEngine(engine) as aeng:
+        asyncio.run(main(aeng))
+        assert "late" not in aeng._added and "late" not in aeng._streams
+    monkeypatch.undo()
+    drained(engine)
+
+
 def test_async_engine_errors_reach_every_waiter(engine, monkeypatch):
     ex = engine.executor
 

@@ -183,7 +183,8 @@ class AsyncEngine:
                         _, rid, number, prompt, params, priority, matchers = cmd
                         engine.discard_outputs(rid)  # an earlier stream's abort of this id: nobody reads it
                         with self._cond:
-                            self._added[rid] = number
+                            if self._streams.get(rid, (None, None, None))[2] == number:  # still listening
+                                self._added[rid] = number
                         try:
                             engine.add_request(prompt, params, rid, priority, matchers=matchers)
                         except Exception as exc:  # refused before the engine took it: this caller's error
