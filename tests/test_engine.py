@@ -720,6 +720,24 @@ def test_threads_racing_on_forward_get_refusals_or_right_logits(engine):
     drained(engine)
 
 
+async def until_idle(aeng: AsyncEngine) -> None:
+    """Wait (up to 2 s) until the loop thread has no request left, aborts included."""
+    for _ in range(200):
+        if not aeng.engine.has_unfinished():
+            return
+        await asyncio.sleep(0.01)
+
+
+def run_with_step(engine: Engine, monkeypatch, step, main) -> AsyncEngine:
+    """`main(aeng)` under an AsyncEngine whose engine steps through `step`; the engine is drained afterwards."""
+    monkeypatch.setattr(engine, "step", step)
+    with AsyncEngine(engine) as aeng:
+        asyncio.run(main(aeng))
+    monkeypatch.undo()
+    drained(engine)
+    return aeng
+
+
 def test_async_engine_32_coroutines_and_cancellation(engine):
     prompts = [prompt(3 + i % 11, 100 + i) for i in range(32)]
     want = [o.token_ids for o in engine.generate(prompts, SamplingParams(temperature=0, max_tokens=6))]
@@ -748,10 +766,7 @@ def test_async_engine_32_coroutines_and_cancellation(engine):
     async def main(aeng):
         results = await asyncio.gather(*(one(aeng, p) for p in prompts))
         got = await cancelled(aeng)
-        for _ in range(200):  # the loop thread processes the abort between steps
-            if not aeng.engine.has_unfinished():
-                break
-            await asyncio.sleep(0.01)
+        await until_idle(aeng)  # the loop thread processes the abort between steps
         return results, got
 
     with AsyncEngine(engine) as aeng:
@@ -796,16 +811,9 @@ def test_async_engine_reuses_the_id_of_a_cancelled_stream_at_once(engine, monkey
             assert [o.finish_reason for o in outs] == [None] * 7 + ["length"], (hold, outs[-1])
             assert outs[-1].token_ids == want
             new_registered.clear()
-        for _ in range(200):
-            if not aeng.engine.has_unfinished():
-                break
-            await asyncio.sleep(0.01)
+        await until_idle(aeng)
 
-    monkeypatch.setattr(engine, "step", step)
-    with AsyncEngine(engine) as aeng:
-        asyncio.run(main(aeng))
-    monkeypatch.undo()
-    drained(engine)
+    run_with_step(engine, monkeypatch, step, main)
 
 
 def test_async_engine_forgets_a_stream_cancelled_before_its_add(engine, monkeypatch):
@@ -828,17 +836,10 @@ def test_async_engine_forgets_a_stream_cancelled_before_its_add(engine, monkeypa
         release.set()
         await busy
         await busy_stream.aclose()
-        for _ in range(200):
-            if not aeng.engine.has_unfinished():
-                break
-            await asyncio.sleep(0.01)
+        await until_idle(aeng)
 
-    monkeypatch.setattr(engine, "step", step)
-    with AsyncEngine(engine) as aeng:
-        asyncio.run(main(aeng))
-        assert aeng._added == {} and aeng._streams == {}
-    monkeypatch.undo()
-    drained(engine)
+    aeng = run_with_step(engine, monkeypatch, step, main)
+    assert aeng._added == {} and aeng._streams == {}
 
 
 def test_async_engine_errors_reach_every_waiter(engine, monkeypatch):
