@@ -127,7 +127,7 @@ def test_tool_calls_come_from_the_content():
 def test_the_server_option():
     import argparse
 
-    from pieceworks.serve.app import Server
+    from pieceworks.serve.server import Server
     from pieceworks.serve.cli import add_serve_arguments
 
     p = argparse.ArgumentParser()
@@ -181,7 +181,7 @@ def test_the_app_splits_a_real_answer(smollm2_cpu_engine, monkeypatch):
 
 
 def test_the_server_holds_structured_outputs_until_its_parsers_closing_tag():
-    from pieceworks.serve.app import Server
+    from pieceworks.serve.server import Server
 
     seen = []
     engine = SimpleNamespace(model_name="m", tokenizer=object(), max_context=8,

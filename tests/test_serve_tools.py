@@ -205,7 +205,7 @@ def test_tools_and_tool_turns_reach_the_template():
 def test_the_parser_option():
     import argparse
 
-    from pieceworks.serve.app import Server
+    from pieceworks.serve.server import Server
     from pieceworks.serve.cli import add_serve_arguments
 
     p = argparse.ArgumentParser()
@@ -263,7 +263,7 @@ def test_streamed_deepseek_call():
 def test_special_markers_are_kept_for_auto_requests(caplog):
     """Where the tokenizer marks a parser's markers special (dropped by decoding), the server keeps special tokens
     in the text of auto requests only, as vLLM's mistral and internlm parsers do."""
-    from pieceworks.serve.app import Server
+    from pieceworks.serve.server import Server
 
     class Tok:  # drops the strings in `special` when skip_special_tokens is set, as HF tokenizers do
         def __init__(self, special):
