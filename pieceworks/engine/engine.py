@@ -26,8 +26,8 @@ from pieceworks.engine.async_steps import AsyncSteps, InFlight, mark_pending
 from pieceworks.engine.detokenize import Detokenizer, eos_token_ids, load_tokenizer
 from pieceworks.engine.logprobs import record_prompt_logprobs
 from pieceworks.engine.params import SamplingParams
-from pieceworks.engine.prompts import (check_abort_id, check_fits, check_token_ids, is_one_prompt, new_request_id,
-                                       prompt_ids)
+from pieceworks.engine.prompts import (check_abort_id, check_fits, check_token_ids, checked_params, new_request_id,
+                                       prompt_ids, prompt_list)
 from pieceworks.engine.request import Request, RequestOutput
 from pieceworks.engine.sampler import Sampler, SamplingState, sampling_rows
 from pieceworks.engine.scheduler import Scheduler
@@ -122,9 +122,7 @@ class Engine:
         """
         with self._exclusive("add_request"):
             self._check_open()
-            params = SamplingParams() if params is None else params
-            if not isinstance(params, SamplingParams):
-                raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+            params = checked_params(params)
             ids = prompt_ids(prompt, self.tokenizer, self.executor.vocab_size, self.max_context)
             check_fits(ids, params, self.max_context)
             check_token_ids(params, self.executor.vocab_size, self.eos_token_ids)
@@ -363,14 +361,7 @@ class Engine:
             raise RequestError(f"generate needs the engine to itself, and {len(self._requests)} request(s) added "
                                "with add_request are unfinished (or an abort's output is still to be returned): "
                                "call step() until has_unfinished() is false, or abort them, first")
-        if is_one_prompt(prompts):
-            prompts = [prompts]
-        elif not isinstance(prompts, (list, tuple)) and getattr(prompts, "ndim", None) != 2:  # 2-D: one per row
-            raise RequestError(f"prompts must be a str, a list of token ids, a 1-D integer array or tensor, or a "
-                               f"list of those, got {type(prompts).__name__}")
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        prompts, params = prompt_list(prompts), checked_params(params)
         ids = []
         try:
             for prompt in prompts:

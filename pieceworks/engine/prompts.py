@@ -82,6 +82,25 @@ def check_token_ids(params: SamplingParams, vocab: int, eos_ids: frozenset[int])
                            "another token or drop min_tokens")
 
 
+def prompt_list(prompts: Any) -> Any:
+    """`Engine.generate`'s prompts as a sequence of prompts: one prompt (`is_one_prompt`) in a list, a list or a
+    2-D array or tensor (a prompt per row) as it is."""
+    if is_one_prompt(prompts):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)) and getattr(prompts, "ndim", None) != 2:
+        raise RequestError(f"prompts must be a str, a list of token ids, a 1-D integer array or tensor, or a "
+                           f"list of those, got {type(prompts).__name__}")
+    return prompts
+
+
+def checked_params(params: Any) -> SamplingParams:
+    """`params`, or the defaults for None; RequestError for anything but a SamplingParams."""
+    params = SamplingParams() if params is None else params
+    if not isinstance(params, SamplingParams):
+        raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+    return params
+
+
 def is_one_prompt(prompts: Any) -> bool:
     """Whether `Engine.generate`'s argument is one prompt (a str, a flat sequence of ids, a 1-D tensor or
     numpy array) rather than a list of prompts."""
