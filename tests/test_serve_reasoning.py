@@ -3,6 +3,7 @@ with tool calls read from the content; the server option."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -115,6 +116,10 @@ def test_tool_calls_come_from_the_content():
     calls = [t for ch in chunks for t in ch.choices[0].delta.tool_calls or []]
     assert [(t.function.name, t.function.arguments) for t in calls] == [("add", '{"a": 2}')]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # OpenAI's delta shapes: a call's delta holds no content key, the finishing chunk's delta is {}
+    shapes = [json.loads(ch.model_dump_json())["choices"][0]["delta"] for ch in chunks]
+    assert [d for d in shapes if "tool_calls" in d] == [{"tool_calls": [t.model_dump() for t in calls]}]
+    assert shapes[-1] == {}
     # blanks between the reasoning and a call (Qwen3's "</think>\n\n<tool_call>") are no content, streamed or not
     blank = ["Hmm.</think>\n", "\n<tool_call>\n", '{"name": "add", "arguments": {}}\n</tool_call>']
     thought, content, chunks = stream(ChatWriter(SRV, req, plan, "deepseek_r1"), blank)

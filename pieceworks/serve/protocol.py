@@ -41,7 +41,8 @@ class OpenAIModel(BaseModel):
 
 class ResponseModel(BaseModel):
     """A response body. Fields named in `omit_if_none` leave the JSON when they are None (extensions a
-    client did not ask for, and a stream delta's role after the first chunk); every other None is null."""
+    client did not ask for, and the fields a stream delta does not carry: OpenAI's closing delta is {}); every other
+    None is null."""
 
     model_config = ConfigDict(extra="forbid")
     omit_if_none: ClassVar[frozenset[str]] = frozenset()
@@ -254,7 +255,7 @@ class ChatCompletionResponse(ResponseModel):
 
 class DeltaMessage(ResponseModel):
     role: Optional[Literal["assistant"]] = None
-    omit_if_none: ClassVar[frozenset[str]] = frozenset({"role", "tool_calls", "reasoning_content"})
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"role", "content", "tool_calls", "reasoning_content"})
     content: Optional[str] = None
     reasoning_content: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
