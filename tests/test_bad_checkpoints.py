@@ -341,6 +341,18 @@ CONFIG_CASES = {
         _set(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                               "high_freq_factor": 0, "rope_theta": 1e5}),
         "rope_parameters.high_freq_factor: 0 must be a finite number > 0"),
+    "yarn rope with beta_fast '32'": (
+        _set(rope_parameters=None, rope_theta=1e4, rope_scaling={
+            "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": "32"}),
+        "rope_scaling.beta_fast: '32' must be a finite number > 0"),
+    "yarn rope with beta_slow -1": (
+        _set(rope_parameters=None, rope_theta=1e4, rope_scaling={
+            "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "beta_slow": -1}),
+        "rope_scaling.beta_slow: -1 must be a finite number > 0"),
+    "yarn rope with mscale_all_dim nan": (
+        _set(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                              "original_max_position_embeddings": 256, "mscale": 1, "mscale_all_dim": float("nan")}),
+        "rope_parameters.mscale_all_dim: nan must be a finite number >= 0"),
     "rope_theta abc": (_set(rope_parameters={"rope_theta": "abc", "rope_type": "default"}),
                        "rope_parameters.rope_theta: 'abc' must be a finite number > 0"),
     "top-level rope_theta abc": (_set(rope_theta="abc"), "rope_theta: 'abc' (str) must be a number"),

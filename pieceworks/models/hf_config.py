@@ -337,6 +337,12 @@ def check(hf: dict, arch: str) -> None:
             if name in params and not (_type_ok("float", params[name]) and math.isfinite(params[name])
                                        and params[name] > 0):
                 raise FieldError(f"{key}.{name}", f"{params[name]!r} must be a finite number > 0")
+        for name, positive in (("beta_fast", True), ("beta_slow", True), ("attention_factor", True),
+                               ("mscale", False), ("mscale_all_dim", False)):
+            value = params.get(name)  # yarn's; null: the default
+            if value is not None and not (_type_ok("float", value) and math.isfinite(value)
+                                          and (value > 0 if positive else value >= 0)):
+                raise FieldError(f"{key}.{name}", f"{value!r} must be a finite number {'>' if positive else '>='} 0")
         old_len = params.get("original_max_position_embeddings", 1)
         if not (_type_ok("int", old_len) and old_len >= 1):
             raise FieldError(f"{key}.original_max_position_embeddings", f"{old_len!r} must be an integer >= 1 "
