@@ -10,6 +10,7 @@ from pieceworks.errors import ConfigError
 
 OPS = ("attention", "mla", "fp4_gemm", "moe")
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+MAX_TIMEOUT_S = 1_000_000  # a pipe's poll takes at most about 2.1e6 s (milliseconds in a C int)
 
 
 def _one_of(key: str, value: Any, allowed: tuple) -> None:
@@ -46,6 +47,10 @@ def validate(cfg: Any, require_model: bool = True) -> None:
         raise ConfigError("model: set model.path or model.arch, not both")
     if m.arch is not None:
         _one_of("model.arch", m.arch, ("llama", "deepseek_v3"))
+    elif m.path is not None and (m.preset is not None or m.sizes):
+        key = "model.preset" if m.preset is not None else "model.sizes"
+        raise ConfigError(f"{key}: shapes the random-weight model of model.arch; with model.path the checkpoint's "
+                          "config.json gives the shape: drop it, or use model.arch instead of model.path")
     _positive("model.max_context", m.max_context)
     _one_of("quantization.format", cfg.quantization.format, ("auto", "none", "nvfp4"))
     _one_of("quantization.fp4_numerics", cfg.quantization.fp4_numerics, ("auto", "w4a4", "w4a16"))
@@ -89,7 +94,13 @@ def validate(cfg: Any, require_model: bool = True) -> None:
     pw = cfg.cuda_graph.piecewise
     _positive("cuda_graph.piecewise.max_tokens", pw.max_tokens)
     _sizes("cuda_graph.piecewise.sizes", pw.sizes)
+    if pw.sizes and pw.sizes[-1] > pw.max_tokens:
+        raise ConfigError(f"cuda_graph.piecewise.sizes: {pw.sizes[-1]} is above cuda_graph.piecewise.max_tokens "
+                          f"({pw.max_tokens}), the largest step piecewise graphs take; raise max_tokens or drop the "
+                          "larger sizes")
     _sizes("cuda_graph.decode.batch_sizes", cfg.cuda_graph.decode.batch_sizes)
+    _sizes("cuda_graph.extend.sizes", cfg.cuda_graph.extend.sizes)
+    _positive("cuda_graph.extend.max_seqs", cfg.cuda_graph.extend.max_seqs)
     dev = cfg.runtime.device
     if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
         raise ConfigError(f"runtime.device: {dev!r} is not allowed; use auto, cpu, cuda or cuda:N")
@@ -103,11 +114,14 @@ def validate(cfg: Any, require_model: bool = True) -> None:
     if par.tensor_parallel_size > 1 and dev.startswith("cuda:"):
         raise ConfigError(f"runtime.device: {dev!r} names one GPU, but parallel.tensor_parallel_size is "
                           f"{par.tensor_parallel_size}; use runtime.device=cuda (rank r runs on GPU r)")
-    if not par.timeout_s > 0:
-        raise ConfigError(f"parallel.timeout_s: {par.timeout_s!r} must be > 0")
+    if not 0 < par.timeout_s <= MAX_TIMEOUT_S:
+        raise ConfigError(f"parallel.timeout_s: {par.timeout_s!r} must be > 0 and at most {MAX_TIMEOUT_S:,} "
+                          "(11 days)")
     g = cfg.generation
     _positive("generation.max_new_tokens", g.max_new_tokens)
     if not (math.isfinite(g.temperature) and g.temperature >= 0):
         raise ConfigError(f"generation.temperature: {g.temperature!r} must be a finite number >= 0")
     if not 0.0 < g.top_p <= 1.0:
         raise ConfigError(f"generation.top_p: {g.top_p!r} must be in (0, 1]")
+    if not all(isinstance(x, str) for x in g.prompts):
+        raise ConfigError(f"generation.prompts: {g.prompts!r} must be a list of strings (text prompts)")

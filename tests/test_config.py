@@ -20,12 +20,13 @@ def err(source, overrides=()):
 def test_defaults_and_overrides_give_frozen_plain_objects(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("model:\n  path: /models/x\nbackends:\n  mla: {extend: flashinfer, decode: trtllm}\n")
-    cfg = load_config(path, ["kv_cache.page_size=64", "cuda_graph.piecewise.sizes=[4,8,16]", "model.sizes.num_hidden_layers=2"])
+    cfg = load_config(path, ["kv_cache.page_size=64", "cuda_graph.piecewise.sizes=[4,8,16]"])
     assert isinstance(cfg, Config) and cfg.model.path == "/models/x"
     assert cfg.backends.mla == {"extend": "flashinfer", "decode": "trtllm"}
     assert cfg.backends.choice("mla", "decode") == "trtllm" and cfg.backends.choice("attention", "extend") == "auto"
     assert cfg.kv_cache.page_size == 64 and cfg.cuda_graph.piecewise.sizes == [4, 8, 16]
-    assert type(cfg.cuda_graph.piecewise.sizes) is list and type(cfg.model.sizes) is dict
+    assert type(cfg.cuda_graph.piecewise.sizes) is list
+    assert type(load_config(BASE, ["model.sizes.num_hidden_layers=2"]).model.sizes) is dict
     assert cfg.cuda_graph.piecewise.enabled is Switch.auto
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.kv_cache.page_size = 1
@@ -65,9 +66,37 @@ def test_wrong_types_name_key_and_value(tmp_path):
     ("backends.mla={prefill: x}", "backends.mla: {'prefill': 'x'} is not allowed; use auto, a backend name, or {extend: <name>, decode: <name>}"),
     ("model.arch=gpt2", "model.arch: 'gpt2' is not allowed; use one of llama, deepseek_v3"),
     ("generation.top_p=0", "generation.top_p: 0.0 must be in (0, 1]"),
+    ("parallel.timeout_s=inf", "parallel.timeout_s: inf must be > 0 and at most 1,000,000"),
 ])
 def test_invalid_values(override, needle):
     assert needle in err(BASE, [override])
+
+
+def test_preset_and_sizes_shape_random_weights_only():
+    for override, key in (("model.preset=tiny", "model.preset"), ("model.sizes.num_hidden_layers=1", "model.sizes")):
+        msg = err({"model": {"path": "/models/x"}}, [override])
+        assert msg.startswith(f"{key}: shapes the random-weight model") and "config.json gives the shape" in msg
+
+
+def test_generation_prompts_are_strings():
+    assert "generation.prompts: [[1, 2]] must be a list of strings" in err(BASE, ["generation.prompts=[[1,2]]"])
+
+
+def test_a_config_made_in_code_is_checked_like_a_yaml_one():
+    """Executor.from_config / Engine.from_config take a Config; one built or replaced in code goes through the same
+    checks (and the same reading of its switches) as a YAML file."""
+    from pieceworks import Engine, Executor
+    from pieceworks.config import KVCacheConfig, PiecewiseConfig
+
+    cfg = load_config(BASE, ["model.preset=tiny", "runtime.device=cpu", "kv_cache.num_tokens=256"])
+    bad = dataclasses.replace(cfg, kv_cache=KVCacheConfig(page_size=0, num_tokens=256))
+    for build in (Executor.from_config, Engine.from_config):
+        with pytest.raises(ConfigError, match="kv_cache.page_size: 0 must be >= 1"):
+            build(bad, progress=False)
+    on = dataclasses.replace(cfg, cuda_graph=dataclasses.replace(cfg.cuda_graph, piecewise=PiecewiseConfig(
+        enabled="on", sizes=[8])), model=dataclasses.replace(cfg.model, sizes={"num_hidden_layers": 1}))
+    with Executor.from_config(on, progress=False) as ex:
+        assert ex.piecewise is not None  # "on" reads as the switch on, as in YAML
 
 
 def test_model_is_required_unless_told_otherwise():

@@ -54,6 +54,13 @@ def test_greedy_matches_executor_generate(engine, reference):
     drained(engine)
 
 
+def test_model_name_is_the_preset_built(engine):
+    assert engine.model_name == "llama-tiny"
+    unnamed = Engine.from_config({"model": {"arch": "llama"}, "runtime": {"device": "cpu"},
+                                  "kv_cache": {"num_tokens": 64}}, progress=False)
+    assert unnamed.model_name == "llama-tiny"  # the preset model.preset=None builds
+
+
 def test_streaming_one_output_per_token(engine, reference):
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
     seen: dict[str, list] = {i: [] for i in ids}

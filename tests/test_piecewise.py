@@ -138,6 +138,10 @@ def test_default_schedule():
     ("cuda_graph.piecewise.sizes=[16,8]", "strictly ascending"),
     ("cuda_graph.piecewise.sizes=[]", "the list is empty"),
     ("cuda_graph.decode.batch_sizes=[0,1]", "must hold positive integers"),
+    ("cuda_graph.piecewise.sizes=[16,4096]", r"4096 is above cuda_graph.piecewise.max_tokens \(2048\)"),
+    ("cuda_graph.extend.sizes=[]", "cuda_graph.extend.sizes: the list is empty"),
+    ("cuda_graph.extend.sizes=[64,16]", "cuda_graph.extend.sizes: .* strictly ascending"),
+    ("cuda_graph.extend.max_seqs=0", "cuda_graph.extend.max_seqs: 0 must be >= 1"),
 ])
 def test_bad_graph_config(override, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -149,6 +153,30 @@ def test_decode_batch_sizes_above_the_kv_pool():
            "kv_cache": {"num_tokens": 64, "page_size": 16}, "cuda_graph": {"decode": {"batch_sizes": [1, 8]}}}
     with pytest.raises(ConfigError, match="8 sequences can't be in the KV pool at once .it has 4 pages"):
         Executor.from_config(cfg, progress=False)
+
+
+def test_a_build_that_fails_after_the_piecewise_runner_leaves_nothing_alive(monkeypatch):
+    """torch.compile keeps the traced model (and so the KV pool) for the process's life: a build that fails after
+    the piecewise runner compiled releases it, as close() does."""
+    import gc
+
+    from pieceworks.executor import build
+    from pieceworks.executor.kv_cache import KVPool
+
+    def fail(*args, **kwargs):
+        raise ConfigError("cuda_graph.extend: refused by the test")
+
+    monkeypatch.setattr(build, "extend_graph_runner", fail)
+    cfg = {"model": {"arch": "llama", "preset": "tiny", "sizes": {"num_hidden_layers": 1}},
+           "runtime": {"device": "cpu"}, "kv_cache": {"num_tokens": 256},
+           "cuda_graph": {"piecewise": {"enabled": "on", "sizes": [8]}}}
+    gc.collect()
+    before = sum(isinstance(o, KVPool) for o in gc.get_objects())
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="refused by the test"):
+            Executor.from_config(cfg, progress=False)
+    gc.collect()
+    assert sum(isinstance(o, KVPool) for o in gc.get_objects()) == before
 
 
 def test_capture_steps_larger_than_the_context_keep_positions_inside_it():

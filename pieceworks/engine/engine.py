@@ -57,7 +57,7 @@ class Engine:
                             f"got {type(tokenizer).__name__}")
         self.tokenizer = load_tokenizer(executor) if tokenizer == "auto" else tokenizer
         self.max_context = executor.max_context
-        self.model_name = cfg.model.path or f"{cfg.model.arch}-{cfg.model.preset or 'custom'}"
+        self.model_name = cfg.model.path or f"{cfg.model.arch}-{cfg.model.preset or 'tiny'}"
         self.eos_token_ids = eos_token_ids(executor.model_dir)
         self.scheduler = Scheduler(executor, cfg.scheduler)
         self.sampler = Sampler(executor.vocab_size, executor.device, cfg.runtime.seed)
@@ -79,7 +79,7 @@ class Engine:
     def from_config(cls, cfg: str | os.PathLike | dict | Config | None = None,
                     overrides: list[str] | None = None, *, progress: bool = True) -> "Engine":
         """An Engine over `Executor.from_config(cfg, overrides)` (same arguments and errors)."""
-        cfg = cfg if isinstance(cfg, Config) and not overrides else load_config(cfg, overrides)
+        cfg = load_config(cfg, overrides)  # a Config too: one made or replaced in code is checked as a YAML one is
         executor = Executor.from_config(cfg, progress=progress)
         try:
             return cls(executor)

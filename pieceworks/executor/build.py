@@ -31,7 +31,7 @@ log = logging.getLogger("pieceworks.executor")
 
 def executor_from_config(cls: type, cfg: Any, overrides: list[str] | None, progress: bool) -> Any:
     """`Executor.from_config`: one process's executor, or the leader of a tensor-parallel run."""
-    cfg = cfg if isinstance(cfg, Config) and not overrides else load_config(cfg, overrides)
+    cfg = load_config(cfg, overrides)  # a Config too: one made or replaced in code is checked as a YAML one is
     if cfg.parallel.tensor_parallel_size > 1:
         from pieceworks.executor.distributed import launch
 
@@ -87,9 +87,13 @@ def build_executor(cls: type, cfg: Config, progress: bool, device: torch.device,
     ex = cls(cfg, model, table, kv, device, model_dir)
     ex.groups = groups
     pdl.configure(pdl_mode, device)  # before the graphs capture the kernels
-    ex.piecewise, ex.decode_graphs = graph_runners(cfg.cuda_graph, model, table, kv, ex.max_context, progress)
-    ex.extend_graphs = extend_graph_runner(cfg.cuda_graph.extend, model, table, kv, ex.max_context, progress,
-                                           groups is not None and groups.size > 1)
+    try:
+        ex.piecewise, ex.decode_graphs = graph_runners(cfg.cuda_graph, model, table, kv, ex.max_context, progress)
+        ex.extend_graphs = extend_graph_runner(cfg.cuda_graph.extend, model, table, kv, ex.max_context, progress,
+                                               groups is not None and groups.size > 1)
+    except BaseException:  # torch.compile's caches would keep the model and the KV pool for the process's life
+        release_executor(ex, "this executor's build failed; build a new executor")
+        raise
     return ex
 
 
@@ -103,9 +107,6 @@ def extend_graph_runner(ext: Any, model: torch.nn.Module, table: Any, kv: KVPool
     from pieceworks.executor import extend_graph
 
     sizes = list(ext.sizes) if ext.sizes else extend_graph.default_sizes(max_context)
-    if sizes != sorted(set(sizes)) or sizes[0] < 1 or ext.max_seqs < 1:
-        raise ConfigError(f"cuda_graph.extend: sizes {sizes} must be ascending positive token counts and max_seqs "
-                          f"({ext.max_seqs}) positive")
     why = extend_graph.why_off(ext, kv.device.type == "cuda", tensor_parallel, table)
     if why is not None:
         (log.warning if ext.enabled is Switch.on else log.info)("cuda_graph.extend: %s; extend and mixed steps run "
@@ -147,24 +148,29 @@ def graph_runners(graphs_cfg: Any, model: torch.nn.Module, table: Any, kv: KVPoo
     eagerly, with a warning when the config switched the graphs on."""
     on_cuda = kv.device.type == "cuda"
     piecewise = decode_graphs = None
+    dec = graphs_cfg.decode
+    if dec.enabled is not Switch.off:  # before any graph work
+        from pieceworks.executor.cuda_graph import check_batch_sizes
+
+        check_batch_sizes(dec.batch_sizes, kv.allocator.capacity, kv.page_size)
     pw = graphs_cfg.piecewise
     if (pw.enabled is Switch.on or (pw.enabled is Switch.auto and on_cuda)) and graphs_possible(
             table, ForwardMode.EXTEND, GraphMode.PIECEWISE, pw.enabled, "cuda_graph.piecewise"):
         from pieceworks.executor.piecewise import PiecewiseRunner
 
         piecewise = PiecewiseRunner(model, table, kv, pw, max_context, progress=progress)
-    dec = graphs_cfg.decode
-    if dec.enabled is not Switch.off:
-        from pieceworks.executor.cuda_graph import check_batch_sizes
+    try:
+        if on_cuda and dec.enabled is not Switch.off and graphs_possible(
+                table, ForwardMode.DECODE, GraphMode.FULL, dec.enabled, "cuda_graph.decode"):
+            from pieceworks.executor.cuda_graph import DecodeGraphRunner
 
-        check_batch_sizes(dec.batch_sizes, kv.allocator.capacity, kv.page_size)
-    if on_cuda and dec.enabled is not Switch.off and graphs_possible(
-            table, ForwardMode.DECODE, GraphMode.FULL, dec.enabled, "cuda_graph.decode"):
-        from pieceworks.executor.cuda_graph import DecodeGraphRunner
-
-        decode_graphs = DecodeGraphRunner(model, table, kv, max_context, dec.batch_sizes, progress=progress)
-    elif dec.enabled is Switch.on:
-        log.info("cuda_graph.decode.enabled=on has no effect on %s: decode graphs need CUDA", kv.device)
+            decode_graphs = DecodeGraphRunner(model, table, kv, max_context, dec.batch_sizes, progress=progress)
+        elif dec.enabled is Switch.on:
+            log.info("cuda_graph.decode.enabled=on has no effect on %s: decode graphs need CUDA", kv.device)
+    except BaseException:
+        if piecewise is not None:
+            piecewise.release()
+        raise
     return piecewise, decode_graphs
 
 
