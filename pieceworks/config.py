@@ -199,7 +199,7 @@ class ParallelConfig:
     """How long a rank waits in a collective, or the leader for a follower to take a step message off
     the shared-memory queue, before it gives up (followers wait for the next step as long as the
     leader lives); a worker that dies is reported at the next step (or when a collective fails) with
-    its exit code."""
+    its exit code. At most 1,000,000 s."""
 
 
 @dataclass(frozen=True)
