@@ -206,8 +206,16 @@ def _run_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+def _host_out_of_memory(exc: BaseException) -> bool:
+    """torch's CPU allocator refusing a tensor (a RuntimeError, not a MemoryError)."""
+    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+
+
 def _one_line(exc: BaseException) -> str:
     text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    if isinstance(exc, MemoryError) or _host_out_of_memory(exc):  # a size from config.json or the config
+        return (f"out of memory ({text or type(exc).__name__}); check the model's sizes (its config.json, or "
+                "model.sizes) and kv_cache.num_tokens")
     return text or type(exc).__name__
 
 
@@ -233,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if debug:
             raise
-        if isinstance(exc, _run_errors()):
+        if isinstance(exc, _run_errors()) or _host_out_of_memory(exc):
             code = RUN_ERROR
         elif isinstance(exc, _user_errors()):
             code = USER_ERROR

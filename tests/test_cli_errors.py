@@ -113,6 +113,11 @@ IN_PROCESS = {
                                 "tokens; use --window 256 or less"),
     "window of one token": (["eval-ppl", *LLAMA, "--text", str(ROOT / "pieceworks/data/english.txt"),
                              "--window", "1"], 2, "--window 1: a window needs at least 2 tokens"),
+    "KV pool beyond memory": (["run", *LLAMA, "kv_cache.num_tokens=1000000000000"], 2,
+                              "kv_cache.num_tokens: 1000000000000 tokens take 476837.16 GiB at 512 bytes each, but"),
+    # 2.6e17 bytes of embedding: more than a 48-bit address space holds, refused under any overcommit setting
+    "a model beyond memory": (["run", *LLAMA, "model.sizes.vocab_size=1000000000000000"], 1,
+                              "pieceworks run: error: out of memory ([enforce fail"),
 }
 
 

@@ -314,8 +314,14 @@ class KVPool:
         if num_tokens is not None and page_size > num_tokens:
             raise ConfigError(f"kv_cache.page_size: {page_size} exceeds kv_cache.num_tokens={num_tokens}; use a "
                               "page size of a few tokens (16 is the default)")
-        if num_tokens is None:
-            per_token = layout.bytes_per_token(dtype)
+        per_token = layout.bytes_per_token(dtype)
+        if num_tokens is not None:
+            free = _free_bytes(torch.device(device), unknown=None)
+            if free is not None and num_tokens * per_token > free:
+                raise ConfigError(f"kv_cache.num_tokens: {num_tokens} tokens take {num_tokens * per_token / 2**30:.2f} "
+                                  f"GiB at {per_token} bytes each, but {free / 2**30:.2f} GiB are free on {device}; "
+                                  "lower it, or leave it unset for kv_cache.memory_fraction of the free memory")
+        else:
             free = _free_bytes(torch.device(device))
             num_tokens = int(free * memory_fraction) // per_token
             if torch.device(device).type == "cpu":
@@ -336,7 +342,8 @@ class KVPool:
         return cls(layout, num_pages, page_size, dtype, device, prefix_caching, scales)
 
 
-def _free_bytes(device: torch.device) -> int:
+def _free_bytes(device: torch.device, unknown: int | None = 4 << 30) -> int | None:
+    """Free bytes on `device` (the CPU's: MemAvailable), or `unknown` where the OS does not say."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
@@ -347,4 +354,4 @@ def _free_bytes(device: torch.device) -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 4 << 30
+    return unknown
