@@ -4,6 +4,7 @@ merged, normalized Config): ranges, choices, and the combinations that can't wor
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from pieceworks.errors import ConfigError
@@ -43,6 +44,8 @@ def validate(cfg: Any, require_model: bool = True) -> None:
             "model: set model.path (a Hugging Face-format directory, or smollm2-135m) "
             "or model.arch (llama or deepseek_v3) for random weights"
         )
+    if m.path is not None and not str(m.path).strip():
+        raise ConfigError("model.path: empty; give a model directory (Hugging Face format) or smollm2-135m")
     if m.path is not None and m.arch is not None:
         raise ConfigError("model: set model.path or model.arch, not both")
     if m.arch is not None:
@@ -105,6 +108,10 @@ def validate(cfg: Any, require_model: bool = True) -> None:
     if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
         raise ConfigError(f"runtime.device: {dev!r} is not allowed; use auto, cpu, cuda or cuda:N")
     _one_of("runtime.dtype", cfg.runtime.dtype, ("auto", "bfloat16", "float16", "float32"))
+    if cfg.runtime.cache_dir and Path(cfg.runtime.cache_dir).expanduser().exists() and not Path(
+            cfg.runtime.cache_dir).expanduser().is_dir():
+        raise ConfigError(f"runtime.cache_dir: {cfg.runtime.cache_dir} is a file; give a directory (it is created "
+                          "where missing), or leave it unset")
     lo, hi = SEED_RANGE
     if not lo <= cfg.runtime.seed <= hi:
         raise ConfigError(f"runtime.seed: {cfg.runtime.seed!r} is out of range; use an integer from "

@@ -67,6 +67,7 @@ def test_wrong_types_name_key_and_value(tmp_path):
     ("model.arch=gpt2", "model.arch: 'gpt2' is not allowed; use one of llama, deepseek_v3"),
     ("generation.top_p=0", "generation.top_p: 0.0 must be in (0, 1]"),
     ("parallel.timeout_s=inf", "parallel.timeout_s: inf must be > 0 and at most 1,000,000"),
+    ("model.path=''", "model.path: empty; give a model directory"),
 ])
 def test_invalid_values(override, needle):
     assert needle in err(BASE, [override])
@@ -76,6 +77,22 @@ def test_preset_and_sizes_shape_random_weights_only():
     for override, key in (("model.preset=tiny", "model.preset"), ("model.sizes.num_hidden_layers=1", "model.sizes")):
         msg = err({"model": {"path": "/models/x"}}, [override])
         assert msg.startswith(f"{key}: shapes the random-weight model") and "config.json gives the shape" in msg
+
+
+def test_cache_dir_that_is_a_file(tmp_path):
+    (tmp_path / "f").write_text("")
+    assert f"runtime.cache_dir: {tmp_path / 'f'} is a file; give a directory" in err(
+        BASE, [f"runtime.cache_dir={tmp_path / 'f'}"])
+    assert load_config(BASE, [f"runtime.cache_dir={tmp_path / 'new'}"]).runtime.cache_dir == str(tmp_path / "new")
+
+
+def test_a_memory_fraction_too_small_for_two_pages_says_so():
+    from pieceworks import Executor
+
+    with pytest.raises(ValueError, match=r"kv_cache.memory_fraction=1e-12 of it holds 0 tokens .* fewer than 2 pages. "
+                                         "Raise memory_fraction"):
+        Executor.from_config(BASE, ["model.preset=tiny", "runtime.device=cpu", "kv_cache.memory_fraction=1e-12"],
+                             progress=False)
 
 
 def test_generation_prompts_are_strings():

@@ -334,9 +334,9 @@ class KVPool:
                 )
             if num_tokens < 2 * page_size:
                 raise ValueError(
-                    f"kv_cache: only {free / 2**30:.2f} GiB free; {memory_fraction:.0%} of it holds "
-                    f"{num_tokens} tokens at {per_token} bytes each. Lower the model size or set "
-                    "kv_cache.num_tokens"
+                    f"kv_cache: only {free / 2**30:.2f} GiB free; kv_cache.memory_fraction={memory_fraction:g} of it "
+                    f"holds {num_tokens} tokens at {per_token} bytes each, fewer than 2 pages. Raise memory_fraction, "
+                    "lower the model size or set kv_cache.num_tokens"
                 )
         num_pages = -(-num_tokens // page_size) + 1  # + the reserved page
         return cls(layout, num_pages, page_size, dtype, device, prefix_caching, scales)
