@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Callable
@@ -36,11 +37,62 @@ def _length(rng: random.Random, mean: int, range_ratio: float) -> int:
     return rng.randint(lo, hi)
 
 
+def check_range_ratio(range_ratio: float) -> None:
+    """ValueError unless 0 <= range_ratio < 1 (NaN included)."""
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"--range-ratio {range_ratio}: must be in [0, 1)")
+
+
+def check_request_rate(rate: float) -> None:
+    """ValueError unless `rate` is positive (inf: all at once); NaN is refused."""
+    if not rate > 0:
+        raise ValueError(f"--request-rate {rate}: must be a positive number of requests/s (inf: all at once)")
+
+
+def dataset_lines(path: Path) -> list[str]:
+    """The non-empty lines of a UTF-8 text file, stripped.
+
+    Raises:
+        FileNotFoundError: `path` is missing or a directory.
+        ValueError: the OS won't read it, it is not UTF-8, or it has no non-empty line.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise FileNotFoundError(f"--dataset {path}: is a directory; give a UTF-8 text file, one prompt per line")
+    if not path.is_file():
+        raise FileNotFoundError(f"--dataset {path}: no such file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--dataset {path}: not UTF-8 text (byte {e.start}: {e.reason}); convert it to "
+                         "UTF-8") from None
+    except OSError as e:
+        raise ValueError(f"--dataset {path}: can't be read ({e.strerror or type(e).__name__}); check its "
+                         "permissions") from None
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        raise ValueError(f"--dataset {path}: no non-empty line to use as a prompt")
+    return lines
+
+
+def check_result_path(path: Path) -> None:
+    """ValueError unless `path` can be written as a file: not a directory, in an existing directory, writable
+    (checked before a run, which would otherwise end without its result)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"--result-json {path}: is a directory; give a file path such as {path / 'bench.json'}")
+    parent = path.parent
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise ValueError(f"--result-json {path}: {parent} {what}; give a path in an existing directory")
+    if not os.access(parent if not path.exists() else path, os.W_OK):
+        raise ValueError(f"--result-json {path}: not writable by this user; write elsewhere")
+
+
 def random_workload(num: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
                     seed: int = 0) -> list[WorkItem]:
     """`num` prompts of random token ids; lengths uniform in mean * [1 - range_ratio, 1 + range_ratio]."""
-    if not 0 <= range_ratio < 1:
-        raise ValueError(f"--range-ratio {range_ratio}: must be in [0, 1)")
+    check_range_ratio(range_ratio)
     rng = random.Random(seed)
     items = []
     for _ in range(num):
@@ -51,17 +103,15 @@ def random_workload(num: int, input_len: int, output_len: int, range_ratio: floa
 
 def text_workload(path: Path, num: int, output_len: int, range_ratio: float, seed: int = 0) -> list[WorkItem]:
     """`num` prompts drawn (with replacement, seeded) from the non-empty lines of a UTF-8 text file."""
-    lines = [ln.strip() for ln in Path(path).read_text(encoding="utf-8").splitlines() if ln.strip()]
-    if not lines:
-        raise ValueError(f"--dataset {path}: no non-empty line to use as a prompt")
+    check_range_ratio(range_ratio)
+    lines = dataset_lines(path)
     rng = random.Random(seed)
     return [WorkItem(rng.choice(lines), 0, _length(rng, output_len, range_ratio)) for _ in range(num)]
 
 
 def arrival_gaps(num: int, rate: float, seed: int = 0) -> list[float]:
     """Seconds to wait before each request: a Poisson process of `rate` requests/s (0 for inf)."""
-    if rate <= 0:
-        raise ValueError(f"--request-rate {rate}: must be positive (inf: all at once)")
+    check_request_rate(rate)
     rng = random.Random(seed + 1)
     return [0.0 if math.isinf(rate) else rng.expovariate(rate) for _ in range(num)]
 
