@@ -4,6 +4,7 @@ benchmark's statistics, workloads and arrival process."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import re
 
@@ -147,6 +148,30 @@ def test_bench_dataset_checks(tmp_path):
                          (tmp_path / "blank.txt" / "out.json", "is not a directory")]:
         with pytest.raises(ValueError, match=f"^--result-json .*{needle}"):
             bench.check_result_path(path)
+
+
+def test_bench_asks_the_server_to_tokenize_a_dataset(tmp_path):
+    """--dataset over HTTP: a server that refuses to tokenize (no tokenizer) is an error before the run; one
+    without /tokenize (404) is left to the requests."""
+    import httpx
+
+    f = tmp_path / "p.txt"
+    f.write_text("first prompt\n")
+    sent = []
+
+    async def check(answer):
+        def handler(req):
+            sent.append(json.loads(req.content))
+            return answer
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            await bench._check_server_tokenizes(client, "http://host", "m", f)
+
+    asyncio.run(check(httpx.Response(200, json={"tokens": [1, 2], "count": 2})))
+    asyncio.run(check(httpx.Response(404, text="not found")))
+    assert sent[0] == {"model": "m", "prompt": "first prompt"}
+    refusal = {"error": {"message": "this model has no tokenizer", "type": "invalid_request_error"}}
+    with pytest.raises(ValueError, match=r"can't tokenize its text prompts \(this model has no tokenizer\)"):
+        asyncio.run(check(httpx.Response(400, json=refusal)))
 
 
 def test_bench_refuses_a_server_without_a_model_list():

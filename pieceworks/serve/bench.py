@@ -274,6 +274,28 @@ async def _served_models(client: Any, url: str) -> list[dict]:
     return models
 
 
+async def _check_server_tokenizes(client: Any, url: str, model: str, dataset: Path) -> None:
+    """--dataset sends text prompts: ValueError, before the run, where the server refuses to tokenize the file's
+    first prompt (POST /tokenize, pieceworks' and vLLM's route; a server without it leaves the answer to the
+    requests themselves)."""
+    import httpx
+
+    body = {"model": model, "prompt": dataset_lines(dataset)[0]}
+    try:
+        resp = await client.post(f"{url}/tokenize", json=body)
+    except httpx.TransportError as exc:
+        reason = str(exc) or type(exc).__name__
+        raise ConnectionError(f"can't reach the server at {url}: {reason}; is `pieceworks serve` running?") from None
+    if resp.status_code != 400:
+        return
+    try:
+        message = resp.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = resp.text[:200]
+    raise ValueError(f"--dataset {dataset}: the server at {url} can't tokenize its text prompts ({message}); "
+                     "serve a model with a tokenizer, or leave out --dataset for random token-id prompts (--input-len)")
+
+
 async def _bench_http(args: Any) -> dict:
     import httpx
 
@@ -285,6 +307,8 @@ async def _bench_http(args: Any) -> dict:
         card = models[0] if args.model is None else next((m for m in models if m["id"] == args.model), None)
         if card is None:
             raise ValueError(f"--model {args.model!r}: the server serves {[m['id'] for m in models]}")
+        if args.dataset is not None:
+            await _check_server_tokenizes(client, url, card["id"], args.dataset)
         items = _workload(args, card["vocab_size"], card["max_model_len"])
         records, duration = await run_workload(items, http_driver(client, url, card["id"]), args.request_rate,
                                                args.max_concurrency, args.seed, not args.no_progress)
@@ -292,6 +316,10 @@ async def _bench_http(args: Any) -> dict:
 
 
 async def _bench_engine(engine: Any, args: Any) -> dict:
+    if args.dataset is not None and engine.tokenizer is None:
+        raise ValueError(f"--dataset {args.dataset}: text prompts need a tokenizer, and {engine.model_name} has "
+                         "none; use a model with one, or leave out --dataset for random token-id prompts "
+                         "(--input-len)")
     vocab = int(engine.engine.executor.vocab_size)
     items = _workload(args, vocab, engine.max_context)
     records, duration = await run_workload(items, engine_driver(engine), args.request_rate, args.max_concurrency,

@@ -55,7 +55,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--range-ratio", type=float, default=0.0, metavar="R",
                    help="lengths uniform in mean * [1 - R, 1 + R] (default 0: fixed)")
     p.add_argument("--dataset", type=Path, default=None, metavar="FILE",
-                   help="prompts from the lines of a UTF-8 text file instead of random token ids")
+                   help="prompts from the lines of a UTF-8 text file instead of random token ids (needs the "
+                        "model's tokenizer)")
     p.add_argument("--request-rate", type=float, default=math.inf, metavar="RPS",
                    help="Poisson arrivals at this many requests/s (default inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, metavar="C", help="at most C requests in flight")
@@ -85,6 +86,14 @@ def check_bench_arguments(args: argparse.Namespace) -> None:
         dataset_lines(args.dataset)
     if args.result_json is not None:
         check_result_path(args.result_json)
+
+
+def _check_bench_model(args: argparse.Namespace, cfg: Any) -> None:
+    """--dataset's text prompts need the in-process model's tokenizer: random weights (model.arch) have none."""
+    if args.dataset is not None and not cfg.model.path:
+        raise ValueError(f"--dataset {args.dataset}: text prompts need a tokenizer, and model.arch={cfg.model.arch} "
+                         "builds random weights without one; give a model.path with one, or leave out --dataset "
+                         "for random token-id prompts (--input-len)")
 
 
 def _check_url(url: str) -> None:
@@ -157,4 +166,6 @@ def run_bench(args: argparse.Namespace, cfg: Any) -> int:
 
     if args.url is not None:
         _need_serve_extra("httpx")
+    else:
+        _check_bench_model(args, cfg)
     return run(args, cfg)
