@@ -25,6 +25,7 @@ except ImportError:
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 240  # s; a case is a few seconds on an idle machine
 LLAMA = ["model.arch=llama", "model.preset=tiny", "runtime.device=cpu", "kv_cache.num_tokens=256"]
+BENCH = ["bench", *LLAMA, "--num-prompts", "2", "--input-len", "8", "--output-len", "2", "--no-progress"]
 
 
 def _env() -> dict:
@@ -64,6 +65,13 @@ CASES = {
     "bench url without a scheme": (["bench", "--url", "notaurl"], 2,
                                    "pieceworks bench: error: --url must be an http:// or https:// URL such as "
                                    "http://127.0.0.1:8000, got 'notaurl'"),
+    "bench dataset without a tokenizer": ([*BENCH, "--dataset", "prompts.txt"], 2,
+                                          "pieceworks bench: error: --dataset prompts.txt: text prompts need a "
+                                          "tokenizer, and model.arch=llama builds random weights without one"),
+    "bench dataset is a directory": (["bench", "--url", "http://127.0.0.1:1", "--dataset", "."], 2,
+                                     "pieceworks bench: error: --dataset .: is a directory"),
+    "bench result json is a directory": ([*BENCH, "--result-json", "."], 2,
+                                         "pieceworks bench: error: --result-json .: is a directory"),
     "debug shows the traceback": (["run", "tab.yaml", "--debug"], 1, "Traceback (most recent call last)"),
 }
 
@@ -74,6 +82,7 @@ def results(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("cli")
     (cwd / "tab.yaml").write_text("model:\n  arch: llama\n\tpreset: tiny\n")
     (cwd / "list.yaml").write_text("- model\n- kv_cache\n")
+    (cwd / "prompts.txt").write_text("a prompt\n")
     procs = {name: _start(args, cwd) for name, (args, _, _) in CASES.items()}
     out = {}
     try:
@@ -97,6 +106,8 @@ def test_user_errors_are_one_line_on_stderr(results, name):
         lines = [ln for ln in stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and "Traceback" not in stderr, stderr[-2000:]
         assert "error" not in stdout.lower(), stdout[-2000:]
+    if CASES[name][0][0] == "bench":  # refused before the run: no table
+        assert not stdout.strip(), stdout[-2000:]
 
 
 IN_PROCESS = {
@@ -143,6 +154,42 @@ def test_bench_without_a_server(capsys):
     assert len(lines) == 1, lines
     assert lines[0].startswith("pieceworks bench: error: can't reach the server at http://127.0.0.1:1: ")
     assert lines[0].endswith("; is `pieceworks serve` running?"), lines[0]
+
+
+BENCH_FLAGS = {  # flags -> the error line's text after "pieceworks bench: error: "
+    ("--dataset", "prompts.txt"): "--dataset prompts.txt: text prompts need a tokenizer, and model.arch=llama "
+                                  "builds random weights without one",
+    ("--dataset", "latin1.txt"): "--dataset latin1.txt: not UTF-8 text (byte 3: invalid continuation byte)",
+    ("--dataset", "none.txt"): "--dataset none.txt: no such file",
+    ("--request-rate", "nan"): "--request-rate nan: must be a positive number of requests/s (inf: all at once)",
+    ("--range-ratio", "1.5", "--dataset", "prompts.txt"): "--range-ratio 1.5: must be in [0, 1)",
+    ("--result-json", "."): "--result-json .: is a directory; give a file path such as bench.json",
+    ("--result-json", "nodir/out.json"): "--result-json nodir/out.json: nodir does not exist",
+}
+
+
+@pytest.mark.parametrize("url", [False, True], ids=["in-process", "url"])
+def test_bench_checks_its_flags_before_the_model_loads(url, capsys, monkeypatch, tmp_path):
+    """In process, before the model loads; with --url, before the server is asked (nothing listens there)."""
+    from pieceworks import cli
+    from pieceworks.engine import AsyncEngine
+
+    def loads(*args, **kwargs):
+        raise AssertionError("the model loads before the bench flags are checked")
+
+    monkeypatch.setattr(AsyncEngine, "from_config", loads)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts.txt").write_text("a prompt\n")
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9\n".encode("latin-1"))
+    target = ["bench", "--url", "http://127.0.0.1:1", "--no-progress"] if url else BENCH
+    for flags, needle in BENCH_FLAGS.items():
+        if url and "model.arch" in needle:  # the server's tokenizer: tests/test_serve.py
+            continue
+        assert cli.main([*target, *flags]) == 2, flags
+        out, err = capsys.readouterr()
+        lines = err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"pieceworks bench: error: {needle}"), (flags, err)
+        assert not out.strip(), out
 
 
 def _torch_mapped(pid: int) -> bool:

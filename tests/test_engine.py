@@ -567,6 +567,8 @@ def test_bad_requests_refused(engine):
         ({"prompt": [1], "params": SamplingParams(logit_bias={3: 1.0, 512: 5.0})}, r"logit_bias: token ids \[512\]"),
         ({"prompt": [1], "params": SamplingParams(allowed_token_ids=[600, 2])},
          r"allowed_token_ids: token ids \[600\]"),
+        ({"prompt": [1], "params": SamplingParams(stop_token_ids=[2, 10**9])},
+         r"stop_token_ids: token ids \[1000000000\] are outside the vocabulary \[0, 512\)"),
         ({"prompt": [1], "params": SamplingParams(allowed_token_ids=[3], stop_token_ids=[3], min_tokens=1)},
          "no token could be generated"),
     ]:

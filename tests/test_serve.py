@@ -333,6 +333,20 @@ def test_bench_against_the_server(tiny_url, tmp_path):
     wait_idle(tiny_url)
 
 
+def test_bench_dataset_on_a_server_without_a_tokenizer(tiny_url, tmp_path):
+    """Text prompts the server can't tokenize: one line with the server's reason, exit 2, before the run."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a prompt\n")
+    cmd = [sys.executable, "-m", "pieceworks.cli", "bench", "--url", tiny_url, "--num-prompts", "2", "--output-len",
+           "2", "--dataset", str(prompts), "--no-progress"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert p.returncode == 2 and not p.stdout.strip(), p.stdout + p.stderr
+    assert p.stderr.strip() == (f"pieceworks bench: error: --dataset {prompts}: the server at {tiny_url} can't "
+                                "tokenize its text prompts (this model has no tokenizer (random weights): token ids "
+                                "are all it takes); serve a model with a tokenizer, or leave out --dataset for "
+                                "random token-id prompts (--input-len)"), p.stderr
+
+
 def test_bench_in_process(tiny_engine):
     import argparse
 
@@ -345,6 +359,11 @@ def test_bench_in_process(tiny_engine):
         res = asyncio.run(bench._bench_engine(engine, args))
     assert (res["completed"], res["failed"], res["total_output_tokens"]) == (6, 0, 30)
     assert res["total_input_tokens"] == 6 * 16 and res["tpot_ms"]["p50"] > 0
+    args.dataset = REPO / "pieceworks/data/english.txt"  # text, and the tiny model has no tokenizer
+    with AsyncEngine(tiny_engine) as engine:
+        with pytest.raises(ValueError, match="--dataset .*english.txt: text prompts need a tokenizer, and "
+                                             "llama-tiny has none"):
+            asyncio.run(bench._bench_engine(engine, args))
 
 
 # ---- SmolLM2: text, chat template, stop strings, logprobs ----------------------------------------

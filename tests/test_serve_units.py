@@ -4,7 +4,9 @@ benchmark's statistics, workloads and arrival process."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import re
 
 import pytest
 
@@ -106,6 +108,12 @@ def test_workloads_and_arrivals(tmp_path):
     assert bench.arrival_gaps(3, math.inf) == [0.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="range-ratio"):
         bench.random_workload(1, 10, 10, 1.0, 50)
+    for bad in (1.0, math.nan):
+        with pytest.raises(ValueError, match="range-ratio"):
+            bench.text_workload(f, 1, 8, bad)
+    for bad in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match="--request-rate"):
+            bench.arrival_gaps(3, bad)
 
 
 def test_run_workload_bounds_concurrency():
@@ -123,6 +131,47 @@ def test_run_workload_bounds_concurrency():
     items = bench.random_workload(12, 4, 3, 0.0, 10)
     records, _ = asyncio.run(bench.run_workload(items, driver, math.inf, 3, progress=False))
     assert peak == 3 and len(records) == 12 and all(r.ok and r.output_tokens == 3 for r in records)
+
+
+def test_bench_dataset_checks(tmp_path):
+    """A dataset and a result path that can't serve are refused by name, before a run."""
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n")
+    (tmp_path / "blank.txt").write_text("\n  \n")
+    for name, exc, needle in [("latin1.txt", ValueError, "latin1.txt: not UTF-8 text (byte 3: invalid continuation"),
+                              ("blank.txt", ValueError, "blank.txt: no non-empty line"),
+                              ("none.txt", FileNotFoundError, "none.txt: no such file"),
+                              (".", FileNotFoundError, ": is a directory")]:
+        with pytest.raises(exc, match=f"^--dataset .*{re.escape(needle)}"):
+            bench.dataset_lines(tmp_path / name)
+    bench.check_result_path(tmp_path / "out.json")
+    for path, needle in [(tmp_path, "is a directory"), (tmp_path / "no" / "out.json", "does not exist"),
+                         (tmp_path / "blank.txt" / "out.json", "is not a directory")]:
+        with pytest.raises(ValueError, match=f"^--result-json .*{needle}"):
+            bench.check_result_path(path)
+
+
+def test_bench_asks_the_server_to_tokenize_a_dataset(tmp_path):
+    """--dataset over HTTP: a server that refuses to tokenize (no tokenizer) is an error before the run; one
+    without /tokenize (404) is left to the requests."""
+    import httpx
+
+    f = tmp_path / "p.txt"
+    f.write_text("first prompt\n")
+    sent = []
+
+    async def check(answer):
+        def handler(req):
+            sent.append(json.loads(req.content))
+            return answer
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            await bench._check_server_tokenizes(client, "http://host", "m", f)
+
+    asyncio.run(check(httpx.Response(200, json={"tokens": [1, 2], "count": 2})))
+    asyncio.run(check(httpx.Response(404, text="not found")))
+    assert sent[0] == {"model": "m", "prompt": "first prompt"}
+    refusal = {"error": {"message": "this model has no tokenizer", "type": "invalid_request_error"}}
+    with pytest.raises(ValueError, match=r"can't tokenize its text prompts \(this model has no tokenizer\)"):
+        asyncio.run(check(httpx.Response(400, json=refusal)))
 
 
 def test_bench_refuses_a_server_without_a_model_list():

@@ -116,9 +116,10 @@ class Engine:
 
         Raises:
             RequestError: a bad prompt, params or id, a prompt + max_tokens over the context limit,
-                logit_bias or allowed_token_ids outside the vocabulary, allowed ids that min_tokens holds
-                all back, stop strings without a tokenizer, structured outputs that do not compile (or
-                without a tokenizer or llguidance), or a priority fcfs can't honour; nothing was queued.
+                logit_bias, allowed_token_ids or stop_token_ids outside the vocabulary, allowed ids that
+                min_tokens holds all back, stop strings without a tokenizer, structured outputs that do not
+                compile (or without a tokenizer or llguidance), or a priority fcfs can't honour; nothing was
+                queued.
         """
         with self._exclusive("add_request"):
             self._check_open()

@@ -155,7 +155,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     """Leave special tokens (EOS, chat markers) out of the text (vLLM's field; the token ids keep them)."""
     stop_token_ids: list[int] | None = None
-    """Token ids that end the request besides EOS (the stop token is in the output ids, its text is not)."""
+    """Token ids that end the request besides EOS (the stop token is in the output ids, its text is not); ids
+    below the vocabulary size."""
     ignore_eos: bool = False
     """Keep generating past EOS (stop_token_ids still stop)."""
     min_tokens: int = 0

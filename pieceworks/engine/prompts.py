@@ -68,9 +68,10 @@ def check_fits(ids: list[int], params: SamplingParams, max_context: int) -> None
 
 
 def check_token_ids(params: SamplingParams, vocab: int, eos_ids: frozenset[int]) -> None:
-    """logit_bias keys and allowed_token_ids name tokens of the vocabulary [0, vocab), and allowed_token_ids
-    leaves a token that min_tokens does not hold back."""
-    for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+    """logit_bias keys, allowed_token_ids and stop_token_ids name tokens of the vocabulary [0, vocab), and
+    allowed_token_ids leaves a token that min_tokens does not hold back."""
+    for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),
+                      ("stop_token_ids", params.stop_token_ids)):
         bad = sorted(t for t in ids or () if t >= vocab)
         if bad:
             raise RequestError(f"SamplingParams.{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab}); "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Callable
@@ -36,11 +37,62 @@ def _length(rng: random.Random, mean: int, range_ratio: float) -> int:
     return rng.randint(lo, hi)
 
 
+def check_range_ratio(range_ratio: float) -> None:
+    """ValueError unless 0 <= range_ratio < 1 (NaN included)."""
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"--range-ratio {range_ratio}: must be in [0, 1)")
+
+
+def check_request_rate(rate: float) -> None:
+    """ValueError unless `rate` is positive (inf: all at once); NaN is refused."""
+    if not rate > 0:
+        raise ValueError(f"--request-rate {rate}: must be a positive number of requests/s (inf: all at once)")
+
+
+def dataset_lines(path: Path) -> list[str]:
+    """The non-empty lines of a UTF-8 text file, stripped.
+
+    Raises:
+        FileNotFoundError: `path` is missing or a directory.
+        ValueError: the OS won't read it, it is not UTF-8, or it has no non-empty line.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise FileNotFoundError(f"--dataset {path}: is a directory; give a UTF-8 text file, one prompt per line")
+    if not path.is_file():
+        raise FileNotFoundError(f"--dataset {path}: no such file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--dataset {path}: not UTF-8 text (byte {e.start}: {e.reason}); convert it to "
+                         "UTF-8") from None
+    except OSError as e:
+        raise ValueError(f"--dataset {path}: can't be read ({e.strerror or type(e).__name__}); check its "
+                         "permissions") from None
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        raise ValueError(f"--dataset {path}: no non-empty line to use as a prompt")
+    return lines
+
+
+def check_result_path(path: Path) -> None:
+    """ValueError unless `path` can be written as a file: not a directory, in an existing directory, writable
+    (checked before a run, which would otherwise end without its result)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"--result-json {path}: is a directory; give a file path such as {path / 'bench.json'}")
+    parent = path.parent
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise ValueError(f"--result-json {path}: {parent} {what}; give a path in an existing directory")
+    if not os.access(parent if not path.exists() else path, os.W_OK):
+        raise ValueError(f"--result-json {path}: not writable by this user; write elsewhere")
+
+
 def random_workload(num: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
                     seed: int = 0) -> list[WorkItem]:
     """`num` prompts of random token ids; lengths uniform in mean * [1 - range_ratio, 1 + range_ratio]."""
-    if not 0 <= range_ratio < 1:
-        raise ValueError(f"--range-ratio {range_ratio}: must be in [0, 1)")
+    check_range_ratio(range_ratio)
     rng = random.Random(seed)
     items = []
     for _ in range(num):
@@ -51,17 +103,15 @@ def random_workload(num: int, input_len: int, output_len: int, range_ratio: floa
 
 def text_workload(path: Path, num: int, output_len: int, range_ratio: float, seed: int = 0) -> list[WorkItem]:
     """`num` prompts drawn (with replacement, seeded) from the non-empty lines of a UTF-8 text file."""
-    lines = [ln.strip() for ln in Path(path).read_text(encoding="utf-8").splitlines() if ln.strip()]
-    if not lines:
-        raise ValueError(f"--dataset {path}: no non-empty line to use as a prompt")
+    check_range_ratio(range_ratio)
+    lines = dataset_lines(path)
     rng = random.Random(seed)
     return [WorkItem(rng.choice(lines), 0, _length(rng, output_len, range_ratio)) for _ in range(num)]
 
 
 def arrival_gaps(num: int, rate: float, seed: int = 0) -> list[float]:
     """Seconds to wait before each request: a Poisson process of `rate` requests/s (0 for inf)."""
-    if rate <= 0:
-        raise ValueError(f"--request-rate {rate}: must be positive (inf: all at once)")
+    check_request_rate(rate)
     rng = random.Random(seed + 1)
     return [0.0 if math.isinf(rate) else rng.expovariate(rate) for _ in range(num)]
 
@@ -224,6 +274,28 @@ async def _served_models(client: Any, url: str) -> list[dict]:
     return models
 
 
+async def _check_server_tokenizes(client: Any, url: str, model: str, dataset: Path) -> None:
+    """--dataset sends text prompts: ValueError, before the run, where the server refuses to tokenize the file's
+    first prompt (POST /tokenize, pieceworks' and vLLM's route; a server without it leaves the answer to the
+    requests themselves)."""
+    import httpx
+
+    body = {"model": model, "prompt": dataset_lines(dataset)[0]}
+    try:
+        resp = await client.post(f"{url}/tokenize", json=body)
+    except httpx.TransportError as exc:
+        reason = str(exc) or type(exc).__name__
+        raise ConnectionError(f"can't reach the server at {url}: {reason}; is `pieceworks serve` running?") from None
+    if resp.status_code != 400:
+        return
+    try:
+        message = resp.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = resp.text[:200]
+    raise ValueError(f"--dataset {dataset}: the server at {url} can't tokenize its text prompts ({message}); "
+                     "serve a model with a tokenizer, or leave out --dataset for random token-id prompts (--input-len)")
+
+
 async def _bench_http(args: Any) -> dict:
     import httpx
 
@@ -235,6 +307,8 @@ async def _bench_http(args: Any) -> dict:
         card = models[0] if args.model is None else next((m for m in models if m["id"] == args.model), None)
         if card is None:
             raise ValueError(f"--model {args.model!r}: the server serves {[m['id'] for m in models]}")
+        if args.dataset is not None:
+            await _check_server_tokenizes(client, url, card["id"], args.dataset)
         items = _workload(args, card["vocab_size"], card["max_model_len"])
         records, duration = await run_workload(items, http_driver(client, url, card["id"]), args.request_rate,
                                                args.max_concurrency, args.seed, not args.no_progress)
@@ -242,6 +316,10 @@ async def _bench_http(args: Any) -> dict:
 
 
 async def _bench_engine(engine: Any, args: Any) -> dict:
+    if args.dataset is not None and engine.tokenizer is None:
+        raise ValueError(f"--dataset {args.dataset}: text prompts need a tokenizer, and {engine.model_name} has "
+                         "none; use a model with one, or leave out --dataset for random token-id prompts "
+                         "(--input-len)")
     vocab = int(engine.engine.executor.vocab_size)
     items = _workload(args, vocab, engine.max_context)
     records, duration = await run_workload(items, engine_driver(engine), args.request_rate, args.max_concurrency,

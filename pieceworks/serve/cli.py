@@ -55,7 +55,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--range-ratio", type=float, default=0.0, metavar="R",
                    help="lengths uniform in mean * [1 - R, 1 + R] (default 0: fixed)")
     p.add_argument("--dataset", type=Path, default=None, metavar="FILE",
-                   help="prompts from the lines of a text file instead of random token ids")
+                   help="prompts from the lines of a UTF-8 text file instead of random token ids (needs the "
+                        "model's tokenizer)")
     p.add_argument("--request-rate", type=float, default=math.inf, metavar="RPS",
                    help="Poisson arrivals at this many requests/s (default inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, metavar="C", help="at most C requests in flight")
@@ -66,6 +67,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_bench_arguments(args: argparse.Namespace) -> None:
+    """The bench flags, checked before any config or model loads: ValueError (FileNotFoundError for a missing
+    --dataset) naming the flag."""
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
@@ -75,6 +78,22 @@ def check_bench_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--url drives a running server: CONFIG arguments {args.config} belong to the server")
     if args.url is not None:
         _check_url(args.url)
+    from pieceworks.serve.bench import check_range_ratio, check_request_rate, check_result_path, dataset_lines
+
+    check_range_ratio(args.range_ratio)
+    check_request_rate(args.request_rate)
+    if args.dataset is not None:
+        dataset_lines(args.dataset)
+    if args.result_json is not None:
+        check_result_path(args.result_json)
+
+
+def _check_bench_model(args: argparse.Namespace, cfg: Any) -> None:
+    """--dataset's text prompts need the in-process model's tokenizer: random weights (model.arch) have none."""
+    if args.dataset is not None and not cfg.model.path:
+        raise ValueError(f"--dataset {args.dataset}: text prompts need a tokenizer, and model.arch={cfg.model.arch} "
+                         "builds random weights without one; give a model.path with one, or leave out --dataset "
+                         "for random token-id prompts (--input-len)")
 
 
 def _check_url(url: str) -> None:
@@ -147,4 +166,6 @@ def run_bench(args: argparse.Namespace, cfg: Any) -> int:
 
     if args.url is not None:
         _need_serve_extra("httpx")
+    else:
+        _check_bench_model(args, cfg)
     return run(args, cfg)
