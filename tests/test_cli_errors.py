@@ -144,6 +144,32 @@ def test_user_errors_in_process(name, capsys, monkeypatch, tmp_path):
     assert len(lines) == 1 and needle in lines[0], err[-2000:]
 
 
+def test_serve_checks_where_it_listens_before_the_model_loads(capsys, monkeypatch):
+    import socket
+
+    pytest.importorskip("uvicorn")
+    from pieceworks import cli
+    from pieceworks.executor import build
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded before the listening address was checked")
+
+    monkeypatch.setattr(build, "build_executor", no_load)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert cli.main(["serve", *LLAMA, "--port", str(port)]) == 2
+    assert f"--host 127.0.0.1 --port {port}: can't listen there (Address already in use)" in capsys.readouterr().err
+
+    def unresolved(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unresolved)
+    assert cli.main(["serve", *LLAMA, "--host", "999.1.1.1"]) == 2
+    assert "--host 999.1.1.1: not an address of this machine or a name it resolves" in capsys.readouterr().err
+
+
 def test_bench_without_a_server(capsys):
     """Nothing listens at the URL: one line that names it, exit 2, before any request is sent."""
     pytest.importorskip("httpx", reason="needs the serve extra: pip install 'pieceworks[serve]'")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -118,10 +119,31 @@ def _need_serve_extra(*modules: str) -> None:
             raise ImportError(f"{name} is missing: install the serve extra (pip install 'pieceworks[serve]')") from exc
 
 
+def check_listen(host: str, port: int) -> None:
+    """ValueError unless this process can listen on host:port now (checked before the model loads: a typo in
+    --host or a port another server holds would otherwise show after the load). uvicorn binds the same way."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"--host {host}: not an address of this machine or a name it resolves ({exc}); use "
+                         "127.0.0.1, 0.0.0.0 (all interfaces) or one of its addresses") from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            raise ValueError(f"--host {host} --port {port}: can't listen there ({exc.strerror or exc}); another "
+                             "server may hold the port: choose another --port, or --host an address of this "
+                             "machine") from None
+
+
 def run_serve(args: argparse.Namespace, cfg: Any) -> int:
     """Build the engine, then serve it until interrupted (the engine shuts down on the way out)."""
     _need_serve_extra("fastapi", "uvicorn")
     import uvicorn
+
+    check_listen(args.host, args.port)
 
     from pieceworks.engine import AsyncEngine
     from pieceworks.serve.app import build_app
