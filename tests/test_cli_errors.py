@@ -165,6 +165,8 @@ def test_serve_checks_where_it_listens_before_the_model_loads(capsys, monkeypatc
     def unresolved(*args, **kwargs):
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
+    assert cli.main(["serve", *LLAMA, "--max-queue", "0"]) == 2
+    assert "--max-queue 0: must be at least 1" in capsys.readouterr().err
     monkeypatch.setattr(socket, "getaddrinfo", unresolved)
     assert cli.main(["serve", *LLAMA, "--host", "999.1.1.1"]) == 2
     assert "--host 999.1.1.1: not an address of this machine or a name it resolves" in capsys.readouterr().err
@@ -191,6 +193,7 @@ BENCH_FLAGS = {  # flags -> the error line's text after "pieceworks bench: error
     ("--range-ratio", "1.5", "--dataset", "prompts.txt"): "--range-ratio 1.5: must be in [0, 1)",
     ("--result-json", "."): "--result-json .: is a directory; give a file path such as bench.json",
     ("--result-json", "nodir/out.json"): "--result-json nodir/out.json: nodir does not exist",
+    ("--timeout", "0"): "--timeout 0.0: must be a finite number of seconds > 0",
 }
 
 

@@ -75,6 +75,8 @@ def check_bench_arguments(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency {args.max_concurrency}: must be at least 1")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ValueError(f"--timeout {args.timeout}: must be a finite number of seconds > 0")
     if args.url is not None and args.config:
         raise ValueError(f"--url drives a running server: CONFIG arguments {args.config} belong to the server")
     if args.url is not None:
@@ -143,6 +145,8 @@ def run_serve(args: argparse.Namespace, cfg: Any) -> int:
     _need_serve_extra("fastapi", "uvicorn")
     import uvicorn
 
+    if args.max_queue < 1:
+        raise ValueError(f"--max-queue {args.max_queue}: must be at least 1 (requests waiting for a first token)")
     check_listen(args.host, args.port)
 
     from pieceworks.engine import AsyncEngine
