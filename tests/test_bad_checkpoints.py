@@ -280,6 +280,13 @@ def test_quantizer_refuses_bad_inputs(tiny_llama_modelopt, ckpt, tmp_path, monke
     (tmp_path / "full" / "x").write_text("x")
     with pytest.raises(ValueError, match="exists and is not an empty directory"):
         quantize_checkpoint(bf16, tmp_path / "full", amax=1.0, progress=False)
+    gpt2 = tmp_path / "gpt2"
+    shutil.copytree(bf16, gpt2)
+    config = json.loads((gpt2 / "config.json").read_text())
+    (gpt2 / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match=r"gpt2/config.json: architectures=\['GPT2LMHeadModel'\] .* is not supported"):
+        quantize_checkpoint(gpt2, tmp_path / "c", amax=1.0, progress=False)  # before the run, not at the first load
+    assert not (tmp_path / "c").exists()
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)  # import transformers fails
     (tmp_path / "t.txt").write_text("hello")
     with pytest.raises(ValueError, match=r"needs transformers: pip install 'pieceworks\[demo\]'"):

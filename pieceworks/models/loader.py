@@ -151,6 +151,23 @@ def model_facts(model_cfg: Any, quant_cfg: Any, page_size: int,
     return model.facts(page_size), model.required_ops()
 
 
+def checked_config(path: Path) -> tuple[type[CausalLM], dict]:
+    """The model class and config.json dict of the checkpoint directory `path` (a multimodal checkpoint's text
+    model), its architecture supported and its fields checked (`config_forms.check`).
+
+    Raises:
+        CheckpointError: naming config.json and the field.
+    """
+    hf = read_config(path)
+    hf = text_model(hf) or hf  # Gemma 3 4B-27B: the text model of a multimodal checkpoint
+    cls = architecture(hf, path / "config.json")
+    try:
+        config_forms.check(hf, cls.arch)
+    except hf_fields.FieldError as e:
+        raise CheckpointError(f"{path / 'config.json'}: {e}; fix the file or re-download the model") from None
+    return cls, hf
+
+
 def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Callable[[str], bool], Any, Any]:
     """Model class, config.json dict (checked: `config_forms.check`), which linears are NVFP4, from a
     checkpoint or a preset, the CheckpointReader opened to look for quantized tensors without a
@@ -161,13 +178,7 @@ def _describe(model_cfg: Any, quant_cfg: Any) -> tuple[type[CausalLM], dict, Cal
         from pieceworks.quant.modelopt import detect_quantization
 
         path = Path(model_cfg.path)
-        hf = read_config(path)
-        hf = text_model(hf) or hf  # Gemma 3 4B-27B: the text model of a multimodal checkpoint
-        cls = architecture(hf, path / "config.json")
-        try:
-            config_forms.check(hf, cls.arch)
-        except hf_fields.FieldError as e:
-            raise CheckpointError(f"{path / 'config.json'}: {e}; fix the file or re-download the model") from None
+        cls, hf = checked_config(path)
         quant = detect_quantization(path)
         reader = _check_quantization_config(path) if quant is None else None
         if fmt == "none" and quant is not None:

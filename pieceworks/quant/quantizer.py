@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from pieceworks.models.checkpoint import CheckpointReader
+from pieceworks.models.loader import checked_config
 from pieceworks.quant import nvfp4
 from pieceworks.quant.export_config import write_configs
 from pieceworks.quant.output_dir import Staging, check_dirs, check_space, copied_files
@@ -265,6 +266,7 @@ def quantize_checkpoint(
                          "the keys' and values' amax over a text, which a fixed --amax does not give")
     reader = CheckpointReader(src)
     config = check_dirs(src, dst, reader)
+    checked_config(src)  # a model pieceworks can load: refused here, not after the run at its first load
     if kv_cache and config.get("kv_lora_rank"):
         raise ValueError(f"{src}: --kv-cache fp8: this model has MLA attention (kv_lora_rank), whose latent cache "
                          "pieceworks keeps in the model dtype; leave --kv-cache out")
