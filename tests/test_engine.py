@@ -95,10 +95,12 @@ def test_seeded_request_same_tokens_alone_and_batched(engine):
     with pytest.raises(RequestError, match="generate needs the engine to itself"):
         engine.generate([PROMPTS[1]], p)  # it would consume the others' outputs
     rid = engine.add_request(PROMPTS[1], p)  # runs while the others run too
-    batched = []
+    batched, finished = [], set()
     while engine.has_unfinished():
-        batched += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
-    assert alone == batched
+        for o in engine.step():
+            batched += o.new_token_ids if o.request_id == rid else []
+            finished |= {o.request_id} if o.finished else set()
+    assert alone == batched and finished == {*others, rid}
     assert engine.generate([PROMPTS[1]], SamplingParams(temperature=1.0, top_k=50, seed=99, max_tokens=10))[0].token_ids != alone
     drained(engine)
 
