@@ -97,15 +97,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    from pieceworks.util import flag_text
+
     text = Path(args.text)
-    if text.is_dir():
-        raise FileNotFoundError(f"--text {text}: is a directory; give a UTF-8 text file")
-    if not text.is_file():
-        raise FileNotFoundError(f"--text {text}: no such file")
-    try:
-        text.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--text {text}: not UTF-8 text (byte {e.start}: {e.reason}); convert it to UTF-8") from None
+    flag_text("--text", text)
     if args.window is not None and args.window < 2:
         raise ValueError(f"--window {args.window}: a window needs at least 2 tokens (one of context, one scored)")
     cfg = _config(args, default_model=True)

@@ -1,4 +1,4 @@
-"""Small shared helpers: progress bars and logging setup (rich)."""
+"""Small shared helpers: progress bars and logging setup (rich), reading the files users name."""
 
 from __future__ import annotations
 
@@ -78,3 +78,26 @@ def load_json_object(path) -> dict:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object at the top level, got {type(data).__name__}")
     return data
+
+
+def flag_text(flag: str, path) -> str:
+    """The text of the UTF-8 file a command-line flag names (`--text`, `--dataset`).
+
+    Raises:
+        FileNotFoundError: `path` is missing or a directory (the message names the flag).
+        ValueError: it is not UTF-8, or the OS won't read it.
+    """
+    from pathlib import Path
+
+    path = Path(path)
+    if path.is_dir():
+        raise FileNotFoundError(f"{flag} {path}: is a directory; give a UTF-8 text file")
+    if not path.is_file():
+        raise FileNotFoundError(f"{flag} {path}: no such file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag} {path}: not UTF-8 text (byte {e.start}: {e.reason}); convert it to UTF-8") from None
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: can't be read ({e.strerror or type(e).__name__}); check its "
+                         "permissions") from None

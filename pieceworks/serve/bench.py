@@ -56,19 +56,9 @@ def dataset_lines(path: Path) -> list[str]:
         FileNotFoundError: `path` is missing or a directory.
         ValueError: the OS won't read it, it is not UTF-8, or it has no non-empty line.
     """
-    path = Path(path)
-    if path.is_dir():
-        raise FileNotFoundError(f"--dataset {path}: is a directory; give a UTF-8 text file, one prompt per line")
-    if not path.is_file():
-        raise FileNotFoundError(f"--dataset {path}: no such file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--dataset {path}: not UTF-8 text (byte {e.start}: {e.reason}); convert it to "
-                         "UTF-8") from None
-    except OSError as e:
-        raise ValueError(f"--dataset {path}: can't be read ({e.strerror or type(e).__name__}); check its "
-                         "permissions") from None
+    from pieceworks.util import flag_text
+
+    text = flag_text("--dataset", path)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     if not lines:
         raise ValueError(f"--dataset {path}: no non-empty line to use as a prompt")
