@@ -41,6 +41,9 @@ ATTENTION_SCENARIOS = (
     # one sequence past two splits of 1024 keys: a kernel that drops a split, or keys further back than
     # a window, fails here
     Scenario("long_context", ((2100, 1),), page_size=32),
+    # prompts of more new tokens than a kernel's query block (16, 64, 128 rows): a block or tile that
+    # covers only the first rows of a sequence fails here
+    Scenario("long_extend", ((0, 150), (37, 90)), page_size=16),
 )
 
 
@@ -170,7 +173,8 @@ def mla_case(sc: Scenario, num_heads: int, rank: int, rope: int, dtype: torch.dt
     return AttentionCase(pool, meta, inputs, torch.stack(expected))
 
 
-GEMM_SHAPES = {"gemv": (1, 128, 48), "small_batch": (7, 272, 96), "prefill": (33, 64, 80)}
+# (M, K, N); "large": more rows than a 64- or 128-row tile, K past a 512-wide split, M not a multiple of 16
+GEMM_SHAPES = {"gemv": (1, 128, 48), "small_batch": (7, 272, 96), "prefill": (33, 64, 80), "large": (200, 1024, 64)}
 
 
 def random_fp4_weight(n: int, k: int, gen: torch.Generator, device: torch.device):

@@ -139,30 +139,34 @@ def test_fp4_gemm_fused_norm_and_residual(backend, device):
 
 
 MOE_CASES = {"nvfp4": True, "bf16": False}
+# (tokens, experts, groups): a few tokens over 8 experts; more tokens than a 16- or 64-row block over 64 experts
+MOE_SIZES = {"small": (11, 8, 4), "large": (160, 64, 8)}
 
 
 @pytest.mark.parametrize("numerics", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("size", list(MOE_SIZES))
 @pytest.mark.parametrize("weights", list(MOE_CASES), ids=list(MOE_CASES))
 @for_op("moe", dtypes=ACTIVATION_DTYPES)
-def test_moe(backend, weights, numerics, device, dtype):
+def test_moe(backend, weights, size, numerics, device, dtype):
     """DeepSeek-V3 routing and experts against a per-token float64 loop, for float32 (CPU) and bf16
     activations."""
     fp4 = MOE_CASES[weights]
+    tokens, experts, groups = MOE_SIZES[size]
     if not fp4 and numerics == "w4a4":
         pytest.skip("w4a4 applies to NVFP4 experts only")
     dtype = DTYPES[dtype]
-    facts = ModelFacts(arch="deepseek_v3", dtype=dtype, fp4=fp4, moe_experts=8,
+    facts = ModelFacts(arch="deepseek_v3", dtype=dtype, fp4=fp4, moe_experts=experts,
                        moe_quant="nvfp4" if fp4 else "none")
     impl = build(backend, spec_for(device, facts, numerics))
     gen = torch.Generator().manual_seed(7)
     dev = torch.device(device)
-    hidden, inter, experts = (64, 32, 8) if device == "cpu" else (256, 128, 8)
+    hidden, inter = (64, 32) if device == "cpu" else (256, 128)
     w = S.random_moe_weights(experts, hidden, inter, fp4, dtype, gen, dev)
-    x = torch.randn(11, hidden, generator=gen).to(dtype).to(dev)
-    logits = torch.randn(11, experts, generator=gen).to(dev)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(dev)
+    logits = torch.randn(tokens, experts, generator=gen).to(dev)
     bias = (torch.rand(experts, generator=gen) * 0.1).to(dev)
-    args = (3, 4, 2, True, 2.5)  # top_k, groups, topk_group, renormalize, routed_scaling_factor
-    what = f"{backend.key()} {weights} {numerics} ({dtype_name(dtype)})"
+    args = (3, groups, 2, True, 2.5)  # top_k, groups, topk_group, renormalize, routed_scaling_factor
+    what = f"{backend.key()} {weights} {numerics} ({dtype_name(dtype)}), {tokens} tokens over {experts} experts"
     ref = S.dense_moe(x, logits, bias, w, *args, numerics=numerics)
     given, before = snapshot(x=x, router_logits=logits, correction_bias=bias)
     y = impl.forward(x, logits, bias, impl.prepare(w), *args)
