@@ -55,6 +55,8 @@ BROKEN = {  # backend -> what the suite must say about it (one of its failures)
     "fp4_gemm.transposed": "forward returned shape (96, 7), expected [M, N] = (7, 96)",
     "fp4_gemm.undeclared": "if your kernel keeps activations in bf16/fp32 (w4a16), declare numerics = ('w4a16',)",
     "fp4_gemm.noresidual": "forward_add, against residual + forward: not the same bits",
+    "attention.checkstr": "attention.checkstr.check() returned 'needs an H100'; return a list of reason strings",
+    "attention.checkraises": "attention.checkraises.check() raised KeyError: 'head_dim'; check() returns why",
     # kernels right at small sizes only: the suite's large cases
     "attention.firstblock": "long_extend (float32, q, k, v separate tensors): relative error",
     "fp4_gemm.rows64": "w4a16 float32 m=200 k=1024 n=64: relative error",
@@ -240,7 +242,25 @@ class Experts16MoE(TorchMoEBackend):
         return y if router_logits.shape[1] <= 16 else torch.zeros_like(y)
 
 
-WRONG = (InPlaceGemm, Float32Gemm, TransposedGemm, UndeclaredW4A16Gemm, NoResidualGemm, WritesQ, IgnoresStrides,
+class CheckStr(TorchAttentionBackend):
+    """check() returns one reason as a bare string."""
+
+    name = "checkstr"
+
+    @classmethod
+    def check(cls, spec):
+        return "needs an H100"
+
+
+class CheckRaises(TorchAttentionBackend):
+    name = "checkraises"
+
+    @classmethod
+    def check(cls, spec):
+        raise KeyError("head_dim")
+
+
+WRONG = (CheckStr, CheckRaises, InPlaceGemm, Float32Gemm, TransposedGemm, UndeclaredW4A16Gemm, NoResidualGemm, WritesQ, IgnoresStrides,
          Window, StubForward, IndexedOffByOne, FirstBlockOnly, Rows64Gemm, SplitKGemm, Experts16MoE)
 
 

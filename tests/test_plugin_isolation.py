@@ -247,6 +247,40 @@ def test_raising_check_is_a_reason_naming_the_plugin(tmp_path, monkeypatch):
         resolve(reg, ["backends.attention=checky"])
 
 
+def test_a_check_returning_no_list_is_one_reason(tmp_path, monkeypatch):
+    """A bare string (one reason not in a list) or None (a forgotten return) from check() is one reason naming the
+    mistake, not a reason per character or a TypeError."""
+    install(tmp_path, monkeypatch, "pw-checkstr", {"pw_checkstr": '''
+        from pieceworks import hookimpl
+        from pieceworks.backends.attention.torch import TorchAttentionBackend
+
+        class CheckStr(TorchAttentionBackend):
+            name = "checkstr"
+            priority = 50
+
+            @classmethod
+            def check(cls, spec):
+                return "needs an H100"
+
+        class CheckNone(CheckStr):
+            name = "checknone"
+
+            @classmethod
+            def check(cls, spec):
+                super().check(spec)
+
+        @hookimpl
+        def pieceworks_register_backends():
+            return [CheckStr, CheckNone]
+    '''}, {"checkstr": "pw_checkstr"})
+    table = resolve(Registry().load())
+    rejected = dict(next(d for d in table.decisions if d.graph_mode is GraphMode.EAGER).rejected)
+    for name, got in (("checkstr", "'needs an H100'"), ("checknone", "None")):
+        (reason,) = rejected[name]
+        assert reason.startswith(f"attention.{name}.check() returned {got}; return a list of reason strings"), reason
+        assert "(a bug in plugin 'checkstr'" in reason
+
+
 def test_one_entry_point_name_from_two_distributions_is_reported(tmp_path, monkeypatch):
     install(tmp_path, monkeypatch, "pw-one", {"pw_one": GOOD}, {"kernels": "pw_one"})
     install(tmp_path, monkeypatch, "pw-two", {"pw_two": GOOD.replace('"good"', '"other"')}, {"kernels": "pw_two"})

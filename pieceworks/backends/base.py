@@ -242,6 +242,15 @@ class Backend:
         return f"<{type(self).__name__} {self.key()}>"
 
 
+def bad_check_result(cls: type[Backend], got: Any) -> str | None:
+    """What is wrong with `got`, the value `cls.check` returned, or None where it is a list (or tuple) of reason
+    strings (None back is a forgotten return; a bare string, one reason not in a list)."""
+    if isinstance(got, (list, tuple)) and all(isinstance(r, str) for r in got):
+        return None
+    return (f"{cls.key()}.check() returned {got!r}; return a list of reason strings, each why it can't serve "
+            "(empty: it can)")
+
+
 def _shown(sig: inspect.Signature) -> str:
     """`sig` without annotations: '(self, q, k, v, out, layer_id, scale, kv)'."""
     params = [p.replace(annotation=p.empty) for p in sig.parameters.values()]

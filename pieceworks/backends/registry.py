@@ -26,7 +26,7 @@ from typing import Any, Iterable
 import pluggy
 
 from pieceworks.backends import hookspecs
-from pieceworks.backends.base import OPS, Backend, BackendSpec, Candidate, parse_options
+from pieceworks.backends.base import OPS, Backend, BackendSpec, Candidate, bad_check_result, parse_options
 from pieceworks.backends.builtin import BUILTIN_PLUGINS
 from pieceworks.backends.plugins import BUILTIN_ORIGIN, IN_PROCESS_ORIGIN, BrokenPlugin, PluginSet, misspelt_group
 from pieceworks.core.batch import TABLE_MODES, ForwardMode, GraphMode
@@ -159,12 +159,14 @@ class Registry:
     def reasons(self, cls: type[Backend], spec: BackendSpec) -> list[str]:
         """`cls.check(spec)`, with a raising check turned into a reason that names its plugin (a bug in
         one plugin must not stop executors that would not have chosen it)."""
+        name = self.plugins.owner.get(cls.key(), "?")
         try:
-            return list(cls.check(spec))
+            got = cls.check(spec)
         except Exception as exc:
-            name = self.plugins.owner.get(cls.key(), "?")
             return [f"check() raised {type(exc).__name__}: {exc} (a bug in {self.origin(cls)}; block it with "
                     f"plugins.disabled=[{name}])"]
+        bad = bad_check_result(cls, got)
+        return list(got) if bad is None else [f"{bad} (a bug in {self.origin(cls)})"]
 
     def resolve(
         self, backends_cfg: Any, spec: BackendSpec, ops: Iterable[str] = OPS

@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-from pieceworks.backends.base import BackendSpec, ModelFacts, parse_options
+from pieceworks.backends.base import BackendSpec, ModelFacts, bad_check_result, parse_options
 from pieceworks.core.batch import ForwardMode, GraphMode
 from pieceworks.testing import contract as C
 from pieceworks.testing.plugin import SUITE_DTYPES, SUITE_OP
@@ -67,8 +67,21 @@ def spec_for(device: str, facts: ModelFacts, numerics: str = "auto") -> BackendS
     return BackendSpec(device="cpu", model=facts, fp4_numerics=numerics)
 
 
+def reasons_of(cls, spec: BackendSpec) -> list[str]:
+    """`cls.check(spec)`; a check that raises or returns anything but a list of strings fails the case."""
+    try:
+        reasons = cls.check(spec)
+    except Exception as exc:
+        pytest.fail(f"{cls.key()}.check() raised {type(exc).__name__}: {exc}; check() returns why the backend can't "
+                    "serve a spec (a list of strings, empty: it can) and does not raise")
+    bad = bad_check_result(cls, reasons)
+    if bad is not None:
+        pytest.fail(bad)
+    return list(reasons)
+
+
 def build(cls, spec: BackendSpec, mode=None):
-    reasons = list(cls.check(spec))
+    reasons = reasons_of(cls, spec)
     if mode is not None and mode not in cls.forward_modes:
         reasons.append(f"does not support {mode.value} steps")
     if reasons:

@@ -39,7 +39,7 @@ from pieceworks.testing import contract as C
 from pieceworks.testing import scenarios as S
 from pieceworks.testing.checks import (
     assert_close, assert_unchanged, assert_written, build, CONTRACT, device_dtype, dtype_name, DTYPES, for_op,
-    GRAPH_FORWARD_MODES, GRAPHS, rel_err, SHAPES, snapshot, spec_for,
+    GRAPH_FORWARD_MODES, GRAPHS, reasons_of, rel_err, SHAPES, snapshot, spec_for,
 )
 from pieceworks.testing.suite_fp4 import (  # noqa: F401 (collected here)
     test_fp4_gemm, test_fp4_gemm_fused_epilogues,
@@ -232,7 +232,7 @@ def test_shapes(backend, dtype, device):
     combos = [(shape, C.PAGE_SIZES[i % len(C.PAGE_SIZES)]) for i, shape in enumerate(shapes)]
     combos += [(shapes[0], ps) for ps in C.PAGE_SIZES if (shapes[0], ps) not in combos]
     for shape, ps in combos:
-        reasons = list(backend.check(spec_for(device, shape.facts(dtype, ps))))
+        reasons = reasons_of(backend, spec_for(device, shape.facts(dtype, ps)))
         if reasons:
             refused[f"{shape} page {ps}"] = reasons
             continue
