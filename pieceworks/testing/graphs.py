@@ -72,9 +72,12 @@ def traced(fn: Callable, what: str) -> Callable:
             raise ContractError(f"{exc}. A backend declaring FULL must not do that in forward: move it to "
                                 "plan()") from None
         except Exception as exc:
-            inner = exc
-            while inner.__cause__ is not None and not isinstance(inner, ContractError):
-                inner = inner.__cause__
+            inner = exc  # torch 2.11 chains the backend's error as __cause__, 2.13 keeps it as inner_exception
+            while not isinstance(inner, ContractError):
+                nxt = inner.__cause__ or getattr(inner, "inner_exception", None)
+                if nxt is None:
+                    break
+                inner = nxt
             if isinstance(inner, ContractError):
                 raise ContractError(f"{inner}. A backend declaring FULL must not do that in forward: move "
                                     "it to plan()") from None
