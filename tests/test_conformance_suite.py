@@ -27,7 +27,7 @@ from pieceworks.backends.attention.base import AttentionBackend
 from pieceworks.backends.attention.torch import TorchAttentionBackend, attend
 from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend
 from pieceworks.backends.moe.torch import TorchMoEBackend
-from pieceworks.core.batch import ForwardMode
+from pieceworks.core.batch import ForwardMode, GraphMode
 from pieceworks.quant import nvfp4
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +57,7 @@ BROKEN = {  # backend -> what the suite must say about it (one of its failures)
     "fp4_gemm.noresidual": "forward_add, against residual + forward: not the same bits",
     "attention.checkstr": "attention.checkstr.check() returned 'needs an H100'; return a list of reason strings",
     "attention.checkraises": "attention.checkraises.check() raised KeyError: 'head_dim'; check() returns why",
+    "fp4_gemm.syncs": "fp4_gemm.syncs.forward is not traceable as one graph",
     # kernels right at small sizes only: the suite's large cases
     "attention.firstblock": "long_extend (float32, q, k, v separate tensors): relative error",
     "fp4_gemm.rows64": "w4a16 float32 m=200 k=1024 n=64: relative error",
@@ -232,6 +233,18 @@ class SplitKGemm(GoodGemm):
         return super().forward(torch.nn.functional.pad(x[:, :512], (0, max(0, x.shape[1] - 512))), *args)
 
 
+class SyncingGemm(GoodGemm):
+    """Declares every graph mode but reads a value on the host in forward (an input-range check)."""
+
+    name = "syncs"
+    graph_modes = frozenset(GraphMode)
+
+    def forward(self, x, *args):
+        if float(x.abs().max()) > 1e4:
+            raise ValueError("activations out of range")
+        return super().forward(x, *args)
+
+
 class Experts16MoE(TorchMoEBackend):
     """Right for at most 16 experts only (a kernel with a 16-expert table); zeros beyond."""
 
@@ -261,7 +274,7 @@ class CheckRaises(TorchAttentionBackend):
 
 
 WRONG = (CheckStr, CheckRaises, InPlaceGemm, Float32Gemm, TransposedGemm, UndeclaredW4A16Gemm, NoResidualGemm, WritesQ, IgnoresStrides,
-         Window, StubForward, IndexedOffByOne, FirstBlockOnly, Rows64Gemm, SplitKGemm, Experts16MoE)
+         Window, StubForward, IndexedOffByOne, FirstBlockOnly, Rows64Gemm, SplitKGemm, SyncingGemm, Experts16MoE)
 
 
 @hookimpl

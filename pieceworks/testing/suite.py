@@ -43,7 +43,7 @@ from pieceworks.testing.checks import (
 )
 from pieceworks.testing.suite_fp4 import (  # noqa: F401 (collected here)
     test_fp4_gemm, test_fp4_gemm_fused_epilogues,
-    test_fp4_gemm_fused_norm_and_residual, test_moe,
+    test_fp4_gemm_fused_norm_and_residual, test_fp4_gemm_graph_trace, test_moe,
 )
 
 

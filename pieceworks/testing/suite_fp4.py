@@ -8,6 +8,7 @@ import torch
 
 from pieceworks.backends.base import ModelFacts
 from pieceworks.backends.fp4_gemm.base import Fp4Weight
+from pieceworks.core.batch import GraphMode
 from pieceworks.testing import scenarios as S
 
 from pieceworks.testing.checks import (
@@ -47,6 +48,29 @@ def test_fp4_gemm(backend, shape, numerics, device, dtype):
     if numerics == "w4a4" and not rel_err(y, ref) <= tol and rel_err(y, S.dense_fp4_gemm(x, *ref_w, "w4a16")) <= tol:
         hint = W4A16_HINT
     assert_close(y, ref, tol, what, hint)
+
+
+@for_op("fp4_gemm")
+def test_fp4_gemm_graph_trace(backend, device):
+    """A backend declaring FULL or PIECEWISE graphs: its forward traced whole on the CPU (torch.compile
+    fullgraph=True, no compilation), so a host sync or data-dependent Python in it fails without a GPU; the traced
+    graph gives the eager result. (moe backends may take another path while a CUDA graph captures, as the torch
+    MoE does: they are checked by capture on CUDA only.)"""
+    from pieceworks.testing.graphs import traced
+
+    if not {GraphMode.FULL, GraphMode.PIECEWISE} & backend.graph_modes:
+        pytest.skip(f"{backend.key()} declares no CUDA-graph mode")
+    if device == "cuda":
+        pytest.skip("traced on the CPU; on CUDA test_cuda_graph_capture captures the real graph")
+    impl = build(backend, spec_for(device, ModelFacts(dtype=torch.float32, fp4=True)))
+    m, k, n = 8, 256, 128
+    gen = torch.Generator().manual_seed(11)
+    w = impl.prepare(Fp4Weight(*S.random_fp4_weight(n, k, gen, torch.device(device))))
+    x = torch.randn(m, k, generator=gen)
+    eager = impl.forward(x, w.weight, w.weight_scale, w.weight_scale_2, w.input_scale, n)
+    graph = traced(lambda x: impl.forward(x, w.weight, w.weight_scale, w.weight_scale_2, w.input_scale, n),
+                   f"{backend.key()}.forward")
+    assert_close(graph(x), eager, 1e-6, f"{backend.key()} traced forward, against its eager call")
 
 
 @for_op("fp4_gemm")
