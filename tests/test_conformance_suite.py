@@ -369,6 +369,23 @@ def test_suite_fails_each_broken_backend_and_a_backend_whose_every_case_skips(si
     assert "a skip is not a pass" in res.stdout
 
 
+def test_a_plugin_can_be_left_out_of_a_run(tmp_path):
+    """Two plugins registering one name: neither serves, so naming the backend is a usage error, until
+    --pieceworks-disable leaves one out (as plugins.disabled does for the executor)."""
+    code = ("from pieceworks import hookimpl\nfrom pieceworks.backends.attention.torch import TorchAttentionBackend\n"
+            "class Dup(TorchAttentionBackend):\n    name = 'dup'\n"
+            "@hookimpl\ndef pieceworks_register_backends():\n    return [Dup]\n")
+    for name in ("dupa", "dupb"):
+        (tmp_path / f"{name}.py").write_text(code)
+        dist(tmp_path, name, f"[pieceworks]\n{name} = {name}\n")
+    res = suite(tmp_path, "--pieceworks-backend", "attention.dup", "-k", "test_attention and small_decode")
+    assert res.returncode == 4 and "no backend attention.dup is registered" in res.stderr, res.stderr[-2000:]
+    res = suite(tmp_path, "--pieceworks-backend", "attention.dup", "--pieceworks-disable", "dupb",
+                "-k", "test_attention and small_decode")
+    assert res.returncode == 0 and re.search(r"attention.dup \(under test\): [1-9]\d* passed", res.stdout), \
+        res.stdout[-3000:]
+
+
 def test_allow_skip_accepts_an_untested_backend(site):
     res = suite(site, "--pieceworks-backend", "attention.notimportable", "--pieceworks-allow-skip")
     assert res.returncode == 0, res.stdout[-4000:]

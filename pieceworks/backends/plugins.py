@@ -167,7 +167,7 @@ class PluginSet:
                 self.contested.add(key)
                 self.mark_broken(rival, self.origins[rival], f"it registers {key}, which plugin {name!r} registers "
                                  "too; which one would serve depends on the order plugins are found in, so neither "
-                                 "does: uninstall one or block it with plugins.disabled")
+                                 "does: uninstall one")
                 self.origins.pop(rival, None)
                 rivals.append(rival)
         return rivals

@@ -6,7 +6,8 @@ the same plugin where the entry point is not installed).
 - The conformance suite (`pytest --pyargs pieceworks.testing.suite`) is parametrized here:
   `--pieceworks-backend OP.NAME` (repeatable) picks the backends under test (default: every registered
   backend, and the ones from plugins are under test); `--pieceworks-device cpu|cuda` (repeatable) the
-  devices (default: both, the CUDA cases skipping where there is no GPU).
+  devices (default: both, the CUDA cases skipping where there is no GPU); `--pieceworks-disable PLUGIN`
+  (repeatable) leaves a plugin out, as `plugins.disabled` does.
 - A skip is not a pass: a backend under test none of whose cases passed or failed (each skipped, or none
   collected) makes the run fail, unless `--pieceworks-allow-skip`; the summary names every backend that
   was not (fully) tested and why.
@@ -51,7 +52,7 @@ class SuiteState:
         from pieceworks.backends.registry import Registry
 
         self.config = config
-        self.registry = Registry().load()
+        self.registry = Registry(disabled=config.getoption("--pieceworks-disable") or []).load()
         self.allow_skip = config.getoption("--pieceworks-allow-skip")
         chosen = config.getoption("--pieceworks-backend") or []
         known = {cls.key(): cls for cls in self.registry.backends()}
@@ -89,6 +90,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--pieceworks-device", action="append", default=None, choices=DEVICES,
                     help="device(s) for the suite (repeatable; default: cpu and cuda, cuda cases skip "
                          "without a GPU)")
+    group.addoption("--pieceworks-disable", action="append", default=None, metavar="PLUGIN",
+                    help="leave this plugin out (repeatable; as plugins.disabled does for the executor), e.g. "
+                         "one that registers your backend's name too")
     group.addoption("--pieceworks-allow-skip", action="store_true", default=False,
                     help="let a backend under test whose every case skipped pass the run (a skip is "
                          "otherwise not a pass)")
