@@ -58,6 +58,7 @@ BROKEN = {  # backend -> what the suite must say about it (one of its failures)
     "attention.checkstr": "attention.checkstr.check() returned 'needs an H100'; return a list of reason strings",
     "attention.checkraises": "attention.checkraises.check() raised KeyError: 'head_dim'; check() returns why",
     "fp4_gemm.syncs": "fp4_gemm.syncs.forward is not traceable as one graph",
+    "attention.zeroesslots": "plan or forward changed meta.slot_mapping: the step's metadata is the runner's",
     # kernels right at small sizes only: the suite's large cases
     "attention.firstblock": "long_extend (float32, q, k, v separate tensors): relative error",
     "fp4_gemm.rows64": "w4a16 float32 m=200 k=1024 n=64: relative error",
@@ -213,6 +214,20 @@ class FirstBlockOnly(TorchAttentionBackend):
             lo += n
 
 
+class ZeroesSlots(TorchAttentionBackend):
+    """Right output and K/V, then it clears the step's slot mapping (scratch use of the runner's buffer)."""
+
+    name = "zeroesslots"
+
+    def plan(self, meta):
+        super().plan(meta)
+        self.step = meta
+
+    def forward(self, q, k, v, out, layer_id, scale, kv):
+        super().forward(q, k, v, out, layer_id, scale, kv)
+        self.step.slot_mapping.zero_()
+
+
 class Rows64Gemm(GoodGemm):
     """Rows past the first 64 stay zero (one 64-row tile)."""
 
@@ -274,7 +289,8 @@ class CheckRaises(TorchAttentionBackend):
 
 
 WRONG = (CheckStr, CheckRaises, InPlaceGemm, Float32Gemm, TransposedGemm, UndeclaredW4A16Gemm, NoResidualGemm, WritesQ, IgnoresStrides,
-         Window, StubForward, IndexedOffByOne, FirstBlockOnly, Rows64Gemm, SplitKGemm, SyncingGemm, Experts16MoE)
+         Window, StubForward, IndexedOffByOne, FirstBlockOnly, ZeroesSlots, Rows64Gemm, SplitKGemm, SyncingGemm,
+         Experts16MoE)
 
 
 @hookimpl

@@ -17,7 +17,7 @@ error and the tolerance.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -222,6 +222,7 @@ class PoolRun:
         meta = self.meta(step)
         real = meta.num_tokens
         rows = meta.slot_mapping.shape[0]
+        held = {f.name: v.clone() for f in fields(meta) if isinstance(v := getattr(meta, f.name), torch.Tensor)}
         self.impl.plan(meta)
         inputs = [self.shape.inputs(rows, self.gen, self.dtype) for _ in range(self.num_layers)]
         # forward gets copies: the references below read the inputs as they were before the call
@@ -232,8 +233,11 @@ class PoolRun:
             raise ContractError(f"{where}: {exc}") from exc
         except Exception as exc:  # a kernel that crashes on a step it accepted fails the contract too
             raise ContractError(f"{where}: {raised(exc, type(self.impl))}") from exc
+        errors = [f"plan or forward changed meta.{name}: the step's metadata is the runner's, read-only (copy what "
+                  "the kernels need into the backend's own buffers in plan)"
+                  for name, before in held.items() if not torch.equal(getattr(meta, name), before)]
+        meta = replace(meta, **held)  # the checks below read the step as the runner made it
         indptr = meta.qo_indptr()
-        errors = []
         for layer, ((x, entries), out) in enumerate(zip(inputs, outs)):
             errors += [f"layer {layer}: {msg}" for msg in changed_inputs(x, given[layer])]
             ref = []
