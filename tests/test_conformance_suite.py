@@ -58,6 +58,7 @@ BROKEN = {  # backend -> what the suite must say about it (one of its failures)
     "attention.checkstr": "attention.checkstr.check() returned 'needs an H100'; return a list of reason strings",
     "attention.checkraises": "attention.checkraises.check() raised KeyError: 'head_dim'; check() returns why",
     "fp4_gemm.syncs": "fp4_gemm.syncs.forward is not traceable as one graph",
+    "attention.counts": "attention.counts.forward traces to another graph for a later step",
     "attention.zeroesslots": "plan or forward changed meta.slot_mapping: the step's metadata is the runner's",
     # kernels right at small sizes only: the suite's large cases
     "attention.firstblock": "long_extend (float32, q, k, v separate tensors): relative error",
@@ -228,6 +229,21 @@ class ZeroesSlots(TorchAttentionBackend):
         self.step.slot_mapping.zero_()
 
 
+class CountsInForward(TorchAttentionBackend):
+    """Declares FULL graphs but scales the step's real rows by a count taken in plan: a captured graph would
+    replay the first step's count (here harmless, a scale of 1)."""
+
+    name = "counts"
+
+    def plan(self, meta):
+        super().plan(meta)
+        self.count = meta.num_tokens
+
+    def forward(self, q, k, v, out, layer_id, scale, kv):
+        super().forward(q, k, v, out, layer_id, scale, kv)
+        out[: self.count] *= 1.0
+
+
 class Rows64Gemm(GoodGemm):
     """Rows past the first 64 stay zero (one 64-row tile)."""
 
@@ -288,9 +304,9 @@ class CheckRaises(TorchAttentionBackend):
         raise KeyError("head_dim")
 
 
-WRONG = (CheckStr, CheckRaises, InPlaceGemm, Float32Gemm, TransposedGemm, UndeclaredW4A16Gemm, NoResidualGemm, WritesQ, IgnoresStrides,
-         Window, StubForward, IndexedOffByOne, FirstBlockOnly, ZeroesSlots, Rows64Gemm, SplitKGemm, SyncingGemm,
-         Experts16MoE)
+WRONG = (CheckStr, CheckRaises, InPlaceGemm, Float32Gemm, TransposedGemm, UndeclaredW4A16Gemm, NoResidualGemm,
+         WritesQ, IgnoresStrides, Window, StubForward, IndexedOffByOne, FirstBlockOnly, ZeroesSlots, CountsInForward,
+         Rows64Gemm, SplitKGemm, SyncingGemm, Experts16MoE)
 
 
 @hookimpl

@@ -83,6 +83,11 @@ def traced(fn: Callable, what: str) -> Callable:
                                     "it to plan()") from None
             text = str(exc).strip()
             first = text.splitlines()[0] if text else type(exc).__name__
+            if isinstance(exc, torch._dynamo.exc.RecompileError):
+                raise ContractError(
+                    f"{what} traces to another graph for a later step ({first}): a FULL graph replays the values "
+                    "it captured, so what changes per step (lengths, counts) must come from tensors plan() fills, "
+                    "not from Python values read in forward") from exc
             raise ContractError(
                 f"{what} is not traceable as one graph (torch.compile fullgraph=True): {first}. A backend "
                 "declaring FULL must not sync with the host (.item(), .tolist(), nonzero, printing a "

@@ -277,8 +277,15 @@ def test_graph_trace(backend, device):
     for name, prefix in seqs.items():
         run.add(name, prefix)
     run.step(steps[0])  # eager, as the runner's warm-up before capture
+    import torch._dynamo
+
+    torch._dynamo.reset()  # the traces of other backends' forwards through the same `call`
     run.call = traced(shape.call, f"{backend.key()}.forward")
-    run.step(steps[1])
+    # one graph for every later step: a FULL graph replays what it captured, so a Python value read in forward
+    # that changes per step (a length from meta's lists) is an error, not a recompile
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in steps[1:]:
+            run.step(step)
 
 
 @pytest.mark.gpu

@@ -66,6 +66,8 @@ class ReferencePlan:
         if meta.mode is ForwardMode.DECODE:
             full = meta.graph_mode is GraphMode.FULL
             self._seq_lens = _static_seq_lens(self._static_lens, meta) if full else meta.seq_lens_tensor()
+            if full:  # every row of the graph batch is computed, padding sequences' too: no rows to clear, and
+                self._num_tokens = meta.graph_batch_size  # one value for every step the graph replays
         else:  # extend and mixed steps (also EagerExtendRunner's stand-in for full extend graphs)
             self._seqs = list(self._sequences(meta))
 
