@@ -38,7 +38,7 @@ from pieceworks.core.kv import quantize_kv
 from pieceworks.testing import contract as C
 from pieceworks.testing import scenarios as S
 from pieceworks.testing.checks import (
-    assert_close, assert_unchanged, assert_written, build, CONTRACT, device_dtype, dtype_name, DTYPES, for_op,
+    ACTIVATION_DTYPES, assert_close, assert_unchanged, assert_written, build, CONTRACT, device_dtype, dtype_name, DTYPES, for_op,
     GRAPH_FORWARD_MODES, GRAPHS, reasons_of, rel_err, SHAPES, snapshot, spec_for,
 )
 from pieceworks.testing.suite_fp4 import (  # noqa: F401 (collected here)
@@ -53,11 +53,12 @@ QKV = {"tensors": "q, k, v separate tensors", "qkv_views": "q, k, v strided view
 
 @pytest.mark.parametrize("qkv", list(QKV))
 @pytest.mark.parametrize("scenario", S.ATTENTION_SCENARIOS, ids=lambda s: s.name)
-@for_op("attention")
-def test_attention(backend, scenario, qkv, device):
+@for_op("attention", dtypes=ACTIVATION_DTYPES)
+def test_attention(backend, scenario, qkv, device, dtype):
     """A named scenario, with q, k and v as separate tensors and as the Llama attention passes them:
-    column views of one fused qkv projection (`scenarios.fused_qkv_views`)."""
-    dtype = device_dtype(device)
+    column views of one fused qkv projection (`scenarios.fused_qkv_views`); float32 (CPU) and bf16 (a backend
+    serving bf16 only gets every scenario on the CPU too)."""
+    dtype = DTYPES[dtype]
     facts = ModelFacts(dtype=dtype, num_heads=8, num_kv_heads=2, head_dim=64, page_size=scenario.page_size)
     impl = build(backend, spec_for(device, facts), scenario.mode)
     case = S.attention_case(scenario, 8, 2, 64, dtype, torch.device(device))
@@ -277,13 +278,13 @@ def test_graph_trace(backend, device):
     for name, prefix in seqs.items():
         run.add(name, prefix)
     run.step(steps[0])  # eager, as the runner's warm-up before capture
-    import torch._dynamo
+    from torch import _dynamo
 
-    torch._dynamo.reset()  # the traces of other backends' forwards through the same `call`
+    _dynamo.reset()  # the traces of other backends' forwards through the same `call`
     run.call = traced(shape.call, f"{backend.key()}.forward")
     # one graph for every later step: a FULL graph replays what it captured, so a Python value read in forward
     # that changes per step (a length from meta's lists) is an error, not a recompile
-    with torch._dynamo.config.patch(error_on_recompile=True):
+    with _dynamo.config.patch(error_on_recompile=True):
         for step in steps[1:]:
             run.step(step)
 
