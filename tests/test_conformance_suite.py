@@ -142,14 +142,20 @@ class IgnoresStrides(TorchAttentionBackend):
 WINDOW = 1024
 
 
-class Window(TorchAttentionBackend):
-    """Decode attends to the last 1024 keys only (a split-KV kernel that drops the earlier splits)."""
+class KeepsStep(TorchAttentionBackend):
+    """The torch backend keeping the planned step as `self.step`, for the variants below to read."""
 
-    name = "window"
+    name = "keepsstep"
 
     def plan(self, meta):
         super().plan(meta)
         self.step = meta
+
+
+class Window(KeepsStep):
+    """Decode attends to the last 1024 keys only (a split-KV kernel that drops the earlier splits)."""
+
+    name = "window"
 
     def forward(self, q, k, v, out, layer_id, scale, kv):
         super().forward(q, k, v, out, layer_id, scale, kv)
@@ -209,14 +215,10 @@ class StubForward(AttentionBackend):
         raise NotImplementedError
 
 
-class FirstBlockOnly(TorchAttentionBackend):
+class FirstBlockOnly(KeepsStep):
     """Rows past a sequence's first 16 new tokens stay zero (a kernel that runs one 16-query block per sequence)."""
 
     name = "firstblock"
-
-    def plan(self, meta):
-        super().plan(meta)
-        self.step = meta
 
     def forward(self, q, k, v, out, layer_id, scale, kv):
         super().forward(q, k, v, out, layer_id, scale, kv)
@@ -226,14 +228,10 @@ class FirstBlockOnly(TorchAttentionBackend):
             lo += n
 
 
-class ZeroesSlots(TorchAttentionBackend):
+class ZeroesSlots(KeepsStep):
     """Right output and K/V, then it clears the step's slot mapping (scratch use of the runner's buffer)."""
 
     name = "zeroesslots"
-
-    def plan(self, meta):
-        super().plan(meta)
-        self.step = meta
 
     def forward(self, q, k, v, out, layer_id, scale, kv):
         super().forward(q, k, v, out, layer_id, scale, kv)
