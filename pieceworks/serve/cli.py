@@ -124,8 +124,9 @@ def _need_serve_extra(*modules: str) -> None:
 def check_listen(host: str, port: int) -> None:
     """ValueError unless this process can listen on host:port now (checked before the model loads: a typo in
     --host or a port another server holds would otherwise show after the load). uvicorn binds the same way."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # uvicorn's choice of family
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM,
                                                           flags=socket.AI_PASSIVE)[0]
     except (socket.gaierror, UnicodeError) as exc:
         raise ValueError(f"--host {host}: not an address of this machine or a name it resolves ({exc}); use "
