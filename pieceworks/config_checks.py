@@ -108,10 +108,15 @@ def validate(cfg: Any, require_model: bool = True) -> None:
     if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
         raise ConfigError(f"runtime.device: {dev!r} is not allowed; use auto, cpu, cuda or cuda:N")
     _one_of("runtime.dtype", cfg.runtime.dtype, ("auto", "bfloat16", "float16", "float32"))
-    if cfg.runtime.cache_dir and Path(cfg.runtime.cache_dir).expanduser().exists() and not Path(
-            cfg.runtime.cache_dir).expanduser().is_dir():
-        raise ConfigError(f"runtime.cache_dir: {cfg.runtime.cache_dir} is a file; give a directory (it is created "
-                          "where missing), or leave it unset")
+    if cfg.runtime.cache_dir:
+        try:
+            cache = Path(cfg.runtime.cache_dir).expanduser()
+        except RuntimeError:  # ~user of no user
+            raise ConfigError(f"runtime.cache_dir: {cfg.runtime.cache_dir}: no home directory for its ~user; give "
+                              "an absolute path") from None
+        if cache.exists() and not cache.is_dir():
+            raise ConfigError(f"runtime.cache_dir: {cfg.runtime.cache_dir} is a file; give a directory (it is "
+                              "created where missing), or leave it unset")
     lo, hi = SEED_RANGE
     if not lo <= cfg.runtime.seed <= hi:
         raise ConfigError(f"runtime.seed: {cfg.runtime.seed!r} is out of range; use an integer from "

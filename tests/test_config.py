@@ -84,6 +84,8 @@ def test_cache_dir_that_is_a_file(tmp_path):
     assert f"runtime.cache_dir: {tmp_path / 'f'} is a file; give a directory" in err(
         BASE, [f"runtime.cache_dir={tmp_path / 'f'}"])
     assert load_config(BASE, [f"runtime.cache_dir={tmp_path / 'new'}"]).runtime.cache_dir == str(tmp_path / "new")
+    assert "runtime.cache_dir: ~nosuchuser/x: no home directory for its ~user" in err(
+        BASE, ["runtime.cache_dir=~nosuchuser/x"])
 
 
 def test_a_memory_fraction_too_small_for_two_pages_says_so():
