@@ -115,11 +115,10 @@ class Engine:
         matchers compiled ahead (`Engine.grammars.matchers`, any thread); else they are compiled here.
 
         Raises:
-            RequestError: a bad prompt, params or id, a prompt + max_tokens over the context limit,
-                logit_bias, allowed_token_ids or stop_token_ids outside the vocabulary, allowed ids that
-                min_tokens holds all back, stop strings without a tokenizer, structured outputs that do not
-                compile (or without a tokenizer or llguidance), or a priority fcfs can't honour; nothing was
-                queued.
+            RequestError: a bad prompt, params or id, a prompt + max_tokens over the context limit, token ids
+                of logit_bias / allowed_token_ids / stop_token_ids outside the vocabulary, allowed ids that
+                min_tokens holds all back, stop strings without a tokenizer, structured outputs that do not compile
+                (or without a tokenizer or llguidance), or a priority fcfs can't honour; nothing was queued.
         """
         with self._exclusive("add_request"):
             self._check_open()
@@ -386,18 +385,14 @@ class Engine:
         prefix_cache_hit_tokens, prefix_cache_queried_tokens, num_preemptions, num_steps,
         num_async_steps (of num_steps, those launched with the previous one in flight or starting the
         pipeline: `scheduler.async_steps`), num_generated_tokens, num_draft_tokens and num_accepted_tokens
-        (speculative decoding's drafts fed and accepted). Safe to read from another thread
-        (plain ints; a snapshot)."""
+        (speculative decoding's drafts fed and accepted). Safe to read from another thread (plain ints; a snapshot)."""
         s, alloc = self.scheduler, self.executor.kv.allocator
         return {
             "running": len(s.running), "waiting": len(s.waiting),
-            "kv_pages_used": alloc.num_used, "kv_pages_total": alloc.capacity,
-            "kv_pages_cached": alloc.num_cached,
-            "prefix_cache_hit_tokens": s.prefix_hit_tokens,
-            "prefix_cache_queried_tokens": s.prefix_queried_tokens,
+            "kv_pages_used": alloc.num_used, "kv_pages_total": alloc.capacity, "kv_pages_cached": alloc.num_cached,
+            "prefix_cache_hit_tokens": s.prefix_hit_tokens, "prefix_cache_queried_tokens": s.prefix_queried_tokens,
             "num_preemptions": s.num_preemptions, "num_steps": self.num_steps,
-            "num_async_steps": self.num_async_steps,
-            "num_generated_tokens": self.num_generated_tokens,
+            "num_async_steps": self.num_async_steps, "num_generated_tokens": self.num_generated_tokens,
             "num_draft_tokens": self.speculator.num_draft_tokens if self.speculator else 0,
             "num_accepted_tokens": self.speculator.num_accepted_tokens if self.speculator else 0,
         }
