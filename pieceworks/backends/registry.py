@@ -159,10 +159,10 @@ class Registry:
     def reasons(self, cls: type[Backend], spec: BackendSpec) -> list[str]:
         """`cls.check(spec)`, with a raising check turned into a reason that names its plugin (a bug in
         one plugin must not stop executors that would not have chosen it)."""
-        name = self.plugins.owner.get(cls.key(), "?")
         try:
             got = cls.check(spec)
         except Exception as exc:
+            name = self.plugins.owner.get(cls.key(), "?")
             return [f"check() raised {type(exc).__name__}: {exc} (a bug in {self.origin(cls)}; block it with "
                     f"plugins.disabled=[{name}])"]
         bad = bad_check_result(cls, got)

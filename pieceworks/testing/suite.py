@@ -38,8 +38,8 @@ from pieceworks.core.kv import quantize_kv
 from pieceworks.testing import contract as C
 from pieceworks.testing import scenarios as S
 from pieceworks.testing.checks import (
-    ACTIVATION_DTYPES, assert_close, assert_unchanged, assert_written, build, CONTRACT, device_dtype, dtype_name, DTYPES, for_op,
-    GRAPH_FORWARD_MODES, GRAPHS, reasons_of, rel_err, SHAPES, snapshot, spec_for,
+    ACTIVATION_DTYPES, assert_close, assert_unchanged, assert_written, build, CONTRACT, device_dtype, dtype_name,
+    DTYPES, for_op, GRAPH_FORWARD_MODES, GRAPHS, reasons_of, rel_err, SHAPES, snapshot, spec_for,
 )
 from pieceworks.testing.suite_fp4 import (  # noqa: F401 (collected here)
     test_fp4_gemm, test_fp4_gemm_fused_epilogues,
