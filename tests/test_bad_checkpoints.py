@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pieceworks.errors import CheckpointError
+from pieceworks.models import loader as loader_module
 from pieceworks.models.checkpoint import CheckpointReader
 from pieceworks.quant.modelopt import detect_quantization, read_fp4_linear
 from pieceworks.quant.quantizer import quantize_checkpoint
@@ -560,6 +561,16 @@ def test_unexpected_tensors_are_an_error_unless_allowed(bf16, name):
     assert needle in str(e.value) and "model.allow_extra_tensors=true" in str(e.value), str(e.value)
     model = _load(bf16, allow_extra=True)  # the explicit switch loads it, ignoring the extra tensors
     assert torch.isfinite(model.embed_tokens.weight).all()
+
+
+def test_fewer_layers_than_config_json_says_fail_before_the_build(bf16, monkeypatch):
+    _edit_json(bf16 / "config.json", _set(num_hidden_layers=200_000))
+    built = []
+    monkeypatch.setattr(loader_module, "build", lambda *a, **k: built.append(a))
+    with pytest.raises(CheckpointError) as e:
+        _load(bf16)
+    assert "num_hidden_layers=200000, but the checkpoint holds layers 0..1 (2 layers)" in str(e.value), str(e.value)
+    assert not built  # refused before the skeleton of 200,000 layers
 
 
 def test_deepseek_mtp_layers_are_expected(tiny_deepseek_modelopt, tmp_path):

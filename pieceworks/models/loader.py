@@ -59,6 +59,7 @@ def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype
 
         reader = reader or CheckpointReader(Path(model_cfg.path))
         _check_tied_head(reader, hf, allow_extra)
+        _check_layer_count(reader, hf)
         named = checkpoint_names(cls, hf, reader)
         source: Any = CheckpointSource(reader if named is None else RenamingReader(reader, named), device, dtype)
     else:
@@ -253,6 +254,22 @@ def _check_tied_head(reader: Any, hf: dict, allow_extra: bool) -> None:
             "but the checkpoint holds its own lm_head.weight; set tie_word_embeddings to false to use it, "
             "or model.allow_extra_tensors=true to ignore it"
         )
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _check_layer_count(reader: Any, hf: dict) -> None:
+    """A checkpoint whose layers stop short of config.json's num_hidden_layers fails here, before the skeleton
+    is built (for a config of 200,000 layers that takes minutes, then fails at the first absent layer)."""
+    n = hf["num_hidden_layers"]
+    other = OTHER_PARTS if hf.get("text_of") else ()
+    found = [int(m[1]) for name in reader.names() if not name.startswith(other) and (m := _LAYER.search(name))]
+    if found and max(found) + 1 < n:
+        raise CheckpointError(
+            f"{reader.model_dir}: config.json says num_hidden_layers={n}, but the checkpoint holds layers "
+            f"0..{max(found)} ({max(found) + 1} layers); set num_hidden_layers to the checkpoint's count, or use "
+            "the complete checkpoint")
 
 
 def check_unused(reader: Any, model: CausalLM) -> None:
