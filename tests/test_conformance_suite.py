@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -295,6 +296,16 @@ class Experts16MoE(TorchMoEBackend):
         return y if router_logits.shape[1] <= 16 else torch.zeros_like(y)
 
 
+class Hangs(TorchAttentionBackend):
+    """Its forward never returns, as a kernel that hangs."""
+
+    name = "hangs"
+
+    def forward(self, q, k, v, out, layer_id, scale, kv):
+        while True:
+            time.sleep(0.05)
+
+
 class CheckStr(TorchAttentionBackend):
     """check() returns one reason as a bare string."""
 
@@ -315,7 +326,7 @@ class CheckRaises(TorchAttentionBackend):
 
 WRONG = (CheckStr, CheckRaises, InPlaceGemm, Float32Gemm, TransposedGemm, UndeclaredW4A16Gemm, NoResidualGemm,
          WritesQ, IgnoresStrides, Window, Bf16Window, StubForward, IndexedOffByOne, FirstBlockOnly, ZeroesSlots,
-         CountsInForward, Rows64Gemm, SplitKGemm, SyncingGemm, Experts16MoE)
+         CountsInForward, Rows64Gemm, SplitKGemm, SyncingGemm, Experts16MoE, Hangs)
 
 
 @hookimpl
@@ -356,7 +367,7 @@ def site(tmp_path_factory) -> Path:
     return site
 
 
-def suite(site: Path, *args: str) -> subprocess.CompletedProcess:
+def suite(site: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "pytest", "--pyargs", "pieceworks.testing.suite", "-q", "-p", "no:cacheprovider",
            "--pieceworks-device", "cpu", *args]
     if not any(ep.name == "pieceworks.testing.plugin" for ep in importlib.metadata.entry_points(group="pytest11")):
@@ -364,7 +375,7 @@ def suite(site: Path, *args: str) -> subprocess.CompletedProcess:
     # one thread: the tensors are tiny, and CI machines are small
     path = [str(site), str(ROOT), str(ROOT / "tests")]  # tests/: this module, plugin `wrong`
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=site, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=site, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def failures(xml: Path) -> dict[str, list[tuple[str, str]]]:
@@ -443,6 +454,21 @@ def test_a_broken_plugin_fails_a_run_of_every_backend(tmp_path):
     assert res.returncode == 1, res.stdout[-4000:] + res.stderr[-2000:]
     assert "BROKEN PLUGIN: plugin 'badhook'" in res.stdout and "{'spec'}" in res.stdout, res.stdout[-4000:]
     assert "the run fails: an installed plugin is broken" in res.stdout, res.stdout[-4000:]
+
+
+def test_a_case_that_hangs_stops_the_run_naming_it(site):
+    res = suite(site, "--pieceworks-backend", "attention.hangs", "--pieceworks-timeout", "2", "-k",
+                "test_attention and small_decode", timeout=120)
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    said = re.search(r"pieceworks conformance suite: \S*test_attention\[[^\]]*attention\.hangs[^\]]*\] ran past 2 s "
+                     r"\(--pieceworks-timeout\)", res.stderr)
+    assert said and "in forward" in res.stderr[said.end():], res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_a_timeout_that_is_no_number_of_seconds_is_a_usage_error(site, value):
+    res = suite(site, "--pieceworks-backend", "attention.hangs", "--pieceworks-timeout", value, timeout=120)
+    assert res.returncode == 4 and f"--pieceworks-timeout {value}: give seconds" in res.stderr, res.stderr[-2000:]
 
 
 def test_unknown_backend_is_a_usage_error(site):

@@ -8,6 +8,8 @@ the same plugin where the entry point is not installed).
   backend, and the ones from plugins are under test); `--pieceworks-device cpu|cuda` (repeatable) the
   devices (default: both, the CUDA cases skipping where there is no GPU); `--pieceworks-disable PLUGIN`
   (repeatable) leaves a plugin out, as `plugins.disabled` does.
+- A suite case running past `--pieceworks-timeout` seconds (default 300; 0: none) stops the run with every
+  thread's stack and the case's name: a kernel that hangs would otherwise stall it for good.
 - A skip is not a pass: a backend under test none of whose cases passed or failed (each skipped, or none
   collected) makes the run fail, unless `--pieceworks-allow-skip`; the summary names every backend that
   was not (fully) tested and why.
@@ -19,6 +21,9 @@ the same plugin where the entry point is not installed).
 
 from __future__ import annotations
 
+import faulthandler
+import os
+import threading
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
@@ -81,6 +86,7 @@ class SuiteState:
 
 
 _STATE = pytest.StashKey[SuiteState]()
+_STDERR = pytest.StashKey[int]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -93,6 +99,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--pieceworks-disable", action="append", default=None, metavar="PLUGIN",
                     help="leave this plugin out (repeatable; as plugins.disabled does for the executor), e.g. "
                          "one that registers your backend's name too")
+    group.addoption("--pieceworks-timeout", type=float, default=300.0, metavar="SECONDS",
+                    help="stop the run, naming the case and showing every thread's stack, when one suite case "
+                         "runs longer (a kernel that hangs); 0: no limit (default 300)")
     group.addoption("--pieceworks-allow-skip", action="store_true", default=False,
                     help="let a backend under test whose every case skipped pass the run (a skip is "
                          "otherwise not a pass)")
@@ -102,6 +111,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped with a reason when none is present)")
     config.addinivalue_line("markers", "slow: takes more than a few seconds on a CPU")
     config.pluginmanager.register(Recorder(config), "pieceworks-suite-recorder")
+    # the terminal's stderr, taken before a test's output is captured: where a timed-out case is reported
+    config.stash[_STDERR] = os.dup(2)
+    limit = config.getoption("--pieceworks-timeout", 0.0)
+    if not 0 <= limit <= 1e6:  # nan and inf too (threading.Timer takes neither)
+        raise pytest.UsageError(f"--pieceworks-timeout {limit:g}: give seconds from 0 (no limit) to 1e6")
     if config.getoption("--pieceworks-backend", None):
         _state(config)  # an unknown OP.NAME is a usage error before anything is collected
 
@@ -152,6 +166,49 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _STDERR in config.stash:
+        os.close(config.stash[_STDERR])
+
+
+class Watchdog:
+    """Ends the process when a case outlives `limit` seconds: a thread names the case and dumps every
+    thread's stack; should the case hold the GIL (a C call that never returns), faulthandler's own thread
+    does the same 30 s later without the name."""
+
+    def __init__(self, nodeid: str, limit: float, fd: int) -> None:
+        self.nodeid, self.limit, self.fd = nodeid, limit, fd
+        self.timer = threading.Timer(limit, self.fire)
+        self.timer.daemon = True
+        self.timer.start()
+        faulthandler.dump_traceback_later(limit + 30, exit=True, file=fd)
+
+    def fire(self) -> None:
+        os.write(self.fd, f"\npieceworks conformance suite: {self.nodeid} ran past {self.limit:g} s "
+                          "(--pieceworks-timeout): a kernel that hangs, or an endless loop; the run stops here. "
+                          "Every thread's stack:\n".encode())
+        faulthandler.dump_traceback(file=self.fd, all_threads=True)
+        os._exit(1)
+
+    def cancel(self) -> None:
+        self.timer.cancel()
+        faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    state = item.config.stash.get(_STATE, None)
+    limit = item.config.getoption("--pieceworks-timeout")
+    if state is None or item.nodeid not in state.node_backend or limit == 0:
+        yield
+        return
+    watchdog = Watchdog(item.nodeid, limit, item.config.stash[_STDERR])
+    try:
+        yield
+    finally:
+        watchdog.cancel()
 
 
 class Recorder:
