@@ -61,6 +61,7 @@ BROKEN = {  # backend -> what the suite must say about it (one of its failures)
     "fp4_gemm.syncs": "fp4_gemm.syncs.forward is not traceable as one graph",
     "attention.bf16window": "long_context (bfloat16, q, k, v separate tensors): relative error",
     "attention.counts": "attention.counts.forward traces to another graph for a later step",
+    "attention.pastend": "reads no cache slot but its sequences' tokens",
     "attention.zeroesslots": "plan or forward changed meta.slot_mapping: the step's metadata is the runner's",
     # kernels right at small sizes only: the suite's large cases
     "attention.firstblock": "long_extend (float32, q, k, v separate tensors): relative error",
@@ -151,6 +152,20 @@ class KeepsStep(TorchAttentionBackend):
     def plan(self, meta):
         super().plan(meta)
         self.step = meta
+
+
+class ReadsPastTheEnd(KeepsStep):
+    """Extend steps read each sequence's pages whole, the slots past its length too (as a kernel that loads
+    whole pages and masks only the scores: 0 x NaN is NaN)."""
+
+    name = "pastend"
+
+    def forward(self, q, k, v, out, layer_id, scale, kv):
+        super().forward(q, k, v, out, layer_id, scale, kv)
+        if self.step.mode is not ForwardMode.DECODE:
+            vc = kv.v_cache(layer_id)
+            for _, seq_len, pages, rows in self._seqs:
+                out[rows] += 0 * vc[pages].flatten(0, 1)[seq_len:].float().sum().to(out.dtype)
 
 
 class Window(KeepsStep):
@@ -326,7 +341,8 @@ class CheckRaises(TorchAttentionBackend):
 
 WRONG = (CheckStr, CheckRaises, InPlaceGemm, Float32Gemm, TransposedGemm, UndeclaredW4A16Gemm, NoResidualGemm,
          WritesQ, IgnoresStrides, Window, Bf16Window, StubForward, IndexedOffByOne, FirstBlockOnly, ZeroesSlots,
-         CountsInForward, Rows64Gemm, SplitKGemm, SyncingGemm, Experts16MoE, Hangs)
+         CountsInForward, Rows64Gemm, SplitKGemm, SyncingGemm, Experts16MoE, Hangs,
+         ReadsPastTheEnd)
 
 
 @hookimpl

@@ -137,8 +137,9 @@ def assert_unchanged(before: dict[str, torch.Tensor], given: dict[str, torch.Ten
 
 def assert_written(out: torch.Tensor, what: str) -> None:
     bad = int((~torch.isfinite(out)).flatten(1).any(1).sum())
-    assert not bad, (f"{what}: {bad} of {out.shape[0]} rows of out are not finite after forward (the suite fills "
-                     "out with NaN): forward writes every row of out, in place")
+    assert not bad, (f"{what}: {bad} of {out.shape[0]} rows of out are not finite after forward: forward writes every "
+                     "row of out, in place (the suite fills out with NaN), and reads no cache slot but its sequences' "
+                     "tokens (the suite fills the others, past a sequence's length too, with NaN)")
 
 
 def snapshot(**tensors: torch.Tensor) -> tuple[dict, dict]:

@@ -248,7 +248,9 @@ class PoolRun:
             ref = torch.cat(ref)
             got = out[:real]
             if not torch.isfinite(got).all():
-                errors.append(f"layer {layer}: non-finite values in the real rows of out")
+                errors.append(f"layer {layer}: non-finite values in the real rows of out (forward writes every row "
+                              "and reads no cache slot but its sequences' tokens: the suite fills the others, past a "
+                              "sequence's length too, with NaN)")
             else:
                 err = rel_err(got, ref)
                 if not err <= self.tol:
