@@ -440,6 +440,10 @@ def test_glm45_calls():
     assert json.loads(calls[0]["arguments"]) == {"city": "123", "zip": "[1]", "days": 3, "x": "NaN", "y": True,
                                                  "z": "{bad"}
     assert tool_parsers.streamed(plan, text) == [("f", calls[0]["arguments"][:-1])]  # open: no closing brace yet
+    # null is null where the schema allows it (the template writes None as null), a string where it types a string
+    nulls = "<tool_call>f<arg_key>zip</arg_key><arg_value>null</arg_value><arg_key>city</arg_key><arg_value>null" \
+            "</arg_value><arg_key>days</arg_key><arg_value>null</arg_value></tool_call>"
+    assert json.loads(tool_parsers.parse(plan, nulls)[1][0]["arguments"]) == {"zip": None, "city": "null", "days": None}
     for t in ("<tool_call>f<arg_key>a</arg_key>oops<arg_value>1</arg_value></tool_call>",  # text between the parts
               "<tool_call>f x<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",  # no name
               "<tool_call>f<arg_key>a</arg_key></tool_call>",
@@ -474,6 +478,11 @@ def test_qwen3_coder_calls():
     assert tool_parsers.streamed(plan, cut) == [("edit", calls[0]["arguments"][:-1])]
     assert tool_parsers.streamed(plan, cut[: cut.index("<parameter=ok>") + 5]) == [
         ("edit", calls[0]["arguments"][: calls[0]["arguments"].index(', "ok"')])]
+    # "null" in any case is null for every type, as vLLM's qwen3_coder parser reads it (the template writes None so)
+    nulls = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in (("path", "null"), ("n", "NULL"), ("ok", "Null"),
+                                                                         ("free", "null"), ("x", " null")))
+    assert json.loads(tool_parsers.parse(plan, f"<tool_call>\n<function=edit>\n{nulls}</function>\n</tool_call>")[1][0][
+        "arguments"]) == {"path": None, "n": None, "ok": None, "free": None, "x": " null"}
     # a closed call may leave out </function>; text after it, or a block without <function=, is no call
     missing = "<tool_call><function=edit><parameter=n>1</parameter></tool_call>"
     assert json.loads(tool_parsers.parse(plan, missing)[1][0]["arguments"]) == {"n": 1}

@@ -23,8 +23,11 @@ _TO_MARKER = re.compile(r"[^<\n]*")
 
 def glm_value(raw: str, schema: Any) -> str:
     """GLM-4.5's value (written raw by its template): the text as written where it is JSON and the schema does not
-    type it a string, else the JSON string of the text."""
+    type it a string, else the JSON string of the text; `null` is null where the schema's types include null (the
+    template writes None and "null" alike)."""
     kind = schema.get("type") if isinstance(schema, dict) else None
+    if isinstance(kind, list) and "null" in kind and raw.strip() == "null":
+        return "null"
     if not (kind == "string" or (isinstance(kind, list) and "string" in kind)):
         try:
             json.loads(raw, parse_constant=_no_constant)
@@ -37,9 +40,12 @@ def glm_value(raw: str, schema: Any) -> str:
 def coder_value(raw: str, schema: Any) -> str:
     """Qwen3-Coder's value (its template writes it between newlines, objects and lists as JSON, anything else as
     text): a string unless the schema types the parameter as a number, integer or boolean that the text is, or as
-    an object, array or other type whose JSON the text is (a parameter the schema does not name is a string)."""
+    an object, array or other type whose JSON the text is (a parameter the schema does not name is a string);
+    `null` in any case is null whatever the type (the template writes None so), as vLLM's parser reads it."""
     raw = raw[1:] if raw.startswith("\n") else raw
     raw = raw[:-1] if raw.endswith("\n") else raw
+    if raw.lower() == "null":
+        return "null"
     kind = schema.get("type") if isinstance(schema, dict) else "string"
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), "string")
