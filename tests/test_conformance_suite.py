@@ -27,6 +27,7 @@ from pieceworks import hookimpl
 from pieceworks.backends.attention.base import AttentionBackend
 from pieceworks.backends.attention.torch import TorchAttentionBackend, attend
 from pieceworks.backends.fp4_gemm.base import Fp4GemmBackend
+from pieceworks.backends.mla.torch import TorchMLABackend, attend_latent
 from pieceworks.backends.moe.torch import TorchMoEBackend
 from pieceworks.core.batch import ForwardMode, GraphMode
 from pieceworks.quant import nvfp4
@@ -60,6 +61,7 @@ BROKEN = {  # backend -> what the suite must say about it (one of its failures)
     "attention.checkraises": "attention.checkraises.check() raised KeyError: 'head_dim'; check() returns why",
     "fp4_gemm.syncs": "fp4_gemm.syncs.forward is not traceable as one graph",
     "attention.bf16window": "long_context (bfloat16, q, k, v separate tensors): relative error",
+    "mla.bf16window": "mla.bf16window long_context (bfloat16): relative error",
     "attention.counts": "attention.counts.forward traces to another graph for a later step",
     "attention.pastend": "reads no cache slot but its sequences' tokens",
     "attention.zeroesslots": "plan or forward changed meta.slot_mapping: the step's metadata is the runner's",
@@ -194,6 +196,29 @@ class Bf16Window(Window):
     @classmethod
     def check(cls, spec):
         return super().check(spec) + ([] if spec.model.dtype == torch.bfloat16 else ["serves bf16 only"])
+
+
+class Bf16MLAWindow(TorchMLABackend):
+    """A bf16-only MLA backend whose decode attends to the last 1024 entries only (Window's split bug): the CPU runs
+    of the MLA scenarios in bf16 find it."""
+
+    name = "bf16window"
+
+    @classmethod
+    def check(cls, spec):
+        return super().check(spec) + ([] if spec.model.dtype == torch.bfloat16 else ["serves bf16 only"])
+
+    def forward(self, q_nope, q_pe, c_kv, k_pe, out, layer_id, scale, kv):
+        super().forward(q_nope, q_pe, c_kv, k_pe, out, layer_id, scale, kv)
+        meta = self._meta
+        if meta.mode is not ForwardMode.DECODE:
+            return
+        cache = kv.latent_cache(layer_id)
+        for i, seq_len in enumerate(meta.seq_lens):
+            if seq_len > WINDOW:
+                pages = meta.page_table[i, : -(-seq_len // meta.page_size)].long()
+                entries = cache[pages].flatten(0, 1)[seq_len - WINDOW : seq_len]
+                out[i] = attend_latent(q_nope[i : i + 1], q_pe[i : i + 1], entries, scale, WINDOW - 1)[0].to(out.dtype)
 
 
 class IndexedAttention(TorchAttentionBackend):
@@ -342,7 +367,7 @@ class CheckRaises(TorchAttentionBackend):
 WRONG = (CheckStr, CheckRaises, InPlaceGemm, Float32Gemm, TransposedGemm, UndeclaredW4A16Gemm, NoResidualGemm,
          WritesQ, IgnoresStrides, Window, Bf16Window, StubForward, IndexedOffByOne, FirstBlockOnly, ZeroesSlots,
          CountsInForward, Rows64Gemm, SplitKGemm, SyncingGemm, Experts16MoE, Hangs,
-         ReadsPastTheEnd)
+         ReadsPastTheEnd, Bf16MLAWindow)
 
 
 @hookimpl

@@ -156,9 +156,10 @@ def _attend(impl, case: S.AttentionCase, q, k, v, what: str, layer: int = 0, kv=
 
 
 @pytest.mark.parametrize("scenario", S.ATTENTION_SCENARIOS, ids=lambda s: s.name)
-@for_op("mla")
-def test_mla(backend, scenario, device):
-    dtype = device_dtype(device)
+@for_op("mla", dtypes=ACTIVATION_DTYPES)
+def test_mla(backend, scenario, device, dtype):
+    """A named scenario in float32 (CPU) and bf16 (a backend serving bf16 only gets every scenario on the CPU too)."""
+    dtype = DTYPES[dtype]
     rank, rope = (64, 16) if device == "cpu" else (512, 64)
     facts = ModelFacts(arch="deepseek_v3", dtype=dtype, num_heads=4, num_kv_heads=1, kv_lora_rank=rank,
                        qk_rope_head_dim=rope, page_size=scenario.page_size)
