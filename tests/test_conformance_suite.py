@@ -53,6 +53,7 @@ BROKEN = {  # backend -> what the suite must say about it (one of its failures)
                       "the signature of AttentionBackend.forward",
     "attention.indexedoffbyone": "full extend step 1 (full, a+5, b+7)",
     "fp4_gemm.inplace": "forward changed its input x (max |diff|",
+    "fp4_gemm.reusesout": "forward's result changed when forward ran again: return a new tensor each call",
     "fp4_gemm.float32out": "forward returned float32 for bfloat16 x; return x's dtype",
     "fp4_gemm.transposed": "forward returned shape (96, 7), expected [M, N] = (7, 96)",
     "fp4_gemm.undeclared": "if your kernel keeps activations in bf16/fp32 (w4a16), declare numerics = ('w4a16',)",
@@ -94,6 +95,17 @@ class InPlaceGemm(GoodGemm):
     def forward(self, x, *args):
         x.clamp_(-1.0, 1.0)  # "saturates" the activations in its input
         return super().forward(x, *args)
+
+
+class ReusesOutGemm(GoodGemm):
+    """Returns one buffer per shape, overwritten by the next call (a later GEMM overwrites a result still in use)."""
+
+    name = "reusesout"
+
+    def forward(self, x, *args):
+        y = super().forward(x, *args)
+        buf = self.__dict__.setdefault("bufs", {}).setdefault((y.shape, y.dtype), torch.empty_like(y))
+        return buf.copy_(y)
 
 
 class Float32Gemm(GoodGemm):
@@ -367,7 +379,7 @@ class CheckRaises(TorchAttentionBackend):
 WRONG = (CheckStr, CheckRaises, InPlaceGemm, Float32Gemm, TransposedGemm, UndeclaredW4A16Gemm, NoResidualGemm,
          WritesQ, IgnoresStrides, Window, Bf16Window, StubForward, IndexedOffByOne, FirstBlockOnly, ZeroesSlots,
          CountsInForward, Rows64Gemm, SplitKGemm, SyncingGemm, Experts16MoE, Hangs,
-         ReadsPastTheEnd, Bf16MLAWindow)
+         ReadsPastTheEnd, Bf16MLAWindow, ReusesOutGemm)
 
 
 @hookimpl

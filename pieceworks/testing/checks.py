@@ -5,6 +5,7 @@ reasons where it can't serve), and the checks whose messages name the backend, t
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -128,6 +129,16 @@ def assert_output(y, shape: tuple[int, ...], dims: str, x: torch.Tensor, what: s
     assert got == shape, f"{what}: forward returned shape {got}, expected {dims} = {shape}"
     assert dtype == x.dtype, f"{what}: forward returned {dtype_name(dtype)} for {dtype_name(x.dtype)} x; return x's dtype"
     assert device == x.device, f"{what}: forward returned a tensor on {device} for x on {x.device}"
+
+
+def assert_kept(y: torch.Tensor, again: Callable[[], Any], what: str) -> None:
+    """forward's result stays the caller's: `again()` (forward on other inputs) must not change it."""
+    kept = y.clone()
+    again()
+    changed = not torch.equal(y.nan_to_num(1e30), kept.nan_to_num(1e30))
+    assert not changed, (f"{what}: forward's result changed when forward ran again: return a new tensor each call "
+                         "(the model keeps a result while it calls the op again, e.g. DeepSeek-V3's kv_a_proj "
+                         "output while q_b_proj runs)")
 
 
 def assert_unchanged(before: dict[str, torch.Tensor], given: dict[str, torch.Tensor], what: str) -> None:

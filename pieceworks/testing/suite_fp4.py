@@ -12,7 +12,7 @@ from pieceworks.core.batch import GraphMode
 from pieceworks.testing import scenarios as S
 
 from pieceworks.testing.checks import (
-    ACTIVATION_DTYPES, assert_close, assert_output, assert_same_bits, assert_unchanged, build, device_dtype,
+    ACTIVATION_DTYPES, assert_close, assert_kept, assert_output, assert_same_bits, assert_unchanged, build, device_dtype,
     dtype_name, DTYPES, for_op, GEMM_TOLERANCE, rel_err, snapshot, spec_for, W4A16_HINT,
 )
 
@@ -43,6 +43,7 @@ def test_fp4_gemm(backend, shape, numerics, device, dtype):
     what = f"{backend.key()} {numerics} {dtype_name(dtype)} m={m} k={k} n={n}"
     ref = S.dense_fp4_gemm(x, *ref_w, numerics)
     y = _gemm(impl, x, w, n, what)
+    assert_kept(y, lambda: impl.forward(-x, w.weight, w.weight_scale, w.weight_scale_2, w.input_scale, n), what)
     tol = GEMM_TOLERANCE[dtype]
     hint = ""
     if numerics == "w4a4" and not rel_err(y, ref) <= tol and rel_err(y, S.dense_fp4_gemm(x, *ref_w, "w4a16")) <= tol:
@@ -193,9 +194,11 @@ def test_moe(backend, weights, size, numerics, device, dtype):
     what = f"{backend.key()} {weights} {numerics} ({dtype_name(dtype)}), {tokens} tokens over {experts} experts"
     ref = S.dense_moe(x, logits, bias, w, *args, numerics=numerics)
     given, before = snapshot(x=x, router_logits=logits, correction_bias=bias)
-    y = impl.forward(x, logits, bias, impl.prepare(w), *args)
+    prepared = impl.prepare(w)
+    y = impl.forward(x, logits, bias, prepared, *args)
     assert_unchanged(before, given, what)
     assert_output(y, tuple(x.shape), "[T, H]", x, what)
+    assert_kept(y, lambda: impl.forward(-x, logits.flip(0), bias, prepared, *args), what)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     if dtype != torch.float32 and numerics == "w4a4":
         # w4a4 rounds the SwiGLU output h to FP4 again before the down GEMM: a backend computing in bf16 (its
