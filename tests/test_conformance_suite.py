@@ -518,7 +518,7 @@ def test_a_case_that_hangs_stops_the_run_naming_it(site):
     assert said and "in forward" in res.stderr[said.end():], res.stderr[-3000:]
 
 
-@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+@pytest.mark.parametrize("value", ["-1", "nan"])
 def test_a_timeout_that_is_no_number_of_seconds_is_a_usage_error(site, value):
     res = suite(site, "--pieceworks-backend", "attention.hangs", "--pieceworks-timeout", value, timeout=120)
     assert res.returncode == 4 and f"--pieceworks-timeout {value}: give seconds" in res.stderr, res.stderr[-2000:]
