@@ -89,9 +89,10 @@ def traced(fn: Callable, what: str) -> Callable:
                     "it captured, so what changes per step (lengths, counts) must come from tensors plan() fills, "
                     "not from Python values read in forward") from exc
             raise ContractError(
-                f"{what} is not traceable as one graph (torch.compile fullgraph=True): {first}. A backend "
-                "declaring FULL must not sync with the host (.item(), .tolist(), nonzero, printing a "
-                "tensor) or branch on tensor values in forward: move that work to plan()") from exc
+                f"{what} is not traceable as one graph (torch.compile fullgraph=True): {first}. A FULL graph "
+                "replays the captured kernels only: forward must not sync with the host (.item(), .tolist(), "
+                "nonzero, printing a tensor), branch on tensor values, or do host work each step needs (sleeping, "
+                "I/O, calls Dynamo can't trace): move that work to plan()") from exc
 
     return run
 
