@@ -71,6 +71,7 @@ class Engine:
         self.speculator = None if cfg.speculative.method is None else Speculator(cfg.speculative, self.max_context)
         self._async = cfg.scheduler.async_steps  # except for steps that may draft (`_step`)
         self._pipeline = AsyncSteps()
+        self._fed: list[Request] = []  # the requests the running step's forward fed (`_fail_fed`)
         self.num_steps = 0
         self.num_async_steps = 0  # steps launched before the previous step's ids were on the host
         self.num_generated_tokens = 0
@@ -163,12 +164,7 @@ class Engine:
             self._unfinished.pop(request_id, None)
             for req in self._requests.pop(request_id, []):
                 if req.finish_reason is None:
-                    if req.pending:  # its in-flight row is dropped when the step's ids arrive
-                        req.output.pop()
-                        req.pending = False
-                    self.scheduler.remove(req)
-                    req.finish_reason = "abort"
-                    self._ready.append(req.make_output([]))
+                    self._end(req, "abort")
 
     def discard_outputs(self, request_id: str) -> None:
         """Drop the final outputs an `abort` of this id left for the next step, for a caller that no longer
@@ -210,20 +206,25 @@ class Engine:
 
         Raises:
             RuntimeError: another thread is inside this engine. Errors of `Executor.forward` propagate
-                (the step changed nothing). OutOfPages: sequences created on the executor outside this
-                engine hold the pages the next request needs.
+                (the step changed nothing); an error after it (in sampling) propagates too, and the completions
+                whose tokens the step fed but did not sample for finish with "error" (the next step returns them).
+                OutOfPages: sequences created on the executor outside this engine hold the pages the next
+                request needs.
         """
         self._claim("step")
         try:
             self._check_open()
             return self._step(stream=True)
+        except BaseException as exc:
+            self._fail_fed(exc)
+            raise
         finally:
             self._busy.release()
 
     def _step(self, stream: bool) -> list[RequestOutput]:
         """`step`; without `stream` only the outputs of completions that finished (`generate`, which
         returns nothing else, skips building the others)."""
-        outputs, self._ready = self._ready, []
+        outputs, self._ready, self._fed = self._ready, [], []
         drafting = self.speculator is not None and self.speculator.drafting(len(self.scheduler.running))
         self.scheduler.drafter = self.speculator.draft if drafting else None
         pipe = self._pipeline
@@ -276,6 +277,7 @@ class Engine:
         every = [r.needs_prompt_logits for r, _ in scheduled]
         logits = self.executor.forward(ForwardBatch([r.seq for r, _ in scheduled], [t for _, t in scheduled],
                                                     every if any(every) else False), validate=False)
+        self._fed = [r for r, _ in scheduled]
         self.num_steps += 1
         if any(every):  # reads the logits on the host: waits for this step
             logits = record_prompt_logprobs(scheduled, every, logits)
@@ -335,9 +337,28 @@ class Engine:
         if reason is not None:
             self._finish(req, reason)
 
+    def _fail_fed(self, exc: BaseException) -> None:
+        """After a step failed past its forward: finish with "error" each completion it fed that has nothing left
+        to feed (its KV holds its last token, whose successor was never sampled: a next step would feed it no
+        token and read another row's logits)."""
+        for req in self._fed:
+            if req.finish_reason is None and req.seq is not None and req.seq.kv_len >= req.num_tokens:
+                req.error = f"the step failed after its forward pass: {type(exc).__name__}: {exc}"
+                self._end(req, "error")
+        self._fed = []
+
+    def _end(self, req: Request, reason: str) -> None:
+        """Finish a running completion outside a step's sampling; its final output comes with the next step."""
+        if req.pending:  # its in-flight row is dropped when the step's ids arrive
+            req.output.pop()
+            req.pending = False
+        self._finish(req, reason)
+        self._ready.append(req.make_output([]))
+
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         self.scheduler.remove(req)
+        self.sampler.release(req.state)  # its penalty table row (a request and its group are a reference cycle)
         left = self._unfinished.get(req.request_id)
         if left is None:
             return
