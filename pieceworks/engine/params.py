@@ -147,7 +147,8 @@ class SamplingParams:
     """Drop tokens whose probability is below min_p times the top token's, [0, 1]; 0: off."""
     seed: int | None = None
     """Seed of the request's own generator: the same prompt and seed give the same tokens whatever else
-    is in the batch. None: the engine's shared generator."""
+    is in the batch (under speculative decoding, for the same batches only: docs/sampling.md). None: the
+    engine's shared generator."""
     stop: list[str] | None = None
     """Stop strings (need a tokenizer); the text ends before them. A single str is taken as [str]."""
     include_stop_str_in_output: bool = False

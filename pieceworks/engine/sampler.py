@@ -270,6 +270,7 @@ class Sampler:
             x.view(-1).index_fill_(0, mask_t, float("-inf"))
         if len(bias[0]):
             x.view(-1).index_add_(0, bias_t, prm64[B * _NUM_ROW_PARAMS :].float())
+        overflow = bool(len(bias[0]))  # a bias near float32's max, scaled up by a penalty or temperature: inf
         if plan:
             row_slots, zero_slots, count_idx, prompt_idx = plan_t
             t = self._table
@@ -284,6 +285,7 @@ class Sampler:
                 states[i]._penalty = (t, slot, counted)
             pen = [params[i] for i in pen_rows]
             use_rep = any(p.repetition_penalty != 1 for p in pen)
+            overflow |= use_rep
             x = apply_penalties(
                 x, t.prompt.index_select(0, row_slots) if use_rep else None, t.counts.index_select(0, row_slots),
                 presence if any(p.presence_penalty for p in pen) else None,
@@ -297,6 +299,8 @@ class Sampler:
             return greedy_ids, row_slots
         sampled = [p for p, g in zip(params, greedy) if not g]
         x = x / temperature.unsqueeze(1)
+        if overflow:  # +inf makes the softmax NaN (and the draw token 0): the largest float32 keeps the order
+            x = x.clamp_(max=torch.finfo(torch.float32).max)
         if any(p.min_p > 0 for p in sampled):
             x = apply_min_p(x, min_p)
         k_max = max([p.top_k for p in sampled if 1 < p.top_k < V], default=0)
