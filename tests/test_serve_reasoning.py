@@ -195,3 +195,30 @@ def test_the_server_holds_structured_outputs_until_its_parsers_closing_tag():
     for parser in ("qwen3", "seed_oss"):
         Server(engine, reasoning_parser=parser)
     assert seen == [("<think>", "</think>"), ("<seed:think>", "</seed:think>")]
+
+
+def test_completions_apply_structured_outputs_from_the_first_token_under_a_reasoning_parser(smollm2_cpu_engine,
+                                                                                           monkeypatch):
+    """/v1/completions parses no reasoning, so its structured outputs are not held back for one (a chat answer's
+    are, until the closing tag)."""
+    import asyncio
+
+    import httpx
+
+    pytest.importorskip("llguidance")
+    from pieceworks.engine import AsyncEngine
+    from pieceworks.serve.app import build_app
+
+    body = {"model": "smol", "prompt": "Answer yes or no:", "max_tokens": 10, "temperature": 0,
+            "structured_outputs": {"choice": ["yes", "no"]}}
+
+    async def run() -> str:
+        with AsyncEngine(smollm2_cpu_engine) as engine:
+            app = build_app(engine, "smol", reasoning_parser="qwen3")
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
+                r = await client.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+    monkeypatch.setattr(smollm2_cpu_engine.grammars, "reasoning", None)  # restored: the engine is shared
+    assert asyncio.run(run()) in ("yes", "no")

@@ -479,8 +479,8 @@ def test_qwen3_coder_calls():
     assert tool_parsers.streamed(plan, cut[: cut.index("<parameter=ok>") + 5]) == [
         ("edit", calls[0]["arguments"][: calls[0]["arguments"].index(', "ok"')])]
     # "null" in any case is null for every type, as vLLM's qwen3_coder parser reads it (the template writes None so)
-    nulls = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in (("path", "null"), ("n", "NULL"), ("ok", "Null"),
-                                                                         ("free", "null"), ("x", " null")))
+    pairs = (("path", "null"), ("n", "NULL"), ("ok", "Null"), ("free", "null"), ("x", " null"))
+    nulls = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in pairs)
     assert json.loads(tool_parsers.parse(plan, f"<tool_call>\n<function=edit>\n{nulls}</function>\n</tool_call>")[1][0][
         "arguments"]) == {"path": None, "n": None, "ok": None, "free": None, "x": " null"}
     # a closed call may leave out </function>; text after it, or a block without <function=, is no call

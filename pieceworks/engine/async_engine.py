@@ -67,10 +67,11 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------- the caller's side
     async def generate(self, prompt: list[int] | str, params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0,
+                       reasoning: bool = True) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs (one per generated token, per completion) until every one of
         its n completions has finished. Cancelling (or closing) the iterator aborts the request.
-        `priority`: as `Engine.add_request`'s.
+        `priority`, `reasoning`: as `Engine.add_request`'s.
 
         Raises:
             RequestError: what `Engine.add_request` refuses (a duplicate id included).
@@ -94,7 +95,7 @@ class AsyncEngine:
             self._num_streams += 1
             number = self._num_streams
             self._streams[request_id] = (loop, queue, number)
-            self._commands.append(("add", request_id, number, prompt, params, priority, matchers))
+            self._commands.append(("add", request_id, number, prompt, params, priority, matchers, reasoning))
             self._cond.notify()
         left = params.n if isinstance(params, SamplingParams) else 1
         try:
@@ -180,13 +181,13 @@ class AsyncEngine:
                     commands, self._commands = self._commands, deque()
                 for cmd in commands:
                     if cmd[0] == "add":
-                        _, rid, number, prompt, params, priority, matchers = cmd
+                        _, rid, number, prompt, params, priority, matchers, reasoning = cmd
                         engine.discard_outputs(rid)  # an earlier stream's abort of this id: nobody reads it
                         with self._cond:
                             if self._streams.get(rid, (None, None, None))[2] == number:  # still listening
                                 self._added[rid] = number
                         try:
-                            engine.add_request(prompt, params, rid, priority, matchers=matchers)
+                            engine.add_request(prompt, params, rid, priority, matchers=matchers, reasoning=reasoning)
                         except Exception as exc:  # refused before the engine took it: this caller's error
                             self._deliver(rid, exc)
                     else:

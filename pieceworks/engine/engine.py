@@ -107,13 +107,16 @@ class Engine:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: list[int] | str, params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0, *, matchers: list | None = None) -> str:
+                    request_id: str | None = None, priority: int = 0, *, matchers: list | None = None,
+                    reasoning: bool = True) -> str:
         """Queue a prompt (token ids, or text when the model has a tokenizer); returns its request id.
 
         With `params.n` > 1 the request has n completions (RequestOutput.index 0..n-1), each sampling
         on its own stream (seeded ones from seed + index). `priority` (an int, lower first) orders the
         queue under `scheduler.policy: priority`; with fcfs it must be 0. `matchers`: the structured outputs'
         matchers compiled ahead (`Engine.grammars.matchers`, any thread); else they are compiled here.
+        `reasoning=False`: structured outputs apply from the first token even where `grammars.set_reasoning`
+        holds them back until the reasoning ends (a prompt that is no chat turn: the server's /v1/completions).
 
         Raises:
             RequestError: a bad prompt, params or id, a prompt + max_tokens over the context limit, token ids
@@ -133,7 +136,7 @@ class Engine:
                                    "none: use stop_token_ids")
             request_id = new_request_id(request_id, self._requests, self._ready)
             matchers = self.grammars.for_params(params, matchers)
-            thinking = None if matchers[0] is None else self.grammars.thinking(ids)
+            thinking = None if matchers[0] is None or not reasoning else self.grammars.thinking(ids)
             group: list[Request] = []
             arrival = next(self._arrivals)
             shown = list(ids)  # the prompt outputs carry (`Request.prompt_shown`)

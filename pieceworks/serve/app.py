@@ -197,7 +197,7 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
         except RequestError as exc:
             raise BadRequest(str(exc), param="priority") from None
         srv.admit(len(prompts), params[0].n)
-        steps = srv.steps(prompts, params, rid, req.priority)
+        steps = srv.steps(prompts, params, rid, req.priority, reasoning=isinstance(req, ChatCompletionRequest))
         if not req.stream:
             async def collect() -> Response:
                 async for step in steps:

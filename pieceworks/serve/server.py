@@ -78,8 +78,9 @@ class Server:
         self.num_queued += num_prompts
 
     async def steps(self, prompts: list[list[int]], params: list[Any], base_id: str,
-                    priority: int = 0) -> AsyncIterator[Step]:
-        """The engine's outputs for every prompt, merged; choice index = prompt * n + completion.
+                    priority: int = 0, reasoning: bool = True) -> AsyncIterator[Step]:
+        """The engine's outputs for every prompt, merged; choice index = prompt * n + completion. `reasoning`:
+        structured outputs wait for the reasoning's end where `--reasoning-parser` is set (chat answers only).
 
         Closing or cancelling this iterator aborts every request still running (the pages return).
         """
@@ -93,7 +94,7 @@ class Server:
 
         async def pump(i: int) -> None:
             try:
-                async for out in self.engine.generate(prompts[i], params[i], ids[i], priority):
+                async for out in self.engine.generate(prompts[i], params[i], ids[i], priority, reasoning):
                     await queue.put((i, out))
             except Exception as exc:  # handed to the consumer, which raises it
                 await queue.put((i, exc))

@@ -12,8 +12,8 @@ from pieceworks.core.batch import GraphMode
 from pieceworks.testing import scenarios as S
 
 from pieceworks.testing.checks import (
-    ACTIVATION_DTYPES, assert_close, assert_kept, assert_output, assert_same_bits, assert_unchanged, build, device_dtype,
-    dtype_name, DTYPES, for_op, GEMM_TOLERANCE, rel_err, snapshot, spec_for, W4A16_HINT,
+    ACTIVATION_DTYPES, assert_close, assert_kept, assert_output, assert_same_bits, assert_unchanged, build,
+    device_dtype, dtype_name, DTYPES, for_op, GEMM_TOLERANCE, rel_err, snapshot, spec_for, W4A16_HINT,
 )
 
 
