@@ -70,7 +70,9 @@ class AsyncEngine:
                        request_id: str | None = None, priority: int = 0,
                        reasoning: bool = True) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs (one per generated token, per completion) until every one of
-        its n completions has finished. Cancelling (or closing) the iterator aborts the request.
+        its n completions has finished. Cancelling (or closing) the iterator aborts the request; a `break` out of
+        `async for` leaves the closing to asyncio's finalizer at the loop's next turn (its id is taken until then):
+        `async with contextlib.aclosing(engine.generate(...)) as outs:` closes it at the break.
         `priority`, `reasoning`: as `Engine.add_request`'s.
 
         Raises:
