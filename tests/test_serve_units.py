@@ -14,7 +14,8 @@ pytest.importorskip("fastapi", reason="needs the serve extra: pip install 'piece
 
 from pieceworks.serve import bench, stats  # noqa: E402
 from pieceworks.serve.metrics import ServerMetrics  # noqa: E402
-from pieceworks.serve.protocol import ChatCompletionRequest, CompletionChunk, CompletionChoice, CompletionRequest, sse  # noqa: E402
+from pieceworks.serve.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
+from pieceworks.serve.responses import CompletionChoice, CompletionChunk, sse  # noqa: E402
 
 
 def test_request_models_are_strict():

@@ -29,15 +29,10 @@ from pieceworks.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ErrorInfo,
-    ErrorResponse,
-    ModelCard,
-    ModelList,
     TokenizeRequest,
-    new_id,
     parse_body,
-    sse,
 )
+from pieceworks.serve.responses import ErrorInfo, ErrorResponse, ModelCard, ModelList, new_id, sse
 from pieceworks.serve.server import RETRY_AFTER_S, EngineFailure, Overloaded, Server
 from pieceworks.serve.writers import ChatWriter, CompletionWriter, Writer
 from pieceworks.version import __version__
