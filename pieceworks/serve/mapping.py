@@ -50,6 +50,14 @@ def tokenizer_for(req: Any, served: str, tokenizer: Any) -> Any:
     return tokenizer
 
 
+# OpenAI's chat fields whose behaviour pieceworks lacks, and what to do instead; refused where set (not null)
+UNSUPPORTED_CHAT = {"functions": "the legacy functions API is not supported: use tools",
+                    "function_call": "the legacy function_call is not supported: use tool_choice",
+                    "prediction": "predicted outputs are not supported: leave prediction out",
+                    "web_search_options": "this server does not search the web: leave web_search_options out",
+                    "audio": "this server answers in text only: leave audio out"}
+
+
 def refuse_unsupported(req: SamplingFields) -> None:
     """OpenAI fields whose behaviour pieceworks lacks: refused by name rather than ignored."""
     unsupported: dict[str, Any] = {}
@@ -59,6 +67,16 @@ def refuse_unsupported(req: SamplingFields) -> None:
     for name, value in unsupported.items():
         if value is not None:
             raise BadRequest(f"{name}={value!r} is not supported by this server; leave it out", param=name)
+    if isinstance(req, ChatCompletionRequest):
+        for name, why in UNSUPPORTED_CHAT.items():
+            if getattr(req, name) is not None:
+                raise BadRequest(f"{name}: {why}", param=name)
+        if req.store:
+            raise BadRequest("store: true asks for the completion to be stored, and this server stores nothing: "
+                             "leave store out or false", param="store")
+        if set(req.modalities or ()) - {"text"}:
+            raise BadRequest(f"modalities={req.modalities!r}: this server answers in text only: leave modalities "
+                             'out or ["text"]', param="modalities")
     if req.stream_options is not None and not req.stream:  # OpenAI's and vLLM's rule
         raise BadRequest("stream_options is only allowed with stream: true", param="stream_options")
 
@@ -113,11 +131,40 @@ def _template_arguments(tokenizer: Any) -> set[str]:
     return TEMPLATE_ARGUMENTS | {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, tool_plan: tools.ToolPlan | None = None) -> list[int]:
-    """The messages rendered by the tokenizer's chat template, with the assistant turn opened (and the
-    plan's tools as the template's `tools`)."""
+def check_messages(req: ChatCompletionRequest) -> None:
+    """OpenAI's rules for a message's fields: content on every role but the assistant's, whose turn may instead
+    carry tool_calls or a refusal; `refusal`, `annotations`, `audio` and `function_call` on assistant messages
+    only, the last two null (an audio answer, a legacy call: this server makes neither)."""
     if not req.messages:
         raise BadRequest("messages is empty: give at least one message", param="messages")
+    for i, m in enumerate(req.messages):
+        at = f"messages.{i}"
+        empty = m.content is None or m.content == []
+        if m.role != "assistant":
+            fields = ("refusal", "annotations", "audio", "function_call")
+            extra = next((f for f in fields if getattr(m, f) is not None), None)
+            if extra is not None:
+                raise BadRequest(f"{at}.{extra}: only assistant messages carry {extra}; this is a {m.role!r} "
+                                 "message", param=f"{at}.{extra}")
+            if empty:
+                raise BadRequest(f"{at}.content: a {m.role!r} message needs content: a string or a list of "
+                                 '{"type": "text", "text": ...} parts', param=f"{at}.content")
+            continue
+        if m.audio is not None:
+            raise BadRequest(f"{at}.audio: audio is not supported (this server answers in text only); send the "
+                             "turn's transcript as content and leave audio out or null", param=f"{at}.audio")
+        if m.function_call is not None:
+            raise BadRequest(f"{at}.function_call: the legacy function_call is not supported; send the call as "
+                             "tool_calls", param=f"{at}.function_call")
+        if empty and not m.tool_calls and m.refusal is None:
+            raise BadRequest(f"{at}.content: an assistant message needs content, tool_calls or a refusal",
+                             param=f"{at}.content")
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, tool_plan: tools.ToolPlan | None = None) -> list[int]:
+    """The messages rendered by the tokenizer's chat template, with the assistant turn opened (and the
+    plan's tools as the template's `tools`); `reasoning_effort` is the template's variable of that name."""
+    check_messages(req)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise BadRequest("this model has no chat template: use /v1/completions", param="messages")
     if req.continue_final_message and (req.add_generation_prompt or req.messages[-1].role != "assistant"):
@@ -128,8 +175,13 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, tool_plan: tools.Too
         raise BadRequest(f"chat_template_kwargs sets {sorted(reserved)}: apply_chat_template's own arguments, "
                          "not template variables; the server sets them (use the request's own fields, such as "
                          "add_generation_prompt or tools)", param="chat_template_kwargs")
+    given = (req.chat_template_kwargs or {}).get("reasoning_effort", req.reasoning_effort)
+    if req.reasoning_effort is not None and given != req.reasoning_effort:
+        raise BadRequest(f"reasoning_effort={req.reasoning_effort!r} and chat_template_kwargs' reasoning_effort="
+                         f"{given!r} disagree: give one of them", param="reasoning_effort")
     msgs = tools.template_messages(req)
-    kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tool_plan.tools} if tool_plan else {})}
+    kwargs = {**({"reasoning_effort": req.reasoning_effort} if req.reasoning_effort is not None else {}),
+              **(req.chat_template_kwargs or {}), **({"tools": tool_plan.tools} if tool_plan else {})}
     try:
         try:
             return render_chat(tokenizer, msgs, add_generation_prompt=req.add_generation_prompt,

@@ -6,7 +6,8 @@ defaults), plus the extensions vLLM's server accepts (`top_k`, `min_p`, `repetit
 `skip_special_tokens`, `return_token_ids`, `priority`, `structured_outputs`, the chat template options), so
 clients written for either work unchanged. Requests are strict: a field of the wrong type or a field the
 API does not have is a 400, and an OpenAI field whose behaviour pieceworks does not implement (`suffix`) is
-refused by name instead of being ignored. `parse_body` turns a body into a model, or a 400 that says
+refused by name instead of being ignored (OpenAI's fields that change nothing here, such as `metadata`, are
+accepted). `parse_body` turns a body into a model, or a 400 that says
 what is wrong.
 """
 
@@ -93,15 +94,25 @@ class TextPart(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
+    """One message. An assistant message as OpenAI's client returns it (`message.model_dump()`) comes back with
+    `refusal`, `annotations` (ignored), `audio` and `function_call`; `mapping.check_messages` refuses what of
+    them the server can't honour, and content missing where the role needs it."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None
     tool_call_id: Optional[str] = None
+    refusal: Optional[str] = None
+    annotations: Optional[list[Any]] = None
+    audio: Optional[Any] = None
+    function_call: Optional[Any] = None
 
     def text(self) -> str:
         if isinstance(self.content, list):  # text parts, one per line (vLLM's join for string templates)
             return "\n".join(p.text for p in self.content)
+        if not self.content and self.refusal is not None:  # an assistant turn that refused: the refusal is its text
+            return self.refusal
         return self.content or ""
 
 
@@ -115,6 +126,18 @@ class ChatCompletionRequest(SamplingFields):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
+    reasoning_effort: Optional[str] = None  # the chat template's variable `reasoning_effort`, as vLLM's
+    # OpenAI's fields without effect here (store, metadata, service_tier), or refused where set:
+    # `mapping.refuse_unsupported`
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
+    modalities: Optional[list[str]] = None
+    audio: Optional[Any] = None
+    prediction: Optional[Any] = None
+    web_search_options: Optional[Any] = None
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
     # vLLM's chat template options
     add_generation_prompt: bool = True
     continue_final_message: bool = False
