@@ -1,18 +1,46 @@
 """The server against OpenAI's API as its clients use it: an assistant message sent back as the SDK returns it,
-OpenAI's own request fields (accepted, or refused by name), messages without content, the developer role."""
+OpenAI's own request fields (accepted, or refused by name), messages without content, the developer role, 404 for
+an unknown model and `GET /v1/models/{model}`. The apps run in this process (httpx's ASGI transport) over the tiny
+random Llama (token ids)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
 pytest.importorskip("fastapi", reason="needs the serve extra: pip install 'pieceworks[serve]'")
+pytest.importorskip("openai", reason="needs the openai client: pip install 'pieceworks[test]'")
 
+import httpx  # noqa: E402
+import openai  # noqa: E402
+
+from pieceworks.engine import AsyncEngine, Engine  # noqa: E402
 from pieceworks.serve import mapping  # noqa: E402
+from pieceworks.serve.app import build_app  # noqa: E402
 from pieceworks.serve.protocol import BadRequest, ChatCompletionRequest, parse_body  # noqa: E402
 
+TINY = ["model.arch=llama", "model.preset=tiny", "model.max_context=256", "cuda_graph.piecewise.enabled=off"]
 USER = {"role": "user", "content": "What is the capital of France?"}
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    engine = Engine.from_config(None, TINY, progress=False)
+    yield engine
+    engine.close()
+
+
+def ask(engine, name: str, calls, **app_kw):
+    """`calls(client)` (an async function of an httpx client) against `build_app(engine, name)`; its result."""
+    async def main():
+        with AsyncEngine(engine) as ae:
+            transport = httpx.ASGITransport(app=build_app(ae, name, **app_kw), raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://app", timeout=120) as client:
+                return await calls(client)
+
+    return asyncio.run(main())
 
 
 class _Template:
@@ -104,4 +132,28 @@ def test_messages_without_content():
 def test_the_developer_role_reaches_the_template_as_system():
     assert rendered({"messages": [{"role": "developer", "content": "Be brief."}, USER]}).startswith(
         "system:Be brief.|user:")
+
+
+# ---- over HTTP -------------------------------------------------------------------------------------------
+
+
+def test_unknown_model_is_404_and_a_model_retrieves(tiny_engine):
+    async def calls(c):
+        r = await c.post("/v1/completions", json={"model": "gpt-4", "prompt": [1, 2]})
+        assert r.status_code == 404, r.text
+        assert r.json()["error"] == {"message": "the model 'gpt-4' does not exist; this server serves 'org/tiny'",
+                                     "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+        listed = (await c.get("/v1/models")).json()["data"][0]
+        assert (await c.get("/v1/models/org/tiny")).json() == listed
+        r = await c.get("/v1/models/gpt-4")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+        sdk = openai.AsyncOpenAI(base_url="http://app/v1", api_key="unused", http_client=c, max_retries=0)
+        card = await sdk.models.retrieve("org/tiny")  # the SDK sends the "/" as %2F
+        assert card.id == "org/tiny" and card.model_extra["max_model_len"] == 256
+        with pytest.raises(openai.NotFoundError):
+            await sdk.models.retrieve("gpt-4")
+        with pytest.raises(openai.NotFoundError):
+            await sdk.chat.completions.create(model="gpt-4", messages=[USER])
+
+    ask(tiny_engine, "org/tiny", calls)
 

@@ -100,8 +100,8 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
     @app.exception_handler(RequestError)
     async def bad_request(_: Request, exc: RequestError) -> JSONResponse:
         srv.metrics.bad_requests += 1
-        return error_response(400, str(exc), "invalid_request_error", getattr(exc, "param", None),
-                              getattr(exc, "code", None))
+        return error_response(getattr(exc, "status", 400), str(exc), "invalid_request_error",
+                              getattr(exc, "param", None), getattr(exc, "code", None))
 
     @app.exception_handler(Overloaded)
     async def overloaded(_: Request, exc: Overloaded) -> JSONResponse:
@@ -137,10 +137,16 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
         return error_response(503, "the engine's step loop has stopped (failed or shut down); this server "
                               "cannot run requests: restart it", "server_error", code="engine_dead")
 
+    card = ModelCard(id=srv.name, max_model_len=srv.max_context, vocab_size=srv.vocab_size)
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = ModelCard(id=srv.name, max_model_len=srv.max_context, vocab_size=srv.vocab_size)
         return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/v1/models/{model:path}")  # a served name may hold "/" (a model's path)
+    async def model(model: str) -> JSONResponse:
+        mapping.check_model(model, srv.name)
+        return JSONResponse(card.model_dump())
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -165,7 +171,7 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = await _parse(request, CompletionRequest)
-        mapping.check_model(req, srv.name)
+        mapping.check_model(req.model, srv.name)
         mapping.refuse_unsupported(req)
         prompts = mapping.completion_prompts(req, srv.tokenizer, srv.vocab_size)
         params = [mapping.sampling_params(req, mapping.max_tokens_for(req, len(p), srv.max_context), srv.vocab_size)
@@ -176,7 +182,7 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = await _parse(request, ChatCompletionRequest)
-        mapping.check_model(req, srv.name)
+        mapping.check_model(req.model, srv.name)
         mapping.refuse_unsupported(req)
         plan = tools.plan(req, srv.tool_call_parser, srv.keep_special)
         prompt = mapping.chat_prompt(req, srv.tokenizer, plan)

@@ -34,17 +34,16 @@ TEMPLATE_ARGUMENTS = {"conversation", "messages", "tokenize", "return_dict", "ad
                       "sanitize_control_tokens"}
 
 
-def check_model(req: SamplingFields, served: str) -> None:
-    if req.model != served:
-        raise BadRequest(f"the model {req.model!r} does not exist; this server serves {served!r}",
-                         param="model", code="model_not_found")
+def check_model(model: str | None, served: str) -> None:
+    """A 404 `model_not_found` (OpenAI's answer) unless `model` is the served one (None: the served one)."""
+    if model is not None and model != served:
+        raise BadRequest(f"the model {model!r} does not exist; this server serves {served!r}",
+                         param="model", code="model_not_found", status=404)
 
 
 def tokenizer_for(req: Any, served: str, tokenizer: Any) -> Any:
     """The tokenizer that /tokenize and /detokenize use: the model's (`req.model`, when given, names it)."""
-    if req.model is not None and req.model != served:
-        raise BadRequest(f"the model {req.model!r} does not exist; this server serves {served!r}",
-                         param="model", code="model_not_found")
+    check_model(req.model, served)
     if tokenizer is None:
         raise BadRequest("this model has no tokenizer (random weights): token ids are all it takes", param="model")
     return tokenizer

@@ -26,12 +26,14 @@ MAX_LOGPROBS = 20
 
 
 class BadRequest(RequestError):
-    """A request the server answers with 400; `param` names the offending field (None: the body)."""
+    """A request the server refuses with HTTP `status` (400; 404 for a model it does not serve); `param` names the
+    offending field (None: the body)."""
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
         super().__init__(message)
         self.param = param
         self.code = code
+        self.status = status
 
 
 class OpenAIModel(BaseModel):
