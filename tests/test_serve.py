@@ -511,8 +511,8 @@ def test_structured_outputs_over_http(smol_url, tiny_url):
             (smol_url, {"structured_outputs": {"pattern": "a"}}, "structured_outputs"),
             (smol_url, {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
              "structured_outputs"),
-            (smol_url, {"structured_outputs": {"regex": "[a-"}}, None),
-            (tiny_url, {"structured_outputs": {"regex": "a"}}, None)):
+            (smol_url, {"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
+            (tiny_url, {"structured_outputs": {"regex": "a"}}, "structured_outputs")):
         name = SMOL_NAME if url == smol_url else TINY_NAME
         for stream in (False, True):
             r = httpx.post(f"{url}/v1/completions", timeout=30,

@@ -1,7 +1,8 @@
 """The server against OpenAI's API as its clients use it: an assistant message sent back as the SDK returns it,
 OpenAI's own request fields (accepted, or refused by name), messages without content, the developer role, 404 for
-an unknown model and `GET /v1/models/{model}`. The apps run in this process (httpx's ASGI transport) over the tiny
-random Llama (token ids)."""
+an unknown model and `GET /v1/models/{model}`, the request field an engine refusal names. The apps run in this
+process (httpx's ASGI transport): the tiny random Llama (token ids) and the SmolLM2 demo model (chat template,
+structured outputs)."""
 
 from __future__ import annotations
 
@@ -156,4 +157,63 @@ def test_unknown_model_is_404_and_a_model_retrieves(tiny_engine):
             await sdk.chat.completions.create(model="gpt-4", messages=[USER])
 
     ask(tiny_engine, "org/tiny", calls)
+
+
+def test_engine_refusals_name_the_request_field(tiny_engine):
+    """A refusal the engine makes (stop strings without a tokenizer) names the field the client sent, in its
+    terms, streamed or not."""
+    async def calls(c):
+        out = []
+        for stream in (False, True):
+            r = await c.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "stop": ["x"],
+                                                      "stream": stream})
+            assert r.status_code == 400, r.text
+            out.append(r.json()["error"])
+        return out
+
+    for err in ask(tiny_engine, "tiny", calls):
+        assert err["param"] == "stop" and err["message"].startswith("stop=['x'] needs a tokenizer"), err
+        assert "SamplingParams" not in err["message"], err
+    # a grammar that conflicts with the request's other options names the field the grammar came from
+    req = parse_body(json.dumps({"model": "m", "messages": [USER], "response_format": {"type": "json_object"}})
+                     .encode(), ChatCompletionRequest)
+    err = mapping.client_error(BadRequest("structured_outputs: the sampled token 'x' does not continue",
+                                          param="structured_outputs", code="unsatisfiable"), req)
+    assert (str(err), err.param, err.code) == ("response_format: the sampled token 'x' does not continue",
+                                               "response_format", "unsatisfiable")
+
+
+def test_sdk_round_trip_and_schema_refusals_on_a_chat_model(smollm2_cpu_engine):
+    """The SmolLM2 demo model: an answer sent back as the SDK returns it, and a schema that does not compile named
+    by the field that carried it (response_format, structured_outputs, or tools under a named tool_choice)."""
+    pytest.importorskip("llguidance")
+    bogus = {"type": "bogus"}
+    tool = {"type": "function", "function": {"name": "f", "parameters": bogus}}
+    bad = {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": bogus}},
+           "structured_outputs": {"json": bogus},
+           "tools": {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}}}
+
+    async def calls(c):
+        sdk = openai.AsyncOpenAI(base_url="http://app/v1", api_key="unused", http_client=c, max_retries=0)
+        kw = dict(model="smol", max_tokens=4, temperature=0)
+        messages = [USER]
+        r = await sdk.chat.completions.create(messages=messages, **kw)
+        messages.append(r.choices[0].message.model_dump())
+        assert "refusal" in messages[-1] and "annotations" in messages[-1]
+        messages.append({"role": "user", "content": "And of Italy?"})
+        r = await sdk.chat.completions.create(messages=messages, **kw)
+        assert r.choices[0].message.content
+        errors = {}
+        for field, extra in bad.items():
+            for stream in (False, True):
+                body = {"model": "smol", "messages": [USER], "max_tokens": 4, "stream": stream}
+                r = await c.post("/v1/chat/completions", json={**body, **(extra if field == "tools" else
+                                                                           {field: extra})})
+                assert r.status_code == 400, r.text
+                errors[field, stream] = r.json()["error"]
+        return errors
+
+    for (field, _), err in ask(smollm2_cpu_engine, "smol", calls).items():
+        assert err["param"] == field and "does not compile" in err["message"], err
+        assert "StructuredOutputsParams" not in err["message"], err
 

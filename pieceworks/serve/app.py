@@ -189,10 +189,12 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
         params = [mapping.sampling_params(req, mapping.max_tokens_for(req, len(prompt), srv.max_context),
                                           srv.vocab_size, plan)]
         writer = ChatWriter(srv, req, plan, srv.reasoning_parser, srv.prompt_state(prompt))
-        return await _respond(request, req, [prompt], params, new_id("chatcmpl"), writer)
+        return await _respond(request, req, [prompt], params, new_id("chatcmpl"), writer, plan)
 
     async def _respond(request: Request, req: Any, prompts: list[list[int]], params: list[Any], rid: str,
-                       writer: Writer) -> Response:
+                       writer: Writer, plan: tools.ToolPlan | None = None) -> Response:
+        """The response to `req`: the engine's refusals of its parameters name the request's own fields
+        (`mapping.client_error`)."""
         try:  # the engine would refuse it too, without naming the field
             srv.engine.engine.scheduler.check_priority(req.priority)
         except RequestError as exc:
@@ -207,13 +209,17 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
 
             try:
                 return await _unless_disconnected(request, collect())
+            except RequestError as exc:
+                raise mapping.client_error(exc, req, plan) from exc
             finally:
                 await steps.aclose()
         # The first step before the response starts: a request the engine refuses is still a 400.
         try:
             first = await _unless_disconnected(request, anext(steps, None))
-        except BaseException:
+        except BaseException as exc:
             await steps.aclose()
+            if isinstance(exc, RequestError):
+                raise mapping.client_error(exc, req, plan) from exc
             raise
 
         async def stream() -> AsyncIterator[str]:
@@ -231,6 +237,7 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
                 yield sse(ErrorResponse(error=ErrorInfo(message=str(exc), type="server_error", code="engine_error")))
             except BadRequest as exc:  # a completion's own constraints refused every token (error_param)
                 srv.metrics.bad_requests += 1
+                exc = mapping.client_error(exc, req, plan)
                 yield sse(ErrorResponse(error=ErrorInfo(message=str(exc), type="invalid_request_error",
                                                         param=exc.param, code=exc.code)))
             except Exception as exc:  # the engine died mid-stream, or a bug: the client still gets an event

@@ -270,7 +270,7 @@ def structured_outputs(req: SamplingFields, tool_plan: tools.ToolPlan | None = N
             raise BadRequest(f"structured_outputs takes {known}; got {sorted(fields)}",
                              param="structured_outputs") from None
         except RequestError as exc:
-            raise BadRequest(str(exc), param="structured_outputs") from None
+            raise client_error(exc, req) from None
     if fmt is None or (fmt.get("type") == "text" and len(fmt) == 1):
         return None
     kind, spec = fmt.get("type"), fmt.get("json_schema")
@@ -316,7 +316,55 @@ def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int,
     try:
         return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
     except RequestError as exc:
-        named = re.match(r"SamplingParams\.(\w+)", str(exc))
-        raise BadRequest(str(exc), param=named.group(1) if named else None) from exc
+        raise client_error(exc, req, tool_plan) from exc
     except TypeError as exc:  # a field SamplingParams lacks
         raise BadRequest(str(exc)) from exc
+
+
+def client_error(exc: RequestError, req: SamplingFields, tool_plan: tools.ToolPlan | None = None) -> BadRequest:
+    """A refusal of the request's parameters, in the client's terms: the engine's messages name `SamplingParams`
+    and `StructuredOutputsParams` fields (and a grammar conflict's `error_param`), which become the request fields
+    they came from (`param` and message). Other messages keep their text and param."""
+    text, param = str(exc), getattr(exc, "param", None)
+    source = _structured_source(req, tool_plan)
+    named = re.match(r"SamplingParams\.(\w+)", text)
+    if named is not None:
+        name = named.group(1)
+        param = source if name == "structured_outputs" else _request_field(req, name)
+        text = text.replace(named.group(0), param or name, 1)
+    elif re.match(r"StructuredOutputsParams\b|structured outputs\b", text):
+        kind = re.match(r"StructuredOutputsParams\.(\w+)", text)
+        param = source
+        text = re.sub(r"^StructuredOutputsParams(\.\w+)?", _structured_name(source, kind and kind.group(1)), text)
+    elif param == "structured_outputs":  # the engine's error_param: a grammar that conflicts with other options
+        param = source
+        text = re.sub(r"^structured_outputs\b", source, text)
+    return BadRequest(text, param=param, code=getattr(exc, "code", None))
+
+
+def _structured_source(req: SamplingFields, tool_plan: tools.ToolPlan | None) -> str:
+    """The request field the structured output comes from."""
+    if tool_plan is not None and tool_plan.constrains:
+        return "tools"
+    return "structured_outputs" if req.structured_outputs is not None else "response_format"
+
+
+def _structured_name(source: str, kind: str | None) -> str:
+    """How a message names the structured output's `kind` (json, regex, ...) as the client gave it."""
+    if source == "response_format":
+        return "response_format's json_schema.schema" if kind == "json" else "response_format"
+    if source == "tools":
+        return "the JSON schema of the tools' function.parameters"
+    return f"structured_outputs.{kind}" if kind else "structured_outputs"
+
+
+def _request_field(req: SamplingFields, name: str) -> str | None:
+    """The request field a `SamplingParams` field comes from (None: none the client can set)."""
+    chat = isinstance(req, ChatCompletionRequest)
+    if name == "max_tokens" and chat and req.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    if name == "logprobs" and chat:
+        return "top_logprobs" if req.top_logprobs is not None else "logprobs"
+    if name == "prompt_logprobs":
+        return "logprobs"  # completions' logprobs with echo
+    return name if name in type(req).model_fields else None
