@@ -1,8 +1,8 @@
 """The server against OpenAI's API as its clients use it: an assistant message sent back as the SDK returns it,
 OpenAI's own request fields (accepted, or refused by name), messages without content, the developer role, 404 for
-an unknown model and `GET /v1/models/{model}`, the request field an engine refusal names. The apps run in this
-process (httpx's ASGI transport): the tiny random Llama (token ids) and the SmolLM2 demo model (chat template,
-structured outputs)."""
+an unknown model and `GET /v1/models/{model}`, `usage: null` on a stream's chunks, the request field an engine
+refusal names. The apps run in this process (httpx's ASGI transport): the tiny random Llama (token ids) and the
+SmolLM2 demo model (chat template, structured outputs)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,10 @@ def ask(engine, name: str, calls, **app_kw):
                 return await calls(client)
 
     return asyncio.run(main())
+
+
+def events(text: str) -> list:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
 
 
 class _Template:
@@ -159,6 +163,21 @@ def test_unknown_model_is_404_and_a_model_retrieves(tiny_engine):
     ask(tiny_engine, "org/tiny", calls)
 
 
+def test_stream_chunks_carry_usage_null_before_the_usage_chunk(tiny_engine):
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True, "stream": True}
+
+    async def calls(c):
+        with_usage = events((await c.post("/v1/completions", json={
+            **body, "stream_options": {"include_usage": True}})).text)
+        without = events((await c.post("/v1/completions", json=body)).text)
+        return with_usage, without
+
+    with_usage, without = ask(tiny_engine, "tiny", calls)
+    assert len(with_usage) == 4 and all("usage" in e and e["usage"] is None for e in with_usage[:-1]), with_usage
+    assert with_usage[-1]["usage"]["completion_tokens"] == 3 and with_usage[-1]["choices"] == []
+    assert len(without) == 3 and not any("usage" in e for e in without), without
+
+
 def test_engine_refusals_name_the_request_field(tiny_engine):
     """A refusal the engine makes (stop strings without a tokenizer) names the field the client sent, in its
     terms, streamed or not."""
@@ -184,8 +203,9 @@ def test_engine_refusals_name_the_request_field(tiny_engine):
 
 
 def test_sdk_round_trip_and_schema_refusals_on_a_chat_model(smollm2_cpu_engine):
-    """The SmolLM2 demo model: an answer sent back as the SDK returns it, and a schema that does not compile named
-    by the field that carried it (response_format, structured_outputs, or tools under a named tool_choice)."""
+    """The SmolLM2 demo model: an answer sent back as the SDK returns it, a streamed chat's usage nulls, and a
+    schema that does not compile named by the field that carried it (response_format, structured_outputs, or
+    tools under a named tool_choice)."""
     pytest.importorskip("llguidance")
     bogus = {"type": "bogus"}
     tool = {"type": "function", "function": {"name": "f", "parameters": bogus}}
@@ -203,6 +223,10 @@ def test_sdk_round_trip_and_schema_refusals_on_a_chat_model(smollm2_cpu_engine):
         messages.append({"role": "user", "content": "And of Italy?"})
         r = await sdk.chat.completions.create(messages=messages, **kw)
         assert r.choices[0].message.content
+        chunks = [ch async for ch in await sdk.chat.completions.create(
+            messages=messages, stream=True, stream_options={"include_usage": True}, **kw)]
+        assert all(ch.usage is None and "usage" in ch.model_fields_set for ch in chunks[:-1])
+        assert chunks[-1].usage.completion_tokens == 4
         errors = {}
         for field, extra in bad.items():
             for stream in (False, True):

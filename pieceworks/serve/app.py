@@ -221,17 +221,20 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
             if isinstance(exc, RequestError):
                 raise mapping.client_error(exc, req, plan) from exc
             raise
+        # OpenAI's chunks carry "usage": null before the usage chunk, where the client asked for usage
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        nulls = ("usage",) if usage else ()
 
         async def stream() -> AsyncIterator[str]:
             try:
                 for chunk in writer.start(rid):
-                    yield sse(chunk)
+                    yield sse(chunk, nulls)
                 step = first
                 while step is not None:
                     for chunk in writer.chunks(rid, step):
-                        yield sse(chunk)
+                        yield sse(chunk, nulls)
                     step = await anext(steps, None)
-                if req.stream_options and req.stream_options.include_usage:
+                if usage:
                     yield sse(writer.usage_chunk(rid, prompts))
             except EngineFailure as exc:
                 yield sse(ErrorResponse(error=ErrorInfo(message=str(exc), type="server_error", code="engine_error")))

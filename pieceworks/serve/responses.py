@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Any, ClassVar, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, SerializationInfo, model_serializer
 
 
 class ResponseModel(BaseModel):
@@ -20,10 +20,11 @@ class ResponseModel(BaseModel):
     omit_if_none: ClassVar[frozenset[str]] = frozenset()
 
     @model_serializer(mode="wrap")
-    def _omit_nones(self, handler: Any) -> Any:
+    def _omit_nones(self, handler: Any, info: SerializationInfo) -> Any:
         data = handler(self)
+        kept = (info.context or {}).get("nulls", ())  # fields a response sends as null all the same
         for key in self.omit_if_none:
-            if data.get(key, 0) is None:
+            if data.get(key, 0) is None and key not in kept:
                 del data[key]
         return data
 
@@ -202,10 +203,11 @@ class ErrorResponse(ResponseModel):
     error: ErrorInfo
 
 
-def sse(payload: BaseModel | dict | str) -> str:
-    """One server-sent event: `data: <json>` and a blank line (`data: [DONE]` for the string)."""
+def sse(payload: BaseModel | dict | str, nulls: tuple[str, ...] = ()) -> str:
+    """One server-sent event: `data: <json>` and a blank line (`data: [DONE]` for the string). `nulls`: fields
+    of `omit_if_none` a model's JSON keeps as null (a stream's `usage` before its usage chunk)."""
     if isinstance(payload, BaseModel):
-        payload = payload.model_dump_json()
+        payload = payload.model_dump_json(context={"nulls": nulls})
     elif isinstance(payload, dict):
         payload = json.dumps(payload)
     return f"data: {payload}\n\n"
