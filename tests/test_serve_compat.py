@@ -1,13 +1,17 @@
 """The server against OpenAI's API as its clients use it: an assistant message sent back as the SDK returns it,
 OpenAI's own request fields (accepted, or refused by name), messages without content, the developer role, 404 for
 an unknown model and `GET /v1/models/{model}`, `usage: null` on a stream's chunks, the request field an engine
-refusal names. The apps run in this process (httpx's ASGI transport): the tiny random Llama (token ids) and the
-SmolLM2 demo model (chat template, structured outputs)."""
+refusal names, and the port `pieceworks serve --port 0` listens on. The apps run in this process (httpx's ASGI
+transport): the tiny random Llama (token ids) and the SmolLM2 demo model (chat template, structured outputs)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import logging
+import threading
+import time
 
 import pytest
 
@@ -241,3 +245,49 @@ def test_sdk_round_trip_and_schema_refusals_on_a_chat_model(smollm2_cpu_engine):
         assert err["param"] == field and "does not compile" in err["message"], err
         assert "StructuredOutputsParams" not in err["message"], err
 
+
+# ---- pieceworks serve --port 0 ---------------------------------------------------------------------------
+
+
+def test_serve_on_port_0_logs_the_port_it_listens_on(monkeypatch, caplog):
+    import uvicorn
+
+    from pieceworks.serve.cli import run_serve
+
+    engine = Engine.from_config(None, TINY, progress=False)  # its own: serving shuts the engine down
+    monkeypatch.setattr(AsyncEngine, "from_config", classmethod(lambda cls, *a, **k: cls(engine)))
+    servers = []
+    real_init = uvicorn.Server.__init__
+
+    def init(self, *args, **kwargs):
+        servers.append(self)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(uvicorn.Server, "__init__", init)
+    caplog.set_level(logging.INFO, logger="pieceworks.serve")
+    args = argparse.Namespace(host="127.0.0.1", port=0, served_model_name="tiny", max_queue=8,
+                              tool_call_parser=None, reasoning_parser=None)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(run_serve(args, None)), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not any("serving tiny at" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not come up"
+            time.sleep(0.05)
+        line = next(r.getMessage() for r in caplog.records if "serving tiny at" in r.getMessage())
+        port = int(line.split("http://127.0.0.1:")[1].split()[0])
+        assert port != 0, line
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and thread.is_alive(), f"nothing answers on port {port}"
+            time.sleep(0.1)
+    finally:
+        if servers:
+            servers[0].should_exit = True
+        thread.join(30)
+    assert result == [0]
