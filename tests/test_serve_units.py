@@ -14,7 +14,8 @@ pytest.importorskip("fastapi", reason="needs the serve extra: pip install 'piece
 
 from pieceworks.serve import bench, stats  # noqa: E402
 from pieceworks.serve.metrics import ServerMetrics  # noqa: E402
-from pieceworks.serve.protocol import ChatCompletionRequest, CompletionChunk, CompletionChoice, CompletionRequest, sse  # noqa: E402
+from pieceworks.serve.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
+from pieceworks.serve.responses import CompletionChoice, CompletionChunk, sse  # noqa: E402
 
 
 def test_request_models_are_strict():
@@ -322,7 +323,7 @@ def test_lengths_prompts_and_unsupported_fields():
     with pytest.raises(RuntimeError, match="not the template's"):  # a 500, not the client's fault
         mapping.chat_prompt(chat_req, _Templated("{{ messages[0].content }}", broken=True))
     assert mapping.chat_prompt(chat_req, _Templated("{{ messages[0].content }}")) == [104, 105]
-    _bad(mapping.check_model, req, "other", param="model")
+    _bad(mapping.check_model, req.model, "other", param="model")
     echo = req.model_copy(update={"echo": True, "logprobs": 2})
     assert mapping.max_tokens_for(echo.model_copy(update={"max_tokens": 0}), 3, 100) == 1  # scored, then dropped
     _bad(mapping.max_tokens_for, req.model_copy(update={"max_tokens": 0}), 3, 100, param="max_tokens")

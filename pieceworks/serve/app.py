@@ -29,15 +29,10 @@ from pieceworks.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ErrorInfo,
-    ErrorResponse,
-    ModelCard,
-    ModelList,
     TokenizeRequest,
-    new_id,
     parse_body,
-    sse,
 )
+from pieceworks.serve.responses import ErrorInfo, ErrorResponse, ModelCard, ModelList, new_id, sse
 from pieceworks.serve.server import RETRY_AFTER_S, EngineFailure, Overloaded, Server
 from pieceworks.serve.writers import ChatWriter, CompletionWriter, Writer
 from pieceworks.version import __version__
@@ -105,8 +100,8 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
     @app.exception_handler(RequestError)
     async def bad_request(_: Request, exc: RequestError) -> JSONResponse:
         srv.metrics.bad_requests += 1
-        return error_response(400, str(exc), "invalid_request_error", getattr(exc, "param", None),
-                              getattr(exc, "code", None))
+        return error_response(getattr(exc, "status", 400), str(exc), "invalid_request_error",
+                              getattr(exc, "param", None), getattr(exc, "code", None))
 
     @app.exception_handler(Overloaded)
     async def overloaded(_: Request, exc: Overloaded) -> JSONResponse:
@@ -142,10 +137,16 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
         return error_response(503, "the engine's step loop has stopped (failed or shut down); this server "
                               "cannot run requests: restart it", "server_error", code="engine_dead")
 
+    card = ModelCard(id=srv.name, max_model_len=srv.max_context, vocab_size=srv.vocab_size)
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = ModelCard(id=srv.name, max_model_len=srv.max_context, vocab_size=srv.vocab_size)
         return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/v1/models/{model:path}")  # a served name may hold "/" (a model's path)
+    async def model(model: str) -> JSONResponse:
+        mapping.check_model(model, srv.name)
+        return JSONResponse(card.model_dump())
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -170,7 +171,7 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = await _parse(request, CompletionRequest)
-        mapping.check_model(req, srv.name)
+        mapping.check_model(req.model, srv.name)
         mapping.refuse_unsupported(req)
         prompts = mapping.completion_prompts(req, srv.tokenizer, srv.vocab_size)
         params = [mapping.sampling_params(req, mapping.max_tokens_for(req, len(p), srv.max_context), srv.vocab_size)
@@ -181,17 +182,19 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = await _parse(request, ChatCompletionRequest)
-        mapping.check_model(req, srv.name)
+        mapping.check_model(req.model, srv.name)
         mapping.refuse_unsupported(req)
         plan = tools.plan(req, srv.tool_call_parser, srv.keep_special)
         prompt = mapping.chat_prompt(req, srv.tokenizer, plan)
         params = [mapping.sampling_params(req, mapping.max_tokens_for(req, len(prompt), srv.max_context),
                                           srv.vocab_size, plan)]
         writer = ChatWriter(srv, req, plan, srv.reasoning_parser, srv.prompt_state(prompt))
-        return await _respond(request, req, [prompt], params, new_id("chatcmpl"), writer)
+        return await _respond(request, req, [prompt], params, new_id("chatcmpl"), writer, plan)
 
     async def _respond(request: Request, req: Any, prompts: list[list[int]], params: list[Any], rid: str,
-                       writer: Writer) -> Response:
+                       writer: Writer, plan: tools.ToolPlan | None = None) -> Response:
+        """The response to `req`: the engine's refusals of its parameters name the request's own fields
+        (`mapping.client_error`)."""
         try:  # the engine would refuse it too, without naming the field
             srv.engine.engine.scheduler.check_priority(req.priority)
         except RequestError as exc:
@@ -206,30 +209,38 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
 
             try:
                 return await _unless_disconnected(request, collect())
+            except RequestError as exc:
+                raise mapping.client_error(exc, req, plan) from exc
             finally:
                 await steps.aclose()
         # The first step before the response starts: a request the engine refuses is still a 400.
         try:
             first = await _unless_disconnected(request, anext(steps, None))
-        except BaseException:
+        except BaseException as exc:
             await steps.aclose()
+            if isinstance(exc, RequestError):
+                raise mapping.client_error(exc, req, plan) from exc
             raise
+        # OpenAI's chunks carry "usage": null before the usage chunk, where the client asked for usage
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        nulls = ("usage",) if usage else ()
 
         async def stream() -> AsyncIterator[str]:
             try:
                 for chunk in writer.start(rid):
-                    yield sse(chunk)
+                    yield sse(chunk, nulls)
                 step = first
                 while step is not None:
                     for chunk in writer.chunks(rid, step):
-                        yield sse(chunk)
+                        yield sse(chunk, nulls)
                     step = await anext(steps, None)
-                if req.stream_options and req.stream_options.include_usage:
+                if usage:
                     yield sse(writer.usage_chunk(rid, prompts))
             except EngineFailure as exc:
                 yield sse(ErrorResponse(error=ErrorInfo(message=str(exc), type="server_error", code="engine_error")))
             except BadRequest as exc:  # a completion's own constraints refused every token (error_param)
                 srv.metrics.bad_requests += 1
+                exc = mapping.client_error(exc, req, plan)
                 yield sse(ErrorResponse(error=ErrorInfo(message=str(exc), type="invalid_request_error",
                                                         param=exc.param, code=exc.code)))
             except Exception as exc:  # the engine died mid-stream, or a bug: the client still gets an event

@@ -121,9 +121,10 @@ def _need_serve_extra(*modules: str) -> None:
             raise ImportError(f"{name} is missing: install the serve extra (pip install 'pieceworks[serve]')") from exc
 
 
-def check_listen(host: str, port: int) -> None:
-    """ValueError unless this process can listen on host:port now (checked before the model loads: a typo in
-    --host or a port another server holds would otherwise show after the load). uvicorn binds the same way."""
+def bind_address(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (port 0: a free port the OS picks) that uvicorn listens on, so the port the
+    server logs is the one it serves. ValueError unless this process can bind there now (checked before the
+    model loads: a typo in --host or a port another server holds would otherwise show after the load)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET  # uvicorn's choice of family
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM,
@@ -131,14 +132,16 @@ def check_listen(host: str, port: int) -> None:
     except (socket.gaierror, UnicodeError) as exc:
         raise ValueError(f"--host {host}: not an address of this machine or a name it resolves ({exc}); use "
                          "127.0.0.1, 0.0.0.0 (all interfaces) or one of its addresses") from None
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(addr)
-        except OSError as exc:
-            raise ValueError(f"--host {host} --port {port}: can't listen there ({exc.strerror or exc}); another "
-                             "server may hold the port: choose another --port, or --host an address of this "
-                             "machine") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"--host {host} --port {port}: can't listen there ({exc.strerror or exc}); another "
+                         "server may hold the port: choose another --port, or --host an address of this "
+                         "machine") from None
+    return sock
 
 
 def run_serve(args: argparse.Namespace, cfg: Any) -> int:
@@ -148,16 +151,18 @@ def run_serve(args: argparse.Namespace, cfg: Any) -> int:
 
     if args.max_queue < 1:
         raise ValueError(f"--max-queue {args.max_queue}: must be at least 1 (requests waiting for a first token)")
-    check_listen(args.host, args.port)
+    sock = bind_address(args.host, args.port)
 
     from pieceworks.engine import AsyncEngine
     from pieceworks.serve.app import build_app
 
-    with AsyncEngine.from_config(cfg) as engine:
+    with sock, AsyncEngine.from_config(cfg) as engine:
         app = build_app(engine, args.served_model_name, args.max_queue, args.tool_call_parser,
                         args.reasoning_parser)
         name = app.state.server.name
-        log.info("serving %s at http://%s:%d (OpenAI API under /v1)", name, args.host, args.port)
+        port = sock.getsockname()[1]
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        log.info("serving %s at http://%s:%d (OpenAI API under /v1)", name, host, port)
         sched = engine.engine.scheduler.cfg
         log.info("steps of up to %d new tokens and %d sequences (scheduler.max_num_batched_tokens, max_num_seqs)",
                  sched.max_num_batched_tokens, sched.max_num_seqs)
@@ -170,7 +175,7 @@ def run_serve(args: argparse.Namespace, cfg: Any) -> int:
             log.info("speculative decoding: %s, up to %d drafts per row (n-grams of %d-%d tokens), %s; steps "
                      "that may draft run synchronously", spec.method, spec.num_speculative_tokens,
                      spec.prompt_lookup_min, spec.prompt_lookup_max, while_)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level="warning",
                                                timeout_graceful_shutdown=5))
 
         def stop_on_failure() -> None:  # a failed step loop cannot serve again: stop, so a supervisor restarts us
@@ -179,7 +184,7 @@ def run_serve(args: argparse.Namespace, cfg: Any) -> int:
             server.should_exit = True
 
         threading.Thread(target=stop_on_failure, name="pieceworks-serve-watch", daemon=True).start()
-        server.run()
+        server.run(sockets=[sock])
         failed = engine.wait_failed(0)
     if failed is not None:
         log.error("stopped: the engine failed")

@@ -34,20 +34,27 @@ TEMPLATE_ARGUMENTS = {"conversation", "messages", "tokenize", "return_dict", "ad
                       "sanitize_control_tokens"}
 
 
-def check_model(req: SamplingFields, served: str) -> None:
-    if req.model != served:
-        raise BadRequest(f"the model {req.model!r} does not exist; this server serves {served!r}",
-                         param="model", code="model_not_found")
+def check_model(model: str | None, served: str) -> None:
+    """A 404 `model_not_found` (OpenAI's answer) unless `model` is the served one (None: the served one)."""
+    if model is not None and model != served:
+        raise BadRequest(f"the model {model!r} does not exist; this server serves {served!r}",
+                         param="model", code="model_not_found", status=404)
 
 
 def tokenizer_for(req: Any, served: str, tokenizer: Any) -> Any:
     """The tokenizer that /tokenize and /detokenize use: the model's (`req.model`, when given, names it)."""
-    if req.model is not None and req.model != served:
-        raise BadRequest(f"the model {req.model!r} does not exist; this server serves {served!r}",
-                         param="model", code="model_not_found")
+    check_model(req.model, served)
     if tokenizer is None:
         raise BadRequest("this model has no tokenizer (random weights): token ids are all it takes", param="model")
     return tokenizer
+
+
+# OpenAI's chat fields whose behaviour pieceworks lacks, and what to do instead; refused where set (not null)
+UNSUPPORTED_CHAT = {"functions": "the legacy functions API is not supported: use tools",
+                    "function_call": "the legacy function_call is not supported: use tool_choice",
+                    "prediction": "predicted outputs are not supported: leave prediction out",
+                    "web_search_options": "this server does not search the web: leave web_search_options out",
+                    "audio": "this server answers in text only: leave audio out"}
 
 
 def refuse_unsupported(req: SamplingFields) -> None:
@@ -59,6 +66,16 @@ def refuse_unsupported(req: SamplingFields) -> None:
     for name, value in unsupported.items():
         if value is not None:
             raise BadRequest(f"{name}={value!r} is not supported by this server; leave it out", param=name)
+    if isinstance(req, ChatCompletionRequest):
+        for name, why in UNSUPPORTED_CHAT.items():
+            if getattr(req, name) is not None:
+                raise BadRequest(f"{name}: {why}", param=name)
+        if req.store:
+            raise BadRequest("store: true asks for the completion to be stored, and this server stores nothing: "
+                             "leave store out or false", param="store")
+        if set(req.modalities or ()) - {"text"}:
+            raise BadRequest(f"modalities={req.modalities!r}: this server answers in text only: leave modalities "
+                             'out or ["text"]', param="modalities")
     if req.stream_options is not None and not req.stream:  # OpenAI's and vLLM's rule
         raise BadRequest("stream_options is only allowed with stream: true", param="stream_options")
 
@@ -113,11 +130,40 @@ def _template_arguments(tokenizer: Any) -> set[str]:
     return TEMPLATE_ARGUMENTS | {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, tool_plan: tools.ToolPlan | None = None) -> list[int]:
-    """The messages rendered by the tokenizer's chat template, with the assistant turn opened (and the
-    plan's tools as the template's `tools`)."""
+def check_messages(req: ChatCompletionRequest) -> None:
+    """OpenAI's rules for a message's fields: content on every role but the assistant's, whose turn may instead
+    carry tool_calls or a refusal; `refusal`, `annotations`, `audio` and `function_call` on assistant messages
+    only, the last two null (an audio answer, a legacy call: this server makes neither)."""
     if not req.messages:
         raise BadRequest("messages is empty: give at least one message", param="messages")
+    for i, m in enumerate(req.messages):
+        at = f"messages.{i}"
+        empty = m.content is None or m.content == []
+        if m.role != "assistant":
+            fields = ("refusal", "annotations", "audio", "function_call")
+            extra = next((f for f in fields if getattr(m, f) is not None), None)
+            if extra is not None:
+                raise BadRequest(f"{at}.{extra}: only assistant messages carry {extra}; this is a {m.role!r} "
+                                 "message", param=f"{at}.{extra}")
+            if empty:
+                raise BadRequest(f"{at}.content: a {m.role!r} message needs content: a string or a list of "
+                                 '{"type": "text", "text": ...} parts', param=f"{at}.content")
+            continue
+        if m.audio is not None:
+            raise BadRequest(f"{at}.audio: audio is not supported (this server answers in text only); send the "
+                             "turn's transcript as content and leave audio out or null", param=f"{at}.audio")
+        if m.function_call is not None:
+            raise BadRequest(f"{at}.function_call: the legacy function_call is not supported; send the call as "
+                             "tool_calls", param=f"{at}.function_call")
+        if empty and not m.tool_calls and m.refusal is None:
+            raise BadRequest(f"{at}.content: an assistant message needs content, tool_calls or a refusal",
+                             param=f"{at}.content")
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, tool_plan: tools.ToolPlan | None = None) -> list[int]:
+    """The messages rendered by the tokenizer's chat template, with the assistant turn opened (and the
+    plan's tools as the template's `tools`); `reasoning_effort` is the template's variable of that name."""
+    check_messages(req)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise BadRequest("this model has no chat template: use /v1/completions", param="messages")
     if req.continue_final_message and (req.add_generation_prompt or req.messages[-1].role != "assistant"):
@@ -128,8 +174,13 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, tool_plan: tools.Too
         raise BadRequest(f"chat_template_kwargs sets {sorted(reserved)}: apply_chat_template's own arguments, "
                          "not template variables; the server sets them (use the request's own fields, such as "
                          "add_generation_prompt or tools)", param="chat_template_kwargs")
+    given = (req.chat_template_kwargs or {}).get("reasoning_effort", req.reasoning_effort)
+    if req.reasoning_effort is not None and given != req.reasoning_effort:
+        raise BadRequest(f"reasoning_effort={req.reasoning_effort!r} and chat_template_kwargs' reasoning_effort="
+                         f"{given!r} disagree: give one of them", param="reasoning_effort")
     msgs = tools.template_messages(req)
-    kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tool_plan.tools} if tool_plan else {})}
+    kwargs = {**({"reasoning_effort": req.reasoning_effort} if req.reasoning_effort is not None else {}),
+              **(req.chat_template_kwargs or {}), **({"tools": tool_plan.tools} if tool_plan else {})}
     try:
         try:
             return render_chat(tokenizer, msgs, add_generation_prompt=req.add_generation_prompt,
@@ -219,7 +270,7 @@ def structured_outputs(req: SamplingFields, tool_plan: tools.ToolPlan | None = N
             raise BadRequest(f"structured_outputs takes {known}; got {sorted(fields)}",
                              param="structured_outputs") from None
         except RequestError as exc:
-            raise BadRequest(str(exc), param="structured_outputs") from None
+            raise client_error(exc, req) from None
     if fmt is None or (fmt.get("type") == "text" and len(fmt) == 1):
         return None
     kind, spec = fmt.get("type"), fmt.get("json_schema")
@@ -265,7 +316,55 @@ def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int,
     try:
         return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
     except RequestError as exc:
-        named = re.match(r"SamplingParams\.(\w+)", str(exc))
-        raise BadRequest(str(exc), param=named.group(1) if named else None) from exc
+        raise client_error(exc, req, tool_plan) from exc
     except TypeError as exc:  # a field SamplingParams lacks
         raise BadRequest(str(exc)) from exc
+
+
+def client_error(exc: RequestError, req: SamplingFields, tool_plan: tools.ToolPlan | None = None) -> BadRequest:
+    """A refusal of the request's parameters, in the client's terms: the engine's messages name `SamplingParams`
+    and `StructuredOutputsParams` fields (and a grammar conflict's `error_param`), which become the request fields
+    they came from (`param` and message). Other messages keep their text and param."""
+    text, param = str(exc), getattr(exc, "param", None)
+    source = _structured_source(req, tool_plan)
+    named = re.match(r"SamplingParams\.(\w+)", text)
+    if named is not None:
+        name = named.group(1)
+        param = source if name == "structured_outputs" else _request_field(req, name)
+        text = text.replace(named.group(0), param or name, 1)
+    elif re.match(r"StructuredOutputsParams\b|structured outputs\b", text):
+        kind = re.match(r"StructuredOutputsParams\.(\w+)", text)
+        param = source
+        text = re.sub(r"^StructuredOutputsParams(\.\w+)?", _structured_name(source, kind and kind.group(1)), text)
+    elif param == "structured_outputs":  # the engine's error_param: a grammar that conflicts with other options
+        param = source
+        text = re.sub(r"^structured_outputs\b", source, text)
+    return BadRequest(text, param=param, code=getattr(exc, "code", None))
+
+
+def _structured_source(req: SamplingFields, tool_plan: tools.ToolPlan | None) -> str:
+    """The request field the structured output comes from."""
+    if tool_plan is not None and tool_plan.constrains:
+        return "tools"
+    return "structured_outputs" if req.structured_outputs is not None else "response_format"
+
+
+def _structured_name(source: str, kind: str | None) -> str:
+    """How a message names the structured output's `kind` (json, regex, ...) as the client gave it."""
+    if source == "response_format":
+        return "response_format's json_schema.schema" if kind == "json" else "response_format"
+    if source == "tools":
+        return "the JSON schema of the tools' function.parameters"
+    return f"structured_outputs.{kind}" if kind else "structured_outputs"
+
+
+def _request_field(req: SamplingFields, name: str) -> str | None:
+    """The request field a `SamplingParams` field comes from (None: none the client can set)."""
+    chat = isinstance(req, ChatCompletionRequest)
+    if name == "max_tokens" and chat and req.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    if name == "logprobs" and chat:
+        return "top_logprobs" if req.top_logprobs is not None else "logprobs"
+    if name == "prompt_logprobs":
+        return "logprobs"  # completions' logprobs with echo
+    return name if name in type(req).model_fields else None

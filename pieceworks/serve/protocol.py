@@ -1,4 +1,4 @@
-"""OpenAI's HTTP API as pydantic models, and the mapping of a request onto `SamplingParams`.
+"""OpenAI's HTTP API requests as pydantic models (the responses are serve/responses.py's).
 
 The request models mirror OpenAI's `/v1/completions` and `/v1/chat/completions` bodies (names, types,
 defaults), plus the extensions vLLM's server accepts (`top_k`, `min_p`, `repetition_penalty`,
@@ -6,19 +6,18 @@ defaults), plus the extensions vLLM's server accepts (`top_k`, `min_p`, `repetit
 `skip_special_tokens`, `return_token_ids`, `priority`, `structured_outputs`, the chat template options), so
 clients written for either work unchanged. Requests are strict: a field of the wrong type or a field the
 API does not have is a 400, and an OpenAI field whose behaviour pieceworks does not implement (`suffix`) is
-refused by name instead of being ignored. `parse_body` turns a body into a model, or a 400 that says
+refused by name instead of being ignored (OpenAI's fields that change nothing here, such as `metadata`, are
+accepted). `parse_body` turns a body into a model, or a 400 that says
 what is wrong.
 """
 
 from __future__ import annotations
 
 import json
-import time
-import uuid
-from typing import Any, ClassVar, Literal, Optional, TypeVar, Union
+from typing import Any, Literal, Optional, TypeVar, Union
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict
 
 from pieceworks.errors import RequestError
 
@@ -27,33 +26,18 @@ MAX_LOGPROBS = 20
 
 
 class BadRequest(RequestError):
-    """A request the server answers with 400; `param` names the offending field (None: the body)."""
+    """A request the server refuses with HTTP `status` (400; 404 for a model it does not serve); `param` names the
+    offending field (None: the body)."""
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
         super().__init__(message)
         self.param = param
         self.code = code
+        self.status = status
 
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class ResponseModel(BaseModel):
-    """A response body. Fields named in `omit_if_none` leave the JSON when they are None (extensions a
-    client did not ask for, and the fields a stream delta does not carry: OpenAI's closing delta is {}); every other
-    None is null."""
-
-    model_config = ConfigDict(extra="forbid")
-    omit_if_none: ClassVar[frozenset[str]] = frozenset()
-
-    @model_serializer(mode="wrap")
-    def _omit_nones(self, handler: Any) -> Any:
-        data = handler(self)
-        for key in self.omit_if_none:
-            if data.get(key, 0) is None:
-                del data[key]
-        return data
 
 
 # ---- requests ------------------------------------------------------------------------------------
@@ -112,15 +96,25 @@ class TextPart(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
+    """One message. An assistant message as OpenAI's client returns it (`message.model_dump()`) comes back with
+    `refusal`, `annotations` (ignored), `audio` and `function_call`; `mapping.check_messages` refuses what of
+    them the server can't honour, and content missing where the role needs it."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None
     tool_call_id: Optional[str] = None
+    refusal: Optional[str] = None
+    annotations: Optional[list[Any]] = None
+    audio: Optional[Any] = None
+    function_call: Optional[Any] = None
 
     def text(self) -> str:
         if isinstance(self.content, list):  # text parts, one per line (vLLM's join for string templates)
             return "\n".join(p.text for p in self.content)
+        if not self.content and self.refusal is not None:  # an assistant turn that refused: the refusal is its text
+            return self.refusal
         return self.content or ""
 
 
@@ -134,176 +128,22 @@ class ChatCompletionRequest(SamplingFields):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
+    reasoning_effort: Optional[str] = None  # the chat template's variable `reasoning_effort`, as vLLM's
+    # OpenAI's fields without effect here (store, metadata, service_tier), or refused where set:
+    # `mapping.refuse_unsupported`
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
+    modalities: Optional[list[str]] = None
+    audio: Optional[Any] = None
+    prediction: Optional[Any] = None
+    web_search_options: Optional[Any] = None
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
     # vLLM's chat template options
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
-
-
-# ---- responses -----------------------------------------------------------------------------------
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-class UsageInfo(ResponseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-class CompletionLogprobs(ResponseModel):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[Optional[float]] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
-
-
-class CompletionChoice(ResponseModel):
-    index: int
-    text: str
-    logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[str] = None
-    token_ids: Optional[list[int]] = None
-    omit_if_none: ClassVar[frozenset[str]] = frozenset({"token_ids"})
-
-
-class CompletionResponse(ResponseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Optional[UsageInfo] = None
-    system_fingerprint: Optional[str] = None
-
-
-class TopLogprob(ResponseModel):
-    token: str
-    logprob: float
-    bytes: Optional[list[int]] = None
-
-
-class ChatLogprobToken(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(ResponseModel):
-    content: Optional[list[ChatLogprobToken]] = None
-
-
-class FunctionCallOut(ResponseModel):
-    name: str
-    arguments: str
-
-
-class ToolCallOut(ResponseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCallOut
-
-
-class DeltaFunctionCall(ResponseModel):
-    """A streamed call's name (its first delta only) and the next piece of its arguments."""
-
-    name: Optional[str] = None
-    arguments: str = ""
-    omit_if_none: ClassVar[frozenset[str]] = frozenset({"name"})
-
-
-class DeltaToolCall(ResponseModel):
-    """A piece of the `index`-th call: its first delta carries the id, type and name, as OpenAI's streams."""
-
-    index: int
-    id: Optional[str] = None
-    type: Optional[Literal["function"]] = None
-    function: DeltaFunctionCall
-    omit_if_none: ClassVar[frozenset[str]] = frozenset({"id", "type"})
-
-
-class ChatMessageOut(ResponseModel):
-    role: Literal["assistant"] = "assistant"
-    content: Optional[str] = None
-    reasoning_content: Optional[str] = None
-    tool_calls: Optional[list[ToolCallOut]] = None
-    omit_if_none: ClassVar[frozenset[str]] = frozenset({"tool_calls", "reasoning_content"})
-
-
-class ChatChoice(ResponseModel):
-    index: int
-    message: ChatMessageOut
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
-    token_ids: Optional[list[int]] = None
-    omit_if_none: ClassVar[frozenset[str]] = frozenset({"token_ids"})
-
-
-class ChatCompletionResponse(ResponseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[ChatChoice]
-    usage: Optional[UsageInfo] = None
-    system_fingerprint: Optional[str] = None
-
-
-class DeltaMessage(ResponseModel):
-    role: Optional[Literal["assistant"]] = None
-    omit_if_none: ClassVar[frozenset[str]] = frozenset({"role", "content", "tool_calls", "reasoning_content"})
-    content: Optional[str] = None
-    reasoning_content: Optional[str] = None
-    tool_calls: Optional[list[DeltaToolCall]] = None
-
-
-class ChatStreamChoice(ResponseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
-    token_ids: Optional[list[int]] = None
-    omit_if_none: ClassVar[frozenset[str]] = frozenset({"token_ids"})
-
-
-class ChatCompletionChunk(ResponseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: Optional[UsageInfo] = None
-    omit_if_none: ClassVar[frozenset[str]] = frozenset({"usage"})
-
-
-class CompletionChunk(ResponseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Optional[UsageInfo] = None
-    omit_if_none: ClassVar[frozenset[str]] = frozenset({"usage"})
-
-
-class ModelCard(ResponseModel):
-    """One served model; `max_model_len` as vLLM's, `vocab_size` so clients can build token-id prompts."""
-
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=now)
-    owned_by: str = "pieceworks"
-    max_model_len: int
-    vocab_size: int
-
-
-class ModelList(ResponseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
 
 
 class TokenizeRequest(OpenAIModel):
@@ -319,26 +159,6 @@ class DetokenizeRequest(OpenAIModel):
 
     model: Optional[str] = None
     tokens: list[int]
-
-
-class ErrorInfo(ResponseModel):
-    message: str
-    type: str
-    param: Optional[str] = None
-    code: Optional[str] = None
-
-
-class ErrorResponse(ResponseModel):
-    error: ErrorInfo
-
-
-def sse(payload: BaseModel | dict | str) -> str:
-    """One server-sent event: `data: <json>` and a blank line (`data: [DONE]` for the string)."""
-    if isinstance(payload, BaseModel):
-        payload = payload.model_dump_json()
-    elif isinstance(payload, dict):
-        payload = json.dumps(payload)
-    return f"data: {payload}\n\n"
 
 
 T = TypeVar("T", bound=BaseModel)

@@ -118,10 +118,11 @@ def structured_outputs(p: ToolPlan | None) -> StructuredOutputsParams | None:
 
 def template_messages(req: ChatCompletionRequest, arguments_as_text: bool = False) -> list[dict[str, Any]]:
     """The messages as the chat template reads them: earlier tool calls with their arguments as objects (or, with
-    `arguments_as_text`, as the JSON text the client sent, checked)."""
+    `arguments_as_text`, as the JSON text the client sent, checked); OpenAI's developer role as the system role,
+    which templates know."""
     out = []
     for i, m in enumerate(req.messages):
-        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
         if m.name is not None:  # OpenAI's participant (or tool result) name; templates that know it show it
             msg["name"] = m.name
         if m.tool_calls:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pieceworks.serve.protocol import (
+from pieceworks.serve.protocol import CompletionRequest
+from pieceworks.serve.responses import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -17,7 +18,6 @@ from pieceworks.serve.protocol import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     DeltaFunctionCall,
     DeltaMessage,
