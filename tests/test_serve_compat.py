@@ -100,6 +100,12 @@ def test_assistant_messages_as_the_sdk_returns_them():
     refused({"messages": [USER, {**dumped, "function_call": {"name": "f", "arguments": "{}"}}]},
             "messages.1.function_call", "tool_calls")
     refused({"messages": [{**USER, "refusal": "no"}]}, "messages.0.refusal", "only assistant messages")
+    # an answer of a server with --reasoning-parser, as returned: its reasoning reaches templates that show it
+    thinking = _Template("{% for m in messages %}{{ m.role }}:{{ m.reasoning_content }}/{{ m.content }}|{% endfor %}")
+    assert bytes(mapping.chat_prompt(parse_body(json.dumps({"model": "m", "messages": [
+        USER, {**dumped, "reasoning_content": "Capital of France."}]}).encode(), ChatCompletionRequest), thinking)
+                 ).decode().endswith("|assistant:Capital of France./Paris.|")
+    refused({"messages": [{**USER, "reasoning_content": "x"}]}, "messages.0.reasoning_content", "only assistant")
     with pytest.raises(BadRequest, match="messages.0.cache_control: Extra inputs"):  # not OpenAI's: refused
         rendered({"messages": [{**USER, "cache_control": {"type": "ephemeral"}}]})
 
@@ -107,12 +113,14 @@ def test_assistant_messages_as_the_sdk_returns_them():
 def test_openai_request_fields_accepted_or_refused_by_name():
     msgs = [USER]
     assert rendered({"messages": msgs, "store": False, "metadata": {"k": "v"}, "service_tier": "auto",
-                     "modalities": ["text"], "prediction": None, "audio": None})
+                     "modalities": ["text"], "prediction": None, "audio": None, "prompt_cache_key": "k",
+                     "safety_identifier": "u1"})
     refused({"messages": msgs, "store": True}, "store", "stores nothing")
     refused({"messages": msgs, "modalities": ["text", "audio"]}, "modalities", "text only")
     for name, value, why in (("functions", [{"name": "f"}], "use tools"), ("function_call", "auto", "use tool_choice"),
                              ("prediction", {"type": "content", "content": "x"}, "predicted outputs"),
-                             ("web_search_options", {}, "search"), ("audio", {"voice": "alloy"}, "text only")):
+                             ("web_search_options", {}, "search"), ("audio", {"voice": "alloy"}, "text only"),
+                             ("verbosity", "low", "no verbosity control")):
         refused({"messages": msgs, name: value}, name, why)
     with pytest.raises(BadRequest, match="temprature"):  # a field OpenAI lacks is refused as before
         rendered({"messages": msgs, "temprature": 1})

@@ -54,7 +54,9 @@ UNSUPPORTED_CHAT = {"functions": "the legacy functions API is not supported: use
                     "function_call": "the legacy function_call is not supported: use tool_choice",
                     "prediction": "predicted outputs are not supported: leave prediction out",
                     "web_search_options": "this server does not search the web: leave web_search_options out",
-                    "audio": "this server answers in text only: leave audio out"}
+                    "audio": "this server answers in text only: leave audio out",
+                    "verbosity": "this server has no verbosity control: ask for the length in the prompt, bound it "
+                                 "with max_completion_tokens, and leave verbosity out"}
 
 
 def refuse_unsupported(req: SamplingFields) -> None:
@@ -132,15 +134,16 @@ def _template_arguments(tokenizer: Any) -> set[str]:
 
 def check_messages(req: ChatCompletionRequest) -> None:
     """OpenAI's rules for a message's fields: content on every role but the assistant's, whose turn may instead
-    carry tool_calls or a refusal; `refusal`, `annotations`, `audio` and `function_call` on assistant messages
-    only, the last two null (an audio answer, a legacy call: this server makes neither)."""
+    carry tool_calls or a refusal; `refusal`, `annotations`, `audio`, `function_call` and `reasoning_content` on
+    assistant messages only, `audio` and `function_call` null (an audio answer, a legacy call: this server makes
+    neither)."""
     if not req.messages:
         raise BadRequest("messages is empty: give at least one message", param="messages")
     for i, m in enumerate(req.messages):
         at = f"messages.{i}"
         empty = m.content is None or m.content == []
         if m.role != "assistant":
-            fields = ("refusal", "annotations", "audio", "function_call")
+            fields = ("refusal", "annotations", "audio", "function_call", "reasoning_content")
             extra = next((f for f in fields if getattr(m, f) is not None), None)
             if extra is not None:
                 raise BadRequest(f"{at}.{extra}: only assistant messages carry {extra}; this is a {m.role!r} "

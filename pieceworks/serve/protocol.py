@@ -109,6 +109,7 @@ class ChatMessage(OpenAIModel):
     annotations: Optional[list[Any]] = None
     audio: Optional[Any] = None
     function_call: Optional[Any] = None
+    reasoning_content: Optional[str] = None  # an answer's reasoning, as `--reasoning-parser` returns it
 
     def text(self) -> str:
         if isinstance(self.content, list):  # text parts, one per line (vLLM's join for string templates)
@@ -129,12 +130,16 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     reasoning_effort: Optional[str] = None  # the chat template's variable `reasoning_effort`, as vLLM's
-    # OpenAI's fields without effect here (store, metadata, service_tier), or refused where set:
+    # OpenAI's fields without effect here (store, metadata, service_tier, prompt_cache_key, safety_identifier), or
+    # refused where set:
     # `mapping.refuse_unsupported`
     store: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None
     service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None  # OpenAI's cache routing hint (prefix caching needs none)
+    safety_identifier: Optional[str] = None  # OpenAI's end-user id, as `user`
     modalities: Optional[list[str]] = None
+    verbosity: Optional[str] = None
     audio: Optional[Any] = None
     prediction: Optional[Any] = None
     web_search_options: Optional[Any] = None

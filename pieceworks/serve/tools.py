@@ -129,6 +129,8 @@ def template_messages(req: ChatCompletionRequest, arguments_as_text: bool = Fals
             msg["tool_calls"] = [_template_call(i, j, c, arguments_as_text) for j, c in enumerate(m.tool_calls)]
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:  # templates that show earlier reasoning (Qwen3's) read it
+            msg["reasoning_content"] = m.reasoning_content
         out.append(msg)
     return out
 
