@@ -86,3 +86,41 @@ def test_a_bias_that_overflows_under_a_penalty_or_temperature_still_samples_its_
     out = eng.generate([p], SamplingParams(max_tokens=4, logit_bias={7: 3e38, 9: 3e38}, temperature=1e-5, seed=1))
     assert set(out[0].token_ids) <= {7, 9}, out[0].token_ids
     drained(eng)
+
+
+def test_a_drafting_step_whose_sampling_raises_fails_only_the_completions_it_fed():
+    """The speculative step feeds a row's drafts too: its rows' KV runs past their tokens by the drafts."""
+    prompts = [[23, 43] * 10, [5, 6, 7] * 6, PROMPTS[0]]
+    spec = {"speculative": {"method": "ngram"}}
+    reference = [o.token_ids for o in make(**spec).generate(prompts, GREEDY)]
+    eng = make(**spec)
+    real, real_step, inside, drafted = eng.sampler.sample, eng.speculator.step, [False], []
+
+    def flaky(*args, **kwargs):
+        if inside[0] and not drafted:  # in the first step that fed drafts
+            drafted.append(True)
+            raise RuntimeError("transient")
+        return real(*args, **kwargs)
+
+    def step(*args, **kwargs):
+        inside[0] = True
+        try:
+            return real_step(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    eng.sampler.sample, eng.speculator.step = flaky, step
+    ids = [eng.add_request(p, GREEDY) for p in prompts]
+    final = {}
+    while eng.has_unfinished():
+        try:
+            final.update({o.request_id: o for o in eng.step() if o.finished})
+        except RuntimeError as exc:
+            assert str(exc) == "transient"
+    assert drafted, "no step fed drafts"
+    failed = [i for i, rid in enumerate(ids) if final[rid].finish_reason == "error"]
+    assert failed
+    for i, rid in enumerate(ids):
+        out = final[rid]
+        assert list(out.token_ids) == (reference[i][: len(out.token_ids)] if i in failed else reference[i]), i
+    drained(eng)
