@@ -187,6 +187,9 @@ def parse_body(body: bytes, model: type[T]) -> T:
         return model.model_validate_json(body)
     except pydantic.ValidationError as exc:
         err = exc.errors(include_url=False)[0]
+        if err["type"] == "json_invalid":  # JSON Python reads and pydantic does not: a lone surrogate escape
+            raise BadRequest(f"the body is not valid JSON: {err['msg'].removeprefix('Invalid JSON: ')}",
+                             code="invalid_json") from exc
         at = next((i for i, part in enumerate(err["loc"]) if part in _SHAPES), None)
         if at is not None and err["type"] != "missing":
             path = err["loc"][: at + 1]
