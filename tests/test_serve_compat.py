@@ -303,7 +303,8 @@ def test_serve_on_port_0_logs_the_port_it_listens_on(monkeypatch, caplog):
 
 def test_bodies_that_are_no_json_are_named_so_with_their_code():
     """A lone surrogate escape parses as Python's JSON but not as pydantic's: the same error as any bad JSON."""
-    for body in (b'{"model": "m", "messages": [', b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}'):
+    lone = b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}'
+    for body in (b'{"model": "m", "messages": [', lone):
         with pytest.raises(BadRequest, match="the body is not valid JSON") as exc:
             parse_body(body, ChatCompletionRequest)
         assert exc.value.code == "invalid_json", body
