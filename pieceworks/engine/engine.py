@@ -23,13 +23,12 @@ from typing import Any
 from pieceworks.config import Config, load_config
 from pieceworks.core.batch import ForwardBatch
 from pieceworks.engine.async_steps import AsyncSteps, InFlight, mark_pending
-from pieceworks.engine.detokenize import Detokenizer, eos_token_ids, load_tokenizer
+from pieceworks.engine.detokenize import eos_token_ids, load_tokenizer
 from pieceworks.engine.logprobs import record_prompt_logprobs
 from pieceworks.engine.params import SamplingParams
-from pieceworks.engine.prompts import (check_abort_id, check_fits, check_token_ids, checked_params, new_request_id,
-                                       prompt_ids, prompt_list)
-from pieceworks.engine.request import Request, RequestOutput
-from pieceworks.engine.sampler import Sampler, SamplingState, sampling_rows
+from pieceworks.engine.prompts import check_abort_id, checked_params, checked_request, new_request_id, prompt_list
+from pieceworks.engine.request import Request, RequestOutput, new_group
+from pieceworks.engine.sampler import Sampler, sampling_rows
 from pieceworks.engine.scheduler import Scheduler
 from pieceworks.engine.speculative import Speculator
 from pieceworks.engine.structured import ADVANCE, Grammars, advance_grammars, grammar_error, grammar_stop
@@ -126,33 +125,14 @@ class Engine:
         """
         with self._exclusive("add_request"):
             self._check_open()
-            params = checked_params(params)
-            ids = prompt_ids(prompt, self.tokenizer, self.executor.vocab_size, self.max_context)
-            check_fits(ids, params, self.max_context)
-            check_token_ids(params, self.executor.vocab_size, self.eos_token_ids)
+            ids, params = checked_request(prompt, params, self.tokenizer, self.executor.vocab_size, self.max_context,
+                                          self.eos_token_ids)
             self.scheduler.check_priority(priority)
-            if params.stop and self.tokenizer is None:
-                raise RequestError(f"SamplingParams.stop={params.stop!r} needs a tokenizer; this model has "
-                                   "none: use stop_token_ids")
             request_id = new_request_id(request_id, self._requests, self._ready)
             matchers = self.grammars.for_params(params, matchers)
             thinking = None if matchers[0] is None or not reasoning else self.grammars.thinking(ids)
-            group: list[Request] = []
-            arrival = next(self._arrivals)
-            shown = list(ids)  # the prompt outputs carry (`Request.prompt_shown`)
-            for index in range(params.n):
-                state = SamplingState.create(params, ids, self.eos_token_ids, self.executor.device,
-                                             seed_offset=index)
-                detok = None if self.tokenizer is None else Detokenizer(
-                    self.tokenizer, ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens,
-                    params.min_tokens)
-                req = Request(request_id, index, ids, params, state, arrival, detok,
-                              logprobs=[] if params.logprobs is not None else None, group=group,
-                              prompt_shown=shown,
-                              prompt_logprobs=None if params.prompt_logprobs is None else [None],
-                              priority=priority, matcher=matchers[index], thinking=thinking,
-                              ngram=self.speculator and self.speculator.index_for(params, matchers[index]))
-                group.append(req)
+            group = new_group(request_id, ids, params, next(self._arrivals), priority, matchers, thinking,
+                              self.tokenizer, self.eos_token_ids, self.executor.device, self.speculator)
             for req in group:
                 self.scheduler.add(req)
             self._requests[request_id] = group

@@ -164,3 +164,24 @@ class Request:
             None if self.prompt_logprobs is None or self.needs_prompt_logits else self.prompt_logprobs,
             self.error_param,
         )
+
+
+def new_group(request_id: str, ids: list[int], params: SamplingParams, arrival: int, priority: int, matchers: list,
+              thinking: Any, tokenizer: Any, eos_token_ids: frozenset[int], device: Any,
+              speculator: Any) -> list[Request]:
+    """The `params.n` completions of one added request (`Engine.add_request`), one `group` sharing the prompt: each
+    with its own sampling stream (seeded ones from seed + index), detokenizer (with a tokenizer), structured outputs'
+    matcher and, under speculative decoding, n-gram index."""
+    group: list[Request] = []
+    shown = list(ids)  # the prompt outputs carry (`Request.prompt_shown`)
+    for index in range(params.n):
+        state = SamplingState.create(params, ids, eos_token_ids, device, seed_offset=index)
+        detok = None if tokenizer is None else Detokenizer(
+            tokenizer, ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens,
+            params.min_tokens)
+        group.append(Request(request_id, index, ids, params, state, arrival, detok,
+                             logprobs=[] if params.logprobs is not None else None, group=group, prompt_shown=shown,
+                             prompt_logprobs=None if params.prompt_logprobs is None else [None],
+                             priority=priority, matcher=matchers[index], thinking=thinking,
+                             ngram=speculator and speculator.index_for(params, matchers[index])))
+    return group
