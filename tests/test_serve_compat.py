@@ -26,6 +26,11 @@ from pieceworks.serve import mapping  # noqa: E402
 from pieceworks.serve.app import build_app  # noqa: E402
 from pieceworks.serve.protocol import BadRequest, ChatCompletionRequest, parse_body  # noqa: E402
 
+try:
+    from tests.helpers.server_process import wait_healthy
+except ImportError:  # tests/ on sys.path
+    from helpers.server_process import wait_healthy
+
 TINY = ["model.arch=llama", "model.preset=tiny", "model.max_context=256", "cuda_graph.piecewise.enabled=off"]
 USER = {"role": "user", "content": "What is the capital of France?"}
 
@@ -286,14 +291,7 @@ def test_serve_on_port_0_logs_the_port_it_listens_on(monkeypatch, caplog):
         line = next(r.getMessage() for r in caplog.records if "serving tiny at" in r.getMessage())
         port = int(line.split("http://127.0.0.1:")[1].split()[0])
         assert port != 0, line
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and thread.is_alive(), f"nothing answers on port {port}"
-            time.sleep(0.1)
+        wait_healthy(f"http://127.0.0.1:{port}", thread, deadline, f"nothing answers on port {port}")
     finally:
         if servers:
             servers[0].should_exit = True

@@ -20,6 +20,11 @@ import httpx  # noqa: E402
 from pieceworks.engine import AsyncEngine, Engine  # noqa: E402
 from pieceworks.serve.app import build_app  # noqa: E402
 
+try:
+    from tests.helpers.server_process import wait_healthy
+except ImportError:  # tests/ on sys.path
+    from helpers.server_process import wait_healthy
+
 TINY = ["model.arch=llama", "model.preset=tiny", "model.max_context=256", "cuda_graph.piecewise.enabled=off"]
 BODY = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 24, "ignore_eos": True}
 
@@ -101,15 +106,7 @@ def test_serve_stops_with_exit_code_1_when_the_loop_fails(monkeypatch):
     thread = threading.Thread(target=lambda: result.append(run_serve(args, None)), daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not come up"
-        time.sleep(0.1)
+    wait_healthy(url, thread, time.monotonic() + 60)
     assert httpx.post(f"{url}/v1/completions", json=BODY, timeout=60).status_code == 200
     fail_from(engine, 1)
     r = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60)

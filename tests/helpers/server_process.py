@@ -78,3 +78,18 @@ def serve(args: list[str]):
         yield server
     finally:
         server.stop()
+
+
+def wait_healthy(url: str, thread, deadline: float, what: str = "the server did not come up") -> None:
+    """Poll `url`/health until it answers 200 (a server running in `thread` of this process); AssertionError with
+    `what` once the thread died or `deadline` (time.monotonic) passed."""
+    import httpx
+
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline and thread.is_alive(), what
+        time.sleep(0.1)
