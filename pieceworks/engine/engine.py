@@ -70,7 +70,7 @@ class Engine:
         self.speculator = None if cfg.speculative.method is None else Speculator(cfg.speculative, self.max_context)
         self._async = cfg.scheduler.async_steps  # except for steps that may draft (`_step`)
         self._pipeline = AsyncSteps()
-        self._fed: list[Request] = []  # the requests the running step's forward fed (`_fail_fed`)
+        self._fed: list = []  # (request, tokens) of the running step's forward, once it ran (`_fail_fed`)
         self.num_steps = 0
         self.num_async_steps = 0  # steps launched before the previous step's ids were on the host
         self.num_generated_tokens = 0
@@ -260,7 +260,7 @@ class Engine:
         every = [r.needs_prompt_logits for r, _ in scheduled]
         logits = self.executor.forward(ForwardBatch([r.seq for r, _ in scheduled], [t for _, t in scheduled],
                                                     every if any(every) else False), validate=False)
-        self._fed = [r for r, _ in scheduled]
+        self._fed = scheduled
         self.num_steps += 1
         if any(every):  # reads the logits on the host: waits for this step
             logits = record_prompt_logprobs(scheduled, every, logits)
@@ -324,7 +324,7 @@ class Engine:
         """After a step failed past its forward: finish with "error" each completion it fed that has nothing left
         to feed (its KV holds its last token, whose successor was never sampled: a next step would feed it no
         token and read another row's logits)."""
-        for req in self._fed:
+        for req, _ in self._fed:
             if req.finish_reason is None and req.seq is not None and req.seq.kv_len >= req.num_tokens:
                 req.error = f"the step failed after its forward pass: {type(exc).__name__}: {exc}"
                 self._end(req, "error")

@@ -117,7 +117,7 @@ class Speculator:
                 req.draft = []
             raise
         engine.num_steps += 1
-        engine._fed = [r for r, _ in scheduled]
+        engine._fed = scheduled
         if any(r.needs_prompt_logits for r, _ in scheduled):
             record_prompt_logprobs(scheduled, every, logits)
         plain, plain_rows, spec, spec_rows, start = [], [], [], [], 0
