@@ -128,6 +128,9 @@ class Engine:
             ids, params = checked_request(prompt, params, self.tokenizer, self.executor.vocab_size, self.max_context,
                                           self.eos_token_ids)
             self.scheduler.check_priority(priority)
+            if params.stop and self.tokenizer is None:
+                raise RequestError(f"SamplingParams.stop={params.stop!r} needs a tokenizer; this model has "
+                                   "none: use stop_token_ids")
             request_id = new_request_id(request_id, self._requests, self._ready)
             matchers = self.grammars.for_params(params, matchers)
             thinking = None if matchers[0] is None or not reasoning else self.grammars.thinking(ids)

@@ -85,14 +85,11 @@ def check_token_ids(params: SamplingParams, vocab: int, eos_ids: frozenset[int])
 
 def checked_request(prompt: Any, params: Any, tokenizer: Any, vocab: int, max_context: int,
                     eos_ids: frozenset[int]) -> tuple[list[int], SamplingParams]:
-    """A request's prompt ids and params as `Engine.add_request` takes them (its RequestErrors but the priority's)."""
+    """A request's prompt ids and params as `Engine.add_request` takes them (its checks of the prompt and params)."""
     params = checked_params(params)
     ids = prompt_ids(prompt, tokenizer, vocab, max_context)
     check_fits(ids, params, max_context)
     check_token_ids(params, vocab, eos_ids)
-    if params.stop and tokenizer is None:
-        raise RequestError(f"SamplingParams.stop={params.stop!r} needs a tokenizer; this model has none: use "
-                           "stop_token_ids")
     return ids, params
 
 
