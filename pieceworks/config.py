@@ -45,7 +45,8 @@ class ModelConfig:
     """
 
     path: Optional[str] = None
-    """Hugging Face-format model directory, or `smollm2-135m` for the bundled demo model."""
+    """Hugging Face-format model directory, or `smollm2-135m` (bf16) / `smollm2-135m-fp4` (NVFP4) for the demo
+    model."""
     arch: Optional[str] = None
     """`llama` or `deepseek_v3`: build with random weights (benchmarks, tests)."""
     preset: Optional[str] = None
@@ -235,12 +236,12 @@ class SchedulerConfig:
     """Keep one step in flight: launch step k (its decode rows read their input ids from step k - 1's sampled ids on
     the device), then wait for step k - 1's ids and return its outputs, so the host work of one step overlaps
     the GPU work of the previous one. Applies to every step (decodes and prompt chunks; greedy or sampled rows,
-    with penalties, logprobs, min_tokens or stop strings) that needs no preemption, at world size 1, while no
-    request's prompt logprobs are pending; a step that preempts first drains the one in flight (that `step` call
-    returns its outputs only) and then runs synchronously, as every step of a distributed run does. The step
-    that starts the pipeline returns no outputs of its own. On by default: on the H200 it adds 15% output tok/s
-    to the 64-request serving benchmark (docs/benchmarks.md); greedy tokens are the same as with synchronous
-    steps (tests/gpu/test_engine_gpu.py)."""
+    with penalties, logprobs, min_tokens or stop strings) that needs no preemption, at world size 1; a step whose rows
+    give prompt logprobs waits for its own forward to read them on the host, and the pipeline goes on. A step that
+    preempts first drains the one in flight (that `step` call returns its outputs only) and then runs synchronously,
+    as every step of a distributed run does. The step that starts the pipeline returns no outputs of its own. On by
+    default: on the H200 it adds 15% output tok/s to the 64-request serving benchmark (docs/benchmarks.md); greedy
+    tokens are the same as with synchronous steps (tests/gpu/test_engine_gpu.py)."""
 
 
 @dataclass(frozen=True)

@@ -41,11 +41,12 @@ def validate(cfg: Any, require_model: bool = True) -> None:
     m = cfg.model
     if require_model and m.path is None and m.arch is None:
         raise ConfigError(
-            "model: set model.path (a Hugging Face-format directory, or smollm2-135m) "
+            "model: set model.path (a Hugging Face-format directory, or smollm2-135m / smollm2-135m-fp4) "
             "or model.arch (llama or deepseek_v3) for random weights"
         )
     if m.path is not None and not str(m.path).strip():
-        raise ConfigError("model.path: empty; give a model directory (Hugging Face format) or smollm2-135m")
+        raise ConfigError("model.path: empty; give a model directory (Hugging Face format) or smollm2-135m / "
+                          "smollm2-135m-fp4")
     if m.path is not None and m.arch is not None:
         raise ConfigError("model: set model.path or model.arch, not both")
     if m.arch is not None:
