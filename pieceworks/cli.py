@@ -33,6 +33,7 @@ if threading.current_thread() is threading.main_thread():
 
 import argparse  # noqa: E402
 import logging  # noqa: E402
+import math  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -40,6 +41,7 @@ from pieceworks.errors import ConfigError  # noqa: E402
 from pieceworks.models.ppl import DEFAULT_WINDOW  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m-fp4"
+CHAT_GENERATION = (None, 0.7, 0.9)  # chat's max_tokens (None: the rest of the context), temperature, top_p
 USER_ERROR, RUN_ERROR, INTERRUPTED = 2, 1, 130
 
 
@@ -70,8 +72,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
     global _interrupted
     from pieceworks.engine import SamplingParams
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
+    # the flags' rules are generation.*'s (checked with the config), and their errors name the flag as typed
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ValueError(f"--max-tokens {args.max_tokens}: must be >= 1")
+    if args.temperature is not None and not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ValueError(f"--temperature {args.temperature}: must be a finite number >= 0 (0: greedy)")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p {args.top_p}: must be in (0, 1]")
     cfg = _config(args, default_model=True)
+    configured = cfg.generation.settings(*CHAT_GENERATION)  # generation.* where set, else chat's defaults
+    max_tokens, temperature, top_p = (flag if flag is not None else value for flag, value
+                                      in zip((args.max_tokens, args.temperature, args.top_p), configured))
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
     from pieceworks.chat import run_chat  # torch: after the config is known to be good
 
     code = run_chat(cfg, args.system, params)
@@ -146,9 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="*", help=cfg_help)
     p.add_argument("--system", default=None, help="a system message to start the conversation with")
     p.add_argument("--max-tokens", type=int, default=None, metavar="N",
-                   help="most tokens per answer (default: the rest of the context)")
-    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature, 0: greedy (default 0.7)")
-    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling (default 0.9)")
+                   help="most tokens per answer (default: generation.max_new_tokens, else the rest of the context)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature, 0: greedy (default: generation.temperature, else 0.7)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: generation.top_p, else 0.9)")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("backends", help="show every backend, whether it can serve here, and the kernel table")

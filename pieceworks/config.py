@@ -267,13 +267,25 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """What `pieceworks run` generates (the Python API takes these as arguments instead)."""
+    """What `pieceworks run` generates, and how `pieceworks chat` samples its answers where its flags don't say
+    (the Python API takes these as arguments instead). Unset: the command's own default."""
 
     prompts: list[str] = field(default_factory=list, metadata={"example": '["Hi","Hello"]'})
-    max_new_tokens: int = 32
-    temperature: float = 0.0
-    top_p: float = 1.0
+    """`pieceworks run`'s prompts (default: a few sample questions)."""
+    max_new_tokens: Optional[int] = None
+    """New tokens per prompt or answer; unset: 32 for `run`, the rest of the context for `chat`."""
+    temperature: Optional[float] = None
+    """Unset: 0 (greedy) for `run`, 0.7 for `chat`."""
+    top_p: Optional[float] = None
+    """Unset: 1.0 for `run`, 0.9 for `chat`."""
     chat_template: bool = True
+    """`pieceworks run` wraps each prompt in the model's chat template (false: the raw text)."""
+
+    def settings(self, max_new_tokens: int | None, temperature: float, top_p: float) -> tuple:
+        """(max_new_tokens, temperature, top_p): the values set here, else the given defaults."""
+        pick = lambda value, default: default if value is None else value  # noqa: E731
+        return (pick(self.max_new_tokens, max_new_tokens), pick(self.temperature, temperature),
+                pick(self.top_p, top_p))
 
 
 @dataclass(frozen=True)

@@ -132,9 +132,9 @@ def validate(cfg: Any, require_model: bool = True) -> None:
                           "(11 days)")
     g = cfg.generation
     _positive("generation.max_new_tokens", g.max_new_tokens)
-    if not (math.isfinite(g.temperature) and g.temperature >= 0):
+    if g.temperature is not None and not (math.isfinite(g.temperature) and g.temperature >= 0):
         raise ConfigError(f"generation.temperature: {g.temperature!r} must be a finite number >= 0")
-    if not 0.0 < g.top_p <= 1.0:
+    if g.top_p is not None and not 0.0 < g.top_p <= 1.0:
         raise ConfigError(f"generation.top_p: {g.top_p!r} must be in (0, 1]")
     if not all(isinstance(x, str) for x in g.prompts):
         raise ConfigError(f"generation.prompts: {g.prompts!r} must be a list of strings (text prompts)")

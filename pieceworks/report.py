@@ -193,21 +193,21 @@ def _main_job(ex: Any, cfg: Config, build_s: float) -> int:
     from pieceworks.executor.scheduler import StepStats
 
     tok = _tokenizer_for(ex, cfg)
+    max_new, temperature, top_p = cfg.generation.settings(*RUN_GENERATION)
     if tok is not None:
         texts = list(cfg.generation.prompts) or DEFAULT_PROMPTS
         prompts = [encode_prompt(tok, p, cfg.generation.chat_template) for p in texts]
         stop = _stop_ids(tok)
     else:  # random weights have no tokenizer: random prompts, token ids out
         gen = torch.Generator().manual_seed(cfg.runtime.seed)
-        room = ex.max_context - cfg.generation.max_new_tokens  # prompts that fit a small model's context
+        room = ex.max_context - max_new  # prompts that fit a small model's context
         lengths = sorted({max(1, min(n, room)) for n in (16, 64, 256)})
         prompts = [torch.randint(0, ex.vocab_size, (n,), generator=gen).tolist() for n in lengths]
         texts = [f"{len(p)} random token ids" for p in prompts]
         stop = []
     stats = StepStats()
     t1 = time.perf_counter()
-    outs = ex.generate(prompts, cfg.generation.max_new_tokens, temperature=cfg.generation.temperature,
-                       top_p=cfg.generation.top_p, stop_token_ids=stop, stats=stats)
+    outs = ex.generate(prompts, max_new, temperature=temperature, top_p=top_p, stop_token_ids=stop, stats=stats)
     gen_s = time.perf_counter() - t1
     for text, out in zip(texts, outs):
         console.print(f"[bold cyan]> {escape(text)}[/bold cyan]")
@@ -260,6 +260,7 @@ def print_kernel_table_compact(table: KernelTable) -> None:
     console.print(t)
 
 
+RUN_GENERATION = (32, 0.0, 1.0)  # `pieceworks run`'s max_new_tokens, temperature, top_p where generation.* is unset
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",

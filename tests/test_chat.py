@@ -72,3 +72,24 @@ def test_a_model_without_a_chat_template_is_refused(capsys):
     assert "has no tokenizer with a chat template" in capsys.readouterr().err
     assert main(["chat", "--temperature", "-1"]) == 2  # checked before the model loads
     assert "temperature" in capsys.readouterr().err
+
+
+def test_answers_sample_as_the_flags_else_the_configs_generation_else_chats_defaults(monkeypatch, capsys):
+    import pieceworks.chat
+    from pieceworks.cli import main
+
+    seen = []
+    monkeypatch.setattr(pieceworks.chat, "run_chat", lambda cfg, system, params: seen.append(params) or 0)
+    tiny = ["chat", "model.arch=llama", "model.preset=tiny", "runtime.device=cpu"]
+    assert main(tiny) == 0
+    assert main([*tiny, "generation.temperature=0", "generation.max_new_tokens=3"]) == 0
+    assert main([*tiny, "generation.temperature=0", "generation.max_new_tokens=3", "generation.top_p=0.5",
+                 "--temperature", "0.25", "--max-tokens", "5"]) == 0
+    assert [(p.max_tokens, p.temperature, p.top_p) for p in seen] == [(None, 0.7, 0.9), (3, 0.0, 0.9),
+                                                                      (5, 0.25, 0.5)]
+    for flag, value, says in (("--max-tokens", "-1", "--max-tokens -1: must be >= 1"),
+                              ("--temperature", "nan", "--temperature nan: must be a finite number >= 0"),
+                              ("--top-p", "0", "--top-p 0.0: must be in (0, 1]")):
+        assert main([*tiny, flag, value]) == 2
+        assert f"pieceworks chat: error: {says}" in capsys.readouterr().err
+    assert len(seen) == 3
