@@ -129,11 +129,27 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
     assert "does not exist" in err(tmp_path / "missing.yaml")
 
 
-def test_shipped_configs_load():
+def test_shipped_configs_load_with_every_value_they_set():
     import pathlib
 
-    for path in sorted(pathlib.Path(__file__).parents[1].joinpath("configs").glob("*.yaml")):
-        load_config(path)
+    from omegaconf import OmegaConf
+
+    from pieceworks.config import as_dict
+
+    def leaves(node, prefix=()):
+        for key, value in node.items():
+            yield from leaves(value, (*prefix, key)) if isinstance(value, dict) else [((*prefix, key), value)]
+
+    paths = sorted(pathlib.Path(__file__).parents[1].joinpath("configs").glob("*.yaml"))
+    assert len(paths) >= 3
+    for path in paths:
+        loaded, written = as_dict(load_config(path)), list(leaves(OmegaConf.to_container(OmegaConf.load(path))))
+        assert written, path
+        for keys, value in written:
+            got = loaded
+            for key in keys:
+                got = got[key]
+            assert got == value, (path, ".".join(keys), got, value)
 
 
 def test_to_yaml_reads_back_as_the_same_config(tmp_path):

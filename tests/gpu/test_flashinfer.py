@@ -370,15 +370,19 @@ def test_executor_matches_the_torch_backends(arch):
         assert rel_err(a.float(), b.float()) < 3e-2
     seqs = {e: [e.new_sequence() for _ in prompts] for e in (fi, ref)}
     logits = {e: e.forward(ForwardBatch(seqs[e], [p[:30] for p in prompts])) for e in (fi, ref)}
-    agree = 0
-    for _ in range(6):
-        assert rel_err(logits[fi].float(), logits[ref].float()) < 3e-2
+    agree = steps = 0
+    for step in range(7):  # the prompt chunk's logits, then six decode steps'
+        assert rel_err(logits[fi].float(), logits[ref].float()) < 3e-2, step
         agree += int((logits[fi].argmax(-1) == logits[ref].argmax(-1)).sum())
+        steps += len(prompts)
+        if step == 6:
+            break
         nxt = [[t] for t in logits[ref].argmax(-1).tolist()]
         batch = {e: ForwardBatch(seqs[e], nxt) for e in (fi, ref)}
         assert batch[fi].mode is ForwardMode.DECODE
         logits = {e: e.forward(batch[e]) for e in (fi, ref)}
-    print(f"{arch}: greedy tokens agree on {agree}/{6 * len(prompts)} teacher-forced steps")
+    print(f"{arch}: greedy tokens agree on {agree}/{steps} teacher-forced steps")
+    assert agree >= 0.8 * steps  # bf16 rounding may flip a near tie, not most tokens
 
 
 # ---------------------------------------------------------------- the Blackwell backends on this GPU
