@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 
@@ -145,8 +146,12 @@ def test_bench_dataset_checks(tmp_path):
         with pytest.raises(exc, match=f"^--dataset .*{re.escape(needle)}"):
             bench.dataset_lines(tmp_path / name)
     bench.check_result_path(tmp_path / "out.json")
+    assert not (tmp_path / "out.json").exists()  # the check leaves no file behind
+    bench.check_result_path(tmp_path / "blank.txt")
+    assert (tmp_path / "blank.txt").read_text() == "\n  \n"  # nor changes one that exists
     for path, needle in [(tmp_path, "is a directory"), (tmp_path / "no" / "out.json", "does not exist"),
-                         (tmp_path / "blank.txt" / "out.json", "is not a directory")]:
+                         (tmp_path / "blank.txt" / "out.json", "is not a directory"),
+                         (Path("/proc/out.json"), r"can't be written \(")]:
         with pytest.raises(ValueError, match=f"^--result-json .*{needle}"):
             bench.check_result_path(path)
 

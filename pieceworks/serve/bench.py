@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import random
 import time
 from collections.abc import AsyncIterator, Callable
@@ -66,8 +65,9 @@ def dataset_lines(path: Path) -> list[str]:
 
 
 def check_result_path(path: Path) -> None:
-    """ValueError unless `path` can be written as a file: not a directory, in an existing directory, writable
-    (checked before a run, which would otherwise end without its result)."""
+    """ValueError unless `path` can be written as a file: not a directory, in an existing directory, opened for
+    writing (checked before a run, which would otherwise end without its result; a file the check creates is
+    removed, an existing one is left as it is)."""
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"--result-json {path}: is a directory; give a file path such as {path / 'bench.json'}")
@@ -75,8 +75,14 @@ def check_result_path(path: Path) -> None:
     if not parent.is_dir():
         what = "is not a directory" if parent.exists() else "does not exist"
         raise ValueError(f"--result-json {path}: {parent} {what}; give a path in an existing directory")
-    if not os.access(parent if not path.exists() else path, os.W_OK):
-        raise ValueError(f"--result-json {path}: not writable by this user; write elsewhere")
+    existed = path.exists()
+    try:
+        with open(path, "a"):  # an access check can't tell: root, read-only mounts, /proc
+            pass
+    except OSError as exc:
+        raise ValueError(f"--result-json {path}: can't be written ({exc.strerror}); write elsewhere") from None
+    if not existed:
+        path.unlink(missing_ok=True)
 
 
 def random_workload(num: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
