@@ -281,6 +281,8 @@ def test_quantizer_refuses_bad_inputs(tiny_llama_modelopt, ckpt, tmp_path, monke
     (tmp_path / "full" / "x").write_text("x")
     with pytest.raises(ValueError, match="exists and is not an empty directory"):
         quantize_checkpoint(bf16, tmp_path / "full", amax=1.0, progress=False)
+    with pytest.raises(ValueError, match="x: is a file; DST is the directory the checkpoint goes to"):
+        quantize_checkpoint(bf16, tmp_path / "full" / "x", amax=1.0, progress=False)
     gpt2 = tmp_path / "gpt2"
     shutil.copytree(bf16, gpt2)
     config = json.loads((gpt2 / "config.json").read_text())

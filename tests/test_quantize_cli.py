@@ -74,10 +74,15 @@ def test_quantize_help_names_the_default_text(capsys):
 
 
 def test_fixed_amax_skips_calibration(tiny_bf16, tmp_path, capsys):
-    assert main(["quantize", str(tiny_bf16), str(tmp_path / "q"), "--amax", "8", "--no-progress"]) == 0
+    src = tmp_path / "src"
+    shutil.copytree(tiny_bf16, src)
+    (src / "pieceworks-cache.json").write_text('{"format": 1}')  # as a demo model converted by pieceworks holds
+    assert main(["quantize", str(src), str(tmp_path / "q"), "--amax", "8", "--no-progress"]) == 0
     assert "calibrating" not in capsys.readouterr().out
     for name, v in _input_scales(tmp_path / "q").items():
         assert torch.equal(v, torch.tensor(8.0) / (6 * 448)), name
+    # the tokenizer goes along, the record of the source's own conversion does not
+    assert (tmp_path / "q" / "tokenizer.json").is_file() and not (tmp_path / "q" / "pieceworks-cache.json").exists()
 
 
 def test_max_shard_size_forms():

@@ -168,3 +168,23 @@ def test_reference_perplexity_on_english_prefix(model_dir):
     assert r.num_windows == 2 and r.num_scored > 900
     # A broken conversion lands far away (q/k left in GGUF order: ~257 on this text).
     assert 10 < r.ppl < 40, r
+
+
+def test_a_damaged_demo_model_is_named_with_the_fix_that_applies(model_dir, tmp_path):
+    """pieceworks built the demo model's cache, so the error says to delete it (the next run rebuilds it), not to
+    re-download or re-export a checkpoint the user never had."""
+    import shutil
+
+    from pieceworks import Executor
+    from pieceworks.errors import CheckpointError
+
+    damaged = tmp_path / "models" / model_dir.name
+    shutil.copytree(model_dir, damaged)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: 1 << 20])
+    cfg = {"model": {"path": "smollm2-135m"}, "runtime": {"device": "cpu", "cache_dir": str(tmp_path)}}
+    with pytest.raises(CheckpointError) as caught:
+        Executor.from_config(cfg, progress=False)
+    assert str(caught.value).endswith(f"pieceworks built this demo model in {damaged}: delete that directory and "
+                                      "the next run rebuilds it"), caught.value
+    assert "re-download" not in str(caught.value)

@@ -24,6 +24,7 @@ from pieceworks.config import Config, ConfigError, Switch, cache_root, load_conf
 from pieceworks.core.batch import ForwardMode, GraphMode
 from pieceworks.core.devices import resolve_device, resolve_dtype
 from pieceworks.core.kv import KV_FP8
+from pieceworks.errors import CheckpointError
 from pieceworks.executor.kv_cache import KVPool
 
 log = logging.getLogger("pieceworks.executor")
@@ -52,7 +53,7 @@ def build_executor(cls: type, cfg: Config, progress: bool, device: torch.device,
           groups: Any = None) -> Any:
     """`Executor.build`: one rank's executor (`cls`) on `device`, of the model in `model_dir` (or
     model.arch's): the whole model, or with `groups` (`parallel.group.ProcessGroups`) that rank's shard."""
-    from pieceworks.models.loader import load_model
+    from pieceworks.models.loader import DEMO_MODELS, demo_model_damaged, load_model
     from pieceworks.parallel.layout import TPLayout
 
     dtype = resolve_dtype(cfg.runtime.dtype, device)
@@ -67,8 +68,13 @@ def build_executor(cls: type, cfg: Config, progress: bool, device: torch.device,
         tp = TPLayout(groups.rank, groups.size, groups.device_group, cfg.parallel.expert_parallel)
     # random weights come from a private generator seeded with runtime.seed: the process-wide
     # torch RNG is the caller's
-    model = load_model(model_cfg, cfg.quantization, device, dtype, progress=progress,
-                       seed=cfg.runtime.seed, tp=tp)
+    try:
+        model = load_model(model_cfg, cfg.quantization, device, dtype, progress=progress,
+                           seed=cfg.runtime.seed, tp=tp)
+    except CheckpointError as exc:
+        if model_dir is None or cfg.model.path not in DEMO_MODELS:
+            raise
+        raise demo_model_damaged(exc, model_dir) from None
     kv_dtype = kv_cache_dtype(cfg.kv_cache.dtype, model)
     facts = model.facts(cfg.kv_cache.page_size)
     spec = BackendSpec.for_device(device, model=replace(facts, kv_fp8=kv_dtype == KV_FP8),

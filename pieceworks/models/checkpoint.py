@@ -25,7 +25,7 @@ from pieceworks.util import checked_stat, unreadable
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-_REDOWNLOAD = "re-download or re-export the checkpoint"
+REDOWNLOAD = "re-download or re-export the checkpoint"
 
 # safetensors header dtype names -> torch dtypes (the ones torch can hold).
 _DTYPES = {
@@ -58,7 +58,7 @@ def _open_error(path: Path, exc: Exception) -> CheckpointError:
         pass
     except OSError as e:
         return unreadable(path, e)
-    return CheckpointError(f"{path}: not a readable safetensors file, truncated or corrupt ({exc}); {_REDOWNLOAD}")
+    return CheckpointError(f"{path}: not a readable safetensors file, truncated or corrupt ({exc}); {REDOWNLOAD}")
 
 
 class CheckpointReader:
@@ -103,21 +103,21 @@ class CheckpointReader:
         except PermissionError as e:
             raise unreadable(index, e) from None
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({e}); {_REDOWNLOAD}") from None
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e}); {REDOWNLOAD}") from None
         odd = next(((n, f) for n, f in weight_map.items() if not isinstance(f, str) or not f), None)
         if odd is not None:
-            raise CheckpointError(f"{index}: weight_map[{odd[0]!r}] is {odd[1]!r}, not a shard file name; {_REDOWNLOAD}")
+            raise CheckpointError(f"{index}: weight_map[{odd[0]!r}] is {odd[1]!r}, not a shard file name; {REDOWNLOAD}")
         outside = next(((n, f) for n, f in weight_map.items()
                         if Path(f).is_absolute() or ".." in Path(f).parts), None)
         if outside is not None:
             raise CheckpointError(f"{index}: weight_map[{outside[0]!r}] names {outside[1]!r}, outside the model "
-                                  f"directory; shard names are file names in it. {_REDOWNLOAD}")
+                                  f"directory; shard names are file names in it. {REDOWNLOAD}")
         missing = sorted({f for f in weight_map.values() if not (self.model_dir / f).is_file()})
         if missing:
             example = next(n for n, f in weight_map.items() if f == missing[0])
             raise CheckpointError(
                 f"{index}: names shard(s) that are not in {self.model_dir}: {', '.join(missing)} "
-                f"(e.g. for tensor {example}); {_REDOWNLOAD} (all shards)"
+                f"(e.g. for tensor {example}); {REDOWNLOAD} (all shards)"
             )
         return dict(weight_map)
 
@@ -131,7 +131,7 @@ class CheckpointReader:
             if lacking:
                 raise CheckpointError(
                     f"{self.model_dir / filename}: lacks {len(lacking)} tensor(s) that {INDEX_FILE} "
-                    f"maps to it (e.g. {lacking[0]}); {_REDOWNLOAD}"
+                    f"maps to it (e.g. {lacking[0]}); {REDOWNLOAD}"
                 )
 
     def _handle(self, filename: str):
@@ -190,7 +190,7 @@ class CheckpointReader:
             return t
         except SafetensorError as e:
             raise CheckpointError(
-                f"{self.model_dir / filename}: cannot read tensor {name} ({e}); {_REDOWNLOAD}"
+                f"{self.model_dir / filename}: cannot read tensor {name} ({e}); {REDOWNLOAD}"
             ) from None
 
     def get_part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
@@ -209,7 +209,7 @@ class CheckpointReader:
             return t
         except SafetensorError as e:
             raise CheckpointError(
-                f"{self.model_dir / filename}: cannot read tensor {name} ({e}); {_REDOWNLOAD}"
+                f"{self.model_dir / filename}: cannot read tensor {name} ({e}); {REDOWNLOAD}"
             ) from None
 
     def config(self) -> dict:

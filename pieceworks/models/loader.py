@@ -378,6 +378,16 @@ def _progress_bar(enabled: bool, total: int) -> Iterator[Callable[[str], None]]:
 DEMO_MODELS = ("smollm2-135m", "smollm2-135m-fp4")
 
 
+def demo_model_damaged(exc: CheckpointError, model_dir: Path) -> CheckpointError:
+    """`exc`, raised reading a demo model's cached conversion, with the fix that applies to it: the user never
+    downloaded or exported that directory, pieceworks built it, and builds it again once it is gone."""
+    from pieceworks.models.checkpoint import REDOWNLOAD
+
+    fix = f"pieceworks built this demo model in {model_dir}: delete that directory and the next run rebuilds it"
+    text = str(exc)
+    return CheckpointError(text.replace(REDOWNLOAD, fix) if REDOWNLOAD in text else f"{text}; {fix}")
+
+
 def resolve_model_path(path: str, progress: bool = True, cache_dir: Path | None = None) -> Path:
     """A model directory: the path itself, or the cached conversion of a bundled demo model (in cache_dir;
     None: `smollm2.default_cache_dir()`).

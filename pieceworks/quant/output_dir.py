@@ -53,7 +53,9 @@ def check_dirs(src: Path, dst: Path, reader: CheckpointReader) -> dict:
     if dst.is_symlink() and not dst.exists():
         raise ValueError(f"{dst}: a symlink to {os.readlink(dst)}, which does not exist; create that directory or "
                          "choose another DST")
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+    if dst.exists() and not dst.is_dir():
+        raise ValueError(f"{dst}: is a file; DST is the directory the checkpoint goes to: choose a new one")
+    if dst.exists() and any(dst.iterdir()):
         raise ValueError(f"{dst}: exists and is not an empty directory; choose a new one")
     if dst.exists() and is_mount_point(real):
         raise ValueError(f"{dst}: an empty file system of its own (a mount point); quantize writes beside DST and "
@@ -87,8 +89,9 @@ def _size(nbytes: int) -> str:
 
 
 def copied_files(src: Path) -> list[Path]:
-    """The source's files that go to the output as they are (tokenizer, generation config, ...)."""
-    skip = {SINGLE_FILE, INDEX_FILE, "config.json", "hf_quant_config.json"}
+    """The source's files that go to the output as they are (tokenizer, generation config, ...); not the record
+    of pieceworks' demo-model cache (`pieceworks-cache.json`), which describes the source's own conversion."""
+    skip = {SINGLE_FILE, INDEX_FILE, "config.json", "hf_quant_config.json", "pieceworks-cache.json"}
     return sorted(
         f for f in src.iterdir() if f.is_file() and f.name not in skip and not f.name.endswith(".safetensors")
     )
