@@ -296,23 +296,39 @@ def eval_perplexity(cfg: Config, text_path: Path, window: int | None) -> int:
     model's context where shorter; see models/ppl.py).
 
     Raises:
-        ValueError: a window longer than the model's context (the executor is closed again)."""
+        ConfigError: random weights (model.arch): no tokenizer for the text; before anything loads.
+        ValueError: a window longer than the model's context, or a text of fewer than 2 tokens (the executor is
+            closed again)."""
+    from pieceworks.errors import ConfigError
     from pieceworks.executor.runner import Executor
     from pieceworks.models.ppl import DEFAULT_WINDOW, perplexity_from_logits, windows
+    from pieceworks.util import progress_bar
 
+    if cfg.model.path is None:
+        raise ConfigError("eval-ppl scores a text, which needs the model's tokenizer: model.arch builds random "
+                          "weights without one; give model.path (a model directory with its tokenizer files)")
     text = text_path.read_text(encoding="utf-8")  # the CLI has checked the file
-    ex = Executor.from_config(cfg)
-    if window is None:
-        window = min(DEFAULT_WINDOW, ex.max_context)
-    elif window > ex.max_context:
-        ex.close()
-        raise ValueError(f"--window {window} exceeds the model's context of {ex.max_context} tokens; "
-                         f"use --window {ex.max_context} or less")
-    ids = ex.tokenizer.encode(text, add_special_tokens=False)
-    chunks = windows(ids, window)
-    t0 = time.perf_counter()
-    logits = ex.score(chunks)
-    ppl, n = perplexity_from_logits(logits, chunks)
+    if not text.strip():
+        raise ValueError(f"--text {text_path}: empty (or only whitespace); give a text to score")
+    with Executor.from_config(cfg) as ex:
+        if window is None:
+            window = min(DEFAULT_WINDOW, ex.max_context)
+        elif window > ex.max_context:
+            raise ValueError(f"--window {window} exceeds the model's context of {ex.max_context} tokens; "
+                             f"use --window {ex.max_context} or less")
+        # the windows split the text: transformers' warning about a sequence longer than the model's is moot
+        ids = ex.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        if len(ids) < 2:
+            raise ValueError(f"--text {text_path}: {len(ids)} token(s); perplexity needs at least 2 (one of "
+                             "context, one scored): give a longer text")
+        chunks = windows(ids, window)
+        t0 = time.perf_counter()
+        logits = []
+        with progress_bar(console.is_terminal, "scoring windows", total=len(chunks)) as advance:
+            for chunk in chunks:
+                logits.extend(ex.score([chunk]))
+                advance()
+        ppl, n = perplexity_from_logits(logits, chunks)
     console.print(f"perplexity {ppl:.4f} over {n} scored tokens ({len(chunks)} windows of <= {window}); "
                   f"{time.perf_counter() - t0:.1f} s")
     return 0

@@ -118,10 +118,9 @@ IN_PROCESS = {
     "options of no backend": (["backends", "backends.options.nosuch.x=1"], 2,
                               "backends.options.nosuch: no registered backend is named 'nosuch'"),
     "config.json missing": (["run", "model.path=.", "runtime.device=cpu"], 2, "config.json: missing"),
-    "window over the context": (["eval-ppl", *LLAMA, "--text", str(ROOT / "pieceworks/data/english.txt"),
-                                 "--window", "100000"], 2,
-                                "pieceworks eval-ppl: error: --window 100000 exceeds the model's context of 256 "
-                                "tokens; use --window 256 or less"),
+    "eval-ppl of random weights": (["eval-ppl", *LLAMA, "--text", str(ROOT / "pieceworks/data/english.txt")], 2,
+                                   "pieceworks eval-ppl: error: eval-ppl scores a text, which needs the model's "
+                                   "tokenizer: model.arch builds random weights without one; give model.path"),
     "window of one token": (["eval-ppl", *LLAMA, "--text", str(ROOT / "pieceworks/data/english.txt"),
                              "--window", "1"], 2, "--window 1: a window needs at least 2 tokens"),
     "KV pool beyond memory": (["run", *LLAMA, "kv_cache.num_tokens=1000000000000"], 2,
@@ -142,6 +141,26 @@ def test_user_errors_in_process(name, capsys, monkeypatch, tmp_path):
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and needle in lines[0], err[-2000:]
+
+
+def test_eval_ppl_refuses_a_text_it_cannot_score(capsys, tmp_path):
+    from pieceworks import cli
+
+    smol = [f"model.path={smollm2_dir()}", "runtime.device=cpu", "kv_cache.num_tokens=256"]
+    english = str(ROOT / "pieceworks/data/english.txt")
+    (tmp_path / "blank.txt").write_text(" \n")
+    (tmp_path / "hi.txt").write_text("hi")
+    for args, says in [
+        (["--text", str(tmp_path / "blank.txt")],
+         f"--text {tmp_path / 'blank.txt'}: empty (or only whitespace); give a text to score"),
+        (["--text", str(tmp_path / "hi.txt")], f"--text {tmp_path / 'hi.txt'}: 1 token(s); perplexity needs at "
+                                               "least 2 (one of context, one scored): give a longer text"),
+        (["--text", english, "--window", "100000"],
+         "--window 100000 exceeds the model's context of 256 tokens; use --window 256 or less"),
+    ]:
+        assert cli.main(["eval-ppl", *smol, *args]) == 2
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0] == f"pieceworks eval-ppl: error: {says}", lines
 
 
 def test_serve_checks_where_it_listens_before_the_model_loads(capsys, monkeypatch):
