@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from rich.console import Console
@@ -15,6 +16,8 @@ from pieceworks.backends.base import BackendSpec, ModelFacts
 from pieceworks.backends.registry import KernelTable, Registry, load_registry
 from pieceworks.config import Config, Switch
 from pieceworks.core.batch import TABLE_MODES, ForwardMode, GraphMode
+from pieceworks.executor.scheduler import StepStats
+from pieceworks.util import progress_bar
 
 console = Console()
 
@@ -189,9 +192,18 @@ def run_main_job(cfg: Config) -> int:
         return _main_job(ex, cfg, time.perf_counter() - t0)
 
 
-def _main_job(ex: Any, cfg: Config, build_s: float) -> int:
-    from pieceworks.executor.scheduler import StepStats
+@dataclass
+class _ShownSteps(StepStats):
+    """StepStats that advance a progress bar at every step."""
 
+    advance: Callable[[], None] = lambda: None
+
+    def add(self, mode: ForwardMode, num_tokens: int, seconds: float) -> None:
+        super().add(mode, num_tokens, seconds)
+        self.advance()
+
+
+def _main_job(ex: Any, cfg: Config, build_s: float) -> int:
     tok = _tokenizer_for(ex, cfg)
     max_new, temperature, top_p = cfg.generation.settings(*RUN_GENERATION)
     if tok is not None:
@@ -205,9 +217,11 @@ def _main_job(ex: Any, cfg: Config, build_s: float) -> int:
         prompts = [torch.randint(0, ex.vocab_size, (n,), generator=gen).tolist() for n in lengths]
         texts = [f"{len(p)} random token ids" for p in prompts]
         stop = []
-    stats = StepStats()
     t1 = time.perf_counter()
-    outs = ex.generate(prompts, max_new, temperature=temperature, top_p=top_p, stop_token_ids=stop, stats=stats)
+    # a bar of steps on a terminal (a slow machine's generate runs for many seconds); about one step per token
+    with progress_bar(console.is_terminal, "generating (steps)", total=max_new) as advance:
+        stats = _ShownSteps(advance=advance)
+        outs = ex.generate(prompts, max_new, temperature=temperature, top_p=top_p, stop_token_ids=stop, stats=stats)
     gen_s = time.perf_counter() - t1
     for text, out in zip(texts, outs):
         console.print(f"[bold cyan]> {escape(text)}[/bold cyan]")
@@ -302,7 +316,6 @@ def eval_perplexity(cfg: Config, text_path: Path, window: int | None) -> int:
     from pieceworks.errors import ConfigError
     from pieceworks.executor.runner import Executor
     from pieceworks.models.ppl import DEFAULT_WINDOW, perplexity_from_logits, windows
-    from pieceworks.util import progress_bar
 
     if cfg.model.path is None:
         raise ConfigError("eval-ppl scores a text, which needs the model's tokenizer: model.arch builds random "
