@@ -4,8 +4,8 @@ Every subcommand takes an optional YAML config and `key.sub=value` overrides. A 
 config, checkpoint, request or argument, a backend that can't serve, a missing file, a server that
 `bench --url` can't reach) prints one line on stderr, `pieceworks <command>: error: <what is wrong>`,
 and exits 2; a failure of a well-formed run (out of KV pages, non-finite logits) exits 1 the same way;
-`--debug` (anywhere on the line) shows the traceback instead. Ctrl-C at any moment, also while torch
-imports, exits 130 with "interrupted".
+`--debug` (anywhere on the line) shows the traceback before that line (the exit status stays). Ctrl-C at any
+moment, also while torch imports, exits 130 with "interrupted".
 """
 
 from __future__ import annotations
@@ -34,13 +34,20 @@ if threading.current_thread() is threading.main_thread():
 import argparse  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
+import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 from pieceworks.errors import ConfigError  # noqa: E402
+from pieceworks.version import __version__  # noqa: E402
 from pieceworks.models.ppl import DEFAULT_WINDOW  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m-fp4"
+# flags of other tools that are config keys here (named in the hint of an "unrecognized arguments" error)
+SETTING_FLAGS = {"--max-tokens": "generation.max_new_tokens", "--max-new-tokens": "generation.max_new_tokens",
+                 "--temperature": "generation.temperature", "--top-p": "generation.top_p", "--model": "model.path",
+                 "--device": "runtime.device", "--dtype": "runtime.dtype", "--seed": "runtime.seed",
+                 "--tensor-parallel-size": "parallel.tensor_parallel_size", "--kv-cache-dtype": "kv_cache.dtype"}
 CHAT_GENERATION = (None, 0.7, 0.9)  # chat's max_tokens (None: the rest of the context), temperature, top_p
 USER_ERROR, RUN_ERROR, INTERRUPTED = 2, 1, 130
 
@@ -124,8 +131,20 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
 class _Parser(argparse.ArgumentParser):
     """argparse, with its usage errors as one line (argparse prints the usage block first)."""
 
+    takes_settings = False  # a command with the `config` positional: YAML, then key=value overrides
+
+    def add_argument(self, *names: Any, **kwargs: Any) -> Any:
+        self.takes_settings = self.takes_settings or names[:1] == ("config",)
+        return super().add_argument(*names, **kwargs)
+
     def error(self, message: str) -> None:  # type: ignore[override]
-        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        hint = f"see {self.prog} --help"
+        if message.startswith("unrecognized arguments") and self.takes_settings:  # a setting typed as a flag
+            said = message.split(":", 1)[1].split()
+            known = [f"{flag} -> {key}=..." for flag, key in SETTING_FLAGS.items() if flag in said]
+            hint = ("settings go as key=value overrides" + (f" ({', '.join(known)})" if known else
+                                                           ", e.g. generation.max_new_tokens=64") + f"; {hint}")
+        print(f"{self.prog}: error: {message} ({hint})", file=sys.stderr)
         sys.exit(USER_ERROR)
 
 
@@ -145,9 +164,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pieceworks", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"pieceworks {__version__}")
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of an error (accepted anywhere on the line)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.set_defaults(commands=sub.choices)  # {name: its parser}: an unknown flag is named by its command
     cfg_help = "optional YAML config, then key.sub=value overrides"
 
     p = sub.add_parser("run", help="load a model, generate for sample prompts, print speed and backends")
@@ -237,24 +258,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from pieceworks.util import setup_logging
 
-        args = build_parser().parse_args(argv)
+        args, unknown = build_parser().parse_known_args(argv)
+        if unknown:
+            args.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
         command = f"pieceworks {args.command}"
         setup_logging(logging.DEBUG if args.verbose else logging.INFO)
         code = args.func(args) or 0
     except KeyboardInterrupt:
         if debug:
-            raise
+            traceback.print_exc()
         print("interrupted", file=sys.stderr)
         return INTERRUPTED
     except Exception as exc:
-        if debug:
-            raise
         if isinstance(exc, _run_errors()) or _host_out_of_memory(exc):
             code = RUN_ERROR
         elif isinstance(exc, _user_errors()):
             code = USER_ERROR
         else:  # a bug in pieceworks or a plugin, not a user error: keep the traceback
             raise
+        if debug:  # the traceback, and the same line and exit status as without --debug
+            traceback.print_exc()
         print(f"{command}: error: {_one_line(exc)}", file=sys.stderr)
         return code
     if _interrupted:  # the KeyboardInterrupt was swallowed on the way (see _on_sigint)

@@ -46,7 +46,15 @@ CASES = {
     "unknown key": (["run", "model.arch=llama", "runtime.foo=1"], 2, "runtime.foo: unknown key"),
     "bad override syntax": (["run", "model.arch=llama", "nonsense"], 2, "argument 'nonsense': expected key=value"),
     "unknown command": (["frobnicate"], 2, "pieceworks: error: argument command: invalid choice: 'frobnicate'"),
-    "unknown flag": (["run", "--nope"], 2, "pieceworks: error: unrecognized arguments: --nope"),
+    "unknown flag": (["run", "--nope"], 2, "pieceworks run: error: unrecognized arguments: --nope (settings go as "
+                                           "key=value overrides, e.g. generation.max_new_tokens=64; see pieceworks "
+                                           "run --help)"),
+    "another tool's flag": (["chat", "--max-tokens", "5", "--device", "cpu"], 2,
+                            "pieceworks chat: error: unrecognized arguments: --device (settings go as key=value "
+                            "overrides (--device -> runtime.device=...); see pieceworks chat --help)"),
+    "quantize takes no settings": (["quantize", "a", "b", "--zz"], 2,
+                                   "pieceworks quantize: error: unrecognized arguments: --zz (see pieceworks "
+                                   "quantize --help)"),
     "prompts without a tokenizer": (["run", *LLAMA, "generation.prompts=[hello]"], 2,
                                     "generation.prompts: given, but the model has no tokenizer"),
     "text is a directory": (["eval-ppl", *LLAMA, "--text", "."], 2, "--text .: is a directory"),
@@ -72,7 +80,7 @@ CASES = {
                                      "pieceworks bench: error: --dataset .: is a directory"),
     "bench result json is a directory": ([*BENCH, "--result-json", "."], 2,
                                          "pieceworks bench: error: --result-json .: is a directory"),
-    "debug shows the traceback": (["run", "tab.yaml", "--debug"], 1, "Traceback (most recent call last)"),
+    "debug shows the traceback": (["run", "tab.yaml", "--debug"], 2, "Traceback (most recent call last)"),
 }
 
 
@@ -102,8 +110,10 @@ def test_user_errors_are_one_line_on_stderr(results, name):
     rc, stdout, stderr = results[name]
     assert rc == code, (rc, stderr[-2000:])
     assert needle in stderr, stderr[-2000:]
-    if name != "debug shows the traceback":
-        lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    if name == "debug shows the traceback":  # the traceback, then the same line as without --debug
+        assert lines[-1].startswith("pieceworks run: error: tab.yaml:3: not valid YAML"), lines[-3:]
+    else:
         assert len(lines) == 1 and "Traceback" not in stderr, stderr[-2000:]
         assert "error" not in stdout.lower(), stdout[-2000:]
     if CASES[name][0][0] == "bench":  # refused before the run: no table
@@ -334,3 +344,12 @@ def test_chat_template_that_fails_while_rendering(bad_template_runs, name):
                         f"rendering ({BAD_TEMPLATES[name][1]}); run with generation.chat_template=false to encode "
                         "the prompts without it, or fix the template in chat_template.jinja"), lines[0]
     assert "error" not in stdout.lower(), stdout[-2000:]
+
+
+def test_version_flag(capsys):
+    from pieceworks import cli
+    from pieceworks.version import __version__
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"pieceworks {__version__}"
