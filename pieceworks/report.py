@@ -56,14 +56,15 @@ def print_backends(cfg: Config) -> int:
     facts, ops = _model_facts(cfg)
     spec = BackendSpec.for_device(device, model=facts, fp4_numerics=cfg.quantization.fp4_numerics)
     cap = f" (compute capability {spec.capability[0]}.{spec.capability[1]})" if spec.capability else ""
+    # A SelectionError (a backend that isn't registered or can't serve here, with the reasons) propagates before
+    # anything is printed: the CLI prints it on stderr as one line and exits 2.
+    table = registry.resolve(cfg.backends, spec, ops or ("attention", "mla", "fp4_gemm", "moe"))
     console.print(f"[bold]device[/bold]: {device}{cap}; plugins: {', '.join(registry.plugin_names())}")
 
     print_registered(registry, spec)
     for broken in registry.broken:
         console.print("[red]broken plugin[/red] " + escape(f"{broken.name} ({broken.origin}): {broken.reason}; "
                                                            f"block it with plugins.disabled=[{broken.name}]"))
-    # A SelectionError propagates: the CLI prints it on stderr as one line and exits 2.
-    table = registry.resolve(cfg.backends, spec, ops or ("attention", "mla", "fp4_gemm", "moe"))
     print_kernel_table(table)
     print_graph_config(cfg, device, table=table)
     return 0
