@@ -205,7 +205,8 @@ def test_generate_refuses_bad_arguments(ex, kw, error, needle):
     (dict(sequences=[[]]), "prompt 0 is empty"),
     (dict(sequences=[[1.0]]), "token ids must be ints"),
     (dict(sequences=P, max_step_tokens=-1), "max_step_tokens: -1 must be an integer >= 1 or None"),
-    (dict(sequences=[PROMPT, [1] * 41]), "sequence 1: 41 tokens exceed the context limit of 40"),
+    (dict(sequences=[PROMPT, [1] * 41]), "sequence 1: 41 tokens exceed the context limit of 40 (the model's: "
+                                         "model.max_context, else its max_position_embeddings)"),
 ])
 def test_score_refuses_bad_arguments(ex, kw, needle):
     from pieceworks.executor.scheduler import score
@@ -301,3 +302,14 @@ def test_non_finite_guard_on_cuda_with_graphs(temperature):
     with torch.no_grad():
         ex.model.embed_tokens.weight[300] = row
     assert ex.generate(prompts, 8, temperature=temperature, seed=3) == fresh
+
+
+def test_a_context_limit_set_by_the_kv_pool_is_named_so():
+    from pieceworks import Executor
+
+    ex = Executor.from_config({"model": {"arch": "llama", "preset": "tiny"}, "runtime": {"device": "cpu"},
+                               "kv_cache": {"num_tokens": 32, "page_size": 4}}, progress=False)
+    with pytest.raises(BatchError, match=r"^prompt 0: 30 tokens \+ max_new_tokens=5 exceed the context limit of 32 "
+                                         r"\(the KV pool's 32 tokens: kv_cache.num_tokens\)$"):
+        ex.generate([list(range(30))], 5)
+    ex.close()

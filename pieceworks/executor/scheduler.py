@@ -137,7 +137,10 @@ def check_prompts(ex: StepRunner, prompts: Any, what: str = "prompts") -> list[l
 def check_room(ex: StepRunner, label: str, tokens: int, what: str) -> None:
     """BatchError where `tokens` (described by `what`) exceed the context limit or could never fit the KV pool."""
     if tokens > ex.max_context:
-        raise BatchError(f"{label}: {what} exceed the context limit of {ex.max_context}")
+        pool = ex.kv.allocator.capacity * ex.page_size
+        why = (f"the KV pool's {pool} tokens: kv_cache.num_tokens" if ex.max_context == pool else
+               "the model's: model.max_context, else its max_position_embeddings")
+        raise BatchError(f"{label}: {what} exceed the context limit of {ex.max_context} ({why})")
     if -(-tokens // ex.page_size) > ex.kv.allocator.capacity:
         raise BatchError(f"{label} can never fit the KV pool ({ex.kv.num_tokens} tokens)")
 
