@@ -679,6 +679,11 @@ def test_tokenizer_files_that_do_not_load_are_not_taken_for_no_tokenizer(tmp_pat
     with pytest.raises(TokenizerError, match=r"its tokenizer files \(tokenizer.json, tokenizer_config.json\) "
                                              r"don't load \(.*\); fix or re-download them"):
         load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").unlink()  # the config alone: the missing file is named, with the whole reason
+    with pytest.raises(TokenizerError, match=r": tokenizer.json is missing and its tokenizer files "
+                                             r"\(tokenizer_config.json\) don't load \(\w+: .{40,}\); fix") as err:
+        load_tokenizer(tmp_path)
+    assert "\n" not in str(err.value)
 
 
 def test_tokenizer_file_the_os_will_not_read_is_named(tmp_path, monkeypatch):

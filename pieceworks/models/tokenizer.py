@@ -37,9 +37,12 @@ def load_tokenizer(model_dir: Path | None):
         if isinstance(exc, PermissionError):
             raise TokenizerError(str(unreadable(exc.filename or model_dir, exc))) from None
         if present:
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise TokenizerError(f"{model_dir}: its tokenizer files ({', '.join(present)}) don't load "
-                                 f"({type(exc).__name__}: {first}); fix or re-download them") from None
+            said = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+            said = said if len(said) <= 300 else said[:297] + "..."
+            # a fast tokenizer's tokenizer_config.json without its tokenizer.json: that file is the one to fix
+            lacking = "tokenizer.json is missing and " if present == ["tokenizer_config.json"] else ""
+            raise TokenizerError(f"{model_dir}: {lacking}its tokenizer files ({', '.join(present)}) don't load "
+                                 f"({type(exc).__name__}: {said}); fix or re-download them") from None
         raise CheckpointError(f"{model_dir}: the model has no tokenizer that transformers can load "
                               "(tokenizer.json / tokenizer_config.json); pass token ids, or add the "
                               "model's tokenizer files") from None
