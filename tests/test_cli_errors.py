@@ -70,6 +70,8 @@ CASES = {
     "port above 65535": (["serve", *LLAMA, "--port", "99999"], 2,
                          "pieceworks serve: error: argument --port: 99999 is out of range; use a TCP port in 0..65535"),
     "negative port": (["serve", *LLAMA, "--port", "-1"], 2, "argument --port: -1 is out of range"),
+    "shutdown timeout nan": (["serve", *LLAMA, "--shutdown-timeout", "nan"], 2,
+                             "pieceworks serve: error: --shutdown-timeout nan: must be a number of seconds in 0..86400"),
     "bench url without a scheme": (["bench", "--url", "notaurl"], 2,
                                    "pieceworks bench: error: --url must be an http:// or https:// URL such as "
                                    "http://127.0.0.1:8000, got 'notaurl'"),

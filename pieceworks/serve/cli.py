@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import math
 import socket
@@ -34,6 +35,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model name clients pass (default: the model's path or preset)")
     p.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="requests waiting for their first token before new ones get 503 (default 256)")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",
+                   help="on SIGTERM or Ctrl-C, seconds the requests in flight get to finish before they end with "
+                        "finish_reason abort (default 5)")
     p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="read tool calls from the model's text under tool_choice auto: hermes (<tool_call> JSON "
                         "blocks: Hermes, Qwen), llama3_json (Llama 3.1 / 3.2's JSON calls), mistral, deepseek_v3 "
@@ -151,6 +155,8 @@ def run_serve(args: argparse.Namespace, cfg: Any) -> int:
 
     if args.max_queue < 1:
         raise ValueError(f"--max-queue {args.max_queue}: must be at least 1 (requests waiting for a first token)")
+    if not 0 <= args.shutdown_timeout <= 86400:  # NaN fails too
+        raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: must be a number of seconds in 0..86400")
     sock = bind_address(args.host, args.port)
 
     from pieceworks.engine import AsyncEngine
@@ -175,8 +181,10 @@ def run_serve(args: argparse.Namespace, cfg: Any) -> int:
             log.info("speculative decoding: %s, up to %d drafts per row (n-grams of %d-%d tokens), %s; steps "
                      "that may draft run synchronously", spec.method, spec.num_speculative_tokens,
                      spec.prompt_lookup_min, spec.prompt_lookup_max, while_)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level="warning",
-                                               timeout_graceful_shutdown=5))
+        # uvicorn cuts connections still open this long after the signal: the aborted streams have a second to end
+        config = uvicorn.Config(app, host=args.host, port=port, log_level="warning",
+                                timeout_graceful_shutdown=args.shutdown_timeout + 1)
+        server = _draining_server(config, app.state.server, args.shutdown_timeout)
 
         def stop_on_failure() -> None:  # a failed step loop cannot serve again: stop, so a supervisor restarts us
             exc = engine.wait_failed()
@@ -191,6 +199,31 @@ def run_serve(args: argparse.Namespace, cfg: Any) -> int:
         return 1
     log.info("stopped: the engine is shut down")
     return 0
+
+
+def _draining_server(config: Any, state: Any, grace: float) -> Any:
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server, whose shutdown (SIGTERM, Ctrl-C) gives the requests in flight `grace` seconds and then
+        aborts those left in the engine, so that their streams end with a finish_reason "abort" chunk and [DONE]
+        (a response uvicorn cancels at its own deadline is cut mid-stream)."""
+
+        def __init__(self, config: Any, state: Any, grace: float):
+            super().__init__(config)
+            self.state, self.grace = state, grace
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:
+                n = len(self.state.in_flight)
+                log.info("shutting down: no new requests; %d in flight get %g s to finish, then end with "
+                         "finish_reason abort (--shutdown-timeout)", n, self.grace)
+                loop = asyncio.get_event_loop()  # a signal handler runs in the loop's thread: hand over safely
+                loop.call_soon_threadsafe(loop.call_later, self.grace,
+                                          lambda: asyncio.ensure_future(self.state.abort_all()))
+            super().handle_exit(sig, frame)
+
+    return DrainingServer(config, state, grace)
 
 
 def run_bench(args: argparse.Namespace, cfg: Any) -> int:

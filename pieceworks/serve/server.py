@@ -59,6 +59,7 @@ class Server:
         self.max_queue = max_queue
         self.num_queued = 0
         self.metrics = ServerMetrics()
+        self.in_flight: set[str] = set()  # engine request ids of the streams open now
         self._token_str: dict[int, str] = {}
         self._token_bytes: dict[int, list[int]] = {}
 
@@ -91,6 +92,7 @@ class Server:
         queue: asyncio.Queue = asyncio.Queue()
         ids = [f"{base_id}-{i}" for i in range(len(prompts))]
         finished_ids: set[str] = set()
+        self.in_flight.update(ids)
 
         async def pump(i: int) -> None:
             try:
@@ -137,6 +139,7 @@ class Server:
                 yield Step(c, list(out.new_token_ids), delta, new_lp, out.finished)
         finally:
             self.num_queued -= len(queued)
+            self.in_flight.difference_update(ids)
             for t in tasks:
                 t.cancel()
             # Shielded: a disconnect arrives as a cancellation, and the aborts must still reach the engine.
@@ -148,6 +151,17 @@ class Server:
                             await self.engine.abort(rid)
                         except RuntimeError:  # the engine is shut down or dead: nothing left to free
                             pass
+
+    async def abort_all(self) -> int:
+        """Abort every request in flight (a shutdown's end): each stream ends with a finish_reason "abort" output.
+        Returns how many were aborted."""
+        ids = sorted(self.in_flight)
+        for rid in ids:
+            try:
+                await self.engine.abort(rid)
+            except RuntimeError:  # the engine is shut down or dead: nothing left to end
+                return 0
+        return len(ids)
 
     def _record_finish(self, c: Choice, now: float, prompt_tokens: int) -> None:
         m = self.metrics

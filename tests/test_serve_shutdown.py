@@ -1,0 +1,48 @@
+"""`pieceworks serve` under SIGTERM: no new requests, the streams in flight get --shutdown-timeout seconds, then
+end with a finish_reason "abort" chunk and [DONE] (not cut mid-stream), and the log says so."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+
+try:  # `python -m pytest` puts the repository root on sys.path, plain `pytest` puts tests/
+    from tests.helpers.server_process import ServerProcess
+except ImportError:
+    from helpers.server_process import ServerProcess
+
+# a tiny model with room for a stream far longer than the test (thousands of tokens on a CPU take seconds)
+LONG = ["model.arch=llama", "model.preset=tiny", "runtime.device=cpu", "model.sizes.max_position_embeddings=16384",
+        "kv_cache.num_tokens=16384", "--shutdown-timeout", "1"]
+
+
+def test_sigterm_ends_streams_in_flight_with_abort_after_the_timeout():
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    server = ServerProcess(LONG)
+    try:
+        url = server.wait()
+        body = {"model": "llama-tiny", "prompt": [1, 2, 3], "max_tokens": 16000, "stream": True, "ignore_eos": True}
+        events, signalled = [], None
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    events.append(line.removeprefix("data: "))
+                if len(events) == 3:
+                    server.proc.send_signal(signal.SIGTERM)
+                    signalled = time.monotonic()
+        took = time.monotonic() - signalled
+        assert events[-1] == "[DONE]", events[-3:]
+        last = json.loads(events[-2])
+        assert last["choices"][0]["finish_reason"] == "abort", last
+        assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-2])
+        assert 0.8 < took < 10, took  # the timeout's second, not a cut at once nor a wait for 16000 tokens
+        assert server.proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn ends by the signal it caught
+        log = server.log_tail()
+        assert "shutting down: no new requests; 1 in flight get 1 s to finish, then end" in " ".join(log.split())
+        assert "Cancel" not in log, log  # uvicorn had nothing left to cancel at its own deadline
+    finally:
+        server.stop()
