@@ -278,7 +278,7 @@ def test_serve_on_port_0_logs_the_port_it_listens_on(monkeypatch, caplog):
 
     monkeypatch.setattr(uvicorn.Server, "__init__", init)
     caplog.set_level(logging.INFO, logger="pieceworks.serve")
-    args = argparse.Namespace(host="127.0.0.1", port=0, served_model_name="tiny", max_queue=8,
+    args = argparse.Namespace(host="127.0.0.1", port=0, served_model_name="tiny", max_queue=8, shutdown_timeout=5.0,
                               tool_call_parser=None, reasoning_parser=None)
     result: list[int] = []
     thread = threading.Thread(target=lambda: result.append(run_serve(args, None)), daemon=True)
