@@ -4,7 +4,8 @@ prompt heads, an FP8 pool, n-gram speculation over repetitive prompts, and an ab
 must equal what a roomy engine of the same pool dtype generates for its prompt alone (an aborted one: a prefix of
 it), and every page must be free at the end. Seeded sampled requests (temperature, top-k/p, min-p, penalties, bias,
 stop ids, min_tokens, n = 2; no speculation, which changes a seeded row's draws) must draw the same tokens as alone.
-Each feature has its own tests; this one looks for their interactions.
+The greedy rounds run on the tiny DeepSeek-V3 too (MLA's latent pool, MoE; no FP8 pool: MLA keeps its latents in the
+model dtype). Each feature has its own tests; this one looks for their interactions.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import pytest
 from pieceworks import Engine, SamplingParams
 
 ROUNDS = 80  # greedy rounds (about 0.15 s each); seeded sampling runs half as many
+MLA_ROUNDS = 16  # greedy rounds on the tiny DeepSeek-V3 (about 0.6 s each)
 
 
-def make(num_tokens: int, page_size: int, kv: dict | None = None, **sections) -> Engine:
-    cfg = {"model": {"arch": "llama", "preset": "tiny"}, "runtime": {"device": "cpu", "dtype": "float32"},
+def make(num_tokens: int, page_size: int, kv: dict | None = None, arch: str = "llama", **sections) -> Engine:
+    cfg = {"model": {"arch": arch, "preset": "tiny"}, "runtime": {"device": "cpu", "dtype": "float32"},
            "kv_cache": {"num_tokens": num_tokens, "page_size": page_size, **(kv or {})}, **sections}
     return Engine.from_config(cfg, progress=False)
 
@@ -29,11 +31,12 @@ def references():
     return {}
 
 
-def alone(references: dict, page_size: int, fp8: bool, prompt: list[int], params: SamplingParams) -> list[list[int]]:
-    """The tokens of each completion of `prompt` on a roomy engine of the same page size and pool dtype."""
-    key = (page_size, fp8)
+def alone(references: dict, page_size: int, fp8: bool, prompt: list[int], params: SamplingParams,
+          arch: str = "llama") -> list[list[int]]:
+    """The tokens of each completion of `prompt` on a roomy engine of the same model, page size and pool dtype."""
+    key = (arch, page_size, fp8)
     if key not in references:
-        references[key] = make(8192, page_size, {"dtype": "fp8"} if fp8 else None)
+        references[key] = make(8192, page_size, {"dtype": "fp8"} if fp8 else None, arch)
     return [list(o.token_ids) for o in references[key].generate([prompt], params)]
 
 
@@ -60,29 +63,31 @@ def random_batch(rng: random.Random) -> tuple[int, list[list[int]]]:
     return page_size, [shared + [rng.randrange(512) for _ in range(rng.randint(1, 50))] for _ in range(count)]
 
 
-def random_engine(rng: random.Random, page_size: int, need: int, fp8: bool, **extra) -> tuple[Engine, str]:
+def random_engine(rng: random.Random, page_size: int, need: int, fp8: bool, arch: str = "llama",
+                  **extra) -> tuple[Engine, str]:
     num_tokens = max(rng.choice([64, 128, 256, 4096]), need + 2 * page_size)
     conf = dict(scheduler={"max_num_batched_tokens": rng.choice([8, 16, 33, 64, 2048]),
                            "max_num_seqs": rng.choice([1, 2, 3, 64]), "async_steps": rng.choice([True, False])},
                 kv={"prefix_caching": rng.choice([True, False]), **({"dtype": "fp8"} if fp8 else {})}, **extra)
-    return make(num_tokens, page_size, **conf), f"page {page_size}, {num_tokens} tokens, {conf}"
+    return make(num_tokens, page_size, arch=arch, **conf), f"{arch}, page {page_size}, {num_tokens} tokens, {conf}"
 
 
-@pytest.mark.parametrize("block", range(4))
-def test_random_feature_combinations_keep_greedy_outputs(references, block):
-    for seed in range(block * ROUNDS // 4, (block + 1) * ROUNDS // 4):
+@pytest.mark.parametrize("arch, seeds", [*(("llama", range(b * ROUNDS // 4, (b + 1) * ROUNDS // 4)) for b in range(4)),
+                                         ("deepseek_v3", range(MLA_ROUNDS))], ids=["0", "1", "2", "3", "mla"])
+def test_random_feature_combinations_keep_greedy_outputs(references, arch, seeds):
+    for seed in seeds:
         rng = random.Random(seed)
         page_size, prompts = random_batch(rng)
         spec = rng.random() < 0.3
         if spec:  # a repeated tail gives the n-gram drafter matches
             prompts = [p + p[-rng.randint(1, len(p)):] for p in prompts]
         params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 16), ignore_eos=True) for _ in prompts]
-        fp8 = rng.random() < 0.3
+        fp8 = rng.random() < 0.3 and arch == "llama"
         engine, conf = random_engine(rng, page_size, max(len(p) + q.max_tokens for p, q in zip(prompts, params)), fp8,
-                                     **({"speculative": {"method": "ngram"}} if spec else {}))
+                                     arch, **({"speculative": {"method": "ngram"}} if spec else {}))
         abort_at = rng.choice([None, None, 1, 3, 6])
         got, aborted = run_steps(engine, prompts, params, abort_at)
-        want = [alone(references, page_size, fp8, p, q) for p, q in zip(prompts, params)]
+        want = [alone(references, page_size, fp8, p, q, arch) for p, q in zip(prompts, params)]
         case = f"seed {seed}: {conf}, abort at {abort_at}"
         if aborted:
             assert got[0][0] is not None and got[0][0] == want[0][0][: len(got[0][0])], case
