@@ -23,6 +23,8 @@ try:  # `python -m pytest` puts the repository root on sys.path, plain `pytest` 
 except ImportError:
     from helpers.checkpoint_edits import edit_json, edit_tensors
 
+MODELOPT = "needs nvidia-modelopt, the reference quantizer: pip install -e '.[test]'"
+
 CPU = {"runtime": {"device": "cpu", "dtype": "float32"}}
 
 
@@ -58,8 +60,10 @@ def test_quantize_kv_saturates_and_rounds_to_e4m3():
 def test_quantize_kv_equals_modelopt_e4m3_fake_quantization():
     """What a pool stores and reads back equals ModelOpt's FP8 KV quantizer (num_bits (4, 3), per tensor) with
     amax = 448 x scale, the calibration its exported k_scale / v_scale come from: values past amax saturate."""
-    from modelopt.torch.quantization.config import QuantizerAttributeConfig
+    config = pytest.importorskip("modelopt.torch.quantization.config", reason=MODELOPT)
     from modelopt.torch.quantization.nn import TensorQuantizer
+
+    QuantizerAttributeConfig = config.QuantizerAttributeConfig
 
     x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 3
     quantizer = TensorQuantizer(QuantizerAttributeConfig(num_bits=(4, 3), axis=None))

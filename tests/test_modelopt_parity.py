@@ -24,6 +24,8 @@ from pieceworks.quant.modelopt import detect_quantization, fuse_fp4, read_fp4_ex
 from pieceworks.quant.quantizer import quantize_checkpoint
 from pieceworks.version import __version__
 
+MODELOPT = "needs nvidia-modelopt, the reference quantizer: pip install -e '.[test]'"
+
 # Importing modelopt warns about the transformers version and its use of torch.jit: not ours.
 pytestmark = [
     pytest.mark.filterwarnings("ignore:transformers .* is not tested:UserWarning"),
@@ -75,7 +77,7 @@ def test_export_layout_is_what_the_reader_expects(export):
 
 
 def test_reader_reproduces_modelopt_dequantization(export):
-    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+    NVFP4QTensor = pytest.importorskip("modelopt.torch.quantization.qtensor", reason=MODELOPT).NVFP4QTensor
 
     reader = CheckpointReader(export.fp4_dir)
     for m in _quantized_modules(reader):
@@ -276,7 +278,8 @@ def test_quantize_cli_kv_cache_fp8_calibrates_kv_scales_over_text(tiny_llama_mod
 
 
 def test_exclude_list_is_summarized_as_modelopt_does():
-    from modelopt.torch.export.quant_utils import _prefix_wildcard_summarize_exclude_modules
+    quant_utils = pytest.importorskip("modelopt.torch.export.quant_utils", reason=MODELOPT)
+    _prefix_wildcard_summarize_exclude_modules = quant_utils._prefix_wildcard_summarize_exclude_modules
 
     from pieceworks.quant.export_config import summarize_exclude
 

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from pieceworks.quant import nvfp4
 
+MODELOPT = "needs nvidia-modelopt, the reference quantizer: pip install -e '.[test]'"
+
 MAGNITUDES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 FAST = settings(max_examples=60, deadline=None)
 
@@ -215,7 +217,7 @@ def _weights():
 @pytest.mark.filterwarnings("ignore:`torch.jit.script:DeprecationWarning")
 @pytest.mark.parametrize("index", [0, 1])
 def test_weight_quantization_matches_modelopt_bit_exact(index):
-    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+    NVFP4QTensor = pytest.importorskip("modelopt.torch.quantization.qtensor", reason=MODELOPT).NVFP4QTensor
 
     w = _weights()[index]
     packed, scale, ws2 = nvfp4.quantize_weight(w)
