@@ -28,8 +28,16 @@ def _on_sigint(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _on_sigterm(signum: int, frame: object) -> None:
+    # SystemExit unwinds like Ctrl-C does (the executor, its tensor-parallel workers and their rendezvous are
+    # closed on the way out) where the default action would end the process on the spot; the status is the
+    # signal's, 128 + 15, as a shell reports a process SIGTERM ended.
+    raise SystemExit(128 + signal.SIGTERM)
+
+
 if threading.current_thread() is threading.main_thread():
     signal.signal(signal.SIGINT, _on_sigint)
+    signal.signal(signal.SIGTERM, _on_sigterm)
 
 import argparse  # noqa: E402
 import logging  # noqa: E402
@@ -228,6 +236,8 @@ def _run_errors() -> tuple[type[BaseException], ...]:
     from pieceworks.errors import NonFiniteLogits, OutOfPages
 
     errors: list[type[BaseException]] = [OutOfPages, NonFiniteLogits, ImportError, MemoryError]
+    if "pieceworks.parallel.workers" in sys.modules:  # a tensor-parallel rank died or stopped answering
+        errors.append(sys.modules["pieceworks.parallel.workers"].WorkerDied)
     if "torch" in sys.modules:
         errors.append(sys.modules["torch"].OutOfMemoryError)
     if "pieceworks.models.smollm2" in sys.modules:

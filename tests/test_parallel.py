@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -496,3 +498,44 @@ def test_speculative_engine_tp2_equals_one_process(monkeypatch):
         assert two.stats()["num_draft_tokens"] > 0
     assert got == want
     assert no_children_left()
+
+
+def test_a_worker_gone_before_generate_is_named_not_masked_by_the_cleanup():
+    """generate's cleanup frees its sequences; the failed step closed the executor, which holds no pages any more:
+    the error that reaches the caller is the step's WorkerDied, not a free's "this executor is closed"."""
+    ex = Executor.from_config(None, LLAMA + TP2, progress=False)
+    os.kill(ex.workers.procs[0].pid, signal.SIGKILL)
+    with pytest.raises(WorkerDied, match=r"worker rank 1 .*signal 9"):
+        ex.generate([[1, 2, 3]], 4)
+    assert ex.closed and no_children_left()
+
+
+@pytest.mark.parametrize("how, code, says", [("SIGTERM", 143, ""), ("SIGINT to the process group", 130, "interrupted")])
+def test_a_signal_mid_run_ends_the_tensor_parallel_run_cleanly(tmp_path, how, code, says):
+    """SIGTERM unwinds like Ctrl-C (the workers stopped, the rendezvous directory removed); Ctrl-C in a terminal
+    reaches the workers too, which leave it to the leader: exit 130 with "interrupted", no worker traceback."""
+    import subprocess
+
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    cmd = [sys.executable, "-m", "pieceworks.cli", "run", "model.arch=llama", "model.preset=tiny", "runtime.device=cpu",
+           *TP2, "model.sizes.max_position_embeddings=8192", "kv_cache.num_tokens=8192",
+           "generation.max_new_tokens=6000"]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("pieceworks-tp-*")) and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(4)  # the workers built, generating
+        assert p.poll() is None, p.communicate()
+        if how == "SIGTERM":
+            p.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == code, err[-3000:]
+    assert "Traceback" not in err and err.strip().endswith(says), err[-3000:]
+    assert not list(tmp_path.glob("pieceworks-tp-*"))  # the rendezvous went with the run

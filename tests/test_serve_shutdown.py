@@ -40,7 +40,7 @@ def test_sigterm_ends_streams_in_flight_with_abort_after_the_timeout():
         assert last["choices"][0]["finish_reason"] == "abort", last
         assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-2])
         assert 0.8 < took < 10, took  # the timeout's second, not a cut at once nor a wait for 16000 tokens
-        assert server.proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn ends by the signal it caught
+        assert server.proc.wait(30) == 128 + signal.SIGTERM  # the engine closed on the way out
         log = server.log_tail()
         assert "shutting down: no new requests; 1 in flight get 1 s to finish, then end" in " ".join(log.split())
         assert "Cancel" not in log, log  # uvicorn had nothing left to cancel at its own deadline

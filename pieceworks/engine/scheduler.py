@@ -101,7 +101,8 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         if req.seq is not None:
-            self.ex.free(req.seq)
+            if not self.ex.closed:  # a closed executor (a failed tensor-parallel step) holds no pages any more
+                self.ex.free(req.seq)
             req.seq = None
 
     def _dequeue(self, admitted: list[Request]) -> None:

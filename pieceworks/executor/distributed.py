@@ -17,6 +17,7 @@ keeps every live sequence's page list (`follow`), the leader what it has sent (`
 from __future__ import annotations
 
 import shutil
+import signal
 import tempfile
 import traceback
 import weakref
@@ -120,17 +121,17 @@ def launch(cls: type, cfg: Config, progress: bool) -> Any:
         rank, local_rank = under_torchrun
         device = rank_device(cfg, local_rank)
         groups = init_groups(rank, n, device, "env://", cfg.parallel.timeout_s)
-        if rank != 0:  # a demo model is converted once, by the leader, before the others read it
-            groups.barrier()
-        model_dir = cls.resolve_model_dir(cfg, progress and rank == 0)
-        if rank == 0:
-            groups.barrier()
-        try:
+        try:  # a failure leaves the group (its shared-memory queue included) on every rank
+            if rank != 0:  # a demo model is converted once, by the leader, before the others read it
+                groups.barrier()
+            model_dir = cls.resolve_model_dir(cfg, progress and rank == 0)
+            if rank == 0:
+                groups.barrier()
             check_layout(cfg, device, model_dir)  # every rank raises the same ConfigError
+            ex = cls.build(cfg, progress and rank == 0, device, model_dir, groups)
         except BaseException:
             groups.close()
             raise
-        ex = cls.build(cfg, progress and rank == 0, device, model_dir, groups)
         if rank == 0:
             return _lead(ex)
         follow(ex)
@@ -148,7 +149,7 @@ def launch(cls: type, cfg: Config, progress: bool) -> Any:
         ex = cls.build(cfg, progress, device, model_dir, groups)
         workers.wait_ready(cfg.parallel.timeout_s)
     except BaseException as exc:
-        failure = workers.failure()
+        failure = workers.failure() or _timed_out(exc, cfg.parallel.timeout_s)
         workers.stop(timeout_s=1.0)
         if groups is not None:
             groups.close()
@@ -193,7 +194,10 @@ def one_rank(cls: type, cfg: Config, progress: bool = True, collectives: bool = 
 
 
 def worker_main(rank: int, cls: type, cfg: Config, model_dir: Path | None, init_method: str, status: Any) -> None:
-    """A worker process: build rank `rank`'s shard, report it on `status`, follow the leader's steps."""
+    """A worker process: build rank `rank`'s shard, report it on `status`, follow the leader's steps. Ctrl-C in a
+    terminal reaches the whole process group: a worker leaves it to the leader, which stops the run (and its
+    workers) as one."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     groups = None
     try:
         device = rank_device(cfg, rank)
@@ -263,9 +267,21 @@ def forward_leader(ex: Any, mode: ForwardMode, seqs: list, tokens: list[list[int
     except BaseException as exc:
         failure = ex.workers.failure(wait_s=2.0) if ex.workers is not None else None
         ex.close(graceful=False)
+        failure = failure or _timed_out(exc, ex.cfg.parallel.timeout_s)
         if failure is not None and not isinstance(exc, WorkerDied):
             raise WorkerDied(f"{failure}; the executor is closed, build a new one") from exc
         raise
+
+
+def _timed_out(exc: BaseException, timeout_s: float) -> str | None:
+    """What a collective's timeout means (a rank that stopped answering, not a bug), or None for other errors."""
+    text = str(exc)
+    if type(exc) is RuntimeError or type(exc).__name__ == "DistBackendError":
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+            return (f"a rank did not answer within parallel.timeout_s = {timeout_s:g} s (stopped, or too slow: "
+                    f"raise parallel.timeout_s) ({first[:200]})")
+    return None
 
 
 def shutdown(ex: Any, graceful: bool = True) -> None:

@@ -365,7 +365,7 @@ class Executor:
         return reserve_pages(self.kv.allocator, self.page_size, seqs, tokens)
 
     def _release(self, seqs: list[Sequence], new_pages: list[list[int]]) -> None:
-        if any(new_pages):  # a step that failed by closing the executor took none: its pool is gone
+        if any(new_pages) and not self._closed:  # a step that failed by closing the executor: its pool is gone
             release_pages(self.kv.allocator, seqs, new_pages)
 
     # ---------------------------------------------------------------- conveniences

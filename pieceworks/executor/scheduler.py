@@ -228,9 +228,10 @@ def generate(
             for r in finished:
                 ex.free(r.seq)
                 active.remove(r)
-    finally:
+    finally:  # a closed executor (a tensor-parallel step that failed closes it) took every page with it: the
+        # error on its way out is the step's, not a free's "closed"
         for r in active:
-            if r.seq is not None and not r.seq.freed:
+            if r.seq is not None and not r.seq.freed and not ex.closed:
                 ex.free(r.seq)
     return [r.out for r in reqs]
 
@@ -340,6 +341,7 @@ def score(ex: StepRunner, sequences: list[list[int]], max_step_tokens: int | Non
             parts = [ex.forward(ForwardBatch([seq], [toks[i : i + budget]], return_all_logits=True))
                      for i in range(0, len(toks), budget)]
         finally:
-            ex.free(seq)
+            if not ex.closed:  # as in generate: a failed step's own error goes out
+                ex.free(seq)
         out.append(torch.cat(parts))
     return out

@@ -69,6 +69,7 @@ class ProcessGroups:
     device_group: str | None
     control: Any  # torch.distributed.ProcessGroup
     queue: MessageQueue | None = None  # the step messages' ring when all ranks share the leader's host
+    timeout_s: float | None = None  # parallel.timeout_s: how long a build's collectives on `control` may wait
 
     _buf: torch.Tensor = field(default_factory=lambda: torch.zeros(MESSAGE_BYTES, dtype=torch.uint8), repr=False)
     _pending: list = field(default_factory=list, repr=False)
@@ -119,9 +120,14 @@ class ProcessGroups:
             (work[0] if isinstance(work, tuple) else work).wait()
 
     def min_int(self, value: int) -> int:
-        """The smallest of the ranks' `value`s, on every rank."""
+        """The smallest of the ranks' `value`s, on every rank (a build's question: a rank that doesn't answer
+        within `timeout_s` is an error, not the control group's days-long wait for the next step)."""
         t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control, async_op=True)
+        if self.timeout_s is None:
+            work.wait()
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         return int(t.item())
 
     def barrier(self) -> None:
@@ -151,7 +157,8 @@ def init_groups(rank: int, size: int, device: torch.device, init_method: str, ti
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    groups = ProcessGroups(rank, size, dist.group.WORLD.group_name if size > 1 else None, control)
+    groups = ProcessGroups(rank, size, dist.group.WORLD.group_name if size > 1 else None, control,
+                           timeout_s=timeout_s)
     try:
         groups.queue = _open_queue(groups, timeout_s)
     except BaseException:
