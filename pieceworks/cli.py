@@ -37,7 +37,6 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 if threading.current_thread() is threading.main_thread():
     signal.signal(signal.SIGINT, _on_sigint)
-    signal.signal(signal.SIGTERM, _on_sigterm)
 
 import argparse  # noqa: E402
 import logging  # noqa: E402
@@ -259,6 +258,18 @@ def _one_line(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line's entry point. SIGTERM unwinds it (`_on_sigterm`) while it runs; the handler before it is
+    back afterwards, so a process that calls main() in-process (a test runner) keeps its own."""
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
+    try:
+        return _main(argv)
+    finally:
+        if in_main and previous is not None:  # None: a handler not installed from Python, left as it was
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     global _interrupted
     _interrupted = False
     argv = list(sys.argv[1:] if argv is None else argv)

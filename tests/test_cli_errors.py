@@ -354,6 +354,8 @@ def test_version_flag(capsys):
     from pieceworks import cli
     from pieceworks.version import __version__
 
+    before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as done:
         cli.main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.strip() == f"pieceworks {__version__}"
+    assert signal.getsignal(signal.SIGTERM) is before  # main()'s SIGTERM handler is its own while it runs
