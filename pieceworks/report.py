@@ -32,7 +32,7 @@ def _model_facts(cfg: Config) -> tuple[ModelFacts, list[str] | None]:
     if cfg.model.path or cfg.model.arch:
         from dataclasses import replace
 
-        from pieceworks.models.loader import resolve_model_path
+        from pieceworks.models.demo import resolve_model_path
         from pieceworks.models.loader import model_facts
 
         from pieceworks.executor.build import wants_fp8_kv

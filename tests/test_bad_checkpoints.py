@@ -120,7 +120,7 @@ def test_index_entry_that_the_shard_lacks(ckpt):
 
 
 def test_model_path_that_is_not_a_directory(tmp_path):
-    from pieceworks.models.loader import resolve_model_path
+    from pieceworks.models.demo import resolve_model_path
 
     (tmp_path / "model.safetensors").write_bytes(b"")
     for path in (tmp_path / "nowhere", tmp_path / "model.safetensors"):

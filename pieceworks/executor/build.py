@@ -44,7 +44,7 @@ def model_dir_of(cfg: Config, progress: bool) -> Path | None:
     """The model directory of model.path (a bundled demo model is converted into the cache first)."""
     if not cfg.model.path:
         return None
-    from pieceworks.models.loader import resolve_model_path
+    from pieceworks.models.demo import resolve_model_path
 
     return resolve_model_path(cfg.model.path, progress=progress, cache_dir=cache_root(cfg.runtime.cache_dir) / "models")
 
@@ -53,7 +53,8 @@ def build_executor(cls: type, cfg: Config, progress: bool, device: torch.device,
           groups: Any = None) -> Any:
     """`Executor.build`: one rank's executor (`cls`) on `device`, of the model in `model_dir` (or
     model.arch's): the whole model, or with `groups` (`parallel.group.ProcessGroups`) that rank's shard."""
-    from pieceworks.models.loader import DEMO_MODELS, demo_model_damaged, load_model
+    from pieceworks.models.demo import DEMO_MODELS, demo_model_damaged
+    from pieceworks.models.loader import load_model
     from pieceworks.parallel.layout import TPLayout
 
     dtype = resolve_dtype(cfg.runtime.dtype, device)
