@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from typing import Callable, Iterator
 
 
@@ -101,3 +102,28 @@ def flag_text(flag: str, path) -> str:
     except OSError as e:
         raise ValueError(f"{flag} {path}: can't be read ({e.strerror or type(e).__name__}); check its "
                          "permissions") from None
+
+
+class OneThread:
+    """A guard that lets one thread in and refuses the others at once (no waiting): `claim(what)` takes it
+    or raises RuntimeError(`refusal(what)`), `release()` gives it back, `held(what)` does both around a block.
+    The step paths call `claim` / `release` directly: a generator context manager costs a couple of us."""
+
+    def __init__(self, refusal: Callable[[str], str]) -> None:
+        self._lock = threading.Lock()
+        self._refusal = refusal
+
+    def claim(self, what: str) -> None:
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(self._refusal(what))
+
+    def release(self) -> None:
+        self._lock.release()
+
+    @contextlib.contextmanager
+    def held(self, what: str) -> Iterator[None]:
+        self.claim(what)
+        try:
+            yield
+        finally:
+            self._lock.release()

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
-from contextlib import contextmanager
 from typing import Any
 
 from pieceworks.config import Config, load_config
@@ -34,6 +32,7 @@ from pieceworks.engine.speculative import Speculator
 from pieceworks.engine.structured import ADVANCE, Grammars, advance_grammars, grammar_error, grammar_stop
 from pieceworks.errors import NonFiniteLogits, OutOfPages, RequestError
 from pieceworks.executor.runner import Executor
+from pieceworks.util import OneThread
 
 
 class Engine:
@@ -66,7 +65,8 @@ class Engine:
         self._unfinished: dict[str, int] = {}  # per request id, completions still running: finishing is O(1)
         self._arrivals = itertools.count()
         self._ready: list[RequestOutput] = []  # outputs of aborts, returned by the next step
-        self._busy = threading.Lock()
+        self._busy = OneThread(lambda what: f"Engine.{what} called while another thread is inside this engine; an "
+                               "Engine serves one thread at a time: share it through pieceworks.AsyncEngine")
         self.speculator = None if cfg.speculative.method is None else Speculator(cfg.speculative, self.max_context)
         self._async = cfg.scheduler.async_steps  # except for steps that may draft (`_step`)
         self._pipeline = AsyncSteps()
@@ -87,23 +87,6 @@ class Engine:
             executor.close()
             raise
 
-    @contextmanager
-    def _exclusive(self, what: str):
-        self._claim(what)
-        try:
-            yield
-        finally:
-            self._busy.release()
-
-    def _claim(self, what: str) -> None:
-        """Take the one-thread lock or refuse; the caller releases `self._busy` (`step` does it
-        directly: a generator context manager costs a couple of us on every step)."""
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError(
-                f"Engine.{what} called while another thread is inside this engine; an Engine serves one "
-                "thread at a time: share it through pieceworks.AsyncEngine"
-            )
-
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: list[int] | str, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, *, matchers: list | None = None,
@@ -123,7 +106,7 @@ class Engine:
                 min_tokens holds all back, stop strings without a tokenizer, structured outputs that do not compile
                 (or without a tokenizer or llguidance), or a priority fcfs can't honour; nothing was queued.
         """
-        with self._exclusive("add_request"):
+        with self._busy.held("add_request"):
             self._check_open()
             ids, params = checked_request(prompt, params, self.tokenizer, self.executor.vocab_size, self.max_context,
                                           self.eos_token_ids)
@@ -146,7 +129,7 @@ class Engine:
         """Stop a request (all its completions) and give its pages back; the next `step` returns its
         final outputs with finish_reason "abort". Unknown or finished ids are ignored."""
         check_abort_id(request_id)
-        with self._exclusive("abort"):
+        with self._busy.held("abort"):
             self._unfinished.pop(request_id, None)
             for req in self._requests.pop(request_id, []):
                 if req.finish_reason is None:
@@ -155,13 +138,13 @@ class Engine:
     def discard_outputs(self, request_id: str) -> None:
         """Drop the final outputs an `abort` of this id left for the next step, for a caller that no longer
         reads them; the id is free for a new request at once."""
-        with self._exclusive("discard_outputs"):
+        with self._busy.held("discard_outputs"):
             self._ready = [o for o in self._ready if o.request_id != request_id]
 
     def close(self) -> None:
         """Drop every request and close the executor (`Executor.close`: the model, KV pool and graphs
         are released). The Engine refuses requests and steps afterwards; also on leaving a `with` block."""
-        with self._exclusive("close"):
+        with self._busy.held("close"):
             self._requests.clear()
             self._unfinished.clear()
             self._ready, self._pipeline = [], AsyncSteps()
@@ -197,7 +180,7 @@ class Engine:
                 OutOfPages: sequences created on the executor outside this engine hold the pages the next
                 request needs.
         """
-        self._claim("step")
+        self._busy.claim("step")
         try:
             self._check_open()
             return self._step(stream=True)
@@ -375,7 +358,7 @@ class Engine:
                 ids.append(self.add_request(prompt, params))
             final: dict[tuple[str, int], RequestOutput] = {}
             while len(final) < len(ids) * params.n:
-                with self._exclusive("generate"):
+                with self._busy.held("generate"):
                     outs = self._step(stream=False)
                 for out in outs:
                     if out.finished:

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +33,7 @@ from pieceworks.executor.inputs import (as_token_ids, check_batch, logit_rows, n
                                          take_previous_ids)
 from pieceworks.executor.kv_cache import KVPool, block_keys, release_pages, reserve_pages, truncate_sequence
 from pieceworks.models.base import context_limit
+from pieceworks.util import OneThread
 
 
 class Executor:
@@ -59,7 +58,10 @@ class Executor:
                                kv.allocator.capacity * kv.page_size)
         self._ids = itertools.count()
         self._live: dict[int, Sequence] = {}
-        self._busy = threading.Lock()
+        self._busy = OneThread(lambda what: (
+            f"Executor.{what} called while another thread is running a step on this executor; an Executor (and an "
+            "Engine) serves one thread at a time. Share one model between threads or coroutines through "
+            "pieceworks.AsyncEngine, or give each thread its own executor"))
         self._tokenizer = None
         self.greedy_ids: torch.Tensor | None = None
         """After a step that replayed a decode graph: int64 [num_seqs] on the device, each row's greedy
@@ -109,24 +111,6 @@ class Executor:
         return build_executor(cls, cfg, progress, device, model_dir, groups)
 
     # ---------------------------------------------------------------- sequences
-    @contextmanager
-    def _exclusive(self, what: str):
-        self._claim(what)
-        try:
-            yield
-        finally:
-            self._busy.release()
-
-    def _claim(self, what: str) -> None:
-        """Take the one-thread lock or refuse; the caller releases `self._busy`. (`forward` takes it
-        directly: a generator context manager costs a couple of us on every step.)"""
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError(
-                f"Executor.{what} called while another thread is running a step on this executor; an "
-                "Executor (and an Engine) serves one thread at a time. Share one model between threads "
-                "or coroutines through pieceworks.AsyncEngine, or give each thread its own executor"
-            )
-
     def new_sequence(self, prompt: list[int] | None = None, *, validate: bool = True) -> Sequence:
         """A new sequence handle; empty, or holding the longest cached prefix of `prompt`.
 
@@ -138,7 +122,7 @@ class Executor:
         skips the conversion of `prompt` to a list of ints, for callers whose prompt is one already (the
         Engine's scheduler, as `forward`'s `validate`).
         """
-        with self._exclusive("new_sequence"):
+        with self._busy.held("new_sequence"):
             if self._closed:
                 raise self._closed_error()
             seq = Sequence(id=next(self._ids))
@@ -159,7 +143,7 @@ class Executor:
         """Drop a sequence's hold on its KV pages (pages shared with other sequences stay with them;
         cached ones stay in the prefix cache until the pool needs them). Freeing twice is an error; the
         handle is dead after this call whatever happens."""
-        with self._exclusive("free"):
+        with self._busy.held("free"):
             if self._closed:
                 raise self._closed_error()
             if not isinstance(seq, Sequence):
@@ -181,7 +165,7 @@ class Executor:
             BatchError: a freed or foreign sequence, `num_tokens` outside [0, kv_len], or a cut inside a page
                 that another sequence shares (prefix cache): cut at a page boundary instead. Nothing changed.
         """
-        with self._exclusive("truncate"):
+        with self._busy.held("truncate"):
             if self._closed:
                 raise self._closed_error()
             if not isinstance(seq, Sequence) or seq.freed or self._live.get(seq.id) is not seq:
@@ -223,7 +207,7 @@ class Executor:
             OutOfPages: the KV pool lacks the pages the batch needs (`pages_needed`); nothing changed.
             RuntimeError: another thread is inside this executor.
         """
-        self._claim("forward")
+        self._busy.claim("forward")
         try:
             return self._forward(batch, validate)
         finally:
