@@ -105,29 +105,41 @@ def attention_case(sc: Scenario, num_heads: int, num_kv_heads: int, head_dim: in
     q, k, v = (x.to(dtype) for x in (q, k, v))
     prefix_k, prefix_v = [x.to(dtype) for x in prefix_k], [x.to(dtype) for x in prefix_v]
     put = (lambda x, s: x) if kv_scales is None else quantize_kv  # what the pool holds of x
-    for (prefix, _), mine, pk, pv in zip(sc.seqs, pages, prefix_k, prefix_v):
-        for pos in range(prefix):
-            kc[mine[pos // sc.page_size], pos % sc.page_size] = put(pk[pos], ks)
-            vc[mine[pos // sc.page_size], pos % sc.page_size] = put(pv[pos], vs)
+    for mine, pk, pv in zip(pages, prefix_k, prefix_v):
+        _fill_pages(kc, mine, put(pk, ks))
+        _fill_pages(vc, mine, put(pv, vs))
     stored = (lambda x, s: x) if kv_scales is None else (lambda x, s: dequantize_kv(quantize_kv(x, s), s))
     scale = 1.0 / math.sqrt(head_dim)
+    group = num_heads // num_kv_heads
     expected, lo = [], 0
     for (prefix, n), pk, pv in zip(sc.seqs, prefix_k, prefix_v):
-        keys = stored(torch.cat([pk, k[lo : lo + n]]), ks).double()
-        vals = stored(torch.cat([pv, v[lo : lo + n]]), vs).double()
-        for j in range(n):
-            row = []
-            for h in range(num_heads):
-                kv_h = h // (num_heads // num_kv_heads)
-                seen = slice(max(0, prefix + j + 1 - window) if window else 0, prefix + j + 1)
-                s = (keys[seen, kv_h] @ q[lo + j, h].double()) * scale
-                if softcap:
-                    s = torch.tanh(s / softcap) * softcap
-                row.append(torch.softmax(s, 0) @ vals[seen, kv_h])
-            expected.append(torch.stack(row))
+        keys = stored(torch.cat([pk, k[lo : lo + n]]), ks).double().repeat_interleave(group, 1)
+        vals = stored(torch.cat([pv, v[lo : lo + n]]), vs).double().repeat_interleave(group, 1)
+        expected.append(reference_attention(q[lo : lo + n].double(), keys, vals, prefix, scale, window, softcap))
         lo += n
     inputs = {"q": q.to(device), "k": k.to(device), "v": v.to(device)}
-    return AttentionCase(pool, meta, inputs, torch.stack(expected))
+    return AttentionCase(pool, meta, inputs, torch.cat(expected))
+
+
+def _fill_pages(cache: torch.Tensor, pages: list[int], rows: torch.Tensor) -> None:
+    """cache[pages[pos // page_size], pos % page_size] = rows[pos] for every position, a page at a time."""
+    ps = cache.shape[1]
+    for start in range(0, rows.shape[0], ps):
+        part = rows[start : start + ps]
+        cache[pages[start // ps], : part.shape[0]] = part
+
+
+def reference_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, prefix: int, scale: float,
+                        window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Causal attention of the n queries q [n, H, D] at positions prefix .. prefix + n - 1 over keys [S, H, D] and
+    values [S, H, Dv] (every head's own; S = prefix + n): [n, H, Dv] in q's dtype. With `window`, a query sees
+    itself and the window - 1 keys before it; with `softcap`, scores become softcap * tanh(scores / softcap)."""
+    s = torch.einsum("nhd,thd->hnt", q, keys) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    pos, t = torch.arange(q.shape[0])[:, None] + prefix, torch.arange(keys.shape[0])[None, :]
+    seen = (t <= pos) & (t > pos - window) if window else t <= pos
+    return torch.einsum("hnt,thd->nhd", torch.softmax(s.masked_fill(~seen, float("-inf")), -1), vals)
 
 
 def fused_qkv_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -153,24 +165,19 @@ def mla_case(sc: Scenario, num_heads: int, rank: int, rope: int, dtype: torch.dt
     q_nope, q_pe, c_kv, k_pe = rnd(t, num_heads, rank), rnd(t, num_heads, rope), rnd(t, rank), rnd(t, rope)
     prefix = [rnd(p, rank + rope) for p, _ in sc.seqs]
     cache = pool.latent_cache(0)
-    for (plen, _), mine, pre in zip(sc.seqs, pages, prefix):
-        for pos in range(plen):
-            cache[mine[pos // sc.page_size], pos % sc.page_size] = pre[pos]
+    for mine, pre in zip(pages, prefix):
+        _fill_pages(cache, mine, pre)
     scale = 1.0 / math.sqrt(rank // 4 + rope)
     expected, lo = [], 0
     for (plen, n), pre in zip(sc.seqs, prefix):
         ent = torch.cat([pre, torch.cat([c_kv[lo : lo + n], k_pe[lo : lo + n]], -1)]).double()
-        for j in range(n):
-            row = []
-            for h in range(num_heads):
-                s = (ent[: plen + j + 1, :rank] @ q_nope[lo + j, h].double()
-                     + ent[: plen + j + 1, rank:] @ q_pe[lo + j, h].double()) * scale
-                row.append(torch.softmax(s, 0) @ ent[: plen + j + 1, :rank])
-            expected.append(torch.stack(row))
+        ent = ent[:, None].expand(-1, num_heads, -1)  # one latent per token, shared by every head
+        q = torch.cat([q_nope[lo : lo + n], q_pe[lo : lo + n]], -1).double()
+        expected.append(reference_attention(q, ent, ent[..., :rank], plen, scale))
         lo += n
     inputs = {"q_nope": q_nope.to(device), "q_pe": q_pe.to(device), "c_kv": c_kv.to(device),
               "k_pe": k_pe.to(device), "scale": scale}
-    return AttentionCase(pool, meta, inputs, torch.stack(expected))
+    return AttentionCase(pool, meta, inputs, torch.cat(expected))
 
 
 # (M, K, N); "large": more rows than a 64- or 128-row tile, K past a 512-wide split, M not a multiple of 16
@@ -221,23 +228,27 @@ def dense_moe(x, logits, bias, weights, top_k, groups, topk_group, renormalize, 
     fp4 = w13.dtype == torch.uint8
     inter = w13.shape[1] // 2
 
-    def lin(v, w, s, s2, in_scale):
-        if not fp4:
-            return v.double() @ w.double().t()
-        v = nvfp4.fake_quantize_activation(v.float()[None], in_scale)[0] if numerics == "w4a4" else v
-        return v.double() @ nvfp4.dequantize(w, s, s2).double().t()
+    dense: dict[tuple[int, str], torch.Tensor] = {}  # (expert, part) -> float64 W.T, dequantized once
+
+    def lin(key, v, w, s, s2, in_scale):
+        wt = dense.get(key)
+        if wt is None:
+            wt = dense[key] = (nvfp4.dequantize(w, s, s2) if fp4 else w).double().t()
+        if fp4 and numerics == "w4a4":
+            v = nvfp4.fake_quantize_activation(v.float()[None], in_scale)[0]
+        return v.double() @ wt
 
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t, choices in enumerate(dense_route(logits.cpu(), bias.cpu(), top_k, groups, topk_group, renormalize, scaling)):
         xt = x[t].cpu()
         for e, weight in choices:
             sl = slice(None, inter), slice(inter, None)
-            g = lin(xt, w13[e, sl[0]], w13_s[e, sl[0]] if fp4 else None, w13_s2[e, 0] if fp4 else None,
+            g = lin((e, "gate"), xt, w13[e, sl[0]], w13_s[e, sl[0]] if fp4 else None, w13_s2[e, 0] if fp4 else None,
                     w13_in[e] if fp4 else None)
-            u = lin(xt, w13[e, sl[1]], w13_s[e, sl[1]] if fp4 else None, w13_s2[e, 1] if fp4 else None,
+            u = lin((e, "up"), xt, w13[e, sl[1]], w13_s[e, sl[1]] if fp4 else None, w13_s2[e, 1] if fp4 else None,
                     w13_in[e] if fp4 else None)
             h = (F.silu(g) * u).to(x.dtype)
-            out[t] += weight * lin(h, w2[e], w2_s[e] if fp4 else None, w2_s2[e] if fp4 else None,
+            out[t] += weight * lin((e, "down"), h, w2[e], w2_s[e] if fp4 else None, w2_s2[e] if fp4 else None,
                                    w2_in[e] if fp4 else None)
     return out
 
