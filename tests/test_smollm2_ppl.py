@@ -2,8 +2,8 @@
 
 bf16 weights: the same perplexity as transformers (fp32 compute) within 0.5%. NVFP4 (our quantizer's
 export): within 3% of transformers running the same model with its weights replaced by their
-dequantized NVFP4 values (w4a16); the w4a4 gap is printed. Text: the first ~8000 characters of
-pieceworks/data/english.txt (4 windows of 512 tokens), scored with the protocol of models/ppl.py.
+dequantized NVFP4 values (w4a16); the w4a4 gap is printed. Text: the first 4000 characters of
+pieceworks/data/english.txt (two windows of 512 tokens), scored with the protocol of models/ppl.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pieceworks.data import english_text
 from pieceworks.models import ppl
 
 pytestmark = pytest.mark.slow
-TEXT = english_text()[:8000]
+TEXT = english_text()[:4000]
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +33,13 @@ def bf16_dir():
 
 
 @functools.cache  # the bf16 model's values serve two tests each: computed once per session
-def pieceworks_ppl(model_dir, kv_dtype: str | None = None, fp4_numerics: str | None = None, text: str = TEXT) -> float:
+def pieceworks_ppl(model_dir, kv_dtype: str | None = None, fp4_numerics: str | None = None) -> float:
     quant = {"fp4_numerics": fp4_numerics} if fp4_numerics else {}
     kv_cache = {"dtype": kv_dtype} if kv_dtype else {}
     ex = Executor.from_config({"model": {"path": str(model_dir)}, "quantization": quant,
                                "runtime": {"device": "cpu", "dtype": "float32"}, "kv_cache": kv_cache},
                               progress=False)
-    ids = ex.tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = ex.tokenizer(TEXT, add_special_tokens=False)["input_ids"]
     chunks = ppl.windows(ids, 512)
     value, scored = ppl.perplexity_from_logits(ex.score(chunks), chunks)
     assert scored == len(ids) - len(chunks)
@@ -105,17 +105,16 @@ def test_nvfp4_perplexity_matches_dequantized_transformers(bf16_dir, tmp_path):
 
 def test_fp8_kv_cache_perplexity(bf16_dir, tmp_path):
     """An FP8 KV cache on a real model: `pieceworks quantize --kv-cache fp8`'s calibrated scales, and scales of 1.0
-    on the bf16 weights, each against the same weights with K/V in the model dtype (two windows of the text;
-    measured +1.5% / +2.2%). The calibration reads the bundled text's first 16,000 characters (CI time)."""
+    on the bf16 weights, each against the same weights with K/V in the model dtype (measured +1.5% / +2.2%). The
+    calibration reads the bundled text's first 16,000 characters (CI time)."""
     from pieceworks.data import CALIBRATION_TXT
     from pieceworks.quant.quantizer import quantize_checkpoint
 
     calib = tmp_path / "calib.txt"
     calib.write_text(CALIBRATION_TXT.read_text(encoding="utf-8")[:16000], encoding="utf-8")
     fp4 = quantize_checkpoint(bf16_dir, tmp_path / "q", calib_text=calib, kv_cache="fp8", progress=False)
-    text = TEXT[:4000]
-    full, fp8 = pieceworks_ppl(fp4, "model", text=text), pieceworks_ppl(fp4, text=text)
-    plain, plain_fp8 = pieceworks_ppl(bf16_dir, text=text), pieceworks_ppl(bf16_dir, "fp8", text=text)
+    full, fp8 = pieceworks_ppl(fp4, "model"), pieceworks_ppl(fp4)
+    plain, plain_fp8 = pieceworks_ppl(bf16_dir), pieceworks_ppl(bf16_dir, "fp8")
     print(f"SmolLM2-135M FP8 KV: NVFP4 {full:.3f} -> {fp8:.3f} (calibrated scales), "
           f"bf16 weights {plain:.3f} -> {plain_fp8:.3f} (scales 1.0)")
     assert full < fp8 < full * 1.03 and plain < plain_fp8 < plain * 1.03
