@@ -539,3 +539,23 @@ def test_a_signal_mid_run_ends_the_tensor_parallel_run_cleanly(tmp_path, how, co
     assert p.returncode == code, err[-3000:]
     assert "Traceback" not in err and err.strip().endswith(says), err[-3000:]
     assert not list(tmp_path.glob("pieceworks-tp-*"))  # the rendezvous went with the run
+
+
+def _env_worker(rank: int, name: str, want: str, status) -> None:
+    """A worker that reports ready where the environment variable `name` holds `want` (else an error naming it)."""
+    got = os.environ.get(name)
+    status.send(("ready",) if got == want else ("error", f"rank {rank}: {name}={got!r}, the leader's is {want!r}"))
+
+
+def test_workers_take_the_leaders_environment_of_each_launch(monkeypatch):
+    """Workers fork from a server started at the first launch: each launch's workers still see the environment as it
+    is when that launch starts."""
+    from pieceworks.parallel.workers import WorkerGroup
+
+    for value in ("first", "second"):
+        monkeypatch.setenv("PIECEWORKS_TEST_LAUNCH", value)
+        group = WorkerGroup(_env_worker, 3, ("PIECEWORKS_TEST_LAUNCH", value))
+        try:
+            group.wait_ready(60)
+        finally:
+            group.stop()

@@ -6,7 +6,7 @@
   `pieceworks::all_gather`) with fake implementations, so they trace into full and piecewise graphs.
 - `group.py`: process-group setup (the device group for the collectives, a gloo group for the
   leader's step messages) and the launch facts (torchrun or in-process).
-- `workers.py`: the worker processes of an in-process launch (spawn, liveness, shutdown).
+- `workers.py`: the worker processes of an in-process launch (start, liveness, shutdown).
 
 This package sits below models/ and executor/ and imports neither: the worker's step loop lives in
 `pieceworks.executor.distributed`.

@@ -91,7 +91,7 @@ def process_alive(pid: int) -> bool:
 def _attach(name: str) -> shared_memory.SharedMemory:
     """Map an existing segment without registering it with this process's resource tracker: the
     writer owns it. (Before Python 3.13 attaching registers it, and a tracker that outlives the
-    reader would unlink the writer's segment; spawned workers share the leader's tracker, so
+    reader would unlink the writer's segment; workers share the leader's tracker, so
     unregistering afterwards would drop the writer's own registration.)"""
     try:
         return shared_memory.SharedMemory(name=name, track=False)  # Python >= 3.13
