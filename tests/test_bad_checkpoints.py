@@ -201,6 +201,22 @@ def test_unknown_quant_algo(ckpt, algo):
     assert str(e.value).startswith(f"{ckpt / 'hf_quant_config.json'}: quantization.quant_algo = {algo!r}")
 
 
+def test_mixed_precision_names_the_formats_of_its_layers(ckpt):
+    layers = {"model.layers.0.self_attn.q_proj": {"quant_algo": "FP8"},
+              "model.layers.0.mlp.down_proj": {"quant_algo": "NVFP4", "group_size": 16}}
+    _edit_json(ckpt / "hf_quant_config.json",
+               lambda d: d["quantization"].update({"quant_algo": "MIXED_PRECISION", "quantized_layers": layers}))
+    expected = r"quant_algo = 'MIXED_PRECISION' \(its quantized_layers hold FP8, NVFP4\): pieceworks serves ModelOpt NVFP4"
+    with pytest.raises(CheckpointError, match=expected):
+        detect_quantization(ckpt)
+
+
+def test_quant_algo_in_lower_case(ckpt):
+    want = detect_quantization(ckpt)
+    _edit_json(ckpt / "hf_quant_config.json", lambda d: d["quantization"].update({"quant_algo": "nvfp4"}))
+    assert detect_quantization(ckpt) == want
+
+
 def test_group_size_32(ckpt):
     _edit_json(ckpt / "hf_quant_config.json", lambda d: d["quantization"].update({"group_size": 32}))
     expected = r"hf_quant_config.json: quantization.group_size = 32: NVFP4 uses one scale per 16"

@@ -135,6 +135,21 @@ def test_fp8_kv_scales_missing_in_one_layer_are_refused(ckpt):
         _executor(ckpt)
 
 
+def test_fp8_kv_scales_of_a_layer_whose_attention_is_excluded_are_one(ckpt, caplog):
+    """ModelOpt calibrates no KV scales for a layer whose attention it leaves unquantized (exclude_modules): that
+    layer takes scales of 1.0 with a warning; the other layers keep theirs."""
+    want = _executor(ckpt).kv.scales
+    _edit_tensors_drop(ckpt, ("k_scale", "v_scale"), layers={1})
+    edit_json(ckpt / "hf_quant_config.json",
+              lambda q: q["quantization"]["exclude_modules"].append("model.layers.1.self_attn*"))
+    with caplog.at_level(logging.WARNING, logger="pieceworks.quant.modelopt"):
+        # layer 1's input_scales stay unread: its attention loads dense (its NVFP4 weights dequantized)
+        ex = Executor.from_config({"model": {"path": str(ckpt), "allow_extra_tensors": True}, **CPU,
+                                   "kv_cache": {"num_tokens": 256, "page_size": 4}}, progress=False)
+    assert ex.kv.scales == [want[0], (1.0, 1.0), *want[2:]] and want[1] != (1.0, 1.0)
+    assert "layer(s) [1] keep their attention unquantized (exclude_modules) and have no FP8 KV scales" in caplog.text
+
+
 def test_fp8_kv_layer_with_a_k_scale_but_no_v_scale_is_refused(ckpt):
     _edit_tensors_drop(ckpt, ("v_scale",), layers={0})
     with pytest.raises(CheckpointError, match=r"model.layers.0.self_attn.k_proj.k_scale is there but "

@@ -78,7 +78,7 @@ def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype
         from pieceworks.quant.modelopt import kv_cache_scales
 
         model.kv_cache_quant = "fp8"
-        model.kv_scales = kv_cache_scales(reader, len(model.layers), named)
+        model.kv_scales = kv_cache_scales(reader, len(model.layers), named, quant)
     if reader is not None and not allow_extra:
         check_unused(reader, model)
     return model

@@ -27,6 +27,7 @@ as an alias of `exclude_modules`, as vLLM and SGLang do.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -39,6 +40,8 @@ from pieceworks.backends.moe.base import MoEWeights
 from pieceworks.errors import CheckpointError
 from pieceworks.quant.nvfp4 import BLOCK, MAX_ABS
 from pieceworks.util import load_json_object
+
+log = logging.getLogger(__name__)
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 SUPPORTED_ALGO = "NVFP4"
@@ -122,9 +125,13 @@ def _kv_algo_of(qc: dict) -> tuple[str, object]:
 
 def _parse(qc: dict, where: str) -> Fp4QuantConfig:
     algo = qc.get("quant_algo")
-    if algo != SUPPORTED_ALGO:
+    if not isinstance(algo, str) or algo.upper() != SUPPORTED_ALGO:
+        layers = qc.get("quantized_layers")
+        kinds = sorted({str(c.get("quant_algo")) for c in layers.values() if isinstance(c, dict)}) \
+            if isinstance(layers, dict) else []
+        mixed = f" (its quantized_layers hold {', '.join(kinds)})" if kinds else ""
         raise CheckpointError(
-            f"{where}.quant_algo = {algo!r}: pieceworks serves ModelOpt NVFP4 checkpoints only "
+            f"{where}.quant_algo = {algo!r}{mixed}: pieceworks serves ModelOpt NVFP4 checkpoints only "
             f"(quant_algo \"NVFP4\"); re-export the model with ModelOpt's NVFP4 config or `pieceworks quantize`"
         )
     group_size = _group_size_of(qc, where)
@@ -225,28 +232,38 @@ KV_SCALE_NAMES = (("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale"), ("se
 """Where exports keep a layer's FP8 KV scales: ModelOpt's (under the projections), then llm-compressor's."""
 
 
-def kv_cache_scales(reader, num_layers: int, named=None) -> list[tuple[float, float]] | None:
+def kv_cache_scales(reader, num_layers: int, named=None, quant: Fp4QuantConfig | None = None
+                    ) -> list[tuple[float, float]] | None:
     """Each layer's (k_scale, v_scale) of a checkpoint with an FP8 KV cache, or None where it holds none (scales of
     1.0 then, as vLLM takes them). `named` maps pieceworks' tensor names to the checkpoint's (a multimodal
-    checkpoint's text model).
+    checkpoint's text model). A layer whose attention `quant` excludes (ModelOpt then calibrates no KV scales for
+    it) takes scales of 1.0, with a warning.
 
     Raises:
-        CheckpointError: some layers have scales and others not, or a scale is not a positive finite float32 scalar.
+        CheckpointError: a layer whose attention is quantized has no scales while others have, or a scale is not a
+            positive finite float32 scalar.
     """
     named = named or (lambda name: name)
-    found, missing = [], []
+    found, missing, unquantized = [], [], []
     for i in range(num_layers):
         pair = next(((named(f"model.layers.{i}.{k}"), named(f"model.layers.{i}.{v}")) for k, v in KV_SCALE_NAMES
                      if reader.has(named(f"model.layers.{i}.{k}"))), None)
         if pair is None:
-            missing.append(i)
+            if quant is not None and quant.is_excluded(named(f"model.layers.{i}.self_attn")):
+                unquantized.append(i)
+                found.append((1.0, 1.0))
+            else:
+                missing.append(i)
             continue
         if not reader.has(pair[1]):
             raise CheckpointError(f"{pair[0]} is there but {pair[1]} is not: an FP8 KV cache needs both scales of "
                                   "every layer; re-export the checkpoint")
         found.append(tuple(float(_scalar(reader, name, "an FP8 KV cache's scale")) for name in pair))
-    if not found:
+    if len(unquantized) == len(found):
         return None
+    if unquantized:
+        log.warning("%s: layer(s) %s keep their attention unquantized (exclude_modules) and have no FP8 KV scales: "
+                    "their K/V are stored in FP8 with scales of 1.0", reader.model_dir, unquantized[:8])
     if missing:
         raise CheckpointError(f"{reader.model_dir}: FP8 KV scales (k_proj.k_scale / v_proj.v_scale) in {len(found)} "
                               f"layers but not in layer(s) {missing[:4]}; the export is incomplete, re-export it")
