@@ -340,6 +340,30 @@ def test_a_request_lives_until_its_last_completion_finishes(engine):
     drained(engine)
 
 
+def test_finished_requests_are_freed_without_the_garbage_collector(engine):
+    """A request's n completions share one group list that holds them: a finished, aborted or stopped completion leaves
+    it, so nothing of a finished request waits for a gc pass (its prompt copies, detokenizer, grammar matcher)."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        kept = []
+        for i, n in enumerate((1, 3, 2)):
+            rid = engine.add_request(prompt(9, 40 + i), SamplingParams(n=n, temperature=1.0, seed=i, max_tokens=5))
+            kept += [weakref.ref(r) for r in engine._requests[rid]]
+            if i == 2:
+                engine.step()
+                engine.abort(rid)
+        while engine.has_unfinished():
+            engine.step()
+        assert [r() for r in kept] == [None] * len(kept)
+    finally:
+        gc.enable()
+    drained(engine)
+
+
 def test_admission_passes_a_completion_waiting_for_its_prompt(engine):
     """Completion 1 waits in the queue until completion 0 computed the prompt; the request behind it is
     admitted past it in the same step and leaves the queue, completion 1 stays at its front and runs next;

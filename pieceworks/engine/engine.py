@@ -327,7 +327,8 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         self.scheduler.remove(req)
-        self.sampler.release(req.state)  # its penalty table row (a request and its group are a reference cycle)
+        self.sampler.release(req.state)  # its penalty table row
+        req.group = []  # the group list holds req: without the cycle, a finished group is freed at once, not by gc
         left = self._unfinished.get(req.request_id)
         if left is None:
             return
