@@ -1,17 +1,19 @@
 """AsyncEngine: one Engine shared by many coroutines, its step loop on one background thread.
 
-Coroutines never touch the Engine: `generate` posts an add command and reads its outputs from an
-asyncio queue that the loop thread fills (`call_soon_threadsafe`); cancelling or closing the iterator
-posts an abort. The loop thread alone calls `add_request`, `abort` and `step`, between steps, so
-nothing is refused and nothing interleaves. A request's structured outputs compile before its add command
-is posted, on the event loop's default executor (llguidance releases the GIL): a large schema's compile
-does not hold up the steps of the requests already running. An exception in the loop fails every waiting coroutine
-with it (and every later call): the engine's state is not trusted after an unexpected error.
+Coroutines never touch the Engine: `generate` posts an add command and reads its outputs from a
+queue that the loop thread fills (`call_soon_threadsafe`; a slow reader's backlog merges: `_Outputs`);
+cancelling or closing the iterator posts an abort. The loop thread alone calls `add_request`, `abort`
+and `step`, between steps, so nothing is refused and nothing interleaves. A request's structured outputs
+compile before its add command is posted, on the event loop's default executor (llguidance releases the
+GIL): a large schema's compile does not hold up the steps of the requests already running. An exception in
+the loop fails every waiting coroutine with it (and every later call): the engine's state is not trusted
+after an unexpected error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import uuid
 from collections import deque
@@ -24,9 +26,47 @@ from pieceworks.engine.request import RequestOutput
 from pieceworks.errors import RequestError
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _put_all(items: list[tuple["_Outputs", RequestOutput]]) -> None:
     for queue, out in items:
         queue.put_nowait(out)
+
+
+MERGE_AFTER = 16
+"""Outputs of one completion that wait for a slow reader before later ones merge into the last (`_Outputs`)."""
+
+
+class _Outputs:
+    """One stream's outputs waiting for its reader (an asyncio queue of this event loop's thread). Once MERGE_AFTER
+    outputs of a completion wait, a later one merges into the last of them (the later output, with the new tokens
+    and text deltas of both): a reader that stops reading while its request runs on holds a bounded number of
+    outputs per completion, not one per step (each carries the whole output so far: quadratic in its length)."""
+
+    def __init__(self) -> None:
+        self._order: deque = deque()  # per waiting item: its completion's index, or (item,) for an exception
+        self._waiting: dict[int, deque] = {}  # completion index -> its waiting outputs
+        self._ready = asyncio.Event()
+
+    def put_nowait(self, item: Any) -> None:
+        if isinstance(item, RequestOutput):
+            waiting = self._waiting.setdefault(item.index, deque())
+            if len(waiting) >= MERGE_AFTER:
+                old = waiting[-1]
+                delta = None if item.text_delta is None else (old.text_delta or "") + item.text_delta
+                waiting[-1] = dataclasses.replace(item, new_token_ids=old.new_token_ids + item.new_token_ids,
+                                                  text_delta=delta)
+                return
+            waiting.append(item)
+            self._order.append(item.index)
+        else:
+            self._order.append((item,))
+        self._ready.set()
+
+    async def get(self) -> Any:
+        while not self._order:
+            self._ready.clear()
+            await self._ready.wait()
+        head = self._order.popleft()
+        return head[0] if isinstance(head, tuple) else self._waiting[head].popleft()
 
 
 class EngineDeadError(RuntimeError):
@@ -50,7 +90,7 @@ class AsyncEngine:
         # request id -> (event loop, queue, stream number); `_added` maps an id to the number of the stream whose
         # add the loop thread has taken: outputs go to that stream only, so that a stream that reuses the id of
         # one just cancelled never reads the old request's abort output
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Outputs, int]] = {}
         self._added: dict[str, int] = {}
         self._num_streams = 0
         self._stopping = False
@@ -69,8 +109,9 @@ class AsyncEngine:
     async def generate(self, prompt: list[int] | str, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,
                        reasoning: bool = True) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs (one per generated token, per completion) until every one of
-        its n completions has finished. Cancelling (or closing) the iterator aborts the request; a `break` out of
+        """Stream one request's outputs (one per step, per completion; a reader more than MERGE_AFTER outputs
+        behind gets later steps merged into one output, their new tokens and text deltas joined) until every one
+        of its n completions has finished. Cancelling (or closing) the iterator aborts the request; a `break` out of
         `async for` leaves the closing to asyncio's finalizer at the loop's next turn (its id is taken until then):
         `async with contextlib.aclosing(engine.generate(...)) as outs:` closes it at the break.
         `priority`, `reasoning`: as `Engine.add_request`'s.
@@ -89,7 +130,7 @@ class AsyncEngine:
             self._check_alive()
             matchers = await loop.run_in_executor(None, self.engine.grammars.matchers, params.structured_outputs,
                                                   params.n)
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = _Outputs()
         with self._cond:
             self._check_alive()
             if request_id in self._streams:
@@ -204,7 +245,7 @@ class AsyncEngine:
             dead.__cause__ = exc
             self._fail_all(dead)
 
-    def _stream(self, request_id: str) -> tuple[asyncio.AbstractEventLoop, asyncio.Queue, int] | None:
+    def _stream(self, request_id: str) -> tuple[asyncio.AbstractEventLoop, _Outputs, int] | None:
         """The stream that reads this id's outputs (under `_cond`): None once its caller stopped listening, or
         while the id's stream is a new one whose add the loop thread has not taken yet."""
         stream = self._streams.get(request_id)

@@ -89,19 +89,24 @@ class Server:
         start = time.perf_counter()
         choices: dict[int, Choice] = {}
         queued = set(range(len(prompts)))
-        queue: asyncio.Queue = asyncio.Queue()
+        # bounded: a client that stops reading stops the pumps, and the engine's streams merge what it has not read
+        queue: asyncio.Queue = asyncio.Queue(maxsize=2 * len(prompts))
         ids = [f"{base_id}-{i}" for i in range(len(prompts))]
         finished_ids: set[str] = set()
         self.in_flight.update(ids)
+
+        reading = True  # until the loop below stops: then a pump's last put into a full queue would wait forever
 
         async def pump(i: int) -> None:
             try:
                 async for out in self.engine.generate(prompts[i], params[i], ids[i], priority, reasoning):
                     await queue.put((i, out))
             except Exception as exc:  # handed to the consumer, which raises it
-                await queue.put((i, exc))
+                if reading:
+                    await queue.put((i, exc))
             finally:
-                await queue.put((i, None))
+                if reading:
+                    await queue.put((i, None))
 
         tasks = [asyncio.ensure_future(pump(i)) for i in range(len(prompts))]
         remaining = len(tasks)
@@ -138,6 +143,7 @@ class Server:
                         raise EngineFailure(out.error or "the engine failed this request")
                 yield Step(c, list(out.new_token_ids), delta, new_lp, out.finished)
         finally:
+            reading = False
             self.num_queued -= len(queued)
             self.in_flight.difference_update(ids)
             for t in tasks:

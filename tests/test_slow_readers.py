@@ -1,0 +1,97 @@
+"""A reader that stops reading while its request runs on: the AsyncEngine merges the outputs it has not taken
+(MERGE_AFTER per completion wait, not one per step, each carrying the whole output so far), and the server's pumps
+stop at a bounded queue, so a stalled HTTP client holds O(output) memory, not O(output^2). Tiny Llama on the CPU."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from pieceworks import AsyncEngine, Engine, SamplingParams
+from pieceworks.engine.async_engine import MERGE_AFTER, _Outputs
+from pieceworks.engine.request import RequestOutput
+
+PROMPT = torch.randint(0, 512, (7,), generator=torch.Generator().manual_seed(3)).tolist()
+PARAMS = SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=4 * MERGE_AFTER)
+
+
+def make() -> Engine:
+    return Engine.from_config({"model": {"arch": "llama", "preset": "tiny"}, "runtime": {"device": "cpu"},
+                               "kv_cache": {"num_tokens": 512, "page_size": 4}}, progress=False)
+
+
+async def until_done(aeng: AsyncEngine) -> None:
+    while aeng.engine.has_unfinished():
+        await asyncio.sleep(0.01)
+
+
+def test_outputs_a_reader_has_not_taken_merge_per_completion(monkeypatch):
+    def out(index: int, new: list[int], so_far: list[int], delta: str, finished: bool = False) -> RequestOutput:
+        return RequestOutput("r", index, [1], new, so_far, "".join(map(str, so_far)), delta, finished,
+                             "length" if finished else None, None, 0)
+
+    monkeypatch.setattr("pieceworks.engine.async_engine.MERGE_AFTER", 2)
+    q = _Outputs()
+    q.put_nowait(out(0, [5], [5], "5"))
+    q.put_nowait(out(1, [7], [7], "7"))
+    q.put_nowait(out(0, [6], [5, 6], "6"))
+    q.put_nowait(out(0, [3], [5, 6, 3], "3"))
+    q.put_nowait(out(0, [8, 9], [5, 6, 3, 8, 9], "89", finished=True))
+    error = RuntimeError("x")
+    q.put_nowait(error)
+    got = [asyncio.run(q.get()) for _ in range(4)]
+    assert [(o.index, o.new_token_ids, o.token_ids, o.text_delta, o.text, o.finished) for o in got[:3]] == [
+        (0, [5], [5], "5", "5", False), (1, [7], [7], "7", "7", False),
+        (0, [6, 3, 8, 9], [5, 6, 3, 8, 9], "6389", "56389", True)]
+    assert got[3] is error
+
+
+def test_a_stalled_async_engine_reader_gets_one_merged_output_per_completion():
+    async def main(aeng):
+        outs = aeng.generate(PROMPT, PARAMS)
+        first = [await outs.__anext__()]
+        await until_done(aeng)
+        return first, [o async for o in outs]
+
+    with AsyncEngine(make()) as aeng:
+        first, rest = asyncio.run(main(aeng))
+    assert len(rest) <= 2 * (MERGE_AFTER + 1), len(rest)  # 4 * MERGE_AFTER steps ran
+    finals = [o for o in rest if o.finished]
+    assert sorted(o.index for o in finals) == [0, 1]
+    for o in finals:
+        streamed = [t for x in first + rest if x.index == o.index for t in x.new_token_ids]
+        assert streamed == o.token_ids and len(o.token_ids) == PARAMS.max_tokens
+
+
+def test_a_stalled_server_stream_holds_a_bounded_queue():
+    from pieceworks.serve.server import Server
+
+    async def main(srv):
+        steps = srv.steps([PROMPT, PROMPT[:3]], [PARAMS, PARAMS], "slow")
+        first = [await steps.__anext__()]
+        await until_done(srv.engine)
+        return first, [s async for s in steps]
+
+    with AsyncEngine(make()) as aeng:
+        first, rest = asyncio.run(main(Server(aeng)))
+    # 4 completions: 2 x 2 queue slots, one held by each blocked pump, MERGE_AFTER + 1 per completion at most
+    assert len(rest) <= 4 + 2 + 4 * (MERGE_AFTER + 1), len(rest)
+    for c in {id(s.choice): s.choice for s in first + rest}.values():
+        assert [t for s in first + rest if s.choice is c for t in s.new_token_ids] == c.token_ids
+        assert len(c.token_ids) == PARAMS.max_tokens and c.finish_reason == "length"
+
+
+def test_a_stream_closed_while_its_pumps_wait_on_the_full_queue_ends_and_aborts():
+    from pieceworks.serve.server import Server
+
+    async def main(srv):
+        steps = srv.steps([PROMPT, PROMPT[:3]], [PARAMS, PARAMS], "gone")
+        await steps.__anext__()
+        await asyncio.sleep(0.3)  # the engine runs on; the pumps fill the queue and wait
+        await asyncio.wait_for(steps.aclose(), 20)
+        await until_done(srv.engine)
+
+    with AsyncEngine(make()) as aeng:
+        asyncio.run(main(Server(aeng)))
+        assert aeng.engine.stats()["kv_pages_used"] == 0 and not aeng.engine.has_unfinished()
