@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import json
 import re
 import shutil
@@ -215,6 +216,21 @@ def test_quant_algo_in_lower_case(ckpt):
     want = detect_quantization(ckpt)
     _edit_json(ckpt / "hf_quant_config.json", lambda d: d["quantization"].update({"quant_algo": "nvfp4"}))
     assert detect_quantization(ckpt) == want
+
+
+def test_excluded_modules_stored_in_nvfp4_load_dequantized_with_a_warning(ckpt, caplog):
+    """exclude_modules naming layer 1's attention whose export is NVFP4 all the same: the model holds those four
+    projections as plain weights, dequantized (right numbers, 4x the memory), and says so once."""
+    with caplog.at_level(logging.WARNING, logger="pieceworks.loader"):
+        _load(ckpt)
+    assert "dequantized" not in caplog.text
+    _edit_json(ckpt / "hf_quant_config.json",
+               lambda d: d["quantization"]["exclude_modules"].append("model.layers.1.self_attn*"))
+    with caplog.at_level(logging.WARNING, logger="pieceworks.loader"):
+        _load(ckpt, allow_extra=True)  # their input_scales stay unread
+    assert "4 module(s) stored in NVFP4 are loaded dequantized" in caplog.text
+    assert "model.layers.1.self_attn.q_proj, model.layers.1.self_attn.k_proj, model.layers.1.self_attn.v_proj, ..." \
+        in caplog.text
 
 
 def test_group_size_32(ckpt):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import re
 import stat
 from pathlib import Path
@@ -26,6 +27,8 @@ from pieceworks.models.architectures import ARCHS, architecture, checkpoint_name
 from pieceworks.models.families import OTHER_PARTS, text_model, with_defaults
 from pieceworks.parallel.layout import TPLayout
 from pieceworks.util import checked_stat, unreadable
+
+log = logging.getLogger("pieceworks.loader")
 
 
 def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype: torch.dtype,
@@ -74,6 +77,11 @@ def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype
         if named is None:
             raise
         raise CheckpointError(re.sub(r"model\.layers\.\d+\.[\w.*]+", lambda m: named(m[0]), str(e))) from None
+    dequantized = [named(p) if named else p for p in getattr(source, "dequantized", [])]
+    if dequantized:  # e.g. modules exclude_modules lists that the export quantized all the same
+        log.warning("%d module(s) stored in NVFP4 are loaded dequantized, at 4x their NVFP4 size, where the model "
+                    "holds plain weights (the quantization config excludes them): %s%s", len(dequantized),
+                    ", ".join(dequantized[:3]), ", ..." if len(dequantized) > 3 else "")
     if quant is not None and quant.kv_cache_quant_algo == "FP8":
         from pieceworks.quant.modelopt import kv_cache_scales
 

@@ -133,6 +133,7 @@ class CheckpointSource:
 
     def __init__(self, reader: CheckpointReader, device: torch.device, dtype: torch.dtype) -> None:
         self.reader, self.device, self.dtype = reader, device, dtype
+        self.dequantized: list[str] = []  # NVFP4 modules the model holds as plain weights (kv_b_proj aside)
 
     def has(self, name: str) -> bool:
         return self.reader.has(name)
@@ -169,6 +170,8 @@ class CheckpointSource:
     def dense(self, prefix: str, in_features: int, out_features: int,
               dtype: torch.dtype | None = None, part: Part | None = None) -> torch.Tensor:
         if self._is_fp4(prefix):  # e.g. kv_b_proj, which MLA absorption needs as plain weights
+            if not prefix.endswith(".kv_b_proj"):
+                self.dequantized.append(prefix)
             w = self._fp4(prefix, in_features, out_features, part)
             deq = nvfp4.dequantize(w.weight, w.weight_scale, w.weight_scale_2, dtype=dtype or self.dtype)
             return check_values(f"{prefix}.weight", deq, self.reader.model_dir)
