@@ -265,7 +265,8 @@ def kv_cache_scales(reader, num_layers: int, named=None, quant: Fp4QuantConfig |
         log.warning("%s: layer(s) %s keep their attention unquantized (exclude_modules) and have no FP8 KV scales: "
                     "their K/V are stored in FP8 with scales of 1.0", reader.model_dir, unquantized[:8])
     if missing:
-        raise CheckpointError(f"{reader.model_dir}: FP8 KV scales (k_proj.k_scale / v_proj.v_scale) in {len(found)} "
+        have = len(found) - len(unquantized)
+        raise CheckpointError(f"{reader.model_dir}: FP8 KV scales (k_proj.k_scale / v_proj.v_scale) in {have} "
                               f"layers but not in layer(s) {missing[:4]}; the export is incomplete, re-export it")
     return found
 
