@@ -14,6 +14,10 @@ facts about the process that no config file can know:
   tensor-parallel launch that it runs under torchrun and which rank (and GPU) it is
   (`parallel.group.torchrun_rank`). Outside torchrun the launcher passes the rank explicitly.
 
+The in-process launcher's workers take the leader's environment whole (`leader_environment`, `adopt_environment`):
+they fork from a server started at the first launch, whose environment is that moment's, and whatever the libraries
+underneath read must be what the leader has at this launch. pieceworks reads nothing of it there.
+
 Libraries underneath read variables of their own (torch.distributed's `env://` rendezvous reads
 MASTER_ADDR and MASTER_PORT, CUDA reads CUDA_VISIBLE_DEVICES, Triton and FlashInfer their cache
 directories); pieceworks neither reads nor sets those.
@@ -54,3 +58,14 @@ def torchrun_variables() -> tuple[int, int, int] | None:
         raise ConfigError(f"torchrun's variables must be integers, got {found}; launch with torchrun, or "
                           "unset them to run without it") from None
     return rank, world, local_rank
+
+
+def leader_environment() -> dict[str, str]:
+    """A copy of this process's environment, for workers to take (`adopt_environment`)."""
+    return dict(os.environ)
+
+
+def adopt_environment(env: dict[str, str]) -> None:
+    """Make `env` this process's whole environment (a worker, before it imports or initializes anything more)."""
+    os.environ.clear()
+    os.environ.update(env)

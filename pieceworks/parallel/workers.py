@@ -16,11 +16,12 @@ closed connection, NCCL after `parallel.timeout_s`).
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
+
+from pieceworks.environment import adopt_environment, leader_environment
 
 
 class WorkerDied(RuntimeError):
@@ -29,8 +30,7 @@ class WorkerDied(RuntimeError):
 
 def _in_env(env: dict[str, str], target: Callable, *args: Any) -> None:
     """`target(*args)` in the leader's environment `env` (a forked worker has its server's)."""
-    os.environ.clear()
-    os.environ.update(env)
+    adopt_environment(env)
     target(*args)
 
 
@@ -43,7 +43,7 @@ class WorkerGroup:
             ctx.set_forkserver_preload(["torch"])  # no effect once this process's server runs
         self.procs: list[Any] = []
         self.status: list[Any] = []
-        env = dict(os.environ)
+        env = leader_environment()
         for rank in range(1, size):
             recv, send = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_in_env, args=(env, target, rank, *args, send), daemon=True,
