@@ -11,6 +11,7 @@ import torch
 from pieceworks.backends.base import ModelFacts
 from pieceworks.core.kv import quantize_kv
 from pieceworks.executor.kv_cache import KVLayout, KVPool
+from pieceworks.testing.scenarios import reference_attention
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -74,15 +75,11 @@ class GqaShape:
 
     def reference(self, x: dict, rows: slice, entries: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:
         """float64 causal attention of the new tokens `rows` over `entries` [prefix + n, 2 Hkv D]."""
-        q = x["q"][rows].double()
-        n, s, hkv, d = q.shape[0], entries.shape[0], self.num_kv_heads, self.head_dim
-        keys = entries[:, : hkv * d].view(s, hkv, d)
-        vals = entries[:, hkv * d :].view(s, hkv, d)
+        s, hkv, d = entries.shape[0], self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
-        scores = torch.einsum("nhgd,shd->nhgs", q.view(n, hkv, group, d), keys) * scale
-        causal = torch.arange(s)[None, :] <= (torch.arange(n) + prefix)[:, None]
-        scores = scores.masked_fill(~causal[:, None, None, :], float("-inf"))
-        return torch.einsum("nhgs,shd->nhgd", scores.softmax(-1), vals).reshape(n, self.num_heads, d)
+        keys = entries[:, : hkv * d].view(s, hkv, d).repeat_interleave(group, 1)
+        vals = entries[:, hkv * d :].view(s, hkv, d).repeat_interleave(group, 1)
+        return reference_attention(x["q"][rows].double(), keys, vals, prefix, scale)
 
 
 @dataclass(frozen=True)
@@ -131,10 +128,6 @@ class MlaShape:
         impl.forward(x["q_nope"], x["q_pe"], x["c_kv"], x["k_pe"], out, layer, scale, pool)
 
     def reference(self, x: dict, rows: slice, entries: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:
-        qn, qp = x["q_nope"][rows].double(), x["q_pe"][rows].double()
-        n, s, l = qn.shape[0], entries.shape[0], self.kv_lora_rank
-        scores = (torch.einsum("nhl,sl->nhs", qn, entries[:, :l])
-                  + torch.einsum("nhr,sr->nhs", qp, entries[:, l:])) * scale
-        causal = torch.arange(s)[None, :] <= (torch.arange(n) + prefix)[:, None]
-        scores = scores.masked_fill(~causal[:, None, :], float("-inf"))
-        return torch.einsum("nhs,sl->nhl", scores.softmax(-1), entries[:, :l])
+        q = torch.cat([x["q_nope"][rows], x["q_pe"][rows]], -1).double()
+        ent = entries[:, None].expand(-1, self.num_heads, -1)  # one latent per token, shared by every head
+        return reference_attention(q, ent, ent[..., : self.kv_lora_rank], prefix, scale)
