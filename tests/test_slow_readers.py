@@ -1,11 +1,13 @@
 """A reader that stops reading while its request runs on: the AsyncEngine merges the outputs it has not taken
 (MERGE_AFTER per completion wait, not one per step, each carrying the whole output so far), and the server's pumps
-stop at a bounded queue, so a stalled HTTP client holds O(output) memory, not O(output^2). Tiny Llama on the CPU."""
+stop at a bounded queue, so a stalled HTTP client holds O(output) memory, not O(output^2). A server stream closed
+before it was read gives its places in the queue back. Tiny Llama on the CPU."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 
 from pieceworks import AsyncEngine, Engine, SamplingParams
@@ -95,3 +97,29 @@ def test_a_stream_closed_while_its_pumps_wait_on_the_full_queue_ends_and_aborts(
     with AsyncEngine(make()) as aeng:
         asyncio.run(main(Server(aeng)))
         assert aeng.engine.stats()["kv_pages_used"] == 0 and not aeng.engine.has_unfinished()
+
+
+def test_a_server_stream_closed_before_its_first_step_gives_its_queue_places_back():
+    """`Server.steps` takes the prompts' places (admit); a stream closed unread (a handler cancelled before its task
+    ran: its generator never started) and a stream read to the end both leave the queue count where it was."""
+    from pieceworks.serve.server import Overloaded, Server
+
+    async def main(srv):
+        short = SamplingParams(max_tokens=3)
+        steps = srv.steps([PROMPT, PROMPT[:3]], [short, short], "unread")
+        assert srv.num_queued == 2
+        with pytest.raises(Overloaded):  # max_queue 3: two places taken
+            srv.steps([PROMPT, PROMPT], [short, short], "over")
+        await steps.aclose()
+        assert srv.num_queued == 0 and not srv.engine.engine.has_unfinished()
+        steps = srv.steps([PROMPT, PROMPT[:3]], [short, short], "read")
+        assert len([s async for s in steps]) == 6 and srv.num_queued == 0
+        steps = srv.steps([PROMPT, PROMPT[:3], PROMPT[:2]], [short] * 3, "full")  # all three places again
+        await steps.__anext__()
+        await steps.aclose()
+        assert srv.num_queued == 0
+        await until_done(srv.engine)
+
+    with AsyncEngine(make()) as aeng:
+        asyncio.run(main(Server(aeng, max_queue=3)))
+        assert aeng.engine.stats()["kv_pages_used"] == 0

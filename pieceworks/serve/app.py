@@ -199,7 +199,6 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
             srv.engine.engine.scheduler.check_priority(req.priority)
         except RequestError as exc:
             raise BadRequest(str(exc), param="priority") from None
-        srv.admit(len(prompts), params[0].n)
         steps = srv.steps(prompts, params, rid, req.priority, reasoning=isinstance(req, ChatCompletionRequest))
         if not req.stream:
             async def collect() -> Response:

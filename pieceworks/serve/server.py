@@ -32,6 +32,27 @@ class EngineFailure(RuntimeError):
     """The engine finished a request with finish_reason "error" (e.g. non-finite logits)."""
 
 
+class StepStream:
+    """`Server.steps`' stream of `Step`s. Its generator gives the prompts' places in the queue back as their first
+    tokens arrive and the rest when it ends; a stream closed before its first step (a handler cancelled before its
+    task ran) never started that generator, and `aclose` gives them back here."""
+
+    def __init__(self, srv: "Server", gen: AsyncIterator[Step], queued: int) -> None:
+        self._srv, self._gen, self._queued = srv, gen, queued
+
+    def __aiter__(self) -> "StepStream":
+        return self
+
+    async def __anext__(self) -> Step:
+        self._queued = 0  # the generator runs from here on and owns them
+        return await self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        self._srv.num_queued -= self._queued
+        self._queued = 0
+        await self._gen.aclose()
+
+
 class Server:
     """The state the routes share: the engine, the served name, the queue bound, the metrics."""
 
@@ -78,13 +99,19 @@ class Server:
                              f"token; retry after {RETRY_AFTER_S} s")
         self.num_queued += num_prompts
 
-    async def steps(self, prompts: list[list[int]], params: list[Any], base_id: str,
-                    priority: int = 0, reasoning: bool = True) -> AsyncIterator[Step]:
+    def steps(self, prompts: list[list[int]], params: list[Any], base_id: str, priority: int = 0,
+              reasoning: bool = True) -> "StepStream":
         """The engine's outputs for every prompt, merged; choice index = prompt * n + completion. `reasoning`:
         structured outputs wait for the reasoning's end where `--reasoning-parser` is set (chat answers only).
 
-        Closing or cancelling this iterator aborts every request still running (the pages return).
+        Takes the prompts' places in the queue first (`admit`: Overloaded or BadRequest, before anything runs).
+        Closing or cancelling the stream aborts every request still running (the pages return).
         """
+        self.admit(len(prompts), params[0].n)
+        return StepStream(self, self._steps(prompts, params, base_id, priority, reasoning), len(prompts))
+
+    async def _steps(self, prompts: list[list[int]], params: list[Any], base_id: str, priority: int,
+                     reasoning: bool) -> AsyncIterator[Step]:
         n = params[0].n
         start = time.perf_counter()
         choices: dict[int, Choice] = {}
