@@ -77,12 +77,86 @@ def test_fixed_amax_skips_calibration(tiny_bf16, tmp_path, capsys):
     src = tmp_path / "src"
     shutil.copytree(tiny_bf16, src)
     (src / "pieceworks-cache.json").write_text('{"format": 1}')  # as a demo model converted by pieceworks holds
+    for name in ("pytorch_model.bin", "pytorch_model.bin.index.json", "consolidated.00.pth", "README.md"):
+        (src / name).write_bytes(b"the source's own weights, in another format" if "model" in name else b"# card")
+    (src / "original").mkdir()
+    (src / "original" / "consolidated.00.pth").write_bytes(b"weights")
     assert main(["quantize", str(src), str(tmp_path / "q"), "--amax", "8", "--no-progress"]) == 0
     assert "calibrating" not in capsys.readouterr().out
     for name, v in _input_scales(tmp_path / "q").items():
         assert torch.equal(v, torch.tensor(8.0) / (6 * 448)), name
-    # the tokenizer goes along, the record of the source's own conversion does not
-    assert (tmp_path / "q" / "tokenizer.json").is_file() and not (tmp_path / "q" / "pieceworks-cache.json").exists()
+    # the tokenizer and the model card go along; the record of the source's own conversion, its weights in other
+    # formats (the quantized safetensors replace them) and its subdirectories do not
+    out = {f.name for f in (tmp_path / "q").iterdir()}
+    assert {"tokenizer.json", "README.md", "model.safetensors"} <= out
+    assert not out & {"pieceworks-cache.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
+                      "consolidated.00.pth", "original"}, out
+
+
+def test_calibration_shows_its_progress_per_chunk(tiny_bf16, tmp_path, monkeypatch):
+    from contextlib import contextmanager
+
+    from pieceworks.quant import calibrate
+
+    bars = []
+
+    @contextmanager
+    def bar(enabled, description, total):
+        bars.append([enabled, description, total, 0])
+
+        def advance(n=1):
+            bars[-1][3] += n
+
+        yield advance
+
+    monkeypatch.setattr(calibrate, "progress_bar", bar)
+    calibrate.calibrate_from_text(tiny_bf16, CALIBRATION_TXT, seq_len=64, progress=True)
+    assert len(bars) == 1 and bars[0][:2] == [True, "calibrating"] and bars[0][2] > 1 and bars[0][3] == bars[0][2]
+
+
+def test_calibration_chunks_must_hold_text_after_bos():
+    from pieceworks.quant.calibrate import text_batches
+
+    class Tok:
+        bos_token_id = 1
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [5, 6, 7]}
+
+    assert [b.tolist() for b in text_batches(Tok(), "x", 3)] == [[[1, 5, 6]], [[1, 7]]]
+    with pytest.raises(ValueError, match="max_position_embeddings.*hold no text after the BOS token"):
+        text_batches(Tok(), "x", 1)
+
+
+def test_fp8_kv_scales_follow_the_attention_not_its_k_or_v_projection(tiny_bf16, tmp_path, caplog):
+    """--kv-cache fp8: a layer whose k_proj or v_proj alone is excluded keeps its K/V scales (its attention is still
+    quantized, as the loader reads the written exclude list); a layer whose attention is excluded whole gets none
+    and loads with scales of 1.0. Every output loads and scores."""
+    from pieceworks import Executor
+    from pieceworks.core.kv import KV_FP8
+
+    for i, (exclude, scaled) in enumerate(((["model.layers.1.self_attn.v_proj"], True),
+                                           (["model.layers.1.self_attn.k_proj"], True),
+                                           (["model.layers.1.self_attn.*"], False))):
+        out = tmp_path / f"q{i}"
+        assert main(["quantize", str(tiny_bf16), str(out), "--kv-cache", "fp8", "--exclude", *exclude,
+                     "--no-progress"]) == 0
+        reader = CheckpointReader(out)
+        assert reader.has("model.layers.0.self_attn.k_proj.k_scale"), exclude
+        for p in "kv":
+            assert reader.has(f"model.layers.1.self_attn.{p}_proj.{p}_scale") == scaled, exclude
+        ex = Executor.from_config({"model": {"path": str(out)}, "runtime": {"device": "cpu", "dtype": "float32"},
+                                   "kv_cache": {"num_tokens": 64, "page_size": 4}}, progress=False)
+        assert ex.kv.dtype == KV_FP8 and (ex.kv.scales[1] == (1.0, 1.0)) != scaled, exclude
+        assert torch.isfinite(ex.score([[2, 3, 4, 5]])[0]).all()
+
+
+@pytest.mark.parametrize("amax", ["1e-40", "1e-36"])
+def test_an_amax_whose_input_scale_is_not_a_normal_float32_is_refused(tiny_bf16, tmp_path, capsys, amax):
+    """amax / 2688 below float32's smallest normal number: the scale is 0 or subnormal (W4A4 divides by it)."""
+    assert main(["quantize", str(tiny_bf16), str(tmp_path / "q"), "--amax", amax, "--no-progress"]) == 2
+    assert "--amax must be a number from 3.2e-35" in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()
 
 
 def test_max_shard_size_forms():

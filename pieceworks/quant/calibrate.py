@@ -23,6 +23,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from pieceworks.quant.modelopt import mixtral_name
+from pieceworks.util import progress_bar
 
 _F_LINEAR = torch.nn.functional.linear
 
@@ -64,7 +65,8 @@ class _ExpertSpy(TorchFunctionMode):
 
 
 def calibrate_input_amax(model: torch.nn.Module, batches: Iterable[torch.Tensor],
-                         kv_amax: dict[str, tuple[float, float]] | None = None) -> dict[str, float]:
+                         kv_amax: dict[str, tuple[float, float]] | None = None,
+                         advance: Callable[[], None] | None = None) -> dict[str, float]:
     """Run `model(input_ids=batch)` over `batches` and collect every linear's input amax.
 
     Args:
@@ -73,6 +75,7 @@ def calibrate_input_amax(model: torch.nn.Module, batches: Iterable[torch.Tensor]
         kv_amax: filled, where given, with {attention module's checkpoint name: (max |key|, max |value|)} over
             the keys and values its attention function is called with (roped, as a KV cache holds them), as
             ModelOpt's FP8 KV quantizers calibrate them.
+        advance: called after each batch (a progress bar's).
 
     Returns:
         {checkpoint module name: amax} (e.g. `model.layers.0.self_attn.q_proj`; fused experts
@@ -111,6 +114,8 @@ def calibrate_input_amax(model: torch.nn.Module, batches: Iterable[torch.Tensor]
         with torch.no_grad():
             for ids in batches:
                 model(input_ids=ids.to(device), **kwargs)
+                if advance is not None:
+                    advance()
     finally:
         for h in handles:
             h.remove()
@@ -175,6 +180,9 @@ def text_batches(tokenizer, text: str, seq_len: int) -> list[torch.Tensor]:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     bos = getattr(tokenizer, "bos_token_id", None)
     step = seq_len - (bos is not None)
+    if step < 1:
+        raise ValueError(f"calibration chunks of {seq_len} token(s) (the model's max_position_embeddings) hold no text "
+                         "after the BOS token; pass a fixed --amax instead")
     chunks = [ids[i : i + step] for i in range(0, len(ids), step)]
     return [torch.tensor([([bos] if bos is not None else []) + c]) for c in chunks if c]
 
@@ -182,9 +190,10 @@ def text_batches(tokenizer, text: str, seq_len: int) -> list[torch.Tensor]:
 def calibrate_from_text(
     model_dir: str | Path, text_file: str | Path, *, seq_len: int = 512, device: str | None = None,
     check_weight: Callable[[str, torch.Tensor], None] | None = None,
-    kv_amax: dict[str, tuple[float, float]] | None = None,
+    kv_amax: dict[str, tuple[float, float]] | None = None, progress: bool = False,
 ) -> dict[str, float]:
-    """Load the bf16 model and its tokenizer from `model_dir` and calibrate over `text_file`.
+    """Load the bf16 model and its tokenizer from `model_dir` and calibrate over `text_file` (with a progress bar
+    of the chunks where `progress`).
 
     The whole model is loaded (on `device`: CUDA when available, else CPU) and runs forward over
     the text in chunks of `seq_len` tokens (at most the model's max_position_embeddings).
@@ -248,4 +257,5 @@ def calibrate_from_text(
             check_weight(name, p)
     seq_len = min(seq_len, getattr(model.config, "max_position_embeddings", None) or seq_len)
     batches = text_batches(tokenizer, text, seq_len)
-    return calibrate_input_amax(model, batches, kv_amax)
+    with progress_bar(progress, "calibrating", total=len(batches)) as advance:
+        return calibrate_input_amax(model, batches, kv_amax, advance)

@@ -241,7 +241,7 @@ def kv_cache_scales(reader, num_layers: int, named=None, quant: Fp4QuantConfig |
 
     Raises:
         CheckpointError: a layer whose attention is quantized has no scales while others have, or a scale is not a
-            positive finite float32 scalar.
+            positive finite normal float32 scalar.
     """
     named = named or (lambda name: name)
     found, missing, unquantized = [], [], []
@@ -274,8 +274,9 @@ def kv_cache_scales(reader, num_layers: int, named=None, quant: Fp4QuantConfig |
 def _scalar(reader, name: str, what: str) -> torch.Tensor:
     t = _expect(reader, name, torch.float32, None, what).reshape(())
     v = float(t)
-    if not (v > 0 and v != float("inf")):
-        raise CheckpointError(f"{name}: must be a positive finite float32, got {v}; the export is broken")
+    if not (torch.finfo(torch.float32).tiny <= v < float("inf")):  # 0, subnormal: a W4A4 step divides by it
+        raise CheckpointError(f"{name}: must be a positive finite float32 of at least 1.2e-38 (a normal number), got "
+                              f"{v}; the export is broken")
     return t
 
 

@@ -24,7 +24,7 @@ import stat
 import threading
 from pathlib import Path
 
-from pieceworks.models.checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointReader
+from pieceworks.models.checkpoint import CheckpointReader
 
 _ACTIVE: set[Path] = set()  # staging directories this process is writing (threads may run quantize too)
 _ACTIVE_LOCK = threading.Lock()
@@ -88,13 +88,18 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 10**8 else f"{nbytes / 1e6:.2f} MB"
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".index.json")
+"""The source's weights in any format, and their indexes (`pytorch_model.bin` beside the safetensors, as many
+repositories ship them; the quantized safetensors replace them all)."""
+
+
 def copied_files(src: Path) -> list[Path]:
-    """The source's files that go to the output as they are (tokenizer, generation config, ...); not the record
-    of pieceworks' demo-model cache (`pieceworks-cache.json`), which describes the source's own conversion."""
-    skip = {SINGLE_FILE, INDEX_FILE, "config.json", "hf_quant_config.json", "pieceworks-cache.json"}
-    return sorted(
-        f for f in src.iterdir() if f.is_file() and f.name not in skip and not f.name.endswith(".safetensors")
-    )
+    """The source's files that go to the output as they are (tokenizer, generation config, ...); not its weights
+    (`WEIGHT_SUFFIXES`), nor the record of pieceworks' demo-model cache (`pieceworks-cache.json`), which describes
+    the source's own conversion. Subdirectories (e.g. `original/` with the consolidated weights) stay behind."""
+    skip = {"config.json", "hf_quant_config.json", "pieceworks-cache.json"}
+    return sorted(f for f in src.iterdir()
+                  if f.is_file() and f.name not in skip and not f.name.endswith(WEIGHT_SUFFIXES))
 
 
 def _host() -> str:

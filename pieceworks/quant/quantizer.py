@@ -41,7 +41,7 @@ import torch
 from pieceworks.models.checkpoint import CheckpointReader
 from pieceworks.models.loader import checked_config
 from pieceworks.quant import nvfp4
-from pieceworks.quant.export_config import write_configs
+from pieceworks.quant.export_config import summarize_exclude, write_configs
 from pieceworks.quant.output_dir import Staging, check_dirs, check_space, copied_files
 from pieceworks.quant.shard_writer import ShardedWriter, TensorSpec
 
@@ -153,6 +153,17 @@ def check_finite(src: Path, name: str, t: torch.Tensor) -> None:
                      "within that bound (fix or re-download the checkpoint)")
 
 
+MIN_AMAX = torch.finfo(torch.float32).tiny * nvfp4.E2M1_MAX * nvfp4.E4M3_MAX
+"""The smallest amax whose input_scale (amax / (6 * 448)) is a normal float32: below it the scale is 0 or subnormal, and
+the W4A4 path, which divides by it, computes inf and NaN (the loader refuses such scales). A KV scale (amax / 448)
+has the same bound, a little wider."""
+
+
+def usable_amax(v) -> bool:
+    """Whether an activation or K/V amax gives a usable scale: from MIN_AMAX to float32's largest value."""
+    return MIN_AMAX <= float(v) <= torch.finfo(torch.float32).max
+
+
 def _input_amax(
     linears: dict[str, _Linear], groups, amax, calibrated: Mapping[str, float] | None
 ) -> dict[str, float]:
@@ -165,7 +176,7 @@ def _input_amax(
         if v is None or v == 0.0:
             missing.append(m)
             v = UNCALIBRATED_AMAX
-        if not 0 < float(v) <= torch.finfo(torch.float32).max:  # its input_scale would be NaN, inf or negative
+        if not usable_amax(v):  # its input_scale would be NaN, inf, negative, zero or subnormal
             raise ValueError(f"{m}: the calibrated activation amax is {float(v)} (the activations overflowed, or "
                              "the calibration is broken); calibrate over another text, or pass a fixed --amax X")
         out[m] = float(v)
@@ -257,8 +268,9 @@ def quantize_checkpoint(
     src, dst = Path(src_dir), Path(dst_dir)
     if sum(x is not None for x in (calib_text, amax, input_amax)) != 1:
         raise ValueError("give exactly one activation source: --calib-text FILE or --amax X")
-    if amax is not None and not (0 < float(amax) <= torch.finfo(torch.float32).max):
-        raise ValueError(f"--amax must be a positive number float32 holds (<= 3.4e38), got {amax}")
+    if amax is not None and not usable_amax(amax):
+        raise ValueError(f"--amax must be a number from {MIN_AMAX:.1e} (its input_scale, amax / 2688, a normal "
+                         f"float32) to 3.4e38, got {amax}")
     if kv_cache not in (None, "fp8"):
         raise ValueError(f"--kv-cache {kv_cache!r}: use fp8 (or leave it out: the KV cache in the model dtype)")
     if kv_cache and calib_text is None and kv_amax is None:
@@ -291,7 +303,7 @@ def quantize_checkpoint(
             TensorSpec(f"{lin.module}.weight_scale_2", torch.float32, ()),
             TensorSpec(f"{lin.module}.input_scale", torch.float32, ()),
         ]
-    kv_layers = _attention_layers(linears) if kv_cache else []
+    kv_layers = _attention_layers(linears, unquantized) if kv_cache else []
     specs += [TensorSpec(f"{a}.{p}_proj.{p}_scale", torch.float32, ()) for a in kv_layers for p in "kv"]
     copied = copied_files(src)
     staging = Staging(dst)  # written there, renamed to dst when complete
@@ -302,7 +314,7 @@ def quantize_checkpoint(
 
         kv_amax = {} if kv_cache else None
         input_amax = calibrate_from_text(src, calib_text, check_weight=lambda name, t: check_finite(src, name, t),
-                                         kv_amax=kv_amax)
+                                         kv_amax=kv_amax, progress=progress)
     in_amax = _input_amax(linears, groups, amax, input_amax)
     kv_scales = _kv_scales(kv_layers, kv_amax) if kv_cache else {}
 
@@ -374,11 +386,16 @@ def _group_scales(src: Path, reader: CheckpointReader, groups, bar) -> dict[str,
     return out
 
 
-def _attention_layers(linears: dict[str, "_Linear"]) -> list[str]:
-    """The attention modules whose k_proj and v_proj are quantized linears (where an FP8 KV cache's scales go)."""
-    modules = {lin.module for lin in linears.values()}
-    return sorted({m.rsplit(".", 1)[0] for m in modules if m.endswith(".k_proj")
-                   and m.rsplit(".", 1)[0] + ".v_proj" in modules})
+def _attention_layers(linears: dict[str, "_Linear"], unquantized: list[str]) -> list[str]:
+    """The attention modules an FP8 KV cache's scales go to: every module with a k_proj and a v_proj, quantized or
+    not, but those the written exclude list covers whole (`summarize_exclude`), for which the loader, as ModelOpt's
+    export, expects none (their scales are 1.0); excluding a k_proj or v_proj alone leaves the KV cache quantized."""
+    quantized = [lin.module for lin in linears.values()]
+    modules = set(quantized) | set(unquantized)
+    excluded = summarize_exclude(unquantized, quantized)
+    layers = {m.rsplit(".", 1)[0] for m in modules
+              if m.endswith(".k_proj") and m.rsplit(".", 1)[0] + ".v_proj" in modules}
+    return sorted(a for a in layers if not any(fnmatchcase(a, p) or fnmatchcase(a, p + ".*") for p in excluded))
 
 
 def _kv_scales(layers: list[str], kv_amax: Mapping[str, tuple[float, float]]) -> dict[str, torch.Tensor]:
@@ -389,7 +406,7 @@ def _kv_scales(layers: list[str], kv_amax: Mapping[str, tuple[float, float]]) ->
                          "attention did not run through transformers' attention functions); leave --kv-cache out")
     for a in layers:
         for p, v in zip("kv", kv_amax[a]):
-            if not 0 < float(v) <= torch.finfo(torch.float32).max:
+            if not usable_amax(v):
                 raise ValueError(f"{a}: the calibrated {p} amax is {float(v)}; calibrate over another text")
             out[f"{a}.{p}_proj.{p}_scale"] = torch.tensor(float(v), dtype=torch.float32) / nvfp4.E4M3_MAX
     return out
