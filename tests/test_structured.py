@@ -14,7 +14,7 @@ import torch
 
 from pieceworks import AsyncEngine, Engine, SamplingParams, StructuredOutputsParams
 from pieceworks.engine.sampler import Sampler, SamplingState
-from pieceworks.engine.structured import Grammars, TokenMask, grammar_stop, grammar_text
+from pieceworks.engine.structured import Grammars, TokenMask, end_progress, grammar_stop, grammar_text
 from pieceworks.errors import RequestError
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
@@ -345,6 +345,55 @@ def test_a_token_the_grammar_refuses_ends_the_completion_with_an_error(engine):
     assert out.finish_reason == "error" and "does not continue the request's choice" in out.error
     assert out.error_param == "structured_outputs"  # the request's own options conflict: a 400 over HTTP
     assert run(engine, ["Hi"], temperature=0, max_tokens=2)[0].finish_reason == "length"
+
+
+def test_a_grammar_that_matches_no_text_ends_with_an_error_not_a_stop(engine):
+    """llguidance compiles these, then its matcher falls into its error state and lets only EOS through: the
+    completion ends with "error" (not "stop" with text the grammar does not match), with or without ignore_eos,
+    in synchronous and async steps."""
+    sync = Engine.from_config(engine.executor.cfg, ["scheduler.async_steps=false"], progress=False)
+    try:
+        for spec in (StructuredOutputsParams(regex=r"ab[^\s\S]"),
+                     StructuredOutputsParams(grammar='start: "ab" X\nX: /[^\s\S]/')):
+            for eng in (engine, sync):
+                for ignore_eos in (False, True):
+                    out, = run(eng, ["Say something."], temperature=0, max_tokens=10, structured_outputs=spec,
+                               ignore_eos=ignore_eos)
+                    assert out.finish_reason == "error" and "matches no text" in out.error, (spec, out.error)
+                    assert out.error_param == "structured_outputs"
+        assert sync.stats()["kv_pages_used"] == 0 and run(engine, ["Hi"], temperature=0, max_tokens=2)[0].token_ids
+    finally:
+        sync.close()
+
+
+def test_a_reasoning_end_whose_tokens_repeat_is_found():
+    assert [end_progress((4, 4, 5), k, t) for k, t in ((0, 4), (1, 4), (2, 4), (2, 5))] == [1, 2, 2, 3]
+    assert end_progress((4, 5, 4, 6), 3, 5) == 2 and end_progress((4, 5), 1, 7) == 0 and end_progress((4,), 0, 4) == 1
+    req = type("R", (), {"thinking": ((4, 4, 5), 0), "matcher": None})()
+    for tok in (4, 4, 4):
+        grammar_stop(req, tok)
+    assert req.thinking == ((4, 4, 5), 2)
+    grammar_stop(req, 5)
+    assert req.thinking is None
+
+
+def test_json_schema_true_is_any_value_and_false_is_refused(engine):
+    with pytest.raises(RequestError, match="the schema false, which no JSON value matches"):
+        StructuredOutputsParams(json="false")
+    for text in ('{"a": [1, true, null]}', '"x"', "[]", "2.5"):  # any value, and then the end
+        m, = engine.grammars.matchers(StructuredOutputsParams(json="true"), 1)
+        assert all(m.consume_token(t) for t in engine.tokenizer.encode(text, add_special_tokens=False)), text
+        assert m.is_accepting() and not m.is_error(), text
+    out, = run(engine, [chat(engine, "Is the sky blue? Answer true or false.")], temperature=0, max_tokens=12,
+               structured_outputs=StructuredOutputsParams(json="true"))
+    assert out.finish_reason in ("stop", "length") and out.text, out
+
+
+def test_a_completed_grammar_ends_before_min_tokens(engine):
+    """docs/sampling.md: min_tokens holds back EOS and stop ids; a grammar that is complete admits no token."""
+    out, = run(engine, [chat(engine, "Yes or no?")], temperature=0, max_tokens=10, min_tokens=6,
+               structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    assert out.finish_reason == "stop" and out.text in ("yes", "no") and len(out.token_ids) < 6
 
 
 def test_refusals_without_a_tokenizer_or_llguidance(monkeypatch):

@@ -299,8 +299,10 @@ class Engine:
         if req.detok is not None and not stop_token:
             req.detok.add(tok)
         reason = req.stop_reason(stop_token, self.max_context)
-        if reason is None and req.matcher is not None:
-            reason = grammar_stop(req, tok) if grammar is ADVANCE else grammar
+        if req.matcher is not None and (reason is None or stop_token):  # an EOS the grammar allowed in error
+            outcome = grammar_stop(req, tok) if grammar is ADVANCE else grammar
+            if reason is None or outcome == "error":
+                reason = outcome
             if reason == "error":
                 req.error, req.error_param = grammar_error(req, tok), "structured_outputs"
         if reason is not None:

@@ -106,6 +106,9 @@ class StructuredOutputsParams:
                 raise RequestError(f"{where}.json is not valid JSON: {exc}") from None
             if not isinstance(schema, (dict, bool)):
                 raise RequestError(f"{where}.json must be a JSON schema (an object), got {self.json!r}")
+            if schema is False:
+                raise RequestError(f"{where}.json is the schema false, which no JSON value matches; give a schema "
+                                   "that some value satisfies (true, or {}, for any value)")
         elif self.json is not None and not isinstance(self.json, dict):
             raise RequestError(f"{where}.json must be a JSON schema (a dict or its JSON text), got {_shown(self.json)}")
         for name in ("regex", "grammar"):

@@ -45,6 +45,8 @@ def grammar_text(llg: Any, spec: StructuredOutputsParams) -> str:
     kind = spec.kind
     if kind in ("json", "json_object"):
         schema = spec.json if kind == "json" else '{"type": "object"}'
+        if isinstance(schema, str) and schema.strip() == "true":
+            schema = "{}"  # the boolean schema: any value (llguidance applies its options to object schemas only)
         options = {"whitespace_flexible": not spec.disable_any_whitespace}
         return llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if kind == "regex":
@@ -222,20 +224,32 @@ def grammar_stop(req: Request, tok: int) -> str | None:
     reasons (`Request.thinking`) the token only counts towards the reasoning's end."""
     if req.thinking is not None:
         end, k = req.thinking
-        k = k + 1 if tok == end[k] else int(tok == end[0])
+        k = end_progress(end, k, tok)
         req.thinking = None if k == len(end) else (end, k)
         return None
     matcher = req.matcher
-    if not matcher.consume_token(tok):
+    if not matcher.consume_token(tok) or matcher.is_error():
         return "error"
     return "stop" if matcher.is_stopped() else None
+
+
+def end_progress(end: tuple[int, ...], k: int, tok: int) -> int:
+    """How many of `end`'s tokens the output ends with after `tok`, where it ended with the first k: the longest
+    prefix of `end` that is a suffix of end[:k] + (tok,) (a marker whose tokens repeat, e.g. (a, a, b) after
+    a, a, a, is still found)."""
+    seen = end[:k] + (tok,)
+    for n in range(min(len(seen), len(end)), 0, -1):
+        if seen[len(seen) - n:] == end[:n]:
+            return n
+    return 0
 
 
 def grammar_error(req: Request, tok: int) -> str:
     """The error of a completion whose matcher refused `tok` (`grammar_stop`'s "error")."""
     return (f"structured_outputs: the sampled token {tok} does not continue the request's "
-            f"{req.params.structured_outputs.kind} (no token was allowed both by it and by the other sampling "
-            f"options, e.g. allowed_token_ids): {req.matcher.get_error().strip() or 'refused'}")
+            f"{req.params.structured_outputs.kind}: either it matches no text (e.g. an empty character class), or no "
+            "token was allowed both by it and by the other sampling options (e.g. allowed_token_ids): "
+            f"{req.matcher.get_error().strip() or 'refused'}")
 
 
 ADVANCE = "advance"  # `Engine._accept`'s grammar outcome where the matcher is still to take the token
