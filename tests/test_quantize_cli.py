@@ -159,6 +159,19 @@ def test_an_amax_whose_input_scale_is_not_a_normal_float32_is_refused(tiny_bf16,
     assert not (tmp_path / "q").exists()
 
 
+def test_linears_whose_input_size_is_not_a_multiple_of_16_are_named(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=40, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    with pytest.warns(UserWarning, match=r"6 linear\(s\) stay in torch.bfloat16 because their input size is not a "
+                                         r"multiple of 16 \(e.g. model.layers.0.mlp.gate_proj: K = 40\)"):
+        assert main(["quantize", str(tmp_path / "src"), str(tmp_path / "q"), "--amax", "8", "--no-progress"]) == 0
+    assert set(_input_scales(tmp_path / "q")) == {"model.layers.0.mlp.down_proj.input_scale"}
+
+
 def test_max_shard_size_forms():
     """Sizes in the accepted forms; a positive size under one byte is refused by the flag's name, not passed on
     as 0 to the shard writer ("max_shard_bytes must be positive")."""

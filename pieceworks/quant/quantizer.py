@@ -284,6 +284,12 @@ def quantize_checkpoint(
                          "pieceworks keeps in the model dtype; leave --kv-cache out")
     patterns = list(DEFAULT_EXCLUDE) + _mtp_patterns(config, reader) + list(exclude or [])
     linears, unquantized = _plan(reader, patterns)
+    odd = [m for m in unquantized if reader.shape(f"{m}.weight")[1] % nvfp4.BLOCK
+           and not any(fnmatchcase(m, p) or fnmatchcase(m, p + ".*") for p in patterns)]
+    if odd:  # NVFP4 scales blocks of 16 along K
+        warnings.warn(f"{len(odd)} linear(s) stay in {reader.dtype(odd[0] + '.weight')} because their input size is "
+                      f"not a multiple of 16 (e.g. {odd[0]}: K = {reader.shape(odd[0] + '.weight')[1]}); they are "
+                      "listed in exclude_modules", stacklevel=2)
     _check_patterns(exclude or [], [lin.module for lin in linears.values()] + unquantized, src)
     if config.get("tie_word_embeddings", True) and not reader.has("lm_head.weight"):
         unquantized.append("lm_head")  # tied to the embeddings: a module without its own tensor
