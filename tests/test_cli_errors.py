@@ -194,6 +194,11 @@ def test_serve_checks_where_it_listens_before_the_model_loads(capsys, monkeypatc
         port = held.getsockname()[1]
         assert cli.main(["serve", *LLAMA, "--port", str(port)]) == 2
     assert f"--host 127.0.0.1 --port {port}: can't listen there (Address already in use)" in capsys.readouterr().err
+    from pieceworks.serve.cli import bind_address
+
+    with bind_address("127.0.0.1", 0) as first:  # a second server started at the same moment: refused at once
+        with pytest.raises(ValueError, match="can't listen there"):
+            bind_address("127.0.0.1", first.getsockname()[1]).close()
 
     def unresolved(*args, **kwargs):
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")

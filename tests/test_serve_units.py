@@ -195,6 +195,69 @@ def test_bench_refuses_a_server_without_a_model_list():
             asyncio.run(models(lambda req, answer=answer: answer))
 
 
+def _sse(*events) -> bytes:
+    return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events).encode()
+
+
+def test_bench_counts_aborted_cut_and_slow_requests_as_failed():
+    """A stream the server aborts (finish_reason abort: a restart, a shutdown's drain), one that ends without a
+    finish_reason, and one past --timeout are failures, with what they got; a finished one is not."""
+    import httpx
+
+    def chunk(ids, finish=None):
+        return {"choices": [{"index": 0, "text": "", "token_ids": ids, "finish_reason": finish}]}
+
+    async def drive(body: bytes, timeout=None, delay=0.0):
+        async def handler(req):
+            await asyncio.sleep(delay)
+            return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            rec = bench.RequestRecord(prompt_tokens=3, start=0.0)
+            await bench.http_driver(client, "http://host", "m", timeout)(bench.WorkItem([1, 2, 3], 3, 4), rec)
+            return rec
+
+    done = asyncio.run(drive(_sse(chunk([5, 6]), chunk([7, 8], "length"), "[DONE]")))
+    assert done.ok and done.output_tokens == 4
+    aborted = asyncio.run(drive(_sse(chunk([5]), chunk([], "abort"), "[DONE]")))
+    assert not aborted.ok
+    assert aborted.error == "the server aborted the request after 1 of 4 tokens (finish_reason abort)"
+    cut = asyncio.run(drive(_sse(chunk([5, 6]))))
+    assert not cut.ok and "ended after 2 of 4 tokens without a finish_reason" in cut.error
+    slow = asyncio.run(drive(_sse(chunk([5, 6, 7, 8], "length"), "[DONE]"), timeout=0.05, delay=0.5))
+    assert not slow.ok and slow.error == "not done within --timeout 0.05 s (0 of 4 tokens)"
+
+
+def test_bench_result_json_is_strict_and_a_model_card_without_a_vocabulary_is_named(tmp_path):
+    import httpx
+
+    result = {"request_rate": math.inf, "ttft_ms": {"p50": math.nan, "mean": 2.5}, "runs": [math.inf, 1]}
+    assert bench.finite(result) == {"request_rate": None, "ttft_ms": {"p50": None, "mean": 2.5}, "runs": [None, 1]}
+    json.dumps(bench.finite(result), allow_nan=False)
+
+    def server(req):  # another OpenAI-compatible server: its model cards have no vocab_size
+        return httpx.Response(200, json={"data": [{"id": "m", "object": "model"}]})
+
+    args = bench_args(["--url", "http://host"])
+    real = httpx.AsyncClient
+    try:
+        httpx.AsyncClient = lambda **kw: real(transport=httpx.MockTransport(server), **kw)
+        with pytest.raises(ValueError, match="lists 'm' without its vocab_size .* give text prompts with --dataset"):
+            asyncio.run(bench._bench_http(args))
+    finally:
+        httpx.AsyncClient = real
+
+
+def bench_args(argv: list[str]):
+    import argparse
+
+    from pieceworks.serve.cli import add_bench_arguments
+
+    p = argparse.ArgumentParser()
+    add_bench_arguments(p)
+    return p.parse_args(argv)
+
+
 # ---- request -> SamplingParams ---------------------------------------------------------------------
 
 

@@ -118,6 +118,12 @@ def test_a_server_stream_closed_before_its_first_step_gives_its_queue_places_bac
         await steps.__anext__()
         await steps.aclose()
         assert srv.num_queued == 0
+        two = SamplingParams(max_tokens=3, n=2)  # a prompt's n completions take n places
+        steps = srv.steps([PROMPT], [two], "n2")
+        assert srv.num_queued == 2
+        with pytest.raises(Overloaded):
+            srv.steps([PROMPT, PROMPT], [short, short], "over")
+        assert len([s async for s in steps]) == 6 and srv.num_queued == 0
         await until_done(srv.engine)
 
     with AsyncEngine(make()) as aeng:

@@ -186,10 +186,17 @@ async def _sse_events(response: Any) -> AsyncIterator[dict]:
         yield json.loads(data)
 
 
-def http_driver(client: Any, url: str, model: str) -> Driver:
-    """Streams /v1/completions of the server at `url` (greedy, ignore_eos, token ids returned)."""
+def http_driver(client: Any, url: str, model: str, timeout: float | None = None) -> Driver:
+    """Streams /v1/completions of the server at `url` (greedy, ignore_eos, token ids returned); a request not done
+    within `timeout` seconds (from its start to its last event) fails."""
 
     async def drive(item: WorkItem, rec: RequestRecord) -> None:
+        try:
+            await asyncio.wait_for(stream(item, rec), timeout)
+        except asyncio.TimeoutError:
+            rec.error = f"not done within --timeout {timeout:g} s ({rec.output_tokens} of {item.output_len} tokens)"
+
+    async def stream(item: WorkItem, rec: RequestRecord) -> None:
         body = {"model": model, "prompt": item.prompt, "max_tokens": item.output_len, "temperature": 0.0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
                 "return_token_ids": True}
@@ -197,6 +204,7 @@ def http_driver(client: Any, url: str, model: str) -> Driver:
             if resp.status_code != 200:
                 rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
                 return
+            finish = None
             async for ev in _sse_events(resp):
                 if "error" in ev:
                     rec.error = ev["error"].get("message", "error event")
@@ -204,11 +212,23 @@ def http_driver(client: Any, url: str, model: str) -> Driver:
                 t = time.perf_counter()
                 for ch in ev.get("choices", []):
                     rec.add_chunk(t, len(ch.get("token_ids") or []))
+                    finish = ch.get("finish_reason") or finish
                 if ev.get("usage"):
                     rec.prompt_tokens = ev["usage"]["prompt_tokens"]
         rec.end = time.perf_counter()
+        rec.error = cut_short(finish, rec.output_tokens, item.output_len)
 
     return drive
+
+
+def cut_short(finish: str | None, got: int, asked: int) -> str | None:
+    """The error of a request that did not run its course (a failed one in the results): the server aborted it
+    (a restart, a shutdown's drain), or its stream ended without a finish_reason; None for one that finished."""
+    if finish == "abort":
+        return f"the server aborted the request after {got} of {asked} tokens (finish_reason abort)"
+    if finish is None:
+        return f"the stream ended after {got} of {asked} tokens without a finish_reason"
+    return None
 
 
 def engine_driver(engine: Any) -> Driver:
@@ -221,11 +241,15 @@ def engine_driver(engine: Any) -> Driver:
             prompt = engine.tokenizer.encode(prompt)
             rec.prompt_tokens = len(prompt)
         params = SamplingParams(max_tokens=item.output_len, temperature=0.0, ignore_eos=True)
+        finish = None
         async for out in engine.generate(prompt, params):
             rec.add_chunk(time.perf_counter(), len(out.new_token_ids))
-            if out.finished and out.finish_reason == "error":
-                rec.error = out.error or "engine error"
+            if out.finished:
+                finish = out.finish_reason
+                if finish == "error":
+                    rec.error = out.error or "engine error"
         rec.end = time.perf_counter()
+        rec.error = rec.error or cut_short(finish, rec.output_tokens, item.output_len)
 
     return drive
 
@@ -305,9 +329,15 @@ async def _bench_http(args: Any) -> dict:
             raise ValueError(f"--model {args.model!r}: the server serves {[m['id'] for m in models]}")
         if args.dataset is not None:
             await _check_server_tokenizes(client, url, card["id"], args.dataset)
-        items = _workload(args, card["vocab_size"], card["max_model_len"])
-        records, duration = await run_workload(items, http_driver(client, url, card["id"]), args.request_rate,
-                                               args.max_concurrency, args.seed, not args.no_progress)
+        if args.dataset is None and not isinstance(card.get("vocab_size"), int):
+            raise ValueError(f"the server at {url} lists {card.get('id')!r} without its vocab_size (a field of "
+                             "`pieceworks serve`'s model cards), which random token-id prompts need; give text "
+                             "prompts with --dataset FILE")
+        max_len = card.get("max_model_len")
+        items = _workload(args, card.get("vocab_size"), max_len if isinstance(max_len, int) else 1 << 62)
+        records, duration = await run_workload(items, http_driver(client, url, card["id"], args.timeout),
+                                               args.request_rate, args.max_concurrency, args.seed,
+                                               not args.no_progress)
     return {"backend": "http", "url": url, "model": card["id"], **summarize(records, duration)}
 
 
@@ -321,6 +351,18 @@ async def _bench_engine(engine: Any, args: Any) -> dict:
     records, duration = await run_workload(items, engine_driver(engine), args.request_rate, args.max_concurrency,
                                            args.seed, not args.no_progress)
     return {"backend": "engine", "model": engine.model_name, **summarize(records, duration)}
+
+
+def finite(value: Any) -> Any:
+    """`value` with its non-finite floats as None (JSON's null: strict parsers refuse NaN and Infinity), e.g. the
+    request rate inf (all at once) and the percentiles of a run in which every request failed."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
 
 
 def run_bench(args: Any, cfg: Any = None) -> int:
@@ -342,6 +384,6 @@ def run_bench(args: Any, cfg: Any = None) -> int:
             f"rate {args.request_rate})"
     print(format_table(result, title))
     if args.result_json is not None:
-        Path(args.result_json).write_text(json.dumps(result, indent=2, allow_nan=True) + "\n")
+        Path(args.result_json).write_text(json.dumps(finite(result), indent=2, allow_nan=False) + "\n")
         print(f"wrote {args.result_json}")
     return 0 if result["failed"] == 0 else 1

@@ -34,7 +34,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model name clients pass (default: the model's path or preset)")
     p.add_argument("--max-queue", type=int, default=256, metavar="N",
-                   help="requests waiting for their first token before new ones get 503 (default 256)")
+                   help="completions waiting for their first token before new requests get 503 (default 256)")
     p.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",
                    help="on SIGTERM or Ctrl-C, seconds the requests in flight get to finish before they end with "
                         "finish_reason abort (default 5)")
@@ -66,7 +66,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="Poisson arrivals at this many requests/s (default inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, metavar="C", help="at most C requests in flight")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per HTTP request (default 600)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a request may take, from its start to its last token (default 600); one past it fails")
     p.add_argument("--result-json", type=Path, default=None, metavar="PATH", help="write the result here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -126,9 +127,12 @@ def _need_serve_extra(*modules: str) -> None:
 
 
 def bind_address(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port (port 0: a free port the OS picks) that uvicorn listens on, so the port the
-    server logs is the one it serves. ValueError unless this process can bind there now (checked before the
-    model loads: a typo in --host or a port another server holds would otherwise show after the load)."""
+    """A socket bound to host:port (port 0: a free port the OS picks) and listening, that uvicorn serves on, so the
+    port the server logs is the one it serves. ValueError unless this process can bind there now (checked before
+    the model loads: a typo in --host or a port another server holds would otherwise show after the load). It
+    listens at once: two sockets bound with SO_REUSEADDR may share a port until one listens, so a second server
+    started beside this one is refused here, not after its load. Connections made during the load wait in the
+    backlog until uvicorn serves them."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET  # uvicorn's choice of family
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM,
@@ -140,6 +144,7 @@ def bind_address(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
     try:
         sock.bind(addr)
+        sock.listen(2048)  # uvicorn's backlog
     except OSError as exc:
         sock.close()
         raise ValueError(f"--host {host} --port {port}: can't listen there ({exc.strerror or exc}); another "

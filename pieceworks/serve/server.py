@@ -33,9 +33,9 @@ class EngineFailure(RuntimeError):
 
 
 class StepStream:
-    """`Server.steps`' stream of `Step`s. Its generator gives the prompts' places in the queue back as their first
-    tokens arrive and the rest when it ends; a stream closed before its first step (a handler cancelled before its
-    task ran) never started that generator, and `aclose` gives them back here."""
+    """`Server.steps`' stream of `Step`s. Its generator gives the completions' places in the queue back as their
+    prompts' first tokens arrive and the rest when it ends; a stream closed before its first step (a handler
+    cancelled before its task ran) never started that generator, and `aclose` gives them back here."""
 
     def __init__(self, srv: "Server", gen: AsyncIterator[Step], queued: int) -> None:
         self._srv, self._gen, self._queued = srv, gen, queued
@@ -93,11 +93,11 @@ class Server:
         if num_prompts * n > self.max_queue:  # n completions each: as many sequences as n separate requests
             raise BadRequest(f"{num_prompts} prompt(s) x n = {n} completions exceed the server's queue of "
                              f"{self.max_queue}: lower n or send several requests", param="n")
-        if self.num_queued + num_prompts > self.max_queue:
+        if self.num_queued + num_prompts * n > self.max_queue:
             self.metrics.rejected += 1
-            raise Overloaded(f"the server is at its limit of {self.max_queue} requests waiting for a first "
+            raise Overloaded(f"the server is at its limit of {self.max_queue} completions waiting for a first "
                              f"token; retry after {RETRY_AFTER_S} s")
-        self.num_queued += num_prompts
+        self.num_queued += num_prompts * n
 
     def steps(self, prompts: list[list[int]], params: list[Any], base_id: str, priority: int = 0,
               reasoning: bool = True) -> "StepStream":
@@ -108,7 +108,8 @@ class Server:
         Closing or cancelling the stream aborts every request still running (the pages return).
         """
         self.admit(len(prompts), params[0].n)
-        return StepStream(self, self._steps(prompts, params, base_id, priority, reasoning), len(prompts))
+        gen = self._steps(prompts, params, base_id, priority, reasoning)
+        return StepStream(self, gen, len(prompts) * params[0].n)
 
     async def _steps(self, prompts: list[list[int]], params: list[Any], base_id: str, priority: int,
                      reasoning: bool) -> AsyncIterator[Step]:
@@ -150,9 +151,9 @@ class Server:
                 c = choices.setdefault(i * n + out.index, Choice(i * n + out.index, start, prompt_ids=prompts[i]))
                 if out.prompt_logprobs is not None:
                     c.prompt_logprobs = out.prompt_logprobs
-                if i in queued and out.new_token_ids:
+                if i in queued and out.new_token_ids:  # its completions stop waiting with the first token
                     queued.discard(i)
-                    self.num_queued -= 1
+                    self.num_queued -= n
                 if out.new_token_ids and c.first_token_at is None:
                     c.first_token_at = now
                     self.metrics.ttft.observe(now - start)
@@ -171,7 +172,7 @@ class Server:
                 yield Step(c, list(out.new_token_ids), delta, new_lp, out.finished)
         finally:
             reading = False
-            self.num_queued -= len(queued)
+            self.num_queued -= n * len(queued)
             self.in_flight.difference_update(ids)
             for t in tasks:
                 t.cancel()
