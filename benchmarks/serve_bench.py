@@ -49,7 +49,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def row(fmt: str, c: int, res: dict) -> list[str]:
-    ms = lambda key, p: f"{res[key][p]:.2f}"  # noqa: E731
+    ms = lambda key, p: "-" if res[key][p] is None else f"{res[key][p]:.2f}"  # noqa: E731  (null: no request ok)
     return [fmt, str(c), f"{res['completed']}/{res['completed'] + res['failed']}", f"{res['request_throughput']:.2f}",
             f"{res['output_throughput']:.0f}", ms("ttft_ms", "p50"), ms("ttft_ms", "p99"), ms("tpot_ms", "p50"),
             ms("tpot_ms", "p99"), ms("itl_ms", "p50"), ms("itl_ms", "p99")]
