@@ -69,6 +69,10 @@ def test_metrics_text_parses_and_counts():
     assert value[("pieceworks_spec_decode_num_draft_tokens_total", ())] == 12
     assert value[("pieceworks_spec_decode_num_accepted_tokens_total", ())] == 5
     assert value[("pieceworks_request_success_total", (("finished_reason", "length"),))] == 1
+    assert value[("pieceworks_request_success_total", (("finished_reason", "abort"),))] == 0  # a series from the start
+    empty = {s.labels["finished_reason"]: s.value for f in text_string_to_metric_families(ServerMetrics().render({}))
+             for s in f.samples if s.name == "pieceworks_request_success_total"}
+    assert empty == {"stop": 0, "length": 0, "abort": 0, "error": 0}
     assert fams["pieceworks_time_to_first_token_seconds"].type == "histogram"
     assert fams["pieceworks_request_success"].type == "counter"
     assert fams["pieceworks_prefix_cache_hit_tokens"].type == "counter"

@@ -20,6 +20,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
 PREFIX = "pieceworks_"
+FINISH_REASONS = ("stop", "length", "abort", "error")  # the engine's; request_success_total has a series for each
 
 
 @dataclass
@@ -100,9 +101,11 @@ class ServerMetrics:
         one("requests_rejected_total", "counter", "Requests refused with 503 because the queue was full.",
             self.rejected)
         one("requests_bad_total", "counter", "Requests refused with 400.", self.bad_requests)
+        # every reason from the start, at 0 until one is seen: a series that first appears with a count of 1 loses
+        # that count to rate() and increase()
+        reasons = sorted(set(FINISH_REASONS) | set(self.finished))
         metric("request_success_total", "counter", "Finished requests by finish reason.",
-               [f'{PREFIX}request_success_total{{finished_reason="{r}"}} {n}' for r, n in sorted(self.finished.items())]
-               or [f'{PREFIX}request_success_total{{finished_reason="stop"}} 0'])
+               [f'{PREFIX}request_success_total{{finished_reason="{r}"}} {self.finished[r]}' for r in reasons])
         metric("time_to_first_token_seconds", "histogram", "Time from arrival to the first generated token.",
                self.ttft.lines(f"{PREFIX}time_to_first_token_seconds"))
         metric("time_per_output_token_seconds", "histogram", "Mean time per generated token after the first.",
