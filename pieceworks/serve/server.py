@@ -104,7 +104,7 @@ class Server:
         """The engine's outputs for every prompt, merged; choice index = prompt * n + completion. `reasoning`:
         structured outputs wait for the reasoning's end where `--reasoning-parser` is set (chat answers only).
 
-        Takes the prompts' places in the queue first (`admit`: Overloaded or BadRequest, before anything runs).
+        Takes the completions' places in the queue first (`admit`: Overloaded or BadRequest, before anything runs).
         Closing or cancelling the stream aborts every request still running (the pages return).
         """
         self.admit(len(prompts), params[0].n)
