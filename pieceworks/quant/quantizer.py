@@ -155,8 +155,8 @@ def check_finite(src: Path, name: str, t: torch.Tensor) -> None:
 
 MIN_AMAX = torch.finfo(torch.float32).tiny * nvfp4.E2M1_MAX * nvfp4.E4M3_MAX
 """The smallest amax whose input_scale (amax / (6 * 448)) is a normal float32: below it the scale is 0 or subnormal, and
-the W4A4 path, which divides by it, computes inf and NaN (the loader refuses such scales). A KV scale (amax / 448)
-has the same bound, a little wider."""
+the W4A4 path, which divides by it, computes inf and NaN (the loader refuses such scales). K/V amax are held to it
+too (their scale, amax / 448, would stay normal down to a bound 6 times lower)."""
 
 
 def usable_amax(v) -> bool:
