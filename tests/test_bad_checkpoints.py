@@ -432,7 +432,8 @@ CONFIG_CASES = {
     "partial rotary 1.5": (_set(rope_parameters={"rope_theta": 1e4, "rope_type": "default",
                                                  "partial_rotary_factor": 1.5}),
                            "rope_parameters.partial_rotary_factor: 1.5 must be a number in (0, 1]"),
-    "partial rotary of one dimension": (_set(partial_rotary_factor=0.1),  # of head_dim 16
+    "partial rotary of one dimension": (_set(architectures=["Phi3ForCausalLM"], model_type="phi3",  # head_dim 16
+                                             partial_rotary_factor=0.1),
                                         "partial_rotary_factor: 0.1 rotates 1 of each head's dimensions"),
     "longrope factors of the wrong length": (
         _set(rope_parameters={"rope_theta": 1e4, "rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0],

@@ -10,6 +10,7 @@ models match transformers holding the export's weights dequantized (w4a16 numeri
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import shutil
@@ -385,6 +386,47 @@ def test_greedy_generate_matches_transformers(case):
         for _ in range(32):  # cache-free greedy reference
             seq.append(int(_ref_logits(model, seq)[-1].argmax()))
         assert got == seq[len(prompt):]
+
+
+IGNORED_BY_TRANSFORMERS = {
+    # transformers' Llama-style attention rotates whole heads whatever partial_rotary_factor says (Phi-3, GLM-4 read it)
+    "llama_partial_rotary": ("llama", dict(partial_rotary_factor=0.5), {}),
+    "qwen3_partial_rotary": ("qwen3", dict(head_dim=32, partial_rotary_factor=0.5), {}),
+    # Gemma3Attention keeps attn_logit_softcapping and never applies it
+    "gemma3_attn_softcap": ("gemma3_text", dict(head_dim=32, sliding_window=8, num_hidden_layers=2,
+                                                query_pre_attn_scalar=24, attn_logit_softcapping=0.05), {}),
+    # transformers' DeepSeek-V2 always interleaves its rope
+    "deepseek_v2_rope_interleave_false": ("deepseek_v2", dict(q_lora_rank=None, topk_method="greedy",
+                                                              n_shared_experts=1, first_k_dense_replace=1),
+                                          {"rope_interleave": False}),
+    # a top-level original_max_position_embeddings wins over the rope settings' (standardize_rope_params)
+    "qwen2_yarn_top_level_original_context": ("qwen2", dict(rope_parameters=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=64, rope_theta=1e4)),
+        {"original_max_position_embeddings": 16}),
+}
+
+
+@pytest.mark.parametrize("name", list(IGNORED_BY_TRANSFORMERS))
+def test_config_keys_read_as_transformers_reads_them(name, tmp_path):
+    """Config keys that transformers ignores (or reads with another precedence) for a model: pieceworks computes
+    what transformers' model of the saved config.json computes. The q/k projections are scaled up so that the rope
+    and the attention scores show in the logits."""
+    from transformers import AutoModelForCausalLM
+
+    arch, overrides, edit = IGNORED_BY_TRANSFORMERS[name]
+    model = _hf_model(arch, overrides)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if re.search(r"\.(q_proj|k_proj|kv_a_proj_with_mqa)\.weight$", n):
+                p.mul_(3.0)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **edit}))
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = _prompt(45, seed=1)
+    ex = _executor(tmp_path)
+    _assert_close(ex.score([ids])[0], _ref_logits(ref, ids))
+    _assert_close(score_chunked(ex, [ids], max_step_tokens=15)[0], _ref_logits(ref, ids))
 
 
 def test_models_trace_in_one_graph(case):

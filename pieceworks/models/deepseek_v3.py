@@ -80,7 +80,7 @@ class DeepseekV3Args:
         hf_fields.check(hf, "deepseek_v3")
         hf = with_defaults(hf)  # transformers' defaults of the family where they are not this class's
         v2 = hf.get("model_type") == "deepseek_v2" or "DeepseekV2ForCausalLM" in (hf.get("architectures") or [])
-        for key in ("rope_interleave",) if v2 else ("norm_topk_prob", "rope_interleave"):  # true when absent
+        for key in () if v2 else ("norm_topk_prob", "rope_interleave"):  # true when absent
             if key in hf and hf[key] is None:
                 raise CheckpointError(f"config.json: {key} is null; transformers reads null as false, pieceworks' "
                                       "default is true: write true or false")
@@ -126,7 +126,7 @@ class DeepseekV3Args:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            rope_interleave=hf.get("rope_interleave", True),
+            rope_interleave=True if v2 else hf.get("rope_interleave", True),  # transformers' V2 reads no such key
             rope=rope_parameters({"max_position_embeddings": 4096, **hf}),
             scoring_func="softmax" if v2 else "sigmoid",
             mlp_layer_types=tuple(hf.get("mlp_layer_types") or ()),

@@ -6,8 +6,8 @@ sandwich block as transformers' Gemma runs it, with
   attention backends that declare `windows` serve it), and Gemma 3's rotate with their own rope
   (`rope_local_base_freq`);
 - Gemma 3's q and k normalized per head before the rope; the attention scaled by `query_pre_attn_scalar` ** -0.5;
-  Gemma 2's attention scores and logits soft-capped (cap * tanh(x / cap): `attn_logit_softcapping`,
-  `final_logit_softcapping`);
+  Gemma 2's attention scores soft-capped (cap * tanh(x / cap): `attn_logit_softcapping`; a Gemma 3 config's is
+  ignored, as transformers' Gemma3Attention ignores it) and both models' logits (`final_logit_softcapping`);
 - RMSNorms that multiply by 1 + weight (the loader adds the 1: the model's norms multiply by their weight; in bf16
   the sum is rounded to bf16 where transformers keeps it float32), the embeddings times sqrt(hidden_size) rounded to
   the model dtype, and GeGLU (gelu with the tanh approximation) in the MLP, on the unfused path.
@@ -93,9 +93,12 @@ class Gemma3(SlidingLayers, Llama):
         a = self.args
         # sqrt(hidden_size) rounded to the model dtype, as transformers scales the embeddings
         self.normalizer = float(torch.tensor(a.hidden_size**0.5, dtype=dtype, device="cpu"))
-        # Gemma 2's soft-capping of the attention scores and of the logits (0: none; Gemma 3's)
+        # Gemma 2's soft-capping of the attention scores and of the logits (0: none). Gemma 3's configs may carry an
+        # attn_logit_softcapping that transformers' Gemma3Attention never applies: it is not applied here either.
         self.attn_softcap, self.logit_softcap = (float(hf.get(k) or 0.0) for k in ("attn_logit_softcapping",
                                                                                    "final_logit_softcapping"))
+        if family(hf) != "gemma2":
+            self.attn_softcap = 0.0
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.normalizer

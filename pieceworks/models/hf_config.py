@@ -173,10 +173,21 @@ def rotary_dim(hf: dict) -> int:
     return int(head_dim * partial_rotary_factor(hf, hf.get("rope_parameters") or hf.get("rope_scaling") or {}))
 
 
-def partial_rotary_factor(hf: dict, params: dict) -> Any:
-    """The rotated share of each head: the rope settings' partial_rotary_factor, else the config's, else 1.0."""
+PARTIAL_ROTARY = ("phi3", "glm4", "glm4_moe", "glm4_moe_lite")
+"""The models whose transformers attention rotates part of each head (partial_rotary_factor); the others' rotate
+all of it whatever their config says, and so does pieceworks (GLM-4.7-Flash's MLA rotates whole rope heads only:
+a factor below 1 is refused there)."""
+
+
+def given_partial_rotary_factor(hf: dict, params: dict) -> Any:
+    """The config's partial_rotary_factor: the rope settings', else the top-level one, else 1.0."""
     top = hf.get("partial_rotary_factor")
     return params.get("partial_rotary_factor", 1.0 if top is None else top)
+
+
+def partial_rotary_factor(hf: dict, params: dict) -> Any:
+    """The rotated share of each head: the given factor in `PARTIAL_ROTARY`'s models, 1.0 elsewhere."""
+    return given_partial_rotary_factor(hf, params) if family(hf) in PARTIAL_ROTARY else 1.0
 
 
 def rope_layers(hf: dict) -> tuple[bool, ...]:
@@ -206,7 +217,7 @@ def context_cap(hf: dict) -> tuple[int, str] | None:
                              "runs full attention, which equals the window's only while a sequence fits it"))
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if params.get("rope_type", params.get("type")) == "longrope":
-        old = params.get("original_max_position_embeddings", hf.get("original_max_position_embeddings", positions))
+        old = hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings", positions)
         caps.append((old, f"the model's longrope scaling (original_max_position_embeddings {old}): pieceworks "
                           "applies its short factors, which hold only while a sequence fits that context"))
     caps = [c for c in caps if c[0] < positions]
@@ -319,11 +330,11 @@ def check(hf: dict, arch: str) -> None:
                 raise FieldError(f"{key}.{name}", f"missing; {kind} rope needs it")
     for key in ("rope_scaling", "rope_parameters"):
         params = hf.get(key) or {}
-        partial = partial_rotary_factor(hf, params)
+        given, partial = given_partial_rotary_factor(hf, params), partial_rotary_factor(hf, params)
+        if not (_type_ok("float", given) and 0 < given <= 1):  # Phi-4-mini's 0.75 rotates part of each head
+            raise FieldError(f"{key}.partial_rotary_factor", f"{given!r} must be a number in (0, 1]")
         if arch != "llama" and partial != 1.0:
             raise FieldError(f"{key}.partial_rotary_factor", f"{partial!r}: pieceworks' {arch} rotates whole heads")
-        if not (_type_ok("float", partial) and 0 < partial <= 1):  # Phi-4-mini's 0.75 rotates part of each head
-            raise FieldError(f"{key}.partial_rotary_factor", f"{partial!r} must be a number in (0, 1]")
         if arch == "llama" and (rotary_dim(hf) < 2 or rotary_dim(hf) % 2):
             raise FieldError(f"{key}.partial_rotary_factor", f"{partial!r} rotates {rotary_dim(hf)} of each head's "
                              "dimensions; pieceworks rotates an even number of at least 2")

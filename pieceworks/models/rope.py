@@ -28,8 +28,10 @@ def rope_parameters(hf: dict) -> dict:
     params.setdefault("rope_type", params.pop("type", "default"))
     params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
     if params["rope_type"] in ("llama3", "yarn", "longrope"):
-        params.setdefault("original_max_position_embeddings",
-                          hf.get("original_max_position_embeddings", hf["max_position_embeddings"]))
+        top = hf.get("original_max_position_embeddings")
+        if top is not None:  # the top-level field wins, as in transformers' standardize_rope_params (Phi-3 writes it)
+            params["original_max_position_embeddings"] = top
+        params.setdefault("original_max_position_embeddings", hf["max_position_embeddings"])
     return params
 
 
