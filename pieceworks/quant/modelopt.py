@@ -78,10 +78,12 @@ class Fp4QuantConfig:
         A pattern matches by `fnmatch` (`*` also crosses dots); a pattern also covers the modules
         below it (`model.layers.1.mlp.experts` covers `model.layers.1.mlp.experts.0.up_proj`).
         """
-        return any(
-            fnmatchcase(module_name, p) or fnmatchcase(module_name, p + ".*")
-            for p in self.exclude_modules
-        )
+        return covered(module_name, self.exclude_modules)
+
+
+def covered(module: str, patterns) -> bool:
+    """Whether an exclude pattern covers `module` (`Fp4QuantConfig.is_excluded`'s rule, the quantizer's too)."""
+    return any(fnmatchcase(module, p) or fnmatchcase(module, p + ".*") for p in patterns)
 
 
 _MIXTRAL_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}

@@ -18,8 +18,8 @@ shared inputs; here they are named, which covers the Llama and DeepSeek-V3 famil
 
 `input_scale = amax / (6 * 448)`, with amax fixed (`amax=`), calibrated by max over a text
 (`calib_text=`, runs the bf16 model with transformers), or given per module (`input_amax=`, e.g. from
-`calibrate.calibrate_input_amax`). A linear the calibration never reached gets amax 6.0, ModelOpt's
-substitute for an empty calibration, and a warning. `kv_cache="fp8"` adds each attention layer's
+`calibrate.calibrate_input_amax`); `scales.py` turns them into scales. A linear the calibration never reached gets
+amax 6.0, ModelOpt's substitute for an empty calibration, and a warning. `kv_cache="fp8"` adds each attention layer's
 `k_proj.k_scale` / `v_proj.v_scale` (the calibrated key / value amax / 448) and says so in both configs.
 
 Streaming: a first pass reads only the weights of fused groups (for their shared amax), the second
@@ -33,7 +33,6 @@ import errno
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
 from pathlib import Path
 
 import torch
@@ -41,8 +40,10 @@ import torch
 from pieceworks.models.checkpoint import CheckpointReader
 from pieceworks.models.loader import checked_config
 from pieceworks.quant import nvfp4
-from pieceworks.quant.export_config import summarize_exclude, write_configs
+from pieceworks.quant.modelopt import covered
+from pieceworks.quant.export_config import write_configs
 from pieceworks.quant.output_dir import Staging, check_dirs, check_space, copied_files
+from pieceworks.quant.scales import MIN_AMAX, input_amaxes, kv_layers, kv_scales, usable_amax
 from pieceworks.quant.shard_writer import ShardedWriter, TensorSpec
 
 DEFAULT_EXCLUDE = (
@@ -62,7 +63,6 @@ FUSED_SIBLINGS = (
     ("q_a_proj", "kv_a_proj_with_mqa"),
     ("q_proj", "kv_a_proj_with_mqa"),
 )
-UNCALIBRATED_AMAX = 6.0  # ModelOpt's substitute (the quantizer's maxbound) for a zero/missing amax
 _SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ROW_CHUNK_ELEMS = 1 << 24
 
@@ -82,7 +82,7 @@ def _plan(reader: CheckpointReader, patterns: list[str]) -> tuple[dict[str, _Lin
             continue
         module = name[: -len(".weight")]
         n, k = reader.shape(name)
-        excluded = any(fnmatchcase(module, p) or fnmatchcase(module, p + ".*") for p in patterns)
+        excluded = covered(module, patterns)
         if excluded or k % nvfp4.BLOCK or reader.dtype(name) not in _SOURCE_DTYPES:
             unquantized.append(module)
         else:
@@ -94,7 +94,7 @@ def _check_patterns(patterns: list[str], modules: list[str], src) -> None:
     """Every --exclude pattern matches a module with a 2-D weight (one that matches none is a typo, and the
     layers it meant would be quantized)."""
     for p in patterns:
-        if not any(fnmatchcase(m, p) or fnmatchcase(m, p + ".*") for m in modules):
+        if not any(covered(m, [p]) for m in modules):
             hint = "; name the module, without .weight" if p.endswith(".weight") else ""
             raise ValueError(f"--exclude {p!r} matches no module of {src} (names look like {modules[0]}; a "
                              f"pattern is an fnmatch glob, e.g. model.layers.0.*){hint}")
@@ -152,44 +152,6 @@ def check_finite(src: Path, name: str, t: torch.Tensor) -> None:
                      f"{float(t.abs().max()):.3g}), which overflow the first sum they enter; quantize needs weights "
                      "within that bound (fix or re-download the checkpoint)")
 
-
-MIN_AMAX = torch.finfo(torch.float32).tiny * nvfp4.E2M1_MAX * nvfp4.E4M3_MAX
-"""The smallest amax whose input_scale (amax / (6 * 448)) is a normal float32: below it the scale is 0 or subnormal, and
-the W4A4 path, which divides by it, computes inf and NaN (the loader refuses such scales). K/V amax are held to it
-too (their scale, amax / 448, would stay normal down to a bound 6 times lower)."""
-
-
-def usable_amax(v) -> bool:
-    """Whether an activation or K/V amax gives a usable scale: from MIN_AMAX to float32's largest value."""
-    return MIN_AMAX <= float(v) <= torch.finfo(torch.float32).max
-
-
-def _input_amax(
-    linears: dict[str, _Linear], groups, amax, calibrated: Mapping[str, float] | None
-) -> dict[str, float]:
-    modules = [lin.module for lin in linears.values()]
-    if calibrated is None:
-        return {m: float(amax) for m in modules}
-    out, missing = {}, []
-    for m in modules:
-        v = calibrated.get(m)
-        if v is None or v == 0.0:
-            missing.append(m)
-            v = UNCALIBRATED_AMAX
-        if not usable_amax(v):  # its input_scale would be NaN, inf, negative, zero or subnormal
-            raise ValueError(f"{m}: the calibrated activation amax is {float(v)} (the activations overflowed, or "
-                             "the calibration is broken); calibrate over another text, or pass a fixed --amax X")
-        out[m] = float(v)
-    if missing:
-        warnings.warn(
-            f"{len(missing)} linear(s) got no calibration data (e.g. {missing[0]}); their input_scale "
-            f"uses amax {UNCALIBRATED_AMAX} as ModelOpt does; use more calibration text",
-            stacklevel=3,
-        )
-    for group in groups:  # one input_scale per group: the max, as ModelOpt's export does
-        top = max(out[m] for m in group)
-        out.update({m: top for m in group})
-    return out
 
 
 def _quantize_rows(w: torch.Tensor, ws2: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -285,7 +247,7 @@ def quantize_checkpoint(
     patterns = list(DEFAULT_EXCLUDE) + _mtp_patterns(config, reader) + list(exclude or [])
     linears, unquantized = _plan(reader, patterns)
     odd = [m for m in unquantized if reader.shape(f"{m}.weight")[1] % nvfp4.BLOCK
-           and not any(fnmatchcase(m, p) or fnmatchcase(m, p + ".*") for p in patterns)]
+           and not covered(m, patterns)]
     if odd:  # NVFP4 scales blocks of 16 along K
         warnings.warn(f"{len(odd)} linear(s) stay in {reader.dtype(odd[0] + '.weight')} because their input size is "
                       f"not a multiple of 16 (e.g. {odd[0]}: K = {reader.shape(odd[0] + '.weight')[1]}); they are "
@@ -309,8 +271,9 @@ def quantize_checkpoint(
             TensorSpec(f"{lin.module}.weight_scale_2", torch.float32, ()),
             TensorSpec(f"{lin.module}.input_scale", torch.float32, ()),
         ]
-    kv_layers = _attention_layers(linears, unquantized) if kv_cache else []
-    specs += [TensorSpec(f"{a}.{p}_proj.{p}_scale", torch.float32, ()) for a in kv_layers for p in "kv"]
+    modules = [lin.module for lin in linears.values()]
+    kv_at = kv_layers(modules, unquantized) if kv_cache else []
+    specs += [TensorSpec(f"{a}.{p}_proj.{p}_scale", torch.float32, ()) for a in kv_at for p in "kv"]
     copied = copied_files(src)
     staging = Staging(dst)  # written there, renamed to dst when complete
     others = staging.clear_stale()  # killed runs' staging directories: before counting free space
@@ -321,8 +284,8 @@ def quantize_checkpoint(
         kv_amax = {} if kv_cache else None
         input_amax = calibrate_from_text(src, calib_text, check_weight=lambda name, t: check_finite(src, name, t),
                                          kv_amax=kv_amax, progress=progress)
-    in_amax = _input_amax(linears, groups, amax, input_amax)
-    kv_scales = _kv_scales(kv_layers, kv_amax) if kv_cache else {}
+    in_amax = input_amaxes(modules, groups, amax, input_amax)
+    kv = kv_scales(kv_at, kv_amax) if kv_cache else {}
 
     staging.create()
     writer = None
@@ -349,7 +312,7 @@ def quantize_checkpoint(
                     writer.write(f"{lin.module}.input_scale", amax_t / (nvfp4.E2M1_MAX * nvfp4.E4M3_MAX))
                 bar.advance(task, t.numel() * t.element_size())
                 del t
-            for name, scale in kv_scales.items():
+            for name, scale in kv.items():
                 writer.write(name, scale)
         write_configs(staging.path, config, unquantized, [lin.module for lin in linears.values()], copied,
                        "FP8" if kv_cache else None)
@@ -389,30 +352,4 @@ def _group_scales(src: Path, reader: CheckpointReader, groups, bar) -> dict[str,
             del w
         shared = torch.stack(scales).amax()
         out.update({m: shared for m in group})
-    return out
-
-
-def _attention_layers(linears: dict[str, "_Linear"], unquantized: list[str]) -> list[str]:
-    """The attention modules an FP8 KV cache's scales go to: every module with a k_proj and a v_proj, quantized or
-    not, but those the written exclude list covers whole (`summarize_exclude`), for which the loader, as ModelOpt's
-    export, expects none (their scales are 1.0); excluding a k_proj or v_proj alone leaves the KV cache quantized."""
-    quantized = [lin.module for lin in linears.values()]
-    modules = set(quantized) | set(unquantized)
-    excluded = summarize_exclude(unquantized, quantized)
-    layers = {m.rsplit(".", 1)[0] for m in modules
-              if m.endswith(".k_proj") and m.rsplit(".", 1)[0] + ".v_proj" in modules}
-    return sorted(a for a in layers if not any(fnmatchcase(a, p) or fnmatchcase(a, p + ".*") for p in excluded))
-
-
-def _kv_scales(layers: list[str], kv_amax: Mapping[str, tuple[float, float]]) -> dict[str, torch.Tensor]:
-    """Each layer's k_scale / v_scale: the calibrated amax / 448 (ModelOpt's FP8 KV export), float32 scalars."""
-    out, missing = {}, [a for a in layers if a not in kv_amax]
-    if missing or not layers:
-        raise ValueError(f"--kv-cache fp8: no key / value amax was calibrated for {missing[:3] or 'any layer'} (its "
-                         "attention did not run through transformers' attention functions); leave --kv-cache out")
-    for a in layers:
-        for p, v in zip("kv", kv_amax[a]):
-            if not usable_amax(v):
-                raise ValueError(f"{a}: the calibrated {p} amax is {float(v)}; calibrate over another text")
-            out[f"{a}.{p}_proj.{p}_scale"] = torch.tensor(float(v), dtype=torch.float32) / nvfp4.E4M3_MAX
     return out
