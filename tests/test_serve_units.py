@@ -200,7 +200,7 @@ def test_bench_refuses_a_server_without_a_model_list():
 
 
 def _sse(*events) -> bytes:
-    return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events).encode()
+    return "".join(map(sse, events)).encode()
 
 
 def test_bench_counts_aborted_cut_and_slow_requests_as_failed():
