@@ -232,7 +232,7 @@ def test_bench_counts_aborted_cut_and_slow_requests_as_failed():
     assert not slow.ok and slow.error == "not done within --timeout 0.05 s (0 of 4 tokens)"
 
 
-def test_bench_result_json_is_strict_and_a_model_card_without_a_vocabulary_is_named(tmp_path):
+def test_bench_result_json_is_strict_and_a_model_card_without_a_vocabulary_is_named(monkeypatch):
     import httpx
 
     result = {"request_rate": math.inf, "ttft_ms": {"p50": math.nan, "mean": 2.5}, "runs": [math.inf, 1]}
@@ -242,14 +242,10 @@ def test_bench_result_json_is_strict_and_a_model_card_without_a_vocabulary_is_na
     def server(req):  # another OpenAI-compatible server: its model cards have no vocab_size
         return httpx.Response(200, json={"data": [{"id": "m", "object": "model"}]})
 
-    args = bench_args(["--url", "http://host"])
     real = httpx.AsyncClient
-    try:
-        httpx.AsyncClient = lambda **kw: real(transport=httpx.MockTransport(server), **kw)
-        with pytest.raises(ValueError, match="lists 'm' without its vocab_size .* give text prompts with --dataset"):
-            asyncio.run(bench._bench_http(args))
-    finally:
-        httpx.AsyncClient = real
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real(transport=httpx.MockTransport(server), **kw))
+    with pytest.raises(ValueError, match="lists 'm' without its vocab_size .* give text prompts with --dataset"):
+        asyncio.run(bench._bench_http(bench_args(["--url", "http://host"])))
 
 
 def bench_args(argv: list[str]):

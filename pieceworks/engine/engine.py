@@ -299,7 +299,8 @@ class Engine:
         if req.detok is not None and not stop_token:
             req.detok.add(tok)
         reason = req.stop_reason(stop_token, self.max_context)
-        if req.matcher is not None and (reason is None or stop_token):  # an EOS the grammar allowed in error
+        # the grammar decides, on a stop token too: an EOS that a matcher in its error state let through is an error
+        if req.matcher is not None and (reason is None or stop_token):
             outcome = grammar_stop(req, tok) if grammar is ADVANCE else grammar
             if reason is None or outcome == "error":
                 reason = outcome

@@ -80,8 +80,8 @@ class DeepseekV3Args:
         hf_fields.check(hf, "deepseek_v3")
         hf = with_defaults(hf)  # transformers' defaults of the family where they are not this class's
         v2 = hf.get("model_type") == "deepseek_v2" or "DeepseekV2ForCausalLM" in (hf.get("architectures") or [])
-        for key in () if v2 else ("norm_topk_prob", "rope_interleave"):  # true when absent
-            if key in hf and hf[key] is None:
+        for key in ("norm_topk_prob", "rope_interleave"):  # true when absent (V2 reads neither: see below)
+            if not v2 and key in hf and hf[key] is None:
                 raise CheckpointError(f"config.json: {key} is null; transformers reads null as false, pieceworks' "
                                       "default is true: write true or false")
         hf = {k: v for k, v in hf.items() if v is not None}  # null is absent, as check() reads it

@@ -95,10 +95,8 @@ class Gemma3(SlidingLayers, Llama):
         self.normalizer = float(torch.tensor(a.hidden_size**0.5, dtype=dtype, device="cpu"))
         # Gemma 2's soft-capping of the attention scores and of the logits (0: none). Gemma 3's configs may carry an
         # attn_logit_softcapping that transformers' Gemma3Attention never applies: it is not applied here either.
-        self.attn_softcap, self.logit_softcap = (float(hf.get(k) or 0.0) for k in ("attn_logit_softcapping",
-                                                                                   "final_logit_softcapping"))
-        if family(hf) != "gemma2":
-            self.attn_softcap = 0.0
+        self.attn_softcap = float(hf.get("attn_logit_softcapping") or 0.0) if family(hf) == "gemma2" else 0.0
+        self.logit_softcap = float(hf.get("final_logit_softcapping") or 0.0)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.normalizer
