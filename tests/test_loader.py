@@ -87,6 +87,28 @@ def test_sizes_override_the_preset():
         preset_config("llama", "huge")
 
 
+def test_gpu_graph_models_describe_on_cpu():
+    """The model configurations of tests/gpu/test_graphs.py resolve here (on the meta device), and a case that names
+    a share of each head rotated gets it: a config a change elsewhere refuses, or reads otherwise, fails in CPU CI
+    rather than on the next GPU run."""
+    import importlib.util
+    from pathlib import Path
+
+    from pieceworks.models.hf_config import rotary_dim
+
+    spec = importlib.util.spec_from_file_location("gpu_graphs", Path(__file__).parent / "gpu" / "test_graphs.py")
+    gpu_graphs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_graphs)
+    for name, (model, fmt) in gpu_graphs.MODELS.items():
+        model_cfg = ModelConfig(**{**model, "max_context": 1024})
+        model_facts(model_cfg, QuantizationConfig(format=fmt), 16)
+        sizes = model.get("sizes", {})
+        if "partial_rotary_factor" in sizes and model["arch"] == "llama":
+            hf = preset_config(model["arch"], model["preset"], sizes)
+            head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+            assert rotary_dim(hf) == int(head_dim * sizes["partial_rotary_factor"]), name
+
+
 # --- checkpoints ---------------------------------------------------------------------------------
 
 

@@ -205,10 +205,9 @@ def reference():
     ["model.sizes.num_key_value_heads=4", *QWEN3_MOE, "parallel.expert_parallel=true"],  # whole experts per rank
     ["model.sizes.num_key_value_heads=4", *QWEN2_MOE],  # and a gated shared expert, its columns split
     ["model.sizes.num_key_value_heads=4", *QWEN2_MOE, "parallel.expert_parallel=true"],
-    # Granite's scalars (the residual one after the row-parallel sums) and half of each head rotated
+    # Granite's scalars (the residual one after the row-parallel sums)
     ["model.sizes.num_key_value_heads=2", "model.sizes.model_type=granite", "model.sizes.residual_multiplier=0.5",
-     "model.sizes.attention_multiplier=0.1", "model.sizes.embedding_multiplier=3.0",
-     "model.sizes.partial_rotary_factor=0.5"],
+     "model.sizes.attention_multiplier=0.1", "model.sizes.embedding_multiplier=3.0"],
     # GLM-4's q/k/v biases, interleaved rope over half of each head and sandwich norms
     ["model.sizes.num_key_value_heads=2", "model.sizes.model_type=glm4", "model.sizes.partial_rotary_factor=0.5"],
     # GLM-4.5's: grouped sigmoid routing with a shared expert after a dense layer, q/k/v biases and norms, half

@@ -42,7 +42,8 @@ MODELS = {
                                                                           "model_type": "qwen2"}}, "nvfp4"),
     # Phi-4-mini's rope: longrope's short factors over the 96 of 128 dimensions its partial_rotary_factor rotates
     "phi4-mini-rope-nvfp4": ({"arch": "llama", "preset": "llama-3.1-8b", "sizes": {
-        "num_hidden_layers": 4, "partial_rotary_factor": 0.75, "original_max_position_embeddings": 4096,
+        "num_hidden_layers": 4, "model_type": "phi3", "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": 4096,
         "rope_scaling": {"rope_type": "longrope", "rope_theta": 10000.0,
                             "short_factor": [1.0 + i / 16 for i in range(48)], "long_factor": [4.0] * 48}}}, "nvfp4"),
     # SmolLM3's NoPE layers (here every 2nd): their q/k/v GEMM takes no rope epilogue, the others' may
