@@ -749,3 +749,18 @@ def test_gemma3_multimodal_text_model_is_calibrated_under_its_checkpoint_names(t
     amax, reader = _calibrate_and_quantize(model, tmp_path, recwarn, "language_model.model.layers.1.mlp.down_proj")
     assert not [k for k in amax if k.startswith("model.")]
     assert not [n for n in reader.names() if "vision_tower" in n and n.endswith("weight_scale")]
+
+
+def test_exclude_patterns_that_take_src_and_dst_are_explained(tiny_bf16, tmp_path, capsys):
+    """`--exclude` takes one or more patterns, so SRC DST after it become patterns: the error says so and how to
+    write it; `--` ends the patterns."""
+    out = tmp_path / "q"
+    assert main(["quantize", "--exclude", "model.layers.0.*", str(tiny_bf16), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--exclude took {tiny_bf16} {out} as patterns" in err and "end its patterns with --" in err
+    assert not out.exists()
+    assert main(["quantize", "--amax", "8", "--no-progress", "--exclude", "model.layers.0.*", "--", str(tiny_bf16),
+                 str(out)]) == 0
+    assert (out / "hf_quant_config.json").exists()
+    assert main(["quantize", str(tiny_bf16)]) == 2
+    assert "quantize needs SRC and DST (pieceworks quantize SRC DST" in capsys.readouterr().err
