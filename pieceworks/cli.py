@@ -280,7 +280,9 @@ def _main(argv: list[str] | None) -> int:
         from pieceworks.util import setup_logging
 
         args, unknown = build_parser().parse_known_args(argv)
-        if unknown:
+        if unknown and isinstance(getattr(args, "config", None), list) and not any(a.startswith("-") for a in unknown):
+            args.config += unknown  # `CONFIG --flag X key=value`: the overrides after a flag, in their order
+        elif unknown:
             args.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
         command = f"pieceworks {args.command}"
         setup_logging(logging.DEBUG if args.verbose else logging.INFO)

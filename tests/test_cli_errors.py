@@ -58,6 +58,8 @@ CASES = {
     "prompts without a tokenizer": (["run", *LLAMA, "generation.prompts=[hello]"], 2,
                                     "generation.prompts: given, but the model has no tokenizer"),
     "text is a directory": (["eval-ppl", *LLAMA, "--text", "."], 2, "--text .: is a directory"),
+    "overrides on both sides of a flag": (["eval-ppl", LLAMA[0], "--text", ".", *LLAMA[1:]], 2,
+                                          "--text .: is a directory"),
     "unparsable override value": (["run", "model.arch=llama", "model.arch=[llama"], 2,
                                   "pieceworks run: error: model.arch: can't parse the value '[llama' (did not "
                                   "find expected ',' or ']'); quote it or fix the brackets"),
