@@ -138,6 +138,9 @@ CASES = {
     # q_proj (no q LoRA), yarn with mscale != mscale_all_dim, 4 groups keep 2, one shared expert
     "deepseek_no_q_lora": ("deepseek_v3", dict(q_lora_rank=None, n_group=4, topk_group=2, n_shared_experts=1,
                                                first_k_dense_replace=1, rope_parameters=YARN)),
+    # no shared expert: transformers still saves one of intermediate size 0 (zero-size tensors, read by no one)
+    "deepseek_no_shared": ("deepseek_v3", dict(n_group=2, topk_group=1, n_shared_experts=0,
+                                               first_k_dense_replace=1)),
     # DeepseekV2ForCausalLM (V2-Lite's form): softmax top-k, no renormalization, scaled; no q LoRA
     "deepseek_v2_greedy": ("deepseek_v2", dict(q_lora_rank=None, topk_method="greedy", n_shared_experts=2,
                                                first_k_dense_replace=1, routed_scaling_factor=1.0,

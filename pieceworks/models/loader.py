@@ -285,7 +285,8 @@ def check_unused(reader: Any, model: CausalLM) -> None:
     layers beyond num_hidden_layers, tensors of another model. Rope tables some exports save
     (`rotary_emb.inv_freq`) and the multi-token-prediction layers pieceworks does not run (DeepSeek-V3's and
     GLM-4.5's after the last layer, ERNIE 4.5's `model.mtp*`; with num_nextn_predict_layers > 0) are expected and
-    skipped, and so are other ranks' experts under expert parallel and a multimodal checkpoint's vision model.
+    skipped, and so are other ranks' experts under expert parallel, a multimodal checkpoint's vision model and
+    tensors of no elements.
 
     Raises:
         CheckpointError: naming the unused tensors (the first few, grouped by layer).
@@ -300,6 +301,8 @@ def check_unused(reader: Any, model: CausalLM) -> None:
     extra = []
     for name in reader.names():
         if name in reader.read or name.endswith("rotary_emb.inv_freq") or name.startswith(other):
+            continue
+        if 0 in reader.shape(name):  # holds nothing: DeepSeek's shared experts of n_shared_experts 0 in transformers
             continue
         parts = name.split(".")
         if others and len(parts) > 5 and parts[4] == "experts" and parts[5].isdigit() and \
