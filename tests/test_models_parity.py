@@ -112,6 +112,11 @@ CASES = {
     # Qwen2ForCausalLM: q/k/v biases; yarn as Qwen2.5's long-context configs add it (its attention factor too)
     "qwen2_qkv_bias_yarn": ("qwen2", dict(tie_word_embeddings=False, rope_parameters=dict(
         rope_type="yarn", factor=4.0, original_max_position_embeddings=64, rope_theta=1e6))),
+    # use_sliding_window: transformers 5 lists the sliding layers in layer_types (Qwen2's from max_window_layers on,
+    # Qwen2-MoE's odd ones below it); full attention, equal while a sequence fits the window, which caps the context
+    "qwen2_sliding_layers": ("qwen2", dict(use_sliding_window=True, sliding_window=64, max_window_layers=1)),
+    "qwen2_moe_sliding_layers": ("qwen2_moe", dict(QWEN3_MOE, shared_expert_intermediate_size=48,
+                                                   use_sliding_window=True, sliding_window=64, max_window_layers=2)),
     # Qwen3MoeForCausalLM: softmax-routed experts (renormalized, and not), a dense first layer
     "qwen3_moe_norm_topk": ("qwen3_moe", dict(head_dim=32, norm_topk_prob=True, mlp_only_layers=[0],
                                               num_hidden_layers=3)),

@@ -203,6 +203,11 @@ def rope_layers(hf: dict) -> tuple[bool, ...]:
     return tuple(bool(v) for v in nope[:n])
 
 
+QWEN_WINDOWS = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+"""The families whose sliding window applies with use_sliding_window (`context_cap`), in the layers transformers
+derives from max_window_layers or lists in layer_types."""
+
+
 def context_cap(hf: dict) -> tuple[int, str] | None:
     """A Llama-family config's limit below max_position_embeddings on the sequences pieceworks runs as the model
     defines them, with its reason, or None. A Qwen family's sliding window (`use_sliding_window`): pieceworks runs
@@ -287,7 +292,10 @@ def check(hf: dict, arch: str) -> None:
             raise FieldError("no_rope_layers", f"{nope!r} must list 1 (rope) or 0 (none) for each of the "
                              f"{hf['num_hidden_layers']} layers")
         kinds = hf.get("layer_types") or []
-        if not isinstance(kinds, list) or any(k != "full_attention" for k in kinds):
+        # a Qwen family's sliding layers, as transformers 5 lists them from use_sliding_window: full attention, the
+        # context capped at the window where it applies (`context_cap`)
+        kinds_run = ("full_attention", "sliding_attention") if family(hf) in QWEN_WINDOWS else ("full_attention",)
+        if not isinstance(kinds, list) or any(k not in kinds_run for k in kinds):
             raise FieldError("layer_types", f"{kinds!r}: pieceworks' Llama runs full attention in every layer "
                              '(a list of "full_attention")')
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
