@@ -396,6 +396,7 @@ def test_greedy_generate_matches_transformers(case):
         assert got == seq[len(prompt):]
 
 
+DROP = object()  # an edit that removes the key from config.json
 IGNORED_BY_TRANSFORMERS = {
     # transformers' Llama-style attention rotates whole heads whatever partial_rotary_factor says (Phi-3, GLM-4 read it)
     "llama_partial_rotary": ("llama", dict(partial_rotary_factor=0.5), {}),
@@ -411,6 +412,11 @@ IGNORED_BY_TRANSFORMERS = {
     "qwen2_yarn_top_level_original_context": ("qwen2", dict(rope_parameters=dict(
         rope_type="yarn", factor=4.0, original_max_position_embeddings=64, rope_theta=1e4)),
         {"original_max_position_embeddings": 16}),
+    # and where config.json has none, Phi3Config's class default (4096) still wins over the longrope settings' 64
+    "phi3_longrope_without_a_top_level_original_context": ("phi3", dict(
+        pad_token_id=None, eos_token_id=2, original_max_position_embeddings=64, rope_scaling=dict(
+            rope_type="longrope", original_max_position_embeddings=64, short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+            long_factor=[1.0, 2.0, 4.0, 8.0, 16.0, 24.0, 32.0, 48.0])), {"original_max_position_embeddings": DROP}),
 }
 
 
@@ -429,7 +435,7 @@ def test_config_keys_read_as_transformers_reads_them(name, tmp_path):
                 p.mul_(3.0)
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, **edit}))
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in {**config, **edit}.items() if v is not DROP}))
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ids = _prompt(45, seed=1)
     ex = _executor(tmp_path)

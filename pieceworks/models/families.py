@@ -106,7 +106,7 @@ _LONG = {"max_position_embeddings": 131072}
 _E5 = {"rms_norm_eps": 1e-5}
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": _LONG, "mixtral": {**_LONG, **_E5, "rope_theta": 1e6},
-    "phi3": {**_E5, "max_position_embeddings": 4096},
+    "phi3": {**_E5, "max_position_embeddings": 4096, "original_max_position_embeddings": 4096},
     "qwen2": {"max_position_embeddings": 32768}, "qwen2_moe": {"max_position_embeddings": 32768},
     "qwen3": {"max_position_embeddings": 32768, "head_dim": 128}, "qwen3_moe": {"max_position_embeddings": 32768},
     "smollm3": {"max_position_embeddings": 32768, "rope_theta": 2e6, "tie_word_embeddings": True},
