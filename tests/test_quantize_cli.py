@@ -764,3 +764,15 @@ def test_exclude_patterns_that_take_src_and_dst_are_explained(tiny_bf16, tmp_pat
     assert (out / "hf_quant_config.json").exists()
     assert main(["quantize", str(tiny_bf16)]) == 2
     assert "quantize needs SRC and DST (pieceworks quantize SRC DST" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--no-progress"], []])
+def test_no_progress_hides_transformers_loading_bar_too(tiny_bf16, tmp_path, capfd, flags):
+    """Calibration loads the model with transformers, which draws a bar of its own: --no-progress hides it too, and
+    transformers' setting is as it was afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    assert main(["quantize", str(tiny_bf16), str(tmp_path / "q"), *flags]) == 0
+    err = capfd.readouterr().err
+    assert ("Loading weights" in err) == (not flags), err[-500:]
+    assert hf_logging.is_progress_bar_enabled()

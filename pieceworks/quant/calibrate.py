@@ -15,8 +15,9 @@ Needs `transformers` (the `demo` extra), imported only when calibrating.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -187,6 +188,21 @@ def text_batches(tokenizer, text: str, seq_len: int) -> list[torch.Tensor]:
     return [torch.tensor([([bos] if bos is not None else []) + c]) for c in chunks if c]
 
 
+@contextlib.contextmanager
+def transformers_bars(shown: bool) -> Iterator[None]:
+    """transformers' own progress bars (its weight loading's) off unless `shown`, as they were afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if not shown:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was and not shown:
+            hf_logging.enable_progress_bar()
+
+
 def calibrate_from_text(
     model_dir: str | Path, text_file: str | Path, *, seq_len: int = 512, device: str | None = None,
     check_weight: Callable[[str, torch.Tensor], None] | None = None,
@@ -247,9 +263,10 @@ def calibrate_from_text(
         # values then differ from a bf16 forward by bf16 rounding of the activations, well inside
         # what max calibration over a different text would change anyway).
         dtype = "auto" if str(device).startswith("cuda") else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=dtype, experts_implementation="eager"
-        ).to(device)
+        with transformers_bars(progress):
+            model = AutoModelForCausalLM.from_pretrained(
+                str(model_dir), dtype=dtype, experts_implementation="eager"
+            ).to(device)
     except Exception as e:
         raise ValueError(f"{model_dir}: transformers cannot load the model ({type(e).__name__}: {e})") from None
     with torch.no_grad():
