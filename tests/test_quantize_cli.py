@@ -776,3 +776,26 @@ def test_no_progress_hides_transformers_loading_bar_too(tiny_bf16, tmp_path, cap
     err = capfd.readouterr().err
     assert ("Loading weights" in err) == (not flags), err[-500:]
     assert hf_logging.is_progress_bar_enabled()
+
+
+def test_a_staging_directory_whose_flock_is_held_is_not_stale(tmp_path):
+    """A run holds an flock on its staging directory while it writes: one whose pid looks gone from here (a run in
+    another PID namespace of this host) but whose lock is held is kept; once the lock is free it is removed."""
+    import fcntl
+
+    from pieceworks.quant.output_dir import Staging, _host, _locked_elsewhere
+
+    running = Staging(tmp_path / "q")
+    running.create()
+    assert _locked_elsewhere(running.path)
+    running.discard()
+    assert list(tmp_path.iterdir()) == []
+    other = tmp_path / f".q.quantize-{_host()}-{_dead_pid()}.tmp"
+    other.mkdir()
+    fd = os.open(other, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert Staging(tmp_path / "q").clear_stale() == [other] and other.is_dir()
+    finally:
+        os.close(fd)
+    assert Staging(tmp_path / "q").clear_stale() == [] and not other.exists()

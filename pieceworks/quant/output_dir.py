@@ -8,7 +8,9 @@ synced to disk) renames it to DST with one `os.rename`, which is atomic on POSIX
 (an exception, Ctrl-C, SIGKILL, the OOM killer, a power loss), DST is either absent (or the empty
 directory it was) or a complete checkpoint. A run that fails removes its staging directory and the
 parent directories it created; one that is killed leaves its staging directory, and the next run into
-the same DST on the same host removes it once its process is gone (`Staging.clear_stale`). Two runs
+the same DST on the same host removes it once its process is gone and no process holds its lock (a run holds an
+flock on its staging directory while it writes: a pid of another PID namespace can look gone) (`Staging.clear_stale`).
+Two runs
 racing into one DST both write their own staging directory; the first rename wins and the other run
 fails with the DST named, leaving the winner's checkpoint untouched.
 """
@@ -16,6 +18,7 @@ fails with the DST named, leaving the winner's checkpoint untouched.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import re
 import shutil
@@ -116,6 +119,21 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _locked_elsewhere(path: Path) -> bool:
+    """Whether another open file description holds the flock of directory `path` (a run writing it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+    finally:
+        os.close(fd)  # and with it the lock this test took
+    return False
+
+
 class Staging:
     """The hidden directory beside DST that a run writes into, renamed to DST when complete.
 
@@ -131,6 +149,7 @@ class Staging:
         self._created: list[Path] = []
         self._published = False
         self._emptied: int | None = None  # the mode of the empty DST removed for the rename
+        self._lock: int | None = None  # an fd of the staging directory holding its flock while the run writes
 
     def clear_stale(self) -> list[Path]:
         """Remove the staging directories of runs into this DST that were killed: this host's, whose process is
@@ -150,7 +169,8 @@ class Staging:
             pid = int(m.group(2))
             with _ACTIVE_LOCK:
                 active = p in _ACTIVE
-            if m.group(1) == host and pid > 0 and not active and (pid == os.getpid() or not _pid_alive(pid)):
+            if m.group(1) == host and pid > 0 and not active and (pid == os.getpid() or not _pid_alive(pid)) \
+                    and not _locked_elsewhere(p):
                 shutil.rmtree(p, ignore_errors=True)
             else:
                 others.append(p)
@@ -172,6 +192,11 @@ class Staging:
             raise ValueError(f"{self.dst}: cannot create the destination directory ({e.strerror}: {e.filename}); "
                              f"quantize writes into {self.path.name} beside it and renames that to DST when "
                              "complete: choose a DST in a directory where you can write") from None
+        try:  # best effort: a file system without locks leaves the pid test alone
+            self._lock = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._unlock()
 
     def publish(self) -> None:
         """Sync the staging directory's files to disk and rename it to DST (removing DST first when it is an
@@ -219,8 +244,14 @@ class Staging:
         _rmdirs([d for d in self._created if d != self.path])
 
     def _forget(self) -> None:
+        self._unlock()
         with _ACTIVE_LOCK:
             _ACTIVE.discard(self.path)
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def _clash(self) -> ValueError:
         return ValueError(f"{self.dst}: was created or filled by someone else (another quantize run into the same "
