@@ -85,6 +85,12 @@ def test_a_bias_that_overflows_under_a_penalty_or_temperature_still_samples_its_
     assert list(out[0].token_ids) == [7] * 4, out[0].token_ids
     out = eng.generate([p], SamplingParams(max_tokens=4, logit_bias={7: 3e38, 9: 3e38}, temperature=1e-5, seed=1))
     assert set(out[0].token_ids) <= {7, 9}, out[0].token_ids
+    # past the negative limit: the allowed ids' -inf is held at -3.4e38, so the masked ids (token 0 among them)
+    # stay out, sampled or greedy (a repetition penalty multiplies the prompt's negative logits)
+    for extra in ({"temperature": 0.5}, {"temperature": 0, "repetition_penalty": 3e38}):
+        out = eng.generate([p], SamplingParams(max_tokens=4, allowed_token_ids=[13, 14], seed=1,
+                                               logit_bias={13: -3e38, 14: -3e38}, **extra))
+        assert set(out[0].token_ids) <= {13, 14}, (extra, out[0].token_ids)
     drained(eng)
 
 

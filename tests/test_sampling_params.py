@@ -44,7 +44,7 @@ GOOD = {
     "repetition_penalty": [1e-3, 1.0, 1.3, 10],
     "logprobs": [None, 0, 1, 20, np.int16(5)],
     "prompt_logprobs": [None, 0, 3, 20],
-    "n": [1, 2, 64],
+    "n": [1, 2, 64, 65536],
 }
 
 BAD = {
@@ -63,7 +63,7 @@ BAD = {
     "repetition_penalty": [0, 0.0, -1.0, math.inf, True, 1e-50, 1e39],
     "logprobs": [-1, 21, 1.5, True],
     "prompt_logprobs": [-1, 21, 2.0, True, "3"],
-    "n": [0, -3, 1.0, True, None],
+    "n": [0, -3, 1.0, True, None, 65537, 10**9],
 }
 
 

@@ -20,6 +20,8 @@ from pieceworks.errors import RequestError
 GREEDY_TEMPERATURE = 1e-5
 #: Most top logprobs a request may ask for per generated token (vLLM's default cap).
 MAX_LOGPROBS = 20
+#: Most completions per prompt: each is a request of its own (its state built at once, ~1 s per 65,536 on a CPU).
+MAX_N = 65536
 _SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 # the magnitudes float32 (the sampler's dtype, as vLLM's) holds as normal numbers
 _F32_TINY, _F32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
@@ -241,8 +243,8 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise RequestError("SamplingParams.structured_outputs must be a StructuredOutputsParams or None, got "
                                f"{_shown(self.structured_outputs)}")
-        put(self, "n", _int("n", self.n, ">= 1"))
-        _check(self.n >= 1, "n", self.n, ">= 1")
+        put(self, "n", _int("n", self.n, f"1..{MAX_N}"))
+        _check(1 <= self.n <= MAX_N, "n", self.n, f"1..{MAX_N}")
         _in_float32("temperature", self.temperature, ">= 0", tiny_ok=True)  # below 1e-5: greedy
         for name, allowed in (("top_p", "0 < top_p <= 1"), ("min_p", "0 or 0 < min_p <= 1"),
                               ("presence_penalty", "0 or 0 < |value| <= 2"),

@@ -65,6 +65,13 @@ def _byte_table(device: torch.device) -> torch.Tensor:
     return table
 
 
+def _held(x: torch.Tensor, dead: torch.Tensor) -> torch.Tensor:
+    """x with values past float32's range held at its limits, except the ids masked to -inf (`dead`): the
+    softmax stays finite, a masked id is never drawn, and a token held at a limit ties with the others there."""
+    big = torch.finfo(torch.float32).max
+    return x.clamp(-big, big).masked_fill_(dead, float("-inf"))
+
+
 def _masked(x: torch.Tensor, token_mask: TokenMask, rows: torch.Tensor | None = None) -> torch.Tensor:
     """`x` with -inf added where the mask's rows do not allow a token (bit t % 32 of word t // 32); the other
     rows keep every token. `rows`: the mask's row indices on the device, or None where they are 0..B-1 in
@@ -264,13 +271,18 @@ class Sampler:
         if len(allowed):  # rows with an allowed list keep only those ids (the lists are never empty)
             keep = torch.zeros(B * V, dtype=torch.bool, device=x.device).index_fill_(0, allowed_t, True).view(B, V)
             x = x.masked_fill(~keep & keep.any(dim=1, keepdim=True), float("-inf"))
+        # a bias near float32's limits, scaled past them by a repetition penalty or the temperature: inf, which
+        # makes the softmax NaN (and the draw token 0, masked or not); held at the limits (`_held`)
+        scaled = len(bias[0]) or any(params[i].repetition_penalty != 1 for i in pen_rows)
+        dead = torch.isneginf(x) if scaled else None  # the ids masked so far (bias and penalties keep them -inf)
         if mask_idx or len(bias[0]):
             x = x.clone(memory_format=torch.contiguous_format) if x is logits else x  # flat indices: row-major
         if mask_idx:
             x.view(-1).index_fill_(0, mask_t, float("-inf"))
+            if dead is not None:
+                dead.view(-1).index_fill_(0, mask_t, True)
         if len(bias[0]):
             x.view(-1).index_add_(0, bias_t, prm64[B * _NUM_ROW_PARAMS :].float())
-        overflow = bool(len(bias[0]))  # a bias near float32's max, scaled up by a penalty or temperature: inf
         if plan:
             row_slots, zero_slots, count_idx, prompt_idx = plan_t
             t = self._table
@@ -285,13 +297,14 @@ class Sampler:
                 states[i]._penalty = (t, slot, counted)
             pen = [params[i] for i in pen_rows]
             use_rep = any(p.repetition_penalty != 1 for p in pen)
-            overflow |= use_rep
             x = apply_penalties(
                 x, t.prompt.index_select(0, row_slots) if use_rep else None, t.counts.index_select(0, row_slots),
                 presence if any(p.presence_penalty for p in pen) else None,
                 frequency if any(p.frequency_penalty for p in pen) else None,
                 repetition if use_rep else None,
             )
+        if dead is not None:
+            x = _held(x, dead)
         greedy = [p.greedy for p in params]
         greedy_ids = x.argmax(dim=-1) if any(greedy) else None
         row_slots = plan_t[0] if plan else None
@@ -299,8 +312,8 @@ class Sampler:
             return greedy_ids, row_slots
         sampled = [p for p, g in zip(params, greedy) if not g]
         x = x / temperature.unsqueeze(1)
-        if overflow:  # +inf makes the softmax NaN (and the draw token 0): the largest float32 keeps the order
-            x = x.clamp_(max=torch.finfo(torch.float32).max)
+        if dead is not None:
+            x = _held(x, dead)
         if any(p.min_p > 0 for p in sampled):
             x = apply_min_p(x, min_p)
         k_max = max([p.top_k for p in sampled if 1 < p.top_k < V], default=0)
