@@ -361,6 +361,7 @@ def test_a_grammar_that_matches_no_text_ends_with_an_error_not_a_stop(engine):
                                ignore_eos=ignore_eos)
                     assert out.finish_reason == "error" and "matches no text" in out.error, (spec, out.error)
                     assert out.error_param == "structured_outputs"
+                    assert "<grammar>" not in out.error and len(out.error) < 400, out.error  # not llguidance's dump
         assert sync.stats()["kv_pages_used"] == 0 and run(engine, ["Hi"], temperature=0, max_tokens=2)[0].token_ids
     finally:
         sync.close()

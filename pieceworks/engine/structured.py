@@ -249,7 +249,7 @@ def grammar_error(req: Request, tok: int) -> str:
     return (f"structured_outputs: the sampled token {tok} does not continue the request's "
             f"{req.params.structured_outputs.kind}: either it matches no text (e.g. an empty character class), or no "
             "token was allowed both by it and by the other sampling options (e.g. allowed_token_ids): "
-            f"{req.matcher.get_error().strip() or 'refused'}")
+            f"{req.matcher.get_error().split('<state>')[0].strip() or 'refused'}")  # not its state and grammar dump
 
 
 ADVANCE = "advance"  # `Engine._accept`'s grammar outcome where the matcher is still to take the token
