@@ -301,7 +301,8 @@ def test_presets_have_the_published_models_parameter_counts(arch, preset, billio
 
 
 def test_phi3_checkpoint_errors_name_the_fused_tensors(tmp_path):
-    """Phi-3's q / k / v are read as rows of its qkv_proj: a missing one is named as the file has it."""
+    """Phi-3's q / k / v are read as rows of its qkv_proj: a missing one is named as the file has it, and so is one
+    whose rows are not the sum of config.json's."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     transformers.Phi3ForCausalLM(transformers.Phi3Config(
@@ -309,7 +310,20 @@ def test_phi3_checkpoint_errors_name_the_fused_tensors(tmp_path):
         num_key_value_heads=1, pad_token_id=None, eos_token_id=2)).save_pretrained(tmp_path)
     cfg = {"model": {"path": str(tmp_path)}, "runtime": {"device": "cpu"}}
     Executor.from_config(cfg, progress=False).close()
+    # the fused tensors' rows against config.json's sizes (other rows would be read as k / v, or up, silently)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 2}))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.qkv_proj\.weight has 64 rows, "
+                                              r"config\.json's sizes give 96 \(q 32 \+ k 32 \+ v 32\)"):
+        Executor.from_config(cfg, progress=False)
+    (tmp_path / "config.json").write_text(json.dumps(config))
     tensors = load_file(tmp_path / "model.safetensors")
+    gate_up = tensors["model.layers.1.mlp.gate_up_proj.weight"]
+    save_file({**tensors, "model.layers.1.mlp.gate_up_proj.weight": gate_up[:-1].contiguous()},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"gate_up_proj\.weight has 95 rows, config\.json's sizes give 96 "
+                                              r"\(gate 48 \+ up 48\)"):
+        Executor.from_config(cfg, progress=False)
     tensors.pop("model.layers.1.self_attn.qkv_proj.weight")
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.self_attn\.qkv_proj\.weight: missing"):

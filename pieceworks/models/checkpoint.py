@@ -242,7 +242,23 @@ class RenamingReader:
 
     def __init__(self, reader: CheckpointReader, named) -> None:
         self.reader, self.named = reader, named
-        self._rows = getattr(named, "rows", lambda name: None)
+        self._slices = getattr(named, "rows", lambda name: None)
+        self._checked: set[str] = set()
+
+    def _rows(self, name: str) -> tuple[int, int] | None:
+        """The rows of the fused tensor that `name` is, the fused tensor's row count checked against config.json's
+        (other rows would be read as k or v without a word)."""
+        rows = self._slices(name)
+        fused = self.named(name)
+        if rows is not None and fused not in self._checked:
+            want, parts = self.named.total(name)
+            got = self.reader.shape(fused)[0]
+            if got != want:
+                raise CheckpointError(f"{self.reader.model_dir}: {fused} has {got} rows, config.json's sizes give "
+                                      f"{want} ({parts}); the checkpoint does not match its config.json: fix the "
+                                      "config or re-download the model")
+            self._checked.add(fused)
+        return rows
 
     def __getattr__(self, attr: str):
         return getattr(self.reader, attr)

@@ -97,6 +97,13 @@ class FusedNames:
         parts = self._split(name)
         return self.spans[parts[1]] if parts is not None and parts[2] in (".weight", ".weight_scale") else None
 
+    def total(self, name: str) -> tuple[int, str]:
+        """The rows of the fused tensor that `name` (one with `rows`) is a slice of, as config.json gives them, and
+        their sum spelled out (q 64 + k 16 + v 16)."""
+        fused = self.fused[self._split(name)[1]]
+        parts = [(p.split("_")[0], self.spans[p][1] - self.spans[p][0]) for p in self.fused if self.fused[p] == fused]
+        return sum(n for _, n in parts), " + ".join(f"{p} {n}" for p, n in parts)
+
 
 # transformers' defaults (5.25's config classes) for keys a family's config.json may leave out, where they are not
 # what the model classes assume without them (Llama's: rms_norm_eps 1e-6, rope_theta 10000, 2048 positions, untied
