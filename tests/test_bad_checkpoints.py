@@ -646,6 +646,18 @@ def test_deepseek_null_for_a_boolean_that_defaults_to_true(tiny_deepseek_modelop
         assert getattr(_load(d).args, key) is value
 
 
+@pytest.mark.parametrize("key", ["n_group", "num_experts_per_tok", "routed_scaling_factor", "first_k_dense_replace"])
+def test_deepseek_null_for_a_number_transformers_refuses(tiny_deepseek_modelopt, tmp_path, key):
+    """A null here read as absent took pieceworks' own fallback (1 group, 1 expert per token, scaling 1), not
+    transformers' default, and computed another model; transformers refuses it: refused, naming the key."""
+    d = tmp_path / "ds"
+    shutil.copytree(tiny_deepseek_modelopt.bf16_dir, d)
+    _edit_json(d / "config.json", _set(**{key: None}))
+    with pytest.raises(CheckpointError, match=f"config.json: {key} is null, which transformers refuses too: write a "
+                                              "number, or leave the key out"):
+        _load(d)
+
+
 @pytest.mark.parametrize("edit, needle", [
     (_set(topk_method="noaux_tc"), "topk_method='noaux_tc': DeepSeek-V2 routes greedy or group_limited_greedy"),
     (_set(norm_topk_prob=True), "norm_topk_prob=true with DeepSeek-V2's routing is not supported"),

@@ -84,6 +84,10 @@ class DeepseekV3Args:
             if not v2 and key in hf and hf[key] is None:
                 raise CheckpointError(f"config.json: {key} is null; transformers reads null as false, pieceworks' "
                                       "default is true: write true or false")
+        for key in ("n_group", "num_experts_per_tok", "routed_scaling_factor", "first_k_dense_replace"):
+            if key in hf and hf[key] is None:  # absent is transformers' default; null is no number transformers takes
+                raise CheckpointError(f"config.json: {key} is null, which transformers refuses too: write a number, "
+                                      "or leave the key out for transformers' default")
         hf = {k: v for k, v in hf.items() if v is not None}  # null is absent, as check() reads it
         if hf.get("attention_bias", False):
             raise CheckpointError("config.json: attention_bias=true is not supported by pieceworks' DeepSeek-V3")
