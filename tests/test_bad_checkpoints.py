@@ -254,6 +254,19 @@ def test_group_size_32_in_config_groups(ckpt):
         detect_quantization(ckpt)
 
 
+@pytest.mark.parametrize("edit, needle", [
+    (lambda q: q.update(config_groups=[{"weights": {"group_size": 16}}]),
+     r"quantization_config.config_groups: \[.*\] must be an object of named groups"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=[16]),
+     r"config_groups.group_0.weights.group_size: \[16\] must be a number \(16 for NVFP4\)")])
+def test_config_groups_of_another_type(ckpt, edit, needle):
+    """A list where an object or a number belongs: named (it was an AttributeError / TypeError traceback)."""
+    (ckpt / "hf_quant_config.json").unlink()
+    _edit_json(ckpt / "config.json", lambda d: edit(d["quantization_config"]))
+    with pytest.raises(CheckpointError, match=needle):
+        detect_quantization(ckpt)
+
+
 def test_kv_cache_scheme_other_than_fp8(ckpt):
     """compressed-tensors' kv_cache_scheme (config.json only): float 8-bit is the FP8 cache, int 8-bit is refused."""
     (ckpt / "hf_quant_config.json").unlink()

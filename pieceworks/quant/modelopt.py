@@ -104,11 +104,19 @@ def _group_size_of(qc: dict, where: str) -> object:
     if "group_size" in qc:
         return qc["group_size"]
     sizes = set()
-    for gname, group in (qc.get("config_groups") or {}).items():
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        raise CheckpointError(f"{where}.config_groups: {groups!r} must be an object of named groups; fix the file or "
+                              "re-export the checkpoint")
+    for gname, group in groups.items():
         for part in ("weights", "input_activations"):
             if isinstance(group, dict) and isinstance(group.get(part), dict):
                 if "group_size" in group[part]:
-                    sizes.add((f"{where}.config_groups.{gname}.{part}.group_size", group[part]["group_size"]))
+                    size, key = group[part]["group_size"], f"{where}.config_groups.{gname}.{part}.group_size"
+                    if isinstance(size, (list, dict)):
+                        raise CheckpointError(f"{key}: {size!r} must be a number (16 for NVFP4); fix the file or "
+                                              "re-export the checkpoint")
+                    sizes.add((key, size))
     values = {v for _, v in sizes}
     if len(values) > 1:
         listing = ", ".join(f"{k} = {v}" for k, v in sorted(sizes, key=str))
