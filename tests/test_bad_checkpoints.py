@@ -120,6 +120,29 @@ def test_index_entry_that_the_shard_lacks(ckpt):
         CheckpointReader(ckpt)
 
 
+def test_shard_tensors_the_index_does_not_map_there(ckpt):
+    """A shard's tensor that the index lists in another shard (a second copy: pieceworks read the index's,
+    transformers the other) is refused, naming both files; one the index does not list is read as the shard's, so
+    a tensor the model does not use is refused as a listed one is."""
+    names = sorted(load_file(ckpt / "model.safetensors"))
+    _shard(ckpt, [names[:20], names[20:]])
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    second = ckpt / "model-00002-of-00002.safetensors"
+    tensors = load_file(second)
+    save_file({**tensors, names[0]: torch.zeros(3)}, second, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"tensor {re.escape(names[0])} is in both model-00002-of-00002"
+                                              r"\.safetensors and model-00001-of-00002\.safetensors"):
+        CheckpointReader(ckpt)
+    save_file({**tensors, "model.layers.0.self_attn.q_proj.bias": torch.zeros(3)}, second, metadata={"format": "pt"})
+    reader = CheckpointReader(ckpt)
+    assert reader.file_of("model.layers.0.self_attn.q_proj.bias") == second.name
+    assert sorted(reader.names()) == sorted(names + ["model.layers.0.self_attn.q_proj.bias"])
+    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) the model does not use: model\.layers\.0\.self_attn"
+                                              r"\.q_proj\.bias"):
+        _load(ckpt)
+    assert json.loads((ckpt / "model.safetensors.index.json").read_text()) == index
+
+
 def test_model_path_that_is_not_a_directory(tmp_path):
     from pieceworks.models.demo import resolve_model_path
 

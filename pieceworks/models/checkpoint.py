@@ -122,17 +122,30 @@ class CheckpointReader:
         return dict(weight_map)
 
     def _check_shards(self) -> None:
+        """Each shard holds the tensors the index maps to it; one it holds that the index puts in another shard is
+        refused (two copies, which readers may take either of), one the index does not list is read as the shard's
+        (as transformers reads shards), so that the loader's check for unused tensors sees it."""
         by_file: dict[str, list[str]] = {}
         for name, filename in self._weight_map.items():
             by_file.setdefault(filename, []).append(name)
+        unlisted: dict[str, str] = {}
         for filename, names in by_file.items():
-            present = set(self._handle(filename).keys())
-            lacking = [n for n in names if n not in present]
+            present = self._handle(filename).keys()
+            lacking = [n for n in names if n not in set(present)]
             if lacking:
                 raise CheckpointError(
                     f"{self.model_dir / filename}: lacks {len(lacking)} tensor(s) that {INDEX_FILE} "
                     f"maps to it (e.g. {lacking[0]}); {REDOWNLOAD}"
                 )
+            for n in present:
+                other = self._weight_map.get(n, unlisted.get(n))
+                if other is not None and other != filename:
+                    raise CheckpointError(f"{self.model_dir}: tensor {n} is in both {filename} and {other} "
+                                          f"({INDEX_FILE} maps it to {self._weight_map.get(n, 'neither')}); "
+                                          f"{REDOWNLOAD}")
+                if n not in self._weight_map:
+                    unlisted[n] = filename
+        self._weight_map.update(unlisted)
 
     def _handle(self, filename: str):
         h = self._handles.get(filename)
