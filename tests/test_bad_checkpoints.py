@@ -771,6 +771,26 @@ def test_tokenizer_files_that_do_not_load_are_not_taken_for_no_tokenizer(tmp_pat
     assert "\n" not in str(err.value)
 
 
+def test_a_tokenizer_side_file_that_does_not_load_is_named_too(tmp_path):
+    """special_tokens_map.json is read with the tokenizer: broken, it is among the files the error names."""
+    pytest.importorskip("transformers", reason="tokenizers load through transformers")
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from pieceworks.errors import TokenizerError
+    from pieceworks.models.tokenizer import load_tokenizer
+
+    vocab = {"<unk>": 0, "a": 1, "b": 2}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                                  unk_token="<unk>")
+    tok.save_pretrained(tmp_path)
+    load_tokenizer(tmp_path)
+    (tmp_path / "special_tokens_map.json").write_text('{"unk_token": ')
+    with pytest.raises(TokenizerError, match=r"its tokenizer files \(tokenizer.json, tokenizer_config.json, "
+                                             r"special_tokens_map.json\) don't load"):
+        load_tokenizer(tmp_path)
+
+
 def test_tokenizer_file_the_os_will_not_read_is_named(tmp_path, monkeypatch):
     """transformers raises PermissionError for a tokenizer file it can't open (the real exception,
     simulated: root reads chmod-000 files): named as unreadable, not as broken."""

@@ -13,6 +13,8 @@ from pieceworks.util import unreadable
 
 # the files a Hugging Face tokenizer loads from; any of them present means the model has one
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+# the files it reads beside them, any of which may be the one that does not load
+SIDE_FILES = ("special_tokens_map.json", "added_tokens.json", "merges.txt", "chat_template.jinja", "chat_template.json")
 
 
 def load_tokenizer(model_dir: Path | None):
@@ -41,7 +43,8 @@ def load_tokenizer(model_dir: Path | None):
             said = said if len(said) <= 300 else said[:297] + "..."
             # a fast tokenizer's tokenizer_config.json without its tokenizer.json: that file is the one to fix
             lacking = "tokenizer.json is missing and " if present == ["tokenizer_config.json"] else ""
-            raise TokenizerError(f"{model_dir}: {lacking}its tokenizer files ({', '.join(present)}) don't load "
+            files = present + [n for n in SIDE_FILES if (Path(model_dir) / n).exists()]
+            raise TokenizerError(f"{model_dir}: {lacking}its tokenizer files ({', '.join(files)}) don't load "
                                  f"({type(exc).__name__}: {said}); fix or re-download them") from None
         raise CheckpointError(f"{model_dir}: the model has no tokenizer that transformers can load "
                               "(tokenizer.json / tokenizer_config.json); pass token ids, or add the "
