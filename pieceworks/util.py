@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from typing import Callable, Iterator
 
@@ -55,6 +56,11 @@ def checked_stat(path, where=None):
     try:
         return path.stat()
     except (FileNotFoundError, NotADirectoryError):
+        if os.path.islink(path):  # a Hugging Face cache whose blob is gone
+            from pieceworks.errors import CheckpointError
+
+            raise CheckpointError(f"{path}: a symlink to {os.readlink(path)}, which does not exist; re-download "
+                                  "the model (or restore what the link points to)") from None
         return None
     except OSError as e:
         raise unreadable(where if where is not None else path, e) from None

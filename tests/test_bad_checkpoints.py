@@ -143,6 +143,16 @@ def test_shard_tensors_the_index_does_not_map_there(ckpt):
     assert json.loads((ckpt / "model.safetensors.index.json").read_text()) == index
 
 
+def test_a_weights_file_that_is_a_dangling_symlink(ckpt, tmp_path):
+    """A Hugging Face cache whose blob is gone: the link is named with where it points (it was "no
+    model.safetensors")."""
+    (ckpt / "model.safetensors").unlink()
+    (ckpt / "model.safetensors").symlink_to(tmp_path / "blob")
+    with pytest.raises(CheckpointError, match=rf"model.safetensors: a symlink to {tmp_path / 'blob'}, which does not "
+                                              "exist; re-download the model"):
+        _load(ckpt)
+
+
 def test_model_path_that_is_not_a_directory(tmp_path):
     from pieceworks.models.demo import resolve_model_path
 

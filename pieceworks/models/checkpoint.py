@@ -86,7 +86,7 @@ class CheckpointReader:
         if checked_stat(index, where=self.model_dir) is not None:  # the directory can be searched
             self._weight_map = self._read_index(index)
             self._check_shards()
-        elif (self.model_dir / SINGLE_FILE).exists():
+        elif checked_stat(self.model_dir / SINGLE_FILE) is not None:
             self._weight_map = {name: SINGLE_FILE for name in self._handle(SINGLE_FILE).keys()}
         else:
             raise CheckpointError(

@@ -128,7 +128,7 @@ def _check_quantization_config(path: Path) -> Any:
     Returns the CheckpointReader it opened (None without weight files)."""
     from pieceworks.models.checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointReader
 
-    if not (path / SINGLE_FILE).exists() and not (path / INDEX_FILE).exists():
+    if checked_stat(path / SINGLE_FILE) is None and checked_stat(path / INDEX_FILE) is None:
         return None
     reader = CheckpointReader(path)
     names = reader.names()
