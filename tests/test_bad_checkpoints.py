@@ -759,6 +759,17 @@ def test_bad_generation_config_is_named(tmp_path, text, needle):
     assert eos_token_ids(tmp_path) == {2, 7}
 
 
+def test_an_eos_id_outside_the_vocabulary_is_named(bf16):
+    """It could never end a request (each would run to its length): refused when the Engine is built."""
+    from pieceworks import Engine
+
+    vocab = json.loads((bf16 / "config.json").read_text())["vocab_size"]
+    (bf16 / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, vocab]}))
+    with pytest.raises(CheckpointError, match=rf"generation_config.json: eos_token_id {vocab} is outside the model's "
+                                              rf"vocabulary \[0, {vocab}\) \(config.json vocab_size\)"):
+        Engine.from_config({"model": {"path": str(bf16)}, "runtime": {"device": "cpu"}}, progress=False)
+
+
 def test_tokenizer_files_that_do_not_load_are_not_taken_for_no_tokenizer(tmp_path):
     """A corrupt tokenizer.json is an error naming it; only a directory without tokenizer files has none
     (which makes the Engine and `pieceworks run` fall back to token ids)."""

@@ -87,9 +87,10 @@ class Detokenizer:
         return out
 
 
-def eos_token_ids(model_dir: Path | None) -> frozenset[int]:
+def eos_token_ids(model_dir: Path | None, vocab_size: int | None = None) -> frozenset[int]:
     """EOS ids of a checkpoint: generation_config.json's eos_token_id (an int or a list), else
-    config.json's; empty for random weights."""
+    config.json's, each below `vocab_size` where given (one past it could never stop a request); empty for
+    random weights."""
     if model_dir is None:
         return frozenset()
     for name in ("generation_config.json", "config.json"):
@@ -101,6 +102,11 @@ def eos_token_ids(model_dir: Path | None) -> frozenset[int]:
                 if not all(type(i) is int and i >= 0 for i in ids):
                     raise CheckpointError(f"{path}: eos_token_id {eos!r} must be a token id (an int >= 0) or a "
                                           "list of them")
+                outside = sorted(i for i in ids if vocab_size is not None and i >= vocab_size)
+                if outside:
+                    raise CheckpointError(f"{path}: eos_token_id {outside[0]} is outside the model's vocabulary "
+                                          f"[0, {vocab_size}) (config.json vocab_size), so it could never end a "
+                                          "request: fix the file")
                 return frozenset(ids)
     return frozenset()
 

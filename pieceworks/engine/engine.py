@@ -56,7 +56,7 @@ class Engine:
         self.tokenizer = load_tokenizer(executor) if tokenizer == "auto" else tokenizer
         self.max_context = executor.max_context
         self.model_name = cfg.model.path or f"{cfg.model.arch}-{cfg.model.preset or 'tiny'}"
-        self.eos_token_ids = eos_token_ids(executor.model_dir)
+        self.eos_token_ids = eos_token_ids(executor.model_dir, executor.vocab_size)
         self.scheduler = Scheduler(executor, cfg.scheduler)
         self.sampler = Sampler(executor.vocab_size, executor.device, cfg.runtime.seed)
         self.grammars = Grammars(self.tokenizer, executor.vocab_size, self.eos_token_ids,
