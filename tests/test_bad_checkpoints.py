@@ -792,8 +792,9 @@ def test_tokenizer_files_that_do_not_load_are_not_taken_for_no_tokenizer(tmp_pat
     assert "\n" not in str(err.value)
 
 
-def test_a_tokenizer_side_file_that_does_not_load_is_named_too(tmp_path):
-    """special_tokens_map.json is read with the tokenizer: broken, it is among the files the error names."""
+def test_a_tokenizer_side_file_that_does_not_load_is_named_too(tmp_path, caplog):
+    """special_tokens_map.json is read with the tokenizer: broken, it is among the files the error names. A
+    tokenizer of more tokens than the model's vocabulary is a warning."""
     pytest.importorskip("transformers", reason="tokenizers load through transformers")
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
@@ -806,6 +807,11 @@ def test_a_tokenizer_side_file_that_does_not_load_is_named_too(tmp_path):
                                   unk_token="<unk>")
     tok.save_pretrained(tmp_path)
     load_tokenizer(tmp_path)
+    load_tokenizer(tmp_path, vocab_size=3)
+    with caplog.at_level(logging.WARNING, logger="pieceworks.models.tokenizer"):
+        load_tokenizer(tmp_path, vocab_size=2)  # another model's tokenizer: its ids past the model are named
+    assert "the tokenizer holds 3 tokens, the model's vocabulary 2 (config.json vocab_size): prompts with ids " \
+           "from 2 up are refused" in caplog.text
     (tmp_path / "special_tokens_map.json").write_text('{"unk_token": ')
     with pytest.raises(TokenizerError, match=r"its tokenizer files \(tokenizer.json, tokenizer_config.json, "
                                              r"special_tokens_map.json\) don't load"):

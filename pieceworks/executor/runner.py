@@ -376,7 +376,7 @@ class Executor:
         if self._tokenizer is None:
             from pieceworks.models.tokenizer import load_tokenizer
 
-            self._tokenizer = load_tokenizer(self.model_dir)
+            self._tokenizer = load_tokenizer(self.model_dir, self.vocab_size)
         return self._tokenizer
 
 

@@ -5,11 +5,14 @@ rendering (`raise_exception(...)`, an undefined attribute) is a `RequestError` f
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 from pieceworks.errors import CheckpointError, RequestError, TokenizerError
 from pieceworks.util import unreadable
+
+log = logging.getLogger(__name__)
 
 # the files a Hugging Face tokenizer loads from; any of them present means the model has one
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -17,8 +20,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 SIDE_FILES = ("special_tokens_map.json", "added_tokens.json", "merges.txt", "chat_template.jinja", "chat_template.json")
 
 
-def load_tokenizer(model_dir: Path | None):
-    """The model directory's Hugging Face tokenizer.
+def load_tokenizer(model_dir: Path | None, vocab_size: int | None = None):
+    """The model directory's Hugging Face tokenizer; a warning where it holds more tokens than `vocab_size`, the
+    model's (the ids past it would be refused in every prompt: a tokenizer of another model?).
 
     Raises:
         CheckpointError: the model has none (random weights, or no tokenizer files in its directory).
@@ -50,6 +54,10 @@ def load_tokenizer(model_dir: Path | None):
                               "(tokenizer.json / tokenizer_config.json); pass token ids, or add the "
                               "model's tokenizer files") from None
     _check_chat_template(tok, Path(model_dir))
+    if vocab_size is not None and len(tok) > vocab_size:
+        log.warning("%s: the tokenizer holds %d tokens, the model's vocabulary %d (config.json vocab_size): prompts "
+                    "with ids from %d up are refused; is the tokenizer another model's?", model_dir, len(tok),
+                    vocab_size, vocab_size)
     return tok
 
 
