@@ -153,6 +153,16 @@ def test_a_weights_file_that_is_a_dangling_symlink(ckpt, tmp_path):
         _load(ckpt)
 
 
+def test_a_weights_file_that_is_a_fifo(ckpt):
+    """Opening a FIFO blocks until a writer comes: refused as no regular file instead."""
+    import os
+
+    (ckpt / "model.safetensors").unlink()
+    os.mkfifo(ckpt / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model.safetensors: not a regular file; re-download"):
+        _load(ckpt)
+
+
 def test_model_path_that_is_not_a_directory(tmp_path):
     from pieceworks.models.demo import resolve_model_path
 

@@ -151,6 +151,9 @@ class CheckpointReader:
         h = self._handles.get(filename)
         if h is None:
             path = self.model_dir / filename
+            st = checked_stat(path)
+            if st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+                raise CheckpointError(f"{path}: not a regular file; {REDOWNLOAD}")  # a FIFO's open would block
             try:
                 h = safe_open(str(path), framework="pt", device="cpu")
             except PermissionError as e:
