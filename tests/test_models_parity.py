@@ -415,8 +415,10 @@ IGNORED_BY_TRANSFORMERS = {
     # and where config.json has none, Phi3Config's class default (4096) still wins over the longrope settings' 64
     "phi3_longrope_without_a_top_level_original_context": ("phi3", dict(
         pad_token_id=None, eos_token_id=2, original_max_position_embeddings=64, rope_scaling=dict(
-            rope_type="longrope", original_max_position_embeddings=64, short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
-            long_factor=[1.0, 2.0, 4.0, 8.0, 16.0, 24.0, 32.0, 48.0])), {"original_max_position_embeddings": DROP}),
+            rope_type="longrope", original_max_position_embeddings=64,
+            short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+            long_factor=[1.0, 2.0, 4.0, 8.0, 16.0, 24.0, 32.0, 48.0])),
+        {"original_max_position_embeddings": DROP}),
 }
 
 
