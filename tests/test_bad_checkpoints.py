@@ -203,6 +203,11 @@ def test_wrong_dtype(ckpt):
     with pytest.raises(CheckpointError) as e:
         _read_q(ckpt)
     assert str(e.value) == f"{Q}.weight_scale: expected float8_e4m3fn [64, 4], got float32 [64, 4]"
+    # an MX format's power-of-two scales (F8_E8M0) are read, so that they are named as such
+    _edit_tensors(ckpt, lambda t: t.update({f"{Q}.weight_scale": t[f"{Q}.weight_scale"].to(torch.float8_e8m0fnu)}))
+    with pytest.raises(CheckpointError, match=rf"{Q}.weight_scale: expected float8_e4m3fn \[64, 4\], got "
+                                              r"float8_e8m0fnu \[64, 4\]"):
+        _read_q(ckpt)
 
 
 def test_unquantized_weight_where_fp4_is_expected(ckpt):

@@ -44,6 +44,7 @@ _DTYPES = {
     "F64": torch.float64,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,  # MX formats' scales: read, so that the loader names the format it is not
 }
 
 
@@ -185,7 +186,8 @@ class CheckpointReader:
         """dtype of `name` from the file header, without loading it."""
         code = self._slice(name).get_dtype()
         if code not in _DTYPES:
-            raise CheckpointError(f"{name}: safetensors dtype {code} has no torch equivalent here")
+            raise CheckpointError(f"{self.model_dir / self.file_of(name)}: tensor {name} is stored as {code}, which "
+                                  f"pieceworks does not read ({', '.join(_DTYPES)} it does); {REDOWNLOAD}")
         return _DTYPES[code]
 
     def shape(self, name: str) -> tuple[int, ...]:
