@@ -84,8 +84,10 @@ class DeepseekV3Args:
             if not v2 and key in hf and hf[key] is None:
                 raise CheckpointError(f"config.json: {key} is null; transformers reads null as false, pieceworks' "
                                       "default is true: write true or false")
+        greedy = v2 and hf.get("topk_method", "greedy") == "greedy"  # routes without groups: n_group may be null
         for key in ("n_group", "num_experts_per_tok", "routed_scaling_factor", "first_k_dense_replace"):
-            if key in hf and hf[key] is None:  # absent is transformers' default; null is no number transformers takes
+            if key in hf and hf[key] is None and not (greedy and key == "n_group"):
+                # absent is transformers' default; null is no number transformers takes
                 raise CheckpointError(f"config.json: {key} is null, which transformers refuses too: write a number, "
                                       "or leave the key out for transformers' default")
         hf = {k: v for k, v in hf.items() if v is not None}  # null is absent, as check() reads it
