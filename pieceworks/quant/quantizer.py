@@ -236,8 +236,9 @@ def quantize_checkpoint(
     if kv_cache not in (None, "fp8"):
         raise ValueError(f"--kv-cache {kv_cache!r}: use fp8 (or leave it out: the KV cache in the model dtype)")
     if kv_cache and calib_text is None and kv_amax is None:
-        raise ValueError("--kv-cache fp8 needs calibration (--calib-text FILE): each layer's K/V scale comes from "
-                         "the keys' and values' amax over a text, which a fixed --amax does not give")
+        raise ValueError("--kv-cache fp8 needs calibration: each layer's K/V scale comes from the keys' and values' "
+                         "amax over a text, which a fixed --amax does not give; leave out --amax (the bundled text, or "
+                         "--calib-text FILE)")
     reader = CheckpointReader(src)
     config = check_dirs(src, dst, reader)
     checked_config(src)  # a model pieceworks can load: refused here, not after the run at its first load

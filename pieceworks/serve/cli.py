@@ -32,7 +32,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
     p.add_argument("--port", type=_port, default=8000, help="TCP port, 0..65535 (default 8000)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="the model name clients pass (default: the model's path or preset)")
+                   help="the model name clients pass (default: the model's path, or ARCH-PRESET such as llama-tiny "
+                        "for random weights)")
     p.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="completions waiting for their first token before new requests get 503 (default 256)")
     p.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",
