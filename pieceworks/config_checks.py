@@ -9,6 +9,10 @@ from typing import Any
 
 from pieceworks.errors import ConfigError
 
+INT_MAX = 2**31 - 1
+"""The largest size or count a config (or a model's config.json) may give: torch takes sizes as 64-bit integers, and
+no model or cache is this large."""
+
 OPS = ("attention", "mla", "fp4_gemm", "moe")
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 MAX_TIMEOUT_S = 1_000_000  # a pipe's poll takes at most about 2.1e6 s (milliseconds in a C int)
@@ -22,6 +26,8 @@ def _one_of(key: str, value: Any, allowed: tuple) -> None:
 def _positive(key: str, value: Any) -> None:
     if value is not None and value < 1:
         raise ConfigError(f"{key}: {value!r} must be >= 1")
+    if value is not None and value > INT_MAX:
+        raise ConfigError(f"{key}: {value!r} must be at most {INT_MAX}")
 
 
 def _sizes(key: str, value: list[int] | None) -> None:
@@ -98,6 +104,10 @@ def validate(cfg: Any, require_model: bool = True) -> None:
     pw = cfg.cuda_graph.piecewise
     _positive("cuda_graph.piecewise.max_tokens", pw.max_tokens)
     _sizes("cuda_graph.piecewise.sizes", pw.sizes)
+    if pw.sizes and pw.sizes[0] == 1:  # torch specializes a dimension of size 1: no graph over several sizes
+        raise ConfigError(f"cuda_graph.piecewise.sizes: {list(pw.sizes)} starts at 1; the piecewise graphs' token "
+                          "dimension is traced dynamic, which torch fixes at a size of 1: start at 2 (a one-token "
+                          "step runs in the 2-token graph)")
     if pw.sizes and pw.sizes[-1] > pw.max_tokens:
         raise ConfigError(f"cuda_graph.piecewise.sizes: {pw.sizes[-1]} is above cuda_graph.piecewise.max_tokens "
                           f"({pw.max_tokens}), the largest step piecewise graphs take; raise max_tokens or drop the "
@@ -106,8 +116,10 @@ def validate(cfg: Any, require_model: bool = True) -> None:
     _sizes("cuda_graph.extend.sizes", cfg.cuda_graph.extend.sizes)
     _positive("cuda_graph.extend.max_seqs", cfg.cuda_graph.extend.max_seqs)
     dev = cfg.runtime.device
-    if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
-        raise ConfigError(f"runtime.device: {dev!r} is not allowed; use auto, cpu, cuda or cuda:N")
+    index = dev[5:] if dev.startswith("cuda:") else ""
+    if not (dev in ("auto", "cpu", "cuda") or (index.isascii() and index.isdigit() and int(index) < 128)):
+        raise ConfigError(f"runtime.device: {dev!r} is not allowed; use auto, cpu, cuda or cuda:N (N a GPU's index, "
+                          "0-127)")
     _one_of("runtime.dtype", cfg.runtime.dtype, ("auto", "bfloat16", "float16", "float32"))
     if cfg.runtime.cache_dir:
         try:

@@ -106,12 +106,18 @@ def _parse_override(item: str) -> DictConfig:
                else "it ends with a dot" if not parts[-1] else "empty part between dots")
         hint = f"; did you mean {fixed}={value}?" if fixed else "; write key=value (e.g. model.path=/models/x)"
         raise ConfigError(f"override {item!r}: the key {key!r} is malformed ({why}){hint}")
+    if key != key.strip():
+        raise ConfigError(f"override {item!r}: the key {key!r} has spaces around it; write {key.strip()}={value}")
+    if not value.strip():  # YAML reads it as null: `model.arch=$ARCH` with ARCH unset would unset the key
+        raise ConfigError(f"override {item!r}: no value; give one, or {key}=null to unset the key")
     try:
         return OmegaConf.from_dotlist([item])
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"{key}: can't parse the value {value!r} ({problem}); "
                           f"quote it or fix the brackets") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise ConfigError(f"{key}: can't read the value ({str(e).split(':')[0]})") from None
 
 
 def read_yaml(path: Path) -> DictConfig:
@@ -130,14 +136,27 @@ def read_yaml(path: Path) -> DictConfig:
     except OSError as e:
         raise ConfigError(f"config file {str(path)!r} can't be read: {e.strerror}") from None
     try:
-        layer = OmegaConf.load(io.StringIO(text))
+        top = yaml.compose(text)  # OmegaConf reads a bare scalar `x` as {x: None}, and refuses a number
+        if top is not None and not isinstance(top, yaml.MappingNode):
+            layer = None
+        else:  # after compose: OmegaConf's loader gives the clearer messages (tabs, duplicate keys, brackets)
+            layer = OmegaConf.load(io.StringIO(text))
     except yaml.YAMLError as e:
+        try:  # OmegaConf's loader's message where it has one (PyYAML's own refuses what it may take)
+            OmegaConf.load(io.StringIO(text))
+        except yaml.YAMLError as own:
+            e = own
+        except Exception:
+            pass
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"{where}: not valid YAML: {problem}") from None
-    top = yaml.compose(text)  # OmegaConf reads a bare scalar `x` as {x: None}
-    if not isinstance(layer, DictConfig) or not (top is None or isinstance(top, yaml.MappingNode)):
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to read; a config is a few levels of sections") from None
+    except ValueError as e:  # an integer of more digits than Python converts (no advice on sys settings)
+        raise ConfigError(f"{path}: a value can't be read ({str(e).split(':')[0]})") from None
+    if not isinstance(layer, DictConfig):
         kind = "a list" if isinstance(top, yaml.SequenceNode) else "a single value"
         raise ConfigError(f"{path}: the top level is {kind}; it must be a mapping of sections "
                           f"(model:, kv_cache:, ...)")
@@ -195,6 +214,9 @@ def _check_shapes(schema: type, layer: DictConfig, source: str, path: Path | Non
             continue
         if kind == "list":
             fits, expected = isinstance(value, SEQUENCES), "a list"
+        elif kind == "bool":  # OmegaConf would take any number, or "16", for true
+            fits = isinstance(value, bool) or (isinstance(value, str) and value.lower() in ("true", "false"))
+            expected = "true or false"
         else:
             fits = isinstance(value, DictConfig)
             expected = f"a mapping of {f.name} settings" if kind == "section" else "a mapping"
@@ -210,11 +232,13 @@ def _check_shapes(schema: type, layer: DictConfig, source: str, path: Path | Non
 
 
 def _shape(hint: Any) -> tuple[str | None, bool]:
-    """("section" | "list" | "mapping" | None, whether None is allowed) of a schema field's type."""
+    """("section" | "list" | "mapping" | "bool" | None, whether None is allowed) of a schema field's type."""
     hint, optional = _unwrap(hint)
     if is_dataclass(hint):
         return "section", optional
     origin = typing.get_origin(hint) or hint
+    if origin is bool:
+        return "bool", optional
     if origin in (list, tuple):
         return "list", optional
     if origin is dict:
@@ -251,6 +275,8 @@ def _example(f: Field, hint: Any) -> str:
         return "{...}"
     if kind == "list":
         return "[a,b]" if typing.get_args(hint) == (str,) else "[1,2]"
+    if kind == "bool":
+        return "true"
     return "{key: value}"
 
 

@@ -29,6 +29,14 @@ YAML_CASES = {
     "list for a section": ("model:\n  arch: llama\nkv_cache: [1]\n",
                            "kv_cache: expected a mapping of kv_cache settings (e.g. kv_cache: {page_size: 16}), "
                            "got [1]"),
+    "tab in a value": ("model:\n  arch:\tllama\n", ":2: not valid YAML: found character '\\t'"),
+    "top-level number": ("42\n", ": the top level is a single value; it must be a mapping"),
+    "nested too deeply": ("model:\n  sizes:\n" + "".join("  " * (i + 2) + f"a{i}:\n" for i in range(200)) +
+                          "  " * 202 + "x: 1\n", ": nested too deeply to read"),
+    "an integer of 5000 digits": ("runtime:\n  seed: " + "1" * 5000 + "\n",
+                                  ": a value can't be read (Exceeds the limit (4300 digits)"),
+    "a number for a flag": ("kv_cache:\n  prefix_caching: 2\n",
+                            "kv_cache.prefix_caching: expected true or false (e.g. prefix_caching: true), got 2"),
 }
 
 
@@ -101,7 +109,23 @@ VALUE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("overrides, needle", VALUE_CASES, ids=[c[0][0] for c in VALUE_CASES])
+VALUE_CASES += [
+    (["model.arch="], "override 'model.arch=': no value; give one, or model.arch=null to unset the key"),
+    (["model.arch =llama"], "the key 'model.arch ' has spaces around it; write model.arch=llama"),
+    (["kv_cache.prefix_caching=-1"], "kv_cache.prefix_caching: expected true or false (e.g. "
+                                     "kv_cache.prefix_caching=true), got -1"),
+    (["scheduler.async_steps='16'"], "scheduler.async_steps: expected true or false"),
+    (["cuda_graph.piecewise.enabled=on", "cuda_graph.piecewise.sizes=[1,2]"],
+     "cuda_graph.piecewise.sizes: [1, 2] starts at 1; the piecewise graphs' token dimension is traced dynamic"),
+    (["runtime.device=cuda:\u0663"], "runtime.device: 'cuda:\u0663' is not allowed; use auto, cpu, cuda or cuda:N"),
+    (["runtime.device=cuda:99999999999999999999"], "runtime.device: 'cuda:99999999999999999999' is not allowed"),
+    (["cuda_graph.piecewise.max_tokens=99999999999999999999"],
+     "cuda_graph.piecewise.max_tokens: 99999999999999999999 must be at most 2147483647"),
+    (["runtime.seed=" + "1" * 5000], "runtime.seed: can't read the value (Exceeds the limit (4300 digits)"),
+]
+
+
+@pytest.mark.parametrize("overrides, needle", VALUE_CASES, ids=[c[0][0][:40] for c in VALUE_CASES])
 def test_bad_values(overrides, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, LLAMA + overrides)
@@ -129,6 +153,8 @@ SIZES_CASES = [
     (LLAMA, ["model.sizes.num_attention_heads=3"], "num_key_value_heads: 2 must divide num_attention_heads=3"),
     (LLAMA, ["model.sizes.vocab_size=-1"], "model.sizes.vocab_size: -1 must be >= 1"),
     (LLAMA, ["model.sizes.vocab_size=0"], "model.sizes.vocab_size: 0 must be >= 1"),
+    (LLAMA, ["model.sizes.vocab_size=99999999999999999999"],
+     "model.sizes.vocab_size: 99999999999999999999 must be at most 2147483647"),
     (LLAMA, ["model.sizes.hidden_size=abc"], "model.sizes.hidden_size: 'abc' (str) must be an integer"),
     (LLAMA, ["model.sizes.hidden_size=[64]"], "model.sizes.hidden_size: [64] (list) must be an integer"),
     (LLAMA, ["model.sizes.num_hidden_layers=2.5"], "model.sizes.num_hidden_layers: 2.5 (float) must be an integer"),

@@ -137,11 +137,13 @@ IN_PROCESS = {
                                    "tokenizer: model.arch builds random weights without one; give model.path"),
     "window of one token": (["eval-ppl", *LLAMA, "--text", str(ROOT / "pieceworks/data/english.txt"),
                              "--window", "1"], 2, "--window 1: a window needs at least 2 tokens"),
-    "KV pool beyond memory": (["run", *LLAMA, "kv_cache.num_tokens=1000000000000"], 2,
-                              "kv_cache.num_tokens: 1000000000000 tokens take 476837.16 GiB at 512 bytes each, but"),
-    # 2.6e17 bytes of embedding: more than a 48-bit address space holds, refused under any overcommit setting
-    "a model beyond memory": (["run", *LLAMA, "model.sizes.vocab_size=1000000000000000"], 1,
-                              "pieceworks run: error: out of memory ([enforce fail"),
+    "KV pool beyond memory": (["run", *LLAMA, "kv_cache.num_tokens=1000000000"], 2,
+                              "kv_cache.num_tokens: 1000000000 tokens take 476.84 GiB at 512 bytes each, but"),
+    "a size past any model": (["run", *LLAMA, "kv_cache.num_tokens=1000000000000"], 2,
+                              "kv_cache.num_tokens: 1000000000000 must be at most 2147483647"),
+    # 1.6e15 bytes of embedding: more than a 48-bit address space holds, refused under any overcommit setting
+    "a model beyond memory": (["run", *LLAMA, "model.sizes.vocab_size=2000000000", "model.sizes.hidden_size=200000"],
+                              1, "pieceworks run: error: out of memory ([enforce fail"),
 }
 
 

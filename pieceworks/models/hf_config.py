@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from pieceworks.config_checks import INT_MAX
 from pieceworks.errors import CheckpointError
 from pieceworks.models.families import family, WINDOWED, with_defaults
 
@@ -259,6 +260,8 @@ def check(hf: dict, arch: str) -> None:
             raise FieldError(key, f"{v!r} ({type(v).__name__}) must be {_WORDS[kind]}")
         if rule == "pos" and v < 1:
             raise FieldError(key, f"{v!r} must be >= 1")
+        if kind == "int" and v > INT_MAX:  # torch takes sizes as 64-bit integers; no model is this large
+            raise FieldError(key, f"{v!r} must be at most {INT_MAX}")
         if rule == "nonneg" and v < 0:
             raise FieldError(key, f"{v!r} must be >= 0")
         if rule == "posf" and not (math.isfinite(v) and v > 0):
