@@ -129,3 +129,68 @@ def test_a_server_stream_closed_before_its_first_step_gives_its_queue_places_bac
     with AsyncEngine(make()) as aeng:
         asyncio.run(main(Server(aeng, max_queue=3)))
         assert aeng.engine.stats()["kv_pages_used"] == 0
+
+
+def test_a_stream_whose_event_loop_closed_is_aborted_and_its_id_freed():
+    """A loop closed without shutdown_asyncgens (a torn-down worker thread's) never runs the stream's finally: the
+    loop thread, unable to deliver, aborts the request (it ran on to max_tokens, holding its pages) and frees the id
+    (refused as "already running" for good)."""
+    import time
+
+    async def start(aeng):
+        outs = aeng.generate(PROMPT, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), "gone")
+        await outs.__anext__()
+        return outs
+
+    async def again(aeng):
+        return [o async for o in aeng.generate(PROMPT, SamplingParams(max_tokens=2), "gone")]
+
+    with AsyncEngine(make()) as aeng:
+        loop = asyncio.new_event_loop()
+        outs = loop.run_until_complete(start(aeng))
+        loop.close()
+        deadline = time.monotonic() + 30
+        while aeng.engine.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stats = aeng.stats()
+        assert stats["num_generated_tokens"] < 400 and stats["kv_pages_used"] == 0, stats
+        assert "gone" not in aeng._streams and "gone" not in aeng._added
+        assert asyncio.run(again(aeng))[-1].finished
+        del outs
+
+
+def test_streams_of_a_shut_down_engine_get_an_error_each():
+    """One EngineDeadError per stream: a shared one gathered every stream's frames in its traceback."""
+    async def main(aeng):
+        streams = [aeng.generate(PROMPT, SamplingParams(max_tokens=400, ignore_eos=True)) for _ in range(20)]
+        for s in streams:
+            await s.__anext__()
+        await asyncio.get_running_loop().run_in_executor(None, aeng.shutdown)
+        errors = []
+        for s in streams:
+            try:
+                async for _ in s:
+                    pass
+            except Exception as exc:
+                errors.append(exc)
+        return errors
+
+    errors = asyncio.run(main(AsyncEngine(make())))  # streams that ended before the shutdown raise nothing
+    assert len(errors) >= 2 and len({id(e) for e in errors}) == len(errors), len(errors)
+    assert all(type(e).__name__ == "EngineDeadError" and "shut down" in str(e) for e in errors)
+
+
+def test_shutdown_after_the_engine_was_closed_and_from_config_closes_its_own():
+    """An embedder may close the Engine before the AsyncEngine; an AsyncEngine that built its Engine closes it."""
+    engine = make()
+    aeng = AsyncEngine(engine)
+    engine.close()
+    aeng.shutdown()
+    with AsyncEngine(make()) as aeng:
+        pass
+    assert not aeng.engine.executor.closed  # the caller's Engine stays open
+    aeng.engine.close()
+    with AsyncEngine.from_config({"model": {"arch": "llama", "preset": "tiny"}, "runtime": {"device": "cpu"},
+                                  "kv_cache": {"num_tokens": 512}}, progress=False) as aeng:
+        pass
+    assert aeng.engine.executor.closed

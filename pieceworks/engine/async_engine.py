@@ -96,14 +96,18 @@ class AsyncEngine:
         self._stopping = False
         self._error: BaseException | None = None
         self._failed = threading.Event()  # set when the step loop fails (not on shutdown)
+        self._owns_engine = False  # built by `from_config`: closed by `shutdown`
         self._thread = threading.Thread(target=self._run, name="pieceworks-engine-loop", daemon=True)
         self._thread.start()
 
     @classmethod
     def from_config(cls, cfg: Any = None, overrides: list[str] | None = None, *,
                     progress: bool = True) -> "AsyncEngine":
-        """An AsyncEngine over `Engine.from_config(cfg, overrides)`."""
-        return cls(Engine.from_config(cfg, overrides, progress=progress))
+        """An AsyncEngine over `Engine.from_config(cfg, overrides)`, which `shutdown` closes (an Engine passed to
+        the constructor stays the caller's)."""
+        engine = cls(Engine.from_config(cfg, overrides, progress=progress))
+        engine._owns_engine = True
+        return engine
 
     # ---------------------------------------------------------------- the caller's side
     async def generate(self, prompt: list[int] | str, params: SamplingParams | None = None,
@@ -152,10 +156,12 @@ class AsyncEngine:
                 yield item
         finally:
             with self._cond:
-                self._streams.pop(request_id, None)
+                own = self._streams.get(request_id, (None, None, None))[2] == number  # else `_orphaned` ended it
+                if own:
+                    del self._streams[request_id]
                 if self._added.get(request_id) == number:
                     del self._added[request_id]
-                if left and not self._stopping:
+                if left and own and not self._stopping:
                     self._commands.append(("abort", request_id))
                     self._cond.notify()
 
@@ -189,15 +195,19 @@ class AsyncEngine:
             self._stopping = True
             self._cond.notify()
         self._thread.join()
-        for rid in list(self.engine._requests):
-            self.engine.abort(rid)
-        try:
-            self.engine.step()  # returns the aborts' outputs, nobody reads them
-        except Exception:
-            if self._error is None:
-                raise
-            # the step that failed the loop fails again: the pages stay with the engine, which is not trusted
-        self._fail_all(EngineDeadError("the AsyncEngine was shut down"))
+        if not self.engine.executor.closed:  # an embedder may close the Engine first
+            for rid in list(self.engine._requests):
+                self.engine.abort(rid)
+            try:
+                if self.engine.has_unfinished():
+                    self.engine.step()  # returns the aborts' outputs, nobody reads them
+            except Exception:
+                if self._error is None:
+                    raise
+                # the step that failed the loop fails again: the pages stay with the engine, which is not trusted
+        self._fail_all("the AsyncEngine was shut down")
+        if self._owns_engine and not self.engine.executor.closed:
+            self.engine.close()  # its model, KV pool and grammar worker
 
     def __enter__(self) -> "AsyncEngine":
         return self
@@ -241,9 +251,7 @@ class AsyncEngine:
             with self._cond:
                 self._error = exc
             self._failed.set()
-            dead = EngineDeadError(f"the AsyncEngine's step loop failed: {exc!r}")
-            dead.__cause__ = exc
-            self._fail_all(dead)
+            self._fail_all(f"the AsyncEngine's step loop failed: {exc!r}", exc)
 
     def _stream(self, request_id: str) -> tuple[asyncio.AbstractEventLoop, _Outputs, int] | None:
         """The stream that reads this id's outputs (under `_cond`): None once its caller stopped listening, or
@@ -259,8 +267,8 @@ class AsyncEngine:
         loop, queue, _ = stream
         try:
             loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:
-            pass  # the caller's event loop is closed
+        except RuntimeError:  # the caller's event loop is closed
+            self._orphaned(loop, [request_id])
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
         """One wake-up per event loop per step, not one per output: each `call_soon_threadsafe` writes
@@ -274,15 +282,30 @@ class AsyncEngine:
         for loop, items in batches.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:
-                pass  # the caller's event loop is closed
+            except RuntimeError:  # the caller's event loop is closed
+                self._orphaned(loop, [out.request_id for _, out in items])
 
-    def _fail_all(self, exc: BaseException) -> None:
-        """`exc` to every stream, those whose add is still a command included."""
+    def _orphaned(self, loop: asyncio.AbstractEventLoop, request_ids: list[str]) -> None:
+        """The streams of `request_ids` on `loop`, which is closed (its generators never finalized: a loop closed
+        without shutdown_asyncgens): no reader will come, so their requests are aborted and their ids free again.
+        On the loop thread."""
+        with self._cond:
+            gone = [rid for rid in dict.fromkeys(request_ids) if self._streams.get(rid, (None,))[0] is loop]
+            for rid in gone:
+                del self._streams[rid]
+                self._added.pop(rid, None)
+        for rid in gone:
+            self.engine.abort(rid)
+
+    def _fail_all(self, message: str, cause: BaseException | None = None) -> None:
+        """An EngineDeadError of `message` (`cause` chained) to every stream, those whose add is still a command
+        included; one per stream, so that one caller's traceback does not gather the others' frames."""
         with self._cond:
             streams = list(self._streams.values())
         for loop, queue, _ in streams:
+            dead = EngineDeadError(message)
+            dead.__cause__ = cause
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, exc)
+                loop.call_soon_threadsafe(queue.put_nowait, dead)
             except RuntimeError:
                 pass  # the caller's event loop is closed
