@@ -260,7 +260,8 @@ def check(hf: dict, arch: str) -> None:
             raise FieldError(key, f"{v!r} ({type(v).__name__}) must be {_WORDS[kind]}")
         if rule == "pos" and v < 1:
             raise FieldError(key, f"{v!r} must be >= 1")
-        if kind == "int" and v > INT_MAX:  # torch takes sizes as 64-bit integers; no model is this large
+        # sizes torch allocates; not positions, whose tables the context caps (model.max_context)
+        if kind == "int" and v > INT_MAX and "position" not in key:
             raise FieldError(key, f"{v!r} must be at most {INT_MAX}")
         if rule == "nonneg" and v < 0:
             raise FieldError(key, f"{v!r} must be >= 0")
