@@ -132,7 +132,8 @@ class CheckpointReader:
         unlisted: dict[str, str] = {}
         for filename, names in by_file.items():
             present = self._handle(filename).keys()
-            lacking = [n for n in names if n not in set(present)]
+            held = set(present)
+            lacking = [n for n in names if n not in held]
             if lacking:
                 raise CheckpointError(
                     f"{self.model_dir / filename}: lacks {len(lacking)} tensor(s) that {INDEX_FILE} "
