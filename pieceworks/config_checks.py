@@ -10,8 +10,8 @@ from typing import Any
 from pieceworks.errors import ConfigError
 
 INT_MAX = 2**31 - 1
-"""The largest size or count a config (or a model's config.json) may give: torch takes sizes as 64-bit integers, and
-no model or cache is this large."""
+"""The largest size or count a config (or a model's config.json) may give: far past any model or cache, and small
+enough that the product of two (a weight's elements) stays within torch's 64-bit sizes."""
 
 OPS = ("attention", "mla", "fp4_gemm", "moe")
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
