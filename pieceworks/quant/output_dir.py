@@ -8,11 +8,11 @@ synced to disk) renames it to DST with one `os.rename`, which is atomic on POSIX
 (an exception, Ctrl-C, SIGKILL, the OOM killer, a power loss), DST is either absent (or the empty
 directory it was) or a complete checkpoint. A run that fails removes its staging directory and the
 parent directories it created; one that is killed leaves its staging directory, and the next run into
-the same DST on the same host removes it once its process is gone and no process holds its lock (a run holds an
-flock on its staging directory while it writes: a pid of another PID namespace can look gone) (`Staging.clear_stale`).
-Two runs
-racing into one DST both write their own staging directory; the first rename wins and the other run
-fails with the DST named, leaving the winner's checkpoint untouched.
+the same DST on the same host removes it once its process is gone and no process holds its lock
+(`Staging.clear_stale`; a run holds an flock on its staging directory while it writes, since a run's pid in
+another PID namespace can look gone). Two runs racing into one DST both write their own staging directory;
+the first rename wins and the other run fails with the DST named, leaving the winner's checkpoint
+untouched.
 """
 
 from __future__ import annotations
