@@ -121,6 +121,9 @@ def validate(cfg: Any, require_model: bool = True) -> None:
         raise ConfigError(f"runtime.device: {dev!r} is not allowed; use auto, cpu, cuda or cuda:N (N a GPU's index, "
                           "0-127)")
     _one_of("runtime.dtype", cfg.runtime.dtype, ("auto", "bfloat16", "float16", "float32"))
+    if cfg.runtime.cache_dir is not None and not str(cfg.runtime.cache_dir).strip():
+        raise ConfigError("runtime.cache_dir: empty; give a directory, or null for the default (~/.cache/pieceworks, "
+                          "or $XDG_CACHE_HOME/pieceworks)")
     if cfg.runtime.cache_dir:
         try:
             cache = Path(cfg.runtime.cache_dir).expanduser()

@@ -111,6 +111,7 @@ VALUE_CASES = [
 
 VALUE_CASES += [
     (["model.arch="], "override 'model.arch=': no value; give one, or model.arch=null to unset the key"),
+    (["runtime.cache_dir=''"], "runtime.cache_dir: empty; give a directory, or null for the default"),
     (["model.arch =llama"], "the key 'model.arch ' has spaces around it; write model.arch=llama"),
     (["kv_cache.prefix_caching=-1"], "kv_cache.prefix_caching: expected true or false (e.g. "
                                      "kv_cache.prefix_caching=true), got -1"),
