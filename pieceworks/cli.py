@@ -139,6 +139,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with its usage errors as one line (argparse prints the usage block first)."""
 
     takes_settings = False  # a command with the `config` positional: YAML, then key=value overrides
+    missing_hint = ""  # said where required arguments are missing (quantize: after --exclude, SRC DST are patterns)
 
     def add_argument(self, *names: Any, **kwargs: Any) -> Any:
         self.takes_settings = self.takes_settings or names[:1] == ("config",)
@@ -151,6 +152,8 @@ class _Parser(argparse.ArgumentParser):
             known = [f"{flag} -> {key}=..." for flag, key in SETTING_FLAGS.items() if flag in said]
             hint = ("settings go as key=value overrides" + (f" ({', '.join(known)})" if known else
                                                            ", e.g. generation.max_new_tokens=64") + f"; {hint}")
+        if message.startswith("the following arguments are required") and self.missing_hint:
+            hint = f"{self.missing_hint}; {hint}"
         print(f"{self.prog}: error: {message} ({hint})", file=sys.stderr)
         sys.exit(USER_ERROR)
 

@@ -35,12 +35,11 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
             "from a fixed amax."
         ),
     )
-    # optional to argparse so that a missing one is explained (`run`): --exclude's patterns run on to the
-    # positionals, so `--exclude P SRC DST` leaves none
-    p.usage = ("%(prog)s [-h] SRC DST [--calib-text FILE | --amax X] [--exclude PATTERN [PATTERN ...]] "
-               "[--kv-cache fp8] [--max-shard-size SIZE] [--no-progress]")
-    p.add_argument("src", type=Path, nargs="?", metavar="SRC", help="source checkpoint directory")
-    p.add_argument("dst", type=Path, nargs="?", metavar="DST", help="new or empty output directory")
+    p.add_argument("src", type=Path, metavar="SRC", help="source checkpoint directory")
+    p.add_argument("dst", type=Path, metavar="DST", help="new or empty output directory")
+    # --exclude's patterns run on to the words after them: `--exclude P SRC DST` leaves SRC and DST missing
+    p.missing_hint = ("given after --exclude, SRC and DST are read as its patterns: give them first (pieceworks "
+                      "quantize SRC DST --exclude PATTERN ...) or end the patterns with --")
     act = p.add_mutually_exclusive_group()
     act.add_argument(
         "--calib-text",
@@ -74,12 +73,6 @@ def run(args: argparse.Namespace) -> int:
     from pieceworks.data import CALIBRATION_TXT
     from pieceworks.quant.quantizer import quantize_checkpoint
 
-    if args.dst is None:
-        if not args.exclude:
-            raise ValueError("quantize needs SRC and DST (pieceworks quantize SRC DST [options])")
-        raise ValueError(f"quantize needs SRC and DST; --exclude took {' '.join(args.exclude[-2:])} as patterns: give "
-                         "them before --exclude, or end its patterns with -- (pieceworks quantize SRC DST --exclude "
-                         "PATTERN ...)")
     calib_text = args.calib_text
     if calib_text is None and args.amax is None:
         calib_text = CALIBRATION_TXT
