@@ -205,9 +205,13 @@ def _check_shapes(schema: type, layer: DictConfig, source: str, path: Path | Non
     """
     hints = typing.get_type_hints(schema)
     for f in fields(schema):
-        if f.name not in layer or OmegaConf.is_missing(layer, f.name) or OmegaConf.is_interpolation(layer, f.name):
-            continue
         key = f"{prefix}{f.name}"
+        if OmegaConf.is_missing(layer, f.name):  # `in` says no for it: read as not given, the key would be unset
+            where = locate(path, key) if path is not None else source
+            raise ConfigError(f"{key}: ??? (OmegaConf's missing value) is no setting; give a value, or leave the key "
+                              f"out{f' (in {where})' if where else ''}")
+        if f.name not in layer or OmegaConf.is_interpolation(layer, f.name):
+            continue
         kind, optional = _shape(hints[f.name])
         value = layer[f.name]
         if kind is None or (value is None and optional):

@@ -35,6 +35,8 @@ YAML_CASES = {
                           "  " * 202 + "x: 1\n", ": nested too deeply to read"),
     "an integer of 5000 digits": ("runtime:\n  seed: " + "1" * 5000 + "\n",
                                   ": a value can't be read (Exceeds the limit (4300 digits)"),
+    "missing value": ("model:\n  arch: ???\n", "model.arch: ??? (OmegaConf's missing value) is no setting; give a "
+                                                "value, or leave the key out (in "),
     "a number for a flag": ("kv_cache:\n  prefix_caching: 2\n",
                             "kv_cache.prefix_caching: expected true or false (e.g. prefix_caching: true), got 2"),
 }
@@ -111,6 +113,7 @@ VALUE_CASES = [
 
 VALUE_CASES += [
     (["model.arch="], "override 'model.arch=': no value; give one, or model.arch=null to unset the key"),
+    (["model.arch=???"], "model.arch: ??? (OmegaConf's missing value) is no setting"),
     (["runtime.cache_dir=''"], "runtime.cache_dir: empty; give a directory, or null for the default"),
     (["model.arch =llama"], "the key 'model.arch ' has spaces around it; write model.arch=llama"),
     (["kv_cache.prefix_caching=-1"], "kv_cache.prefix_caching: expected true or false (e.g. "
