@@ -228,6 +228,9 @@ REGISTRY_CASES = [
     (["backends.attention={extend: torch, decode: nosuch}"], "backends.attention: no attention backend named 'nosuch'"),
     (["backends.options.nosuch.x=1"], "backends.options.nosuch: no registered backend is named 'nosuch'"),
     (["plugins.disabled=[pieceworks.nosuch]"], "plugins.disabled: 'pieceworks.nosuch' is no plugin here; known: "),
+    # the values of a backend that can't serve here (no CUDA) are checked too
+    (["backends.options.triton.cuda_decode_max_m=abc"], "backends.options.triton.cuda_decode_max_m='abc': use 0"),
+    (["backends.options.flashinfer.variant=fa9"], "backends.options.flashinfer.variant: 'fa9'; use auto, fa2 or fa3"),
 ]
 
 

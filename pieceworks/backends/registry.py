@@ -334,9 +334,10 @@ def _check_names(backends_cfg: Any, all_backends: list[type[Backend]], broken: l
 
 
 def _check_options(backends_cfg: Any, all_backends: list[type[Backend]]) -> None:
-    """Every `backends.options.<name>` key must be an option of some registered backend of that name,
-    whether or not that backend is chosen here (a typo fails on a CPU machine too); options for a name
-    no registered backend has are an error too (a typo, or a plugin that is not installed here)."""
+    """Every `backends.options.<name>` key must be an option of some registered backend of that name, and its
+    value one that backend's Options take, whether or not that backend is chosen here (a typo fails on a CPU
+    machine too); options for a name no registered backend has are an error too (a typo, or a plugin that is
+    not installed here)."""
     names = sorted({c.name for c in all_backends})
     for name, raw in (backends_cfg.options or {}).items():
         if name not in names:
@@ -349,6 +350,13 @@ def _check_options(backends_cfg: Any, all_backends: list[type[Backend]]) -> None
             raise SelectionError(
                 f"backends.options.{name}: unknown option(s) {unknown}; known: {sorted(known) or 'none'}"
             )
+        for cls in all_backends:  # their values too, whether or not the backend can serve here
+            if cls.name == name and cls.Options is not None:
+                try:
+                    parse_options(cls, _options_for(backends_cfg, cls))
+                except (ValueError, TypeError) as e:
+                    said = str(e) if str(e).startswith("backends.options.") else f"backends.options.{name}: {e}"
+                    raise ConfigError(said) from None
 
 
 def _options_for(backends_cfg: Any, cls: type[Backend]) -> dict:
