@@ -3,7 +3,8 @@
 A backend is a small class with pure declarations (name, op, priority, modes, graph modes, numerics,
 requirements) and `check(spec) -> list[str]`: the reasons it can't serve `spec`, empty when it can.
 Nothing here reads global state: `BackendSpec` carries every fact about the machine and the model that
-a check may look at, so tests build one by hand (a capability override is just a field).
+a check may look at, so tests build one by hand (a capability override is just a field). A backend's
+options (`backends.options.<name>`) become its Options dataclass here, checked for every backend of the name.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from pieceworks.core.batch import ForwardMode, GraphMode
+from pieceworks.errors import ConfigError
 
 OPS = ("attention", "mla", "fp4_gemm", "moe")
 NUMERICS = ("w4a4", "w4a16")
@@ -307,6 +309,11 @@ class Candidate:
         self.reasons.append(f"vetoed by a plugin: {reason}")
 
 
+class SelectionError(ConfigError):
+    """A configured backend can't serve, or no backend can serve an op at all (a `backends.*` value
+    that this machine or model can't honour, hence a ConfigError)."""
+
+
 def parse_options(backend: type[Backend], raw: dict | None) -> Any:
     """Turn `backends.options.<name>` into the backend's Options dataclass, naming unknown keys."""
     raw = dict(raw or {})
@@ -325,3 +332,46 @@ def parse_options(backend: type[Backend], raw: dict | None) -> Any:
             f"allowed: {sorted(allowed)}"
         )
     return backend.Options(**raw)
+
+
+def known_options(name: str, all_backends: list[type[Backend]]) -> set[str]:
+    known: set[str] = set()
+    for other in all_backends:
+        if other.name == name and other.Options is not None:
+            known |= {f.name for f in fields(other.Options)}
+    return known
+
+
+def check_options(backends_cfg: Any, all_backends: list[type[Backend]]) -> None:
+    """Every `backends.options.<name>` key must be an option of some registered backend of that name, and its
+    value one that backend's Options take, whether or not that backend is chosen here (a typo fails on a CPU
+    machine too); options for a name no registered backend has are an error too (a typo, or a plugin that is
+    not installed here)."""
+    names = sorted({c.name for c in all_backends})
+    for name, raw in (backends_cfg.options or {}).items():
+        if name not in names:
+            raise ConfigError(f"backends.options.{name}: no registered backend is named {name!r} (registered: "
+                              f"{', '.join(names)}); fix the name, install the plugin that provides it, or "
+                              "remove the entry")
+        known = known_options(name, all_backends)
+        unknown = sorted(set(dict(raw or {})) - known)
+        if unknown:
+            raise SelectionError(
+                f"backends.options.{name}: unknown option(s) {unknown}; known: {sorted(known) or 'none'}"
+            )
+        for cls in all_backends:  # their values too, whether or not the backend can serve here
+            if cls.name == name and cls.Options is not None:
+                try:
+                    parse_options(cls, options_for(backends_cfg, cls))
+                except (ValueError, TypeError) as e:
+                    said = str(e) if str(e).startswith("backends.options.") else f"backends.options.{name}: {e}"
+                    raise ConfigError(said) from None
+
+
+def options_for(backends_cfg: Any, cls: type[Backend]) -> dict:
+    """`backends.options.<name>` restricted to the keys `cls` knows (backends of one name share the
+    options: flashinfer attention and MLA share `variant`, say; `check_options` has refused keys that
+    no backend of that name knows)."""
+    raw = dict(backends_cfg.options.get(cls.name, {}) or {})
+    mine = {f.name for f in fields(cls.Options)} if cls.Options else set()
+    return {k: v for k, v in raw.items() if k in mine}

@@ -20,13 +20,13 @@ import importlib.metadata
 import logging
 import re
 from dataclasses import dataclass, field, replace
-from dataclasses import fields as dc_fields
 from typing import Any, Iterable
 
 import pluggy
 
 from pieceworks.backends import hookspecs
-from pieceworks.backends.base import OPS, Backend, BackendSpec, Candidate, bad_check_result, parse_options
+from pieceworks.backends.base import (OPS, Backend, BackendSpec, Candidate, SelectionError, bad_check_result,
+                                      check_options, options_for, parse_options)
 from pieceworks.backends.builtin import BUILTIN_PLUGINS
 from pieceworks.backends.plugins import BUILTIN_ORIGIN, IN_PROCESS_ORIGIN, BrokenPlugin, PluginSet, misspelt_group
 from pieceworks.core.batch import TABLE_MODES, ForwardMode, GraphMode
@@ -49,11 +49,6 @@ class Decision:
     rejected: tuple[tuple[str, tuple[str, ...]], ...]
     fallback_from: str | None = None
     note: str = ""
-
-
-class SelectionError(ConfigError):
-    """A configured backend can't serve, or no backend can serve an op at all (a `backends.*` value
-    that this machine or model can't honour, hence a ConfigError)."""
 
 
 @dataclass(frozen=True)
@@ -184,7 +179,7 @@ class Registry:
         """
         ops = [op for op in OPS if op in set(ops)]
         _check_names(backends_cfg, self.backends(), self.plugins.broken, self.disabled)
-        _check_options(backends_cfg, self.backends())
+        check_options(backends_cfg, self.backends())
         entries: dict = {}
         decisions: list[Decision] = []
         unavailable: dict = {}
@@ -192,7 +187,7 @@ class Registry:
 
         def instance(cls: type[Backend]) -> Backend:
             if cls.key() not in instances:
-                opts = parse_options(cls, _options_for(backends_cfg, cls))
+                opts = parse_options(cls, options_for(backends_cfg, cls))
                 instances[cls.key()] = cls(spec, opts)
             return instances[cls.key()]
 
@@ -292,14 +287,6 @@ def _with_fallback(decision: Decision, eager_choice: type[Backend]) -> Decision:
     return replace(decision, fallback_from=decision.fallback_from or eager_choice.name, note=note)
 
 
-def _known_options(name: str, all_backends: list[type[Backend]]) -> set[str]:
-    known: set[str] = set()
-    for other in all_backends:
-        if other.name == name and other.Options is not None:
-            known |= {f.name for f in dc_fields(other.Options)}
-    return known
-
-
 def left_out(broken: list[BrokenPlugin], width: int = 100) -> str:
     """The broken plugins (which may have registered the backend asked for), one line each with its
     reason cut to `width` characters; `pieceworks backends` shows them in full."""
@@ -331,41 +318,6 @@ def _check_names(backends_cfg: Any, all_backends: list[type[Backend]], broken: l
                                      + (f" (did you mean {close[0]!r}?)" if close else "")
                                      + f"; registered: {', '.join(names) or 'none'} (or auto){blocked}"
                                      + left_out(broken))
-
-
-def _check_options(backends_cfg: Any, all_backends: list[type[Backend]]) -> None:
-    """Every `backends.options.<name>` key must be an option of some registered backend of that name, and its
-    value one that backend's Options take, whether or not that backend is chosen here (a typo fails on a CPU
-    machine too); options for a name no registered backend has are an error too (a typo, or a plugin that is
-    not installed here)."""
-    names = sorted({c.name for c in all_backends})
-    for name, raw in (backends_cfg.options or {}).items():
-        if name not in names:
-            raise ConfigError(f"backends.options.{name}: no registered backend is named {name!r} (registered: "
-                              f"{', '.join(names)}); fix the name, install the plugin that provides it, or "
-                              "remove the entry")
-        known = _known_options(name, all_backends)
-        unknown = sorted(set(dict(raw or {})) - known)
-        if unknown:
-            raise SelectionError(
-                f"backends.options.{name}: unknown option(s) {unknown}; known: {sorted(known) or 'none'}"
-            )
-        for cls in all_backends:  # their values too, whether or not the backend can serve here
-            if cls.name == name and cls.Options is not None:
-                try:
-                    parse_options(cls, _options_for(backends_cfg, cls))
-                except (ValueError, TypeError) as e:
-                    said = str(e) if str(e).startswith("backends.options.") else f"backends.options.{name}: {e}"
-                    raise ConfigError(said) from None
-
-
-def _options_for(backends_cfg: Any, cls: type[Backend]) -> dict:
-    """`backends.options.<name>` restricted to the keys `cls` knows (backends of one name share the
-    options: flashinfer attention and MLA share `variant`, say; `_check_options` has refused keys that
-    no backend of that name knows)."""
-    raw = dict(backends_cfg.options.get(cls.name, {}) or {})
-    mine = {f.name for f in dc_fields(cls.Options)} if cls.Options else set()
-    return {k: v for k, v in raw.items() if k in mine}
 
 
 def _check_layouts(entries: dict) -> None:
