@@ -108,10 +108,6 @@ VALUE_CASES = [
     (["backends.options.flashinfer={variant: fa2}", "backends.options.flashinfer=[1]"],
      "backends.options.flashinfer: [1] is a list and can't replace {'variant': 'fa2'}, a mapping set before it; "
      "give a mapping or drop the earlier setting"),
-]
-
-
-VALUE_CASES += [
     (["model.arch="], "override 'model.arch=': no value; give one, or model.arch=null to unset the key"),
     (["model.arch=???"], "model.arch: ??? (OmegaConf's missing value) is no setting"),
     (["runtime.cache_dir=''"], "runtime.cache_dir: empty; give a directory, or null for the default"),
