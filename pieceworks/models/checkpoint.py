@@ -268,7 +268,7 @@ class RenamingReader:
         """The rows of the fused tensor that `name` is, the fused tensor's row count checked against config.json's
         (other rows would be read as k or v without a word)."""
         rows = self._slices(name)
-        fused = self.named(name)
+        fused = self.named(name) if rows is not None else None
         if rows is not None and fused not in self._checked:
             want, parts = self.named.total(name)
             got = self.reader.shape(fused)[0]
