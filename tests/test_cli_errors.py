@@ -124,6 +124,8 @@ def test_user_errors_are_one_line_on_stderr(results, name):
         assert not stdout.strip(), stdout[-2000:]
 
 
+BEYOND_MEMORY = ["model.sizes.vocab_size=2000000000", "model.sizes.hidden_size=200000"]
+
 IN_PROCESS = {
     "model.sizes arithmetic": (["run", *LLAMA, "model.sizes.num_hidden_layers=0"], 2,
                                "pieceworks run: error: model.sizes.num_hidden_layers: 0 must be >= 1"),
@@ -141,9 +143,9 @@ IN_PROCESS = {
                               "kv_cache.num_tokens: 1000000000 tokens take 476.84 GiB at 512 bytes each, but"),
     "a size past any model": (["run", *LLAMA, "kv_cache.num_tokens=1000000000000"], 2,
                               "kv_cache.num_tokens: 1000000000000 must be at most 2147483647"),
-    # 1.6e15 bytes of embedding: more than a 48-bit address space holds, refused under any overcommit setting
-    "a model beyond memory": (["run", *LLAMA, "model.sizes.vocab_size=2000000000", "model.sizes.hidden_size=200000"],
-                              1, "pieceworks run: error: out of memory ([enforce fail"),
+    # 1.6e15 bytes of embedding (float32) and as many of head: refused from the meta skeleton, before any allocation
+    "a model beyond memory": (["run", *LLAMA, *BEYOND_MEMORY], 2, "pieceworks run: error: the model's weights take "
+                              "2980233.10 GiB on cpu (sizes from model.sizes), but "),
 }
 
 
@@ -159,6 +161,19 @@ def test_user_errors_in_process(name, capsys, monkeypatch, tmp_path):
     assert len(lines) == 1 and needle in lines[0], err[-2000:]
     if args[0] == "backends":  # refused before any of the report is printed
         assert not out.strip(), out[-2000:]
+
+
+def test_an_allocation_past_memory_is_one_line(capsys, monkeypatch, tmp_path):
+    """Where the free memory is unknown (no check before the load), the allocator's refusal is the one line: 1.6e15
+    bytes are more than a 48-bit address space holds, refused under any overcommit setting."""
+    from pieceworks import cli
+    from pieceworks.models import loader
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(loader, "free_bytes", lambda device, unknown: unknown)
+    assert cli.main(["run", *LLAMA, *BEYOND_MEMORY]) == 1
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "pieceworks run: error: out of memory ([enforce fail" in lines[0], lines
 
 
 def test_eval_ppl_refuses_a_text_it_cannot_score(capsys, tmp_path):

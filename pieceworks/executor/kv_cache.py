@@ -13,6 +13,7 @@ from collections import OrderedDict
 
 import torch
 
+from pieceworks.core.devices import free_bytes
 from pieceworks.core.kv import KV_FP8, KVLayout
 from pieceworks.errors import BatchError, ConfigError, OutOfPages
 
@@ -316,13 +317,13 @@ class KVPool:
                               "page size of a few tokens (16 is the default)")
         per_token = layout.bytes_per_token(dtype)
         if num_tokens is not None:
-            free = _free_bytes(torch.device(device), unknown=None)
+            free = free_bytes(torch.device(device), unknown=None)
             if free is not None and num_tokens * per_token > free:
                 raise ConfigError(f"kv_cache.num_tokens: {num_tokens} tokens take {num_tokens * per_token / 2**30:.2f} "
                                   f"GiB at {per_token} bytes each, but {free / 2**30:.2f} GiB are free on {device}; "
                                   "lower it, or leave it unset for kv_cache.memory_fraction of the free memory")
         else:
-            free = _free_bytes(torch.device(device))
+            free = free_bytes(torch.device(device))
             num_tokens = int(free * memory_fraction) // per_token
             if torch.device(device).type == "cpu":
                 num_tokens = min(num_tokens, CPU_DEFAULT_MAX_TOKENS)
@@ -341,17 +342,3 @@ class KVPool:
         num_pages = -(-num_tokens // page_size) + 1  # + the reserved page
         return cls(layout, num_pages, page_size, dtype, device, prefix_caching, scales)
 
-
-def _free_bytes(device: torch.device, unknown: int | None = 4 << 30) -> int | None:
-    """Free bytes on `device` (the CPU's: MemAvailable), or `unknown` where the OS does not say."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return unknown

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from pieceworks.backends.base import ModelFacts
+from pieceworks.core.devices import free_bytes
 from pieceworks.errors import CheckpointError, ConfigError
 from pieceworks.models import config_forms, hf_config as hf_fields
 from pieceworks.models.base import CausalLM, context_limit
@@ -71,6 +72,7 @@ def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype
         source, named = RandomSource(device, dtype, seed=seed), None
     model = build(cls, hf, dtype, fp4, tp)
     _size_rope_tables(model, model_cfg)
+    _check_fits(model, device, dtype, model_cfg.path is None)
     try:
         materialize(model, source, device, progress)
     except CheckpointError as e:  # name the tensors as the checkpoint does (Mixtral's, Phi-3's), not as the model
@@ -90,6 +92,20 @@ def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype
     if reader is not None and not allow_extra:
         check_unused(reader, model)
     return model
+
+
+def _check_fits(model: CausalLM, device: torch.device, dtype: torch.dtype, random: bool) -> None:
+    """Refuse a skeleton that takes more than `device`'s free memory before any weight is read (not as the
+    allocator's refusal once most of it is read)."""
+    need = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+    free = free_bytes(device, unknown=None)
+    if free is not None and need > free:
+        where = "model.sizes" if random else "the checkpoint's config.json"
+        smaller = ", runtime.dtype=bfloat16" if dtype == torch.float32 else ""
+        fp4 = "quantization.format=nvfp4" if random else "`pieceworks quantize`"
+        raise ConfigError(f"the model's weights take {need / 2**30:.2f} GiB on {device} (sizes from {where}), but "
+                          f"{free / 2**30:.2f} GiB are free; use a device with more memory{smaller}, tensor "
+                          f"parallelism (parallel.tensor_parallel_size) or NVFP4 weights ({fp4})")
 
 
 ROPE_TABLE_BYTES = 1 << 30
