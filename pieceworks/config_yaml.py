@@ -111,13 +111,18 @@ def _parse_override(item: str) -> DictConfig:
     if not value.strip():  # YAML reads it as null: `model.arch=$ARCH` with ARCH unset would unset the key
         raise ConfigError(f"override {item!r}: no value; give one, or {key}=null to unset the key")
     try:
-        return OmegaConf.from_dotlist([item])
+        layer = OmegaConf.from_dotlist([item])  # first: its loader's messages
+        node = yaml.compose(value)
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"{key}: can't parse the value {value!r} ({problem}); "
                           f"quote it or fix the brackets") from None
     except ValueError as e:  # an integer of more digits than Python converts
         raise ConfigError(f"{key}: can't read the value ({str(e).split(':')[0]})") from None
+    odd = _yaml11_int(node)
+    if odd is not None:
+        raise ConfigError(f"{key}: {odd[0]}")
+    return layer
 
 
 def read_yaml(path: Path) -> DictConfig:
@@ -156,11 +161,37 @@ def read_yaml(path: Path) -> DictConfig:
         raise ConfigError(f"{path}: nested too deeply to read; a config is a few levels of sections") from None
     except ValueError as e:  # an integer of more digits than Python converts (no advice on sys settings)
         raise ConfigError(f"{path}: a value can't be read ({str(e).split(':')[0]})") from None
+    odd = _yaml11_int(top)
+    if odd is not None:
+        raise ConfigError(f"{path}:{odd[1] + 1}: {odd[0]}")
     if not isinstance(layer, DictConfig):
         kind = "a list" if isinstance(top, yaml.SequenceNode) else "a single value"
         raise ConfigError(f"{path}: the top level is {kind}; it must be a mapping of sections "
                           f"(model:, kv_cache:, ...)")
     return layer
+
+
+def _yaml11_int(node: Any) -> tuple[str, int] | None:
+    """The first plain scalar YAML 1.1 reads as an integer other than the decimal it looks like (`1:30` is 90 in
+    base 60, `016` is 14 in octal), as what to say and its line; None when there is none."""
+    import yaml
+
+    if isinstance(node, yaml.MappingNode):
+        return next(filter(None, (_yaml11_int(v) for _, v in node.value)), None)
+    if isinstance(node, yaml.SequenceNode):
+        return next(filter(None, (_yaml11_int(v) for v in node.value)), None)
+    if not isinstance(node, yaml.ScalarNode) or node.style or node.tag != "tag:yaml.org,2002:int":
+        return None
+    text = node.value.replace("_", "").lstrip("+-")
+    if ":" in text:
+        kind = "a base-60 number"
+    elif len(text) > 1 and text[0] == "0" and text[1].isdigit():
+        kind = "an octal number"
+    else:
+        return None
+    value = yaml.safe_load(node.value)
+    return (f"{node.value} reads as {value} (YAML 1.1: {kind}); write {value} if that is meant, or quote "
+            f"'{node.value}' for the text", node.start_mark.line)
 
 
 def locate(path: Path, dotted: str) -> str:

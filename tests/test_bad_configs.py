@@ -39,6 +39,11 @@ YAML_CASES = {
                                                 "value, or leave the key out (in "),
     "a number for a flag": ("kv_cache:\n  prefix_caching: 2\n",
                             "kv_cache.prefix_caching: expected true or false (e.g. prefix_caching: true), got 2"),
+    "a base-60 number": ("model:\n  arch: llama\nkv_cache:\n  page_size: 1:00\n",
+                         ":4: 1:00 reads as 60 (YAML 1.1: a base-60 number); write 60 if that is meant, or quote "
+                         "'1:00' for the text"),
+    "an octal number in a list": ("cuda_graph:\n  piecewise:\n    sizes: [2, 016]\n",
+                                  ":3: 016 reads as 14 (YAML 1.1: an octal number)"),
 }
 
 
@@ -122,6 +127,9 @@ VALUE_CASES = [
     (["cuda_graph.piecewise.max_tokens=99999999999999999999"],
      "cuda_graph.piecewise.max_tokens: 99999999999999999999 must be at most 2147483647"),
     (["runtime.seed=" + "1" * 5000], "runtime.seed: can't read the value (Exceeds the limit (4300 digits)"),
+    (["kv_cache.page_size=016"], "kv_cache.page_size: 016 reads as 14 (YAML 1.1: an octal number); write 14 if that "
+                                 "is meant, or quote '016' for the text"),
+    (["model.path=-1:30"], "model.path: -1:30 reads as -90 (YAML 1.1: a base-60 number)"),
 ]
 
 
@@ -267,3 +275,11 @@ def test_config_and_overrides_of_the_wrong_kind(args, needle):
     assert needle in str(e.value)
     cfg = load_config(None, (f"model.{k}" for k in ("arch=llama", "preset=tiny")))  # any iterable of strings
     assert cfg.model.preset == "tiny"
+
+
+def test_decimal_hex_and_quoted_numbers_still_read():
+    """Only the integers that YAML 1.1 reads as another number than the decimal they look like are refused."""
+    cfg = load_config(None, LLAMA + ["kv_cache.page_size=0x10", "kv_cache.num_tokens=1_024", "model.max_context=0",
+                                     "model.max_context=64", "runtime.device=cpu"])
+    assert (cfg.kv_cache.page_size, cfg.kv_cache.num_tokens, cfg.model.max_context) == (16, 1024, 64)
+    assert load_config(None, ["model.path='016'", "runtime.device=cpu"]).model.path == "016"
