@@ -590,6 +590,8 @@ def test_bad_requests_refused(engine):
         ({"prompt": {5: "a", 7: "b"}}, "got dict"),
         ({"prompt": {9, 3, 7}}, "got set"),
         ({"prompt": [1] * engine.max_context, "params": SamplingParams(max_tokens=None)}, "no room"),
+        ({"prompt": [1] * 10, "params": SamplingParams(max_tokens=None, min_tokens=engine.max_context - 9)},
+         rf"min_tokens: prompt \(10 tokens\) \+ min_tokens \({engine.max_context - 9}\) exceed the context limit"),
         ({"prompt": [1], "params": SamplingParams(logit_bias={3: 1.0, 512: 5.0})}, r"logit_bias: token ids \[512\]"),
         ({"prompt": [1], "params": SamplingParams(allowed_token_ids=[600, 2])},
          r"allowed_token_ids: token ids \[600\]"),

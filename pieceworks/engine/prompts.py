@@ -56,10 +56,14 @@ def prompt_ids(prompt: Any, tokenizer: Any, vocab: int, max_context: int) -> lis
 
 
 def check_fits(ids: list[int], params: SamplingParams, max_context: int) -> None:
-    """Room in the context for the prompt and at least one (with max_tokens: that many) generated tokens."""
+    """Room in the context for the prompt and at least one (with max_tokens: that many; with min_tokens: that many)
+    generated tokens."""
     if params.max_tokens is None and len(ids) >= max_context:
         raise RequestError(f"the prompt ({len(ids)} tokens) fills the context limit of {max_context}: no "
                            "room for a generated token; shorten the prompt")
+    if params.max_tokens is None and len(ids) + params.min_tokens > max_context:  # (with max_tokens: min <= max)
+        raise RequestError(f"SamplingParams.min_tokens: prompt ({len(ids)} tokens) + min_tokens ({params.min_tokens}) "
+                           f"exceed the context limit of {max_context}; lower min_tokens or shorten the prompt")
     if params.max_tokens is not None and len(ids) + params.max_tokens > max_context:
         raise RequestError(
             f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceed the context limit "
