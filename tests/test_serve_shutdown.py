@@ -46,3 +46,32 @@ def test_sigterm_ends_streams_in_flight_with_abort_after_the_timeout():
         assert "Cancel" not in log, log  # uvicorn had nothing left to cancel at its own deadline
     finally:
         server.stop()
+
+
+def test_a_second_ctrl_c_aborts_the_streams_at_once():
+    """The first SIGINT gives the stream 30 s; the second ends it now with its abort chunk and [DONE] (uvicorn's own
+    second-signal exit cut it mid-stream with a traceback per connection), and the server exits 130."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    server = ServerProcess(LONG[:-1] + ["30"])
+    try:
+        url = server.wait()
+        body = {"model": "llama-tiny", "prompt": [1, 2, 3], "max_tokens": 16000, "stream": True, "ignore_eos": True}
+        events, first = [], None
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    events.append(line.removeprefix("data: "))
+                if len(events) == 3:
+                    server.proc.send_signal(signal.SIGINT)
+                    first = time.monotonic()
+                if len(events) == 6:
+                    server.proc.send_signal(signal.SIGINT)
+        assert time.monotonic() - first < 10  # not the 30 s of --shutdown-timeout
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "abort", events[-3:]
+        assert server.proc.wait(30) == 130
+        log = " ".join(server.log_tail().split())
+        assert "second signal: 1 in flight end now with finish_reason abort" in log, log
+        assert "Traceback" not in log and log.endswith("interrupted"), log
+    finally:
+        server.stop()

@@ -38,7 +38,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="completions waiting for their first token before new requests get 503 (default 256)")
     p.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",
                    help="on SIGTERM or Ctrl-C, seconds the requests in flight get to finish before they end with "
-                        "finish_reason abort (default 5)")
+                        "finish_reason abort (default 5); a second signal aborts them at once")
     p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="read tool calls from the model's text under tool_choice auto: hermes (<tool_call> JSON "
                         "blocks: Hermes, Qwen), llama3_json (Llama 3.1 / 3.2's JSON calls), mistral, deepseek_v3 "
@@ -213,20 +213,27 @@ def _draining_server(config: Any, state: Any, grace: float) -> Any:
     class DrainingServer(uvicorn.Server):
         """uvicorn's server, whose shutdown (SIGTERM, Ctrl-C) gives the requests in flight `grace` seconds and then
         aborts those left in the engine, so that their streams end with a finish_reason "abort" chunk and [DONE]
-        (a response uvicorn cancels at its own deadline is cut mid-stream)."""
+        (a response uvicorn cancels at its own deadline is cut mid-stream). A second signal aborts them at once
+        (uvicorn's own would cut them mid-stream, with a traceback per connection); a third is uvicorn's: it
+        stops without waiting for them."""
 
         def __init__(self, config: Any, state: Any, grace: float):
             super().__init__(config)
-            self.state, self.grace = state, grace
+            self.state, self.grace, self.signals = state, grace, 0
 
         def handle_exit(self, sig: int, frame: Any) -> None:
-            if not self.should_exit:
-                n = len(self.state.in_flight)
+            self.signals += 1
+            loop = asyncio.get_event_loop()  # a signal handler runs in the loop's thread: hand over safely
+            abort = lambda: asyncio.ensure_future(self.state.abort_all())  # noqa: E731
+            n = len(self.state.in_flight)
+            if self.signals == 1:
                 log.info("shutting down: no new requests; %d in flight get %g s to finish, then end with "
                          "finish_reason abort (--shutdown-timeout)", n, self.grace)
-                loop = asyncio.get_event_loop()  # a signal handler runs in the loop's thread: hand over safely
-                loop.call_soon_threadsafe(loop.call_later, self.grace,
-                                          lambda: asyncio.ensure_future(self.state.abort_all()))
+                loop.call_soon_threadsafe(loop.call_later, self.grace, abort)
+            elif self.signals == 2 and self.should_exit:
+                log.info("second signal: %d in flight end now with finish_reason abort (a third stops at once)", n)
+                loop.call_soon_threadsafe(abort)
+                return
             super().handle_exit(sig, frame)
 
     return DrainingServer(config, state, grace)
