@@ -23,6 +23,35 @@ def progress_bar(enabled: bool, description: str, total: int) -> Iterator[Callab
         yield lambda n=1: bar.advance(task, n)
 
 
+@contextlib.contextmanager
+def transformers_bars(shown: bool) -> Iterator[None]:
+    """transformers' own progress bars off unless `shown` (its logging's, and the GGUF reader's plain tqdm, which
+    that setting does not reach), as they were afterwards."""
+    import functools
+    import importlib
+
+    from transformers.utils import logging as hf_logging
+
+    if shown:
+        yield
+        return
+    try:
+        gguf = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    except ImportError:
+        gguf = None
+    was, bar = hf_logging.is_progress_bar_enabled(), getattr(gguf, "tqdm", None)
+    hf_logging.disable_progress_bar()
+    if bar is not None:
+        gguf.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        if bar is not None:
+            gguf.tqdm = bar
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def setup_logging(level: int = logging.INFO) -> None:
     """Route pieceworks' loggers through rich (used by the CLI; libraries embedding us configure their own)."""
     from rich.logging import RichHandler

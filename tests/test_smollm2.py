@@ -72,6 +72,28 @@ def test_cache_reused_and_stale_cache_rebuilt(tmp_path):
     assert len(builds) == 3 and (dst / "model.safetensors").exists()
 
 
+@pytest.mark.parametrize("progress", [False, True])
+def test_conversion_shows_transformers_bars_only_with_progress(tmp_path, monkeypatch, capfd, progress):
+    """transformers draws bars of its own while converting (its GGUF reader's with plain tqdm, which its logging
+    setting does not reach; save_pretrained's through it): progress=False hides both."""
+    if _demo_missing():
+        pytest.skip(_demo_missing())
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    def convert(gguf, out):
+        list(gguf_utils.tqdm(range(3), desc="gguf tensors"))
+        list(hf_logging.tqdm(range(3), desc="model shards"))
+        _fake_build(out)
+
+    monkeypatch.setattr(smollm2, "_convert", convert)
+    bar = gguf_utils.tqdm
+    ensure_smollm2(tmp_path, progress=progress)
+    err = capfd.readouterr().err
+    assert ("gguf tensors" in err, "model shards" in err) == (progress, progress), err
+    assert hf_logging.is_progress_bar_enabled() and gguf_utils.tqdm is bar  # as they were
+
+
 # --- the real model (slow) -----------------------------------------------------------------------
 
 

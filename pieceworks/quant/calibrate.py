@@ -15,16 +15,15 @@ Needs `transformers` (the `demo` extra), imported only when calibrating.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from pieceworks.quant.modelopt import mixtral_name
-from pieceworks.util import progress_bar
+from pieceworks.util import progress_bar, transformers_bars
 
 _F_LINEAR = torch.nn.functional.linear
 
@@ -186,21 +185,6 @@ def text_batches(tokenizer, text: str, seq_len: int) -> list[torch.Tensor]:
                          "after the BOS token; pass a fixed --amax instead")
     chunks = [ids[i : i + step] for i in range(0, len(ids), step)]
     return [torch.tensor([([bos] if bos is not None else []) + c]) for c in chunks if c]
-
-
-@contextlib.contextmanager
-def transformers_bars(shown: bool) -> Iterator[None]:
-    """transformers' own progress bars (its weight loading's) off unless `shown`, as they were afterwards."""
-    from transformers.utils import logging as hf_logging
-
-    was = hf_logging.is_progress_bar_enabled()
-    if not shown:
-        hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was and not shown:
-            hf_logging.enable_progress_bar()
 
 
 def calibrate_from_text(
