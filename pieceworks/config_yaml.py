@@ -171,21 +171,24 @@ def read_yaml(path: Path) -> DictConfig:
     return layer
 
 
+INT, FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+
+
 def _yaml11_int(node: Any) -> tuple[str, int] | None:
-    """The first plain scalar YAML 1.1 reads as an integer other than the decimal it looks like (`1:30` is 90 in
-    base 60, `016` is 14 in octal), as what to say and its line; None when there is none."""
+    """The first plain scalar YAML 1.1 reads as a number other than the decimal it looks like (`1:30` is 90 and
+    `1:30.5` 90.5 in base 60, `016` is 14 in octal), as what to say and its line; None when there is none."""
     import yaml
 
     if isinstance(node, yaml.MappingNode):
         return next(filter(None, (_yaml11_int(v) for _, v in node.value)), None)
     if isinstance(node, yaml.SequenceNode):
         return next(filter(None, (_yaml11_int(v) for v in node.value)), None)
-    if not isinstance(node, yaml.ScalarNode) or node.style or node.tag != "tag:yaml.org,2002:int":
+    if not isinstance(node, yaml.ScalarNode) or node.style or node.tag not in (INT, FLOAT):
         return None
     text = node.value.replace("_", "").lstrip("+-")
     if ":" in text:
         kind = "a base-60 number"
-    elif len(text) > 1 and text[0] == "0" and text[1].isdigit():
+    elif node.tag == INT and len(text) > 1 and text[0] == "0" and text[1].isdigit():
         kind = "an octal number"
     else:
         return None

@@ -130,6 +130,7 @@ VALUE_CASES = [
     (["kv_cache.page_size=016"], "kv_cache.page_size: 016 reads as 14 (YAML 1.1: an octal number); write 14 if that "
                                  "is meant, or quote '016' for the text"),
     (["model.path=-1:30"], "model.path: -1:30 reads as -90 (YAML 1.1: a base-60 number)"),
+    (["generation.temperature=1:30.5"], "generation.temperature: 1:30.5 reads as 90.5 (YAML 1.1: a base-60 number)"),
 ]
 
 
