@@ -139,6 +139,11 @@ IN_PROCESS = {
                                    "tokenizer: model.arch builds random weights without one; give model.path"),
     "window of one token": (["eval-ppl", *LLAMA, "--text", str(ROOT / "pieceworks/data/english.txt"),
                              "--window", "1"], 2, "--window 1: a window needs at least 2 tokens"),
+    "api key without a server": (["bench", "--api-key", "k", *LLAMA], 2,
+                                 "pieceworks bench: error: --api-key is sent to the server --url names; the "
+                                 "in-process engine takes none"),
+    "an empty api key": (["serve", *LLAMA, "--api-key", ""], 2,
+                         "pieceworks serve: error: --api-key: must be a non-empty string of printable ASCII"),
     "KV pool beyond memory": (["run", *LLAMA, "kv_cache.num_tokens=1000000000"], 2,
                               "kv_cache.num_tokens: 1000000000 tokens take 476.84 GiB at 512 bytes each, but"),
     "a size past any model": (["run", *LLAMA, "kv_cache.num_tokens=1000000000000"], 2,

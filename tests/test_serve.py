@@ -332,6 +332,22 @@ def test_bench_against_the_server(tiny_url, tmp_path):
     wait_idle(tiny_url)
 
 
+def test_bench_sends_the_api_key_a_server_asks_for():
+    """A server started with --api-key: bench --url without the key stops before the run with one line that says
+    to pass it (exit 2); with it, the run completes."""
+    bench = [sys.executable, "-m", "pieceworks.cli", "bench", "--num-prompts", "2", "--input-len", "4",
+             "--output-len", "2", "--no-progress"]
+    with serve([*TINY, "--api-key", "s3cret"]) as server:
+        url = server.wait()
+        without = subprocess.run([*bench, "--url", url], capture_output=True, text=True, timeout=120, cwd=REPO)
+        with_key = subprocess.run([*bench, "--url", url, "--api-key", "s3cret"], capture_output=True, text=True,
+                                  timeout=120, cwd=REPO)
+    assert without.returncode == 2 and not without.stdout.strip(), without.stdout + without.stderr
+    assert without.stderr.strip() == (f"pieceworks bench: error: {url}/v1/models answered HTTP 401 (unauthorized): "
+                                      "the server wants an API key; give it with --api-key"), without.stderr
+    assert with_key.returncode == 0 and "Output token throughput" in with_key.stdout, with_key.stdout + with_key.stderr
+
+
 def test_bench_dataset_on_a_server_without_a_tokenizer(tiny_url, tmp_path):
     """Text prompts the server can't tokenize: one line with the server's reason, exit 2, before the run."""
     prompts = tmp_path / "prompts.txt"

@@ -279,7 +279,7 @@ def test_serve_on_port_0_logs_the_port_it_listens_on(monkeypatch, caplog):
     monkeypatch.setattr(uvicorn.Server, "__init__", init)
     caplog.set_level(logging.INFO, logger="pieceworks.serve")
     args = argparse.Namespace(host="127.0.0.1", port=0, served_model_name="tiny", max_queue=8, shutdown_timeout=5.0,
-                              tool_call_parser=None, reasoning_parser=None)
+                              tool_call_parser=None, reasoning_parser=None, api_key=None)
     result: list[int] = []
     thread = threading.Thread(target=lambda: result.append(run_serve(args, None)), daemon=True)
     thread.start()
@@ -306,3 +306,28 @@ def test_bodies_that_are_no_json_are_named_so_with_their_code():
         with pytest.raises(BadRequest, match="the body is not valid JSON") as exc:
             parse_body(body, ChatCompletionRequest)
         assert exc.value.code == "invalid_json", body
+
+
+def test_an_api_key_guards_every_route_but_health_and_metrics(tiny_engine):
+    """`--api-key`: 401 (OpenAI's invalid_api_key) without the key or with another; /health and /metrics stay open
+    (a probe and a scrape carry none); with `Authorization: Bearer KEY` the SDK's requests run."""
+    async def calls(c):
+        bare = {p: (await c.get(p)).status_code for p in ("/health", "/metrics", "/v1/models", "/v1/models/tiny")}
+        posts = {p: (await c.post(p, json={"model": "tiny", "prompt": [1, 2]})).status_code
+                 for p in ("/v1/completions", "/tokenize")}
+        wrong = await c.get("/v1/models", headers={"Authorization": "Bearer nope"})
+        none = await c.get("/v1/models")
+        sdk = openai.AsyncOpenAI(base_url="http://app/v1", api_key="s3cret", http_client=c, max_retries=0)
+        done = await sdk.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=3, temperature=0)
+        refused = openai.AsyncOpenAI(base_url="http://app/v1", api_key="other", http_client=c, max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await refused.models.list()
+        return bare, posts, wrong, none, done
+
+    bare, posts, wrong, none, done = ask(tiny_engine, "tiny", calls, api_key="s3cret")
+    assert bare == {"/health": 200, "/metrics": 200, "/v1/models": 401, "/v1/models/tiny": 401}
+    assert posts == {"/v1/completions": 401, "/tokenize": 401}
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    assert wrong.json()["error"]["message"].startswith("a wrong API key: send `Authorization: Bearer <key>`")
+    assert none.json()["error"]["message"].startswith("no Authorization header")
+    assert done.usage.completion_tokens == 3

@@ -11,6 +11,7 @@ engine, the queue bound, the metrics, a request's merged stream of steps) is `se
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
@@ -89,13 +90,31 @@ async def _parse(request: Request, model: type[T]) -> T:
     return parse_body(await request.body(), model)
 
 
+OPEN_PATHS = ("/health", "/metrics")
+"""The routes an API key does not guard: a load balancer's probe and a Prometheus scrape carry none."""
+
+
 def build_app(engine: Any, served_model_name: str | None = None, max_queue: int = 256,
-              tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+              api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (an `AsyncEngine`); see the module docstring. The parsers: one of
-    `TOOL_CALL_PARSERS` (serve/tools.py) and `REASONING_PARSERS` (serve/reasoning.py), or None."""
+    `TOOL_CALL_PARSERS` (serve/tools.py) and `REASONING_PARSERS` (serve/reasoning.py), or None. With `api_key`,
+    every route but `OPEN_PATHS` answers 401 unless the request carries `Authorization: Bearer <api_key>`."""
     srv = Server(engine, served_model_name, max_queue, tool_call_parser, reasoning_parser)
     app = FastAPI(title="pieceworks", version=__version__)
     app.state.server = srv
+
+    if api_key is not None:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def authorize(request: Request, call_next: Any) -> Response:
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path in OPEN_PATHS or hmac.compare_digest(given, expected):
+                return await call_next(request)
+            why = "no Authorization header" if not given else "a wrong API key"
+            return error_response(401, f"{why}: send `Authorization: Bearer <key>` with the server's --api-key",
+                                  "invalid_request_error", code="invalid_api_key")
 
     @app.exception_handler(RequestError)
     async def bad_request(_: Request, exc: RequestError) -> JSONResponse:

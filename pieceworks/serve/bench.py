@@ -284,6 +284,9 @@ async def _served_models(client: Any, url: str) -> list[dict]:
     except httpx.TransportError as exc:
         reason = str(exc) or type(exc).__name__
         raise ConnectionError(f"can't reach the server at {url}: {reason}; is `pieceworks serve` running?") from None
+    if resp.status_code == 401:
+        raise ValueError(f"{url}/v1/models answered HTTP 401 (unauthorized): the server wants an API key; give it "
+                         "with --api-key")
     try:
         models = resp.json()["data"] if resp.status_code == 200 else None
     except (ValueError, KeyError, TypeError):
@@ -322,7 +325,8 @@ async def _bench_http(args: Any) -> dict:
     url = args.url.rstrip("/")
     timeout = httpx.Timeout(args.timeout, connect=10.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
         models = await _served_models(client, url)
         card = models[0] if args.model is None else next((m for m in models if m["id"] == args.model), None)
         if card is None:

@@ -39,6 +39,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",
                    help="on SIGTERM or Ctrl-C, seconds the requests in flight get to finish before they end with "
                         "finish_reason abort (default 5); a second signal aborts them at once")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on every route but /health and /metrics (401 without "
+                        "it); default: none")
     p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="read tool calls from the model's text under tool_choice auto: hermes (<tool_call> JSON "
                         "blocks: Hermes, Qwen), llama3_json (Llama 3.1 / 3.2's JSON calls), mistral, deepseek_v3 "
@@ -69,8 +72,16 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a request may take, from its start to its last token (default 600); one past it fails")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="with --url: sent as `Authorization: Bearer KEY` (a server started with --api-key)")
     p.add_argument("--result-json", type=Path, default=None, metavar="PATH", help="write the result here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def check_api_key(key: str | None) -> None:
+    """--api-key: printable ASCII without spaces (an HTTP header value that every client sends as given)."""
+    if key is not None and not (key and key.isascii() and key.isprintable() and " " not in key):
+        raise ValueError("--api-key: must be a non-empty string of printable ASCII characters without spaces")
 
 
 def check_bench_arguments(args: argparse.Namespace) -> None:
@@ -87,6 +98,9 @@ def check_bench_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--url drives a running server: CONFIG arguments {args.config} belong to the server")
     if args.url is not None:
         _check_url(args.url)
+    if args.api_key is not None and args.url is None:
+        raise ValueError("--api-key is sent to the server --url names; the in-process engine takes none")
+    check_api_key(args.api_key)
     from pieceworks.serve.bench import check_range_ratio, check_request_rate, check_result_path, dataset_lines
 
     check_range_ratio(args.range_ratio)
@@ -163,6 +177,7 @@ def run_serve(args: argparse.Namespace, cfg: Any) -> int:
         raise ValueError(f"--max-queue {args.max_queue}: must be at least 1 (requests waiting for a first token)")
     if not 0 <= args.shutdown_timeout <= 86400:  # NaN fails too
         raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: must be a number of seconds in 0..86400")
+    check_api_key(args.api_key)
     sock = bind_address(args.host, args.port)
 
     from pieceworks.engine import AsyncEngine
@@ -170,7 +185,7 @@ def run_serve(args: argparse.Namespace, cfg: Any) -> int:
 
     with sock, AsyncEngine.from_config(cfg) as engine:
         app = build_app(engine, args.served_model_name, args.max_queue, args.tool_call_parser,
-                        args.reasoning_parser)
+                        args.reasoning_parser, args.api_key)
         name = app.state.server.name
         port = sock.getsockname()[1]
         host = f"[{args.host}]" if ":" in args.host else args.host
