@@ -154,6 +154,11 @@ def test_stop_strings_wait_for_min_tokens(engine, greedy):
         for t in ids:
             d.add(t)
         assert d.stopped and d.text == want, (min_tokens, d.text)
+    # a longer second stop (that never appears) widens nothing: " beta" inside the first min_tokens still doesn't stop
+    d = Detokenizer(tok, [1], stop=[" beta", " never appears here"], min_tokens=first + 1)
+    for t in ids:
+        d.add(t)
+    assert d.stopped and d.text == " alpha beta gamma", d.text
     # through the engine: the greedy text's first word as a stop string, min_tokens past the token that ends it
     full = greedy[-1]
     word = full.text.split()[0]
@@ -208,3 +213,37 @@ def test_token_bytes_rebuild_characters_that_tokens_share(engine):
 
     got = b"".join(token_bytes(Fallback(), t, "\ufffd" if t < 8 else " euro") for t in (5, 6, 7, 8))
     assert got.decode() == "€ euro"
+
+
+def byte_fallback_tokenizer():
+    """A Llama-2-style tokenizer (BPE whose <0xNN> byte tokens are plain vocabulary, decoded by Replace / ByteFallback
+    / Fuse / Strip), built here: its decoder turns a whole run of byte tokens that is not valid UTF-8 into U+FFFD."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import decoders, models, normalizers
+
+    pieces = ["<unk>"] + [f"<0x{b:02X}>" for b in range(256)] + list("\u2581Iloveabcdk") + ["\u2581o", "\u2581ok"]
+    merges = [("\u2581", "o"), ("\u2581o", "k")]
+    tk = tokenizers.Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, merges, unk_token="<unk>",
+                                         byte_fallback=True))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>")
+
+
+def test_a_prompt_ending_in_byte_tokens_cut_mid_character_leaves_the_output_readable():
+    """The last PROMPT_CONTEXT (5) prompt tokens start inside the first emoji's bytes: decoded with them, the
+    output's byte tokens joined an invalid run and came out as U+FFFD ('\ufffd\ufffd\ufffd ok'); the context is
+    the shortest longer suffix that decodes cleanly (vLLM's rule)."""
+    tok = byte_fallback_tokenizer()
+    prompt = tok.encode("I love \U0001F600\U0001F600", add_special_tokens=False)
+    assert tok.convert_ids_to_tokens(prompt[-5:]) == ["<0x80>", "<0xF0>", "<0x9F>", "<0x98>", "<0x80>"]
+    out = [tok.convert_tokens_to_ids(p) for p in [f"<0x{b:02X}>" for b in "\u65e5".encode()] + ["\u2581ok"]]
+    d = Detokenizer(tok, prompt)
+    deltas = []
+    for t in out:
+        d.add(t)
+        deltas.append(d.delta(final=False))
+    deltas.append(d.delta(final=True))
+    assert d.text == "\u65e5 ok" and "".join(deltas) == d.text, deltas

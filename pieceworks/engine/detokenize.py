@@ -21,6 +21,7 @@ from pieceworks.errors import CheckpointError, TokenizerError
 from pieceworks.util import load_json_object
 
 PROMPT_CONTEXT = 5  # prompt tokens decoded with the first output tokens, for their leading spaces
+MAX_PROMPT_CONTEXT = 24  # the longest context tried where the last PROMPT_CONTEXT start inside a character
 
 
 class Detokenizer:
@@ -43,12 +44,22 @@ class Detokenizer:
         self.include_stop, self.skip_special = include_stop, skip_special
         self.stop = [s for s in stop or [] if s]
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
-        self._ids = list(prompt_ids[-PROMPT_CONTEXT:])
+        self._ids = self._context(prompt_ids)
         self._prefix = 0  # window start
         self._read = len(self._ids)  # tokens whose text is already in self.text
         self.text = ""
         self._emitted = 0  # characters of self.text already returned as deltas
         self.stopped = False
+
+    def _context(self, prompt_ids: list[int]) -> list[int]:
+        """The prompt's last PROMPT_CONTEXT tokens, or where they start inside a character the shortest longer
+        suffix (up to MAX_PROMPT_CONTEXT tokens) that decodes without U+FFFD, as vLLM's detokenizer starts: a
+        byte-fallback decoder (Llama-2's, Gemma's) turns a whole run of byte tokens that is not valid UTF-8 into
+        U+FFFD, and the output's own bytes, joining that run, would never decode."""
+        for n in range(PROMPT_CONTEXT, min(len(prompt_ids), MAX_PROMPT_CONTEXT) + 1):
+            if "\ufffd" not in self._decode(prompt_ids[-n:]):
+                return list(prompt_ids[-n:])
+        return list(prompt_ids[-PROMPT_CONTEXT:])
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
@@ -63,12 +74,13 @@ class Detokenizer:
         after = self._decode(self._ids[self._prefix :])
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return  # an incomplete character: wait for the next token
-        start = max(0, len(self.text) - self.holdback)
+        old = len(self.text)
         self.text += after[len(before) :]
         self._prefix, self._read = self._read, len(self._ids)
         if self._num_added <= self.min_tokens:
             return
-        hits = [(i, i + len(s)) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        # only the stops that end in the new text (one wholly inside the first min_tokens tokens' text does not count)
+        hits = [(i, i + len(s)) for s in self.stop if (i := self.text.find(s, max(0, old - len(s) + 1))) >= 0]
         if hits:
             first = min(hits)
             self.text = self.text[: first[1] if self.include_stop else first[0]]
