@@ -247,3 +247,27 @@ def test_a_prompt_ending_in_byte_tokens_cut_mid_character_leaves_the_output_read
         deltas.append(d.delta(final=False))
     deltas.append(d.delta(final=True))
     assert d.text == "\u65e5 ok" and "".join(deltas) == d.text, deltas
+
+
+def test_the_text_of_a_stop_token_id_only_with_include_stop_str_in_output(engine, greedy):
+    """As vLLM's: the token id that ends a request (stop_token_ids, EOS) is in the ids; its text is in the text only
+    with include_stop_str_in_output (and for a special token, such as EOS, only where specials are not skipped)."""
+    tok, ids = engine.tokenizer, greedy[-1].token_ids
+    k = next(i for i in range(2, N) if ids[i] not in ids[:i])
+    texts = {}
+    for include in (False, True):
+        outs = stream(engine, PROMPT, SamplingParams(temperature=0, max_tokens=N, stop_token_ids=[ids[k]],
+                                                     include_stop_str_in_output=include))
+        final = outs[-1]
+        assert final.finish_reason == "stop" and final.token_ids == ids[: k + 1]
+        assert "".join(o.text_delta for o in outs) == final.text
+        texts[include] = final.text
+    assert texts == {False: tok.decode(ids[:k]), True: tok.decode(ids[: k + 1])}, texts
+    eos = tok.convert_ids_to_tokens(2)
+    for skip, include, tail in ((True, True, ""), (False, False, ""), (False, True, eos)):
+        # EOS held back for one token (min_tokens), then taken (its bias)
+        final = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=N, allowed_token_ids=[ids[0], 2],
+                                                       logit_bias={2: 100.0}, min_tokens=1, skip_special_tokens=skip,
+                                                       include_stop_str_in_output=include))[0]
+        assert final.token_ids == [ids[0], 2] and final.finish_reason == "stop", final
+        assert final.text == tok.decode(ids[:1]) + tail, (skip, include, final.text)

@@ -101,7 +101,7 @@ def test_serve_stops_with_exit_code_1_when_the_loop_fails(monkeypatch):
     monkeypatch.setattr(AsyncEngine, "from_config", classmethod(lambda cls, *a, **k: cls(engine)))
     port = free_port()
     args = argparse.Namespace(host="127.0.0.1", port=port, served_model_name="tiny", max_queue=8, shutdown_timeout=5.0,
-                              tool_call_parser=None, reasoning_parser=None)
+                              tool_call_parser=None, reasoning_parser=None, api_key=None)
     result: list[int] = []
     thread = threading.Thread(target=lambda: result.append(run_serve(args, None)), daemon=True)
     thread.start()

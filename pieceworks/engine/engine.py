@@ -296,7 +296,7 @@ class Engine:
         if req.logprobs is not None:
             req.logprobs.append(logprobs or {})
         stop_token = req.stop_token(tok, self.eos_token_ids)
-        if req.detok is not None and not stop_token:
+        if req.detok is not None and (not stop_token or req.params.include_stop_str_in_output):
             req.detok.add(tok)
         reason = req.stop_reason(stop_token, self.max_context)
         # the grammar decides, on a stop token too: an EOS that a matcher in its error state let through is an error

@@ -158,12 +158,13 @@ class SamplingParams:
     stop: list[str] | None = None
     """Stop strings (need a tokenizer); the text ends before them. A single str is taken as [str]."""
     include_stop_str_in_output: bool = False
-    """Keep the stop string that ended the text at its end (vLLM's field)."""
+    """Keep the stop string that ended the text at its end, or the text of the EOS / stop token id that ended the
+    request (empty for a special token under skip_special_tokens) (vLLM's field)."""
     skip_special_tokens: bool = True
     """Leave special tokens (EOS, chat markers) out of the text (vLLM's field; the token ids keep them)."""
     stop_token_ids: list[int] | None = None
-    """Token ids that end the request besides EOS (the stop token is in the output ids, its text is not); ids
-    below the vocabulary size."""
+    """Token ids that end the request besides EOS (the stop token is in the output ids, its text only with
+    include_stop_str_in_output); ids below the vocabulary size."""
     ignore_eos: bool = False
     """Keep generating past EOS (stop_token_ids still stop)."""
     min_tokens: int = 0
