@@ -19,21 +19,28 @@ LONG = ["model.arch=llama", "model.preset=tiny", "runtime.device=cpu", "model.si
         "kv_cache.num_tokens=16384", "--shutdown-timeout", "1"]
 
 
+def stream_signalled(httpx, server: ServerProcess, signals: dict[int, int]) -> tuple[list[str], float]:
+    """A long completion streamed from `server`, which gets `signals[n]` once n events are in; the events (the
+    `data: ` payloads) and when the first signal went."""
+    url = server.wait()
+    body = {"model": "llama-tiny", "prompt": [1, 2, 3], "max_tokens": 16000, "stream": True, "ignore_eos": True}
+    events, first = [], None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line:
+                events.append(line.removeprefix("data: "))
+            if line and len(events) in signals:
+                server.proc.send_signal(signals[len(events)])
+                first = first or time.monotonic()
+    return events, first
+
+
 def test_sigterm_ends_streams_in_flight_with_abort_after_the_timeout():
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
     server = ServerProcess(LONG)
     try:
-        url = server.wait()
-        body = {"model": "llama-tiny", "prompt": [1, 2, 3], "max_tokens": 16000, "stream": True, "ignore_eos": True}
-        events, signalled = [], None
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line:
-                    events.append(line.removeprefix("data: "))
-                if len(events) == 3:
-                    server.proc.send_signal(signal.SIGTERM)
-                    signalled = time.monotonic()
+        events, signalled = stream_signalled(httpx, server, {3: signal.SIGTERM})
         took = time.monotonic() - signalled
         assert events[-1] == "[DONE]", events[-3:]
         last = json.loads(events[-2])
@@ -55,18 +62,7 @@ def test_a_second_ctrl_c_aborts_the_streams_at_once():
     pytest.importorskip("uvicorn")
     server = ServerProcess(LONG[:-1] + ["30"])
     try:
-        url = server.wait()
-        body = {"model": "llama-tiny", "prompt": [1, 2, 3], "max_tokens": 16000, "stream": True, "ignore_eos": True}
-        events, first = [], None
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line:
-                    events.append(line.removeprefix("data: "))
-                if len(events) == 3:
-                    server.proc.send_signal(signal.SIGINT)
-                    first = time.monotonic()
-                if len(events) == 6:
-                    server.proc.send_signal(signal.SIGINT)
+        events, first = stream_signalled(httpx, server, {3: signal.SIGINT, 6: signal.SIGINT})
         assert time.monotonic() - first < 10  # not the 30 s of --shutdown-timeout
         assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "abort", events[-3:]
         assert server.proc.wait(30) == 130
