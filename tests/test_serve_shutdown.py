@@ -71,3 +71,24 @@ def test_a_second_ctrl_c_aborts_the_streams_at_once():
         assert "Traceback" not in log and log.endswith("interrupted"), log
     finally:
         server.stop()
+
+
+def test_a_third_sigterm_stops_without_waiting():
+    """uvicorn forces its exit on a repeated SIGINT only: a third SIGTERM does too, with a connection still open (a
+    request whose body never ends holds the graceful shutdown for --shutdown-timeout + 1 s)."""
+    import socket
+
+    pytest.importorskip("uvicorn")
+    server = ServerProcess(LONG[:-1] + ["60"])
+    try:
+        url = server.wait()
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as held:
+            held.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+            time.sleep(0.5)
+            for _ in range(3):
+                server.proc.send_signal(signal.SIGTERM)
+                time.sleep(0.5)
+            assert server.proc.wait(20) == 128 + signal.SIGTERM
+    finally:
+        server.stop()

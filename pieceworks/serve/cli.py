@@ -40,8 +40,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM or Ctrl-C, seconds the requests in flight get to finish before they end with "
                         "finish_reason abort (default 5); a second signal aborts them at once")
     p.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require `Authorization: Bearer KEY` on every route but /health and /metrics (401 without "
-                        "it); default: none")
+                   help="require `Authorization: Bearer KEY` on the /v1 routes (401 without it); default: none")
     p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="read tool calls from the model's text under tool_choice auto: hermes (<tool_call> JSON "
                         "blocks: Hermes, Qwen), llama3_json (Llama 3.1 / 3.2's JSON calls), mistral, deepseek_v3 "
@@ -250,6 +249,8 @@ def _draining_server(config: Any, state: Any, grace: float) -> Any:
                 loop.call_soon_threadsafe(abort)
                 return
             super().handle_exit(sig, frame)
+            if self.signals >= 3:  # uvicorn forces its exit on a repeated SIGINT only
+                self.force_exit = True
 
     return DrainingServer(config, state, grace)
 
