@@ -30,9 +30,11 @@ def transformers_bars(shown: bool) -> Iterator[None]:
     import functools
     import importlib
 
-    from transformers.utils import logging as hf_logging
-
-    if shown:
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # the caller's own import of transformers says what to install
+        hf_logging = None
+    if shown or hf_logging is None:
         yield
         return
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 
 import pytest
 
@@ -210,3 +211,13 @@ def test_a_damaged_demo_model_is_named_with_the_fix_that_applies(model_dir, tmp_
     assert str(caught.value).endswith(f"pieceworks built this demo model in {damaged}: delete that directory and "
                                       "the next run rebuilds it"), caught.value
     assert "re-download" not in str(caught.value)
+
+
+def test_conversion_without_transformers_says_what_to_install(tmp_path, monkeypatch):
+    """The progress-bar switch must not import transformers ahead of the conversion's own import, whose error names
+    the extra to install."""
+    for name in ("transformers", "transformers.utils", "transformers.utils.logging"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import transformers...` raises ImportError
+    for progress in (False, True):
+        with pytest.raises(ImportError, match=r"needs the demo extra: pip install 'pieceworks\[demo\]'"):
+            smollm2._quietly(progress, smollm2._convert, tmp_path / "x.gguf", tmp_path / "out")
