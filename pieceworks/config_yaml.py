@@ -186,13 +186,13 @@ def _yaml11_int(node: Any) -> tuple[str, int] | None:
     if not isinstance(node, yaml.ScalarNode) or node.style or node.tag not in (INT, FLOAT):
         return None
     text = node.value.replace("_", "").lstrip("+-")
+    value = yaml.safe_load(node.value)
     if ":" in text:
         kind = "a base-60 number"
-    elif node.tag == INT and len(text) > 1 and text[0] == "0" and text[1].isdigit():
+    elif node.tag == INT and text.isdigit() and text[0] == "0" and abs(value) != int(text, 10):
         kind = "an octal number"
     else:
         return None
-    value = yaml.safe_load(node.value)
     return (f"{node.value} reads as {value} (YAML 1.1: {kind}); write {value} if that is meant, or quote "
             f"'{node.value}' for the text", node.start_mark.line)
 

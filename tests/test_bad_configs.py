@@ -279,8 +279,9 @@ def test_config_and_overrides_of_the_wrong_kind(args, needle):
 
 
 def test_decimal_hex_and_quoted_numbers_still_read():
-    """Only the integers that YAML 1.1 reads as another number than the decimal they look like are refused."""
+    """Only the numbers that YAML 1.1 reads as another number than the decimal they look like are refused."""
     cfg = load_config(None, LLAMA + ["kv_cache.page_size=0x10", "kv_cache.num_tokens=1_024", "model.max_context=0",
-                                     "model.max_context=64", "runtime.device=cpu"])
+                                     "model.max_context=64", "runtime.device=cpu", "runtime.seed=07"])
     assert (cfg.kv_cache.page_size, cfg.kv_cache.num_tokens, cfg.model.max_context) == (16, 1024, 64)
+    assert cfg.runtime.seed == 7  # a leading zero that reads the same in octal
     assert load_config(None, ["model.path='016'", "runtime.device=cpu"]).model.path == "016"
