@@ -24,10 +24,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def free_bytes(device: torch.device, unknown: int | None = 4 << 30) -> int | None:
-    """Free bytes on `device` (the CPU's: MemAvailable), or `unknown` where the OS does not say."""
+    """Free bytes on `device` (the CPU's: MemAvailable), or `unknown` where the OS does not say. On a GPU the free
+    memory counts this process's cached blocks too (torch's allocator holds them for its next tensors)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return free
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     try:
         with open("/proc/meminfo") as f:
             for line in f:
