@@ -342,10 +342,13 @@ def test_bench_sends_the_api_key_a_server_asks_for():
         without = subprocess.run([*bench, "--url", url], capture_output=True, text=True, timeout=120, cwd=REPO)
         with_key = subprocess.run([*bench, "--url", url, "--api-key", "s3cret"], capture_output=True, text=True,
                                   timeout=120, cwd=REPO)
+        wrong = subprocess.run([*bench, "--url", url, "--api-key", "other"], capture_output=True, text=True,
+                               timeout=120, cwd=REPO)
     assert without.returncode == 2 and not without.stdout.strip(), without.stdout + without.stderr
     assert without.stderr.strip() == (f"pieceworks bench: error: {url}/v1/models answered HTTP 401 (unauthorized): "
                                       "the server wants an API key; give it with --api-key"), without.stderr
     assert with_key.returncode == 0 and "Output token throughput" in with_key.stdout, with_key.stdout + with_key.stderr
+    assert wrong.returncode == 2 and wrong.stderr.strip().endswith("the server refused the --api-key given")
 
 
 def test_bench_dataset_on_a_server_without_a_tokenizer(tiny_url, tmp_path):

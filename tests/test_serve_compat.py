@@ -308,13 +308,15 @@ def test_bodies_that_are_no_json_are_named_so_with_their_code():
         assert exc.value.code == "invalid_json", body
 
 
-def test_an_api_key_guards_every_route_but_health_and_metrics(tiny_engine):
-    """`--api-key`: 401 (OpenAI's invalid_api_key) without the key or with another; /health and /metrics stay open
-    (a probe and a scrape carry none); with `Authorization: Bearer KEY` the SDK's requests run."""
+def test_an_api_key_guards_the_v1_routes(tiny_engine):
+    """`--api-key`: the /v1 routes answer 401 (OpenAI's invalid_api_key) without the key or with another; the others
+    (a probe and a scrape carry none) and CORS preflights stay open, as in vLLM; with `Authorization: Bearer KEY`
+    the SDK's requests run."""
     async def calls(c):
         bare = {p: (await c.get(p)).status_code for p in ("/health", "/metrics", "/v1/models", "/v1/models/tiny")}
         posts = {p: (await c.post(p, json={"model": "tiny", "prompt": [1, 2]})).status_code
                  for p in ("/v1/completions", "/tokenize")}
+        posts["OPTIONS /v1/completions"] = (await c.options("/v1/completions")).status_code
         wrong = await c.get("/v1/models", headers={"Authorization": "Bearer nope"})
         none = await c.get("/v1/models")
         sdk = openai.AsyncOpenAI(base_url="http://app/v1", api_key="s3cret", http_client=c, max_retries=0)
@@ -326,7 +328,8 @@ def test_an_api_key_guards_every_route_but_health_and_metrics(tiny_engine):
 
     bare, posts, wrong, none, done = ask(tiny_engine, "tiny", calls, api_key="s3cret")
     assert bare == {"/health": 200, "/metrics": 200, "/v1/models": 401, "/v1/models/tiny": 401}
-    assert posts == {"/v1/completions": 401, "/tokenize": 401}
+    # /tokenize answers as without a key (400: the tiny model has no tokenizer); OPTIONS: 405, as without a key
+    assert posts == {"/v1/completions": 401, "/tokenize": 400, "OPTIONS /v1/completions": 405}
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
     assert wrong.json()["error"]["message"].startswith("a wrong API key: send `Authorization: Bearer <key>`")
     assert none.json()["error"]["message"].startswith("no Authorization header")

@@ -90,8 +90,6 @@ async def _parse(request: Request, model: type[T]) -> T:
     return parse_body(await request.body(), model)
 
 
-OPEN_PATHS = ("/health", "/metrics")
-"""The routes an API key does not guard: a load balancer's probe and a Prometheus scrape carry none."""
 
 
 def build_app(engine: Any, served_model_name: str | None = None, max_queue: int = 256,
@@ -99,7 +97,8 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
               api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (an `AsyncEngine`); see the module docstring. The parsers: one of
     `TOOL_CALL_PARSERS` (serve/tools.py) and `REASONING_PARSERS` (serve/reasoning.py), or None. With `api_key`,
-    every route but `OPEN_PATHS` answers 401 unless the request carries `Authorization: Bearer <api_key>`."""
+    the /v1 routes (OpenAI's API) answer 401 unless the request carries `Authorization: Bearer <api_key>`; the
+    others (/health, /metrics, /tokenize, /docs) and CORS preflights (OPTIONS) are open, as in vLLM."""
     srv = Server(engine, served_model_name, max_queue, tool_call_parser, reasoning_parser)
     app = FastAPI(title="pieceworks", version=__version__)
     app.state.server = srv
@@ -110,7 +109,8 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
         @app.middleware("http")
         async def authorize(request: Request, call_next: Any) -> Response:
             given = request.headers.get("authorization", "").encode()
-            if request.url.path in OPEN_PATHS or hmac.compare_digest(given, expected):
+            guarded = request.url.path.startswith("/v1") and request.method != "OPTIONS"
+            if not guarded or hmac.compare_digest(given, expected):
                 return await call_next(request)
             why = "no Authorization header" if not given else "a wrong API key"
             return error_response(401, f"{why}: send `Authorization: Bearer <key>` with the server's --api-key",

@@ -285,8 +285,9 @@ async def _served_models(client: Any, url: str) -> list[dict]:
         reason = str(exc) or type(exc).__name__
         raise ConnectionError(f"can't reach the server at {url}: {reason}; is `pieceworks serve` running?") from None
     if resp.status_code == 401:
-        raise ValueError(f"{url}/v1/models answered HTTP 401 (unauthorized): the server wants an API key; give it "
-                         "with --api-key")
+        why = ("refused the --api-key given" if "authorization" in client.headers
+               else "wants an API key; give it with --api-key")
+        raise ValueError(f"{url}/v1/models answered HTTP 401 (unauthorized): the server {why}")
     try:
         models = resp.json()["data"] if resp.status_code == 200 else None
     except (ValueError, KeyError, TypeError):
