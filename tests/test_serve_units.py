@@ -376,6 +376,12 @@ def test_lengths_prompts_and_unsupported_fields():
     e = _bad(mapping.max_tokens_for, req.model_copy(update={"max_tokens": 98}), 3, 100, param="max_tokens")
     assert e.code == "context_length_exceeded" and "at most 97" in str(e)
     _bad(mapping.max_tokens_for, req, 100, 100, param="prompt", match="shorten the prompt")
+    # min_tokens without max_tokens: against the room left (chat) and the default of 16 (completions), by name
+    e = _bad(mapping.max_tokens_for, chat.model_copy(update={"min_tokens": 71}), 30, 100, param="min_tokens")
+    assert e.code == "context_length_exceeded" and "min_tokens = 71 with a 30-token prompt needs 101" in str(e)
+    assert mapping.max_tokens_for(chat.model_copy(update={"min_tokens": 70}), 30, 100) == 70
+    _bad(mapping.max_tokens_for, req.model_copy(update={"min_tokens": 17}), 3, 100, param="min_tokens",
+         match="min_tokens = 17 exceeds max_tokens, which is 16 when not given")
     _bad(mapping.max_tokens_for, req.model_copy(update={"max_tokens": 0}), 3, 100, param="max_tokens")
     assert mapping.completion_prompts(CompletionRequest(model="m", prompt=[[1, 2], [3]]), None, 10) == [[1, 2], [3]]
     _bad(mapping.completion_prompts, CompletionRequest(model="m", prompt=[1, 10]), None, 10, param="prompt",

@@ -214,9 +214,18 @@ def max_tokens_for(req: SamplingFields, prompt_len: int, max_context: int) -> in
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         asked, name = req.max_completion_tokens, "max_completion_tokens"
     if asked is None:
+        room = max_context - prompt_len
+        if req.min_tokens > room:
+            raise BadRequest(f"this model's maximum context length is {max_context} tokens; min_tokens = "
+                             f"{req.min_tokens} with a {prompt_len}-token prompt needs {prompt_len + req.min_tokens}: "
+                             f"ask for at most {room}", param="min_tokens", code="context_length_exceeded")
         if isinstance(req, CompletionRequest):
-            return min(COMPLETIONS_DEFAULT_MAX_TOKENS, max_context - prompt_len)
-        return max_context - prompt_len
+            if req.min_tokens > COMPLETIONS_DEFAULT_MAX_TOKENS:
+                raise BadRequest(f"min_tokens = {req.min_tokens} exceeds max_tokens, which is "
+                                 f"{COMPLETIONS_DEFAULT_MAX_TOKENS} when not given (OpenAI's default for "
+                                 "completions): give max_tokens too", param="min_tokens")
+            return min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
+        return room
     if asked == 0 and isinstance(req, CompletionRequest) and req.echo:
         return 1  # the prompt alone is scored: the one token generated is left out of the response
     if asked < 1:
