@@ -14,7 +14,8 @@
   (`pieceworks serve --tool-call-parser P`, serve/tool_parsers.py: hermes, llama3_json, mistral, deepseek_v3,
   deepseek_v31, glm45, qwen3_coder, seed_oss). Without a parser, auto is a 400 that names the alternatives, as in
   vLLM. Where the tokenizer marks the parser's markers special, auto requests decode with special tokens kept, as
-  vLLM's mistral and internlm parsers do (the stop token's text stays out of the text either way).
+  vLLM's mistral and internlm parsers do (so the stop token's text joins the text where the request asks for
+  include_stop_str_in_output, as there).
 Streamed, each call's name arrives once complete and its arguments as the model writes them (writers.py); under
 auto, content streams until a call may begin, under required and named nothing streams as content.
 """
