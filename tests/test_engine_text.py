@@ -142,6 +142,23 @@ def test_detokenizer_holds_back_a_possible_stop_string(engine):
     assert "".join(deltas) == d.text
 
 
+def test_with_include_stop_nothing_is_held_back(engine):
+    """include_stop_str_in_output: the text ends with the stop string, so none of it is held back from the deltas
+    (without it, the last len(stop) - 1 characters wait for the next token)."""
+    tok = engine.tokenizer
+    ids = tok(" alpha beta gamma delta", add_special_tokens=False)["input_ids"]
+    for include, final in ((True, " alpha beta gamma"), (False, " alpha beta ")):
+        d = Detokenizer(tok, [1], stop=["gamma", "a much longer stop string"], include_stop=include)
+        deltas = []
+        for t in ids:
+            d.add(t)
+            deltas.append(d.delta(final=False))
+            if d.stopped:
+                break
+        assert "".join(deltas) == d.text == final, (include, deltas)
+        assert (deltas[0] == " alpha") == include, deltas  # held back without include_stop
+
+
 def test_stop_strings_wait_for_min_tokens(engine, greedy):
     """As vLLM's: stop strings are looked for once more than min_tokens tokens are out; one that ends within the
     first min_tokens tokens' text does not stop the completion, one after does."""

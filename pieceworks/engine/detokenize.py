@@ -7,7 +7,8 @@ difference once it no longer ends in a partial character (TGI's and vLLM's metho
 
 Stop strings end the text before they start. Text that might still turn into a stop string (the last
 len(longest stop) - 1 characters) is held back from `delta` until the next token settles it, so the
-deltas of a request always add up to its final text.
+deltas of a request always add up to its final text; with include_stop nothing is held back (the text then ends
+where the stop string does, and the stop is found in the step that completes it: vLLM's rule).
 
 The checkpoint side of the Engine's text handling lives here too: its tokenizer and EOS ids.
 """
@@ -43,7 +44,8 @@ class Detokenizer:
         self.min_tokens, self._num_added = min_tokens, 0
         self.include_stop, self.skip_special = include_stop, skip_special
         self.stop = [s for s in stop or [] if s]
-        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        # text a stop string may still claim; none with include_stop (the text ends with the stop, not before it)
+        self.holdback = 0 if include_stop else max((len(s) for s in self.stop), default=1) - 1
         self._ids = self._context(prompt_ids)
         self._prefix = 0  # window start
         self._read = len(self._ids)  # tokens whose text is already in self.text
