@@ -24,7 +24,7 @@ import openai  # noqa: E402
 from pieceworks.engine import AsyncEngine, Engine  # noqa: E402
 from pieceworks.serve import mapping  # noqa: E402
 from pieceworks.serve.app import build_app  # noqa: E402
-from pieceworks.serve.protocol import BadRequest, ChatCompletionRequest, parse_body  # noqa: E402
+from pieceworks.serve.protocol import BadRequest, ChatCompletionRequest, CompletionRequest, parse_body  # noqa: E402
 
 try:
     from tests.helpers.server_process import wait_healthy
@@ -306,6 +306,13 @@ def test_bodies_that_are_no_json_are_named_so_with_their_code():
         with pytest.raises(BadRequest, match="the body is not valid JSON") as exc:
             parse_body(body, ChatCompletionRequest)
         assert exc.value.code == "invalid_json", body
+
+
+def test_spaces_between_special_tokens_is_accepted():
+    """vLLM's field, sent by some clients: accepted with either value (a fast tokenizer's text is the same)."""
+    for value in (True, False):
+        body = {"model": "m", "prompt": [1], "spaces_between_special_tokens": value}
+        assert parse_body(json.dumps(body).encode(), CompletionRequest).spaces_between_special_tokens is value
 
 
 def test_an_api_key_guards_the_v1_routes(tiny_engine):

@@ -3,8 +3,8 @@
 The request models mirror OpenAI's `/v1/completions` and `/v1/chat/completions` bodies (names, types,
 defaults), plus the extensions vLLM's server accepts (`top_k`, `min_p`, `repetition_penalty`,
 `stop_token_ids`, `allowed_token_ids`, `ignore_eos`, `min_tokens`, `include_stop_str_in_output`,
-`skip_special_tokens`, `return_token_ids`, `priority`, `structured_outputs`, the chat template options), so
-clients written for either work unchanged. Requests are strict: a field of the wrong type or a field the
+`skip_special_tokens`, `spaces_between_special_tokens`, `return_token_ids`, `priority`, `structured_outputs`, the
+chat template options), so clients written for either work unchanged. Requests are strict: a field of the wrong type or a field the
 API does not have is a 400, and an OpenAI field whose behaviour pieceworks does not implement (`suffix`) is
 refused by name instead of being ignored (OpenAI's fields that change nothing here, such as `metadata`, are
 accepted). `parse_body` turns a body into a model, or a 400 that says
@@ -71,6 +71,9 @@ class SamplingFields(OpenAIModel):
     allowed_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # accepted, the same text either way: fast tokenizers (transformers' from tokenizer.json) decode special tokens
+    # without spaces between them whatever the value, as vLLM's fast-tokenizer path does
+    spaces_between_special_tokens: bool = True
     priority: int = 0
     ignore_eos: bool = False
     min_tokens: int = 0
