@@ -4,11 +4,10 @@ The request models mirror OpenAI's `/v1/completions` and `/v1/chat/completions` 
 defaults), plus the extensions vLLM's server accepts (`top_k`, `min_p`, `repetition_penalty`,
 `stop_token_ids`, `allowed_token_ids`, `ignore_eos`, `min_tokens`, `include_stop_str_in_output`,
 `skip_special_tokens`, `spaces_between_special_tokens`, `return_token_ids`, `priority`, `structured_outputs`, the
-chat template options), so clients written for either work unchanged. Requests are strict: a field of the wrong type or a field the
-API does not have is a 400, and an OpenAI field whose behaviour pieceworks does not implement (`suffix`) is
-refused by name instead of being ignored (OpenAI's fields that change nothing here, such as `metadata`, are
-accepted). `parse_body` turns a body into a model, or a 400 that says
-what is wrong.
+chat template options), so clients written for either work unchanged. Requests are strict: a field of the wrong
+type or a field the API does not have is a 400, and an OpenAI field whose behaviour pieceworks does not implement
+(`suffix`) is refused by name instead of being ignored (OpenAI's fields that change nothing here, such as `metadata`,
+are accepted). `parse_body` turns a body into a model, or a 400 that says what is wrong.
 """
 
 from __future__ import annotations
