@@ -90,8 +90,6 @@ async def _parse(request: Request, model: type[T]) -> T:
     return parse_body(await request.body(), model)
 
 
-
-
 def build_app(engine: Any, served_model_name: str | None = None, max_queue: int = 256,
               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
               api_key: str | None = None) -> FastAPI:
@@ -109,7 +107,8 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
         @app.middleware("http")
         async def authorize(request: Request, call_next: Any) -> Response:
             given = request.headers.get("authorization", "").encode()
-            guarded = request.url.path.startswith("/v1") and request.method != "OPTIONS"
+            path = request.url.path
+            guarded = (path == "/v1" or path.startswith("/v1/")) and request.method != "OPTIONS"
             if not guarded or hmac.compare_digest(given, expected):
                 return await call_next(request)
             why = "no Authorization header" if not given else "a wrong API key"
