@@ -119,7 +119,7 @@ def _parse_override(item: str) -> DictConfig:
                           f"quote it or fix the brackets") from None
     except ValueError as e:  # an integer of more digits than Python converts
         raise ConfigError(f"{key}: can't read the value ({str(e).split(':')[0]})") from None
-    odd = _yaml11_int(node)
+    odd = _yaml11_number(node)
     if odd is not None:
         raise ConfigError(f"{key}: {odd[0]}")
     return layer
@@ -161,7 +161,7 @@ def read_yaml(path: Path) -> DictConfig:
         raise ConfigError(f"{path}: nested too deeply to read; a config is a few levels of sections") from None
     except ValueError as e:  # an integer of more digits than Python converts (no advice on sys settings)
         raise ConfigError(f"{path}: a value can't be read ({str(e).split(':')[0]})") from None
-    odd = _yaml11_int(top)
+    odd = _yaml11_number(top)
     if odd is not None:
         raise ConfigError(f"{path}:{odd[1] + 1}: {odd[0]}")
     if not isinstance(layer, DictConfig):
@@ -174,15 +174,15 @@ def read_yaml(path: Path) -> DictConfig:
 INT, FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 
 
-def _yaml11_int(node: Any) -> tuple[str, int] | None:
+def _yaml11_number(node: Any) -> tuple[str, int] | None:
     """The first plain scalar YAML 1.1 reads as a number other than the decimal it looks like (`1:30` is 90 and
     `1:30.5` 90.5 in base 60, `016` is 14 in octal), as what to say and its line; None when there is none."""
     import yaml
 
     if isinstance(node, yaml.MappingNode):
-        return next(filter(None, (_yaml11_int(v) for _, v in node.value)), None)
+        return next(filter(None, (_yaml11_number(v) for _, v in node.value)), None)
     if isinstance(node, yaml.SequenceNode):
-        return next(filter(None, (_yaml11_int(v) for v in node.value)), None)
+        return next(filter(None, (_yaml11_number(v) for v in node.value)), None)
     if not isinstance(node, yaml.ScalarNode) or node.style or node.tag not in (INT, FLOAT):
         return None
     text = node.value.replace("_", "").lstrip("+-")
