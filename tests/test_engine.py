@@ -543,6 +543,26 @@ def test_prompt_logprobs_with_n_and_abort(engine):
     drained(engine)
 
 
+def test_non_finite_prompt_logprobs_fail_their_request(engine, monkeypatch, reference):
+    """An inf in the logits of one prompt position (not the sampled row): the request asked for its prompt
+    logprobs, which would carry NaN; it fails as a non-finite sampled row does, naming the position."""
+    ex, prompt = engine.executor, PROMPTS[1]
+    real = ex.model.compute_logits
+
+    def poisoned(hidden):
+        logits = real(hidden)
+        if logits.shape[0] > 1:  # a step that scores prompt rows: its row 3 predicts prompt position 4
+            logits[3, 7] = float("inf")
+        return logits
+
+    monkeypatch.setattr(ex.model, "compute_logits", poisoned)
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))[0]
+    monkeypatch.setattr(ex.model, "compute_logits", real)
+    assert out.finish_reason == "error" and out.token_ids == [], out
+    assert out.error.endswith("NaN or inf logits at prompt position 4 (its prompt_logprobs)"), out.error
+    drained(engine)
+
+
 def test_logprobs_passed_through(engine, reference):
     out = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=3, logprobs=2))[0]
     assert out.token_ids == reference[0][:3] and len(out.logprobs) == 3

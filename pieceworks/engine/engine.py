@@ -284,9 +284,11 @@ class Engine:
         """Append a sampled token to its completion (or fail it on non-finite logits), and finish it
         when a stop condition holds. `grammar`: the outcome of `grammar_stop` where the matcher already
         took the token (`advance_grammars`)."""
-        if not finite:
+        if not finite or req.nonfinite_prompt_at is not None:
+            where = (f"after {len(req.output)} generated tokens" if req.nonfinite_prompt_at is None else
+                     f"at prompt position {req.nonfinite_prompt_at} (its prompt_logprobs)")
             err = NonFiniteLogits(f"request {req.request_id!r} (completion {req.index}): the model produced "
-                                  f"NaN or inf logits after {len(req.output)} generated tokens")
+                                  f"NaN or inf logits {where}")
             req.error = f"NonFiniteLogits: {err}"
             self._finish(req, "error")
             return

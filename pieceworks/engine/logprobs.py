@@ -4,6 +4,7 @@ which copy it into pinned memory with the ids)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -111,5 +112,7 @@ def record_prompt_logprobs(scheduled: list, every: list[bool], logits: torch.Ten
     if rows:
         ks = [r.params.prompt_logprobs for r in owners]
         for req, d in zip(owners, prompt_logprobs(logits, rows, targets, ks)):
+            if req.nonfinite_prompt_at is None and not all(map(math.isfinite, d.values())):
+                req.nonfinite_prompt_at = len(req.prompt_logprobs)
             req.prompt_logprobs.append(d)
     return logits[last]

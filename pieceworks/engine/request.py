@@ -87,6 +87,9 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     """With SamplingParams.prompt_logprobs: the entries of the prompt's first positions computed so far
     ([None] for the first token at the start); None otherwise."""
+    nonfinite_prompt_at: int | None = None
+    """The first prompt position whose logprobs came from NaN or inf logits: the completion fails with the
+    sampled token's check (NonFiniteLogits) instead of returning them."""
     priority: int = 0
     """Lower first under `scheduler.policy: priority` (0 otherwise)."""
     matcher: Any = None
