@@ -12,6 +12,11 @@ from pieceworks.engine.detokenize import Detokenizer
 from pieceworks.engine.engine import eos_token_ids
 from pieceworks.errors import RequestError
 
+try:  # `python -m pytest` puts the repository root on sys.path, plain `pytest` puts tests/
+    from tests.helpers.built_tokenizers import byte_fallback_tokenizer
+except ImportError:
+    from helpers.built_tokenizers import byte_fallback_tokenizer
+
 PROMPT = "The three primary colors are"
 
 
@@ -230,23 +235,6 @@ def test_token_bytes_rebuild_characters_that_tokens_share(engine):
 
     got = b"".join(token_bytes(Fallback(), t, "\ufffd" if t < 8 else " euro") for t in (5, 6, 7, 8))
     assert got.decode() == "€ euro"
-
-
-def byte_fallback_tokenizer():
-    """A Llama-2-style tokenizer (BPE whose <0xNN> byte tokens are plain vocabulary, decoded by Replace / ByteFallback
-    / Fuse / Strip), built here: its decoder turns a whole run of byte tokens that is not valid UTF-8 into U+FFFD."""
-    tokenizers = pytest.importorskip("tokenizers")
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import decoders, models, normalizers
-
-    pieces = ["<unk>"] + [f"<0x{b:02X}>" for b in range(256)] + list("\u2581Iloveabcdk") + ["\u2581o", "\u2581ok"]
-    merges = [("\u2581", "o"), ("\u2581o", "k")]
-    tk = tokenizers.Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, merges, unk_token="<unk>",
-                                         byte_fallback=True))
-    tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
-    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                    decoders.Strip(" ", 1, 0)])
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>")
 
 
 def test_a_prompt_ending_in_byte_tokens_cut_mid_character_leaves_the_output_readable():

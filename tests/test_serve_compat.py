@@ -27,8 +27,10 @@ from pieceworks.serve.app import build_app  # noqa: E402
 from pieceworks.serve.protocol import BadRequest, ChatCompletionRequest, CompletionRequest, parse_body  # noqa: E402
 
 try:
+    from tests.helpers.built_tokenizers import byte_fallback_tokenizer
     from tests.helpers.server_process import wait_healthy
 except ImportError:  # tests/ on sys.path
+    from helpers.built_tokenizers import byte_fallback_tokenizer
     from helpers.server_process import wait_healthy
 
 TINY = ["model.arch=llama", "model.preset=tiny", "model.max_context=256", "cuda_graph.piecewise.enabled=off"]
@@ -306,6 +308,36 @@ def test_bodies_that_are_no_json_are_named_so_with_their_code():
         with pytest.raises(BadRequest, match="the body is not valid JSON") as exc:
             parse_body(body, ChatCompletionRequest)
         assert exc.value.code == "invalid_json", body
+
+
+def test_logprob_token_strings_keep_sentencepiece_spaces():
+    """A SentencePiece tokenizer drops a piece's leading space at a sequence's start, so `decode([id])` read "▁ok" as
+    "ok": the token strings (completions' tokens, chat's token and bytes) lost every space and did not join to the
+    text; they keep it, but for an echoed prompt's first token, which starts the text."""
+    tok = byte_fallback_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    engine = Engine.from_config(None, TINY, progress=False)
+    engine = Engine(engine.executor, tokenizer=tok)
+    ok = tok.convert_tokens_to_ids("\u2581ok")
+
+    async def calls(c):
+        body = {"model": "sp", "prompt": "I love ok", "max_tokens": 3, "temperature": 0, "logprobs": 1,
+                "echo": True, "allowed_token_ids": [ok]}
+        done = (await c.post("/v1/completions", json=body)).json()["choices"][0]
+        chat = {"model": "sp", "messages": [USER], "max_tokens": 2, "logprobs": True, "allowed_token_ids": [ok]}
+        answer = (await c.post("/v1/chat/completions", json=chat)).json()["choices"][0]
+        return done, answer
+
+    try:
+        done, answer = ask(engine, "sp", calls)
+    finally:
+        engine.close()
+    tokens = done["logprobs"]["tokens"]
+    assert done["text"] == "I love ok ok ok ok" and "".join(tokens) == done["text"], tokens
+    assert [done["text"][o:] for o in done["logprobs"]["text_offset"]][-1] == " ok"
+    content = answer["logprobs"]["content"]
+    assert answer["message"]["content"] == " ok ok" and [e["token"] for e in content] == [" ok", " ok"]
+    assert b"".join(bytes(e["bytes"]) for e in content) == b" ok ok"
 
 
 def test_spaces_between_special_tokens_is_accepted():

@@ -434,7 +434,7 @@ def test_completion_top_logprobs_hold_the_chosen_token():
 
     from pieceworks.serve.writers import CompletionWriter
 
-    srv = SimpleNamespace(token_str=lambda t: f"<{t}>", tokenizer=None)
+    srv = SimpleNamespace(token_str=lambda t, first=False: f"<{t}>", tokenizer=None)
     req = CompletionRequest(model="m", prompt=[1], logprobs=1)
     lp = CompletionWriter(srv, req)._logprobs(0, [3, 7], [{7: -0.1, 3: -2.5, 9: -1.0}, {7: -0.2, 4: -0.3}])
     assert lp.top_logprobs == [{"<7>": -0.1, "<3>": -2.5}, {"<7>": -0.2}]  # sampled 3 (not the best), then 7

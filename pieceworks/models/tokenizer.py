@@ -150,6 +150,20 @@ def _gpt2_byte_decoder() -> dict[str, int]:
 _BYTE_DECODER = _gpt2_byte_decoder()
 
 
+SENTENCEPIECE_SPACE = "\u2581"  # a SentencePiece piece's leading space ("▁the")
+
+
+def token_text(tok: Any, token_id: int) -> str:
+    """One token's text as it reads inside a completion (logprobs' `token` strings): `decode([id])`, with the
+    leading space a SentencePiece tokenizer (Llama 2, Mistral, Gemma) strips from a sequence's first piece put back
+    (" the" for "▁the", not "the"), so the strings of a completion's tokens join to its text."""
+    text = tok.decode([token_id])
+    piece = tok.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str) and piece.startswith(SENTENCEPIECE_SPACE) and not text.startswith(" "):
+        return " " + text
+    return text
+
+
 def token_bytes(tok: Any, token_id: int, text: str) -> bytes:
     """One token's own bytes, where `text` (its decoded text) is a replacement character standing for part
     of a UTF-8 sequence: a byte-fallback piece (`<0xE2>`, SentencePiece) or a byte-level BPE piece

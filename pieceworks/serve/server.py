@@ -13,7 +13,7 @@ from typing import Any
 
 import anyio
 
-from pieceworks.models.tokenizer import token_bytes
+from pieceworks.models.tokenizer import token_bytes, token_text
 from pieceworks.serve import REASONING_PARSERS, reasoning, tools
 from pieceworks.serve.metrics import ServerMetrics
 from pieceworks.serve.protocol import BadRequest
@@ -206,10 +206,14 @@ class Server:
         if c.first_token_at is not None and len(c.token_ids) > 1:
             m.tpot.observe((now - c.first_token_at) / (len(c.token_ids) - 1))
 
-    def token_str(self, tid: int) -> str:
+    def token_str(self, tid: int, first: bool = False) -> str:
+        """A token's text inside a completion (`token_text`); `first`: as the first token of a sequence reads,
+        where a SentencePiece tokenizer drops the leading space (an echoed prompt's first token)."""
+        if first and self.tokenizer is not None:
+            return self.tokenizer.decode([tid])
         s = self._token_str.get(tid)
         if s is None:
-            s = self.tokenizer.decode([tid]) if self.tokenizer is not None else f"token_id:{tid}"
+            s = token_text(self.tokenizer, tid) if self.tokenizer is not None else f"token_id:{tid}"
             self._token_str[tid] = s
         return s
 

@@ -106,8 +106,9 @@ class CompletionWriter(Writer):
         if self.req.logprobs is None:
             return None
         out = CompletionLogprobs()
-        for tid, d in zip(token_ids, lps):
-            s = self.srv.token_str(tid)
+        start = self.echo_texts is not None and index not in self.offsets  # the echoed prompt's first token
+        for i, (tid, d) in enumerate(zip(token_ids, lps)):
+            s = self.srv.token_str(tid, first=start and i == 0)
             out.tokens.append(s)
             out.token_logprobs.append(None if d is None else d.get(tid))
             tops = None
