@@ -132,10 +132,8 @@ def test_stop_string_kept_and_special_tokens_shown_when_asked(engine, greedy):
     assert d.text == " alpha" + eos and shown.text == " alpha"
 
 
-def test_detokenizer_holds_back_a_possible_stop_string(engine):
-    tok = engine.tokenizer
-    ids = tok(" alpha beta gamma delta", add_special_tokens=False)["input_ids"]
-    d = Detokenizer(tok, [1], stop=["gamma"])
+def feed(d: Detokenizer, ids: list[int]) -> list[str]:
+    """`d`'s deltas as `ids` arrive one by one (until a stop string ends the text), then its final delta."""
     deltas = []
     for t in ids:
         d.add(t)
@@ -143,6 +141,14 @@ def test_detokenizer_holds_back_a_possible_stop_string(engine):
         if d.stopped:
             break
     deltas.append(d.delta(final=True))
+    return deltas
+
+
+def test_detokenizer_holds_back_a_possible_stop_string(engine):
+    tok = engine.tokenizer
+    ids = tok(" alpha beta gamma delta", add_special_tokens=False)["input_ids"]
+    d = Detokenizer(tok, [1], stop=["gamma"])
+    deltas = feed(d, ids)
     assert d.stopped and d.text == " alpha beta "
     assert "".join(deltas) == d.text
 
@@ -154,12 +160,7 @@ def test_with_include_stop_nothing_is_held_back(engine):
     ids = tok(" alpha beta gamma delta", add_special_tokens=False)["input_ids"]
     for include, final in ((True, " alpha beta gamma"), (False, " alpha beta ")):
         d = Detokenizer(tok, [1], stop=["gamma", "a much longer stop string"], include_stop=include)
-        deltas = []
-        for t in ids:
-            d.add(t)
-            deltas.append(d.delta(final=False))
-            if d.stopped:
-                break
+        deltas = feed(d, ids)
         assert "".join(deltas) == d.text == final, (include, deltas)
         assert (deltas[0] == " alpha") == include, deltas  # held back without include_stop
 
@@ -246,11 +247,7 @@ def test_a_prompt_ending_in_byte_tokens_cut_mid_character_leaves_the_output_read
     assert tok.convert_ids_to_tokens(prompt[-5:]) == ["<0x80>", "<0xF0>", "<0x9F>", "<0x98>", "<0x80>"]
     out = [tok.convert_tokens_to_ids(p) for p in [f"<0x{b:02X}>" for b in "\u65e5".encode()] + ["\u2581ok"]]
     d = Detokenizer(tok, prompt)
-    deltas = []
-    for t in out:
-        d.add(t)
-        deltas.append(d.delta(final=False))
-    deltas.append(d.delta(final=True))
+    deltas = feed(d, out)
     assert d.text == "\u65e5 ok" and "".join(deltas) == d.text, deltas
 
 
