@@ -96,7 +96,8 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
     """The FastAPI app serving `engine` (an `AsyncEngine`); see the module docstring. The parsers: one of
     `TOOL_CALL_PARSERS` (serve/tools.py) and `REASONING_PARSERS` (serve/reasoning.py), or None. With `api_key`,
     the /v1 routes (OpenAI's API) answer 401 unless the request carries `Authorization: Bearer <api_key>`; the
-    others (/health, /metrics, /tokenize, /docs) and CORS preflights (OPTIONS) are open, as in vLLM."""
+    others (/health, /metrics, /tokenize, /docs) and OPTIONS requests (a CORS preflight carries no key) pass, as in
+    vLLM."""
     srv = Server(engine, served_model_name, max_queue, tool_call_parser, reasoning_parser)
     app = FastAPI(title="pieceworks", version=__version__)
     app.state.server = srv
