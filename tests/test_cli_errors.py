@@ -172,10 +172,10 @@ def test_an_allocation_past_memory_is_one_line(capsys, monkeypatch, tmp_path):
     """Where the free memory is unknown (no check before the load), the allocator's refusal is the one line: 1.6e15
     bytes are more than a 48-bit address space holds, refused under any overcommit setting."""
     from pieceworks import cli
-    from pieceworks.models import loader
+    from pieceworks.models import sizing
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(loader, "free_bytes", lambda device, unknown: unknown)
+    monkeypatch.setattr(sizing, "free_bytes", lambda device, unknown: unknown)
     assert cli.main(["run", *LLAMA, *BEYOND_MEMORY]) == 1
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(lines) == 1 and "pieceworks run: error: out of memory ([enforce fail" in lines[0], lines

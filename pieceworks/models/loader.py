@@ -20,12 +20,12 @@ from typing import Any, Callable, Iterator
 import torch
 
 from pieceworks.backends.base import ModelFacts
-from pieceworks.core.devices import free_bytes
 from pieceworks.errors import CheckpointError, ConfigError
 from pieceworks.models import config_forms, hf_config as hf_fields
-from pieceworks.models.base import CausalLM, context_limit
+from pieceworks.models.base import CausalLM
 from pieceworks.models.architectures import ARCHS, architecture, checkpoint_names, random_class
 from pieceworks.models.families import OTHER_PARTS, text_model, with_defaults
+from pieceworks.models.sizing import check_fits, size_rope_tables
 from pieceworks.parallel.layout import TPLayout
 from pieceworks.util import checked_stat, unreadable
 
@@ -71,8 +71,8 @@ def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype
 
         source, named = RandomSource(device, dtype, seed=seed), None
     model = build(cls, hf, dtype, fp4, tp)
-    _size_rope_tables(model, model_cfg)
-    _check_fits(model, device, dtype, model_cfg.path is None)
+    size_rope_tables(model, model_cfg)
+    check_fits(model, device, dtype, model_cfg.path is None)
     try:
         materialize(model, source, device, progress)
     except CheckpointError as e:  # name the tensors as the checkpoint does (Mixtral's, Phi-3's), not as the model
@@ -92,43 +92,6 @@ def load_model(model_cfg: Any, quant_cfg: Any, device: torch.device | str, dtype
     if reader is not None and not allow_extra:
         check_unused(reader, model)
     return model
-
-
-def _check_fits(model: CausalLM, device: torch.device, dtype: torch.dtype, random: bool) -> None:
-    """Refuse a skeleton that takes more than `device`'s free memory before any weight is read (not as the
-    allocator's refusal once most of it is read)."""
-    need = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
-    free = free_bytes(device, unknown=None)
-    if free is not None and need > free:
-        where = "model.sizes" if random else "the checkpoint's config.json"
-        smaller = ", runtime.dtype=bfloat16" if dtype == torch.float32 else ""
-        fp4 = "quantization.format=nvfp4" if random else "`pieceworks quantize`"
-        raise ConfigError(f"the model's weights take {need / 2**30:.2f} GiB on {device} (sizes from {where}), but "
-                          f"{free / 2**30:.2f} GiB are free; use a device with more memory{smaller}, tensor "
-                          f"parallelism (parallel.tensor_parallel_size) or NVFP4 weights ({fp4})")
-
-
-ROPE_TABLE_BYTES = 1 << 30
-"""Largest rope table (cos + sin) built for a checkpoint's max_position_embeddings when model.max_context
-is not set."""
-
-
-def _size_rope_tables(model: CausalLM, model_cfg: Any) -> None:
-    """Rope tables for the positions the executor can reach: `context_limit` (model.max_context where it is set,
-    refused above max_position_embeddings or a shorter sliding window; else either), refused above
-    `ROPE_TABLE_BYTES` with a ConfigError that says to set model.max_context. Only the model's meta skeleton exists
-    here."""
-    tables = model.rope_tables()
-    limit = context_limit(model, getattr(model_cfg, "max_context", None))
-    size = sum(t.table_bytes for t in tables)
-    if limit < model.max_position_embeddings:
-        for rotary in tables:
-            rotary.limit(limit)
-    elif size > ROPE_TABLE_BYTES:
-        raise ConfigError(
-            f"the checkpoint's max_position_embeddings ({model.max_position_embeddings}) needs rope tables of "
-            f"{size / 2**30:.1f} GiB; set model.max_context to the longest sequence to serve "
-            "(e.g. model.max_context=32768): the tables cover only that")
 
 
 QUANT_SCALES = (".weight_scale", ".weight_scale_2", ".input_scale")
