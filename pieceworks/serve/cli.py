@@ -228,8 +228,8 @@ def _draining_server(config: Any, state: Any, grace: float) -> Any:
         """uvicorn's server, whose shutdown (SIGTERM, Ctrl-C) gives the requests in flight `grace` seconds and then
         aborts those left in the engine, so that their streams end with a finish_reason "abort" chunk and [DONE]
         (a response uvicorn cancels at its own deadline is cut mid-stream). A second signal aborts them at once
-        (uvicorn's own would cut them mid-stream, with a traceback per connection); a third is uvicorn's: it
-        stops without waiting for them."""
+        (uvicorn's own would cut them mid-stream, with a traceback per connection); a third stops without waiting
+        for them (uvicorn's forced exit, which uvicorn itself takes on a repeated SIGINT only)."""
 
         def __init__(self, config: Any, state: Any, grace: float):
             super().__init__(config)
