@@ -13,6 +13,9 @@ facts about the process that no config file can know:
 - `RANK`, `WORLD_SIZE`, `LOCAL_RANK`: set by torchrun in each process it starts; they tell a
   tensor-parallel launch that it runs under torchrun and which rank (and GPU) it is
   (`parallel.group.torchrun_rank`). Outside torchrun the launcher passes the rank explicitly.
+- `PIECEWORKS_API_KEY`: the key `pieceworks serve` requires on its /v1 routes and `pieceworks bench --url` sends,
+  where --api-key is not given (`api_key`): a secret, which a command line would show to every user of the
+  machine (the process list); set but empty, it is unset.
 
 The in-process launcher's workers take the leader's environment whole (`leader_environment`, `adopt_environment`):
 they fork from a server started at the first launch, whose environment is that moment's, and whatever the libraries
@@ -34,6 +37,7 @@ from pathlib import Path
 from pieceworks.errors import ConfigError
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+API_KEY_VARIABLE = "PIECEWORKS_API_KEY"
 
 
 def user_cache_home() -> Path:
@@ -58,6 +62,11 @@ def torchrun_variables() -> tuple[int, int, int] | None:
         raise ConfigError(f"torchrun's variables must be integers, got {found}; launch with torchrun, or "
                           "unset them to run without it") from None
     return rank, world, local_rank
+
+
+def api_key() -> str | None:
+    """$PIECEWORKS_API_KEY, or None when it is unset or empty."""
+    return os.environ.get(API_KEY_VARIABLE) or None
 
 
 def leader_environment() -> dict[str, str]:

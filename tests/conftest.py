@@ -7,6 +7,10 @@ from pathlib import Path
 
 import pytest
 
+# ===== the process environment ====================================================================
+# A key in the shell that runs the tests would make every server they start (in process or not) want it.
+os.environ.pop("PIECEWORKS_API_KEY", None)
+
 # ===== NVFP4 / ModelOpt fixtures ==================================================================
 # Tiny random Llama and DeepSeek-V3 models, saved in bf16 and exported to NVFP4 by ModelOpt itself
 # (tests/helpers/modelopt_export.py). Exports are cached on disk, keyed by the torch / transformers /

@@ -143,7 +143,8 @@ IN_PROCESS = {
                                  "pieceworks bench: error: --api-key is sent to the server --url names; the "
                                  "in-process engine takes none"),
     "an empty api key": (["serve", *LLAMA, "--api-key", ""], 2,
-                         "pieceworks serve: error: --api-key: must be a non-empty string of printable ASCII"),
+                         "pieceworks serve: error: --api-key: the API key must be a non-empty string of printable "
+                         "ASCII"),
     "KV pool beyond memory": (["run", *LLAMA, "kv_cache.num_tokens=1000000000"], 2,
                               "kv_cache.num_tokens: 1000000000 tokens take 476.84 GiB at 512 bytes each, but"),
     "a size past any model": (["run", *LLAMA, "kv_cache.num_tokens=1000000000000"], 2,
@@ -229,6 +230,16 @@ def test_serve_checks_where_it_listens_before_the_model_loads(capsys, monkeypatc
 
     assert cli.main(["serve", *LLAMA, "--max-queue", "0"]) == 2
     assert "--max-queue 0: must be at least 1" in capsys.readouterr().err
+    monkeypatch.setenv("PIECEWORKS_API_KEY", "two words")  # --api-key's default, checked as it is
+    assert cli.main(["serve", *LLAMA]) == 2
+    assert ("pieceworks serve: error: PIECEWORKS_API_KEY: the API key must be a non-empty string of printable ASCII "
+            "characters without spaces") in capsys.readouterr().err
+    from pieceworks.serve.cli import api_key
+
+    assert api_key("k") == "k"  # the flag wins
+    monkeypatch.setenv("PIECEWORKS_API_KEY", "")  # set but empty: unset
+    assert api_key(None) is None
+    monkeypatch.delenv("PIECEWORKS_API_KEY")
     monkeypatch.setattr(socket, "getaddrinfo", unresolved)
     assert cli.main(["serve", *LLAMA, "--host", "999.1.1.1"]) == 2
     assert "--host 999.1.1.1: not an address of this machine or a name it resolves" in capsys.readouterr().err
@@ -281,6 +292,11 @@ def test_bench_checks_its_flags_before_the_model_loads(url, capsys, monkeypatch,
         lines = err.splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"pieceworks bench: error: {needle}"), (flags, err)
         assert not out.strip(), out
+    if url:  # the key bench sends where --api-key is not given: checked before the server is asked
+        monkeypatch.setenv("PIECEWORKS_API_KEY", "two\nlines")
+        assert cli.main(target) == 2
+        assert capsys.readouterr().err.strip() == ("pieceworks bench: error: PIECEWORKS_API_KEY: the API key must be "
+                                                   "a non-empty string of printable ASCII characters without spaces")
 
 
 def _torch_mapped(pid: int) -> bool:

@@ -6,6 +6,7 @@ and the SmolLM2 demo model (text, chat template). Greedy outputs are checked aga
 from __future__ import annotations
 
 import asyncio
+import os
 import json
 import math
 import re
@@ -333,21 +334,29 @@ def test_bench_against_the_server(tiny_url, tmp_path):
 
 
 def test_bench_sends_the_api_key_a_server_asks_for():
-    """A server started with --api-key: bench --url without the key stops before the run with one line that says
-    to pass it (exit 2); with it, the run completes."""
+    """A server whose key comes from $PIECEWORKS_API_KEY (kept out of the process list; the log says where the key
+    came from): bench --url without the key stops before the run with one line that says to pass it (exit 2);
+    with it, from --api-key or the same variable, the run completes."""
     bench = [sys.executable, "-m", "pieceworks.cli", "bench", "--num-prompts", "2", "--input-len", "4",
              "--output-len", "2", "--no-progress"]
-    with serve([*TINY, "--api-key", "s3cret"]) as server:
+
+    def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([*bench, *args], capture_output=True, text=True, timeout=120, cwd=REPO,
+                              env={**os.environ, **(env or {})})
+
+    with serve(TINY, env={"PIECEWORKS_API_KEY": "s3cret"}) as server:
         url = server.wait()
-        without = subprocess.run([*bench, "--url", url], capture_output=True, text=True, timeout=120, cwd=REPO)
-        with_key = subprocess.run([*bench, "--url", url, "--api-key", "s3cret"], capture_output=True, text=True,
-                                  timeout=120, cwd=REPO)
-        wrong = subprocess.run([*bench, "--url", url, "--api-key", "other"], capture_output=True, text=True,
-                               timeout=120, cwd=REPO)
+        logged = " ".join(server.log_tail().split())  # lines wrapped to the terminal's width
+        assert "(OpenAI API under /v1, an API key required: $PIECEWORKS_API_KEY)" in logged, logged
+        without = run("--url", url)
+        with_key = run("--url", url, "--api-key", "s3cret")
+        from_env = run("--url", url, env={"PIECEWORKS_API_KEY": "s3cret"})
+        wrong = run("--url", url, "--api-key", "other", env={"PIECEWORKS_API_KEY": "s3cret"})  # the flag wins
     assert without.returncode == 2 and not without.stdout.strip(), without.stdout + without.stderr
     assert without.stderr.strip() == (f"pieceworks bench: error: {url}/v1/models answered HTTP 401 (unauthorized): "
                                       "the server wants an API key; give it with --api-key"), without.stderr
-    assert with_key.returncode == 0 and "Output token throughput" in with_key.stdout, with_key.stdout + with_key.stderr
+    for done in (with_key, from_env):
+        assert done.returncode == 0 and "Output token throughput" in done.stdout, done.stdout + done.stderr
     assert wrong.returncode == 2 and wrong.stderr.strip().endswith("the server refused the --api-key given")
 
 

@@ -323,10 +323,13 @@ async def _check_server_tokenizes(client: Any, url: str, model: str, dataset: Pa
 async def _bench_http(args: Any) -> dict:
     import httpx
 
+    from pieceworks.serve.cli import api_key
+
     url = args.url.rstrip("/")
     timeout = httpx.Timeout(args.timeout, connect=10.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    key = api_key(args.api_key)
+    headers = {"Authorization": f"Bearer {key}"} if key else None
     async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
         models = await _served_models(client, url)
         card = models[0] if args.model is None else next((m for m in models if m["id"] == args.model), None)

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from pieceworks import environment
 from pieceworks.serve import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 log = logging.getLogger("pieceworks.serve")
@@ -40,7 +41,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM or Ctrl-C, seconds the requests in flight get to finish before they end with "
                         "finish_reason abort (default 5); a second signal aborts them at once")
     p.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require `Authorization: Bearer KEY` on the /v1 routes (401 without it); default: none")
+                   help="require `Authorization: Bearer KEY` on the /v1 routes (401 without it); default: "
+                        "$PIECEWORKS_API_KEY, which keeps the key out of the process list, else none")
     p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="read tool calls from the model's text under tool_choice auto: hermes (<tool_call> JSON "
                         "blocks: Hermes, Qwen), llama3_json (Llama 3.1 / 3.2's JSON calls), mistral, deepseek_v3 "
@@ -72,15 +74,21 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a request may take, from its start to its last token (default 600); one past it fails")
     p.add_argument("--api-key", default=None, metavar="KEY",
-                   help="with --url: sent as `Authorization: Bearer KEY` (a server started with --api-key)")
+                   help="with --url: sent as `Authorization: Bearer KEY` (a server started with --api-key); "
+                        "default: $PIECEWORKS_API_KEY with --url, else none")
     p.add_argument("--result-json", type=Path, default=None, metavar="PATH", help="write the result here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def check_api_key(key: str | None) -> None:
-    """--api-key: printable ASCII without spaces (an HTTP header value that every client sends as given)."""
+def api_key(flag: str | None) -> str | None:
+    """The API key: --api-key's value, else $PIECEWORKS_API_KEY (`environment.api_key`), else None. ValueError,
+    naming where the key came from, unless it is printable ASCII without spaces (an HTTP header value that every
+    client sends as given)."""
+    key, source = (flag, "--api-key") if flag is not None else (environment.api_key(), environment.API_KEY_VARIABLE)
     if key is not None and not (key and key.isascii() and key.isprintable() and " " not in key):
-        raise ValueError("--api-key: must be a non-empty string of printable ASCII characters without spaces")
+        raise ValueError(f"{source}: the API key must be a non-empty string of printable ASCII characters "
+                         "without spaces")
+    return key
 
 
 def check_bench_arguments(args: argparse.Namespace) -> None:
@@ -99,7 +107,8 @@ def check_bench_arguments(args: argparse.Namespace) -> None:
         _check_url(args.url)
     if args.api_key is not None and args.url is None:
         raise ValueError("--api-key is sent to the server --url names; the in-process engine takes none")
-    check_api_key(args.api_key)
+    if args.url is not None:
+        api_key(args.api_key)
     from pieceworks.serve.bench import check_range_ratio, check_request_rate, check_result_path, dataset_lines
 
     check_range_ratio(args.range_ratio)
@@ -176,7 +185,7 @@ def run_serve(args: argparse.Namespace, cfg: Any) -> int:
         raise ValueError(f"--max-queue {args.max_queue}: must be at least 1 (requests waiting for a first token)")
     if not 0 <= args.shutdown_timeout <= 86400:  # NaN fails too
         raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: must be a number of seconds in 0..86400")
-    check_api_key(args.api_key)
+    key = api_key(args.api_key)
     sock = bind_address(args.host, args.port)
 
     from pieceworks.engine import AsyncEngine
@@ -184,11 +193,13 @@ def run_serve(args: argparse.Namespace, cfg: Any) -> int:
 
     with sock, AsyncEngine.from_config(cfg) as engine:
         app = build_app(engine, args.served_model_name, args.max_queue, args.tool_call_parser,
-                        args.reasoning_parser, args.api_key)
+                        args.reasoning_parser, key)
         name = app.state.server.name
         port = sock.getsockname()[1]
         host = f"[{args.host}]" if ":" in args.host else args.host
-        log.info("serving %s at http://%s:%d (OpenAI API under /v1)", name, host, port)
+        keyed = "" if key is None else (", an API key required: --api-key" if args.api_key is not None
+                                        else f", an API key required: ${environment.API_KEY_VARIABLE}")
+        log.info("serving %s at http://%s:%d (OpenAI API under /v1%s)", name, host, port, keyed)
         sched = engine.engine.scheduler.cfg
         log.info("steps of up to %d new tokens and %d sequences (scheduler.max_num_batched_tokens, max_num_seqs)",
                  sched.max_num_batched_tokens, sched.max_num_seqs)

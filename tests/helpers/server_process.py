@@ -26,11 +26,12 @@ class ServerProcess:
     """`pieceworks serve ARGS` on a free port of 127.0.0.1. `start()` returns at once, so the caller can
     load its own reference model while the server boots; `wait()` blocks until /health answers."""
 
-    def __init__(self, args: list[str]):
+    def __init__(self, args: list[str], env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pieceworks-serve-", suffix=".log", delete=False)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+        env = {**os.environ, "PYTHONPATH": path, **(env or {})}
         cmd = [sys.executable, "-m", "pieceworks.cli", "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
 
@@ -71,9 +72,10 @@ class ServerProcess:
 
 
 @contextmanager
-def serve(args: list[str]):
-    """A started `ServerProcess`, stopped (SIGINT, then SIGKILL after 15 s) on exit."""
-    server = ServerProcess(args)
+def serve(args: list[str], env: dict[str, str] | None = None):
+    """A started `ServerProcess` (`env`: variables added to this process's environment), stopped (SIGINT, then
+    SIGKILL after 15 s) on exit."""
+    server = ServerProcess(args, env)
     try:
         yield server
     finally:
