@@ -127,6 +127,12 @@ def test_tool_calls_come_from_the_content():
     writer = ChatWriter(SRV, req, plan, "deepseek_r1")
     writer.note(Step(Choice(index=0, start=0.0, text="".join(blank), finish_reason="stop"), [], "", [], True))
     assert writer.response("id", [[1]]).choices[0].message.content is None
+    # an answer that is all reasoning: content null, streamed (no content delta) or not, with tools or without
+    for plan_ in (plan, None):
+        writer = ChatWriter(SRV, req, plan_, "deepseek_r1")
+        writer.note(Step(Choice(index=0, start=0.0, text="Still thinking", finish_reason="length"), [], "", [], True))
+        msg = writer.response("id", [[1]]).choices[0].message
+        assert (msg.reasoning_content, msg.content) == ("Still thinking", None)
 
 
 def test_the_server_option():
@@ -182,7 +188,7 @@ def test_the_app_splits_a_real_answer(smollm2_cpu_engine, monkeypatch):
     assert smollm2_cpu_engine.grammars.reasoning == tuple(tuple(tok.encode(t, add_special_tokens=False))
                                                           for t in ("<think>", "</think>"))
     assert "reasoning_content" not in plain and plain["content"]
-    assert split["reasoning_content"] == plain["content"] and split["content"] == ""
+    assert split["reasoning_content"] == plain["content"] and split["content"] is None  # all reasoning: null
 
 
 def test_the_server_holds_structured_outputs_until_its_parsers_closing_tag():

@@ -92,8 +92,39 @@ def test_llama3_json_calls():
         ("get_weather", {"city": "Paris"}), ("get_time", {})]
     _, calls = tool_parsers.parse(auto, '<|python_tag|>{"name": "get_time", "arguments": {"tz": "UTC"}}')
     assert [(c["name"], c["arguments"]) for c in calls] == [("get_time", '{"tz": "UTC"}')]
-    for text in ("It is sunny.", '{"city": "Paris"}', '{"name": "f", "parameters": {"a": 1}} and more'):
-        assert tool_parsers.parse(auto, text) == (text, []), text
+    for text in ("It is sunny.", '{"city": "Paris"}', '{"name": "John Smith", "age": 30}', '{"name": "f"}'):
+        assert tool_parsers.parse(auto, text) == (text, []), text  # no arguments: an answer (vLLM's reading)
+        assert not any(tool_parsers.streamed(auto, text[:i]) for i in range(len(text) + 1)), text
+
+
+def test_streamed_and_whole_answers_agree_on_calls_that_need_care():
+    """Each answer streamed a character at a time gives the calls `parse` gives the whole answer, and those are
+    vLLM's parsers' calls for it: a llama3_json call followed by text (the text left out), a Qwen3-Coder value
+    without its </parameter> (it ends at the next parameter or the function's end); an object with a second
+    "name" is no call (json.loads would take the second where the first streamed)."""
+    srv = SimpleNamespace(name="m", token_str=str)
+    coder_tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}}}}}
+    cases = [
+        ("llama3_json", [WEATHER], '{"name": "get_weather", "parameters": {"city": "Paris"}}\nLet me know!',
+         [("get_weather", '{"city": "Paris"}')]),
+        ("llama3_json", [WEATHER], '{"name": "get_weather", "parameters": {}}; {"name": "get_time", "parameters": '
+         '{}} <|eot_id|>', [("get_weather", "{}"), ("get_time", "{}")]),
+        ("qwen3_coder", [coder_tool], "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n"
+         "</tool_call>", [("get_weather", '{"city": "Paris"}')]),
+        ("qwen3_coder", [coder_tool], "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n<parameter=days>"
+         "\n3\n</parameter>\n</function>\n</tool_call>", [("get_weather", '{"city": "Paris", "days": 3}')]),
+        ("hermes", [WEATHER], '<tool_call>{"name": "get_weather", "arguments": {}, "name": "x"}</tool_call>', []),
+    ]
+    for parser, tool_list, text, want in cases:
+        plan = tools.ToolPlan("auto", tool_list, parser=parser)
+        content, calls = tool_parsers.parse(plan, text)
+        assert [(c["name"], c["arguments"]) for c in calls] == want, text
+        assert content == (None if want else text), text
+        if want:
+            _, chunks = _stream(ChatWriter(srv, chat(tools=tool_list, stream=True), plan), list(text))
+            assert [c[1:] for c in _calls(chunks)] == [list(w) for w in want], text
+            assert not "".join(ch.choices[0].delta.content or "" for ch in chunks), text
 
 
 def test_visible_prefix_holds_back_a_possible_call():
@@ -133,15 +164,17 @@ def test_streamed_auto_content_stops_at_the_call():
     srv = SimpleNamespace(name="m", token_str=str)
     req = chat(tools=[WEATHER], stream=True)
     plan = tools.plan(req, "hermes")
-    deltas = ["Sure", ". <tool", '_call>{"name": "get_weather", ', '"arguments": {"city": "Paris"}}</tool_call>']
+    deltas = ["Sure", ". <tool", '_call>{"name": "get_weather", ', '"arguments": {"ci', 'ty": "Paris"}}</tool_call>']
     writer = ChatWriter(srv, req, plan)
     c, chunks = _stream(writer, deltas)
     content = "".join(ch.choices[0].delta.content or "" for ch in chunks)
     calls = _calls(chunks)
     assert content == "Sure. " and [c[1:] for c in calls] == [["get_weather", '{"city": "Paris"}']]
-    # the name streams in the step it is complete, before the arguments are
-    first = next(i for i, ch in enumerate(chunks) if ch.choices[0].delta.tool_calls)
-    assert first < len(chunks) - 3  # the last step's chunks: its tokens, the arguments, the finish
+    # the name streams in the step its arguments begin (not before: an object without them is no call), before
+    # the rest of them
+    steps = [next(i for i, ch in enumerate(chunks) if ch.choices[0].delta.tool_calls and f(ch)) for f in (
+        lambda ch: ch.choices[0].delta.tool_calls[0].function.name, lambda ch: "Paris" in str(ch))]
+    assert steps[0] < steps[1] and "ci" in chunks[steps[0]].choices[0].delta.tool_calls[0].function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     writer2 = ChatWriter(srv, req, plan)
     writer2.note(Step(c, [], "", [], True))
@@ -522,6 +555,10 @@ def test_answers_that_are_not_calls_stay_content():
     # a second arguments key: the first one's text is the call's, so what streamed stays a prefix
     twice = '<tool_call>{"name": "f", "arguments": {"a": 1}, "parameters": {"b": 2}}</tool_call>'
     assert [c["arguments"] for c in tool_parsers.parse(hermes, twice)[1]] == ['{"a": 1}']
+    for key in ("name", "arguments"):  # the same key twice: json.loads would take the second, so no call
+        t = '<tool_call>{"name": "f", "arguments": {"a": 1}, "%s": "g"}</tool_call>' % key
+        assert tool_parsers.parse(hermes, t) == (t, []), t
+    assert tool_parsers.parse(hermes, '<tool_call>{"name": "f"}</tool_call>')[1] == []
     required = tools.ToolPlan("required", [WEATHER])
     for t in ('[{"name": "f", "arguments": {}}] x', '[{"name": "f", "arguments": {}}', '{"name": "f"}'):
         assert tool_parsers.parse(required, t) == (t, []), t
@@ -531,9 +568,9 @@ def test_answers_that_are_not_calls_stay_content():
     srv = SimpleNamespace(name="m", token_str=str)
     req = chat(tools=[WEATHER], stream=True)
     plan, answer, _ = ANSWERS["hermes"]
-    cut = answer[: answer.rindex("{}")]
-    _, chunks = _stream(ChatWriter(srv, req, plan), [cut[:40], cut[40:-3], cut[-3:]])
-    assert [c[1:] for c in _calls(chunks)] == [["get_weather", TRICKY], ["get_time", ""]]
+    cut = answer[: answer.rindex("{}") + 1]
+    _, chunks = _stream(ChatWriter(srv, req, plan), [cut[:40], cut[40:], ""])  # cut: the last step adds nothing
+    assert [c[1:] for c in _calls(chunks)] == [["get_weather", TRICKY], ["get_time", "{"]]
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == cut
 
 

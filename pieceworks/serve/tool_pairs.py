@@ -160,9 +160,15 @@ def _pair(f: PairFormat, text: str, at: int, stop: int) -> tuple[str, str, int] 
             return None
         value += len(f.value_open)
     value_end = text.find(f.value_close, value, stop)
+    after = value_end + len(f.value_close)
+    if f.end:  # Qwen3-Coder's form: a value left open ends at the next parameter or the function's end (vLLM's)
+        cut = min((i for i in (text.find(f.key_open, value, stop), text.find(f.end, value, stop)) if i >= 0),
+                  default=-1)
+        if cut >= 0 and not 0 <= value_end < cut:
+            value_end = after = cut
     if value_end < 0:
         return None
-    return text[at + len(f.key_open) : key_end].strip(), text[value:value_end], value_end + len(f.value_close)
+    return text[at + len(f.key_open) : key_end].strip(), text[value:value_end], after
 
 
 def _partial(f: PairFormat, text: str, at: int, stop: int) -> bool:

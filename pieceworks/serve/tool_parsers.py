@@ -143,7 +143,7 @@ def _scan(p: ToolPlan, text: str) -> tuple[list[Found] | None, int]:
     if p.parser == "llama3_json":
         at = skip_blanks(text, 0)
         at = skip_blanks(text, at + len(PYTHON_TAG)) if text.startswith(PYTHON_TAG, at) else at
-        return _sequence(text, at, "", ";", ""), 0
+        return _sequence(text, at, "", ";", "", after=True), 0
     if p.parser == "mistral":
         return _mistral(text)
     if p.parser in tool_pairs.FORMATS:
@@ -274,7 +274,8 @@ def _deepseek_call(text: str, body: int, stop: int, closed: bool, v3: bool) -> F
 def _sequence(text: str, at: int, opener: str, sep: str, closer: str, after: bool = False) -> list[Found] | None:
     """Call objects from `at` on: inside `opener` ... `closer` (required's array, `sep` between them) or bare
     (llama3_json's, `sep` or blanks between them); None where the text is something else. `after`: text after
-    the closer is ignored (else the calls are no calls)."""
+    the closer, or after the last of bare calls, is ignored (else the calls are no calls; vLLM's parsers of
+    Mistral and Llama 3 ignore it)."""
     if opener:
         if at >= len(text):
             return []
@@ -285,7 +286,7 @@ def _sequence(text: str, at: int, opener: str, sep: str, closer: str, after: boo
     while at < len(text):
         obj = _call_object(text, at, len(text))
         if obj is None:
-            return None
+            return found if after and found and not closer else None
         found.append(obj[0])
         if obj[1] is None:
             return found
@@ -303,16 +304,18 @@ def _sequence(text: str, at: int, opener: str, sep: str, closer: str, after: boo
 
 def _call_object(text: str, at: int, stop: int) -> tuple[Found, int | None] | None:
     """The `{"name": ..., "arguments" | "parameters": ...}` object at `at` (before `stop`) and the index after it
-    (None while it is unfinished); None if it is no call object."""
+    (None while it is unfinished); None if it is no call object: one without arguments (`{"name": "Ada", "age":
+    3}` is an answer, as vLLM reads it), or with a key of the two written twice (`json.loads` would take the second
+    where the first streamed). The name counts (and streams) once the arguments have begun."""
     if at >= stop:
         return Found(None, None, None, False), None
     if text[at] != "{":
         return None
-    name = start = end = None
+    name = start = end = args_key = None
     at = skip_blanks(text, at + 1, stop)
     while at < stop:
         if text[at] == "}":
-            return (Found(name, start, end, True), at + 1) if name is not None else None
+            return (Found(name, start, end, True), at + 1) if name is not None and start is not None else None
         if text[at] != '"':
             return None
         key_end = value_end(text, at, stop)
@@ -327,11 +330,16 @@ def _call_object(text: str, at: int, stop: int) -> tuple[Found, int | None] | No
         at = skip_blanks(text, at + 1, stop)
         v_end = value_end(text, at, stop)
         if key == "name" and v_end is not None:
+            if name is not None:
+                return None
             name = loads_or_none(text[at:v_end])
             if not isinstance(name, str):
                 return None
-        elif key in ("arguments", "parameters") and start is None and at < stop:
-            start, end = at, v_end  # the first such key (a later one would not extend what streamed)
+        elif key in ("arguments", "parameters") and at < stop:
+            if key == args_key:
+                return None
+            if start is None:  # the first of the two keys (a later one would not extend what streamed)
+                start, end, args_key = at, v_end, key
         if v_end is None:
             break
         at = skip_blanks(text, v_end, stop)
@@ -339,4 +347,4 @@ def _call_object(text: str, at: int, stop: int) -> tuple[Found, int | None] | No
             at = skip_blanks(text, at + 1, stop)
         elif at < stop and text[at] != "}":
             return None
-    return Found(name, start, end, False), None
+    return Found(name if start is not None else None, start, end, False), None

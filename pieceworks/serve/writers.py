@@ -188,9 +188,11 @@ class ChatWriter(Writer):
         tools)."""
         thought, text = self._split(c, True)
         thought = thought or None  # no reasoning (or no parser): the field stays out
+        content, calls = (text, []) if self.tools is None else parse(self.tools, text)
+        if self.reasoning is not None and not content:
+            content = None  # an answer that is all reasoning (vLLM's reasoning parsers: `content or None`)
         if self.tools is None:
-            return thought, text, [], c.finish_reason
-        content, calls = parse(self.tools, text)
+            return thought, content, [], c.finish_reason
         calls = calls if self.tools.parallel else calls[:1]  # parallel_tool_calls false: the first call (vLLM's)
         return thought, content, calls, "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
 
