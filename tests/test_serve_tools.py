@@ -103,8 +103,9 @@ def test_streamed_and_whole_answers_agree_on_calls_that_need_care():
     without its </parameter> (it ends at the next parameter or the function's end); an object with a second
     "name" is no call (json.loads would take the second where the first streamed)."""
     srv = SimpleNamespace(name="m", token_str=str)
-    coder_tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "days": {"type": "integer"}}}}}
+    props = {"city": {"type": "string"}, "days": {"type": "integer"}}
+    coder_tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+                                                                                       "properties": props}}}
     cases = [
         ("llama3_json", [WEATHER], '{"name": "get_weather", "parameters": {"city": "Paris"}}\nLet me know!',
          [("get_weather", '{"city": "Paris"}')]),
