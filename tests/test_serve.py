@@ -597,6 +597,7 @@ def test_tool_calls_required_and_named(smol_url):
     named = c.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_time"}}, **kw)
     call, = named.choices[0].message.tool_calls
     assert call.function.name == "get_time" and set(json.loads(call.function.arguments)) == {"timezone"}
+    assert named.choices[0].finish_reason == "stop"  # a named function: OpenAI's "stop", where required says tool_calls
     # streamed: the same calls, each named in its first delta, its arguments in pieces as written; no content
     chunks = list(c.chat.completions.create(tool_choice="required", stream=True, **kw))
     deltas = [d for x in chunks if x.choices for d in x.choices[0].delta.tool_calls or []]

@@ -421,7 +421,11 @@ def test_calls_stream_as_they_are_written(fmt):
     _, chunks = _stream(ChatWriter(srv, req, plan), [answer[a:b] for a, b in zip(cuts, cuts[1:])])
     assert [c[1:] for c in _calls(chunks)] == want
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == (content or "")
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # OpenAI's: "tool_calls" for auto and required, "stop" for a named function, streamed or not
+    reason = "stop" if fmt == "named" else "tool_calls"
+    writer = ChatWriter(srv, req, plan)
+    writer.note(Step(Choice(index=0, start=0.0, text=answer, finish_reason="stop"), [], "", [], True))
+    assert chunks[-1].choices[0].finish_reason == writer.response("id", [[1]]).choices[0].finish_reason == reason
 
 
 def test_a_closing_marker_inside_an_argument_string_is_text():

@@ -9,7 +9,7 @@
   JSON schema with structured outputs, so it always parses. Required: a JSON array of one or more
   `{"name", "arguments"}` objects over the tools (exactly one with `parallel_tool_calls: false`); named: that
   function's arguments object. The message carries them as `tool_calls` (content null) with finish_reason
-  "tool_calls".
+  "tool_calls" (required) or "stop" (named), OpenAI's and vLLM's.
 - `"auto"` (the default when tools are given) reads the model's own format, so it needs the server's parser
   (`pieceworks serve --tool-call-parser P`, serve/tool_parsers.py: hermes, llama3_json, mistral, deepseek_v3,
   deepseek_v31, glm45, qwen3_coder, seed_oss). Without a parser, auto is a 400 that names the alternatives, as in

@@ -194,7 +194,9 @@ class ChatWriter(Writer):
         if self.tools is None:
             return thought, content, [], c.finish_reason
         calls = calls if self.tools.parallel else calls[:1]  # parallel_tool_calls false: the first call (vLLM's)
-        return thought, content, calls, "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+        # OpenAI's finish_reason: "tool_calls" for auto and required, "stop" for a named function (as vLLM's)
+        called = calls and c.finish_reason == "stop" and self.tools.mode != "named"
+        return thought, content, calls, "tool_calls" if called else c.finish_reason
 
     def _deltas(self, step: Step) -> tuple[str, str, list[DeltaToolCall], str | None]:
         """The reasoning, content and call pieces a step may stream, and, once finished, the finish_reason."""
