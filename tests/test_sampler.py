@@ -372,6 +372,20 @@ def test_min_tokens_masks_eos_and_stop_ids():
     assert sampler.sample(logits, [s]).token_ids == [EOS]  # ignore_eos: EOS isn't a stop id to hold back
 
 
+def test_with_max_tokens_copies_and_checks():
+    """A server's prompts of one request: one SamplingParams, copied with each prompt's max_tokens, checked as
+    construction checks it."""
+    p = SamplingParams(max_tokens=5, min_tokens=3, logit_bias={1: 2.0}, stop=["x"])
+    q = p.with_max_tokens(8)
+    assert (q.max_tokens, p.max_tokens) == (8, 5)
+    assert q == SamplingParams(max_tokens=8, min_tokens=3, logit_bias={1: 2.0}, stop=["x"])
+    assert p.with_max_tokens(None).max_tokens is None
+    with pytest.raises(RequestError, match=r"min_tokens=3 is out of range: allowed <= max_tokens \(2\)"):
+        p.with_max_tokens(2)
+    with pytest.raises(RequestError, match="max_tokens"):
+        p.with_max_tokens(0)
+
+
 def test_non_contiguous_logits():
     """A view of wider or transposed logits samples as its contiguous copy."""
     W = 12

@@ -8,6 +8,7 @@ every step and must not touch a tensor to do so); `bool` is never taken for a nu
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import numbers
@@ -105,7 +106,7 @@ class StructuredOutputsParams:
         if isinstance(self.json, str):
             try:
                 schema = json.loads(self.json)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than Python's stack
                 raise RequestError(f"{where}.json is not valid JSON: {exc}") from None
             if not isinstance(schema, (dict, bool)):
                 raise RequestError(f"{where}.json must be a JSON schema (an object), got {self.json!r}")
@@ -252,6 +253,17 @@ class SamplingParams:
                               ("presence_penalty", "0 or 0 < |value| <= 2"),
                               ("frequency_penalty", "0 or 0 < |value| <= 2"), ("repetition_penalty", "> 0")):
             _in_float32(name, getattr(self, name), allowed)
+
+    def with_max_tokens(self, max_tokens: int | None) -> "SamplingParams":
+        """A copy with another max_tokens, checked as construction checks it (RequestError), the other fields
+        shared as they are: a server's prompts of one request check their stop strings, ids and logit_bias once."""
+        if max_tokens is not None:
+            max_tokens = _int("max_tokens", max_tokens, ">= 1 or None")
+            _check(max_tokens >= 1, "max_tokens", max_tokens, ">= 1 or None")
+            _check(self.min_tokens <= max_tokens, "min_tokens", self.min_tokens, f"<= max_tokens ({max_tokens})")
+        out = copy.copy(self)
+        object.__setattr__(out, "max_tokens", max_tokens)
+        return out
 
     @staticmethod
     def _stop_strings(stop: Any) -> list[str] | None:

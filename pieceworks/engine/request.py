@@ -95,6 +95,8 @@ class Request:
     matcher: Any = None
     """With SamplingParams.structured_outputs: the completion's llguidance matcher (engine/structured.py),
     at the state after its output so far; else None."""
+    stop_ids: frozenset[int] | None = field(default=None, repr=False)
+    """SamplingParams.stop_token_ids as a set, made at the first `stop_token` check (a membership test per token)."""
     thinking: tuple[tuple[int, ...], int] | None = None
     """With a matcher while a thinking model reasons (`Grammars.set_reasoning`): the reasoning's end ids and
     how many of them the output ends with; the grammar starts after them. None: the grammar is on."""
@@ -139,8 +141,10 @@ class Request:
         """Whether the just appended `tok` is EOS or a stop token that ends this completion (once min_tokens are
         out); its id stays in the output, its text stays out of the output's text (as vLLM's)."""
         p = self.params
+        if self.stop_ids is None:
+            self.stop_ids = frozenset(p.stop_token_ids or ())
         return len(self.output) >= p.min_tokens and (
-            (not p.ignore_eos and tok in eos_token_ids) or bool(p.stop_token_ids and tok in p.stop_token_ids))
+            (not p.ignore_eos and tok in eos_token_ids) or tok in self.stop_ids)
 
     def stop_reason(self, stop_token: bool, max_context: int) -> str | None:
         """Whether the just appended token ends this completion: "stop" (it is a `stop_token`, or a stop string

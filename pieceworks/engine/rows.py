@@ -32,18 +32,21 @@ def check_mask(mask: TokenMask, batch: int, V: int) -> None:
         raise ValueError(f"token_mask.rows must be distinct row indices below {batch}, got {rows}")
 
 
-def min_tokens_mask(states: list[Any], V: int) -> list[int]:
+def min_tokens_mask(states: list[Any], V: int) -> np.ndarray:
     """Flat [B * V] indices of the EOS and stop ids of rows that haven't generated min_tokens yet (tokens
     in flight included)."""
-    idx: list[int] = []
+    idx = []
     for i, s in enumerate(states):
         p = s.params
         if p.min_tokens and len(s.output_token_ids) + s.in_flight < p.min_tokens:
-            stop = set(p.stop_token_ids or ())
-            if not p.ignore_eos:
-                stop |= s.eos_token_ids
-            idx.extend(i * V + t for t in sorted(stop) if t < V)
-    return idx
+            ids = s._ids.get(("min_tokens", V))
+            if ids is None:  # once per request: its ids are constant
+                stop = set(p.stop_token_ids or ())
+                if not p.ignore_eos:
+                    stop |= s.eos_token_ids
+                ids = s._ids[("min_tokens", V)] = np.array(sorted(t for t in stop if t < V), dtype=np.int64)
+            idx.append(ids + i * V)
+    return np.concatenate(idx) if idx else _NONE
 
 
 def bias_entries(states: list[Any], V: int) -> tuple[np.ndarray, np.ndarray]:

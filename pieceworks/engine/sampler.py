@@ -229,7 +229,8 @@ class Sampler:
         mask_idx = min_tokens_mask(states, self.vocab_size)
         bias, allowed = bias_entries(states, self.vocab_size), allowed_ids(states, self.vocab_size)
         pen_rows = [i for i, p in enumerate(params) if p.uses_penalties]
-        if not mask_idx and not len(bias[0]) and not len(allowed) and not pen_rows and all([p.greedy for p in params]):
+        plain = not len(mask_idx) and not len(bias[0]) and not len(allowed) and not pen_rows
+        if plain and all([p.greedy for p in params]):
             if token_mask is None:
                 return logits.argmax(dim=-1), finite, None  # greedy batch: nothing to upload, nothing to process
             if token_mask.rows == list(range(len(states))):  # every row greedy and held by a grammar: mask, argmax
@@ -250,7 +251,7 @@ class Sampler:
         logits: torch.Tensor,
         states: list[SamplingState],
         params: list[SamplingParams],
-        mask_idx: list[int],
+        mask_idx: np.ndarray,
         bias: tuple[np.ndarray, np.ndarray],
         allowed: np.ndarray,
         pen_rows: list[int],
@@ -275,9 +276,9 @@ class Sampler:
         # makes the softmax NaN (and the draw token 0, masked or not); held at the limits (`_held`)
         scaled = len(bias[0]) or any(params[i].repetition_penalty != 1 for i in pen_rows)
         dead = torch.isneginf(x) if scaled else None  # the ids masked so far (bias and penalties keep them -inf)
-        if mask_idx or len(bias[0]):
+        if len(mask_idx) or len(bias[0]):
             x = x.clone(memory_format=torch.contiguous_format) if x is logits else x  # flat indices: row-major
-        if mask_idx:
+        if len(mask_idx):
             x.view(-1).index_fill_(0, mask_t, float("-inf"))
             if dead is not None:
                 dead.view(-1).index_fill_(0, mask_t, True)

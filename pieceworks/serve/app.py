@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
@@ -86,8 +86,29 @@ class _SSEResponse(StreamingResponse):
                 await self.body_iterator.aclose()
 
 
-async def _parse(request: Request, model: type[T]) -> T:
-    return parse_body(await request.body(), model)
+MAX_BODY_BYTES = 32 * 2**20
+"""The largest request body the server reads (413 past it), as vLLM's Rust frontend: a 128k-token prompt written
+as token ids takes about 1 MiB."""
+
+
+async def _body(request: Request) -> bytes:
+    """The request's body; BadRequest 413 as soon as it is known to exceed MAX_BODY_BYTES (its Content-Length, or
+    the bytes read so far), before more of it is read."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise _too_large()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise _too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large() -> BadRequest:
+    return BadRequest(f"the request body exceeds the server's limit of {MAX_BODY_BYTES / 2**20:.4g} MiB: send fewer or "
+                      "shorter prompts per request", code="request_too_large", status=413)
 
 
 def build_app(engine: Any, served_model_name: str | None = None, max_queue: int = 256,
@@ -101,6 +122,13 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
     srv = Server(engine, served_model_name, max_queue, tool_call_parser, reasoning_parser)
     app = FastAPI(title="pieceworks", version=__version__)
     app.state.server = srv
+    # A request's JSON, prompts (tokenization, the chat template) and parameters are read on one worker thread
+    # (vLLM's frontend tokenizes on one too): a long prompt stalls neither /health nor the streams in flight.
+    reader = anyio.CapacityLimiter(1)
+
+    async def read(request: Request, prepare: Callable[[bytes], T]) -> T:
+        body = await _body(request)
+        return await anyio.to_thread.run_sync(prepare, body, limiter=reader)
 
     if api_key is not None:
         expected = f"Bearer {api_key}".encode()
@@ -173,41 +201,52 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
-        req = await _parse(request, TokenizeRequest)
-        tok = mapping.tokenizer_for(req, srv.name, srv.tokenizer)
-        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": srv.max_context})
+        def prepare(body: bytes) -> dict:
+            req = parse_body(body, TokenizeRequest)
+            tok = mapping.tokenizer_for(req, srv.name, srv.tokenizer)
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            return {"tokens": ids, "count": len(ids), "max_model_len": srv.max_context}
+
+        return JSONResponse(await read(request, prepare))
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
-        req = await _parse(request, DetokenizeRequest)
-        tok = mapping.tokenizer_for(req, srv.name, srv.tokenizer)
-        bad = [t for t in req.tokens if not 0 <= t < srv.vocab_size]
-        if bad:
-            raise BadRequest(f"tokens {bad[:5]} are outside the vocabulary [0, {srv.vocab_size})", param="tokens")
-        return JSONResponse({"prompt": tok.decode(req.tokens)})
+        def prepare(body: bytes) -> dict:
+            req = parse_body(body, DetokenizeRequest)
+            tok = mapping.tokenizer_for(req, srv.name, srv.tokenizer)
+            bad = [t for t in req.tokens if not 0 <= t < srv.vocab_size]
+            if bad:
+                raise BadRequest(f"tokens {bad[:5]} are outside the vocabulary [0, {srv.vocab_size})", param="tokens")
+            return {"prompt": tok.decode(req.tokens)}
+
+        return JSONResponse(await read(request, prepare))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = await _parse(request, CompletionRequest)
-        mapping.check_model(req.model, srv.name)
-        mapping.refuse_unsupported(req)
-        prompts = mapping.completion_prompts(req, srv.tokenizer, srv.vocab_size)
-        params = [mapping.sampling_params(req, mapping.max_tokens_for(req, len(p), srv.max_context), srv.vocab_size)
-                  for p in prompts]
-        writer = CompletionWriter(srv, req, mapping.echo_texts(req, srv.tokenizer, prompts))
+        def prepare(body: bytes) -> tuple:
+            req = parse_body(body, CompletionRequest)
+            mapping.check_model(req.model, srv.name)
+            mapping.refuse_unsupported(req)
+            prompts = mapping.completion_prompts(req, srv.tokenizer, srv.vocab_size,
+                                                 lambda count: srv.check_size(count, 1 if req.n is None else req.n))
+            params = mapping.prompt_params(req, prompts, srv.max_context, srv.vocab_size)
+            return req, prompts, params, CompletionWriter(srv, req, mapping.echo_texts(req, srv.tokenizer, prompts))
+
+        req, prompts, params, writer = await read(request, prepare)
         return await _respond(request, req, prompts, params, new_id("cmpl"), writer)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = await _parse(request, ChatCompletionRequest)
-        mapping.check_model(req.model, srv.name)
-        mapping.refuse_unsupported(req)
-        plan = tools.plan(req, srv.tool_call_parser, srv.keep_special)
-        prompt = mapping.chat_prompt(req, srv.tokenizer, plan)
-        params = [mapping.sampling_params(req, mapping.max_tokens_for(req, len(prompt), srv.max_context),
-                                          srv.vocab_size, plan)]
-        writer = ChatWriter(srv, req, plan, srv.reasoning_parser, srv.prompt_state(prompt))
+        def prepare(body: bytes) -> tuple:
+            req = parse_body(body, ChatCompletionRequest)
+            mapping.check_model(req.model, srv.name)
+            mapping.refuse_unsupported(req)
+            plan = tools.plan(req, srv.tool_call_parser, srv.keep_special)
+            prompt = mapping.chat_prompt(req, srv.tokenizer, plan)
+            params = mapping.prompt_params(req, [prompt], srv.max_context, srv.vocab_size, plan)
+            return req, plan, prompt, params, ChatWriter(srv, req, plan, srv.reasoning_parser, srv.prompt_state(prompt))
+
+        req, plan, prompt, params, writer = await read(request, prepare)
         return await _respond(request, req, [prompt], params, new_id("chatcmpl"), writer, plan)
 
     async def _respond(request: Request, req: Any, prompts: list[list[int]], params: list[Any], rid: str,

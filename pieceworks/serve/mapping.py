@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from typing import Any
+from typing import Any, Callable
 
 from pieceworks.engine import SamplingParams, StructuredOutputsParams
 from pieceworks.errors import RequestError
@@ -25,6 +25,9 @@ from pieceworks.serve.protocol import (
 
 # OpenAI's default for /v1/completions; chat completions default to the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# stop strings one request may give (OpenAI takes 4, vLLM any number): each is looked for after every token of
+# each of its completions, on the engine's thread
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 4096
 # apply_chat_template's own arguments, which chat_template_kwargs may not set: they would reach the renderer or
 # the tokenizer (truncation, padding, ...) instead of the template; `_template_arguments` adds the installed
 # transformers' named parameters
@@ -82,8 +85,10 @@ def refuse_unsupported(req: SamplingFields) -> None:
         raise BadRequest("stream_options is only allowed with stream: true", param="stream_options")
 
 
-def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int) -> list[list[int]]:
-    """The request's prompts as token-id lists (text needs the model's tokenizer)."""
+def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int,
+                       check_count: Callable[[int], None] | None = None) -> list[list[int]]:
+    """The request's prompts as token-id lists (text needs the model's tokenizer). `check_count(number of prompts)`
+    runs before any prompt is read (the server's bound on one request's completions)."""
     p = req.prompt
     prompts: list[str | list[int]]
     if isinstance(p, str):
@@ -94,6 +99,8 @@ def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int) 
         prompts = list(p)
     if not prompts:
         raise BadRequest("prompt is empty: give a string, a list of token ids, or a list of either", param="prompt")
+    if check_count is not None:
+        check_count(len(prompts))
     out = []
     for prompt in prompts:
         if isinstance(prompt, str):
@@ -296,6 +303,15 @@ def structured_outputs(req: SamplingFields, tool_plan: tools.ToolPlan | None = N
                      param="response_format")
 
 
+def prompt_params(req: SamplingFields, prompts: list[list[int]], max_context: int, vocab_size: int,
+                  tool_plan: tools.ToolPlan | None = None) -> list[SamplingParams]:
+    """Each prompt's `SamplingParams`: the request's fields, built and checked once, with each prompt's max_tokens
+    (`max_tokens_for`)."""
+    first = sampling_params(req, max_tokens_for(req, len(prompts[0]), max_context), vocab_size, tool_plan)
+    rest = [first.with_max_tokens(max_tokens_for(req, len(p), max_context)) for p in prompts[1:]]
+    return [first, *rest]
+
+
 def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int,
                     tool_plan: tools.ToolPlan | None = None) -> SamplingParams:
     """The request's sampling fields as `SamplingParams` (OpenAI's defaults where a field is absent)."""
@@ -314,6 +330,10 @@ def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int,
             raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (top or 0) if req.logprobs else None
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
+    if stop and (len(stop) > MAX_STOP_STRINGS or max(map(len, stop)) > MAX_STOP_CHARS):
+        raise BadRequest(f"stop: {len(stop)} string(s) of up to {max(map(len, stop))} characters; the server takes "
+                         f"at most {MAX_STOP_STRINGS} of at most {MAX_STOP_CHARS} characters each (each is looked "
+                         "for after every token)", param="stop")
     fields = dict(
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
         seed=req.seed, stop=stop or None, stop_token_ids=in_vocab(req, "stop_token_ids", vocab_size) or None,

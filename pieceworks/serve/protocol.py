@@ -183,7 +183,7 @@ def parse_body(body: bytes, model: type[T]) -> T:
     a field of several shapes what it takes)."""
     try:
         data = json.loads(body)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than Python's stack
         raise BadRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from exc
     try:
         return model.model_validate_json(body)

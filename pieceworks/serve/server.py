@@ -86,13 +86,17 @@ class Server:
 
     # ---- requests to the engine -------------------------------------------------------------------
 
-    def admit(self, num_prompts: int, n: int = 1) -> None:
+    def check_size(self, num_prompts: int, n: int = 1) -> None:
+        """BadRequest unless one request of `num_prompts` prompts x `n` completions fits the queue at all."""
         if num_prompts > self.max_queue:
             raise BadRequest(f"{num_prompts} prompts in one request exceed the server's queue of {self.max_queue}: "
                              "send them in several requests", param="prompt")
         if num_prompts * n > self.max_queue:  # n completions each: as many sequences as n separate requests
             raise BadRequest(f"{num_prompts} prompt(s) x n = {n} completions exceed the server's queue of "
                              f"{self.max_queue}: lower n or send several requests", param="n")
+
+    def admit(self, num_prompts: int, n: int = 1) -> None:
+        self.check_size(num_prompts, n)
         if self.num_queued + num_prompts * n > self.max_queue:
             self.metrics.rejected += 1
             raise Overloaded(f"the server is at its limit of {self.max_queue} completions waiting for a first "
