@@ -63,6 +63,23 @@ def test_text_streams_and_matches_decode(engine, greedy):
     assert engine.executor.generate([ids], N)[0] == final.token_ids  # same greedy tokens
 
 
+def test_delta_outputs_add_up_to_the_cumulative_ones(engine):
+    """output_kind "delta": each streamed output carries this step's token_ids, logprobs and text, which add up to
+    the cumulative stream's (a stop string held back included); `generate`'s one output stays whole."""
+    kw = dict(temperature=0, max_tokens=N, logprobs=2, stop=[" and"])
+    whole = stream(engine, PROMPT, SamplingParams(**kw))
+    parts = stream(engine, PROMPT, SamplingParams(**kw, output_kind="delta"))
+    final = whole[-1]
+    assert [o.token_ids for o in parts] == [o.new_token_ids for o in parts] == [o.new_token_ids for o in whole]
+    assert [t for o in parts for t in o.token_ids] == final.token_ids
+    assert [lp for o in parts for lp in o.logprobs] == final.logprobs and len(final.logprobs) == len(final.token_ids)
+    assert [o.text for o in parts] == [o.text_delta for o in whole] and "".join(o.text for o in parts) == final.text
+    got, = engine.generate(PROMPT, SamplingParams(**kw, output_kind="delta"))
+    assert (got.token_ids, got.text, got.logprobs) == (final.token_ids, final.text, final.logprobs)
+    with pytest.raises(RequestError, match="output_kind must be one of cumulative, delta"):
+        SamplingParams(output_kind="final")
+
+
 def test_stop_string_ends_the_text_before_it(engine, greedy):
     full = greedy[-1]
     words = full.text.split()

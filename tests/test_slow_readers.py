@@ -49,6 +49,24 @@ def test_outputs_a_reader_has_not_taken_merge_per_completion(monkeypatch):
     assert got[3] is error
 
 
+def test_delta_outputs_a_reader_has_not_taken_merge_their_parts():
+    """output_kind "delta": merged outputs join their token_ids, logprobs and text as their new tokens."""
+    def out(new: list[int], finished: bool = False) -> RequestOutput:
+        text = "".join(map(str, new))
+        return RequestOutput("r", 0, [1], new, list(new), text, text, finished, "length" if finished else None,
+                             [{t: -float(t)} for t in new], 0)
+
+    q = _Outputs(delta=True)
+    for k in range(MERGE_AFTER + 2):  # the last three merge into one
+        q.put_nowait(out([k], finished=k == MERGE_AFTER + 1))
+    got = [asyncio.run(q.get()) for _ in range(MERGE_AFTER)]
+    last = got[-1]
+    assert (last.new_token_ids, last.token_ids, last.text, last.text_delta, last.finished) == (
+        [MERGE_AFTER - 1, MERGE_AFTER, MERGE_AFTER + 1], [MERGE_AFTER - 1, MERGE_AFTER, MERGE_AFTER + 1],
+        f"{MERGE_AFTER - 1}{MERGE_AFTER}{MERGE_AFTER + 1}", f"{MERGE_AFTER - 1}{MERGE_AFTER}{MERGE_AFTER + 1}", True)
+    assert last.logprobs == [{t: -float(t)} for t in last.token_ids]
+
+
 def test_a_stalled_async_engine_reader_gets_one_merged_output_per_completion():
     async def main(aeng):
         outs = aeng.generate(PROMPT, PARAMS)

@@ -343,9 +343,18 @@ def test_async_engine_streams_several_tokens_per_output(monkeypatch, reference):
 
     with AsyncEngine(make()) as aeng:
         streams = asyncio.run(main(aeng))
-    for p, outs in zip(PROMPTS, streams):
+        params = SamplingParams(temperature=0, max_tokens=16, logprobs=1, output_kind="delta")
+        deltas = asyncio.run(main(aeng))
+    for p, outs, parts in zip(PROMPTS, streams, deltas):
         assert [t for o in outs for t in o.new_token_ids] == reference[tuple(p)][:16] == outs[-1].token_ids
         assert max(len(o.new_token_ids) for o in outs) == K + 1 and len(outs[-1].logprobs) == 16
+        # "delta": each output's token_ids and logprobs are its step's, several tokens at once
+        assert [o.token_ids for o in parts] == [o.new_token_ids for o in parts]
+        assert [t for o in parts for t in o.token_ids] == outs[-1].token_ids
+        joined = [lp for o in parts for lp in o.logprobs]  # another run: equal up to the batch's float order
+        assert [list(d) for d in joined] == [list(d) for d in outs[-1].logprobs]
+        assert [v for d in joined for v in d.values()] == pytest.approx(
+            [v for d in outs[-1].logprobs for v in d.values()], abs=1e-4)
 
 
 def test_a_failed_step_with_drafts_leaves_the_engine_serving(monkeypatch, reference):

@@ -39,9 +39,11 @@ class _Outputs:
     """One stream's outputs waiting for its reader (an asyncio queue of this event loop's thread). Once MERGE_AFTER
     outputs of a completion wait, a later one merges into the last of them (the later output, with the new tokens
     and text deltas of both): a reader that stops reading while its request runs on holds a bounded number of
-    outputs per completion, not one per step (each carries the whole output so far: quadratic in its length)."""
+    outputs per completion, not one per step (each carries the whole output so far: quadratic in its length; under
+    output_kind "delta" their token_ids, logprobs and text join as their deltas do)."""
 
-    def __init__(self) -> None:
+    def __init__(self, delta: bool = False) -> None:
+        self._delta = delta  # SamplingParams.output_kind "delta": token_ids, logprobs and text join too
         self._order: deque = deque()  # per waiting item: its completion's index, or (item,) for an exception
         self._waiting: dict[int, deque] = {}  # completion index -> its waiting outputs
         self._ready = asyncio.Event()
@@ -52,8 +54,11 @@ class _Outputs:
             if len(waiting) >= MERGE_AFTER:
                 old = waiting[-1]
                 delta = None if item.text_delta is None else (old.text_delta or "") + item.text_delta
-                waiting[-1] = dataclasses.replace(item, new_token_ids=old.new_token_ids + item.new_token_ids,
-                                                  text_delta=delta)
+                joined = dict(new_token_ids=old.new_token_ids + item.new_token_ids, text_delta=delta)
+                if self._delta:
+                    joined.update(token_ids=old.token_ids + item.token_ids, text=delta, logprobs=None
+                                  if item.logprobs is None else (old.logprobs or []) + item.logprobs)
+                waiting[-1] = dataclasses.replace(item, **joined)
                 return
             waiting.append(item)
             self._order.append(item.index)
@@ -134,7 +139,7 @@ class AsyncEngine:
             self._check_alive()
             matchers = await loop.run_in_executor(None, self.engine.grammars.matchers, params.structured_outputs,
                                                   params.n)
-        queue = _Outputs()
+        queue = _Outputs(delta=params.output_kind == "delta")
         with self._cond:
             self._check_alive()
             if request_id in self._streams:

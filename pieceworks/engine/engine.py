@@ -236,7 +236,7 @@ class Engine:
         for req, tok, finite, lp in zip(reqs, result.token_ids, result.finite, result.logprobs):
             self._accept(req, tok, finite, lp)
             if stream or req.finish_reason is not None:
-                outputs.append(req.make_output([tok] if finite else []))
+                outputs.append(req.make_output([tok] if finite else [], not stream))
         return outputs
 
     def _forward(self, scheduled: list[tuple[Request, list[int]]]) -> tuple[list[Request], Any, Any]:
@@ -276,7 +276,7 @@ class Engine:
                     self.executor.register_full_pages(seq)
             self._accept(req, tok, tok >= 0, logprobs[row] if logprobs is not None else None, ended.get(row, ADVANCE))
             if stream or req.finish_reason is not None:
-                outputs.append(req.make_output([tok] if tok >= 0 else []))
+                outputs.append(req.make_output([tok] if tok >= 0 else [], not stream))
         return mask
 
     def _accept(self, req: Request, tok: int, finite: bool, logprobs: dict[int, float] | None,

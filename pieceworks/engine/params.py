@@ -24,6 +24,7 @@ MAX_LOGPROBS = 20
 #: Most completions per prompt: each is a request of its own, built at once (Engine.add_request with n = 65,536:
 #: 0.51 s on the 2-core CPU VM, tiny Llama, 2026-12-07).
 MAX_N = 65536
+OUTPUT_KINDS = ("cumulative", "delta")
 _SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 # the magnitudes float32 (the sampler's dtype, as vLLM's) holds as normal numbers
 _F32_TINY, _F32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
@@ -196,6 +197,11 @@ class SamplingParams:
     """Hold the output to a JSON schema, regex, choice or grammar (needs the model's tokenizer and
     llguidance). Tokens the grammar does not allow next are -inf before every other step of the
     processing; the completion ends with "stop" once the grammar is complete. None: off."""
+    output_kind: str = "cumulative"
+    """What each `RequestOutput` carries (vLLM's RequestOutputKind): "cumulative", the whole output so far in
+    token_ids, logprobs and text; "delta", this step's part of them only (token_ids as new_token_ids, text as
+    text_delta), so that a consumer which keeps its own copy (a server's stream) costs no copy of the whole
+    output per step."""
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: normalized values are written once here
@@ -246,6 +252,9 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise RequestError("SamplingParams.structured_outputs must be a StructuredOutputsParams or None, got "
                                f"{_shown(self.structured_outputs)}")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise RequestError(f"SamplingParams.output_kind must be one of {', '.join(OUTPUT_KINDS)}, got "
+                               f"{_shown(self.output_kind)}")
         put(self, "n", _int("n", self.n, f"1..{MAX_N}"))
         _check(1 <= self.n <= MAX_N, "n", self.n, f"1..{MAX_N}")
         _in_float32("temperature", self.temperature, ">= 0", tiny_ok=True)  # below 1e-5: greedy

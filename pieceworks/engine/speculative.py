@@ -141,7 +141,7 @@ class Speculator:
         for i, req in enumerate(plain):
             engine._accept(req, ids[i], finite[i], lps[i])
             if stream or req.finish_reason is not None:
-                outputs.append(req.make_output([ids[i]] if finite[i] else []))
+                outputs.append(req.make_output([ids[i]] if finite[i] else [], not stream))
         i = len(plain)
         for req in spec:
             draft, new = req.draft, []
@@ -161,4 +161,4 @@ class Speculator:
             if req.seq is not None:  # running on: drop the KV of the drafts not accepted
                 ex.truncate(req.seq, req.num_tokens - 1)
             if stream or req.finish_reason is not None:
-                outputs.append(req.make_output(new))
+                outputs.append(req.make_output(new, not stream))

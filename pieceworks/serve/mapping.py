@@ -344,6 +344,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int,
         prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens and not (tool_plan is not None and tool_plan.keep_special),
         structured_outputs=structured_outputs(req, tool_plan),
+        output_kind="delta",  # the server keeps each choice's text, ids and logprobs (serve/server.py)
     )
     try:
         return SamplingParams(**{k: v for k, v in fields.items() if v is not None})

@@ -165,7 +165,7 @@ class Server:
                 c.token_ids.extend(out.new_token_ids)
                 c.logprobs.extend(new_lp)
                 delta = out.text_delta or ""
-                c.text = out.text if out.text is not None else c.text + delta
+                c.text += delta  # the outputs are deltas (`mapping.sampling_params`): they add up to the text
                 if out.finished:
                     c.finish_reason = out.finish_reason
                     self._record_finish(c, now, len(prompts[i]) if out.index == 0 else 0)
@@ -238,7 +238,7 @@ class Server:
 
 
 def _new_logprobs(out: Any) -> list[dict[int, float]]:
-    """The logprob dicts of this output's new tokens (the engine may report them cumulatively)."""
+    """The logprob dicts of this output's new tokens (the last of its logprobs, whichever its output_kind)."""
     lp = out.logprobs
     if not lp:
         return []
