@@ -116,9 +116,6 @@ def test_streamed_and_whole_answers_agree_on_calls_that_need_care():
         ("qwen3_coder", [coder_tool], "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n<parameter=days>"
          "\n3\n</parameter>\n</function>\n</tool_call>", [("get_weather", '{"city": "Paris", "days": 3}')]),
         ("hermes", [WEATHER], '<tool_call>{"name": "get_weather", "arguments": {}, "name": "x"}</tool_call>', []),
-        ("qwen3_coder", [coder_tool], "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
-         "<function=get_weather>\n<parameter=days>\n2\n</parameter>\n</function>",  # no <tool_call> (vLLM reads it)
-         [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"days": 2}')]),
     ]
     for parser, tool_list, text, want in cases:
         plan = tools.ToolPlan("auto", tool_list, parser=parser)
@@ -533,8 +530,6 @@ def test_qwen3_coder_calls():
         assert tool_parsers.parse(plan, t) == (t, []), t
     for t in ("<tool_call><function=ed", "<tool_call>\n<func"):
         assert tool_parsers.streamed(plan, t) == [], t
-    bare = "Sure.\n<function=edit>\n<parameter=n>\n1\n</parameter>\n</function>"  # no <tool_call>: still a call
-    assert tool_parsers.parse(plan, bare)[0] == "Sure.\n" and tool_parsers.visible_prefix(bare, "qwen3_coder") == 6
     assert tool_parsers.streamed(plan, "<tool_call><function=edit>\n<parameter=n>\n1\n</para") == [("edit", "")]
     seed = tools.ToolPlan("auto", [tool], parser="seed_oss")  # Seed-OSS: the same calls in <seed:tool_call> blocks
     assert tool_parsers.parse(seed, text) == (text, [])

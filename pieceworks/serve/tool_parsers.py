@@ -16,8 +16,7 @@ tool_choice auto, and the JSON that required and named choices are held to.
   </parameter>` per argument + `</function></tool_call>`; `seed_oss`: Seed-OSS's, Qwen3-Coder's form in
   `<seed:tool_call>` ... `</seed:tool_call>` (blanks between the parts in all three). The arguments are built
   as `{"KEY": VALUE, ...}`, each value typed by the tool's schema (serve/tool_pairs.py), and stream an argument at a
-  time. The text before the first call is the content. An answer of Qwen3-Coder's form without block markers has
-  its `<function=` ... `</function>` calls read (vLLM's fallback).
+  time. The text before the first call is the content.
 - required: a JSON array of `{"name", "arguments"}` objects; named: the output is the arguments.
 
 A call's arguments are one JSON value in every other format, and a call gets that value's text as the model wrote it
@@ -48,8 +47,8 @@ V3_FENCE = re.compile(r"[^\n]*\n```(?:json)?\n")  # V3's NAME, a newline and the
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 #: the text by which each parser's calls begin
 MARKERS = {"hermes": (OPEN,), "llama3_json": (), "mistral": (MISTRAL_CALLS,), "deepseek_v3": (DS_SECTION, DS_OPEN),
-           "deepseek_v31": (DS_SECTION, DS_OPEN), "glm45": (OPEN,), "qwen3_coder": (OPEN, "<function="),
-           "seed_oss": ("<seed:tool_call>", "<function=")}
+           "deepseek_v31": (DS_SECTION, DS_OPEN), "glm45": (OPEN,), "qwen3_coder": (OPEN,),
+           "seed_oss": ("<seed:tool_call>",)}
 _NAME_CHARS = re.compile(r"[A-Za-z0-9_-]*")
 _ALNUM = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
 
@@ -234,26 +233,19 @@ def _json_after(text: str, body: int) -> int:
 
 def _pairs(p: ToolPlan, text: str) -> tuple[list[Found] | None, int]:
     """glm45's, qwen3_coder's and seed_oss's calls: a block each, arguments built from its key / value pairs
-    (`tool_pairs`). Qwen3-Coder's form without any block marker: each `<function=` ... `</function>` is a call
-    (vLLM's parsers fall back to it)."""
-    f = tool_pairs.FORMATS[p.parser]
-    opener, closer = f.open, f.close
-    if f.name_open and opener not in text and not opener.startswith(text[text.rfind("<"):]):
-        opener, closer = "", f.end  # the block is the function itself
-    content_end = at = text.find(opener or f.name_open)
+    (`tool_pairs`)."""
+    opener, closer = tool_pairs.FORMATS[p.parser][:2]
+    content_end = at = text.find(opener)
     found = []
     while at >= 0:
         close = text.find(closer, at)
-        if not opener and close >= 0:  # the function's end closes it: up to the next one
-            close = text.find(f.name_open, close)
-            close = len(text) if close < 0 else close
         got = tool_pairs.call(p.parser, p.tools, text, at + len(opener), len(text) if close < 0 else close, close >= 0)
         if got is None:
             return None, content_end
         found.append(Found(got[0], None, None, close >= 0 and got[0] is not None, got[1]))
         if close < 0 or got[0] is None:
             break
-        at = text.find(opener or f.name_open, close)
+        at = text.find(opener, close)
     return found, len(text) if content_end < 0 else content_end
 
 
