@@ -560,9 +560,18 @@ def test_answers_that_are_not_calls_stay_content():
     # a second arguments key: the first one's text is the call's, so what streamed stays a prefix
     twice = '<tool_call>{"name": "f", "arguments": {"a": 1}, "parameters": {"b": 2}}</tool_call>'
     assert [c["arguments"] for c in tool_parsers.parse(hermes, twice)[1]] == ['{"a": 1}']
-    for key in ("name", "arguments"):  # the same key twice: json.loads would take the second, so no call
-        t = '<tool_call>{"name": "f", "arguments": {"a": 1}, "%s": "g"}</tool_call>' % key
-        assert tool_parsers.parse(hermes, t) == (t, []), t
+    t = '<tool_call>{"name": "f", "arguments": {"a": 1}, "name": "g"}</tool_call>'  # json.loads takes the second
+    assert tool_parsers.parse(hermes, t) == (t, [])
+    t = '<tool_call>{"name": "f", "arguments": {"a": 1}, "arguments": {"a": 2}}</tool_call>'  # the first, as streamed
+    assert [c["arguments"] for c in tool_parsers.parse(hermes, t)[1]] == ['{"a": 1}']
+    deep = '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call>"
+    assert tool_parsers.parse(hermes, deep) == (deep, [])  # nested past Python's stack: content, not an exception
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}
+    turn = {"role": "assistant", "content": None, "tool_calls": [call]}
+    history = ChatCompletionRequest(model="m", messages=[*MSGS, turn])
+    with pytest.raises(BadRequest, match="maximum recursion depth exceeded") as exc:  # a 400, not a 500
+        tools.template_messages(history)
+    assert exc.value.param == "messages"
     assert tool_parsers.parse(hermes, '<tool_call>{"name": "f"}</tool_call>')[1] == []
     required = tools.ToolPlan("required", [WEATHER])
     for t in ('[{"name": "f", "arguments": {}}] x', '[{"name": "f", "arguments": {}}', '{"name": "f"}'):

@@ -17,7 +17,7 @@ def loads_or_none(text: str) -> Any:
     """The JSON value of `text`, or None where it is no JSON (a call's name and keys must be strings)."""
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's stack
         return None
 
 

@@ -32,7 +32,7 @@ def glm_value(raw: str, schema: Any) -> str:
         try:
             json.loads(raw, parse_constant=_no_constant)
             return raw.strip()
-        except ValueError:
+        except (ValueError, RecursionError):
             pass
     return json.dumps(raw, ensure_ascii=False)
 
@@ -58,7 +58,7 @@ def coder_value(raw: str, schema: Any) -> str:
     else:
         try:
             value = json.loads(text, parse_constant=_no_constant)
-        except ValueError:
+        except (ValueError, RecursionError):
             value = _NO_JSON
         numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
         if (kind == "integer" and isinstance(value, int) and numeric) or (kind == "number" and numeric) or (

@@ -83,7 +83,7 @@ def parse(p: ToolPlan, text: str) -> tuple[str | None, list[dict[str, str]]]:
         arguments = "{}" if f.start is None and f.built is None else f.arguments(text)
         try:
             json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's stack
             return text, []
         calls.append({"id": call_id(p.parser), "name": f.name, "arguments": arguments})
     content = text[:content_end]
@@ -305,13 +305,14 @@ def _sequence(text: str, at: int, opener: str, sep: str, closer: str, after: boo
 def _call_object(text: str, at: int, stop: int) -> tuple[Found, int | None] | None:
     """The `{"name": ..., "arguments" | "parameters": ...}` object at `at` (before `stop`) and the index after it
     (None while it is unfinished); None if it is no call object: one without arguments (`{"name": "Ada", "age":
-    3}` is an answer, as vLLM reads it), or with a key of the two written twice (`json.loads` would take the second
-    where the first streamed). The name counts (and streams) once the arguments have begun."""
+    3}` is an answer, as vLLM reads it), or with a second name (`json.loads` would take the second where the first
+    streamed). The first arguments count (a later key would not extend what streamed). The name counts (and streams)
+    once the arguments have begun."""
     if at >= stop:
         return Found(None, None, None, False), None
     if text[at] != "{":
         return None
-    name = start = end = args_key = None
+    name = start = end = None
     at = skip_blanks(text, at + 1, stop)
     while at < stop:
         if text[at] == "}":
@@ -335,11 +336,8 @@ def _call_object(text: str, at: int, stop: int) -> tuple[Found, int | None] | No
             name = loads_or_none(text[at:v_end])
             if not isinstance(name, str):
                 return None
-        elif key in ("arguments", "parameters") and at < stop:
-            if key == args_key:
-                return None
-            if start is None:  # the first of the two keys (a later one would not extend what streamed)
-                start, end, args_key = at, v_end, key
+        elif key in ("arguments", "parameters") and start is None and at < stop:
+            start, end = at, v_end  # the first such key (a later one would not extend what streamed)
         if v_end is None:
             break
         at = skip_blanks(text, v_end, stop)

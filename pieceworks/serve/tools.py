@@ -144,7 +144,7 @@ def _template_call(i: int, j: int, call: dict[str, Any], as_text: bool = False) 
                          f"JSON text}}}}, got {call!r}", param="messages")
     try:
         arguments = json.loads(fn["arguments"])
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than Python's stack
         raise BadRequest(f"{where}.function.arguments is not JSON: {exc}", param="messages") from None
     return {"id": call.get("id"), "type": "function",
             "function": {"name": fn["name"], "arguments": fn["arguments"] if as_text else arguments}}
