@@ -22,7 +22,7 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 
 from pieceworks.engine import AsyncEngine, Engine  # noqa: E402
-from pieceworks.serve import mapping  # noqa: E402
+from pieceworks.serve import mapping, prompts  # noqa: E402
 from pieceworks.serve.app import build_app  # noqa: E402
 from pieceworks.serve.protocol import BadRequest, ChatCompletionRequest, CompletionRequest, parse_body  # noqa: E402
 
@@ -82,7 +82,7 @@ ROLES = _Template("{% for m in messages %}{{ m.role }}:{{ m.content }}|{% endfor
 def rendered(body: dict, tok=ROLES) -> str:
     req = parse_body(json.dumps({"model": "m", **body}).encode(), ChatCompletionRequest)
     mapping.refuse_unsupported(req)
-    return bytes(mapping.chat_prompt(req, tok)).decode()
+    return bytes(prompts.chat_prompt(req, tok)).decode()
 
 
 def refused(body: dict, param: str, match: str = "") -> BadRequest:
@@ -109,7 +109,7 @@ def test_assistant_messages_as_the_sdk_returns_them():
     refused({"messages": [{**USER, "refusal": "no"}]}, "messages.0.refusal", "only assistant messages")
     # an answer of a server with --reasoning-parser, as returned: its reasoning reaches templates that show it
     thinking = _Template("{% for m in messages %}{{ m.role }}:{{ m.reasoning_content }}/{{ m.content }}|{% endfor %}")
-    assert bytes(mapping.chat_prompt(parse_body(json.dumps({"model": "m", "messages": [
+    assert bytes(prompts.chat_prompt(parse_body(json.dumps({"model": "m", "messages": [
         USER, {**dumped, "reasoning_content": "Capital of France."}]}).encode(), ChatCompletionRequest), thinking)
                  ).decode().endswith("|assistant:Capital of France./Paris.|")
     refused({"messages": [{**USER, "reasoning_content": "x"}]}, "messages.0.reasoning_content", "only assistant")

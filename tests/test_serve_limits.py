@@ -17,7 +17,7 @@ import httpx  # noqa: E402
 
 from pieceworks.engine import AsyncEngine, Engine  # noqa: E402
 from pieceworks.serve import app as app_module  # noqa: E402
-from pieceworks.serve import mapping  # noqa: E402
+from pieceworks.serve import mapping, prompts  # noqa: E402
 from pieceworks.serve.app import build_app  # noqa: E402
 
 TINY = ["model.arch=llama", "model.preset=tiny", "model.max_context=256", "cuda_graph.piecewise.enabled=off"]
@@ -120,14 +120,14 @@ def test_requests_are_read_off_the_event_loop(tiny_engine, monkeypatch):
     /health answers while it waits, and only then is it let go."""
     gate, entered = threading.Event(), threading.Event()
     waited = []
-    real = mapping.completion_prompts
+    real = prompts.completion_prompts
 
     def slow(*args, **kw):
         entered.set()
         waited.append(gate.wait(30))  # on the event loop, /health could not answer: False after 30 s
         return real(*args, **kw)
 
-    monkeypatch.setattr(mapping, "completion_prompts", slow)
+    monkeypatch.setattr(prompts, "completion_prompts", slow)
 
     async def calls(c):
         request = asyncio.create_task(c.post("/v1/completions", json=body()))

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("fastapi", reason="needs the serve extra: pip install 'pieceworks[serve]'")
 
-from pieceworks.serve import json_text, mapping, tool_pairs, tool_parsers, tools  # noqa: E402
+from pieceworks.serve import json_text, mapping, prompts, tool_pairs, tool_parsers, tools  # noqa: E402
 from pieceworks.serve.protocol import BadRequest, ChatCompletionRequest  # noqa: E402
 from pieceworks.serve.writers import ChatWriter, Choice, Step  # noqa: E402
 
@@ -226,14 +226,14 @@ def test_tools_and_tool_turns_reach_the_template():
                          "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
                     {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}]
     req = ChatCompletionRequest(model="m", messages=turns, tools=[WEATHER], tool_choice="required")
-    assert mapping.chat_prompt(req, Tok(), tools.plan(req, None)) == [1, 2]
+    assert prompts.chat_prompt(req, Tok(), tools.plan(req, None)) == [1, 2]
     assert seen["tools"][0]["function"]["name"] == "get_weather"
     assert seen["messages"][1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert seen["messages"][2] == {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}
     bad = ChatCompletionRequest(model="m", messages=MSGS + [{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}])
     with pytest.raises(BadRequest, match="not JSON"):
-        mapping.chat_prompt(bad, Tok())
+        prompts.chat_prompt(bad, Tok())
 
 
 def test_the_parser_option():
@@ -343,11 +343,11 @@ def test_templates_that_read_arguments_as_text():
     turns = MSGS + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}]
     req = ChatCompletionRequest(model="m", messages=turns)
-    assert "".join(map(chr, mapping.chat_prompt(req, Tok()))) == 'get_weather:{"city": "Paris"}'
+    assert "".join(map(chr, prompts.chat_prompt(req, Tok()))) == 'get_weather:{"city": "Paris"}'
     # a TypeError without earlier tool calls is the template's own fault: a 400
     Tok.chat_template = src = "{{ 1 + 'a' }}"
     with pytest.raises(BadRequest, match="TypeError"):
-        mapping.chat_prompt(chat(), Tok())
+        prompts.chat_prompt(chat(), Tok())
 
 
 TRICKY = '{"code": "if (a) { f(\\"}\\"); }", "n": [1, {"x": null}], "s": "é 😀 ]"}'

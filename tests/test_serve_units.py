@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("fastapi", reason="needs the serve extra: pip install 'pieceworks[serve]'")
 
-from pieceworks.serve import bench, stats  # noqa: E402
+from pieceworks.serve import bench, prompts, stats  # noqa: E402
 from pieceworks.serve.metrics import ServerMetrics  # noqa: E402
 from pieceworks.serve.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
 from pieceworks.serve.responses import CompletionChoice, CompletionChunk, sse  # noqa: E402
@@ -335,33 +335,31 @@ def test_sampling_params_from_requests():
 
 
 def test_chat_template_options():
-    from pieceworks.serve import mapping
-
     tok = _Templated("{{ greeting }}{% for m in messages %}{{ m.content }}{% endfor %}"
                      "{% if add_generation_prompt %}>{% endif %}")
     chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
                                  chat_template_kwargs={"greeting": "G:"})
-    assert bytes(mapping.chat_prompt(chat, tok)) == b"G:x>"
-    assert bytes(mapping.chat_prompt(chat.model_copy(update={"add_generation_prompt": False}), tok)) == b"G:x"
+    assert bytes(prompts.chat_prompt(chat, tok)) == b"G:x>"
+    assert bytes(prompts.chat_prompt(chat.model_copy(update={"add_generation_prompt": False}), tok)) == b"G:x"
     named = _Templated("{% for m in messages %}{{ m.name }}:{{ m.content }}{% endfor %}")  # OpenAI's `name`
-    assert bytes(mapping.chat_prompt(ChatCompletionRequest(
+    assert bytes(prompts.chat_prompt(ChatCompletionRequest(
         model="m", messages=[{"role": "user", "content": "x", "name": "ann"}]), named)) == b"ann:x"
-    _bad(mapping.chat_prompt, chat.model_copy(update={"continue_final_message": True}), tok,
+    _bad(prompts.chat_prompt, chat.model_copy(update={"continue_final_message": True}), tok,
          param="continue_final_message", match="add_generation_prompt: false")
-    _bad(mapping.chat_prompt, chat.model_copy(update={"continue_final_message": True, "add_generation_prompt": False}),
+    _bad(prompts.chat_prompt, chat.model_copy(update={"continue_final_message": True, "add_generation_prompt": False}),
          tok, param="continue_final_message", match="must be the assistant's")
-    _bad(mapping.chat_prompt, chat.model_copy(update={"chat_template_kwargs": {"tokenize": False}}), tok,
+    _bad(prompts.chat_prompt, chat.model_copy(update={"chat_template_kwargs": {"tokenize": False}}), tok,
          param="chat_template_kwargs", match=r"\['tokenize'\]")
     # the tokenizer's options are not template variables: they would truncate or pad the prompt
     for key, value in (("truncation", True), ("max_length", 3), ("padding", "max_length"), ("tokenizer_kwargs", {})):
-        _bad(mapping.chat_prompt, chat.model_copy(update={"chat_template_kwargs": {key: value}}), tok,
+        _bad(prompts.chat_prompt, chat.model_copy(update={"chat_template_kwargs": {key: value}}), tok,
              param="chat_template_kwargs", match=rf"\['{key}'\]")
 
     class Named(_Templated):  # a parameter of the installed apply_chat_template counts as well
         def apply_chat_template(self, messages, *, new_option=None, **kw):
             return super().apply_chat_template(messages, **kw)
 
-    _bad(mapping.chat_prompt, chat.model_copy(update={"chat_template_kwargs": {"new_option": 1}}),
+    _bad(prompts.chat_prompt, chat.model_copy(update={"chat_template_kwargs": {"new_option": 1}}),
          Named(tok.chat_template), param="chat_template_kwargs", match=r"\['new_option'\]")
 
 
@@ -383,30 +381,30 @@ def test_lengths_prompts_and_unsupported_fields():
     _bad(mapping.max_tokens_for, req.model_copy(update={"min_tokens": 17}), 3, 100, param="min_tokens",
          match="min_tokens = 17 exceeds max_tokens, which is 16 when not given")
     _bad(mapping.max_tokens_for, req.model_copy(update={"max_tokens": 0}), 3, 100, param="max_tokens")
-    assert mapping.completion_prompts(CompletionRequest(model="m", prompt=[[1, 2], [3]]), None, 10) == [[1, 2], [3]]
-    _bad(mapping.completion_prompts, CompletionRequest(model="m", prompt=[1, 10]), None, 10, param="prompt",
+    assert prompts.completion_prompts(CompletionRequest(model="m", prompt=[[1, 2], [3]]), None, 10) == [[1, 2], [3]]
+    _bad(prompts.completion_prompts, CompletionRequest(model="m", prompt=[1, 10]), None, 10, param="prompt",
          match="outside the vocabulary")
-    _bad(mapping.completion_prompts, CompletionRequest(model="m", prompt="hi"), None, 10, param="prompt",
+    _bad(prompts.completion_prompts, CompletionRequest(model="m", prompt="hi"), None, 10, param="prompt",
          match="no tokenizer")
-    _bad(mapping.completion_prompts, CompletionRequest(model="m", prompt=[]), None, 10, param="prompt")
-    _bad(mapping.chat_prompt, ChatCompletionRequest(model="m", messages=[]), None, param="messages")
+    _bad(prompts.completion_prompts, CompletionRequest(model="m", prompt=[]), None, 10, param="prompt")
+    _bad(prompts.chat_prompt, ChatCompletionRequest(model="m", messages=[]), None, param="messages")
     chat_req = ChatCompletionRequest(model="m", messages=[{"role": "tool", "content": "hi"}])
-    e = _bad(mapping.chat_prompt, chat_req, _Templated("{{ raise_exception('roles user and assistant only') }}"),
+    e = _bad(prompts.chat_prompt, chat_req, _Templated("{{ raise_exception('roles user and assistant only') }}"),
              param="messages", match="the chat template refused the messages: TemplateError: roles user and")
     assert "/" not in str(e)  # Jinja's message, not the server's paths
     with pytest.raises(RuntimeError, match="not the template's"):  # a 500, not the client's fault
-        mapping.chat_prompt(chat_req, _Templated("{{ messages[0].content }}", broken=True))
-    assert mapping.chat_prompt(chat_req, _Templated("{{ messages[0].content }}")) == [104, 105]
+        prompts.chat_prompt(chat_req, _Templated("{{ messages[0].content }}", broken=True))
+    assert prompts.chat_prompt(chat_req, _Templated("{{ messages[0].content }}")) == [104, 105]
     _bad(mapping.check_model, req.model, "other", param="model")
     echo = req.model_copy(update={"echo": True, "logprobs": 2})
     assert mapping.max_tokens_for(echo.model_copy(update={"max_tokens": 0}), 3, 100) == 1  # scored, then dropped
     _bad(mapping.max_tokens_for, req.model_copy(update={"max_tokens": 0}), 3, 100, param="max_tokens")
     assert mapping.sampling_params(echo, 4, 100).prompt_logprobs == 2
     assert mapping.sampling_params(req.model_copy(update={"logprobs": 2}), 4, 100).prompt_logprobs is None
-    assert mapping.echo_texts(echo, None, [[1, 2, 3]]) == [""]
+    assert prompts.echo_texts(echo, None, [[1, 2, 3]]) == [""]
     texts = CompletionRequest(model="m", prompt=["ab", "c"], echo=True)
-    assert mapping.echo_texts(texts, None, [[1], [2]]) == ["ab", "c"]
-    assert mapping.echo_texts(req, None, [[1, 2, 3]]) is None
+    assert prompts.echo_texts(texts, None, [[1], [2]]) == ["ab", "c"]
+    assert prompts.echo_texts(req, None, [[1, 2, 3]]) is None
     for field, value in (("suffix", "x"), ("best_of", 3)):
         _bad(mapping.refuse_unsupported, req.model_copy(update={field: value}), param=field)
     mapping.refuse_unsupported(chat.model_copy(update={"tools": [{"type": "function"}]}))  # tools.plan checks them

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pieceworks.engine.async_engine import EngineDeadError
 from pieceworks.errors import RequestError
 from pieceworks.serve import mapping, tools
+from pieceworks.serve import prompts as prompts_of
 from pieceworks.serve.metrics import CONTENT_TYPE
 from pieceworks.serve.protocol import (
     BadRequest,
@@ -227,10 +228,11 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
             req = parse_body(body, CompletionRequest)
             mapping.check_model(req.model, srv.name)
             mapping.refuse_unsupported(req)
-            prompts = mapping.completion_prompts(req, srv.tokenizer, srv.vocab_size,
+            prompts = prompts_of.completion_prompts(req, srv.tokenizer, srv.vocab_size,
                                                  lambda count: srv.check_size(count, 1 if req.n is None else req.n))
             params = mapping.prompt_params(req, prompts, srv.max_context, srv.vocab_size)
-            return req, prompts, params, CompletionWriter(srv, req, mapping.echo_texts(req, srv.tokenizer, prompts))
+            writer = CompletionWriter(srv, req, prompts_of.echo_texts(req, srv.tokenizer, prompts))
+            return req, prompts, params, writer
 
         req, prompts, params, writer = await read(request, prepare)
         return await _respond(request, req, prompts, params, new_id("cmpl"), writer)
@@ -242,7 +244,7 @@ def build_app(engine: Any, served_model_name: str | None = None, max_queue: int 
             mapping.check_model(req.model, srv.name)
             mapping.refuse_unsupported(req)
             plan = tools.plan(req, srv.tool_call_parser, srv.keep_special)
-            prompt = mapping.chat_prompt(req, srv.tokenizer, plan)
+            prompt = prompts_of.chat_prompt(req, srv.tokenizer, plan)
             params = mapping.prompt_params(req, [prompt], srv.max_context, srv.vocab_size, plan)
             return req, plan, prompt, params, ChatWriter(srv, req, plan, srv.reasoning_parser, srv.prompt_state(prompt))
 

@@ -99,7 +99,7 @@ class TextPart(OpenAIModel):
 
 class ChatMessage(OpenAIModel):
     """One message. An assistant message as OpenAI's client returns it (`message.model_dump()`) comes back with
-    `refusal`, `annotations` (ignored), `audio` and `function_call`; `mapping.check_messages` refuses what of
+    `refusal`, `annotations` (ignored), `audio` and `function_call`; `prompts.check_messages` refuses what of
     them the server can't honour, and content missing where the role needs it."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]

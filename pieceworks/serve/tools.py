@@ -3,7 +3,7 @@
 - `tools` (functions, each with a JSON schema of its `parameters`) reach the chat template as its `tools`
   variable, and earlier turns pass through: an assistant message's `tool_calls` (their JSON `arguments` as
   objects, which Hugging Face templates read; as the client's JSON text for a template that adds them to a
-  string, DeepSeek-V3's: `mapping.chat_prompt`) and `tool` messages with their `tool_call_id`.
+  string, DeepSeek-V3's: `prompts.chat_prompt`) and `tool` messages with their `tool_call_id`.
 - `tool_choice: "none"`: the model answers in text.
 - `"required"` and a named function (`{"type": "function", "function": {"name": ...}}`): the output is held to a
   JSON schema with structured outputs, so it always parses. Required: a JSON array of one or more
